@@ -1,0 +1,131 @@
+"""Built-in loggers: ``console`` (a progress bar with the key metrics) and ``jsonl`` (one JSON object
+per step in ``<run dir>/metrics.jsonl``; the trainer always adds it so every run leaves its metrics)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import attrs
+from tqdm import tqdm
+
+from core_rl.config.validators import positive
+from core_rl.hookspecs import Register, hookimpl
+from core_rl.interfaces import Logger, RunInfo
+
+DEFAULT_CONSOLE_KEYS = [
+    "reward/mean",
+    "response_length/mean",
+    "actor/loss",
+    "actor/entropy",
+    "actor/kl",
+    "actor/grad_norm",
+    "timing/step_s",
+]
+
+
+@attrs.define
+class ConsoleLoggerConfig:
+    """``keys``: metrics shown (those present); ``every_n_steps``: how often a plain line is printed
+    when the output is not a terminal (on a terminal the bar updates every step)."""
+
+    keys: list[str] = attrs.field(factory=lambda: list(DEFAULT_CONSOLE_KEYS))
+    every_n_steps: int = attrs.field(default=1, validator=positive())
+
+
+def _short(name: str) -> str:
+    return name.replace("/mean", "").replace("actor/", "").replace("timing/", "")
+
+
+def format_metrics(metrics: Mapping[str, float], keys: list[str]) -> dict[str, str]:
+    """The shown subset of ``metrics`` as short name -> compact string."""
+    return {_short(k): f"{metrics[k]:.4g}" for k in keys if k in metrics}
+
+
+class ConsoleLogger(Logger):
+    """A tqdm progress bar over ``trainer.total_steps`` whose postfix holds the key metrics."""
+
+    def __init__(self, config: ConsoleLoggerConfig, stream: IO[str] | None = None) -> None:
+        self.config = config
+        self.stream = stream if stream is not None else sys.stderr
+        self._bar: tqdm | None = None
+        self._total: int | None = None
+
+    def start(self, run: RunInfo) -> None:
+        total = run.config.get("trainer", {}).get("total_steps")
+        self._total = int(total) if total else None
+        if self.stream.isatty():
+            self._bar = tqdm(total=self._total, desc=run.name, file=self.stream, dynamic_ncols=True)
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        shown = format_metrics(metrics, self.config.keys)
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.set_postfix(shown, refresh=True)
+        elif step % self.config.every_n_steps == 0 or step == self._total:
+            total = f"/{self._total}" if self._total else ""
+            fields = " ".join(f"{k}={v}" for k, v in shown.items())
+            print(f"step {step}{total} {fields}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+@attrs.define
+class JsonlLoggerConfig:
+    """``filename``: file name inside the run directory."""
+
+    filename: str = "metrics.jsonl"
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf
+    return value
+
+
+class JsonlLogger(Logger):
+    """Appends ``{"step": n, "time": unix_seconds, <metric>: value, ...}`` per step, flushed each line."""
+
+    def __init__(self, config: JsonlLoggerConfig) -> None:
+        self.config = config
+        self.path: Path | None = None
+        self._file: IO[str] | None = None
+
+    def start(self, run: RunInfo) -> None:
+        run.output_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run.output_dir / self.config.filename
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if self._file is None:
+            raise RuntimeError("JsonlLogger.log called before start")
+        record = {"step": step, "time": time.time(), **{k: _json_value(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Read a metrics file written by :class:`JsonlLogger`."""
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@hookimpl
+def core_rl_register_loggers(register: Register) -> None:
+    register("console", ConsoleLogger, description="Progress bar (or plain lines) with the key metrics",
+             config_cls=ConsoleLoggerConfig)
+    register("jsonl", JsonlLogger, description="One JSON line of metrics per step in the run directory",
+             config_cls=JsonlLoggerConfig)

@@ -1,0 +1,157 @@
+"""Hook specifications: the whole plugin API of core-rl.
+
+A plugin is a module or object whose functions are marked with :data:`hookimpl` and named after the
+specs below. Every spec is a *registration* hook: it receives a typed ``register`` callback and
+calls it once per component it provides. Hooks are called with keyword arguments only, when the
+plugin is loaded (that is, when a configuration first selects one of its names, or when
+``core-rl plugins`` lists everything). A plugin implements only the hooks it needs.
+
+The API is versioned by :data:`HOOK_API_VERSION`; specs added later carry ``versionadded``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import pluggy
+
+PROJECT_NAME = "core_rl"
+HOOK_API_VERSION = 1
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+class Register(Protocol):
+    """The callback every registration hook receives.
+
+    ``register(name, factory, description=..., config_cls=..., override=False)`` adds ``name``
+    (the name users write in YAML) to the registry of the hook's kind.
+
+    - ``factory``: called by core-rl to build the component; its signature depends on the kind
+      (see :mod:`core_rl.interfaces`).
+    - ``description``: one line shown by ``core-rl plugins``.
+    - ``config_cls``: an attrs class that validates the component's YAML section (every key of
+      the section except ``name``); ``None`` means the section takes no options.
+    - ``override``: replace an existing entry of the same name instead of raising
+      :class:`core_rl.errors.PluginError`.
+    """
+
+    def __call__(
+        self,
+        name: str,
+        factory: Callable[..., Any],
+        *,
+        description: str,
+        config_cls: type | None = None,
+        override: bool = False,
+    ) -> None: ...
+
+
+@hookspec
+def core_rl_register_train_engines(register: Register) -> None:
+    """Register train engines (the backend that holds the policy weights and runs optimisation).
+
+    :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
+        engine. ``factory(actor, engine_config, *, trainable)`` receives the validated
+        :class:`core_rl.config.schema.ActorConfig`, the engine's own validated section
+        (``actor.engine``) and whether the model is trained (``False`` for a frozen reference
+        model), and returns a :class:`core_rl.interfaces.TrainEngine`.
+    :return: nothing; results go through ``register``.
+
+    Called when the plugin is loaded.
+    """
+
+
+@hookspec
+def core_rl_register_rollout_engines(register: Register) -> None:
+    """Register rollout (inference) engines, which generate responses with the current weights.
+
+    :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
+        engine. ``factory(rollout, engine_config, *, model_path)`` receives the validated
+        :class:`core_rl.config.schema.RolloutConfig`, the engine's own section
+        (``rollout.engine``) and the path of the Hugging Face model to serve, and returns a
+        :class:`core_rl.interfaces.RolloutEngine`.
+    :return: nothing; results go through ``register``.
+
+    Called when the plugin is loaded.
+    """
+
+
+@hookspec
+def core_rl_register_policy_losses(register: Register) -> None:
+    """Register policy losses (the per-token objective the train engine minimises).
+
+    :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
+        loss. ``factory(config)`` receives the validated ``algorithm.loss`` section and returns a
+        :class:`core_rl.interfaces.PolicyLoss`.
+    :return: nothing; results go through ``register``.
+
+    Called when the plugin is loaded.
+    """
+
+
+@hookspec
+def core_rl_register_advantage_estimators(register: Register) -> None:
+    """Register advantage estimators (rewards -> per-token advantages).
+
+    :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
+        estimator. ``factory(config)`` receives the validated ``algorithm.advantage`` section and
+        returns a :class:`core_rl.interfaces.AdvantageEstimator`.
+    :return: nothing; results go through ``register``.
+
+    Called when the plugin is loaded.
+    """
+
+
+@hookspec
+def core_rl_register_sample_filters(register: Register) -> None:
+    """Register sample filters (rejection sampling, dynamic sampling: which scored samples train).
+
+    :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
+        filter. ``factory(config)`` receives one validated entry of ``algorithm.filters`` and
+        returns a :class:`core_rl.interfaces.SampleFilter`.
+    :return: nothing; results go through ``register``.
+
+    Called when the plugin is loaded.
+    """
+
+
+@hookspec
+def core_rl_register_rewards(register: Register) -> None:
+    """Register reward functions (score a generated response in context of its data row).
+
+    :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
+        reward. ``factory(config)`` receives the validated ``reward`` section and returns a
+        :class:`core_rl.interfaces.Reward`.
+    :return: nothing; results go through ``register``.
+
+    Called when the plugin is loaded.
+    """
+
+
+@hookspec
+def core_rl_register_loggers(register: Register) -> None:
+    """Register metric loggers (console, files, experiment trackers).
+
+    :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
+        logger. ``factory(config)`` receives one validated entry of ``loggers`` and returns a
+        :class:`core_rl.interfaces.Logger`.
+    :return: nothing; results go through ``register``.
+
+    Called when the plugin is loaded.
+    """
+
+
+@hookspec
+def core_rl_register_algorithms(register: Register) -> None:
+    """Register algorithms: named recipes binding a loss, an advantage estimator, filters and defaults.
+
+    :param register: call ``register(name, factory, description=...)`` once per algorithm.
+        ``factory()`` takes no arguments and returns a :class:`core_rl.interfaces.AlgorithmRecipe`
+        whose ``defaults`` are merged *under* the user's configuration before it is validated.
+    :return: nothing; results go through ``register``.
+
+    Called when the plugin is loaded, before the configuration that selects it is validated.
+    """

@@ -1,0 +1,207 @@
+"""The contracts of the components plugins provide. Factories are registered through
+:mod:`core_rl.hookspecs`; what they return must satisfy these classes (the conformance kit in
+:mod:`core_rl.testing` checks it)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from core_rl.protocol import RewardInput, Sample, TensorBatch
+
+
+@attrs.define
+class LossOutput:
+    """What a policy loss returns for one micro-batch.
+
+    ``per_token_loss`` [b, T]: the loss of each token; the engine minimises
+    ``sum(per_token_loss * batch["loss_weight"])``.
+    ``token_metrics``: name -> [b, T] tensor, reported as its mean over response tokens of the whole
+    batch (for example ``clipped`` as 0/1 gives the clip fraction).
+    """
+
+    per_token_loss: torch.Tensor
+    token_metrics: dict[str, torch.Tensor] = attrs.field(factory=dict)
+
+
+# (micro-batch, current log-probs [b, T], entropy [b, T]) -> LossOutput
+LossFn = Callable[[TensorBatch, torch.Tensor, torch.Tensor], LossOutput]
+
+
+@attrs.define
+class SamplingParams:
+    """How to sample: ``n`` responses per prompt; ``greedy`` overrides temperature/top-p/top-k.
+
+    ``top_k <= 0`` and ``top_p == 1`` disable those filters. Generation stops at EOS, at any of
+    ``stop_token_ids``, or after ``max_new_tokens``; no stop happens before ``min_new_tokens``.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    min_new_tokens: int = 0
+    stop_token_ids: list[int] = attrs.field(factory=list)
+    greedy: bool = False
+
+
+class TrainEngine(ABC):
+    """Holds a policy (or a frozen reference model), computes log-probs and runs optimiser steps.
+
+    Every rank of a data-parallel group runs the same calls with its shard of the batch rows.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    @abstractmethod
+    def step(self) -> int:
+        """Number of optimiser steps taken (restored by :meth:`load_state`)."""
+
+    @abstractmethod
+    def compute_logprobs(self, batch: TensorBatch, *, temperature: float = 1.0) -> torch.Tensor:
+        """Log-probs [B, T] of ``input_ids`` under ``softmax(logits / temperature)``; position ``t``
+        holds log p(token_t | tokens_<t), position 0 and padding hold 0. No gradient."""
+
+    @abstractmethod
+    def train_step(self, batch: TensorBatch, loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
+        """One optimiser step on ``batch`` (this rank's rows), split into micro-batches.
+
+        For each micro-batch the engine computes log-probs and entropy at ``temperature``, calls
+        ``loss_fn`` and back-propagates ``sum(per_token_loss * loss_weight)`` so the gradient does
+        not depend on the split. Then it clips gradients, steps the optimiser and scheduler.
+        Returns at least ``loss``, ``grad_norm``, ``lr``, ``entropy`` and each token metric, reduced
+        over all ranks.
+        """
+
+    @abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (unsharded) model weights with Hugging Face names, on CPU, on the main rank;
+        an empty dict elsewhere. Every rank must call it (it is a collective)."""
+
+    @abstractmethod
+    def export_hf(self, path: str | Path) -> None:
+        """Write the model as a Hugging Face directory (config, safetensors weights, tokenizer).
+        Collective; the main rank writes, atomically."""
+
+    @abstractmethod
+    def save_state(self, path: str | Path, extra: Mapping[str, Any]) -> None:
+        """Save the full training state (model, optimiser, scheduler, step, RNG) plus ``extra``
+        (e.g. the data position) under ``path``, atomically. Collective."""
+
+    @abstractmethod
+    def load_state(self, path: str | Path) -> dict[str, Any]:
+        """Restore what :meth:`save_state` wrote; return its ``extra``. Collective."""
+
+    def close(self) -> None:
+        """Release resources."""
+
+
+class RolloutEngine(ABC):
+    """Generates responses with a known weight version and accepts new weights."""
+
+    @property
+    @abstractmethod
+    def weight_version(self) -> int:
+        """Version of the weights now used for generation."""
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[Sample]]:
+        """For each prompt (token ids), ``sampling.n`` samples, in prompt order."""
+
+    @abstractmethod
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load full weights (Hugging Face names) from memory and set the weight version."""
+
+    @abstractmethod
+    def load_weights_from_path(self, path: str | Path, version: int) -> None:
+        """Load weights from a Hugging Face directory on disk and set the weight version."""
+
+    def close(self) -> None:
+        """Release resources (stop servers, free memory)."""
+
+
+class Reward(ABC):
+    """Scores responses. Scores are floats; by convention in [0, 1] for verifiable tasks."""
+
+    @abstractmethod
+    def score(self, items: Sequence[RewardInput]) -> list[float]:
+        """One score per item, in order."""
+
+
+class AdvantageEstimator(ABC):
+    """Turns rewards (and whatever else the batch holds) into per-token advantages."""
+
+    @abstractmethod
+    def __call__(self, batch: TensorBatch) -> torch.Tensor:
+        """Advantages [B, T], zero off the response mask. Reads ``rewards``, ``group_index`` and
+        ``response_mask`` at least."""
+
+
+class PolicyLoss(ABC):
+    """The per-token policy objective and how it is aggregated over the batch."""
+
+    #: whether the batch must carry ``ref_logprobs`` (a reference model is then built)
+    requires_reference: bool = False
+
+    @abstractmethod
+    def loss_weights(self, response_mask: torch.Tensor) -> torch.Tensor:
+        """Aggregation weights [B, T] for the *global* batch (see :func:`core_rl.ops.aggregation_weights`)."""
+
+    @abstractmethod
+    def __call__(self, batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
+        """Per-token loss for one micro-batch, given current log-probs and entropy [b, T]."""
+
+
+class SampleFilter(ABC):
+    """Decides which scored samples go on to training (rejection / dynamic sampling)."""
+
+    @abstractmethod
+    def __call__(self, batch: TensorBatch) -> torch.Tensor:
+        """A bool [B] mask of rows to keep. Reads at least ``rewards`` and ``group_index``."""
+
+
+@attrs.define
+class RunInfo:
+    """What a logger learns about the run when it starts."""
+
+    name: str
+    output_dir: Path
+    config: Mapping[str, Any]
+
+
+class Logger(ABC):
+    """Receives metrics once per step."""
+
+    def start(self, run: RunInfo) -> None:
+        """Called once before the first step."""
+
+    @abstractmethod
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """Record ``metrics`` (flat names like ``reward/mean``) for ``step``."""
+
+    def close(self) -> None:
+        """Called once after the last step (also on failure); flush and release."""
+
+
+@attrs.define
+class AlgorithmRecipe:
+    """A named algorithm: configuration defaults merged under the user's YAML.
+
+    ``defaults`` is a partial configuration, e.g.
+    ``{"algorithm": {"advantage": {"name": "grpo"}, "loss": {"name": "ppo_clip"}}}``.
+    """
+
+    defaults: Mapping[str, Any]
+    description: str = ""

@@ -1,0 +1,60 @@
+"""The kinds of plugin core-rl knows: each has a registry, a registration hook and an entry-point group."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class PluginKind:
+    """One kind of plugin.
+
+    ``key`` is the identifier used in code, ``label`` the words used in messages, ``group`` the
+    entry-point group whose entry-point names are the names used in YAML, and ``hook`` the
+    registration hook a plugin implements to add entries of this kind.
+    """
+
+    key: str
+    label: str
+    group: str
+    hook: str
+
+
+TRAIN_ENGINE = PluginKind("train_engine", "train engine", "core_rl.train_engines", "core_rl_register_train_engines")
+ROLLOUT_ENGINE = PluginKind(
+    "rollout_engine", "rollout engine", "core_rl.rollout_engines", "core_rl_register_rollout_engines"
+)
+POLICY_LOSS = PluginKind("policy_loss", "policy loss", "core_rl.policy_losses", "core_rl_register_policy_losses")
+ADVANTAGE = PluginKind(
+    "advantage", "advantage estimator", "core_rl.advantage_estimators", "core_rl_register_advantage_estimators"
+)
+SAMPLE_FILTER = PluginKind("sample_filter", "sample filter", "core_rl.sample_filters", "core_rl_register_sample_filters")
+REWARD = PluginKind("reward", "reward", "core_rl.rewards", "core_rl_register_rewards")
+LOGGER = PluginKind("logger", "logger", "core_rl.loggers", "core_rl_register_loggers")
+ALGORITHM = PluginKind("algorithm", "algorithm", "core_rl.algorithms", "core_rl_register_algorithms")
+
+ALL_KINDS: tuple[PluginKind, ...] = (
+    TRAIN_ENGINE,
+    ROLLOUT_ENGINE,
+    POLICY_LOSS,
+    ADVANTAGE,
+    SAMPLE_FILTER,
+    REWARD,
+    LOGGER,
+    ALGORITHM,
+)
+KINDS_BY_KEY: dict[str, PluginKind] = {k.key: k for k in ALL_KINDS}
+
+# Which core-rl extra provides a name that ships in this repository, for the install hint of an
+# unknown-name error. Names from third-party distributions are not listed: the hint then says so.
+KNOWN_EXTRAS: dict[tuple[str, str], str] = {
+    ("train_engine", "fsdp"): "fsdp",
+    ("rollout_engine", "hf"): "hf",
+    ("algorithm", "grpo"): "grpo",
+    ("advantage", "grpo"): "grpo",
+    ("advantage", "rloo"): "grpo",
+    ("policy_loss", "ppo_clip"): "grpo",
+    ("sample_filter", "drop_uniform_groups"): "grpo",
+    ("reward", "exact_match"): "reward-match",
+    ("reward", "char_match"): "reward-match",
+}

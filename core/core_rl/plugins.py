@@ -1,0 +1,257 @@
+"""The plugin host: discovers plugins through entry points, loads only what is asked for, and fills
+the registries through the registration hooks.
+
+Discovery: one entry-point group per kind (:mod:`core_rl.kinds`); the entry-point name is the name
+used in YAML and its value is the module (or object) holding the hook implementations. Selecting
+``rollout.engine.name: hf`` imports only the entry point ``hf`` of ``core_rl.rollout_engines``.
+
+Environment:
+
+- ``CORE_RL_PLUGINS_BLOCK``: comma-separated distribution names never loaded.
+- ``CORE_RL_PLUGINS_ALLOW``: if set, comma-separated distribution names that alone are loaded
+  (``core-rl``'s built-ins are always allowed unless blocked).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import traceback
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import attrs
+import pluggy
+
+from core_rl import hookspecs
+from core_rl.errors import PluginError
+from core_rl.kinds import ALL_KINDS, KNOWN_EXTRAS, PluginKind
+from core_rl.registry import Registry, RegistryEntry
+
+CORE_DISTRIBUTION = "core-rl"
+ENV_BLOCK = "CORE_RL_PLUGINS_BLOCK"
+ENV_ALLOW = "CORE_RL_PLUGINS_ALLOW"
+
+
+@attrs.frozen
+class EntryPointStatus:
+    """How loading one entry point went: ``status`` is ``loaded``, ``failed``, ``blocked`` or ``not loaded``."""
+
+    kind: PluginKind
+    name: str
+    distribution: str
+    version: str
+    status: str
+    error: str = ""
+
+
+def _split_env(value: str | None) -> set[str]:
+    return {part.strip().lower() for part in (value or "").split(",") if part.strip()}
+
+
+def _normalise(dist_name: str) -> str:
+    return dist_name.lower().replace("_", "-")
+
+
+class PluginHost:
+    """Holds the pluggy manager and one :class:`Registry` per kind.
+
+    :param entry_points: the entry points to consider (default: every installed one in the
+        core-rl groups); tests pass a list.
+    :param environ: where to read the allow and block lists (default: ``os.environ``).
+    """
+
+    def __init__(
+        self,
+        *,
+        entry_points: Iterable[md.EntryPoint] | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self.pm.add_hookspecs(hookspecs)
+        self.registries: dict[str, Registry] = {kind.key: Registry(kind) for kind in ALL_KINDS}
+        env = os.environ if environ is None else environ
+        self._blocked = _split_env(env.get(ENV_BLOCK))
+        self._allowed = _split_env(env.get(ENV_ALLOW))
+        groups = {kind.group: kind for kind in ALL_KINDS}
+        if entry_points is None:
+            entry_points = [ep for group in groups for ep in md.entry_points(group=group)]
+        self._entry_points: dict[str, dict[str, md.EntryPoint]] = {kind.key: {} for kind in ALL_KINDS}
+        for ep in entry_points:
+            kind = groups.get(ep.group)
+            if kind is not None:
+                self._entry_points[kind.key].setdefault(ep.name, ep)
+        self._status: dict[tuple[str, str], EntryPointStatus] = {}
+
+    # -- registration -------------------------------------------------------------------------
+
+    def register_plugin(
+        self,
+        plugin: object,
+        *,
+        distribution: str = "<local>",
+        version: str = "",
+        name: str | None = None,
+    ) -> None:
+        """Register ``plugin`` (a module or object with hook implementations) and run its
+        registration hooks, recording ``distribution`` as the provider of what it registers."""
+        if self.pm.is_registered(plugin):
+            return
+        self.pm.register(plugin, name=name)
+        self.pm.check_pending()
+        others = [p for p in self.pm.get_plugins() if p is not plugin]
+        for kind in ALL_KINDS:
+            caller = self.pm.subset_hook_caller(kind.hook, remove_plugins=others)
+            caller(register=self._register_callback(kind, distribution, version))
+
+    def _register_callback(self, kind: PluginKind, distribution: str, version: str) -> hookspecs.Register:
+        registry = self.registries[kind.key]
+
+        def register(
+            name: str,
+            factory: Callable[..., Any],
+            *,
+            description: str,
+            config_cls: type | None = None,
+            override: bool = False,
+        ) -> None:
+            if not isinstance(name, str) or not name:
+                raise PluginError(f"{distribution} registered a {kind.label} with an invalid name {name!r}")
+            if config_cls is not None and not attrs.has(config_cls):
+                raise PluginError(
+                    f"{distribution} registered {kind.label} {name!r} with config_cls={config_cls!r}, "
+                    "which is not an attrs class"
+                )
+            entry = RegistryEntry(
+                kind=kind,
+                name=name,
+                factory=factory,
+                description=description.strip().splitlines()[0] if description.strip() else "",
+                distribution=distribution,
+                version=version,
+                config_cls=config_cls,
+            )
+            registry.add(entry, override=override)
+
+        return register
+
+    # -- entry points -------------------------------------------------------------------------
+
+    def _distribution_of(self, ep: md.EntryPoint) -> tuple[str, str]:
+        dist = getattr(ep, "dist", None)
+        if dist is None:
+            return "<unknown>", ""
+        return dist.metadata["Name"] or "<unknown>", dist.version or ""
+
+    def _is_blocked(self, distribution: str) -> bool:
+        dist = _normalise(distribution)
+        if dist in self._blocked:
+            return True
+        if self._allowed and dist not in self._allowed and dist != CORE_DISTRIBUTION:
+            return True
+        return False
+
+    def _load_entry_point(self, kind: PluginKind, ep: md.EntryPoint) -> EntryPointStatus:
+        key = (kind.key, ep.name)
+        if key in self._status and self._status[key].status != "not loaded":
+            return self._status[key]
+        distribution, version = self._distribution_of(ep)
+        if self._is_blocked(distribution):
+            status = EntryPointStatus(kind, ep.name, distribution, version, "blocked",
+                                      f"blocked by {ENV_BLOCK}/{ENV_ALLOW}")
+        else:
+            try:
+                plugin = ep.load()
+                self.register_plugin(plugin, distribution=distribution, version=version,
+                                     name=f"{ep.group}:{ep.name}")
+                status = EntryPointStatus(kind, ep.name, distribution, version, "loaded")
+            except Exception as exc:  # a broken plugin must not break others
+                last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+                status = EntryPointStatus(kind, ep.name, distribution, version, "failed", last)
+        self._status[key] = status
+        return status
+
+    def load_all(self) -> list[EntryPointStatus]:
+        """Load every discovered entry point, recording failures instead of raising."""
+        for kind in ALL_KINDS:
+            for ep in self._entry_points[kind.key].values():
+                self._load_entry_point(kind, ep)
+        return self.statuses()
+
+    def statuses(self) -> list[EntryPointStatus]:
+        """One status per discovered entry point and per name registered without one."""
+        out: dict[tuple[str, str], EntryPointStatus] = {}
+        for kind in ALL_KINDS:
+            for name, ep in self._entry_points[kind.key].items():
+                distribution, version = self._distribution_of(ep)
+                out[(kind.key, name)] = self._status.get(
+                    (kind.key, name), EntryPointStatus(kind, name, distribution, version, "not loaded")
+                )
+            for entry in self.registries[kind.key]:
+                key = (kind.key, entry.name)
+                if key not in out or out[key].status != "loaded":
+                    out.setdefault(key, EntryPointStatus(kind, entry.name, entry.distribution,
+                                                         entry.version, "loaded"))
+        return [out[k] for k in sorted(out, key=lambda k: (k[0], k[1]))]
+
+    def available_names(self, kind: PluginKind) -> list[str]:
+        """Names of this kind that are registered or discoverable (and not blocked)."""
+        names = set(self.registries[kind.key].names())
+        for name, ep in self._entry_points[kind.key].items():
+            if not self._is_blocked(self._distribution_of(ep)[0]):
+                names.add(name)
+        return sorted(names)
+
+    # -- lookup -------------------------------------------------------------------------------
+
+    def get(self, kind: PluginKind, name: str) -> RegistryEntry:
+        """The entry ``name`` of ``kind``, loading its entry point if needed.
+
+        Raises :class:`PluginError` naming what is installed and the extra that provides
+        ``name`` when it is unknown, blocked, or failed to import.
+        """
+        registry = self.registries[kind.key]
+        entry = registry.get(name)
+        if entry is not None:
+            return entry
+        ep = self._entry_points[kind.key].get(name)
+        if ep is not None:
+            status = self._load_entry_point(kind, ep)
+            if status.status == "failed":
+                raise PluginError(
+                    f"{kind.label} {name!r} from {status.distribution} {status.version} failed to import: "
+                    f"{status.error}; reinstall or fix that distribution"
+                )
+            if status.status == "blocked":
+                raise PluginError(
+                    f"{kind.label} {name!r} is provided by {status.distribution}, which is blocked by "
+                    f"{ENV_BLOCK} or not in {ENV_ALLOW}; unset or change that variable to use it"
+                )
+            entry = registry.get(name)
+            if entry is not None:
+                return entry
+            raise PluginError(
+                f"{status.distribution} declares {kind.label} {name!r} in entry-point group {kind.group} "
+                f"but its plugin did not register it through {kind.hook}"
+            )
+        raise PluginError(unknown_name_message(kind, name, self.available_names(kind)))
+
+    def create(self, kind: PluginKind, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Build the component ``name`` of ``kind`` by calling its factory with the given arguments."""
+        return self.get(kind, name).factory(*args, **kwargs)
+
+
+def install_hint(kind: PluginKind, name: str) -> str:
+    """The sentence telling how to install the distribution that provides ``name``."""
+    extra = KNOWN_EXTRAS.get((kind.key, name))
+    if extra is not None:
+        return f'install it with: pip install "core-rl[{extra}]"'
+    return (
+        f"no core-rl extra provides it; install the distribution that registers {name!r} in "
+        f"entry-point group {kind.group}"
+    )
+
+
+def unknown_name_message(kind: PluginKind, name: str, installed: list[str]) -> str:
+    shown = ", ".join(installed) if installed else "none"
+    return f"{kind.label} {name!r} is not installed (installed: {shown}); {install_hint(kind, name)}"

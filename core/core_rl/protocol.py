@@ -1,0 +1,139 @@
+"""The data protocol: what travels between rollout, rewards, advantage estimators, losses and engines.
+
+Token ids travel, never text. Training tensors are padded ``[B, T]`` (right padding) with these keys
+(the *global batch* of one step; the engine splits it into micro-batches by rows):
+
+==================  ==========  =====================================================================
+key                 shape       meaning
+==================  ==========  =====================================================================
+``input_ids``       [B, T] long prompt followed by response, then ``pad_token_id``
+``attention_mask``  [B, T] long 1 on real tokens (prompt and response), 0 on padding
+``response_mask``   [B, T] f32  1 on response tokens (those the policy generated), else 0
+``old_logprobs``    [B, T] f32  behaviour log-prob of token ``t`` given tokens ``< t``, 0 off-response
+``ref_logprobs``    [B, T] f32  the same under the reference model (only when a loss asks for it)
+``advantages``      [B, T] f32  per-token advantage (0 off-response)
+``loss_weight``     [B, T] f32  aggregation weight of each token's loss (:func:`core_rl.ops.aggregation_weights`)
+``rewards``         [B]    f32  scalar reward of each sample
+``group_index``     [B]    long index of the prompt the sample answers (samples of a prompt form a group)
+==================  ==========  =====================================================================
+
+The convention "value at position ``t`` describes token ``t``" holds for every ``[B, T]`` tensor, so a
+log-prob tensor lines up with ``input_ids`` and ``response_mask`` without shifting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+
+@attrs.define
+class Sample:
+    """One generated response.
+
+    ``logprobs[i]`` is the behaviour log-prob of ``response_ids[i]`` (at the sampling temperature);
+    ``weight_version`` is the version of the weights that generated it; ``finish_reason`` is
+    ``"stop"`` (a stop token or EOS was generated; it is the last of ``response_ids``) or
+    ``"length"`` (``max_new_tokens`` reached).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    weight_version: int
+    finish_reason: str
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.logprobs) != len(self.response_ids):
+            raise ValueError(
+                f"Sample has {len(self.response_ids)} response tokens but {len(self.logprobs)} logprobs"
+            )
+
+
+@attrs.define
+class RewardInput:
+    """What a reward sees of one sample: texts, token ids, and the dataset row it answers."""
+
+    prompt_text: str
+    response_text: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    row: Mapping[str, Any]
+    finish_reason: str
+
+
+class TensorBatch:
+    """A dict of tensors sharing their first (batch) dimension, with the row operations engines need."""
+
+    def __init__(self, data: Mapping[str, torch.Tensor]) -> None:
+        self.data: dict[str, torch.Tensor] = dict(data)
+        sizes = {k: v.shape[0] for k, v in self.data.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"TensorBatch tensors disagree on batch size: {sizes}")
+
+    @property
+    def batch_size(self) -> int:
+        return next(iter(self.data.values())).shape[0] if self.data else 0
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.data[key]
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        if self.data and value.shape[0] != self.batch_size:
+            raise ValueError(f"{key!r} has batch size {value.shape[0]}, batch has {self.batch_size}")
+        self.data[key] = value
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.data
+
+    def get(self, key: str, default: torch.Tensor | None = None) -> torch.Tensor | None:
+        return self.data.get(key, default)
+
+    def keys(self) -> Iterator[str]:
+        return iter(self.data)
+
+    def rows(self, index: torch.Tensor | Sequence[int] | slice) -> TensorBatch:
+        """The batch restricted to the given rows (a slice, a list of indices or a bool/long tensor)."""
+        if not isinstance(index, slice) and not isinstance(index, torch.Tensor):
+            index = torch.as_tensor(list(index), dtype=torch.long)
+        return TensorBatch({k: v[index] for k, v in self.data.items()})
+
+    def to(self, device: torch.device | str) -> TensorBatch:
+        return TensorBatch({k: v.to(device) for k, v in self.data.items()})
+
+    @staticmethod
+    def concat(batches: Sequence[TensorBatch]) -> TensorBatch:
+        keys = list(batches[0].data)
+        return TensorBatch({k: torch.cat([b[k] for b in batches]) for k in keys})
+
+
+def samples_to_batch(samples: Sequence[Sample], group_index: Sequence[int], pad_token_id: int) -> TensorBatch:
+    """Pack samples into a right-padded :class:`TensorBatch` with ``input_ids``, ``attention_mask``,
+    ``response_mask``, ``old_logprobs`` and ``group_index`` (see the module docstring)."""
+    if not samples:
+        raise ValueError("cannot build a batch from no samples")
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    width = max(lengths)
+    n = len(samples)
+    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width), dtype=torch.long)
+    response_mask = torch.zeros((n, width), dtype=torch.float32)
+    old_logprobs = torch.zeros((n, width), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        input_ids[i, : p + r] = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
+        attention_mask[i, : p + r] = 1
+        response_mask[i, p : p + r] = 1.0
+        old_logprobs[i, p : p + r] = torch.tensor(s.logprobs, dtype=torch.float32)
+    return TensorBatch(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "response_mask": response_mask,
+            "old_logprobs": old_logprobs,
+            "group_index": torch.as_tensor(list(group_index), dtype=torch.long),
+        }
+    )

@@ -1,0 +1,41 @@
+"""The conformance kit: base test classes a plugin's tests subclass, and tiny offline models.
+
+Subclass the contract of your component's kind in your plugin's tests, set the class attributes it
+documents, and pytest runs the contract's tests against your component::
+
+    from core_rl.testing import RewardContract
+
+    class TestMyReward(RewardContract):
+        plugin = my_package.plugin       # the module with the hook implementations
+        name = "my_reward"
+        distribution = "my-dist"         # optional: also checks the entry point is declared
+        examples = [(reward_input(...), 1.0), ...]
+"""
+
+from core_rl.testing.contracts import (
+    AdvantageEstimatorContract,
+    AlgorithmContract,
+    ComponentContract,
+    LoggerContract,
+    PolicyLossContract,
+    RewardContract,
+    RolloutEngineContract,
+    SampleFilterContract,
+    TrainEngineContract,
+    make_reward_input,
+    make_rl_batch,
+)
+
+__all__ = [
+    "AdvantageEstimatorContract",
+    "AlgorithmContract",
+    "ComponentContract",
+    "LoggerContract",
+    "PolicyLossContract",
+    "RewardContract",
+    "RolloutEngineContract",
+    "SampleFilterContract",
+    "TrainEngineContract",
+    "make_reward_input",
+    "make_rl_batch",
+]
