@@ -20,7 +20,9 @@ EXIT_USAGE = 2
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="path of the run's YAML file")
     parser.add_argument(
-        "overrides", nargs="*", metavar="KEY=VALUE",
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
         help="dotted overrides applied after the YAML, e.g. actor.optimizer.lr=1e-5",
     )
 
@@ -34,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(train)
 
     plugins = sub.add_parser(
-        "plugins", help="list installed plugins",
+        "plugins",
+        help="list installed plugins",
         description="List every installed plugin component: kind, name, distribution, version, "
         "description and whether it loads.",
     )
@@ -42,12 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="show or validate a config", description="Inspect a configuration.")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
-    show = config_sub.add_parser("show", help="print the fully resolved YAML",
-                                 description="Print the configuration with defaults, recipe settings, "
-                                 "interpolations and overrides applied.")
+    show = config_sub.add_parser(
+        "show",
+        help="print the fully resolved YAML",
+        description="Print the configuration with defaults, recipe settings, interpolations and overrides applied.",
+    )
     _add_config_args(show)
-    validate = config_sub.add_parser("validate", help="check a config and exit 0 if it is valid",
-                                     description="Validate the configuration, including plugin sections.")
+    validate = config_sub.add_parser(
+        "validate",
+        help="check a config and exit 0 if it is valid",
+        description="Validate the configuration, including plugin sections.",
+    )
     _add_config_args(validate)
     return parser
 
@@ -63,14 +71,16 @@ def _cmd_plugins(as_json: bool) -> int:
     rows = []
     for st in statuses:
         entry = host.registries[st.kind.key].get(st.name)
-        rows.append({
-            "kind": st.kind.label,
-            "name": st.name,
-            "distribution": st.distribution,
-            "version": st.version,
-            "description": entry.description if entry else "",
-            "status": st.status if not st.error else f"{st.status}: {st.error}",
-        })
+        rows.append(
+            {
+                "kind": st.kind.label,
+                "name": st.name,
+                "distribution": st.distribution,
+                "version": st.version,
+                "description": entry.description if entry else "",
+                "status": st.status if not st.error else f"{st.status}: {st.error}",
+            }
+        )
     if as_json:
         print(json.dumps(rows, indent=2))
         return 0

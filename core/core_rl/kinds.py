@@ -28,7 +28,9 @@ POLICY_LOSS = PluginKind("policy_loss", "policy loss", "core_rl.policy_losses", 
 ADVANTAGE = PluginKind(
     "advantage", "advantage estimator", "core_rl.advantage_estimators", "core_rl_register_advantage_estimators"
 )
-SAMPLE_FILTER = PluginKind("sample_filter", "sample filter", "core_rl.sample_filters", "core_rl_register_sample_filters")
+SAMPLE_FILTER = PluginKind(
+    "sample_filter", "sample filter", "core_rl.sample_filters", "core_rl_register_sample_filters"
+)
 REWARD = PluginKind("reward", "reward", "core_rl.rewards", "core_rl_register_rewards")
 LOGGER = PluginKind("logger", "logger", "core_rl.loggers", "core_rl_register_loggers")
 ALGORITHM = PluginKind("algorithm", "algorithm", "core_rl.algorithms", "core_rl_register_algorithms")

@@ -157,13 +157,13 @@ class PluginHost:
             return self._status[key]
         distribution, version = self._distribution_of(ep)
         if self._is_blocked(distribution):
-            status = EntryPointStatus(kind, ep.name, distribution, version, "blocked",
-                                      f"blocked by {ENV_BLOCK}/{ENV_ALLOW}")
+            status = EntryPointStatus(
+                kind, ep.name, distribution, version, "blocked", f"blocked by {ENV_BLOCK}/{ENV_ALLOW}"
+            )
         else:
             try:
                 plugin = ep.load()
-                self.register_plugin(plugin, distribution=distribution, version=version,
-                                     name=f"{ep.group}:{ep.name}")
+                self.register_plugin(plugin, distribution=distribution, version=version, name=f"{ep.group}:{ep.name}")
                 status = EntryPointStatus(kind, ep.name, distribution, version, "loaded")
             except Exception as exc:  # a broken plugin must not break others
                 last = traceback.format_exception_only(type(exc), exc)[-1].strip()
@@ -190,8 +190,7 @@ class PluginHost:
             for entry in self.registries[kind.key]:
                 key = (kind.key, entry.name)
                 if key not in out or out[key].status != "loaded":
-                    out.setdefault(key, EntryPointStatus(kind, entry.name, entry.distribution,
-                                                         entry.version, "loaded"))
+                    out.setdefault(key, EntryPointStatus(kind, entry.name, entry.distribution, entry.version, "loaded"))
         return [out[k] for k in sorted(out, key=lambda k: (k[0], k[1]))]
 
     def available_names(self, kind: PluginKind) -> list[str]:

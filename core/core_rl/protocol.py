@@ -48,9 +48,7 @@ class Sample:
 
     def __attrs_post_init__(self) -> None:
         if len(self.logprobs) != len(self.response_ids):
-            raise ValueError(
-                f"Sample has {len(self.response_ids)} response tokens but {len(self.logprobs)} logprobs"
-            )
+            raise ValueError(f"Sample has {len(self.response_ids)} response tokens but {len(self.logprobs)} logprobs")
 
 
 @attrs.define

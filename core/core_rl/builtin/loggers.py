@@ -125,7 +125,15 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 @hookimpl
 def core_rl_register_loggers(register: Register) -> None:
-    register("console", ConsoleLogger, description="Progress bar (or plain lines) with the key metrics",
-             config_cls=ConsoleLoggerConfig)
-    register("jsonl", JsonlLogger, description="One JSON line of metrics per step in the run directory",
-             config_cls=JsonlLoggerConfig)
+    register(
+        "console",
+        ConsoleLogger,
+        description="Progress bar (or plain lines) with the key metrics",
+        config_cls=ConsoleLoggerConfig,
+    )
+    register(
+        "jsonl",
+        JsonlLogger,
+        description="One JSON line of metrics per step in the run directory",
+        config_cls=JsonlLoggerConfig,
+    )

@@ -197,7 +197,9 @@ def _completeness_problems(cfg: RunConfig) -> list[str]:
         problems.append("algorithm.name: required (e.g. grpo), or set both algorithm.advantage and algorithm.loss")
     else:
         if cfg.algorithm.advantage is None:
-            problems.append(f"algorithm.advantage: algorithm {cfg.algorithm.name!r} sets no advantage estimator; set one")
+            problems.append(
+                f"algorithm.advantage: algorithm {cfg.algorithm.name!r} sets no advantage estimator; set one"
+            )
         if cfg.algorithm.loss is None:
             problems.append(f"algorithm.loss: algorithm {cfg.algorithm.name!r} sets no policy loss; set one")
     if cfg.reward is None:
@@ -241,8 +243,9 @@ def merge_raw(path: str | Path | None, overrides: Sequence[str], host: PluginHos
         merged = OmegaConf.merge(base, parse_overrides(overrides))
         algorithm = OmegaConf.select(merged, "algorithm.name", default=None)
     except OmegaConfBaseException as exc:
-        raise ConfigError([f"{getattr(exc, 'full_key', '') or '<root>'}: {exc.msg if hasattr(exc, 'msg') else exc}"],
-                          source=source) from None
+        raise ConfigError(
+            [f"{getattr(exc, 'full_key', '') or '<root>'}: {exc.msg if hasattr(exc, 'msg') else exc}"], source=source
+        ) from None
     if algorithm:
         if not isinstance(algorithm, str):
             raise ConfigError([f"algorithm.name: expected a string, got {algorithm!r}"], source=source)

@@ -96,8 +96,9 @@ def make_rl_batch(
     )
 
 
-def make_reward_input(response: str, row: dict[str, Any] | None = None, *, prompt: str = "",
-                      finish_reason: str = "stop") -> RewardInput:
+def make_reward_input(
+    response: str, row: dict[str, Any] | None = None, *, prompt: str = "", finish_reason: str = "stop"
+) -> RewardInput:
     """A :class:`RewardInput` for reward tests (token ids are the characters' code points)."""
     return RewardInput(
         prompt_text=prompt,
@@ -340,8 +341,13 @@ class _TinyModelMixin:
         return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
-def hf_logprobs(model_path: Path | str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                temperature: float = 1.0, state_dict: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+def hf_logprobs(
+    model_path: Path | str,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Reference log-probs [B, T] from a plain transformers forward (position t scores token t)."""
     from transformers import AutoModelForCausalLM
 
@@ -363,8 +369,14 @@ class TrainEngineContract(_TinyModelMixin, ComponentContract):
     kind = TRAIN_ENGINE
     logprob_atol: ClassVar[float] = 1e-4
 
-    def make(self, model_path: Path, *, trainable: bool = True, max_tokens_per_mb: int = 4096,
-             optimizer: OptimizerConfig | None = None) -> TrainEngine:
+    def make(
+        self,
+        model_path: Path,
+        *,
+        trainable: bool = True,
+        max_tokens_per_mb: int = 4096,
+        optimizer: OptimizerConfig | None = None,
+    ) -> TrainEngine:
         actor = ActorConfig(
             model_path=str(model_path),
             engine=PluginSpec(name=self.name, options=dict(self.options)),
@@ -485,8 +497,9 @@ class RolloutEngineContract(_TinyModelMixin, ComponentContract):
 
     def test_stop_tokens_and_min_new_tokens(self, engine: RolloutEngine) -> None:
         stops = list(range(4, 40, 2))
-        out = engine.generate(self.prompts, SamplingParams(n=4, max_new_tokens=8, min_new_tokens=3,
-                                                           stop_token_ids=stops))
+        out = engine.generate(
+            self.prompts, SamplingParams(n=4, max_new_tokens=8, min_new_tokens=3, stop_token_ids=stops)
+        )
         for samples in out:
             for s in samples:
                 assert len(s.response_ids) >= 3
@@ -513,7 +526,7 @@ class RolloutEngineContract(_TinyModelMixin, ComponentContract):
                 ids = torch.tensor([s.prompt_ids + s.response_ids])
                 ref = hf_logprobs(model_path, ids, torch.ones_like(ids), temperature, state_dict)[0]
                 got = torch.tensor(s.logprobs)
-                torch.testing.assert_close(got, ref[len(s.prompt_ids):], atol=self.logprob_atol, rtol=0)
+                torch.testing.assert_close(got, ref[len(s.prompt_ids) :], atol=self.logprob_atol, rtol=0)
 
     def test_update_weights_takes_effect(self, model_path: Path) -> None:
         from transformers import AutoModelForCausalLM
