@@ -189,6 +189,40 @@ def validate_plugin_section(host: PluginHost, kind: PluginKind, spec: PluginSpec
     spec.config = structure(spec.options, entry.config_cls, path=path)
 
 
+_RAW_SPEC_PATHS: tuple[tuple[tuple[str, ...], PluginKind, bool], ...] = (
+    (("actor", "engine"), TRAIN_ENGINE, False),
+    (("rollout", "engine"), ROLLOUT_ENGINE, False),
+    (("algorithm", "advantage"), ADVANTAGE, False),
+    (("algorithm", "loss"), POLICY_LOSS, False),
+    (("algorithm", "filters"), SAMPLE_FILTER, True),
+    (("reward",), REWARD, False),
+    (("loggers",), LOGGER, True),
+)
+
+
+def _raw_plugin_problems(data: Mapping[str, Any], host: PluginHost) -> list[str]:
+    """Validate the plugin sections found in unstructured ``data`` (used when the rest failed)."""
+    problems: list[str] = []
+    for keys, kind, is_list in _RAW_SPEC_PATHS:
+        node: Any = data
+        for key in keys:
+            node = node.get(key) if isinstance(node, Mapping) else None
+        if node is None:
+            continue
+        path = ".".join(keys)
+        items = (
+            [(f"{path}[{i}]", v) for i, v in enumerate(node)] if is_list and isinstance(node, list) else [(path, node)]
+        )
+        for item_path, raw in items:
+            try:
+                validate_plugin_section(host, kind, _structure_plugin_spec(raw, PluginSpec), item_path)
+            except ConfigError as exc:
+                problems.extend(exc.problems)
+            except (TypeMismatch, FieldValueError):
+                pass  # already reported by the main pass
+    return problems
+
+
 def _completeness_problems(cfg: RunConfig) -> list[str]:
     problems = []
     if not cfg.actor.model_path:
@@ -281,7 +315,8 @@ def load_config(
     try:
         cfg: RunConfig = structure(data, RunConfig)
     except ConfigError as exc:
-        raise ConfigError(exc.problems, source=source) from None
+        # report problems in the plugin sections too, not only the first layer's
+        raise ConfigError(exc.problems + _raw_plugin_problems(data, host), source=source) from None
     problems: list[str] = []
     for spec_path, kind, spec in _selected_specs(cfg):
         try:

@@ -1,0 +1,50 @@
+"""Hook implementations of core-rl-grpo: registration only."""
+
+from __future__ import annotations
+
+from core_rl.hookspecs import Register, hookimpl
+from core_rl_grpo.advantages import GRPOAdvantageConfig, RLOOAdvantageConfig, make_grpo, make_rloo
+from core_rl_grpo.filters import DropUniformGroups, DropUniformGroupsConfig
+from core_rl_grpo.losses import PPOClipConfig, make_ppo_clip
+from core_rl_grpo.recipe import grpo_recipe
+
+
+@hookimpl
+def core_rl_register_algorithms(register: Register) -> None:
+    register("grpo", grpo_recipe, description="GRPO: group-relative advantages + PPO clipped loss, no critic")
+
+
+@hookimpl
+def core_rl_register_advantage_estimators(register: Register) -> None:
+    register(
+        "grpo",
+        make_grpo,
+        description="Group-relative: (reward - group mean) / (group std + eps), per response token",
+        config_cls=GRPOAdvantageConfig,
+    )
+    register(
+        "rloo",
+        make_rloo,
+        description="REINFORCE leave-one-out: reward - mean of the other samples of the group",
+        config_cls=RLOOAdvantageConfig,
+    )
+
+
+@hookimpl
+def core_rl_register_policy_losses(register: Register) -> None:
+    register(
+        "ppo_clip",
+        make_ppo_clip,
+        description="PPO clipped surrogate (+ asymmetric/dual clip, KL penalty, entropy bonus)",
+        config_cls=PPOClipConfig,
+    )
+
+
+@hookimpl
+def core_rl_register_sample_filters(register: Register) -> None:
+    register(
+        "drop_uniform_groups",
+        DropUniformGroups,
+        description="Drop groups whose rewards are all equal (no signal for group-relative advantages)",
+        config_cls=DropUniformGroupsConfig,
+    )

@@ -1,0 +1,80 @@
+"""Optimizer construction and the learning-rate schedule.
+
+The schedule is a pure function of the optimizer step (:func:`lr_at`); the engine writes
+``lr_at(step)`` into every parameter group before each optimizer step, so the schedule needs no
+state of its own beyond the step count that checkpoints already carry.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from core_rl.config.schema import OptimizerConfig, SchedulerConfig
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
+    """``adamw`` (betas, eps, decoupled weight decay) or ``sgd`` (momentum, L2 weight decay) over
+    ``params``, every parameter in one group at ``config.lr``."""
+    params = [p for p in params if p.requires_grad]
+    if config.name == "adamw":
+        return torch.optim.AdamW(
+            params, lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay
+        )
+    if config.name == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    raise ValueError(f"actor.optimizer.name: unknown optimizer {config.name!r}; expected adamw or sgd")
+
+
+def warmup_steps(config: SchedulerConfig) -> int:
+    """``warmup_steps`` if set, else ``floor(warmup_ratio * total_steps)``."""
+    if config.warmup_steps > 0:
+        return config.warmup_steps
+    return int(config.warmup_ratio * config.total_steps)
+
+
+def check_schedule(config: SchedulerConfig) -> None:
+    """Raise ``ValueError`` if the schedule cannot be evaluated: decaying schedules need
+    ``total_steps`` (the loader fills it from ``trainer.total_steps``)."""
+    if config.name in ("linear", "cosine") and config.total_steps <= 0:
+        raise ValueError(
+            f"actor.lr_scheduler.total_steps: must be > 0 for a {config.name} schedule, got {config.total_steps}"
+        )
+
+
+def lr_at(step: int, base_lr: float, config: SchedulerConfig) -> float:
+    """The learning rate of optimizer step ``step`` (0-based).
+
+    With ``W`` warmup steps, ``S = total_steps``, ``m = min_lr_ratio``:
+
+    - warmup, ``step < W``: ``base_lr * (step + 1) / W`` (the first step already moves; step
+      ``W - 1`` reaches ``base_lr``);
+    - afterwards, with progress ``p = clamp((step - W) / max(S - W, 1), 0, 1)``:
+
+      - ``constant``: ``base_lr``
+      - ``linear``:   ``base_lr * (m + (1 - m) * (1 - p))``
+      - ``cosine``:   ``base_lr * (m + (1 - m) * (1 + cos(pi * p)) / 2)``
+
+    so decaying schedules reach ``m * base_lr`` at step ``S`` and stay there.
+    """
+    check_schedule(config)
+    w = warmup_steps(config)
+    if step < w:
+        return base_lr * (step + 1) / w
+    if config.name == "constant":
+        return base_lr
+    p = min(max((step - w) / max(config.total_steps - w, 1), 0.0), 1.0)
+    m = config.min_lr_ratio
+    if config.name == "linear":
+        return base_lr * (m + (1.0 - m) * (1.0 - p))
+    if config.name == "cosine":
+        return base_lr * (m + (1.0 - m) * 0.5 * (1.0 + math.cos(math.pi * p)))
+    raise ValueError(f"actor.lr_scheduler.name: unknown schedule {config.name!r}")
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Write ``lr`` into every parameter group."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr

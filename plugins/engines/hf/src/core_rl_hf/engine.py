@@ -1,0 +1,139 @@
+"""The ``hf`` rollout engine: a transformers causal LM held in this process.
+
+``generate`` expands every prompt into ``n`` sequences, orders them by prompt length (so chunks
+of similar lengths are padded little), generates chunks of at most ``max_batch_size`` sequences
+with :func:`core_rl_hf.generation.generate_batch`, and returns the samples in prompt order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core_rl.config.schema import RolloutConfig
+from core_rl.interfaces import RolloutEngine, SamplingParams
+from core_rl.protocol import Sample
+from core_rl_hf.config import HFRolloutConfig, resolve_device
+from core_rl_hf.generation import generate_batch
+from core_rl_hf.sampling import check_sampling
+from core_rl_hf.weights import load_full_state_dict, read_safetensors_dir
+
+
+def _ids(value: Any) -> list[int]:
+    """``None``, an int or a list of ints -> a list of ints."""
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def special_token_ids(model: Any, tokenizer: Any | None) -> tuple[list[int], int]:
+    """``(eos_token_ids, pad_token_id)``.
+
+    EOS ids: the union of the model's generation config ``eos_token_id`` (an int or a list) and
+    the tokenizer's ``eos_token_id``. Pad id (only a filler under a zero attention mask): the
+    tokenizer's, else the generation config's, else the first EOS id, else 0.
+    """
+    gen = getattr(model, "generation_config", None)
+    eos = _ids(getattr(gen, "eos_token_id", None)) or _ids(getattr(model.config, "eos_token_id", None))
+    if tokenizer is not None:
+        eos += _ids(tokenizer.eos_token_id)
+    eos = sorted(set(eos))
+    pads = _ids(getattr(tokenizer, "pad_token_id", None)) + _ids(getattr(gen, "pad_token_id", None)) + eos
+    return eos, (pads[0] if pads else 0)
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Generates with a transformers ``AutoModelForCausalLM`` loaded from ``model_path``."""
+
+    def __init__(self, model_path: str | Path, config: HFRolloutConfig) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, config.dtype))
+        self._model: torch.nn.Module | None = model.to(self.device).eval()
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+        except (OSError, ValueError):  # a weights-only directory: fall back to the model's config
+            tokenizer = None
+        self.eos_token_ids, self.pad_token_id = special_token_ids(model, tokenizer)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.generator: torch.Generator | None = None
+        if config.seed is not None:
+            self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self._weight_version = 0
+
+    @property
+    def model(self) -> torch.nn.Module:
+        if self._model is None:
+            raise RuntimeError("the hf rollout engine is closed")
+        return self._model
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[Sample]]:
+        check_sampling(sampling)
+        self._check_prompts(prompts)
+        sequences = [i for i in range(len(prompts)) for _ in range(sampling.n)]
+        sequences.sort(key=lambda i: len(prompts[i]))
+        completions: dict[int, list] = {i: [] for i in range(len(prompts))}
+        step = self.config.max_batch_size
+        for start in range(0, len(sequences), step):
+            chunk = sequences[start : start + step]
+            outs = generate_batch(
+                self.model,
+                [prompts[i] for i in chunk],
+                sampling,
+                eos_token_ids=self.eos_token_ids,
+                pad_token_id=self.pad_token_id,
+                generator=self.generator,
+            )
+            for i, out in zip(chunk, outs):
+                completions[i].append(out)
+        return [
+            [
+                Sample(
+                    prompt_ids=list(prompts[i]),
+                    response_ids=c.token_ids,
+                    logprobs=c.logprobs,
+                    weight_version=self._weight_version,
+                    finish_reason=c.finish_reason,
+                )
+                for c in completions[i]
+            ]
+            for i in range(len(prompts))
+        ]
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        load_full_state_dict(self.model, state_dict)
+        self._weight_version = version
+
+    def load_weights_from_path(self, path: str | Path, version: int) -> None:
+        self.update_weights(read_safetensors_dir(path), version)
+
+    def close(self) -> None:
+        if self._model is not None:
+            self._model = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def make_engine(rollout: RolloutConfig, engine_config: HFRolloutConfig | None, *, model_path: str) -> HFRolloutEngine:
+    """The registered factory: ``rollout`` (sampling is passed to each ``generate`` call instead)
+    is not needed; ``engine_config`` ``None`` means the defaults."""
+    return HFRolloutEngine(model_path, engine_config if engine_config is not None else HFRolloutConfig())

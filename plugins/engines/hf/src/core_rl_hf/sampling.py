@@ -1,0 +1,99 @@
+"""One decoding step: from next-token logits to chosen tokens and their behaviour log-probs.
+
+Given float32 logits ``z`` [B, V] for the next token, temperature ``T``, and a set of *blocked*
+tokens (the stop tokens while fewer than ``min_new_tokens`` tokens have been generated):
+
+- **greedy**: ``token = argmax(z with blocked ids at -inf)``; ``logprob = log_softmax(z)[token]``.
+- **sampling**: ``s = z / T``; blocked ids are set to ``-inf``; then top-k keeps the ``k`` largest
+  entries of ``s`` (ties with the k-th value are kept too), then top-p keeps the smallest set of
+  most likely tokens whose probability (renormalised after top-k) reaches ``p`` (the most likely
+  token is always kept); ``token ~ softmax(filtered s)``; ``logprob = log_softmax(s)[token]``.
+
+The reported log-prob is that of the model's temperature-scaled distribution *before* blocking
+and top-k/top-p filtering: exactly what a train engine recomputes as
+``log_softmax(logits / T)`` for the same tokens, so the first PPO ratio of on-policy data is 1.
+(The filtered distribution differs from it only by the renormalisation over the kept tokens.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from core_rl.interfaces import SamplingParams
+
+
+def block_tokens(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
+    """A copy of ``logits`` [B, V] with the columns ``token_ids`` set to ``-inf``."""
+    out = logits.clone()
+    if token_ids:
+        out[:, list(token_ids)] = float("-inf")
+    return out
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep, per row, entries ``>=`` the ``k``-th largest value; the rest become ``-inf``.
+
+    ``k <= 0`` or ``k >= V`` returns ``logits`` unchanged.
+    """
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[:, -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus filtering: per row, sort tokens by probability ``q`` (descending) and keep token
+    ``j`` of that order iff ``sum_{i<j} q_i < p``: the smallest prefix whose mass reaches ``p``.
+    The rest become ``-inf``. ``p >= 1`` returns ``logits`` unchanged.
+    """
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    drop_sorted = mass_before >= p
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def choose_tokens(
+    logits: torch.Tensor,
+    sampling: SamplingParams,
+    *,
+    blocked: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row of ``logits`` [B, V] (float32) as the module docstring describes.
+
+    Returns ``(tokens [B] long, logprobs [B] float32)``.
+    """
+    if sampling.greedy:
+        tokens = block_tokens(logits, blocked).argmax(dim=-1)
+        logprobs = torch.log_softmax(logits, dim=-1)
+    else:
+        scaled = logits / sampling.temperature
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        filtered = top_p_filter(top_k_filter(block_tokens(scaled, blocked), sampling.top_k), sampling.top_p)
+        probs = torch.softmax(filtered, dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def check_sampling(sampling: SamplingParams) -> None:
+    """Raise :class:`ValueError` for sampling settings no engine can honour."""
+    problems = []
+    if sampling.n < 1:
+        problems.append(f"n must be >= 1, got {sampling.n}")
+    if sampling.max_new_tokens < 1:
+        problems.append(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+    if sampling.min_new_tokens < 0:
+        problems.append(f"min_new_tokens must be >= 0, got {sampling.min_new_tokens}")
+    if not sampling.greedy and not sampling.temperature > 0:
+        problems.append(f"temperature must be > 0 unless greedy, got {sampling.temperature}")
+    if not 0 < sampling.top_p <= 1:
+        problems.append(f"top_p must be in (0, 1], got {sampling.top_p}")
+    if problems:
+        raise ValueError("invalid sampling parameters: " + "; ".join(problems))

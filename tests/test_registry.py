@@ -1,0 +1,161 @@
+"""Registries and the plugin host: registration, duplicates, unknown names, lazy entry points,
+import failures, allow and block lists."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from core_rl.errors import PluginError
+from core_rl.hookspecs import hookimpl
+from core_rl.kinds import LOGGER, REWARD, ROLLOUT_ENGINE, TRAIN_ENGINE
+from core_rl.plugins import PluginHost
+
+
+class _TwoRewards:
+    @hookimpl
+    def core_rl_register_rewards(self, register):
+        register("a", lambda c: None, description="first line\nsecond line")
+        register("b", lambda c: None, description="b")
+
+
+def test_entries_record_provider_and_first_description_line():
+    host = PluginHost(entry_points=[])
+    host.register_plugin(_TwoRewards(), distribution="dist-x", version="1.2")
+    entry = host.get(REWARD, "a")
+    assert (entry.name, entry.distribution, entry.version, entry.description) == ("a", "dist-x", "1.2", "first line")
+    assert host.registries["reward"].names() == ["a", "b"]
+
+
+def test_duplicate_name_is_an_error_naming_both_distributions():
+    host = PluginHost(entry_points=[])
+    host.register_plugin(_TwoRewards(), distribution="dist-x")
+
+    class Again:
+        @hookimpl
+        def core_rl_register_rewards(self, register):
+            register("a", lambda c: None, description="again")
+
+    with pytest.raises(PluginError, match=r"'a' is registered twice: by dist-x and by dist-y"):
+        host.register_plugin(Again(), distribution="dist-y")
+
+
+def test_override_replaces_on_purpose():
+    host = PluginHost(entry_points=[])
+    host.register_plugin(_TwoRewards(), distribution="dist-x")
+
+    class Override:
+        @hookimpl
+        def core_rl_register_rewards(self, register):
+            register("a", lambda c: "new", description="replacement", override=True)
+
+    host.register_plugin(Override(), distribution="dist-y")
+    assert host.get(REWARD, "a").distribution == "dist-y"
+
+
+def test_config_cls_must_be_attrs():
+    class Bad:
+        @hookimpl
+        def core_rl_register_loggers(self, register):
+            register("bad", lambda c: None, description="x", config_cls=dict)
+
+    with pytest.raises(PluginError, match="not an attrs class"):
+        PluginHost(entry_points=[]).register_plugin(Bad(), distribution="d")
+
+
+def test_unknown_name_lists_installed_and_extra():
+    host = PluginHost(entry_points=[])
+
+    class Engines:
+        @hookimpl
+        def core_rl_register_rollout_engines(self, register):
+            register("hf", lambda *a, **k: None, description="x")
+
+    host.register_plugin(Engines(), distribution="d")
+    with pytest.raises(PluginError) as info:
+        host.get(ROLLOUT_ENGINE, "sglang")
+    msg = str(info.value)
+    assert "rollout engine 'sglang' is not installed (installed: hf)" in msg
+    with pytest.raises(PluginError, match=r'pip install "core-rl\[fsdp\]"'):
+        host.get(TRAIN_ENGINE, "fsdp")
+    with pytest.raises(PluginError, match="no core-rl extra provides it"):
+        host.get(TRAIN_ENGINE, "my-own-engine")
+
+
+@pytest.fixture
+def plugin_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Three importable plugin modules: a good one, one that fails to import, one never selected."""
+    (tmp_path / "crl_good_plugin.py").write_text(
+        textwrap.dedent("""
+        from core_rl.hookspecs import hookimpl
+
+        @hookimpl
+        def core_rl_register_rewards(register):
+            register("good", lambda c: "built", description="a good reward")
+    """)
+    )
+    (tmp_path / "crl_broken_plugin.py").write_text("raise ImportError('missing dependency frobnicate')\n")
+    (tmp_path / "crl_unused_plugin.py").write_text(
+        textwrap.dedent("""
+        from core_rl.hookspecs import hookimpl
+
+        @hookimpl
+        def core_rl_register_rewards(register):
+            register("unused", lambda c: None, description="never selected")
+    """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("crl_good_plugin", "crl_broken_plugin", "crl_unused_plugin"):
+        sys.modules.pop(name, None)
+    return tmp_path
+
+
+def _eps() -> list[md.EntryPoint]:
+    return [
+        md.EntryPoint("good", "crl_good_plugin", "core_rl.rewards"),
+        md.EntryPoint("broken", "crl_broken_plugin", "core_rl.rewards"),
+        md.EntryPoint("unused", "crl_unused_plugin", "core_rl.rewards"),
+    ]
+
+
+def test_only_selected_entry_points_are_imported(plugin_modules):
+    host = PluginHost(entry_points=_eps(), environ={})
+    assert host.create(REWARD, "good", None) == "built"
+    assert "crl_good_plugin" in sys.modules
+    assert "crl_unused_plugin" not in sys.modules
+    assert "crl_broken_plugin" not in sys.modules
+
+
+def test_import_failure_is_reported_and_does_not_stop_others(plugin_modules):
+    host = PluginHost(entry_points=_eps(), environ={})
+    statuses = {s.name: s for s in host.load_all()}
+    assert statuses["broken"].status == "failed"
+    assert "missing dependency frobnicate" in statuses["broken"].error
+    assert statuses["good"].status == "loaded" and statuses["unused"].status == "loaded"
+    with pytest.raises(PluginError, match="reward 'broken' .* failed to import: ImportError: missing dependency"):
+        host.get(REWARD, "broken")
+
+
+def test_block_and_allow_lists(plugin_modules):
+    # constructed entry points have no distribution, so they report as "<unknown>"
+    blocked = PluginHost(entry_points=_eps(), environ={"CORE_RL_PLUGINS_BLOCK": "<unknown>"})
+    with pytest.raises(PluginError, match="blocked by CORE_RL_PLUGINS_BLOCK"):
+        blocked.get(REWARD, "good")
+    assert {s.status for s in blocked.load_all()} == {"blocked"}
+    assert "good" not in blocked.available_names(REWARD)
+    allowed_other = PluginHost(entry_points=_eps(), environ={"CORE_RL_PLUGINS_ALLOW": "some-other-dist"})
+    with pytest.raises(PluginError, match="blocked"):
+        allowed_other.get(REWARD, "good")
+    allowed = PluginHost(entry_points=_eps(), environ={"CORE_RL_PLUGINS_ALLOW": "<unknown>"})
+    assert allowed.create(REWARD, "good", None) == "built"
+
+
+def test_builtin_loggers_come_through_entry_points():
+    host = PluginHost(environ={})
+    for name in ("console", "jsonl"):
+        entry = host.get(LOGGER, name)
+        assert entry.distribution == "core-rl"
+    assert PluginHost(environ={"CORE_RL_PLUGINS_ALLOW": "nothing-else"}).get(LOGGER, "jsonl")

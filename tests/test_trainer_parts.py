@@ -1,0 +1,64 @@
+"""Trainer building blocks on real files: the prompt source and checkpoint bookkeeping."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from core_rl.config.schema import DataConfig
+from core_rl.errors import DataError
+from core_rl.testing.tiny import build_char_tokenizer
+from core_rl.trainer import checkpoints
+from core_rl.trainer.data import PromptSource
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_prompt_source_epochs_and_resume(tmp_path, tokenizer):
+    files = [_jsonl(tmp_path / "p.jsonl", [{"prompt": f"q{i}", "answer": str(i)} for i in range(5)])]
+    cfg = DataConfig(train_files=files, batch_size=3, shuffle=True)
+    src = PromptSource(cfg, tokenizer, seed=4)
+    first_epoch = [p.text for p in src.next_batch()] + [p.text for p in src.next_batch()][:2]
+    assert sorted(first_epoch) == [f"q{i}" for i in range(5)]  # every prompt once per epoch
+    state = src.state_dict()
+    expected = [p.text for p in src.next_batch()]
+    resumed = PromptSource(cfg, tokenizer, seed=4)
+    resumed.load_state_dict(state)
+    assert [p.text for p in resumed.next_batch()] == expected
+    item = resumed.items[0]
+    assert item.prompt_ids == tokenizer("q0")["input_ids"] and item.row["answer"] == "0"
+
+
+def test_prompt_source_errors_name_the_row(tmp_path, tokenizer):
+    files = [_jsonl(tmp_path / "p.jsonl", [{"prompt": "ok"}, {"question": "no prompt"}])]
+    with pytest.raises(DataError, match=r"data row .*p.jsonl:1: no text column 'prompt' \(columns: question\)"):
+        PromptSource(DataConfig(train_files=files), tokenizer, seed=0)
+    with pytest.raises(DataError, match="does not exist"):
+        PromptSource(DataConfig(train_files=[str(tmp_path / "none.jsonl")]), tokenizer, seed=0)
+    with pytest.raises(DataError, match="unsupported extension"):
+        PromptSource(DataConfig(train_files=[str(tmp_path / "p.csv")]), tokenizer, seed=0)
+    long = [_jsonl(tmp_path / "l.jsonl", [{"prompt": "x" * 20}])]
+    with pytest.raises(DataError, match="more than data.max_prompt_tokens=8"):
+        PromptSource(DataConfig(train_files=long, max_prompt_tokens=8), tokenizer, seed=0)
+
+
+def test_checkpoint_latest_and_prune(tmp_path):
+    assert checkpoints.latest_checkpoint(tmp_path) is None
+    for step in (2, 4, 6):
+        checkpoints.checkpoint_dir(tmp_path, step).mkdir(parents=True)
+        checkpoints.mark_latest(tmp_path, step)
+    # an unfinished checkpoint (no "latest" update) is not picked up
+    checkpoints.checkpoint_dir(tmp_path, 8).mkdir()
+    assert checkpoints.latest_checkpoint(tmp_path) == checkpoints.checkpoint_dir(tmp_path, 6)
+    removed = checkpoints.prune(tmp_path, keep_last=2)
+    assert checkpoints.checkpoint_dir(tmp_path, 2) in removed
+    assert checkpoints.checkpoint_dir(tmp_path, 6).is_dir()
+    assert checkpoints.latest_checkpoint(tmp_path) == checkpoints.checkpoint_dir(tmp_path, 6)
