@@ -1,0 +1,22 @@
+"""The core conformance kit run against the ``hf`` rollout engine."""
+
+from __future__ import annotations
+
+import core_rl_hf.plugin
+from core_rl.testing import RolloutEngineContract
+
+
+class TestHFRolloutEngine(RolloutEngineContract):
+    plugin = core_rl_hf.plugin
+    name = "hf"
+    distribution = "core-rl-hf"
+    options = {"device": "cpu", "seed": 0}
+
+
+class TestHFRolloutEngineSmallChunks(RolloutEngineContract):
+    """The same contract when every request is split into chunks of 2 sequences."""
+
+    plugin = core_rl_hf.plugin
+    name = "hf"
+    distribution = "core-rl-hf"
+    options = {"device": "cpu", "max_batch_size": 2}
