@@ -30,6 +30,7 @@ class InlinePlugin:
     @hookimpl
     def core_rl_register_rewards(self, register: Register) -> None:
         register("constant", ConstantReward, description="Always the same score", config_cls=ConstantRewardConfig)
+        register("zero", lambda config: ConstantReward(ConstantRewardConfig(value=0.0)), description="Always 0")
 
     @hookimpl
     def core_rl_register_algorithms(self, register: Register) -> None:
@@ -39,6 +40,7 @@ class InlinePlugin:
                 defaults={
                     "algorithm": {"advantage": {"name": "adv"}, "loss": {"name": "loss"}},
                     "rollout": {"sampling": {"n": 4, "temperature": 0.9}},
+                    "reward": {"name": "constant", "scale": 2.0},
                 }
             ),
             description="A test recipe",

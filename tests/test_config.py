@@ -32,7 +32,8 @@ def test_loads_types_recipe_defaults_and_plugin_section(tmp_path, host, minimal_
     assert cfg.algorithm.advantage.name == "adv" and cfg.algorithm.loss.name == "loss"
     assert cfg.rollout.sampling.n == 4 and cfg.rollout.sampling.temperature == 0.9
     # the reward section was validated by the reward's own class
-    assert cfg.reward.config.value == 0.5 and cfg.reward.config.scale == 1.0
+    # ... merged with the recipe's options for the same reward
+    assert cfg.reward.config.value == 0.5 and cfg.reward.config.scale == 2.0
     # the scheduler learns the run length
     assert cfg.actor.lr_scheduler.total_steps == cfg.trainer.total_steps == 100
 
@@ -41,6 +42,16 @@ def test_user_settings_beat_recipe_defaults(tmp_path, host, minimal_config):
     minimal_config["rollout"]["sampling"] = {"n": 16}
     cfg = load_config(_write(tmp_path, minimal_config), ["rollout.sampling.temperature=0.5"], host=host)
     assert cfg.rollout.sampling.n == 16 and cfg.rollout.sampling.temperature == 0.5
+
+
+def test_choosing_another_plugin_drops_the_recipe_options_for_its_own(tmp_path, host, minimal_config):
+    minimal_config["reward"] = {"name": "zero"}
+    cfg = load_config(_write(tmp_path, minimal_config), [], host=host)
+    assert cfg.reward.name == "zero" and cfg.reward.options == {}
+    cfg = load_config(_write(tmp_path, minimal_config), ["reward.name=constant"], host=host)
+    assert cfg.reward.config.scale == 2.0  # same plugin as the recipe's: its options apply
+    cfg = load_config(_write(tmp_path, minimal_config), ["reward=constant"], host=host)
+    assert cfg.reward.config.scale == 1.0  # a bare name replaces the whole section: the plugin's defaults
 
 
 def test_dotted_overrides_and_interpolation(tmp_path, host, minimal_config):
@@ -133,6 +144,6 @@ def test_bad_yaml_and_bad_overrides(tmp_path, host, minimal_config):
 def test_show_output_reloads_to_the_same_config(tmp_path, host, minimal_config):
     cfg = load_config(_write(tmp_path, minimal_config), ["actor.optimizer.lr=3e-4"], host=host)
     shown = yaml.safe_load(to_yaml(cfg))
-    assert shown["reward"] == {"name": "constant", "value": 0.5, "scale": 1.0}
+    assert shown["reward"] == {"name": "constant", "value": 0.5, "scale": 2.0}
     again = load_config(_write(tmp_path, shown), [], host=host)
     assert to_plain(again) == to_plain(cfg)

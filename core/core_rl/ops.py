@@ -80,9 +80,10 @@ def group_mean_std(values: torch.Tensor, group_index: torch.Tensor) -> tuple[tor
     """
     dense, n_groups = group_ids_to_dense(group_index)
     values = values.float()
-    counts = torch.zeros(n_groups).index_add_(0, dense, torch.ones_like(values))
-    sums = torch.zeros(n_groups).index_add_(0, dense, values)
+    zeros = torch.zeros(n_groups, device=values.device, dtype=values.dtype)
+    counts = zeros.index_add(0, dense, torch.ones_like(values))
+    sums = zeros.index_add(0, dense, values)
     means = sums / counts
-    sq = torch.zeros(n_groups).index_add_(0, dense, (values - means[dense]).square())
+    sq = zeros.index_add(0, dense, (values - means[dense]).square())
     std = torch.where(counts > 1, (sq / (counts - 1).clamp(min=1.0)).sqrt(), torch.zeros_like(sq))
     return means[dense], std[dense], counts[dense]

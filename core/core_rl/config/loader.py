@@ -8,6 +8,7 @@ Every problem is reported with its key path, e.g. ``actor.optimizer.lr: must be 
 
 from __future__ import annotations
 
+import copy
 import difflib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -243,6 +244,27 @@ def _completeness_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def _drop_replaced_sections(defaults: dict[str, Any], user: DictConfig) -> dict[str, Any]:
+    """Remove from recipe ``defaults`` each plugin section the user points at another plugin, so
+    the recipe's options for its own choice do not leak into the user's (a list section given by
+    the user replaces the recipe's anyway)."""
+    for keys, _kind, is_list in _RAW_SPEC_PATHS:
+        if is_list:
+            continue
+        parent: Any = defaults
+        for key in keys[:-1]:
+            parent = parent.get(key) if isinstance(parent, dict) else None
+        if not isinstance(parent, dict) or keys[-1] not in parent:
+            continue
+        ours = parent[keys[-1]]
+        ours_name = ours.get("name") if isinstance(ours, dict) else ours
+        theirs = OmegaConf.select(user, ".".join(keys), default=None)
+        theirs_name = theirs.get("name") if isinstance(theirs, DictConfig) else theirs
+        if theirs_name is not None and theirs_name != ours_name:
+            del parent[keys[-1]]
+    return defaults
+
+
 def read_yaml(path: str | Path) -> DictConfig:
     """Parse a YAML file into an OmegaConf mapping; a missing file or bad YAML is a ConfigError."""
     p = Path(path)
@@ -287,7 +309,8 @@ def merge_raw(path: str | Path | None, overrides: Sequence[str], host: PluginHos
             recipe = host.get(ALGORITHM, algorithm).factory()
         except PluginError as exc:
             raise ConfigError([f"algorithm.name: {exc}"], source=source) from None
-        merged = OmegaConf.merge(OmegaConf.create(dict(recipe.defaults)), merged)
+        defaults = _drop_replaced_sections(copy.deepcopy(dict(recipe.defaults)), merged)
+        merged = OmegaConf.merge(OmegaConf.create(defaults), merged)
     try:
         data = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as exc:

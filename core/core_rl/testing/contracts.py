@@ -15,8 +15,15 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from core_rl.config.loader import load_config, structure
-from core_rl.config.schema import ActorConfig, MicroBatchConfig, OptimizerConfig, PluginSpec, RolloutConfig
+from core_rl.config.loader import merge_raw, structure, validate_plugin_section
+from core_rl.config.schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    MicroBatchConfig,
+    OptimizerConfig,
+    PluginSpec,
+    RolloutConfig,
+)
 from core_rl.errors import ConfigError
 from core_rl.interfaces import (
     AdvantageEstimator,
@@ -323,10 +330,16 @@ class AlgorithmContract(ComponentContract):
         assert "algorithm" in recipe.defaults
 
     def test_defaults_validate(self) -> None:
+        """The recipe's algorithm section, alone, validates against the installed plugins."""
         host = PluginHost()
         host.register_plugin(self.plugin, distribution=self.distribution or "<test>")
-        cfg = load_config(None, [f"algorithm.name={self.name}"], host=host, require_complete=False)
-        assert cfg.algorithm.advantage is not None and cfg.algorithm.loss is not None
+        data = merge_raw(None, [f"algorithm.name={self.name}"], host)
+        algorithm = structure(data["algorithm"], AlgorithmConfig, path="algorithm")
+        assert algorithm.advantage is not None and algorithm.loss is not None
+        validate_plugin_section(host, ADVANTAGE, algorithm.advantage, "algorithm.advantage")
+        validate_plugin_section(host, POLICY_LOSS, algorithm.loss, "algorithm.loss")
+        for i, spec in enumerate(algorithm.filters):
+            validate_plugin_section(host, SAMPLE_FILTER, spec, f"algorithm.filters[{i}]")
 
 
 # ---------------------------------------------------------------------------------------------

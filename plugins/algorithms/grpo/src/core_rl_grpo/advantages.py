@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import attrs
 import torch
-
 from core_rl.config.validators import positive
 from core_rl.interfaces import AdvantageEstimator
 from core_rl.ops import group_ids_to_dense, group_mean_std
@@ -26,16 +25,6 @@ def group_is_uniform(values: torch.Tensor, group_index: torch.Tensor) -> torch.T
     gmax = torch.full((n_groups,), float("-inf"), device=v.device).scatter_reduce(0, dense, v, "amax")
     gmin = torch.full((n_groups,), float("inf"), device=v.device).scatter_reduce(0, dense, v, "amin")
     return (gmax == gmin)[dense]
-
-
-def group_stats(values: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`core_rl.ops.group_mean_std` (mean, unbiased std, size per sample) on ``values``' device.
-
-    The [B] statistics are computed on CPU (the core function allocates its accumulators there) and
-    moved back; B is the number of samples, so the copy is negligible.
-    """
-    mean, std, count = group_mean_std(values.detach().float().cpu(), group_index.cpu())
-    return mean.to(values.device), std.to(values.device), count.to(values.device)
 
 
 def group_relative_scores(
@@ -62,7 +51,7 @@ def group_relative_scores(
     ``O(ulp) / eps`` noise.
     """
     r = rewards.detach().float()
-    mean, std, count = group_stats(r, group_index)
+    mean, std, count = group_mean_std(r, group_index)
     centred = r - mean
     if leave_one_out:
         centred = centred * count / (count - 1.0).clamp(min=1.0)

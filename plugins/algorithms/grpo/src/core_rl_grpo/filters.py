@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import attrs
 import torch
-
 from core_rl.config.validators import non_negative
 from core_rl.interfaces import SampleFilter
+from core_rl.ops import group_mean_std
 from core_rl.protocol import TensorBatch
-from core_rl_grpo.advantages import group_is_uniform, group_stats
+
+from core_rl_grpo.advantages import group_is_uniform
 
 
 def varied_groups(rewards: torch.Tensor, group_index: torch.Tensor, *, min_std: float = 0.0) -> torch.Tensor:
@@ -18,7 +19,7 @@ def varied_groups(rewards: torch.Tensor, group_index: torch.Tensor, *, min_std: 
     ``std_g``: the unbiased group standard deviation, ``sqrt(sum_j (r_j - mean_g)^2 / (n - 1))``.
     Such groups carry no signal under group-relative advantages (every advantage is 0).
     """
-    _, std, _ = group_stats(rewards, group_index)
+    _, std, _ = group_mean_std(rewards, group_index)
     return ~group_is_uniform(rewards, group_index) & (std > min_std)
 
 

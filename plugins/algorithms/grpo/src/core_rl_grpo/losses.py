@@ -10,7 +10,6 @@ from typing import Any
 
 import attrs
 import torch
-
 from core_rl.config.validators import FieldValueError, in_range, non_negative, one_of, positive
 from core_rl.interfaces import LossOutput, PolicyLoss
 from core_rl.ops import AGGREGATIONS, KL_ESTIMATORS, aggregation_weights, kl_estimate

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from core_rl.hookspecs import Register, hookimpl
+
 from core_rl_grpo.advantages import GRPOAdvantageConfig, RLOOAdvantageConfig, make_grpo, make_rloo
 from core_rl_grpo.filters import DropUniformGroups, DropUniformGroupsConfig
 from core_rl_grpo.losses import PPOClipConfig, make_ppo_clip
