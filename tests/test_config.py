@@ -147,3 +147,11 @@ def test_show_output_reloads_to_the_same_config(tmp_path, host, minimal_config):
     assert shown["reward"] == {"name": "constant", "value": 0.5, "scale": 2.0}
     again = load_config(_write(tmp_path, shown), [], host=host)
     assert to_plain(again) == to_plain(cfg)
+
+
+def test_a_string_is_not_a_list(tmp_path, host, minimal_config):
+    minimal_config["data"]["train_files"] = "prompts.jsonl"
+    minimal_config["rollout"]["sampling"] = {"stop_token_ids": [2, "x"]}
+    problems = _problems(tmp_path, minimal_config, host=host)
+    assert "data.train_files: expected a list, got 'prompts.jsonl'" in problems
+    assert "rollout.sampling.stop_token_ids[1]: expected an integer, got 'x'" in problems

@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import pytest
 import yaml
-from core_rl.kinds import POLICY_LOSS, ROLLOUT_ENGINE, TRAIN_ENGINE, PluginKind
+from core_rl.kinds import ALGORITHM, POLICY_LOSS, ROLLOUT_ENGINE, TRAIN_ENGINE, PluginKind
 from core_rl.plugins import PluginHost
 
 
@@ -36,14 +36,18 @@ def _load_helpers() -> ModuleType:
 
 pu = _load_helpers()
 
+pytestmark = pytest.mark.slow  # builds and installs a wheel, then runs about a dozen core-rl commands
+
 DIST = "core-rl-example-plugin"
 ADVANTAGE_LABEL = "advantage estimator"
 REWARD_LABEL = "reward"
-# What the YAML below selects besides the example plugin: core-rl's default engines and a loss.
+# What the YAML below selects besides the example plugin: core-rl's default engines, a loss, and
+# the recipe the example's README combines with rank_advantage.
 OTHER_COMPONENTS: tuple[tuple[PluginKind, str], ...] = (
     (TRAIN_ENGINE, "fsdp"),
     (ROLLOUT_ENGINE, "hf"),
     (POLICY_LOSS, "ppo_clip"),
+    (ALGORITHM, "grpo"),
 )
 
 CONFIG: dict[str, Any] = {
@@ -160,6 +164,22 @@ def test_config_show_fills_in_the_plugin_defaults(sites: Sites) -> None:
         "case_sensitive": False,
         "whole_words": True,
     }
+
+
+def test_a_recipe_with_the_plugin_advantage(sites: Sites, tmp_path: Path) -> None:
+    """The example README's usage: the grpo recipe with its advantage estimator replaced."""
+    require_complete(sites)
+    config = {
+        **CONFIG,
+        "algorithm": {"name": "grpo", "advantage": {"name": "rank_advantage", "scale": 2.0}},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = pu.cli(sys.executable, "config", "show", path, pythonpath=sites.with_plugin)
+    assert proc.returncode == 0, proc.stderr
+    algorithm = yaml.safe_load(proc.stdout)["algorithm"]
+    assert algorithm["advantage"] == {"name": "rank_advantage", "scale": 2.0}  # no options of the recipe's own
+    assert algorithm["loss"]["name"] == "ppo_clip"  # from the recipe
 
 
 @pytest.mark.parametrize(

@@ -7,12 +7,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
 
-from core_rl.protocol import RewardInput, Sample, TensorBatch
+if TYPE_CHECKING:  # torch is imported by the components themselves, not by their registration
+    import torch
+
+    from core_rl.protocol import RewardInput, Sample, TensorBatch
 
 
 @attrs.define
@@ -30,7 +32,7 @@ class LossOutput:
 
 
 # (micro-batch, current log-probs [b, T], entropy [b, T]) -> LossOutput
-LossFn = Callable[[TensorBatch, torch.Tensor, torch.Tensor], LossOutput]
+LossFn = Callable[["TensorBatch", "torch.Tensor", "torch.Tensor"], LossOutput]
 
 
 @attrs.define

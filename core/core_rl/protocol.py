@@ -24,10 +24,12 @@ log-prob tensor lines up with ``input_ids`` and ``response_mask`` without shifti
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 @attrs.define
@@ -95,6 +97,8 @@ class TensorBatch:
 
     def rows(self, index: torch.Tensor | Sequence[int] | slice) -> TensorBatch:
         """The batch restricted to the given rows (a slice, a list of indices or a bool/long tensor)."""
+        import torch
+
         if not isinstance(index, slice) and not isinstance(index, torch.Tensor):
             index = torch.as_tensor(list(index), dtype=torch.long)
         return TensorBatch({k: v[index] for k, v in self.data.items()})
@@ -104,6 +108,8 @@ class TensorBatch:
 
     @staticmethod
     def concat(batches: Sequence[TensorBatch]) -> TensorBatch:
+        import torch
+
         keys = list(batches[0].data)
         return TensorBatch({k: torch.cat([b[k] for b in batches]) for k in keys})
 
@@ -111,6 +117,8 @@ class TensorBatch:
 def samples_to_batch(samples: Sequence[Sample], group_index: Sequence[int], pad_token_id: int) -> TensorBatch:
     """Pack samples into a right-padded :class:`TensorBatch` with ``input_ids``, ``attention_mask``,
     ``response_mask``, ``old_logprobs`` and ``group_index`` (see the module docstring)."""
+    import torch
+
     if not samples:
         raise ValueError("cannot build a batch from no samples")
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]

@@ -16,7 +16,12 @@ from typing import Any
 
 import attrs
 import cattrs
-from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+from cattrs.errors import (
+    ClassValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationError,
+    IterableValidationNote,
+)
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -88,6 +93,36 @@ def _structure_plugin_spec(value: Any, _t: type) -> PluginSpec:
     return PluginSpec(name=value["name"], options=options)
 
 
+def _is_list_type(t: Any) -> bool:
+    return getattr(t, "__origin__", None) is list
+
+
+def _list_hook_factory(conv: cattrs.Converter) -> Any:
+    """Structure ``list[X]`` from a list or tuple only (cattrs would split a string into characters),
+    reporting each bad item with its index."""
+
+    def factory(t: Any) -> Any:
+        item_type = t.__args__[0] if getattr(t, "__args__", None) else Any
+
+        def structure_list(value: Any, _t: Any) -> list[Any]:
+            if not isinstance(value, (list, tuple)):
+                raise TypeMismatch("a list", value)
+            out, errors = [], []
+            for i, item in enumerate(value):
+                try:
+                    out.append(conv.structure(item, item_type))
+                except Exception as exc:
+                    exc.add_note(IterableValidationNote(f"Structuring {t} @ index {i}", i, item_type))
+                    errors.append(exc)
+            if errors:
+                raise IterableValidationError(f"While structuring {t}", errors, t)
+            return out
+
+        return structure_list
+
+    return factory
+
+
 def make_converter() -> cattrs.Converter:
     """The converter used for every config class: unknown keys are errors, scalars are type-checked."""
     conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
@@ -96,6 +131,7 @@ def make_converter() -> cattrs.Converter:
     conv.register_structure_hook(bool, _strict_bool)
     conv.register_structure_hook(str, _strict_str)
     conv.register_structure_hook(PluginSpec, _structure_plugin_spec)
+    conv.register_structure_hook_factory(_is_list_type, _list_hook_factory(conv))
     conv.register_unstructure_hook(PluginSpec, lambda spec: unstructure_spec(conv, spec))
     return conv
 

@@ -6,13 +6,14 @@ plugin's own ``config_cls``."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from core_rl.config.validators import in_range, non_negative, one_of, positive
-from core_rl.interfaces import SamplingParams
-from core_rl.ops import AGGREGATIONS  # noqa: F401  (re-exported for plugin configs)
+
+if TYPE_CHECKING:
+    from core_rl.interfaces import SamplingParams
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -63,6 +64,8 @@ class SamplingConfig:
     greedy: bool = False
 
     def to_params(self) -> SamplingParams:
+        from core_rl.interfaces import SamplingParams
+
         return SamplingParams(**attrs.asdict(self))
 
 

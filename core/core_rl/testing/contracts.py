@@ -348,7 +348,8 @@ class AlgorithmContract(ComponentContract):
 
 class _TinyModelMixin:
     @pytest.fixture(scope="class")
-    def model_path(self, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    @classmethod
+    def model_path(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
         from core_rl.testing.tiny import build_tiny_model
 
         return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
@@ -488,8 +489,9 @@ class RolloutEngineContract(_TinyModelMixin, ComponentContract):
         return engine
 
     @pytest.fixture(scope="class")
-    def engine(self, model_path: Path):
-        engine = self.make(model_path)
+    @classmethod
+    def engine(cls, model_path: Path):
+        engine = cls().make(model_path)
         yield engine
         engine.close()
 

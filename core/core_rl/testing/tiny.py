@@ -15,8 +15,9 @@ PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 
 
 def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
-    """A ``PreTrainedTokenizerFast`` with one token per character; ids 0..3 are pad, bos, eos, unk."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A ``PreTrainedTokenizerFast`` with one token per character; ids 0..3 are pad, bos, eos, unk.
+    Encoding with special tokens prepends ``<s>``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     chars = list(dict.fromkeys(alphabet))
@@ -24,6 +25,7 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import core_rl_hf.plugin
 from core_rl.testing import RolloutEngineContract
 
@@ -10,7 +12,7 @@ class TestHFRolloutEngine(RolloutEngineContract):
     plugin = core_rl_hf.plugin
     name = "hf"
     distribution = "core-rl-hf"
-    options = {"device": "cpu", "seed": 0}
+    options: ClassVar[dict[str, Any]] = {"device": "cpu", "seed": 0}
 
 
 class TestHFRolloutEngineSmallChunks(RolloutEngineContract):
@@ -19,4 +21,4 @@ class TestHFRolloutEngineSmallChunks(RolloutEngineContract):
     plugin = core_rl_hf.plugin
     name = "hf"
     distribution = "core-rl-hf"
-    options = {"device": "cpu", "max_batch_size": 2}
+    options: ClassVar[dict[str, Any]] = {"device": "cpu", "max_batch_size": 2}

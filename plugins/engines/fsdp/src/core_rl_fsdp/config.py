@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import attrs
-
 from core_rl.config.validators import one_of
 
 #: dtypes accepted by ``param_dtype`` / ``reduce_dtype``

@@ -21,7 +21,7 @@ def token_logprobs(
     - ``entropy[:, t] = -sum_v p_v log p_v`` with ``p = softmax(z_{t-1})``
 
     Position 0 (no prediction) and padding (``attention_mask == 0``) hold 0; padding is zeroed
-    with ``where`` so a non-finite value there cannot leak into sums or gradients.
+    with ``where`` (not a product) so a non-finite value there cannot leak into sums.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
 from core_rl.protocol import TensorBatch
 
 

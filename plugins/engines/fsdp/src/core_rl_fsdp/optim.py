@@ -11,7 +11,6 @@ import math
 from collections.abc import Iterable
 
 import torch
-
 from core_rl.config.schema import OptimizerConfig, SchedulerConfig
 
 

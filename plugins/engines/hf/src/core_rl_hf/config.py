@@ -6,7 +6,6 @@ from typing import Any
 
 import attrs
 import torch
-
 from core_rl.config.schema import DTYPES
 from core_rl.config.validators import FieldValueError, one_of, positive
 
@@ -18,7 +17,9 @@ def _valid_device(_inst: Any, attribute: attrs.Attribute[Any], value: str) -> No
     try:
         torch.device(value)
     except (RuntimeError, TypeError, ValueError):
-        raise FieldValueError(attribute.name, value, "must be 'auto' or a torch device such as 'cpu' or 'cuda:0'")
+        raise FieldValueError(
+            attribute.name, value, "must be 'auto' or a torch device such as 'cpu' or 'cuda:0'"
+        ) from None
 
 
 @attrs.define

@@ -1,8 +1,9 @@
 """The ``hf`` rollout engine: a transformers causal LM held in this process.
 
-``generate`` expands every prompt into ``n`` sequences, orders them by prompt length (so chunks
-of similar lengths are padded little), generates chunks of at most ``max_batch_size`` sequences
-with :func:`core_rl_hf.generation.generate_batch`, and returns the samples in prompt order.
+``generate`` orders prompts by length (so a chunk's prompts need little padding), splits the
+``len(prompts) * n`` samples into chunks of at most ``max_batch_size`` (:func:`plan_chunks`),
+generates each chunk with :func:`core_rl_hf.generation.generate_batch` (one prefill per distinct
+prompt of the chunk), and returns the samples in prompt order.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from core_rl.config.schema import RolloutConfig
 from core_rl.interfaces import RolloutEngine, SamplingParams
 from core_rl.protocol import Sample
+
 from core_rl_hf.config import HFRolloutConfig, resolve_device
-from core_rl_hf.generation import generate_batch
+from core_rl_hf.generation import Completion, generate_batch
 from core_rl_hf.sampling import check_sampling
 from core_rl_hf.weights import load_full_state_dict, read_safetensors_dir
 
@@ -45,6 +46,32 @@ def special_token_ids(model: Any, tokenizer: Any | None) -> tuple[list[int], int
     eos = sorted(set(eos))
     pads = _ids(getattr(tokenizer, "pad_token_id", None)) + _ids(getattr(gen, "pad_token_id", None)) + eos
     return eos, (pads[0] if pads else 0)
+
+
+def plan_chunks(prompt_lengths: Sequence[int], n: int, max_batch_size: int) -> list[list[tuple[int, int]]]:
+    """Split the ``n`` samples of every prompt into as few chunks of at most ``max_batch_size``
+    samples as possible.
+
+    Returns chunks of ``(prompt index, count)``: the samples of all prompts, prompts ordered by
+    length (so a chunk holds prompts of similar lengths), laid end to end and cut every
+    ``max_batch_size`` samples: ``ceil(len(prompts) * n / max_batch_size)`` chunks, a prompt's
+    samples possibly spread over consecutive chunks. Every prompt gets exactly ``n`` samples.
+    """
+    chunks: list[list[tuple[int, int]]] = []
+    current: list[tuple[int, int]] = []
+    room = max_batch_size
+    for i in sorted(range(len(prompt_lengths)), key=lambda i: prompt_lengths[i]):
+        left = n
+        while left:
+            take = min(left, room)
+            current.append((i, take))
+            left, room = left - take, room - take
+            if room == 0:
+                chunks.append(current)
+                current, room = [], max_batch_size
+    if current:
+        chunks.append(current)
+    return chunks
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -81,34 +108,32 @@ class HFRolloutEngine(RolloutEngine):
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[Sample]]:
         check_sampling(sampling)
         self._check_prompts(prompts)
-        sequences = [i for i in range(len(prompts)) for _ in range(sampling.n)]
-        sequences.sort(key=lambda i: len(prompts[i]))
-        completions: dict[int, list] = {i: [] for i in range(len(prompts))}
-        step = self.config.max_batch_size
-        for start in range(0, len(sequences), step):
-            chunk = sequences[start : start + step]
+        completions: list[list[Completion]] = [[] for _ in prompts]
+        lengths = [len(p) for p in prompts]
+        for chunk in plan_chunks(lengths, sampling.n, self.config.max_batch_size):
             outs = generate_batch(
                 self.model,
-                [prompts[i] for i in chunk],
+                [prompts[i] for i, _ in chunk],
+                [count for _, count in chunk],
                 sampling,
                 eos_token_ids=self.eos_token_ids,
                 pad_token_id=self.pad_token_id,
                 generator=self.generator,
             )
-            for i, out in zip(chunk, outs):
-                completions[i].append(out)
+            for (i, _), out in zip(chunk, outs):
+                completions[i].extend(out)
         return [
             [
                 Sample(
-                    prompt_ids=list(prompts[i]),
+                    prompt_ids=list(prompt),
                     response_ids=c.token_ids,
                     logprobs=c.logprobs,
                     weight_version=self._weight_version,
                     finish_reason=c.finish_reason,
                 )
-                for c in completions[i]
+                for c in group
             ]
-            for i in range(len(prompts))
+            for prompt, group in zip(prompts, completions)
         ]
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:

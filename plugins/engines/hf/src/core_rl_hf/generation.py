@@ -3,13 +3,17 @@
 Prompts of different lengths are right-aligned (left padding) so every row's next token sits in the
 last column. Position ids count real tokens only (``position = cumsum(mask) - 1``), so a padded row
 sees exactly the positions, and hence the logits, it would see alone; padded columns are masked out
-of attention. Each step feeds one new token per row with the cache of the previous steps.
+of attention.
 
-A row finishes when it produces a stop token (EOS or one of ``stop_token_ids``) at step
-``t >= min_new_tokens`` (before that, stop tokens are blocked); its response is the tokens up to and
-including that token (``"stop"``). Rows still running after ``max_new_tokens`` steps end with
-``"length"``. Finished rows keep being fed a filler token until every row is done; what they produce
-then is discarded.
+Each distinct prompt is run through the model once (the prefill); its KV cache, attention mask and
+next-token logits are then repeated for the ``count`` samples drawn from it. Each later step feeds
+one new token per row with the cache of the previous steps.
+
+A row finishes when it produces a stop token (EOS or one of ``stop_token_ids``); stop tokens are
+blocked while fewer than ``min_new_tokens`` tokens exist. Its response is the tokens up to and
+including that token (``"stop"``). Rows still running after ``max_new_tokens`` tokens end with
+``"length"``. Finished rows are dropped from the batch (and the cache) once they make up a quarter
+of it; until then they are fed a filler token whose outputs are discarded.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from collections.abc import Sequence
 
 import attrs
 import torch
-
 from core_rl.interfaces import SamplingParams
+
 from core_rl_hf.sampling import choose_tokens
 
 
@@ -54,26 +58,62 @@ def left_pad(
 def generate_batch(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
+    counts: Sequence[int],
     sampling: SamplingParams,
     *,
     eos_token_ids: Sequence[int],
     pad_token_id: int,
     generator: torch.Generator | None = None,
-) -> list[Completion]:
-    """Generate one response per prompt (all prompts non-empty) in one batch; see the module docstring."""
+) -> list[list[Completion]]:
+    """``counts[i]`` responses to each (non-empty) ``prompts[i]``, all generated as one batch; see
+    the module docstring. ``sampling.n`` is ignored (``counts`` says how many)."""
     device = next(model.parameters()).device
     stop_ids = sorted(set(eos_token_ids) | set(sampling.stop_token_ids))
     stop_tensor = torch.as_tensor(stop_ids, dtype=torch.long, device=device)
     input_ids, attention_mask, position_ids = left_pad(prompts, pad_token_id, device)
-    batch, steps = len(prompts), sampling.max_new_tokens
-    tokens = torch.full((batch, steps), pad_token_id, dtype=torch.long, device=device)
-    logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=device)
-    lengths = torch.full((batch,), steps, dtype=torch.long, device=device)
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    cache = None
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    # one row per sample: repeat each prompt's cache, mask and logits counts[i] times
+    rows = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.as_tensor(counts, device=device))
+    cache = out.past_key_values
+    cache.reorder_cache(rows)
+    attention_mask, position_ids = attention_mask[rows], position_ids[rows, -1:]
+    logits = out.logits[rows, -1].float()
+
+    total, steps = len(rows), sampling.max_new_tokens
+    tokens = torch.full((total, steps), pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros((total, steps), dtype=torch.float32, device=device)
+    lengths = torch.full((total,), steps, dtype=torch.long, device=device)
+    stopped = torch.zeros(total, dtype=torch.bool, device=device)
+    sequence = torch.arange(total, device=device)  # the sample each batch row generates
+    done = torch.zeros(total, dtype=torch.bool, device=device)  # batch rows already finished
     for t in range(steps):
+        blocked = stop_ids if t < sampling.min_new_tokens else ()
+        next_tokens, next_logprobs = choose_tokens(logits, sampling, blocked=blocked, generator=generator)
+        live = sequence[~done]
+        tokens[live, t] = next_tokens[~done]
+        logprobs[live, t] = next_logprobs[~done]
+        new_stop = ~done & torch.isin(next_tokens, stop_tensor)
+        lengths[sequence[new_stop]] = t + 1
+        stopped[sequence[new_stop]] = True
+        done |= new_stop
+        n_done = int(done.sum())
+        if t + 1 == steps or n_done == len(done):
+            break
+        if 4 * n_done >= len(done):
+            keep = (~done).nonzero().squeeze(-1)
+            cache.reorder_cache(keep)
+            attention_mask, position_ids = attention_mask[keep], position_ids[keep]
+            sequence, next_tokens, done = sequence[keep], next_tokens[keep], done[keep]
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(done), 1))], dim=1)
+        position_ids = position_ids + 1
         out = model(
-            input_ids=input_ids,
+            input_ids=next_tokens.masked_fill(done, pad_token_id)[:, None],
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=cache,
@@ -81,27 +121,20 @@ def generate_batch(
             logits_to_keep=1,
         )
         cache = out.past_key_values
-        blocked = stop_ids if t < sampling.min_new_tokens else ()
-        next_tokens, next_logprobs = choose_tokens(
-            out.logits[:, -1].float(), sampling, blocked=blocked, generator=generator
-        )
-        tokens[:, t] = next_tokens
-        logprobs[:, t] = next_logprobs
-        stopped = ~finished & torch.isin(next_tokens, stop_tensor)
-        lengths[stopped] = t + 1
-        finished |= stopped
-        if t + 1 == steps or bool(finished.all()):
-            break
-        input_ids = next_tokens.masked_fill(finished, pad_token_id)[:, None]
-        position_ids = position_ids[:, -1:] + 1
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=1)
+        logits = out.logits[:, -1].float()
+
     tokens_l, logprobs_l = tokens.tolist(), logprobs.tolist()
-    lengths_l, finished_l = lengths.tolist(), finished.tolist()
-    return [
+    lengths_l, stopped_l = lengths.tolist(), stopped.tolist()
+    completions = [
         Completion(
             token_ids=tokens_l[i][: lengths_l[i]],
             logprobs=logprobs_l[i][: lengths_l[i]],
-            finish_reason="stop" if finished_l[i] else "length",
+            finish_reason="stop" if stopped_l[i] else "length",
         )
-        for i in range(batch)
+        for i in range(total)
     ]
+    grouped, start = [], 0
+    for count in counts:
+        grouped.append(completions[start : start + count])
+        start += count
+    return grouped

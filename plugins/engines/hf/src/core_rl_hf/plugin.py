@@ -6,6 +6,7 @@ Importing this module does not import transformers; the engine loads it when it 
 from __future__ import annotations
 
 from core_rl.hookspecs import Register, hookimpl
+
 from core_rl_hf.config import HFRolloutConfig
 from core_rl_hf.engine import make_engine
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
 from core_rl.interfaces import SamplingParams
 
 

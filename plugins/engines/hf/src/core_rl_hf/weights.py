@@ -26,10 +26,11 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.
     missing = sorted(k for k in set(own) - set(state_dict) if own[k].data_ptr() not in given_storage)
     if unexpected or missing:
         raise KeyError(
-            "weights do not match the rollout model: "
-            f"missing {_preview(missing)}, unexpected {_preview(unexpected)}"
+            f"weights do not match the rollout model: missing {_preview(missing)}, unexpected {_preview(unexpected)}"
         )
-    wrong = [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state_dict.items() if v.shape != own[k].shape]
+    wrong = [
+        f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state_dict.items() if v.shape != own[k].shape
+    ]
     if wrong:
         raise ValueError(f"weights have the wrong shape (given vs model): {_preview(wrong)}")
     with torch.no_grad():

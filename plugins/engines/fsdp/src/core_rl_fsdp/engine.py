@@ -1,0 +1,387 @@
+"""The ``fsdp`` train engine: a Hugging Face causal LM sharded with FSDP2 over all ranks.
+
+Every rank calls every method with its own rows of the global batch (collectives inside).
+Gradients: FSDP averages them over ranks, and ``loss_weight`` is normalised over the global batch,
+so each micro-batch back-propagates ``world_size * sum(per_token_loss * loss_weight)``; the update is
+then the gradient of ``sum over the global batch of per_token_loss * loss_weight``, whatever the
+split into micro-batches or ranks.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import shutil
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from core_rl.config.schema import ActorConfig
+from core_rl.interfaces import LossFn, TrainEngine
+from core_rl.protocol import TensorBatch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+
+from core_rl_fsdp import checkpoint as ckpt
+from core_rl_fsdp import distributed as dist_utils
+from core_rl_fsdp.config import FSDPConfig
+from core_rl_fsdp.logprobs import token_logprobs
+from core_rl_fsdp.microbatch import (
+    micro_batch_width,
+    pack_micro_batches,
+    placeholder_micro_batch,
+    row_lengths,
+    take_micro_batch,
+)
+from core_rl_fsdp.model import enable_activation_checkpointing, load_causal_lm, shard_model
+from core_rl_fsdp.optim import build_optimizer, check_schedule, lr_at, set_lr
+
+CHECKPOINT_FORMAT = 1
+
+
+class FSDPEngine(TrainEngine):
+    """See the module docstring. ``trainable=False`` builds a frozen reference model (eval mode,
+    no gradients, no optimizer; :meth:`train_step`, :meth:`save_state` and :meth:`load_state`
+    raise)."""
+
+    def __init__(self, actor: ActorConfig, config: FSDPConfig | None = None, *, trainable: bool = True) -> None:
+        self.actor = actor
+        self.config = config if config is not None else FSDPConfig()
+        self.trainable = trainable
+        if trainable:
+            check_schedule(actor.lr_scheduler)
+        self.device = dist_utils.pick_device()
+        self.rank, self.world_size = dist_utils.ensure_process_group(self.config.backend, self.device)
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        model = load_causal_lm(actor, self.config)
+        self._architectures = [type(model).__name__]
+        self._pad_id = int(model.config.pad_token_id) if model.config.pad_token_id is not None else 0
+        if trainable and actor.gradient_checkpointing:
+            enable_activation_checkpointing(model)
+        if not trainable:
+            model.requires_grad_(False)
+            model.eval()
+        self.model = shard_model(model, self.mesh, self.config, self.device)
+        self.optimizer = build_optimizer(self.model.parameters(), actor.optimizer) if trainable else None
+        self._step = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ basics
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this FSDP engine was closed")
+
+    def _check_trainable(self, what: str) -> None:
+        self._check_open()
+        if not self.trainable:
+            raise RuntimeError(f"{what} needs a trainable engine; this one is a frozen reference (trainable=False)")
+
+    # ------------------------------------------------------------------ micro-batches
+
+    def _plan(self, attention_mask: torch.Tensor) -> tuple[list[int], list[list[int]]]:
+        """Row lengths and this rank's micro-batches, padded with empty ones to the same count on
+        every rank (the maximum over ranks; ranks with fewer first split further if they can)."""
+        lengths = row_lengths(attention_mask)
+        mb = self.actor.micro_batch
+        plan = pack_micro_batches(lengths, mb.max_tokens_per_mb, mb.min_num_mb)
+        count = torch.tensor([len(plan)], dtype=torch.long, device=self.device)
+        target = int(dist_utils.all_reduce(count, dist_utils.ReduceOp.MAX).item())
+        if target > len(plan):
+            plan = pack_micro_batches(lengths, mb.max_tokens_per_mb, target)
+        plan = plan + [[] for _ in range(target - len(plan))]
+        return lengths, plan
+
+    def _forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_ids = input_ids.to(self.device)
+        attention_mask = attention_mask.to(self.device)
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return token_logprobs(logits, input_ids, attention_mask, temperature, with_entropy=with_entropy)
+
+    def _placeholder(self) -> dict[str, torch.Tensor]:
+        return placeholder_micro_batch(self._pad_id)
+
+    # ------------------------------------------------------------------ log-probs
+
+    def compute_logprobs(self, batch: TensorBatch, *, temperature: float = 1.0) -> torch.Tensor:
+        """Log-probs [B, T] float32 on CPU (see :func:`core_rl_fsdp.logprobs.token_logprobs`),
+        computed in eval mode without gradients, micro-batched like :meth:`train_step`."""
+        self._check_open()
+        _check_temperature(temperature)
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        lengths, plan = self._plan(attention_mask)
+        out = torch.zeros(input_ids.shape, dtype=torch.float32)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for rows in plan:
+                    if not rows:
+                        dummy = self._placeholder()
+                        self._forward(dummy["input_ids"], dummy["attention_mask"], temperature, False)
+                        continue
+                    width = micro_batch_width(lengths, rows)
+                    index = torch.as_tensor(rows, dtype=torch.long)
+                    lp, _ = self._forward(input_ids[index, :width], attention_mask[index, :width], temperature, False)
+                    out[index, :width] = lp.cpu()
+        finally:
+            self.model.train(was_training)
+        return out
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, batch: TensorBatch, loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step; see :class:`core_rl.interfaces.TrainEngine` and the module docstring.
+
+        Returns, reduced over ranks: ``loss`` (sum of ``per_token_loss * loss_weight`` over the
+        global batch), ``grad_norm`` (before clipping), ``lr`` (used by this step), ``entropy`` and
+        every token metric (means over the global batch's response tokens),
+        ``num_micro_batches`` (per rank) and ``tokens`` (non-padding tokens processed).
+        A non-finite gradient norm skips the optimizer update (the step still counts).
+        """
+        self._check_trainable("train_step")
+        _check_temperature(temperature)
+        assert self.optimizer is not None
+        for key in ("input_ids", "attention_mask", "response_mask", "loss_weight"):
+            if key not in batch:
+                raise KeyError(f"train_step needs batch[{key!r}]")
+        lengths, plan = self._plan(batch["attention_mask"])
+        lr = lr_at(self._step, self.actor.optimizer.lr, self.actor.lr_scheduler)
+        set_lr(self.optimizer, lr)
+        self.model.train()
+        acc = _Accumulator(self.device)
+        try:
+            for rows in plan:
+                if rows:
+                    mb = take_micro_batch(batch, rows, micro_batch_width(lengths, rows))
+                    self._train_micro_batch(mb, loss_fn, temperature, acc)
+                else:
+                    dummy = self._placeholder()
+                    lp, ent = self._forward(dummy["input_ids"], dummy["attention_mask"], temperature, True)
+                    assert ent is not None
+                    # zero gradient, but through every parameter so FSDP's reduce-scatters line up
+                    ((lp.sum() + ent.sum()) * 0.0).backward()
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)  # a failed step leaves no partial gradient behind
+            raise
+        grad_norm = self._clip_gradients()
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step += 1
+        metrics = acc.reduce()
+        metrics.update(grad_norm=grad_norm, lr=lr, num_micro_batches=float(len(plan)))
+        return metrics
+
+    def _train_micro_batch(self, mb: TensorBatch, loss_fn: LossFn, temperature: float, acc: _Accumulator) -> None:
+        mb = mb.to(self.device)
+        lp, ent = self._forward(mb["input_ids"], mb["attention_mask"], temperature, True)
+        assert ent is not None
+        out = loss_fn(mb, lp, ent)
+        if out.per_token_loss.shape != lp.shape:
+            raise ValueError(f"loss per_token_loss has shape {tuple(out.per_token_loss.shape)}, expected {lp.shape}")
+        weighted = (out.per_token_loss.float() * mb["loss_weight"]).sum()
+        (weighted * self.world_size).backward()
+        acc.add(mb, weighted.detach(), ent.detach(), out.token_metrics)
+
+    def _clip_gradients(self) -> float:
+        """Total gradient norm over all ranks before clipping; clip to ``actor.grad_clip`` (0: no
+        clipping)."""
+        max_norm = self.actor.grad_clip if self.actor.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    # ------------------------------------------------------------------ weights
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        self._check_open()
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)
+        return state if self.rank == 0 else {}
+
+    def export_hf(self, path: str | Path) -> None:
+        """Rank 0 writes ``path`` (config, safetensors weights, generation config, tokenizer) via
+        a temporary directory next to it, then moves it into place (see :mod:`core_rl_fsdp.checkpoint`)."""
+        state = self.full_state_dict()
+        final = Path(path).absolute()
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                self._write_hf(final, state)
+            except BaseException as exc:  # re-raised after the barrier so other ranks do not hang
+                error = exc
+        dist_utils.barrier()
+        if error is not None:
+            raise error
+
+    def _write_hf(self, final: Path, state: dict[str, torch.Tensor]) -> None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(
+            self.actor.tokenizer_path or self.actor.model_path, local_files_only=True
+        )
+        tmp = ckpt.prepare_partial(final)
+        try:
+            self.model.save_pretrained(tmp, state_dict=state)
+            config_file = tmp / "config.json"
+            config = json.loads(config_file.read_text())
+            if config.get("architectures") != self._architectures:  # never the FSDP wrapper class name
+                config["architectures"] = self._architectures
+                config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            tokenizer.save_pretrained(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        ckpt.commit_partial(final)
+
+    # ------------------------------------------------------------------ training state
+
+    def save_state(self, path: str | Path, extra: Mapping[str, Any]) -> None:
+        """Write ``path/``: ``meta.json`` (step, world size), ``extra.pt``, ``dcp/`` (model and
+        optimizer as a sharded ``torch.distributed.checkpoint``, reloadable on any number of
+        ranks) and ``rng/rank{r}.pt`` (each rank's RNG states); atomically (written as
+        ``.NAME.partial``, renamed by rank 0 when every rank has finished)."""
+        self._check_trainable("save_state")
+        assert self.optimizer is not None
+        final = Path(path).absolute()
+        if self.rank == 0:
+            ckpt.prepare_partial(final)
+        dist_utils.barrier()
+        tmp = ckpt.partial_path(final)
+        # An optimizer that has not stepped has no state; asking for it would create some (torch
+        # initialises it with a zero-lr step), which would change the run. Save none instead.
+        has_optim = _optimizer_has_state(self.optimizer)
+        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        if has_optim:
+            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        dcp.save(state, checkpoint_id=str(tmp / "dcp"))
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(ckpt.capture_rng(), tmp / "rng" / f"rank{self.rank}.pt")
+        if self.rank == 0:
+            meta = {
+                "format": CHECKPOINT_FORMAT,
+                "engine": "fsdp",
+                "step": self._step,
+                "world_size": self.world_size,
+                "optimizer": has_optim,
+            }
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+            torch.save(dict(extra), tmp / "extra.pt")
+        dist_utils.barrier()
+        if self.rank == 0:
+            ckpt.commit_partial(final)
+        dist_utils.barrier()
+
+    def load_state(self, path: str | Path) -> dict[str, Any]:
+        """Restore model, optimizer, step and this rank's RNG states from :meth:`save_state`'s
+        directory and return its ``extra``. The world size may differ from the saving run's
+        (the weights and optimizer are resharded); RNG states are then restored only for ranks that
+        existed."""
+        self._check_trainable("load_state")
+        final = Path(path).absolute()
+        meta_file = final / "meta.json"
+        if not meta_file.is_file():
+            raise FileNotFoundError(f"{final} is not a complete fsdp checkpoint (no meta.json)")
+        meta = json.loads(meta_file.read_text())
+        if meta.get("format") != CHECKPOINT_FORMAT or meta.get("engine") != "fsdp":
+            raise ValueError(
+                f"{final}: unsupported checkpoint (format {meta.get('format')}, engine {meta.get('engine')})"
+            )
+        self.optimizer = build_optimizer(self.model.parameters(), self.actor.optimizer)
+        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        if meta["optimizer"]:
+            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        dcp.load(state, checkpoint_id=str(final / "dcp"))
+        set_model_state_dict(self.model, state["model"])
+        if meta["optimizer"]:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        self._step = int(meta["step"])
+        rng_file = final / "rng" / f"rank{self.rank}.pt"
+        if rng_file.is_file():
+            ckpt.restore_rng(torch.load(rng_file, weights_only=False))
+        else:
+            warnings.warn(
+                f"{final} was saved by {meta['world_size']} ranks: no RNG state for rank {self.rank}", stacklevel=2
+            )
+        extra = torch.load(final / "extra.pt", weights_only=False)
+        dist_utils.barrier()
+        return extra
+
+    def close(self) -> None:
+        """Drop the model and optimizer (the process group stays for other engines)."""
+        if self._closed:
+            return
+        self._closed = True
+        del self.model
+        self.optimizer = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def _optimizer_has_state(optimizer: torch.optim.Optimizer) -> bool:
+    return any(len(s) > 0 for s in optimizer.state.values())
+
+
+class _Accumulator:
+    """Per-step sums on the device, reduced over ranks in one all-reduce by :meth:`reduce`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        self.loss = zero.clone()
+        self.entropy = zero.clone()
+        self.response_tokens = zero.clone()
+        self.tokens = zero.clone()
+        self.metrics: dict[str, torch.Tensor] = {}
+
+    def add(
+        self, mb: TensorBatch, loss: torch.Tensor, entropy: torch.Tensor, token_metrics: Mapping[str, torch.Tensor]
+    ) -> None:
+        on = mb["response_mask"] != 0
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.loss += loss.double()
+        self.entropy += torch.where(on, entropy.double(), zero).sum()
+        self.response_tokens += on.sum().double()
+        self.tokens += (mb["attention_mask"] != 0).sum().double()
+        for name, value in token_metrics.items():
+            # where, not a product: a metric may be non-finite off the response (e.g. a ratio)
+            total = torch.where(on, value.detach().double(), zero).sum()
+            self.metrics[name] = self.metrics[name] + total if name in self.metrics else total
+
+    def reduce(self) -> dict[str, float]:
+        """``loss`` and ``tokens`` as global sums; ``entropy`` and each token metric as global means
+        over response tokens (0 when the batch has none)."""
+        names: Sequence[str] = dist_utils.union_of_names(list(self.metrics))
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        parts = [self.loss, self.entropy, self.response_tokens, self.tokens]
+        parts += [self.metrics.get(name, zero) for name in names]
+        values = dist_utils.all_reduce(torch.stack(parts)).tolist()
+        loss, entropy, count, tokens = values[:4]
+        denom = max(count, 1.0)
+        out = {name: value / denom for name, value in zip(names, values[4:])}
+        out.update(loss=loss, entropy=entropy / denom, tokens=tokens)
+        return out

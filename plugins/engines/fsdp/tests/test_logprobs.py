@@ -1,0 +1,36 @@
+"""Log-prob / entropy alignment against a direct computation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from core_rl_fsdp.logprobs import token_logprobs
+
+
+def test_alignment_temperature_and_padding() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 5)
+    ids = torch.tensor([[1, 2, 3, 4], [0, 4, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    logits[1, 2:] = float("nan")  # garbage under padding must not leak
+    lp, ent = token_logprobs(logits, ids, mask, temperature=0.5, with_entropy=True)
+    assert lp.dtype == torch.float32 and lp.shape == (2, 4)
+    for b in range(2):
+        for t in range(4):
+            if t == 0 or mask[b, t] == 0:
+                assert lp[b, t] == 0 and ent[b, t] == 0
+                continue
+            p = torch.softmax(logits[b, t - 1] / 0.5, dim=-1)
+            assert lp[b, t].item() == pytest.approx(math.log(p[ids[b, t]].item()), abs=1e-5)
+            assert ent[b, t].item() == pytest.approx(-(p * p.log()).sum().item(), abs=1e-5)
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
+
+
+def test_without_entropy_and_bad_temperature() -> None:
+    lp, ent = token_logprobs(torch.zeros(1, 3, 4), torch.tensor([[0, 1, 2]]), torch.ones(1, 3))
+    assert ent is None
+    assert lp[0, 1:].tolist() == pytest.approx([math.log(0.25)] * 2)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(torch.zeros(1, 3, 4), torch.tensor([[0, 1, 2]]), torch.ones(1, 3), 0.0)

@@ -1,0 +1,60 @@
+"""The learning-rate schedule against hand-computed values, and optimizer construction."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from core_rl.config.schema import OptimizerConfig, SchedulerConfig
+from core_rl_fsdp.optim import build_optimizer, lr_at, warmup_steps
+
+
+def test_constant_with_warmup() -> None:
+    cfg = SchedulerConfig(name="constant", warmup_steps=4)
+    assert [lr_at(s, 1.0, cfg) for s in range(6)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+
+
+def test_constant_without_total_steps() -> None:
+    assert lr_at(1000, 3e-4, SchedulerConfig()) == 3e-4
+
+
+def test_linear_decay_to_min_ratio() -> None:
+    cfg = SchedulerConfig(name="linear", warmup_steps=2, total_steps=10, min_lr_ratio=0.1)
+    # after warmup: p = (s - 2) / 8; lr = 0.1 + 0.9 * (1 - p)
+    want = [0.5, 1.0, 1.0, 0.8875, 0.775, 0.6625, 0.55, 0.4375, 0.325, 0.2125, 0.1, 0.1, 0.1]
+    assert [lr_at(s, 1.0, cfg) for s in range(13)] == pytest.approx(want)
+
+
+def test_cosine_decay() -> None:
+    cfg = SchedulerConfig(name="cosine", total_steps=4, min_lr_ratio=0.0)
+    # p = s / 4; lr = 2 * (1 + cos(pi p)) / 2
+    want = [2.0, 1.0 + math.sqrt(0.5), 1.0, 1.0 - math.sqrt(0.5), 0.0, 0.0]
+    assert [lr_at(s, 2.0, cfg) for s in range(6)] == pytest.approx(want)
+    cfg = SchedulerConfig(name="cosine", warmup_steps=1, total_steps=5, min_lr_ratio=0.5)
+    assert lr_at(0, 1.0, cfg) == pytest.approx(1.0)
+    assert lr_at(3, 1.0, cfg) == pytest.approx(0.5 + 0.5 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(5, 1.0, cfg) == pytest.approx(0.5)
+
+
+def test_warmup_ratio() -> None:
+    cfg = SchedulerConfig(name="linear", warmup_ratio=0.25, total_steps=10)
+    assert warmup_steps(cfg) == 2
+    assert lr_at(0, 1.0, cfg) == pytest.approx(0.5)
+    assert lr_at(2, 1.0, cfg) == pytest.approx(1.0)
+    assert warmup_steps(SchedulerConfig(warmup_steps=3, warmup_ratio=0.5, total_steps=100)) == 3
+
+
+def test_decay_needs_total_steps() -> None:
+    with pytest.raises(ValueError, match="total_steps"):
+        lr_at(0, 1.0, SchedulerConfig(name="cosine"))
+
+
+def test_build_optimizers() -> None:
+    params = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2), requires_grad=False)]
+    adam = build_optimizer(params, OptimizerConfig(name="adamw", lr=0.1, betas=(0.8, 0.9), weight_decay=0.01))
+    assert isinstance(adam, torch.optim.AdamW)
+    group = adam.param_groups[0]
+    assert len(group["params"]) == 1 and group["betas"] == (0.8, 0.9) and group["weight_decay"] == 0.01
+    sgd = build_optimizer(params, OptimizerConfig(name="sgd", lr=0.5, momentum=0.9))
+    assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["momentum"] == 0.9

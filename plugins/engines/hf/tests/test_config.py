@@ -1,0 +1,48 @@
+"""The ``rollout.engine`` section of the ``hf`` engine, validated as the core loader does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from core_rl.config.loader import structure
+from core_rl.errors import ConfigError
+from core_rl_hf.config import HFRolloutConfig, resolve_device
+
+
+def _load(**options: object) -> HFRolloutConfig:
+    return structure(options, HFRolloutConfig, path="rollout.engine")
+
+
+def test_defaults() -> None:
+    cfg = _load()
+    assert (cfg.dtype, cfg.device, cfg.max_batch_size, cfg.seed) == ("float32", "auto", 256, None)
+
+
+def test_valid_options() -> None:
+    cfg = _load(dtype="bfloat16", device="cuda:1", max_batch_size=8, seed=3)
+    assert (cfg.dtype, cfg.device, cfg.max_batch_size, cfg.seed) == ("bfloat16", "cuda:1", 8, 3)
+    assert _load(seed=None).seed is None
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"dtype": "float64"}, "rollout.engine.dtype: must be one of"),
+        ({"device": "gpu0"}, "rollout.engine.device: must be 'auto' or a torch device"),
+        ({"max_batch_size": 0}, "rollout.engine.max_batch_size: must be > 0"),
+        ({"seed": "seven"}, "rollout.engine.seed"),
+        ({"max_batch_size": 2.5}, "rollout.engine.max_batch_size: expected an integer"),
+    ],
+)
+def test_invalid_options(options: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _load(**options)
+
+
+def test_resolve_device() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == want
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            resolve_device("cuda")

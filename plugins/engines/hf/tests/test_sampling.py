@@ -1,0 +1,84 @@
+"""Unit tests of one decoding step (:mod:`core_rl_hf.sampling`) on hand-made logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from core_rl.interfaces import SamplingParams
+from core_rl_hf.sampling import block_tokens, check_sampling, choose_tokens, top_k_filter, top_p_filter
+
+NEG = float("-inf")
+
+
+def test_block_tokens_copies_and_masks() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    out = block_tokens(logits, [0, 2])
+    assert out.tolist() == [[NEG, 2.0, NEG]]
+    assert logits.tolist() == [[1.0, 2.0, 3.0]]
+    assert block_tokens(logits, []).tolist() == logits.tolist()
+
+
+def test_top_k_keeps_k_largest_and_ties() -> None:
+    logits = torch.tensor([[0.0, 5.0, 3.0, 4.0], [1.0, 1.0, 1.0, 0.0]])
+    assert top_k_filter(logits, 2).tolist() == [[NEG, 5.0, NEG, 4.0], [1.0, 1.0, 1.0, NEG]]
+    assert top_k_filter(logits, 0) is logits
+    assert top_k_filter(logits, 4) is logits
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p() -> None:
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]])
+    logits = probs.log()
+    # descending order 0.5, 0.3, 0.15, 0.05; mass before each: 0, 0.5, 0.8, 0.95
+    kept = lambda p: torch.isfinite(top_p_filter(logits, p))[0].tolist()  # noqa: E731
+    assert kept(0.5) == [False, True, False, False]
+    assert kept(0.51) == [False, True, False, True]
+    assert kept(0.81) == [True, True, False, True]
+    assert kept(1e-9) == [False, True, False, False]
+    assert top_p_filter(logits, 1.0) is logits
+
+
+def test_greedy_blocks_but_reports_unblocked_logprob() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    tokens, lps = choose_tokens(logits, SamplingParams(greedy=True, temperature=0.3), blocked=[0])
+    assert tokens.tolist() == [1]
+    assert math.isclose(lps.item(), torch.log_softmax(logits, -1)[0, 1].item(), abs_tol=1e-6)
+
+
+def test_sampling_logprob_is_temperature_scaled_and_unfiltered() -> None:
+    logits = torch.tensor([[3.0, 1.0, 0.5, -1.0]])
+    params = SamplingParams(temperature=0.5, top_k=2, top_p=0.9)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        tokens, lps = choose_tokens(logits, params, blocked=[0], generator=gen)
+        token = tokens.item()
+        # token 0 is blocked; top-k 2 of the rest keeps {1, 2}; the reported log-prob ignores both filters
+        assert token in (1, 2)
+        assert math.isclose(lps.item(), torch.log_softmax(logits / 0.5, -1)[0, token].item(), abs_tol=1e-6)
+
+
+def test_sampling_rows_are_independent() -> None:
+    logits = torch.tensor([[10.0, -10.0], [-10.0, 10.0]]).repeat(50, 1)
+    tokens, _ = choose_tokens(logits, SamplingParams(), generator=torch.Generator().manual_seed(1))
+    assert tokens.tolist() == [0, 1] * 50
+
+
+@pytest.mark.parametrize(
+    ("params", "fragment"),
+    [
+        (SamplingParams(n=0), "n must be >= 1"),
+        (SamplingParams(max_new_tokens=0), "max_new_tokens"),
+        (SamplingParams(min_new_tokens=-1), "min_new_tokens"),
+        (SamplingParams(temperature=0.0), "temperature"),
+        (SamplingParams(top_p=0.0), "top_p"),
+        (SamplingParams(top_p=1.5), "top_p"),
+    ],
+)
+def test_check_sampling_rejects(params: SamplingParams, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        check_sampling(params)
+
+
+def test_check_sampling_accepts_greedy_with_zero_temperature() -> None:
+    check_sampling(SamplingParams(greedy=True, temperature=0.0))

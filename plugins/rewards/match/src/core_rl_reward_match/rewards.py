@@ -1,0 +1,129 @@
+"""Rewards comparing a response with the reference answer in its data row.
+
+Both rewards normalise the same way (:meth:`MatchReward.normalise_response`,
+:meth:`MatchReward.normalise_answer`) and differ only in how two normalised strings ``r``
+(response) and ``a`` (answer) are scored:
+
+- ``exact_match``: ``1.0 if r == a else 0.0``.
+- ``char_match``: ``sum_i [r[i] == a[i]] / max(len(a), len(r))`` over ``i < min(len(a), len(r))``;
+  ``1.0`` when both are empty. It is 1.0 exactly when ``r == a``.
+
+With ``require_stop`` a response whose ``finish_reason`` is not ``"stop"`` (it hit the length
+limit) scores 0.0 whatever its text.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+from core_rl.config.validators import FieldValueError
+from core_rl.errors import DataError
+from core_rl.interfaces import Reward
+from core_rl.protocol import RewardInput
+
+
+def _non_empty(_inst: Any, attribute: attrs.Attribute[Any], value: str) -> None:
+    if not value:
+        raise FieldValueError(attribute.name, value, "must not be empty")
+
+
+def _no_empty_strings(_inst: Any, attribute: attrs.Attribute[Any], value: list[str]) -> None:
+    if any(s == "" for s in value):
+        raise FieldValueError(attribute.name, value, "must not contain an empty string")
+
+
+@attrs.define
+class MatchConfig:
+    """The ``reward`` section of ``exact_match`` and ``char_match`` (see the package README)."""
+
+    answer_key: str = attrs.field(default="answer", validator=_non_empty)
+    strip: bool = True
+    case_sensitive: bool = True
+    stop_at: list[str] = attrs.field(factory=list, validator=_no_empty_strings)
+    require_stop: bool = False
+
+
+def cut_at(text: str, markers: Sequence[str]) -> str:
+    """``text`` up to (excluding) the earliest occurrence of any of ``markers``; all of it if none occurs."""
+    ends = [i for i in (text.find(m) for m in markers) if i >= 0]
+    return text[: min(ends)] if ends else text
+
+
+def char_match_score(response: str, answer: str) -> float:
+    """``sum_i [response[i] == answer[i]] / max(len(answer), len(response))``; 1.0 for two empty strings."""
+    width = max(len(answer), len(response))
+    if width == 0:
+        return 1.0
+    return sum(r == a for r, a in zip(response, answer)) / width
+
+
+class MatchReward(Reward):
+    """Normalises responses and answers per :class:`MatchConfig` and scores them with :meth:`compare`."""
+
+    name = "match"
+
+    def __init__(self, config: MatchConfig | None = None) -> None:
+        self.config = config if config is not None else MatchConfig()
+
+    def normalise_response(self, text: str) -> str:
+        """Cut at ``stop_at``, then strip, then casefold (as configured)."""
+        return self._common(cut_at(text, self.config.stop_at))
+
+    def normalise_answer(self, value: Any) -> str:
+        """``str(value)``, then strip, then casefold (as configured); ``stop_at`` is not applied."""
+        return self._common(value if isinstance(value, str) else str(value))
+
+    def _common(self, text: str) -> str:
+        if self.config.strip:
+            text = text.strip()
+        if not self.config.case_sensitive:
+            text = text.casefold()
+        return text
+
+    def answer_of(self, row: Mapping[str, Any]) -> Any:
+        """The row's reference answer; :class:`DataError` if the column is missing or null."""
+        key = self.config.answer_key
+        if key not in row:
+            keys = ", ".join(repr(k) for k in row) or "none"
+            raise DataError(
+                f"reward {self.name!r}: the data row has no {key!r} column (its keys: {keys}); "
+                "set reward.answer_key to the column holding the reference answer"
+            )
+        if row[key] is None:
+            raise DataError(f"reward {self.name!r}: the data row's {key!r} is null")
+        return row[key]
+
+    @abstractmethod
+    def compare(self, response: str, answer: str) -> float:
+        """Score two normalised strings."""
+
+    def score(self, items: Sequence[RewardInput]) -> list[float]:
+        scores = []
+        for item in items:
+            answer = self.normalise_answer(self.answer_of(item.row))
+            if self.config.require_stop and item.finish_reason != "stop":
+                scores.append(0.0)
+            else:
+                scores.append(float(self.compare(self.normalise_response(item.response_text), answer)))
+        return scores
+
+
+class ExactMatchReward(MatchReward):
+    """1.0 if the normalised response equals the normalised answer, else 0.0."""
+
+    name = "exact_match"
+
+    def compare(self, response: str, answer: str) -> float:
+        return 1.0 if response == answer else 0.0
+
+
+class CharMatchReward(MatchReward):
+    """Position-wise character agreement, see :func:`char_match_score`."""
+
+    name = "char_match"
+
+    def compare(self, response: str, answer: str) -> float:
+        return char_match_score(response, answer)
