@@ -1,0 +1,118 @@
+"""End-to-end training through the CLI with the real plugins (fsdp, hf, grpo, char_match) on a tiny
+model: metrics, checkpoints, export, exact resume, and 2-rank training under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from core_rl.builtin.loggers import read_metrics
+from core_rl.testing.tiny import build_tiny_model
+
+pytest.importorskip("core_rl_fsdp")
+pytest.importorskip("core_rl_hf")
+pytest.importorskip("core_rl_grpo")
+pytest.importorskip("core_rl_reward_match")
+
+REQUIRED_METRICS = {
+    "reward/mean", "reward/std", "response_length/mean", "actor/loss", "actor/entropy", "actor/clipped",
+    "actor/grad_norm", "actor/lr", "timing/generate_s", "timing/train_s", "timing/weight_sync_s",
+    "timing/step_s", "throughput/tokens_per_s",
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("e2e")
+    model = build_tiny_model(root / "model", alphabet="abcd=", seed=0)
+    data = root / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{s}=", "answer": s[::-1]}) + "\n"
+                            for s in ("ab", "ba", "abc", "dca", "bd", "cc")))
+    config = {
+        "experiment": {"name": "run", "output_dir": str(root / "runs"), "seed": 3},
+        "data": {"train_files": [str(data)], "batch_size": 2},
+        "actor": {"model_path": str(model), "engine": {"name": "fsdp"},
+                  "optimizer": {"name": "adamw", "lr": 1e-2}},
+        "rollout": {"engine": {"name": "hf"}, "sampling": {"n": 4, "max_new_tokens": 4}},
+        "algorithm": {"name": "grpo", "loss": {"name": "ppo_clip", "kl_coef": 0.01}},
+        "reward": {"name": "char_match"},
+        "trainer": {"total_steps": 4, "torch_threads": 1},
+        "saver": {"every_n_steps": 2, "keep_last": 1},
+        "loggers": [{"name": "console"}],
+    }
+    path = root / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return {"root": root, "config": path}
+
+
+def _train(config: Path, *overrides: str, nproc: int = 0) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if nproc:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={port}", "-m", "core_rl.cli"]
+    else:
+        cmd = [sys.executable, "-m", "core_rl.cli"]
+    proc = subprocess.run([*cmd, "train", str(config), *overrides], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_train_writes_metrics_checkpoints_and_model(setup):
+    runs = setup["root"] / "runs"
+    proc = _train(setup["config"], "experiment.name=full")
+    run = runs / "full"
+    assert f"metrics:    {run / 'metrics.jsonl'}" in proc.stdout
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert REQUIRED_METRICS <= set(row), REQUIRED_METRICS - set(row)
+        assert "actor/kl" in row  # kl_coef > 0 builds a reference model
+        assert 0.0 <= row["reward/mean"] <= 1.0
+    assert rows[0]["actor/kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any update
+    # keep_last=1: only the newest checkpoint remains, and "latest" names it
+    ckpts = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    assert ckpts == ["step_00000004"]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(run / "final_hf")
+    # a second fresh run into the same directory is refused (exit 2, no traceback)
+    again = subprocess.run([sys.executable, "-m", "core_rl.cli", "train", str(setup["config"]),
+                            "experiment.name=full"], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 2 and "trainer.resume=true" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_resume_continues_exactly(setup):
+    runs = setup["root"] / "runs"
+    _train(setup["config"], "experiment.name=straight")
+    _train(setup["config"], "experiment.name=resumed", "trainer.total_steps=2")
+    _train(setup["config"], "experiment.name=resumed", "trainer.total_steps=4", "trainer.resume=true")
+    straight = {r["step"]: r for r in read_metrics(runs / "straight" / "metrics.jsonl")}
+    resumed = {r["step"]: r for r in read_metrics(runs / "resumed" / "metrics.jsonl")}
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for step in (3, 4):
+        for key in ("reward/mean", "actor/loss", "actor/grad_norm", "response_length/mean"):
+            assert resumed[step][key] == pytest.approx(straight[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+def test_two_ranks_match_one_rank(setup):
+    runs = setup["root"] / "runs"
+    _train(setup["config"], "experiment.name=one", "trainer.total_steps=2", "saver.every_n_steps=0", nproc=1)
+    _train(setup["config"], "experiment.name=two", "trainer.total_steps=2", "saver.every_n_steps=0", nproc=2)
+    one = read_metrics(runs / "one" / "metrics.jsonl")
+    two = read_metrics(runs / "two" / "metrics.jsonl")
+    assert len(one) == len(two) == 2
+    for a, b in zip(one, two):
+        for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "actor/kl"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
