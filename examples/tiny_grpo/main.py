@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 from core_rl import cli
 from core_rl.builtin.loggers import read_metrics
 from core_rl.testing.tiny import build_tiny_model
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides for grpo.yaml")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    transformers.utils.logging.disable_progress_bar()
     start = time.perf_counter()
     work = Path(args.workdir)
     if work.exists():

@@ -54,6 +54,15 @@ def _build(host: PluginHost, kind: PluginKind, spec: PluginSpec) -> Any:
     return host.get(kind, spec.name).factory(spec.config)
 
 
+def _quiet_library_progress_bars() -> None:
+    """The console logger is the run's progress bar; silence the per-load bars of libraries."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+
+
 def _dist() -> tuple[int, int]:
     import torch.distributed as dist
 
@@ -112,6 +121,7 @@ class SyncTrainer:
             self.ref = engine_entry.factory(cfg.actor, cfg.actor.engine.config, trainable=False)
         self.rank, self.world_size = _dist()
 
+        _quiet_library_progress_bars()
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.tokenizer_path or cfg.actor.model_path)
