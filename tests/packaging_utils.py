@@ -26,7 +26,7 @@ PLUGIN_ENV_VARS = ("CORE_RL_PLUGINS_ALLOW", "CORE_RL_PLUGINS_BLOCK")
 PIP_TIMEOUT_S = 900
 CLI_TIMEOUT_S = 300
 # one short try, so an unreachable index is detected in seconds rather than after retries
-PROBE_ARGS = ("--retries", "0", "--timeout", "20", "--dest")
+PROBE_ARGS = ("--retries", "0", "--timeout", "20")
 
 
 # -- the projects of this repository ----------------------------------------------------------------
@@ -195,7 +195,7 @@ def make_venv(venv: Path) -> Path:
 
 def pip(python: Path, *args: str | Path, timeout: float = PIP_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
     """``pip ARGS`` acting on ``python``'s environment (pip's cache and configuration as usual)."""
-    return check_run([sys.executable, "-m", "pip", "--python", python, *args], timeout=timeout)
+    return check_run([sys.executable, "-m", "pip", "--python", python, *args], env=clean_env(), timeout=timeout)
 
 
 def pip_install(python: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
@@ -210,21 +210,8 @@ def registry_problem(scratch: Path) -> str | None:
     Downloads one small package, bypassing the cache, with one short try: a quick answer before the
     long installs that would otherwise wait out network timeouts.
     """
-    proc = run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--no-cache-dir",
-            "--quiet",
-            *PROBE_ARGS,
-            scratch,
-            "pluggy",
-        ],
-        timeout=120,
-    )
+    download = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--quiet", *PROBE_ARGS]
+    proc = run([*download, "--dest", scratch, "pluggy"], env=clean_env(), timeout=120)
     if proc.returncode == 0:
         return None
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

@@ -55,6 +55,14 @@ def test_override_replaces_on_purpose():
     host.register_plugin(Override(), distribution="dist-y")
     assert host.get(REWARD, "a").distribution == "dist-y"
 
+    class SecondOverride:
+        @hookimpl
+        def core_rl_register_rewards(self, register):
+            register("a", lambda c: None, description="another", override=True)
+
+    with pytest.raises(PluginError, match="registered twice: by dist-y and by dist-z"):
+        host.register_plugin(SecondOverride(), distribution="dist-z")
+
 
 def test_config_cls_must_be_attrs():
     class Bad:
@@ -159,3 +167,46 @@ def test_builtin_loggers_come_through_entry_points():
         entry = host.get(LOGGER, name)
         assert entry.distribution == "core-rl"
     assert PluginHost(environ={"CORE_RL_PLUGINS_ALLOW": "nothing-else"}).get(LOGGER, "jsonl")
+
+
+@pytest.fixture
+def override_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "crl_plain_logger.py").write_text(
+        textwrap.dedent("""
+        from core_rl.hookspecs import hookimpl
+
+        @hookimpl
+        def core_rl_register_loggers(register):
+            register("shared", lambda c: "plain", description="the original")
+    """)
+    )
+    (tmp_path / "crl_override_logger.py").write_text(
+        textwrap.dedent("""
+        from core_rl.hookspecs import hookimpl
+
+        @hookimpl
+        def core_rl_register_loggers(register):
+            register("shared", lambda c: "override", description="the replacement", override=True)
+    """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("crl_plain_logger", "crl_override_logger"):
+        sys.modules.pop(name, None)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "order", [("crl_plain_logger", "crl_override_logger"), ("crl_override_logger", "crl_plain_logger")]
+)
+def test_override_wins_whatever_the_load_order(override_modules, order):
+    eps = [md.EntryPoint("shared", module, "core_rl.loggers") for module in order]
+    host = PluginHost(entry_points=eps, environ={})
+    assert host.create(LOGGER, "shared", None) == "override"
+    assert [s.status for s in host.statuses()] == ["loaded", "loaded"]
+
+
+def test_env_lists_compare_names_as_packaging_does():
+    from core_rl.plugins import _normalise, _split_env
+
+    assert _split_env(" Core_RL.Example-plugin , other ") == {"core-rl-example-plugin", "other"}
+    assert _normalise("core_rl__grpo") == "core-rl-grpo"

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from core_rl.builtin.loggers import read_metrics
 from core_rl.testing.tiny import build_tiny_model
 
@@ -22,9 +21,19 @@ pytest.importorskip("core_rl_grpo")
 pytest.importorskip("core_rl_reward_match")
 
 REQUIRED_METRICS = {
-    "reward/mean", "reward/std", "response_length/mean", "actor/loss", "actor/entropy", "actor/clipped",
-    "actor/grad_norm", "actor/lr", "timing/generate_s", "timing/train_s", "timing/weight_sync_s",
-    "timing/step_s", "throughput/tokens_per_s",
+    "reward/mean",
+    "reward/std",
+    "response_length/mean",
+    "actor/loss",
+    "actor/entropy",
+    "actor/clipped",
+    "actor/grad_norm",
+    "actor/lr",
+    "timing/generate_s",
+    "timing/train_s",
+    "timing/weight_sync_s",
+    "timing/step_s",
+    "throughput/tokens_per_s",
 }
 
 
@@ -33,13 +42,15 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("e2e")
     model = build_tiny_model(root / "model", alphabet="abcd=", seed=0)
     data = root / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{s}=", "answer": s[::-1]}) + "\n"
-                            for s in ("ab", "ba", "abc", "dca", "bd", "cc")))
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"{s}=", "answer": s[::-1]}) + "\n" for s in ("ab", "ba", "abc", "dca", "bd", "cc")
+        )
+    )
     config = {
         "experiment": {"name": "run", "output_dir": str(root / "runs"), "seed": 3},
         "data": {"train_files": [str(data)], "batch_size": 2},
-        "actor": {"model_path": str(model), "engine": {"name": "fsdp"},
-                  "optimizer": {"name": "adamw", "lr": 1e-2}},
+        "actor": {"model_path": str(model), "engine": {"name": "fsdp"}, "optimizer": {"name": "adamw", "lr": 1e-2}},
         "rollout": {"engine": {"name": "hf"}, "sampling": {"n": 4, "max_new_tokens": 4}},
         "algorithm": {"name": "grpo", "loss": {"name": "ppo_clip", "kl_coef": 0.01}},
         "reward": {"name": "char_match"},
@@ -58,12 +69,20 @@ def _train(config: Path, *overrides: str, nproc: int = 0) -> subprocess.Complete
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={port}", "-m", "core_rl.cli"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            f"--master_port={port}",
+            "-m",
+            "core_rl.cli",
+        ]
     else:
         cmd = [sys.executable, "-m", "core_rl.cli"]
-    proc = subprocess.run([*cmd, "train", str(config), *overrides], capture_output=True, text=True, env=env,
-                          timeout=600)
+    proc = subprocess.run(
+        [*cmd, "train", str(config), *overrides], capture_output=True, text=True, env=env, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -88,8 +107,12 @@ def test_train_writes_metrics_checkpoints_and_model(setup):
 
     AutoModelForCausalLM.from_pretrained(run / "final_hf")
     # a second fresh run into the same directory is refused (exit 2, no traceback)
-    again = subprocess.run([sys.executable, "-m", "core_rl.cli", "train", str(setup["config"]),
-                            "experiment.name=full"], capture_output=True, text=True, timeout=600)
+    again = subprocess.run(
+        [sys.executable, "-m", "core_rl.cli", "train", str(setup["config"]), "experiment.name=full"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert again.returncode == 2 and "trainer.resume=true" in again.stderr and "Traceback" not in again.stderr
 
 

@@ -71,6 +71,9 @@ def _cmd_plugins(as_json: bool) -> int:
     rows = []
     for st in statuses:
         entry = host.registries[st.kind.key].get(st.name)
+        status = st.status if not st.error else f"{st.status}: {st.error}"
+        if entry is not None and st.status == "loaded" and entry.distribution != st.distribution:
+            status = f"overridden by {entry.distribution}"
         rows.append(
             {
                 "kind": st.kind.label,
@@ -78,7 +81,7 @@ def _cmd_plugins(as_json: bool) -> int:
                 "distribution": st.distribution,
                 "version": st.version,
                 "description": entry.description if entry else "",
-                "status": st.status if not st.error else f"{st.status}: {st.error}",
+                "status": status,
             }
         )
     if as_json:

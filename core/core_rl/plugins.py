@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import os
+import re
 import traceback
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -45,12 +46,13 @@ class EntryPointStatus:
     error: str = ""
 
 
-def _split_env(value: str | None) -> set[str]:
-    return {part.strip().lower() for part in (value or "").split(",") if part.strip()}
-
-
 def _normalise(dist_name: str) -> str:
-    return dist_name.lower().replace("_", "-")
+    """A distribution name as packaging compares them: lower case, runs of ``-_.`` as one ``-``."""
+    return re.sub(r"[-_.]+", "-", dist_name).lower()
+
+
+def _split_env(value: str | None) -> set[str]:
+    return {_normalise(part.strip()) for part in (value or "").split(",") if part.strip()}
 
 
 class PluginHost:
@@ -76,12 +78,20 @@ class PluginHost:
         groups = {kind.group: kind for kind in ALL_KINDS}
         if entry_points is None:
             entry_points = [ep for group in groups for ep in md.entry_points(group=group)]
-        self._entry_points: dict[str, dict[str, md.EntryPoint]] = {kind.key: {} for kind in ALL_KINDS}
+        # kind -> name -> entry points declaring it (several when a distribution overrides a name),
+        # core-rl's first so that an override registered by another distribution loads after it
+        self._entry_points: dict[str, dict[str, list[md.EntryPoint]]] = {kind.key: {} for kind in ALL_KINDS}
         for ep in entry_points:
             kind = groups.get(ep.group)
-            if kind is not None:
-                self._entry_points[kind.key].setdefault(ep.name, ep)
-        self._status: dict[tuple[str, str], EntryPointStatus] = {}
+            if kind is None:
+                continue
+            declared = self._entry_points[kind.key].setdefault(ep.name, [])
+            if all((e.value, self._distribution_of(e)) != (ep.value, self._distribution_of(ep)) for e in declared):
+                declared.append(ep)
+        for by_name in self._entry_points.values():
+            for declared in by_name.values():
+                declared.sort(key=lambda e: _normalise(self._distribution_of(e)[0]) != CORE_DISTRIBUTION)
+        self._status: dict[tuple[str, str, str], EntryPointStatus] = {}
 
     # -- registration -------------------------------------------------------------------------
 
@@ -130,8 +140,9 @@ class PluginHost:
                 distribution=distribution,
                 version=version,
                 config_cls=config_cls,
+                override=override,
             )
-            registry.add(entry, override=override)
+            registry.add(entry)
 
         return register
 
@@ -152,8 +163,8 @@ class PluginHost:
         return False
 
     def _load_entry_point(self, kind: PluginKind, ep: md.EntryPoint) -> EntryPointStatus:
-        key = (kind.key, ep.name)
-        if key in self._status and self._status[key].status != "not loaded":
+        key = (kind.key, ep.name, ep.value)
+        if key in self._status:
             return self._status[key]
         distribution, version = self._distribution_of(ep)
         if self._is_blocked(distribution):
@@ -163,7 +174,9 @@ class PluginHost:
         else:
             try:
                 plugin = ep.load()
-                self.register_plugin(plugin, distribution=distribution, version=version, name=f"{ep.group}:{ep.name}")
+                self.register_plugin(
+                    plugin, distribution=distribution, version=version, name=f"{distribution}:{ep.value}"
+                )
                 status = EntryPointStatus(kind, ep.name, distribution, version, "loaded")
             except Exception as exc:  # a broken plugin must not break others
                 last = traceback.format_exception_only(type(exc), exc)[-1].strip()
@@ -171,33 +184,41 @@ class PluginHost:
         self._status[key] = status
         return status
 
+    def _load_name(self, kind: PluginKind, name: str) -> list[EntryPointStatus]:
+        """Load every entry point declaring ``name`` of ``kind`` (core-rl's first)."""
+        return [self._load_entry_point(kind, ep) for ep in self._entry_points[kind.key].get(name, [])]
+
     def load_all(self) -> list[EntryPointStatus]:
         """Load every discovered entry point, recording failures instead of raising."""
         for kind in ALL_KINDS:
-            for ep in self._entry_points[kind.key].values():
-                self._load_entry_point(kind, ep)
+            for name in self._entry_points[kind.key]:
+                self._load_name(kind, name)
         return self.statuses()
 
     def statuses(self) -> list[EntryPointStatus]:
-        """One status per discovered entry point and per name registered without one."""
-        out: dict[tuple[str, str], EntryPointStatus] = {}
+        """One status per discovered entry point and one per name registered without one."""
+        out: list[EntryPointStatus] = []
         for kind in ALL_KINDS:
-            for name, ep in self._entry_points[kind.key].items():
-                distribution, version = self._distribution_of(ep)
-                out[(kind.key, name)] = self._status.get(
-                    (kind.key, name), EntryPointStatus(kind, name, distribution, version, "not loaded")
-                )
+            declared = self._entry_points[kind.key]
+            for name in sorted(declared):
+                for ep in declared[name]:
+                    distribution, version = self._distribution_of(ep)
+                    out.append(
+                        self._status.get(
+                            (kind.key, name, ep.value),
+                            EntryPointStatus(kind, name, distribution, version, "not loaded"),
+                        )
+                    )
             for entry in self.registries[kind.key]:
-                key = (kind.key, entry.name)
-                if key not in out or out[key].status != "loaded":
-                    out.setdefault(key, EntryPointStatus(kind, entry.name, entry.distribution, entry.version, "loaded"))
-        return [out[k] for k in sorted(out, key=lambda k: (k[0], k[1]))]
+                if entry.name not in declared:
+                    out.append(EntryPointStatus(kind, entry.name, entry.distribution, entry.version, "loaded"))
+        return out
 
     def available_names(self, kind: PluginKind) -> list[str]:
         """Names of this kind that are registered or discoverable (and not blocked)."""
         names = set(self.registries[kind.key].names())
-        for name, ep in self._entry_points[kind.key].items():
-            if not self._is_blocked(self._distribution_of(ep)[0]):
+        for name, eps in self._entry_points[kind.key].items():
+            if any(not self._is_blocked(self._distribution_of(ep)[0]) for ep in eps):
                 names.add(name)
         return sorted(names)
 
@@ -209,28 +230,25 @@ class PluginHost:
         Raises :class:`PluginError` naming what is installed and the extra that provides
         ``name`` when it is unknown, blocked, or failed to import.
         """
-        registry = self.registries[kind.key]
-        entry = registry.get(name)
+        statuses = self._load_name(kind, name)
+        entry = self.registries[kind.key].get(name)
         if entry is not None:
             return entry
-        ep = self._entry_points[kind.key].get(name)
-        if ep is not None:
-            status = self._load_entry_point(kind, ep)
+        for status in statuses:
             if status.status == "failed":
                 raise PluginError(
                     f"{kind.label} {name!r} from {status.distribution} {status.version} failed to import: "
                     f"{status.error}; reinstall or fix that distribution"
                 )
+        for status in statuses:
             if status.status == "blocked":
                 raise PluginError(
                     f"{kind.label} {name!r} is provided by {status.distribution}, which is blocked by "
                     f"{ENV_BLOCK} or not in {ENV_ALLOW}; unset or change that variable to use it"
                 )
-            entry = registry.get(name)
-            if entry is not None:
-                return entry
+        if statuses:
             raise PluginError(
-                f"{status.distribution} declares {kind.label} {name!r} in entry-point group {kind.group} "
+                f"{statuses[0].distribution} declares {kind.label} {name!r} in entry-point group {kind.group} "
                 f"but its plugin did not register it through {kind.hook}"
             )
         raise PluginError(unknown_name_message(kind, name, self.available_names(kind)))

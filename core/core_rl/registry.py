@@ -22,21 +22,29 @@ class RegistryEntry:
     distribution: str
     version: str
     config_cls: type | None = None
+    override: bool = False
 
 
 class Registry:
-    """The entries of one kind, by name. A duplicate name is an error unless ``override`` is set."""
+    """The entries of one kind, by name.
+
+    A duplicate name is an error, unless exactly one of the two registrations asked to ``override``: an
+    overriding entry replaces a plain one and is kept when a plain one arrives later, whatever the
+    order plugins load in.
+    """
 
     def __init__(self, kind: PluginKind) -> None:
         self.kind = kind
         self._entries: dict[str, RegistryEntry] = {}
 
-    def add(self, entry: RegistryEntry, *, override: bool = False) -> None:
-        """Add ``entry``; raise :class:`PluginError` if its name is taken and ``override`` is false."""
+    def add(self, entry: RegistryEntry) -> None:
+        """Add ``entry``; raise :class:`PluginError` if its name is taken and neither overrides."""
         if entry.kind != self.kind:
             raise ValueError(f"entry of kind {entry.kind.key!r} added to the {self.kind.key!r} registry")
         existing = self._entries.get(entry.name)
-        if existing is not None and not override:
+        if existing is not None and existing.override and not entry.override:
+            return
+        if existing is not None and (not entry.override or existing.override):
             raise PluginError(
                 f"{self.kind.label} {entry.name!r} is registered twice: by {existing.distribution} "
                 f"and by {entry.distribution}; uninstall one, block one with CORE_RL_PLUGINS_BLOCK, "

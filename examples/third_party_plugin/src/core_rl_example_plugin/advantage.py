@@ -25,24 +25,12 @@ bounded, and one outlier reward cannot shrink the other advantages of its group.
 
 from __future__ import annotations
 
-import attrs
 import torch
-
-from core_rl.config.validators import positive
 from core_rl.interfaces import AdvantageEstimator
 from core_rl.ops import group_ids_to_dense
 from core_rl.protocol import TensorBatch
 
-
-@attrs.define
-class RankAdvantageConfig:
-    """The ``algorithm.advantage`` section of ``rank_advantage``.
-
-    ``scale``: multiplies every advantage; a group with distinct rewards then spans
-    ``[-scale/2, scale/2]`` (``scale: 2.0`` gives ``[-1, 1]``).
-    """
-
-    scale: float = attrs.field(default=1.0, validator=positive())
+from core_rl_example_plugin.config import RankAdvantageConfig
 
 
 def average_ranks(rewards: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

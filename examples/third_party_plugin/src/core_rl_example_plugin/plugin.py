@@ -2,23 +2,39 @@
 
 ``pyproject.toml`` points both entry points (``core_rl.advantage_estimators: rank_advantage`` and
 ``core_rl.rewards: keyword_reward``) at this module. core-rl imports it the first time a
-configuration selects either name and calls every hook implemented here, so both names get
-registered at once.
+configuration selects either name (or when ``core-rl plugins`` lists everything) and calls every
+hook implemented here, so both names get registered at once.
+
+Registration imports no torch: the config classes come from a torch-free module and the advantage
+estimator, which needs torch, is imported by its factory when a run builds it.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from core_rl.hookspecs import Register, hookimpl
-from core_rl_example_plugin.advantage import RankAdvantage, RankAdvantageConfig
-from core_rl_example_plugin.reward import KeywordReward, KeywordRewardConfig
+
+from core_rl_example_plugin.config import KeywordRewardConfig, RankAdvantageConfig
+from core_rl_example_plugin.reward import KeywordReward
+
+if TYPE_CHECKING:
+    from core_rl.interfaces import AdvantageEstimator
+
+
+def make_rank_advantage(config: RankAdvantageConfig) -> AdvantageEstimator:
+    """The factory of ``rank_advantage``: ``factory(config)`` with the validated section."""
+    from core_rl_example_plugin.advantage import RankAdvantage
+
+    return RankAdvantage(config)
 
 
 @hookimpl
 def core_rl_register_advantage_estimators(register: Register) -> None:
-    """Register ``rank_advantage``; its factory is the class itself: ``RankAdvantage(config)``."""
+    """Register ``rank_advantage``."""
     register(
         "rank_advantage",
-        RankAdvantage,
+        make_rank_advantage,
         description="Group-relative advantage from the centred rank of each reward (ties averaged)",
         config_cls=RankAdvantageConfig,
     )

@@ -19,42 +19,11 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import attrs
-
-from core_rl.config.validators import FieldValueError, one_of
 from core_rl.errors import DataError
 from core_rl.interfaces import Reward
 from core_rl.protocol import RewardInput
 
-MODES = ("fraction", "all")
-
-
-def _no_empty_keywords(_inst: Any, attribute: attrs.Attribute[Any], value: list[str]) -> None:
-    if any(not keyword.strip() for keyword in value):
-        raise FieldValueError(attribute.name, value, "must not contain empty or blank keywords")
-
-
-@attrs.define
-class KeywordRewardConfig:
-    """The ``reward`` section of ``keyword_reward``.
-
-    - ``keywords``: keywords every response should mention.
-    - ``row_key``: a data-row column holding more keywords for that row (a string or a list of
-      strings); ``null`` to use ``keywords`` alone. At least one of the two must be set.
-    - ``mode``: ``fraction`` (partial credit) or ``all`` (1 only when every keyword is found).
-    - ``case_sensitive``: match case exactly.
-    - ``whole_words``: a keyword must not be glued to a letter, digit or underscore.
-    """
-
-    keywords: list[str] = attrs.field(factory=list, validator=_no_empty_keywords)
-    row_key: str | None = None
-    mode: str = attrs.field(default="fraction", validator=one_of(MODES))
-    case_sensitive: bool = False
-    whole_words: bool = True
-
-    def __attrs_post_init__(self) -> None:
-        if not self.keywords and self.row_key is None:
-            raise FieldValueError("keywords", self.keywords, "must list at least one keyword when row_key is not set")
+from core_rl_example_plugin.config import KeywordRewardConfig
 
 
 class KeywordReward(Reward):

@@ -1,0 +1,56 @@
+"""The configuration classes of the example plugin's components: the YAML section of each, validated
+by the loader with its full key path in every message.
+
+They live apart from the components so that registering the plugin (``plugin.py``) imports no torch:
+``core-rl plugins`` and ``core-rl config validate`` stay fast, and torch is imported only when a run
+builds the advantage estimator.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from core_rl.config.validators import FieldValueError, one_of, positive
+
+
+@attrs.define
+class RankAdvantageConfig:
+    """The ``algorithm.advantage`` section of ``rank_advantage``.
+
+    ``scale``: multiplies every advantage; a group with distinct rewards then spans
+    ``[-scale/2, scale/2]`` (``scale: 2.0`` gives ``[-1, 1]``).
+    """
+
+    scale: float = attrs.field(default=1.0, validator=positive())
+
+
+MODES = ("fraction", "all")
+
+
+def _no_empty_keywords(_inst: Any, attribute: attrs.Attribute[Any], value: list[str]) -> None:
+    if any(not keyword.strip() for keyword in value):
+        raise FieldValueError(attribute.name, value, "must not contain empty or blank keywords")
+
+
+@attrs.define
+class KeywordRewardConfig:
+    """The ``reward`` section of ``keyword_reward``.
+
+    - ``keywords``: keywords every response should mention.
+    - ``row_key``: a data-row column holding more keywords for that row (a string or a list of
+      strings); ``null`` to use ``keywords`` alone. At least one of the two must be set.
+    - ``mode``: ``fraction`` (partial credit) or ``all`` (1 only when every keyword is found).
+    - ``case_sensitive``: match case exactly.
+    - ``whole_words``: a keyword must not be glued to a letter, digit or underscore.
+    """
+
+    keywords: list[str] = attrs.field(factory=list, validator=_no_empty_keywords)
+    row_key: str | None = None
+    mode: str = attrs.field(default="fraction", validator=one_of(MODES))
+    case_sensitive: bool = False
+    whole_words: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if not self.keywords and self.row_key is None:
+            raise FieldValueError("keywords", self.keywords, "must list at least one keyword when row_key is not set")

@@ -1,0 +1,40 @@
+"""The main job's script runs end to end (a short version: the full run is the README's command)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("core_rl_fsdp")
+pytest.importorskip("core_rl_hf")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tiny_grpo_main_runs_and_reports(tmp_path):
+    work = tmp_path / "work"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "tiny_grpo" / "main.py"),
+            "--workdir",
+            str(work),
+            "--warm-steps",
+            "3",
+            "trainer.total_steps=12",
+            "saver.every_n_steps=6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"metrics:    {work / 'grpo' / 'metrics.jsonl'}" in proc.stdout
+    assert "reward: first 10 steps" in proc.stdout and "over 12 steps" in proc.stdout
+    assert (work / "grpo" / "checkpoints" / "step_00000012").is_dir()
+    assert (work / "data" / "train.jsonl").read_text().count("\n") == 6**3 + 6**4
