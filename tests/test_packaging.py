@@ -10,35 +10,18 @@ only when pip cannot reach its package index.
 from __future__ import annotations
 
 import importlib.metadata as md
-import importlib.util
 import json
-import sys
 import zipfile
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import attrs
+import packaging_utils as pu
 import pytest
 import yaml
 from core_rl.kinds import ALL_KINDS, KINDS_BY_KEY, KNOWN_EXTRAS
 from packaging.requirements import Requirement
 from packaging.version import Version
-
-
-def _load_helpers() -> ModuleType:
-    """pytest's importlib mode puts no test directory on sys.path: load tests/packaging_utils.py by path."""
-    name = "packaging_utils"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("packaging_utils.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-pu = _load_helpers()
 
 pytestmark = pytest.mark.slow
 

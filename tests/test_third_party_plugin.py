@@ -9,32 +9,16 @@ environment is left untouched. Without the directory on ``PYTHONPATH`` the plugi
 from __future__ import annotations
 
 import importlib.metadata as md
-import importlib.util
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import attrs
+import packaging_utils as pu
 import pytest
 import yaml
 from core_rl.kinds import ALGORITHM, POLICY_LOSS, ROLLOUT_ENGINE, TRAIN_ENGINE, PluginKind
 from core_rl.plugins import PluginHost
-
-
-def _load_helpers() -> ModuleType:
-    """pytest's importlib mode puts no test directory on sys.path: load tests/packaging_utils.py by path."""
-    name = "packaging_utils"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("packaging_utils.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-pu = _load_helpers()
 
 pytestmark = pytest.mark.slow  # builds and installs a wheel, then runs about a dozen core-rl commands
 

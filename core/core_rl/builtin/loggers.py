@@ -24,6 +24,7 @@ DEFAULT_CONSOLE_KEYS = [
     "actor/loss",
     "actor/entropy",
     "actor/kl",
+    "actor/clipped",
     "actor/grad_norm",
     "timing/step_s",
 ]
