@@ -129,6 +129,24 @@ def test_resume_continues_exactly(setup):
             assert resumed[step][key] == pytest.approx(straight[step][key], rel=1e-5, abs=1e-7), (step, key)
 
 
+def test_weight_sync_through_disk_matches_memory(setup):
+    runs = setup["root"] / "runs"
+    _train(setup["config"], "experiment.name=mem", "trainer.total_steps=3", "saver.every_n_steps=0")
+    _train(
+        setup["config"],
+        "experiment.name=disk",
+        "trainer.total_steps=3",
+        "saver.every_n_steps=0",
+        "rollout.weight_sync=disk",
+    )
+    mem = read_metrics(runs / "mem" / "metrics.jsonl")
+    disk = read_metrics(runs / "disk" / "metrics.jsonl")
+    for a, b in zip(mem, disk):
+        for key in ("reward/mean", "response_length/mean", "actor/loss", "actor/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    assert (runs / "disk" / "weight_sync" / "config.json").is_file()
+
+
 def test_two_ranks_match_one_rank(setup):
     runs = setup["root"] / "runs"
     _train(setup["config"], "experiment.name=one", "trainer.total_steps=2", "saver.every_n_steps=0", nproc=1)
