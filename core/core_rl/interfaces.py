@@ -100,7 +100,7 @@ class TrainEngine(ABC):
     @abstractmethod
     def save_state(self, path: str | Path, extra: Mapping[str, Any]) -> None:
         """Save the full training state (model, optimiser, scheduler, step, RNG) plus ``extra``
-        (e.g. the data position) under ``path``, atomically. Collective."""
+        (e.g. the data position; the main rank's copy is kept) under ``path``, atomically. Collective."""
 
     @abstractmethod
     def load_state(self, path: str | Path) -> dict[str, Any]:

@@ -130,12 +130,13 @@ class SyncTrainer:
             self.pad_token_id = self.tokenizer.eos_token_id
         self.sampling = cfg.rollout.sampling.to_params()
 
-        self.data: PromptSource | None = None
+        # every rank reads the data (only rank 0 draws from it) so a bad file fails on all ranks
+        # at once instead of leaving the others waiting in a collective
+        self.data = PromptSource(cfg.data, self.tokenizer, seed=seed)
         self.rollout: RolloutEngine | None = None
         self.reward: Reward | None = None
         self.loggers: list[Logger] = []
         if self.is_main:
-            self.data = PromptSource(cfg.data, self.tokenizer, seed=seed)
             self.rollout = host.get(ROLLOUT_ENGINE, cfg.rollout.engine.name).factory(
                 cfg.rollout, cfg.rollout.engine.config, model_path=cfg.actor.model_path
             )
@@ -220,7 +221,6 @@ class SyncTrainer:
         metrics: dict[str, float] = {}
         payload: tuple[TensorBatch | None, dict[str, float]] | None = None
         if self.is_main:
-            assert self.data is not None
             prompts = self.data.next_batch()
             samples, group_index, owners = self._rollout(prompts)
             t_gen = time.perf_counter()
@@ -263,7 +263,7 @@ class SyncTrainer:
 
     def save_checkpoint(self, step: int) -> Path:
         path = checkpoints.checkpoint_dir(self.run_dir, step)
-        extra = {"trainer_step": step, "data": self.data.state_dict() if self.data is not None else None}
+        extra = {"trainer_step": step, "data": self.data.state_dict()}
         self.engine.save_state(path, extra)
         if self.is_main:
             checkpoints.mark_latest(self.run_dir, step)
@@ -279,8 +279,7 @@ class SyncTrainer:
             return
         extra = self.engine.load_state(path)
         self.start_step = int(extra["trainer_step"])
-        if self.data is not None and extra.get("data") is not None:
-            self.data.load_state_dict(extra["data"])
+        self.data.load_state_dict(extra["data"])
         self._sync_weights(self.start_step)
 
     # -- the loop -----------------------------------------------------------------------------
