@@ -22,6 +22,7 @@ from core_rl.testing.contracts import (
     RolloutEngineContract,
     SampleFilterContract,
     TrainEngineContract,
+    installed_distribution,
     make_reward_input,
     make_rl_batch,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "RolloutEngineContract",
     "SampleFilterContract",
     "TrainEngineContract",
+    "installed_distribution",
     "make_reward_input",
     "make_rl_batch",
 ]

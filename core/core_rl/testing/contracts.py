@@ -117,6 +117,16 @@ def make_reward_input(
     )
 
 
+def installed_distribution(name: str) -> str | None:
+    """``name`` if that distribution is installed, else ``None``: for a contract's ``distribution``
+    in tests that also run from a plain checkout (the entry-point check then skips)."""
+    try:
+        md.distribution(name)
+    except md.PackageNotFoundError:
+        return None
+    return name
+
+
 def _nll_loss(batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
     """Supervised loss on response tokens (for engine tests)."""
     return LossOutput(per_token_loss=-logprobs, token_metrics={"neg_logprob": -logprobs.detach()})

@@ -3,26 +3,16 @@ keywords and for keywords read from the data row, plus the matching rules and co
 
 from __future__ import annotations
 
-import importlib.metadata as md
 from typing import Any, ClassVar
 
 import pytest
 from core_rl.config.loader import structure
 from core_rl.errors import ConfigError, DataError
 from core_rl.protocol import RewardInput
-from core_rl.testing import RewardContract, make_reward_input
+from core_rl.testing import RewardContract, installed_distribution, make_reward_input
 from core_rl_example_plugin import plugin
 from core_rl_example_plugin.config import KeywordRewardConfig
 from core_rl_example_plugin.reward import KeywordReward
-
-
-def installed_distribution(name: str) -> str | None:
-    """``name`` if that distribution is installed (the contract then checks its entry points), else None."""
-    try:
-        md.distribution(name)
-    except md.PackageNotFoundError:
-        return None
-    return name
 
 
 class TestKeywordRewardContract(RewardContract):

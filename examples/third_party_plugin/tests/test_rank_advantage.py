@@ -3,7 +3,6 @@ against an independent (sort-based) reference implementation."""
 
 from __future__ import annotations
 
-import importlib.metadata as md
 from typing import Any, ClassVar
 
 import pytest
@@ -13,19 +12,10 @@ from core_rl.errors import ConfigError
 from core_rl.kinds import ADVANTAGE
 from core_rl.plugins import PluginHost
 from core_rl.protocol import TensorBatch
-from core_rl.testing import AdvantageEstimatorContract, make_rl_batch
+from core_rl.testing import AdvantageEstimatorContract, installed_distribution, make_rl_batch
 from core_rl_example_plugin import plugin
 from core_rl_example_plugin.advantage import centred_rank_advantages
 from core_rl_example_plugin.config import RankAdvantageConfig
-
-
-def installed_distribution(name: str) -> str | None:
-    """``name`` if that distribution is installed (the contract then checks its entry points), else None."""
-    try:
-        md.distribution(name)
-    except md.PackageNotFoundError:
-        return None
-    return name
 
 
 class TestRankAdvantageContract(AdvantageEstimatorContract):
