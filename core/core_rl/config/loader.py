@@ -150,7 +150,7 @@ def _join(path: str, key: str | int) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _describe(exc: BaseException, path: str, cls: type | None) -> Iterator[str]:
+def _describe(exc: BaseException, path: str) -> Iterator[str]:
     """Flatten a cattrs validation error tree into one message per problem."""
     if isinstance(exc, ForbiddenExtraKeysError):
         valid = [a.name for a in attrs.fields(exc.cl)]
@@ -161,16 +161,15 @@ def _describe(exc: BaseException, path: str, cls: type | None) -> Iterator[str]:
     elif isinstance(exc, ClassValidationError):
         with_notes, without = exc.group_exceptions()
         for sub, note in with_notes:
-            field_cls = note.type if isinstance(note.type, type) and attrs.has(note.type) else None
-            yield from _describe(sub, _join(path, note.name), field_cls)
+            yield from _describe(sub, _join(path, note.name))
         for sub in without:
-            yield from _describe(sub, path, exc.cl)
+            yield from _describe(sub, path)
     elif isinstance(exc, IterableValidationError):
         with_notes, without = exc.group_exceptions()
         for sub, note in with_notes:
-            yield from _describe(sub, _join(path, note.index), None)
+            yield from _describe(sub, _join(path, note.index))
         for sub in without:
-            yield from _describe(sub, path, None)
+            yield from _describe(sub, path)
     elif isinstance(exc, FieldValueError):
         yield f"{_join(path, exc.field)}: {exc.requirement}, got {exc.value!r}"
     elif isinstance(exc, TypeMismatch):
@@ -179,7 +178,7 @@ def _describe(exc: BaseException, path: str, cls: type | None) -> Iterator[str]:
         yield f"{path}: required key is missing"
     elif isinstance(exc, BaseExceptionGroup):
         for sub in exc.exceptions:
-            yield from _describe(sub, path, cls)
+            yield from _describe(sub, path)
     else:
         yield f"{path or '<root>'}: {exc}"
 
@@ -193,7 +192,7 @@ def structure(data: Any, cls: type, *, path: str = "") -> Any:
     try:
         return CONVERTER.structure(dict(data), cls)
     except (ClassValidationError, IterableValidationError, FieldValueError, TypeMismatch) as exc:
-        raise ConfigError(list(_describe(exc, path, cls))) from None
+        raise ConfigError(list(_describe(exc, path))) from None
 
 
 def _selected_specs(cfg: RunConfig) -> Iterator[tuple[str, PluginKind, PluginSpec]]:
