@@ -3,9 +3,10 @@ the newest complete one (written atomically after the checkpoint itself), pruned
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
+
+from core_rl.checkpointing import write_text_atomic
 
 LATEST = "latest"
 
@@ -14,15 +15,8 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:08d}"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and an atomic rename."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def mark_latest(run_dir: Path, step: int) -> None:
-    write_atomic(run_dir / "checkpoints" / LATEST, checkpoint_dir(run_dir, step).name)
+    write_text_atomic(run_dir / "checkpoints" / LATEST, checkpoint_dir(run_dir, step).name)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -81,7 +81,9 @@ def test_resume_reproduces_training_exactly(runs: dict[int, tuple[dict, Path]], 
         assert torch.equal(a[key], b[key]), key
     meta = json.loads((out / "ckpt" / "meta.json").read_text())
     assert meta["step"] == 1 and meta["world_size"] == world
-    assert sorted(p.name for p in (out / "ckpt" / "rng").iterdir()) == [f"rank{r}.pt" for r in range(world)]
+    rng_files = sorted(p.name for p in (out / "ckpt" / "rng").iterdir())
+    assert rng_files == sorted(f"rank{r}.{ext}" for r in range(world) for ext in ("json", "safetensors"))
+    assert not list((out / "ckpt").rglob("*.pt")), "nothing in a checkpoint may need unpickling"
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no partial dirs left
 
 

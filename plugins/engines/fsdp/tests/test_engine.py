@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from core_rl.checkpointing import CheckpointFormatError
 from core_rl.config.schema import ActorConfig, MicroBatchConfig, OptimizerConfig, PluginSpec, SchedulerConfig
 from core_rl.interfaces import LossOutput
 from core_rl.protocol import TensorBatch
@@ -270,8 +271,30 @@ def test_rng_states_are_restored_and_checkpoints_replaced(tiny_model: Path, tmp_
     random.seed(123)
     assert engine.load_state(path) == {"first": False} and engine.step == 2
     assert torch.equal(torch.rand(3), want[0]) and random.random() == want[1]
-    with pytest.raises(FileNotFoundError, match="meta.json"):
+    with pytest.raises(CheckpointFormatError, match="meta.json"):
         engine.load_state(tmp_path / "missing")
+    engine.close()
+
+
+def test_a_failed_save_leaves_nothing_and_keeps_the_old_checkpoint(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from core_rl import checkpointing
+
+    engine = FSDPEngine(make_actor(tiny_model), FSDPConfig(), trainable=True)
+    engine.train_step(make_rl_batch(), nll_entropy)
+    path = tmp_path / "ckpt"
+    engine.save_state(path, {"n": 1})
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpointing, "save_tree", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        engine.save_state(path, {"n": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no partial directory left
+    monkeypatch.undo()
+    assert engine.load_state(path) == {"n": 1}
     engine.close()
 
 

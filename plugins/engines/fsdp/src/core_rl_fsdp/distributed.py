@@ -76,6 +76,17 @@ def union_of_names(names: Sequence[str]) -> list[str]:
     return sorted({n for part in gathered for n in (part or [])})
 
 
+def any_rank(flag: bool) -> bool:
+    """True on every rank if ``flag`` is True on any rank (one all-reduce of a CPU tensor)."""
+    if dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.long)
+    if dist.get_backend() == "nccl":
+        value = value.cuda()
+    dist.all_reduce(value, op=ReduceOp.MAX)
+    return bool(value.item())
+
+
 def barrier() -> None:
     dist.barrier()
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
+from core_rl import checkpointing as ckpt
 from core_rl.config.schema import ActorConfig
 from core_rl.interfaces import LossFn, TrainEngine
 from core_rl.protocol import TensorBatch
@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 
-from core_rl_fsdp import checkpoint as ckpt
 from core_rl_fsdp import distributed as dist_utils
 from core_rl_fsdp.config import FSDPConfig
 from core_rl_fsdp.logprobs import token_logprobs
@@ -46,7 +45,7 @@ from core_rl_fsdp.microbatch import (
 from core_rl_fsdp.model import enable_activation_checkpointing, load_causal_lm, shard_model
 from core_rl_fsdp.optim import build_optimizer, check_schedule, lr_at, set_lr
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2  # 2: full state in safetensors + JSON (1 was a pickled DCP)
 
 
 class FSDPEngine(TrainEngine):
@@ -219,7 +218,7 @@ class FSDPEngine(TrainEngine):
 
     def export_hf(self, path: str | Path) -> None:
         """Rank 0 writes ``path`` (config, safetensors weights, generation config, tokenizer) via
-        a temporary directory next to it, then moves it into place (see :mod:`core_rl_fsdp.checkpoint`)."""
+        a temporary directory next to it, then moves it into place (see :mod:`core_rl.checkpointing`)."""
         state = self.full_state_dict()
         final = Path(path).absolute()
         error: BaseException | None = None
@@ -255,10 +254,18 @@ class FSDPEngine(TrainEngine):
     # ------------------------------------------------------------------ training state
 
     def save_state(self, path: str | Path, extra: Mapping[str, Any]) -> None:
-        """Write ``path/``: ``meta.json`` (step, world size), ``extra.pt``, ``dcp/`` (model and
-        optimizer as a sharded ``torch.distributed.checkpoint``, reloadable on any number of
-        ranks) and ``rng/rank{r}.pt`` (each rank's RNG states); atomically (written as
-        ``.NAME.partial``, renamed by rank 0 when every rank has finished)."""
+        """Write ``path/`` atomically (as ``.NAME.partial``, renamed by rank 0 once every rank has
+        finished), in formats that execute nothing on load (:mod:`core_rl.checkpointing`):
+
+        - ``meta.json``: format, step, world size, whether optimizer state exists;
+        - ``model.safetensors``: the full (unsharded) weights, gathered on rank 0;
+        - ``optimizer.{json,safetensors}``: the full optimizer state (keyed by parameter name);
+        - ``extra.{json,safetensors}``: ``extra`` (e.g. the data position), from rank 0;
+        - ``rng/rank{r}.{json,safetensors}``: each rank's RNG states.
+
+        Full (not sharded) state makes the checkpoint loadable on any number of ranks. A failure on
+        any rank (e.g. a full disk) removes the partial directory on rank 0 and raises on every rank.
+        """
         self._check_trainable("save_state")
         assert self.optimizer is not None
         final = Path(path).absolute()
@@ -269,59 +276,78 @@ class FSDPEngine(TrainEngine):
         # An optimizer that has not stepped has no state; asking for it would create some (torch
         # initialises it with a zero-lr step), which would change the run. Save none instead.
         has_optim = _optimizer_has_state(self.optimizer)
-        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
-        if has_optim:
-            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
-        dcp.save(state, checkpoint_id=str(tmp / "dcp"))
-        (tmp / "rng").mkdir(exist_ok=True)
-        torch.save(ckpt.capture_rng(), tmp / "rng" / f"rank{self.rank}.pt")
-        if self.rank == 0:
-            meta = {
-                "format": CHECKPOINT_FORMAT,
-                "engine": "fsdp",
-                "step": self._step,
-                "world_size": self.world_size,
-                "optimizer": has_optim,
-            }
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-            torch.save(dict(extra), tmp / "extra.pt")
-        dist_utils.barrier()
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        error: BaseException | None = None
+        try:
+            model_state = get_model_state_dict(self.model, options=full)
+            optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=full) if has_optim else None
+            ckpt.save_tree(tmp / "rng", f"rank{self.rank}", ckpt.capture_rng())
+            if self.rank == 0:
+                from safetensors.torch import save_file
+
+                save_file({k: v.contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+                if optim_state is not None:
+                    ckpt.save_tree(tmp, "optimizer", optim_state)
+                ckpt.save_tree(tmp, "extra", dict(extra))
+                meta = {
+                    "format": CHECKPOINT_FORMAT,
+                    "engine": "fsdp",
+                    "step": self._step,
+                    "world_size": self.world_size,
+                    "optimizer": has_optim,
+                }
+                (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        except BaseException as exc:  # raised after the others learn of it, so no rank hangs
+            error = exc
+        failed = dist_utils.any_rank(error is not None)
+        if failed:
+            if self.rank == 0:
+                ckpt.discard_partial(final)
+            dist_utils.barrier()
+            if error is not None:
+                raise error
+            raise RuntimeError(f"saving checkpoint {final} failed on another rank; nothing was written")
         if self.rank == 0:
             ckpt.commit_partial(final)
         dist_utils.barrier()
 
     def load_state(self, path: str | Path) -> dict[str, Any]:
         """Restore model, optimizer, step and this rank's RNG states from :meth:`save_state`'s
-        directory and return its ``extra``. The world size may differ from the saving run's
-        (the weights and optimizer are resharded); RNG states are then restored only for ranks that
-        existed."""
+        directory and return its ``extra``. Rank 0 reads the weights and optimizer state and
+        broadcasts them; the world size may differ from the saving run's (RNG states are then
+        restored only for ranks that existed). Nothing is unpickled."""
         self._check_trainable("load_state")
         final = Path(path).absolute()
         meta_file = final / "meta.json"
         if not meta_file.is_file():
-            raise FileNotFoundError(f"{final} is not a complete fsdp checkpoint (no meta.json)")
+            raise ckpt.CheckpointFormatError(f"{final} is not a complete fsdp checkpoint (no meta.json)")
         meta = json.loads(meta_file.read_text())
         if meta.get("format") != CHECKPOINT_FORMAT or meta.get("engine") != "fsdp":
-            raise ValueError(
+            raise ckpt.CheckpointFormatError(
                 f"{final}: unsupported checkpoint (format {meta.get('format')}, engine {meta.get('engine')})"
             )
         self.optimizer = build_optimizer(self.model.parameters(), self.actor.optimizer)
-        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        model_state: dict[str, torch.Tensor] = {}
+        optim_state: dict[str, Any] = {}
+        if self.rank == 0:
+            from safetensors.torch import load_file
+
+            model_state = load_file(str(final / "model.safetensors"))
+            if meta["optimizer"]:
+                optim_state = ckpt.load_tree(final, "optimizer")
+        broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(self.model, model_state, options=broadcast)
         if meta["optimizer"]:
-            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
-        dcp.load(state, checkpoint_id=str(final / "dcp"))
-        set_model_state_dict(self.model, state["model"])
-        if meta["optimizer"]:
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+            set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=broadcast)
         self._step = int(meta["step"])
-        rng_file = final / "rng" / f"rank{self.rank}.pt"
-        if rng_file.is_file():
-            ckpt.restore_rng(torch.load(rng_file, weights_only=False))
+        rng_dir = final / "rng"
+        if (rng_dir / f"rank{self.rank}.json").is_file():
+            ckpt.restore_rng(ckpt.load_tree(rng_dir, f"rank{self.rank}"))
         else:
             warnings.warn(
                 f"{final} was saved by {meta['world_size']} ranks: no RNG state for rank {self.rank}", stacklevel=2
             )
-        extra = torch.load(final / "extra.pt", weights_only=False)
+        extra = ckpt.load_tree(final, "extra")
         dist_utils.barrier()
         return extra
 

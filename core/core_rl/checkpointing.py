@@ -1,0 +1,293 @@
+"""Safe, atomic checkpoint files: what every train engine and the trainer use to save state.
+
+**Atomic directories.** A checkpoint directory ``NAME`` is written under ``.NAME.partial`` next to it
+and moved into place only when complete, so ``NAME`` is absent, the previous complete version, or the
+new complete version, never half written. Replacing an existing ``NAME`` uses Linux's
+``renameat2(RENAME_EXCHANGE)`` (one atomic swap) where the file system supports it; elsewhere the old
+directory is renamed to ``.NAME.old`` first (a crash between the two renames leaves the complete old
+version there).
+
+**Nothing executes on load.** Tensors are stored with safetensors; everything else is JSON. A state
+*tree* (nested dicts, lists, tuples, numbers, strings, booleans, ``None`` and tensors, e.g. an
+optimizer state dict or the RNG states) is written by :func:`save_tree` as ``NAME.safetensors`` (its
+tensors, keyed by their path in the tree) plus ``NAME.json`` (the tree with each tensor replaced by a
+reference) and read back by :func:`load_tree`, which never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import random
+import shutil
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+# JSON encoding of what JSON cannot hold directly
+_TENSOR = "__tensor__"
+_TUPLE = "__tuple__"
+_ITEMS = "__items__"  # a dict with non-string keys, as [key, value] pairs
+_FLOAT = "__float__"  # nan, inf, -inf
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint file does not hold what :func:`load_tree` expects (corrupt or foreign)."""
+
+
+# --------------------------------------------------------------------------------------------
+# atomic files and directories
+
+
+def partial_path(final: Path) -> Path:
+    """Where ``final`` is written before it is moved into place."""
+    return final.parent / f".{final.name}.partial"
+
+
+def prepare_partial(final: Path) -> Path:
+    """Create an empty ``partial_path(final)`` (removing a stale one from an interrupted write)."""
+    tmp = partial_path(final)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def discard_partial(final: Path) -> None:
+    """Remove ``partial_path(final)`` and whatever was written into it."""
+    shutil.rmtree(partial_path(final), ignore_errors=True)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under ``root`` and the directories themselves to disk."""
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems do not support fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap ``a`` and ``b`` (both exist); False if the platform cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    rc = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return rc == 0
+
+
+def commit_partial(final: Path) -> None:
+    """Move the finished ``partial_path(final)`` to ``final``, replacing a previous ``final``."""
+    tmp = partial_path(final)
+    _fsync_tree(tmp)
+    if final.exists():
+        if _exchange(tmp, final):
+            shutil.rmtree(tmp)  # now the old version
+        else:
+            old = final.parent / f".{final.name}.old"
+            if old.exists():
+                shutil.rmtree(old)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file, fsync and an atomic rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+# --------------------------------------------------------------------------------------------
+# state trees: safetensors + JSON
+
+
+def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        key = path or "<root>"
+        # safetensors needs contiguous tensors that share no storage
+        tensors[key] = value.detach().to("cpu").contiguous().clone()
+        return {_TENSOR: key}
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {_FLOAT: repr(value)}
+    if isinstance(value, Mapping):
+        if all(isinstance(k, str) for k in value) and not ({_TENSOR, _TUPLE, _ITEMS, _FLOAT} & set(value)):
+            return {k: _encode(v, f"{path}/{k}", tensors) for k, v in value.items()}
+        return {
+            _ITEMS: [
+                [_encode(k, f"{path}/#key{i}", tensors), _encode(v, f"{path}/#{i}", tensors)]
+                for i, (k, v) in enumerate(value.items())
+            ]
+        }
+    if isinstance(value, tuple):
+        return {_TUPLE: [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]
+    raise TypeError(
+        f"cannot store {type(value).__name__} at {path or '<root>'} in a checkpoint: only dicts, lists, "
+        "tuples, numbers, strings, booleans, None and tensors are allowed"
+    )
+
+
+def _decode(value: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, tensors, where) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if _TENSOR in value:
+        key = value[_TENSOR]
+        if key not in tensors:
+            raise CheckpointFormatError(f"{where}: tensor {key!r} is missing from the safetensors file")
+        return tensors[key]
+    if _TUPLE in value:
+        return tuple(_decode(v, tensors, where) for v in value[_TUPLE])
+    if _ITEMS in value:
+        return {_hashable(_decode(k, tensors, where)): _decode(v, tensors, where) for k, v in value[_ITEMS]}
+    if _FLOAT in value:
+        return float(value[_FLOAT])
+    return {k: _decode(v, tensors, where) for k, v in value.items()}
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, (list, tuple)) else key
+
+
+def save_tree(directory: Path, name: str, tree: Any) -> None:
+    """Write ``tree`` as ``directory/name.json`` (+ ``directory/name.safetensors`` when it holds
+    tensors). See the module docstring for what a tree may contain."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _encode(tree, "", tensors)
+    directory.mkdir(parents=True, exist_ok=True)
+    if tensors:
+        save_file(tensors, str(directory / f"{name}.safetensors"))
+    (directory / f"{name}.json").write_text(json.dumps(skeleton), encoding="utf-8")
+
+
+def load_tree(directory: Path, name: str) -> Any:
+    """Read what :func:`save_tree` wrote. Raises :class:`CheckpointFormatError` (naming the file)
+    for a missing, truncated or malformed file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    json_file = directory / f"{name}.json"
+    try:
+        skeleton = json.loads(json_file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{json_file}: missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointFormatError(f"{json_file}: not valid JSON ({exc})") from None
+    tensor_file = directory / f"{name}.safetensors"
+    tensors: dict[str, torch.Tensor] = {}
+    if tensor_file.exists():
+        try:
+            tensors = load_file(str(tensor_file))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointFormatError(f"{tensor_file}: cannot be read ({exc})") from None
+    return _decode(skeleton, tensors, str(json_file))
+
+
+# --------------------------------------------------------------------------------------------
+# random number generators
+
+
+def capture_rng() -> dict[str, Any]:
+    """The global RNG states of Python, NumPy (if installed), torch CPU and every CUDA device, as a
+    state tree (:func:`save_tree` stores it)."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss": gauss},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
+    except ImportError:
+        pass
+    return state
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`capture_rng` returned (CUDA only if it was captured and is present)."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        if torch.cuda.is_available() and torch.cuda.device_count() == len(state["cuda"]):
+            torch.cuda.set_rng_state_all(list(state["cuda"]))
+        else:
+            warnings.warn("checkpoint holds CUDA RNG states for a different set of devices; not restored", stacklevel=2)
+    if "numpy" in state:
+        try:
+            import numpy as np
+
+            np_state = state["numpy"]
+            np.random.set_state(
+                (
+                    np_state["kind"],
+                    np_state["keys"].numpy().astype(np.uint32),
+                    np_state["pos"],
+                    np_state["has_gauss"],
+                    np_state["cached_gaussian"],
+                )
+            )
+        except ImportError:
+            pass
+
+
+def generator_state(generator: torch.Generator) -> dict[str, Any]:
+    """The state of one ``torch.Generator`` (its device and state tensor) as a state tree."""
+    return {"device": str(generator.device), "state": generator.get_state()}
+
+
+def set_generator_state(generator: torch.Generator, state: Mapping[str, Any]) -> None:
+    """Restore what :func:`generator_state` returned."""
+    generator.set_state(state["state"])
