@@ -12,15 +12,25 @@ from __future__ import annotations
 import gc
 import json
 import math
-import shutil
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from core_rl import checkpointing as ckpt
 from core_rl.config.schema import ActorConfig
+from core_rl.engine_utils.hf import write_hf_dir
+from core_rl.engine_utils.logprobs import token_logprobs
+from core_rl.engine_utils.metrics import StepMetrics
+from core_rl.engine_utils.microbatch import (
+    micro_batch_width,
+    pack_micro_batches,
+    placeholder_micro_batch,
+    row_lengths,
+    take_micro_batch,
+)
+from core_rl.engine_utils.optim import build_optimizer, check_schedule, lr_at, set_lr
 from core_rl.interfaces import LossFn, TrainEngine
 from core_rl.protocol import TensorBatch
 from torch.distributed.checkpoint.state_dict import (
@@ -34,16 +44,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from core_rl_fsdp import distributed as dist_utils
 from core_rl_fsdp.config import FSDPConfig
-from core_rl_fsdp.logprobs import token_logprobs
-from core_rl_fsdp.microbatch import (
-    micro_batch_width,
-    pack_micro_batches,
-    placeholder_micro_batch,
-    row_lengths,
-    take_micro_batch,
-)
 from core_rl_fsdp.model import enable_activation_checkpointing, load_causal_lm, shard_model
-from core_rl_fsdp.optim import build_optimizer, check_schedule, lr_at, set_lr
 
 CHECKPOINT_FORMAT = 2  # 2: full state in safetensors + JSON (1 was a pickled DCP)
 
@@ -119,7 +120,7 @@ class FSDPEngine(TrainEngine):
     # ------------------------------------------------------------------ log-probs
 
     def compute_logprobs(self, batch: TensorBatch, *, temperature: float = 1.0) -> torch.Tensor:
-        """Log-probs [B, T] float32 on CPU (see :func:`core_rl_fsdp.logprobs.token_logprobs`),
+        """Log-probs [B, T] float32 on CPU (see :func:`core_rl.engine_utils.logprobs.token_logprobs`),
         computed in eval mode without gradients, micro-batched like :meth:`train_step`."""
         self._check_open()
         _check_temperature(temperature)
@@ -164,7 +165,7 @@ class FSDPEngine(TrainEngine):
         lr = lr_at(self._step, self.actor.optimizer.lr, self.actor.lr_scheduler)
         set_lr(self.optimizer, lr)
         self.model.train()
-        acc = _Accumulator(self.device)
+        acc = StepMetrics(self.device)
         try:
             for rows in plan:
                 if rows:
@@ -188,7 +189,7 @@ class FSDPEngine(TrainEngine):
         metrics.update(grad_norm=grad_norm, lr=lr, num_micro_batches=float(len(plan)))
         return metrics
 
-    def _train_micro_batch(self, mb: TensorBatch, loss_fn: LossFn, temperature: float, acc: _Accumulator) -> None:
+    def _train_micro_batch(self, mb: TensorBatch, loss_fn: LossFn, temperature: float, acc: StepMetrics) -> None:
         mb = mb.to(self.device)
         lp, ent = self._forward(mb["input_ids"], mb["attention_mask"], temperature, True)
         assert ent is not None
@@ -232,24 +233,13 @@ class FSDPEngine(TrainEngine):
             raise error
 
     def _write_hf(self, final: Path, state: dict[str, torch.Tensor]) -> None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(
-            self.actor.tokenizer_path or self.actor.model_path, local_files_only=True
+        write_hf_dir(
+            final,
+            self.model,
+            state,
+            architectures=self._architectures,
+            tokenizer_path=self.actor.tokenizer_path or self.actor.model_path,
         )
-        tmp = ckpt.prepare_partial(final)
-        try:
-            self.model.save_pretrained(tmp, state_dict=state)
-            config_file = tmp / "config.json"
-            config = json.loads(config_file.read_text())
-            if config.get("architectures") != self._architectures:  # never the FSDP wrapper class name
-                config["architectures"] = self._architectures
-                config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            tokenizer.save_pretrained(tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        ckpt.commit_partial(final)
 
     # ------------------------------------------------------------------ training state
 
@@ -370,44 +360,3 @@ def _check_temperature(temperature: float) -> None:
 
 def _optimizer_has_state(optimizer: torch.optim.Optimizer) -> bool:
     return any(len(s) > 0 for s in optimizer.state.values())
-
-
-class _Accumulator:
-    """Per-step sums on the device, reduced over ranks in one all-reduce by :meth:`reduce`."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        self.loss = zero.clone()
-        self.entropy = zero.clone()
-        self.response_tokens = zero.clone()
-        self.tokens = zero.clone()
-        self.metrics: dict[str, torch.Tensor] = {}
-
-    def add(
-        self, mb: TensorBatch, loss: torch.Tensor, entropy: torch.Tensor, token_metrics: Mapping[str, torch.Tensor]
-    ) -> None:
-        on = mb["response_mask"] != 0
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.loss += loss.double()
-        self.entropy += torch.where(on, entropy.double(), zero).sum()
-        self.response_tokens += on.sum().double()
-        self.tokens += (mb["attention_mask"] != 0).sum().double()
-        for name, value in token_metrics.items():
-            # where, not a product: a metric may be non-finite off the response (e.g. a ratio)
-            total = torch.where(on, value.detach().double(), zero).sum()
-            self.metrics[name] = self.metrics[name] + total if name in self.metrics else total
-
-    def reduce(self) -> dict[str, float]:
-        """``loss`` and ``tokens`` as global sums; ``entropy`` and each token metric as global means
-        over response tokens (0 when the batch has none)."""
-        names: Sequence[str] = dist_utils.union_of_names(list(self.metrics))
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        parts = [self.loss, self.entropy, self.response_tokens, self.tokens]
-        parts += [self.metrics.get(name, zero) for name in names]
-        values = dist_utils.all_reduce(torch.stack(parts)).tolist()
-        loss, entropy, count, tokens = values[:4]
-        denom = max(count, 1.0)
-        out = {name: value / denom for name, value in zip(names, values[4:])}
-        out.update(loss=loss, entropy=entropy / denom, tokens=tokens)
-        return out

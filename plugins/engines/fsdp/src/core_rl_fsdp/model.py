@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 from core_rl.config.schema import ActorConfig
+from core_rl.engine_utils import hf
+from core_rl.engine_utils.hf import torch_dtype
 from torch import nn
 
 from core_rl_fsdp.config import FSDPConfig
@@ -14,29 +16,10 @@ except ImportError:  # torch 2.4 / 2.5
     from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16`` (any of ``float32``, ``bfloat16``, ``float16``)."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
-
-
 def load_causal_lm(actor: ActorConfig, config: FSDPConfig) -> nn.Module:
-    """``AutoModelForCausalLM`` from ``actor.model_path`` (local files only) in ``actor.dtype``,
-    on CPU; ``fully_shard`` moves each rank's shard to the mesh's device."""
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    if not actor.model_path:
-        raise ValueError("actor.model_path: required; the path of a Hugging Face model directory")
-    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    dtype_key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-    kwargs = {dtype_key: torch_dtype(actor.dtype), "local_files_only": True}
-    if config.attn_implementation is not None:
-        kwargs["attn_implementation"] = config.attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(actor.model_path, **kwargs)
-    return model
+    """``actor.model_path`` in ``actor.dtype`` on CPU (see :func:`core_rl.engine_utils.hf.load_causal_lm`);
+    ``fully_shard`` moves each rank's shard to the mesh's device."""
+    return hf.load_causal_lm(actor.model_path, dtype=actor.dtype, attn_implementation=config.attn_implementation)
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:

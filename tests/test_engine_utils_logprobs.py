@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from core_rl_fsdp.logprobs import token_logprobs
+from core_rl.engine_utils.logprobs import token_logprobs
 
 
 def test_alignment_temperature_and_padding() -> None:

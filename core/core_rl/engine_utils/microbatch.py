@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 from core_rl.protocol import TensorBatch
 
 
@@ -100,7 +101,7 @@ def take_micro_batch(batch: TensorBatch, rows: Sequence[int], width: int) -> Ten
 
 def placeholder_micro_batch(pad_token_id: int) -> dict[str, torch.Tensor]:
     """Model inputs of a one-token micro-batch used by a rank that has run out of rows, so every
-    rank runs the same number of forward/backward passes (FSDP's collectives must line up)."""
+    rank runs the same number of forward/backward passes (sharded engines' collectives must line up)."""
     return {
         "input_ids": torch.full((1, 1), pad_token_id, dtype=torch.long),
         "attention_mask": torch.ones((1, 1), dtype=torch.long),

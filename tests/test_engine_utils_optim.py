@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from core_rl.config.schema import OptimizerConfig, SchedulerConfig
-from core_rl_fsdp.optim import build_optimizer, lr_at, warmup_steps
+from core_rl.engine_utils.optim import build_optimizer, lr_at, warmup_steps
 
 
 def test_constant_with_warmup() -> None:

@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterable
 
 import torch
+
 from core_rl.config.schema import OptimizerConfig, SchedulerConfig
 
 

@@ -7,14 +7,14 @@ import random
 
 import pytest
 import torch
-from core_rl.protocol import TensorBatch
-from core_rl_fsdp.microbatch import (
+from core_rl.engine_utils.microbatch import (
     micro_batch_cost,
     micro_batch_width,
     pack_micro_batches,
     row_lengths,
     take_micro_batch,
 )
+from core_rl.protocol import TensorBatch
 
 
 def _flat(groups: list[list[int]]) -> list[int]:

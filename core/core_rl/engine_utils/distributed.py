@@ -1,0 +1,98 @@
+"""Process group and device set-up, and the few collectives train engines need.
+
+One code path serves CPU + gloo and GPU + NCCL:
+
+- if ``torch.distributed`` is already initialised (by the trainer, or by an earlier engine in this
+  process: an actor and its frozen reference share one group), that group is used as it is;
+- else if ``RANK`` and ``WORLD_SIZE`` are set (``torchrun``), the group is initialised from the
+  environment (``env://``);
+- else a world-size-1 group is created over an in-process store, so a sharded engine always has a
+  group to run on. Groups the engine creates live as long as the process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+
+
+def pick_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` when CUDA is available (made the current device), else ``cpu``."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The backend string for ``init_process_group``: ``auto`` -> ``cuda:nccl,cpu:gloo`` on a GPU
+    (so CPU tensors and object collectives also work), ``gloo`` on CPU."""
+    if backend != "auto":
+        if backend == "nccl" and device.type != "cuda":
+            raise ValueError("actor.engine.backend: nccl needs CUDA; use gloo or auto on CPU")
+        return backend
+    return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+
+
+def ensure_process_group(backend: str, device: torch.device) -> tuple[int, int]:
+    """Initialise the default process group unless it exists (see the module docstring);
+    return ``(rank, world_size)``."""
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this torch build; train engines need it")
+    if not dist.is_initialized():
+        resolved = resolve_backend(backend, device)
+        env_world = os.environ.get("WORLD_SIZE")
+        if os.environ.get("RANK") is not None and env_world is not None and "MASTER_ADDR" in os.environ:
+            kwargs = {"device_id": device} if device.type == "cuda" else {}
+            dist.init_process_group(resolved, init_method="env://", **kwargs)
+        elif env_world is not None and int(env_world) > 1:
+            raise RuntimeError(
+                f"WORLD_SIZE={env_world} but RANK/MASTER_ADDR/MASTER_PORT are not all set; launch with torchrun"
+            )
+        else:
+            dist.init_process_group(resolved, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def all_reduce(values: torch.Tensor, op: dist.ReduceOp.RedOpType = ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce ``values`` in place over the default group and return it."""
+    dist.all_reduce(values, op=op)
+    return values
+
+
+def union_of_names(names: Sequence[str]) -> list[str]:
+    """Sorted union of ``names`` over all ranks (ranks may see different metric names, e.g. a rank
+    with no rows never calls the loss)."""
+    if dist.get_world_size() == 1:
+        return sorted(set(names))
+    gathered: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(set(names)))
+    return sorted({n for part in gathered for n in (part or [])})
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if ``flag`` is True on any rank (one all-reduce of a CPU tensor)."""
+    if dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.long)
+    if dist.get_backend() == "nccl":
+        value = value.cuda()
+    dist.all_reduce(value, op=ReduceOp.MAX)
+    return bool(value.item())
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """``obj`` from rank ``src`` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

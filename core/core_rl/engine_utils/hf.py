@@ -1,0 +1,65 @@
+"""Hugging Face model I/O shared by train engines: load a causal LM from local files, and write a
+model (config, safetensors weights, generation config, tokenizer) as a directory, atomically."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from core_rl import checkpointing as ckpt
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16`` (any of ``float32``, ``bfloat16``, ``float16``)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def load_causal_lm(model_path: str, *, dtype: str, attn_implementation: str | None = None) -> nn.Module:
+    """``AutoModelForCausalLM`` from ``model_path`` (local files only, never the hub) in ``dtype``, on
+    CPU; ``attn_implementation`` (e.g. ``sdpa``, ``eager``, ``flash_attention_2``) is passed through
+    when set."""
+    from transformers import AutoModelForCausalLM
+
+    if not model_path:
+        raise ValueError("actor.model_path: required; the path of a Hugging Face model directory")
+    kwargs: dict[str, object] = {"dtype": torch_dtype(dtype), "local_files_only": True}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+
+
+def write_hf_dir(
+    final: Path,
+    model: nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    *,
+    architectures: list[str],
+    tokenizer_path: str,
+) -> None:
+    """Write ``model``'s config with ``state_dict`` as its weights, plus the tokenizer read from
+    ``tokenizer_path``, to ``final`` via a partial directory moved into place
+    (:mod:`core_rl.checkpointing`). ``architectures`` is written into ``config.json`` (so a wrapper
+    class name such as FSDP's never appears there)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+    tmp = ckpt.prepare_partial(final)
+    try:
+        model.save_pretrained(tmp, state_dict=state_dict)
+        config_file = tmp / "config.json"
+        config = json.loads(config_file.read_text())
+        if config.get("architectures") != architectures:
+            config["architectures"] = architectures
+            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        tokenizer.save_pretrained(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    ckpt.commit_partial(final)

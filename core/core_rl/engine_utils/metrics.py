@@ -1,0 +1,52 @@
+"""Per-step training metrics of a train engine: sums over micro-batches, reduced over ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from core_rl.engine_utils import distributed as dist_utils
+from core_rl.protocol import TensorBatch
+
+
+class StepMetrics:
+    """Per-step sums of one rank's micro-batches on the device, reduced over all ranks in one
+    all-reduce by :meth:`reduce` (every rank must call it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        self.loss = zero.clone()
+        self.entropy = zero.clone()
+        self.response_tokens = zero.clone()
+        self.tokens = zero.clone()
+        self.metrics: dict[str, torch.Tensor] = {}
+
+    def add(
+        self, mb: TensorBatch, loss: torch.Tensor, entropy: torch.Tensor, token_metrics: Mapping[str, torch.Tensor]
+    ) -> None:
+        on = mb["response_mask"] != 0
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.loss += loss.double()
+        self.entropy += torch.where(on, entropy.double(), zero).sum()
+        self.response_tokens += on.sum().double()
+        self.tokens += (mb["attention_mask"] != 0).sum().double()
+        for name, value in token_metrics.items():
+            # where, not a product: a metric may be non-finite off the response (e.g. a ratio)
+            total = torch.where(on, value.detach().double(), zero).sum()
+            self.metrics[name] = self.metrics[name] + total if name in self.metrics else total
+
+    def reduce(self) -> dict[str, float]:
+        """``loss`` and ``tokens`` as global sums; ``entropy`` and each token metric as global means
+        over response tokens (0 when the batch has none)."""
+        names: Sequence[str] = dist_utils.union_of_names(list(self.metrics))
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        parts = [self.loss, self.entropy, self.response_tokens, self.tokens]
+        parts += [self.metrics.get(name, zero) for name in names]
+        values = dist_utils.all_reduce(torch.stack(parts)).tolist()
+        loss, entropy, count, tokens = values[:4]
+        denom = max(count, 1.0)
+        out = {name: value / denom for name, value in zip(names, values[4:])}
+        out.update(loss=loss, entropy=entropy / denom, tokens=tokens)
+        return out
