@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 import pytest
-from core_rl.config.validators import positive
+from core_rl.config.validators import in_range, positive
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import AlgorithmRecipe, Reward
 from core_rl.plugins import PluginHost
@@ -24,6 +24,12 @@ class ConstantReward(Reward):
         return [self.config.value * self.config.scale for _ in items]
 
 
+@attrs.define
+class ThresholdRewardConfig:
+    scale: float = attrs.field(default=1.0, validator=positive())
+    cutoff: float = attrs.field(default=0.5, validator=in_range(0.0, 1.0))
+
+
 class InlinePlugin:
     """A plugin defined in a test: a reward with options and an algorithm recipe."""
 
@@ -31,6 +37,11 @@ class InlinePlugin:
     def core_rl_register_rewards(self, register: Register) -> None:
         register("constant", ConstantReward, description="Always the same score", config_cls=ConstantRewardConfig)
         register("zero", lambda config: ConstantReward(ConstantRewardConfig(value=0.0)), description="Always 0")
+        register("threshold", lambda config: None, description="test reward", config_cls=ThresholdRewardConfig)
+
+    @hookimpl
+    def core_rl_register_sample_filters(self, register: Register) -> None:
+        register("zero_filter", lambda config: None, description="test filter")
 
     @hookimpl
     def core_rl_register_algorithms(self, register: Register) -> None:

@@ -57,6 +57,6 @@ def test_config_error_exits_2_with_short_message(tmp_path: Path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "actor.optimizer.lr: expected a number, got 'fast'" in proc.stderr
-    assert "trainer.total_steps: must be > 0, got 0" in proc.stderr
+    assert "trainer.total_steps: must be in [1, 1000000000], got 0" in proc.stderr
     proc = _run("train", str(tmp_path / "missing.yaml"))
     assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr

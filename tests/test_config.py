@@ -89,7 +89,7 @@ def test_type_and_range_errors_name_path_and_value(tmp_path, host, minimal_confi
     minimal_config["reward"]["scale"] = 0
     minimal_config["trainer"] = {"resume": "yes"}
     problems = _problems(tmp_path, minimal_config, host=host)
-    assert "actor.optimizer.lr: must be > 0, got -1.0" in problems
+    assert "actor.optimizer.lr: must be in (0, 10.0], got -1.0" in problems
     assert "actor.grad_clip: expected a number, got 'big'" in problems
     assert "rollout.sampling.top_p: must be in (0.0, 1.0], got 1.5" in problems
     assert "reward.scale: must be > 0, got 0.0" in problems

@@ -38,3 +38,31 @@ def test_tiny_grpo_main_runs_and_reports(tmp_path):
     assert "reward: first 10 steps" in proc.stdout and "over 12 steps" in proc.stdout
     assert (work / "grpo" / "checkpoints" / "step_00000012").is_dir()
     assert (work / "data" / "train.jsonl").read_text().count("\n") == 6**3 + 6**4
+
+
+NO_TEST_PACKAGES = """
+import importlib.abc, runpy, sys
+
+class NoTestPackages(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("pytest", "_pytest", "hypothesis"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, NoTestPackages())
+runpy.run_path(sys.argv[1], run_name="imports_only")  # the module's imports and definitions, not main()
+assert "core_rl.testing" not in sys.modules
+print("imports ok")
+"""
+
+
+def test_the_main_job_imports_without_test_packages():
+    """A user who installed core-rl[all] without the dev requirements has no pytest: nothing the
+    main job imports may need it."""
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_TEST_PACKAGES, str(ROOT / "examples" / "tiny_grpo" / "main.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and "imports ok" in proc.stdout, proc.stderr[-3000:]

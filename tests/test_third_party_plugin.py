@@ -139,7 +139,11 @@ def test_config_show_fills_in_the_plugin_defaults(sites: Sites) -> None:
     proc = pu.cli(sys.executable, "config", "show", sites.config, "reward.mode=all", pythonpath=sites.with_plugin)
     assert proc.returncode == 0, proc.stderr
     shown = yaml.safe_load(proc.stdout)
-    assert shown["algorithm"]["advantage"] == {"name": "rank_advantage", "scale": 1.0}
+    assert shown["algorithm"]["advantage"] == {
+        "name": "rank_advantage",
+        "scale": 1.0,
+        "allow_single_sample_groups": False,
+    }
     assert shown["reward"] == {
         "name": "keyword_reward",
         "keywords": ["paris", "france"],
@@ -162,7 +166,11 @@ def test_a_recipe_with_the_plugin_advantage(sites: Sites, tmp_path: Path) -> Non
     proc = pu.cli(sys.executable, "config", "show", path, pythonpath=sites.with_plugin)
     assert proc.returncode == 0, proc.stderr
     algorithm = yaml.safe_load(proc.stdout)["algorithm"]
-    assert algorithm["advantage"] == {"name": "rank_advantage", "scale": 2.0}  # no options of the recipe's own
+    assert algorithm["advantage"] == {
+        "name": "rank_advantage",
+        "scale": 2.0,
+        "allow_single_sample_groups": False,
+    }  # no options of the recipe's own
     assert algorithm["loss"]["name"] == "ppo_clip"  # from the recipe
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from core_rl.builtin.loggers import read_metrics
-from core_rl.testing.tiny import build_tiny_model
+from core_rl.tiny import build_tiny_model
 
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_hf")

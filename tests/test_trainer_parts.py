@@ -7,7 +7,7 @@ import json
 import pytest
 from core_rl.config.schema import DataConfig
 from core_rl.errors import DataError
-from core_rl.testing.tiny import build_char_tokenizer
+from core_rl.tiny import build_char_tokenizer
 from core_rl.trainer import checkpoints
 from core_rl.trainer.data import PromptSource
 
@@ -39,7 +39,7 @@ def test_prompt_source_epochs_and_resume(tmp_path, tokenizer):
 
 def test_prompt_source_errors_name_the_row(tmp_path, tokenizer):
     files = [_jsonl(tmp_path / "p.jsonl", [{"prompt": "ok"}, {"question": "no prompt"}])]
-    with pytest.raises(DataError, match=r"data row .*p.jsonl:1: no text column 'prompt' \(columns: question\)"):
+    with pytest.raises(DataError, match=r"p.jsonl:2: no column 'prompt' \(columns: question\)"):  # 1-based lines
         PromptSource(DataConfig(train_files=files), tokenizer, seed=0)
     with pytest.raises(DataError, match="does not exist"):
         PromptSource(DataConfig(train_files=[str(tmp_path / "none.jsonl")]), tokenizer, seed=0)

@@ -1,13 +1,16 @@
 """The ``core-rl`` command: ``train``, ``plugins``, ``config show`` and ``config validate``.
 
-Exit status: 0 on success, 2 on a usage, configuration or plugin error (a short message on stderr,
-no traceback).
+Exit status: 0 on success, 2 on a user's mistake: usage, configuration, overrides, plugins, and for
+``train`` the data files, model and tokenizer directories, devices and output directory (checked
+before any model is loaded). Those print a short message on stderr naming each problem, without a
+traceback; any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -23,7 +26,8 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
         "overrides",
         nargs="*",
         metavar="KEY=VALUE",
-        help="dotted overrides applied after the YAML, e.g. actor.optimizer.lr=1e-5",
+        help="overrides applied after the YAML: key.path=value (YAML value; loggers[0].name or loggers.0.name "
+        "index lists; a mapping replaces the section) or ~key.path to delete a key",
     )
 
 
@@ -97,12 +101,18 @@ def _cmd_plugins(as_json: bool) -> int:
     return 0
 
 
+def _note(message: str) -> None:
+    """Print a note on stderr (once per job: only rank 0 of a ``torchrun`` job speaks)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"core-rl: note: {message}", file=sys.stderr)
+
+
 def _load(args: argparse.Namespace):
     from core_rl.config import load_config
     from core_rl.plugins import PluginHost
 
     host = PluginHost()
-    return host, load_config(args.config, args.overrides, host=host)
+    return host, load_config(args.config, args.overrides, host=host, notify=_note)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

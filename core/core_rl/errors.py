@@ -1,26 +1,60 @@
-"""Errors raised by core-rl that the CLI reports as a short message (exit status 2)."""
+"""Errors raised by core-rl that the CLI reports as a short message (exit status 2, no traceback).
+
+Every problem a user can cause (configuration, overrides, data files, model and tokenizer
+directories, devices, the output directory) is raised as a :class:`CoreRLError` whose message
+names the thing (key path, ``file:line`` with 1-based lines, plugin and distribution), says what is
+wrong and what to do. Any other exception is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from typing import ClassVar
 
 
 class CoreRLError(Exception):
     """Base class of user-facing errors: the message alone says what is wrong and what to do."""
 
 
-class ConfigError(CoreRLError):
-    """A configuration is invalid. ``problems`` lists one line per problem, each naming its key path."""
+class ProblemsError(CoreRLError):
+    """Several problems reported at once, one line each (``problems``), under a heading."""
+
+    heading: ClassVar[str] = "problems"
 
     def __init__(self, problems: list[str] | str, *, source: str | None = None) -> None:
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         self.source = source
         where = f" in {source}" if source else ""
         lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"invalid configuration{where}:\n{lines}")
+        super().__init__(f"{self.heading}{where}:\n{lines}")
+
+
+class ConfigError(ProblemsError):
+    """A configuration is invalid. ``problems`` lists one line per problem, each naming its key path."""
+
+    heading = "invalid configuration"
+
+
+class PreflightError(ProblemsError):
+    """The run cannot start: its data files, model or tokenizer directories, devices or output
+    directory have problems (found before any model is loaded). Each line names the key path or
+    the file and line."""
+
+    heading = "the run cannot start"
 
 
 class PluginError(CoreRLError):
     """A plugin is missing, blocked, failed to import, or registered a conflicting name."""
 
 
-class DataError(CoreRLError):
-    """A data row is malformed; the message names the file and the row."""
+class DataError(ProblemsError):
+    """Data is malformed; each problem names the file and the line or row (``train.jsonl:7``)."""
+
+    heading = "invalid data"
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
+    """The choice closest to ``word`` by edit similarity (difflib's ratio >= 0.6), or ``None``."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return close[0] if close else None

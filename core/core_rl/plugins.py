@@ -25,7 +25,7 @@ import attrs
 import pluggy
 
 from core_rl import hookspecs
-from core_rl.errors import PluginError
+from core_rl.errors import PluginError, did_you_mean
 from core_rl.kinds import ALL_KINDS, KNOWN_EXTRAS, PluginKind
 from core_rl.registry import Registry, RegistryEntry
 
@@ -77,7 +77,8 @@ class PluginHost:
         self._allowed = _split_env(env.get(ENV_ALLOW))
         groups = {kind.group: kind for kind in ALL_KINDS}
         if entry_points is None:
-            entry_points = [ep for group in groups for ep in md.entry_points(group=group)]
+            installed = md.entry_points()  # one scan of the installed distributions for every group
+            entry_points = [ep for group in groups for ep in installed.select(group=group)]
         # kind -> name -> entry points declaring it (several when a distribution overrides a name),
         # core-rl's first so that an override registered by another distribution loads after it
         self._entry_points: dict[str, dict[str, list[md.EntryPoint]]] = {kind.key: {} for kind in ALL_KINDS}
@@ -270,5 +271,19 @@ def install_hint(kind: PluginKind, name: str) -> str:
 
 
 def unknown_name_message(kind: PluginKind, name: str, installed: list[str]) -> str:
+    """Say that ``name`` is not installed. A name close to an installed one of the same kind (a
+    typo) gets ``did you mean ...?``; one close to a name an uninstalled core-rl extra provides gets
+    that suggestion and its install hint; otherwise the hint for ``name`` itself."""
     shown = ", ".join(installed) if installed else "none"
+    close = did_you_mean(name, installed)
+    if close is not None:
+        return f"{kind.label} {name!r} is not installed; did you mean {close!r}? (installed: {shown})"
+    if (kind.key, name) not in KNOWN_EXTRAS:
+        extras = [n for (k, n) in KNOWN_EXTRAS if k == kind.key and n not in installed]
+        close = did_you_mean(name, extras)
+        if close is not None:
+            return (
+                f"{kind.label} {name!r} is not installed (installed: {shown}); did you mean {close!r}? "
+                f"{install_hint(kind, close)}"
+            )
     return f"{kind.label} {name!r} is not installed (installed: {shown}); {install_hint(kind, name)}"

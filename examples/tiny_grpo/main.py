@@ -19,7 +19,7 @@ import torch
 import transformers
 from core_rl import cli
 from core_rl.builtin.loggers import read_metrics
-from core_rl.testing.tiny import build_tiny_model
+from core_rl.tiny import build_tiny_model
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

@@ -14,7 +14,7 @@ from typing import IO, Any
 import attrs
 from tqdm import tqdm
 
-from core_rl.config.validators import positive
+from core_rl.config.validators import MAX_STEPS, in_range, not_empty
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import Logger, RunInfo
 
@@ -36,7 +36,7 @@ class ConsoleLoggerConfig:
     when the output is not a terminal (on a terminal the bar updates every step)."""
 
     keys: list[str] = attrs.field(factory=lambda: list(DEFAULT_CONSOLE_KEYS))
-    every_n_steps: int = attrs.field(default=1, validator=positive())
+    every_n_steps: int = attrs.field(default=1, validator=in_range(1, MAX_STEPS))
 
 
 def _short(name: str) -> str:
@@ -83,7 +83,7 @@ class ConsoleLogger(Logger):
 class JsonlLoggerConfig:
     """``filename``: file name inside the run directory."""
 
-    filename: str = "metrics.jsonl"
+    filename: str = attrs.field(default="metrics.jsonl", validator=not_empty())
 
 
 def _json_value(value: Any) -> Any:
@@ -93,7 +93,10 @@ def _json_value(value: Any) -> Any:
 
 
 class JsonlLogger(Logger):
-    """Appends ``{"step": n, "time": unix_seconds, <metric>: value, ...}`` per step, flushed each line."""
+    """Appends ``{"step": n, "time": unix_seconds, <metric>: value, ...}`` per step, flushed each line.
+
+    The file is created at the first step logged, so a run that fails before its first step leaves
+    no (empty) metrics file behind."""
 
     def __init__(self, config: JsonlLoggerConfig) -> None:
         self.config = config
@@ -103,11 +106,12 @@ class JsonlLogger(Logger):
     def start(self, run: RunInfo) -> None:
         run.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = run.output_dir / self.config.filename
-        self._file = self.path.open("a", encoding="utf-8")
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        if self._file is None:
+        if self.path is None:
             raise RuntimeError("JsonlLogger.log called before start")
+        if self._file is None:
+            self._file = self.path.open("a", encoding="utf-8")
         record = {"step": step, "time": time.time(), **{k: _json_value(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()

@@ -1,22 +1,36 @@
-"""Load a run configuration: YAML + dotted overrides (OmegaConf: parsing, merging, ``${...}``
-interpolation), algorithm recipe defaults, typed structuring and validation (cattrs into
-:mod:`core_rl.config.schema`), then each selected plugin's own section.
+"""Load a run configuration, in this order:
 
-Every problem is reported with its key path, e.g. ``actor.optimizer.lr: must be > 0, got -1.0`` or
-``actor.optimzer: unknown key; did you mean 'optimizer'?``.
+1. the YAML file (OmegaConf), kept unresolved;
+2. command-line overrides (:mod:`core_rl.config.overrides`); where one switches a plugin section to
+   another plugin (``reward.name=...``), the options that came from the file and that the new
+   plugin does not take are dropped, with a note;
+3. the selected algorithm's recipe defaults, merged under the result (a section the user points
+   at another plugin replaces the recipe's);
+4. ``${...}`` interpolation (OmegaConf);
+5. typed structuring and validation (cattrs into :mod:`core_rl.config.schema`), then each selected
+   plugin's own section by its ``config_cls``, then checks across sections (the core's and each
+   plugin's ``check_config``, :mod:`core_rl.config.checks`).
+
+Every problem of the whole configuration is reported at once, each with its key path, e.g.
+``actor.optimizer.lr: must be in (0, 10], got 50.0`` or ``actor.optimzer: unknown key; did you mean
+'optimizer'?``.
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
-from collections.abc import Iterator, Mapping, Sequence
+import math
+import re
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import cattrs
+import yaml
 from cattrs.errors import (
+    AttributeValidationNote,
     ClassValidationError,
     ForbiddenExtraKeysError,
     IterableValidationError,
@@ -25,9 +39,11 @@ from cattrs.errors import (
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from core_rl.config.checks import SectionContext, config_problems
+from core_rl.config.overrides import apply_overrides, first_line, format_path, parse_overrides
 from core_rl.config.schema import PluginSpec, RunConfig
-from core_rl.config.validators import FieldValueError
-from core_rl.errors import ConfigError, PluginError
+from core_rl.config.validators import MAX_COUNT, FieldValueError
+from core_rl.errors import ConfigError, PluginError, did_you_mean
 from core_rl.kinds import (
     ADVANTAGE,
     ALGORITHM,
@@ -58,16 +74,26 @@ def _strict_int(value: Any, _t: type) -> int:
 
 
 def _strict_float(value: Any, _t: type) -> float:
+    """A finite number: ints and floats, and numeric strings (YAML 1.1 reads ``1e-5`` as one);
+    NaN and infinities (``.inf``, ``1e309``) are refused for every float field."""
     if isinstance(value, bool):
         raise TypeMismatch("a number", value)
+    number: float | None = None
     if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):  # YAML 1.1 reads 1e-5 as a string
         try:
-            return float(value)
+            number = float(value)
+        except OverflowError:  # an int beyond the float range
+            raise TypeMismatch("a finite number", value) from None
+    elif isinstance(value, str):
+        try:
+            number = float(value)
         except ValueError:
             pass
-    raise TypeMismatch("a number", value)
+    if number is None:
+        raise TypeMismatch("a number", value)
+    if not math.isfinite(number):
+        raise TypeMismatch("a finite number", value)
+    return number
 
 
 def _strict_bool(value: Any, _t: type) -> bool:
@@ -93,8 +119,34 @@ def _structure_plugin_spec(value: Any, _t: type) -> PluginSpec:
     return PluginSpec(name=value["name"], options=options)
 
 
-def _is_list_type(t: Any) -> bool:
-    return getattr(t, "__origin__", None) is list
+#: what structuring a user's value can raise; anything else is a bug and keeps its traceback
+_VALUE_ERRORS = (
+    ClassValidationError,
+    IterableValidationError,
+    ForbiddenExtraKeysError,
+    FieldValueError,
+    TypeMismatch,
+    KeyError,
+    ValueError,
+)
+
+
+def _origin_is(kind: type) -> Callable[[Any], bool]:
+    return lambda t: getattr(t, "__origin__", None) is kind
+
+
+def _structure_items(conv: cattrs.Converter, t: Any, items: Iterator[tuple[Any, Any, Any]]) -> list[Any]:
+    """Structure ``(index, value, type)`` items, collecting every failure with its index."""
+    out, errors = [], []
+    for index, item, item_type in items:
+        try:
+            out.append(conv.structure(item, item_type))
+        except _VALUE_ERRORS as exc:
+            exc.add_note(IterableValidationNote(f"Structuring {t} @ index {index}", index, item_type))
+            errors.append(exc)
+    if errors:
+        raise IterableValidationError(f"While structuring {t}", errors, t)
+    return out
 
 
 def _list_hook_factory(conv: cattrs.Converter) -> Any:
@@ -107,31 +159,129 @@ def _list_hook_factory(conv: cattrs.Converter) -> Any:
         def structure_list(value: Any, _t: Any) -> list[Any]:
             if not isinstance(value, (list, tuple)):
                 raise TypeMismatch("a list", value)
-            out, errors = [], []
-            for i, item in enumerate(value):
-                try:
-                    out.append(conv.structure(item, item_type))
-                except Exception as exc:
-                    exc.add_note(IterableValidationNote(f"Structuring {t} @ index {i}", i, item_type))
-                    errors.append(exc)
-            if errors:
-                raise IterableValidationError(f"While structuring {t}", errors, t)
-            return out
+            return _structure_items(conv, t, ((i, v, item_type) for i, v in enumerate(value)))
 
         return structure_list
 
     return factory
 
 
+def _tuple_hook_factory(conv: cattrs.Converter) -> Any:
+    """Structure ``tuple[X, Y]`` (exactly that many items) or ``tuple[X, ...]`` from a list or
+    tuple only: a string such as ``'12'`` is not the pair ``(1.0, 2.0)``."""
+
+    def factory(t: Any) -> Any:
+        args = getattr(t, "__args__", ()) or (Any, ...)
+        variadic = len(args) == 2 and args[1] is Ellipsis
+
+        def structure_tuple(value: Any, _t: Any) -> tuple[Any, ...]:
+            if not isinstance(value, (list, tuple)):
+                raise TypeMismatch(f"a list of {'values' if variadic else len(args)}", value)
+            if not variadic and len(value) != len(args):
+                raise TypeMismatch(f"a list of exactly {len(args)} values", value)
+            types = [args[0]] * len(value) if variadic else list(args)
+            return tuple(_structure_items(conv, t, ((i, v, types[i]) for i, v in enumerate(value))))
+
+        return structure_tuple
+
+    return factory
+
+
+def _dict_hook_factory(conv: cattrs.Converter) -> Any:
+    """Structure ``dict[K, V]`` from a mapping only, reporting each bad value with its key."""
+
+    def factory(t: Any) -> Any:
+        key_type, value_type = getattr(t, "__args__", None) or (Any, Any)
+
+        def structure_dict(value: Any, _t: Any) -> dict[Any, Any]:
+            if not isinstance(value, Mapping):
+                raise TypeMismatch("a mapping", value)
+            keys = _structure_items(conv, t, ((k, k, key_type) for k in value))
+            values = _structure_items(conv, t, ((k, v, value_type) for k, v in value.items()))
+            return dict(zip(keys, values))
+
+        return structure_dict
+
+    return factory
+
+
+class _FieldView:
+    """Stands in for the instance an attrs validator receives while the instance does not exist
+    yet: every field's given (structured) value, else its default."""
+
+    def __init__(self, cls: type, values: Mapping[str, Any]) -> None:
+        for a in attrs.fields(cls):
+            if a.name in values:
+                value = values[a.name]
+            elif isinstance(a.default, attrs.Factory):  # type: ignore[arg-type]
+                value = None if a.default.takes_self else a.default.factory()
+            else:
+                value = None if a.default is attrs.NOTHING else a.default
+            setattr(self, a.name, value)
+
+
+def _attrs_hook_factory(conv: cattrs.Converter) -> Any:
+    """Structure an attrs config class reporting *every* problem of the section at once: unknown
+    keys, missing required keys, each field's type and each field's validators. Checks across
+    fields (``__attrs_post_init__``) run once every field is valid."""
+
+    def factory(cls: type) -> Any:
+        attrs.resolve_types(cls)
+        fields = [a for a in attrs.fields(cls) if a.init]
+
+        def structure_attrs(value: Any, _t: Any) -> Any:
+            if not isinstance(value, Mapping):
+                raise TypeMismatch("a mapping", value)
+            errors: list[Exception] = []
+            known = {a.name for a in fields}
+            extra = {k for k in value if k not in known}
+            if extra:
+                errors.append(ForbiddenExtraKeysError(None, cls, extra))
+            given: dict[str, Any] = {}
+            for a in fields:
+                if a.name not in value:
+                    if a.default is attrs.NOTHING:
+                        exc: Exception = KeyError(a.name)
+                        exc.add_note(AttributeValidationNote(f"Missing {a.name}", a.name, a.type))
+                        errors.append(exc)
+                    continue
+                try:
+                    given[a.name] = conv.structure(value[a.name], a.type)
+                except _VALUE_ERRORS as exc:
+                    exc.add_note(AttributeValidationNote(f"Structuring {cls.__qualname__} @ {a.name}", a.name, a.type))
+                    errors.append(exc)
+            view = _FieldView(cls, given)
+            for a in fields:
+                if a.validator is None or a.name not in given:
+                    continue
+                try:
+                    a.validator(view, a, given[a.name])
+                except FieldValueError as exc:
+                    errors.append(exc)
+                except (ValueError, TypeError) as exc:  # attrs' own validators (gt, instance_of, ...)
+                    errors.append(FieldValueError(a.name, given[a.name], str(exc)))
+            if errors:
+                raise ClassValidationError(f"While structuring {cls.__qualname__}", errors, cls)
+            return cls(**{a.alias: given[a.name] for a in fields if a.name in given})
+
+        return structure_attrs
+
+    return factory
+
+
 def make_converter() -> cattrs.Converter:
-    """The converter used for every config class: unknown keys are errors, scalars are type-checked."""
+    """The converter used for every config class: unknown keys are errors, scalars are type-checked,
+    and every problem of a section is reported at once."""
     conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    conv.register_structure_hook_factory(attrs.has, _attrs_hook_factory(conv))
+    conv.register_structure_hook_factory(_origin_is(list), _list_hook_factory(conv))
+    conv.register_structure_hook_factory(_origin_is(tuple), _tuple_hook_factory(conv))
+    conv.register_structure_hook_factory(_origin_is(dict), _dict_hook_factory(conv))
     conv.register_structure_hook(int, _strict_int)
     conv.register_structure_hook(float, _strict_float)
     conv.register_structure_hook(bool, _strict_bool)
     conv.register_structure_hook(str, _strict_str)
     conv.register_structure_hook(PluginSpec, _structure_plugin_spec)
-    conv.register_structure_hook_factory(_is_list_type, _list_hook_factory(conv))
     conv.register_unstructure_hook(PluginSpec, lambda spec: unstructure_spec(conv, spec))
     return conv
 
@@ -144,20 +294,27 @@ def unstructure_spec(conv: cattrs.Converter, spec: PluginSpec) -> dict[str, Any]
 CONVERTER = make_converter()
 
 
-def _join(path: str, key: str | int) -> str:
-    if isinstance(key, int):
+_PLAIN_KEY = re.compile(r"[\w-]+")
+
+
+def _join(path: str, key: Any) -> str:
+    if isinstance(key, int) and not isinstance(key, bool):
         return f"{path}[{key}]"
-    return f"{path}.{key}" if path else key
+    return f"{path}.{key}" if path else str(key)
 
 
 def _describe(exc: BaseException, path: str) -> Iterator[str]:
     """Flatten a cattrs validation error tree into one message per problem."""
     if isinstance(exc, ForbiddenExtraKeysError):
         valid = [a.name for a in attrs.fields(exc.cl)]
-        for key in sorted(exc.extra_fields):
-            close = difflib.get_close_matches(key, valid, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(valid)}"
-            yield f"{_join(path, key)}: unknown key{hint}"
+        for key in sorted(exc.extra_fields, key=str):
+            if not isinstance(key, str):
+                yield f"{_join(path, repr(key))}: unknown key (keys are names; valid keys: {', '.join(valid)})"
+                continue
+            close = did_you_mean(key, valid)
+            hint = f"; did you mean {close!r}?" if close else f"; valid keys: {', '.join(valid)}"
+            shown = key if _PLAIN_KEY.fullmatch(key) else repr(key)  # quote keys like ';' or 'my key'
+            yield f"{_join(path, shown)}: unknown key{hint}"
     elif isinstance(exc, ClassValidationError):
         with_notes, without = exc.group_exceptions()
         for sub, note in with_notes:
@@ -173,7 +330,7 @@ def _describe(exc: BaseException, path: str) -> Iterator[str]:
     elif isinstance(exc, FieldValueError):
         yield f"{_join(path, exc.field)}: {exc.requirement}, got {exc.value!r}"
     elif isinstance(exc, TypeMismatch):
-        yield f"{path}: expected {exc.expected}, got {exc.value!r}"
+        yield f"{path or '<root>'}: expected {exc.expected}, got {exc.value!r}"
     elif isinstance(exc, KeyError):
         yield f"{path}: required key is missing"
     elif isinstance(exc, BaseExceptionGroup):
@@ -191,11 +348,12 @@ def structure(data: Any, cls: type, *, path: str = "") -> Any:
         raise ConfigError([f"{path or '<root>'}: expected a mapping, got {data!r}"])
     try:
         return CONVERTER.structure(dict(data), cls)
-    except (ClassValidationError, IterableValidationError, FieldValueError, TypeMismatch) as exc:
+    except _VALUE_ERRORS as exc:
         raise ConfigError(list(_describe(exc, path))) from None
 
 
-def _selected_specs(cfg: RunConfig) -> Iterator[tuple[str, PluginKind, PluginSpec]]:
+def selected_sections(cfg: RunConfig) -> Iterator[tuple[str, PluginKind, PluginSpec]]:
+    """Every plugin section ``cfg`` selects: ``(key path, kind, spec)``."""
     yield "actor.engine", TRAIN_ENGINE, cfg.actor.engine
     yield "rollout.engine", ROLLOUT_ENGINE, cfg.rollout.engine
     if cfg.algorithm.advantage is not None:
@@ -219,7 +377,10 @@ def validate_plugin_section(host: PluginHost, kind: PluginKind, spec: PluginSpec
     if entry.config_cls is None:
         if spec.options:
             raise ConfigError(
-                [f"{path}: {kind.label} {spec.name!r} takes no options, got {', '.join(sorted(spec.options))}"]
+                [
+                    f"{path}: {kind.label} {spec.name!r} takes no options, got "
+                    f"{', '.join(sorted(map(str, spec.options)))}"
+                ]
             )
         return
     spec.config = structure(spec.options, entry.config_cls, path=path)
@@ -236,26 +397,50 @@ _RAW_SPEC_PATHS: tuple[tuple[tuple[str, ...], PluginKind, bool], ...] = (
 )
 
 
+def _get(data: Any, path: Sequence[Any]) -> Any:
+    """The node at ``path`` in plain data, or ``None``."""
+    node = data
+    for key in path:
+        if isinstance(node, Mapping):
+            node = node.get(key)
+        elif isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node):
+            node = node[key]
+        else:
+            return None
+    return node
+
+
+def _plugin_sections(data: Mapping[str, Any]) -> Iterator[tuple[tuple[Any, ...], PluginKind]]:
+    """The plugin sections present in unstructured ``data``: ``(path, kind)``."""
+    for keys, kind, is_list in _RAW_SPEC_PATHS:
+        node = _get(data, keys)
+        if node is None:
+            continue
+        if is_list and isinstance(node, list):
+            for i in range(len(node)):
+                yield (*keys, i), kind
+        elif not is_list:
+            yield keys, kind
+
+
+def _is_plugin_section(path: tuple[Any, ...]) -> bool:
+    for keys, _kind, is_list in _RAW_SPEC_PATHS:
+        if path[: len(keys)] == keys and len(path) == len(keys) + (1 if is_list else 0):
+            return not is_list or isinstance(path[-1], int)
+    return False
+
+
 def _raw_plugin_problems(data: Mapping[str, Any], host: PluginHost) -> list[str]:
     """Validate the plugin sections found in unstructured ``data`` (used when the rest failed)."""
     problems: list[str] = []
-    for keys, kind, is_list in _RAW_SPEC_PATHS:
-        node: Any = data
-        for key in keys:
-            node = node.get(key) if isinstance(node, Mapping) else None
-        if node is None:
-            continue
-        path = ".".join(keys)
-        items = (
-            [(f"{path}[{i}]", v) for i, v in enumerate(node)] if is_list and isinstance(node, list) else [(path, node)]
-        )
-        for item_path, raw in items:
-            try:
-                validate_plugin_section(host, kind, _structure_plugin_spec(raw, PluginSpec), item_path)
-            except ConfigError as exc:
-                problems.extend(exc.problems)
-            except (TypeMismatch, FieldValueError):
-                pass  # already reported by the main pass
+    for path, kind in _plugin_sections(data):
+        try:
+            spec = _structure_plugin_spec(_get(data, path), PluginSpec)
+            validate_plugin_section(host, kind, spec, format_path(path))
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+        except (TypeMismatch, FieldValueError):
+            pass  # already reported by the main pass
     return problems
 
 
@@ -279,64 +464,163 @@ def _completeness_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
-def _drop_replaced_sections(defaults: dict[str, Any], user: DictConfig) -> dict[str, Any]:
+def _cross_section_problems(cfg: RunConfig) -> list[str]:
+    """Checks of the core's own sections against each other."""
+    problems = []
+    samples = cfg.data.batch_size * cfg.rollout.sampling.n
+    if samples > MAX_COUNT:
+        problems.append(
+            f"data.batch_size: {cfg.data.batch_size} prompts x rollout.sampling.n={cfg.rollout.sampling.n} samples "
+            f"is {samples} samples per step, more than {MAX_COUNT}; lower one of them"
+        )
+    return problems
+
+
+def _plugin_check_problems(cfg: RunConfig) -> list[str]:
+    """Each validated plugin section's own ``check_config`` (see :mod:`core_rl.config.checks`)."""
+    problems: list[str] = []
+    for path, _kind, spec in selected_sections(cfg):
+        if spec.config is not None:
+            problems.extend(config_problems(spec.config, SectionContext(path=path, run=cfg, name=spec.name)))
+    return problems
+
+
+def _drop_replaced_sections(defaults: dict[str, Any], user: Mapping[str, Any]) -> dict[str, Any]:
     """Remove from recipe ``defaults`` each plugin section the user points at another plugin, so
     the recipe's options for its own choice do not leak into the user's (a list section given by
     the user replaces the recipe's anyway)."""
     for keys, _kind, is_list in _RAW_SPEC_PATHS:
         if is_list:
             continue
-        parent: Any = defaults
-        for key in keys[:-1]:
-            parent = parent.get(key) if isinstance(parent, dict) else None
+        parent = _get(defaults, keys[:-1])
         if not isinstance(parent, dict) or keys[-1] not in parent:
             continue
-        ours = parent[keys[-1]]
-        ours_name = ours.get("name") if isinstance(ours, dict) else ours
-        theirs = OmegaConf.select(user, ".".join(keys), default=None)
-        theirs_name = theirs.get("name") if isinstance(theirs, DictConfig) else theirs
-        if theirs_name is not None and theirs_name != ours_name:
+        theirs = _section_name(_get(user, keys))
+        if theirs is not None and theirs != _section_name(parent[keys[-1]]):
             del parent[keys[-1]]
     return defaults
 
 
+def _section_name(node: Any) -> Any:
+    return node.get("name") if isinstance(node, Mapping) else node
+
+
+def _merge_under(base: Any, top: Any) -> Any:
+    """``top`` over ``base``: mappings merge key by key, anything else in ``top`` replaces."""
+    if isinstance(base, dict) and isinstance(top, dict):
+        out = dict(base)
+        for key, value in top.items():
+            out[key] = _merge_under(base[key], value) if key in base else value
+        return out
+    return top
+
+
+def _from_command_line(path: tuple[Any, ...], touched: Sequence[tuple[Any, ...]]) -> bool:
+    """Whether an override set ``path``, a section containing it, or a key below it."""
+    return any(t == path[: len(t)] or path == t[: len(path)] for t in touched)
+
+
+Notify = Callable[[str], None]
+
+
+def _drop_foreign_options(
+    before: Mapping[str, Any],
+    data: dict[str, Any],
+    touched: Sequence[tuple[Any, ...]],
+    host: PluginHost,
+    source: str,
+    notify: Notify,
+) -> None:
+    """Where an override switched a plugin section to another plugin, drop the options that came
+    from the file and that the new plugin does not take (and say so through ``notify``)."""
+    for path, kind in list(_plugin_sections(data)):
+        new, old = _section_name(_get(data, path)), _section_name(_get(before, path))
+        section = _get(data, path)
+        if not isinstance(new, str) or not isinstance(old, str) or new == old or not isinstance(section, dict):
+            continue
+        try:
+            entry = host.get(kind, new)
+        except PluginError:
+            continue  # reported when the section is validated
+        known = {a.name for a in attrs.fields(entry.config_cls)} if entry.config_cls is not None else set()
+        dropped = [
+            key
+            for key in section
+            if key != "name" and key not in known and not _from_command_line((*path, key), touched)
+        ]
+        for key in dropped:
+            del section[key]
+        if dropped:
+            notify(
+                f"{format_path(path)}.name is {new!r} (was {old!r} in {source}): dropped "
+                f"{', '.join(map(str, dropped))} from the file, which {kind.label} {new!r} does not take"
+            )
+
+
 def read_yaml(path: str | Path) -> DictConfig:
-    """Parse a YAML file into an OmegaConf mapping; a missing file or bad YAML is a ConfigError."""
+    """Parse a YAML file into an OmegaConf mapping; a missing file or bad YAML is a ConfigError
+    naming the file and the 1-based line and column."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError([f"config file {str(p)!r} does not exist"])
     try:
         loaded = OmegaConf.load(p)
-    except Exception as exc:  # yaml.YAMLError and OmegaConf's own
-        raise ConfigError([f"cannot parse YAML: {exc}"], source=str(p)) from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+        what = " ".join(part for part in (exc.context, exc.problem) if part)
+        raise ConfigError([f"{where}: cannot parse YAML: {what}"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8"]) from None
+    except Exception as exc:  # yaml.YAMLError without a position, OmegaConf's own (e.g. a null key)
+        msg = first_line(exc)
+        raise ConfigError([f"cannot parse YAML: {msg}"], source=str(p)) from None
     if not isinstance(loaded, DictConfig):
         raise ConfigError(["the top level must be a mapping"], source=str(p))
     return loaded
 
 
-def parse_overrides(overrides: Sequence[str]) -> DictConfig:
-    """``["actor.optimizer.lr=1e-5", ...]`` -> an OmegaConf mapping; values are parsed as YAML."""
-    for item in overrides:
-        key, sep, _ = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError([f"override {item!r} must look like key.path=value"])
+def _resolve_algorithm_name(data: dict[str, Any], source: str | None) -> Any:
+    name = _get(data, ("algorithm", "name"))
+    if not isinstance(name, str) or "${" not in name:
+        return name
     try:
-        return OmegaConf.from_dotlist(list(overrides))
+        return OmegaConf.select(OmegaConf.create(data), "algorithm.name", default=None)
     except OmegaConfBaseException as exc:
-        raise ConfigError([f"cannot parse overrides: {exc}"]) from None
+        msg = first_line(exc)
+        raise ConfigError([f"algorithm.name: {msg}"], source=source) from None
 
 
-def merge_raw(path: str | Path | None, overrides: Sequence[str], host: PluginHost) -> dict[str, Any]:
-    """YAML + overrides + the selected algorithm's defaults, interpolations resolved, as plain data."""
-    base = read_yaml(path) if path is not None else OmegaConf.create({})
+def _stderr_note(message: str) -> None:
+    print(f"core-rl: note: {message}", file=sys.stderr)
+
+
+def merge_raw(
+    path: str | Path | None,
+    overrides: Sequence[str],
+    host: PluginHost,
+    *,
+    notify: Notify | None = None,
+) -> dict[str, Any]:
+    """YAML + overrides + the selected algorithm's defaults, interpolations resolved, as plain data.
+
+    ``notify`` receives notes on what the overrides changed beyond their own keys (options
+    dropped by a plugin switch); default: print them to stderr.
+    """
+    notify = notify or _stderr_note
     source = str(path) if path is not None else None
+    base = read_yaml(path) if path is not None else OmegaConf.create({})
     try:
-        merged = OmegaConf.merge(base, parse_overrides(overrides))
-        algorithm = OmegaConf.select(merged, "algorithm.name", default=None)
+        data = OmegaConf.to_container(base, resolve=False)
     except OmegaConfBaseException as exc:
-        raise ConfigError(
-            [f"{getattr(exc, 'full_key', '') or '<root>'}: {exc.msg if hasattr(exc, 'msg') else exc}"], source=source
-        ) from None
+        raise ConfigError([f"cannot read the configuration: {exc}"], source=source) from None
+    assert isinstance(data, dict)
+    parsed = parse_overrides(overrides)
+    before = copy.deepcopy(data)
+    touched = apply_overrides(data, parsed, expand_name=_is_plugin_section)
+    _drop_foreign_options(before, data, touched, host, source or "the defaults", notify)
+
+    algorithm = _resolve_algorithm_name(data, source)
     if algorithm:
         if not isinstance(algorithm, str):
             raise ConfigError([f"algorithm.name: expected a string, got {algorithm!r}"], source=source)
@@ -344,16 +628,16 @@ def merge_raw(path: str | Path | None, overrides: Sequence[str], host: PluginHos
             recipe = host.get(ALGORITHM, algorithm).factory()
         except PluginError as exc:
             raise ConfigError([f"algorithm.name: {exc}"], source=source) from None
-        defaults = _drop_replaced_sections(copy.deepcopy(dict(recipe.defaults)), merged)
-        merged = OmegaConf.merge(OmegaConf.create(defaults), merged)
+        defaults = _drop_replaced_sections(copy.deepcopy(dict(recipe.defaults)), data)
+        data = _merge_under(defaults, data)
     try:
-        data = OmegaConf.to_container(merged, resolve=True)
+        resolved = OmegaConf.to_container(OmegaConf.create(data), resolve=True)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "<root>"
-        msg = getattr(exc, "msg", None) or str(exc).splitlines()[0]
+        msg = first_line(exc)
         raise ConfigError([f"{key}: cannot resolve interpolation: {msg}"], source=source) from None
-    assert isinstance(data, dict)
-    return data
+    assert isinstance(resolved, dict)
+    return resolved
 
 
 def load_config(
@@ -362,27 +646,31 @@ def load_config(
     *,
     host: PluginHost,
     require_complete: bool = True,
+    notify: Notify | None = None,
 ) -> RunConfig:
     """Load, merge, resolve and validate a run configuration (see the module docstring).
 
     ``require_complete``: also require what a training run needs (model path, algorithm, reward,
-    data). Raises :class:`ConfigError` listing every problem found.
+    data). ``notify``: see :func:`merge_raw`. Raises :class:`ConfigError` listing every problem
+    found.
     """
     source = str(path) if path is not None else None
-    data = merge_raw(path, overrides, host)
+    data = merge_raw(path, overrides, host, notify=notify)
     try:
         cfg: RunConfig = structure(data, RunConfig)
     except ConfigError as exc:
         # report problems in the plugin sections too, not only the first layer's
         raise ConfigError(exc.problems + _raw_plugin_problems(data, host), source=source) from None
     problems: list[str] = []
-    for spec_path, kind, spec in _selected_specs(cfg):
+    for spec_path, kind, spec in selected_sections(cfg):
         try:
             validate_plugin_section(host, kind, spec, spec_path)
         except ConfigError as exc:
             problems.extend(exc.problems)
     if cfg.actor.lr_scheduler.total_steps == 0:
         cfg.actor.lr_scheduler.total_steps = cfg.trainer.total_steps
+    problems.extend(_cross_section_problems(cfg))
+    problems.extend(_plugin_check_problems(cfg))
     if require_complete:
         problems.extend(_completeness_problems(cfg))
     if problems:

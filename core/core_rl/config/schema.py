@@ -10,7 +10,19 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from core_rl.config.validators import in_range, non_negative, one_of, positive
+from core_rl.config.validators import (
+    MAX_COUNT,
+    MAX_SEED,
+    MAX_STEPS,
+    MAX_TOKENS,
+    FieldValueError,
+    each,
+    in_range,
+    non_negative,
+    not_empty,
+    one_of,
+    positive,
+)
 
 if TYPE_CHECKING:
     from core_rl.interfaces import SamplingParams
@@ -30,11 +42,16 @@ class PluginSpec:
 
 @attrs.define
 class ExperimentConfig:
-    """``name``: the run's name; its files go to ``output_dir/name``. ``seed`` seeds every RNG."""
+    """``name``: the run's name; its files go to ``output_dir/name``. ``seed`` seeds every RNG.
 
-    name: str = "core-rl"
-    output_dir: str = "runs"
-    seed: int = 1
+    ``offline``: model and tokenizer paths must be local directories (the default: nothing is
+    downloaded). ``false`` lets ``actor.model_path`` / ``actor.tokenizer_path`` name a Hugging Face
+    hub repository, downloaded into the Hugging Face cache before the run starts."""
+
+    name: str = attrs.field(default="core-rl", validator=not_empty())
+    output_dir: str = attrs.field(default="runs", validator=not_empty())
+    seed: int = attrs.field(default=1, validator=in_range(0, MAX_SEED))
+    offline: bool = True
 
 
 @attrs.define
@@ -42,26 +59,34 @@ class DataConfig:
     """Training prompts: JSON/JSONL/Parquet files whose rows hold ``prompt_key`` (text) plus any
     columns rewards read (e.g. ``answer``). ``batch_size`` prompts are drawn per step."""
 
-    train_files: list[str] = attrs.field(factory=list)
-    prompt_key: str = "prompt"
-    batch_size: int = attrs.field(default=8, validator=positive())
+    train_files: list[str] = attrs.field(factory=list, validator=each(not_empty()))
+    prompt_key: str = attrs.field(default="prompt", validator=not_empty())
+    batch_size: int = attrs.field(default=8, validator=in_range(1, MAX_COUNT))
     shuffle: bool = True
-    max_prompt_tokens: int = attrs.field(default=1024, validator=positive())
+    max_prompt_tokens: int = attrs.field(default=1024, validator=in_range(1, MAX_TOKENS))
     apply_chat_template: bool = False
 
 
 @attrs.define
 class SamplingConfig:
-    """Rollout sampling. ``n`` is the group size (samples per prompt)."""
+    """Rollout sampling. ``n`` is the group size (samples per prompt). ``min_new_tokens`` must not
+    exceed ``max_new_tokens``; stop token ids are checked against the model's vocabulary before
+    the run starts."""
 
-    n: int = attrs.field(default=8, validator=positive())
+    n: int = attrs.field(default=8, validator=in_range(1, MAX_COUNT))
     temperature: float = attrs.field(default=1.0, validator=in_range(0.0, 100.0, low_open=True))
     top_p: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
-    top_k: int = attrs.field(default=0, validator=non_negative())
-    max_new_tokens: int = attrs.field(default=256, validator=positive())
-    min_new_tokens: int = attrs.field(default=0, validator=non_negative())
-    stop_token_ids: list[int] = attrs.field(factory=list)
+    top_k: int = attrs.field(default=0, validator=in_range(0, MAX_TOKENS))
+    max_new_tokens: int = attrs.field(default=256, validator=in_range(1, MAX_TOKENS))
+    min_new_tokens: int = attrs.field(default=0, validator=in_range(0, MAX_TOKENS))
+    stop_token_ids: list[int] = attrs.field(factory=list, validator=each(in_range(0, MAX_TOKENS)))
     greedy: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.min_new_tokens > self.max_new_tokens:
+            raise FieldValueError(
+                "min_new_tokens", self.min_new_tokens, f"must be <= max_new_tokens ({self.max_new_tokens})"
+            )
 
     def to_params(self) -> SamplingParams:
         from core_rl.interfaces import SamplingParams
@@ -86,11 +111,11 @@ class OptimizerConfig:
     """``name``: ``adamw`` or ``sgd``. ``betas``/``eps`` apply to AdamW, ``momentum`` to SGD."""
 
     name: str = attrs.field(default="adamw", validator=one_of(("adamw", "sgd")))
-    lr: float = attrs.field(default=1e-5, validator=positive())
+    lr: float = attrs.field(default=1e-5, validator=positive(10.0))
     weight_decay: float = attrs.field(default=0.0, validator=non_negative())
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = attrs.field(default=1e-8, validator=positive())
-    momentum: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
+    betas: tuple[float, float] = attrs.field(default=(0.9, 0.999), validator=each(in_range(0.0, 1.0, high_open=True)))
+    eps: float = attrs.field(default=1e-8, validator=positive(1.0))
+    momentum: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0, high_open=True))
 
 
 @attrs.define
@@ -100,10 +125,10 @@ class SchedulerConfig:
     ``min_lr_ratio * lr`` at step ``total_steps`` (0: ``trainer.total_steps``, filled in on load)."""
 
     name: str = attrs.field(default="constant", validator=one_of(("constant", "linear", "cosine")))
-    warmup_steps: int = attrs.field(default=0, validator=non_negative())
+    warmup_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
     warmup_ratio: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
     min_lr_ratio: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
-    total_steps: int = attrs.field(default=0, validator=non_negative())
+    total_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
 
 
 @attrs.define
@@ -111,14 +136,18 @@ class MicroBatchConfig:
     """Rows are packed greedily into micro-batches of at most ``max_tokens_per_mb`` tokens
     (padded width x rows), and into at least ``min_num_mb`` micro-batches."""
 
-    max_tokens_per_mb: int = attrs.field(default=8192, validator=positive())
-    min_num_mb: int = attrs.field(default=1, validator=positive())
+    max_tokens_per_mb: int = attrs.field(default=8192, validator=in_range(1, MAX_TOKENS))
+    min_num_mb: int = attrs.field(default=1, validator=in_range(1, MAX_COUNT))
 
 
 @attrs.define
 class ActorConfig:
     """The policy being trained: the train engine (``engine.name`` selects it, its other keys are
-    validated by that engine), the model, and the optimisation settings every engine honours."""
+    validated by that engine), the model, and the optimisation settings every engine honours.
+
+    ``model_path`` / ``tokenizer_path`` (default: ``model_path``): local Hugging Face directories
+    (hub ids only with ``experiment.offline: false``); ``grad_clip``: the largest total gradient
+    norm (0: no clipping)."""
 
     model_path: str = ""
     tokenizer_path: str | None = None
@@ -148,9 +177,9 @@ class SaverConfig:
     and at the end; the newest ``keep_last`` are kept. ``export_hf`` also writes the final
     policy as a Hugging Face directory."""
 
-    every_n_steps: int = attrs.field(default=0, validator=non_negative())
+    every_n_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
     at_end: bool = True
-    keep_last: int = attrs.field(default=2, validator=positive())
+    keep_last: int = attrs.field(default=2, validator=in_range(1, MAX_COUNT))
     export_hf: bool = True
 
 
@@ -160,9 +189,9 @@ class TrainerConfig:
     ``torch_threads`` (0: leave torch's default) sets intra-op threads."""
 
     mode: str = attrs.field(default="sync", validator=one_of(("sync",)))
-    total_steps: int = attrs.field(default=100, validator=positive())
+    total_steps: int = attrs.field(default=100, validator=in_range(1, MAX_STEPS))
     resume: bool = False
-    torch_threads: int = attrs.field(default=0, validator=non_negative())
+    torch_threads: int = attrs.field(default=0, validator=in_range(0, 4096))
 
 
 @attrs.define

@@ -1,11 +1,30 @@
-"""attrs validators whose errors carry the field name, so messages can name the full key path."""
+"""attrs validators for configuration classes, the core's and every plugin's.
+
+Each raises :class:`FieldValueError` naming the field, so the loader can report the full key path
+(``actor.optimizer.lr: must be in (0, 10], got 50.0``). Numeric validators also refuse NaN and
+infinities, and the loader refuses them for every ``float`` field before any validator runs.
+
+Bounds shared across config classes, so that sizes are bounded by what can exist rather than by
+the memory that runs out minutes into a run:
+
+- :data:`MAX_STEPS`: optimiser steps, checkpoint intervals, warm-up lengths;
+- :data:`MAX_COUNT`: counts of prompts, samples and sequences (batch sizes, group sizes);
+- :data:`MAX_TOKENS`: token lengths (prompt and response lengths, micro-batch token budgets);
+- :data:`MAX_SEED`: seeds (every RNG core-rl seeds accepts ``[0, 2**32 - 1]``).
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
+
+MAX_STEPS = 10**9
+MAX_COUNT = 2**20
+MAX_TOKENS = 2**24
+MAX_SEED = 2**32 - 1
 
 
 class FieldValueError(ValueError):
@@ -21,30 +40,75 @@ class FieldValueError(ValueError):
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
 
-def _check(pred: Callable[[Any], bool], requirement: str) -> Validator:
+def _is_finite_number(value: Any) -> bool:
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def _check(pred: Callable[[Any], bool], requirement: str, *, numeric: bool = True) -> Validator:
     def validate(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value is not None and not pred(value):
+        if value is None:
+            return
+        if numeric and not _is_finite_number(value):
+            raise FieldValueError(attribute.name, value, f"must be a finite number ({requirement})")
+        if not pred(value):
             raise FieldValueError(attribute.name, value, requirement)
 
     return validate
 
 
-def positive() -> Validator:
-    return _check(lambda v: v > 0, "must be > 0")
+def _bracket(low: float, high: float, low_open: bool, high_open: bool) -> str:
+    return f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
 
 
-def non_negative() -> Validator:
-    return _check(lambda v: v >= 0, "must be >= 0")
+def finite() -> Validator:
+    """Any finite number (not NaN, not an infinity)."""
+    return _check(lambda _v: True, "any finite number")
 
 
 def in_range(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> Validator:
-    lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
+    """``low <= value <= high``; ``low_open`` / ``high_open`` make that end strict."""
 
     def ok(v: float) -> bool:
         return (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
 
-    return _check(ok, f"must be in {lo}{low}, {high}{hi}")
+    return _check(ok, f"must be in {_bracket(low, high, low_open, high_open)}")
+
+
+def positive(high: float | None = None) -> Validator:
+    """``value > 0`` (and ``<= high`` when given)."""
+    if high is not None:
+        return in_range(0, high, low_open=True)
+    return _check(lambda v: v > 0, "must be > 0")
+
+
+def non_negative(high: float | None = None) -> Validator:
+    """``value >= 0`` (and ``<= high`` when given)."""
+    if high is not None:
+        return in_range(0, high)
+    return _check(lambda v: v >= 0, "must be >= 0")
 
 
 def one_of(choices: Sequence[str]) -> Validator:
-    return _check(lambda v: v in choices, f"must be one of {', '.join(map(repr, choices))}")
+    """One of ``choices`` (compared with ``==``)."""
+    return _check(lambda v: v in choices, f"must be one of {', '.join(map(repr, choices))}", numeric=False)
+
+
+def not_empty() -> Validator:
+    """A non-empty string (or collection)."""
+    return _check(lambda v: len(v) > 0, "must not be empty", numeric=False)
+
+
+def each(validator: Validator) -> Validator:
+    """Apply ``validator`` to every item of a list or tuple; the error names the item
+    (``betas[1]``)."""
+
+    def validate(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is None:
+            return
+        for i, item in enumerate(value):
+            try:
+                validator(inst, attribute, item)
+            except FieldValueError as exc:
+                raise FieldValueError(f"{attribute.name}[{i}]", item, exc.requirement) from None
+
+    return validate

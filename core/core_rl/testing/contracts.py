@@ -15,6 +15,13 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from core_rl.config.checks import (
+    EnvironmentContext,
+    MachineInfo,
+    config_problems,
+    environment_problems,
+    required_columns,
+)
 from core_rl.config.loader import merge_raw, structure, validate_plugin_section
 from core_rl.config.schema import (
     ActorConfig,
@@ -23,6 +30,7 @@ from core_rl.config.schema import (
     OptimizerConfig,
     PluginSpec,
     RolloutConfig,
+    RunConfig,
 )
 from core_rl.errors import ConfigError
 from core_rl.interfaces import (
@@ -177,6 +185,18 @@ class ComponentContract:
         assert self.name in names, f"{self.distribution} declares no {self.kind.group} entry point {self.name!r}"
         loaded = next(ep for ep in eps if ep.name == self.name).load()
         assert loaded is self.plugin
+
+    def test_optional_checks_return_problem_lines(self) -> None:
+        """``check_config``, ``check_environment`` and ``required_columns``, where the config class
+        defines them, return lists of strings (see :mod:`core_rl.config.checks`) for the configured
+        options, a default run and a machine without a GPU."""
+        config = self.config()
+        if config is None:
+            pytest.skip("takes no options")
+        context = EnvironmentContext(path=self.kind.key, run=RunConfig(), name=self.name, machine=MachineInfo())
+        for problems in (config_problems(config, context), environment_problems(config, context)):
+            assert all(isinstance(p, str) and p for p in problems)
+        assert all(isinstance(c, str) and c for c in required_columns(config))
 
     def test_unknown_option_is_rejected(self) -> None:
         entry = self.entry()
@@ -360,7 +380,7 @@ class _TinyModelMixin:
     @pytest.fixture(scope="class")
     @classmethod
     def model_path(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
-        from core_rl.testing.tiny import build_tiny_model
+        from core_rl.tiny import build_tiny_model
 
         return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 

@@ -44,9 +44,10 @@ from core_rl.kinds import (
     PluginKind,
 )
 from core_rl.plugins import PluginHost
+from core_rl.preflight import preflight
 from core_rl.protocol import RewardInput, Sample, TensorBatch, samples_to_batch
 from core_rl.trainer import checkpoints
-from core_rl.trainer.data import PromptItem, PromptSource
+from core_rl.trainer.data import DataRow, PromptItem, PromptSource
 
 
 def _build(host: PluginHost, kind: PluginKind, spec: PluginSpec) -> Any:
@@ -95,7 +96,7 @@ def _stats(prefix: str, values: list[float]) -> dict[str, float]:
 class SyncTrainer:
     """Builds every component a :class:`RunConfig` selects and runs the synchronous loop."""
 
-    def __init__(self, cfg: RunConfig, host: PluginHost) -> None:
+    def __init__(self, cfg: RunConfig, host: PluginHost, data_rows: list[DataRow] | None = None) -> None:
         self.cfg = cfg
         self.host = host
         seed = cfg.experiment.seed
@@ -132,7 +133,7 @@ class SyncTrainer:
 
         # every rank reads the data (only rank 0 draws from it) so a bad file fails on all ranks
         # at once instead of leaving the others waiting in a collective
-        self.data = PromptSource(cfg.data, self.tokenizer, seed=seed)
+        self.data = PromptSource(cfg.data, self.tokenizer, seed=seed, rows=data_rows)
         self.rollout: RolloutEngine | None = None
         self.reward: Reward | None = None
         self.loggers: list[Logger] = []
@@ -323,8 +324,10 @@ class SyncTrainer:
 
 
 def train(cfg: RunConfig, *, host: PluginHost) -> Mapping[str, Any]:
-    """Build a trainer for ``cfg`` and run it; rank 0 prints where metrics and checkpoints are."""
-    trainer = SyncTrainer(cfg, host)
+    """Check the data, model, machine and output directory (:mod:`core_rl.preflight`), then build a
+    trainer for ``cfg`` and run it; rank 0 prints where metrics and checkpoints are."""
+    checked = preflight(cfg)
+    trainer = SyncTrainer(cfg, host, data_rows=checked.rows)
     try:
         result = trainer.run()
     finally:

@@ -112,3 +112,9 @@ def test_invalid_config_names_the_key(options: dict[str, Any], message: str) -> 
     with pytest.raises(ConfigError) as info:
         structure(options, KeywordRewardConfig, path="reward")
     assert any(problem.startswith(message) for problem in info.value.problems), info.value.problems
+
+
+def test_declares_the_row_column_it_reads() -> None:
+    """core-rl checks every data row for these columns before a run starts."""
+    assert structure({"keywords": ["a"]}, KeywordRewardConfig).required_columns() == []
+    assert structure({"row_key": "keywords"}, KeywordRewardConfig).required_columns() == ["keywords"]

@@ -7,7 +7,9 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from core_rl.config.checks import SectionContext
 from core_rl.config.loader import structure
+from core_rl.config.schema import RolloutConfig, RunConfig, SamplingConfig
 from core_rl.errors import ConfigError
 from core_rl.kinds import ADVANTAGE
 from core_rl.plugins import PluginHost
@@ -126,3 +128,14 @@ def test_estimator_from_the_registry_broadcasts_over_response_tokens() -> None:
 def test_config_rejects_non_positive_scale() -> None:
     with pytest.raises(ConfigError, match=r"algorithm\.advantage\.scale: must be > 0, got 0\.0"):
         structure({"scale": 0}, RankAdvantageConfig, path="algorithm.advantage")
+
+
+def test_groups_of_one_sample_are_refused_unless_allowed() -> None:
+    """A group of one always gets 0, so with rollout.sampling.n = 1 nothing would train."""
+    run = RunConfig(rollout=RolloutConfig(sampling=SamplingConfig(n=1)))
+    context = SectionContext(path="algorithm.advantage", run=run, name="rank_advantage")
+    (problem,) = structure({}, RankAdvantageConfig).check_config(context)
+    assert problem.startswith("algorithm.advantage: 'rank_advantage' compares the samples of each prompt's group")
+    assert structure({"allow_single_sample_groups": True}, RankAdvantageConfig).check_config(context) == []
+    run.rollout.sampling.n = 4
+    assert structure({}, RankAdvantageConfig).check_config(context) == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+from core_rl.config.checks import SectionContext, group_size_problems
 from core_rl.config.validators import FieldValueError, one_of, positive
 
 
@@ -20,9 +21,17 @@ class RankAdvantageConfig:
 
     ``scale``: multiplies every advantage; a group with distinct rewards then spans
     ``[-scale/2, scale/2]`` (``scale: 2.0`` gives ``[-1, 1]``).
+    ``allow_single_sample_groups``: accept ``rollout.sampling.n: 1`` (every advantage is then 0).
     """
 
     scale: float = attrs.field(default=1.0, validator=positive())
+    allow_single_sample_groups: bool = False
+
+    def check_config(self, context: SectionContext) -> list[str]:
+        """Ranks compare the samples of a group: refuse groups of one unless allowed."""
+        return group_size_problems(
+            context, allowed=self.allow_single_sample_groups, option="allow_single_sample_groups"
+        )
 
 
 MODES = ("fraction", "all")
@@ -54,3 +63,7 @@ class KeywordRewardConfig:
     def __attrs_post_init__(self) -> None:
         if not self.keywords and self.row_key is None:
             raise FieldValueError("keywords", self.keywords, "must list at least one keyword when row_key is not set")
+
+    def required_columns(self) -> list[str]:
+        """The data-row column this reward reads (checked in every row before a run starts)."""
+        return [self.row_key] if self.row_key is not None else []

@@ -7,7 +7,9 @@ import math
 import core_rl_grpo.plugin as grpo_plugin
 import pytest
 import torch
+from core_rl.config.checks import SectionContext
 from core_rl.config.loader import structure
+from core_rl.config.schema import RolloutConfig, RunConfig, SamplingConfig
 from core_rl.errors import ConfigError
 from core_rl.kinds import ADVANTAGE
 from core_rl.plugins import PluginHost
@@ -170,11 +172,32 @@ def test_estimators_read_the_batch() -> None:
 
 
 def test_config_defaults_and_errors() -> None:
-    assert structure({}, GRPOAdvantageConfig) == GRPOAdvantageConfig(norm_std=True, eps=1e-6, leave_one_out=False)
+    assert structure({}, GRPOAdvantageConfig) == GRPOAdvantageConfig(
+        norm_std=True, eps=1e-6, leave_one_out=False, allow_single_sample_groups=False
+    )
     assert structure({}, RLOOAdvantageConfig) == RLOOAdvantageConfig(norm_std=False, eps=1e-6)
-    with pytest.raises(ConfigError, match=r"algorithm\.advantage\.eps: must be > 0"):
+    with pytest.raises(ConfigError, match=r"algorithm\.advantage\.eps: must be in \(0, 1\.0\]"):
         structure({"eps": 0.0}, GRPOAdvantageConfig, path="algorithm.advantage")
     with pytest.raises(ConfigError, match=r"algorithm\.advantage\.norm_std: expected true or false"):
         structure({"norm_std": "yes"}, GRPOAdvantageConfig, path="algorithm.advantage")
     with pytest.raises(ConfigError, match=r"algorithm\.advantage\.leave_one_out: unknown key"):
         structure({"leave_one_out": True}, RLOOAdvantageConfig, path="algorithm.advantage")
+
+
+@pytest.mark.parametrize("config_cls", [GRPOAdvantageConfig, RLOOAdvantageConfig])
+def test_groups_of_one_sample_are_refused_unless_allowed(config_cls: type) -> None:
+    """With n = 1 every group is a single sample, so every advantage is exactly 0: nothing trains."""
+    singles = torch.tensor([0.3, 0.9, 0.1])
+    mask = torch.ones(3, 2)
+    batch = TensorBatch({"rewards": singles, "group_index": torch.arange(3), "response_mask": mask})
+    assert torch.count_nonzero(build("grpo")(batch)) == 0 and torch.count_nonzero(build("rloo")(batch)) == 0
+
+    def problems(n: int, **options: object) -> list[str]:
+        run = RunConfig(rollout=RolloutConfig(sampling=SamplingConfig(n=n)))
+        context = SectionContext(path="algorithm.advantage", run=run, name="x")
+        return structure(options, config_cls).check_config(context)
+
+    assert problems(2) == [] and problems(1, allow_single_sample_groups=True) == []
+    (problem,) = problems(1)
+    assert problem.startswith("algorithm.advantage: 'x' compares the samples of each prompt's group")
+    assert "algorithm.advantage.allow_single_sample_groups=true" in problem

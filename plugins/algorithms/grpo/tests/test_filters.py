@@ -7,7 +7,9 @@ import math
 import core_rl_grpo.plugin as grpo_plugin
 import pytest
 import torch
+from core_rl.config.checks import SectionContext
 from core_rl.config.loader import structure
+from core_rl.config.schema import RolloutConfig, RunConfig, SamplingConfig
 from core_rl.errors import ConfigError
 from core_rl.kinds import SAMPLE_FILTER
 from core_rl.plugins import PluginHost
@@ -77,3 +79,19 @@ def test_config() -> None:
     assert structure({}, DropUniformGroupsConfig) == DropUniformGroupsConfig(min_std=0.0)
     with pytest.raises(ConfigError, match=r"algorithm\.filters\[0\]\.min_std: must be >= 0"):
         build(min_std=-0.5)
+
+
+def test_groups_of_one_sample_are_refused() -> None:
+    """Every group of one is uniform, so n = 1 would drop every sample of every step."""
+    singles = TensorBatch({"rewards": torch.tensor([0.0, 1.0]), "group_index": torch.tensor([0, 1])})
+    assert not build()(singles).any()
+    config = structure({}, DropUniformGroupsConfig)
+    run = RunConfig(rollout=RolloutConfig(sampling=SamplingConfig(n=1)))
+    (problem,) = config.check_config(SectionContext(path="algorithm.filters[0]", run=run, name="drop_uniform_groups"))
+    assert problem == (
+        "algorithm.filters[0]: 'drop_uniform_groups' compares the samples of each prompt's group, but "
+        "rollout.sampling.n is 1, so every group holds one sample and nothing would train; set rollout.sampling.n "
+        "to 2 or more"
+    )
+    run.rollout.sampling.n = 2
+    assert config.check_config(SectionContext(path="algorithm.filters[0]", run=run)) == []

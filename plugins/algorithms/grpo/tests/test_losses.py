@@ -359,7 +359,10 @@ def test_config_defaults() -> None:
         ({"eps_clip_higher": -0.1}, r"algorithm\.loss\.eps_clip_higher: must be > 0"),
         ({"dual_clip": 1.0}, r"algorithm\.loss\.dual_clip: must be > 1"),
         ({"aggregation": "mean"}, r"algorithm\.loss\.aggregation: must be one of 'token-mean'"),
-        ({"norm_length": 0, "aggregation": "seq-mean-token-sum-norm"}, r"algorithm\.loss\.norm_length: must be > 0"),
+        (
+            {"norm_length": 0, "aggregation": "seq-mean-token-sum-norm"},
+            r"algorithm\.loss\.norm_length: must be in \[1, 16777216\]",
+        ),
         ({"norm_length": 64}, r"algorithm\.loss\.norm_length: must be unset unless aggregation"),
         ({"kl_coef": -0.1}, r"algorithm\.loss\.kl_coef: must be >= 0"),
         ({"kl_estimator": "k4"}, r"algorithm\.loss\.kl_estimator: must be one of 'k1', 'k2', 'k3'"),

@@ -113,5 +113,5 @@ def test_another_loss_gets_no_stale_options(host: PluginHost) -> None:
 def test_bad_option_under_the_recipe_names_the_key(host: PluginHost) -> None:
     with pytest.raises(ConfigError, match=r"algorithm\.loss\.eps_clip: must be in"):
         load(host, "algorithm.name=grpo", "algorithm.loss.eps_clip=2.0")
-    with pytest.raises(ConfigError, match=r"algorithm\.advantage\.eps: must be > 0"):
+    with pytest.raises(ConfigError, match=r"algorithm\.advantage\.eps: must be in \(0, 1\.0\]"):
         load(host, "algorithm.name=grpo", "algorithm.advantage.eps=-1")

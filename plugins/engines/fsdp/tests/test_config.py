@@ -1,13 +1,81 @@
-"""The engine's config section and backend resolution."""
+"""The ``actor.engine`` section of ``fsdp``: its own options, what it refuses in the run's other
+sections and on the machine at hand (with the key path of each problem), and backend resolution."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
+from core_rl.config.checks import EnvironmentContext, MachineInfo, SectionContext
 from core_rl.config.loader import structure
+from core_rl.config.schema import ActorConfig, OptimizerConfig, RunConfig
 from core_rl.errors import ConfigError
 from core_rl_fsdp.config import FSDPConfig
 from core_rl_fsdp.distributed import resolve_backend
+
+
+def _config(**options: object) -> FSDPConfig:
+    return structure(options, FSDPConfig, path="actor.engine")
+
+
+def _run(dtype: str, optimizer: str = "adamw") -> RunConfig:
+    return RunConfig(actor=ActorConfig(dtype=dtype, optimizer=OptimizerConfig(name=optimizer)))
+
+
+def test_float16_weights_with_adamw_are_refused() -> None:
+    def problems(dtype: str, optimizer: str = "adamw") -> list[str]:
+        return _config().check_config(SectionContext(path="actor.engine", run=_run(dtype, optimizer), name="fsdp"))
+
+    (problem,) = problems("float16")
+    assert problem.startswith("actor.dtype: float16 weights with adamw turn to NaN at the first optimizer step")
+    assert problems("bfloat16") == [] and problems("float32") == [] and problems("float16", "sgd") == []
+
+
+def test_why_float16_adamw_is_refused() -> None:
+    """What the check prevents: float16 parameters updated by AdamW become NaN (eps = 1e-8 is 0 in
+    float16 and small squared gradients underflow, so the update divides 0 by 0)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 16).to(torch.float16)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    layer(torch.randn(4, 16, dtype=torch.float16) * 1e-3).pow(2).mean().backward()
+    optimizer.step()
+    assert torch.isnan(layer.weight).any()
+
+
+@pytest.mark.parametrize(
+    ("options", "machine", "problem"),
+    [
+        ({}, MachineInfo(), None),
+        ({"backend": "gloo"}, MachineInfo(), None),
+        ({"backend": "nccl"}, MachineInfo(cuda_device_count=1), None),
+        ({"backend": "nccl"}, MachineInfo(), "actor.engine.backend: nccl needs CUDA GPUs and this machine has none"),
+        ({}, MachineInfo(cuda_device_count=2, local_world_size=3), "actor.engine: 3 processes on this node but only 2"),
+        ({"attn_implementation": "sdpa"}, MachineInfo(), None),
+        (
+            {"attn_implementation": "flash_attention_2"},
+            MachineInfo(),
+            "actor.engine.attn_implementation: flash_attention_2 needs a CUDA GPU",
+        ),
+    ],
+)
+def test_environment(options: dict[str, object], machine: MachineInfo, problem: str | None) -> None:
+    context = EnvironmentContext(path="actor.engine", run=RunConfig(), name="fsdp", machine=machine)
+    problems = _config(**options).check_environment(context)
+    if problem is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and problems[0].startswith(problem)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash_attn is installed here")
+def test_flash_attention_needs_its_package_on_a_gpu_machine() -> None:
+    context = EnvironmentContext(path="actor.engine", run=RunConfig(), machine=MachineInfo(cuda_device_count=1))
+    (problem,) = _config(attn_implementation="flash_attention_2").check_environment(context)
+    assert problem == (
+        "actor.engine.attn_implementation: flash_attention_2 needs the flash_attn package, which is not installed; "
+        "install it or use sdpa"
+    )
 
 
 def test_config_section() -> None:

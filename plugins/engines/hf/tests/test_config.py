@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from core_rl.config.checks import EnvironmentContext, MachineInfo
 from core_rl.config.loader import structure
+from core_rl.config.schema import RunConfig
 from core_rl.errors import ConfigError
 from core_rl_hf.config import HFRolloutConfig, resolve_device
 
@@ -28,8 +30,10 @@ def test_valid_options() -> None:
     ("options", "message"),
     [
         ({"dtype": "float64"}, "rollout.engine.dtype: must be one of"),
-        ({"device": "gpu0"}, "rollout.engine.device: must be 'auto' or a torch device"),
-        ({"max_batch_size": 0}, "rollout.engine.max_batch_size: must be > 0"),
+        ({"device": "gpu0"}, "rollout.engine.device: must be 'auto', 'cpu', 'cuda', 'cuda:<index>' or 'mps'"),
+        ({"device": "meta"}, "rollout.engine.device: must be 'auto', 'cpu'"),
+        ({"max_batch_size": 0}, r"rollout.engine.max_batch_size: must be in \[1, 1048576\]"),
+        ({"seed": -1}, r"rollout.engine.seed: must be in \[0, "),
         ({"seed": "seven"}, "rollout.engine.seed"),
         ({"max_batch_size": 2.5}, "rollout.engine.max_batch_size: expected an integer"),
     ],
@@ -46,3 +50,25 @@ def test_resolve_device() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="no CUDA device"):
             resolve_device("cuda")
+
+
+@pytest.mark.parametrize(
+    ("device", "machine", "problem"),
+    [
+        ("auto", MachineInfo(), None),
+        ("cpu", MachineInfo(), None),
+        ("cuda", MachineInfo(), "rollout.engine.device: 'cuda' but this machine has no CUDA GPU"),
+        ("cuda:0", MachineInfo(), "rollout.engine.device: 'cuda:0' but this machine has no CUDA GPU"),
+        ("cuda:1", MachineInfo(cuda_device_count=2), None),
+        ("cuda:2", MachineInfo(cuda_device_count=2), "rollout.engine.device: 'cuda:2' but this machine has 2 CUDA"),
+        ("mps", MachineInfo(mps_available=True), None),
+        ("mps", MachineInfo(), "rollout.engine.device: 'mps' but Apple MPS is not available here"),
+    ],
+)
+def test_device_checked_against_the_machine(device: str, machine: MachineInfo, problem: str | None) -> None:
+    context = EnvironmentContext(path="rollout.engine", run=RunConfig(), name="hf", machine=machine)
+    problems = _load(device=device).check_environment(context)
+    if problem is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and problems[0].startswith(problem)

@@ -120,3 +120,8 @@ def test_scores_are_floats_in_input_order() -> None:
     scores = reward.score([make_reward_input(r, {"answer": "ab"}) for r in ("ab", "a", "xb", "zz")])
     assert scores == [1.0, 0.5, 0.5, 0.0]
     assert all(type(s) is float for s in scores)
+
+
+def test_declares_the_answer_column_it_reads() -> None:
+    assert _config().required_columns() == ["answer"]
+    assert _config(answer_key="solution").required_columns() == ["solution"]

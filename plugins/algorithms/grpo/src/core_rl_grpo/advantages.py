@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import attrs
 import torch
+from core_rl.config.checks import SectionContext, group_size_problems
 from core_rl.config.validators import positive
 from core_rl.interfaces import AdvantageEstimator
 from core_rl.ops import group_ids_to_dense, group_mean_std
@@ -83,24 +84,39 @@ def grpo_advantages(
 class GRPOAdvantageConfig:
     """``algorithm.advantage`` options of ``grpo``.
 
-    ``norm_std``: divide by the group's (unbiased) standard deviation; ``eps``: added to it;
-    ``leave_one_out``: baseline is the mean of the other group members instead of the group mean.
+    ``norm_std``: divide by the group's (unbiased) standard deviation; ``eps`` (in (0, 1]): added to
+    it; ``leave_one_out``: baseline is the mean of the other group members instead of the group
+    mean. ``allow_single_sample_groups``: accept ``rollout.sampling.n: 1``, where every advantage is
+    0 (refused otherwise: nothing would train).
     """
 
     norm_std: bool = True
-    eps: float = attrs.field(default=1e-6, validator=positive())
+    eps: float = attrs.field(default=1e-6, validator=positive(1.0))
     leave_one_out: bool = False
+    allow_single_sample_groups: bool = False
+
+    def check_config(self, context: SectionContext) -> list[str]:
+        return group_size_problems(
+            context, allowed=self.allow_single_sample_groups, option="allow_single_sample_groups"
+        )
 
 
 @attrs.define
 class RLOOAdvantageConfig:
     """``algorithm.advantage`` options of ``rloo`` (the baseline is always leave-one-out).
 
-    ``norm_std``: also divide by the group's (unbiased) standard deviation; ``eps``: added to it.
+    ``norm_std``: also divide by the group's (unbiased) standard deviation; ``eps`` (in (0, 1]):
+    added to it; ``allow_single_sample_groups``: as for ``grpo``.
     """
 
     norm_std: bool = False
-    eps: float = attrs.field(default=1e-6, validator=positive())
+    eps: float = attrs.field(default=1e-6, validator=positive(1.0))
+    allow_single_sample_groups: bool = False
+
+    def check_config(self, context: SectionContext) -> list[str]:
+        return group_size_problems(
+            context, allowed=self.allow_single_sample_groups, option="allow_single_sample_groups"
+        )
 
 
 class GroupRelativeAdvantage(AdvantageEstimator):

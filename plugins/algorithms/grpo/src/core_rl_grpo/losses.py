@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 import torch
-from core_rl.config.validators import FieldValueError, in_range, non_negative, one_of, positive
+from core_rl.config.validators import MAX_TOKENS, FieldValueError, in_range, non_negative, one_of, positive
 from core_rl.interfaces import LossOutput, PolicyLoss
 from core_rl.ops import AGGREGATIONS, KL_ESTIMATORS, aggregation_weights, kl_estimate
 from core_rl.protocol import TensorBatch
@@ -80,7 +80,7 @@ class PPOClipConfig:
     eps_clip_higher: float | None = attrs.field(default=None, validator=positive())
     dual_clip: float | None = attrs.field(default=None, validator=_greater_than_one)
     aggregation: str = attrs.field(default="token-mean", validator=one_of(AGGREGATIONS))
-    norm_length: int | None = attrs.field(default=None, validator=positive())
+    norm_length: int | None = attrs.field(default=None, validator=in_range(1, MAX_TOKENS))
     kl_coef: float = attrs.field(default=0.0, validator=non_negative())
     kl_estimator: str = attrs.field(default="k3", validator=one_of(KL_ESTIMATORS))
     entropy_coef: float = attrs.field(default=0.0, validator=non_negative())

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
+from typing import TYPE_CHECKING
+
 import attrs
 from core_rl.config.validators import one_of
+
+if TYPE_CHECKING:
+    from core_rl.config.checks import EnvironmentContext, SectionContext
 
 #: dtypes accepted by ``param_dtype`` / ``reduce_dtype``
 MIXED_DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("auto", "gloo", "nccl")
 WRAPS = ("decoder_layers", "root")
+#: attention implementations that need a CUDA GPU, and the package each needs
+FLASH_ATTENTION = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 
 
 @attrs.define
@@ -38,3 +46,43 @@ class FSDPConfig:
     cpu_offload: bool = False
     backend: str = attrs.field(default="auto", validator=one_of(BACKENDS))
     attn_implementation: str | None = None
+
+    def check_config(self, context: SectionContext) -> list[str]:
+        """Settings of the run this engine cannot train with."""
+        actor = context.run.actor
+        if actor.dtype == "float16" and actor.optimizer.name == "adamw":
+            return [
+                "actor.dtype: float16 weights with adamw turn to NaN at the first optimizer step (eps and small "
+                "squared gradients underflow in float16, and no loss scaling is applied); use bfloat16 or float32 "
+                f"({context.key('param_dtype')} sets the compute dtype separately)"
+            ]
+        return []
+
+    def check_environment(self, context: EnvironmentContext) -> list[str]:
+        """The backend, attention implementation and process count against the machine."""
+        machine = context.machine
+        problems = []
+        if self.backend == "nccl" and not machine.cuda_available:
+            problems.append(
+                f"{context.key('backend')}: nccl needs CUDA GPUs and this machine has none "
+                "(torch.cuda.is_available() is False); use auto or gloo"
+            )
+        if machine.cuda_available and machine.local_world_size > machine.cuda_device_count:
+            problems.append(
+                f"{context.path}: {machine.local_world_size} processes on this node but only "
+                f"{machine.cuda_device_count} CUDA devices; start at most one process per GPU "
+                "(torchrun --nproc_per_node)"
+            )
+        if self.attn_implementation in FLASH_ATTENTION:
+            package = FLASH_ATTENTION[self.attn_implementation]
+            if not machine.cuda_available:
+                problems.append(
+                    f"{context.key('attn_implementation')}: {self.attn_implementation} needs a CUDA GPU and this "
+                    "machine has none; use sdpa"
+                )
+            elif importlib.util.find_spec(package) is None:
+                problems.append(
+                    f"{context.key('attn_implementation')}: {self.attn_implementation} needs the {package} package, "
+                    "which is not installed; install it or use sdpa"
+                )
+        return problems

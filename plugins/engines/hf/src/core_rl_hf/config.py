@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 from core_rl.config.schema import DTYPES
-from core_rl.config.validators import FieldValueError, one_of, positive
+from core_rl.config.validators import MAX_COUNT, FieldValueError, in_range, one_of
+
+if TYPE_CHECKING:
+    from core_rl.config.checks import EnvironmentContext
+
+
+#: device types the engine generates on
+DEVICE_TYPES = ("cpu", "cuda", "mps")
 
 
 def _valid_device(_inst: Any, attribute: attrs.Attribute[Any], value: str) -> None:
-    """``auto`` or anything :class:`torch.device` parses (``cpu``, ``cuda``, ``cuda:1``, ...)."""
+    """``auto``, or a :class:`torch.device` string of a type in :data:`DEVICE_TYPES` (``cpu``,
+    ``cuda``, ``cuda:1``, ``mps``)."""
     if value == "auto":
         return
     try:
-        torch.device(value)
+        device = torch.device(value)
     except (RuntimeError, TypeError, ValueError):
-        raise FieldValueError(
-            attribute.name, value, "must be 'auto' or a torch device such as 'cpu' or 'cuda:0'"
-        ) from None
+        device = None
+    if device is None or device.type not in DEVICE_TYPES:
+        raise FieldValueError(attribute.name, value, "must be 'auto', 'cpu', 'cuda', 'cuda:<index>' or 'mps'")
 
 
 @attrs.define
@@ -36,8 +44,29 @@ class HFRolloutConfig:
 
     dtype: str = attrs.field(default="float32", validator=one_of(DTYPES))
     device: str = attrs.field(default="auto", validator=_valid_device)
-    max_batch_size: int = attrs.field(default=256, validator=positive())
-    seed: int | None = None
+    max_batch_size: int = attrs.field(default=256, validator=in_range(1, MAX_COUNT))
+    seed: int | None = attrs.field(default=None, validator=in_range(0, 2**63 - 1))
+
+    def check_environment(self, context: EnvironmentContext) -> list[str]:
+        """The device against what the machine has."""
+        if self.device == "auto":
+            return []
+        device = torch.device(self.device)
+        machine = context.machine
+        where = context.key("device")
+        if device.type == "cuda" and not machine.cuda_available:
+            return [
+                f"{where}: {self.device!r} but this machine has no CUDA GPU (torch.cuda.is_available() is False); "
+                "use 'auto' or 'cpu'"
+            ]
+        if device.type == "cuda" and device.index is not None and device.index >= machine.cuda_device_count:
+            return [
+                f"{where}: {self.device!r} but this machine has {machine.cuda_device_count} CUDA device(s), "
+                f"cuda:0 to cuda:{machine.cuda_device_count - 1}"
+            ]
+        if device.type == "mps" and not machine.mps_available:
+            return [f"{where}: 'mps' but Apple MPS is not available here; use 'auto' or 'cpu'"]
+        return []
 
 
 def resolve_device(device: str) -> torch.device:

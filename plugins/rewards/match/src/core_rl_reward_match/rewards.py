@@ -45,6 +45,10 @@ class MatchConfig:
     stop_at: list[str] = attrs.field(factory=list, validator=_no_empty_strings)
     require_stop: bool = False
 
+    def required_columns(self) -> list[str]:
+        """Every data row must hold the reference answer (checked before the run starts)."""
+        return [self.answer_key]
+
 
 def cut_at(text: str, markers: Sequence[str]) -> str:
     """``text`` up to (excluding) the earliest occurrence of any of ``markers``; all of it if none occurs."""

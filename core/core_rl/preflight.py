@@ -1,0 +1,347 @@
+"""Preflight: what ``core-rl train`` checks after the configuration is valid and before any model is
+loaded, so that a bad file or a missing GPU fails in seconds with every problem listed at once
+(:class:`~core_rl.errors.PreflightError`), not minutes into a run with a traceback.
+
+- **Data** (:mod:`core_rl.trainer.data`): every file of ``data.train_files`` is read and every row
+  checked: valid UTF-8 JSON Lines / JSON / Parquet, the prompt column holds text, each column the
+  reward declares (``required_columns()`` on its config class) is present and not null, and each
+  prompt tokenises to at most ``data.max_prompt_tokens`` ids inside the model's vocabulary.
+  Problems name the file and its 1-based line (``train.jsonl:7``) or Parquet row.
+- **Model and tokenizer** (``actor.model_path``, ``actor.tokenizer_path``): local directories
+  holding what transformers needs: a readable ``config.json`` of a known model type, complete
+  weights (safetensors headers are parsed and their sizes checked against the file, without
+  loading a tensor) and a tokenizer that loads. Nothing is downloaded unless
+  ``experiment.offline`` is ``false``, which lets these paths name Hugging Face hub repositories
+  (downloaded into the Hugging Face cache, then checked like local ones).
+- **Sampling against the model**: stop token ids inside the vocabulary.
+- **Output**: the run directory ``experiment.output_dir/experiment.name`` can be created and
+  written.
+- **Machine**: each selected plugin's ``check_environment`` (:mod:`core_rl.config.checks`), e.g.
+  a CUDA device or the NCCL backend on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from core_rl.config.checks import (
+    EnvironmentContext,
+    MachineInfo,
+    ModelInfo,
+    environment_problems,
+    required_columns,
+)
+from core_rl.config.loader import selected_sections
+from core_rl.config.schema import RunConfig
+from core_rl.errors import PreflightError
+from core_rl.trainer.data import DataRow, check_rows, read_data_files, tokenise_rows
+
+#: files of which a tokenizer directory holds at least one
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+@attrs.define
+class Preflight:
+    """What the checks produced, for the trainer to use instead of reading it again: the data
+    rows, the loaded tokenizer, what the model's config says, and the machine."""
+
+    rows: list[DataRow]
+    tokenizer: Any
+    model: ModelInfo
+    machine: MachineInfo
+
+
+def detect_machine() -> MachineInfo:
+    """The machine as torch sees it (CUDA devices, MPS) and the processes ``torchrun`` started
+    on this node (``LOCAL_WORLD_SIZE``)."""
+    import torch
+
+    try:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local_world_size = 1
+    mps = getattr(torch.backends, "mps", None)
+    return MachineInfo(
+        cuda_device_count=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        mps_available=bool(mps is not None and mps.is_available()),
+        local_world_size=local_world_size,
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def _read_json(path: Path) -> tuple[Any, str | None]:
+    """A JSON file's value, or a problem naming the file and the 1-based line and column."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        return None, f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); the file is corrupt"
+    except OSError as exc:
+        return None, f"{path}: cannot read it: {exc.strerror or exc}"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return None, f"{path}:{exc.lineno}:{exc.colno}: corrupt JSON ({exc.msg})"
+    if not isinstance(value, dict):
+        return None, f"{path}: expected a JSON object, got {type(value).__name__}"
+    return value, None
+
+
+def _missing_directory(key: str, path: str, offline: bool) -> str:
+    message = f"{key}: {path!r} does not exist"
+    if offline and _HUB_ID.fullmatch(path):
+        message += (
+            f"; it looks like a Hugging Face hub id, and core-rl does not download by default: run "
+            f"`hf download {path} --local-dir DIR` and set {key}: DIR, or set experiment.offline=false to let "
+            "core-rl download it into the Hugging Face cache"
+        )
+    return message
+
+
+def _fetch(key: str, repo_id: str) -> tuple[str | None, str | None]:
+    """Download a hub repository into the Hugging Face cache (``experiment.offline: false``)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id), None
+    except Exception as exc:  # invalid ids, network and authorisation failures: all the user's to fix
+        return None, f"{key}: cannot download {repo_id!r} from the Hugging Face hub: {_first_line(exc)}"
+
+
+def resolve_paths(cfg: RunConfig) -> list[str]:
+    """With ``experiment.offline: false``, replace hub ids in ``actor.model_path`` and
+    ``actor.tokenizer_path`` by their downloaded local directory; return the problems."""
+    if cfg.experiment.offline:
+        return []
+    problems = []
+    for key in ("model_path", "tokenizer_path"):
+        value = getattr(cfg.actor, key)
+        if value and not Path(value).exists():
+            local, problem = _fetch(f"actor.{key}", value)
+            if problem is not None:
+                problems.append(problem)
+            else:
+                setattr(cfg.actor, key, local)
+    return problems
+
+
+def _safetensors_problems(path: Path) -> list[str]:
+    """Parse a safetensors header and check it against the file's size (no tensor is read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            count = len(list(f.keys()))
+    except Exception as exc:  # SafetensorError for truncated or garbage files, OSError
+        return [f"{path}: not a complete safetensors file ({_first_line(exc)}); re-export or re-download the model"]
+    if count == 0:
+        return [f"{path}: holds no tensors; re-export or re-download the model"]
+    return []
+
+
+def _torch_bin_problems(path: Path) -> list[str]:
+    if not zipfile.is_zipfile(path):
+        return [f"{path}: not a complete PyTorch checkpoint (not a zip archive); re-export or re-download the model"]
+    return []
+
+
+def _sharded_problems(index_path: Path, check: Any) -> list[str]:
+    index, problem = _read_json(index_path)
+    if problem is not None:
+        return [problem]
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        return [f"{index_path}: has no weight_map naming the weight files; the index is corrupt"]
+    problems = []
+    for shard in sorted({str(v) for v in weight_map.values()}):
+        shard_path = index_path.parent / shard
+        if not shard_path.is_file():
+            problems.append(f"{shard_path}: missing, although {index_path.name} lists it")
+        else:
+            problems.extend(check(shard_path))
+    return problems
+
+
+def weights_problems(model_dir: Path) -> list[str]:
+    """Problems with the weight files transformers would load from ``model_dir``."""
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return _safetensors_problems(single)
+    if (model_dir / "model.safetensors.index.json").is_file():
+        return _sharded_problems(model_dir / "model.safetensors.index.json", _safetensors_problems)
+    if (model_dir / "pytorch_model.bin").is_file():
+        return _torch_bin_problems(model_dir / "pytorch_model.bin")
+    if (model_dir / "pytorch_model.bin.index.json").is_file():
+        return _sharded_problems(model_dir / "pytorch_model.bin.index.json", _torch_bin_problems)
+    return [
+        f"{model_dir}: no model weights (model.safetensors, model.safetensors.index.json with its shards, or "
+        "pytorch_model.bin); point actor.model_path at a complete Hugging Face model directory"
+    ]
+
+
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def check_model_dir(path: str, key: str, *, offline: bool = True) -> tuple[ModelInfo | None, list[str]]:
+    """Check a Hugging Face model directory without loading its weights: ``config.json`` (valid
+    JSON that transformers reads) and complete weight files. Returns what the config says."""
+    directory = Path(path)
+    if not directory.exists():
+        return None, [_missing_directory(key, path, offline)]
+    if not directory.is_dir():
+        return None, [f"{key}: {path!r} is a file; it must be a Hugging Face model directory"]
+    problems = weights_problems(directory)
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        problems.insert(0, f"{key}: {path!r} has no config.json; it is not a Hugging Face model directory")
+        return None, problems
+    _, problem = _read_json(config_file)
+    if problem is not None:
+        return None, [problem, *problems]
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except Exception as exc:  # transformers refusing the user's config.json (unknown model_type, ...)
+        return None, [f"{config_file}: transformers cannot read it: {_first_line(exc)}", *problems]
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    info = ModelInfo(
+        path=str(directory),
+        vocab_size=_positive_int(getattr(text_config, "vocab_size", None)),
+        max_position_embeddings=_positive_int(getattr(text_config, "max_position_embeddings", None)),
+        model_type=getattr(hf_config, "model_type", None),
+    )
+    return info, problems
+
+
+def check_tokenizer_dir(path: str, key: str, *, offline: bool = True) -> tuple[Any, list[str]]:
+    """Check that ``path`` holds a tokenizer and load it (tokenizers are small; no model is
+    loaded). Returns the tokenizer, or ``None`` with the problems."""
+    directory = Path(path)
+    if not directory.exists():
+        return None, [_missing_directory(key, path, offline)]
+    if not directory.is_dir():
+        return None, [f"{key}: {path!r} is a file; it must be a directory holding a tokenizer"]
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return None, [
+            f"{key}: {path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); set actor.tokenizer_path "
+            "to the directory of the model's tokenizer"
+        ]
+    if (directory / "tokenizer.json").is_file():
+        _, problem = _read_json(directory / "tokenizer.json")
+        if problem is not None:
+            return None, [problem]
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True), []
+    except Exception as exc:  # the user's tokenizer files, however transformers refuses them
+        return None, [f"{key}: transformers cannot load the tokenizer in {path!r}: {_first_line(exc)}"]
+
+
+def _required_columns(cfg: RunConfig) -> dict[str, str]:
+    """Column -> who reads it, for the columns the reward declares."""
+    if cfg.reward is None or cfg.reward.config is None:
+        return {}
+    return {column: f"reward {cfg.reward.name!r}" for column in required_columns(cfg.reward.config)}
+
+
+def check_data(cfg: RunConfig) -> tuple[list[DataRow], list[str]]:
+    """Read every data file and check its rows' columns (see the module docstring)."""
+    rows, problems = read_data_files(cfg.data.train_files)
+    problems += check_rows(rows, cfg.data.prompt_key, _required_columns(cfg))
+    if not rows and not problems:
+        problems.append("data.train_files: the files hold no rows")
+    return rows, problems
+
+
+def check_sampling(cfg: RunConfig, model: ModelInfo) -> list[str]:
+    """Sampling settings that depend on the model: stop token ids inside the vocabulary."""
+    if model.vocab_size is None:
+        return []
+    return [
+        f"rollout.sampling.stop_token_ids[{i}]: {token} is outside the model's vocabulary (vocab_size "
+        f"{model.vocab_size} in {model.path}/config.json)"
+        for i, token in enumerate(cfg.rollout.sampling.stop_token_ids)
+        if token >= model.vocab_size
+    ]
+
+
+def check_output_dir(cfg: RunConfig) -> list[str]:
+    """The run directory can be created and written (it is created here)."""
+    run_dir = Path(cfg.experiment.output_dir) / cfg.experiment.name
+    what = "create the run directory"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        what = "write in the run directory"
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return [
+            f"experiment.output_dir: cannot {what} {str(run_dir)!r}: {reason}; choose a writable "
+            "experiment.output_dir (or another experiment.name)"
+        ]
+    return []
+
+
+def plugin_environment_problems(cfg: RunConfig, machine: MachineInfo, model: ModelInfo | None) -> list[str]:
+    """Every selected plugin section's own ``check_environment``."""
+    problems: list[str] = []
+    for path, _kind, spec in selected_sections(cfg):
+        if spec.config is not None:
+            context = EnvironmentContext(path=path, run=cfg, name=spec.name, machine=machine, model=model)
+            problems.extend(environment_problems(spec.config, context))
+    return problems
+
+
+def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None) -> Preflight:
+    """Run every check of the module docstring on a validated ``cfg`` (as :func:`load_config`
+    returns it); raise :class:`~core_rl.errors.PreflightError` listing all problems found, else
+    return what the checks read. ``machine``: the machine to check against (default: this one)."""
+    offline = cfg.experiment.offline
+    problems = resolve_paths(cfg)
+    rows, data_problems = check_data(cfg)
+    problems += data_problems
+    model, model_problems = check_model_dir(cfg.actor.model_path, "actor.model_path", offline=offline)
+    problems += model_problems
+    tokenizer = None
+    if cfg.actor.tokenizer_path or Path(cfg.actor.model_path).is_dir():
+        key = "actor.tokenizer_path" if cfg.actor.tokenizer_path else "actor.model_path"
+        tokenizer, tokenizer_problems = check_tokenizer_dir(
+            cfg.actor.tokenizer_path or cfg.actor.model_path, key, offline=offline
+        )
+        problems += tokenizer_problems
+    if tokenizer is not None:
+        if cfg.data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+            problems.append(
+                "data.apply_chat_template: the tokenizer has no chat template; set data.apply_chat_template=false "
+                "or use a tokenizer that has one"
+            )
+        elif not data_problems:
+            _, prompt_problems = tokenise_rows(
+                rows, cfg.data, tokenizer, vocab_size=model.vocab_size if model is not None else None
+            )
+            problems += prompt_problems
+    if model is not None:
+        problems += check_sampling(cfg, model)
+    problems += check_output_dir(cfg)
+    machine = machine if machine is not None else detect_machine()
+    problems += plugin_environment_problems(cfg, machine, model)
+    if problems:
+        raise PreflightError(problems)
+    assert model is not None
+    return Preflight(rows=rows, tokenizer=tokenizer, model=model, machine=machine)

@@ -1,0 +1,67 @@
+"""Tiny Hugging Face models and tokenizers built offline (no model hub), for examples and tests.
+
+:func:`build_tiny_model` writes a directory loadable by ``AutoTokenizer`` / ``AutoModelForCausalLM``:
+a character-level tokenizer (one token per character of ``alphabet`` plus ``<pad>``, ``<s>``,
+``</s>``, ``<unk>``) and a random-weight Llama model.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+DEFAULT_ALPHABET = string.ascii_lowercase + string.digits + " =+-?:>"
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+
+
+def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
+    """A ``PreTrainedTokenizerFast`` with one token per character; ids 0..3 are pad, bos, eos, unk.
+    Encoding with special tokens prepends ``<s>``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(dict.fromkeys(alphabet))
+    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, UNK, *chars])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK)
+
+
+def build_tiny_model(
+    path: str | Path,
+    *,
+    alphabet: str = DEFAULT_ALPHABET,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 256,
+    seed: int = 0,
+) -> Path:
+    """Write a random-weight Llama model and its char tokenizer to ``path``; return ``path``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    tokenizer = build_char_tokenizer(alphabet)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
