@@ -25,7 +25,7 @@ from cattrs.errors import (
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from core_rl.config.schema import PluginSpec, RunConfig
+from core_rl.config.schema import DEFAULT_FROM, PluginSpec, RunConfig
 from core_rl.config.validators import FieldValueError
 from core_rl.errors import ConfigError, PluginError
 from core_rl.kinds import (
@@ -33,6 +33,7 @@ from core_rl.kinds import (
     ALGORITHM,
     LOGGER,
     POLICY_LOSS,
+    REJECTION_SAMPLER,
     REWARD,
     ROLLOUT_ENGINE,
     SAMPLE_FILTER,
@@ -204,14 +205,28 @@ def _selected_specs(cfg: RunConfig) -> Iterator[tuple[str, PluginKind, PluginSpe
         yield "algorithm.loss", POLICY_LOSS, cfg.algorithm.loss
     for i, spec in enumerate(cfg.algorithm.filters):
         yield f"algorithm.filters[{i}]", SAMPLE_FILTER, spec
+    if cfg.algorithm.rejection_sampling is not None:
+        yield "algorithm.rejection_sampling", REJECTION_SAMPLER, cfg.algorithm.rejection_sampling
     if cfg.reward is not None:
         yield "reward", REWARD, cfg.reward
     for i, spec in enumerate(cfg.loggers):
         yield f"loggers[{i}]", LOGGER, spec
 
 
-def validate_plugin_section(host: PluginHost, kind: PluginKind, spec: PluginSpec, path: str) -> None:
-    """Resolve ``spec.name`` in ``kind``'s registry and validate its options by the plugin's class."""
+def _run_value(run: RunConfig, dotted: str) -> Any:
+    node: Any = run
+    for key in dotted.split("."):
+        node = getattr(node, key)
+    return node
+
+
+def validate_plugin_section(
+    host: PluginHost, kind: PluginKind, spec: PluginSpec, path: str, *, run: RunConfig | None = None
+) -> None:
+    """Resolve ``spec.name`` in ``kind``'s registry and validate its options by the plugin's class.
+
+    With ``run``, fields declared with :func:`core_rl.config.schema.default_from` that the section
+    leaves unset take their value from ``run``."""
     try:
         entry = host.get(kind, spec.name)
     except PluginError as exc:
@@ -222,7 +237,13 @@ def validate_plugin_section(host: PluginHost, kind: PluginKind, spec: PluginSpec
                 [f"{path}: {kind.label} {spec.name!r} takes no options, got {', '.join(sorted(spec.options))}"]
             )
         return
-    spec.config = structure(spec.options, entry.config_cls, path=path)
+    options = dict(spec.options)
+    if run is not None:
+        for field in attrs.fields(entry.config_cls):
+            source = field.metadata.get(DEFAULT_FROM)
+            if source is not None and field.name not in options:
+                options[field.name] = _run_value(run, source)
+    spec.config = structure(options, entry.config_cls, path=path)
 
 
 _RAW_SPEC_PATHS: tuple[tuple[tuple[str, ...], PluginKind, bool], ...] = (
@@ -231,6 +252,7 @@ _RAW_SPEC_PATHS: tuple[tuple[tuple[str, ...], PluginKind, bool], ...] = (
     (("algorithm", "advantage"), ADVANTAGE, False),
     (("algorithm", "loss"), POLICY_LOSS, False),
     (("algorithm", "filters"), SAMPLE_FILTER, True),
+    (("algorithm", "rejection_sampling"), REJECTION_SAMPLER, False),
     (("reward",), REWARD, False),
     (("loggers",), LOGGER, True),
 )
@@ -276,6 +298,30 @@ def _completeness_problems(cfg: RunConfig) -> list[str]:
         problems.append("reward: required; select a reward, e.g. reward: {name: exact_match}")
     if not cfg.data.train_files:
         problems.append("data.train_files: required; a list of JSON/JSONL/Parquet files of prompts")
+    return problems
+
+
+def _cross_section_problems(cfg: RunConfig) -> list[str]:
+    """Problems that involve more than one section: the algorithm's own, and those each selected
+    plugin's config reports through an optional ``check_run(run, path) -> list[str]`` method."""
+    problems = []
+    shaping = cfg.algorithm.reward_shaping
+    budget = cfg.rollout.sampling.max_new_tokens
+    if shaping.overlong_tokens is not None and shaping.overlong_tokens > budget:
+        problems.append(
+            f"algorithm.reward_shaping.overlong_tokens: must be <= rollout.sampling.max_new_tokens ({budget}), "
+            f"got {shaping.overlong_tokens}"
+        )
+    rows = cfg.data.batch_size * cfg.rollout.sampling.n
+    if cfg.algorithm.ppo_n_minibatches > rows:
+        problems.append(
+            f"algorithm.ppo_n_minibatches: must be <= the samples of a step, data.batch_size x rollout.sampling.n "
+            f"= {rows}, got {cfg.algorithm.ppo_n_minibatches}"
+        )
+    for path, _kind, spec in _selected_specs(cfg):
+        check = getattr(spec.config, "check_run", None)
+        if callable(check):
+            problems.extend(check(cfg, path))
     return problems
 
 
@@ -378,11 +424,13 @@ def load_config(
     problems: list[str] = []
     for spec_path, kind, spec in _selected_specs(cfg):
         try:
-            validate_plugin_section(host, kind, spec, spec_path)
+            validate_plugin_section(host, kind, spec, spec_path, run=cfg)
         except ConfigError as exc:
             problems.extend(exc.problems)
     if cfg.actor.lr_scheduler.total_steps == 0:
-        cfg.actor.lr_scheduler.total_steps = cfg.trainer.total_steps
+        cfg.actor.lr_scheduler.total_steps = cfg.trainer.total_steps * cfg.algorithm.optimizer_steps_per_step
+    if not problems:
+        problems.extend(_cross_section_problems(cfg))
     if require_complete:
         problems.extend(_completeness_problems(cfg))
     if problems:
