@@ -155,3 +155,93 @@ def test_a_string_is_not_a_list(tmp_path, host, minimal_config):
     problems = _problems(tmp_path, minimal_config, host=host)
     assert "data.train_files: expected a list, got 'prompts.jsonl'" in problems
     assert "rollout.sampling.stop_token_ids[1]: expected an integer, got 'x'" in problems
+
+
+def test_algorithm_options_every_recipe_has(tmp_path, host, minimal_config):
+    cfg = load_config(
+        _write(tmp_path, minimal_config),
+        [
+            "algorithm.ppo_n_minibatches=2",
+            "algorithm.ppo_epochs=3",
+            "algorithm.recompute_logprob=true",
+            "algorithm.max_num_gen_batches=4",
+            "algorithm.mask_no_eos_with_zero=true",
+            "algorithm.reward_shaping={scale: 2.0, clip: 5.0, overlong_tokens: 16, norm: {mean_level: group}}",
+            "algorithm.adv_norm={mean_level: batch, std_level: none}",
+        ],
+        host=host,
+    )
+    alg = cfg.algorithm
+    assert (alg.ppo_n_minibatches, alg.ppo_epochs, alg.recompute_logprob, alg.max_num_gen_batches) == (2, 3, True, 4)
+    assert alg.reward_shaping.overlong_tokens == 16 and alg.reward_shaping.norm.mean_level == "group"
+    assert alg.adv_norm.std_level == "none"
+    # the schedule counts optimiser steps: 100 RL steps x 2 minibatches x 3 epochs
+    assert cfg.actor.lr_scheduler.total_steps == 600
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algorithm.ppo_n_minibatches=0"], "algorithm.ppo_n_minibatches: must be in [1, 1048576], got 0"),
+        (["algorithm.max_num_gen_batches=0"], "algorithm.max_num_gen_batches: must be in [1, 10000], got 0"),
+        (
+            ["algorithm.adv_norm={mean_level: none, leave_one_out: true}"],
+            "algorithm.adv_norm.leave_one_out: needs a mean_level (batch or group), not 'none', got True",
+        ),
+        (
+            ["algorithm.reward_shaping.norm={std_level: groups}"],
+            "algorithm.reward_shaping.norm.std_level: must be one of 'batch', 'group', 'none', got 'groups'",
+        ),
+        (
+            ["algorithm.reward_shaping.overlong_tokens=300"],
+            "algorithm.reward_shaping.overlong_tokens: must be <= rollout.sampling.max_new_tokens (256), got 300",
+        ),
+        (
+            ["algorithm.ppo_n_minibatches=40", "data.batch_size=2"],
+            "algorithm.ppo_n_minibatches: must be <= the samples of a step, data.batch_size x rollout.sampling.n "
+            "= 8, got 40",
+        ),
+        (["algorithm.rejection_sampling.name=nope"], "algorithm.rejection_sampling.name: rejection sampler 'nope'"),
+    ],
+)
+def test_algorithm_option_errors_name_the_keys(tmp_path, host, minimal_config, overrides, message):
+    problems = _problems(tmp_path, minimal_config, overrides, host=host)
+    assert any(p.startswith(message) for p in problems), problems
+
+
+def test_norm_levels_agree_with_the_math():
+    from core_rl.config.schema import NormConfig
+    from core_rl.ops import NORM_LEVELS
+
+    for level in NORM_LEVELS:  # the schema accepts every level core_rl.ops.normalize knows
+        NormConfig(mean_level=level, std_level=level)
+    with pytest.raises(ValueError, match="mean_level"):
+        NormConfig(mean_level="sample")
+
+
+def test_plugin_fields_can_default_to_another_key_and_check_the_run(tmp_path, host, minimal_config):
+    import attrs
+    from core_rl.config.schema import default_from
+    from core_rl.hookspecs import Register, hookimpl
+
+    @attrs.define
+    class BudgetLossConfig:
+        budget: int | None = attrs.field(default=None, metadata=default_from("rollout.sampling.max_new_tokens"))
+
+        def check_config(self, context):
+            return [f"{context.key('budget')}: too small"] if self.budget < 10 else []
+
+    class BudgetLoss:
+        @hookimpl
+        def core_rl_register_policy_losses(self, register: Register) -> None:
+            register("budget_loss", lambda config: None, description="test", config_cls=BudgetLossConfig)
+
+    host.register_plugin(BudgetLoss(), distribution="test-budget")
+    minimal_config["algorithm"]["loss"] = {"name": "budget_loss"}
+    cfg = load_config(_write(tmp_path, minimal_config), ["rollout.sampling.max_new_tokens=48"], host=host)
+    assert cfg.algorithm.loss.config.budget == 48  # unset: taken from the run
+    assert "budget: 48" in to_yaml(cfg)
+    cfg = load_config(_write(tmp_path, minimal_config), ["algorithm.loss.budget=12"], host=host)
+    assert cfg.algorithm.loss.config.budget == 12  # set: kept
+    problems = _problems(tmp_path, minimal_config, ["rollout.sampling.max_new_tokens=4"], host=host)
+    assert problems == ["algorithm.loss.budget: too small"]

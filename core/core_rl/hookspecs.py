@@ -155,3 +155,24 @@ def core_rl_register_algorithms(register: Register) -> None:
 
     Called when the plugin is loaded, before the configuration that selects it is validated.
     """
+
+
+@hookspec
+def core_rl_register_rejection_samplers(register: Register) -> None:
+    """Register rejection samplers: per-token divergence checks between the proximal and the
+    behaviour policy that mask tokens (or sequences) or clamp their importance weights, selected by
+    ``algorithm.rejection_sampling`` and applied by the decoupled loss. The registered name is the
+    divergence metric (core registers ``ratio``, ``kl_k1``, ``kl_k2``, ``kl_k3``, ``tis``, ``mis``);
+    a new metric is a new name.
+
+    :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
+        sampler. ``factory(config)`` receives the validated ``algorithm.rejection_sampling`` section
+        and returns a :class:`core_rl.interfaces.RejectionSampler`
+        (:class:`core_rl.rejection.MetricRejectionSampler` does the level / action / aggregation /
+        bounds logic for any per-token metric).
+    :return: nothing; results go through ``register``.
+
+    Called when the plugin is loaded.
+
+    .. versionadded:: 0.1 (hook API 1)
+    """

@@ -24,7 +24,8 @@ class LossOutput:
     ``per_token_loss`` [b, T]: the loss of each token; the engine minimises
     ``sum(per_token_loss * batch["loss_weight"])``.
     ``token_metrics``: name -> [b, T] tensor, reported as its mean over response tokens of the whole
-    batch (for example ``clipped`` as 0/1 gives the clip fraction).
+    batch (for example ``clipped`` as 0/1 gives the clip fraction), or as its maximum over them when
+    the name ends in ``_max`` (e.g. ``ratio_max``).
     """
 
     per_token_loss: torch.Tensor
@@ -156,14 +157,67 @@ class PolicyLoss(ABC):
 
     #: whether the batch must carry ``ref_logprobs`` (a reference model is then built)
     requires_reference: bool = False
+    #: whether the trainer must recompute ``old_logprobs`` with the train engine before the first
+    #: update of each step (e.g. the proximal policy of a decoupled loss); see also
+    #: ``algorithm.recompute_logprob``
+    requires_recompute: bool = False
 
     @abstractmethod
     def loss_weights(self, response_mask: torch.Tensor) -> torch.Tensor:
-        """Aggregation weights [B, T] for the *global* batch (see :func:`core_rl.ops.aggregation_weights`)."""
+        """Aggregation weights [B, T] for the *global* batch (of one optimiser step) from the mask of
+        the tokens that train (the batch's ``loss_mask``; see :func:`core_rl.ops.aggregation_weights`)."""
+
+    def prepare(self, batch: TensorBatch) -> dict[str, float]:
+        """Called once per RL step on the whole global batch (identical on every rank), after
+        ``old_logprobs`` are final and before the batch is split into optimiser steps. It may
+        update ``batch["loss_mask"]`` in place (e.g. M2PO drops tokens by a batch-wide statistic)
+        and returns metrics. Default: nothing."""
+        return {}
+
+    def set_rejection_sampler(self, sampler: RejectionSampler | None) -> None:
+        """Receive the configured ``algorithm.rejection_sampling`` component (called once by the
+        trainer before training). A loss that does not apply one must refuse a sampler (the default
+        raises :class:`core_rl.errors.ConfigError`)."""
+        if sampler is not None:
+            from core_rl.errors import ConfigError
+
+            raise ConfigError(
+                [f"algorithm.rejection_sampling: policy loss {type(self).__name__} does not apply rejection sampling"]
+            )
 
     @abstractmethod
     def __call__(self, batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
         """Per-token loss for one micro-batch, given current log-probs and entropy [b, T]."""
+
+
+@attrs.define
+class ImportanceCorrection:
+    """What a :class:`RejectionSampler` decides for each token of a micro-batch.
+
+    ``weight`` [b, T]: the importance weight of the token's loss against the behaviour policy
+    (``pi_prox / pi_behave``, possibly aggregated over the sequence or clamped; no gradient);
+    ``keep`` [b, T] bool: False where the token (or its whole sequence) is rejected: its loss is 0;
+    ``clamped`` [b, T] bool (optional): True where the weight was truncated. All are 0 / False off
+    the response.
+    """
+
+    weight: torch.Tensor
+    keep: torch.Tensor
+    clamped: torch.Tensor | None = None
+
+
+class RejectionSampler(ABC):
+    """Judges each response token (or sequence) by how far the proximal policy has moved from the
+    behaviour policy that generated it, and masks or clamps its importance weight
+    (``algorithm.rejection_sampling``; the decoupled loss applies it micro-batch by micro-batch)."""
+
+    @abstractmethod
+    def __call__(
+        self, proximal_logprobs: torch.Tensor, behave_logprobs: torch.Tensor, mask: torch.Tensor
+    ) -> ImportanceCorrection:
+        """Weights and keep-mask for ``[b, T]`` proximal and behaviour log-probs over the response
+        ``mask``. Row-local: a row's result depends on that row only (so micro-batching and data
+        parallelism do not change it)."""
 
 
 class SampleFilter(ABC):

@@ -31,6 +31,9 @@ ADVANTAGE = PluginKind(
 SAMPLE_FILTER = PluginKind(
     "sample_filter", "sample filter", "core_rl.sample_filters", "core_rl_register_sample_filters"
 )
+REJECTION_SAMPLER = PluginKind(
+    "rejection_sampler", "rejection sampler", "core_rl.rejection_samplers", "core_rl_register_rejection_samplers"
+)
 REWARD = PluginKind("reward", "reward", "core_rl.rewards", "core_rl_register_rewards")
 LOGGER = PluginKind("logger", "logger", "core_rl.loggers", "core_rl_register_loggers")
 ALGORITHM = PluginKind("algorithm", "algorithm", "core_rl.algorithms", "core_rl_register_algorithms")
@@ -44,6 +47,7 @@ ALL_KINDS: tuple[PluginKind, ...] = (
     REWARD,
     LOGGER,
     ALGORITHM,
+    REJECTION_SAMPLER,
 )
 KINDS_BY_KEY: dict[str, PluginKind] = {k.key: k for k in ALL_KINDS}
 
@@ -57,6 +61,12 @@ KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("advantage", "rloo"): "grpo",
     ("policy_loss", "ppo_clip"): "grpo",
     ("sample_filter", "drop_uniform_groups"): "grpo",
+    ("algorithm", "dr_grpo"): "grpo",
+    ("algorithm", "rloo"): "grpo",
+    ("algorithm", "reinforce_pp"): "grpo",
+    ("advantage", "reinforce_pp"): "grpo",
+    ("algorithm", "gspo"): "gspo",
+    ("algorithm", "dapo"): "dapo",
     ("reward", "exact_match"): "reward-match",
     ("reward", "char_match"): "reward-match",
 }

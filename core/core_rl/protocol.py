@@ -9,13 +9,28 @@ key                 shape       meaning
 ``input_ids``       [B, T] long prompt followed by response, then ``pad_token_id``
 ``attention_mask``  [B, T] long 1 on real tokens (prompt and response), 0 on padding
 ``response_mask``   [B, T] f32  1 on response tokens (those the policy generated), else 0
-``old_logprobs``    [B, T] f32  behaviour log-prob of token ``t`` given tokens ``< t``, 0 off-response
+``old_logprobs``    [B, T] f32  log-prob of token ``t`` given tokens ``< t`` under pi_old, the policy the
+                                clipped ratio is taken against, 0 off-response: the behaviour log-probs,
+                                or the train engine's own, recomputed before the step's first update
+                                (``algorithm.recompute_logprob``, or a loss's ``requires_recompute``:
+                                the proximal policy of the decoupled loss)
+``behave_logprobs`` [B, T] f32  behaviour log-prob: what the rollout engine reported when it sampled
+                                the token (never overwritten), 0 off-response
+``versions``        [B, T] long weight version that generated each response token, -1 off-response
 ``ref_logprobs``    [B, T] f32  the same under the reference model (only when a loss asks for it)
 ``advantages``      [B, T] f32  per-token advantage (0 off-response)
+``loss_mask``       [B, T] f32  1 on the response tokens that train: ``response_mask`` without the
+                                samples or tokens the algorithm excludes (e.g. truncated samples under
+                                ``mask_no_eos_with_zero``, M2PO); aggregation weights come from it
 ``loss_weight``     [B, T] f32  aggregation weight of each token's loss (:func:`core_rl.ops.aggregation_weights`)
-``rewards``         [B]    f32  scalar reward of each sample
+``rewards``         [B]    f32  scalar reward of each sample (after ``algorithm.reward_shaping``)
 ``group_index``     [B]    long index of the prompt the sample answers (samples of a prompt form a group)
+``truncated``       [B]    bool the response stopped at the token budget (``finish_reason == "length"``)
+``train_version``   [B]    long the weight version the current update produces (the same in every row)
 ==================  ==========  =====================================================================
+
+The trainer adds ``loss_mask``, ``advantages``, ``loss_weight`` and ``train_version``; the rest comes
+from :func:`samples_to_batch` (and the rewards and engines).
 
 The convention "value at position ``t`` describes token ``t``" holds for every ``[B, T]`` tensor, so a
 log-prob tensor lines up with ``input_ids`` and ``response_mask`` without shifting.
@@ -116,7 +131,9 @@ class TensorBatch:
 
 def samples_to_batch(samples: Sequence[Sample], group_index: Sequence[int], pad_token_id: int) -> TensorBatch:
     """Pack samples into a right-padded :class:`TensorBatch` with ``input_ids``, ``attention_mask``,
-    ``response_mask``, ``old_logprobs`` and ``group_index`` (see the module docstring)."""
+    ``response_mask``, ``old_logprobs`` and ``behave_logprobs`` (both the samples' log-probs),
+    ``versions`` (a sample's per-token ``token_weight_versions`` where it has them, else its
+    ``weight_version`` on every token), ``truncated`` and ``group_index`` (see the module docstring)."""
     import torch
 
     if not samples:
@@ -128,18 +145,49 @@ def samples_to_batch(samples: Sequence[Sample], group_index: Sequence[int], pad_
     attention_mask = torch.zeros((n, width), dtype=torch.long)
     response_mask = torch.zeros((n, width), dtype=torch.float32)
     old_logprobs = torch.zeros((n, width), dtype=torch.float32)
+    versions = torch.full((n, width), -1, dtype=torch.long)
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         input_ids[i, : p + r] = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
         attention_mask[i, : p + r] = 1
         response_mask[i, p : p + r] = 1.0
         old_logprobs[i, p : p + r] = torch.tensor(s.logprobs, dtype=torch.float32)
+        per_token = getattr(s, "token_weight_versions", None)  # optional per-token versions
+        versions[i, p : p + r] = torch.tensor(per_token if per_token is not None else [s.weight_version] * r)
     return TensorBatch(
         {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "response_mask": response_mask,
             "old_logprobs": old_logprobs,
+            "behave_logprobs": old_logprobs.clone(),
+            "versions": versions,
+            "truncated": torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.bool),
             "group_index": torch.as_tensor(list(group_index), dtype=torch.long),
         }
     )
+
+
+#: the value right padding takes in each padded key (0 for any other key)
+PAD_VALUES = {"versions": -1}
+
+
+def concat_padded(batches: Sequence[TensorBatch], pad_token_id: int) -> TensorBatch:
+    """Concatenate batches whose ``[B, T]`` tensors may differ in width ``T``: each is right-padded
+    to the widest (``input_ids`` with ``pad_token_id``, ``versions`` with -1, the rest with 0).
+    Every batch must hold the same keys."""
+    import torch
+
+    width = max(b["input_ids"].shape[1] for b in batches)
+    pads = {**PAD_VALUES, "input_ids": pad_token_id}
+    out: dict[str, torch.Tensor] = {}
+    for key in batches[0].keys():
+        parts = []
+        for b in batches:
+            value = b[key]
+            if value.ndim >= 2 and value.shape[1] == b["input_ids"].shape[1] and value.shape[1] < width:
+                fill = value.new_full((value.shape[0], width - value.shape[1], *value.shape[2:]), pads.get(key, 0))
+                value = torch.cat([value, fill], dim=1)
+            parts.append(value)
+        out[key] = torch.cat(parts)
+    return TensorBatch(out)

@@ -1,7 +1,10 @@
 """The main job: build a tiny model, tokenizer and task offline, warm-start it on the answer
 format, train it with GRPO on CPU, and report how the reward rose.
 
-    python examples/tiny_grpo/main.py [--workdir runs/tiny_grpo] [KEY=VALUE overrides for grpo.yaml]
+    python examples/tiny_grpo/main.py [--workdir runs/tiny_grpo] [--config grpo.yaml] [KEY=VALUE overrides]
+
+``--config`` picks another recipe's example next to this file (``dr_grpo.yaml``, ``rloo.yaml``,
+``reinforce_pp.yaml``, ``gspo.yaml``, ``dapo.yaml``, ``grpo_off_policy.yaml``).
 
 Everything it writes goes under ``--workdir`` (replaced on each run).
 """
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import torch
 import transformers
+import yaml
 from core_rl import cli
 from core_rl.builtin.loggers import read_metrics
 from core_rl.tiny import build_tiny_model
@@ -44,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="runs/tiny_grpo", help="where the model, data and run go")
     parser.add_argument("--warm-steps", type=int, default=150, help="supervised warm-start steps")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides for grpo.yaml")
+    parser.add_argument("--config", default="grpo.yaml", help="the run's YAML, in examples/tiny_grpo/")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides for the run's YAML")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
@@ -59,10 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     loss = warm_start(work / "model_init", work / "model_warm", steps=args.warm_steps, batch_size=64, lr=3e-3, seed=0)
     print(f"warm start: {args.warm_steps} steps, final loss {loss:.3f}, {time.perf_counter() - start:.0f} s")
 
-    code = cli.main(["train", str(HERE / "grpo.yaml"), f"experiment.output_dir={work}", *args.overrides])
+    config = HERE / args.config
+    code = cli.main(["train", str(config), f"experiment.output_dir={work}", *args.overrides])
     if code != 0:
         return code
-    summary = summarise(work / "grpo" / "metrics.jsonl")
+    name = yaml.safe_load(config.read_text())["experiment"]["name"]
+    summary = summarise(work / name / "metrics.jsonl")
     wall = time.perf_counter() - start
     print(
         f"reward: first 10 steps {summary['reward_first10']:.3f} -> last 10 steps {summary['reward_last10']:.3f} "

@@ -41,7 +41,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from core_rl.config.checks import SectionContext, config_problems
 from core_rl.config.overrides import apply_overrides, first_line, format_path, parse_overrides
-from core_rl.config.schema import PluginSpec, RunConfig
+from core_rl.config.schema import DEFAULT_FROM, PluginSpec, RunConfig
 from core_rl.config.validators import MAX_COUNT, FieldValueError
 from core_rl.errors import ConfigError, PluginError, did_you_mean
 from core_rl.kinds import (
@@ -49,6 +49,7 @@ from core_rl.kinds import (
     ALGORITHM,
     LOGGER,
     POLICY_LOSS,
+    REJECTION_SAMPLER,
     REWARD,
     ROLLOUT_ENGINE,
     SAMPLE_FILTER,
@@ -362,14 +363,28 @@ def selected_sections(cfg: RunConfig) -> Iterator[tuple[str, PluginKind, PluginS
         yield "algorithm.loss", POLICY_LOSS, cfg.algorithm.loss
     for i, spec in enumerate(cfg.algorithm.filters):
         yield f"algorithm.filters[{i}]", SAMPLE_FILTER, spec
+    if cfg.algorithm.rejection_sampling is not None:
+        yield "algorithm.rejection_sampling", REJECTION_SAMPLER, cfg.algorithm.rejection_sampling
     if cfg.reward is not None:
         yield "reward", REWARD, cfg.reward
     for i, spec in enumerate(cfg.loggers):
         yield f"loggers[{i}]", LOGGER, spec
 
 
-def validate_plugin_section(host: PluginHost, kind: PluginKind, spec: PluginSpec, path: str) -> None:
-    """Resolve ``spec.name`` in ``kind``'s registry and validate its options by the plugin's class."""
+def _run_value(run: RunConfig, dotted: str) -> Any:
+    node: Any = run
+    for key in dotted.split("."):
+        node = getattr(node, key)
+    return node
+
+
+def validate_plugin_section(
+    host: PluginHost, kind: PluginKind, spec: PluginSpec, path: str, *, run: RunConfig | None = None
+) -> None:
+    """Resolve ``spec.name`` in ``kind``'s registry and validate its options by the plugin's class.
+
+    With ``run``, fields declared with :func:`core_rl.config.schema.default_from` that the section
+    leaves unset take their value from ``run``."""
     try:
         entry = host.get(kind, spec.name)
     except PluginError as exc:
@@ -383,7 +398,13 @@ def validate_plugin_section(host: PluginHost, kind: PluginKind, spec: PluginSpec
                 ]
             )
         return
-    spec.config = structure(spec.options, entry.config_cls, path=path)
+    options = dict(spec.options)
+    if run is not None:
+        for field in attrs.fields(entry.config_cls):
+            source = field.metadata.get(DEFAULT_FROM)
+            if source is not None and field.name not in options:
+                options[field.name] = _run_value(run, source)
+    spec.config = structure(options, entry.config_cls, path=path)
 
 
 _RAW_SPEC_PATHS: tuple[tuple[tuple[str, ...], PluginKind, bool], ...] = (
@@ -392,6 +413,7 @@ _RAW_SPEC_PATHS: tuple[tuple[tuple[str, ...], PluginKind, bool], ...] = (
     (("algorithm", "advantage"), ADVANTAGE, False),
     (("algorithm", "loss"), POLICY_LOSS, False),
     (("algorithm", "filters"), SAMPLE_FILTER, True),
+    (("algorithm", "rejection_sampling"), REJECTION_SAMPLER, False),
     (("reward",), REWARD, False),
     (("loggers",), LOGGER, True),
 )
@@ -472,6 +494,18 @@ def _cross_section_problems(cfg: RunConfig) -> list[str]:
         problems.append(
             f"data.batch_size: {cfg.data.batch_size} prompts x rollout.sampling.n={cfg.rollout.sampling.n} samples "
             f"is {samples} samples per step, more than {MAX_COUNT}; lower one of them"
+        )
+    shaping = cfg.algorithm.reward_shaping
+    budget = cfg.rollout.sampling.max_new_tokens
+    if shaping.overlong_tokens is not None and shaping.overlong_tokens > budget:
+        problems.append(
+            f"algorithm.reward_shaping.overlong_tokens: must be <= rollout.sampling.max_new_tokens ({budget}), "
+            f"got {shaping.overlong_tokens}"
+        )
+    if cfg.algorithm.ppo_n_minibatches > samples:
+        problems.append(
+            f"algorithm.ppo_n_minibatches: must be <= the samples of a step, data.batch_size x rollout.sampling.n "
+            f"= {samples}, got {cfg.algorithm.ppo_n_minibatches}"
         )
     return problems
 
@@ -664,11 +698,11 @@ def load_config(
     problems: list[str] = []
     for spec_path, kind, spec in selected_sections(cfg):
         try:
-            validate_plugin_section(host, kind, spec, spec_path)
+            validate_plugin_section(host, kind, spec, spec_path, run=cfg)
         except ConfigError as exc:
             problems.extend(exc.problems)
     if cfg.actor.lr_scheduler.total_steps == 0:
-        cfg.actor.lr_scheduler.total_steps = cfg.trainer.total_steps
+        cfg.actor.lr_scheduler.total_steps = cfg.trainer.total_steps * cfg.algorithm.optimizer_steps_per_step
     problems.extend(_cross_section_problems(cfg))
     problems.extend(_plugin_check_problems(cfg))
     if require_complete:

@@ -29,6 +29,17 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "bfloat16", "float16")
 
+#: attrs field metadata key, see :func:`default_from`
+DEFAULT_FROM = "core_rl_default_from"
+
+
+def default_from(path: str) -> dict[str, str]:
+    """Metadata for a plugin config field whose default is another key of the run configuration:
+    ``attrs.field(default=None, metadata=default_from("rollout.sampling.max_new_tokens"))``. When the
+    plugin's section leaves the field unset, the loader fills it with the value at the dotted
+    ``path`` (so ``core-rl config show`` prints what the component will use)."""
+    return {DEFAULT_FROM: path}
+
 
 @attrs.define
 class PluginSpec:
@@ -122,7 +133,8 @@ class OptimizerConfig:
 class SchedulerConfig:
     """Learning-rate schedule: linear warmup over ``warmup_steps`` (or ``warmup_ratio`` of the total
     steps when ``warmup_steps`` is 0), then ``constant``, ``linear`` or ``cosine`` decay to
-    ``min_lr_ratio * lr`` at step ``total_steps`` (0: ``trainer.total_steps``, filled in on load)."""
+    ``min_lr_ratio * lr`` at step ``total_steps`` (0: ``trainer.total_steps`` times the optimiser
+    steps per RL step, filled in on load). Steps here are optimiser steps."""
 
     name: str = attrs.field(default="constant", validator=one_of(("constant", "linear", "cosine")))
     warmup_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
@@ -161,14 +173,73 @@ class ActorConfig:
 
 
 @attrs.define
+class NormConfig:
+    """Normalisation of rewards or advantages (:func:`core_rl.ops.normalize`): subtract a baseline
+    over ``mean_level`` (``batch``, ``group`` or ``none``; ``leave_one_out``: the mean of the *other*
+    samples) and divide by the standard deviation over ``std_level`` (``unbiased``: Bessel's
+    correction) plus ``eps``. Every response token counts once for advantages."""
+
+    mean_level: str = attrs.field(default="batch", validator=one_of(("batch", "group", "none")))
+    std_level: str = attrs.field(default="batch", validator=one_of(("batch", "group", "none")))
+    leave_one_out: bool = False
+    unbiased: bool = True
+    eps: float = attrs.field(default=1e-5, validator=positive())
+
+    def __attrs_post_init__(self) -> None:
+        if self.leave_one_out and self.mean_level == "none":
+            raise FieldValueError("leave_one_out", True, "needs a mean_level (batch or group), not 'none'")
+
+
+@attrs.define
+class RewardShapingConfig:
+    """What happens to each sample's reward before advantages, in this order: DAPO's soft overlong
+    punishment over the last ``overlong_tokens`` of the response budget (scaled by
+    ``overlong_penalty_factor``; off when ``overlong_tokens`` is null), then
+    ``clip((r + bias) * scale, -clip, clip)`` (``clip`` null: none), then ``norm`` (null: none)."""
+
+    scale: float = 1.0
+    bias: float = 0.0
+    clip: float | None = attrs.field(default=None, validator=positive())
+    overlong_tokens: int | None = attrs.field(default=None, validator=in_range(1, MAX_TOKENS))
+    overlong_penalty_factor: float = attrs.field(default=1.0, validator=non_negative())
+    norm: NormConfig | None = None
+
+
+@attrs.define
 class AlgorithmConfig:
-    """``name`` selects a recipe whose defaults fill this section; ``advantage``, ``loss`` and
-    ``filters`` select the components (each validated by its plugin)."""
+    """``name`` selects a recipe whose defaults fill this section; ``advantage``, ``loss``,
+    ``filters`` and ``rejection_sampling`` select the components (each validated by its plugin).
+
+    The rest applies to every recipe:
+
+    - ``reward_shaping``, ``adv_norm`` (null: none): see :class:`RewardShapingConfig`, :class:`NormConfig`;
+    - ``mask_no_eos_with_zero``: truncated samples (no stop token within the budget) leave the loss;
+    - ``max_num_gen_batches``: 1 trains on what the filters leave of one generation batch; above 1,
+      prompt batches are drawn until the filters leave ``data.batch_size`` prompts' groups (the rest
+      is discarded), at most this many (dynamic sampling);
+    - ``ppo_n_minibatches`` x ``ppo_epochs``: optimiser steps per RL step (the batch is cut into
+      minibatches by rows, and the cut is passed over ``ppo_epochs`` times);
+    - ``recompute_logprob``: ``old_logprobs`` come from the train engine before the first update
+      (behaviour log-probs stay in ``behave_logprobs``).
+    """
 
     name: str = ""
     advantage: PluginSpec | None = None
     loss: PluginSpec | None = None
     filters: list[PluginSpec] = attrs.field(factory=list)
+    rejection_sampling: PluginSpec | None = None
+    reward_shaping: RewardShapingConfig = attrs.field(factory=RewardShapingConfig)
+    adv_norm: NormConfig | None = None
+    mask_no_eos_with_zero: bool = False
+    max_num_gen_batches: int = attrs.field(default=1, validator=in_range(1, 10_000))
+    ppo_n_minibatches: int = attrs.field(default=1, validator=in_range(1, MAX_COUNT))
+    ppo_epochs: int = attrs.field(default=1, validator=in_range(1, 10_000))
+    recompute_logprob: bool = False
+
+    @property
+    def optimizer_steps_per_step(self) -> int:
+        """Optimiser steps per RL step: ``ppo_n_minibatches * ppo_epochs``."""
+        return self.ppo_n_minibatches * self.ppo_epochs
 
 
 @attrs.define

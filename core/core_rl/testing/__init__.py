@@ -18,6 +18,7 @@ from core_rl.testing.contracts import (
     ComponentContract,
     LoggerContract,
     PolicyLossContract,
+    RejectionSamplerContract,
     RewardContract,
     RolloutEngineContract,
     SampleFilterContract,
@@ -25,6 +26,7 @@ from core_rl.testing.contracts import (
     installed_distribution,
     make_reward_input,
     make_rl_batch,
+    recipe_host,
 )
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "ComponentContract",
     "LoggerContract",
     "PolicyLossContract",
+    "RejectionSamplerContract",
     "RewardContract",
     "RolloutEngineContract",
     "SampleFilterContract",
@@ -40,4 +43,5 @@ __all__ = [
     "installed_distribution",
     "make_reward_input",
     "make_rl_batch",
+    "recipe_host",
 ]

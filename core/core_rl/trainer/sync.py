@@ -1,8 +1,10 @@
 """The synchronous RL loop.
 
-One step: prompts -> rollout (n samples each) -> rewards -> sample filters -> advantages and loss
-weights -> (reference log-probs) -> one optimiser step -> weights to the rollout engine -> metrics to
-every logger -> checkpoint on the saver's schedule.
+One step: prompts -> rollout (n samples each) -> rewards -> sample filters (drawing more prompts
+while they leave too few groups) -> reward shaping, advantages (:mod:`core_rl.trainer.batching`) ->
+(reference / recomputed log-probs) -> optimiser steps over minibatches and epochs
+(:mod:`core_rl.trainer.update`) -> weights to the rollout engine -> metrics to every logger ->
+checkpoint on the saver's schedule.
 
 Under ``torchrun`` every rank runs this loop with its own train-engine shard; rank 0 alone owns the
 rollout engine, rewards and loggers, and broadcasts each step's batch to the other ranks, which take
@@ -12,7 +14,6 @@ every ``world_size``-th row.
 from __future__ import annotations
 
 import random
-import statistics
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,6 +38,7 @@ from core_rl.kinds import (
     ADVANTAGE,
     LOGGER,
     POLICY_LOSS,
+    REJECTION_SAMPLER,
     REWARD,
     ROLLOUT_ENGINE,
     SAMPLE_FILTER,
@@ -45,9 +47,11 @@ from core_rl.kinds import (
 )
 from core_rl.plugins import PluginHost
 from core_rl.preflight import preflight
-from core_rl.protocol import RewardInput, Sample, TensorBatch, samples_to_batch
+from core_rl.protocol import RewardInput, Sample, TensorBatch
 from core_rl.trainer import checkpoints
+from core_rl.trainer.batching import BatchAssembler, Generation
 from core_rl.trainer.data import DataRow, PromptItem, PromptSource
+from core_rl.trainer.update import PolicyUpdate
 
 
 def _build(host: PluginHost, kind: PluginKind, spec: PluginSpec) -> Any:
@@ -82,17 +86,6 @@ def _broadcast(obj: Any, rank: int, world_size: int) -> Any:
     return box[0]
 
 
-def _stats(prefix: str, values: list[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    return {
-        f"{prefix}/mean": statistics.fmean(values),
-        f"{prefix}/std": statistics.pstdev(values) if len(values) > 1 else 0.0,
-        f"{prefix}/max": max(values),
-        f"{prefix}/min": min(values),
-    }
-
-
 class SyncTrainer:
     """Builds every component a :class:`RunConfig` selects and runs the synchronous loop."""
 
@@ -121,6 +114,19 @@ class SyncTrainer:
         if self.loss.requires_reference:
             self.ref = engine_entry.factory(cfg.actor, cfg.actor.engine.config, trainable=False)
         self.rank, self.world_size = _dist()
+        # -- policy-gradient options (trainer/batching.py, trainer/update.py) ------------------
+        spec = cfg.algorithm.rejection_sampling
+        self.loss.set_rejection_sampler(_build(host, REJECTION_SAMPLER, spec) if spec is not None else None)
+        self.update = PolicyUpdate(
+            engine=self.engine,
+            ref=self.ref,
+            loss=self.loss,
+            algorithm=cfg.algorithm,
+            temperature=cfg.rollout.sampling.temperature,
+            shard=self._shard,
+            world_size=self.world_size,
+        )
+        # ----------------------------------------------------------------------------------------
 
         _quiet_library_progress_bars()
         from transformers import AutoTokenizer
@@ -130,6 +136,14 @@ class SyncTrainer:
         if self.pad_token_id is None:
             self.pad_token_id = self.tokenizer.eos_token_id
         self.sampling = cfg.rollout.sampling.to_params()
+        self.batcher = BatchAssembler(
+            cfg.algorithm,
+            filters=self.filters,
+            advantage=self.advantage,
+            prompts_per_step=cfg.data.batch_size,
+            max_new_tokens=cfg.rollout.sampling.max_new_tokens,
+            pad_token_id=self.pad_token_id,
+        )
 
         # every rank reads the data (only rank 0 draws from it) so a bad file fails on all ranks
         # at once instead of leaving the others waiting in a collective
@@ -151,6 +165,10 @@ class SyncTrainer:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def _shard(self, batch: TensorBatch) -> TensorBatch:
+        """This rank's rows of a global batch."""
+        return batch.rows(slice(self.rank, None, self.world_size))
 
     # -- one step -----------------------------------------------------------------------------
 
@@ -186,24 +204,20 @@ class SyncTrainer:
             )
         return [float(x) for x in scores]
 
-    def _prepare_batch(
-        self, samples: list[Sample], group_index: list[int], rewards: list[float]
-    ) -> tuple[TensorBatch | None, dict[str, float]]:
-        batch = samples_to_batch(samples, group_index, self.pad_token_id)
-        batch["rewards"] = torch.tensor(rewards, dtype=torch.float32)
-        keep = torch.ones(batch.batch_size, dtype=torch.bool)
-        for f in self.filters:
-            keep &= f(batch)
-        metrics = {"filter/kept_fraction": keep.float().mean().item()}
-        if not keep.any():
-            return None, metrics
-        if not keep.all():
-            batch = batch.rows(keep)
-        batch["advantages"] = self.advantage(batch)
-        batch["loss_weight"] = self.loss.loss_weights(batch["response_mask"])
-        mask = batch["response_mask"]
-        metrics["advantage/mean"] = float((batch["advantages"] * mask).sum() / mask.sum().clamp(min=1))
-        return batch, metrics
+    def _generate_scored(self) -> Generation:
+        """One generation batch: the next prompts, their samples and rewards, with timings."""
+        t0 = time.perf_counter()
+        prompts = self.data.next_batch()
+        samples, group_index, owners = self._rollout(prompts)
+        t_gen = time.perf_counter()
+        rewards = self._score(samples, owners)
+        t_reward = time.perf_counter()
+        timings = {
+            "timing/generate_s": t_gen - t0,
+            "timing/reward_s": t_reward - t_gen,
+            "throughput/generated_tokens": float(sum(len(s.response_ids) for s in samples)),
+        }
+        return Generation(samples=samples, group_index=group_index, rewards=rewards, metrics=timings)
 
     def _sync_weights(self, version: int) -> None:
         if self.cfg.rollout.weight_sync == "disk":
@@ -220,33 +234,25 @@ class SyncTrainer:
         """Run RL step ``step`` (1-based) and return its metrics (complete on rank 0)."""
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
-        payload: tuple[TensorBatch | None, dict[str, float]] | None = None
+        payload: tuple[TensorBatch | None, dict[str, float]] | CoreRLError | None = None
         if self.is_main:
-            prompts = self.data.next_batch()
-            samples, group_index, owners = self._rollout(prompts)
-            t_gen = time.perf_counter()
-            rewards = self._score(samples, owners)
-            t_reward = time.perf_counter()
-            lengths = [float(len(s.response_ids)) for s in samples]
-            metrics.update(_stats("reward", rewards))
-            metrics.update(_stats("response_length", lengths))
-            metrics["response_length/clip_fraction"] = statistics.fmean(
-                1.0 if s.finish_reason == "length" else 0.0 for s in samples
-            )
-            metrics["timing/generate_s"] = t_gen - t0
-            metrics["timing/reward_s"] = t_reward - t_gen
-            metrics["throughput/generated_tokens_per_s"] = sum(lengths) / max(t_gen - t0, 1e-9)
-            payload = self._prepare_batch(samples, group_index, rewards)
-        batch, prep_metrics = _broadcast(payload, self.rank, self.world_size)
+            # -- generation, rewards, filters (over-sampling), shaping, advantages: trainer/batching.py
+            try:
+                payload = self.batcher.assemble(self._generate_scored)
+            except CoreRLError as exc:  # every rank raises it, none is left waiting
+                payload = exc
+        payload = _broadcast(payload, self.rank, self.world_size)
+        if isinstance(payload, CoreRLError):
+            raise payload
+        batch, prep_metrics = payload
         metrics.update(prep_metrics)
+        generated = metrics.pop("throughput/generated_tokens", 0.0)
+        metrics["throughput/generated_tokens_per_s"] = generated / max(metrics.get("timing/generate_s", 0.0), 1e-9)
         t_train = time.perf_counter()
         if batch is not None:
-            shard = batch.rows(slice(self.rank, None, self.world_size))
-            if self.ref is not None:
-                shard["ref_logprobs"] = self.ref.compute_logprobs(shard, temperature=self.sampling.temperature)
-            actor = self.engine.train_step(shard, self.loss, temperature=self.sampling.temperature)
-            metrics.update({f"actor/{k}": v for k, v in actor.items()})
-            metrics["throughput/train_tokens"] = float(batch["attention_mask"].sum())
+            # -- reference / recomputed log-probs, minibatches x epochs: trainer/update.py
+            metrics.update(self.update(batch, train_version=step))
+            metrics["throughput/train_tokens"] = float(batch["attention_mask"].sum()) * self.cfg.algorithm.ppo_epochs
         else:
             metrics["actor/skipped"] = 1.0
         t_sync = time.perf_counter()

@@ -12,12 +12,13 @@ from core_rl.config.loader import structure
 from core_rl.config.schema import RolloutConfig, RunConfig, SamplingConfig
 from core_rl.errors import ConfigError
 from core_rl.kinds import ADVANTAGE
+from core_rl.ops import group_is_uniform
 from core_rl.plugins import PluginHost
 from core_rl.protocol import TensorBatch
+from core_rl.testing import reference
 from core_rl_grpo.advantages import (
     GRPOAdvantageConfig,
     RLOOAdvantageConfig,
-    group_is_uniform,
     group_relative_scores,
     grpo_advantages,
 )
@@ -120,19 +121,10 @@ def test_parity_with_per_group_loop(norm_std: bool, leave_one_out: bool) -> None
     rewards = torch.randint(0, 4, (40,), generator=g).float() / 3
     groups = torch.randint(0, 9, (40,), generator=g)
     got = group_relative_scores(rewards, groups, norm_std=norm_std, eps=EPS, leave_one_out=leave_one_out)
-    want = torch.zeros(40)
-    for label in groups.unique():
-        idx = (groups == label).nonzero().flatten().tolist()
-        r = [float(rewards[i]) for i in idx]
-        n = len(r)
-        if n == 1 or max(r) == min(r):
-            continue
-        mean = sum(r) / n
-        std = math.sqrt(sum((x - mean) ** 2 for x in r) / (n - 1))
-        for i, x in zip(idx, r):
-            base = (sum(r) - x) / (n - 1) if leave_one_out else mean
-            want[i] = (x - base) / (std + EPS) if norm_std else x - base
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    want = reference.group_advantages(
+        rewards.tolist(), groups.tolist(), norm_std=norm_std, eps=EPS, leave_one_out=leave_one_out
+    )
+    torch.testing.assert_close(got, torch.tensor(want), rtol=1e-5, atol=1e-6)
 
 
 def test_invariants() -> None:
@@ -201,3 +193,44 @@ def test_groups_of_one_sample_are_refused_unless_allowed(config_cls: type) -> No
     (problem,) = problems(1)
     assert problem.startswith("algorithm.advantage: 'x' compares the samples of each prompt's group")
     assert "algorithm.advantage.allow_single_sample_groups=true" in problem
+
+
+# --------------------------------------------------------------------------- REINFORCE++
+
+
+def test_reinforce_pp_whitens_returns_over_the_batch() -> None:
+    # rewards 1, 0, 0 with 2, 1, 1 response tokens: token returns [1, 1, 0, 0]: mean 0.5,
+    # unbiased std sqrt(4 * 0.25 / 3) = 0.57735 -> +-0.8660 (eps 1e-5 added to the std)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
+    std = math.sqrt(1 / 3) + 1e-5
+    batch = TensorBatch(
+        {"rewards": torch.tensor([1.0, 0.0, 0.0]), "group_index": torch.tensor([0, 0, 1]), "response_mask": mask}
+    )
+    a = 0.5 / std
+    torch.testing.assert_close(build("reinforce_pp")(batch), torch.tensor([[a, a], [-a, 0.0], [0.0, -a]]))
+    # group baseline first: group 0 [1, 0] -> [0.5, -0.5]; group 1 [0] -> 0; then the token values
+    # [0.5, 0.5, -0.5, 0] are whitened (torch's unbiased std)
+    values = torch.tensor([0.5, 0.5, -0.5, 0.0])
+    want = (values - values.mean()) / (values.std() + 1e-5)
+    got = build("reinforce_pp", group_baseline=True)(batch)
+    torch.testing.assert_close(got[mask != 0], want)
+
+
+def test_reinforce_pp_discount_and_equal_rewards() -> None:
+    # gamma 0.5, one sample, 3 tokens, reward 2: returns [0.5, 1, 2] -> whitened
+    mask = torch.ones(1, 3)
+    batch = TensorBatch({"rewards": torch.tensor([2.0]), "group_index": torch.tensor([0]), "response_mask": mask})
+    returns = torch.tensor([0.5, 1.0, 2.0])
+    want = (returns - returns.mean()) / (returns.std() + 1e-5)
+    torch.testing.assert_close(build("reinforce_pp", gamma=0.5)(batch)[0], want)
+    # equal rewards across the batch: exactly 0 (with or without the group baseline)
+    equal = TensorBatch(
+        {"rewards": torch.full((4,), 0.3), "group_index": torch.tensor([0, 0, 1, 1]), "response_mask": torch.ones(4, 2)}
+    )
+    for baseline in (False, True):
+        assert (build("reinforce_pp", group_baseline=baseline)(equal) == 0).all()
+
+
+def test_reinforce_pp_config() -> None:
+    with pytest.raises(ConfigError, match=r"algorithm\.advantage\.gamma: must be in \(0\.0, 1\.0\]"):
+        build("reinforce_pp", gamma=0.0)

@@ -45,7 +45,7 @@ class TestPPOClipLossAllTerms(PolicyLossContract):
     name = "ppo_clip"
     options: ClassVar[dict[str, Any]] = {
         "eps_clip_higher": 0.28,
-        "dual_clip": 3.0,
+        "c_clip": 3.0,
         "aggregation": "seq-mean-token-sum-norm",
         "norm_length": 8,
         "kl_coef": 0.05,
@@ -71,4 +71,55 @@ class TestDropUniformGroups(SampleFilterContract):
 class TestGRPOAlgorithm(AlgorithmContract):
     plugin = grpo_plugin
     name = "grpo"
+    distribution = DIST
+
+
+class TestReinforcePPAdvantage(AdvantageEstimatorContract):
+    plugin = grpo_plugin
+    name = "reinforce_pp"
+    distribution = DIST
+
+
+class TestReinforcePPBaselineAdvantage(AdvantageEstimatorContract):
+    plugin = grpo_plugin
+    name = "reinforce_pp"
+    options: ClassVar[dict[str, Any]] = {"group_baseline": True, "gamma": 0.9}
+    distribution = DIST
+
+
+class TestPPOClipLossDecoupledSequence(PolicyLossContract):
+    plugin = grpo_plugin
+    name = "ppo_clip"
+    options: ClassVar[dict[str, Any]] = {
+        "importance_sampling_level": "sequence",
+        "aggregation": "seq-mean-token-mean",
+        "use_decoupled_loss": True,
+        "prox_logp_method": "loglinear",
+        "off_policy_mask_threshold": 0.1,
+    }
+    distribution = DIST
+
+
+class TestPPOClipLossSapo(PolicyLossContract):
+    plugin = grpo_plugin
+    name = "ppo_clip"
+    options: ClassVar[dict[str, Any]] = {"use_sapo_loss": True, "sapo_tau_pos": 0.5}
+    distribution = DIST
+
+
+class TestDrGRPOAlgorithm(AlgorithmContract):
+    plugin = grpo_plugin
+    name = "dr_grpo"
+    distribution = DIST
+
+
+class TestRLOOAlgorithm(AlgorithmContract):
+    plugin = grpo_plugin
+    name = "rloo"
+    distribution = DIST
+
+
+class TestReinforcePPAlgorithm(AlgorithmContract):
+    plugin = grpo_plugin
+    name = "reinforce_pp"
     distribution = DIST

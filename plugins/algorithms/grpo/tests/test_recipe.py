@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import attrs
-import core_rl.builtin.loggers as builtin_loggers
 import core_rl_grpo.plugin as grpo_plugin
 import pytest
 from core_rl.config import load_config
@@ -14,6 +13,7 @@ from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import AlgorithmRecipe
 from core_rl.kinds import ALGORITHM
 from core_rl.plugins import PluginHost
+from core_rl.testing import recipe_host
 from core_rl_grpo.advantages import GRPOAdvantageConfig, RLOOAdvantageConfig
 from core_rl_grpo.losses import PPOClipConfig
 
@@ -23,17 +23,8 @@ class _OtherLossConfig:
     beta: float = 1.0
 
 
-class _StandIns:
-    """Engines the run configuration selects by default (``fsdp``, ``hf``) and another loss, registered
-    here so these tests depend on no other distribution; their factories are never called."""
-
-    @hookimpl
-    def core_rl_register_train_engines(self, register: Register) -> None:
-        register("fsdp", object, description="stand-in")
-
-    @hookimpl
-    def core_rl_register_rollout_engines(self, register: Register) -> None:
-        register("hf", object, description="stand-in")
+class _OtherLoss:
+    """Another loss, registered here so these tests depend on no other distribution."""
 
     @hookimpl
     def core_rl_register_policy_losses(self, register: Register) -> None:
@@ -42,11 +33,7 @@ class _StandIns:
 
 @pytest.fixture
 def host() -> PluginHost:
-    h = PluginHost(entry_points=[])
-    h.register_plugin(builtin_loggers, distribution="core-rl")
-    h.register_plugin(_StandIns(), distribution="<test>")
-    h.register_plugin(grpo_plugin, distribution="core-rl-grpo")
-    return h
+    return recipe_host((_OtherLoss(), "<test>"), (grpo_plugin, "core-rl-grpo"))
 
 
 def load(host: PluginHost, *overrides: str, path: Path | None = None):
@@ -68,7 +55,8 @@ def test_defaults(host: PluginHost) -> None:
     assert cfg.algorithm.advantage.name == "grpo"
     assert cfg.algorithm.advantage.config == GRPOAdvantageConfig()
     assert cfg.algorithm.loss.name == "ppo_clip"
-    assert cfg.algorithm.loss.config == PPOClipConfig()
+    # norm_length defaults to the response budget, rollout.sampling.max_new_tokens (256 by default)
+    assert cfg.algorithm.loss.config == PPOClipConfig(norm_length=256)
     assert cfg.algorithm.filters == []
 
 
@@ -115,3 +103,19 @@ def test_bad_option_under_the_recipe_names_the_key(host: PluginHost) -> None:
         load(host, "algorithm.name=grpo", "algorithm.loss.eps_clip=2.0")
     with pytest.raises(ConfigError, match=r"algorithm\.advantage\.eps: must be in \(0, 1\.0\]"):
         load(host, "algorithm.name=grpo", "algorithm.advantage.eps=-1")
+
+
+def test_dr_grpo_normalises_by_the_response_budget(host: PluginHost) -> None:
+    cfg = load(host, "algorithm.name=dr_grpo", "rollout.sampling.max_new_tokens=96")
+    assert cfg.algorithm.advantage.name == "grpo" and cfg.algorithm.advantage.config.norm_std is False
+    loss = cfg.algorithm.loss.config
+    assert loss.aggregation == "seq-mean-token-sum-norm" and loss.norm_length == 96
+    assert load(host, "algorithm.name=dr_grpo", "algorithm.loss.norm_length=10").algorithm.loss.config.norm_length == 10
+
+
+def test_rloo_and_reinforce_pp_recipes(host: PluginHost) -> None:
+    rloo = load(host, "algorithm.name=rloo")
+    assert rloo.algorithm.advantage.name == "rloo" and rloo.algorithm.loss.name == "ppo_clip"
+    rpp = load(host, "algorithm.name=reinforce_pp", "algorithm.advantage.group_baseline=true")
+    assert rpp.algorithm.advantage.name == "reinforce_pp" and rpp.algorithm.advantage.config.group_baseline
+    assert rpp.algorithm.loss.config.aggregation == "token-mean"

@@ -1,5 +1,6 @@
-"""Group-relative advantage estimators: ``grpo`` (group mean baseline, optionally divided by the group
-standard deviation) and ``rloo`` (leave-one-out baseline, no normalisation).
+"""Advantage estimators: ``grpo`` (group mean baseline, optionally divided by the group standard
+deviation), ``rloo`` (leave-one-out baseline, no normalisation) and ``reinforce_pp`` (REINFORCE++:
+returns whitened over the batch, with or without a group baseline).
 
 Outcome rewards are scalars per sample; every response token of a sample gets the sample's advantage.
 """
@@ -8,24 +9,11 @@ from __future__ import annotations
 
 import attrs
 import torch
+from core_rl import ops
 from core_rl.config.checks import SectionContext, group_size_problems
-from core_rl.config.validators import positive
+from core_rl.config.validators import in_range, positive
 from core_rl.interfaces import AdvantageEstimator
-from core_rl.ops import group_ids_to_dense, group_mean_std
 from core_rl.protocol import TensorBatch
-
-
-def group_is_uniform(values: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
-    """Bool [B]: True where every member of the sample's group holds exactly the same value,
-    i.e. ``max_{j in g} v_j == min_{j in g} v_j`` (always true for a group of one).
-
-    Exact comparison, unlike ``std == 0``, which rounding in the mean can break (e.g. three 0.1s).
-    """
-    dense, n_groups = group_ids_to_dense(group_index)
-    v = values.float()
-    gmax = torch.full((n_groups,), float("-inf"), device=v.device).scatter_reduce(0, dense, v, "amax")
-    gmin = torch.full((n_groups,), float("inf"), device=v.device).scatter_reduce(0, dense, v, "amin")
-    return (gmax == gmin)[dense]
 
 
 def group_relative_scores(
@@ -36,7 +24,8 @@ def group_relative_scores(
     eps: float = 1e-6,
     leave_one_out: bool = False,
 ) -> torch.Tensor:
-    """Per-sample advantages [B] from scalar rewards [B] and group labels [B].
+    """Per-sample advantages [B] from scalar rewards [B] and group labels [B]
+    (:func:`core_rl.ops.normalize` at group level).
 
     For sample ``i`` of group ``g`` with ``n = |g|`` members and rewards ``r``::
 
@@ -51,14 +40,15 @@ def group_relative_scores(
     no relative signal, and forcing the zero keeps rounding in ``mean_g`` from leaking
     ``O(ulp) / eps`` noise.
     """
-    r = rewards.detach().float()
-    mean, std, count = group_mean_std(r, group_index)
-    centred = r - mean
-    if leave_one_out:
-        centred = centred * count / (count - 1.0).clamp(min=1.0)
-    if norm_std:
-        centred = centred / (std + eps)
-    return torch.where(group_is_uniform(r, group_index), torch.zeros_like(centred), centred)
+    return ops.normalize(
+        rewards.detach(),
+        group_index=group_index,
+        mean_level="group",
+        std_level="group" if norm_std else "none",
+        leave_one_out=leave_one_out,
+        unbiased=True,
+        eps=eps,
+    )
 
 
 def broadcast_to_response(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -144,3 +134,67 @@ def make_grpo(config: GRPOAdvantageConfig) -> GroupRelativeAdvantage:
 
 def make_rloo(config: RLOOAdvantageConfig) -> GroupRelativeAdvantage:
     return GroupRelativeAdvantage(norm_std=config.norm_std, eps=config.eps, leave_one_out=True)
+
+
+def reinforce_pp_advantages(
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    group_baseline: bool = False,
+    gamma: float = 1.0,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """REINFORCE++ advantages [B, T] (Hu 2025): outcome returns whitened over the whole batch::
+
+        s_i     = r_i - mean_{g(i)}            (group_baseline: REINFORCE++-baseline)
+        s_i     = r_i                          (otherwise)
+        G_{i,t} = gamma^{k_{i,t}} * s_i        k_{i,t}: response tokens of i after t
+        A_{i,t} = (G_{i,t} - mean(G)) / (std(G) + eps)
+
+    mean and (unbiased) std over every response token of the batch, so a sample weighs as many
+    tokens as it has. Equal rewards across the whole batch (gamma 1) give exactly 0. The group
+    baseline subtracts the group mean first; whitening then shifts every token by the batch mean,
+    so a group with equal rewards is not 0 unless every group is.
+    """
+    scores = rewards.detach().float()
+    if group_baseline:
+        scores = ops.normalize(scores, group_index=group_index, mean_level="group", std_level="none")
+    returns = ops.discounted_outcome_returns(scores.to(response_mask.device), response_mask, gamma)
+    return ops.normalize(returns, mask=response_mask, mean_level="batch", std_level="batch", eps=eps)
+
+
+@attrs.define
+class ReinforcePPAdvantageConfig:
+    """``algorithm.advantage`` options of ``reinforce_pp``.
+
+    ``group_baseline``: subtract the group mean reward first (REINFORCE++-baseline); ``gamma``: the
+    discount of the outcome reward over the response tokens before it; ``eps``: added to the batch
+    standard deviation.
+    """
+
+    group_baseline: bool = False
+    gamma: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
+    eps: float = attrs.field(default=1e-5, validator=positive())
+
+
+class ReinforcePPAdvantage(AdvantageEstimator):
+    """Reads ``rewards``, ``group_index`` and ``response_mask``; see :func:`reinforce_pp_advantages`."""
+
+    def __init__(self, config: ReinforcePPAdvantageConfig | None = None) -> None:
+        self.config = config if config is not None else ReinforcePPAdvantageConfig()
+
+    def __call__(self, batch: TensorBatch) -> torch.Tensor:
+        cfg = self.config
+        return reinforce_pp_advantages(
+            batch["rewards"],
+            batch["group_index"],
+            batch["response_mask"],
+            group_baseline=cfg.group_baseline,
+            gamma=cfg.gamma,
+            eps=cfg.eps,
+        )
+
+
+def make_reinforce_pp(config: ReinforcePPAdvantageConfig) -> ReinforcePPAdvantage:
+    return ReinforcePPAdvantage(config)

@@ -7,10 +7,8 @@ import torch
 from core_rl.config.checks import SectionContext, group_size_problems
 from core_rl.config.validators import non_negative
 from core_rl.interfaces import SampleFilter
-from core_rl.ops import group_mean_std
+from core_rl.ops import group_is_uniform, group_mean_std
 from core_rl.protocol import TensorBatch
-
-from core_rl_grpo.advantages import group_is_uniform
 
 
 def varied_groups(rewards: torch.Tensor, group_index: torch.Tensor, *, min_std: float = 0.0) -> torch.Tensor:

@@ -4,15 +4,28 @@ from __future__ import annotations
 
 from core_rl.hookspecs import Register, hookimpl
 
-from core_rl_grpo.advantages import GRPOAdvantageConfig, RLOOAdvantageConfig, make_grpo, make_rloo
+from core_rl_grpo.advantages import (
+    GRPOAdvantageConfig,
+    ReinforcePPAdvantageConfig,
+    RLOOAdvantageConfig,
+    make_grpo,
+    make_reinforce_pp,
+    make_rloo,
+)
 from core_rl_grpo.filters import DropUniformGroups, DropUniformGroupsConfig
 from core_rl_grpo.losses import PPOClipConfig, make_ppo_clip
-from core_rl_grpo.recipe import grpo_recipe
+from core_rl_grpo.recipe import dr_grpo_recipe, grpo_recipe, reinforce_pp_recipe, rloo_recipe
 
 
 @hookimpl
 def core_rl_register_algorithms(register: Register) -> None:
-    register("grpo", grpo_recipe, description="GRPO: group-relative advantages + PPO clipped loss, no critic")
+    for name, recipe in (
+        ("grpo", grpo_recipe),
+        ("dr_grpo", dr_grpo_recipe),
+        ("rloo", rloo_recipe),
+        ("reinforce_pp", reinforce_pp_recipe),
+    ):
+        register(name, recipe, description=recipe().description)
 
 
 @hookimpl
@@ -29,6 +42,12 @@ def core_rl_register_advantage_estimators(register: Register) -> None:
         description="REINFORCE leave-one-out: reward - mean of the other samples of the group",
         config_cls=RLOOAdvantageConfig,
     )
+    register(
+        "reinforce_pp",
+        make_reinforce_pp,
+        description="REINFORCE++: outcome returns (optionally minus the group mean) whitened over the batch",
+        config_cls=ReinforcePPAdvantageConfig,
+    )
 
 
 @hookimpl
@@ -36,7 +55,8 @@ def core_rl_register_policy_losses(register: Register) -> None:
     register(
         "ppo_clip",
         make_ppo_clip,
-        description="PPO clipped surrogate (+ asymmetric/dual clip, KL penalty, entropy bonus)",
+        description="PPO clipped surrogate, token or sequence level (+ clip-higher, dual clip, KL, entropy, "
+        "decoupled loss, SAPO, M2PO)",
         config_cls=PPOClipConfig,
     )
 

@@ -1,17 +1,19 @@
-"""The ``grpo`` algorithm recipe (Shao et al. 2024, DeepSeekMath): group-normalised outcome advantages
-with the PPO clipped loss and no value model."""
+"""The algorithm recipes of core-rl-grpo: ``grpo``, ``dr_grpo``, ``rloo`` and ``reinforce_pp``.
+
+A recipe's defaults are merged *under* the user's configuration; a section the user points at
+another component drops the recipe's options for it. Options not set here are the defaults of each
+component's own config class (``grpo``: norm_std true, eps 1e-6; ``ppo_clip``: eps_clip 0.2,
+token-mean, no KL penalty, no entropy bonus).
+"""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from core_rl.interfaces import AlgorithmRecipe
 
-#: Merged *under* the user's configuration. Only component names are set: every option's GRPO
-#: default is the default of the component's own config class (``grpo``: norm_std true, eps 1e-6;
-#: ``ppo_clip``: eps_clip 0.2, token-mean, no KL penalty, no entropy bonus). Options here would be
-#: merged into a section the user points at another component (e.g. ``loss: {name: my_loss}``)
-#: and rejected there as unknown keys.
+#: GRPO (Shao et al. 2024, DeepSeekMath): group-normalised outcome advantages, PPO clipped loss.
 GRPO_DEFAULTS: dict[str, Any] = {
     "algorithm": {
         "advantage": {"name": "grpo"},
@@ -20,9 +22,50 @@ GRPO_DEFAULTS: dict[str, Any] = {
     }
 }
 
+#: Dr. GRPO (Liu et al. 2025): no std normalisation, token sums over a constant length (the
+#: response budget ``rollout.sampling.max_new_tokens``, the default of ``norm_length``).
+DR_GRPO_DEFAULTS: dict[str, Any] = {
+    "algorithm": {
+        "advantage": {"name": "grpo", "norm_std": False},
+        "loss": {"name": "ppo_clip", "aggregation": "seq-mean-token-sum-norm"},
+        "filters": [],
+    }
+}
+
+#: RLOO (Kool et al. 2019; Ahmadian et al. 2024): leave-one-out baseline, PPO clipped loss.
+RLOO_DEFAULTS: dict[str, Any] = {
+    "algorithm": {
+        "advantage": {"name": "rloo"},
+        "loss": {"name": "ppo_clip"},
+        "filters": [],
+    }
+}
+
+#: REINFORCE++ (Hu 2025): batch-whitened returns, PPO clipped loss over token means.
+REINFORCE_PP_DEFAULTS: dict[str, Any] = {
+    "algorithm": {
+        "advantage": {"name": "reinforce_pp"},
+        "loss": {"name": "ppo_clip"},
+        "filters": [],
+    }
+}
+
+
+def _recipe(defaults: dict[str, Any], description: str) -> AlgorithmRecipe:
+    return AlgorithmRecipe(defaults=copy.deepcopy(defaults), description=description)
+
 
 def grpo_recipe() -> AlgorithmRecipe:
-    return AlgorithmRecipe(
-        defaults={"algorithm": {k: v.copy() for k, v in GRPO_DEFAULTS["algorithm"].items()}},
-        description="GRPO: group-relative advantages + PPO clipped loss, no critic",
-    )
+    return _recipe(GRPO_DEFAULTS, "GRPO: group-relative advantages + PPO clipped loss, no critic")
+
+
+def dr_grpo_recipe() -> AlgorithmRecipe:
+    return _recipe(DR_GRPO_DEFAULTS, "Dr. GRPO: unnormalised group advantages, token sums over the response budget")
+
+
+def rloo_recipe() -> AlgorithmRecipe:
+    return _recipe(RLOO_DEFAULTS, "RLOO: leave-one-out group baseline + PPO clipped loss")
+
+
+def reinforce_pp_recipe() -> AlgorithmRecipe:
+    return _recipe(REINFORCE_PP_DEFAULTS, "REINFORCE++: batch-whitened outcome returns + PPO clipped loss")

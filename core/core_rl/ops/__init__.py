@@ -1,0 +1,89 @@
+"""The algorithm math every plugin shares, as small pure tensor functions (no formula is written
+twice): masked and group statistics and normalisation, loss aggregation, KL estimators, importance
+ratios (token and sequence level), surrogate losses and off-policy masks, importance-weight
+rejection, and reward shaping.
+
+All ``[B, T]`` arguments follow :mod:`core_rl.protocol`'s convention (position ``t`` describes token
+``t``; ``mask`` is a response or loss mask). Everything is vectorised over samples and groups.
+"""
+
+from core_rl.ops.aggregation import AGGREGATIONS, aggregation_weights
+from core_rl.ops.importance import (
+    REJECTION_ACTIONS,
+    REJECTION_AGGREGATIONS,
+    REJECTION_LEVELS,
+    behaviour_log_ratio,
+    divergence_metric,
+    reject_by_metric,
+)
+from core_rl.ops.kl import KL_CAP, KL_ESTIMATORS, kl_estimate
+from core_rl.ops.ratios import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    MAX_LOG_RATIO,
+    SEQUENCE_REDUCTIONS,
+    clamp_log_ratio,
+    gspo_token_log_ratio,
+    importance_log_ratio,
+    policy_ratio,
+    sequence_log_ratio,
+    sequence_reduce,
+)
+from core_rl.ops.rewards import discounted_outcome_returns, overlong_penalty, scale_rewards
+from core_rl.ops.stats import (
+    NORM_LEVELS,
+    group_ids_to_dense,
+    group_is_uniform,
+    group_mean_std,
+    masked_mean,
+    masked_sum,
+    masked_whiten,
+    normalize,
+    segment_sum,
+)
+from core_rl.ops.surrogates import (
+    loglinear_proximal_logprobs,
+    m2po_mask,
+    off_policy_sequence_mask,
+    ppo_clip_loss,
+    sapo_loss,
+)
+
+__all__ = [
+    "AGGREGATIONS",
+    "IMPORTANCE_SAMPLING_LEVELS",
+    "KL_CAP",
+    "KL_ESTIMATORS",
+    "MAX_LOG_RATIO",
+    "NORM_LEVELS",
+    "REJECTION_ACTIONS",
+    "REJECTION_AGGREGATIONS",
+    "REJECTION_LEVELS",
+    "SEQUENCE_REDUCTIONS",
+    "aggregation_weights",
+    "behaviour_log_ratio",
+    "clamp_log_ratio",
+    "discounted_outcome_returns",
+    "divergence_metric",
+    "group_ids_to_dense",
+    "group_is_uniform",
+    "group_mean_std",
+    "gspo_token_log_ratio",
+    "importance_log_ratio",
+    "kl_estimate",
+    "loglinear_proximal_logprobs",
+    "m2po_mask",
+    "masked_mean",
+    "masked_sum",
+    "masked_whiten",
+    "normalize",
+    "off_policy_sequence_mask",
+    "overlong_penalty",
+    "policy_ratio",
+    "ppo_clip_loss",
+    "reject_by_metric",
+    "sapo_loss",
+    "scale_rewards",
+    "segment_sum",
+    "sequence_log_ratio",
+    "sequence_reduce",
+]

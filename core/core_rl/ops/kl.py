@@ -1,0 +1,43 @@
+"""Per-token estimators of the KL divergence between two policies from samples of the first."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+#: default bound on an estimate's magnitude: beyond it the estimate is held at the bound and its
+#: gradient is 0 (as verl and AReaL do), so a few tokens far off the reference cannot dominate a step
+KL_CAP = 10.0
+
+
+def kl_estimate(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str, *, cap: float | None = KL_CAP
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi, with ``d = logprobs - ref_logprobs``
+    (Schulman 2020):
+
+    - ``k1``: d                      (unbiased, high variance, can be negative)
+    - ``k2``: d^2 / 2                (biased, low variance)
+    - ``k3``: exp(-d) - 1 + d        (unbiased, non-negative)
+
+    then clamped to ``[-cap, cap]`` (``cap=None``: not clamped). ``clamp`` passes no gradient where
+    it is active, so a capped token's gradient is exactly 0. ``k3`` is evaluated exactly wherever it
+    is below the cap: ``d`` is first raised to ``-(log(1 + cap) + 1)``, a point where ``k3`` already
+    exceeds ``cap``, so ``exp`` stays finite and the value and gradient below the cap are exact.
+    Without a cap ``k3`` is exact (``+inf`` once ``exp(-d)`` overflows).
+    """
+    d = logprobs - ref_logprobs
+    if estimator == "k1":
+        kl = d
+    elif estimator == "k2":
+        kl = 0.5 * d.square()
+    elif estimator == "k3":
+        if cap is not None:
+            d = d.clamp(min=-(math.log1p(cap) + 1.0))
+        kl = torch.expm1(-d) + d
+    else:
+        raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}")
+    return kl if cap is None else kl.clamp(min=-cap, max=cap)

@@ -1,0 +1,235 @@
+"""Reference formulations of the algorithm math, written from the papers' formulas independently of
+:mod:`core_rl.ops`: every group and every sample handled on its own, in a plain loop, on the sample's
+unpadded response tokens. Slow by design; the parity tests and ``benchmarks/algorithms.py`` check
+the vectorised implementation against them (a third-party algorithm can do the same).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+LOG_RATIO_BOUND = 20.0
+
+
+def group_advantages(
+    rewards: Sequence[float], groups: Sequence[int], *, norm_std: bool, eps: float, leave_one_out: bool
+) -> list[float]:
+    """GRPO / RLOO per-sample advantages, group by group, in Python floats."""
+    members: dict[int, list[int]] = defaultdict(list)
+    for i, g in enumerate(groups):
+        members[g].append(i)
+    out = [0.0] * len(rewards)
+    for idx in members.values():
+        r = [float(rewards[i]) for i in idx]
+        n = len(r)
+        if n == 1 or max(r) == min(r):
+            continue
+        mean = sum(r) / n
+        std = math.sqrt(sum((x - mean) ** 2 for x in r) / (n - 1))
+        for i, x in zip(idx, r):
+            baseline = (sum(r) - x) / (n - 1) if leave_one_out else mean
+            out[i] = (x - baseline) / (std + eps) if norm_std else x - baseline
+    return out
+
+
+def reinforce_pp_advantages(
+    rewards: Sequence[float],
+    groups: Sequence[int],
+    lengths: Sequence[int],
+    *,
+    group_baseline: bool,
+    gamma: float,
+    eps: float,
+) -> list[list[float]]:
+    """REINFORCE++ token advantages per sample (a list of ``lengths[i]`` floats each)."""
+    scores = list(map(float, rewards))
+    if group_baseline:
+        sums: dict[int, list[float]] = defaultdict(list)
+        for g, r in zip(groups, scores):
+            sums[g].append(r)
+        means = {g: sum(v) / len(v) for g, v in sums.items()}
+        scores = [0.0 if max(sums[g]) == min(sums[g]) else r - means[g] for g, r in zip(groups, scores)]
+    returns = [[s * gamma ** (n - 1 - t) for t in range(n)] for s, n in zip(scores, lengths)]
+    flat = [x for seq in returns for x in seq]
+    if max(flat) == min(flat):
+        return [[0.0] * n for n in lengths]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((x - mean) ** 2 for x in flat) / (len(flat) - 1))
+    return [[(x - mean) / (std + eps) for x in seq] for seq in returns]
+
+
+@attrs.define
+class LossSpec:
+    """The options of the reference policy loss (the meaning of ``ppo_clip``'s)."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    c_clip: float | None = None
+    level: str = "token"
+    aggregation: str = "token-mean"
+    norm_length: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    decoupled: bool = False
+    loglinear: bool = False
+    rejection: dict | None = None  # metric, level, action, agg, upper, lower
+    off_policy_mask_threshold: float | None = None
+    sapo: tuple[float, float] | None = None  # (tau_pos, tau_neg)
+
+
+#: the default upper bound of each built-in rejection sampler (core_rl.rejection)
+_DEFAULT_UPPER = {"ratio": 5.0, "tis": 2.0, "mis": 2.0}
+
+
+def spec_from_options(loss: dict, rejection: dict | None = None) -> LossSpec:
+    """The :class:`LossSpec` of ``ppo_clip`` options (``algorithm.loss`` without ``name``) and of an
+    ``algorithm.rejection_sampling`` section of a built-in sampler (with ``name``)."""
+    rejection_spec = None
+    if rejection is not None:
+        name = rejection["name"]
+        rejection_spec = {
+            "metric": "ratio" if name in ("tis", "mis") else name,
+            "level": rejection.get("level", "token"),
+            "agg": rejection.get("agg", "mean"),
+            "action": {"tis": "clamp", "mis": "mask"}.get(name, rejection.get("action", "mask")),
+            "upper": rejection.get("upper", _DEFAULT_UPPER.get(name, 2.0)),
+            "lower": rejection.get("lower"),
+        }
+    eps = loss.get("eps_clip", 0.2)
+    sapo = (loss.get("sapo_tau_pos", 1.0), loss.get("sapo_tau_neg", 1.05)) if loss.get("use_sapo_loss") else None
+    return LossSpec(
+        eps_low=eps,
+        eps_high=loss.get("eps_clip_higher", eps),
+        c_clip=loss.get("c_clip"),
+        level=loss.get("importance_sampling_level", "token"),
+        aggregation=loss.get("aggregation", "token-mean"),
+        norm_length=loss.get("norm_length"),
+        kl_coef=loss.get("kl_coef", 0.0),
+        kl_estimator=loss.get("kl_estimator", "k3"),
+        entropy_coef=loss.get("entropy_coef", 0.0),
+        decoupled=loss.get("use_decoupled_loss", False),
+        loglinear=loss.get("prox_logp_method") == "loglinear",
+        rejection=rejection_spec,
+        off_policy_mask_threshold=loss.get("off_policy_mask_threshold"),
+        sapo=sapo,
+    )
+
+
+def _kl(d: torch.Tensor, estimator: str, cap: float = 10.0) -> torch.Tensor:
+    """k1 / k2 / k3 of ``d = log pi - log pi_ref``, held within +-cap (no gradient beyond); ``exp``
+    only sees ``d`` down to -20, where k3 (~5e8) is far past the cap anyway."""
+    if estimator == "k1":
+        value = d
+    elif estimator == "k2":
+        value = d * d / 2
+    else:
+        value = torch.exp(-d.clamp(min=-20.0)) - 1 + d
+    return value.clamp(-cap, cap)
+
+
+def _judged(metric: str, log_r: torch.Tensor) -> torch.Tensor:
+    return {
+        "ratio": log_r,
+        "kl_k1": log_r,
+        "kl_k2": log_r * log_r / 2,
+        "kl_k3": torch.exp(log_r) - log_r - 1,
+    }[metric]
+
+
+def _rejection(spec: dict, log_r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight, keep) of one sequence's tokens under a rejection-sampling spec."""
+    in_log = spec["metric"] == "ratio"
+    values = _judged(spec["metric"], log_r)
+    lower = -math.inf if spec.get("lower") is None else spec["lower"]
+    if spec["level"] == "token":
+        judged = torch.exp(values) if in_log else values
+        weight = torch.exp(log_r)
+    else:
+        agg = {"sum": torch.sum, "mean": torch.mean, "max": torch.max}[spec["agg"]](values)
+        judged = (torch.exp(agg) if in_log else agg).expand_as(values)
+        weight = judged if in_log else torch.exp(log_r)
+    if spec["action"] == "clamp":
+        return weight.clamp(min=max(lower, 0.0), max=spec["upper"]), torch.ones_like(values, dtype=torch.bool)
+    return weight, (judged >= lower) & (judged <= spec["upper"])
+
+
+def sequence_losses(
+    seqs: Sequence[dict[str, torch.Tensor]], spec: LossSpec
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-sequence token losses (and keep masks) of the policy loss. Each ``seq`` holds 1-D tensors over
+    its response tokens: ``logprobs`` (may require grad), ``old``, ``behave``, ``ref``, ``adv``,
+    ``entropy``, and for ``loglinear`` ``versions`` and a 0-D ``train_version``."""
+    losses, keeps = [], []
+    for seq in seqs:
+        lp, old, behave, adv = seq["logprobs"], seq["old"], seq["behave"], seq["adv"]
+        anchor = old
+        if spec.decoupled and spec.loglinear:
+            v_theta, v_b = float(seq["train_version"]), seq["versions"].float()
+            alpha = torch.where(v_theta > v_b, (v_theta - 1 - v_b) / (v_theta - v_b).clamp(min=1), 0.0).clamp(0, 1)
+            anchor = behave + alpha * (lp.detach() - behave)
+        if spec.level == "token":
+            log_ratio = lp - anchor
+        else:
+            log_ratio = (lp.detach() - anchor).mean() + lp - lp.detach()
+        ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+        if spec.sapo is not None:
+            tau = torch.where(adv > 0, spec.sapo[0], spec.sapo[1])
+            loss = -adv * 4 / tau * torch.sigmoid(tau * (ratio - 1))
+        else:
+            loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - spec.eps_low, 1 + spec.eps_high))
+            if spec.c_clip is not None:
+                loss = torch.where(adv < 0, torch.min(loss, -spec.c_clip * adv), loss)
+        keep = torch.ones_like(lp, dtype=torch.bool)
+        if spec.decoupled:
+            log_r = (anchor - behave).detach().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+            weight = torch.exp(log_r)
+            if spec.rejection is not None:
+                weight, keep = _rejection(spec.rejection, log_r)
+            loss = loss * weight
+        if spec.off_policy_mask_threshold is not None:
+            drift = (behave - lp.detach()).mean()
+            if adv.mean() < 0 and drift > spec.off_policy_mask_threshold:
+                keep = torch.zeros_like(keep)
+        if spec.kl_coef > 0:
+            loss = loss + spec.kl_coef * _kl(lp - seq["ref"], spec.kl_estimator)
+        if spec.entropy_coef > 0:
+            loss = loss - spec.entropy_coef * seq["entropy"]
+        losses.append(torch.where(keep, loss, torch.zeros_like(loss)))
+        keeps.append(keep)
+    return losses, keeps
+
+
+def policy_loss(seqs: Sequence[dict[str, torch.Tensor]], spec: LossSpec) -> torch.Tensor:
+    """The aggregated loss of a batch of sequences (see :func:`sequence_losses`)."""
+    losses, _ = sequence_losses(seqs, spec)
+    n = len(seqs)
+    total_tokens = sum(len(x) for x in losses)
+    out = torch.zeros(())
+    for x in losses:
+        if spec.aggregation == "token-mean":
+            out = out + x.sum() / max(total_tokens, 1)
+        elif spec.aggregation == "seq-mean-token-mean":
+            out = out + x.sum() / max(len(x), 1) / n
+        elif spec.aggregation == "seq-mean-token-sum":
+            out = out + x.sum() / n
+        else:
+            assert spec.norm_length is not None
+            out = out + x.sum() / (n * spec.norm_length)
+    return out
+
+
+def m2po_keep(m2: Sequence[float], threshold: float) -> list[bool]:
+    """M2PO: drop the largest second moments one by one until the mean of the rest is below the
+    threshold (keeping at least one)."""
+    order = sorted(range(len(m2)), key=lambda i: (-m2[i], i))
+    keep = [True] * len(m2)
+    remaining = list(order)
+    while len(remaining) > 1 and sum(m2[i] for i in remaining) / len(remaining) >= threshold:
+        keep[remaining.pop(0)] = False
+    return keep

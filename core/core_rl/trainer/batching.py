@@ -1,0 +1,199 @@
+"""Batch assembly on the main rank, between rewards and the update: sample filters with
+over-sampling (dynamic sampling), reward shaping, the loss mask, advantages and their normalisation.
+
+One RL step draws a generation batch (``data.batch_size`` prompts, ``rollout.sampling.n`` samples
+each), scores it and filters it. With ``algorithm.max_num_gen_batches`` above 1 it keeps drawing
+until the filters have left at least ``data.batch_size`` prompts' groups, then trains on exactly the
+first ``data.batch_size`` of them, so the trained batch keeps its configured size whatever the
+filters drop (DAPO's dynamic sampling, for any filter). Running out of generation batches first is
+a :class:`DynamicSamplingError` naming the setting.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+
+import attrs
+import torch
+
+from core_rl import ops
+from core_rl.config.schema import AlgorithmConfig, NormConfig
+from core_rl.errors import CoreRLError
+from core_rl.interfaces import AdvantageEstimator, SampleFilter
+from core_rl.protocol import Sample, TensorBatch, concat_padded, samples_to_batch
+
+
+class DynamicSamplingError(CoreRLError):
+    """The sample filters left too few groups within ``algorithm.max_num_gen_batches`` generation batches."""
+
+
+@attrs.define
+class Generation:
+    """One generation batch: its samples in prompt order, the prompt (0-based, within this batch)
+    each answers, their raw rewards, and metrics to add up over a step's generation batches
+    (timings, token counts)."""
+
+    samples: list[Sample]
+    group_index: list[int]
+    rewards: list[float]
+    metrics: dict[str, float] = attrs.field(factory=dict)
+
+
+def _stats(prefix: str, values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    return {
+        f"{prefix}/mean": statistics.fmean(values),
+        f"{prefix}/std": statistics.pstdev(values) if len(values) > 1 else 0.0,
+        f"{prefix}/max": max(values),
+        f"{prefix}/min": min(values),
+    }
+
+
+def generation_metrics(generations: Sequence[Generation]) -> dict[str, float]:
+    """Reward and response-length statistics over every sample generated in a step (what the policy
+    produces, before any filter), and the sums of the generations' own metrics."""
+    samples = [s for g in generations for s in g.samples]
+    rewards = [r for g in generations for r in g.rewards]
+    lengths = [float(len(s.response_ids)) for s in samples]
+    metrics = {**_stats("reward", rewards), **_stats("response_length", lengths)}
+    if samples:
+        metrics["response_length/clip_fraction"] = statistics.fmean(s.finish_reason == "length" for s in samples)
+    for g in generations:
+        for key, value in g.metrics.items():
+            metrics[key] = metrics.get(key, 0.0) + value
+    return metrics
+
+
+def normalize_with(values: torch.Tensor, config: NormConfig, group_index: torch.Tensor, mask: torch.Tensor | None):
+    """:func:`core_rl.ops.normalize` with the settings of a :class:`NormConfig`."""
+    return ops.normalize(values, mask=mask, group_index=group_index, **attrs.asdict(config))
+
+
+def shape_rewards(
+    rewards: torch.Tensor,
+    response_lengths: torch.Tensor,
+    group_index: torch.Tensor,
+    algorithm: AlgorithmConfig,
+    *,
+    max_new_tokens: int,
+) -> torch.Tensor:
+    """``algorithm.reward_shaping`` applied to raw rewards ``[B]``: overlong penalty, then
+    ``clip((r + bias) * scale)``, then normalisation (see :class:`core_rl.config.schema.RewardShapingConfig`)."""
+    cfg = algorithm.reward_shaping
+    r = rewards.float()
+    if cfg.overlong_tokens is not None:
+        r = r + ops.overlong_penalty(
+            response_lengths,
+            max_new_tokens=max_new_tokens,
+            overlong_tokens=cfg.overlong_tokens,
+            factor=cfg.overlong_penalty_factor,
+        )
+    r = ops.scale_rewards(r, scale=cfg.scale, bias=cfg.bias, clip=cfg.clip)
+    if cfg.norm is not None:
+        r = normalize_with(r, cfg.norm, group_index, None)
+    return r
+
+
+def first_groups(group_index: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Bool ``[B]``: the rows of the ``n_groups`` smallest group labels (the earliest drawn prompts)."""
+    labels = torch.unique(group_index)
+    return torch.isin(group_index, labels[:n_groups])
+
+
+class BatchAssembler:
+    """Turns generation batches into the step's training batch (see the module docstring)."""
+
+    def __init__(
+        self,
+        algorithm: AlgorithmConfig,
+        *,
+        filters: Sequence[SampleFilter],
+        advantage: AdvantageEstimator,
+        prompts_per_step: int,
+        max_new_tokens: int,
+        pad_token_id: int,
+    ) -> None:
+        self.algorithm = algorithm
+        self.filters = list(filters)
+        self.advantage = advantage
+        self.prompts_per_step = prompts_per_step
+        self.max_new_tokens = max_new_tokens
+        self.pad_token_id = pad_token_id
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether the step over-samples to refill what the filters drop."""
+        return self.algorithm.max_num_gen_batches > 1
+
+    def _filtered(self, gen: Generation, offset: int) -> TensorBatch:
+        batch = samples_to_batch(gen.samples, [offset + g for g in gen.group_index], self.pad_token_id)
+        batch["rewards"] = torch.tensor(gen.rewards, dtype=torch.float32)
+        keep = torch.ones(batch.batch_size, dtype=torch.bool)
+        for f in self.filters:
+            keep &= f(batch)
+        return batch.rows(keep) if not keep.all() else batch
+
+    def assemble(self, generate: Callable[[], Generation]) -> tuple[TensorBatch | None, dict[str, float]]:
+        """Draw generation batches from ``generate`` and return the training batch (``None`` when
+        the filters left nothing and over-sampling is off) with its metrics."""
+        generations: list[Generation] = []
+        kept: list[TensorBatch] = []
+        offset = 0
+        n_groups = 0
+        for _ in range(self.algorithm.max_num_gen_batches):
+            gen = generate()
+            generations.append(gen)
+            part = self._filtered(gen, offset)
+            offset += max(gen.group_index, default=-1) + 1
+            if part.batch_size:
+                kept.append(part)
+                n_groups += int(torch.unique(part["group_index"]).numel())
+            if not self.dynamic or n_groups >= self.prompts_per_step:
+                break
+        metrics = generation_metrics(generations)
+        n_generated = sum(len(g.samples) for g in generations)
+        n_kept = sum(b.batch_size for b in kept)
+        metrics["filter/kept_fraction"] = n_kept / max(n_generated, 1)
+        if self.dynamic:
+            metrics["dynamic_sampling/gen_batches"] = float(len(generations))
+            if n_groups < self.prompts_per_step:
+                raise DynamicSamplingError(
+                    f"dynamic sampling: after {len(generations)} generation batches "
+                    f"(algorithm.max_num_gen_batches={self.algorithm.max_num_gen_batches}) the sample filters left "
+                    f"{n_groups} of the data.batch_size={self.prompts_per_step} prompts' groups a step trains on; "
+                    "raise algorithm.max_num_gen_batches, or loosen algorithm.filters"
+                )
+        if not kept:
+            return None, metrics
+        batch = concat_padded(kept, self.pad_token_id)
+        if self.dynamic:
+            batch = batch.rows(first_groups(batch["group_index"], self.prompts_per_step))
+        return self._finish(batch, metrics)
+
+    def _finish(self, batch: TensorBatch, metrics: dict[str, float]) -> tuple[TensorBatch, dict[str, float]]:
+        """Shaped rewards, loss mask, advantages (normalised by ``algorithm.adv_norm``)."""
+        algorithm = self.algorithm
+        mask = batch["response_mask"]
+        batch["rewards"] = shape_rewards(
+            batch["rewards"], mask.sum(dim=1), batch["group_index"], algorithm, max_new_tokens=self.max_new_tokens
+        )
+        loss_mask = mask.clone()
+        if algorithm.mask_no_eos_with_zero:
+            loss_mask = loss_mask * (~batch["truncated"]).float()[:, None]
+        batch["loss_mask"] = loss_mask
+        advantages = self.advantage(batch)
+        if algorithm.adv_norm is not None:
+            advantages = normalize_with(advantages, algorithm.adv_norm, batch["group_index"], loss_mask)
+        batch["advantages"] = advantages
+        metrics.update(
+            {
+                "batch/groups": float(torch.unique(batch["group_index"]).numel()),
+                "batch/samples": float(batch.batch_size),
+                "batch/reward_mean": float(batch["rewards"].mean()),
+                "batch/loss_token_fraction": float(loss_mask.sum() / mask.sum().clamp(min=1)),
+                "advantage/mean": float(ops.masked_mean(advantages, loss_mask)),
+            }
+        )
+        return batch, metrics

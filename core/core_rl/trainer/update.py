@@ -1,0 +1,142 @@
+"""The policy update of one RL step, on every rank: reference and recomputed log-probs, the loss's
+whole-batch preparation, then ``ppo_n_minibatches`` optimiser steps per epoch for ``ppo_epochs``
+epochs.
+
+Log-probs are computed on each rank's shard and gathered back into the global batch, so everything
+that looks at the whole batch (the loss's :meth:`~core_rl.interfaces.PolicyLoss.prepare`, each
+minibatch's aggregation weights) sees the same data on every rank, whatever the number of ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from core_rl import ops
+from core_rl.config.schema import AlgorithmConfig
+from core_rl.engine_utils.metrics import MAX_SUFFIX
+from core_rl.interfaces import PolicyLoss, TrainEngine
+from core_rl.protocol import TensorBatch
+
+#: (global batch) -> this rank's rows of it
+Shard = Callable[[TensorBatch], TensorBatch]
+
+ROW_ID = "_row_id"
+
+
+def minibatch_rows(n_rows: int, n_minibatches: int) -> list[torch.Tensor]:
+    """Row indices of each minibatch: ``0..n_rows-1`` cut into ``n_minibatches`` consecutive parts of
+    sizes differing by at most one (empty parts are left out)."""
+    return [rows for rows in torch.arange(n_rows).tensor_split(n_minibatches) if rows.numel()]
+
+
+def combine_step_metrics(steps: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Metrics of several optimiser steps as one: the maximum of ``*_max`` metrics, the mean of the rest."""
+    names = sorted({k for s in steps for k in s})
+    out = {}
+    for name in names:
+        values = [s[name] for s in steps if name in s]
+        out[name] = max(values) if name.endswith(MAX_SUFFIX) else sum(values) / len(values)
+    return out
+
+
+def _gather_rows(batch: TensorBatch, shard: TensorBatch, keys: Sequence[str], world_size: int) -> None:
+    """Write ``shard[key]`` of every rank's shard into ``batch[key]`` at the shards' row ids."""
+    if world_size == 1:
+        for key in keys:
+            batch[key] = shard[key].new_zeros(batch[ROW_ID].shape + shard[key].shape[1:])
+            batch[key][shard[ROW_ID]] = shard[key]
+        return
+    import torch.distributed as dist
+
+    parts: list[dict[str, torch.Tensor] | None] = [None] * world_size
+    dist.all_gather_object(parts, {k: shard[k].cpu() for k in (ROW_ID, *keys)})
+    for key in keys:
+        full = shard[key].new_zeros(batch[ROW_ID].shape + shard[key].shape[1:]).cpu()
+        for part in parts:
+            assert part is not None
+            full[part[ROW_ID]] = part[key]
+        batch[key] = full
+
+
+def drift_metrics(batch: TensorBatch) -> dict[str, float]:
+    """How far the recomputed ``old_logprobs`` (pi_old) are from the behaviour log-probs over the
+    loss tokens: mean and max of ``pi_old / pi_behave``, the k3 estimate of KL(pi_behave || pi_old),
+    and the staleness of the samples in weight versions (``train_version - 1 - versions``)."""
+    mask = batch["loss_mask"]
+    on = mask != 0
+    if not bool(on.any()):
+        return {}
+    log_ratio = ops.behaviour_log_ratio(batch["old_logprobs"], batch["behave_logprobs"])
+    kl = ops.kl_estimate(batch["behave_logprobs"], batch["old_logprobs"], "k3", cap=None)
+    staleness = (batch["train_version"][:, None] - 1 - batch["versions"]).float()
+    return {
+        "offpolicy/behave_ratio_mean": float(ops.masked_mean(log_ratio.exp(), mask)),
+        "offpolicy/behave_ratio_max": float(log_ratio.exp()[on].max()),
+        "offpolicy/kl_behave_old": float(ops.masked_mean(kl, mask)),
+        "offpolicy/staleness_mean": float(ops.masked_mean(staleness, mask)),
+        "offpolicy/staleness_max": float(staleness[on].max()),
+    }
+
+
+class PolicyUpdate:
+    """Runs the update of one RL step; every rank calls it with the same global batch.
+
+    ``shard`` picks this rank's rows of a batch (the same rule for every call).
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: TrainEngine,
+        ref: TrainEngine | None,
+        loss: PolicyLoss,
+        algorithm: AlgorithmConfig,
+        temperature: float,
+        shard: Shard,
+        world_size: int,
+    ) -> None:
+        self.engine = engine
+        self.ref = ref
+        self.loss = loss
+        self.algorithm = algorithm
+        self.temperature = temperature
+        self.shard = shard
+        self.world_size = world_size
+        self.recompute = algorithm.recompute_logprob or loss.requires_recompute
+
+    def _logprobs(self, batch: TensorBatch) -> None:
+        """``ref_logprobs`` (with a reference model) and recomputed ``old_logprobs`` (when asked),
+        computed on the shards and gathered into ``batch``."""
+        if self.ref is None and not self.recompute:
+            return
+        batch[ROW_ID] = torch.arange(batch.batch_size)
+        shard = self.shard(batch)
+        keys = []
+        if self.ref is not None:
+            shard["ref_logprobs"] = self.ref.compute_logprobs(shard, temperature=self.temperature)
+            keys.append("ref_logprobs")
+        if self.recompute:
+            shard["old_logprobs"] = self.engine.compute_logprobs(shard, temperature=self.temperature)
+            keys.append("old_logprobs")
+        _gather_rows(batch, shard, keys, self.world_size)
+        del batch.data[ROW_ID]
+
+    def __call__(self, batch: TensorBatch, *, train_version: int) -> dict[str, float]:
+        """Update the policy on ``batch`` (a global batch with ``loss_mask`` and ``advantages``);
+        ``train_version`` is the weight version the update produces. Returns metrics."""
+        batch["train_version"] = torch.full((batch.batch_size,), train_version, dtype=torch.long)
+        self._logprobs(batch)
+        metrics = drift_metrics(batch) if self.recompute else {}
+        metrics.update({f"actor/{k}": v for k, v in self.loss.prepare(batch).items()})
+        steps = []
+        parts = minibatch_rows(batch.batch_size, self.algorithm.ppo_n_minibatches)
+        for _epoch in range(self.algorithm.ppo_epochs):
+            for rows in parts:
+                minibatch = batch.rows(rows)
+                minibatch["loss_weight"] = self.loss.loss_weights(minibatch["loss_mask"])
+                steps.append(self.engine.train_step(self.shard(minibatch), self.loss, temperature=self.temperature))
+        metrics.update({f"actor/{k}": v for k, v in combine_step_metrics(steps).items()})
+        metrics["actor/optimizer_steps"] = float(len(steps))
+        return metrics
