@@ -25,7 +25,7 @@ from cattrs.errors import (
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from core_rl.config.schema import PluginSpec, RunConfig
+from core_rl.config.schema import PLUGIN_KIND_METADATA, PluginSpec, RunConfig
 from core_rl.config.validators import FieldValueError
 from core_rl.errors import ConfigError, PluginError
 from core_rl.kinds import (
@@ -221,8 +221,36 @@ def validate_plugin_section(host: PluginHost, kind: PluginKind, spec: PluginSpec
             raise ConfigError(
                 [f"{path}: {kind.label} {spec.name!r} takes no options, got {', '.join(sorted(spec.options))}"]
             )
+        spec.entry = entry
         return
     spec.config = structure(spec.options, entry.config_cls, path=path)
+    nested = _nested_section_problems(host, spec.config, path)
+    if nested:
+        raise ConfigError(nested)
+    spec.entry = entry
+
+
+def _nested_section_problems(host: PluginHost, config: Any, path: str) -> list[str]:
+    """Validate the plugin sections nested in a plugin's validated ``config``: every field declared
+    with :func:`core_rl.config.schema.plugin_section` (a spec, or a list of them), found at any
+    depth of attrs classes and lists; return one message per problem."""
+    problems: list[str] = []
+    if not attrs.has(type(config)):
+        return problems
+    for field in attrs.fields(type(config)):
+        kind = field.metadata.get(PLUGIN_KIND_METADATA)
+        value = getattr(config, field.name)
+        field_path = _join(path, field.name)
+        items = [(_join(field_path, i), v) for i, v in enumerate(value)] if isinstance(value, list) else []
+        for item_path, item in items or [(field_path, value)]:
+            if kind is not None and isinstance(item, PluginSpec):
+                try:
+                    validate_plugin_section(host, kind, item, item_path)
+                except ConfigError as exc:
+                    problems.extend(exc.problems)
+            else:
+                problems.extend(_nested_section_problems(host, item, item_path))
+    return problems
 
 
 _RAW_SPEC_PATHS: tuple[tuple[tuple[str, ...], PluginKind, bool], ...] = (

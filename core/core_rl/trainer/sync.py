@@ -28,9 +28,11 @@ from core_rl.interfaces import (
     Logger,
     PolicyLoss,
     Reward,
+    RewardScores,
     RolloutEngine,
     RunInfo,
     SampleFilter,
+    SampleRecord,
     TrainEngine,
 )
 from core_rl.kinds import (
@@ -164,7 +166,7 @@ class SyncTrainer:
                 owners.append(prompt)
         return samples, group_index, owners
 
-    def _score(self, samples: list[Sample], owners: list[PromptItem]) -> list[float]:
+    def _score(self, samples: list[Sample], owners: list[PromptItem]) -> tuple[list[RewardInput], RewardScores]:
         assert self.reward is not None
         texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
         inputs = [
@@ -178,12 +180,32 @@ class SyncTrainer:
             )
             for s, text, owner in zip(samples, texts, owners)
         ]
-        scores = self.reward.score(inputs)
-        if len(scores) != len(inputs):
+        scored = self.reward.score_with_parts(inputs)
+        if len(scored.scores) != len(inputs):
             raise RuntimeError(
-                f"reward {self.cfg.reward.name!r} returned {len(scores)} scores for {len(inputs)} samples"
+                f"reward {self.cfg.reward.name!r} returned {len(scored.scores)} scores for {len(inputs)} samples"
             )
-        return [float(x) for x in scores]
+        scored.scores = [float(x) for x in scored.scores]
+        return inputs, scored
+
+    def _log_samples(self, step: int, inputs: list[RewardInput], scored: RewardScores) -> None:
+        """Every ``sample_log.every_n_steps`` steps, hand ``num_samples`` samples spread over the
+        batch to every logger."""
+        every, k = self.cfg.sample_log.every_n_steps, min(self.cfg.sample_log.num_samples, len(inputs))
+        if not every or step % every or not k:
+            return
+        records = [
+            SampleRecord(
+                prompt=inputs[i].prompt_text,
+                response=inputs[i].response_text,
+                reward=scored.scores[i],
+                finish_reason=inputs[i].finish_reason,
+                parts={name: float(values[i]) for name, values in scored.parts.items()},
+            )
+            for i in sorted({j * len(inputs) // k for j in range(k)})
+        ]
+        for lg in self.loggers:
+            lg.log_samples(records, step)
 
     def _prepare_batch(
         self, samples: list[Sample], group_index: list[int], rewards: list[float]
@@ -224,10 +246,14 @@ class SyncTrainer:
             prompts = self.data.next_batch()
             samples, group_index, owners = self._rollout(prompts)
             t_gen = time.perf_counter()
-            rewards = self._score(samples, owners)
+            inputs, scored = self._score(samples, owners)
+            rewards = scored.scores
             t_reward = time.perf_counter()
             lengths = [float(len(s.response_ids)) for s in samples]
             metrics.update(_stats("reward", rewards))
+            for name, values in scored.parts.items():
+                metrics.update(_stats(f"reward/{name}", [float(v) for v in values]))
+            self._log_samples(step, inputs, scored)
             metrics.update(_stats("response_length", lengths))
             metrics["response_length/clip_fraction"] = statistics.fmean(
                 1.0 if s.finish_reason == "length" else 0.0 for s in samples
@@ -317,7 +343,7 @@ class SyncTrainer:
         }
 
     def close(self) -> None:
-        for component in (self.rollout, self.ref, self.engine):
+        for component in (self.rollout, self.ref, self.engine, self.reward):
             if component is not None:
                 component.close()
 
