@@ -226,6 +226,14 @@ class SampleRecord:
         return row
 
 
+def sample_table(samples: Sequence[SampleRecord]) -> tuple[list[str], list[list[Any]]]:
+    """``(columns, rows)`` of ``samples`` for loggers with tables: the columns of
+    :meth:`SampleRecord.as_row`, in order of first appearance; a missing part is ``None``."""
+    rows = [s.as_row() for s in samples]
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    return columns, [[row.get(c) for c in columns] for row in rows]
+
+
 class Logger(ABC):
     """Receives metrics once per step."""
 

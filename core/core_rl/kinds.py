@@ -59,4 +59,13 @@ KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("sample_filter", "drop_uniform_groups"): "grpo",
     ("reward", "exact_match"): "reward-match",
     ("reward", "char_match"): "reward-match",
+    ("reward", "math"): "reward-math",
+    ("reward", "format"): "reward-format",
+    ("reward", "code"): "reward-code",
+    ("reward", "remote"): "reward-remote",
+    ("reward", "reward_model"): "reward-model",
+    ("logger", "swanlab"): "swanlab",
+    ("logger", "wandb"): "wandb",
+    ("logger", "tensorboard"): "tensorboard",
+    ("logger", "trackio"): "trackio",
 }
