@@ -1,7 +1,10 @@
 """The main job: build a tiny model, tokenizer and task offline, warm-start it on the answer
 format, train it with GRPO on CPU, and report how the reward rose.
 
-    python examples/tiny_grpo/main.py [--workdir runs/tiny_grpo] [KEY=VALUE overrides for grpo.yaml]
+    python examples/tiny_grpo/main.py [--workdir runs/tiny_grpo] [--config grpo.yaml] [KEY=VALUE overrides]
+
+``--config grpo_combined.yaml`` trains with a combined reward (char_match + format) and logs to
+SwanLab (offline) and TensorBoard as well. The run's curves are plotted at the end (plot.png).
 
 Everything it writes goes under ``--workdir`` (replaced on each run).
 """
@@ -19,7 +22,10 @@ import torch
 import transformers
 from core_rl import cli
 from core_rl.builtin.loggers import read_metrics
+from core_rl.errors import CoreRLError
+from core_rl.plot import plot_runs
 from core_rl.testing.tiny import build_tiny_model
+from omegaconf import OmegaConf
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -44,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="runs/tiny_grpo", help="where the model, data and run go")
     parser.add_argument("--warm-steps", type=int, default=150, help="supervised warm-start steps")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides for grpo.yaml")
+    parser.add_argument("--config", default=str(HERE / "grpo.yaml"), help="the GRPO YAML (default grpo.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides for the YAML")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
@@ -59,10 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     loss = warm_start(work / "model_init", work / "model_warm", steps=args.warm_steps, batch_size=64, lr=3e-3, seed=0)
     print(f"warm start: {args.warm_steps} steps, final loss {loss:.3f}, {time.perf_counter() - start:.0f} s")
 
-    code = cli.main(["train", str(HERE / "grpo.yaml"), f"experiment.output_dir={work}", *args.overrides])
+    config = Path(args.config)
+    if not config.is_file() and (HERE / config).is_file():
+        config = HERE / config
+    code = cli.main(["train", str(config), f"experiment.output_dir={work}", *args.overrides])
     if code != 0:
         return code
-    summary = summarise(work / "grpo" / "metrics.jsonl")
+    run_dir = work / str(OmegaConf.select(OmegaConf.load(config), "experiment.name"))
+    for item in args.overrides:
+        if item.startswith("experiment.name="):
+            run_dir = work / item.split("=", 1)[1]
+    summary = summarise(run_dir / "metrics.jsonl")
     wall = time.perf_counter() - start
     print(
         f"reward: first 10 steps {summary['reward_first10']:.3f} -> last 10 steps {summary['reward_last10']:.3f} "
@@ -70,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     met = summary["reward_last10"] >= 0.7 and summary["reward_last10"] >= 2 * summary["reward_first10"]
     print(f"goal (last-10 reward >= 0.7 and >= 2x first-10): {'met' if met else 'NOT met'}")
+    try:
+        written = plot_runs([run_dir])
+        print(f"plot:       {written['png']} (and {written['html'].name})")
+    except CoreRLError as exc:  # matplotlib missing
+        print(f"no plot: {exc}")
     return 0
 
 
