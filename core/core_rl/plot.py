@@ -125,6 +125,13 @@ def _labels(paths: Sequence[Path]) -> list[str]:
     return [f"{p.parent.name}/{p.name}" for p in paths]
 
 
+def _short_name(key: str) -> str:
+    """``reward/format/checks_passed/mean`` -> ``format/checks_passed``; ``timing/train_s`` -> ``train_s``."""
+    if key.startswith("reward/") and key.endswith("/mean"):
+        return key[len("reward/") : -len("/mean")]
+    return key.rsplit("/", 1)[-1]
+
+
 def _panels(runs: Sequence[Run]) -> list[Panel]:
     parts = sorted(
         {k for r in runs for k in r.series if k.startswith("reward/") and k.endswith("/mean") and k != "reward/mean"}
@@ -153,15 +160,16 @@ def _figure(runs: Sequence[Run], smooth: int | None):
         ax.grid(alpha=0.3)
         drawn = False
         for r, run in enumerate(runs):
-            colour = colours[r % len(colours)]
             for k, key in enumerate(panel.keys):
                 if key not in run.series:
                     continue
                 steps, values = run.series[key]
                 window = smooth or max(1, len(values) // 50)
-                name = key.split("/")[1] if len(panel.keys) > 1 else ""
+                name = _short_name(key) if len(panel.keys) > 1 else ""
                 label = " ".join(x for x in (run.label if len(runs) > 1 else "", name) if x)
-                style = styles[k % len(styles)]
+                # one run: a colour per key; several: a colour per run and a line style per key
+                colour = colours[(k if len(runs) == 1 else r) % len(colours)]
+                style = "-" if len(runs) == 1 else styles[k % len(styles)]
                 if window > 1:
                     ax.plot(steps, values, color=colour, linestyle=style, alpha=0.25, linewidth=0.8)
                 ax.plot(steps, rolling_mean(values, window), color=colour, linestyle=style, label=label or None)

@@ -35,14 +35,17 @@ from warm_start import warm_start  # noqa: E402
 
 
 def summarise(metrics_path: Path) -> dict[str, float]:
+    """First/last-10 means of the task's reward: ``char_match``, alone or as a part of ``combine``."""
     rows = [r for r in read_metrics(metrics_path) if "reward/mean" in r]
-    rewards = [float(r["reward/mean"]) for r in rows]
+    key = "reward/char_match/mean" if "reward/char_match/mean" in rows[0] else "reward/mean"
+    rewards = [float(r[key]) for r in rows]
     steps = [float(r["timing/step_s"]) for r in rows]
     return {
         "steps": len(rows),
         "reward_first10": statistics.fmean(rewards[:10]),
         "reward_last10": statistics.fmean(rewards[-10:]),
         "seconds_per_step": statistics.fmean(steps),
+        "metric": "reward" if key == "reward/mean" else key,
     }
 
 
@@ -79,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(run_dir / "metrics.jsonl")
     wall = time.perf_counter() - start
     print(
-        f"reward: first 10 steps {summary['reward_first10']:.3f} -> last 10 steps {summary['reward_last10']:.3f} "
+        f"{summary['metric']}: first 10 steps {summary['reward_first10']:.3f} -> last 10 steps "
+        f"{summary['reward_last10']:.3f} "
         f"over {summary['steps']} steps; {summary['seconds_per_step']:.3f} s/step; wall time {wall:.0f} s"
     )
     met = summary["reward_last10"] >= 0.7 and summary["reward_last10"] >= 2 * summary["reward_first10"]
