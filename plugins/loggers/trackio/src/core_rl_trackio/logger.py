@@ -69,4 +69,9 @@ class TrackioLogger(Logger):
     def close(self) -> None:
         if self.run is not None:
             run, self.run = self.run, None
-            run.finish()
+            try:
+                run.finish()
+            finally:
+                # trackio finishes its current run again at exit (printing as it does) unless cleared
+                if self.trackio.context_vars.current_run.get() is run:
+                    self.trackio.context_vars.current_run.set(None)
