@@ -38,6 +38,8 @@ def test_tiny_grpo_main_runs_and_reports(tmp_path):
     assert "reward: first 10 steps" in proc.stdout and "over 12 steps" in proc.stdout
     assert (work / "grpo" / "checkpoints" / "step_00000012").is_dir()
     assert (work / "data" / "train.jsonl").read_text().count("\n") == 6**3 + 6**4
+    assert f"plot:       {work / 'grpo' / 'plot.png'}" in proc.stdout
+    assert (work / "grpo" / "plot.png").stat().st_size > 10_000 and (work / "grpo" / "plot.html").is_file()
 
 
 NO_TEST_PACKAGES = """
@@ -66,3 +68,53 @@ def test_the_main_job_imports_without_test_packages():
         timeout=300,
     )
     assert proc.returncode == 0 and "imports ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_combined_reward_with_swanlab_and_tensorboard(tmp_path):
+    """grpo_combined.yaml: a ``combine`` of char_match and format, SwanLab offline and TensorBoard,
+    samples logged, each reward part a metric, and the run plotted."""
+    pytest.importorskip("core_rl_swanlab")
+    pytest.importorskip("core_rl_tensorboard")
+    pytest.importorskip("core_rl_reward_format")
+    import json
+
+    from core_rl.builtin.loggers import read_metrics
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    work = tmp_path / "work"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "tiny_grpo" / "main.py"),
+            "--workdir",
+            str(work),
+            "--warm-steps",
+            "3",
+            "--config",
+            "grpo_combined.yaml",
+            "trainer.total_steps=4",
+            "sample_log.every_n_steps=2",
+            "saver.every_n_steps=0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = work / "grpo_combined"
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        # the total is the weighted sum of the parts' means (the sum is linear)
+        expected = 0.8 * r["reward/char_match/mean"] + 0.2 * r["reward/format/mean"]
+        assert r["reward/mean"] == pytest.approx(expected, abs=1e-6)
+        assert 0.0 <= r["reward/format/checks_passed/mean"] <= 1.0
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [2] * 4 + [4] * 4
+    assert {"prompt", "response", "reward", "finish_reason", "reward/char_match", "reward/format"} <= set(samples[0])
+    assert list((run / "swanlab").glob("run-*/run-*.swanlab"))
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward/char_match/mean")] == [1, 2, 3, 4]
+    assert f"plot:       {run / 'plot.png'}" in proc.stdout

@@ -1,4 +1,4 @@
-"""The ``core-rl`` command: ``train``, ``plugins``, ``config show`` and ``config validate``.
+"""The ``core-rl`` command: ``train``, ``plugins``, ``plot``, ``config show`` and ``config validate``.
 
 Exit status: 0 on success, 2 on a user's mistake: usage, configuration, overrides, plugins, and for
 ``train`` the data files, model and tokenizer directories, devices and output directory (checked
@@ -46,6 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
         "description and whether it loads.",
     )
     plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    plot = sub.add_parser(
+        "plot",
+        help="plot training curves of runs",
+        description="Plot reward, KL, entropy, response length, clip fraction, grad norm, learning rate, "
+        "step time split and throughput against the step for one or more runs (overlaid), as plot.png and "
+        "plot.html next to the first run's metrics.jsonl. Needs matplotlib (core-rl[plot]).",
+    )
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories holding metrics.jsonl")
+    plot.add_argument("--out", default=None, help="write the files here instead of the first run directory")
+    plot.add_argument("--smooth", type=int, default=None, help="rolling-mean window in steps (default ~steps/50)")
 
     config = sub.add_parser("config", help="show or validate a config", description="Inspect a configuration.")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -121,6 +132,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "plugins":
             return _cmd_plugins(args.json)
+        if args.command == "plot":
+            from core_rl.plot import plot_runs
+
+            written = plot_runs(args.run_dirs, out_dir=args.out, smooth=args.smooth)
+            print(f"plot: {written['png']}")
+            print(f"page: {written['html']}")
+            return 0
         if args.command == "config":
             _, cfg = _load(args)
             if args.config_command == "show":

@@ -135,12 +135,32 @@ class RolloutEngine(ABC):
         """Release resources (stop servers, free memory)."""
 
 
+@attrs.define
+class RewardScores:
+    """What :meth:`Reward.score_with_parts` returns: ``scores`` (one per item, in order) and
+    ``parts``: name -> one value per item (for example each part of a combined reward, or a 0/1
+    flag such as "an answer was found"). The trainer reports each part as ``reward/<name>/mean``
+    (and ``std``, ``min``, ``max``)."""
+
+    scores: list[float]
+    parts: dict[str, list[float]] = attrs.field(factory=dict)
+
+
 class Reward(ABC):
     """Scores responses. Scores are floats; by convention in [0, 1] for verifiable tasks."""
 
     @abstractmethod
     def score(self, items: Sequence[RewardInput]) -> list[float]:
         """One score per item, in order."""
+
+    def score_with_parts(self, items: Sequence[RewardInput]) -> RewardScores:
+        """The scores plus named per-item values worth reporting (see :class:`RewardScores`).
+        Default: :meth:`score` and no parts. A reward overriding it must keep ``scores`` equal to
+        what :meth:`score` returns."""
+        return RewardScores(scores=list(self.score(items)))
+
+    def close(self) -> None:
+        """Release resources (worker processes, HTTP clients, models). Default: nothing."""
 
 
 class AdvantageEstimator(ABC):
@@ -237,6 +257,37 @@ class RunInfo:
     config: Mapping[str, Any]
 
 
+@attrs.define
+class SampleRecord:
+    """One generated sample as loggers show it: texts, its reward (and the reward's parts, see
+    :class:`RewardScores`) and why generation stopped (``stop`` or ``length``)."""
+
+    prompt: str
+    response: str
+    reward: float
+    finish_reason: str
+    parts: dict[str, float] = attrs.field(factory=dict)
+
+    def as_row(self) -> dict[str, Any]:
+        """A flat row: ``prompt``, ``response``, ``reward``, ``finish_reason``, ``reward/<part>``..."""
+        row: dict[str, Any] = {
+            "prompt": self.prompt,
+            "response": self.response,
+            "reward": self.reward,
+            "finish_reason": self.finish_reason,
+        }
+        row.update({f"reward/{k}": v for k, v in self.parts.items()})
+        return row
+
+
+def sample_table(samples: Sequence[SampleRecord]) -> tuple[list[str], list[list[Any]]]:
+    """``(columns, rows)`` of ``samples`` for loggers with tables: the columns of
+    :meth:`SampleRecord.as_row`, in order of first appearance; a missing part is ``None``."""
+    rows = [s.as_row() for s in samples]
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    return columns, [[row.get(c) for c in columns] for row in rows]
+
+
 class Logger(ABC):
     """Receives metrics once per step."""
 
@@ -246,6 +297,10 @@ class Logger(ABC):
     @abstractmethod
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         """Record ``metrics`` (flat names like ``reward/mean``) for ``step``."""
+
+    def log_samples(self, samples: Sequence[SampleRecord], step: int) -> None:
+        """Record a few of ``step``'s samples (every ``sample_log.every_n_steps`` steps), e.g. as a
+        table. Default: ignore them."""
 
     def close(self) -> None:
         """Called once after the last step (also on failure); flush and release."""

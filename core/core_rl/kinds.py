@@ -69,4 +69,13 @@ KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("algorithm", "dapo"): "dapo",
     ("reward", "exact_match"): "reward-match",
     ("reward", "char_match"): "reward-match",
+    ("reward", "math"): "reward-math",
+    ("reward", "format"): "reward-format",
+    ("reward", "code"): "reward-code",
+    ("reward", "remote"): "reward-remote",
+    ("reward", "reward_model"): "reward-model",
+    ("logger", "swanlab"): "swanlab",
+    ("logger", "wandb"): "wandb",
+    ("logger", "tensorboard"): "tensorboard",
+    ("logger", "trackio"): "trackio",
 }

@@ -5,6 +5,8 @@ format, train it with GRPO on CPU, and report how the reward rose.
 
 ``--config`` picks another recipe's example next to this file (``dr_grpo.yaml``, ``rloo.yaml``,
 ``reinforce_pp.yaml``, ``gspo.yaml``, ``dapo.yaml``, ``grpo_off_policy.yaml``).
+``--config grpo_combined.yaml`` trains with a combined reward (char_match + format) and logs to
+SwanLab (offline) and TensorBoard as well. The run's curves are plotted at the end (plot.png).
 
 Everything it writes goes under ``--workdir`` (replaced on each run).
 """
@@ -20,10 +22,12 @@ from pathlib import Path
 
 import torch
 import transformers
-import yaml
 from core_rl import cli
 from core_rl.builtin.loggers import read_metrics
+from core_rl.errors import CoreRLError
+from core_rl.plot import plot_runs
 from core_rl.tiny import build_tiny_model
+from omegaconf import OmegaConf
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -33,14 +37,17 @@ from warm_start import warm_start  # noqa: E402
 
 
 def summarise(metrics_path: Path) -> dict[str, float]:
+    """First/last-10 means of the task's reward: ``char_match``, alone or as a part of ``combine``."""
     rows = [r for r in read_metrics(metrics_path) if "reward/mean" in r]
-    rewards = [float(r["reward/mean"]) for r in rows]
+    key = "reward/char_match/mean" if "reward/char_match/mean" in rows[0] else "reward/mean"
+    rewards = [float(r[key]) for r in rows]
     steps = [float(r["timing/step_s"]) for r in rows]
     return {
         "steps": len(rows),
         "reward_first10": statistics.fmean(rewards[:10]),
         "reward_last10": statistics.fmean(rewards[-10:]),
         "seconds_per_step": statistics.fmean(steps),
+        "metric": "reward" if key == "reward/mean" else key,
     }
 
 
@@ -48,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="runs/tiny_grpo", help="where the model, data and run go")
     parser.add_argument("--warm-steps", type=int, default=150, help="supervised warm-start steps")
-    parser.add_argument("--config", default="grpo.yaml", help="the run's YAML, in examples/tiny_grpo/")
+    parser.add_argument(
+        "--config", default="grpo.yaml", help="the run's YAML: a path, or a file name in examples/tiny_grpo/"
+    )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides for the run's YAML")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -64,19 +73,30 @@ def main(argv: list[str] | None = None) -> int:
     loss = warm_start(work / "model_init", work / "model_warm", steps=args.warm_steps, batch_size=64, lr=3e-3, seed=0)
     print(f"warm start: {args.warm_steps} steps, final loss {loss:.3f}, {time.perf_counter() - start:.0f} s")
 
-    config = HERE / args.config
+    config = Path(args.config)
+    if not config.is_file() and (HERE / config).is_file():
+        config = HERE / config
     code = cli.main(["train", str(config), f"experiment.output_dir={work}", *args.overrides])
     if code != 0:
         return code
-    name = yaml.safe_load(config.read_text())["experiment"]["name"]
-    summary = summarise(work / name / "metrics.jsonl")
+    run_dir = work / str(OmegaConf.select(OmegaConf.load(config), "experiment.name"))
+    for item in args.overrides:
+        if item.startswith("experiment.name="):
+            run_dir = work / item.split("=", 1)[1]
+    summary = summarise(run_dir / "metrics.jsonl")
     wall = time.perf_counter() - start
     print(
-        f"reward: first 10 steps {summary['reward_first10']:.3f} -> last 10 steps {summary['reward_last10']:.3f} "
+        f"{summary['metric']}: first 10 steps {summary['reward_first10']:.3f} -> last 10 steps "
+        f"{summary['reward_last10']:.3f} "
         f"over {summary['steps']} steps; {summary['seconds_per_step']:.3f} s/step; wall time {wall:.0f} s"
     )
     met = summary["reward_last10"] >= 0.7 and summary["reward_last10"] >= 2 * summary["reward_first10"]
     print(f"goal (last-10 reward >= 0.7 and >= 2x first-10): {'met' if met else 'NOT met'}")
+    try:
+        written = plot_runs([run_dir])
+        print(f"plot:       {written['png']} (and {written['html'].name})")
+    except CoreRLError as exc:  # matplotlib missing
+        print(f"no plot: {exc}")
     return 0
 
 

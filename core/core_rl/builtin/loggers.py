@@ -7,7 +7,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from core_rl.config.validators import MAX_STEPS, in_range, not_empty
 from core_rl.hookspecs import Register, hookimpl
-from core_rl.interfaces import Logger, RunInfo
+from core_rl.interfaces import Logger, RunInfo, SampleRecord
 
 DEFAULT_CONSOLE_KEYS = [
     "reward/mean",
@@ -81,9 +81,12 @@ class ConsoleLogger(Logger):
 
 @attrs.define
 class JsonlLoggerConfig:
-    """``filename``: file name inside the run directory."""
+    """``filename``: file name inside the run directory; ``samples_filename``: where logged
+    samples go (one JSON object per sample: ``step``, ``prompt``, ``response``, ``reward``,
+    ``finish_reason``, ``reward/<part>``...)."""
 
     filename: str = attrs.field(default="metrics.jsonl", validator=not_empty())
+    samples_filename: str = attrs.field(default="samples.jsonl", validator=not_empty())
 
 
 def _json_value(value: Any) -> Any:
@@ -115,6 +118,15 @@ class JsonlLogger(Logger):
         record = {"step": step, "time": time.time(), **{k: _json_value(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+
+    def log_samples(self, samples: Sequence[SampleRecord], step: int) -> None:
+        if self.path is None:
+            raise RuntimeError("JsonlLogger.log_samples called before start")
+        lines = [
+            json.dumps({"step": step, **{k: _json_value(v) for k, v in s.as_row().items()}}) + "\n" for s in samples
+        ]
+        with (self.path.parent / self.config.samples_filename).open("a", encoding="utf-8") as f:
+            f.writelines(lines)
 
     def close(self) -> None:
         if self._file is not None:

@@ -41,7 +41,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from core_rl.config.checks import SectionContext, config_problems
 from core_rl.config.overrides import apply_overrides, first_line, format_path, parse_overrides
-from core_rl.config.schema import DEFAULT_FROM, PluginSpec, RunConfig
+from core_rl.config.schema import DEFAULT_FROM, PLUGIN_KIND_METADATA, PluginSpec, RunConfig
 from core_rl.config.validators import MAX_COUNT, FieldValueError
 from core_rl.errors import ConfigError, PluginError, did_you_mean
 from core_rl.kinds import (
@@ -397,6 +397,7 @@ def validate_plugin_section(
                     f"{', '.join(sorted(map(str, spec.options)))}"
                 ]
             )
+        spec.entry = entry
         return
     options = dict(spec.options)
     if run is not None:
@@ -405,6 +406,33 @@ def validate_plugin_section(
             if source is not None and field.name not in options:
                 options[field.name] = _run_value(run, source)
     spec.config = structure(options, entry.config_cls, path=path)
+    nested = _nested_section_problems(host, spec.config, path, run)
+    if nested:
+        raise ConfigError(nested)
+    spec.entry = entry
+
+
+def _nested_section_problems(host: PluginHost, config: Any, path: str, run: RunConfig | None) -> list[str]:
+    """Validate the plugin sections nested in a plugin's validated ``config``: every field declared
+    with :func:`core_rl.config.schema.plugin_section` (a spec, or a list of them), found at any
+    depth of attrs classes and lists; return one message per problem."""
+    problems: list[str] = []
+    if not attrs.has(type(config)):
+        return problems
+    for field in attrs.fields(type(config)):
+        kind = field.metadata.get(PLUGIN_KIND_METADATA)
+        value = getattr(config, field.name)
+        field_path = _join(path, field.name)
+        items = [(_join(field_path, i), v) for i, v in enumerate(value)] if isinstance(value, list) else []
+        for item_path, item in items or [(field_path, value)]:
+            if kind is not None and isinstance(item, PluginSpec):
+                try:
+                    validate_plugin_section(host, kind, item, item_path, run=run)
+                except ConfigError as exc:
+                    problems.extend(exc.problems)
+            else:
+                problems.extend(_nested_section_problems(host, item, item_path, run))
+    return problems
 
 
 _RAW_SPEC_PATHS: tuple[tuple[tuple[str, ...], PluginKind, bool], ...] = (

@@ -23,9 +23,12 @@ from core_rl.config.validators import (
     one_of,
     positive,
 )
+from core_rl.errors import PluginError
+from core_rl.registry import RegistryEntry
 
 if TYPE_CHECKING:
     from core_rl.interfaces import SamplingParams
+    from core_rl.kinds import PluginKind
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -41,14 +44,48 @@ def default_from(path: str) -> dict[str, str]:
     return {DEFAULT_FROM: path}
 
 
+#: attrs field metadata key marking a field of a plugin's config class as a nested plugin section
+PLUGIN_KIND_METADATA = "core_rl.plugin_kind"
+
+
 @attrs.define
 class PluginSpec:
     """``{name: <registered name>, ...options}``. ``config`` is the options validated by the
-    plugin's ``config_cls`` (filled in by the loader; ``None`` if the plugin takes no options)."""
+    plugin's ``config_cls`` (filled in by the loader; ``None`` if the plugin takes no options) and
+    ``entry`` the registry entry the loader resolved ``name`` to."""
 
     name: str
     options: dict[str, Any] = attrs.field(factory=dict)
     config: Any = attrs.field(default=None, eq=False)
+    entry: RegistryEntry | None = attrs.field(default=None, eq=False, repr=False)
+
+    def build(self, *args: Any, **kwargs: Any) -> Any:
+        """Build the component: ``entry.factory(*args, config, **kwargs)`` (for rewards, loggers,
+        losses, advantages and filters simply ``spec.build()``). Only for a spec the loader has
+        validated, e.g. a nested section declared with :func:`plugin_section`."""
+        if self.entry is None:
+            raise PluginError(
+                f"plugin section {self.name!r} was not validated by the configuration loader "
+                "(core_rl.config.loader.validate_plugin_section), so it cannot be built"
+            )
+        return self.entry.factory(*args, self.config, **kwargs)
+
+
+def plugin_section(kind: PluginKind, **field_kwargs: Any) -> Any:
+    """An attrs field of a plugin's config class holding another plugin's section (a
+    :class:`PluginSpec`, ``PluginSpec | None`` or ``list[PluginSpec]``) of ``kind``.
+
+    The loader validates such a section by the selected plugin's own config class, with the full
+    key path (``reward.parts[1].reward.pattern: ...``), at any depth, and resolves its registry
+    entry, so the outer component's factory builds it with :meth:`PluginSpec.build`::
+
+        @attrs.define
+        class Part:
+            weight: float = 1.0
+            reward: PluginSpec = plugin_section(REWARD)
+    """
+    metadata = {**field_kwargs.pop("metadata", {}), PLUGIN_KIND_METADATA: kind}
+    return attrs.field(metadata=metadata, **field_kwargs)
 
 
 @attrs.define
@@ -266,6 +303,16 @@ class TrainerConfig:
 
 
 @attrs.define
+class SampleLogConfig:
+    """Every ``every_n_steps`` steps (0: never) the loggers receive ``num_samples`` of the step's
+    samples (prompt, response, reward, finish reason), spread evenly over the batch; the
+    ``jsonl`` logger appends them to ``samples.jsonl`` in the run directory."""
+
+    every_n_steps: int = attrs.field(default=10, validator=non_negative())
+    num_samples: int = attrs.field(default=4, validator=positive())
+
+
+@attrs.define
 class RunConfig:
     """A whole run."""
 
@@ -278,3 +325,4 @@ class RunConfig:
     loggers: list[PluginSpec] = attrs.field(factory=lambda: [PluginSpec(name="console")])
     saver: SaverConfig = attrs.field(factory=SaverConfig)
     trainer: TrainerConfig = attrs.field(factory=TrainerConfig)
+    sample_log: SampleLogConfig = attrs.field(factory=SampleLogConfig)

@@ -46,6 +46,7 @@ from core_rl.interfaces import (
     RolloutEngine,
     RunInfo,
     SampleFilter,
+    SampleRecord,
     SamplingParams,
     TrainEngine,
 )
@@ -198,20 +199,24 @@ class ComponentContract:
     name: ClassVar[str]
     options: ClassVar[dict[str, Any]] = {}
     distribution: ClassVar[str | None] = None
+    #: other plugins the component's nested sections select (e.g. the parts of a combined reward)
+    extra_plugins: ClassVar[list[object]] = []
 
     def host(self) -> PluginHost:
         host = PluginHost(entry_points=[])
         host.register_plugin(self.plugin, distribution=self.distribution or "<test>")
+        for extra in self.extra_plugins:
+            host.register_plugin(extra, distribution="<test extra>")
         return host
 
     def entry(self) -> RegistryEntry:
         return self.host().get(self.kind, self.name)
 
     def config(self, **overrides: Any) -> Any:
-        entry = self.entry()
-        if entry.config_cls is None:
-            return None
-        return structure({**self.options, **overrides}, entry.config_cls, path=self.kind.key)
+        """The validated config (nested plugin sections resolved), ``None`` without a config class."""
+        spec = PluginSpec(name=self.name, options={**self.options, **overrides})
+        validate_plugin_section(self.host(), self.kind, spec, self.kind.key)
+        return spec.config
 
     def test_registered_with_description(self) -> None:
         entry = self.entry()
@@ -412,6 +417,16 @@ class RewardContract(ComponentContract):
     def test_empty_input(self) -> None:
         assert self.make().score([]) == []
 
+    def test_score_with_parts_agrees_with_score(self) -> None:
+        reward = self.make()
+        items = [inp for inp, _ in self.examples]
+        result = reward.score_with_parts(items)
+        assert result.scores == pytest.approx(reward.score(items), abs=1e-6, nan_ok=True)
+        for name, values in result.parts.items():
+            assert len(values) == len(items), f"part {name!r} has {len(values)} values for {len(items)} items"
+        reward.close()
+        reward.close()
+
 
 class LoggerContract(ComponentContract):
     """A logger survives start / log (including non-finite values) / close, and close twice."""
@@ -432,6 +447,19 @@ class LoggerContract(ComponentContract):
         lg.log({"reward/mean": 0.5, "actor/loss": 1.25}, step=1)
         lg.log({"reward/mean": float("nan"), "actor/grad_norm": float("inf")}, step=2)
         lg.close()
+        lg.close()
+
+    def test_log_samples(self, tmp_path: Path) -> None:
+        lg = self.make()
+        lg.start(self.run_info(tmp_path))
+        lg.log({"reward/mean": 0.5}, step=1)
+        samples = [
+            SampleRecord(prompt="abc=", response="cba", reward=1.0, finish_reason="stop", parts={"match": 1.0}),
+            SampleRecord(prompt='quote " | pipe\n', response="", reward=float("nan"), finish_reason="length"),
+        ]
+        lg.log_samples(samples, step=1)
+        lg.log({"reward/mean": 0.75}, step=2)
+        lg.log_samples(samples[:1], step=2)
         lg.close()
 
 

@@ -31,13 +31,15 @@ class DynamicSamplingError(CoreRLError):
 @attrs.define
 class Generation:
     """One generation batch: its samples in prompt order, the prompt (0-based, within this batch)
-    each answers, their raw rewards, and metrics to add up over a step's generation batches
-    (timings, token counts)."""
+    each answers, their raw rewards, metrics to add up over a step's generation batches
+    (timings, token counts) and the reward's named parts (``Reward.score_with_parts``), one value per
+    sample each."""
 
     samples: list[Sample]
     group_index: list[int]
     rewards: list[float]
     metrics: dict[str, float] = attrs.field(factory=dict)
+    reward_parts: dict[str, list[float]] = attrs.field(factory=dict)
 
 
 def _stats(prefix: str, values: Sequence[float]) -> dict[str, float]:
@@ -58,6 +60,9 @@ def generation_metrics(generations: Sequence[Generation]) -> dict[str, float]:
     rewards = [r for g in generations for r in g.rewards]
     lengths = [float(len(s.response_ids)) for s in samples]
     metrics = {**_stats("reward", rewards), **_stats("response_length", lengths)}
+    for name in dict.fromkeys(name for g in generations for name in g.reward_parts):
+        values = [v for g in generations for v in g.reward_parts.get(name, [])]
+        metrics.update(_stats(f"reward/{name}", values))
     if samples:
         metrics["response_length/clip_fraction"] = statistics.fmean(s.finish_reason == "length" for s in samples)
     for g in generations:

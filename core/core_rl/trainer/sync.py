@@ -29,9 +29,11 @@ from core_rl.interfaces import (
     Logger,
     PolicyLoss,
     Reward,
+    RewardScores,
     RolloutEngine,
     RunInfo,
     SampleFilter,
+    SampleRecord,
     TrainEngine,
 )
 from core_rl.kinds import (
@@ -161,6 +163,8 @@ class SyncTrainer:
                 specs.append(PluginSpec(name="jsonl", config=host.get(LOGGER, "jsonl").config_cls()))
             self.loggers = [_build(host, LOGGER, s) for s in specs]
         self.start_step = 0
+        # (reward inputs, scores) of each generation batch of the current step, for sample logging
+        self._scored_this_step: list[tuple[list[RewardInput], RewardScores]] = []
 
     @property
     def is_main(self) -> bool:
@@ -183,7 +187,7 @@ class SyncTrainer:
                 owners.append(prompt)
         return samples, group_index, owners
 
-    def _score(self, samples: list[Sample], owners: list[PromptItem]) -> list[float]:
+    def _score(self, samples: list[Sample], owners: list[PromptItem]) -> tuple[list[RewardInput], RewardScores]:
         assert self.reward is not None
         texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
         inputs = [
@@ -197,12 +201,35 @@ class SyncTrainer:
             )
             for s, text, owner in zip(samples, texts, owners)
         ]
-        scores = self.reward.score(inputs)
-        if len(scores) != len(inputs):
+        scored = self.reward.score_with_parts(inputs)
+        if len(scored.scores) != len(inputs):
             raise RuntimeError(
-                f"reward {self.cfg.reward.name!r} returned {len(scores)} scores for {len(inputs)} samples"
+                f"reward {self.cfg.reward.name!r} returned {len(scored.scores)} scores for {len(inputs)} samples"
             )
-        return [float(x) for x in scores]
+        scored.scores = [float(x) for x in scored.scores]
+        return inputs, scored
+
+    def _log_samples(self, step: int) -> None:
+        """Every ``sample_log.every_n_steps`` steps, hand ``num_samples`` samples spread over the
+        step's first generation batch to every logger."""
+        if not self._scored_this_step:
+            return
+        inputs, scored = self._scored_this_step[0]
+        every, k = self.cfg.sample_log.every_n_steps, min(self.cfg.sample_log.num_samples, len(inputs))
+        if not every or step % every or not k:
+            return
+        records = [
+            SampleRecord(
+                prompt=inputs[i].prompt_text,
+                response=inputs[i].response_text,
+                reward=scored.scores[i],
+                finish_reason=inputs[i].finish_reason,
+                parts={name: float(values[i]) for name, values in scored.parts.items()},
+            )
+            for i in sorted({j * len(inputs) // k for j in range(k)})
+        ]
+        for lg in self.loggers:
+            lg.log_samples(records, step)
 
     def _generate_scored(self) -> Generation:
         """One generation batch: the next prompts, their samples and rewards, with timings."""
@@ -210,14 +237,21 @@ class SyncTrainer:
         prompts = self.data.next_batch()
         samples, group_index, owners = self._rollout(prompts)
         t_gen = time.perf_counter()
-        rewards = self._score(samples, owners)
+        inputs, scored = self._score(samples, owners)
+        self._scored_this_step.append((inputs, scored))
         t_reward = time.perf_counter()
         timings = {
             "timing/generate_s": t_gen - t0,
             "timing/reward_s": t_reward - t_gen,
             "throughput/generated_tokens": float(sum(len(s.response_ids) for s in samples)),
         }
-        return Generation(samples=samples, group_index=group_index, rewards=rewards, metrics=timings)
+        return Generation(
+            samples=samples,
+            group_index=group_index,
+            rewards=scored.scores,
+            metrics=timings,
+            reward_parts={name: [float(v) for v in values] for name, values in scored.parts.items()},
+        )
 
     def _sync_weights(self, version: int) -> None:
         if self.cfg.rollout.weight_sync == "disk":
@@ -237,10 +271,12 @@ class SyncTrainer:
         payload: tuple[TensorBatch | None, dict[str, float]] | CoreRLError | None = None
         if self.is_main:
             # -- generation, rewards, filters (over-sampling), shaping, advantages: trainer/batching.py
+            self._scored_this_step = []
             try:
                 payload = self.batcher.assemble(self._generate_scored)
             except CoreRLError as exc:  # every rank raises it, none is left waiting
                 payload = exc
+            self._log_samples(step)
         payload = _broadcast(payload, self.rank, self.world_size)
         if isinstance(payload, CoreRLError):
             raise payload
@@ -324,7 +360,7 @@ class SyncTrainer:
         }
 
     def close(self) -> None:
-        for component in (self.rollout, self.ref, self.engine):
+        for component in (self.rollout, self.ref, self.engine, self.reward):
             if component is not None:
                 component.close()
 

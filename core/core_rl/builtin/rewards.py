@@ -1,0 +1,156 @@
+"""Built-in reward ``combine``: a weighted sum of other rewards, each scored concurrently and each
+reported as its own metric.
+
+.. code-block:: yaml
+
+    reward:
+      name: combine
+      parts:
+        - reward: {name: math, answer_key: answer}    # any installed reward, with its own options
+          weight: 0.9
+        - reward: {name: format, tags: [think, answer]}
+          weight: 0.1
+          label: tags                                   # metric reward/tags/mean (default: the name)
+
+``score = sum_i weight_i * score_i``. Each part's section is validated by its own plugin's config
+class (errors name ``reward.parts[1].reward.<key>``); parts may themselves be ``combine``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import attrs
+
+from core_rl.config.checks import (
+    EnvironmentContext,
+    SectionContext,
+    config_problems,
+    environment_problems,
+    required_columns,
+)
+from core_rl.config.schema import PluginSpec, plugin_section
+from core_rl.config.validators import FieldValueError, finite, non_negative
+from core_rl.hookspecs import Register, hookimpl
+from core_rl.interfaces import Reward, RewardScores
+from core_rl.kinds import REWARD
+from core_rl.protocol import RewardInput
+
+
+@attrs.define
+class CombinePart:
+    """One part: ``reward`` (a reward section, validated by that reward), its ``weight`` (any finite
+    number; negative weights make penalties) and ``label``, the name its metric is reported under
+    (default: the reward's name)."""
+
+    reward: PluginSpec = plugin_section(REWARD)  # noqa: RUF009 (an attrs field, like attrs.field)
+    weight: float = attrs.field(default=1.0, validator=finite())
+    label: str = ""
+
+    @property
+    def metric_name(self) -> str:
+        return self.label or self.reward.name
+
+
+@attrs.define
+class CombineConfig:
+    """``parts``: at least one; their labels must differ. ``num_workers``: parts scored at once
+    (0: all of them)."""
+
+    parts: list[CombinePart] = attrs.field(factory=list)
+    num_workers: int = attrs.field(default=0, validator=non_negative())
+
+    def __attrs_post_init__(self) -> None:
+        if not self.parts:
+            raise FieldValueError("parts", self.parts, "must list at least one part ({reward: {name: ...}, weight: w})")
+        labels = [p.metric_name for p in self.parts]
+        repeated = sorted({x for x in labels if labels.count(x) > 1})
+        if repeated:
+            raise FieldValueError(
+                "parts", labels, f"must have distinct labels ({', '.join(repeated)} repeated); set 'label' on each"
+            )
+
+    # the parts' own checks, as if each part were the run's reward (at its own key path)
+
+    def _part_contexts(self, context: SectionContext) -> list[tuple[Any, SectionContext]]:
+        out = []
+        for i, part in enumerate(self.parts):
+            path = f"{context.path}.parts[{i}].reward"
+            out.append((part.reward.config, attrs.evolve(context, path=path, name=part.reward.name)))
+        return out
+
+    def check_config(self, context: SectionContext) -> list[str]:
+        return [line for config, ctx in self._part_contexts(context) for line in config_problems(config, ctx)]
+
+    def check_environment(self, context: EnvironmentContext) -> list[str]:
+        return [line for config, ctx in self._part_contexts(context) for line in environment_problems(config, ctx)]
+
+    def required_columns(self) -> list[str]:
+        """Every column any part reads."""
+        return sorted({c for part in self.parts for c in required_columns(part.reward.config)})
+
+
+class CombinedReward(Reward):
+    """``score = sum_i weight_i * score_i`` over the configured parts; ``parts`` of
+    :meth:`score_with_parts` holds each part's own score under its label (and a part's own parts
+    under ``label/name``)."""
+
+    def __init__(self, config: CombineConfig) -> None:
+        self.config = config
+        self.parts: list[tuple[CombinePart, Reward]] = []
+        try:
+            for part in config.parts:
+                self.parts.append((part, part.reward.build()))
+        except BaseException:
+            self.close()
+            raise
+
+    def _score_part(self, part: CombinePart, reward: Reward, items: Sequence[RewardInput]) -> RewardScores:
+        try:
+            result = reward.score_with_parts(items)
+        except Exception as exc:
+            exc.add_note(f"in part {part.metric_name!r} (reward {part.reward.name!r}) of reward 'combine'")
+            raise
+        if len(result.scores) != len(items):
+            raise ValueError(
+                f"reward 'combine': part {part.metric_name!r} (reward {part.reward.name!r}) returned "
+                f"{len(result.scores)} scores for {len(items)} items"
+            )
+        return result
+
+    def score_with_parts(self, items: Sequence[RewardInput]) -> RewardScores:
+        if not items:
+            return RewardScores(scores=[], parts={p.metric_name: [] for p, _ in self.parts})
+        workers = self.config.num_workers or len(self.parts)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="combine") as pool:
+            futures = [pool.submit(self._score_part, part, reward, items) for part, reward in self.parts]
+            results = [f.result() for f in futures]
+        totals = [0.0] * len(items)
+        parts: dict[str, list[float]] = {}
+        for (part, _), result in zip(self.parts, results):
+            values = [float(x) for x in result.scores]
+            for i, v in enumerate(values):
+                totals[i] += part.weight * v
+            parts[part.metric_name] = values
+            for name, sub in result.parts.items():
+                parts[f"{part.metric_name}/{name}"] = [float(x) for x in sub]
+        return RewardScores(scores=totals, parts=parts)
+
+    def score(self, items: Sequence[RewardInput]) -> list[float]:
+        return self.score_with_parts(items).scores
+
+    def close(self) -> None:
+        for _, reward in self.parts:
+            reward.close()
+
+
+@hookimpl
+def core_rl_register_rewards(register: Register) -> None:
+    register(
+        "combine",
+        CombinedReward,
+        description="Weighted sum of other rewards, scored concurrently, each part reported as a metric",
+        config_cls=CombineConfig,
+    )

@@ -1,0 +1,1 @@
+"""core-rl-swanlab: the ``swanlab`` logger (see :mod:`.logger`)."""

@@ -1,0 +1,1 @@
+"""core-rl-tensorboard: the ``tensorboard`` logger (see :mod:`.logger`)."""

@@ -1,0 +1,1 @@
+"""core-rl-trackio: the ``trackio`` logger (see :mod:`.logger`)."""

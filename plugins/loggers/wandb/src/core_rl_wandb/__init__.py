@@ -1,0 +1,1 @@
+"""core-rl-wandb: the ``wandb`` logger (see :mod:`.logger`)."""

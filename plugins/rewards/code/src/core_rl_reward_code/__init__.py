@@ -1,0 +1,1 @@
+"""core-rl-reward-code: the ``code`` reward (see :mod:`.reward`) and its sandbox (:mod:`.sandbox`)."""

@@ -1,0 +1,212 @@
+"""Run an untrusted program in a sandbox made of Linux namespaces and resource limits.
+
+``unshare`` (util-linux) starts the launcher (:mod:`core_rl_reward_code.launcher`) in new user,
+mount, network and PID namespaces:
+
+- **network**: a fresh network namespace with no interface up: every connection fails;
+- **filesystem**: every mount read-only except a private temporary work directory (also ``HOME``
+  and ``TMPDIR``), removed afterwards;
+- **processes**: a fresh PID namespace with its own ``/proc``: the program sees no other process
+  (so not the trainer's ``/proc/<pid>/environ``), and when its first process dies the kernel kills
+  every process in the namespace; ``RLIMIT_NPROC`` stops fork bombs;
+- **privileges**: the user namespace's root, with every capability dropped and no-new-privileges;
+- **limits**: CPU seconds, address space, file size (which also caps stdout and stderr, written to
+  files), open files, no core dumps; a wall-clock timeout kills the whole process group;
+- **environment**: only ``PATH``, ``HOME``, ``TMPDIR``, ``LANG`` and two ``PYTHON*`` switches.
+
+The program can still read what the trainer's user can read on disk (read-only).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import attrs
+from core_rl.config.validators import positive
+from core_rl.errors import CoreRLError
+
+from core_rl_reward_code import launcher
+
+UNSHARE_FLAGS = ["--user", "--map-root-user", "--net", "--mount", "--pid", "--fork", "--mount-proc", "--kill-child"]
+VERDICT_LIMIT = 1 << 16
+
+
+class SandboxUnavailable(CoreRLError):
+    """This machine cannot create the namespaces the sandbox needs."""
+
+
+@attrs.define
+class SandboxLimits:
+    """Limits of one sandboxed run: ``timeout_s`` wall clock, ``cpu_s`` CPU time, ``memory_mb``
+    address space, ``max_output_kb`` for stdout, stderr and each written file, ``max_processes``
+    (threads count too), ``max_open_files``."""
+
+    timeout_s: float = attrs.field(default=10.0, validator=positive())
+    cpu_s: int = attrs.field(default=5, validator=positive())
+    memory_mb: int = attrs.field(default=1024, validator=positive())
+    max_output_kb: int = attrs.field(default=1024, validator=positive())
+    max_processes: int = attrs.field(default=32, validator=positive())
+    max_open_files: int = attrs.field(default=64, validator=positive())
+
+
+@attrs.define
+class RunResult:
+    """How a sandboxed run ended: ``exit_code`` (negative: killed by that signal), whether it ran
+    past ``timeout_s``, its output (each cut at the output limit) and what it wrote to the
+    verdict descriptor (``verdict_fd`` of :func:`run_sandboxed`)."""
+
+    exit_code: int
+    timed_out: bool
+    stdout: str
+    stderr: str
+    verdict: str
+
+
+@functools.cache
+def sandbox_problem() -> str | None:
+    """Why the sandbox cannot run here (``None`` if it can): tried once per process."""
+    tools = {name: shutil.which(name) for name in ("unshare", "setpriv")}
+    missing = [name for name, path in tools.items() if path is None]
+    if missing:
+        return f"{' and '.join(missing)} not found (install util-linux)"
+    try:
+        probe = subprocess.run(
+            [tools["unshare"], *UNSHARE_FLAGS, "--", "true"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unshare failed: {exc}"
+    if probe.returncode != 0:
+        return f"unshare cannot create user, network, mount and PID namespaces: {probe.stderr.strip()}"
+    return None
+
+
+def require_sandbox() -> None:
+    """Raise :class:`SandboxUnavailable` (with what to do) unless the sandbox can run here."""
+    problem = sandbox_problem()
+    if problem is not None:
+        raise SandboxUnavailable(
+            f"reward 'code' cannot sandbox programs on this machine: {problem}. It needs unprivileged "
+            "user namespaces (sysctl kernel.unprivileged_userns_clone=1 and user.max_user_namespaces > 0; "
+            "in a container, a seccomp profile that allows unshare) or running as root"
+        )
+
+
+def _clean_env(work: str) -> dict[str, str]:
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": work,
+        "TMPDIR": work,
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def _read_capped(path: Path, limit: int) -> str:
+    with path.open("rb") as f:
+        return f.read(limit).decode("utf-8", errors="replace")
+
+
+def _drain(fd: int) -> str:
+    os.set_blocking(fd, False)
+    chunks, size = [], 0
+    while size < VERDICT_LIMIT:
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks).decode("utf-8", errors="replace")
+
+
+def run_sandboxed(
+    argv: Sequence[str],
+    files: Mapping[str, str],
+    limits: SandboxLimits,
+    *,
+    stdin: str = "",
+    verdict_fd: bool = False,
+) -> RunResult:
+    """Run ``argv`` in a fresh sandbox whose work directory (the current directory) holds ``files``
+    (name -> text). ``{verdict_fd}`` in ``argv`` is replaced by a descriptor the program may write
+    a short verdict to (read back as ``RunResult.verdict``)."""
+    require_sandbox()
+    with tempfile.TemporaryDirectory(prefix="core-rl-code-") as tmp:
+        work = Path(tmp) / "work"
+        work.mkdir(mode=0o700)
+        for name, text in files.items():
+            (work / name).write_text(text, encoding="utf-8")
+        (Path(tmp) / "stdin").write_text(stdin, encoding="utf-8")
+        read_end, write_end = os.pipe() if verdict_fd else (-1, -1)
+        args = [a.replace("{verdict_fd}", str(write_end)) for a in argv]
+        spec = {
+            "workdir": str(work),
+            "setpriv": shutil.which("setpriv"),
+            "argv": args,
+            "limits": {
+                "cpu_s": limits.cpu_s,
+                "address_space_bytes": limits.memory_mb << 20,
+                "file_size_bytes": limits.max_output_kb << 10,
+                "processes": limits.max_processes,
+                "open_files": limits.max_open_files,
+            },
+        }
+        command = [shutil.which("unshare"), *UNSHARE_FLAGS, "--", sys.executable, "-I", launcher.__file__]
+        timed_out = False
+        try:
+            with (
+                (Path(tmp) / "stdin").open("rb") as fin,
+                (Path(tmp) / "stdout").open("wb") as fout,
+                (Path(tmp) / "stderr").open("wb") as ferr,
+            ):
+                proc = subprocess.Popen(
+                    [*command, json.dumps(spec)],
+                    stdin=fin,
+                    stdout=fout,
+                    stderr=ferr,
+                    cwd=work,
+                    env=_clean_env(str(work)),
+                    start_new_session=True,
+                    pass_fds=(write_end,) if verdict_fd else (),
+                )
+            if verdict_fd:
+                os.close(write_end)
+                write_end = -1
+            try:
+                proc.wait(timeout=limits.timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the PID namespace takes everything in it along
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=30)
+            verdict = _drain(read_end) if verdict_fd else ""
+        finally:
+            for fd in (read_end, write_end):
+                if fd >= 0:
+                    os.close(fd)
+        cap = limits.max_output_kb << 10
+        stderr = _read_capped(Path(tmp) / "stderr", cap)
+        if proc.returncode == launcher.SETUP_FAILED and stderr.startswith("sandbox setup failed"):
+            raise RuntimeError(f"reward 'code': {stderr.strip()}")
+        return RunResult(
+            exit_code=proc.returncode,
+            timed_out=timed_out,
+            stdout=_read_capped(Path(tmp) / "stdout", cap),
+            stderr=stderr,
+            verdict=verdict,
+        )

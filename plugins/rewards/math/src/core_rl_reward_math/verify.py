@@ -1,0 +1,23 @@
+"""What runs inside a verifier worker process: math-verify's parse and verify of one pair."""
+
+from __future__ import annotations
+
+
+def warm_up() -> None:
+    """Worker initializer: import math-verify (and sympy, antlr) before any item is timed."""
+    from math_verify import parse, verify
+
+    verify(parse("$1$"), parse("$1$"))
+
+
+def verify_pair(gold: str, answer: str, float_rounding: int, strict: bool) -> bool:
+    """Whether ``answer`` is mathematically equivalent to ``gold`` (both LaTeX for math-verify's
+    ``parse``). math-verify's own signal-based timeouts are off: the caller's pool kills a worker
+    that runs past the item's time limit."""
+    from math_verify import parse, verify
+
+    gold_parsed = parse(gold, parsing_timeout=None)
+    answer_parsed = parse(answer, parsing_timeout=None)
+    if not gold_parsed or not answer_parsed:
+        return False
+    return bool(verify(gold_parsed, answer_parsed, float_rounding=float_rounding, strict=strict, timeout_seconds=None))

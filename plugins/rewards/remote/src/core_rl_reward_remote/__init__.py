@@ -1,0 +1,1 @@
+"""core-rl-reward-remote: the ``remote`` reward (see :mod:`.reward`)."""

@@ -1,0 +1,143 @@
+"""The ``remote`` reward: POST batches of samples to an HTTP reward service.
+
+Request (one per ``batch_size`` items, up to ``max_concurrent_requests`` at once)::
+
+    POST <url>   {"items": [{"prompt": ..., "response": ..., "row": {...}, "finish_reason": ...}, ...]}
+
+Response: ``{"scores": [s_0, ...]}`` (one number per item, in order), optionally with
+``"parts": {"name": [v_0, ...], ...}`` reported as ``reward/<name>/mean``.
+
+Each request has ``timeout_s``; a connection error, a timeout, HTTP 429 or a 5xx status is retried
+up to ``max_retries`` times after ``min(backoff_max_s, backoff_s * 2**attempt)`` seconds (or the
+server's ``Retry-After``). Another 4xx status, a malformed body or the wrong number of scores is
+a :class:`RemoteRewardError` at once. The token comes from the environment variable named by
+``auth_env``, read when the reward is built; it is never part of the configuration.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+from core_rl.errors import CoreRLError
+from core_rl.interfaces import Reward, RewardScores
+from core_rl.protocol import RewardInput
+
+from core_rl_reward_remote.config import RemoteConfig
+
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class RemoteRewardError(RuntimeError):
+    """The reward service could not score a batch (after retries, where retrying made sense)."""
+
+
+def _payload(item: RewardInput, fields: Sequence[str]) -> dict[str, Any]:
+    values = {
+        "prompt": item.prompt_text,
+        "response": item.response_text,
+        "row": dict(item.row),
+        "finish_reason": item.finish_reason,
+        "prompt_ids": list(item.prompt_ids),
+        "response_ids": list(item.response_ids),
+    }
+    return {name: values[name] for name in fields}
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    try:
+        return float(response.headers["retry-after"])
+    except (KeyError, ValueError):
+        return None
+
+
+class RemoteReward(Reward):
+    """See the module docstring. Thread-safe (one shared connection pool)."""
+
+    def __init__(self, config: RemoteConfig | None = None) -> None:
+        self.config = cfg = config if config is not None else RemoteConfig()
+        headers = {}
+        if cfg.auth_env is not None:
+            token = os.environ.get(cfg.auth_env)
+            if not token:
+                raise CoreRLError(
+                    f"reward 'remote': environment variable {cfg.auth_env} (reward.auth_env) is not set; "
+                    "export the service's token in it"
+                )
+            headers[cfg.auth_header] = f"{cfg.auth_scheme} {token}".strip()
+        self.client = httpx.Client(
+            headers=headers,
+            timeout=cfg.timeout_s,
+            limits=httpx.Limits(max_connections=cfg.max_concurrent_requests),
+        )
+
+    def _post(self, batch: list[dict[str, Any]]) -> dict[str, Any]:
+        cfg = self.config
+        failures = []
+        for attempt in range(cfg.max_retries + 1):
+            delay = min(cfg.backoff_max_s, cfg.backoff_s * 2**attempt)
+            try:
+                response = self.client.post(cfg.url, json={"items": batch})
+            except httpx.TimeoutException:
+                failures.append(f"no answer within {cfg.timeout_s} s")
+            except httpx.TransportError as exc:
+                failures.append(f"{type(exc).__name__}: {exc}")
+            else:
+                if response.status_code in RETRY_STATUSES:
+                    failures.append(f"HTTP {response.status_code}")
+                    delay = _retry_after(response) or delay
+                elif response.status_code in (401, 403):
+                    hint = f"check the token in {cfg.auth_env}" if cfg.auth_env else "set reward.auth_env"
+                    raise RemoteRewardError(
+                        f"reward 'remote': {cfg.url} refused the request (HTTP {response.status_code}); {hint}"
+                    )
+                elif response.is_error:
+                    raise RemoteRewardError(
+                        f"reward 'remote': {cfg.url} answered HTTP {response.status_code}: {response.text[:300]}"
+                    )
+                else:
+                    return self._parse(response, len(batch))
+            if attempt < cfg.max_retries:
+                time.sleep(min(delay, cfg.backoff_max_s))
+        raise RemoteRewardError(
+            f"reward 'remote': {cfg.url} failed {len(failures)} times ({'; '.join(failures)}); "
+            "is the service up? (reward.max_retries, reward.timeout_s)"
+        )
+
+    def _parse(self, response: httpx.Response, expected: int) -> dict[str, Any]:
+        url = self.config.url
+        try:
+            body = response.json()
+            scores = [float(s) for s in body["scores"]]
+            parts = {str(k): [float(x) for x in v] for k, v in body.get("parts", {}).items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise RemoteRewardError(
+                f"reward 'remote': {url} answered {response.text[:200]!r}, not "
+                f'{{"scores": [numbers], "parts": {{name: [numbers]}}}} ({exc})'
+            ) from None
+        for name, values in {"scores": scores, **parts}.items():
+            if len(values) != expected:
+                raise RemoteRewardError(f"reward 'remote': {url} sent {len(values)} {name} for {expected} items")
+        return {"scores": scores, "parts": parts}
+
+    def score_with_parts(self, items: Sequence[RewardInput]) -> RewardScores:
+        cfg = self.config
+        payload = [_payload(item, cfg.fields) for item in items]
+        batches = [payload[i : i + cfg.batch_size] for i in range(0, len(payload), cfg.batch_size)]
+        with ThreadPoolExecutor(max_workers=cfg.max_concurrent_requests, thread_name_prefix="remote-reward") as pool:
+            results = list(pool.map(self._post, batches))
+        scores = [s for r in results for s in r["scores"]]
+        names = {name for r in results for name in r["parts"]}
+        parts = {n: [v for r in results for v in r["parts"].get(n, [math.nan] * len(r["scores"]))] for n in names}
+        return RewardScores(scores=scores, parts=parts)
+
+    def score(self, items: Sequence[RewardInput]) -> list[float]:
+        return self.score_with_parts(items).scores
+
+    def close(self) -> None:
+        self.client.close()

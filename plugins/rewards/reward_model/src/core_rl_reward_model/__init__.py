@@ -1,0 +1,1 @@
+"""core-rl-reward-model: the ``reward_model`` reward (see :mod:`.reward`)."""
