@@ -14,7 +14,8 @@ from typing import IO, Any
 import attrs
 from tqdm import tqdm
 
-from core_rl.config.validators import positive
+from core_rl.checkpointing import write_text_atomic
+from core_rl.config.validators import inside_directory, positive
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import Logger, RunInfo
 
@@ -81,9 +82,9 @@ class ConsoleLogger(Logger):
 
 @attrs.define
 class JsonlLoggerConfig:
-    """``filename``: file name inside the run directory."""
+    """``filename``: file name inside the run directory (it cannot point outside it)."""
 
-    filename: str = "metrics.jsonl"
+    filename: str = attrs.field(default="metrics.jsonl", validator=inside_directory())
 
 
 def _json_value(value: Any) -> Any:
@@ -101,8 +102,10 @@ class JsonlLogger(Logger):
         self._file: IO[str] | None = None
 
     def start(self, run: RunInfo) -> None:
-        run.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = run.output_dir / self.config.filename
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if run.resume_step is not None:
+            truncate_jsonl(self.path, run.resume_step)
         self._file = self.path.open("a", encoding="utf-8")
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
@@ -116,6 +119,28 @@ class JsonlLogger(Logger):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def truncate_jsonl(path: Path, last_step: int) -> int:
+    """Keep only the records of ``path`` whose ``step`` is at most ``last_step`` (and drop lines that
+    do not parse, such as one cut short by a killed process), rewriting the file atomically.
+    Returns how many lines were dropped; a missing file is left missing."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            keep = isinstance(record, dict) and int(record["step"]) <= last_step
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line + "\n")
+        elif line.strip():
+            dropped += 1
+    if dropped:
+        write_text_atomic(path, "".join(kept))
+    return dropped
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

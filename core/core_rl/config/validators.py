@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import PurePath
 from typing import Any
 
 import attrs
@@ -48,3 +49,14 @@ def in_range(low: float, high: float, *, low_open: bool = False, high_open: bool
 
 def one_of(choices: Sequence[str]) -> Validator:
     return _check(lambda v: v in choices, f"must be one of {', '.join(map(repr, choices))}")
+
+
+def inside_directory() -> Validator:
+    """A relative path that stays inside the directory it is joined to: not empty, not absolute,
+    no ``..`` component (``team/run1`` is fine, ``../x`` and ``/tmp/x`` are not)."""
+
+    def ok(value: str) -> bool:
+        path = PurePath(value)
+        return "\0" not in value and not path.is_absolute() and bool(path.parts) and ".." not in path.parts
+
+    return _check(ok, "must be a relative path that stays inside the output directory (no '..', not absolute)")
