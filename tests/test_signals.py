@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from core_rl.plugins import PluginHost
-from core_rl.testing.faults import finish, wait_for_steps
+from core_rl.testing.faults import finish, wait_for_random_moment, wait_for_steps
 from fault_helpers import (
     build_task,
     checkpoint,
@@ -63,16 +63,15 @@ def start(config: dict, *, faults: bool = False) -> subprocess.Popen:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
 def test_signal_at_a_random_moment_then_resume_is_bitwise(base, straight, sig):
     seed = random.randrange(10**6)
-    delay = random.Random(seed).uniform(0.0, 0.6)
     config = merged(base, experiment={"name": f"sig-{sig.name}"}, recover={"mode": "auto"})
     proc = start(config)
     try:
-        assert wait_for_steps(run_dir(config), proc), finish(proc, 60)[-3000:]
-        time.sleep(delay)
+        moment = wait_for_random_moment(run_dir(config), proc, random.Random(seed), STEPS)
+        assert moment is not None, finish(proc, 60)[-3000:]
         proc.send_signal(sig)
     finally:
         err = finish(proc, 240)
-    note = f"(signal {sig.name} {delay:.3f} s after step 1, seed {seed})"
+    note = f"({sig.name} {moment}; seed {seed})"
     run = run_dir(config)
     logged = sorted(stable_metrics(run))
     if sig == signal.SIGKILL:

@@ -25,6 +25,7 @@ import hashlib
 import itertools
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -247,6 +248,20 @@ def wait_for_steps(run: Path, proc: subprocess.Popen, steps: int = 1, timeout: f
             return False
         time.sleep(0.02)
     return False
+
+
+def wait_for_random_moment(run: Path, proc: subprocess.Popen, rng: random.Random, total_steps: int) -> str | None:
+    """Wait for a random moment of training, judged by the run's own progress (so load on the
+    machine does not push it past the end): after step ``k - 1`` is logged, for ``k`` drawn from
+    ``[2, total_steps - 2]``, a random part of that step's duration so far. Returns where that is,
+    or ``None`` if the run ended first."""
+    step = rng.randint(2, total_steps - 2)
+    if not wait_for_steps(run, proc, step - 1):
+        return None
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    delay = rng.uniform(0.0, float(last.get("timing/step_s", 0.1)))
+    time.sleep(delay)
+    return f"during step {step}, {delay:.3f} s after step {step - 1} was logged"
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> str:
