@@ -305,7 +305,7 @@ class Bench:
         clean = not [p for p in (copy_to / "checkpoints").iterdir() if p.name.startswith(".")]
         if proc.returncode == 1 and "no space left on device" in proc.stderr and clean:
             out.detected += 1
-            out.notes.append("stopped naming the newest valid checkpoint, no partial files")
+            out.notes.append("stopped naming the newest valid checkpoint, no partial files; then resumed with space")
             config["experiment"]["output_dir"] = self.base["experiment"]["output_dir"]
             self.resume_and_compare(out, config, reference, before=set(stable_metrics(copy_to)))
         else:
@@ -338,7 +338,7 @@ class Bench:
             out.detected += 1
             out.notes.append(
                 f"rank 0 failed {reported[0]:.0f} s after the stop, naming what it waited for; the launcher "
-                f"ended {ended:.0f} s after it (torch's agent gives the other worker 30 s before SIGKILL)"
+                f"ended {ended:.0f} s after the stop (torch's agent gives the stopped worker 30 s before SIGKILL)"
             )
         else:
             out.notes.append(f"exit {proc.returncode} after {ended:.0f} s")

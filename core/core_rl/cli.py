@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -147,6 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(f"core-rl: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before the trainer's own handlers are installed
+        print("core-rl: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     parser.error(f"unknown command {args.command!r}")
     return EXIT_USAGE
 
