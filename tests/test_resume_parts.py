@@ -78,10 +78,9 @@ def test_prune_never_deletes_what_latest_names(tmp_path_factory, steps, keep_las
     checkpoints.prune(run, keep_last)
     kept = {s for s, _ in checkpoints.list_checkpoints(run)}
     older = sorted(s for s in steps if s < latest)
+    newest_older = set(older[::-1][: keep_last - 1])  # the keep_last - 1 newest before latest
     assert latest in kept
-    assert kept == {latest} | set(older[len(older) - (keep_last - 1) :] if keep_last > 1 else []) | {
-        s for s in steps if s > latest
-    }
+    assert kept == {latest} | newest_older | {s for s in steps if s > latest}
 
 
 def test_prune_does_nothing_without_a_valid_latest(tmp_path):
