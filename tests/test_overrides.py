@@ -194,7 +194,7 @@ def test_integer_keys_in_yaml(tmp_path, host, minimal_config):
         load_config(path, [], host=host)
     assert info.value.problems == [
         "1: unknown key (keys are names; valid keys: experiment, data, actor, rollout, "
-        "algorithm, reward, loggers, saver, trainer, sample_log)"
+        "algorithm, reward, loggers, saver, trainer, sample_log, reward_runner, recover)"
     ]
     minimal_config["reward"][3] = "x"
     problems = _problems(tmp_path, minimal_config, [], host)

@@ -20,6 +20,7 @@ from core_rl.plugins import PluginHost
 from core_rl.preflight import check_model_dir, check_tokenizer_dir, preflight
 from core_rl.tiny import build_tiny_model
 from core_rl.trainer import train
+from core_rl.trainer.errors import RewardError
 
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_hf")
@@ -324,7 +325,7 @@ def test_a_run_that_fails_at_its_first_step_can_be_run_again(tmp_path, model, da
     host = PluginHost()
     host.register_plugin(FailingReward(), distribution="test-failing")
     quick = ["trainer.total_steps=1", "trainer.torch_threads=1", "saver.at_end=false", "saver.export_hf=false"]
-    with pytest.raises(DataError, match="this row has no 'x'"):
+    with pytest.raises(RewardError, match="this row has no 'x'"):  # every item failed: the reward is broken
         train(_config(tmp_path, model, data, "reward.name=failing", *quick, host=host), host=host)
     metrics = tmp_path / "runs" / "run" / "metrics.jsonl"
     assert not metrics.exists()

@@ -3,7 +3,10 @@
 Exit status: 0 on success, 2 on a user's mistake: usage, configuration, overrides, plugins, and for
 ``train`` the data files, model and tokenizer directories, devices and output directory (checked
 before any model is loaded). Those print a short message on stderr naming each problem, without a
-traceback; any other exception is a bug and keeps its traceback.
+traceback; any other exception is a bug and keeps its traceback. ``train`` also exits with 1 when
+the run fails (a fault it detected, such as a broken reward or a rank that stopped answering, as one
+message; anything unexpected with a traceback), 3 when SIGINT or SIGTERM stopped it after saving a
+checkpoint, and 128 + N (killed by signal N) after a second signal.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -18,6 +22,7 @@ from core_rl import __version__
 from core_rl.errors import CoreRLError
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 3
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = sub.add_parser("train", help="train with a YAML config", description="Run training as configured.")
+    train.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N data-parallel workers on this machine (torch's elastic agent, listening on 127.0.0.1 only)",
+    )
     _add_config_args(train)
 
     plugins = sub.add_parser(
@@ -152,11 +164,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             from core_rl.trainer import train
 
             host, cfg = _load(args)
+            if args.nproc_per_node:
+                from core_rl.trainer.launch import launch
+
+                return launch(args.config, args.overrides, args.nproc_per_node, cfg)
             train(cfg, host=host)
             return 0
     except CoreRLError as exc:
-        print(f"core-rl: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        if exc.exit_code == EXIT_INTERRUPTED:
+            print(f"core-rl: {exc}", file=sys.stderr)
+        else:
+            print(f"core-rl: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before the trainer's own handlers are installed
+        print("core-rl: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     parser.error(f"unknown command {args.command!r}")
     return EXIT_USAGE
 

@@ -14,7 +14,10 @@ from typing import ClassVar
 
 
 class CoreRLError(Exception):
-    """Base class of user-facing errors: the message alone says what is wrong and what to do."""
+    """Base class of user-facing errors: the message alone says what is wrong and what to do.
+    ``exit_code`` is the ``core-rl`` command's exit status for it (see :mod:`core_rl.cli`)."""
+
+    exit_code: int = 2
 
 
 class ProblemsError(CoreRLError):

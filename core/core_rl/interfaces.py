@@ -86,6 +86,9 @@ class TrainEngine(ABC):
         not depend on the split. Then it clips gradients, steps the optimiser and scheduler.
         Returns at least ``loss``, ``grad_norm``, ``lr``, ``entropy`` and each token metric, reduced
         over all ranks.
+
+        A loss or gradient norm that is not finite (on any rank) skips the update on every rank: no
+        optimiser step, gradients dropped, and ``nonfinite`` is 1.0 in the metrics (else 0.0).
         """
 
     @abstractmethod
@@ -106,6 +109,16 @@ class TrainEngine(ABC):
     @abstractmethod
     def load_state(self, path: str | Path) -> dict[str, Any]:
         """Restore what :meth:`save_state` wrote; return its ``extra``. Collective."""
+
+    def check_checkpoint(self, path: str | Path) -> None:
+        """Raise :class:`core_rl.checkpointing.CheckpointFormatError` (naming the file) unless
+        ``path`` holds a complete checkpoint :meth:`load_state` can read. Cheap (headers, not
+        tensors); called on the main rank only, to pick the newest valid checkpoint before the
+        collective :meth:`load_state`. The default only checks that ``path`` is a directory."""
+        from core_rl.checkpointing import CheckpointFormatError
+
+        if not Path(path).is_dir():
+            raise CheckpointFormatError(f"{path}: not a directory")
 
     def close(self) -> None:
         """Release resources."""
@@ -131,6 +144,16 @@ class RolloutEngine(ABC):
     def load_weights_from_path(self, path: str | Path, version: int) -> None:
         """Load weights from a Hugging Face directory on disk and set the weight version."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """State a resumed run needs to continue exactly, e.g. the engine's own random generator,
+        as a state tree (:func:`core_rl.checkpointing.save_tree`). Saved in every checkpoint.
+        Default: nothing."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (an empty mapping for a checkpoint that holds
+        none). Default: nothing to restore."""
+
     def close(self) -> None:
         """Release resources (stop servers, free memory)."""
 
@@ -151,7 +174,8 @@ class Reward(ABC):
 
     @abstractmethod
     def score(self, items: Sequence[RewardInput]) -> list[float]:
-        """One score per item, in order."""
+        """One score per item, in order. The trainer may call it from several threads at once
+        (``reward_runner.num_workers``) and stops waiting for a call after ``reward_runner.timeout_s``."""
 
     def score_with_parts(self, items: Sequence[RewardInput]) -> RewardScores:
         """The scores plus named per-item values worth reporting (see :class:`RewardScores`).
@@ -250,11 +274,14 @@ class SampleFilter(ABC):
 
 @attrs.define
 class RunInfo:
-    """What a logger learns about the run when it starts."""
+    """What a logger learns about the run when it starts. ``resume_step``: set when the run
+    continues an earlier one from the checkpoint of that step (0: from the start); a logger that
+    keeps its own records should drop those of later steps, which the run will log again."""
 
     name: str
     output_dir: Path
     config: Mapping[str, Any]
+    resume_step: int | None = None
 
 
 @attrs.define

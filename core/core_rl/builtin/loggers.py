@@ -14,7 +14,8 @@ from typing import IO, Any
 import attrs
 from tqdm import tqdm
 
-from core_rl.config.validators import MAX_STEPS, in_range, not_empty
+from core_rl.checkpointing import write_text_atomic
+from core_rl.config.validators import MAX_STEPS, in_range, inside_directory
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import Logger, RunInfo, SampleRecord
 
@@ -81,12 +82,12 @@ class ConsoleLogger(Logger):
 
 @attrs.define
 class JsonlLoggerConfig:
-    """``filename``: file name inside the run directory; ``samples_filename``: where logged
-    samples go (one JSON object per sample: ``step``, ``prompt``, ``response``, ``reward``,
-    ``finish_reason``, ``reward/<part>``...)."""
+    """``filename``: file name inside the run directory (it cannot point outside it);
+    ``samples_filename``: where logged samples go, also inside the run directory (one JSON object per
+    sample: ``step``, ``prompt``, ``response``, ``reward``, ``finish_reason``, ``reward/<part>``...)."""
 
-    filename: str = attrs.field(default="metrics.jsonl", validator=not_empty())
-    samples_filename: str = attrs.field(default="samples.jsonl", validator=not_empty())
+    filename: str = attrs.field(default="metrics.jsonl", validator=inside_directory())
+    samples_filename: str = attrs.field(default="samples.jsonl", validator=inside_directory())
 
 
 def _json_value(value: Any) -> Any:
@@ -104,11 +105,17 @@ class JsonlLogger(Logger):
     def __init__(self, config: JsonlLoggerConfig) -> None:
         self.config = config
         self.path: Path | None = None
+        self.samples_path: Path | None = None
         self._file: IO[str] | None = None
 
     def start(self, run: RunInfo) -> None:
-        run.output_dir.mkdir(parents=True, exist_ok=True)
+        """On a resumed run, drop the records of steps after the checkpoint (they run again)."""
         self.path = run.output_dir / self.config.filename
+        self.samples_path = run.output_dir / self.config.samples_filename
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if run.resume_step is not None:
+            truncate_jsonl(self.path, run.resume_step)
+            truncate_jsonl(self.samples_path, run.resume_step)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if self.path is None:
@@ -120,18 +127,41 @@ class JsonlLogger(Logger):
         self._file.flush()
 
     def log_samples(self, samples: Sequence[SampleRecord], step: int) -> None:
-        if self.path is None:
+        if self.samples_path is None:
             raise RuntimeError("JsonlLogger.log_samples called before start")
         lines = [
             json.dumps({"step": step, **{k: _json_value(v) for k, v in s.as_row().items()}}) + "\n" for s in samples
         ]
-        with (self.path.parent / self.config.samples_filename).open("a", encoding="utf-8") as f:
+        self.samples_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.samples_path.open("a", encoding="utf-8") as f:
             f.writelines(lines)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def truncate_jsonl(path: Path, last_step: int) -> int:
+    """Keep only the records of ``path`` whose ``step`` is at most ``last_step`` (and drop lines that
+    do not parse, such as one cut short by a killed process), rewriting the file atomically.
+    Returns how many lines were dropped; a missing file is left missing."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            keep = isinstance(record, dict) and int(record["step"]) <= last_step
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line + "\n")
+        elif line.strip():
+            dropped += 1
+    if dropped:
+        write_text_atomic(path, "".join(kept))
+    return dropped
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

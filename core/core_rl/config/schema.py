@@ -18,6 +18,7 @@ from core_rl.config.validators import (
     FieldValueError,
     each,
     in_range,
+    inside_directory,
     non_negative,
     not_empty,
     one_of,
@@ -90,13 +91,14 @@ def plugin_section(kind: PluginKind, **field_kwargs: Any) -> Any:
 
 @attrs.define
 class ExperimentConfig:
-    """``name``: the run's name; its files go to ``output_dir/name``. ``seed`` seeds every RNG.
+    """``name``: the run's name; its files go to ``output_dir/name`` (a relative path that stays
+    inside ``output_dir``). ``seed`` seeds every RNG.
 
     ``offline``: model and tokenizer paths must be local directories (the default: nothing is
     downloaded). ``false`` lets ``actor.model_path`` / ``actor.tokenizer_path`` name a Hugging Face
     hub repository, downloaded into the Hugging Face cache before the run starts."""
 
-    name: str = attrs.field(default="core-rl", validator=not_empty())
+    name: str = attrs.field(default="core-rl", validator=inside_directory())
     output_dir: str = attrs.field(default="runs", validator=not_empty())
     seed: int = attrs.field(default=1, validator=in_range(0, MAX_SEED))
     offline: bool = True
@@ -293,13 +295,64 @@ class SaverConfig:
 
 @attrs.define
 class TrainerConfig:
-    """The loop: ``total_steps`` RL steps; ``resume`` continues from the run's newest checkpoint;
-    ``torch_threads`` (0: leave torch's default) sets intra-op threads."""
+    """The loop: ``total_steps`` RL steps; ``resume: true`` is ``recover.mode: auto`` (continue from
+    the run's newest valid checkpoint); ``torch_threads`` (0: leave torch's default) sets intra-op
+    threads.
+
+    ``collective_timeout_s``: under ``torchrun``, how long any rank waits for the others (every
+    collective, including waiting for rank 0's rollout and rewards) before the run fails with an
+    error naming what it waited for. It must exceed the longest rank-0-only phase of a step.
+
+    ``on_nonfinite``: what a step whose loss or gradient norm is NaN/inf does: ``skip`` (no update;
+    the batch is saved under ``<run>/nonfinite/`` and counted in ``actor/nonfinite_total``) or
+    ``stop`` (the same, then the run ends with an error). ``max_consecutive_nonfinite`` such steps
+    in a row also end the run (0: no limit)."""
 
     mode: str = attrs.field(default="sync", validator=one_of(("sync",)))
     total_steps: int = attrs.field(default=100, validator=in_range(1, MAX_STEPS))
     resume: bool = False
     torch_threads: int = attrs.field(default=0, validator=in_range(0, 4096))
+    collective_timeout_s: float = attrs.field(default=1800.0, validator=in_range(1.0, 10**7))
+    on_nonfinite: str = attrs.field(default="skip", validator=one_of(("skip", "stop")))
+    max_consecutive_nonfinite: int = attrs.field(default=3, validator=in_range(0, MAX_STEPS))
+
+
+@attrs.define
+class RewardRunnerConfig:
+    """How the reward is called (:mod:`core_rl.trainer.rewards`).
+
+    A step's samples are scored in calls of ``items_per_call`` items (0: all in one call), up to
+    ``num_workers`` calls at once in a thread pool (the reward must then be thread-safe; 1 calls it
+    serially), each call bounded by ``timeout_s`` from its start. An item whose call raised or
+    timed out, or whose score is NaN, inf or not a number, gets ``on_error``: ``value`` (its score
+    is ``error_value``), ``drop`` (the sample leaves the step) or ``stop`` (the run ends with an
+    error naming the reward, the item and the error). Every such item is counted
+    (``reward/errors``) and written with its error to ``<run>/reward_errors.jsonl``. When more than
+    ``max_error_fraction`` of a step's items fail, the reward is taken to be broken and the run
+    stops whatever ``on_error`` says (1.0: never). A wrong number of scores always stops the run."""
+
+    items_per_call: int = attrs.field(default=8, validator=in_range(0, MAX_COUNT))
+    num_workers: int = attrs.field(default=4, validator=in_range(1, 1024))
+    timeout_s: float = attrs.field(default=300.0, validator=in_range(0.0, 10**7, low_open=True))
+    on_error: str = attrs.field(default="value", validator=one_of(("value", "drop", "stop")))
+    error_value: float = attrs.field(default=0.0, validator=in_range(-1e30, 1e30))
+    max_error_fraction: float = attrs.field(default=0.5, validator=in_range(0.0, 1.0))
+
+
+@attrs.define
+class RecoverConfig:
+    """Resuming and automatic restarts.
+
+    ``mode``: ``disabled`` (start fresh; a run directory that already holds a run is refused),
+    ``auto`` (continue from the newest valid checkpoint if there is one, else start fresh; after a
+    crash, restart from the newest valid checkpoint up to ``retries`` times), ``resume`` (continue
+    from the newest valid checkpoint, an error if there is none; no restarts). Restarts happen in
+    the process for a single-process run, and through the launcher's worker restarts for
+    ``core-rl train --nproc-per-node N``. Configuration errors, a stop asked for by the
+    configuration (``on_error: stop``, ``on_nonfinite: stop``) and signals are never retried."""
+
+    mode: str = attrs.field(default="disabled", validator=one_of(("disabled", "auto", "resume")))
+    retries: int = attrs.field(default=3, validator=in_range(0, 1000))
 
 
 @attrs.define
@@ -326,3 +379,5 @@ class RunConfig:
     saver: SaverConfig = attrs.field(factory=SaverConfig)
     trainer: TrainerConfig = attrs.field(factory=TrainerConfig)
     sample_log: SampleLogConfig = attrs.field(factory=SampleLogConfig)
+    reward_runner: RewardRunnerConfig = attrs.field(factory=RewardRunnerConfig)
+    recover: RecoverConfig = attrs.field(factory=RecoverConfig)

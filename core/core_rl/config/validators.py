@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from pathlib import PurePath
 from typing import Any
 
 import attrs
@@ -112,3 +113,16 @@ def each(validator: Validator) -> Validator:
                 raise FieldValueError(f"{attribute.name}[{i}]", item, exc.requirement) from None
 
     return validate
+
+
+def inside_directory() -> Validator:
+    """A relative path that stays inside the directory it is joined to: not empty, not absolute,
+    no ``..`` component (``team/run1`` is fine, ``../x`` and ``/tmp/x`` are not)."""
+
+    def ok(value: str) -> bool:
+        path = PurePath(value)
+        return "\0" not in value and not path.is_absolute() and bool(path.parts) and ".." not in path.parts
+
+    return _check(
+        ok, "must be a relative path that stays inside the output directory (no '..', not absolute)", numeric=False
+    )

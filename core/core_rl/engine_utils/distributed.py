@@ -8,6 +8,12 @@ One code path serves CPU + gloo and GPU + NCCL:
   environment (``env://``);
 - else a world-size-1 group is created over an in-process store, so a sharded engine always has a
   group to run on. Groups the engine creates live as long as the process.
+
+A group the engine creates gets the run's collective timeout
+(:func:`core_rl.trainer.ranks.collective_timeout`, from ``trainer.collective_timeout_s``), so no
+collective waits forever for a stopped or dead rank. On one machine (no ``MASTER_ADDR``, or a
+loopback one) gloo and NCCL are told to listen on the loopback interface only, unless
+``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` say otherwise.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from core_rl.trainer.ranks import collective_timeout, listen_on_loopback_unless_configured
 
 ReduceOp = dist.ReduceOp
 
@@ -48,15 +56,19 @@ def ensure_process_group(backend: str, device: torch.device) -> tuple[int, int]:
     if not dist.is_initialized():
         resolved = resolve_backend(backend, device)
         env_world = os.environ.get("WORLD_SIZE")
+        timeout = collective_timeout()
+        kwargs: dict = {"timeout": timeout} if timeout is not None else {}
+        listen_on_loopback_unless_configured(os.environ.get("MASTER_ADDR"))
         if os.environ.get("RANK") is not None and env_world is not None and "MASTER_ADDR" in os.environ:
-            kwargs = {"device_id": device} if device.type == "cuda" else {}
+            if device.type == "cuda":
+                kwargs["device_id"] = device
             dist.init_process_group(resolved, init_method="env://", **kwargs)
         elif env_world is not None and int(env_world) > 1:
             raise RuntimeError(
                 f"WORLD_SIZE={env_world} but RANK/MASTER_ADDR/MASTER_PORT are not all set; launch with torchrun"
             )
         else:
-            dist.init_process_group(resolved, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(resolved, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -618,6 +618,31 @@ class TrainEngineContract(_TinyModelMixin, ComponentContract):
         a.close()
         b.close()
 
+    def test_non_finite_loss_skips_the_update(self, model_path: Path) -> None:
+        engine = self.make(model_path, optimizer=OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1))
+        before = engine.full_state_dict()
+
+        def nan_loss(batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
+            return LossOutput(per_token_loss=logprobs * float("nan"))
+
+        metrics = engine.train_step(make_rl_batch(), nan_loss)
+        assert metrics["nonfinite"] == 1.0 and engine.step == 1
+        for key, value in engine.full_state_dict().items():
+            assert torch.equal(value, before[key]), key
+        assert engine.train_step(make_rl_batch(), _nll_loss)["nonfinite"] == 0.0
+        engine.close()
+
+    def test_check_checkpoint(self, model_path: Path, tmp_path: Path) -> None:
+        from core_rl.checkpointing import CheckpointFormatError
+
+        engine = self.make(model_path)
+        engine.train_step(make_rl_batch(), _nll_loss)
+        engine.save_state(tmp_path / "ckpt", {"n": 1})
+        engine.check_checkpoint(tmp_path / "ckpt")
+        with pytest.raises(CheckpointFormatError):
+            engine.check_checkpoint(tmp_path / "missing")
+        engine.close()
+
 
 class RolloutEngineContract(_TinyModelMixin, ComponentContract):
     """A rollout engine on a tiny model: counts, stop rules, greedy decoding, behaviour log-probs
@@ -704,3 +729,11 @@ class RolloutEngineContract(_TinyModelMixin, ComponentContract):
         out = engine.generate(self.prompts, SamplingParams(n=1, max_new_tokens=5))
         self._check_logprobs(out, model_path, 1.0)
         engine.close()
+
+    def test_state_dict_round_trips_through_a_checkpoint(self, engine: RolloutEngine, tmp_path: Path) -> None:
+        """Whatever :meth:`RolloutEngine.state_dict` holds is a state tree a checkpoint can store,
+        and loading it back is accepted."""
+        from core_rl.checkpointing import load_tree, save_tree
+
+        save_tree(tmp_path, "rollout", engine.state_dict())
+        engine.load_state_dict(load_tree(tmp_path, "rollout"))

@@ -11,6 +11,7 @@ a :class:`DynamicSamplingError` naming the setting.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Sequence
 
@@ -43,14 +44,20 @@ class Generation:
 
 
 def _stats(prefix: str, values: Sequence[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    return {
-        f"{prefix}/mean": statistics.fmean(values),
-        f"{prefix}/std": statistics.pstdev(values) if len(values) > 1 else 0.0,
-        f"{prefix}/max": max(values),
-        f"{prefix}/min": min(values),
-    }
+    """Mean, std, max and min of the finite ``values``; ``<prefix>/nonfinite`` counts the others."""
+    finite = [v for v in values if math.isfinite(v)]
+    out = {f"{prefix}/nonfinite": float(len(values) - len(finite))} if len(finite) < len(values) else {}
+    if not finite:
+        return out
+    out.update(
+        {
+            f"{prefix}/mean": statistics.fmean(finite),
+            f"{prefix}/std": statistics.pstdev(finite) if len(finite) > 1 else 0.0,
+            f"{prefix}/max": max(finite),
+            f"{prefix}/min": min(finite),
+        }
+    )
+    return out
 
 
 def generation_metrics(generations: Sequence[Generation]) -> dict[str, float]:
@@ -132,7 +139,10 @@ class BatchAssembler:
         """Whether the step over-samples to refill what the filters drop."""
         return self.algorithm.max_num_gen_batches > 1
 
-    def _filtered(self, gen: Generation, offset: int) -> TensorBatch:
+    def _filtered(self, gen: Generation, offset: int) -> TensorBatch | None:
+        """The generation's samples the filters keep (``None`` when it has none left)."""
+        if not gen.samples:
+            return None
         batch = samples_to_batch(gen.samples, [offset + g for g in gen.group_index], self.pad_token_id)
         batch["rewards"] = torch.tensor(gen.rewards, dtype=torch.float32)
         keep = torch.ones(batch.batch_size, dtype=torch.bool)
@@ -152,7 +162,7 @@ class BatchAssembler:
             generations.append(gen)
             part = self._filtered(gen, offset)
             offset += max(gen.group_index, default=-1) + 1
-            if part.batch_size:
+            if part is not None and part.batch_size:
                 kept.append(part)
                 n_groups += int(torch.unique(part["group_index"]).numel())
             if not self.dynamic or n_groups >= self.prompts_per_step:

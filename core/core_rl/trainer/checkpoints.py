@@ -1,41 +1,157 @@
-"""Where a run keeps its checkpoints: ``<run>/checkpoints/step_<N>/`` plus a ``latest`` file naming
-the newest complete one (written atomically after the checkpoint itself), pruned to ``keep_last``."""
+"""Where a run keeps its checkpoints and which one it resumes from.
+
+Layout: ``<run>/checkpoints/step_<N>/`` (written atomically by the train engine: a directory under
+its final name is complete) plus ``latest``, naming the newest one, written atomically after it.
+
+- :func:`find_resumable` picks the checkpoint ``latest`` names if it is valid, else the newest
+  valid one by step, and says why it passed any over (``latest`` missing, naming a directory that
+  is gone, or a checkpoint whose files are broken).
+- :func:`prune` keeps the newest ``keep_last`` checkpoints up to the one ``latest`` names and never
+  deletes that one; checkpoints of later steps than it are left alone (they are not part of this
+  run's history: a resume that passed them over found them broken).
+- :func:`is_disk_full` recognises "no space left on device" in an error or its causes, whichever
+  library raised it.
+"""
 
 from __future__ import annotations
 
+import errno
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
-from core_rl.checkpointing import write_text_atomic
+import attrs
+
+from core_rl.checkpointing import CheckpointFormatError, write_text_atomic
 
 LATEST = "latest"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_LEFTOVER = re.compile(r"^\.step_\d+\.(partial|old)$")
+
+
+def checkpoints_root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / f"step_{step:08d}"
+    return checkpoints_root(run_dir) / f"step_{step:08d}"
+
+
+def step_of(path: Path) -> int | None:
+    """The step in a checkpoint directory's name, or ``None`` if it is not named like one."""
+    match = _STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
 
 
 def mark_latest(run_dir: Path, step: int) -> None:
-    write_text_atomic(run_dir / "checkpoints" / LATEST, checkpoint_dir(run_dir, step).name)
+    write_text_atomic(checkpoints_root(run_dir) / LATEST, checkpoint_dir(run_dir, step).name)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint, or ``None``."""
-    pointer = run_dir / "checkpoints" / LATEST
+    """The checkpoint directory ``latest`` names, if it exists (not checked further)."""
+    pointer = checkpoints_root(run_dir) / LATEST
     if not pointer.is_file():
         return None
-    path = run_dir / "checkpoints" / pointer.read_text(encoding="utf-8").strip()
-    return path if path.is_dir() else None
+    path = checkpoints_root(run_dir) / pointer.read_text(encoding="utf-8").strip()
+    return path if step_of(path) is not None and path.is_dir() else None
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """``(step, directory)`` of every directory named like a checkpoint, by step."""
+    root = checkpoints_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = [(step_of(p), p) for p in root.iterdir() if p.is_dir()]
+    return sorted((s, p) for s, p in found if s is not None)
+
+
+@attrs.define
+class Resumable:
+    """The checkpoint to resume from (``None``: there is none) and what was passed over, and why."""
+
+    path: Path | None
+    step: int
+    notes: list[str] = attrs.field(factory=list)
+
+
+def find_resumable(run_dir: Path, check: Callable[[Path], None]) -> Resumable:
+    """The checkpoint ``latest`` names if ``check`` accepts it, else the newest by step that it
+    accepts. ``check`` raises :class:`CheckpointFormatError` (or ``OSError``) for a bad one."""
+    root = checkpoints_root(run_dir)
+    pointer = root / LATEST
+    notes: list[str] = []
+    named: Path | None = None
+    if pointer.is_file():
+        name = pointer.read_text(encoding="utf-8").strip()
+        named = root / name
+        if step_of(named) is None or named.parent != root:
+            notes.append(f"{pointer} names {name!r}, which is not a checkpoint directory")
+            named = None
+        elif not named.is_dir():
+            notes.append(f"{pointer} names {name}, which does not exist")
+            named = None
+        else:
+            try:
+                check(named)
+                return Resumable(named, step_of(named) or 0)
+            except (CheckpointFormatError, OSError) as exc:
+                notes.append(f"{pointer} names {name}, which is not a valid checkpoint: {exc}")
+    elif list_checkpoints(run_dir):
+        notes.append(f"{pointer} is missing")
+    for step, path in reversed(list_checkpoints(run_dir)):
+        if path == named:
+            continue
+        try:
+            check(path)
+        except (CheckpointFormatError, OSError) as exc:
+            notes.append(f"{path.name} is not a valid checkpoint, skipped: {exc}")
+            continue
+        notes.append(f"resuming from {path.name}, the newest valid checkpoint")
+        return Resumable(path, step, notes)
+    return Resumable(None, 0, notes)
+
+
+def remove_leftovers(run_dir: Path) -> list[Path]:
+    """Delete the ``.step_N.partial`` / ``.step_N.old`` directories of interrupted saves."""
+    root = checkpoints_root(run_dir)
+    if not root.is_dir():
+        return []
+    removed = [p for p in root.iterdir() if _LEFTOVER.match(p.name)]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def prune(run_dir: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` checkpoints (never the one ``latest`` names)."""
-    root = run_dir / "checkpoints"
-    keep = latest_checkpoint(run_dir)
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
-    removed = []
-    for path in steps[:-keep_last] if keep_last > 0 else []:
-        if path != keep:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
+    """Keep the newest ``keep_last`` checkpoints up to the one ``latest`` names (always kept); delete
+    the older ones and leftovers of interrupted saves. Does nothing while ``latest`` names no
+    existing checkpoint."""
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        return []
+    newest = step_of(latest)
+    assert newest is not None
+    older = [p for s, p in list_checkpoints(run_dir) if s < newest]
+    doomed = older[: max(0, len(older) - (max(keep_last, 1) - 1))]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed + remove_leftovers(run_dir)
+
+
+_DISK_FULL_TEXT = ("no space left on device", "storagefull", "disk quota exceeded", "os error 28")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` or an error it was raised from says the device is full (``ENOSPC`` /
+    ``EDQUOT``, also as text: safetensors and other native code report it as a message)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(marker in str(current).lower() for marker in _DISK_FULL_TEXT):
+            return True
+        current = current.__cause__ or current.__context__
+    return False

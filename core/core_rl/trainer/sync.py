@@ -1,19 +1,27 @@
 """The synchronous RL loop.
 
-One step: prompts -> rollout (n samples each) -> rewards -> sample filters (drawing more prompts
-while they leave too few groups) -> reward shaping, advantages (:mod:`core_rl.trainer.batching`) ->
-(reference / recomputed log-probs) -> optimiser steps over minibatches and epochs
-(:mod:`core_rl.trainer.update`) -> weights to the rollout engine -> metrics to every logger ->
-checkpoint on the saver's schedule.
+One step: prompts -> rollout (n samples each) -> rewards -> sample filters (drawing more prompt
+batches while dynamic sampling asks for them) -> reward shaping, advantages and loss weights
+(:mod:`core_rl.trainer.batching`) -> reference / recomputed log-probs and ``ppo_n_minibatches`` x
+``ppo_epochs`` optimiser steps (:mod:`core_rl.trainer.update`) -> weights to the rollout engine ->
+metrics to every logger -> checkpoint on the saver's schedule.
 
 Under ``torchrun`` every rank runs this loop with its own train-engine shard; rank 0 alone owns the
 rollout engine, rewards and loggers, and broadcasts each step's batch to the other ranks, which take
-every ``world_size``-th row.
+every ``world_size``-th row. Every wait on another rank is bounded and a failure on one rank is sent
+to the others (:mod:`core_rl.trainer.ranks`).
+
+Faults: rewards run through :class:`~core_rl.trainer.rewards.RewardRunner` (timeouts, per-item
+``on_error``); non-finite steps go through :class:`~core_rl.trainer.numerics.NonFiniteGuard`; a
+SIGINT/SIGTERM (:mod:`core_rl.trainer.signals`) ends the loop after the current step with a
+checkpoint; resuming picks the newest valid checkpoint (:mod:`core_rl.trainer.checkpoints`) and
+restores every RNG the run uses, the data position, the rollout engine's state and the counters.
 """
 
 from __future__ import annotations
 
 import random
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,6 +29,7 @@ from typing import Any
 
 import torch
 
+from core_rl.checkpointing import discard_partial
 from core_rl.config.loader import to_plain
 from core_rl.config.schema import PluginSpec, RunConfig
 from core_rl.errors import CoreRLError
@@ -29,7 +38,6 @@ from core_rl.interfaces import (
     Logger,
     PolicyLoss,
     Reward,
-    RewardScores,
     RolloutEngine,
     RunInfo,
     SampleFilter,
@@ -53,6 +61,17 @@ from core_rl.protocol import RewardInput, Sample, TensorBatch
 from core_rl.trainer import checkpoints
 from core_rl.trainer.batching import BatchAssembler, Generation
 from core_rl.trainer.data import DataRow, PromptItem, PromptSource
+from core_rl.trainer.errors import DiskFullError, RunFailed, TrainingInterrupted
+from core_rl.trainer.numerics import NonFiniteGuard
+from core_rl.trainer.ranks import (
+    agree_after,
+    broadcast_outcome,
+    rank_and_world,
+    set_collective_timeout,
+    waiting_for,
+)
+from core_rl.trainer.rewards import RewardErrorLog, RewardRunner, ScoreResult
+from core_rl.trainer.signals import StopSignals
 from core_rl.trainer.update import PolicyUpdate
 
 
@@ -70,52 +89,81 @@ def _quiet_library_progress_bars() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def _dist() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def warn(message: str) -> None:
+    print(f"core-rl: warning: {message}", file=sys.stderr, flush=True)
 
 
-def _broadcast(obj: Any, rank: int, world_size: int) -> Any:
-    if world_size == 1:
-        return obj
-    import torch.distributed as dist
-
-    box = [obj if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def effective_recover_mode(cfg: RunConfig) -> str:
+    """``recover.mode``, with the older ``trainer.resume: true`` meaning ``auto``."""
+    if cfg.recover.mode == "disabled" and cfg.trainer.resume:
+        return "auto"
+    return cfg.recover.mode
 
 
 class SyncTrainer:
     """Builds every component a :class:`RunConfig` selects and runs the synchronous loop."""
 
-    def __init__(self, cfg: RunConfig, host: PluginHost, data_rows: list[DataRow] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        host: PluginHost,
+        *,
+        stop: StopSignals | None = None,
+        data_rows: list[DataRow] | None = None,
+    ) -> None:
+        """``data_rows``: the rows :func:`core_rl.preflight.preflight` already read and checked
+        (``None``: read ``data.train_files`` here)."""
         self.cfg = cfg
         self.host = host
+        self._data_rows = data_rows
+        #: the run's signal handlers (entered by :func:`train`); without them nothing asks to stop
+        self.stop = stop if stop is not None else StopSignals(announce=False)
         seed = cfg.experiment.seed
         if cfg.trainer.torch_threads:
             torch.set_num_threads(cfg.trainer.torch_threads)
         random.seed(seed)
         torch.manual_seed(seed)
         self.run_dir = Path(cfg.experiment.output_dir) / cfg.experiment.name
-        if not cfg.trainer.resume and (self.run_dir / "metrics.jsonl").exists():
+        self.recover_mode = effective_recover_mode(cfg)
+        if self.recover_mode == "disabled" and (self.run_dir / "metrics.jsonl").exists():
             raise CoreRLError(
-                f"run directory {self.run_dir} already holds a run; set trainer.resume=true to continue it, "
-                "or choose another experiment.name"
+                f"run directory {self.run_dir} already holds a run; set recover.mode=auto (or trainer.resume=true) "
+                "to continue it, or choose another experiment.name"
             )
+        self.rollout: RolloutEngine | None = None
+        self.reward: Reward | None = None
+        self.reward_runner: RewardRunner | None = None
+        self.loggers: list[Logger] = []
+        self.ref: TrainEngine | None = None
+        self.engine: TrainEngine | None = None
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        self.start_step = 0
+        # (reward inputs, scores) of each generation batch of the current step, for sample logging
+        self._scored_this_step: list[tuple[list[RewardInput], ScoreResult]] = []
+        self.completed_step = 0
+        self.last_saved: int | None = None
+        #: the step a resumed run continues from (``None``: a fresh run; loggers then keep nothing)
+        self.resume_step: int | None = None
+        self.nonfinite = NonFiniteGuard(self.run_dir, self.rank, cfg.trainer)
+        self.reward_log = RewardErrorLog(self.run_dir / "reward_errors.jsonl", cfg.reward.name, cfg.reward_runner)
 
+    def _build(self) -> None:
+        cfg, host = self.cfg, self.host
         assert cfg.algorithm.loss is not None and cfg.algorithm.advantage is not None and cfg.reward is not None
+        set_collective_timeout(cfg.trainer.collective_timeout_s)  # for a group the engine creates
         self.loss: PolicyLoss = _build(host, POLICY_LOSS, cfg.algorithm.loss)
         self.advantage: AdvantageEstimator = _build(host, ADVANTAGE, cfg.algorithm.advantage)
         self.filters: list[SampleFilter] = [_build(host, SAMPLE_FILTER, s) for s in cfg.algorithm.filters]
         engine_entry = host.get(TRAIN_ENGINE, cfg.actor.engine.name)
-        self.engine: TrainEngine = engine_entry.factory(cfg.actor, cfg.actor.engine.config, trainable=True)
-        self.ref: TrainEngine | None = None
+        self.engine = engine_entry.factory(cfg.actor, cfg.actor.engine.config, trainable=True)
         if self.loss.requires_reference:
             self.ref = engine_entry.factory(cfg.actor, cfg.actor.engine.config, trainable=False)
-        self.rank, self.world_size = _dist()
+        set_collective_timeout(cfg.trainer.collective_timeout_s)  # and for one that existed already
+        self.rank, self.world_size = rank_and_world()
         # -- policy-gradient options (trainer/batching.py, trainer/update.py) ------------------
         spec = cfg.algorithm.rejection_sampling
         self.loss.set_rejection_sampler(_build(host, REJECTION_SAMPLER, spec) if spec is not None else None)
@@ -128,7 +176,6 @@ class SyncTrainer:
             shard=self._shard,
             world_size=self.world_size,
         )
-        # ----------------------------------------------------------------------------------------
 
         _quiet_library_progress_bars()
         from transformers import AutoTokenizer
@@ -147,24 +194,25 @@ class SyncTrainer:
             pad_token_id=self.pad_token_id,
         )
 
-        # every rank reads the data (only rank 0 draws from it) so a bad file fails on all ranks
+        # every rank has the data (only rank 0 draws from it) so a bad file fails on all ranks
         # at once instead of leaving the others waiting in a collective
-        self.data = PromptSource(cfg.data, self.tokenizer, seed=seed, rows=data_rows)
-        self.rollout: RolloutEngine | None = None
-        self.reward: Reward | None = None
-        self.loggers: list[Logger] = []
+        self.data = PromptSource(cfg.data, self.tokenizer, seed=cfg.experiment.seed, rows=self._data_rows)
+        # rank 0's own components: a failure is sent to the other ranks, which would wait otherwise
+        error: Exception | None = None
         if self.is_main:
-            self.rollout = host.get(ROLLOUT_ENGINE, cfg.rollout.engine.name).factory(
-                cfg.rollout, cfg.rollout.engine.config, model_path=cfg.actor.model_path
-            )
-            self.reward = _build(host, REWARD, cfg.reward)
-            specs = list(cfg.loggers)
-            if not any(s.name == "jsonl" for s in specs):  # every run leaves its metrics file
-                specs.append(PluginSpec(name="jsonl", config=host.get(LOGGER, "jsonl").config_cls()))
-            self.loggers = [_build(host, LOGGER, s) for s in specs]
-        self.start_step = 0
-        # (reward inputs, scores) of each generation batch of the current step, for sample logging
-        self._scored_this_step: list[tuple[list[RewardInput], RewardScores]] = []
+            try:
+                self.rollout = host.get(ROLLOUT_ENGINE, cfg.rollout.engine.name).factory(
+                    cfg.rollout, cfg.rollout.engine.config, model_path=cfg.actor.model_path
+                )
+                self.reward = _build(host, REWARD, cfg.reward)
+                self.reward_runner = RewardRunner(self.reward, cfg.reward.name, cfg.reward_runner)
+                specs = list(cfg.loggers)
+                if not any(s.name == "jsonl" for s in specs):  # every run leaves its metrics file
+                    specs.append(PluginSpec(name="jsonl", config=host.get(LOGGER, "jsonl").config_cls()))
+                self.loggers = [_build(host, LOGGER, s) for s in specs]
+            except Exception as exc:
+                error = exc
+        agree_after("building the rollout engine, reward and loggers (rank 0)", error)
 
     @property
     def is_main(self) -> bool:
@@ -187,8 +235,11 @@ class SyncTrainer:
                 owners.append(prompt)
         return samples, group_index, owners
 
-    def _score(self, samples: list[Sample], owners: list[PromptItem]) -> tuple[list[RewardInput], RewardScores]:
-        assert self.reward is not None
+    def _score(
+        self, samples: list[Sample], owners: list[PromptItem], step: int
+    ) -> tuple[list[RewardInput], ScoreResult, dict[str, float]]:
+        """Score ``samples`` through the reward runner; failed items are logged and counted."""
+        assert self.reward_runner is not None
         texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
         inputs = [
             RewardInput(
@@ -201,20 +252,42 @@ class SyncTrainer:
             )
             for s, text, owner in zip(samples, texts, owners)
         ]
-        scored = self.reward.score_with_parts(inputs)
-        if len(scored.scores) != len(inputs):
-            raise RuntimeError(
-                f"reward {self.cfg.reward.name!r} returned {len(scored.scores)} scores for {len(inputs)} samples"
-            )
-        scored.scores = [float(x) for x in scored.scores]
-        return inputs, scored
+        result = self.reward_runner.score(inputs, step=step)
+        return inputs, result, self.reward_log.record(step, inputs, result)
+
+    def _generate_scored(self, step: int) -> Generation:
+        """One generation batch: the next prompts, their samples and rewards (items the reward
+        runner dropped are left out), with timings and reward-error counts."""
+        t0 = time.perf_counter()
+        prompts = self.data.next_batch()
+        samples, group_index, owners = self._rollout(prompts)
+        t_gen = time.perf_counter()
+        inputs, result, error_metrics = self._score(samples, owners, step)
+        self._scored_this_step.append((inputs, result))
+        t_reward = time.perf_counter()
+        kept = result.kept
+        metrics = {
+            "timing/generate_s": t_gen - t0,
+            "timing/reward_s": t_reward - t_gen,
+            "throughput/generated_tokens": float(sum(len(s.response_ids) for s in samples)),
+            "reward/errors": error_metrics["reward/errors"],
+            "reward/dropped": error_metrics["reward/dropped"],
+            **{k: v for k, v in error_metrics.items() if k.startswith("reward/errors_") and k != "reward/errors_total"},
+        }
+        return Generation(
+            samples=[samples[i] for i in kept],
+            group_index=[group_index[i] for i in kept],
+            rewards=[float(result.scores[i]) for i in kept],  # type: ignore[arg-type]
+            metrics=metrics,
+            reward_parts={name: [values[i] for i in kept] for name, values in result.parts.items()},
+        )
 
     def _log_samples(self, step: int) -> None:
         """Every ``sample_log.every_n_steps`` steps, hand ``num_samples`` samples spread over the
         step's first generation batch to every logger."""
         if not self._scored_this_step:
             return
-        inputs, scored = self._scored_this_step[0]
+        inputs, result = self._scored_this_step[0]
         every, k = self.cfg.sample_log.every_n_steps, min(self.cfg.sample_log.num_samples, len(inputs))
         if not every or step % every or not k:
             return
@@ -222,36 +295,14 @@ class SyncTrainer:
             SampleRecord(
                 prompt=inputs[i].prompt_text,
                 response=inputs[i].response_text,
-                reward=scored.scores[i],
+                reward=float("nan") if result.scores[i] is None else float(result.scores[i]),  # type: ignore[arg-type]
                 finish_reason=inputs[i].finish_reason,
-                parts={name: float(values[i]) for name, values in scored.parts.items()},
+                parts={name: float(values[i]) for name, values in result.parts.items()},
             )
             for i in sorted({j * len(inputs) // k for j in range(k)})
         ]
         for lg in self.loggers:
             lg.log_samples(records, step)
-
-    def _generate_scored(self) -> Generation:
-        """One generation batch: the next prompts, their samples and rewards, with timings."""
-        t0 = time.perf_counter()
-        prompts = self.data.next_batch()
-        samples, group_index, owners = self._rollout(prompts)
-        t_gen = time.perf_counter()
-        inputs, scored = self._score(samples, owners)
-        self._scored_this_step.append((inputs, scored))
-        t_reward = time.perf_counter()
-        timings = {
-            "timing/generate_s": t_gen - t0,
-            "timing/reward_s": t_reward - t_gen,
-            "throughput/generated_tokens": float(sum(len(s.response_ids) for s in samples)),
-        }
-        return Generation(
-            samples=samples,
-            group_index=group_index,
-            rewards=scored.scores,
-            metrics=timings,
-            reward_parts={name: [float(v) for v in values] for name, values in scored.parts.items()},
-        )
 
     def _sync_weights(self, version: int) -> None:
         if self.cfg.rollout.weight_sync == "disk":
@@ -264,35 +315,45 @@ class SyncTrainer:
         if self.rollout is not None:
             self.rollout.update_weights(state, version)
 
+    def _rollout_and_score(self, step: int) -> tuple[TensorBatch | None, dict[str, float]]:
+        """Rank 0's part of a step: generation batches (several under dynamic sampling), rewards,
+        filters, shaping, advantages (:class:`~core_rl.trainer.batching.BatchAssembler`); the batch
+        to train on (``None``: nothing left) and the metrics so far."""
+        self._scored_this_step = []
+        batch, metrics = self.batcher.assemble(lambda: self._generate_scored(step))
+        metrics["reward/errors_total"] = float(self.reward_log.total)
+        self._log_samples(step)
+        return batch, metrics
+
     def step(self, step: int) -> dict[str, float]:
         """Run RL step ``step`` (1-based) and return its metrics (complete on rank 0)."""
+        assert self.engine is not None
         t0 = time.perf_counter()
-        metrics: dict[str, float] = {}
-        payload: tuple[TensorBatch | None, dict[str, float]] | CoreRLError | None = None
+        payload: tuple[TensorBatch | None, dict[str, float]] | None = None
+        error: Exception | None = None
         if self.is_main:
-            # -- generation, rewards, filters (over-sampling), shaping, advantages: trainer/batching.py
-            self._scored_this_step = []
             try:
-                payload = self.batcher.assemble(self._generate_scored)
-            except CoreRLError as exc:  # every rank raises it, none is left waiting
-                payload = exc
-            self._log_samples(step)
-        payload = _broadcast(payload, self.rank, self.world_size)
-        if isinstance(payload, CoreRLError):
-            raise payload
-        batch, prep_metrics = payload
-        metrics.update(prep_metrics)
+                payload = self._rollout_and_score(step)
+            except Exception as exc:
+                error = exc
+        batch, prep_metrics = broadcast_outcome(f"the batch of step {step} (rollout and rewards)", payload, error)
+        metrics = dict(prep_metrics)
         generated = metrics.pop("throughput/generated_tokens", 0.0)
         metrics["throughput/generated_tokens_per_s"] = generated / max(metrics.get("timing/generate_s", 0.0), 1e-9)
         t_train = time.perf_counter()
         if batch is not None:
             # -- reference / recomputed log-probs, minibatches x epochs: trainer/update.py
-            metrics.update(self.update(batch, train_version=step))
+            with waiting_for(f"the other ranks in the update of step {step}"):
+                update = self.update(batch, train_version=step)
+            metrics.update(update)
+            actor = {k.removeprefix("actor/"): v for k, v in update.items() if k.startswith("actor/")}
+            metrics.update(self.nonfinite.check(step, self._shard(batch), actor))
             metrics["throughput/train_tokens"] = float(batch["attention_mask"].sum()) * self.cfg.algorithm.ppo_epochs
         else:
             metrics["actor/skipped"] = 1.0
         t_sync = time.perf_counter()
-        self._sync_weights(step)
+        with waiting_for(f"the other ranks in the weight update after step {step}"):
+            self._sync_weights(step)
         t_end = time.perf_counter()
         metrics["timing/train_s"] = t_sync - t_train
         metrics["timing/weight_sync_s"] = t_end - t_sync
@@ -304,77 +365,199 @@ class SyncTrainer:
 
     # -- checkpoints --------------------------------------------------------------------------
 
+    def _extra_state(self, step: int) -> dict[str, Any]:
+        """What the trainer adds to the engine's checkpoint (the main rank's copy is kept)."""
+        return {
+            "trainer_step": step,
+            "data": self.data.state_dict(),
+            "rollout": self.rollout.state_dict() if self.rollout is not None else {},
+            "nonfinite": self.nonfinite.state_dict(),
+            "reward_errors": self.reward_log.state_dict(),
+        }
+
     def save_checkpoint(self, step: int) -> Path:
+        """Save the state after step ``step`` (the step just completed: never another name)."""
+        assert self.engine is not None
+        if step != self.completed_step:
+            raise RuntimeError(f"checkpoint of step {step} asked for after step {self.completed_step}")
         path = checkpoints.checkpoint_dir(self.run_dir, step)
-        extra = {"trainer_step": step, "data": self.data.state_dict()}
-        self.engine.save_state(path, extra)
-        if self.is_main:
-            checkpoints.mark_latest(self.run_dir, step)
-            checkpoints.prune(self.run_dir, self.cfg.saver.keep_last)
+        try:
+            with waiting_for(f"the other ranks to save checkpoint {path.name}"):
+                self.engine.save_state(path, self._extra_state(step))
+            if self.is_main:
+                checkpoints.mark_latest(self.run_dir, step)
+                checkpoints.prune(self.run_dir, self.cfg.saver.keep_last)
+        except Exception as exc:
+            if checkpoints.is_disk_full(exc):
+                if self.is_main:
+                    discard_partial(path)
+                raise self._disk_full(f"while saving checkpoint {path} (its partial files were removed)") from exc
+            raise
+        self.last_saved = step
         return path
 
+    def _disk_full(self, what: str) -> DiskFullError:
+        newest = checkpoints.latest_checkpoint(self.run_dir)
+        return DiskFullError(
+            f"no space left on device {what}; the newest valid checkpoint is {newest or 'none (nothing saved yet)'}. "
+            "Free space (or lower saver.keep_last) and resume with recover.mode=auto"
+        )
+
+    def _check_checkpoint(self, path: Path) -> None:
+        assert self.engine is not None
+        self.engine.check_checkpoint(path)
+
+    def _choose_checkpoint(self) -> Path | None:
+        """Rank 0: the checkpoint to resume from (``None``: start from the beginning), saying why
+        it passed any over; refuses one beyond ``trainer.total_steps``."""
+        found = checkpoints.find_resumable(self.run_dir, self._check_checkpoint)
+        for note in found.notes:
+            warn(note)
+        checkpoints.remove_leftovers(self.run_dir)
+        if found.path is None:
+            if self.recover_mode == "resume":
+                raise CoreRLError(
+                    f"recover.mode=resume, but {checkpoints.checkpoints_root(self.run_dir)} holds no valid checkpoint; "
+                    "use recover.mode=auto to start from the beginning when there is none"
+                )
+            return None
+        total = self.cfg.trainer.total_steps
+        if found.step > total:
+            raise CoreRLError(
+                f"trainer.total_steps={total} is below the step of the checkpoint to resume from ({found.path}, "
+                f"step {found.step}); raise trainer.total_steps to continue this run, or choose another "
+                "experiment.name to start a new one"
+            )
+        return found.path
+
     def maybe_resume(self) -> None:
-        if not self.cfg.trainer.resume:
+        """Continue from the newest valid checkpoint, as ``recover.mode`` says."""
+        assert self.engine is not None
+        if self.recover_mode == "disabled":
             return
-        found = checkpoints.latest_checkpoint(self.run_dir)
-        path = _broadcast(str(found) if found else None, self.rank, self.world_size)
+        chosen: Path | None = None
+        error: Exception | None = None
+        if self.is_main:
+            try:
+                chosen = self._choose_checkpoint()
+            except Exception as exc:
+                error = exc
+        path = broadcast_outcome("the checkpoint to resume from", chosen, error)
+        self.resume_step = 0
         if path is None:
             return
-        extra = self.engine.load_state(path)
-        self.start_step = int(extra["trainer_step"])
+        with waiting_for(f"the other ranks to load checkpoint {path.name}"):
+            extra = self.engine.load_state(path)
+        step = int(extra["trainer_step"])
+        if step != checkpoints.step_of(path):
+            raise RunFailed(f"checkpoint {path} holds the state after step {step}, not {checkpoints.step_of(path)}")
+        self.start_step = self.completed_step = self.resume_step = step
+        self.last_saved = step
         self.data.load_state_dict(extra["data"])
-        self._sync_weights(self.start_step)
+        if self.rollout is not None:
+            self.rollout.load_state_dict(extra.get("rollout", {}))
+        self.nonfinite.load_state_dict(extra.get("nonfinite", {}))
+        self.reward_log.load_state_dict(extra.get("reward_errors", {}))
+        with waiting_for("the other ranks to send the resumed weights to the rollout engine"):
+            self._sync_weights(step)
+        if self.is_main:
+            print(f"core-rl: resumed from {path} (step {step})", file=sys.stderr, flush=True)
 
     # -- the loop -----------------------------------------------------------------------------
 
+    def _interrupted(self, signal_name: str) -> TrainingInterrupted:
+        where = checkpoints.checkpoint_dir(self.run_dir, self.last_saved) if self.last_saved else None
+        saved = f"checkpoint {where}" if where else "nothing to save yet"
+        return TrainingInterrupted(
+            f"stopped by {signal_name} after step {self.completed_step} of {self.cfg.trainer.total_steps}; {saved}. "
+            "Continue the run with recover.mode=auto (or trainer.resume=true)"
+        )
+
     def run(self) -> dict[str, Any]:
-        """Train for ``trainer.total_steps`` steps; return where the results are."""
+        """Train up to ``trainer.total_steps`` steps; return where the results are."""
+        try:
+            return self._run()
+        except DiskFullError:
+            raise
+        except Exception as exc:
+            if checkpoints.is_disk_full(exc):
+                raise self._disk_full(f"({exc})") from exc
+            raise
+
+    def _run(self) -> dict[str, Any]:
+        assert self.engine is not None
         cfg = self.cfg
         self.maybe_resume()
-        info = RunInfo(name=cfg.experiment.name, output_dir=self.run_dir, config=to_plain(cfg))
-        for lg in self.loggers:
-            lg.start(info)
-        last_ckpt: Path | None = None
+        info = RunInfo(
+            name=cfg.experiment.name, output_dir=self.run_dir, config=to_plain(cfg), resume_step=self.resume_step
+        )
+        error: Exception | None = None
+        started: list[Logger] = []
+        if self.is_main:
+            try:
+                self.reward_log.start(self.resume_step)
+                for lg in self.loggers:
+                    lg.start(info)
+                    started.append(lg)
+            except Exception as exc:
+                error = exc
         try:
+            stop = agree_after("starting the loggers (rank 0)", error, self.stop.requested)
+            if stop:
+                raise self._interrupted(stop)
             for step in range(self.start_step + 1, cfg.trainer.total_steps + 1):
                 metrics = self.step(step)
-                for lg in self.loggers:
-                    lg.log(metrics, step)
-                if cfg.saver.every_n_steps and step % cfg.saver.every_n_steps == 0:
-                    last_ckpt = self.save_checkpoint(step)
-            final = cfg.trainer.total_steps
-            if cfg.saver.at_end and (last_ckpt is None or last_ckpt != checkpoints.checkpoint_dir(self.run_dir, final)):
-                last_ckpt = self.save_checkpoint(final)
+                self.completed_step = step
+                error = None
+                if self.is_main:
+                    try:
+                        for lg in self.loggers:
+                            lg.log(metrics, step)
+                    except Exception as exc:
+                        error = exc
+                stop = agree_after(f"step {step}", error, self.stop.requested)
+                if (cfg.saver.every_n_steps and step % cfg.saver.every_n_steps == 0) or stop:
+                    self.save_checkpoint(step)
+                if stop:
+                    raise self._interrupted(stop)
+            if cfg.saver.at_end and self.last_saved != self.completed_step:
+                self.save_checkpoint(self.completed_step)
             export = None
             if cfg.saver.export_hf:
                 export = self.run_dir / "final_hf"
-                self.engine.export_hf(export)
+                with waiting_for("the other ranks to export the final model"):
+                    self.engine.export_hf(export)
         finally:
-            for lg in self.loggers:
+            for lg in started:
                 lg.close()
+        last = checkpoints.checkpoint_dir(self.run_dir, self.last_saved) if self.last_saved else None
         return {
             "run_dir": self.run_dir,
             "metrics": self.run_dir / "metrics.jsonl",
-            "checkpoint": last_ckpt,
+            "checkpoint": last,
             "export": export,
         }
 
     def close(self) -> None:
+        if self.reward_runner is not None:
+            self.reward_runner.close()
+            self.reward_runner = None
         for component in (self.rollout, self.ref, self.engine, self.reward):
             if component is not None:
                 component.close()
+        self.rollout = self.ref = self.engine = self.reward = None
 
 
 def train(cfg: RunConfig, *, host: PluginHost) -> Mapping[str, Any]:
     """Check the data, model, machine and output directory (:mod:`core_rl.preflight`), then build a
-    trainer for ``cfg`` and run it; rank 0 prints where metrics and checkpoints are."""
+    trainer for ``cfg`` and run it, restarting after a crash as ``recover`` says
+    (:func:`core_rl.trainer.recover.run_with_restarts`); rank 0 prints where metrics and
+    checkpoints are."""
+    from core_rl.trainer.recover import run_with_restarts
+
     checked = preflight(cfg)
-    trainer = SyncTrainer(cfg, host, data_rows=checked.rows)
-    try:
-        result = trainer.run()
-    finally:
-        trainer.close()
-    if trainer.is_main:
+    result = run_with_restarts(cfg, host, data_rows=checked.rows)
+    if rank_and_world()[0] == 0:
         print(f"metrics:    {result['metrics']}")
         print(f"checkpoint: {result['checkpoint']}")
         if result["export"] is not None:

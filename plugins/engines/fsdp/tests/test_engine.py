@@ -201,10 +201,44 @@ def test_non_finite_gradient_skips_the_update(tiny_model: Path) -> None:
         return LossOutput(per_token_loss=lp * float("nan"))
 
     metrics = engine.train_step(batch, nan_loss)
-    assert math.isnan(metrics["grad_norm"]) and engine.step == 1
+    assert math.isnan(metrics["grad_norm"]) and engine.step == 1 and metrics["nonfinite"] == 1.0
     weights_close(engine.full_state_dict(), before, atol=0.0)
     metrics = engine.train_step(batch, nll_entropy)  # gradients were cleared: the next step is normal
-    assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
+    assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0 and metrics["nonfinite"] == 0.0
+    engine.close()
+
+
+def test_infinite_loss_with_finite_gradients_skips_the_update(tiny_model: Path) -> None:
+    """Weight decay would move the weights even with zero gradients: nothing moves when skipped."""
+    optimizer = OptimizerConfig(name="adamw", lr=0.1, weight_decay=0.5)
+    engine = FSDPEngine(make_actor(tiny_model, optimizer=optimizer), FSDPConfig(), trainable=True)
+    before = engine.full_state_dict()
+
+    def inf_loss(mb: TensorBatch, lp: torch.Tensor, ent: torch.Tensor) -> LossOutput:
+        return LossOutput(per_token_loss=lp * 0.0 + torch.where(mb["response_mask"] > 0, float("inf"), 0.0))
+
+    metrics = engine.train_step(make_rl_batch(seed=3), inf_loss)
+    assert metrics["grad_norm"] == 0.0 and math.isinf(metrics["loss"]) and metrics["nonfinite"] == 1.0
+    weights_close(engine.full_state_dict(), before, atol=0.0)
+    engine.close()
+
+
+def test_check_checkpoint_reads_headers_and_names_the_bad_file(tiny_model: Path, tmp_path: Path) -> None:
+    engine = FSDPEngine(make_actor(tiny_model, optimizer=OptimizerConfig(name="adamw")), FSDPConfig())
+    engine.train_step(make_rl_batch(), nll_entropy)
+    path = tmp_path / "ckpt"
+    engine.save_state(path, {"n": 1})
+    engine.check_checkpoint(path)
+    optimizer = path / "optimizer.safetensors"
+    optimizer.write_bytes(optimizer.read_bytes()[:50])
+    with pytest.raises(CheckpointFormatError, match="optimizer.safetensors: cannot be read"):
+        engine.check_checkpoint(path)
+    (path / "rng" / "rank0.json").unlink()
+    with pytest.raises(CheckpointFormatError, match=r"rank0.json: missing"):
+        engine.check_checkpoint(path)
+    (path / "meta.json").write_text('{"format": 1, "engine": "fsdp", "step": 1}')
+    with pytest.raises(CheckpointFormatError, match="unsupported checkpoint"):
+        engine.check_checkpoint(path)
     engine.close()
 
 

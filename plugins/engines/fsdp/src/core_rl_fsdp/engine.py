@@ -152,8 +152,9 @@ class FSDPEngine(TrainEngine):
         Returns, reduced over ranks: ``loss`` (sum of ``per_token_loss * loss_weight`` over the
         global batch), ``grad_norm`` (before clipping), ``lr`` (used by this step), ``entropy`` and
         every token metric (means over the global batch's response tokens),
-        ``num_micro_batches`` (per rank) and ``tokens`` (non-padding tokens processed).
-        A non-finite gradient norm skips the optimizer update (the step still counts).
+        ``num_micro_batches`` (per rank), ``tokens`` (non-padding tokens processed) and
+        ``nonfinite``: 1.0 when the global loss or gradient norm is NaN/inf, in which case no rank
+        updates its weights or optimizer state (the step still counts, for the schedule).
         """
         self._check_trainable("train_step")
         _check_temperature(temperature)
@@ -181,12 +182,15 @@ class FSDPEngine(TrainEngine):
             self.optimizer.zero_grad(set_to_none=True)  # a failed step leaves no partial gradient behind
             raise
         grad_norm = self._clip_gradients()
-        if math.isfinite(grad_norm):
+        metrics = acc.reduce()  # global sums: every rank takes the same decision below
+        nonfinite = not (math.isfinite(grad_norm) and math.isfinite(metrics["loss"]))
+        if not nonfinite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._step += 1
-        metrics = acc.reduce()
-        metrics.update(grad_norm=grad_norm, lr=lr, num_micro_batches=float(len(plan)))
+        metrics.update(
+            grad_norm=grad_norm, lr=lr, num_micro_batches=float(len(plan)), nonfinite=1.0 if nonfinite else 0.0
+        )
         return metrics
 
     def _train_micro_batch(self, mb: TensorBatch, loss_fn: LossFn, temperature: float, acc: StepMetrics) -> None:
@@ -301,6 +305,31 @@ class FSDPEngine(TrainEngine):
             ckpt.commit_partial(final)
         dist_utils.barrier()
 
+    def check_checkpoint(self, path: str | Path) -> None:
+        """Raise :class:`~core_rl.checkpointing.CheckpointFormatError` unless ``path`` holds a
+        complete checkpoint of this format: ``meta.json`` with this format and a step, the weights'
+        and optimizer's safetensors headers, ``extra`` and rank 0's RNG state readable. Reads
+        headers and JSON only."""
+        from safetensors import SafetensorError, safe_open
+
+        final = Path(path)
+        meta = _read_meta(final)
+        files = ["model.safetensors", "extra.json", "rng/rank0.json"]
+        if meta.get("optimizer"):
+            files += ["optimizer.json", "optimizer.safetensors"]
+        for name in files:
+            file = final / name
+            if not file.is_file():
+                raise ckpt.CheckpointFormatError(f"{file}: missing")
+            try:
+                if file.suffix == ".json":
+                    json.loads(file.read_text(encoding="utf-8"))
+                else:
+                    with safe_open(str(file), framework="pt") as f:
+                        f.keys()
+            except (SafetensorError, OSError, ValueError) as exc:
+                raise ckpt.CheckpointFormatError(f"{file}: cannot be read ({exc})") from None
+
     def load_state(self, path: str | Path) -> dict[str, Any]:
         """Restore model, optimizer, step and this rank's RNG states from :meth:`save_state`'s
         directory and return its ``extra``. Rank 0 reads the weights and optimizer state and
@@ -308,14 +337,7 @@ class FSDPEngine(TrainEngine):
         restored only for ranks that existed). Nothing is unpickled."""
         self._check_trainable("load_state")
         final = Path(path).absolute()
-        meta_file = final / "meta.json"
-        if not meta_file.is_file():
-            raise ckpt.CheckpointFormatError(f"{final} is not a complete fsdp checkpoint (no meta.json)")
-        meta = json.loads(meta_file.read_text())
-        if meta.get("format") != CHECKPOINT_FORMAT or meta.get("engine") != "fsdp":
-            raise ckpt.CheckpointFormatError(
-                f"{final}: unsupported checkpoint (format {meta.get('format')}, engine {meta.get('engine')})"
-            )
+        meta = _read_meta(final)
         self.optimizer = build_optimizer(self.model.parameters(), self.actor.optimizer)
         model_state: dict[str, torch.Tensor] = {}
         optim_state: dict[str, Any] = {}
@@ -329,6 +351,10 @@ class FSDPEngine(TrainEngine):
         set_model_state_dict(self.model, model_state, options=broadcast)
         if meta["optimizer"]:
             set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=broadcast)
+            for group in self.optimizer.param_groups:  # the broadcast turns tuples (betas) into lists
+                for key, value in group.items():
+                    if key != "params" and isinstance(value, list):
+                        group[key] = tuple(value)
         self._step = int(meta["step"])
         rng_dir = final / "rng"
         if (rng_dir / f"rank{self.rank}.json").is_file():
@@ -351,6 +377,24 @@ class FSDPEngine(TrainEngine):
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _read_meta(final: Path) -> dict[str, Any]:
+    """``final/meta.json`` of a checkpoint in this engine's format; raises
+    :class:`~core_rl.checkpointing.CheckpointFormatError` otherwise."""
+    meta_file = final / "meta.json"
+    if not meta_file.is_file():
+        raise ckpt.CheckpointFormatError(f"{final} is not a complete fsdp checkpoint (no meta.json)")
+    try:
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ckpt.CheckpointFormatError(f"{meta_file}: not valid JSON ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT or meta.get("engine") != "fsdp":
+        got = (meta.get("format"), meta.get("engine")) if isinstance(meta, dict) else (None, None)
+        raise ckpt.CheckpointFormatError(f"{final}: unsupported checkpoint (format {got[0]}, engine {got[1]})")
+    if not isinstance(meta.get("step"), int):
+        raise ckpt.CheckpointFormatError(f"{meta_file}: no step")
+    return meta
 
 
 def _check_temperature(temperature: float) -> None:

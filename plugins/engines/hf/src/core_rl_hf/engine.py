@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from core_rl.checkpointing import generator_state, set_generator_state
 from core_rl.config.schema import RolloutConfig
+from core_rl.errors import ConfigError
 from core_rl.interfaces import RolloutEngine, SamplingParams
 from core_rl.protocol import Sample
 
@@ -150,6 +152,30 @@ class HFRolloutEngine(RolloutEngine):
 
     def load_weights_from_path(self, path: str | Path, version: int) -> None:
         self.update_weights(read_safetensors_dir(path), version)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The engine's own generator (``seed`` set) and the weight version; with ``seed: null``
+        sampling draws from torch's global RNG, which the train engine checkpoints."""
+        state: dict[str, Any] = {"weight_version": self._weight_version}
+        if self.generator is not None:
+            state["generator"] = generator_state(self.generator)
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if "generator" in state:
+            if self.generator is None:
+                raise ConfigError(
+                    "rollout.engine.seed: not set, but the checkpoint holds the hf rollout engine's generator; "
+                    "set it as in the run that saved the checkpoint"
+                )
+            set_generator_state(self.generator, state["generator"])
+        elif self.generator is not None and state:
+            raise ConfigError(
+                "rollout.engine.seed: set, but the checkpoint holds no generator state for the hf rollout "
+                "engine (the run that saved it had no seed); remove it to resume that run"
+            )
+        if "weight_version" in state:
+            self._weight_version = int(state["weight_version"])
 
     def close(self) -> None:
         if self._model is not None:

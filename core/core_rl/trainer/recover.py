@@ -1,0 +1,65 @@
+"""Automatic restarts after a crash (``recover.mode: auto`` with ``recover.retries``).
+
+In a single process, :func:`run_with_restarts` catches an unexpected error (not a
+:class:`~core_rl.errors.CoreRLError`: configuration errors, stops the configuration asks for and
+signals are not retried), closes the trainer, and builds a new one that resumes from the newest valid
+checkpoint, at most ``retries`` times. Under ``torchrun`` a failed rank leaves its process group
+unusable, so restarts are the launcher's: ``core-rl train --nproc-per-node N`` restarts all workers
+(:mod:`core_rl.trainer.launch`), and each resumes the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+from core_rl.config.schema import RunConfig
+from core_rl.errors import CoreRLError
+from core_rl.plugins import PluginHost
+from core_rl.trainer.data import DataRow
+from core_rl.trainer.signals import StopSignals
+from core_rl.trainer.sync import SyncTrainer, effective_recover_mode, warn
+
+
+def under_launcher() -> bool:
+    """Whether a torchrun-style launcher started this process (it then owns restarts)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def in_process_restarts(cfg: RunConfig) -> int:
+    """How many times this process may restart the run after a crash."""
+    if effective_recover_mode(cfg) != "auto" or under_launcher():
+        return 0
+    return cfg.recover.retries
+
+
+def is_retriable(exc: BaseException) -> bool:
+    return isinstance(exc, Exception) and not isinstance(exc, CoreRLError)
+
+
+def run_with_restarts(cfg: RunConfig, host: PluginHost, *, data_rows: list[DataRow] | None = None) -> Mapping[str, Any]:
+    """Run ``cfg`` with SIGINT/SIGTERM handled (:class:`StopSignals`), restarting as the module
+    docstring says; return the trainer's result. ``data_rows``: the checked rows of the data
+    files (:func:`core_rl.preflight.preflight`), reused by every restart."""
+    restarts_left = in_process_restarts(cfg)
+    announce = os.environ.get("RANK", "0") == "0"
+    with StopSignals(announce=announce) as stop:
+        while True:
+            trainer: SyncTrainer | None = None
+            try:
+                trainer = SyncTrainer(cfg, host, stop=stop, data_rows=data_rows)
+                return trainer.run()
+            except Exception as exc:
+                if restarts_left <= 0 or not is_retriable(exc) or stop.requested:
+                    raise
+                restarts_left -= 1
+                traceback.print_exc()
+                warn(
+                    f"the run failed ({type(exc).__name__}: {exc}); restarting from the newest valid checkpoint "
+                    f"(recover.retries: {restarts_left} restarts left)"
+                )
+            finally:
+                if trainer is not None:
+                    trainer.close()

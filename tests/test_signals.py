@@ -1,0 +1,116 @@
+"""Real signals sent to a real ``core-rl train`` process at a random moment of training: SIGINT
+and SIGTERM finish the step, save a checkpoint and exit with status 3 and a message; SIGKILL
+just kills. Each run is then resumed and must equal an uninterrupted run bit for bit. A second
+signal (not a near-simultaneous duplicate) stops at once, without saving."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from core_rl.plugins import PluginHost
+from core_rl.testing.faults import finish, wait_for_random_moment, wait_for_steps
+from fault_helpers import (
+    build_task,
+    checkpoint,
+    cli_command,
+    cli_env,
+    merged,
+    run_dir,
+    stable_metrics,
+    state_digest,
+    train_here,
+    write_config,
+)
+
+pytest.importorskip("core_rl_fsdp")
+pytest.importorskip("core_rl_hf")
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> dict:
+    config = build_task(tmp_path_factory.mktemp("signals"))
+    return merged(config, trainer={"total_steps": STEPS}, saver={"every_n_steps": 5, "keep_last": 2})
+
+
+@pytest.fixture(scope="module")
+def straight(base) -> dict:
+    config = merged(base, experiment={"name": "straight"})
+    train_here(config, PluginHost(environ={}))
+    return config
+
+
+def start(config: dict, *, faults: bool = False) -> subprocess.Popen:
+    path = write_config(
+        config, Path(config["experiment"]["output_dir"]).parent / f"{config['experiment']['name']}.yaml"
+    )
+    return subprocess.Popen(
+        cli_command("train", str(path), faults=faults),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
+        start_new_session=True,
+    )
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+def test_signal_at_a_random_moment_then_resume_is_bitwise(base, straight, sig):
+    seed = random.randrange(10**6)
+    config = merged(base, experiment={"name": f"sig-{sig.name}"}, recover={"mode": "auto"})
+    proc = start(config)
+    try:
+        moment = wait_for_random_moment(run_dir(config), proc, random.Random(seed), STEPS)
+        assert moment is not None, finish(proc, 60)[-3000:]
+        proc.send_signal(sig)
+    finally:
+        err = finish(proc, 240)
+    note = f"({sig.name} {moment}; seed {seed})"
+    run = run_dir(config)
+    logged = sorted(stable_metrics(run))
+    if sig == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL, note
+    else:
+        last = logged[-1]
+        assert proc.returncode == 3, f"{note}\n{err[-3000:]}"
+        assert "Traceback" not in err, note
+        assert f"received {sig.name}: finishing the current step" in err, note
+        assert f"stopped by {sig.name} after step {last} of {STEPS}; checkpoint {checkpoint(run, last)}" in err
+        assert (run / "checkpoints" / "latest").read_text() == checkpoint(run, last).name
+        assert logged == list(range(1, last + 1)), note
+    train_here(config, PluginHost(environ={}))  # resume
+    assert stable_metrics(run) == stable_metrics(run_dir(straight)), note
+    assert state_digest(checkpoint(run, STEPS)) == state_digest(checkpoint(run_dir(straight), STEPS)), note
+
+
+def test_a_second_signal_stops_at_once_and_a_duplicate_does_not(base):
+    """Each reward call sleeps 3 s: the first SIGTERM comes during step 2's, a duplicate 0.1 s
+    later is ignored, a second one 1.3 s after the first kills the process before the step ends."""
+    config = merged(
+        base,
+        experiment={"name": "twice"},
+        reward={"name": "misbehave", "mode": "slow", "sleep_s": 3.0},
+        reward_runner={"items_per_call": 0, "timeout_s": 60},
+        saver={"every_n_steps": 0, "at_end": True},
+    )
+    proc = start(config, faults=True)
+    try:
+        assert wait_for_steps(run_dir(config), proc), finish(proc, 60)[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.2)
+        assert proc.poll() is None  # the duplicate did not stop it
+        proc.send_signal(signal.SIGTERM)
+    finally:
+        err = finish(proc, 60)
+    assert proc.returncode == -signal.SIGTERM, err[-3000:]
+    assert err.count("received SIGTERM: finishing the current step") == 1
+    assert "received SIGTERM again: stopping at once, without saving" in err
+    assert not list((run_dir(config) / "checkpoints").glob("step_*"))
