@@ -21,6 +21,7 @@ import gc
 import logging
 import math
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,8 @@ def import_deepspeed(options: DeepSpeedConfig, device: torch.device) -> Any:
     import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # DeepSpeed calls collectives torch has renamed; the warnings say nothing to a core-rl user
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     if device.type != "cuda" and not options.shm_comm:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     return deepspeed
