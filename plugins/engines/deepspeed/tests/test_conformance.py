@@ -4,6 +4,8 @@ the stage that partitions parameters, so gathering, exporting and resuming are a
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import core_rl_deepspeed.plugin
 from core_rl.testing import TrainEngineContract, installed_distribution
 
@@ -11,5 +13,5 @@ from core_rl.testing import TrainEngineContract, installed_distribution
 class TestDeepSpeedZero3Contract(TrainEngineContract):
     plugin = core_rl_deepspeed.plugin
     name = "deepspeed"
-    options = {"zero_stage": 3}
+    options: ClassVar[dict[str, Any]] = {"zero_stage": 3}
     distribution = installed_distribution("core-rl-deepspeed")
