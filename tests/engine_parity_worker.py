@@ -1,7 +1,7 @@
 """Worker of ``test_engine_parity.py``, launched by ``torchrun`` (1 or 2 processes, gloo on CPU).
 
 Runs every engine setting in one process, one after another, on the same tiny model, global batches
-and loss: 3 optimizer steps each, every rank taking the rows :func:`assign_rows_to_ranks` gives it
+and loss: 3 optimizer steps each, every rank taking the rows :func:`rank_rows` gives it
 (the trainer's own call). Each DeepSpeed setting also saves its state after step 1 and a second
 engine of the same setting resumes from it. Rank 0 writes ``OUT/result.json`` (per-step metrics) and
 ``OUT/<setting>/{final,resumed}.safetensors``. With ``--cross DIR`` (a 2-rank run's output) the
@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from core_rl.config.schema import ActorConfig, MicroBatchConfig, OptimizerConfig, PluginSpec, SchedulerConfig
-from core_rl.engine_utils.microbatch import row_lengths
-from core_rl.engine_utils.packing import assign_rows_to_ranks
+from core_rl.engine_utils.packing import rank_rows
 from core_rl.interfaces import LossOutput, TrainEngine
 from core_rl.protocol import TensorBatch
 from core_rl.testing import make_rl_batch
@@ -50,7 +49,7 @@ def global_batches() -> list[TensorBatch]:
 
 
 def my_rows(batch: TensorBatch, rank: int, world: int) -> TensorBatch:
-    return batch.rows(assign_rows_to_ranks(row_lengths(batch["attention_mask"]), world)[rank])
+    return batch.rows(rank_rows(batch, rank, world))
 
 
 def build(setting: str, model: str) -> TrainEngine:

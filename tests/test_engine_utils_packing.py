@@ -17,6 +17,7 @@ from core_rl.engine_utils.packing import (
     karmarkar_karp,
     packed_cost,
     plan_micro_batches,
+    rank_rows,
 )
 from core_rl.testing import make_rl_batch
 from hypothesis import given, settings
@@ -143,6 +144,14 @@ def test_rank_assignment_balances_tokens() -> None:
     assert assign_rows_to_ranks(lengths, 1) == [list(range(8))]
     with pytest.raises(ValueError, match="rank assignment"):
         assign_rows_to_ranks(lengths, 2, "random")
+
+
+def test_rank_rows_reads_lengths_from_the_mask() -> None:
+    batch = make_rl_batch(batch_size=6, seed=1)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    parts = [rank_rows(batch, r, 2) for r in range(2)]
+    assert parts == assign_rows_to_ranks(lengths, 2)
+    assert rank_rows(batch, 1, 3, "strided") == [1, 4]
 
 
 # -- packed layout ----------------------------------------------------------------------------------

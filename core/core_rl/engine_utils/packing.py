@@ -23,7 +23,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
-from core_rl.engine_utils.microbatch import micro_batch_cost, pack_micro_batches
+from core_rl.engine_utils.microbatch import micro_batch_cost, pack_micro_batches, row_lengths
+from core_rl.protocol import TensorBatch
 
 ALGORITHMS = ("greedy", "ffd", "kk")
 RANK_ASSIGNMENTS = ("balanced", "strided")
@@ -156,3 +157,10 @@ def assign_rows_to_ranks(lengths: Sequence[int], world_size: int, method: str = 
     if method != "balanced":
         raise ValueError(f"unknown rank assignment {method!r}; expected one of {', '.join(RANK_ASSIGNMENTS)}")
     return karmarkar_karp([max(x, 1) for x in lengths], world_size)
+
+
+def rank_rows(batch: TensorBatch, rank: int, world_size: int, method: str = "balanced") -> list[int]:
+    """The rows of the global ``batch`` that data-parallel rank ``rank`` trains on
+    (:func:`assign_rows_to_ranks` over the rows' lengths from ``batch["attention_mask"]``); every
+    rank holding the same batch computes the same split without communicating."""
+    return assign_rows_to_ranks(row_lengths(batch["attention_mask"]), world_size, method)[rank]

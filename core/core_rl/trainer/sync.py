@@ -5,8 +5,8 @@ weights -> (reference log-probs) -> one optimiser step -> weights to the rollout
 every logger -> checkpoint on the saver's schedule.
 
 Under ``torchrun`` every rank runs this loop with its own train-engine shard; rank 0 alone owns the
-rollout engine, rewards and loggers, and broadcasts each step's batch to the other ranks, which take
-every ``world_size``-th row.
+rollout engine, rewards and loggers, and broadcasts each step's batch to the other ranks; each rank
+trains on the rows :func:`core_rl.engine_utils.packing.rank_rows` assigns it (token-balanced by default).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 from core_rl.config.loader import to_plain
 from core_rl.config.schema import PluginSpec, RunConfig
+from core_rl.engine_utils.packing import rank_rows
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import (
     AdvantageEstimator,
@@ -240,7 +241,7 @@ class SyncTrainer:
         metrics.update(prep_metrics)
         t_train = time.perf_counter()
         if batch is not None:
-            shard = batch.rows(slice(self.rank, None, self.world_size))
+            shard = batch.rows(rank_rows(batch, self.rank, self.world_size, self.cfg.actor.micro_batch.rank_assignment))
             if self.ref is not None:
                 shard["ref_logprobs"] = self.ref.compute_logprobs(shard, temperature=self.sampling.temperature)
             actor = self.engine.train_step(shard, self.loss, temperature=self.sampling.temperature)
