@@ -1,7 +1,7 @@
 """The main job: build a tiny model, tokenizer and task offline, warm-start it on the answer
 format, train it with GRPO on CPU, and report how the reward rose.
 
-    python examples/tiny_grpo/main.py [--workdir runs/tiny_grpo] [KEY=VALUE overrides for grpo.yaml]
+    python examples/tiny_grpo/main.py [--workdir runs/tiny_grpo] [--config grpo.yaml] [KEY=VALUE overrides]
 
 Everything it writes goes under ``--workdir`` (replaced on each run).
 """
@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="runs/tiny_grpo", help="where the model, data and run go")
     parser.add_argument("--warm-steps", type=int, default=150, help="supervised warm-start steps")
+    parser.add_argument("--config", default=str(HERE / "grpo.yaml"), help="the GRPO configuration to train with")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides for grpo.yaml")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     loss = warm_start(work / "model_init", work / "model_warm", steps=args.warm_steps, batch_size=64, lr=3e-3, seed=0)
     print(f"warm start: {args.warm_steps} steps, final loss {loss:.3f}, {time.perf_counter() - start:.0f} s")
 
-    code = cli.main(["train", str(HERE / "grpo.yaml"), f"experiment.output_dir={work}", *args.overrides])
+    code = cli.main(["train", args.config, f"experiment.output_dir={work}", *args.overrides])
     if code != 0:
         return code
     summary = summarise(work / "grpo" / "metrics.jsonl")
