@@ -206,7 +206,7 @@ def format_table(rows: list[dict[str, Any]], *, world: int, params_m: float) -> 
     for r in rows:
         lines.append(
             f"{r['setting']:30s} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} {r['peak_mib']:9.1f} "
-            f"{r['built_mib']:9.1f} {r['trainable_m']:9.2f}"
+            f"{r['built_mib']:9.1f} {r['trainable_m']:9.3f}"
         )
     return "\n".join(lines)
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from core_rl import checkpointing as ckpt
+from core_rl.config.schema import ActorConfig
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -113,3 +114,24 @@ def write_hf_dir(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     ckpt.commit_partial(final)
+
+
+def prepare_for_role(model: nn.Module, actor: ActorConfig, *, trainable: bool) -> nn.Module:
+    """A trainable model gets LoRA adapters when ``actor.lora`` asks (the returned model is then the
+    peft wrapper) and activation checkpointing when ``actor.gradient_checkpointing`` is on; a frozen
+    one (a reference model: the base model, never adapters) gets no gradients and eval mode."""
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+        return model
+    if actor.lora.enabled:
+        from core_rl.engine_utils.lora import apply_lora
+
+        model = apply_lora(model, actor.lora)
+    if actor.gradient_checkpointing:
+        enable_activation_checkpointing(
+            model,
+            every_n_layers=actor.gradient_checkpointing_every_n_layers,
+            offload=actor.gradient_checkpointing_offload,
+        )
+    return model

@@ -36,6 +36,29 @@ from core_rl.protocol import TensorBatch
 TRAIN_KEYS = ("input_ids", "attention_mask", "response_mask", "loss_weight")
 
 
+class EngineState:
+    """The bookkeeping every train engine shares: the optimizer step count and open/trainable checks.
+    Subclasses set ``_step``, ``_closed``, ``trainable`` and ``engine_label``."""
+
+    engine_label = "train"
+    trainable: bool
+    _step: int
+    _closed: bool
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"this {self.engine_label} engine was closed")
+
+    def _check_trainable(self, what: str) -> None:
+        self._check_open()
+        if not self.trainable:
+            raise RuntimeError(f"{what} needs a trainable engine; this one is a frozen reference (trainable=False)")
+
+
 class MicroBatchRunner:
     """Runs ``model`` over a rank's rows in micro-batches. ``attn_implementation`` is the one the
     model was loaded with (it decides the ``auto`` layout and whether flash-attn varlen arguments

@@ -34,7 +34,7 @@ from core_rl.engine_utils import distributed as dist_utils
 from core_rl.engine_utils import hf, lora
 from core_rl.engine_utils import state as state_files
 from core_rl.engine_utils.optim import build_optimizer, check_schedule, lr_at, set_lr
-from core_rl.engine_utils.runner import MicroBatchRunner
+from core_rl.engine_utils.runner import EngineState, MicroBatchRunner
 from core_rl.interfaces import LossFn, TrainEngine
 from core_rl.protocol import TensorBatch
 from torch import nn
@@ -62,9 +62,11 @@ def import_deepspeed(options: DeepSpeedConfig, device: torch.device) -> Any:
     return deepspeed
 
 
-class DeepSpeedEngine(TrainEngine):
+class DeepSpeedEngine(EngineState, TrainEngine):
     """See the module docstring. ``trainable=False`` builds a frozen reference model (eval mode, no
     gradients, no optimizer; ZeRO-3 still partitions its parameters)."""
+
+    engine_label = "DeepSpeed"
 
     def __init__(self, actor: ActorConfig, config: DeepSpeedConfig | None = None, *, trainable: bool = True) -> None:
         self.actor = actor
@@ -81,7 +83,8 @@ class DeepSpeedEngine(TrainEngine):
         deepspeed = import_deepspeed(self.config, self.device)
         deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
         attn = hf.resolve_attn_implementation(self.config.attn_implementation, self.device)
-        model = self._build_model(attn)
+        model = hf.load_causal_lm(actor.model_path, dtype=actor.dtype, attn_implementation=attn)
+        model = hf.prepare_for_role(model, actor, trainable=trainable)
         hf_model = lora.base_model(model)
         self._architectures = [type(hf_model).__name__]
         self._pad_id = int(hf_model.config.pad_token_id) if hf_model.config.pad_token_id is not None else 0
@@ -94,38 +97,6 @@ class DeepSpeedEngine(TrainEngine):
         )
         self._step = 0
         self._closed = False
-
-    def _build_model(self, attn: str | None) -> nn.Module:
-        actor = self.actor
-        model = hf.load_causal_lm(actor.model_path, dtype=actor.dtype, attn_implementation=attn)
-        if not self.trainable:
-            model.requires_grad_(False)
-            model.eval()
-            return model
-        if actor.lora.enabled:
-            model = lora.apply_lora(model, actor.lora)
-        if actor.gradient_checkpointing:
-            hf.enable_activation_checkpointing(
-                model,
-                every_n_layers=actor.gradient_checkpointing_every_n_layers,
-                offload=actor.gradient_checkpointing_offload,
-            )
-        return model
-
-    # ------------------------------------------------------------------ basics
-
-    @property
-    def step(self) -> int:
-        return self._step
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this DeepSpeed engine was closed")
-
-    def _check_trainable(self, what: str) -> None:
-        self._check_open()
-        if not self.trainable:
-            raise RuntimeError(f"{what} needs a trainable engine; this one is a frozen reference (trainable=False)")
 
     @property
     def zero_stage(self) -> int:
@@ -213,25 +184,14 @@ class DeepSpeedEngine(TrainEngine):
         """Rank 0 writes ``path`` (config, safetensors weights, generation config, tokenizer)
         atomically; with LoRA the weights are merged and the adapter alone goes to ``path/adapter``."""
         self._check_open()
-        wrapped = self._wrapped_state_dict()
-        final = Path(path).absolute()
-        error: BaseException | None = None
-        if self.rank == 0:
-            try:
-                hf.write_hf_dir(
-                    final,
-                    lora.base_model(self.model),
-                    lora.hf_state_dict(self.model, wrapped),
-                    architectures=self._architectures,
-                    tokenizer_path=self.actor.tokenizer_path or self.actor.model_path,
-                )
-                if lora.is_lora_model(self.model):
-                    lora.write_adapter_dir(final / "adapter", self.model, wrapped)
-            except BaseException as exc:  # re-raised after the barrier so other ranks do not hang
-                error = exc
-        dist_utils.barrier()
-        if error is not None:
-            raise error
+        lora.export_model_dir(
+            Path(path).absolute(),
+            self.model,
+            self._wrapped_state_dict(),
+            rank=self.rank,
+            architectures=self._architectures,
+            tokenizer_path=self.actor.tokenizer_path or self.actor.model_path,
+        )
 
     # ------------------------------------------------------------------ training state
 

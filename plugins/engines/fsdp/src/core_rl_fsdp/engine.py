@@ -21,9 +21,9 @@ import torch
 from core_rl import checkpointing as ckpt
 from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import lora
-from core_rl.engine_utils.hf import resolve_attn_implementation, write_hf_dir
+from core_rl.engine_utils.hf import resolve_attn_implementation
 from core_rl.engine_utils.optim import build_optimizer, check_schedule, lr_at, set_lr
-from core_rl.engine_utils.runner import MicroBatchRunner
+from core_rl.engine_utils.runner import EngineState, MicroBatchRunner
 from core_rl.interfaces import LossFn, TrainEngine
 from core_rl.protocol import TensorBatch
 from torch.distributed.checkpoint.state_dict import (
@@ -42,10 +42,12 @@ from core_rl_fsdp.model import build_model
 CHECKPOINT_FORMAT = 2  # 2: full state in safetensors + JSON (1 was a pickled DCP)
 
 
-class FSDPEngine(TrainEngine):
+class FSDPEngine(EngineState, TrainEngine):
     """See the module docstring. ``trainable=False`` builds a frozen reference model (eval mode,
     no gradients, no optimizer; :meth:`train_step`, :meth:`save_state` and :meth:`load_state`
     raise)."""
+
+    engine_label = "FSDP"
 
     def __init__(self, actor: ActorConfig, config: FSDPConfig | None = None, *, trainable: bool = True) -> None:
         self.actor = actor
@@ -76,21 +78,6 @@ class FSDPEngine(TrainEngine):
         self.optimizer = build_optimizer(self.model.parameters(), actor.optimizer) if trainable else None
         self._step = 0
         self._closed = False
-
-    # ------------------------------------------------------------------ basics
-
-    @property
-    def step(self) -> int:
-        return self._step
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this FSDP engine was closed")
-
-    def _check_trainable(self, what: str) -> None:
-        self._check_open()
-        if not self.trainable:
-            raise RuntimeError(f"{what} needs a trainable engine; this one is a frozen reference (trainable=False)")
 
     # ------------------------------------------------------------------ log-probs
 
@@ -163,28 +150,14 @@ class FSDPEngine(TrainEngine):
         With LoRA the weights are merged, and the adapter alone goes to ``path/adapter`` (peft's
         ``save_pretrained`` format)."""
         self._check_open()
-        wrapped = self._wrapped_state_dict()
-        final = Path(path).absolute()
-        error: BaseException | None = None
-        if self.rank == 0:
-            try:
-                self._write_hf(final, wrapped)
-            except BaseException as exc:  # re-raised after the barrier so other ranks do not hang
-                error = exc
-        dist_utils.barrier()
-        if error is not None:
-            raise error
-
-    def _write_hf(self, final: Path, wrapped: dict[str, torch.Tensor]) -> None:
-        write_hf_dir(
-            final,
-            lora.base_model(self.model),
-            lora.hf_state_dict(self.model, wrapped),
+        lora.export_model_dir(
+            Path(path).absolute(),
+            self.model,
+            self._wrapped_state_dict(),
+            rank=self.rank,
             architectures=self._architectures,
             tokenizer_path=self.actor.tokenizer_path or self.actor.model_path,
         )
-        if lora.is_lora_model(self.model):
-            lora.write_adapter_dir(final / "adapter", self.model, wrapped)
 
     # ------------------------------------------------------------------ training state
 

@@ -8,7 +8,6 @@ from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import distributed as dist_utils
 from core_rl.engine_utils import hf
 from core_rl.engine_utils.hf import torch_dtype
-from core_rl.engine_utils.lora import apply_lora
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -46,18 +45,7 @@ def build_model(
         model = hf.empty_causal_lm(actor.model_path, dtype=actor.dtype, attn_implementation=attn_implementation)
     else:
         model = hf.load_causal_lm(actor.model_path, dtype=actor.dtype, attn_implementation=attn_implementation)
-    if trainable:
-        if actor.lora.enabled:
-            model = apply_lora(model, actor.lora)
-        if actor.gradient_checkpointing:
-            hf.enable_activation_checkpointing(
-                model,
-                every_n_layers=actor.gradient_checkpointing_every_n_layers,
-                offload=actor.gradient_checkpointing_offload,
-            )
-    else:
-        model.requires_grad_(False)
-        model.eval()
+    model = hf.prepare_for_role(model, actor, trainable=trainable)
     if not from_rank0:
         return shard_model(model, mesh, config, device)
     full = model.state_dict() if rank == 0 else {}
