@@ -8,9 +8,11 @@ Every setting (FSDP full padded / packed / every rank loading the weights / LoRA
 DeepSpeed ZeRO-1/2/3 padded and packed) runs in its own ``torchrun`` launch, on the same model and
 RL-like batch (32 rows of 16 prompt tokens and 8-112 response tokens, 2 micro-batches per rank).
 Per setting: seconds per optimizer step (mean of the timed steps after one warm-up step), tokens per
-second, and memory, the maximum over ranks: on CPU the peak resident set size of the process
-(``ru_maxrss``: torch and the libraries included) and the memory the engine's construction added on
-a rank other than 0 (what memory-efficient loading saves); on GPU the CUDA maximum allocated bytes.
+second, the CPU seconds one rank spends per step (the maximum over ranks; on a loaded machine this,
+not the wall time, shows the work), and memory, the maximum over ranks: on CPU the peak resident set
+size of the process (``ru_maxrss``: torch and the libraries included) and the peak memory the
+engine's construction added on a rank other than 0 (sampled every 2 ms: what memory-efficient
+loading saves); on GPU the CUDA maximum allocated bytes.
 ``--smoke`` runs all settings in one launch instead (its memory columns then mean little).
 """
 
@@ -24,6 +26,7 @@ import resource
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -60,6 +63,32 @@ def current_rss() -> int:
     """This process's resident set size in bytes."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """The largest resident set size of this process while the ``with`` block runs (sampled every
+    ``interval`` seconds by a thread)."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, current_rss())
+            time.sleep(self.interval)
+
+    def __enter__(self) -> PeakRSS:
+        self.peak = current_rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, current_rss())
 
 
 def warm_up_imports() -> None:
@@ -143,21 +172,25 @@ def run_setting(name: str, model: str, steps: int, rows: int) -> dict[str, Any]:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     baseline = current_rss()
-    engine = build_engine(name, model, rows)
-    built = current_rss() - baseline
+    with PeakRSS() as during_build:
+        engine = build_engine(name, model, rows)
+    built = during_build.peak - baseline
     rank, world = engine.rank, engine.world_size
-    times, tokens = [], 0.0
+    times, cpu_times, tokens = [], [], 0.0
     for step in range(steps + 1):
         batch = make_batch(rows, seed=step, vocab=40)
         shard = batch.rows(rank_rows(batch, rank, world))
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         metrics = engine.train_step(shard, loss_fn)
+        c1 = time.process_time()
         dist.barrier()
         if step > 0:  # the first step warms up (allocations, lazy optimizer state)
             times.append(time.perf_counter() - t0)
+            cpu_times.append(c1 - c0)
             tokens += metrics["tokens"]
-    trainable = sum(p.numel() for p in engine.model.parameters() if p.requires_grad)
+    # ZeRO-3 leaves each rank an empty placeholder per parameter: count ds_numel there
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in engine.model.parameters() if p.requires_grad)
     engine.close()
     del engine
     gc.collect()
@@ -165,13 +198,15 @@ def run_setting(name: str, model: str, steps: int, rows: int) -> dict[str, Any]:
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    stats = torch.tensor([peak / 2**20, built / 2**20 if rank != 0 or world == 1 else 0.0], dtype=torch.float64)
+    cpu = statistics.fmean(cpu_times)
+    stats = torch.tensor([peak / 2**20, built / 2**20 if rank != 0 or world == 1 else 0.0, cpu], dtype=torch.float64)
     if cuda:
         stats = stats.cuda()
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     return {
         "setting": name,
         "step_s": statistics.fmean(times),
+        "cpu_s": float(stats[2]),
         "tokens_per_s": tokens / sum(times),
         "peak_mib": float(stats[0]),
         "built_mib": float(stats[1]),
@@ -201,11 +236,14 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def format_table(rows: list[dict[str, Any]], *, world: int, params_m: float) -> str:
-    head = f"{'setting':30s} {'s/step':>8s} {'tokens/s':>9s} {'peak MiB':>9s} {'built MiB':>9s} {'trained M':>9s}"
+    head = (
+        f"{'setting':30s} {'s/step':>8s} {'cpu s':>8s} {'tokens/s':>9s} {'peak MiB':>9s} {'build MiB':>9s} "
+        f"{'trained M':>9s}"
+    )
     lines = [f"engines on {world} rank(s), {params_m:.1f}M-parameter model; memory: {rows[0]['memory']}", head]
     for r in rows:
         lines.append(
-            f"{r['setting']:30s} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} {r['peak_mib']:9.1f} "
+            f"{r['setting']:30s} {r['step_s']:8.3f} {r['cpu_s']:8.3f} {r['tokens_per_s']:9.0f} {r['peak_mib']:9.1f} "
             f"{r['built_mib']:9.1f} {r['trainable_m']:9.3f}"
         )
     return "\n".join(lines)
