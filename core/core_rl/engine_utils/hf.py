@@ -36,6 +36,15 @@ def load_causal_lm(model_path: str, *, dtype: str, attn_implementation: str | No
     return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
 
 
+def architecture_name(model: nn.Module) -> str:
+    """The Hugging Face class name of ``model`` (``LlamaForCausalLM``), also after a sharding wrapper
+    such as FSDP2 has swapped its class for a generated subclass (``FSDPLlamaForCausalLM``)."""
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("transformers") and issubclass(cls, nn.Module):
+            return cls.__name__
+    return type(model).__name__
+
+
 def empty_causal_lm(model_path: str, *, dtype: str, attn_implementation: str | None = None) -> nn.Module:
     """The model of ``model_path``'s config with every parameter and buffer on the ``meta`` device
     (no memory, no weights read): for ranks that receive their weights from rank 0."""

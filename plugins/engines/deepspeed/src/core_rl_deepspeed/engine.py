@@ -86,7 +86,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         model = hf.load_causal_lm(actor.model_path, dtype=actor.dtype, attn_implementation=attn)
         model = hf.prepare_for_role(model, actor, trainable=trainable)
         hf_model = lora.base_model(model)
-        self._architectures = [type(hf_model).__name__]
+        self._architectures = [hf.architecture_name(hf_model)]
         self._pad_id = int(hf_model.config.pad_token_id) if hf_model.config.pad_token_id is not None else 0
         optimizer = build_optimizer(model.parameters(), actor.optimizer) if trainable else None
         ds_config = build_ds_config(actor, self.config, on_cuda=self.device.type == "cuda")

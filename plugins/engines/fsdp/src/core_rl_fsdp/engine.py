@@ -21,7 +21,7 @@ import torch
 from core_rl import checkpointing as ckpt
 from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import lora
-from core_rl.engine_utils.hf import resolve_attn_implementation
+from core_rl.engine_utils.hf import architecture_name, resolve_attn_implementation
 from core_rl.engine_utils.optim import build_optimizer, check_schedule, lr_at, set_lr
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner
 from core_rl.interfaces import LossFn, TrainEngine
@@ -70,7 +70,7 @@ class FSDPEngine(EngineState, TrainEngine):
             attn_implementation=attn,
         )
         hf_model = lora.base_model(self.model)
-        self._architectures = [type(hf_model).__name__]
+        self._architectures = [architecture_name(hf_model)]
         self._pad_id = int(hf_model.config.pad_token_id) if hf_model.config.pad_token_id is not None else 0
         self.runner = MicroBatchRunner(
             self.model, actor.micro_batch, self.device, pad_token_id=self._pad_id, attn_implementation=attn
