@@ -71,7 +71,7 @@ def test_grpo_runs_on_deepspeed_zero3(tmp_path: Path) -> None:
     pytest.importorskip("core_rl_deepspeed")
     config = ROOT / "examples" / "tiny_grpo" / "grpo_deepspeed.yaml"
     proc = _main(
-        tmp_path, "--config", str(config), "--warm-steps", "3", "trainer.total_steps=4", "saver.every_n_steps=2"
+        tmp_path, "--config", str(config), "--warm-steps", "1", "trainer.total_steps=2", "saver.every_n_steps=1"
     )
     assert "over 2 steps" in proc.stdout
     run = tmp_path / "work" / "grpo"
