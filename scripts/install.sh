@@ -8,5 +8,6 @@ VENV=${VENV:-.venv}
 PY="$VENV/bin/python"
 # torch first, pinned to the local CPU build, so nothing pulls a CUDA build from the registry
 "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
-"$PY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+# DeepSpeed (core-rl-deepspeed) is a source package: build it without compiling any op
+DS_BUILD_OPS=${DS_BUILD_OPS:-0} "$PY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt
 echo "installed into $VENV ($("$PY" -c 'import core_rl; print("core-rl", core_rl.__version__)'))"

@@ -245,3 +245,23 @@ def test_plugin_fields_can_default_to_another_key_and_check_the_run(tmp_path, ho
     assert cfg.algorithm.loss.config.budget == 12  # set: kept
     problems = _problems(tmp_path, minimal_config, ["rollout.sampling.max_new_tokens=4"], host=host)
     assert problems == ["algorithm.loss.budget: too small"]
+
+
+def test_micro_batch_and_lora_sections(tmp_path, host, minimal_config):
+    cfg = load_config(_write(tmp_path, minimal_config), [], host=host)
+    mb, lora = cfg.actor.micro_batch, cfg.actor.lora
+    assert (mb.packing_algorithm, mb.layout, mb.rank_assignment) == ("ffd", "auto", "balanced")
+    assert not lora.enabled and lora.target_modules == ["all-linear"]
+    overrides = ["actor.lora.rank=8", "actor.micro_batch.layout=packed", "actor.micro_batch.packing_algorithm=kk"]
+    cfg = load_config(_write(tmp_path, minimal_config), overrides, host=host)
+    assert cfg.actor.lora.enabled and cfg.actor.micro_batch.layout == "packed"
+    minimal_config["actor"]["micro_batch"] = {"layout": "ragged"}
+    minimal_config["actor"]["lora"] = {"rank": -1}
+    problems = _problems(tmp_path, minimal_config, host=host)
+    assert "actor.micro_batch.layout: must be one of 'auto', 'padded', 'packed', got 'ragged'" in problems
+    assert "actor.lora.rank: must be in [0, 65536], got -1" in problems
+    minimal_config["actor"]["micro_batch"] = {"rank_assignment": "random"}
+    minimal_config["actor"]["lora"] = {"dropout": 1.0}
+    problems = _problems(tmp_path, minimal_config, host=host)
+    assert "actor.micro_batch.rank_assignment: must be one of 'balanced', 'strided', got 'random'" in problems
+    assert "actor.lora.dropout: must be in [0.0, 1.0), got 1.0" in problems

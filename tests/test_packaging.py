@@ -202,3 +202,35 @@ def test_selecting_an_engine_that_is_not_installed_fails_with_the_install_hint(i
         "rollout.engine.name: rollout engine 'hf' is not installed (installed: none); "
         'install it with: pip install "core-rl[hf]"',
     ], proc.stderr
+
+
+# -- the deepspeed extra --------------------------------------------------------------------------------
+
+
+def test_deepspeed_extra_resolves_to_the_cpu_torch_and_no_cuda_package(installation: Installation) -> None:
+    """What ``pip install "core-rl[deepspeed]"`` would add to the clean venv (a dry run: pip resolves
+    everything, building DeepSpeed's metadata from its source package, and reports the set): the
+    plugin from the wheelhouse, a DeepSpeed within the plugin's pin, no second torch and no CUDA
+    package (nvidia-*, cuda-*, triton)."""
+    report = installation.scratch / "deepspeed-report.json"
+    wheel_dir = next(iter(installation.wheels.values())).parent
+    pu.pip(
+        installation.python,
+        "install",
+        "--dry-run",
+        "--quiet",
+        "--find-links",
+        wheel_dir,
+        "--report",
+        report,
+        "core-rl[deepspeed]",
+    )
+    planned = {pu.normalise(i["metadata"]["name"]): i for i in json.loads(report.read_text())["install"]}
+    assert "core-rl-deepspeed" in planned and "deepspeed" in planned
+    url = planned["core-rl-deepspeed"]["download_info"]["url"]
+    assert url == installation.wheels["core-rl-deepspeed"].as_uri()
+    pin = requirement(wheel_distribution(installation.wheels["core-rl-deepspeed"]), "deepspeed")
+    assert pin is not None and pin.specifier.contains(planned["deepspeed"]["metadata"]["version"])
+    assert "torch" not in planned, "the local CPU torch already satisfies every pin"
+    cuda = sorted(n for n in planned if n.startswith(("nvidia-", "cuda-", "triton")))
+    assert not cuda, f"core-rl[deepspeed] would pull CUDA packages: {cuda}"

@@ -184,11 +184,48 @@ class SchedulerConfig:
 
 @attrs.define
 class MicroBatchConfig:
-    """Rows are packed greedily into micro-batches of at most ``max_tokens_per_mb`` tokens
-    (padded width x rows), and into at least ``min_num_mb`` micro-batches."""
+    """How a rank's rows become micro-batches (:mod:`core_rl.engine_utils.packing`) and how rows
+    are shared out over data-parallel ranks.
+
+    - ``max_tokens_per_mb``: token budget of one micro-batch: rows x padded width in the padded
+      layout, the sum of the rows' lengths in the packed one (a single longer row runs alone);
+      ``min_num_mb``: at least this many micro-batches.
+    - ``packing_algorithm``: ``ffd`` (first-fit-decreasing: few micro-batches, rows of similar
+      length together), ``kk`` (Karmarkar-Karp: micro-batches of nearly equal token load) or
+      ``greedy`` (consecutive rows in batch order).
+    - ``layout``: ``padded`` ([rows, width] with an attention mask), ``packed`` (padding-free: one
+      row per micro-batch with ``position_ids`` restarting at 0, ``cu_seqlens`` for flash-attn) or
+      ``auto`` (packed with a flash-attn kernel, padded otherwise: faster on CPU/SDPA, see the
+      README's figures). The loss does not depend on the layout.
+    - ``rank_assignment``: ``balanced`` gives each data-parallel rank nearly the same number of
+      tokens (Karmarkar-Karp over row lengths); ``strided`` gives rank ``r`` rows ``r, r+W, ...``.
+    """
 
     max_tokens_per_mb: int = attrs.field(default=8192, validator=in_range(1, MAX_TOKENS))
     min_num_mb: int = attrs.field(default=1, validator=in_range(1, MAX_COUNT))
+    packing_algorithm: str = attrs.field(default="ffd", validator=one_of(("ffd", "kk", "greedy")))
+    layout: str = attrs.field(default="auto", validator=one_of(("auto", "padded", "packed")))
+    rank_assignment: str = attrs.field(default="balanced", validator=one_of(("balanced", "strided")))
+
+
+@attrs.define
+class LoraConfig:
+    """Low-rank adapters (LoRA, through peft) on the trained model: ``rank`` 0 trains every weight
+    (no adapters); ``rank > 0`` freezes the base model and trains only the adapters ``B @ A``
+    (``rank`` columns), scaled by ``alpha / rank``, with ``dropout`` on their input.
+    ``target_modules``: module names (or suffixes) to adapt, or ``["all-linear"]`` for every
+    linear layer except the output head. Exports and weight syncs carry merged weights (plain
+    Hugging Face names); the adapter alone is exported too (peft's ``save_pretrained`` format).
+    A frozen reference model built from the same section is the base model, without adapters."""
+
+    rank: int = attrs.field(default=0, validator=in_range(0, 65536))
+    alpha: float = attrs.field(default=16.0, validator=positive(1e6))
+    dropout: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0, high_open=True))
+    target_modules: list[str] = attrs.field(factory=lambda: ["all-linear"])
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
 
 
 @attrs.define
@@ -198,7 +235,11 @@ class ActorConfig:
 
     ``model_path`` / ``tokenizer_path`` (default: ``model_path``): local Hugging Face directories
     (hub ids only with ``experiment.offline: false``); ``grad_clip``: the largest total gradient
-    norm (0: no clipping)."""
+    norm (0: no clipping).
+    ``gradient_checkpointing``: recompute activations in backward, on every
+    ``gradient_checkpointing_every_n_layers``-th decoder layer (1: all), keeping the saved layer
+    inputs in host memory with ``gradient_checkpointing_offload``. ``lora``: train low-rank
+    adapters instead of every weight (:class:`LoraConfig`)."""
 
     model_path: str = ""
     tokenizer_path: str | None = None
@@ -209,6 +250,9 @@ class ActorConfig:
     micro_batch: MicroBatchConfig = attrs.field(factory=MicroBatchConfig)
     grad_clip: float = attrs.field(default=1.0, validator=non_negative())
     gradient_checkpointing: bool = False
+    gradient_checkpointing_every_n_layers: int = attrs.field(default=1, validator=positive())
+    gradient_checkpointing_offload: bool = False
+    lora: LoraConfig = attrs.field(factory=LoraConfig)
 
 
 @attrs.define

@@ -2,6 +2,12 @@
 
 - :mod:`.logprobs`: token log-probs and entropies from causal-LM logits, in the protocol's alignment;
 - :mod:`.microbatch`: splitting a rank's rows into micro-batches;
+- :mod:`.packing`: balanced grouping (first-fit-decreasing, Karmarkar-Karp) into micro-batches and
+  across data-parallel ranks;
+- :mod:`.packed`: the padded and packed (padding-free) micro-batch layouts and their forward;
+- :mod:`.runner`: the micro-batch loop (plan, forward, loss, backward, metrics) every engine runs;
+- :mod:`.lora`: LoRA adapters through peft, merged exports and the adapter alone;
+- :mod:`.state`: training-state directories written by all ranks (atomic, no pickles);
 - :mod:`.optim`: optimizer construction and the learning-rate schedule;
 - :mod:`.distributed`: process-group set-up and the few collectives engines need;
 - :mod:`.metrics`: per-step metric sums reduced over ranks;

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from core_rl import checkpointing as ckpt
+from core_rl.config.schema import ActorConfig
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -33,6 +34,65 @@ def load_causal_lm(model_path: str, *, dtype: str, attn_implementation: str | No
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+
+
+def architecture_name(model: nn.Module) -> str:
+    """The Hugging Face class name of ``model`` (``LlamaForCausalLM``), also after a sharding wrapper
+    such as FSDP2 has swapped its class for a generated subclass (``FSDPLlamaForCausalLM``)."""
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("transformers") and issubclass(cls, nn.Module):
+            return cls.__name__
+    return type(model).__name__
+
+
+def empty_causal_lm(model_path: str, *, dtype: str, attn_implementation: str | None = None) -> nn.Module:
+    """The model of ``model_path``'s config with every parameter and buffer on the ``meta`` device
+    (no memory, no weights read): for ranks that receive their weights from rank 0."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    kwargs: dict[str, object] = {"dtype": torch_dtype(dtype)}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+
+
+def flash_attn_available() -> bool:
+    """Whether the ``flash_attn`` package (flash-attn 2, CUDA only) can be imported."""
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_attn_implementation(requested: str | None, device: torch.device) -> str | None:
+    """The attention implementation to load a model with: ``auto`` is ``flash_attention_2`` on a
+    CUDA device when flash-attn is installed, else ``sdpa``; any other value (or ``None``: the
+    transformers default) is passed through unchanged."""
+    if requested != "auto":
+        return requested
+    return "flash_attention_2" if device.type == "cuda" and flash_attn_available() else "sdpa"
+
+
+def enable_activation_checkpointing(model: nn.Module, *, every_n_layers: int = 1, offload: bool = False) -> None:
+    """Recompute decoder layers' activations in backward (non-reentrant ``torch.utils.checkpoint``)
+    through transformers' own switch: every ``every_n_layers``-th decoder layer (1: all), the saved
+    inputs kept in host memory with ``offload``. Call before sharding."""
+    kwargs = {"use_reentrant": False}
+    extra: dict[str, object] = {}
+    if every_n_layers != 1:
+        extra["every_n_layers"] = every_n_layers
+    if offload:
+        extra["offload"] = True
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **extra)
+    elif extra:
+        raise ValueError(
+            "actor.gradient_checkpointing_every_n_layers / gradient_checkpointing_offload need "
+            "transformers >= 5.23 (activation_checkpointing_enable)"
+        )
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def write_hf_dir(
@@ -63,3 +123,24 @@ def write_hf_dir(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     ckpt.commit_partial(final)
+
+
+def prepare_for_role(model: nn.Module, actor: ActorConfig, *, trainable: bool) -> nn.Module:
+    """A trainable model gets LoRA adapters when ``actor.lora`` asks (the returned model is then the
+    peft wrapper) and activation checkpointing when ``actor.gradient_checkpointing`` is on; a frozen
+    one (a reference model: the base model, never adapters) gets no gradients and eval mode."""
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+        return model
+    if actor.lora.enabled:
+        from core_rl.engine_utils.lora import apply_lora
+
+        model = apply_lora(model, actor.lora)
+    if actor.gradient_checkpointing:
+        enable_activation_checkpointing(
+            model,
+            every_n_layers=actor.gradient_checkpointing_every_n_layers,
+            offload=actor.gradient_checkpointing_offload,
+        )
+    return model

@@ -7,9 +7,10 @@ batches while dynamic sampling asks for them) -> reward shaping, advantages and 
 metrics to every logger -> checkpoint on the saver's schedule.
 
 Under ``torchrun`` every rank runs this loop with its own train-engine shard; rank 0 alone owns the
-rollout engine, rewards and loggers, and broadcasts each step's batch to the other ranks, which take
-every ``world_size``-th row. Every wait on another rank is bounded and a failure on one rank is sent
-to the others (:mod:`core_rl.trainer.ranks`).
+rollout engine, rewards and loggers, and broadcasts each step's batch to the other ranks; each rank
+trains on the rows :func:`core_rl.engine_utils.packing.rank_rows` assigns it (token-balanced by
+default). Every wait on another rank is bounded and a failure on one rank is sent to the others
+(:mod:`core_rl.trainer.ranks`).
 
 Faults: rewards run through :class:`~core_rl.trainer.rewards.RewardRunner` (timeouts, per-item
 ``on_error``); non-finite steps go through :class:`~core_rl.trainer.numerics.NonFiniteGuard`; a
@@ -32,6 +33,7 @@ import torch
 from core_rl.checkpointing import discard_partial
 from core_rl.config.loader import to_plain
 from core_rl.config.schema import PluginSpec, RunConfig
+from core_rl.engine_utils.packing import rank_rows
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import (
     AdvantageEstimator,
@@ -219,8 +221,8 @@ class SyncTrainer:
         return self.rank == 0
 
     def _shard(self, batch: TensorBatch) -> TensorBatch:
-        """This rank's rows of a global batch."""
-        return batch.rows(slice(self.rank, None, self.world_size))
+        """This rank's rows of a global batch (:func:`core_rl.engine_utils.packing.rank_rows`)."""
+        return batch.rows(rank_rows(batch, self.rank, self.world_size, self.cfg.actor.micro_batch.rank_assignment))
 
     # -- one step -----------------------------------------------------------------------------
 

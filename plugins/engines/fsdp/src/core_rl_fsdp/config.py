@@ -36,7 +36,12 @@ class FSDPConfig:
     - ``backend``: process-group backend used when the engine creates the group: ``auto`` is NCCL
       for CUDA tensors plus gloo for CPU tensors on a GPU machine, and gloo on CPU.
     - ``attn_implementation``: passed to ``from_pretrained`` (e.g. ``sdpa``, ``eager``,
-      ``flash_attention_2``); ``None`` keeps the transformers default.
+      ``flash_attention_2``); ``auto`` is ``flash_attention_2`` on a GPU with flash-attn installed
+      (``pip install "core-rl-fsdp[flash-attn]"``), else ``sdpa``; ``None`` keeps the transformers
+      default.
+    - ``load_on_rank0``: with several ranks, only rank 0 reads the weights; the others build the
+      model on the meta device and receive just their shards (memory-efficient loading). ``False``:
+      every rank reads the full weights before sharding.
     """
 
     wrap: str = attrs.field(default="decoder_layers", validator=one_of(WRAPS))
@@ -45,7 +50,8 @@ class FSDPConfig:
     reduce_dtype: str | None = attrs.field(default=None, validator=one_of(MIXED_DTYPES))
     cpu_offload: bool = False
     backend: str = attrs.field(default="auto", validator=one_of(BACKENDS))
-    attn_implementation: str | None = None
+    attn_implementation: str | None = "auto"
+    load_on_rank0: bool = True
 
     def check_config(self, context: SectionContext) -> list[str]:
         """Settings of the run this engine cannot train with."""

@@ -20,17 +20,10 @@ from typing import Any
 import torch
 from core_rl import checkpointing as ckpt
 from core_rl.config.schema import ActorConfig
-from core_rl.engine_utils.hf import write_hf_dir
-from core_rl.engine_utils.logprobs import token_logprobs
-from core_rl.engine_utils.metrics import StepMetrics
-from core_rl.engine_utils.microbatch import (
-    micro_batch_width,
-    pack_micro_batches,
-    placeholder_micro_batch,
-    row_lengths,
-    take_micro_batch,
-)
+from core_rl.engine_utils import lora
+from core_rl.engine_utils.hf import architecture_name, resolve_attn_implementation
 from core_rl.engine_utils.optim import build_optimizer, check_schedule, lr_at, set_lr
+from core_rl.engine_utils.runner import EngineState, MicroBatchRunner
 from core_rl.interfaces import LossFn, TrainEngine
 from core_rl.protocol import TensorBatch
 from torch.distributed.checkpoint.state_dict import (
@@ -44,15 +37,17 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from core_rl_fsdp import distributed as dist_utils
 from core_rl_fsdp.config import FSDPConfig
-from core_rl_fsdp.model import enable_activation_checkpointing, load_causal_lm, shard_model
+from core_rl_fsdp.model import build_model
 
 CHECKPOINT_FORMAT = 2  # 2: full state in safetensors + JSON (1 was a pickled DCP)
 
 
-class FSDPEngine(TrainEngine):
+class FSDPEngine(EngineState, TrainEngine):
     """See the module docstring. ``trainable=False`` builds a frozen reference model (eval mode,
     no gradients, no optimizer; :meth:`train_step`, :meth:`save_state` and :meth:`load_state`
     raise)."""
+
+    engine_label = "FSDP"
 
     def __init__(self, actor: ActorConfig, config: FSDPConfig | None = None, *, trainable: bool = True) -> None:
         self.actor = actor
@@ -63,59 +58,26 @@ class FSDPEngine(TrainEngine):
         self.device = dist_utils.pick_device()
         self.rank, self.world_size = dist_utils.ensure_process_group(self.config.backend, self.device)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
-        model = load_causal_lm(actor, self.config)
-        self._architectures = [type(model).__name__]
-        self._pad_id = int(model.config.pad_token_id) if model.config.pad_token_id is not None else 0
-        if trainable and actor.gradient_checkpointing:
-            enable_activation_checkpointing(model)
-        if not trainable:
-            model.requires_grad_(False)
-            model.eval()
-        self.model = shard_model(model, self.mesh, self.config, self.device)
+        attn = resolve_attn_implementation(self.config.attn_implementation, self.device)
+        self.model = build_model(
+            actor,
+            self.config,
+            trainable=trainable,
+            mesh=self.mesh,
+            device=self.device,
+            rank=self.rank,
+            world_size=self.world_size,
+            attn_implementation=attn,
+        )
+        hf_model = lora.base_model(self.model)
+        self._architectures = [architecture_name(hf_model)]
+        self._pad_id = int(hf_model.config.pad_token_id) if hf_model.config.pad_token_id is not None else 0
+        self.runner = MicroBatchRunner(
+            self.model, actor.micro_batch, self.device, pad_token_id=self._pad_id, attn_implementation=attn
+        )
         self.optimizer = build_optimizer(self.model.parameters(), actor.optimizer) if trainable else None
         self._step = 0
         self._closed = False
-
-    # ------------------------------------------------------------------ basics
-
-    @property
-    def step(self) -> int:
-        return self._step
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this FSDP engine was closed")
-
-    def _check_trainable(self, what: str) -> None:
-        self._check_open()
-        if not self.trainable:
-            raise RuntimeError(f"{what} needs a trainable engine; this one is a frozen reference (trainable=False)")
-
-    # ------------------------------------------------------------------ micro-batches
-
-    def _plan(self, attention_mask: torch.Tensor) -> tuple[list[int], list[list[int]]]:
-        """Row lengths and this rank's micro-batches, padded with empty ones to the same count on
-        every rank (the maximum over ranks; ranks with fewer first split further if they can)."""
-        lengths = row_lengths(attention_mask)
-        mb = self.actor.micro_batch
-        plan = pack_micro_batches(lengths, mb.max_tokens_per_mb, mb.min_num_mb)
-        count = torch.tensor([len(plan)], dtype=torch.long, device=self.device)
-        target = int(dist_utils.all_reduce(count, dist_utils.ReduceOp.MAX).item())
-        if target > len(plan):
-            plan = pack_micro_batches(lengths, mb.max_tokens_per_mb, target)
-        plan = plan + [[] for _ in range(target - len(plan))]
-        return lengths, plan
-
-    def _forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        input_ids = input_ids.to(self.device)
-        attention_mask = attention_mask.to(self.device)
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        return token_logprobs(logits, input_ids, attention_mask, temperature, with_entropy=with_entropy)
-
-    def _placeholder(self) -> dict[str, torch.Tensor]:
-        return placeholder_micro_batch(self._pad_id)
 
     # ------------------------------------------------------------------ log-probs
 
@@ -124,25 +86,7 @@ class FSDPEngine(TrainEngine):
         computed in eval mode without gradients, micro-batched like :meth:`train_step`."""
         self._check_open()
         _check_temperature(temperature)
-        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
-        lengths, plan = self._plan(attention_mask)
-        out = torch.zeros(input_ids.shape, dtype=torch.float32)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                for rows in plan:
-                    if not rows:
-                        dummy = self._placeholder()
-                        self._forward(dummy["input_ids"], dummy["attention_mask"], temperature, False)
-                        continue
-                    width = micro_batch_width(lengths, rows)
-                    index = torch.as_tensor(rows, dtype=torch.long)
-                    lp, _ = self._forward(input_ids[index, :width], attention_mask[index, :width], temperature, False)
-                    out[index, :width] = lp.cpu()
-        finally:
-            self.model.train(was_training)
-        return out
+        return self.runner.logprobs(batch, temperature)
 
     # ------------------------------------------------------------------ training
 
@@ -159,25 +103,13 @@ class FSDPEngine(TrainEngine):
         self._check_trainable("train_step")
         _check_temperature(temperature)
         assert self.optimizer is not None
-        for key in ("input_ids", "attention_mask", "response_mask", "loss_weight"):
-            if key not in batch:
-                raise KeyError(f"train_step needs batch[{key!r}]")
-        lengths, plan = self._plan(batch["attention_mask"])
         lr = lr_at(self._step, self.actor.optimizer.lr, self.actor.lr_scheduler)
         set_lr(self.optimizer, lr)
         self.model.train()
-        acc = StepMetrics(self.device)
         try:
-            for rows in plan:
-                if rows:
-                    mb = take_micro_batch(batch, rows, micro_batch_width(lengths, rows))
-                    self._train_micro_batch(mb, loss_fn, temperature, acc)
-                else:
-                    dummy = self._placeholder()
-                    lp, ent = self._forward(dummy["input_ids"], dummy["attention_mask"], temperature, True)
-                    assert ent is not None
-                    # zero gradient, but through every parameter so FSDP's reduce-scatters line up
-                    ((lp.sum() + ent.sum()) * 0.0).backward()
+            acc, num_micro_batches = self.runner.accumulate_gradients(
+                batch, loss_fn, temperature, torch.Tensor.backward, self.world_size
+            )
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)  # a failed step leaves no partial gradient behind
             raise
@@ -189,20 +121,12 @@ class FSDPEngine(TrainEngine):
         self.optimizer.zero_grad(set_to_none=True)
         self._step += 1
         metrics.update(
-            grad_norm=grad_norm, lr=lr, num_micro_batches=float(len(plan)), nonfinite=1.0 if nonfinite else 0.0
+            grad_norm=grad_norm,
+            lr=lr,
+            num_micro_batches=float(num_micro_batches),
+            nonfinite=1.0 if nonfinite else 0.0,
         )
         return metrics
-
-    def _train_micro_batch(self, mb: TensorBatch, loss_fn: LossFn, temperature: float, acc: StepMetrics) -> None:
-        mb = mb.to(self.device)
-        lp, ent = self._forward(mb["input_ids"], mb["attention_mask"], temperature, True)
-        assert ent is not None
-        out = loss_fn(mb, lp, ent)
-        if out.per_token_loss.shape != lp.shape:
-            raise ValueError(f"loss per_token_loss has shape {tuple(out.per_token_loss.shape)}, expected {lp.shape}")
-        weighted = (out.per_token_loss.float() * mb["loss_weight"]).sum()
-        (weighted * self.world_size).backward()
-        acc.add(mb, weighted.detach(), ent.detach(), out.token_metrics)
 
     def _clip_gradients(self) -> float:
         """Total gradient norm over all ranks before clipping; clip to ``actor.grad_clip`` (0: no
@@ -215,32 +139,29 @@ class FSDPEngine(TrainEngine):
 
     # ------------------------------------------------------------------ weights
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        self._check_open()
+    def _wrapped_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full state dict of the model as wrapped (peft names with LoRA) on rank 0, ``{}`` elsewhere."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)
         return state if self.rank == 0 else {}
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights with Hugging Face names on rank 0 (``{}`` elsewhere); with LoRA the
+        adapters are merged into the base weights (:func:`core_rl.engine_utils.lora.merged_state_dict`)."""
+        self._check_open()
+        return lora.hf_state_dict(self.model, self._wrapped_state_dict())
+
     def export_hf(self, path: str | Path) -> None:
         """Rank 0 writes ``path`` (config, safetensors weights, generation config, tokenizer) via
-        a temporary directory next to it, then moves it into place (see :mod:`core_rl.checkpointing`)."""
-        state = self.full_state_dict()
-        final = Path(path).absolute()
-        error: BaseException | None = None
-        if self.rank == 0:
-            try:
-                self._write_hf(final, state)
-            except BaseException as exc:  # re-raised after the barrier so other ranks do not hang
-                error = exc
-        dist_utils.barrier()
-        if error is not None:
-            raise error
-
-    def _write_hf(self, final: Path, state: dict[str, torch.Tensor]) -> None:
-        write_hf_dir(
-            final,
+        a temporary directory next to it, then moves it into place (see :mod:`core_rl.checkpointing`).
+        With LoRA the weights are merged, and the adapter alone goes to ``path/adapter`` (peft's
+        ``save_pretrained`` format)."""
+        self._check_open()
+        lora.export_model_dir(
+            Path(path).absolute(),
             self.model,
-            state,
+            self._wrapped_state_dict(),
+            rank=self.rank,
             architectures=self._architectures,
             tokenizer_path=self.actor.tokenizer_path or self.actor.model_path,
         )

@@ -1,12 +1,15 @@
-"""Loading a Hugging Face causal LM and sharding it with FSDP2 (``fully_shard``)."""
+"""Building the model of an FSDP engine: load a Hugging Face causal LM (on rank 0 only, when asked),
+add LoRA adapters and activation checkpointing, and shard it with FSDP2 (``fully_shard``)."""
 
 from __future__ import annotations
 
 import torch
 from core_rl.config.schema import ActorConfig
+from core_rl.engine_utils import distributed as dist_utils
 from core_rl.engine_utils import hf
 from core_rl.engine_utils.hf import torch_dtype
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from core_rl_fsdp.config import FSDPConfig
 
@@ -16,21 +19,48 @@ except ImportError:  # torch 2.4 / 2.5
     from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 
-def load_causal_lm(actor: ActorConfig, config: FSDPConfig) -> nn.Module:
-    """``actor.model_path`` in ``actor.dtype`` on CPU (see :func:`core_rl.engine_utils.hf.load_causal_lm`);
-    ``fully_shard`` moves each rank's shard to the mesh's device."""
-    return hf.load_causal_lm(actor.model_path, dtype=actor.dtype, attn_implementation=config.attn_implementation)
+def build_model(
+    actor: ActorConfig,
+    config: FSDPConfig,
+    *,
+    trainable: bool,
+    mesh: object,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    attn_implementation: str | None,
+) -> nn.Module:
+    """The sharded model (an ``FSDPModule``) of ``actor``.
 
-
-def enable_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each decoder layer's activations in backward (non-reentrant ``torch.utils.checkpoint``),
-    through transformers' own switch (``activation_checkpointing_enable`` from transformers 5.23,
-    ``gradient_checkpointing_enable`` before). Call before :func:`shard_model`."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    With ``config.load_on_rank0`` and several ranks, only rank 0 reads the weights; the other
+    ranks build the model on the ``meta`` device (no memory), shard it, allocate only their shards
+    and receive them from rank 0 (``set_model_state_dict(..., broadcast_from_rank0=True)``), plus
+    the buffers a state dict leaves out (e.g. rotary frequencies). Otherwise every rank reads the
+    full weights into CPU memory before sharding. A trainable model gets LoRA adapters when
+    ``actor.lora`` asks (a frozen reference stays the base model) and activation checkpointing
+    when ``actor.gradient_checkpointing`` is on.
+    """
+    from_rank0 = config.load_on_rank0 and world_size > 1
+    if from_rank0 and rank != 0:
+        model = hf.empty_causal_lm(actor.model_path, dtype=actor.dtype, attn_implementation=attn_implementation)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model = hf.load_causal_lm(actor.model_path, dtype=actor.dtype, attn_implementation=attn_implementation)
+    model = hf.prepare_for_role(model, actor, trainable=trainable)
+    if not from_rank0:
+        return shard_model(model, mesh, config, device)
+    full = model.state_dict() if rank == 0 else {}
+    extra_buffers = {n: b for n, b in model.named_buffers() if n not in full} if rank == 0 else None
+    extra_buffers = dist_utils.broadcast_object(extra_buffers)
+    shard_model(model, mesh, config, device)
+    model.to_empty(device="cpu" if config.cpu_offload else device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    del full
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, value in extra_buffers.items():  # type: ignore[union-attr]
+            buffers[name].copy_(value)
+    return model
 
 
 def shard_units(model: nn.Module, wrap: str) -> list[nn.Module]:
@@ -54,7 +84,8 @@ def shard_units(model: nn.Module, wrap: str) -> list[nn.Module]:
 
 def shard_model(model: nn.Module, mesh: object, config: FSDPConfig, device: torch.device) -> nn.Module:
     """Apply ``fully_shard`` to each unit of :func:`shard_units`, then to the root, with the
-    mixed-precision and offload policies of ``config``; returns ``model`` (now an ``FSDPModule``)."""
+    mixed-precision and offload policies of ``config``; returns ``model`` (now an ``FSDPModule``).
+    Offloaded shards use pinned memory only on CUDA (pinning needs an accelerator)."""
     kwargs: dict[str, object] = {"mesh": mesh, "reshard_after_forward": config.reshard_after_forward}
     if config.param_dtype is not None or config.reduce_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(

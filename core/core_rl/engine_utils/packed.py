@@ -1,0 +1,130 @@
+"""The packed (padding-free) micro-batch layout and the model forward of a micro-batch in either layout.
+
+**Packed.** The real tokens of the micro-batch's rows are concatenated into one ``[1, S]`` row
+(``S = sum(lengths)``) with ``position_ids`` restarting at 0 at each row. Called without an
+attention mask (and without a KV cache), a transformers decoder then attends block-diagonally:
+each token sees only the earlier tokens of its own row, so logits equal the padded forward's. With
+a varlen attention kernel (flash-attn) the boundaries are also passed as ``cu_seqlens`` (cumulative
+lengths ``[0, l0, l0+l1, ..., S]``, int32), so no mask is ever built; SDPA and eager attention
+materialise an ``S x S`` mask instead, which is why padded is the faster layout there
+(``benchmarks/engines.py``).
+
+Log-probs come back in the padded ``[rows, width]`` alignment of :func:`token_logprobs`, so losses
+never see the layout.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from torch import nn
+
+from core_rl.engine_utils.logprobs import token_logprobs
+
+LAYOUTS = ("auto", "padded", "packed")
+#: attention implementations with a varlen kernel that takes ``cu_seqlens`` (no mask materialised)
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+
+@attrs.frozen
+class PackedRows:
+    """Rows ``[b, T]`` (right-padded, real lengths ``lengths``) packed into one row.
+
+    ``input_ids``/``position_ids`` ``[1, S]``; ``continues`` ``[1, S]`` is 0 at each row's first
+    token and 1 elsewhere (a row start is not predicted from the previous row's last token);
+    ``cu_seqlens`` ``[b + 1]`` int32; ``max_seqlen`` the longest length; ``index`` ``[b, width]``
+    the position in the packed row of each padded entry (0 on padding, masked by ``valid``).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    continues: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    index: torch.Tensor
+    valid: torch.Tensor
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRows:
+    """Pack a right-padded ``[b, T]`` micro-batch (see :class:`PackedRows`). Each row's real tokens
+    must be a prefix (``attention_mask`` 1s then 0s); a row with none still takes one position (so
+    every row has a place; its values are discarded)."""
+    if input_ids.shape != attention_mask.shape or input_ids.ndim != 2:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask must be the same [b, T] shape")
+    real = attention_mask != 0
+    lengths = real.sum(dim=1)
+    b, width = input_ids.shape
+    prefix = torch.arange(width, device=input_ids.device)[None, :] < lengths[:, None]
+    if not torch.equal(real, prefix):
+        raise ValueError(
+            "the packed layout needs right-padded rows (attention_mask 1s then 0s); "
+            "set actor.micro_batch.layout: padded for masks with holes"
+        )
+    lengths = lengths.clamp(min=1)
+    keep = torch.arange(width, device=input_ids.device)[None, :] < lengths[:, None]
+    starts = torch.cumsum(lengths, 0) - lengths
+    positions = torch.arange(width, device=input_ids.device)[None, :].expand(b, width)
+    packed_ids = input_ids[keep][None, :]
+    position_ids = positions[keep][None, :]
+    continues = (position_ids != 0).long()
+    index = torch.where(real, starts[:, None] + positions, torch.zeros_like(positions))
+    cu_seqlens = torch.zeros(b + 1, dtype=torch.int32, device=input_ids.device)
+    cu_seqlens[1:] = torch.cumsum(lengths, 0).to(torch.int32)
+    return PackedRows(
+        input_ids=packed_ids,
+        position_ids=position_ids,
+        continues=continues,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=int(lengths.max().item()),
+        index=index,
+        valid=real,
+    )
+
+
+def unpack(values: torch.Tensor, packed: PackedRows) -> torch.Tensor:
+    """``[1, S]`` per-token values back to the padded ``[b, width]`` alignment, 0 on padding
+    (differentiable)."""
+    gathered = values[0][packed.index]
+    return torch.where(packed.valid, gathered, torch.zeros_like(gathered))
+
+
+def resolve_layout(layout: str, attn_implementation: str | None) -> str:
+    """``auto`` -> ``packed`` with a varlen attention kernel (:data:`VARLEN_ATTENTION`), else
+    ``padded`` (SDPA/eager would materialise the packed mask; measured slower on CPU)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown micro-batch layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+    if layout != "auto":
+        return layout
+    return "packed" if attn_implementation in VARLEN_ATTENTION else "padded"
+
+
+def forward_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    layout: str = "padded",
+    varlen_kwargs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) ``[b, width]`` of one micro-batch through a causal LM, in the
+    ``padded`` or ``packed`` layout (see the module docstring; identical results up to float
+    rounding). ``varlen_kwargs`` also passes ``cu_seqlens`` / max lengths for flash-attn."""
+    if layout == "padded":
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return token_logprobs(logits, input_ids, attention_mask, temperature, with_entropy=with_entropy)
+    if layout != "packed":
+        raise ValueError(f"layout must be padded or packed here, got {layout!r}")
+    packed = pack_rows(input_ids, attention_mask)
+    kwargs: dict[str, object] = {}
+    if varlen_kwargs:
+        kwargs = {
+            "cu_seq_lens_q": packed.cu_seqlens,
+            "cu_seq_lens_k": packed.cu_seqlens,
+            "max_length_q": packed.max_seqlen,
+            "max_length_k": packed.max_seqlen,
+        }
+    logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, **kwargs).logits
+    lp, ent = token_logprobs(logits, packed.input_ids, packed.continues, temperature, with_entropy=with_entropy)
+    return unpack(lp, packed), (unpack(ent, packed) if ent is not None else None)

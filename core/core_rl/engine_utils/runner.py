@@ -1,0 +1,188 @@
+"""The micro-batch loop of a train engine, shared by every engine (FSDP, DeepSpeed, ...).
+
+An engine supplies its model and how to back-propagate; :class:`MicroBatchRunner` plans the rank's
+micro-batches (:mod:`core_rl.engine_utils.packing`), aligns their count over ranks (a sharded
+engine's collectives must line up: a rank with fewer runs placeholder micro-batches), runs each
+forward in the configured layout (:mod:`core_rl.engine_utils.packed`), calls the algorithm's loss
+and accumulates :class:`~core_rl.engine_utils.metrics.StepMetrics`.
+
+Gradient convention: each micro-batch back-propagates
+``world_size * sum(per_token_loss * loss_weight)``; engines average gradients over ranks, so the
+update is the gradient of the global batch's ``sum(per_token_loss * loss_weight)`` whatever the
+split into micro-batches or ranks (``loss_weight`` is normalised over the global batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from core_rl.config.schema import MicroBatchConfig
+from core_rl.engine_utils import distributed as dist_utils
+from core_rl.engine_utils.metrics import StepMetrics
+from core_rl.engine_utils.microbatch import (
+    micro_batch_width,
+    placeholder_micro_batch,
+    row_lengths,
+    take_micro_batch,
+)
+from core_rl.engine_utils.packed import VARLEN_ATTENTION, forward_logprobs, resolve_layout
+from core_rl.engine_utils.packing import plan_micro_batches
+from core_rl.interfaces import LossFn
+from core_rl.protocol import TensorBatch
+
+TRAIN_KEYS = ("input_ids", "attention_mask", "response_mask", "loss_weight")
+
+
+class EngineState:
+    """The bookkeeping every train engine shares: the optimizer step count and open/trainable checks.
+    Subclasses set ``_step``, ``_closed``, ``trainable`` and ``engine_label``."""
+
+    engine_label = "train"
+    trainable: bool
+    _step: int
+    _closed: bool
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"this {self.engine_label} engine was closed")
+
+    def _check_trainable(self, what: str) -> None:
+        self._check_open()
+        if not self.trainable:
+            raise RuntimeError(f"{what} needs a trainable engine; this one is a frozen reference (trainable=False)")
+
+
+class MicroBatchRunner:
+    """Runs ``model`` over a rank's rows in micro-batches. ``attn_implementation`` is the one the
+    model was loaded with (it decides the ``auto`` layout and whether flash-attn varlen arguments
+    are passed)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: MicroBatchConfig,
+        device: torch.device,
+        *,
+        pad_token_id: int,
+        attn_implementation: str | None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.device = device
+        self.pad_token_id = pad_token_id
+        self.layout = resolve_layout(config.layout, attn_implementation)
+        self.varlen_kwargs = self.layout == "packed" and attn_implementation in VARLEN_ATTENTION
+
+    # ------------------------------------------------------------------ plan
+
+    def plan(self, attention_mask: torch.Tensor) -> tuple[list[int], list[list[int]]]:
+        """Row lengths and this rank's micro-batches, padded with empty ones to the same count on
+        every rank (the maximum over ranks; ranks with fewer first split further if they can).
+        Collective."""
+        lengths = row_lengths(attention_mask)
+        mb = self.config
+        packed = self.layout == "packed"
+
+        def make(min_num: int) -> list[list[int]]:
+            return plan_micro_batches(
+                lengths, mb.max_tokens_per_mb, min_num, algorithm=mb.packing_algorithm, packed=packed
+            )
+
+        plan = make(mb.min_num_mb)
+        count = torch.tensor([len(plan)], dtype=torch.long, device=self.device)
+        target = int(dist_utils.all_reduce(count, dist_utils.ReduceOp.MAX).item())
+        if target > len(plan):
+            plan = make(target)
+        return lengths, plan + [[] for _ in range(target - len(plan))]
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropies) ``[b, width]`` of one micro-batch on the engine's device."""
+        return forward_logprobs(
+            self.model,
+            input_ids.to(self.device),
+            attention_mask.to(self.device),
+            temperature=temperature,
+            with_entropy=with_entropy,
+            layout=self.layout,
+            varlen_kwargs=self.varlen_kwargs,
+        )
+
+    def _placeholder_forward(self, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        dummy = placeholder_micro_batch(self.pad_token_id)
+        # padded: one token needs no packing, and it reaches every parameter just the same
+        logits = self.model(
+            input_ids=dummy["input_ids"].to(self.device),
+            attention_mask=dummy["attention_mask"].to(self.device),
+            use_cache=False,
+        ).logits
+        return logits.float().sum() * 0.0, None
+
+    # ------------------------------------------------------------------ log-probs
+
+    def logprobs(self, batch: TensorBatch, temperature: float) -> torch.Tensor:
+        """Log-probs ``[B, T]`` float32 on CPU, in eval mode without gradients. Collective."""
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        lengths, plan = self.plan(attention_mask)
+        out = torch.zeros(input_ids.shape, dtype=torch.float32)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for rows in plan:
+                    if not rows:
+                        self._placeholder_forward(temperature)
+                        continue
+                    width = micro_batch_width(lengths, rows)
+                    index = torch.as_tensor(rows, dtype=torch.long)
+                    lp, _ = self.forward(input_ids[index, :width], attention_mask[index, :width], temperature, False)
+                    out[index, :width] = lp.float().cpu()
+        finally:
+            self.model.train(was_training)
+        return out
+
+    # ------------------------------------------------------------------ training
+
+    def accumulate_gradients(
+        self,
+        batch: TensorBatch,
+        loss_fn: LossFn,
+        temperature: float,
+        backward: Callable[[torch.Tensor], None],
+        world_size: int,
+    ) -> tuple[StepMetrics, int]:
+        """Forward, loss and ``backward(world_size * weighted_loss)`` for every micro-batch of this
+        rank (placeholders back-propagate a zero through every parameter); returns the step's
+        metric sums (not yet reduced) and the number of micro-batches. Collective."""
+        for key in TRAIN_KEYS:
+            if key not in batch:
+                raise KeyError(f"train_step needs batch[{key!r}]")
+        lengths, plan = self.plan(batch["attention_mask"])
+        acc = StepMetrics(self.device)
+        for rows in plan:
+            if not rows:
+                zero, _ = self._placeholder_forward(temperature)
+                backward(zero)
+                continue
+            mb = take_micro_batch(batch, rows, micro_batch_width(lengths, rows)).to(self.device)
+            lp, ent = self.forward(mb["input_ids"], mb["attention_mask"], temperature, True)
+            assert ent is not None
+            out = loss_fn(mb, lp, ent)
+            if out.per_token_loss.shape != lp.shape:
+                raise ValueError(
+                    f"loss per_token_loss has shape {tuple(out.per_token_loss.shape)}, expected {tuple(lp.shape)}"
+                )
+            weighted = (out.per_token_loss.float() * mb["loss_weight"]).sum()
+            backward(weighted * world_size)
+            acc.add(mb, weighted.detach(), ent.detach(), out.token_metrics)
+        return acc, len(plan)

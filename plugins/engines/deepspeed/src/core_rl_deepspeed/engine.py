@@ -1,0 +1,373 @@
+"""The ``deepspeed`` train engine: a Hugging Face causal LM trained with DeepSpeed ZeRO over all ranks.
+
+Every rank calls every method with its own rows of the global batch (collectives inside). The
+micro-batch loop, log-probs, losses and metrics are the core's
+(:class:`core_rl.engine_utils.runner.MicroBatchRunner`), shared with every engine, so an algorithm
+gets the same numbers here as on ``fsdp``: each micro-batch back-propagates
+``world_size * sum(per_token_loss * loss_weight)`` and DeepSpeed averages gradients over ranks.
+
+DeepSpeed's own checkpoint files are pickles; this engine never writes or reads them. Its
+:meth:`~DeepSpeedEngine.save_state` consolidates the ZeRO partitions into the full fp32 weights and
+the full optimizer state of every parameter (DeepSpeed's ``safe_get_full_*`` accessors, which
+gather the fragments of every stage) and stores them with safetensors and JSON
+(:mod:`core_rl.engine_utils.state`); :meth:`~DeepSpeedEngine.load_state` writes them back into the
+partitions (``safe_set_full_*``), so a checkpoint resumes exactly, on any number of ranks and any
+ZeRO stage.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from core_rl import checkpointing as ckpt
+from core_rl.config.schema import ActorConfig
+from core_rl.engine_utils import distributed as dist_utils
+from core_rl.engine_utils import hf, lora
+from core_rl.engine_utils import state as state_files
+from core_rl.engine_utils.optim import build_optimizer, check_schedule, lr_at, set_lr
+from core_rl.engine_utils.runner import EngineState, MicroBatchRunner
+from core_rl.interfaces import LossFn, TrainEngine
+from core_rl.protocol import TensorBatch
+from torch import nn
+
+from core_rl_deepspeed.config import DeepSpeedConfig
+from core_rl_deepspeed.ds_config import build_ds_config
+
+CHECKPOINT_FORMAT = 1
+ENGINE_NAME = "deepspeed"
+
+
+def import_deepspeed(options: DeepSpeedConfig, device: torch.device) -> Any:
+    """``deepspeed``, imported for ``device``: on CPU its accelerator is ``cpu`` (``DS_ACCELERATOR``,
+    unless already set) and, unless ``options.shm_comm``, its shared-memory all-reduce extension is
+    marked unavailable so nothing is compiled (gloo does the all-reduce)."""
+    if device.type != "cuda":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # DeepSpeed calls collectives torch has renamed; the warnings say nothing to a core-rl user
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    if device.type != "cuda" and not options.shm_comm:
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+class DeepSpeedEngine(EngineState, TrainEngine):
+    """See the module docstring. ``trainable=False`` builds a frozen reference model (eval mode, no
+    gradients, no optimizer; ZeRO-3 still partitions its parameters)."""
+
+    engine_label = "DeepSpeed"
+
+    def __init__(self, actor: ActorConfig, config: DeepSpeedConfig | None = None, *, trainable: bool = True) -> None:
+        self.actor = actor
+        self.config = config if config is not None else DeepSpeedConfig()
+        self.trainable = trainable
+        if trainable:
+            check_schedule(actor.lr_scheduler)
+        self.device = dist_utils.pick_device()
+        self.rank, self.world_size = dist_utils.ensure_process_group(self.config.backend, self.device)
+        if "LOCAL_RANK" not in os.environ:  # DeepSpeed reads it; torchrun sets it, one process needs none
+            if self.world_size > 1:
+                raise RuntimeError("LOCAL_RANK is not set; launch multi-process DeepSpeed training with torchrun")
+            os.environ["LOCAL_RANK"] = "0"
+        deepspeed = import_deepspeed(self.config, self.device)
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+        attn = hf.resolve_attn_implementation(self.config.attn_implementation, self.device)
+        model = hf.load_causal_lm(actor.model_path, dtype=actor.dtype, attn_implementation=attn)
+        model = hf.prepare_for_role(model, actor, trainable=trainable)
+        hf_model = lora.base_model(model)
+        self._architectures = [hf.architecture_name(hf_model)]
+        self._pad_id = int(hf_model.config.pad_token_id) if hf_model.config.pad_token_id is not None else 0
+        optimizer = build_optimizer(model.parameters(), actor.optimizer) if trainable else None
+        ds_config = build_ds_config(actor, self.config, on_cuda=self.device.type == "cuda")
+        self.ds, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.model: nn.Module = self.ds.module
+        self.runner = MicroBatchRunner(
+            self.ds, actor.micro_batch, self.device, pad_token_id=self._pad_id, attn_implementation=attn
+        )
+        self._step = 0
+        self._closed = False
+
+    @property
+    def zero_stage(self) -> int:
+        return self.config.zero_stage
+
+    # ------------------------------------------------------------------ log-probs and training
+
+    def compute_logprobs(self, batch: TensorBatch, *, temperature: float = 1.0) -> torch.Tensor:
+        """Log-probs [B, T] float32 on CPU (see :class:`core_rl.interfaces.TrainEngine`), in eval
+        mode without gradients, micro-batched like :meth:`train_step`."""
+        self._check_open()
+        _check_temperature(temperature)
+        return self.runner.logprobs(batch, temperature)
+
+    def train_step(self, batch: TensorBatch, loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step; see :class:`core_rl.interfaces.TrainEngine` and the module docstring.
+
+        Returns, reduced over ranks: ``loss``, ``grad_norm`` (before clipping, as DeepSpeed computes
+        it over all partitions), ``lr``, ``entropy`` and every token metric (means over the global
+        batch's response tokens), ``num_micro_batches`` (per rank), ``tokens`` and ``nonfinite``
+        (1.0 when the global loss or gradient norm is NaN/inf: DeepSpeed's overflow check then skips
+        the update on every rank; the step still counts).
+        """
+        self._check_trainable("train_step")
+        _check_temperature(temperature)
+        assert self.optimizer is not None
+        lr = lr_at(self._step, self.actor.optimizer.lr, self.actor.lr_scheduler)
+        set_lr(self.optimizer, lr)
+        self.ds.train()
+        try:
+            acc, num_micro_batches = self.runner.accumulate_gradients(
+                batch, loss_fn, temperature, self._backward, self.world_size
+            )
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)  # a failed step leaves no partial gradient behind
+            raise
+        self.ds.step()
+        norm = self.ds.get_global_grad_norm()
+        grad_norm = float(norm) if norm is not None else math.nan
+        self._step += 1
+        metrics = acc.reduce()
+        nonfinite = not (math.isfinite(grad_norm) and math.isfinite(metrics["loss"]))
+        metrics.update(
+            grad_norm=grad_norm,
+            lr=lr,
+            num_micro_batches=float(num_micro_batches),
+            nonfinite=1.0 if nonfinite else 0.0,
+        )
+        return metrics
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss, scale_wrt_gas=False)
+
+    # ------------------------------------------------------------------ full weights
+
+    def _full_param(self, param: nn.Parameter) -> torch.Tensor:
+        """The full value of one parameter on CPU, on every rank (collective under ZeRO-3, and for
+        the fp32 master of a trainable parameter): the fp32 master weight when the optimizer holds
+        one (cast to ``actor.dtype``), else the module's own value."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        if self.trainable and param.requires_grad:
+            full = safe_get_full_fp32_param(param)
+            if full is not None:
+                return full.detach().to("cpu", hf.torch_dtype(self.actor.dtype)).clone()
+        if hasattr(param, "ds_id"):  # a ZeRO-3 partition: gather it
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                return param.detach().to("cpu").clone()
+        return param.detach().to("cpu").clone()
+
+    def _wrapped_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full state dict of the module as wrapped (peft names with LoRA) on rank 0, ``{}``
+        elsewhere. Collective."""
+        out: dict[str, torch.Tensor] = {}
+        for name, value in self.model.state_dict(keep_vars=True).items():
+            if isinstance(value, nn.Parameter):
+                full = self._full_param(value)
+            else:
+                full = value.detach().to("cpu").clone()
+            if self.rank == 0:
+                out[name] = full
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights with Hugging Face names on rank 0 (``{}`` elsewhere); LoRA adapters merged."""
+        self._check_open()
+        return lora.hf_state_dict(self.model, self._wrapped_state_dict())
+
+    def export_hf(self, path: str | Path) -> None:
+        """Rank 0 writes ``path`` (config, safetensors weights, generation config, tokenizer)
+        atomically; with LoRA the weights are merged and the adapter alone goes to ``path/adapter``."""
+        self._check_open()
+        lora.export_model_dir(
+            Path(path).absolute(),
+            self.model,
+            self._wrapped_state_dict(),
+            rank=self.rank,
+            architectures=self._architectures,
+            tokenizer_path=self.actor.tokenizer_path or self.actor.model_path,
+        )
+
+    # ------------------------------------------------------------------ training state
+
+    def _trainable_params(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def _base_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer DeepSpeed steps (over flat fp32 partitions under ZeRO)."""
+        assert self.optimizer is not None
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    def _optimizer_state(self) -> dict[str, Any] | None:
+        """The full optimizer state keyed by parameter name, in the layout of
+        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(full_state_dict=True)``:
+        ``{"state": {name: {key: tensor}}, "param_groups": [{...hyper-parameters, "params": [names]}]}``;
+        ``None`` before the first step (no state yet). Collective."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        base = self._base_optimizer()
+        flat_states = [s for s in base.state.values() if s]
+        if not flat_states:
+            return None
+        keys = sorted(flat_states[0])
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for name, param in self._trainable_params():
+            entry: dict[str, torch.Tensor] = {}
+            for key in keys:
+                value = flat_states[0][key]
+                if torch.is_tensor(value) and value.dim() == 0:  # e.g. AdamW's step: one per group
+                    entry[key] = value.detach().to("cpu").clone()
+                else:
+                    full = safe_get_full_optimizer_state(param, key)
+                    entry[key] = full.detach().to("cpu", torch.float32).clone()
+            if self.rank == 0:
+                state[name] = entry
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
+        groups[0]["params"] = [name for name, _ in self._trainable_params()]
+        return {"state": state, "param_groups": groups[:1]}
+
+    def save_state(self, path: str | Path, extra: Mapping[str, Any]) -> None:
+        """Write ``path/`` atomically, in formats that execute nothing on load (see
+        :mod:`core_rl.engine_utils.state`): ``meta.json``, ``model.safetensors`` (full fp32 master
+        weights, the module's names), ``optimizer.*`` (full optimizer state per parameter name),
+        ``extra.*`` and ``rng/rank{r}.*``. Full state makes the checkpoint loadable on any number
+        of ranks and any ZeRO stage. Collective."""
+        self._check_trainable("save_state")
+        model_state = self._wrapped_state_dict()
+        optim_state = self._optimizer_state()
+
+        def write(tmp: Path) -> None:
+            state_files.save_rng(tmp, self.rank)
+            if self.rank != 0:
+                return
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+            if optim_state is not None:
+                ckpt.save_tree(tmp, "optimizer", optim_state)
+            ckpt.save_tree(tmp, "extra", dict(extra))
+            meta = {
+                "format": CHECKPOINT_FORMAT,
+                "engine": ENGINE_NAME,
+                "step": self._step,
+                "world_size": self.world_size,
+                "zero_stage": self.zero_stage,
+                "optimizer": optim_state is not None,
+            }
+            state_files.write_meta(tmp, meta)
+
+        state_files.write_collectively(Path(path), self.rank, write)
+
+    def load_state(self, path: str | Path) -> dict[str, Any]:
+        """Restore weights, optimizer state, step and this rank's RNG states from
+        :meth:`save_state`'s directory and return its ``extra``. Every rank reads the files (a
+        shared file system, as for saving); nothing is unpickled. Collective."""
+        self._check_trainable("load_state")
+        final = Path(path).absolute()
+        meta = state_files.read_meta(final, engine=ENGINE_NAME, format_version=CHECKPOINT_FORMAT)
+        from safetensors.torch import load_file
+
+        model_state = load_file(str(final / "model.safetensors"))
+        self._load_weights(model_state)
+        self._reset_optimizer_state()
+        if meta["optimizer"]:
+            self._load_optimizer_state(ckpt.load_tree(final, "optimizer"))
+        self._step = int(meta["step"])
+        state_files.restore_rng(final, self.rank, int(meta["world_size"]))
+        extra = ckpt.load_tree(final, "extra")
+        dist_utils.barrier()
+        return extra
+
+    def _load_weights(self, model_state: Mapping[str, torch.Tensor]) -> None:
+        """Write full weights into the module (every stage) and the optimizer's fp32 masters."""
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        missing = sorted(set(self.model.state_dict()) - set(model_state))
+        if missing:
+            raise ckpt.CheckpointFormatError(
+                f"model.safetensors lacks {missing[:5]} (and {max(len(missing) - 5, 0)} more)"
+            )
+        for name, value in self.model.state_dict(keep_vars=True).items():
+            new = model_state[name]
+            with torch.no_grad():
+                if isinstance(value, nn.Parameter) and hasattr(value, "ds_id"):
+                    with deepspeed.zero.GatheredParameters([value], modifier_rank=0):
+                        if self.rank == 0:
+                            value.data.copy_(new.to(value.device, value.dtype))
+                else:
+                    value.data.copy_(new.to(value.device, value.dtype))
+            if self.trainable and isinstance(value, nn.Parameter) and value.requires_grad:
+                safe_set_full_fp32_param(value, new.to(self.device, torch.float32))
+
+    def _reset_optimizer_state(self) -> None:
+        """Drop the optimizer state (a checkpoint saved before the first step has none: the next
+        step then starts the optimizer afresh, as it did in the saving run)."""
+        self._base_optimizer().state.clear()
+        self._relink_fragments()
+
+    def _relink_fragments(self) -> None:
+        """ZeRO-1/2 keep per-parameter views into the optimizer state, made once after the first
+        step; after the state is replaced they must be made again (now, or at the next step)."""
+        zero = self.optimizer
+        if hasattr(zero, "_hp_optimizer_states_linked"):
+            zero._hp_optimizer_states_linked = False
+            if self._base_optimizer().state:
+                zero._lazy_init_hp_params_optimizer_state()
+
+    def _load_optimizer_state(self, saved: Mapping[str, Any]) -> None:
+        """Recreate the base optimizer's per-partition state, then fill every parameter's fragment
+        from the full saved state (``safe_set_full_optimizer_state``)."""
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        base = self._base_optimizer()
+        per_param = saved["state"]
+        names = [name for name, _ in self._trainable_params()]
+        absent = [n for n in names if n not in per_param]
+        if absent:
+            raise ckpt.CheckpointFormatError(f"optimizer state lacks {absent[:5]}")
+        sample = per_param[names[0]]
+        # ZeRO-3 steps one flat fp32 partition per sub-group (swapped into param_groups in turn)
+        flats = getattr(self.optimizer, "fp32_partitioned_groups_flat", None)
+        if flats is None:
+            flats = [flat for group in base.param_groups for flat in group["params"]]
+        for flat in flats:
+            base.state[flat] = {
+                key: (value.clone() if value.dim() == 0 else torch.zeros_like(flat, dtype=torch.float32))
+                for key, value in sample.items()
+            }
+        self._relink_fragments()
+        for name, param in self._trainable_params():
+            for key, value in per_param[name].items():
+                if value.dim() > 0:
+                    safe_set_full_optimizer_state(param, value.to(self.device), key)
+
+    def close(self) -> None:
+        """Drop the model and optimizer (the process group stays for other engines)."""
+        if self._closed:
+            return
+        self._closed = True
+        if hasattr(self.ds, "destroy"):
+            self.ds.destroy()
+        del self.ds, self.model, self.runner
+        self.optimizer = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")

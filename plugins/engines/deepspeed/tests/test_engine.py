@@ -1,0 +1,155 @@
+"""The engine in one process (gloo on CPU): offload settings, LoRA, a skipped non-finite step, and
+checkpoints that hold no pickles and load into any ZeRO stage."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from core_rl.config.schema import ActorConfig, LoraConfig, MicroBatchConfig, OptimizerConfig, PluginSpec
+from core_rl.interfaces import LossOutput
+from core_rl.protocol import TensorBatch
+from core_rl.testing import make_rl_batch
+from core_rl.testing.contracts import hf_logprobs
+from core_rl_deepspeed.config import DeepSpeedConfig
+from core_rl_deepspeed.engine import DeepSpeedEngine
+
+
+def make_actor(model: Path, **overrides: object) -> ActorConfig:
+    fields: dict[str, object] = {
+        "model_path": str(model),
+        "engine": PluginSpec(name="deepspeed"),
+        "optimizer": OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.01),
+        "micro_batch": MicroBatchConfig(max_tokens_per_mb=30),
+        "grad_clip": 0.5,
+    }
+    fields.update(overrides)
+    return ActorConfig(**fields)  # type: ignore[arg-type]
+
+
+def nll_entropy(batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
+    return LossOutput(per_token_loss=-logprobs - 0.1 * entropy)
+
+
+def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"zero_stage": 2, "offload_optimizer": True}, {"zero_stage": 3, "offload_optimizer": True, "offload_param": True}],
+    ids=["z2-offload-optimizer", "z3-offload-all"],
+)
+def test_offload_gives_the_same_update(tiny_model: Path, options: dict[str, object]) -> None:
+    batch = make_rl_batch(batch_size=5, seed=1)
+    base = DeepSpeedEngine(make_actor(tiny_model), DeepSpeedConfig(zero_stage=int(options["zero_stage"])))
+    off = DeepSpeedEngine(make_actor(tiny_model), DeepSpeedConfig(**options))
+    for _ in range(2):
+        m1, m2 = base.train_step(batch, nll_entropy), off.train_step(batch, nll_entropy)
+        assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-6)
+        assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
+    same_weights(off.full_state_dict(), base.full_state_dict(), atol=1e-6)
+    base.close()
+    off.close()
+
+
+def test_lora_on_zero3_exports_merged_weights(tiny_model: Path, tmp_path: Path) -> None:
+    actor = make_actor(tiny_model, lora=LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"]))
+    engine = DeepSpeedEngine(actor, DeepSpeedConfig(zero_stage=3))
+    assert all(".lora_" in n for n, p in engine.model.named_parameters() if p.requires_grad)
+    batch = make_rl_batch(seed=2)
+    losses = [engine.train_step(batch, nll_entropy)["loss"] for _ in range(3)]
+    assert losses[-1] < losses[0]
+    engine.export_hf(tmp_path / "export")
+    assert (tmp_path / "export" / "adapter" / "adapter_model.safetensors").is_file()
+    want = hf_logprobs(tmp_path / "export", batch["input_ids"], batch["attention_mask"])
+    torch.testing.assert_close(engine.compute_logprobs(batch), want, atol=1e-5, rtol=0)
+    engine.close()
+
+
+def test_non_finite_gradient_skips_the_update(tiny_model: Path) -> None:
+    engine = DeepSpeedEngine(make_actor(tiny_model), DeepSpeedConfig(zero_stage=2))
+    before = engine.full_state_dict()
+    batch = make_rl_batch(seed=2)
+
+    def nan_loss(mb: TensorBatch, lp: torch.Tensor, ent: torch.Tensor) -> LossOutput:
+        return LossOutput(per_token_loss=lp * float("nan"))
+
+    metrics = engine.train_step(batch, nan_loss)
+    assert not math.isfinite(metrics["grad_norm"]) and engine.step == 1
+    same_weights(engine.full_state_dict(), before)
+    metrics = engine.train_step(batch, nll_entropy)  # the next step is normal
+    assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
+    engine.close()
+
+
+def test_checkpoint_holds_no_pickles_and_loads_into_another_stage(tiny_model: Path, tmp_path: Path) -> None:
+    batches = [make_rl_batch(seed=s) for s in range(3)]
+    z1 = DeepSpeedEngine(make_actor(tiny_model), DeepSpeedConfig(zero_stage=1))
+    z1.save_state(tmp_path / "step0", {"at": 0})  # before any step: no optimizer state yet
+    assert json.loads((tmp_path / "step0" / "meta.json").read_text())["optimizer"] is False
+    z1.train_step(batches[0], nll_entropy)
+    z1.save_state(tmp_path / "ckpt", {"at": 1})
+    files = {p.relative_to(tmp_path / "ckpt").as_posix() for p in (tmp_path / "ckpt").rglob("*") if p.is_file()}
+    assert files == {
+        "meta.json",
+        "model.safetensors",
+        "optimizer.json",
+        "optimizer.safetensors",
+        "extra.json",
+        "rng/rank0.json",
+        "rng/rank0.safetensors",
+    }
+    after = [z1.train_step(b, nll_entropy)["loss"] for b in batches[1:]]
+    z3 = DeepSpeedEngine(make_actor(tiny_model), DeepSpeedConfig(zero_stage=3))
+    z3.train_step(batches[2], nll_entropy)  # drift away first
+    assert z3.load_state(tmp_path / "ckpt") == {"at": 1} and z3.step == 1
+    resumed = [z3.train_step(b, nll_entropy)["loss"] for b in batches[1:]]
+    assert resumed == pytest.approx(after, rel=1e-6)
+    same_weights(z3.full_state_dict(), z1.full_state_dict(), atol=2e-5)
+    fresh = DeepSpeedEngine(make_actor(tiny_model), DeepSpeedConfig(zero_stage=1))
+    z3.load_state(tmp_path / "step0")  # step 0: the optimizer restarts as in a fresh run
+    assert z3.train_step(batches[0], nll_entropy)["loss"] == pytest.approx(
+        fresh.train_step(batches[0], nll_entropy)["loss"], rel=1e-6
+    )
+    same_weights(z3.full_state_dict(), fresh.full_state_dict(), atol=2e-5)  # stage 3 vs 1: reduction order
+    for e in (z1, z3, fresh):
+        e.close()
+
+
+def test_frozen_reference_on_zero3(tiny_model: Path, tmp_path: Path) -> None:
+    ref = DeepSpeedEngine(make_actor(tiny_model), DeepSpeedConfig(zero_stage=3), trainable=False)
+    batch = make_rl_batch(seed=6)
+    want = hf_logprobs(tiny_model, batch["input_ids"], batch["attention_mask"])
+    torch.testing.assert_close(ref.compute_logprobs(batch), want, atol=1e-5, rtol=0)
+    with pytest.raises(RuntimeError, match="frozen reference"):
+        ref.train_step(batch, nll_entropy)
+    with pytest.raises(RuntimeError, match="frozen reference"):
+        ref.save_state(tmp_path / "x", {})
+    ref.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        ref.compute_logprobs(batch)
+
+
+def test_bf16_mixed_precision_trains_resumes_and_exports_fp32(tiny_model: Path, tmp_path: Path) -> None:
+    options = DeepSpeedConfig(zero_stage=2, mixed_precision="bfloat16")
+    a = DeepSpeedEngine(make_actor(tiny_model), options)
+    batch = make_rl_batch(seed=3)
+    want = hf_logprobs(tiny_model, batch["input_ids"], batch["attention_mask"])
+    torch.testing.assert_close(a.compute_logprobs(batch), want, atol=0.05, rtol=0)  # bf16 compute
+    losses = [a.train_step(batch, nll_entropy)["loss"] for _ in range(3)]
+    assert losses[-1] < losses[0]
+    assert {v.dtype for v in a.full_state_dict().values()} == {torch.float32}  # the fp32 masters
+    a.save_state(tmp_path / "ckpt", {})
+    after = a.train_step(batch, nll_entropy)["loss"]
+    b = DeepSpeedEngine(make_actor(tiny_model), options)
+    b.load_state(tmp_path / "ckpt")
+    assert b.train_step(batch, nll_entropy)["loss"] == after
+    same_weights(b.full_state_dict(), a.full_state_dict())
+    a.close()
+    b.close()
