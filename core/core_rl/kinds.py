@@ -51,6 +51,7 @@ KINDS_BY_KEY: dict[str, PluginKind] = {k.key: k for k in ALL_KINDS}
 # unknown-name error. Names from third-party distributions are not listed: the hint then says so.
 KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("train_engine", "fsdp"): "fsdp",
+    ("train_engine", "megatron"): "megatron",
     ("rollout_engine", "hf"): "hf",
     ("algorithm", "grpo"): "grpo",
     ("advantage", "grpo"): "grpo",
