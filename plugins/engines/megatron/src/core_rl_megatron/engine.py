@@ -288,17 +288,16 @@ class MegatronEngine(TrainEngine):
         :meth:`_run_local`. The loss runs on the last pipeline stage only."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        index = iter(range(len(micro)))
         zero_tokens = torch.zeros((), dtype=torch.int, device=self.device)
 
-        def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
-            mb = next(data_iterator)
+        def forward_step(data_iterator: Iterator[tuple[int, MicroBatch]], model: torch.nn.Module):
+            index, mb = next(data_iterator)
             inputs = self._inputs(mb)
             output = model(**inputs.forward_kwargs())
 
             def loss_func(logits: torch.Tensor):
                 if loss_fn is None:
-                    sink[next(index)] = self._token_stats(mb, inputs, logits, temperature, with_entropy=False)[0]
+                    sink[index] = self._token_stats(mb, inputs, logits, temperature, with_entropy=False)[0]
                     return logits.new_zeros(()), zero_tokens, {}
                 return self._loss(mb, inputs, logits, loss_fn, temperature, acc), zero_tokens, {}  # type: ignore[arg-type]
 
@@ -307,7 +306,10 @@ class MegatronEngine(TrainEngine):
         forward_backward = get_forward_backward_func()
         forward_backward(
             forward_step_func=forward_step,
-            data_iterator=[iter(micro) for _ in self.model] if len(self.model) > 1 else iter(micro),
+            # one iterator per model chunk (virtual pipeline stage), each over every micro-batch
+            data_iterator=[iter(enumerate(micro)) for _ in self.model]
+            if len(self.model) > 1
+            else iter(enumerate(micro)),
             model=self.model,
             num_microbatches=len(micro),
             seq_length=max(-(-mb.width // self._multiple) * self._multiple for mb in micro),
@@ -404,20 +406,20 @@ class MegatronEngine(TrainEngine):
     def _optimizer_step(self) -> float:
         """Gradient norm over all replicas' reduced gradients (before clipping), clip to
         ``actor.grad_clip`` (0: no clipping), step; a non-finite norm skips the update."""
-        clip = self.actor.grad_clip
         if self.use_megatron_schedule:
             if self.optimizer.prepare_grads():  # inf/nan found while unscaling
                 self.optimizer.zero_grad()
                 return float("nan")
             grad_norm = float(self.optimizer.get_grad_norm())
             if math.isfinite(grad_norm):
-                if clip > 0:
-                    self.optimizer.clip_grad_norm(clip)
-                self.optimizer.step_with_ready_grads()
+                # Megatron's own step: clips to its config.clip_grad (= actor.grad_clip), updates,
+                # and copies the new weights into the model (gathering them under the distributed optimizer)
+                self.optimizer.step()
             self.optimizer.zero_grad()
             return grad_norm
         params = self._trainable_params()
         grad_norm = self._main_grad_norm(params)
+        clip = self.actor.grad_clip
         if math.isfinite(grad_norm):
             coef = clip / (grad_norm + 1e-6) if clip > 0 else 1.0
             for p in params:
