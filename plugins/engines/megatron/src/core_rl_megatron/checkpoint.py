@@ -22,6 +22,7 @@ A failure on any rank (e.g. a full disk) removes the partial directory and raise
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import warnings
@@ -189,8 +190,8 @@ def _load_torch_optimizer(engine: MegatronEngine, directory: Path, scalars: Mapp
     Hugging Face names) plus the scalars."""
     keys = sorted(p.name for p in directory.iterdir() if p.is_dir())
     maps = {pm.megatron: pm for pm in convert.param_maps(engine.spec, engine.config.transformer_impl)}
-    readers = {key: HFWeights(directory / key) for key in keys}
-    try:
+    with contextlib.ExitStack() as stack:
+        readers = {key: stack.enter_context(HFWeights(directory / key)) for key in keys}
         for name, param in engine.params.items():
             pm = maps[name]
             state: dict[str, torch.Tensor] = {}
@@ -201,9 +202,6 @@ def _load_torch_optimizer(engine: MegatronEngine, directory: Path, scalars: Mapp
             for key, value in scalars.items():
                 state[key] = torch.tensor(value, dtype=torch.float32)
             engine.optimizer.state[param] = state
-    finally:
-        for reader in readers.values():
-            reader.__exit__()
 
 
 # --------------------------------------------------------------------------- Megatron's optimizer (GPU)
