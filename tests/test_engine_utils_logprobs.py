@@ -34,3 +34,12 @@ def test_without_entropy_and_bad_temperature() -> None:
     assert lp[0, 1:].tolist() == pytest.approx([math.log(0.25)] * 2)
     with pytest.raises(ValueError, match="temperature"):
         token_logprobs(torch.zeros(1, 3, 4), torch.tensor([[0, 1, 2]]), torch.ones(1, 3), 0.0)
+
+
+def test_align_to_tokens_places_predictions_on_the_tokens_they_predict() -> None:
+    from core_rl.engine_utils.logprobs import align_to_tokens
+
+    per_prediction = torch.tensor([[1.0, 2.0, 3.0], [4.0, float("nan"), 6.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    out = align_to_tokens(per_prediction, mask)
+    assert torch.equal(out, torch.tensor([[0.0, 1.0, 2.0, 0.0], [0.0, 4.0, 0.0, 0.0]]))

@@ -4,7 +4,8 @@ found by globbing) builds as a wheel, and a clean virtual environment gets exact
 local CPU build of torch, and a helpful error for a plugin that is not installed.
 
 Slow (a fresh venv with torch and core-rl's dependencies; pip's cache makes reruns faster). Skipped
-only when pip cannot reach its package index.
+only when pip cannot reach its package index. A second clean venv checks that ``core-rl[megatron]``
+adds megatron-core and the plugin and nothing heavy.
 """
 
 from __future__ import annotations
@@ -73,6 +74,17 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return pu.build_wheels(pu.all_project_dirs(), tmp_path_factory.mktemp("wheelhouse"))
 
 
+def install_extras(root: Path, wheels: dict[str, Path], extras: tuple[str, ...]) -> Installation:
+    """A clean venv under ``root`` with the local torch, then ``core-rl[extras]`` from the wheelhouse."""
+    python = pu.make_venv(root / "venv")
+    pu.pip_install(python, TORCH_PIN)
+    report = root / "install-report.json"
+    wheel_dir = next(iter(wheels.values())).parent
+    pu.pip_install(python, "--find-links", wheel_dir, "--report", report, f"core-rl[{','.join(extras)}]")
+    installed = {pu.normalise(item["metadata"]["name"]): item for item in json.loads(report.read_text())["install"]}
+    return Installation(venv=root / "venv", python=python, wheels=wheels, installed_by_report=installed, scratch=root)
+
+
 @pytest.fixture(scope="module")
 def installation(tmp_path_factory: pytest.TempPathFactory, wheels: dict[str, Path]) -> Installation:
     root = tmp_path_factory.mktemp("packaging")
@@ -82,13 +94,7 @@ def installation(tmp_path_factory: pytest.TempPathFactory, wheels: dict[str, Pat
     problem = pu.registry_problem(root / "probe")
     if problem is not None:
         pytest.skip(f"pip cannot reach its package index ({problem}); a clean venv cannot be installed")
-    python = pu.make_venv(root / "venv")
-    pu.pip_install(python, TORCH_PIN)
-    report = root / "install-report.json"
-    wheel_dir = next(iter(wheels.values())).parent
-    pu.pip_install(python, "--find-links", wheel_dir, "--report", report, f"core-rl[{','.join(EXTRAS)}]")
-    installed = {pu.normalise(item["metadata"]["name"]): item for item in json.loads(report.read_text())["install"]}
-    return Installation(venv=root / "venv", python=python, wheels=wheels, installed_by_report=installed, scratch=root)
+    return install_extras(root, wheels, EXTRAS)
 
 
 # -- the wheels ---------------------------------------------------------------------------------------
@@ -234,3 +240,50 @@ def test_deepspeed_extra_resolves_to_the_cpu_torch_and_no_cuda_package(installat
     assert "torch" not in planned, "the local CPU torch already satisfies every pin"
     cuda = sorted(n for n in planned if n.startswith(("nvidia-", "cuda-", "triton")))
     assert not cuda, f"core-rl[deepspeed] would pull CUDA packages: {cuda}"
+
+
+# -- core-rl[megatron] ----------------------------------------------------------------------------------
+
+MEGATRON_EXTRA = "megatron"
+HEAVY_PREFIXES = ("nvidia-", "cuda-", "triton", "transformer-engine", "apex", "flash-attn", "deepspeed")
+
+
+@pytest.fixture(scope="module")
+def megatron_installation(
+    tmp_path_factory: pytest.TempPathFactory, wheels: dict[str, Path], installation: Installation
+) -> Installation:
+    """A second clean venv after ``pip install "core-rl[megatron]"`` from the wheelhouse (after the
+    first one, so pip's cache already holds the core's dependencies)."""
+    return install_extras(tmp_path_factory.mktemp("packaging_megatron"), wheels, (MEGATRON_EXTRA,))
+
+
+def test_megatron_extra_adds_megatron_core_and_the_plugin_only(
+    installation: Installation, megatron_installation: Installation
+) -> None:
+    """Against the installation of other extras, ``core-rl[megatron]`` adds exactly megatron-core
+    (a binary wheel) and core-rl-megatron; torch stays the local CPU build; nothing CUDA comes in."""
+    plugins = {name for extra in EXTRAS for name in extra_distributions(extra)}
+    base = set(installation.installed_by_report) - plugins
+    added = set(megatron_installation.installed_by_report) - base
+    assert added == {"core-rl-megatron", "megatron-core"}, sorted(added)
+    megatron_core = megatron_installation.installed_by_report["megatron-core"]["download_info"]["url"]
+    assert megatron_core.endswith(".whl"), f"megatron-core came as a source build: {megatron_core}"
+    proc = pu.pip(megatron_installation.python, "list", "--format", "json", timeout=120)
+    versions = {pu.normalise(p["name"]): p["version"] for p in json.loads(proc.stdout)}
+    assert versions.get("torch") == TORCH_CPU_VERSION, versions.get("torch")
+    heavy = sorted(n for n in versions if n.startswith(HEAVY_PREFIXES))
+    assert not heavy, f"heavy packages were pulled: {heavy}"
+
+
+def test_megatron_engine_is_listed_and_imports_on_cpu(megatron_installation: Installation) -> None:
+    proc = pu.run(
+        [pu.venv_script(megatron_installation.venv, "core-rl"), "plugins", "--json"], env=pu.clean_env(), timeout=300
+    )
+    rows = pu.plugin_rows(proc)
+    assert ("train engine", "megatron", "core-rl-megatron", "loaded") in {
+        (r["kind"], r["name"], pu.normalise(r["distribution"]), r["status"]) for r in rows
+    }
+    # the engine module imports megatron-core's model, DDP and optimizer on the CPU build of torch
+    pu.check_run(
+        [megatron_installation.python, "-c", "import core_rl_megatron.engine"], env=pu.clean_env(), timeout=300
+    )

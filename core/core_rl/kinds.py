@@ -56,6 +56,7 @@ KINDS_BY_KEY: dict[str, PluginKind] = {k.key: k for k in ALL_KINDS}
 KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("train_engine", "fsdp"): "fsdp",
     ("train_engine", "deepspeed"): "deepspeed",
+    ("train_engine", "megatron"): "megatron",
     ("rollout_engine", "hf"): "hf",
     ("algorithm", "grpo"): "grpo",
     ("advantage", "grpo"): "grpo",

@@ -25,14 +25,20 @@ def token_logprobs(
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    b = input_ids.shape[0]
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    real = attention_mask[:, 1:] != 0
-    zero_col = picked.new_zeros(b, 1)
-    logprobs = torch.cat([zero_col, torch.where(real, picked, torch.zeros_like(picked))], dim=1)
+    logprobs = align_to_tokens(picked, attention_mask)
     if not with_entropy:
         return logprobs, None
     ent = -(logp.exp() * logp).sum(-1)
-    entropy = torch.cat([zero_col, torch.where(real, ent, torch.zeros_like(ent))], dim=1)
-    return logprobs, entropy
+    return logprobs, align_to_tokens(ent, attention_mask)
+
+
+def align_to_tokens(per_prediction: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[b, T-1]`` values of the predictions made at positions ``0..T-2`` (of tokens ``1..T-1``)
+    placed on the tokens they predict: ``[b, T]`` with column 0 and padding set to 0 (with
+    ``where``, so a non-finite value on padding cannot leak). Engines that compute log-probs their
+    own way (e.g. on vocabulary-parallel logits) use it to keep the same alignment."""
+    real = attention_mask[:, 1:] != 0
+    zero_col = per_prediction.new_zeros(per_prediction.shape[0], 1)
+    return torch.cat([zero_col, torch.where(real, per_prediction, torch.zeros_like(per_prediction))], dim=1)

@@ -1,0 +1,283 @@
+"""Training state of the ``megatron`` engine on disk, in formats that execute nothing on load
+(:mod:`core_rl.checkpointing`: safetensors and JSON), written atomically.
+
+Layout of a checkpoint directory:
+
+- ``meta.json``: format, step, world size, parallel layout, which optimizer state it holds;
+- ``model/``: the weights with Hugging Face names (safetensors, sharded in buckets, with an index
+  when there are several files), gathered from every tensor- and pipeline-parallel shard;
+- with the CPU optimizer (a torch optimizer over DDP's gradient buffers): ``optimizer/<key>/``
+  each per-parameter state tensor (e.g. ``exp_avg``) converted to Hugging Face names the same way,
+  plus ``optimizer.json`` (the scalar state, e.g. Adam's step). Model and optimizer state are
+  independent of the parallel layout, so a checkpoint resumes on any tensor-parallel size;
+- with Megatron's optimizer (GPU): ``optimizer/tp{t}_pp{p}.{json,safetensors}`` (its
+  ``state_dict()`` from each model-parallel rank of the first replica) and, with the distributed
+  optimizer, ``optimizer/params_tp{t}_pp{p}`` (its parameter state gathered on data-parallel
+  rank 0); such a checkpoint resumes on the same layout only;
+- ``extra.{json,safetensors}`` from rank 0, ``rng/rank{r}.{json,safetensors}`` per rank (torch,
+  CUDA, Python, NumPy and Megatron's tensor-parallel RNG tracker).
+
+A failure on any rank (e.g. a full disk) removes the partial directory and raises on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from core_rl import checkpointing as ckpt
+from core_rl.engine_utils import distributed as dist_utils
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
+
+from core_rl_megatron import convert
+from core_rl_megatron.export import write_safetensors_shards
+from core_rl_megatron.hf_io import HFWeights
+
+if TYPE_CHECKING:
+    from core_rl_megatron.engine import MegatronEngine
+
+FORMAT = 1
+ENGINE = "megatron"
+
+
+def _layout(engine: MegatronEngine) -> dict[str, int]:
+    cfg = engine.config
+    return {
+        "tensor_model_parallel_size": cfg.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": cfg.pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": cfg.virtual_pipeline_size,
+        "context_parallel_size": cfg.context_parallel_size,
+    }
+
+
+def _write_collectively(rank: int, directory: Path, buckets: Iterator[dict[str, torch.Tensor]]) -> BaseException | None:
+    """Rank 0 writes ``buckets``; every rank iterates them to the end (they are gathered
+    collectively), also after a write failure, which is returned rather than raised."""
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            write_safetensors_shards(directory, buckets)
+        except BaseException as exc:
+            error = exc
+    for _ in buckets:
+        pass
+    return error
+
+
+def _state_keys(engine: MegatronEngine) -> tuple[list[str], dict[str, float]]:
+    """The torch optimizer's per-parameter tensor keys (shaped like the parameter) and its scalar
+    state (e.g. Adam's ``step``), read from one parameter (the same on every parameter)."""
+    state = next(iter(engine.optimizer.state.values()))
+    tensors, scalars = [], {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.ndim > 0:
+            tensors.append(key)
+        elif value is not None:
+            scalars[key] = float(value)
+    return sorted(tensors), scalars
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer, key: str, param: torch.nn.Parameter) -> torch.Tensor:
+    return optimizer.state[param][key]
+
+
+def _has_state(optimizer: Any) -> bool:
+    inner = getattr(optimizer, "state", None)
+    if isinstance(inner, Mapping):
+        return any(len(s) > 0 for s in inner.values())
+    return True  # Megatron's optimizers: always saved
+
+
+def save(engine: MegatronEngine, final: Path, extra: Mapping[str, Any]) -> None:
+    rank = engine.rank
+    if rank == 0:
+        ckpt.prepare_partial(final)
+    dist_utils.barrier()
+    tmp = ckpt.partial_path(final)
+    has_optim = _has_state(engine.optimizer)
+    bucket = int(engine.config.export_bucket_mb * 2**20)
+    error: BaseException | None = None
+    try:
+        error = _write_collectively(rank, tmp / "model", engine.gatherer.hf_buckets(bucket))
+        scalars: dict[str, float] = {}
+        if has_optim and engine.use_megatron_schedule:
+            _save_megatron_optimizer(engine, tmp / "optimizer")
+        elif has_optim:
+            keys, scalars = _state_keys(engine)
+            for key in keys:
+                getter = functools.partial(_optimizer_state, engine.optimizer, key)
+                failed = _write_collectively(rank, tmp / "optimizer" / key, engine.gatherer.hf_buckets(bucket, getter))
+                error = error or failed
+        ckpt.save_tree(tmp / "rng", f"rank{rank}", _capture_rng())
+        if rank == 0 and error is None:
+            ckpt.save_tree(tmp, "extra", dict(extra))
+            meta = {
+                "format": FORMAT,
+                "engine": ENGINE,
+                "step": engine.step,
+                "world_size": engine.world_size,
+                "layout": _layout(engine),
+                "optimizer": ("megatron" if engine.use_megatron_schedule else "torch") if has_optim else None,
+                "optimizer_scalars": scalars,
+            }
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    except BaseException as exc:  # raised after the others learn of it, so no rank hangs
+        error = exc
+    if dist_utils.any_rank(error is not None):
+        if rank == 0:
+            ckpt.discard_partial(final)
+        dist_utils.barrier()
+        if error is not None:
+            raise error
+        raise RuntimeError(f"saving checkpoint {final} failed on another rank; nothing was written")
+    if rank == 0:
+        ckpt.commit_partial(final)
+    dist_utils.barrier()
+
+
+def load(engine: MegatronEngine, final: Path) -> dict[str, Any]:
+    meta_file = final / "meta.json"
+    if not meta_file.is_file():
+        raise ckpt.CheckpointFormatError(f"{final} is not a complete megatron checkpoint (no meta.json)")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format") != FORMAT or meta.get("engine") != ENGINE:
+        raise ckpt.CheckpointFormatError(
+            f"{final}: unsupported checkpoint (format {meta.get('format')}, engine {meta.get('engine')})"
+        )
+    kind = meta.get("optimizer")
+    if kind == "megatron" and meta["layout"] != _layout(engine):
+        raise ckpt.CheckpointFormatError(
+            f"{final} holds Megatron optimizer state for the layout {meta['layout']}; this engine has "
+            f"{_layout(engine)}. Resume with the same parallel sizes."
+        )
+    if (kind == "torch" and engine.use_megatron_schedule) or (kind == "megatron" and not engine.use_megatron_schedule):
+        raise ckpt.CheckpointFormatError(f"{final} holds {kind} optimizer state, which this engine does not use")
+    from core_rl_megatron.model import load_hf_weights
+
+    with HFWeights(final / "model") as weights:
+        load_hf_weights(engine.params, weights, engine.spec, engine.padded_vocab, engine.config.transformer_impl)
+    if engine.use_megatron_schedule and kind == "megatron":
+        # Megatron's optimizer is kept (it is tied to DDP's buffers); its fp32 copies of the
+        # weights are refreshed, then overwritten by the saved ones
+        engine.optimizer.reload_model_params()
+        _load_megatron_optimizer(engine, final / "optimizer")
+    else:  # a fresh optimizer, then the saved per-parameter state
+        engine.optimizer = engine._build_optimizer()
+        if kind == "torch":
+            _load_torch_optimizer(engine, final / "optimizer", meta["optimizer_scalars"])
+    engine._step = int(meta["step"])
+    rng_dir = final / "rng"
+    if (rng_dir / f"rank{engine.rank}.json").is_file():
+        _restore_rng(ckpt.load_tree(rng_dir, f"rank{engine.rank}"))
+    else:
+        warnings.warn(
+            f"{final} was saved by {meta['world_size']} ranks: no RNG state for rank {engine.rank}", stacklevel=3
+        )
+    extra = ckpt.load_tree(final, "extra")
+    dist_utils.barrier()
+    return extra
+
+
+def _load_torch_optimizer(engine: MegatronEngine, directory: Path, scalars: Mapping[str, float]) -> None:
+    """Each local parameter's optimizer state: its shard of every per-parameter tensor (stored with
+    Hugging Face names) plus the scalars."""
+    keys = sorted(p.name for p in directory.iterdir() if p.is_dir())
+    maps = {pm.megatron: pm for pm in convert.param_maps(engine.spec, engine.config.transformer_impl)}
+    with contextlib.ExitStack() as stack:
+        readers = {key: stack.enter_context(HFWeights(directory / key)) for key in keys}
+        for name, param in engine.params.items():
+            pm = maps[name]
+            state: dict[str, torch.Tensor] = {}
+            for key, reader in readers.items():
+                full = convert.to_megatron(pm, [reader.get(n) for n in pm.hf], engine.spec, engine.padded_vocab)
+                part = convert.shard(full, pm.split, engine.tp_rank, engine.tp_size)
+                state[key] = part.to(device=param.device, dtype=param.dtype if part.is_floating_point() else part.dtype)
+            for key, value in scalars.items():
+                state[key] = torch.tensor(value, dtype=torch.float32)
+            engine.optimizer.state[param] = state
+
+
+# --------------------------------------------------------------------------- Megatron's optimizer (GPU)
+
+
+def _replica_tag() -> str:
+    return f"tp{mpu.get_tensor_model_parallel_rank()}_pp{mpu.get_pipeline_model_parallel_rank()}"
+
+
+def _first_replica() -> bool:
+    return mpu.get_data_parallel_rank(with_context_parallel=True) == 0
+
+
+def _save_megatron_optimizer(engine: MegatronEngine, directory: Path) -> None:
+    optimizer = engine.optimizer
+    if _first_replica():
+        ckpt.save_tree(directory, _replica_tag(), _keys_to_str(optimizer.state_dict()))
+    if engine.config.ddp.use_distributed_optimizer:
+        param_state = _distributed_parts(optimizer, "get_parameter_state_dp_zero")
+        if _first_replica():
+            ckpt.save_tree(directory, f"params_{_replica_tag()}", _keys_to_str(param_state))
+
+
+def _load_megatron_optimizer(engine: MegatronEngine, directory: Path) -> None:
+    optimizer = engine.optimizer
+    optimizer.load_state_dict(_keys_from_str(ckpt.load_tree(directory, _replica_tag())))
+    if engine.config.ddp.use_distributed_optimizer:
+        state = _keys_from_str(ckpt.load_tree(directory, f"params_{_replica_tag()}")) if _first_replica() else None
+        for inner, part in zip(
+            _chained(optimizer), state if isinstance(state, list) else [state] * len(_chained(optimizer))
+        ):
+            inner.load_parameter_state_from_dp_zero(part)
+
+
+def _chained(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _distributed_parts(optimizer: Any, method: str) -> list[Any]:
+    return [getattr(inner, method)() for inner in _chained(optimizer)]
+
+
+_DTYPE = "__dtype__:"
+
+
+def _keys_to_str(tree: Any) -> Any:
+    """Megatron's parameter state is keyed by ``torch.dtype``; JSON keys cannot be dtypes."""
+    if isinstance(tree, Mapping):
+        return {(_DTYPE + str(k) if isinstance(k, torch.dtype) else k): _keys_to_str(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_keys_to_str(v) for v in tree)
+    return tree
+
+
+def _keys_from_str(tree: Any) -> Any:
+    if isinstance(tree, Mapping):
+        return {
+            (
+                getattr(torch, k[len(_DTYPE) :].removeprefix("torch."))
+                if isinstance(k, str) and k.startswith(_DTYPE)
+                else k
+            ): _keys_from_str(v)
+            for k, v in tree.items()
+        }
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_keys_from_str(v) for v in tree)
+    return tree
+
+
+# --------------------------------------------------------------------------- RNG
+
+
+def _capture_rng() -> dict[str, Any]:
+    return {"global": ckpt.capture_rng(), "megatron": dict(tensor_parallel.get_cuda_rng_tracker().get_states())}
+
+
+def _restore_rng(state: Mapping[str, Any]) -> None:
+    ckpt.restore_rng(state["global"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["megatron"]))

@@ -1,0 +1,547 @@
+"""The ``megatron`` train engine: a Hugging Face decoder rebuilt as a Megatron-core ``GPTModel``.
+
+Every rank calls every method with its own rows of the global batch. The ranks of one model
+replica (tensor x pipeline x context parallel) first pool their rows
+(:class:`~core_rl_megatron.parallel.ReplicaRows`); each replica then runs its rows in micro-batches
+and back-propagates, for each, ``sum(per_token_loss * loss_weight)``. Megatron's DDP *sums*
+gradients over replicas (``calculate_per_token_loss``), so the update is the gradient of
+``sum over the global batch of per_token_loss * loss_weight`` whatever the split, the same
+contract as the ``fsdp`` engine.
+
+Two ways to run a step:
+
+- **Megatron's schedules and optimizer** (CUDA): ``get_forward_backward_func()`` (1F1B, interleaved
+  with virtual pipelining, or no pipelining) and ``get_megatron_optimizer`` (fp32 master weights
+  under ``bf16``, the distributed optimizer);
+- **a plain loop** (CPU, where those hard-code CUDA; pipeline size 1): forward/backward per
+  micro-batch under DDP's ``no_sync``, Megatron's ``finalize_model_grads``, then the core's
+  ``build_optimizer`` over DDP's gradient buffers (``param.main_grad``), with gradient norm and
+  clipping computed over the model-parallel group exactly as Megatron's optimizer does.
+
+Either way the learning rate follows :func:`core_rl.engine_utils.optim.lr_at`, written into the
+optimizer's parameter groups before each step.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Iterator, Mapping
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from core_rl.config.schema import ActorConfig
+from core_rl.engine_utils import distributed as dist_utils
+from core_rl.engine_utils.hf import torch_dtype
+from core_rl.engine_utils.logprobs import align_to_tokens
+from core_rl.engine_utils.metrics import StepMetrics
+from core_rl.engine_utils.microbatch import micro_batch_width, pack_micro_batches, row_lengths, take_micro_batch
+from core_rl.engine_utils.optim import build_optimizer, check_schedule, lr_at
+from core_rl.interfaces import LossFn, TrainEngine
+from core_rl.protocol import TensorBatch
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
+
+from core_rl_megatron import checkpoint, parallel
+from core_rl_megatron import model as mcore_model
+from core_rl_megatron.batches import MicroBatch, ModelInputs, gather_columns, model_inputs, width_multiple
+from core_rl_megatron.config import MegatronConfig
+from core_rl_megatron.errors import MegatronSetupError
+from core_rl_megatron.export import ShardGatherer, write_hf_model_dir
+from core_rl_megatron.families import arch_spec, padded_vocab_size
+from core_rl_megatron.hf_io import HFWeights, load_hf_config
+from core_rl_megatron.vocab_parallel import vocab_parallel_stats
+
+
+class MegatronEngine(TrainEngine):
+    """See the module docstring. ``trainable=False`` builds a frozen reference model (no DDP, no
+    gradients, no optimizer; :meth:`train_step`, :meth:`save_state` and :meth:`load_state` raise)."""
+
+    def __init__(self, actor: ActorConfig, config: MegatronConfig | None = None, *, trainable: bool = True) -> None:
+        self.actor = actor
+        cfg = config if config is not None else MegatronConfig()
+        if actor.gradient_checkpointing and cfg.recompute_granularity is None:
+            # the core's switch: recompute every layer in backward (as Hugging Face's checkpointing does)
+            cfg = attrs.evolve(cfg, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        self.config = cfg
+        self.trainable = trainable
+        if trainable:
+            check_schedule(actor.lr_scheduler)
+        self.hf_config = load_hf_config(actor.model_path)
+        self.spec = arch_spec(self.hf_config)
+        if cfg.expert_model_parallel_size > 1:
+            raise MegatronSetupError(
+                f"actor.engine.expert_model_parallel_size: {cfg.expert_model_parallel_size} needs a mixture-of-experts "
+                f"model; {self.spec.family} has no experts (set it to 1)"
+            )
+        self.device = dist_utils.pick_device()
+        self.use_megatron_schedule = self.device.type == "cuda"
+        if not self.use_megatron_schedule:
+            _check_cpu_settings(cfg)
+        self.rank, self.world_size = dist_utils.ensure_process_group(cfg.backend, self.device)
+        parallel.init_model_parallel(cfg, self.world_size)
+        self.tp_rank, self.tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
+        self.cp_rank, self.cp_size = mpu.get_context_parallel_rank(), mpu.get_context_parallel_world_size()
+        self.padded_vocab = padded_vocab_size(self.spec.vocab_size, cfg.make_vocab_size_divisible_by, self.tp_size)
+        self.vocab_start = self.tp_rank * (self.padded_vocab // self.tp_size)
+        self.dtype = torch_dtype(actor.dtype)
+        self._pad_id = int(self.hf_config.pad_token_id) if self.hf_config.pad_token_id is not None else 0
+        self._multiple = width_multiple(self.tp_size, cfg.sequence_parallel, self.cp_size)
+        self.tconfig = mcore_model.transformer_config(
+            self.spec, cfg, params_dtype=self.dtype, on_cuda=self.device.type == "cuda"
+        )
+        chunks = mcore_model.build_chunks(self.spec, cfg, self.tconfig, self.padded_vocab)
+        built = mcore_model.global_parameters(chunks)
+        mcore_model.tag_tensor_parallel(built, self.spec, cfg.transformer_impl)
+        with HFWeights(actor.model_path) as weights:
+            mcore_model.load_hf_weights(built, weights, self.spec, self.padded_vocab, cfg.transformer_impl)
+        if trainable:
+            self.model = mcore_model.wrap_chunks(chunks, cfg, self.tconfig)
+        else:
+            for chunk in chunks:
+                chunk.requires_grad_(False)
+                chunk.eval()
+            self.model = chunks
+        self.params = mcore_model.global_parameters(self.model)
+        self.replica = parallel.ReplicaRows()
+        self.gatherer = ShardGatherer(self.params, self.spec, cfg.transformer_impl, self.device)
+        # the loss (and so every metric) is complete on tensor- and context-parallel rank 0 of the
+        # last pipeline stage; other ranks contribute nothing to the step's metric sums
+        self._owns_metrics = self.tp_rank == 0 and self.cp_rank == 0 and mpu.is_pipeline_last_stage()
+        self.optimizer: Any = None
+        if trainable:
+            self.optimizer = self._build_optimizer()
+            if self.use_megatron_schedule:
+                self._install_schedule_hooks()
+        self._step = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ set-up
+
+    def _build_optimizer(self) -> Any:
+        if not self.use_megatron_schedule:
+            return build_optimizer(self._trainable_params(), self.actor.optimizer)
+        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        opt = self.actor.optimizer
+        mconf = MegatronOptimizerConfig(
+            optimizer="adam" if opt.name == "adamw" else "sgd",
+            lr=opt.lr,
+            weight_decay=opt.weight_decay,
+            adam_beta1=opt.betas[0],
+            adam_beta2=opt.betas[1],
+            adam_eps=opt.eps,
+            sgd_momentum=opt.momentum,
+            clip_grad=self.actor.grad_clip,
+            bf16=self.config.bf16,
+            params_dtype=torch.bfloat16 if self.config.bf16 else self.dtype,
+            use_distributed_optimizer=self.config.ddp.use_distributed_optimizer,
+            overlap_param_gather=self.config.ddp.overlap_param_gather,
+        )
+        return get_megatron_optimizer(mconf, self.model)
+
+    def _install_schedule_hooks(self) -> None:
+        """What Megatron's schedules call between micro-batches (as Megatron-LM's training loop sets up)."""
+
+        def one_or_list(items: list[Any]) -> Any:
+            return items[0] if len(items) == 1 else items
+
+        self.tconfig.no_sync_func = one_or_list([c.no_sync for c in self.model])
+        self.tconfig.finalize_model_grads_func = finalize_model_grads
+        if self.config.ddp.overlap_grad_reduce:
+            self.tconfig.grad_sync_func = one_or_list([c.start_grad_sync for c in self.model])
+        if self.config.ddp.overlap_param_gather:
+            self.tconfig.param_sync_func = one_or_list([c.start_param_sync for c in self.model])
+
+    def _trainable_params(self) -> list[torch.nn.Parameter]:
+        return [p for chunk in self.model for p in chunk.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ basics
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this megatron engine was closed")
+
+    def _check_trainable(self, what: str) -> None:
+        self._check_open()
+        if not self.trainable:
+            raise RuntimeError(f"{what} needs a trainable engine; this one is a frozen reference (trainable=False)")
+
+    # ------------------------------------------------------------------ micro-batches
+
+    def _micro_batches(self, rows: TensorBatch) -> list[MicroBatch]:
+        """This replica's micro-batches, padded with placeholders to the same count on every rank
+        (the maximum over ranks, rounded up to a multiple of the pipeline size under virtual
+        pipelining, as the interleaved schedule needs)."""
+        lengths = row_lengths(rows["attention_mask"])
+        mb = self.actor.micro_batch
+        plan = pack_micro_batches(lengths, mb.max_tokens_per_mb, mb.min_num_mb)
+        count = torch.tensor([len(plan)], dtype=torch.long, device=self.device)
+        target = int(dist_utils.all_reduce(count, dist_utils.ReduceOp.MAX).item())
+        if self.config.virtual_pipeline_size > 1:
+            pp = self.config.pipeline_model_parallel_size
+            target = -(-target // pp) * pp
+        if target > len(plan):
+            plan = pack_micro_batches(lengths, mb.max_tokens_per_mb, target)
+        out = [MicroBatch.of(take_micro_batch(rows, r, micro_batch_width(lengths, r)), r) for r in plan]
+        return out + [MicroBatch.placeholder(self._pad_id) for _ in range(target - len(plan))]
+
+    def _inputs(self, mb: MicroBatch) -> ModelInputs:
+        return model_inputs(
+            mb,
+            self.device,
+            multiple=self._multiple,
+            pad_token_id=self._pad_id,
+            cp_size=self.cp_size,
+            cp_rank=self.cp_rank,
+            explicit_mask=self.config.transformer_impl == "local",
+        )
+
+    def _token_stats(
+        self, mb: MicroBatch, inputs: ModelInputs, logits: torch.Tensor, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropies) ``[b, w]`` aligned with ``mb``'s tokens
+        (:func:`core_rl.engine_utils.logprobs.align_to_tokens`) from this rank's vocabulary slice
+        of the logits of its context-parallel positions."""
+        ids = mb.input_ids.to(self.device)
+        nxt = torch.cat(
+            [ids[:, 1:], ids.new_full((ids.shape[0], inputs.padded_width - ids.shape[1] + 1), self._pad_id)], 1
+        )
+        targets = nxt[:, inputs.positions.to(self.device)]
+        lp, ent = vocab_parallel_stats(
+            logits,
+            targets,
+            vocab_start=self.vocab_start,
+            vocab_size=self.spec.vocab_size,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            group=parallel.tp_group(),
+        )
+        cp_group = mpu.get_context_parallel_group() if self.cp_size > 1 else None
+        width, mask = mb.width, mb.attention_mask.to(self.device)
+        lp = gather_columns(lp, inputs.padded_width, self.cp_size, self.cp_rank, cp_group)[:, : width - 1]
+        if ent is None:
+            return align_to_tokens(lp, mask), None
+        ent = gather_columns(ent, inputs.padded_width, self.cp_size, self.cp_rank, cp_group)[:, : width - 1]
+        return align_to_tokens(lp, mask), align_to_tokens(ent, mask)
+
+    def _loss(
+        self,
+        mb: MicroBatch,
+        inputs: ModelInputs,
+        logits: torch.Tensor,
+        loss_fn: LossFn,
+        temperature: float,
+        acc: StepMetrics,
+    ) -> torch.Tensor:
+        """The scalar this micro-batch back-propagates: ``sum(per_token_loss * loss_weight)``, or a
+        zero that still reaches every parameter for a placeholder."""
+        lp, ent = self._token_stats(mb, inputs, logits, temperature, with_entropy=True)
+        assert ent is not None
+        if mb.batch is None:
+            return (lp.sum() + ent.sum()) * 0.0
+        batch = mb.batch.to(self.device)
+        out = loss_fn(batch, lp, ent)
+        if out.per_token_loss.shape != lp.shape:
+            raise ValueError(f"loss per_token_loss has shape {tuple(out.per_token_loss.shape)}, expected {lp.shape}")
+        weighted = (out.per_token_loss.float() * batch["loss_weight"]).sum()
+        if self._owns_metrics:
+            acc.add(batch, weighted.detach(), ent.detach(), out.token_metrics)
+        return weighted
+
+    # ------------------------------------------------------------------ running micro-batches
+
+    def _run_local(
+        self, micro: list[MicroBatch], loss_fn: LossFn | None, temperature: float, acc: StepMetrics | None, sink: dict
+    ) -> None:
+        """The CPU loop (pipeline size 1). With ``loss_fn`` it trains (forward, backward, DDP's
+        gradient reduction); without, it stores each micro-batch's log-probs in ``sink``."""
+        model = self.model[0]
+        last = len(micro) - 1
+        for i, mb in enumerate(micro):
+            inputs = self._inputs(mb)
+            if loss_fn is None:
+                logits = model(**inputs.forward_kwargs())
+                sink[i] = self._token_stats(mb, inputs, logits, temperature, with_entropy=False)[0]
+                continue
+            with model.no_sync() if i < last else nullcontext():
+                logits = model(**inputs.forward_kwargs())
+                self._loss(mb, inputs, logits, loss_fn, temperature, acc).backward()  # type: ignore[arg-type]
+        if loss_fn is not None:
+            finalize_model_grads(self.model)
+
+    def _run_schedule(
+        self, micro: list[MicroBatch], loss_fn: LossFn | None, temperature: float, acc: StepMetrics | None, sink: dict
+    ) -> None:
+        """Megatron's schedule (``get_forward_backward_func``) over ``micro``; same contract as
+        :meth:`_run_local`. The loss runs on the last pipeline stage only."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        zero_tokens = torch.zeros((), dtype=torch.int, device=self.device)
+
+        def forward_step(data_iterator: Iterator[tuple[int, MicroBatch]], model: torch.nn.Module):
+            index, mb = next(data_iterator)
+            inputs = self._inputs(mb)
+            output = model(**inputs.forward_kwargs())
+
+            def loss_func(logits: torch.Tensor):
+                if loss_fn is None:
+                    sink[index] = self._token_stats(mb, inputs, logits, temperature, with_entropy=False)[0]
+                    return logits.new_zeros(()), zero_tokens, {}
+                return self._loss(mb, inputs, logits, loss_fn, temperature, acc), zero_tokens, {}  # type: ignore[arg-type]
+
+            return output, loss_func
+
+        forward_backward = get_forward_backward_func()
+        forward_backward(
+            forward_step_func=forward_step,
+            # one iterator per model chunk (virtual pipeline stage), each over every micro-batch
+            data_iterator=[iter(enumerate(micro)) for _ in self.model]
+            if len(self.model) > 1
+            else iter(enumerate(micro)),
+            model=self.model,
+            num_microbatches=len(micro),
+            seq_length=max(-(-mb.width // self._multiple) * self._multiple for mb in micro),
+            micro_batch_size=max(mb.input_ids.shape[0] for mb in micro),
+            forward_only=loss_fn is None,
+        )
+
+    def _run(
+        self, micro: list[MicroBatch], loss_fn: LossFn | None, temperature: float, acc: StepMetrics | None
+    ) -> dict:
+        sink: dict[int, torch.Tensor] = {}
+        run = self._run_schedule if self.use_megatron_schedule else self._run_local
+        run(micro, loss_fn, temperature, acc, sink)
+        return sink
+
+    # ------------------------------------------------------------------ log-probs
+
+    def compute_logprobs(self, batch: TensorBatch, *, temperature: float = 1.0) -> torch.Tensor:
+        """Log-probs [B, T] float32 on CPU of this rank's rows (see
+        :func:`core_rl.engine_utils.logprobs.token_logprobs`), in eval mode without gradients."""
+        self._check_open()
+        _check_temperature(temperature)
+        rows, mine, width = self.replica.gather(batch, self._pad_id)
+        micro = self._micro_batches(rows)
+        was_training = [c.training for c in self.model]
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            with torch.no_grad():
+                sink = self._run(micro, None, temperature, None)
+        finally:
+            for chunk, mode in zip(self.model, was_training):
+                chunk.train(mode)
+        out = torch.zeros(rows["input_ids"].shape, dtype=torch.float32, device=self.device)
+        if mpu.is_pipeline_last_stage():
+            for i, mb in enumerate(micro):
+                if mb.rows:
+                    out[list(mb.rows), : mb.width] = sink[i]
+        if mpu.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(
+                out, src=mpu.get_pipeline_model_parallel_last_rank(), group=mpu.get_pipeline_model_parallel_group()
+            )
+        return out[mine, :width].cpu()
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, batch: TensorBatch, loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step; see :class:`core_rl.interfaces.TrainEngine` and the module docstring.
+
+        Returns, reduced over ranks: ``loss`` (sum of ``per_token_loss * loss_weight`` over the
+        global batch), ``grad_norm`` (before clipping), ``lr``, ``entropy`` and every token metric
+        (means over the global batch's response tokens), ``num_micro_batches`` (per replica) and
+        ``tokens`` and ``nonfinite``: 1.0 when the global loss or gradient norm is NaN/inf, in which
+        case no rank updates its weights or optimizer state (the step still counts).
+        """
+        self._check_trainable("train_step")
+        _check_temperature(temperature)
+        for key in ("input_ids", "attention_mask", "response_mask", "loss_weight"):
+            if key not in batch:
+                raise KeyError(f"train_step needs batch[{key!r}]")
+        rows, _mine, _width = self.replica.gather(batch, self._pad_id)
+        micro = self._micro_batches(rows)
+        lr = lr_at(self._step, self.actor.optimizer.lr, self.actor.lr_scheduler)
+        self._set_lr(lr)
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self._zero_grad()
+        acc = StepMetrics(self.device)
+        try:
+            self._run(micro, loss_fn, temperature, acc)
+        except BaseException:
+            self._zero_grad()
+            raise
+        metrics = acc.reduce()  # global sums: every rank takes the same decision below
+        grad_norm = self._optimizer_step(skip=not math.isfinite(metrics["loss"]))
+        self._step += 1
+        nonfinite = not (math.isfinite(grad_norm) and math.isfinite(metrics["loss"]))
+        metrics.update(
+            grad_norm=grad_norm, lr=lr, num_micro_batches=float(len(micro)), nonfinite=1.0 if nonfinite else 0.0
+        )
+        return metrics
+
+    def _set_lr(self, lr: float) -> None:
+        wd = self.actor.optimizer.weight_decay
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+            if self.use_megatron_schedule:  # Megatron's groups carry a weight-decay multiplier
+                group["weight_decay"] = wd * group.get("wd_mult", 1.0)
+
+    def _zero_grad(self) -> None:
+        if self.use_megatron_schedule:
+            self.optimizer.zero_grad()
+        else:
+            for p in self._trainable_params():
+                p.grad = None
+
+    def _optimizer_step(self, *, skip: bool = False) -> float:
+        """Gradient norm over all replicas' reduced gradients (before clipping), clip to
+        ``actor.grad_clip`` (0: no clipping), step; a non-finite norm, or ``skip`` (the loss was
+        not finite), skips the update."""
+        if self.use_megatron_schedule:
+            if self.optimizer.prepare_grads():  # inf/nan found while unscaling
+                self.optimizer.zero_grad()
+                return float("nan")
+            grad_norm = float(self.optimizer.get_grad_norm())
+            if math.isfinite(grad_norm) and not skip:
+                # Megatron's own step: clips to its config.clip_grad (= actor.grad_clip), updates,
+                # and copies the new weights into the model (gathering them under the distributed optimizer)
+                self.optimizer.step()
+            self.optimizer.zero_grad()
+            return grad_norm
+        params = self._trainable_params()
+        grad_norm = self._main_grad_norm(params)
+        clip = self.actor.grad_clip
+        if math.isfinite(grad_norm) and not skip:
+            coef = clip / (grad_norm + 1e-6) if clip > 0 else 1.0
+            for p in params:
+                grad = p.main_grad if coef >= 1.0 else p.main_grad * coef
+                p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
+            self.optimizer.step()
+        self._zero_grad()
+        return grad_norm
+
+    def _main_grad_norm(self, params: list[torch.nn.Parameter]) -> float:
+        """L2 norm of DDP's reduced gradients over the whole model: each tensor-parallel shard once,
+        replicated tensors (norms) once per model, summed over the model-parallel group (what
+        Megatron's ``get_grad_norm_fp32`` computes)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in params:
+            if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+                total += p.main_grad.float().pow(2).sum()
+        if mpu.get_model_parallel_group().size() > 1:
+            dist.all_reduce(total, group=mpu.get_model_parallel_group())
+        return float(total.sqrt())
+
+    # ------------------------------------------------------------------ weights
+
+    def _sync_params(self) -> None:
+        """With overlapped parameter gathering the distributed optimizer's updates reach the model
+        only in the next forward; force them in before weights are read."""
+        if self.trainable and self.config.ddp.overlap_param_gather:
+            for chunk in self.model:
+                chunk.start_param_sync(force_sync=True)
+
+    def hf_weight_buckets(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The model's weights with Hugging Face names, on the main rank, in buckets of about
+        ``export_bucket_mb`` (streaming: never a second full copy). Collective: every rank must
+        iterate to the end; other ranks receive nothing."""
+        self._check_open()
+        self._sync_params()
+        return self.gatherer.hf_buckets(int(self.config.export_bucket_mb * 2**20))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = {}
+        for bucket in self.hf_weight_buckets():
+            state.update(bucket)
+        if self.rank == 0 and self.spec.tie_word_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        return state
+
+    def export_hf(self, path: str | Path) -> None:
+        """Rank 0 writes ``path`` (config, safetensors weights in buckets, generation config,
+        tokenizer) via a partial directory moved into place (:mod:`core_rl.checkpointing`)."""
+        final = Path(path).absolute()
+        buckets = self.hf_weight_buckets()
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                write_hf_model_dir(
+                    final,
+                    buckets,
+                    hf_config=self.hf_config,
+                    dtype=torch.bfloat16 if self.config.bf16 else self.dtype,
+                    tokenizer_path=self.actor.tokenizer_path or self.actor.model_path,
+                )
+            except BaseException as exc:  # finish the collectives, then raise
+                error = exc
+        for _ in buckets:  # the other ranks' share of the gathering (and rank 0's rest after a failure)
+            pass
+        if dist_utils.any_rank(error is not None) and error is None:
+            raise RuntimeError(f"exporting {final} failed on rank 0")
+        if error is not None:
+            raise error
+
+    # ------------------------------------------------------------------ training state
+
+    def save_state(self, path: str | Path, extra: Mapping[str, Any]) -> None:
+        """Write ``path/`` atomically in formats that execute nothing on load (see
+        :mod:`core_rl_megatron.checkpoint`)."""
+        self._check_trainable("save_state")
+        self._sync_params()
+        checkpoint.save(self, Path(path).absolute(), extra)
+
+    def load_state(self, path: str | Path) -> dict[str, Any]:
+        """Restore what :meth:`save_state` wrote and return its ``extra``."""
+        self._check_trainable("load_state")
+        return checkpoint.load(self, Path(path).absolute())
+
+    def close(self) -> None:
+        """Drop the model and optimizer (Megatron's parallel state stays for other engines)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.model = []
+        self.params = {}
+        self.gatherer = None  # type: ignore[assignment]
+        self.optimizer = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _check_cpu_settings(cfg: MegatronConfig) -> None:
+    """Settings whose Megatron code paths hard-code CUDA."""
+    gpu_only = {
+        "pipeline_model_parallel_size": cfg.pipeline_model_parallel_size > 1,
+        "virtual_pipeline_model_parallel_size": cfg.virtual_pipeline_size > 1,
+        "context_parallel_size": cfg.context_parallel_size > 1,
+        "sequence_parallel": cfg.sequence_parallel,
+        "bf16": cfg.bf16,
+        "ddp.use_distributed_optimizer": cfg.ddp.use_distributed_optimizer,
+        "transformer_impl": cfg.transformer_impl != "local",
+    }
+    bad = [key for key, on in gpu_only.items() if on]
+    if bad:
+        raise MegatronSetupError(
+            f"actor.engine.{bad[0]}: needs CUDA (Megatron's pipeline schedules, optimizer and fused layers do); "
+            f"this machine has no GPU. Settings that need one: {', '.join(bad)}"
+        )
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")

@@ -1,0 +1,89 @@
+"""Training on one rank (CPU): the same 3 steps as ``fsdp`` (losses, entropies, gradient norms,
+learning rates, final weights), and each memory / gradient-buffer setting that runs on CPU leaves
+the step unchanged. Tolerances as in ``test_distributed.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mcore_common as common
+import pytest
+import torch
+from core_rl.config.loader import structure
+from core_rl_megatron.config import MegatronConfig
+from core_rl_megatron.engine import MegatronEngine
+from mcore_common import same_metrics, same_weights
+
+
+def engine(model: Path, **options: object) -> MegatronEngine:
+    cfg = structure({"make_vocab_size_divisible_by": 8, **options}, MegatronConfig, path="actor.engine")
+    return MegatronEngine(common.actor(str(model)), cfg)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> list[dict]:
+    """3 steps with the default settings."""
+    e = engine(tiny_model)
+    metrics = common.train(e, range(3), 0, 1)
+    e.close()
+    return metrics
+
+
+def test_three_steps_match_fsdp(tiny_model: Path, reference: list[dict]) -> None:
+    pytest.importorskip("core_rl_fsdp")
+    from core_rl_fsdp.engine import FSDPEngine
+
+    fsdp = FSDPEngine(common.actor(str(tiny_model), "fsdp"))
+    want = common.train(fsdp, range(3), 0, 1)
+    same_metrics(reference, want)
+    assert [m["lr"] for m in reference] == pytest.approx([0.01, 0.01, 0.007])  # warmup 1, linear decay
+    mega = engine(tiny_model)
+    common.train(mega, range(3), 0, 1)
+    same_weights(mega.full_state_dict(), fsdp.full_state_dict())
+    mega.close()
+    fsdp.close()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 2},
+        {"recompute_granularity": "selective"},
+        {"ddp": {"grad_reduce_in_fp32": False, "bucket_size": 3000, "check_for_nan_in_grad": True}},
+    ],
+    ids=["recompute-full-uniform", "recompute-full-block", "recompute-selective", "ddp-buckets"],
+)
+def test_settings_leave_the_step_unchanged(tiny_model: Path, reference: list[dict], options: dict) -> None:
+    e = engine(tiny_model, **options)
+    same_metrics(common.train(e, range(2), 0, 1), reference[:2])
+    e.close()
+
+
+def test_actor_gradient_checkpointing_recomputes_every_layer(tiny_model: Path, reference: list[dict]) -> None:
+    actor = common.actor(str(tiny_model))
+    actor.gradient_checkpointing = True
+    e = MegatronEngine(actor, MegatronConfig(make_vocab_size_divisible_by=8))
+    assert (e.tconfig.recompute_granularity, e.tconfig.recompute_method, e.tconfig.recompute_num_layers) == (
+        "full",
+        "uniform",
+        1,
+    )
+    same_metrics(common.train(e, range(1), 0, 1), reference[:1])
+    e.close()
+
+
+def test_non_finite_gradients_skip_the_update(tiny_model: Path) -> None:
+    from core_rl.interfaces import LossOutput
+
+    e = engine(tiny_model)
+    before = e.full_state_dict()
+
+    def nan_loss(batch, logprobs, entropy):
+        return LossOutput(per_token_loss=logprobs * float("nan"))
+
+    metrics = e.train_step(common.batches()[0], nan_loss)
+    assert metrics["grad_norm"] != metrics["grad_norm"] and e.step == 1  # NaN; the step still counts
+    after = e.full_state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    e.close()
