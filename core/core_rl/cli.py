@@ -1,4 +1,5 @@
-"""The ``core-rl`` command: ``train``, ``plugins``, ``config show`` and ``config validate``.
+"""The ``core-rl`` command: ``train``, ``plugins``, ``config show``, ``config validate`` and
+``server-env create|list|path|remove`` (:mod:`core_rl.server_env`).
 
 Exit status: 0 on success, 2 on a usage, configuration or plugin error (a short message on stderr,
 no traceback).
@@ -57,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Validate the configuration, including plugin sections.",
     )
     _add_config_args(validate)
+
+    from core_rl.server_env import add_command as add_server_env_command
+
+    add_server_env_command(sub)
     return parser
 
 
@@ -111,6 +116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "plugins":
             return _cmd_plugins(args.json)
+        if args.command == "server-env":
+            from core_rl.server_env import run_command
+
+            return run_command(args)
         if args.command == "config":
             _, cfg = _load(args)
             if args.config_command == "show":

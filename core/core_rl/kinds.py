@@ -34,6 +34,7 @@ SAMPLE_FILTER = PluginKind(
 REWARD = PluginKind("reward", "reward", "core_rl.rewards", "core_rl_register_rewards")
 LOGGER = PluginKind("logger", "logger", "core_rl.loggers", "core_rl_register_loggers")
 ALGORITHM = PluginKind("algorithm", "algorithm", "core_rl.algorithms", "core_rl_register_algorithms")
+SERVER_ENV = PluginKind("server_env", "server environment", "core_rl.server_envs", "core_rl_register_server_envs")
 
 ALL_KINDS: tuple[PluginKind, ...] = (
     TRAIN_ENGINE,
@@ -44,6 +45,7 @@ ALL_KINDS: tuple[PluginKind, ...] = (
     REWARD,
     LOGGER,
     ALGORITHM,
+    SERVER_ENV,
 )
 KINDS_BY_KEY: dict[str, PluginKind] = {k.key: k for k in ALL_KINDS}
 
@@ -52,6 +54,10 @@ KINDS_BY_KEY: dict[str, PluginKind] = {k.key: k for k in ALL_KINDS}
 KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("train_engine", "fsdp"): "fsdp",
     ("rollout_engine", "hf"): "hf",
+    ("rollout_engine", "vllm"): "vllm",
+    ("rollout_engine", "sglang"): "sglang",
+    ("server_env", "vllm"): "vllm",
+    ("server_env", "sglang"): "sglang",
     ("algorithm", "grpo"): "grpo",
     ("advantage", "grpo"): "grpo",
     ("advantage", "rloo"): "grpo",

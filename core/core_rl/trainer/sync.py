@@ -138,7 +138,7 @@ class SyncTrainer:
         self.loggers: list[Logger] = []
         if self.is_main:
             self.rollout = host.get(ROLLOUT_ENGINE, cfg.rollout.engine.name).factory(
-                cfg.rollout, cfg.rollout.engine.config, model_path=cfg.actor.model_path
+                cfg.rollout, cfg.rollout.engine.config, model_path=cfg.actor.model_path, run_dir=self.run_dir
             )
             self.reward = _build(host, REWARD, cfg.reward)
             specs = list(cfg.loggers)
@@ -204,16 +204,22 @@ class SyncTrainer:
         metrics["advantage/mean"] = float((batch["advantages"] * mask).sum() / mask.sum().clamp(min=1))
         return batch, metrics
 
-    def _sync_weights(self, version: int) -> None:
-        if self.cfg.rollout.weight_sync == "disk":
+    def _sync_weights(self, version: int) -> dict[str, float]:
+        """Move the policy's weights to the rollout engine; return ``weight_sync/bytes``."""
+        mode = self.cfg.rollout.weight_sync
+        if mode == "disk":
             path = self.run_dir / "weight_sync"
             self.engine.export_hf(path)
             if self.rollout is not None:
                 self.rollout.load_weights_from_path(path, version)
-            return
+            return {"weight_sync/bytes": float(sum(f.stat().st_size for f in path.glob("*.safetensors")))}
         state = self.engine.full_state_dict()
         if self.rollout is not None:
-            self.rollout.update_weights(state, version)
+            if mode == "collective":
+                self.rollout.update_weights_collective(state, version)
+            else:
+                self.rollout.update_weights(state, version)
+        return {"weight_sync/bytes": float(sum(t.numel() * t.element_size() for t in state.values()))}
 
     def step(self, step: int) -> dict[str, float]:
         """Run RL step ``step`` (1-based) and return its metrics (complete on rank 0)."""
@@ -249,7 +255,7 @@ class SyncTrainer:
         else:
             metrics["actor/skipped"] = 1.0
         t_sync = time.perf_counter()
-        self._sync_weights(step)
+        metrics.update(self._sync_weights(step))
         t_end = time.perf_counter()
         metrics["timing/train_s"] = t_sync - t_train
         metrics["timing/weight_sync_s"] = t_end - t_sync
