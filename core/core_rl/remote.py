@@ -92,7 +92,18 @@ class Completion:
 
 
 class ServerReplyError(CoreRLError):
-    """A server answered, but not as expected (an error status or a malformed body)."""
+    """A server answered, but not as expected (an error status or a malformed body).
+
+    ``status`` is the HTTP status (0 for a malformed body). A 4xx other than 408 and 429 means the
+    request itself is wrong: it is not retried."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def retryable(self) -> bool:
+        return not (400 <= self.status < 500 and self.status not in (408, 429))
 
 
 @attrs.define(eq=False)
@@ -167,6 +178,10 @@ class ServerRolloutEngine(RolloutEngine):
 
     async def resume_server(self, client: Any, url: str) -> None:
         """*plugin*: resume generation on one server."""
+        raise NotImplementedError
+
+    async def abort_all(self, client: Any, url: str) -> None:
+        """*plugin*: abort every request one server holds (they return what they generated)."""
         raise NotImplementedError
 
     async def reload_from_disk(self, client: Any, url: str, path: str, version: int) -> None:
@@ -337,7 +352,11 @@ class ServerRolloutEngine(RolloutEngine):
                     if len(completions) != sampling.n:
                         raise ServerReplyError(f"{ep.name} returned {len(completions)} samples, asked for {sampling.n}")
                     return completions, version
-                except (ServerReplyError, TimeoutError, OSError) as exc:
+                except ServerReplyError as exc:
+                    if not exc.retryable:
+                        raise
+                    last = exc
+                except (TimeoutError, OSError) as exc:
                     last = exc
                 except Exception as exc:
                     if not _is_http_error(exc):
@@ -418,8 +437,19 @@ class ServerRolloutEngine(RolloutEngine):
         else:
             await asyncio.gather(*(self.pause_server(self._client, ep.url, mode) for ep in self.endpoints))
             if mode == "abort":  # the interrupted requests return; their continuations wait
-                async with self._idle:
-                    await self._idle.wait_for(lambda: self._inflight == 0)
+                await self._abort_until_idle()
+
+    async def _abort_until_idle(self) -> None:
+        """Abort until no request is in flight: a request that reached a server just after it
+        paused is held there, not aborted, so abort again until every request has returned."""
+        while True:
+            async with self._idle:
+                try:
+                    await asyncio.wait_for(self._idle.wait_for(lambda: self._inflight == 0), 1.0)
+                    return
+                except TimeoutError:
+                    pass
+            await asyncio.gather(*(self.abort_all(self._client, ep.url) for ep in self.endpoints))
 
     async def _aresume(self) -> None:
         mode, self._paused_mode = self._paused_mode, None
@@ -622,7 +652,9 @@ async def json_post(
         kwargs["timeout"] = timeout
     response = await client.post(url, **kwargs)
     if response.status_code >= 300:
-        raise ServerReplyError(f"POST {url} answered {response.status_code}: {response.text[:500]}")
+        raise ServerReplyError(
+            f"POST {url} answered {response.status_code}: {response.text[:500]}", response.status_code
+        )
     if not response.content:
         return None
     try:

@@ -100,10 +100,16 @@ def _python_version(python: str) -> str:
 REQUIREMENT_FILE_FLAGS = ("-r", "--requirement", "-c", "--constraint")
 
 
+def _is_pip(step: list[str]) -> bool:
+    return step[:2] == ["-m", "pip"]
+
+
 def _files_named(steps: list[list[str]]) -> list[str]:
     """Contents of the requirement and constraint files the steps name (pip's ``-r``/``-c``)."""
     contents = []
     for step in steps:
+        if not _is_pip(step):
+            continue
         for flag, value in itertools.pairwise(step):
             if flag in REQUIREMENT_FILE_FLAGS:
                 try:
@@ -119,7 +125,10 @@ def spec_hash(spec: ServerEnvSpec, variant: str, python_version: str) -> str:
     steps = spec.steps_for(variant)
     # a requirement file counts by its name and contents, not by where this checkout keeps it
     portable = [
-        [Path(arg).name if i and step[i - 1] in REQUIREMENT_FILE_FLAGS else arg for i, arg in enumerate(step)]
+        [
+            Path(arg).name if _is_pip(step) and i and step[i - 1] in REQUIREMENT_FILE_FLAGS else arg
+            for i, arg in enumerate(step)
+        ]
         for step in steps
     ]
     payload = json.dumps(

@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="runs/tiny_grpo", help="where the model, data and run go")
     parser.add_argument("--warm-steps", type=int, default=150, help="supervised warm-start steps")
+    parser.add_argument(
+        "--num-heads", type=int, default=4, help="attention heads (2 gives head size 32, which vLLM's CPU kernels need)"
+    )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides for grpo.yaml")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"replacing the previous run in {work}")
         shutil.rmtree(work)
 
-    build_tiny_model(work / "model_init", alphabet=LETTERS + "=", seed=0)
+    build_tiny_model(work / "model_init", alphabet=LETTERS + "=", seed=0, num_heads=args.num_heads)
     write_dataset(work / "data" / "train.jsonl")
     loss = warm_start(work / "model_init", work / "model_warm", steps=args.warm_steps, batch_size=64, lr=3e-3, seed=0)
     print(f"warm start: {args.warm_steps} steps, final loss {loss:.3f}, {time.perf_counter() - start:.0f} s")

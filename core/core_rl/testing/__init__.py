@@ -26,6 +26,7 @@ from core_rl.testing.contracts import (
     make_reward_input,
     make_rl_batch,
 )
+from core_rl.testing.server_contract import ServerRolloutEngineContract
 
 __all__ = [
     "AdvantageEstimatorContract",
@@ -36,6 +37,7 @@ __all__ = [
     "RewardContract",
     "RolloutEngineContract",
     "SampleFilterContract",
+    "ServerRolloutEngineContract",
     "TrainEngineContract",
     "installed_distribution",
     "make_reward_input",

@@ -357,12 +357,16 @@ class AlgorithmContract(ComponentContract):
 
 
 class _TinyModelMixin:
+    #: keyword arguments of :func:`core_rl.testing.tiny.build_tiny_model` (e.g. ``num_heads=2`` for
+    #: servers whose attention kernels need a head size of at least 32)
+    tiny_model_options: ClassVar[dict[str, Any]] = {}
+
     @pytest.fixture(scope="class")
     @classmethod
     def model_path(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
         from core_rl.testing.tiny import build_tiny_model
 
-        return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+        return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, **cls.tiny_model_options)
 
 
 def hf_logprobs(
@@ -497,12 +501,18 @@ class RolloutEngineContract(_TinyModelMixin, ComponentContract):
     kind = ROLLOUT_ENGINE
     logprob_atol: ClassVar[float] = 1e-3
 
-    def make(self, model_path: Path, run_dir: Path | None = None) -> RolloutEngine:
+    def make(
+        self, model_path: Path, run_dir: Path | None = None, options: dict[str, Any] | None = None
+    ) -> RolloutEngine:
+        """Build the engine with ``options`` (default: the class's ``options``)."""
         import tempfile
 
-        rollout = RolloutConfig(engine=PluginSpec(name=self.name, options=dict(self.options)))
+        options = dict(self.options if options is None else options)
+        entry = self.entry()
+        config = None if entry.config_cls is None else structure(options, entry.config_cls, path=self.kind.key)
+        rollout = RolloutConfig(engine=PluginSpec(name=self.name, options=options))
         run_dir = run_dir or Path(tempfile.mkdtemp(prefix="core-rl-rollout-"))
-        engine = self.entry().factory(rollout, self.config(), model_path=str(model_path), run_dir=run_dir)
+        engine = entry.factory(rollout, config, model_path=str(model_path), run_dir=run_dir)
         assert isinstance(engine, RolloutEngine)
         return engine
 

@@ -7,7 +7,7 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
   ``min_new_tokens``, ``temperature`` (0 for greedy), ``top_p``, ``top_k`` (-1 = off),
   ``stop_token_ids``) and ``return_logprob``. SGLang's log-prob of a sampled token is
   ``log_softmax(logits / temperature)`` before top-k/top-p filtering: the train engine's convention;
-- pause/resume: ``POST /pause_generation`` (``keep`` -> mode ``in_place``, ``abort`` -> ``abort``)
+- pause/resume: ``POST /pause_generation`` (``keep`` -> mode ``retract``, ``abort`` -> ``abort``)
   and ``POST /continue_generation``;
 - weights from disk: ``POST /update_weights_from_disk`` (SGLang flushes its cache);
 - weights over a collective: ``POST /init_weights_update_group`` once, then per update
@@ -28,7 +28,9 @@ from core_rl.server_env import default_variant
 from core_rl_sglang.config import SGLangConfig
 
 SERVER_SIDE = Path(__file__).with_name("server_side")
-PAUSE_MODE = {"keep": "in_place", "abort": "abort"}
+# keep -> retract: running requests go back to the queue with what they generated and continue after
+# the pause (their KV cache is recomputed), which lets a weight update flush the cache meanwhile
+PAUSE_MODE = {"keep": "retract", "abort": "abort"}
 
 
 class SGLangRolloutEngine(ServerRolloutEngine):
@@ -126,6 +128,9 @@ class SGLangRolloutEngine(ServerRolloutEngine):
 
     async def resume_server(self, client: Any, url: str) -> None:
         await json_post(client, url + "/continue_generation", {})
+
+    async def abort_all(self, client: Any, url: str) -> None:
+        await json_post(client, url + "/abort_request", {"abort_all": True})
 
     async def reload_from_disk(self, client: Any, url: str, path: str, version: int) -> None:
         await _checked(

@@ -4,11 +4,13 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
 
 - generation: ``POST /v1/completions`` with the prompt as token ids, ``n``, ``max_tokens``,
   ``min_tokens``, ``temperature`` (0 for greedy), ``top_p``, ``top_k`` (0 = off),
-  ``stop_token_ids``, ``logprobs: 0`` and ``return_token_ids``. Servers start with
+  ``stop_token_ids``, ``logprobs: 0`` and ``return_token_ids`` (vLLM refuses ``n > 1`` with greedy
+  decoding, so a greedy request asks for one sample and repeats it). Servers start with
   ``--logprobs-mode processed_logprobs``, so the log-prob of each sampled token is
   ``log_softmax(logits / temperature)``: the train engine's convention (with ``top_k``/``top_p``
   set, vLLM reports the log-prob of the truncated, renormalised distribution instead);
-- pause/resume: ``POST /pause?mode=keep|abort`` and ``POST /resume``;
+- pause/resume: ``POST /pause?mode=keep|abort`` (then ``/abort_requests`` for a request that
+  arrived just after the pause) and ``POST /resume``;
 - weights from disk: ``POST /collective_rpc`` ``reload_weights(weights_path=...)``, then
   ``/reset_prefix_cache``;
 - weights over a collective: ``/collective_rpc`` calls of the worker extension this plugin ships
@@ -25,6 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
 import core_rl.weight_group
 from core_rl.config.schema import RolloutConfig
 from core_rl.errors import CoreRLError
@@ -126,6 +129,9 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     # -- HTTP calls -----------------------------------------------------------------------------
 
     async def request(self, client: Any, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list[Completion]:
+        if sampling.greedy and sampling.n > 1:  # vLLM refuses n > 1 when greedy: one answer serves all
+            (one,) = await self.request(client, url, prompt_ids, attrs.evolve(sampling, n=1))
+            return [attrs.evolve(one) for _ in range(sampling.n)]
         payload = {
             "model": self.model_name,
             "prompt": prompt_ids,
@@ -159,6 +165,9 @@ class VLLMRolloutEngine(ServerRolloutEngine):
 
     async def resume_server(self, client: Any, url: str) -> None:
         await json_post(client, url + "/resume")
+
+    async def abort_all(self, client: Any, url: str) -> None:
+        await json_post(client, url + "/abort_requests", {})
 
     async def _rpc(self, client: Any, url: str, method: str, **kwargs: Any) -> list[Any]:
         body = await json_post(
