@@ -101,5 +101,5 @@ def test_real_specs_hash_their_requirement_files() -> None:
         specs += [getattr(mod, name)() for name in dir(mod) if name.endswith("_env_spec")]
     for spec in specs:
         assert set(spec.steps) == {"cpu", "cuda"}
-        version = "%d.%d.%d" % sys.version_info[:3]
+        version = ".".join(map(str, sys.version_info[:3]))
         assert len(server_env.spec_hash(spec, "cpu", version)) == 12
