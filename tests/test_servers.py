@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from core_rl.servers import ManagedServer, ServerError, free_port
+from core_rl.servers import ManagedServer, ServerError, free_port, pid_alive
 from core_rl.supervise import session_members
 
 # an HTTP server answering 200 on /health that first starts a long-lived child process
@@ -37,19 +37,11 @@ SERVER = textwrap.dedent(
 )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
         time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if pid_alive(p)]
 
 
 def _server(tmp_path: Path, name: str = "fake-0", script: str = SERVER) -> ManagedServer:
@@ -128,7 +120,7 @@ def test_no_orphans_when_the_trainer_goes(tmp_path: Path, how: str) -> None:
     try:
         line = proc.stdout.readline() if proc.stdout else ""
         pids = json.loads(line)
-        assert len(pids) >= 3 and all(_alive(p) for p in pids)
+        assert len(pids) >= 3 and all(pid_alive(p) for p in pids)
         if how == "sigkill":
             proc.kill()
         elif how == "sigterm":

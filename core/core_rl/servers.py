@@ -139,7 +139,11 @@ class ManagedServer:
             _LIVE.add(self)
 
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        """Whether the server process runs (its supervisor may outlive it by a moment)."""
+        if self._proc is None or self._proc.poll() is not None:
+            return False
+        pid = self.pid
+        return pid is None or pid_alive(pid)  # pid unknown: the server is still being started
 
     def exit_code(self) -> int | None:
         return None if self._proc is None else self._proc.poll()
@@ -149,6 +153,11 @@ class ManagedServer:
 
     def failure(self, what: str) -> ServerError:
         """A :class:`ServerError` saying ``what`` happened to this server, with its log's tail."""
+        if self._proc is not None and self._proc.poll() is None and not self.alive():
+            try:  # the server is gone: its supervisor reports its status within moments
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
         code = self.exit_code()
         state = f"exited with status {code}" if code is not None else "is running"
         return ServerError(
@@ -195,6 +204,19 @@ class ManagedServer:
                         os.kill(member, signal.SIGKILL)
                     except (ProcessLookupError, PermissionError):
                         pass
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
+            return handle.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return not os.path.isdir("/proc")  # no /proc entry on Linux: gone
 
 
 def check_health(url: str, timeout: float = 5.0) -> bool:

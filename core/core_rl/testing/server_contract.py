@@ -25,16 +25,8 @@ from typing import Any, ClassVar
 import pytest
 
 from core_rl.interfaces import SamplingParams
-from core_rl.servers import ServerError
+from core_rl.servers import ServerError, pid_alive
 from core_rl.testing.contracts import RolloutEngineContract
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead
-    except OSError:
-        return False
 
 
 class ServerRolloutEngineContract(RolloutEngineContract):
@@ -191,14 +183,14 @@ class ServerRolloutEngineContract(RolloutEngineContract):
             line = proc.stdout.readline() if proc.stdout else ""
             assert line, "the trainer process exited before starting its servers"
             pids = json.loads(line)
-            assert len(pids) >= 2 and all(_alive(p) for p in pids)
+            assert len(pids) >= 2 and all(pid_alive(p) for p in pids)
         finally:
             proc.kill()
             proc.wait(30)
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
             time.sleep(0.2)
-        left = [p for p in pids if _alive(p)]
+        left = [p for p in pids if pid_alive(p)]
         for pid in left:  # do not leave them to the next test
             os.kill(pid, signal.SIGKILL)
         assert not left, f"processes left after the trainer was killed: {left}"
