@@ -57,7 +57,9 @@ class ServerOptions:
     - ``update_pause_mode``: how generation pauses around a weight update when the caller has not
       paused it already (``wait``, ``keep`` or ``abort``, see :meth:`RolloutEngine.pause`).
     - ``weight_sync_backend``: ``auto`` (``nccl`` for the ``cuda`` variant, else ``gloo``),
-      ``gloo`` or ``nccl``; ``weight_sync_timeout``: seconds a weight update may take.
+      ``gloo`` or ``nccl``; ``weight_sync_timeout``: seconds a weight update may take;
+      ``weight_sync_address``: the trainer's address as the servers reach it (empty: ``host``
+      for started servers, 127.0.0.1 for ``urls``).
     """
 
     urls: list[str] = attrs.field(factory=list)
@@ -78,6 +80,7 @@ class ServerOptions:
     max_restarts: int = attrs.field(default=2, validator=non_negative())
     update_pause_mode: str = attrs.field(default="wait", validator=one_of(PAUSE_MODES))
     weight_sync_backend: str = attrs.field(default="auto", validator=one_of(("auto", "gloo", "nccl")))
+    weight_sync_address: str = ""
     weight_sync_timeout: float = attrs.field(default=600.0, validator=positive())
 
 
@@ -139,7 +142,7 @@ class ServerRolloutEngine(RolloutEngine):
         self._version = 0
         self._weights_path: str | None = None  # what a restarted server must load
         self._group: Any = None
-        self._group_name = f"core_rl_weights_{id(self):x}"
+        self._group_epoch = 0  # a new group (and name) after a server restart
         self._paused_mode: str | None = None
         self.last_sync: dict[str, float] = {}
         self._loop = asyncio.new_event_loop()
@@ -153,6 +156,10 @@ class ServerRolloutEngine(RolloutEngine):
         except BaseException:
             self.close()
             raise
+
+    @property
+    def _group_name(self) -> str:
+        return f"core_rl_weights_{id(self):x}_{self._group_epoch}"
 
     # -- plugin hooks ---------------------------------------------------------------------------
 
@@ -323,6 +330,11 @@ class ServerRolloutEngine(RolloutEngine):
             await asyncio.to_thread(ep.server.wait_healthy, self.options.startup_timeout)
             if self._weights_path is not None:
                 await self.reload_from_disk(self._client, ep.url, self._weights_path, self._version)
+            if self._group is not None:  # the restarted server is not in it: form a new one next time
+                from core_rl import weight_group
+
+                weight_group.destroy_group(self._group)
+                self._group, self._group_epoch = None, self._group_epoch + 1
             ep.restarts += 1
             ep.generation += 1
 
@@ -517,7 +529,7 @@ class ServerRolloutEngine(RolloutEngine):
         from core_rl import weight_group
 
         backend, _ = self._backend()
-        address = self.options.host if not self.options.urls else "127.0.0.1"
+        address = self.options.weight_sync_address or (self.options.host if not self.options.urls else "127.0.0.1")
         port = free_port(address)
         per_server = self.workers_per_server()
         world_size = 1 + per_server * len(self.endpoints)
