@@ -12,9 +12,8 @@ import torch
 from core_rl.testing import ServerRolloutEngineContract, installed_distribution
 
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() > 1
-SERVER_PLACEMENT: dict[str, Any] = (
-    {"weight_sync_backend": "nccl", "env": {"CUDA_VISIBLE_DEVICES": "1"}} if TWO_GPUS else {"weight_sync_backend": "gloo"}
-)
+NCCL: dict[str, Any] = {"weight_sync_backend": "nccl", "env": {"CUDA_VISIBLE_DEVICES": "1"}}
+SERVER_PLACEMENT: dict[str, Any] = NCCL if TWO_GPUS else {"weight_sync_backend": "gloo"}
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
