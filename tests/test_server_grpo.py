@@ -51,7 +51,8 @@ def _train(warm: dict[str, Path], name: str, *overrides: str) -> list[dict]:
         f"actor.model_path={warm['model']}",
         f"data.train_files=[{warm['data']}]",
         f"trainer.total_steps={STEPS}",
-        "actor.optimizer.lr=3e-3",
+        "actor.optimizer.lr=3e-3",  # with 64 prompts a step, the reward rises within 10 steps (hf: ~0.36 -> ~0.45)
+        "data.batch_size=64",
         "saver.every_n_steps=0",
         "saver.at_end=false",
         "saver.export_hf=false",

@@ -422,6 +422,8 @@ class ServerRolloutEngine(RolloutEngine):
 
     async def agenerate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
         check_prompt_and_sampling(prompt_ids, sampling)
+        if self._closed:
+            raise CoreRLError(f"the {self.env_name} rollout engine is closed")
         future = asyncio.run_coroutine_threadsafe(self._agenerate_here(list(prompt_ids), sampling), self._loop)
         return await asyncio.wrap_future(future)
 

@@ -107,9 +107,8 @@ class HFRolloutEngine(RolloutEngine):
         self._weight_version = 0
         self._model_lock = threading.RLock()  # one batch or weight update at a time
         self._requests: queue.Queue[_Request | None] = queue.Queue()
-        self._running = threading.Event()
-        self._running.set()
-        self._idle = threading.Condition()
+        self._idle = threading.Condition()  # guards _paused and _busy
+        self._paused = False
         self._busy = False
         self._worker: threading.Thread | None = None
 
@@ -179,8 +178,8 @@ class HFRolloutEngine(RolloutEngine):
             first = self._requests.get()
             if first is None:
                 return
-            self._running.wait()
-            with self._idle:
+            with self._idle:  # taking a batch and pausing exclude each other
+                self._idle.wait_for(lambda: not self._paused)
                 self._busy = True
             batch = [first]
             samples = first.sampling.n
@@ -218,12 +217,15 @@ class HFRolloutEngine(RolloutEngine):
     def pause(self, mode: str = "wait") -> None:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
-        self._running.clear()
         with self._idle:
-            self._idle.wait_for(lambda: not self._busy, timeout=600)
+            self._paused = True
+            if not self._idle.wait_for(lambda: not self._busy, timeout=600):
+                raise TimeoutError("hf rollout engine: the batch running did not finish within 600 s of pause()")
 
     def resume(self) -> None:
-        self._running.set()
+        with self._idle:
+            self._paused = False
+            self._idle.notify_all()
 
     def health(self) -> dict[str, bool]:
         alive = self._model is not None and (self._worker is None or self._worker.is_alive())
@@ -247,7 +249,7 @@ class HFRolloutEngine(RolloutEngine):
 
     def close(self) -> None:
         if self._worker is not None:
-            self._running.set()
+            self.resume()
             self._requests.put(None)
             self._worker.join(timeout=60)
             self._worker = None
