@@ -7,4 +7,22 @@ bash scripts/install.sh
 VENV=${VENV:-.venv}
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
+# The inference servers' own environments (core-rl server-env; cached under $CORE_RL_HOME, default
+# ~/.cache/core-rl, so this is instant when they are built already). Built in parallel; a failure
+# prints its log.
+start=$(date +%s)
+envs=(vllm sglang)
+pids=()
+for env in "${envs[@]}"; do
+  "$VENV/bin/core-rl" server-env create "$env" > "${TMPDIR:-/tmp}/core-rl-server-env-$env.log" 2>&1 &
+  pids+=($!)
+done
+for i in "${!envs[@]}"; do
+  if ! wait "${pids[$i]}"; then
+    cat "${TMPDIR:-/tmp}/core-rl-server-env-${envs[$i]}.log"
+    echo "building the ${envs[$i]} server environment failed" >&2
+    exit 1
+  fi
+done
+echo "server environments ready in $(( $(date +%s) - start )) s"
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$VENV/bin/python" -m pytest -q "$@"

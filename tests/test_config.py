@@ -103,11 +103,11 @@ def test_choices_are_listed(tmp_path, host, minimal_config):
 
 
 def test_unknown_plugin_names_key_path_and_hint(tmp_path, host, minimal_config):
-    minimal_config["rollout"]["engine"] = {"name": "sglang"}
+    minimal_config["rollout"]["engine"] = {"name": "trtllm"}
     minimal_config["loggers"] = [{"name": "jsonl"}, {"name": "nope"}]
     problems = _problems(tmp_path, minimal_config, host=host)
     assert any(
-        p.startswith("rollout.engine.name: rollout engine 'sglang' is not installed (installed: ") for p in problems
+        p.startswith("rollout.engine.name: rollout engine 'trtllm' is not installed (installed: ") for p in problems
     )
     assert any(p.startswith("loggers[1].name: logger 'nope' is not installed") for p in problems)
 

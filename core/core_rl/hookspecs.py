@@ -7,6 +7,8 @@ plugin is loaded (that is, when a configuration first selects one of its names, 
 ``core-rl plugins`` lists everything). A plugin implements only the hooks it needs.
 
 The API is versioned by :data:`HOOK_API_VERSION`; specs added later carry ``versionadded``.
+
+- 2: rollout-engine factories receive ``run_dir``; :func:`core_rl_register_server_envs` added.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Protocol
 import pluggy
 
 PROJECT_NAME = "core_rl"
-HOOK_API_VERSION = 1
+HOOK_API_VERSION = 2
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -69,13 +71,18 @@ def core_rl_register_rollout_engines(register: Register) -> None:
     """Register rollout (inference) engines, which generate responses with the current weights.
 
     :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
-        engine. ``factory(rollout, engine_config, *, model_path)`` receives the validated
+        engine. ``factory(rollout, engine_config, *, model_path, run_dir)`` receives the validated
         :class:`core_rl.config.schema.RolloutConfig`, the engine's own section
-        (``rollout.engine``) and the path of the Hugging Face model to serve, and returns a
-        :class:`core_rl.interfaces.RolloutEngine`.
+        (``rollout.engine``), the path of the Hugging Face model to serve and the run directory
+        (a :class:`pathlib.Path` where the engine may write, e.g. server logs), and returns a
+        :class:`core_rl.interfaces.RolloutEngine`. A ``config_cls`` attribute
+        ``weight_sync_modes`` (a tuple) lists the ``rollout.weight_sync`` values it supports
+        (default ``("memory", "disk")``).
     :return: nothing; results go through ``register``.
 
     Called when the plugin is loaded.
+
+    .. versionchanged:: 2 the factory receives ``run_dir``.
     """
 
 
@@ -174,5 +181,21 @@ def core_rl_register_rejection_samplers(register: Register) -> None:
 
     Called when the plugin is loaded.
 
-    .. versionadded:: 0.1 (hook API 1)
+    .. versionadded:: 2
+    """
+
+
+@hookspec
+def core_rl_register_server_envs(register: Register) -> None:
+    """Register server environments: the virtual environments inference servers run from.
+
+    :param register: call ``register(name, factory, description=...)`` once per environment.
+        ``factory()`` takes no arguments and returns a :class:`core_rl.server_env.ServerEnvSpec`
+        (its pinned requirements per variant, ``cpu`` and ``cuda``, the install steps and any
+        fix-ups after them). ``core-rl server-env create NAME`` builds it.
+    :return: nothing; results go through ``register``.
+
+    Called when the plugin is loaded.
+
+    .. versionadded:: 2
     """

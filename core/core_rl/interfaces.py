@@ -4,10 +4,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
@@ -124,17 +125,76 @@ class TrainEngine(ABC):
         """Release resources."""
 
 
+#: how ``rollout.weight_sync`` may move new weights to a rollout engine
+WEIGHT_SYNC_MODES = ("memory", "disk", "collective")
+#: what :meth:`RolloutEngine.pause` does with requests already running
+PAUSE_MODES = ("wait", "keep", "abort")
+
+
 class RolloutEngine(ABC):
-    """Generates responses with a known weight version and accepts new weights."""
+    """Generates responses with a known weight version and accepts new weights.
+
+    Two ways to generate, both thread-safe:
+
+    - :meth:`agenerate` (per request, asyncio): the ``n`` samples of one prompt; a caller keeps as
+      many requests in flight as it likes (the engine bounds its own concurrency) and may await
+      them from any event loop.
+    - :meth:`generate` (batch, blocking): every prompt of a batch, in order.
+
+    A subclass implements at least one of them; the default of each is built on the other.
+
+    :attr:`weight_sync_modes` lists the ``rollout.weight_sync`` values the engine supports
+    (checked when a configuration is validated, through the same attribute on its ``config_cls``).
+    ``memory`` calls :meth:`update_weights`, ``disk`` :meth:`load_weights_from_path`,
+    ``collective`` :meth:`update_weights_collective`.
+    """
+
+    weight_sync_modes: ClassVar[tuple[str, ...]] = ("memory", "disk")
 
     @property
     @abstractmethod
     def weight_version(self) -> int:
-        """Version of the weights now used for generation."""
+        """Version of the weights now used for generation (it advances only once every replica
+        of the engine holds the new weights)."""
 
-    @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[Sample]]:
-        """For each prompt (token ids), ``sampling.n`` samples, in prompt order."""
+        """For each prompt (token ids), ``sampling.n`` samples, in prompt order. Blocks.
+
+        Default: every prompt's :meth:`agenerate` run concurrently on a private event loop."""
+
+        async def all_prompts() -> list[list[Sample]]:
+            return list(await asyncio.gather(*(self.agenerate(p, sampling) for p in prompts)))
+
+        return asyncio.run(all_prompts())
+
+    async def agenerate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
+        """The ``sampling.n`` samples of one prompt (token ids in, token ids, behaviour log-probs
+        and weight versions out). Safe to await from any event loop and thread.
+
+        Default: :meth:`generate` of that one prompt in a worker thread."""
+        if type(self).generate is RolloutEngine.generate:
+            raise TypeError(f"{type(self).__name__} must implement generate() or agenerate()")
+        groups = await asyncio.to_thread(self.generate, [prompt_ids], sampling)
+        return groups[0]
+
+    def pause(self, mode: str = "wait") -> None:
+        """Stop generating until :meth:`resume`. Requests submitted meanwhile wait (they are not
+        lost); requests already running, by ``mode`` (:data:`PAUSE_MODES`):
+
+        - ``wait``: they run to completion before ``pause`` returns;
+        - ``keep``: they are frozen where they are and continue after ``resume``;
+        - ``abort``: they are interrupted and continued after ``resume`` from the tokens they
+          had (the tokens after the interruption carry the version of the weights then loaded).
+
+        Blocks until the engine is paused. Default: nothing to do (an engine that generates only
+        inside blocking calls is idle between them)."""
+
+    def resume(self) -> None:
+        """Undo :meth:`pause`: waiting and frozen requests go on."""
+
+    def health(self) -> dict[str, bool]:
+        """Whether each replica (server) of the engine answers, by name."""
+        return {"engine": True}
 
     @abstractmethod
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -143,6 +203,12 @@ class RolloutEngine(ABC):
     @abstractmethod
     def load_weights_from_path(self, path: str | Path, version: int) -> None:
         """Load weights from a Hugging Face directory on disk and set the weight version."""
+
+    def update_weights_collective(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Send full weights (Hugging Face names) from this process to the engine's workers over a
+        process group (gloo on CPU, NCCL on GPU) and set the weight version. Only engines listing
+        ``collective`` in :attr:`weight_sync_modes` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not support weight_sync=collective")
 
     def state_dict(self) -> dict[str, Any]:
         """State a resumed run needs to continue exactly, e.g. the engine's own random generator,

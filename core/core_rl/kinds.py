@@ -37,6 +37,7 @@ REJECTION_SAMPLER = PluginKind(
 REWARD = PluginKind("reward", "reward", "core_rl.rewards", "core_rl_register_rewards")
 LOGGER = PluginKind("logger", "logger", "core_rl.loggers", "core_rl_register_loggers")
 ALGORITHM = PluginKind("algorithm", "algorithm", "core_rl.algorithms", "core_rl_register_algorithms")
+SERVER_ENV = PluginKind("server_env", "server environment", "core_rl.server_envs", "core_rl_register_server_envs")
 
 ALL_KINDS: tuple[PluginKind, ...] = (
     TRAIN_ENGINE,
@@ -48,6 +49,7 @@ ALL_KINDS: tuple[PluginKind, ...] = (
     LOGGER,
     ALGORITHM,
     REJECTION_SAMPLER,
+    SERVER_ENV,
 )
 KINDS_BY_KEY: dict[str, PluginKind] = {k.key: k for k in ALL_KINDS}
 
@@ -58,6 +60,10 @@ KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("train_engine", "deepspeed"): "deepspeed",
     ("train_engine", "megatron"): "megatron",
     ("rollout_engine", "hf"): "hf",
+    ("rollout_engine", "vllm"): "vllm",
+    ("rollout_engine", "sglang"): "sglang",
+    ("server_env", "vllm"): "vllm",
+    ("server_env", "sglang"): "sglang",
     ("algorithm", "grpo"): "grpo",
     ("advantage", "grpo"): "grpo",
     ("advantage", "rloo"): "grpo",

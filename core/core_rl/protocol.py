@@ -52,9 +52,13 @@ class Sample:
     """One generated response.
 
     ``logprobs[i]`` is the behaviour log-prob of ``response_ids[i]`` (at the sampling temperature);
-    ``weight_version`` is the version of the weights that generated it; ``finish_reason`` is
-    ``"stop"`` (a stop token or EOS was generated; it is the last of ``response_ids``) or
-    ``"length"`` (``max_new_tokens`` reached).
+    ``weight_version`` is the version of the weights that generated it (the oldest one when
+    generation spanned a weight update); ``finish_reason`` is ``"stop"`` (a stop token or EOS was
+    generated; it is the last of ``response_ids``) or ``"length"`` (``max_new_tokens`` reached).
+
+    ``token_weight_versions`` (optional): the weight version that generated each response token,
+    where the engine knows it (a request interrupted by a weight update and continued after it
+    changes version at the interruption point); ``None`` means every token has ``weight_version``.
     """
 
     prompt_ids: list[int]
@@ -62,10 +66,28 @@ class Sample:
     logprobs: list[float]
     weight_version: int
     finish_reason: str
+    token_weight_versions: list[int] | None = None
 
     def __attrs_post_init__(self) -> None:
         if len(self.logprobs) != len(self.response_ids):
             raise ValueError(f"Sample has {len(self.response_ids)} response tokens but {len(self.logprobs)} logprobs")
+        if self.token_weight_versions is not None and len(self.token_weight_versions) != len(self.response_ids):
+            raise ValueError(
+                f"Sample has {len(self.response_ids)} response tokens but "
+                f"{len(self.token_weight_versions)} token weight versions"
+            )
+
+    @property
+    def versions(self) -> list[int]:
+        """The weight version of each response token."""
+        if self.token_weight_versions is not None:
+            return list(self.token_weight_versions)
+        return [self.weight_version] * len(self.response_ids)
+
+    @property
+    def newest_version(self) -> int:
+        """The newest weight version that generated a token of this sample."""
+        return max(self.versions, default=self.weight_version)
 
 
 @attrs.define

@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--config", default="grpo.yaml", help="the run's YAML: a path, or a file name in examples/tiny_grpo/"
     )
+    parser.add_argument(
+        "--num-heads", type=int, default=4, help="attention heads (2 gives head size 32, which vLLM's CPU kernels need)"
+    )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides for the run's YAML")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"replacing the previous run in {work}")
         shutil.rmtree(work)
 
-    build_tiny_model(work / "model_init", alphabet=LETTERS + "=", seed=0)
+    build_tiny_model(work / "model_init", alphabet=LETTERS + "=", seed=0, num_heads=args.num_heads)
     write_dataset(work / "data" / "train.jsonl")
     loss = warm_start(work / "model_init", work / "model_warm", steps=args.warm_steps, batch_size=64, lr=3e-3, seed=0)
     print(f"warm start: {args.warm_steps} steps, final loss {loss:.3f}, {time.perf_counter() - start:.0f} s")

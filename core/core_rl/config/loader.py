@@ -514,6 +514,21 @@ def _completeness_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def _weight_sync_problems(host: PluginHost, cfg: RunConfig) -> list[str]:
+    """``rollout.weight_sync`` must be a mode the selected rollout engine declares (the
+    ``weight_sync_modes`` attribute of its ``config_cls``; ``memory`` and ``disk`` without one)."""
+    entry = host.registries[ROLLOUT_ENGINE.key].get(cfg.rollout.engine.name)
+    if entry is None:
+        return []  # the unknown name is reported already
+    modes = tuple(getattr(entry.config_cls, "weight_sync_modes", ("memory", "disk")))
+    if cfg.rollout.weight_sync in modes:
+        return []
+    return [
+        f"rollout.weight_sync: rollout engine {entry.name!r} ({entry.distribution}) does not support "
+        f"{cfg.rollout.weight_sync!r}; it supports {', '.join(modes)}"
+    ]
+
+
 def _cross_section_problems(cfg: RunConfig) -> list[str]:
     """Checks of the core's own sections against each other."""
     problems = []
@@ -729,6 +744,7 @@ def load_config(
             validate_plugin_section(host, kind, spec, spec_path, run=cfg)
         except ConfigError as exc:
             problems.extend(exc.problems)
+    problems.extend(_weight_sync_problems(host, cfg))
     if cfg.actor.lr_scheduler.total_steps == 0:
         cfg.actor.lr_scheduler.total_steps = cfg.trainer.total_steps * cfg.algorithm.optimizer_steps_per_step
     problems.extend(_cross_section_problems(cfg))

@@ -149,11 +149,13 @@ class RolloutConfig:
     """The rollout engine (``engine.name`` selects it) and how it samples.
 
     ``weight_sync``: how new weights reach it after each step: ``memory`` (a state dict handed
-    over in-process) or ``disk`` (a Hugging Face directory written and reloaded)."""
+    over in-process), ``disk`` (a Hugging Face directory written and reloaded) or ``collective``
+    (broadcast from the trainer's main rank to the engine's workers over a process group). The
+    selected engine must support the mode (``weight_sync_modes`` of its config class)."""
 
     engine: PluginSpec = attrs.field(factory=lambda: PluginSpec(name="hf"))
     sampling: SamplingConfig = attrs.field(factory=SamplingConfig)
-    weight_sync: str = attrs.field(default="memory", validator=one_of(("memory", "disk")))
+    weight_sync: str = attrs.field(default="memory", validator=one_of(("memory", "disk", "collective")))
 
 
 @attrs.define

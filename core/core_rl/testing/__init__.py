@@ -28,6 +28,7 @@ from core_rl.testing.contracts import (
     make_rl_batch,
     recipe_host,
 )
+from core_rl.testing.server_contract import ServerRolloutEngineContract
 
 __all__ = [
     "AdvantageEstimatorContract",
@@ -39,6 +40,7 @@ __all__ = [
     "RewardContract",
     "RolloutEngineContract",
     "SampleFilterContract",
+    "ServerRolloutEngineContract",
     "TrainEngineContract",
     "installed_distribution",
     "make_reward_input",

@@ -491,12 +491,16 @@ class AlgorithmContract(ComponentContract):
 
 
 class _TinyModelMixin:
+    #: keyword arguments of :func:`core_rl.testing.tiny.build_tiny_model` (e.g. ``num_heads=2`` for
+    #: servers whose attention kernels need a head size of at least 32)
+    tiny_model_options: ClassVar[dict[str, Any]] = {}
+
     @pytest.fixture(scope="class")
     @classmethod
     def model_path(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
         from core_rl.tiny import build_tiny_model
 
-        return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+        return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, **cls.tiny_model_options)
 
 
 def hf_logprobs(
@@ -646,21 +650,35 @@ class TrainEngineContract(_TinyModelMixin, ComponentContract):
 
 class RolloutEngineContract(_TinyModelMixin, ComponentContract):
     """A rollout engine on a tiny model: counts, stop rules, greedy decoding, behaviour log-probs
-    that agree with a transformers forward, and weight updates that take effect."""
+    that agree with a transformers forward, the per-request API (``agenerate`` from any event loop
+    and thread, ``pause``/``resume``, ``health``), and weight updates by every mode the engine
+    declares in ``weight_sync_modes`` that take effect and can be undone.
+
+    ``options`` should make the engine compute in float32 so ``logprob_atol`` can stay tight.
+    """
 
     kind = ROLLOUT_ENGINE
     logprob_atol: ClassVar[float] = 1e-3
 
-    def make(self, model_path: Path) -> RolloutEngine:
-        rollout = RolloutConfig(engine=PluginSpec(name=self.name, options=dict(self.options)))
-        engine = self.entry().factory(rollout, self.config(), model_path=str(model_path))
+    def make(
+        self, model_path: Path, run_dir: Path | None = None, options: dict[str, Any] | None = None
+    ) -> RolloutEngine:
+        """Build the engine with ``options`` (default: the class's ``options``)."""
+        import tempfile
+
+        options = dict(self.options if options is None else options)
+        entry = self.entry()
+        config = None if entry.config_cls is None else structure(options, entry.config_cls, path=self.kind.key)
+        rollout = RolloutConfig(engine=PluginSpec(name=self.name, options=options))
+        run_dir = run_dir or Path(tempfile.mkdtemp(prefix="core-rl-rollout-"))
+        engine = entry.factory(rollout, config, model_path=str(model_path), run_dir=run_dir)
         assert isinstance(engine, RolloutEngine)
         return engine
 
     @pytest.fixture(scope="class")
     @classmethod
-    def engine(cls, model_path: Path):
-        engine = cls().make(model_path)
+    def engine(cls, model_path: Path, tmp_path_factory: pytest.TempPathFactory):
+        engine = cls().make(model_path, tmp_path_factory.mktemp("rollout-run"))
         yield engine
         engine.close()
 
@@ -677,6 +695,7 @@ class RolloutEngineContract(_TinyModelMixin, ComponentContract):
                 assert len(s.logprobs) == len(s.response_ids)
                 assert all(lp <= 1e-6 for lp in s.logprobs)
                 assert s.weight_version == engine.weight_version
+                assert set(s.versions) <= {engine.weight_version}
                 assert s.finish_reason in ("stop", "length")
 
     def test_stop_tokens_and_min_new_tokens(self, engine: RolloutEngine) -> None:
@@ -712,23 +731,105 @@ class RolloutEngineContract(_TinyModelMixin, ComponentContract):
                 got = torch.tensor(s.logprobs)
                 torch.testing.assert_close(got, ref[len(s.prompt_ids) :], atol=self.logprob_atol, rtol=0)
 
-    def test_update_weights_takes_effect(self, model_path: Path) -> None:
+    # -- the per-request API ----------------------------------------------------------------------
+
+    def test_agenerate_concurrent_requests(self, engine: RolloutEngine) -> None:
+        import asyncio
+
+        prompts = [[1, 10 + i, 11, 12 + i % 3] for i in range(6)]
+
+        async def run() -> list:
+            return await asyncio.gather(*(engine.agenerate(p, SamplingParams(n=2, max_new_tokens=4)) for p in prompts))
+
+        out = asyncio.run(run())
+        assert len(out) == len(prompts)
+        for prompt, samples in zip(prompts, out):
+            assert len(samples) == 2
+            assert all(s.prompt_ids == prompt and 1 <= len(s.response_ids) <= 4 for s in samples)
+
+    def test_agenerate_from_several_threads(self, engine: RolloutEngine) -> None:
+        import asyncio
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(prompt: list[int]) -> list:
+            return asyncio.run(engine.agenerate(prompt, SamplingParams(n=1, max_new_tokens=3, greedy=True)))
+
+        with ThreadPoolExecutor(3) as pool:
+            results = list(pool.map(one, [self.prompts[0]] * 3))
+        assert results[0][0].response_ids == results[1][0].response_ids == results[2][0].response_ids
+
+    def test_pause_holds_requests_until_resume(self, engine: RolloutEngine) -> None:
+        import asyncio
+
+        async def run() -> tuple[bool, list]:
+            engine.pause("wait")
+            try:
+                task = asyncio.ensure_future(engine.agenerate(self.prompts[0], SamplingParams(n=2, max_new_tokens=3)))
+                await asyncio.sleep(1.0)
+                held = not task.done()
+            finally:
+                engine.resume()
+            return held, await asyncio.wait_for(task, 300)
+
+        held, samples = asyncio.run(run())
+        assert held, "a request submitted while paused finished before resume()"
+        assert len(samples) == 2
+
+    def test_health(self, engine: RolloutEngine) -> None:
+        health = engine.health()
+        assert health and all(health.values()), health
+
+    def test_invalid_request_is_rejected(self, engine: RolloutEngine) -> None:
+        import asyncio
+
+        with pytest.raises(ValueError):
+            asyncio.run(engine.agenerate([], SamplingParams(n=1, max_new_tokens=3)))
+
+    # -- weights ----------------------------------------------------------------------------------
+
+    def _push(self, engine: RolloutEngine, mode: str, state: dict[str, torch.Tensor], version: int, tmp: Path) -> None:
+        if mode == "memory":
+            engine.update_weights(state, version)
+        elif mode == "disk":
+            from safetensors.torch import save_file
+
+            tmp.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
+            for name in ("config.json", "generation_config.json"):
+                src = Path(self._model_path) / name
+                if src.is_file():
+                    (tmp / name).write_bytes(src.read_bytes())
+            engine.load_weights_from_path(tmp, version)
+        else:
+            engine.update_weights_collective(state, version)
+
+    def test_update_weights_takes_effect(self, engine: RolloutEngine, model_path: Path, tmp_path: Path) -> None:
         from transformers import AutoModelForCausalLM
 
-        engine = self.make(model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path)
+        self._model_path = model_path
+        original = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
         torch.manual_seed(1)
-        new = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
-        engine.update_weights(new, version=3)
-        assert engine.weight_version == 3
-        out = engine.generate(self.prompts, SamplingParams(n=1, max_new_tokens=5))
-        assert all(s.weight_version == 3 for samples in out for s in samples)
-        self._check_logprobs(out, model_path, 1.0, state_dict=new)
-        engine.load_weights_from_path(model_path, version=4)
-        assert engine.weight_version == 4
-        out = engine.generate(self.prompts, SamplingParams(n=1, max_new_tokens=5))
-        self._check_logprobs(out, model_path, 1.0)
-        engine.close()
+        new = {k: v + 0.05 * torch.randn_like(v) for k, v in original.items()}
+        greedy = SamplingParams(n=1, max_new_tokens=5, greedy=True)
+        before = engine.generate(self.prompts, greedy)
+        version = engine.weight_version
+        for i, mode in enumerate(type(engine).weight_sync_modes):
+            version += 1
+            self._push(engine, mode, new, version, tmp_path / f"new_{i}")
+            assert engine.weight_version == version, mode
+            out = engine.generate(self.prompts, SamplingParams(n=1, max_new_tokens=5))
+            assert all(s.weight_version == version for samples in out for s in samples), mode
+            self._check_logprobs(out, model_path, 1.0, state_dict=new)
+            changed = engine.generate(self.prompts, greedy)
+            assert [g[0].response_ids for g in changed] != [g[0].response_ids for g in before] or any(
+                a[0].logprobs != b[0].logprobs for a, b in zip(changed, before)
+            ), mode
+            version += 1
+            self._push(engine, mode, original, version, tmp_path / f"old_{i}")
+            restored = engine.generate(self.prompts, greedy)
+            assert [g[0].response_ids for g in restored] == [g[0].response_ids for g in before], mode
+            out = engine.generate(self.prompts, SamplingParams(n=1, max_new_tokens=5))
+            self._check_logprobs(out, model_path, 1.0)
 
     def test_state_dict_round_trips_through_a_checkpoint(self, engine: RolloutEngine, tmp_path: Path) -> None:
         """Whatever :meth:`RolloutEngine.state_dict` holds is a state tree a checkpoint can store,

@@ -204,7 +204,7 @@ class SyncTrainer:
         if self.is_main:
             try:
                 self.rollout = host.get(ROLLOUT_ENGINE, cfg.rollout.engine.name).factory(
-                    cfg.rollout, cfg.rollout.engine.config, model_path=cfg.actor.model_path
+                    cfg.rollout, cfg.rollout.engine.config, model_path=cfg.actor.model_path, run_dir=self.run_dir
                 )
                 self.reward = _build(host, REWARD, cfg.reward)
                 self.reward_runner = RewardRunner(self.reward, cfg.reward.name, cfg.reward_runner)
@@ -306,16 +306,22 @@ class SyncTrainer:
         for lg in self.loggers:
             lg.log_samples(records, step)
 
-    def _sync_weights(self, version: int) -> None:
-        if self.cfg.rollout.weight_sync == "disk":
+    def _sync_weights(self, version: int) -> dict[str, float]:
+        """Move the policy's weights to the rollout engine; return ``weight_sync/bytes``."""
+        mode = self.cfg.rollout.weight_sync
+        if mode == "disk":
             path = self.run_dir / "weight_sync"
             self.engine.export_hf(path)
             if self.rollout is not None:
                 self.rollout.load_weights_from_path(path, version)
-            return
+            return {"weight_sync/bytes": float(sum(f.stat().st_size for f in path.glob("*.safetensors")))}
         state = self.engine.full_state_dict()
         if self.rollout is not None:
-            self.rollout.update_weights(state, version)
+            if mode == "collective":
+                self.rollout.update_weights_collective(state, version)
+            else:
+                self.rollout.update_weights(state, version)
+        return {"weight_sync/bytes": float(sum(t.numel() * t.element_size() for t in state.values()))}
 
     def _rollout_and_score(self, step: int) -> tuple[TensorBatch | None, dict[str, float]]:
         """Rank 0's part of a step: generation batches (several under dynamic sampling), rewards,
@@ -355,7 +361,7 @@ class SyncTrainer:
             metrics["actor/skipped"] = 1.0
         t_sync = time.perf_counter()
         with waiting_for(f"the other ranks in the weight update after step {step}"):
-            self._sync_weights(step)
+            metrics.update(self._sync_weights(step))
         t_end = time.perf_counter()
         metrics["timing/train_s"] = t_sync - t_train
         metrics["timing/weight_sync_s"] = t_end - t_sync

@@ -4,19 +4,30 @@
 ``len(prompts) * n`` samples into chunks of at most ``max_batch_size`` (:func:`plan_chunks`),
 generates each chunk with :func:`core_rl_hf.generation.generate_batch` (one prefill per distinct
 prompt of the chunk), and returns the samples in prompt order.
+
+``agenerate`` (per request) queues the request for a worker thread, which takes everything queued
+(up to ``max_batch_size`` samples), groups it by sampling settings and generates each group as one
+``generate`` batch: concurrent requests are batched together as a server would batch them.
+``pause`` stops the worker between batches (the batch running finishes first, whatever the mode:
+one batch is short); requests queued meanwhile wait for ``resume``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import queue
+import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from core_rl.checkpointing import generator_state, set_generator_state
 from core_rl.config.schema import RolloutConfig
 from core_rl.errors import ConfigError
-from core_rl.interfaces import RolloutEngine, SamplingParams
+from core_rl.interfaces import PAUSE_MODES, RolloutEngine, SamplingParams
 from core_rl.protocol import Sample
 
 from core_rl_hf.config import HFRolloutConfig, resolve_device
@@ -96,6 +107,12 @@ class HFRolloutEngine(RolloutEngine):
         if config.seed is not None:
             self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._weight_version = 0
+        self._model_lock = threading.RLock()  # one batch or weight update at a time
+        self._requests: queue.Queue[_Request | None] = queue.Queue()
+        self._idle = threading.Condition()  # guards _paused and _busy
+        self._paused = False
+        self._busy = False
+        self._worker: threading.Thread | None = None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -110,6 +127,10 @@ class HFRolloutEngine(RolloutEngine):
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[Sample]]:
         check_sampling(sampling)
         self._check_prompts(prompts)
+        with self._model_lock:
+            return self._generate_locked(prompts, sampling)
+
+    def _generate_locked(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[Sample]]:
         completions: list[list[Completion]] = [[] for _ in prompts]
         lengths = [len(p) for p in prompts]
         for chunk in plan_chunks(lengths, sampling.n, self.config.max_batch_size):
@@ -138,6 +159,80 @@ class HFRolloutEngine(RolloutEngine):
             for prompt, group in zip(prompts, completions)
         ]
 
+    async def agenerate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
+        check_sampling(sampling)
+        self._check_prompts([prompt_ids])
+        future: Future[list[Sample]] = Future()
+        self._ensure_worker()
+        self._requests.put(_Request(list(prompt_ids), sampling, future))
+        return await asyncio.wrap_future(future)
+
+    def _ensure_worker(self) -> None:
+        with self._idle:
+            if self._worker is None:
+                self.model  # noqa: B018  (raises if closed)
+                self._worker = threading.Thread(target=self._serve, name="hf-rollout-worker", daemon=True)
+                self._worker.start()
+
+    def _serve(self) -> None:
+        """The worker: take what is queued, generate it in batches, hand out the results."""
+        while True:
+            first = self._requests.get()
+            if first is None:
+                return
+            with self._idle:  # taking a batch and pausing exclude each other
+                self._idle.wait_for(lambda: not self._paused)
+                self._busy = True
+            batch = [first]
+            samples = first.sampling.n
+            while samples < self.config.max_batch_size:
+                try:
+                    item = self._requests.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._requests.put(None)
+                    break
+                batch.append(item)
+                samples += item.sampling.n
+            try:
+                self._run_batch(batch)
+            finally:
+                with self._idle:
+                    self._busy = False
+                    self._idle.notify_all()
+
+    def _run_batch(self, batch: list[_Request]) -> None:
+        groups: dict[tuple, list[_Request]] = {}
+        for request in batch:
+            groups.setdefault(_sampling_key(request.sampling), []).append(request)
+        for requests in groups.values():
+            try:
+                out = self.generate([r.prompt_ids for r in requests], requests[0].sampling)
+            except BaseException as exc:
+                for r in requests:
+                    r.future.set_exception(exc)
+                continue
+            for r, samples in zip(requests, out):
+                r.future.set_result(samples)
+
+    def pause(self, mode: str = "wait") -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        with self._idle:
+            self._paused = True
+            if not self._idle.wait_for(lambda: not self._busy, timeout=600):
+                raise TimeoutError("hf rollout engine: the batch running did not finish within 600 s of pause()")
+
+    def resume(self) -> None:
+        with self._idle:
+            self._paused = False
+            self._idle.notify_all()
+
+    def health(self) -> dict[str, bool]:
+        alive = self._model is not None and (self._worker is None or self._worker.is_alive())
+        return {"hf": alive}
+
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
@@ -147,8 +242,9 @@ class HFRolloutEngine(RolloutEngine):
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        load_full_state_dict(self.model, state_dict)
-        self._weight_version = version
+        with self._model_lock:
+            load_full_state_dict(self.model, state_dict)
+            self._weight_version = version
 
     def load_weights_from_path(self, path: str | Path, version: int) -> None:
         self.update_weights(read_safetensors_dir(path), version)
@@ -178,13 +274,39 @@ class HFRolloutEngine(RolloutEngine):
             self._weight_version = int(state["weight_version"])
 
     def close(self) -> None:
+        if self._worker is not None:
+            self.resume()
+            self._requests.put(None)
+            self._worker.join(timeout=60)
+            self._worker = None
+        while True:  # fail what is still queued rather than leave its caller waiting
+            try:
+                item = self._requests.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item.future.set_exception(RuntimeError("the hf rollout engine is closed"))
         if self._model is not None:
             self._model = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
 
-def make_engine(rollout: RolloutConfig, engine_config: HFRolloutConfig | None, *, model_path: str) -> HFRolloutEngine:
+@attrs.define
+class _Request:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    future: Future
+
+
+def _sampling_key(sampling: SamplingParams) -> tuple:
+    """Requests with equal keys can share one batch."""
+    return tuple(tuple(v) if isinstance(v, list) else v for v in attrs.astuple(sampling))
+
+
+def make_engine(
+    rollout: RolloutConfig, engine_config: HFRolloutConfig | None, *, model_path: str, run_dir: Path | None = None
+) -> HFRolloutEngine:
     """The registered factory: ``rollout`` (sampling is passed to each ``generate`` call instead)
-    is not needed; ``engine_config`` ``None`` means the defaults."""
+    and ``run_dir`` (it writes nothing) are not needed; ``engine_config`` ``None`` means the defaults."""
     return HFRolloutEngine(model_path, engine_config if engine_config is not None else HFRolloutConfig())

@@ -1,0 +1,217 @@
+"""Rollout through inference servers: the plugin's overhead and the cost of a weight update.
+
+For each engine (``vllm``, ``sglang``) it starts one server (from the managed server environment)
+on a tiny model and prints:
+
+- generated tokens/s through the plugin (``engine.generate``: ``--prompts`` prompts x ``--n``
+  samples of exactly ``--max-new-tokens`` tokens) and through a plain ``httpx`` client sending the
+  same requests to the same server with the same concurrency, and the plugin's overhead
+  ``1 - plugin / plain`` (goal: under 5%);
+- seconds to move the weights from the ``fsdp`` train engine to the server by disk
+  (``export_hf`` + the server's reload) and by collective (``full_state_dict`` + broadcast over a
+  gloo group), for the tiny model and a ~10M-parameter one (``--sync-models``).
+
+    python benchmarks/rollout.py [--engines vllm,sglang] [--prompts 64] [--n 8] [--max-new-tokens 32]
+                                 [--repeats 3] [--sync-models tiny,10m] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODELS = {  # build_tiny_model arguments; head size 32 for vLLM's CPU attention
+    "tiny": {"hidden_size": 64, "num_heads": 2, "num_layers": 2, "intermediate_size": 256},
+    "10m": {"hidden_size": 256, "num_heads": 8, "num_layers": 10, "intermediate_size": 1024},
+}
+
+
+def build_model(root: Path, size: str) -> Path:
+    from core_rl.testing.tiny import build_tiny_model
+
+    return build_tiny_model(root / f"model_{size}", seed=0, **MODELS[size])
+
+
+def make_engine(name: str, model: Path, run_dir: Path, concurrency: int) -> Any:
+    from core_rl.config.loader import structure
+    from core_rl.config.schema import PluginSpec, RolloutConfig
+    from core_rl.kinds import ROLLOUT_ENGINE
+    from core_rl.plugins import PluginHost
+
+    entry = PluginHost().get(ROLLOUT_ENGINE, name)
+    options = {"dtype": "bfloat16", "server": {"max_concurrent_requests": concurrency}}
+    return entry.factory(
+        RolloutConfig(engine=PluginSpec(name=name)),
+        structure(options, entry.config_cls),
+        model_path=str(model),
+        run_dir=run_dir,
+    )
+
+
+def plain_payload(name: str, prompt: list[int], n: int, tokens: int, model_name: str) -> tuple[str, dict]:
+    """The request a user would write by hand (the same sampling as the plugin's)."""
+    if name == "vllm":
+        return "/v1/completions", {
+            "model": model_name,
+            "prompt": prompt,
+            "n": n,
+            "max_tokens": tokens,
+            "min_tokens": tokens,
+            "temperature": 1.0,
+            "logprobs": 0,
+            "return_token_ids": True,
+        }
+    return "/generate", {
+        "input_ids": [prompt] * n,
+        "sampling_params": {"max_new_tokens": tokens, "min_new_tokens": tokens, "temperature": 1.0},
+        "return_logprob": True,
+    }
+
+
+async def plain_client(
+    name: str, url: str, prompts: list[list[int]], n: int, tokens: int, concurrency: int, model_name: str
+) -> int:
+    """Send every prompt's request with at most ``concurrency`` in flight; return tokens generated."""
+    import httpx
+
+    slots = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+
+        async def one(prompt: list[int]) -> int:
+            path, payload = plain_payload(name, prompt, n, tokens, model_name)
+            async with slots:
+                response = await client.post(url + path, json=payload)
+            response.raise_for_status()
+            body = response.json()
+            if name == "vllm":
+                return sum(len(c["token_ids"]) for c in body["choices"])
+            return sum(len(item["output_ids"]) for item in body)
+
+        return sum(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def throughput(engine: Any, name: str, args: argparse.Namespace) -> dict[str, float]:
+    from core_rl.interfaces import SamplingParams
+
+    prompts = [[1, 4 + i % 40, 5 + i % 7, 6 + i % 11] for i in range(args.prompts)]
+    sampling = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens)
+    url = engine.endpoints[0].url
+    model_name = getattr(engine, "model_name", "")
+    engine.generate(prompts[:4], sampling)  # warm up
+    plugin_rates, plain_rates = [], []
+    for _ in range(args.repeats):  # interleaved, so both see the same machine load
+        start = time.perf_counter()
+        out = engine.generate(prompts, sampling)
+        plugin_rates.append(sum(len(s.response_ids) for g in out for s in g) / (time.perf_counter() - start))
+        start = time.perf_counter()
+        count = asyncio.run(plain_client(name, url, prompts, args.n, args.max_new_tokens, args.concurrency, model_name))
+        plain_rates.append(count / (time.perf_counter() - start))
+    plugin, plain = statistics.median(plugin_rates), statistics.median(plain_rates)
+    return {"plugin_tokens_per_s": plugin, "plain_tokens_per_s": plain, "overhead": 1.0 - plugin / plain}
+
+
+def weight_sync(engine: Any, model: Path, work: Path, repeats: int) -> dict[str, float]:
+    """Seconds per update by disk and by collective, from an fsdp train engine on ``model``."""
+    from core_rl.config.loader import structure
+    from core_rl.config.schema import ActorConfig, PluginSpec
+    from core_rl.kinds import TRAIN_ENGINE
+    from core_rl.plugins import PluginHost
+
+    entry = PluginHost().get(TRAIN_ENGINE, "fsdp")
+    train = entry.factory(
+        ActorConfig(model_path=str(model), engine=PluginSpec(name="fsdp")),
+        structure({}, entry.config_cls),
+        trainable=False,
+    )
+    try:
+        disk, collective = [], []
+        version = engine.weight_version
+        for _ in range(repeats):
+            version += 1
+            start = time.perf_counter()
+            train.export_hf(work / "sync")
+            engine.load_weights_from_path(work / "sync", version)
+            disk.append(time.perf_counter() - start)
+            version += 1
+            start = time.perf_counter()
+            engine.update_weights_collective(train.full_state_dict(), version)
+            collective.append(time.perf_counter() - start)
+        params = sum(t.numel() for t in train.full_state_dict().values())
+    finally:
+        train.close()
+    return {
+        "params": float(params),
+        "bytes": float(engine.last_sync["bytes"]),
+        "disk_s": statistics.median(disk),
+        "collective_s": statistics.median(collective),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="core-rl-bench-") as tmp:
+        root = Path(tmp)
+        for name in args.engines:
+            results[name] = {}
+            for size in args.sync_models or ["tiny"]:
+                model = build_model(root, size)
+                engine = make_engine(name, model, root / f"run_{name}_{size}", args.concurrency)
+                try:
+                    if size == "tiny":
+                        results[name]["throughput"] = throughput(engine, name, args)
+                    if args.sync_models:
+                        results[name][f"sync_{size}"] = weight_sync(
+                            engine, model, root / f"sync_{name}_{size}", args.repeats
+                        )
+                finally:
+                    engine.close()
+    return results
+
+
+def report(results: dict[str, Any]) -> None:
+    for name, r in results.items():
+        t = r.get("throughput")
+        if t:
+            print(
+                f"{name}: plugin {t['plugin_tokens_per_s']:.0f} tok/s, plain HTTP {t['plain_tokens_per_s']:.0f} tok/s, "
+                f"overhead {100 * t['overhead']:+.1f}% (goal < 5%: {'met' if t['overhead'] < 0.05 else 'NOT met'})"
+            )
+        for key, s in r.items():
+            if key.startswith("sync_"):
+                print(
+                    f"{name} weight sync, {key[5:]} model "
+                    f"({s['params'] / 1e6:.2f}M params, {s['bytes'] / 1e6:.1f} MB): "
+                    f"disk {s['disk_s']:.3f} s, collective {s['collective_s']:.3f} s"
+                )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", default="vllm,sglang", type=lambda s: [x for x in s.split(",") if x])
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sync-models", default="tiny,10m", type=lambda s: [x for x in s.split(",") if x])
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    results = run(args)
+    report(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

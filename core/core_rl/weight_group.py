@@ -1,0 +1,89 @@
+"""The trainer's side of a weight-update process group with inference-server workers.
+
+The trainer's main rank is rank 0 and hosts the rendezvous store at ``tcp://address:port``; the
+servers' workers join as ranks ``1 .. world_size - 1`` (their side is the servers' own
+update-weights API, or a worker extension a plugin ships). The group is built the way
+``torch.distributed`` builds a named non-default group (``rendezvous`` on the TCP URL, a store
+prefixed with the group name, ``_new_process_group_helper``), which is also how the servers build
+theirs, so both sides meet in the same store keys. Tensors are broadcast from rank 0, one call per
+tensor, in the order the servers were told.
+
+Backends: ``gloo`` (CPU tensors) and ``nccl`` (CUDA tensors; the GPU path).
+
+This module imports only torch, so a server-side worker extension may load it by file path
+(``importlib``) in the server's own environment and join with the same code.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
+
+import torch
+
+
+def init_group(
+    address: str, port: int, world_size: int, *, backend: str, group_name: str, timeout_s: float, rank: int = 0
+) -> torch.distributed.ProcessGroup:
+    """Join the group as ``rank`` (rank 0, the trainer, hosts the store). Blocks until all
+    ``world_size`` ranks joined (or ``timeout_s`` passed)."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, rendezvous
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, size = next(rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(
+        size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        backend_options=None,
+        timeout=timeout,
+    )
+    return pg
+
+
+def _from_rank0() -> torch.distributed.BroadcastOptions:
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    return opts
+
+
+def broadcast_tensors(pg: torch.distributed.ProcessGroup, tensors: Iterable[torch.Tensor], device: str) -> int:
+    """Broadcast each tensor from rank 0 (moved to ``device`` first); return the bytes sent."""
+    total = 0
+    for tensor in tensors:
+        t = tensor.detach().to(device).contiguous()
+        pg.broadcast([t], _from_rank0()).wait()
+        total += t.numel() * t.element_size()
+    return total
+
+
+def receive_tensors(
+    pg: torch.distributed.ProcessGroup,
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+    device: str | torch.device,
+) -> list[tuple[str, torch.Tensor]]:
+    """The receiving side of :func:`broadcast_tensors`: ``(name, tensor)`` in the sender's order."""
+    out = []
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        pg.broadcast([t], _from_rank0()).wait()
+        out.append((name, t))
+    return out
+
+
+def destroy_group(pg: torch.distributed.ProcessGroup) -> None:
+    """Release the group (best effort: the peers may be gone already)."""
+    try:
+        torch.distributed.destroy_process_group(pg)
+    except Exception:
+        try:
+            pg.shutdown()
+        except Exception:
+            pass

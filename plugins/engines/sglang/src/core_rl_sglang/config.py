@@ -1,0 +1,46 @@
+"""The ``rollout.engine`` section of the ``sglang`` engine."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+from core_rl.config.validators import in_range, non_negative, one_of, positive
+from core_rl.remote import ServerOptions
+
+
+@attrs.define
+class SGLangConfig:
+    """Options of the ``sglang`` rollout engine.
+
+    ``server``: where servers come from and how requests behave (:class:`core_rl.remote.ServerOptions`).
+    The rest are SGLang's own server options, passed through:
+
+    - ``dtype``, ``context_length`` (0: the model's), ``max_running_requests``, ``random_seed``;
+    - ``tp_size``, ``dp_size``;
+    - ``mem_fraction_static`` (0: 0.05 on CPU, SGLang's default on GPU) and ``max_total_tokens``
+      (KV-cache tokens; 0: SGLang's default);
+    - ``attention_backend`` and ``sampling_backend`` (empty: ``torch_native`` and ``pytorch`` on
+      CPU, SGLang's choice on GPU);
+    - ``enable_prefix_caching`` (false: ``--disable-radix-cache``), ``chunked_prefill_size``
+      (0: SGLang's default; -1: off), ``disable_overlap_schedule`` (always on CPU);
+    - ``extra_args``: appended verbatim to the server's command line.
+    """
+
+    weight_sync_modes: ClassVar[tuple[str, ...]] = ("disk", "collective")
+
+    server: ServerOptions = attrs.field(factory=ServerOptions)
+    dtype: str = attrs.field(default="bfloat16", validator=one_of(("auto", "float32", "bfloat16", "float16")))
+    context_length: int = attrs.field(default=0, validator=non_negative())
+    max_running_requests: int = attrs.field(default=64, validator=positive())
+    random_seed: int = 0
+    tp_size: int = attrs.field(default=1, validator=positive())
+    dp_size: int = attrs.field(default=1, validator=positive())
+    mem_fraction_static: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
+    max_total_tokens: int = attrs.field(default=8192, validator=non_negative())
+    attention_backend: str = ""
+    sampling_backend: str = ""
+    enable_prefix_caching: bool = True
+    chunked_prefill_size: int = 0
+    disable_overlap_schedule: bool = False
+    extra_args: list[str] = attrs.field(factory=list)

@@ -1,0 +1,204 @@
+"""The ``sglang`` rollout engine: SGLang servers driven over their native HTTP API.
+
+What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s):
+
+- generation: ``POST /generate`` with ``input_ids`` (the prompt repeated ``n`` times: one batch,
+  whose common prefix SGLang's radix cache computes once), ``sampling_params`` (``max_new_tokens``,
+  ``min_new_tokens``, ``temperature`` (0 for greedy), ``top_p``, ``top_k`` (-1 = off),
+  ``stop_token_ids``) and ``return_logprob``. SGLang's log-prob of a sampled token is
+  ``log_softmax(logits / temperature)`` before top-k/top-p filtering: the train engine's convention;
+- pause/resume: ``POST /pause_generation`` (``keep`` -> mode ``retract``, ``abort`` -> ``abort``)
+  and ``POST /continue_generation``;
+- weights from disk: ``POST /update_weights_from_disk`` (SGLang flushes its cache);
+- weights over a collective: ``POST /init_weights_update_group`` once, then per update
+  ``/begin_weight_update``, ``/update_weights_from_distributed`` (the trainer broadcasts
+  meanwhile) and ``/end_weight_update``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from core_rl.config.schema import RolloutConfig
+from core_rl.interfaces import SamplingParams
+from core_rl.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post
+from core_rl.server_env import default_variant
+
+from core_rl_sglang.config import SGLangConfig
+
+SERVER_SIDE = Path(__file__).with_name("server_side")
+# keep -> retract: running requests go back to the queue with what they generated and continue after
+# the pause (their KV cache is recomputed), which lets a weight update flush the cache meanwhile
+PAUSE_MODE = {"keep": "retract", "abort": "abort"}
+
+
+class SGLangRolloutEngine(ServerRolloutEngine):
+    """Generates through ``rollout.engine.server.num_servers`` SGLang servers (or given URLs)."""
+
+    env_name = "sglang"
+    health_path = "/health"
+
+    def __init__(self, model_path: str | Path, config: SGLangConfig, run_dir: str | Path) -> None:
+        self.config = config
+        super().__init__(model_path, config.server, run_dir)
+
+    # -- the server -----------------------------------------------------------------------------
+
+    def server_command(self, python: str, port: int, index: int) -> list[str]:
+        c = self.config
+        cpu = (self.options.env_variant or default_variant()) == "cpu"
+        argv = [
+            python,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            self.options.host,
+            "--port",
+            str(port),
+            "--dtype",
+            c.dtype,
+            "--max-running-requests",
+            str(c.max_running_requests),
+            "--random-seed",
+            str(c.random_seed + index),
+            "--tp-size",
+            str(c.tp_size),
+            "--dp-size",
+            str(c.dp_size),
+            "--skip-server-warmup",
+        ]
+        if c.context_length:
+            argv += ["--context-length", str(c.context_length)]
+        if cpu:
+            argv += ["--device", "cpu"]
+        attention = c.attention_backend or ("torch_native" if cpu else "")
+        sampling = c.sampling_backend or ("pytorch" if cpu else "")
+        if attention:
+            argv += ["--attention-backend", attention]
+        if sampling:
+            argv += ["--sampling-backend", sampling]
+        fraction = c.mem_fraction_static or (0.05 if cpu else 0.0)
+        if fraction:
+            argv += ["--mem-fraction-static", f"{fraction:g}"]
+        if c.max_total_tokens:
+            argv += ["--max-total-tokens", str(c.max_total_tokens)]
+        if not c.enable_prefix_caching:
+            argv.append("--disable-radix-cache")
+        if c.chunked_prefill_size:
+            argv += ["--chunked-prefill-size", str(c.chunked_prefill_size)]
+        if c.disable_overlap_schedule or cpu:
+            argv.append("--disable-overlap-schedule")
+        return argv + list(c.extra_args)
+
+    def server_environment(self, index: int) -> dict[str, str]:
+        return {"PYTHONPATH": str(SERVER_SIDE)}
+
+    def workers_per_server(self) -> int:
+        return self.config.tp_size * self.config.dp_size
+
+    # -- HTTP calls -----------------------------------------------------------------------------
+
+    async def request(self, client: Any, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list[Completion]:
+        params = {
+            "max_new_tokens": sampling.max_new_tokens,
+            "min_new_tokens": sampling.min_new_tokens,
+            "temperature": 0.0 if sampling.greedy else sampling.temperature,
+            "top_p": 1.0 if sampling.greedy else sampling.top_p,
+            "top_k": -1 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,
+            "stop_token_ids": list(sampling.stop_token_ids),
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        }
+        payload = {
+            "input_ids": [list(prompt_ids)] * sampling.n,
+            "sampling_params": params,
+            "return_logprob": True,
+        }
+        body = await json_post(client, url + "/generate", payload)
+        try:
+            return [_completion(item) for item in (body if isinstance(body, list) else [body])]
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ServerReplyError(f"unexpected /generate answer from {url}: {exc}: {str(body)[:300]}") from None
+
+    async def pause_server(self, client: Any, url: str, mode: str) -> None:
+        await json_post(client, url + "/pause_generation", {"mode": PAUSE_MODE[mode]})
+
+    async def resume_server(self, client: Any, url: str) -> None:
+        await json_post(client, url + "/continue_generation", {})
+
+    async def abort_all(self, client: Any, url: str) -> None:
+        await json_post(client, url + "/abort_request", {"abort_all": True})
+
+    async def reload_from_disk(self, client: Any, url: str, path: str, version: int) -> None:
+        await _checked(
+            client,
+            url + "/update_weights_from_disk",
+            {"model_path": str(path), "weight_version": str(version)},
+            self.options.weight_sync_timeout,
+        )
+
+    async def join_weight_group(
+        self, client: Any, url: str, *, address: str, port: int, rank_offset: int, world_size: int, backend: str
+    ) -> None:
+        await _checked(
+            client,
+            url + "/init_weights_update_group",
+            {
+                "master_address": address,
+                "master_port": port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": self._group_name,
+                "backend": backend,
+            },
+            self.options.weight_sync_timeout,
+        )
+
+    async def receive_weights(
+        self, client: Any, url: str, *, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int
+    ) -> None:
+        timeout = self.options.weight_sync_timeout
+        await _checked(client, url + "/begin_weight_update", {}, timeout)
+        await _checked(
+            client,
+            url + "/update_weights_from_distributed",
+            {
+                "names": names,
+                "dtypes": dtypes,
+                "shapes": shapes,
+                "group_name": self._group_name,
+                "weight_version": str(version),
+            },
+            timeout,
+        )
+        await _checked(client, url + "/end_weight_update", {}, timeout)
+
+
+async def _checked(client: Any, url: str, payload: dict[str, Any], timeout: float) -> None:
+    """POST and require ``{"success": true}`` (SGLang's control endpoints answer so)."""
+    body = await json_post(client, url, payload, timeout=timeout)
+    if isinstance(body, dict) and body.get("success") is False:
+        raise ServerReplyError(f"POST {url} failed: {body.get('message')}")
+
+
+def _completion(item: dict[str, Any]) -> Completion:
+    meta = item["meta_info"]
+    reason = meta.get("finish_reason") or {}
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind not in ("stop", "length", "abort"):
+        raise ValueError(f"unknown finish reason {reason!r}")
+    entries = meta.get("output_token_logprobs") or []
+    token_ids = [int(t) for t in item["output_ids"]]
+    if len(entries) != len(token_ids):
+        raise ValueError(f"{len(token_ids)} output ids but {len(entries)} log-probs")
+    return Completion(token_ids=token_ids, logprobs=[float(e[0]) for e in entries], finish_reason=str(kind))
+
+
+def make_engine(
+    rollout: RolloutConfig, engine_config: SGLangConfig | None, *, model_path: str, run_dir: Path
+) -> SGLangRolloutEngine:
+    """The registered factory (sampling comes with each request, so ``rollout`` is not needed)."""
+    return SGLangRolloutEngine(model_path, engine_config if engine_config is not None else SGLangConfig(), run_dir)

@@ -1,0 +1,112 @@
+"""The ``sglang`` engine's configuration and server command line (no server started here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from core_rl.cli import main
+from core_rl.config.loader import structure
+from core_rl.errors import ConfigError
+from core_rl_sglang.config import SGLangConfig
+from core_rl_sglang.engine import SGLangRolloutEngine
+
+ROOT = Path(__file__).resolve().parents[4]
+
+
+def _command(**options: object) -> tuple[list[str], dict[str, str]]:
+    config = structure(options, SGLangConfig, path="rollout.engine")
+    engine = SGLangRolloutEngine.__new__(SGLangRolloutEngine)  # the command needs no running server
+    engine.config, engine.options, engine.model_path = config, config.server, "/models/m"
+    return engine.server_command("/env/bin/python", 8123, 0), engine.server_environment(0)
+
+
+def test_cpu_command_has_the_cpu_recipe_and_passes_options() -> None:
+    argv, env = _command(
+        dtype="float32",
+        context_length=512,
+        max_running_requests=8,
+        tp_size=2,
+        random_seed=3,
+        max_total_tokens=4096,
+        enable_prefix_caching=False,
+        chunked_prefill_size=-1,
+        extra_args=["--log-level", "debug"],
+        server={"env_variant": "cpu"},
+    )
+    line = " ".join(argv)
+    assert argv[:3] == ["/env/bin/python", "-m", "sglang.launch_server"]
+    for part in (
+        "--model-path /models/m",
+        "--port 8123",
+        "--dtype float32",
+        "--context-length 512",
+        "--max-running-requests 8",
+        "--tp-size 2",
+        "--random-seed 3",
+        "--device cpu",
+        "--attention-backend torch_native",
+        "--sampling-backend pytorch",
+        "--mem-fraction-static 0.05",
+        "--max-total-tokens 4096",
+        "--disable-radix-cache",
+        "--chunked-prefill-size -1",
+        "--disable-overlap-schedule",
+        "--skip-server-warmup",
+    ):
+        assert part in line, part
+    assert argv[-2:] == ["--log-level", "debug"]
+    assert (Path(env["PYTHONPATH"]) / "vllm" / "_custom_ops.py").is_file()
+
+
+def test_gpu_command_leaves_backends_to_sglang() -> None:
+    argv, _ = _command(server={"env_variant": "cuda"})
+    assert "--device" not in argv and "--attention-backend" not in argv and "--mem-fraction-static" not in argv
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"dtype": "int8"}, "rollout.engine.dtype: must be one of"),
+        ({"mem_fraction_static": 2.0}, "rollout.engine.mem_fraction_static"),
+        ({"server": {"max_retries": -1}}, "rollout.engine.server.max_retries"),
+    ],
+)
+def test_bad_options_name_their_key(options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        structure(options, SGLangConfig, path="rollout.engine")
+
+
+def test_example_config_validates() -> None:
+    assert main(["config", "validate", str(ROOT / "examples" / "server_grpo" / "sglang.yaml")]) == 0
+
+
+def test_rotary_shim_matches_a_direct_formula() -> None:
+    """The pure-torch ``vllm._custom_ops.rotary_embedding`` shim, neox style, against the formula."""
+    import importlib.util
+
+    import torch
+
+    path = Path(__file__).resolve().parents[1] / "src" / "core_rl_sglang" / "server_side" / "vllm" / "_custom_ops.py"
+    spec = importlib.util.spec_from_file_location("shim", path)
+    shim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shim)
+    torch.manual_seed(0)
+    tokens, heads, head, rot = 5, 2, 8, 8
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    angles = torch.arange(16).float()[:, None] * inv[None, :]
+    cache = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    positions = torch.tensor([0, 3, 1, 7, 15])
+    q, k = torch.randn(tokens, heads * head), torch.randn(tokens, heads * head)
+    q0, k0 = q.clone(), k.clone()
+    shim.rotary_embedding(positions, q, k, head, cache, True)
+    for original, rotated in ((q0, q), (k0, k)):
+        x = original.view(tokens, heads, head)
+        cos, sin = angles[positions].cos()[:, None], angles[positions].sin()[:, None]
+        x1, x2 = x[..., : rot // 2], x[..., rot // 2 :]
+        want = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).view(tokens, -1)
+        torch.testing.assert_close(rotated, want)
+    # GPT-J style rotates (even, odd) pairs: position 0 leaves everything unchanged
+    q = q0.clone()
+    shim.rotary_embedding(torch.zeros(tokens, dtype=torch.long), q, None, head, cache, False)
+    torch.testing.assert_close(q, q0)

@@ -1,0 +1,19 @@
+"""The core conformance kit run against real SGLang servers started from the managed ``sglang``
+server environment (built on first use: ``core-rl server-env create sglang``)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import core_rl_sglang.plugin
+from core_rl.testing import ServerRolloutEngineContract, installed_distribution
+
+
+class TestSGLangRolloutEngine(ServerRolloutEngineContract):
+    plugin = core_rl_sglang.plugin
+    name = "sglang"
+    distribution = installed_distribution("core-rl-sglang")
+    options: ClassVar[dict[str, Any]] = {"dtype": "bfloat16", "max_running_requests": 64}
+    tiny_model_options: ClassVar[dict[str, Any]] = {"num_heads": 2}
+    logprob_atol = 2e-2
+    long_tokens = 60  # SGLang's torch-native attention on CPU is slow on long sequences

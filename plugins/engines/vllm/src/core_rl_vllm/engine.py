@@ -1,0 +1,224 @@
+"""The ``vllm`` rollout engine: vLLM OpenAI-compatible servers driven over HTTP.
+
+What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s):
+
+- generation: ``POST /v1/completions`` with the prompt as token ids, ``n``, ``max_tokens``,
+  ``min_tokens``, ``temperature`` (0 for greedy), ``top_p``, ``top_k`` (0 = off),
+  ``stop_token_ids``, ``logprobs: 0`` and ``return_token_ids`` (vLLM refuses ``n > 1`` with greedy
+  decoding, so a greedy request asks for one sample and repeats it). Servers start with
+  ``--logprobs-mode processed_logprobs``, so the log-prob of each sampled token is
+  ``log_softmax(logits / temperature)``: the train engine's convention (with ``top_k``/``top_p``
+  set, vLLM reports the log-prob of the truncated, renormalised distribution instead);
+- pause/resume: ``POST /pause?mode=keep|abort`` (then ``/abort_requests`` for a request that
+  arrived just after the pause) and ``POST /resume``;
+- weights from disk: ``POST /collective_rpc`` ``reload_weights(weights_path=...)``, then
+  ``/reset_prefix_cache``;
+- weights over a collective: ``/collective_rpc`` calls of the worker extension this plugin ships
+  (:mod:`core_rl_vllm.server_side.core_rl_vllm_worker`), which joins the trainer's process group
+  and loads the broadcast tensors with vLLM's ``reload_weights``.
+
+Servers run with ``VLLM_SERVER_DEV_MODE=1`` (which enables ``/collective_rpc``, ``/pause``,
+``/resume``, ``/reset_prefix_cache``): bind them to a trusted interface only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+import core_rl.weight_group
+from core_rl.config.schema import RolloutConfig
+from core_rl.errors import CoreRLError
+from core_rl.interfaces import SamplingParams
+from core_rl.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post
+from core_rl.server_env import default_variant
+
+from core_rl_vllm.config import VLLMConfig
+
+SERVED_MODEL_NAME = "core-rl"
+SERVER_SIDE = Path(__file__).with_name("server_side")
+EXTENSION = "core_rl_vllm_worker.WeightSyncExtension"
+
+
+class VLLMRolloutEngine(ServerRolloutEngine):
+    """Generates through ``rollout.engine.server.num_servers`` vLLM servers (or given URLs)."""
+
+    env_name = "vllm"
+    health_path = "/health"
+
+    def __init__(self, model_path: str | Path, config: VLLMConfig, run_dir: str | Path) -> None:
+        self.config = config
+        self.model_name = SERVED_MODEL_NAME
+        super().__init__(model_path, config.server, run_dir)
+        if config.server.urls:
+            self.model_name = self._call(self._served_model(self.endpoints[0].url), timeout=60)
+
+    async def _served_model(self, url: str) -> str:
+        response = await self._client.get(url + "/v1/models")
+        models = response.json().get("data", [])
+        if response.status_code != 200 or not models:
+            raise CoreRLError(f"vLLM server {url} lists no model at /v1/models: {response.text[:200]}")
+        return str(models[0]["id"])
+
+    # -- the server -----------------------------------------------------------------------------
+
+    def _variant(self) -> str:
+        return self.options.env_variant or default_variant()
+
+    def server_command(self, python: str, port: int, index: int) -> list[str]:
+        c = self.config
+        argv = [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model_path,
+            "--served-model-name",
+            SERVED_MODEL_NAME,
+            "--host",
+            self.options.host,
+            "--port",
+            str(port),
+            "--dtype",
+            c.dtype,
+            "--max-num-seqs",
+            str(c.max_num_seqs),
+            "--seed",
+            str(c.seed + index),
+            "--tensor-parallel-size",
+            str(c.tensor_parallel_size),
+            "--data-parallel-size",
+            str(c.data_parallel_size),
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--worker-extension-cls",
+            EXTENSION,
+            "--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching",
+            "--enable-chunked-prefill" if c.enable_chunked_prefill else "--no-enable-chunked-prefill",
+        ]
+        if c.max_model_len:
+            argv += ["--max-model-len", str(c.max_model_len)]
+        if c.enforce_eager:
+            argv.append("--enforce-eager")
+        if c.tensor_parallel_size * c.data_parallel_size == 1:
+            argv += ["--distributed-executor-backend", "uni"]
+        if c.attention_backend:
+            argv += ["--attention-backend", c.attention_backend]
+        if self._variant() == "cuda":
+            argv += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
+        return argv + list(c.extra_args)
+
+    def server_environment(self, index: int) -> dict[str, str]:
+        return {
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": f"{self.config.kv_cache_space_gib:g}",
+            "PYTHONPATH": str(SERVER_SIDE),
+            "CORE_RL_WEIGHT_GROUP_PY": str(Path(core_rl.weight_group.__file__).resolve()),
+        }
+
+    def workers_per_server(self) -> int:
+        if self.config.data_parallel_size > 1:
+            raise CoreRLError(
+                "vllm: weight_sync=collective needs data_parallel_size=1 per server; "
+                "use server.num_servers for data parallelism"
+            )
+        return self.config.tensor_parallel_size
+
+    # -- HTTP calls -----------------------------------------------------------------------------
+
+    async def request(self, client: Any, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list[Completion]:
+        if sampling.greedy and sampling.n > 1:  # vLLM refuses n > 1 when greedy: one answer serves all
+            (one,) = await self.request(client, url, prompt_ids, attrs.evolve(sampling, n=1))
+            return [attrs.evolve(one) for _ in range(sampling.n)]
+        payload = {
+            "model": self.model_name,
+            "prompt": prompt_ids,
+            "n": sampling.n,
+            "max_tokens": sampling.max_new_tokens,
+            "min_tokens": sampling.min_new_tokens,
+            "temperature": 0.0 if sampling.greedy else sampling.temperature,
+            "top_p": 1.0 if sampling.greedy else sampling.top_p,
+            "top_k": 0 if sampling.greedy else max(sampling.top_k, 0),
+            "stop_token_ids": list(sampling.stop_token_ids),
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        body = await json_post(client, url + "/v1/completions", payload)
+        try:
+            choices = sorted(body["choices"], key=lambda c: c["index"])
+            return [
+                Completion(
+                    token_ids=[int(t) for t in c["token_ids"]],
+                    logprobs=[float(x) for x in c["logprobs"]["token_logprobs"]] if c["token_ids"] else [],
+                    finish_reason=_finish_reason(c.get("finish_reason")),
+                )
+                for c in choices
+            ]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ServerReplyError(f"unexpected /v1/completions answer from {url}: {exc}: {str(body)[:300]}") from None
+
+    async def pause_server(self, client: Any, url: str, mode: str) -> None:
+        await json_post(client, f"{url}/pause?mode={mode}")
+
+    async def resume_server(self, client: Any, url: str) -> None:
+        await json_post(client, url + "/resume")
+
+    async def abort_all(self, client: Any, url: str) -> None:
+        await json_post(client, url + "/abort_requests", {})
+
+    async def _rpc(self, client: Any, url: str, method: str, **kwargs: Any) -> list[Any]:
+        body = await json_post(
+            client,
+            url + "/collective_rpc",
+            {"method": method, **kwargs, "timeout": self.options.weight_sync_timeout},
+            timeout=self.options.weight_sync_timeout + 30,
+        )
+        results = (body or {}).get("results", []) if isinstance(body, dict) else []
+        errors = [r for r in results if isinstance(r, str) and r.startswith("error")]
+        if errors:
+            raise ServerReplyError(f"{method} failed on {url}: {errors[0][:2000]}")
+        return results
+
+    async def reload_from_disk(self, client: Any, url: str, path: str, version: int) -> None:
+        await self._rpc(client, url, "reload_weights", kwargs={"weights_path": str(path)})
+        await json_post(client, url + "/reset_prefix_cache")
+
+    async def join_weight_group(
+        self, client: Any, url: str, *, address: str, port: int, rank_offset: int, world_size: int, backend: str
+    ) -> None:
+        payload = {
+            "address": address,
+            "port": port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "backend": backend,
+            "group_name": self._group_name,
+            "timeout_s": self.options.weight_sync_timeout,
+        }
+        await self._rpc(client, url, "core_rl_join_group", args=[json.dumps(payload)])
+
+    async def receive_weights(
+        self, client: Any, url: str, *, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int
+    ) -> None:
+        payload = {"names": names, "dtypes": dtypes, "shapes": shapes}
+        await self._rpc(client, url, "core_rl_receive_weights", args=[json.dumps(payload)])
+        await json_post(client, url + "/reset_prefix_cache")
+
+
+def _finish_reason(reason: Any) -> str:
+    """vLLM's ``stop``/``length``/``abort`` (a pause with mode abort) as ours."""
+    if reason in ("stop", "length", "abort"):
+        return str(reason)
+    if reason is None:
+        return "abort"
+    raise ServerReplyError(f"vLLM finished a request with an unknown reason {reason!r}")
+
+
+def make_engine(
+    rollout: RolloutConfig, engine_config: VLLMConfig | None, *, model_path: str, run_dir: Path
+) -> VLLMRolloutEngine:
+    """The registered factory (sampling comes with each request, so ``rollout`` is not needed)."""
+    return VLLMRolloutEngine(model_path, engine_config if engine_config is not None else VLLMConfig(), run_dir)

@@ -1,0 +1,61 @@
+"""A vLLM worker extension (``--worker-extension-cls core_rl_vllm_worker.WeightSyncExtension``).
+
+This file runs inside vLLM's worker processes, in the vllm server environment, not in the trainer:
+the engine puts its directory on the server's ``PYTHONPATH``. It imports nothing from core-rl
+except :mod:`core_rl.weight_group`, loaded by file path (``CORE_RL_WEIGHT_GROUP_PY``) because it
+needs only torch, so both ends of the weight-update group run the same code.
+
+Methods are called through vLLM's ``/collective_rpc`` with one JSON string argument and return a
+string: ``"ok"`` or ``"error: ..."`` (an exception escaping a worker RPC would kill the engine).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import traceback
+
+
+def _weight_group():
+    path = os.environ["CORE_RL_WEIGHT_GROUP_PY"]
+    spec = importlib.util.spec_from_file_location("core_rl_weight_group", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class: join the trainer's weight-update group, receive weights."""
+
+    def core_rl_join_group(self, payload: str) -> str:
+        """``payload``: address, port, rank_offset, world_size, backend, group_name, timeout_s."""
+        try:
+            args = json.loads(payload)
+            self._core_rl_wg = _weight_group()
+            self._core_rl_group = self._core_rl_wg.init_group(
+                args["address"],
+                args["port"],
+                args["world_size"],
+                rank=args["rank_offset"] + self.rank,
+                backend=args["backend"],
+                group_name=args["group_name"],
+                timeout_s=args["timeout_s"],
+            )
+            return "ok"
+        except Exception:
+            return "error: " + traceback.format_exc()
+
+    def core_rl_receive_weights(self, payload: str) -> str:
+        """``payload``: names, dtypes, shapes (the trainer broadcasts the tensors in this order)."""
+        try:
+            args = json.loads(payload)
+            model = self.model_runner.model
+            device = next(model.parameters()).device
+            tensors = self._core_rl_wg.receive_tensors(
+                self._core_rl_group, args["names"], args["dtypes"], args["shapes"], device
+            )
+            self.reload_weights(weights_iterator=iter(tensors))
+            return "ok"
+        except Exception:
+            return "error: " + traceback.format_exc()

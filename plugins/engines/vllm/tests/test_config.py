@@ -1,0 +1,93 @@
+"""The ``vllm`` engine's configuration and server command line (no server started here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from core_rl.cli import main
+from core_rl.config.loader import structure
+from core_rl.errors import ConfigError
+from core_rl_vllm.config import VLLMConfig
+from core_rl_vllm.engine import VLLMRolloutEngine
+
+ROOT = Path(__file__).resolve().parents[4]
+
+
+def _command(**options: object) -> tuple[list[str], dict[str, str]]:
+    config = structure(options, VLLMConfig, path="rollout.engine")
+    engine = VLLMRolloutEngine.__new__(VLLMRolloutEngine)  # the command needs no running server
+    engine.config, engine.options, engine.model_path = config, config.server, "/models/m"
+    return engine.server_command("/env/bin/python", 8123, 1), engine.server_environment(1)
+
+
+def test_command_passes_options_through() -> None:
+    argv, env = _command(
+        dtype="float16",
+        max_model_len=512,
+        max_num_seqs=8,
+        tensor_parallel_size=2,
+        seed=5,
+        attention_backend="TORCH_SDPA",
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,
+        extra_args=["--block-size", "32"],
+        kv_cache_space_gib=2,
+        server={"env_variant": "cpu"},
+    )
+    line = " ".join(argv)
+    assert argv[:3] == ["/env/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    for part in (
+        "--model /models/m",
+        "--port 8123",
+        "--dtype float16",
+        "--max-model-len 512",
+        "--max-num-seqs 8",
+        "--tensor-parallel-size 2",
+        "--seed 6",  # seed + server index
+        "--attention-backend TORCH_SDPA",
+        "--no-enable-prefix-caching",
+        "--no-enable-chunked-prefill",
+        "--logprobs-mode processed_logprobs",
+        "--worker-extension-cls core_rl_vllm_worker.WeightSyncExtension",
+    ):
+        assert part in line, part
+    assert argv[-2:] == ["--block-size", "32"]
+    assert "--distributed-executor-backend" not in line  # tp 2 uses vLLM's own executor
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert (Path(env["PYTHONPATH"]) / "core_rl_vllm_worker.py").is_file()
+    assert Path(env["CORE_RL_WEIGHT_GROUP_PY"]).name == "weight_group.py"
+
+
+def test_defaults_use_the_model_length_and_one_process() -> None:
+    argv, _ = _command(server={"env_variant": "cpu"})
+    assert "--max-model-len" not in argv and "--gpu-memory-utilization" not in argv
+    assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
+    gpu, _ = _command(server={"env_variant": "cuda"}, gpu_memory_utilization=0.5)
+    assert gpu[gpu.index("--gpu-memory-utilization") + 1] == "0.5"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"dtype": "float64"}, "rollout.engine.dtype: must be one of"),
+        ({"max_num_seqs": 0}, "rollout.engine.max_num_seqs: must be > 0"),
+        ({"server": {"on_server_failure": "retry"}}, "rollout.engine.server.on_server_failure: must be one of"),
+        ({"server": {"num_servers": 0}}, "rollout.engine.server.num_servers: must be > 0"),
+        ({"server": {"prot": 1}}, "rollout.engine.server.prot: unknown key"),
+    ],
+)
+def test_bad_options_name_their_key(options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        structure(options, VLLMConfig, path="rollout.engine")
+
+
+def test_example_config_validates(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "validate", str(ROOT / "examples" / "server_grpo" / "vllm.yaml")]) == 0
+    # memory weight sync is not something a server can do: refused when the config is validated
+    assert (
+        main(["config", "validate", str(ROOT / "examples" / "server_grpo" / "vllm.yaml"), "rollout.weight_sync=memory"])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "rollout.weight_sync: rollout engine 'vllm' (core-rl-vllm) does not support 'memory'" in err

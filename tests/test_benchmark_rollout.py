@@ -1,0 +1,48 @@
+"""Smoke test of benchmarks/rollout.py: one tiny run through a real vLLM server prints every figure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_rollout_benchmark_runs_and_reports(tmp_path: Path) -> None:
+    pytest.importorskip("core_rl_vllm")
+    pytest.importorskip("core_rl_fsdp")
+    out = tmp_path / "figures.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "rollout.py"),
+            "--engines",
+            "vllm",
+            "--prompts",
+            "8",
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--repeats",
+            "1",
+            "--sync-models",
+            "tiny",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "vllm: plugin" in proc.stdout and "overhead" in proc.stdout
+    assert "weight sync, tiny model" in proc.stdout
+    figures = json.loads(out.read_text())["vllm"]
+    t, s = figures["throughput"], figures["sync_tiny"]
+    assert t["plugin_tokens_per_s"] > 0 and t["plain_tokens_per_s"] > 0
+    assert s["disk_s"] > 0 and s["collective_s"] > 0 and s["bytes"] > 0

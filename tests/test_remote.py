@@ -1,0 +1,181 @@
+"""The server-backed engine base (core_rl.remote) against a scripted HTTP server, for faults a real
+server cannot produce on demand: error statuses, slow answers, requests interrupted mid-way. (Real
+vLLM and SGLang servers are exercised by their plugins' conformance tests.)"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from core_rl.config.loader import structure
+from core_rl.interfaces import SamplingParams
+from core_rl.remote import Completion, ServerOptions, ServerReplyError, ServerRolloutEngine, json_post
+from core_rl.servers import ServerError
+
+
+class Script:
+    """What the fake server answers: ``replies`` is consumed one per /gen request; each is a status
+    code, ``"slow"`` (sleep 3 s first) or ``"abort"`` (half the tokens, finish ``abort``)."""
+
+    def __init__(self, replies: list[Any]) -> None:
+        self.replies = list(replies)
+        self.requests: list[dict] = []
+        self.inflight = 0
+        self.max_inflight = 0
+        self.lock = threading.Lock()
+
+
+def serve(script: Script) -> tuple[ThreadingHTTPServer, str]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _send(self, status: int, body: Any) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self._send(200, {})
+
+        def do_POST(self) -> None:
+            payload = json.loads(self.rfile.read(int(self.headers["content-length"])) or b"{}")
+            with script.lock:
+                script.requests.append(payload)
+                reply = script.replies.pop(0) if script.replies else 200
+                script.inflight += 1
+                script.max_inflight = max(script.max_inflight, script.inflight)
+            try:
+                if reply == "slow":
+                    time.sleep(3)
+                    reply = 200
+                if reply == "busy":
+                    time.sleep(0.3)
+                    reply = 200
+                if isinstance(reply, int) and reply != 200:
+                    self._send(reply, {"error": f"scripted {reply}"})
+                    return
+                want = payload["max_new_tokens"]
+                count = want // 2 if reply == "abort" else want
+                tokens = [payload["prompt"][-1] + 1 + i for i in range(count)]
+                samples = [
+                    {"ids": tokens, "lps": [-0.5] * count, "finish": "abort" if reply == "abort" else "length"}
+                    for _ in range(payload["n"])
+                ]
+                self._send(200, {"samples": samples})
+            finally:
+                with script.lock:
+                    script.inflight -= 1
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+class FakeEngine(ServerRolloutEngine):
+    """The smallest server-backed engine: one POST per request."""
+
+    env_name = "fake"
+
+    async def request(self, client: Any, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list[Completion]:
+        body = await json_post(
+            client, url + "/gen", {"prompt": prompt_ids, "n": sampling.n, "max_new_tokens": sampling.max_new_tokens}
+        )
+        return [Completion(s["ids"], s["lps"], s["finish"]) for s in body["samples"]]
+
+
+@pytest.fixture
+def make(tmp_path: Path):
+    engines, servers = [], []
+
+    def build(replies: list[Any], **options: Any) -> tuple[FakeEngine, Script]:
+        script = Script(replies)
+        server, url = serve(script)
+        servers.append(server)
+        opts = structure({"urls": [url], "retry_backoff": 0.05, **options}, ServerOptions)
+        engine = FakeEngine("/models/none", opts, tmp_path)
+        engines.append(engine)
+        return engine, script
+
+    yield build
+    for engine in engines:
+        engine.close()
+    for server in servers:
+        server.shutdown()
+
+
+def test_failed_requests_are_retried_whole(make) -> None:
+    engine, script = make([503, 500])
+    (samples,) = engine.generate([[1, 2, 3]], SamplingParams(n=3, max_new_tokens=4))
+    assert len(script.requests) == 3  # two failures, then the answer
+    assert len(samples) == 3 and all(s.response_ids == [4, 5, 6, 7] for s in samples)
+
+
+def test_a_bad_request_is_not_retried(make) -> None:
+    engine, script = make([400])
+    with pytest.raises(ServerReplyError, match="answered 400"):
+        engine.generate([[1, 2]], SamplingParams(n=1, max_new_tokens=2))
+    assert len(script.requests) == 1
+
+
+def test_retries_used_up_name_the_server(make) -> None:
+    engine, script = make([503] * 10, max_retries=2)
+    with pytest.raises(ServerError, match=r"server fake@http://127\.0\.0\.1:\d+: a request failed 3 times"):
+        engine.generate([[1, 2]], SamplingParams(n=1, max_new_tokens=2))
+    assert len(script.requests) == 3
+
+
+def test_request_timeout_then_retry(make) -> None:
+    engine, script = make(["slow"], request_timeout=1.0)
+    start = time.monotonic()
+    (samples,) = engine.generate([[1, 2]], SamplingParams(n=2, max_new_tokens=3))
+    assert len(samples) == 2 and len(script.requests) == 2
+    assert time.monotonic() - start < 3.0  # did not wait for the slow answer
+
+
+def test_interrupted_request_continues_from_its_tokens(make) -> None:
+    engine, script = make(["abort"])
+    (samples,) = engine.generate([[1, 2, 3]], SamplingParams(n=2, max_new_tokens=8))
+    # the first request returned 4 of 8 tokens; each sample was continued with its prompt + tokens
+    assert [r["max_new_tokens"] for r in script.requests] == [8, 4, 4]
+    assert script.requests[1]["prompt"] == [1, 2, 3, 4, 5, 6, 7] and script.requests[1]["n"] == 1
+    for s in samples:
+        assert s.response_ids == [4, 5, 6, 7, 8, 9, 10, 11] and s.finish_reason == "length"
+        assert s.token_weight_versions == [0] * 8 and len(s.logprobs) == 8
+
+
+def test_concurrency_is_bounded_and_every_prompt_answered(make) -> None:
+    engine, script = make(["busy"] * 12, max_concurrent_requests=3)
+    out = engine.generate([[1, i + 2] for i in range(12)], SamplingParams(n=2, max_new_tokens=2))
+    assert [len(g) for g in out] == [2] * 12
+    assert [g[0].prompt_ids for g in out] == [[1, i + 2] for i in range(12)]
+    assert script.max_inflight == 3
+
+
+def test_pause_wait_holds_new_requests(make) -> None:
+    engine, script = make([])
+    engine.pause("wait")
+    result: dict[str, Any] = {}
+    thread = threading.Thread(
+        target=lambda: result.setdefault("out", engine.generate([[1, 2]], SamplingParams(n=1, max_new_tokens=2)))
+    )
+    thread.start()
+    time.sleep(0.5)
+    assert script.requests == [] and "out" not in result
+    engine.resume()
+    thread.join(30)
+    assert len(result["out"][0]) == 1 and len(script.requests) == 1
+
+
+def test_memory_weight_sync_is_refused(make) -> None:
+    engine, _ = make([])
+    with pytest.raises(NotImplementedError, match="weight_sync=disk or collective"):
+        engine.update_weights({}, 1)

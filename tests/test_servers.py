@@ -1,0 +1,135 @@
+"""Server processes (core_rl.servers, core_rl.supervise) with a small real HTTP server that spawns a
+child of its own, as inference servers do: health wait, logs, a clear error when a server dies, and
+no process left behind on stop, on the trainer's exit and on the trainer's SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from core_rl.servers import ManagedServer, ServerError, free_port, pid_alive
+from core_rl.supervise import session_members
+
+# an HTTP server answering 200 on /health that first starts a long-lived child process
+SERVER = textwrap.dedent(
+    """
+    import http.server, subprocess, sys
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print("child", child.pid, flush=True)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            print("request", self.path, flush=True)
+
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+    """
+)
+
+
+def _wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if pid_alive(p)]
+
+
+def _server(tmp_path: Path, name: str = "fake-0", script: str = SERVER) -> ManagedServer:
+    port = free_port()
+    return ManagedServer(
+        name,
+        [sys.executable, "-c", script, str(port)],
+        host="127.0.0.1",
+        port=port,
+        log_path=tmp_path / "servers" / f"{name}.log",
+        grace=5,
+    )
+
+
+def test_start_health_log_and_stop_kills_children(tmp_path: Path) -> None:
+    server = _server(tmp_path)
+    server.start()
+    try:
+        server.wait_healthy(30)
+        assert server.healthy()
+        members = session_members(server.pid)
+        assert server.pid in members and len(members) >= 2, members  # the server and its child
+    finally:
+        server.stop()
+    assert _wait_gone(members) == []
+    log = server.log_path.read_text()
+    assert "child" in log and "request /health" in log
+    server.stop()  # idempotent
+
+
+def test_server_that_exits_is_reported_with_its_log(tmp_path: Path) -> None:
+    server = _server(tmp_path, "broken-0", "import sys; print('cannot load model xyz', flush=True); sys.exit(3)")
+    server.start()
+    with pytest.raises(ServerError) as info:
+        server.wait_healthy(30)
+    message = str(info.value)
+    assert "broken-0" in message and "exited while starting" in message
+    assert "cannot load model xyz" in message and "status 3" in message
+    server.stop()
+
+
+def test_health_timeout_names_the_server(tmp_path: Path) -> None:
+    server = _server(tmp_path, "silent-0", "import time; time.sleep(600)")
+    server.start()
+    try:
+        with pytest.raises(ServerError, match=r"silent-0 .* did not become healthy within 1 s"):
+            server.wait_healthy(1)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("how", ["sigkill", "exit", "sigterm"])
+def test_no_orphans_when_the_trainer_goes(tmp_path: Path, how: str) -> None:
+    """A trainer process starts a server, reports every pid, then dies by SIGKILL, exits normally
+    (atexit), or is sent SIGTERM: every server process must go."""
+    trainer = textwrap.dedent(
+        f"""
+        import json, sys, time
+        from pathlib import Path
+        from core_rl.servers import ManagedServer, free_port
+        from core_rl.supervise import session_members
+        port = free_port()
+        s = ManagedServer("fake-0", [sys.executable, "-c", {SERVER!r}, str(port)], host="127.0.0.1",
+                          port=port, log_path=Path({str(tmp_path)!r}) / "fake.log", grace=5)
+        s.start()
+        s.wait_healthy(30)
+        while len(session_members(s.pid)) < 2:
+            time.sleep(0.05)
+        print(json.dumps([s._proc.pid, *session_members(s.pid)]), flush=True)
+        if {how!r} == "exit":
+            sys.exit(0)
+        time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", trainer], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        pids = json.loads(line)
+        assert len(pids) >= 3 and all(pid_alive(p) for p in pids)
+        if how == "sigkill":
+            proc.kill()
+        elif how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    left = _wait_gone(pids)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], f"left behind after {how}: {left}"
