@@ -184,7 +184,11 @@ def test_did_you_mean_for_plugin_names(host):
         "advantage estimator 'rlo' is not installed (installed: rank_advantage); did you mean 'rloo'? "
         'install it with: pip install "core-rl[grpo]"'
     )
-    # far from everything: the plain hint
+    # a name an extra provides exactly: its install hint
     assert unknown_name_message(TRAIN_ENGINE, "megatron", ["fsdp"]).endswith(
-        "install the distribution that registers 'megatron' in entry-point group core_rl.train_engines"
+        'install it with: pip install "core-rl[megatron]"'
+    )
+    # far from everything: the plain hint
+    assert unknown_name_message(TRAIN_ENGINE, "quantum_engine", ["fsdp"]).endswith(
+        "install the distribution that registers 'quantum_engine' in entry-point group core_rl.train_engines"
     )
