@@ -103,3 +103,72 @@ def test_real_specs_hash_their_requirement_files() -> None:
         assert set(spec.steps) == {"cpu", "cuda"}
         version = ".".join(map(str, sys.version_info[:3]))
         assert len(server_env.spec_hash(spec, "cpu", version)) == 12
+
+
+def _wheel(directory: Path, name: str = "toypkg", version: str = "1.0") -> Path:
+    """A minimal, valid pure-Python wheel (module ``name`` with ``VALUE = 42``)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    dist_info = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": "VALUE = 42\n",
+        f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(text.encode())}")
+    files[f"{dist_info}/RECORD"] = "\n".join([*record, f"{dist_info}/RECORD,,"]) + "\n"
+    directory.mkdir(parents=True, exist_ok=True)
+    wheel = directory / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for path, text in files.items():
+            zf.writestr(path, text)
+    return wheel
+
+
+def test_pip_settings_become_uv_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PIP_FIND_LINKS", f"{tmp_path / 'a'} {tmp_path / 'b'}")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "file:///nowhere/simple")
+    flags = server_env.pip_settings_as_uv_flags(sys.executable)
+    pairs = list(zip(flags[::2], flags[1::2], strict=True))
+    assert ("--find-links", str(tmp_path / "a")) in pairs and ("--find-links", str(tmp_path / "b")) in pairs
+    assert ("--extra-index-url", "file:///nowhere/simple") in pairs
+
+
+def test_pip_steps_translate_to_uv_and_others_run_as_written() -> None:
+    py, uv = "/env/bin/python", "/bin/uv"
+    install = ["-m", "pip", "install", "--disable-pip-version-check", "--no-deps", "-r", "req.txt"]
+    cmd = server_env.installer_command(install, py, uv, ["--find-links", "/w"])
+    assert cmd[:5] == [uv, "pip", "install", "--python", py]
+    assert cmd[-5:] == ["--find-links", "/w", "--no-deps", "-r", "req.txt"]
+    assert "--disable-pip-version-check" not in cmd and "unsafe-best-match" in cmd
+    uninstall = ["-m", "pip", "uninstall", "-y", "triton"]
+    assert server_env.installer_command(uninstall, py, uv, []) == [uv, "pip", "uninstall", "--python", py, "triton"]
+    other = ["-c", "print(1)"]
+    assert server_env.installer_command(other, py, uv, ["--find-links", "/w"]) == [py, *other]
+    assert server_env.installer_command(install, py, None, []) == [py, *install]  # no uv: pip as written
+
+
+@pytest.mark.parametrize("installer", ["uv", "pip"])
+def test_build_installs_through_either_installer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, installer: str
+) -> None:
+    if installer == "uv" and server_env.uv_binary() is None:
+        pytest.skip("uv is not installed")
+    monkeypatch.setenv(server_env.INSTALLER_ENV, installer)
+    wheels = tmp_path / "wheels"
+    _wheel(wheels)
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))  # reaches uv through pip's configuration
+    spec = ServerEnvSpec(
+        name="toywheel",
+        steps={"cpu": [["-m", "pip", "install", "--no-index", "--no-deps", "toypkg==1.0"]]},
+        check="import toypkg; assert toypkg.VALUE == 42",
+    )
+    directory = server_env.create(spec, variant="cpu")
+    manifest = json.loads((directory / server_env.MANIFEST).read_text())
+    assert manifest["installer"] == installer
+    assert "toypkg==1.0" in (directory / server_env.LOCK_FILE).read_text()

@@ -2,7 +2,8 @@
 
 - ``cpu``: SGLang's published wheel requires CUDA-only packages (``sglang-kernel``, flash-attn,
   flashinfer, ...). The CPU variant installs the rest of its requirements with the CPU torch
-  (``requirements-cpu.txt``, exact versions of a working build), then ``sglang`` and ``torchvision``
+  (``requirements-cpu.txt``, the exact package set of a working build, installed without
+  dependency resolution), then ``sglang`` and ``torchvision``
   without their dependencies, then a fix-up: the registry's torchvision is a CUDA build whose C++
   ops cannot load, and its fake-kernel registrations for those ops fail at import; the fix-up makes
   them register only when the ops loaded. At launch the engine also puts on ``PYTHONPATH`` a small
@@ -45,7 +46,7 @@ def sglang_env_spec() -> ServerEnvSpec:
         description="SGLang inference server 0.5.23 (cpu: non-CUDA requirements, torch 2.13.0+cpu)",
         steps={
             "cpu": [
-                [*pip, "-r", str(REQUIREMENTS_CPU)],
+                [*pip, "--no-deps", "-r", str(REQUIREMENTS_CPU)],
                 [*pip, "--no-deps", "sglang==0.5.23", "torchvision==0.28.0"],
             ],
             "cuda": [[*pip, "sglang==0.5.23"]],
