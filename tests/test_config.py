@@ -103,13 +103,13 @@ def test_choices_are_listed(tmp_path, host, minimal_config):
 
 
 def test_unknown_plugin_names_key_path_and_hint(tmp_path, host, minimal_config):
-    minimal_config["rollout"]["engine"] = {"name": "trtllm"}
+    minimal_config["rollout"]["engine"] = {"name": "tensorrt"}
     minimal_config["loggers"] = [{"name": "jsonl"}, {"name": "nope"}]
     problems = _problems(tmp_path, minimal_config, host=host)
     assert any(
-        p.startswith("rollout.engine.name: rollout engine 'trtllm' is not installed (installed: ") for p in problems
+        p.startswith("rollout.engine.name: rollout engine 'tensorrt' is not installed (installed: ") for p in problems
     )
-    assert any(p.startswith("loggers[1].name: logger 'nope' is not installed") for p in problems)
+    assert any(p.startswith("loggers[1].name: logger 'nope' is not installed") for p in problems), problems
 
 
 def test_plugin_without_options_rejects_options(tmp_path, host, minimal_config):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import pytest
 import torch
 from core_rl.protocol import Sample, TensorBatch, concat_padded, samples_to_batch
@@ -60,13 +58,11 @@ def test_samples_carry_behaviour_logprobs_versions_and_truncation():
 
 
 def test_per_token_weight_versions_are_used_when_a_sample_has_them():
-    class Interrupted(Sample):
-        """A sample whose generation spanned a weight update (the engine knows per-token versions)."""
-
-        token_weight_versions: ClassVar[list[int]] = [4, 4, 5]
-
-    b = samples_to_batch([Interrupted([1], [2, 3, 4], [-1.0] * 3, 4, "stop")], [0], pad_token_id=0)
+    # a sample whose generation spanned a weight update (the engine knows per-token versions)
+    interrupted = Sample([1], [2, 3, 4], [-1.0] * 3, 4, "stop", token_weight_versions=[4, 4, 5])
+    b = samples_to_batch([interrupted], [0], pad_token_id=0)
     assert b["versions"].tolist() == [[-1, 4, 4, 5]]
+    assert interrupted.versions == [4, 4, 5] and interrupted.newest_version == 5
 
 
 def test_concat_padded_pads_each_key_with_its_value():
