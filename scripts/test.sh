@@ -25,4 +25,9 @@ for i in "${!envs[@]}"; do
   fi
 done
 echo "server environments ready in $(( $(date +%s) - start )) s"
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$VENV/bin/python" -m pytest -q "$@"
+# Two pytest workers (pytest-xdist; CORE_RL_TEST_WORKERS to change, 0 for none), each taking whole
+# files so a module's server or model fixture is built once.
+workers=${CORE_RL_TEST_WORKERS:-2}
+parallel=()
+if [ "$workers" != "0" ]; then parallel=(-n "$workers" --dist loadfile); fi
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$VENV/bin/python" -m pytest -q "${parallel[@]}" "$@"
