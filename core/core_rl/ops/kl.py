@@ -41,3 +41,23 @@ def kl_estimate(
     else:
         raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}")
     return kl if cap is None else kl.clamp(min=-cap, max=cap)
+
+
+def adaptive_kl_coef(coef: float, observed_kl: float, *, target: float, horizon: int, n_steps: int) -> float:
+    """One update of the adaptive KL controller (Ziegler et al. 2019): with
+    ``e = clip(observed_kl / target - 1, -0.2, 0.2)``, the new coefficient is
+    ``coef * (1 + e * n_steps / horizon)``. ``n_steps``: samples (or steps) since the last update."""
+    error = min(max(observed_kl / target - 1.0, -0.2), 0.2)
+    return coef * (1.0 + error * n_steps / horizon)
+
+
+def reverse_kl_distill_loss(logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token loss of on-policy distillation: the reverse KL(pi || pi_teacher) on the policy's own
+    samples, minimised by a policy gradient whose per-token reward is ``-(log pi - log pi_teacher)``::
+
+        l_t = sg(log pi_t - log pi_teacher_t) * log pi_t
+
+    Its value is ``d_t * log pi_t`` (``d`` = the k1 estimate of the KL at token ``t``); its gradient
+    is ``d_t * grad log pi_t``, whose expectation over samples of ``pi`` is the gradient of the
+    per-token reverse KL (the k1 estimate itself has a gradient of zero mean)."""
+    return (logprobs - teacher_logprobs).detach() * logprobs

@@ -1,0 +1,132 @@
+"""PPO with a critic and GRPO with on-policy distillation, end to end through ``core-rl train`` on
+the tiny task (real fsdp engines for actor, critic, reference and teacher, the hf rollout engine,
+char_match): the PPO example's reward rises; distillation lowers the KL to the teacher; a run with a
+critic resumes exactly (the checkpoint holds the critic's state); 2 data-parallel ranks match 1;
+a critic on an engine without value heads is refused before the run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from core_rl import cli
+from core_rl.builtin.loggers import read_metrics
+
+for _dist in ("core_rl_fsdp", "core_rl_hf", "core_rl_grpo", "core_rl_ppo", "core_rl_reward_match"):
+    pytest.importorskip(_dist)
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "tiny_grpo"
+QUIET = ["saver.export_hf=false", "loggers=[]"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The examples' layout: ``model_init`` (random), ``model_warm`` (a short supervised warm start
+    on the answer format, as the main job does) and ``data/train.jsonl``."""
+    from core_rl.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("ppo")
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from task import LETTERS, write_dataset
+        from warm_start import warm_start
+
+        build_tiny_model(root / "model_init", alphabet=LETTERS + "=", seed=0)
+        write_dataset(root / "data" / "train.jsonl")
+        warm_start(root / "model_init", root / "model_warm", steps=60, batch_size=64, lr=3e-3, seed=0)
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    return root
+
+
+def _train(workdir: Path, config: str, *overrides: str) -> list[dict]:
+    code = cli.main(["train", str(EXAMPLES / config), f"experiment.output_dir={workdir}", *QUIET, *overrides])
+    assert code == 0
+    name = next((o.split("=", 1)[1] for o in overrides if o.startswith("experiment.name=")), Path(config).stem)
+    return read_metrics(workdir / name / "metrics.jsonl")
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    return sum(r[key] for r in rows) / len(rows)
+
+
+def test_ppo_example_raises_the_reward(workdir: Path) -> None:
+    rows = _train(workdir, "ppo.yaml", "trainer.total_steps=24", "data.batch_size=16", "saver.every_n_steps=0")
+    assert [r["step"] for r in rows] == list(range(1, 25))
+    # warm-up: the critic alone for 2 steps, then both
+    assert [r["actor/optimizer_steps"] for r in rows[:3]] == [0.0, 0.0, 1.0]
+    assert all(r["critic/optimizer_steps"] == 1.0 for r in rows)
+    for row in rows:
+        for key in ("critic/loss", "critic/value_clipped", "critic/values_mean", "advantage/kl_coef"):
+            assert key in row and row[key] == row[key], key
+    # the adaptive KL coefficient moved from its initial 0.01
+    assert rows[0]["advantage/kl_coef"] == pytest.approx(0.01) and rows[-1]["advantage/kl_coef"] != 0.01
+    first, last = _mean(rows[:6], "reward/mean"), _mean(rows[-6:], "reward/mean")
+    assert last > first + 0.05, (first, last)
+    # the critic learns: its loss falls from the start
+    assert _mean(rows[-6:], "critic/loss") < _mean(rows[:3], "critic/loss")
+
+
+def test_distillation_lowers_the_kl_to_the_teacher(workdir: Path) -> None:
+    rows = _train(workdir, "grpo_distill.yaml", "trainer.total_steps=12", "data.batch_size=8")
+    kl = [r["actor/distill_kl"] for r in rows]
+    assert _mean(rows[-3:], "actor/distill_kl") < 0.5 * _mean(rows[:3], "actor/distill_kl"), kl
+    # distillation alone (the distill recipe): the RL loss is off and the KL still falls
+    rows = _train(
+        workdir, "grpo_distill.yaml", "algorithm.name=distill", "experiment.name=distill", "trainer.total_steps=8"
+    )
+    assert rows[-1]["actor/distill_kl"] < rows[0]["actor/distill_kl"]
+
+
+SHORT_PPO = ["data.batch_size=4", "rollout.sampling.n=4", "critic.warmup_steps=1", "algorithm.ppo_n_minibatches=2"]
+
+
+def test_ppo_resumes_exactly_with_the_critic(workdir: Path) -> None:
+    whole = _train(workdir, "ppo.yaml", *SHORT_PPO, "experiment.name=whole", "trainer.total_steps=4")
+    _train(workdir, "ppo.yaml", *SHORT_PPO, "experiment.name=parts", "trainer.total_steps=2")
+    checkpoint = workdir / "parts" / "checkpoints" / "step_00000002"
+    assert (checkpoint / "critic" / "model.safetensors").is_file()
+    assert (checkpoint / "critic" / "optimizer.safetensors").is_file()
+    resumed = _train(
+        workdir, "ppo.yaml", *SHORT_PPO, "experiment.name=parts", "trainer.total_steps=4", "recover.mode=auto"
+    )
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(whole[2:], resumed[2:]):
+        for key in ("reward/mean", "actor/loss", "critic/loss", "critic/values_mean", "advantage/kl_coef"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-8), key
+
+
+def test_ppo_on_two_ranks_matches_one(workdir: Path) -> None:
+    """Values, reference log-probs and advantages are gathered into the global batch on every rank,
+    so actor and critic updates do not depend on the number of ranks (the tolerance of the engine
+    parity tests)."""
+    from core_rl.testing.launch import run_torchrun
+
+    options = [*SHORT_PPO, f"experiment.output_dir={workdir}", *QUIET, "trainer.total_steps=2", "saver.at_end=false"]
+    one = _train(workdir, "ppo.yaml", *options, "experiment.name=ppo_dp1")
+    run_torchrun(
+        Path(cli.__file__), 2, "train", str(EXAMPLES / "ppo.yaml"), *options, "experiment.name=ppo_dp2", timeout=480
+    )
+    two = read_metrics(workdir / "ppo_dp2" / "metrics.jsonl")
+    assert len(one) == len(two) == 2
+    keys = ("reward/mean", "actor/loss", "actor/grad_norm", "critic/loss", "critic/grad_norm", "critic/values_mean")
+    for a, b in zip(one, two):
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+
+
+def test_critic_on_an_engine_without_value_heads_is_refused(workdir: Path, capsys) -> None:
+    import core_rl_grpo.plugin as grpo_plugin
+    import core_rl_ppo.plugin as ppo_plugin
+    from core_rl.config import load_config
+    from core_rl.errors import ConfigError
+    from core_rl.testing import recipe_host
+
+    host = recipe_host((ppo_plugin, "core-rl-ppo"), (grpo_plugin, "core-rl-grpo"))  # its fsdp is a stand-in
+    with pytest.raises(ConfigError) as err:
+        load_config(EXAMPLES / "ppo.yaml", [f"experiment.output_dir={workdir}"], host=host)
+    assert any(
+        p.startswith("critic.engine.name: train engine 'fsdp' (distribution <stand-in>) cannot build a value model")
+        for p in err.value.problems
+    ), err.value.problems
