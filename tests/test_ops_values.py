@@ -142,3 +142,6 @@ def test_reverse_kl_distill_loss_value_and_gradient() -> None:
     torch.testing.assert_close(loss.detach(), torch.tensor([0.5 * -1.0, -1.0 * -2.0]))
     loss.sum().backward()
     torch.testing.assert_close(lp.grad, torch.tensor([0.5, -1.0]))  # = log pi - log teacher
+    lp.grad = None
+    ops.reverse_kl_distill_loss(lp, teacher, torch.tensor([0.25, -0.5])).sum().backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([0.25, -0.5]))  # = log pi - log teacher - baseline

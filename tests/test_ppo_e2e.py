@@ -34,7 +34,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
         build_tiny_model(root / "model_init", alphabet=LETTERS + "=", seed=0)
         write_dataset(root / "data" / "train.jsonl")
-        warm_start(root / "model_init", root / "model_warm", steps=60, batch_size=64, lr=3e-3, seed=0)
+        warm_start(root / "model_init", root / "model_warm", steps=150, batch_size=64, lr=3e-3, seed=0)
     finally:
         sys.path.remove(str(EXAMPLES))
     return root
@@ -52,31 +52,30 @@ def _mean(rows: list[dict], key: str) -> float:
 
 
 def test_ppo_example_raises_the_reward(workdir: Path) -> None:
-    rows = _train(workdir, "ppo.yaml", "trainer.total_steps=24", "data.batch_size=16", "saver.every_n_steps=0")
-    assert [r["step"] for r in rows] == list(range(1, 25))
-    # warm-up: the critic alone for 2 steps, then both
-    assert [r["actor/optimizer_steps"] for r in rows[:3]] == [0.0, 0.0, 1.0]
-    assert all(r["critic/optimizer_steps"] == 1.0 for r in rows)
+    rows = _train(workdir, "ppo.yaml", "trainer.total_steps=30", "saver.every_n_steps=0", "saver.at_end=false")
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    # warm-up: the critic alone for 2 steps, then both (2 minibatches each)
+    assert [r["actor/optimizer_steps"] for r in rows[:3]] == [0.0, 0.0, 2.0]
+    assert all(r["critic/optimizer_steps"] == 2.0 for r in rows)
     for row in rows:
         for key in ("critic/loss", "critic/value_clipped", "critic/values_mean", "advantage/kl_coef"):
             assert key in row and row[key] == row[key], key
     # the adaptive KL coefficient moved from its initial 0.01
     assert rows[0]["advantage/kl_coef"] == pytest.approx(0.01) and rows[-1]["advantage/kl_coef"] != 0.01
-    first, last = _mean(rows[:6], "reward/mean"), _mean(rows[-6:], "reward/mean")
-    assert last > first + 0.05, (first, last)
+    first, last = _mean(rows[:8], "reward/mean"), _mean(rows[-8:], "reward/mean")
+    assert last > first + 0.04, (first, last)
     # the critic learns: its loss falls from the start
     assert _mean(rows[-6:], "critic/loss") < _mean(rows[:3], "critic/loss")
 
 
 def test_distillation_lowers_the_kl_to_the_teacher(workdir: Path) -> None:
-    rows = _train(workdir, "grpo_distill.yaml", "trainer.total_steps=12", "data.batch_size=8")
-    kl = [r["actor/distill_kl"] for r in rows]
-    assert _mean(rows[-3:], "actor/distill_kl") < 0.5 * _mean(rows[:3], "actor/distill_kl"), kl
-    # distillation alone (the distill recipe): the RL loss is off and the KL still falls
-    rows = _train(
-        workdir, "grpo_distill.yaml", "algorithm.name=distill", "experiment.name=distill", "trainer.total_steps=8"
-    )
-    assert rows[-1]["actor/distill_kl"] < rows[0]["actor/distill_kl"]
+    rows = _train(workdir, "grpo_distill.yaml", "trainer.total_steps=24")
+    kl = [round(r["actor/distill_kl"], 3) for r in rows]
+    assert _mean(rows[-4:], "actor/distill_kl") < 0.7 * _mean(rows[:4], "actor/distill_kl"), kl
+    assert "actor/clipped" in rows[0]  # the GRPO loss is on too (rl_coef 1)
+    # the distillation term alone (rl_coef 0, the distill recipe's default): no ppo_clip terms
+    rows = _train(workdir, "grpo_distill.yaml", "teacher.rl_coef=0", "experiment.name=alone", "trainer.total_steps=2")
+    assert "actor/distill_kl" in rows[0] and "actor/clipped" not in rows[0]
 
 
 SHORT_PPO = ["data.batch_size=4", "rollout.sampling.n=4", "critic.warmup_steps=1", "algorithm.ppo_n_minibatches=2"]
@@ -103,7 +102,14 @@ def test_ppo_on_two_ranks_matches_one(workdir: Path) -> None:
     parity tests)."""
     from core_rl.testing.launch import run_torchrun
 
-    options = [*SHORT_PPO, f"experiment.output_dir={workdir}", *QUIET, "trainer.total_steps=2", "saver.at_end=false"]
+    options = [
+        *SHORT_PPO,
+        f"experiment.output_dir={workdir}",
+        *QUIET,
+        "critic.warmup_steps=0",
+        "trainer.total_steps=2",
+        "saver.at_end=false",
+    ]
     one = _train(workdir, "ppo.yaml", *options, "experiment.name=ppo_dp1")
     run_torchrun(
         Path(cli.__file__), 2, "train", str(EXAMPLES / "ppo.yaml"), *options, "experiment.name=ppo_dp2", timeout=480

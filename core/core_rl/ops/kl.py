@@ -51,13 +51,16 @@ def adaptive_kl_coef(coef: float, observed_kl: float, *, target: float, horizon:
     return coef * (1.0 + error * n_steps / horizon)
 
 
-def reverse_kl_distill_loss(logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+def reverse_kl_distill_loss(
+    logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, baseline: torch.Tensor | float = 0.0
+) -> torch.Tensor:
     """Per-token loss of on-policy distillation: the reverse KL(pi || pi_teacher) on the policy's own
     samples, minimised by a policy gradient whose per-token reward is ``-(log pi - log pi_teacher)``::
 
-        l_t = sg(log pi_t - log pi_teacher_t) * log pi_t
+        l_t = sg(log pi_t - log pi_teacher_t - b) * log pi_t
 
-    Its value is ``d_t * log pi_t`` (``d`` = the k1 estimate of the KL at token ``t``); its gradient
-    is ``d_t * grad log pi_t``, whose expectation over samples of ``pi`` is the gradient of the
-    per-token reverse KL (the k1 estimate itself has a gradient of zero mean)."""
-    return (logprobs - teacher_logprobs).detach() * logprobs
+    Its gradient is ``(d_t - b) * grad log pi_t`` (``d`` = the k1 estimate of the KL at token
+    ``t``), whose expectation over samples of ``pi`` is the gradient of the per-token reverse KL for
+    any constant ``b`` (``E[grad log pi] = 0``; the k1 estimate itself has a gradient of zero mean).
+    A baseline ``b`` (e.g. the batch's mean ``d``, broadcast against ``[B, T]``) lowers the variance."""
+    return (logprobs - teacher_logprobs - baseline).detach() * logprobs

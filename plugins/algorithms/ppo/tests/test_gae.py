@@ -73,3 +73,9 @@ def test_gae_without_a_critic_is_a_config_error(tmp_path) -> None:
         _load(tmp_path, "algorithm.advantage.name=gae", "algorithm.loss.name=ppo_clip")
     with pytest.raises(ConfigError, match=r"kl_target: needs kl_ctl > 0"):
         _load(tmp_path, "algorithm.name=ppo", "algorithm.advantage.kl_target=0.1")
+
+
+def test_distill_recipe_turns_the_rl_loss_off(tmp_path) -> None:
+    cfg = _load(tmp_path, "algorithm.name=distill", "teacher.model_path=/t")
+    assert cfg.teacher is not None and cfg.teacher.rl_coef == 0.0 and cfg.teacher.distill_coef == 1.0
+    assert cfg.teacher.model_path == "/t" and cfg.critic is None
