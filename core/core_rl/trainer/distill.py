@@ -6,9 +6,9 @@ a reverse-KL term on the policy's own samples (:func:`core_rl.ops.reverse_kl_dis
 ``teacher_logprobs`` are computed by the teacher engine before the update
 (:mod:`core_rl.trainer.update`). The baseline ``b`` is the mean of ``old_logprobs -
 teacher_logprobs`` over the loss tokens of the whole batch (computed once per RL step in
-:meth:`DistillationLoss.prepare`, so the loss does not depend on the split into micro-batches). The token metric ``distill_kl`` (reported as ``actor/distill_kl``)
-is the k1 estimate of KL(pi || pi_teacher) per response token: it falls as the policy learns the
-teacher.
+:meth:`DistillationLoss.prepare`, so the loss does not depend on the split into micro-batches).
+The token metric ``distill_kl`` (reported as ``actor/distill_kl``) is the k1 estimate of
+KL(pi || pi_teacher) per response token: it falls as the policy learns the teacher.
 """
 
 from __future__ import annotations
