@@ -99,7 +99,8 @@ def test_ppo_resumes_exactly_with_the_critic(workdir: Path) -> None:
 def test_ppo_on_two_ranks_matches_one(workdir: Path) -> None:
     """Values, reference log-probs and advantages are gathered into the global batch on every rank,
     so actor and critic updates do not depend on the number of ranks (the tolerance of the engine
-    parity tests)."""
+    parity tests). The policy-gradient family's off-policy options apply to PPO unchanged: the
+    decoupled loss with recomputed proximal log-probs and token-level rejection sampling."""
     from core_rl.testing.launch import run_torchrun
 
     options = [
@@ -107,6 +108,10 @@ def test_ppo_on_two_ranks_matches_one(workdir: Path) -> None:
         f"experiment.output_dir={workdir}",
         *QUIET,
         "critic.warmup_steps=0",
+        "algorithm.loss.use_decoupled_loss=true",
+        "algorithm.rejection_sampling.name=ratio",
+        "algorithm.rejection_sampling.lower=0.5",
+        "algorithm.rejection_sampling.upper=2.0",
         "trainer.total_steps=2",
         "saver.at_end=false",
     ]
@@ -116,7 +121,16 @@ def test_ppo_on_two_ranks_matches_one(workdir: Path) -> None:
     )
     two = read_metrics(workdir / "ppo_dp2" / "metrics.jsonl")
     assert len(one) == len(two) == 2
-    keys = ("reward/mean", "actor/loss", "actor/grad_norm", "critic/loss", "critic/grad_norm", "critic/values_mean")
+    keys = (
+        "reward/mean",
+        "actor/loss",
+        "actor/grad_norm",
+        "actor/behave_weight",
+        "actor/rejected",
+        "critic/loss",
+        "critic/grad_norm",
+        "critic/values_mean",
+    )
     for a, b in zip(one, two):
         for key in keys:
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
