@@ -137,16 +137,15 @@ def test_ppo_on_two_ranks_matches_one(workdir: Path) -> None:
 
 
 def test_critic_on_an_engine_without_value_heads_is_refused(workdir: Path, capsys) -> None:
-    import core_rl_grpo.plugin as grpo_plugin
-    import core_rl_ppo.plugin as ppo_plugin
-    from core_rl.config import load_config
-    from core_rl.errors import ConfigError
-    from core_rl.testing import recipe_host
-
-    host = recipe_host((ppo_plugin, "core-rl-ppo"), (grpo_plugin, "core-rl-grpo"))  # its fsdp is a stand-in
-    with pytest.raises(ConfigError) as err:
-        load_config(EXAMPLES / "ppo.yaml", [f"experiment.output_dir={workdir}"], host=host)
-    assert any(
-        p.startswith("critic.engine.name: train engine 'fsdp' (distribution <stand-in>) cannot build a value model")
-        for p in err.value.problems
-    ), err.value.problems
+    """deepspeed declares no value head: ``core-rl train`` stops before building anything, with exit
+    status 2 and one line naming the key, the engine and its distribution."""
+    pytest.importorskip("core_rl_deepspeed")
+    code = cli.main(
+        ["train", str(EXAMPLES / "ppo.yaml"), f"experiment.output_dir={workdir}", "critic.engine.name=deepspeed"]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert (
+        "critic.engine.name: train engine 'deepspeed' (distribution core-rl-deepspeed) cannot build a value model"
+        in err
+    )
