@@ -36,6 +36,14 @@ class LossOutput:
 # (micro-batch, current log-probs [b, T], entropy [b, T]) -> LossOutput
 LossFn = Callable[["TensorBatch", "torch.Tensor", "torch.Tensor"], LossOutput]
 
+# (micro-batch, current values [b, T]) -> LossOutput (a value model's loss, e.g. a critic's)
+ValueLossFn = Callable[["TensorBatch", "torch.Tensor"], LossOutput]
+
+#: what a train engine's model outputs: ``lm`` (a causal LM: log-probs) or ``value`` (a value model:
+#: one scalar per token). An engine lists the heads it builds in the ``heads`` attribute of its
+#: ``config_cls`` (``("lm",)`` when absent) and receives ``head="value"`` from its factory only then.
+HEADS = ("lm", "value")
+
 
 @attrs.define
 class SamplingParams:
@@ -110,6 +118,18 @@ class TrainEngine(ABC):
     @abstractmethod
     def load_state(self, path: str | Path) -> dict[str, Any]:
         """Restore what :meth:`save_state` wrote; return its ``extra``. Collective."""
+
+    def compute_values(self, batch: TensorBatch) -> torch.Tensor:
+        """Values [B, T] of an engine built with ``head="value"``: position ``t`` holds the value of
+        the state before token ``t`` (computed from the hidden state at ``t - 1``, the alignment of
+        :meth:`compute_logprobs`); position 0 and padding hold 0. No gradient."""
+        raise NotImplementedError(f"{type(self).__name__} does not build value models (head='value')")
+
+    def train_value_step(self, batch: TensorBatch, loss_fn: ValueLossFn) -> dict[str, float]:
+        """One optimiser step of a value model on ``batch``, like :meth:`train_step` but ``loss_fn``
+        receives each micro-batch's values [b, T] (with gradient) instead of log-probs and entropy.
+        Returns at least ``loss``, ``grad_norm``, ``lr``, ``nonfinite`` and each token metric."""
+        raise NotImplementedError(f"{type(self).__name__} does not build value models (head='value')")
 
     def check_checkpoint(self, path: str | Path) -> None:
         """Raise :class:`core_rl.checkpointing.CheckpointFormatError` (naming the file) unless
@@ -254,7 +274,24 @@ class Reward(ABC):
 
 
 class AdvantageEstimator(ABC):
-    """Turns rewards (and whatever else the batch holds) into per-token advantages."""
+    """Turns rewards (and whatever else the batch holds) into per-token advantages.
+
+    An estimator with ``requires_values`` (e.g. GAE) needs a critic: the trainer calls it on every
+    rank after the critic's ``values`` (and, with ``requires_reference``, ``ref_logprobs``) are in
+    the batch, instead of on the main rank before the update; it may then also set
+    ``batch["returns"]`` (the value targets). Its :meth:`state_dict` is saved in checkpoints."""
+
+    #: whether the batch must carry ``values`` from a critic (a ``critic:`` section is then required)
+    requires_values: bool = False
+    #: whether the batch must carry ``ref_logprobs`` (a reference model is then built)
+    requires_reference: bool = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """State a resumed run needs (e.g. an adaptive coefficient). Default: none."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned. Default: nothing."""
 
     @abstractmethod
     def __call__(self, batch: TensorBatch) -> torch.Tensor:

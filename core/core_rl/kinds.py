@@ -86,4 +86,7 @@ KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("logger", "wandb"): "wandb",
     ("logger", "tensorboard"): "tensorboard",
     ("logger", "trackio"): "trackio",
+    ("algorithm", "ppo"): "ppo",
+    ("algorithm", "distill"): "ppo",
+    ("advantage", "gae"): "ppo",
 }

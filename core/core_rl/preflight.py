@@ -338,6 +338,10 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None) -> Prefligh
             problems += prompt_problems
     if model is not None:
         problems += check_sampling(cfg, model)
+    for role in ("ref", "critic", "teacher"):  # the other model roles (core_rl.roles)
+        section = getattr(cfg, role)
+        if section is not None and section.model_path:
+            problems += check_model_dir(section.model_path, f"{role}.model_path", offline=offline)[1]
     problems += check_output_dir(cfg)
     machine = machine if machine is not None else detect_machine()
     problems += plugin_environment_problems(cfg, machine, model)

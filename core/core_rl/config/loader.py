@@ -356,6 +356,10 @@ def structure(data: Any, cls: type, *, path: str = "") -> Any:
 def selected_sections(cfg: RunConfig) -> Iterator[tuple[str, PluginKind, PluginSpec]]:
     """Every plugin section ``cfg`` selects: ``(key path, kind, spec)``."""
     yield "actor.engine", TRAIN_ENGINE, cfg.actor.engine
+    for role in ("ref", "critic", "teacher"):  # core_rl.roles.OPTIONAL_ROLES
+        section = getattr(cfg, role)
+        if section is not None:
+            yield f"{role}.engine", TRAIN_ENGINE, section.engine
     yield "rollout.engine", ROLLOUT_ENGINE, cfg.rollout.engine
     if cfg.algorithm.advantage is not None:
         yield "algorithm.advantage", ADVANTAGE, cfg.algorithm.advantage
@@ -437,6 +441,9 @@ def _nested_section_problems(host: PluginHost, config: Any, path: str, run: RunC
 
 _RAW_SPEC_PATHS: tuple[tuple[tuple[str, ...], PluginKind, bool], ...] = (
     (("actor", "engine"), TRAIN_ENGINE, False),
+    (("ref", "engine"), TRAIN_ENGINE, False),
+    (("critic", "engine"), TRAIN_ENGINE, False),
+    (("teacher", "engine"), TRAIN_ENGINE, False),
     (("rollout", "engine"), ROLLOUT_ENGINE, False),
     (("algorithm", "advantage"), ADVANTAGE, False),
     (("algorithm", "loss"), POLICY_LOSS, False),
@@ -747,10 +754,15 @@ def load_config(
     problems.extend(_weight_sync_problems(host, cfg))
     if cfg.actor.lr_scheduler.total_steps == 0:
         cfg.actor.lr_scheduler.total_steps = cfg.trainer.total_steps * cfg.algorithm.optimizer_steps_per_step
+    if cfg.critic is not None and cfg.critic.lr_scheduler.total_steps == 0:
+        cfg.critic.lr_scheduler.total_steps = cfg.trainer.total_steps * cfg.algorithm.optimizer_steps_per_step
     problems.extend(_cross_section_problems(cfg))
     problems.extend(_plugin_check_problems(cfg))
     if require_complete:
         problems.extend(_completeness_problems(cfg))
+        from core_rl.roles import role_problems  # roles imports the schema: import it late
+
+        problems.extend(role_problems(cfg, host))
     if problems:
         raise ConfigError(problems, source=source)
     return cfg

@@ -257,6 +257,39 @@ class ActorConfig:
     lora: LoraConfig = attrs.field(factory=LoraConfig)
 
 
+#: the value losses a critic may use (:func:`core_rl.ops.value_loss`)
+VALUE_LOSS_NAMES = ("mse", "huber")
+
+
+@attrs.define
+class CriticConfig(ActorConfig):
+    """The ``critic:`` section: a trained value model (PPO), built by any train engine whose config
+    class lists ``value`` in ``heads``; every key of :class:`ActorConfig` (model, engine, optimiser,
+    micro-batches) plus its value loss (:func:`core_rl.ops.value_loss`):
+
+    - ``eps_clip``: values move at most this far from the values before the update (null: no
+      clipping); ``loss``: ``mse`` or ``huber`` (with ``huber_delta``);
+    - ``warmup_steps``: for the first this many RL steps only the critic trains (the policy is left
+      unchanged while the value estimates settle)."""
+
+    eps_clip: float | None = attrs.field(default=0.5, validator=positive())
+    loss: str = attrs.field(default="mse", validator=one_of(VALUE_LOSS_NAMES))
+    huber_delta: float = attrs.field(default=1.0, validator=positive())
+    warmup_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
+
+
+@attrs.define
+class TeacherConfig(ActorConfig):
+    """The ``teacher:`` section: a frozen model (possibly larger, or of another engine) whose
+    per-token log-probs on the policy's own samples give on-policy distillation: the policy loss
+    becomes ``rl_coef * (the algorithm's loss) + distill_coef * reverse-KL(pi || teacher)``
+    (:func:`core_rl.ops.reverse_kl_distill_loss`); ``rl_coef: 0`` distils alone. The optimiser
+    keys are ignored (a teacher is never trained); it must share the policy's tokenizer."""
+
+    distill_coef: float = attrs.field(default=1.0, validator=non_negative())
+    rl_coef: float = attrs.field(default=1.0, validator=non_negative())
+
+
 @attrs.define
 class NormConfig:
     """Normalisation of rewards or advantages (:func:`core_rl.ops.normalize`): subtract a baseline
@@ -427,3 +460,8 @@ class RunConfig:
     sample_log: SampleLogConfig = attrs.field(factory=SampleLogConfig)
     reward_runner: RewardRunnerConfig = attrs.field(factory=RewardRunnerConfig)
     recover: RecoverConfig = attrs.field(factory=RecoverConfig)
+    #: model roles besides the actor (:mod:`core_rl.roles`); null: not used (``ref`` then defaults to
+    #: the actor's model, frozen, when the algorithm needs a reference)
+    ref: ActorConfig | None = None
+    critic: CriticConfig | None = None
+    teacher: TeacherConfig | None = None

@@ -144,3 +144,47 @@ def prepare_for_role(model: nn.Module, actor: ActorConfig, *, trainable: bool) -
             offload=actor.gradient_checkpointing_offload,
         )
     return model
+
+
+def value_model_config(model_path: str):
+    """The config of a value model on ``model_path``'s backbone: one output per token
+    (``num_labels=1``) and no dropout in its head (``classifier_dropout=0``)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True, num_labels=1)
+    config.classifier_dropout = 0.0
+    return config
+
+
+def load_value_model(model_path: str, *, dtype: str, attn_implementation: str | None = None) -> nn.Module:
+    """A value model: ``AutoModelForTokenClassification`` with one output (the backbone of
+    ``model_path`` plus a scalar head per token), local files only, on CPU. A head the directory does
+    not hold (e.g. a causal LM's directory) starts at zero, so every rank and every run starts from
+    the same values (0); a value model's own export is loaded as saved."""
+    from transformers import AutoModelForTokenClassification
+
+    if not model_path:
+        raise ValueError("critic.model_path: required; the path of a Hugging Face model directory")
+    kwargs: dict[str, object] = {"dtype": torch_dtype(dtype), "local_files_only": True}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    model, info = AutoModelForTokenClassification.from_pretrained(
+        model_path, config=value_model_config(model_path), output_loading_info=True, **kwargs
+    )
+    missing = set(info.get("missing_keys", ()))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in missing:
+                param.zero_()
+    return model
+
+
+def empty_value_model(model_path: str, *, dtype: str, attn_implementation: str | None = None) -> nn.Module:
+    """:func:`load_value_model`'s model on the ``meta`` device (see :func:`empty_causal_lm`)."""
+    from transformers import AutoModelForTokenClassification
+
+    kwargs: dict[str, object] = {"dtype": torch_dtype(dtype)}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    with torch.device("meta"):
+        return AutoModelForTokenClassification.from_config(value_model_config(model_path), **kwargs)

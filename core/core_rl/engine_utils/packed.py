@@ -19,7 +19,7 @@ import attrs
 import torch
 from torch import nn
 
-from core_rl.engine_utils.logprobs import token_logprobs
+from core_rl.engine_utils.logprobs import align_to_tokens, token_logprobs
 
 LAYOUTS = ("auto", "padded", "packed")
 #: attention implementations with a varlen kernel that takes ``cu_seqlens`` (no mask materialised)
@@ -98,6 +98,28 @@ def resolve_layout(layout: str, attn_implementation: str | None) -> str:
     return "packed" if attn_implementation in VARLEN_ATTENTION else "padded"
 
 
+def _forward_outputs(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, layout: str, varlen_kwargs: bool
+) -> tuple[torch.Tensor, PackedRows | None]:
+    """The model's ``logits`` of one micro-batch: ``[b, width, ...]`` padded, or ``[1, S, ...]``
+    with the :class:`PackedRows` to unpack them."""
+    if layout == "padded":
+        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits, None
+    if layout != "packed":
+        raise ValueError(f"layout must be padded or packed here, got {layout!r}")
+    packed = pack_rows(input_ids, attention_mask)
+    kwargs: dict[str, object] = {}
+    if varlen_kwargs:
+        kwargs = {
+            "cu_seq_lens_q": packed.cu_seqlens,
+            "cu_seq_lens_k": packed.cu_seqlens,
+            "max_length_q": packed.max_seqlen,
+            "max_length_k": packed.max_seqlen,
+        }
+    logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, **kwargs).logits
+    return logits, packed
+
+
 def forward_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -111,20 +133,27 @@ def forward_logprobs(
     """Log-probs (and entropies) ``[b, width]`` of one micro-batch through a causal LM, in the
     ``padded`` or ``packed`` layout (see the module docstring; identical results up to float
     rounding). ``varlen_kwargs`` also passes ``cu_seqlens`` / max lengths for flash-attn."""
-    if layout == "padded":
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logits, packed = _forward_outputs(model, input_ids, attention_mask, layout=layout, varlen_kwargs=varlen_kwargs)
+    if packed is None:
         return token_logprobs(logits, input_ids, attention_mask, temperature, with_entropy=with_entropy)
-    if layout != "packed":
-        raise ValueError(f"layout must be padded or packed here, got {layout!r}")
-    packed = pack_rows(input_ids, attention_mask)
-    kwargs: dict[str, object] = {}
-    if varlen_kwargs:
-        kwargs = {
-            "cu_seq_lens_q": packed.cu_seqlens,
-            "cu_seq_lens_k": packed.cu_seqlens,
-            "max_length_q": packed.max_seqlen,
-            "max_length_k": packed.max_seqlen,
-        }
-    logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, **kwargs).logits
     lp, ent = token_logprobs(logits, packed.input_ids, packed.continues, temperature, with_entropy=with_entropy)
     return unpack(lp, packed), (unpack(ent, packed) if ent is not None else None)
+
+
+def forward_values(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    layout: str = "padded",
+    varlen_kwargs: bool = False,
+) -> torch.Tensor:
+    """Values ``[b, width]`` float32 of one micro-batch through a value model (a token
+    classifier with one output, e.g. ``LlamaForTokenClassification``), in the alignment of
+    :func:`token_logprobs`: position ``t`` holds the output at ``t - 1`` (the value of the state
+    before token ``t``); position 0 and padding hold 0."""
+    out, packed = _forward_outputs(model, input_ids, attention_mask, layout=layout, varlen_kwargs=varlen_kwargs)
+    scalar = out[..., 0].float()
+    if packed is None:
+        return align_to_tokens(scalar[:, :-1], attention_mask)
+    return unpack(align_to_tokens(scalar[:, :-1], packed.continues), packed)

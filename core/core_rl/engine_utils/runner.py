@@ -28,7 +28,7 @@ from core_rl.engine_utils.microbatch import (
     row_lengths,
     take_micro_batch,
 )
-from core_rl.engine_utils.packed import VARLEN_ATTENTION, forward_logprobs, resolve_layout
+from core_rl.engine_utils.packed import VARLEN_ATTENTION, forward_logprobs, forward_values, resolve_layout
 from core_rl.engine_utils.packing import plan_micro_batches
 from core_rl.interfaces import LossFn
 from core_rl.protocol import TensorBatch
@@ -62,7 +62,9 @@ class EngineState:
 class MicroBatchRunner:
     """Runs ``model`` over a rank's rows in micro-batches. ``attn_implementation`` is the one the
     model was loaded with (it decides the ``auto`` layout and whether flash-attn varlen arguments
-    are passed)."""
+    are passed). ``head="value"``: ``model`` is a value model; :meth:`forward` and :meth:`logprobs`
+    then give values (:func:`~core_rl.engine_utils.packed.forward_values`) in place of log-probs,
+    and entropies are 0."""
 
     def __init__(
         self,
@@ -72,8 +74,10 @@ class MicroBatchRunner:
         *,
         pad_token_id: int,
         attn_implementation: str | None,
+        head: str = "lm",
     ) -> None:
         self.model = model
+        self.head = head
         self.config = config
         self.device = device
         self.pad_token_id = pad_token_id
@@ -108,6 +112,15 @@ class MicroBatchRunner:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) ``[b, width]`` of one micro-batch on the engine's device."""
+        if self.head == "value":
+            values = forward_values(
+                self.model,
+                input_ids.to(self.device),
+                attention_mask.to(self.device),
+                layout=self.layout,
+                varlen_kwargs=self.varlen_kwargs,
+            )
+            return values, (torch.zeros_like(values.detach()) if with_entropy else None)
         return forward_logprobs(
             self.model,
             input_ids.to(self.device),

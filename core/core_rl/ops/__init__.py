@@ -1,7 +1,8 @@
 """The algorithm math every plugin shares, as small pure tensor functions (no formula is written
 twice): masked and group statistics and normalisation, loss aggregation, KL estimators, importance
 ratios (token and sequence level), surrogate losses and off-policy masks, importance-weight
-rejection, and reward shaping.
+rejection, reward shaping, and value-function math (GAE, clipped value loss, KL control,
+distillation).
 
 All ``[B, T]`` arguments follow :mod:`core_rl.protocol`'s convention (position ``t`` describes token
 ``t``; ``mask`` is a response or loss mask). Everything is vectorised over samples and groups.
@@ -16,7 +17,7 @@ from core_rl.ops.importance import (
     divergence_metric,
     reject_by_metric,
 )
-from core_rl.ops.kl import KL_CAP, KL_ESTIMATORS, kl_estimate
+from core_rl.ops.kl import KL_CAP, KL_ESTIMATORS, adaptive_kl_coef, kl_estimate, reverse_kl_distill_loss
 from core_rl.ops.ratios import (
     IMPORTANCE_SAMPLING_LEVELS,
     MAX_LOG_RATIO,
@@ -47,6 +48,7 @@ from core_rl.ops.surrogates import (
     ppo_clip_loss,
     sapo_loss,
 )
+from core_rl.ops.values import VALUE_LOSSES, gae_advantages, huber, last_token_mask, token_level_rewards, value_loss
 
 __all__ = [
     "AGGREGATIONS",
@@ -59,17 +61,22 @@ __all__ = [
     "REJECTION_AGGREGATIONS",
     "REJECTION_LEVELS",
     "SEQUENCE_REDUCTIONS",
+    "VALUE_LOSSES",
+    "adaptive_kl_coef",
     "aggregation_weights",
     "behaviour_log_ratio",
     "clamp_log_ratio",
     "discounted_outcome_returns",
     "divergence_metric",
+    "gae_advantages",
     "group_ids_to_dense",
     "group_is_uniform",
     "group_mean_std",
     "gspo_token_log_ratio",
+    "huber",
     "importance_log_ratio",
     "kl_estimate",
+    "last_token_mask",
     "loglinear_proximal_logprobs",
     "m2po_mask",
     "masked_mean",
@@ -81,9 +88,12 @@ __all__ = [
     "policy_ratio",
     "ppo_clip_loss",
     "reject_by_metric",
+    "reverse_kl_distill_loss",
     "sapo_loss",
     "scale_rewards",
     "segment_sum",
     "sequence_log_ratio",
     "sequence_reduce",
+    "token_level_rewards",
+    "value_loss",
 ]

@@ -41,3 +41,26 @@ def kl_estimate(
     else:
         raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}")
     return kl if cap is None else kl.clamp(min=-cap, max=cap)
+
+
+def adaptive_kl_coef(coef: float, observed_kl: float, *, target: float, horizon: int, n_steps: int) -> float:
+    """One update of the adaptive KL controller (Ziegler et al. 2019): with
+    ``e = clip(observed_kl / target - 1, -0.2, 0.2)``, the new coefficient is
+    ``coef * (1 + e * n_steps / horizon)``. ``n_steps``: samples (or steps) since the last update."""
+    error = min(max(observed_kl / target - 1.0, -0.2), 0.2)
+    return coef * (1.0 + error * n_steps / horizon)
+
+
+def reverse_kl_distill_loss(
+    logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, baseline: torch.Tensor | float = 0.0
+) -> torch.Tensor:
+    """Per-token loss of on-policy distillation: the reverse KL(pi || pi_teacher) on the policy's own
+    samples, minimised by a policy gradient whose per-token reward is ``-(log pi - log pi_teacher)``::
+
+        l_t = sg(log pi_t - log pi_teacher_t - b) * log pi_t
+
+    Its gradient is ``(d_t - b) * grad log pi_t`` (``d`` = the k1 estimate of the KL at token
+    ``t``), whose expectation over samples of ``pi`` is the gradient of the per-token reverse KL for
+    any constant ``b`` (``E[grad log pi] = 0``; the k1 estimate itself has a gradient of zero mean).
+    A baseline ``b`` (e.g. the batch's mean ``d``, broadcast against ``[B, T]``) lowers the variance."""
+    return (logprobs - teacher_logprobs - baseline).detach() * logprobs

@@ -266,15 +266,24 @@ class AdvantageEstimatorContract(ComponentContract):
         assert isinstance(est, AdvantageEstimator)
         return est
 
+    @staticmethod
+    def batch(seed: int = 0) -> TensorBatch:
+        """:func:`make_rl_batch` plus ``values`` (random, on the response), for estimators that
+        declare ``requires_values``."""
+        batch = make_rl_batch(seed=seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        batch["values"] = torch.randn(batch["response_mask"].shape, generator=g) * batch["response_mask"]
+        return batch
+
     def test_shape_and_mask(self) -> None:
-        batch = make_rl_batch()
+        batch = self.batch()
         adv = self.make()(batch)
         assert adv.shape == batch["response_mask"].shape
         assert torch.isfinite(adv).all()
         assert (adv[batch["response_mask"] == 0] == 0).all()
 
     def test_deterministic(self) -> None:
-        batch = make_rl_batch(seed=3)
+        batch = self.batch(seed=3)
         assert torch.equal(self.make()(batch), self.make()(batch))
 
 
@@ -538,6 +547,7 @@ class TrainEngineContract(_TinyModelMixin, ComponentContract):
         trainable: bool = True,
         max_tokens_per_mb: int = 4096,
         optimizer: OptimizerConfig | None = None,
+        head: str = "lm",
     ) -> TrainEngine:
         actor = ActorConfig(
             model_path=str(model_path),
@@ -545,9 +555,18 @@ class TrainEngineContract(_TinyModelMixin, ComponentContract):
             optimizer=optimizer or OptimizerConfig(name="sgd", lr=0.1),
             micro_batch=MicroBatchConfig(max_tokens_per_mb=max_tokens_per_mb),
         )
-        engine = self.entry().factory(actor, self.config(), trainable=trainable)
+        kwargs: dict[str, Any] = {"trainable": trainable}
+        if head != "lm":
+            kwargs["head"] = head
+        engine = self.entry().factory(actor, self.config(), **kwargs)
         assert isinstance(engine, TrainEngine)
         return engine
+
+    def _value_engine(self, model_path: Path, **kwargs: Any) -> TrainEngine:
+        """A value-head engine, or a skip for an engine whose config class lists no ``value`` head."""
+        if "value" not in tuple(getattr(self.entry().config_cls, "heads", ("lm",))):
+            pytest.skip(f"{self.name} declares no value head (config_cls.heads)")
+        return self.make(model_path, head="value", **kwargs)
 
     def test_logprobs_match_transformers(self, model_path: Path) -> None:
         engine = self.make(model_path, trainable=False)
@@ -646,6 +665,77 @@ class TrainEngineContract(_TinyModelMixin, ComponentContract):
         with pytest.raises(CheckpointFormatError):
             engine.check_checkpoint(tmp_path / "missing")
         engine.close()
+
+    # -- value head (engines whose config class lists "value" in ``heads``; others skip) ------
+
+    def test_value_head_matches_transformers_after_export(self, model_path: Path, tmp_path: Path) -> None:
+        from transformers import AutoModelForTokenClassification
+
+        engine = self._value_engine(model_path, optimizer=OptimizerConfig(name="adamw", lr=1e-2))
+        batch = _with_returns(make_rl_batch())
+        start = engine.compute_values(batch)
+        assert start.shape == batch["input_ids"].shape and torch.equal(start, torch.zeros_like(start))
+        metrics = engine.train_value_step(batch, _mse_value_loss)
+        for key in ("loss", "grad_norm", "lr", "nonfinite"):
+            assert key in metrics and math.isfinite(metrics[key]), key
+        values = engine.compute_values(batch)
+        assert (values[:, 0] == 0).all() and (values[batch["attention_mask"] == 0] == 0).all()
+        assert values.abs().sum() > 0
+        engine.export_hf(tmp_path / "critic")
+        model = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic", dtype=torch.float32)
+        with torch.no_grad():
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[..., 0]
+        want = torch.zeros_like(values)
+        want[:, 1:] = out[:, :-1] * batch["attention_mask"][:, 1:]
+        torch.testing.assert_close(values, want, atol=self.logprob_atol, rtol=0)
+        engine.close()
+
+    def test_value_training_lowers_value_loss(self, model_path: Path) -> None:
+        engine = self._value_engine(model_path, optimizer=OptimizerConfig(name="adamw", lr=1e-2))
+        batch = _with_returns(make_rl_batch())
+        losses = [engine.train_value_step(batch, _mse_value_loss)["loss"] for _ in range(8)]
+        assert losses[-1] < losses[0] * 0.5, losses
+        engine.close()
+
+    def test_value_micro_batching_does_not_change_update(self, model_path: Path) -> None:
+        batch = _with_returns(make_rl_batch(batch_size=6))
+        whole = self._value_engine(model_path, max_tokens_per_mb=10_000)
+        split = self._value_engine(model_path, max_tokens_per_mb=batch["input_ids"].shape[1] * 2)
+        for _ in range(2):  # the head starts at 0: the second step also moves the backbone
+            m1, m2 = whole.train_value_step(batch, _mse_value_loss), split.train_value_step(batch, _mse_value_loss)
+        assert m2.get("num_micro_batches", 3) > 1
+        assert math.isclose(m1["loss"], m2["loss"], rel_tol=1e-5)
+        torch.testing.assert_close(whole.compute_values(batch), split.compute_values(batch), atol=1e-5, rtol=1e-5)
+        whole.close()
+        split.close()
+
+    def test_value_state_resumes_identically(self, model_path: Path, tmp_path: Path) -> None:
+        opt = OptimizerConfig(name="adamw", lr=1e-2)
+        batches = [_with_returns(make_rl_batch(seed=s)) for s in range(3)]
+        a = self._value_engine(model_path, optimizer=opt)
+        a.train_value_step(batches[0], _mse_value_loss)
+        a.save_state(tmp_path / "ckpt", {"n": 3})
+        a.train_value_step(batches[1], _mse_value_loss)
+        b = self._value_engine(model_path, optimizer=opt)
+        assert b.load_state(tmp_path / "ckpt")["n"] == 3 and b.step == 1
+        b.train_value_step(batches[1], _mse_value_loss)
+        torch.testing.assert_close(b.compute_values(batches[2]), a.compute_values(batches[2]), atol=1e-6, rtol=1e-5)
+        want = a.full_state_dict()
+        for key, value in b.full_state_dict().items():
+            torch.testing.assert_close(value, want[key], atol=1e-6, rtol=1e-5)
+        a.close()
+        b.close()
+
+
+def _with_returns(batch: TensorBatch) -> TensorBatch:
+    """``batch`` with value targets ``returns`` (a fixed pattern over the response)."""
+    width = batch["input_ids"].shape[1]
+    batch["returns"] = torch.linspace(-1.0, 1.0, width)[None, :] * batch["response_mask"]
+    return batch
+
+
+def _mse_value_loss(batch: TensorBatch, values: torch.Tensor) -> LossOutput:
+    return LossOutput(per_token_loss=0.5 * (values - batch["returns"]).square() * batch["response_mask"])
 
 
 class RolloutEngineContract(_TinyModelMixin, ComponentContract):

@@ -198,8 +198,10 @@ class BatchAssembler:
         if algorithm.mask_no_eos_with_zero:
             loss_mask = loss_mask * (~batch["truncated"]).float()[:, None]
         batch["loss_mask"] = loss_mask
-        advantages = self.advantage(batch)
-        if algorithm.adv_norm is not None:
+        # an estimator needing a critic's values runs in the update instead (trainer/critic.py)
+        after_critic = getattr(self.advantage, "requires_values", False)
+        advantages = torch.zeros_like(loss_mask) if after_critic else self.advantage(batch)
+        if algorithm.adv_norm is not None and not after_critic:
             advantages = normalize_with(advantages, algorithm.adv_norm, batch["group_index"], loss_mask)
         batch["advantages"] = advantages
         metrics.update(

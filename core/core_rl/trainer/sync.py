@@ -60,9 +60,12 @@ from core_rl.kinds import (
 from core_rl.plugins import PluginHost
 from core_rl.preflight import preflight
 from core_rl.protocol import RewardInput, Sample, TensorBatch
+from core_rl.roles import build_roles
 from core_rl.trainer import checkpoints
 from core_rl.trainer.batching import BatchAssembler, Generation
+from core_rl.trainer.critic import CRITIC_DIR, CriticStage, check_role_states, load_role_states, save_role_states
 from core_rl.trainer.data import DataRow, PromptItem, PromptSource
+from core_rl.trainer.distill import DistillationLoss
 from core_rl.trainer.errors import DiskFullError, RunFailed, TrainingInterrupted
 from core_rl.trainer.numerics import NonFiniteGuard
 from core_rl.trainer.ranks import (
@@ -162,8 +165,16 @@ class SyncTrainer:
         self.filters: list[SampleFilter] = [_build(host, SAMPLE_FILTER, s) for s in cfg.algorithm.filters]
         engine_entry = host.get(TRAIN_ENGINE, cfg.actor.engine.name)
         self.engine = engine_entry.factory(cfg.actor, cfg.actor.engine.config, trainable=True)
-        if self.loss.requires_reference:
-            self.ref = engine_entry.factory(cfg.actor, cfg.actor.engine.config, trainable=False)
+        # reference, critic and teacher (core_rl/roles.py); critic and teacher hooks: trainer/critic.py, distill.py
+        self.roles = build_roles(
+            cfg,
+            host,
+            needs_reference=self.loss.requires_reference or self.advantage.requires_reference,
+            needs_values=self.advantage.requires_values,
+        )
+        self.ref = self.roles.ref
+        if cfg.teacher is not None:
+            self.loss = DistillationLoss(self.loss, cfg.teacher)
         set_collective_timeout(cfg.trainer.collective_timeout_s)  # and for one that existed already
         self.rank, self.world_size = rank_and_world()
         # -- policy-gradient options (trainer/batching.py, trainer/update.py) ------------------
@@ -177,6 +188,8 @@ class SyncTrainer:
             temperature=cfg.rollout.sampling.temperature,
             shard=self._shard,
             world_size=self.world_size,
+            teacher=self.roles.teacher,
+            critic=self._critic_stage(),
         )
 
         _quiet_library_progress_bars()
@@ -215,6 +228,23 @@ class SyncTrainer:
             except Exception as exc:
                 error = exc
         agree_after("building the rollout engine, reward and loggers (rank 0)", error)
+
+    def _critic_stage(self) -> CriticStage | None:
+        if self.roles.critic is None:
+            return None
+        assert self.cfg.critic is not None
+        return CriticStage(
+            critic=self.roles.critic,
+            config=self.cfg.critic,
+            advantage=self.advantage,
+            algorithm=self.cfg.algorithm,
+            shard=self._shard,
+            world_size=self.world_size,
+        )
+
+    def _trained_roles(self) -> dict[str, TrainEngine]:
+        """The trained roles besides the actor, saved in ``<checkpoint>/<role>``."""
+        return {CRITIC_DIR: self.roles.critic} if self.roles.critic is not None else {}
 
     @property
     def is_main(self) -> bool:
@@ -381,6 +411,7 @@ class SyncTrainer:
             "rollout": self.rollout.state_dict() if self.rollout is not None else {},
             "nonfinite": self.nonfinite.state_dict(),
             "reward_errors": self.reward_log.state_dict(),
+            "advantage": self.advantage.state_dict(),
         }
 
     def save_checkpoint(self, step: int) -> Path:
@@ -392,6 +423,7 @@ class SyncTrainer:
         try:
             with waiting_for(f"the other ranks to save checkpoint {path.name}"):
                 self.engine.save_state(path, self._extra_state(step))
+                save_role_states(self._trained_roles(), path)
             if self.is_main:
                 checkpoints.mark_latest(self.run_dir, step)
                 checkpoints.prune(self.run_dir, self.cfg.saver.keep_last)
@@ -414,6 +446,7 @@ class SyncTrainer:
     def _check_checkpoint(self, path: Path) -> None:
         assert self.engine is not None
         self.engine.check_checkpoint(path)
+        check_role_states(self._trained_roles(), path)
 
     def _choose_checkpoint(self) -> Path | None:
         """Rank 0: the checkpoint to resume from (``None``: start from the beginning), saying why
@@ -456,6 +489,7 @@ class SyncTrainer:
             return
         with waiting_for(f"the other ranks to load checkpoint {path.name}"):
             extra = self.engine.load_state(path)
+            load_role_states(self._trained_roles(), path)
         step = int(extra["trainer_step"])
         if step != checkpoints.step_of(path):
             raise RunFailed(f"checkpoint {path} holds the state after step {step}, not {checkpoints.step_of(path)}")
@@ -466,6 +500,7 @@ class SyncTrainer:
             self.rollout.load_state_dict(extra.get("rollout", {}))
         self.nonfinite.load_state_dict(extra.get("nonfinite", {}))
         self.reward_log.load_state_dict(extra.get("reward_errors", {}))
+        self.advantage.load_state_dict(extra.get("advantage", {}))
         with waiting_for("the other ranks to send the resumed weights to the rollout engine"):
             self._sync_weights(step)
         if self.is_main:
@@ -550,9 +585,11 @@ class SyncTrainer:
         if self.reward_runner is not None:
             self.reward_runner.close()
             self.reward_runner = None
-        for component in (self.rollout, self.ref, self.engine, self.reward):
+        for component in (self.rollout, self.engine, self.reward):
             if component is not None:
                 component.close()
+        if getattr(self, "roles", None) is not None:
+            self.roles.close()
         self.rollout = self.ref = self.engine = self.reward = None
 
 

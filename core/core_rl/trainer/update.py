@@ -1,6 +1,7 @@
-"""The policy update of one RL step, on every rank: reference and recomputed log-probs, the loss's
+"""The policy update of one RL step, on every rank: reference, teacher and recomputed log-probs,
+the critic's values and advantages (with a critic, :mod:`core_rl.trainer.critic`), the loss's
 whole-batch preparation, then ``ppo_n_minibatches`` optimiser steps per epoch for ``ppo_epochs``
-epochs.
+epochs (none while the critic warms up), then the critic's own steps over the same minibatches.
 
 Log-probs are computed on each rank's shard and gathered back into the global batch, so everything
 that looks at the whole batch (the loss's :meth:`~core_rl.interfaces.PolicyLoss.prepare`, each
@@ -10,6 +11,7 @@ minibatch's aggregation weights) sees the same data on every rank, whatever the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +20,9 @@ from core_rl.config.schema import AlgorithmConfig
 from core_rl.engine_utils.metrics import MAX_SUFFIX
 from core_rl.interfaces import PolicyLoss, TrainEngine
 from core_rl.protocol import TensorBatch
+
+if TYPE_CHECKING:
+    from core_rl.trainer.critic import CriticStage
 
 #: (global batch) -> this rank's rows of it
 Shard = Callable[[TensorBatch], TensorBatch]
@@ -60,6 +65,21 @@ def _gather_rows(batch: TensorBatch, shard: TensorBatch, keys: Sequence[str], wo
         batch[key] = full
 
 
+def compute_on_shards(
+    batch: TensorBatch, shard: Shard, world_size: int, compute: dict[str, Callable[[TensorBatch], torch.Tensor]]
+) -> None:
+    """For each ``key -> fn``: ``batch[key] = fn(this rank's shard)``, gathered from every rank's shard
+    into the global batch (the same on every rank). Collective."""
+    if not compute:
+        return
+    batch[ROW_ID] = torch.arange(batch.batch_size)
+    part = shard(batch)
+    for key, fn in compute.items():
+        part[key] = fn(part)
+    _gather_rows(batch, part, list(compute), world_size)
+    del batch.data[ROW_ID]
+
+
 def drift_metrics(batch: TensorBatch) -> dict[str, float]:
     """How far the recomputed ``old_logprobs`` (pi_old) are from the behaviour log-probs over the
     loss tokens: mean and max of ``pi_old / pi_behave``, the k3 estimate of KL(pi_behave || pi_old),
@@ -96,9 +116,13 @@ class PolicyUpdate:
         temperature: float,
         shard: Shard,
         world_size: int,
+        teacher: TrainEngine | None = None,
+        critic: CriticStage | None = None,
     ) -> None:
         self.engine = engine
         self.ref = ref
+        self.teacher = teacher
+        self.critic = critic
         self.loss = loss
         self.algorithm = algorithm
         self.temperature = temperature
@@ -107,21 +131,17 @@ class PolicyUpdate:
         self.recompute = algorithm.recompute_logprob or loss.requires_recompute
 
     def _logprobs(self, batch: TensorBatch) -> None:
-        """``ref_logprobs`` (with a reference model) and recomputed ``old_logprobs`` (when asked),
-        computed on the shards and gathered into ``batch``."""
-        if self.ref is None and not self.recompute:
-            return
-        batch[ROW_ID] = torch.arange(batch.batch_size)
-        shard = self.shard(batch)
-        keys = []
+        """``ref_logprobs`` (with a reference model), ``teacher_logprobs`` (with a teacher) and
+        recomputed ``old_logprobs`` (when asked), computed on the shards and gathered into ``batch``."""
+        t = self.temperature
+        compute: dict[str, Callable[[TensorBatch], torch.Tensor]] = {}
         if self.ref is not None:
-            shard["ref_logprobs"] = self.ref.compute_logprobs(shard, temperature=self.temperature)
-            keys.append("ref_logprobs")
+            compute["ref_logprobs"] = lambda part: self.ref.compute_logprobs(part, temperature=t)  # type: ignore[union-attr]
+        if self.teacher is not None:
+            compute["teacher_logprobs"] = lambda part: self.teacher.compute_logprobs(part, temperature=t)  # type: ignore[union-attr]
         if self.recompute:
-            shard["old_logprobs"] = self.engine.compute_logprobs(shard, temperature=self.temperature)
-            keys.append("old_logprobs")
-        _gather_rows(batch, shard, keys, self.world_size)
-        del batch.data[ROW_ID]
+            compute["old_logprobs"] = lambda part: self.engine.compute_logprobs(part, temperature=t)
+        compute_on_shards(batch, self.shard, self.world_size, compute)
 
     def __call__(self, batch: TensorBatch, *, train_version: int) -> dict[str, float]:
         """Update the policy on ``batch`` (a global batch with ``loss_mask`` and ``advantages``);
@@ -129,14 +149,19 @@ class PolicyUpdate:
         batch["train_version"] = torch.full((batch.batch_size,), train_version, dtype=torch.long)
         self._logprobs(batch)
         metrics = drift_metrics(batch) if self.recompute else {}
+        if self.critic is not None:  # values, then advantages from them (trainer/critic.py)
+            metrics.update(self.critic.prepare(batch))
         metrics.update({f"actor/{k}": v for k, v in self.loss.prepare(batch).items()})
         steps = []
         parts = minibatch_rows(batch.batch_size, self.algorithm.ppo_n_minibatches)
-        for _epoch in range(self.algorithm.ppo_epochs):
+        train_actor = self.critic is None or not self.critic.warming_up(train_version)
+        for _epoch in range(self.algorithm.ppo_epochs if train_actor else 0):
             for rows in parts:
                 minibatch = batch.rows(rows)
                 minibatch["loss_weight"] = self.loss.loss_weights(minibatch["loss_mask"])
                 steps.append(self.engine.train_step(self.shard(minibatch), self.loss, temperature=self.temperature))
         metrics.update({f"actor/{k}": v for k, v in combine_step_metrics(steps).items()})
         metrics["actor/optimizer_steps"] = float(len(steps))
+        if self.critic is not None:
+            metrics.update(self.critic.update(batch, parts))
         return metrics

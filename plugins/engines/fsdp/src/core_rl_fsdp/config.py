@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import attrs
 from core_rl.config.validators import one_of
@@ -43,6 +43,9 @@ class FSDPConfig:
       model on the meta device and receive just their shards (memory-efficient loading). ``False``:
       every rank reads the full weights before sharding.
     """
+
+    #: the model heads this engine builds (:data:`core_rl.interfaces.HEADS`): a critic needs ``value``
+    heads: ClassVar[tuple[str, ...]] = ("lm", "value")
 
     wrap: str = attrs.field(default="decoder_layers", validator=one_of(WRAPS))
     reshard_after_forward: bool = True

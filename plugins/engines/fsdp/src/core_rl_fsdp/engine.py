@@ -24,7 +24,7 @@ from core_rl.engine_utils import lora
 from core_rl.engine_utils.hf import architecture_name, resolve_attn_implementation
 from core_rl.engine_utils.optim import build_optimizer, check_schedule, lr_at, set_lr
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner
-from core_rl.interfaces import LossFn, TrainEngine
+from core_rl.interfaces import HEADS, LossFn, LossOutput, TrainEngine, ValueLossFn
 from core_rl.protocol import TensorBatch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -45,11 +45,17 @@ CHECKPOINT_FORMAT = 2  # 2: full state in safetensors + JSON (1 was a pickled DC
 class FSDPEngine(EngineState, TrainEngine):
     """See the module docstring. ``trainable=False`` builds a frozen reference model (eval mode,
     no gradients, no optimizer; :meth:`train_step`, :meth:`save_state` and :meth:`load_state`
-    raise)."""
+    raise). ``head="value"`` builds a value model (a critic: the backbone plus a scalar head per
+    token, :func:`core_rl.engine_utils.hf.load_value_model`), trained by :meth:`train_value_step`."""
 
     engine_label = "FSDP"
 
-    def __init__(self, actor: ActorConfig, config: FSDPConfig | None = None, *, trainable: bool = True) -> None:
+    def __init__(
+        self, actor: ActorConfig, config: FSDPConfig | None = None, *, trainable: bool = True, head: str = "lm"
+    ) -> None:
+        if head not in HEADS:
+            raise ValueError(f"head must be one of {', '.join(HEADS)}, got {head!r}")
+        self.head = head
         self.actor = actor
         self.config = config if config is not None else FSDPConfig()
         self.trainable = trainable
@@ -68,12 +74,13 @@ class FSDPEngine(EngineState, TrainEngine):
             rank=self.rank,
             world_size=self.world_size,
             attn_implementation=attn,
+            head=head,
         )
         hf_model = lora.base_model(self.model)
         self._architectures = [architecture_name(hf_model)]
         self._pad_id = int(hf_model.config.pad_token_id) if hf_model.config.pad_token_id is not None else 0
         self.runner = MicroBatchRunner(
-            self.model, actor.micro_batch, self.device, pad_token_id=self._pad_id, attn_implementation=attn
+            self.model, actor.micro_batch, self.device, pad_token_id=self._pad_id, attn_implementation=attn, head=head
         )
         self.optimizer = build_optimizer(self.model.parameters(), actor.optimizer) if trainable else None
         self._step = 0
@@ -84,9 +91,19 @@ class FSDPEngine(EngineState, TrainEngine):
     def compute_logprobs(self, batch: TensorBatch, *, temperature: float = 1.0) -> torch.Tensor:
         """Log-probs [B, T] float32 on CPU (see :func:`core_rl.engine_utils.logprobs.token_logprobs`),
         computed in eval mode without gradients, micro-batched like :meth:`train_step`."""
-        self._check_open()
+        self._check_head("lm", "compute_logprobs")
         _check_temperature(temperature)
         return self.runner.logprobs(batch, temperature)
+
+    def compute_values(self, batch: TensorBatch) -> torch.Tensor:
+        """Values [B, T] float32 on CPU of a value model (see :class:`core_rl.interfaces.TrainEngine`)."""
+        self._check_head("value", "compute_values")
+        return self.runner.logprobs(batch, 1.0)  # the runner's forward gives values for this head
+
+    def _check_head(self, head: str, what: str) -> None:
+        self._check_open()
+        if self.head != head:
+            raise RuntimeError(f"{what} needs an engine built with head={head!r}; this one has head={self.head!r}")
 
     # ------------------------------------------------------------------ training
 
@@ -101,7 +118,24 @@ class FSDPEngine(EngineState, TrainEngine):
         updates its weights or optimizer state (the step still counts, for the schedule).
         """
         self._check_trainable("train_step")
+        self._check_head("lm", "train_step")
         _check_temperature(temperature)
+        return self._optimizer_step(batch, loss_fn, temperature)
+
+    def train_value_step(self, batch: TensorBatch, loss_fn: ValueLossFn) -> dict[str, float]:
+        """One optimizer step of a value model: :meth:`train_step` with ``loss_fn(micro_batch, values)``
+        (no ``entropy`` metric)."""
+        self._check_trainable("train_value_step")
+        self._check_head("value", "train_value_step")
+
+        def on_values(mb: TensorBatch, values: torch.Tensor, _entropy: torch.Tensor) -> LossOutput:
+            return loss_fn(mb, values)
+
+        metrics = self._optimizer_step(batch, on_values, 1.0)
+        metrics.pop("entropy", None)
+        return metrics
+
+    def _optimizer_step(self, batch: TensorBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
         assert self.optimizer is not None
         lr = lr_at(self._step, self.actor.optimizer.lr, self.actor.lr_scheduler)
         set_lr(self.optimizer, lr)
@@ -207,6 +241,7 @@ class FSDPEngine(EngineState, TrainEngine):
                 meta = {
                     "format": CHECKPOINT_FORMAT,
                     "engine": "fsdp",
+                    "head": self.head,
                     "step": self._step,
                     "world_size": self.world_size,
                     "optimizer": has_optim,
@@ -234,7 +269,7 @@ class FSDPEngine(EngineState, TrainEngine):
         from safetensors import SafetensorError, safe_open
 
         final = Path(path)
-        meta = _read_meta(final)
+        meta = self._read_own_meta(final)
         files = ["model.safetensors", "extra.json", "rng/rank0.json"]
         if meta.get("optimizer"):
             files += ["optimizer.json", "optimizer.safetensors"]
@@ -258,7 +293,7 @@ class FSDPEngine(EngineState, TrainEngine):
         restored only for ranks that existed). Nothing is unpickled."""
         self._check_trainable("load_state")
         final = Path(path).absolute()
-        meta = _read_meta(final)
+        meta = self._read_own_meta(final)
         self.optimizer = build_optimizer(self.model.parameters(), self.actor.optimizer)
         model_state: dict[str, torch.Tensor] = {}
         optim_state: dict[str, Any] = {}
@@ -287,6 +322,15 @@ class FSDPEngine(EngineState, TrainEngine):
         extra = ckpt.load_tree(final, "extra")
         dist_utils.barrier()
         return extra
+
+    def _read_own_meta(self, final: Path) -> dict[str, Any]:
+        """:func:`_read_meta`, refusing a checkpoint of the other head (a critic's for a policy)."""
+        meta = _read_meta(final)
+        if meta.get("head", "lm") != self.head:
+            raise ckpt.CheckpointFormatError(
+                f"{final}: holds a model with head={meta.get('head', 'lm')!r}, this engine has head={self.head!r}"
+            )
+        return meta
 
     def close(self) -> None:
         """Drop the model and optimizer (the process group stays for other engines)."""

@@ -14,11 +14,14 @@ if TYPE_CHECKING:
     from core_rl_fsdp.engine import FSDPEngine
 
 
-def build_engine(actor: ActorConfig, engine_config: FSDPConfig | None, *, trainable: bool) -> FSDPEngine:
-    """The factory core-rl calls: an :class:`~core_rl_fsdp.engine.FSDPEngine` for ``actor``."""
+def build_engine(
+    actor: ActorConfig, engine_config: FSDPConfig | None, *, trainable: bool, head: str = "lm"
+) -> FSDPEngine:
+    """The factory core-rl calls: an :class:`~core_rl_fsdp.engine.FSDPEngine` for ``actor`` (or any
+    role section); ``head="value"`` builds a value model (a critic)."""
     from core_rl_fsdp.engine import FSDPEngine
 
-    return FSDPEngine(actor, engine_config, trainable=trainable)
+    return FSDPEngine(actor, engine_config, trainable=trainable, head=head)
 
 
 @hookimpl

@@ -1,0 +1,106 @@
+"""The advantage estimator ``gae``: generalised advantage estimation on a critic's values, with the
+KL to the reference folded into the per-token reward (fixed or adaptive coefficient).
+
+Per token (:func:`core_rl.ops.token_level_rewards`, :func:`core_rl.ops.gae_advantages`)::
+
+    r_t = -kl_coef * kl_t + reward * [t is the response's last token]
+    delta_t = r_t + discount * V_{t+1} - V_t,   A_t = delta_t + discount * gae_lambda * A_{t+1}
+    returns_t = A_t + V_t                        (the critic's target)
+
+with ``kl_t`` the ``kl_estimator`` estimate of KL(pi_old || pi_ref) at token ``t``. With
+``kl_target`` set, ``kl_coef`` adapts after each step (:func:`core_rl.ops.adaptive_kl_coef`, the
+observed KL being the mean over sequences of their summed per-token KL, ``n_steps`` the batch's
+samples) and is saved in checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from core_rl import ops
+from core_rl.config.validators import MAX_STEPS, in_range, non_negative, one_of, positive
+from core_rl.interfaces import AdvantageEstimator
+from core_rl.ops import KL_ESTIMATORS
+from core_rl.protocol import TensorBatch
+
+if TYPE_CHECKING:
+    from core_rl.config.checks import SectionContext
+
+
+@attrs.define
+class GAEConfig:
+    """``algorithm.advantage`` options of ``gae`` (module docstring): ``discount``, ``gae_lambda``;
+    ``kl_ctl`` (the initial KL coefficient in the reward; 0: no KL in the reward, no reference model
+    needed for it), ``kl_estimator``, ``kl_target`` (null: a fixed coefficient) and ``kl_horizon``."""
+
+    discount: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0))
+    gae_lambda: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0))
+    kl_ctl: float = attrs.field(default=0.0, validator=non_negative())
+    kl_estimator: str = attrs.field(default="k1", validator=one_of(KL_ESTIMATORS))
+    kl_target: float | None = attrs.field(default=None, validator=positive())
+    kl_horizon: int = attrs.field(default=10_000, validator=in_range(1, MAX_STEPS))
+
+    def check_config(self, context: SectionContext) -> list[str]:
+        """GAE needs a critic; an adaptive target needs a coefficient to adapt."""
+        problems = []
+        if context.run.critic is None:
+            problems.append(
+                f"critic: {context.path} {context.name!r} needs a value model; add a critic: section "
+                "(e.g. critic: {model_path: ...}; the ppo recipe starts it from actor.model_path)"
+            )
+        if self.kl_target is not None and self.kl_ctl == 0:
+            problems.append(f"{context.key('kl_target')}: needs kl_ctl > 0 (the coefficient it adapts)")
+        return problems
+
+
+class GAEAdvantage(AdvantageEstimator):
+    """See the module docstring. Reads ``rewards``, ``values``, ``response_mask`` (and with a KL
+    coefficient ``old_logprobs``, ``ref_logprobs``); sets ``batch["returns"]``."""
+
+    requires_values = True
+
+    def __init__(self, config: GAEConfig) -> None:
+        self.config = config
+        self.kl_coef = config.kl_ctl
+        self.requires_reference = config.kl_ctl > 0
+        self._metrics: dict[str, float] = {}
+
+    def __call__(self, batch: TensorBatch) -> torch.Tensor:
+        cfg = self.config
+        mask = batch["response_mask"]
+        kl = None
+        self._metrics = {}
+        if self.requires_reference:
+            kl = ops.kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_estimator) * mask
+        rewards = ops.token_level_rewards(batch["rewards"], mask, kl=kl, kl_coef=self.kl_coef)
+        advantages, returns = ops.gae_advantages(
+            rewards, batch["values"], mask, discount=cfg.discount, gae_lambda=cfg.gae_lambda
+        )
+        batch["returns"] = returns
+        if kl is not None:
+            observed = float(kl.sum(dim=1).mean())
+            self._metrics = {"kl_coef": self.kl_coef, "kl_in_reward": observed}
+            if cfg.kl_target is not None:
+                self.kl_coef = ops.adaptive_kl_coef(
+                    self.kl_coef, observed, target=cfg.kl_target, horizon=cfg.kl_horizon, n_steps=batch.batch_size
+                )
+        return advantages
+
+    def metrics(self) -> dict[str, float]:
+        """The last call's ``kl_coef`` (the coefficient it used) and ``kl_in_reward`` (mean summed KL
+        per sequence); empty without a KL coefficient. The trainer reports them as ``advantage/...``."""
+        return dict(self._metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kl_coef": self.kl_coef}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if "kl_coef" in state:
+            self.kl_coef = float(state["kl_coef"])
+
+
+def make_gae(config: GAEConfig | None) -> GAEAdvantage:
+    return GAEAdvantage(config if config is not None else GAEConfig())
