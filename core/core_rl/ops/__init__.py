@@ -17,6 +17,13 @@ from core_rl.ops.importance import (
     reject_by_metric,
 )
 from core_rl.ops.kl import KL_CAP, KL_ESTIMATORS, kl_estimate
+from core_rl.ops.preference import (
+    PREFERENCE_LOSSES,
+    bradley_terry_loss,
+    preference_loss,
+    preference_metrics,
+    sequence_logprob,
+)
 from core_rl.ops.ratios import (
     IMPORTANCE_SAMPLING_LEVELS,
     MAX_LOG_RATIO,
@@ -55,12 +62,14 @@ __all__ = [
     "KL_ESTIMATORS",
     "MAX_LOG_RATIO",
     "NORM_LEVELS",
+    "PREFERENCE_LOSSES",
     "REJECTION_ACTIONS",
     "REJECTION_AGGREGATIONS",
     "REJECTION_LEVELS",
     "SEQUENCE_REDUCTIONS",
     "aggregation_weights",
     "behaviour_log_ratio",
+    "bradley_terry_loss",
     "clamp_log_ratio",
     "discounted_outcome_returns",
     "divergence_metric",
@@ -80,10 +89,13 @@ __all__ = [
     "overlong_penalty",
     "policy_ratio",
     "ppo_clip_loss",
+    "preference_loss",
+    "preference_metrics",
     "reject_by_metric",
     "sapo_loss",
     "scale_rewards",
     "segment_sum",
     "sequence_log_ratio",
+    "sequence_logprob",
     "sequence_reduce",
 ]
