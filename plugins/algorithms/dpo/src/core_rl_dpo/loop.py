@@ -40,6 +40,20 @@ def surrogate_loss(batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Te
     return LossOutput(per_token_loss=batch["pair_coef"].unsqueeze(1) * logprobs)
 
 
+def reference_value(item: PromptItem, key: str) -> float:
+    """The precomputed reference log-prob in column ``key`` of ``item``'s row; a
+    :class:`~core_rl.errors.DataError` naming the column when it holds no number."""
+    value = item.row.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise DataError(
+            [
+                f"trainer.loop.reference is 'precomputed' but the row of prompt {item.text[:40]!r} has no number "
+                f"in column {key!r} (got {value!r}); add the reference's sequence log-probs or use reference: model"
+            ]
+        )
+    return float(value)
+
+
 class DPOLoop(SupervisedLoop):
     loop_config: DPOConfig
     ref_engine: TrainEngine | None = None
@@ -49,17 +63,6 @@ class DPOLoop(SupervisedLoop):
         with ``trainable=False`` (none with ``reference: precomputed``)."""
         if self.loop_config.reference == "model":
             self.ref_engine = engine_entry.factory(self.cfg.actor, self.cfg.actor.engine.config, trainable=False)
-
-    def _reference_value(self, item: PromptItem, key: str) -> float:
-        value = item.row.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise DataError(
-                [
-                    f"trainer.loop.reference is 'precomputed' but the row of prompt {item.text[:40]!r} has no number "
-                    f"in column {key!r} (got {value!r}); add the reference's sequence log-probs or use reference: model"
-                ]
-            )
-        return float(value)
 
     def make_batch(self, items: list[PromptItem]) -> TensorBatch:
         cfg = self.loop_config
@@ -71,8 +74,8 @@ class DPOLoop(SupervisedLoop):
         batch["loss_weight"] = batch["response_mask"].clone()
         batch["pair_index"] = torch.arange(len(items)).repeat(2)
         if cfg.reference == "precomputed":
-            ref = [self._reference_value(i, cfg.ref_chosen_key) for i in items]
-            ref += [self._reference_value(i, cfg.ref_rejected_key) for i in items]
+            ref = [reference_value(i, cfg.ref_chosen_key) for i in items]
+            ref += [reference_value(i, cfg.ref_rejected_key) for i in items]
             batch["ref_seq_logprob"] = torch.tensor(ref, dtype=torch.float32)
         return batch
 
