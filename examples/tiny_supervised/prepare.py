@@ -1,7 +1,7 @@
 """Build what the supervised examples (``sft.yaml``, ``dpo.yaml``) read, offline: a tiny random
 Llama model with a character tokenizer, and the task of examples/tiny_grpo (reverse a 3-4 letter
 string) as SFT rows (prompt, response) and preference rows (prompt, chosen = the reversal,
-rejected = the letters in another order).
+rejected = letters the prompt does not contain).
 
     python examples/tiny_supervised/prepare.py [--workdir runs/tiny_supervised]
     core-rl train examples/tiny_supervised/sft.yaml
@@ -23,14 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tiny_grpo"))
 from task import LETTERS, all_strings, answer, prompt_text
 
 
-def other_order(s: str, rng: random.Random) -> str:
-    """The letters of ``s`` in an order other than the reversal (``s`` itself if no other exists)."""
-    for _ in range(20):
-        letters = list(s)
-        rng.shuffle(letters)
-        if "".join(letters) != answer(s):
-            return "".join(letters)
-    return s
+def wrong_letters(s: str, rng: random.Random) -> str:
+    """An answer of the right length made of letters the prompt does not contain (a 3-4 letter
+    string leaves at least two of the six unused)."""
+    unused = [c for c in LETTERS if c not in s]
+    return "".join(rng.choice(unused) for _ in s)
 
 
 def prepare(workdir: Path, seed: int = 0) -> None:
@@ -44,7 +41,9 @@ def prepare(workdir: Path, seed: int = 0) -> None:
             f.write(json.dumps({"prompt": prompt_text(s), "response": answer(s)}) + "\n")
     with (data / "pairs.jsonl").open("w", encoding="utf-8") as f:
         for s in strings:
-            f.write(json.dumps({"prompt": prompt_text(s), "chosen": answer(s), "rejected": other_order(s, rng)}) + "\n")
+            f.write(
+                json.dumps({"prompt": prompt_text(s), "chosen": answer(s), "rejected": wrong_letters(s, rng)}) + "\n"
+            )
 
 
 if __name__ == "__main__":
