@@ -497,17 +497,25 @@ def _raw_plugin_problems(data: Mapping[str, Any], host: PluginHost) -> list[str]
     return problems
 
 
-def uses_rl_sections(cfg: RunConfig) -> bool:
+def uses_rl_sections(cfg: RunConfig, host: PluginHost | None = None) -> bool:
     """Whether the selected loop uses the RL sections (``reward``, ``algorithm.advantage``,
-    ``algorithm.loss``): unless its config class says ``rl_sections = False``."""
-    return bool(getattr(cfg.trainer.loop.config, "rl_sections", True))
+    ``algorithm.loss``): unless its config class says ``rl_sections = False``. A loop section that
+    failed validation is judged by its registered config class; an unknown loop (reported already)
+    by whether it is the default ``rl``."""
+    spec = cfg.trainer.loop
+    if spec.config is not None:
+        return bool(getattr(spec.config, "rl_sections", True))
+    entry = spec.entry or (host.registries[LOOP.key].get(spec.name) if host is not None else None)
+    if entry is None:
+        return spec.name == "rl"
+    return bool(getattr(entry.config_cls, "rl_sections", True))
 
 
-def _completeness_problems(cfg: RunConfig) -> list[str]:
+def _completeness_problems(cfg: RunConfig, host: PluginHost | None = None) -> list[str]:
     problems = []
     if not cfg.actor.model_path:
         problems.append("actor.model_path: required; the path of a Hugging Face model directory")
-    if uses_rl_sections(cfg):
+    if uses_rl_sections(cfg, host):
         problems.extend(_rl_completeness_problems(cfg))
     if not cfg.data.train_files:
         problems.append("data.train_files: required; a list of JSON/JSONL/Parquet files of prompts")
@@ -767,7 +775,7 @@ def load_config(
     problems.extend(_cross_section_problems(cfg))
     problems.extend(_plugin_check_problems(cfg))
     if require_complete:
-        problems.extend(_completeness_problems(cfg))
+        problems.extend(_completeness_problems(cfg, host))
     if problems:
         raise ConfigError(problems, source=source)
     return cfg
