@@ -1,5 +1,5 @@
 """Supervised warm start through core-rl's ``sft`` training loop (core-rl-sft): next-token loss on
-format-only targets (:func:`task.format_only_answer`), then the exported model is moved into place.
+format-only targets (:func:`task.format_only_answer`), then the exported model is copied into place.
 
 The targets are written as an SFT data file (each string several times, each copy with its own
 random letter order, so the model learns the format and not one fixed answer per prompt), and the
@@ -34,8 +34,8 @@ def write_warm_start_data(path: Path, *, copies: int, seed: int) -> Path:
 
 
 def warm_start(model_dir: Path, out_dir: Path, *, steps: int, batch_size: int, lr: float, seed: int) -> float:
-    """Train ``model_dir`` for ``steps`` steps of ``batch_size`` rows with the ``sft`` loop and put the
-    exported model at ``out_dir``; return the last loss. The run itself goes to
+    """Train ``model_dir`` for ``steps`` steps of ``batch_size`` rows with the ``sft`` loop and copy the
+    exported model to ``out_dir``; return the last loss. The run itself (metrics, export) goes to
     ``out_dir.parent / "warm_start"``."""
     from task import all_strings
 
@@ -58,7 +58,5 @@ def warm_start(model_dir: Path, out_dir: Path, *, steps: int, batch_size: int, l
     )
     host = PluginHost()
     result = train(load_config(config, host=host), host=host)
-    if Path(out_dir).exists():
-        shutil.rmtree(out_dir)
-    shutil.move(str(result["export"]), str(out_dir))
+    shutil.copytree(result["export"], out_dir, dirs_exist_ok=True)
     return float(read_metrics(result["metrics"])[-1]["sft/loss"])
