@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from core_rl.builtin.loggers import read_metrics
+from core_rl.testing.launch import run_train
 
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_sft")
@@ -27,23 +27,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize(("config", "metric"), [("sft.yaml", "sft/loss"), ("dpo.yaml", "dpo/loss")])
 def test_example_trains(workdir: Path, config: str, metric: str) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "core_rl.cli",
-            "train",
-            str(EXAMPLES / config),
-            f"experiment.output_dir={workdir}",
-            "trainer.total_steps=6",
-            "saver.every_n_steps=3",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_train(EXAMPLES / config, f"experiment.output_dir={workdir}", "trainer.total_steps=6", "saver.every_n_steps=3")
     run = workdir / Path(config).stem
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 7))

@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from core_rl.builtin.loggers import read_metrics
+from core_rl.testing.launch import run_train as train
 from core_rl.tiny import build_tiny_model
 from safetensors.torch import load_file
 
@@ -44,22 +41,6 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     path = root / "dpo.yaml"
     path.write_text(yaml.safe_dump(config))
     return {"root": root, "config": path, "data": data, "model": model}
-
-
-def train(config: Path, *overrides: str, nproc: int = 0, expect: int = 0) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "core_rl.cli"]
-    if nproc:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}"]
-        cmd += ["-m", "core_rl.cli"]
-    proc = subprocess.run(
-        [*cmd, "train", str(config), *overrides], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
 
 
 def weights(run: Path) -> dict:

@@ -10,13 +10,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 from core_rl.builtin.loggers import read_metrics
+from core_rl.testing.launch import run_train as train
+from core_rl.testing.launch import train_command
 from core_rl.tiny import build_tiny_model
 from safetensors.torch import load_file
 
@@ -45,17 +46,6 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"root": root, "config": path}
 
 
-def command(config: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "core_rl.cli", "train", str(config), *overrides]
-
-
-def train(config: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(command(config, *overrides), capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
 def weights(run: Path) -> dict:
     return load_file(run / "final_hf" / "model.safetensors")
 
@@ -72,7 +62,7 @@ def test_loss_falls_and_a_signal_stop_resumes_exactly(setup):
     run = runs / "stopped"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        command(setup["config"], "experiment.name=stopped"),
+        train_command(setup["config"], "experiment.name=stopped"),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
