@@ -9,6 +9,7 @@ plugin is loaded (that is, when a configuration first selects one of its names, 
 The API is versioned by :data:`HOOK_API_VERSION`; specs added later carry ``versionadded``.
 
 - 2: rollout-engine factories receive ``run_dir``; :func:`core_rl_register_server_envs` added.
+- 3: :func:`core_rl_register_loops` added.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 import pluggy
 
 PROJECT_NAME = "core_rl"
-HOOK_API_VERSION = 2
+HOOK_API_VERSION = 3
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -198,4 +199,28 @@ def core_rl_register_server_envs(register: Register) -> None:
     Called when the plugin is loaded.
 
     .. versionadded:: 2
+    """
+
+
+@hookspec
+def core_rl_register_loops(register: Register) -> None:
+    """Register training loops: what one run does from start to end (the RL loop, supervised
+    fine-tuning, preference optimisation, reward-model training, ...), selected by ``trainer.loop``
+    (an algorithm recipe sets it by default; the default is the built-in ``rl`` loop).
+
+    :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
+        loop. ``factory(cfg, host, *, stop, data_rows, config)`` receives the validated
+        :class:`core_rl.config.schema.RunConfig`, the :class:`core_rl.plugins.PluginHost` (to build
+        the engines and loggers the configuration selects), the run's
+        :class:`core_rl.trainer.signals.StopSignals`, the data rows preflight already read and
+        checked (a list of :class:`core_rl.trainer.data.DataRow`, or ``None``) and the loop's own
+        validated section (``trainer.loop``; ``None`` without a ``config_cls``), and returns a
+        :class:`core_rl.interfaces.TrainingLoop`. A ``config_cls`` class attribute
+        ``rl_sections = False`` says the loop does not use the RL sections (``reward``,
+        ``algorithm.advantage``, ``algorithm.loss``), which are then not required.
+    :return: nothing; results go through ``register``.
+
+    Called when the plugin is loaded.
+
+    .. versionadded:: 3
     """

@@ -38,6 +38,7 @@ REWARD = PluginKind("reward", "reward", "core_rl.rewards", "core_rl_register_rew
 LOGGER = PluginKind("logger", "logger", "core_rl.loggers", "core_rl_register_loggers")
 ALGORITHM = PluginKind("algorithm", "algorithm", "core_rl.algorithms", "core_rl_register_algorithms")
 SERVER_ENV = PluginKind("server_env", "server environment", "core_rl.server_envs", "core_rl_register_server_envs")
+LOOP = PluginKind("loop", "training loop", "core_rl.loops", "core_rl_register_loops")
 
 ALL_KINDS: tuple[PluginKind, ...] = (
     TRAIN_ENGINE,
@@ -50,6 +51,7 @@ ALL_KINDS: tuple[PluginKind, ...] = (
     ALGORITHM,
     REJECTION_SAMPLER,
     SERVER_ENV,
+    LOOP,
 )
 KINDS_BY_KEY: dict[str, PluginKind] = {k.key: k for k in ALL_KINDS}
 
@@ -89,4 +91,9 @@ KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("algorithm", "ppo"): "ppo",
     ("algorithm", "distill"): "ppo",
     ("advantage", "gae"): "ppo",
+    ("algorithm", "dpo"): "dpo",
+    ("algorithm", "ipo"): "dpo",
+    ("loop", "dpo"): "dpo",
+    ("algorithm", "sft"): "sft",
+    ("loop", "sft"): "sft",
 }

@@ -1,62 +1,62 @@
-"""Supervised warm start through the train engine: a few steps of next-token loss on
-format-only targets (:func:`task.format_only_answer`), then export as a Hugging Face model.
+"""Supervised warm start through core-rl's ``sft`` training loop (core-rl-sft): next-token loss on
+format-only targets (:func:`task.format_only_answer`), then the exported model is copied into place.
 
-It uses the same plugin host and ``fsdp`` engine as RL training, with a loss function that is the
-negative log-likelihood of the response tokens."""
+The targets are written as an SFT data file (each string several times, each copy with its own
+random letter order, so the model learns the format and not one fixed answer per prompt), and the
+run is an ordinary ``core-rl train`` of the ``sft`` recipe: same ``fsdp`` engine, metrics and export
+as any run."""
 
 from __future__ import annotations
 
+import json
+import math
 import random
+import shutil
 from pathlib import Path
 
-import torch
-from core_rl.config.loader import structure
-from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
-from core_rl.interfaces import LossOutput
-from core_rl.kinds import TRAIN_ENGINE
-from core_rl.ops import aggregation_weights
+from core_rl.builtin.loggers import read_metrics
+from core_rl.config.loader import load_config
 from core_rl.plugins import PluginHost
-from core_rl.protocol import Sample, TensorBatch, samples_to_batch
+from core_rl.trainer import train
 
 
-def nll_loss(batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
-    """Per-token negative log-likelihood."""
-    return LossOutput(per_token_loss=-logprobs)
+def write_warm_start_data(path: Path, *, copies: int, seed: int) -> Path:
+    """``copies`` rows per task string: ``{"prompt": "abc=", "response": <its letters shuffled>}``."""
+    from task import all_strings, format_only_answer, prompt_text
 
-
-def sft_batch(tokenizer, strings: list[str], rng: random.Random) -> TensorBatch:
-    from task import format_only_answer, prompt_text
-
-    samples = []
-    for s in strings:
-        prompt = tokenizer(prompt_text(s))["input_ids"]
-        response = tokenizer(format_only_answer(s, rng), add_special_tokens=False)["input_ids"]
-        response = [*response, tokenizer.eos_token_id]
-        samples.append(Sample(prompt, response, [0.0] * len(response), 0, "stop"))
-    batch = samples_to_batch(samples, list(range(len(samples))), tokenizer.pad_token_id)
-    batch["loss_weight"] = aggregation_weights(batch["response_mask"], "token-mean")
-    return batch
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for _ in range(copies):
+            for s in all_strings():
+                f.write(json.dumps({"prompt": prompt_text(s), "response": format_only_answer(s, rng)}) + "\n")
+    return path
 
 
 def warm_start(model_dir: Path, out_dir: Path, *, steps: int, batch_size: int, lr: float, seed: int) -> float:
-    """Train ``model_dir`` for ``steps`` steps and export it to ``out_dir``; return the last loss."""
+    """Train ``model_dir`` for ``steps`` steps of ``batch_size`` rows with the ``sft`` loop and copy the
+    exported model to ``out_dir``; return the last loss. The run itself (metrics, export) goes to
+    ``out_dir.parent / "warm_start"``."""
     from task import all_strings
-    from transformers import AutoTokenizer
 
-    host = PluginHost()
-    entry = host.get(TRAIN_ENGINE, "fsdp")
-    actor = ActorConfig(
-        model_path=str(model_dir),
-        engine=PluginSpec(name="fsdp"),
-        optimizer=OptimizerConfig(name="adamw", lr=lr),
+    root = Path(out_dir).parent
+    copies = max(1, math.ceil(steps * batch_size / len(all_strings())))
+    data = write_warm_start_data(root / "data" / "warm_start.jsonl", copies=copies, seed=seed)
+    config = root / "warm_start.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "experiment": {"name": "warm_start", "output_dir": str(root), "seed": seed},
+                "data": {"train_files": [str(data)], "batch_size": batch_size},
+                "actor": {"model_path": str(model_dir), "optimizer": {"name": "adamw", "lr": lr}},
+                "algorithm": {"name": "sft"},
+                "trainer": {"total_steps": steps, "torch_threads": 1},
+                "saver": {"every_n_steps": 0, "at_end": False},
+                "loggers": [],
+            }
+        )
     )
-    engine = entry.factory(actor, structure({}, entry.config_cls), trainable=True)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rng = random.Random(seed)
-    strings = all_strings()
-    loss = float("nan")
-    for _ in range(steps):
-        loss = engine.train_step(sft_batch(tokenizer, rng.sample(strings, batch_size), rng), nll_loss)["loss"]
-    engine.export_hf(out_dir)
-    engine.close()
-    return loss
+    host = PluginHost()
+    result = train(load_config(config, host=host), host=host)
+    shutil.copytree(result["export"], out_dir, dirs_exist_ok=True)
+    return float(read_metrics(result["metrics"])[-1]["sft/loss"])

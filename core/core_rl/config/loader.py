@@ -48,6 +48,7 @@ from core_rl.kinds import (
     ADVANTAGE,
     ALGORITHM,
     LOGGER,
+    LOOP,
     POLICY_LOSS,
     REJECTION_SAMPLER,
     REWARD,
@@ -373,6 +374,7 @@ def selected_sections(cfg: RunConfig) -> Iterator[tuple[str, PluginKind, PluginS
         yield "reward", REWARD, cfg.reward
     for i, spec in enumerate(cfg.loggers):
         yield f"loggers[{i}]", LOGGER, spec
+    yield "trainer.loop", LOOP, cfg.trainer.loop
 
 
 def _run_value(run: RunConfig, dotted: str) -> Any:
@@ -451,6 +453,7 @@ _RAW_SPEC_PATHS: tuple[tuple[tuple[str, ...], PluginKind, bool], ...] = (
     (("algorithm", "rejection_sampling"), REJECTION_SAMPLER, False),
     (("reward",), REWARD, False),
     (("loggers",), LOGGER, True),
+    (("trainer", "loop"), LOOP, False),
 )
 
 
@@ -501,10 +504,34 @@ def _raw_plugin_problems(data: Mapping[str, Any], host: PluginHost) -> list[str]
     return problems
 
 
-def _completeness_problems(cfg: RunConfig) -> list[str]:
+def uses_rl_sections(cfg: RunConfig, host: PluginHost | None = None) -> bool:
+    """Whether the selected loop uses the RL sections (``reward``, ``algorithm.advantage``,
+    ``algorithm.loss``): unless its config class says ``rl_sections = False``. A loop section that
+    failed validation is judged by its registered config class; an unknown loop (reported already)
+    by whether it is the default ``rl``."""
+    spec = cfg.trainer.loop
+    if spec.config is not None:
+        return bool(getattr(spec.config, "rl_sections", True))
+    entry = spec.entry or (host.registries[LOOP.key].get(spec.name) if host is not None else None)
+    if entry is None:
+        return spec.name == "rl"
+    return bool(getattr(entry.config_cls, "rl_sections", True))
+
+
+def _completeness_problems(cfg: RunConfig, host: PluginHost | None = None) -> list[str]:
     problems = []
     if not cfg.actor.model_path:
         problems.append("actor.model_path: required; the path of a Hugging Face model directory")
+    if uses_rl_sections(cfg, host):
+        problems.extend(_rl_completeness_problems(cfg))
+    if not cfg.data.train_files:
+        problems.append("data.train_files: required; a list of JSON/JSONL/Parquet files of prompts")
+    return problems
+
+
+def _rl_completeness_problems(cfg: RunConfig) -> list[str]:
+    """What a loop that uses the RL sections needs: an advantage estimator, a policy loss, a reward."""
+    problems = []
     if not cfg.algorithm.name and (cfg.algorithm.advantage is None or cfg.algorithm.loss is None):
         problems.append("algorithm.name: required (e.g. grpo), or set both algorithm.advantage and algorithm.loss")
     else:
@@ -516,8 +543,6 @@ def _completeness_problems(cfg: RunConfig) -> list[str]:
             problems.append(f"algorithm.loss: algorithm {cfg.algorithm.name!r} sets no policy loss; set one")
     if cfg.reward is None:
         problems.append("reward: required; select a reward, e.g. reward: {name: exact_match}")
-    if not cfg.data.train_files:
-        problems.append("data.train_files: required; a list of JSON/JSONL/Parquet files of prompts")
     return problems
 
 
@@ -759,7 +784,7 @@ def load_config(
     problems.extend(_cross_section_problems(cfg))
     problems.extend(_plugin_check_problems(cfg))
     if require_complete:
-        problems.extend(_completeness_problems(cfg))
+        problems.extend(_completeness_problems(cfg, host))
         from core_rl.roles import role_problems  # roles imports the schema: import it late
 
         problems.extend(role_problems(cfg, host))

@@ -394,6 +394,9 @@ class TrainerConfig:
     collective_timeout_s: float = attrs.field(default=1800.0, validator=in_range(1.0, 10**7))
     on_nonfinite: str = attrs.field(default="skip", validator=one_of(("skip", "stop")))
     max_consecutive_nonfinite: int = attrs.field(default=3, validator=in_range(0, MAX_STEPS))
+    #: the training loop (a ``core_rl.loops`` plugin; its other keys are validated by it): ``rl``,
+    #: the built-in RL loop, unless the algorithm recipe or the user selects another
+    loop: PluginSpec = attrs.field(factory=lambda: PluginSpec(name="rl"))
 
 
 @attrs.define

@@ -18,6 +18,13 @@ from core_rl.ops.importance import (
     reject_by_metric,
 )
 from core_rl.ops.kl import KL_CAP, KL_ESTIMATORS, adaptive_kl_coef, kl_estimate, reverse_kl_distill_loss
+from core_rl.ops.preference import (
+    PREFERENCE_LOSSES,
+    bradley_terry_loss,
+    preference_loss,
+    preference_metrics,
+    sequence_logprob,
+)
 from core_rl.ops.ratios import (
     IMPORTANCE_SAMPLING_LEVELS,
     MAX_LOG_RATIO,
@@ -57,6 +64,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "MAX_LOG_RATIO",
     "NORM_LEVELS",
+    "PREFERENCE_LOSSES",
     "REJECTION_ACTIONS",
     "REJECTION_AGGREGATIONS",
     "REJECTION_LEVELS",
@@ -65,6 +73,7 @@ __all__ = [
     "adaptive_kl_coef",
     "aggregation_weights",
     "behaviour_log_ratio",
+    "bradley_terry_loss",
     "clamp_log_ratio",
     "discounted_outcome_returns",
     "divergence_metric",
@@ -87,12 +96,15 @@ __all__ = [
     "overlong_penalty",
     "policy_ratio",
     "ppo_clip_loss",
+    "preference_loss",
+    "preference_metrics",
     "reject_by_metric",
     "reverse_kl_distill_loss",
     "sapo_loss",
     "scale_rewards",
     "segment_sum",
     "sequence_log_ratio",
+    "sequence_logprob",
     "sequence_reduce",
     "token_level_rewards",
     "value_loss",

@@ -54,6 +54,7 @@ from core_rl.kinds import (
     ADVANTAGE,
     ALGORITHM,
     LOGGER,
+    LOOP,
     POLICY_LOSS,
     REJECTION_SAMPLER,
     REWARD,
@@ -166,10 +167,12 @@ def recipe_host(*plugins: tuple[object, str]) -> PluginHost:
     ``fsdp`` and ``hf`` engines, and each ``(plugin, distribution)`` given: for tests that load a
     recipe's configuration (``load_config(..., host=recipe_host(...), require_complete=False)``)."""
     import core_rl.builtin.loggers as builtin_loggers
+    import core_rl.builtin.loops as builtin_loops
     import core_rl.builtin.rejection as builtin_rejection
 
     host = PluginHost(entry_points=[])
     host.register_plugin(builtin_loggers, distribution="core-rl")
+    host.register_plugin(builtin_loops, distribution="core-rl")
     host.register_plugin(builtin_rejection, distribution="core-rl")
     host.register_plugin(_StandInEngines(), distribution="<stand-in>")
     for plugin, distribution in plugins:
@@ -488,11 +491,36 @@ class AlgorithmContract(ComponentContract):
         host.register_plugin(self.plugin, distribution=self.distribution or "<test>")
         data = merge_raw(None, [f"algorithm.name={self.name}"], host)
         algorithm = structure(data["algorithm"], AlgorithmConfig, path="algorithm")
+        loop = data.get("trainer", {}).get("loop")
+        if loop is not None:  # a recipe that selects its training loop
+            spec = PluginSpec(name=loop["name"], options={k: v for k, v in loop.items() if k != "name"})
+            validate_plugin_section(host, LOOP, spec, "trainer.loop")
+            if not getattr(spec.config, "rl_sections", True):
+                return  # a loop without rollouts needs no advantage estimator or policy loss
         assert algorithm.advantage is not None and algorithm.loss is not None
         validate_plugin_section(host, ADVANTAGE, algorithm.advantage, "algorithm.advantage")
         validate_plugin_section(host, POLICY_LOSS, algorithm.loss, "algorithm.loss")
         for i, spec in enumerate(algorithm.filters):
             validate_plugin_section(host, SAMPLE_FILTER, spec, f"algorithm.filters[{i}]")
+
+
+class LoopContract(ComponentContract):
+    """A training loop is registered with a factory taking ``(cfg, host, *, stop, data_rows,
+    config)`` and, where it has options, a config class whose defaults validate and which says
+    whether it uses the RL sections (``rl_sections``, a bool). Whether it trains, resumes exactly
+    and stops on a signal is the plugin's own tests' business (they need a model and data)."""
+
+    kind = LOOP
+
+    def test_factory_signature(self) -> None:
+        import inspect
+
+        signature = inspect.signature(self.entry().factory)
+        signature.bind(RunConfig(), PluginHost(entry_points=[]), stop=None, data_rows=None, config=self.config())
+
+    def test_declares_rl_sections(self) -> None:
+        config = self.config()
+        assert isinstance(getattr(config, "rl_sections", True), bool)
 
 
 # ---------------------------------------------------------------------------------------------

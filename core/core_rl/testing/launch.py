@@ -38,3 +38,27 @@ def run_torchrun(script: Path | str, nproc: int, *args: str, timeout: float = 24
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc
+
+
+def train_command(config: Path | str, *overrides: str, nproc: int = 0) -> list[str]:
+    """The command of ``core-rl train CONFIG OVERRIDES`` in this interpreter; with ``nproc > 0`` under
+    ``python -m torch.distributed.run`` with that many processes on a free local port."""
+    launcher = [sys.executable]
+    if nproc:
+        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+    return [*launcher, "-m", "core_rl.cli", "train", str(config), *overrides]
+
+
+def run_train(
+    config: Path | str, *overrides: str, nproc: int = 0, expect: int = 0, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """Run :func:`train_command` with one torch thread; raise ``AssertionError`` with the tail of its
+    output unless it exits with ``expect``, ``subprocess.TimeoutExpired`` after ``timeout`` s."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        train_command(config, *overrides, nproc=nproc), env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == expect, (
+        f"core-rl train exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+    return proc

@@ -17,10 +17,12 @@ from typing import Any
 
 from core_rl.config.schema import RunConfig
 from core_rl.errors import CoreRLError
+from core_rl.interfaces import TrainingLoop
 from core_rl.plugins import PluginHost
 from core_rl.trainer.data import DataRow
+from core_rl.trainer.loops import build_loop
 from core_rl.trainer.signals import StopSignals
-from core_rl.trainer.sync import SyncTrainer, effective_recover_mode, warn
+from core_rl.trainer.sync import effective_recover_mode, warn
 
 
 def under_launcher() -> bool:
@@ -40,16 +42,17 @@ def is_retriable(exc: BaseException) -> bool:
 
 
 def run_with_restarts(cfg: RunConfig, host: PluginHost, *, data_rows: list[DataRow] | None = None) -> Mapping[str, Any]:
-    """Run ``cfg`` with SIGINT/SIGTERM handled (:class:`StopSignals`), restarting as the module
+    """Run the loop ``cfg`` selects (:func:`core_rl.trainer.loops.build_loop`) with SIGINT/SIGTERM
+    handled (:class:`StopSignals`), restarting as the module
     docstring says; return the trainer's result. ``data_rows``: the checked rows of the data
     files (:func:`core_rl.preflight.preflight`), reused by every restart."""
     restarts_left = in_process_restarts(cfg)
     announce = os.environ.get("RANK", "0") == "0"
     with StopSignals(announce=announce) as stop:
         while True:
-            trainer: SyncTrainer | None = None
+            trainer: TrainingLoop | None = None
             try:
-                trainer = SyncTrainer(cfg, host, stop=stop, data_rows=data_rows)
+                trainer = build_loop(cfg, host, stop=stop, data_rows=data_rows)
                 return trainer.run()
             except Exception as exc:
                 if restarts_left <= 0 or not is_retriable(exc) or stop.requested:

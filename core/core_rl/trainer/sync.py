@@ -45,6 +45,7 @@ from core_rl.interfaces import (
     SampleFilter,
     SampleRecord,
     TrainEngine,
+    TrainingLoop,
 )
 from core_rl.kinds import (
     ADVANTAGE,
@@ -85,6 +86,14 @@ def _build(host: PluginHost, kind: PluginKind, spec: PluginSpec) -> Any:
     return host.get(kind, spec.name).factory(spec.config)
 
 
+def build_loggers(cfg: RunConfig, host: PluginHost) -> list[Logger]:
+    """The configured loggers, plus ``jsonl`` when absent: every run leaves its metrics file."""
+    specs = list(cfg.loggers)
+    if not any(s.name == "jsonl" for s in specs):
+        specs.append(PluginSpec(name="jsonl", config=host.get(LOGGER, "jsonl").config_cls()))
+    return [_build(host, LOGGER, s) for s in specs]
+
+
 def _quiet_library_progress_bars() -> None:
     """The console logger is the run's progress bar; silence the per-load bars of libraries."""
     import datasets
@@ -105,7 +114,7 @@ def effective_recover_mode(cfg: RunConfig) -> str:
     return cfg.recover.mode
 
 
-class SyncTrainer:
+class SyncTrainer(TrainingLoop):
     """Builds every component a :class:`RunConfig` selects and runs the synchronous loop."""
 
     def __init__(
@@ -154,7 +163,9 @@ class SyncTrainer:
         #: the step a resumed run continues from (``None``: a fresh run; loggers then keep nothing)
         self.resume_step: int | None = None
         self.nonfinite = NonFiniteGuard(self.run_dir, self.rank, cfg.trainer)
-        self.reward_log = RewardErrorLog(self.run_dir / "reward_errors.jsonl", cfg.reward.name, cfg.reward_runner)
+        self.reward_log = RewardErrorLog(
+            self.run_dir / "reward_errors.jsonl", cfg.reward.name if cfg.reward else "", cfg.reward_runner
+        )
 
     def _build(self) -> None:
         cfg, host = self.cfg, self.host
@@ -221,10 +232,7 @@ class SyncTrainer:
                 )
                 self.reward = _build(host, REWARD, cfg.reward)
                 self.reward_runner = RewardRunner(self.reward, cfg.reward.name, cfg.reward_runner)
-                specs = list(cfg.loggers)
-                if not any(s.name == "jsonl" for s in specs):  # every run leaves its metrics file
-                    specs.append(PluginSpec(name="jsonl", config=host.get(LOGGER, "jsonl").config_cls()))
-                self.loggers = [_build(host, LOGGER, s) for s in specs]
+                self.loggers = build_loggers(cfg, host)
             except Exception as exc:
                 error = exc
         agree_after("building the rollout engine, reward and loggers (rank 0)", error)
@@ -244,7 +252,8 @@ class SyncTrainer:
 
     def _trained_roles(self) -> dict[str, TrainEngine]:
         """The trained roles besides the actor, saved in ``<checkpoint>/<role>``."""
-        return {CRITIC_DIR: self.roles.critic} if self.roles.critic is not None else {}
+        roles = getattr(self, "roles", None)  # loops that build their own models have none
+        return {CRITIC_DIR: roles.critic} if roles is not None and roles.critic is not None else {}
 
     @property
     def is_main(self) -> bool:

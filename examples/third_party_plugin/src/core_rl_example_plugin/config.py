@@ -8,7 +8,7 @@ builds the advantage estimator.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 from core_rl.config.checks import SectionContext, group_size_problems
@@ -67,3 +67,16 @@ class KeywordRewardConfig:
     def required_columns(self) -> list[str]:
         """The data-row column this reward reads (checked in every row before a run starts)."""
         return [self.row_key] if self.row_key is not None else []
+
+
+@attrs.define
+class PromptLMConfig:
+    """The ``trainer.loop`` section of ``prompt_lm``: next-token training on the prompt text itself
+    (continued pre-training on a column of plain text).
+
+    ``rl_sections = False`` tells core-rl the loop needs no reward, advantage estimator or policy
+    loss. ``max_tokens``: longer texts keep their first ``max_tokens`` tokens."""
+
+    rl_sections: ClassVar[bool] = False
+
+    max_tokens: int = attrs.field(default=512, validator=positive())

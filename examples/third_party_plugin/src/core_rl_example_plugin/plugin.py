@@ -1,9 +1,9 @@
 """The hook implementations of ``core-rl-example-plugin``.
 
-``pyproject.toml`` points both entry points (``core_rl.advantage_estimators: rank_advantage`` and
-``core_rl.rewards: keyword_reward``) at this module. core-rl imports it the first time a
-configuration selects either name (or when ``core-rl plugins`` lists everything) and calls every
-hook implemented here, so both names get registered at once.
+``pyproject.toml`` points its entry points (``core_rl.advantage_estimators: rank_advantage``,
+``core_rl.rewards: keyword_reward`` and ``core_rl.loops: prompt_lm``) at this module. core-rl
+imports it the first time a configuration selects one of these names (or when ``core-rl plugins``
+lists everything) and calls every hook implemented here, so every name gets registered at once.
 
 Registration imports no torch: the config classes come from a torch-free module and the advantage
 estimator, which needs torch, is imported by its factory when a run builds it.
@@ -11,15 +11,15 @@ estimator, which needs torch, is imported by its factory when a run builds it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from core_rl.hookspecs import Register, hookimpl
 
-from core_rl_example_plugin.config import KeywordRewardConfig, RankAdvantageConfig
+from core_rl_example_plugin.config import KeywordRewardConfig, PromptLMConfig, RankAdvantageConfig
 from core_rl_example_plugin.reward import KeywordReward
 
 if TYPE_CHECKING:
-    from core_rl.interfaces import AdvantageEstimator
+    from core_rl.interfaces import AdvantageEstimator, TrainingLoop
 
 
 def make_rank_advantage(config: RankAdvantageConfig) -> AdvantageEstimator:
@@ -48,4 +48,22 @@ def core_rl_register_rewards(register: Register) -> None:
         KeywordReward,
         description="Fraction of required keywords (configured or from the data row) the response mentions",
         config_cls=KeywordRewardConfig,
+    )
+
+
+def make_prompt_lm_loop(cfg: Any, host: Any, *, stop: Any, data_rows: Any, config: PromptLMConfig) -> TrainingLoop:
+    """The factory of ``prompt_lm``: ``factory(cfg, host, *, stop, data_rows, config)``."""
+    from core_rl_example_plugin.loop import PromptLMLoop
+
+    return PromptLMLoop(cfg, host, stop=stop, data_rows=data_rows, config=config)
+
+
+@hookimpl
+def core_rl_register_loops(register: Register) -> None:
+    """Register the ``prompt_lm`` training loop (selected by ``trainer.loop.name``)."""
+    register(
+        "prompt_lm",
+        make_prompt_lm_loop,
+        description="Next-token training on the prompt column's text (continued pre-training)",
+        config_cls=PromptLMConfig,
     )

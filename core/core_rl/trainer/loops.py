@@ -1,0 +1,19 @@
+"""Build the training loop a configuration selects (``trainer.loop``, a ``core_rl.loops`` plugin)."""
+
+from __future__ import annotations
+
+from core_rl.config.schema import RunConfig
+from core_rl.interfaces import TrainingLoop
+from core_rl.kinds import LOOP
+from core_rl.plugins import PluginHost
+from core_rl.trainer.data import DataRow
+from core_rl.trainer.signals import StopSignals
+
+
+def build_loop(
+    cfg: RunConfig, host: PluginHost, *, stop: StopSignals, data_rows: list[DataRow] | None = None
+) -> TrainingLoop:
+    """The loop of ``cfg.trainer.loop``, built by its factory with the loop's validated section."""
+    spec = cfg.trainer.loop
+    entry = spec.entry if spec.entry is not None else host.get(LOOP, spec.name)
+    return entry.factory(cfg, host, stop=stop, data_rows=data_rows, config=spec.config)

@@ -1,0 +1,169 @@
+"""The base of the supervised training loops (SFT, DPO, reward-model training, ...).
+
+A supervised loop has no rollout engine and no reward: each step draws the next ``data.batch_size``
+rows (:class:`~core_rl.trainer.data.PromptSource`: seeded reshuffle per epoch, exact position in
+checkpoints), turns them into a global :class:`~core_rl.protocol.TensorBatch` and takes optimiser
+steps on the actor's train engine. Everything else is the RL loop's
+(:class:`~core_rl.trainer.sync.SyncTrainer`, which this class extends): seeding, loggers (``jsonl``
+always), checkpoints on ``saver``'s schedule written atomically and pruned, resume from the newest
+valid checkpoint with ``recover.mode``, SIGINT/SIGTERM ending the run after the step with a
+checkpoint, disk-full handling, non-finite steps (:class:`~core_rl.trainer.numerics.NonFiniteGuard`),
+in-process restarts and the final Hugging Face export.
+
+Under ``torchrun`` every rank reads the same rows in the same order (the same seed), so no batch is
+broadcast; each rank trains on the rows :meth:`SupervisedLoop.shard_rows` gives it.
+
+A subclass implements :meth:`SupervisedLoop.make_batch` and :meth:`SupervisedLoop.train_batch`, and
+may build more models in :meth:`SupervisedLoop.build_models`.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from core_rl.config.schema import RunConfig
+from core_rl.interfaces import LossFn
+from core_rl.kinds import TRAIN_ENGINE
+from core_rl.plugins import PluginHost
+from core_rl.protocol import TensorBatch
+from core_rl.registry import RegistryEntry
+from core_rl.trainer.data import DataRow, PromptItem, PromptSource
+from core_rl.trainer.ranks import agree_after, rank_and_world, set_collective_timeout, waiting_for
+from core_rl.trainer.signals import StopSignals
+from core_rl.trainer.sync import SyncTrainer, _quiet_library_progress_bars, build_loggers
+
+
+def token_ids(value: Any, tokenizer: Any, *, where: str) -> list[int]:
+    """A response given as text (encoded without special tokens) or as a list of token ids."""
+    if isinstance(value, str):
+        return list(tokenizer(value, add_special_tokens=False)["input_ids"])
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return list(value)
+    from core_rl.errors import DataError
+
+    raise DataError([f"{where}: expected text or a list of token ids, got {type(value).__name__}"])
+
+
+def prompt_response_batch(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_token_id: int
+) -> TensorBatch:
+    """Right-padded ``input_ids`` / ``attention_mask`` [B, T] of ``prompt + response`` rows, with
+    ``response_mask`` 1.0 on the response tokens (the positions whose log-prob the loss reads)."""
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    n, width = len(lengths), max(lengths)
+    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width), dtype=torch.long)
+    response_mask = torch.zeros((n, width), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[i, : len(p) + len(r)] = torch.tensor([*p, *r], dtype=torch.long)
+        attention_mask[i, : len(p) + len(r)] = 1
+        response_mask[i, len(p) : len(p) + len(r)] = 1.0
+    return TensorBatch({"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask})
+
+
+def global_sum(values: torch.Tensor) -> torch.Tensor:
+    """``values`` summed over the data-parallel ranks (itself in a single process)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        values = values.clone()
+        dist.all_reduce(values)
+    return values
+
+
+class SupervisedLoop(SyncTrainer):
+    """A loop over data rows with the actor's train engine; see the module docstring.
+
+    ``config``: the loop's own validated ``trainer.loop`` section (:attr:`loop_config`)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        host: PluginHost,
+        *,
+        stop: StopSignals | None = None,
+        data_rows: list[DataRow] | None = None,
+        config: Any = None,
+    ) -> None:
+        self.loop_config = config
+        super().__init__(cfg, host, stop=stop, data_rows=data_rows)
+
+    # -- building -----------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        cfg, host = self.cfg, self.host
+        set_collective_timeout(cfg.trainer.collective_timeout_s)
+        engine_entry = host.get(TRAIN_ENGINE, cfg.actor.engine.name)
+        self.engine = engine_entry.factory(cfg.actor, cfg.actor.engine.config, trainable=True)
+        self.build_models(engine_entry)
+        set_collective_timeout(cfg.trainer.collective_timeout_s)
+        self.rank, self.world_size = rank_and_world()
+        _quiet_library_progress_bars()
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.tokenizer_path or cfg.actor.model_path)
+        self.pad_token_id = self.tokenizer.pad_token_id
+        if self.pad_token_id is None:
+            self.pad_token_id = self.tokenizer.eos_token_id
+        self.data = PromptSource(cfg.data, self.tokenizer, seed=cfg.experiment.seed, rows=self._data_rows)
+        error: Exception | None = None
+        if self.is_main:
+            try:
+                self.loggers = build_loggers(cfg, host)
+            except Exception as exc:
+                error = exc
+        agree_after("building the loggers (rank 0)", error)
+
+    def build_models(self, engine_entry: RegistryEntry) -> None:
+        """Build models besides the actor (e.g. a frozen reference with ``trainable=False``).
+        Default: none."""
+
+    def response_ids(self, value: Any, item: PromptItem, key: str) -> list[int]:
+        """Token ids of the response in column ``key`` of ``item``'s row (text or ids), ending
+        with the tokenizer's EOS token when it has one and the ids do not already."""
+        ids = token_ids(value, self.tokenizer, where=f"data row {item.text[:40]!r}: column {key!r}")
+        eos = self.tokenizer.eos_token_id
+        if eos is not None and (not ids or ids[-1] != eos):
+            ids.append(eos)
+        return ids
+
+    # -- one step -----------------------------------------------------------------------------
+
+    @abstractmethod
+    def make_batch(self, items: list[PromptItem]) -> TensorBatch:
+        """The global batch of a step from its ``data.batch_size`` rows (identical on every rank)."""
+
+    @abstractmethod
+    def train_batch(self, batch: TensorBatch, step: int) -> dict[str, float]:
+        """Train on ``batch`` (usually one :meth:`optimizer_step`); return the step's metrics."""
+
+    def shard_rows(self, batch: TensorBatch) -> TensorBatch:
+        """This rank's rows of the global ``batch`` (default: token-balanced, as the RL loop)."""
+        return self._shard(batch)
+
+    def optimizer_step(self, shard: TensorBatch, loss_fn: LossFn, step: int) -> dict[str, float]:
+        """One engine ``train_step`` on this rank's ``shard``; the engine's metrics as
+        ``actor/<name>`` plus the non-finite accounting (a non-finite step is skipped and its batch
+        saved, or ends the run, as ``trainer.on_nonfinite`` says)."""
+        with waiting_for(f"the other ranks in the update of step {step}"):
+            out = self.engine.train_step(shard, loss_fn)
+        metrics = {f"actor/{k}": v for k, v in out.items()}
+        metrics.update(self.nonfinite.check(step, shard, out))
+        return metrics
+
+    def step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        batch = self.make_batch(self.data.next_batch())
+        metrics = self.train_batch(batch, step)
+        elapsed = time.perf_counter() - t0
+        tokens = float(batch["attention_mask"].sum())
+        metrics.update({"timing/step_s": elapsed, "throughput/tokens_per_s": tokens / max(elapsed, 1e-9)})
+        return metrics
+
+    def _sync_weights(self, version: int) -> dict[str, float]:
+        return {}  # no rollout engine to feed

@@ -1,0 +1,47 @@
+"""Hook implementations of core-rl-dpo: registration only (no torch import)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from core_rl.hookspecs import Register, hookimpl
+from core_rl.interfaces import AlgorithmRecipe, TrainingLoop
+
+from core_rl_dpo.config import DPOConfig
+
+
+def make_dpo_loop(cfg: Any, host: Any, *, stop: Any, data_rows: Any, config: DPOConfig) -> TrainingLoop:
+    """factory: the preference-optimisation loop (:mod:`core_rl_dpo.loop`; torch is imported there)."""
+    from core_rl_dpo.loop import DPOLoop
+
+    return DPOLoop(cfg, host, stop=stop, data_rows=data_rows, config=config)
+
+
+def dpo_recipe() -> AlgorithmRecipe:
+    return AlgorithmRecipe(
+        defaults={"algorithm": {}, "trainer": {"loop": {"name": "dpo", "loss_type": "sigmoid"}}},
+        description="Direct preference optimisation (the dpo loop, sigmoid loss) against a frozen reference",
+    )
+
+
+def ipo_recipe() -> AlgorithmRecipe:
+    return AlgorithmRecipe(
+        defaults={"algorithm": {}, "trainer": {"loop": {"name": "dpo", "loss_type": "ipo"}}},
+        description="Identity preference optimisation (the dpo loop, squared loss on the log-ratio margin)",
+    )
+
+
+@hookimpl
+def core_rl_register_loops(register: Register) -> None:
+    register(
+        "dpo",
+        make_dpo_loop,
+        description="Pairwise preference optimisation (sigmoid/IPO/hinge) against a frozen reference",
+        config_cls=DPOConfig,
+    )
+
+
+@hookimpl
+def core_rl_register_algorithms(register: Register) -> None:
+    register("dpo", dpo_recipe, description=dpo_recipe().description)
+    register("ipo", ipo_recipe, description=ipo_recipe().description)

@@ -1,0 +1,1 @@
+"""core-rl-sft: the ``sft`` training loop and recipe (see :mod:`.loop`)."""

@@ -1,0 +1,35 @@
+"""The supervised examples (examples/tiny_supervised: sft.yaml, dpo.yaml) run through
+``core-rl train`` for a few steps on the data and model prepare.py builds, and learn."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from core_rl.builtin.loggers import read_metrics
+from core_rl.testing.launch import run_train
+
+pytest.importorskip("core_rl_fsdp")
+pytest.importorskip("core_rl_sft")
+pytest.importorskip("core_rl_dpo")
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "tiny_supervised"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    work = tmp_path_factory.mktemp("supervised")
+    subprocess.run([sys.executable, str(EXAMPLES / "prepare.py"), "--workdir", str(work)], check=True, timeout=300)
+    return work
+
+
+@pytest.mark.parametrize(("config", "metric"), [("sft.yaml", "sft/loss"), ("dpo.yaml", "dpo/loss")])
+def test_example_trains(workdir: Path, config: str, metric: str) -> None:
+    run_train(EXAMPLES / config, f"experiment.output_dir={workdir}", "trainer.total_steps=6", "saver.every_n_steps=3")
+    run = workdir / Path(config).stem
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert rows[-1][metric] < rows[0][metric]
+    assert (run / "checkpoints" / "step_00000006").is_dir() and (run / "final_hf" / "config.json").is_file()
