@@ -13,7 +13,7 @@ from core_rl.config.loader import structure
 from core_rl.config.schema import ExperimentConfig
 from core_rl.errors import ConfigError
 from core_rl.trainer import checkpoints
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 
@@ -70,6 +70,7 @@ def test_prune_keeps_the_newest_valid_and_leaves_later_steps(tmp_path):
     assert stale in removed
 
 
+@settings(deadline=None)  # file system work: a per-example deadline only measures the machine's load
 @given(st.sets(st.integers(1, 40), min_size=1, max_size=8), st.integers(1, 5), st.data())
 def test_prune_never_deletes_what_latest_names(tmp_path_factory, steps, keep_last, data):
     run = tmp_path_factory.mktemp("prune")
