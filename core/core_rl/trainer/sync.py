@@ -145,6 +145,8 @@ class SyncTrainer(TrainingLoop):
                 "to continue it, or choose another experiment.name"
             )
         self.rollout: RolloutEngine | None = None
+        #: the advantage estimator (``None`` in loops that have none, e.g. the supervised ones)
+        self.advantage: AdvantageEstimator | None = None
         self.reward: Reward | None = None
         self.reward_runner: RewardRunner | None = None
         self.loggers: list[Logger] = []
@@ -172,7 +174,7 @@ class SyncTrainer(TrainingLoop):
         assert cfg.algorithm.loss is not None and cfg.algorithm.advantage is not None and cfg.reward is not None
         set_collective_timeout(cfg.trainer.collective_timeout_s)  # for a group the engine creates
         self.loss: PolicyLoss = _build(host, POLICY_LOSS, cfg.algorithm.loss)
-        self.advantage: AdvantageEstimator = _build(host, ADVANTAGE, cfg.algorithm.advantage)
+        self.advantage = _build(host, ADVANTAGE, cfg.algorithm.advantage)
         self.filters: list[SampleFilter] = [_build(host, SAMPLE_FILTER, s) for s in cfg.algorithm.filters]
         engine_entry = host.get(TRAIN_ENGINE, cfg.actor.engine.name)
         self.engine = engine_entry.factory(cfg.actor, cfg.actor.engine.config, trainable=True)
@@ -420,7 +422,7 @@ class SyncTrainer(TrainingLoop):
             "rollout": self.rollout.state_dict() if self.rollout is not None else {},
             "nonfinite": self.nonfinite.state_dict(),
             "reward_errors": self.reward_log.state_dict(),
-            "advantage": self.advantage.state_dict(),
+            "advantage": self.advantage.state_dict() if self.advantage is not None else {},
         }
 
     def save_checkpoint(self, step: int) -> Path:
@@ -509,7 +511,8 @@ class SyncTrainer(TrainingLoop):
             self.rollout.load_state_dict(extra.get("rollout", {}))
         self.nonfinite.load_state_dict(extra.get("nonfinite", {}))
         self.reward_log.load_state_dict(extra.get("reward_errors", {}))
-        self.advantage.load_state_dict(extra.get("advantage", {}))
+        if self.advantage is not None:
+            self.advantage.load_state_dict(extra.get("advantage", {}))
         with waiting_for("the other ranks to send the resumed weights to the rollout engine"):
             self._sync_weights(step)
         if self.is_main:
