@@ -9,6 +9,7 @@ plugin is loaded (that is, when a configuration first selects one of its names, 
 The API is versioned by :data:`HOOK_API_VERSION`; specs added later carry ``versionadded``.
 
 - 2: rollout-engine factories receive ``run_dir``; :func:`core_rl_register_server_envs` added.
+- 3: :func:`core_rl_register_workflows` added.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 import pluggy
 
 PROJECT_NAME = "core_rl"
-HOOK_API_VERSION = 2
+HOOK_API_VERSION = 3
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -198,4 +199,22 @@ def core_rl_register_server_envs(register: Register) -> None:
     Called when the plugin is loaded.
 
     .. versionadded:: 2
+    """
+
+
+@hookspec
+def core_rl_register_workflows(register: Register) -> None:
+    """Register rollout workflows: how one data row becomes the trajectories of one group, by
+    calling the rollout engine (one or several times per trajectory, e.g. turn by turn with tool
+    output appended as masked tokens) through a :class:`core_rl.workflows.WorkflowContext`.
+    Selected by ``rollout.workflow``; core registers ``single_turn``.
+
+    :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
+        workflow. ``factory(config)`` receives the validated ``rollout.workflow`` section and
+        returns a :class:`core_rl.workflows.RolloutWorkflow`.
+    :return: nothing; results go through ``register``.
+
+    Called when the plugin is loaded.
+
+    .. versionadded:: 3
     """

@@ -54,6 +54,7 @@ from core_rl.kinds import (
     ROLLOUT_ENGINE,
     SAMPLE_FILTER,
     TRAIN_ENGINE,
+    WORKFLOW,
     PluginKind,
 )
 from core_rl.plugins import PluginHost
@@ -357,6 +358,7 @@ def selected_sections(cfg: RunConfig) -> Iterator[tuple[str, PluginKind, PluginS
     """Every plugin section ``cfg`` selects: ``(key path, kind, spec)``."""
     yield "actor.engine", TRAIN_ENGINE, cfg.actor.engine
     yield "rollout.engine", ROLLOUT_ENGINE, cfg.rollout.engine
+    yield "rollout.workflow", WORKFLOW, cfg.rollout.workflow
     if cfg.algorithm.advantage is not None:
         yield "algorithm.advantage", ADVANTAGE, cfg.algorithm.advantage
     if cfg.algorithm.loss is not None:
@@ -438,6 +440,7 @@ def _nested_section_problems(host: PluginHost, config: Any, path: str, run: RunC
 _RAW_SPEC_PATHS: tuple[tuple[tuple[str, ...], PluginKind, bool], ...] = (
     (("actor", "engine"), TRAIN_ENGINE, False),
     (("rollout", "engine"), ROLLOUT_ENGINE, False),
+    (("rollout", "workflow"), WORKFLOW, False),
     (("algorithm", "advantage"), ADVANTAGE, False),
     (("algorithm", "loss"), POLICY_LOSS, False),
     (("algorithm", "filters"), SAMPLE_FILTER, True),
