@@ -13,7 +13,7 @@ time per step (steps after the first), the trainer's wait for rollout, the rollo
 the staleness distribution and the reward over the last steps, then the speed-up sync / async.
 
     python benchmarks/async.py [--engine vllm] [--steps 12] [--batch-size 16] [--n 4]
-                               [--max-new-tokens 8] [--bound 1] [--json FILE]
+                               [--max-new-tokens 8] [--bound 1] [--url URL] [--json FILE]
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ def build_task(work: Path) -> tuple[Path, Path]:
     return model, write_dataset(work / "data" / "train.jsonl")
 
 
-def start_server(engine: str, model: Path, work: Path) -> Any:
-    """A rollout engine that started one managed server (kept for both runs)."""
+def start_server(engine: str, model: Path, work: Path, url: str = "") -> Any:
+    """A rollout engine that started one managed server (kept for both runs), or that speaks to
+    the server at ``url`` (which must serve a model of :func:`build_task`'s shape)."""
     from core_rl.config.loader import structure
     from core_rl.config.schema import PluginSpec, RolloutConfig
     from core_rl.kinds import ROLLOUT_ENGINE
@@ -53,7 +54,7 @@ def start_server(engine: str, model: Path, work: Path) -> Any:
     entry = PluginHost().get(ROLLOUT_ENGINE, engine)
     return entry.factory(
         RolloutConfig(engine=PluginSpec(name=engine)),
-        structure({"dtype": "bfloat16"}, entry.config_cls),
+        structure({"dtype": "bfloat16", "server": {"urls": [url] if url else []}}, entry.config_cls),
         model_path=str(model),
         run_dir=work / "server",
     )
@@ -68,7 +69,7 @@ def run_config(args: argparse.Namespace, model: Path, data: Path, work: Path, ur
             "engine": {"name": args.engine, "dtype": "bfloat16", "server": {"urls": [url]}},
             "weight_sync": "disk",
             "sampling": {"n": args.n, "max_new_tokens": args.max_new_tokens},
-            "controller": {"max_head_offpolicyness": bound, "warn_wait_fraction": 1.0},
+            "controller": {"max_head_offpolicyness": bound, "warn_wait_fraction": 1.0, "pause_mode": args.pause_mode},
         },
         "algorithm": {"name": "grpo", "loss": {"name": "ppo_clip", "use_decoupled_loss": True}},
         "reward": {"name": "char_match"},
@@ -106,6 +107,8 @@ def summarise(rows: list[dict]) -> dict[str, Any]:
         "steps": len(rows),
         "step_s": statistics.fmean(r["timing/step_s"] for r in later),
         "wait_s": statistics.fmean(r.get("async/wait_s", 0.0) for r in later),
+        "train_s": statistics.fmean(r["timing/train_s"] for r in later),
+        "weight_sync_s": statistics.fmean(r["timing/weight_sync_s"] for r in later),
         "rollout_utilization": statistics.fmean(r.get("async/rollout_utilization", 0.0) for r in later),
         "staleness_mean": statistics.fmean(r.get("staleness/mean", 0.0) for r in rows),
         "staleness_max": max(r.get("staleness/max", 0.0) for r in rows),
@@ -118,7 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="core-rl-async-") as tmp:
         work = Path(tmp)
         model, data = build_task(work)
-        engine = start_server(args.engine, model, work)
+        engine = start_server(args.engine, model, work, args.url)
         try:
             url = engine.endpoints[0].url
             results = {}
@@ -142,6 +145,8 @@ def report(results: dict[str, Any]) -> None:
     rows = (
         ("wall time per step (s)", "step_s", "{:12.2f}"),
         ("trainer wait (s/step)", "wait_s", "{:12.2f}"),
+        ("train (s/step)", "train_s", "{:12.2f}"),
+        ("weight sync (s/step)", "weight_sync_s", "{:12.2f}"),
         ("rollout utilisation", "rollout_utilization", "{:12.2f}"),
         ("staleness mean", "staleness_mean", "{:12.2f}"),
         ("staleness max", "staleness_max", "{:12.0f}"),
@@ -161,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--bound", type=int, default=1)
+    parser.add_argument("--pause-mode", default="abort", choices=("abort", "wait", "keep"))
+    parser.add_argument("--url", default="", help="use this running server instead of starting one")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     results = run(args)
