@@ -114,6 +114,10 @@ def summarise(rows: list[dict]) -> dict[str, Any]:
         "staleness_max": max(r.get("staleness/max", 0.0) for r in rows),
         "staleness_hist": dict(sorted(hist.items())),
         "reward_last": statistics.fmean(r["reward/mean"] for r in tail),
+        "per_step": [
+            {k: r.get(k) for k in ("timing/step_s", "async/wait_s", "timing/train_s", "timing/weight_sync_s")}
+            for r in rows
+        ],
     }
 
 

@@ -226,3 +226,26 @@ def test_staleness_metrics_by_hand() -> None:
     assert m["staleness/newest_mean"] == pytest.approx(0.75)
     assert m["staleness/interrupted_fraction"] == pytest.approx(0.25)
     assert [m[f"staleness/hist_{k}"] for k in range(3)] == [0.25, 0.5, 0.25]
+
+
+def test_step_warnings_name_the_side_that_waited_and_do_not_repeat_every_step(capsys) -> None:
+    from core_rl.config.schema import RunConfig
+    from core_rl.trainer.rollout_flow import WARN_EVERY_STEPS, RolloutFlow
+
+    cfg = RunConfig()
+    cfg.rollout.controller.max_head_offpolicyness = 1
+    flow = RolloutFlow(cfg, engine=None, workflow=None, data=None, sampling=None, tokenizer=None)
+    flow._wait_s = 0.9
+    metrics = {"timing/step_s": 1.0, "async/rollout_utilization": 0.2}
+    assert flow.step_metrics(metrics, 1)["async/train_utilization"] == pytest.approx(0.1)
+    err = capsys.readouterr().err
+    assert "step 1: the trainer waited 0.9 s of the 1.0 s step for rollout" in err
+    assert "step 1: rollout was idle 80% of the time, waiting on the trainer" in err
+    flow.step_metrics(metrics, 2)
+    assert capsys.readouterr().err == ""
+    flow.step_metrics(metrics, 1 + WARN_EVERY_STEPS)
+    assert capsys.readouterr().err.count("warning") == 2
+    cfg.rollout.controller.max_head_offpolicyness = 0  # synchronous: waiting is by design
+    flow._warned.clear()
+    flow.step_metrics(metrics, 100)
+    assert capsys.readouterr().err == ""

@@ -9,6 +9,10 @@ time since the previous batch during which some trajectory was generating), ``as
 trainer's wait for generation batches), ``async/train_utilization`` (``1 - wait_s / step_s``),
 ``async/rejected_tokens`` (tokens the rejection sampler masked, from ``actor/rejected``) and
 ``async/max_head_offpolicyness``.
+
+Warnings (asynchronous runs, at most once per :data:`WARN_EVERY_STEPS` steps each): the trainer
+waited on rollout for more than ``warn_wait_fraction`` of a step, or rollout was idle (waiting on
+the trainer) for more than that fraction.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from core_rl.workflows import RolloutWorkflow
 
 T = TypeVar("T")
 P = TypeVar("P")
+
+#: a warning that one side waited most of a step is repeated at most once per this many steps
+WARN_EVERY_STEPS = 25
 
 
 def batch_versions(batch: TensorBatch) -> tuple[list[int], list[int]]:
@@ -81,6 +88,7 @@ class RolloutFlow:
         self._restore: tuple[Mapping[str, Any], int] | None = None
         self._wait_s = 0.0
         self._last_wave: Wave | None = None
+        self._warned: dict[str, int] = {}
 
     def _controller(self) -> RolloutController:
         if self.controller is None:
@@ -139,7 +147,7 @@ class RolloutFlow:
         if self.config.max_head_offpolicyness == 0:
             return out
         limit = self.config.warn_wait_fraction
-        if self._wait_s > limit * step_s:
+        if self._wait_s > limit * step_s and self._due("rollout", step):
             _warn(
                 f"step {step}: the trainer waited {self._wait_s:.1f} s of the {step_s:.1f} s step for rollout; "
                 "generation is the bottleneck (add rollout capacity, or raise "
@@ -147,13 +155,22 @@ class RolloutFlow:
                 f"{self.config.max_head_offpolicyness})"
             )
         utilization = metrics.get("async/rollout_utilization")
-        if utilization is not None and utilization < 1.0 - limit:
+        if utilization is not None and utilization < 1.0 - limit and self._due("trainer", step):
             _warn(
                 f"step {step}: rollout was idle {100 * (1 - utilization):.0f}% of the time, waiting on the trainer "
                 f"(held by rollout.controller.max_head_offpolicyness={self.config.max_head_offpolicyness} or "
                 "queue_size); training is the bottleneck"
             )
         return out
+
+    def _due(self, kind: str, step: int) -> bool:
+        """Whether a warning of ``kind`` may be printed at ``step`` (once per
+        :data:`WARN_EVERY_STEPS` steps, so a run that is always bound one way says it, not spams)."""
+        last = self._warned.get(kind)
+        if last is not None and step - last < WARN_EVERY_STEPS:
+            return False
+        self._warned[kind] = step
+        return True
 
     def close(self) -> None:
         if self.controller is not None:
