@@ -316,7 +316,8 @@ class HFRolloutEngine(RolloutEngine):
                     "rollout.engine.seed: not set, but the checkpoint holds the hf rollout engine's generator; "
                     "set it as in the run that saved the checkpoint"
                 )
-            set_generator_state(self.generator, state["generator"])
+            with self._model_lock:  # not while a batch draws from the generator
+                set_generator_state(self.generator, state["generator"])
         elif self.generator is not None and state:
             raise ConfigError(
                 "rollout.engine.seed: set, but the checkpoint holds no generator state for the hf rollout "
