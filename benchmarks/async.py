@@ -106,16 +106,16 @@ def summarise(rows: list[dict]) -> dict[str, Any]:
     return {
         "steps": len(rows),
         "step_s": statistics.fmean(r["timing/step_s"] for r in later),
-        "wait_s": statistics.fmean(r.get("async/wait_s", 0.0) for r in later),
+        "wait_s": statistics.fmean(r.get("timing/rollout_wait_s", 0.0) for r in later),
         "train_s": statistics.fmean(r["timing/train_s"] for r in later),
         "weight_sync_s": statistics.fmean(r["timing/weight_sync_s"] for r in later),
-        "rollout_utilization": statistics.fmean(r.get("async/rollout_utilization", 0.0) for r in later),
+        "rollout_utilization": statistics.fmean(r.get("throughput/rollout_utilization", 0.0) for r in later),
         "staleness_mean": statistics.fmean(r.get("staleness/mean", 0.0) for r in rows),
         "staleness_max": max(r.get("staleness/max", 0.0) for r in rows),
         "staleness_hist": dict(sorted(hist.items())),
         "reward_last": statistics.fmean(r["reward/mean"] for r in tail),
         "per_step": [
-            {k: r.get(k) for k in ("timing/step_s", "async/wait_s", "timing/train_s", "timing/weight_sync_s")}
+            {k: r.get(k) for k in ("timing/step_s", "timing/rollout_wait_s", "timing/train_s", "timing/weight_sync_s")}
             for r in rows
         ],
     }

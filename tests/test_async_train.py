@@ -75,7 +75,7 @@ def test_async_run_stays_within_the_bound_and_reports(base, host) -> None:
     for r in rows:
         assert 0.0 <= r["staleness/max"] <= 2.0
         assert sum(r.get(f"staleness/hist_{k}", 0.0) for k in range(3)) == pytest.approx(1.0)
-        assert 0.0 <= r["async/rollout_utilization"] <= 1.0 and 0.0 <= r["async/train_utilization"] <= 1.0
+        assert 0.0 <= r["throughput/rollout_utilization"] <= 1.0 and 0.0 <= r["throughput/train_utilization"] <= 1.0
         assert r["async/max_head_offpolicyness"] == 2.0
 
 

@@ -236,8 +236,8 @@ def test_step_warnings_name_the_side_that_waited_and_do_not_repeat_every_step(ca
     cfg.rollout.controller.max_head_offpolicyness = 1
     flow = RolloutFlow(cfg, engine=None, workflow=None, data=None, sampling=None, tokenizer=None)
     flow._wait_s = 0.9
-    metrics = {"timing/step_s": 1.0, "async/rollout_utilization": 0.2}
-    assert flow.step_metrics(metrics, 1)["async/train_utilization"] == pytest.approx(0.1)
+    metrics = {"timing/step_s": 1.0, "throughput/rollout_utilization": 0.2}
+    assert flow.step_metrics(metrics, 1)["throughput/train_utilization"] == pytest.approx(0.1)
     err = capsys.readouterr().err
     assert "step 1: the trainer waited 0.9 s of the 1.0 s step for rollout" in err
     assert "step 1: rollout was idle 80% of the time, waiting on the trainer" in err

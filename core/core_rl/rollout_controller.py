@@ -325,7 +325,7 @@ class RolloutController:
         metrics = {
             "async/queue_groups": float(self._held),
             "async/inflight": float(self._inflight),
-            "async/rollout_utilization": min(1.0, busy / elapsed),
+            "throughput/rollout_utilization": min(1.0, busy / elapsed),
             "async/engine_version": float(self._version),
         }
         groups = [g for g in wave.groups if g is not None]

@@ -4,9 +4,9 @@ asynchronous-training metrics and warnings.
 
 Metrics (rank 0, every step): ``staleness/*`` over the samples trained (see
 :func:`core_rl.rollout_controller.staleness_metrics`), ``async/queue_groups`` (finished groups
-waiting for later steps), ``async/inflight``, ``async/rollout_utilization`` (fraction of the wall
-time since the previous batch during which some trajectory was generating), ``async/wait_s`` (the
-trainer's wait for generation batches), ``async/train_utilization`` (``1 - wait_s / step_s``),
+waiting for later steps), ``async/inflight``, ``throughput/rollout_utilization`` (fraction of the wall
+time since the previous batch during which some trajectory was generating), ``timing/rollout_wait_s`` (the
+trainer's wait for generation batches), ``throughput/train_utilization`` (``1 - wait_s / step_s``),
 ``async/rejected_tokens`` (tokens the rejection sampler masked, from ``actor/rejected``) and
 ``async/max_head_offpolicyness``.
 
@@ -141,7 +141,10 @@ class RolloutFlow:
         """Wait and utilisation figures of a finished step, with a warning when one side waited
         for most of it (asynchronous runs only: the synchronous loop waits by design)."""
         step_s = max(metrics.get("timing/step_s", 0.0), 1e-9)
-        out = {"async/wait_s": self._wait_s, "async/train_utilization": max(0.0, 1.0 - self._wait_s / step_s)}
+        out = {
+            "timing/rollout_wait_s": self._wait_s,
+            "throughput/train_utilization": max(0.0, 1.0 - self._wait_s / step_s),
+        }
         if "actor/rejected" in metrics and "batch/samples" in metrics:
             out["async/rejected_fraction"] = metrics["actor/rejected"]
         if self.config.max_head_offpolicyness == 0:
@@ -154,7 +157,7 @@ class RolloutFlow:
                 "rollout.controller.max_concurrent_rollouts or max_head_offpolicyness="
                 f"{self.config.max_head_offpolicyness})"
             )
-        utilization = metrics.get("async/rollout_utilization")
+        utilization = metrics.get("throughput/rollout_utilization")
         if utilization is not None and utilization < 1.0 - limit and self._due("trainer", step):
             _warn(
                 f"step {step}: rollout was idle {100 * (1 - utilization):.0f}% of the time, waiting on the trainer "
