@@ -75,8 +75,8 @@ def test_each_recipe_trains(runs, recipe):
 
 def test_async_example_stays_within_its_staleness_bound(runs):
     for row in runs["grpo_async"]:
-        assert row["async/max_head_offpolicyness"] == 2.0
-        assert 0.0 <= row["staleness/max"] <= 2.0 and "actor/rejected" in row
+        assert row["async/max_head_offpolicyness"] == 1.0
+        assert 0.0 <= row["staleness/max"] <= 1.0 and "actor/rejected" in row
 
 
 def test_dapo_dynamic_sampling_keeps_the_trained_batch_size(runs):
