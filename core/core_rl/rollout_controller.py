@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -223,19 +224,24 @@ class RolloutController:
             self._take(new_step), self.config.wait_timeout_s, f"generation batch {self._requested} to finish"
         )
 
-    def update_weights(self, load: Callable[[], T], version: int) -> T:
-        """Stop admitting, pause the engine (``pause_mode``), run ``load`` (which moves the
-        weights of ``version`` to the engine), then resume; returns what ``load`` returned."""
+    @contextlib.contextmanager
+    def paused(self, version: int) -> Iterator[None]:
+        """Stop admitting and pause the engine (``pause_mode``) for the body, which loads the
+        weights of ``version`` into the engine; then resume and admit under ``version``."""
         self._call(self._set_updating(True), 60, "admission to stop for a weight update")
         try:
             self.engine.pause(self.config.pause_mode)
             try:
-                result = load()
+                yield
             finally:
                 self.engine.resume()
         finally:
             self._call(self._set_updating(False, version), 60, "admission to restart after a weight update")
-        return result
+
+    def update_weights(self, load: Callable[[], T], version: int) -> T:
+        """:meth:`paused` around ``load()``; returns what it returned."""
+        with self.paused(version):
+            return load()
 
     def state_dict(self) -> dict[str, Any]:
         """The data position before the first wave not taken, and the dynamic-sampling count."""

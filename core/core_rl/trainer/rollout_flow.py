@@ -17,8 +17,9 @@ the trainer) for more than that fraction.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -29,7 +30,6 @@ from core_rl.protocol import Sample, TensorBatch
 from core_rl.rollout_controller import RolloutController, Wave, staleness_metrics
 from core_rl.workflows import RolloutWorkflow
 
-T = TypeVar("T")
 P = TypeVar("P")
 
 #: a warning that one side waited most of a step is repeated at most once per this many steps
@@ -111,11 +111,15 @@ class RolloutFlow:
         self._last_wave = wave
         return wave
 
-    def update_weights(self, load: Callable[[], T], version: int) -> T:
-        """Run ``load`` (the trainer's weight sync to ``version``) with the rollout paused."""
+    @contextlib.contextmanager
+    def paused(self, version: int) -> Iterator[None]:
+        """Rollout paused (``rollout.controller.pause_mode``) while the body loads the weights of
+        ``version`` into the engine (before the controller exists: nothing to pause)."""
         if self.controller is None:
-            return load()
-        return self.controller.update_weights(load, version)
+            yield
+            return
+        with self.controller.paused(version):
+            yield
 
     def state_dict(self) -> dict[str, Any]:
         if self.controller is None:

@@ -21,10 +21,12 @@ restores every RNG the run uses, the data position, the rollout engine's state a
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 import time
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -307,6 +309,10 @@ class SyncTrainer:
         for lg in self.loggers:
             lg.log_samples(records, step)
 
+    def _rollout_paused(self, version: int) -> AbstractContextManager[None]:
+        """Rank 0: the rollout controller paused while the engine loads ``version``."""
+        return self.flow.paused(version) if self.flow is not None else contextlib.nullcontext()
+
     def _sync_weights(self, version: int) -> dict[str, float]:
         """Move the policy's weights to the rollout engine; return ``weight_sync/bytes``."""
         mode = self.cfg.rollout.weight_sync
@@ -314,14 +320,16 @@ class SyncTrainer:
             path = self.run_dir / "weight_sync"
             self.engine.export_hf(path)
             if self.rollout is not None:
-                self.rollout.load_weights_from_path(path, version)
+                with self._rollout_paused(version):
+                    self.rollout.load_weights_from_path(path, version)
             return {"weight_sync/bytes": float(sum(f.stat().st_size for f in path.glob("*.safetensors")))}
         state = self.engine.full_state_dict()
         if self.rollout is not None:
-            if mode == "collective":
-                self.rollout.update_weights_collective(state, version)
-            else:
-                self.rollout.update_weights(state, version)
+            with self._rollout_paused(version):
+                if mode == "collective":
+                    self.rollout.update_weights_collective(state, version)
+                else:
+                    self.rollout.update_weights(state, version)
         return {"weight_sync/bytes": float(sum(t.numel() * t.element_size() for t in state.values()))}
 
     def _rollout_and_score(self, step: int) -> tuple[TensorBatch | None, dict[str, float]]:
@@ -364,10 +372,7 @@ class SyncTrainer:
             metrics["actor/skipped"] = 1.0
         t_sync = time.perf_counter()
         with waiting_for(f"the other ranks in the weight update after step {step}"):
-            if self.flow is not None:  # rank 0: rollout paused around the update
-                metrics.update(self.flow.update_weights(lambda: self._sync_weights(step), step))
-            else:
-                metrics.update(self._sync_weights(step))
+            metrics.update(self._sync_weights(step))
         t_end = time.perf_counter()
         metrics["timing/train_s"] = t_sync - t_train
         metrics["timing/weight_sync_s"] = t_end - t_sync
