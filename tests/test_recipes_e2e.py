@@ -23,7 +23,7 @@ for _dist in ("core_rl_fsdp", "core_rl_hf", "core_rl_grpo", "core_rl_gspo", "cor
     pytest.importorskip(_dist)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "tiny_grpo"
-RECIPES = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo", "grpo_off_policy"]
+RECIPES = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo", "grpo_off_policy", "grpo_async"]
 STEPS = 3
 PROMPTS = 4
 N = 4
@@ -71,6 +71,12 @@ def test_each_recipe_trains(runs, recipe):
     for row in rows:
         for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "actor/ratio_max"):
             assert key in row and row[key] == row[key], (recipe, key)  # present and not NaN
+
+
+def test_async_example_stays_within_its_staleness_bound(runs):
+    for row in runs["grpo_async"]:
+        assert row["async/max_head_offpolicyness"] == 1.0
+        assert 0.0 <= row["staleness/max"] <= 1.0 and "actor/rejected" in row
 
 
 def test_dapo_dynamic_sampling_keeps_the_trained_batch_size(runs):

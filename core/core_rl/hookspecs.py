@@ -9,7 +9,7 @@ plugin is loaded (that is, when a configuration first selects one of its names, 
 The API is versioned by :data:`HOOK_API_VERSION`; specs added later carry ``versionadded``.
 
 - 2: rollout-engine factories receive ``run_dir``; :func:`core_rl_register_server_envs` added.
-- 3: :func:`core_rl_register_loops` added.
+- 3: :func:`core_rl_register_loops` and :func:`core_rl_register_workflows` added.
 """
 
 from __future__ import annotations
@@ -218,6 +218,24 @@ def core_rl_register_loops(register: Register) -> None:
         :class:`core_rl.interfaces.TrainingLoop`. A ``config_cls`` class attribute
         ``rl_sections = False`` says the loop does not use the RL sections (``reward``,
         ``algorithm.advantage``, ``algorithm.loss``), which are then not required.
+    :return: nothing; results go through ``register``.
+
+    Called when the plugin is loaded.
+
+    .. versionadded:: 3
+    """
+
+
+@hookspec
+def core_rl_register_workflows(register: Register) -> None:
+    """Register rollout workflows: how one data row becomes the trajectories of one group, by
+    calling the rollout engine (one or several times per trajectory, e.g. turn by turn with tool
+    output appended as masked tokens) through a :class:`core_rl.workflows.WorkflowContext`.
+    Selected by ``rollout.workflow``; core registers ``single_turn``.
+
+    :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
+        workflow. ``factory(config)`` receives the validated ``rollout.workflow`` section and
+        returns a :class:`core_rl.workflows.RolloutWorkflow`.
     :return: nothing; results go through ``register``.
 
     Called when the plugin is loaded.

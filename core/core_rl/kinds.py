@@ -37,6 +37,7 @@ REJECTION_SAMPLER = PluginKind(
 REWARD = PluginKind("reward", "reward", "core_rl.rewards", "core_rl_register_rewards")
 LOGGER = PluginKind("logger", "logger", "core_rl.loggers", "core_rl_register_loggers")
 ALGORITHM = PluginKind("algorithm", "algorithm", "core_rl.algorithms", "core_rl_register_algorithms")
+WORKFLOW = PluginKind("workflow", "rollout workflow", "core_rl.workflows", "core_rl_register_workflows")
 SERVER_ENV = PluginKind("server_env", "server environment", "core_rl.server_envs", "core_rl_register_server_envs")
 LOOP = PluginKind("loop", "training loop", "core_rl.loops", "core_rl_register_loops")
 
@@ -52,6 +53,7 @@ ALL_KINDS: tuple[PluginKind, ...] = (
     REJECTION_SAMPLER,
     SERVER_ENV,
     LOOP,
+    WORKFLOW,
 )
 KINDS_BY_KEY: dict[str, PluginKind] = {k.key: k for k in ALL_KINDS}
 

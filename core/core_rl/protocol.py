@@ -59,6 +59,11 @@ class Sample:
     ``token_weight_versions`` (optional): the weight version that generated each response token,
     where the engine knows it (a request interrupted by a weight update and continued after it
     changes version at the interruption point); ``None`` means every token has ``weight_version``.
+
+    ``token_mask`` (optional): 1 on the response tokens the policy generated, 0 on tokens a
+    multi-turn workflow appended from elsewhere (tool output, an environment's reply): those have
+    log-prob 0, are left out of ``response_mask`` (so they never train) and carry version -1 in a
+    batch. ``None`` means every response token was generated.
     """
 
     prompt_ids: list[int]
@@ -67,6 +72,7 @@ class Sample:
     weight_version: int
     finish_reason: str
     token_weight_versions: list[int] | None = None
+    token_mask: list[int] | None = None
 
     def __attrs_post_init__(self) -> None:
         if len(self.logprobs) != len(self.response_ids):
@@ -75,6 +81,10 @@ class Sample:
             raise ValueError(
                 f"Sample has {len(self.response_ids)} response tokens but "
                 f"{len(self.token_weight_versions)} token weight versions"
+            )
+        if self.token_mask is not None and len(self.token_mask) != len(self.response_ids):
+            raise ValueError(
+                f"Sample has {len(self.response_ids)} response tokens but {len(self.token_mask)} mask values"
             )
 
     @property
@@ -155,7 +165,9 @@ def samples_to_batch(samples: Sequence[Sample], group_index: Sequence[int], pad_
     """Pack samples into a right-padded :class:`TensorBatch` with ``input_ids``, ``attention_mask``,
     ``response_mask``, ``old_logprobs`` and ``behave_logprobs`` (both the samples' log-probs),
     ``versions`` (a sample's per-token ``token_weight_versions`` where it has them, else its
-    ``weight_version`` on every token), ``truncated`` and ``group_index`` (see the module docstring)."""
+    ``weight_version`` on every token; a sample's ``token_mask`` zeroes ``response_mask`` and the
+    log-probs and sets version -1 on the tokens it excludes), ``truncated`` and ``group_index``
+    (see the module docstring)."""
     import torch
 
     if not samples:
@@ -176,6 +188,12 @@ def samples_to_batch(samples: Sequence[Sample], group_index: Sequence[int], pad_
         old_logprobs[i, p : p + r] = torch.tensor(s.logprobs, dtype=torch.float32)
         per_token = getattr(s, "token_weight_versions", None)  # optional per-token versions
         versions[i, p : p + r] = torch.tensor(per_token if per_token is not None else [s.weight_version] * r)
+        token_mask = getattr(s, "token_mask", None)  # optional: tool output appended by a workflow
+        if token_mask is not None:
+            outside = torch.tensor(token_mask, dtype=torch.bool).logical_not()
+            response_mask[i, p : p + r][outside] = 0.0
+            old_logprobs[i, p : p + r][outside] = 0.0
+            versions[i, p : p + r][outside] = -1
     return TensorBatch(
         {
             "input_ids": input_ids,

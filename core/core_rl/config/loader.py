@@ -55,6 +55,7 @@ from core_rl.kinds import (
     ROLLOUT_ENGINE,
     SAMPLE_FILTER,
     TRAIN_ENGINE,
+    WORKFLOW,
     PluginKind,
 )
 from core_rl.plugins import PluginHost
@@ -362,6 +363,7 @@ def selected_sections(cfg: RunConfig) -> Iterator[tuple[str, PluginKind, PluginS
         if section is not None:
             yield f"{role}.engine", TRAIN_ENGINE, section.engine
     yield "rollout.engine", ROLLOUT_ENGINE, cfg.rollout.engine
+    yield "rollout.workflow", WORKFLOW, cfg.rollout.workflow
     if cfg.algorithm.advantage is not None:
         yield "algorithm.advantage", ADVANTAGE, cfg.algorithm.advantage
     if cfg.algorithm.loss is not None:
@@ -447,6 +449,7 @@ _RAW_SPEC_PATHS: tuple[tuple[tuple[str, ...], PluginKind, bool], ...] = (
     (("critic", "engine"), TRAIN_ENGINE, False),
     (("teacher", "engine"), TRAIN_ENGINE, False),
     (("rollout", "engine"), ROLLOUT_ENGINE, False),
+    (("rollout", "workflow"), WORKFLOW, False),
     (("algorithm", "advantage"), ADVANTAGE, False),
     (("algorithm", "loss"), POLICY_LOSS, False),
     (("algorithm", "filters"), SAMPLE_FILTER, True),

@@ -145,17 +145,52 @@ class SamplingConfig:
 
 
 @attrs.define
+class ControllerConfig:
+    """The rollout controller (:mod:`core_rl.rollout_controller`), which keeps generating while
+    the trainer trains.
+
+    ``max_head_offpolicyness``: how many versions the weights a trajectory starts under may lag
+    behind the policy it trains (admission-time control: a generation batch starts only while
+    this holds, so no sample is generated and then thrown away for being stale); 0 is synchronous
+    training. ``max_concurrent_rollouts``: trajectories (prompts) in flight at once (0: no limit
+    beyond the staleness bound). ``queue_size``: finished groups the controller may hold for the
+    trainer (0: ``(max_head_offpolicyness + 1) * data.batch_size``; at least ``data.batch_size``).
+    ``batching``: ``wave`` hands each generation batch's requests to the engine as one batch
+    (``generate``), ``request`` sends each request alone (``agenerate``), ``auto`` is ``wave``
+    when ``max_head_offpolicyness`` is 0 (the synchronous run, reproduced exactly) else
+    ``request``. ``pause_mode``: how running requests pause while new weights load (``abort``:
+    interrupted and continued under the new weights; ``wait``: finished first; ``keep``).
+    ``wait_timeout_s``: the longest the trainer waits for a generation batch (and a weight update
+    for the rollout to pause). ``warn_wait_fraction``: warn when the trainer waited on rollout
+    (or rollout on the trainer) for more than this fraction of a step."""
+
+    max_head_offpolicyness: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
+    max_concurrent_rollouts: int = attrs.field(default=0, validator=in_range(0, MAX_COUNT))
+    queue_size: int = attrs.field(default=0, validator=in_range(0, MAX_COUNT))
+    batching: str = attrs.field(default="auto", validator=one_of(("auto", "wave", "request")))
+    pause_mode: str = attrs.field(default="abort", validator=one_of(("wait", "keep", "abort")))
+    wait_timeout_s: float = attrs.field(default=3600.0, validator=in_range(0.0, 10**7, low_open=True))
+    warn_wait_fraction: float = attrs.field(default=0.5, validator=in_range(0.0, 1.0))
+
+
+@attrs.define
 class RolloutConfig:
     """The rollout engine (``engine.name`` selects it) and how it samples.
 
     ``weight_sync``: how new weights reach it after each step: ``memory`` (a state dict handed
     over in-process), ``disk`` (a Hugging Face directory written and reloaded) or ``collective``
     (broadcast from the trainer's main rank to the engine's workers over a process group). The
-    selected engine must support the mode (``weight_sync_modes`` of its config class)."""
+    selected engine must support the mode (``weight_sync_modes`` of its config class).
+
+    ``workflow``: how a data row becomes trajectories (:mod:`core_rl.workflows`; default
+    ``single_turn``); ``controller``: asynchronous rollout and its staleness bound
+    (:class:`ControllerConfig`)."""
 
     engine: PluginSpec = attrs.field(factory=lambda: PluginSpec(name="hf"))
     sampling: SamplingConfig = attrs.field(factory=SamplingConfig)
     weight_sync: str = attrs.field(default="memory", validator=one_of(("memory", "disk", "collective")))
+    workflow: PluginSpec = attrs.field(factory=lambda: PluginSpec(name="single_turn"))
+    controller: ControllerConfig = attrs.field(factory=ControllerConfig)
 
 
 @attrs.define

@@ -21,10 +21,12 @@ restores every RNG the run uses, the data position, the rollout engine's state a
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 import time
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,7 @@ from core_rl.kinds import (
     ROLLOUT_ENGINE,
     SAMPLE_FILTER,
     TRAIN_ENGINE,
+    WORKFLOW,
     PluginKind,
 )
 from core_rl.plugins import PluginHost
@@ -77,6 +80,7 @@ from core_rl.trainer.ranks import (
     waiting_for,
 )
 from core_rl.trainer.rewards import RewardErrorLog, RewardRunner, ScoreResult
+from core_rl.trainer.rollout_flow import RolloutFlow, flatten_groups
 from core_rl.trainer.signals import StopSignals
 from core_rl.trainer.update import PolicyUpdate
 
@@ -152,6 +156,8 @@ class SyncTrainer(TrainingLoop):
         self.loggers: list[Logger] = []
         self.ref: TrainEngine | None = None
         self.engine: TrainEngine | None = None
+        #: rank 0's rollout controller (:mod:`core_rl.trainer.rollout_flow`)
+        self.flow: RolloutFlow | None = None
         try:
             self._build()
         except BaseException:
@@ -232,6 +238,8 @@ class SyncTrainer(TrainingLoop):
                 self.rollout = host.get(ROLLOUT_ENGINE, cfg.rollout.engine.name).factory(
                     cfg.rollout, cfg.rollout.engine.config, model_path=cfg.actor.model_path, run_dir=self.run_dir
                 )
+                workflow = _build(host, WORKFLOW, cfg.rollout.workflow)
+                self.flow = RolloutFlow(cfg, self.rollout, workflow, self.data, self.sampling, self.tokenizer)
                 self.reward = _build(host, REWARD, cfg.reward)
                 self.reward_runner = RewardRunner(self.reward, cfg.reward.name, cfg.reward_runner)
                 self.loggers = build_loggers(cfg, host)
@@ -267,16 +275,12 @@ class SyncTrainer(TrainingLoop):
 
     # -- one step -----------------------------------------------------------------------------
 
-    def _rollout(self, prompts: list[PromptItem]) -> tuple[list[Sample], list[int], list[PromptItem]]:
-        assert self.rollout is not None
-        groups = self.rollout.generate([p.prompt_ids for p in prompts], self.sampling)
-        samples, group_index, owners = [], [], []
-        for g, (prompt, group) in enumerate(zip(prompts, groups)):
-            for sample in group:
-                samples.append(sample)
-                group_index.append(g)
-                owners.append(prompt)
-        return samples, group_index, owners
+    def _rollout(self) -> tuple[list[Sample], list[int], list[PromptItem]]:
+        """The next generation batch from the rollout controller (the first of a step or, under
+        dynamic sampling, a further one), flattened: samples, their group, their prompt."""
+        assert self.flow is not None
+        wave = self.flow.take(new_step=not self._scored_this_step)
+        return flatten_groups(wave.prompts, wave.groups)
 
     def _score(
         self, samples: list[Sample], owners: list[PromptItem], step: int
@@ -302,8 +306,7 @@ class SyncTrainer(TrainingLoop):
         """One generation batch: the next prompts, their samples and rewards (items the reward
         runner dropped are left out), with timings and reward-error counts."""
         t0 = time.perf_counter()
-        prompts = self.data.next_batch()
-        samples, group_index, owners = self._rollout(prompts)
+        samples, group_index, owners = self._rollout()
         t_gen = time.perf_counter()
         inputs, result, error_metrics = self._score(samples, owners, step)
         self._scored_this_step.append((inputs, result))
@@ -347,6 +350,10 @@ class SyncTrainer(TrainingLoop):
         for lg in self.loggers:
             lg.log_samples(records, step)
 
+    def _rollout_paused(self, version: int) -> AbstractContextManager[None]:
+        """Rank 0: the rollout controller paused while the engine loads ``version``."""
+        return self.flow.paused(version) if self.flow is not None else contextlib.nullcontext()
+
     def _sync_weights(self, version: int) -> dict[str, float]:
         """Move the policy's weights to the rollout engine; return ``weight_sync/bytes``."""
         mode = self.cfg.rollout.weight_sync
@@ -354,14 +361,16 @@ class SyncTrainer(TrainingLoop):
             path = self.run_dir / "weight_sync"
             self.engine.export_hf(path)
             if self.rollout is not None:
-                self.rollout.load_weights_from_path(path, version)
+                with self._rollout_paused(version):
+                    self.rollout.load_weights_from_path(path, version)
             return {"weight_sync/bytes": float(sum(f.stat().st_size for f in path.glob("*.safetensors")))}
         state = self.engine.full_state_dict()
         if self.rollout is not None:
-            if mode == "collective":
-                self.rollout.update_weights_collective(state, version)
-            else:
-                self.rollout.update_weights(state, version)
+            with self._rollout_paused(version):
+                if mode == "collective":
+                    self.rollout.update_weights_collective(state, version)
+                else:
+                    self.rollout.update_weights(state, version)
         return {"weight_sync/bytes": float(sum(t.numel() * t.element_size() for t in state.values()))}
 
     def _rollout_and_score(self, step: int) -> tuple[TensorBatch | None, dict[str, float]]:
@@ -371,6 +380,8 @@ class SyncTrainer(TrainingLoop):
         self._scored_this_step = []
         batch, metrics = self.batcher.assemble(lambda: self._generate_scored(step))
         metrics["reward/errors_total"] = float(self.reward_log.total)
+        assert self.flow is not None
+        metrics.update(self.flow.batch_metrics(batch, step))
         self._log_samples(step)
         return batch, metrics
 
@@ -410,6 +421,8 @@ class SyncTrainer(TrainingLoop):
         metrics["weight_version"] = float(step)
         if "throughput/train_tokens" in metrics:
             metrics["throughput/tokens_per_s"] = metrics.pop("throughput/train_tokens") / max(t_end - t0, 1e-9)
+        if self.flow is not None:
+            metrics.update(self.flow.step_metrics(metrics, step))
         return metrics
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -418,7 +431,9 @@ class SyncTrainer(TrainingLoop):
         """What the trainer adds to the engine's checkpoint (the main rank's copy is kept)."""
         return {
             "trainer_step": step,
-            "data": self.data.state_dict(),
+            # the data position before the controller's first wave not yet trained on
+            "data": self.flow.state_dict()["data"] if self.flow is not None else self.data.state_dict(),
+            "controller": self.flow.state_dict() if self.flow is not None else {},
             "rollout": self.rollout.state_dict() if self.rollout is not None else {},
             "nonfinite": self.nonfinite.state_dict(),
             "reward_errors": self.reward_log.state_dict(),
@@ -507,6 +522,8 @@ class SyncTrainer(TrainingLoop):
         self.start_step = self.completed_step = self.resume_step = step
         self.last_saved = step
         self.data.load_state_dict(extra["data"])
+        if self.flow is not None:
+            self.flow.load_state_dict(extra.get("controller", {}), step)
         if self.rollout is not None:
             self.rollout.load_state_dict(extra.get("rollout", {}))
         self.nonfinite.load_state_dict(extra.get("nonfinite", {}))
@@ -594,6 +611,9 @@ class SyncTrainer(TrainingLoop):
         }
 
     def close(self) -> None:
+        if self.flow is not None:
+            self.flow.close()
+            self.flow = None
         if self.reward_runner is not None:
             self.reward_runner.close()
             self.reward_runner = None

@@ -8,16 +8,19 @@ prompt of the chunk), and returns the samples in prompt order.
 ``agenerate`` (per request) queues the request for a worker thread, which takes everything queued
 (up to ``max_batch_size`` samples), groups it by sampling settings and generates each group as one
 ``generate`` batch: concurrent requests are batched together as a server would batch them.
-``pause`` stops the worker between batches (the batch running finishes first, whatever the mode:
-one batch is short); requests queued meanwhile wait for ``resume``.
+``pause`` stops generation: with ``abort`` the batch running stops after its current token and its
+unfinished samples are continued after ``resume`` from the tokens they had (those later tokens carry
+the weight version then loaded, in ``Sample.token_weight_versions``); with ``wait`` or ``keep`` the
+batch running finishes first. Generation asked for while paused waits for ``resume``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,9 @@ from core_rl_hf.config import HFRolloutConfig, resolve_device
 from core_rl_hf.generation import Completion, generate_batch
 from core_rl_hf.sampling import check_sampling
 from core_rl_hf.weights import load_full_state_dict, read_safetensors_dir
+
+#: how long a generate call waits for ``resume`` after ``pause``
+RESUME_TIMEOUT_S = 3600.0
 
 
 def _ids(value: Any) -> list[int]:
@@ -109,9 +115,10 @@ class HFRolloutEngine(RolloutEngine):
         self._weight_version = 0
         self._model_lock = threading.RLock()  # one batch or weight update at a time
         self._requests: queue.Queue[_Request | None] = queue.Queue()
-        self._idle = threading.Condition()  # guards _paused and _busy
+        self._idle = threading.Condition()  # guards _paused and _active
         self._paused = False
-        self._busy = False
+        self._active = 0  # generate calls running on the model
+        self._abort = threading.Event()  # set by pause("abort"): running batches stop early
         self._worker: threading.Thread | None = None
 
     @property
@@ -127,8 +134,52 @@ class HFRolloutEngine(RolloutEngine):
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[Sample]]:
         check_sampling(sampling)
         self._check_prompts(prompts)
-        with self._model_lock:
-            return self._generate_locked(prompts, sampling)
+        with self._running():
+            groups = self._generate_locked(prompts, sampling)
+        aborted = [s for group in groups for s in group if s.finish_reason == "abort"]
+        while aborted:
+            aborted = self._continue(aborted, sampling)
+        return groups
+
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[None]:
+        """Wait while paused (up to :data:`RESUME_TIMEOUT_S`), then hold the model."""
+        with self._idle:
+            if not self._idle.wait_for(lambda: not self._paused, timeout=RESUME_TIMEOUT_S):
+                raise TimeoutError(f"hf rollout engine: not resumed within {RESUME_TIMEOUT_S:.0f} s of pause()")
+            self._active += 1
+        try:
+            with self._model_lock:
+                yield
+        finally:
+            with self._idle:
+                self._active -= 1
+                self._idle.notify_all()
+
+    def _continue(self, aborted: list[Sample], sampling: SamplingParams) -> list[Sample]:
+        """Continue samples interrupted by ``pause("abort")`` (in place) with the weights loaded
+        since; returns those interrupted again."""
+        by_budget: dict[int, list[Sample]] = {}
+        for s in aborted:
+            by_budget.setdefault(sampling.max_new_tokens - len(s.response_ids), []).append(s)
+        again: list[Sample] = []
+        with self._running():
+            for left, samples in by_budget.items():
+                rest = attrs.evolve(
+                    sampling,
+                    n=1,
+                    max_new_tokens=left,
+                    min_new_tokens=max(0, sampling.min_new_tokens - sampling.max_new_tokens + left),
+                )
+                more = self._generate_locked([s.prompt_ids + s.response_ids for s in samples], rest)
+                for s, (m,) in zip(samples, more):
+                    s.token_weight_versions = s.versions + m.versions
+                    s.response_ids = s.response_ids + m.response_ids
+                    s.logprobs = s.logprobs + m.logprobs
+                    s.finish_reason = m.finish_reason
+                    if m.finish_reason == "abort":
+                        again.append(s)
+        return again
 
     def _generate_locked(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[Sample]]:
         completions: list[list[Completion]] = [[] for _ in prompts]
@@ -142,6 +193,7 @@ class HFRolloutEngine(RolloutEngine):
                 eos_token_ids=self.eos_token_ids,
                 pad_token_id=self.pad_token_id,
                 generator=self.generator,
+                interrupted=self._abort.is_set,
             )
             for (i, _), out in zip(chunk, outs):
                 completions[i].extend(out)
@@ -180,9 +232,6 @@ class HFRolloutEngine(RolloutEngine):
             first = self._requests.get()
             if first is None:
                 return
-            with self._idle:  # taking a batch and pausing exclude each other
-                self._idle.wait_for(lambda: not self._paused)
-                self._busy = True
             batch = [first]
             samples = first.sampling.n
             while samples < self.config.max_batch_size:
@@ -195,18 +244,17 @@ class HFRolloutEngine(RolloutEngine):
                     break
                 batch.append(item)
                 samples += item.sampling.n
-            try:
-                self._run_batch(batch)
-            finally:
-                with self._idle:
-                    self._busy = False
-                    self._idle.notify_all()
+            self._run_batch(batch)
 
     def _run_batch(self, batch: list[_Request]) -> None:
         groups: dict[tuple, list[_Request]] = {}
         for request in batch:
             groups.setdefault(_sampling_key(request.sampling), []).append(request)
         for requests in groups.values():
+            # a request its caller cancelled (e.g. a rollout controller closing) is not generated
+            requests = [r for r in requests if r.future.set_running_or_notify_cancel()]
+            if not requests:
+                continue
             try:
                 out = self.generate([r.prompt_ids for r in requests], requests[0].sampling)
             except BaseException as exc:
@@ -221,8 +269,11 @@ class HFRolloutEngine(RolloutEngine):
             raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         with self._idle:
             self._paused = True
-            if not self._idle.wait_for(lambda: not self._busy, timeout=600):
+            if mode == "abort":
+                self._abort.set()
+            if not self._idle.wait_for(lambda: self._active == 0, timeout=600):
                 raise TimeoutError("hf rollout engine: the batch running did not finish within 600 s of pause()")
+            self._abort.clear()
 
     def resume(self) -> None:
         with self._idle:
@@ -252,9 +303,10 @@ class HFRolloutEngine(RolloutEngine):
     def state_dict(self) -> dict[str, Any]:
         """The engine's own generator (``seed`` set) and the weight version; with ``seed: null``
         sampling draws from torch's global RNG, which the train engine checkpoints."""
-        state: dict[str, Any] = {"weight_version": self._weight_version}
-        if self.generator is not None:
-            state["generator"] = generator_state(self.generator)
+        with self._model_lock:  # not while a batch draws from the generator
+            state: dict[str, Any] = {"weight_version": self._weight_version}
+            if self.generator is not None:
+                state["generator"] = generator_state(self.generator)
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -264,7 +316,8 @@ class HFRolloutEngine(RolloutEngine):
                     "rollout.engine.seed: not set, but the checkpoint holds the hf rollout engine's generator; "
                     "set it as in the run that saved the checkpoint"
                 )
-            set_generator_state(self.generator, state["generator"])
+            with self._model_lock:  # not while a batch draws from the generator
+                set_generator_state(self.generator, state["generator"])
         elif self.generator is not None and state:
             raise ConfigError(
                 "rollout.engine.seed: set, but the checkpoint holds no generator state for the hf rollout "
@@ -284,7 +337,7 @@ class HFRolloutEngine(RolloutEngine):
                 item = self._requests.get_nowait()
             except queue.Empty:
                 break
-            if item is not None:
+            if item is not None and item.future.set_running_or_notify_cancel():
                 item.future.set_exception(RuntimeError("the hf rollout engine is closed"))
         if self._model is not None:
             self._model = None

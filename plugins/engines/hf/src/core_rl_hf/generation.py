@@ -12,13 +12,15 @@ one new token per row with the cache of the previous steps.
 A row finishes when it produces a stop token (EOS or one of ``stop_token_ids``); stop tokens are
 blocked while fewer than ``min_new_tokens`` tokens exist. Its response is the tokens up to and
 including that token (``"stop"``). Rows still running after ``max_new_tokens`` tokens end with
-``"length"``. Finished rows are dropped from the batch (and the cache) once they make up a quarter
-of it; until then they are fed a filler token whose outputs are discarded.
+``"length"``. A row still running when ``interrupted()`` turns true (checked before each token
+after the first) ends with ``"abort"`` and the tokens it has; the caller continues it later.
+Finished rows are dropped from the batch (and the cache) once they make up a quarter of it; until
+then they are fed a filler token whose outputs are discarded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -29,7 +31,8 @@ from core_rl_hf.sampling import choose_tokens
 
 @attrs.define
 class Completion:
-    """One generated response: token ids, their behaviour log-probs, and ``"stop"``/``"length"``."""
+    """One generated response: token ids, their behaviour log-probs, and ``"stop"``/``"length"``
+    (or ``"abort"``: interrupted, see :func:`generate_batch`)."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -64,6 +67,7 @@ def generate_batch(
     eos_token_ids: Sequence[int],
     pad_token_id: int,
     generator: torch.Generator | None = None,
+    interrupted: Callable[[], bool] | None = None,
 ) -> list[list[Completion]]:
     """``counts[i]`` responses to each (non-empty) ``prompts[i]``, all generated as one batch; see
     the module docstring. ``sampling.n`` is ignored (``counts`` says how many)."""
@@ -92,7 +96,12 @@ def generate_batch(
     stopped = torch.zeros(total, dtype=torch.bool, device=device)
     sequence = torch.arange(total, device=device)  # the sample each batch row generates
     done = torch.zeros(total, dtype=torch.bool, device=device)  # batch rows already finished
+    aborted = False
     for t in range(steps):
+        if t > 0 and interrupted is not None and interrupted():
+            aborted = True
+            lengths[sequence[~done]] = t
+            break
         blocked = stop_ids if t < sampling.min_new_tokens else ()
         next_tokens, next_logprobs = choose_tokens(logits, sampling, blocked=blocked, generator=generator)
         live = sequence[~done]
@@ -129,7 +138,7 @@ def generate_batch(
         Completion(
             token_ids=tokens_l[i][: lengths_l[i]],
             logprobs=logprobs_l[i][: lengths_l[i]],
-            finish_reason="stop" if stopped_l[i] else "length",
+            finish_reason="stop" if stopped_l[i] else ("abort" if aborted and lengths_l[i] < steps else "length"),
         )
         for i in range(total)
     ]
