@@ -9,6 +9,7 @@ minibatch's aggregation weights) sees the same data on every rank, whatever the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -127,8 +128,10 @@ class PolicyUpdate:
         """Update the policy on ``batch`` (a global batch with ``loss_mask`` and ``advantages``);
         ``train_version`` is the weight version the update produces. Returns metrics."""
         batch["train_version"] = torch.full((batch.batch_size,), train_version, dtype=torch.long)
+        start = time.perf_counter()
         self._logprobs(batch)
         metrics = drift_metrics(batch) if self.recompute else {}
+        metrics["timing/logprobs_s"] = time.perf_counter() - start
         metrics.update({f"actor/{k}": v for k, v in self.loss.prepare(batch).items()})
         steps = []
         parts = minibatch_rows(batch.batch_size, self.algorithm.ppo_n_minibatches)

@@ -271,11 +271,15 @@ class FSDPEngine(EngineState, TrainEngine):
         broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(self.model, model_state, options=broadcast)
         if meta["optimizer"]:
+            # the kernel (fused/foreach) is this run's choice, not the saving run's (its parameters
+            # may have been plain tensors where these are DTensors)
+            kernel = {k: self.optimizer.param_groups[0].get(k) for k in ("fused", "foreach")}
             set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=broadcast)
             for group in self.optimizer.param_groups:  # the broadcast turns tuples (betas) into lists
                 for key, value in group.items():
                     if key != "params" and isinstance(value, list):
                         group[key] = tuple(value)
+                group.update(kernel)
         self._step = int(meta["step"])
         rng_dir = final / "rng"
         if (rng_dir / f"rank{self.rank}.json").is_file():
