@@ -14,9 +14,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from core_rl_fsdp.config import FSDPConfig
 
 try:  # torch >= 2.6
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 except ImportError:  # torch 2.4 / 2.5
-    from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed._composable.fsdp import (  # noqa: F401  (FSDPModule: for the engine)
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        fully_shard,
+    )
 
 
 def build_model(
