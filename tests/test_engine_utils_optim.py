@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from core_rl.config.schema import OptimizerConfig, SchedulerConfig
-from core_rl.engine_utils.optim import build_optimizer, lr_at, warmup_steps
+from core_rl.engine_utils.optim import adamw_kernel, build_optimizer, lr_at, warmup_steps
 
 
 def test_constant_with_warmup() -> None:
@@ -58,3 +58,34 @@ def test_build_optimizers() -> None:
     assert len(group["params"]) == 1 and group["betas"] == (0.8, 0.9) and group["weight_decay"] == 0.01
     sgd = build_optimizer(params, OptimizerConfig(name="sgd", lr=0.5, momentum=0.9))
     assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["momentum"] == 0.9
+
+
+def _adamw_run(implementation: str, steps: int = 5) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(7, 5)), torch.nn.Parameter(torch.randn(5))]
+    optimizer = build_optimizer(
+        params, OptimizerConfig(name="adamw", lr=0.1, weight_decay=0.01, implementation=implementation)
+    )
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        optimizer.step()
+    return [p.detach() for p in params]
+
+
+def test_adamw_kernels_agree() -> None:
+    """fused, foreach and the for-loop kernel give the same update up to float rounding."""
+    reference = _adamw_run("for_loop")
+    for implementation in ("auto", "fused", "foreach"):
+        for got, want in zip(_adamw_run(implementation), reference):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_adamw_auto_kernel_choice() -> None:
+    plain = [torch.nn.Parameter(torch.ones(2))]
+    assert adamw_kernel(plain, "auto") == {"fused": True}
+    assert adamw_kernel([torch.nn.Parameter(torch.ones(2, dtype=torch.float64))], "auto") == {}
+    assert adamw_kernel([], "auto") == {}
+    assert adamw_kernel(plain, "for_loop") == {"foreach": False}
+    assert build_optimizer(plain, OptimizerConfig(implementation="auto")).param_groups[0]["fused"] is True

@@ -2,7 +2,7 @@
 
 :func:`build_tiny_model` writes a directory loadable by ``AutoTokenizer`` / ``AutoModelForCausalLM``:
 a character-level tokenizer (one token per character of ``alphabet`` plus ``<pad>``, ``<s>``,
-``</s>``, ``<unk>``) and a random-weight Llama model.
+``</s>``, ``<unk>``) and a random-weight Llama (default) or Qwen2 model.
 """
 
 from __future__ import annotations
@@ -39,14 +39,24 @@ def build_tiny_model(
     intermediate_size: int = 256,
     max_position_embeddings: int = 256,
     seed: int = 0,
+    architecture: str = "llama",
 ) -> Path:
-    """Write a random-weight Llama model and its char tokenizer to ``path``; return ``path``."""
+    """Write a random-weight model (``architecture``: ``llama`` or ``qwen2``, which adds biases to
+    the q/k/v projections) and its char tokenizer to ``path``; return ``path``.
+
+    With ``qwen2``, ``AutoTokenizer`` loads the tokenizer as ``Qwen2Tokenizer``, whose byte-level
+    pre-tokenizer drops spaces: use an ``alphabet`` without spaces there."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    if architecture not in classes:
+        raise ValueError(f"architecture must be one of {', '.join(classes)}, got {architecture!r}")
+    config_cls, model_cls = classes[architecture]
 
     path = Path(path)
     tokenizer = build_char_tokenizer(alphabet)
-    config = LlamaConfig(
+    config = config_cls(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -60,7 +70,7 @@ def build_tiny_model(
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_cls(config)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -195,7 +195,11 @@ class RolloutConfig:
 
 @attrs.define
 class OptimizerConfig:
-    """``name``: ``adamw`` or ``sgd``. ``betas``/``eps`` apply to AdamW, ``momentum`` to SGD."""
+    """``name``: ``adamw`` or ``sgd``. ``betas``/``eps`` apply to AdamW, ``momentum`` to SGD.
+    ``implementation`` (AdamW): torch's ``fused`` kernel (one pass over all parameters),
+    ``foreach`` or ``for_loop``; ``auto`` is ``fused`` when every parameter is a plain CPU/CUDA
+    floating tensor (not a sharded DTensor), else torch's default. The kernels compute the same
+    update up to float rounding."""
 
     name: str = attrs.field(default="adamw", validator=one_of(("adamw", "sgd")))
     lr: float = attrs.field(default=1e-5, validator=positive(10.0))
@@ -203,6 +207,7 @@ class OptimizerConfig:
     betas: tuple[float, float] = attrs.field(default=(0.9, 0.999), validator=each(in_range(0.0, 1.0, high_open=True)))
     eps: float = attrs.field(default=1e-8, validator=positive(1.0))
     momentum: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0, high_open=True))
+    implementation: str = attrs.field(default="auto", validator=one_of(("auto", "fused", "foreach", "for_loop")))
 
 
 @attrs.define

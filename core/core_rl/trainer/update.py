@@ -10,6 +10,7 @@ minibatch's aggregation weights) sees the same data on every rank, whatever the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -147,8 +148,10 @@ class PolicyUpdate:
         """Update the policy on ``batch`` (a global batch with ``loss_mask`` and ``advantages``);
         ``train_version`` is the weight version the update produces. Returns metrics."""
         batch["train_version"] = torch.full((batch.batch_size,), train_version, dtype=torch.long)
+        start = time.perf_counter()
         self._logprobs(batch)
         metrics = drift_metrics(batch) if self.recompute else {}
+        metrics["timing/logprobs_s"] = time.perf_counter() - start
         if self.critic is not None:  # values, then advantages from them (trainer/critic.py)
             metrics.update(self.critic.prepare(batch))
         metrics.update({f"actor/{k}": v for k, v in self.loss.prepare(batch).items()})

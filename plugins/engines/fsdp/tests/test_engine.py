@@ -140,6 +140,26 @@ def test_sharding_options_give_the_same_update(tiny_model: Path, options: dict[s
     variant.close()
 
 
+def test_one_rank_trains_the_plain_module_with_the_same_update(tiny_model: Path) -> None:
+    """At world size 1 without policies the model is not FSDP-wrapped (``shard_single_rank``
+    wraps it anyway); losses, gradient norms and weights after two AdamW steps agree."""
+    from torch.distributed.fsdp import FSDPModule
+
+    batch = make_rl_batch(batch_size=4, seed=7)
+    adamw = OptimizerConfig(name="adamw", lr=1e-2, implementation="for_loop")
+    actor = make_actor(tiny_model, optimizer=adamw, grad_clip=1.0)
+    plain = FSDPEngine(actor, FSDPConfig(), trainable=True)
+    wrapped = FSDPEngine(actor, FSDPConfig(shard_single_rank=True), trainable=True)
+    assert not isinstance(plain.model, FSDPModule) and isinstance(wrapped.model, FSDPModule)
+    for _ in range(2):
+        m1, m2 = plain.train_step(batch, nll_entropy), wrapped.train_step(batch, nll_entropy)
+        assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-6)
+        assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-6)
+    weights_close(plain.full_state_dict(), wrapped.full_state_dict())
+    plain.close()
+    wrapped.close()
+
+
 def test_bf16_mixed_precision_on_cpu(tiny_model: Path) -> None:
     batch = make_rl_batch(batch_size=4, seed=1)
     fp32 = FSDPEngine(make_actor(tiny_model), FSDPConfig(), trainable=False)

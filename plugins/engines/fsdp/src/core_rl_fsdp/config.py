@@ -42,6 +42,10 @@ class FSDPConfig:
     - ``load_on_rank0``: with several ranks, only rank 0 reads the weights; the others build the
       model on the meta device and receive just their shards (memory-efficient loading). ``False``:
       every rank reads the full weights before sharding.
+    - ``shard_single_rank``: with one rank and neither mixed precision nor CPU offload, FSDP has
+      nothing to shard or reduce, yet its hooks, DTensor parameters and copies cost more than the
+      step's compute on a small model; so by default such a run trains the plain module (same
+      parameters, same gradients, same optimizer). ``True`` wraps it with ``fully_shard`` anyway.
     """
 
     #: the model heads this engine builds (:data:`core_rl.interfaces.HEADS`): a critic needs ``value``
@@ -55,6 +59,7 @@ class FSDPConfig:
     backend: str = attrs.field(default="auto", validator=one_of(BACKENDS))
     attn_implementation: str | None = "auto"
     load_on_rank0: bool = True
+    shard_single_rank: bool = False
 
     def check_config(self, context: SectionContext) -> list[str]:
         """Settings of the run this engine cannot train with."""

@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from core_rl_fsdp import distributed as dist_utils
 from core_rl_fsdp.config import FSDPConfig
-from core_rl_fsdp.model import build_model
+from core_rl_fsdp.model import FSDPModule, build_model
 
 CHECKPOINT_FORMAT = 2  # 2: full state in safetensors + JSON (1 was a pickled DCP)
 
@@ -183,7 +183,11 @@ class FSDPEngine(EngineState, TrainEngine):
         """Full weights with Hugging Face names on rank 0 (``{}`` elsewhere); with LoRA the
         adapters are merged into the base weights (:func:`core_rl.engine_utils.lora.merged_state_dict`)."""
         self._check_open()
-        return lora.hf_state_dict(self.model, self._wrapped_state_dict())
+        if isinstance(self.model, FSDPModule):
+            state = self._wrapped_state_dict()
+        else:  # one rank, plain module (model.needs_fsdp): its own tensors, detached; copied only off the CPU
+            state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        return lora.hf_state_dict(self.model, state)
 
     def export_hf(self, path: str | Path) -> None:
         """Rank 0 writes ``path`` (config, safetensors weights, generation config, tokenizer) via
@@ -306,11 +310,15 @@ class FSDPEngine(EngineState, TrainEngine):
         broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(self.model, model_state, options=broadcast)
         if meta["optimizer"]:
+            # the kernel (fused/foreach) is this run's choice, not the saving run's (its parameters
+            # may have been plain tensors where these are DTensors)
+            kernel = {k: self.optimizer.param_groups[0].get(k) for k in ("fused", "foreach")}
             set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=broadcast)
             for group in self.optimizer.param_groups:  # the broadcast turns tuples (betas) into lists
                 for key, value in group.items():
                     if key != "params" and isinstance(value, list):
                         group[key] = tuple(value)
+                group.update(kernel)
         self._step = int(meta["step"])
         rng_dir = final / "rng"
         if (rng_dir / f"rank{self.rank}.json").is_file():

@@ -14,9 +14,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from core_rl_fsdp.config import FSDPConfig
 
 try:  # torch >= 2.6
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 except ImportError:  # torch 2.4 / 2.5
-    from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed._composable.fsdp import (  # noqa: F401  (FSDPModule: for the engine)
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        fully_shard,
+    )
 
 
 def build_model(
@@ -87,10 +92,21 @@ def shard_units(model: nn.Module, wrap: str) -> list[nn.Module]:
     return units[::-1]
 
 
+def needs_fsdp(config: FSDPConfig, world_size: int) -> bool:
+    """Whether the model is wrapped with ``fully_shard``: always with several ranks, mixed precision
+    or CPU offload (FSDP implements those), else only if ``config.shard_single_rank``."""
+    policies = config.param_dtype is not None or config.reduce_dtype is not None or config.cpu_offload
+    return world_size > 1 or policies or config.shard_single_rank
+
+
 def shard_model(model: nn.Module, mesh: object, config: FSDPConfig, device: torch.device) -> nn.Module:
     """Apply ``fully_shard`` to each unit of :func:`shard_units`, then to the root, with the
     mixed-precision and offload policies of ``config``; returns ``model`` (now an ``FSDPModule``).
-    Offloaded shards use pinned memory only on CUDA (pinning needs an accelerator)."""
+    Offloaded shards use pinned memory only on CUDA (pinning needs an accelerator). When
+    :func:`needs_fsdp` says no (one rank, no policies), the plain module moves to ``device``."""
+    world_size = getattr(mesh, "size", lambda: 1)()
+    if not needs_fsdp(config, world_size):
+        return model.to(device)
     kwargs: dict[str, object] = {"mesh": mesh, "reshard_after_forward": config.reshard_after_forward}
     if config.param_dtype is not None or config.reduce_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(

@@ -15,7 +15,8 @@ including that token (``"stop"``). Rows still running after ``max_new_tokens`` t
 ``"length"``. A row still running when ``interrupted()`` turns true (checked before each token
 after the first) ends with ``"abort"`` and the tokens it has; the caller continues it later.
 Finished rows are dropped from the batch (and the cache) once they make up a quarter of it; until
-then they are fed a filler token whose outputs are discarded.
+then they are fed a filler token whose outputs are discarded. The KV cache is
+preallocated for the prompt plus ``max_new_tokens`` positions (:mod:`core_rl_hf.kv_cache`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import attrs
 import torch
 from core_rl.interfaces import SamplingParams
 
+from core_rl_hf.kv_cache import preallocate
 from core_rl_hf.sampling import choose_tokens
 
 
@@ -86,6 +88,7 @@ def generate_batch(
     rows = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.as_tensor(counts, device=device))
     cache = out.past_key_values
     cache.reorder_cache(rows)
+    cache = preallocate(cache, input_ids.shape[1] + sampling.max_new_tokens)  # written in place, not concatenated
     attention_mask, position_ids = attention_mask[rows], position_ids[rows, -1:]
     logits = out.logits[rows, -1].float()
 

@@ -1,0 +1,68 @@
+"""Smoke test of ``benchmarks/trl_grpo.py``: one step of each workload through core-rl (and through
+TRL when its benchmark environment is already built; CI never builds it), and the pieces the
+comparison rests on: the model sizes, the prompts, the reward formula both sides use."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("core_rl_fsdp")
+pytest.importorskip("core_rl_hf")
+pytest.importorskip("core_rl_reward_match")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "trl_grpo.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> dict:
+    return runpy.run_path(str(SCRIPT), run_name="benchmark")
+
+
+def test_reward_matches_the_char_match_plugin(bench) -> None:
+    from core_rl_reward_match.rewards import char_match_score
+
+    cases = [("dcba", "dcba"), ("dcb", "dcba"), ("dcbaaa", "dcba"), (" ab ", "ab"), ("", ""), ("x", ""), ("", "ab")]
+    for response, answer in cases:
+        assert bench["char_match"](response, answer) == char_match_score(response.strip(), answer.strip())
+
+
+def test_workloads_have_the_sizes_the_issue_names(bench, tmp_path) -> None:
+    wanted = {"small": (0.3e6, 0.4e6), "medium": (3.0e6, 3.4e6), "large": (9e6, 11.5e6)}
+    for name, (low, high) in wanted.items():
+        wl = bench["WORKLOADS"][name]
+        model, data = bench["prepare"](tmp_path / name, wl, steps=3)
+        assert low <= bench["param_count"](model) <= high, name
+        rows = data.read_text().splitlines()
+        assert len(rows) == 3 * wl.prompts
+        config = (model / "config.json").read_text()
+        assert '"model_type": "qwen2"' in config
+
+
+def _table_rows(out: str) -> list[list[str]]:
+    """The rows of the last table printed (the full one; each workload's rows come first alone)."""
+    lines = out.splitlines()
+    start = max(i for i, line in enumerate(lines) if line.startswith("workload"))
+    return [line.split() for line in lines[start + 2 :] if line.strip()]
+
+
+def test_one_step_of_each_workload(bench, tmp_path, capsys) -> None:
+    trl = bench["trl_python"](install=False)
+    args = ["--steps", "1", "--rounds", "1", "--no-install", "--workdir", str(tmp_path)]
+    assert bench["main"](args) == 0
+    out = capsys.readouterr().out
+    rows = _table_rows(out)
+    core = [r for r in rows if "core-rl" in r]
+    assert len(core) == 3, out
+    for row in core:
+        i = row.index("core-rl")
+        step, gen, logp, train, sync, other, peak = (float(x) for x in row[i + 1 : i + 8])
+        assert step > 0 and gen > 0 and train > 0 and peak > 0, row
+        assert abs(gen + logp + train + sync + other - step) < 1e-2 + 0.05 * step, row  # the split adds up
+    if trl is None:
+        assert "core-rl only" in out
+        assert not [r for r in rows if "trl" in r]
+    else:
+        assert len([r for r in rows if "trl" in r]) == 3, out
