@@ -169,11 +169,13 @@ def recipe_host(*plugins: tuple[object, str]) -> PluginHost:
     import core_rl.builtin.loggers as builtin_loggers
     import core_rl.builtin.loops as builtin_loops
     import core_rl.builtin.rejection as builtin_rejection
+    import core_rl.builtin.workflows as builtin_workflows
 
     host = PluginHost(entry_points=[])
     host.register_plugin(builtin_loggers, distribution="core-rl")
     host.register_plugin(builtin_loops, distribution="core-rl")
     host.register_plugin(builtin_rejection, distribution="core-rl")
+    host.register_plugin(builtin_workflows, distribution="core-rl")
     host.register_plugin(_StandInEngines(), distribution="<stand-in>")
     for plugin, distribution in plugins:
         host.register_plugin(plugin, distribution=distribution)

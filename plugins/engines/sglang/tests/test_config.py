@@ -47,7 +47,7 @@ def test_cpu_command_has_the_cpu_recipe_and_passes_options() -> None:
         "--device cpu",
         "--attention-backend torch_native",
         "--sampling-backend pytorch",
-        "--mem-fraction-static 0.05",
+        "--mem-fraction-static 0.3",
         "--max-total-tokens 4096",
         "--disable-radix-cache",
         "--chunked-prefill-size -1",

@@ -198,7 +198,10 @@ def _load_torch_optimizer(engine: MegatronEngine, directory: Path, scalars: Mapp
             for key, reader in readers.items():
                 full = convert.to_megatron(pm, [reader.get(n) for n in pm.hf], engine.spec, engine.padded_vocab)
                 part = convert.shard(full, pm.split, engine.tp_rank, engine.tp_size)
-                state[key] = part.to(device=param.device, dtype=param.dtype if part.is_floating_point() else part.dtype)
+                # a shard is a view of the full tensor: give each state tensor its own contiguous
+                # storage, which the fused AdamW kernel updates in place
+                dtype = param.dtype if part.is_floating_point() else part.dtype
+                state[key] = part.to(device=param.device, dtype=dtype).contiguous()
             for key, value in scalars.items():
                 state[key] = torch.tensor(value, dtype=torch.float32)
             engine.optimizer.state[param] = state

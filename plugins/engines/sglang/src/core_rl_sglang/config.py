@@ -18,8 +18,11 @@ class SGLangConfig:
 
     - ``dtype``, ``context_length`` (0: the model's), ``max_running_requests``, ``random_seed``;
     - ``tp_size``, ``dp_size``;
-    - ``mem_fraction_static`` (0: 0.05 on CPU, SGLang's default on GPU) and ``max_total_tokens``
-      (KV-cache tokens; 0: SGLang's default);
+    - ``mem_fraction_static`` (0: 0.3 on CPU, SGLang's default on GPU) and ``max_total_tokens``
+      (KV-cache tokens; 0: SGLang's default). On CPU the fraction is of free RAM and SGLang fails
+      when free RAM falls by more than it while the server loads (other processes allocating), so
+      the CPU default leaves a wide margin; ``max_total_tokens`` (default 8192) then sizes the
+      KV cache;
     - ``attention_backend`` and ``sampling_backend`` (empty: ``torch_native`` and ``pytorch`` on
       CPU, SGLang's choice on GPU);
     - ``enable_prefix_caching`` (false: ``--disable-radix-cache``), ``chunked_prefill_size``

@@ -27,6 +27,9 @@ from core_rl.server_env import default_variant
 
 from core_rl_sglang.config import SGLangConfig
 
+#: --mem-fraction-static on CPU: the share of free RAM SGLang may take; a small one fails the server when
+#: free RAM drops by more than it while the model loads (see SGLangConfig)
+CPU_MEM_FRACTION = 0.3
 SERVER_SIDE = Path(__file__).with_name("server_side")
 # keep -> retract: running requests go back to the queue with what they generated and continue after
 # the pause (their KV cache is recomputed), which lets a weight update flush the cache meanwhile
@@ -80,7 +83,7 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             argv += ["--attention-backend", attention]
         if sampling:
             argv += ["--sampling-backend", sampling]
-        fraction = c.mem_fraction_static or (0.05 if cpu else 0.0)
+        fraction = c.mem_fraction_static or (CPU_MEM_FRACTION if cpu else 0.0)
         if fraction:
             argv += ["--mem-fraction-static", f"{fraction:g}"]
         if c.max_total_tokens:
