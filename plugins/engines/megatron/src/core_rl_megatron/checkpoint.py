@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from core_rl import checkpointing as ckpt
 from core_rl.engine_utils import distributed as dist_utils
+from core_rl.engine_utils.state import write_collectively, write_meta
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 
@@ -97,14 +98,11 @@ def _has_state(optimizer: Any) -> bool:
 
 def save(engine: MegatronEngine, final: Path, extra: Mapping[str, Any]) -> None:
     rank = engine.rank
-    if rank == 0:
-        ckpt.prepare_partial(final)
-    dist_utils.barrier()
-    tmp = ckpt.partial_path(final)
     has_optim = _has_state(engine.optimizer)
     bucket = int(engine.config.export_bucket_mb * 2**20)
-    error: BaseException | None = None
-    try:
+
+    def write(tmp: Path) -> None:
+        # a failed shard write is held until every collective gather has run, so no rank hangs
         error = _write_collectively(rank, tmp / "model", engine.gatherer.hf_buckets(bucket))
         scalars: dict[str, float] = {}
         if has_optim and engine.use_megatron_schedule:
@@ -115,8 +113,10 @@ def save(engine: MegatronEngine, final: Path, extra: Mapping[str, Any]) -> None:
                 getter = functools.partial(_optimizer_state, engine.optimizer, key)
                 failed = _write_collectively(rank, tmp / "optimizer" / key, engine.gatherer.hf_buckets(bucket, getter))
                 error = error or failed
+        if error is not None:
+            raise error
         ckpt.save_tree(tmp / "rng", f"rank{rank}", _capture_rng())
-        if rank == 0 and error is None:
+        if rank == 0:
             ckpt.save_tree(tmp, "extra", dict(extra))
             meta = {
                 "format": FORMAT,
@@ -127,19 +127,9 @@ def save(engine: MegatronEngine, final: Path, extra: Mapping[str, Any]) -> None:
                 "optimizer": ("megatron" if engine.use_megatron_schedule else "torch") if has_optim else None,
                 "optimizer_scalars": scalars,
             }
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    except BaseException as exc:  # raised after the others learn of it, so no rank hangs
-        error = exc
-    if dist_utils.any_rank(error is not None):
-        if rank == 0:
-            ckpt.discard_partial(final)
-        dist_utils.barrier()
-        if error is not None:
-            raise error
-        raise RuntimeError(f"saving checkpoint {final} failed on another rank; nothing was written")
-    if rank == 0:
-        ckpt.commit_partial(final)
-    dist_utils.barrier()
+            write_meta(tmp, meta)
+
+    write_collectively(final, rank, write)
 
 
 def load(engine: MegatronEngine, final: Path) -> dict[str, Any]:
