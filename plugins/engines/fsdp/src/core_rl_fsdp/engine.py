@@ -24,6 +24,7 @@ from core_rl.engine_utils import lora
 from core_rl.engine_utils.hf import architecture_name, resolve_attn_implementation
 from core_rl.engine_utils.optim import build_optimizer, check_schedule, lr_at, set_lr
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner
+from core_rl.engine_utils.state import write_collectively, write_meta
 from core_rl.interfaces import HEADS, LossFn, LossOutput, TrainEngine, ValueLossFn
 from core_rl.protocol import TensorBatch
 from torch.distributed.checkpoint.state_dict import (
@@ -221,17 +222,12 @@ class FSDPEngine(EngineState, TrainEngine):
         """
         self._check_trainable("save_state")
         assert self.optimizer is not None
-        final = Path(path).absolute()
-        if self.rank == 0:
-            ckpt.prepare_partial(final)
-        dist_utils.barrier()
-        tmp = ckpt.partial_path(final)
         # An optimizer that has not stepped has no state; asking for it would create some (torch
         # initialises it with a zero-lr step), which would change the run. Save none instead.
         has_optim = _optimizer_has_state(self.optimizer)
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        error: BaseException | None = None
-        try:
+
+        def write(tmp: Path) -> None:
             model_state = get_model_state_dict(self.model, options=full)
             optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=full) if has_optim else None
             ckpt.save_tree(tmp / "rng", f"rank{self.rank}", ckpt.capture_rng())
@@ -250,20 +246,9 @@ class FSDPEngine(EngineState, TrainEngine):
                     "world_size": self.world_size,
                     "optimizer": has_optim,
                 }
-                (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        except BaseException as exc:  # raised after the others learn of it, so no rank hangs
-            error = exc
-        failed = dist_utils.any_rank(error is not None)
-        if failed:
-            if self.rank == 0:
-                ckpt.discard_partial(final)
-            dist_utils.barrier()
-            if error is not None:
-                raise error
-            raise RuntimeError(f"saving checkpoint {final} failed on another rank; nothing was written")
-        if self.rank == 0:
-            ckpt.commit_partial(final)
-        dist_utils.barrier()
+                write_meta(tmp, meta)
+
+        write_collectively(Path(path), self.rank, write)
 
     def check_checkpoint(self, path: str | Path) -> None:
         """Raise :class:`~core_rl.checkpointing.CheckpointFormatError` unless ``path`` holds a
