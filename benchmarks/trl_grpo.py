@@ -335,12 +335,20 @@ def trl_python(install: bool) -> Path | None:
 # -------------------------------------------------------------------------------------------- parent
 
 
+_LAUNCHER_VARIABLES = frozenset(
+    {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "ROLE_RANK"}
+)
+
+
 def run_worker(python: str, kind: str, spec: dict, timeout: float) -> dict:
     """Run one worker process and return its JSON result."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
         spec_file = f.name
-    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "TOKENIZERS_PARALLELISM": "false"}
+    # Each worker is one process on its own: launcher variables left in this process (a torchrun
+    # parent, or an engine that set LOCAL_RANK) would make accelerate wait for a process group.
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
+    env.update(OMP_NUM_THREADS=str(spec["threads"]), TOKENIZERS_PARALLELISM="false")
     try:
         proc = subprocess.run(
             [python, __file__, "--worker", kind, "--spec", spec_file],
