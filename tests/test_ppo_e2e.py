@@ -2,7 +2,8 @@
 the tiny task (real fsdp engines for actor, critic, reference and teacher, the hf rollout engine,
 char_match): the PPO example's reward rises; distillation lowers the KL to the teacher; a run with a
 critic resumes exactly (the checkpoint holds the critic's state); 2 data-parallel ranks match 1;
-a critic on an engine without value heads is refused before the run."""
+a critic on another engine (deepspeed) trains like the fsdp one, and one on an engine without
+value heads is refused before the run."""
 
 from __future__ import annotations
 
@@ -140,15 +141,31 @@ def test_ppo_on_two_ranks_matches_one(workdir: Path) -> None:
 
 
 def test_critic_on_an_engine_without_value_heads_is_refused(workdir: Path, capsys) -> None:
-    """deepspeed declares no value head: ``core-rl train`` stops before building anything, with exit
+    """megatron declares no value head: ``core-rl train`` stops before building anything, with exit
     status 2 and one line naming the key, the engine and its distribution."""
-    pytest.importorskip("core_rl_deepspeed")
+    pytest.importorskip("core_rl_megatron")
     code = cli.main(
-        ["train", str(EXAMPLES / "ppo.yaml"), f"experiment.output_dir={workdir}", "critic.engine.name=deepspeed"]
+        ["train", str(EXAMPLES / "ppo.yaml"), f"experiment.output_dir={workdir}", "critic.engine.name=megatron"]
     )
     assert code == 2
     err = capsys.readouterr().err
     assert (
-        "critic.engine.name: train engine 'deepspeed' (distribution core-rl-deepspeed) cannot build a value model"
-        in err
+        "critic.engine.name: train engine 'megatron' (distribution core-rl-megatron) cannot build a value model" in err
     )
+
+
+def test_a_deepspeed_critic_trains_like_the_fsdp_one(workdir: Path) -> None:
+    """The critic role on another engine through the same contract: a ZeRO-2 critic next to the fsdp
+    actor gives the fsdp critic's values, losses and actor update (the engines' parity tolerance)."""
+    pytest.importorskip("core_rl_deepspeed")
+    options = (*SHORT_PPO, "trainer.total_steps=2", "saver.every_n_steps=0", "saver.at_end=false")
+    fsdp = _train(workdir, "ppo.yaml", *options, "experiment.name=critic_fsdp")
+    ds = _train(
+        workdir, "ppo.yaml", *options, "experiment.name=critic_ds", "critic.engine={name: deepspeed, zero_stage: 2}"
+    )
+    assert [r["step"] for r in ds] == [1, 2]
+    assert "actor/loss" in fsdp[1]  # step 1 trains the critic alone (warm-up), step 2 both
+    for a, b in zip(fsdp, ds):
+        for key in ("critic/loss", "critic/values_mean", "critic/grad_norm", "actor/loss", "reward/mean"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key

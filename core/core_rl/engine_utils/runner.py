@@ -30,18 +30,21 @@ from core_rl.engine_utils.microbatch import (
 )
 from core_rl.engine_utils.packed import VARLEN_ATTENTION, forward_logprobs, forward_values, resolve_layout
 from core_rl.engine_utils.packing import plan_micro_batches
-from core_rl.interfaces import LossFn
+from core_rl.interfaces import HEADS, LossFn, LossOutput, ValueLossFn
 from core_rl.protocol import TensorBatch
 
 TRAIN_KEYS = ("input_ids", "attention_mask", "response_mask", "loss_weight")
 
 
 class EngineState:
-    """The bookkeeping every train engine shares: the optimizer step count and open/trainable checks.
-    Subclasses set ``_step``, ``_closed``, ``trainable`` and ``engine_label``."""
+    """The bookkeeping every train engine shares: the optimizer step count, open/trainable/head
+    checks, and the value-head methods built on the engine's ``_optimizer_step``. Subclasses set
+    ``_step``, ``_closed``, ``trainable``, ``engine_label`` and (value heads) ``head`` and ``runner``."""
 
     engine_label = "train"
     trainable: bool
+    head: str = "lm"
+    runner: MicroBatchRunner
     _step: int
     _closed: bool
 
@@ -57,6 +60,41 @@ class EngineState:
         self._check_open()
         if not self.trainable:
             raise RuntimeError(f"{what} needs a trainable engine; this one is a frozen reference (trainable=False)")
+
+    @staticmethod
+    def _check_head_name(head: str) -> str:
+        if head not in HEADS:
+            raise ValueError(f"head must be one of {', '.join(HEADS)}, got {head!r}")
+        return head
+
+    def _check_head(self, head: str, what: str) -> None:
+        self._check_open()
+        if self.head != head:
+            raise RuntimeError(f"{what} needs an engine built with head={head!r}; this one has head={self.head!r}")
+
+    def _optimizer_step(self, batch: TensorBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
+        """One optimizer step over ``batch`` with ``loss_fn(micro_batch, outputs, entropy)``; the
+        engine's own (``train_step`` and :meth:`train_value_step` both go through it)."""
+        raise NotImplementedError
+
+    def compute_values(self, batch: TensorBatch) -> torch.Tensor:
+        """Values [B, T] float32 on CPU of a value model (see :class:`core_rl.interfaces.TrainEngine`),
+        in eval mode without gradients, micro-batched like training."""
+        self._check_head("value", "compute_values")
+        return self.runner.logprobs(batch, 1.0)  # the runner's forward gives values for this head
+
+    def train_value_step(self, batch: TensorBatch, loss_fn: ValueLossFn) -> dict[str, float]:
+        """One optimizer step of a value model: the engine's ``train_step`` with
+        ``loss_fn(micro_batch, values)`` (no ``entropy`` metric)."""
+        self._check_trainable("train_value_step")
+        self._check_head("value", "train_value_step")
+
+        def on_values(mb: TensorBatch, values: torch.Tensor, _entropy: torch.Tensor) -> LossOutput:
+            return loss_fn(mb, values)
+
+        metrics = self._optimizer_step(batch, on_values, 1.0)
+        metrics.pop("entropy", None)
+        return metrics
 
 
 class MicroBatchRunner:

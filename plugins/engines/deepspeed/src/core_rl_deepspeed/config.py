@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 from core_rl.config.validators import FieldValueError, one_of, positive
@@ -33,6 +33,9 @@ class DeepSpeedConfig:
     - ``config_overrides``: keys merged last into the generated DeepSpeed configuration (for
       settings not listed here; DeepSpeed validates them).
     """
+
+    #: what this engine's models can output (:data:`core_rl.interfaces.HEADS`): an LM, or a value model
+    heads: ClassVar[tuple[str, ...]] = ("lm", "value")
 
     zero_stage: int = attrs.field(default=2, validator=one_of((1, 2, 3)))
     offload_optimizer: bool = False

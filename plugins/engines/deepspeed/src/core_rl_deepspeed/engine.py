@@ -64,11 +64,21 @@ def import_deepspeed(options: DeepSpeedConfig, device: torch.device) -> Any:
 
 class DeepSpeedEngine(EngineState, TrainEngine):
     """See the module docstring. ``trainable=False`` builds a frozen reference model (eval mode, no
-    gradients, no optimizer; ZeRO-3 still partitions its parameters)."""
+    gradients, no optimizer; ZeRO-3 still partitions its parameters). ``head="value"`` builds a value
+    model (a critic: the backbone plus a scalar head per token,
+    :func:`core_rl.engine_utils.hf.load_value_model`), trained by :meth:`train_value_step`."""
 
     engine_label = "DeepSpeed"
 
-    def __init__(self, actor: ActorConfig, config: DeepSpeedConfig | None = None, *, trainable: bool = True) -> None:
+    def __init__(
+        self,
+        actor: ActorConfig,
+        config: DeepSpeedConfig | None = None,
+        *,
+        trainable: bool = True,
+        head: str = "lm",
+    ) -> None:
+        self.head = self._check_head_name(head)
         self.actor = actor
         self.config = config if config is not None else DeepSpeedConfig()
         self.trainable = trainable
@@ -83,7 +93,8 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         deepspeed = import_deepspeed(self.config, self.device)
         deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
         attn = hf.resolve_attn_implementation(self.config.attn_implementation, self.device)
-        model = hf.load_causal_lm(actor.model_path, dtype=actor.dtype, attn_implementation=attn)
+        load = hf.load_value_model if head == "value" else hf.load_causal_lm
+        model = load(actor.model_path, dtype=actor.dtype, attn_implementation=attn)
         model = hf.prepare_for_role(model, actor, trainable=trainable)
         hf_model = lora.base_model(model)
         self._architectures = [hf.architecture_name(hf_model)]
@@ -93,7 +104,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         self.ds, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.model: nn.Module = self.ds.module
         self.runner = MicroBatchRunner(
-            self.ds, actor.micro_batch, self.device, pad_token_id=self._pad_id, attn_implementation=attn
+            self.ds, actor.micro_batch, self.device, pad_token_id=self._pad_id, attn_implementation=attn, head=head
         )
         self._step = 0
         self._closed = False
@@ -107,7 +118,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
     def compute_logprobs(self, batch: TensorBatch, *, temperature: float = 1.0) -> torch.Tensor:
         """Log-probs [B, T] float32 on CPU (see :class:`core_rl.interfaces.TrainEngine`), in eval
         mode without gradients, micro-batched like :meth:`train_step`."""
-        self._check_open()
+        self._check_head("lm", "compute_logprobs")
         _check_temperature(temperature)
         return self.runner.logprobs(batch, temperature)
 
@@ -121,7 +132,11 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         the update on every rank; the step still counts).
         """
         self._check_trainable("train_step")
+        self._check_head("lm", "train_step")
         _check_temperature(temperature)
+        return self._optimizer_step(batch, loss_fn, temperature)
+
+    def _optimizer_step(self, batch: TensorBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
         assert self.optimizer is not None
         lr = lr_at(self._step, self.actor.optimizer.lr, self.actor.lr_scheduler)
         set_lr(self.optimizer, lr)

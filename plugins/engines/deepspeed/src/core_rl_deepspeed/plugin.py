@@ -14,11 +14,14 @@ if TYPE_CHECKING:
     from core_rl_deepspeed.engine import DeepSpeedEngine
 
 
-def build_engine(actor: ActorConfig, engine_config: DeepSpeedConfig | None, *, trainable: bool) -> DeepSpeedEngine:
-    """The factory core-rl calls: a :class:`~core_rl_deepspeed.engine.DeepSpeedEngine` for ``actor``."""
+def build_engine(
+    actor: ActorConfig, engine_config: DeepSpeedConfig | None, *, trainable: bool, head: str = "lm"
+) -> DeepSpeedEngine:
+    """The factory core-rl calls: a :class:`~core_rl_deepspeed.engine.DeepSpeedEngine` for ``actor``
+    (or any role section); ``head="value"`` builds a value model (a critic)."""
     from core_rl_deepspeed.engine import DeepSpeedEngine
 
-    return DeepSpeedEngine(actor, engine_config, trainable=trainable)
+    return DeepSpeedEngine(actor, engine_config, trainable=trainable, head=head)
 
 
 @hookimpl

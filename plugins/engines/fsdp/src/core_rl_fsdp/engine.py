@@ -25,7 +25,7 @@ from core_rl.engine_utils.hf import architecture_name, resolve_attn_implementati
 from core_rl.engine_utils.optim import build_optimizer, check_schedule, lr_at, set_lr
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner
 from core_rl.engine_utils.state import write_collectively, write_meta
-from core_rl.interfaces import HEADS, LossFn, LossOutput, TrainEngine, ValueLossFn
+from core_rl.interfaces import LossFn, TrainEngine
 from core_rl.protocol import TensorBatch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -54,9 +54,7 @@ class FSDPEngine(EngineState, TrainEngine):
     def __init__(
         self, actor: ActorConfig, config: FSDPConfig | None = None, *, trainable: bool = True, head: str = "lm"
     ) -> None:
-        if head not in HEADS:
-            raise ValueError(f"head must be one of {', '.join(HEADS)}, got {head!r}")
-        self.head = head
+        self.head = self._check_head_name(head)
         self.actor = actor
         self.config = config if config is not None else FSDPConfig()
         self.trainable = trainable
@@ -96,16 +94,6 @@ class FSDPEngine(EngineState, TrainEngine):
         _check_temperature(temperature)
         return self.runner.logprobs(batch, temperature)
 
-    def compute_values(self, batch: TensorBatch) -> torch.Tensor:
-        """Values [B, T] float32 on CPU of a value model (see :class:`core_rl.interfaces.TrainEngine`)."""
-        self._check_head("value", "compute_values")
-        return self.runner.logprobs(batch, 1.0)  # the runner's forward gives values for this head
-
-    def _check_head(self, head: str, what: str) -> None:
-        self._check_open()
-        if self.head != head:
-            raise RuntimeError(f"{what} needs an engine built with head={head!r}; this one has head={self.head!r}")
-
     # ------------------------------------------------------------------ training
 
     def train_step(self, batch: TensorBatch, loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
@@ -122,19 +110,6 @@ class FSDPEngine(EngineState, TrainEngine):
         self._check_head("lm", "train_step")
         _check_temperature(temperature)
         return self._optimizer_step(batch, loss_fn, temperature)
-
-    def train_value_step(self, batch: TensorBatch, loss_fn: ValueLossFn) -> dict[str, float]:
-        """One optimizer step of a value model: :meth:`train_step` with ``loss_fn(micro_batch, values)``
-        (no ``entropy`` metric)."""
-        self._check_trainable("train_value_step")
-        self._check_head("value", "train_value_step")
-
-        def on_values(mb: TensorBatch, values: torch.Tensor, _entropy: torch.Tensor) -> LossOutput:
-            return loss_fn(mb, values)
-
-        metrics = self._optimizer_step(batch, on_values, 1.0)
-        metrics.pop("entropy", None)
-        return metrics
 
     def _optimizer_step(self, batch: TensorBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
         assert self.optimizer is not None
