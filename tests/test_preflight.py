@@ -331,3 +331,24 @@ def test_a_run_that_fails_at_its_first_step_can_be_run_again(tmp_path, model, da
     assert not metrics.exists()
     train(_config(tmp_path, model, data, *quick), host=PluginHost())
     assert len(metrics.read_text().splitlines()) == 1
+
+
+def test_config_validate_runs_the_preflight_on_request(tmp_path, model, data, capsys):
+    """``core-rl config validate`` checks the config alone; ``--preflight`` adds the checks ``train``
+    runs first (here: a missing model directory, named by its key), and creates no run directory."""
+    from core_rl import cli
+
+    cfg = _config(tmp_path, model, data)  # writes run.yaml
+    path = str(tmp_path / "run.yaml")
+    missing = f"actor.model_path={tmp_path / 'nowhere'}"
+    assert cli.main(["config", "validate", path, missing]) == 0
+    capsys.readouterr()
+    assert cli.main(["config", "validate", "--preflight", path, missing]) == 2
+    err = capsys.readouterr().err
+    assert "actor.model_path" in err and "nowhere" in err and "Traceback" not in err
+    assert cli.main(["config", "validate", "--preflight", path]) == 0
+    assert "preflight passed" in capsys.readouterr().out
+    assert not (Path(cfg.experiment.output_dir) / cfg.experiment.name).exists()
+    (tmp_path / "runs").write_text("a file where the output directory should be")
+    assert cli.main(["config", "validate", "--preflight", path]) == 2
+    assert "experiment.output_dir: cannot create or write the run directory" in capsys.readouterr().err

@@ -82,9 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     validate = config_sub.add_parser(
         "validate",
         help="check a config and exit 0 if it is valid",
-        description="Validate the configuration, including plugin sections.",
+        description="Validate the configuration, including plugin sections. With --preflight, also run the "
+        "checks `train` runs before loading anything: data files, model and tokenizer directories, prompts "
+        "against the tokenizer, the machine (devices, backends) and the output directory (nothing is created).",
     )
     _add_config_args(validate)
+    validate.add_argument(
+        "--preflight", action="store_true", help="also check data, model, tokenizer, machine and output directory"
+    )
 
     from core_rl.server_env import add_command as add_server_env_command
 
@@ -167,7 +172,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 sys.stdout.write(to_yaml(cfg))
             else:
-                print(f"{args.config}: valid")
+                if args.preflight:
+                    from core_rl.preflight import preflight
+
+                    preflight(cfg, create_output_dir=False)
+                print(f"{args.config}: valid" + (" (preflight passed)" if args.preflight else ""))
             return 0
         if args.command == "train":
             from core_rl.trainer import train

@@ -280,9 +280,12 @@ def check_sampling(cfg: RunConfig, model: ModelInfo) -> list[str]:
     ]
 
 
-def check_output_dir(cfg: RunConfig) -> list[str]:
-    """The run directory can be created and written (it is created here)."""
+def check_output_dir(cfg: RunConfig, *, create: bool = True) -> list[str]:
+    """The run directory can be created and written (it is created here; with ``create=False``
+    nothing is created and its nearest existing ancestor must be a writable directory)."""
     run_dir = Path(cfg.experiment.output_dir) / cfg.experiment.name
+    if not create:
+        return _creatable_problems(run_dir)
     what = "create the run directory"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -298,6 +301,21 @@ def check_output_dir(cfg: RunConfig) -> list[str]:
     return []
 
 
+def _creatable_problems(run_dir: Path) -> list[str]:
+    """Whether ``run_dir`` exists as a writable directory, or could be created (its nearest
+    existing ancestor is a writable directory), without creating anything."""
+    existing = run_dir.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
+        return []
+    reason = "not a directory" if not existing.is_dir() else "permission denied"
+    return [
+        f"experiment.output_dir: cannot create or write the run directory {str(run_dir)!r} "
+        f"({str(existing)!r}: {reason}); choose a writable experiment.output_dir (or another experiment.name)"
+    ]
+
+
 def plugin_environment_problems(cfg: RunConfig, machine: MachineInfo, model: ModelInfo | None) -> list[str]:
     """Every selected plugin section's own ``check_environment``."""
     problems: list[str] = []
@@ -308,10 +326,11 @@ def plugin_environment_problems(cfg: RunConfig, machine: MachineInfo, model: Mod
     return problems
 
 
-def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None) -> Preflight:
+def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_output_dir: bool = True) -> Preflight:
     """Run every check of the module docstring on a validated ``cfg`` (as :func:`load_config`
     returns it); raise :class:`~core_rl.errors.PreflightError` listing all problems found, else
-    return what the checks read. ``machine``: the machine to check against (default: this one)."""
+    return what the checks read. ``machine``: the machine to check against (default: this one).
+    ``create_output_dir=False`` (``core-rl config validate --preflight``) creates no run directory."""
     offline = cfg.experiment.offline
     problems = resolve_paths(cfg)
     rows, data_problems = check_data(cfg)
@@ -342,7 +361,7 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None) -> Prefligh
         section = getattr(cfg, role)
         if section is not None and section.model_path:
             problems += check_model_dir(section.model_path, f"{role}.model_path", offline=offline)[1]
-    problems += check_output_dir(cfg)
+    problems += check_output_dir(cfg, create=create_output_dir)
     machine = machine if machine is not None else detect_machine()
     problems += plugin_environment_problems(cfg, machine, model)
     if problems:
