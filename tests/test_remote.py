@@ -91,6 +91,20 @@ class FakeEngine(ServerRolloutEngine):
         )
         return [Completion(s["ids"], s["lps"], s["finish"]) for s in body["samples"]]
 
+    # the hooks these tests never reach (the engine connects to ``urls`` and never updates weights)
+    def server_command(self, python: str, port: int, index: int) -> list[str]:
+        raise AssertionError("not started by these tests")
+
+    async def pause_server(self, client: Any, url: str, mode: str) -> None:
+        raise AssertionError("not paused by these tests")
+
+    resume_server = abort_all = pause_server  # type: ignore[assignment]
+
+    async def reload_from_disk(self, client: Any, url: str, path: str, version: int) -> None:
+        raise AssertionError("no weight sync in these tests")
+
+    join_weight_group = receive_weights = reload_from_disk  # type: ignore[assignment]
+
 
 @pytest.fixture
 def make(tmp_path: Path):
@@ -179,3 +193,18 @@ def test_memory_weight_sync_is_refused(make) -> None:
     engine, _ = make([])
     with pytest.raises(NotImplementedError, match="weight_sync=disk or collective"):
         engine.update_weights({}, 1)
+
+
+def test_a_server_engine_missing_a_hook_fails_when_built(tmp_path: Path) -> None:
+    """Every plugin hook of ServerRolloutEngine is abstract: an engine class that forgets one cannot
+    be built at all (rather than failing at its first pause or weight update, mid-run)."""
+
+    class Incomplete(ServerRolloutEngine):
+        env_name = "incomplete"
+
+        async def request(self, client: Any, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list:
+            return []
+
+    opts = structure({"urls": ["http://127.0.0.1:9"]}, ServerOptions)
+    with pytest.raises(TypeError, match="abstract method.*abort_all"):
+        Incomplete("/models/none", opts, tmp_path)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from abc import abstractmethod
 from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -163,6 +164,7 @@ class ServerRolloutEngine(RolloutEngine):
 
     # -- plugin hooks ---------------------------------------------------------------------------
 
+    @abstractmethod
     def server_command(self, python: str, port: int, index: int) -> list[str]:
         """*plugin*: the command line of server ``index`` listening on ``port``."""
         raise NotImplementedError
@@ -175,26 +177,32 @@ class ServerRolloutEngine(RolloutEngine):
         """*plugin*: how many worker processes of one server join the weight-update group."""
         return 1
 
+    @abstractmethod
     async def request(self, client: Any, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list[Completion]:
         """*plugin*: one HTTP request for the ``sampling.n`` samples of ``prompt_ids``."""
         raise NotImplementedError
 
+    @abstractmethod
     async def pause_server(self, client: Any, url: str, mode: str) -> None:
         """*plugin*: pause generation on one server (``keep`` or ``abort``)."""
         raise NotImplementedError
 
+    @abstractmethod
     async def resume_server(self, client: Any, url: str) -> None:
         """*plugin*: resume generation on one server."""
         raise NotImplementedError
 
+    @abstractmethod
     async def abort_all(self, client: Any, url: str) -> None:
         """*plugin*: abort every request one server holds (they return what they generated)."""
         raise NotImplementedError
 
+    @abstractmethod
     async def reload_from_disk(self, client: Any, url: str, path: str, version: int) -> None:
         """*plugin*: load the Hugging Face directory ``path`` into one server (and drop its cache)."""
         raise NotImplementedError
 
+    @abstractmethod
     async def join_weight_group(
         self, client: Any, url: str, *, address: str, port: int, rank_offset: int, world_size: int, backend: str
     ) -> None:
@@ -202,6 +210,7 @@ class ServerRolloutEngine(RolloutEngine):
         ``rank_offset``); returns once they joined (the trainer joins concurrently)."""
         raise NotImplementedError
 
+    @abstractmethod
     async def receive_weights(
         self, client: Any, url: str, *, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int
     ) -> None:
