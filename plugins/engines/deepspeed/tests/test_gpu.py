@@ -24,4 +24,4 @@ def test_nccl_zero3_bf16_offload_train_resume_export(tiny_model: Path, tmp_path:
     assert losses[-1] < losses[0]
     assert result["resumed_losses"] == pytest.approx(losses[2:], rel=1e-3)
     assert result["resume_weight_diff"] < 1e-3
-    assert result["fp32_export"]  # the fp32 master weights are exported, not the bf16 copies
+    assert result["export_dtypes"] == ["torch.float32"]  # the fp32 master weights, not the bf16 copies

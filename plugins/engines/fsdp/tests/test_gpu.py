@@ -17,7 +17,7 @@ def test_nccl_bf16_train_resume_export(tiny_model: Path, tmp_path: Path, torchru
     nproc = min(2, torch.cuda.device_count())
     torchrun(Path(__file__).with_name("gpu_train.py"), nproc, "--model", str(tiny_model), "--out", str(tmp_path))
     result = json.loads((tmp_path / "result.json").read_text())
-    assert result["world"] == nproc
+    assert result["world"] == nproc and result["device"] == "cuda"
     assert result["lp_error"] < 0.05  # bf16 compute vs an fp32 reference
     losses = result["losses"]
     assert losses[-1] < losses[0]
