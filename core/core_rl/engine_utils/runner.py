@@ -62,7 +62,7 @@ class EngineState:
 class MicroBatchRunner:
     """Runs ``model`` over a rank's rows in micro-batches. ``attn_implementation`` is the one the
     model was loaded with (it decides the ``auto`` layout and whether flash-attn varlen arguments
-    are passed). ``head="value"``: ``model`` is a value model; :meth:`forward` and :meth:`logprobs`
+    are passed). ``head="value"`` or ``"score"``: ``model`` is a value model; :meth:`forward` and :meth:`logprobs`
     then give values (:func:`~core_rl.engine_utils.packed.forward_values`) in place of log-probs,
     and entropies are 0."""
 
@@ -112,7 +112,7 @@ class MicroBatchRunner:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) ``[b, width]`` of one micro-batch on the engine's device."""
-        if self.head == "value":
+        if self.head != "lm":
             values = forward_values(
                 self.model,
                 input_ids.to(self.device),

@@ -21,11 +21,11 @@ import torch
 from core_rl import checkpointing as ckpt
 from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import lora
-from core_rl.engine_utils.hf import architecture_name, resolve_attn_implementation
+from core_rl.engine_utils.hf import architecture_name, exported_architecture, resolve_attn_implementation
 from core_rl.engine_utils.optim import build_optimizer, check_schedule, lr_at, set_lr
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner
 from core_rl.engine_utils.state import write_collectively, write_meta
-from core_rl.interfaces import HEADS, LossFn, LossOutput, TrainEngine, ValueLossFn
+from core_rl.interfaces import HEADS, VALUE_HEADS, LossFn, LossOutput, TrainEngine, ValueLossFn
 from core_rl.protocol import TensorBatch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -47,7 +47,9 @@ class FSDPEngine(EngineState, TrainEngine):
     """See the module docstring. ``trainable=False`` builds a frozen reference model (eval mode,
     no gradients, no optimizer; :meth:`train_step`, :meth:`save_state` and :meth:`load_state`
     raise). ``head="value"`` builds a value model (a critic: the backbone plus a scalar head per
-    token, :func:`core_rl.engine_utils.hf.load_value_model`), trained by :meth:`train_value_step`."""
+    token, :func:`core_rl.engine_utils.hf.load_value_model`), trained by :meth:`train_value_step`;
+    ``head="score"`` the same without a bias in the head (a reward model), exported as
+    ``*ForSequenceClassification``."""
 
     engine_label = "FSDP"
 
@@ -78,7 +80,7 @@ class FSDPEngine(EngineState, TrainEngine):
             head=head,
         )
         hf_model = lora.base_model(self.model)
-        self._architectures = [architecture_name(hf_model)]
+        self._architectures = [exported_architecture(architecture_name(hf_model), head)]
         self._pad_id = int(hf_model.config.pad_token_id) if hf_model.config.pad_token_id is not None else 0
         self.runner = MicroBatchRunner(
             self.model, actor.micro_batch, self.device, pad_token_id=self._pad_id, attn_implementation=attn, head=head
@@ -92,19 +94,19 @@ class FSDPEngine(EngineState, TrainEngine):
     def compute_logprobs(self, batch: TensorBatch, *, temperature: float = 1.0) -> torch.Tensor:
         """Log-probs [B, T] float32 on CPU (see :func:`core_rl.engine_utils.logprobs.token_logprobs`),
         computed in eval mode without gradients, micro-batched like :meth:`train_step`."""
-        self._check_head("lm", "compute_logprobs")
+        self._check_head(("lm",), "compute_logprobs")
         _check_temperature(temperature)
         return self.runner.logprobs(batch, temperature)
 
     def compute_values(self, batch: TensorBatch) -> torch.Tensor:
         """Values [B, T] float32 on CPU of a value model (see :class:`core_rl.interfaces.TrainEngine`)."""
-        self._check_head("value", "compute_values")
+        self._check_head(VALUE_HEADS, "compute_values")
         return self.runner.logprobs(batch, 1.0)  # the runner's forward gives values for this head
 
-    def _check_head(self, head: str, what: str) -> None:
+    def _check_head(self, heads: tuple[str, ...], what: str) -> None:
         self._check_open()
-        if self.head != head:
-            raise RuntimeError(f"{what} needs an engine built with head={head!r}; this one has head={self.head!r}")
+        if self.head not in heads:
+            raise RuntimeError(f"{what} needs an engine built with head in {heads}; this one has head={self.head!r}")
 
     # ------------------------------------------------------------------ training
 
@@ -119,7 +121,7 @@ class FSDPEngine(EngineState, TrainEngine):
         updates its weights or optimizer state (the step still counts, for the schedule).
         """
         self._check_trainable("train_step")
-        self._check_head("lm", "train_step")
+        self._check_head(("lm",), "train_step")
         _check_temperature(temperature)
         return self._optimizer_step(batch, loss_fn, temperature)
 
@@ -127,7 +129,7 @@ class FSDPEngine(EngineState, TrainEngine):
         """One optimizer step of a value model: :meth:`train_step` with ``loss_fn(micro_batch, values)``
         (no ``entropy`` metric)."""
         self._check_trainable("train_value_step")
-        self._check_head("value", "train_value_step")
+        self._check_head(VALUE_HEADS, "train_value_step")
 
         def on_values(mb: TensorBatch, values: torch.Tensor, _entropy: torch.Tensor) -> LossOutput:
             return loss_fn(mb, values)
