@@ -1,4 +1,4 @@
-"""The supervised examples (examples/tiny_supervised: sft.yaml, dpo.yaml) run through
+"""The supervised examples (examples/tiny_supervised: sft.yaml, dpo.yaml, rm.yaml) run through
 ``core-rl train`` for a few steps on the data and model prepare.py builds, and learn."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from core_rl.testing.launch import run_train
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_sft")
 pytest.importorskip("core_rl_dpo")
+pytest.importorskip("core_rl_rm")
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "tiny_supervised"
 
@@ -25,7 +26,9 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return work
 
 
-@pytest.mark.parametrize(("config", "metric"), [("sft.yaml", "sft/loss"), ("dpo.yaml", "dpo/loss")])
+@pytest.mark.parametrize(
+    ("config", "metric"), [("sft.yaml", "sft/loss"), ("dpo.yaml", "dpo/loss"), ("rm.yaml", "rm/loss")]
+)
 def test_example_trains(workdir: Path, config: str, metric: str) -> None:
     run_train(EXAMPLES / config, f"experiment.output_dir={workdir}", "trainer.total_steps=6", "saver.every_n_steps=3")
     run = workdir / Path(config).stem
@@ -33,3 +36,5 @@ def test_example_trains(workdir: Path, config: str, metric: str) -> None:
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert rows[-1][metric] < rows[0][metric]
     assert (run / "checkpoints" / "step_00000006").is_dir() and (run / "final_hf" / "config.json").is_file()
+    if config == "rm.yaml":  # the held-out pairs are scored after the last step
+        assert "rm/val/accuracy" in rows[-1] and all("rm/val/accuracy" not in r for r in rows[:-1])
