@@ -171,3 +171,15 @@ def test_a_missing_margin_is_one_clear_error() -> None:
         loop.margin(PromptItem(row={"m": "x"}, text="ab=", prompt_ids=[1]))
     loop.loop_config = RMConfig()
     assert loop.margin(PromptItem(row={}, text="ab=", prompt_ids=[1])) == 0.0
+
+
+def test_an_engine_without_a_score_head_is_refused_before_it_is_built() -> None:
+    from core_rl.config.schema import RunConfig
+    from core_rl.errors import ConfigError
+    from core_rl.testing import recipe_host
+    from core_rl_rm.config import RMConfig
+    from core_rl_rm.loop import RMLoop
+
+    # recipe_host's stand-in 'fsdp' lists no heads (so: lm only) and cannot be built (its factory is object)
+    with pytest.raises(ConfigError, match=r"actor.engine.name: train engine 'fsdp' \(distribution <stand-in>\) cannot"):
+        RMLoop(RunConfig(), recipe_host(), config=RMConfig())  # builds its models
