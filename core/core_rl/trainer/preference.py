@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from core_rl.errors import DataError
 from core_rl.protocol import TensorBatch
-from core_rl.trainer.data import PromptItem, read_data_files, tokenise_rows
+from core_rl.trainer.data import PromptItem, check_rows, read_data_files, tokenise_rows
 from core_rl.trainer.supervised import SupervisedLoop, token_ids
 
 
@@ -63,6 +63,7 @@ class PairwiseLoop(SupervisedLoop):
         training data's (``data.prompt_key``, ``data.apply_chat_template``); a
         :class:`~core_rl.errors.DataError` naming the config key ``key`` on a problem."""
         rows, problems = read_data_files(files)
+        problems = problems or check_rows(rows, self.cfg.data.prompt_key, {})
         items: list[PromptItem] = []
         if not problems:
             items, problems = tokenise_rows(rows, self.cfg.data, self.tokenizer)
