@@ -51,6 +51,23 @@ def test_bradley_terry_by_hand() -> None:
     assert loss.tolist() == pytest.approx([0.126928, math.log(2)], abs=1e-6)
 
 
+def test_bradley_terry_margin_smoothing_and_centering_by_hand() -> None:
+    chosen, rejected = torch.tensor([2.0, 1.0]), torch.tensor([0.0, 1.0])
+    # margins [1, -1]: d = [2 - 0 - 1, 1 - 1 + 1] = [1, 1]; -log sigmoid(1) = log(1 + e^-1) = 0.313262
+    loss = bradley_terry_loss(chosen, rejected, margin=torch.tensor([1.0, -1.0]))
+    assert loss.tolist() == pytest.approx([0.313262, 0.313262], abs=1e-6)
+    # eps 0.1, d = 2: 0.9 log(1 + e^-2) + 0.1 log(1 + e^2) = 0.9 * 0.126928 + 0.1 * 2.126928 = 0.326928
+    assert bradley_terry_loss(chosen[:1], rejected[:1], label_smoothing=0.1).item() == pytest.approx(0.326928, abs=1e-6)
+    # c 0.01: + 0.01 (s_w + s_l)^2 = + 0.04 for both pairs; dL/ds_w of pair 0 = -sigmoid(-2) + 2 * 0.01 * 2
+    s_w = chosen.clone().requires_grad_(True)
+    loss = bradley_terry_loss(s_w, rejected, center_coef=0.01)
+    assert loss.tolist() == pytest.approx([0.166928, math.log(2) + 0.04], abs=1e-6)
+    loss.sum().backward()
+    assert s_w.grad[0].item() == pytest.approx(-0.119203 + 0.04, abs=1e-6)
+    with pytest.raises(ValueError, match="center_coef"):
+        bradley_terry_loss(chosen, rejected, center_coef=-1.0)
+
+
 def test_metrics_by_hand() -> None:
     m = preference_metrics(CHOSEN, REJECTED, torch.tensor([-3.0, -4.0]), torch.tensor([-5.0, -2.0]), beta=0.5)
     assert m["rewards/chosen"].tolist() == pytest.approx([0.5, -0.25])

@@ -39,10 +39,14 @@ LossFn = Callable[["TensorBatch", "torch.Tensor", "torch.Tensor"], LossOutput]
 # (micro-batch, current values [b, T]) -> LossOutput (a value model's loss, e.g. a critic's)
 ValueLossFn = Callable[["TensorBatch", "torch.Tensor"], LossOutput]
 
-#: what a train engine's model outputs: ``lm`` (a causal LM: log-probs) or ``value`` (a value model:
-#: one scalar per token). An engine lists the heads it builds in the ``heads`` attribute of its
-#: ``config_cls`` (``("lm",)`` when absent) and receives ``head="value"`` from its factory only then.
-HEADS = ("lm", "value")
+#: what a train engine's model outputs: ``lm`` (a causal LM: log-probs), ``value`` (a value model:
+#: one scalar per token) or ``score`` (a value model whose head has no bias, Hugging Face's
+#: ``*ForSequenceClassification`` head: a reward model, exported as such a classifier). An engine lists
+#: the heads it builds in the ``heads`` attribute of its ``config_cls`` (``("lm",)`` when absent) and
+#: receives ``head=...`` from its factory only then.
+HEADS = ("lm", "value", "score")
+#: the heads whose model gives values (:meth:`TrainEngine.compute_values`, :meth:`TrainEngine.train_value_step`)
+VALUE_HEADS = ("value", "score")
 
 
 @attrs.define
@@ -120,7 +124,7 @@ class TrainEngine(ABC):
         """Restore what :meth:`save_state` wrote; return its ``extra``. Collective."""
 
     def compute_values(self, batch: TensorBatch) -> torch.Tensor:
-        """Values [B, T] of an engine built with ``head="value"``: position ``t`` holds the value of
+        """Values [B, T] of an engine built with a value head (:data:`VALUE_HEADS`): position ``t`` holds the value of
         the state before token ``t`` (computed from the hidden state at ``t - 1``, the alignment of
         :meth:`compute_logprobs`); position 0 and padding hold 0. No gradient."""
         raise NotImplementedError(f"{type(self).__name__} does not build value models (head='value')")

@@ -98,4 +98,6 @@ KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("loop", "dpo"): "dpo",
     ("algorithm", "sft"): "sft",
     ("loop", "sft"): "sft",
+    ("algorithm", "rm"): "rm",
+    ("loop", "rm"): "rm",
 }

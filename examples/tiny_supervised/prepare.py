@@ -1,11 +1,14 @@
-"""Build what the supervised examples (``sft.yaml``, ``dpo.yaml``) read, offline: a tiny random
-Llama model with a character tokenizer, and the task of examples/tiny_grpo (reverse a 3-4 letter
-string) as SFT rows (prompt, response) and preference rows (prompt, chosen = the reversal,
-rejected = letters the prompt does not contain).
+"""Build what the supervised examples (``sft.yaml``, ``dpo.yaml``, ``rm.yaml``) read, offline: a
+tiny random Llama model with a character tokenizer, and the task of examples/tiny_grpo (reverse a
+3-4 letter string) as SFT rows (prompt, response) and preference rows (prompt, chosen = the
+reversal, rejected = letters the prompt does not contain), plus the same preference rows split
+into training and held-out pairs for reward-model training (``rm_train.jsonl``, ``rm_val.jsonl``:
+one prompt in ten held out).
 
     python examples/tiny_supervised/prepare.py [--workdir runs/tiny_supervised]
     core-rl train examples/tiny_supervised/sft.yaml
     core-rl train examples/tiny_supervised/dpo.yaml
+    core-rl train examples/tiny_supervised/rm.yaml
 """
 
 from __future__ import annotations
@@ -39,11 +42,15 @@ def prepare(workdir: Path, seed: int = 0) -> None:
     with (data / "sft.jsonl").open("w", encoding="utf-8") as f:
         for s in strings:
             f.write(json.dumps({"prompt": prompt_text(s), "response": answer(s)}) + "\n")
-    with (data / "pairs.jsonl").open("w", encoding="utf-8") as f:
-        for s in strings:
-            f.write(
-                json.dumps({"prompt": prompt_text(s), "chosen": answer(s), "rejected": wrong_letters(s, rng)}) + "\n"
-            )
+    pairs = [{"prompt": prompt_text(s), "chosen": answer(s), "rejected": wrong_letters(s, rng)} for s in strings]
+    write_jsonl(data / "pairs.jsonl", pairs)
+    write_jsonl(data / "rm_train.jsonl", [p for i, p in enumerate(pairs) if i % 10 != 0])
+    write_jsonl(data / "rm_val.jsonl", [p for i, p in enumerate(pairs) if i % 10 == 0])
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 if __name__ == "__main__":

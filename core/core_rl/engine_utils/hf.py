@@ -3,8 +3,10 @@ model (config, safetensors weights, generation config, tokenizer) as a directory
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -146,21 +148,25 @@ def prepare_for_role(model: nn.Module, actor: ActorConfig, *, trainable: bool) -
     return model
 
 
-def value_model_config(model_path: str):
+def value_model_config(model_path: str, *, bias: bool = True):
     """The config of a value model on ``model_path``'s backbone: one output per token
-    (``num_labels=1``) and no dropout in its head (``classifier_dropout=0``)."""
+    (``num_labels=1``), no dropout in its head (``classifier_dropout=0``), and a bias in the head
+    unless ``bias=False`` (a reward model: the head of Hugging Face's ``*ForSequenceClassification``)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path, local_files_only=True, num_labels=1)
     config.classifier_dropout = 0.0
+    config.token_classification_bias = bias
     return config
 
 
-def load_value_model(model_path: str, *, dtype: str, attn_implementation: str | None = None) -> nn.Module:
+def load_value_model(
+    model_path: str, *, dtype: str, attn_implementation: str | None = None, bias: bool = True
+) -> nn.Module:
     """A value model: ``AutoModelForTokenClassification`` with one output (the backbone of
-    ``model_path`` plus a scalar head per token), local files only, on CPU. A head the directory does
-    not hold (e.g. a causal LM's directory) starts at zero, so every rank and every run starts from
-    the same values (0); a value model's own export is loaded as saved."""
+    ``model_path`` plus a scalar head per token, with a bias unless ``bias=False``), local files only,
+    on CPU. A head the directory does not hold (e.g. a causal LM's directory) starts at zero, so every
+    rank and every run starts from the same values (0); a value model's own export is loaded as saved."""
     from transformers import AutoModelForTokenClassification
 
     if not model_path:
@@ -169,7 +175,7 @@ def load_value_model(model_path: str, *, dtype: str, attn_implementation: str | 
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     model, info = AutoModelForTokenClassification.from_pretrained(
-        model_path, config=value_model_config(model_path), output_loading_info=True, **kwargs
+        model_path, config=value_model_config(model_path, bias=bias), output_loading_info=True, **kwargs
     )
     missing = set(info.get("missing_keys", ()))
     with torch.no_grad():
@@ -179,7 +185,9 @@ def load_value_model(model_path: str, *, dtype: str, attn_implementation: str | 
     return model
 
 
-def empty_value_model(model_path: str, *, dtype: str, attn_implementation: str | None = None) -> nn.Module:
+def empty_value_model(
+    model_path: str, *, dtype: str, attn_implementation: str | None = None, bias: bool = True
+) -> nn.Module:
     """:func:`load_value_model`'s model on the ``meta`` device (see :func:`empty_causal_lm`)."""
     from transformers import AutoModelForTokenClassification
 
@@ -187,4 +195,25 @@ def empty_value_model(model_path: str, *, dtype: str, attn_implementation: str |
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     with torch.device("meta"):
-        return AutoModelForTokenClassification.from_config(value_model_config(model_path), **kwargs)
+        return AutoModelForTokenClassification.from_config(value_model_config(model_path, bias=bias), **kwargs)
+
+
+def exported_architecture(name: str, head: str) -> str:
+    """The ``architectures`` entry an engine writes for a model of class ``name`` with ``head``: a
+    ``score`` head's token classifier (``LlamaForTokenClassification``, no bias) is exported as the
+    sequence classifier with the same weight names (``LlamaForSequenceClassification``: the score of
+    the last non-padding token), which is how a reward model is served."""
+    if head == "score":
+        return name.replace("ForTokenClassification", "ForSequenceClassification")
+    return name
+
+
+def loaders_for_head(head: str) -> tuple[Callable[..., nn.Module], Callable[..., nn.Module]]:
+    """``(empty, load)`` for a model with ``head`` (:data:`core_rl.interfaces.HEADS`), each called as
+    ``f(model_path, dtype=..., attn_implementation=...)``: the causal LM for ``lm``; the value model
+    for ``value``, and without a bias in its head for ``score`` (a reward model, as Hugging Face's
+    ``*ForSequenceClassification``)."""
+    if head == "lm":
+        return empty_causal_lm, load_causal_lm
+    bias = head == "value"
+    return functools.partial(empty_value_model, bias=bias), functools.partial(load_value_model, bias=bias)

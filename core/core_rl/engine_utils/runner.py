@@ -30,7 +30,7 @@ from core_rl.engine_utils.microbatch import (
 )
 from core_rl.engine_utils.packed import VARLEN_ATTENTION, forward_logprobs, forward_values, resolve_layout
 from core_rl.engine_utils.packing import plan_micro_batches
-from core_rl.interfaces import HEADS, LossFn, LossOutput, ValueLossFn
+from core_rl.interfaces import HEADS, VALUE_HEADS, LossFn, LossOutput, ValueLossFn
 from core_rl.protocol import TensorBatch
 
 TRAIN_KEYS = ("input_ids", "attention_mask", "response_mask", "loss_weight")
@@ -67,10 +67,11 @@ class EngineState:
             raise ValueError(f"head must be one of {', '.join(HEADS)}, got {head!r}")
         return head
 
-    def _check_head(self, head: str, what: str) -> None:
+    def _check_head(self, heads: tuple[str, ...], what: str) -> None:
         self._check_open()
-        if self.head != head:
-            raise RuntimeError(f"{what} needs an engine built with head={head!r}; this one has head={self.head!r}")
+        if self.head not in heads:
+            wanted = f"head={heads[0]!r}" if len(heads) == 1 else f"head in {heads}"
+            raise RuntimeError(f"{what} needs an engine built with {wanted}; this one has head={self.head!r}")
 
     def _optimizer_step(self, batch: TensorBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
         """One optimizer step over ``batch`` with ``loss_fn(micro_batch, outputs, entropy)``; the
@@ -80,14 +81,14 @@ class EngineState:
     def compute_values(self, batch: TensorBatch) -> torch.Tensor:
         """Values [B, T] float32 on CPU of a value model (see :class:`core_rl.interfaces.TrainEngine`),
         in eval mode without gradients, micro-batched like training."""
-        self._check_head("value", "compute_values")
+        self._check_head(VALUE_HEADS, "compute_values")
         return self.runner.logprobs(batch, 1.0)  # the runner's forward gives values for this head
 
     def train_value_step(self, batch: TensorBatch, loss_fn: ValueLossFn) -> dict[str, float]:
         """One optimizer step of a value model: the engine's ``train_step`` with
         ``loss_fn(micro_batch, values)`` (no ``entropy`` metric)."""
         self._check_trainable("train_value_step")
-        self._check_head("value", "train_value_step")
+        self._check_head(VALUE_HEADS, "train_value_step")
 
         def on_values(mb: TensorBatch, values: torch.Tensor, _entropy: torch.Tensor) -> LossOutput:
             return loss_fn(mb, values)
@@ -100,7 +101,7 @@ class EngineState:
 class MicroBatchRunner:
     """Runs ``model`` over a rank's rows in micro-batches. ``attn_implementation`` is the one the
     model was loaded with (it decides the ``auto`` layout and whether flash-attn varlen arguments
-    are passed). ``head="value"``: ``model`` is a value model; :meth:`forward` and :meth:`logprobs`
+    are passed). ``head="value"`` or ``"score"``: ``model`` is a value model; :meth:`forward` and :meth:`logprobs`
     then give values (:func:`~core_rl.engine_utils.packed.forward_values`) in place of log-probs,
     and entropies are 0."""
 
@@ -150,7 +151,7 @@ class MicroBatchRunner:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) ``[b, width]`` of one micro-batch on the engine's device."""
-        if self.head == "value":
+        if self.head != "lm":
             values = forward_values(
                 self.model,
                 input_ids.to(self.device),

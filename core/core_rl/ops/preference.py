@@ -48,10 +48,31 @@ def preference_loss(
     raise ValueError(f"unknown preference loss {loss_type!r}; one of {', '.join(PREFERENCE_LOSSES)}")
 
 
-def bradley_terry_loss(chosen_score: torch.Tensor, rejected_score: torch.Tensor) -> torch.Tensor:
+def bradley_terry_loss(
+    chosen_score: torch.Tensor,
+    rejected_score: torch.Tensor,
+    *,
+    margin: torch.Tensor | float = 0.0,
+    label_smoothing: float = 0.0,
+    center_coef: float = 0.0,
+) -> torch.Tensor:
     """``-log sigmoid(s_w - s_l)`` per pair ``[P]``: the negative log-likelihood that the chosen
-    response wins under the Bradley-Terry model with scores ``s``."""
-    return preference_loss(chosen_score, rejected_score, loss_type="sigmoid", beta=1.0)
+    response wins under the Bradley-Terry model with scores ``s``. Options, each off at 0:
+
+    - ``margin`` ``m`` (a number or one per pair): the chosen score must win by ``m``,
+      ``d = s_w - s_l - m``;
+    - ``label_smoothing`` ``eps`` in [0, 0.5): ``-(1 - eps) log sigmoid(d) - eps log sigmoid(-d)``;
+    - ``center_coef`` ``c``: adds ``c * (s_w + s_l)^2``, which pulls the scores' mean to 0 without
+      changing their differences' optimum.
+    """
+    if center_coef < 0:
+        raise ValueError(f"center_coef must be >= 0, got {center_coef}")
+    loss = preference_loss(
+        chosen_score - margin, rejected_score, loss_type="sigmoid", beta=1.0, label_smoothing=label_smoothing
+    )
+    if center_coef:
+        loss = loss + center_coef * (chosen_score + rejected_score) ** 2
+    return loss
 
 
 def preference_metrics(

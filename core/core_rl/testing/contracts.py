@@ -739,6 +739,37 @@ class TrainEngineContract(_TinyModelMixin, ComponentContract):
         whole.close()
         split.close()
 
+    def test_score_head_exports_a_sequence_classifier(self, model_path: Path, tmp_path: Path) -> None:
+        """``head="score"`` (engines listing it): a value model without a bias in its head whose
+        export loads as ``AutoModelForSequenceClassification``, scoring each row at its last token
+        as the engine's value one position later (an extra attended column) does."""
+        from transformers import AutoModelForSequenceClassification
+
+        if "score" not in tuple(getattr(self.entry().config_cls, "heads", ("lm",))):
+            pytest.skip(f"{self.name} declares no score head (config_cls.heads)")
+        engine = self.make(model_path, head="score", optimizer=OptimizerConfig(name="adamw", lr=1e-2))
+        batch = _with_returns(make_rl_batch())
+        for _ in range(2):  # the head starts at 0: the second step also moves the backbone
+            engine.train_value_step(batch, _mse_value_loss)
+        rows, lengths = torch.arange(batch.batch_size), batch["attention_mask"].sum(1)
+        slot = TensorBatch(
+            {
+                "input_ids": torch.nn.functional.pad(batch["input_ids"], (0, 1)),
+                "attention_mask": torch.nn.functional.pad(batch["attention_mask"], (0, 1)),
+            }
+        )
+        slot["attention_mask"][rows, lengths] = 1
+        scores = engine.compute_values(slot)[rows, lengths]
+        assert "score.bias" not in engine.full_state_dict()
+        engine.export_hf(tmp_path / "rm")
+        engine.close()
+        model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm", dtype=torch.float32).eval()
+        assert type(model).__name__.endswith("ForSequenceClassification") and model.config.num_labels == 1
+        with torch.no_grad():
+            want = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+        assert want.abs().max() > 0
+        torch.testing.assert_close(scores, want, atol=self.logprob_atol, rtol=0)
+
     def test_value_state_resumes_identically(self, model_path: Path, tmp_path: Path) -> None:
         opt = OptimizerConfig(name="adamw", lr=1e-2)
         batches = [_with_returns(make_rl_batch(seed=s)) for s in range(3)]

@@ -27,11 +27,12 @@ from typing import Any
 import torch
 
 from core_rl.config.schema import RunConfig
-from core_rl.interfaces import LossFn
+from core_rl.interfaces import LossFn, ValueLossFn
 from core_rl.kinds import TRAIN_ENGINE
 from core_rl.plugins import PluginHost
 from core_rl.protocol import TensorBatch
 from core_rl.registry import RegistryEntry
+from core_rl.roles import build_engine
 from core_rl.trainer.data import DataRow, PromptItem, PromptSource
 from core_rl.trainer.ranks import agree_after, rank_and_world, set_collective_timeout, waiting_for
 from core_rl.trainer.signals import StopSignals
@@ -79,7 +80,11 @@ def global_sum(values: torch.Tensor) -> torch.Tensor:
 class SupervisedLoop(SyncTrainer):
     """A loop over data rows with the actor's train engine; see the module docstring.
 
-    ``config``: the loop's own validated ``trainer.loop`` section (:attr:`loop_config`)."""
+    ``config``: the loop's own validated ``trainer.loop`` section (:attr:`loop_config`).
+    :attr:`actor_head`: the head the actor's engine is built with (:data:`core_rl.interfaces.HEADS`;
+    ``score`` for a reward model)."""
+
+    actor_head: str = "lm"
 
     def __init__(
         self,
@@ -99,7 +104,7 @@ class SupervisedLoop(SyncTrainer):
         cfg, host = self.cfg, self.host
         set_collective_timeout(cfg.trainer.collective_timeout_s)
         engine_entry = host.get(TRAIN_ENGINE, cfg.actor.engine.name)
-        self.engine = engine_entry.factory(cfg.actor, cfg.actor.engine.config, trainable=True)
+        self.engine = build_engine(host, cfg.actor, trainable=True, head=self.actor_head)
         self.build_models(engine_entry)
         set_collective_timeout(cfg.trainer.collective_timeout_s)
         self.rank, self.world_size = rank_and_world()
@@ -146,12 +151,16 @@ class SupervisedLoop(SyncTrainer):
         """This rank's rows of the global ``batch`` (default: token-balanced, as the RL loop)."""
         return self._shard(batch)
 
-    def optimizer_step(self, shard: TensorBatch, loss_fn: LossFn, step: int) -> dict[str, float]:
-        """One engine ``train_step`` on this rank's ``shard``; the engine's metrics as
-        ``actor/<name>`` plus the non-finite accounting (a non-finite step is skipped and its batch
-        saved, or ends the run, as ``trainer.on_nonfinite`` says)."""
+    def optimizer_step(self, shard: TensorBatch, loss_fn: LossFn | ValueLossFn, step: int) -> dict[str, float]:
+        """One engine ``train_step`` on this rank's ``shard`` (``train_value_step``, with a
+        :data:`~core_rl.interfaces.ValueLossFn`, when :attr:`actor_head` is a value head); the
+        engine's metrics as ``actor/<name>`` plus the non-finite accounting (a non-finite step is
+        skipped and its batch saved, or ends the run, as ``trainer.on_nonfinite`` says)."""
         with waiting_for(f"the other ranks in the update of step {step}"):
-            out = self.engine.train_step(shard, loss_fn)
+            if self.actor_head == "lm":
+                out = self.engine.train_step(shard, loss_fn)  # type: ignore[arg-type]
+            else:
+                out = self.engine.train_value_step(shard, loss_fn)  # type: ignore[arg-type]
         metrics = {f"actor/{k}": v for k, v in out.items()}
         metrics.update(self.nonfinite.check(step, shard, out))
         return metrics

@@ -94,17 +94,25 @@ def test_two_ranks_match_one_rank_and_precomputed_reference_matches_the_model(se
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), key
 
 
-def with_reference_logprobs(data: Path, model_dir: Path) -> list[dict]:
+def with_reference_logprobs(data: Path, model_dir: Path, *, chat_template: bool = False) -> list[dict]:
     """The rows of ``data`` with ``ref_chosen_logp`` / ``ref_rejected_logp`` from a plain
-    transformers forward of the model (prompt with BOS; response, then EOS)."""
+    transformers forward of the model (prompt with BOS, or rendered by the tokenizer's chat template
+    as one user turn plus the generation prompt; response, then EOS)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
+    def prompt_ids(prompt: str) -> list[int]:
+        if not chat_template:
+            return tok(prompt)["input_ids"]
+        turn = [{"role": "user", "content": prompt}]
+        text = tok.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
     def seq_logprob(prompt: str, response: str) -> float:
-        p = tok(prompt)["input_ids"]
+        p = prompt_ids(prompt)
         ids = torch.tensor([p + tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]])
         with torch.no_grad():
             logp = torch.log_softmax(model(ids).logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
@@ -133,3 +141,54 @@ def test_a_missing_reference_column_is_one_clear_error() -> None:
     for key in ("ref_rejected_logp", "missing"):
         with pytest.raises(DataError, match=f"column '{key}'.*reference: model"):
             reference_value(item, key)
+
+
+# one user turn, then the assistant's turn opens: "<s>U:ab|A:" for the prompt "ab"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}U:{{ m['content'] }}|{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+)
+
+
+def test_chat_template_prompts_and_the_response_tokens_the_loss_reads(tmp_path, setup):
+    """With ``data.apply_chat_template`` the prompt goes through the tokenizer's template and the
+    log-probs are summed over exactly the response tokens (+ EOS) after it: rows carrying a plain
+    transformers forward's sequence log-probs of ``template(prompt) + response + EOS`` as the
+    reference give log-ratios of 0 at the first step (loss log 2), and the loop's policy log-probs
+    are those sums; the same rows without the template would give other sums."""
+    from transformers import AutoTokenizer
+
+    model = build_tiny_model(tmp_path / "model", alphabet="abcd=UA:|", seed=0)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(model)
+    rendered = AutoTokenizer.from_pretrained(model).apply_chat_template(
+        [{"role": "user", "content": "ab"}], add_generation_prompt=True, tokenize=False
+    )
+    assert rendered == "<s>U:ab|A:"
+    plain = tmp_path / "plain.jsonl"
+    rows = [{"prompt": s, "chosen": s[::-1], "rejected": "d" * len(s)} for s in STRINGS[:8]]
+    plain.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    templated = with_reference_logprobs(plain, model, chat_template=True)
+    untemplated = with_reference_logprobs(plain, model)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in templated))
+    train(
+        setup["config"],
+        "experiment.name=chat",
+        f"experiment.output_dir={tmp_path / 'runs'}",
+        f"actor.model_path={model}",
+        f"data.train_files=[{data}]",
+        "data.apply_chat_template=true",
+        "data.batch_size=8",
+        "trainer.total_steps=1",
+        "saver.every_n_steps=0",
+        "trainer.loop.reference=precomputed",
+    )
+    (first,) = read_metrics(tmp_path / "runs" / "chat" / "metrics.jsonl")
+    assert first["dpo/loss"] == pytest.approx(0.693147, abs=1e-5)
+    assert first["dpo/rewards/margin"] == pytest.approx(0.0, abs=1e-5)
+    for side in ("chosen", "rejected"):
+        want = sum(r[f"ref_{side}_logp"] for r in templated) / len(rows)
+        other = sum(r[f"ref_{side}_logp"] for r in untemplated) / len(rows)
+        assert first[f"dpo/logps/{side}"] == pytest.approx(want, abs=1e-4), side
+        assert abs(want - other) > 0.05, side  # the template changes the sums: the check can fail

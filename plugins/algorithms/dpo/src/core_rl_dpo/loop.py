@@ -16,21 +16,22 @@ micro-batches or ranks; the reported ``dpo/loss`` is ``L`` itself. (Exact for mo
 dropout; with dropout the coefficients come from the model in eval mode.) The price is one forward
 pass without gradient per step.
 
-Under ``torchrun`` rank ``r`` trains pairs ``r, r + W, ...`` (both rows of a pair on one rank).
+Under ``torchrun`` rank ``r`` trains pairs ``r, r + W, ...`` (both rows of a pair on one rank;
+:class:`core_rl.trainer.preference.PairwiseLoop`).
 """
 
 from __future__ import annotations
 
 import torch
-from core_rl.errors import DataError
 from core_rl.interfaces import LossOutput, TrainEngine
 from core_rl.ops import preference_loss, preference_metrics, sequence_logprob
 from core_rl.protocol import TensorBatch
 from core_rl.registry import RegistryEntry
 from core_rl.roles import build_engine
 from core_rl.trainer.data import PromptItem
+from core_rl.trainer.preference import PairwiseLoop, number_in_row
 from core_rl.trainer.ranks import waiting_for
-from core_rl.trainer.supervised import SupervisedLoop, global_sum, prompt_response_batch
+from core_rl.trainer.supervised import global_sum, prompt_response_batch
 
 from core_rl_dpo.config import DPOConfig
 
@@ -44,18 +45,15 @@ def surrogate_loss(batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Te
 def reference_value(item: PromptItem, key: str) -> float:
     """The precomputed reference log-prob in column ``key`` of ``item``'s row; a
     :class:`~core_rl.errors.DataError` naming the column when it holds no number."""
-    value = item.row.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise DataError(
-            [
-                f"trainer.loop.reference is 'precomputed' but the row of prompt {item.text[:40]!r} has no number "
-                f"in column {key!r} (got {value!r}); add the reference's sequence log-probs or use reference: model"
-            ]
-        )
-    return float(value)
+    return number_in_row(
+        item,
+        key,
+        setting="trainer.loop.reference is 'precomputed'",
+        remedy="add the reference's sequence log-probs or use reference: model",
+    )
 
 
-class DPOLoop(SupervisedLoop):
+class DPOLoop(PairwiseLoop):
     loop_config: DPOConfig
     ref_engine: TrainEngine | None = None
 
@@ -68,9 +66,7 @@ class DPOLoop(SupervisedLoop):
 
     def make_batch(self, items: list[PromptItem]) -> TensorBatch:
         cfg = self.loop_config
-        chosen = [self.response_ids(item.row.get(cfg.chosen_key), item, cfg.chosen_key) for item in items]
-        rejected = [self.response_ids(item.row.get(cfg.rejected_key), item, cfg.rejected_key) for item in items]
-        prompts = [item.prompt_ids for item in items]
+        prompts, chosen, rejected = self.pair_ids(items)
         batch = prompt_response_batch(prompts + prompts, chosen + rejected, self.pad_token_id)
         batch["loss_mask"] = batch["response_mask"]
         batch["loss_weight"] = batch["response_mask"].clone()
@@ -80,12 +76,6 @@ class DPOLoop(SupervisedLoop):
             ref += [reference_value(i, cfg.ref_rejected_key) for i in items]
             batch["ref_seq_logprob"] = torch.tensor(ref, dtype=torch.float32)
         return batch
-
-    def shard_rows(self, batch: TensorBatch) -> TensorBatch:
-        """Pairs ``rank, rank + W, ...``: their chosen rows, then their rejected rows."""
-        pairs = batch.batch_size // 2
-        mine = list(range(self.rank, pairs, self.world_size))
-        return batch.rows(mine + [pairs + i for i in mine])
 
     def _reference_logprobs(self, shard: TensorBatch, step: int) -> torch.Tensor:
         if "ref_seq_logprob" in shard:

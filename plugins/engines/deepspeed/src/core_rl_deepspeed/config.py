@@ -35,7 +35,7 @@ class DeepSpeedConfig:
     """
 
     #: what this engine's models can output (:data:`core_rl.interfaces.HEADS`): an LM, or a value model
-    heads: ClassVar[tuple[str, ...]] = ("lm", "value")
+    heads: ClassVar[tuple[str, ...]] = ("lm", "value", "score")
 
     zero_stage: int = attrs.field(default=2, validator=one_of((1, 2, 3)))
     offload_optimizer: bool = False

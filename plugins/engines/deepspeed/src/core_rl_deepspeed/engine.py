@@ -66,7 +66,9 @@ class DeepSpeedEngine(EngineState, TrainEngine):
     """See the module docstring. ``trainable=False`` builds a frozen reference model (eval mode, no
     gradients, no optimizer; ZeRO-3 still partitions its parameters). ``head="value"`` builds a value
     model (a critic: the backbone plus a scalar head per token,
-    :func:`core_rl.engine_utils.hf.load_value_model`), trained by :meth:`train_value_step`."""
+    :func:`core_rl.engine_utils.hf.load_value_model`), trained by :meth:`train_value_step`;
+    ``head="score"`` the same without a bias in the head (a reward model, exported as
+    ``*ForSequenceClassification``)."""
 
     engine_label = "DeepSpeed"
 
@@ -93,11 +95,11 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         deepspeed = import_deepspeed(self.config, self.device)
         deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
         attn = hf.resolve_attn_implementation(self.config.attn_implementation, self.device)
-        load = hf.load_value_model if head == "value" else hf.load_causal_lm
+        _, load = hf.loaders_for_head(head)
         model = load(actor.model_path, dtype=actor.dtype, attn_implementation=attn)
         model = hf.prepare_for_role(model, actor, trainable=trainable)
         hf_model = lora.base_model(model)
-        self._architectures = [hf.architecture_name(hf_model)]
+        self._architectures = [hf.exported_architecture(hf.architecture_name(hf_model), head)]
         self._pad_id = int(hf_model.config.pad_token_id) if hf_model.config.pad_token_id is not None else 0
         optimizer = build_optimizer(model.parameters(), actor.optimizer) if trainable else None
         ds_config = build_ds_config(actor, self.config, on_cuda=self.device.type == "cuda")
@@ -118,7 +120,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
     def compute_logprobs(self, batch: TensorBatch, *, temperature: float = 1.0) -> torch.Tensor:
         """Log-probs [B, T] float32 on CPU (see :class:`core_rl.interfaces.TrainEngine`), in eval
         mode without gradients, micro-batched like :meth:`train_step`."""
-        self._check_head("lm", "compute_logprobs")
+        self._check_head(("lm",), "compute_logprobs")
         _check_temperature(temperature)
         return self.runner.logprobs(batch, temperature)
 
@@ -132,7 +134,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         the update on every rank; the step still counts).
         """
         self._check_trainable("train_step")
-        self._check_head("lm", "train_step")
+        self._check_head(("lm",), "train_step")
         _check_temperature(temperature)
         return self._optimizer_step(batch, loss_fn, temperature)
 

@@ -49,7 +49,7 @@ class FSDPConfig:
     """
 
     #: the model heads this engine builds (:data:`core_rl.interfaces.HEADS`): a critic needs ``value``
-    heads: ClassVar[tuple[str, ...]] = ("lm", "value")
+    heads: ClassVar[tuple[str, ...]] = ("lm", "value", "score")
 
     wrap: str = attrs.field(default="decoder_layers", validator=one_of(WRAPS))
     reshard_after_forward: bool = True

@@ -21,7 +21,7 @@ import torch
 from core_rl import checkpointing as ckpt
 from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import lora
-from core_rl.engine_utils.hf import architecture_name, resolve_attn_implementation
+from core_rl.engine_utils.hf import architecture_name, exported_architecture, resolve_attn_implementation
 from core_rl.engine_utils.optim import build_optimizer, check_schedule, lr_at, set_lr
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner
 from core_rl.engine_utils.state import write_collectively, write_meta
@@ -47,7 +47,9 @@ class FSDPEngine(EngineState, TrainEngine):
     """See the module docstring. ``trainable=False`` builds a frozen reference model (eval mode,
     no gradients, no optimizer; :meth:`train_step`, :meth:`save_state` and :meth:`load_state`
     raise). ``head="value"`` builds a value model (a critic: the backbone plus a scalar head per
-    token, :func:`core_rl.engine_utils.hf.load_value_model`), trained by :meth:`train_value_step`."""
+    token, :func:`core_rl.engine_utils.hf.load_value_model`), trained by :meth:`train_value_step`;
+    ``head="score"`` the same without a bias in the head (a reward model), exported as
+    ``*ForSequenceClassification``."""
 
     engine_label = "FSDP"
 
@@ -76,7 +78,7 @@ class FSDPEngine(EngineState, TrainEngine):
             head=head,
         )
         hf_model = lora.base_model(self.model)
-        self._architectures = [architecture_name(hf_model)]
+        self._architectures = [exported_architecture(architecture_name(hf_model), head)]
         self._pad_id = int(hf_model.config.pad_token_id) if hf_model.config.pad_token_id is not None else 0
         self.runner = MicroBatchRunner(
             self.model, actor.micro_batch, self.device, pad_token_id=self._pad_id, attn_implementation=attn, head=head
@@ -90,7 +92,7 @@ class FSDPEngine(EngineState, TrainEngine):
     def compute_logprobs(self, batch: TensorBatch, *, temperature: float = 1.0) -> torch.Tensor:
         """Log-probs [B, T] float32 on CPU (see :func:`core_rl.engine_utils.logprobs.token_logprobs`),
         computed in eval mode without gradients, micro-batched like :meth:`train_step`."""
-        self._check_head("lm", "compute_logprobs")
+        self._check_head(("lm",), "compute_logprobs")
         _check_temperature(temperature)
         return self.runner.logprobs(batch, temperature)
 
@@ -107,7 +109,7 @@ class FSDPEngine(EngineState, TrainEngine):
         updates its weights or optimizer state (the step still counts, for the schedule).
         """
         self._check_trainable("train_step")
-        self._check_head("lm", "train_step")
+        self._check_head(("lm",), "train_step")
         _check_temperature(temperature)
         return self._optimizer_step(batch, loss_fn, temperature)
 

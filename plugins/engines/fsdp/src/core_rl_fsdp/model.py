@@ -37,7 +37,7 @@ def build_model(
     head: str = "lm",
 ) -> nn.Module:
     """The sharded model (an ``FSDPModule``) of ``actor``: a causal LM, or with ``head="value"`` a
-    value model (:func:`core_rl.engine_utils.hf.load_value_model`).
+    value model (:func:`core_rl.engine_utils.hf.load_value_model`; ``"score"``: without a bias in its head).
 
     With ``config.load_on_rank0`` and several ranks, only rank 0 reads the weights; the other
     ranks build the model on the ``meta`` device (no memory), shard it, allocate only their shards
@@ -48,13 +48,9 @@ def build_model(
     when ``actor.gradient_checkpointing`` is on.
     """
     from_rank0 = config.load_on_rank0 and world_size > 1
-    empty, load = (
-        (hf.empty_value_model, hf.load_value_model) if head == "value" else (hf.empty_causal_lm, hf.load_causal_lm)
-    )
-    if from_rank0 and rank != 0:
-        model = empty(actor.model_path, dtype=actor.dtype, attn_implementation=attn_implementation)
-    else:
-        model = load(actor.model_path, dtype=actor.dtype, attn_implementation=attn_implementation)
+    empty, load = hf.loaders_for_head(head)
+    kwargs = {"dtype": actor.dtype, "attn_implementation": attn_implementation}
+    model = empty(actor.model_path, **kwargs) if from_rank0 and rank != 0 else load(actor.model_path, **kwargs)
     model = hf.prepare_for_role(model, actor, trainable=trainable)
     if not from_rank0:
         return shard_model(model, mesh, config, device)

@@ -1,0 +1,74 @@
+"""What the pairwise preference loops share (``dpo``, ``rm``): rows holding a prompt and two
+responses, the chosen and the rejected one (each text or token ids), in the columns
+``loop_config.chosen_key`` / ``loop_config.rejected_key``.
+
+Layout of a step's global batch of ``P`` pairs: the ``P`` chosen rows, then the ``P`` rejected rows
+in the same order, so pair ``i`` is rows ``i`` and ``P + i``. Under ``torchrun`` rank ``r`` trains
+pairs ``r, r + W, ...`` (both rows of a pair on one rank), keeping the same layout in its shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from core_rl.errors import DataError
+from core_rl.protocol import TensorBatch
+from core_rl.trainer.data import PromptItem, check_rows, read_data_files, tokenise_rows
+from core_rl.trainer.supervised import SupervisedLoop, token_ids
+
+
+def number_in_row(item: PromptItem, key: str, *, setting: str, remedy: str) -> float:
+    """The number in column ``key`` of ``item``'s row (a per-pair value such as a precomputed
+    reference log-prob or a margin); a :class:`~core_rl.errors.DataError` naming the ``setting`` that
+    reads it, the row, the column and the ``remedy`` when it holds none."""
+    value = item.row.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise DataError(
+            [
+                f"{setting} but the row of prompt {item.text[:40]!r} has no number in column {key!r} "
+                f"(got {value!r}); {remedy}"
+            ]
+        )
+    return float(value)
+
+
+class PairwiseLoop(SupervisedLoop):
+    """A :class:`~core_rl.trainer.supervised.SupervisedLoop` over preference pairs (see the module
+    docstring). :attr:`response_eos`: whether each response ends with the tokenizer's EOS token
+    (added when missing)."""
+
+    response_eos: bool = True
+
+    def pair_ids(self, items: Sequence[PromptItem]) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+        """The prompt, chosen and rejected token ids of each row of ``items``."""
+        cfg = self.loop_config
+
+        def response(item: PromptItem, key: str) -> list[int]:
+            if self.response_eos:
+                return self.response_ids(item.row.get(key), item, key)
+            return token_ids(item.row.get(key), self.tokenizer, where=f"data row {item.text[:40]!r}: column {key!r}")
+
+        chosen = [response(item, cfg.chosen_key) for item in items]
+        rejected = [response(item, cfg.rejected_key) for item in items]
+        return [item.prompt_ids for item in items], chosen, rejected
+
+    def shard_rows(self, batch: TensorBatch) -> TensorBatch:
+        """Pairs ``rank, rank + W, ...``: their chosen rows, then their rejected rows."""
+        pairs = batch.batch_size // 2
+        mine = list(range(self.rank, pairs, self.world_size))
+        return batch.rows(mine + [pairs + i for i in mine])
+
+    def read_pairs(self, files: Sequence[str], *, key: str) -> list[PromptItem]:
+        """Every row of ``files`` (held-out pairs), in file order, with its prompt tokenised as the
+        training data's (``data.prompt_key``, ``data.apply_chat_template``); a
+        :class:`~core_rl.errors.DataError` naming the config key ``key`` on a problem."""
+        rows, problems = read_data_files(files)
+        problems = problems or check_rows(rows, self.cfg.data.prompt_key, {})
+        items: list[PromptItem] = []
+        if not problems:
+            items, problems = tokenise_rows(rows, self.cfg.data, self.tokenizer)
+        if not problems and not items:
+            problems = [f"{list(files)} hold no rows"]
+        if problems:
+            raise DataError([f"{key}: {p}" for p in problems])
+        return items

@@ -1,0 +1,1 @@
+"""core-rl-rm: the ``rm`` training loop and recipe (see :mod:`.loop`)."""

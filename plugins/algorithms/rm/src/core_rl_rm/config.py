@@ -1,0 +1,34 @@
+"""The ``trainer.loop`` section of the ``rm`` loop (no torch import)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+from core_rl.config.validators import each, in_range, non_negative, not_empty, positive
+
+
+@attrs.define
+class RMConfig:
+    """See the package README.
+
+    - ``chosen_key`` / ``rejected_key``: the data columns of the two responses (text or token ids;
+      the prompt is ``data.prompt_key``, with the chat template when ``data.apply_chat_template``).
+    - ``margin_key``: a column holding each pair's required score margin ``m`` (loss
+      ``-log sigmoid(s_w - s_l - m)``); ``None``: no margin.
+    - ``label_smoothing``: the assumed fraction of flipped labels, in [0, 0.5).
+    - ``center_coef``: the coefficient of the score-centering term ``(s_w + s_l)^2`` (0: off).
+    - ``val_files``: held-out pairs (same columns), scored every ``eval_every_n_steps`` steps (0: only
+      after the last step) in chunks of ``eval_batch_size`` pairs.
+    """
+
+    rl_sections: ClassVar[bool] = False
+
+    chosen_key: str = attrs.field(default="chosen", validator=not_empty())
+    rejected_key: str = attrs.field(default="rejected", validator=not_empty())
+    margin_key: str | None = None
+    label_smoothing: float = attrs.field(default=0.0, validator=in_range(0.0, 0.5, high_open=True))
+    center_coef: float = attrs.field(default=0.0, validator=in_range(0.0, 1e6))
+    val_files: list[str] = attrs.field(factory=list, validator=each(not_empty()))
+    eval_every_n_steps: int = attrs.field(default=0, validator=non_negative())
+    eval_batch_size: int = attrs.field(default=64, validator=positive(1_048_576))
