@@ -26,7 +26,7 @@ from typing import Any, ClassVar, TypeVar
 
 import attrs
 
-from core_rl.config.validators import non_negative, one_of, positive
+from core_rl.config.validators import FieldValueError, non_negative, one_of, positive
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import PAUSE_MODES, RolloutEngine, SamplingParams
 from core_rl.protocol import Sample
@@ -47,6 +47,9 @@ class ServerOptions:
       ``create_env`` is true), of ``env_variant`` (``cpu``/``cuda``; empty: ``cuda`` where
       ``nvidia-smi`` exists).
     - ``env``: environment variables for the servers.
+    - ``cpus``: CPU cores the started servers run on (their processes' affinity; empty: any). Where
+      rollout and training share a machine's CPUs, giving each side its own cores keeps one
+      side's threads (and an inference engine's busy-polling scheduler) off the other's.
     - ``startup_timeout``: seconds a server may take to answer its health check.
     - ``request_timeout``, ``max_retries``, ``retry_backoff``: each request may take
       ``request_timeout`` s; a failed one is retried up to ``max_retries`` times, after
@@ -71,6 +74,7 @@ class ServerOptions:
     host: str = "127.0.0.1"
     ports: list[int] = attrs.field(factory=list)
     env: dict[str, str] = attrs.field(factory=dict)
+    cpus: list[int] = attrs.field(factory=list, validator=lambda _i, a, v: _check_cpus(a.name, v))
     startup_timeout: float = attrs.field(default=600.0, validator=positive())
     shutdown_grace: float = attrs.field(default=15.0, validator=positive())
     request_timeout: float = attrs.field(default=600.0, validator=positive())
@@ -83,6 +87,16 @@ class ServerOptions:
     weight_sync_backend: str = attrs.field(default="auto", validator=one_of(("auto", "gloo", "nccl")))
     weight_sync_address: str = ""
     weight_sync_timeout: float = attrs.field(default=600.0, validator=positive())
+
+
+def _check_cpus(name: str, cpus: list[int]) -> None:
+    """Every core of ``cpus`` must exist on this machine (``0 .. os.cpu_count() - 1``)."""
+    import os
+
+    count = os.cpu_count() or 1
+    missing = [c for c in cpus if not 0 <= c < count]
+    if missing:
+        raise FieldValueError(name, cpus, f"cores {missing} do not exist here (cores 0 to {count - 1})")
 
 
 @attrs.define
@@ -291,6 +305,7 @@ class ServerRolloutEngine(RolloutEngine):
                 env={**self.server_environment(i), **opts.env},
                 health_path=self.health_path,
                 grace=opts.shutdown_grace,
+                cpus=opts.cpus,
             )
             endpoints.append(Endpoint(name=name, url=server.url, server=server))
         try:
@@ -399,35 +414,36 @@ class ServerRolloutEngine(RolloutEngine):
 
     async def _agenerate_here(self, prompt_ids: list[int], sampling: SamplingParams) -> list[Sample]:
         completions, version = await self._request_with_retries(prompt_ids, sampling)
-        samples = []
-        for c in completions:
-            tokens, logprobs = list(c.token_ids), list(c.logprobs)
-            versions = [version] * len(tokens)
-            finish = c.finish_reason
-            while finish == "abort":  # interrupted by pause("abort"): go on from where it stopped
-                left = sampling.max_new_tokens - len(tokens)
-                if left <= 0:
-                    finish = "length"
-                    break
-                rest = attrs.evolve(
-                    sampling, n=1, max_new_tokens=left, min_new_tokens=max(0, sampling.min_new_tokens - len(tokens))
-                )
-                (more,), more_version = await self._request_with_retries(list(prompt_ids) + tokens, rest)
-                tokens += more.token_ids
-                logprobs += more.logprobs
-                versions += [more_version] * len(more.token_ids)
-                finish = more.finish_reason
-            samples.append(
-                Sample(
-                    prompt_ids=list(prompt_ids),
-                    response_ids=tokens,
-                    logprobs=logprobs,
-                    weight_version=versions[0] if versions else version,
-                    finish_reason=finish,
-                    token_weight_versions=versions,
-                )
+        # the samples a pause("abort") interrupted continue side by side, not one after another
+        return list(await asyncio.gather(*(self._finish(prompt_ids, sampling, c, version) for c in completions)))
+
+    async def _finish(self, prompt_ids: list[int], sampling: SamplingParams, c: Completion, version: int) -> Sample:
+        """One sample of a request: ``c``, continued from where it stopped while it comes back
+        interrupted by ``pause("abort")`` (those tokens carry the version they ran under)."""
+        tokens, logprobs = list(c.token_ids), list(c.logprobs)
+        versions = [version] * len(tokens)
+        finish = c.finish_reason
+        while finish == "abort":
+            left = sampling.max_new_tokens - len(tokens)
+            if left <= 0:
+                finish = "length"
+                break
+            rest = attrs.evolve(
+                sampling, n=1, max_new_tokens=left, min_new_tokens=max(0, sampling.min_new_tokens - len(tokens))
             )
-        return samples
+            (more,), more_version = await self._request_with_retries(list(prompt_ids) + tokens, rest)
+            tokens += more.token_ids
+            logprobs += more.logprobs
+            versions += [more_version] * len(more.token_ids)
+            finish = more.finish_reason
+        return Sample(
+            prompt_ids=list(prompt_ids),
+            response_ids=tokens,
+            logprobs=logprobs,
+            weight_version=versions[0] if versions else version,
+            finish_reason=finish,
+            token_weight_versions=versions,
+        )
 
     async def agenerate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
         check_prompt_and_sampling(prompt_ids, sampling)
@@ -464,15 +480,18 @@ class ServerRolloutEngine(RolloutEngine):
 
     async def _abort_until_idle(self) -> None:
         """Abort until no request is in flight: a request that reached a server just after it
-        paused is held there, not aborted, so abort again until every request has returned."""
+        paused is held there, not aborted, so abort again until every request has returned
+        (after 0.05 s, then twice as long each time up to 1 s: a weight update waits on this)."""
+        wait = 0.05
         while True:
             async with self._idle:
                 try:
-                    await asyncio.wait_for(self._idle.wait_for(lambda: self._inflight == 0), 1.0)
+                    await asyncio.wait_for(self._idle.wait_for(lambda: self._inflight == 0), wait)
                     return
                 except TimeoutError:
                     pass
             await asyncio.gather(*(self.abort_all(self._client, ep.url) for ep in self.endpoints))
+            wait = min(2 * wait, 1.0)
 
     async def _aresume(self) -> None:
         mode, self._paused_mode = self._paused_mode, None

@@ -74,6 +74,7 @@ class ManagedServer:
     :param log_path: the server's output is appended here.
     :param health_path: HTTP path answering 200 once the server is ready.
     :param grace: seconds between SIGTERM and SIGKILL when stopping.
+    :param cpus: CPU cores the server and its processes may run on (empty: any).
     """
 
     def __init__(
@@ -87,6 +88,7 @@ class ManagedServer:
         env: Mapping[str, str] | None = None,
         health_path: str = "/health",
         grace: float = 15.0,
+        cpus: Sequence[int] = (),
     ) -> None:
         self.name = name
         self.argv = list(argv)
@@ -95,6 +97,7 @@ class ManagedServer:
         self.env = dict(env or {})
         self.health_path = health_path
         self.grace = grace
+        self.cpus = list(cpus)
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
@@ -132,6 +135,8 @@ class ManagedServer:
                 str(pidfile),
                 "--grace",
                 str(self.grace),
+                "--cpus",
+                ",".join(str(c) for c in self.cpus),
                 "--",
                 *self.argv,
             ]

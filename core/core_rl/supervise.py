@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log", required=True, help="file the server's output is appended to")
     parser.add_argument("--pidfile", help="file to write the server's pid to")
     parser.add_argument("--grace", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--cpus", default="", help="comma-separated CPU cores the server may run on (empty: any)")
     parser.add_argument("cmd", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, request_stop)
 
+    if args.cpus:  # inherited by the server and every process it starts
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     with open(args.log, "ab", buffering=0) as log:
         server = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True

@@ -253,3 +253,22 @@ def test_cross_section_rules_are_config_errors():
     )
     assert cfg.algorithm.rejection_sampling.config.agg == "sum"
     assert cfg.algorithm.loss.config.norm_length == 48  # the response budget by default
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("rejection", [None, {"name": "ratio", "lower": 0.5, "upper": 2.0}])
+def test_stale_samples_from_unchanged_weights_give_the_on_policy_gradient(seed: int, rejection: dict | None) -> None:
+    """A sample one version behind whose weights did not change (behaviour = proximal log-probs):
+    the decoupled loss, with or without rejection sampling, has the on-policy loss and gradient."""
+    g = torch.Generator().manual_seed(seed)
+    log_ratio = (0.3 * torch.randn(4, 6, generator=g)).tolist()
+    advantages = torch.randn(4, generator=g).tolist()
+    mask = (torch.rand(4, 6, generator=g) > 0.2).float().tolist()
+    stale, lp_stale = batch_of(log_ratio, advantages, mask=mask)  # behave == old (proximal)
+    stale["versions"] = torch.where(stale["response_mask"] != 0, 0, -1)
+    stale["train_version"] = torch.full((4,), 2, dtype=torch.long)  # one version behind pi_prox
+    fresh, lp_fresh = batch_of(log_ratio, advantages, mask=mask)
+    out_stale, _ = run(make_loss(dict(rejection) if rejection else None, use_decoupled_loss=True), stale, lp_stale)
+    out_fresh, _ = run(make_loss(), fresh, lp_fresh)
+    torch.testing.assert_close(out_stale.per_token_loss, out_fresh.per_token_loss)
+    torch.testing.assert_close(lp_stale.grad, lp_fresh.grad)

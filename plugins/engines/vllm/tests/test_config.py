@@ -91,3 +91,12 @@ def test_example_config_validates(capsys: pytest.CaptureFixture[str]) -> None:
     )
     err = capsys.readouterr().err
     assert "rollout.weight_sync: rollout engine 'vllm' (core-rl-vllm) does not support 'memory'" in err
+
+
+def test_server_cpus_bind_the_cpu_workers_openmp_threads() -> None:
+    """``server.cpus`` (the servers' affinity) also binds vLLM's OpenMP threads to exactly those
+    cores; without it vLLM's own binding ("auto") stays."""
+    _, env = _command(server={"env_variant": "cpu", "cpus": [0, 1]})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+    _, env = _command(server={"env_variant": "cpu"})
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env

@@ -111,12 +111,17 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         return argv + list(c.extra_args)
 
     def server_environment(self, index: int) -> dict[str, str]:
-        return {
+        env = {
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_CPU_KVCACHE_SPACE": f"{self.config.kv_cache_space_gib:g}",
             "PYTHONPATH": str(SERVER_SIDE),
             "CORE_RL_WEIGHT_GROUP_PY": str(Path(core_rl.weight_group.__file__).resolve()),
         }
+        if self.options.cpus and self._variant() == "cpu":
+            # vLLM's CPU worker binds its OpenMP threads itself ("auto": one core per physical core,
+            # minus one it reserves for its scheduler); within server.cpus, bind to exactly those
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in self.options.cpus)
+        return env
 
     def workers_per_server(self) -> int:
         if self.config.data_parallel_size > 1:
