@@ -1,6 +1,7 @@
 """Synchronous GRPO step time and memory, core-rl against TRL's ``GRPOTrainer``, on the same workloads.
 
     python benchmarks/trl_grpo.py [--workloads small,medium,large] [--steps 4] [--rounds 2]
+                                  [--precision bf16|fp32|defaults] [--activation-checkpointing on|off]
                                   [--threads 1] [--no-trl] [--no-install] [--workdir DIR]
                                   [--core-python OTHER_CHECKOUT/.venv/bin/python]
 
@@ -13,6 +14,13 @@ generate the same number of tokens whatever a random model samples), token-mean 
 per generation batch, no checkpoints, ``--threads`` torch threads. Activation checkpointing is
 each framework's default unless ``--activation-checkpointing on|off`` sets it for both (TRL's GRPO
 turns it on by default: less memory, a second forward in the backward pass; core-rl's is off).
+``--precision`` sets the training forward's precision for both: ``bf16`` (default) is bfloat16
+autocast with float32 weights, gradients and optimizer state, TRL's default (its ``bf16=True``:
+accelerate's CPU autocast) and core-rl's ``actor.engine.autocast_dtype: bfloat16``; ``fp32`` turns
+it off on both sides (TRL ``bf16=False``; core-rl's default); ``defaults`` leaves each framework's
+own (TRL bf16 autocast, core-rl float32). Weights are float32 everywhere; TRL generates under the
+same autocast (accelerate wraps the model's forward), core-rl's ``hf`` engine generates in float32
+(bfloat16 decoding of these small batches measured slower on CPU).
 
 Every run is a fresh process (so peak resident memory is that run's own). Runs alternate
 core-rl / TRL (ABAB..., the order flipping every round) so that load from other jobs on the machine
@@ -49,6 +57,8 @@ TRL_VERSION = "1.16.0"
 TORCH_PIN = "torch==2.13.0"
 LETTERS = "abcdefgh"
 PHASES = ("generate", "logprobs", "train", "weight_sync", "other")
+#: process CPU seconds per step: all of it, generation with rewards and batching, the rest (update, sync)
+CPU_PHASES = ("cpu_step", "cpu_rollout", "cpu_update")
 
 
 @dataclass(frozen=True)
@@ -158,7 +168,7 @@ def core_rl_worker(spec: dict) -> dict:
         "data": {"train_files": [spec["data"]], "prompt_key": "prompt", "batch_size": wl.prompts, "shuffle": False},
         "actor": {
             "model_path": spec["model"],
-            "engine": {"name": "fsdp"},
+            "engine": {"name": "fsdp", **({"autocast_dtype": "bfloat16"} if spec.get("precision") == "bf16" else {})},
             "optimizer": {"name": "adamw", "lr": LR},
             "lr_scheduler": {"name": "constant"},
             "grad_clip": GRAD_CLIP,
@@ -177,6 +187,7 @@ def core_rl_worker(spec: dict) -> dict:
     }
     path = work / "core-rl.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    cpu = _clock_core_rl_steps()
     code = cli.main(["train", str(path), *spec.get("cli_overrides", [])])
     if code != 0:
         raise SystemExit(f"core-rl train exited {code}")
@@ -192,7 +203,38 @@ def core_rl_worker(spec: dict) -> dict:
         step["train"] = r.get("timing/train_s", 0.0) - step["logprobs"]
         step["other"] = step["step"] - sum(step[p] for p in ("generate", "logprobs", "train", "weight_sync"))
         steps.append(step)
+    for step, (cpu_step, cpu_rollout) in zip(steps, cpu):
+        step.update(cpu_step=cpu_step, cpu_rollout=cpu_rollout, cpu_update=cpu_step - cpu_rollout)
     return {"steps": steps, "peak_rss_mib": peak_rss_mib()}
+
+
+def _clock_core_rl_steps() -> list[tuple[float, float]]:
+    """Patch the synchronous trainer so each step appends ``(CPU s of the step, CPU s of its rollout
+    and scoring)`` to the returned list (process CPU time: with one thread, what the step computed,
+    whatever else loads the machine)."""
+    from core_rl.trainer.sync import SyncTrainer
+
+    clocks: list[tuple[float, float]] = []
+    rollout = [0.0]
+    step, rollout_and_score = SyncTrainer.step, SyncTrainer._rollout_and_score
+
+    def timed_step(self, *a, **k):
+        rollout[0] = 0.0
+        start = time.process_time()
+        try:
+            return step(self, *a, **k)
+        finally:
+            clocks.append((time.process_time() - start, rollout[0]))
+
+    def timed_rollout(self, *a, **k):
+        start = time.process_time()
+        try:
+            return rollout_and_score(self, *a, **k)
+        finally:
+            rollout[0] += time.process_time() - start
+
+    SyncTrainer.step, SyncTrainer._rollout_and_score = timed_step, timed_rollout
+    return clocks
 
 
 def trl_worker(spec: dict) -> dict:
@@ -233,6 +275,7 @@ def trl_worker(spec: dict) -> dict:
         top_k=0,
         generation_kwargs={"min_new_tokens": wl.tokens},
         beta=0.0,
+        **({} if spec.get("precision", "defaults") == "defaults" else {"bf16": spec["precision"] == "bf16"}),
         **(
             {}
             if spec.get("activation_checkpointing", "defaults") == "defaults"
@@ -273,12 +316,16 @@ def trl_worker(spec: dict) -> dict:
 
     score = trainer._generate_and_score_completions
 
+    cpu_rollout = [0.0]
+
     def scoring(*a, **k):
         in_scoring[0] = True
+        start = time.process_time()
         try:
             return score(*a, **k)
         finally:
             in_scoring[0] = False
+            cpu_rollout[0] += time.process_time() - start
 
     trainer._generate_and_score_completions = scoring
     trainer._generate = timed("generate", trainer._generate)
@@ -290,14 +337,16 @@ def trl_worker(spec: dict) -> dict:
 
     class Clock(TrainerCallback):
         def on_step_begin(self, *_a, **_k):
-            self.start = time.perf_counter()
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
             phase.update(generate=0.0, logprobs=0.0, other=0.0)
+            cpu_rollout[0] = 0.0
 
         def on_step_end(self, *_a, **_k):
-            total = time.perf_counter() - self.start
+            total, cpu = time.perf_counter() - self.start, time.process_time() - self.cpu_start
             # everything of the step outside generation, log-prob recomputation and rewards is its update
             step = {"step": total, "weight_sync": 0.0, **phase}
             step["train"] = total - phase["generate"] - phase["logprobs"] - phase["other"]
+            step.update(cpu_step=cpu, cpu_rollout=cpu_rollout[0], cpu_update=cpu - cpu_rollout[0])
             steps.append(step)
 
     trainer.add_callback(Clock())
@@ -382,7 +431,7 @@ def summarise(results: list[dict]) -> Summary:
     steps = [s for r in results for s in r["steps"][1:]] or [s for r in results for s in r["steps"]]
     return Summary(
         step=statistics.median(s["step"] for s in steps),
-        split={p: statistics.median(s[p] for s in steps) for p in PHASES},
+        split={p: statistics.median(s[p] for s in steps) for p in PHASES + CPU_PHASES if all(p in s for s in steps)},
         peak_rss_mib=max(r["peak_rss_mib"] for r in results),
         runs=len(results),
     )
@@ -399,6 +448,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=("defaults", "on", "off"),
         default="defaults",
         help="defaults: each framework's own (TRL's GRPO: on, core-rl: off); on/off: the same for both",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=("bf16", "fp32", "defaults"),
+        default="bf16",
+        help="training forward precision for both: bf16 autocast (TRL's default), fp32, or each framework's own",
     )
     parser.add_argument("--no-trl", action="store_true", help="run core-rl only")
     parser.add_argument("--no-install", action="store_true", help="skip TRL if its environment is not built yet")
@@ -430,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"GRPO step, {args.threads} torch thread(s), {args.steps} steps per run ({args.steps - 1} timed), "
         f"{args.rounds} alternating round(s) per workload; activation checkpointing: {args.activation_checkpointing}; "
+        f"precision: {args.precision}; "
         f"work dir {root}",
         flush=True,
     )
@@ -447,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps,
             "threads": args.threads,
             "activation_checkpointing": args.activation_checkpointing,
+            "precision": args.precision,
         }
         sides = [("core-rl", args.core_python)] + ([("trl", str(trl_py))] if trl_py else [])
         results: dict[str, list[dict]] = {k: [] for k, _ in sides}
@@ -465,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
 def print_table(table: list[tuple[Workload, int, dict[str, Summary]]]) -> None:
     header = (
         f"{'workload':<30}{'framework':<10}{'s/step':>8}{'generate':>10}{'logprobs':>10}{'train':>8}"
-        f"{'sync':>7}{'other':>7}{'peak MiB':>10}{'vs TRL':>8}"
+        f"{'sync':>7}{'other':>7}{'peak MiB':>10}{'vs TRL':>8}{'':<8}"
+        f"{'cpu s':>7}{'rollout':>8}{'update':>8}{'vs TRL':>8}"
     )
     print()
     print(header)
@@ -479,9 +537,19 @@ def print_table(table: list[tuple[Workload, int, dict[str, Summary]]]) -> None:
             print(
                 f"{label:<30}{kind:<10}{s.step:>8.3f}{s.split['generate']:>10.3f}{s.split['logprobs']:>10.3f}"
                 f"{s.split['train']:>8.3f}{s.split['weight_sync']:>7.3f}{s.split['other']:>7.3f}"
-                f"{s.peak_rss_mib:>10.0f}{ratio:>8}{mem}"
+                f"{s.peak_rss_mib:>10.0f}{ratio:>8}{mem:<8}{_cpu_columns(s, trl)}"
             )
             label = ""
+
+
+def _cpu_columns(s: Summary, trl: Summary | None) -> str:
+    """CPU seconds per step (all, rollout, update) and the CPU-time ratio to TRL, if measured."""
+    if not all(p in s.split for p in CPU_PHASES):
+        return ""
+    ratio = "-"
+    if trl is not None and "cpu_step" in trl.split:
+        ratio = f"{s.split['cpu_step'] / trl.split['cpu_step']:.2f}x"
+    return f"{s.split['cpu_step']:>7.3f}{s.split['cpu_rollout']:>8.3f}{s.split['cpu_update']:>8.3f}{ratio:>8}"
 
 
 if __name__ == "__main__":

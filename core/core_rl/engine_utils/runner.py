@@ -14,6 +14,7 @@ split into micro-batches or ranks (``loss_weight`` is normalised over the global
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -103,7 +104,10 @@ class MicroBatchRunner:
     model was loaded with (it decides the ``auto`` layout and whether flash-attn varlen arguments
     are passed). ``head="value"`` or ``"score"``: ``model`` is a value model; :meth:`forward` and :meth:`logprobs`
     then give values (:func:`~core_rl.engine_utils.packed.forward_values`) in place of log-probs,
-    and entropies are 0."""
+    and entropies are 0. ``autocast_dtype``: run the model's forward passes under
+    ``torch.autocast`` in that dtype (mixed precision: weights and gradients keep their dtype;
+    log-probs are still taken from float32 logits); backward passes run outside it, replaying the
+    forward's dtypes."""
 
     def __init__(
         self,
@@ -114,9 +118,11 @@ class MicroBatchRunner:
         pad_token_id: int,
         attn_implementation: str | None,
         head: str = "lm",
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.head = head
+        self.autocast_dtype = autocast_dtype
         self.config = config
         self.device = device
         self.pad_token_id = pad_token_id
@@ -147,10 +153,22 @@ class MicroBatchRunner:
 
     # ------------------------------------------------------------------ forward
 
+    def _precision(self) -> contextlib.AbstractContextManager[object]:
+        """The forward's autocast region (nothing without ``autocast_dtype``)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) ``[b, width]`` of one micro-batch on the engine's device."""
+        with self._precision():
+            return self._forward(input_ids, attention_mask, temperature, with_entropy)
+
+    def _forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.head != "lm":
             values = forward_values(
                 self.model,
@@ -173,11 +191,12 @@ class MicroBatchRunner:
     def _placeholder_forward(self, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         dummy = placeholder_micro_batch(self.pad_token_id)
         # padded: one token needs no packing, and it reaches every parameter just the same
-        logits = self.model(
-            input_ids=dummy["input_ids"].to(self.device),
-            attention_mask=dummy["attention_mask"].to(self.device),
-            use_cache=False,
-        ).logits
+        with self._precision():
+            logits = self.model(
+                input_ids=dummy["input_ids"].to(self.device),
+                attention_mask=dummy["attention_mask"].to(self.device),
+                use_cache=False,
+            ).logits
         return logits.float().sum() * 0.0, None
 
     # ------------------------------------------------------------------ log-probs

@@ -91,7 +91,10 @@ def main() -> None:
     metrics_b = train(b, data, range(1, 3), rank, world)
     final_b = b.full_state_dict()
 
-    result = {"world": world, "metrics_a": metrics_a, "metrics_b": metrics_b}
+    mixed = FSDPEngine(cfg, FSDPConfig(autocast_dtype="bfloat16"), trainable=True)
+    metrics_bf16 = train(mixed, data, range(2), rank, world)
+
+    result = {"world": world, "metrics_a": metrics_a, "metrics_b": metrics_b, "metrics_bf16": metrics_bf16}
     if args.cross_ckpt:
         c = FSDPEngine(cfg, FSDPConfig(), trainable=True)
         c.load_state(args.cross_ckpt)
@@ -116,7 +119,7 @@ def main() -> None:
             out / "logprobs.pt",
         )
         (out / "result.json").write_text(json.dumps(result, indent=1))
-    for engine in (a, b, ref):
+    for engine in (a, b, ref, mixed):
         engine.close()
     dist.barrier()
     dist.destroy_process_group()

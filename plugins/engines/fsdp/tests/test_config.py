@@ -84,6 +84,9 @@ def test_config_section() -> None:
     assert (cfg.wrap, cfg.param_dtype, cfg.cpu_offload) == ("root", "bfloat16", True)
     with pytest.raises(ConfigError, match="param_dtype"):
         structure({"param_dtype": "int8"}, FSDPConfig, path="actor.engine")
+    assert structure({"autocast_dtype": "bfloat16"}, FSDPConfig).autocast_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="autocast_dtype"):  # float16 autocast would need loss scaling
+        structure({"autocast_dtype": "float16"}, FSDPConfig, path="actor.engine")
     with pytest.raises(ConfigError, match="backend"):
         structure({"backend": "mpi"}, FSDPConfig, path="actor.engine")
 

@@ -72,6 +72,16 @@ def test_two_ranks_match_one(runs: dict[int, tuple[dict, Path]]) -> None:
     torch.testing.assert_close(lp2["trained"], lp1["trained"], atol=1e-4, rtol=0)
 
 
+def test_bf16_autocast_two_ranks_match_one(runs: dict[int, tuple[dict, Path]]) -> None:
+    """``autocast_dtype: bfloat16`` (FSDP-wrapped on 2 ranks, the plain module on 1): the same
+    losses and gradient norms up to bfloat16 kernels' blocking over different row splits."""
+    (two, _), (one, _) = runs[2], runs[1]
+    for m2, m1 in zip(two["metrics_bf16"], one["metrics_bf16"], strict=True):
+        assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-3)
+        assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-3)
+    assert two["metrics_bf16"][0]["loss"] != pytest.approx(two["metrics_a"][0]["loss"], rel=1e-7)  # autocast is on
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_resume_reproduces_training_exactly(runs: dict[int, tuple[dict, Path]], world: int) -> None:
     result, out = runs[world]

@@ -179,6 +179,40 @@ def test_bf16_mixed_precision_on_cpu(tiny_model: Path) -> None:
     bf16.close()
 
 
+def test_bf16_autocast_trains_float32_weights_deterministically(tiny_model: Path) -> None:
+    """``autocast_dtype: bfloat16``: the decoder's matrix products run in bfloat16 (a hook sees their
+    outputs), the plain module is kept at world size 1, log-probs and losses stay within bf16
+    rounding of the float32 engine's, weights stay float32, and two runs give identical updates."""
+    from torch.distributed.fsdp import FSDPModule
+
+    batch = make_rl_batch(batch_size=4, seed=1)
+    actor = make_actor(tiny_model, optimizer=OptimizerConfig(name="adamw", lr=1e-2), grad_clip=1.0)
+    fp32 = FSDPEngine(actor, FSDPConfig(), trainable=True)
+    mixed = [FSDPEngine(actor, FSDPConfig(autocast_dtype="bfloat16"), trainable=True) for _ in range(2)]
+    assert not isinstance(mixed[0].model, FSDPModule)
+    assert mixed[0].model.config._attn_implementation == "sdpa_float32"  # the auto choice on CPU
+    seen: dict[str, set[torch.dtype]] = {"fp32": set(), "bf16": set()}
+    for name, engine in (("fp32", fp32), ("bf16", mixed[0])):
+        engine.model.model.layers[0].mlp.down_proj.register_forward_hook(
+            lambda _m, _i, out, n=name: seen[n].add(out.dtype)
+        )
+    want, got = fp32.compute_logprobs(batch), mixed[0].compute_logprobs(batch)
+    assert got.dtype == torch.float32
+    assert not torch.equal(got, want)  # bf16 rounding shows ...
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0)  # ... and stays small
+    m32 = fp32.train_step(batch, nll_entropy)
+    m16 = [engine.train_step(batch, nll_entropy) for engine in mixed]
+    assert seen == {"fp32": {torch.float32}, "bf16": {torch.bfloat16}}
+    assert m16[0]["loss"] == pytest.approx(m32["loss"], rel=2e-2)
+    assert m16[0]["grad_norm"] == pytest.approx(m32["grad_norm"], rel=5e-2)
+    assert m16[0]["loss"] == m16[1]["loss"] and m16[0]["grad_norm"] == m16[1]["grad_norm"]
+    states = [engine.full_state_dict() for engine in mixed]
+    assert all(v.dtype == torch.float32 for v in states[0].values())  # master weights stay fp32
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    for engine in (fp32, *mixed):
+        engine.close()
+
+
 def test_min_num_micro_batches(tiny_model: Path) -> None:
     batch = make_rl_batch(batch_size=5, seed=3)
     one = FSDPEngine(make_actor(tiny_model), FSDPConfig(), trainable=True)

@@ -13,6 +13,8 @@ if TYPE_CHECKING:
 
 #: dtypes accepted by ``param_dtype`` / ``reduce_dtype``
 MIXED_DTYPES = ("float32", "bfloat16", "float16")
+#: dtypes accepted by ``autocast_dtype``
+AUTOCAST_DTYPES = ("bfloat16",)
 BACKENDS = ("auto", "gloo", "nccl")
 WRAPS = ("decoder_layers", "root")
 #: attention implementations that need a CUDA GPU, and the package each needs
@@ -31,14 +33,22 @@ class FSDPConfig:
     - ``param_dtype`` / ``reduce_dtype``: FSDP2 ``MixedPrecisionPolicy``: the dtype parameters are
       all-gathered and computed in, and the dtype gradients are reduced in. ``None`` (both) means no
       mixed precision: compute in the stored dtype (``actor.dtype``).
+    - ``autocast_dtype``: run the forward passes (log-probs and training) under ``torch.autocast``
+      in this dtype: matrix products and attention in ``bfloat16``, reductions and normalisations
+      in float32, weights, gradients and optimizer state in their stored dtype (what Hugging Face
+      ``Trainer``'s ``bf16=True`` does, TRL's GRPO default). No FSDP wrapping is needed for it, so a
+      one-rank run keeps the plain module. ``None`` (default): no autocast; results then match a
+      float32 forward exactly. Log-probs and entropies are still computed from float32 logits.
     - ``cpu_offload``: keep sharded parameters, gradients and optimizer state in CPU memory
       (``CPUOffloadPolicy``; pinned memory only on CUDA).
     - ``backend``: process-group backend used when the engine creates the group: ``auto`` is NCCL
       for CUDA tensors plus gloo for CPU tensors on a GPU machine, and gloo on CPU.
     - ``attn_implementation``: passed to ``from_pretrained`` (e.g. ``sdpa``, ``eager``,
       ``flash_attention_2``); ``auto`` is ``flash_attention_2`` on a GPU with flash-attn installed
-      (``pip install "core-rl-fsdp[flash-attn]"``), else ``sdpa``; ``None`` keeps the transformers
-      default.
+      (``pip install "core-rl-fsdp[flash-attn]"``), else ``sdpa``, except on a CPU with
+      ``autocast_dtype`` set, where it is ``sdpa_float32`` (:mod:`core_rl_fsdp.attention`: SDPA in
+      float32 inside the autocast region, whose bfloat16 backward is slow on CPU); ``None`` keeps
+      the transformers default.
     - ``load_on_rank0``: with several ranks, only rank 0 reads the weights; the others build the
       model on the meta device and receive just their shards (memory-efficient loading). ``False``:
       every rank reads the full weights before sharding.
@@ -55,6 +65,7 @@ class FSDPConfig:
     reshard_after_forward: bool = True
     param_dtype: str | None = attrs.field(default=None, validator=one_of(MIXED_DTYPES))
     reduce_dtype: str | None = attrs.field(default=None, validator=one_of(MIXED_DTYPES))
+    autocast_dtype: str | None = attrs.field(default=None, validator=one_of(AUTOCAST_DTYPES))
     cpu_offload: bool = False
     backend: str = attrs.field(default="auto", validator=one_of(BACKENDS))
     attn_implementation: str | None = "auto"

@@ -21,7 +21,7 @@ import torch
 from core_rl import checkpointing as ckpt
 from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import lora
-from core_rl.engine_utils.hf import architecture_name, exported_architecture, resolve_attn_implementation
+from core_rl.engine_utils.hf import architecture_name, exported_architecture, torch_dtype
 from core_rl.engine_utils.optim import build_optimizer, check_schedule, lr_at, set_lr
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner
 from core_rl.engine_utils.state import write_collectively, write_meta
@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 
+from core_rl_fsdp import attention
 from core_rl_fsdp import distributed as dist_utils
 from core_rl_fsdp.config import FSDPConfig
 from core_rl_fsdp.model import FSDPModule, build_model
@@ -65,7 +66,7 @@ class FSDPEngine(EngineState, TrainEngine):
         self.device = dist_utils.pick_device()
         self.rank, self.world_size = dist_utils.ensure_process_group(self.config.backend, self.device)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
-        attn = resolve_attn_implementation(self.config.attn_implementation, self.device)
+        attn = attention.resolve(self.config, self.device)
         self.model = build_model(
             actor,
             self.config,
@@ -81,7 +82,13 @@ class FSDPEngine(EngineState, TrainEngine):
         self._architectures = [exported_architecture(architecture_name(hf_model), head)]
         self._pad_id = int(hf_model.config.pad_token_id) if hf_model.config.pad_token_id is not None else 0
         self.runner = MicroBatchRunner(
-            self.model, actor.micro_batch, self.device, pad_token_id=self._pad_id, attn_implementation=attn, head=head
+            self.model,
+            actor.micro_batch,
+            self.device,
+            pad_token_id=self._pad_id,
+            attn_implementation=attn,
+            head=head,
+            autocast_dtype=torch_dtype(self.config.autocast_dtype) if self.config.autocast_dtype else None,
         )
         self.optimizer = build_optimizer(self.model.parameters(), actor.optimizer) if trainable else None
         self._step = 0
