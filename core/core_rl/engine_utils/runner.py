@@ -15,12 +15,14 @@ split into micro-batches or ranks (``loss_weight`` is normalised over the global
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from core_rl.config.schema import MicroBatchConfig
+from core_rl.config.schema import ActorConfig, MicroBatchConfig
 from core_rl.engine_utils import distributed as dist_utils
 from core_rl.engine_utils.metrics import StepMetrics
 from core_rl.engine_utils.microbatch import (
@@ -29,6 +31,7 @@ from core_rl.engine_utils.microbatch import (
     row_lengths,
     take_micro_batch,
 )
+from core_rl.engine_utils.optim import lr_at, set_lr
 from core_rl.engine_utils.packed import VARLEN_ATTENTION, forward_logprobs, forward_values, resolve_layout
 from core_rl.engine_utils.packing import plan_micro_batches
 from core_rl.interfaces import HEADS, VALUE_HEADS, LossFn, LossOutput, ValueLossFn
@@ -38,14 +41,22 @@ TRAIN_KEYS = ("input_ids", "attention_mask", "response_mask", "loss_weight")
 
 
 class EngineState:
-    """The bookkeeping every train engine shares: the optimizer step count, open/trainable/head
-    checks, and the value-head methods built on the engine's ``_optimizer_step``. Subclasses set
-    ``_step``, ``_closed``, ``trainable``, ``engine_label`` and (value heads) ``head`` and ``runner``."""
+    """What every train engine built on :class:`MicroBatchRunner` shares: the optimizer step count,
+    open/trainable/head/temperature checks, and the optimizer step itself (:meth:`train_step`,
+    :meth:`train_value_step`): the learning rate of this step from the schedule, gradients
+    accumulated over the micro-batches (none left behind when one fails), the global metrics, then
+    the engine's own :meth:`_apply_update` (clip, step, zero: FSDP and DeepSpeed do these
+    differently). Subclasses set ``actor``, ``optimizer``, ``runner``, ``world_size``, ``_step``,
+    ``_closed``, ``trainable``, ``engine_label`` and ``head``, and implement :meth:`_train_mode`,
+    :meth:`_backward` and :meth:`_apply_update`."""
 
     engine_label = "train"
+    actor: ActorConfig
+    optimizer: Any
+    runner: MicroBatchRunner
+    world_size: int
     trainable: bool
     head: str = "lm"
-    runner: MicroBatchRunner
     _step: int
     _closed: bool
 
@@ -74,10 +85,61 @@ class EngineState:
             wanted = f"head={heads[0]!r}" if len(heads) == 1 else f"head in {heads}"
             raise RuntimeError(f"{what} needs an engine built with {wanted}; this one has head={self.head!r}")
 
-    def _optimizer_step(self, batch: TensorBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
-        """One optimizer step over ``batch`` with ``loss_fn(micro_batch, outputs, entropy)``; the
-        engine's own (``train_step`` and :meth:`train_value_step` both go through it)."""
+    # -- the engine's part of a step --------------------------------------------------------------
+
+    def _train_mode(self) -> None:
+        """Put the model in training mode."""
         raise NotImplementedError
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate one micro-batch's loss."""
+        raise NotImplementedError
+
+    def _apply_update(self, loss: float) -> float:
+        """After the micro-batches: clip, step (only if ``loss`` and the gradient norm are finite, the
+        same decision on every rank) and zero the gradients; return the gradient norm over all ranks
+        before clipping."""
+        raise NotImplementedError
+
+    # -- the shared step ----------------------------------------------------------------------------
+
+    def train_step(self, batch: TensorBatch, loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step (see :class:`core_rl.interfaces.TrainEngine` and :class:`MicroBatchRunner`).
+
+        Returns, reduced over ranks: ``loss`` (sum of ``per_token_loss * loss_weight`` over the
+        global batch), ``grad_norm`` (before clipping), ``lr`` (used by this step), ``entropy`` and
+        every token metric (means over the global batch's response tokens),
+        ``num_micro_batches`` (per rank), ``tokens`` (non-padding tokens processed) and
+        ``nonfinite``: 1.0 when the global loss or gradient norm is NaN/inf, in which case no rank
+        updates its weights or optimizer state (the step still counts, for the schedule).
+        """
+        self._check_trainable("train_step")
+        self._check_head(("lm",), "train_step")
+        check_temperature(temperature)
+        return self._optimizer_step(batch, loss_fn, temperature)
+
+    def _optimizer_step(self, batch: TensorBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
+        assert self.optimizer is not None
+        lr = lr_at(self._step, self.actor.optimizer.lr, self.actor.lr_scheduler)
+        set_lr(self.optimizer, lr)
+        self._train_mode()
+        try:
+            acc, num_micro_batches = self.runner.accumulate_gradients(
+                batch, loss_fn, temperature, self._backward, self.world_size
+            )
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)  # a failed step leaves no partial gradient behind
+            raise
+        metrics = acc.reduce()  # global sums: every rank takes the same decision in _apply_update
+        grad_norm = self._apply_update(metrics["loss"])
+        self._step += 1
+        metrics.update(
+            grad_norm=grad_norm,
+            lr=lr,
+            num_micro_batches=float(num_micro_batches),
+            nonfinite=0.0 if math.isfinite(grad_norm) and math.isfinite(metrics["loss"]) else 1.0,
+        )
+        return metrics
 
     def compute_values(self, batch: TensorBatch) -> torch.Tensor:
         """Values [B, T] float32 on CPU of a value model (see :class:`core_rl.interfaces.TrainEngine`),
@@ -97,6 +159,12 @@ class EngineState:
         metrics = self._optimizer_step(batch, on_values, 1.0)
         metrics.pop("entropy", None)
         return metrics
+
+
+def check_temperature(temperature: float) -> None:
+    """Sampling temperatures divide logits: they must be positive."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
 class MicroBatchRunner:

@@ -33,9 +33,9 @@ from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import distributed as dist_utils
 from core_rl.engine_utils import hf, lora
 from core_rl.engine_utils import state as state_files
-from core_rl.engine_utils.optim import build_optimizer, check_schedule, lr_at, set_lr
-from core_rl.engine_utils.runner import EngineState, MicroBatchRunner
-from core_rl.interfaces import LossFn, TrainEngine
+from core_rl.engine_utils.optim import build_optimizer, check_schedule
+from core_rl.engine_utils.runner import EngineState, MicroBatchRunner, check_temperature
+from core_rl.interfaces import TrainEngine
 from core_rl.protocol import TensorBatch
 from torch import nn
 
@@ -121,51 +121,21 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         """Log-probs [B, T] float32 on CPU (see :class:`core_rl.interfaces.TrainEngine`), in eval
         mode without gradients, micro-batched like :meth:`train_step`."""
         self._check_head(("lm",), "compute_logprobs")
-        _check_temperature(temperature)
+        check_temperature(temperature)
         return self.runner.logprobs(batch, temperature)
 
-    def train_step(self, batch: TensorBatch, loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
-        """One optimizer step; see :class:`core_rl.interfaces.TrainEngine` and the module docstring.
-
-        Returns, reduced over ranks: ``loss``, ``grad_norm`` (before clipping, as DeepSpeed computes
-        it over all partitions), ``lr``, ``entropy`` and every token metric (means over the global
-        batch's response tokens), ``num_micro_batches`` (per rank), ``tokens`` and ``nonfinite``
-        (1.0 when the global loss or gradient norm is NaN/inf: DeepSpeed's overflow check then skips
-        the update on every rank; the step still counts).
-        """
-        self._check_trainable("train_step")
-        self._check_head(("lm",), "train_step")
-        _check_temperature(temperature)
-        return self._optimizer_step(batch, loss_fn, temperature)
-
-    def _optimizer_step(self, batch: TensorBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
-        assert self.optimizer is not None
-        lr = lr_at(self._step, self.actor.optimizer.lr, self.actor.lr_scheduler)
-        set_lr(self.optimizer, lr)
+    def _train_mode(self) -> None:
         self.ds.train()
-        try:
-            acc, num_micro_batches = self.runner.accumulate_gradients(
-                batch, loss_fn, temperature, self._backward, self.world_size
-            )
-        except BaseException:
-            self.optimizer.zero_grad(set_to_none=True)  # a failed step leaves no partial gradient behind
-            raise
-        self.ds.step()
-        norm = self.ds.get_global_grad_norm()
-        grad_norm = float(norm) if norm is not None else math.nan
-        self._step += 1
-        metrics = acc.reduce()
-        nonfinite = not (math.isfinite(grad_norm) and math.isfinite(metrics["loss"]))
-        metrics.update(
-            grad_norm=grad_norm,
-            lr=lr,
-            num_micro_batches=float(num_micro_batches),
-            nonfinite=1.0 if nonfinite else 0.0,
-        )
-        return metrics
 
     def _backward(self, loss: torch.Tensor) -> None:
         self.ds.backward(loss, scale_wrt_gas=False)
+
+    def _apply_update(self, loss: float) -> float:
+        """DeepSpeed clips, skips the update when its overflow check sees a non-finite gradient, and
+        zeroes the gradients in ``step()``; the norm is the one it computed over all partitions."""
+        self.ds.step()
+        norm = self.ds.get_global_grad_norm()
+        return float(norm) if norm is not None else math.nan
 
     # ------------------------------------------------------------------ full weights
 
@@ -383,8 +353,3 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _check_temperature(temperature: float) -> None:
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")

@@ -22,10 +22,10 @@ from core_rl import checkpointing as ckpt
 from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import lora
 from core_rl.engine_utils.hf import architecture_name, exported_architecture, torch_dtype
-from core_rl.engine_utils.optim import build_optimizer, check_schedule, lr_at, set_lr
-from core_rl.engine_utils.runner import EngineState, MicroBatchRunner
+from core_rl.engine_utils.optim import build_optimizer, check_schedule
+from core_rl.engine_utils.runner import EngineState, MicroBatchRunner, check_temperature
 from core_rl.engine_utils.state import write_collectively, write_meta
-from core_rl.interfaces import LossFn, TrainEngine
+from core_rl.interfaces import TrainEngine
 from core_rl.protocol import TensorBatch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -100,52 +100,24 @@ class FSDPEngine(EngineState, TrainEngine):
         """Log-probs [B, T] float32 on CPU (see :func:`core_rl.engine_utils.logprobs.token_logprobs`),
         computed in eval mode without gradients, micro-batched like :meth:`train_step`."""
         self._check_head(("lm",), "compute_logprobs")
-        _check_temperature(temperature)
+        check_temperature(temperature)
         return self.runner.logprobs(batch, temperature)
 
     # ------------------------------------------------------------------ training
 
-    def train_step(self, batch: TensorBatch, loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
-        """One optimizer step; see :class:`core_rl.interfaces.TrainEngine` and the module docstring.
-
-        Returns, reduced over ranks: ``loss`` (sum of ``per_token_loss * loss_weight`` over the
-        global batch), ``grad_norm`` (before clipping), ``lr`` (used by this step), ``entropy`` and
-        every token metric (means over the global batch's response tokens),
-        ``num_micro_batches`` (per rank), ``tokens`` (non-padding tokens processed) and
-        ``nonfinite``: 1.0 when the global loss or gradient norm is NaN/inf, in which case no rank
-        updates its weights or optimizer state (the step still counts, for the schedule).
-        """
-        self._check_trainable("train_step")
-        self._check_head(("lm",), "train_step")
-        _check_temperature(temperature)
-        return self._optimizer_step(batch, loss_fn, temperature)
-
-    def _optimizer_step(self, batch: TensorBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
-        assert self.optimizer is not None
-        lr = lr_at(self._step, self.actor.optimizer.lr, self.actor.lr_scheduler)
-        set_lr(self.optimizer, lr)
+    def _train_mode(self) -> None:
         self.model.train()
-        try:
-            acc, num_micro_batches = self.runner.accumulate_gradients(
-                batch, loss_fn, temperature, torch.Tensor.backward, self.world_size
-            )
-        except BaseException:
-            self.optimizer.zero_grad(set_to_none=True)  # a failed step leaves no partial gradient behind
-            raise
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def _apply_update(self, loss: float) -> float:
+        assert self.optimizer is not None
         grad_norm = self._clip_gradients()
-        metrics = acc.reduce()  # global sums: every rank takes the same decision below
-        nonfinite = not (math.isfinite(grad_norm) and math.isfinite(metrics["loss"]))
-        if not nonfinite:
+        if math.isfinite(grad_norm) and math.isfinite(loss):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._step += 1
-        metrics.update(
-            grad_norm=grad_norm,
-            lr=lr,
-            num_micro_batches=float(num_micro_batches),
-            nonfinite=1.0 if nonfinite else 0.0,
-        )
-        return metrics
+        return grad_norm
 
     def _clip_gradients(self) -> float:
         """Total gradient norm over all ranks before clipping; clip to ``actor.grad_clip`` (0: no
@@ -337,11 +309,6 @@ def _read_meta(final: Path) -> dict[str, Any]:
     if not isinstance(meta.get("step"), int):
         raise ckpt.CheckpointFormatError(f"{meta_file}: no step")
     return meta
-
-
-def _check_temperature(temperature: float) -> None:
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
 def _optimizer_has_state(optimizer: torch.optim.Optimizer) -> bool:

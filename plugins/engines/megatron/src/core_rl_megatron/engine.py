@@ -41,6 +41,7 @@ from core_rl.engine_utils.logprobs import align_to_tokens
 from core_rl.engine_utils.metrics import StepMetrics
 from core_rl.engine_utils.microbatch import micro_batch_width, pack_micro_batches, row_lengths, take_micro_batch
 from core_rl.engine_utils.optim import build_optimizer, check_schedule, lr_at
+from core_rl.engine_utils.runner import check_temperature
 from core_rl.interfaces import LossFn, TrainEngine
 from core_rl.protocol import TensorBatch
 from megatron.core import parallel_state as mpu
@@ -331,7 +332,7 @@ class MegatronEngine(TrainEngine):
         """Log-probs [B, T] float32 on CPU of this rank's rows (see
         :func:`core_rl.engine_utils.logprobs.token_logprobs`), in eval mode without gradients."""
         self._check_open()
-        _check_temperature(temperature)
+        check_temperature(temperature)
         rows, mine, width = self.replica.gather(batch, self._pad_id)
         micro = self._micro_batches(rows)
         was_training = [c.training for c in self.model]
@@ -366,7 +367,7 @@ class MegatronEngine(TrainEngine):
         case no rank updates its weights or optimizer state (the step still counts).
         """
         self._check_trainable("train_step")
-        _check_temperature(temperature)
+        check_temperature(temperature)
         for key in ("input_ids", "attention_mask", "response_mask", "loss_weight"):
             if key not in batch:
                 raise KeyError(f"train_step needs batch[{key!r}]")
@@ -540,8 +541,3 @@ def _check_cpu_settings(cfg: MegatronConfig) -> None:
             f"actor.engine.{bad[0]}: needs CUDA (Megatron's pipeline schedules, optimizer and fused layers do); "
             f"this machine has no GPU. Settings that need one: {', '.join(bad)}"
         )
-
-
-def _check_temperature(temperature: float) -> None:
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
