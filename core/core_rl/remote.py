@@ -181,7 +181,6 @@ class ServerRolloutEngine(RolloutEngine):
     @abstractmethod
     def server_command(self, python: str, port: int, index: int) -> list[str]:
         """*plugin*: the command line of server ``index`` listening on ``port``."""
-        raise NotImplementedError
 
     def server_environment(self, index: int) -> dict[str, str]:
         """*plugin*: environment variables server ``index`` needs (added to ``options.env``)."""
@@ -194,27 +193,22 @@ class ServerRolloutEngine(RolloutEngine):
     @abstractmethod
     async def request(self, client: Any, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list[Completion]:
         """*plugin*: one HTTP request for the ``sampling.n`` samples of ``prompt_ids``."""
-        raise NotImplementedError
 
     @abstractmethod
     async def pause_server(self, client: Any, url: str, mode: str) -> None:
         """*plugin*: pause generation on one server (``keep`` or ``abort``)."""
-        raise NotImplementedError
 
     @abstractmethod
     async def resume_server(self, client: Any, url: str) -> None:
         """*plugin*: resume generation on one server."""
-        raise NotImplementedError
 
     @abstractmethod
     async def abort_all(self, client: Any, url: str) -> None:
         """*plugin*: abort every request one server holds (they return what they generated)."""
-        raise NotImplementedError
 
     @abstractmethod
     async def reload_from_disk(self, client: Any, url: str, path: str, version: int) -> None:
         """*plugin*: load the Hugging Face directory ``path`` into one server (and drop its cache)."""
-        raise NotImplementedError
 
     @abstractmethod
     async def join_weight_group(
@@ -222,7 +216,6 @@ class ServerRolloutEngine(RolloutEngine):
     ) -> None:
         """*plugin*: make one server's workers join the weight-update group (ranks from
         ``rank_offset``); returns once they joined (the trainer joins concurrently)."""
-        raise NotImplementedError
 
     @abstractmethod
     async def receive_weights(
@@ -230,7 +223,6 @@ class ServerRolloutEngine(RolloutEngine):
     ) -> None:
         """*plugin*: make one server receive the broadcast tensors (in this order) and load them;
         returns once loaded (the trainer broadcasts concurrently)."""
-        raise NotImplementedError
 
     # -- the loop thread ------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +41,7 @@ from core_rl.protocol import TensorBatch
 TRAIN_KEYS = ("input_ids", "attention_mask", "response_mask", "loss_weight")
 
 
-class EngineState:
+class EngineState(ABC):
     """What every train engine built on :class:`MicroBatchRunner` shares: the optimizer step count,
     open/trainable/head/temperature checks, and the optimizer step itself (:meth:`train_step`,
     :meth:`train_value_step`): the learning rate of this step from the schedule, gradients
@@ -87,19 +88,19 @@ class EngineState:
 
     # -- the engine's part of a step --------------------------------------------------------------
 
+    @abstractmethod
     def _train_mode(self) -> None:
         """Put the model in training mode."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _backward(self, loss: torch.Tensor) -> None:
         """Back-propagate one micro-batch's loss."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _apply_update(self, loss: float) -> float:
         """After the micro-batches: clip, step (only if ``loss`` and the gradient norm are finite, the
         same decision on every rank) and zero the gradients; return the gradient norm over all ranks
         before clipping."""
-        raise NotImplementedError
 
     # -- the shared step ----------------------------------------------------------------------------
 
