@@ -62,11 +62,18 @@ def role_problems(cfg: RunConfig, host: PluginHost) -> list[str]:
     if cfg.critic is not None:
         entry = host.registries[TRAIN_ENGINE.key].get(cfg.critic.engine.name)
         if entry is not None and "value" not in engine_heads(entry):
-            problems.append(
-                f"critic.engine.name: train engine {entry.name!r} (distribution {entry.distribution}) cannot build "
-                "a value model (its config class lists no 'value' head); use an engine that does, e.g. fsdp"
-            )
+            problems.append(missing_head_problem(entry, "value", "critic.engine.name", "a value model"))
     return problems
+
+
+def missing_head_problem(entry: RegistryEntry, head: str, key: str, model: str) -> str:
+    """The message for a train engine (``entry``, selected at config ``key``) whose config class
+    lists no ``head``, which ``model`` (e.g. "a value model") needs: names the engine and its
+    distribution and what to do."""
+    return (
+        f"{key}: train engine {entry.name!r} (distribution {entry.distribution}) cannot build {model} "
+        f"(its config class lists no {head!r} head); use an engine that does, e.g. fsdp"
+    )
 
 
 def build_engine(host: PluginHost, section: ActorConfig, *, trainable: bool, head: str = "lm") -> TrainEngine:

@@ -29,7 +29,7 @@ from core_rl.interfaces import LossOutput
 from core_rl.kinds import TRAIN_ENGINE
 from core_rl.ops import bradley_terry_loss
 from core_rl.protocol import TensorBatch
-from core_rl.roles import engine_heads
+from core_rl.roles import engine_heads, missing_head_problem
 from core_rl.trainer.data import PromptItem
 from core_rl.trainer.preference import PairwiseLoop, number_in_row
 from core_rl.trainer.ranks import waiting_for
@@ -74,12 +74,7 @@ class RMLoop(PairwiseLoop):
     def _build(self) -> None:
         entry = self.host.get(TRAIN_ENGINE, self.cfg.actor.engine.name)
         if "score" not in engine_heads(entry):
-            raise ConfigError(
-                [
-                    f"actor.engine.name: train engine {entry.name!r} (distribution {entry.distribution}) cannot build "
-                    "a reward model (its config class lists no 'score' head); use an engine that does, e.g. fsdp"
-                ]
-            )
+            raise ConfigError([missing_head_problem(entry, "score", "actor.engine.name", "a reward model")])
         super()._build()
         files = self.loop_config.val_files
         self.val_items = self.read_pairs(files, key="trainer.loop.val_files") if files else []
