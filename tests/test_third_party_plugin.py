@@ -122,6 +122,7 @@ def test_the_wheel_declares_the_entry_points_and_bounds(sites: Sites) -> None:
         ("core_rl.advantage_estimators", "rank_advantage", "core_rl_example_plugin.plugin"),
         ("core_rl.rewards", "keyword_reward", "core_rl_example_plugin.plugin"),
         ("core_rl.loops", "prompt_lm", "core_rl_example_plugin.plugin"),
+        ("core_rl.workflows", "second_try", "core_rl_example_plugin.plugin"),
     }
     requires = {req.split(";")[0].replace(" ", "") for req in dist.requires or []}
     assert "core-rl<0.2,>=0.1" in requires, requires

@@ -394,16 +394,19 @@ class RunInfo:
 @attrs.define
 class SampleRecord:
     """One generated sample as loggers show it: texts, its reward (and the reward's parts, see
-    :class:`RewardScores`) and why generation stopped (``stop`` or ``length``)."""
+    :class:`RewardScores`), why generation stopped (``stop`` or ``length``) and what the rollout
+    workflow recorded about it (:attr:`core_rl.protocol.Sample.info`)."""
 
     prompt: str
     response: str
     reward: float
     finish_reason: str
     parts: dict[str, float] = attrs.field(factory=dict)
+    info: dict[str, Any] = attrs.field(factory=dict)
 
     def as_row(self) -> dict[str, Any]:
-        """A flat row: ``prompt``, ``response``, ``reward``, ``finish_reason``, ``reward/<part>``..."""
+        """A flat row: ``prompt``, ``response``, ``reward``, ``finish_reason``, ``reward/<part>``...,
+        ``info/<key>``..."""
         row: dict[str, Any] = {
             "prompt": self.prompt,
             "response": self.response,
@@ -411,6 +414,7 @@ class SampleRecord:
             "finish_reason": self.finish_reason,
         }
         row.update({f"reward/{k}": v for k, v in self.parts.items()})
+        row.update({f"info/{k}": v for k, v in self.info.items()})
         return row
 
 

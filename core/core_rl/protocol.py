@@ -64,6 +64,11 @@ class Sample:
     multi-turn workflow appended from elsewhere (tool output, an environment's reply): those have
     log-prob 0, are left out of ``response_mask`` (so they never train) and carry version -1 in a
     batch. ``None`` means every response token was generated.
+
+    ``reward`` (optional): the trajectory's reward as its rollout workflow assigned it (an
+    environment's outcome, a game's score); the built-in ``workflow`` reward hands it to the trainer,
+    alone or as a part of ``combine``. ``info``: what the workflow records about the trajectory (turns,
+    tool calls, an environment's state), JSON-like; rewards see it as :attr:`RewardInput.info`.
     """
 
     prompt_ids: list[int]
@@ -73,6 +78,8 @@ class Sample:
     finish_reason: str
     token_weight_versions: list[int] | None = None
     token_mask: list[int] | None = None
+    reward: float | None = None
+    info: dict[str, Any] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         if len(self.logprobs) != len(self.response_ids):
@@ -102,7 +109,9 @@ class Sample:
 
 @attrs.define
 class RewardInput:
-    """What a reward sees of one sample: texts, token ids, and the dataset row it answers."""
+    """What a reward sees of one sample: texts, token ids, the dataset row it answers, and what the
+    rollout workflow attached to it (``workflow_reward`` and ``info``: :attr:`Sample.reward` and
+    :attr:`Sample.info`)."""
 
     prompt_text: str
     response_text: str
@@ -110,6 +119,8 @@ class RewardInput:
     response_ids: list[int]
     row: Mapping[str, Any]
     finish_reason: str
+    workflow_reward: float | None = None
+    info: Mapping[str, Any] = attrs.field(factory=dict)
 
 
 class TensorBatch:

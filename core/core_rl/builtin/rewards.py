@@ -1,5 +1,6 @@
-"""Built-in reward ``combine``: a weighted sum of other rewards, each scored concurrently and each
-reported as its own metric.
+"""Built-in rewards: ``combine``, a weighted sum of other rewards, each scored concurrently and each
+reported as its own metric; and ``workflow``, the reward a rollout workflow assigned to each sample
+(:attr:`core_rl.protocol.Sample.reward`: an environment's or a game's outcome).
 
 .. code-block:: yaml
 
@@ -92,6 +93,44 @@ class CombineConfig:
         return sorted({c for part in self.parts for c in required_columns(part.reward.config)})
 
 
+@attrs.define
+class WorkflowRewardConfig:
+    """``default``: the score of a sample whose workflow assigned none (``null``, the default: such a
+    sample is an error, handled by ``reward_runner.on_error``)."""
+
+    default: float | None = attrs.field(default=None, validator=attrs.validators.optional(finite()))
+
+    def check_config(self, context: SectionContext) -> list[str]:
+        workflow = context.run.rollout.workflow.name
+        if self.default is None and workflow == "single_turn":
+            return [
+                f"{context.path}: reward 'workflow' reads the reward a rollout workflow assigns to each "
+                f"sample, but rollout.workflow.name is {workflow!r}, which assigns none; select a workflow "
+                f"plugin that sets Sample.reward, or set {context.key('default')}"
+            ]
+        return []
+
+
+class WorkflowReward(Reward):
+    """``score = item.workflow_reward`` (the sample's :attr:`~core_rl.protocol.Sample.reward`), or
+    ``config.default`` where the workflow assigned none."""
+
+    def __init__(self, config: WorkflowRewardConfig) -> None:
+        self.config = config
+
+    def score(self, items: Sequence[RewardInput]) -> list[float]:
+        missing = [item for item in items if item.workflow_reward is None]
+        if missing and self.config.default is None:
+            from core_rl.trainer.rewards import describe_item  # the trainer's modules import torch
+
+            raise ValueError(
+                f"the rollout workflow assigned no reward to {len(missing)} of {len(items)} samples "
+                f"(Sample.reward is None; first: {describe_item(missing[0])}); reward 'workflow' scores what "
+                "the workflow assigns: set Sample.reward in the workflow, or set reward.default"
+            )
+        return [self.config.default if item.workflow_reward is None else item.workflow_reward for item in items]
+
+
 class CombinedReward(Reward):
     """``score = sum_i weight_i * score_i`` over the configured parts; ``parts`` of
     :meth:`score_with_parts` holds each part's own score under its label (and a part's own parts
@@ -153,4 +192,10 @@ def core_rl_register_rewards(register: Register) -> None:
         CombinedReward,
         description="Weighted sum of other rewards, scored concurrently, each part reported as a metric",
         config_cls=CombineConfig,
+    )
+    register(
+        "workflow",
+        WorkflowReward,
+        description="The reward the rollout workflow assigned to each sample (an environment's outcome)",
+        config_cls=WorkflowRewardConfig,
     )

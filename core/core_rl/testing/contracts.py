@@ -61,6 +61,7 @@ from core_rl.kinds import (
     ROLLOUT_ENGINE,
     SAMPLE_FILTER,
     TRAIN_ENGINE,
+    WORKFLOW,
     PluginKind,
 )
 from core_rl.ops import aggregation_weights
@@ -126,7 +127,13 @@ def make_rl_batch(
 
 
 def make_reward_input(
-    response: str, row: dict[str, Any] | None = None, *, prompt: str = "", finish_reason: str = "stop"
+    response: str,
+    row: dict[str, Any] | None = None,
+    *,
+    prompt: str = "",
+    finish_reason: str = "stop",
+    workflow_reward: float | None = None,
+    info: dict[str, Any] | None = None,
 ) -> RewardInput:
     """A :class:`RewardInput` for reward tests (token ids are the characters' code points)."""
     return RewardInput(
@@ -136,6 +143,8 @@ def make_reward_input(
         response_ids=[ord(c) for c in response],
         row=row or {},
         finish_reason=finish_reason,
+        workflow_reward=workflow_reward,
+        info=info or {},
     )
 
 
@@ -523,6 +532,24 @@ class LoopContract(ComponentContract):
     def test_declares_rl_sections(self) -> None:
         config = self.config()
         assert isinstance(getattr(config, "rl_sections", True), bool)
+
+
+class WorkflowContract(ComponentContract):
+    """A rollout workflow is registered with a factory taking its validated config (``None``
+    without a config class) and returning a :class:`~core_rl.workflows.RolloutWorkflow` whose
+    ``run`` is a coroutine function. What it generates through an engine is the plugin's own tests'
+    business (they need a model)."""
+
+    kind = WORKFLOW
+
+    def test_factory_builds_a_workflow(self) -> None:
+        import inspect
+
+        from core_rl.workflows import RolloutWorkflow
+
+        workflow = self.entry().factory(self.config())
+        assert isinstance(workflow, RolloutWorkflow)
+        assert inspect.iscoroutinefunction(workflow.run)
 
 
 # ---------------------------------------------------------------------------------------------

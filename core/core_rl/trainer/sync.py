@@ -296,6 +296,8 @@ class SyncTrainer(TrainingLoop):
                 response_ids=s.response_ids,
                 row=owner.row,
                 finish_reason=s.finish_reason,
+                workflow_reward=s.reward,
+                info=s.info,
             )
             for s, text, owner in zip(samples, texts, owners)
         ]
@@ -344,6 +346,7 @@ class SyncTrainer(TrainingLoop):
                 reward=float("nan") if result.scores[i] is None else float(result.scores[i]),  # type: ignore[arg-type]
                 finish_reason=inputs[i].finish_reason,
                 parts={name: float(values[i]) for name, values in result.parts.items()},
+                info=dict(inputs[i].info),
             )
             for i in sorted({j * len(inputs) // k for j in range(k)})
         ]

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import attrs
 from core_rl.config.checks import SectionContext, group_size_problems
-from core_rl.config.validators import FieldValueError, one_of, positive
+from core_rl.config.validators import FieldValueError, in_range, one_of, positive
 
 
 @attrs.define
@@ -80,3 +80,21 @@ class PromptLMConfig:
     rl_sections: ClassVar[bool] = False
 
     max_tokens: int = attrs.field(default=512, validator=positive())
+
+
+@attrs.define
+class SecondTryConfig:
+    """The ``rollout.workflow`` section of ``second_try``.
+
+    - ``answer_key``: the data-row column holding the expected answer.
+    - ``feedback``: the environment's reply after a wrong first answer, appended as tokens masked
+      from the loss (every character must be in the tokenizer's vocabulary).
+    - ``second_try_credit``: the reward of a second answer is this times its score.
+    """
+
+    answer_key: str = "answer"
+    feedback: str = attrs.field(default="=", validator=attrs.validators.min_len(1))
+    second_try_credit: float = attrs.field(default=0.5, validator=in_range(0.0, 1.0))
+
+    def required_columns(self) -> list[str]:
+        return [self.answer_key]

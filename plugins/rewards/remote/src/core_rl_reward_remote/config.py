@@ -9,7 +9,7 @@ import attrs
 from core_rl.config.validators import FieldValueError, in_range, non_negative, positive
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-FIELDS = ("prompt", "response", "row", "finish_reason", "prompt_ids", "response_ids")
+FIELDS = ("prompt", "response", "row", "finish_reason", "prompt_ids", "response_ids", "info", "workflow_reward")
 
 
 def _url(_inst: Any, attribute: attrs.Attribute, value: str) -> None:

@@ -45,6 +45,8 @@ def _payload(item: RewardInput, fields: Sequence[str]) -> dict[str, Any]:
         "finish_reason": item.finish_reason,
         "prompt_ids": list(item.prompt_ids),
         "response_ids": list(item.response_ids),
+        "info": dict(item.info),
+        "workflow_reward": item.workflow_reward,
     }
     return {name: values[name] for name in fields}
 
