@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -420,10 +421,17 @@ class SampleRecord:
 
 def sample_table(samples: Sequence[SampleRecord]) -> tuple[list[str], list[list[Any]]]:
     """``(columns, rows)`` of ``samples`` for loggers with tables: the columns of
-    :meth:`SampleRecord.as_row`, in order of first appearance; a missing part is ``None``."""
+    :meth:`SampleRecord.as_row`, in order of first appearance; a missing part is ``None``; a cell
+    that is not a number, string or ``None`` (a workflow's ``info`` list or mapping) is its JSON text."""
     rows = [s.as_row() for s in samples]
     columns = list(dict.fromkeys(key for row in rows for key in row))
-    return columns, [[row.get(c) for c in columns] for row in rows]
+    return columns, [[_table_cell(row.get(c)) for c in columns] for row in rows]
+
+
+def _table_cell(value: Any) -> Any:
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    return json.dumps(value, default=str)
 
 
 class Logger(ABC):

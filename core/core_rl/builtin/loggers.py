@@ -130,7 +130,8 @@ class JsonlLogger(Logger):
         if self.samples_path is None:
             raise RuntimeError("JsonlLogger.log_samples called before start")
         lines = [
-            json.dumps({"step": step, **{k: _json_value(v) for k, v in s.as_row().items()}}) + "\n" for s in samples
+            json.dumps({"step": step, **{k: _json_value(v) for k, v in s.as_row().items()}}, default=str) + "\n"
+            for s in samples
         ]
         self.samples_path.parent.mkdir(parents=True, exist_ok=True)
         with self.samples_path.open("a", encoding="utf-8") as f:

@@ -479,6 +479,9 @@ class LoggerContract(ComponentContract):
         samples = [
             SampleRecord(prompt="abc=", response="cba", reward=1.0, finish_reason="stop", parts={"match": 1.0}),
             SampleRecord(prompt='quote " | pipe\n', response="", reward=float("nan"), finish_reason="length"),
+            SampleRecord(
+                prompt="p=", response="ab", reward=0.5, finish_reason="stop", info={"turns": 2, "answers": ["a", "b"]}
+            ),
         ]
         lg.log_samples(samples, step=1)
         lg.log({"reward/mean": 0.75}, step=2)
