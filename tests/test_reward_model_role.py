@@ -237,6 +237,26 @@ def test_a_rule_reward_adds_to_the_score_with_its_coefficient(workdir: Path) -> 
     assert row["reward/rule/mean"] > 0  # char_match scored something
 
 
+def test_ppo_returns_are_the_reward_model_rewards(workdir: Path) -> None:
+    """With a critic the advantages still come after the critic's values (GAE in the update), now on
+    the completed rewards: with discount 1 and gae_lambda 1 every response token's return is its
+    sample's reward, and all responses are 6 tokens long, so the token mean of the returns is the
+    mean reward."""
+    pytest.importorskip("core_rl_ppo")
+    rows = _train(
+        workdir,
+        "ppo",
+        "trainer.total_steps=2",
+        "algorithm.name=ppo",
+        f"critic={{model_path: {workdir / 'model'}}}",
+        "rollout.sampling.min_new_tokens=6",
+    )
+    for row in rows:
+        assert row["reward/mean"] == pytest.approx(row["reward/reward_model/mean"], abs=1e-7)
+        assert row["critic/returns_mean"] == pytest.approx(row["reward/mean"], abs=1e-5)
+    assert rows[1]["critic/values_mean"] != 0.0  # the critic trained on them at step 1
+
+
 def test_two_ranks_match_one(workdir: Path) -> None:
     from core_rl.testing.launch import run_torchrun
 
