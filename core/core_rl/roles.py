@@ -114,7 +114,7 @@ def reward_model_problems(cfg: RunConfig) -> list[str]:
     except Exception as exc:  # the user's directory, however transformers refuses it
         return [f"reward_model.model_path: transformers cannot read the model config in {path!r}: {first_line(exc)}"]
     architectures = list(getattr(config, "architectures", None) or [])
-    if not any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in architectures):
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):  # (a critic's export has a bias)
         return [
             f"reward_model.model_path: {path!r} holds {', '.join(architectures) or 'no architectures'}, not a reward "
             "model (a *ForSequenceClassification with num_labels 1, e.g. the rm loop's final_hf/); its score head "
