@@ -44,3 +44,21 @@ def test_example_trains(workdir: Path, config: str, metric: str) -> None:
     else:
         assert rows[-1][metric] < rows[0][metric]
     assert (run / "checkpoints" / "step_00000006").is_dir() and (run / "final_hf" / "config.json").is_file()
+
+
+def test_grpo_against_the_trained_reward_model(workdir: Path) -> None:
+    """grpo_rm.yaml: the SFT example's policy trained by GRPO against the rm example's export, served
+    by the reward_model: role (every reward is the reward model's score: the example has no rule-based
+    reward)."""
+    pytest.importorskip("core_rl_hf")
+    pytest.importorskip("core_rl_grpo")
+    for config in ("sft.yaml", "rm.yaml"):  # made by test_example_trains unless it was deselected
+        if not (workdir / Path(config).stem / "final_hf" / "config.json").is_file():
+            run_train(EXAMPLES / config, f"experiment.output_dir={workdir}", "trainer.total_steps=2")
+    quick = ("trainer.total_steps=2", "data.batch_size=4", "saver.at_end=false", "saver.export_hf=false")
+    run_train(EXAMPLES / "grpo_rm.yaml", f"experiment.output_dir={workdir}", *quick)
+    rows = read_metrics(workdir / "grpo_rm" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["reward/mean"] == pytest.approx(row["reward/reward_model/mean"], abs=1e-7)
+        assert row["reward/reward_model/std"] > 0 and "actor/loss" in row

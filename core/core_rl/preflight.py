@@ -13,6 +13,8 @@ loaded, so that a bad file or a missing GPU fails in seconds with every problem 
   loading a tensor) and a tokenizer that loads. Nothing is downloaded unless
   ``experiment.offline`` is ``false``, which lets these paths name Hugging Face hub repositories
   (downloaded into the Hugging Face cache, then checked like local ones).
+- **Model roles**: each role section's model directory like the actor's; a ``reward_model:`` must
+  hold a score head and share the actor's tokenizer (:func:`core_rl.roles.reward_model_problems`).
 - **Sampling against the model**: stop token ids inside the vocabulary.
 - **Output**: the run directory ``experiment.output_dir/experiment.name`` can be created and
   written.
@@ -357,10 +359,14 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
             problems += prompt_problems
     if model is not None:
         problems += check_sampling(cfg, model)
-    for role in ("ref", "critic", "teacher"):  # the other model roles (core_rl.roles)
+    for role in ("ref", "critic", "teacher", "reward_model"):  # the other model roles (core_rl.roles)
         section = getattr(cfg, role)
         if section is not None and section.model_path:
             problems += check_model_dir(section.model_path, f"{role}.model_path", offline=offline)[1]
+    if cfg.reward_model is not None and Path(cfg.reward_model.model_path).is_dir():
+        from core_rl.roles import reward_model_problems  # no score head, another tokenizer
+
+        problems += reward_model_problems(cfg)
     problems += check_output_dir(cfg, create=create_output_dir)
     machine = machine if machine is not None else detect_machine()
     problems += plugin_environment_problems(cfg, machine, model)

@@ -1,21 +1,28 @@
 """Model roles: the models one run holds besides the rollout engine, each built by a train-engine
 plugin from its own configuration section.
 
-=========  ============  =========  ==========================================================
-role       section       trained    built when
-=========  ============  =========  ==========================================================
-actor      ``actor:``    yes        always (the policy)
-ref        ``ref:``      no         the loss or advantage needs ``ref_logprobs``; without a
-                                    ``ref:`` section it is the actor's model, frozen
-critic     ``critic:``   yes        a ``critic:`` section is given (value head, ``head="value"``)
-teacher    ``teacher:``  no         a ``teacher:`` section is given (on-policy distillation)
-=========  ============  =========  ==========================================================
+============  =================  =======  ====================================================
+role          section            trained  built when
+============  =================  =======  ====================================================
+actor         ``actor:``         yes      always (the policy)
+ref           ``ref:``           no       the loss or advantage needs ``ref_logprobs``; without
+                                          a ``ref:`` section it is the actor's model, frozen
+critic        ``critic:``        yes      a ``critic:`` section is given (value head,
+                                          ``head="value"``)
+teacher       ``teacher:``       no       a ``teacher:`` section is given (on-policy
+                                          distillation)
+reward_model  ``reward_model:``  no       a ``reward_model:`` section is given (a scorer,
+                                          ``head="score"``, :mod:`core_rl.trainer.reward_role`)
+============  =================  =======  ====================================================
 
 Every section has the keys of ``actor`` (model path, engine, dtype, optimiser, micro-batches) and is
 validated the same way; the critic adds its value-loss keys
 (:class:`~core_rl.config.schema.CriticConfig`), the teacher its coefficients
-(:class:`~core_rl.config.schema.TeacherConfig`). A frozen reward model stays the ``reward_model``
-reward plugin's own section (it scores text, not token ids of this run).
+(:class:`~core_rl.config.schema.TeacherConfig`), the reward model its coefficient and where the
+score is read (:class:`~core_rl.config.schema.RewardModelRoleConfig`). The teacher and the reward
+model read the policy's token ids, so they must share its tokenizer (checked for the reward model,
+:func:`reward_model_problems`). The ``reward_model`` *reward* plugin is the other way to serve a
+reward model: on the main rank, on decoded text, with any tokenizer.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from core_rl.config.overrides import first_line
 from core_rl.config.schema import ActorConfig, RunConfig
 from core_rl.errors import ConfigError
 from core_rl.kinds import TRAIN_ENGINE
@@ -35,7 +43,7 @@ if TYPE_CHECKING:
     from core_rl.registry import RegistryEntry
 
 #: the optional role sections of a run, in the order they are built
-OPTIONAL_ROLES = ("ref", "critic", "teacher")
+OPTIONAL_ROLES = ("ref", "critic", "teacher", "reward_model")
 
 
 def role_sections(cfg: RunConfig) -> Iterator[tuple[str, ActorConfig]]:
@@ -63,7 +71,78 @@ def role_problems(cfg: RunConfig, host: PluginHost) -> list[str]:
         entry = host.registries[TRAIN_ENGINE.key].get(cfg.critic.engine.name)
         if entry is not None and "value" not in engine_heads(entry):
             problems.append(missing_head_problem(entry, "value", "critic.engine.name", "a value model"))
+    if cfg.reward_model is not None:
+        entry = host.registries[TRAIN_ENGINE.key].get(cfg.reward_model.engine.name)
+        if entry is not None and "score" not in engine_heads(entry):
+            problems.append(missing_head_problem(entry, "score", "reward_model.engine.name", "a reward model"))
+        problems.extend(_reward_model_sampling_problems(cfg))
     return problems
+
+
+def _reward_model_sampling_problems(cfg: RunConfig) -> list[str]:
+    """Sample filters and dynamic sampling run on the main rank before the reward model scores (on
+    every rank, after the batch is sent): they would judge samples without their reward-model score."""
+    problems = []
+    where = "run on the main rank before the reward_model: role scores the samples, so they cannot see its scores"
+    if cfg.algorithm.filters:
+        names = ", ".join(repr(f.name) for f in cfg.algorithm.filters)
+        problems.append(
+            f"algorithm.filters: the sample filters ({names}) {where}; remove them (algorithm.filters=[]) or "
+            "serve the reward model as a reward (reward: {name: reward_model, ...}), which scores before the filters"
+        )
+    if cfg.algorithm.max_num_gen_batches > 1:
+        problems.append(
+            f"algorithm.max_num_gen_batches: dynamic sampling ({cfg.algorithm.max_num_gen_batches}) and its filters "
+            f"{where}; set algorithm.max_num_gen_batches=1 with a reward_model: section"
+        )
+    return problems
+
+
+def reward_model_problems(cfg: RunConfig) -> list[str]:
+    """Problems of a ``reward_model:`` section's model directory that would make its scores wrong
+    without an error: a model with no score head (its head would start at zero: every score 0), and
+    a tokenizer other than the actor's (it would read the policy's token ids as other tokens).
+    Reads ``config.json`` and the two tokenizers, no weights. Empty without a section."""
+    section = cfg.reward_model
+    if section is None or not section.model_path:
+        return []
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = section.model_path
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # the user's directory, however transformers refuses it
+        return [f"reward_model.model_path: transformers cannot read the model config in {path!r}: {first_line(exc)}"]
+    architectures = list(getattr(config, "architectures", None) or [])
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):  # (a critic's export has a bias)
+        return [
+            f"reward_model.model_path: {path!r} holds {', '.join(architectures) or 'no architectures'}, not a reward "
+            "model (a *ForSequenceClassification with num_labels 1, e.g. the rm loop's final_hf/); its score head "
+            "would start at zero"
+        ]
+    if config.num_labels != 1:
+        return [f"reward_model.model_path: {path!r} has {config.num_labels} labels; a reward model has 1"]
+    actor_path = cfg.actor.tokenizer_path or cfg.actor.model_path
+    rm_path = section.tokenizer_path or path
+    key = "reward_model.tokenizer_path" if section.tokenizer_path else "reward_model.model_path"
+    try:
+        actor_vocab = AutoTokenizer.from_pretrained(actor_path, local_files_only=True).get_vocab()
+        rm_vocab = AutoTokenizer.from_pretrained(rm_path, local_files_only=True).get_vocab()
+    except Exception as exc:
+        return [f"{key}: cannot load the tokenizer to compare with the actor's ({actor_path!r}): {first_line(exc)}"]
+    if rm_vocab != actor_vocab:
+        differ = sum(rm_vocab.get(token) != i for token, i in actor_vocab.items())
+        return [
+            f"{key}: the tokenizer in {rm_path!r} is not the actor's ({actor_path!r}): {differ} of the actor's "
+            f"{len(actor_vocab)} tokens have another id or none (it has {len(rm_vocab)}); the reward model scores "
+            "the policy's token ids, so it needs the policy's tokenizer (e.g. train it with the rm loop from the "
+            "policy's base model), or serve it as a reward (reward: {name: reward_model, ...}), which re-tokenises text"
+        ]
+    largest = max(actor_vocab.values(), default=-1)
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None)
+    if isinstance(vocab_size, int) and vocab_size <= largest:
+        return [f"reward_model.model_path: its embedding has {vocab_size} rows, fewer than the actor's token ids"]
+    return []
 
 
 def missing_head_problem(entry: RegistryEntry, head: str, key: str, model: str) -> str:
@@ -77,8 +156,8 @@ def missing_head_problem(entry: RegistryEntry, head: str, key: str, model: str) 
 
 
 def build_engine(host: PluginHost, section: ActorConfig, *, trainable: bool, head: str = "lm") -> TrainEngine:
-    """The train engine of one role section (``head="value"`` is passed only for a value model, so
-    engines without value heads keep their factory signature)."""
+    """The train engine of one role section (``head`` is passed only for a value or score model, so
+    engines without those heads keep their factory signature)."""
     entry = host.get(TRAIN_ENGINE, section.engine.name)
     kwargs: dict[str, Any] = {"trainable": trainable}
     if head != "lm":
@@ -93,20 +172,22 @@ class Roles:
     ref: TrainEngine | None = None
     critic: TrainEngine | None = None
     teacher: TrainEngine | None = None
+    reward_model: TrainEngine | None = None
 
     def engines(self) -> list[TrainEngine]:
-        return [e for e in (self.ref, self.critic, self.teacher) if e is not None]
+        return [e for e in (self.ref, self.critic, self.teacher, self.reward_model) if e is not None]
 
     def close(self) -> None:
         for engine in self.engines():
             engine.close()
-        self.ref = self.critic = self.teacher = None
+        self.ref = self.critic = self.teacher = self.reward_model = None
 
 
 def build_roles(cfg: RunConfig, host: PluginHost, *, needs_reference: bool, needs_values: bool) -> Roles:
     """Build the reference (when ``needs_reference``: from ``ref:`` or the actor's section, frozen),
-    the critic and the teacher (from their sections). A critic the algorithm does not use, or an
-    algorithm needing values without a critic, is a :class:`~core_rl.errors.ConfigError`."""
+    the critic, the teacher and the reward model (from their sections). A critic the algorithm does
+    not use, an algorithm needing values without a critic, or a reward model that
+    :func:`reward_model_problems` refuses is a :class:`~core_rl.errors.ConfigError`."""
     if needs_values and cfg.critic is None:
         raise ConfigError(
             [
@@ -118,6 +199,9 @@ def build_roles(cfg: RunConfig, host: PluginHost, *, needs_reference: bool, need
         raise ConfigError(
             ["critic: no component of the algorithm uses values (e.g. algorithm.advantage: {name: gae}); remove it"]
         )
+    problems = reward_model_problems(cfg)  # before any model is built
+    if problems:
+        raise ConfigError(problems)
     roles = Roles()
     try:
         if needs_reference:
@@ -126,6 +210,8 @@ def build_roles(cfg: RunConfig, host: PluginHost, *, needs_reference: bool, need
             roles.critic = build_engine(host, cfg.critic, trainable=True, head="value")
         if cfg.teacher is not None:
             roles.teacher = build_engine(host, cfg.teacher, trainable=False)
+        if cfg.reward_model is not None:
+            roles.reward_model = build_engine(host, cfg.reward_model, trainable=False, head="score")
     except BaseException:
         roles.close()
         raise

@@ -358,7 +358,7 @@ def structure(data: Any, cls: type, *, path: str = "") -> Any:
 def selected_sections(cfg: RunConfig) -> Iterator[tuple[str, PluginKind, PluginSpec]]:
     """Every plugin section ``cfg`` selects: ``(key path, kind, spec)``."""
     yield "actor.engine", TRAIN_ENGINE, cfg.actor.engine
-    for role in ("ref", "critic", "teacher"):  # core_rl.roles.OPTIONAL_ROLES
+    for role in ("ref", "critic", "teacher", "reward_model"):  # core_rl.roles.OPTIONAL_ROLES
         section = getattr(cfg, role)
         if section is not None:
             yield f"{role}.engine", TRAIN_ENGINE, section.engine
@@ -448,6 +448,7 @@ _RAW_SPEC_PATHS: tuple[tuple[tuple[str, ...], PluginKind, bool], ...] = (
     (("ref", "engine"), TRAIN_ENGINE, False),
     (("critic", "engine"), TRAIN_ENGINE, False),
     (("teacher", "engine"), TRAIN_ENGINE, False),
+    (("reward_model", "engine"), TRAIN_ENGINE, False),
     (("rollout", "engine"), ROLLOUT_ENGINE, False),
     (("rollout", "workflow"), WORKFLOW, False),
     (("algorithm", "advantage"), ADVANTAGE, False),
@@ -544,8 +545,10 @@ def _rl_completeness_problems(cfg: RunConfig) -> list[str]:
             )
         if cfg.algorithm.loss is None:
             problems.append(f"algorithm.loss: algorithm {cfg.algorithm.name!r} sets no policy loss; set one")
-    if cfg.reward is None:
-        problems.append("reward: required; select a reward, e.g. reward: {name: exact_match}")
+    if cfg.reward is None and cfg.reward_model is None:
+        problems.append(
+            "reward: required; select a reward, e.g. reward: {name: exact_match}, or add a reward_model: section"
+        )
     return problems
 
 

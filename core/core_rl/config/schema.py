@@ -17,6 +17,7 @@ from core_rl.config.validators import (
     MAX_TOKENS,
     FieldValueError,
     each,
+    finite,
     in_range,
     inside_directory,
     non_negative,
@@ -330,6 +331,31 @@ class TeacherConfig(ActorConfig):
     rl_coef: float = attrs.field(default=1.0, validator=non_negative())
 
 
+#: where the reward model's score of a sample is read (:mod:`core_rl.trainer.reward_role`)
+SCORE_TOKENS = ("last_content", "last")
+
+
+@attrs.define
+class RewardModelRoleConfig(ActorConfig):
+    """The ``reward_model:`` section: a frozen reward model (a backbone with a scalar ``score`` head,
+    e.g. the ``rm`` loop's export), built by any train engine whose config class lists ``score`` in
+    ``heads``; it scores every sample of a step on the token ids of this run, on every rank:
+
+    - ``coef``: ``reward = (the reward: section's score, 0 without one) + coef * score``, before
+      ``algorithm.reward_shaping`` and the advantages;
+    - ``score_token``: the response token whose output is the score: ``last_content`` (the last
+      response token that is not a special token such as EOS: how the ``rm`` loop trains and the
+      ``reward_model`` reward reads decoded text) or ``last`` (the last token as generated, EOS
+      included);
+    - ``transform``: ``none`` or ``sigmoid``, applied to the score before ``coef``.
+
+    The optimiser keys are ignored (never trained); it must share the policy's tokenizer."""
+
+    coef: float = attrs.field(default=1.0, validator=finite())
+    score_token: str = attrs.field(default="last_content", validator=one_of(SCORE_TOKENS))
+    transform: str = attrs.field(default="none", validator=one_of(("none", "sigmoid")))
+
+
 @attrs.define
 class NormConfig:
     """Normalisation of rewards or advantages (:func:`core_rl.ops.normalize`): subtract a baseline
@@ -508,3 +534,4 @@ class RunConfig:
     ref: ActorConfig | None = None
     critic: CriticConfig | None = None
     teacher: TeacherConfig | None = None
+    reward_model: RewardModelRoleConfig | None = None

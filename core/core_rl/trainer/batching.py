@@ -1,5 +1,7 @@
 """Batch assembly on the main rank, between rewards and the update: sample filters with
-over-sampling (dynamic sampling), reward shaping, the loss mask, advantages and their normalisation.
+over-sampling (dynamic sampling), reward shaping, the loss mask, advantages and their normalisation
+(with a reward-model role, shaping and advantages run on every rank after the batch is sent:
+:meth:`BatchAssembler.finish_rewards`, called by :mod:`core_rl.trainer.reward_role`).
 
 One RL step draws a generation batch (``data.batch_size`` prompts, ``rollout.sampling.n`` samples
 each), scores it and filters it. With ``algorithm.max_num_gen_batches`` above 1 it keeps drawing
@@ -43,7 +45,7 @@ class Generation:
     reward_parts: dict[str, list[float]] = attrs.field(factory=dict)
 
 
-def _stats(prefix: str, values: Sequence[float]) -> dict[str, float]:
+def value_stats(prefix: str, values: Sequence[float]) -> dict[str, float]:
     """Mean, std, max and min of the finite ``values``; ``<prefix>/nonfinite`` counts the others."""
     finite = [v for v in values if math.isfinite(v)]
     out = {f"{prefix}/nonfinite": float(len(values) - len(finite))} if len(finite) < len(values) else {}
@@ -66,10 +68,10 @@ def generation_metrics(generations: Sequence[Generation]) -> dict[str, float]:
     samples = [s for g in generations for s in g.samples]
     rewards = [r for g in generations for r in g.rewards]
     lengths = [float(len(s.response_ids)) for s in samples]
-    metrics = {**_stats("reward", rewards), **_stats("response_length", lengths)}
+    metrics = {**value_stats("reward", rewards), **value_stats("response_length", lengths)}
     for name in dict.fromkeys(name for g in generations for name in g.reward_parts):
         values = [v for g in generations for v in g.reward_parts.get(name, [])]
-        metrics.update(_stats(f"reward/{name}", values))
+        metrics.update(value_stats(f"reward/{name}", values))
     if samples:
         metrics["response_length/clip_fraction"] = statistics.fmean(s.finish_reason == "length" for s in samples)
     for g in generations:
@@ -126,8 +128,13 @@ class BatchAssembler:
         prompts_per_step: int,
         max_new_tokens: int,
         pad_token_id: int,
+        rewards_after_broadcast: bool = False,
     ) -> None:
+        """``rewards_after_broadcast``: a stage on every rank completes the rewards after the batch
+        is sent (a reward model, :mod:`core_rl.trainer.reward_role`); the main rank then leaves
+        reward shaping and advantages to :meth:`finish_rewards`, which that stage calls."""
         self.algorithm = algorithm
+        self.rewards_after_broadcast = rewards_after_broadcast
         self.filters = list(filters)
         self.advantage = advantage
         self.prompts_per_step = prompts_per_step
@@ -188,29 +195,40 @@ class BatchAssembler:
         return self._finish(batch, metrics)
 
     def _finish(self, batch: TensorBatch, metrics: dict[str, float]) -> tuple[TensorBatch, dict[str, float]]:
-        """Shaped rewards, loss mask, advantages (normalised by ``algorithm.adv_norm``)."""
-        algorithm = self.algorithm
+        """Loss mask, then (unless ``rewards_after_broadcast``) :meth:`finish_rewards`."""
         mask = batch["response_mask"]
+        loss_mask = mask.clone()
+        if self.algorithm.mask_no_eos_with_zero:
+            loss_mask = loss_mask * (~batch["truncated"]).float()[:, None]
+        batch["loss_mask"] = loss_mask
+        metrics.update(
+            {
+                "batch/groups": float(torch.unique(batch["group_index"]).numel()),
+                "batch/samples": float(batch.batch_size),
+                "batch/loss_token_fraction": float(loss_mask.sum() / mask.sum().clamp(min=1)),
+            }
+        )
+        if self.rewards_after_broadcast:
+            batch["advantages"] = torch.zeros_like(loss_mask)  # set by finish_rewards on every rank
+        else:
+            metrics.update(self.finish_rewards(batch))
+        return batch, metrics
+
+    def finish_rewards(self, batch: TensorBatch) -> dict[str, float]:
+        """Shape ``rewards`` (:func:`shape_rewards`) and set ``advantages`` (normalised by
+        ``algorithm.adv_norm``) of a batch with ``loss_mask``; return their metrics. An estimator
+        needing a critic's values runs in the update instead (:mod:`core_rl.trainer.critic`)."""
+        algorithm = self.algorithm
+        mask, loss_mask = batch["response_mask"], batch["loss_mask"]
         batch["rewards"] = shape_rewards(
             batch["rewards"], mask.sum(dim=1), batch["group_index"], algorithm, max_new_tokens=self.max_new_tokens
         )
-        loss_mask = mask.clone()
-        if algorithm.mask_no_eos_with_zero:
-            loss_mask = loss_mask * (~batch["truncated"]).float()[:, None]
-        batch["loss_mask"] = loss_mask
-        # an estimator needing a critic's values runs in the update instead (trainer/critic.py)
         after_critic = getattr(self.advantage, "requires_values", False)
         advantages = torch.zeros_like(loss_mask) if after_critic else self.advantage(batch)
         if algorithm.adv_norm is not None and not after_critic:
             advantages = normalize_with(advantages, algorithm.adv_norm, batch["group_index"], loss_mask)
         batch["advantages"] = advantages
-        metrics.update(
-            {
-                "batch/groups": float(torch.unique(batch["group_index"]).numel()),
-                "batch/samples": float(batch.batch_size),
-                "batch/reward_mean": float(batch["rewards"].mean()),
-                "batch/loss_token_fraction": float(loss_mask.sum() / mask.sum().clamp(min=1)),
-                "advantage/mean": float(ops.masked_mean(advantages, loss_mask)),
-            }
-        )
-        return batch, metrics
+        return {
+            "batch/reward_mean": float(batch["rewards"].mean()),
+            "advantage/mean": float(ops.masked_mean(advantages, loss_mask)),
+        }

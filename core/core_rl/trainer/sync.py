@@ -4,7 +4,9 @@ One step: prompts -> rollout (n samples each) -> rewards -> sample filters (draw
 batches while dynamic sampling asks for them) -> reward shaping, advantages and loss weights
 (:mod:`core_rl.trainer.batching`) -> reference / recomputed log-probs and ``ppo_n_minibatches`` x
 ``ppo_epochs`` optimiser steps (:mod:`core_rl.trainer.update`) -> weights to the rollout engine ->
-metrics to every logger -> checkpoint on the saver's schedule.
+metrics to every logger -> checkpoint on the saver's schedule. With a ``reward_model:`` role the
+reward model's scores, reward shaping and advantages come after the batch is sent, on every rank
+(:mod:`core_rl.trainer.reward_role`).
 
 Under ``torchrun`` every rank runs this loop with its own train-engine shard; rank 0 alone owns the
 rollout engine, rewards and loggers, and broadcasts each step's batch to the other ranks; each rank
@@ -79,6 +81,7 @@ from core_rl.trainer.ranks import (
     set_collective_timeout,
     waiting_for,
 )
+from core_rl.trainer.reward_role import NoRuleReward, reward_model_stage
 from core_rl.trainer.rewards import RewardErrorLog, RewardRunner, ScoreResult
 from core_rl.trainer.rollout_flow import RolloutFlow, flatten_groups
 from core_rl.trainer.signals import StopSignals
@@ -177,7 +180,7 @@ class SyncTrainer(TrainingLoop):
 
     def _build(self) -> None:
         cfg, host = self.cfg, self.host
-        assert cfg.algorithm.loss is not None and cfg.algorithm.advantage is not None and cfg.reward is not None
+        assert cfg.algorithm.loss is not None and cfg.algorithm.advantage is not None
         set_collective_timeout(cfg.trainer.collective_timeout_s)  # for a group the engine creates
         self.loss: PolicyLoss = _build(host, POLICY_LOSS, cfg.algorithm.loss)
         self.advantage = _build(host, ADVANTAGE, cfg.algorithm.advantage)
@@ -226,6 +229,11 @@ class SyncTrainer(TrainingLoop):
             prompts_per_step=cfg.data.batch_size,
             max_new_tokens=cfg.rollout.sampling.max_new_tokens,
             pad_token_id=self.pad_token_id,
+            rewards_after_broadcast=self.roles.reward_model is not None,
+        )
+        # the reward-model role scores on every rank after the broadcast (trainer/reward_role.py)
+        self.reward_stage = reward_model_stage(
+            self.roles.reward_model, cfg, self.batcher, self._shard, self.world_size, self.tokenizer, self.pad_token_id
         )
 
         # every rank has the data (only rank 0 draws from it) so a bad file fails on all ranks
@@ -240,8 +248,8 @@ class SyncTrainer(TrainingLoop):
                 )
                 workflow = _build(host, WORKFLOW, cfg.rollout.workflow)
                 self.flow = RolloutFlow(cfg, self.rollout, workflow, self.data, self.sampling, self.tokenizer)
-                self.reward = _build(host, REWARD, cfg.reward)
-                self.reward_runner = RewardRunner(self.reward, cfg.reward.name, cfg.reward_runner)
+                self.reward = _build(host, REWARD, cfg.reward) if cfg.reward is not None else NoRuleReward()
+                self.reward_runner = RewardRunner(self.reward, cfg.reward.name if cfg.reward else "", cfg.reward_runner)
                 self.loggers = build_loggers(cfg, host)
             except Exception as exc:
                 error = exc
@@ -405,6 +413,9 @@ class SyncTrainer(TrainingLoop):
         metrics["throughput/generated_tokens_per_s"] = generated / max(metrics.get("timing/generate_s", 0.0), 1e-9)
         t_train = time.perf_counter()
         if batch is not None:
+            if self.reward_stage is not None:  # reward-model scores, rewards, advantages: trainer/reward_role.py
+                with waiting_for(f"the other ranks in the reward-model scores of step {step}"):
+                    metrics.update(self.reward_stage.prepare(batch))
             # -- reference / recomputed log-probs, minibatches x epochs: trainer/update.py
             with waiting_for(f"the other ranks in the update of step {step}"):
                 update = self.update(batch, train_version=step)
