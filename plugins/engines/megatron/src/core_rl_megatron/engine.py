@@ -100,6 +100,7 @@ class MegatronEngine(TrainEngine):
         chunks = mcore_model.build_chunks(self.spec, cfg, self.tconfig, self.padded_vocab)
         built = mcore_model.global_parameters(chunks)
         mcore_model.tag_tensor_parallel(built, self.spec, cfg.transformer_impl)
+        mcore_model.mirror_padding_idx(chunks, self.hf_config.pad_token_id)
         with HFWeights(actor.model_path) as weights:
             mcore_model.load_hf_weights(built, weights, self.spec, self.padded_vocab, cfg.transformer_impl)
         if trainable:

@@ -176,6 +176,32 @@ def global_parameters(chunks: Iterable[nn.Module]) -> dict[str, nn.Parameter]:
     return out
 
 
+def mirror_padding_idx(chunks: Iterable[nn.Module], pad_token_id: int | None) -> None:
+    """Hugging Face's decoders look tokens up in ``nn.Embedding(..., padding_idx=pad_token_id)``:
+    a pad token's lookup sends no gradient to the embedding. That matters wherever a pad token is
+    attended (e.g. one a policy sampled, or ``pad == eos``); the same here: on the chunk holding the
+    word embeddings, the gradient reaching the lookup's output at pad tokens is zeroed (the lookup
+    is that output's only input, so nothing else changes; a tied output layer still trains the
+    row). Under sequence parallelism the output is this rank's chunk of the sequence, ``[s/tp, b, h]``."""
+    if pad_token_id is None:
+        return
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if not (torch.is_grad_enabled() and output.requires_grad):
+            return
+        pad = args[0] == pad_token_id  # [b, s]
+        if getattr(module, "reduce_scatter_embeddings", False):
+            chunk, rank = output.shape[0], mpu.get_tensor_model_parallel_rank()
+            pad = pad.transpose(0, 1)[rank * chunk : (rank + 1) * chunk]
+        if pad.any():
+            output.register_hook(lambda grad: grad.masked_fill(pad[..., None], 0.0))
+
+    for chunk in chunks:
+        gpt = unwrap(chunk)
+        if getattr(gpt, "pre_process", False):
+            gpt.embedding.word_embeddings.register_forward_hook(hook)
+
+
 _PARTITION_DIM = {convert.Split.ROWS: 0, convert.Split.GLU: 0, convert.Split.COLS: 1}
 
 
