@@ -12,7 +12,7 @@ with the test-only CUDA shim). One launch runs two layouts of the same 2 ranks, 
    1), a second critic resuming from that checkpoint, the value model's export.
 2. ``dp2``: data parallelism 2 (tensor parallelism 1, DDP with ``overlap_grad_reduce``), rows split
    unevenly (down to a rank with none): the same 3 steps, and a resume from the ``tp2`` checkpoint
-   (another layout).
+   (another layout); then the critic's 3 value steps on those rows.
 
 Rank 0 writes ``result.json`` and ``*.pt`` files.
 """
@@ -161,10 +161,13 @@ def phase_dp2(model_path: str, out: Path) -> dict:
     assert cross.load_state(out / "ckpt_tp2") == {"data_position": 1}
     metrics_c = common.train(cross, range(1, 3), rank, world)
     final_c = cross.full_state_dict()
+    critic = MegatronEngine(actor, cfg, head="value")
+    result["critic_metrics"] = common.train_values(critic, range(3), rank, world)
+    final_critic = critic.full_state_dict()
     result.update(metrics=metrics, metrics_c=metrics_c)
     if rank == 0:
-        torch.save({"final": final, "cross": final_c}, out / "dp2_final.pt")
-    for e in (engine, cross):
+        torch.save({"final": final, "cross": final_c, "critic": final_critic}, out / "dp2_final.pt")
+    for e in (engine, cross, critic):
         e.close()
     return result
 

@@ -154,3 +154,10 @@ def test_tp2_critic_matches_fsdp_resumes_and_exports(run: tuple[dict, Path], fsd
     want = torch.zeros_like(out)
     want[:, 1:] = out[:, :-1] * batch["attention_mask"][:, 1:]
     torch.testing.assert_close(critic["values"], want, atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_dp2_critic_matches_fsdp(run: tuple[dict, Path], fsdp_critic: dict) -> None:
+    """A critic on 2 data-parallel ranks with uneven rows (down to a rank with none) sums its
+    gradients like the one-rank fsdp critic."""
+    same_metrics(run[0]["dp2"]["critic_metrics"], fsdp_critic["metrics"], keys=VALUE_KEYS)
+    same_weights(_load(run[1] / "dp2_final.pt")["critic"], fsdp_critic["final"], WEIGHT_ATOL)
