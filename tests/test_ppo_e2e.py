@@ -140,10 +140,15 @@ def test_ppo_on_two_ranks_matches_one(workdir: Path) -> None:
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
 
 
-def test_critic_on_an_engine_without_value_heads_is_refused(workdir: Path, capsys) -> None:
-    """megatron declares no value head: ``core-rl train`` stops before building anything, with exit
-    status 2 and one line naming the key, the engine and its distribution."""
+def test_critic_on_an_engine_without_value_heads_is_refused(workdir: Path, capsys, monkeypatch) -> None:
+    """An engine whose config class declares no value head (every in-repo train engine builds one,
+    so megatron's heads are cut to the language-model head here): ``core-rl train`` stops before
+    building anything, with exit status 2 and one line naming the key, the engine and its
+    distribution."""
     pytest.importorskip("core_rl_megatron")
+    from core_rl_megatron.config import MegatronConfig
+
+    monkeypatch.setattr(MegatronConfig, "heads", ("lm",))
     code = cli.main(
         ["train", str(EXAMPLES / "ppo.yaml"), f"experiment.output_dir={workdir}", "critic.engine.name=megatron"]
     )

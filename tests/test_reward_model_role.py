@@ -341,8 +341,13 @@ def test_an_engine_without_a_score_head_is_refused() -> None:
     ]
 
 
-def test_megatron_is_refused_as_the_reward_model_engine(workdir: Path, capsys) -> None:
+def test_an_installed_engine_without_a_score_head_is_refused_by_train(workdir: Path, capsys, monkeypatch) -> None:
+    """Through ``core-rl train``: every in-repo train engine builds a score head, so megatron's heads
+    are cut to the language-model head here."""
     pytest.importorskip("core_rl_megatron")
+    from core_rl_megatron.config import MegatronConfig
+
+    monkeypatch.setattr(MegatronConfig, "heads", ("lm",))
     err = _refused(workdir, capsys, "reward_model.engine.name=megatron")
     engine = "train engine 'megatron' (distribution core-rl-megatron)"
     assert f"reward_model.engine.name: {engine} cannot build a reward model" in err

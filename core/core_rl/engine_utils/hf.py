@@ -166,7 +166,9 @@ def load_value_model(
     """A value model: ``AutoModelForTokenClassification`` with one output (the backbone of
     ``model_path`` plus a scalar head per token, with a bias unless ``bias=False``), local files only,
     on CPU. A head the directory does not hold (e.g. a causal LM's directory) starts at zero, so every
-    rank and every run starts from the same values (0); a value model's own export is loaded as saved."""
+    rank and every run starts from the same values (0); a value model's own export is loaded as saved.
+    Loading leaves the global random state as it was (transformers draws the missing head's initial
+    weights from it), so a run samples the same whichever engine builds its value model."""
     from transformers import AutoModelForTokenClassification
 
     if not model_path:
@@ -174,9 +176,10 @@ def load_value_model(
     kwargs: dict[str, object] = {"dtype": torch_dtype(dtype), "local_files_only": True}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    model, info = AutoModelForTokenClassification.from_pretrained(
-        model_path, config=value_model_config(model_path, bias=bias), output_loading_info=True, **kwargs
-    )
+    with torch.random.fork_rng(devices=[]):
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            model_path, config=value_model_config(model_path, bias=bias), output_loading_info=True, **kwargs
+        )
     missing = set(info.get("missing_keys", ()))
     with torch.no_grad():
         for name, param in model.named_parameters():

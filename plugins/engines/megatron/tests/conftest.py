@@ -52,3 +52,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from core_rl.testing.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def fsdp_critic(tiny_model: Path) -> dict:
+    """The reference critic: the ``fsdp`` engine with a value head (one rank) on
+    ``mcore_common.value_batches``: values before and after 3 value steps, their metrics, the final
+    weights."""
+    pytest.importorskip("core_rl_fsdp")
+    import mcore_common as common
+    from core_rl_fsdp.engine import FSDPEngine
+
+    return common.critic_run(FSDPEngine(common.actor(str(tiny_model), "fsdp"), head="value"))

@@ -8,9 +8,11 @@ with the test-only CUDA shim). One launch runs two layouts of the same 2 ranks, 
    model; vocabulary-parallel log-probs/entropies and their gradients against the core's
    full-vocabulary formula; 3 training steps (saving after step 1), a second engine resuming from
    that checkpoint, a bucketed Hugging Face export; a layout clash error.
+   Then a critic (``head="value"``) on the same layout: values and 3 value steps (saving after step
+   1), a second critic resuming from that checkpoint, the value model's export.
 2. ``dp2``: data parallelism 2 (tensor parallelism 1, DDP with ``overlap_grad_reduce``), rows split
    unevenly (down to a rank with none): the same 3 steps, and a resume from the ``tp2`` checkpoint
-   (another layout).
+   (another layout); then the critic's 3 value steps on those rows.
 
 Rank 0 writes ``result.json`` and ``*.pt`` files.
 """
@@ -124,6 +126,29 @@ def phase_tp2(model_path: str, out: Path) -> dict:
     return result
 
 
+def phase_tp2_critic(model_path: str, out: Path) -> dict:
+    cfg = MegatronConfig(tensor_model_parallel_size=2, make_vocab_size_divisible_by=8)
+    actor = common.actor(model_path)
+    engine = MegatronEngine(actor, cfg, head="value")
+    rank, world = engine.rank, engine.world_size
+    batch = common.value_batches()[0]
+    start = engine.compute_values(batch)
+    metrics = common.train_values(engine, range(1), rank, world)
+    engine.save_state(out / "ckpt_tp2_critic", {"n": 1})
+    metrics += common.train_values(engine, range(1, 3), rank, world)
+    values, final = engine.compute_values(batch), engine.full_state_dict()
+    engine.export_hf(out / "export_tp2_critic")
+    resumed = MegatronEngine(actor, cfg, head="value")
+    assert resumed.load_state(out / "ckpt_tp2_critic") == {"n": 1}
+    metrics_b = common.train_values(resumed, range(1, 3), rank, world)
+    final_b = resumed.full_state_dict()
+    if rank == 0:
+        torch.save({"start": start, "values": values, "a": final, "b": final_b}, out / "tp2_critic.pt")
+    for e in (engine, resumed):
+        e.close()
+    return {"metrics_a": metrics, "metrics_b": metrics_b}
+
+
 def phase_dp2(model_path: str, out: Path) -> dict:
     cfg = MegatronConfig(make_vocab_size_divisible_by=8, ddp=DDPConfig(overlap_grad_reduce=True, bucket_size=4000))
     actor = common.actor(model_path)
@@ -136,10 +161,13 @@ def phase_dp2(model_path: str, out: Path) -> dict:
     assert cross.load_state(out / "ckpt_tp2") == {"data_position": 1}
     metrics_c = common.train(cross, range(1, 3), rank, world)
     final_c = cross.full_state_dict()
+    critic = MegatronEngine(actor, cfg, head="value")
+    result["critic_metrics"] = common.train_values(critic, range(3), rank, world)
+    final_critic = critic.full_state_dict()
     result.update(metrics=metrics, metrics_c=metrics_c)
     if rank == 0:
-        torch.save({"final": final, "cross": final_c}, out / "dp2_final.pt")
-    for e in (engine, cross):
+        torch.save({"final": final, "cross": final_c, "critic": final_critic}, out / "dp2_final.pt")
+    for e in (engine, cross, critic):
         e.close()
     return result
 
@@ -153,6 +181,7 @@ def main() -> None:
     cpu_shim.install()
     out = Path(args.out)
     result = {"tp2": phase_tp2(args.model, out)}
+    result["tp2_critic"] = phase_tp2_critic(args.model, out)
     dist.barrier()
     mpu.destroy_model_parallel()
     result["dp2"] = phase_dp2(args.model, out)

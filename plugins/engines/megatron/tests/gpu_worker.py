@@ -1,7 +1,9 @@
 """GPU worker of ``test_gpu.py``, launched by ``torchrun`` (NCCL): the engine with Megatron's own
 schedules and optimizer in the layout given by ``--options`` (a JSON ``actor.engine`` section),
 against the ``fsdp`` engine on the same GPUs and rows, and against Hugging Face log-probs; then a
-save / resume round and a Hugging Face export. Rank 0 writes ``result.json`` to ``--out``."""
+save / resume round and a Hugging Face export; then a critic (``head="value"``: under pipeline
+parallelism its head lives on the last stage) against the ``fsdp`` critic. Rank 0 writes
+``result.json`` to ``--out``."""
 
 from __future__ import annotations
 
@@ -54,6 +56,13 @@ def main() -> None:
     fsdp_final = fsdp.full_state_dict()
     fsdp.close()
 
+    critics = [MegatronEngine(common.actor(args.model), cfg, head="value")]
+    critics.append(FSDPEngine(common.actor(args.model, "fsdp"), head="value"))
+    critic_metrics = [common.train_values(c, range(3), rank, world) for c in critics]
+    critic_finals = [c.full_state_dict() for c in critics]
+    for c in critics:
+        c.close()
+
     if rank == 0:
         from transformers import AutoModelForCausalLM
 
@@ -67,6 +76,11 @@ def main() -> None:
             "resume_weight_diff": max((final[k].float() - final_resumed[k].float()).abs().max().item() for k in final),
             "fsdp_weight_diff": max((final[k].float() - fsdp_final[k].float()).abs().max().item() for k in final),
             "export_diff": max((exported[k] - final[k].float().cpu()).abs().max().item() for k in final),
+            "critic_metrics": critic_metrics[0],
+            "fsdp_critic_metrics": critic_metrics[1],
+            "critic_weight_diff": max(
+                (critic_finals[0][k].float() - critic_finals[1][k].float()).abs().max().item() for k in critic_finals[1]
+            ),
         }
         (out / "result.json").write_text(json.dumps(result))
     dist.barrier()

@@ -21,7 +21,14 @@ from core_rl.testing import make_rl_batch
 LOGIT_ATOL, LOGPROB_ATOL = 1e-4, 1e-5
 # relative: losses and entropies; gradient norms (after two AdamW steps the weights differ from
 # fsdp's in the last bits, magnified as WEIGHT_ATOL says)
-METRIC_REL = {"loss": 1e-6, "entropy": 1e-6, "neg_logprob": 1e-6, "grad_norm": 1e-5, "lr": 1e-12, "tokens": 0.0}
+METRIC_REL = {
+    "loss": 1e-6,
+    "entropy": 1e-6,
+    "neg_logprob": 1e-6,
+    "grad_norm": 1e-5,
+    "lr": 1e-12,
+    "tokens": 0.0,
+}
 # AdamW moves every element by up to lr (1e-2) per step whatever its gradient's size; for elements
 # whose gradient is at rounding-noise level the direction depends on that noise, which a different
 # reduction order (tensor parallelism splits the matmuls) changes. 3% of the learning rate.
@@ -80,6 +87,52 @@ def train(engine: TrainEngine, steps: range, rank: int, world: int) -> list[dict
     return [engine.train_step(my_rows(data[s], s, rank, world), nll, temperature=TEMPERATURE) for s in steps]
 
 
+# -- value models (critics): the same batches with value targets, PPO's clipped value loss -------------
+
+# (not ``value_clipped``: where the clip does not bind, ``V_old + (v - V_old)`` may differ from ``v``
+# in the last bit, so which branch counts as larger is rounding noise there)
+VALUE_KEYS = ("loss", "grad_norm", "lr", "tokens")
+
+
+def value_batches() -> list[TensorBatch]:
+    """:func:`batches` with ``returns`` (a fixed pattern over the response) and ``old_values``
+    (what a critic gave before the update: here minus half the returns, so the clip binds where
+    ``|returns| > 0.4`` while the values are near 0)."""
+    out = []
+    for batch in batches():
+        width = batch["input_ids"].shape[1]
+        batch["returns"] = torch.linspace(-1.0, 1.5, width)[None, :] * batch["response_mask"]
+        batch["old_values"] = -batch["returns"] / 2
+        out.append(batch)
+    return out
+
+
+def value_loss(batch: TensorBatch, values: torch.Tensor) -> LossOutput:
+    """PPO's clipped Huber value loss (:func:`core_rl.ops.values.value_loss`) on the response."""
+    from core_rl.ops.values import value_loss as clipped_value_loss
+
+    per_token, clipped = clipped_value_loss(
+        values, batch["old_values"], batch["returns"], eps_clip=0.2, loss="huber", huber_delta=0.5
+    )
+    on = batch["response_mask"]
+    return LossOutput(per_token_loss=per_token * on, token_metrics={"value_clipped": clipped.float()})
+
+
+def train_values(engine: TrainEngine, steps: range, rank: int, world: int) -> list[dict[str, float]]:
+    data = value_batches()
+    return [engine.train_value_step(my_rows(data[s], s, rank, world), value_loss) for s in steps]
+
+
+def critic_run(engine: TrainEngine) -> dict:
+    """One rank: values of the first batch before and after 3 value steps, the steps' metrics and
+    the final weights of ``engine`` (closed afterwards)."""
+    batch = value_batches()[0]
+    out = {"start": engine.compute_values(batch), "metrics": train_values(engine, range(3), 0, 1)}
+    out.update(values=engine.compute_values(batch), final=engine.full_state_dict())
+    engine.close()
+    return out
+
+
 def full_logits(engine: TrainEngine, batch: TensorBatch) -> torch.Tensor:
     """Logits [B, T, V] over the real vocabulary from a megatron engine, the vocabulary slices of
     the tensor-parallel ranks gathered (for tests only: the engine itself never gathers them)."""
@@ -112,13 +165,20 @@ def mean_nll(logits: torch.Tensor, batch: TensorBatch) -> float:
     return float(nll[real].mean())
 
 
-def same_metrics(got: list[dict], want: list[dict], *, exact: bool = False, scale: float = 1.0) -> None:
-    """Step metrics equal (``exact``) or within ``METRIC_REL`` (times ``scale``)."""
+def same_metrics(
+    got: list[dict],
+    want: list[dict],
+    *,
+    exact: bool = False,
+    scale: float = 1.0,
+    keys: tuple[str, ...] = ("loss", "entropy", "neg_logprob", "grad_norm", "lr", "tokens"),
+) -> None:
+    """Step metrics ``keys`` equal (``exact``) or within ``METRIC_REL`` (times ``scale``)."""
     import pytest
 
     assert len(got) == len(want)
     for step, (g, w) in enumerate(zip(got, want)):
-        for key in ("loss", "entropy", "neg_logprob", "grad_norm", "lr", "tokens"):
+        for key in keys:
             if exact:
                 assert g[key] == w[key], (step, key)
             else:

@@ -5,7 +5,8 @@ against the ``fsdp`` engine running the same steps in this process.
 Tolerances (float32): logits 1e-4 absolute, log-probs 1e-5; losses and entropies relative 1e-6
 and gradient norms 1e-5 against ``fsdp`` (the figures seen are in the plugin README); final weights
 3e-4 absolute against ``fsdp`` after 3 AdamW steps at lr 1e-2 (see ``mcore_common.WEIGHT_ATOL``); resuming from
-a checkpoint is exact; the Hugging Face <-> Megatron round trip is bit-exact.
+a checkpoint is exact; the Hugging Face <-> Megatron round trip is bit-exact. A critic (value head)
+on tensor parallelism 2 is checked against the one-rank ``fsdp`` critic with the same tolerances.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import mcore_common as common
 import pytest
 import torch
-from mcore_common import LOGIT_ATOL, LOGPROB_ATOL, WEIGHT_ATOL, same_metrics, same_weights
+from mcore_common import LOGIT_ATOL, LOGPROB_ATOL, VALUE_KEYS, WEIGHT_ATOL, same_metrics, same_weights
 
 SCRIPT = Path(__file__).with_name("dist_worker.py")
 
@@ -130,3 +131,33 @@ def test_tp2_checkpoint_resumes_with_data_parallelism(run: tuple[dict, Path]) ->
 def test_a_second_layout_in_one_process_is_a_clear_error(run: tuple[dict, Path]) -> None:
     message = run[0]["tp2"]["layout_clash"]
     assert message is not None and "tensor_model_parallel_size: 2 (wanted 1)" in message
+
+
+def test_tp2_critic_matches_fsdp_resumes_and_exports(run: tuple[dict, Path], fsdp_critic: dict) -> None:
+    """A value head on tensor parallelism 2 (replicated on both ranks, fed the full hidden state)
+    trains like the one-rank fsdp critic; its checkpoint resumes exactly; its export is a token
+    classifier that gives the engine's values."""
+    from transformers import AutoModelForTokenClassification
+
+    result, critic = run[0]["tp2_critic"], _load(run[1] / "tp2_critic.pt")
+    assert torch.equal(critic["start"], torch.zeros_like(critic["start"]))
+    same_metrics(result["metrics_a"], fsdp_critic["metrics"], keys=VALUE_KEYS)
+    torch.testing.assert_close(critic["values"], fsdp_critic["values"], atol=LOGPROB_ATOL, rtol=0)
+    same_weights(critic["a"], fsdp_critic["final"], WEIGHT_ATOL)
+    same_metrics(result["metrics_b"], result["metrics_a"][1:], exact=True, keys=VALUE_KEYS)
+    assert all(torch.equal(critic["b"][k], v) for k, v in critic["a"].items())
+    assert json.loads((run[1] / "ckpt_tp2_critic" / "meta.json").read_text())["head"] == "value"
+    model = AutoModelForTokenClassification.from_pretrained(run[1] / "export_tp2_critic", dtype=torch.float32)
+    batch = common.value_batches()[0]
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[..., 0]
+    want = torch.zeros_like(out)
+    want[:, 1:] = out[:, :-1] * batch["attention_mask"][:, 1:]
+    torch.testing.assert_close(critic["values"], want, atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_dp2_critic_matches_fsdp(run: tuple[dict, Path], fsdp_critic: dict) -> None:
+    """A critic on 2 data-parallel ranks with uneven rows (down to a rank with none) sums its
+    gradients like the one-rank fsdp critic."""
+    same_metrics(run[0]["dp2"]["critic_metrics"], fsdp_critic["metrics"], keys=VALUE_KEYS)
+    same_weights(_load(run[1] / "dp2_final.pt")["critic"], fsdp_critic["final"], WEIGHT_ATOL)

@@ -2,7 +2,8 @@
 virtual pipeline), Megatron's optimizer (fp32, bf16 with fp32 master weights, the distributed
 optimizer with overlapped gradient reduce and parameter gather), sequence and context parallelism
 (Transformer Engine layers). Each layout trains 3 steps next to ``fsdp`` on the same GPUs, resumes
-from a checkpoint, and exports a model transformers loads."""
+from a checkpoint, and exports a model transformers loads; a critic (value head) in the same layout
+trains like the ``fsdp`` critic."""
 
 from __future__ import annotations
 
@@ -67,3 +68,6 @@ def test_layout_trains_like_fsdp_resumes_and_exports(layout: str, tmp_path: Path
     assert result["resume_weight_diff"] < 1e-4
     assert result["fsdp_weight_diff"] < (5e-2 if bf16 else 1e-3)
     assert result["export_diff"] == 0.0
+    scale = 3e4 if bf16 else 1e2
+    common.same_metrics(result["critic_metrics"], result["fsdp_critic_metrics"], scale=scale, keys=common.VALUE_KEYS)
+    assert result["critic_weight_diff"] < (5e-2 if bf16 else 1e-3)

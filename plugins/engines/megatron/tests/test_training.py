@@ -87,3 +87,29 @@ def test_non_finite_gradients_skip_the_update(tiny_model: Path) -> None:
     after = e.full_state_dict()
     assert all(torch.equal(after[k], before[k]) for k in before)
     e.close()
+
+
+def test_an_attended_pad_token_trains_as_in_transformers(tiny_model: Path) -> None:
+    """Hugging Face's embedding has ``padding_idx = pad_token_id``: a pad token among the attended
+    tokens (a policy may sample one) sends no gradient to its row. One step with pad tokens inside
+    the responses gives fsdp's update, and the pad row moves by the weight decay alone."""
+    pytest.importorskip("core_rl_fsdp")
+    from core_rl_fsdp.engine import FSDPEngine
+    from transformers import AutoConfig
+
+    pad = AutoConfig.from_pretrained(tiny_model).pad_token_id
+    batch = common.batches()[0]
+    inside = batch["response_mask"].bool()
+    inside[:, 1::2] = False  # every other response token becomes the pad token, attended as any other
+    batch["input_ids"] = batch["input_ids"].masked_fill(inside, pad)
+    assert bool(inside.any())
+    engines = [engine(tiny_model), FSDPEngine(common.actor(str(tiny_model), "fsdp"))]
+    before = engines[0].full_state_dict()["model.embed_tokens.weight"][pad]
+    got, want = ([e.train_step(batch, common.nll, temperature=common.TEMPERATURE)] for e in engines)
+    same_metrics(got, want)
+    finals = [e.full_state_dict() for e in engines]
+    same_weights(*finals)
+    lr, wd = got[0]["lr"], 0.01  # AdamW's decoupled decay of a row without gradient
+    torch.testing.assert_close(finals[0]["model.embed_tokens.weight"][pad], before * (1 - lr * wd))
+    for e in engines:
+        e.close()

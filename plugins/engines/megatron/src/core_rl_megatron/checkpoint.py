@@ -3,7 +3,8 @@
 
 Layout of a checkpoint directory:
 
-- ``meta.json``: format, step, world size, parallel layout, which optimizer state it holds;
+- ``meta.json``: format, head (``lm``, ``value`` or ``score``), step, world size, parallel layout,
+  which optimizer state it holds;
 - ``model/``: the weights with Hugging Face names (safetensors, sharded in buckets, with an index
   when there are several files), gathered from every tensor- and pipeline-parallel shard;
 - with the CPU optimizer (a torch optimizer over DDP's gradient buffers): ``optimizer/<key>/``
@@ -121,6 +122,7 @@ def save(engine: MegatronEngine, final: Path, extra: Mapping[str, Any]) -> None:
             meta = {
                 "format": FORMAT,
                 "engine": ENGINE,
+                "head": engine.head,
                 "step": engine.step,
                 "world_size": engine.world_size,
                 "layout": _layout(engine),
@@ -140,6 +142,10 @@ def load(engine: MegatronEngine, final: Path) -> dict[str, Any]:
     if meta.get("format") != FORMAT or meta.get("engine") != ENGINE:
         raise ckpt.CheckpointFormatError(
             f"{final}: unsupported checkpoint (format {meta.get('format')}, engine {meta.get('engine')})"
+        )
+    if meta.get("head", "lm") != engine.head:
+        raise ckpt.CheckpointFormatError(
+            f"{final}: holds a model with head={meta.get('head', 'lm')!r}, this engine has head={engine.head!r}"
         )
     kind = meta.get("optimizer")
     if kind == "megatron" and meta["layout"] != _layout(engine):

@@ -6,6 +6,8 @@ Megatron user finds the setting under the name they know.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 from core_rl.config.validators import FieldValueError, non_negative, one_of, positive
 
@@ -88,6 +90,10 @@ class MegatronConfig:
     - ``backend``: process-group backend when the engine creates the group: ``auto`` is NCCL for
       CUDA tensors plus gloo for CPU tensors on a GPU machine, gloo on CPU.
     """
+
+    #: the model heads this engine builds (:data:`core_rl.interfaces.HEADS`): a critic needs
+    #: ``value``, the ``rm`` loop ``score`` (:mod:`core_rl_megatron.heads`)
+    heads: ClassVar[tuple[str, ...]] = ("lm", "value", "score")
 
     tensor_model_parallel_size: int = attrs.field(default=1, validator=positive())
     pipeline_model_parallel_size: int = attrs.field(default=1, validator=positive())

@@ -10,7 +10,10 @@ Hugging Face tensors it is made of, and says how tensor parallelism splits it:
   groups (``ROWS``); Qwen2's q/k/v biases the same way;
 - ``linear_fc1``: ``[gate; up]``; rank ``r`` holds ``[gate_r; up_r]`` (``GLU``);
 - ``linear_proj`` and ``linear_fc2``: split by columns (``COLS``);
-- norms (and Qwen3's per-head q/k norms): the same on every rank (``REPLICATED``).
+- norms (and Qwen3's per-head q/k norms): the same on every rank (``REPLICATED``);
+- a value or score head (:mod:`core_rl_megatron.heads`) in place of the output layer:
+  ``output_layer.weight`` / ``.bias`` are Hugging Face's ``score.weight`` / ``score.bias`` (the head
+  of ``*ForTokenClassification`` and ``*ForSequenceClassification``), replicated.
 
 Every function only moves, concatenates and reshapes elements, so HF -> Megatron -> HF is
 bit-exact for any tensor-parallel size.
@@ -55,6 +58,9 @@ class ParamMap:
     split: Split
     #: exported to Hugging Face (False for an output layer tied to the embedding)
     exported: bool = True
+    #: may be absent from a Hugging Face directory, and then starts at zero (a value head on a
+    #: causal LM's directory, as :func:`core_rl.engine_utils.hf.load_value_model` does)
+    optional: bool = False
 
 
 def _norm_names(impl: str) -> tuple[str, str]:
@@ -103,12 +109,18 @@ def layer_maps(spec: ArchSpec, layer: int, impl: str = "local") -> list[ParamMap
 
 def param_maps(spec: ArchSpec, impl: str = "local") -> list[ParamMap]:
     """Every parameter of the model, in a fixed order every rank agrees on: embedding, layers,
-    final norm, output layer (present, but not exported, when tied to the embedding)."""
+    final norm, output layer (present, but not exported, when tied to the embedding; a scalar head
+    ``score`` for ``spec.head`` ``value`` or ``score``, never tied)."""
     maps = [ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Kind.VOCAB, Split.ROWS)]
     for layer in range(spec.num_layers):
         maps += layer_maps(spec, layer, impl)
     maps.append(ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), Kind.COPY, Split.REPLICATED))
-    if spec.tie_word_embeddings:
+    if spec.head != "lm":
+        head = [ParamMap("output_layer.weight", ("score.weight",), Kind.COPY, Split.REPLICATED, optional=True)]
+        if spec.head == "value":
+            head.append(ParamMap("output_layer.bias", ("score.bias",), Kind.COPY, Split.REPLICATED, optional=True))
+        maps += head
+    elif spec.ties_output_layer:
         maps.append(
             ParamMap("output_layer.weight", ("model.embed_tokens.weight",), Kind.VOCAB, Split.ROWS, exported=False)
         )

@@ -18,15 +18,22 @@ Two ways to run a step:
   ``build_optimizer`` over DDP's gradient buffers (``param.main_grad``), with gradient norm and
   clipping computed over the model-parallel group exactly as Megatron's optimizer does.
 
-Either way the learning rate follows :func:`core_rl.engine_utils.optim.lr_at`, written into the
-optimizer's parameter groups before each step.
+Either way the optimizer step itself (learning rate from the schedule, metrics, the non-finite
+decision, the step count, and the value-model methods) is the one every train engine shares,
+:class:`core_rl.engine_utils.runner.EngineState`; this engine supplies its micro-batch loop
+(:class:`_ReplicaRunner`), back-propagation and update.
+
+``head="value"`` (a critic) or ``"score"`` (a reward model) builds the same model with a scalar head
+in place of the output layer (:mod:`core_rl_megatron.heads`): :meth:`compute_values` and
+:meth:`train_value_step` then give and train per-token values, and the export is Hugging Face's
+``*ForTokenClassification`` (``value``) or ``*ForSequenceClassification`` (``score``).
 """
 
 from __future__ import annotations
 
 import gc
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -36,12 +43,12 @@ import torch
 import torch.distributed as dist
 from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import distributed as dist_utils
-from core_rl.engine_utils.hf import torch_dtype
+from core_rl.engine_utils.hf import exported_architecture, torch_dtype, value_model_config
 from core_rl.engine_utils.logprobs import align_to_tokens
 from core_rl.engine_utils.metrics import StepMetrics
 from core_rl.engine_utils.microbatch import micro_batch_width, pack_micro_batches, row_lengths, take_micro_batch
-from core_rl.engine_utils.optim import build_optimizer, check_schedule, lr_at
-from core_rl.engine_utils.runner import check_temperature
+from core_rl.engine_utils.optim import build_optimizer, check_schedule
+from core_rl.engine_utils.runner import TRAIN_KEYS, EngineState, check_temperature
 from core_rl.interfaces import LossFn, TrainEngine
 from core_rl.protocol import TensorBatch
 from megatron.core import parallel_state as mpu
@@ -60,11 +67,17 @@ from core_rl_megatron.hf_io import HFWeights, load_hf_config
 from core_rl_megatron.vocab_parallel import vocab_parallel_stats
 
 
-class MegatronEngine(TrainEngine):
+class MegatronEngine(EngineState, TrainEngine):
     """See the module docstring. ``trainable=False`` builds a frozen reference model (no DDP, no
-    gradients, no optimizer; :meth:`train_step`, :meth:`save_state` and :meth:`load_state` raise)."""
+    gradients, no optimizer; :meth:`train_step`, :meth:`save_state` and :meth:`load_state` raise).
+    ``head``: ``lm`` (a causal LM), ``value`` or ``score`` (a scalar head, see the module docstring)."""
 
-    def __init__(self, actor: ActorConfig, config: MegatronConfig | None = None, *, trainable: bool = True) -> None:
+    engine_label = "megatron"
+
+    def __init__(
+        self, actor: ActorConfig, config: MegatronConfig | None = None, *, trainable: bool = True, head: str = "lm"
+    ) -> None:
+        self.head = self._check_head_name(head)
         self.actor = actor
         cfg = config if config is not None else MegatronConfig()
         if actor.gradient_checkpointing and cfg.recompute_granularity is None:
@@ -75,7 +88,8 @@ class MegatronEngine(TrainEngine):
         if trainable:
             check_schedule(actor.lr_scheduler)
         self.hf_config = load_hf_config(actor.model_path)
-        self.spec = arch_spec(self.hf_config)
+        self.spec = arch_spec(self.hf_config, head=head)
+        self.export_config = _export_config(self.hf_config, actor.model_path, head)
         if cfg.expert_model_parallel_size > 1:
             raise MegatronSetupError(
                 f"actor.engine.expert_model_parallel_size: {cfg.expert_model_parallel_size} needs a mixture-of-experts "
@@ -100,6 +114,7 @@ class MegatronEngine(TrainEngine):
         chunks = mcore_model.build_chunks(self.spec, cfg, self.tconfig, self.padded_vocab)
         built = mcore_model.global_parameters(chunks)
         mcore_model.tag_tensor_parallel(built, self.spec, cfg.transformer_impl)
+        mcore_model.mirror_padding_idx(chunks, self.hf_config.pad_token_id)
         with HFWeights(actor.model_path) as weights:
             mcore_model.load_hf_weights(built, weights, self.spec, self.padded_vocab, cfg.transformer_impl)
         if trainable:
@@ -111,6 +126,7 @@ class MegatronEngine(TrainEngine):
             self.model = chunks
         self.params = mcore_model.global_parameters(self.model)
         self.replica = parallel.ReplicaRows()
+        self.runner = _ReplicaRunner(self)
         self.gatherer = ShardGatherer(self.params, self.spec, cfg.transformer_impl, self.device)
         # the loss (and so every metric) is complete on tensor- and context-parallel rank 0 of the
         # last pipeline stage; other ranks contribute nothing to the step's metric sums
@@ -146,7 +162,10 @@ class MegatronEngine(TrainEngine):
             use_distributed_optimizer=self.config.ddp.use_distributed_optimizer,
             overlap_param_gather=self.config.ddp.overlap_param_gather,
         )
-        return get_megatron_optimizer(mconf, self.model)
+        optimizer = get_megatron_optimizer(mconf, self.model)
+        for group in optimizer.param_groups:  # Megatron's groups carry a weight-decay multiplier (0: norms, biases)
+            group["weight_decay"] = opt.weight_decay * group.get("wd_mult", 1.0)
+        return optimizer
 
     def _install_schedule_hooks(self) -> None:
         """What Megatron's schedules call between micro-batches (as Megatron-LM's training loop sets up)."""
@@ -163,21 +182,6 @@ class MegatronEngine(TrainEngine):
 
     def _trainable_params(self) -> list[torch.nn.Parameter]:
         return [p for chunk in self.model for p in chunk.parameters() if p.requires_grad]
-
-    # ------------------------------------------------------------------ basics
-
-    @property
-    def step(self) -> int:
-        return self._step
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this megatron engine was closed")
-
-    def _check_trainable(self, what: str) -> None:
-        self._check_open()
-        if not self.trainable:
-            raise RuntimeError(f"{what} needs a trainable engine; this one is a frozen reference (trainable=False)")
 
     # ------------------------------------------------------------------ micro-batches
 
@@ -209,12 +213,24 @@ class MegatronEngine(TrainEngine):
             explicit_mask=self.config.transformer_impl == "local",
         )
 
+    def _on_tokens(self, mb: MicroBatch, inputs: ModelInputs, per_position: torch.Tensor) -> torch.Tensor:
+        """``[b, w]`` aligned with ``mb``'s tokens (:func:`core_rl.engine_utils.logprobs.align_to_tokens`:
+        position ``t`` holds the prediction made at ``t - 1``) from this rank's context-parallel
+        positions' ``[b, n]`` values."""
+        cp_group = mpu.get_context_parallel_group() if self.cp_size > 1 else None
+        full = gather_columns(per_position, inputs.padded_width, self.cp_size, self.cp_rank, cp_group)
+        return align_to_tokens(full[:, : mb.width - 1], mb.attention_mask.to(self.device))
+
     def _token_stats(
         self, mb: MicroBatch, inputs: ModelInputs, logits: torch.Tensor, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (and entropies) ``[b, w]`` aligned with ``mb``'s tokens
-        (:func:`core_rl.engine_utils.logprobs.align_to_tokens`) from this rank's vocabulary slice
-        of the logits of its context-parallel positions."""
+        """Log-probs (and entropies) ``[b, w]`` aligned with ``mb``'s tokens from this rank's
+        vocabulary slice of the logits of its context-parallel positions; for a scalar head, the
+        values in place of log-probs (entropies 0), as :class:`~core_rl.engine_utils.runner.MicroBatchRunner`
+        gives them."""
+        if self.head != "lm":
+            values = self._on_tokens(mb, inputs, logits[..., 0].float())
+            return values, (torch.zeros_like(values.detach()) if with_entropy else None)
         ids = mb.input_ids.to(self.device)
         nxt = torch.cat(
             [ids[:, 1:], ids.new_full((ids.shape[0], inputs.padded_width - ids.shape[1] + 1), self._pad_id)], 1
@@ -229,13 +245,7 @@ class MegatronEngine(TrainEngine):
             with_entropy=with_entropy,
             group=parallel.tp_group(),
         )
-        cp_group = mpu.get_context_parallel_group() if self.cp_size > 1 else None
-        width, mask = mb.width, mb.attention_mask.to(self.device)
-        lp = gather_columns(lp, inputs.padded_width, self.cp_size, self.cp_rank, cp_group)[:, : width - 1]
-        if ent is None:
-            return align_to_tokens(lp, mask), None
-        ent = gather_columns(ent, inputs.padded_width, self.cp_size, self.cp_rank, cp_group)[:, : width - 1]
-        return align_to_tokens(lp, mask), align_to_tokens(ent, mask)
+        return self._on_tokens(mb, inputs, lp), (None if ent is None else self._on_tokens(mb, inputs, ent))
 
     def _loss(
         self,
@@ -264,9 +274,15 @@ class MegatronEngine(TrainEngine):
     # ------------------------------------------------------------------ running micro-batches
 
     def _run_local(
-        self, micro: list[MicroBatch], loss_fn: LossFn | None, temperature: float, acc: StepMetrics | None, sink: dict
+        self,
+        micro: list[MicroBatch],
+        loss_fn: LossFn | None,
+        temperature: float,
+        acc: StepMetrics | None,
+        sink: dict,
+        backward: Callable[[torch.Tensor], None],
     ) -> None:
-        """The CPU loop (pipeline size 1). With ``loss_fn`` it trains (forward, backward, DDP's
+        """The CPU loop (pipeline size 1). With ``loss_fn`` it trains (forward, ``backward``, DDP's
         gradient reduction); without, it stores each micro-batch's log-probs in ``sink``."""
         model = self.model[0]
         last = len(micro) - 1
@@ -278,15 +294,22 @@ class MegatronEngine(TrainEngine):
                 continue
             with model.no_sync() if i < last else nullcontext():
                 logits = model(**inputs.forward_kwargs())
-                self._loss(mb, inputs, logits, loss_fn, temperature, acc).backward()  # type: ignore[arg-type]
+                backward(self._loss(mb, inputs, logits, loss_fn, temperature, acc))  # type: ignore[arg-type]
         if loss_fn is not None:
             finalize_model_grads(self.model)
 
     def _run_schedule(
-        self, micro: list[MicroBatch], loss_fn: LossFn | None, temperature: float, acc: StepMetrics | None, sink: dict
+        self,
+        micro: list[MicroBatch],
+        loss_fn: LossFn | None,
+        temperature: float,
+        acc: StepMetrics | None,
+        sink: dict,
+        backward: Callable[[torch.Tensor], None],
     ) -> None:
         """Megatron's schedule (``get_forward_backward_func``) over ``micro``; same contract as
-        :meth:`_run_local`. The loss runs on the last pipeline stage only."""
+        :meth:`_run_local`, except that the schedule back-propagates itself (``backward`` is not
+        called). The loss runs on the last pipeline stage only."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         zero_tokens = torch.zeros((), dtype=torch.int, device=self.device)
@@ -319,11 +342,16 @@ class MegatronEngine(TrainEngine):
         )
 
     def _run(
-        self, micro: list[MicroBatch], loss_fn: LossFn | None, temperature: float, acc: StepMetrics | None
+        self,
+        micro: list[MicroBatch],
+        loss_fn: LossFn | None,
+        temperature: float,
+        acc: StepMetrics | None,
+        backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
     ) -> dict:
         sink: dict[int, torch.Tensor] = {}
         run = self._run_schedule if self.use_megatron_schedule else self._run_local
-        run(micro, loss_fn, temperature, acc, sink)
+        run(micro, loss_fn, temperature, acc, sink, backward)
         return sink
 
     # ------------------------------------------------------------------ log-probs
@@ -331,8 +359,13 @@ class MegatronEngine(TrainEngine):
     def compute_logprobs(self, batch: TensorBatch, *, temperature: float = 1.0) -> torch.Tensor:
         """Log-probs [B, T] float32 on CPU of this rank's rows (see
         :func:`core_rl.engine_utils.logprobs.token_logprobs`), in eval mode without gradients."""
-        self._check_open()
+        self._check_head(("lm",), "compute_logprobs")
         check_temperature(temperature)
+        return self.runner.logprobs(batch, temperature)
+
+    def _forward_only(self, batch: TensorBatch, temperature: float) -> torch.Tensor:
+        """Log-probs (values for a scalar head) [B, T] float32 on CPU of this rank's rows: the
+        replica's rows in micro-batches, in eval mode without gradients. Collective."""
         rows, mine, width = self.replica.gather(batch, self._pad_id)
         micro = self._micro_batches(rows)
         was_training = [c.training for c in self.model]
@@ -357,49 +390,30 @@ class MegatronEngine(TrainEngine):
 
     # ------------------------------------------------------------------ training
 
-    def train_step(self, batch: TensorBatch, loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
-        """One optimizer step; see :class:`core_rl.interfaces.TrainEngine` and the module docstring.
-
-        Returns, reduced over ranks: ``loss`` (sum of ``per_token_loss * loss_weight`` over the
-        global batch), ``grad_norm`` (before clipping), ``lr``, ``entropy`` and every token metric
-        (means over the global batch's response tokens), ``num_micro_batches`` (per replica) and
-        ``tokens`` and ``nonfinite``: 1.0 when the global loss or gradient norm is NaN/inf, in which
-        case no rank updates its weights or optimizer state (the step still counts).
-        """
-        self._check_trainable("train_step")
-        check_temperature(temperature)
-        for key in ("input_ids", "attention_mask", "response_mask", "loss_weight"):
+    def _accumulate(
+        self, batch: TensorBatch, loss_fn: LossFn, temperature: float, backward: Callable[[torch.Tensor], None]
+    ) -> tuple[StepMetrics, int]:
+        """Forward, loss and backward of every micro-batch of this replica's rows (see the module
+        docstring); the step's metric sums (not yet reduced) and the number of micro-batches.
+        Collective."""
+        for key in TRAIN_KEYS:
             if key not in batch:
                 raise KeyError(f"train_step needs batch[{key!r}]")
         rows, _mine, _width = self.replica.gather(batch, self._pad_id)
         micro = self._micro_batches(rows)
-        lr = lr_at(self._step, self.actor.optimizer.lr, self.actor.lr_scheduler)
-        self._set_lr(lr)
+        acc = StepMetrics(self.device)
+        self._run(micro, loss_fn, temperature, acc, backward)
+        return acc, len(micro)
+
+    def _train_mode(self) -> None:
+        """Training mode, and DDP's gradient buffers and the parameters' gradients emptied."""
         for chunk in self.model:
             chunk.train()
             chunk.zero_grad_buffer()
         self._zero_grad()
-        acc = StepMetrics(self.device)
-        try:
-            self._run(micro, loss_fn, temperature, acc)
-        except BaseException:
-            self._zero_grad()
-            raise
-        metrics = acc.reduce()  # global sums: every rank takes the same decision below
-        grad_norm = self._optimizer_step(skip=not math.isfinite(metrics["loss"]))
-        self._step += 1
-        nonfinite = not (math.isfinite(grad_norm) and math.isfinite(metrics["loss"]))
-        metrics.update(
-            grad_norm=grad_norm, lr=lr, num_micro_batches=float(len(micro)), nonfinite=1.0 if nonfinite else 0.0
-        )
-        return metrics
 
-    def _set_lr(self, lr: float) -> None:
-        wd = self.actor.optimizer.weight_decay
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-            if self.use_megatron_schedule:  # Megatron's groups carry a weight-decay multiplier
-                group["weight_decay"] = wd * group.get("wd_mult", 1.0)
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
 
     def _zero_grad(self) -> None:
         if self.use_megatron_schedule:
@@ -408,10 +422,10 @@ class MegatronEngine(TrainEngine):
             for p in self._trainable_params():
                 p.grad = None
 
-    def _optimizer_step(self, *, skip: bool = False) -> float:
+    def _apply_update(self, loss: float) -> float:
         """Gradient norm over all replicas' reduced gradients (before clipping), clip to
-        ``actor.grad_clip`` (0: no clipping), step; a non-finite norm, or ``skip`` (the loss was
-        not finite), skips the update."""
+        ``actor.grad_clip`` (0: no clipping), step; a non-finite norm or ``loss`` skips the update."""
+        skip = not math.isfinite(loss)
         if self.use_megatron_schedule:
             if self.optimizer.prepare_grads():  # inf/nan found while unscaling
                 self.optimizer.zero_grad()
@@ -468,13 +482,15 @@ class MegatronEngine(TrainEngine):
         state: dict[str, torch.Tensor] = {}
         for bucket in self.hf_weight_buckets():
             state.update(bucket)
-        if self.rank == 0 and self.spec.tie_word_embeddings:
+        if self.rank == 0 and self.spec.ties_output_layer:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         return state
 
     def export_hf(self, path: str | Path) -> None:
         """Rank 0 writes ``path`` (config, safetensors weights in buckets, generation config,
-        tokenizer) via a partial directory moved into place (:mod:`core_rl.checkpointing`)."""
+        tokenizer) via a partial directory moved into place (:mod:`core_rl.checkpointing`). A
+        scalar head's model is written as Hugging Face's ``*ForTokenClassification`` (``value``) or
+        ``*ForSequenceClassification`` (``score``) with one label, without a generation config."""
         final = Path(path).absolute()
         buckets = self.hf_weight_buckets()
         error: BaseException | None = None
@@ -483,9 +499,10 @@ class MegatronEngine(TrainEngine):
                 write_hf_model_dir(
                     final,
                     buckets,
-                    hf_config=self.hf_config,
+                    hf_config=self.export_config,
                     dtype=torch.bfloat16 if self.config.bf16 else self.dtype,
                     tokenizer_path=self.actor.tokenizer_path or self.actor.model_path,
+                    generation=self.head == "lm",
                 )
             except BaseException as exc:  # finish the collectives, then raise
                 error = exc
@@ -522,6 +539,45 @@ class MegatronEngine(TrainEngine):
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+class _ReplicaRunner:
+    """The engine's micro-batch loop in the shape :class:`~core_rl.engine_utils.runner.EngineState`
+    drives (that of :class:`~core_rl.engine_utils.runner.MicroBatchRunner`): each rank's rows pooled
+    inside its model replica, Megatron's schedule or the CPU loop. Megatron's DDP *sums* gradients
+    over replicas, so the world-size factor of ``MicroBatchRunner``'s convention does not apply
+    (``world_size`` is ignored)."""
+
+    def __init__(self, engine: MegatronEngine) -> None:
+        self.engine = engine
+
+    def logprobs(self, batch: TensorBatch, temperature: float) -> torch.Tensor:
+        return self.engine._forward_only(batch, temperature)
+
+    def accumulate_gradients(
+        self,
+        batch: TensorBatch,
+        loss_fn: LossFn,
+        temperature: float,
+        backward: Callable[[torch.Tensor], None],
+        world_size: int,
+    ) -> tuple[StepMetrics, int]:
+        return self.engine._accumulate(batch, loss_fn, temperature, backward)
+
+
+def _export_config(hf_config: Any, model_path: str, head: str) -> Any:
+    """The Hugging Face config an export writes: the model's own for ``lm``; for a scalar head the
+    value-model config the other engines write (:func:`core_rl.engine_utils.hf.value_model_config`:
+    one label, no classifier dropout, a bias for ``value`` only) with the family's token classifier
+    (``score``: sequence classifier) as its architecture."""
+    if head == "lm":
+        return hf_config
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+    config = value_model_config(model_path, bias=head == "value")
+    token_classifier = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES[config.model_type]
+    config.architectures = [exported_architecture(token_classifier, head)]
+    return config
 
 
 def _check_cpu_settings(cfg: MegatronConfig) -> None:

@@ -153,10 +153,12 @@ def write_hf_model_dir(
     hf_config: object,
     dtype: torch.dtype,
     tokenizer_path: str,
+    generation: bool = True,
 ) -> None:
     """A Hugging Face model directory at ``final`` (weights from ``buckets``, ``hf_config`` with
-    ``dtype``, a generation config, the tokenizer of ``tokenizer_path``), written atomically via a
-    partial directory (:mod:`core_rl.checkpointing`). Called on the main rank only."""
+    ``dtype``, a generation config unless ``generation`` is false, the tokenizer of
+    ``tokenizer_path``), written atomically via a partial directory (:mod:`core_rl.checkpointing`).
+    Called on the main rank only."""
     import shutil
 
     from transformers import AutoTokenizer, GenerationConfig
@@ -168,7 +170,8 @@ def write_hf_model_dir(
         config = hf_config.__class__.from_dict(hf_config.to_dict())  # type: ignore[attr-defined]
         config.dtype = dtype
         config.save_pretrained(tmp)
-        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        if generation:
+            GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

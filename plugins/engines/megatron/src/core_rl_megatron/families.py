@@ -43,6 +43,14 @@ class ArchSpec:
     qkv_bias: bool = False
     qk_norm: bool = False
     tie_word_embeddings: bool = False
+    #: what the last stage outputs (:data:`core_rl.interfaces.HEADS`): ``lm`` (the vocabulary
+    #: projection), ``value`` or ``score`` (a scalar per token, :mod:`core_rl_megatron.heads`)
+    head: str = "lm"
+
+    @property
+    def ties_output_layer(self) -> bool:
+        """The output layer is the input embedding (a tied language-model head; a scalar head never is)."""
+        return self.tie_word_embeddings and self.head == "lm"
 
     @property
     def heads_per_group(self) -> int:
@@ -85,9 +93,10 @@ def _rope(config: Any, where: str) -> RopeSpec:
     )
 
 
-def arch_spec(config: Any, where: str = "actor.model_path") -> ArchSpec:
-    """The :class:`ArchSpec` of a transformers ``PretrainedConfig``; a :class:`MegatronSetupError`
-    naming the family (``model_type``) and ``where`` for anything the engine cannot build exactly."""
+def arch_spec(config: Any, where: str = "actor.model_path", head: str = "lm") -> ArchSpec:
+    """The :class:`ArchSpec` of a transformers ``PretrainedConfig`` with ``head`` on its last stage;
+    a :class:`MegatronSetupError` naming the family (``model_type``) and ``where`` for anything the
+    engine cannot build exactly."""
     family = getattr(config, "model_type", None)
     if family not in SUPPORTED_FAMILIES:
         raise MegatronSetupError(
@@ -128,4 +137,5 @@ def arch_spec(config: Any, where: str = "actor.model_path") -> ArchSpec:
         qkv_bias=family == "qwen2",
         qk_norm=family == "qwen3",
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        head=head,
     )

@@ -19,6 +19,7 @@ from core_rl_megatron import convert
 from core_rl_megatron.config import MegatronConfig
 from core_rl_megatron.errors import MegatronSetupError
 from core_rl_megatron.families import ArchSpec
+from core_rl_megatron.heads import install_scalar_head
 from core_rl_megatron.hf_io import HFWeights
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -105,7 +106,8 @@ def layer_spec(spec: ArchSpec, cfg: MegatronConfig):  # -> ModuleSpec
 def build_chunks(spec: ArchSpec, cfg: MegatronConfig, tconfig: TransformerConfig, padded_vocab: int) -> list[GPTModel]:
     """This rank's model chunks: one per virtual pipeline stage (one without virtual pipelining).
     The first chunk of the first stage holds the embedding, the last chunk of the last stage the
-    final norm and output layer."""
+    final norm and output layer (for ``spec.head`` ``value`` / ``score``: a scalar head,
+    :mod:`core_rl_megatron.heads`)."""
     layers = layer_spec(spec, cfg)
     vpp = cfg.virtual_pipeline_size
     chunks = []
@@ -120,7 +122,7 @@ def build_chunks(spec: ArchSpec, cfg: MegatronConfig, tconfig: TransformerConfig
                 pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                 post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
                 parallel_output=True,
-                share_embeddings_and_output_weights=spec.tie_word_embeddings,
+                share_embeddings_and_output_weights=spec.ties_output_layer,
                 position_embedding_type="rope",
                 rotary_base=spec.rope.theta,
                 rope_scaling=spec.rope.llama3_factor is not None,
@@ -128,6 +130,9 @@ def build_chunks(spec: ArchSpec, cfg: MegatronConfig, tconfig: TransformerConfig
                 vp_stage=stage,
             )
         )
+    if spec.head != "lm":  # the last stage's chunk: the scalar head in place of the vocabulary projection
+        for chunk in chunks:
+            install_scalar_head(chunk, spec.head, sequence_parallel=cfg.sequence_parallel)
     return chunks
 
 
@@ -176,6 +181,32 @@ def global_parameters(chunks: Iterable[nn.Module]) -> dict[str, nn.Parameter]:
     return out
 
 
+def mirror_padding_idx(chunks: Iterable[nn.Module], pad_token_id: int | None) -> None:
+    """Hugging Face's decoders look tokens up in ``nn.Embedding(..., padding_idx=pad_token_id)``:
+    a pad token's lookup sends no gradient to the embedding. That matters wherever a pad token is
+    attended (e.g. one a policy sampled, or ``pad == eos``); the same here: on the chunk holding the
+    word embeddings, the gradient reaching the lookup's output at pad tokens is zeroed (the lookup
+    is that output's only input, so nothing else changes; a tied output layer still trains the
+    row). Under sequence parallelism the output is this rank's chunk of the sequence, ``[s/tp, b, h]``."""
+    if pad_token_id is None:
+        return
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if not (torch.is_grad_enabled() and output.requires_grad):
+            return
+        pad = args[0] == pad_token_id  # [b, s]
+        if getattr(module, "reduce_scatter_embeddings", False):
+            chunk, rank = output.shape[0], mpu.get_tensor_model_parallel_rank()
+            pad = pad.transpose(0, 1)[rank * chunk : (rank + 1) * chunk]
+        if pad.any():
+            output.register_hook(lambda grad: grad.masked_fill(pad[..., None], 0.0))
+
+    for chunk in chunks:
+        gpt = unwrap(chunk)
+        if getattr(gpt, "pre_process", False):
+            gpt.embedding.word_embeddings.register_forward_hook(hook)
+
+
 _PARTITION_DIM = {convert.Split.ROWS: 0, convert.Split.GLU: 0, convert.Split.COLS: 1}
 
 
@@ -201,12 +232,17 @@ def load_hf_weights(
     impl: str,
 ) -> None:
     """Copy each local parameter's tensor-parallel shard from the Hugging Face checkpoint; every
-    local parameter must be covered."""
+    local parameter must be covered (an optional one, a scalar head, is zeroed where the checkpoint
+    lacks it)."""
     tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
     loaded = set()
     for pm in convert.param_maps(spec, impl):
         param = params.get(pm.megatron)
         if param is None:
+            continue
+        if pm.optional and not all(n in weights for n in pm.hf):
+            param.zero_()  # a head the directory does not hold (e.g. a causal LM's): every run starts at 0
+            loaded.add(pm.megatron)
             continue
         full = convert.to_megatron(pm, [weights.get(n) for n in pm.hf], spec, padded_vocab)
         part = convert.shard(full, pm.split, tp_rank, tp_size)

@@ -14,11 +14,14 @@ if TYPE_CHECKING:
     from core_rl_megatron.engine import MegatronEngine
 
 
-def build_engine(actor: ActorConfig, engine_config: MegatronConfig | None, *, trainable: bool) -> MegatronEngine:
-    """The factory core-rl calls: a :class:`~core_rl_megatron.engine.MegatronEngine` for ``actor``."""
+def build_engine(
+    actor: ActorConfig, engine_config: MegatronConfig | None, *, trainable: bool, head: str = "lm"
+) -> MegatronEngine:
+    """The factory core-rl calls: a :class:`~core_rl_megatron.engine.MegatronEngine` for ``actor`` (or
+    any role section); ``head="value"`` builds a value model (a critic), ``"score"`` a reward model."""
     from core_rl_megatron.engine import MegatronEngine
 
-    return MegatronEngine(actor, engine_config, trainable=trainable)
+    return MegatronEngine(actor, engine_config, trainable=trainable, head=head)
 
 
 @hookimpl
