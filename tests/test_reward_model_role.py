@@ -230,11 +230,21 @@ def test_a_rule_reward_adds_to_the_score_with_its_coefficient(workdir: Path) -> 
         "trainer.total_steps=1",
         "reward={name: char_match, answer_key: response}",
         "reward_model.coef=0.5",
+        "loggers=[{name: jsonl}]",
+        "sample_log.every_n_steps=1",
+        "sample_log.num_samples=16",
     )
     (row,) = rows
     expected = row["reward/rule/mean"] + 0.5 * row["reward/reward_model/mean"]
     assert row["reward/mean"] == pytest.approx(expected, abs=1e-6)
     assert row["reward/rule/mean"] > 0  # char_match scored something
+    # the sample log (every sample of the step) carries the final rewards and the scores as a part
+    logged = [json.loads(line) for line in (workdir / "both" / "samples.jsonl").read_text().splitlines()]
+    assert len(logged) == 16
+    assert sum(s["reward"] for s in logged) / 16 == pytest.approx(row["reward/mean"], abs=1e-5)
+    assert sum(s["reward/reward_model"] for s in logged) / 16 == pytest.approx(
+        row["reward/reward_model/mean"], abs=1e-5
+    )
 
 
 def test_ppo_returns_are_the_reward_model_rewards(workdir: Path) -> None:

@@ -81,7 +81,7 @@ from core_rl.trainer.ranks import (
     set_collective_timeout,
     waiting_for,
 )
-from core_rl.trainer.reward_role import NoRuleReward, reward_model_stage
+from core_rl.trainer.reward_role import SCORES, NoRuleReward, reward_model_stage
 from core_rl.trainer.rewards import RewardErrorLog, RewardRunner, ScoreResult
 from core_rl.trainer.rollout_flow import RolloutFlow, flatten_groups
 from core_rl.trainer.signals import StopSignals
@@ -338,26 +338,35 @@ class SyncTrainer(TrainingLoop):
             reward_parts={name: [values[i] for i in kept] for name, values in result.parts.items()},
         )
 
-    def _log_samples(self, step: int) -> None:
+    def _log_samples(self, step: int, model_scores: list[float] | None = None) -> None:
         """Every ``sample_log.every_n_steps`` steps, hand ``num_samples`` samples spread over the
-        step's first generation batch to every logger."""
+        step's first generation batch to every logger. ``model_scores``: the ``reward_model:``
+        role's score of each kept sample (the batch's rows, in order); a sample's reward is then
+        ``rule + coef * score``, with the score as the part ``reward_model``."""
         if not self._scored_this_step:
             return
         inputs, result = self._scored_this_step[0]
         every, k = self.cfg.sample_log.every_n_steps, min(self.cfg.sample_log.num_samples, len(inputs))
         if not every or step % every or not k:
             return
-        records = [
-            SampleRecord(
-                prompt=inputs[i].prompt_text,
-                response=inputs[i].response_text,
-                reward=float("nan") if result.scores[i] is None else float(result.scores[i]),  # type: ignore[arg-type]
-                finish_reason=inputs[i].finish_reason,
-                parts={name: float(values[i]) for name, values in result.parts.items()},
-                info=dict(inputs[i].info),
+        row_of = {item: row for row, item in enumerate(result.kept)} if model_scores is not None else {}
+        records = []
+        for i in sorted({j * len(inputs) // k for j in range(k)}):
+            reward = float("nan") if result.scores[i] is None else float(result.scores[i])  # type: ignore[arg-type]
+            parts = {name: float(values[i]) for name, values in result.parts.items()}
+            if i in row_of and model_scores is not None and self.cfg.reward_model is not None:
+                parts["reward_model"] = model_scores[row_of[i]]
+                reward += self.cfg.reward_model.coef * model_scores[row_of[i]]
+            records.append(
+                SampleRecord(
+                    prompt=inputs[i].prompt_text,
+                    response=inputs[i].response_text,
+                    reward=reward,
+                    finish_reason=inputs[i].finish_reason,
+                    parts=parts,
+                    info=dict(inputs[i].info),
+                )
             )
-            for i in sorted({j * len(inputs) // k for j in range(k)})
-        ]
         for lg in self.loggers:
             lg.log_samples(records, step)
 
@@ -393,7 +402,8 @@ class SyncTrainer(TrainingLoop):
         metrics["reward/errors_total"] = float(self.reward_log.total)
         assert self.flow is not None
         metrics.update(self.flow.batch_metrics(batch, step))
-        self._log_samples(step)
+        if self.reward_stage is None or batch is None:  # else once the reward model has scored (step)
+            self._log_samples(step)
         return batch, metrics
 
     def step(self, step: int) -> dict[str, float]:
@@ -416,6 +426,8 @@ class SyncTrainer(TrainingLoop):
             if self.reward_stage is not None:  # reward-model scores, rewards, advantages: trainer/reward_role.py
                 with waiting_for(f"the other ranks in the reward-model scores of step {step}"):
                     metrics.update(self.reward_stage.prepare(batch))
+                if self.is_main:
+                    self._log_samples(step, batch[SCORES].tolist())
             # -- reference / recomputed log-probs, minibatches x epochs: trainer/update.py
             with waiting_for(f"the other ranks in the update of step {step}"):
                 update = self.update(batch, train_version=step)
