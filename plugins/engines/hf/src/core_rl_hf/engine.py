@@ -194,6 +194,7 @@ class HFRolloutEngine(RolloutEngine):
                 pad_token_id=self.pad_token_id,
                 generator=self.generator,
                 interrupted=self._abort.is_set,
+                lean=self.config.decoder == "auto",
             )
             for (i, _), out in zip(chunk, outs):
                 completions[i].extend(out)
