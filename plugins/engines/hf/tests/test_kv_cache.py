@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from core_rl.interfaces import SamplingParams
-from core_rl_hf import generation
+from core_rl_hf import decode
 from core_rl_hf.engine import HFRolloutEngine
 from core_rl_hf.kv_cache import PreallocatedLayer, preallocate
 
@@ -45,8 +45,8 @@ def test_generation_is_unchanged_by_the_preallocated_cache(tiny_model_path: Path
     results = []
     for use in (True, False):
         if not use:
-            monkeypatch.setattr(generation, "preallocate", lambda cache, capacity: cache)
-        engine = HFRolloutEngine(tiny_model_path, HFRolloutConfig(seed=3))
+            monkeypatch.setattr(decode, "preallocate", lambda cache, capacity: cache)
+        engine = HFRolloutEngine(tiny_model_path, HFRolloutConfig(seed=3, decoder="transformers"))
         out = engine.generate(prompts, sampling)
         results.append([(s.response_ids, s.logprobs, s.finish_reason) for group in out for s in group])
         engine.close()

@@ -40,12 +40,16 @@ class HFRolloutConfig:
       larger requests are split into chunks of sequences of similar prompt length.
     - ``seed``: seeds the engine's own ``torch.Generator`` so a sequence of ``generate`` calls is
       reproducible; ``None`` samples from torch's global RNG (seeded by the trainer).
+    - ``decoder``: how each one-token decoding step runs: ``auto`` takes the lean path of
+      :mod:`core_rl_hf.decode` for Llama and Qwen2 models (the same logits, less per-step work)
+      and the model's own forward for other architectures; ``transformers`` always uses the forward.
     """
 
     dtype: str = attrs.field(default="float32", validator=one_of(DTYPES))
     device: str = attrs.field(default="auto", validator=_valid_device)
     max_batch_size: int = attrs.field(default=256, validator=in_range(1, MAX_COUNT))
     seed: int | None = attrs.field(default=None, validator=in_range(0, 2**63 - 1))
+    decoder: str = attrs.field(default="auto", validator=one_of(("auto", "transformers")))
 
     def check_environment(self, context: EnvironmentContext) -> list[str]:
         """The device against what the machine has."""

@@ -35,6 +35,7 @@ from core_rl.protocol import Sample
 
 from core_rl_hf.config import HFRolloutConfig, resolve_device
 from core_rl_hf.generation import Completion, generate_batch
+from core_rl_hf.memory import release_host_memory
 from core_rl_hf.sampling import check_sampling
 from core_rl_hf.weights import load_full_state_dict, read_safetensors_dir
 
@@ -136,6 +137,7 @@ class HFRolloutEngine(RolloutEngine):
         self._check_prompts(prompts)
         with self._running():
             groups = self._generate_locked(prompts, sampling)
+            release_host_memory()  # the KV cache is freed: give free pages back before the update
         aborted = [s for group in groups for s in group if s.finish_reason == "abort"]
         while aborted:
             aborted = self._continue(aborted, sampling)
@@ -194,6 +196,7 @@ class HFRolloutEngine(RolloutEngine):
                 pad_token_id=self.pad_token_id,
                 generator=self.generator,
                 interrupted=self._abort.is_set,
+                lean=self.config.decoder == "auto",
             )
             for (i, _), out in zip(chunk, outs):
                 completions[i].extend(out)

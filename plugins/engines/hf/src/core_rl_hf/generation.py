@@ -16,7 +16,9 @@ including that token (``"stop"``). Rows still running after ``max_new_tokens`` t
 after the first) ends with ``"abort"`` and the tokens it has; the caller continues it later.
 Finished rows are dropped from the batch (and the cache) once they make up a quarter of it; until
 then they are fed a filler token whose outputs are discarded. The KV cache is
-preallocated for the prompt plus ``max_new_tokens`` positions (:mod:`core_rl_hf.kv_cache`).
+preallocated for the prompt plus ``max_new_tokens`` positions. Each decoding step runs through a
+stepper (:mod:`core_rl_hf.decode`): the lean path for Llama and Qwen2 models, the model's own
+forward otherwise.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import attrs
 import torch
 from core_rl.interfaces import SamplingParams
 
-from core_rl_hf.kv_cache import preallocate
+from core_rl_hf.decode import make_stepper
 from core_rl_hf.sampling import choose_tokens
 
 
@@ -70,9 +72,11 @@ def generate_batch(
     pad_token_id: int,
     generator: torch.Generator | None = None,
     interrupted: Callable[[], bool] | None = None,
+    lean: bool = True,
 ) -> list[list[Completion]]:
     """``counts[i]`` responses to each (non-empty) ``prompts[i]``, all generated as one batch; see
-    the module docstring. ``sampling.n`` is ignored (``counts`` says how many)."""
+    the module docstring. ``sampling.n`` is ignored (``counts`` says how many). ``lean``: decode
+    supported architectures with :class:`core_rl_hf.decode.LeanStepper`."""
     device = next(model.parameters()).device
     stop_ids = sorted(set(eos_token_ids) | set(sampling.stop_token_ids))
     stop_tensor = torch.as_tensor(stop_ids, dtype=torch.long, device=device)
@@ -88,9 +92,10 @@ def generate_batch(
     rows = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.as_tensor(counts, device=device))
     cache = out.past_key_values
     cache.reorder_cache(rows)
-    cache = preallocate(cache, input_ids.shape[1] + sampling.max_new_tokens)  # written in place, not concatenated
-    attention_mask, position_ids = attention_mask[rows], position_ids[rows, -1:]
+    capacity = input_ids.shape[1] + sampling.max_new_tokens
+    stepper = make_stepper(model, cache, attention_mask[rows], position_ids[rows, -1:], capacity, lean=lean)
     logits = out.logits[rows, -1].float()
+    del out, cache
 
     total, steps = len(rows), sampling.max_new_tokens
     tokens = torch.full((total, steps), pad_token_id, dtype=torch.long, device=device)
@@ -119,21 +124,9 @@ def generate_batch(
             break
         if 4 * n_done >= len(done):
             keep = (~done).nonzero().squeeze(-1)
-            cache.reorder_cache(keep)
-            attention_mask, position_ids = attention_mask[keep], position_ids[keep]
+            stepper.keep(keep)
             sequence, next_tokens, done = sequence[keep], next_tokens[keep], done[keep]
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(done), 1))], dim=1)
-        position_ids = position_ids + 1
-        out = model(
-            input_ids=next_tokens.masked_fill(done, pad_token_id)[:, None],
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        cache = out.past_key_values
-        logits = out.logits[:, -1].float()
+        logits = stepper.step(next_tokens.masked_fill(done, pad_token_id))
 
     tokens_l, logprobs_l = tokens.tolist(), logprobs.tolist()
     lengths_l, stopped_l = lengths.tolist(), stopped.tolist()

@@ -34,8 +34,8 @@ if DynamicLayer is not None:
 
         def _adopt(self, capacity: int) -> None:
             length = self.keys.shape[-2]
-            self.key_buffer = _with_room(self.keys, max(capacity, length))
-            self.value_buffer = _with_room(self.values, max(capacity, length))
+            self.key_buffer = with_room(self.keys, max(capacity, length))
+            self.value_buffer = with_room(self.values, max(capacity, length))
             self._view(length)
 
         def _view(self, length: int) -> None:
@@ -80,7 +80,7 @@ else:  # pragma: no cover - transformers < 4.56
     PreallocatedLayer = None  # type: ignore[assignment,misc]
 
 
-def _with_room(states: torch.Tensor, capacity: int) -> torch.Tensor:
+def with_room(states: torch.Tensor, capacity: int) -> torch.Tensor:
     """A ``[b, h, capacity, d]`` buffer whose first positions hold ``states`` ``[b, h, t, d]``."""
     shape = (*states.shape[:-2], capacity, states.shape[-1])
     buffer = states.new_empty(shape)

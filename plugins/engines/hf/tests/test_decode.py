@@ -1,0 +1,126 @@
+"""The lean decoding path (``core_rl_hf.decode.LeanStepper``) against the model's own forward:
+the same next-token logits step by step (left padding, grouped-query attention, q/k/v biases,
+dropped rows), the same generations, and the fall-back for architectures it does not cover."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from core_rl.interfaces import SamplingParams
+from core_rl_hf.config import HFRolloutConfig
+from core_rl_hf.decode import LeanStepper, TransformersStepper, lean_supported, make_stepper
+from core_rl_hf.engine import HFRolloutEngine
+from core_rl_hf.generation import left_pad
+
+VOCAB = 40
+
+
+def _model(architecture: str, **overrides: object) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[
+        architecture
+    ]
+    options = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+    )
+    options.update(overrides)
+    torch.manual_seed(0)
+    return model_cls(config_cls(**options)).eval()
+
+
+MODELS = {
+    "llama": lambda: _model("llama"),
+    "llama-gqa-bias": lambda: _model("llama", num_key_value_heads=2, attention_bias=True),
+    "qwen2": lambda: _model("qwen2"),
+    "qwen2-gqa": lambda: _model("qwen2", num_key_value_heads=1),
+}
+
+
+def _prefilled(model: torch.nn.Module, kind: type, prompts: list[list[int]], capacity: int):
+    input_ids, mask, positions = left_pad(prompts, 0, torch.device("cpu"))
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    return kind(model, out.past_key_values, mask, positions[:, -1:], capacity), out.logits[:, -1]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@torch.inference_mode()
+def test_lean_steps_give_the_forwards_logits(name: str) -> None:
+    model = MODELS[name]()
+    assert lean_supported(model)
+    prompts = [[1, 5, 6, 7, 8], [1, 9], [1, 10, 11], [3]]
+    lean, first = _prefilled(model, LeanStepper, prompts, capacity=16)
+    plain, _ = _prefilled(model, TransformersStepper, prompts, capacity=16)
+    generator = torch.Generator().manual_seed(1)
+    rows = len(prompts)
+    for step in range(9):
+        if step == 4:  # drop rows 1 and 3, as generation does with finished rows
+            keep = torch.tensor([0, 2])
+            lean.keep(keep)
+            plain.keep(keep)
+            rows = 2
+        tokens = torch.randint(0, VOCAB, (rows,), generator=generator)
+        expected = plain.step(tokens)
+        got = lean.step(tokens)
+        assert got.shape == (rows, VOCAB)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert first.shape == (len(prompts), VOCAB)
+
+
+@torch.inference_mode()
+def test_lean_step_equals_a_full_forward_over_the_sequence() -> None:
+    """The cached steps give the logits of one uncached forward over prompt + fed tokens."""
+    model = MODELS["qwen2-gqa"]()
+    prompt, fed = [1, 5, 6, 7], [9, 3, 12, 30]
+    lean, _ = _prefilled(model, LeanStepper, [prompt], capacity=12)
+    for token in fed:
+        last = lean.step(torch.tensor([token]))
+    full = model(input_ids=torch.tensor([prompt + fed]), use_cache=False).logits[0, -1]
+    torch.testing.assert_close(last[0], full, atol=1e-5, rtol=0)
+
+
+def test_unsupported_models_fall_back_to_the_forward(tiny_gpt2_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    gpt2 = AutoModelForCausalLM.from_pretrained(tiny_gpt2_path).eval()
+    assert not lean_supported(gpt2)
+    windowed = _model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    assert not lean_supported(windowed)
+    training = MODELS["llama"]().train()
+    assert not lean_supported(training)
+    gelu = _model("llama", hidden_act="gelu")
+    assert not lean_supported(gelu)
+    with torch.inference_mode():
+        input_ids, mask, positions = left_pad([[1, 2, 3]], 0, torch.device("cpu"))
+        out = gpt2(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        stepper = make_stepper(gpt2, out.past_key_values, mask, positions[:, -1:], 8, lean=True)
+    assert isinstance(stepper, TransformersStepper)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_engine_generates_the_same_with_either_decoder(architecture: str, tmp_path: Path) -> None:
+    from core_rl.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "model", alphabet="abcdefgh=", seed=0, architecture=architecture)
+    prompts = [[1, 5, 6, 7], [1, 8], [1, 3, 4, 5, 6, 7]]
+    sampling = SamplingParams(n=3, max_new_tokens=10, min_new_tokens=2, temperature=1.0)
+    results = []
+    for decoder in ("auto", "transformers"):
+        engine = HFRolloutEngine(path, HFRolloutConfig(device="cpu", seed=5, decoder=decoder))
+        try:
+            assert lean_supported(engine.model)
+            out = engine.generate(prompts, sampling)
+        finally:
+            engine.close()
+        results.append([(s.response_ids, s.finish_reason, s.logprobs) for group in out for s in group])
+    for (ids_a, reason_a, lp_a), (ids_b, reason_b, lp_b) in zip(*results):
+        assert (ids_a, reason_a) == (ids_b, reason_b)
+        torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=1e-5, rtol=0)
