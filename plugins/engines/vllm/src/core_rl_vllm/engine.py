@@ -210,22 +210,25 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             {"method": method, **kwargs, "timeout": self.options.weight_sync_timeout},
             timeout=self.options.weight_sync_timeout + 30,
         )
-        results = (body or {}).get("results", []) if isinstance(body, dict) else []
-        errors = [r for r in results if isinstance(r, str) and r.startswith("error")]
-        if errors:
-            raise ServerReplyError(f"{method} failed on {url}: {errors[0][:2000]}")
-        return results
+        return _worker_results(body, method, url)
 
     async def _update(self, client: Any, url: str, version: int, method: str, **call: Any) -> None:
         """One weight update through the plugin's route (see the module docstring): the worker
         RPC ``method`` (``args``/``kwargs`` in ``call``) with the scheduler paused around it."""
         timeout = self.options.weight_sync_timeout
         payload = {"method": method, **call, "version": version, "pause": not self.server_paused, "timeout": timeout}
-        body = await json_post(client, url + UPDATE_ROUTE, payload, timeout=timeout + 30)
-        results = body.get("results", []) if isinstance(body, dict) else []
-        errors = [r for r in results if isinstance(r, str) and r.startswith("error")]
-        if errors:
-            raise ServerReplyError(f"{method} failed on {url}: {errors[0][:2000]}")
+        try:
+            body = await json_post(client, url + UPDATE_ROUTE, payload, timeout=timeout + 30)
+        except ServerReplyError as exc:
+            if exc.status != 404:
+                raise
+            raise ServerReplyError(
+                f"vLLM server {url} has no {UPDATE_ROUTE} route: a server given in rollout.engine.server.urls must "
+                f"be started as core-rl starts its own (with {SERVER_SIDE} on PYTHONPATH, --middleware {MIDDLEWARE}, "
+                f"--worker-extension-cls {EXTENSION}, --enable-scale-out and VLLM_SERVER_DEV_MODE=1)",
+                404,
+            ) from None
+        _worker_results(body, method, url)
 
     async def reload_from_disk(self, client: Any, url: str, path: str, version: int) -> None:
         await self._update(client, url, version, "core_rl_load_dir", args=[json.dumps({"path": str(path)})])
@@ -249,6 +252,16 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     ) -> None:
         payload = {"names": names, "dtypes": dtypes, "shapes": shapes}
         await self._update(client, url, version, "core_rl_receive_weights", args=[json.dumps(payload)])
+
+
+def _worker_results(body: Any, method: str, url: str) -> list[Any]:
+    """The workers' results of a collective RPC answer; a :class:`ServerReplyError` quoting the
+    first that reports an error (the worker extension answers ``"error: ..."`` rather than raise)."""
+    results = body.get("results", []) if isinstance(body, dict) else []
+    errors = [r for r in results if isinstance(r, str) and r.startswith("error")]
+    if errors:
+        raise ServerReplyError(f"{method} failed on {url}: {errors[0][:2000]}")
+    return results
 
 
 def _generated(body: Any, url: str) -> list[Completion]:
