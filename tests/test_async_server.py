@@ -1,6 +1,8 @@
 """Asynchronous rollout against one real vLLM server (started once for the module, from the
 managed server environment): a request aborted mid-generation for a weight update continues under
-the new weights with its per-token versions changing at the interruption point; the rollout
+the new weights with its per-token versions changing at the interruption point; a request kept in
+place across a weight update carries, token by token, the version of the weights that sampled it
+(the server's own labels, set within the one-request update); the rollout
 controller keeps every sample within the staleness bound over several weight updates by disk;
 and benchmarks/async.py runs end to end against the same server and prints its table."""
 
@@ -40,27 +42,33 @@ def server(tmp_path_factory):
     engine.close()
 
 
+def _update_mid_request(engine, sampling: SamplingParams, mode: str, path: Path, version: int) -> list:
+    """The samples of one request, during which (once it has some tokens) the engine pauses in
+    ``mode`` and loads the weights at ``path`` as ``version``."""
+    result: dict = {}
+
+    def run(out: dict = result) -> None:
+        out["samples"] = asyncio.run(engine.agenerate([1, 2, 3], sampling))
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while engine._inflight == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # some tokens generated
+    engine.pause(mode)
+    engine.load_weights_from_path(path, version)
+    engine.resume()
+    worker.join(300)
+    return result["samples"]
+
+
 def test_abort_mid_request_changes_version_at_the_interruption_point(server) -> None:
     engine, model = server
     engine.load_weights_from_path(model, 0)
     sampling = SamplingParams(n=2, max_new_tokens=48, min_new_tokens=48)
     for _attempt in range(3):
-        result: dict = {}
-
-        def run(out: dict = result) -> None:
-            out["samples"] = asyncio.run(engine.agenerate([1, 2, 3], sampling))
-
-        worker = threading.Thread(target=run)
-        worker.start()
-        deadline = time.monotonic() + 60
-        while engine._inflight == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.3)  # some tokens generated
-        engine.pause("abort")
-        engine.load_weights_from_path(model, 1)
-        engine.resume()
-        worker.join(300)
-        samples = result["samples"]
+        samples = _update_mid_request(engine, sampling, "abort", model, 1)
         assert all(len(s.response_ids) == 48 and len(s.versions) == 48 for s in samples)
         for s in samples:  # versions only ever go up, from 0 to 1, at one point
             assert s.versions == sorted(s.versions) and set(s.versions) <= {0, 1}
@@ -69,6 +77,52 @@ def test_abort_mid_request_changes_version_at_the_interruption_point(server) -> 
             cut = interrupted[0].versions.index(1)
             assert 0 < cut < 48 and interrupted[0].weight_version == 0 and interrupted[0].newest_version == 1
             return
+    pytest.fail("no request was caught mid-generation in 3 attempts")
+
+
+def _with_head(model: Path, out: Path, scale: float) -> None:
+    """The tiny model with its output head scaled by ``scale``, saved to ``out``. Scale 0 gives
+    every token the same logit: whatever such weights sample has the log-prob ``-log(k)`` (``k``
+    the tokens the server may sample), whatever the cache of the earlier tokens held."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    with torch.no_grad():
+        hf.get_output_embeddings().weight.mul_(scale)
+    hf.save_pretrained(out)
+
+
+def test_keep_update_labels_each_token_with_the_weights_that_sampled_it(server, tmp_path: Path) -> None:
+    """pause("keep") + a weight update mid-request: the request goes on in place, and its tokens
+    carry version 0 up to the swap and version 1 from the first token the new weights sampled.
+    The log-probs prove where the swap happened: version 1 (a zero output head) gives every token
+    it samples the same log-prob -log(k), version 0 (a sharpened head) does not."""
+    import math
+
+    engine, model = server
+    _with_head(model, tmp_path / "sharp", 20.0)
+    _with_head(model, tmp_path / "flat", 0.0)
+    sampling = SamplingParams(n=2, max_new_tokens=200, min_new_tokens=200)  # the tiny model's 256 positions
+    for _attempt in range(3):
+        engine.load_weights_from_path(tmp_path / "sharp", 0)
+        samples = _update_mid_request(engine, sampling, "keep", tmp_path / "flat", 1)
+        assert all(len(s.response_ids) == 200 == len(s.versions) for s in samples)
+        for s in samples:
+            assert s.versions == sorted(s.versions) and set(s.versions) <= {0, 1}, s.versions
+        interrupted = [s for s in samples if s.versions[0] == 0 and s.versions[-1] == 1]
+        if interrupted:
+            s = interrupted[0]
+            cut = s.versions.index(1)
+            uniform = s.logprobs[-1]  # sampled by version 1: -log(k) for a whole number k
+            assert abs(math.exp(-uniform) - round(math.exp(-uniform))) < 1e-2, uniform
+            flat = [abs(lp - uniform) < 1e-3 for lp in s.logprobs]
+            assert all(flat[cut:]), f"a token labelled 1 was not sampled by version 1: {s.logprobs[cut:]}"
+            assert not flat[cut - 1] and sum(flat[:cut]) <= cut // 10, s.logprobs[:cut]
+            assert s.weight_version == 0 and s.newest_version == 1
+            engine.load_weights_from_path(model, 0)
+            return
+    engine.load_weights_from_path(model, 0)
     pytest.fail("no request was caught mid-generation in 3 attempts")
 
 

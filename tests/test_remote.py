@@ -14,7 +14,14 @@ from typing import Any
 import pytest
 from core_rl.config.loader import structure
 from core_rl.interfaces import SamplingParams
-from core_rl.remote import Completion, ServerOptions, ServerReplyError, ServerRolloutEngine, json_post
+from core_rl.remote import (
+    Completion,
+    ServerOptions,
+    ServerReplyError,
+    ServerRolloutEngine,
+    json_post,
+    versions_from_spans,
+)
 from core_rl.servers import ServerError
 
 
@@ -70,6 +77,12 @@ def serve(script: Script) -> tuple[ThreadingHTTPServer, str]:
                     {"ids": tokens, "lps": [-0.5] * count, "finish": "abort" if reply == "abort" else "length"}
                     for _ in range(payload["n"])
                 ]
+                if reply == "relabelled":  # the first two tokens by version 0, the rest by version 1
+                    for sample in samples:
+                        sample["spans"] = [
+                            {"version": "0", "start": 0, "end": 2},
+                            {"version": "1", "start": 2, "end": count},
+                        ]
                 self._send(200, {"samples": samples})
             finally:
                 with script.lock:
@@ -89,7 +102,10 @@ class FakeEngine(ServerRolloutEngine):
         body = await json_post(
             client, url + "/gen", {"prompt": prompt_ids, "n": sampling.n, "max_new_tokens": sampling.max_new_tokens}
         )
-        return [Completion(s["ids"], s["lps"], s["finish"]) for s in body["samples"]]
+        return [
+            Completion(s["ids"], s["lps"], s["finish"], versions_from_spans(s.get("spans"), len(s["ids"])))
+            for s in body["samples"]
+        ]
 
     # the hooks these tests never reach (the engine connects to ``urls`` and never updates weights)
     def server_command(self, python: str, port: int, index: int) -> list[str]:
@@ -177,6 +193,13 @@ def test_concurrency_is_bounded_and_every_prompt_answered(make) -> None:
 def test_pause_wait_holds_new_requests(make) -> None:
     engine, script = make([])
     engine.pause("wait")
+    _held_until_resume(engine, script)
+    assert len(script.requests) == 1
+
+
+def _held_until_resume(engine: FakeEngine, script: Script) -> None:
+    """A request sent while ``engine`` is paused reaches no server until :meth:`resume`, then
+    is answered."""
     result: dict[str, Any] = {}
     thread = threading.Thread(
         target=lambda: result.setdefault("out", engine.generate([[1, 2]], SamplingParams(n=1, max_new_tokens=2)))
@@ -186,7 +209,7 @@ def test_pause_wait_holds_new_requests(make) -> None:
     assert script.requests == [] and "out" not in result
     engine.resume()
     thread.join(30)
-    assert len(result["out"][0]) == 1 and len(script.requests) == 1
+    assert len(result["out"][0]) == 1
 
 
 def test_memory_weight_sync_is_refused(make) -> None:
@@ -208,3 +231,49 @@ def test_a_server_engine_missing_a_hook_fails_when_built(tmp_path: Path) -> None
     opts = structure({"urls": ["http://127.0.0.1:9"]}, ServerOptions)
     with pytest.raises(TypeError, match="abstract method.*abort_all"):
         Incomplete("/models/none", opts, tmp_path)
+
+
+def test_versions_from_spans() -> None:
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    assert versions_from_spans(spans, 5) == [3, 3, 4, 4, 4]
+    assert versions_from_spans(spans, 3) == [3, 3, 4]  # spans past the tokens kept are cut
+    assert versions_from_spans(None, 2) is None and versions_from_spans([], 2) is None
+    assert versions_from_spans([{"version": "default", "start": 0, "end": 2}], 2) is None
+    assert versions_from_spans(None, 0) == []
+    with pytest.raises(ValueError, match="uncovered"):
+        versions_from_spans([{"version": "1", "start": 1, "end": 3}], 3)
+
+
+def test_server_version_labels_are_used_only_within_what_an_update_set(make) -> None:
+    """A server's per-token labels become the samples' versions only while they lie between the
+    version the request started under and the newest one an update labelled the servers with: a
+    server given by URL may still carry the labels of an earlier run."""
+    engine, _ = make(["relabelled", "relabelled"])
+    (samples,) = engine.generate([[1, 2]], SamplingParams(n=1, max_new_tokens=4))
+    assert samples[0].token_weight_versions == [0, 0, 0, 0]  # label 1 is newer than any update here
+    engine._newest_label = 1  # as load_weights_from_path(path, 1) sets it before the servers load
+    (samples,) = engine.generate([[1, 2]], SamplingParams(n=1, max_new_tokens=4))
+    assert samples[0].token_weight_versions == [0, 0, 1, 1]
+    assert samples[0].weight_version == 0 and samples[0].newest_version == 1
+
+
+def test_pause_keep_of_an_engine_that_swaps_in_place_holds_requests_here(make, monkeypatch) -> None:
+    """With ``swaps_in_place`` (the weight update itself freezes running requests on the server
+    for the swap), pause("keep") only holds new requests at the client: no server is paused or
+    resumed, and a request sent meanwhile waits for resume()."""
+    calls: list[str] = []
+
+    async def record(self: Any, client: Any, url: str, *args: Any) -> None:
+        calls.append("pause" if args else "resume")
+
+    monkeypatch.setattr(FakeEngine, "pause_server", record)
+    monkeypatch.setattr(FakeEngine, "resume_server", record)
+    engine, script = make([])
+    engine.pause("keep")  # a plain server engine pauses its servers
+    engine.resume()
+    assert calls == ["pause", "resume"]
+    monkeypatch.setattr(FakeEngine, "swaps_in_place", True)
+    engine.pause("keep")
+    assert engine.paused and not engine.server_paused
+    _held_until_resume(engine, script)
+    assert calls == ["pause", "resume"]

@@ -102,11 +102,14 @@ def _check_cpus(name: str, cpus: list[int]) -> None:
 @attrs.define
 class Completion:
     """One sample as a server returned it; ``finish_reason`` is ``stop``, ``length`` or ``abort``
-    (interrupted by a pause)."""
+    (interrupted by a pause). ``versions``: the weight version that generated each token, where
+    the server reports it (a weight update that keeps running requests in place changes it
+    mid-sample); ``None``: every token has the version the request started under."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    versions: list[int] | None = None
 
 
 class ServerReplyError(CoreRLError):
@@ -149,16 +152,25 @@ class ServerRolloutEngine(RolloutEngine):
     #: the server environment (``core_rl_register_server_envs`` name) and the servers' name prefix
     env_name: ClassVar[str] = ""
     health_path: ClassVar[str] = "/health"
+    #: *plugin*: True when the plugin's weight update (:meth:`reload_from_disk`,
+    #: :meth:`receive_weights`) freezes a server's running requests in place for just the swap
+    #: unless :attr:`server_paused`. Then ``pause("keep")`` only holds new requests here: the
+    #: running ones go on generating until the update freezes them, on the server, for the swap
+    #: alone (one round trip instead of pause, load and resume, and no generation lost to a pause
+    #: that waits on the trainer).
+    swaps_in_place: ClassVar[bool] = False
 
     def __init__(self, model_path: str | Path, options: ServerOptions, run_dir: str | Path) -> None:
         self.model_path = str(model_path)
         self.options = options
         self.run_dir = Path(run_dir)
         self._version = 0
+        self._newest_label = 0  # the newest version a weight update labels the servers' tokens with
         self._weights_path: str | None = None  # what a restarted server must load
         self._group: Any = None
         self._group_epoch = 0  # a new group (and name) after a server restart
         self._paused_mode: str | None = None
+        self.server_paused = False  # whether pause() paused the servers themselves
         self.last_sync: dict[str, float] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{self.env_name}-rollout", daemon=True)
@@ -413,7 +425,7 @@ class ServerRolloutEngine(RolloutEngine):
         """One sample of a request: ``c``, continued from where it stopped while it comes back
         interrupted by ``pause("abort")`` (those tokens carry the version they ran under)."""
         tokens, logprobs = list(c.token_ids), list(c.logprobs)
-        versions = [version] * len(tokens)
+        versions = self._token_versions(c, version)
         finish = c.finish_reason
         while finish == "abort":
             left = sampling.max_new_tokens - len(tokens)
@@ -426,16 +438,25 @@ class ServerRolloutEngine(RolloutEngine):
             (more,), more_version = await self._request_with_retries(list(prompt_ids) + tokens, rest)
             tokens += more.token_ids
             logprobs += more.logprobs
-            versions += [more_version] * len(more.token_ids)
+            versions += self._token_versions(more, more_version)
             finish = more.finish_reason
         return Sample(
             prompt_ids=list(prompt_ids),
             response_ids=tokens,
             logprobs=logprobs,
-            weight_version=versions[0] if versions else version,
+            weight_version=min(versions) if versions else version,
             finish_reason=finish,
             token_weight_versions=versions,
         )
+
+    def _token_versions(self, c: Completion, version: int) -> list[int]:
+        """The version of each token of ``c``, from a request that started under ``version``: the
+        server's labels (``c.versions``) where each lies between ``version`` and the newest
+        version an update has labelled the servers with, else ``version`` for every token (a
+        server given by URL may hold the labels of an earlier run until its first update)."""
+        if c.versions is not None and all(version <= v <= self._newest_label for v in c.versions):
+            return list(c.versions)
+        return [version] * len(c.token_ids)
 
     async def agenerate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
         check_prompt_and_sampling(prompt_ids, sampling)
@@ -465,7 +486,10 @@ class ServerRolloutEngine(RolloutEngine):
         if mode == "wait":
             async with self._idle:
                 await self._idle.wait_for(lambda: self._inflight == 0)
+        elif mode == "keep" and self.swaps_in_place:
+            return  # the weight update freezes the running requests for the swap (swaps_in_place)
         else:
+            self.server_paused = True  # before: a server that paused is resumed even if another failed
             await asyncio.gather(*(self.pause_server(self._client, ep.url, mode) for ep in self.endpoints))
             if mode == "abort":  # the interrupted requests return; their continuations wait
                 await self._abort_until_idle()
@@ -486,9 +510,10 @@ class ServerRolloutEngine(RolloutEngine):
             wait = min(2 * wait, 1.0)
 
     async def _aresume(self) -> None:
-        mode, self._paused_mode = self._paused_mode, None
-        if mode in ("keep", "abort"):
+        self._paused_mode = None
+        if self.server_paused:
             await asyncio.gather(*(self.resume_server(self._client, ep.url) for ep in self.endpoints))
+            self.server_paused = False
         self._running.set()
 
     def pause(self, mode: str = "wait") -> None:
@@ -522,6 +547,7 @@ class ServerRolloutEngine(RolloutEngine):
     def load_weights_from_path(self, path: str | Path, version: int) -> None:
         start = time.perf_counter()
         ours = self._paused_for_update()
+        self._newest_label = max(self._newest_label, version)
         try:
 
             async def reload_all() -> None:
@@ -595,6 +621,7 @@ class ServerRolloutEngine(RolloutEngine):
 
         start = time.perf_counter()
         ours = self._paused_for_update()
+        self._newest_label = max(self._newest_label, version)
         try:
             self._ensure_group()
             names = list(state_dict)
@@ -659,6 +686,29 @@ def _cuda_available() -> bool:
 
 def _dir_bytes(path: str | Path) -> int:
     return sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
+
+
+def versions_from_spans(spans: Any, count: int) -> list[int] | None:
+    """Per-token weight versions of a sample of ``count`` tokens from a server's version spans
+    (``[{"version": label, "start": i, "end": j}, ...]`` over output-token indices, as vLLM and
+    SGLang report them). ``None`` (every token then carries the version its request started
+    under) where the server gave none or a label that is not one of ours (an integer), e.g. its
+    initial ``default``. Raises :class:`ValueError` for spans that leave a token uncovered."""
+    if not count:
+        return []
+    if not spans:
+        return None
+    versions: list[int | None] = [None] * count
+    for span in spans:
+        label = str(span["version"])
+        if not label.lstrip("-").isdigit():
+            return None
+        for i in range(int(span["start"]), min(int(span["end"]), count)):
+            versions[i] = int(label)
+    missing = [i for i, v in enumerate(versions) if v is None]
+    if missing:
+        raise ValueError(f"weight version spans {spans} leave tokens {missing[:5]} of {count} uncovered")
+    return [v for v in versions if v is not None]
 
 
 def check_prompt_and_sampling(prompt_ids: Sequence[int], sampling: SamplingParams) -> None:

@@ -160,7 +160,9 @@ class ControllerConfig:
     (``generate``), ``request`` sends each request alone (``agenerate``), ``auto`` is ``wave``
     when ``max_head_offpolicyness`` is 0 (the synchronous run, reproduced exactly) else
     ``request``. ``pause_mode``: how running requests pause while new weights load (``abort``:
-    interrupted and continued under the new weights; ``wait``: finished first; ``keep``).
+    interrupted and continued under the new weights; ``wait``: finished first; ``keep``: frozen in
+    place, their cache kept, and continued under the new weights, which vLLM and SGLang report token
+    by token; on vLLM only the swap itself freezes them).
     ``wait_timeout_s``: the longest the trainer waits for a generation batch (and a weight update
     for the rollout to pause). ``warn_wait_fraction``: warn when the trainer waited on rollout
     (or rollout on the trainer) for more than this fraction of a step."""

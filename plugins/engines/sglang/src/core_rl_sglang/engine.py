@@ -6,7 +6,10 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
   whose common prefix SGLang's radix cache computes once), ``sampling_params`` (``max_new_tokens``,
   ``min_new_tokens``, ``temperature`` (0 for greedy), ``top_p``, ``top_k`` (-1 = off),
   ``stop_token_ids``) and ``return_logprob``. SGLang's log-prob of a sampled token is
-  ``log_softmax(logits / temperature)`` before top-k/top-p filtering: the train engine's convention;
+  ``log_softmax(logits / temperature)`` before top-k/top-p filtering: the train engine's convention.
+  Its ``meta_info.weight_versions`` spans give each token the version of the weights that sampled
+  it (every weight update carries ``weight_version``), so a sample a weight update interrupted in
+  place carries both versions;
 - pause/resume: ``POST /pause_generation`` (``keep`` -> mode ``retract``, ``abort`` -> ``abort``)
   and ``POST /continue_generation``;
 - weights from disk: ``POST /update_weights_from_disk`` (SGLang flushes its cache);
@@ -22,7 +25,7 @@ from typing import Any
 
 from core_rl.config.schema import RolloutConfig
 from core_rl.interfaces import SamplingParams
-from core_rl.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post
+from core_rl.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post, versions_from_spans
 from core_rl.server_env import default_variant
 
 from core_rl_sglang.config import SGLangConfig
@@ -197,7 +200,12 @@ def _completion(item: dict[str, Any]) -> Completion:
     token_ids = [int(t) for t in item["output_ids"]]
     if len(entries) != len(token_ids):
         raise ValueError(f"{len(token_ids)} output ids but {len(entries)} log-probs")
-    return Completion(token_ids=token_ids, logprobs=[float(e[0]) for e in entries], finish_reason=str(kind))
+    return Completion(
+        token_ids=token_ids,
+        logprobs=[float(e[0]) for e in entries],
+        finish_reason=str(kind),
+        versions=versions_from_spans(meta.get("weight_versions"), len(token_ids)),
+    )
 
 
 def make_engine(

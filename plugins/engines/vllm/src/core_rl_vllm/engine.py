@@ -2,20 +2,32 @@
 
 What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s):
 
-- generation: ``POST /v1/completions`` with the prompt as token ids, ``n``, ``max_tokens``,
-  ``min_tokens``, ``temperature`` (0 for greedy), ``top_p``, ``top_k`` (0 = off),
-  ``stop_token_ids``, ``logprobs: 0`` and ``return_token_ids`` (vLLM refuses ``n > 1`` with greedy
-  decoding, so a greedy request asks for one sample and repeats it). Servers start with
+- generation: ``POST /inference/v1/generate`` (servers started with ``--enable-scale-out``) with
+  the prompt as ``token_ids`` and ``sampling_params``: ``n``, ``max_tokens``, ``min_tokens``,
+  ``temperature`` (0 for greedy), ``top_p``, ``top_k`` (0 = off), ``stop_token_ids``,
+  ``logprobs: 0``. Its answer labels every output token with the weight version that sampled it
+  (vLLM's spans, set by the weight-update route below), so a sample a weight update changed in
+  place carries both versions, split at the step of the swap. A server at a given URL that does
+  not serve it (403/404) is asked through ``POST /v1/completions`` instead (``return_token_ids``;
+  every token then carries the version the request started under). vLLM refuses ``n > 1`` with
+  greedy decoding, so a greedy request asks for one sample and repeats it. Servers start with
   ``--logprobs-mode processed_logprobs``, so the log-prob of each sampled token is
   ``log_softmax(logits / temperature)``: the train engine's convention (with ``top_k``/``top_p``
   set, vLLM reports the log-prob of the truncated, renormalised distribution instead);
 - pause/resume: ``POST /pause?mode=keep|abort`` (then ``/abort_requests`` for a request that
   arrived just after the pause) and ``POST /resume``;
-- weights from disk: ``POST /collective_rpc`` ``reload_weights(weights_path=...)``, then
-  ``/reset_prefix_cache``;
-- weights over a collective: ``/collective_rpc`` calls of the worker extension this plugin ships
-  (:mod:`core_rl_vllm.server_side.core_rl_vllm_worker`), which joins the trainer's process group
-  and loads the broadcast tensors with vLLM's ``reload_weights``.
+- weight updates: one ``POST /core_rl/update_weights`` per server, a route this plugin adds to the
+  server (:mod:`core_rl_vllm.server_side.core_rl_vllm_routes`, an ASGI middleware): it pauses the
+  scheduler with running requests in place (unless ``pause("keep"|"abort")`` paused the server
+  already), runs the worker RPC that loads the weights, sets vLLM's weight version, drops the
+  prefix cache and resumes, all inside the server. So ``pause("keep")`` pauses nothing by itself
+  (:attr:`~core_rl.remote.ServerRolloutEngine.swaps_in_place`): running requests are frozen only
+  for the swap. The RPC is a method of the worker extension this plugin ships
+  (:mod:`core_rl_vllm.server_side.core_rl_vllm_worker`): ``core_rl_load_dir`` for weights from
+  disk (the directory's safetensors files into vLLM's in-place ``reload_weights``) or
+  ``core_rl_receive_weights`` for weights over a collective (the extension joins the trainer's
+  process group through ``/collective_rpc`` once, and loads the broadcast tensors with
+  ``reload_weights``).
 
 Servers run with ``VLLM_SERVER_DEV_MODE=1`` (which enables ``/collective_rpc``, ``/pause``,
 ``/resume``, ``/reset_prefix_cache``): bind them to a trusted interface only.
@@ -32,7 +44,7 @@ import core_rl.weight_group
 from core_rl.config.schema import RolloutConfig
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SamplingParams
-from core_rl.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post
+from core_rl.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post, versions_from_spans
 from core_rl.server_env import default_variant
 
 from core_rl_vllm.config import VLLMConfig
@@ -40,6 +52,9 @@ from core_rl_vllm.config import VLLMConfig
 SERVED_MODEL_NAME = "core-rl"
 SERVER_SIDE = Path(__file__).with_name("server_side")
 EXTENSION = "core_rl_vllm_worker.WeightSyncExtension"
+MIDDLEWARE = "core_rl_vllm_routes.WeightUpdateRoute"
+UPDATE_ROUTE = "/core_rl/update_weights"
+GENERATE_PATH = "/inference/v1/generate"
 
 
 class VLLMRolloutEngine(ServerRolloutEngine):
@@ -47,10 +62,12 @@ class VLLMRolloutEngine(ServerRolloutEngine):
 
     env_name = "vllm"
     health_path = "/health"
+    swaps_in_place = True
 
     def __init__(self, model_path: str | Path, config: VLLMConfig, run_dir: str | Path) -> None:
         self.config = config
         self.model_name = SERVED_MODEL_NAME
+        self._per_token_versions = True  # generate through GENERATE_PATH (per-token weight versions)
         super().__init__(model_path, config.server, run_dir)
         if config.server.urls:
             self.model_name = self._call(self._served_model(self.endpoints[0].url), timeout=60)
@@ -95,6 +112,9 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             "processed_logprobs",
             "--worker-extension-cls",
             EXTENSION,
+            "--middleware",
+            MIDDLEWARE,
+            "--enable-scale-out",
             "--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching",
             "--enable-chunked-prefill" if c.enable_chunked_prefill else "--no-enable-chunked-prefill",
         ]
@@ -137,9 +157,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         if sampling.greedy and sampling.n > 1:  # vLLM refuses n > 1 when greedy: one answer serves all
             (one,) = await self.request(client, url, prompt_ids, attrs.evolve(sampling, n=1))
             return [attrs.evolve(one) for _ in range(sampling.n)]
-        payload = {
-            "model": self.model_name,
-            "prompt": prompt_ids,
+        params = {
             "n": sampling.n,
             "max_tokens": sampling.max_new_tokens,
             "min_tokens": sampling.min_new_tokens,
@@ -148,9 +166,20 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             "top_k": 0 if sampling.greedy else max(sampling.top_k, 0),
             "stop_token_ids": list(sampling.stop_token_ids),
             "logprobs": 0,
-            "return_token_ids": True,
             "skip_special_tokens": False,
         }
+        if self._per_token_versions:
+            sampling_params = {**params, "detokenize": False}
+            payload = {"model": self.model_name, "token_ids": prompt_ids, "sampling_params": sampling_params}
+            try:
+                body = await json_post(client, url + GENERATE_PATH, payload)
+            except ServerReplyError as exc:
+                if exc.status not in (403, 404):
+                    raise
+                self._per_token_versions = False  # a server without --enable-scale-out
+            else:
+                return _generated(body, url)
+        payload = {"model": self.model_name, "prompt": prompt_ids, **params, "return_token_ids": True}
         body = await json_post(client, url + "/v1/completions", payload)
         try:
             choices = sorted(body["choices"], key=lambda c: c["index"])
@@ -181,15 +210,28 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             {"method": method, **kwargs, "timeout": self.options.weight_sync_timeout},
             timeout=self.options.weight_sync_timeout + 30,
         )
-        results = (body or {}).get("results", []) if isinstance(body, dict) else []
-        errors = [r for r in results if isinstance(r, str) and r.startswith("error")]
-        if errors:
-            raise ServerReplyError(f"{method} failed on {url}: {errors[0][:2000]}")
-        return results
+        return _worker_results(body, method, url)
+
+    async def _update(self, client: Any, url: str, version: int, method: str, **call: Any) -> None:
+        """One weight update through the plugin's route (see the module docstring): the worker
+        RPC ``method`` (``args``/``kwargs`` in ``call``) with the scheduler paused around it."""
+        timeout = self.options.weight_sync_timeout
+        payload = {"method": method, **call, "version": version, "pause": not self.server_paused, "timeout": timeout}
+        try:
+            body = await json_post(client, url + UPDATE_ROUTE, payload, timeout=timeout + 30)
+        except ServerReplyError as exc:
+            if exc.status != 404:
+                raise
+            raise ServerReplyError(
+                f"vLLM server {url} has no {UPDATE_ROUTE} route: a server given in rollout.engine.server.urls must "
+                f"be started as core-rl starts its own (with {SERVER_SIDE} on PYTHONPATH, --middleware {MIDDLEWARE}, "
+                f"--worker-extension-cls {EXTENSION}, --enable-scale-out and VLLM_SERVER_DEV_MODE=1)",
+                404,
+            ) from None
+        _worker_results(body, method, url)
 
     async def reload_from_disk(self, client: Any, url: str, path: str, version: int) -> None:
-        await self._rpc(client, url, "reload_weights", kwargs={"weights_path": str(path)})
-        await json_post(client, url + "/reset_prefix_cache")
+        await self._update(client, url, version, "core_rl_load_dir", args=[json.dumps({"path": str(path)})])
 
     async def join_weight_group(
         self, client: Any, url: str, *, address: str, port: int, rank_offset: int, world_size: int, backend: str
@@ -209,8 +251,40 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         self, client: Any, url: str, *, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int
     ) -> None:
         payload = {"names": names, "dtypes": dtypes, "shapes": shapes}
-        await self._rpc(client, url, "core_rl_receive_weights", args=[json.dumps(payload)])
-        await json_post(client, url + "/reset_prefix_cache")
+        await self._update(client, url, version, "core_rl_receive_weights", args=[json.dumps(payload)])
+
+
+def _worker_results(body: Any, method: str, url: str) -> list[Any]:
+    """The workers' results of a collective RPC answer; a :class:`ServerReplyError` quoting the
+    first that reports an error (the worker extension answers ``"error: ..."`` rather than raise)."""
+    results = body.get("results", []) if isinstance(body, dict) else []
+    errors = [r for r in results if isinstance(r, str) and r.startswith("error")]
+    if errors:
+        raise ServerReplyError(f"{method} failed on {url}: {errors[0][:2000]}")
+    return results
+
+
+def _generated(body: Any, url: str) -> list[Completion]:
+    """The completions of a :data:`GENERATE_PATH` answer, each token with its weight version."""
+    try:
+        choices = sorted(body["choices"], key=lambda c: c["index"])
+        out = []
+        for c in choices:
+            tokens = [int(t) for t in c["token_ids"] or []]
+            entries = (c.get("logprobs") or {}).get("content") or []
+            if len(entries) != len(tokens):
+                raise ValueError(f"{len(tokens)} tokens but {len(entries)} log-probs")
+            out.append(
+                Completion(
+                    token_ids=tokens,
+                    logprobs=[float(e["logprob"]) for e in entries],
+                    finish_reason=_finish_reason(c.get("finish_reason")),
+                    versions=versions_from_spans(c.get("weight_versions"), len(tokens)),
+                )
+            )
+        return out
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ServerReplyError(f"unexpected {GENERATE_PATH} answer from {url}: {exc}: {str(body)[:300]}") from None
 
 
 def _finish_reason(reason: Any) -> str:

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import traceback
+from pathlib import Path
 
 
 def _weight_group():
@@ -26,7 +27,30 @@ def _weight_group():
 
 
 class WeightSyncExtension:
-    """Mixed into vLLM's worker class: join the trainer's weight-update group, receive weights."""
+    """Mixed into vLLM's worker class: load weights from a directory, join the trainer's
+    weight-update group, receive weights."""
+
+    def core_rl_load_dir(self, payload: str) -> str:
+        """``payload``: path, a directory of ``*.safetensors`` files. Reads them with safetensors
+        and loads them with vLLM's in-place ``reload_weights`` (which re-packs what its kernels
+        pre-process); a directory without any is left to ``reload_weights(weights_path=...)``.
+        Reading the files here skips vLLM's model loader, which costs more than the read
+        itself for a small model."""
+        try:
+            from safetensors.torch import load_file
+
+            path = Path(json.loads(payload)["path"])
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                self.reload_weights(weights_path=str(path))
+                return "ok"
+            tensors: dict = {}
+            for f in files:
+                tensors.update(load_file(str(f)))
+            self.reload_weights(weights_iterator=iter(tensors.items()))
+            return "ok"
+        except Exception:
+            return "error: " + traceback.format_exc()
 
     def core_rl_join_group(self, payload: str) -> str:
         """``payload``: address, port, rank_offset, world_size, backend, group_name, timeout_s."""
