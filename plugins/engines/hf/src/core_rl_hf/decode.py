@@ -23,6 +23,7 @@ dropped (``keep``).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -109,6 +110,8 @@ class LeanStepper:
         capacity: int,
     ) -> None:
         self.model = model
+        # the model's own rotary embedding (Llama's and Qwen2's modules each define it)
+        self.apply_rope = sys.modules[type(model).__module__].apply_rotary_pos_emb
         self.layers = list(model.model.layers)
         first = self.layers[0].self_attn
         self.head_dim, self.scaling = first.head_dim, first.scaling
@@ -139,7 +142,6 @@ class LeanStepper:
         mask = self.mask[:, None, None, : t + 1]
         hidden = model.model.embed_tokens(tokens[:, None])  # [B, 1, H]
         cos, sin = model.model.rotary_emb(hidden, self.position_ids)  # [B, 1, head_dim]
-        cos, sin = cos[:, None], sin[:, None]
         batch = hidden.shape[0]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -147,7 +149,7 @@ class LeanStepper:
             q = _linear(attn.q_proj, normed).view(batch, 1, -1, self.head_dim).transpose(1, 2)
             k = _linear(attn.k_proj, normed).view(batch, 1, -1, self.head_dim).transpose(1, 2)
             v = _linear(attn.v_proj, normed).view(batch, 1, -1, self.head_dim).transpose(1, 2)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            q, k = self.apply_rope(q, k, cos, sin)
             self.keys[i][:, :, t : t + 1] = k
             self.values[i][:, :, t : t + 1] = v
             out = F.scaled_dot_product_attention(
@@ -180,12 +182,6 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.float32:
         return norm(x)
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` over the last dimension (rotary embedding's half rotation)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _layer_states(cache: Any, index: int) -> tuple[torch.Tensor, torch.Tensor]:
