@@ -186,8 +186,9 @@ class Roles:
 def build_roles(cfg: RunConfig, host: PluginHost, *, needs_reference: bool, needs_values: bool) -> Roles:
     """Build the reference (when ``needs_reference``: from ``ref:`` or the actor's section, frozen),
     the critic, the teacher and the reward model (from their sections). A critic the algorithm does
-    not use, an algorithm needing values without a critic, or a reward model that
-    :func:`reward_model_problems` refuses is a :class:`~core_rl.errors.ConfigError`."""
+    not use, or an algorithm needing values without a critic, is a
+    :class:`~core_rl.errors.ConfigError`. The role sections' model directories (and
+    :func:`reward_model_problems`) were checked by :func:`core_rl.preflight.preflight`."""
     if needs_values and cfg.critic is None:
         raise ConfigError(
             [
@@ -199,9 +200,6 @@ def build_roles(cfg: RunConfig, host: PluginHost, *, needs_reference: bool, need
         raise ConfigError(
             ["critic: no component of the algorithm uses values (e.g. algorithm.advantage: {name: gae}); remove it"]
         )
-    problems = reward_model_problems(cfg)  # before any model is built
-    if problems:
-        raise ConfigError(problems)
     roles = Roles()
     try:
         if needs_reference:

@@ -59,6 +59,7 @@ from core_rl.kinds import (
     PluginKind,
 )
 from core_rl.plugins import PluginHost
+from core_rl.roles import OPTIONAL_ROLES, role_sections
 
 
 class TypeMismatch(TypeError):
@@ -358,10 +359,8 @@ def structure(data: Any, cls: type, *, path: str = "") -> Any:
 def selected_sections(cfg: RunConfig) -> Iterator[tuple[str, PluginKind, PluginSpec]]:
     """Every plugin section ``cfg`` selects: ``(key path, kind, spec)``."""
     yield "actor.engine", TRAIN_ENGINE, cfg.actor.engine
-    for role in ("ref", "critic", "teacher", "reward_model"):  # core_rl.roles.OPTIONAL_ROLES
-        section = getattr(cfg, role)
-        if section is not None:
-            yield f"{role}.engine", TRAIN_ENGINE, section.engine
+    for role, section in role_sections(cfg):
+        yield f"{role}.engine", TRAIN_ENGINE, section.engine
     yield "rollout.engine", ROLLOUT_ENGINE, cfg.rollout.engine
     yield "rollout.workflow", WORKFLOW, cfg.rollout.workflow
     if cfg.algorithm.advantage is not None:
@@ -445,10 +444,7 @@ def _nested_section_problems(host: PluginHost, config: Any, path: str, run: RunC
 
 _RAW_SPEC_PATHS: tuple[tuple[tuple[str, ...], PluginKind, bool], ...] = (
     (("actor", "engine"), TRAIN_ENGINE, False),
-    (("ref", "engine"), TRAIN_ENGINE, False),
-    (("critic", "engine"), TRAIN_ENGINE, False),
-    (("teacher", "engine"), TRAIN_ENGINE, False),
-    (("reward_model", "engine"), TRAIN_ENGINE, False),
+    *(((role, "engine"), TRAIN_ENGINE, False) for role in OPTIONAL_ROLES),
     (("rollout", "engine"), ROLLOUT_ENGINE, False),
     (("rollout", "workflow"), WORKFLOW, False),
     (("algorithm", "advantage"), ADVANTAGE, False),

@@ -349,14 +349,14 @@ class SyncTrainer(TrainingLoop):
         every, k = self.cfg.sample_log.every_n_steps, min(self.cfg.sample_log.num_samples, len(inputs))
         if not every or step % every or not k:
             return
-        row_of = {item: row for row, item in enumerate(result.kept)} if model_scores is not None else {}
+        score_of = dict(zip(result.kept, model_scores)) if model_scores is not None else {}
         records = []
         for i in sorted({j * len(inputs) // k for j in range(k)}):
             reward = float("nan") if result.scores[i] is None else float(result.scores[i])  # type: ignore[arg-type]
             parts = {name: float(values[i]) for name, values in result.parts.items()}
-            if i in row_of and model_scores is not None and self.cfg.reward_model is not None:
-                parts["reward_model"] = model_scores[row_of[i]]
-                reward += self.cfg.reward_model.coef * model_scores[row_of[i]]
+            if i in score_of and self.reward_stage is not None:
+                parts["reward_model"] = score_of[i]
+                reward += self.reward_stage.config.coef * score_of[i]
             records.append(
                 SampleRecord(
                     prompt=inputs[i].prompt_text,
