@@ -18,9 +18,10 @@ turns it on by default: less memory, a second forward in the backward pass; core
 autocast with float32 weights, gradients and optimizer state, TRL's default (its ``bf16=True``:
 accelerate's CPU autocast) and core-rl's ``actor.engine.autocast_dtype: bfloat16``; ``fp32`` turns
 it off on both sides (TRL ``bf16=False``; core-rl's default); ``defaults`` leaves each framework's
-own (TRL bf16 autocast, core-rl float32). Weights are float32 everywhere; TRL generates under the
-same autocast (accelerate wraps the model's forward), core-rl's ``hf`` engine generates in float32
-(bfloat16 decoding of these small batches measured slower on CPU).
+own (TRL bf16 autocast, core-rl float32). Weights are float32 everywhere. Generation runs at the
+same precision as training on both sides: TRL generates under its autocast (accelerate wraps the
+model's forward), core-rl's ``hf`` engine with ``rollout.engine.autocast_dtype: bfloat16`` under
+``bf16`` (its projections in bfloat16, attention in float32, as its training forward).
 
 Every run is a fresh process (so peak resident memory is that run's own). Runs alternate
 core-rl / TRL (ABAB..., the order flipping every round) so that load from other jobs on the machine
@@ -175,7 +176,7 @@ def core_rl_worker(spec: dict) -> dict:
             "gradient_checkpointing": spec.get("activation_checkpointing") == "on",
         },
         "rollout": {
-            "engine": {"name": "hf"},
+            "engine": {"name": "hf", **({"autocast_dtype": "bfloat16"} if spec.get("precision") == "bf16" else {})},
             "sampling": {"n": wl.samples, "temperature": 1.0, "max_new_tokens": wl.tokens, "min_new_tokens": wl.tokens},
         },
         "algorithm": {"name": "grpo", "loss": {"name": "ppo_clip", "eps_clip": EPS_CLIP, "aggregation": "token-mean"}},

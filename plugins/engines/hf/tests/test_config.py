@@ -24,6 +24,8 @@ def test_valid_options() -> None:
     cfg = _load(dtype="bfloat16", device="cuda:1", max_batch_size=8, seed=3)
     assert (cfg.dtype, cfg.device, cfg.max_batch_size, cfg.seed) == ("bfloat16", "cuda:1", 8, 3)
     assert _load(seed=None).seed is None
+    assert _load().autocast_dtype is None
+    assert _load(autocast_dtype="bfloat16").autocast_dtype == "bfloat16"
 
 
 @pytest.mark.parametrize(
@@ -36,6 +38,7 @@ def test_valid_options() -> None:
         ({"seed": -1}, r"rollout.engine.seed: must be in \[0, "),
         ({"seed": "seven"}, "rollout.engine.seed"),
         ({"max_batch_size": 2.5}, "rollout.engine.max_batch_size: expected an integer"),
+        ({"autocast_dtype": "float16"}, "rollout.engine.autocast_dtype: must be one of 'bfloat16'"),
     ],
 )
 def test_invalid_options(options: dict[str, object], message: str) -> None:

@@ -1,6 +1,7 @@
 """The lean decoding path (``core_rl_hf.decode.LeanStepper``) against the model's own forward:
 the same next-token logits step by step (left padding, grouped-query attention, q/k/v biases,
-dropped rows), the same generations, and the fall-back for architectures it does not cover."""
+dropped rows), in float32 and in mixed precision (``compute_dtype``), the same generations, and the
+fall-back for architectures it does not cover."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from core_rl.engine_utils import attention
 from core_rl.interfaces import SamplingParams
 from core_rl_hf.config import HFRolloutConfig
-from core_rl_hf.decode import LeanStepper, TransformersStepper, lean_supported, make_stepper
+from core_rl_hf.decode import LeanStepper, TransformersStepper, lean_supported, make_stepper, mixed_precision
 from core_rl_hf.engine import HFRolloutEngine
 from core_rl_hf.generation import left_pad
 
@@ -45,10 +47,18 @@ MODELS = {
 }
 
 
-def _prefilled(model: torch.nn.Module, kind: type, prompts: list[list[int]], capacity: int):
+def _prefilled(
+    model: torch.nn.Module,
+    kind: type,
+    prompts: list[list[int]],
+    capacity: int,
+    compute_dtype: torch.dtype | None = None,
+):
     input_ids, mask, positions = left_pad(prompts, 0, torch.device("cpu"))
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
-    return kind(model, out.past_key_values, mask, positions[:, -1:], capacity), out.logits[:, -1]
+    with mixed_precision(model, compute_dtype):
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    stepper = kind(model, out.past_key_values, mask, positions[:, -1:], capacity, compute_dtype)
+    return stepper, out.logits[:, -1]
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -73,6 +83,41 @@ def test_lean_steps_give_the_forwards_logits(name: str) -> None:
         assert got.shape == (rows, VOCAB)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     assert first.shape == (len(prompts), VOCAB)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@torch.inference_mode()
+def test_mixed_precision_steps_give_the_autocast_forwards_logits(name: str) -> None:
+    """With ``compute_dtype=bfloat16`` the lean steps (bf16 projections on fused weight copies,
+    float32 attention over float32 keys/values) give the logits of the model's forward under
+    bf16 autocast with the ``sdpa_float32`` attention, the training forward's arithmetic; they
+    differ from the float32 logits by far more than from that forward."""
+    model = MODELS[name]()
+    model.set_attn_implementation(attention.register())
+    prompts = [[1, 5, 6, 7, 8], [1, 9], [1, 10, 11], [3]]
+    bf16 = torch.bfloat16
+    lean, _ = _prefilled(model, LeanStepper, prompts, capacity=16, compute_dtype=bf16)
+    plain, _ = _prefilled(model, TransformersStepper, prompts, capacity=16, compute_dtype=bf16)
+    full_precision, _ = _prefilled(model, LeanStepper, prompts, capacity=16)
+    generator = torch.Generator().manual_seed(1)
+    rows, same, differs, total = len(prompts), 0, 0, 0
+    for step in range(9):
+        if step == 4:
+            keep = torch.tensor([0, 2])
+            for stepper in (lean, plain, full_precision):
+                stepper.keep(keep)
+            rows = 2
+        tokens = torch.randint(0, VOCAB, (rows,), generator=generator)
+        expected = plain.step(tokens)
+        got = lean.step(tokens)
+        assert got.dtype == torch.float32 and got.shape == (rows, VOCAB)
+        # bf16 logits: summation order may flip the last bit of a few (one bf16 step, 2^-7 relative)
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=2**-7)
+        same += int((got == expected).sum())
+        differs += int((got != full_precision.step(tokens)).sum())
+        total += got.numel()
+    assert same >= 0.9 * total
+    assert differs >= 0.9 * total  # the projections really ran in bfloat16
 
 
 @torch.inference_mode()

@@ -46,7 +46,7 @@ class FSDPConfig:
     - ``attn_implementation``: passed to ``from_pretrained`` (e.g. ``sdpa``, ``eager``,
       ``flash_attention_2``); ``auto`` is ``flash_attention_2`` on a GPU with flash-attn installed
       (``pip install "core-rl-fsdp[flash-attn]"``), else ``sdpa``, except on a CPU with
-      ``autocast_dtype`` set, where it is ``sdpa_float32`` (:mod:`core_rl_fsdp.attention`: SDPA in
+      ``autocast_dtype`` set, where it is ``sdpa_float32`` (:mod:`core_rl.engine_utils.attention`: SDPA in
       float32 inside the autocast region, whose bfloat16 backward is slow on CPU); ``None`` keeps
       the transformers default.
     - ``load_on_rank0``: with several ranks, only rank 0 reads the weights; the others build the

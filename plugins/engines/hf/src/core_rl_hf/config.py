@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     from core_rl.config.checks import EnvironmentContext
 
 
+#: dtypes accepted by ``autocast_dtype`` (``None``: off)
+AUTOCAST_DTYPES = ("bfloat16",)
 #: device types the engine generates on
 DEVICE_TYPES = ("cpu", "cuda", "mps")
 
@@ -43,6 +45,14 @@ class HFRolloutConfig:
     - ``decoder``: how each one-token decoding step runs: ``auto`` takes the lean path of
       :mod:`core_rl_hf.decode` for Llama and Qwen2 models (the same logits, less per-step work)
       and the model's own forward for other architectures; ``transformers`` always uses the forward.
+    - ``autocast_dtype``: generate in mixed precision, the arithmetic of the train engines'
+      ``autocast_dtype``: matrix products in ``bfloat16`` on the stored weights (rounded once per
+      ``generate`` call), embeddings, norms, rotary embeddings, attention, the residual stream and
+      sampling in the weights' dtype. On a CPU the model then attends with ``sdpa_float32``
+      (:mod:`core_rl.engine_utils.attention`), so the behaviour log-probs are those of an actor
+      trained with ``actor.engine.autocast_dtype`` (up to summation order). On CPUs with native
+      bfloat16 (AVX512-BF16, AMX) the projections run about twice as fast. ``None`` (default):
+      generate in the weights' dtype.
     """
 
     dtype: str = attrs.field(default="float32", validator=one_of(DTYPES))
@@ -50,6 +60,7 @@ class HFRolloutConfig:
     max_batch_size: int = attrs.field(default=256, validator=in_range(1, MAX_COUNT))
     seed: int | None = attrs.field(default=None, validator=in_range(0, 2**63 - 1))
     decoder: str = attrs.field(default="auto", validator=one_of(("auto", "transformers")))
+    autocast_dtype: str | None = attrs.field(default=None, validator=one_of(AUTOCAST_DTYPES))
 
     def check_environment(self, context: EnvironmentContext) -> list[str]:
         """The device against what the machine has."""

@@ -17,15 +17,24 @@ small interface (``step(tokens, done) -> logits [B, V]``, ``keep(rows)``):
   which was about 40% of a decode step on small models on CPU. Its logits equal the transformers
   forward's up to float rounding (tests compare them).
 
+Mixed precision (``compute_dtype``, the engine's ``autocast_dtype``): :class:`LeanStepper` runs
+the projections (q/k/v/o, the MLP, the output head) on copies of their weights in that dtype, made
+once per stepper, and keeps the embeddings, norms, rotary embedding, attention (and its key/value
+buffers) and the residual stream in the weights' dtype: the arithmetic of a forward under
+``torch.autocast`` with the ``sdpa_float32`` attention (:mod:`core_rl.engine_utils.attention`).
+:class:`TransformersStepper` runs the forward under ``torch.autocast``.
+
 A row whose response is finished is fed a filler token whose outputs are discarded until it is
 dropped (``keep``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
+import attrs
 import torch
 import torch.nn.functional as F
 
@@ -68,10 +77,12 @@ class TransformersStepper:
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         capacity: int,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.cache = preallocate(cache, capacity)  # written in place, not concatenated
         self.attention_mask, self.position_ids = attention_mask, position_ids
+        self.compute_dtype = compute_dtype
 
     def keep(self, rows: torch.Tensor) -> None:
         self.cache.reorder_cache(rows)
@@ -81,14 +92,15 @@ class TransformersStepper:
         """Feed ``tokens`` [B] (one per row); return the next-token logits [B, V] (float32)."""
         self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones((len(tokens), 1))], dim=1)
         self.position_ids = self.position_ids + 1
-        out = self.model(
-            input_ids=tokens[:, None],
-            attention_mask=self.attention_mask,
-            position_ids=self.position_ids,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with mixed_precision(self.model, self.compute_dtype):
+            out = self.model(
+                input_ids=tokens[:, None],
+                attention_mask=self.attention_mask,
+                position_ids=self.position_ids,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         self.cache = out.past_key_values
         return out.logits[:, -1].float()
 
@@ -108,8 +120,13 @@ class LeanStepper:
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         capacity: int,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
+        self.state_dtype = model.lm_head.weight.dtype  # residual stream, norms, rotary, attention
+        self.dtype = compute_dtype or self.state_dtype  # the projections
+        self.weights = [_layer_weights(layer, self.dtype) for layer in model.model.layers]
+        self.head_weight = model.lm_head.weight.to(self.dtype)
         # the model's own rotary embedding (Llama's and Qwen2's modules each define it)
         self.apply_rope = sys.modules[type(model).__module__].apply_rotary_pos_emb
         self.layers = list(model.model.layers)
@@ -121,8 +138,8 @@ class LeanStepper:
         self.keys, self.values = [], []
         for i in range(len(self.layers)):
             keys, values = _layer_states(cache, i)
-            self.keys.append(with_room(keys, capacity))
-            self.values.append(with_room(values, capacity))
+            self.keys.append(with_room(keys.to(self.state_dtype), capacity))
+            self.values.append(with_room(values.to(self.state_dtype), capacity))
         self.mask = attention_mask.new_zeros((rows, capacity), dtype=torch.bool)
         self.mask[:, :length] = attention_mask.bool()
         self.length = length
@@ -142,14 +159,15 @@ class LeanStepper:
         mask = self.mask[:, None, None, : t + 1]
         hidden = model.model.embed_tokens(tokens[:, None])  # [B, 1, H]
         cos, sin = model.model.rotary_emb(hidden, self.position_ids)  # [B, 1, head_dim]
-        batch = hidden.shape[0]
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            normed = _rms_norm(layer.input_layernorm, hidden)
-            q = _linear(attn.q_proj, normed).view(batch, 1, -1, self.head_dim).transpose(1, 2)
-            k = _linear(attn.k_proj, normed).view(batch, 1, -1, self.head_dim).transpose(1, 2)
-            v = _linear(attn.v_proj, normed).view(batch, 1, -1, self.head_dim).transpose(1, 2)
+        batch, dtype = hidden.shape[0], self.dtype
+        for i, (layer, w) in enumerate(zip(self.layers, self.weights)):
+            normed = _rms_norm(layer.input_layernorm, hidden).to(dtype)
+            q, k, v = w.qkv(normed)
+            q = q.view(batch, 1, -1, self.head_dim).transpose(1, 2)
+            k = k.view(batch, 1, -1, self.head_dim).transpose(1, 2)
+            v = v.view(batch, 1, -1, self.head_dim).transpose(1, 2)
             q, k = self.apply_rope(q, k, cos, sin)
+            q, k, v = q.to(self.state_dtype), k.to(self.state_dtype), v.to(self.state_dtype)
             self.keys[i][:, :, t : t + 1] = k
             self.values[i][:, :, t : t + 1] = v
             out = F.scaled_dot_product_attention(
@@ -160,19 +178,63 @@ class LeanStepper:
                 scale=self.scaling,
                 enable_gqa=self.gqa,
             )
-            hidden = hidden + _linear(attn.o_proj, out.transpose(1, 2).reshape(batch, 1, -1))
-            mlp = layer.mlp
-            normed = _rms_norm(layer.post_attention_layernorm, hidden)
-            hidden = hidden + _linear(
-                mlp.down_proj, F.silu(_linear(mlp.gate_proj, normed)) * _linear(mlp.up_proj, normed)
-            )
-        hidden = _rms_norm(model.model.norm, hidden)
-        return model.lm_head(hidden)[:, -1].float()
+            (attended,) = w.o(out.transpose(1, 2).reshape(batch, 1, -1).to(dtype))
+            hidden = hidden + attended
+            normed = _rms_norm(layer.post_attention_layernorm, hidden).to(dtype)
+            gate, up = w.gate_up(normed)
+            (mlp_out,) = w.down(F.silu(gate) * up)
+            hidden = hidden + mlp_out
+        hidden = _rms_norm(model.model.norm, hidden).to(dtype)
+        return F.linear(hidden, self.head_weight)[:, -1].float()
 
 
-def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` without the module call's dispatch (the same kernel on the same weights)."""
-    return F.linear(x, module.weight, module.bias)
+@attrs.frozen
+class _Projections:
+    """Linear maps of one input: ``len(sizes)`` outputs from one matrix product on concatenated
+    weights (``weight``/``bias`` hold one tensor), or from one product each."""
+
+    weights: tuple[torch.Tensor, ...]
+    biases: tuple[torch.Tensor | None, ...]
+    sizes: tuple[int, ...]
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if len(self.weights) == 1:
+            return F.linear(x, self.weights[0], self.biases[0]).split(self.sizes, dim=-1)
+        return tuple(F.linear(x, w, b) for w, b in zip(self.weights, self.biases))
+
+
+def _projections(modules: list[torch.nn.Linear], dtype: torch.dtype) -> _Projections:
+    """``modules`` in ``dtype``: fused into one matrix when that needs a copy anyway (``dtype`` is not
+    the weights' own), else the modules' own parameters (no copy of the weights)."""
+    sizes = tuple(m.out_features for m in modules)
+    weights = [m.weight.detach() for m in modules]
+    biases = [None if m.bias is None else m.bias.detach() for m in modules]
+    if weights[0].dtype == dtype:
+        return _Projections(tuple(weights), tuple(biases), sizes)
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b if b is not None else w.new_zeros(len(w)) for w, b in zip(weights, biases)]).to(dtype)
+    return _Projections((torch.cat(weights).to(dtype),), (bias,), sizes)
+
+
+@attrs.frozen
+class _LayerWeights:
+    """One decoder layer's projections in the stepper's compute dtype."""
+
+    qkv: _Projections
+    o: _Projections
+    gate_up: _Projections
+    down: _Projections
+
+
+def _layer_weights(layer: torch.nn.Module, dtype: torch.dtype) -> _LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    return _LayerWeights(
+        qkv=_projections([attn.q_proj, attn.k_proj, attn.v_proj], dtype),
+        o=_projections([attn.o_proj], dtype),
+        gate_up=_projections([mlp.gate_proj, mlp.up_proj], dtype),
+        down=_projections([mlp.down_proj], dtype),
+    )
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -201,7 +263,17 @@ def make_stepper(
     capacity: int,
     *,
     lean: bool,
+    compute_dtype: torch.dtype | None = None,
 ) -> TransformersStepper | LeanStepper:
     """:class:`LeanStepper` when ``lean`` and :func:`lean_supported`, else :class:`TransformersStepper`."""
     kind = LeanStepper if lean and lean_supported(model) else TransformersStepper
-    return kind(model, cache, attention_mask, position_ids, capacity)
+    return kind(model, cache, attention_mask, position_ids, capacity, compute_dtype)
+
+
+def mixed_precision(model: torch.nn.Module, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+    """``torch.autocast`` in ``dtype`` on the model's device when ``dtype`` is set and differs from
+    the weights' dtype; otherwise nothing."""
+    weight = next(model.parameters())
+    if dtype is None or dtype == weight.dtype:
+        return contextlib.nullcontext()
+    return torch.autocast(weight.device.type, dtype=dtype)

@@ -29,6 +29,7 @@ import attrs
 import torch
 from core_rl.checkpointing import generator_state, set_generator_state
 from core_rl.config.schema import RolloutConfig
+from core_rl.engine_utils import attention
 from core_rl.errors import ConfigError
 from core_rl.interfaces import PAUSE_MODES, RolloutEngine, SamplingParams
 from core_rl.protocol import Sample
@@ -102,7 +103,11 @@ class HFRolloutEngine(RolloutEngine):
 
         self.config = config
         self.device = resolve_device(config.device)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, config.dtype))
+        self.compute_dtype = getattr(torch, config.autocast_dtype) if config.autocast_dtype else None
+        load: dict[str, Any] = {}
+        if self.compute_dtype is not None and self.device.type == "cpu":
+            load["attn_implementation"] = attention.register()  # the fsdp engine's autocast attention
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, config.dtype), **load)
         self._model: torch.nn.Module | None = model.to(self.device).eval()
         try:
             tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -197,6 +202,7 @@ class HFRolloutEngine(RolloutEngine):
                 generator=self.generator,
                 interrupted=self._abort.is_set,
                 lean=self.config.decoder == "auto",
+                compute_dtype=self.compute_dtype,
             )
             for (i, _), out in zip(chunk, outs):
                 completions[i].extend(out)

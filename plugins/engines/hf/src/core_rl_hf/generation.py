@@ -29,7 +29,7 @@ import attrs
 import torch
 from core_rl.interfaces import SamplingParams
 
-from core_rl_hf.decode import make_stepper
+from core_rl_hf.decode import make_stepper, mixed_precision
 from core_rl_hf.sampling import choose_tokens
 
 
@@ -73,6 +73,7 @@ def generate_batch(
     generator: torch.Generator | None = None,
     interrupted: Callable[[], bool] | None = None,
     lean: bool = True,
+    compute_dtype: torch.dtype | None = None,
 ) -> list[list[Completion]]:
     """``counts[i]`` responses to each (non-empty) ``prompts[i]``, all generated as one batch; see
     the module docstring. ``sampling.n`` is ignored (``counts`` says how many). ``lean``: decode
@@ -81,19 +82,22 @@ def generate_batch(
     stop_ids = sorted(set(eos_token_ids) | set(sampling.stop_token_ids))
     stop_tensor = torch.as_tensor(stop_ids, dtype=torch.long, device=device)
     input_ids, attention_mask, position_ids = left_pad(prompts, pad_token_id, device)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    with mixed_precision(model, compute_dtype):
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+        )
     # one row per sample: repeat each prompt's cache, mask and logits counts[i] times
     rows = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.as_tensor(counts, device=device))
     cache = out.past_key_values
     cache.reorder_cache(rows)
     capacity = input_ids.shape[1] + sampling.max_new_tokens
-    stepper = make_stepper(model, cache, attention_mask[rows], position_ids[rows, -1:], capacity, lean=lean)
+    stepper = make_stepper(
+        model, cache, attention_mask[rows], position_ids[rows, -1:], capacity, lean=lean, compute_dtype=compute_dtype
+    )
     logits = out.logits[rows, -1].float()
     del out, cache
 
