@@ -28,8 +28,10 @@ core-rl / TRL (ABAB..., the order flipping every round) so that load from other 
 falls on both alike; the ratio of medians is the comparable figure when absolute times are noisy.
 
 Per step: the median step time over all steps after each run's first (the first pays one-off
-costs: allocator warm-up, lazy imports), and the split of that time into generation, log-prob
-recomputation, training (forward/backward/optimizer), weight sync and other (rewards, batching).
+costs: allocator warm-up, lazy imports, and with ``--compile`` core-rl's compilation; the ``first``
+column shows it), and the split of that time into generation, log-prob recomputation, training
+(forward/backward/optimizer), weight sync and other (rewards, batching). ``--compile`` sets
+core-rl's ``actor.engine.compile``; TRL keeps its defaults (eager).
 
 TRL is a benchmark dependency only: it is installed (with the local CPU torch) into its own
 environment under ``$CORE_RL_HOME/server-envs/bench-trl-cpu-<hash>`` the first time the script
@@ -169,7 +171,11 @@ def core_rl_worker(spec: dict) -> dict:
         "data": {"train_files": [spec["data"]], "prompt_key": "prompt", "batch_size": wl.prompts, "shuffle": False},
         "actor": {
             "model_path": spec["model"],
-            "engine": {"name": "fsdp", **({"autocast_dtype": "bfloat16"} if spec.get("precision") == "bf16" else {})},
+            "engine": {
+                "name": "fsdp",
+                **({"autocast_dtype": "bfloat16"} if spec.get("precision") == "bf16" else {}),
+                **({"compile": True} if spec.get("compile") else {}),
+            },
             "optimizer": {"name": "adamw", "lr": LR},
             "lr_scheduler": {"name": "constant"},
             "grad_clip": GRAD_CLIP,
@@ -423,6 +429,7 @@ class Summary:
     """Medians over the steps after each run's first, and the largest peak RSS of the runs."""
 
     step: float
+    first_step: float  # median over runs of the first step (one-off costs: warm-up, compilation)
     split: dict[str, float]
     peak_rss_mib: float
     runs: int
@@ -432,6 +439,7 @@ def summarise(results: list[dict]) -> Summary:
     steps = [s for r in results for s in r["steps"][1:]] or [s for r in results for s in r["steps"]]
     return Summary(
         step=statistics.median(s["step"] for s in steps),
+        first_step=statistics.median(r["steps"][0]["step"] for r in results if r["steps"]),
         split={p: statistics.median(s[p] for s in steps) for p in PHASES + CPU_PHASES if all(p in s for s in steps)},
         peak_rss_mib=max(r["peak_rss_mib"] for r in results),
         runs=len(results),
@@ -455,6 +463,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=("bf16", "fp32", "defaults"),
         default="bf16",
         help="training forward precision for both: bf16 autocast (TRL's default), fp32, or each framework's own",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="core-rl trains a torch.compile'd model (actor.engine.compile; its first step pays the compilation)",
     )
     parser.add_argument("--no-trl", action="store_true", help="run core-rl only")
     parser.add_argument("--no-install", action="store_true", help="skip TRL if its environment is not built yet")
@@ -486,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"GRPO step, {args.threads} torch thread(s), {args.steps} steps per run ({args.steps - 1} timed), "
         f"{args.rounds} alternating round(s) per workload; activation checkpointing: {args.activation_checkpointing}; "
-        f"precision: {args.precision}; "
+        f"precision: {args.precision}; core-rl torch.compile: {'on' if args.compile else 'off'}; "
         f"work dir {root}",
         flush=True,
     )
@@ -505,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
             "threads": args.threads,
             "activation_checkpointing": args.activation_checkpointing,
             "precision": args.precision,
+            "compile": args.compile,
         }
         sides = [("core-rl", args.core_python)] + ([("trl", str(trl_py))] if trl_py else [])
         results: dict[str, list[dict]] = {k: [] for k, _ in sides}
@@ -522,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(table: list[tuple[Workload, int, dict[str, Summary]]]) -> None:
     header = (
-        f"{'workload':<30}{'framework':<10}{'s/step':>8}{'generate':>10}{'logprobs':>10}{'train':>8}"
+        f"{'workload':<30}{'framework':<10}{'s/step':>8}{'first':>7}{'generate':>10}{'logprobs':>10}{'train':>8}"
         f"{'sync':>7}{'other':>7}{'peak MiB':>10}{'vs TRL':>8}{'':<8}"
         f"{'cpu s':>7}{'rollout':>8}{'update':>8}{'vs TRL':>8}"
     )
@@ -536,7 +550,7 @@ def print_table(table: list[tuple[Workload, int, dict[str, Summary]]]) -> None:
             ratio = f"{s.step / trl.step:.2f}x" if trl is not None else "-"
             mem = f" ({s.peak_rss_mib / trl.peak_rss_mib:.2f}x)" if trl is not None and kind != "trl" else ""
             print(
-                f"{label:<30}{kind:<10}{s.step:>8.3f}{s.split['generate']:>10.3f}{s.split['logprobs']:>10.3f}"
+                f"{label:<30}{kind:<10}{s.step:>8.3f}{s.first_step:>7.1f}{s.split['generate']:>10.3f}{s.split['logprobs']:>10.3f}"
                 f"{s.split['train']:>8.3f}{s.split['weight_sync']:>7.3f}{s.split['other']:>7.3f}"
                 f"{s.peak_rss_mib:>10.0f}{ratio:>8}{mem:<8}{_cpu_columns(s, trl)}"
             )

@@ -56,6 +56,13 @@ class FSDPConfig:
       nothing to shard or reduce, yet its hooks, DTensor parameters and copies cost more than the
       step's compute on a small model; so by default such a run trains the plain module (same
       parameters, same gradients, same optimizer). ``True`` wraps it with ``fully_shard`` anyway.
+    - ``compile``: ``torch.compile`` the model (inductor, dynamic shapes; the whole plain module of
+      a one-rank run, else each FSDP unit). It fuses the element-wise work around the matrix
+      products (norms, rotary embeddings, activations, autocast casts). The first forward of each
+      mode (training, log-probs) pays the compilation: about 40 s for a 3M-parameter model on a
+      2-core CPU (inductor caches it across runs), against about 25% less time per micro-batch
+      there afterwards. Results differ from eager ones by float rounding (fused kernels), and
+      stay deterministic for a seed. Needs a C++ compiler on CPU (inductor).
     """
 
     #: the model heads this engine builds (:data:`core_rl.interfaces.HEADS`): a critic needs ``value``
@@ -71,6 +78,7 @@ class FSDPConfig:
     attn_implementation: str | None = "auto"
     load_on_rank0: bool = True
     shard_single_rank: bool = False
+    compile: bool = False
 
     def check_config(self, context: SectionContext) -> list[str]:
         """Settings of the run this engine cannot train with."""

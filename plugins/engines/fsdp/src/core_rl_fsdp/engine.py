@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from core_rl_fsdp import attention
 from core_rl_fsdp import distributed as dist_utils
 from core_rl_fsdp.config import FSDPConfig
-from core_rl_fsdp.model import FSDPModule, build_model
+from core_rl_fsdp.model import FSDPModule, build_model, compile_model
 
 CHECKPOINT_FORMAT = 2  # 2: full state in safetensors + JSON (1 was a pickled DCP)
 
@@ -78,6 +78,8 @@ class FSDPEngine(EngineState, TrainEngine):
             attn_implementation=attn,
             head=head,
         )
+        if self.config.compile:
+            compile_model(self.model, self.config, self.world_size)
         hf_model = lora.base_model(self.model)
         self._architectures = [exported_architecture(architecture_name(hf_model), head)]
         self._pad_id = int(hf_model.config.pad_token_id) if hf_model.config.pad_token_id is not None else 0

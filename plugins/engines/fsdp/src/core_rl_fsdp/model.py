@@ -115,3 +115,16 @@ def shard_model(model: nn.Module, mesh: object, config: FSDPConfig, device: torc
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def compile_model(model: nn.Module, config: FSDPConfig, world_size: int) -> list[nn.Module]:
+    """``torch.compile`` (inductor, dynamic shapes) in place, keeping parameter names: the whole
+    plain one-rank module, or, when FSDP wraps it, each of its units (:func:`shard_units`, or the
+    root for ``wrap: root``) so FSDP's hooks run between compiled graphs. Returns what was compiled."""
+    if not needs_fsdp(config, world_size):
+        targets = [model]
+    else:
+        targets = shard_units(model, config.wrap) or [model]
+    for target in targets:
+        target.compile(dynamic=True)
+    return targets
