@@ -62,3 +62,25 @@ def test_checkpoint_latest_and_prune(tmp_path):
     assert checkpoints.checkpoint_dir(tmp_path, 2) in removed
     assert checkpoints.checkpoint_dir(tmp_path, 6).is_dir()
     assert checkpoints.latest_checkpoint(tmp_path) == checkpoints.checkpoint_dir(tmp_path, 6)
+
+
+def test_library_progress_bars_are_quiet_without_importing_datasets() -> None:
+    """A run silences ``datasets``'s bars through its environment variable, so it does not import
+    ``datasets`` (about 86 MiB resident) just for that; once imported, its bars are off."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from core_rl.trainer.sync import _quiet_library_progress_bars\n"
+        "_quiet_library_progress_bars()\n"
+        "assert 'datasets' not in sys.modules, 'datasets was imported'\n"
+        "import transformers\n"
+        "assert not transformers.utils.logging.is_progress_bar_enabled()\n"
+        "import datasets\n"
+        "assert datasets.utils.are_progress_bars_disabled()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HF_DATASETS_DISABLE_PROGRESS_BARS"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -236,9 +236,9 @@ class MicroBatchConfig:
       layout, the sum of the rows' lengths in the packed one (a single longer row runs alone);
       ``min_num_mb``: at least this many micro-batches. The budget bounds the activations kept
       for backward (they grow with the tokens of one micro-batch, not of the batch); the default
-      1024 keeps the matrix products large enough to run near full speed on CPU and small GPU
-      models (the TRL benchmark's updates took the same time as with 8192, with 30-40% less peak
-      memory); raise it for throughput on a GPU with memory to spare.
+      768 keeps the matrix products large enough to run near full speed on CPU and small GPU
+      models (the TRL benchmark's updates took the same time as with 1024 or 8192, with 10-15% and
+      30-40% less peak memory); raise it for throughput on a GPU with memory to spare.
     - ``packing_algorithm``: ``ffd`` (first-fit-decreasing: few micro-batches, rows of similar
       length together), ``kk`` (Karmarkar-Karp: micro-batches of nearly equal token load) or
       ``greedy`` (consecutive rows in batch order).
@@ -250,7 +250,7 @@ class MicroBatchConfig:
       tokens (Karmarkar-Karp over row lengths); ``strided`` gives rank ``r`` rows ``r, r+W, ...``.
     """
 
-    max_tokens_per_mb: int = attrs.field(default=1024, validator=in_range(1, MAX_TOKENS))
+    max_tokens_per_mb: int = attrs.field(default=768, validator=in_range(1, MAX_TOKENS))
     min_num_mb: int = attrs.field(default=1, validator=in_range(1, MAX_COUNT))
     packing_algorithm: str = attrs.field(default="ffd", validator=one_of(("ffd", "kk", "greedy")))
     layout: str = attrs.field(default="auto", validator=one_of(("auto", "padded", "packed")))

@@ -24,6 +24,7 @@ restores every RNG the run uses, the data position, the rollout engine's state a
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import sys
 import time
@@ -102,11 +103,15 @@ def build_loggers(cfg: RunConfig, host: PluginHost) -> list[Logger]:
 
 
 def _quiet_library_progress_bars() -> None:
-    """The console logger is the run's progress bar; silence the per-load bars of libraries."""
-    import datasets
+    """The console logger is the run's progress bar; silence the per-load bars of libraries.
+    ``datasets`` is told through its environment variable unless a plugin imported it already:
+    importing it only to switch its bars off cost about 86 MiB of resident memory per run."""
     import transformers
 
-    datasets.disable_progress_bars()
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    datasets = sys.modules.get("datasets")
+    if datasets is not None:
+        datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
 
 

@@ -141,6 +141,7 @@ class HFRolloutEngine(RolloutEngine):
         check_sampling(sampling)
         self._check_prompts(prompts)
         with self._running():
+            release_host_memory()  # the update's activations are freed: give their pages back first
             groups = self._generate_locked(prompts, sampling)
             release_host_memory()  # the KV cache is freed: give free pages back before the update
         aborted = [s for group in groups for s in group if s.finish_reason == "abort"]
