@@ -352,3 +352,25 @@ def test_config_validate_runs_the_preflight_on_request(tmp_path, model, data, ca
     (tmp_path / "runs").write_text("a file where the output directory should be")
     assert cli.main(["config", "validate", "--preflight", path]) == 2
     assert "experiment.output_dir: cannot create or write the run directory" in capsys.readouterr().err
+
+
+def test_role_models_must_share_the_policys_tokenizer(tmp_path, model, data):
+    """A teacher, critic or ref reads the policy's token ids: another vocabulary, or an embedding
+    without a row for each of the policy's ids, stops the run before any model loads; a copy of
+    the policy's model in another directory passes (compared by vocabulary, not by path)."""
+    other = build_tiny_model(tmp_path / "other", alphabet="cba=", hidden_size=16, num_heads=2)
+    same = Path(shutil.copytree(model, tmp_path / "same"))
+    small = build_tiny_model(tmp_path / "small", alphabet="abc=", hidden_size=16, num_heads=2)
+    config = json.loads((small / "config.json").read_text())
+    config["vocab_size"] = 5  # the actor's tokenizer has ids up to 7
+    (small / "config.json").write_text(json.dumps(config))
+    teacher = _problems(_config(tmp_path, model, data, f"teacher.model_path={other}"))
+    assert len(teacher) == 1
+    assert teacher[0].startswith(f"teacher.model_path: the tokenizer in {str(other)!r} is not the actor's ")
+    assert "the teacher computes the distillation targets on the policy's token ids" in teacher[0]
+    critic = _problems(_config(tmp_path, model, data, f"critic.model_path={small}"))
+    assert critic == [
+        "critic.model_path: its embedding has 5 rows, but the actor's tokenizer has ids up to 7; the critic values "
+        "the policy's token ids"
+    ]
+    preflight(_config(tmp_path, model, data, f"ref.model_path={same}", f"teacher.model_path={same}"), machine=NO_GPU)

@@ -44,7 +44,7 @@ from core_rl.config.checks import (
 from core_rl.config.loader import selected_sections
 from core_rl.config.schema import RunConfig
 from core_rl.errors import PreflightError
-from core_rl.roles import reward_model_problems, role_sections
+from core_rl.roles import reward_model_problems, role_sections, shared_tokenizer_problems
 from core_rl.trainer.data import DataRow, check_rows, read_data_files, tokenise_rows
 
 #: files of which a tokenizer directory holds at least one
@@ -361,10 +361,17 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
     if model is not None:
         problems += check_sampling(cfg, model)
     for role, section in role_sections(cfg):  # the other model roles
-        if section.model_path:
-            problems += check_model_dir(section.model_path, f"{role}.model_path", offline=offline)[1]
-    if cfg.reward_model is not None and Path(cfg.reward_model.model_path).is_dir():
-        problems += reward_model_problems(cfg)  # no score head, another tokenizer
+        if not section.model_path:
+            continue
+        dir_problems = check_model_dir(section.model_path, f"{role}.model_path", offline=offline)[1]
+        problems += dir_problems
+        if dir_problems or not Path(section.model_path).is_dir():
+            continue
+        # no score head, or a tokenizer other than the policy's (whose token ids the role reads)
+        if role == "reward_model":
+            problems += reward_model_problems(cfg)
+        else:
+            problems += shared_tokenizer_problems(cfg, role, section)
     problems += check_output_dir(cfg, create=create_output_dir)
     machine = machine if machine is not None else detect_machine()
     problems += plugin_environment_problems(cfg, machine, model)

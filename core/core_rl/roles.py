@@ -20,14 +20,15 @@ validated the same way; the critic adds its value-loss keys
 (:class:`~core_rl.config.schema.CriticConfig`), the teacher its coefficients
 (:class:`~core_rl.config.schema.TeacherConfig`), the reward model its coefficient and where the
 score is read (:class:`~core_rl.config.schema.RewardModelRoleConfig`). The teacher and the reward
-model read the policy's token ids, so they must share its tokenizer (checked for the reward model,
-:func:`reward_model_problems`). The ``reward_model`` *reward* plugin is the other way to serve a
-reward model: on the main rank, on decoded text, with any tokenizer.
+model read the policy's token ids, as do a separate ref and critic, so every role must share its
+tokenizer (:func:`shared_tokenizer_problems`, in preflight). The ``reward_model`` *reward* plugin is
+the other way to serve a reward model: on the main rank, on decoded text, with any tokenizer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -106,7 +107,7 @@ def reward_model_problems(cfg: RunConfig) -> list[str]:
     section = cfg.reward_model
     if section is None or not section.model_path:
         return []
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     path = section.model_path
     try:
@@ -122,26 +123,61 @@ def reward_model_problems(cfg: RunConfig) -> list[str]:
         ]
     if config.num_labels != 1:
         return [f"reward_model.model_path: {path!r} has {config.num_labels} labels; a reward model has 1"]
+    return shared_tokenizer_problems(cfg, "reward_model", section)
+
+
+#: what each role does with the policy's token ids, and what to do instead, for the messages of
+#: :func:`shared_tokenizer_problems`
+_TOKEN_USE = {
+    "ref": ("computes reference log-probs of", "use a reference model of the policy's family"),
+    "critic": ("values", "start the critic from the policy's base model"),
+    "teacher": (
+        "computes the distillation targets on",
+        "distil from a teacher that shares the policy's tokenizer (e.g. a larger model of the same family)",
+    ),
+    "reward_model": (
+        "scores",
+        "train it with the rm loop from the policy's base model, or serve it as a reward "
+        "(reward: {name: reward_model, ...}), which re-tokenises text",
+    ),
+}
+
+
+def shared_tokenizer_problems(cfg: RunConfig, role: str, section: ActorConfig) -> list[str]:
+    """The role model at ``section`` reads the policy's token ids, so it needs the actor's
+    tokenizer: its vocabulary (token -> id) must equal the actor's, and its embedding must have a
+    row for every id. Nothing is read when the role names the actor's own tokenizer directory."""
     actor_path = cfg.actor.tokenizer_path or cfg.actor.model_path
-    rm_path = section.tokenizer_path or path
-    key = "reward_model.tokenizer_path" if section.tokenizer_path else "reward_model.model_path"
+    role_path = section.tokenizer_path or section.model_path
+    key = f"{role}.tokenizer_path" if section.tokenizer_path else f"{role}.model_path"
+    if not role_path or Path(role_path).resolve() == Path(actor_path).resolve():
+        return []
+    from transformers import AutoConfig, AutoTokenizer
+
+    uses, instead = _TOKEN_USE[role]
     try:
         actor_vocab = AutoTokenizer.from_pretrained(actor_path, local_files_only=True).get_vocab()
-        rm_vocab = AutoTokenizer.from_pretrained(rm_path, local_files_only=True).get_vocab()
-    except Exception as exc:
+        role_vocab = AutoTokenizer.from_pretrained(role_path, local_files_only=True).get_vocab()
+    except Exception as exc:  # the user's directories, however transformers refuses them
         return [f"{key}: cannot load the tokenizer to compare with the actor's ({actor_path!r}): {first_line(exc)}"]
-    if rm_vocab != actor_vocab:
-        differ = sum(rm_vocab.get(token) != i for token, i in actor_vocab.items())
+    if role_vocab != actor_vocab:
+        differ = sum(role_vocab.get(token) != i for token, i in actor_vocab.items())
         return [
-            f"{key}: the tokenizer in {rm_path!r} is not the actor's ({actor_path!r}): {differ} of the actor's "
-            f"{len(actor_vocab)} tokens have another id or none (it has {len(rm_vocab)}); the reward model scores "
-            "the policy's token ids, so it needs the policy's tokenizer (e.g. train it with the rm loop from the "
-            "policy's base model), or serve it as a reward (reward: {name: reward_model, ...}), which re-tokenises text"
+            f"{key}: the tokenizer in {role_path!r} is not the actor's ({actor_path!r}): {differ} of the actor's "
+            f"{len(actor_vocab)} tokens have another id or none (it has {len(role_vocab)}); the {role} {uses} the "
+            f"policy's token ids, so it needs the policy's tokenizer: {instead}"
         ]
+    try:
+        config = AutoConfig.from_pretrained(section.model_path, local_files_only=True)
+    except Exception:  # the model directory's own check reports it
+        return []
     largest = max(actor_vocab.values(), default=-1)
     vocab_size = getattr(config.get_text_config(), "vocab_size", None)
     if isinstance(vocab_size, int) and vocab_size <= largest:
-        return [f"reward_model.model_path: its embedding has {vocab_size} rows, fewer than the actor's token ids"]
+        return [
+            f"{role}.model_path: its embedding has {vocab_size} rows, but the actor's tokenizer has ids up to "
+            f"{largest}; the {role} {uses} the policy's token ids"
+        ]
     return []
 
 
