@@ -75,6 +75,46 @@ def test_a_loop_without_rl_sections_needs_no_reward_or_policy_loss(tmp_path, hos
     assert len(info.value.problems) == 1 and info.value.problems[0].startswith("trainer.loop.steps:")
 
 
+@attrs.define
+class RefOnlyConfig:
+    rl_sections: ClassVar[bool] = False
+    roles: ClassVar[tuple[str, ...]] = ("ref",)
+
+
+class RefOnlyPlugin:
+    @hookimpl
+    def core_rl_register_loops(self, register: Register) -> None:
+        register("ref_only", CountingLoop, description="reads ref: only", config_cls=RefOnlyConfig)
+
+
+def test_a_role_section_the_loop_does_not_read_is_refused(tmp_path, host, minimal_config):
+    """A section the selected loop never reads would be ignored silently: one problem per section,
+    naming the loop, its distribution and what it does read; the rl loop reads all of them."""
+    host.register_plugin(LoopPlugin(), distribution="test-loops")
+    host.register_plugin(RefOnlyPlugin(), distribution="test-ref-loops")
+    data = {k: v for k, v in minimal_config.items() if k not in ("reward", "algorithm")}
+    model = minimal_config["actor"]["model_path"]
+    data["teacher"] = {"model_path": model}
+    data["ref"] = {"model_path": model}
+    data["trainer"] = {"loop": {"name": "count"}}
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, data), [], host=host)
+    assert info.value.problems == [
+        "ref: the 'count' loop (distribution test-loops) does not use a ref: section (it reads no role section); "
+        "remove the section, or select a loop that uses it (trainer.loop.name: rl)",
+        "teacher: the 'count' loop (distribution test-loops) does not use a teacher: section (it reads no role "
+        "section); remove the section, or select a loop that uses it (trainer.loop.name: rl)",
+    ]
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, data), ["trainer.loop.name=ref_only"], host=host)
+    assert info.value.problems == [
+        "teacher: the 'ref_only' loop (distribution test-ref-loops) does not use a teacher: section (it reads "
+        "ref:); remove the section, or select a loop that uses it (trainer.loop.name: rl)"
+    ]
+    cfg = load_config(write(tmp_path, {**minimal_config, "teacher": {"model_path": model}}), [], host=host)
+    assert cfg.teacher is not None and cfg.trainer.loop.name == "rl"
+
+
 def test_an_unknown_loop_lists_the_installed_ones(tmp_path, host, minimal_config):
     with pytest.raises(ConfigError) as info:
         load_config(write(tmp_path, minimal_config), ["trainer.loop.name=nope"], host=host)

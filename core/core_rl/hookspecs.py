@@ -217,7 +217,10 @@ def core_rl_register_loops(register: Register) -> None:
         validated section (``trainer.loop``; ``None`` without a ``config_cls``), and returns a
         :class:`core_rl.interfaces.TrainingLoop`. A ``config_cls`` class attribute
         ``rl_sections = False`` says the loop does not use the RL sections (``reward``,
-        ``algorithm.advantage``, ``algorithm.loss``), which are then not required.
+        ``algorithm.advantage``, ``algorithm.loss``), which are then not required; a ``roles``
+        class attribute (a tuple of :data:`core_rl.roles.OPTIONAL_ROLES` names) lists the role
+        sections it reads (default: all of them with the RL sections, none without), and a run
+        that sets another one is refused rather than have it ignored.
     :return: nothing; results go through ``register``.
 
     Called when the plugin is loaded.

@@ -518,10 +518,47 @@ def uses_rl_sections(cfg: RunConfig, host: PluginHost | None = None) -> bool:
     return bool(getattr(entry.config_cls, "rl_sections", True))
 
 
+def loop_roles(cfg: RunConfig, host: PluginHost | None = None) -> tuple[str, ...] | None:
+    """The optional role sections (:data:`core_rl.roles.OPTIONAL_ROLES`) the selected loop reads:
+    its config class's ``roles`` attribute, else all of them for a loop that uses the RL sections
+    and none for one that does not. ``None`` when the loop is unknown (reported already)."""
+    from core_rl.roles import OPTIONAL_ROLES
+
+    spec = cfg.trainer.loop
+    config_cls: Any = type(spec.config) if spec.config is not None else None
+    if config_cls is None:
+        entry = spec.entry or (host.registries[LOOP.key].get(spec.name) if host is not None else None)
+        if entry is None and spec.name != "rl":
+            return None
+        config_cls = entry.config_cls if entry is not None else None
+    default = OPTIONAL_ROLES if uses_rl_sections(cfg, host) else ()
+    return tuple(getattr(config_cls, "roles", default))
+
+
+def _unused_role_problems(cfg: RunConfig, host: PluginHost | None = None) -> list[str]:
+    """A role section the selected loop never reads would be ignored silently: refused."""
+    from core_rl.roles import role_sections
+
+    roles = loop_roles(cfg, host)
+    if roles is None:
+        return []
+    spec = cfg.trainer.loop
+    entry = spec.entry or (host.registries[LOOP.key].get(spec.name) if host is not None else None)
+    where = f"the {spec.name!r} loop" + (f" (distribution {entry.distribution})" if entry is not None else "")
+    reads = f"it reads {', '.join(r + ':' for r in roles)}" if roles else "it reads no role section"
+    return [
+        f"{role}: {where} does not use a {role}: section ({reads}); remove the section, or select a loop that "
+        "uses it (trainer.loop.name: rl)"
+        for role, _ in role_sections(cfg)
+        if role not in roles
+    ]
+
+
 def _completeness_problems(cfg: RunConfig, host: PluginHost | None = None) -> list[str]:
     problems = []
     if not cfg.actor.model_path:
         problems.append("actor.model_path: required; the path of a Hugging Face model directory")
+    problems.extend(_unused_role_problems(cfg, host))
     if uses_rl_sections(cfg, host):
         problems.extend(_rl_completeness_problems(cfg))
     if not cfg.data.train_files:

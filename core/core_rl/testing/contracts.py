@@ -521,7 +521,8 @@ class AlgorithmContract(ComponentContract):
 class LoopContract(ComponentContract):
     """A training loop is registered with a factory taking ``(cfg, host, *, stop, data_rows,
     config)`` and, where it has options, a config class whose defaults validate and which says
-    whether it uses the RL sections (``rl_sections``, a bool). Whether it trains, resumes exactly
+    whether it uses the RL sections (``rl_sections``, a bool) and which role sections it reads
+    (``roles``, names of :data:`core_rl.roles.OPTIONAL_ROLES`). Whether it trains, resumes exactly
     and stops on a signal is the plugin's own tests' business (they need a model and data)."""
 
     kind = LOOP
@@ -535,6 +536,12 @@ class LoopContract(ComponentContract):
     def test_declares_rl_sections(self) -> None:
         config = self.config()
         assert isinstance(getattr(config, "rl_sections", True), bool)
+
+    def test_declares_known_roles(self) -> None:
+        from core_rl.roles import OPTIONAL_ROLES
+
+        roles = getattr(self.config(), "roles", ())
+        assert isinstance(roles, tuple) and set(roles) <= set(OPTIONAL_ROLES), roles
 
 
 class WorkflowContract(ComponentContract):

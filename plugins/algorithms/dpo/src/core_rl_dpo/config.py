@@ -26,6 +26,7 @@ class DPOConfig:
     """
 
     rl_sections: ClassVar[bool] = False
+    roles: ClassVar[tuple[str, ...]] = ("ref",)  # the role sections it reads
 
     loss_type: str = attrs.field(default="sigmoid", validator=one_of(LOSS_TYPES))
     beta: float = attrs.field(default=0.1, validator=positive(1e6))

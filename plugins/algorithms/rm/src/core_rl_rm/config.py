@@ -23,6 +23,7 @@ class RMConfig:
     """
 
     rl_sections: ClassVar[bool] = False
+    roles: ClassVar[tuple[str, ...]] = ()  # the role sections it reads
 
     chosen_key: str = attrs.field(default="chosen", validator=not_empty())
     rejected_key: str = attrs.field(default="rejected", validator=not_empty())

@@ -16,6 +16,7 @@ class SFTConfig:
     response)."""
 
     rl_sections: ClassVar[bool] = False
+    roles: ClassVar[tuple[str, ...]] = ()  # the role sections it reads
 
     response_key: str = attrs.field(default="response", validator=not_empty())
     train_on_prompt: bool = False
