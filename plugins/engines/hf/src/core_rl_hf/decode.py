@@ -126,7 +126,7 @@ class LeanStepper:
         self.state_dtype = model.lm_head.weight.dtype  # residual stream, norms, rotary, attention
         self.dtype = compute_dtype or self.state_dtype  # the projections
         self.weights = [_layer_weights(layer, self.dtype) for layer in model.model.layers]
-        self.head_weight = model.lm_head.weight.to(self.dtype)
+        self.head_weight = model.lm_head.weight.detach().to(self.dtype)
         # the model's own rotary embedding (Llama's and Qwen2's modules each define it)
         self.apply_rope = sys.modules[type(model).__module__].apply_rotary_pos_emb
         self.layers = list(model.model.layers)
@@ -190,8 +190,8 @@ class LeanStepper:
 
 @attrs.frozen
 class _Projections:
-    """Linear maps of one input: ``len(sizes)`` outputs from one matrix product on concatenated
-    weights (``weight``/``bias`` hold one tensor), or from one product each."""
+    """Linear maps of one input, with outputs of ``sizes`` features: one matrix product on their
+    concatenated weights (``weights`` and ``biases`` hold one tensor each), or one product each."""
 
     weights: tuple[torch.Tensor, ...]
     biases: tuple[torch.Tensor | None, ...]
@@ -228,6 +228,7 @@ class _LayerWeights:
 
 
 def _layer_weights(layer: torch.nn.Module, dtype: torch.dtype) -> _LayerWeights:
+    """A Llama/Qwen2 decoder layer's projections as :func:`_projections` gives them."""
     attn, mlp = layer.self_attn, layer.mlp
     return _LayerWeights(
         qkv=_projections([attn.q_proj, attn.k_proj, attn.v_proj], dtype),
