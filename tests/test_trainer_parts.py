@@ -84,3 +84,25 @@ def test_library_progress_bars_are_quiet_without_importing_datasets() -> None:
     env = {k: v for k, v in os.environ.items() if k != "HF_DATASETS_DISABLE_PROGRESS_BARS"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_distillation_keeps_the_entropy_graph_only_for_an_rl_term_that_needs_it() -> None:
+    """The distillation loss differentiates through the entropy only through its base loss, and
+    only while that base loss counts (``rl_coef > 0``)."""
+    from core_rl.config.schema import TeacherConfig
+    from core_rl.interfaces import LossOutput, PolicyLoss
+    from core_rl.trainer.distill import DistillationLoss
+
+    class Base(PolicyLoss):
+        def __init__(self, entropy_grad: bool) -> None:
+            self.entropy_grad = entropy_grad
+
+        def loss_weights(self, response_mask):
+            return response_mask
+
+        def __call__(self, batch, logprobs, entropy):
+            return LossOutput(per_token_loss=-entropy)
+
+    assert DistillationLoss(Base(True), TeacherConfig(model_path="t")).entropy_grad is True
+    assert DistillationLoss(Base(False), TeacherConfig(model_path="t")).entropy_grad is False
+    assert DistillationLoss(Base(True), TeacherConfig(model_path="t", rl_coef=0.0)).entropy_grad is False

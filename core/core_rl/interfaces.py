@@ -313,6 +313,11 @@ class PolicyLoss(ABC):
     #: update of each step (e.g. the proximal policy of a decoupled loss); see also
     #: ``algorithm.recompute_logprob``
     requires_recompute: bool = False
+    #: whether the loss differentiates through the entropy it is given (an entropy bonus). When
+    #: ``False``, engines compute the entropy (still a metric) without gradient, so its
+    #: ``[tokens, vocabulary]`` probabilities are freed at once instead of kept for backward. A
+    #: plain loss function may carry the attribute too; absent, engines assume ``True``.
+    entropy_grad: bool = True
 
     @abstractmethod
     def loss_weights(self, response_mask: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ def token_logprobs(
     temperature: float = 1.0,
     *,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and optionally entropies) ``[b, t]`` float32 aligned with ``input_ids``.
 
@@ -22,6 +23,8 @@ def token_logprobs(
 
     Position 0 (no prediction) and padding (``attention_mask == 0``) hold 0; padding is zeroed
     with ``where`` (not a product) so a non-finite value there cannot leak into sums.
+    ``entropy_grad=False`` computes the entropy without gradient (a metric only): its
+    ``[b, t, V]`` probabilities are then not kept for backward.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -30,7 +33,8 @@ def token_logprobs(
     logprobs = align_to_tokens(picked, attention_mask)
     if not with_entropy:
         return logprobs, None
-    ent = -(logp.exp() * logp).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        ent = -(logp.exp() * logp).sum(-1)
     return logprobs, align_to_tokens(ent, attention_mask)
 
 

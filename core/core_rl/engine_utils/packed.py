@@ -127,16 +127,22 @@ def forward_logprobs(
     *,
     temperature: float,
     with_entropy: bool,
+    entropy_grad: bool = True,
     layout: str = "padded",
     varlen_kwargs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) ``[b, width]`` of one micro-batch through a causal LM, in the
     ``padded`` or ``packed`` layout (see the module docstring; identical results up to float
-    rounding). ``varlen_kwargs`` also passes ``cu_seqlens`` / max lengths for flash-attn."""
+    rounding). ``varlen_kwargs`` also passes ``cu_seqlens`` / max lengths for flash-attn;
+    ``entropy_grad``: see :func:`~core_rl.engine_utils.logprobs.token_logprobs`."""
     logits, packed = _forward_outputs(model, input_ids, attention_mask, layout=layout, varlen_kwargs=varlen_kwargs)
     if packed is None:
-        return token_logprobs(logits, input_ids, attention_mask, temperature, with_entropy=with_entropy)
-    lp, ent = token_logprobs(logits, packed.input_ids, packed.continues, temperature, with_entropy=with_entropy)
+        return token_logprobs(
+            logits, input_ids, attention_mask, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad
+        )
+    lp, ent = token_logprobs(
+        logits, packed.input_ids, packed.continues, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad
+    )
     return unpack(lp, packed), (unpack(ent, packed) if ent is not None else None)
 
 

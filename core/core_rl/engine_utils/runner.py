@@ -229,14 +229,25 @@ class MicroBatchRunner:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, with_entropy: bool
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        temperature: float,
+        with_entropy: bool,
+        entropy_grad: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (and entropies) ``[b, width]`` of one micro-batch on the engine's device."""
+        """Log-probs (and entropies) ``[b, width]`` of one micro-batch on the engine's device
+        (``entropy_grad``: see :func:`~core_rl.engine_utils.logprobs.token_logprobs`)."""
         with self._precision():
-            return self._forward(input_ids, attention_mask, temperature, with_entropy)
+            return self._forward(input_ids, attention_mask, temperature, with_entropy, entropy_grad)
 
     def _forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, with_entropy: bool
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        temperature: float,
+        with_entropy: bool,
+        entropy_grad: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.head != "lm":
             values = forward_values(
@@ -253,6 +264,7 @@ class MicroBatchRunner:
             attention_mask.to(self.device),
             temperature=temperature,
             with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
             layout=self.layout,
             varlen_kwargs=self.varlen_kwargs,
         )
@@ -309,13 +321,14 @@ class MicroBatchRunner:
                 raise KeyError(f"train_step needs batch[{key!r}]")
         lengths, plan = self.plan(batch["attention_mask"])
         acc = StepMetrics(self.device)
+        entropy_grad = bool(getattr(loss_fn, "entropy_grad", True))
         for rows in plan:
             if not rows:
                 zero, _ = self._placeholder_forward(temperature)
                 backward(zero)
                 continue
             mb = take_micro_batch(batch, rows, micro_batch_width(lengths, rows)).to(self.device)
-            lp, ent = self.forward(mb["input_ids"], mb["attention_mask"], temperature, True)
+            lp, ent = self.forward(mb["input_ids"], mb["attention_mask"], temperature, True, entropy_grad)
             assert ent is not None
             out = loss_fn(mb, lp, ent)
             if out.per_token_loss.shape != lp.shape:

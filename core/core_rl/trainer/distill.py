@@ -31,6 +31,7 @@ class DistillationLoss(PolicyLoss):
         self.distill_coef = teacher.distill_coef
         self.requires_reference = base.requires_reference
         self.requires_recompute = base.requires_recompute
+        self.entropy_grad = getattr(base, "entropy_grad", True) and self.rl_coef != 0
 
     def loss_weights(self, response_mask: torch.Tensor) -> torch.Tensor:
         return self.base.loss_weights(response_mask)

@@ -379,3 +379,10 @@ def test_config_defaults() -> None:
 def test_config_errors_name_the_key(options: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         structure(options, PPOClipConfig, path="algorithm.loss")
+
+
+def test_the_entropy_needs_a_gradient_only_with_an_entropy_bonus() -> None:
+    """``entropy_grad`` tells engines whether to keep the entropy's graph: only with
+    ``entropy_coef > 0`` does the loss differentiate through it."""
+    assert make_loss().entropy_grad is False
+    assert make_loss(entropy_coef=0.01).entropy_grad is True

@@ -53,3 +53,20 @@ def test_rejects_non_positive_temperature() -> None:
         vocab_parallel_stats(
             torch.zeros(1, 1, 2), torch.zeros(1, 1, dtype=torch.long), vocab_start=0, vocab_size=2, temperature=0
         )
+
+
+def test_entropy_without_gradient() -> None:
+    """``entropy_grad=False``: the same values, an entropy without gradient, and the log-prob's
+    gradient unchanged."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 5, 11, generator=g)
+    targets = torch.randint(0, 11, (2, 5), generator=g)
+    out = {}
+    for grad in (True, False):
+        x = logits.clone().requires_grad_(True)
+        lp, ent = vocab_parallel_stats(x, targets, vocab_start=0, vocab_size=11, with_entropy=True, entropy_grad=grad)
+        assert ent.requires_grad is grad
+        lp.sum().backward()
+        out[grad] = (lp.detach(), ent.detach(), x.grad)
+    for a, b in zip(out[True], out[False]):
+        assert torch.equal(a, b)

@@ -42,6 +42,9 @@ def surrogate_loss(batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Te
     return LossOutput(per_token_loss=batch["pair_coef"].unsqueeze(1) * logprobs)
 
 
+surrogate_loss.entropy_grad = False  # type: ignore[attr-defined]  # the entropy is a metric only
+
+
 def reference_value(item: PromptItem, key: str) -> float:
     """The precomputed reference log-prob in column ``key`` of ``item``'s row; a
     :class:`~core_rl.errors.DataError` naming the column when it holds no number."""

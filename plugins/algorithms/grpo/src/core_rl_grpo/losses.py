@@ -131,6 +131,7 @@ class PPOClipLoss(PolicyLoss):
         self.eps_high = cfg.eps_clip_higher if cfg.eps_clip_higher is not None else cfg.eps_clip
         self.requires_reference = cfg.kl_coef > 0
         self.requires_recompute = cfg.use_decoupled_loss and cfg.prox_logp_method != "loglinear"
+        self.entropy_grad = cfg.entropy_coef > 0  # otherwise the entropy is a metric only
         self.sampler: RejectionSampler | None = None
 
     def set_rejection_sampler(self, sampler: RejectionSampler | None) -> None:

@@ -22,6 +22,9 @@ def nll_loss(batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) 
     return LossOutput(per_token_loss=-logprobs)
 
 
+nll_loss.entropy_grad = False  # type: ignore[attr-defined]  # the entropy is a metric only
+
+
 class SFTLoop(SupervisedLoop):
     loop_config: SFTConfig
 

@@ -222,7 +222,13 @@ class MegatronEngine(EngineState, TrainEngine):
         return align_to_tokens(full[:, : mb.width - 1], mb.attention_mask.to(self.device))
 
     def _token_stats(
-        self, mb: MicroBatch, inputs: ModelInputs, logits: torch.Tensor, temperature: float, with_entropy: bool
+        self,
+        mb: MicroBatch,
+        inputs: ModelInputs,
+        logits: torch.Tensor,
+        temperature: float,
+        with_entropy: bool,
+        entropy_grad: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) ``[b, w]`` aligned with ``mb``'s tokens from this rank's
         vocabulary slice of the logits of its context-parallel positions; for a scalar head, the
@@ -243,6 +249,7 @@ class MegatronEngine(EngineState, TrainEngine):
             vocab_size=self.spec.vocab_size,
             temperature=temperature,
             with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
             group=parallel.tp_group(),
         )
         return self._on_tokens(mb, inputs, lp), (None if ent is None else self._on_tokens(mb, inputs, ent))
@@ -258,7 +265,8 @@ class MegatronEngine(EngineState, TrainEngine):
     ) -> torch.Tensor:
         """The scalar this micro-batch back-propagates: ``sum(per_token_loss * loss_weight)``, or a
         zero that still reaches every parameter for a placeholder."""
-        lp, ent = self._token_stats(mb, inputs, logits, temperature, with_entropy=True)
+        entropy_grad = bool(getattr(loss_fn, "entropy_grad", True))
+        lp, ent = self._token_stats(mb, inputs, logits, temperature, with_entropy=True, entropy_grad=entropy_grad)
         assert ent is not None
         if mb.batch is None:
             return (lp.sum() + ent.sum()) * 0.0

@@ -35,12 +35,14 @@ def vocab_parallel_stats(
     vocab_size: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
     group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of ``targets`` and (optionally) the entropy, ``[b, s]`` float32, from this rank's
     logits slice ``[b, s, V_r]`` (position ``i`` scores ``targets[:, i]``). ``vocab_start``: the
     global index of this rank's first column; ``vocab_size``: the real (unpadded) vocabulary;
-    ``group``: the tensor-parallel group (``None``: no tensor parallelism)."""
+    ``group``: the tensor-parallel group (``None``: no tensor parallelism); ``entropy_grad=False``:
+    the entropy without gradient (a metric; nothing of it is kept for backward)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     parallel = _group_size(group) > 1
@@ -71,6 +73,7 @@ def vocab_parallel_stats(
     # each reduction hands every rank the complete gradient (a replicated value such as lse used
     # inside rank-local terms would get only the local part of its gradient). Padded columns:
     # exp(-inf) = 0 times z written as 0, not as -inf.
-    expected_z = total((exp * z.masked_fill(~real, 0.0)).sum(dim=-1)) / sum_exp
-    entropy = lse - expected_z
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        expected_z = total((exp * z.masked_fill(~real, 0.0)).sum(dim=-1)) / sum_exp
+        entropy = lse - expected_z
     return logprob, entropy
