@@ -58,8 +58,8 @@ def test_one_step_of_each_workload(bench, tmp_path, capsys) -> None:
     assert len(core) == 3, out
     for row in core:
         i = row.index("core-rl")
-        step, gen, logp, train, sync, other, peak = (float(x) for x in row[i + 1 : i + 8])
-        assert step > 0 and gen > 0 and train > 0 and peak > 0, row
+        step, first, gen, logp, train, sync, other, peak = (float(x) for x in row[i + 1 : i + 9])
+        assert step > 0 and first > 0 and gen > 0 and train > 0 and peak > 0, row
         assert abs(gen + logp + train + sync + other - step) < 1e-2 + 0.05 * step, row  # the split adds up
         cpu, cpu_rollout, cpu_update = (float(x) for x in row[-4:-1])  # process CPU seconds per step
         assert cpu > 0 and cpu_rollout > 0 and cpu_update > 0, row
