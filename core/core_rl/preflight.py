@@ -369,9 +369,9 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
             continue
         # no score head, or a tokenizer other than the policy's (whose token ids the role reads)
         if role == "reward_model":
-            problems += reward_model_problems(cfg)
+            problems += reward_model_problems(cfg, tokenizer)
         else:
-            problems += shared_tokenizer_problems(cfg, role, section)
+            problems += shared_tokenizer_problems(cfg, role, section, tokenizer)
     problems += check_output_dir(cfg, create=create_output_dir)
     machine = machine if machine is not None else detect_machine()
     problems += plugin_environment_problems(cfg, machine, model)

@@ -99,11 +99,12 @@ def _reward_model_sampling_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
-def reward_model_problems(cfg: RunConfig) -> list[str]:
+def reward_model_problems(cfg: RunConfig, actor_tokenizer: Any = None) -> list[str]:
     """Problems of a ``reward_model:`` section's model directory that would make its scores wrong
     without an error: a model with no score head (its head would start at zero: every score 0), and
-    a tokenizer other than the actor's (it would read the policy's token ids as other tokens).
-    Reads ``config.json`` and the two tokenizers, no weights. Empty without a section."""
+    a tokenizer other than the actor's (it would read the policy's token ids as other tokens; see
+    :func:`shared_tokenizer_problems`). Reads ``config.json`` and the tokenizer, no weights. Empty
+    without a section."""
     section = cfg.reward_model
     if section is None or not section.model_path:
         return []
@@ -123,7 +124,7 @@ def reward_model_problems(cfg: RunConfig) -> list[str]:
         ]
     if config.num_labels != 1:
         return [f"reward_model.model_path: {path!r} has {config.num_labels} labels; a reward model has 1"]
-    return shared_tokenizer_problems(cfg, "reward_model", section)
+    return shared_tokenizer_problems(cfg, "reward_model", section, actor_tokenizer)
 
 
 #: what each role does with the policy's token ids, and what to do instead, for the messages of
@@ -143,23 +144,29 @@ _TOKEN_USE = {
 }
 
 
-def shared_tokenizer_problems(cfg: RunConfig, role: str, section: ActorConfig) -> list[str]:
+def shared_tokenizer_problems(
+    cfg: RunConfig, role: str, section: ActorConfig, actor_tokenizer: Any = None
+) -> list[str]:
     """The role model at ``section`` reads the policy's token ids, so it needs the actor's
-    tokenizer: its vocabulary (token -> id) must equal the actor's, and its embedding must have a
-    row for every id. Nothing is read when the role names the actor's own tokenizer directory."""
-    actor_path = cfg.actor.tokenizer_path or cfg.actor.model_path
-    role_path = section.tokenizer_path or section.model_path
-    key = f"{role}.tokenizer_path" if section.tokenizer_path else f"{role}.model_path"
-    if not role_path or Path(role_path).resolve() == Path(actor_path).resolve():
+    tokenizer (``actor_tokenizer``, as preflight loaded it; ``None``: not checked): its vocabulary
+    (token -> id) must equal the actor's, unless it names the actor's own tokenizer directory, and
+    its embedding must have a row for every id."""
+    if actor_tokenizer is None or not section.model_path:
         return []
     from transformers import AutoConfig, AutoTokenizer
 
+    actor_path = cfg.actor.tokenizer_path or cfg.actor.model_path
+    role_path = section.tokenizer_path or section.model_path
+    key = f"{role}.tokenizer_path" if section.tokenizer_path else f"{role}.model_path"
     uses, instead = _TOKEN_USE[role]
-    try:
-        actor_vocab = AutoTokenizer.from_pretrained(actor_path, local_files_only=True).get_vocab()
-        role_vocab = AutoTokenizer.from_pretrained(role_path, local_files_only=True).get_vocab()
-    except Exception as exc:  # the user's directories, however transformers refuses them
-        return [f"{key}: cannot load the tokenizer to compare with the actor's ({actor_path!r}): {first_line(exc)}"]
+    actor_vocab = actor_tokenizer.get_vocab()
+    if Path(role_path).resolve() == Path(actor_path).resolve():
+        role_vocab = actor_vocab
+    else:
+        try:
+            role_vocab = AutoTokenizer.from_pretrained(role_path, local_files_only=True).get_vocab()
+        except Exception as exc:  # the user's directory, however transformers refuses it
+            return [f"{key}: cannot load the tokenizer to compare with the actor's ({actor_path!r}): {first_line(exc)}"]
     if role_vocab != actor_vocab:
         differ = sum(role_vocab.get(token) != i for token, i in actor_vocab.items())
         return [
