@@ -77,7 +77,8 @@ def generate_batch(
 ) -> list[list[Completion]]:
     """``counts[i]`` responses to each (non-empty) ``prompts[i]``, all generated as one batch; see
     the module docstring. ``sampling.n`` is ignored (``counts`` says how many). ``lean``: decode
-    supported architectures with :class:`core_rl_hf.decode.LeanStepper`."""
+    supported architectures with :class:`core_rl_hf.decode.LeanStepper`; ``compute_dtype``: mixed
+    precision (the prefill under autocast, the steps as :mod:`core_rl_hf.decode` describes)."""
     device = next(model.parameters()).device
     stop_ids = sorted(set(eos_token_ids) | set(sampling.stop_token_ids))
     stop_tensor = torch.as_tensor(stop_ids, dtype=torch.long, device=device)
