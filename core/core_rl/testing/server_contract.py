@@ -79,11 +79,11 @@ class ServerRolloutEngineContract(RolloutEngineContract):
         thread.start()
         return thread, result
 
-    def _wait_in_flight(self, engine, timeout: float = 60.0) -> None:
+    def _wait_in_flight(self, engine, timeout: float = 60.0, settle: float = 0.3) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if sum(ep.inflight for ep in engine.endpoints) > 0:
-                time.sleep(0.3)  # let the server produce some tokens
+                time.sleep(settle)  # let the server produce some tokens
                 return
             time.sleep(0.02)
         raise AssertionError("no request got in flight")
@@ -129,10 +129,14 @@ class ServerRolloutEngineContract(RolloutEngineContract):
         engine = self.make_with(model_path, tmp_path, max_restarts=1, retry_backoff=0.2, max_retries=2)
         try:
             prompts, sampling = self._long()
+            prompts = prompts * 2  # twice the usual work: the kill must land before the batch ends
             ep = engine.endpoints[0]
             for kill in (1, 2):
                 thread, result = self._run_in_background(engine, prompts, sampling)
-                self._wait_in_flight(engine)
+                # kill soon after the requests are sent: a warm server (after a restart, with the
+                # prompts' prefixes cached) can finish the batch within a longer settling time
+                self._wait_in_flight(engine, settle=0.05)
+                assert thread.is_alive(), f"kill {kill}: the batch finished before the server was killed"
                 assert ep.server is not None and ep.server.pid is not None
                 os.kill(ep.server.pid, signal.SIGKILL)
                 thread.join(900)
