@@ -139,12 +139,20 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         await json_post(client, url + "/abort_request", {"abort_all": True})
 
     async def reload_from_disk(self, client: Any, url: str, path: str, version: int) -> None:
-        await _checked(
-            client,
-            url + "/update_weights_from_disk",
-            {"model_path": str(path), "weight_version": str(version)},
-            self.options.weight_sync_timeout,
-        )
+        timeout = self.options.weight_sync_timeout
+        try:
+            await _checked(
+                client,
+                url + "/update_weights_from_disk",
+                {"model_path": str(path), "weight_version": str(version)},
+                timeout,
+            )
+        except ServerReplyError as exc:
+            if exc.status != 400 or "cache was not flushed" not in str(exc):
+                raise
+            # SGLang loaded the weights but had not yet retired a finished request, so it kept the
+            # prefix cache; flush it once nothing runs (a failure here is an error naming the server)
+            await json_post(client, f"{url}/flush_cache?timeout={timeout:g}", timeout=timeout + 30)
 
     async def join_weight_group(
         self, client: Any, url: str, *, address: str, port: int, rank_offset: int, world_size: int, backend: str
