@@ -238,36 +238,23 @@ class MicroBatchRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) ``[b, width]`` of one micro-batch on the engine's device
         (``entropy_grad``: see :func:`~core_rl.engine_utils.logprobs.token_logprobs`)."""
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         with self._precision():
-            return self._forward(input_ids, attention_mask, temperature, with_entropy, entropy_grad)
-
-    def _forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        temperature: float,
-        with_entropy: bool,
-        entropy_grad: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.head != "lm":
-            values = forward_values(
+            if self.head != "lm":
+                values = forward_values(
+                    self.model, input_ids, attention_mask, layout=self.layout, varlen_kwargs=self.varlen_kwargs
+                )
+                return values, (torch.zeros_like(values.detach()) if with_entropy else None)
+            return forward_logprobs(
                 self.model,
-                input_ids.to(self.device),
-                attention_mask.to(self.device),
+                input_ids,
+                attention_mask,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                entropy_grad=entropy_grad,
                 layout=self.layout,
                 varlen_kwargs=self.varlen_kwargs,
             )
-            return values, (torch.zeros_like(values.detach()) if with_entropy else None)
-        return forward_logprobs(
-            self.model,
-            input_ids.to(self.device),
-            attention_mask.to(self.device),
-            temperature=temperature,
-            with_entropy=with_entropy,
-            entropy_grad=entropy_grad,
-            layout=self.layout,
-            varlen_kwargs=self.varlen_kwargs,
-        )
 
     def _placeholder_forward(self, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         dummy = placeholder_micro_batch(self.pad_token_id)
