@@ -57,14 +57,19 @@ def test_command_passes_options_through() -> None:
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_SERVER_DEV_MODE"] == "1"
     assert (Path(env["PYTHONPATH"]) / "core_rl_vllm_worker.py").is_file()
     assert Path(env["CORE_RL_WEIGHT_GROUP_PY"]).name == "weight_group.py"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # tensor parallel: vLLM's worker processes
 
 
 def test_defaults_use_the_model_length_and_one_process() -> None:
-    argv, _ = _command(server={"env_variant": "cpu"})
+    argv, env = _command(server={"env_variant": "cpu"})
     assert "--max-model-len" not in argv and "--gpu-memory-utilization" not in argv
     assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
-    gpu, _ = _command(server={"env_variant": "cuda"}, gpu_memory_utilization=0.5)
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # on CPU the model runs in the engine-core process
+    assert "--disable-log-stats" in argv
+    assert "--disable-log-stats" not in _command(server={"env_variant": "cpu"}, log_stats=True)[0]
+    gpu, gpu_env = _command(server={"env_variant": "cuda"}, gpu_memory_utilization=0.5)
     assert gpu[gpu.index("--gpu-memory-utilization") + 1] == "0.5"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in gpu_env
 
 
 @pytest.mark.parametrize(

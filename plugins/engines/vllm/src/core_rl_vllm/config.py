@@ -22,6 +22,8 @@ class VLLMConfig:
     - ``kv_cache_space_gib`` (CPU: ``VLLM_CPU_KVCACHE_SPACE``) or ``gpu_memory_utilization`` (GPU);
     - ``attention_backend`` (``--attention-backend``; empty: vLLM's choice);
     - ``enable_prefix_caching``, ``enable_chunked_prefill``;
+    - ``log_stats``: vLLM's per-step statistics and its periodic throughput log (off: ``--disable-log-stats``;
+      the trainer logs rollout throughput itself, and the statistics cost the server CPU on every step);
     - ``extra_args``: appended verbatim to the server's command line.
     """
 
@@ -40,4 +42,5 @@ class VLLMConfig:
     attention_backend: str = ""
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    log_stats: bool = False
     extra_args: list[str] = attrs.field(factory=list)

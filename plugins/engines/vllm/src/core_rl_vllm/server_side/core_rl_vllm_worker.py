@@ -47,10 +47,23 @@ class WeightSyncExtension:
             tensors: dict = {}
             for f in files:
                 tensors.update(load_file(str(f)))
-            self.reload_weights(weights_iterator=iter(tensors.items()))
+            self.reload_weights(weights_iterator=iter(self._core_rl_in_model_dtypes(tensors.items())))
             return "ok"
         except Exception:
             return "error: " + traceback.format_exc()
+
+    def _core_rl_in_model_dtypes(self, tensors):
+        """``(name, tensor)`` pairs with each floating tensor cast to the dtype of the parameter
+        it loads into (the model's dtype for a name vLLM fuses, such as ``q_proj`` into
+        ``qkv_proj``). vLLM would convert while copying, but warns once per tensor and update."""
+        model = self.model_runner.model
+        params = {name: p.dtype for name, p in model.named_parameters()}
+        default = self.model_runner.model_config.dtype
+        for name, tensor in tensors:
+            want = params.get(name, default)
+            if tensor.is_floating_point() and want.is_floating_point and tensor.dtype != want:
+                tensor = tensor.to(want)
+            yield name, tensor
 
     def core_rl_join_group(self, payload: str) -> str:
         """``payload``: address, port, rank_offset, world_size, backend, group_name, timeout_s."""
@@ -79,7 +92,7 @@ class WeightSyncExtension:
             tensors = self._core_rl_wg.receive_tensors(
                 self._core_rl_group, args["names"], args["dtypes"], args["shapes"], device
             )
-            self.reload_weights(weights_iterator=iter(tensors))
+            self.reload_weights(weights_iterator=iter(self._core_rl_in_model_dtypes(tensors)))
             return "ok"
         except Exception:
             return "error: " + traceback.format_exc()
