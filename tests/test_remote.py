@@ -35,6 +35,8 @@ class Script:
         self.inflight = 0
         self.max_inflight = 0
         self.lock = threading.Lock()
+        self.batches: list[list[dict]] = []  # the items of each /batch request
+        self.batch_replies: list[int] = []
 
 
 def serve(script: Script) -> tuple[ThreadingHTTPServer, str]:
@@ -53,8 +55,33 @@ def serve(script: Script) -> tuple[ThreadingHTTPServer, str]:
         def do_GET(self) -> None:
             self._send(200, {})
 
+        def _batch(self, items: list[dict]) -> None:
+            """Several requests in one round trip: ``script.batch_replies`` (consumed one per batch)
+            may fail the whole batch; each item then takes its reply from ``script.replies``."""
+            with script.lock:
+                script.batches.append(items)
+                whole = script.batch_replies.pop(0) if script.batch_replies else 200
+            if whole != 200:
+                self._send(whole, {"error": f"scripted {whole}"})
+                return
+            answers = []
+            for index, payload in enumerate(items):
+                with script.lock:
+                    script.requests.append(payload)
+                    reply = script.replies.pop(0) if script.replies else 200
+                if reply != 200:
+                    answers.append({"index": index, "status": reply})
+                    continue
+                tokens = [payload["prompt"][-1] + 1 + i for i in range(payload["max_new_tokens"])]
+                sample = {"ids": tokens, "lps": [-0.5] * len(tokens), "finish": "length"}
+                answers.append({"index": index, "status": 200, "samples": [sample] * payload["n"]})
+            self._send(200, {"answers": answers[::-1]})  # in another order than asked
+
         def do_POST(self) -> None:
             payload = json.loads(self.rfile.read(int(self.headers["content-length"])) or b"{}")
+            if self.path == "/batch":
+                self._batch(payload["requests"])
+                return
             with script.lock:
                 script.requests.append(payload)
                 reply = script.replies.pop(0) if script.replies else 200
@@ -122,16 +149,32 @@ class FakeEngine(ServerRolloutEngine):
     join_weight_group = receive_weights = reload_from_disk  # type: ignore[assignment]
 
 
+class FakeBatchEngine(FakeEngine):
+    """:class:`FakeEngine` that also sends requests in batches (``POST /batch``)."""
+
+    batches_requests = True
+
+    async def request_batch(self, client: Any, url: str, items: Any, deliver: Any) -> None:
+        payload = [{"prompt": p, "n": s.n, "max_new_tokens": s.max_new_tokens} for p, s in items]
+        body = await json_post(client, url + "/batch", {"requests": payload})
+        for answer in body["answers"]:
+            if answer["status"] != 200:
+                deliver(answer["index"], ServerReplyError(f"item answered {answer['status']}", answer["status"]))
+            else:
+                samples = answer["samples"]
+                deliver(answer["index"], [Completion(s["ids"], s["lps"], s["finish"]) for s in samples])
+
+
 @pytest.fixture
 def make(tmp_path: Path):
     engines, servers = [], []
 
-    def build(replies: list[Any], **options: Any) -> tuple[FakeEngine, Script]:
+    def build(replies: list[Any], engine_cls: type = FakeEngine, **options: Any) -> tuple[FakeEngine, Script]:
         script = Script(replies)
         server, url = serve(script)
         servers.append(server)
         opts = structure({"urls": [url], "retry_backoff": 0.05, **options}, ServerOptions)
-        engine = FakeEngine("/models/none", opts, tmp_path)
+        engine = engine_cls("/models/none", opts, tmp_path)
         engines.append(engine)
         return engine, script
 
@@ -277,3 +320,49 @@ def test_pause_keep_of_an_engine_that_swaps_in_place_holds_requests_here(make, m
     assert engine.paused and not engine.server_paused
     _held_until_resume(engine, script)
     assert calls == ["pause", "resume"]
+
+
+PROMPTS = [[1, i + 2] for i in range(12)]
+
+
+def _answered_in_order(out: list) -> None:
+    assert [len(g) for g in out] == [2] * 12
+    for prompt, group in zip(PROMPTS, out):
+        assert all(s.prompt_ids == prompt and s.response_ids == [prompt[-1] + 1, prompt[-1] + 2] for s in group)
+
+
+def test_requests_that_arrive_together_share_one_round_trip(make) -> None:
+    """An engine that can batch sends the requests of a generation batch in one HTTP request
+    (``batch_window_s``), each answered with its own samples whatever order the answers come in."""
+    engine, script = make([], FakeBatchEngine, batch_window_s=0.2)
+    _answered_in_order(engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=2)))
+    assert len(script.batches) == 1 and len(script.batches[0]) == 12 and len(script.requests) == 12
+
+
+def test_a_batch_window_of_zero_sends_one_request_each(make) -> None:
+    engine, script = make([], FakeBatchEngine, batch_window_s=0)
+    _answered_in_order(engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=2)))
+    assert script.batches == [] and len(script.requests) == 12
+
+
+def test_a_failed_item_of_a_batch_is_retried_alone(make) -> None:
+    """Each request of a batch keeps its own retries: the items that failed go again (in a later
+    batch), the others are answered once."""
+    engine, script = make([200, 503, 200, 500], FakeBatchEngine, batch_window_s=0.2)
+    _answered_in_order(engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=2)))
+    assert len(script.requests) == 14 and len(script.batches) == 2
+    assert sorted(item["prompt"][-1] for item in script.batches[1]) == [3, 5]  # items 1 and 3
+
+
+def test_a_failed_batch_retries_each_of_its_requests(make) -> None:
+    engine, script = make([], FakeBatchEngine, batch_window_s=0.2)
+    script.batch_replies = [503]
+    _answered_in_order(engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=2)))
+    assert [len(b) for b in script.batches] == [12, 12] and len(script.requests) == 12
+
+
+def test_a_request_that_a_bad_item_answer_fails_is_not_retried(make) -> None:
+    engine, script = make([200, 400], FakeBatchEngine, batch_window_s=0.2)
+    with pytest.raises(ServerReplyError, match="item answered 400"):
+        engine.generate(PROMPTS[:3], SamplingParams(n=2, max_new_tokens=2))
+    assert len(script.batches) == 1

@@ -9,6 +9,10 @@ requests in flight, retries failed requests with exponential backoff, detects a 
 generation, and moves weights by disk or over a process group. A subclass supplies the server's
 command line and its HTTP calls (the methods marked *plugin* below).
 
+Requests for one server that arrive together (a generation batch starting) go out in one HTTP
+round trip where the plugin supports it (:meth:`ServerRolloutEngine.request_batch`); each keeps its
+own retries, timeout and answer.
+
 Samples are never lost or duplicated: a request that fails is retried whole (its partial results
 are dropped), and a request interrupted by ``pause("abort")`` is continued after ``resume`` from
 the tokens it had, its later tokens carrying the newer weight version.
@@ -20,7 +24,7 @@ import asyncio
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -56,6 +60,10 @@ class ServerOptions:
       ``retry_backoff * 2**k`` s.
     - ``max_concurrent_requests``: requests in flight over all servers (each asks for the ``n``
       samples of one prompt).
+    - ``batch_window_s``: requests for one server that arrive within this many seconds of the
+      first go to it in one HTTP round trip, where the plugin can send several at once (each is
+      still its own request on the server and comes back as soon as it finishes); 0: one HTTP
+      request each.
     - ``on_server_failure``: ``restart`` a managed server that died (at most ``max_restarts``
       times each) or ``fail`` the run with its name and log.
     - ``update_pause_mode``: how generation pauses around a weight update when the caller has not
@@ -81,6 +89,7 @@ class ServerOptions:
     max_retries: int = attrs.field(default=3, validator=non_negative())
     retry_backoff: float = attrs.field(default=1.0, validator=non_negative())
     max_concurrent_requests: int = attrs.field(default=64, validator=positive())
+    batch_window_s: float = attrs.field(default=0.002, validator=non_negative())
     on_server_failure: str = attrs.field(default="restart", validator=one_of(("restart", "fail")))
     max_restarts: int = attrs.field(default=2, validator=non_negative())
     update_pause_mode: str = attrs.field(default="wait", validator=one_of(PAUSE_MODES))
@@ -206,6 +215,22 @@ class ServerRolloutEngine(RolloutEngine):
     async def request(self, client: Any, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list[Completion]:
         """*plugin*: one HTTP request for the ``sampling.n`` samples of ``prompt_ids``."""
 
+    #: *plugin*: True when :meth:`request_batch` is implemented
+    batches_requests: ClassVar[bool] = False
+
+    async def request_batch(
+        self,
+        client: Any,
+        url: str,
+        items: Sequence[tuple[list[int], SamplingParams]],
+        deliver: Callable[[int, list[Completion] | BaseException], None],
+    ) -> None:
+        """*plugin* (where :attr:`batches_requests`): send ``items`` (prompt, sampling) to one
+        server in one HTTP round trip and call ``deliver(i, completions)`` (or ``deliver(i,
+        error)``) for each as it finishes. An exception raised here is every undelivered item's
+        error."""
+        raise NotImplementedError
+
     @abstractmethod
     async def pause_server(self, client: Any, url: str, mode: str) -> None:
         """*plugin*: pause generation on one server (``keep`` or ``abort``)."""
@@ -262,6 +287,8 @@ class ServerRolloutEngine(RolloutEngine):
         self._slots = asyncio.Semaphore(self.options.max_concurrent_requests)
         self._idle = asyncio.Condition()
         self._inflight = 0
+        self._batches: dict[str, list[tuple[list[int], SamplingParams, asyncio.Future]]] = {}
+        self._flushes: set[asyncio.Task] = set()
 
     async def _attach_locks(self) -> None:
         for ep in self.endpoints:
@@ -387,7 +414,7 @@ class ServerRolloutEngine(RolloutEngine):
                 self._inflight += 1
                 try:
                     completions = await asyncio.wait_for(
-                        self.request(self._client, ep.url, prompt_ids, sampling), self.options.request_timeout
+                        self._send(ep.url, prompt_ids, sampling), self.options.request_timeout
                     )
                     if len(completions) != sampling.n:
                         raise ServerReplyError(f"{ep.name} returned {len(completions)} samples, asked for {sampling.n}")
@@ -415,6 +442,52 @@ class ServerRolloutEngine(RolloutEngine):
         if ep.server is not None:
             raise ep.server.failure(what)
         raise ServerError(f"server {ep.name}: {what}")
+
+    def _send(self, url: str, prompt_ids: list[int], sampling: SamplingParams) -> Awaitable[list[Completion]]:
+        """The completions of one request to ``url``: its own HTTP request, or a place in the batch
+        that leaves for ``url`` ``batch_window_s`` after its first request (see the module doc)."""
+        window = self.options.batch_window_s
+        if window <= 0 or not self.batches_requests:
+            return self.request(self._client, url, prompt_ids, sampling)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        batch = self._batches.setdefault(url, [])
+        batch.append((prompt_ids, sampling, future))
+        if len(batch) == 1:
+            loop.call_later(window, self._start_flush, url)
+        return future
+
+    def _start_flush(self, url: str) -> None:
+        task = self._loop.create_task(self._flush(url))
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
+    async def _flush(self, url: str) -> None:
+        """Send the batch gathered for ``url``; settle each waiting request with its answer."""
+        batch = self._batches.pop(url, [])
+        futures = [future for _, _, future in batch]
+
+        def deliver(index: int, result: list[Completion] | BaseException) -> None:
+            future = futures[index]
+            if future.done():  # its caller gave up (timeout) or it was answered already
+                return
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+        try:
+            await self.request_batch(self._client, url, [(p, s) for p, s, _ in batch], deliver)
+        except Exception as exc:
+            for i in range(len(futures)):
+                deliver(i, exc)
+        else:
+            for i in range(len(futures)):
+                deliver(i, ServerReplyError(f"{url} left a batched request unanswered"))
+        finally:
+            for future in futures:  # cancelled: the engine is closing
+                if not future.done():
+                    future.cancel()
 
     async def _agenerate_here(self, prompt_ids: list[int], sampling: SamplingParams) -> list[Sample]:
         completions, version = await self._request_with_retries(prompt_ids, sampling)

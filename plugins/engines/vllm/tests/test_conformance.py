@@ -3,10 +3,14 @@ server environment (built on first use: ``core-rl server-env create vllm``)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any, ClassVar
 
 import core_rl_vllm.plugin
+from core_rl.interfaces import SamplingParams
 from core_rl.testing import ServerRolloutEngineContract, installed_distribution
+from core_rl_vllm.engine import BATCH_ROUTE, GENERATE_PATH
 
 
 class TestVLLMRolloutEngine(ServerRolloutEngineContract):
@@ -16,3 +20,34 @@ class TestVLLMRolloutEngine(ServerRolloutEngineContract):
     options: ClassVar[dict[str, Any]] = {"dtype": "bfloat16", "max_num_seqs": 64}
     tiny_model_options: ClassVar[dict[str, Any]] = {"num_heads": 2}  # vLLM's CPU attention: head size >= 32
     logprob_atol = 2e-2
+
+    def test_requests_that_arrive_together_share_one_round_trip(self, engine) -> None:
+        """A generation batch reaches the server as one ``POST /core_rl/generate`` (the server's
+        access log), each prompt still answered with its own samples."""
+        (log,) = engine.server_logs().values()
+        before = log.read_text()
+        prompts = [[1, 10 + i, 11, 12] for i in range(8)]
+        out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=4, min_new_tokens=4))
+        assert [len(g) for g in out] == [2] * 8
+        assert all(s.prompt_ids == p and len(s.response_ids) == 4 for p, g in zip(prompts, out) for s in g)
+        new = log.read_text()[len(before) :]
+        assert new.count(f"POST {BATCH_ROUTE} ") == 1 and new.count(f"POST {GENERATE_PATH} ") == 0
+
+    def test_a_batched_request_comes_back_as_soon_as_it_finishes(self, engine) -> None:
+        """The batch route streams each request's answer when it finishes: a 1-token request sent
+        with a 200-token one is answered while the long one still has 199 engine steps to go (an
+        answer sent once the whole batch finished would bring both within milliseconds)."""
+        (log,) = engine.server_logs().values()
+        before = len(log.read_text())
+
+        async def both() -> float:
+            long = asyncio.ensure_future(
+                engine.agenerate([1, 10, 11, 12], SamplingParams(n=1, max_new_tokens=200, min_new_tokens=200))
+            )
+            await engine.agenerate([1, 11, 11, 12], SamplingParams(n=1, max_new_tokens=1, min_new_tokens=1))
+            short_done = time.perf_counter()
+            await long
+            return time.perf_counter() - short_done
+
+        assert asyncio.run(both()) > 0.05, "the short request waited for the long one"
+        assert log.read_text()[before:].count(f"POST {BATCH_ROUTE} ") == 1

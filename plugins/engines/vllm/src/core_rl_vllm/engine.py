@@ -9,7 +9,9 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
   (vLLM's spans, set by the weight-update route below), so a sample a weight update changed in
   place carries both versions, split at the step of the swap. A server at a given URL that does
   not serve it (403/404) is asked through ``POST /v1/completions`` instead (``return_token_ids``;
-  every token then carries the version the request started under). vLLM refuses ``n > 1`` with
+  every token then carries the version the request started under). Requests that arrive together
+  (``server.batch_window_s``) go in one ``POST /core_rl/generate``, a route this plugin adds
+  (:mod:`core_rl_vllm.server_side.core_rl_vllm_routes`), each answered as it finishes; vLLM refuses ``n > 1`` with
   greedy decoding, so a greedy request asks for one sample and repeats it. Servers start with
   ``--logprobs-mode processed_logprobs``, so the log-prob of each sampled token is
   ``log_softmax(logits / temperature)``: the train engine's convention (with ``top_k``/``top_p``
@@ -35,7 +37,9 @@ Servers run with ``VLLM_SERVER_DEV_MODE=1`` (which enables ``/collective_rpc``, 
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +58,7 @@ SERVER_SIDE = Path(__file__).with_name("server_side")
 EXTENSION = "core_rl_vllm_worker.WeightSyncExtension"
 MIDDLEWARE = "core_rl_vllm_routes.WeightUpdateRoute"
 UPDATE_ROUTE = "/core_rl/update_weights"
+BATCH_ROUTE = "/core_rl/generate"
 GENERATE_PATH = "/inference/v1/generate"
 
 
@@ -68,6 +73,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         self.config = config
         self.model_name = SERVED_MODEL_NAME
         self._per_token_versions = True  # generate through GENERATE_PATH (per-token weight versions)
+        self._batch_route = True  # requests that arrive together go through BATCH_ROUTE
         super().__init__(model_path, config.server, run_dir)
         if config.server.urls:
             self.model_name = self._call(self._served_model(self.endpoints[0].url), timeout=60)
@@ -165,22 +171,10 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         if sampling.greedy and sampling.n > 1:  # vLLM refuses n > 1 when greedy: one answer serves all
             (one,) = await self.request(client, url, prompt_ids, attrs.evolve(sampling, n=1))
             return [attrs.evolve(one) for _ in range(sampling.n)]
-        params = {
-            "n": sampling.n,
-            "max_tokens": sampling.max_new_tokens,
-            "min_tokens": sampling.min_new_tokens,
-            "temperature": 0.0 if sampling.greedy else sampling.temperature,
-            "top_p": 1.0 if sampling.greedy else sampling.top_p,
-            "top_k": 0 if sampling.greedy else max(sampling.top_k, 0),
-            "stop_token_ids": list(sampling.stop_token_ids),
-            "logprobs": 0,
-            "skip_special_tokens": False,
-        }
+        params = _params(sampling)
         if self._per_token_versions:
-            sampling_params = {**params, "detokenize": False}
-            payload = {"model": self.model_name, "token_ids": prompt_ids, "sampling_params": sampling_params}
             try:
-                body = await json_post(client, url + GENERATE_PATH, payload)
+                body = await json_post(client, url + GENERATE_PATH, self._generate_payload(prompt_ids, params))
             except ServerReplyError as exc:
                 if exc.status not in (403, 404):
                     raise
@@ -201,6 +195,56 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             ]
         except (KeyError, TypeError, ValueError) as exc:
             raise ServerReplyError(f"unexpected /v1/completions answer from {url}: {exc}: {str(body)[:300]}") from None
+
+    def _generate_payload(self, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+        return {"model": self.model_name, "token_ids": prompt_ids, "sampling_params": {**params, "detokenize": False}}
+
+    @property
+    def batches_requests(self) -> bool:  # type: ignore[override]
+        return self._per_token_versions and self._batch_route
+
+    async def request_batch(
+        self,
+        client: Any,
+        url: str,
+        items: Sequence[tuple[list[int], SamplingParams]],
+        deliver: Callable[[int, list[Completion] | BaseException], None],
+    ) -> None:
+        """All ``items`` in one ``POST /core_rl/generate`` (the plugin's route: each item a
+        :data:`GENERATE_PATH` request, answered one JSON line per item as it finishes)."""
+        repeats = [s.n if s.greedy and s.n > 1 else 1 for _, s in items]  # greedy: one answer serves all n
+        payloads = [
+            self._generate_payload(prompt, _params(attrs.evolve(s, n=1) if r > 1 else s))
+            for (prompt, s), r in zip(items, repeats)
+        ]
+        async with client.stream("POST", url + BATCH_ROUTE, json={"requests": payloads}) as response:
+            if response.status_code in (403, 404):  # a server without the route: one request each
+                await response.aread()
+                self._batch_route = False
+                one_each = (self._deliver_one(client, url, i, p, s, deliver) for i, (p, s) in enumerate(items))
+                await asyncio.gather(*one_each)
+                return
+            if response.status_code >= 300:
+                text = (await response.aread()).decode(errors="replace")
+                status = response.status_code
+                raise ServerReplyError(f"POST {url}{BATCH_ROUTE} answered {status}: {text[:500]}", status)
+            async for line in response.aiter_lines():
+                if line.strip():
+                    deliver(*_batch_answer(line, url, repeats))
+
+    async def _deliver_one(
+        self,
+        client: Any,
+        url: str,
+        index: int,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        deliver: Callable[[int, list[Completion] | BaseException], None],
+    ) -> None:
+        try:
+            deliver(index, await self.request(client, url, prompt_ids, sampling))
+        except Exception as exc:
+            deliver(index, exc)
 
     async def pause_server(self, client: Any, url: str, mode: str) -> None:
         await json_post(client, f"{url}/pause?mode={mode}")
@@ -260,6 +304,40 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     ) -> None:
         payload = {"names": names, "dtypes": dtypes, "shapes": shapes}
         await self._update(client, url, version, "core_rl_receive_weights", args=[json.dumps(payload)])
+
+
+def _params(sampling: SamplingParams) -> dict[str, Any]:
+    """vLLM's sampling parameters for ``sampling``."""
+    return {
+        "n": sampling.n,
+        "max_tokens": sampling.max_new_tokens,
+        "min_tokens": sampling.min_new_tokens,
+        "temperature": 0.0 if sampling.greedy else sampling.temperature,
+        "top_p": 1.0 if sampling.greedy else sampling.top_p,
+        "top_k": 0 if sampling.greedy else max(sampling.top_k, 0),
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "logprobs": 0,
+        "skip_special_tokens": False,
+    }
+
+
+def _batch_answer(line: str, url: str, repeats: list[int]) -> tuple[int, list[Completion] | ServerReplyError]:
+    """One line of a :data:`BATCH_ROUTE` answer: the item's index and its completions (each
+    repeated ``repeats[index]`` times: greedy requests ask for one) or its error."""
+    try:
+        answer = json.loads(line)
+        index, status = int(answer["index"]), int(answer["status"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ServerReplyError(f"unexpected {BATCH_ROUTE} answer line from {url}: {exc}: {line[:300]}") from None
+    if status != 200:
+        return index, ServerReplyError(f"{url}{BATCH_ROUTE}: an item answered {status}: {answer.get('error')}", status)
+    try:
+        completions = _generated(answer.get("body"), url)
+    except ServerReplyError as exc:
+        return index, exc
+    if repeats[index] > 1 and len(completions) == 1:
+        completions = [attrs.evolve(completions[0]) for _ in range(repeats[index])]
+    return index, completions
 
 
 def _worker_results(body: Any, method: str, url: str) -> list[Any]:

@@ -1,8 +1,18 @@
 """An ASGI middleware for vLLM's API server (``--middleware core_rl_vllm_routes.WeightUpdateRoute``).
 
 This file runs inside the vLLM server's API process, in the vllm server environment, not in the
-trainer (the engine puts its directory on the server's ``PYTHONPATH``). It adds one route and
-passes every other request through untouched:
+trainer (the engine puts its directory on the server's ``PYTHONPATH``). It adds two routes and
+passes every other request through untouched.
+
+``POST /core_rl/generate`` with a JSON body ``{"requests": [...]}``, each item a body of vLLM's
+``/inference/v1/generate``: several generation requests in one HTTP round trip. Each item becomes
+its own engine request (submitted at once, scheduled as if it had come alone), and the answer
+streams one JSON line per item as it finishes, in the order they finish: ``{"index": i, "status":
+200, "body": <the /inference/v1/generate answer>}``, or the item's error status and message. One
+HTTP request per prompt costs the API process a third of a small model's generation time on CPU
+(HTTP parsing, vLLM's middleware stack, one JSON answer each): 16 prompts x 4 samples x 8 tokens,
+77-105 ms of server CPU as 16 requests against 55-66 ms as one. Closing the stream (the client gave
+up) cancels the items still running, which aborts them in the engine.
 
 ``POST /core_rl/update_weights`` with a JSON body ``{"method", "args", "kwargs", "version",
 "pause", "timeout"}``: a weight update in one HTTP round trip. In the API process it
@@ -25,9 +35,12 @@ worker extension answers ``"error: ..."`` rather than raise) or, with status 500
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 PATH = "/core_rl/update_weights"
+GENERATE_PATH = "/core_rl/generate"
 
 
 def _jsonable(result: Any) -> Any:
@@ -56,20 +69,70 @@ async def update_weights(engine: Any, body: dict[str, Any]) -> list[Any]:
     return [_jsonable(r) for r in results or []]
 
 
+async def generate_one(serving: Any, index: int, payload: Any) -> dict[str, Any]:
+    """One item of a :data:`GENERATE_PATH` request through vLLM's own token-in-token-out handler
+    (``serving``); its answer line, errors included."""
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    try:
+        request = GenerateRequest.model_validate(payload)
+    except Exception as exc:  # pydantic's validation error: the item itself is wrong
+        return {"index": index, "status": 400, "error": f"{type(exc).__name__}: {exc}"}
+    try:
+        result = await serving.serve_tokens(request, None)
+    except Exception as exc:
+        return {"index": index, "status": 500, "error": f"{type(exc).__name__}: {exc}"}
+    if isinstance(result, ErrorResponse):
+        return {"index": index, "status": int(result.error.code), "error": result.error.message}
+    if not hasattr(result, "model_dump"):  # a stream: the items must not ask for one
+        return {"index": index, "status": 400, "error": "streaming is not supported in a batch"}
+    return {"index": index, "status": 200, "body": result.model_dump()}
+
+
+async def generate_lines(serving: Any, payloads: list[Any]) -> Any:
+    """The answer lines of :data:`GENERATE_PATH`, each as its item finishes; leaving early (the
+    client went away) cancels the items still running."""
+    tasks = [asyncio.ensure_future(generate_one(serving, i, p)) for i, p in enumerate(payloads)]
+    try:
+        for finished in asyncio.as_completed(tasks):
+            yield (json.dumps(await finished) + "\n").encode()
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 class WeightUpdateRoute:
-    """Pure ASGI middleware (no cost on the requests it passes on): serves :data:`PATH`."""
+    """Pure ASGI middleware (no cost on the requests it passes on): serves :data:`PATH` and
+    :data:`GENERATE_PATH`."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope.get("type") != "http" or scope.get("path") != PATH or scope.get("method") != "POST":
+        path = scope.get("path")
+        if scope.get("type") != "http" or path not in (PATH, GENERATE_PATH) or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
         from starlette.requests import Request
-        from starlette.responses import JSONResponse
+        from starlette.responses import JSONResponse, StreamingResponse
 
         request = Request(scope, receive)
+        if path == GENERATE_PATH:
+            serving = getattr(scope["app"].state, "serving_tokens", None)
+            try:
+                payloads = (await request.json())["requests"]
+                if not isinstance(payloads, list):
+                    raise TypeError("'requests' must be a list")
+            except Exception as exc:
+                response = JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=400)
+            else:
+                if serving is None:  # a server started without --enable-scale-out
+                    response = JSONResponse({"error": "the server has no token-in-token-out API"}, status_code=404)
+                else:
+                    response = StreamingResponse(generate_lines(serving, payloads), media_type="application/x-ndjson")
+            await response(scope, receive, send)
+            return
         try:
             body = await request.json()
             results = await update_weights(scope["app"].state.engine_client, body)
