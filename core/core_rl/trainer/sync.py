@@ -87,6 +87,7 @@ from core_rl.trainer.rewards import RewardErrorLog, RewardRunner, ScoreResult
 from core_rl.trainer.rollout_flow import RolloutFlow, flatten_groups
 from core_rl.trainer.signals import StopSignals
 from core_rl.trainer.update import PolicyUpdate
+from core_rl.trainer.weight_load import BackgroundWeightLoad
 
 
 def _build(host: PluginHost, kind: PluginKind, spec: PluginSpec) -> Any:
@@ -166,6 +167,10 @@ class SyncTrainer(TrainingLoop):
         self.engine: TrainEngine | None = None
         #: rank 0's rollout controller (:mod:`core_rl.trainer.rollout_flow`)
         self.flow: RolloutFlow | None = None
+        #: rank 0's weight load running beside the trainer (asynchronous runs, disk sync)
+        self.weight_load = BackgroundWeightLoad(
+            cfg.rollout.controller.wait_timeout_s, "rollout.controller.wait_timeout_s"
+        )
         try:
             self._build()
         except BaseException:
@@ -379,16 +384,41 @@ class SyncTrainer(TrainingLoop):
         """Rank 0: the rollout controller paused while the engine loads ``version``."""
         return self.flow.paused(version) if self.flow is not None else contextlib.nullcontext()
 
+    def _loads_in_background(self) -> bool:
+        """Whether the rollout engine loads a written version while the trainer goes on
+        (:mod:`core_rl.trainer.weight_load`): an asynchronous run syncing by disk, once its
+        controller runs (a resumed run's first load must land before the controller starts)."""
+        return (
+            self.cfg.rollout.weight_sync == "disk"
+            and self.cfg.rollout.controller.max_head_offpolicyness > 0
+            and self.flow is not None
+            and self.flow.controller is not None
+        )
+
     def _sync_weights(self, version: int) -> dict[str, float]:
-        """Move the policy's weights to the rollout engine; return ``weight_sync/bytes``."""
+        """Move the policy's weights to the rollout engine; return ``weight_sync/bytes`` (and,
+        when loads run in the background, the wait for the previous one and its duration)."""
         mode = self.cfg.rollout.weight_sync
         if mode == "disk":
+            metrics: dict[str, float] = {}
+            if self.is_main:  # the directory is rewritten below: the previous load must be done
+                metrics["timing/weight_load_wait_s"] = self.weight_load.wait()
+                metrics["timing/weight_load_s"] = self.weight_load.last_load_s
             path = self.run_dir / "weight_sync"
             self.engine.export_hf(path)
+            metrics["weight_sync/bytes"] = float(sum(f.stat().st_size for f in path.glob("*.safetensors")))
             if self.rollout is not None:
-                with self._rollout_paused(version):
-                    self.rollout.load_weights_from_path(path, version)
-            return {"weight_sync/bytes": float(sum(f.stat().st_size for f in path.glob("*.safetensors")))}
+                rollout = self.rollout
+
+                def load() -> None:
+                    with self._rollout_paused(version):
+                        rollout.load_weights_from_path(path, version)
+
+                if self._loads_in_background():
+                    self.weight_load.start(load, version)
+                else:
+                    load()
+            return metrics
         state = self.engine.full_state_dict()
         if self.rollout is not None:
             with self._rollout_paused(version):
@@ -477,6 +507,8 @@ class SyncTrainer(TrainingLoop):
         if step != self.completed_step:
             raise RuntimeError(f"checkpoint of step {step} asked for after step {self.completed_step}")
         path = checkpoints.checkpoint_dir(self.run_dir, step)
+        if self.is_main:  # the rollout engine's state is saved too: its load must be done
+            self.weight_load.wait()
         try:
             with waiting_for(f"the other ranks to save checkpoint {path.name}"):
                 self.engine.save_state(path, self._extra_state(step))
@@ -623,6 +655,8 @@ class SyncTrainer(TrainingLoop):
                     self.save_checkpoint(step)
                 if stop:
                     raise self._interrupted(stop)
+            if self.is_main:  # the last version's load: its error belongs to this run
+                self.weight_load.wait()
             if cfg.saver.at_end and self.last_saved != self.completed_step:
                 self.save_checkpoint(self.completed_step)
             export = None
@@ -642,6 +676,8 @@ class SyncTrainer(TrainingLoop):
         }
 
     def close(self) -> None:
+        if getattr(self, "weight_load", None) is not None:
+            self.weight_load.close()
         if self.flow is not None:
             self.flow.close()
             self.flow = None
