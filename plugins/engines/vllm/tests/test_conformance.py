@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 import core_rl_vllm.plugin
 from core_rl.interfaces import SamplingParams
+from core_rl.remote import ServerReplyError
 from core_rl.testing import ServerRolloutEngineContract, installed_distribution
 from core_rl_vllm.engine import BATCH_ROUTE, GENERATE_PATH
 
@@ -51,3 +52,20 @@ class TestVLLMRolloutEngine(ServerRolloutEngineContract):
 
         assert asyncio.run(both()) > 0.05, "the short request waited for the long one"
         assert log.read_text()[before:].count(f"POST {BATCH_ROUTE} ") == 1
+
+    def test_a_bad_request_in_a_batch_fails_alone(self, engine) -> None:
+        """A request the server refuses (a token id outside the vocabulary) fails with the
+        server's status and is not retried; the request batched with it is answered."""
+        (log,) = engine.server_logs().values()
+        before = len(log.read_text())
+
+        async def both() -> tuple[list, BaseException | None]:
+            good = asyncio.ensure_future(engine.agenerate([1, 10, 11, 12], SamplingParams(n=2, max_new_tokens=3)))
+            bad = asyncio.ensure_future(engine.agenerate([1, 10**6], SamplingParams(n=2, max_new_tokens=3)))
+            done = await asyncio.gather(good, bad, return_exceptions=True)
+            return done[0], done[1]
+
+        good, bad = asyncio.run(both())
+        assert len(good) == 2 and all(len(s.response_ids) > 0 for s in good)
+        assert isinstance(bad, ServerReplyError) and 400 <= bad.status < 500, bad
+        assert log.read_text()[before:].count(f"POST {BATCH_ROUTE} ") == 1  # not retried

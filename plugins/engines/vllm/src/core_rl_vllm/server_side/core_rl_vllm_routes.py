@@ -81,8 +81,10 @@ async def generate_one(serving: Any, index: int, payload: Any) -> dict[str, Any]
         return {"index": index, "status": 400, "error": f"{type(exc).__name__}: {exc}"}
     try:
         result = await serving.serve_tokens(request, None)
-    except Exception as exc:
-        return {"index": index, "status": 500, "error": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # the status vLLM's own route would answer (400 for a bad request)
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+        result = create_error_response(exc)
     if isinstance(result, ErrorResponse):
         return {"index": index, "status": int(result.error.code), "error": result.error.message}
     if not hasattr(result, "model_dump"):  # a stream: the items must not ask for one
