@@ -366,3 +366,17 @@ def test_a_request_that_a_bad_item_answer_fails_is_not_retried(make) -> None:
     with pytest.raises(ServerReplyError, match="item answered 400"):
         engine.generate(PROMPTS[:3], SamplingParams(n=2, max_new_tokens=2))
     assert len(script.batches) == 1
+
+
+def test_an_answer_for_a_request_never_sent_fails_the_batch(make) -> None:
+    """A batch answer naming a request index the batch does not have is the server's error (the
+    batch's requests are retried, then the run is told which server answered so)."""
+
+    class OffByOne(FakeBatchEngine):
+        async def request_batch(self, client: Any, url: str, items: Any, deliver: Any) -> None:
+            await super().request_batch(client, url, items, lambda i, r: deliver(i + 1, r))
+
+    engine, script = make([], OffByOne, batch_window_s=0.05, max_retries=1)
+    with pytest.raises(ServerError, match=r"answered request 2 of a batch of 2"):
+        engine.generate(PROMPTS[:2], SamplingParams(n=1, max_new_tokens=2))
+    assert len(script.batches) == 2  # the first try and one retry

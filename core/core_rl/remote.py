@@ -468,6 +468,8 @@ class ServerRolloutEngine(RolloutEngine):
         futures = [future for _, _, future in batch]
 
         def deliver(index: int, result: list[Completion] | BaseException) -> None:
+            if not 0 <= index < len(futures):
+                raise ServerReplyError(f"{url} answered request {index} of a batch of {len(futures)}")
             future = futures[index]
             if future.done():  # its caller gave up (timeout) or it was answered already
                 return

@@ -402,8 +402,10 @@ class SyncTrainer(TrainingLoop):
         if mode == "disk":
             metrics: dict[str, float] = {}
             if self.is_main:  # the directory is rewritten below: the previous load must be done
-                metrics["timing/weight_load_wait_s"] = self.weight_load.wait()
-                metrics["timing/weight_load_s"] = self.weight_load.last_load_s
+                waited = self.weight_load.wait()
+                if self._loads_in_background():
+                    metrics["timing/weight_load_wait_s"] = waited
+                    metrics["timing/weight_load_s"] = self.weight_load.last_load_s
             path = self.run_dir / "weight_sync"
             self.engine.export_hf(path)
             metrics["weight_sync/bytes"] = float(sum(f.stat().st_size for f in path.glob("*.safetensors")))
