@@ -380,3 +380,15 @@ def test_an_answer_for_a_request_never_sent_fails_the_batch(make) -> None:
     with pytest.raises(ServerError, match=r"answered request 2 of a batch of 2"):
         engine.generate(PROMPTS[:2], SamplingParams(n=1, max_new_tokens=2))
     assert len(script.batches) == 2  # the first try and one retry
+
+
+def test_the_default_request_batch_sends_one_request_each(make) -> None:
+    """The base ``request_batch`` (what a plugin falls back to when a server lacks its batch route)
+    answers each gathered request through its own ``request``, a failed one retried alone."""
+
+    class Gathering(FakeEngine):
+        batches_requests = True
+
+    engine, script = make([200, 503], Gathering, batch_window_s=0.2)
+    _answered_in_order(engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=2)))
+    assert script.batches == [] and len(script.requests) == 13

@@ -215,7 +215,7 @@ class ServerRolloutEngine(RolloutEngine):
     async def request(self, client: Any, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list[Completion]:
         """*plugin*: one HTTP request for the ``sampling.n`` samples of ``prompt_ids``."""
 
-    #: *plugin*: True when :meth:`request_batch` is implemented
+    #: *plugin*: True when :meth:`request_batch` sends several requests in one HTTP round trip
     batches_requests: ClassVar[bool] = False
 
     async def request_batch(
@@ -225,11 +225,21 @@ class ServerRolloutEngine(RolloutEngine):
         items: Sequence[tuple[list[int], SamplingParams]],
         deliver: Callable[[int, list[Completion] | BaseException], None],
     ) -> None:
-        """*plugin* (where :attr:`batches_requests`): send ``items`` (prompt, sampling) to one
-        server in one HTTP round trip and call ``deliver(i, completions)`` (or ``deliver(i,
-        error)``) for each as it finishes. An exception raised here is every undelivered item's
-        error."""
-        raise NotImplementedError
+        """*plugin*: send ``items`` (prompt, sampling) to one server and call ``deliver(i,
+        completions)`` (or ``deliver(i, error)``) for each as it finishes. An exception raised here
+        is every undelivered item's error. This default sends one :meth:`request` each, side by
+        side; a plugin whose server takes several in one HTTP round trip overrides it and sets
+        :attr:`batches_requests`, so that requests are gathered for it."""
+
+        async def one(index: int, prompt_ids: list[int], sampling: SamplingParams) -> None:
+            try:
+                completions = await self.request(client, url, prompt_ids, sampling)
+            except Exception as exc:
+                deliver(index, exc)
+            else:
+                deliver(index, completions)
+
+        await asyncio.gather(*(one(i, p, s) for i, (p, s) in enumerate(items)))
 
     @abstractmethod
     async def pause_server(self, client: Any, url: str, mode: str) -> None:

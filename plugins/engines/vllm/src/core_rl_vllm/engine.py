@@ -37,7 +37,6 @@ Servers run with ``VLLM_SERVER_DEV_MODE=1`` (which enables ``/collective_rpc``, 
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -168,9 +167,10 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     # -- HTTP calls -----------------------------------------------------------------------------
 
     async def request(self, client: Any, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list[Completion]:
-        if sampling.greedy and sampling.n > 1:  # vLLM refuses n > 1 when greedy: one answer serves all
-            (one,) = await self.request(client, url, prompt_ids, attrs.evolve(sampling, n=1))
-            return [attrs.evolve(one) for _ in range(sampling.n)]
+        sent, times = _as_sent(sampling)
+        if times > 1:
+            (one,) = await self.request(client, url, prompt_ids, sent)
+            return _repeated(one, times)
         params = _params(sampling)
         if self._per_token_versions:
             try:
@@ -212,17 +212,14 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     ) -> None:
         """All ``items`` in one ``POST /core_rl/generate`` (the plugin's route: each item a
         :data:`GENERATE_PATH` request, answered one JSON line per item as it finishes)."""
-        repeats = [s.n if s.greedy and s.n > 1 else 1 for _, s in items]  # greedy: one answer serves all n
-        payloads = [
-            self._generate_payload(prompt, _params(attrs.evolve(s, n=1) if r > 1 else s))
-            for (prompt, s), r in zip(items, repeats)
-        ]
+        sent = [_as_sent(s) for _, s in items]
+        payloads = [self._generate_payload(prompt, _params(s)) for (prompt, _), (s, _) in zip(items, sent)]
+        repeats = [times for _, times in sent]
         async with client.stream("POST", url + BATCH_ROUTE, json={"requests": payloads}) as response:
             if response.status_code in (403, 404):  # a server without the route: one request each
                 await response.aread()
                 self._batch_route = False
-                one_each = (self._deliver_one(client, url, i, p, s, deliver) for i, (p, s) in enumerate(items))
-                await asyncio.gather(*one_each)
+                await super().request_batch(client, url, items, deliver)
                 return
             if response.status_code >= 300:
                 text = (await response.aread()).decode(errors="replace")
@@ -231,20 +228,6 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             async for line in response.aiter_lines():
                 if line.strip():
                     deliver(*_batch_answer(line, url, repeats))
-
-    async def _deliver_one(
-        self,
-        client: Any,
-        url: str,
-        index: int,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        deliver: Callable[[int, list[Completion] | BaseException], None],
-    ) -> None:
-        try:
-            deliver(index, await self.request(client, url, prompt_ids, sampling))
-        except Exception as exc:
-            deliver(index, exc)
 
     async def pause_server(self, client: Any, url: str, mode: str) -> None:
         await json_post(client, f"{url}/pause?mode={mode}")
@@ -321,6 +304,18 @@ def _params(sampling: SamplingParams) -> dict[str, Any]:
     }
 
 
+def _as_sent(sampling: SamplingParams) -> tuple[SamplingParams, int]:
+    """What vLLM is asked for ``sampling``, and how many times its one answer is repeated: vLLM
+    refuses ``n > 1`` when greedy, and one greedy answer serves all ``n``."""
+    if sampling.greedy and sampling.n > 1:
+        return attrs.evolve(sampling, n=1), sampling.n
+    return sampling, 1
+
+
+def _repeated(one: Completion, times: int) -> list[Completion]:
+    return [attrs.evolve(one) for _ in range(times)]
+
+
 def _batch_answer(line: str, url: str, repeats: list[int]) -> tuple[int, list[Completion] | ServerReplyError]:
     """One line of a :data:`BATCH_ROUTE` answer: the item's index and its completions (each
     repeated ``repeats[index]`` times: greedy requests ask for one) or its error."""
@@ -336,7 +331,7 @@ def _batch_answer(line: str, url: str, repeats: list[int]) -> tuple[int, list[Co
     except ServerReplyError as exc:
         return index, exc
     if repeats[index] > 1 and len(completions) == 1:
-        completions = [attrs.evolve(completions[0]) for _ in range(repeats[index])]
+        completions = _repeated(completions[0], repeats[index])
     return index, completions
 
 
