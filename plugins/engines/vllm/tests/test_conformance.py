@@ -7,7 +7,9 @@ import asyncio
 import time
 from typing import Any, ClassVar
 
+import attrs
 import core_rl_vllm.plugin
+import pytest
 from core_rl.interfaces import SamplingParams
 from core_rl.remote import ServerReplyError
 from core_rl.testing import ServerRolloutEngineContract, installed_distribution
@@ -22,6 +24,13 @@ class TestVLLMRolloutEngine(ServerRolloutEngineContract):
     tiny_model_options: ClassVar[dict[str, Any]] = {"num_heads": 2}  # vLLM's CPU attention: head size >= 32
     logprob_atol = 2e-2
 
+    @pytest.fixture
+    def together(self, engine, monkeypatch):
+        """The engine with a batch window wide enough that two requests sent from a test's event
+        loop (another thread, which may wait a GIL switch interval of 5 ms between them) always
+        share a batch: the tests below are about what the server does with a batch."""
+        monkeypatch.setattr(engine, "options", attrs.evolve(engine.options, batch_window_s=0.25))
+
     def test_requests_that_arrive_together_share_one_round_trip(self, engine) -> None:
         """A generation batch reaches the server as one ``POST /core_rl/generate`` (the server's
         access log), each prompt still answered with its own samples."""
@@ -34,6 +43,7 @@ class TestVLLMRolloutEngine(ServerRolloutEngineContract):
         new = log.read_text()[len(before) :]
         assert new.count(f"POST {BATCH_ROUTE} ") == 1 and new.count(f"POST {GENERATE_PATH} ") == 0
 
+    @pytest.mark.usefixtures("together")
     def test_a_batched_request_comes_back_as_soon_as_it_finishes(self, engine) -> None:
         """The batch route streams each request's answer when it finishes: a 1-token request sent
         with a 200-token one is answered while the long one still has 199 engine steps to go (an
@@ -53,6 +63,7 @@ class TestVLLMRolloutEngine(ServerRolloutEngineContract):
         assert asyncio.run(both()) > 0.05, "the short request waited for the long one"
         assert log.read_text()[before:].count(f"POST {BATCH_ROUTE} ") == 1
 
+    @pytest.mark.usefixtures("together")
     def test_a_bad_request_in_a_batch_fails_alone(self, engine) -> None:
         """A request the server refuses (a token id outside the vocabulary) fails with the
         server's status and is not retried; the request batched with it is answered."""
