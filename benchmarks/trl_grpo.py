@@ -469,6 +469,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="core-rl trains a torch.compile'd model (actor.engine.compile; its first step pays the compilation)",
     )
+    parser.add_argument(
+        "--core-rl-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for the core-rl runs (as on `core-rl train`'s command line); repeatable",
+    )
     parser.add_argument("--no-trl", action="store_true", help="run core-rl only")
     parser.add_argument("--no-install", action="store_true", help="skip TRL if its environment is not built yet")
     parser.add_argument("--workdir", default=None, help="where models, prompts and runs go (default: a temp dir)")
@@ -519,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
             "activation_checkpointing": args.activation_checkpointing,
             "precision": args.precision,
             "compile": args.compile,
+            "cli_overrides": args.core_rl_set,
         }
         sides = [("core-rl", args.core_python)] + ([("trl", str(trl_py))] if trl_py else [])
         results: dict[str, list[dict]] = {k: [] for k, _ in sides}

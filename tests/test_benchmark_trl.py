@@ -51,8 +51,10 @@ def _table_rows(out: str) -> list[list[str]]:
 def test_one_step_of_each_workload(bench, tmp_path, capsys) -> None:
     trl = bench["trl_python"](install=False)
     args = ["--steps", "1", "--rounds", "1", "--no-install", "--workdir", str(tmp_path)]
-    assert bench["main"](args) == 0
+    assert bench["main"]([*args, "--core-rl-set", "trainer.profile.steps=[1]"]) == 0
     out = capsys.readouterr().out
+    for name in ("small", "medium", "large"):  # the override reached each core-rl run
+        assert (tmp_path / name / "core-rl-run" / "bench" / "profile" / "step1-rank0.txt").is_file()
     rows = _table_rows(out)
     core = [r for r in rows if "core-rl" in r]
     assert len(core) == 3, out

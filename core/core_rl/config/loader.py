@@ -616,6 +616,12 @@ def _cross_section_problems(cfg: RunConfig) -> list[str]:
             f"algorithm.reward_shaping.overlong_tokens: must be <= rollout.sampling.max_new_tokens ({budget}), "
             f"got {shaping.overlong_tokens}"
         )
+    late = [s for s in cfg.trainer.profile.steps if s > cfg.trainer.total_steps]
+    if late:
+        problems.append(
+            f"trainer.profile.steps: {late} {'is' if len(late) == 1 else 'are'} after the last step "
+            f"(trainer.total_steps={cfg.trainer.total_steps}); list steps from 1 to {cfg.trainer.total_steps}"
+        )
     if cfg.algorithm.ppo_n_minibatches > samples:
         problems.append(
             f"algorithm.ppo_n_minibatches: must be <= the samples of a step, data.batch_size x rollout.sampling.n "

@@ -445,6 +445,22 @@ class SaverConfig:
 
 
 @attrs.define
+class ProfileConfig:
+    """``torch.profiler`` around chosen steps (:mod:`core_rl.trainer.profiling`): ``steps`` lists
+    the trainer steps to record (empty: none); each writes ``<run>/profile/step<N>-rank<R>.json``
+    (a Chrome/Perfetto trace) and ``.txt`` (the operator table, ``row_limit`` rows). Every thread
+    of the process is recorded (the embedded rollout engine's generation included); servers run
+    in other processes and are not. ``record_shapes``, ``with_stack`` and ``profile_memory`` are
+    the profiler's own options (each adds to the profiled step's time)."""
+
+    steps: list[int] = attrs.field(factory=list, validator=each(in_range(1, MAX_STEPS)))
+    record_shapes: bool = False
+    with_stack: bool = False
+    profile_memory: bool = False
+    row_limit: int = attrs.field(default=40, validator=in_range(1, 10_000))
+
+
+@attrs.define
 class TrainerConfig:
     """The loop: ``total_steps`` RL steps; ``resume: true`` is ``recover.mode: auto`` (continue from
     the run's newest valid checkpoint); ``torch_threads`` (0: leave torch's default) sets intra-op
@@ -457,7 +473,9 @@ class TrainerConfig:
     ``on_nonfinite``: what a step whose loss or gradient norm is NaN/inf does: ``skip`` (no update;
     the batch is saved under ``<run>/nonfinite/`` and counted in ``actor/nonfinite_total``) or
     ``stop`` (the same, then the run ends with an error). ``max_consecutive_nonfinite`` such steps
-    in a row also end the run (0: no limit)."""
+    in a row also end the run (0: no limit).
+
+    ``profile``: record chosen steps with ``torch.profiler`` (:class:`ProfileConfig`)."""
 
     mode: str = attrs.field(default="sync", validator=one_of(("sync",)))
     total_steps: int = attrs.field(default=100, validator=in_range(1, MAX_STEPS))
@@ -469,6 +487,7 @@ class TrainerConfig:
     #: the training loop (a ``core_rl.loops`` plugin; its other keys are validated by it): ``rl``,
     #: the built-in RL loop, unless the algorithm recipe or the user selects another
     loop: PluginSpec = attrs.field(factory=lambda: PluginSpec(name="rl"))
+    profile: ProfileConfig = attrs.field(factory=ProfileConfig)
 
 
 @attrs.define

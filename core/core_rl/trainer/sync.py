@@ -75,6 +75,7 @@ from core_rl.trainer.data import DataRow, PromptItem, PromptSource
 from core_rl.trainer.distill import DistillationLoss
 from core_rl.trainer.errors import DiskFullError, RunFailed, TrainingInterrupted
 from core_rl.trainer.numerics import NonFiniteGuard
+from core_rl.trainer.profiling import StepProfiler
 from core_rl.trainer.ranks import (
     agree_after,
     broadcast_outcome,
@@ -184,6 +185,7 @@ class SyncTrainer(TrainingLoop):
         #: the step a resumed run continues from (``None``: a fresh run; loggers then keep nothing)
         self.resume_step: int | None = None
         self.nonfinite = NonFiniteGuard(self.run_dir, self.rank, cfg.trainer)
+        self.profiler = StepProfiler(cfg.trainer.profile, self.run_dir, self.rank)
         self.reward_log = RewardErrorLog(
             self.run_dir / "reward_errors.jsonl", cfg.reward.name if cfg.reward else "", cfg.reward_runner
         )
@@ -643,7 +645,10 @@ class SyncTrainer(TrainingLoop):
             if stop:
                 raise self._interrupted(stop)
             for step in range(self.start_step + 1, cfg.trainer.total_steps + 1):
-                metrics = self.step(step)
+                with self.profiler.around(step):
+                    metrics = self.step(step)
+                if self.profiler.wants(step):
+                    metrics = {**metrics, "profile/active": 1.0}
                 self.completed_step = step
                 error = None
                 if self.is_main:

@@ -1,0 +1,60 @@
+"""``trainer.profile`` (core_rl.trainer.profiling): the listed steps, and only they, leave a trace
+and an operator table holding both the update and the embedded engine's generation (which runs in
+its own thread); a step after the last is a configuration error naming the key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from core_rl.builtin.loggers import read_metrics
+from core_rl.testing.faults import build_task, merged, run_dir
+from fault_helpers import train_here, write_config
+
+
+def test_the_listed_steps_are_profiled_in_every_thread(tmp_path: Path, host) -> None:
+    base = build_task(tmp_path)
+    config = merged(
+        base,
+        trainer={"total_steps": 3, "torch_threads": 1, "profile": {"steps": [2], "record_shapes": True}},
+        saver={"every_n_steps": 0, "at_end": False, "export_hf": False},
+    )
+    train_here(config, host)
+    run = run_dir(config)
+    files = sorted(p.name for p in (run / "profile").iterdir())
+    assert files == ["step2-rank0.json", "step2-rank0.txt"]  # no other step, no temporary file left
+
+    trace = json.loads((run / "profile" / "step2-rank0.json").read_text())
+    ops = [e for e in trace["traceEvents"] if e.get("ph") == "X" and str(e.get("name", "")).startswith("aten::")]
+    names = ("aten::multinomial", "aten::_fused_adamw_")
+    threads = {name: {e["tid"] for e in ops if e["name"] == name} for name in names}
+    # sampling runs in the hf engine's worker thread, the optimizer in the trainer's: both recorded
+    assert threads["aten::multinomial"] and threads["aten::_fused_adamw_"]
+    assert threads["aten::multinomial"].isdisjoint(threads["aten::_fused_adamw_"])
+
+    table = (run / "profile" / "step2-rank0.txt").read_text()
+    assert table.startswith("step 2, rank 0: operators by self_cpu_time_total")
+    assert "aten::mm" in table and "by input shape" in table
+
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r.get("profile/active") for r in rows] == [None, 1.0, None]
+
+
+def test_no_profile_without_steps(tmp_path: Path, host) -> None:
+    base = build_task(tmp_path)
+    config = merged(base, trainer={"total_steps": 1, "torch_threads": 1}, saver={"every_n_steps": 0, "at_end": False})
+    train_here(config, host)
+    assert not (run_dir(config) / "profile").exists()
+
+
+def test_a_step_after_the_last_is_a_config_error(tmp_path: Path, capsys) -> None:
+    from core_rl import cli
+
+    config = merged(build_task(tmp_path), trainer={"total_steps": 4, "profile": {"steps": [2, 7]}})
+    path = write_config(config, tmp_path / "bad.yaml")
+    assert cli.main(["config", "validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "trainer.profile.steps" in err and "[7]" in err and "trainer.total_steps=4" in err
+    assert "Traceback" not in err
+    assert cli.main(["config", "validate", str(path), "trainer.profile.steps=[0]"]) == 2
+    assert "trainer.profile.steps" in capsys.readouterr().err
