@@ -25,9 +25,10 @@ import resource
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+from core_rl.testing.processes import idle_cpu, process_tree, tree_usage
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny_grpo"
@@ -66,42 +67,6 @@ def start_server(engine: str, model: Path, work: Path, url: str = "", cpus: list
     )
 
 
-def process_tree(root: int) -> list[int]:
-    """``root`` and every process descended from it (from ``/proc``)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
-    return tree
-
-
-def tree_usage(root: int | None) -> tuple[float, int]:
-    """CPU seconds (user + system) used so far by the processes of ``root``'s tree, and their
-    thread count (0, 0 without a root)."""
-    if root is None:
-        return 0.0, 0
-    tick = os.sysconf("SC_CLK_TCK")
-    cpu, threads = 0.0, 0
-    for pid in process_tree(root):
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        cpu += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-        threads += int(fields[17])
-    return cpu, threads
-
-
 def thread_usage(root: int | None, *, tree: bool = True) -> dict[str, float]:
     """CPU seconds so far of each thread of ``root``'s process tree (``tree``) or of ``root``
     alone, summed by thread name."""
@@ -123,13 +88,6 @@ def thread_usage(root: int | None, *, tree: bool = True) -> dict[str, float]:
 def trainer_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-def idle_server_cpu(server_pid: int | None, seconds: float = 3.0) -> float:
-    """The server's CPU use (cores) while no request is sent: above ~0.05 it polls or spins."""
-    before, _ = tree_usage(server_pid)
-    time.sleep(seconds)
-    return (tree_usage(server_pid)[0] - before) / seconds
 
 
 def run_config(args: argparse.Namespace, model: Path, data: Path, work: Path, url: str, bound: int) -> dict:
@@ -248,7 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             server = engine.endpoints[0].server
             server_pid = server.pid if server is not None else None
             runs: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
-            idle = idle_server_cpu(server_pid)
+            idle = idle_cpu(server_pid)
             for round_ in range(args.rounds):  # alternate, so a change in machine load hits both
                 for mode, bound in (("sync", 0), ("async", args.bound)):
                     engine.load_weights_from_path(model, 0)  # every run starts from the same weights

@@ -2,7 +2,7 @@
 on top of :class:`~core_rl.testing.RolloutEngineContract`: real servers started from the plugin's
 server environment, their logs in the run directory, connecting by URL, pausing with requests in
 flight, a server killed mid-rollout (restarted, then reported by name once restarts are used up),
-and no process left behind when the trainer is killed with SIGKILL.
+no process left behind when the trainer is killed with SIGKILL, and no CPU burnt while idle.
 
 Subclass it in a server plugin's tests and set ``plugin``, ``name``, ``options`` (without
 ``server``: the managed environment is used, built on first use) and ``tiny_model_options``.
@@ -27,6 +27,7 @@ import pytest
 from core_rl.interfaces import SamplingParams
 from core_rl.servers import ServerError, pid_alive
 from core_rl.testing.contracts import RolloutEngineContract
+from core_rl.testing.processes import idle_cpu
 
 
 class ServerRolloutEngineContract(RolloutEngineContract):
@@ -198,6 +199,19 @@ class ServerRolloutEngineContract(RolloutEngineContract):
         for pid in left:  # do not leave them to the next test
             os.kill(pid, signal.SIGKILL)
         assert not left, f"processes left after the trainer was killed: {left}"
+
+    #: most of a core an idle server may use (its processes' CPU time over ``idle_seconds``)
+    idle_cores: ClassVar[float] = 0.2
+    idle_seconds: ClassVar[float] = 2.0
+
+    def test_an_idle_server_does_not_spin(self, engine) -> None:
+        """Between requests a server waits for the next one instead of polling in a loop: on a
+        machine the trainer shares, a spinning scheduler takes a core the trainer needs."""
+        engine.generate([[1, 10, 11, 12]], SamplingParams(n=2, max_new_tokens=4))
+        time.sleep(0.5)  # let the last request's follow-up work end
+        for ep in engine.endpoints:
+            used = idle_cpu(ep.server.pid, self.idle_seconds)
+            assert used < self.idle_cores, f"{ep.name} used {used:.2f} cores while idle"
 
     def test_agenerate_in_asyncio_with_many_requests(self, engine) -> None:
         async def run() -> list:

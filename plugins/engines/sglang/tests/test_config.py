@@ -53,6 +53,7 @@ def test_cpu_command_has_the_cpu_recipe_and_passes_options() -> None:
         "--chunked-prefill-size -1",
         "--disable-overlap-schedule",
         "--skip-server-warmup",
+        "--sleep-on-idle",
     ):
         assert part in line, part
     assert argv[-2:] == ["--log-level", "debug"]
@@ -62,6 +63,12 @@ def test_cpu_command_has_the_cpu_recipe_and_passes_options() -> None:
 def test_gpu_command_leaves_backends_to_sglang() -> None:
     argv, _ = _command(server={"env_variant": "cuda"})
     assert "--device" not in argv and "--attention-backend" not in argv and "--mem-fraction-static" not in argv
+    assert "--sleep-on-idle" in argv  # on every device: a busy scheduler takes a core per server
+
+
+def test_sleep_on_idle_can_be_turned_off() -> None:
+    argv, _ = _command(server={"env_variant": "cpu"}, sleep_on_idle=False)
+    assert "--sleep-on-idle" not in argv
 
 
 @pytest.mark.parametrize(

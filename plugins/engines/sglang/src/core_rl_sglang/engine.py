@@ -97,6 +97,8 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             argv += ["--chunked-prefill-size", str(c.chunked_prefill_size)]
         if c.disable_overlap_schedule or cpu:
             argv.append("--disable-overlap-schedule")
+        if c.sleep_on_idle:
+            argv.append("--sleep-on-idle")
         return argv + list(c.extra_args)
 
     def server_environment(self, index: int) -> dict[str, str]:

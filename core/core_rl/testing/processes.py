@@ -1,0 +1,52 @@
+"""CPU use of process trees, read from ``/proc`` (Linux): what tests and benchmarks measure of
+servers and trainers."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process descended from it."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def tree_usage(root: int | None) -> tuple[float, int]:
+    """CPU seconds (user + system) used so far by the processes of ``root``'s tree, and their
+    thread count ((0, 0) without a root)."""
+    if root is None:
+        return 0.0, 0
+    tick = os.sysconf("SC_CLK_TCK")
+    cpu, threads = 0.0, 0
+    for pid in process_tree(root):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        cpu += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        threads += int(fields[17])
+    return cpu, threads
+
+
+def idle_cpu(root: int | None, seconds: float = 3.0) -> float:
+    """The CPU use (cores) of ``root``'s tree over the next ``seconds``; for a server nobody
+    sends requests to, anything above a few hundredths means it polls or spins."""
+    before, _ = tree_usage(root)
+    time.sleep(seconds)
+    return (tree_usage(root)[0] - before) / seconds
