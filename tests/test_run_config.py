@@ -1,0 +1,70 @@
+"""``<run>/config.yaml`` (core_rl.trainer.run_config): the resolved configuration is recorded and
+loads back to the same configuration; a resume with changed settings keeps the earlier file and
+names every changed key; a resume without changes keeps nothing extra."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from core_rl.config import load_config
+from core_rl.config.loader import to_plain
+from core_rl.testing.faults import build_task, merged, run_dir
+from core_rl.trainer.run_config import changed_keys
+from fault_helpers import train_here
+
+
+def test_the_recorded_config_loads_back_to_the_run_configuration(tmp_path: Path, host) -> None:
+    config = merged(build_task(tmp_path), trainer={"total_steps": 1, "torch_threads": 1})
+    train_here(config, host)
+    recorded = run_dir(config) / "config.yaml"
+    ran = load_config(tmp_path / "run.yaml", host=host)  # the file train_here wrote
+    again = load_config(recorded, host=host)
+    assert to_plain(again) == to_plain(ran)
+    assert to_plain(again)["rollout"]["engine"]["name"] == "hf"  # plugin sections with their defaults
+
+
+def test_a_resume_with_changed_settings_keeps_the_earlier_config(tmp_path: Path, host, capsys) -> None:
+    base = merged(build_task(tmp_path), trainer={"total_steps": 2, "torch_threads": 1})
+    train_here(base, host)
+    run = run_dir(base)
+    capsys.readouterr()
+
+    same = merged(base, trainer={"total_steps": 2, "torch_threads": 1, "resume": True})
+    train_here(same, host)  # nothing left to train, nothing changed but how it resumes
+    assert "setting(s) changed" not in capsys.readouterr().err
+    assert sorted(p.name for p in run.glob("config*.yaml")) == ["config.yaml"]
+    before = (run / "config.yaml").read_text()
+
+    lr = merged(
+        base,
+        actor={**base["actor"], "optimizer": {"name": "adamw", "lr": 5e-3}},
+        trainer={"total_steps": 3, "torch_threads": 1},
+        recover={"mode": "auto"},
+    )
+    train_here(lr, host)
+    err = capsys.readouterr().err
+    assert "resumed from step 2 with 3 setting(s) changed" in err, err
+    for line in (
+        "actor.optimizer.lr: 0.01 -> 0.005",
+        "trainer.total_steps: 2 -> 3",
+        "actor.lr_scheduler.total_steps: 2 -> 3",
+    ):
+        assert line in err, line
+    assert (run / "config.step2.yaml").read_text() == before
+    assert "lr: 0.005" in (run / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "lines"),
+    [
+        ({"a": {"b": 1, "c": [1, 2]}}, {"a": {"b": 1, "c": [1, 2]}}, []),
+        ({"a": {"b": 1}}, {"a": {"b": 2}}, ["a.b: 1 -> 2"]),
+        ({"a": {"b": 1}}, {"a": {"b": 1, "d": "x"}}, ["a.d: (unset) -> 'x'"]),
+        ({"a": [1]}, {"a": [1, 2]}, ["a: [1] -> [1, 2]"]),
+        ({"a": {}}, {"a": {"k": None}}, ["a: {} -> (unset)", "a.k: (unset) -> None"]),
+        ({"trainer": {"resume": False}, "recover": {"mode": "disabled"}}, {"trainer": {"resume": True}}, []),
+    ],
+)
+def test_changed_keys(before: dict, after: dict, lines: list[str]) -> None:
+    assert changed_keys(before, after) == lines
