@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from core_rl.builtin.loggers import read_metrics
 from core_rl.config import load_config
 from core_rl.config.loader import to_plain
 from core_rl.testing.faults import build_task, merged, run_dir
@@ -68,3 +69,26 @@ def test_a_resume_with_changed_settings_keeps_the_earlier_config(tmp_path: Path,
 )
 def test_changed_keys(before: dict, after: dict, lines: list[str]) -> None:
     assert changed_keys(before, after) == lines
+
+
+def test_the_recorded_config_exports_a_checkpoint_as_a_hf_model(tmp_path: Path, host) -> None:
+    """The README's recipe: ``core-rl train <run>/config.yaml recover.mode=resume
+    saver.export_hf=true`` with ``trainer.total_steps`` at the newest checkpoint trains nothing and
+    writes that checkpoint's weights as ``<run>/final_hf``."""
+    import torch
+    from core_rl import cli
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    config = merged(build_task(tmp_path), trainer={"total_steps": 2, "torch_threads": 1})
+    train_here(config, host)
+    run = run_dir(config)
+    assert not (run / "final_hf").exists()
+    overrides = ["recover.mode=resume", "saver.export_hf=true"]
+    assert cli.main(["train", str(run / "config.yaml"), *overrides]) == 0
+    model = AutoModelForCausalLM.from_pretrained(run / "final_hf")
+    saved = load_file(run / "checkpoints" / "step_00000002" / "model.safetensors")
+    exported = model.state_dict()
+    assert saved.keys() <= exported.keys()
+    assert all(torch.equal(saved[k], exported[k]) for k in saved)
+    assert len(read_metrics(run / "metrics.jsonl")) == 2  # no step trained
