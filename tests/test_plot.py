@@ -57,7 +57,7 @@ def test_a_bad_line_in_the_middle_names_file_and_line(tmp_path):
     run = write_run(tmp_path / "a", 3)
     lines = (run / "metrics.jsonl").read_text().splitlines()
     (run / "metrics.jsonl").write_text("\n".join([lines[0], "garbage", *lines[1:]]) + "\n")
-    with pytest.raises(CoreRLError, match=r"metrics.jsonl:2: not a metrics record"):
+    with pytest.raises(CoreRLError, match=r"metrics.jsonl:2: not a JSON record"):
         load_run(run)
     with pytest.raises(CoreRLError, match="no metrics.jsonl here"):
         load_run(tmp_path)

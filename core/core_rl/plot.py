@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import html
 import io
-import json
 import math
 import statistics
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import attrs
 
+from core_rl.builtin.loggers import read_metrics
 from core_rl.errors import CoreRLError
 
 METRICS_FILE = "metrics.jsonl"
@@ -85,16 +85,11 @@ def load_run(run_dir: str | Path, label: str | None = None) -> Run:
     if not metrics.is_file():
         raise CoreRLError(f"{path}: no {METRICS_FILE} here; give the run directory of a core-rl run")
     by_step: dict[int, dict[str, float]] = {}
-    for number, line in enumerate(metrics.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
+    for record in read_metrics(metrics):  # leaves out a last line cut short by a killed run
         try:
-            record = json.loads(line)
             step = int(record["step"])
-        except (ValueError, KeyError, TypeError):
-            if number == len(metrics.read_text(encoding="utf-8").splitlines()):
-                continue  # a last line cut short by a killed run
-            raise CoreRLError(f"{metrics}:{number}: not a metrics record: {line[:120]!r}") from None
+        except (KeyError, TypeError, ValueError):
+            raise CoreRLError(f"{metrics}: a record without a step number: {str(record)[:120]}") from None
         values = {k: v for k, v in ((k, _number(v)) for k, v in record.items()) if v is not None}
         by_step.setdefault(step, {}).update(values)
     series: dict[str, tuple[list[int], list[float]]] = {}

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from core_rl.checkpointing import write_text_atomic
 from core_rl.config.validators import MAX_STEPS, in_range, inside_directory
+from core_rl.errors import CoreRLError
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import Logger, RunInfo, SampleRecord
 
@@ -166,9 +167,26 @@ def truncate_jsonl(path: Path, last_step: int) -> int:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Read a metrics file written by :class:`JsonlLogger`."""
-    with Path(path).open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a metrics (or samples) file written by :class:`JsonlLogger`.
+
+    A last line that does not parse is left out: a write cut short by a killed run (the kernel
+    ends a file write early at a page boundary when SIGKILL arrives, so a line can be half there).
+    Any other line that does not parse is a :class:`~core_rl.errors.CoreRLError` naming the file
+    and line."""
+    lines = Path(path).read_text(encoding="utf-8").split("\n")
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if i == last:
+                break
+            raise CoreRLError(f"{path}:{i + 1}: not a JSON record: {line[:120]!r}") from None
+        records.append(record)
+    return records
 
 
 @hookimpl
