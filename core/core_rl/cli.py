@@ -1,5 +1,5 @@
-"""The ``core-rl`` command: ``train``, ``plugins``, ``plot``, ``config show``, ``config validate`` and
-``server-env create|list|path|remove`` (:mod:`core_rl.server_env`).
+"""The ``core-rl`` command: ``train``, ``plugins``, ``plot``, ``checkpoints``, ``config show``,
+``config validate`` and ``server-env create|list|path|remove`` (:mod:`core_rl.server_env`).
 
 Exit status: 0 on success, 2 on a user's mistake: usage, configuration, overrides, plugins, and for
 ``train`` the data files, model and tokenizer directories, devices and output directory (checked
@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from core_rl import __version__
 from core_rl.errors import CoreRLError
@@ -70,6 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories holding metrics.jsonl")
     plot.add_argument("--out", default=None, help="write the files here instead of the first run directory")
     plot.add_argument("--smooth", type=int, default=None, help="rolling-mean window in steps (default ~steps/50)")
+
+    ckpt = sub.add_parser(
+        "checkpoints",
+        help="list a run's checkpoints, or roll the run back to one",
+        description="List the checkpoints of a run directory (step, size, which one `latest` names). With "
+        "--roll-back-to N, make step N's checkpoint the newest: later checkpoints move into "
+        "checkpoints/rolled_back_from_<M>/ with a copy of the run's metrics (nothing is deleted), and the "
+        "next `core-rl train <run>/config.yaml recover.mode=auto` continues from step N.",
+    )
+    ckpt.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holding checkpoints/)")
+    ckpt.add_argument("--roll-back-to", type=int, default=None, metavar="N", help="the step to continue from")
 
     config = sub.add_parser("config", help="show or validate a config", description="Inspect a configuration.")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -134,6 +146,31 @@ def _cmd_plugins(as_json: bool) -> int:
     return 0
 
 
+def _cmd_checkpoints(run_dir: Path, roll_back_to: int | None) -> int:
+    from core_rl.trainer import checkpoints
+
+    if not checkpoints.checkpoints_root(run_dir).is_dir():
+        raise CoreRLError(f"{run_dir}: no checkpoints/ here; give the run directory of a core-rl run")
+    if roll_back_to is not None:
+        aside, moved = checkpoints.roll_back(run_dir, roll_back_to)
+        if aside is not None:
+            names = ", ".join(p.name for p in moved)
+            print(f"moved {len(moved)} later checkpoint(s) ({names}) and a copy of the metrics to {aside}")
+        print(
+            f"latest: {checkpoints.checkpoint_dir(run_dir, roll_back_to).name}; continue with: "
+            f"core-rl train {run_dir / 'config.yaml'} recover.mode=auto"
+        )
+        return 0
+    latest = checkpoints.latest_checkpoint(run_dir)
+    found = checkpoints.list_checkpoints(run_dir)
+    for step, path in found:
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+        print(f"{step:>8}  {size:9.1f} MiB  {path}{'  (latest)' if path == latest else ''}")
+    if not found:
+        print(f"no checkpoints in {checkpoints.checkpoints_root(run_dir)}")
+    return 0
+
+
 def _note(message: str) -> None:
     """Print a note on stderr (once per job: only rank 0 of a ``torchrun`` job speaks)."""
     if os.environ.get("RANK", "0") == "0":
@@ -161,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"plot: {written['png']}")
             print(f"page: {written['html']}")
             return 0
+        if args.command == "checkpoints":
+            return _cmd_checkpoints(Path(args.run_dir), args.roll_back_to)
         if args.command == "server-env":
             from core_rl.server_env import run_command
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import attrs
 
 from core_rl.checkpointing import CheckpointFormatError, write_text_atomic
+from core_rl.errors import CoreRLError
 
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -110,6 +111,36 @@ def find_resumable(run_dir: Path, check: Callable[[Path], None]) -> Resumable:
         notes.append(f"resuming from {path.name}, the newest valid checkpoint")
         return Resumable(path, step, notes)
     return Resumable(None, 0, notes)
+
+
+def roll_back(run_dir: Path, step: int) -> tuple[Path | None, list[Path]]:
+    """Make the checkpoint of ``step`` the run's newest, so that resuming continues from it.
+
+    Nothing is deleted: the checkpoints of later steps move into ``checkpoints/rolled_back_from_<M>``
+    (``M``: the newest of them), with a copy of the run's ``metrics.jsonl`` and ``samples.jsonl``
+    as they were (resuming truncates those to ``step``), and ``latest`` then names ``step``.
+    Returns that directory (``None`` when no later checkpoint existed) and the moved checkpoints.
+    Raises :class:`~core_rl.errors.CoreRLError` when ``step`` has no checkpoint directory, listing
+    the steps that have one."""
+    target = checkpoint_dir(run_dir, step)
+    found = list_checkpoints(run_dir)
+    if not target.is_dir():
+        steps = ", ".join(str(s) for s, _ in found) or "none"
+        raise CoreRLError(f"{run_dir}: no checkpoint of step {step} ({target}); checkpoints of steps: {steps}")
+    later = [p for s, p in found if s > step]
+    aside: Path | None = None
+    if later:
+        aside = checkpoints_root(run_dir) / f"rolled_back_from_{step_of(later[-1])}"
+        if aside.exists():
+            raise CoreRLError(f"{aside} exists already: move it away first (it holds an earlier roll-back)")
+        aside.mkdir()
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            if (run_dir / name).is_file():
+                shutil.copy2(run_dir / name, aside / name)
+        for path in later:
+            path.rename(aside / path.name)
+    mark_latest(run_dir, step)
+    return aside, later
 
 
 def remove_leftovers(run_dir: Path) -> list[Path]:
