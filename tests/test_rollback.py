@@ -38,6 +38,8 @@ def test_roll_back_then_resume_repeats_the_later_steps_exactly(tmp_path: Path, h
 
     assert cli.main(["checkpoints", str(run), "--roll-back-to", "3"]) == 2  # rolled_back_from_4 exists
     assert "exists already" in capsys.readouterr().err
+    assert cli.main(["checkpoints", str(run)]) == 0
+    assert f"set aside by a roll-back: {aside} (steps 3, 4)" in capsys.readouterr().out
 
 
 def test_roll_back_to_a_step_without_a_checkpoint_names_the_ones_there(tmp_path: Path, host, capsys) -> None:

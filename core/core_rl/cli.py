@@ -168,6 +168,9 @@ def _cmd_checkpoints(run_dir: Path, roll_back_to: int | None) -> int:
         print(f"{step:>8}  {size:9.1f} MiB  {path}{'  (latest)' if path == latest else ''}")
     if not found:
         print(f"no checkpoints in {checkpoints.checkpoints_root(run_dir)}")
+    for aside in sorted(checkpoints.checkpoints_root(run_dir).glob("rolled_back_from_*")):
+        steps = ", ".join(str(checkpoints.step_of(p)) for p in sorted(aside.glob("step_*")))
+        print(f"set aside by a roll-back: {aside} (steps {steps or 'none'})")
     return 0
 
 
