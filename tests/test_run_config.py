@@ -55,6 +55,16 @@ def test_a_resume_with_changed_settings_keeps_the_earlier_config(tmp_path: Path,
     assert (run / "config.step2.yaml").read_text() == before
     assert "lr: 0.005" in (run / "config.yaml").read_text()
 
+    # from step 2 again, with another change: the file of the first resume is kept too
+    from core_rl.trainer.checkpoints import roll_back
+
+    roll_back(run, 2)
+    second = (run / "config.yaml").read_text()
+    train_here(merged(lr, actor={**base["actor"], "optimizer": {"name": "adamw", "lr": 2e-3}}), host)
+    assert "actor.optimizer.lr: 0.005 -> 0.002" in capsys.readouterr().err
+    assert (run / "config.step2.yaml").read_text() == before
+    assert (run / "config.step2-2.yaml").read_text() == second
+
 
 @pytest.mark.parametrize(
     ("before", "after", "lines"),

@@ -4,7 +4,7 @@ The main rank writes it (atomically) when the loop starts, as ``core-rl config s
 every default, recipe setting, interpolation and override applied, so ``core-rl train
 <run>/config.yaml`` runs the same configuration again. A resumed run whose configuration differs
 from the one recorded keeps the earlier file as ``config.step<N>.yaml`` (``N``: the step it resumed
-from) and reports each changed key (:func:`changed_keys`), leaving out the keys that only say how to
+from; never overwritten) and reports each changed key (:func:`changed_keys`), leaving out the keys that only say how to
 resume (``trainer.resume``, ``recover.*``).
 """
 
@@ -49,13 +49,16 @@ def changed_keys(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[st
     return lines
 
 
-def record_config(run_dir: Path, cfg: RunConfig, resumed_from: int | None) -> list[str]:
+def record_config(run_dir: Path, cfg: RunConfig, resumed_from: int | None) -> tuple[list[str], Path | None]:
     """Write ``cfg`` to ``run_dir/config.yaml``; when resuming (``resumed_from``: the step) over a
-    recorded configuration that differs, keep that one as ``config.step<N>.yaml`` first and return
-    :func:`changed_keys` (an unreadable earlier file is kept and reported as such)."""
+    recorded configuration that differs, keep that one first as ``config.step<N>.yaml`` (or
+    ``config.step<N>-<k>.yaml`` when a resume from that step kept one already) and return
+    :func:`changed_keys` with where it went (an unreadable earlier file is kept and reported as
+    such); otherwise ``([], None)``."""
     path = run_dir / CONFIG_FILE
     text = to_yaml(cfg)
     changes: list[str] = []
+    kept: Path | None = None
     if resumed_from and path.is_file():
         earlier = path.read_text(encoding="utf-8")
         if earlier != text:
@@ -65,7 +68,11 @@ def record_config(run_dir: Path, cfg: RunConfig, resumed_from: int | None) -> li
             except yaml.YAMLError as exc:
                 changes = [f"{path.name}: the earlier file does not parse ({exc.__class__.__name__})"]
             if changes:
-                write_text_atomic(run_dir / f"config.step{resumed_from}.yaml", earlier)
+                kept = run_dir / f"config.step{resumed_from}.yaml"
+                k = 2
+                while kept.exists():
+                    kept, k = run_dir / f"config.step{resumed_from}-{k}.yaml", k + 1
+                write_text_atomic(kept, earlier)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, text)
-    return changes
+    return changes, kept

@@ -635,9 +635,8 @@ class SyncTrainer(TrainingLoop):
         started: list[Logger] = []
         if self.is_main:
             try:
-                changes = record_config(self.run_dir, cfg, self.resume_step)
+                changes, kept = record_config(self.run_dir, cfg, self.resume_step)
                 if changes:
-                    kept = f"config.step{self.resume_step}.yaml"
                     print(
                         f"core-rl: note: resumed from step {self.resume_step} with {len(changes)} setting(s) changed "
                         f"since the checkpoint's run (its configuration is kept as {kept}):\n  " + "\n  ".join(changes),
