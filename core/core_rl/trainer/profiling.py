@@ -40,7 +40,7 @@ def profile_dir(run_dir: Path) -> Path:
 
 
 def _all_threads_config() -> object | None:
-    """Kineto's experimental option to record every thread of the process (torch >= 2.7), else None."""
+    """Kineto's experimental option to record every thread of the process, where this torch has it; else None."""
     try:
         from torch._C._profiler import _ExperimentalConfig
 
