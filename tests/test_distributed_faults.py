@@ -13,7 +13,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from core_rl.testing.faults import descendants, finish, wait_for_steps, worker_of_rank
+from core_rl.testing.faults import finish, wait_for_steps, worker_of_rank
+from core_rl.testing.processes import process_tree
 from fault_helpers import build_task, cli_command, cli_env, merged, run_dir, stable_metrics, write_config
 
 pytest.importorskip("core_rl_fsdp")
@@ -74,7 +75,7 @@ def test_loopback_only_and_sigterm_saves_on_every_rank_then_resume(base):
     proc = launch(config)
     try:
         assert wait_for_steps(run, proc), finish(proc, 60)[-4000:]
-        addresses = listening_addresses(descendants(proc.pid))
+        addresses = listening_addresses(process_tree(proc.pid))
         assert addresses, "the launcher and its workers listen on nothing?"
         assert all(is_loopback(a) for a in addresses), addresses
         proc.send_signal(signal.SIGTERM)

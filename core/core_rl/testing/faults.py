@@ -40,6 +40,7 @@ import attrs
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import Logger, LossOutput, PolicyLoss, Reward
 from core_rl.ops import aggregation_weights
+from core_rl.testing.processes import process_tree
 
 #: set it to release the calls of a ``hang`` reward (tests do, so their threads end)
 RELEASE = threading.Event()
@@ -278,27 +279,9 @@ def finish(proc: subprocess.Popen, timeout: float) -> str:
                 pass
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (Linux ``/proc``)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        out.append(current)
-        todo.extend(children.get(current, []))
-    return out
-
-
 def worker_of_rank(launcher: int, rank: int) -> int | None:
     """The pid of the worker of ``rank`` that launcher process ``launcher`` started, if any."""
-    for pid in descendants(launcher)[1:]:
+    for pid in process_tree(launcher)[1:]:
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
