@@ -31,6 +31,8 @@ try:
 finally:
     sys.path.remove(str(ROOT / "benchmarks"))
 
+pytestmark = pytest.mark.server_env("vllm")
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

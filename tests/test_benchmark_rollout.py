@@ -11,6 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.server_env("vllm")
+
 
 def test_rollout_benchmark_runs_and_reports(tmp_path: Path) -> None:
     pytest.importorskip("core_rl_vllm")

@@ -3,6 +3,7 @@ unpickled) and RNG snapshots."""
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import random
@@ -88,6 +89,16 @@ def test_tree_roundtrip_keeps_types_tensors_and_specials(tmp_path: Path) -> None
     json.loads((tmp_path / "state.json").read_text())
 
 
+class _Kind(enum.Enum):
+    FLAT = 1
+    NESTED = "nested"
+
+
+class _Level(enum.IntEnum):
+    LOW = 0
+    HIGH = 1
+
+
 _leaf = st.one_of(
     st.none(),
     st.booleans(),
@@ -95,6 +106,10 @@ _leaf = st.one_of(
     st.floats(allow_nan=False),
     st.text(max_size=8),
     st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=1, max_size=4).map(torch.tensor),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8]),
+    st.sampled_from([torch.device("cpu"), torch.device("cuda", 1), torch.device("meta")]),
+    st.lists(st.integers(0, 2**40), max_size=4).map(torch.Size),
+    st.sampled_from(list(_Kind)),
 )
 _tree = st.recursive(
     _leaf,
@@ -124,6 +139,37 @@ def test_any_tree_roundtrips(tmp_path_factory: pytest.TempPathFactory, tree) -> 
     directory = tmp_path_factory.mktemp("tree")
     ckpt.save_tree(directory, "t", tree)
     assert _same(tree, ckpt.load_tree(directory, "t"))
+
+
+def test_optimizer_metadata_roundtrips(tmp_path: Path) -> None:
+    """What real optimizers keep beside tensors: a distributed optimizer keys its buffers by
+    ``(param_dtype, grad_dtype)`` tuples; states hold devices, shapes and enum members."""
+    tree = {
+        "buffers": {0: {(torch.bfloat16, torch.float32): [{"param": torch.ones(3), "numel": 3}]}},
+        "device": torch.device("cuda", 0),
+        "shape": torch.Size([4, 8]),
+        "kind": _Kind.NESTED,
+        "level": _Level.HIGH,  # an IntEnum is an int too: it must come back as the member
+        "dtypes": [torch.float16, torch.int8],
+    }
+    ckpt.save_tree(tmp_path, "opt", tree)
+    back = ckpt.load_tree(tmp_path, "opt")
+    ((key, value),) = back["buffers"][0].items()
+    assert key == (torch.bfloat16, torch.float32) and torch.equal(value[0]["param"], torch.ones(3))
+    assert back["device"] == torch.device("cuda", 0)
+    assert type(back["shape"]) is torch.Size and back["shape"] == torch.Size([4, 8])
+    assert back["kind"] is _Kind.NESTED and back["level"] is _Level.HIGH
+    assert back["dtypes"] == [torch.float16, torch.int8]
+
+
+def test_an_enum_of_a_module_not_imported_is_a_format_error(tmp_path: Path) -> None:
+    # loading never imports a module (that would run its code): the member's module must be loaded already
+    (tmp_path / "e.json").write_text(json.dumps({"k": {"__enum__": ["some_plugin.states", "Kind", "A"]}}))
+    with pytest.raises(ckpt.CheckpointFormatError, match="some_plugin.states is not imported"):
+        ckpt.load_tree(tmp_path, "e")
+    (tmp_path / "e.json").write_text(json.dumps({"k": {"__enum__": ["json", "JSONDecoder", "A"]}}))
+    with pytest.raises(ckpt.CheckpointFormatError, match="json.JSONDecoder.A is not an enum member"):
+        ckpt.load_tree(tmp_path, "e")
 
 
 def test_objects_are_refused(tmp_path: Path) -> None:

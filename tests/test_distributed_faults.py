@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from core_rl.testing.faults import finish, wait_for_steps, worker_of_rank
+from core_rl.testing.launch import cpu_ranks_env
 from core_rl.testing.processes import process_tree
 from fault_helpers import build_task, cli_command, cli_env, merged, run_dir, stable_metrics, write_config
 
@@ -36,7 +37,7 @@ def launch(config: dict, *overrides: str, env: dict | None = None) -> subprocess
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**cli_env(), **(env or {})},
+        env=cpu_ranks_env({**cli_env(), **(env or {})}),  # CPU ranks (gloo), whatever the machine
         start_new_session=True,  # so cleanup can end the launcher and its workers together
     )
 

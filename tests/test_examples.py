@@ -73,6 +73,7 @@ def test_the_main_job_imports_without_test_packages():
 def test_combined_reward_with_swanlab_and_tensorboard(tmp_path):
     """grpo_combined.yaml: a ``combine`` of char_match and format, SwanLab offline and TensorBoard,
     samples logged, each reward part a metric, and the run plotted."""
+    pytest.importorskip("swanlab", reason="the swanlab package is not installed")
     pytest.importorskip("core_rl_swanlab")
     pytest.importorskip("core_rl_tensorboard")
     pytest.importorskip("core_rl_reward_format")

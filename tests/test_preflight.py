@@ -265,7 +265,11 @@ def test_the_machine_decides_devices_and_backends(tmp_path, model, data):
     crowded = MachineInfo(cuda_device_count=2, local_world_size=4)
     assert _problems(_config(tmp_path, model, data), crowded) == [
         "actor.engine: 4 processes on this node but only 2 CUDA devices; start at most one process per GPU (torchrun "
-        "--nproc_per_node)"
+        "--nproc_per_node), or set device: cpu"
+    ]
+    preflight(_config(tmp_path, model, data, "actor.engine.device=cpu"), machine=crowded)  # CPU ranks need no GPU each
+    assert _problems(_config(tmp_path, model, data, "actor.engine.device=cuda")) == [
+        "actor.engine.device: cuda, but this machine has no CUDA GPU; use auto or cpu"
     ]
     cfg = _config(tmp_path, model, data, "actor.engine.attn_implementation=flash_attention_2")
     assert _problems(cfg) == [
@@ -374,3 +378,18 @@ def test_role_models_must_share_the_policys_tokenizer(tmp_path, model, data):
         "the policy's token ids"
     ]
     preflight(_config(tmp_path, model, data, f"ref.model_path={same}", f"teacher.model_path={same}"), machine=NO_GPU)
+
+
+def test_activation_checkpointing_every_n_layers_needs_a_recent_transformers(tmp_path, model, data, monkeypatch):
+    from transformers import PreTrainedModel
+
+    cfg = _config(
+        tmp_path, model, data, "actor.gradient_checkpointing=true", "actor.gradient_checkpointing_every_n_layers=2"
+    )
+    if hasattr(PreTrainedModel, "activation_checkpointing_enable"):
+        preflight(cfg)  # this transformers can
+        monkeypatch.delattr(PreTrainedModel, "activation_checkpointing_enable")
+    (problem,) = _problems(cfg)
+    assert problem.startswith(
+        "actor.gradient_checkpointing_every_n_layers / gradient_checkpointing_offload: need transformers >= 5.23"
+    )

@@ -82,7 +82,10 @@ def hf_rise(warm_model: dict[str, Path]) -> tuple[float, float]:
 
 @pytest.mark.parametrize(
     ("engine", "sync"),
-    [("vllm", "collective"), ("sglang", "disk")],
+    [
+        pytest.param("vllm", "collective", marks=pytest.mark.server_env("vllm")),
+        pytest.param("sglang", "disk", marks=pytest.mark.server_env("sglang")),
+    ],
 )
 def test_grpo_through_a_server_learns(warm_model, hf_rise, engine: str, sync: str) -> None:
     pytest.importorskip(f"core_rl_{engine}")

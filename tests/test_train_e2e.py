@@ -4,8 +4,6 @@ model: metrics, checkpoints, export, exact resume, and 2-rank training under tor
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from core_rl.builtin.loggers import read_metrics
+from core_rl.testing.launch import run_train
 from core_rl.tiny import build_tiny_model
 
 pytest.importorskip("core_rl_fsdp")
@@ -64,27 +63,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _train(config: Path, *overrides: str, nproc: int = 0) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if nproc:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={nproc}",
-            f"--master_port={port}",
-            "-m",
-            "core_rl.cli",
-        ]
-    else:
-        cmd = [sys.executable, "-m", "core_rl.cli"]
-    proc = subprocess.run(
-        [*cmd, "train", str(config), *overrides], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    """``core-rl train``; under torchrun (``nproc``) on CPU ranks, which the rank comparisons mean."""
+    return run_train(config, *overrides, nproc=nproc, cpu=bool(nproc))
 
 
 def test_train_writes_metrics_checkpoints_and_model(setup):
@@ -157,3 +137,24 @@ def test_two_ranks_match_one_rank(setup):
     for a, b in zip(one, two):
         for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "actor/kl"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+def test_a_finished_run_leaves_no_process_group_at_exit(setup):
+    """``core-rl train`` destroys the process group it trained with when the interpreter exits (NCCL
+    warns at exit about a group left alive): a check registered before the run, so run after the
+    clean-up (exit handlers run last first), sees none."""
+    script = (
+        "import atexit, sys\n"
+        "import torch.distributed as dist\n"
+        "from core_rl import cli\n"
+        "atexit.register(lambda: print('group at exit:', dist.is_initialized()))\n"
+        f"code = cli.main(['train', {str(setup['config'])!r}, 'experiment.name=exit', 'trainer.total_steps=1', "
+        "'saver.every_n_steps=0'])\n"
+        "print('initialized after the run:', dist.is_initialized())\n"
+        "sys.exit(code)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "initialized after the run: True" in proc.stdout  # kept for a later run in the same process ...
+    assert "group at exit: False" in proc.stdout  # ... and destroyed at exit
+    assert "destroy_process_group() was not called" not in proc.stderr

@@ -11,17 +11,22 @@ version there).
 *tree* (nested dicts, lists, tuples, numbers, strings, booleans, ``None`` and tensors, e.g. an
 optimizer state dict or the RNG states) is written by :func:`save_tree` as ``NAME.safetensors`` (its
 tensors, keyed by their path in the tree) plus ``NAME.json`` (the tree with each tensor replaced by a
-reference) and read back by :func:`load_tree`, which never unpickles anything.
+reference) and read back by :func:`load_tree`, which never unpickles anything. Besides those, a tree
+may hold the plain metadata real optimizers keep in their state dicts: ``torch.dtype``,
+``torch.device``, ``torch.Size`` and members of :class:`enum.Enum` classes (restored only from a
+module the loading process has already imported, so loading imports and runs nothing).
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 import json
 import math
 import os
 import random
 import shutil
+import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,6 +42,11 @@ _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"
 _ITEMS = "__items__"  # a dict with non-string keys, as [key, value] pairs
 _FLOAT = "__float__"  # nan, inf, -inf
+_DTYPE = "__dtype__"  # torch.float32 -> "float32"
+_DEVICE = "__device__"  # torch.device("cuda", 0) -> "cuda:0"
+_SIZE = "__size__"  # torch.Size([2, 3]) -> [2, 3]
+_ENUM = "__enum__"  # an enum member -> ["module", "Qual.Name", "MEMBER"]
+_MARKERS = frozenset({_TENSOR, _TUPLE, _ITEMS, _FLOAT, _DTYPE, _DEVICE, _SIZE, _ENUM})
 
 
 class CheckpointFormatError(ValueError):
@@ -143,12 +153,21 @@ def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
         # safetensors needs contiguous tensors that share no storage
         tensors[key] = value.detach().to("cpu").contiguous().clone()
         return {_TENSOR: key}
+    if isinstance(value, enum.Enum):  # before int/str: IntEnum and StrEnum members are ints and strings too
+        cls = type(value)
+        return {_ENUM: [cls.__module__, cls.__qualname__, value.name]}
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
         return value
+    if isinstance(value, torch.dtype):
+        return {_DTYPE: str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {_DEVICE: str(value)}
+    if isinstance(value, torch.Size):
+        return {_SIZE: list(value)}
     if isinstance(value, float):
         return value if math.isfinite(value) else {_FLOAT: repr(value)}
     if isinstance(value, Mapping):
-        if all(isinstance(k, str) for k in value) and not ({_TENSOR, _TUPLE, _ITEMS, _FLOAT} & set(value)):
+        if all(isinstance(k, str) for k in value) and not (_MARKERS & set(value)):
             return {k: _encode(v, f"{path}/{k}", tensors) for k, v in value.items()}
         return {
             _ITEMS: [
@@ -162,7 +181,8 @@ def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
         return [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]
     raise TypeError(
         f"cannot store {type(value).__name__} at {path or '<root>'} in a checkpoint: only dicts, lists, "
-        "tuples, numbers, strings, booleans, None and tensors are allowed"
+        "tuples, numbers, strings, booleans, None, tensors, torch dtypes, devices and sizes, and enum members "
+        "are allowed"
     )
 
 
@@ -182,7 +202,35 @@ def _decode(value: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
         return {_hashable(_decode(k, tensors, where)): _decode(v, tensors, where) for k, v in value[_ITEMS]}
     if _FLOAT in value:
         return float(value[_FLOAT])
+    if _DTYPE in value:
+        dtype = getattr(torch, str(value[_DTYPE]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointFormatError(f"{where}: {value[_DTYPE]!r} is not a torch dtype")
+        return dtype
+    if _DEVICE in value:
+        return torch.device(value[_DEVICE])
+    if _SIZE in value:
+        return torch.Size(value[_SIZE])
+    if _ENUM in value:
+        return _enum_member(value[_ENUM], where)
     return {k: _decode(v, tensors, where) for k, v in value.items()}
+
+
+def _enum_member(ref: list[str], where: str) -> enum.Enum:
+    """The enum member ``ref`` (module, qualified class name, member name) names, from a module
+    this process has already imported: loading a checkpoint never imports (runs) code."""
+    module_name, qualname, member = ref
+    owner: Any = sys.modules.get(module_name)
+    if owner is None:
+        raise CheckpointFormatError(
+            f"{where}: holds a member of {module_name}.{qualname}, but {module_name} is not imported; "
+            "import it before loading this checkpoint"
+        )
+    for part in qualname.split("."):
+        owner = getattr(owner, part, None)
+    if not (isinstance(owner, type) and issubclass(owner, enum.Enum) and member in owner.__members__):
+        raise CheckpointFormatError(f"{where}: {module_name}.{qualname}.{member} is not an enum member")
+    return owner[member]
 
 
 def _hashable(key: Any) -> Any:

@@ -229,6 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 return launch(args.config, args.overrides, args.nproc_per_node, cfg)
             train(cfg, host=host)
+            from core_rl.engine_utils.distributed import destroy_process_group_at_exit
+
+            destroy_process_group_at_exit()
             return 0
     except CoreRLError as exc:
         if exc.exit_code == EXIT_INTERRUPTED:

@@ -18,6 +18,8 @@ loopback one) gloo and NCCL are told to listen on the loopback interface only, u
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 from collections.abc import Sequence
 
@@ -29,23 +31,56 @@ from core_rl.trainer.ranks import collective_timeout, listen_on_loopback_unless_
 ReduceOp = dist.ReduceOp
 
 
-def pick_device() -> torch.device:
-    """``cuda:LOCAL_RANK`` when CUDA is available (made the current device), else ``cpu``."""
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+#: the values of a train engine's ``device`` option
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def pick_device(preference: str = "auto") -> torch.device:
+    """The device of this rank: ``cuda:LOCAL_RANK`` (made the current device) for ``cuda``, and for
+    ``auto`` when CUDA is available; else ``cpu``. A local rank without a GPU of its own is an
+    error naming both counts (two ranks on one GPU would share it and deadlock NCCL)."""
+    if preference not in DEVICES:
+        raise ValueError(f"device: {preference!r} is not one of {', '.join(DEVICES)}")
+    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("device: cuda, but torch sees no CUDA device on this machine")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise RuntimeError(
+            f"local rank {local_rank} has no GPU of its own: this node has {count} CUDA device(s); start at most "
+            f"{count} process(es) per node, or set the engine's device: cpu"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """The backend string for ``init_process_group``: ``auto`` -> ``cuda:nccl,cpu:gloo`` on a GPU
-    (so CPU tensors and object collectives also work), ``gloo`` on CPU."""
+    """The backend string for ``init_process_group``: ``auto`` -> ``cuda:nccl,cpu:gloo`` on a machine
+    with CUDA (so CPU tensors and object collectives also work, and an engine kept on the CPU, e.g.
+    a reference model, shares the group with GPU engines of the same process; NCCL starts only at
+    the first CUDA collective), ``gloo`` without CUDA."""
     if backend != "auto":
         if backend == "nccl" and device.type != "cuda":
             raise ValueError("actor.engine.backend: nccl needs CUDA; use gloo or auto on CPU")
         return backend
-    return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+    return "cuda:nccl,cpu:gloo" if device.type == "cuda" or torch.cuda.is_available() else "gloo"
+
+
+@functools.cache
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group (and so every group made from it) when the interpreter
+    exits, as torch asks of a program that made one (NCCL warns otherwise). At exit, not now: a
+    later run in the same process (the main job's warm start, then GRPO) reuses the group, and
+    Megatron's parallel state holds groups made from it. Only after a run that finished: after a
+    failure, a collective may still wait on a dead peer, and destroying the group could wait too."""
+
+    def destroy() -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(destroy)
 
 
 def ensure_process_group(backend: str, device: torch.device) -> tuple[int, int]:

@@ -8,6 +8,7 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,6 +75,28 @@ def resolve_attn_implementation(requested: str | None, device: torch.device) -> 
     if requested != "auto":
         return requested
     return "flash_attention_2" if device.type == "cuda" and flash_attn_available() else "sdpa"
+
+
+def activation_checkpointing_problems(context: Any) -> list[str]:
+    """What the role section of an engine section (``context``: its
+    :class:`~core_rl.config.checks.EnvironmentContext`, path ``<role>.engine``) asks of activation
+    checkpointing that this transformers cannot do: every n-th layer and offloading need its
+    ``activation_checkpointing_enable`` (5.23 and later)."""
+    role = context.path.removesuffix(".engine")
+    section = getattr(context.run, role, None)
+    if section is None or not getattr(section, "gradient_checkpointing", False):
+        return []
+    if section.gradient_checkpointing_every_n_layers == 1 and not section.gradient_checkpointing_offload:
+        return []
+    import transformers
+    from transformers import PreTrainedModel
+
+    if hasattr(PreTrainedModel, "activation_checkpointing_enable"):
+        return []
+    return [
+        f"{role}.gradient_checkpointing_every_n_layers / gradient_checkpointing_offload: need transformers >= 5.23 "
+        f"(installed: {transformers.__version__}); upgrade transformers, or keep every layer (1) and no offload"
+    ]
 
 
 def enable_activation_checkpointing(model: nn.Module, *, every_n_layers: int = 1, offload: bool = False) -> None:

@@ -1,4 +1,8 @@
-"""Launching a test worker script under ``torchrun`` (CPU, gloo), for multi-process tests."""
+"""Launching a test worker script under ``torchrun`` (CPU, gloo), for multi-process tests.
+
+A test that means CPU ranks says so with :func:`cpu_ranks_env`: on a GPU machine every rank
+would otherwise pick ``cuda:LOCAL_RANK`` and NCCL, and two ranks need two GPUs. A test of real
+GPU ranks is a separate test, skipped where the GPUs it needs are absent."""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 LAUNCH_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -18,20 +23,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(script: Path | str, nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """Run ``script ARGS`` under ``python -m torch.distributed.run`` with ``nproc`` processes on a free
-    local port, one thread each, without the caller's own launch variables; raise ``AssertionError``
-    with the tail of its output if it fails, ``subprocess.TimeoutExpired`` after ``timeout`` s."""
+def cpu_ranks_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's environment) with every CUDA device hidden, so the
+    processes started with it run on the CPU with gloo, whatever the machine has."""
+    return {**(os.environ if env is None else env), "CUDA_VISIBLE_DEVICES": ""}
+
+
+def run_torchrun(
+    script: Path | str, nproc: int, *args: str, timeout: float = 240, cpu: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script ARGS`` under ``python -m torch.distributed.run --standalone`` (a free local port
+    of its own choosing) with ``nproc`` processes, one thread each, without the caller's own launch
+    variables: CPU processes (:func:`cpu_ranks_env`), or with ``cpu=False`` one GPU each. Raise
+    ``AssertionError`` with the tail of its output if it fails, ``subprocess.TimeoutExpired`` after
+    ``timeout`` s."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if cpu:
+        env = cpu_ranks_env(env)
     for key in LAUNCH_ENV_KEYS:
         env.pop(key, None)
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",
         f"--nproc_per_node={nproc}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
         str(script),
         *args,
     ]
@@ -45,16 +61,24 @@ def train_command(config: Path | str, *overrides: str, nproc: int = 0) -> list[s
     ``python -m torch.distributed.run`` with that many processes on a free local port."""
     launcher = [sys.executable]
     if nproc:
-        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     return [*launcher, "-m", "core_rl.cli", "train", str(config), *overrides]
 
 
 def run_train(
-    config: Path | str, *overrides: str, nproc: int = 0, expect: int = 0, timeout: float = 600
+    config: Path | str,
+    *overrides: str,
+    nproc: int = 0,
+    expect: int = 0,
+    timeout: float = 600,
+    cpu: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run :func:`train_command` with one torch thread; raise ``AssertionError`` with the tail of its
-    output unless it exits with ``expect``, ``subprocess.TimeoutExpired`` after ``timeout`` s."""
+    """Run :func:`train_command` with one torch thread (on the CPU alone with ``cpu``, see
+    :func:`cpu_ranks_env`); raise ``AssertionError`` with the tail of its output unless it exits
+    with ``expect``, ``subprocess.TimeoutExpired`` after ``timeout`` s."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if cpu:
+        env = cpu_ranks_env(env)
     proc = subprocess.run(
         train_command(config, *overrides, nproc=nproc), env=env, capture_output=True, text=True, timeout=timeout
     )

@@ -30,6 +30,7 @@ from core_rl.testing.contracts import RolloutEngineContract
 from core_rl.testing.processes import idle_cpu
 
 
+@pytest.mark.server_env  # the environment named by the subclass's ``name`` (see the repository's conftest.py)
 class ServerRolloutEngineContract(RolloutEngineContract):
     """See the module docstring."""
 

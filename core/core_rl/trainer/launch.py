@@ -18,6 +18,7 @@ Exit status: 0, the status of the first worker that failed, or 3 after a signal.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -40,6 +41,15 @@ from core_rl.trainer.ranks import listen_on_loopback_unless_configured
 
 RENDEZVOUS_BACKEND = "core-rl-loopback"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 120
+
+
+def _shutdown_timeout(seconds: int) -> dict[str, int]:
+    """``LaunchConfig``'s ``shutdown_timeout`` where this torch has it (2.12 and later); older
+    versions take the grace period from ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` alone."""
+    if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        return {"shutdown_timeout": seconds}
+    os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(seconds)
+    return {}
 
 
 class LoopbackRendezvous(StaticTCPRendezvous):
@@ -97,7 +107,7 @@ def launch(config_path: str, overrides: Sequence[str], nproc: int, cfg: RunConfi
         monitor_interval=0.5,
         start_method="spawn",
         local_addr="127.0.0.1",
-        shutdown_timeout=int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT_S)),
+        **_shutdown_timeout(int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT_S))),
     )
     try:
         elastic_launch(config, sys.executable)("-m", "core_rl.cli", "train", config_path, *overrides)

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_nccl_zero3_bf16_offload_train_resume_export(tiny_model: Path, tmp_path: Path) -> None:
     nproc = min(2, torch.cuda.device_count())
     script = Path(__file__).with_name("gpu_train.py")
-    run_torchrun(script, nproc, "--model", str(tiny_model), "--out", str(tmp_path), timeout=600)
+    run_torchrun(script, nproc, "--model", str(tiny_model), "--out", str(tmp_path), timeout=600, cpu=False)
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["world"] == nproc
     assert result["lp_error"] < 0.05  # bf16 compute vs an fp32 reference

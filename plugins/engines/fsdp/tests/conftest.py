@@ -21,10 +21,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def torchrun() -> Callable[..., None]:
-    """``torchrun(script, nproc, *args)``: :func:`core_rl.testing.launch.run_torchrun`."""
+    """``torchrun(script, nproc, *args, cpu=True)``: :func:`core_rl.testing.launch.run_torchrun`."""
     from core_rl.testing.launch import run_torchrun
 
-    def run(script: Path, nproc: int, *args: str, timeout: float = 240) -> None:
-        run_torchrun(script, nproc, *args, timeout=timeout)
+    def run(script: Path, nproc: int, *args: str, timeout: float = 240, cpu: bool = True) -> None:
+        run_torchrun(script, nproc, *args, timeout=timeout, cpu=cpu)
 
     return run

@@ -91,8 +91,12 @@ def test_config_section() -> None:
         structure({"backend": "mpi"}, FSDPConfig, path="actor.engine")
 
 
-def test_backend_resolution() -> None:
+def test_backend_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_backend("auto", torch.device("cpu")) == "gloo"
+    # with CUDA present a CPU engine's group also carries NCCL, so GPU engines of the process can share it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_backend("auto", torch.device("cpu")) == "cuda:nccl,cpu:gloo"
     assert resolve_backend("auto", torch.device("cuda", 0)) == "cuda:nccl,cpu:gloo"
     assert resolve_backend("gloo", torch.device("cuda", 0)) == "gloo"
     with pytest.raises(ValueError, match="nccl needs CUDA"):

@@ -15,7 +15,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_nccl_bf16_train_resume_export(tiny_model: Path, tmp_path: Path, torchrun: Callable[..., None]) -> None:
     nproc = min(2, torch.cuda.device_count())
-    torchrun(Path(__file__).with_name("gpu_train.py"), nproc, "--model", str(tiny_model), "--out", str(tmp_path))
+    torchrun(
+        Path(__file__).with_name("gpu_train.py"), nproc, "--model", str(tiny_model), "--out", str(tmp_path), cpu=False
+    )
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["world"] == nproc and result["device"] == "cuda"
     assert result["lp_error"] < 0.05  # bf16 compute vs an fp32 reference

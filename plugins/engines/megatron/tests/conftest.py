@@ -64,3 +64,17 @@ def fsdp_critic(tiny_model: Path) -> dict:
     from core_rl_fsdp.engine import FSDPEngine
 
     return common.critic_run(FSDPEngine(common.actor(str(tiny_model), "fsdp"), head="value"))
+
+
+@pytest.fixture(scope="session")
+def fsdp_critic_cpu(tiny_model: Path, request: pytest.FixtureRequest) -> dict:
+    """:func:`fsdp_critic` on the CPU, for the tests of CPU ranks (the same fixture on a CPU machine)."""
+    if not torch.cuda.is_available():
+        return request.getfixturevalue("fsdp_critic")
+    pytest.importorskip("core_rl_fsdp")
+    import mcore_common as common
+    from core_rl_fsdp.config import FSDPConfig
+    from core_rl_fsdp.engine import FSDPEngine
+
+    engine = FSDPEngine(common.actor(str(tiny_model), "fsdp"), FSDPConfig(device="cpu"), head="value")
+    return common.critic_run(engine)

@@ -25,17 +25,19 @@ SCRIPT = Path(__file__).with_name("dist_worker.py")
 @pytest.fixture(scope="module")
 def run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("megatron_dist")
-    common.run_torchrun(SCRIPT, 2, "--model", str(tiny_model), "--out", str(out), timeout=420)
+    common.run_torchrun(SCRIPT, 2, "--model", str(tiny_model), "--out", str(out), timeout=420, cpu=True)
     return json.loads((out / "result.json").read_text()), out
 
 
 @pytest.fixture(scope="module")
 def fsdp_reference(tiny_model: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    """The same 3 steps on the ``fsdp`` engine (one rank): metrics and final weights."""
+    """The same 3 steps on the ``fsdp`` engine (one rank, on the CPU like the ranks it is compared
+    with, also on a GPU machine): metrics and final weights."""
     pytest.importorskip("core_rl_fsdp")
+    from core_rl_fsdp.config import FSDPConfig
     from core_rl_fsdp.engine import FSDPEngine
 
-    engine = FSDPEngine(common.actor(str(tiny_model), "fsdp"))
+    engine = FSDPEngine(common.actor(str(tiny_model), "fsdp"), FSDPConfig(device="cpu"))  # as the CPU ranks
     metrics = common.train(engine, range(3), 0, 1)
     final = engine.full_state_dict()
     engine.close()
@@ -133,7 +135,7 @@ def test_a_second_layout_in_one_process_is_a_clear_error(run: tuple[dict, Path])
     assert message is not None and "tensor_model_parallel_size: 2 (wanted 1)" in message
 
 
-def test_tp2_critic_matches_fsdp_resumes_and_exports(run: tuple[dict, Path], fsdp_critic: dict) -> None:
+def test_tp2_critic_matches_fsdp_resumes_and_exports(run: tuple[dict, Path], fsdp_critic_cpu: dict) -> None:
     """A value head on tensor parallelism 2 (replicated on both ranks, fed the full hidden state)
     trains like the one-rank fsdp critic; its checkpoint resumes exactly; its export is a token
     classifier that gives the engine's values."""
@@ -141,9 +143,9 @@ def test_tp2_critic_matches_fsdp_resumes_and_exports(run: tuple[dict, Path], fsd
 
     result, critic = run[0]["tp2_critic"], _load(run[1] / "tp2_critic.pt")
     assert torch.equal(critic["start"], torch.zeros_like(critic["start"]))
-    same_metrics(result["metrics_a"], fsdp_critic["metrics"], keys=VALUE_KEYS)
-    torch.testing.assert_close(critic["values"], fsdp_critic["values"], atol=LOGPROB_ATOL, rtol=0)
-    same_weights(critic["a"], fsdp_critic["final"], WEIGHT_ATOL)
+    same_metrics(result["metrics_a"], fsdp_critic_cpu["metrics"], keys=VALUE_KEYS)
+    torch.testing.assert_close(critic["values"], fsdp_critic_cpu["values"], atol=LOGPROB_ATOL, rtol=0)
+    same_weights(critic["a"], fsdp_critic_cpu["final"], WEIGHT_ATOL)
     same_metrics(result["metrics_b"], result["metrics_a"][1:], exact=True, keys=VALUE_KEYS)
     assert all(torch.equal(critic["b"][k], v) for k, v in critic["a"].items())
     assert json.loads((run[1] / "ckpt_tp2_critic" / "meta.json").read_text())["head"] == "value"
@@ -156,8 +158,8 @@ def test_tp2_critic_matches_fsdp_resumes_and_exports(run: tuple[dict, Path], fsd
     torch.testing.assert_close(critic["values"], want, atol=LOGPROB_ATOL, rtol=0)
 
 
-def test_dp2_critic_matches_fsdp(run: tuple[dict, Path], fsdp_critic: dict) -> None:
+def test_dp2_critic_matches_fsdp(run: tuple[dict, Path], fsdp_critic_cpu: dict) -> None:
     """A critic on 2 data-parallel ranks with uneven rows (down to a rank with none) sums its
     gradients like the one-rank fsdp critic."""
-    same_metrics(run[0]["dp2"]["critic_metrics"], fsdp_critic["metrics"], keys=VALUE_KEYS)
-    same_weights(_load(run[1] / "dp2_final.pt")["critic"], fsdp_critic["final"], WEIGHT_ATOL)
+    same_metrics(run[0]["dp2"]["critic_metrics"], fsdp_critic_cpu["metrics"], keys=VALUE_KEYS)
+    same_weights(_load(run[1] / "dp2_final.pt")["critic"], fsdp_critic_cpu["final"], WEIGHT_ATOL)

@@ -58,6 +58,7 @@ def test_layout_trains_like_fsdp_resumes_and_exports(layout: str, tmp_path: Path
         "--options",
         json.dumps(options),
         timeout=600,
+        cpu=False,
     )
     result = json.loads((tmp_path / "result.json").read_text())
     bf16 = options.get("bf16", False)

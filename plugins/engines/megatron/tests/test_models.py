@@ -87,7 +87,7 @@ def test_round_trip_logits_and_logprobs(model_dir: Path, tmp_path: Path) -> None
         assert torch.equal(state[key], want[key]), key
 
     batch = make_rl_batch(batch_size=5, vocab_size=40, seed=4)
-    logits = common.full_logits(engine, batch)
+    logits = common.full_logits(engine, batch).cpu()
     ref = common.hf_logits(str(model_dir), batch)
     real = batch["attention_mask"].bool()
     torch.testing.assert_close(logits[real], ref[real], atol=1e-4, rtol=0)
@@ -113,12 +113,21 @@ def test_export_of_a_tied_model_loads_in_transformers(tmp_path: Path) -> None:
     engine.close()
 
 
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only error: these settings run on a GPU")
+
+
 @pytest.mark.parametrize(
     ("options", "key"),
     [
-        ({"pipeline_model_parallel_size": 2}, "actor.engine.pipeline_model_parallel_size: needs CUDA"),
-        ({"bf16": True}, "actor.engine.bf16: needs CUDA"),
-        ({"ddp": {"use_distributed_optimizer": True}}, "actor.engine.ddp.use_distributed_optimizer: needs CUDA"),
+        pytest.param(
+            {"pipeline_model_parallel_size": 2}, "actor.engine.pipeline_model_parallel_size: needs CUDA", marks=CPU_ONLY
+        ),
+        pytest.param({"bf16": True}, "actor.engine.bf16: needs CUDA", marks=CPU_ONLY),
+        pytest.param(
+            {"ddp": {"use_distributed_optimizer": True}},
+            "actor.engine.ddp.use_distributed_optimizer: needs CUDA",
+            marks=CPU_ONLY,
+        ),
         ({"expert_model_parallel_size": 2}, "actor.engine.expert_model_parallel_size: 2 needs a mixture-of-experts"),
         ({"tensor_model_parallel_size": 2}, "1 ranks cannot be divided"),
     ],

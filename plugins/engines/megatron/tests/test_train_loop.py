@@ -7,9 +7,12 @@ actor runs like PPO with the fsdp critic."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 from core_rl.builtin.loggers import read_metrics
 from core_rl.config.loader import load_config
 from core_rl.plugins import PluginHost
@@ -118,3 +121,22 @@ def test_a_megatron_critic_trains_like_the_fsdp_one(tmp_path: Path) -> None:
                 # the deepspeed critic's tolerance: the actor loss is a sum over centred advantages,
                 # whose cancellations magnify the critic's last-bit differences (measured 1e-5 rel)
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("command", [["config", "validate", "--preflight"], ["train"]])
+def test_without_cuda_a_run_is_refused_in_one_line(tmp_path: Path, command: list[str]) -> None:
+    """Outside the test suite's CPU shim (a subprocess has none) megatron-core cannot run on a CPU:
+    the run is refused before anything is built, naming the key and what to use instead."""
+    model, data = _task(tmp_path)
+    overrides = [*CPU, f"experiment.output_dir={tmp_path / 'runs'}", f"actor.model_path={model}"]
+    overrides.append(f"data.train_files=[{data}]")
+    proc = subprocess.run(
+        [sys.executable, "-m", "core_rl.cli", *command, str(EXAMPLE), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "actor.engine.name: megatron needs a CUDA GPU and this machine has none" in proc.stderr
+    assert "fsdp or deepspeed" in proc.stderr and "Traceback" not in proc.stderr

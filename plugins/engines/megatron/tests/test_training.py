@@ -12,7 +12,7 @@ import torch
 from core_rl.config.loader import structure
 from core_rl_megatron.config import MegatronConfig
 from core_rl_megatron.engine import MegatronEngine
-from mcore_common import same_metrics, same_weights
+from mcore_common import ON_GPU, same_metrics, same_weights
 
 
 def engine(model: Path, **options: object) -> MegatronEngine:
@@ -35,7 +35,7 @@ def test_three_steps_match_fsdp(tiny_model: Path, reference: list[dict]) -> None
 
     fsdp = FSDPEngine(common.actor(str(tiny_model), "fsdp"))
     want = common.train(fsdp, range(3), 0, 1)
-    same_metrics(reference, want)
+    same_metrics(reference, want, scale=ON_GPU)
     assert [m["lr"] for m in reference] == pytest.approx([0.01, 0.01, 0.007])  # warmup 1, linear decay
     mega = engine(tiny_model)
     common.train(mega, range(3), 0, 1)
@@ -56,7 +56,7 @@ def test_three_steps_match_fsdp(tiny_model: Path, reference: list[dict]) -> None
 )
 def test_settings_leave_the_step_unchanged(tiny_model: Path, reference: list[dict], options: dict) -> None:
     e = engine(tiny_model, **options)
-    same_metrics(common.train(e, range(2), 0, 1), reference[:2])
+    same_metrics(common.train(e, range(2), 0, 1), reference[:2], scale=ON_GPU)
     e.close()
 
 
@@ -69,7 +69,7 @@ def test_actor_gradient_checkpointing_recomputes_every_layer(tiny_model: Path, r
         "uniform",
         1,
     )
-    same_metrics(common.train(e, range(1), 0, 1), reference[:1])
+    same_metrics(common.train(e, range(1), 0, 1), reference[:1], scale=ON_GPU)
     e.close()
 
 
@@ -106,7 +106,7 @@ def test_an_attended_pad_token_trains_as_in_transformers(tiny_model: Path) -> No
     engines = [engine(tiny_model), FSDPEngine(common.actor(str(tiny_model), "fsdp"))]
     before = engines[0].full_state_dict()["model.embed_tokens.weight"][pad]
     got, want = ([e.train_step(batch, common.nll, temperature=common.TEMPERATURE)] for e in engines)
-    same_metrics(got, want)
+    same_metrics(got, want, scale=ON_GPU)
     finals = [e.full_state_dict() for e in engines]
     same_weights(*finals)
     lr, wd = got[0]["lr"], 0.01  # AdamW's decoupled decay of a row without gradient

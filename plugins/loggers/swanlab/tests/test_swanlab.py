@@ -4,6 +4,7 @@ clear error (no prompt, no hang) in cloud mode without a key."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -13,8 +14,13 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
-import core_rl_swanlab.plugin
 import pytest
+
+if importlib.util.find_spec("swanlab") is None or importlib.util.find_spec("core_rl_swanlab") is None:
+    # found, not imported: importing it here would fix its settings before the fixtures set them
+    pytest.skip("the swanlab package or core-rl-swanlab is not installed", allow_module_level=True)
+
+import core_rl_swanlab.plugin
 from core_rl.interfaces import RunInfo, SampleRecord
 from core_rl.testing import LoggerContract
 from core_rl_swanlab.logger import SwanlabLogger

@@ -3,14 +3,20 @@ own storage API (in a subprocess, since Trackio fixes its directory when first i
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from typing import Any, ClassVar
 
-import core_rl_trackio.plugin
 import pytest
+
+if importlib.util.find_spec("trackio") is None or importlib.util.find_spec("core_rl_trackio") is None:
+    # found, not imported: importing it here would fix its settings before the fixtures set them
+    pytest.skip("the trackio package or core-rl-trackio is not installed", allow_module_level=True)
+
+import core_rl_trackio.plugin
 from core_rl.testing import LoggerContract
 
 

@@ -4,6 +4,7 @@ whatever W&B's background service tries) writing its run file with the logged va
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -12,8 +13,13 @@ import subprocess
 import sys
 from typing import Any, ClassVar
 
-import core_rl_wandb.plugin
 import pytest
+
+if importlib.util.find_spec("wandb") is None or importlib.util.find_spec("core_rl_wandb") is None:
+    # found, not imported: importing it here would fix its settings before the fixtures set them
+    pytest.skip("the wandb package or core-rl-wandb is not installed", allow_module_level=True)
+
+import core_rl_wandb.plugin
 from core_rl.interfaces import RunInfo, SampleRecord
 from core_rl.testing import LoggerContract
 from core_rl_wandb.logger import WandbLogger

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 from core_rl.config.validators import FieldValueError, one_of, positive
 
+if TYPE_CHECKING:
+    from core_rl.config.checks import EnvironmentContext
+
 BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")  # core_rl.engine_utils.distributed.pick_device
 MIXED_DTYPES = ("bfloat16", "float16")
 
 
@@ -25,6 +29,9 @@ class DeepSpeedConfig:
       ``actor.dtype``.
     - ``overlap_comm``: overlap gradient reduction with backward (stages 2 and 3).
     - ``reduce_bucket_size``: elements per gradient-reduction bucket.
+    - ``device``: where this rank computes: ``auto`` is ``cuda:LOCAL_RANK`` on a machine with CUDA,
+      else the CPU; ``cpu`` keeps the engine on the CPU on a GPU machine too (with gloo), e.g. a
+      small reference model beside a GPU actor, or a check against CPU arithmetic; ``cuda`` requires a GPU.
     - ``backend``: process-group backend used when the engine creates the group (as ``fsdp``).
     - ``attn_implementation``: as ``fsdp`` (``auto``: flash-attn on a GPU when installed, else SDPA).
     - ``shm_comm``: on CPU, let DeepSpeed build and use its shared-memory all-reduce extension
@@ -43,6 +50,7 @@ class DeepSpeedConfig:
     mixed_precision: str | None = attrs.field(default=None, validator=one_of(MIXED_DTYPES))
     overlap_comm: bool = False
     reduce_bucket_size: int = attrs.field(default=500_000_000, validator=positive())
+    device: str = attrs.field(default="auto", validator=one_of(DEVICES))
     backend: str = attrs.field(default="auto", validator=one_of(BACKENDS))
     attn_implementation: str | None = "auto"
     shm_comm: bool = False
@@ -53,3 +61,12 @@ class DeepSpeedConfig:
             raise FieldValueError("offload_param", True, f"needs zero_stage: 3 (zero_stage is {self.zero_stage})")
         if self.overlap_comm and self.zero_stage < 2:
             raise FieldValueError("overlap_comm", True, f"needs zero_stage 2 or 3 (zero_stage is {self.zero_stage})")
+
+    def check_environment(self, context: EnvironmentContext) -> list[str]:
+        """The device and the role's activation checkpointing against the machine."""
+        from core_rl.engine_utils.hf import activation_checkpointing_problems
+
+        problems = activation_checkpointing_problems(context)
+        if self.device == "cuda" and not context.machine.cuda_available:
+            problems.append(f"{context.key('device')}: cuda, but this machine has no CUDA GPU; use auto or cpu")
+        return problems

@@ -86,7 +86,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         self.trainable = trainable
         if trainable:
             check_schedule(actor.lr_scheduler)
-        self.device = dist_utils.pick_device()
+        self.device = dist_utils.pick_device(self.config.device)
         self.rank, self.world_size = dist_utils.ensure_process_group(self.config.backend, self.device)
         if "LOCAL_RANK" not in os.environ:  # DeepSpeed reads it; torchrun sets it, one process needs none
             if self.world_size > 1:
@@ -330,9 +330,14 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         flats = getattr(self.optimizer, "fp32_partitioned_groups_flat", None)
         if flats is None:
             flats = [flat for group in base.param_groups for flat in group["params"]]
+        flags = base.param_groups[0]  # the implementation flags (fused, capturable) are the same in every group
         for flat in flats:
             base.state[flat] = {
-                key: (value.clone() if value.dim() == 0 else torch.zeros_like(flat, dtype=torch.float32))
+                key: (
+                    _scalar_state(value, flat, flags)
+                    if value.dim() == 0
+                    else torch.zeros_like(flat, dtype=torch.float32)
+                )
                 for key, value in sample.items()
             }
         self._relink_fragments()
@@ -353,3 +358,11 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _scalar_state(value: torch.Tensor, flat: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
+    """A saved scalar of the optimizer state (AdamW's ``step``) where torch's optimizer keeps it: on
+    the parameter's device for the fused and capturable implementations (whose kernels read it
+    there), on the CPU otherwise."""
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    return value.clone().to(flat.device if on_device else "cpu")

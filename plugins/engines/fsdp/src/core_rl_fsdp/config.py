@@ -16,6 +16,7 @@ MIXED_DTYPES = ("float32", "bfloat16", "float16")
 #: dtypes accepted by ``autocast_dtype``
 AUTOCAST_DTYPES = ("bfloat16",)
 BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")  # core_rl.engine_utils.distributed.pick_device
 WRAPS = ("decoder_layers", "root")
 #: attention implementations that need a CUDA GPU, and the package each needs
 FLASH_ATTENTION = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
@@ -41,6 +42,9 @@ class FSDPConfig:
       float32 forward exactly. Log-probs and entropies are still computed from float32 logits.
     - ``cpu_offload``: keep sharded parameters, gradients and optimizer state in CPU memory
       (``CPUOffloadPolicy``; pinned memory only on CUDA).
+    - ``device``: where this rank computes: ``auto`` is ``cuda:LOCAL_RANK`` on a machine with CUDA,
+      else the CPU; ``cpu`` keeps the engine on the CPU on a GPU machine too (with gloo), e.g. a
+      small reference model beside a GPU actor, or a check against CPU arithmetic; ``cuda`` requires a GPU.
     - ``backend``: process-group backend used when the engine creates the group: ``auto`` is NCCL
       for CUDA tensors plus gloo for CPU tensors on a GPU machine, and gloo on CPU.
     - ``attn_implementation``: passed to ``from_pretrained`` (e.g. ``sdpa``, ``eager``,
@@ -75,6 +79,7 @@ class FSDPConfig:
     reduce_dtype: str | None = attrs.field(default=None, validator=one_of(MIXED_DTYPES))
     autocast_dtype: str | None = attrs.field(default=None, validator=one_of(AUTOCAST_DTYPES))
     cpu_offload: bool = False
+    device: str = attrs.field(default="auto", validator=one_of(DEVICES))
     backend: str = attrs.field(default="auto", validator=one_of(BACKENDS))
     attn_implementation: str | None = "auto"
     load_on_rank0: bool = True
@@ -101,12 +106,17 @@ class FSDPConfig:
                 f"{context.key('backend')}: nccl needs CUDA GPUs and this machine has none "
                 "(torch.cuda.is_available() is False); use auto or gloo"
             )
-        if machine.cuda_available and machine.local_world_size > machine.cuda_device_count:
+        if self.device == "cuda" and not machine.cuda_available:
+            problems.append(f"{context.key('device')}: cuda, but this machine has no CUDA GPU; use auto or cpu")
+        if self.device != "cpu" and machine.cuda_available and machine.local_world_size > machine.cuda_device_count:
             problems.append(
                 f"{context.path}: {machine.local_world_size} processes on this node but only "
                 f"{machine.cuda_device_count} CUDA devices; start at most one process per GPU "
-                "(torchrun --nproc_per_node)"
+                "(torchrun --nproc_per_node), or set device: cpu"
             )
+        from core_rl.engine_utils.hf import activation_checkpointing_problems
+
+        problems += activation_checkpointing_problems(context)
         if self.attn_implementation in FLASH_ATTENTION:
             package = FLASH_ATTENTION[self.attn_implementation]
             if not machine.cuda_available:

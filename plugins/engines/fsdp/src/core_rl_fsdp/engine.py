@@ -63,7 +63,7 @@ class FSDPEngine(EngineState, TrainEngine):
         self.trainable = trainable
         if trainable:
             check_schedule(actor.lr_scheduler)
-        self.device = dist_utils.pick_device()
+        self.device = dist_utils.pick_device(self.config.device)
         self.rank, self.world_size = dist_utils.ensure_process_group(self.config.backend, self.device)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         attn = attention.resolve(self.config, self.device)

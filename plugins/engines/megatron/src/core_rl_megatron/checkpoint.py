@@ -217,22 +217,40 @@ def _first_replica() -> bool:
 def _save_megatron_optimizer(engine: MegatronEngine, directory: Path) -> None:
     optimizer = engine.optimizer
     if _first_replica():
-        ckpt.save_tree(directory, _replica_tag(), _keys_to_str(optimizer.state_dict()))
+        ckpt.save_tree(directory, _replica_tag(), optimizer.state_dict())
     if engine.config.ddp.use_distributed_optimizer:
         param_state = _distributed_parts(optimizer, "get_parameter_state_dp_zero")
         if _first_replica():
-            ckpt.save_tree(directory, f"params_{_replica_tag()}", _keys_to_str(param_state))
+            ckpt.save_tree(directory, f"params_{_replica_tag()}", param_state)
 
 
 def _load_megatron_optimizer(engine: MegatronEngine, directory: Path) -> None:
     optimizer = engine.optimizer
-    optimizer.load_state_dict(_keys_from_str(ckpt.load_tree(directory, _replica_tag())))
+    optimizer.load_state_dict(ckpt.load_tree(directory, _replica_tag()))
     if engine.config.ddp.use_distributed_optimizer:
-        state = _keys_from_str(ckpt.load_tree(directory, f"params_{_replica_tag()}")) if _first_replica() else None
+        state = ckpt.load_tree(directory, f"params_{_replica_tag()}") if _first_replica() else None
         for inner, part in zip(
             _chained(optimizer), state if isinstance(state, list) else [state] * len(_chained(optimizer))
         ):
-            inner.load_parameter_state_from_dp_zero(part)
+            with _scalar_states_set_aside(inner.optimizer):
+                inner.load_parameter_state_from_dp_zero(part)
+
+
+@contextlib.contextmanager
+def _scalar_states_set_aside(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """megatron-core's gathered parameter state holds each parameter and Adam's two moments, yet its
+    loader copies every key of the torch optimizer's per-parameter state into place, ``step`` too
+    (torch's AdamW keeps it per parameter; without Apex or Transformer Engine that is the optimizer):
+    the scalars are set aside while it loads, and put back (``load_state_dict`` restored them)."""
+    aside = {
+        param: {k: state.pop(k) for k in list(state) if torch.is_tensor(state[k]) and state[k].dim() == 0}
+        for param, state in optimizer.state.items()
+    }
+    try:
+        yield
+    finally:
+        for param, scalars in aside.items():
+            optimizer.state[param].update(scalars)
 
 
 def _chained(optimizer: Any) -> list[Any]:
@@ -241,33 +259,6 @@ def _chained(optimizer: Any) -> list[Any]:
 
 def _distributed_parts(optimizer: Any, method: str) -> list[Any]:
     return [getattr(inner, method)() for inner in _chained(optimizer)]
-
-
-_DTYPE = "__dtype__:"
-
-
-def _keys_to_str(tree: Any) -> Any:
-    """Megatron's parameter state is keyed by ``torch.dtype``; JSON keys cannot be dtypes."""
-    if isinstance(tree, Mapping):
-        return {(_DTYPE + str(k) if isinstance(k, torch.dtype) else k): _keys_to_str(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_keys_to_str(v) for v in tree)
-    return tree
-
-
-def _keys_from_str(tree: Any) -> Any:
-    if isinstance(tree, Mapping):
-        return {
-            (
-                getattr(torch, k[len(_DTYPE) :].removeprefix("torch."))
-                if isinstance(k, str) and k.startswith(_DTYPE)
-                else k
-            ): _keys_from_str(v)
-            for k, v in tree.items()
-        }
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_keys_from_str(v) for v in tree)
-    return tree
 
 
 # --------------------------------------------------------------------------- RNG

@@ -6,10 +6,13 @@ Megatron user finds the setting under the name they know.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import attrs
 from core_rl.config.validators import FieldValueError, non_negative, one_of, positive
+
+if TYPE_CHECKING:
+    from core_rl.config.checks import EnvironmentContext
 
 BACKENDS = ("auto", "gloo", "nccl")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
@@ -141,6 +144,20 @@ class MegatronConfig:
             raise FieldValueError(
                 "recompute_modules", self.recompute_modules, "only applies with recompute_granularity: selective"
             )
+
+    def check_environment(self, context: EnvironmentContext) -> list[str]:
+        """megatron-core needs CUDA (:mod:`core_rl_megatron.device`); one process per GPU."""
+        from core_rl_megatron.device import NEEDS_CUDA, megatron_can_run
+
+        machine = context.machine
+        if not machine.cuda_available and not megatron_can_run():
+            return [f"{context.path}.name: {NEEDS_CUDA}"]
+        if machine.cuda_available and machine.local_world_size > machine.cuda_device_count:
+            return [
+                f"{context.path}: {machine.local_world_size} processes on this node but only "
+                f"{machine.cuda_device_count} CUDA devices; start at most one process per GPU"
+            ]
+        return []
 
     @property
     def virtual_pipeline_size(self) -> int:

@@ -60,6 +60,7 @@ from core_rl_megatron import checkpoint, parallel
 from core_rl_megatron import model as mcore_model
 from core_rl_megatron.batches import MicroBatch, ModelInputs, gather_columns, model_inputs, width_multiple
 from core_rl_megatron.config import MegatronConfig
+from core_rl_megatron.device import NEEDS_CUDA, megatron_can_run
 from core_rl_megatron.errors import MegatronSetupError
 from core_rl_megatron.export import ShardGatherer, write_hf_model_dir
 from core_rl_megatron.families import arch_spec, padded_vocab_size
@@ -95,6 +96,8 @@ class MegatronEngine(EngineState, TrainEngine):
                 f"actor.engine.expert_model_parallel_size: {cfg.expert_model_parallel_size} needs a mixture-of-experts "
                 f"model; {self.spec.family} has no experts (set it to 1)"
             )
+        if not megatron_can_run():
+            raise MegatronSetupError(NEEDS_CUDA)
         self.device = dist_utils.pick_device()
         self.use_megatron_schedule = self.device.type == "cuda"
         if not self.use_megatron_schedule:
@@ -111,7 +114,7 @@ class MegatronEngine(EngineState, TrainEngine):
         self.tconfig = mcore_model.transformer_config(
             self.spec, cfg, params_dtype=self.dtype, on_cuda=self.device.type == "cuda"
         )
-        chunks = mcore_model.build_chunks(self.spec, cfg, self.tconfig, self.padded_vocab)
+        chunks = mcore_model.build_chunks(self.spec, cfg, self.tconfig, self.padded_vocab, self.device)
         built = mcore_model.global_parameters(chunks)
         mcore_model.tag_tensor_parallel(built, self.spec, cfg.transformer_impl)
         mcore_model.mirror_padding_idx(chunks, self.hf_config.pad_token_id)
@@ -163,8 +166,10 @@ class MegatronEngine(EngineState, TrainEngine):
             overlap_param_gather=self.config.ddp.overlap_param_gather,
         )
         optimizer = get_megatron_optimizer(mconf, self.model)
-        for group in optimizer.param_groups:  # Megatron's groups carry a weight-decay multiplier (0: norms, biases)
-            group["weight_decay"] = opt.weight_decay * group.get("wd_mult", 1.0)
+        # Megatron's groups carry a weight-decay multiplier (0 for norms and biases); core-rl's optimizer
+        # (build_optimizer, which fsdp and deepspeed use) decays every parameter: so does this engine
+        for group in optimizer.param_groups:
+            group["weight_decay"] = opt.weight_decay
         return optimizer
 
     def _install_schedule_hooks(self) -> None:

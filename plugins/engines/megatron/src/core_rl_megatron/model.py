@@ -103,11 +103,17 @@ def layer_spec(spec: ArchSpec, cfg: MegatronConfig):  # -> ModuleSpec
     return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
 
 
-def build_chunks(spec: ArchSpec, cfg: MegatronConfig, tconfig: TransformerConfig, padded_vocab: int) -> list[GPTModel]:
-    """This rank's model chunks: one per virtual pipeline stage (one without virtual pipelining).
-    The first chunk of the first stage holds the embedding, the last chunk of the last stage the
-    final norm and output layer (for ``spec.head`` ``value`` / ``score``: a scalar head,
-    :mod:`core_rl_megatron.heads`)."""
+def build_chunks(
+    spec: ArchSpec, cfg: MegatronConfig, tconfig: TransformerConfig, padded_vocab: int, device: torch.device
+) -> list[GPTModel]:
+    """This rank's model chunks on ``device``: one per virtual pipeline stage (one without virtual
+    pipelining). The first chunk of the first stage holds the embedding, the last chunk of the last
+    stage the final norm and output layer (for ``spec.head`` ``value`` / ``score``: a scalar head,
+    :mod:`core_rl_megatron.heads`).
+
+    megatron-core creates its own layers on the GPU, but not everything: without Apex or Transformer
+    Engine its norms are plain torch modules built on the CPU, and the scalar head is ours. So the
+    whole chunk is moved to ``device`` (as Megatron-LM's training scripts do after building)."""
     layers = layer_spec(spec, cfg)
     vpp = cfg.virtual_pipeline_size
     chunks = []
@@ -133,7 +139,7 @@ def build_chunks(spec: ArchSpec, cfg: MegatronConfig, tconfig: TransformerConfig
     if spec.head != "lm":  # the last stage's chunk: the scalar head in place of the vocabulary projection
         for chunk in chunks:
             install_scalar_head(chunk, spec.head, sequence_parallel=cfg.sequence_parallel)
-    return chunks
+    return [chunk.to(device) for chunk in chunks]
 
 
 def wrap_chunks(

@@ -44,7 +44,7 @@ def _current_layout() -> dict[str, int | None]:
 def init_model_parallel(cfg: MegatronConfig, world_size: int) -> None:
     """Initialise Megatron's process groups for ``cfg`` (or check that an earlier engine in this
     process initialised the same layout: Megatron keeps one layout per process), and seed its
-    tensor-parallel RNG tracker."""
+    tensor-parallel RNG tracker (``cfg.seed``), leaving the default CUDA generator as it was."""
     if world_size % cfg.model_parallel_size:
         raise MegatronSetupError(
             f"actor.engine: {world_size} ranks cannot be divided into replicas of tensor_model_parallel_size "
@@ -62,7 +62,12 @@ def init_model_parallel(cfg: MegatronConfig, world_size: int) -> None:
             )
     else:
         mpu.initialize_model_parallel(**wanted)
+    # Megatron also seeds the default CUDA generator; everything else in the process (the embedded
+    # rollout engine's sampling among it) keeps drawing from the run's own seeding (experiment.seed)
+    default_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+    if default_state is not None:
+        torch.cuda.set_rng_state(default_state)
 
 
 def tp_group() -> dist.ProcessGroup | None:

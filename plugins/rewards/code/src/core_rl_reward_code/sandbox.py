@@ -10,8 +10,13 @@ mount, network and PID namespaces:
   (so not the trainer's ``/proc/<pid>/environ``), and when its first process dies the kernel kills
   every process in the namespace; ``RLIMIT_NPROC`` stops fork bombs;
 - **privileges**: the user namespace's root, with every capability dropped and no-new-privileges;
+  when the trainer runs as root, the sandbox is started under a fresh unprivileged uid of its own
+  (:func:`sandbox_uid`): the kernel never applies ``RLIMIT_NPROC`` to uid 0, and counts it per uid,
+  so only a uid of its own makes ``max_processes`` bound exactly this sandbox's processes (where
+  other users cannot run this Python, e.g. under ``/root``, it stays uid 0 and a warning says so);
 - **limits**: CPU seconds, address space, file size (which also caps stdout and stderr, written to
-  files), open files, no core dumps; a wall-clock timeout kills the whole process group;
+  files), open files, no core dumps; a wall-clock timeout kills the whole process group, and
+  :func:`run_sandboxed` returns only once no process of the sandbox is left;
 - **environment**: only ``PATH``, ``HOME``, ``TMPDIR``, ``LANG`` and two ``PYTHON*`` switches.
 
 The program can still read what the trainer's user can read on disk (read-only).
@@ -22,11 +27,14 @@ from __future__ import annotations
 import functools
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -38,6 +46,10 @@ from core_rl_reward_code import launcher
 
 UNSHARE_FLAGS = ["--user", "--map-root-user", "--net", "--mount", "--pid", "--fork", "--mount-proc", "--kill-child"]
 VERDICT_LIMIT = 1 << 16
+#: uids a sandbox started by root runs under: above any a system allocates, one per run
+SANDBOX_UID_BASE, SANDBOX_UID_SPAN = 1 << 20, 1 << 29
+#: how long the processes of a killed sandbox may take to disappear
+REAP_TIMEOUT_S = 30.0
 
 
 class SandboxUnavailable(CoreRLError):
@@ -80,13 +92,97 @@ def sandbox_problem() -> str | None:
         return f"{' and '.join(missing)} not found (install util-linux)"
     try:
         probe = subprocess.run(
-            [tools["unshare"], *UNSHARE_FLAGS, "--", "true"], capture_output=True, text=True, timeout=30
+            [*_as_user(sandbox_uid()), tools["unshare"], *UNSHARE_FLAGS, "--", "true"],
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"unshare failed: {exc}"
     if probe.returncode != 0:
         return f"unshare cannot create user, network, mount and PID namespaces: {probe.stderr.strip()}"
     return None
+
+
+def sandbox_uid() -> int | None:
+    """A fresh uid for one sandbox when this process is root and other users can run this Python
+    (see the module docstring), else ``None``: the sandbox runs as this process's user."""
+    if os.geteuid() != 0 or not _other_users_can_run_python():
+        return None
+    return SANDBOX_UID_BASE + secrets.randbelow(SANDBOX_UID_SPAN)
+
+
+@functools.cache
+def _other_users_can_run_python() -> bool:
+    """Whether an unprivileged uid can start this interpreter (not when it lives under a private
+    home such as ``/root``); if not, a root trainer's sandboxes keep uid 0, whose process count the
+    kernel does not limit, and that is said once."""
+    uid = SANDBOX_UID_BASE + secrets.randbelow(SANDBOX_UID_SPAN)
+    try:
+        command = [*_as_user(uid), shutil.which("unshare") or "unshare", *UNSHARE_FLAGS, "--", sys.executable]
+        probe = subprocess.run([*command, "-I", "-c", "pass"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    if probe.returncode != 0:
+        warnings.warn(
+            f"reward 'code': running as root with a Python other users cannot run ({sys.executable}), so "
+            "sandboxes keep uid 0, for which the kernel does not enforce sandbox.max_processes; install "
+            "core-rl with a Python outside a private home directory to have it enforced",
+            stacklevel=2,
+        )
+        return False
+    return True
+
+
+def _as_user(uid: int | None) -> list[str]:
+    """The command prefix that starts the sandbox as ``uid`` (nothing for ``None``)."""
+    if uid is None:
+        return []
+    return [shutil.which("setpriv") or "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+
+
+def _pid_namespace(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def _launcher_namespace(unshare_pid: int) -> str | None:
+    """The PID namespace of the sandbox ``unshare`` started (its child's), waiting briefly for the
+    child to exist; ``None`` if it is gone already."""
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        try:
+            children = Path(f"/proc/{unshare_pid}/task/{unshare_pid}/children").read_text().split()
+        except OSError:
+            return None
+        if children:
+            return _pid_namespace(int(children[0]))
+        time.sleep(0.002)
+    return None
+
+
+def _processes_in(namespace: str) -> list[int]:
+    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if _pid_namespace(int(p.name)) == namespace]
+
+
+def _reap(namespace: str | None) -> None:
+    """SIGKILL every process left in the sandbox's PID namespace until none is (the kernel kills
+    them when its first process dies, but not at once); an error naming them after
+    :data:`REAP_TIMEOUT_S`."""
+    if namespace is None:
+        return
+    deadline = time.monotonic() + REAP_TIMEOUT_S
+    while left := _processes_in(namespace):
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"reward 'code': processes {left} of a sandbox outlived SIGKILL for {REAP_TIMEOUT_S} s")
+        time.sleep(0.01)
 
 
 def require_sandbox() -> None:
@@ -143,11 +239,15 @@ def run_sandboxed(
     (name -> text). ``{verdict_fd}`` in ``argv`` is replaced by a descriptor the program may write
     a short verdict to (read back as ``RunResult.verdict``)."""
     require_sandbox()
+    uid = sandbox_uid()
     with tempfile.TemporaryDirectory(prefix="core-rl-code-") as tmp:
         work = Path(tmp) / "work"
         work.mkdir(mode=0o700)
         for name, text in files.items():
             (work / name).write_text(text, encoding="utf-8")
+        if uid is not None:  # the sandbox's own user owns its work directory
+            for path in (Path(tmp), work, *work.iterdir()):
+                os.chown(path, uid, uid)
         (Path(tmp) / "stdin").write_text(stdin, encoding="utf-8")
         read_end, write_end = os.pipe() if verdict_fd else (-1, -1)
         args = [a.replace("{verdict_fd}", str(write_end)) for a in argv]
@@ -163,7 +263,8 @@ def run_sandboxed(
                 "open_files": limits.max_open_files,
             },
         }
-        command = [shutil.which("unshare"), *UNSHARE_FLAGS, "--", sys.executable, "-I", launcher.__file__]
+        unshare = [shutil.which("unshare"), *UNSHARE_FLAGS, "--"]
+        command = [*_as_user(uid), *unshare, sys.executable, "-I", launcher.__file__]
         timed_out = False
         try:
             with (
@@ -181,6 +282,7 @@ def run_sandboxed(
                     start_new_session=True,
                     pass_fds=(write_end,) if verdict_fd else (),
                 )
+            namespace = _launcher_namespace(proc.pid)
             if verdict_fd:
                 os.close(write_end)
                 write_end = -1
@@ -194,6 +296,7 @@ def run_sandboxed(
                 except ProcessLookupError:
                     pass
                 proc.wait(timeout=30)
+                _reap(namespace)
             verdict = _drain(read_end) if verdict_fd else ""
         finally:
             for fd in (read_end, write_end):

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The GPU check: on a CUDA machine, with core-rl installed (scripts/install.sh, or scripts/offline/install.sh
+# where there is no package index), run
+#   suite   the whole test suite, GPU tests included (pytest-xdist, one worker per two cores)
+#   gpu     the engines' GPU tests alone (pytest -m gpu: fsdp, deepspeed, megatron)
+#   main    the main job (examples/tiny_grpo/main.py) on the GPU
+#   bench   benchmarks/gpu_grpo.py, the GPU step-time benchmark, where it exists
+# and print a summary (failures, skips grouped by reason). It fails loudly when CUDA is absent: a GPU
+# check that quietly skipped every GPU test would prove nothing.
+#
+#   bash scripts/gpu_check.sh [suite,gpu,main,bench]      (default: all four)
+#     PYTHON=...  the interpreter core-rl is installed in (default .venv/bin/python, else python3)
+#     OUT=...     where logs and JUnit files go (default runs/gpu_check)
+#     WORKERS=N   pytest workers (default: cores / 2); TIMEOUT=S per test (default 600)
+#     SUITE_PATHS="tests plugins/engines"   run that part of the suite only (a machine's per-call time limit)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+parts=${1:-suite,gpu,main,bench}
+PY=${PYTHON:-}
+[ -n "$PY" ] || { [ -x .venv/bin/python ] && PY=.venv/bin/python || PY=python3; }
+OUT=${OUT:-runs/gpu_check}
+mkdir -p "$OUT"
+workers=${WORKERS:-$(( $(nproc) / 2 ))}
+timeout=${TIMEOUT:-600}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  echo "gpu_check: error: CUDA is not available to $PY (torch $("$PY" -c 'import torch; print(torch.__version__)' 2>&1));" \
+    "this check needs a GPU and a CUDA build of torch" >&2
+  exit 2
+fi
+"$PY" -c 'import torch, core_rl; p = torch.cuda.get_device_properties(0); print(f"gpu_check: {torch.cuda.device_count()} x {p.name} ({p.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, core-rl {core_rl.__version__}")'
+
+status=0
+has() { [[ ",$parts," == *",$1,"* ]]; }
+run_pytest() {  # NAME ARGS...: pytest with JUnit output, then the summary of that JUnit file
+  local name=$1; shift
+  local start=$(date +%s)
+  "$PY" -m pytest -q -p no:cacheprovider --timeout "$timeout" -rfE --junitxml "$OUT/$name.xml" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc in $(( $(date +%s) - start )) s (log: $OUT/$name.log)"
+  "$PY" scripts/junit_summary.py "$OUT/$name.xml" || rc=1
+  [ $rc -eq 0 ] || status=1
+}
+
+if has suite; then
+  # shellcheck disable=SC2086  # SUITE_PATHS: a part of the suite (default: pyproject's testpaths, all of it)
+  run_pytest suite -n "$workers" --dist loadfile ${SUITE_PATHS:-}
+fi
+if has gpu; then
+  run_pytest gpu -m gpu plugins/engines/fsdp/tests plugins/engines/deepspeed/tests plugins/engines/megatron/tests
+fi
+if has main; then
+  start=$(date +%s)
+  if "$PY" examples/tiny_grpo/main.py > "$OUT/main.log" 2>&1; then rc=0; else rc=$?; status=1; fi
+  echo "== main job: exit $rc in $(( $(date +%s) - start )) s (log: $OUT/main.log)"
+  grep -E "^(reward:|goal|device)" "$OUT/main.log" || tail -20 "$OUT/main.log"
+fi
+if has bench; then
+  if [ -f benchmarks/gpu_grpo.py ]; then
+    if "$PY" benchmarks/gpu_grpo.py > "$OUT/bench.log" 2>&1; then tail -20 "$OUT/bench.log"; else
+      echo "== benchmark failed (log: $OUT/bench.log)"; tail -20 "$OUT/bench.log"; status=1; fi
+  else
+    echo "== benchmark: benchmarks/gpu_grpo.py does not exist yet (issue: fast on a GPU); nothing run"
+  fi
+fi
+echo "gpu_check: $([ $status -eq 0 ] && echo passed || echo FAILED)"
+exit $status

@@ -1,0 +1,285 @@
+"""Build a wheelhouse for installing core-rl on a machine without a package index (an air-gapped GPU
+cluster, say) that already has Python and a CUDA build of torch.
+
+Run it on a machine that reaches the package index; carry the folder over; install it there with
+``scripts/offline/install.sh``. It holds:
+
+- core-rl and every in-repo plugin as wheels (``pip wheel --no-deps``);
+- every third-party distribution those need (Requires-Dist, followed recursively; markers evaluated
+  for the target Python and Linux x86-64) that the target lacks: binary wheels for the target's
+  Python version and platform, or the source package where a project publishes only that
+  (DeepSpeed: the install script builds it without compiling any op);
+- never torch, triton or NVIDIA's CUDA libraries: the target's own torch is used and left alone.
+
+``--have FILE`` lists what the target already has, as ``python3 -m pip list --format=freeze``
+prints it there (``name==version`` lines; a bare name means "present, version unknown"). Those
+distributions are left out, which keeps the wheelhouse small. Where a listed version does not
+satisfy what core-rl needs, the build stops and names the distribution, the version and the
+requirement, since the install would fail there without an index to upgrade from.
+
+Usage::
+
+    python3 scripts/offline/build_wheelhouse.py OUT [--have have.txt] [--python-version 3.12]
+        [--extras all] [--test-tools]
+
+``OUT/manifest.txt`` lists each file and which requirement brought it in; the install script
+installs exactly those files. Rebuilding into the same folder fetches only what changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import tomllib
+import zipfile
+from collections import deque
+from email.parser import Parser
+from pathlib import Path
+
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[2]
+#: the target's own CUDA build provides these: never carried, never replaced
+PROVIDED_BY_TORCH = ("torch", "triton", "nvidia-", "cuda-", "pytorch-triton")
+#: manylinux tags the target's pip accepts (pip matches each exactly)
+PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (39, 35, 34, 31, 28, 27, 24, 17)] + [
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+    "linux_x86_64",
+]
+#: what the test suite needs beyond core-rl's own requirements (requirements-dev.txt)
+TEST_TOOLS = [
+    "pytest>=8",
+    "pytest-timeout>=2.3",
+    "pytest-xdist>=3.5",
+    "hypothesis>=6.100",
+    "hatchling>=1.25",
+    "build>=1.2",
+    "packaging>=23",
+]
+
+
+class WheelhouseError(RuntimeError):
+    """The wheelhouse cannot be built as asked; the message says what and why."""
+
+
+def our_projects() -> dict[str, Path]:
+    """The core and every in-repo plugin (each a directory with a pyproject.toml), by name."""
+    dirs = [ROOT, *sorted(p.parent for p in ROOT.glob("plugins/*/*/pyproject.toml"))]
+    return {canonicalize_name(_pyproject(d)["project"]["name"]): d for d in dirs}
+
+
+def _pyproject(directory: Path) -> dict:
+    with (directory / "pyproject.toml").open("rb") as f:
+        return tomllib.load(f)
+
+
+def selected_projects(extras: set[str]) -> dict[str, Path]:
+    """core-rl and the in-repo plugins its ``extras`` name, with the plugins those depend on."""
+    projects = our_projects()
+    optional = _pyproject(ROOT)["project"].get("optional-dependencies", {})
+    unknown = sorted(extras - set(optional))
+    if unknown:
+        raise WheelhouseError(f"core-rl has no extra {', '.join(unknown)}; its extras: {', '.join(sorted(optional))}")
+    todo = [Requirement(r) for extra in sorted(extras) for r in optional[extra]]
+    chosen = {"core-rl"}
+    while todo:
+        name = canonicalize_name(todo.pop().name)
+        if name in projects and name not in chosen:
+            chosen.add(name)
+            todo.extend(Requirement(r) for r in _pyproject(projects[name])["project"].get("dependencies", []))
+    return {name: projects[name] for name in sorted(chosen)}
+
+
+def read_have(path: Path | None) -> dict[str, Version | None]:
+    """``name -> version`` (``None``: present, version unknown) from a ``pip list --format=freeze``."""
+    have: dict[str, Version | None] = {}
+    if path is None:
+        return have
+    for raw in path.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line or line.startswith("-"):
+            continue
+        name, _, version = line.partition("==")
+        have[canonicalize_name(name.split("@", 1)[0].strip())] = Version(version.split("+", 1)[0]) if version else None
+    return have
+
+
+def metadata_requirements(path: Path) -> tuple[str, list[str]]:
+    """(project name, Requires-Dist lines) of a wheel, or of a source package's PKG-INFO."""
+    if path.suffix == ".whl":
+        with zipfile.ZipFile(path) as zf:
+            meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+            text = zf.read(meta).decode()
+    else:
+        import tarfile
+
+        with tarfile.open(path) as tf:
+            member = next(m for m in tf.getmembers() if m.name.count("/") == 1 and m.name.endswith("/PKG-INFO"))
+            handle = tf.extractfile(member)
+            text = handle.read().decode() if handle else ""
+    message = Parser().parsestr(text)
+    return message["Name"], message.get_all("Requires-Dist") or []
+
+
+def target_environment(python_version: str) -> dict[str, str]:
+    env = default_environment()
+    env.update(
+        python_version=python_version,
+        python_full_version=f"{python_version}.0",
+        sys_platform="linux",
+        platform_system="Linux",
+        platform_machine="x86_64",
+        os_name="posix",
+        implementation_name="cpython",
+        platform_python_implementation="CPython",
+    )
+    return env
+
+
+def applies(req: Requirement, env: dict[str, str], extras: set[str]) -> bool:
+    if req.marker is None:
+        return True
+    return any(req.marker.evaluate({**env, "extra": extra}) for extra in (extras or {""}))
+
+
+def provided_by_torch(name: str) -> bool:
+    return any(name == p or (p.endswith("-") and name.startswith(p)) for p in PROVIDED_BY_TORCH)
+
+
+def pip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True)
+
+
+def build_our_wheels(out: Path, projects: dict[str, Path]) -> dict[str, Path]:
+    """Wheels of ``projects`` (core-rl and the selected plugins); ``name -> wheel``."""
+    for stale in out.glob("core_rl*.whl"):
+        stale.unlink()
+    proc = pip("wheel", "--no-deps", "-q", "-w", str(out), *(str(d) for d in projects.values()))
+    if proc.returncode != 0:
+        raise WheelhouseError(f"building core-rl's wheels failed:\n{proc.stderr[-3000:]}")
+    wheels = {}
+    for wheel in out.glob("core_rl*.whl"):
+        wheels[canonicalize_name(parse_wheel_filename(wheel.name)[0])] = wheel
+    return wheels
+
+
+def download(name: str, spec: SpecifierSet, python_version: str, out: Path) -> Path:
+    """One distribution for the target: a binary wheel if there is one, else its source package (one
+    already in ``out`` that satisfies ``spec`` is kept: rebuilding a wheelhouse fetches only what changed)."""
+    for existing in out.iterdir():
+        if existing.suffix in (".whl", ".gz") and not existing.name.startswith("core_rl"):
+            if file_name(existing) == name and spec.contains(file_version(existing), prereleases=True):
+                return existing
+    requirement = f"{name}{spec}"
+    with tempfile.TemporaryDirectory() as tmp:
+        target = ["--python-version", python_version, "--implementation", "cp", "--only-binary=:all:"]
+        for platform in PLATFORMS:
+            target += ["--platform", platform]
+        proc = pip("download", "--no-deps", "-q", "-d", tmp, *target, requirement)
+        if proc.returncode != 0:
+            proc = pip("download", "--no-deps", "-q", "--no-binary=:all:", "-d", tmp, requirement)
+        if proc.returncode != 0:
+            raise WheelhouseError(
+                f"no wheel or source package of {requirement} for Python {python_version}:\n{proc.stderr[-2000:]}"
+            )
+        (got,) = Path(tmp).iterdir()
+        final = out / got.name
+        got.replace(final)
+        return final
+
+
+def _parsed(path: Path) -> tuple:
+    return parse_wheel_filename(path.name) if path.suffix == ".whl" else parse_sdist_filename(path.name)
+
+
+def file_name(path: Path) -> str:
+    """The canonical project name of a wheel or source package file."""
+    return canonicalize_name(_parsed(path)[0])
+
+
+def file_version(path: Path) -> Version:
+    return _parsed(path)[1]
+
+
+def build(
+    out: Path, have: dict[str, Version | None], python_version: str, extras: set[str], test_tools: bool
+) -> list[str]:
+    """Fill ``out`` with core-rl, the plugins ``extras`` select and everything they need that
+    ``have`` lacks; return the manifest lines."""
+    out.mkdir(parents=True, exist_ok=True)
+    ours = build_our_wheels(out, selected_projects(extras))
+    env = target_environment(python_version)
+    manifest = [f"{ours['core-rl'].name}  (core-rl, built from this checkout)"]
+    included = {"core-rl"}
+    _, requires = metadata_requirements(ours["core-rl"])
+    queue: deque[tuple[Requirement, str, set[str]]] = deque((Requirement(r), "core-rl", extras) for r in requires)
+    queue.extend((Requirement(r), "the test suite", set()) for r in (TEST_TOOLS if test_tools else []))
+    specs: dict[str, SpecifierSet] = {}
+    fetched: dict[str, Path] = {}
+    problems: list[str] = []
+    while queue:
+        req, why, req_extras = queue.popleft()
+        name = canonicalize_name(req.name)
+        if not applies(req, env, req_extras) or provided_by_torch(name):
+            continue
+        if name in ours:  # a plugin an extra selects (or one plugin needs another): its own requirements
+            if name not in included:
+                included.add(name)
+                manifest.append(f"{ours[name].name}  (core-rl plugin, required by {why})")
+                _, requires = metadata_requirements(ours[name])
+                queue.extend((Requirement(r), name, set(req.extras)) for r in requires)
+            continue
+        if name in have:
+            version = have[name]
+            if version is not None and not req.specifier.contains(version, prereleases=True):
+                problems.append(f"the target has {name} {version}, but {why} requires {req}")
+            continue
+        specs[name] = specs.get(name, SpecifierSet()) & req.specifier
+        if name in fetched:
+            if not specs[name].contains(file_version(fetched[name]), prereleases=True):
+                problems.append(f"{fetched[name].name} does not satisfy {name}{specs[name]} (also required by {why})")
+            continue
+        path = download(name, specs[name], python_version, out)
+        fetched[name] = path
+        manifest.append(f"{path.name}  (required by {why}: {req})")
+        _, requires = metadata_requirements(path)
+        queue.extend((Requirement(r), name, set(req.extras)) for r in requires)
+    if problems:
+        raise WheelhouseError("the target's packages conflict with core-rl's requirements:\n  " + "\n  ".join(problems))
+    (out / "manifest.txt").write_text("\n".join(manifest) + "\n")
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="the wheelhouse folder (created)")
+    parser.add_argument("--have", type=Path, help="the target's `python3 -m pip list --format=freeze`")
+    parser.add_argument("--python-version", default="3.12", help="the target's Python (default 3.12)")
+    parser.add_argument("--extras", default="all", help="core-rl extras to include, comma-separated (default all)")
+    parser.add_argument("--test-tools", action="store_true", help="also what the test suite needs (pytest, ...)")
+    args = parser.parse_args(argv)
+    try:
+        manifest = build(
+            args.out,
+            read_have(args.have),
+            args.python_version,
+            {e.strip() for e in args.extras.split(",") if e.strip()},
+            args.test_tools,
+        )
+    except WheelhouseError as exc:
+        print(f"build_wheelhouse: error: {exc}", file=sys.stderr)
+        return 2
+    size = sum(p.stat().st_size for p in args.out.iterdir()) / 2**20
+    print(f"{args.out}: {len(manifest)} files, {size:.1f} MiB (see manifest.txt)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""``scripts/offline``: a wheelhouse for a machine without a package index, built against what that
+machine has (here: this environment), installed there with ``--no-index`` into a virtual
+environment that sees the interpreter's own packages, leaving its torch alone; and a version on the
+target that core-rl cannot use is named before anything is carried over.
+
+Slow (builds wheels of the core and four plugins). Needs the package index only for the wheels'
+build backend (hatchling), as any wheel build does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILD = ROOT / "scripts" / "offline" / "build_wheelhouse.py"
+INSTALL = ROOT / "scripts" / "offline" / "install.sh"
+EXTRAS = "fsdp,hf,grpo,reward-match"
+
+
+def _have(path: Path, **replace: str) -> Path:
+    """This environment's ``pip list --format=freeze``, with some versions replaced."""
+    freeze = subprocess.run(
+        [sys.executable, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    lines = [
+        f"{line.split('==')[0]}=={replace[line.split('==')[0].lower()]}"
+        if line.split("==")[0].lower() in replace
+        else line
+        for line in freeze
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _build(tmp_path: Path, have: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, str(BUILD), str(tmp_path / "wheelhouse"), "--have", str(have), "--extras", EXTRAS]
+    return subprocess.run(command, capture_output=True, text=True, timeout=900)
+
+
+def test_the_wheelhouse_installs_without_an_index_and_leaves_torch_alone(tmp_path: Path) -> None:
+    import torch
+
+    built = _build(tmp_path, _have(tmp_path / "have.txt"))
+    assert built.returncode == 0, built.stderr[-3000:]
+    manifest = (tmp_path / "wheelhouse" / "manifest.txt").read_text().splitlines()
+    files = sorted(line.split()[0] for line in manifest)
+    # everything else is here already: only core-rl and the plugins the extras name (gspo etc. left out)
+    assert files == [
+        "core_rl-0.1.0-py3-none-any.whl",
+        "core_rl_fsdp-0.1.0-py3-none-any.whl",
+        "core_rl_grpo-0.1.0-py3-none-any.whl",
+        "core_rl_hf-0.1.0-py3-none-any.whl",
+        "core_rl_reward_match-0.1.0-py3-none-any.whl",
+    ]
+    venv = tmp_path / "venv"
+    env = {**os.environ, "PYTHON": sys.executable, "VENV": str(venv), "PIP_CONFIG_FILE": os.devnull}
+    installed = subprocess.run(
+        ["bash", str(INSTALL), str(tmp_path / "wheelhouse")], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    assert f"with torch {torch.__version__}" in installed.stdout
+    listed = subprocess.run(
+        [str(venv / "bin" / "core-rl"), "plugins", "--json"], capture_output=True, text=True, timeout=300
+    )
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    plugins = {(p["kind"], p["name"]): p for p in json.loads(listed.stdout)}
+    assert {("train engine", "fsdp"), ("rollout engine", "hf"), ("algorithm", "grpo")} <= set(plugins)
+    where = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import core_rl_fsdp, torch; print(core_rl_fsdp.__file__, torch.__file__)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    ).stdout.split()
+    assert where[0].startswith(str(venv))  # the plugin from the wheelhouse ...
+    assert where[1] == torch.__file__  # ... torch the interpreter's own
+
+
+def test_a_version_on_the_target_that_core_rl_cannot_use_is_named(tmp_path: Path) -> None:
+    built = _build(tmp_path, _have(tmp_path / "have.txt", transformers="4.40.0"))
+    assert built.returncode == 2
+    assert "the target has transformers 4.40.0, but core-rl requires transformers" in built.stderr
+    assert "Traceback" not in built.stderr
