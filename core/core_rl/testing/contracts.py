@@ -22,7 +22,8 @@ from core_rl.config.checks import (
     environment_problems,
     required_columns,
 )
-from core_rl.config.loader import merge_raw, structure, validate_plugin_section
+from core_rl.config.converter import structure
+from core_rl.config.loader import merge_raw
 from core_rl.config.schema import (
     ActorConfig,
     AlgorithmConfig,
@@ -32,6 +33,7 @@ from core_rl.config.schema import (
     RolloutConfig,
     RunConfig,
 )
+from core_rl.config.sections import validate_plugin_section
 from core_rl.errors import ConfigError
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import (
