@@ -24,8 +24,9 @@ from cattrs.errors import (
     IterableValidationError,
     IterableValidationNote,
 )
+from cattrs.gen import make_dict_unstructure_fn, override
 
-from core_rl.config.schema import PluginSpec
+from core_rl.config.schema import PluginSpec, RunConfig
 from core_rl.config.validators import FieldValueError
 from core_rl.errors import ConfigError, did_you_mean
 
@@ -255,6 +256,8 @@ def make_converter() -> cattrs.Converter:
     conv.register_structure_hook(str, _strict_str)
     conv.register_structure_hook(PluginSpec, structure_plugin_spec)
     conv.register_unstructure_hook(PluginSpec, lambda spec: unstructure_spec(conv, spec))
+    # what the loader derived is kept beside the configuration, not in it
+    conv.register_unstructure_hook(RunConfig, make_dict_unstructure_fn(RunConfig, conv, derived=override(omit=True)))
     return conv
 
 

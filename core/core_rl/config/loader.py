@@ -9,17 +9,19 @@
 4. ``${...}`` interpolation (OmegaConf);
 5. typed structuring and validation (cattrs into :mod:`core_rl.config.schema`,
    :mod:`core_rl.config.converter`), then each selected plugin's own section by its
-   ``config_cls`` (:mod:`core_rl.config.sections`), then checks across sections
-   (:mod:`core_rl.config.problems`, and each plugin's ``check_config``, :mod:`core_rl.config.checks`).
+   ``config_cls`` (:mod:`core_rl.config.sections`), the keys derived from others
+   (:mod:`core_rl.config.derived`), then checks across sections (:mod:`core_rl.config.problems`,
+   and each plugin's ``check_config``, :mod:`core_rl.config.checks`).
 
 Every problem of the whole configuration is reported at once, each with its key path, e.g.
 ``actor.optimizer.lr: must be in (0, 10], got 50.0`` or ``actor.optimzer: unknown key; did you mean
-'optimizer'?``.
+'optimizer'?``. :func:`to_yaml` writes a configuration back as YAML that loads to the same one.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -31,8 +33,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from core_rl.config.converter import CONVERTER, TypeMismatch, make_converter, structure
+from core_rl.config.derived import INTERPOLATION, derive_schedules, interpolations, record
 from core_rl.config.overrides import apply_overrides, first_line, format_path, parse_overrides
-from core_rl.config.paths import node_at
+from core_rl.config.paths import node_at, replace_at
 from core_rl.config.problems import (
     completeness_problems,
     cross_section_problems,
@@ -249,15 +252,19 @@ def load_config(
 
     ``require_complete``: also require what a training run needs (model path, algorithm, reward,
     data). ``notify``: see :func:`merge_raw`. Raises :class:`ConfigError` listing every problem
-    found.
+    found. The keys derived from others (:mod:`core_rl.config.derived`) are filled in and
+    recorded in ``derived`` of the result.
     """
     source = str(path) if path is not None else None
-    data = merge_raw(path, overrides, host, notify=notify)
+    unresolved = _merged(path, overrides, host, notify or _stderr_note)
+    data = _resolved(unresolved, source)
     try:
         cfg: RunConfig = structure(data, RunConfig)
     except ConfigError as exc:
         # report problems in the plugin sections too, not only the first layer's
         raise ConfigError(exc.problems + raw_plugin_problems(data, host), source=source) from None
+    for interpolated in interpolations(unresolved, data):
+        record(cfg, interpolated)
     problems: list[str] = []
     for spec_path, kind, spec in selected_sections(cfg):
         try:
@@ -265,10 +272,7 @@ def load_config(
         except ConfigError as exc:
             problems.extend(exc.problems)
     problems.extend(weight_sync_problems(host, cfg))
-    if cfg.actor.lr_scheduler.total_steps == 0:
-        cfg.actor.lr_scheduler.total_steps = cfg.trainer.total_steps * cfg.algorithm.optimizer_steps_per_step
-    if cfg.critic is not None and cfg.critic.lr_scheduler.total_steps == 0:
-        cfg.critic.lr_scheduler.total_steps = cfg.trainer.total_steps * cfg.algorithm.optimizer_steps_per_step
+    derive_schedules(cfg)
     problems.extend(cross_section_problems(cfg))
     problems.extend(plugin_check_problems(cfg))
     if require_complete:
@@ -280,9 +284,32 @@ def load_config(
 
 
 def to_plain(cfg: RunConfig) -> dict[str, Any]:
-    """The fully resolved configuration as plain data (plugin sections with their defaults)."""
+    """The fully resolved configuration as plain data (plugin sections with their defaults; the
+    derived keys with their values)."""
     return CONVERTER.unstructure(cfg)
 
 
+_MARK = "core-rl-derived-{}-8c1f"
+
+
+def _yaml_scalar(value: Any) -> str:
+    """``value`` as a one-line YAML scalar."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10**9).removesuffix("\n...\n").strip()
+
+
 def to_yaml(cfg: RunConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.create(to_plain(cfg)))
+    """The configuration as YAML, as ``core-rl config show`` prints it and ``<run>/config.yaml``
+    records it: every key with its value, except each key derived from others
+    (:mod:`core_rl.config.derived`), written as what keeps it derived with its value in a comment
+    (``total_steps: 0  # derived: 20 = trainer.total_steps x ...``). Loading it gives ``cfg`` again."""
+    data = json.loads(json.dumps(to_plain(cfg)))  # a copy, tuples as lists (as YAML gives them back)
+    lines: dict[str, str] = {}
+    for i, derived in enumerate(cfg.derived.values()):
+        mark = _MARK.format(i)
+        if replace_at(data, derived.path, mark):
+            how = "" if derived.source == INTERPOLATION else f" = {derived.source}"
+            lines[mark] = f"{_yaml_scalar(derived.written)}  # derived: {json.dumps(derived.value)}{how}"
+    text = OmegaConf.to_yaml(OmegaConf.create(data))
+    for mark, line in lines.items():
+        text = text.replace(mark, line, 1)
+    return text

@@ -57,5 +57,15 @@ def parse_key(key: str) -> Path:
     return tuple(path)
 
 
+def replace_at(data: Any, path: Path, value: Any) -> bool:
+    """Set the node at ``path`` of plain ``data`` to ``value`` where that node exists; whether it did."""
+    parent = node_at(data, path[:-1])
+    key = path[-1]
+    if (isinstance(parent, dict) and key in parent) or (isinstance(parent, list) and _is_index(key, parent)):
+        parent[key] = value
+        return True
+    return False
+
+
 def _is_index(key: Any, items: list[Any]) -> bool:
     return isinstance(key, int) and not isinstance(key, bool) and 0 <= key < len(items)

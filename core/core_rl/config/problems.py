@@ -1,6 +1,6 @@
 """Checks of a validated run configuration as a whole: what the selected loop needs
 (:func:`completeness_problems`), the core's sections against each other
-(:func:`cross_section_problems`), the rollout engine's weight-sync mode
+(:func:`cross_section_problems`, :func:`schedule_problems`), the rollout engine's weight-sync mode
 and each plugin section's own ``check_config`` (:func:`plugin_check_problems`). Each returns one
 message per problem, naming its key path and what to do."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from core_rl.config.checks import SectionContext, config_problems
-from core_rl.config.schema import RunConfig
+from core_rl.config.schema import RunConfig, SchedulerConfig
 from core_rl.config.sections import selected_sections
 from core_rl.config.validators import MAX_COUNT
 from core_rl.kinds import LOOP, ROLLOUT_ENGINE
@@ -125,6 +125,7 @@ def cross_section_problems(cfg: RunConfig) -> list[str]:
             f"algorithm.reward_shaping.overlong_tokens: must be <= rollout.sampling.max_new_tokens ({budget}), "
             f"got {shaping.overlong_tokens}"
         )
+    problems.extend(schedule_problems(cfg))
     late = [s for s in cfg.trainer.profile.steps if s > cfg.trainer.total_steps]
     if late:
         problems.append(
@@ -145,4 +146,27 @@ def plugin_check_problems(cfg: RunConfig) -> list[str]:
     for path, _kind, spec in selected_sections(cfg):
         if spec.config is not None:
             problems.extend(config_problems(spec.config, SectionContext(path=path, run=cfg, name=spec.name)))
+    return problems
+
+
+def schedule_problems(cfg: RunConfig) -> list[str]:
+    """A ``linear`` or ``cosine`` schedule decaying to learning rate 0 (``min_lr_ratio: 0``)
+    before the run's last optimiser step would train the remaining steps at learning rate 0: a
+    ``total_steps`` set below the run's (e.g. recorded by an earlier run, then extended)."""
+    run_steps = cfg.trainer.total_steps * cfg.algorithm.optimizer_steps_per_step
+    schedules: list[tuple[str, SchedulerConfig]] = [("actor", cfg.actor.lr_scheduler)]
+    if cfg.critic is not None:
+        schedules.append(("critic", cfg.critic.lr_scheduler))
+    problems = []
+    for role, schedule in schedules:
+        if schedule.name == "constant" or schedule.min_lr_ratio > 0 or schedule.total_steps >= run_steps:
+            continue
+        problems.append(
+            f"{role}.lr_scheduler.total_steps: the {schedule.name} schedule reaches learning rate 0 at optimiser "
+            f"step {schedule.total_steps}, but the run takes {run_steps} (trainer.total_steps="
+            f"{cfg.trainer.total_steps} x {cfg.algorithm.optimizer_steps_per_step} optimiser step(s) per step), so "
+            f"its last {run_steps - schedule.total_steps} optimiser steps would not train; set "
+            f"{role}.lr_scheduler.total_steps=0 (the default: follow trainer.total_steps) or at least {run_steps}, "
+            f"or {role}.lr_scheduler.min_lr_ratio above 0"
+        )
     return problems

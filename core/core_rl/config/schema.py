@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from core_rl.config.derived import Derived
 from core_rl.config.validators import (
     MAX_COUNT,
     MAX_SEED,
@@ -218,7 +219,8 @@ class SchedulerConfig:
     """Learning-rate schedule: linear warmup over ``warmup_steps`` (or ``warmup_ratio`` of the total
     steps when ``warmup_steps`` is 0), then ``constant``, ``linear`` or ``cosine`` decay to
     ``min_lr_ratio * lr`` at step ``total_steps`` (0: ``trainer.total_steps`` times the optimiser
-    steps per RL step, filled in on load). Steps here are optimiser steps."""
+    steps per RL step). Steps here are optimiser steps. Both 0 defaults are filled in on load and
+    stay derived in the recorded configuration (:mod:`core_rl.config.derived`)."""
 
     name: str = attrs.field(default="constant", validator=one_of(("constant", "linear", "cosine")))
     warmup_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
@@ -560,3 +562,6 @@ class RunConfig:
     critic: CriticConfig | None = None
     teacher: TeacherConfig | None = None
     reward_model: RewardModelRoleConfig | None = None
+    #: the keys the loader derived from others, by dotted key path (:mod:`core_rl.config.derived`);
+    #: not a section of the file
+    derived: dict[str, Derived] = attrs.field(factory=dict, init=False, eq=False, repr=False)

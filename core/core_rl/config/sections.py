@@ -12,6 +12,7 @@ import attrs
 
 from core_rl import kinds
 from core_rl.config.converter import TypeMismatch, join_path, structure, structure_plugin_spec
+from core_rl.config.derived import record_default
 from core_rl.config.overrides import format_path
 from core_rl.config.paths import node_at
 from core_rl.config.schema import DEFAULT_FROM, PLUGIN_KIND_METADATA, PluginSpec, RunConfig
@@ -57,7 +58,8 @@ def validate_plugin_section(
     """Resolve ``spec.name`` in ``kind``'s registry and validate its options by the plugin's class.
 
     With ``run``, fields declared with :func:`core_rl.config.schema.default_from` that the section
-    leaves unset take their value from ``run``."""
+    leaves unset (or ``null``) take their value from ``run``, recorded as derived
+    (:func:`core_rl.config.derived.record_default`)."""
     try:
         entry = host.get(kind, spec.name)
     except PluginError as exc:
@@ -76,8 +78,9 @@ def validate_plugin_section(
     if run is not None:
         for field in attrs.fields(entry.config_cls):
             source = field.metadata.get(DEFAULT_FROM)
-            if source is not None and field.name not in options:
+            if source is not None and options.get(field.name) is None:
                 options[field.name] = _run_value(run, source)
+                record_default(run, join_path(path, field.name), options[field.name], source)
     spec.config = structure(options, entry.config_cls, path=path)
     nested = _nested_section_problems(host, spec.config, path, run)
     if nested:

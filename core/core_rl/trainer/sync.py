@@ -86,7 +86,7 @@ from core_rl.trainer.ranks import (
 from core_rl.trainer.reward_role import SCORES, NoRuleReward, reward_model_stage
 from core_rl.trainer.rewards import RewardErrorLog, RewardRunner, ScoreResult
 from core_rl.trainer.rollout_flow import RolloutFlow, flatten_groups
-from core_rl.trainer.run_config import record_config
+from core_rl.trainer.run_config import record_config, resume_note
 from core_rl.trainer.signals import StopSignals
 from core_rl.trainer.update import PolicyUpdate
 from core_rl.trainer.weight_load import BackgroundWeightLoad
@@ -635,14 +635,9 @@ class SyncTrainer(TrainingLoop):
         started: list[Logger] = []
         if self.is_main:
             try:
-                changes, kept = record_config(self.run_dir, cfg, self.resume_step)
-                if changes:
-                    print(
-                        f"core-rl: note: resumed from step {self.resume_step} with {len(changes)} setting(s) changed "
-                        f"since the checkpoint's run (its configuration is kept as {kept}):\n  " + "\n  ".join(changes),
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                note = resume_note(record_config(self.run_dir, cfg, self.resume_step, host=self.host), self.resume_step)
+                if note:
+                    print(f"core-rl: note: {note}", file=sys.stderr, flush=True)
                 self.reward_log.start(self.resume_step)
                 for lg in self.loggers:
                     lg.start(info)
