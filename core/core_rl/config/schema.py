@@ -409,6 +409,9 @@ class AlgorithmConfig:
     - ``max_num_gen_batches``: 1 trains on what the filters leave of one generation batch; above 1,
       prompt batches are drawn until the filters leave ``data.batch_size`` prompts' groups (the rest
       is discarded), at most this many (dynamic sampling);
+    - ``max_consecutive_empty_steps``: with ``max_num_gen_batches`` 1, this many steps in a row
+      whose filters left nothing to train on end the run (0: no limit; each such step is a warning
+      and counts in ``filter/empty_steps_total``, see :mod:`core_rl.trainer.filtering`);
     - ``ppo_n_minibatches`` x ``ppo_epochs``: optimiser steps per RL step (the batch is cut into
       minibatches by rows, and the cut is passed over ``ppo_epochs`` times);
     - ``recompute_logprob``: ``old_logprobs`` come from the train engine before the first update
@@ -424,6 +427,7 @@ class AlgorithmConfig:
     adv_norm: NormConfig | None = None
     mask_no_eos_with_zero: bool = False
     max_num_gen_batches: int = attrs.field(default=1, validator=in_range(1, 10_000))
+    max_consecutive_empty_steps: int = attrs.field(default=10, validator=in_range(0, MAX_STEPS))
     ppo_n_minibatches: int = attrs.field(default=1, validator=in_range(1, MAX_COUNT))
     ppo_epochs: int = attrs.field(default=1, validator=in_range(1, 10_000))
     recompute_logprob: bool = False

@@ -374,6 +374,15 @@ class SampleFilterContract(ComponentContract):
         batch = make_rl_batch(seed=5)
         assert torch.equal(self.make()(batch), self.make()(batch))
 
+    def test_keeps_or_drops_whole_groups(self) -> None:
+        """A filter decides per prompt group (see :mod:`core_rl.trainer.filtering`), here on a batch
+        with a group of equal rewards beside groups of random ones."""
+        from core_rl.trainer.filtering import check_mask
+
+        batch = make_rl_batch(batch_size=12, group_size=3, seed=7)
+        batch["rewards"][:3] = 0.5
+        check_mask(f"sample filter {self.name!r}", self.make()(batch), batch["group_index"])
+
 
 class RejectionSamplerContract(ComponentContract):
     """A rejection sampler returns [b, T] weights and a bool keep-mask that vanish off the response,

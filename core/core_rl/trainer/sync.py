@@ -438,7 +438,7 @@ class SyncTrainer(TrainingLoop):
         filters, shaping, advantages (:class:`~core_rl.trainer.batching.BatchAssembler`); the batch
         to train on (``None``: nothing left) and the metrics so far."""
         self._scored_this_step = []
-        batch, metrics = self.batcher.assemble(lambda: self._generate_scored(step))
+        batch, metrics = self.batcher.assemble(lambda: self._generate_scored(step), step=step)
         metrics["reward/errors_total"] = float(self.reward_log.total)
         assert self.flow is not None
         metrics.update(self.flow.batch_metrics(batch, step))
@@ -502,6 +502,7 @@ class SyncTrainer(TrainingLoop):
             "controller": self.flow.state_dict() if self.flow is not None else {},
             "rollout": self.rollout.state_dict() if self.rollout is not None else {},
             "nonfinite": self.nonfinite.state_dict(),
+            "empty_steps": self.batcher.empty_steps.state_dict(),
             "reward_errors": self.reward_log.state_dict(),
             "advantage": self.advantage.state_dict() if self.advantage is not None else {},
         }
@@ -595,6 +596,7 @@ class SyncTrainer(TrainingLoop):
         if self.rollout is not None:
             self.rollout.load_state_dict(extra.get("rollout", {}))
         self.nonfinite.load_state_dict(extra.get("nonfinite", {}))
+        self.batcher.empty_steps.load_state_dict(extra.get("empty_steps", {}))
         self.reward_log.load_state_dict(extra.get("reward_errors", {}))
         if self.advantage is not None:
             self.advantage.load_state_dict(extra.get("advantage", {}))
