@@ -56,7 +56,9 @@ def test_steps_whose_filter_drops_every_group_are_warned_counted_and_limited(tmp
     # no limit: the run goes on, every step counted
     config, path = _config(tmp_path / "nolimit", drop_all, max_consecutive_empty_steps=0)
     assert cli.main(["train", str(path)]) == 0
-    assert capsys.readouterr().err.count("core-rl: warning: step ") == 3
+    out, err = capsys.readouterr()
+    assert err.count("core-rl: warning: step ") == 3
+    assert "\ncheckpoint: none saved (saver.every_n_steps=0, saver.at_end=false)\n" in out  # not "None"
     rows = read_metrics(run_dir(config) / "metrics.jsonl")
     assert [r["filter/empty_steps_total"] for r in rows] == [1.0, 2.0, 3.0]
 

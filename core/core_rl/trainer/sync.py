@@ -716,7 +716,9 @@ def train(cfg: RunConfig, *, host: PluginHost) -> Mapping[str, Any]:
     result = run_with_restarts(cfg, host, data_rows=checked.rows)
     if rank_and_world()[0] == 0:
         print(f"metrics:    {result['metrics']}")
-        print(f"checkpoint: {result['checkpoint']}")
+        at_end = str(cfg.saver.at_end).lower()
+        none = f"none saved (saver.every_n_steps={cfg.saver.every_n_steps}, saver.at_end={at_end})"
+        print(f"checkpoint: {result['checkpoint'] or none}")
         if result["export"] is not None:
             print(f"model:      {result['export']}")
     return result
