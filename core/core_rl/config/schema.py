@@ -470,7 +470,8 @@ class ProfileConfig:
 class TrainerConfig:
     """The loop: ``total_steps`` RL steps; ``resume: true`` is ``recover.mode: auto`` (continue from
     the run's newest valid checkpoint); ``torch_threads`` (0: leave torch's default) sets intra-op
-    threads.
+    threads. ``mode``: ``sync``, the only value (rollout ahead of training is
+    ``rollout.controller.max_head_offpolicyness``).
 
     ``collective_timeout_s``: under ``torchrun``, how long any rank waits for the others (every
     collective, including waiting for rank 0's rollout and rewards) before the run fails with an
