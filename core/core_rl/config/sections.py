@@ -15,7 +15,8 @@ from core_rl.config.converter import TypeMismatch, join_path, structure, structu
 from core_rl.config.derived import record_default
 from core_rl.config.overrides import format_path
 from core_rl.config.paths import node_at
-from core_rl.config.schema import DEFAULT_FROM, PLUGIN_KIND_METADATA, PluginSpec, RunConfig
+from core_rl.config.plugin_spec import DEFAULT_FROM, PLUGIN_KIND_METADATA
+from core_rl.config.schema import PluginSpec, RunConfig
 from core_rl.config.validators import FieldValueError
 from core_rl.errors import ConfigError, PluginError
 from core_rl.kinds import PluginKind
