@@ -53,12 +53,16 @@ def test_steps_whose_filter_drops_every_group_are_warned_counted_and_limited(tmp
     assert step1["filter/drop_uniform_groups/dropped_fraction"] == 1.0 and step1["actor/skipped"] == 1.0
     assert "actor/loss" not in step1
 
-    # no limit: the run goes on, every step counted
+    # no limit: the run goes on, every step counted, the count kept in checkpoints
     config, path = _config(tmp_path / "nolimit", drop_all, max_consecutive_empty_steps=0)
-    assert cli.main(["train", str(path)]) == 0
+    assert cli.main(["train", str(path), "trainer.total_steps=2"]) == 0
     out, err = capsys.readouterr()
-    assert err.count("core-rl: warning: step ") == 3
+    assert err.count("core-rl: warning: step ") == 2
     assert "\ncheckpoint: none saved (saver.every_n_steps=0, saver.at_end=false)\n" in out  # not "None"
+    config, path = _config(tmp_path / "resumed", drop_all, max_consecutive_empty_steps=0)
+    assert cli.main(["train", str(path), "trainer.total_steps=2", "saver.every_n_steps=1"]) == 0
+    assert cli.main(["train", str(path), "recover.mode=resume"]) == 0
+    assert "step 3 has nothing to train on" in capsys.readouterr().err
     rows = read_metrics(run_dir(config) / "metrics.jsonl")
     assert [r["filter/empty_steps_total"] for r in rows] == [1.0, 2.0, 3.0]
 

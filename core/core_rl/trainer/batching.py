@@ -131,14 +131,19 @@ class BatchAssembler:
         max_new_tokens: int,
         pad_token_id: int,
         rewards_after_broadcast: bool = False,
+        empty_steps: EmptySteps | None = None,
     ) -> None:
         """``rewards_after_broadcast``: a stage on every rank completes the rewards after the batch
         is sent (a reward model, :mod:`core_rl.trainer.reward_role`); the main rank then leaves
-        reward shaping and advantages to :meth:`finish_rewards`, which that stage calls."""
+        reward shaping and advantages to :meth:`finish_rewards`, which that stage calls.
+        ``empty_steps``: the counter of steps left with nothing to train on (the trainer's, kept in
+        its checkpoints; default: a new one with ``algorithm.max_consecutive_empty_steps``)."""
         self.algorithm = algorithm
         self.rewards_after_broadcast = rewards_after_broadcast
         self.filters = named_filters(filters, algorithm.filters)
-        self.empty_steps = EmptySteps(algorithm.max_consecutive_empty_steps)
+        if empty_steps is None:
+            empty_steps = EmptySteps(algorithm.max_consecutive_empty_steps)
+        self.empty_steps = empty_steps
         self.advantage = advantage
         self.prompts_per_step = prompts_per_step
         self.max_new_tokens = max_new_tokens

@@ -74,6 +74,7 @@ from core_rl.trainer.critic import CRITIC_DIR, CriticStage, check_role_states, l
 from core_rl.trainer.data import DataRow, PromptItem, PromptSource
 from core_rl.trainer.distill import DistillationLoss
 from core_rl.trainer.errors import DiskFullError, RunFailed, TrainingInterrupted
+from core_rl.trainer.filtering import EmptySteps
 from core_rl.trainer.numerics import NonFiniteGuard
 from core_rl.trainer.profiling import StepProfiler
 from core_rl.trainer.ranks import (
@@ -169,6 +170,8 @@ class SyncTrainer(TrainingLoop):
         self.engine: TrainEngine | None = None
         #: rank 0's rollout controller (:mod:`core_rl.trainer.rollout_flow`)
         self.flow: RolloutFlow | None = None
+        #: steps the sample filters left with nothing to train on (:mod:`core_rl.trainer.filtering`)
+        self.empty_steps = EmptySteps(cfg.algorithm.max_consecutive_empty_steps)
         #: rank 0's weight load running beside the trainer (asynchronous runs, disk sync)
         self.weight_load = BackgroundWeightLoad(
             cfg.rollout.controller.wait_timeout_s, "rollout.controller.wait_timeout_s"
@@ -243,6 +246,7 @@ class SyncTrainer(TrainingLoop):
             max_new_tokens=cfg.rollout.sampling.max_new_tokens,
             pad_token_id=self.pad_token_id,
             rewards_after_broadcast=self.roles.reward_model is not None,
+            empty_steps=self.empty_steps,
         )
         # the reward-model role scores on every rank after the broadcast (trainer/reward_role.py)
         self.reward_stage = reward_model_stage(
@@ -502,7 +506,7 @@ class SyncTrainer(TrainingLoop):
             "controller": self.flow.state_dict() if self.flow is not None else {},
             "rollout": self.rollout.state_dict() if self.rollout is not None else {},
             "nonfinite": self.nonfinite.state_dict(),
-            "empty_steps": self.batcher.empty_steps.state_dict(),
+            "empty_steps": self.empty_steps.state_dict(),
             "reward_errors": self.reward_log.state_dict(),
             "advantage": self.advantage.state_dict() if self.advantage is not None else {},
         }
@@ -596,7 +600,7 @@ class SyncTrainer(TrainingLoop):
         if self.rollout is not None:
             self.rollout.load_state_dict(extra.get("rollout", {}))
         self.nonfinite.load_state_dict(extra.get("nonfinite", {}))
-        self.batcher.empty_steps.load_state_dict(extra.get("empty_steps", {}))
+        self.empty_steps.load_state_dict(extra.get("empty_steps", {}))
         self.reward_log.load_state_dict(extra.get("reward_errors", {}))
         if self.advantage is not None:
             self.advantage.load_state_dict(extra.get("advantage", {}))
