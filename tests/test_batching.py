@@ -5,6 +5,7 @@ normalisation do what the configuration says. Generation is scripted; everything
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +16,7 @@ from core_rl.interfaces import AdvantageEstimator, SampleFilter
 from core_rl.ops import group_is_uniform
 from core_rl.protocol import Sample, TensorBatch
 from core_rl.trainer.batching import BatchAssembler, DynamicSamplingError, Generation
+from core_rl.trainer.filtering import EmptyStepsError, SampleFilterError
 
 PAD = 0
 N = 2  # samples per prompt
@@ -152,3 +154,99 @@ def test_truncated_samples_leave_the_loss():
     assert batch["loss_mask"].sum(1).tolist() == [0.0, 2.0, 2.0, 2.0]
     assert metrics["batch/loss_token_fraction"] == pytest.approx(6 / 8)
     assert batch["response_mask"].sum(1).tolist() == [2.0, 2.0, 2.0, 2.0]
+
+
+class DropAll(SampleFilter):
+    def __call__(self, batch: TensorBatch) -> torch.Tensor:
+        return torch.zeros(batch.batch_size, dtype=torch.bool)
+
+
+class FirstOfEachGroup(SampleFilter):
+    """Keeps the first sample of each group: half of every group here, which the core refuses."""
+
+    def __call__(self, batch: TensorBatch) -> torch.Tensor:
+        return torch.arange(batch.batch_size) % N == 0
+
+
+def test_a_step_the_filters_leave_empty_is_warned_counted_and_limited(capsys):
+    """Without over-sampling, a step whose filters drop everything trains nothing: a warning names
+    each filter and what it dropped, the metrics count it, a trained step ends the streak, and
+    algorithm.max_consecutive_empty_steps such steps in a row end the run."""
+    gens = iter([generation([[1, 1], [0, 0]]), generation([[0, 1], [0, 0]]), *(generation([[1, 1]]) for _ in range(3))])
+    batcher = assembler(AlgorithmConfig(max_consecutive_empty_steps=2), filters=(VariedGroups(), DropAll()))
+    batch, metrics = batcher.assemble(lambda: next(gens), step=1)
+    assert batch is None
+    assert metrics["filter/empty_step"] == 1.0 and metrics["filter/empty_steps_total"] == 1.0
+    assert metrics["filter/VariedGroups/dropped_fraction"] == 1.0 and metrics["filter/DropAll/dropped_fraction"] == 1.0
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "core-rl: warning: step 1 has nothing to train on: the sample filters dropped every sample (4): sample filter "
+        "'VariedGroups' (algorithm.filters[0]) dropped 2 group(s), 4 samples; sample filter 'DropAll' "
+        "(algorithm.filters[1]) dropped 2 group(s), 4 samples; the policy was not updated (1 such step(s) in a row, "
+        "1 in all). To train on every step, draw more prompts"
+    ), err
+
+    batcher.filters = batcher.filters[:1]  # without DropAll step 2 trains, which ends the streak
+    batch, metrics = batcher.assemble(lambda: next(gens), step=2)
+    assert batch is not None and metrics["filter/empty_step"] == 0.0 and metrics["filter/empty_steps_total"] == 1.0
+    batcher.assemble(lambda: next(gens), step=3)
+    assert batcher.empty_steps.state_dict() == {"total": 2, "streak": 1}
+    with pytest.raises(EmptyStepsError) as info:
+        batcher.assemble(lambda: next(gens), step=4)
+    assert str(info.value).endswith(
+        "the policy was not updated (2 such step(s) in a row, 3 in all); that reaches "
+        "algorithm.max_consecutive_empty_steps=2, so the run ends: draw more prompts to refill what the filters drop "
+        "(algorithm.max_num_gen_batches above 1), or loosen the filters, or raise the limit (0: none)"
+    )
+    assert EmptyStepsError.exit_code == 1
+
+
+def test_no_limit_on_empty_steps_and_one_filter_names_itself(capsys):
+    gens = iter([generation([[1, 1], [0, 0]]) for _ in range(20)])
+    batcher = assembler(AlgorithmConfig(max_consecutive_empty_steps=0))
+    for step in range(1, 21):
+        assert batcher.assemble(lambda: next(gens), step=step)[0] is None
+    assert batcher.empty_steps.state_dict() == {"total": 20, "streak": 20}
+    assert (
+        "step 20 has nothing to train on: sample filter 'VariedGroups' (algorithm.filters[0]) dropped every sample: "
+        "2 group(s), 4 samples; the policy was not updated (20 such step(s) in a row, 20 in all)"
+    ) in capsys.readouterr().err
+
+
+def test_a_filter_must_keep_or_drop_whole_groups():
+    """Group-relative advantages compare a group's samples with each other: a filter keeping part
+    of a group is refused, naming it (and its distribution when the loader resolved it)."""
+    from core_rl.config.schema import PluginSpec
+    from core_rl.kinds import SAMPLE_FILTER
+    from core_rl.registry import RegistryEntry
+
+    spec = PluginSpec(name="first_of_group")
+    spec.entry = RegistryEntry(SAMPLE_FILTER, "first_of_group", FirstOfEachGroup, "test", "my-filters", "1.0")
+    gens = scripted(generation([[0, 1], [1, 0]]))
+    batcher = assembler(AlgorithmConfig(filters=[spec]), filters=(FirstOfEachGroup(),))
+    with pytest.raises(SampleFilterError) as info:
+        batcher.assemble(lambda: next(gens), step=1)
+    assert str(info.value).startswith(
+        "sample filter 'first_of_group' (algorithm.filters[0], distribution my-filters) kept 1 of the 2 samples of "
+        "a prompt's group (2 of 2 groups were cut); a sample filter must keep or drop whole groups"
+    )
+    assert SampleFilterError.exit_code == 2
+
+
+@pytest.mark.parametrize(
+    ("mask", "got"),
+    [
+        (torch.ones(4), "a torch.float32 tensor of shape [4]"),
+        (torch.ones(3, dtype=torch.bool), "a torch.bool tensor of shape [3]"),
+        ([True] * 4, "[True, True, True, True]"),
+    ],
+)
+def test_a_filter_must_return_a_bool_mask_of_the_batch(mask, got):
+    from core_rl.trainer.filtering import check_mask
+
+    with pytest.raises(
+        SampleFilterError,
+        match=rf"^sample filter 'f' returned {re.escape(got)}; a sample filter returns a bool tensor of shape \[4\]",
+    ):
+        check_mask("sample filter 'f'", mask, torch.tensor([0, 0, 1, 1]))
+    check_mask("sample filter 'f'", torch.tensor([True, True, False, False]), torch.tensor([0, 0, 1, 1]))

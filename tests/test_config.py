@@ -240,11 +240,57 @@ def test_plugin_fields_can_default_to_another_key_and_check_the_run(tmp_path, ho
     minimal_config["algorithm"]["loss"] = {"name": "budget_loss"}
     cfg = load_config(_write(tmp_path, minimal_config), ["rollout.sampling.max_new_tokens=48"], host=host)
     assert cfg.algorithm.loss.config.budget == 48  # unset: taken from the run
-    assert "budget: 48" in to_yaml(cfg)
+    shown = to_yaml(cfg)
+    assert "budget: null  # derived: 48 = rollout.sampling.max_new_tokens" in shown  # kept derived, value shown
+    (tmp_path / "shown.yaml").write_text(shown)
+    again = load_config(tmp_path / "shown.yaml", ["rollout.sampling.max_new_tokens=64"], host=host)
+    assert again.algorithm.loss.config.budget == 64  # the shown file derives it anew
     cfg = load_config(_write(tmp_path, minimal_config), ["algorithm.loss.budget=12"], host=host)
     assert cfg.algorithm.loss.config.budget == 12  # set: kept
     problems = _problems(tmp_path, minimal_config, ["rollout.sampling.max_new_tokens=4"], host=host)
     assert problems == ["algorithm.loss.budget: too small"]
+
+
+def test_derived_keys_stay_derived_in_the_shown_yaml(tmp_path, host, minimal_config):
+    """Each key the loader derives from others is shown as what keeps it derived, with its value
+    in a comment, so the shown file loaded with another trainer.total_steps derives them anew:
+    the actor's and the critic's schedules (total_steps; warmup_steps from warmup_ratio) and
+    ${...} interpolations."""
+    minimal_config["actor"]["lr_scheduler"] = {"name": "cosine", "warmup_ratio": 0.1}
+    minimal_config["critic"] = {"model_path": "/m", "engine": {"name": "eng"}, "lr_scheduler": {"name": "linear"}}
+    minimal_config["experiment"] = {"name": "run-${trainer.total_steps}"}
+    minimal_config["trainer"] = {"total_steps": 10}
+    cfg = load_config(_write(tmp_path, minimal_config), ["algorithm.ppo_epochs=2"], host=host, require_complete=False)
+    assert (cfg.actor.lr_scheduler.total_steps, cfg.actor.lr_scheduler.warmup_steps) == (20, 2)
+    assert (cfg.critic.lr_scheduler.total_steps, cfg.critic.lr_scheduler.warmup_steps) == (20, 0)
+    shown = to_yaml(cfg)
+    total = "total_steps: 0  # derived: 20 = trainer.total_steps x algorithm.ppo_n_minibatches x algorithm.ppo_epochs"
+    assert shown.count(f"    {total} = 10 x 1 x 2\n") == 2  # the actor's and the critic's
+    assert "    warmup_steps: 0  # derived: 2 = floor(warmup_ratio x total_steps) = floor(0.1 x 20)\n" in shown
+    assert '  name: run-${trainer.total_steps}  # derived: "run-10"\n' in shown
+    assert to_plain(cfg)["actor"]["lr_scheduler"]["total_steps"] == 20  # what components and loggers see
+
+    (tmp_path / "shown.yaml").write_text(shown)
+    again = load_config(tmp_path / "shown.yaml", ["trainer.total_steps=30"], host=host, require_complete=False)
+    assert (again.actor.lr_scheduler.total_steps, again.actor.lr_scheduler.warmup_steps) == (60, 6)
+    assert again.critic.lr_scheduler.total_steps == 60
+    assert again.experiment.name == "run-30"
+
+
+def test_a_decaying_schedule_shorter_than_the_run_is_refused(tmp_path, host, minimal_config):
+    """A schedule's total_steps fixed below the run's (a file recorded before derived keys stayed
+    derived, then extended) would train the last steps at learning rate 0."""
+    minimal_config["actor"]["lr_scheduler"] = {"name": "cosine", "total_steps": 10}
+    assert _problems(tmp_path, minimal_config, ["trainer.total_steps=20"], host=host) == [
+        "actor.lr_scheduler.total_steps: the cosine schedule reaches learning rate 0 at optimiser step 10, but the "
+        "run takes 20 (trainer.total_steps=20 x 1 optimiser step(s) per step), so its last 10 optimiser steps would "
+        "not train; set actor.lr_scheduler.total_steps=0 (the default: follow trainer.total_steps) or at least 20, "
+        "or actor.lr_scheduler.min_lr_ratio above 0"
+    ]
+    path = _write(tmp_path, minimal_config)
+    load_config(path, ["trainer.total_steps=10"], host=host)  # as long as the run
+    load_config(path, ["trainer.total_steps=20", "actor.lr_scheduler.min_lr_ratio=0.1"], host=host)  # a floor
+    load_config(path, ["trainer.total_steps=20", "actor.lr_scheduler.name=constant"], host=host)
 
 
 def test_micro_batch_and_lora_sections(tmp_path, host, minimal_config):

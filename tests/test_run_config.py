@@ -10,6 +10,8 @@ import pytest
 from core_rl.builtin.loggers import read_metrics
 from core_rl.config import load_config
 from core_rl.config.loader import to_plain
+from core_rl.config.schema import SchedulerConfig
+from core_rl.engine_utils.optim import lr_at
 from core_rl.testing.faults import build_task, merged, run_dir
 from core_rl.trainer.run_config import changed_keys
 from fault_helpers import train_here
@@ -45,7 +47,7 @@ def test_a_resume_with_changed_settings_keeps_the_earlier_config(tmp_path: Path,
     )
     train_here(lr, host)
     err = capsys.readouterr().err
-    assert "resumed from step 2 with 3 setting(s) changed" in err, err
+    assert "resumed from step 2 with 2 setting(s) changed and 1 derived value(s) recomputed from them" in err, err
     for line in (
         "actor.optimizer.lr: 0.01 -> 0.005",
         "trainer.total_steps: 2 -> 3",
@@ -64,6 +66,37 @@ def test_a_resume_with_changed_settings_keeps_the_earlier_config(tmp_path: Path,
     assert "actor.optimizer.lr: 0.005 -> 0.002" in capsys.readouterr().err
     assert (run / "config.step2.yaml").read_text() == before
     assert (run / "config.step2-2.yaml").read_text() == second
+
+
+def test_extending_a_run_through_its_recorded_config_follows_the_new_horizon(tmp_path: Path, host, capsys) -> None:
+    """A cosine run of 2 steps extended to 4 through its recorded file, as the README says to
+    (``core-rl train <run>/config.yaml recover.mode=resume trainer.total_steps=4``): the schedule's
+    ``total_steps`` was recorded derived, so steps 3 and 4 train on the cosine over 4 steps (not at
+    learning rate 0, the end of the cosine over 2), and the note names the recomputed value."""
+    from core_rl import cli
+
+    base = merged(build_task(tmp_path), trainer={"total_steps": 2, "torch_threads": 1})
+    lr = base["actor"]["optimizer"]["lr"]
+    config = merged(base, actor={**base["actor"], "lr_scheduler": {"name": "cosine"}})
+    train_here(config, host)
+    run = run_dir(config)
+    recorded = (run / "config.yaml").read_text()
+    assert "total_steps: 0  # derived: 2 = trainer.total_steps x" in recorded
+    capsys.readouterr()
+
+    assert cli.main(["train", str(run / "config.yaml"), "recover.mode=resume", "trainer.total_steps=4"]) == 0
+    err = capsys.readouterr().err
+    assert "resumed from step 2 with 1 setting(s) changed and 1 derived value(s) recomputed from them" in err, err
+    assert "\n  trainer.total_steps: 2 -> 4\n" in err
+    assert (
+        "\n  actor.lr_scheduler.total_steps: 2 -> 4 (trainer.total_steps x algorithm.ppo_n_minibatches x "
+        "algorithm.ppo_epochs = 4 x 1 x 1)"
+    ) in err
+    lrs = {row["step"]: row["actor/lr"] for row in read_metrics(run / "metrics.jsonl")}
+    before, after = SchedulerConfig(name="cosine", total_steps=2), SchedulerConfig(name="cosine", total_steps=4)
+    assert lrs[2] == pytest.approx(lr_at(1, lr, before))
+    assert [lrs[3], lrs[4]] == pytest.approx([lr_at(2, lr, after), lr_at(3, lr, after)])
+    assert lrs[4] > 0.1 * lr
 
 
 @pytest.mark.parametrize(

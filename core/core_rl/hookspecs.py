@@ -119,7 +119,8 @@ def core_rl_register_sample_filters(register: Register) -> None:
 
     :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
         filter. ``factory(config)`` receives one validated entry of ``algorithm.filters`` and
-        returns a :class:`core_rl.interfaces.SampleFilter`.
+        returns a :class:`core_rl.interfaces.SampleFilter`, which keeps or drops whole prompt groups
+        (see :mod:`core_rl.trainer.filtering`).
     :return: nothing; results go through ``register``.
 
     Called when the plugin is loaded.

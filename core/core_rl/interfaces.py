@@ -378,11 +378,13 @@ class RejectionSampler(ABC):
 
 
 class SampleFilter(ABC):
-    """Decides which scored samples go on to training (rejection / dynamic sampling)."""
+    """Decides which scored samples go on to training (rejection / dynamic sampling), whole prompt
+    groups at a time: what it sees and when it runs is in :mod:`core_rl.trainer.filtering`."""
 
     @abstractmethod
     def __call__(self, batch: TensorBatch) -> torch.Tensor:
-        """A bool [B] mask of rows to keep. Reads at least ``rewards`` and ``group_index``."""
+        """A bool [B] mask of rows to keep, the same for every row of a group (equal
+        ``group_index``). Reads at least ``rewards`` (raw scores) and ``group_index``."""
 
 
 @attrs.define

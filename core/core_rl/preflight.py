@@ -41,8 +41,8 @@ from core_rl.config.checks import (
     environment_problems,
     required_columns,
 )
-from core_rl.config.loader import selected_sections
 from core_rl.config.schema import RunConfig
+from core_rl.config.sections import selected_sections
 from core_rl.errors import PreflightError
 from core_rl.roles import reward_model_problems, role_sections, shared_tokenizer_problems
 from core_rl.trainer.data import DataRow, check_rows, read_data_files, tokenise_rows

@@ -15,7 +15,6 @@ Overrides apply in order to the configuration file's data, before interpolations
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,13 +23,11 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from core_rl.config.paths import Path, Segment, format_path, parse_key
 from core_rl.errors import ConfigError
 
-Segment = str | int
-Path = tuple[Segment, ...]
+__all__ = ["Override", "apply_overrides", "first_line", "format_path", "parse_key", "parse_override", "parse_overrides"]
 
-_PART = re.compile(r"([^\[\]]*)((?:\[[^\[\]]*\])*)")
-_INDEX = re.compile(r"\[([^\[\]]*)\]")
 _PLACEHOLDER = "__core_rl_interpolation_{}__"
 _QUOTE_OPENERS = "[{,:"
 
@@ -44,37 +41,6 @@ class Override:
     path: Path
     delete: bool = False
     value: Any = None
-
-
-def format_path(path: Sequence[Segment]) -> str:
-    """``("loggers", 1, "name")`` -> ``"loggers[1].name"``."""
-    out = ""
-    for seg in path:
-        out += f"[{seg}]" if isinstance(seg, int) else (f".{seg}" if out else str(seg))
-    return out
-
-
-def parse_key(key: str) -> Path:
-    """Parse a dotted key path; raise ``ValueError`` saying what is wrong with it."""
-    if not key:
-        raise ValueError("the key path is empty")
-    path: list[Segment] = []
-    for part in key.split("."):
-        match = _PART.fullmatch(part)
-        if part == "":
-            raise ValueError("the key path has an empty part (two dots in a row, or a dot at an end)")
-        if match is None:
-            raise ValueError(f"cannot read {part!r}: brackets must hold a list index and close, as in loggers[0]")
-        name, indices = match.groups()
-        if name:
-            path.append(name)
-        elif not path:
-            raise ValueError("the key path starts with an index; it must start with a name")
-        for raw in _INDEX.findall(indices):
-            if not raw.isdigit():
-                raise ValueError(f"[{raw}] is not a list index; indices are non-negative integers, as in loggers[0]")
-            path.append(int(raw))
-    return tuple(path)
 
 
 def _quote_may_open(out: list[str]) -> bool:

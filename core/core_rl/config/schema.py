@@ -2,14 +2,18 @@
 attrs classes by cattrs (:mod:`core_rl.config.loader`). Sections selected by name (``actor.engine``,
 ``rollout.engine``, ``algorithm.advantage``, ``algorithm.loss``, ``algorithm.filters[]``,
 ``reward``, ``loggers[]``) are :class:`PluginSpec` s: ``name`` plus keys validated by the selected
-plugin's own ``config_cls``."""
+plugin's own ``config_cls`` (:mod:`core_rl.config.plugin_spec`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 
+from core_rl.config.derived import Derived
+from core_rl.config.plugin_spec import PluginSpec
+from core_rl.config.plugin_spec import default_from as default_from  # re-exported: the plugin guide names it here
+from core_rl.config.plugin_spec import plugin_section as plugin_section  # re-exported likewise
 from core_rl.config.validators import (
     MAX_COUNT,
     MAX_SEED,
@@ -25,69 +29,11 @@ from core_rl.config.validators import (
     one_of,
     positive,
 )
-from core_rl.errors import PluginError
-from core_rl.registry import RegistryEntry
 
 if TYPE_CHECKING:
     from core_rl.interfaces import SamplingParams
-    from core_rl.kinds import PluginKind
 
 DTYPES = ("float32", "bfloat16", "float16")
-
-#: attrs field metadata key, see :func:`default_from`
-DEFAULT_FROM = "core_rl_default_from"
-
-
-def default_from(path: str) -> dict[str, str]:
-    """Metadata for a plugin config field whose default is another key of the run configuration:
-    ``attrs.field(default=None, metadata=default_from("rollout.sampling.max_new_tokens"))``. When the
-    plugin's section leaves the field unset, the loader fills it with the value at the dotted
-    ``path`` (so ``core-rl config show`` prints what the component will use)."""
-    return {DEFAULT_FROM: path}
-
-
-#: attrs field metadata key marking a field of a plugin's config class as a nested plugin section
-PLUGIN_KIND_METADATA = "core_rl.plugin_kind"
-
-
-@attrs.define
-class PluginSpec:
-    """``{name: <registered name>, ...options}``. ``config`` is the options validated by the
-    plugin's ``config_cls`` (filled in by the loader; ``None`` if the plugin takes no options) and
-    ``entry`` the registry entry the loader resolved ``name`` to."""
-
-    name: str
-    options: dict[str, Any] = attrs.field(factory=dict)
-    config: Any = attrs.field(default=None, eq=False)
-    entry: RegistryEntry | None = attrs.field(default=None, eq=False, repr=False)
-
-    def build(self, *args: Any, **kwargs: Any) -> Any:
-        """Build the component: ``entry.factory(*args, config, **kwargs)`` (for rewards, loggers,
-        losses, advantages and filters simply ``spec.build()``). Only for a spec the loader has
-        validated, e.g. a nested section declared with :func:`plugin_section`."""
-        if self.entry is None:
-            raise PluginError(
-                f"plugin section {self.name!r} was not validated by the configuration loader "
-                "(core_rl.config.loader.validate_plugin_section), so it cannot be built"
-            )
-        return self.entry.factory(*args, self.config, **kwargs)
-
-
-def plugin_section(kind: PluginKind, **field_kwargs: Any) -> Any:
-    """An attrs field of a plugin's config class holding another plugin's section (a
-    :class:`PluginSpec`, ``PluginSpec | None`` or ``list[PluginSpec]``) of ``kind``.
-
-    The loader validates such a section by the selected plugin's own config class, with the full
-    key path (``reward.parts[1].reward.pattern: ...``), at any depth, and resolves its registry
-    entry, so the outer component's factory builds it with :meth:`PluginSpec.build`::
-
-        @attrs.define
-        class Part:
-            weight: float = 1.0
-            reward: PluginSpec = plugin_section(REWARD)
-    """
-    metadata = {**field_kwargs.pop("metadata", {}), PLUGIN_KIND_METADATA: kind}
-    return attrs.field(metadata=metadata, **field_kwargs)
 
 
 @attrs.define
@@ -218,7 +164,8 @@ class SchedulerConfig:
     """Learning-rate schedule: linear warmup over ``warmup_steps`` (or ``warmup_ratio`` of the total
     steps when ``warmup_steps`` is 0), then ``constant``, ``linear`` or ``cosine`` decay to
     ``min_lr_ratio * lr`` at step ``total_steps`` (0: ``trainer.total_steps`` times the optimiser
-    steps per RL step, filled in on load). Steps here are optimiser steps."""
+    steps per RL step). Steps here are optimiser steps. Both 0 defaults are filled in on load and
+    stay derived in the recorded configuration (:mod:`core_rl.config.derived`)."""
 
     name: str = attrs.field(default="constant", validator=one_of(("constant", "linear", "cosine")))
     warmup_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
@@ -407,6 +354,9 @@ class AlgorithmConfig:
     - ``max_num_gen_batches``: 1 trains on what the filters leave of one generation batch; above 1,
       prompt batches are drawn until the filters leave ``data.batch_size`` prompts' groups (the rest
       is discarded), at most this many (dynamic sampling);
+    - ``max_consecutive_empty_steps``: with ``max_num_gen_batches`` 1, this many steps in a row
+      whose filters left nothing to train on end the run (0: no limit; each such step is a warning
+      and counts in ``filter/empty_steps_total``, see :mod:`core_rl.trainer.filtering`);
     - ``ppo_n_minibatches`` x ``ppo_epochs``: optimiser steps per RL step (the batch is cut into
       minibatches by rows, and the cut is passed over ``ppo_epochs`` times);
     - ``recompute_logprob``: ``old_logprobs`` come from the train engine before the first update
@@ -422,6 +372,7 @@ class AlgorithmConfig:
     adv_norm: NormConfig | None = None
     mask_no_eos_with_zero: bool = False
     max_num_gen_batches: int = attrs.field(default=1, validator=in_range(1, 10_000))
+    max_consecutive_empty_steps: int = attrs.field(default=10, validator=in_range(0, MAX_STEPS))
     ppo_n_minibatches: int = attrs.field(default=1, validator=in_range(1, MAX_COUNT))
     ppo_epochs: int = attrs.field(default=1, validator=in_range(1, 10_000))
     recompute_logprob: bool = False
@@ -464,7 +415,8 @@ class ProfileConfig:
 class TrainerConfig:
     """The loop: ``total_steps`` RL steps; ``resume: true`` is ``recover.mode: auto`` (continue from
     the run's newest valid checkpoint); ``torch_threads`` (0: leave torch's default) sets intra-op
-    threads.
+    threads. ``mode``: ``sync``, the only value (rollout ahead of training is
+    ``rollout.controller.max_head_offpolicyness``).
 
     ``collective_timeout_s``: under ``torchrun``, how long any rank waits for the others (every
     collective, including waiting for rank 0's rollout and rewards) before the run fails with an
@@ -560,3 +512,6 @@ class RunConfig:
     critic: CriticConfig | None = None
     teacher: TeacherConfig | None = None
     reward_model: RewardModelRoleConfig | None = None
+    #: the keys the loader derived from others, by dotted key path (:mod:`core_rl.config.derived`);
+    #: not a section of the file
+    derived: dict[str, Derived] = attrs.field(factory=dict, init=False, eq=False, repr=False)

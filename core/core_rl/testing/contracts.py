@@ -22,7 +22,8 @@ from core_rl.config.checks import (
     environment_problems,
     required_columns,
 )
-from core_rl.config.loader import merge_raw, structure, validate_plugin_section
+from core_rl.config.converter import structure
+from core_rl.config.loader import merge_raw
 from core_rl.config.schema import (
     ActorConfig,
     AlgorithmConfig,
@@ -32,6 +33,7 @@ from core_rl.config.schema import (
     RolloutConfig,
     RunConfig,
 )
+from core_rl.config.sections import validate_plugin_section
 from core_rl.errors import ConfigError
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import (
@@ -371,6 +373,15 @@ class SampleFilterContract(ComponentContract):
     def test_deterministic(self) -> None:
         batch = make_rl_batch(seed=5)
         assert torch.equal(self.make()(batch), self.make()(batch))
+
+    def test_keeps_or_drops_whole_groups(self) -> None:
+        """A filter decides per prompt group (see :mod:`core_rl.trainer.filtering`), here on a batch
+        with a group of equal rewards beside groups of random ones."""
+        from core_rl.trainer.filtering import check_mask
+
+        batch = make_rl_batch(batch_size=12, group_size=3, seed=7)
+        batch["rewards"][:3] = 0.5
+        check_mask(f"sample filter {self.name!r}", self.make()(batch), batch["group_index"])
 
 
 class RejectionSamplerContract(ComponentContract):

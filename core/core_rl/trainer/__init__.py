@@ -1,4 +1,4 @@
-"""Trainer loops. ``train(cfg, host=...)`` runs the loop ``trainer.mode`` selects."""
+"""Trainer loops. ``train(cfg, host=...)`` runs the loop ``trainer.loop`` selects."""
 
 from __future__ import annotations
 

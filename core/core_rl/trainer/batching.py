@@ -8,7 +8,8 @@ each), scores it and filters it. With ``algorithm.max_num_gen_batches`` above 1 
 until the filters have left at least ``data.batch_size`` prompts' groups, then trains on exactly the
 first ``data.batch_size`` of them, so the trained batch keeps its configured size whatever the
 filters drop (DAPO's dynamic sampling, for any filter). Running out of generation batches first is
-a :class:`DynamicSamplingError` naming the setting.
+a :class:`DynamicSamplingError` naming the setting. What filters see and must keep, and the steps
+they leave empty without over-sampling: :mod:`core_rl.trainer.filtering`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from core_rl.config.schema import AlgorithmConfig, NormConfig
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import AdvantageEstimator, SampleFilter
 from core_rl.protocol import Sample, TensorBatch, concat_padded, samples_to_batch
+from core_rl.trainer.filtering import Dropped, EmptySteps, apply_filters, dropped_metrics, named_filters, why_empty
 
 
 class DynamicSamplingError(CoreRLError):
@@ -129,13 +131,19 @@ class BatchAssembler:
         max_new_tokens: int,
         pad_token_id: int,
         rewards_after_broadcast: bool = False,
+        empty_steps: EmptySteps | None = None,
     ) -> None:
         """``rewards_after_broadcast``: a stage on every rank completes the rewards after the batch
         is sent (a reward model, :mod:`core_rl.trainer.reward_role`); the main rank then leaves
-        reward shaping and advantages to :meth:`finish_rewards`, which that stage calls."""
+        reward shaping and advantages to :meth:`finish_rewards`, which that stage calls.
+        ``empty_steps``: the counter of steps left with nothing to train on (the trainer's, kept in
+        its checkpoints; default: a new one with ``algorithm.max_consecutive_empty_steps``)."""
         self.algorithm = algorithm
         self.rewards_after_broadcast = rewards_after_broadcast
-        self.filters = list(filters)
+        self.filters = named_filters(filters, algorithm.filters)
+        if empty_steps is None:
+            empty_steps = EmptySteps(algorithm.max_consecutive_empty_steps)
+        self.empty_steps = empty_steps
         self.advantage = advantage
         self.prompts_per_step = prompts_per_step
         self.max_new_tokens = max_new_tokens
@@ -146,28 +154,32 @@ class BatchAssembler:
         """Whether the step over-samples to refill what the filters drop."""
         return self.algorithm.max_num_gen_batches > 1
 
-    def _filtered(self, gen: Generation, offset: int) -> TensorBatch | None:
-        """The generation's samples the filters keep (``None`` when it has none left)."""
+    def _filtered(self, gen: Generation, offset: int) -> tuple[TensorBatch | None, list[Dropped]]:
+        """The generation's samples the filters keep (``None`` when it has none left) and what
+        each filter dropped."""
         if not gen.samples:
-            return None
+            return None, []
         batch = samples_to_batch(gen.samples, [offset + g for g in gen.group_index], self.pad_token_id)
         batch["rewards"] = torch.tensor(gen.rewards, dtype=torch.float32)
-        keep = torch.ones(batch.batch_size, dtype=torch.bool)
-        for f in self.filters:
-            keep &= f(batch)
-        return batch.rows(keep) if not keep.all() else batch
+        keep, dropped = apply_filters(self.filters, batch)
+        return (batch.rows(keep) if not keep.all() else batch), dropped
 
-    def assemble(self, generate: Callable[[], Generation]) -> tuple[TensorBatch | None, dict[str, float]]:
-        """Draw generation batches from ``generate`` and return the training batch (``None`` when
-        the filters left nothing and over-sampling is off) with its metrics."""
+    def assemble(
+        self, generate: Callable[[], Generation], *, step: int = 0
+    ) -> tuple[TensorBatch | None, dict[str, float]]:
+        """Draw generation batches from ``generate`` and return the training batch of step
+        ``step`` (``None`` when the filters left nothing and over-sampling is off: an empty step,
+        see :mod:`core_rl.trainer.filtering`) with its metrics."""
         generations: list[Generation] = []
         kept: list[TensorBatch] = []
+        dropped: list[Dropped] = []
         offset = 0
         n_groups = 0
         for _ in range(self.algorithm.max_num_gen_batches):
             gen = generate()
             generations.append(gen)
-            part = self._filtered(gen, offset)
+            part, gen_dropped = self._filtered(gen, offset)
+            dropped.extend(gen_dropped)
             offset += max(gen.group_index, default=-1) + 1
             if part is not None and part.batch_size:
                 kept.append(part)
@@ -178,6 +190,7 @@ class BatchAssembler:
         n_generated = sum(len(g.samples) for g in generations)
         n_kept = sum(b.batch_size for b in kept)
         metrics["filter/kept_fraction"] = n_kept / max(n_generated, 1)
+        metrics.update(dropped_metrics(dropped, n_generated))
         if self.dynamic:
             metrics["dynamic_sampling/gen_batches"] = float(len(generations))
             if n_groups < self.prompts_per_step:
@@ -187,6 +200,8 @@ class BatchAssembler:
                     f"{n_groups} of the data.batch_size={self.prompts_per_step} prompts' groups a step trains on; "
                     "raise algorithm.max_num_gen_batches, or loosen algorithm.filters"
                 )
+        why = None if kept else why_empty(dropped, n_generated, metrics.get("reward/dropped", 0.0))
+        metrics.update(self.empty_steps.check(step, why))
         if not kept:
             return None, metrics
         batch = concat_padded(kept, self.pad_token_id)

@@ -14,12 +14,12 @@ import math
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from core_rl.checkpointing import save_tree
 from core_rl.config.schema import TrainerConfig
 from core_rl.protocol import TensorBatch
 from core_rl.trainer.errors import NonFiniteError
+from core_rl.trainer.streaks import StreakCounter
 
 
 def is_nonfinite(metrics: Mapping[str, float]) -> bool:
@@ -30,15 +30,14 @@ def is_nonfinite(metrics: Mapping[str, float]) -> bool:
     return any(not math.isfinite(metrics[k]) for k in ("loss", "grad_norm") if k in metrics)
 
 
-class NonFiniteGuard:
+class NonFiniteGuard(StreakCounter):
     """See the module docstring. ``total``/``streak``: non-finite steps so far / in a row."""
 
     def __init__(self, run_dir: Path, rank: int, config: TrainerConfig) -> None:
+        super().__init__()
         self.run_dir = run_dir
         self.rank = rank
         self.config = config
-        self.total = 0
-        self.streak = 0
 
     def dump_dir(self, step: int) -> Path:
         return self.run_dir / "nonfinite" / f"step_{step:08d}"
@@ -46,11 +45,9 @@ class NonFiniteGuard:
     def check(self, step: int, shard: TensorBatch, metrics: Mapping[str, float]) -> dict[str, float]:
         """Account for step ``step`` given its engine ``metrics``; return ``actor/nonfinite`` and
         ``actor/nonfinite_total``. Raises :class:`NonFiniteError` when the run must end."""
-        if not is_nonfinite(metrics):
-            self.streak = 0
+        self.count(is_nonfinite(metrics))
+        if not self.streak:
             return {"actor/nonfinite": 0.0, "actor/nonfinite_total": float(self.total)}
-        self.total += 1
-        self.streak += 1
         where = self.dump_dir(step)
         saved = f"its batch is saved under {where}"
         try:
@@ -72,10 +69,3 @@ class NonFiniteGuard:
         if self.rank == 0:
             print(f"core-rl: warning: {message}", file=sys.stderr, flush=True)
         return {"actor/nonfinite": 1.0, "actor/nonfinite_total": float(self.total)}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"total": self.total, "streak": self.streak}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.total = int(state.get("total", 0))
-        self.streak = int(state.get("streak", 0))

@@ -74,6 +74,7 @@ from core_rl.trainer.critic import CRITIC_DIR, CriticStage, check_role_states, l
 from core_rl.trainer.data import DataRow, PromptItem, PromptSource
 from core_rl.trainer.distill import DistillationLoss
 from core_rl.trainer.errors import DiskFullError, RunFailed, TrainingInterrupted
+from core_rl.trainer.filtering import EmptySteps
 from core_rl.trainer.numerics import NonFiniteGuard
 from core_rl.trainer.profiling import StepProfiler
 from core_rl.trainer.ranks import (
@@ -86,7 +87,7 @@ from core_rl.trainer.ranks import (
 from core_rl.trainer.reward_role import SCORES, NoRuleReward, reward_model_stage
 from core_rl.trainer.rewards import RewardErrorLog, RewardRunner, ScoreResult
 from core_rl.trainer.rollout_flow import RolloutFlow, flatten_groups
-from core_rl.trainer.run_config import record_config
+from core_rl.trainer.run_config import record_config, resume_note
 from core_rl.trainer.signals import StopSignals
 from core_rl.trainer.update import PolicyUpdate
 from core_rl.trainer.weight_load import BackgroundWeightLoad
@@ -169,6 +170,8 @@ class SyncTrainer(TrainingLoop):
         self.engine: TrainEngine | None = None
         #: rank 0's rollout controller (:mod:`core_rl.trainer.rollout_flow`)
         self.flow: RolloutFlow | None = None
+        #: steps the sample filters left with nothing to train on (:mod:`core_rl.trainer.filtering`)
+        self.empty_steps = EmptySteps(cfg.algorithm.max_consecutive_empty_steps)
         #: rank 0's weight load running beside the trainer (asynchronous runs, disk sync)
         self.weight_load = BackgroundWeightLoad(
             cfg.rollout.controller.wait_timeout_s, "rollout.controller.wait_timeout_s"
@@ -243,6 +246,7 @@ class SyncTrainer(TrainingLoop):
             max_new_tokens=cfg.rollout.sampling.max_new_tokens,
             pad_token_id=self.pad_token_id,
             rewards_after_broadcast=self.roles.reward_model is not None,
+            empty_steps=self.empty_steps,
         )
         # the reward-model role scores on every rank after the broadcast (trainer/reward_role.py)
         self.reward_stage = reward_model_stage(
@@ -438,7 +442,7 @@ class SyncTrainer(TrainingLoop):
         filters, shaping, advantages (:class:`~core_rl.trainer.batching.BatchAssembler`); the batch
         to train on (``None``: nothing left) and the metrics so far."""
         self._scored_this_step = []
-        batch, metrics = self.batcher.assemble(lambda: self._generate_scored(step))
+        batch, metrics = self.batcher.assemble(lambda: self._generate_scored(step), step=step)
         metrics["reward/errors_total"] = float(self.reward_log.total)
         assert self.flow is not None
         metrics.update(self.flow.batch_metrics(batch, step))
@@ -502,6 +506,7 @@ class SyncTrainer(TrainingLoop):
             "controller": self.flow.state_dict() if self.flow is not None else {},
             "rollout": self.rollout.state_dict() if self.rollout is not None else {},
             "nonfinite": self.nonfinite.state_dict(),
+            "empty_steps": self.empty_steps.state_dict(),
             "reward_errors": self.reward_log.state_dict(),
             "advantage": self.advantage.state_dict() if self.advantage is not None else {},
         }
@@ -595,6 +600,7 @@ class SyncTrainer(TrainingLoop):
         if self.rollout is not None:
             self.rollout.load_state_dict(extra.get("rollout", {}))
         self.nonfinite.load_state_dict(extra.get("nonfinite", {}))
+        self.empty_steps.load_state_dict(extra.get("empty_steps", {}))
         self.reward_log.load_state_dict(extra.get("reward_errors", {}))
         if self.advantage is not None:
             self.advantage.load_state_dict(extra.get("advantage", {}))
@@ -635,14 +641,9 @@ class SyncTrainer(TrainingLoop):
         started: list[Logger] = []
         if self.is_main:
             try:
-                changes, kept = record_config(self.run_dir, cfg, self.resume_step)
-                if changes:
-                    print(
-                        f"core-rl: note: resumed from step {self.resume_step} with {len(changes)} setting(s) changed "
-                        f"since the checkpoint's run (its configuration is kept as {kept}):\n  " + "\n  ".join(changes),
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                note = resume_note(record_config(self.run_dir, cfg, self.resume_step, host=self.host), self.resume_step)
+                if note:
+                    print(f"core-rl: note: {note}", file=sys.stderr, flush=True)
                 self.reward_log.start(self.resume_step)
                 for lg in self.loggers:
                     lg.start(info)
@@ -719,7 +720,9 @@ def train(cfg: RunConfig, *, host: PluginHost) -> Mapping[str, Any]:
     result = run_with_restarts(cfg, host, data_rows=checked.rows)
     if rank_and_world()[0] == 0:
         print(f"metrics:    {result['metrics']}")
-        print(f"checkpoint: {result['checkpoint']}")
+        at_end = str(cfg.saver.at_end).lower()
+        none = f"none saved (saver.every_n_steps={cfg.saver.every_n_steps}, saver.at_end={at_end})"
+        print(f"checkpoint: {result['checkpoint'] or none}")
         if result["export"] is not None:
             print(f"model:      {result['export']}")
     return result

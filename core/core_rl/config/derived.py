@@ -1,0 +1,104 @@
+"""Keys whose value is derived from other keys of the run, and how they stay derived.
+
+Three kinds of key are derived:
+
+- the core's own defaults (:func:`derive_schedules`): ``actor.lr_scheduler.total_steps`` and
+  ``critic.lr_scheduler.total_steps`` (``0``: ``trainer.total_steps`` x the optimiser steps of an
+  RL step) and each schedule's ``warmup_steps`` (``0`` with ``warmup_ratio > 0``:
+  ``floor(warmup_ratio x total_steps)``);
+- a plugin's fields declared with :func:`core_rl.config.schema.default_from` (unset or ``null``:
+  the value of another key), recorded by :func:`record_default`;
+- ``${...}`` interpolations written in the YAML file or the overrides (:func:`interpolations`).
+
+The loader fills each with its value, so components only ever see values, and records it in
+:attr:`core_rl.config.schema.RunConfig.derived`. The YAML of a configuration
+(:func:`core_rl.config.loader.to_yaml`: what ``core-rl config show`` prints and
+``<run>/config.yaml`` holds) writes each such key as what keeps it derived (``0``, ``null`` or the
+interpolation) with its value in a comment::
+
+    lr_scheduler:
+      total_steps: 0  # derived: 20 = trainer.total_steps x algorithm.ppo_n_minibatches x ...
+
+so a run started again from that file with another ``trainer.total_steps`` derives them anew
+(:mod:`core_rl.trainer.run_config` names, on resume, each derived value that changed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from core_rl.config.paths import Path, format_path, parse_key
+
+if TYPE_CHECKING:
+    from core_rl.config.schema import RunConfig, SchedulerConfig
+
+#: the ``source`` of a derived key that is a ``${...}`` interpolation
+INTERPOLATION = "interpolation"
+
+
+@attrs.frozen
+class Derived:
+    """A key the loader derived: ``path`` (names and list indices), the ``value`` it was filled
+    with, what the YAML holds to keep it derived (``written``: ``0``, ``None`` or the
+    interpolation text) and how it is derived, for people (``source``; :data:`INTERPOLATION` for
+    an interpolation)."""
+
+    path: Path
+    value: Any
+    written: Any
+    source: str
+
+    @property
+    def key(self) -> str:
+        """The dotted key path, e.g. ``algorithm.filters[0].norm_length``."""
+        return format_path(self.path)
+
+
+def record(cfg: RunConfig, derived: Derived) -> None:
+    """Note in ``cfg.derived`` that ``derived.key`` was derived."""
+    cfg.derived[derived.key] = derived
+
+
+def record_default(run: RunConfig, path: str, value: Any, source: str) -> None:
+    """Note that the plugin field at dotted ``path`` (``algorithm.loss.norm_length``) took
+    ``value`` from the key ``source`` (a ``default_from`` field; ``null`` keeps it derived)."""
+    record(run, Derived(parse_key(path), value, None, source))
+
+
+def derive_schedules(cfg: RunConfig) -> None:
+    """Fill the unset ``total_steps`` and ``warmup_steps`` of the actor's learning-rate schedule
+    and, when there is a critic, of the critic's (see the module docstring); record each."""
+    algorithm = cfg.algorithm
+    steps = cfg.trainer.total_steps
+    schedules: list[tuple[str, SchedulerConfig]] = [("actor", cfg.actor.lr_scheduler)]
+    if cfg.critic is not None:
+        schedules.append(("critic", cfg.critic.lr_scheduler))
+    for role, schedule in schedules:
+        if schedule.total_steps == 0:
+            schedule.total_steps = steps * algorithm.optimizer_steps_per_step
+            source = (
+                "trainer.total_steps x algorithm.ppo_n_minibatches x algorithm.ppo_epochs = "
+                f"{steps} x {algorithm.ppo_n_minibatches} x {algorithm.ppo_epochs}"
+            )
+            record(cfg, Derived((role, "lr_scheduler", "total_steps"), schedule.total_steps, 0, source))
+        if schedule.warmup_steps == 0 and schedule.warmup_ratio > 0:
+            schedule.warmup_steps = int(schedule.warmup_ratio * schedule.total_steps)
+            source = f"floor(warmup_ratio x total_steps) = floor({schedule.warmup_ratio} x {schedule.total_steps})"
+            record(cfg, Derived((role, "lr_scheduler", "warmup_steps"), schedule.warmup_steps, 0, source))
+
+
+def interpolations(unresolved: Any, resolved: Any, prefix: Path = ()) -> Iterator[Derived]:
+    """Each leaf of ``unresolved`` plain data that holds a ``${...}`` interpolation, with its
+    value in ``resolved`` (the same data with the interpolations resolved)."""
+    if isinstance(unresolved, Mapping) and isinstance(resolved, Mapping):
+        for key, value in unresolved.items():
+            if key in resolved:
+                yield from interpolations(value, resolved[key], (*prefix, key))
+    elif isinstance(unresolved, list) and isinstance(resolved, list):
+        for i, (value, done) in enumerate(zip(unresolved, resolved)):
+            yield from interpolations(value, done, (*prefix, i))
+    elif isinstance(unresolved, str) and "${" in unresolved:
+        yield Derived(prefix, resolved, unresolved, INTERPOLATION)

@@ -1,0 +1,172 @@
+"""Checks of a validated run configuration as a whole: what the selected loop needs
+(:func:`completeness_problems`), the core's sections against each other
+(:func:`cross_section_problems`, :func:`schedule_problems`), the rollout engine's weight-sync mode
+and each plugin section's own ``check_config`` (:func:`plugin_check_problems`). Each returns one
+message per problem, naming its key path and what to do."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from core_rl.config.checks import SectionContext, config_problems
+from core_rl.config.schema import RunConfig, SchedulerConfig
+from core_rl.config.sections import selected_sections
+from core_rl.config.validators import MAX_COUNT
+from core_rl.kinds import LOOP, ROLLOUT_ENGINE
+from core_rl.plugins import PluginHost
+from core_rl.roles import OPTIONAL_ROLES, role_sections
+
+
+def uses_rl_sections(cfg: RunConfig, host: PluginHost | None = None) -> bool:
+    """Whether the selected loop uses the RL sections (``reward``, ``algorithm.advantage``,
+    ``algorithm.loss``): unless its config class says ``rl_sections = False``. A loop section that
+    failed validation is judged by its registered config class; an unknown loop (reported already)
+    by whether it is the default ``rl``."""
+    spec = cfg.trainer.loop
+    if spec.config is not None:
+        return bool(getattr(spec.config, "rl_sections", True))
+    entry = spec.entry or (host.registries[LOOP.key].get(spec.name) if host is not None else None)
+    if entry is None:
+        return spec.name == "rl"
+    return bool(getattr(entry.config_cls, "rl_sections", True))
+
+
+def loop_roles(cfg: RunConfig, host: PluginHost | None = None) -> tuple[str, ...] | None:
+    """The optional role sections (:data:`core_rl.roles.OPTIONAL_ROLES`) the selected loop reads:
+    its config class's ``roles`` attribute, else all of them for a loop that uses the RL sections
+    and none for one that does not. ``None`` when the loop is unknown (reported already)."""
+    spec = cfg.trainer.loop
+    config_cls: Any = type(spec.config) if spec.config is not None else None
+    if config_cls is None:
+        entry = spec.entry or (host.registries[LOOP.key].get(spec.name) if host is not None else None)
+        if entry is None and spec.name != "rl":
+            return None
+        config_cls = entry.config_cls if entry is not None else None
+    default = OPTIONAL_ROLES if uses_rl_sections(cfg, host) else ()
+    return tuple(getattr(config_cls, "roles", default))
+
+
+def _unused_role_problems(cfg: RunConfig, host: PluginHost | None = None) -> list[str]:
+    """A role section the selected loop never reads would be ignored silently: refused."""
+    roles = loop_roles(cfg, host)
+    if roles is None:
+        return []
+    spec = cfg.trainer.loop
+    entry = spec.entry or (host.registries[LOOP.key].get(spec.name) if host is not None else None)
+    where = f"the {spec.name!r} loop" + (f" (distribution {entry.distribution})" if entry is not None else "")
+    reads = f"it reads {', '.join(r + ':' for r in roles)}" if roles else "it reads no role section"
+    return [
+        f"{role}: {where} does not use a {role}: section ({reads}); remove the section, or select a loop that "
+        "uses it (trainer.loop.name: rl)"
+        for role, _ in role_sections(cfg)
+        if role not in roles
+    ]
+
+
+def completeness_problems(cfg: RunConfig, host: PluginHost | None = None) -> list[str]:
+    problems = []
+    if not cfg.actor.model_path:
+        problems.append("actor.model_path: required; the path of a Hugging Face model directory")
+    problems.extend(_unused_role_problems(cfg, host))
+    if uses_rl_sections(cfg, host):
+        problems.extend(_rl_completeness_problems(cfg))
+    if not cfg.data.train_files:
+        problems.append("data.train_files: required; a list of JSON/JSONL/Parquet files of prompts")
+    return problems
+
+
+def _rl_completeness_problems(cfg: RunConfig) -> list[str]:
+    """What a loop that uses the RL sections needs: an advantage estimator, a policy loss, a reward."""
+    problems = []
+    if not cfg.algorithm.name and (cfg.algorithm.advantage is None or cfg.algorithm.loss is None):
+        problems.append("algorithm.name: required (e.g. grpo), or set both algorithm.advantage and algorithm.loss")
+    else:
+        if cfg.algorithm.advantage is None:
+            problems.append(
+                f"algorithm.advantage: algorithm {cfg.algorithm.name!r} sets no advantage estimator; set one"
+            )
+        if cfg.algorithm.loss is None:
+            problems.append(f"algorithm.loss: algorithm {cfg.algorithm.name!r} sets no policy loss; set one")
+    if cfg.reward is None and cfg.reward_model is None:
+        problems.append(
+            "reward: required; select a reward, e.g. reward: {name: exact_match}, or add a reward_model: section"
+        )
+    return problems
+
+
+def weight_sync_problems(host: PluginHost, cfg: RunConfig) -> list[str]:
+    """``rollout.weight_sync`` must be a mode the selected rollout engine declares (the
+    ``weight_sync_modes`` attribute of its ``config_cls``; ``memory`` and ``disk`` without one)."""
+    entry = host.registries[ROLLOUT_ENGINE.key].get(cfg.rollout.engine.name)
+    if entry is None:
+        return []  # the unknown name is reported already
+    modes = tuple(getattr(entry.config_cls, "weight_sync_modes", ("memory", "disk")))
+    if cfg.rollout.weight_sync in modes:
+        return []
+    return [
+        f"rollout.weight_sync: rollout engine {entry.name!r} ({entry.distribution}) does not support "
+        f"{cfg.rollout.weight_sync!r}; it supports {', '.join(modes)}"
+    ]
+
+
+def cross_section_problems(cfg: RunConfig) -> list[str]:
+    """Checks of the core's own sections against each other."""
+    problems = []
+    samples = cfg.data.batch_size * cfg.rollout.sampling.n
+    if samples > MAX_COUNT:
+        problems.append(
+            f"data.batch_size: {cfg.data.batch_size} prompts x rollout.sampling.n={cfg.rollout.sampling.n} samples "
+            f"is {samples} samples per step, more than {MAX_COUNT}; lower one of them"
+        )
+    shaping = cfg.algorithm.reward_shaping
+    budget = cfg.rollout.sampling.max_new_tokens
+    if shaping.overlong_tokens is not None and shaping.overlong_tokens > budget:
+        problems.append(
+            f"algorithm.reward_shaping.overlong_tokens: must be <= rollout.sampling.max_new_tokens ({budget}), "
+            f"got {shaping.overlong_tokens}"
+        )
+    problems.extend(schedule_problems(cfg))
+    late = [s for s in cfg.trainer.profile.steps if s > cfg.trainer.total_steps]
+    if late:
+        problems.append(
+            f"trainer.profile.steps: {late} {'is' if len(late) == 1 else 'are'} after the last step "
+            f"(trainer.total_steps={cfg.trainer.total_steps}); list steps from 1 to {cfg.trainer.total_steps}"
+        )
+    if cfg.algorithm.ppo_n_minibatches > samples:
+        problems.append(
+            f"algorithm.ppo_n_minibatches: must be <= the samples of a step, data.batch_size x rollout.sampling.n "
+            f"= {samples}, got {cfg.algorithm.ppo_n_minibatches}"
+        )
+    return problems
+
+
+def plugin_check_problems(cfg: RunConfig) -> list[str]:
+    """Each validated plugin section's own ``check_config`` (see :mod:`core_rl.config.checks`)."""
+    problems: list[str] = []
+    for path, _kind, spec in selected_sections(cfg):
+        if spec.config is not None:
+            problems.extend(config_problems(spec.config, SectionContext(path=path, run=cfg, name=spec.name)))
+    return problems
+
+
+def schedule_problems(cfg: RunConfig) -> list[str]:
+    """A ``linear`` or ``cosine`` schedule decaying to learning rate 0 (``min_lr_ratio: 0``)
+    before the run's last optimiser step would train the remaining steps at learning rate 0: a
+    ``total_steps`` set below the run's (e.g. recorded by an earlier run, then extended)."""
+    run_steps = cfg.trainer.total_steps * cfg.algorithm.optimizer_steps_per_step
+    schedules: list[tuple[str, SchedulerConfig]] = [("actor", cfg.actor.lr_scheduler)]
+    if cfg.critic is not None:
+        schedules.append(("critic", cfg.critic.lr_scheduler))
+    problems = []
+    for role, schedule in schedules:
+        if schedule.name == "constant" or schedule.min_lr_ratio > 0 or schedule.total_steps >= run_steps:
+            continue
+        problems.append(
+            f"{role}.lr_scheduler.total_steps: the {schedule.name} schedule reaches learning rate 0 at optimiser "
+            f"step {schedule.total_steps}, but the run takes {run_steps} (trainer.total_steps="
+            f"{cfg.trainer.total_steps} x {cfg.algorithm.optimizer_steps_per_step} optimiser step(s) per step), so "
+            f"its last {run_steps - schedule.total_steps} optimiser steps would not train; set "
+            f"{role}.lr_scheduler.total_steps=0 (the default: follow trainer.total_steps) or at least {run_steps}, "
+            f"or {role}.lr_scheduler.min_lr_ratio above 0"
+        )
+    return problems
