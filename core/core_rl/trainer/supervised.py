@@ -33,10 +33,11 @@ from core_rl.plugins import PluginHost
 from core_rl.protocol import TensorBatch
 from core_rl.registry import RegistryEntry
 from core_rl.roles import build_engine
+from core_rl.trainer.building import build_loggers, quiet_library_progress_bars
 from core_rl.trainer.data import DataRow, PromptItem, PromptSource
 from core_rl.trainer.ranks import agree_after, rank_and_world, set_collective_timeout, waiting_for
 from core_rl.trainer.signals import StopSignals
-from core_rl.trainer.sync import SyncTrainer, _quiet_library_progress_bars, build_loggers
+from core_rl.trainer.sync import SyncTrainer
 
 
 def token_ids(value: Any, tokenizer: Any, *, where: str) -> list[int]:
@@ -108,7 +109,7 @@ class SupervisedLoop(SyncTrainer):
         self.build_models(engine_entry)
         set_collective_timeout(cfg.trainer.collective_timeout_s)
         self.rank, self.world_size = rank_and_world()
-        _quiet_library_progress_bars()
+        quiet_library_progress_bars()
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.tokenizer_path or cfg.actor.model_path)
