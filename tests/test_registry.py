@@ -143,7 +143,7 @@ def test_import_failure_is_reported_and_does_not_stop_others(plugin_modules):
     assert statuses["broken"].status == "failed"
     assert "missing dependency frobnicate" in statuses["broken"].error
     assert statuses["good"].status == "loaded" and statuses["unused"].status == "loaded"
-    with pytest.raises(PluginError, match="reward 'broken' .* failed to import: ImportError: missing dependency"):
+    with pytest.raises(PluginError, match="reward 'broken' .* failed to load: ImportError: missing dependency"):
         host.get(REWARD, "broken")
 
 

@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_plugins(as_json: bool) -> int:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from core_rl.plugins import PluginHost
 
@@ -139,8 +140,8 @@ def _cmd_plugins(as_json: bool) -> int:
     table = Table(title="core-rl plugins")
     for column in ("kind", "name", "distribution", "version", "description", "status"):
         table.add_column(column, overflow="fold")
-    for row in rows:
-        table.add_row(*(row[c] for c in ("kind", "name", "distribution", "version", "description", "status")))
+    for row in rows:  # plain text: a description or error holding "[...]" is not console markup
+        table.add_row(*(Text(row[c]) for c in ("kind", "name", "distribution", "version", "description", "status")))
     console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(table)
     return 0
