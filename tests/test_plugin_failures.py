@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import json
-import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
+import packaging_utils as pu
 import pytest
 from core_rl.errors import PluginError
 from core_rl.kinds import REWARD
@@ -54,14 +53,7 @@ typo_reward = crl_demo_typo
 @pytest.fixture
 def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A directory holding the installed distribution core-rl-demo 0.3.0, importable from here."""
-    root = tmp_path / "site"
-    info = root / "core_rl_demo-0.3.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: core-rl-demo\nVersion: 0.3.0\n")
-    (info / "entry_points.txt").write_text(ENTRY_POINTS)
-    for module, source in MODULES.items():
-        (root / f"{module}.py").write_text(textwrap.dedent(source))
-        sys.modules.pop(module, None)
+    root = pu.install_modules(tmp_path / "site", "core-rl-demo", "0.3.0", MODULES, ENTRY_POINTS)
     monkeypatch.syspath_prepend(str(root))
     return root
 
@@ -73,10 +65,7 @@ def demo_host(site: Path) -> PluginHost:
 
 
 def cli(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(
-        [sys.executable, "-m", "core_rl.cli", *args], capture_output=True, text=True, env=env, timeout=300
-    )
+    return pu.cli(sys.executable, *args, pythonpath=[site])
 
 
 def test_an_entry_point_whose_plugin_registers_another_name_fails(site: Path) -> None:

@@ -25,6 +25,7 @@ import attrs
 import pluggy
 
 from core_rl import hookspecs
+from core_rl.components import build_component
 from core_rl.errors import PluginError, did_you_mean
 from core_rl.kinds import ALL_KINDS, KNOWN_EXTRAS, PluginKind
 from core_rl.registry import Registry, RegistryEntry
@@ -304,8 +305,9 @@ class PluginHost:
         return sorted(set(working) - set(failed)), failed
 
     def create(self, kind: PluginKind, name: str, *args: Any, **kwargs: Any) -> Any:
-        """Build the component ``name`` of ``kind`` by calling its factory with the given arguments."""
-        return self.get(kind, name).factory(*args, **kwargs)
+        """Build the component ``name`` of ``kind`` by calling its factory with the given arguments,
+        checked as :func:`core_rl.components.build_component` says."""
+        return build_component(self.get(kind, name), *args, **kwargs)
 
 
 def install_hint(kind: PluginKind, name: str) -> str:

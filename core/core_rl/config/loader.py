@@ -39,6 +39,7 @@ from cattrs.errors import (
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from core_rl.components import build_component
 from core_rl.config.checks import SectionContext, config_problems
 from core_rl.config.overrides import apply_overrides, first_line, format_path, parse_overrides
 from core_rl.config.schema import DEFAULT_FROM, PLUGIN_KIND_METADATA, PluginSpec, RunConfig
@@ -779,7 +780,7 @@ def merge_raw(
         if not isinstance(algorithm, str):
             raise ConfigError([f"algorithm.name: expected a string, got {algorithm!r}"], source=source)
         try:
-            recipe = host.get(ALGORITHM, algorithm).factory()
+            recipe = build_component(host.get(ALGORITHM, algorithm))
         except PluginError as exc:
             raise ConfigError([f"algorithm.name: {exc}"], source=source) from None
         defaults = _drop_replaced_sections(copy.deepcopy(dict(recipe.defaults)), data)

@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Any
 
+from core_rl.components import build_component
 from core_rl.config.schema import PluginSpec, RunConfig
 from core_rl.interfaces import Logger
 from core_rl.kinds import LOGGER, PluginKind
@@ -14,8 +15,9 @@ from core_rl.plugins import PluginHost
 
 
 def build(host: PluginHost, kind: PluginKind, spec: PluginSpec) -> Any:
-    """Build a component whose factory takes its validated section (``None`` without options)."""
-    return host.get(kind, spec.name).factory(spec.config)
+    """Build a component whose factory takes its validated section (``None`` without options),
+    checked as :func:`core_rl.components.build_component` says."""
+    return build_component(host.get(kind, spec.name), spec.config)
 
 
 def build_loggers(cfg: RunConfig, host: PluginHost) -> list[Logger]:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from core_rl.components import build_component
 from core_rl.config.loader import to_plain
 from core_rl.config.schema import RunConfig
 from core_rl.engine_utils.packing import rank_rows
@@ -58,13 +59,12 @@ from core_rl.kinds import (
     REWARD,
     ROLLOUT_ENGINE,
     SAMPLE_FILTER,
-    TRAIN_ENGINE,
     WORKFLOW,
 )
 from core_rl.plugins import PluginHost
 from core_rl.preflight import preflight
 from core_rl.protocol import RewardInput, Sample, TensorBatch
-from core_rl.roles import build_roles
+from core_rl.roles import build_engine, build_roles
 from core_rl.trainer import checkpoints
 from core_rl.trainer.batching import BatchAssembler, Generation
 from core_rl.trainer.building import build, build_loggers, quiet_library_progress_bars
@@ -162,8 +162,7 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
         self.loss: PolicyLoss = build(host, POLICY_LOSS, cfg.algorithm.loss)
         self.advantage = build(host, ADVANTAGE, cfg.algorithm.advantage)
         self.filters: list[SampleFilter] = [build(host, SAMPLE_FILTER, s) for s in cfg.algorithm.filters]
-        engine_entry = host.get(TRAIN_ENGINE, cfg.actor.engine.name)
-        self.engine = engine_entry.factory(cfg.actor, cfg.actor.engine.config, trainable=True)
+        self.engine = build_engine(host, cfg.actor, trainable=True)
         # reference, critic and teacher (core_rl/roles.py); critic and teacher hooks: trainer/critic.py, distill.py
         self.roles = build_roles(
             cfg,
@@ -220,8 +219,12 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
         error: Exception | None = None
         if self.is_main:
             try:
-                self.rollout = host.get(ROLLOUT_ENGINE, cfg.rollout.engine.name).factory(
-                    cfg.rollout, cfg.rollout.engine.config, model_path=cfg.actor.model_path, run_dir=self.run_dir
+                self.rollout = build_component(
+                    host.get(ROLLOUT_ENGINE, cfg.rollout.engine.name),
+                    cfg.rollout,
+                    cfg.rollout.engine.config,
+                    model_path=cfg.actor.model_path,
+                    run_dir=self.run_dir,
                 )
                 workflow = build(host, WORKFLOW, cfg.rollout.workflow)
                 self.flow = RolloutFlow(cfg, self.rollout, workflow, self.data, self.sampling, self.tokenizer)
