@@ -13,7 +13,9 @@ too). It
    it must be an instance of the interface class or provide every public member of it; a
    component written against an older interface is refused here, naming what it lacks and which
    API version added it (:data:`core_rl.hookspecs.INTERFACE_ADDED`), instead of failing at the
-   first call of the missing method (at teardown, for ``close``).
+   first call of the missing method (at teardown, for ``close``);
+3. wraps the small tensor components (advantage estimators, sample filters, policy losses,
+   rejection samplers) in a guard that checks what each call returns (:mod:`core_rl.guards`).
 
 :func:`who` names a component in messages; :func:`built_by` finds the name of a built component
 (the trainer uses it to name the engine whose output it checks).
@@ -77,13 +79,15 @@ def calling(words: str, doing: str, fn: Callable[..., T], *args: Any, **kwargs: 
 
 def build_component(entry: RegistryEntry, *args: Any, **kwargs: Any) -> Any:
     """Build ``entry``'s component with ``entry.factory(*args, **kwargs)``, check it against its
-    kind's interface and return it; see the module docstring. Raises :class:`PluginFault` naming
-    the component."""
+    kind's interface and return it (guarded, for the kinds :mod:`core_rl.guards` checks); see the
+    module docstring. Raises :class:`PluginFault` naming the component."""
     words = who(entry)
     component = calling(words, "building", entry.factory, *args, **kwargs)
     check_contract(entry, component)
     _remember(component, words)
-    return component
+    from core_rl.guards import guard
+
+    return guard(entry.kind, component, words)
 
 
 def interface_class(kind: PluginKind) -> type:

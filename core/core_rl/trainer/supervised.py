@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from core_rl.config.schema import RunConfig
+from core_rl.guards import engine_metrics
 from core_rl.interfaces import LossFn, ValueLossFn
 from core_rl.kinds import TRAIN_ENGINE
 from core_rl.plugins import PluginHost
@@ -158,10 +159,8 @@ class SupervisedLoop(SyncTrainer):
         engine's metrics as ``actor/<name>`` plus the non-finite accounting (a non-finite step is
         skipped and its batch saved, or ends the run, as ``trainer.on_nonfinite`` says)."""
         with waiting_for(f"the other ranks in the update of step {step}"):
-            if self.actor_head == "lm":
-                out = self.engine.train_step(shard, loss_fn)  # type: ignore[arg-type]
-            else:
-                out = self.engine.train_value_step(shard, loss_fn)  # type: ignore[arg-type]
+            method = "train_step" if self.actor_head == "lm" else "train_value_step"
+            out = engine_metrics(self.engine, method, shard, loss_fn)
         metrics = {f"actor/{k}": v for k, v in out.items()}
         metrics.update(self.nonfinite.check(step, shard, out))
         return metrics
