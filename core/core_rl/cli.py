@@ -180,12 +180,12 @@ def _cmd_checkpoints(run_dir: Path, roll_back_to: int | None) -> int:
 
 def plugin_traceback(error: BaseException) -> str:
     """The traceback of a plugin's exception, from the plugin's own code: the frames of the core
-    module that called it (:mod:`core_rl.components`, :mod:`core_rl.guards`) are left out."""
+    that called it (:func:`core_rl.attribution.calling`) are left out."""
     import traceback
 
-    from core_rl import components, guards
+    from core_rl import attribution
 
-    core = {components.__file__, guards.__file__}
+    core = {attribution.__file__}
     tb = error.__traceback__
     while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in core:
         tb = tb.tb_next

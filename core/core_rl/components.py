@@ -17,64 +17,23 @@ too). It
 3. wraps the small tensor components (advantage estimators, sample filters, policy losses,
    rejection samplers) in a guard that checks what each call returns (:mod:`core_rl.guards`).
 
-:func:`who` names a component in messages; :func:`built_by` finds the name of a built component
-(the trainer uses it to name the engine whose output it checks).
+How a component is named in messages, and how a plugin's exception becomes a fault naming it:
+:mod:`core_rl.attribution`.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-import weakref
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import attrs
 
-from core_rl.errors import CoreRLError, PluginFault
+from core_rl.attribution import calling, remember, who
+from core_rl.errors import PluginFault
 from core_rl.hookspecs import interface_version
 from core_rl.kinds import PluginKind
 from core_rl.registry import RegistryEntry
-
-T = TypeVar("T")
-
-#: id(component) -> (a weak reference to it, the words naming it), for :func:`built_by`
-_BUILT: dict[int, tuple[weakref.ref, str]] = {}
-
-
-def who(entry: RegistryEntry) -> str:
-    """``reward 'x' (distribution core-rl-foo 0.1.0)``: the component's kind, name and provider."""
-    provider = f"{entry.distribution} {entry.version}".strip()
-    return f"{entry.kind.label} {entry.name!r} (distribution {provider})"
-
-
-def built_by(component: object, default: str = "") -> str:
-    """The :func:`who` words of a component :func:`build_component` built (``default``, or its
-    class name, for any other object)."""
-    found = _BUILT.get(id(component))
-    if found is not None and found[0]() is component:
-        return found[1]
-    return default or type(component).__name__
-
-
-def _remember(component: object, words: str) -> None:
-    key = id(component)
-    try:
-        ref = weakref.ref(component, lambda _ref: _BUILT.pop(key, None))
-    except TypeError:  # an object without weak references (e.g. a builtin): not remembered
-        return
-    _BUILT[key] = (ref, words)
-
-
-def calling(words: str, doing: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)``, a plugin's code; an exception from it (but a :class:`CoreRLError`)
-    becomes a :class:`PluginFault` ``<words> failed while <doing>: <exception>``, caused by it."""
-    try:
-        return fn(*args, **kwargs)
-    except CoreRLError:
-        raise
-    except Exception as exc:
-        raise PluginFault(f"{words} failed while {doing}: {type(exc).__name__}: {exc}") from exc
 
 
 def build_component(entry: RegistryEntry, *args: Any, **kwargs: Any) -> Any:
@@ -84,7 +43,7 @@ def build_component(entry: RegistryEntry, *args: Any, **kwargs: Any) -> Any:
     words = who(entry)
     component = calling(words, "building", entry.factory, *args, **kwargs)
     check_contract(entry, component)
-    _remember(component, words)
+    remember(component, words)
     from core_rl.guards import guard
 
     return guard(entry.kind, component, words)

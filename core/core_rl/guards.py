@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from core_rl.components import built_by, calling
+from core_rl.attribution import built_by, calling
 from core_rl.errors import PluginFault
 from core_rl.interfaces import (
     AdvantageEstimator,

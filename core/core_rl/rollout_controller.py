@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 
 import attrs
 
-from core_rl.components import built_by
+from core_rl.attribution import built_by
 from core_rl.config.schema import ControllerConfig
 from core_rl.errors import CoreRLError, PluginFault
 from core_rl.interfaces import RolloutEngine, SamplingParams

@@ -29,8 +29,8 @@ from typing import Any
 
 import attrs
 
+from core_rl.attribution import built_by
 from core_rl.builtin.loggers import truncate_jsonl
-from core_rl.components import built_by
 from core_rl.config.schema import RewardRunnerConfig
 from core_rl.interfaces import Reward, RewardScores
 from core_rl.protocol import RewardInput
