@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -101,6 +102,20 @@ def check_run(
             f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
         )
     return proc
+
+
+def install_modules(root: Path, distribution: str, version: str, modules: Mapping[str, str], entry_points: str) -> Path:
+    """Install a distribution as pip would, without building it: ``modules`` (name -> source) and a
+    ``.dist-info`` directory (its metadata and ``entry_points``, the text of ``entry_points.txt``)
+    in ``root``, which then goes on ``PYTHONPATH`` (or ``sys.path``). Returns ``root``."""
+    info = root / f"{distribution.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(entry_points)
+    for module, source in modules.items():
+        (root / f"{module}.py").write_text(textwrap.dedent(source))
+        sys.modules.pop(module, None)
+    return root
 
 
 def clean_env(*, pythonpath: Iterable[Path] = (), extra: Mapping[str, str] | None = None) -> dict[str, str]:

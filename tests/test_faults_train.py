@@ -103,7 +103,7 @@ def test_reward_stop_ends_the_run_naming_reward_and_item(base, host):
     )
     with pytest.raises(RewardError) as err:
         train_here(config, host)
-    assert "reward 'misbehave' failed on item 0 of step 1" in str(err.value)
+    assert "reward 'misbehave' (distribution core-rl-test-faults 0) failed on item 0 of step 1" in str(err.value)
     assert "score is not a number: str '0.5'" in str(err.value)
     assert err.value.exit_code == 1
 

@@ -99,10 +99,15 @@ def plugin_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "crl_good_plugin.py").write_text(
         textwrap.dedent("""
         from core_rl.hookspecs import hookimpl
+        from core_rl.interfaces import Reward
+
+        class Built(Reward):
+            def score(self, items):
+                return [1.0 for _ in items]
 
         @hookimpl
         def core_rl_register_rewards(register):
-            register("good", lambda c: "built", description="a good reward")
+            register("good", lambda c: Built(), description="a good reward")
     """)
     )
     (tmp_path / "crl_broken_plugin.py").write_text("raise ImportError('missing dependency frobnicate')\n")
@@ -131,7 +136,7 @@ def _eps() -> list[md.EntryPoint]:
 
 def test_only_selected_entry_points_are_imported(plugin_modules):
     host = PluginHost(entry_points=_eps(), environ={})
-    assert host.create(REWARD, "good", None) == "built"
+    assert type(host.create(REWARD, "good", None)).__name__ == "Built"
     assert "crl_good_plugin" in sys.modules
     assert "crl_unused_plugin" not in sys.modules
     assert "crl_broken_plugin" not in sys.modules
@@ -143,7 +148,7 @@ def test_import_failure_is_reported_and_does_not_stop_others(plugin_modules):
     assert statuses["broken"].status == "failed"
     assert "missing dependency frobnicate" in statuses["broken"].error
     assert statuses["good"].status == "loaded" and statuses["unused"].status == "loaded"
-    with pytest.raises(PluginError, match="reward 'broken' .* failed to import: ImportError: missing dependency"):
+    with pytest.raises(PluginError, match="reward 'broken' .* failed to load: ImportError: missing dependency"):
         host.get(REWARD, "broken")
 
 
@@ -158,7 +163,7 @@ def test_block_and_allow_lists(plugin_modules):
     with pytest.raises(PluginError, match="blocked"):
         allowed_other.get(REWARD, "good")
     allowed = PluginHost(entry_points=_eps(), environ={"CORE_RL_PLUGINS_ALLOW": "<unknown>"})
-    assert allowed.create(REWARD, "good", None) == "built"
+    assert type(allowed.create(REWARD, "good", None)).__name__ == "Built"
 
 
 def test_builtin_loggers_come_through_entry_points():
@@ -174,19 +179,35 @@ def override_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "crl_plain_logger.py").write_text(
         textwrap.dedent("""
         from core_rl.hookspecs import hookimpl
+        from core_rl.interfaces import Logger
+
+        class Tagged(Logger):
+            def __init__(self, tag):
+                self.tag = tag
+
+            def log(self, metrics, step):
+                pass
 
         @hookimpl
         def core_rl_register_loggers(register):
-            register("shared", lambda c: "plain", description="the original")
+            register("shared", lambda c: Tagged("plain"), description="the original")
     """)
     )
     (tmp_path / "crl_override_logger.py").write_text(
         textwrap.dedent("""
         from core_rl.hookspecs import hookimpl
+        from core_rl.interfaces import Logger
+
+        class Tagged(Logger):
+            def __init__(self, tag):
+                self.tag = tag
+
+            def log(self, metrics, step):
+                pass
 
         @hookimpl
         def core_rl_register_loggers(register):
-            register("shared", lambda c: "override", description="the replacement", override=True)
+            register("shared", lambda c: Tagged("override"), description="the replacement", override=True)
     """)
     )
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -201,7 +222,7 @@ def override_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_override_wins_whatever_the_load_order(override_modules, order):
     eps = [md.EntryPoint("shared", module, "core_rl.loggers") for module in order]
     host = PluginHost(entry_points=eps, environ={})
-    assert host.create(LOGGER, "shared", None) == "override"
+    assert host.create(LOGGER, "shared", None).tag == "override"
     assert [s.status for s in host.statuses()] == ["loaded", "loaded"]
 
 

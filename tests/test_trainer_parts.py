@@ -73,8 +73,8 @@ def test_library_progress_bars_are_quiet_without_importing_datasets() -> None:
 
     code = (
         "import sys\n"
-        "from core_rl.trainer.sync import _quiet_library_progress_bars\n"
-        "_quiet_library_progress_bars()\n"
+        "from core_rl.trainer.building import quiet_library_progress_bars\n"
+        "quiet_library_progress_bars()\n"
         "assert 'datasets' not in sys.modules, 'datasets was imported'\n"
         "import transformers\n"
         "assert not transformers.utils.logging.is_progress_bar_enabled()\n"

@@ -4,10 +4,13 @@
 Exit status: 0 on success, 2 on a user's mistake: usage, configuration, overrides, plugins, and for
 ``train`` the data files, model and tokenizer directories, devices and output directory (checked
 before any model is loaded). Those print a short message on stderr naming each problem, without a
-traceback; any other exception is a bug and keeps its traceback. ``train`` also exits with 1 when
-the run fails (a fault it detected, such as a broken reward or a rank that stopped answering, as one
-message; anything unexpected with a traceback), 3 when SIGINT or SIGTERM stopped it after saving a
-checkpoint, and 128 + N (killed by signal N) after a second signal.
+traceback; any other exception is a bug and keeps its traceback. 1 when a plugin breaks its
+contract (:class:`~core_rl.errors.PluginFault`: its factory or a method raised, it returned a
+wrong shape, dtype or length, or it lacks a member of its interface): one line naming the component,
+its distribution and version and what went wrong, then the plugin's own traceback. ``train`` also
+exits with 1 when the run fails (a fault it detected, such as a broken reward or a rank that stopped
+answering, as one message; anything unexpected with a traceback), 3 when SIGINT or SIGTERM stopped
+it after saving a checkpoint, and 128 + N (killed by signal N) after a second signal.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from core_rl import __version__
-from core_rl.errors import CoreRLError
+from core_rl.errors import CoreRLError, PluginFault
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 3
@@ -112,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_plugins(as_json: bool) -> int:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from core_rl.plugins import PluginHost
 
@@ -139,8 +143,8 @@ def _cmd_plugins(as_json: bool) -> int:
     table = Table(title="core-rl plugins")
     for column in ("kind", "name", "distribution", "version", "description", "status"):
         table.add_column(column, overflow="fold")
-    for row in rows:
-        table.add_row(*(row[c] for c in ("kind", "name", "distribution", "version", "description", "status")))
+    for row in rows:  # plain text: a description or error holding "[...]" is not console markup
+        table.add_row(*(Text(row[c]) for c in ("kind", "name", "distribution", "version", "description", "status")))
     console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(table)
     return 0
@@ -172,6 +176,20 @@ def _cmd_checkpoints(run_dir: Path, roll_back_to: int | None) -> int:
         steps = ", ".join(str(checkpoints.step_of(p)) for p in sorted(aside.glob("step_*")))
         print(f"set aside by a roll-back: {aside} (steps {steps or 'none'})")
     return 0
+
+
+def plugin_traceback(error: BaseException) -> str:
+    """The traceback of a plugin's exception, from the plugin's own code: the frames of the core
+    that called it (:func:`core_rl.attribution.calling`) are left out."""
+    import traceback
+
+    from core_rl import attribution
+
+    core = {attribution.__file__}
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in core:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(error), error, tb))
 
 
 def _note(message: str) -> None:
@@ -238,6 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"core-rl: {exc}", file=sys.stderr)
         else:
             print(f"core-rl: error: {exc}", file=sys.stderr)
+        if isinstance(exc, PluginFault) and exc.__cause__ is not None:
+            print(plugin_traceback(exc.__cause__), end="", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:  # Ctrl-C before the trainer's own handlers are installed
         print("core-rl: interrupted", file=sys.stderr)

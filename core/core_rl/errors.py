@@ -51,6 +51,17 @@ class PluginError(CoreRLError):
     """A plugin is missing, blocked, failed to import, or registered a conflicting name."""
 
 
+class PluginFault(CoreRLError):
+    """A plugin broke its contract: its factory or one of its methods raised, it returned what its
+    interface does not allow (a wrong shape, dtype or length), or it lacks a member of its
+    interface. The message's first line names the component (kind, name, distribution and version)
+    and what went wrong; the plugin's own exception, if any, is the ``__cause__``, whose traceback
+    the CLI prints below that line. Exit status 1: a bug in the plugin, not in the user's
+    configuration (a plugin reporting a configuration problem raises a :class:`ConfigError`)."""
+
+    exit_code = 1
+
+
 class DataError(ProblemsError):
     """Data is malformed; each problem names the file and the line or row (``train.jsonl:7``)."""
 

@@ -6,10 +6,17 @@ calls it once per component it provides. Hooks are called with keyword arguments
 plugin is loaded (that is, when a configuration first selects one of its names, or when
 ``core-rl plugins`` lists everything). A plugin implements only the hooks it needs.
 
-The API is versioned by :data:`HOOK_API_VERSION`; specs added later carry ``versionadded``.
+The API is versioned by :data:`HOOK_API_VERSION`; specs added later carry ``versionadded``, and
+:data:`INTERFACE_ADDED` records which version added each interface member after the first (what the
+core checks a component for when it is built names it: :mod:`core_rl.components`).
 
-- 2: rollout-engine factories receive ``run_dir``; :func:`core_rl_register_server_envs` added.
-- 3: :func:`core_rl_register_loops` and :func:`core_rl_register_workflows` added.
+- 2: rollout-engine factories receive ``run_dir``; :func:`core_rl_register_server_envs` and
+  :func:`core_rl_register_rejection_samplers` added; per-request generation, pausing and
+  collective weight updates on rollout engines, value heads on train engines, stateful advantage
+  estimators, and the policy loss's ``prepare``, ``requires_recompute`` and
+  ``set_rejection_sampler``.
+- 3: :func:`core_rl_register_loops` and :func:`core_rl_register_workflows` added;
+  ``PolicyLoss.entropy_grad``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,39 @@ import pluggy
 
 PROJECT_NAME = "core_rl"
 HOOK_API_VERSION = 3
+
+#: The API version that added an interface (``"Class"``: all its members) or one member of it
+#: (``"Class.member"``) after version 1; anything not listed is in version 1. Classes are those of
+#: :mod:`core_rl.interfaces`, :class:`core_rl.workflows.RolloutWorkflow` and
+#: :class:`core_rl.server_env.ServerEnvSpec` (each kind's ``interface``: :mod:`core_rl.kinds`).
+INTERFACE_ADDED: dict[str, int] = {
+    "RejectionSampler": 2,
+    "ServerEnvSpec": 2,
+    "PolicyLoss.prepare": 2,
+    "PolicyLoss.requires_recompute": 2,
+    "PolicyLoss.set_rejection_sampler": 2,
+    "AdvantageEstimator.requires_values": 2,
+    "AdvantageEstimator.requires_reference": 2,
+    "AdvantageEstimator.state_dict": 2,
+    "AdvantageEstimator.load_state_dict": 2,
+    "TrainEngine.compute_values": 2,
+    "TrainEngine.train_value_step": 2,
+    "RolloutEngine.agenerate": 2,
+    "RolloutEngine.pause": 2,
+    "RolloutEngine.resume": 2,
+    "RolloutEngine.health": 2,
+    "RolloutEngine.update_weights_collective": 2,
+    "RolloutEngine.weight_sync_modes": 2,
+    "PolicyLoss.entropy_grad": 3,
+    "RolloutWorkflow": 3,
+    "TrainingLoop": 3,
+}
+
+
+def interface_version(interface: str, member: str) -> int:
+    """The API version that added ``member`` to ``interface`` (a class name), per :data:`INTERFACE_ADDED`."""
+    return INTERFACE_ADDED.get(f"{interface}.{member}", INTERFACE_ADDED.get(interface, 1))
+
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

@@ -10,36 +10,68 @@ class PluginKind:
     """One kind of plugin.
 
     ``key`` is the identifier used in code, ``label`` the words used in messages, ``group`` the
-    entry-point group whose entry-point names are the names used in YAML, and ``hook`` the
-    registration hook a plugin implements to add entries of this kind.
+    entry-point group whose entry-point names are the names used in YAML, ``hook`` the
+    registration hook a plugin implements to add entries of this kind, and ``interface`` the class
+    every component of the kind is, or provides every member of (checked when the component is
+    built: :mod:`core_rl.components`): a class of :mod:`core_rl.interfaces` by name, or
+    ``module:Class``.
     """
 
     key: str
     label: str
     group: str
     hook: str
+    interface: str
 
 
-TRAIN_ENGINE = PluginKind("train_engine", "train engine", "core_rl.train_engines", "core_rl_register_train_engines")
-ROLLOUT_ENGINE = PluginKind(
-    "rollout_engine", "rollout engine", "core_rl.rollout_engines", "core_rl_register_rollout_engines"
+TRAIN_ENGINE = PluginKind(
+    "train_engine", "train engine", "core_rl.train_engines", "core_rl_register_train_engines", "TrainEngine"
 )
-POLICY_LOSS = PluginKind("policy_loss", "policy loss", "core_rl.policy_losses", "core_rl_register_policy_losses")
+ROLLOUT_ENGINE = PluginKind(
+    "rollout_engine",
+    "rollout engine",
+    "core_rl.rollout_engines",
+    "core_rl_register_rollout_engines",
+    "RolloutEngine",
+)
+POLICY_LOSS = PluginKind(
+    "policy_loss", "policy loss", "core_rl.policy_losses", "core_rl_register_policy_losses", "PolicyLoss"
+)
 ADVANTAGE = PluginKind(
-    "advantage", "advantage estimator", "core_rl.advantage_estimators", "core_rl_register_advantage_estimators"
+    "advantage",
+    "advantage estimator",
+    "core_rl.advantage_estimators",
+    "core_rl_register_advantage_estimators",
+    "AdvantageEstimator",
 )
 SAMPLE_FILTER = PluginKind(
-    "sample_filter", "sample filter", "core_rl.sample_filters", "core_rl_register_sample_filters"
+    "sample_filter", "sample filter", "core_rl.sample_filters", "core_rl_register_sample_filters", "SampleFilter"
 )
 REJECTION_SAMPLER = PluginKind(
-    "rejection_sampler", "rejection sampler", "core_rl.rejection_samplers", "core_rl_register_rejection_samplers"
+    "rejection_sampler",
+    "rejection sampler",
+    "core_rl.rejection_samplers",
+    "core_rl_register_rejection_samplers",
+    "RejectionSampler",
 )
-REWARD = PluginKind("reward", "reward", "core_rl.rewards", "core_rl_register_rewards")
-LOGGER = PluginKind("logger", "logger", "core_rl.loggers", "core_rl_register_loggers")
-ALGORITHM = PluginKind("algorithm", "algorithm", "core_rl.algorithms", "core_rl_register_algorithms")
-WORKFLOW = PluginKind("workflow", "rollout workflow", "core_rl.workflows", "core_rl_register_workflows")
-SERVER_ENV = PluginKind("server_env", "server environment", "core_rl.server_envs", "core_rl_register_server_envs")
-LOOP = PluginKind("loop", "training loop", "core_rl.loops", "core_rl_register_loops")
+REWARD = PluginKind("reward", "reward", "core_rl.rewards", "core_rl_register_rewards", "Reward")
+LOGGER = PluginKind("logger", "logger", "core_rl.loggers", "core_rl_register_loggers", "Logger")
+ALGORITHM = PluginKind("algorithm", "algorithm", "core_rl.algorithms", "core_rl_register_algorithms", "AlgorithmRecipe")
+WORKFLOW = PluginKind(
+    "workflow",
+    "rollout workflow",
+    "core_rl.workflows",
+    "core_rl_register_workflows",
+    "core_rl.workflows:RolloutWorkflow",
+)
+SERVER_ENV = PluginKind(
+    "server_env",
+    "server environment",
+    "core_rl.server_envs",
+    "core_rl_register_server_envs",
+    "core_rl.server_env:ServerEnvSpec",
+)
+LOOP = PluginKind("loop", "training loop", "core_rl.loops", "core_rl_register_loops", "TrainingLoop")
 
 ALL_KINDS: tuple[PluginKind, ...] = (
     TRAIN_ENGINE,

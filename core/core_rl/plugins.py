@@ -25,6 +25,7 @@ import attrs
 import pluggy
 
 from core_rl import hookspecs
+from core_rl.components import build_component
 from core_rl.errors import PluginError, did_you_mean
 from core_rl.kinds import ALL_KINDS, KNOWN_EXTRAS, PluginKind
 from core_rl.registry import Registry, RegistryEntry
@@ -36,7 +37,9 @@ ENV_ALLOW = "CORE_RL_PLUGINS_ALLOW"
 
 @attrs.frozen
 class EntryPointStatus:
-    """How loading one entry point went: ``status`` is ``loaded``, ``failed``, ``blocked`` or ``not loaded``."""
+    """How loading one entry point went: ``status`` is ``loaded``, ``failed``, ``blocked`` or ``not loaded``;
+    ``error`` says why it failed (the whole exception text, or the name its plugin registered
+    instead) or was blocked; ``hint`` what to do about a failure, where ``error`` does not say it."""
 
     kind: PluginKind
     name: str
@@ -44,6 +47,7 @@ class EntryPointStatus:
     version: str
     status: str
     error: str = ""
+    hint: str = ""
 
 
 def _normalise(dist_name: str) -> str:
@@ -93,6 +97,8 @@ class PluginHost:
             for declared in by_name.values():
                 declared.sort(key=lambda e: _normalise(self._distribution_of(e)[0]) != CORE_DISTRIBUTION)
         self._status: dict[tuple[str, str, str], EntryPointStatus] = {}
+        #: (distribution, entry-point value) -> the (kind key, name) pairs loading it registered
+        self._registered_by: dict[tuple[str, str], set[tuple[str, str]]] = {}
 
     # -- registration -------------------------------------------------------------------------
 
@@ -173,17 +179,54 @@ class PluginHost:
                 kind, ep.name, distribution, version, "blocked", f"blocked by {ENV_BLOCK}/{ENV_ALLOW}"
             )
         else:
+            before = self._registered_pairs()
             try:
                 plugin = ep.load()
                 self.register_plugin(
                     plugin, distribution=distribution, version=version, name=f"{distribution}:{ep.value}"
                 )
-                status = EntryPointStatus(kind, ep.name, distribution, version, "loaded")
             except Exception as exc:  # a broken plugin must not break others
-                last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-                status = EntryPointStatus(kind, ep.name, distribution, version, "failed", last)
+                error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                hint = "fix or reinstall that distribution"
+                status = EntryPointStatus(kind, ep.name, distribution, version, "failed", error, hint)
+            else:
+                registered = self._registered_by.setdefault((distribution, ep.value), set())
+                registered |= self._registered_pairs() - before
+                status = self._registration_status(kind, ep, distribution, version)
         self._status[key] = status
         return status
+
+    def _registered_pairs(self) -> set[tuple[str, str]]:
+        return {(key, name) for key, registry in self.registries.items() for name in registry.names()}
+
+    def _registration_status(
+        self, kind: PluginKind, ep: md.EntryPoint, distribution: str, version: str
+    ) -> EntryPointStatus:
+        """``loaded`` when the entry point's plugin registered its name, else ``failed`` saying what
+        it registered instead (an entry-point name must be the name the plugin registers)."""
+        if ep.name in self.registries[kind.key]:
+            return EntryPointStatus(kind, ep.name, distribution, version, "loaded")
+        others = sorted(n for k, n in self._registered_by.get((distribution, ep.value), ()) if k == kind.key)
+        what = ", ".join(repr(n) for n in others) if others else "nothing"
+        error = (
+            f"its plugin {ep.value} registered {what} through {kind.hook}, not {ep.name!r} (its entry-point name "
+            f"in group {kind.group}); rename one so that they match"
+        )
+        return EntryPointStatus(kind, ep.name, distribution, version, "failed", error)
+
+    def _stray_status(self, entry: RegistryEntry) -> EntryPointStatus:
+        """The status of a registered name no entry point declares: ``loaded`` when it was registered
+        directly (:meth:`register_plugin`), ``failed`` when loading another entry point registered it
+        as a side effect (a run cannot select it: nothing would load it)."""
+        kind = entry.kind
+        for (distribution, value), pairs in self._registered_by.items():
+            if (kind.key, entry.name) in pairs:
+                error = (
+                    f"registered by {value} (distribution {distribution}), but no entry point in group {kind.group} "
+                    f"is named {entry.name!r}, so a run cannot select it; rename one so that they match"
+                )
+                return EntryPointStatus(kind, entry.name, entry.distribution, entry.version, "failed", error)
+        return EntryPointStatus(kind, entry.name, entry.distribution, entry.version, "loaded")
 
     def _load_name(self, kind: PluginKind, name: str) -> list[EntryPointStatus]:
         """Load every entry point declaring ``name`` of ``kind`` (core-rl's first)."""
@@ -212,7 +255,7 @@ class PluginHost:
                     )
             for entry in self.registries[kind.key]:
                 if entry.name not in declared:
-                    out.append(EntryPointStatus(kind, entry.name, entry.distribution, entry.version, "loaded"))
+                    out.append(self._stray_status(entry))
         return out
 
     def available_names(self, kind: PluginKind) -> list[str]:
@@ -229,7 +272,8 @@ class PluginHost:
         """The entry ``name`` of ``kind``, loading its entry point if needed.
 
         Raises :class:`PluginError` naming what is installed and the extra that provides
-        ``name`` when it is unknown, blocked, or failed to import.
+        ``name`` when it is unknown, blocked, or failed to load (its module raised, or registered
+        another name than its entry point's).
         """
         statuses = self._load_name(kind, name)
         entry = self.registries[kind.key].get(name)
@@ -237,9 +281,10 @@ class PluginHost:
             return entry
         for status in statuses:
             if status.status == "failed":
+                hint = f"; {status.hint}" if status.hint else ""
                 raise PluginError(
-                    f"{kind.label} {name!r} from {status.distribution} {status.version} failed to import: "
-                    f"{status.error}; reinstall or fix that distribution"
+                    f"{kind.label} {name!r} from {status.distribution} {status.version} failed to load: "
+                    f"{status.error}{hint}"
                 )
         for status in statuses:
             if status.status == "blocked":
@@ -247,16 +292,22 @@ class PluginHost:
                     f"{kind.label} {name!r} is provided by {status.distribution}, which is blocked by "
                     f"{ENV_BLOCK} or not in {ENV_ALLOW}; unset or change that variable to use it"
                 )
-        if statuses:
-            raise PluginError(
-                f"{statuses[0].distribution} declares {kind.label} {name!r} in entry-point group {kind.group} "
-                f"but its plugin did not register it through {kind.hook}"
-            )
-        raise PluginError(unknown_name_message(kind, name, self.available_names(kind)))
+        working, failed = self._names_that_load(kind)
+        raise PluginError(unknown_name_message(kind, name, working, failed))
+
+    def _names_that_load(self, kind: PluginKind) -> tuple[list[str], dict[str, str]]:
+        """The names of ``kind`` a run can select (loading every entry point of the kind, for an
+        unknown name's message) and, apart, those whose entry point fails to load, with why."""
+        for declared in list(self._entry_points[kind.key]):
+            self._load_name(kind, declared)
+        failed = {s.name: s.error for s in self.statuses() if s.kind == kind and s.status == "failed"}
+        working = [s.name for s in self.statuses() if s.kind == kind and s.status == "loaded"]
+        return sorted(set(working) - set(failed)), failed
 
     def create(self, kind: PluginKind, name: str, *args: Any, **kwargs: Any) -> Any:
-        """Build the component ``name`` of ``kind`` by calling its factory with the given arguments."""
-        return self.get(kind, name).factory(*args, **kwargs)
+        """Build the component ``name`` of ``kind`` by calling its factory with the given arguments,
+        checked as :func:`core_rl.components.build_component` says."""
+        return build_component(self.get(kind, name), *args, **kwargs)
 
 
 def install_hint(kind: PluginKind, name: str) -> str:
@@ -270,14 +321,23 @@ def install_hint(kind: PluginKind, name: str) -> str:
     )
 
 
-def unknown_name_message(kind: PluginKind, name: str, installed: list[str]) -> str:
+def unknown_name_message(
+    kind: PluginKind, name: str, installed: list[str], failed: Mapping[str, str] | None = None
+) -> str:
     """Say that ``name`` is not installed. A name close to an installed one of the same kind (a
-    typo) gets ``did you mean ...?``; one close to a name an uninstalled core-rl extra provides gets
-    that suggestion and its install hint; otherwise the hint for ``name`` itself."""
+    typo) gets ``did you mean ...?``; one close to a name whose plugin fails to load (``failed``:
+    name -> why) is told that plugin's failure; one close to a name an uninstalled core-rl extra
+    provides gets that suggestion and its install hint; otherwise the hint for ``name`` itself."""
     shown = ", ".join(installed) if installed else "none"
     close = did_you_mean(name, installed)
     if close is not None:
         return f"{kind.label} {name!r} is not installed; did you mean {close!r}? (installed: {shown})"
+    broken = did_you_mean(name, failed or {})
+    if broken is not None:
+        return (
+            f"{kind.label} {name!r} is not installed (installed: {shown}); {broken!r} fails to load: "
+            f"{(failed or {})[broken]}"
+        )
     if (kind.key, name) not in KNOWN_EXTRAS:
         extras = [n for (k, n) in KNOWN_EXTRAS if k == kind.key and n not in installed]
         close = did_you_mean(name, extras)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from core_rl.components import build_component
 from core_rl.config.overrides import first_line
 from core_rl.config.schema import ActorConfig, RunConfig
 from core_rl.errors import ConfigError
@@ -205,7 +206,7 @@ def build_engine(host: PluginHost, section: ActorConfig, *, trainable: bool, hea
     kwargs: dict[str, Any] = {"trainable": trainable}
     if head != "lm":
         kwargs["head"] = head
-    return entry.factory(section, section.engine.config, **kwargs)
+    return build_component(entry, section, section.engine.config, **kwargs)
 
 
 @attrs.define

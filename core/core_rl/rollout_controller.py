@@ -46,13 +46,19 @@ from typing import Any, TypeVar
 
 import attrs
 
+from core_rl.attribution import built_by
 from core_rl.config.schema import ControllerConfig
-from core_rl.errors import CoreRLError
+from core_rl.errors import CoreRLError, PluginFault
 from core_rl.interfaces import RolloutEngine, SamplingParams
 from core_rl.protocol import Sample
-from core_rl.workflows import RolloutWorkflow, WorkflowContext
+from core_rl.workflows import RolloutWorkflow, WorkflowContext, check_samples
 
 T = TypeVar("T")
+
+#: what :func:`core_rl.workflows.check_samples` holds the engine's and the workflow's results to
+AGENERATE_CONTRACT = "RolloutEngine.agenerate returns the sampling.n samples of the prompt it is given"
+GENERATE_CONTRACT = "RolloutEngine.generate returns, for each prompt, its sampling.n samples, in prompt order"
+RUN_CONTRACT = "RolloutWorkflow.run returns the trajectories of its prompt, each a Sample of prompt.prompt_ids"
 
 
 class RolloutTimeout(CoreRLError):
@@ -148,6 +154,7 @@ class RolloutController:
         generate_threads: int | None = None,
     ) -> None:
         self.engine, self.workflow, self.data = engine, workflow, data
+        self._engine_words = built_by(engine)
         self.sampling, self.config, self.batch_size = sampling, config, batch_size
         self.tokenizer = tokenizer
         self.bound = config.max_head_offpolicyness
@@ -317,6 +324,8 @@ class RolloutController:
         self._pump()
         async with self._changed:
             await self._changed.wait_for(lambda: self._error is not None or (bool(self._waves) and self._waves[0].done))
+        if isinstance(self._error, PluginFault):  # it names the engine or workflow already
+            raise self._error
         if self._error is not None:
             raise RolloutFailed(f"rollout failed: {type(self._error).__name__}: {self._error}") from self._error
         wave = self._waves.popleft()
@@ -372,14 +381,20 @@ class RolloutController:
         async def generate(prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
             if self.wave_batching:
                 return await self._wave_generate(wave, slot, prompt_ids, sampling)
-            return await self.engine.agenerate(prompt_ids, sampling)
+            samples = await self.engine.agenerate(prompt_ids, sampling)
+            return self._checked(samples, prompt_ids, sampling.n, AGENERATE_CONTRACT)
 
         ctx = WorkflowContext(generate=generate, sampling=self.sampling, tokenizer=self.tokenizer)
         try:
             group = await self.workflow.run(prompt, ctx)
-            if not group:
-                raise RolloutFailed(f"workflow {type(self.workflow).__name__} returned no trajectory for a prompt")
-            wave.groups[slot] = list(group)
+            wave.groups[slot] = check_samples(
+                group,
+                built_by(self.workflow),
+                "trajectories",
+                prompt_ids=prompt.prompt_ids,
+                count=None,
+                contract=RUN_CONTRACT,
+            )
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -428,14 +443,26 @@ class RolloutController:
                 groups = await self._loop.run_in_executor(
                     self._executor, self.engine.generate, [p.prompt_ids for p in batch], batch[0].sampling
                 )
+                checked = self._checked_groups(groups, batch)
             except BaseException as exc:
                 for p in batch:
                     if not p.future.done():
                         p.future.set_exception(exc)
                 continue
-            for p, group in zip(batch, groups):
+            for p, group in zip(batch, checked):
                 if not p.future.done():
                     p.future.set_result(group)
+
+    def _checked_groups(self, groups: Any, batch: list[_Pending]) -> list[list[Sample]]:
+        """What ``engine.generate`` returned for ``batch``: one group per call, each checked."""
+        if not isinstance(groups, Sequence) or len(groups) != len(batch):
+            got = f"{len(groups)} groups" if isinstance(groups, Sequence) else f"a {type(groups).__name__}"
+            raise PluginFault(f"{self._engine_words} returned {got} for {len(batch)} prompts; {GENERATE_CONTRACT}")
+        return [self._checked(g, p.prompt_ids, p.sampling.n, GENERATE_CONTRACT) for p, g in zip(batch, groups)]
+
+    def _checked(self, samples: Any, prompt_ids: Sequence[int], n: int, contract: str) -> list[Sample]:
+        """The ``n`` samples of ``prompt_ids`` the engine returned (:func:`core_rl.workflows.check_samples`)."""
+        return check_samples(samples, self._engine_words, "samples", prompt_ids=prompt_ids, count=n, contract=contract)
 
 
 def _sampling_key(sampling: SamplingParams) -> tuple:

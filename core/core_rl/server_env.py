@@ -383,14 +383,12 @@ def add_command(sub: object) -> None:
 
 def get_spec(name: str, host: object | None = None) -> ServerEnvSpec:
     """The registered :class:`ServerEnvSpec` ``name`` (loading only the plugin that declares it)."""
+    from core_rl.components import build_component
     from core_rl.kinds import SERVER_ENV
     from core_rl.plugins import PluginHost
 
     host = host or PluginHost()
-    spec = host.get(SERVER_ENV, name).factory()  # type: ignore[attr-defined]
-    if not isinstance(spec, ServerEnvSpec):
-        raise ServerEnvError(f"server environment {name!r} did not return a ServerEnvSpec")
-    return spec
+    return build_component(host.get(SERVER_ENV, name))  # type: ignore[attr-defined]
 
 
 def run_command(args: object) -> int:

@@ -49,6 +49,8 @@ def build_tiny_model(
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    from core_rl.engine_utils.hf import save_pretrained
+
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
     if architecture not in classes:
         raise ValueError(f"architecture must be one of {', '.join(classes)}, got {architecture!r}")
@@ -72,6 +74,6 @@ def build_tiny_model(
     torch.manual_seed(seed)
     model = model_cls(config)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
+    save_pretrained(model, path)
     tokenizer.save_pretrained(path)
     return path

@@ -24,6 +24,7 @@ from typing import Any
 
 import attrs
 
+from core_rl.errors import PluginFault
 from core_rl.interfaces import SamplingParams
 from core_rl.protocol import Sample
 
@@ -55,6 +56,29 @@ class SingleTurnWorkflow(RolloutWorkflow):
 
     async def run(self, prompt: Any, ctx: WorkflowContext) -> list[Sample]:
         return await ctx.generate(prompt.prompt_ids, ctx.sampling)
+
+
+def check_samples(
+    value: Any, words: str, what: str, *, prompt_ids: Sequence[int], count: int | None, contract: str
+) -> list[Sample]:
+    """``value`` as a list of :class:`Sample` s answering ``prompt_ids``: exactly ``count`` of them
+    (at least one when ``None``). Otherwise a :class:`~core_rl.errors.PluginFault` naming the
+    component (``words``), ``what`` it returned and the ``contract`` it breaks."""
+    if isinstance(value, Sample) or not isinstance(value, Sequence):
+        raise PluginFault(f"{words} returned {what} as a {type(value).__name__}; {contract}")
+    samples = list(value)
+    wanted = f"{count}" if count is not None else "at least 1"
+    if (count is not None and len(samples) != count) or not samples:
+        raise PluginFault(f"{words} returned {len(samples)} {what} where {wanted} were due; {contract}")
+    for i, sample in enumerate(samples):
+        if not isinstance(sample, Sample):
+            raise PluginFault(f"{words} returned {what} whose item {i} is a {type(sample).__name__}; {contract}")
+        if list(sample.prompt_ids) != list(prompt_ids):
+            raise PluginFault(
+                f"{words} returned {what} whose item {i} has prompt_ids {list(sample.prompt_ids)[:8]}... "
+                f"({len(sample.prompt_ids)} tokens), not the prompt's ({len(prompt_ids)} tokens); {contract}"
+            )
+    return samples
 
 
 def append_observation(sample: Sample, token_ids: Sequence[int]) -> Sample:

@@ -32,6 +32,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from core_rl.components import build_component
 from core_rl.config.converter import CONVERTER, TypeMismatch, make_converter, structure
 from core_rl.config.derived import INTERPOLATION, derive_schedules, interpolations, record
 from core_rl.config.overrides import apply_overrides, first_line, format_path, parse_overrides
@@ -204,7 +205,7 @@ def _merged(path: str | Path | None, overrides: Sequence[str], host: PluginHost,
         if not isinstance(algorithm, str):
             raise ConfigError([f"algorithm.name: expected a string, got {algorithm!r}"], source=source)
         try:
-            recipe = host.get(ALGORITHM, algorithm).factory()
+            recipe = build_component(host.get(ALGORITHM, algorithm))
         except PluginError as exc:
             raise ConfigError([f"algorithm.name: {exc}"], source=source) from None
         defaults = _drop_replaced_sections(copy.deepcopy(dict(recipe.defaults)), data)

@@ -44,14 +44,17 @@ class PluginSpec:
 
     def build(self, *args: Any, **kwargs: Any) -> Any:
         """Build the component: ``entry.factory(*args, config, **kwargs)`` (for rewards, loggers,
-        losses, advantages and filters simply ``spec.build()``). Only for a spec the loader has
-        validated, e.g. a nested section declared with :func:`plugin_section`."""
+        losses, advantages and filters simply ``spec.build()``), checked as
+        :func:`core_rl.components.build_component` says. Only for a spec the loader has validated,
+        e.g. a nested section declared with :func:`plugin_section`."""
         if self.entry is None:
             raise PluginError(
                 f"plugin section {self.name!r} was not validated by the configuration loader "
                 "(core_rl.config.loader.validate_plugin_section), so it cannot be built"
             )
-        return self.entry.factory(*args, self.config, **kwargs)
+        from core_rl.components import build_component
+
+        return build_component(self.entry, *args, self.config, **kwargs)
 
 
 def plugin_section(kind: PluginKind, **field_kwargs: Any) -> Any:

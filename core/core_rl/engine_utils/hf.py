@@ -3,10 +3,13 @@ model (config, safetensors weights, generation config, tokenizer) as a directory
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import shutil
-from collections.abc import Callable
+import sys
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +123,41 @@ def enable_activation_checkpointing(model: nn.Module, *, every_n_layers: int = 1
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+_UNPROBED = threading.Lock()
+
+
+@contextlib.contextmanager
+def _deepspeed_unprobed() -> Iterator[None]:
+    """While DeepSpeed is not imported, make accelerate's ``extract_model_from_parallel`` (which
+    transformers' ``save_pretrained`` calls to unwrap a model) skip its ``DeepSpeedEngine`` check:
+    that check imports DeepSpeed whenever it is installed, which prints DeepSpeed's accelerator
+    warning in runs that never use it. No model can be a DeepSpeed engine before DeepSpeed is
+    imported, so the unwrapping is unchanged."""
+    if "deepspeed" in sys.modules:
+        yield
+        return
+    try:
+        from accelerate.utils import other
+    except ImportError:  # no accelerate: transformers unwraps without it
+        yield
+        return
+    with _UNPROBED:
+        probe = other.is_deepspeed_available
+        other.is_deepspeed_available = lambda: False
+        try:
+            yield
+        finally:
+            other.is_deepspeed_available = probe
+
+
+def save_pretrained(model: Any, path: str | Path, **kwargs: Any) -> None:
+    """``model.save_pretrained(path, **kwargs)`` without importing DeepSpeed when the run does not
+    use it (see :func:`_deepspeed_unprobed`). Every Hugging Face model the core or a plugin writes
+    goes through here."""
+    with _deepspeed_unprobed():
+        model.save_pretrained(path, **kwargs)
+
+
 def write_hf_dir(
     final: Path,
     model: nn.Module,
@@ -137,7 +175,7 @@ def write_hf_dir(
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
     tmp = ckpt.prepare_partial(final)
     try:
-        model.save_pretrained(tmp, state_dict=state_dict)
+        save_pretrained(model, tmp, state_dict=state_dict)
         config_file = tmp / "config.json"
         config = json.loads(config_file.read_text())
         if config.get("architectures") != architectures:

@@ -16,6 +16,7 @@ engine) after the actor's; a checkpoint without a complete critic state is not r
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch
 
 from core_rl import ops
 from core_rl.config.schema import AlgorithmConfig, CriticConfig
+from core_rl.guards import engine_metrics, engine_tensor
 from core_rl.interfaces import AdvantageEstimator, LossOutput, TrainEngine
 from core_rl.protocol import TensorBatch
 from core_rl.trainer.batching import normalize_with
@@ -58,7 +60,8 @@ class CriticStage:
 
     def prepare(self, batch: TensorBatch) -> dict[str, float]:
         """Set ``values`` (the critic's, before this step's update), ``advantages`` and ``returns``."""
-        compute_on_shards(batch, self.shard, self.world_size, {"values": self.critic.compute_values})
+        values = functools.partial(engine_tensor, self.critic, "compute_values", "values")
+        compute_on_shards(batch, self.shard, self.world_size, {"values": values})
         mask = batch["response_mask"]
         batch["values"] = batch["values"] * mask
         advantages = self.advantage(batch)
@@ -95,7 +98,7 @@ class CriticStage:
             for rows in parts:
                 minibatch = batch.rows(rows)
                 minibatch["loss_weight"] = ops.aggregation_weights(minibatch["loss_mask"], "token-mean")
-                steps.append(self.critic.train_value_step(self.shard(minibatch), self.loss))
+                steps.append(engine_metrics(self.critic, "train_value_step", self.shard(minibatch), self.loss))
         metrics = {f"critic/{k}": v for k, v in combine_step_metrics(steps).items()}
         metrics["critic/optimizer_steps"] = float(len(steps))
         return metrics

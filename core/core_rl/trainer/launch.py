@@ -84,7 +84,7 @@ def _register_rendezvous() -> None:
 
 def launch(config_path: str, overrides: Sequence[str], nproc: int, cfg: RunConfig) -> int:
     """Run ``core-rl train config_path overrides...`` in ``nproc`` workers; return the exit status."""
-    from core_rl.trainer.sync import effective_recover_mode
+    from core_rl.trainer.resume import effective_recover_mode
 
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from core_rl.components import build_component
 from core_rl.config.schema import RunConfig
 from core_rl.interfaces import TrainingLoop
 from core_rl.kinds import LOOP
@@ -13,7 +14,8 @@ from core_rl.trainer.signals import StopSignals
 def build_loop(
     cfg: RunConfig, host: PluginHost, *, stop: StopSignals, data_rows: list[DataRow] | None = None
 ) -> TrainingLoop:
-    """The loop of ``cfg.trainer.loop``, built by its factory with the loop's validated section."""
+    """The loop of ``cfg.trainer.loop``, built by its factory with the loop's validated section
+    (:func:`core_rl.components.build_component`)."""
     spec = cfg.trainer.loop
     entry = spec.entry if spec.entry is not None else host.get(LOOP, spec.name)
-    return entry.factory(cfg, host, stop=stop, data_rows=data_rows, config=spec.config)
+    return build_component(entry, cfg, host, stop=stop, data_rows=data_rows, config=spec.config)

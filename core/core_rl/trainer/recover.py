@@ -21,8 +21,8 @@ from core_rl.interfaces import TrainingLoop
 from core_rl.plugins import PluginHost
 from core_rl.trainer.data import DataRow
 from core_rl.trainer.loops import build_loop
+from core_rl.trainer.resume import effective_recover_mode, warn
 from core_rl.trainer.signals import StopSignals
-from core_rl.trainer.sync import effective_recover_mode, warn
 
 
 def under_launcher() -> bool:

@@ -29,6 +29,7 @@ from typing import Any
 
 import attrs
 
+from core_rl.attribution import built_by
 from core_rl.builtin.loggers import truncate_jsonl
 from core_rl.config.schema import RewardRunnerConfig
 from core_rl.interfaces import Reward, RewardScores
@@ -158,11 +159,13 @@ def describe_item(item: RewardInput, limit: int = 80) -> str:
 
 class RewardRunner:
     """Scores items with ``reward`` as ``config`` says (see the module docstring); ``name`` is the
-    reward's registered name, for messages."""
+    reward's registered name; messages name the reward with its distribution when
+    :func:`core_rl.components.build_component` built it."""
 
     def __init__(self, reward: Reward, name: str, config: RewardRunnerConfig) -> None:
         self.reward = reward
         self.name = name
+        self.words = built_by(reward, f"reward {name!r}")
         self.config = config
         self._pool = _DaemonPool(config.num_workers, f"reward-{name}")
 
@@ -215,7 +218,7 @@ class RewardRunner:
         stuck = self._pool.stuck()
         if stuck > MAX_STUCK_CALLS:
             raise RewardError(
-                f"reward {self.name!r}: {stuck} calls are still running after their timeout "
+                f"{self.words}: {stuck} calls are still running after their timeout "
                 f"(reward_runner.timeout_s={timeout:g}); the reward hangs. Fix the reward or raise the timeout."
             )
 
@@ -247,9 +250,17 @@ class RewardRunner:
         if values is None or len(values) != len(call.indices):
             got = f"{len(values)} scores" if values is not None else f"{type(result).__name__} {result!r:.80}"
             raise RewardError(
-                f"reward {self.name!r} returned {got} for {len(call.indices)} items; Reward.score must "
+                f"{self.words} returned {got} for {len(call.indices)} items; Reward.score must "
                 "return one score per item, in order"
             )
+        for name, part in named.items():
+            size = len(part) if hasattr(part, "__len__") else None
+            if size != len(call.indices):
+                got = f"{size} values" if size is not None else f"a {type(part).__name__}"
+                raise RewardError(
+                    f"{self.words} returned part {name!r} with {got} for {len(call.indices)} items; "
+                    "RewardScores.parts holds one value per item of each part, in order"
+                )
         for i, value in zip(call.indices, values):
             score, kind, error = _as_score(value)
             if score is None:
@@ -268,7 +279,7 @@ class RewardRunner:
         if failures and cfg.on_error == "stop":
             first = failures[0]
             raise RewardError(
-                f"reward {self.name!r} failed on item {first.index} of step {step} "
+                f"{self.words} failed on item {first.index} of step {step} "
                 f"({describe_item(items[first.index])}): {first.error}"
                 + (f" (and {len(failures) - 1} more items)" if len(failures) > 1 else "")
                 + "; reward_runner.on_error=stop ends the run (value or drop continue past such items)"
@@ -277,7 +288,7 @@ class RewardRunner:
         if fraction > cfg.max_error_fraction:
             kinds = sorted({f.kind for f in failures})
             raise RewardError(
-                f"reward {self.name!r} failed on {len(failures)} of {len(items)} items of step {step} "
+                f"{self.words} failed on {len(failures)} of {len(items)} items of step {step} "
                 f"({', '.join(kinds)}; first: {failures[0].error}), more than "
                 f"reward_runner.max_error_fraction={cfg.max_error_fraction:g}; the reward looks broken"
             )

@@ -27,16 +27,18 @@ from typing import Any
 import torch
 
 from core_rl.config.schema import RunConfig
+from core_rl.guards import engine_metrics
 from core_rl.interfaces import LossFn, ValueLossFn
 from core_rl.kinds import TRAIN_ENGINE
 from core_rl.plugins import PluginHost
 from core_rl.protocol import TensorBatch
 from core_rl.registry import RegistryEntry
 from core_rl.roles import build_engine
+from core_rl.trainer.building import build_loggers, quiet_library_progress_bars
 from core_rl.trainer.data import DataRow, PromptItem, PromptSource
 from core_rl.trainer.ranks import agree_after, rank_and_world, set_collective_timeout, waiting_for
 from core_rl.trainer.signals import StopSignals
-from core_rl.trainer.sync import SyncTrainer, _quiet_library_progress_bars, build_loggers
+from core_rl.trainer.sync import SyncTrainer
 
 
 def token_ids(value: Any, tokenizer: Any, *, where: str) -> list[int]:
@@ -108,7 +110,7 @@ class SupervisedLoop(SyncTrainer):
         self.build_models(engine_entry)
         set_collective_timeout(cfg.trainer.collective_timeout_s)
         self.rank, self.world_size = rank_and_world()
-        _quiet_library_progress_bars()
+        quiet_library_progress_bars()
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.tokenizer_path or cfg.actor.model_path)
@@ -157,10 +159,8 @@ class SupervisedLoop(SyncTrainer):
         engine's metrics as ``actor/<name>`` plus the non-finite accounting (a non-finite step is
         skipped and its batch saved, or ends the run, as ``trainer.on_nonfinite`` says)."""
         with waiting_for(f"the other ranks in the update of step {step}"):
-            if self.actor_head == "lm":
-                out = self.engine.train_step(shard, loss_fn)  # type: ignore[arg-type]
-            else:
-                out = self.engine.train_value_step(shard, loss_fn)  # type: ignore[arg-type]
+            method = "train_step" if self.actor_head == "lm" else "train_value_step"
+            out = engine_metrics(self.engine, method, shard, loss_fn)
         metrics = {f"actor/{k}": v for k, v in out.items()}
         metrics.update(self.nonfinite.check(step, shard, out))
         return metrics

@@ -14,6 +14,10 @@ trains on the rows :func:`core_rl.engine_utils.packing.rank_rows` assigns it (to
 default). Every wait on another rank is bounded and a failure on one rank is sent to the others
 (:mod:`core_rl.trainer.ranks`).
 
+The loop's parts live beside it: building components (:mod:`core_rl.trainer.building`), what the
+rewards and loggers see of samples (:mod:`core_rl.trainer.sample_log`), weight sync
+(:mod:`core_rl.trainer.weight_sync`), saving and resuming (:mod:`core_rl.trainer.resume`).
+
 Faults: rewards run through :class:`~core_rl.trainer.rewards.RewardRunner` (timeouts, per-item
 ``on_error``); non-finite steps go through :class:`~core_rl.trainer.numerics.NonFiniteGuard`; a
 SIGINT/SIGTERM (:mod:`core_rl.trainer.signals`) ends the loop after the current step with a
@@ -23,21 +27,18 @@ restores every RNG the run uses, the data position, the rollout engine's state a
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
 import sys
 import time
 from collections.abc import Mapping
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from core_rl.checkpointing import discard_partial
+from core_rl.components import build_component
 from core_rl.config.loader import to_plain
-from core_rl.config.schema import PluginSpec, RunConfig
+from core_rl.config.schema import RunConfig
 from core_rl.engine_utils.packing import rank_rows
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import (
@@ -48,32 +49,29 @@ from core_rl.interfaces import (
     RolloutEngine,
     RunInfo,
     SampleFilter,
-    SampleRecord,
     TrainEngine,
     TrainingLoop,
 )
 from core_rl.kinds import (
     ADVANTAGE,
-    LOGGER,
     POLICY_LOSS,
     REJECTION_SAMPLER,
     REWARD,
     ROLLOUT_ENGINE,
     SAMPLE_FILTER,
-    TRAIN_ENGINE,
     WORKFLOW,
-    PluginKind,
 )
 from core_rl.plugins import PluginHost
 from core_rl.preflight import preflight
 from core_rl.protocol import RewardInput, Sample, TensorBatch
-from core_rl.roles import build_roles
+from core_rl.roles import build_engine, build_roles
 from core_rl.trainer import checkpoints
 from core_rl.trainer.batching import BatchAssembler, Generation
-from core_rl.trainer.critic import CRITIC_DIR, CriticStage, check_role_states, load_role_states, save_role_states
+from core_rl.trainer.building import build, build_loggers, quiet_library_progress_bars
+from core_rl.trainer.critic import CriticStage
 from core_rl.trainer.data import DataRow, PromptItem, PromptSource
 from core_rl.trainer.distill import DistillationLoss
-from core_rl.trainer.errors import DiskFullError, RunFailed, TrainingInterrupted
+from core_rl.trainer.errors import DiskFullError
 from core_rl.trainer.filtering import EmptySteps
 from core_rl.trainer.numerics import NonFiniteGuard
 from core_rl.trainer.profiling import StepProfiler
@@ -84,53 +82,19 @@ from core_rl.trainer.ranks import (
     set_collective_timeout,
     waiting_for,
 )
+from core_rl.trainer.resume import Checkpointing, effective_recover_mode
 from core_rl.trainer.reward_role import SCORES, NoRuleReward, reward_model_stage
 from core_rl.trainer.rewards import RewardErrorLog, RewardRunner, ScoreResult
 from core_rl.trainer.rollout_flow import RolloutFlow, flatten_groups
 from core_rl.trainer.run_config import record_config, resume_note
+from core_rl.trainer.sample_log import reward_inputs, sample_records
 from core_rl.trainer.signals import StopSignals
 from core_rl.trainer.update import PolicyUpdate
 from core_rl.trainer.weight_load import BackgroundWeightLoad
+from core_rl.trainer.weight_sync import WeightSyncing
 
 
-def _build(host: PluginHost, kind: PluginKind, spec: PluginSpec) -> Any:
-    """Build a component whose factory takes its validated section (``None`` without options)."""
-    return host.get(kind, spec.name).factory(spec.config)
-
-
-def build_loggers(cfg: RunConfig, host: PluginHost) -> list[Logger]:
-    """The configured loggers, plus ``jsonl`` when absent: every run leaves its metrics file."""
-    specs = list(cfg.loggers)
-    if not any(s.name == "jsonl" for s in specs):
-        specs.append(PluginSpec(name="jsonl", config=host.get(LOGGER, "jsonl").config_cls()))
-    return [_build(host, LOGGER, s) for s in specs]
-
-
-def _quiet_library_progress_bars() -> None:
-    """The console logger is the run's progress bar; silence the per-load bars of libraries.
-    ``datasets`` is told through its environment variable unless a plugin imported it already:
-    importing it only to switch its bars off cost about 86 MiB of resident memory per run."""
-    import transformers
-
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    datasets = sys.modules.get("datasets")
-    if datasets is not None:
-        datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()
-
-
-def warn(message: str) -> None:
-    print(f"core-rl: warning: {message}", file=sys.stderr, flush=True)
-
-
-def effective_recover_mode(cfg: RunConfig) -> str:
-    """``recover.mode``, with the older ``trainer.resume: true`` meaning ``auto``."""
-    if cfg.recover.mode == "disabled" and cfg.trainer.resume:
-        return "auto"
-    return cfg.recover.mode
-
-
-class SyncTrainer(TrainingLoop):
+class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
     """Builds every component a :class:`RunConfig` selects and runs the synchronous loop."""
 
     def __init__(
@@ -198,11 +162,10 @@ class SyncTrainer(TrainingLoop):
         cfg, host = self.cfg, self.host
         assert cfg.algorithm.loss is not None and cfg.algorithm.advantage is not None
         set_collective_timeout(cfg.trainer.collective_timeout_s)  # for a group the engine creates
-        self.loss: PolicyLoss = _build(host, POLICY_LOSS, cfg.algorithm.loss)
-        self.advantage = _build(host, ADVANTAGE, cfg.algorithm.advantage)
-        self.filters: list[SampleFilter] = [_build(host, SAMPLE_FILTER, s) for s in cfg.algorithm.filters]
-        engine_entry = host.get(TRAIN_ENGINE, cfg.actor.engine.name)
-        self.engine = engine_entry.factory(cfg.actor, cfg.actor.engine.config, trainable=True)
+        self.loss: PolicyLoss = build(host, POLICY_LOSS, cfg.algorithm.loss)
+        self.advantage = build(host, ADVANTAGE, cfg.algorithm.advantage)
+        self.filters: list[SampleFilter] = [build(host, SAMPLE_FILTER, s) for s in cfg.algorithm.filters]
+        self.engine = build_engine(host, cfg.actor, trainable=True)
         # reference, critic and teacher (core_rl/roles.py); critic and teacher hooks: trainer/critic.py, distill.py
         self.roles = build_roles(
             cfg,
@@ -217,7 +180,7 @@ class SyncTrainer(TrainingLoop):
         self.rank, self.world_size = rank_and_world()
         # -- policy-gradient options (trainer/batching.py, trainer/update.py) ------------------
         spec = cfg.algorithm.rejection_sampling
-        self.loss.set_rejection_sampler(_build(host, REJECTION_SAMPLER, spec) if spec is not None else None)
+        self.loss.set_rejection_sampler(build(host, REJECTION_SAMPLER, spec) if spec is not None else None)
         self.update = PolicyUpdate(
             engine=self.engine,
             ref=self.ref,
@@ -230,7 +193,7 @@ class SyncTrainer(TrainingLoop):
             critic=self._critic_stage(),
         )
 
-        _quiet_library_progress_bars()
+        quiet_library_progress_bars()
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.tokenizer_path or cfg.actor.model_path)
@@ -260,12 +223,16 @@ class SyncTrainer(TrainingLoop):
         error: Exception | None = None
         if self.is_main:
             try:
-                self.rollout = host.get(ROLLOUT_ENGINE, cfg.rollout.engine.name).factory(
-                    cfg.rollout, cfg.rollout.engine.config, model_path=cfg.actor.model_path, run_dir=self.run_dir
+                self.rollout = build_component(
+                    host.get(ROLLOUT_ENGINE, cfg.rollout.engine.name),
+                    cfg.rollout,
+                    cfg.rollout.engine.config,
+                    model_path=cfg.actor.model_path,
+                    run_dir=self.run_dir,
                 )
-                workflow = _build(host, WORKFLOW, cfg.rollout.workflow)
+                workflow = build(host, WORKFLOW, cfg.rollout.workflow)
                 self.flow = RolloutFlow(cfg, self.rollout, workflow, self.data, self.sampling, self.tokenizer)
-                self.reward = _build(host, REWARD, cfg.reward) if cfg.reward is not None else NoRuleReward()
+                self.reward = build(host, REWARD, cfg.reward) if cfg.reward is not None else NoRuleReward()
                 self.reward_runner = RewardRunner(self.reward, cfg.reward.name if cfg.reward else "", cfg.reward_runner)
                 self.loggers = build_loggers(cfg, host)
             except Exception as exc:
@@ -284,11 +251,6 @@ class SyncTrainer(TrainingLoop):
             shard=self._shard,
             world_size=self.world_size,
         )
-
-    def _trained_roles(self) -> dict[str, TrainEngine]:
-        """The trained roles besides the actor, saved in ``<checkpoint>/<role>``."""
-        roles = getattr(self, "roles", None)  # loops that build their own models have none
-        return {CRITIC_DIR: roles.critic} if roles is not None and roles.critic is not None else {}
 
     @property
     def is_main(self) -> bool:
@@ -313,19 +275,7 @@ class SyncTrainer(TrainingLoop):
         """Score ``samples`` through the reward runner; failed items are logged and counted."""
         assert self.reward_runner is not None
         texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-        inputs = [
-            RewardInput(
-                prompt_text=owner.text,
-                response_text=text,
-                prompt_ids=s.prompt_ids,
-                response_ids=s.response_ids,
-                row=owner.row,
-                finish_reason=s.finish_reason,
-                workflow_reward=s.reward,
-                info=s.info,
-            )
-            for s, text, owner in zip(samples, texts, owners)
-        ]
+        inputs = reward_inputs(samples, owners, texts)
         result = self.reward_runner.score(inputs, step=step)
         return inputs, result, self.reward_log.record(step, inputs, result)
 
@@ -363,79 +313,13 @@ class SyncTrainer(TrainingLoop):
         if not self._scored_this_step:
             return
         inputs, result = self._scored_this_step[0]
-        every, k = self.cfg.sample_log.every_n_steps, min(self.cfg.sample_log.num_samples, len(inputs))
-        if not every or step % every or not k:
+        scores = dict(zip(result.kept, model_scores)) if model_scores is not None else None
+        coef = self.reward_stage.config.coef if self.reward_stage is not None else 0.0
+        records = sample_records(inputs, result, self.cfg.sample_log, step, scores, coef)
+        if not records:
             return
-        score_of = dict(zip(result.kept, model_scores)) if model_scores is not None else {}
-        records = []
-        for i in sorted({j * len(inputs) // k for j in range(k)}):
-            reward = float("nan") if result.scores[i] is None else float(result.scores[i])  # type: ignore[arg-type]
-            parts = {name: float(values[i]) for name, values in result.parts.items()}
-            if i in score_of and self.reward_stage is not None:
-                parts["reward_model"] = score_of[i]
-                reward += self.reward_stage.config.coef * score_of[i]
-            records.append(
-                SampleRecord(
-                    prompt=inputs[i].prompt_text,
-                    response=inputs[i].response_text,
-                    reward=reward,
-                    finish_reason=inputs[i].finish_reason,
-                    parts=parts,
-                    info=dict(inputs[i].info),
-                )
-            )
         for lg in self.loggers:
             lg.log_samples(records, step)
-
-    def _rollout_paused(self, version: int) -> AbstractContextManager[None]:
-        """Rank 0: the rollout controller paused while the engine loads ``version``."""
-        return self.flow.paused(version) if self.flow is not None else contextlib.nullcontext()
-
-    def _loads_in_background(self) -> bool:
-        """Whether the rollout engine loads a written version while the trainer goes on
-        (:mod:`core_rl.trainer.weight_load`): an asynchronous run syncing by disk, once its
-        controller runs (a resumed run's first load must land before the controller starts)."""
-        return (
-            self.cfg.rollout.weight_sync == "disk"
-            and self.cfg.rollout.controller.max_head_offpolicyness > 0
-            and self.flow is not None
-            and self.flow.controller is not None
-        )
-
-    def _sync_weights(self, version: int) -> dict[str, float]:
-        """Move the policy's weights to the rollout engine; return ``weight_sync/bytes`` (and,
-        when loads run in the background, the wait for the previous one and its duration)."""
-        mode = self.cfg.rollout.weight_sync
-        if mode == "disk":
-            metrics: dict[str, float] = {}
-            if self.is_main:  # the directory is rewritten below: the previous load must be done
-                waited = self.weight_load.wait()
-                if self._loads_in_background():
-                    metrics["timing/weight_load_wait_s"] = waited
-                    metrics["timing/weight_load_s"] = self.weight_load.last_load_s
-            path = self.run_dir / "weight_sync"
-            self.engine.export_hf(path)
-            metrics["weight_sync/bytes"] = float(sum(f.stat().st_size for f in path.glob("*.safetensors")))
-            if self.rollout is not None:
-                rollout = self.rollout
-
-                def load() -> None:
-                    with self._rollout_paused(version):
-                        rollout.load_weights_from_path(path, version)
-
-                if self._loads_in_background():
-                    self.weight_load.start(load, version)
-                else:
-                    load()
-            return metrics
-        state = self.engine.full_state_dict()
-        if self.rollout is not None:
-            with self._rollout_paused(version):
-                if mode == "collective":
-                    self.rollout.update_weights_collective(state, version)
-                else:
-                    self.rollout.update_weights(state, version)
-        return {"weight_sync/bytes": float(sum(t.numel() * t.element_size() for t in state.values()))}
 
     def _rollout_and_score(self, step: int) -> tuple[TensorBatch | None, dict[str, float]]:
         """Rank 0's part of a step: generation batches (several under dynamic sampling), rewards,
@@ -495,129 +379,7 @@ class SyncTrainer(TrainingLoop):
             metrics.update(self.flow.step_metrics(metrics, step))
         return metrics
 
-    # -- checkpoints --------------------------------------------------------------------------
-
-    def _extra_state(self, step: int) -> dict[str, Any]:
-        """What the trainer adds to the engine's checkpoint (the main rank's copy is kept)."""
-        return {
-            "trainer_step": step,
-            # the data position before the controller's first wave not yet trained on
-            "data": self.flow.state_dict()["data"] if self.flow is not None else self.data.state_dict(),
-            "controller": self.flow.state_dict() if self.flow is not None else {},
-            "rollout": self.rollout.state_dict() if self.rollout is not None else {},
-            "nonfinite": self.nonfinite.state_dict(),
-            "empty_steps": self.empty_steps.state_dict(),
-            "reward_errors": self.reward_log.state_dict(),
-            "advantage": self.advantage.state_dict() if self.advantage is not None else {},
-        }
-
-    def save_checkpoint(self, step: int) -> Path:
-        """Save the state after step ``step`` (the step just completed: never another name)."""
-        assert self.engine is not None
-        if step != self.completed_step:
-            raise RuntimeError(f"checkpoint of step {step} asked for after step {self.completed_step}")
-        path = checkpoints.checkpoint_dir(self.run_dir, step)
-        if self.is_main:  # the rollout engine's state is saved too: its load must be done
-            self.weight_load.wait()
-        try:
-            with waiting_for(f"the other ranks to save checkpoint {path.name}"):
-                self.engine.save_state(path, self._extra_state(step))
-                save_role_states(self._trained_roles(), path)
-            if self.is_main:
-                checkpoints.mark_latest(self.run_dir, step)
-                checkpoints.prune(self.run_dir, self.cfg.saver.keep_last)
-        except Exception as exc:
-            if checkpoints.is_disk_full(exc):
-                if self.is_main:
-                    discard_partial(path)
-                raise self._disk_full(f"while saving checkpoint {path} (its partial files were removed)") from exc
-            raise
-        self.last_saved = step
-        return path
-
-    def _disk_full(self, what: str) -> DiskFullError:
-        newest = checkpoints.latest_checkpoint(self.run_dir)
-        return DiskFullError(
-            f"no space left on device {what}; the newest valid checkpoint is {newest or 'none (nothing saved yet)'}. "
-            "Free space (or lower saver.keep_last) and resume with recover.mode=auto"
-        )
-
-    def _check_checkpoint(self, path: Path) -> None:
-        assert self.engine is not None
-        self.engine.check_checkpoint(path)
-        check_role_states(self._trained_roles(), path)
-
-    def _choose_checkpoint(self) -> Path | None:
-        """Rank 0: the checkpoint to resume from (``None``: start from the beginning), saying why
-        it passed any over; refuses one beyond ``trainer.total_steps``."""
-        found = checkpoints.find_resumable(self.run_dir, self._check_checkpoint)
-        for note in found.notes:
-            warn(note)
-        checkpoints.remove_leftovers(self.run_dir)
-        if found.path is None:
-            if self.recover_mode == "resume":
-                raise CoreRLError(
-                    f"recover.mode=resume, but {checkpoints.checkpoints_root(self.run_dir)} holds no valid checkpoint; "
-                    "use recover.mode=auto to start from the beginning when there is none"
-                )
-            return None
-        total = self.cfg.trainer.total_steps
-        if found.step > total:
-            raise CoreRLError(
-                f"trainer.total_steps={total} is below the step of the checkpoint to resume from ({found.path}, "
-                f"step {found.step}); raise trainer.total_steps to continue this run, or choose another "
-                "experiment.name to start a new one"
-            )
-        return found.path
-
-    def maybe_resume(self) -> None:
-        """Continue from the newest valid checkpoint, as ``recover.mode`` says."""
-        assert self.engine is not None
-        if self.recover_mode == "disabled":
-            return
-        chosen: Path | None = None
-        error: Exception | None = None
-        if self.is_main:
-            try:
-                chosen = self._choose_checkpoint()
-            except Exception as exc:
-                error = exc
-        path = broadcast_outcome("the checkpoint to resume from", chosen, error)
-        self.resume_step = 0
-        if path is None:
-            return
-        with waiting_for(f"the other ranks to load checkpoint {path.name}"):
-            extra = self.engine.load_state(path)
-            load_role_states(self._trained_roles(), path)
-        step = int(extra["trainer_step"])
-        if step != checkpoints.step_of(path):
-            raise RunFailed(f"checkpoint {path} holds the state after step {step}, not {checkpoints.step_of(path)}")
-        self.start_step = self.completed_step = self.resume_step = step
-        self.last_saved = step
-        self.data.load_state_dict(extra["data"])
-        if self.flow is not None:
-            self.flow.load_state_dict(extra.get("controller", {}), step)
-        if self.rollout is not None:
-            self.rollout.load_state_dict(extra.get("rollout", {}))
-        self.nonfinite.load_state_dict(extra.get("nonfinite", {}))
-        self.empty_steps.load_state_dict(extra.get("empty_steps", {}))
-        self.reward_log.load_state_dict(extra.get("reward_errors", {}))
-        if self.advantage is not None:
-            self.advantage.load_state_dict(extra.get("advantage", {}))
-        with waiting_for("the other ranks to send the resumed weights to the rollout engine"):
-            self._sync_weights(step)
-        if self.is_main:
-            print(f"core-rl: resumed from {path} (step {step})", file=sys.stderr, flush=True)
-
     # -- the loop -----------------------------------------------------------------------------
-
-    def _interrupted(self, signal_name: str) -> TrainingInterrupted:
-        where = checkpoints.checkpoint_dir(self.run_dir, self.last_saved) if self.last_saved else None
-        saved = f"checkpoint {where}" if where else "nothing to save yet"
-        return TrainingInterrupted(
-            f"stopped by {signal_name} after step {self.completed_step} of {self.cfg.trainer.total_steps}; {saved}. "
-            "Continue the run with recover.mode=auto (or trainer.resume=true)"
-        )
 
     def run(self) -> dict[str, Any]:
         """Train up to ``trainer.total_steps`` steps; return where the results are."""

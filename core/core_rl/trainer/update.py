@@ -10,6 +10,7 @@ minibatch's aggregation weights) sees the same data on every rank, whatever the 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -19,6 +20,7 @@ import torch
 from core_rl import ops
 from core_rl.config.schema import AlgorithmConfig
 from core_rl.engine_utils.metrics import MAX_SUFFIX
+from core_rl.guards import engine_metrics, engine_tensor
 from core_rl.interfaces import PolicyLoss, TrainEngine
 from core_rl.protocol import TensorBatch
 
@@ -134,14 +136,16 @@ class PolicyUpdate:
     def _logprobs(self, batch: TensorBatch) -> None:
         """``ref_logprobs`` (with a reference model), ``teacher_logprobs`` (with a teacher) and
         recomputed ``old_logprobs`` (when asked), computed on the shards and gathered into ``batch``."""
-        t = self.temperature
         compute: dict[str, Callable[[TensorBatch], torch.Tensor]] = {}
-        if self.ref is not None:
-            compute["ref_logprobs"] = lambda part: self.ref.compute_logprobs(part, temperature=t)  # type: ignore[union-attr]
-        if self.teacher is not None:
-            compute["teacher_logprobs"] = lambda part: self.teacher.compute_logprobs(part, temperature=t)  # type: ignore[union-attr]
-        if self.recompute:
-            compute["old_logprobs"] = lambda part: self.engine.compute_logprobs(part, temperature=t)
+        for key, engine, what in (
+            ("ref_logprobs", self.ref, "reference log-probs"),
+            ("teacher_logprobs", self.teacher, "teacher log-probs"),
+            ("old_logprobs", self.engine if self.recompute else None, "recomputed log-probs"),
+        ):
+            if engine is not None:
+                compute[key] = functools.partial(
+                    engine_tensor, engine, "compute_logprobs", what, temperature=self.temperature
+                )
         compute_on_shards(batch, self.shard, self.world_size, compute)
 
     def __call__(self, batch: TensorBatch, *, train_version: int) -> dict[str, float]:
@@ -162,7 +166,8 @@ class PolicyUpdate:
             for rows in parts:
                 minibatch = batch.rows(rows)
                 minibatch["loss_weight"] = self.loss.loss_weights(minibatch["loss_mask"])
-                steps.append(self.engine.train_step(self.shard(minibatch), self.loss, temperature=self.temperature))
+                shard = self.shard(minibatch)
+                steps.append(engine_metrics(self.engine, "train_step", shard, self.loss, temperature=self.temperature))
         metrics.update({f"actor/{k}": v for k, v in combine_step_metrics(steps).items()})
         metrics["actor/optimizer_steps"] = float(len(steps))
         if self.critic is not None:

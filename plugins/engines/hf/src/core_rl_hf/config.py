@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
 from core_rl.config.schema import DTYPES
 from core_rl.config.validators import MAX_COUNT, FieldValueError, in_range, one_of
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch is imported when a device is checked or resolved, not when the plugin registers
+    import torch
     from core_rl.config.checks import EnvironmentContext
 
 
@@ -24,6 +24,8 @@ def _valid_device(_inst: Any, attribute: attrs.Attribute[Any], value: str) -> No
     ``cuda``, ``cuda:1``, ``mps``)."""
     if value == "auto":
         return
+    import torch
+
     try:
         device = torch.device(value)
     except (RuntimeError, TypeError, ValueError):
@@ -66,6 +68,8 @@ class HFRolloutConfig:
         """The device against what the machine has."""
         if self.device == "auto":
             return []
+        import torch
+
         device = torch.device(self.device)
         machine = context.machine
         where = context.key("device")
@@ -89,6 +93,8 @@ def resolve_device(device: str) -> torch.device:
 
     Raises :class:`RuntimeError` when a CUDA device is asked for and none is available.
     """
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolved = torch.device(device)

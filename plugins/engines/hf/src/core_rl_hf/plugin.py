@@ -5,10 +5,27 @@ Importing this module does not import transformers; the engine loads it when it 
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from core_rl.hookspecs import Register, hookimpl
 
 from core_rl_hf.config import HFRolloutConfig
-from core_rl_hf.engine import make_engine
+
+if TYPE_CHECKING:
+    from core_rl.config.schema import RolloutConfig
+
+    from core_rl_hf.engine import HFRolloutEngine
+
+
+def make_engine(
+    rollout: RolloutConfig, engine_config: HFRolloutConfig | None, *, model_path: str, run_dir: Path | None = None
+) -> HFRolloutEngine:
+    """The registered factory (:func:`core_rl_hf.engine.make_engine`), importing the engine, and
+    with it torch and transformers, only when a run builds it."""
+    from core_rl_hf.engine import make_engine as build
+
+    return build(rollout, engine_config, model_path=model_path, run_dir=run_dir)
 
 
 @hookimpl

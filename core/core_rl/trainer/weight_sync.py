@@ -1,0 +1,84 @@
+"""Moving the policy's new weights to the rollout engine after each update, as
+``rollout.weight_sync`` says: ``memory`` (a full state dict), ``collective`` (over a process group)
+or ``disk`` (a Hugging Face directory the engine loads, in the background for an asynchronous run
+once its controller runs: :mod:`core_rl.trainer.weight_load`)."""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+from core_rl.config.schema import RunConfig
+from core_rl.interfaces import RolloutEngine, TrainEngine
+from core_rl.trainer.rollout_flow import RolloutFlow
+from core_rl.trainer.weight_load import BackgroundWeightLoad
+
+
+class WeightSyncing:
+    """The weight-sync part of a training loop. Every rank calls :meth:`_sync_weights`; the engine's
+    weights reach :attr:`rollout`, which only rank 0 holds (``None`` elsewhere)."""
+
+    cfg: RunConfig
+    run_dir: Path
+    is_main: bool
+    engine: TrainEngine | None
+    rollout: RolloutEngine | None
+    flow: RolloutFlow | None
+    weight_load: BackgroundWeightLoad
+
+    def _rollout_paused(self, version: int) -> AbstractContextManager[None]:
+        """Rank 0: the rollout controller paused while the engine loads ``version``."""
+        return self.flow.paused(version) if self.flow is not None else contextlib.nullcontext()
+
+    def _loads_in_background(self) -> bool:
+        """Whether the rollout engine loads a written version while the trainer goes on
+        (:mod:`core_rl.trainer.weight_load`): an asynchronous run syncing by disk, once its
+        controller runs (a resumed run's first load must land before the controller starts)."""
+        return (
+            self.cfg.rollout.weight_sync == "disk"
+            and self.cfg.rollout.controller.max_head_offpolicyness > 0
+            and self.flow is not None
+            and self.flow.controller is not None
+        )
+
+    def _sync_weights(self, version: int) -> dict[str, float]:
+        """Move the policy's weights to the rollout engine; return ``weight_sync/bytes`` (and,
+        when loads run in the background, the wait for the previous one and its duration)."""
+        assert self.engine is not None
+        mode = self.cfg.rollout.weight_sync
+        if mode == "disk":
+            return self._sync_by_disk(version)
+        state = self.engine.full_state_dict()
+        if self.rollout is not None:
+            with self._rollout_paused(version):
+                if mode == "collective":
+                    self.rollout.update_weights_collective(state, version)
+                else:
+                    self.rollout.update_weights(state, version)
+        return {"weight_sync/bytes": float(sum(t.numel() * t.element_size() for t in state.values()))}
+
+    def _sync_by_disk(self, version: int) -> dict[str, float]:
+        """``weight_sync: disk``: export to ``<run>/weight_sync`` and have the engine load it."""
+        assert self.engine is not None
+        metrics: dict[str, float] = {}
+        if self.is_main:  # the directory is rewritten below: the previous load must be done
+            waited = self.weight_load.wait()
+            if self._loads_in_background():
+                metrics["timing/weight_load_wait_s"] = waited
+                metrics["timing/weight_load_s"] = self.weight_load.last_load_s
+        path = self.run_dir / "weight_sync"
+        self.engine.export_hf(path)
+        metrics["weight_sync/bytes"] = float(sum(f.stat().st_size for f in path.glob("*.safetensors")))
+        if self.rollout is not None:
+            rollout = self.rollout
+
+            def load() -> None:
+                with self._rollout_paused(version):
+                    rollout.load_weights_from_path(path, version)
+
+            if self._loads_in_background():
+                self.weight_load.start(load, version)
+            else:
+                load()
+        return metrics

@@ -1,0 +1,93 @@
+"""Commands that do not use a heavy backend never import it: ``core-rl plugins`` (which loads every
+plugin), ``config validate`` and a whole ``train`` run on fsdp + hf (building its tiny model and
+exporting the trained one) leave ``deepspeed``, ``megatron``, ``vllm`` and ``sglang`` out of
+``sys.modules`` and print no DeepSpeed accelerator warning; listing the plugins does not import
+transformers either (registering a plugin imports no backend). Each command runs in a fresh
+process, which writes the heavy modules it imported to a file when it exits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("core_rl_fsdp")
+pytest.importorskip("core_rl_hf")
+pytest.importorskip("core_rl_grpo")
+pytest.importorskip("core_rl_reward_match")
+
+BACKENDS = ("deepspeed", "megatron", "vllm", "sglang")
+HEAVY = (*BACKENDS, "transformers")
+DEEPSPEED_WARNING = "Setting accelerator to"
+
+#: run ``core-rl ARGS`` (or, with ``--build-task DIR`` first, build the tiny task there first), then
+#: record the heavy top-level modules imported, whatever the exit
+RUNNER = """
+import atexit, json, sys
+HEAVY, REPORT = {heavy!r}, {report!r}
+imported = lambda: sorted({{m.split(".")[0] for m in sys.modules}} & set(HEAVY))
+atexit.register(lambda: open(REPORT, "w").write(json.dumps(imported())))
+args = sys.argv[1:]
+if args[0] == "--build-task":
+    from pathlib import Path
+    import yaml
+    from core_rl.testing.faults import build_task, merged
+    root = Path(args[1])
+    config = merged(build_task(root), trainer={{"total_steps": 1}}, saver={{"export_hf": True}})
+    (root / "run.yaml").write_text(yaml.safe_dump(config))
+    args = args[2:]
+from core_rl.cli import main
+sys.exit(main(args))
+"""
+
+
+def run_cli(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``core-rl ARGS`` in a fresh process: the completed process and the heavy modules it imported."""
+    report = tmp_path / "imported.json"
+    code = RUNNER.format(heavy=HEAVY, report=str(report))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=600)
+    return proc, json.loads(report.read_text())
+
+
+def test_listing_every_plugin_imports_no_heavy_backend(tmp_path: Path) -> None:
+    proc, imported = run_cli(tmp_path, "plugins", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert {row["name"] for row in json.loads(proc.stdout)} >= set(BACKENDS)
+    assert imported == []
+    assert DEEPSPEED_WARNING not in proc.stderr
+
+
+def test_a_run_without_deepspeed_never_imports_it(tmp_path: Path) -> None:
+    """Building the tiny model, validating the run, and training it with a final export (transformers'
+    ``save_pretrained`` looks for DeepSpeed through accelerate whenever it is installed)."""
+    proc, imported = run_cli(tmp_path, "--build-task", str(tmp_path), "config", "validate", str(tmp_path / "run.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    assert set(imported) & set(BACKENDS) == set()
+    assert DEEPSPEED_WARNING not in proc.stderr
+    proc, imported = run_cli(tmp_path, "train", str(tmp_path / "run.yaml"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = yaml.safe_load((tmp_path / "run.yaml").read_text())
+    assert (Path(config["experiment"]["output_dir"]) / "run" / "final_hf" / "model.safetensors").is_file()
+    assert imported == ["transformers"]
+    assert DEEPSPEED_WARNING not in proc.stderr
+
+
+def test_saving_a_model_keeps_checking_for_deepspeed_once_it_is_imported() -> None:
+    """With DeepSpeed imported, accelerate's check is left alone (a DeepSpeed engine is then
+    unwrapped as before)."""
+    pytest.importorskip("deepspeed")
+    code = (
+        "import deepspeed, accelerate.utils.other as other\n"
+        "from core_rl.engine_utils.hf import _deepspeed_unprobed\n"
+        "probe = other.is_deepspeed_available\n"
+        "with _deepspeed_unprobed():\n"
+        "    assert other.is_deepspeed_available is probe and probe()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
