@@ -137,38 +137,3 @@ def base_model(model: nn.Module) -> nn.Module:
     """The Hugging Face model inside a peft wrapper (``model`` itself if it is not wrapped): its
     config and ``save_pretrained`` write a plain model directory."""
     return model.get_base_model() if is_lora_model(model) else model
-
-
-def export_model_dir(
-    final: Path,
-    model: nn.Module,
-    wrapped_state: dict[str, torch.Tensor],
-    *,
-    rank: int,
-    architectures: list[str],
-    tokenizer_path: str,
-) -> None:
-    """``export_hf`` of a train engine, called by every rank with the model's full state dict
-    (``wrapped_state``: complete on rank 0): rank 0 writes ``final`` as a Hugging Face directory
-    (merged weights with LoRA, plus the adapter alone in ``final/adapter``), atomically; every rank
-    waits for it and raises if it failed."""
-    from core_rl.engine_utils import distributed as dist_utils
-    from core_rl.engine_utils.hf import write_hf_dir
-
-    error: BaseException | None = None
-    if rank == 0:
-        try:
-            write_hf_dir(
-                final,
-                base_model(model),
-                hf_state_dict(model, wrapped_state),
-                architectures=architectures,
-                tokenizer_path=tokenizer_path,
-            )
-            if is_lora_model(model):
-                write_adapter_dir(final / "adapter", model, wrapped_state)
-        except BaseException as exc:  # re-raised after the barrier so other ranks do not hang
-            error = exc
-    dist_utils.barrier()
-    if error is not None:
-        raise error

@@ -33,6 +33,7 @@ from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import distributed as dist_utils
 from core_rl.engine_utils import hf, lora
 from core_rl.engine_utils import state as state_files
+from core_rl.engine_utils.export import export_model_dir
 from core_rl.engine_utils.optim import build_optimizer, check_schedule
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner, check_temperature
 from core_rl.interfaces import TrainEngine
@@ -178,7 +179,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         """Rank 0 writes ``path`` (config, safetensors weights, generation config, tokenizer)
         atomically; with LoRA the weights are merged and the adapter alone goes to ``path/adapter``."""
         self._check_open()
-        lora.export_model_dir(
+        export_model_dir(
             Path(path).absolute(),
             self.model,
             self._wrapped_state_dict(),

@@ -21,6 +21,7 @@ import torch
 from core_rl import checkpointing as ckpt
 from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import lora
+from core_rl.engine_utils.export import export_model_dir
 from core_rl.engine_utils.hf import architecture_name, exported_architecture, torch_dtype
 from core_rl.engine_utils.optim import build_optimizer, check_schedule
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner, check_temperature
@@ -154,7 +155,7 @@ class FSDPEngine(EngineState, TrainEngine):
         With LoRA the weights are merged, and the adapter alone goes to ``path/adapter`` (peft's
         ``save_pretrained`` format)."""
         self._check_open()
-        lora.export_model_dir(
+        export_model_dir(
             Path(path).absolute(),
             self.model,
             self._wrapped_state_dict(),

@@ -1,0 +1,45 @@
+"""A train engine's ``export_hf``: the model as a Hugging Face directory (merged weights, plus the
+LoRA adapter alone where there is one), written by rank 0 while every rank waits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from core_rl.engine_utils import distributed as dist_utils
+from core_rl.engine_utils.hf import write_hf_dir
+from core_rl.engine_utils.lora import base_model, hf_state_dict, is_lora_model, write_adapter_dir
+
+
+def export_model_dir(
+    final: Path,
+    model: nn.Module,
+    wrapped_state: dict[str, torch.Tensor],
+    *,
+    rank: int,
+    architectures: list[str],
+    tokenizer_path: str,
+) -> None:
+    """``export_hf`` of a train engine, called by every rank with the model's full state dict
+    (``wrapped_state``: complete on rank 0): rank 0 writes ``final`` as a Hugging Face directory
+    (merged weights with LoRA, plus the adapter alone in ``final/adapter``), atomically; every rank
+    waits for it and raises if it failed."""
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            write_hf_dir(
+                final,
+                base_model(model),
+                hf_state_dict(model, wrapped_state),
+                architectures=architectures,
+                tokenizer_path=tokenizer_path,
+            )
+            if is_lora_model(model):
+                write_adapter_dir(final / "adapter", model, wrapped_state)
+        except BaseException as exc:  # re-raised after the barrier so other ranks do not hang
+            error = exc
+    dist_utils.barrier()
+    if error is not None:
+        raise error
