@@ -15,9 +15,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import packaging_utils as pu
 import pytest
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _index(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Building a wheel fetches its build backend (hatchling) from the index, as any wheel build does."""
+    problem = pu.registry_problem(tmp_path_factory.mktemp("probe"))
+    if problem is not None:
+        pytest.skip(f"pip cannot reach its package index ({problem}); wheels cannot be built")
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "scripts" / "offline" / "build_wheelhouse.py"

@@ -268,6 +268,9 @@ def test_the_machine_decides_devices_and_backends(tmp_path, model, data):
         "--nproc_per_node), or set device: cpu"
     ]
     preflight(_config(tmp_path, model, data, "actor.engine.device=cpu"), machine=crowded)  # CPU ranks need no GPU each
+    for engine in ("deepspeed", "megatron"):  # every train engine checks it the same way
+        (problem,) = _problems(_config(tmp_path, model, data, f"actor.engine={{name: {engine}}}"), crowded)
+        assert problem.startswith("actor.engine: 4 processes on this node but only 2 CUDA devices"), problem
     assert _problems(_config(tmp_path, model, data, "actor.engine.device=cuda")) == [
         "actor.engine.device: cuda, but this machine has no CUDA GPU; use auto or cpu"
     ]

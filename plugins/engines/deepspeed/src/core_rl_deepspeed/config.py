@@ -63,10 +63,9 @@ class DeepSpeedConfig:
             raise FieldValueError("overlap_comm", True, f"needs zero_stage 2 or 3 (zero_stage is {self.zero_stage})")
 
     def check_environment(self, context: EnvironmentContext) -> list[str]:
-        """The device and the role's activation checkpointing against the machine."""
+        """The device, the process count and the role's activation checkpointing against the machine."""
         from core_rl.engine_utils.hf import activation_checkpointing_problems
 
-        problems = activation_checkpointing_problems(context)
-        if self.device == "cuda" and not context.machine.cuda_available:
-            problems.append(f"{context.key('device')}: cuda, but this machine has no CUDA GPU; use auto or cpu")
-        return problems
+        return context.machine.gpu_per_process_problems(context.path, self.device) + activation_checkpointing_problems(
+            context
+        )

@@ -106,16 +106,9 @@ class FSDPConfig:
                 f"{context.key('backend')}: nccl needs CUDA GPUs and this machine has none "
                 "(torch.cuda.is_available() is False); use auto or gloo"
             )
-        if self.device == "cuda" and not machine.cuda_available:
-            problems.append(f"{context.key('device')}: cuda, but this machine has no CUDA GPU; use auto or cpu")
-        if self.device != "cpu" and machine.cuda_available and machine.local_world_size > machine.cuda_device_count:
-            problems.append(
-                f"{context.path}: {machine.local_world_size} processes on this node but only "
-                f"{machine.cuda_device_count} CUDA devices; start at most one process per GPU "
-                "(torchrun --nproc_per_node), or set device: cpu"
-            )
         from core_rl.engine_utils.hf import activation_checkpointing_problems
 
+        problems += machine.gpu_per_process_problems(context.path, self.device)
         problems += activation_checkpointing_problems(context)
         if self.attn_implementation in FLASH_ATTENTION:
             package = FLASH_ATTENTION[self.attn_implementation]

@@ -152,12 +152,7 @@ class MegatronConfig:
         machine = context.machine
         if not machine.cuda_available and not megatron_can_run():
             return [f"{context.path}.name: {NEEDS_CUDA}"]
-        if machine.cuda_available and machine.local_world_size > machine.cuda_device_count:
-            return [
-                f"{context.path}: {machine.local_world_size} processes on this node but only "
-                f"{machine.cuda_device_count} CUDA devices; start at most one process per GPU"
-            ]
-        return []
+        return machine.gpu_per_process_problems(context.path)
 
     @property
     def virtual_pipeline_size(self) -> int:
