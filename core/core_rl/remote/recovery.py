@@ -73,12 +73,6 @@ def restart_log(first: Path, restart: int) -> Path:
     return first.with_name(f"{first.stem}.restart{restart}{first.suffix}")
 
 
-def killed_by_signal(server: ManagedServer) -> bool:
-    """Whether the server's process ended by a signal (its supervisor exits with 128 + N)."""
-    code = server.exit_code()
-    return code is not None and code > 128
-
-
 class ServerRecovery:
     """Mixin of :class:`~core_rl.remote.ServerRolloutEngine`: dead servers (see the module doc)."""
 
@@ -123,13 +117,14 @@ class ServerRecovery:
             return False
         if ep.generation != generation:
             return True
-        failed_itself = False
         if ep.server.alive():
             problem = await asyncio.to_thread(probe, ep.url + self.health_path, 5.0)
             if problem is None or problem.startswith("no answer"):
                 return False  # it runs (or is too busy to answer its health check)
             # it answers errors and fails its health check: a server whose engine died shuts down
-            failed_itself = not await asyncio.to_thread(ep.server.wait_exit, UNHEALTHY_EXIT_S)
+            await asyncio.to_thread(ep.server.wait_exit, UNHEALTHY_EXIT_S)
+        # (waits for the supervisor to report how the server ended: a kill, or an exit of its own)
+        failed_itself = not (await asyncio.to_thread(ep.server.end_state)).startswith("killed")
         assert ep.lock is not None
         async with ep.lock:
             if ep.generation != generation:  # another call restarted it meanwhile
@@ -140,13 +135,13 @@ class ServerRecovery:
 
     def _may_restart(self, ep: Endpoint, exc: BaseException | None, during: str, *, failed_itself: bool) -> None:
         """Raise the :class:`ServerError` that stops the run if the dead server ``ep`` may not be
-        restarted (the rules of the module doc); ``failed_itself``: it still runs but fails its
-        health check."""
+        restarted (the rules of the module doc); ``failed_itself``: it was not killed by a signal
+        (it exited, or still runs failing its health check)."""
         server = ep.server
         assert server is not None
         why = f" ({describe(exc)})" if exc is not None else ""
         opts = self.options
-        if not ep.served and (failed_itself or not killed_by_signal(server)):
+        if not ep.served and failed_itself:
             raise self._stop(
                 server.failure(
                     f"crashed on its first request {during}{why}; it is not restarted: a restarted server "
