@@ -66,7 +66,9 @@ class RolloutTimeout(CoreRLError):
 
 
 class RolloutFailed(CoreRLError):
-    """A trajectory's workflow or the rollout engine failed."""
+    """A trajectory's workflow or the rollout engine failed: the run failed (exit status 1)."""
+
+    exit_code = 1
 
 
 @attrs.define(eq=False)
@@ -327,6 +329,8 @@ class RolloutController:
         if isinstance(self._error, PluginFault):  # it names the engine or workflow already
             raise self._error
         if self._error is not None:
+            if isinstance(self._error, CoreRLError):  # says what failed already (a server, naming it)
+                raise self._error
             raise RolloutFailed(f"rollout failed: {type(self._error).__name__}: {self._error}") from self._error
         wave = self._waves.popleft()
         self._held -= len(wave.prompts)

