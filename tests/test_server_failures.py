@@ -66,6 +66,7 @@ def _server_pid(pidfile: Path) -> int | None:
     return pid if pid_alive(pid) else None
 
 
+@pytest.mark.server_env("vllm")
 def test_a_server_killed_mid_run_ends_it_with_one_message(tmp_path: Path) -> None:
     pytest.importorskip("core_rl_vllm")
     pytest.importorskip("core_rl_fsdp")

@@ -28,6 +28,9 @@ PROMPT = [1, 10, 11, 12]
 GREEDY = SamplingParams(n=1, max_new_tokens=8, greedy=True)
 
 
+pytestmark = pytest.mark.server_env("vllm")  # real vLLM servers (see the repository's conftest.py)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two tiny models of one shape (head size 32) with different random weights."""
