@@ -28,6 +28,7 @@ def _index(tmp_path_factory: pytest.TempPathFactory) -> None:
     if problem is not None:
         pytest.skip(f"pip cannot reach its package index ({problem}); wheels cannot be built")
 
+
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "scripts" / "offline" / "build_wheelhouse.py"
 INSTALL = ROOT / "scripts" / "offline" / "install.sh"
