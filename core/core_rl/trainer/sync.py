@@ -16,7 +16,8 @@ default). Every wait on another rank is bounded and a failure on one rank is sen
 
 The loop's parts live beside it: building components (:mod:`core_rl.trainer.building`), what the
 rewards and loggers see of samples (:mod:`core_rl.trainer.sample_log`), weight sync
-(:mod:`core_rl.trainer.weight_sync`), saving and resuming (:mod:`core_rl.trainer.resume`).
+(:mod:`core_rl.trainer.weight_sync`), saving and resuming (:mod:`core_rl.trainer.resume`), the ``auto``
+micro-batch budgets chosen once the engines are built (:mod:`core_rl.trainer.auto_budget`).
 
 Faults: rewards run through :class:`~core_rl.trainer.rewards.RewardRunner` (timeouts, per-item
 ``on_error``); non-finite steps go through :class:`~core_rl.trainer.numerics.NonFiniteGuard`; a
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from core_rl.built_engines import BuiltEngine
 from core_rl.components import build_component
 from core_rl.config.loader import to_plain
 from core_rl.config.schema import RunConfig
@@ -66,6 +68,7 @@ from core_rl.preflight import preflight
 from core_rl.protocol import RewardInput, Sample, TensorBatch
 from core_rl.roles import build_engine, build_roles
 from core_rl.trainer import checkpoints
+from core_rl.trainer.auto_budget import resolve_auto_budgets
 from core_rl.trainer.batching import BatchAssembler, Generation
 from core_rl.trainer.building import build, build_loggers, quiet_library_progress_bars
 from core_rl.trainer.critic import CriticStage
@@ -140,8 +143,10 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
         self.weight_load = BackgroundWeightLoad(
             cfg.rollout.controller.wait_timeout_s, "rollout.controller.wait_timeout_s"
         )
+        self.built_engines: list[BuiltEngine] = []  # for the auto micro-batch budgets
         try:
             self._build()
+            resolve_auto_budgets(cfg, self.built_engines)  # once every model is on its device
         except BaseException:
             self.close()
             raise
@@ -165,13 +170,14 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
         self.loss: PolicyLoss = build(host, POLICY_LOSS, cfg.algorithm.loss)
         self.advantage = build(host, ADVANTAGE, cfg.algorithm.advantage)
         self.filters: list[SampleFilter] = [build(host, SAMPLE_FILTER, s) for s in cfg.algorithm.filters]
-        self.engine = build_engine(host, cfg.actor, trainable=True)
+        self.engine = build_engine(host, cfg.actor, trainable=True, built=self.built_engines)
         # reference, critic and teacher (core_rl/roles.py); critic and teacher hooks: trainer/critic.py, distill.py
         self.roles = build_roles(
             cfg,
             host,
             needs_reference=self.loss.requires_reference or self.advantage.requires_reference,
             needs_values=self.advantage.requires_values,
+            built=self.built_engines,
         )
         self.ref = self.roles.ref
         if cfg.teacher is not None:
