@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from core_rl.built_engines import BuiltEngine, cuda_allocated, weight_bytes_since
 from core_rl.components import build_component
 from core_rl.config.overrides import first_line
 from core_rl.config.schema import ActorConfig, RunConfig
@@ -199,14 +200,28 @@ def missing_head_problem(entry: RegistryEntry, head: str, key: str, model: str) 
     )
 
 
-def build_engine(host: PluginHost, section: ActorConfig, *, trainable: bool, head: str = "lm") -> TrainEngine:
+def build_engine(
+    host: PluginHost,
+    section: ActorConfig,
+    *,
+    trainable: bool,
+    head: str = "lm",
+    built: list[BuiltEngine] | None = None,
+    role: str = "actor",
+) -> TrainEngine:
     """The train engine of one role section (``head`` is passed only for a value or score model, so
-    engines without those heads keep their factory signature)."""
+    engines without those heads keep their factory signature). With ``built``, a
+    :class:`~core_rl.built_engines.BuiltEngine` for ``role`` is appended to it (the device memory
+    the build took included), for the ``auto`` micro-batch budgets and the memory metrics."""
     entry = host.get(TRAIN_ENGINE, section.engine.name)
     kwargs: dict[str, Any] = {"trainable": trainable}
     if head != "lm":
         kwargs["head"] = head
-    return build_component(entry, section, section.engine.config, **kwargs)
+    before = cuda_allocated()
+    engine = build_component(entry, section, section.engine.config, **kwargs)
+    if built is not None:
+        built.append(BuiltEngine(role, section, engine, trainable, head, weight_bytes_since(before, engine)))
+    return engine
 
 
 @attrs.define
@@ -227,9 +242,17 @@ class Roles:
         self.ref = self.critic = self.teacher = self.reward_model = None
 
 
-def build_roles(cfg: RunConfig, host: PluginHost, *, needs_reference: bool, needs_values: bool) -> Roles:
+def build_roles(
+    cfg: RunConfig,
+    host: PluginHost,
+    *,
+    needs_reference: bool,
+    needs_values: bool,
+    built: list[BuiltEngine] | None = None,
+) -> Roles:
     """Build the reference (when ``needs_reference``: from ``ref:`` or the actor's section, frozen),
-    the critic, the teacher and the reward model (from their sections). A critic the algorithm does
+    the critic, the teacher and the reward model (from their sections), each noted in ``built``
+    (see :func:`build_engine`). A critic the algorithm does
     not use, or an algorithm needing values without a critic, is a
     :class:`~core_rl.errors.ConfigError`. The role sections' model directories (and
     :func:`reward_model_problems`) were checked by :func:`core_rl.preflight.preflight`."""
@@ -247,13 +270,15 @@ def build_roles(cfg: RunConfig, host: PluginHost, *, needs_reference: bool, need
     roles = Roles()
     try:
         if needs_reference:
-            roles.ref = build_engine(host, cfg.ref or cfg.actor, trainable=False)
+            roles.ref = build_engine(host, cfg.ref or cfg.actor, trainable=False, built=built, role="ref")
         if cfg.critic is not None:
-            roles.critic = build_engine(host, cfg.critic, trainable=True, head="value")
+            roles.critic = build_engine(host, cfg.critic, trainable=True, head="value", built=built, role="critic")
         if cfg.teacher is not None:
-            roles.teacher = build_engine(host, cfg.teacher, trainable=False)
+            roles.teacher = build_engine(host, cfg.teacher, trainable=False, built=built, role="teacher")
         if cfg.reward_model is not None:
-            roles.reward_model = build_engine(host, cfg.reward_model, trainable=False, head="score")
+            roles.reward_model = build_engine(
+                host, cfg.reward_model, trainable=False, head="score", built=built, role="reward_model"
+            )
     except BaseException:
         roles.close()
         raise

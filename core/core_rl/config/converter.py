@@ -26,6 +26,7 @@ from cattrs.errors import (
 )
 from cattrs.gen import make_dict_unstructure_fn, override
 
+from core_rl.config.model_sections import AUTO, TokenBudget
 from core_rl.config.schema import PluginSpec, RunConfig
 from core_rl.config.validators import FieldValueError
 from core_rl.errors import ConfigError, did_you_mean
@@ -78,6 +79,15 @@ def _strict_bool(value: Any, _t: type) -> bool:
 def _strict_str(value: Any, _t: type) -> str:
     if not isinstance(value, str):
         raise TypeMismatch("a string", value)
+    return value
+
+
+def _token_budget(value: Any, _t: Any) -> int | str:
+    """``auto`` or an integer (a ``max_tokens_per_mb``)."""
+    if value == AUTO:
+        return AUTO
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeMismatch("an integer or 'auto'", value)
     return value
 
 
@@ -255,6 +265,7 @@ def make_converter() -> cattrs.Converter:
     conv.register_structure_hook(bool, _strict_bool)
     conv.register_structure_hook(str, _strict_str)
     conv.register_structure_hook(PluginSpec, structure_plugin_spec)
+    conv.register_structure_hook_func(lambda t: t == TokenBudget, _token_budget)
     conv.register_unstructure_hook(PluginSpec, lambda spec: unstructure_spec(conv, spec))
     # what the loader derived is kept beside the configuration, not in it
     conv.register_unstructure_hook(RunConfig, make_dict_unstructure_fn(RunConfig, conv, derived=override(omit=True)))

@@ -1,6 +1,6 @@
 """Keys whose value is derived from other keys of the run, and how they stay derived.
 
-Three kinds of key are derived:
+Four kinds of key are derived:
 
 - the core's own defaults (:func:`derive_schedules`): ``actor.lr_scheduler.total_steps`` and
   ``critic.lr_scheduler.total_steps`` (``0``: ``trainer.total_steps`` x the optimiser steps of an
@@ -8,9 +8,13 @@ Three kinds of key are derived:
   ``floor(warmup_ratio x total_steps)``);
 - a plugin's fields declared with :func:`core_rl.config.schema.default_from` (unset or ``null``:
   the value of another key), recorded by :func:`record_default`;
-- ``${...}`` interpolations written in the YAML file or the overrides (:func:`interpolations`).
+- ``${...}`` interpolations written in the YAML file or the overrides (:func:`interpolations`);
+- settings whose good value depends on the machine, written ``auto`` and chosen when the run starts
+  (:mod:`core_rl.trainer.auto_budget`: the micro-batch token budgets), marked ``at_start``. They
+  are not the loader's: ``core-rl config show`` prints ``auto``; a run records the value it chose
+  in ``<run>/config.yaml``'s comment, and a resumed run chooses anew without calling it a change.
 
-The loader fills each with its value, so components only ever see values, and records it in
+The loader fills the first three with their values, so components only ever see values, and records it in
 :attr:`core_rl.config.schema.RunConfig.derived`. The YAML of a configuration
 (:func:`core_rl.config.loader.to_yaml`: what ``core-rl config show`` prints and
 ``<run>/config.yaml`` holds) writes each such key as what keeps it derived (``0``, ``null`` or the
@@ -44,12 +48,14 @@ class Derived:
     """A key the loader derived: ``path`` (names and list indices), the ``value`` it was filled
     with, what the YAML holds to keep it derived (``written``: ``0``, ``None`` or the
     interpolation text) and how it is derived, for people (``source``; :data:`INTERPOLATION` for
-    an interpolation)."""
+    an interpolation). ``at_start``: chosen when the run started, from the machine (see the module
+    docstring), not by the loader."""
 
     path: Path
     value: Any
     written: Any
     source: str
+    at_start: bool = False
 
     @property
     def key(self) -> str:

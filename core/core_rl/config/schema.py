@@ -2,7 +2,8 @@
 attrs classes by cattrs (:mod:`core_rl.config.loader`). Sections selected by name (``actor.engine``,
 ``rollout.engine``, ``algorithm.advantage``, ``algorithm.loss``, ``algorithm.filters[]``,
 ``reward``, ``loggers[]``) are :class:`PluginSpec` s: ``name`` plus keys validated by the selected
-plugin's own ``config_cls`` (:mod:`core_rl.config.plugin_spec`)."""
+plugin's own ``config_cls`` (:mod:`core_rl.config.plugin_spec`). The keys every model role section
+shares (optimiser, schedule, micro-batches, LoRA) live in :mod:`core_rl.config.model_sections`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from core_rl.config.derived import Derived
+from core_rl.config.model_sections import LoraConfig, MicroBatchConfig, OptimizerConfig, SchedulerConfig
 from core_rl.config.plugin_spec import PluginSpec
 from core_rl.config.plugin_spec import default_from as default_from  # re-exported: the plugin guide names it here
 from core_rl.config.plugin_spec import plugin_section as plugin_section  # re-exported likewise
@@ -140,88 +142,6 @@ class RolloutConfig:
     weight_sync: str = attrs.field(default="memory", validator=one_of(("memory", "disk", "collective")))
     workflow: PluginSpec = attrs.field(factory=lambda: PluginSpec(name="single_turn"))
     controller: ControllerConfig = attrs.field(factory=ControllerConfig)
-
-
-@attrs.define
-class OptimizerConfig:
-    """``name``: ``adamw`` or ``sgd``. ``betas``/``eps`` apply to AdamW, ``momentum`` to SGD.
-    ``implementation`` (AdamW): torch's ``fused`` kernel (one pass over all parameters),
-    ``foreach`` or ``for_loop``; ``auto`` is ``fused`` when every parameter is a plain CPU/CUDA
-    floating tensor (not a sharded DTensor), else torch's default. The kernels compute the same
-    update up to float rounding."""
-
-    name: str = attrs.field(default="adamw", validator=one_of(("adamw", "sgd")))
-    lr: float = attrs.field(default=1e-5, validator=positive(10.0))
-    weight_decay: float = attrs.field(default=0.0, validator=non_negative())
-    betas: tuple[float, float] = attrs.field(default=(0.9, 0.999), validator=each(in_range(0.0, 1.0, high_open=True)))
-    eps: float = attrs.field(default=1e-8, validator=positive(1.0))
-    momentum: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0, high_open=True))
-    implementation: str = attrs.field(default="auto", validator=one_of(("auto", "fused", "foreach", "for_loop")))
-
-
-@attrs.define
-class SchedulerConfig:
-    """Learning-rate schedule: linear warmup over ``warmup_steps`` (or ``warmup_ratio`` of the total
-    steps when ``warmup_steps`` is 0), then ``constant``, ``linear`` or ``cosine`` decay to
-    ``min_lr_ratio * lr`` at step ``total_steps`` (0: ``trainer.total_steps`` times the optimiser
-    steps per RL step). Steps here are optimiser steps. Both 0 defaults are filled in on load and
-    stay derived in the recorded configuration (:mod:`core_rl.config.derived`)."""
-
-    name: str = attrs.field(default="constant", validator=one_of(("constant", "linear", "cosine")))
-    warmup_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
-    warmup_ratio: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
-    min_lr_ratio: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
-    total_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
-
-
-@attrs.define
-class MicroBatchConfig:
-    """How a rank's rows become micro-batches (:mod:`core_rl.engine_utils.packing`) and how rows
-    are shared out over data-parallel ranks.
-
-    - ``max_tokens_per_mb``: token budget of one micro-batch: rows x padded width in the padded
-      layout, the sum of the rows' lengths in the packed one (a single longer row runs alone);
-      ``min_num_mb``: at least this many micro-batches. The budget bounds the activations kept
-      for backward (they grow with the tokens of one micro-batch, not of the batch); the default
-      768 keeps the matrix products large enough to run near full speed on CPU and small GPU
-      models (the TRL benchmark's updates took the same time as with 1024 or 8192, with 10-15% and
-      30-40% less peak memory); raise it for throughput on a GPU with memory to spare.
-    - ``packing_algorithm``: ``ffd`` (first-fit-decreasing: few micro-batches, rows of similar
-      length together), ``kk`` (Karmarkar-Karp: micro-batches of nearly equal token load) or
-      ``greedy`` (consecutive rows in batch order).
-    - ``layout``: ``padded`` ([rows, width] with an attention mask), ``packed`` (padding-free: one
-      row per micro-batch with ``position_ids`` restarting at 0, ``cu_seqlens`` for flash-attn) or
-      ``auto`` (packed with a flash-attn kernel, padded otherwise: faster on CPU/SDPA, see the
-      README's figures). The loss does not depend on the layout.
-    - ``rank_assignment``: ``balanced`` gives each data-parallel rank nearly the same number of
-      tokens (Karmarkar-Karp over row lengths); ``strided`` gives rank ``r`` rows ``r, r+W, ...``.
-    """
-
-    max_tokens_per_mb: int = attrs.field(default=768, validator=in_range(1, MAX_TOKENS))
-    min_num_mb: int = attrs.field(default=1, validator=in_range(1, MAX_COUNT))
-    packing_algorithm: str = attrs.field(default="ffd", validator=one_of(("ffd", "kk", "greedy")))
-    layout: str = attrs.field(default="auto", validator=one_of(("auto", "padded", "packed")))
-    rank_assignment: str = attrs.field(default="balanced", validator=one_of(("balanced", "strided")))
-
-
-@attrs.define
-class LoraConfig:
-    """Low-rank adapters (LoRA, through peft) on the trained model: ``rank`` 0 trains every weight
-    (no adapters); ``rank > 0`` freezes the base model and trains only the adapters ``B @ A``
-    (``rank`` columns), scaled by ``alpha / rank``, with ``dropout`` on their input.
-    ``target_modules``: module names (or suffixes) to adapt, or ``["all-linear"]`` for every
-    linear layer except the output head. Exports and weight syncs carry merged weights (plain
-    Hugging Face names); the adapter alone is exported too (peft's ``save_pretrained`` format).
-    A frozen reference model built from the same section is the base model, without adapters."""
-
-    rank: int = attrs.field(default=0, validator=in_range(0, 65536))
-    alpha: float = attrs.field(default=16.0, validator=positive(1e6))
-    dropout: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0, high_open=True))
-    target_modules: list[str] = attrs.field(factory=lambda: ["all-linear"])
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
 
 
 @attrs.define

@@ -94,6 +94,16 @@ def one_of(choices: Sequence[str]) -> Validator:
     return _check(lambda v: v in choices, f"must be one of {', '.join(map(repr, choices))}", numeric=False)
 
 
+def auto_or(validator: Validator) -> Validator:
+    """The string ``auto`` (a value chosen when the run starts), or a value ``validator`` accepts."""
+
+    def validate(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value != "auto":
+            validator(inst, attribute, value)
+
+    return validate
+
+
 def not_empty() -> Validator:
     """A non-empty string (or collection)."""
     return _check(lambda v: len(v) > 0, "must not be empty", numeric=False)

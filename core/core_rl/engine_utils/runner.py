@@ -35,6 +35,7 @@ from core_rl.engine_utils.microbatch import (
 from core_rl.engine_utils.optim import lr_at, set_lr
 from core_rl.engine_utils.packed import VARLEN_ATTENTION, forward_logprobs, forward_values, resolve_layout
 from core_rl.engine_utils.packing import plan_micro_batches
+from core_rl.engine_utils.token_budget import tokens_per_mb
 from core_rl.interfaces import HEADS, VALUE_HEADS, LossFn, LossOutput, ValueLossFn
 from core_rl.protocol import TensorBatch
 
@@ -210,7 +211,7 @@ class MicroBatchRunner:
 
         def make(min_num: int) -> list[list[int]]:
             return plan_micro_batches(
-                lengths, mb.max_tokens_per_mb, min_num, algorithm=mb.packing_algorithm, packed=packed
+                lengths, tokens_per_mb(mb), min_num, algorithm=mb.packing_algorithm, packed=packed
             )
 
         plan = make(mb.min_num_mb)

@@ -49,8 +49,8 @@ RELEASE = threading.Event()
 SURVIVABLE = ("raise", "hang", "nan", "inf", "string", "none")
 MODES = (*SURVIVABLE, "wrong_count", "slow", "mixed")
 
-#: metrics that depend on the clock, not on the computation
-VOLATILE = ("time", "timing/", "throughput/")
+#: metrics that depend on the clock or the machine's memory, not on the computation
+VOLATILE = ("time", "timing/", "throughput/", "memory/")
 
 
 @attrs.define

@@ -6,7 +6,9 @@ each key derived from others (:mod:`core_rl.config.derived`: the schedules' ``to
 plugin's ``default_from`` fields, ``${...}`` interpolations) kept derived, with its value in a
 comment. So ``core-rl train <run>/config.yaml`` runs the same configuration again, and
 ``core-rl train <run>/config.yaml recover.mode=resume trainer.total_steps=20`` extends the run
-with every value derived from ``trainer.total_steps`` derived anew.
+with every value derived from ``trainer.total_steps`` derived anew. A setting chosen from the
+machine at the start (``max_tokens_per_mb: auto``) is recorded as ``auto`` with the value this run
+chose in a comment.
 
 A resumed run whose configuration differs from the one recorded keeps the earlier file as
 ``config.step<N>.yaml`` (``N``: the step it resumed from; never overwritten) and reports
@@ -105,7 +107,8 @@ def _compare(earlier: str, path: Path, cfg: RunConfig, text: str, host: PluginHo
     if not isinstance(before_written, Mapping):
         before_written = {}
     before = _with_values(before_written, _earlier_derived(path, host))
-    after = _with_values(after_written, cfg.derived)
+    # a value chosen at the start from the machine is chosen anew on resume: as written (auto) both
+    after = _with_values(after_written, {k: d for k, d in cfg.derived.items() if not d.at_start})
     changes, recomputed = [], []
     for key, line in _differences(before, after):
         d = cfg.derived.get(key)

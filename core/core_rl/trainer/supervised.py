@@ -106,7 +106,7 @@ class SupervisedLoop(SyncTrainer):
         cfg, host = self.cfg, self.host
         set_collective_timeout(cfg.trainer.collective_timeout_s)
         engine_entry = host.get(TRAIN_ENGINE, cfg.actor.engine.name)
-        self.engine = build_engine(host, cfg.actor, trainable=True, head=self.actor_head)
+        self.engine = build_engine(host, cfg.actor, trainable=True, head=self.actor_head, built=self.built_engines)
         self.build_models(engine_entry)
         set_collective_timeout(cfg.trainer.collective_timeout_s)
         self.rank, self.world_size = rank_and_world()

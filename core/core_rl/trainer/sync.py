@@ -16,7 +16,9 @@ default). Every wait on another rank is bounded and a failure on one rank is sen
 
 The loop's parts live beside it: building components (:mod:`core_rl.trainer.building`), what the
 rewards and loggers see of samples (:mod:`core_rl.trainer.sample_log`), weight sync
-(:mod:`core_rl.trainer.weight_sync`), saving and resuming (:mod:`core_rl.trainer.resume`).
+(:mod:`core_rl.trainer.weight_sync`), saving and resuming (:mod:`core_rl.trainer.resume`), the ``auto``
+micro-batch budgets chosen once the engines are built (:mod:`core_rl.trainer.auto_budget`), each
+step's memory figures (:mod:`core_rl.trainer.memory`).
 
 Faults: rewards run through :class:`~core_rl.trainer.rewards.RewardRunner` (timeouts, per-item
 ``on_error``); non-finite steps go through :class:`~core_rl.trainer.numerics.NonFiniteGuard`; a
@@ -36,6 +38,7 @@ from typing import Any
 
 import torch
 
+from core_rl.built_engines import BuiltEngine
 from core_rl.components import build_component
 from core_rl.config.loader import to_plain
 from core_rl.config.schema import RunConfig
@@ -66,6 +69,7 @@ from core_rl.preflight import preflight
 from core_rl.protocol import RewardInput, Sample, TensorBatch
 from core_rl.roles import build_engine, build_roles
 from core_rl.trainer import checkpoints
+from core_rl.trainer.auto_budget import resolve_auto_budgets
 from core_rl.trainer.batching import BatchAssembler, Generation
 from core_rl.trainer.building import build, build_loggers, quiet_library_progress_bars
 from core_rl.trainer.critic import CriticStage
@@ -73,6 +77,7 @@ from core_rl.trainer.data import DataRow, PromptItem, PromptSource
 from core_rl.trainer.distill import DistillationLoss
 from core_rl.trainer.errors import DiskFullError
 from core_rl.trainer.filtering import EmptySteps
+from core_rl.trainer.memory import MemoryMeter
 from core_rl.trainer.numerics import NonFiniteGuard
 from core_rl.trainer.profiling import StepProfiler
 from core_rl.trainer.ranks import (
@@ -89,6 +94,7 @@ from core_rl.trainer.rollout_flow import RolloutFlow, flatten_groups
 from core_rl.trainer.run_config import record_config, resume_note
 from core_rl.trainer.sample_log import reward_inputs, sample_records
 from core_rl.trainer.signals import StopSignals
+from core_rl.trainer.summary import summary_lines
 from core_rl.trainer.update import PolicyUpdate
 from core_rl.trainer.weight_load import BackgroundWeightLoad
 from core_rl.trainer.weight_sync import WeightSyncing
@@ -140,8 +146,11 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
         self.weight_load = BackgroundWeightLoad(
             cfg.rollout.controller.wait_timeout_s, "rollout.controller.wait_timeout_s"
         )
+        self.built_engines: list[BuiltEngine] = []  # for the auto micro-batch budgets and memory figures
         try:
             self._build()
+            resolve_auto_budgets(cfg, self.built_engines)  # once every model is on its device
+            self.memory = MemoryMeter(self.built_engines)
         except BaseException:
             self.close()
             raise
@@ -165,13 +174,14 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
         self.loss: PolicyLoss = build(host, POLICY_LOSS, cfg.algorithm.loss)
         self.advantage = build(host, ADVANTAGE, cfg.algorithm.advantage)
         self.filters: list[SampleFilter] = [build(host, SAMPLE_FILTER, s) for s in cfg.algorithm.filters]
-        self.engine = build_engine(host, cfg.actor, trainable=True)
+        self.engine = build_engine(host, cfg.actor, trainable=True, built=self.built_engines)
         # reference, critic and teacher (core_rl/roles.py); critic and teacher hooks: trainer/critic.py, distill.py
         self.roles = build_roles(
             cfg,
             host,
             needs_reference=self.loss.requires_reference or self.advantage.requires_reference,
             needs_values=self.advantage.requires_values,
+            built=self.built_engines,
         )
         self.ref = self.roles.ref
         if cfg.teacher is not None:
@@ -419,6 +429,7 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
             for step in range(self.start_step + 1, cfg.trainer.total_steps + 1):
                 with self.profiler.around(step):
                     metrics = self.step(step)
+                metrics.update(self.memory.step_metrics())  # trainer/memory.py
                 if self.profiler.wants(step):
                     metrics = {**metrics, "profile/active": 1.0}
                 self.completed_step = step
@@ -452,6 +463,7 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
             "metrics": self.run_dir / "metrics.jsonl",
             "checkpoint": last,
             "export": export,
+            "peak_memory": self.memory.summary(),
         }
 
     def close(self) -> None:
@@ -474,17 +486,12 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
 def train(cfg: RunConfig, *, host: PluginHost) -> Mapping[str, Any]:
     """Check the data, model, machine and output directory (:mod:`core_rl.preflight`), then build a
     trainer for ``cfg`` and run it, restarting after a crash as ``recover`` says
-    (:func:`core_rl.trainer.recover.run_with_restarts`); rank 0 prints where metrics and
-    checkpoints are."""
+    (:func:`core_rl.trainer.recover.run_with_restarts`); rank 0 prints the run's summary
+    (:func:`core_rl.trainer.summary.summary_lines`)."""
     from core_rl.trainer.recover import run_with_restarts
 
     checked = preflight(cfg)
     result = run_with_restarts(cfg, host, data_rows=checked.rows)
     if rank_and_world()[0] == 0:
-        print(f"metrics:    {result['metrics']}")
-        at_end = str(cfg.saver.at_end).lower()
-        none = f"none saved (saver.every_n_steps={cfg.saver.every_n_steps}, saver.at_end={at_end})"
-        print(f"checkpoint: {result['checkpoint'] or none}")
-        if result["export"] is not None:
-            print(f"model:      {result['export']}")
+        print("\n".join(summary_lines(cfg, result)))
     return result

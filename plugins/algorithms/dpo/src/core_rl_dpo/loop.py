@@ -65,7 +65,9 @@ class DPOLoop(PairwiseLoop):
         when the config has one, else the actor's starting model, built by its train engine with
         ``trainable=False`` (:func:`core_rl.roles.build_engine`)."""
         if self.loop_config.reference == "model":
-            self.ref_engine = build_engine(self.host, self.cfg.ref or self.cfg.actor, trainable=False)
+            self.ref_engine = build_engine(
+                self.host, self.cfg.ref or self.cfg.actor, trainable=False, built=self.built_engines, role="ref"
+            )
 
     def make_batch(self, items: list[PromptItem]) -> TensorBatch:
         cfg = self.loop_config

@@ -9,6 +9,7 @@ from core_rl.config.validators import FieldValueError, one_of, positive
 
 if TYPE_CHECKING:
     from core_rl.config.checks import EnvironmentContext
+    from core_rl.config.schema import ActorConfig
 
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")  # core_rl.engine_utils.distributed.pick_device
@@ -61,6 +62,11 @@ class DeepSpeedConfig:
             raise FieldValueError("offload_param", True, f"needs zero_stage: 3 (zero_stage is {self.zero_stage})")
         if self.overlap_comm and self.zero_stage < 2:
             raise FieldValueError("overlap_comm", True, f"needs zero_stage 2 or 3 (zero_stage is {self.zero_stage})")
+
+    def compute_dtype(self, section: ActorConfig) -> str:
+        """The dtype the forward computes activations in (``mixed_precision``, else the stored
+        ``dtype``), for the ``auto`` micro-batch budget."""
+        return self.mixed_precision or section.dtype
 
     def check_environment(self, context: EnvironmentContext) -> list[str]:
         """The device, the process count and the role's activation checkpointing against the machine."""

@@ -10,6 +10,7 @@ from core_rl.config.validators import one_of
 
 if TYPE_CHECKING:
     from core_rl.config.checks import EnvironmentContext, SectionContext
+    from core_rl.config.schema import ActorConfig
 
 #: dtypes accepted by ``param_dtype`` / ``reduce_dtype``
 MIXED_DTYPES = ("float32", "bfloat16", "float16")
@@ -85,6 +86,11 @@ class FSDPConfig:
     load_on_rank0: bool = True
     shard_single_rank: bool = False
     compile: bool = False
+
+    def compute_dtype(self, section: ActorConfig) -> str:
+        """The dtype the forward computes activations in (``param_dtype``, else ``autocast_dtype``,
+        else the stored ``dtype``), for the ``auto`` micro-batch budget."""
+        return self.param_dtype or self.autocast_dtype or section.dtype
 
     def check_config(self, context: SectionContext) -> list[str]:
         """Settings of the run this engine cannot train with."""

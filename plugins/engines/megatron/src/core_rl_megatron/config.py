@@ -13,6 +13,7 @@ from core_rl.config.validators import FieldValueError, non_negative, one_of, pos
 
 if TYPE_CHECKING:
     from core_rl.config.checks import EnvironmentContext
+    from core_rl.config.schema import ActorConfig
 
 BACKENDS = ("auto", "gloo", "nccl")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
@@ -115,6 +116,12 @@ class MegatronConfig:
     export_bucket_mb: float = attrs.field(default=512.0, validator=positive())
     seed: int = attrs.field(default=1234, validator=non_negative())
     backend: str = attrs.field(default="auto", validator=one_of(BACKENDS))
+
+    def compute_dtype(self, section: ActorConfig) -> str:
+        """The dtype the forward computes activations in (``bfloat16`` with ``bf16``, else the
+        stored ``dtype``), for the ``auto`` micro-batch budget (which counts a tensor- or
+        pipeline-parallel model's activations as if unsplit)."""
+        return "bfloat16" if self.bf16 else section.dtype
 
     def __attrs_post_init__(self) -> None:
         vpp = self.virtual_pipeline_model_parallel_size

@@ -49,6 +49,7 @@ from core_rl.engine_utils.metrics import StepMetrics
 from core_rl.engine_utils.microbatch import micro_batch_width, pack_micro_batches, row_lengths, take_micro_batch
 from core_rl.engine_utils.optim import build_optimizer, check_schedule
 from core_rl.engine_utils.runner import TRAIN_KEYS, EngineState, check_temperature
+from core_rl.engine_utils.token_budget import tokens_per_mb
 from core_rl.interfaces import LossFn, TrainEngine
 from core_rl.protocol import TensorBatch
 from megatron.core import parallel_state as mpu
@@ -196,14 +197,14 @@ class MegatronEngine(EngineState, TrainEngine):
         pipelining, as the interleaved schedule needs)."""
         lengths = row_lengths(rows["attention_mask"])
         mb = self.actor.micro_batch
-        plan = pack_micro_batches(lengths, mb.max_tokens_per_mb, mb.min_num_mb)
+        plan = pack_micro_batches(lengths, tokens_per_mb(mb), mb.min_num_mb)
         count = torch.tensor([len(plan)], dtype=torch.long, device=self.device)
         target = int(dist_utils.all_reduce(count, dist_utils.ReduceOp.MAX).item())
         if self.config.virtual_pipeline_size > 1:
             pp = self.config.pipeline_model_parallel_size
             target = -(-target // pp) * pp
         if target > len(plan):
-            plan = pack_micro_batches(lengths, mb.max_tokens_per_mb, target)
+            plan = pack_micro_batches(lengths, tokens_per_mb(mb), target)
         out = [MicroBatch.of(take_micro_batch(rows, r, micro_batch_width(lengths, r)), r) for r in plan]
         return out + [MicroBatch.placeholder(self._pad_id) for _ in range(target - len(plan))]
 

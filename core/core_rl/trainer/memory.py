@@ -1,0 +1,125 @@
+"""Memory figures of every step, and their peaks over the run.
+
+Each step logs, per role whose engine computes on a CUDA device (:mod:`core_rl.built_engines`):
+
+- ``memory/<role>/peak_gib``: the most memory torch had allocated on that device during the step
+  (``torch.cuda.max_memory_allocated``, reset after each step);
+- ``memory/<role>/reserved_gib``: the most torch's caching allocator held from the driver during the
+  step (``torch.cuda.max_memory_reserved``): allocated memory plus cached blocks, what other
+  processes cannot use.
+
+The counters are per device and per process, not per model: roles that share a device (an actor
+and its reference on ``cuda:0``, and the embedded rollout engine beside them) report the same
+figure, the peak of everything on that device. And for the process, on a CPU as on a GPU:
+
+- ``memory/host_peak_rss_gib``: the process's peak resident memory during the step (``VmHWM`` in
+  ``/proc/self/status``, reset after each step through ``/proc/self/clear_refs``; where that is not
+  available, the peak since the process started, from ``getrusage``).
+
+Under ``torchrun`` each figure is the largest over the ranks. :meth:`MemoryMeter.summary` is the
+line the run prints at its end, with each figure's peak over the run's steps.
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from core_rl.built_engines import BuiltEngine
+from core_rl.trainer.ranks import rank_and_world, waiting_for
+
+GIB = 2**30
+HOST_KEY = "memory/host_peak_rss_gib"
+_HWM = re.compile(r"^VmHWM:\s+(\d+)\s+kB", re.MULTILINE)
+
+
+def host_peak_rss_bytes(status: Path = Path("/proc/self/status")) -> int:
+    """The process's peak resident memory: ``VmHWM`` from ``status`` (Linux), else ``ru_maxrss``
+    (KiB on Linux, bytes on macOS)."""
+    try:
+        found = _HWM.search(status.read_text())
+        if found:
+            return int(found.group(1)) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def reset_host_peak(clear_refs: Path = Path("/proc/self/clear_refs")) -> bool:
+    """Start the peak resident memory again from the current one (Linux: ``5`` written to
+    ``clear_refs``); ``False`` where that is not possible."""
+    try:
+        clear_refs.write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+class MemoryMeter:
+    """Reads the step's memory figures (see the module docstring) for the roles of ``built``."""
+
+    def __init__(self, built: Sequence[BuiltEngine]) -> None:
+        #: role -> its CUDA device (roles off CUDA have no device figure)
+        self.devices: dict[str, Any] = {}
+        for b in built:
+            if b.device.type == "cuda":
+                self.devices.setdefault(b.role, b.device)
+        #: the largest value of each figure over the steps read so far (rank 0's are over all ranks)
+        self.peaks: dict[str, float] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        """Start every counter again (after a step, and before the first)."""
+        import torch
+
+        for device in set(self.devices.values()):
+            torch.cuda.reset_peak_memory_stats(device)
+        reset_host_peak()
+
+    def read(self) -> dict[str, float]:
+        """This rank's figures since the last reset, in GiB."""
+        import torch
+
+        out = {HOST_KEY: host_peak_rss_bytes() / GIB}
+        for role, device in self.devices.items():
+            out[f"memory/{role}/peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+            out[f"memory/{role}/reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+        return out
+
+    def step_metrics(self) -> dict[str, float]:
+        """The step's figures (the largest over the ranks), then every counter reset; the run's
+        peaks updated. Collective under ``torchrun``."""
+        figures = self.read()
+        _rank, world = rank_and_world()
+        if world > 1:
+            import torch.distributed as dist
+
+            every: list[Any] = [None] * world
+            with waiting_for("the other ranks' memory figures"):
+                dist.all_gather_object(every, figures)
+            figures = {k: max(f.get(k, 0.0) for f in every) for k in figures}
+        self.reset()
+        for key, value in figures.items():
+            self.peaks[key] = max(self.peaks.get(key, 0.0), value)
+        return figures
+
+    def summary(self) -> str | None:
+        """``peak memory: cuda:0 (actor, ref) 12.31 GiB allocated, 14.00 GiB reserved; host 3.52 GiB
+        resident``: the peaks over the run's steps (``None`` before any step)."""
+        if not self.peaks:
+            return None
+        parts = []
+        by_device: dict[str, list[str]] = {}
+        for role, device in self.devices.items():
+            by_device.setdefault(str(device), []).append(role)
+        for device, roles in by_device.items():
+            peak = max(self.peaks.get(f"memory/{r}/peak_gib", 0.0) for r in roles)
+            reserved = max(self.peaks.get(f"memory/{r}/reserved_gib", 0.0) for r in roles)
+            parts.append(f"{device} ({', '.join(roles)}) {peak:.2f} GiB allocated, {reserved:.2f} GiB reserved")
+        parts.append(f"host {self.peaks.get(HOST_KEY, 0.0):.2f} GiB resident")
+        return "peak memory: " + "; ".join(parts)

@@ -1,0 +1,19 @@
+"""The lines a finished run prints."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from core_rl.config.schema import RunConfig
+
+
+def summary_lines(cfg: RunConfig, result: Mapping[str, Any]) -> list[str]:
+    """What a finished run prints: where its metrics, checkpoint and model are, and the peak memory
+    of its steps (:meth:`core_rl.trainer.memory.MemoryMeter.summary`; a loop may not report one)."""
+    at_end = str(cfg.saver.at_end).lower()
+    none = f"none saved (saver.every_n_steps={cfg.saver.every_n_steps}, saver.at_end={at_end})"
+    lines = [f"metrics:    {result['metrics']}", f"checkpoint: {result['checkpoint'] or none}"]
+    if result["export"] is not None:
+        lines.append(f"model:      {result['export']}")
+    return lines + ([result["peak_memory"]] if result.get("peak_memory") else [])
