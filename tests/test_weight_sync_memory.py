@@ -19,6 +19,7 @@ import pytest
 import torch
 from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
 from core_rl.engine_utils.buckets import nbytes
+from core_rl.interfaces import LossOutput, TrainEngine
 from core_rl.testing import make_rl_batch
 from core_rl.testing.weight_transfer import DataOps, HostTrips
 from core_rl.trainer.weight_sync import sync_in_memory
@@ -43,19 +44,24 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("sync") / "model", seed=0)
 
 
-def _trained(model_path: Path, device: str = "cpu", **options: Any) -> FSDPEngine:
-    """An fsdp engine one optimizer step away from the weights on disk (so a sync changes something)."""
+def _trained(model_path: Path, device: str = "cpu", engine: str = "fsdp", **options: Any) -> TrainEngine:
+    """An fsdp (or deepspeed) engine one optimizer step away from the weights on disk (so a sync
+    changes something)."""
     actor = ActorConfig(
-        model_path=str(model_path), engine=PluginSpec(name="fsdp"), optimizer=OptimizerConfig(name="adamw", lr=1e-2)
+        model_path=str(model_path), engine=PluginSpec(name=engine), optimizer=OptimizerConfig(name="adamw", lr=1e-2)
     )
-    engine = FSDPEngine(actor, FSDPConfig(device=device, **options))
-    engine.train_step(make_rl_batch(), lambda b, lp, ent: _nll(lp))
-    return engine
+    if engine == "deepspeed":
+        from core_rl_deepspeed.config import DeepSpeedConfig
+        from core_rl_deepspeed.engine import DeepSpeedEngine
+
+        built: TrainEngine = DeepSpeedEngine(actor, DeepSpeedConfig(device=device, **options))
+    else:
+        built = FSDPEngine(actor, FSDPConfig(device=device, **options))
+    built.train_step(make_rl_batch(), lambda b, lp, ent: _nll(lp))
+    return built
 
 
-def _nll(logprobs: torch.Tensor) -> Any:
-    from core_rl.interfaces import LossOutput
-
+def _nll(logprobs: torch.Tensor) -> LossOutput:
     return LossOutput(per_token_loss=-logprobs)
 
 
@@ -82,6 +88,28 @@ def test_sync_copies_once_in_place_without_host_trips(model_path: Path, layout: 
     assert {k: v.data_ptr() for k, v in own.items()} == storage  # in place
     for key, value in own.items():
         assert torch.equal(value, want[key].to(value.dtype)), key  # bit-exact, or rounded once to bfloat16
+    rollout.close()
+    engine.close()
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_deepspeed_buckets_reach_the_rollout_engine_without_host_trips(model_path: Path, zero_stage: int) -> None:
+    """DeepSpeed keeps its fp32 master weights in flat partitions, so each is assembled on the
+    device; still nothing goes through host memory. (ZeRO-3's own gathering moves partitions with
+    ``.to(<accelerator>)``, which on a CPU machine names the CPU: these recorders cannot tell it
+    from a host trip there.)"""
+    pytest.importorskip("core_rl_deepspeed")
+    options = {"zero_stage": zero_stage, "mixed_precision": "bfloat16", "weight_bucket_mb": 0.01}
+    engine = _trained(model_path, engine="deepspeed", **options)
+    rollout = HFRolloutEngine(model_path, HFRolloutConfig(device="cpu"))
+    before = {k: v.clone() for k, v in rollout.model.state_dict().items()}
+    with HostTrips() as trips:
+        sync_in_memory(engine, rollout, 2, contextlib.nullcontext())
+    assert trips.calls == []
+    want = engine.full_state_dict()
+    own = rollout.model.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in own.items())
+    assert not all(torch.equal(v, before[k]) for k, v in own.items())  # the trained weights arrived
     rollout.close()
     engine.close()
 

@@ -58,7 +58,7 @@ class HostTrips:
             return cpu(tensor, *args, **kwargs)
 
         def watched_to(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            device = torch._C._nn._parse_to(*args, **kwargs)[0]
+            device = torch._C._nn._parse_to(*args, **{k: v for k, v in kwargs.items() if k != "copy"})[0]
             if device is not None and device.type == "cpu":
                 trips.calls.append(("to", tuple(tensor.shape)))
             return to(tensor, *args, **kwargs)
