@@ -4,7 +4,7 @@
 #   suite   the whole test suite, GPU tests included (pytest-xdist, one worker per two cores)
 #   gpu     the engines' GPU tests alone (pytest -m gpu: fsdp, deepspeed, megatron, weight sync in memory)
 #   main    the main job (examples/tiny_grpo/main.py) on the GPU
-#   bench   benchmarks/gpu_grpo.py, the GPU step-time benchmark, where it exists
+#   bench   benchmarks/gpu_grpo.py, GRPO step time against TRL on the GPU (both shapes, 2 rounds: long)
 # and print a summary (failures, skips grouped by reason). It fails loudly when CUDA is absent: a GPU
 # check that quietly skipped every GPU test would prove nothing.
 #
