@@ -163,13 +163,13 @@ def run_side(python: str, kind: str, spec: dict, timeout: float) -> dict | str:
         return (oom or lines or ["failed"])[-1][:160]
 
 
-def summary(results: list[dict]) -> dict | None:
-    """Medians of the runs (:func:`trl_grpo.summarise`) and the largest peak memory, in GiB."""
+def summary(results: list[dict], on_cuda: bool) -> dict | None:
+    """Medians of the runs (:func:`trl_grpo.summarise`) and the largest peak memory (of the device,
+    or resident on the CPU), in GiB."""
     if not results:
         return None
     s = trl_grpo.summarise(results)
-    device = [r["peak_device_mib"] for r in results if r.get("peak_device_mib") is not None]
-    peak = max(device) if device else s.peak_rss_mib
+    peak = max(r["peak_device_mib"] for r in results) if on_cuda else s.peak_rss_mib
     return {"step": s.step, "first": s.first_step, "split": s.split, "peak_gib": peak / 1024, "runs": s.runs}
 
 
@@ -264,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
             "activation_checkpointing": "off",
             "precision": "bf16",
             "device": "cuda" if on_cuda else "cpu",
-            "actor_engine": CORE_RL_ACTOR,
+            # --smoke stays on the CPU on a GPU machine too
+            "actor_engine": {**CORE_RL_ACTOR, **({} if on_cuda else {"device": "cpu"})},
+            "rollout_engine": {} if on_cuda else {"device": "cpu"},
             "cli_overrides": args.core_rl_set,
         }
         sides = [("core-rl", sys.executable)] + ([("trl", python)] if python else [])
@@ -280,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                     results[kind].append(out)
                     steps = statistics.median(s["step"] for s in out["steps"])
                     print(f"  {name} round {r + 1} {kind}: {took:.0f} s ({steps:.3f} s/step)", flush=True)
-        rows.append((label, {kind: summary(v) for kind, v in results.items()}))
+        rows.append((label, {kind: summary(v, on_cuda) for kind, v in results.items()}))
     print_table(rows, "torch.cuda.max_memory_allocated" if on_cuda else "resident set size, CPU")
     return 0
 
