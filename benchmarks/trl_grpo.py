@@ -156,6 +156,13 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def peak_device_mib() -> float | None:
+    """The most CUDA memory this process's tensors held at once, or ``None`` without CUDA."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+
+
 def core_rl_worker(spec: dict) -> dict:
     """Train with core-rl (``fsdp`` + embedded ``hf``) through ``core-rl train``; per-step timings
     from the run's ``metrics.jsonl``."""
@@ -175,6 +182,7 @@ def core_rl_worker(spec: dict) -> dict:
                 "name": "fsdp",
                 **({"autocast_dtype": "bfloat16"} if spec.get("precision") == "bf16" else {}),
                 **({"compile": True} if spec.get("compile") else {}),
+                **spec.get("actor_engine", {}),
             },
             "optimizer": {"name": "adamw", "lr": LR},
             "lr_scheduler": {"name": "constant"},
@@ -182,7 +190,11 @@ def core_rl_worker(spec: dict) -> dict:
             "gradient_checkpointing": spec.get("activation_checkpointing") == "on",
         },
         "rollout": {
-            "engine": {"name": "hf", **({"autocast_dtype": "bfloat16"} if spec.get("precision") == "bf16" else {})},
+            "engine": {
+                "name": "hf",
+                **({"autocast_dtype": "bfloat16"} if spec.get("precision") == "bf16" else {}),
+                **spec.get("rollout_engine", {}),
+            },
             "sampling": {"n": wl.samples, "temperature": 1.0, "max_new_tokens": wl.tokens, "min_new_tokens": wl.tokens},
         },
         "algorithm": {"name": "grpo", "loss": {"name": "ppo_clip", "eps_clip": EPS_CLIP, "aggregation": "token-mean"}},
@@ -212,7 +224,7 @@ def core_rl_worker(spec: dict) -> dict:
         steps.append(step)
     for step, (cpu_step, cpu_rollout) in zip(steps, cpu):
         step.update(cpu_step=cpu_step, cpu_rollout=cpu_rollout, cpu_update=cpu_step - cpu_rollout)
-    return {"steps": steps, "peak_rss_mib": peak_rss_mib()}
+    return {"steps": steps, "peak_rss_mib": peak_rss_mib(), "peak_device_mib": peak_device_mib()}
 
 
 def _clock_core_rl_steps() -> list[tuple[float, float]]:
@@ -264,9 +276,10 @@ def trl_worker(spec: dict) -> dict:
     def reward(completions: list[str], answer: list[str], **_: object) -> list[float]:
         return [char_match(c, a) for c, a in zip(completions, answer)]
 
+    on_cuda = spec.get("device", "cpu") == "cuda"
     args = GRPOConfig(
         output_dir=str(Path(spec["work"]) / "trl-run"),
-        use_cpu=True,
+        use_cpu=not on_cuda,
         seed=SEED,
         learning_rate=LR,
         lr_scheduler_type="constant",
@@ -349,6 +362,8 @@ def trl_worker(spec: dict) -> dict:
             cpu_rollout[0] = 0.0
 
         def on_step_end(self, *_a, **_k):
+            if on_cuda:  # the step's kernels have run
+                torch.cuda.synchronize()
             total, cpu = time.perf_counter() - self.start, time.process_time() - self.cpu_start
             # everything of the step outside generation, log-prob recomputation and rewards is its update
             step = {"step": total, "weight_sync": 0.0, **phase}
@@ -358,7 +373,7 @@ def trl_worker(spec: dict) -> dict:
 
     trainer.add_callback(Clock())
     trainer.train()
-    return {"steps": steps, "peak_rss_mib": peak_rss_mib()}
+    return {"steps": steps, "peak_rss_mib": peak_rss_mib(), "peak_device_mib": peak_device_mib()}
 
 
 # ------------------------------------------------------------------------------------- environments
@@ -446,12 +461,28 @@ def summarise(results: list[dict]) -> Summary:
     )
 
 
+def add_run_options(parser: argparse.ArgumentParser, *, steps: int, threads: int) -> None:
+    """The options of both GRPO benchmarks (this one and ``gpu_grpo.py``) about their runs."""
+    parser.add_argument("--steps", type=int, default=steps, help="steps per run (the first is not counted)")
+    parser.add_argument("--rounds", type=int, default=2, help="A/B rounds per workload (one run of each per round)")
+    parser.add_argument("--threads", type=int, default=threads, help="torch intra-op threads in every run")
+    parser.add_argument(
+        "--core-rl-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for the core-rl runs (as on `core-rl train`'s command line); repeatable",
+    )
+    parser.add_argument("--no-trl", action="store_true", help="run core-rl only")
+    parser.add_argument("--no-install", action="store_true", help="skip TRL if its environment is not built yet")
+    parser.add_argument("--workdir", default=None, help="where models, prompts and runs go (default: a temp dir)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="small,medium,large", help=f"comma-separated, of {', '.join(WORKLOADS)}")
-    parser.add_argument("--steps", type=int, default=4, help="steps per run (the first is not counted)")
-    parser.add_argument("--rounds", type=int, default=2, help="A/B rounds per workload (one run of each per round)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads in every run")
+    add_run_options(parser, steps=4, threads=1)
     parser.add_argument(
         "--activation-checkpointing",
         choices=("defaults", "on", "off"),
@@ -469,17 +500,6 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="core-rl trains a torch.compile'd model (actor.engine.compile; its first step pays the compilation)",
     )
-    parser.add_argument(
-        "--core-rl-set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a config override for the core-rl runs (as on `core-rl train`'s command line); repeatable",
-    )
-    parser.add_argument("--no-trl", action="store_true", help="run core-rl only")
-    parser.add_argument("--no-install", action="store_true", help="skip TRL if its environment is not built yet")
-    parser.add_argument("--workdir", default=None, help="where models, prompts and runs go (default: a temp dir)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
     parser.add_argument(
         "--core-python",
         default=sys.executable,

@@ -2,9 +2,9 @@
 # The GPU check: on a CUDA machine, with core-rl installed (scripts/install.sh, or scripts/offline/install.sh
 # where there is no package index), run
 #   suite   the whole test suite, GPU tests included (pytest-xdist, one worker per two cores)
-#   gpu     the engines' GPU tests alone (pytest -m gpu: fsdp, deepspeed, megatron)
+#   gpu     the engines' GPU tests alone (pytest -m gpu: fsdp, deepspeed, megatron, weight sync in memory)
 #   main    the main job (examples/tiny_grpo/main.py) on the GPU
-#   bench   benchmarks/gpu_grpo.py, the GPU step-time benchmark, where it exists
+#   bench   benchmarks/gpu_grpo.py, GRPO step time against TRL on the GPU (both shapes, 2 rounds: long)
 # and print a summary (failures, skips grouped by reason). It fails loudly when CUDA is absent: a GPU
 # check that quietly skipped every GPU test would prove nothing.
 #
@@ -48,7 +48,8 @@ if has suite; then
   run_pytest suite -n "$workers" --dist loadfile ${SUITE_PATHS:-}
 fi
 if has gpu; then
-  run_pytest gpu -m gpu plugins/engines/fsdp/tests plugins/engines/deepspeed/tests plugins/engines/megatron/tests
+  run_pytest gpu -m gpu plugins/engines/fsdp/tests plugins/engines/deepspeed/tests plugins/engines/megatron/tests \
+    tests/test_weight_sync_memory.py
 fi
 if has main; then
   start=$(date +%s)

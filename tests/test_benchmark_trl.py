@@ -1,6 +1,8 @@
-"""Smoke test of ``benchmarks/trl_grpo.py``: one step of each workload through core-rl (and through
+"""Smoke tests of ``benchmarks/trl_grpo.py``: one step of each workload through core-rl (and through
 TRL when its benchmark environment is already built; CI never builds it), and the pieces the
-comparison rests on: the model sizes, the prompts, the reward formula both sides use."""
+comparison rests on: the model sizes, the prompts, the reward formula both sides use; and of
+``benchmarks/gpu_grpo.py`` on the CPU (``--smoke``: a tiny model, one step of each side), its refusal
+without CUDA, and the parameter counts it labels and sizes its shapes by."""
 
 from __future__ import annotations
 
@@ -8,17 +10,24 @@ import runpy
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_hf")
 pytest.importorskip("core_rl_reward_match")
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "trl_grpo.py"
+GPU_SCRIPT = SCRIPT.with_name("gpu_grpo.py")
 
 
 @pytest.fixture(scope="module")
 def bench() -> dict:
     return runpy.run_path(str(SCRIPT), run_name="benchmark")
+
+
+@pytest.fixture(scope="module")
+def gpu_bench() -> dict:
+    return runpy.run_path(str(GPU_SCRIPT), run_name="benchmark")
 
 
 def test_reward_matches_the_char_match_plugin(bench) -> None:
@@ -71,3 +80,47 @@ def test_one_step_of_each_workload(bench, tmp_path, capsys) -> None:
         assert not [r for r in rows if "trl" in r]
     else:
         assert len([r for r in rows if "trl" in r]) == 3, out
+
+
+# ------------------------------------------------------------------------------ benchmarks/gpu_grpo.py
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the benchmark")
+def test_gpu_bench_refuses_without_cuda_in_one_line(gpu_bench, capsys) -> None:
+    assert gpu_bench["main"]([]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.splitlines()) == 1 and "--smoke" in out.err
+
+
+def test_gpu_bench_parameter_counts_match_the_built_models(gpu_bench, tmp_path) -> None:
+    from core_rl.tiny import QWEN2_SHAPES
+
+    assert 0.35e9 < gpu_bench["model_params"](QWEN2_SHAPES["0.5b"]) < 0.37e9  # the issue's 0.36B model
+    assert 1.2e9 < gpu_bench["model_params"](QWEN2_SHAPES["1.5b"]) < 1.4e9
+    model, data = gpu_bench["prepare"](tmp_path, "tiny", gpu_bench["SMOKE"], tokens=8, prompts=2, steps=3)
+    assert gpu_bench["trl_grpo"].param_count(model) == gpu_bench["model_params"](gpu_bench["SMOKE"])
+    assert len(data.read_text().splitlines()) == 6
+    config = (model / "config.json").read_text()
+    assert '"tie_word_embeddings": true' in config and '"num_key_value_heads": 2' in config
+
+
+def test_gpu_bench_smoke_runs_each_side_and_prints_one_table(gpu_bench, tmp_path, capsys) -> None:
+    trl = gpu_bench["trl_grpo"].trl_python(install=False)
+    args = ["--smoke", "--no-install", "--workdir", str(tmp_path), "--core-rl-set", "trainer.profile.steps=[1]"]
+    assert gpu_bench["main"](args) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "tiny" / "core-rl-run" / "bench" / "profile" / "step1-rank0.txt").is_file()  # the override
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("shape"))
+    rows = [line.split() for line in lines[start + 2 :] if line.strip()]
+    core = next(r for r in rows if "core-rl" in r)
+    i = core.index("core-rl")
+    step, first, gen, logp, train, sync, other, peak = (float(x) for x in core[i + 1 : i + 9])
+    assert step > 0 and first > 0 and gen > 0 and train > 0 and sync >= 0 and peak > 0, core
+    assert abs(gen + logp + train + sync + other - step) < 1e-2 + 0.05 * step, core  # the split adds up
+    if trl is None:
+        assert "core-rl only" in out and len(rows) == 1
+    else:
+        side = next(r for r in rows if "trl" in r)
+        assert float(side[1]) > 0 and side[-2].endswith("x"), side  # s/step, and core-rl's ratio row
+        assert core[-2].endswith("x") and core[-1].endswith("x"), core

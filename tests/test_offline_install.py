@@ -50,9 +50,9 @@ def _have(path: Path, **replace: str) -> Path:
     return path
 
 
-def _build(tmp_path: Path, have: Path) -> subprocess.CompletedProcess[str]:
+def _build(tmp_path: Path, have: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, str(BUILD), str(tmp_path / "wheelhouse"), "--have", str(have), "--extras", EXTRAS]
-    return subprocess.run(command, capture_output=True, text=True, timeout=900)
+    return subprocess.run([*command, *extra], capture_output=True, text=True, timeout=900)
 
 
 def test_the_wheelhouse_installs_without_an_index_and_leaves_torch_alone(tmp_path: Path) -> None:
@@ -98,7 +98,9 @@ def test_the_wheelhouse_installs_without_an_index_and_leaves_torch_alone(tmp_pat
 
 
 def test_a_version_on_the_target_that_core_rl_cannot_use_is_named(tmp_path: Path) -> None:
-    built = _build(tmp_path, _have(tmp_path / "have.txt", transformers="4.40.0"))
+    """... and so is one that a requirement carried with ``--with`` (as TRL for the GPU benchmark) cannot use."""
+    built = _build(tmp_path, _have(tmp_path / "have.txt", transformers="4.40.0"), "--with", "packaging>=999")
     assert built.returncode == 2
     assert "the target has transformers 4.40.0, but core-rl requires transformers" in built.stderr
+    assert "but --with requires packaging>=999" in built.stderr
     assert "Traceback" not in built.stderr

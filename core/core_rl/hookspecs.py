@@ -17,6 +17,8 @@ core checks a component for when it is built names it: :mod:`core_rl.components`
   ``set_rejection_sampler``.
 - 3: :func:`core_rl_register_loops` and :func:`core_rl_register_workflows` added;
   ``PolicyLoss.entropy_grad``.
+- 4: weights in buckets, kept on the device: ``TrainEngine.hf_weight_buckets`` and
+  ``RolloutEngine.update_weights_from_buckets`` (what ``weight_sync: memory`` calls).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any, Protocol
 import pluggy
 
 PROJECT_NAME = "core_rl"
-HOOK_API_VERSION = 3
+HOOK_API_VERSION = 4
 
 #: The API version that added an interface (``"Class"``: all its members) or one member of it
 #: (``"Class.member"``) after version 1; anything not listed is in version 1. Classes are those of
@@ -54,6 +56,8 @@ INTERFACE_ADDED: dict[str, int] = {
     "PolicyLoss.entropy_grad": 3,
     "RolloutWorkflow": 3,
     "TrainingLoop": 3,
+    "TrainEngine.hf_weight_buckets": 4,
+    "RolloutEngine.update_weights_from_buckets": 4,
 }
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -110,6 +110,15 @@ class TrainEngine(ABC):
         """The full (unsharded) model weights with Hugging Face names, on CPU, on the main rank;
         an empty dict elsewhere. Every rank must call it (it is a collective)."""
 
+    def hf_weight_buckets(self, bucket_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """The weights of :meth:`full_state_dict` (same names and values; a tied weight repeated there
+        may be left out) in buckets of about ``bucket_bytes`` (``None``: the engine's choice), on the
+        main rank; other ranks' buckets are empty. The tensors stay where the engine keeps its weights
+        (a GPU engine's never pass through host memory) and may share storage with its parameters:
+        never write to them, and read them before the next :meth:`train_step` or :meth:`load_state`.
+        Collective: every rank iterates to the end. Default: :meth:`full_state_dict` as one bucket."""
+        yield self.full_state_dict()
+
     @abstractmethod
     def export_hf(self, path: str | Path) -> None:
         """Write the model as a Hugging Face directory (config, safetensors weights, tokenizer).
@@ -170,7 +179,7 @@ class RolloutEngine(ABC):
 
     :attr:`weight_sync_modes` lists the ``rollout.weight_sync`` values the engine supports
     (checked when a configuration is validated, through the same attribute on its ``config_cls``).
-    ``memory`` calls :meth:`update_weights`, ``disk`` :meth:`load_weights_from_path`,
+    ``memory`` calls :meth:`update_weights_from_buckets`, ``disk`` :meth:`load_weights_from_path`,
     ``collective`` :meth:`update_weights_collective`.
     """
 
@@ -224,6 +233,13 @@ class RolloutEngine(ABC):
     @abstractmethod
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load full weights (Hugging Face names) from memory and set the weight version."""
+
+    def update_weights_from_buckets(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> None:
+        """Like :meth:`update_weights`, the weights arriving in buckets (what
+        :meth:`TrainEngine.hf_weight_buckets` yields: tensors on any device, possibly sharing storage
+        with the trainer's parameters; copy them, keep none). Default: the buckets gathered into one
+        state dict on the CPU for :meth:`update_weights`."""
+        self.update_weights({k: v.detach().cpu() for bucket in buckets for k, v in bucket.items()}, version)
 
     @abstractmethod
     def load_weights_from_path(self, path: str | Path, version: int) -> None:

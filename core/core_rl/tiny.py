@@ -12,6 +12,13 @@ from pathlib import Path
 
 DEFAULT_ALPHABET = string.ascii_lowercase + string.digits + " =+-?:>"
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+#: :func:`build_tiny_model` arguments of Qwen2-0.5B's and Qwen2-1.5B's layouts (pass
+#: ``architecture="qwen2"`` and ``tie_word_embeddings=True`` too); with a character vocabulary instead
+#: of their 152k tokens they hold 0.36B and 1.3B parameters
+QWEN2_SHAPES = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2),
+}
 
 
 def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
@@ -40,9 +47,13 @@ def build_tiny_model(
     max_position_embeddings: int = 256,
     seed: int = 0,
     architecture: str = "llama",
+    num_kv_heads: int | None = None,
+    tie_word_embeddings: bool = False,
 ) -> Path:
     """Write a random-weight model (``architecture``: ``llama`` or ``qwen2``, which adds biases to
-    the q/k/v projections) and its char tokenizer to ``path``; return ``path``.
+    the q/k/v projections) and its char tokenizer to ``path``; return ``path``. ``num_kv_heads``
+    (default ``num_heads``) below ``num_heads`` gives grouped-query attention; ``tie_word_embeddings``
+    shares the output layer with the input embeddings.
 
     With ``qwen2``, ``AutoTokenizer`` loads the tokenizer as ``Qwen2Tokenizer``, whose byte-level
     pre-tokenizer drops spaces: use an ``alphabet`` without spaces there."""
@@ -64,12 +75,12 @@ def build_tiny_model(
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
+        num_key_value_heads=num_kv_heads or num_heads,
         max_position_embeddings=max_position_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
     torch.manual_seed(seed)
     model = model_cls(config)

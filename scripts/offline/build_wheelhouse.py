@@ -17,10 +17,14 @@ distributions are left out, which keeps the wheelhouse small. Where a listed ver
 satisfy what core-rl needs, the build stops and names the distribution, the version and the
 requirement, since the install would fail there without an index to upgrade from.
 
+``--with REQ`` (repeatable) carries another distribution and what it needs, installed beside
+core-rl: ``--with trl==1.16.0`` brings TRL for ``benchmarks/gpu_grpo.py``'s comparison on a GPU
+machine without an index (the benchmark then finds TRL in core-rl's own environment).
+
 Usage::
 
     python3 scripts/offline/build_wheelhouse.py OUT [--have have.txt] [--python-version 3.12]
-        [--extras all] [--test-tools]
+        [--extras all] [--test-tools] [--with REQ ...]
 
 ``OUT/manifest.txt`` lists each file and which requirement brought it in; the install script
 installs exactly those files. Rebuilding into the same folder fetches only what changed.
@@ -35,6 +39,7 @@ import tempfile
 import tomllib
 import zipfile
 from collections import deque
+from collections.abc import Sequence
 from email.parser import Parser
 from pathlib import Path
 
@@ -209,10 +214,15 @@ def file_version(path: Path) -> Version:
 
 
 def build(
-    out: Path, have: dict[str, Version | None], python_version: str, extras: set[str], test_tools: bool
+    out: Path,
+    have: dict[str, Version | None],
+    python_version: str,
+    extras: set[str],
+    test_tools: bool,
+    also: Sequence[str] = (),
 ) -> list[str]:
-    """Fill ``out`` with core-rl, the plugins ``extras`` select and everything they need that
-    ``have`` lacks; return the manifest lines."""
+    """Fill ``out`` with core-rl, the plugins ``extras`` select, the requirements ``also`` names and
+    everything they need that ``have`` lacks; return the manifest lines."""
     out.mkdir(parents=True, exist_ok=True)
     ours = build_our_wheels(out, selected_projects(extras))
     env = target_environment(python_version)
@@ -221,6 +231,7 @@ def build(
     _, requires = metadata_requirements(ours["core-rl"])
     queue: deque[tuple[Requirement, str, set[str]]] = deque((Requirement(r), "core-rl", extras) for r in requires)
     queue.extend((Requirement(r), "the test suite", set()) for r in (TEST_TOOLS if test_tools else []))
+    queue.extend((Requirement(r), "--with", set()) for r in also)
     specs: dict[str, SpecifierSet] = {}
     fetched: dict[str, Path] = {}
     problems: list[str] = []
@@ -264,6 +275,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python-version", default="3.12", help="the target's Python (default 3.12)")
     parser.add_argument("--extras", default="all", help="core-rl extras to include, comma-separated (default all)")
     parser.add_argument("--test-tools", action="store_true", help="also what the test suite needs (pytest, ...)")
+    parser.add_argument(
+        "--with",
+        dest="also",
+        action="append",
+        default=[],
+        metavar="REQ",
+        help="another requirement to carry with what it needs, e.g. trl==1.16.0 (repeatable)",
+    )
     args = parser.parse_args(argv)
     try:
         manifest = build(
@@ -272,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             args.python_version,
             {e.strip() for e in args.extras.split(",") if e.strip()},
             args.test_tools,
+            args.also,
         )
     except WheelhouseError as exc:
         print(f"build_wheelhouse: error: {exc}", file=sys.stderr)

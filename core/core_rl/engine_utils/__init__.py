@@ -7,6 +7,7 @@
 - :mod:`.packed`: the padded and packed (padding-free) micro-batch layouts and their forward;
 - :mod:`.runner`: the micro-batch loop (plan, forward, loss, backward, metrics) every engine runs;
 - :mod:`.lora`: LoRA adapters through peft, merged exports and the adapter alone;
+- :mod:`.buckets`: weights grouped into buckets of about a given size (weight sync);
 - :mod:`.state`: training-state directories written by all ranks (atomic, no pickles);
 - :mod:`.optim`: optimizer construction and the learning-rate schedule;
 - :mod:`.distributed`: process-group set-up and the few collectives engines need;

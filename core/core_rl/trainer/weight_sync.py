@@ -1,15 +1,18 @@
 """Moving the policy's new weights to the rollout engine after each update, as
-``rollout.weight_sync`` says: ``memory`` (a full state dict), ``collective`` (over a process group)
-or ``disk`` (a Hugging Face directory the engine loads, in the background for an asynchronous run
-once its controller runs: :mod:`core_rl.trainer.weight_load`)."""
+``rollout.weight_sync`` says: ``memory`` (in buckets, handed over in-process: :func:`sync_in_memory`),
+``collective`` (a full state dict over a process group) or ``disk`` (a Hugging Face directory the
+engine loads, in the background for an asynchronous run once its controller runs:
+:mod:`core_rl.trainer.weight_load`)."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
 from core_rl.config.schema import RunConfig
+from core_rl.engine_utils.buckets import nbytes
 from core_rl.interfaces import RolloutEngine, TrainEngine
 from core_rl.trainer.rollout_flow import RolloutFlow
 from core_rl.trainer.weight_load import BackgroundWeightLoad
@@ -49,14 +52,14 @@ class WeightSyncing:
         mode = self.cfg.rollout.weight_sync
         if mode == "disk":
             return self._sync_by_disk(version)
+        if mode == "memory":
+            paused = self._rollout_paused(version)  # entered only where the rollout engine is
+            return {"weight_sync/bytes": sync_in_memory(self.engine, self.rollout, version, paused)}
         state = self.engine.full_state_dict()
         if self.rollout is not None:
             with self._rollout_paused(version):
-                if mode == "collective":
-                    self.rollout.update_weights_collective(state, version)
-                else:
-                    self.rollout.update_weights(state, version)
-        return {"weight_sync/bytes": float(sum(t.numel() * t.element_size() for t in state.values()))}
+                self.rollout.update_weights_collective(state, version)
+        return {"weight_sync/bytes": float(nbytes(state.values()))}
 
     def _sync_by_disk(self, version: int) -> dict[str, float]:
         """``weight_sync: disk``: export to ``<run>/weight_sync`` and have the engine load it."""
@@ -82,3 +85,34 @@ class WeightSyncing:
             else:
                 load()
         return metrics
+
+
+def sync_in_memory(
+    engine: TrainEngine,
+    rollout: RolloutEngine | None,
+    version: int,
+    paused: AbstractContextManager[object],
+) -> float:
+    """``weight_sync: memory``, on every rank: the train engine's weight buckets
+    (:meth:`~core_rl.interfaces.TrainEngine.hf_weight_buckets`, on its device) go to ``rollout``
+    (held by the main rank alone, ``None`` elsewhere) through
+    :meth:`~core_rl.interfaces.RolloutEngine.update_weights_from_buckets` inside ``paused``; returns
+    the bytes handed over. Should the rollout engine fail or stop early, the rest of the buckets is
+    still drawn, so every rank finishes the engine's collectives, and then the error is raised."""
+    buckets = engine.hf_weight_buckets()
+    sent = 0
+
+    def counted() -> Iterator[dict]:
+        nonlocal sent
+        for bucket in buckets:
+            sent += nbytes(bucket.values())
+            yield bucket
+
+    try:
+        if rollout is not None:
+            with paused:
+                rollout.update_weights_from_buckets(counted(), version)
+    finally:
+        for _ in buckets:  # the rest of the gathering (on other ranks: all of it)
+            pass
+    return float(sent)

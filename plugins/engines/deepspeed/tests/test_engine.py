@@ -14,6 +14,7 @@ from core_rl.interfaces import LossOutput
 from core_rl.protocol import TensorBatch
 from core_rl.testing import make_rl_batch
 from core_rl.testing.contracts import hf_logprobs
+from core_rl.testing.weight_transfer import check_weight_buckets
 from core_rl_deepspeed.config import DeepSpeedConfig
 from core_rl_deepspeed.engine import DeepSpeedEngine
 
@@ -65,6 +66,7 @@ def test_lora_on_zero3_exports_merged_weights(tiny_model: Path, tmp_path: Path) 
     batch = make_rl_batch(seed=2)
     losses = [engine.train_step(batch, nll_entropy)["loss"] for _ in range(3)]
     assert losses[-1] < losses[0]
+    assert check_weight_buckets(engine) > 1  # gathered, merged, then in buckets
     engine.export_hf(tmp_path / "export")
     assert (tmp_path / "export" / "adapter" / "adapter_model.safetensors").is_file()
     want = hf_logprobs(tmp_path / "export", batch["input_ids"], batch["attention_mask"])

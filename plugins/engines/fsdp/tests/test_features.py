@@ -14,6 +14,7 @@ from core_rl.interfaces import LossOutput
 from core_rl.protocol import TensorBatch
 from core_rl.testing import make_rl_batch
 from core_rl.testing.contracts import hf_logprobs
+from core_rl.testing.weight_transfer import check_weight_buckets
 from core_rl_fsdp.config import FSDPConfig
 from core_rl_fsdp.engine import FSDPEngine
 from transformers import PreTrainedModel
@@ -81,6 +82,7 @@ def test_lora_trains_only_adapters_and_exports_merged_and_adapter(tiny_model: Pa
     assert losses[-1] < losses[0]
     merged = engine.full_state_dict()
     assert set(merged) == set(base)
+    assert check_weight_buckets(engine) > 1  # merged, then in buckets
     changed = {k for k in base if not torch.equal(merged[k], base[k])}
     assert changed == {k for k in base if any(f"{m}.weight" in k for m in ("q_proj", "v_proj", "down_proj"))}
     out = tmp_path / "export"

@@ -54,6 +54,45 @@ def test_update_weights_rejects_missing_unexpected_and_misshapen(
     _assert_model_holds(engine, tiny_state_dict)  # a rejected update changes nothing
 
 
+def _buckets(state_dict: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
+    keys = list(state_dict)
+    return [{k: state_dict[k] for k in keys[i::count]} for i in range(count)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_update_weights_from_buckets_copies_in_place(
+    make_engine: MakeEngine, tiny_state_dict: dict[str, torch.Tensor], dtype: str
+) -> None:
+    engine = make_engine(dtype=dtype)
+    storage = {k: v.data_ptr() for k, v in engine.model.state_dict().items()}
+    new = _perturbed(tiny_state_dict)
+    engine.update_weights_from_buckets(iter(_buckets(new, 3)), version=4)
+    assert engine.weight_version == 4
+    _assert_model_holds(engine, new)  # bit-exact in float32, rounded once to bfloat16
+    assert {k: v.data_ptr() for k, v in engine.model.state_dict().items()} == storage  # copied into its own tensors
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=2))
+    assert all(s.weight_version == 4 for group in out for s in group)
+
+
+def test_update_weights_from_buckets_refuses_a_bad_bucket_whole_and_a_missing_key_at_the_end(
+    make_engine: MakeEngine, tiny_state_dict: dict[str, torch.Tensor]
+) -> None:
+    engine = make_engine()
+    first, second = _buckets(_perturbed(tiny_state_dict), 2)
+    bad = {**second, "model.norm.weight": torch.ones(3)}
+    with pytest.raises(ValueError, match=r"model\.norm\.weight: \(3,\)"):
+        engine.update_weights_from_buckets([first, bad], version=1)
+    _assert_model_holds(engine, first)  # the first bucket landed
+    held = {k: engine.model.state_dict()[k].clone() for k in second}
+    _assert_model_holds(engine, held)
+    with pytest.raises(KeyError, match="unexpected extra.weight"):
+        engine.update_weights_from_buckets([{**second, "extra.weight": torch.zeros(1)}], version=1)
+    _assert_model_holds(engine, held)  # nothing of the refused bucket was copied
+    with pytest.raises(KeyError, match=r"missing .*unexpected none"):
+        engine.update_weights_from_buckets([first], version=1)
+    assert engine.weight_version == 0
+
+
 def test_tied_weights_may_be_left_out(tmp_path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -38,6 +38,8 @@ class DeepSpeedConfig:
     - ``shm_comm``: on CPU, let DeepSpeed build and use its shared-memory all-reduce extension
       (a C++ build of ~90 s on first use, cached under ``TORCH_EXTENSIONS_DIR``); ``False`` uses
       gloo, no compilation.
+    - ``weight_bucket_mb``: with ``rollout.weight_sync: memory``, weights reach the rollout engine
+      in buckets of about this size, each assembled on the device (as ``fsdp``).
     - ``config_overrides``: keys merged last into the generated DeepSpeed configuration (for
       settings not listed here; DeepSpeed validates them).
     """
@@ -55,6 +57,7 @@ class DeepSpeedConfig:
     backend: str = attrs.field(default="auto", validator=one_of(BACKENDS))
     attn_implementation: str | None = "auto"
     shm_comm: bool = False
+    weight_bucket_mb: float = attrs.field(default=512.0, validator=positive())
     config_overrides: dict[str, Any] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:

@@ -22,7 +22,7 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import distributed as dist_utils
 from core_rl.engine_utils import hf, lora
 from core_rl.engine_utils import state as state_files
+from core_rl.engine_utils.buckets import hf_buckets
 from core_rl.engine_utils.export import export_model_dir
 from core_rl.engine_utils.optim import build_optimizer, check_schedule
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner, check_temperature
@@ -140,40 +141,55 @@ class DeepSpeedEngine(EngineState, TrainEngine):
 
     # ------------------------------------------------------------------ full weights
 
-    def _full_param(self, param: nn.Parameter) -> torch.Tensor:
-        """The full value of one parameter on CPU, on every rank (collective under ZeRO-3, and for
-        the fp32 master of a trainable parameter): the fp32 master weight when the optimizer holds
-        one (cast to ``actor.dtype``), else the module's own value."""
+    def _full_param(self, param: nn.Parameter, device: str | None) -> torch.Tensor:
+        """The full value of one parameter, on every rank (collective under ZeRO-3, and for the fp32
+        master of a trainable parameter): the fp32 master weight when the optimizer holds one (cast
+        to ``actor.dtype``), else the module's own value; on ``device`` (:func:`_placed`)."""
         from deepspeed.utils import safe_get_full_fp32_param
 
         if self.trainable and param.requires_grad:
-            full = safe_get_full_fp32_param(param)
+            full = safe_get_full_fp32_param(param)  # assembled in a buffer of its own
             if full is not None:
-                return full.detach().to("cpu", hf.torch_dtype(self.actor.dtype)).clone()
+                return _placed(full.detach().to(hf.torch_dtype(self.actor.dtype)), device)
         if hasattr(param, "ds_id"):  # a ZeRO-3 partition: gather it
             import deepspeed
 
             with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                return param.detach().to("cpu").clone()
-        return param.detach().to("cpu").clone()
+                return _placed(param.detach(), device, own=True)  # the gathered storage is freed on exit
+        return _placed(param.detach(), device)
 
     def _wrapped_state_dict(self) -> dict[str, torch.Tensor]:
         """The full state dict of the module as wrapped (peft names with LoRA) on rank 0, ``{}``
-        elsewhere. Collective."""
-        out: dict[str, torch.Tensor] = {}
+        elsewhere, on the CPU. Collective."""
+        state: dict[str, torch.Tensor] = {}
+        for name, value in self._wrapped_named("cpu"):  # every rank takes part in each gather
+            if self.rank == 0:
+                state[name] = value
+        return state
+
+    def _wrapped_named(self, device: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, full value)`` of the wrapped module's state dict on ``device`` (:func:`_placed`),
+        drawn on every rank (collectives inside)."""
         for name, value in self.model.state_dict(keep_vars=True).items():
             if isinstance(value, nn.Parameter):
-                full = self._full_param(value)
+                yield name, self._full_param(value, device)
             else:
-                full = value.detach().to("cpu").clone()
-            if self.rank == 0:
-                out[name] = full
-        return out
+                yield name, _placed(value.detach(), device)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights with Hugging Face names on rank 0 (``{}`` elsewhere); LoRA adapters merged."""
         self._check_open()
         return lora.hf_state_dict(self.model, self._wrapped_state_dict())
+
+    def hf_weight_buckets(self, bucket_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """:meth:`full_state_dict`'s weights in buckets of about ``bucket_bytes`` (default
+        ``weight_bucket_mb``) on this engine's device, never through host memory unless the engine
+        lives there: fp32 masters assembled (and cast) on the device, ZeRO-3 partitions gathered
+        there, other parameters as they are (:func:`core_rl.engine_utils.buckets.hf_buckets`).
+        Collective: every rank iterates to the end."""
+        self._check_open()
+        size = bucket_bytes or int(self.config.weight_bucket_mb * 2**20)
+        yield from hf_buckets(self.model, self._wrapped_named(None), size, main=self.rank == 0)
 
     def export_hf(self, path: str | Path) -> None:
         """Rank 0 writes ``path`` (config, safetensors weights, generation config, tokenizer)
@@ -359,6 +375,14 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _placed(tensor: torch.Tensor, device: str | None, own: bool = False) -> torch.Tensor:
+    """``tensor`` copied to ``device``; with ``device`` ``None`` left where it is (on the engine's
+    device, or the CPU for what DeepSpeed offloads), cloned only if ``own``."""
+    if device is None:
+        return tensor.clone() if own else tensor
+    return tensor.to(device, copy=True)
 
 
 def _scalar_state(value: torch.Tensor, flat: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:

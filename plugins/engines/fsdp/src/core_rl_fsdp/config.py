@@ -6,7 +6,7 @@ import importlib.util
 from typing import TYPE_CHECKING, ClassVar
 
 import attrs
-from core_rl.config.validators import one_of
+from core_rl.config.validators import one_of, positive
 
 if TYPE_CHECKING:
     from core_rl.config.checks import EnvironmentContext, SectionContext
@@ -61,6 +61,9 @@ class FSDPConfig:
       nothing to shard or reduce, yet its hooks, DTensor parameters and copies cost more than the
       step's compute on a small model; so by default such a run trains the plain module (same
       parameters, same gradients, same optimizer). ``True`` wraps it with ``fully_shard`` anyway.
+    - ``weight_bucket_mb``: with ``rollout.weight_sync: memory``, weights reach the rollout engine
+      in buckets of about this size, each gathered on the device (with several ranks every rank
+      holds one bucket's full tensors at a time; with one rank buckets are the parameters themselves).
     - ``compile``: ``torch.compile`` the model (inductor, dynamic shapes; the whole plain module of
       a one-rank run, else each FSDP unit). It fuses the element-wise work around the matrix
       products (norms, rotary embeddings, activations, autocast casts). The first forward of each
@@ -86,6 +89,7 @@ class FSDPConfig:
     load_on_rank0: bool = True
     shard_single_rank: bool = False
     compile: bool = False
+    weight_bucket_mb: float = attrs.field(default=512.0, validator=positive())
 
     def compute_dtype(self, section: ActorConfig) -> str:
         """The dtype the forward computes activations in (``param_dtype``, else ``autocast_dtype``,

@@ -13,7 +13,7 @@ import gc
 import json
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch
 from core_rl import checkpointing as ckpt
 from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import lora
+from core_rl.engine_utils.buckets import hf_buckets
 from core_rl.engine_utils.export import export_model_dir
 from core_rl.engine_utils.hf import architecture_name, exported_architecture, torch_dtype
 from core_rl.engine_utils.optim import build_optimizer, check_schedule
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from core_rl_fsdp import attention
 from core_rl_fsdp import distributed as dist_utils
@@ -148,6 +150,18 @@ class FSDPEngine(EngineState, TrainEngine):
         else:  # one rank, plain module (model.needs_fsdp): its own tensors, detached; copied only off the CPU
             state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         return lora.hf_state_dict(self.model, state)
+
+    def hf_weight_buckets(self, bucket_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """:meth:`full_state_dict`'s weights in buckets of about ``bucket_bytes`` (default
+        ``weight_bucket_mb``), on this engine's device (the CPU with ``cpu_offload``), never through
+        host memory otherwise: on one rank the parameters themselves (no copy at all); on several,
+        each parameter gathered (``DTensor.full_tensor``) on every rank and kept on rank 0 until its
+        bucket has been read (:func:`core_rl.engine_utils.buckets.hf_buckets`; with LoRA merged
+        whole first). Collective: every rank iterates to the end."""
+        self._check_open()
+        size = bucket_bytes or int(self.config.weight_bucket_mb * 2**20)
+        named = ((k, _full_tensor(v)) for k, v in self.model.state_dict().items())
+        yield from hf_buckets(self.model, named, size, main=self.rank == 0)
 
     def export_hf(self, path: str | Path) -> None:
         """Rank 0 writes ``path`` (config, safetensors weights, generation config, tokenizer) via
@@ -312,6 +326,15 @@ def _read_meta(final: Path) -> dict[str, Any]:
     if not isinstance(meta.get("step"), int):
         raise ckpt.CheckpointFormatError(f"{meta_file}: no step")
     return meta
+
+
+def _full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The whole of one state-dict entry where it lives: a sharded parameter's local shard when one
+    rank holds it all (no copy), else gathered from every rank (a collective); a plain tensor as is."""
+    value = value.detach()
+    if isinstance(value, DTensor):
+        return value.to_local() if value.device_mesh.size() == 1 else value.full_tensor()
+    return value
 
 
 def _optimizer_has_state(optimizer: torch.optim.Optimizer) -> bool:

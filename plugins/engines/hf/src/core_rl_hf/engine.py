@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import queue
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from core_rl_hf.config import HFRolloutConfig, resolve_device
 from core_rl_hf.generation import Completion, generate_batch
 from core_rl_hf.memory import release_host_memory
 from core_rl_hf.sampling import check_sampling
-from core_rl_hf.weights import load_full_state_dict, read_safetensors_dir
+from core_rl_hf.weights import copy_buckets, load_full_state_dict, read_safetensors_dir
 
 #: how long a generate call waits for ``resume`` after ``pause``
 RESUME_TIMEOUT_S = 3600.0
@@ -305,6 +305,13 @@ class HFRolloutEngine(RolloutEngine):
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         with self._model_lock:
             load_full_state_dict(self.model, state_dict)
+            self._weight_version = version
+
+    def update_weights_from_buckets(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> None:
+        """Copy each bucket into the model's parameters in place (:func:`core_rl_hf.weights.copy_buckets`):
+        a train engine on this engine's device hands over device tensors, and nothing goes through host memory."""
+        with self._model_lock:
+            copy_buckets(self.model, buckets)
             self._weight_version = version
 
     def load_weights_from_path(self, path: str | Path, version: int) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -18,24 +18,57 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.
     The keys must be exactly the model's ``state_dict()`` keys, except that a key may be left out
     when it names storage shared with a key that is given (tied weights, e.g. ``lm_head.weight``
     tied to the input embeddings). Raises :class:`KeyError` naming missing or unexpected keys and
-    :class:`ValueError` naming tensors whose shape differs.
+    :class:`ValueError` naming tensors whose shape differs; then nothing is copied.
+    """
+    _check_names(model.state_dict(), state_dict, complete=True)
+    copy_buckets(model, [state_dict])
+
+
+def copy_buckets(model: torch.nn.Module, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
+    """Copy the tensors of each bucket in turn into ``model``'s own, in place: one fused copy per
+    bucket (``torch._foreach_copy_``), cast to the model's dtype and moved to its device on the way
+    (so tensors already on that device never pass through host memory), no state dict built.
+
+    Together the buckets must hold what :func:`load_full_state_dict` requires. A bucket holding an
+    unexpected or misshapen tensor is refused before any of it is copied; a missing key is only
+    known at the end, when the model holds the new weights but that one (the caller must then not
+    treat the update as done). On CUDA the device is synchronised before returning, so the copies
+    have finished and the time this takes is what they cost.
     """
     own = model.state_dict()
-    unexpected = sorted(set(state_dict) - set(own))
-    given_storage = {own[k].data_ptr() for k in state_dict if k in own}
-    missing = sorted(k for k in set(own) - set(state_dict) if own[k].data_ptr() not in given_storage)
+    given: set[str] = set()
+    with torch.no_grad():
+        for bucket in buckets:
+            if not bucket:
+                continue
+            _check_names(own, bucket, complete=False)
+            torch._foreach_copy_([own[k] for k in bucket], list(bucket.values()))
+            given.update(bucket)
+    _check_names(own, dict.fromkeys(given), complete=True)
+    devices = {t.device for t in own.values() if t.device.type == "cuda"}
+    for device in devices:
+        torch.cuda.synchronize(device)
+
+
+def _check_names(own: Mapping[str, torch.Tensor], given: Mapping[str, object], *, complete: bool) -> None:
+    """Raise unless every key of ``given`` is one of ``own``'s with its shape (where ``given``
+    holds tensors) and, with ``complete``, no key of ``own`` is missing but those tied to a given one."""
+    unexpected = sorted(set(given) - set(own))
+    missing: list[str] = []
+    if complete:
+        given_storage = {own[k].data_ptr() for k in given if k in own}
+        missing = sorted(k for k in set(own) - set(given) if own[k].data_ptr() not in given_storage)
     if unexpected or missing:
         raise KeyError(
             f"weights do not match the rollout model: missing {_preview(missing)}, unexpected {_preview(unexpected)}"
         )
     wrong = [
-        f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state_dict.items() if v.shape != own[k].shape
+        f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}"
+        for k, v in given.items()
+        if isinstance(v, torch.Tensor) and v.shape != own[k].shape
     ]
     if wrong:
         raise ValueError(f"weights have the wrong shape (given vs model): {_preview(wrong)}")
-    with torch.no_grad():
-        for key, value in state_dict.items():
-            own[key].copy_(value)
 
 
 def _preview(items: list[str], limit: int = 5) -> str:

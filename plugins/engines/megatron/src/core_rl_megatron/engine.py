@@ -484,13 +484,13 @@ class MegatronEngine(EngineState, TrainEngine):
             for chunk in self.model:
                 chunk.start_param_sync(force_sync=True)
 
-    def hf_weight_buckets(self) -> Iterator[dict[str, torch.Tensor]]:
+    def hf_weight_buckets(self, bucket_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """The model's weights with Hugging Face names, on the main rank, in buckets of about
-        ``export_bucket_mb`` (streaming: never a second full copy). Collective: every rank must
-        iterate to the end; other ranks receive nothing."""
+        ``bucket_bytes`` (default ``export_bucket_mb``; streaming: never a second full copy), on the
+        CPU. Collective: every rank must iterate to the end; other ranks receive nothing."""
         self._check_open()
         self._sync_params()
-        return self.gatherer.hf_buckets(int(self.config.export_bucket_mb * 2**20))
+        return self.gatherer.hf_buckets(bucket_bytes or int(self.config.export_bucket_mb * 2**20))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}

@@ -1,0 +1,291 @@
+"""GRPO step time and device memory on one GPU, core-rl against TRL's ``GRPOTrainer`` (HF generate).
+
+    python benchmarks/gpu_grpo.py [--shapes 0.5b,1.5b] [--steps 5] [--tokens 256] [--rounds 2]
+                                  [--core-rl-set KEY=VALUE ...] [--threads 8] [--no-trl] [--no-install]
+                                  [--trl-python PATH] [--workdir DIR] [--timeout 1800] [--smoke]
+
+The workload: a random-weight Qwen2-shaped model (:data:`core_rl.tiny.QWEN2_SHAPES`: ``0.5b`` is
+Qwen2-0.5B's layout, hidden 896, intermediate 4864, 24 layers, 14 heads, 2 key/value heads, 0.36B
+parameters with the character vocabulary; ``1.5b`` is Qwen2-1.5B's, 1.3B parameters, run where the
+GPU's memory allows), tied embeddings, a character tokenizer over ``abcdefgh=``; per step 8 prompts x
+8 samples x ``--tokens`` tokens (``min_new_tokens = max_new_tokens``, so both sides generate every
+token); bf16 compute with fp32 master weights, no KL term and no reference model, token-mean clipped
+loss, no gradient checkpointing, AdamW (lr 1e-5, grad clip 1.0), rewards by ``char_match``: the
+settings of ``benchmarks/trl_grpo.py``, whose workers this script runs.
+
+- core-rl: its defaults (``fsdp`` train engine, embedded ``hf`` rollout engine on the same GPU,
+  ``weight_sync: memory``, its micro-batch budget), with bf16 mixed precision set as core-rl does it:
+  ``actor.engine.param_dtype: bfloat16`` and ``reduce_dtype: float32`` (FSDP's mixed precision over
+  fp32 weights) and ``rollout.engine.autocast_dtype: bfloat16`` (generation's matrix products in
+  bfloat16 over fp32 weights). ``--core-rl-set`` overrides any key (as on ``core-rl train``'s command
+  line), e.g. ``--core-rl-set actor.micro_batch.max_tokens_per_mb=16640``.
+- TRL: ``GRPOTrainer`` with ``bf16=True`` (autocast over fp32 weights), ``use_vllm=False``,
+  ``gradient_checkpointing=False``, ``loss_type="dapo"`` (token-mean), ``beta=0``.
+
+Every run is a process of its own; runs alternate core-rl / TRL (the order flipping every round).
+The table gives, per shape and side: the median step time over every step after each run's first
+(``first``: the median first step, which pays warm-up), core-rl's split of it from its ``timing/*``
+metrics (generate, log-prob recomputation, train, weight sync, other; TRL's from wrappers around its
+generation and log-prob methods), the peak device memory (``torch.cuda.max_memory_allocated``: the
+trainer, the rollout engine and their activations together) and the ratios to TRL.
+
+Where TRL comes from: ``--trl-python PATH``; else this interpreter when it imports ``trl`` (on a GPU
+machine without a package index: carry TRL in the offline wheelhouse with
+``python3 scripts/offline/build_wheelhouse.py OUT --have have.txt --with trl==1.16.0`` and install it
+with ``scripts/offline/install.sh OUT``); else its own environment under
+``$CORE_RL_HOME/server-envs/``, built on first use where an index is reachable: on a GPU machine it
+sees this interpreter's CUDA torch (a ``.pth`` line) and installs only TRL and what torch does not
+cover; with ``--smoke``, ``benchmarks/trl_grpo.py``'s CPU environment. ``--no-install`` never builds
+one, ``--no-trl`` runs core-rl alone.
+
+Without CUDA the script refuses in one line, unless ``--smoke``: a tiny model, 1 step of each side
+on the CPU (the test suite runs it, so the script cannot rot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import trl_grpo  # this folder's TRL benchmark: its workers, prompts and reward
+
+PROMPTS, SAMPLES = 8, 8
+#: the tiny model of ``--smoke`` and its per-step shape
+SMOKE = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
+SMOKE_PROMPTS, SMOKE_SAMPLES, SMOKE_TOKENS = 2, 4, 8
+#: core-rl's bf16 mixed precision over fp32 weights (the trainer's FSDP policy; autocast off there)
+CORE_RL_ACTOR = {"param_dtype": "bfloat16", "reduce_dtype": "float32", "autocast_dtype": None}
+#: GPU memory a shape needs, per parameter: fp32 weights, gradients and AdamW's two moments (16 bytes),
+#: the rollout engine's fp32 copy (4), and room for activations and the allocator (4)
+BYTES_PER_PARAM = 24
+TRL_ENV = "bench-trl-gpu"
+
+
+def model_params(shape: dict) -> int:
+    """Parameters of a Qwen2 layout with tied embeddings and the benchmark's vocabulary (4 special
+    tokens and one per character): the projections (q, k, v with biases, o), MLP and norms of every
+    layer, the embeddings and the final norm."""
+    h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_layers"]
+    kv = h // shape["num_heads"] * shape["num_kv_heads"]
+    layer = 2 * h * h + 2 * h * kv + h + 2 * kv + 3 * h * i + 2 * h
+    vocab = 4 + len(trl_grpo.LETTERS + "=")
+    return n * layer + vocab * h + h
+
+
+def prepare(work: Path, name: str, shape: dict, tokens: int, prompts: int, steps: int) -> tuple[Path, Path]:
+    """The model directory and prompt file of one shape under ``work`` (a model built before is reused)."""
+    from core_rl.tiny import build_tiny_model
+
+    model = work / "model"
+    if not (model / "config.json").is_file():
+        print(f"  building the {name} model in {model}", flush=True)
+        build_tiny_model(
+            model,
+            alphabet=trl_grpo.LETTERS + "=",
+            max_position_embeddings=tokens + 64,
+            seed=trl_grpo.SEED,
+            architecture="qwen2",
+            tie_word_embeddings=True,
+            **shape,
+        )
+    data = work / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in trl_grpo.prompt_rows(prompts * steps)), encoding="utf-8")
+    return model, data
+
+
+# -------------------------------------------------------------------------------------------- TRL
+
+
+def trl_env_spec():
+    """TRL in an environment that sees this interpreter's torch (a ``.pth`` line naming the folder
+    torch is installed in), so a GPU machine's CUDA build is used, not downloaded again. Installed
+    with pip: uv does not look at ``.pth`` folders and would fetch torch."""
+    import torch
+    from core_rl.server_env import ServerEnvSpec
+
+    site = str(Path(torch.__file__).resolve().parents[1])
+    purelib = "pathlib.Path(sysconfig.get_paths()['purelib'], 'base_torch.pth')"
+    pth = f"import pathlib, sysconfig; {purelib}.write_text({site!r})"
+    steps = [["-c", pth], ["-m", "pip", "install", "-q", f"trl=={trl_grpo.TRL_VERSION}"]]
+    return ServerEnvSpec(
+        name=TRL_ENV,
+        steps={"cuda": steps, "cpu": steps},
+        check="import trl, torch; print(trl.__version__, torch.__version__, torch.cuda.is_available())",
+        description=f"TRL {trl_grpo.TRL_VERSION} over the trainer's torch, for benchmarks/gpu_grpo.py",
+    )
+
+
+def trl_python(args: argparse.Namespace, on_cuda: bool) -> tuple[str | None, str]:
+    """``(interpreter, where it comes from)``, or ``(None, why there is none)``."""
+    if args.no_trl:
+        return None, "--no-trl"
+    if args.trl_python:
+        return args.trl_python, "--trl-python"
+    if importlib.util.find_spec("trl") is not None:
+        return sys.executable, "this environment"
+    if not on_cuda:
+        found = trl_grpo.trl_python(install=not args.no_install)
+        return (str(found), "benchmarks/trl_grpo.py's environment") if found else (None, "its environment is not built")
+    from core_rl import server_env
+
+    spec = trl_env_spec()
+    directory = server_env.find(spec, variant="cuda")
+    if directory is None and not args.no_install:
+        os.environ[server_env.INSTALLER_ENV] = "pip"  # see trl_env_spec (this process builds nothing else)
+        try:
+            directory = server_env.create(spec, variant="cuda", echo=print)
+        except server_env.ServerEnvError as exc:
+            return None, f"building its environment failed ({str(exc).splitlines()[0]})"
+    if directory is None:
+        return None, "its environment is not built"
+    return str(server_env.env_python(directory)), str(directory)
+
+
+# ------------------------------------------------------------------------------------------ runs
+
+
+def run_side(python: str, kind: str, spec: dict, timeout: float) -> dict | str:
+    """One run's result, or the last line of its error (e.g. CUDA out of memory) if it failed."""
+    try:
+        return trl_grpo.run_worker(python, kind, spec, timeout)
+    except (RuntimeError, OSError) as exc:
+        lines = [li for li in str(exc).splitlines() if li.strip()]
+        oom = [li for li in lines if "out of memory" in li.lower()]
+        return (oom or lines or ["failed"])[-1][:160]
+
+
+def summary(results: list[dict], on_cuda: bool) -> dict | None:
+    """Medians of the runs (:func:`trl_grpo.summarise`) and the largest peak memory (of the device,
+    or resident on the CPU), in GiB."""
+    if not results:
+        return None
+    s = trl_grpo.summarise(results)
+    peak = max(r["peak_device_mib"] for r in results) if on_cuda else s.peak_rss_mib
+    return {"step": s.step, "first": s.first_step, "split": s.split, "peak_gib": peak / 1024, "runs": s.runs}
+
+
+def print_table(rows: list[tuple[str, dict[str, dict | None]]], memory: str) -> None:
+    head = f"{'shape':<24}{'side':<9}{'s/step':>8}{'first':>7}{'generate':>9}{'logprobs':>9}{'train':>7}"
+    head += f"{'sync':>7}{'other':>7}{'peak GiB':>9}{'time vs TRL':>12}{'mem vs TRL':>11}"
+    print(f"\n(peak: {memory}; medians over the steps after each run's first)\n{head}\n{'-' * len(head)}")
+    for label, sides in rows:
+        trl = sides.get("trl")
+        for kind, s in sides.items():
+            if s is None:
+                print(f"{label:<24}{kind:<9}{'failed':>8}")
+            else:
+                sp = s["split"]
+                ratio = f"{s['step'] / trl['step']:.2f}x" if trl else "-"
+                mem = f"{s['peak_gib'] / trl['peak_gib']:.2f}x" if trl else "-"
+                print(
+                    f"{label:<24}{kind:<9}{s['step']:>8.3f}{s['first']:>7.1f}{sp['generate']:>9.3f}"
+                    f"{sp['logprobs']:>9.3f}{sp['train']:>7.3f}{sp['weight_sync']:>7.3f}{sp['other']:>7.3f}"
+                    f"{s['peak_gib']:>9.2f}{ratio:>12}{mem:>11}"
+                )
+            label = ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    from core_rl.tiny import QWEN2_SHAPES
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="0.5b,1.5b", help=f"comma-separated, of {', '.join(QWEN2_SHAPES)}")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per completion (min = max)")
+    trl_grpo.add_run_options(parser, steps=5, threads=min(8, os.cpu_count() or 1))
+    parser.add_argument("--trl-python", default=None, help="the interpreter of an environment with TRL")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, 1 step of each side, on the CPU")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    on_cuda = torch.cuda.is_available() and not args.smoke
+    if not on_cuda and not args.smoke:
+        print(
+            "gpu_grpo: no CUDA GPU here (torch.cuda.is_available() is False); --smoke runs a tiny CPU check",
+            file=sys.stderr,
+        )
+        return 2
+    if args.smoke:
+        shapes = {"tiny": SMOKE}
+        args.steps, args.rounds, args.tokens, args.threads = 1, 1, SMOKE_TOKENS, 1
+        prompts, samples = SMOKE_PROMPTS, SMOKE_SAMPLES
+    else:
+        unknown = [s for s in args.shapes.split(",") if s not in QWEN2_SHAPES]
+        if unknown:
+            parser.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(QWEN2_SHAPES)}")
+        shapes = {s: QWEN2_SHAPES[s] for s in args.shapes.split(",")}
+        prompts, samples = PROMPTS, SAMPLES
+    device = torch.cuda.get_device_properties(0) if on_cuda else None
+    python, source = trl_python(args, on_cuda)
+    root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="core-rl-gpu-bench-"))
+    where = f"{device.name} ({device.total_memory / 2**30:.0f} GiB)" if device else "CPU (--smoke)"
+    print(
+        f"GRPO on {where}: {prompts} prompts x {samples} samples x {args.tokens} tokens, {args.steps} steps per run, "
+        f"{args.rounds} round(s); TRL: {source if python else f'none ({source}): core-rl only'}; work dir {root}",
+        flush=True,
+    )
+    rows = []
+    for name, shape in shapes.items():
+        params = model_params(shape)
+        size = f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.2f}M"
+        label = f"{name} {size} {prompts}x{samples}x{args.tokens}"
+        if device is not None and params * BYTES_PER_PARAM > device.total_memory:
+            print(f"  {name}: skipped, needs about {params * BYTES_PER_PARAM / 2**30:.0f} GiB of GPU memory")
+            continue
+        work = root / name
+        work.mkdir(parents=True, exist_ok=True)
+        model, data = prepare(work, name, shape, args.tokens, prompts, args.steps)
+        workload = trl_grpo.Workload(
+            name=name,
+            hidden=shape["hidden_size"],
+            layers=shape["num_layers"],
+            heads=shape["num_heads"],
+            intermediate=shape["intermediate_size"],
+            prompts=prompts,
+            samples=samples,
+            tokens=args.tokens,
+        )
+        spec = {
+            "work": str(work),
+            "model": str(model),
+            "data": str(data),
+            "workload": asdict(workload),
+            "steps": args.steps,
+            "threads": args.threads,
+            "activation_checkpointing": "off",
+            "precision": "bf16",
+            "device": "cuda" if on_cuda else "cpu",
+            # --smoke stays on the CPU on a GPU machine too
+            "actor_engine": {**CORE_RL_ACTOR, **({} if on_cuda else {"device": "cpu"})},
+            "rollout_engine": {} if on_cuda else {"device": "cpu"},
+            "cli_overrides": args.core_rl_set,
+        }
+        sides = [("core-rl", sys.executable)] + ([("trl", python)] if python else [])
+        results: dict[str, list[dict]] = {kind: [] for kind, _ in sides}
+        for r in range(args.rounds):
+            for kind, py in sides if r % 2 == 0 else sides[::-1]:
+                start = time.perf_counter()
+                out = run_side(py, kind, spec, args.timeout)
+                took = time.perf_counter() - start
+                if isinstance(out, str):
+                    print(f"  {name} round {r + 1} {kind}: failed after {took:.0f} s: {out}", flush=True)
+                else:
+                    results[kind].append(out)
+                    steps = statistics.median(s["step"] for s in out["steps"])
+                    print(f"  {name} round {r + 1} {kind}: {took:.0f} s ({steps:.3f} s/step)", flush=True)
+        rows.append((label, {kind: summary(v, on_cuda) for kind, v in results.items()}))
+    print_table(rows, "torch.cuda.max_memory_allocated" if on_cuda else "resident set size, CPU")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Weights in buckets, for :meth:`core_rl.interfaces.TrainEngine.hf_weight_buckets`: named tensors
+grouped, in order, into dicts of about a given size, so a consumer (a rollout engine copying them
+into its own parameters) never needs a second full copy of the model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from core_rl.engine_utils import lora
+
+
+def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes the tensors' elements take."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def bucketed(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *, keep: bool = True
+) -> Iterator[dict[str, torch.Tensor]]:
+    """``named`` (name, tensor) pairs in order, as dicts closed once they hold ``bucket_bytes`` or
+    more (a tensor larger than that fills a bucket alone); the last may be smaller. With ``keep``
+    false (a rank other than the main one, which draws ``named`` only for the collectives inside it)
+    every tensor is dropped at once and the buckets are empty, yielded at the same points."""
+    bucket: dict[str, torch.Tensor] = {}
+    size, pending = 0, False
+    for name, tensor in named:
+        if keep:
+            bucket[name] = tensor
+        size += tensor.numel() * tensor.element_size()
+        pending = True
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size, pending = {}, 0, False
+    if pending:
+        yield bucket
+
+
+def hf_buckets(
+    model: nn.Module, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *, main: bool
+) -> Iterator[dict[str, torch.Tensor]]:
+    """A train engine's :meth:`~core_rl.interfaces.TrainEngine.hf_weight_buckets` from ``named``, the
+    full state dict of its ``model`` as wrapped, drawn lazily on every rank (collectives inside):
+    :func:`bucketed`, kept on the ``main`` rank. With LoRA adapters the whole state dict is drawn
+    first and merged (:func:`core_rl.engine_utils.lora.hf_state_dict`: each merge needs its adapter
+    beside its base weight), then bucketed."""
+    if lora.is_lora_model(model):
+        state = {}
+        for key, value in named:  # every rank takes part in each gather; the main rank keeps the results
+            if main:
+                state[key] = value
+        named = lora.hf_state_dict(model, state).items()
+    yield from bucketed(named, bucket_bytes, keep=main)
