@@ -21,15 +21,14 @@ from core_rl.testing.contracts import (
     PolicyLossContract,
     RejectionSamplerContract,
     RewardContract,
-    RolloutEngineContract,
     SampleFilterContract,
-    TrainEngineContract,
     WorkflowContract,
     installed_distribution,
     make_reward_input,
     make_rl_batch,
     recipe_host,
 )
+from core_rl.testing.engine_contracts import RolloutEngineContract, TrainEngineContract
 from core_rl.testing.server_contract import ServerRolloutEngineContract
 
 __all__ = [

@@ -20,7 +20,7 @@ import torch
 from core_rl.config.schema import ActorConfig, MicroBatchConfig, OptimizerConfig, PluginSpec
 from core_rl.interfaces import LossOutput, TrainEngine
 from core_rl.protocol import TensorBatch
-from core_rl.testing.contracts import hf_logprobs, make_rl_batch
+from core_rl.testing.helpers import hf_logprobs, make_rl_batch
 
 EngineFactory = Callable[[ActorConfig], TrainEngine]
 

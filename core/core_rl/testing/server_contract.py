@@ -26,7 +26,7 @@ import pytest
 
 from core_rl.interfaces import SamplingParams
 from core_rl.servers import ServerError, pid_alive
-from core_rl.testing.contracts import RolloutEngineContract
+from core_rl.testing.engine_contracts import RolloutEngineContract
 from core_rl.testing.processes import idle_cpu
 
 
