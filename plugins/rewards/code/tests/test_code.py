@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any, ClassVar
@@ -216,3 +217,20 @@ def test_the_trainers_environment_cannot_be_read(monkeypatch):
     finally:
         trainer.kill()
         trainer.wait(timeout=10)
+
+
+def test_concurrent_sandboxes_never_reap_each_other():
+    """Each run kills what is left in its own PID namespace when it ends; a namespace's identity is
+    recycled once it dies, so a run that looked it up by number alone could kill a newer sandbox
+    that got the same one (seen under load as a correct program scoring 0)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from core_rl_reward_code.sandbox import SandboxLimits, run_sandboxed
+
+    def run(i: int) -> str:
+        program = f"import time; time.sleep(0.05 * ({i} % 4)); print({i})"
+        return run_sandboxed([sys.executable, "-I", "-c", program], {}, SandboxLimits(timeout_s=60)).stdout
+
+    with ThreadPoolExecutor(8) as pool:
+        outputs = list(pool.map(run, range(48)))
+    assert outputs == [f"{i}\n" for i in range(48)]

@@ -141,48 +141,64 @@ def _as_user(uid: int | None) -> list[str]:
     return [shutil.which("setpriv") or "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
 
 
-def _pid_namespace(pid: int) -> str | None:
+def _pid_namespace(pid: int) -> tuple[int, int] | None:
+    """The identity (device, inode) of ``pid``'s PID namespace, ``None`` if it is gone."""
     try:
-        return os.readlink(f"/proc/{pid}/ns/pid")
+        st = os.stat(f"/proc/{pid}/ns/pid")
     except OSError:
         return None
+    return st.st_dev, st.st_ino
 
 
-def _launcher_namespace(unshare_pid: int) -> str | None:
-    """The PID namespace of the sandbox ``unshare`` started (its child's), waiting briefly for the
-    child to exist; ``None`` if it is gone already."""
+def _hold_launcher_namespace(unshare: subprocess.Popen) -> int | None:
+    """A descriptor of the PID namespace of the sandbox ``unshare`` started (its child's), waiting
+    briefly for the child to exist; ``None`` once ``unshare`` has ended. Holding it keeps the
+    namespace's identity from being reused by another sandbox's before :func:`_reap` has run (an
+    inode number alone would be: it is recycled as soon as the namespace dies). Never this
+    process's own namespace."""
     deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline:
+    pid, own = unshare.pid, _pid_namespace(os.getpid())
+    while time.monotonic() < deadline and unshare.poll() is None:
         try:
-            children = Path(f"/proc/{unshare_pid}/task/{unshare_pid}/children").read_text().split()
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
         except OSError:
             return None
-        if children:
-            return _pid_namespace(int(children[0]))
+        for child in children:  # not a helper unshare may fork in our own namespace (to map user ids)
+            try:
+                fd = os.open(f"/proc/{child}/ns/pid", os.O_RDONLY)
+            except OSError:
+                continue
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != own:
+                return fd
+            os.close(fd)
         time.sleep(0.002)
     return None
 
 
-def _processes_in(namespace: str) -> list[int]:
-    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if _pid_namespace(int(p.name)) == namespace]
-
-
-def _reap(namespace: str | None) -> None:
-    """SIGKILL every process left in the sandbox's PID namespace until none is (the kernel kills
-    them when its first process dies, but not at once); an error naming them after
-    :data:`REAP_TIMEOUT_S`."""
-    if namespace is None:
+def _reap(namespace_fd: int | None) -> None:
+    """SIGKILL every process left in the held PID namespace until none is (the kernel kills them
+    when its first process dies, but not at once), then let the namespace go; an error naming
+    them after :data:`REAP_TIMEOUT_S`."""
+    if namespace_fd is None:
         return
-    deadline = time.monotonic() + REAP_TIMEOUT_S
-    while left := _processes_in(namespace):
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"reward 'code': processes {left} of a sandbox outlived SIGKILL for {REAP_TIMEOUT_S} s")
-        time.sleep(0.01)
+    try:
+        st = os.fstat(namespace_fd)
+        namespace = (st.st_dev, st.st_ino)
+        deadline = time.monotonic() + REAP_TIMEOUT_S
+        while left := [int(p.name) for p in Path("/proc").glob("[0-9]*") if _pid_namespace(int(p.name)) == namespace]:
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"reward 'code': processes {left} of a sandbox outlived SIGKILL for {REAP_TIMEOUT_S} s"
+                )
+            time.sleep(0.01)
+    finally:
+        os.close(namespace_fd)
 
 
 def require_sandbox() -> None:
@@ -282,10 +298,10 @@ def run_sandboxed(
                     start_new_session=True,
                     pass_fds=(write_end,) if verdict_fd else (),
                 )
-            namespace = _launcher_namespace(proc.pid)
             if verdict_fd:
                 os.close(write_end)
                 write_end = -1
+            namespace = _hold_launcher_namespace(proc)
             try:
                 proc.wait(timeout=limits.timeout_s)
             except subprocess.TimeoutExpired:
