@@ -5,14 +5,23 @@
 inference server's own environment (``core-rl server-env create NAME``). Where that environment is
 not built and no package index can be reached to build it (a GPU machine without network, say),
 the test is skipped with that reason rather than failing on the first install step.
+
+``scripts/test.sh`` builds the server environments in the background while the other tests run:
+it names a directory in ``CORE_RL_SERVER_ENV_BUILDS`` where each build leaves ``NAME.log`` and, when
+it ends, ``NAME.rc``. The files holding server tests are collected last, and such a test waits for
+its environment's build (up to ``SERVER_ENV_BUILD_TIMEOUT_S``), failing with the build's log if it
+failed.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 import sys
 import tempfile
+import time
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +42,30 @@ def _index_problem() -> str | None:
     return lines[-1] if lines else f"pip download exited with status {proc.returncode}"
 
 
+BUILDS_ENV = "CORE_RL_SERVER_ENV_BUILDS"
+SERVER_ENV_BUILD_TIMEOUT_S = 2400
+
+
+@functools.cache
+def _background_build_failure(name: str) -> str | None:
+    """Wait for ``scripts/test.sh``'s background build of ``name`` (if there is one); its failure."""
+    builds = os.environ.get(BUILDS_ENV)
+    if not builds or not (Path(builds) / f"{name}.log").exists():
+        return None
+    rc_file, log = Path(builds) / f"{name}.rc", Path(builds) / f"{name}.log"
+    deadline = time.monotonic() + SERVER_ENV_BUILD_TIMEOUT_S
+    while not rc_file.exists():
+        if time.monotonic() > deadline:
+            waited = SERVER_ENV_BUILD_TIMEOUT_S
+            return f"the background build of the {name} server environment did not end within {waited} s (log: {log})"
+        time.sleep(2)
+    status = rc_file.read_text().strip()
+    if status == "0":
+        return None
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+    return f"building the {name} server environment failed (status {status}; {log}):\n{tail}"
+
+
 @functools.cache
 def _environment_missing(name: str) -> str | None:
     """Why the server environment ``name`` cannot be had here (``None`` if it is built, or can be)."""
@@ -49,13 +82,27 @@ def _environment_missing(name: str) -> str | None:
     return f"the {name} server environment is not built and no package index is reachable to build it ({problem})"
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
+def _server_env_name(item: pytest.Item) -> str | None:
     mark = item.get_closest_marker("server_env")
     if mark is None:
-        return
-    name = mark.args[0] if mark.args else getattr(item.cls, "name", None)
+        return None
+    return mark.args[0] if mark.args else getattr(item.cls, "name", None)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with server tests go last (whole files, for ``--dist loadfile``), so the server
+    environments can build in the background meanwhile; the order is otherwise kept."""
+    server_files = {item.path for item in items if _server_env_name(item) is not None}
+    items.sort(key=lambda item: item.path in server_files)  # a stable sort
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    name = _server_env_name(item)
     if name is None:
         return
+    failure = _background_build_failure(name)
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)
     reason = _environment_missing(name)
     if reason is not None:
         pytest.skip(reason)

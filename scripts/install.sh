@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install core-rl and every in-repo plugin (editable) into a virtual environment.
 #   VENV=<dir> (default .venv) ; reuses it when it exists.
+#   CORE_RL_INSTALLER=pip to install with pip alone (default: uv, several times faster).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -9,5 +10,15 @@ PY="$VENV/bin/python"
 # torch first, pinned to the local CPU build, so nothing pulls a CUDA build from the registry
 "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
 # DeepSpeed (core-rl-deepspeed) is a source package: build it without compiling any op
-DS_BUILD_OPS=${DS_BUILD_OPS:-0} "$PY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+export DS_BUILD_OPS=${DS_BUILD_OPS:-0}
+if [ "${CORE_RL_INSTALLER:-uv}" = "pip" ]; then
+  "$PY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+else
+  # uv, with pip's configured indexes and find-links (uv does not read pip's configuration);
+  # torch, installed above, satisfies every plugin's bound and stays as it is
+  "$PY" -m pip install -q --disable-pip-version-check "uv>=0.5"
+  UV=$("$PY" -c 'from uv import find_uv_bin; print(find_uv_bin())')
+  mapfile -t uv_flags < <("$PY" core/core_rl/pip_as_uv.py "$PY")
+  "$UV" pip install --quiet --python "$PY" --index-strategy unsafe-best-match "${uv_flags[@]}" -r requirements-dev.txt
+fi
 echo "installed into $VENV ($("$PY" -c 'import core_rl; print("core-rl", core_rl.__version__)'))"

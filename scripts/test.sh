@@ -8,26 +8,36 @@ VENV=${VENV:-.venv}
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
 # The inference servers' own environments (core-rl server-env; cached under $CORE_RL_HOME, default
-# ~/.cache/core-rl, so this is instant when they are built already). Built in parallel; a failure
-# prints its log.
-start=$(date +%s)
+# ~/.cache/core-rl, so this is instant when they are built already) build in the background while
+# the tests that do not need them run: the files holding server tests are collected last and wait
+# for their environment (conftest.py reads CORE_RL_SERVER_ENV_BUILDS). A failed build fails the run
+# and prints its log.
+builds=$(mktemp -d "${TMPDIR:-/tmp}/core-rl-server-envs.XXXXXX")
+export CORE_RL_SERVER_ENV_BUILDS=$builds
 envs=(vllm sglang)
 pids=()
 for env in "${envs[@]}"; do
-  "$VENV/bin/core-rl" server-env create "$env" > "${TMPDIR:-/tmp}/core-rl-server-env-$env.log" 2>&1 &
+  ( start=$(date +%s)
+    status=0
+    "$VENV/bin/core-rl" server-env create "$env" > "$builds/$env.log" 2>&1 || status=$?
+    echo "the $env server environment: status $status after $(( $(date +%s) - start )) s" >> "$builds/$env.log"
+    echo "$status" > "$builds/$env.rc" ) &
   pids+=($!)
 done
-for i in "${!envs[@]}"; do
-  if ! wait "${pids[$i]}"; then
-    cat "${TMPDIR:-/tmp}/core-rl-server-env-${envs[$i]}.log"
-    echo "building the ${envs[$i]} server environment failed" >&2
-    exit 1
-  fi
-done
-echo "server environments ready in $(( $(date +%s) - start )) s"
 # Two pytest workers (pytest-xdist; CORE_RL_TEST_WORKERS to change, 0 for none), each taking whole
 # files so a module's server or model fixture is built once.
 workers=${CORE_RL_TEST_WORKERS:-2}
 parallel=()
 if [ "$workers" != "0" ]; then parallel=(-n "$workers" --dist loadfile); fi
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$VENV/bin/python" -m pytest -q "${parallel[@]}" "$@"
+status=0
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$VENV/bin/python" -m pytest -q "${parallel[@]}" "$@" || status=$?
+wait "${pids[@]}"
+for env in "${envs[@]}"; do
+  tail -n 1 "$builds/$env.log"
+  if [ "$(cat "$builds/$env.rc")" != "0" ]; then
+    cat "$builds/$env.log"
+    echo "building the $env server environment failed" >&2
+    status=1
+  fi
+done
+exit "$status"

@@ -35,6 +35,7 @@ from pathlib import Path
 import attrs
 
 from core_rl.errors import CoreRLError
+from core_rl.pip_as_uv import pip_settings_as_uv_flags
 
 MANIFEST = "core-rl-env.json"
 LOCK_FILE = "requirements.lock"
@@ -183,8 +184,6 @@ def _locked(name: str) -> Iterator[None]:
 
 
 INSTALLER_ENV = "CORE_RL_SERVER_ENV_INSTALLER"
-#: pip configuration keys passed on to uv, with uv's flag for each value
-PIP_SETTINGS_FOR_UV = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links"}
 
 
 def uv_binary() -> str | None:
@@ -199,27 +198,6 @@ def uv_binary() -> str | None:
         return find_uv_bin()
     except FileNotFoundError:
         return shutil.which("uv")
-
-
-def pip_settings_as_uv_flags(python: str) -> list[str]:
-    """pip's configured indexes and find-links (``pip config list``: files and ``PIP_*``
-    variables) as uv flags, so uv finds what pip would (e.g. a local CPU build of torch)."""
-    out = subprocess.run(
-        [python, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=120, check=False
-    )
-    from_files: dict[str, list[str]] = {}
-    from_env: dict[str, list[str]] = {}
-    for line in out.stdout.splitlines():
-        key, sep, raw = line.partition("=")
-        setting = key.rsplit(".", 1)[-1]
-        if sep and setting in PIP_SETTINGS_FOR_UV:
-            # one line per source, files in increasing precedence; a PIP_* variable beats every file
-            (from_env if key.startswith(":env:") else from_files)[setting] = raw.strip().strip("'\"").split()
-    flags = []
-    for setting, items in {**from_files, **from_env}.items():
-        for item in items:
-            flags += [PIP_SETTINGS_FOR_UV[setting], item]
-    return flags
 
 
 def installer_command(step: list[str], python: str, uv: str | None, uv_flags: list[str]) -> list[str]:

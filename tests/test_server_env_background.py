@@ -1,0 +1,83 @@
+"""The root conftest's wait for ``scripts/test.sh``'s background server-environment builds, and the
+collection order that lets them run while the other tests do."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def hooks(monkeypatch, tmp_path):
+    spec = importlib.util.spec_from_file_location("root_conftest_copy", ROOT / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setenv(module.BUILDS_ENV, str(tmp_path))
+    return module
+
+
+def test_no_background_build_means_nothing_to_wait_for(hooks, monkeypatch, tmp_path):
+    assert hooks._background_build_failure("vllm") is None  # no log: test.sh is not building it
+    monkeypatch.delenv(hooks.BUILDS_ENV)
+    (tmp_path / "vllm.log").write_text("building")
+    assert hooks._background_build_failure("vllm") is None
+
+
+def test_a_running_build_is_waited_for(hooks, tmp_path):
+    (tmp_path / "sglang.log").write_text("building\n")
+
+    def finish() -> None:
+        time.sleep(1.5)
+        (tmp_path / "sglang.rc").write_text("0\n")
+
+    thread = threading.Thread(target=finish)
+    start = time.monotonic()
+    thread.start()
+    assert hooks._background_build_failure("sglang") is None
+    assert time.monotonic() - start >= 1.5
+    thread.join()
+
+
+def test_a_failed_build_names_its_status_and_log(hooks, tmp_path):
+    log = tmp_path / "vllm.log"
+    log.write_text("".join(f"line {i}\n" for i in range(100)) + "ERROR: no matching distribution\n")
+    (tmp_path / "vllm.rc").write_text("1\n")
+    failure = hooks._background_build_failure("vllm")
+    assert failure.startswith(f"building the vllm server environment failed (status 1; {log})")
+    assert failure.rstrip().endswith("ERROR: no matching distribution") and "line 50" not in failure
+
+
+def test_a_build_that_never_ends_times_out(hooks, tmp_path, monkeypatch):
+    (tmp_path / "vllm.log").write_text("building\n")
+    monkeypatch.setattr(hooks, "SERVER_ENV_BUILD_TIMEOUT_S", 0)
+    assert "did not end within 0 s" in hooks._background_build_failure("vllm")
+
+
+def test_files_with_server_tests_are_collected_last(pytester_items):
+    names = [item.path.name for item in pytester_items]
+    assert names == ["test_a.py", "test_a.py", "test_c.py", "test_b.py", "test_b.py"]
+
+
+class _Item:
+    def __init__(self, name: str, server: bool) -> None:
+        self.path = Path(name)
+        self.cls = None
+        self._server = server
+
+    def get_closest_marker(self, name: str):
+        return pytest.mark.server_env("vllm").mark if self._server and name == "server_env" else None
+
+
+@pytest.fixture
+def pytester_items(hooks):
+    # test_b.py holds one server test, so both its tests move, in order, behind the others
+    items = [_Item("test_a.py", False), _Item("test_b.py", False), _Item("test_b.py", True)]
+    items += [_Item("test_a.py", False), _Item("test_c.py", False)]
+    hooks.pytest_collection_modifyitems(items)
+    return items
