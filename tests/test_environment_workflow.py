@@ -7,12 +7,24 @@ run for ``hf``, vLLM and SGLang by their conformance classes.)"""
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import pytest
+from core_rl.builtin import environment_workflow as builtin
 from core_rl.errors import ConfigError
-from core_rl.testing.multi_turn import Echo, PromptRow, environment_workflow, roll_out
+from core_rl.testing import WorkflowContract
+from core_rl.testing.multi_turn import ECHO_PLUGIN, Echo, PromptRow, environment_workflow, roll_out
 from core_rl.tiny import build_tiny_model
 
 hf = pytest.importorskip("core_rl_hf.engine")
+
+
+class TestEnvironmentWorkflowContract(WorkflowContract):
+    plugin = builtin
+    name = "environment"
+    distribution = "core-rl"
+    extra_plugins: ClassVar[list[object]] = [ECHO_PLUGIN]
+    options: ClassVar[dict[str, Any]] = {"environment": {"name": "echo"}, "max_turns": 2}
 
 
 @pytest.fixture(scope="module")
