@@ -11,7 +11,8 @@ from typing import Any, ClassVar
 
 import pytest
 from core_rl.builtin import environment_workflow as builtin
-from core_rl.errors import ConfigError
+from core_rl.environments import StepResult, as_step_result
+from core_rl.errors import ConfigError, PluginFault
 from core_rl.testing import WorkflowContract
 from core_rl.testing.multi_turn import ECHO_PLUGIN, Echo, PromptRow, environment_workflow, roll_out
 from core_rl.tiny import build_tiny_model
@@ -78,3 +79,16 @@ def test_configuration_errors_name_the_key() -> None:
         environment_workflow(environment={"name": "echo"}, train_turns="first")
     with pytest.raises(ConfigError, match=r"rollout\.workflow\.environment.*nope"):
         environment_workflow(environment={"name": "nope"})
+
+
+def test_what_a_step_returns_is_checked() -> None:
+    assert as_step_result(("obs", 1, 0, {}), "env 'x'") == StepResult("obs", 1.0, False, {})
+    for bad, what in [
+        ("obs", r"str .obs."),
+        ((1, 0.0, True, {}), r"observation of type int"),
+        (("", float("nan"), True, {}), r"reward nan"),
+        (("", True, True, {}), r"reward True"),
+        (("", 0.0, True, []), r"info of type list"),
+    ]:
+        with pytest.raises(PluginFault, match=rf"env 'x' returned .*{what}.*Environment\.step returns"):
+            as_step_result(bad, "env 'x'")

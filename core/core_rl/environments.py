@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 
 import attrs
 
+from core_rl.errors import PluginFault
+
 
 @attrs.frozen
 class Action:
@@ -64,18 +66,18 @@ class Environment(ABC):
 
 def as_step_result(value: Any, who: str) -> StepResult:
     """``value`` (a :class:`StepResult` or a 4-tuple) checked: a ``str`` observation, a finite
-    reward, a bool-like ``done`` and a mapping ``info``; otherwise a ``TypeError`` naming ``who``
-    and what it returned."""
+    reward, a bool-like ``done`` and a mapping ``info``; otherwise a
+    :class:`~core_rl.errors.PluginFault` naming ``who`` and what it returned."""
     import math
 
     contract = "Environment.step returns (observation: str, reward: float, done: bool, info: dict)"
     if not isinstance(value, tuple) or len(value) != 4:
-        raise TypeError(f"{who} returned {type(value).__name__} {value!r:.80}; {contract}")
+        raise PluginFault(f"{who} returned {type(value).__name__} {value!r:.80}; {contract}")
     observation, reward, done, info = value
     if not isinstance(observation, str):
-        raise TypeError(f"{who} returned an observation of type {type(observation).__name__}; {contract}")
+        raise PluginFault(f"{who} returned an observation of type {type(observation).__name__}; {contract}")
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-        raise TypeError(f"{who} returned the reward {reward!r}; {contract} (a finite number)")
+        raise PluginFault(f"{who} returned the reward {reward!r}; {contract} (a finite number)")
     if not isinstance(info, Mapping):
-        raise TypeError(f"{who} returned info of type {type(info).__name__}; {contract}")
+        raise PluginFault(f"{who} returned info of type {type(info).__name__}; {contract}")
     return StepResult(observation, float(reward), bool(done), dict(info))

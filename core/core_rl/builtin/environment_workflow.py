@@ -189,7 +189,11 @@ class EnvironmentWorkflow(RolloutWorkflow):
                 pending = self._encode(ctx, result.observation)
         finally:
             await env.close()
-        assert sample is not None  # max_turns >= 1 and the budget covers one turn at least
+        if sample is None:
+            raise ValueError(
+                f"rollout.workflow.max_tokens ({budget}) leaves no room for a model turn after the environment's "
+                f"first observation ({len(pending)} tokens); raise max_tokens"
+            )
         sample = mask_turns(sample, spans, cfg.train_turns)
         return attrs.evolve(
             sample,
