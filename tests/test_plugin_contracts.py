@@ -159,6 +159,8 @@ def test_every_built_in_component_passes_its_contract() -> None:
         for entry in host.registries[kind.key]:
             if entry.distribution != "core-rl" or kind.key in ("loop", "reward"):  # those need a run / options
                 continue
+            if (kind.key, entry.name) == ("workflow", "environment"):  # needs an environment section: its own contract
+                continue
             config = entry.config_cls() if entry.config_cls is not None else None
             build_component(entry, config)
 

@@ -19,6 +19,7 @@ core checks a component for when it is built names it: :mod:`core_rl.components`
   ``PolicyLoss.entropy_grad``.
 - 4: weights in buckets, kept on the device: ``TrainEngine.hf_weight_buckets`` and
   ``RolloutEngine.update_weights_from_buckets`` (what ``weight_sync: memory`` calls).
+- 5: :func:`core_rl_register_environments` and :func:`core_rl_register_tool_parsers` added.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any, Protocol
 import pluggy
 
 PROJECT_NAME = "core_rl"
-HOOK_API_VERSION = 4
+HOOK_API_VERSION = 5
 
 #: The API version that added an interface (``"Class"``: all its members) or one member of it
 #: (``"Class.member"``) after version 1; anything not listed is in version 1. Classes are those of
@@ -58,6 +59,8 @@ INTERFACE_ADDED: dict[str, int] = {
     "TrainingLoop": 3,
     "TrainEngine.hf_weight_buckets": 4,
     "RolloutEngine.update_weights_from_buckets": 4,
+    "Environment": 5,
+    "ToolParser": 5,
 }
 
 
@@ -289,4 +292,36 @@ def core_rl_register_workflows(register: Register) -> None:
     Called when the plugin is loaded.
 
     .. versionadded:: 3
+    """
+
+
+@hookspec
+def core_rl_register_environments(register: Register) -> None:
+    """Register environments: what a model acts in over several turns (tools, games, simulators),
+    driven by the built-in ``environment`` rollout workflow (``rollout.workflow: {name: environment,
+    environment: {name: ...}}``).
+
+    :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
+        environment. ``factory(config)`` receives the environment's validated section and returns a
+        new :class:`core_rl.environments.Environment`; it is called once per trajectory.
+    :return: nothing; results go through ``register``.
+
+    Called when the plugin is loaded.
+
+    .. versionadded:: 5
+    """
+
+
+@hookspec
+def core_rl_register_tool_parsers(register: Register) -> None:
+    """Register tool-call parsers: how a model family writes tool calls in its text. Selected by a
+    tool environment's ``parser`` section; core registers ``hermes``, ``llama3_json`` and ``tags``.
+
+    :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
+        format. ``factory(config)`` returns a :class:`core_rl.tool_parsers.ToolParser`.
+    :return: nothing; results go through ``register``.
+
+    Called when the plugin is loaded.
+
+    .. versionadded:: 5
     """

@@ -71,6 +71,20 @@ SERVER_ENV = PluginKind(
     "core_rl_register_server_envs",
     "core_rl.server_env:ServerEnvSpec",
 )
+ENVIRONMENT = PluginKind(
+    "environment",
+    "environment",
+    "core_rl.environments",
+    "core_rl_register_environments",
+    "core_rl.environments:Environment",
+)
+TOOL_PARSER = PluginKind(
+    "tool_parser",
+    "tool-call parser",
+    "core_rl.tool_parsers",
+    "core_rl_register_tool_parsers",
+    "core_rl.tool_parsers:ToolParser",
+)
 LOOP = PluginKind("loop", "training loop", "core_rl.loops", "core_rl_register_loops", "TrainingLoop")
 
 ALL_KINDS: tuple[PluginKind, ...] = (
@@ -86,6 +100,8 @@ ALL_KINDS: tuple[PluginKind, ...] = (
     SERVER_ENV,
     LOOP,
     WORKFLOW,
+    ENVIRONMENT,
+    TOOL_PARSER,
 )
 KINDS_BY_KEY: dict[str, PluginKind] = {k.key: k for k in ALL_KINDS}
 
@@ -132,4 +148,7 @@ KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("loop", "sft"): "sft",
     ("algorithm", "rm"): "rm",
     ("loop", "rm"): "rm",
+    ("environment", "calculator"): "env-tools",
+    ("environment", "python"): "env-tools",
+    ("environment", "reward"): "env-tools",
 }

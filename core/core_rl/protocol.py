@@ -69,6 +69,10 @@ class Sample:
     environment's outcome, a game's score); the built-in ``workflow`` reward hands it to the trainer,
     alone or as a part of ``combine``. ``info``: what the workflow records about the trajectory (turns,
     tool calls, an environment's state), JSON-like; rewards see it as :attr:`RewardInput.info`.
+
+    ``turn_rewards`` (optional): the reward of each model turn of a multi-turn trajectory, in order,
+    as its workflow recorded them; the workflow reduces them into ``reward`` (the built-in
+    ``environment`` workflow: their sum or the last one), which is what the trainer trains on.
     """
 
     prompt_ids: list[int]
@@ -80,6 +84,7 @@ class Sample:
     token_mask: list[int] | None = None
     reward: float | None = None
     info: dict[str, Any] = attrs.field(factory=dict)
+    turn_rewards: list[float] | None = None
 
     def __attrs_post_init__(self) -> None:
         if len(self.logprobs) != len(self.response_ids):

@@ -51,6 +51,25 @@ def summarise(metrics_path: Path) -> dict[str, float]:
     }
 
 
+def prepare(work: Path) -> Path:
+    """One torch thread, no progress bars, and ``work`` emptied (a previous run there is replaced)."""
+    torch.set_num_threads(1)
+    transformers.utils.logging.disable_progress_bar()
+    if work.exists():
+        print(f"replacing the previous run in {work}")
+        shutil.rmtree(work)
+    return work
+
+
+def plot(run_dir: Path) -> None:
+    """Plot the run's curves (plot.png, plot.html) and say where they are."""
+    try:
+        written = plot_runs([run_dir])
+        print(f"plot:       {written['png']} (and {written['html'].name})")
+    except CoreRLError as exc:  # matplotlib missing
+        print(f"no plot: {exc}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="runs/tiny_grpo", help="where the model, data and run go")
@@ -63,13 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides for the run's YAML")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    transformers.utils.logging.disable_progress_bar()
     start = time.perf_counter()
-    work = Path(args.workdir)
-    if work.exists():
-        print(f"replacing the previous run in {work}")
-        shutil.rmtree(work)
+    work = prepare(Path(args.workdir))
 
     build_tiny_model(work / "model_init", alphabet=LETTERS + "=", seed=0, num_heads=args.num_heads)
     write_dataset(work / "data" / "train.jsonl")
@@ -95,11 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     met = summary["reward_last10"] >= 0.7 and summary["reward_last10"] >= 2 * summary["reward_first10"]
     print(f"goal (last-10 reward >= 0.7 and >= 2x first-10): {'met' if met else 'NOT met'}")
-    try:
-        written = plot_runs([run_dir])
-        print(f"plot:       {written['png']} (and {written['html'].name})")
-    except CoreRLError as exc:  # matplotlib missing
-        print(f"no plot: {exc}")
+    plot(run_dir)
     return 0
 
 

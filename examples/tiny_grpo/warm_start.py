@@ -33,15 +33,19 @@ def write_warm_start_data(path: Path, *, copies: int, seed: int) -> Path:
     return path
 
 
-def warm_start(model_dir: Path, out_dir: Path, *, steps: int, batch_size: int, lr: float, seed: int) -> float:
+def warm_start(
+    model_dir: Path, out_dir: Path, *, steps: int, batch_size: int, lr: float, seed: int, data: Path | None = None
+) -> float:
     """Train ``model_dir`` for ``steps`` steps of ``batch_size`` rows with the ``sft`` loop and copy the
     exported model to ``out_dir``; return the last loss. The run itself (metrics, export) goes to
-    ``out_dir.parent / "warm_start"``."""
-    from task import all_strings
-
+    ``out_dir.parent / "warm_start"``. ``data``: the SFT rows (``prompt``, ``response``); default:
+    this task's format-only targets."""
     root = Path(out_dir).parent
-    copies = max(1, math.ceil(steps * batch_size / len(all_strings())))
-    data = write_warm_start_data(root / "data" / "warm_start.jsonl", copies=copies, seed=seed)
+    if data is None:
+        from task import all_strings
+
+        copies = max(1, math.ceil(steps * batch_size / len(all_strings())))
+        data = write_warm_start_data(root / "data" / "warm_start.jsonl", copies=copies, seed=seed)
     config = root / "warm_start.yaml"
     config.write_text(
         json.dumps(

@@ -29,12 +29,14 @@ from core_rl.testing.contracts import (
     recipe_host,
 )
 from core_rl.testing.engine_contracts import RolloutEngineContract, TrainEngineContract
+from core_rl.testing.environment_contracts import EnvironmentContract, ToolParserContract
 from core_rl.testing.server_contract import ServerRolloutEngineContract
 
 __all__ = [
     "AdvantageEstimatorContract",
     "AlgorithmContract",
     "ComponentContract",
+    "EnvironmentContract",
     "LoggerContract",
     "LoopContract",
     "PolicyLossContract",
@@ -43,6 +45,7 @@ __all__ = [
     "RolloutEngineContract",
     "SampleFilterContract",
     "ServerRolloutEngineContract",
+    "ToolParserContract",
     "TrainEngineContract",
     "WorkflowContract",
     "installed_distribution",

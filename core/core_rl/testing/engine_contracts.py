@@ -31,6 +31,7 @@ from core_rl.kinds import (
 from core_rl.protocol import TensorBatch
 from core_rl.testing.contracts import ComponentContract
 from core_rl.testing.helpers import hf_logprobs, make_rl_batch
+from core_rl.testing.multi_turn import MultiTurnEngineTests
 from core_rl.testing.weight_transfer import check_weight_buckets
 
 # ---------------------------------------------------------------------------------------------
@@ -301,7 +302,7 @@ def _mse_value_loss(batch: TensorBatch, values: torch.Tensor) -> LossOutput:
     return LossOutput(per_token_loss=0.5 * (values - batch["returns"]).square() * batch["response_mask"])
 
 
-class RolloutEngineContract(_TinyModelMixin, ComponentContract):
+class RolloutEngineContract(_TinyModelMixin, MultiTurnEngineTests, ComponentContract):
     """A rollout engine on a tiny model: counts, stop rules, greedy decoding, behaviour log-probs
     that agree with a transformers forward, the per-request API (``agenerate`` from any event loop
     and thread, ``pause``/``resume``, ``health``), and weight updates by every mode the engine

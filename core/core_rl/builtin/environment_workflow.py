@@ -1,0 +1,230 @@
+"""The built-in rollout workflow ``environment``: drives any environment plugin
+(:mod:`core_rl.environments`) turn by turn.
+
+.. code-block:: yaml
+
+    rollout:
+      workflow:
+        name: environment
+        environment: {name: calculator, parser: {name: tags, tag: c, tool: calculator}}
+        # or several, chosen per data row by its `env` column:
+        # environments: [{name: calculator}, {name: python}]
+        max_turns: 3
+        max_tokens: 64          # response tokens of a trajectory, observations included
+        tool_timeout_s: 10      # one environment step (a tool call) at most this long
+        max_concurrent_steps: 8 # steps running at once, across all trajectories
+        train_turns: all        # all | last: which model turns train
+        turn_reward: sum        # sum | last: Sample.reward from the per-turn rewards
+
+Per trajectory (``sampling.n`` of them per row, each with its own environment object)::
+
+    obs = reset(row)
+    for turn in 0 .. max_turns-1:
+        tokens = generate(prompt + response so far + obs)      (obs appended with mask 0)
+        obs, r_turn, done, info = step(Action(text, tokens))
+        stop when done, or when the token budget is spent
+
+The sampled tokens are appended exactly as the engine returned them (never re-tokenised), with
+their log-probs and weight versions; observations are tokenised once and masked from the loss.
+``Sample.turn_rewards`` holds each turn's reward and ``Sample.reward`` their reduction
+(``turn_reward``): the trajectory's return is paid as an outcome reward, so every trained token of
+the trajectory shares its advantage. ``train_turns: last`` masks every model turn but the last from
+the loss (their tokens stay in the context). A step past ``tool_timeout_s`` ends the trajectory
+with reward 0 and ``info["timeout"]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from core_rl.attribution import built_by
+from core_rl.config.schema import PluginSpec, plugin_section
+from core_rl.config.validators import FieldValueError, one_of, positive
+from core_rl.environments import Action, Environment, StepResult, as_step_result
+from core_rl.errors import PluginFault
+from core_rl.hookspecs import Register, hookimpl
+from core_rl.kinds import ENVIRONMENT
+from core_rl.protocol import Sample
+from core_rl.workflows import RolloutWorkflow, WorkflowContext, append_observation, extend_turn
+
+TRAIN_TURNS = ("all", "last")
+TURN_REWARDS = ("sum", "last")
+
+
+@attrs.define
+class EnvironmentWorkflowConfig:
+    """See the module docstring. Exactly one of ``environment`` and ``environments``; with
+    ``environments``, a row's ``env_key`` column names the environment that serves it."""
+
+    environment: PluginSpec | None = plugin_section(ENVIRONMENT, default=None)  # noqa: RUF009 (an attrs field, like attrs.field)
+    environments: list[PluginSpec] = plugin_section(ENVIRONMENT, factory=list)  # noqa: RUF009 (an attrs field, like attrs.field)
+    env_key: str = "env"
+    max_turns: int = attrs.field(default=4, validator=positive())
+    max_tokens: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive()))
+    tool_timeout_s: float = attrs.field(default=30.0, validator=positive())
+    max_concurrent_steps: int = attrs.field(default=16, validator=positive())
+    train_turns: str = attrs.field(default="all", validator=one_of(TRAIN_TURNS))
+    turn_reward: str = attrs.field(default="sum", validator=one_of(TURN_REWARDS))
+
+    def __attrs_post_init__(self) -> None:
+        if (self.environment is None) == (not self.environments):
+            raise FieldValueError(
+                "environment",
+                self.environment,
+                "set exactly one of environment ({name: ...}) and environments ([{name: ...}, ...])",
+            )
+        names = [spec.name for spec in self.environments]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise FieldValueError("environments", names, f"must name distinct environments ({', '.join(repeated)})")
+
+
+def reduce_turn_rewards(rewards: Sequence[float], how: str) -> float:
+    """``sum``: the trajectory's undiscounted return; ``last``: the final turn's reward (0 if none)."""
+    if how == "sum":
+        return float(sum(rewards))
+    return float(rewards[-1]) if rewards else 0.0
+
+
+def mask_turns(sample: Sample, spans: Sequence[tuple[int, int]], train_turns: str) -> Sample:
+    """``sample`` with the model turns ``train_turns`` excludes masked (mask 0, log-prob 0); ``spans``
+    are the turns' ``[start, end)`` positions in ``response_ids``."""
+    if train_turns == "all" or len(spans) <= 1:
+        return sample
+    mask, logprobs = list(sample.token_mask or [1] * len(sample.response_ids)), list(sample.logprobs)
+    for start, end in spans[:-1]:
+        mask[start:end] = [0] * (end - start)
+        logprobs[start:end] = [0.0] * (end - start)
+    return attrs.evolve(sample, token_mask=mask, logprobs=logprobs)
+
+
+class EnvironmentWorkflow(RolloutWorkflow):
+    """See the module docstring."""
+
+    def __init__(self, config: EnvironmentWorkflowConfig) -> None:
+        self.config = config
+        specs = [config.environment] if config.environment is not None else config.environments
+        self.specs: dict[str, PluginSpec] = {spec.name: spec for spec in specs}
+        self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def spec_for(self, row: Mapping[str, Any]) -> PluginSpec:
+        """The environment section serving ``row``."""
+        if self.config.environment is not None:
+            return self.config.environment
+        key = self.config.env_key
+        name = row.get(key)
+        if name not in self.specs:
+            raise ValueError(
+                f"a data row's {key!r} column is {name!r}, which names none of rollout.workflow.environments "
+                f"({', '.join(self.specs)}); set {key!r} on every row to one of them"
+            )
+        return self.specs[name]
+
+    def _pool(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if loop not in self._pools:
+            self._pools[loop] = asyncio.Semaphore(self.config.max_concurrent_steps)
+        return self._pools[loop]
+
+    async def _call(self, env: Environment, what: str, coro: Any) -> Any:
+        """``await coro`` (the environment's ``what``) within the pool and the step timeout; a
+        timeout returns ``None``; an exception is a :class:`PluginFault` naming the environment."""
+        async with self._pool():
+            try:
+                return await asyncio.wait_for(coro, self.config.tool_timeout_s)
+            except TimeoutError:
+                return None
+            except Exception as exc:
+                raise PluginFault(f"{built_by(env)}: {what} raised {type(exc).__name__}: {exc}") from exc
+
+    async def run(self, prompt: Any, ctx: WorkflowContext) -> list[Sample]:
+        spec = self.spec_for(prompt.row)
+        n = ctx.sampling.n
+        return list(await asyncio.gather(*(self.trajectory(spec.build(), prompt, ctx) for _ in range(n))))
+
+    def _encode(self, ctx: WorkflowContext, text: str) -> list[int]:
+        return list(ctx.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    async def trajectory(self, env: Environment, prompt: Any, ctx: WorkflowContext) -> Sample:
+        """One trajectory of ``prompt`` in ``env`` (see the module docstring)."""
+        cfg = self.config
+        budget = cfg.max_tokens if cfg.max_tokens is not None else cfg.max_turns * ctx.sampling.max_new_tokens
+        try:
+            first = await self._call(env, "reset", env.reset(prompt.row))
+            pending = self._encode(ctx, first or "")
+            sample: Sample | None = None
+            spans: list[tuple[int, int]] = []
+            rewards: list[float] = []
+            steps: list[dict[str, Any]] = []
+            done, length_cut = False, False
+            for turn_index in range(cfg.max_turns):
+                used = len(sample.response_ids) if sample is not None else 0
+                room = budget - used - len(pending)
+                if room <= 0:
+                    length_cut = True
+                    break
+                context = [*prompt.prompt_ids, *(sample.response_ids if sample else []), *pending]
+                sampling = attrs.evolve(ctx.sampling, n=1, max_new_tokens=min(ctx.sampling.max_new_tokens, room))
+                (turn,) = await ctx.generate(context, sampling)
+                sample = self._continue(sample, pending, turn, prompt.prompt_ids)
+                spans.append((len(sample.response_ids) - len(turn.response_ids), len(sample.response_ids)))
+                text = ctx.tokenizer.decode(turn.response_ids, skip_special_tokens=True)
+                action = Action(text, tuple(turn.response_ids), turn_index, prompt.text, tuple(prompt.prompt_ids))
+                raw = await self._call(env, "step", env.step(action))
+                result = (
+                    StepResult("", 0.0, True, {"timeout": True}) if raw is None else as_step_result(raw, built_by(env))
+                )
+                rewards.append(result.reward)
+                steps.append({"text": text, "reward": result.reward, **result.info})
+                if result.done:
+                    done = True
+                    break
+                pending = self._encode(ctx, result.observation)
+        finally:
+            await env.close()
+        if sample is None:
+            raise ValueError(
+                f"rollout.workflow.max_tokens ({budget}) leaves no room for a model turn after the environment's "
+                f"first observation ({len(pending)} tokens); raise max_tokens"
+            )
+        sample = mask_turns(sample, spans, cfg.train_turns)
+        return attrs.evolve(
+            sample,
+            reward=reduce_turn_rewards(rewards, cfg.turn_reward),
+            turn_rewards=rewards,
+            finish_reason="length" if length_cut else sample.finish_reason,
+            info={"turns": len(spans), "done": done, "steps": steps},
+        )
+
+    @staticmethod
+    def _continue(sample: Sample | None, observation: Sequence[int], turn: Sample, prompt_ids: Sequence[int]) -> Sample:
+        """``sample`` (``None``: nothing yet, a trajectory of ``prompt_ids``) with ``observation``
+        (masked) and then ``turn`` appended."""
+        if sample is None:
+            sample = attrs.evolve(
+                turn, prompt_ids=list(prompt_ids), response_ids=[], logprobs=[], token_weight_versions=[], token_mask=[]
+            )
+        if observation:
+            sample = append_observation(sample, observation)
+        return extend_turn(sample, turn)
+
+
+def make_environment_workflow(config: EnvironmentWorkflowConfig) -> EnvironmentWorkflow:
+    return EnvironmentWorkflow(config)
+
+
+@hookimpl
+def core_rl_register_workflows(register: Register) -> None:
+    register(
+        "environment",
+        make_environment_workflow,
+        config_cls=EnvironmentWorkflowConfig,
+        description="multi-turn: drive an environment plugin (tools, games) turn by turn; observations masked",
+    )

@@ -1,0 +1,1 @@
+"""core-rl environments: ``calculator``, ``python`` and ``reward`` (see the README)."""

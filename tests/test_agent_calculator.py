@@ -1,0 +1,45 @@
+"""The agent example (examples/agent_calculator): a tiny model learns, with GRPO through the
+``environment`` workflow, to use the ``calculator`` tool and copy its result: the real example
+(model, warm start, fsdp + hf engines, the calculator environment) in a subprocess, shortened to
+20 steps. Measured (README, 30 steps): the mean reward of steps 1-5 0.43, of steps 16-20 0.74, of
+steps 26-30 0.80; a policy that ignored the tool's reply stays at the warm start's ~0.45."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from core_rl.builtin.loggers import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytest.importorskip("core_rl_fsdp")
+pytest.importorskip("core_rl_hf")
+pytest.importorskip("core_rl_grpo")
+pytest.importorskip("core_rl_reward_match")
+pytest.importorskip("core_rl_env_tools")
+
+
+def test_the_calculator_agent_learns(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    main = ROOT / "examples/agent_calculator/main.py"
+    proc = subprocess.run(
+        [sys.executable, str(main), "--workdir", str(work), "trainer.total_steps=20"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "reward: first 10 steps" in proc.stdout and (work / "calculator" / "plot.png").is_file()
+    rows = [r for r in read_metrics(work / "calculator" / "metrics.jsonl") if "reward/mean" in r]
+    rewards = [r["reward/mean"] for r in rows]
+    assert len(rewards) == 20
+    first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
+    assert last >= first + 0.15, rewards
+    # two turns per trajectory (the call, then the answer) and the tool's reply in between
+    assert statistics.fmean(r["response_length/mean"] for r in rows[-5:]) > 20
