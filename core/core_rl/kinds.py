@@ -72,6 +72,9 @@ SERVER_ENV = PluginKind(
     "core_rl.server_env:ServerEnvSpec",
 )
 LOOP = PluginKind("loop", "training loop", "core_rl.loops", "core_rl_register_loops", "TrainingLoop")
+LAUNCHER = PluginKind(
+    "launcher", "launcher", "core_rl.launchers", "core_rl_register_launchers", "core_rl.launchers:Launcher"
+)
 
 ALL_KINDS: tuple[PluginKind, ...] = (
     TRAIN_ENGINE,
@@ -86,6 +89,7 @@ ALL_KINDS: tuple[PluginKind, ...] = (
     SERVER_ENV,
     LOOP,
     WORKFLOW,
+    LAUNCHER,
 )
 KINDS_BY_KEY: dict[str, PluginKind] = {k.key: k for k in ALL_KINDS}
 
