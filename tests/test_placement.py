@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import attrs
+import core_rl.builtin.launchers
 import pytest
 import yaml
 from core_rl.config import load_config
@@ -19,6 +20,7 @@ from core_rl.hookspecs import Register, hookimpl
 from core_rl.launchers import Launcher, LaunchRequest, build_launcher, launch_checked, launcher_check
 from core_rl.placement import ClusterResources, placement_problems
 from core_rl.rendezvous import Rendezvous
+from core_rl.testing import LauncherContract
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -208,3 +210,9 @@ def test_rendezvous_round_trips_through_the_environment():
     assert Rendezvous.from_env(env) == rdzv and Rendezvous.from_env({}) is None
     with pytest.raises(ValueError, match=r"rank 4 is not in \[0, world_size 4\)"):
         attrs.evolve(rdzv, rank=4)
+
+
+class TestLocalLauncherContract(LauncherContract):
+    plugin = core_rl.builtin.launchers
+    name = "local"
+    distribution = "core-rl"

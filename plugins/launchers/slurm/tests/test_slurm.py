@@ -12,10 +12,13 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
+import core_rl_slurm.plugin
 import pytest
 import yaml
 from core_rl.builtin.loggers import read_metrics
+from core_rl.testing import LauncherContract
 from core_rl.testing.faults import build_task, merged
 from core_rl.testing.launch import cpu_ranks_env, free_port
 
@@ -207,3 +210,10 @@ def test_the_example_config_validates_and_renders(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     script = _render(example, cwd=tmp_path)
     assert _sbatch_lines(script)["nodes"] == "2" and "--nnodes" in _srun_words(script)
+
+
+class TestSlurmContract(LauncherContract):
+    plugin = core_rl_slurm.plugin
+    name = "slurm"
+    distribution = "core-rl-slurm"
+    options: ClassVar[dict] = {"nodes": 2, "gpus_per_node": 4}
