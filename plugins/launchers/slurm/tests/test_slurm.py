@@ -6,6 +6,8 @@ fake ``sbatch`` (no Slurm cluster here), and the rendered script run for real wi
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shlex
 import stat
@@ -14,10 +16,12 @@ import sys
 from pathlib import Path
 from typing import ClassVar
 
+import attrs
 import core_rl_slurm.plugin
 import pytest
 import yaml
 from core_rl.builtin.loggers import read_metrics
+from core_rl.cli import main
 from core_rl.testing import LauncherContract
 from core_rl.testing.faults import build_task, merged
 from core_rl.testing.launch import cpu_ranks_env, free_port
@@ -65,10 +69,29 @@ def _shims(root: Path, **scripts: str) -> Path:
     return bin_dir
 
 
-def _cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "core_rl.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300
-    )
+@attrs.frozen
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> Result:
+    """``core-rl ARGS`` in this process (``main``), in ``cwd`` with ``env`` as its environment."""
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_cwd = dict(os.environ), Path.cwd()
+    try:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        os.chdir(cwd or saved_cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
+    return Result(code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
