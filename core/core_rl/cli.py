@@ -1,5 +1,12 @@
 """The ``core-rl`` command: ``train``, ``plugins``, ``plot``, ``checkpoints``, ``config show``,
-``config validate`` and ``server-env create|list|path|remove`` (:mod:`core_rl.server_env`).
+``config validate`` and ``server-env create|list|path|remove`` (:mod:`core_rl.server_env`), plus
+the subcommands and ``train`` options that launcher plugins add
+(:func:`core_rl.hookspecs.core_rl_add_commands`, :func:`core_rl.hookspecs.core_rl_add_train_arguments`).
+
+``train`` hands the run to the launcher the configuration selects (:mod:`core_rl.launchers`;
+``local`` by default), after its placement check; in a process a launcher started as one trainer
+rank (``RANK`` and ``WORLD_SIZE`` set, as torch's elastic agent and
+:func:`core_rl.rendezvous.run_rank` set them) it trains that rank here.
 
 Exit status: 0 on success, 2 on a user's mistake: usage, configuration, overrides, plugins, and for
 ``train`` the data files, model and tokenizer directories, devices and output directory (checked
@@ -22,9 +29,13 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from core_rl import __version__
-from core_rl.errors import CoreRLError, PluginFault
+from core_rl.errors import ConfigError, CoreRLError, PluginFault
+
+if TYPE_CHECKING:
+    from core_rl.plugins import PluginHost
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 3
@@ -41,7 +52,13 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
+    """The command line, with what the launcher plugins add to it (loaded through ``host``)."""
+    from core_rl.kinds import LAUNCHER
+    from core_rl.plugins import PluginHost
+
+    host = host or PluginHost()
+    host.load_kind(LAUNCHER)
     parser = argparse.ArgumentParser(prog="core-rl", description="RL post-training for language models.")
     parser.add_argument("--version", action="version", version=f"core-rl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -55,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run N data-parallel workers on this machine (torch's elastic agent, listening on 127.0.0.1 only)",
     )
     _add_config_args(train)
+    options = train.add_argument_group("launcher options")
+    host.pm.hook.core_rl_add_train_arguments(group=options)
+    train.set_defaults(launcher_options=[action.dest for action in options._group_actions])
 
     plugins = sub.add_parser(
         "plugins",
@@ -109,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     from core_rl.server_env import add_command as add_server_env_command
 
     add_server_env_command(sub)
+    host.pm.hook.core_rl_add_commands(subparsers=sub)
     return parser
 
 
@@ -198,18 +219,39 @@ def _note(message: str) -> None:
         print(f"core-rl: note: {message}", file=sys.stderr)
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace, host: PluginHost):
     from core_rl.config import load_config
-    from core_rl.plugins import PluginHost
 
-    host = PluginHost()
-    return host, load_config(args.config, args.overrides, host=host, notify=_note)
+    return load_config(args.config, args.overrides, host=host, notify=_note)
+
+
+def _cmd_train(args: argparse.Namespace, host: PluginHost) -> int:
+    from core_rl.launchers import LaunchRequest, launch_checked
+    from core_rl.rendezvous import Rendezvous, train_in_process
+
+    cfg = _load(args, host)
+    if Rendezvous.from_env() is not None:  # one rank of a launched run
+        return train_in_process(cfg, host)
+    request = LaunchRequest(
+        config_path=args.config,
+        overrides=list(args.overrides),
+        cfg=cfg,
+        nproc_per_node=args.nproc_per_node or None,
+        options={dest: getattr(args, dest) for dest in args.launcher_options},
+        host=host,
+    )
+    return launch_checked(request)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    from core_rl.plugins import PluginHost
+
+    host = PluginHost()
+    parser = build_parser(host)
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "run", None) is not None:  # a plugin's subcommand
+            return int(args.run(args))
         if args.command == "plugins":
             return _cmd_plugins(args.json)
         if args.command == "plot":
@@ -226,12 +268,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_command(args)
         if args.command == "config":
-            _, cfg = _load(args)
+            cfg = _load(args, host)
             if args.config_command == "show":
                 from core_rl.config import to_yaml
 
                 sys.stdout.write(to_yaml(cfg))
             else:
+                from core_rl.launchers import launcher_check
+
+                problems = launcher_check(cfg)
+                if problems:
+                    raise ConfigError(problems, source=args.config)
                 if args.preflight:
                     from core_rl.preflight import preflight
 
@@ -239,18 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{args.config}: valid" + (" (preflight passed)" if args.preflight else ""))
             return 0
         if args.command == "train":
-            from core_rl.trainer import train
-
-            host, cfg = _load(args)
-            if args.nproc_per_node:
-                from core_rl.trainer.launch import launch
-
-                return launch(args.config, args.overrides, args.nproc_per_node, cfg)
-            train(cfg, host=host)
-            from core_rl.engine_utils.distributed import destroy_process_group_at_exit
-
-            destroy_process_group_at_exit()
-            return 0
+            return _cmd_train(args, host)
     except CoreRLError as exc:
         if exc.exit_code == EXIT_INTERRUPTED:
             print(f"core-rl: {exc}", file=sys.stderr)

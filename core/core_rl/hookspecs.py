@@ -19,11 +19,15 @@ core checks a component for when it is built names it: :mod:`core_rl.components`
   ``PolicyLoss.entropy_grad``.
 - 4: weights in buckets, kept on the device: ``TrainEngine.hf_weight_buckets`` and
   ``RolloutEngine.update_weights_from_buckets`` (what ``weight_sync: memory`` calls).
-- 5: :func:`core_rl_register_environments` and :func:`core_rl_register_tool_parsers` added.
+- 5: :func:`core_rl_register_environments` and :func:`core_rl_register_tool_parsers` added;
+  launchers (:func:`core_rl_register_launchers`, :class:`core_rl.launchers.Launcher`) and the
+  command-line hooks a plugin extends ``core-rl`` with (:func:`core_rl_add_commands`,
+  :func:`core_rl_add_train_arguments`).
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -34,8 +38,9 @@ HOOK_API_VERSION = 5
 
 #: The API version that added an interface (``"Class"``: all its members) or one member of it
 #: (``"Class.member"``) after version 1; anything not listed is in version 1. Classes are those of
-#: :mod:`core_rl.interfaces`, :class:`core_rl.workflows.RolloutWorkflow` and
-#: :class:`core_rl.server_env.ServerEnvSpec` (each kind's ``interface``: :mod:`core_rl.kinds`).
+#: :mod:`core_rl.interfaces`, :class:`core_rl.workflows.RolloutWorkflow`,
+#: :class:`core_rl.server_env.ServerEnvSpec` and :class:`core_rl.launchers.Launcher` (each kind's
+#: ``interface``: :mod:`core_rl.kinds`).
 INTERFACE_ADDED: dict[str, int] = {
     "RejectionSampler": 2,
     "ServerEnvSpec": 2,
@@ -61,6 +66,7 @@ INTERFACE_ADDED: dict[str, int] = {
     "RolloutEngine.update_weights_from_buckets": 4,
     "Environment": 5,
     "ToolParser": 5,
+    "Launcher": 5,
 }
 
 
@@ -313,6 +319,26 @@ def core_rl_register_environments(register: Register) -> None:
 
 
 @hookspec
+def core_rl_register_launchers(register: Register) -> None:
+    """Register launchers: how a run's processes start and where its roles are placed (this
+    machine, a Slurm allocation, a Ray cluster, ...), selected by ``launcher`` (default ``local``,
+    core's: the trainer's ranks on this machine, or on several with ``--nnodes``).
+
+    :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
+        launcher. ``factory(config)`` receives the validated ``launcher`` section and returns a
+        :class:`core_rl.launchers.Launcher`. Its ``check`` is called by every ``core-rl config
+        validate`` and before ``core-rl train`` launches; its ``launch`` starts the run, each trainer
+        rank through :func:`core_rl.rendezvous.run_rank`.
+    :return: nothing; results go through ``register``.
+
+    Called when the plugin is loaded (every launcher is loaded when ``core-rl`` builds its
+    command line, for the hooks below: keep the module's imports light).
+
+    .. versionadded:: 5
+    """
+
+
+@hookspec
 def core_rl_register_tool_parsers(register: Register) -> None:
     """Register tool-call parsers: how a model family writes tool calls in its text. Selected by a
     tool environment's ``parser`` section; core registers ``hermes``, ``llama3_json`` and ``tags``.
@@ -322,6 +348,38 @@ def core_rl_register_tool_parsers(register: Register) -> None:
     :return: nothing; results go through ``register``.
 
     Called when the plugin is loaded.
+
+    .. versionadded:: 5
+    """
+
+
+@hookspec
+def core_rl_add_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``core-rl`` subcommands (e.g. ``core-rl slurm render``), from a launcher's plugin module.
+
+    :param subparsers: the ``add_subparsers()`` object of the ``core-rl`` parser: call
+        ``subparsers.add_parser(NAME, help=...)`` and ``parser.set_defaults(run=FUNCTION)``;
+        ``core-rl NAME ...`` then returns ``FUNCTION(args)`` (an ``int`` exit status; a
+        :class:`core_rl.errors.CoreRLError` it raises is printed as a message, exit status 2).
+    :return: nothing.
+
+    Called when ``core-rl`` builds its command line, on every launcher plugin.
+
+    .. versionadded:: 5
+    """
+
+
+@hookspec
+def core_rl_add_train_arguments(group: argparse._ArgumentGroup) -> None:
+    """Add options to ``core-rl train`` for a launcher (e.g. ``--ray-address``).
+
+    :param group: the "launcher options" argument group of the ``train`` parser: call
+        ``group.add_argument(...)`` with a default of ``None``. Every such value
+        reaches :class:`core_rl.launchers.LaunchRequest` ``.options`` under its ``dest``, whichever
+        launcher the configuration selects.
+    :return: nothing.
+
+    Called when ``core-rl`` builds its command line, on every launcher plugin.
 
     .. versionadded:: 5
     """

@@ -86,6 +86,9 @@ TOOL_PARSER = PluginKind(
     "core_rl.tool_parsers:ToolParser",
 )
 LOOP = PluginKind("loop", "training loop", "core_rl.loops", "core_rl_register_loops", "TrainingLoop")
+LAUNCHER = PluginKind(
+    "launcher", "launcher", "core_rl.launchers", "core_rl_register_launchers", "core_rl.launchers:Launcher"
+)
 
 ALL_KINDS: tuple[PluginKind, ...] = (
     TRAIN_ENGINE,
@@ -102,6 +105,7 @@ ALL_KINDS: tuple[PluginKind, ...] = (
     WORKFLOW,
     ENVIRONMENT,
     TOOL_PARSER,
+    LAUNCHER,
 )
 KINDS_BY_KEY: dict[str, PluginKind] = {k.key: k for k in ALL_KINDS}
 
@@ -151,4 +155,5 @@ KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("environment", "calculator"): "env-tools",
     ("environment", "python"): "env-tools",
     ("environment", "reward"): "env-tools",
+    ("launcher", "slurm"): "slurm",
 }

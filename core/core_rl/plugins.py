@@ -239,6 +239,10 @@ class PluginHost:
                 self._load_name(kind, name)
         return self.statuses()
 
+    def load_kind(self, kind: PluginKind) -> list[EntryPointStatus]:
+        """Load every discovered entry point of ``kind``, recording failures instead of raising."""
+        return [status for name in list(self._entry_points[kind.key]) for status in self._load_name(kind, name)]
+
     def statuses(self) -> list[EntryPointStatus]:
         """One status per discovered entry point and one per name registered without one."""
         out: list[EntryPointStatus] = []

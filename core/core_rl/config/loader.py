@@ -56,6 +56,7 @@ from core_rl.config.sections import (
 )
 from core_rl.errors import ConfigError, PluginError
 from core_rl.kinds import ALGORITHM
+from core_rl.placement import placement_config_problems
 from core_rl.plugins import PluginHost
 from core_rl.roles import role_problems
 
@@ -276,6 +277,7 @@ def load_config(
     derive_schedules(cfg)
     problems.extend(cross_section_problems(cfg))
     problems.extend(plugin_check_problems(cfg))
+    problems.extend(placement_config_problems(cfg))
     if require_complete:
         problems.extend(completeness_problems(cfg, host))
         problems.extend(role_problems(cfg, host))

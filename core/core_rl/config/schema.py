@@ -1,7 +1,7 @@
 """The typed configuration of a run. YAML is parsed and merged by OmegaConf, structured into these
 attrs classes by cattrs (:mod:`core_rl.config.loader`). Sections selected by name (``actor.engine``,
 ``rollout.engine``, ``algorithm.advantage``, ``algorithm.loss``, ``algorithm.filters[]``,
-``reward``, ``loggers[]``) are :class:`PluginSpec` s: ``name`` plus keys validated by the selected
+``reward``, ``loggers[]``, ``launcher``) are :class:`PluginSpec` s: ``name`` plus keys validated by the selected
 plugin's own ``config_cls`` (:mod:`core_rl.config.plugin_spec`). The keys every model role section
 shares (optimiser, schedule, micro-batches, LoRA) live in :mod:`core_rl.config.model_sections`."""
 
@@ -13,6 +13,8 @@ import attrs
 
 from core_rl.config.derived import Derived
 from core_rl.config.model_sections import LoraConfig, MicroBatchConfig, OptimizerConfig, SchedulerConfig
+from core_rl.config.placement import PlacementConfig
+from core_rl.config.placement import RolePlacement as RolePlacement  # re-exported with the section
 from core_rl.config.plugin_spec import PluginSpec
 from core_rl.config.plugin_spec import default_from as default_from  # re-exported: the plugin guide names it here
 from core_rl.config.plugin_spec import plugin_section as plugin_section  # re-exported likewise
@@ -432,6 +434,10 @@ class RunConfig:
     critic: CriticConfig | None = None
     teacher: TeacherConfig | None = None
     reward_model: RewardModelRoleConfig | None = None
+    #: how the run's processes start (a ``core_rl.launchers`` plugin: ``local``, the default, or
+    #: e.g. ``slurm``, ``ray``) and where each role is placed (:mod:`core_rl.config.placement`)
+    launcher: PluginSpec = attrs.field(factory=lambda: PluginSpec(name="local"))
+    placement: PlacementConfig = attrs.field(factory=PlacementConfig)
     #: the keys the loader derived from others, by dotted key path (:mod:`core_rl.config.derived`);
     #: not a section of the file
     derived: dict[str, Derived] = attrs.field(factory=dict, init=False, eq=False, repr=False)

@@ -44,6 +44,7 @@ def selected_sections(cfg: RunConfig) -> Iterator[tuple[str, PluginKind, PluginS
     for i, spec in enumerate(cfg.loggers):
         yield f"loggers[{i}]", kinds.LOGGER, spec
     yield "trainer.loop", kinds.LOOP, cfg.trainer.loop
+    yield "launcher", kinds.LAUNCHER, cfg.launcher
 
 
 def _run_value(run: RunConfig, dotted: str) -> Any:
@@ -125,6 +126,7 @@ RAW_SPEC_PATHS: tuple[tuple[tuple[str, ...], PluginKind, bool], ...] = (
     (("reward",), kinds.REWARD, False),
     (("loggers",), kinds.LOGGER, True),
     (("trainer", "loop"), kinds.LOOP, False),
+    (("launcher",), kinds.LAUNCHER, False),
 )
 
 

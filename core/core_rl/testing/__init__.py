@@ -30,6 +30,7 @@ from core_rl.testing.contracts import (
 )
 from core_rl.testing.engine_contracts import RolloutEngineContract, TrainEngineContract
 from core_rl.testing.environment_contracts import EnvironmentContract, ToolParserContract
+from core_rl.testing.launcher_contract import LauncherContract
 from core_rl.testing.server_contract import ServerRolloutEngineContract
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "AlgorithmContract",
     "ComponentContract",
     "EnvironmentContract",
+    "LauncherContract",
     "LoggerContract",
     "LoopContract",
     "PolicyLossContract",

@@ -1,14 +1,20 @@
-"""``core-rl train --nproc-per-node N CONFIG``: data-parallel training on this machine.
+"""``core-rl train --nproc-per-node N CONFIG``: data-parallel training on this machine, or with
+``--nnodes M --node-rank R --rdzv-endpoint HOST:PORT`` on each of M machines (the ``local``
+launcher, :mod:`core_rl.builtin.launchers`).
 
-It is ``torchrun --nproc-per-node N -m core_rl.cli train CONFIG`` with safer defaults:
+It is ``torchrun --nproc-per-node N [--nnodes M ...] -m core_rl.cli train CONFIG`` with safer defaults:
 
 - torch's elastic agent (what ``torchrun`` runs) starts, watches and restarts the workers;
 - the agent's rendezvous store, which every worker connects to, listens on 127.0.0.1 only (plain
-  ``torchrun`` listens on every interface): it is handed a socket already bound to loopback;
+  ``torchrun`` listens on every interface): it is handed a socket already bound to loopback; on
+  several nodes, node 0's store listens on the rendezvous endpoint's address alone and the other
+  nodes connect to it (within ``rdzv_timeout_s``);
 - the workers' gloo / NCCL sockets listen on the loopback interface (``GLOO_SOCKET_IFNAME`` /
-  ``NCCL_SOCKET_IFNAME`` are set unless you set them);
+  ``NCCL_SOCKET_IFNAME`` are set unless you set them); on several nodes, on the configured
+  interface (``launcher.interface``) instead, unless the endpoint is loopback;
 - with ``recover.mode: auto`` the agent restarts all workers after a failure, up to
-  ``recover.retries`` times; each restart resumes from the newest valid checkpoint;
+  ``recover.retries`` times; each restart resumes from the newest valid checkpoint (on one node
+  only: on several, a failure ends the run on every node, and launching again resumes);
 - SIGINT / SIGTERM to the launcher go to every worker, which finishes its step, saves a checkpoint
   and stops; the agent waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (default here 120) before
   killing them.
@@ -25,8 +31,11 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Sequence
+from typing import Any
 
+import attrs
 from torch.distributed import TCPStore
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -36,8 +45,9 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from core_rl.config.schema import RunConfig
+from core_rl.errors import CoreRLError
 from core_rl.trainer.errors import TrainingInterrupted
-from core_rl.trainer.ranks import listen_on_loopback_unless_configured
+from core_rl.trainer.ranks import is_loopback, listen_on_loopback_unless_configured
 
 RENDEZVOUS_BACKEND = "core-rl-loopback"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 120
@@ -53,26 +63,58 @@ def _shutdown_timeout(seconds: int) -> dict[str, int]:
 
 
 class LoopbackRendezvous(StaticTCPRendezvous):
-    """The agent's rendezvous: torch's static one, with a store that listens on a socket the
-    launcher bound to 127.0.0.1 (its descriptor is ``listen_fd`` in the rendezvous configuration)."""
+    """The agent's rendezvous: torch's static one over ``max_nodes`` nodes, this one being node
+    ``rank`` (rendezvous configuration). Node 0's store listens on a socket the launcher bound (to
+    127.0.0.1, or to the endpoint's address on several nodes; its descriptor is ``listen_fd``);
+    the other nodes' agents connect to it."""
 
     def __init__(self, params: RendezvousParameters) -> None:
         host, port = parse_rendezvous_endpoint(params.endpoint, -1)
         timeout = int(params.config.get("timeout", 900))
-        super().__init__(host, port, 0, 1, params.run_id, timeout)
-        self._store = TCPStore(
-            host,
-            port,
-            1,
-            True,
-            datetime.timedelta(seconds=timeout),
-            multi_tenant=True,
-            master_listen_fd=int(params.config["listen_fd"]),
-            use_libuv=True,
-        )
+        node_rank, nnodes = int(params.config.get("rank", 0)), params.max_nodes
+        super().__init__(host, port, node_rank, nnodes, params.run_id, timeout)
+        listen = {"master_listen_fd": int(params.config["listen_fd"])} if node_rank == 0 else {}
+        if node_rank != 0:
+            _wait_for_listener(host, port, timeout, f"node {node_rank} of {nnodes}")
+        try:
+            self._store = TCPStore(
+                host,
+                port,
+                nnodes,
+                node_rank == 0,
+                datetime.timedelta(seconds=timeout),
+                multi_tenant=True,
+                use_libuv=True,
+                **listen,
+            )
+        except (RuntimeError, TimeoutError) as exc:  # DistStoreError is a RuntimeError
+            raise _rendezvous_error(f"node {node_rank} of {nnodes}", host, port, timeout, str(exc)) from exc
 
     def get_backend(self) -> str:
         return RENDEZVOUS_BACKEND
+
+
+def _rendezvous_error(who: str, host: str, port: int, timeout: float, why: str) -> CoreRLError:
+    return CoreRLError(
+        f"{who}: the rendezvous at {host}:{port} did not complete within {timeout:g} s ({why}); start "
+        f"`core-rl train --nnodes N --node-rank R --rdzv-endpoint {host}:{port}` on every node, node 0 first, and "
+        "check the address is reachable from this one (launcher.rdzv_timeout_s sets the limit)"
+    )
+
+
+def _wait_for_listener(host: str, port: int, timeout: float, who: str) -> None:
+    """Wait until node 0's store accepts connections at ``host:port`` (torch's own client would
+    log a C++ stack trace for each refused try), at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=min(5.0, timeout)).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                why = f"node 0 does not answer: {exc.strerror or exc}"
+                raise _rendezvous_error(who, host, port, timeout, why) from None
+            time.sleep(0.5)
 
 
 def _register_rendezvous() -> None:
@@ -82,31 +124,79 @@ def _register_rendezvous() -> None:
         pass
 
 
-def launch(config_path: str, overrides: Sequence[str], nproc: int, cfg: RunConfig) -> int:
-    """Run ``core-rl train config_path overrides...`` in ``nproc`` workers; return the exit status."""
+@attrs.frozen
+class Nodes:
+    """The nodes of a multi-node launch: this is node ``rank`` of ``count``, and node 0's agent
+    store listens at ``endpoint`` (``HOST:PORT``); ``interface``: the network interface gloo and
+    NCCL use (empty: their own choice; loopback when the endpoint is); ``timeout_s``: how long the
+    agents wait for each other."""
+
+    count: int = 1
+    rank: int = 0
+    endpoint: str = ""
+    interface: str = ""
+    timeout_s: int = 900
+
+
+def _store_socket(nodes: Nodes) -> tuple[str, int, int | None]:
+    """``(host, port, descriptor)`` of the agent store: a socket bound to 127.0.0.1 on a free port
+    for one node; on several, node 0 binds the endpoint's address (the others bind nothing)."""
+    if nodes.count == 1:
+        host, port = "127.0.0.1", 0
+    else:
+        host, port = parse_rendezvous_endpoint(nodes.endpoint, -1)
+        if nodes.rank != 0:
+            return host, port, None
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        raise CoreRLError(
+            f"--rdzv-endpoint {nodes.endpoint}: node 0 cannot listen there ({exc.strerror}); give an address of "
+            "this machine and a free port"
+        ) from None
+    listener.listen(128)
+    return host, listener.getsockname()[1], listener.detach()
+
+
+def _listen_on(nodes: Nodes, host: str) -> None:
+    """Where the workers' gloo / NCCL sockets listen (see the module docstring)."""
+    if nodes.count > 1 and nodes.interface and not is_loopback(host):
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(var, nodes.interface)
+    listen_on_loopback_unless_configured(host)
+
+
+def launch(config_path: str, overrides: Sequence[str], nproc: int, cfg: RunConfig, nodes: Nodes | None = None) -> int:
+    """Run ``core-rl train config_path overrides...`` in ``nproc`` workers on this node (one of
+    ``nodes``); return the exit status."""
     from core_rl.trainer.resume import effective_recover_mode
 
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(128)
-    port = listener.getsockname()[1]
-    listen_on_loopback_unless_configured("127.0.0.1")
+    nodes = nodes or Nodes()
+    host, port, listen_fd = _store_socket(nodes)
+    _listen_on(nodes, host)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several workers
     _register_rendezvous()
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-    restarts = cfg.recover.retries if effective_recover_mode(cfg) == "auto" else 0
+    restarts = cfg.recover.retries if effective_recover_mode(cfg) == "auto" and nodes.count == 1 else 0
+    rdzv: dict[str, Any] = {"timeout": nodes.timeout_s, "rank": nodes.rank}
+    if listen_fd is not None:
+        rdzv["listen_fd"] = listen_fd
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=nodes.count,
+        max_nodes=nodes.count,
         nproc_per_node=nproc,
-        run_id=f"core-rl-{os.getpid()}",
+        # every node's agent must name the same run
+        run_id=f"core-rl-{os.getpid()}" if nodes.count == 1 else f"core-rl-{host}-{port}",
         rdzv_backend=RENDEZVOUS_BACKEND,
-        rdzv_endpoint=f"127.0.0.1:{port}",
-        rdzv_configs={"listen_fd": listener.detach(), "timeout": 900},
+        rdzv_endpoint=f"{host}:{port}",
+        rdzv_configs=rdzv,
         max_restarts=restarts,
         monitor_interval=0.5,
         start_method="spawn",
-        local_addr="127.0.0.1",
+        local_addr="127.0.0.1" if is_loopback(host) else None,
         **_shutdown_timeout(int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT_S))),
     )
     try:

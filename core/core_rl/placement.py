@@ -1,0 +1,158 @@
+"""Whether a run's placement (``placement:``, :mod:`core_rl.config.placement`) is consistent with
+its rollout engine (:func:`placement_config_problems`, on every configuration load) and fits what
+a launcher offers (:func:`placement_problems`, :class:`ClusterResources`; a launcher's ``check``).
+
+Sizes, per resource (GPUs, then CPU cores), with ``actor = placement.actor.<r> x nodes`` and
+``rollout = placement.rollout.<r> x nodes``:
+
+- ``colocate``: ``max(actor, rollout)`` (rollout runs on the trainer's devices);
+- ``split``: ``actor + rollout``; and ``actor.nodes + rollout.nodes`` nodes unless one node holds
+  a node's share of both;
+- ``external``: ``actor`` (the servers are someone else's).
+
+Each role's per-node share must fit one node and its ``nodes`` the nodes offered.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from core_rl.config.placement import RolePlacement
+
+if TYPE_CHECKING:
+    from core_rl.config.schema import RunConfig
+
+#: the resources a placement asks for: (attribute of RolePlacement, of ClusterResources, word)
+RESOURCES = (("gpus", "gpus_per_node", "GPUs"), ("cpus", "cpus_per_node", "CPU cores"))
+
+
+@attrs.frozen
+class ClusterResources:
+    """What a launcher offers: ``nodes`` nodes of ``gpus_per_node`` GPUs and ``cpus_per_node`` CPU
+    cores each. ``source`` says where the figures come from, as messages quote it (e.g.
+    ``"launcher.nodes, launcher.gpus_per_node, launcher.cpus_per_node"`` or ``"this machine"``)."""
+
+    nodes: int
+    gpus_per_node: int
+    cpus_per_node: int
+    source: str = ""
+
+    def offer(self, per_node_attr: str) -> str:
+        """``4 (1 node x 4 per node: this machine)``: the total of one resource and where it is from."""
+        per_node = getattr(self, per_node_attr)
+        nodes = f"{self.nodes} node{'s' if self.nodes != 1 else ''}"
+        return f"{self.nodes * per_node} ({nodes} x {per_node} per node{': ' + self.source if self.source else ''})"
+
+
+def server_options(cfg: RunConfig) -> Any:
+    """The rollout engine's ``server`` subsection (a :class:`core_rl.remote.options.ServerOptions`)
+    when the selected engine runs inference servers, else ``None`` (e.g. ``hf``, in rank 0)."""
+    return getattr(cfg.rollout.engine.config, "server", None)
+
+
+def placement_config_problems(cfg: RunConfig) -> list[str]:
+    """The placement against the rest of the configuration, whatever the resources: ``external``
+    exactly when ``rollout.engine.server.urls`` lists servers, ``split`` only for server-backed
+    engines, and the other model roles in the trainer's ranks."""
+    placement = cfg.placement
+    problems = []
+    server = server_options(cfg)
+    engine = cfg.rollout.engine.name
+    if placement.mode == "external":
+        if server is None:
+            problems.append(
+                f"placement.mode: external needs a rollout engine that talks to inference servers (vllm, sglang) "
+                f"with rollout.engine.server.urls; rollout engine {engine!r} runs inside trainer rank 0"
+            )
+        elif not server.urls:
+            problems.append(
+                "rollout.engine.server.urls: empty, but placement.mode is external; list the URLs of the running "
+                "servers, or choose placement.mode colocate or split to have core-rl start them"
+            )
+        if placement.rollout != RolePlacement():
+            problems.append(
+                "placement.rollout: external servers are not placed by core-rl; remove placement.rollout "
+                "(or choose placement.mode colocate or split)"
+            )
+    elif server is not None and server.urls:
+        problems.append(
+            f"rollout.engine.server.urls: servers someone else started make the rollout external, but "
+            f"placement.mode is {placement.mode}; set placement.mode: external, or empty the list to have "
+            "core-rl start its own servers"
+        )
+    if placement.mode == "split" and server is None:
+        problems.append(
+            f"placement.mode: split gives rollout servers GPUs or nodes of their own, but rollout engine {engine!r} "
+            "runs inside trainer rank 0; choose colocate, or a server-backed engine (vllm, sglang)"
+        )
+    from core_rl.roles import OPTIONAL_ROLES
+
+    for role in OPTIONAL_ROLES:
+        given = getattr(placement, role)
+        if given is None:
+            continue
+        if getattr(cfg, role) is None:
+            problems.append(f"placement.{role}: there is no {role}: section to place; remove placement.{role}")
+        elif given != placement.actor:
+            problems.append(
+                f"placement.{role}: every trainer rank holds the {role} beside the actor, so it is placed with "
+                f"the actor; leave placement.{role} null or make it equal to placement.actor"
+            )
+    return problems
+
+
+def _share_fits(actor: RolePlacement, rollout: RolePlacement, resources: ClusterResources) -> bool:
+    """Whether one node holds a node's share of both the actor and the rollout."""
+    return all(
+        getattr(actor, attr) + getattr(rollout, attr) <= getattr(resources, per_node) for attr, per_node, _ in RESOURCES
+    )
+
+
+def placement_problems(cfg: RunConfig, resources: ClusterResources) -> list[str]:
+    """What the placement of ``cfg`` asks for beyond ``resources`` (see the module docstring),
+    each problem naming the key, what is needed and what is offered."""
+    placement = cfg.placement
+    mode = placement.mode
+    roles = {"actor": placement.actor}
+    if mode != "external":
+        roles["rollout"] = placement.rollout
+    problems = []
+    for role, given in roles.items():
+        if given.nodes > resources.nodes:
+            problems.append(
+                f"placement.{role}.nodes: {given.nodes} nodes, but the launcher offers {resources.nodes} "
+                f"({resources.source or 'nodes offered'})"
+            )
+        for attr, per_node, word in RESOURCES:
+            if getattr(given, attr) > getattr(resources, per_node):
+                problems.append(
+                    f"placement.{role}.{attr}: {getattr(given, attr)} {word} per node, but a node has "
+                    f"{getattr(resources, per_node)} ({resources.source or 'per node'})"
+                )
+    if problems:
+        return problems
+    actor, rollout = placement.actor, placement.rollout
+    for attr, per_node, word in RESOURCES:
+        need_actor = getattr(actor, attr) * actor.nodes
+        need_rollout = getattr(rollout, attr) * rollout.nodes if mode != "external" else 0
+        need = need_actor + need_rollout if mode == "split" else max(need_actor, need_rollout)
+        offered = resources.nodes * getattr(resources, per_node)
+        if need > offered:
+            parts = f"{need_actor} {word} for the actor (placement.actor.{attr} x nodes = {getattr(actor, attr)} x "
+            parts += f"{actor.nodes})"
+            if mode != "external":
+                parts += f" and {need_rollout} for rollout, {need} in all"
+            key = "rollout" if mode != "external" and need_rollout else "actor"
+            problems.append(
+                f"placement.{key}.{attr}: {mode} placement needs {parts}; the launcher offers "
+                f"{resources.offer(per_node)}"
+            )
+    if mode == "split" and actor.nodes + rollout.nodes > resources.nodes and not _share_fits(actor, rollout, resources):
+        problems.append(
+            f"placement.rollout.nodes: split placement needs {actor.nodes} nodes for the actor and {rollout.nodes} "
+            f"for rollout ({actor.nodes + rollout.nodes} in all: one node cannot hold a node's share of both); the "
+            f"launcher offers {resources.nodes} ({resources.source or 'nodes'})"
+        )
+    return problems
