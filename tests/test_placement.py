@@ -18,7 +18,7 @@ from core_rl.config import load_config
 from core_rl.errors import ConfigError
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.launchers import Launcher, LaunchRequest, build_launcher, launch_checked, launcher_check
-from core_rl.placement import ClusterResources, placement_problems
+from core_rl.placement import ClusterResources, placement_mode, placement_problems
 from core_rl.rendezvous import Rendezvous
 from core_rl.testing import LauncherContract
 from hypothesis import given, settings
@@ -110,7 +110,9 @@ def test_external_means_server_urls_and_split_means_servers(tmp_path, minimal_co
         "rollout": {"engine": {"name": "vllm", "server": {"urls": ["http://10.0.0.2:8000"]}}, "weight_sync": "disk"},
     }
     with pytest.raises(ConfigError, match=r"rollout.engine.server.urls: servers someone else started make the "):
-        _load(tmp_path, vllm, host=host)
+        _load(tmp_path, vllm, "placement.mode=colocate", host=host)
+    auto = _load(tmp_path, vllm, host=host)  # the default mode, auto, is external when URLs are given
+    assert auto.placement.mode == "auto" and placement_mode(auto) == "external"
     cfg = _load(tmp_path, vllm, "placement.mode=external", host=host)
     # external: the servers take nothing of the launcher's; only the actor's 2 GPUs count
     cfg.placement.actor.gpus = 2

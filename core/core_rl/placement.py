@@ -52,15 +52,25 @@ def server_options(cfg: RunConfig) -> Any:
     return getattr(cfg.rollout.engine.config, "server", None)
 
 
+def placement_mode(cfg: RunConfig) -> str:
+    """``placement.mode`` with ``auto`` resolved: ``external`` when ``rollout.engine.server.urls``
+    lists servers, else ``colocate``."""
+    if cfg.placement.mode != "auto":
+        return cfg.placement.mode
+    server = server_options(cfg)
+    return "external" if server is not None and server.urls else "colocate"
+
+
 def placement_config_problems(cfg: RunConfig) -> list[str]:
     """The placement against the rest of the configuration, whatever the resources: ``external``
     exactly when ``rollout.engine.server.urls`` lists servers, ``split`` only for server-backed
     engines, and the other model roles in the trainer's ranks."""
     placement = cfg.placement
+    mode = placement_mode(cfg)
     problems = []
     server = server_options(cfg)
     engine = cfg.rollout.engine.name
-    if placement.mode == "external":
+    if mode == "external":
         if server is None:
             problems.append(
                 f"placement.mode: external needs a rollout engine that talks to inference servers (vllm, sglang) "
@@ -79,10 +89,10 @@ def placement_config_problems(cfg: RunConfig) -> list[str]:
     elif server is not None and server.urls:
         problems.append(
             f"rollout.engine.server.urls: servers someone else started make the rollout external, but "
-            f"placement.mode is {placement.mode}; set placement.mode: external, or empty the list to have "
+            f"placement.mode is {mode}; set placement.mode: external (or auto), or empty the list to have "
             "core-rl start its own servers"
         )
-    if placement.mode == "split" and server is None:
+    if mode == "split" and server is None:
         problems.append(
             f"placement.mode: split gives rollout servers GPUs or nodes of their own, but rollout engine {engine!r} "
             "runs inside trainer rank 0; choose colocate, or a server-backed engine (vllm, sglang)"
@@ -114,7 +124,7 @@ def placement_problems(cfg: RunConfig, resources: ClusterResources) -> list[str]
     """What the placement of ``cfg`` asks for beyond ``resources`` (see the module docstring),
     each problem naming the key, what is needed and what is offered."""
     placement = cfg.placement
-    mode = placement.mode
+    mode = placement_mode(cfg)
     roles = {"actor": placement.actor}
     if mode != "external":
         roles["rollout"] = placement.rollout

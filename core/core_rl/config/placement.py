@@ -15,8 +15,9 @@ import attrs
 from core_rl.config.validators import MAX_COUNT, in_range, one_of
 
 #: ``colocate``: rollout shares the trainer's GPUs (asleep while training); ``split``: rollout on
-#: GPUs of its own; ``external``: servers already running, at ``rollout.engine.server.urls``
-PLACEMENT_MODES = ("colocate", "split", "external")
+#: GPUs of its own; ``external``: servers already running, at ``rollout.engine.server.urls``;
+#: ``auto`` (the default): ``external`` when those URLs are given, else ``colocate``
+PLACEMENT_MODES = ("auto", "colocate", "split", "external")
 
 
 @attrs.define
@@ -44,7 +45,7 @@ class PlacementConfig:
     roles, null (they live in the trainer's ranks, which is the only placement the trainer runs
     today) or the actor's own placement written out."""
 
-    mode: str = attrs.field(default="colocate", validator=one_of(PLACEMENT_MODES))
+    mode: str = attrs.field(default="auto", validator=one_of(PLACEMENT_MODES))
     actor: RolePlacement = attrs.field(factory=RolePlacement)
     rollout: RolePlacement = attrs.field(factory=RolePlacement)
     ref: RolePlacement | None = None
