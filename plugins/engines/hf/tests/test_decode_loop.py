@@ -172,3 +172,37 @@ def test_host_reads_back_only_every_sync_every_tokens(model: torch.nn.Module, mo
     sampling = SamplingParams(max_new_tokens=20, greedy=True)
     new_loop(model, [[1, 2, 3]], [4], sampling, [], None, 8)
     assert len(reads) == 2  # before tokens 8 and 16 of 20
+
+
+@pytest.mark.parametrize("autocast", [None, "bfloat16"])
+def test_graph_path_wiring_on_cpu(make_engine, tiny_state_dict, monkeypatch, autocast: str | None) -> None:
+    """The engine's CUDA graph path run on a CPU with the capture replaced by the eager step (CUDA
+    graphs themselves are tested in test_gpu.py): static buffers of a bucketed capacity, reused
+    by a second call (one entry), reloaded per call and following a weight update (in place,
+    including the bf16 weight copies), give the tokens of the engine without graphs."""
+    from core_rl_hf.graphs import DecodeGraphs, GraphedDecoder
+
+    monkeypatch.setattr(GraphedDecoder, "_capture", lambda self: type("Eager", (), {"replay": self._advance})())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: None)
+    graphed, plain = make_engine(autocast_dtype=autocast), make_engine(autocast_dtype=autocast)
+    graphed.graphs = DecodeGraphs()
+    prompts, sampling = [[1, 5, 6], [1, 7, 8, 9, 10]], SamplingParams(n=2, greedy=True, max_new_tokens=12)
+
+    def outputs(engine):
+        return [(s.response_ids, s.finish_reason, s.logprobs) for g in engine.generate(prompts, sampling) for s in g]
+
+    def same(a, b) -> None:
+        assert [x[:2] for x in a] == [y[:2] for y in b]
+        for x, y in zip(a, b):
+            torch.testing.assert_close(torch.tensor(x[2]), torch.tensor(y[2]), atol=1e-5, rtol=0)
+
+    first = outputs(graphed)
+    same(first, outputs(plain))
+    same(outputs(graphed), first)
+    assert graphed.graphs.captures == 1 and len(graphed.graphs._entries) == 1
+    changed = {k: v * 1.5 if "mlp" in k else v for k, v in tiny_state_dict.items()}
+    for engine in (graphed, plain):
+        engine.update_weights(changed, 1)
+    after = outputs(graphed)
+    same(after, outputs(plain))
+    assert [x[2] for x in after] != [x[2] for x in first]
