@@ -60,7 +60,8 @@ class GraphedDecoder:
     def _capture(self) -> torch.cuda.CUDAGraph:
         device = self.state.feed.device
         generator = self.state.generator
-        rng = generator or torch.cuda.default_generators[device.index or torch.cuda.current_device()]
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        rng = generator or torch.cuda.default_generators[index]
         rng_state = rng.get_state()
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -70,7 +71,8 @@ class GraphedDecoder:
         graph = torch.cuda.CUDAGraph()
         if generator is not None:  # the default generator is registered by the capture itself
             graph.register_generator_state(generator)
-        with torch.cuda.graph(graph):
+        # thread_local: CUDA work of other threads (a train engine beside an async rollout) may go on
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self._advance()
         rng.set_state(rng_state)
         return graph
