@@ -190,6 +190,15 @@ class LeanStepper:
         self.values = [v.index_select(0, rows) for v in self.values]
         self.mask, self.position_ids = self.mask[rows], self.position_ids[rows]
 
+    def _write(self, buffer: torch.Tensor, states: torch.Tensor) -> None:
+        """Write one step's ``states`` [B, kv_heads, 1, head_dim] at slot ``pos`` of ``buffer``: by
+        the device-side index when static (a graph replays it), else at the host's ``length``
+        (the same slot; a plain slice copy is several times cheaper on a CPU)."""
+        if self.static:
+            buffer.index_copy_(2, self.pos, states)
+        else:
+            buffer[:, :, self.length : self.length + 1] = states
+
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens`` [B] (one per row); return the next-token logits [B, V] (float32)."""
         model = self.model
@@ -210,8 +219,8 @@ class LeanStepper:
             v = v.view(batch, 1, -1, self.head_dim).transpose(1, 2)
             q, k = self.apply_rope(q, k, cos, sin)
             q, k, v = q.to(self.state_dtype), k.to(self.state_dtype), v.to(self.state_dtype)
-            self.keys[i].index_copy_(2, self.pos, k)
-            self.values[i].index_copy_(2, self.pos, v)
+            self._write(self.keys[i], k)
+            self._write(self.values[i], v)
             out = F.scaled_dot_product_attention(
                 q.reshape(batch, self.kv_heads, -1, self.head_dim),
                 self.keys[i][:, :, :span],
