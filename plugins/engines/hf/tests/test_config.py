@@ -39,6 +39,8 @@ def test_valid_options() -> None:
         ({"seed": "seven"}, "rollout.engine.seed"),
         ({"max_batch_size": 2.5}, "rollout.engine.max_batch_size: expected an integer"),
         ({"autocast_dtype": "float16"}, "rollout.engine.autocast_dtype: must be one of 'bfloat16'"),
+        ({"cuda_graphs": "yes"}, "rollout.engine.cuda_graphs: expected true or false"),
+        ({"sync_every": 0}, r"rollout.engine.sync_every: must be in \[1, "),
     ],
 )
 def test_invalid_options(options: dict[str, object], message: str) -> None:
@@ -75,3 +77,21 @@ def test_device_checked_against_the_machine(device: str, machine: MachineInfo, p
         assert problems == []
     else:
         assert len(problems) == 1 and problems[0].startswith(problem)
+
+
+def test_cuda_graphs_and_sync_every() -> None:
+    assert (_load().cuda_graphs, _load().sync_every) == (None, None)
+    assert (_load(cuda_graphs=False, sync_every=8).cuda_graphs, _load(sync_every=8).sync_every) == (False, 8)
+    context = EnvironmentContext(path="rollout.engine", run=RunConfig(), name="hf", machine=MachineInfo())
+    (problem,) = _load(device="cpu", cuda_graphs=True).check_environment(context)
+    assert problem.startswith("rollout.engine.cuda_graphs: true needs a CUDA device but rollout.engine.device is 'cpu'")
+    assert _load(device="cpu", cuda_graphs=False).check_environment(context) == []
+
+
+def test_engine_resolves_graphs_and_sync_every(make_engine) -> None:
+    """On a CPU: no graphs unless asked (then a clear error), the finished count read every token."""
+    engine = make_engine()
+    assert engine.graphs is None and engine.sync_every == 1
+    assert make_engine(sync_every=4).sync_every == 4
+    with pytest.raises(ConfigError, match="rollout.engine.cuda_graphs: true, but the engine generates on cpu"):
+        make_engine(device="cpu", cuda_graphs=True)

@@ -121,6 +121,29 @@ def test_mixed_precision_steps_give_the_autocast_forwards_logits(name: str) -> N
 
 
 @torch.inference_mode()
+def test_static_steps_give_the_same_logits_and_reload() -> None:
+    """A static stepper (fixed shapes: attention over every buffer position, the unwritten ones
+    masked) gives the logits of the stepper attending over the written positions only; reloaded
+    with the same prefill (as a captured graph's buffers are for the next call) it repeats them."""
+    model = MODELS["qwen2-gqa"]()
+    prompts = [[1, 5, 6, 7, 8], [1, 9], [3]]
+    plain, _ = _prefilled(model, LeanStepper, prompts, capacity=16)
+    input_ids, mask, positions = left_pad(prompts, 0, torch.device("cpu"))
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    static = LeanStepper(model, out.past_key_values, mask, positions[:, -1:], 32, static=True)
+    tokens = torch.randint(0, VOCAB, (8, len(prompts)), generator=torch.Generator().manual_seed(2))
+    first = []
+    for row in tokens:
+        first.append(static.step(row))
+        torch.testing.assert_close(first[-1], plain.step(row), atol=1e-5, rtol=0)
+    static.load(out.past_key_values, mask, positions[:, -1:])
+    again = [static.step(row) for row in tokens]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    with pytest.raises(RuntimeError, match="static"):
+        static.keep(torch.tensor([0]))
+
+
+@torch.inference_mode()
 def test_lean_step_equals_a_full_forward_over_the_sequence() -> None:
     """The cached steps give the logits of one uncached forward over prompt + fed tokens."""
     model = MODELS["qwen2-gqa"]()

@@ -14,10 +14,10 @@ NEG = float("-inf")
 
 def test_block_tokens_copies_and_masks() -> None:
     logits = torch.tensor([[1.0, 2.0, 3.0]])
-    out = block_tokens(logits, [0, 2])
+    out = block_tokens(logits, torch.tensor([True, False, True]))
     assert out.tolist() == [[NEG, 2.0, NEG]]
     assert logits.tolist() == [[1.0, 2.0, 3.0]]
-    assert block_tokens(logits, []).tolist() == logits.tolist()
+    assert block_tokens(logits, None) is logits
 
 
 def test_top_k_keeps_k_largest_and_ties() -> None:
@@ -41,7 +41,8 @@ def test_top_p_keeps_smallest_prefix_reaching_p() -> None:
 
 def test_greedy_blocks_but_reports_unblocked_logprob() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.0]])
-    tokens, lps = choose_tokens(logits, SamplingParams(greedy=True, temperature=0.3), blocked=[0])
+    blocked = torch.tensor([True, False, False])
+    tokens, lps = choose_tokens(logits, SamplingParams(greedy=True, temperature=0.3), blocked=blocked)
     assert tokens.tolist() == [1]
     assert math.isclose(lps.item(), torch.log_softmax(logits, -1)[0, 1].item(), abs_tol=1e-6)
 
@@ -51,7 +52,7 @@ def test_sampling_logprob_is_temperature_scaled_and_unfiltered() -> None:
     params = SamplingParams(temperature=0.5, top_k=2, top_p=0.9)
     gen = torch.Generator().manual_seed(0)
     for _ in range(20):
-        tokens, lps = choose_tokens(logits, params, blocked=[0], generator=gen)
+        tokens, lps = choose_tokens(logits, params, blocked=torch.tensor([True, False, False, False]), generator=gen)
         token = tokens.item()
         # token 0 is blocked; top-k 2 of the rest keeps {1, 2}; the reported log-prob ignores both filters
         assert token in (1, 2)

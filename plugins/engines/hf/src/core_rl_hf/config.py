@@ -15,6 +15,8 @@ if TYPE_CHECKING:  # torch is imported when a device is checked or resolved, not
 
 #: dtypes accepted by ``autocast_dtype`` (``None``: off)
 AUTOCAST_DTYPES = ("bfloat16",)
+#: tokens between the host's checks for finished rows on a GPU (``sync_every: null``)
+GPU_SYNC_EVERY = 16
 #: device types the engine generates on
 DEVICE_TYPES = ("cpu", "cuda", "mps")
 
@@ -55,6 +57,13 @@ class HFRolloutConfig:
       trained with ``actor.engine.autocast_dtype`` (up to summation order). On CPUs with native
       bfloat16 (AVX512-BF16, AMX) the projections run about twice as fast. ``None`` (default):
       generate in the weights' dtype.
+    - ``cuda_graphs``: replay each decoding step from a CUDA graph captured once per batch shape
+      (:mod:`core_rl_hf.graphs`); ``null`` (default): on for a CUDA device with the lean decoder,
+      off otherwise; ``true`` requires both; ``false``: launch every step's kernels from Python.
+    - ``sync_every``: the host checks whether all rows of a batch are done (and drops finished
+      rows, without graphs) every this many tokens; ``null``: every token on a CPU (where the
+      check costs nothing), every :data:`GPU_SYNC_EVERY` tokens on a GPU (each check waits for the
+      device; up to that many steps may run after the last row is done).
     """
 
     dtype: str = attrs.field(default="float32", validator=one_of(DTYPES))
@@ -63,12 +72,20 @@ class HFRolloutConfig:
     seed: int | None = attrs.field(default=None, validator=in_range(0, 2**63 - 1))
     decoder: str = attrs.field(default="auto", validator=one_of(("auto", "transformers")))
     autocast_dtype: str | None = attrs.field(default=None, validator=one_of(AUTOCAST_DTYPES))
+    cuda_graphs: bool | None = None
+    sync_every: int | None = attrs.field(default=None, validator=in_range(1, MAX_COUNT))
 
     def check_environment(self, context: EnvironmentContext) -> list[str]:
         """The device against what the machine has."""
         if self.device == "auto":
             return []
         import torch
+
+        if self.cuda_graphs and torch.device(self.device).type != "cuda":
+            return [
+                f"{context.key('cuda_graphs')}: true needs a CUDA device but {context.key('device')} is "
+                f"{self.device!r}; set cuda_graphs to null (on where possible) or false"
+            ]
 
         device = torch.device(self.device)
         machine = context.machine

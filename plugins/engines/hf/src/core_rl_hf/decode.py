@@ -38,7 +38,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from core_rl_hf.kv_cache import preallocate, with_room
+from core_rl_hf.kv_cache import preallocate
 
 #: model classes whose decoder layers :class:`LeanStepper` reproduces
 LEAN_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
@@ -111,6 +111,13 @@ class LeanStepper:
     ``cache`` holds the prompt's keys/values per layer ``[B, kv_heads, L, head_dim]`` (already one
     row per sample), ``attention_mask`` [B, L] marks real prompt tokens, ``position_ids`` [B, 1] the
     last prompt token's position; ``capacity`` bounds ``L`` plus the tokens to generate.
+
+    Every buffer (keys, values, attention mask, positions, the next write slot ``pos``) is allocated
+    once and updated in place, so a step reads nothing back to the host. With ``static`` each step
+    attends over all ``capacity`` positions (the unwritten ones masked out; the buffers start zeroed)
+    and so has the same shapes every step: it can be captured in a CUDA graph and replayed, and
+    :meth:`load` refills the buffers for the next batch of the same shape. Otherwise it attends
+    over the positions written so far (less work on a CPU; rows can be dropped with :meth:`keep`).
     """
 
     def __init__(
@@ -121,6 +128,8 @@ class LeanStepper:
         position_ids: torch.Tensor,
         capacity: int,
         compute_dtype: torch.dtype | None = None,
+        *,
+        static: bool = False,
     ) -> None:
         self.model = model
         self.state_dtype = model.lm_head.weight.dtype  # residual stream, norms, rotary, attention
@@ -132,31 +141,73 @@ class LeanStepper:
         self.layers = list(model.model.layers)
         first = self.layers[0].self_attn
         self.head_dim, self.scaling = first.head_dim, first.scaling
-        self.gqa = model.config.num_attention_heads != model.config.num_key_value_heads
+        self.kv_heads = model.config.num_key_value_heads
+        self.static = static
         rows, length = attention_mask.shape
-        capacity = max(capacity, length + 1)
-        self.keys, self.values = [], []
+        self.capacity = max(capacity, length + 1)
+        keys, _ = _layer_states(cache, 0)
+        shape = (rows, keys.shape[1], self.capacity, keys.shape[-1])
+        zeros = dict(dtype=self.state_dtype, device=keys.device)
+        self.keys = [torch.zeros(shape, **zeros) for _ in self.layers]
+        self.values = [torch.zeros(shape, **zeros) for _ in self.layers]
+        self.mask = attention_mask.new_zeros((rows, self.capacity), dtype=torch.bool)
+        self.position_ids = position_ids.clone()
+        self.pos = position_ids.new_zeros(1)  # the buffer slot the next step writes
+        self.length = 0  # the same on the host (the attended span when not static)
+        self.load(cache, attention_mask, position_ids)
+
+    def load(self, cache: Any, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> None:
+        """Refill the buffers in place from a prefill of the same number of rows (at most
+        ``capacity - 1`` prompt positions) and rebuild the projection weights' copies (a weight
+        update since changes them)."""
+        length = attention_mask.shape[1]
         for i in range(len(self.layers)):
             keys, values = _layer_states(cache, i)
-            self.keys.append(with_room(keys.to(self.state_dtype), capacity))
-            self.values.append(with_room(values.to(self.state_dtype), capacity))
-        self.mask = attention_mask.new_zeros((rows, capacity), dtype=torch.bool)
+            self.keys[i][:, :, :length] = keys
+            self.values[i][:, :, :length] = values
+        self.mask.zero_()
         self.mask[:, :length] = attention_mask.bool()
+        self.position_ids.copy_(position_ids)
+        self.pos.fill_(length)
         self.length = length
-        self.position_ids = position_ids
+
+    def refresh_weights(self) -> None:
+        """Copy the model's current weights into the projection copies this stepper made (those
+        in ``compute_dtype``; the model's own parameters are used as they are)."""
+        fresh = [_layer_weights(layer, self.dtype) for layer in self.layers]
+        pairs = [(self.head_weight, self.model.lm_head.weight.detach().to(self.dtype))]
+        for old, new in zip(self.weights, fresh):
+            for name in ("qkv", "o", "gate_up", "down"):
+                pairs += zip(getattr(old, name).tensors(), getattr(new, name).tensors())
+        for old, new in pairs:
+            if old.data_ptr() != new.data_ptr():
+                old.copy_(new)
 
     def keep(self, rows: torch.Tensor) -> None:
+        if self.static:
+            raise RuntimeError("a static LeanStepper keeps its rows (its shapes are fixed)")
         self.keys = [k.index_select(0, rows) for k in self.keys]
         self.values = [v.index_select(0, rows) for v in self.values]
         self.mask, self.position_ids = self.mask[rows], self.position_ids[rows]
 
+    def _write(self, buffer: torch.Tensor, states: torch.Tensor) -> None:
+        """Write one step's ``states`` [B, kv_heads, 1, head_dim] at slot ``pos`` of ``buffer``: by
+        the device-side index when static (a graph replays it), else at the host's ``length``
+        (the same slot; a plain slice copy is several times cheaper on a CPU)."""
+        if self.static:
+            buffer.index_copy_(2, self.pos, states)
+        else:
+            buffer[:, :, self.length : self.length + 1] = states
+
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens`` [B] (one per row); return the next-token logits [B, V] (float32)."""
-        model, t = self.model, self.length
-        self.position_ids = self.position_ids + 1
-        self.mask[:, t] = True
-        self.length = t + 1
-        mask = self.mask[:, None, None, : t + 1]
+        model = self.model
+        self.position_ids.add_(1)
+        self.mask.index_fill_(1, self.pos, True)
+        span = self.capacity if self.static else self.length + 1
+        # grouped-query attention as plain attention: the query heads sharing a key/value head
+        # become that head's query rows; one mask row [B, 1, 1, span] serves them all
+        mask = self.mask[:, None, None, :span]
         hidden = model.model.embed_tokens(tokens[:, None])  # [B, 1, H]
         cos, sin = model.model.rotary_emb(hidden, self.position_ids)  # [B, 1, head_dim]
         batch, dtype = hidden.shape[0], self.dtype
@@ -168,22 +219,23 @@ class LeanStepper:
             v = v.view(batch, 1, -1, self.head_dim).transpose(1, 2)
             q, k = self.apply_rope(q, k, cos, sin)
             q, k, v = q.to(self.state_dtype), k.to(self.state_dtype), v.to(self.state_dtype)
-            self.keys[i][:, :, t : t + 1] = k
-            self.values[i][:, :, t : t + 1] = v
+            self._write(self.keys[i], k)
+            self._write(self.values[i], v)
             out = F.scaled_dot_product_attention(
-                q,
-                self.keys[i][:, :, : t + 1],
-                self.values[i][:, :, : t + 1],
+                q.reshape(batch, self.kv_heads, -1, self.head_dim),
+                self.keys[i][:, :, :span],
+                self.values[i][:, :, :span],
                 attn_mask=mask,
                 scale=self.scaling,
-                enable_gqa=self.gqa,
             )
-            (attended,) = w.o(out.transpose(1, 2).reshape(batch, 1, -1).to(dtype))
+            (attended,) = w.o(out.reshape(batch, 1, -1).to(dtype))
             hidden = hidden + attended
             normed = _rms_norm(layer.post_attention_layernorm, hidden).to(dtype)
             gate, up = w.gate_up(normed)
             (mlp_out,) = w.down(F.silu(gate) * up)
             hidden = hidden + mlp_out
+        self.pos.add_(1)
+        self.length += 1
         hidden = _rms_norm(model.model.norm, hidden).to(dtype)
         return F.linear(hidden, self.head_weight)[:, -1].float()
 
@@ -196,6 +248,10 @@ class _Projections:
     weights: tuple[torch.Tensor, ...]
     biases: tuple[torch.Tensor | None, ...]
     sizes: tuple[int, ...]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The weights and biases (those that exist), in a fixed order."""
+        return [t for t in (*self.weights, *self.biases) if t is not None]
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if len(self.weights) == 1:

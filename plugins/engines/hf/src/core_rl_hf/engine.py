@@ -34,8 +34,10 @@ from core_rl.errors import ConfigError
 from core_rl.interfaces import PAUSE_MODES, RolloutEngine, SamplingParams
 from core_rl.protocol import Sample
 
-from core_rl_hf.config import HFRolloutConfig, resolve_device
+from core_rl_hf.config import GPU_SYNC_EVERY, HFRolloutConfig, resolve_device
+from core_rl_hf.decode import lean_supported
 from core_rl_hf.generation import Completion, generate_batch
+from core_rl_hf.graphs import DecodeGraphs
 from core_rl_hf.memory import release_host_memory
 from core_rl_hf.sampling import check_sampling
 from core_rl_hf.weights import copy_buckets, load_full_state_dict, read_safetensors_dir
@@ -115,6 +117,8 @@ class HFRolloutEngine(RolloutEngine):
             tokenizer = None
         self.eos_token_ids, self.pad_token_id = special_token_ids(model, tokenizer)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.graphs = self._decode_graphs(config, model)
+        self.sync_every = config.sync_every or (1 if self.device.type == "cpu" else GPU_SYNC_EVERY)
         self.generator: torch.Generator | None = None
         if config.seed is not None:
             self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -126,6 +130,26 @@ class HFRolloutEngine(RolloutEngine):
         self._active = 0  # generate calls running on the model
         self._abort = threading.Event()  # set by pause("abort"): running batches stop early
         self._worker: threading.Thread | None = None
+
+    def _decode_graphs(self, config: HFRolloutConfig, model: torch.nn.Module) -> DecodeGraphs | None:
+        """The CUDA graph cache when ``cuda_graphs`` asks for it (``null``: where it applies)."""
+        lean = config.decoder == "auto" and lean_supported(model)
+        if config.cuda_graphs is None:
+            return DecodeGraphs() if self.device.type == "cuda" and lean else None
+        if not config.cuda_graphs:
+            return None
+        if self.device.type != "cuda":
+            raise ConfigError(
+                f"rollout.engine.cuda_graphs: true, but the engine generates on {self.device} (rollout.engine.device: "
+                f"{config.device!r}); CUDA graphs need a CUDA device: set cuda_graphs to null or false"
+            )
+        if not lean:
+            raise ConfigError(
+                f"rollout.engine.cuda_graphs: true needs the lean decoder (rollout.engine.decoder: auto and a Llama or "
+                f"Qwen2 model); this is {type(model).__name__} with decoder {config.decoder!r}: set cuda_graphs to "
+                "null or false"
+            )
+        return DecodeGraphs()
 
     @property
     def model(self) -> torch.nn.Module:
@@ -204,6 +228,8 @@ class HFRolloutEngine(RolloutEngine):
                 interrupted=self._abort.is_set,
                 lean=self.config.decoder == "auto",
                 compute_dtype=self.compute_dtype,
+                sync_every=self.sync_every,
+                graphs=self.graphs,
             )
             for (i, _), out in zip(chunk, outs):
                 completions[i].extend(out)
@@ -358,6 +384,8 @@ class HFRolloutEngine(RolloutEngine):
                 item.future.set_exception(RuntimeError("the hf rollout engine is closed"))
         if self._model is not None:
             self._model = None
+            if self.graphs is not None:
+                self.graphs.clear()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 

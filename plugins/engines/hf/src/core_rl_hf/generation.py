@@ -14,11 +14,18 @@ blocked while fewer than ``min_new_tokens`` tokens exist. Its response is the to
 including that token (``"stop"``). Rows still running after ``max_new_tokens`` tokens end with
 ``"length"``. A row still running when ``interrupted()`` turns true (checked before each token
 after the first) ends with ``"abort"`` and the tokens it has; the caller continues it later.
-Finished rows are dropped from the batch (and the cache) once they make up a quarter of it; until
-then they are fed a filler token whose outputs are discarded. The KV cache is
+
+The per-row bookkeeping (choosing, recording, stop detection, ``min_new_tokens`` blocking) stays
+on the device (:mod:`core_rl_hf.decode_state`): per token nothing is read back to the host. Every
+``sync_every`` tokens the host reads how many rows are done, stops when all are, and drops the
+finished rows from the batch (and the cache) once they make up a quarter of it; until then they are
+fed a filler token whose outputs are discarded. A response is cut at its length at the end, so the
+results do not depend on ``sync_every`` (greedy ones bit for bit; sampled ones draw the same
+distribution, but rows kept longer draw their noise from the generator too). The KV cache is
 preallocated for the prompt plus ``max_new_tokens`` positions. Each decoding step runs through a
 stepper (:mod:`core_rl_hf.decode`): the lean path for Llama and Qwen2 models, the model's own
-forward otherwise.
+forward otherwise; with ``graphs`` a lean step and the choice after it are replayed from a CUDA
+graph (:mod:`core_rl_hf.graphs`; the batch keeps its rows then).
 """
 
 from __future__ import annotations
@@ -29,8 +36,9 @@ import attrs
 import torch
 from core_rl.interfaces import SamplingParams
 
-from core_rl_hf.decode import make_stepper, mixed_precision
-from core_rl_hf.sampling import choose_tokens
+from core_rl_hf.decode import LeanStepper, lean_supported, make_stepper, mixed_precision
+from core_rl_hf.decode_state import DecodeState
+from core_rl_hf.graphs import DecodeGraphs, bucketed_capacity
 
 
 @attrs.define
@@ -74,14 +82,17 @@ def generate_batch(
     interrupted: Callable[[], bool] | None = None,
     lean: bool = True,
     compute_dtype: torch.dtype | None = None,
+    sync_every: int = 1,
+    graphs: DecodeGraphs | None = None,
 ) -> list[list[Completion]]:
     """``counts[i]`` responses to each (non-empty) ``prompts[i]``, all generated as one batch; see
     the module docstring. ``sampling.n`` is ignored (``counts`` says how many). ``lean``: decode
     supported architectures with :class:`core_rl_hf.decode.LeanStepper`; ``compute_dtype``: mixed
-    precision (the prefill under autocast, the steps as :mod:`core_rl_hf.decode` describes)."""
+    precision (the prefill under autocast, the steps as :mod:`core_rl_hf.decode` describes).
+    ``sync_every``: the host reads how many rows are done every this many tokens;
+    ``graphs``: replay the decoding step from CUDA graphs kept there (lean models only)."""
     device = next(model.parameters()).device
     stop_ids = sorted(set(eos_token_ids) | set(sampling.stop_token_ids))
-    stop_tensor = torch.as_tensor(stop_ids, dtype=torch.long, device=device)
     input_ids, attention_mask, position_ids = left_pad(prompts, pad_token_id, device)
     with mixed_precision(model, compute_dtype):
         out = model(
@@ -95,46 +106,46 @@ def generate_batch(
     rows = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.as_tensor(counts, device=device))
     cache = out.past_key_values
     cache.reorder_cache(rows)
-    capacity = input_ids.shape[1] + sampling.max_new_tokens
-    stepper = make_stepper(
-        model, cache, attention_mask[rows], position_ids[rows, -1:], capacity, lean=lean, compute_dtype=compute_dtype
-    )
     logits = out.logits[rows, -1].float()
-    del out, cache
+    mask, last_position = attention_mask[rows], position_ids[rows, -1:]
+    width, steps, total, vocab = input_ids.shape[1], sampling.max_new_tokens, len(rows), logits.shape[-1]
+    del out
 
-    total, steps = len(rows), sampling.max_new_tokens
-    tokens = torch.full((total, steps), pad_token_id, dtype=torch.long, device=device)
-    logprobs = torch.zeros((total, steps), dtype=torch.float32, device=device)
-    lengths = torch.full((total,), steps, dtype=torch.long, device=device)
-    stopped = torch.zeros(total, dtype=torch.bool, device=device)
-    sequence = torch.arange(total, device=device)  # the sample each batch row generates
-    done = torch.zeros(total, dtype=torch.bool, device=device)  # batch rows already finished
-    aborted = False
-    for t in range(steps):
-        if t > 0 and interrupted is not None and interrupted():
-            aborted = True
-            lengths[sequence[~done]] = t
-            break
-        blocked = stop_ids if t < sampling.min_new_tokens else ()
-        next_tokens, next_logprobs = choose_tokens(logits, sampling, blocked=blocked, generator=generator)
-        live = sequence[~done]
-        tokens[live, t] = next_tokens[~done]
-        logprobs[live, t] = next_logprobs[~done]
-        new_stop = ~done & torch.isin(next_tokens, stop_tensor)
-        lengths[sequence[new_stop]] = t + 1
-        stopped[sequence[new_stop]] = True
-        done |= new_stop
-        n_done = int(done.sum())
-        if t + 1 == steps or n_done == len(done):
-            break
-        if 4 * n_done >= len(done):
-            keep = (~done).nonzero().squeeze(-1)
-            stepper.keep(keep)
-            sequence, next_tokens, done = sequence[keep], next_tokens[keep], done[keep]
-        logits = stepper.step(next_tokens.masked_fill(done, pad_token_id))
+    def new_state() -> DecodeState:
+        special = dict(stop_ids=stop_ids, pad_token_id=pad_token_id)
+        return DecodeState(total, steps, vocab, sampling, **special, device=device, generator=generator)
 
-    tokens_l, logprobs_l = tokens.tolist(), logprobs.tolist()
-    lengths_l, stopped_l = lengths.tolist(), stopped.tolist()
+    if graphs is not None and lean and lean_supported(model):
+        capacity = bucketed_capacity(width + steps)
+        key = (id(model), total, capacity, steps, vocab, _sampling_key(sampling), tuple(stop_ids), pad_token_id)
+        key += (compute_dtype, id(generator))
+
+        def build() -> tuple[LeanStepper, DecodeState]:
+            stepper = LeanStepper(model, cache, mask, last_position, capacity, compute_dtype, static=True)
+            return stepper, new_state()
+
+        graphed, new = graphs.get(key, build)
+        stepper, state = graphed.stepper, graphed.state
+        stepper.load(cache, mask, last_position)  # the capture's warm-up moved them on
+        if not new:
+            stepper.refresh_weights()
+        state.reset()
+        advance, keep = graphed.replay, None
+    else:
+        stepper = make_stepper(model, cache, mask, last_position, width + steps, lean=lean, compute_dtype=compute_dtype)
+        state = new_state()
+
+        def advance() -> None:
+            state.choose(stepper.step(state.feed))
+
+        def keep(rows: torch.Tensor) -> None:
+            stepper.keep(rows)
+            state.keep(rows)
+
+    state.choose(logits)
+    aborted = _decode(state, advance, steps, sync_every=sync_every, keep=keep, interrupted=interrupted)
+
+    tokens_l, logprobs_l, lengths_l, stopped_l = state.results()
     completions = [
         Completion(
             token_ids=tokens_l[i][: lengths_l[i]],
@@ -148,3 +159,37 @@ def generate_batch(
         grouped.append(completions[start : start + count])
         start += count
     return grouped
+
+
+def _decode(
+    state: DecodeState,
+    advance: Callable[[], None],
+    steps: int,
+    *,
+    sync_every: int,
+    keep: Callable[[torch.Tensor], None] | None,
+    interrupted: Callable[[], bool] | None,
+) -> bool:
+    """Generate tokens ``1 .. steps - 1`` (token 0 is chosen) with ``advance``, one step each.
+
+    Every ``sync_every`` tokens the host reads how many rows are done: all -> stop; at least a
+    quarter and ``keep`` given -> drop the finished rows. Nothing else is read back per token.
+    ``interrupted()`` (a host-side flag) is asked before each token; when true the running rows
+    end with the tokens they have. Returns whether that happened."""
+    for t in range(1, steps):
+        if t % sync_every == 0:
+            finished, rows = state.finished(), len(state.done)
+            if finished == rows:
+                break
+            if keep is not None and 4 * finished >= rows:
+                keep((~state.done).nonzero().squeeze(-1))
+        if interrupted is not None and interrupted():
+            state.abort()
+            return True
+        advance()
+    return False
+
+
+def _sampling_key(sampling: SamplingParams) -> tuple:
+    """What a captured step depends on in ``sampling`` (the number of samples is not)."""
+    return (sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_new_tokens)

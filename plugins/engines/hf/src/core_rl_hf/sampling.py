@@ -1,7 +1,8 @@
 """One decoding step: from next-token logits to chosen tokens and their behaviour log-probs.
 
 Given float32 logits ``z`` [B, V] for the next token, temperature ``T``, and a set of *blocked*
-tokens (the stop tokens while fewer than ``min_new_tokens`` tokens have been generated):
+tokens (the stop tokens while fewer than ``min_new_tokens`` tokens have been generated), given as a
+boolean mask over the vocabulary so that choosing never reads anything back to the host:
 
 - **greedy**: ``token = argmax(z with blocked ids at -inf)``; ``logprob = log_softmax(z)[token]``.
 - **sampling**: ``s = z / T``; blocked ids are set to ``-inf``; then top-k keeps the ``k`` largest
@@ -17,18 +18,16 @@ and top-k/top-p filtering: exactly what a train engine recomputes as
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from core_rl.interfaces import SamplingParams
 
 
-def block_tokens(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
-    """A copy of ``logits`` [B, V] with the columns ``token_ids`` set to ``-inf``."""
-    out = logits.clone()
-    if token_ids:
-        out[:, list(token_ids)] = float("-inf")
-    return out
+def block_tokens(logits: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+    """A copy of ``logits`` [B, V] with the columns where ``blocked`` (bool [V]) is true set to
+    ``-inf``; ``logits`` itself when ``blocked`` is ``None``."""
+    if blocked is None:
+        return logits
+    return logits.masked_fill(blocked, float("-inf"))
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -62,10 +61,13 @@ def choose_tokens(
     logits: torch.Tensor,
     sampling: SamplingParams,
     *,
-    blocked: Sequence[int] = (),
+    blocked: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row of ``logits`` [B, V] (float32) as the module docstring describes.
+    """Pick one token per row of ``logits`` [B, V] (float32) as the module docstring describes;
+    ``blocked``: bool [V], the ids that may not be chosen (``None``: none). Only device operations,
+    so it can be captured in a CUDA graph (the sampling draws from ``generator``, or torch's default
+    generator of the logits' device).
 
     Returns ``(tokens [B] long, logprobs [B] float32)``.
     """

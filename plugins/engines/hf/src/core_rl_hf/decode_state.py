@@ -1,0 +1,111 @@
+"""The bookkeeping of a decoding batch, kept on the device: what each row has generated and
+whether it has finished, updated by tensor operations only (no value is read back to the host).
+
+For batch row ``b`` and token index ``t`` (a one-element device tensor, advanced by each
+:meth:`DecodeState.choose`), :meth:`DecodeState.choose` takes the next-token logits and
+
+- chooses ``token_b`` and its behaviour log-prob (:func:`core_rl_hf.sampling.choose_tokens`), with
+  the stop ids blocked while ``t < min_new_tokens``;
+- if row ``b`` is still running, records them in column ``t`` of its ``tokens`` / ``logprobs``;
+- if ``token_b`` is a stop id (EOS or ``stop_token_ids``), finishes the row: ``length = t + 1``,
+  ``stopped`` set, ``done`` set;
+- sets ``feed_b``, the token the next step feeds: ``token_b``, or the pad id once the row is done.
+
+Rows start with ``length = steps`` (``"length"`` if they never stop). :meth:`DecodeState.abort`
+sets the length of running rows to the tokens they have. :meth:`DecodeState.keep` drops rows
+(recording theirs first), :meth:`DecodeState.results` returns every sample's record in its order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from core_rl.interfaces import SamplingParams
+
+from core_rl_hf.sampling import choose_tokens
+
+
+class DecodeState:
+    """Per-row record of ``total`` samples of up to ``steps`` tokens over a vocabulary of ``vocab``."""
+
+    def __init__(
+        self,
+        total: int,
+        steps: int,
+        vocab: int,
+        sampling: SamplingParams,
+        *,
+        stop_ids: Sequence[int],
+        pad_token_id: int,
+        device: torch.device,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.sampling, self.steps, self.pad, self.generator = sampling, steps, pad_token_id, generator
+        self.stop_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.stop_mask[[i for i in stop_ids if 0 <= i < vocab]] = True
+        self.tokens = torch.empty((total, steps), dtype=torch.long, device=device)
+        self.logprobs = torch.empty((total, steps), dtype=torch.float32, device=device)
+        self.lengths = torch.empty(total, dtype=torch.long, device=device)
+        self.stopped = torch.empty(total, dtype=torch.bool, device=device)
+        self.done = torch.empty(total, dtype=torch.bool, device=device)
+        self.feed = torch.empty(total, dtype=torch.long, device=device)
+        self.t = torch.empty(1, dtype=torch.long, device=device)
+        self.sequence = torch.arange(total, device=device)  # the sample each batch row generates
+        # every sample's record, filled from the rows when rows are dropped and at the end
+        self._out = (self.tokens, self.logprobs, self.lengths, self.stopped)
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to no token generated (in place: a captured graph keeps reading these buffers)."""
+        self.tokens.fill_(self.pad)
+        self.logprobs.zero_()
+        self.lengths.fill_(self.steps)
+        self.stopped.zero_()
+        self.done.zero_()
+        self.feed.fill_(self.pad)
+        self.t.zero_()
+
+    def choose(self, logits: torch.Tensor) -> None:
+        """Choose and record token ``t`` of every row from ``logits`` [rows, V] (module docstring)."""
+        blocked = None
+        if self.sampling.min_new_tokens > 0:
+            blocked = self.stop_mask & (self.t < self.sampling.min_new_tokens)
+        token, logprob = choose_tokens(logits, self.sampling, blocked=blocked, generator=self.generator)
+        running = ~self.done
+        column = self.t.expand(len(token))[:, None]
+        self.tokens.scatter_(1, column, torch.where(running, token, self.pad)[:, None])
+        self.logprobs.scatter_(1, column, torch.where(running, logprob, 0.0)[:, None])
+        new_stop = running & self.stop_mask[token]
+        self.lengths.copy_(torch.where(new_stop, self.t + 1, self.lengths))
+        self.stopped.logical_or_(new_stop)
+        self.done.logical_or_(new_stop)
+        self.feed.copy_(torch.where(self.done, self.pad, token))
+        self.t.add_(1)
+
+    def abort(self) -> None:
+        """End the running rows here: their length is the tokens they have."""
+        self.lengths.copy_(torch.where(self.done, self.lengths, self.t))
+
+    def finished(self) -> int:
+        """How many rows are done (reads one number back: a host synchronisation)."""
+        return int(self.done.sum())
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only batch ``rows`` (their order), recording every row's state first."""
+        self._record()
+        self.tokens, self.logprobs = self.tokens[rows], self.logprobs[rows]
+        self.lengths, self.stopped, self.done = self.lengths[rows], self.stopped[rows], self.done[rows]
+        self.feed, self.sequence = self.feed[rows], self.sequence[rows]
+
+    def _record(self) -> None:
+        for out, rows in zip(self._out, (self.tokens, self.logprobs, self.lengths, self.stopped)):
+            if out is not rows:
+                out.index_copy_(0, self.sequence, rows)
+
+    def results(self) -> tuple[list[list[int]], list[list[float]], list[int], list[bool]]:
+        """Per sample (in order): its tokens and log-probs (``steps`` columns each, to be cut at its
+        length), its length and whether it stopped on a stop token."""
+        self._record()
+        tokens, logprobs, lengths, stopped = self._out
+        return tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist()

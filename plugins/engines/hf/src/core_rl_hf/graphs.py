@@ -1,0 +1,120 @@
+"""CUDA graphs of the decoding step: capture once per batch shape, replay once per token.
+
+A decoding step on a GPU is a few hundred small kernels (per layer: norms, projections, rotary
+embedding, cache writes, attention, MLP; then the output head and sampling), each launched from
+Python: at batch sizes of rollouts the GPU waits on the launches. :class:`GraphedDecoder` records
+one step, ``state.choose(stepper.step(state.feed))`` (a static :class:`~core_rl_hf.decode.LeanStepper`
+and a :class:`~core_rl_hf.decode_state.DecodeState`: fixed shapes, buffers updated in place, no
+host synchronisation), as a CUDA graph; each later token is one ``replay``.
+
+Cost: once per shape, one eager step (warm-up on a side stream) and one capture, about the time
+of a few eager steps (:attr:`DecodeGraphs.capture_seconds` adds them up); the captured
+intermediates live in the graph's private memory pool, and the entry keeps the key/value buffers
+of ``rows x capacity`` positions between calls. Per token: one graph launch instead of the
+kernels' launches; the attention covers all ``capacity`` positions (masked) instead of those
+written so far. :class:`DecodeGraphs` keeps the last :data:`MAX_GRAPHS` shapes used.
+
+Sampling under the graph draws from the engine's generator (registered with the graph) or
+torch's default CUDA generator: each replay advances the generator's offset as an eager step
+would, so a seeded engine samples reproducibly. The warm-up's draws are undone (the generator's
+state is restored after the capture).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+import torch
+
+from core_rl_hf.decode import LeanStepper
+from core_rl_hf.decode_state import DecodeState
+
+log = logging.getLogger(__name__)
+
+#: captured shapes kept per engine (each holds its key/value buffers)
+MAX_GRAPHS = 4
+#: capacities are rounded up to a multiple of this, so prompts of similar widths share a graph
+CAPACITY_BUCKET = 64
+
+
+def bucketed_capacity(positions: int) -> int:
+    """``positions`` rounded up to a multiple of :data:`CAPACITY_BUCKET`."""
+    return -(-positions // CAPACITY_BUCKET) * CAPACITY_BUCKET
+
+
+class GraphedDecoder:
+    """One decoding step of ``stepper`` (static) and ``state`` captured as a CUDA graph."""
+
+    def __init__(self, stepper: LeanStepper, state: DecodeState) -> None:
+        if not stepper.static:
+            raise ValueError("only a static LeanStepper can be captured")
+        self.stepper, self.state = stepper, state
+        self.graph = self._capture()
+
+    def _advance(self) -> None:
+        self.state.choose(self.stepper.step(self.state.feed))
+
+    def _capture(self) -> torch.cuda.CUDAGraph:
+        device = self.state.feed.device
+        generator = self.state.generator
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        rng = generator or torch.cuda.default_generators[index]
+        rng_state = rng.get_state()
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # lazy initialisations (cuBLAS workspaces...) happen here
+            self._advance()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if generator is not None:  # the default generator is registered by the capture itself
+            graph.register_generator_state(generator)
+        # thread_local: CUDA work of other threads (a train engine beside an async rollout) may go on
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._advance()
+        rng.set_state(rng_state)
+        return graph
+
+    def replay(self) -> None:
+        """One token for every row: the captured step."""
+        self.graph.replay()
+
+
+class DecodeGraphs:
+    """The captured decoders of one engine, by key (the batch shape and everything the captured
+    step depends on), at most :data:`MAX_GRAPHS` (least recently used dropped)."""
+
+    def __init__(self, limit: int = MAX_GRAPHS) -> None:
+        self.limit = limit
+        self._entries: OrderedDict[Hashable, GraphedDecoder] = OrderedDict()
+        self.captures = 0
+        self.capture_seconds = 0.0
+
+    def get(self, key: Hashable, build: Callable[[], tuple[LeanStepper, DecodeState]]) -> tuple[GraphedDecoder, bool]:
+        """The decoder for ``key``, captured from ``build()`` when new; and whether it is new."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            return entry, False
+        start = time.perf_counter()
+        stepper, state = build()
+        entry = GraphedDecoder(stepper, state)
+        torch.cuda.synchronize(state.feed.device)
+        seconds = time.perf_counter() - start
+        self.captures += 1
+        self.capture_seconds += seconds
+        log.info(
+            "hf rollout engine: captured the decoding step for %d rows x %d positions in %.2f s",
+            len(state.feed),
+            stepper.capacity,
+            seconds,
+        )
+        self._entries[key] = entry
+        while len(self._entries) > self.limit:
+            self._entries.popitem(last=False)
+        return entry, True
+
+    def clear(self) -> None:
+        self._entries.clear()

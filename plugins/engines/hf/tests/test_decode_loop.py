@@ -1,0 +1,208 @@
+"""The device-side decoding loop (``generate_batch`` with :class:`core_rl_hf.decode_state.DecodeState`)
+against the loop it replaced, which read the number of finished rows back to the host every token
+and kept its bookkeeping with boolean indexing: the same tokens, log-probs and finish reasons bit
+for bit on a CPU in float32, for any ``sync_every`` (greedy) and with the same seed (sampled, at
+``sync_every: 1``, where the batch loses its finished rows at the same tokens), over random prompt
+lengths, stop sets, ``min_new_tokens`` and ``max_new_tokens``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+from core_rl.interfaces import SamplingParams
+from core_rl_hf.decode import make_stepper
+from core_rl_hf.decode_state import DecodeState
+from core_rl_hf.generation import generate_batch, left_pad
+from core_rl_hf.sampling import choose_tokens
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+VOCAB, PAD = 24, 0
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(3)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return Qwen2ForCausalLM(config).eval()
+
+
+@torch.inference_mode()
+def old_loop(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    counts: Sequence[int],
+    sampling: SamplingParams,
+    stop_ids: list[int],
+    generator: torch.Generator | None,
+) -> list[tuple[list[int], list[float], str]]:
+    """The previous ``generate_batch`` loop (one host read of the finished count per token)."""
+    input_ids, attention_mask, position_ids = left_pad(prompts, PAD, torch.device("cpu"))
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    rows = torch.repeat_interleave(torch.arange(len(prompts)), torch.as_tensor(counts))
+    cache = out.past_key_values
+    cache.reorder_cache(rows)
+    steps = sampling.max_new_tokens
+    stepper = make_stepper(
+        model, cache, attention_mask[rows], position_ids[rows, -1:], input_ids.shape[1] + steps, lean=True
+    )
+    logits = out.logits[rows, -1].float()
+    total = len(rows)
+    stop_mask = torch.zeros(VOCAB, dtype=torch.bool)
+    stop_mask[stop_ids] = True
+    tokens = torch.full((total, steps), PAD, dtype=torch.long)
+    logprobs = torch.zeros((total, steps))
+    lengths = torch.full((total,), steps, dtype=torch.long)
+    stopped = torch.zeros(total, dtype=torch.bool)
+    sequence, done = torch.arange(total), torch.zeros(total, dtype=torch.bool)
+    for t in range(steps):
+        blocked = stop_mask if t < sampling.min_new_tokens else None
+        next_tokens, next_logprobs = choose_tokens(logits, sampling, blocked=blocked, generator=generator)
+        live = sequence[~done]
+        tokens[live, t] = next_tokens[~done]
+        logprobs[live, t] = next_logprobs[~done]
+        new_stop = ~done & torch.isin(next_tokens, torch.tensor(stop_ids))
+        lengths[sequence[new_stop]] = t + 1
+        stopped[sequence[new_stop]] = True
+        done |= new_stop
+        n_done = int(done.sum())
+        if t + 1 == steps or n_done == len(done):
+            break
+        if 4 * n_done >= len(done):
+            keep = (~done).nonzero().squeeze(-1)
+            stepper.keep(keep)
+            sequence, next_tokens, done = sequence[keep], next_tokens[keep], done[keep]
+        logits = stepper.step(next_tokens.masked_fill(done, PAD))
+    return [
+        (tokens[i, : lengths[i]].tolist(), logprobs[i, : lengths[i]].tolist(), "stop" if stopped[i] else "length")
+        for i in range(total)
+    ]
+
+
+def new_loop(model, prompts, counts, sampling, stop_ids, generator, sync_every: int):
+    groups = generate_batch(
+        model,
+        prompts,
+        counts,
+        sampling,
+        eos_token_ids=stop_ids,
+        pad_token_id=PAD,
+        generator=generator,
+        sync_every=sync_every,
+    )
+    return [(c.token_ids, c.logprobs, c.finish_reason) for group in groups for c in group]
+
+
+cases = st.fixed_dictionaries(
+    {
+        "prompts": st.lists(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=6), min_size=1, max_size=3),
+        "count": st.integers(1, 3),
+        "stops": st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=4, unique=True),
+        "max_new": st.integers(1, 12),
+        "min_new": st.integers(0, 5),
+        "sync_every": st.integers(1, 6),
+        "greedy": st.booleans(),
+        "seed": st.integers(0, 2**16),
+    }
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cases)
+def test_new_loop_equals_the_old_one_bit_for_bit(model: torch.nn.Module, case: dict) -> None:
+    sampling = SamplingParams(
+        max_new_tokens=case["max_new"],
+        min_new_tokens=case["min_new"],
+        greedy=case["greedy"],
+        temperature=0.7,
+        top_k=10,
+        top_p=0.95,
+    )
+    counts = [case["count"]] * len(case["prompts"])
+    # with sampling, rows dropped at other tokens draw other noise: compare at sync_every 1 there
+    sync_every = case["sync_every"] if case["greedy"] else 1
+    expected = old_loop(
+        model, case["prompts"], counts, sampling, case["stops"], torch.Generator().manual_seed(case["seed"])
+    )
+    got = new_loop(
+        model, case["prompts"], counts, sampling, case["stops"], torch.Generator().manual_seed(case["seed"]), sync_every
+    )
+    assert got == expected
+
+
+def test_stops_and_min_new_tokens_are_exercised(model: torch.nn.Module) -> None:
+    """Guard the property test's inputs: greedy rows of one batch stop at different tokens, a
+    stop id blocked by ``min_new_tokens`` is replaced, and the results still equal the old loop's
+    at every ``sync_every``."""
+    prompts, sampling = [[1, 2, 3], [5], [7, 8]], SamplingParams(max_new_tokens=10, greedy=True)
+    free = new_loop(model, prompts, [1, 1, 1], sampling, [], None, 1)
+    first = [ids[2] for ids, _, _ in free]  # the third token of each row, made a stop id
+    got = new_loop(model, prompts, [1, 1, 1], sampling, first, None, 4)
+    assert all(len(ids) <= 3 and reason == "stop" for ids, _, reason in got)
+    assert got == old_loop(model, prompts, [1, 1, 1], sampling, first, None)
+    late = SamplingParams(max_new_tokens=10, greedy=True, min_new_tokens=4)
+    blocked = new_loop(model, prompts, [1, 1, 1], late, first, None, 3)
+    assert all(len(ids) >= 5 for ids, _, _ in blocked)
+    assert blocked == old_loop(model, prompts, [1, 1, 1], late, first, None)
+
+
+def test_host_reads_back_only_every_sync_every_tokens(model: torch.nn.Module, monkeypatch) -> None:
+    """The finished count is the only value read back while decoding: once per ``sync_every`` tokens."""
+    reads: list[int] = []
+    finished = DecodeState.finished
+    monkeypatch.setattr(DecodeState, "finished", lambda self: reads.append(1) or finished(self))
+    sampling = SamplingParams(max_new_tokens=20, greedy=True)
+    new_loop(model, [[1, 2, 3]], [4], sampling, [], None, 8)
+    assert len(reads) == 2  # before tokens 8 and 16 of 20
+
+
+@pytest.mark.parametrize("autocast", [None, "bfloat16"])
+def test_graph_path_wiring_on_cpu(make_engine, tiny_state_dict, monkeypatch, autocast: str | None) -> None:
+    """The engine's CUDA graph path run on a CPU with the capture replaced by the eager step (CUDA
+    graphs themselves are tested in test_gpu.py): static buffers of a bucketed capacity, reused
+    by a second call (one entry), reloaded per call and following a weight update (in place,
+    including the bf16 weight copies), give the tokens of the engine without graphs."""
+    from core_rl_hf.graphs import DecodeGraphs, GraphedDecoder
+
+    monkeypatch.setattr(GraphedDecoder, "_capture", lambda self: type("Eager", (), {"replay": self._advance})())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: None)
+    graphed, plain = make_engine(autocast_dtype=autocast), make_engine(autocast_dtype=autocast)
+    graphed.graphs = DecodeGraphs()
+    prompts, sampling = [[1, 5, 6], [1, 7, 8, 9, 10]], SamplingParams(n=2, greedy=True, max_new_tokens=12)
+
+    def outputs(engine):
+        return [(s.response_ids, s.finish_reason, s.logprobs) for g in engine.generate(prompts, sampling) for s in g]
+
+    def same(a, b) -> None:
+        assert [x[:2] for x in a] == [y[:2] for y in b]
+        for x, y in zip(a, b):
+            torch.testing.assert_close(torch.tensor(x[2]), torch.tensor(y[2]), atol=1e-5, rtol=0)
+
+    first = outputs(graphed)
+    same(first, outputs(plain))
+    same(outputs(graphed), first)
+    assert graphed.graphs.captures == 1 and len(graphed.graphs._entries) == 1
+    changed = {k: v * 1.5 if "mlp" in k else v for k, v in tiny_state_dict.items()}
+    for engine in (graphed, plain):
+        engine.update_weights(changed, 1)
+    after = outputs(graphed)
+    same(after, outputs(plain))
+    assert [x[2] for x in after] != [x[2] for x in first]

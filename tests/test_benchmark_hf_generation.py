@@ -1,0 +1,26 @@
+"""Smoke test of ``benchmarks/hf_generation.py``: the tiny CPU run times transformers' generate
+and the hf engine and prints a positive rate for each."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("core_rl_hf")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "hf_generation.py"
+
+
+def test_hf_generation_benchmark_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    bench = runpy.run_path(str(SCRIPT), run_name="benchmark")
+    assert bench["main"](["--smoke", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 prompts x 4 samples x 8 tokens" in out
+    lines = [line for line in out.splitlines() if line.startswith(("transformers", "hf "))]
+    rows = {line[:14].strip(): line[14:].split() for line in lines}
+    assert set(rows) == {"transformers", "hf eager"}
+    for cells in rows.values():
+        seconds, rate = float(cells[0]), float(cells[1])
+        assert seconds > 0 and rate == pytest.approx(64 / seconds, rel=0.01, abs=1)
