@@ -45,6 +45,16 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+def normal_priority() -> None:
+    """Undo the niceness Ray starts its workers with (``RAY_worker_niceness``, 15): a trainer or
+    a server at that priority crawls on a busy node. Needs the right to lower niceness (root,
+    ``CAP_SYS_NICE`` or ``RLIMIT_NICE``); without it the actor keeps Ray's."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except OSError:
+        pass
+
+
 def where() -> dict[str, Any]:
     """Where the calling actor runs: node address and id, host name, pid and the GPU ids Ray gave it."""
     import ray
@@ -63,6 +73,7 @@ class TrainerRank:
     """One trainer rank: its process is started by :meth:`start` and watched by :meth:`wait`."""
 
     def __init__(self) -> None:
+        normal_priority()  # inherited by the rank's process
         self._proc: subprocess.Popen | None = None
 
     def where(self) -> dict[str, Any]:
@@ -117,6 +128,7 @@ class RolloutServer:
     names, on this actor's node address and a free port."""
 
     def __init__(self) -> None:
+        normal_priority()  # inherited by the server's processes
         self._engine: Any = None
 
     def where(self) -> dict[str, Any]:

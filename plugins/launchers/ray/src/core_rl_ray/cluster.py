@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 from core_rl.errors import CoreRLError
+from core_rl.trainer.ranks import is_loopback
 
 #: actors live in this namespace, named ``<experiment.name>/rank-<i>`` and ``.../server-<j>``
 NAMESPACE = "core-rl"
+#: Ray's switch between "clusters" (addresses resolved to the network's) and loopback-only runs
+KEEP_LOOPBACK = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 class RayClusterError(CoreRLError):
@@ -21,6 +25,11 @@ def connect(address: str, *, local_cpus: int = 0, local_gpus: int | None = None)
     the ``with`` block; without an address, of a cluster started here on 127.0.0.1 (``local_cpus``
     CPUs, 0: all of this machine's) and shut down on leaving. Yields whether the cluster was
     started here."""
+    if address and is_loopback(address.rsplit(":", 1)[0]):
+        # Ray rewrites a loopback head address to this machine's network address before it
+        # connects, where a head started with --node-ip-address 127.0.0.1 does not listen; with
+        # this variable (read when ray is imported) it keeps the loopback address.
+        os.environ.setdefault(KEEP_LOOPBACK, "0")
     import ray
 
     if ray.is_initialized():  # an embedding program's own connection: keep it
@@ -57,4 +66,3 @@ def cluster_resources() -> dict[str, float]:
     total = ray.cluster_resources()
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     return {"CPU": total.get("CPU", 0.0), "GPU": total.get("GPU", 0.0), "nodes": float(len(nodes))}
-

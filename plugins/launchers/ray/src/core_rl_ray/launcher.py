@@ -173,7 +173,8 @@ class RayLauncher(Launcher):
         if cfg.rollout.weight_sync == "collective" and not server.weight_sync_address:
             out.append(f"rollout.engine.server.weight_sync_address={rank0['node_ip']}")
         if cfg.rollout.weight_sync == "disk":
-            self._check_shared(run_dir, group.ranks[0], [m for m in group.servers if m.where["node_id"] != rank0["node_id"]])
+            elsewhere = [m for m in group.servers if m.where["node_id"] != rank0["node_id"]]
+            self._check_shared(run_dir, group.ranks[0], elsewhere)
         return out
 
     def _check_shared(self, run_dir: Path, rank0: Member, others: list[Member]) -> None:
@@ -220,4 +221,3 @@ class RayLauncher(Launcher):
 
 def _say(message: str) -> None:
     print(f"core-rl: {message}", file=sys.stderr, flush=True)
-

@@ -19,6 +19,7 @@ nodes as the bundles fit on).
 from __future__ import annotations
 
 import attrs
+from core_rl.config.placement import RolePlacement
 
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
@@ -54,8 +55,8 @@ def _bundle(cpus: float, gpus: float) -> dict[str, float]:
 
 def plan(
     mode: str,
-    actor: object,
-    rollout: object,
+    actor: RolePlacement,
+    rollout: RolePlacement,
     *,
     cpu_ranks_per_node: int,
     num_servers: int,
@@ -64,10 +65,10 @@ def plan(
     """The bundles of a run (see the module doc). ``actor`` and ``rollout`` are the
     ``placement.actor`` / ``placement.rollout`` sections (``gpus``, ``cpus``, ``nodes``);
     ``num_servers``: rollout servers the launcher starts (0: none)."""
-    per_node = actor.gpus or max(1, cpu_ranks_per_node)  # type: ignore[attr-defined]
-    ranks = per_node * actor.nodes  # type: ignore[attr-defined]
-    rank_cpus = actor.cpus / per_node if actor.cpus else 1.0  # type: ignore[attr-defined]
-    rank_gpus = 1.0 if actor.gpus else 0.0  # type: ignore[attr-defined]
+    per_node = actor.gpus or max(1, cpu_ranks_per_node)
+    ranks = per_node * actor.nodes
+    rank_cpus = actor.cpus / per_node if actor.cpus else 1.0
+    rank_gpus = 1.0 if actor.gpus else 0.0
     colocated = mode == "colocate" and num_servers > 0
     bundles = [_bundle(rank_cpus, rank_gpus) for _ in range(ranks)]
     share = 0.5 if colocated and rank_gpus else 1.0
@@ -77,12 +78,12 @@ def plan(
         per_bundle = [len(range(b, num_servers, ranks)) for b in range(ranks)]
         servers = [Slot(j % ranks, 0.0, rank_gpus * share / per_bundle[j % ranks]) for j in range(num_servers)]
     elif mode == "split" and num_servers > 0:
-        gpus = rollout.gpus * rollout.nodes / num_servers  # type: ignore[attr-defined]
-        cpus = rollout.cpus * rollout.nodes / num_servers if rollout.cpus else 1.0  # type: ignore[attr-defined]
-        for j in range(num_servers):
+        gpus = rollout.gpus * rollout.nodes / num_servers
+        cpus = rollout.cpus * rollout.nodes / num_servers if rollout.cpus else 1.0
+        for _ in range(num_servers):
             servers.append(Slot(len(bundles), cpus, gpus))
             bundles.append(_bundle(cpus, gpus))
     if not strategy:
-        several = actor.nodes > 1 or (mode == "split" and rollout.nodes > 1)  # type: ignore[attr-defined]
+        several = actor.nodes > 1 or (mode == "split" and rollout.nodes > 1)
         strategy = "SPREAD" if several else "STRICT_PACK" if mode == "colocate" else "PACK"
     return Plan(bundles=bundles, strategy=strategy, ranks=rank_slots, servers=servers)
