@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -25,7 +27,7 @@ import yaml
 from core_rl.builtin.loggers import read_metrics
 from core_rl.testing.faults import build_task, checkpoint, finish, merged, run_dir, state_digest, wait_for_steps
 from core_rl.testing.helpers import fitted_rise
-from core_rl.testing.launch import cpu_ranks_env, run_train
+from core_rl.testing.launch import cpu_ranks_env
 
 pytest.importorskip("ray")
 pytest.importorskip("core_rl_fsdp")
@@ -105,23 +107,23 @@ def _write(cfg: dict, path: Path) -> Path:
     return path
 
 
-def test_two_ray_ranks_match_two_torchrun_ranks(ray_cluster, task):
-    cfg = merged(task["cfg"], experiment={"name": "ray2"}, trainer={"total_steps": 3})
-    config = _write(cfg, task["root"] / "ray2.yaml")
-    proc = _ray_train(ray_cluster, config)
-    err = _finish(proc, 300)
-    assert proc.returncode == 0, err[-4000:]
-    assert "running 2 trainer ranks and 0 rollout servers on Ray" in err
-    local = {**merged(cfg, experiment={"name": "torchrun2"}), "launcher": {"name": "local"}}
-    run_train(_write(local, task["root"] / "torchrun2.yaml"), nproc=2, cpu=True, timeout=300)
-    ray_rows = read_metrics(run_dir(cfg) / "metrics.jsonl")
-    torchrun_rows = read_metrics(run_dir(local) / "metrics.jsonl")
-    assert [r["step"] for r in ray_rows] == [r["step"] for r in torchrun_rows] == [1, 2, 3]
-    for a, b in zip(torchrun_rows, ray_rows):
+def test_two_ray_ranks_match_two_torchrun_ranks(ray_cluster, tmp_path, capsys):
+    """Through ``benchmarks/ray_overhead.py --smoke`` (its smoke test too): 3 steps of the tiny task
+    with 2 ranks under each launcher."""
+    bench = runpy.run_path(str(ROOT / "benchmarks" / "ray_overhead.py"), run_name="benchmark")
+    figures = tmp_path / "figures.json"
+    args = ["--smoke", "--ray-address", ray_cluster, "--work", str(tmp_path), "--json", str(figures)]
+    assert bench["main"](args) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "same metrics: True" in out
+    print(out)
+    runs = {name: Path(r["run_dir"]) for name, r in json.loads(figures.read_text()).items()}
+    local, ray_run = (read_metrics(runs[k] / "metrics.jsonl") for k in ("local", "ray"))
+    assert [r["step"] for r in local] == [r["step"] for r in ray_run] == [1, 2, 3]
+    for a, b in zip(local, ray_run):
         for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
-    # both wrote the same final state, bit for bit
-    assert state_digest(checkpoint(run_dir(cfg), 3)) == state_digest(checkpoint(run_dir(local), 3))
+    assert state_digest(checkpoint(runs["ray"], 3)) == state_digest(checkpoint(runs["local"], 3))
 
 
 def test_a_killed_trainer_actor_is_restarted_and_the_run_resumes(ray_cluster, task):
