@@ -226,16 +226,12 @@ def _load(args: argparse.Namespace, host: PluginHost):
 
 
 def _cmd_train(args: argparse.Namespace, host: PluginHost) -> int:
-    from core_rl.launchers import LaunchRequest, build_launcher
+    from core_rl.launchers import LaunchRequest, launch_checked
     from core_rl.rendezvous import Rendezvous, train_in_process
 
     cfg = _load(args, host)
     if Rendezvous.from_env() is not None:  # one rank of a launched run
         return train_in_process(cfg, host)
-    launcher = build_launcher(cfg)
-    problems = launcher.check(cfg, None)
-    if problems:
-        raise ConfigError(problems, source=args.config)
     request = LaunchRequest(
         config_path=args.config,
         overrides=list(args.overrides),
@@ -244,7 +240,7 @@ def _cmd_train(args: argparse.Namespace, host: PluginHost) -> int:
         options={dest: getattr(args, dest) for dest in args.launcher_options},
         host=host,
     )
-    return launcher.launch(request)
+    return launch_checked(request)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -136,4 +136,5 @@ KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("loop", "sft"): "sft",
     ("algorithm", "rm"): "rm",
     ("loop", "rm"): "rm",
+    ("launcher", "slurm"): "slurm",
 }

@@ -2,16 +2,20 @@
 others (:func:`core_rl.hookspecs.core_rl_register_launchers`), selected by the ``launcher:``
 section (``{name: local}`` by default; ``slurm``, ``ray`` or a site's own from plugins).
 
-The interface is two methods:
+The interface:
 
 - :meth:`Launcher.check`: what in the run's ``placement:`` the resources cannot hold, one line per
   problem naming the key path and the shortfall (most launchers return
   :func:`core_rl.placement.placement_problems` for the resources they offer). ``core-rl config
   validate`` and ``core-rl train`` (before launching) report them and exit with status 2.
+- :meth:`Launcher.offered` (optional): the resources for one launch, where its options change
+  them; ``core-rl train`` checks ``check(cfg, offered(request))`` before it launches.
 - :meth:`Launcher.launch`: start the run described by a :class:`LaunchRequest`, wait for it and
   return its exit status. Each trainer rank runs through :func:`core_rl.rendezvous.run_rank`
   (given its rank, the world size and the rendezvous address), in whatever process the launcher
   starts (a torch elastic worker, an ``srun`` task, a Ray actor).
+
+:func:`launch_checked` is what ``core-rl train`` does with a request.
 
 The trainer never imports a launcher: launchers call the core, not the other way round.
 """
@@ -29,7 +33,7 @@ if TYPE_CHECKING:
     from core_rl.config.schema import RunConfig
     from core_rl.plugins import PluginHost
 
-__all__ = ["ClusterResources", "LaunchRequest", "Launcher", "launcher_check"]
+__all__ = ["ClusterResources", "LaunchRequest", "Launcher", "build_launcher", "launch_checked", "launcher_check"]
 
 
 @attrs.define
@@ -68,6 +72,13 @@ class Launcher(ABC):
         cluster it can reach). Each starts with a key path (``placement.rollout.gpus: ...``) and
         says what is needed and what is offered. Must not raise for a bad configuration."""
 
+    def offered(self, request: LaunchRequest) -> ClusterResources | None:
+        """What this launcher offers the run ``request`` describes, as ``core-rl train`` checks the
+        placement before :meth:`launch` (``check(request.cfg, offered(request))``): where the
+        launch options change it (``--nnodes``, a cluster's address); ``None`` (the default): as
+        :meth:`check` judges without a request."""
+        return None
+
     @abstractmethod
     def launch(self, request: LaunchRequest) -> int:
         """Run ``request`` to its end and return its exit status (0: success; 2: a user's mistake,
@@ -79,6 +90,18 @@ def build_launcher(cfg: RunConfig) -> Launcher:
     """The launcher ``cfg.launcher`` selects, built from its validated section."""
     launcher: Launcher = cfg.launcher.build()
     return launcher
+
+
+def launch_checked(request: LaunchRequest) -> int:
+    """Check the placement of ``request.cfg`` on what the selected launcher offers for it, then
+    launch it; raise :class:`~core_rl.errors.ConfigError` (exit status 2) with the problems."""
+    from core_rl.errors import ConfigError
+
+    launcher = build_launcher(request.cfg)
+    problems = launcher.check(request.cfg, launcher.offered(request))
+    if problems:
+        raise ConfigError(problems, source=request.config_path)
+    return launcher.launch(request)
 
 
 def launcher_check(cfg: RunConfig) -> list[str]:

@@ -52,6 +52,10 @@ class LocalLauncher(Launcher):
     def check(self, cfg: RunConfig, resources: ClusterResources | None) -> list[str]:
         return placement_problems(cfg, resources or this_machine(self.config.nnodes))
 
+    def offered(self, request: LaunchRequest) -> ClusterResources:
+        """``--nnodes`` (else ``launcher.nnodes``) machines like this one."""
+        return this_machine(request.options.get("nnodes") or self.config.nnodes)
+
     def launch(self, request: LaunchRequest) -> int:
         from core_rl.trainer.launch import Nodes, launch
 
@@ -71,7 +75,7 @@ class LocalLauncher(Launcher):
 
     def _launch_problems(self, request: LaunchRequest, nnodes: int, node_rank: int, endpoint: str) -> list[str]:
         """The command line against itself and the placement: a node rank in range, an endpoint on
-        several nodes, one rank per GPU, and the placement on ``nnodes`` machines like this one."""
+        several nodes, and one rank per GPU."""
         problems = []
         if not 0 <= node_rank < nnodes:
             problems.append(f"--node-rank {node_rank}: must be in [0, {nnodes}) for --nnodes {nnodes}")
@@ -86,8 +90,6 @@ class LocalLauncher(Launcher):
                 f"placement.actor.gpus: {gpus} GPUs per node for the actor, but --nproc-per-node "
                 f"{request.nproc_per_node} starts {request.nproc_per_node} ranks per node (one rank per GPU)"
             )
-        if nnodes != self.config.nnodes:
-            problems.extend(placement_problems(request.cfg, this_machine(nnodes)))
         return problems
 
 
