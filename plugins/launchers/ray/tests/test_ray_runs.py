@@ -150,6 +150,22 @@ def test_a_killed_trainer_actor_is_restarted_and_the_run_resumes(ray_cluster, ta
     assert _no_leftovers(str(task["root"])) == []
 
 
+def test_validate_checks_the_placement_against_the_cluster(ray_cluster, task):
+    """``core-rl config validate`` with ``launcher.address`` judges the placement by the cluster's
+    nodes (2 of 2 CPUs), naming the role, the need and the offer."""
+    cfg = merged(task["cfg"], launcher={"address": ray_cluster}, placement={"actor": {"cpus": 3}})
+    config = _write(cfg, task["root"] / "toolarge.yaml")
+    cmd = [sys.executable, "-m", "core_rl.cli", "config", "validate", str(config)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"placement.actor.cpus: 3 CPU cores per node, but a node has 2 (the Ray cluster at {ray_cluster})" in (
+        proc.stderr
+    ), proc.stderr[-3000:]
+    fits = _write(merged(cfg, placement={"actor": {"cpus": 2, "nodes": 2}}), task["root"] / "fits.yaml")
+    proc = subprocess.run([*cmd[:-1], str(fits)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 # -- the tiny GRPO example through a vLLM server ---------------------------------------------------
 
 STEPS = 20

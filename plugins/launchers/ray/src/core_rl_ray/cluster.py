@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterator
 
 from core_rl.errors import CoreRLError
+from core_rl.placement import ClusterResources
 from core_rl.trainer.ranks import is_loopback
 
 #: actors live in this namespace, named ``<experiment.name>/rank-<i>`` and ``.../server-<j>``
@@ -66,3 +67,19 @@ def cluster_resources() -> dict[str, float]:
     total = ray.cluster_resources()
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     return {"CPU": total.get("CPU", 0.0), "GPU": total.get("GPU", 0.0), "nodes": float(len(nodes))}
+
+
+def offered_by(address: str) -> ClusterResources:
+    """What the cluster at ``address`` offers a placement: its alive nodes, each with the most
+    GPUs and CPUs any of them has (a cluster of unlike nodes may still refuse a placement that
+    passes: the placement group's wait says so at launch)."""
+    import ray
+
+    with connect(address):
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    return ClusterResources(
+        nodes=len(nodes),
+        gpus_per_node=int(max((n.get("GPU", 0) for n in nodes), default=0)),
+        cpus_per_node=int(max((n.get("CPU", 0) for n in nodes), default=0)),
+        source=f"the Ray cluster at {address}",
+    )

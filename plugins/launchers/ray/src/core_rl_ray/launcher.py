@@ -33,6 +33,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 from core_rl.errors import CoreRLError
 from core_rl.launchers import Launcher, LaunchRequest
 from core_rl.placement import ClusterResources, placement_problems, server_options
@@ -76,13 +77,31 @@ class RayLauncher(Launcher):
     # -- check ----------------------------------------------------------------------------------
 
     def check(self, cfg: RunConfig, resources: ClusterResources | None) -> list[str]:
+        """The placement on ``resources``; without them, on the cluster at ``launcher.address``
+        (connected to for this), or on this machine, where a cluster for the run would start."""
         if resources is None:
-            if self.config.address:
-                return []  # the placement group's wait says what the cluster lacks, at launch
-            from core_rl.builtin.launchers import this_machine
+            from core_rl_ray.cluster import RayClusterError
 
-            resources = this_machine()
+            try:
+                resources = self._offered(self.config.address)
+            except RayClusterError as exc:
+                return [f"launcher.address: {exc}"]
         return placement_problems(cfg, resources)
+
+    def offered(self, request: LaunchRequest) -> ClusterResources | None:
+        return self._offered(request.options.get("ray_address") or self.config.address)
+
+    def _offered(self, address: str) -> ClusterResources:
+        if address:
+            from core_rl_ray.cluster import offered_by
+
+            return offered_by(address)
+        from core_rl.builtin.launchers import this_machine
+
+        resources = this_machine()
+        if self.config.local_cpus:
+            resources = attrs.evolve(resources, cpus_per_node=self.config.local_cpus, source="launcher.local_cpus")
+        return resources
 
     # -- launch ---------------------------------------------------------------------------------
 
