@@ -129,3 +129,22 @@ def test_check_names_the_role_and_the_shortfall(tmp_path, resources, expected):
     assert [p.split(":")[0] for p in problems] == expected
     gpus = [p for p in problems if p.startswith("placement.rollout.gpus")]
     assert all("4 GPUs for the actor" in p and "4 for rollout, 8 in all" in p and "offers 4" in p for p in gpus)
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "says", "retriable"),
+    [
+        (-9, 1, "was killed by SIGKILL", True),
+        (1, 1, "exited with status 1", True),
+        (2, 2, "exited with status 2", False),  # a user's mistake: a restart cannot help
+        (3, 3, "was stopped by a signal", False),
+    ],
+)
+def test_a_ranks_exit_becomes_the_runs_outcome(code, status, says, retriable):
+    from core_rl_ray.watch import _rank_exit
+
+    outcome = _rank_exit(1, "actor run/rank-1 (pid 7 on node 10.0.0.2)", code)
+    assert (outcome.code, outcome.retriable) == (status, retriable)
+    assert outcome.message.startswith("trainer rank 1 (actor run/rank-1 (pid 7 on node 10.0.0.2))") and says in (
+        outcome.message
+    )

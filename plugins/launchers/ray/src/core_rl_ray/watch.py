@@ -35,7 +35,10 @@ class Outcome:
 
 def _rank_exit(index: int, describe: str, code: int) -> Outcome:
     if code < 0:
-        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
         return Outcome(1, f"trainer rank {index} ({describe}) was killed by {name}", retriable=True)
     if code == EXIT_INTERRUPTED:
         return Outcome(code, f"trainer rank {index} ({describe}) was stopped by a signal (its message is above)")
