@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -20,11 +21,14 @@ pytest.importorskip("core_rl_reward_match")
 COMPARED = ("reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "response_length/mean")
 
 
-def _train(config: Path, name: str, *options: str) -> subprocess.Popen:
-    """``core-rl train OPTIONS CONFIG experiment.name=NAME`` on CPU ranks."""
+TIMEOUT_2S = "launcher={name: local, rdzv_timeout_s: 2}"
+
+
+def _train(config: Path, name: str, *options: str, overrides: Sequence[str] = ()) -> subprocess.Popen:
+    """``core-rl train OPTIONS CONFIG experiment.name=NAME OVERRIDES`` on CPU ranks."""
     env = cpu_ranks_env({**cpu_ranks_env(), "OMP_NUM_THREADS": "1"})
     return subprocess.Popen(
-        [sys.executable, "-m", "core_rl.cli", "train", *options, str(config), f"experiment.name={name}"],
+        [sys.executable, "-m", "core_rl.cli", "train", *options, str(config), f"experiment.name={name}", *overrides],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -62,3 +66,15 @@ def test_two_nodes_match_two_ranks_on_one_node(task: tuple[Path, Path]) -> None:
     for step in one:
         for key in COMPARED:
             assert two[step][key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-6), (step, key)
+
+
+def test_a_node_whose_node_0_never_comes_stops_with_a_message(task: tuple[Path, Path]) -> None:
+    config, _ = task
+    endpoint = f"127.0.0.1:{free_port()}"
+    proc = _train(
+        config, "alone", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint, overrides=[TIMEOUT_2S]
+    )
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2
+    assert "Traceback" not in err and "frame #" not in err, err[-3000:]
+    assert f"node 1 of 2: the rendezvous at {endpoint} did not complete within 2 s (node 0 does not answer" in err

@@ -8,16 +8,19 @@ import itertools
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import attrs
+import core_rl.builtin.launchers
 import pytest
 import yaml
 from core_rl.config import load_config
 from core_rl.errors import ConfigError
 from core_rl.hookspecs import Register, hookimpl
-from core_rl.launchers import Launcher, LaunchRequest, build_launcher, launcher_check
+from core_rl.launchers import Launcher, LaunchRequest, build_launcher, launch_checked, launcher_check
 from core_rl.placement import ClusterResources, placement_problems
 from core_rl.rendezvous import Rendezvous
+from core_rl.testing import LauncherContract
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -154,9 +157,10 @@ class CountingLauncher(Launcher):
 
     name = "counting"
 
+    launched: ClassVar[list[LaunchRequest]] = []  # every launch of any instance
+
     def __init__(self, config: CountingConfig) -> None:
         self.config = config
-        self.launched: list[LaunchRequest] = []
 
     def check(self, cfg, resources):
         return placement_problems(cfg, resources or ClusterResources(1, self.config.gpus_per_node, 16, "counting"))
@@ -183,6 +187,11 @@ def test_a_third_party_launcher_is_selected_and_checked(tmp_path, minimal_config
     assert isinstance(build_launcher(cfg), CountingLauncher) and launcher_check(cfg) == []
     cfg.placement.actor.gpus = 3
     assert launcher_check(cfg) == ["placement.actor.gpus: 3 GPUs per node, but a node has 2 (counting)"]
+    with pytest.raises(ConfigError, match=r"placement.actor.gpus: 3 GPUs per node, but a node has 2 \(counting\)"):
+        launch_checked(LaunchRequest(config_path="run.yaml", overrides=[], cfg=cfg))
+    cfg.placement.actor.gpus = 2
+    request = LaunchRequest(config_path="run.yaml", overrides=["x=1"], cfg=cfg, options={"site": "a"})
+    assert launch_checked(request) == 0 and CountingLauncher.launched == [request]
     with pytest.raises(ConfigError, match=r"launcher.gpus_per_nod: unknown key; did you mean 'gpus_per_node'"):
         _load(tmp_path, {**config, "launcher": {"name": "counting", "gpus_per_nod": 2}}, host=host)
 
@@ -201,3 +210,9 @@ def test_rendezvous_round_trips_through_the_environment():
     assert Rendezvous.from_env(env) == rdzv and Rendezvous.from_env({}) is None
     with pytest.raises(ValueError, match=r"rank 4 is not in \[0, world_size 4\)"):
         attrs.evolve(rdzv, rank=4)
+
+
+class TestLocalLauncherContract(LauncherContract):
+    plugin = core_rl.builtin.launchers
+    name = "local"
+    distribution = "core-rl"

@@ -29,12 +29,14 @@ from core_rl.testing.contracts import (
     recipe_host,
 )
 from core_rl.testing.engine_contracts import RolloutEngineContract, TrainEngineContract
+from core_rl.testing.launcher_contract import LauncherContract
 from core_rl.testing.server_contract import ServerRolloutEngineContract
 
 __all__ = [
     "AdvantageEstimatorContract",
     "AlgorithmContract",
     "ComponentContract",
+    "LauncherContract",
     "LoggerContract",
     "LoopContract",
     "PolicyLossContract",

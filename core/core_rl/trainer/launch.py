@@ -31,6 +31,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,6 +74,8 @@ class LoopbackRendezvous(StaticTCPRendezvous):
         node_rank, nnodes = int(params.config.get("rank", 0)), params.max_nodes
         super().__init__(host, port, node_rank, nnodes, params.run_id, timeout)
         listen = {"master_listen_fd": int(params.config["listen_fd"])} if node_rank == 0 else {}
+        if node_rank != 0:
+            _wait_for_listener(host, port, timeout, f"node {node_rank} of {nnodes}")
         try:
             self._store = TCPStore(
                 host,
@@ -85,14 +88,33 @@ class LoopbackRendezvous(StaticTCPRendezvous):
                 **listen,
             )
         except (RuntimeError, TimeoutError) as exc:  # DistStoreError is a RuntimeError
-            raise CoreRLError(
-                f"node {node_rank} of {nnodes}: the rendezvous at {host}:{port} did not complete within {timeout} s "
-                f"({exc}); start `core-rl train --nnodes {nnodes} --node-rank R --rdzv-endpoint {host}:{port}` on "
-                "every node, node 0 first, and check the address is reachable"
-            ) from exc
+            raise _rendezvous_error(f"node {node_rank} of {nnodes}", host, port, timeout, str(exc)) from exc
 
     def get_backend(self) -> str:
         return RENDEZVOUS_BACKEND
+
+
+def _rendezvous_error(who: str, host: str, port: int, timeout: float, why: str) -> CoreRLError:
+    return CoreRLError(
+        f"{who}: the rendezvous at {host}:{port} did not complete within {timeout:g} s ({why}); start "
+        f"`core-rl train --nnodes N --node-rank R --rdzv-endpoint {host}:{port}` on every node, node 0 first, and "
+        "check the address is reachable from this one (launcher.rdzv_timeout_s sets the limit)"
+    )
+
+
+def _wait_for_listener(host: str, port: int, timeout: float, who: str) -> None:
+    """Wait until node 0's store accepts connections at ``host:port`` (torch's own client would
+    log a C++ stack trace for each refused try), at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=min(5.0, timeout)).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                why = f"node 0 does not answer: {exc.strerror or exc}"
+                raise _rendezvous_error(who, host, port, timeout, why) from None
+            time.sleep(0.5)
 
 
 def _register_rendezvous() -> None:

@@ -6,16 +6,23 @@ fake ``sbatch`` (no Slurm cluster here), and the rendered script run for real wi
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shlex
 import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
+import attrs
+import core_rl_slurm.plugin
 import pytest
 import yaml
 from core_rl.builtin.loggers import read_metrics
+from core_rl.cli import main
+from core_rl.testing import LauncherContract
 from core_rl.testing.faults import build_task, merged
 from core_rl.testing.launch import cpu_ranks_env, free_port
 
@@ -62,10 +69,29 @@ def _shims(root: Path, **scripts: str) -> Path:
     return bin_dir
 
 
-def _cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "core_rl.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300
-    )
+@attrs.frozen
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> Result:
+    """``core-rl ARGS`` in this process (``main``), in ``cwd`` with ``env`` as its environment."""
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_cwd = dict(os.environ), Path.cwd()
+    try:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        os.chdir(cwd or saved_cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
+    return Result(code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +233,10 @@ def test_the_example_config_validates_and_renders(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     script = _render(example, cwd=tmp_path)
     assert _sbatch_lines(script)["nodes"] == "2" and "--nnodes" in _srun_words(script)
+
+
+class TestSlurmContract(LauncherContract):
+    plugin = core_rl_slurm.plugin
+    name = "slurm"
+    distribution = "core-rl-slurm"
+    options: ClassVar[dict] = {"nodes": 2, "gpus_per_node": 4}
