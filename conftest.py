@@ -106,3 +106,20 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     reason = _environment_missing(name)
     if reason is not None:
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def tiny_grpo_warm(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The tiny GRPO example's layout (``examples/tiny_grpo/warm_start.py``'s ``warm_task``) with a
+    warm-started model of head size 32 (64 / 2 heads), the smallest vLLM's CPU attention runs:
+    ``root``, ``model``, ``data``."""
+    from pathlib import Path
+
+    example = str(Path(__file__).resolve().parent / "examples" / "tiny_grpo")
+    sys.path.insert(0, example)
+    try:
+        from warm_start import warm_task
+
+        return warm_task(tmp_path_factory.mktemp("tiny_grpo"), num_heads=2)
+    finally:
+        sys.path.remove(example)

@@ -25,20 +25,13 @@ QUIET = ["saver.export_hf=false", "loggers=[]"]
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The examples' layout: ``model_init`` (random), ``model_warm`` (a short supervised warm start
     on the answer format, as the main job does) and ``data/train.jsonl``."""
-    from core_rl.tiny import build_tiny_model
-
-    root = tmp_path_factory.mktemp("ppo")
     sys.path.insert(0, str(EXAMPLES))
     try:
-        from task import LETTERS, write_dataset
-        from warm_start import warm_start
+        from warm_start import warm_task
 
-        build_tiny_model(root / "model_init", alphabet=LETTERS + "=", seed=0)
-        write_dataset(root / "data" / "train.jsonl")
-        warm_start(root / "model_init", root / "model_warm", steps=150, batch_size=64, lr=3e-3, seed=0)
+        return warm_task(tmp_path_factory.mktemp("ppo"))["root"]
     finally:
         sys.path.remove(str(EXAMPLES))
-    return root
 
 
 def _train(workdir: Path, config: str, *overrides: str) -> list[dict]:

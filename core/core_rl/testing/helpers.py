@@ -156,3 +156,15 @@ def hf_logprobs(
     out = torch.zeros(input_ids.shape, dtype=torch.float32)
     out[:, 1:] = lp
     return out * attention_mask
+
+
+def fitted_rise(rows: list[dict[str, Any]], key: str = "reward/mean") -> tuple[float, float]:
+    """Start and end of the least-squares line through ``key`` of each logged step: whether a run
+    learned. A step's mean reward varies by ~0.02 around the trend; the fitted line over all steps
+    has a much smaller error than a mean of the first and last few steps (for 25 steps, ~0.013 on
+    the rise; over 15 steps a vLLM run once rose by only 0.035 where the hf run rose by 0.165)."""
+    import statistics
+
+    values = [r[key] for r in rows]
+    slope, intercept = statistics.linear_regression(range(len(values)), values)
+    return intercept, intercept + slope * (len(values) - 1)

@@ -1,0 +1,243 @@
+"""Runs through ``core-rl train --ray-address`` on a real two-node Ray cluster (conftest.py):
+
+- 2 Ray ranks log the same metrics as 2 ``torchrun`` ranks (the tolerance of
+  ``tests/test_train_e2e.py::test_two_ranks_match_one_rank``);
+- a trainer rank's actor killed mid-run: with ``recover.mode: auto`` the launcher restarts every
+  actor, the run resumes from its checkpoint and ends as a straight run does, leaving no process;
+- the tiny GRPO example with 2 trainer ranks and a vLLM CPU server as actors of their own, in
+  ``split`` (weights over a gloo collective at rank 0's node address) and ``colocate`` (weights
+  through the shared run directory) placements: the reward rises as in the local run;
+- a server's actor killed mid-run: the run ends with an error naming the actor and its node, the
+  checkpoint it saved before intact, and no process left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from core_rl.builtin.loggers import read_metrics
+from core_rl.testing.faults import build_task, checkpoint, finish, merged, run_dir, state_digest, wait_for_steps
+from core_rl.testing.helpers import fitted_rise
+from core_rl.testing.launch import cpu_ranks_env
+
+pytest.importorskip("ray")
+pytest.importorskip("core_rl_fsdp")
+pytest.importorskip("core_rl_grpo")
+pytest.importorskip("core_rl_reward_match")
+
+ROOT = Path(__file__).resolve().parents[4]
+EXAMPLE = ROOT / "examples" / "tiny_grpo"
+#: a fault test's run ends within this (launcher.stop_grace_s plus the actors' clean-up)
+FAULT_TIMEOUT_S = 90
+
+
+def _ray_train(address: str, config: Path | str, *overrides: str) -> subprocess.Popen:
+    """``core-rl train --nproc-per-node 2 --ray-address ADDRESS CONFIG OVERRIDES`` on CPU ranks."""
+    cmd = [sys.executable, "-m", "core_rl.cli", "train", "--nproc-per-node", "2", "--ray-address", address]
+    log = tempfile.NamedTemporaryFile(prefix="core-rl-ray-", suffix=".log", delete=False)
+    proc = subprocess.Popen(
+        [*cmd, str(config), *overrides],
+        env=cpu_ranks_env({**os.environ, "OMP_NUM_THREADS": "1"}),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    proc.log = Path(log.name)  # type: ignore[attr-defined]
+    log.close()
+    return proc
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> str:
+    """Wait at most ``timeout`` s for a run started by :func:`_ray_train`; its output (the
+    driver's and, forwarded by Ray, the actors'). A pipe would fill up and stall the driver."""
+    finish(proc, timeout)
+    return proc.log.read_text(errors="replace")  # type: ignore[attr-defined]
+
+
+def _leftovers(marker: str) -> list[str]:
+    """Command lines of live processes that mention ``marker`` (a run's own temporary path)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline and "pytest" not in cmdline:
+            found.append(f"{entry.name}: {cmdline[:200]}")
+    return found
+
+
+def _no_leftovers(marker: str, within: float = 20.0) -> list[str]:
+    deadline = time.monotonic() + within
+    while (left := _leftovers(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def _kill_actor(suffix: str, run_name: str) -> str:
+    """Kill the named actor of run ``run_name`` ending in ``suffix``; its name."""
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    (name,) = [n for n in names if n.startswith(f"{run_name}-") and n.endswith(suffix)]
+    ray.kill(ray.get_actor(name, namespace="core-rl"), no_restart=True)
+    return name
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("ray_task")
+    cfg = merged(build_task(root), launcher={"name": "ray", "stop_grace_s": 30, "poll_s": 0.2})
+    return {"root": root, "cfg": cfg}
+
+
+def _write(cfg: dict, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_two_ray_ranks_match_two_torchrun_ranks(ray_cluster, tmp_path, capsys):
+    """Through ``benchmarks/ray_overhead.py --smoke`` (its smoke test too): 3 steps of the tiny task
+    with 2 ranks under each launcher."""
+    bench = runpy.run_path(str(ROOT / "benchmarks" / "ray_overhead.py"), run_name="benchmark")
+    figures = tmp_path / "figures.json"
+    args = ["--smoke", "--ray-address", ray_cluster, "--work", str(tmp_path), "--json", str(figures)]
+    assert bench["main"](args) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "same metrics: True" in out
+    print(out)
+    runs = {name: Path(r["run_dir"]) for name, r in json.loads(figures.read_text()).items()}
+    local, ray_run = (read_metrics(runs[k] / "metrics.jsonl") for k in ("local", "ray"))
+    assert [r["step"] for r in local] == [r["step"] for r in ray_run] == [1, 2, 3]
+    for a, b in zip(local, ray_run):
+        for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert state_digest(checkpoint(runs["ray"], 3)) == state_digest(checkpoint(runs["local"], 3))
+
+
+def test_a_killed_trainer_actor_is_restarted_and_the_run_resumes(ray_cluster, task):
+    steps = 8
+    cfg = merged(
+        task["cfg"],
+        experiment={"name": "killrank"},
+        trainer={"total_steps": steps},
+        recover={"mode": "auto", "retries": 1},
+    )
+    config = _write(cfg, task["root"] / "killrank.yaml")
+    run = run_dir(cfg)
+    proc = _ray_train(ray_cluster, config)
+    assert wait_for_steps(run, proc, 3, timeout=240), _finish(proc, 5)[-4000:]
+    killed = _kill_actor("/rank-1", "killrank")
+    started = time.monotonic()
+    err = _finish(proc, FAULT_TIMEOUT_S + 120)
+    assert proc.returncode == 0, err[-4000:]
+    assert f"actor {killed} (pid" in err and "on node 127.0.0.1" in err and "died" in err, err[-4000:]
+    assert "restarting every actor from the newest valid checkpoint" in err
+    rows = read_metrics(run / "metrics.jsonl")
+    assert sorted({r["step"] for r in rows}) == list(range(1, steps + 1))
+    assert time.monotonic() - started < FAULT_TIMEOUT_S + 120
+    assert _no_leftovers(str(task["root"])) == []
+
+
+def test_validate_checks_the_placement_against_the_cluster(ray_cluster, task):
+    """``core-rl config validate`` with ``launcher.address`` judges the placement by the cluster's
+    nodes (2 of 2 CPUs), naming the role, the need and the offer."""
+    cfg = merged(task["cfg"], launcher={"address": ray_cluster}, placement={"actor": {"cpus": 3}})
+    config = _write(cfg, task["root"] / "toolarge.yaml")
+    cmd = [sys.executable, "-m", "core_rl.cli", "config", "validate", str(config)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"placement.actor.cpus: 3 CPU cores per node, but a node has 2 (the Ray cluster at {ray_cluster})" in (
+        proc.stderr
+    ), proc.stderr[-3000:]
+    fits = _write(merged(cfg, placement={"actor": {"cpus": 2, "nodes": 2}}), task["root"] / "fits.yaml")
+    proc = subprocess.run([*cmd[:-1], str(fits)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# -- the tiny GRPO example through a vLLM server ---------------------------------------------------
+
+STEPS = 20
+
+
+def _grpo(warm: dict[str, Path], name: str, *overrides: str) -> list[str]:
+    return [
+        str(EXAMPLE / "grpo.yaml"),
+        f"experiment.output_dir={warm['root']}",
+        f"experiment.name={name}",
+        f"actor.model_path={warm['model']}",
+        f"data.train_files=[{warm['data']}]",
+        "actor.optimizer.lr=3e-3",
+        "data.batch_size=64",
+        "saver.at_end=false",
+        "saver.export_hf=false",
+        "rollout.engine.name=vllm",
+        "rollout.engine.dtype=float32",
+        "launcher={name: ray, stop_grace_s: 30, poll_s: 0.2}",
+        *overrides,
+    ]
+
+
+@pytest.mark.server_env("vllm")
+@pytest.mark.parametrize(("mode", "sync"), [("split", "collective"), ("colocate", "disk")])
+def test_grpo_with_a_vllm_server_actor_learns(ray_cluster, tiny_grpo_warm, mode: str, sync: str):
+    pytest.importorskip("core_rl_vllm")
+    warm = tiny_grpo_warm
+    name = f"vllm-{mode}"
+    args = _grpo(warm, name, f"placement.mode={mode}", f"rollout.weight_sync={sync}", f"trainer.total_steps={STEPS}")
+    proc = _ray_train(ray_cluster, *args)
+    err = _finish(proc, 600)
+    assert proc.returncode == 0, err[-5000:]
+    assert "running 2 trainer ranks and 1 rollout servers on Ray" in err
+    rows = read_metrics(warm["root"] / name / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert all(r["weight_sync/bytes"] > 0 for r in rows)
+    first, last = fitted_rise(rows)
+    print(f"ray {mode} ({sync}): reward {first:.3f} -> {last:.3f}")
+    assert last > first + 0.03, (first, last)  # the bar tests/test_server_grpo.py sets the local run
+    log = warm["root"] / name / "ray" / "server-0" / "servers" / "vllm-0.log"
+    assert log.is_file() and log.stat().st_size > 0
+    assert _no_leftovers(str(warm["model"])) == []
+
+
+@pytest.mark.server_env("vllm")
+def test_a_killed_server_actor_ends_the_run_naming_it_with_the_checkpoint_intact(ray_cluster, tiny_grpo_warm):
+    pytest.importorskip("core_rl_vllm")
+    from core_rl.trainer.checkpoints import latest_checkpoint, step_of
+    from safetensors.torch import load_file
+
+    warm = tiny_grpo_warm
+
+    name = "vllm-killserver"
+    args = _grpo(
+        warm,
+        name,
+        "placement.mode=split",
+        "rollout.weight_sync=collective",
+        "trainer.total_steps=40",
+        "saver.every_n_steps=2",
+    )
+    proc = _ray_train(ray_cluster, *args)
+    run = warm["root"] / name
+    assert wait_for_steps(run, proc, 3, timeout=300), _finish(proc, 5)[-4000:]
+    killed = _kill_actor("/server-0", name)
+    started = time.monotonic()
+    err = _finish(proc, FAULT_TIMEOUT_S)
+    assert time.monotonic() - started < FAULT_TIMEOUT_S
+    assert proc.returncode == 1, err[-4000:]
+    assert f"actor {killed} (pid" in err and "on node 127.0.0.1" in err and "died" in err, err[-4000:]
+    latest = latest_checkpoint(run)
+    assert latest is not None and step_of(latest) >= 2
+    assert load_file(latest / "model.safetensors")  # whole and readable
+    assert _no_leftovers(str(warm["model"])) == []
