@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from core_rl.errors import CoreRLError
 from core_rl.launchers import Launcher, LaunchRequest
-from core_rl.placement import ClusterResources, placement_problems, server_options
+from core_rl.placement import ClusterResources, placement_mode, placement_problems, server_options
 
 from core_rl_ray.config import RayLauncherConfig
 
@@ -143,9 +143,10 @@ class RayLauncher(Launcher):
 
         cfg = request.cfg
         server = server_options(cfg)
-        num_servers = server.num_servers if server is not None and cfg.placement.mode != "external" else 0
+        mode = placement_mode(cfg)
+        num_servers = server.num_servers if server is not None and mode != "external" else 0
         layout = plan(
-            cfg.placement.mode,
+            mode,
             cfg.placement.actor,
             cfg.placement.rollout,
             cpu_ranks_per_node=request.nproc_per_node or 1,
