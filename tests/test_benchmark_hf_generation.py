@@ -23,4 +23,5 @@ def test_hf_generation_benchmark_smoke(capsys: pytest.CaptureFixture[str], tmp_p
     assert set(rows) == {"transformers", "hf eager"}
     for cells in rows.values():
         seconds, rate = float(cells[0]), float(cells[1])
-        assert seconds > 0 and rate == pytest.approx(64 / seconds, rel=0.01, abs=1)
+        # seconds are printed to 3 decimals: the rate is 64 tokens over a time within 0.0005 s of it
+        assert seconds > 0 and 64 / (seconds + 0.0005) - 1 <= rate <= 64 / max(seconds - 0.0005, 1e-9) + 1
