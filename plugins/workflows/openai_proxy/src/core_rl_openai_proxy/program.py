@@ -75,7 +75,8 @@ class AgentProgram:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            raise AgentFailed(f"agent program {self.program} raised {type(exc).__name__}: {exc}") from exc
+            cause = f" (caused by {type(exc.__cause__).__name__}: {exc.__cause__})" if exc.__cause__ else ""
+            raise AgentFailed(f"agent program {self.program} raised {type(exc).__name__}: {exc}{cause}") from exc
 
     async def _run_script(self, base_url: str, api_key: str, row: Mapping[str, Any]) -> None:
         assert self.script is not None

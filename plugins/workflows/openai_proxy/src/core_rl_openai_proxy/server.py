@@ -39,6 +39,8 @@ from core_rl_openai_proxy.session import Generate, LastCall, Plan, Session
 
 #: how long :meth:`ProxyServer.start` waits for uvicorn to listen
 START_TIMEOUT_S = 30.0
+#: how long the proxy keeps an idle connection open
+KEEP_ALIVE_S = 600
 
 
 class ProxyServer:
@@ -82,7 +84,11 @@ class ProxyServer:
             ) from exc
         sock.listen(1024)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off")
+        # clients close idle connections first (openai's after 5 s): a server closing one as a
+        # client reuses it would fail that call
+        config = uvicorn.Config(
+            self.app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=KEEP_ALIVE_S
+        )
         server = uvicorn.Server(config)
         self._server = server
         self._thread = threading.Thread(
