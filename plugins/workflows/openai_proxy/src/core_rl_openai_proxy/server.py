@@ -72,7 +72,10 @@ class ProxyServer:
 
     def start(self) -> None:
         """Listen on ``config.host:config.port`` (port 0: a free one) on a daemon thread."""
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets of that protocol, and without
+        # it Nagle's algorithm held each response's body behind the client's delayed ACK (~40 ms a call)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((self.config.host, self.config.port))
