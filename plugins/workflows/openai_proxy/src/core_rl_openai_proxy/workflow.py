@@ -72,9 +72,18 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
             # called on the proxy's loop; the generation runs on the rollout loop
             return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(ctx.generate(prompt_ids, sampling), loop))
 
-        episodes = [self._episode(proxy, proxy.open(generate, ctx.sampling, prompt.row)) for _ in range(ctx.sampling.n)]
-        groups = await asyncio.gather(*episodes)
-        return [sample for group in groups for sample in group]
+        sessions = [proxy.open(generate, ctx.sampling, prompt.row) for _ in range(ctx.sampling.n)]
+        tasks = [asyncio.ensure_future(self._episode(proxy, session)) for session in sessions]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:  # a failed (or cancelled) episode stops its siblings, scripts killed, before the error goes on
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for task in tasks:  # the failure itself, not the siblings cancelled after it
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        return [sample for task in tasks for sample in task.result()]
 
     async def _episode(self, proxy: ProxyServer, session: Session) -> list[Sample]:
         timed_out, returned = False, None
