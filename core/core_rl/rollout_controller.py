@@ -395,7 +395,7 @@ class RolloutController:
                 group,
                 built_by(self.workflow),
                 "trajectories",
-                prompt_ids=prompt.prompt_ids,
+                prompt_ids=None if getattr(self.workflow, "own_prompts", False) else prompt.prompt_ids,
                 count=None,
                 contract=RUN_CONTRACT,
             )

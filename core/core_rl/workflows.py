@@ -42,7 +42,12 @@ class WorkflowContext:
 
 class RolloutWorkflow(ABC):
     """Turns one prompt (a :class:`core_rl.trainer.data.PromptItem`: its ``row``, ``text`` and
-    ``prompt_ids``) into one group of trajectories."""
+    ``prompt_ids``) into one group of trajectories.
+
+    ``own_prompts``: the trajectories start from prompts the workflow builds itself (an agent
+    program writes its own messages from the row), so their ``prompt_ids`` need not be the row's."""
+
+    own_prompts: bool = False
 
     @abstractmethod
     async def run(self, prompt: Any, ctx: WorkflowContext) -> list[Sample]:
@@ -59,10 +64,10 @@ class SingleTurnWorkflow(RolloutWorkflow):
 
 
 def check_samples(
-    value: Any, words: str, what: str, *, prompt_ids: Sequence[int], count: int | None, contract: str
+    value: Any, words: str, what: str, *, prompt_ids: Sequence[int] | None, count: int | None, contract: str
 ) -> list[Sample]:
-    """``value`` as a list of :class:`Sample` s answering ``prompt_ids``: exactly ``count`` of them
-    (at least one when ``None``). Otherwise a :class:`~core_rl.errors.PluginFault` naming the
+    """``value`` as a list of :class:`Sample` s answering ``prompt_ids`` (any prompt when ``None``):
+    exactly ``count`` of them (at least one when ``None``). Otherwise a :class:`~core_rl.errors.PluginFault` naming the
     component (``words``), ``what`` it returned and the ``contract`` it breaks."""
     if isinstance(value, Sample) or not isinstance(value, Sequence):
         raise PluginFault(f"{words} returned {what} as a {type(value).__name__}; {contract}")
@@ -73,7 +78,7 @@ def check_samples(
     for i, sample in enumerate(samples):
         if not isinstance(sample, Sample):
             raise PluginFault(f"{words} returned {what} whose item {i} is a {type(sample).__name__}; {contract}")
-        if list(sample.prompt_ids) != list(prompt_ids):
+        if prompt_ids is not None and list(sample.prompt_ids) != list(prompt_ids):
             raise PluginFault(
                 f"{words} returned {what} whose item {i} has prompt_ids {list(sample.prompt_ids)[:8]}... "
                 f"({len(sample.prompt_ids)} tokens), not the prompt's ({len(prompt_ids)} tokens); {contract}"

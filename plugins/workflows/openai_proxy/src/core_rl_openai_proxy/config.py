@@ -1,0 +1,61 @@
+"""The ``rollout.workflow`` section of ``openai_agent`` (imports no torch, no HTTP stack)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import attrs
+from core_rl.config.validators import FieldValueError, in_range, one_of, positive
+
+#: ``package.module:function`` or ``path/to/file.py:function``
+CALLABLE = re.compile(r"^([A-Za-z_][\w.]*|.+\.py):[A-Za-z_]\w*$")
+
+
+def _program(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, str) or not (CALLABLE.match(value) or value.endswith(".py")):
+        raise FieldValueError(
+            attribute.name,
+            value,
+            "must be 'package.module:function' or 'path/to/file.py:function' (in-process) or 'path/to/script.py'",
+        )
+
+
+@attrs.define
+class OpenAIAgentConfig:
+    """How an agent program becomes a rollout workflow.
+
+    - ``program``: ``package.module:function`` or ``path/to/file.py:function`` (called in-process
+      with ``base_url``, ``api_key`` and ``row`` keyword arguments; an ``async`` function runs on
+      the rollout loop, a plain one in a thread; a number it returns is the trajectory's reward) or
+      a path to a ``.py`` script (a subprocess of this interpreter with ``OPENAI_BASE_URL``,
+      ``OPENAI_API_KEY`` and
+      ``CORE_RL_ROW``, the data row as JSON, in its environment; it sets its reward with
+      ``POST {base_url}/sessions/{api_key}/reward``).
+    - ``args``: extra command-line arguments of a script.
+    - ``timeout_s``: wall-clock limit of one episode; past it the program is stopped (a script's
+      process group is killed) and the trajectory keeps the calls made so far, scored
+      ``timeout_reward``.
+    - ``model``: the model name the proxy answers to (``/v1/models``); another name is a 404.
+    - ``max_context_tokens``: prompt plus completion limit of one call; a longer prompt is a 400
+      (``context_length_exceeded``), and ``max_tokens`` is capped to what fits (and to the run's
+      ``rollout.sampling.max_new_tokens``).
+    - ``on_history_mismatch``: a chat call whose messages do not extend the session's previous call
+      (the client rewrote or dropped history): ``new_trajectory`` closes the current trajectory and
+      starts another in the same session (both train, with the session's reward); ``error``
+      answers 400 (``history_mismatch``).
+    - ``chat_template``: a Jinja chat template (or a path to a file holding one) used instead of the
+      tokenizer's own; empty: the tokenizer's.
+    - ``host``/``port``: where the proxy listens (port 0: a free port).
+    """
+
+    program: str = attrs.field(validator=_program)
+    args: list[str] = attrs.field(factory=list)
+    timeout_s: float = attrs.field(default=300.0, validator=positive(10**6))
+    timeout_reward: float = attrs.field(default=0.0, validator=in_range(-(10**6), 10**6))
+    model: str = "policy"
+    max_context_tokens: int = attrs.field(default=4096, validator=positive(2**24))
+    on_history_mismatch: str = attrs.field(default="new_trajectory", validator=one_of(("new_trajectory", "error")))
+    chat_template: str = ""
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=0, validator=in_range(0, 65535))

@@ -1,0 +1,122 @@
+"""Running an agent program for one episode: an in-process callable or a script in a subprocess.
+
+In-process (``package.module:function``, or ``path/to/file.py:function`` loaded from the file):
+``function(base_url=..., api_key=..., row=...)``; an
+``async`` function runs on the rollout loop (it must not block it: use ``openai.AsyncOpenAI``), a
+plain one in a thread of that loop (``openai.OpenAI`` is fine there; a thread cannot be stopped, so
+past the timeout its later calls are refused with a 409). Its return value, when a number, is the
+episode's reward.
+
+Script (``path/to/agent.py``): ``python agent.py *args`` with ``OPENAI_BASE_URL``,
+``OPENAI_API_KEY`` and ``CORE_RL_ROW`` (the row as JSON) in its environment, in a new process
+group that is killed when the episode times out or the run stops; a non-zero exit status is an
+error naming the script and the end of its stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from core_rl.errors import ConfigError, CoreRLError
+
+#: how much of a failed script's stderr an error quotes
+STDERR_TAIL = 2000
+
+
+class AgentFailed(CoreRLError):
+    """The agent program raised or exited non-zero: the run fails (exit status 1)."""
+
+    exit_code = 1
+
+
+class AgentProgram:
+    """``program`` (``rollout.workflow.program``) loaded once; :meth:`run` runs one episode."""
+
+    def __init__(self, program: str, args: list[str]) -> None:
+        self.program, self.args = program, list(args)
+        self.script: Path | None = None
+        self.function: Callable[..., Any] | None = None
+        if program.endswith(".py"):  # a script: a subprocess per episode
+            self.script = Path(program).resolve()
+            if not self.script.is_file():
+                raise ConfigError([f"rollout.workflow.program: no script at {program!r} (from {Path.cwd()})"])
+            return
+        module, _, name = program.rpartition(":")
+        try:
+            self.function = getattr(_load_module(module), name)
+        except (ImportError, AttributeError, OSError, SyntaxError) as exc:
+            raise ConfigError(
+                [f"rollout.workflow.program: cannot load {program!r}: {type(exc).__name__}: {exc} (is it importable?)"]
+            ) from exc
+        if not callable(self.function):
+            raise ConfigError([f"rollout.workflow.program: {program!r} is not callable"])
+
+    async def run(self, base_url: str, api_key: str, row: Mapping[str, Any]) -> Any:
+        """One episode; returns what an in-process function returned (``None`` for a script)."""
+        if self.script is not None:
+            return await self._run_script(base_url, api_key, row)
+        assert self.function is not None
+        kwargs = {"base_url": base_url, "api_key": api_key, "row": dict(row)}
+        try:
+            if inspect.iscoroutinefunction(self.function):
+                return await self.function(**kwargs)
+            return await asyncio.to_thread(self.function, **kwargs)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            cause = f" (caused by {type(exc.__cause__).__name__}: {exc.__cause__})" if exc.__cause__ else ""
+            raise AgentFailed(f"agent program {self.program} raised {type(exc).__name__}: {exc}{cause}") from exc
+
+    async def _run_script(self, base_url: str, api_key: str, row: Mapping[str, Any]) -> None:
+        assert self.script is not None
+        env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
+        env["CORE_RL_ROW"] = json.dumps(dict(row))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(self.script),
+            *self.args,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        try:
+            _, stderr = await proc.communicate()
+        except BaseException:  # timed out or cancelled: the whole process group goes
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            await proc.wait()
+            raise
+        if proc.returncode != 0:
+            tail = stderr.decode(errors="replace")[-STDERR_TAIL:]
+            raise AgentFailed(f"agent script {self.script} exited with status {proc.returncode}; stderr ends:\n{tail}")
+        return None
+
+
+def _load_module(name: str) -> ModuleType:
+    """``name``: a module to import, or a ``.py`` file to load (as a module of its own)."""
+    if not name.endswith(".py"):
+        return importlib.import_module(name)
+    path = Path(name).resolve()
+    if not path.is_file():
+        raise OSError(f"no file {name!r} (from {Path.cwd()})")
+    spec = importlib.util.spec_from_file_location(f"core_rl_agent_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

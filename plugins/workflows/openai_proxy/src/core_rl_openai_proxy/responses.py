@@ -1,0 +1,136 @@
+"""Request fields the proxy reads and the OpenAI-schema bodies it answers with.
+
+Sampling: the run's ``rollout.sampling`` (temperature, top-p, top-k) is always what samples, so the
+behaviour log-probs are those the trainer's importance ratio expects; a request's ``temperature``,
+``top_p``, ``seed``, ``presence_penalty``... are accepted and ignored. ``max_tokens`` (or
+``max_completion_tokens``) lowers the run's ``max_new_tokens``, never raises it. ``n > 1``,
+``stream`` and ``stop`` strings are refused (400): one call is one sampled turn of one trajectory.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from core_rl.protocol import Sample
+
+from core_rl_openai_proxy.errors import RequestError
+
+#: the most ``top_logprobs`` OpenAI accepts
+MAX_TOP_LOGPROBS = 20
+
+
+def requested_max_tokens(body: Mapping[str, Any]) -> int | None:
+    """``max_completion_tokens`` or ``max_tokens`` (a positive integer), or ``None``."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise RequestError(f"'{key}' must be a positive integer, got {value!r}", param=key)
+        return value
+    return None
+
+
+def refuse_unsupported(body: Mapping[str, Any]) -> None:
+    """400 for what one sampled turn of one trajectory cannot do: ``n > 1``, streaming, stop strings."""
+    if body.get("n") not in (None, 1):
+        raise RequestError("the proxy samples one choice per call: 'n' must be 1", param="n")
+    if body.get("stream"):
+        raise RequestError("the proxy does not stream: leave 'stream' unset", param="stream")
+    if body.get("stop"):
+        raise RequestError(
+            "stop strings are not supported (the run's stop tokens end each turn); leave 'stop' unset", param="stop"
+        )
+
+
+def wants_logprobs(body: Mapping[str, Any], chat: bool) -> bool:
+    """Whether the response carries log-probs (chat: ``logprobs: true``; completions: ``logprobs: k``)."""
+    value = body.get("logprobs")
+    if chat:
+        top = body.get("top_logprobs")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
+        return bool(value)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 5):
+        raise RequestError("'logprobs' must be an integer in [0, 5]", param="logprobs")
+    return value is not None
+
+
+def content_ids(turn: Sample) -> list[int]:
+    """The sampled ids without the stop token that ended the turn (it is not part of the reply)."""
+    ids = list(turn.response_ids)
+    return ids[:-1] if turn.finish_reason == "stop" and ids else ids
+
+
+def _usage(prompt_ids: Sequence[int], turn: Sample) -> dict[str, int]:
+    n, m = len(prompt_ids), len(turn.response_ids)
+    return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+
+
+def _token_ids(prompt_ids: Sequence[int], turn: Sample) -> dict[str, Any]:
+    return {"prompt_token_ids": list(prompt_ids), "token_ids": list(turn.response_ids)}
+
+
+def chat_body(
+    model: str, prompt_ids: Sequence[int], turn: Sample, reply: str, tokenizer: Any, logprobs: bool, token_ids: bool
+) -> dict[str, Any]:
+    """A ``chat.completion`` body; ``token_ids`` adds the prompt's and the sampled ids to the
+    choice (``return_token_ids`` in the request, as vLLM does)."""
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": reply},
+        "finish_reason": turn.finish_reason,
+        "logprobs": None,
+    }
+    if logprobs:
+        ids = content_ids(turn)
+        choice["logprobs"] = {
+            "content": [
+                {"token": (t := tokenizer.decode([i])), "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                for i, lp in zip(ids, turn.logprobs)
+            ]
+        }
+    if token_ids:
+        choice.update(_token_ids(prompt_ids, turn))
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": _usage(prompt_ids, turn),
+    }
+
+
+def completion_body(
+    model: str, prompt_ids: Sequence[int], turn: Sample, text: str, tokenizer: Any, logprobs: bool, token_ids: bool
+) -> dict[str, Any]:
+    """A ``text_completion`` body (legacy log-probs: tokens, token_logprobs, text_offset)."""
+    choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": turn.finish_reason, "logprobs": None}
+    if logprobs:
+        ids = content_ids(turn)
+        tokens = [tokenizer.decode([i]) for i in ids]
+        offsets = [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+        choice["logprobs"] = {
+            "tokens": tokens,
+            "token_logprobs": list(turn.logprobs[: len(ids)]),
+            "top_logprobs": None,
+            "text_offset": offsets,
+        }
+    if token_ids:
+        choice.update(_token_ids(prompt_ids, turn))
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": _usage(prompt_ids, turn),
+    }
+
+
+def models_body(model: str) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "core-rl"}]}

@@ -1,0 +1,34 @@
+"""Smoke test of ``benchmarks/openai_proxy.py``: both settings, one at a time and at once, give
+finite positive seconds per call."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+for name in ("core_rl_hf", "core_rl_openai_proxy", "openai"):
+    pytest.importorskip(name)
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "openai_proxy.py"
+
+
+def test_openai_proxy_benchmark_smoke() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("setting"))
+    rows = [line.split() for line in lines[start + 1 :]]
+    assert [(r[0], r[1]) for r in rows] == [("direct", "1"), ("proxy", "1"), ("direct", "8"), ("proxy", "8")]
+    assert all(float(r[2]) > 0 for r in rows)
+    assert float(rows[0][3]) == 0.0 and float(rows[2][3]) == 0.0
