@@ -15,6 +15,7 @@ failed.
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import subprocess
@@ -90,10 +91,13 @@ def _server_env_name(item: pytest.Item) -> str | None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files with server tests go last (whole files, for ``--dist loadfile``), so the server
-    environments can build in the background meanwhile; the order is otherwise kept."""
+    """Whole files (what ``--dist loadfile`` hands a worker), those with more tests first, as
+    pytest-xdist orders them itself; but files with server tests last, so the server environments
+    can build in the background meanwhile (``scripts/test.sh`` runs xdist with
+    ``--no-loadscope-reorder`` to keep this order)."""
     server_files = {item.path for item in items if _server_env_name(item) is not None}
-    items.sort(key=lambda item: item.path in server_files)  # a stable sort
+    counts = collections.Counter(item.path for item in items)
+    items.sort(key=lambda item: (item.path in server_files, -counts[item.path]))  # stable: files stay whole
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

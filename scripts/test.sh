@@ -25,10 +25,10 @@ for env in "${envs[@]}"; do
   pids+=($!)
 done
 # Two pytest workers (pytest-xdist; CORE_RL_TEST_WORKERS to change, 0 for none), each taking whole
-# files so a module's server or model fixture is built once.
+# files so a module's server or model fixture is built once, in the order conftest.py gives them.
 workers=${CORE_RL_TEST_WORKERS:-2}
 parallel=()
-if [ "$workers" != "0" ]; then parallel=(-n "$workers" --dist loadfile); fi
+if [ "$workers" != "0" ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
 status=0
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$VENV/bin/python" -m pytest -q "${parallel[@]}" "$@" || status=$?
 wait "${pids[@]}"

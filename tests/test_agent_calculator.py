@@ -24,17 +24,22 @@ pytest.importorskip("core_rl_reward_match")
 pytest.importorskip("core_rl_env_tools")
 
 
-def test_the_calculator_agent_learns(tmp_path: Path) -> None:
-    work = tmp_path / "work"
+def _example(work: Path, *args: str) -> subprocess.CompletedProcess:
     main = ROOT / "examples/agent_calculator/main.py"
     proc = subprocess.run(
-        [sys.executable, str(main), "--workdir", str(work), "trainer.total_steps=20"],
+        [sys.executable, str(main), "--workdir", str(work), *args],
         capture_output=True,
         text=True,
         timeout=900,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_the_calculator_agent_learns(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    proc = _example(work, "trainer.total_steps=20")
     assert "reward: first 10 steps" in proc.stdout and (work / "calculator" / "plot.png").is_file()
     rows = [r for r in read_metrics(work / "calculator" / "metrics.jsonl") if "reward/mean" in r]
     rewards = [r["reward/mean"] for r in rows]
@@ -43,3 +48,21 @@ def test_the_calculator_agent_learns(tmp_path: Path) -> None:
     assert last >= first + 0.15, rewards
     # two turns per trajectory (the call, then the answer) and the tool's reply in between
     assert statistics.fmean(r["response_length/mean"] for r in rows[-5:]) > 20
+
+
+@pytest.mark.server_env("vllm")
+def test_the_calculator_agent_runs_through_a_vllm_server(tmp_path: Path) -> None:
+    """The multi-turn run with vLLM (CPU) as the rollout engine: each turn a request to the server,
+    the tool's reply appended between them, weights synced to the server every step."""
+    pytest.importorskip("core_rl_vllm")
+    work = tmp_path / "work"
+    steps = 3
+    overrides = ["rollout.engine.name=vllm", "rollout.engine.dtype=float32", "rollout.weight_sync=disk"]
+    _example(work, "--num-heads", "2", f"trainer.total_steps={steps}", *overrides)
+    rows = [r for r in read_metrics(work / "calculator" / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["weight_sync/bytes"] > 0 for r in rows)
+    # the warm-started model calls the tool, so most trajectories hold a second turn after its reply
+    assert statistics.fmean(r["response_length/mean"] for r in rows) > 20
+    log = work / "calculator" / "servers" / "vllm-0.log"
+    assert log.is_file() and log.stat().st_size > 0

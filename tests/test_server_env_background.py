@@ -61,7 +61,7 @@ def test_a_build_that_never_ends_times_out(hooks, tmp_path, monkeypatch):
 
 def test_files_with_server_tests_are_collected_last(pytester_items):
     names = [item.path.name for item in pytester_items]
-    assert names == ["test_a.py", "test_a.py", "test_c.py", "test_b.py", "test_b.py"]
+    assert names == ["test_d.py"] * 3 + ["test_a.py", "test_a.py", "test_c.py", "test_b.py", "test_b.py"]
 
 
 class _Item:
@@ -76,8 +76,9 @@ class _Item:
 
 @pytest.fixture
 def pytester_items(hooks):
-    # test_b.py holds one server test, so both its tests move, in order, behind the others
+    # test_b.py holds one server test, so both its tests move, in order, behind the others; the
+    # other files keep whole, those with more tests first (as pytest-xdist orders them itself)
     items = [_Item("test_a.py", False), _Item("test_b.py", False), _Item("test_b.py", True)]
-    items += [_Item("test_a.py", False), _Item("test_c.py", False)]
+    items += [_Item("test_a.py", False), _Item("test_c.py", False)] + [_Item("test_d.py", False)] * 3
     hooks.pytest_collection_modifyitems(items)
     return items

@@ -37,13 +37,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="runs/agent_calculator", help="where the model, data and run go")
     parser.add_argument("--warm-steps", type=int, default=150, help="supervised warm-start steps")
+    parser.add_argument(
+        "--num-heads",
+        type=int,
+        default=4,
+        help="attention heads of the 64-wide model (2: head size 32, which vLLM's CPU attention runs)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides for calculator.yaml")
     args = parser.parse_args(argv)
     tiny = tiny_grpo_main()
     start = time.perf_counter()
     work = tiny.prepare(Path(args.workdir))
 
-    build_tiny_model(work / "model_init", alphabet=ALPHABET, seed=0)
+    build_tiny_model(work / "model_init", alphabet=ALPHABET, seed=0, num_heads=args.num_heads)
     write_dataset(work / "data" / "train.jsonl")
     sft = write_warm_start_data(work / "data" / "warm_start.jsonl", count=args.warm_steps * 64, seed=0)
     loss = tiny.warm_start(
