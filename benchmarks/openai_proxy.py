@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from core_rl_hf.engine import HFRolloutEngine
     from core_rl_openai_proxy.config import OpenAIAgentConfig
     from core_rl_openai_proxy.server import ProxyServer
-    from task import ALPHABET, CHAT_TEMPLATE
+    from proxy_task import ALPHABET, CHAT_TEMPLATE
 
     transformers.utils.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,7 +2,7 @@
 
 It asks the model the question, runs the calculator itself, sends the result back as a ``tool``
 message and takes the model's next reply as the answer. Its reward is the answer's score against
-the calculator's result (:func:`task.score`), returned to the workflow (in-process) or posted to the
+the calculator's result (:func:`proxy_task.score`), returned to the workflow (in-process) or posted to the
 proxy (as a script: ``python agent.py`` with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and
 ``CORE_RL_ROW`` set, as the ``openai_agent`` workflow runs a script).
 """
@@ -20,7 +20,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from task import calculator, score
+from proxy_task import calculator, score
 
 _clients: dict[str, openai.AsyncOpenAI] = {}
 

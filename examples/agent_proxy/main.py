@@ -27,7 +27,7 @@ from core_rl.tiny import build_tiny_model
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from task import ALPHABET, CHAT_TEMPLATE, write_dataset  # noqa: E402
+from proxy_task import ALPHABET, CHAT_TEMPLATE, write_dataset  # noqa: E402
 
 
 def reward_curve(run_dir: Path) -> tuple[list[float], float]:

@@ -121,16 +121,25 @@ def recipe_host(*plugins: tuple[object, str]) -> PluginHost:
     """A :class:`PluginHost` without entry points holding core-rl's built-in components, stand-in
     ``fsdp`` and ``hf`` engines, and each ``(plugin, distribution)`` given: for tests that load a
     recipe's configuration (``load_config(..., host=recipe_host(...), require_complete=False)``)."""
+    import core_rl.builtin.environment_workflow as builtin_environment_workflow
+    import core_rl.builtin.launchers as builtin_launchers
     import core_rl.builtin.loggers as builtin_loggers
     import core_rl.builtin.loops as builtin_loops
     import core_rl.builtin.rejection as builtin_rejection
+    import core_rl.builtin.tool_parsers as builtin_tool_parsers
     import core_rl.builtin.workflows as builtin_workflows
 
     host = PluginHost(entry_points=[])
-    host.register_plugin(builtin_loggers, distribution="core-rl")
-    host.register_plugin(builtin_loops, distribution="core-rl")
-    host.register_plugin(builtin_rejection, distribution="core-rl")
-    host.register_plugin(builtin_workflows, distribution="core-rl")
+    for builtin in (
+        builtin_loggers,
+        builtin_loops,
+        builtin_rejection,
+        builtin_workflows,
+        builtin_environment_workflow,
+        builtin_tool_parsers,
+        builtin_launchers,
+    ):
+        host.register_plugin(builtin, distribution="core-rl")
     host.register_plugin(_StandInEngines(), distribution="<stand-in>")
     for plugin, distribution in plugins:
         host.register_plugin(plugin, distribution=distribution)

@@ -231,7 +231,7 @@ def test_a_script_agent_posts_its_reward(run_wave, tokenizer) -> None:
     wave, _ = run_wave(rows, n=2, program=str(script), max_new_tokens=3)
     (group,) = wave.groups
     sys.path.insert(0, str(script.parent))
-    from task import score
+    from proxy_task import score
 
     for sample in group:
         assert sample.info["calls"] == 2 and sample.reward is not None
@@ -248,8 +248,8 @@ def test_a_hanging_script_is_killed_at_the_timeout(run_wave, tmp_path) -> None:
     from core_rl_openai_proxy.workflow import AgentMadeNoCall
 
     script = Path(__file__).resolve().parent / "hanging_agent.py"
-    with pytest.raises(AgentMadeNoCall, match=r"hanging_agent.py timed out after 3 s .*rollout.workflow.timeout_s"):
-        run_wave(ROWS[:1], n=2, program=str(script), args=[str(tmp_path)], timeout_s=3.0)
+    with pytest.raises(AgentMadeNoCall, match=r"hanging_agent.py timed out after 8 s .*rollout.workflow.timeout_s"):
+        run_wave(ROWS[:1], n=2, program=str(script), args=[str(tmp_path)], timeout_s=8.0)
     pids = [int(p.read_text()) for p in tmp_path.iterdir()]
     assert len(pids) == 2
     for pid in pids:
