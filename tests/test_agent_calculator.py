@@ -50,6 +50,26 @@ def test_the_calculator_agent_learns(tmp_path: Path) -> None:
     assert statistics.fmean(r["response_length/mean"] for r in rows[-5:]) > 20
 
 
+def test_a_critic_trains_on_per_turn_rewards(tmp_path: Path) -> None:
+    """PPO (a critic, GAE) on the multi-turn task with ``turn_reward: per_turn``: the batch carries each
+    turn's reward at its last token through the critic's update (a short warm start, 2 steps)."""
+    pytest.importorskip("core_rl_ppo")
+    work = tmp_path / "work"
+    overrides = [
+        "algorithm.name=ppo",
+        "algorithm.advantage.name=gae",
+        "critic.model_path=${experiment.output_dir}/model_warm",
+        "critic.engine.name=fsdp",
+        "critic.warmup_steps=0",
+        "rollout.workflow.turn_reward=per_turn",
+    ]
+    _example(work, "--warm-steps", "10", "trainer.total_steps=2", *overrides)
+    rows = [r for r in read_metrics(work / "calculator" / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["critic/optimizer_steps"] > 0 and row["critic/loss"] == row["critic/loss"]
+
+
 @pytest.mark.server_env("vllm")
 def test_the_calculator_agent_runs_through_a_vllm_server(tmp_path: Path) -> None:
     """The multi-turn run with vLLM (CPU) as the rollout engine: each turn a request to the server,

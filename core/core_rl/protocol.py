@@ -24,6 +24,8 @@ key                 shape       meaning
                                 ``mask_no_eos_with_zero``, M2PO); aggregation weights come from it
 ``loss_weight``     [B, T] f32  aggregation weight of each token's loss (:func:`core_rl.ops.aggregation_weights`)
 ``rewards``         [B]    f32  scalar reward of each sample (after ``algorithm.reward_shaping``)
+``turn_rewards``    [B, T] f32  each turn's reward at its last token (only when a sample has
+                                ``Sample.turn_ends``; 0 elsewhere and in samples without them)
 ``group_index``     [B]    long index of the prompt the sample answers (samples of a prompt form a group)
 ``truncated``       [B]    bool the response stopped at the token budget (``finish_reason == "length"``)
 ``train_version``   [B]    long the weight version the current update produces (the same in every row)
@@ -73,6 +75,12 @@ class Sample:
     ``turn_rewards`` (optional): the reward of each model turn of a multi-turn trajectory, in order,
     as its workflow recorded them; the workflow reduces them into ``reward`` (the built-in
     ``environment`` workflow: their sum or the last one), which is what the trainer trains on.
+
+    ``turn_ends`` (optional, with ``turn_rewards``): where each rewarded turn ends, as an exclusive
+    end position in ``response_ids``, never decreasing. Set, it asks the estimators that work per token
+    (GAE, REINFORCE++) to pay each turn's reward at that turn's last token instead of paying
+    ``reward`` at the end (:func:`core_rl.ops.token_level_rewards`); outcome estimators (GRPO,
+    RLOO) still see only the trajectory's reward.
     """
 
     prompt_ids: list[int]
@@ -85,6 +93,7 @@ class Sample:
     reward: float | None = None
     info: dict[str, Any] = attrs.field(factory=dict)
     turn_rewards: list[float] | None = None
+    turn_ends: list[int] | None = None
 
     def __attrs_post_init__(self) -> None:
         if len(self.logprobs) != len(self.response_ids):
@@ -98,6 +107,8 @@ class Sample:
             raise ValueError(
                 f"Sample has {len(self.response_ids)} response tokens but {len(self.token_mask)} mask values"
             )
+        if self.turn_ends is not None:
+            check_turn_ends(self.turn_ends, self.turn_rewards, len(self.response_ids))
 
     @property
     def versions(self) -> list[int]:
@@ -110,6 +121,22 @@ class Sample:
     def newest_version(self) -> int:
         """The newest weight version that generated a token of this sample."""
         return max(self.versions, default=self.weight_version)
+
+
+def check_turn_ends(ends: Sequence[int], rewards: Sequence[float] | None, n_response: int) -> None:
+    """Raise ``ValueError`` unless ``ends`` pairs one to one with ``rewards`` and never decreases
+    within ``(0, n_response]`` (a turn that sampled nothing ends where the previous one did)."""
+    if rewards is None or len(rewards) != len(ends):
+        have = "no turn_rewards" if rewards is None else f"{len(rewards)} turn_rewards"
+        raise ValueError(f"Sample has {len(ends)} turn_ends but {have}; give one end per turn reward")
+    previous = 1
+    for end in ends:
+        if not previous <= end <= n_response:
+            raise ValueError(
+                f"Sample turn_ends {list(ends)} must not decrease, within [1, {n_response}] "
+                "(exclusive ends in response_ids)"
+            )
+        previous = end
 
 
 @attrs.define
@@ -182,8 +209,8 @@ def samples_to_batch(samples: Sequence[Sample], group_index: Sequence[int], pad_
     ``response_mask``, ``old_logprobs`` and ``behave_logprobs`` (both the samples' log-probs),
     ``versions`` (a sample's per-token ``token_weight_versions`` where it has them, else its
     ``weight_version`` on every token; a sample's ``token_mask`` zeroes ``response_mask`` and the
-    log-probs and sets version -1 on the tokens it excludes), ``truncated`` and ``group_index``
-    (see the module docstring)."""
+    log-probs and sets version -1 on the tokens it excludes), ``truncated`` and ``group_index``,
+    and ``turn_rewards`` when a sample has ``turn_ends`` (see the module docstring)."""
     import torch
 
     if not samples:
@@ -196,6 +223,8 @@ def samples_to_batch(samples: Sequence[Sample], group_index: Sequence[int], pad_
     response_mask = torch.zeros((n, width), dtype=torch.float32)
     old_logprobs = torch.zeros((n, width), dtype=torch.float32)
     versions = torch.full((n, width), -1, dtype=torch.long)
+    per_turn = any(getattr(s, "turn_ends", None) is not None for s in samples)
+    turn_rewards = torch.zeros((n, width), dtype=torch.float32) if per_turn else None
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         input_ids[i, : p + r] = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
@@ -210,6 +239,11 @@ def samples_to_batch(samples: Sequence[Sample], group_index: Sequence[int], pad_
             response_mask[i, p : p + r][outside] = 0.0
             old_logprobs[i, p : p + r][outside] = 0.0
             versions[i, p : p + r][outside] = -1
+        ends = getattr(s, "turn_ends", None)
+        if turn_rewards is not None and ends is not None:
+            where = (torch.full((len(ends),), i), torch.tensor([p + end - 1 for end in ends]))
+            turn_rewards.index_put_(where, torch.tensor(s.turn_rewards, dtype=torch.float32), accumulate=True)
+    extra = {"turn_rewards": turn_rewards} if turn_rewards is not None else {}
     return TensorBatch(
         {
             "input_ids": input_ids,
@@ -220,6 +254,7 @@ def samples_to_batch(samples: Sequence[Sample], group_index: Sequence[int], pad_
             "versions": versions,
             "truncated": torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.bool),
             "group_index": torch.as_tensor(list(group_index), dtype=torch.long),
+            **extra,
         }
     )
 

@@ -14,7 +14,7 @@
         tool_timeout_s: 10      # one environment step (a tool call) at most this long
         max_concurrent_steps: 8 # steps running at once, across all trajectories
         train_turns: all        # all | last: which model turns train
-        turn_reward: sum        # sum | last: Sample.reward from the per-turn rewards
+        turn_reward: sum        # sum | last | per_turn: how the per-turn rewards are paid
 
 Per trajectory (``sampling.n`` of them per row, each with its own environment object)::
 
@@ -27,8 +27,12 @@ Per trajectory (``sampling.n`` of them per row, each with its own environment ob
 The sampled tokens are appended exactly as the engine returned them (never re-tokenised), with
 their log-probs and weight versions; observations are tokenised once and masked from the loss.
 ``Sample.turn_rewards`` holds each turn's reward and ``Sample.reward`` their reduction
-(``turn_reward``): the trajectory's return is paid as an outcome reward, so every trained token of
-the trajectory shares its advantage. ``train_turns: last`` masks every model turn but the last from
+(``turn_reward``). With ``sum`` or ``last`` the trajectory's return is paid as an outcome reward, so
+every trained token of the trajectory shares its advantage. With ``per_turn``, ``Sample.reward`` is
+the sum and ``Sample.turn_ends`` marks where each turn ends: the estimators that work per token
+(``gae``, ``reinforce_pp``) pay each turn's reward at its turn's last token, so a turn's tokens are
+credited with the rewards from that turn on (discounted), not with those of earlier turns; outcome
+estimators (``grpo``, ``rloo``) see the sum. ``train_turns: last`` masks every model turn but the last from
 the loss (their tokens stay in the context). A step past ``tool_timeout_s`` ends the trajectory
 with reward 0 and ``info["timeout"]``.
 """
@@ -53,7 +57,7 @@ from core_rl.protocol import Sample
 from core_rl.workflows import RolloutWorkflow, WorkflowContext, append_observation, extend_turn
 
 TRAIN_TURNS = ("all", "last")
-TURN_REWARDS = ("sum", "last")
+TURN_REWARDS = ("sum", "last", "per_turn")
 
 
 @attrs.define
@@ -85,8 +89,9 @@ class EnvironmentWorkflowConfig:
 
 
 def reduce_turn_rewards(rewards: Sequence[float], how: str) -> float:
-    """``sum``: the trajectory's undiscounted return; ``last``: the final turn's reward (0 if none)."""
-    if how == "sum":
+    """``sum`` and ``per_turn``: the trajectory's undiscounted return; ``last``: the final turn's
+    reward (0 if none)."""
+    if how in ("sum", "per_turn"):
         return float(sum(rewards))
     return float(rewards[-1]) if rewards else 0.0
 
@@ -199,6 +204,7 @@ class EnvironmentWorkflow(RolloutWorkflow):
             sample,
             reward=reduce_turn_rewards(rewards, cfg.turn_reward),
             turn_rewards=rewards,
+            turn_ends=[end for _, end in spans] if cfg.turn_reward == "per_turn" else None,
             finish_reason="length" if length_cut else sample.finish_reason,
             info={"turns": len(spans), "done": done, "steps": steps},
         )

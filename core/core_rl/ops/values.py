@@ -24,7 +24,12 @@ def last_token_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def token_level_rewards(
-    scores: torch.Tensor, mask: torch.Tensor, *, kl: torch.Tensor | None = None, kl_coef: float = 0.0
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    turn_rewards: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token rewards ``[B, T]`` of outcome ``scores [B]`` paid at each response's last token,
     with a KL penalty folded in on every response token (Ziegler et al. 2019)::
@@ -32,9 +37,23 @@ def token_level_rewards(
         r_t = -kl_coef * kl_t * mask_t  +  scores * [t is the last token of the mask]
 
     ``kl`` ``[B, T]``: a per-token KL estimate to the reference (:func:`core_rl.ops.kl_estimate`).
+
+    ``turn_rewards`` ``[B, T]`` (a multi-turn batch's, :mod:`core_rl.protocol`): each turn's reward
+    at that turn's last token. They are paid where they stand, and only what the score holds beyond
+    their sum is paid at the last token, so a row's rewards still add up to its score::
+
+        r_t = turn_rewards_t + (scores - sum_t' turn_rewards_t') * [t is the last token of the mask]
+
+    (the remainder is 0 when the score is the sum of the turn rewards; it is what reward shaping
+    or a second reward added).
     """
     m = mask.float()
-    rewards = scores.float()[:, None] * last_token_mask(m)
+    outcome = scores.float()
+    if turn_rewards is not None:
+        outcome = outcome - turn_rewards.float().sum(dim=1)
+    rewards = outcome[:, None] * last_token_mask(m)
+    if turn_rewards is not None:
+        rewards = rewards + turn_rewards.float()
     if kl is not None and kl_coef:
         rewards = rewards - kl_coef * kl.float() * m
     return rewards

@@ -144,6 +144,7 @@ def reinforce_pp_advantages(
     group_baseline: bool = False,
     gamma: float = 1.0,
     eps: float = 1e-5,
+    turn_rewards: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """REINFORCE++ advantages [B, T] (Hu 2025): outcome returns whitened over the whole batch::
 
@@ -156,11 +157,22 @@ def reinforce_pp_advantages(
     tokens as it has. Equal rewards across the whole batch (gamma 1) give exactly 0. The group
     baseline subtracts the group mean first; whitening then shifts every token by the batch mean,
     so a group with equal rewards is not 0 unless every group is.
+
+    With ``turn_rewards`` ``[B, T]`` (a multi-turn batch), ``G_{i,t}`` is the discounted sum of the
+    per-token rewards from ``t`` on (:func:`core_rl.ops.token_level_rewards`: each turn's reward at
+    its last token, the rest of ``s_i`` at the response's last token), computed as GAE with
+    ``lambda = 1`` on zero values.
     """
     scores = rewards.detach().float()
     if group_baseline:
         scores = ops.normalize(scores, group_index=group_index, mean_level="group", std_level="none")
-    returns = ops.discounted_outcome_returns(scores.to(response_mask.device), response_mask, gamma)
+    scores = scores.to(response_mask.device)
+    if turn_rewards is None:
+        returns = ops.discounted_outcome_returns(scores, response_mask, gamma)
+    else:
+        per_token = ops.token_level_rewards(scores, response_mask, turn_rewards=turn_rewards)
+        zeros = torch.zeros_like(per_token)
+        returns, _ = ops.gae_advantages(per_token, zeros, response_mask, discount=gamma, gae_lambda=1.0)
     return ops.normalize(returns, mask=response_mask, mean_level="batch", std_level="batch", eps=eps)
 
 
@@ -179,7 +191,8 @@ class ReinforcePPAdvantageConfig:
 
 
 class ReinforcePPAdvantage(AdvantageEstimator):
-    """Reads ``rewards``, ``group_index`` and ``response_mask``; see :func:`reinforce_pp_advantages`."""
+    """Reads ``rewards``, ``group_index``, ``response_mask`` (and ``turn_rewards`` where the batch has
+    them); see :func:`reinforce_pp_advantages`."""
 
     def __init__(self, config: ReinforcePPAdvantageConfig | None = None) -> None:
         self.config = config if config is not None else ReinforcePPAdvantageConfig()
@@ -193,6 +206,7 @@ class ReinforcePPAdvantage(AdvantageEstimator):
             group_baseline=cfg.group_baseline,
             gamma=cfg.gamma,
             eps=cfg.eps,
+            turn_rewards=batch.get("turn_rewards"),
         )
 
 

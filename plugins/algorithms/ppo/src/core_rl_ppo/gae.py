@@ -4,6 +4,7 @@ KL to the reference folded into the per-token reward (fixed or adaptive coeffici
 Per token (:func:`core_rl.ops.token_level_rewards`, :func:`core_rl.ops.gae_advantages`)::
 
     r_t = -kl_coef * kl_t + reward * [t is the response's last token]
+          (a multi-turn batch with ``turn_rewards``: each turn's reward at its own last token)
     delta_t = r_t + discount * V_{t+1} - V_t,   A_t = delta_t + discount * gae_lambda * A_{t+1}
     returns_t = A_t + V_t                        (the critic's target)
 
@@ -75,7 +76,9 @@ class GAEAdvantage(AdvantageEstimator):
         self._metrics = {}
         if self.requires_reference:
             kl = ops.kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_estimator) * mask
-        rewards = ops.token_level_rewards(batch["rewards"], mask, kl=kl, kl_coef=self.kl_coef)
+        rewards = ops.token_level_rewards(
+            batch["rewards"], mask, kl=kl, kl_coef=self.kl_coef, turn_rewards=batch.get("turn_rewards")
+        )
         advantages, returns = ops.gae_advantages(
             rewards, batch["values"], mask, discount=cfg.discount, gae_lambda=cfg.gae_lambda
         )
