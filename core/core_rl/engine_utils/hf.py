@@ -229,19 +229,37 @@ def load_value_model(
     on CPU. A head the directory does not hold (e.g. a causal LM's directory) starts at zero, so every
     rank and every run starts from the same values (0); a value model's own export is loaded as saved.
     Loading leaves the global random state as it was (transformers draws the missing head's initial
-    weights from it), so a run samples the same whichever engine builds its value model."""
+    weights from it), so a run samples the same whichever engine builds its value model.
+
+    Starting from a causal LM is the expected case, so transformers' load report (its ``lm_head``
+    unexpected, the ``score`` head missing) is not printed; a missing weight outside the head is a
+    ``ValueError`` naming it (the directory does not hold this backbone)."""
     from transformers import AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
 
     if not model_path:
         raise ValueError("critic.model_path: required; the path of a Hugging Face model directory")
     kwargs: dict[str, object] = {"dtype": torch_dtype(dtype), "local_files_only": True}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    with torch.random.fork_rng(devices=[]):
-        model, info = AutoModelForTokenClassification.from_pretrained(
-            model_path, config=value_model_config(model_path, bias=bias), output_loading_info=True, **kwargs
-        )
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            model, info = AutoModelForTokenClassification.from_pretrained(
+                model_path, config=value_model_config(model_path, bias=bias), output_loading_info=True, **kwargs
+            )
+    finally:
+        hf_logging.set_verbosity(verbosity)
     missing = set(info.get("missing_keys", ()))
+    prefix = f"{model.base_model_prefix}."
+    backbone = sorted(k for k in missing if k.startswith(prefix))
+    if backbone:
+        shown = ", ".join(backbone[:4]) + (f" and {len(backbone) - 4} more" if len(backbone) > 4 else "")
+        raise ValueError(
+            f"critic.model_path: {model_path} does not hold the value model's backbone: {shown} missing; "
+            "point it at the policy's model directory (or a value model exported by core-rl)"
+        )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name in missing:
