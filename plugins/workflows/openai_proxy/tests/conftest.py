@@ -62,7 +62,8 @@ def engine(model):
 
 @pytest.fixture(scope="module")
 def run_wave(engine, tokenizer):
-    """``run_wave(rows, n=..., batching=..., **workflow_options) -> (wave, workflow)``."""
+    """``run_wave(rows, n=..., batching=..., sampling={...}, **workflow_options) -> (wave, workflow)``
+    (``sampling``: more :class:`~core_rl.interfaces.SamplingParams` fields)."""
     from core_rl.config.schema import ControllerConfig
     from core_rl.interfaces import SamplingParams
     from core_rl.rollout_controller import RolloutController
@@ -72,7 +73,15 @@ def run_wave(engine, tokenizer):
 
     workflows = []
 
-    def run(rows: list[dict], *, n: int = 2, batching: str = "auto", max_new_tokens: int = 6, **options: Any):
+    def run(
+        rows: list[dict],
+        *,
+        n: int = 2,
+        batching: str = "auto",
+        max_new_tokens: int = 6,
+        sampling: dict[str, Any] | None = None,
+        **options: Any,
+    ):
         config = OpenAIAgentConfig(**{"chat_template": TEMPLATE, "max_context_tokens": 120, **options})
         workflow = OpenAIAgentWorkflow(config)
         workflows.append(workflow)
@@ -80,7 +89,7 @@ def run_wave(engine, tokenizer):
             engine,
             workflow,
             Rows(rows, len(rows)),
-            SamplingParams(n=n, max_new_tokens=max_new_tokens),
+            SamplingParams(n=n, max_new_tokens=max_new_tokens, **(sampling or {})),
             ControllerConfig(wait_timeout_s=120, batching=batching),
             batch_size=len(rows),
             tokenizer=tokenizer,

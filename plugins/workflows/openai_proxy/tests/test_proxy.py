@@ -16,7 +16,9 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import ClassVar
 
+import core_rl.builtin.tool_parsers
 import httpx
 import openai
 import pytest
@@ -35,6 +37,7 @@ class TestOpenAIAgentContract(WorkflowContract):
     name = "openai_agent"
     distribution = installed_distribution("core-rl-openai-proxy")
     options = {"program": f"{AGENTS}:no_call"}  # noqa: RUF012
+    extra_plugins: ClassVar[list[object]] = [core_rl.builtin.tool_parsers]  # tool_parser: {name: hermes}
 
 
 @pytest.fixture(scope="module")

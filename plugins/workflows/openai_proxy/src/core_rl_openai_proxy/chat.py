@@ -4,17 +4,21 @@ model did not sample, the new messages, the template's generation prompt). Earli
 re-tokenised.
 
 With ``render(m, gen)`` the chat template applied to messages ``m`` (``gen``: with the generation
-prompt) and ``reply`` the previous call's answer (its text), a call with messages ``new`` extends
-the previous call (messages ``old``) when ``new[:len(old) + 1] == old + [assistant: reply]`` and
-both ``render(old + [reply], False)`` starts with ``render(old, True) + reply`` and
-``render(new, True)`` starts with ``render(old + [reply], False)``. Then
+prompt), ``text`` the previous call's sampled text and ``reply`` the assistant message the proxy
+returned for it (its content, and its ``tool_calls`` when the text held calls:
+:mod:`core_rl_openai_proxy.tools`), a call with messages ``new`` extends the previous call
+(messages ``old``) when ``new[:len(old)] == old``, ``new[len(old)]`` is ``reply`` (as the client
+sends it back) and more messages follow. The assistant turn is the sampled text itself, never the
+template's rendering of ``reply`` (which may write a tool call's JSON differently):
 
-    closed   = render(old + [reply], False)
-    close    = closed[len(render(old, True) + reply):]        (the turn's end, e.g. "</s>")
-    inserted = encode(close less the sampled stop token's text + render(new, True)[len(closed):])
+    closed   = render(old + [assistant: text], False)
+    close    = closed[len(render(old, True) + text):]         (the turn's end, e.g. "</s>")
+    after    = render(new, True)[len(render(new[:len(old) + 1], False)):]   (the new messages)
+    inserted = encode(close less the sampled stop token's text + after)
 
-and the new prompt is ``old prompt ids + sampled ids + inserted``. Anything else is a history
-mismatch (:class:`Mismatch`), reported with its reason.
+each ``[len(...):]`` requiring the longer rendering to start with the shorter one. The new prompt
+is ``old prompt ids + sampled ids + inserted``. Anything else is a history mismatch
+(:class:`Mismatch`), reported with its reason.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 import attrs
 
 from core_rl_openai_proxy.errors import RequestError
+from core_rl_openai_proxy.tools import message_tool_calls, same_reply
 
 #: message keys that reach the chat template; others (``refusal``, ``audio``...) are dropped
 MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
@@ -37,7 +42,8 @@ class Mismatch(Exception):
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     """The request's ``messages`` as template input: known keys, ``None`` values dropped, a list of
-    content parts joined into its text. A malformed list is a :class:`RequestError`."""
+    content parts joined into its text, an assistant's ``tool_calls`` with decoded arguments
+    (:func:`~core_rl_openai_proxy.tools.message_tool_calls`). A malformed list is a :class:`RequestError`."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list of messages", param="messages")
     out = []
@@ -56,6 +62,8 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string or text parts", param=f"messages[{i}]")
         item["content"] = content
+        if "tool_calls" in item:
+            item["tool_calls"] = message_tool_calls(item["tool_calls"], f"messages[{i}]")
         out.append(item)
     return out
 
@@ -83,37 +91,53 @@ class ChatTemplate:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def first_prompt(self, messages: Sequence[dict[str, Any]], tools: Any) -> list[int]:
-        """The token ids of a session's first call: the rendered messages with the generation prompt."""
-        return self.encode(self.render(messages, tools, True))
+        """The token ids of a session's first call: the rendered messages with the generation
+        prompt. ``tools`` the template does not render are a 400 (the model would not see them)."""
+        text = self.render(messages, tools, True)
+        if tools and text == self.render(messages, None, True):
+            raise RequestError(
+                "the request has 'tools' but the chat template does not render them, so the model would never "
+                "see them: set rollout.workflow.chat_template to a template that renders tools, or describe the "
+                "tools in a message instead",
+                param="tools",
+                code="tools_not_rendered",
+            )
+        return self.encode(text)
 
     def inserted(
         self,
         old: Sequence[dict[str, Any]],
-        reply: str,
+        text: str,
+        reply: dict[str, Any],
         stop_text: str,
         new: Sequence[dict[str, Any]],
         tools: Any,
     ) -> list[int]:
         """The tokens to append after the previous call's prompt and sampled ids (module docstring);
-        ``stop_text``: the text of the stop token the model sampled last ("" if it did not stop on one).
-        Raises :class:`Mismatch` when ``new`` does not extend ``old`` and ``reply``."""
-        expected = [*old, {"role": "assistant", "content": reply}]
-        if len(new) <= len(expected):
-            raise Mismatch(f"the call has {len(new)} messages; extending the previous one needs > {len(expected)}")
-        for i, (got, want) in enumerate(zip(new, expected)):
-            keys = ("role", "content") if i == len(old) else MESSAGE_KEYS
-            if any(got.get(k) != want.get(k) for k in keys):
-                what = "the previous reply" if i == len(old) else "the previous call's"
-                shown = f"{got.get('role')}: {str(got.get('content'))[:40]!r}"
-                raise Mismatch(f"messages[{i}] differs from {what} ({shown})")
-        head = self.render(old, tools, True) + reply
-        closed = self.render(expected, tools, False)
+        ``text``: the sampled text, ``reply``: the message returned for it
+        (:meth:`~core_rl_openai_proxy.tools.Reply.message`), ``stop_text``: the text of the stop
+        token the model sampled last ("" if it did not stop on one). Raises :class:`Mismatch` when
+        ``new`` does not extend ``old`` and ``reply``."""
+        if len(new) <= len(old) + 1:
+            raise Mismatch(f"the call has {len(new)} messages; extending the previous one needs > {len(old) + 1}")
+        for i, (got, want) in enumerate(zip(new, old)):
+            if any(got.get(k) != want.get(k) for k in MESSAGE_KEYS):
+                raise Mismatch(f"messages[{i}] differs from the previous call's ({_shown(got)})")
+        if not same_reply(new[len(old)], reply):
+            raise Mismatch(f"messages[{len(old)}] differs from the previous reply ({_shown(new[len(old)])})")
+        head = self.render(old, tools, True) + text
+        closed = self.render([*old, {"role": "assistant", "content": text}], tools, False)
         if not closed.startswith(head):
             raise Mismatch("the chat template renders the earlier turns differently once the reply is added")
+        before = self.render(new[: len(old) + 1], tools, False)
         rendered = self.render(new, tools, True)
-        if not rendered.startswith(closed):
+        if not rendered.startswith(before):
             raise Mismatch("the chat template renders the earlier turns differently once new messages are added")
         close = closed[len(head) :]
         if stop_text and close.startswith(stop_text):
             close = close[len(stop_text) :]
-        return self.encode(close + rendered[len(closed) :])
+        return self.encode(close + rendered[len(before) :])
+
+
+def _shown(message: dict[str, Any]) -> str:
+    return f"{message.get('role')}: {str(message.get('content'))[:40]!r}"

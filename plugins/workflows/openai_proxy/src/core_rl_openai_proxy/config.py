@@ -6,7 +6,9 @@ import re
 from typing import Any
 
 import attrs
+from core_rl.config.schema import PluginSpec, plugin_section
 from core_rl.config.validators import FieldValueError, in_range, one_of, positive
+from core_rl.kinds import TOOL_PARSER
 
 #: ``package.module:function`` or ``path/to/file.py:function``
 CALLABLE = re.compile(r"^([A-Za-z_][\w.]*|.+\.py):[A-Za-z_]\w*$")
@@ -45,7 +47,10 @@ class OpenAIAgentConfig:
       starts another in the same session (both train, with the session's reward); ``error``
       answers 400 (``history_mismatch``).
     - ``chat_template``: a Jinja chat template (or a path to a file holding one) used instead of the
-      tokenizer's own; empty: the tokenizer's.
+      tokenizer's own; empty: the tokenizer's. A request's ``tools`` must be rendered by it.
+    - ``tool_parser``: the tool-call parser (core's registry: ``hermes``, ``llama3_json``,
+      ``tags``, or a plugin's) that turns the sampled text of a chat call carrying ``tools`` into
+      ``message.tool_calls``; ``null``: replies stay text.
     - ``host``/``port``: where the proxy listens (port 0: a free port).
     """
 
@@ -57,5 +62,6 @@ class OpenAIAgentConfig:
     max_context_tokens: int = attrs.field(default=4096, validator=positive(2**24))
     on_history_mismatch: str = attrs.field(default="new_trajectory", validator=one_of(("new_trajectory", "error")))
     chat_template: str = ""
+    tool_parser: PluginSpec | None = plugin_section(TOOL_PARSER, factory=lambda: PluginSpec(name="hermes"))  # noqa: RUF009 (an attrs field, like attrs.field)
     host: str = "127.0.0.1"
     port: int = attrs.field(default=0, validator=in_range(0, 65535))

@@ -5,6 +5,7 @@ behaviour log-probs are those the trainer's importance ratio expects; a request'
 ``top_p``, ``seed``, ``presence_penalty``... are accepted and ignored. ``max_tokens`` (or
 ``max_completion_tokens``) lowers the run's ``max_new_tokens``, never raises it. ``n > 1``,
 ``stream`` and ``stop`` strings are refused (400): one call is one sampled turn of one trajectory.
+Tool calls in a chat reply: :mod:`core_rl_openai_proxy.tools`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from core_rl.protocol import Sample
 
 from core_rl_openai_proxy.errors import RequestError
+from core_rl_openai_proxy.tools import Reply
 
 #: the most ``top_logprobs`` OpenAI accepts
 MAX_TOP_LOGPROBS = 20
@@ -75,14 +77,18 @@ def _token_ids(prompt_ids: Sequence[int], turn: Sample) -> dict[str, Any]:
 
 
 def chat_body(
-    model: str, prompt_ids: Sequence[int], turn: Sample, reply: str, tokenizer: Any, logprobs: bool, token_ids: bool
+    model: str, prompt_ids: Sequence[int], turn: Sample, reply: Reply, tokenizer: Any, logprobs: bool, token_ids: bool
 ) -> dict[str, Any]:
-    """A ``chat.completion`` body; ``token_ids`` adds the prompt's and the sampled ids to the
+    """A ``chat.completion`` body: the ``reply``'s content and tool calls (``finish_reason``
+    ``tool_calls`` when it has some); ``token_ids`` adds the prompt's and the sampled ids to the
     choice (``return_token_ids`` in the request, as vLLM does)."""
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        message["tool_calls"] = reply.tool_calls
     choice: dict[str, Any] = {
         "index": 0,
-        "message": {"role": "assistant", "content": reply},
-        "finish_reason": turn.finish_reason,
+        "message": message,
+        "finish_reason": reply.finish_reason(turn.finish_reason),
         "logprobs": None,
     }
     if logprobs:

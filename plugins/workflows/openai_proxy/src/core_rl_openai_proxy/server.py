@@ -36,6 +36,7 @@ from core_rl_openai_proxy.chat import ChatTemplate, normalize_messages
 from core_rl_openai_proxy.config import OpenAIAgentConfig
 from core_rl_openai_proxy.errors import RequestError
 from core_rl_openai_proxy.session import Generate, LastCall, Plan, Session
+from core_rl_openai_proxy.tools import build_tool_parser, request_tools, split_reply
 
 #: how long :meth:`ProxyServer.start` waits for uvicorn to listen
 START_TIMEOUT_S = 30.0
@@ -50,6 +51,7 @@ class ProxyServer:
         self.config = config
         self.tokenizer = tokenizer
         self.template = ChatTemplate(tokenizer, _template_text(config.chat_template))
+        self.tool_parser = build_tool_parser(config.tool_parser)
         self.sessions: dict[str, Session] = {}
         self.port = 0
         self._server: uvicorn.Server | None = None
@@ -185,15 +187,17 @@ class ProxyServer:
         session = self._session(request)
         body = await self._body(request)
         messages = normalize_messages(body.get("messages"))
-        tools = body.get("tools") or None
+        tools = request_tools(body)
         logprobs = responses.wants_logprobs(body, chat=True)
         strict = self.config.on_history_mismatch == "error"
         async with session.lock:
             plan = session.plan_chat(self.template, messages, tools, strict)
             turn = await self._generate(session, plan, body)
-            reply = self.tokenizer.decode(responses.content_ids(turn), skip_special_tokens=True)
+            text = self.tokenizer.decode(responses.content_ids(turn), skip_special_tokens=True)
+            reply = split_reply(text, self.tool_parser, tools, body.get("tool_choice"))
             stop = self.tokenizer.decode(turn.response_ids[-1:]) if turn.finish_reason == "stop" else ""
-            session.record(plan, turn, LastCall("chat", messages, tools, reply=reply, stop_text=stop))
+            last = LastCall("chat", messages, tools, reply=text, stop_text=stop, message=reply.message())
+            session.record(plan, turn, last)
         ids = bool(body.get("return_token_ids"))
         return responses.chat_body(self.config.model, plan.prompt_ids, turn, reply, self.tokenizer, logprobs, ids)
 

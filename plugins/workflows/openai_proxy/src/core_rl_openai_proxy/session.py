@@ -29,7 +29,9 @@ Generate = Callable[[Sequence[int], SamplingParams], Awaitable[list[Sample]]]
 @attrs.define
 class LastCall:
     """What the next call must extend: the previous call's kind (``chat`` or ``completion``), its
-    messages and tools (chat), the full text so far (completion), the reply and its stop token's text."""
+    messages and tools (chat), the full text so far (completion), the sampled text (``reply``), the
+    assistant message returned for it (``message``, chat: :meth:`~core_rl_openai_proxy.tools.Reply.message`)
+    and its stop token's text."""
 
     kind: str
     messages: list[dict[str, Any]] = attrs.field(factory=list)
@@ -37,6 +39,7 @@ class LastCall:
     text: str = ""
     reply: str = ""
     stop_text: str = ""
+    message: dict[str, Any] = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -82,7 +85,7 @@ class Session:
             try:
                 if last.kind != "chat" or last.tools != tools:
                     raise Mismatch("the previous call was a completion" if last.kind != "chat" else "tools changed")
-                inserted = template.inserted(last.messages, last.reply, last.stop_text, messages, tools)
+                inserted = template.inserted(last.messages, last.reply, last.message, last.stop_text, messages, tools)
                 return Plan([*self._tail(), *inserted], inserted)
             except Mismatch as exc:
                 self._mismatch(str(exc), strict)

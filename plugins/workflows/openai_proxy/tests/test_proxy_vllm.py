@@ -1,0 +1,88 @@
+"""The proxy in front of a real vLLM server (CPU, the managed ``vllm`` server environment) instead
+of the embedded ``hf`` engine: a two-turn session through the ``openai`` client is one trajectory
+whose trained tokens are what the server sampled.
+
+Sampling is greedy, so what the server samples for a prompt can be asked of it again directly
+(its own ``/v1/completions``, the prompt as token ids) and compared with what the proxy recorded.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from proxy_agents import LOG, tool_result
+
+pytestmark = pytest.mark.server_env("vllm")  # the repository's conftest: built or skipped, files run last
+
+ROWS = [{"prompt": "1+2", "reward": 0.5}, {"prompt": "4+4", "reward": 1.0}]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from core_rl.tiny import build_tiny_model
+
+    # head size 32 (64 / 2 heads): the smallest vLLM's CPU attention runs
+    return build_tiny_model(tmp_path_factory.mktemp("proxy-vllm") / "model", seed=0, num_heads=2)
+
+
+@pytest.fixture(scope="module")
+def engine(model, tmp_path_factory):
+    pytest.importorskip("core_rl_vllm")
+    from core_rl.config.converter import structure
+    from core_rl.config.schema import PluginSpec, RolloutConfig
+    from core_rl.kinds import ROLLOUT_ENGINE
+    from core_rl.plugins import PluginHost
+
+    options = {"dtype": "float32", "max_num_seqs": 8}
+    entry = PluginHost().get(ROLLOUT_ENGINE, "vllm")
+    config = structure(options, entry.config_cls, path="rollout.engine")
+    rollout = RolloutConfig(engine=PluginSpec(name="vllm", options=options))
+    engine = entry.factory(rollout, config, model_path=str(model), run_dir=tmp_path_factory.mktemp("run"))
+    yield engine
+    engine.close()
+
+
+def _server_greedy(url: str, prompt_ids: list[int], max_tokens: int) -> dict:
+    """The server's own greedy answer to ``prompt_ids`` (not through core-rl)."""
+    body = {
+        "model": "core-rl",
+        "prompt": prompt_ids,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+    }
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    answer.raise_for_status()
+    return answer.json()["choices"][0]
+
+
+def test_a_two_turn_session_through_a_vllm_server_is_one_exact_trajectory(run_wave, engine, tokenizer) -> None:
+    LOG.clear()
+    wave, _ = run_wave(ROWS, n=2, program="proxy_agents:two_turns", sampling={"greedy": True})
+    url = engine.endpoints[0].url
+    for prompt, group in zip(wave.prompts, wave.groups):
+        assert len(group) == 2
+        for sample in group:
+            assert sample.info["calls"] == 2 and sample.info["trajectories"] == 1
+            assert sample.reward == prompt.row["reward"]
+            first, second = (call["choices"][0] for call in LOG[sample.info["session"]])
+            assert first["prompt_token_ids"] == sample.prompt_ids
+            assert sample.prompt_ids == tokenizer.encode(f"<s>u:{prompt.row['prompt']}>a:", add_special_tokens=False)
+            # the recorded ids and log-probs are the server's own for each prompt
+            for call in (first, second):
+                server = _server_greedy(url, call["prompt_token_ids"], max_tokens=5)
+                assert call["token_ids"] == server["token_ids"]
+                assert call["finish_reason"] == server["finish_reason"]
+                content = [e["logprob"] for e in call["logprobs"]["content"]]
+                assert content == pytest.approx(server["logprobs"]["token_logprobs"][: len(content)], abs=1e-3)
+            # one trajectory: the first reply, the tool message (masked), the second reply
+            glue = ("" if first["finish_reason"] == "stop" else "</s>") + f"t:{tool_result(prompt.row['prompt'])}>a:"
+            inserted = tokenizer.encode(glue, add_special_tokens=False)
+            sampled1, sampled2 = first["token_ids"], second["token_ids"]
+            assert second["prompt_token_ids"] == sample.prompt_ids + sampled1 + inserted
+            assert sample.response_ids == sampled1 + inserted + sampled2
+            assert sample.token_mask == [1] * len(sampled1) + [0] * len(inserted) + [1] * len(sampled2)
+            assert sample.logprobs[len(sampled1) : len(sampled1) + len(inserted)] == [0.0] * len(inserted)
+            assert sample.versions == [0] * len(sample.response_ids)
