@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -32,9 +33,15 @@ def _wait_for_nodes(count: int, timeout: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[str]:
-    """The address of a two-node cluster; this process is a driver of it (to find and kill actors).
-    Every process the cluster started is gone after the module."""
+def ray_cluster(ray_test_cluster) -> str:
+    """The address of the module's two-node cluster."""
+    return ray_test_cluster.address
+
+
+@pytest.fixture(scope="module")
+def ray_test_cluster() -> Iterator[Any]:
+    """A two-node ``ray.cluster_utils.Cluster``; this process is a driver of it (to find and kill
+    actors, or remove a node). Every process the cluster started is gone after the module."""
     pytest.importorskip("ray")
     from core_rl.testing.processes import process_tree
 
@@ -53,7 +60,7 @@ def ray_cluster() -> Iterator[str]:
                 if "timed out during startup" not in str(exc):
                     raise
             _wait_for_nodes(2, NODE_START_S)
-            yield cluster.address
+            yield cluster
         finally:
             ray.shutdown()
             cluster.shutdown()

@@ -8,7 +8,10 @@
   ``split`` (weights over a gloo collective at rank 0's node address) the reward rises as in the
   local run; in ``colocate`` (weights through the shared run directory) it trains 4 steps, then
   the server's actor is killed: the run ends with an error naming the actor and its node, the
-  checkpoint it saved before intact, and no process left.
+  checkpoint it saved before intact, and no process left;
+- a node lost mid-run (its raylet and every process on it killed; the module's last test, as the
+  cluster has one node after it): the run ends with an error naming the actor that died and its
+  node, the checkpoint intact, no process left.
 """
 
 from __future__ import annotations
@@ -250,3 +253,40 @@ def test_colocated_then_a_killed_server_actor_ends_the_run_naming_it_with_the_ch
     log = run / "ray" / "server-0" / "servers" / "vllm-0.log"
     assert log.is_file() and log.stat().st_size > 0
     assert _no_leftovers(str(warm["model"])) == []
+
+
+def test_a_lost_node_ends_the_run_naming_it_with_the_checkpoint_intact(ray_test_cluster, task):
+    """One rank per node; the second node is removed after step 3 (it saved step 2)."""
+    from core_rl.trainer.checkpoints import latest_checkpoint, step_of
+    from safetensors.torch import load_file
+
+    workers = list(ray_test_cluster.worker_nodes)
+    if not workers:
+        pytest.skip("the cluster's second node did not register as a worker node of this Cluster object")
+    cfg = merged(
+        task["cfg"],
+        experiment={"name": "lostnode"},
+        trainer={"total_steps": 40},
+        saver={"every_n_steps": 2},
+        placement={"actor": {"cpus": 1, "nodes": 2}},
+        launcher={"actor_timeout_s": 20},
+    )
+    config = _write(cfg, task["root"] / "lostnode.yaml")
+    run = run_dir(cfg)
+    proc = _ray_train(ray_test_cluster.address, config)
+    assert wait_for_steps(run, proc, 3, timeout=240), _finish(proc, 5)[-4000:]
+    ray_test_cluster.remove_node(workers[0], allow_graceful=False)
+    started = time.monotonic()
+    err = _finish(proc, FAULT_TIMEOUT_S)
+    assert time.monotonic() - started < FAULT_TIMEOUT_S
+    assert proc.returncode == 1, err[-4000:]
+    assert "actor lostnode-" in err and "on node 127.0.0.1" in err, err[-4000:]
+    assert " died: " in err or "its node is probably lost" in err, err[-4000:]
+    print(
+        f"lost node: exit 1 after {time.monotonic() - started:.1f} s: "
+        + next(line for line in err.splitlines() if "error:" in line and "lostnode-" in line)
+    )
+    latest = latest_checkpoint(run)
+    assert latest is not None and step_of(latest) >= 2
+    assert load_file(latest / "model.safetensors")
+    assert _no_leftovers(str(task["root"])) == []
