@@ -94,12 +94,12 @@ class AgentProgram:
         )
         try:
             _, stderr = await proc.communicate()
-        except BaseException:  # timed out or cancelled: the whole process group goes
+        except BaseException:  # timed out or cancelled: the whole process group goes, at once
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            await proc.wait()
+            await asyncio.shield(proc.wait())  # reaped even if a second cancellation comes now
             raise
         if proc.returncode != 0:
             tail = stderr.decode(errors="replace")[-STDERR_TAIL:]

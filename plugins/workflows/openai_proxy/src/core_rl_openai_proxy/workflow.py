@@ -88,9 +88,11 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
     async def _episode(self, proxy: ProxyServer, session: Session) -> list[Sample]:
         timed_out, returned = False, None
         try:
-            returned = await asyncio.wait_for(
-                self.program.run(proxy.base_url, session.id, session.row), self.config.timeout_s
-            )
+            # asyncio.timeout, not wait_for: the program runs in this task, so a cancellation arriving
+            # while the timeout fires still reaches the script's clean-up (wait_for could leave its
+            # inner task, and the script, behind)
+            async with asyncio.timeout(self.config.timeout_s):
+                returned = await self.program.run(proxy.base_url, session.id, session.row)
         except TimeoutError:
             timed_out = True
         finally:
