@@ -110,6 +110,15 @@ def test_auto_is_on_for_a_synchronous_engine_on_the_trainers_gpus(host, override
     assert sleep_problems(cfg, cuda_available=cuda) == []  # auto and false are never refused
 
 
+def test_auto_leaves_an_embedded_engine_awake(host) -> None:
+    """The ``hf`` engine (no servers) can sleep (``true``), but ``auto`` keeps its graphs."""
+    embedded = ["rollout.engine={name: hf}", "rollout.weight_sync=memory"]
+    cfg = load_config(VLLM_EXAMPLE, embedded, host=host)
+    assert not sleeps_while_training(cfg, releases_memory=True, cuda_available=True)
+    forced = load_config(VLLM_EXAMPLE, [*embedded, f"{KEY}=true"], host=host)
+    assert sleeps_while_training(forced, releases_memory=True, cuda_available=True)
+
+
 # -- in a run ---------------------------------------------------------------------------------
 
 

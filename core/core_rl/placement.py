@@ -234,13 +234,16 @@ def sleep_problems(cfg: RunConfig, *, releases_memory: bool = True, cuda_availab
 
 def sleeps_while_training(cfg: RunConfig, *, releases_memory: bool, cuda_available: bool) -> bool:
     """``rollout.sleep_while_training`` resolved for a run on a machine with or without CUDA:
-    ``auto`` is on for an engine that can give back memory (``releases_memory``), placed
-    ``colocate``, on CUDA, in a synchronous run (``max_head_offpolicyness`` 0)."""
+    ``auto`` is on for a server-backed engine that can give back memory (``releases_memory``),
+    placed ``colocate``, on CUDA, in a synchronous run (``max_head_offpolicyness`` 0). An embedded
+    engine (``hf``) holds little between steps (its decoding graphs' buffers), and giving that back
+    costs a graph capture every step, so it sleeps only when asked (``true``)."""
     setting = cfg.rollout.sleep_while_training
     if setting != "auto":
         return bool(setting)
     return (
         releases_memory
+        and server_options(cfg) is not None
         and placement_mode(cfg) == "colocate"
         and cfg.rollout.controller.max_head_offpolicyness == 0
         and rollout_device(cfg, cuda_available)[0] == "cuda"

@@ -65,7 +65,8 @@ class HFRolloutConfig:
       check costs nothing), every :data:`GPU_SYNC_EVERY` tokens on a GPU (each check waits for the
       device; up to that many steps may run after the last row is done).
 
-    With ``rollout.sleep_while_training`` on (a CUDA device), the engine drops its captured CUDA
+    With ``rollout.sleep_while_training: true`` (a CUDA device; ``auto`` leaves it off for this
+    engine), the engine drops its captured CUDA
     graphs and their key/value buffers after each step's generation, so the trainer in the same
     process can use that memory; the next generation captures them again.
     """
