@@ -2,7 +2,8 @@
 # The GPU check: on a CUDA machine, with core-rl installed (scripts/install.sh, or scripts/offline/install.sh
 # where there is no package index), run
 #   suite   the whole test suite, GPU tests included (pytest-xdist, one worker per two cores)
-#   gpu     the engines' GPU tests alone (pytest -m gpu: fsdp, deepspeed, megatron, weight sync in memory)
+#   gpu     the engines' GPU tests alone (pytest -m gpu: fsdp, deepspeed, megatron, weight sync in memory,
+#           rollout engines asleep while training: hf, vllm and sglang, the last two from their server environments)
 #   main    the main job (examples/tiny_grpo/main.py) on the GPU
 #   bench   benchmarks/gpu_grpo.py, GRPO step time against TRL on the GPU (both shapes, 2 rounds: long)
 # and print a summary (failures, skips grouped by reason). It fails loudly when CUDA is absent: a GPU
@@ -49,7 +50,8 @@ if has suite; then
 fi
 if has gpu; then
   run_pytest gpu -m gpu plugins/engines/fsdp/tests plugins/engines/deepspeed/tests plugins/engines/megatron/tests \
-    tests/test_weight_sync_memory.py
+    tests/test_weight_sync_memory.py plugins/engines/hf/tests/test_gpu_sleep.py plugins/engines/vllm/tests/test_gpu_sleep.py \
+    plugins/engines/sglang/tests/test_gpu_sleep.py
 fi
 if has main; then
   start=$(date +%s)

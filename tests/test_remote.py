@@ -23,6 +23,7 @@ from core_rl.remote import (
     versions_from_spans,
 )
 from core_rl.servers import ServerError
+from core_rl.testing.recording_server import send_json
 
 
 class Script:
@@ -45,12 +46,7 @@ def serve(script: Script) -> tuple[ThreadingHTTPServer, str]:
             pass
 
         def _send(self, status: int, body: Any) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_json(self, status, body)
 
         def do_GET(self) -> None:
             self._send(200, {})

@@ -23,6 +23,8 @@ core checks a component for when it is built names it: :mod:`core_rl.components`
   launchers (:func:`core_rl_register_launchers`, :class:`core_rl.launchers.Launcher`) and the
   command-line hooks a plugin extends ``core-rl`` with (:func:`core_rl_add_commands`,
   :func:`core_rl_add_train_arguments`).
+- 6: ``RolloutEngine.release_memory`` and ``RolloutEngine.restore_memory`` (a rollout engine asleep
+  while the trainer trains, ``rollout.sleep_while_training``, which its factory receives resolved).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any, Protocol
 import pluggy
 
 PROJECT_NAME = "core_rl"
-HOOK_API_VERSION = 5
+HOOK_API_VERSION = 6
 
 #: The API version that added an interface (``"Class"``: all its members) or one member of it
 #: (``"Class.member"``) after version 1; anything not listed is in version 1. Classes are those of
@@ -67,6 +69,8 @@ INTERFACE_ADDED: dict[str, int] = {
     "Environment": 5,
     "ToolParser": 5,
     "Launcher": 5,
+    "RolloutEngine.release_memory": 6,
+    "RolloutEngine.restore_memory": 6,
 }
 
 

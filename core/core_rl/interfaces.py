@@ -163,6 +163,9 @@ class TrainEngine(ABC):
 WEIGHT_SYNC_MODES = ("memory", "disk", "collective")
 #: what :meth:`RolloutEngine.pause` does with requests already running
 PAUSE_MODES = ("wait", "keep", "abort")
+#: what :meth:`RolloutEngine.restore_memory` takes back: the weights' storage, and the KV cache with
+#: whatever else generating needs besides the weights (CUDA graphs)
+MEMORY_PARTS = ("weights", "kv_cache")
 
 
 class RolloutEngine(ABC):
@@ -250,6 +253,20 @@ class RolloutEngine(ABC):
         process group (gloo on CPU, NCCL on GPU) and set the weight version. Only engines listing
         ``collective`` in :attr:`weight_sync_modes` implement it."""
         raise NotImplementedError(f"{type(self).__name__} does not support weight_sync=collective")
+
+    def release_memory(self) -> None:
+        """Give back the accelerator memory generation holds (KV cache, CUDA graphs and, where the
+        engine can, the weights), for a trainer on the same devices (``rollout.sleep_while_training``).
+        Called with nothing generating and nothing in flight. Until :meth:`restore_memory` of
+        ``kv_cache`` the engine must not generate; the weights' contents may be lost: the next weight
+        update, which sends every weight, must follow :meth:`restore_memory` of ``weights``.
+        Releasing twice is releasing once. Default: nothing held that could be given back."""
+
+    def restore_memory(self, parts: Sequence[str] = MEMORY_PARTS) -> None:
+        """Take back what :meth:`release_memory` gave up, for ``parts`` (:data:`MEMORY_PARTS`): the
+        trainer restores ``weights`` just before a weight update and ``kv_cache`` just before
+        generating, so the cache is not allocated while the update needs memory. A part not
+        released is left as it is. Blocks until the memory is back. Default: nothing to restore."""
 
     def state_dict(self) -> dict[str, Any]:
         """State a resumed run needs to continue exactly, e.g. the engine's own random generator,

@@ -11,6 +11,11 @@ Sizes, per resource (GPUs, then CPU cores), with ``actor = placement.actor.<r> x
 - ``external``: ``actor`` (the servers are someone else's).
 
 Each role's per-node share must fit one node and its ``nodes`` the nodes offered.
+
+Whether the rollout engine sleeps while the trainer trains (``rollout.sleep_while_training``,
+:func:`sleeps_while_training`) follows from the placement too: only an engine on the trainer's
+GPUs (``colocate``, on CUDA) in a synchronous run has GPU memory to hand over and a time to do it;
+:func:`sleep_problems` refuses ``true`` anywhere else.
 """
 
 from __future__ import annotations
@@ -166,3 +171,80 @@ def placement_problems(cfg: RunConfig, resources: ClusterResources) -> list[str]
             f"launcher offers {resources.nodes} ({resources.source or 'nodes'})"
         )
     return problems
+
+
+#: the option that puts the rollout engine to sleep while the trainer trains
+SLEEP_KEY = "rollout.sleep_while_training"
+
+
+def rollout_device(cfg: RunConfig, cuda_available: bool | None) -> tuple[str | None, str]:
+    """The device type the rollout engine generates on (``cuda``, ``cpu``, ...) and what decided
+    it, for messages: the server environment's variant (``rollout.engine.server.env_variant``) of
+    a server-backed engine, else the engine's ``device`` option (``auto`` where it has none).
+    Where the machine decides (``auto``, an empty variant), ``cuda`` if ``cuda_available``; the
+    type is ``None`` while that is not known (``cuda_available`` ``None``)."""
+    server = server_options(cfg)
+    if server is not None:
+        chosen, key = server.env_variant or "auto", "rollout.engine.server.env_variant"
+    else:
+        chosen, key = str(getattr(cfg.rollout.engine.config, "device", "auto")), "rollout.engine.device"
+    if chosen != "auto":
+        return chosen.split(":")[0], f"{key}: {chosen}"
+    if cuda_available is None:
+        return None, f"{key}: auto"
+    return ("cuda", "a CUDA GPU") if cuda_available else ("cpu", "this machine has no CUDA GPU")
+
+
+def sleep_problems(cfg: RunConfig, *, releases_memory: bool = True, cuda_available: bool | None = None) -> list[str]:
+    """``rollout.sleep_while_training: true`` where it cannot work: placement ``split`` or
+    ``external`` (no GPU shared with the trainer), an asynchronous run (generation overlaps
+    training), an engine that cannot give back memory (``releases_memory``: its config class's
+    ``releases_memory`` attribute), or one that generates on a CPU (known from the configuration,
+    or from ``cuda_available`` where the machine decides; preflight checks that)."""
+    if cfg.rollout.sleep_while_training is not True:
+        return []
+    problems = []
+    mode = placement_mode(cfg)
+    if mode != "colocate":
+        why = "run on GPUs of their own" if mode == "split" else "are someone else's"
+        problems.append(
+            f"{SLEEP_KEY}: true, but placement.mode is {mode}: the rollout servers {why}, so no GPU memory is shared "
+            "with the trainer; set it to auto or false"
+        )
+    bound = cfg.rollout.controller.max_head_offpolicyness
+    if bound > 0:
+        problems.append(
+            f"{SLEEP_KEY}: true, but rollout.controller.max_head_offpolicyness is {bound}: generation goes on while "
+            "the trainer trains, so the rollout engine cannot sleep then; set it to auto or false (or "
+            "max_head_offpolicyness to 0)"
+        )
+    if not releases_memory:
+        problems.append(
+            f"{SLEEP_KEY}: true, but rollout engine {cfg.rollout.engine.name!r} cannot give back its memory; set it "
+            "to auto or false"
+        )
+    device, why = rollout_device(cfg, cuda_available)
+    if device is not None and device != "cuda":
+        problems.append(
+            f"{SLEEP_KEY}: true, but the rollout engine generates on {device} ({why}): only GPU memory is given "
+            "back (vLLM's and SGLang's sleep modes run on CUDA alone); set it to auto or false"
+        )
+    return problems
+
+
+def sleeps_while_training(cfg: RunConfig, *, releases_memory: bool, cuda_available: bool) -> bool:
+    """``rollout.sleep_while_training`` resolved for a run on a machine with or without CUDA:
+    ``auto`` is on for a server-backed engine that can give back memory (``releases_memory``),
+    placed ``colocate``, on CUDA, in a synchronous run (``max_head_offpolicyness`` 0). An embedded
+    engine (``hf``) holds little between steps (its decoding graphs' buffers), and giving that back
+    costs a graph capture every step, so it sleeps only when asked (``true``)."""
+    setting = cfg.rollout.sleep_while_training
+    if setting != "auto":
+        return bool(setting)
+    return (
+        releases_memory
+        and server_options(cfg) is not None
+        and placement_mode(cfg) == "colocate"
+        and cfg.rollout.controller.max_head_offpolicyness == 0
+        and rollout_device(cfg, cuda_available)[0] == "cuda"
+    )

@@ -19,7 +19,8 @@ loaded, so that a bad file or a missing GPU fails in seconds with every problem 
 - **Output**: the run directory ``experiment.output_dir/experiment.name`` can be created and
   written.
 - **Machine**: each selected plugin's ``check_environment`` (:mod:`core_rl.config.checks`), e.g.
-  a CUDA device or the NCCL backend on a machine without a GPU.
+  a CUDA device or the NCCL backend on a machine without a GPU; ``rollout.sleep_while_training:
+  true`` for a rollout engine that would generate on the CPU (:func:`core_rl.placement.sleep_problems`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from core_rl.config.checks import (
 from core_rl.config.schema import RunConfig
 from core_rl.config.sections import selected_sections
 from core_rl.errors import PreflightError
+from core_rl.placement import sleep_problems
 from core_rl.roles import reward_model_problems, role_sections, shared_tokenizer_problems
 from core_rl.trainer.data import DataRow, check_rows, read_data_files, tokenise_rows
 
@@ -375,6 +377,8 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
     problems += check_output_dir(cfg, create=create_output_dir)
     machine = machine if machine is not None else detect_machine()
     problems += plugin_environment_problems(cfg, machine, model)
+    # rollout.sleep_while_training: true on a machine without CUDA (the rest was checked at load)
+    problems += sleep_problems(cfg, cuda_available=machine.cuda_available)
     if problems:
         raise PreflightError(problems)
     assert model is not None

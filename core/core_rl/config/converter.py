@@ -27,7 +27,7 @@ from cattrs.errors import (
 from cattrs.gen import make_dict_unstructure_fn, override
 
 from core_rl.config.model_sections import AUTO, TokenBudget
-from core_rl.config.schema import PluginSpec, RunConfig
+from core_rl.config.schema import AutoBool, PluginSpec, RunConfig
 from core_rl.config.validators import FieldValueError
 from core_rl.errors import ConfigError, did_you_mean
 
@@ -89,6 +89,13 @@ def _token_budget(value: Any, _t: Any) -> int | str:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeMismatch("an integer or 'auto'", value)
     return value
+
+
+def _auto_bool(value: Any, _t: Any) -> bool | str:
+    """``true``, ``false`` or ``auto`` (an :data:`~core_rl.config.schema.AutoBool` switch)."""
+    if value == AUTO or isinstance(value, bool):
+        return value
+    raise TypeMismatch("true, false or 'auto'", value)
 
 
 def structure_plugin_spec(value: Any, _t: type) -> PluginSpec:
@@ -266,6 +273,7 @@ def make_converter() -> cattrs.Converter:
     conv.register_structure_hook(str, _strict_str)
     conv.register_structure_hook(PluginSpec, structure_plugin_spec)
     conv.register_structure_hook_func(lambda t: t == TokenBudget, _token_budget)
+    conv.register_structure_hook_func(lambda t: t == AutoBool, _auto_bool)
     conv.register_unstructure_hook(PluginSpec, lambda spec: unstructure_spec(conv, spec))
     # what the loader derived is kept beside the configuration, not in it
     conv.register_unstructure_hook(RunConfig, make_dict_unstructure_fn(RunConfig, conv, derived=override(omit=True)))

@@ -40,6 +40,7 @@ from core_rl.config.paths import node_at, replace_at
 from core_rl.config.problems import (
     completeness_problems,
     cross_section_problems,
+    engine_releases_memory,
     loop_roles,
     plugin_check_problems,
     uses_rl_sections,
@@ -56,7 +57,7 @@ from core_rl.config.sections import (
 )
 from core_rl.errors import ConfigError, PluginError
 from core_rl.kinds import ALGORITHM
-from core_rl.placement import placement_config_problems
+from core_rl.placement import placement_config_problems, sleep_problems
 from core_rl.plugins import PluginHost
 from core_rl.roles import role_problems
 
@@ -278,6 +279,7 @@ def load_config(
     problems.extend(cross_section_problems(cfg))
     problems.extend(plugin_check_problems(cfg))
     problems.extend(placement_config_problems(cfg))
+    problems.extend(sleep_problems(cfg, releases_memory=engine_releases_memory(host, cfg) is not False))
     if require_complete:
         problems.extend(completeness_problems(cfg, host))
         problems.extend(role_problems(cfg, host))

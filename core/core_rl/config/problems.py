@@ -109,6 +109,14 @@ def weight_sync_problems(host: PluginHost, cfg: RunConfig) -> list[str]:
     ]
 
 
+def engine_releases_memory(host: PluginHost, cfg: RunConfig) -> bool | None:
+    """Whether the selected rollout engine can give back its memory while the trainer trains (the
+    ``releases_memory`` attribute of its ``config_cls``; absent: it cannot); ``None`` for an
+    unknown engine name (reported already)."""
+    entry = host.registries[ROLLOUT_ENGINE.key].get(cfg.rollout.engine.name)
+    return None if entry is None else bool(getattr(entry.config_cls, "releases_memory", False))
+
+
 def cross_section_problems(cfg: RunConfig) -> list[str]:
     """Checks of the core's own sections against each other."""
     problems = []

@@ -7,7 +7,7 @@ shares (optimiser, schedule, micro-batches, LoRA) live in :mod:`core_rl.config.m
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 
@@ -38,6 +38,9 @@ if TYPE_CHECKING:
     from core_rl.interfaces import SamplingParams
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: a switch that may be left to the run's start: ``true``, ``false`` or ``auto`` (structured by
+#: :mod:`core_rl.config.converter`)
+AutoBool = bool | Literal["auto"]
 
 
 @attrs.define
@@ -137,13 +140,21 @@ class RolloutConfig:
 
     ``workflow``: how a data row becomes trajectories (:mod:`core_rl.workflows`; default
     ``single_turn``); ``controller``: asynchronous rollout and its staleness bound
-    (:class:`ControllerConfig`)."""
+    (:class:`ControllerConfig`).
+
+    ``sleep_while_training``: the engine gives back its GPU memory after each step's generation
+    and takes it back for the weight update and the next generation
+    (:meth:`~core_rl.interfaces.RolloutEngine.release_memory`). ``auto``: on when the engine
+    shares the trainer's GPUs (``placement.mode`` colocate, on CUDA) in a synchronous run
+    (``controller.max_head_offpolicyness`` 0); ``true`` anywhere else is refused
+    (:func:`core_rl.placement.sleep_problems`)."""
 
     engine: PluginSpec = attrs.field(factory=lambda: PluginSpec(name="hf"))
     sampling: SamplingConfig = attrs.field(factory=SamplingConfig)
     weight_sync: str = attrs.field(default="memory", validator=one_of(("memory", "disk", "collective")))
     workflow: PluginSpec = attrs.field(factory=lambda: PluginSpec(name="single_turn"))
     controller: ControllerConfig = attrs.field(factory=ControllerConfig)
+    sleep_while_training: AutoBool = "auto"
 
 
 @attrs.define

@@ -6,7 +6,8 @@ interpreter) or connects to given URLs (checking first that each answers), runs 
 a thread of its own with an ``httpx`` client, generates (:mod:`core_rl.remote.generation`: the
 least busy server first, a bound on the requests in flight, retries with exponential backoff),
 pauses and resumes generation, moves weights by disk or over a process group
-(:mod:`core_rl.remote.weights`), and restarts a server that died or stops the run naming it
+(:mod:`core_rl.remote.weights`), gives back the servers' GPU memory while the trainer trains
+(:mod:`core_rl.remote.memory`), and restarts a server that died or stops the run naming it
 (:mod:`core_rl.remote.recovery`). A subclass supplies the server's command line and its HTTP calls
 (the methods marked *plugin* below).
 
@@ -28,6 +29,7 @@ from typing import Any, ClassVar, TypeVar
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import PAUSE_MODES, RolloutEngine, SamplingParams
 from core_rl.remote.generation import Generation
+from core_rl.remote.memory import MemoryRelease
 from core_rl.remote.options import ServerOptions
 from core_rl.remote.recovery import Endpoint, ServerRecovery
 from core_rl.remote.weights import UPDATE, WeightSync
@@ -37,12 +39,13 @@ from core_rl.servers import ManagedServer, ServerError, free_port, probe
 T = TypeVar("T")
 
 
-class ServerRolloutEngine(Generation, WeightSync, ServerRecovery, RolloutEngine):
+class ServerRolloutEngine(Generation, WeightSync, MemoryRelease, ServerRecovery, RolloutEngine):
     """Base class of rollout engines that generate through inference servers (see the module doc).
 
     :param model_path: the Hugging Face directory the servers load.
     :param options: the ``server`` subsection.
     :param run_dir: server logs go to ``run_dir/servers/<name>.log``.
+    :param sleep: start the servers able to give back their memory (:mod:`core_rl.remote.memory`).
     """
 
     weight_sync_modes: ClassVar[tuple[str, ...]] = ("disk", "collective")
@@ -57,7 +60,10 @@ class ServerRolloutEngine(Generation, WeightSync, ServerRecovery, RolloutEngine)
     #: that waits on the trainer).
     swaps_in_place: ClassVar[bool] = False
 
-    def __init__(self, model_path: str | Path, options: ServerOptions, run_dir: str | Path) -> None:
+    def __init__(
+        self, model_path: str | Path, options: ServerOptions, run_dir: str | Path, *, sleep: bool = False
+    ) -> None:
+        self.sleeps = sleep
         self.model_path = str(model_path)
         self.options = options
         self.run_dir = Path(run_dir)

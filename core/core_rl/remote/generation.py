@@ -58,6 +58,11 @@ class Generation:
 
     def _pick(self) -> Endpoint:
         """The least busy server that holds the newest weights."""
+        if any("kv_cache" in ep.asleep for ep in self.endpoints):
+            raise CoreRLError(
+                f"{self.env_name} rollout engine: asked to generate while its servers' memory is released "
+                "(release_memory); restore_memory() first"
+            )
         ready = [ep for ep in self.endpoints if self._current(ep)]
         if not ready:  # recovery stops the run before this can happen; never send to stale weights
             held = ", ".join(f"{ep.name}: {ep.version}" for ep in self.endpoints)

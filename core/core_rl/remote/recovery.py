@@ -61,6 +61,8 @@ class Endpoint:
     version: int = 0
     served: bool = False
     lock: asyncio.Lock | None = None
+    #: the memory parts the server gave back (:mod:`core_rl.remote.memory`); a restart wakes it
+    asleep: tuple[str, ...] = ()
 
     def alive(self) -> bool:
         """Whether the server runs (a server given by URL is assumed to)."""
@@ -193,7 +195,7 @@ class ServerRecovery:
         await asyncio.to_thread(server.stop)
         server.start(log_path=new_log)  # from the loop thread, which lives as long as the engine
         ep.generation += 1
-        ep.version, ep.served = 0, False
+        ep.version, ep.served, ep.asleep = 0, False, ()
         await asyncio.to_thread(server.wait_healthy, self.options.startup_timeout)
         if reload and self._weights_path is not None:
             await self.reload_from_disk(self._client, ep.url, self._weights_path, self._version)

@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from core_rl.built_engines import BuiltEngine
-from core_rl.components import build_component
 from core_rl.config.loader import to_plain
 from core_rl.config.schema import RunConfig
 from core_rl.engine_utils.packing import rank_rows
@@ -60,7 +59,6 @@ from core_rl.kinds import (
     POLICY_LOSS,
     REJECTION_SAMPLER,
     REWARD,
-    ROLLOUT_ENGINE,
     SAMPLE_FILTER,
     WORKFLOW,
 )
@@ -72,6 +70,7 @@ from core_rl.trainer import checkpoints
 from core_rl.trainer.auto_budget import resolve_auto_budgets
 from core_rl.trainer.batching import BatchAssembler, Generation
 from core_rl.trainer.building import build, build_loggers, quiet_library_progress_bars
+from core_rl.trainer.colocation import RolloutSleep, build_rollout_engine
 from core_rl.trainer.critic import CriticStage
 from core_rl.trainer.data import DataRow, PromptItem, PromptSource
 from core_rl.trainer.distill import DistillationLoss
@@ -131,6 +130,7 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
                 "to continue it, or choose another experiment.name"
             )
         self.rollout: RolloutEngine | None = None
+        self.rollout_sleep = RolloutSleep()  # rank 0's is built with the engine (trainer/colocation.py)
         #: the advantage estimator (``None`` in loops that have none, e.g. the supervised ones)
         self.advantage: AdvantageEstimator | None = None
         self.reward: Reward | None = None
@@ -232,14 +232,8 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
         # rank 0's own components: a failure is sent to the other ranks, which would wait otherwise
         error: Exception | None = None
         if self.is_main:
-            try:
-                self.rollout = build_component(
-                    host.get(ROLLOUT_ENGINE, cfg.rollout.engine.name),
-                    cfg.rollout,
-                    cfg.rollout.engine.config,
-                    model_path=cfg.actor.model_path,
-                    run_dir=self.run_dir,
-                )
+            try:  # with rollout.sleep_while_training resolved: trainer/colocation.py
+                self.rollout, self.rollout_sleep = build_rollout_engine(cfg, host, self.run_dir)
                 workflow = build(host, WORKFLOW, cfg.rollout.workflow)
                 self.flow = RolloutFlow(cfg, self.rollout, workflow, self.data, self.sampling, self.tokenizer)
                 self.reward = build(host, REWARD, cfg.reward) if cfg.reward is not None else NoRuleReward()
@@ -336,7 +330,9 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
         filters, shaping, advantages (:class:`~core_rl.trainer.batching.BatchAssembler`); the batch
         to train on (``None``: nothing left) and the metrics so far."""
         self._scored_this_step = []
+        self.rollout_sleep.before_generation()  # the engine asleep while training: trainer/colocation.py
         batch, metrics = self.batcher.assemble(lambda: self._generate_scored(step), step=step)
+        metrics.update(self.rollout_sleep.after_generation())
         metrics["reward/errors_total"] = float(self.reward_log.total)
         assert self.flow is not None
         metrics.update(self.flow.batch_metrics(batch, step))

@@ -2,7 +2,9 @@
 ``rollout.weight_sync`` says: ``memory`` (in buckets, handed over in-process: :func:`sync_in_memory`),
 ``collective`` (a full state dict over a process group) or ``disk`` (a Hugging Face directory the
 engine loads, in the background for an asynchronous run once its controller runs:
-:mod:`core_rl.trainer.weight_load`)."""
+:mod:`core_rl.trainer.weight_load`). A rollout engine asleep while the trainer trained takes back
+its weights' storage once the trainer has the weights ready, just before it loads them
+(:mod:`core_rl.trainer.colocation`)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 from core_rl.config.schema import RunConfig
 from core_rl.engine_utils.buckets import nbytes
 from core_rl.interfaces import RolloutEngine, TrainEngine
+from core_rl.trainer.colocation import RolloutSleep
 from core_rl.trainer.rollout_flow import RolloutFlow
 from core_rl.trainer.weight_load import BackgroundWeightLoad
 
@@ -29,6 +32,7 @@ class WeightSyncing:
     rollout: RolloutEngine | None
     flow: RolloutFlow | None
     weight_load: BackgroundWeightLoad
+    rollout_sleep: RolloutSleep
 
     def _rollout_paused(self, version: int) -> AbstractContextManager[None]:
         """Rank 0: the rollout controller paused while the engine loads ``version``."""
@@ -54,12 +58,14 @@ class WeightSyncing:
             return self._sync_by_disk(version)
         if mode == "memory":
             paused = self._rollout_paused(version)  # entered only where the rollout engine is
-            return {"weight_sync/bytes": sync_in_memory(self.engine, self.rollout, version, paused)}
+            woken = self.rollout_sleep.before_weight_update()
+            return {"weight_sync/bytes": sync_in_memory(self.engine, self.rollout, version, paused), **woken}
         state = self.engine.full_state_dict()
+        woken = self.rollout_sleep.before_weight_update()
         if self.rollout is not None:
             with self._rollout_paused(version):
                 self.rollout.update_weights_collective(state, version)
-        return {"weight_sync/bytes": float(nbytes(state.values()))}
+        return {"weight_sync/bytes": float(nbytes(state.values())), **woken}
 
     def _sync_by_disk(self, version: int) -> dict[str, float]:
         """``weight_sync: disk``: export to ``<run>/weight_sync`` and have the engine load it."""
@@ -80,6 +86,7 @@ class WeightSyncing:
                 with self._rollout_paused(version):
                     rollout.load_weights_from_path(path, version)
 
+            metrics.update(self.rollout_sleep.before_weight_update())  # never asleep when loads run behind
             if self._loads_in_background():
                 self.weight_load.start(load, version)
             else:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 from core_rl.config.schema import DTYPES
@@ -64,7 +64,15 @@ class HFRolloutConfig:
       rows, without graphs) every this many tokens; ``null``: every token on a CPU (where the
       check costs nothing), every :data:`GPU_SYNC_EVERY` tokens on a GPU (each check waits for the
       device; up to that many steps may run after the last row is done).
+
+    With ``rollout.sleep_while_training: true`` (a CUDA device; ``auto`` leaves it off for this
+    engine), the engine drops its captured CUDA
+    graphs and their key/value buffers after each step's generation, so the trainer in the same
+    process can use that memory; the next generation captures them again.
     """
+
+    #: the engine can give back its GPU memory while the trainer trains (``rollout.sleep_while_training``)
+    releases_memory: ClassVar[bool] = True
 
     dtype: str = attrs.field(default="float32", validator=one_of(DTYPES))
     device: str = attrs.field(default="auto", validator=_valid_device)

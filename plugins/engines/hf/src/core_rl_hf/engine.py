@@ -343,6 +343,16 @@ class HFRolloutEngine(RolloutEngine):
     def load_weights_from_path(self, path: str | Path, version: int) -> None:
         self.update_weights(read_safetensors_dir(path), version)
 
+    def release_memory(self) -> None:
+        """On a CUDA device: drop the captured decoding graphs, their memory pools and key/value
+        buffers (the next generation captures them again) and return the freed blocks to the
+        device. The weights stay. On other devices nothing is held between calls."""
+        with self._model_lock:
+            if self.graphs is not None:
+                self.graphs.clear()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
     def state_dict(self) -> dict[str, Any]:
         """The engine's own generator (``seed`` set) and the weight version; with ``seed: null``
         sampling draws from torch's global RNG, which the train engine checkpoints."""

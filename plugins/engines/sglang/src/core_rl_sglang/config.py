@@ -33,9 +33,14 @@ class SGLangConfig:
       core idle against 0.02, and 0.39 against 0.28 server CPU seconds per synchronous step of
       ``benchmarks/async.py --engine sglang``, where the trainer's phases leave the server idle;
     - ``extra_args``: appended verbatim to the server's command line.
+
+    With ``rollout.sleep_while_training`` on, servers start with ``--enable-memory-saver`` and give
+    back their memory while the trainer trains (:mod:`core_rl_sglang.engine`).
     """
 
     weight_sync_modes: ClassVar[tuple[str, ...]] = ("disk", "collective")
+    #: the servers can give back their memory while the trainer trains (``rollout.sleep_while_training``)
+    releases_memory: ClassVar[bool] = True
 
     server: ServerOptions = attrs.field(factory=ServerOptions)
     dtype: str = attrs.field(default="bfloat16", validator=one_of(("auto", "float32", "bfloat16", "float16")))

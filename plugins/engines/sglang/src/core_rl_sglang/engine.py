@@ -15,7 +15,13 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
 - weights from disk: ``POST /update_weights_from_disk`` (SGLang flushes its cache);
 - weights over a collective: ``POST /init_weights_update_group`` once, then per update
   ``/begin_weight_update``, ``/update_weights_from_distributed`` (the trainer broadcasts
-  meanwhile) and ``/end_weight_update``.
+  meanwhile) and ``/end_weight_update``;
+- sleeping while the trainer trains (``rollout.sleep_while_training``; servers started with
+  ``--enable-memory-saver``): ``POST /release_memory_occupation`` with tags ``kv_cache``,
+  ``weights`` and ``cuda_graph`` after generation, then ``POST /resume_memory_occupation`` with
+  ``weights`` before the weight update and with ``kv_cache`` and ``cuda_graph`` before the next
+  generation. The weights are dropped, not copied to host memory (SGLang keeps no copy without
+  ``--enable-weights-cpu-backup``): every weight update core-rl sends holds every weight.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ SERVER_SIDE = Path(__file__).with_name("server_side")
 # keep -> retract: running requests go back to the queue with what they generated and continue after
 # the pause (their KV cache is recomputed), which lets a weight update flush the cache meanwhile
 PAUSE_MODE = {"keep": "retract", "abort": "abort"}
+#: SGLang's memory tags for each part of core-rl's release (core_rl.interfaces.MEMORY_PARTS)
+MEMORY_TAGS = {"weights": ("weights",), "kv_cache": ("kv_cache", "cuda_graph")}
 
 
 class SGLangRolloutEngine(ServerRolloutEngine):
@@ -45,9 +53,11 @@ class SGLangRolloutEngine(ServerRolloutEngine):
     env_name = "sglang"
     health_path = "/health"
 
-    def __init__(self, model_path: str | Path, config: SGLangConfig, run_dir: str | Path) -> None:
+    def __init__(
+        self, model_path: str | Path, config: SGLangConfig, run_dir: str | Path, *, sleep: bool = False
+    ) -> None:
         self.config = config
-        super().__init__(model_path, config.server, run_dir)
+        super().__init__(model_path, config.server, run_dir, sleep=sleep)
 
     # -- the server -----------------------------------------------------------------------------
 
@@ -99,6 +109,8 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             argv.append("--disable-overlap-schedule")
         if c.sleep_on_idle:
             argv.append("--sleep-on-idle")
+        if self.sleeps:
+            argv.append("--enable-memory-saver")
         return argv + list(c.extra_args)
 
     def server_environment(self, index: int) -> dict[str, str]:
@@ -139,6 +151,14 @@ class SGLangRolloutEngine(ServerRolloutEngine):
 
     async def abort_all(self, client: Any, url: str) -> None:
         await json_post(client, url + "/abort_request", {"abort_all": True})
+
+    async def release_server(self, client: Any, url: str) -> None:
+        tags = [tag for part in MEMORY_TAGS.values() for tag in part]
+        await json_post(client, url + "/release_memory_occupation", {"tags": tags})
+
+    async def restore_server(self, client: Any, url: str, parts: tuple[str, ...]) -> None:
+        tags = [tag for part in parts for tag in MEMORY_TAGS[part]]
+        await json_post(client, url + "/resume_memory_occupation", {"tags": tags})
 
     async def reload_from_disk(self, client: Any, url: str, path: str, version: int) -> None:
         timeout = self.options.weight_sync_timeout
@@ -221,5 +241,8 @@ def _completion(item: dict[str, Any]) -> Completion:
 def make_engine(
     rollout: RolloutConfig, engine_config: SGLangConfig | None, *, model_path: str, run_dir: Path
 ) -> SGLangRolloutEngine:
-    """The registered factory (sampling comes with each request, so ``rollout`` is not needed)."""
-    return SGLangRolloutEngine(model_path, engine_config if engine_config is not None else SGLangConfig(), run_dir)
+    """The registered factory (sampling comes with each request): the servers start able to
+    release their memory when ``rollout.sleep_while_training`` is ``True`` (as the trainer
+    resolved it; ``auto`` is off)."""
+    config = engine_config if engine_config is not None else SGLangConfig()
+    return SGLangRolloutEngine(model_path, config, run_dir, sleep=rollout.sleep_while_training is True)

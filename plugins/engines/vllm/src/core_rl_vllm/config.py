@@ -25,9 +25,14 @@ class VLLMConfig:
     - ``log_stats``: vLLM's per-step statistics and its periodic throughput log (off: ``--disable-log-stats``;
       the trainer logs rollout throughput itself, and the statistics cost the server CPU on every step);
     - ``extra_args``: appended verbatim to the server's command line.
+
+    With ``rollout.sleep_while_training`` on, servers start with ``--enable-sleep-mode`` and sleep
+    (level 2) while the trainer trains (:mod:`core_rl_vllm.engine`).
     """
 
     weight_sync_modes: ClassVar[tuple[str, ...]] = ("disk", "collective")
+    #: the servers can sleep while the trainer trains (``rollout.sleep_while_training``)
+    releases_memory: ClassVar[bool] = True
 
     server: ServerOptions = attrs.field(factory=ServerOptions)
     dtype: str = attrs.field(default="bfloat16", validator=one_of(("auto", "float32", "bfloat16", "float16")))

@@ -31,8 +31,16 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
   process group through ``/collective_rpc`` once, and loads the broadcast tensors with
   ``reload_weights``).
 
+- sleeping while the trainer trains (``rollout.sleep_while_training``; servers started with
+  ``--enable-sleep-mode``): ``POST /sleep?level=2`` after generation, then ``POST
+  /wake_up?tags=weights`` before the weight update and ``POST /wake_up?tags=kv_cache`` before the
+  next generation. Level 2 drops the weights rather than copying them to host memory (level 1):
+  every weight update core-rl sends, from disk or over a collective, holds every weight, so a
+  copy would cost host memory and two transfers for nothing. While the KV cache sleeps, a weight
+  update does not pause the scheduler (vLLM's sleep holds it, and nothing runs).
+
 Servers run with ``VLLM_SERVER_DEV_MODE=1`` (which enables ``/collective_rpc``, ``/pause``,
-``/resume``, ``/reset_prefix_cache``): bind them to a trusted interface only.
+``/resume``, ``/reset_prefix_cache``, ``/sleep``, ``/wake_up``): bind them to a trusted interface only.
 """
 
 from __future__ import annotations
@@ -64,6 +72,8 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 UPDATE_ROUTE = "/core_rl/update_weights"
 BATCH_ROUTE = "/core_rl/generate"
 GENERATE_PATH = "/inference/v1/generate"
+#: vLLM's sleep level: 2 drops the weights, which the next weight update sends whole (see the module doc)
+SLEEP_LEVEL = 2
 
 
 class VLLMRolloutEngine(ServerRolloutEngine):
@@ -73,12 +83,12 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     health_path = "/health"
     swaps_in_place = True
 
-    def __init__(self, model_path: str | Path, config: VLLMConfig, run_dir: str | Path) -> None:
+    def __init__(self, model_path: str | Path, config: VLLMConfig, run_dir: str | Path, *, sleep: bool = False) -> None:
         self.config = config
         self.model_name = SERVED_MODEL_NAME
         self._per_token_versions = True  # generate through GENERATE_PATH (per-token weight versions)
         self._batch_route = True  # requests that arrive together go through BATCH_ROUTE
-        super().__init__(model_path, config.server, run_dir)
+        super().__init__(model_path, config.server, run_dir, sleep=sleep)
         if config.server.urls:
             self.model_name = self._call(self._served_model(self.endpoints[0].url), timeout=60)
 
@@ -161,6 +171,8 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             argv += ["--attention-backend", c.attention_backend]
         if self._variant() == "cuda":
             argv += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
+        if self.sleeps:
+            argv.append("--enable-sleep-mode")
         return argv + list(c.extra_args)
 
     def server_environment(self, index: int) -> dict[str, str]:
@@ -264,6 +276,12 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     async def abort_all(self, client: Any, url: str) -> None:
         await json_post(client, url + "/abort_requests", {})
 
+    async def release_server(self, client: Any, url: str) -> None:
+        await json_post(client, f"{url}/sleep?level={SLEEP_LEVEL}")
+
+    async def restore_server(self, client: Any, url: str, parts: tuple[str, ...]) -> None:
+        await json_post(client, f"{url}/wake_up?" + "&".join(f"tags={part}" for part in parts))
+
     async def _rpc(self, client: Any, url: str, method: str, **kwargs: Any) -> list[Any]:
         body = await json_post(
             client,
@@ -277,7 +295,8 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         """One weight update through the plugin's route (see the module docstring): the worker
         RPC ``method`` (``args``/``kwargs`` in ``call``) with the scheduler paused around it."""
         timeout = self.options.weight_sync_timeout
-        payload = {"method": method, **call, "version": version, "pause": not self.server_paused, "timeout": timeout}
+        pause = not self.server_paused and not self.memory_released  # a sleeping server runs nothing
+        payload = {"method": method, **call, "version": version, "pause": pause, "timeout": timeout}
         try:
             body = await json_post(client, url + UPDATE_ROUTE, payload, timeout=timeout + 30)
         except ServerReplyError as exc:
@@ -421,5 +440,7 @@ def _finish_reason(reason: Any) -> str:
 def make_engine(
     rollout: RolloutConfig, engine_config: VLLMConfig | None, *, model_path: str, run_dir: Path
 ) -> VLLMRolloutEngine:
-    """The registered factory (sampling comes with each request, so ``rollout`` is not needed)."""
-    return VLLMRolloutEngine(model_path, engine_config if engine_config is not None else VLLMConfig(), run_dir)
+    """The registered factory (sampling comes with each request): the servers start able to sleep
+    when ``rollout.sleep_while_training`` is ``True`` (as the trainer resolved it; ``auto`` is off)."""
+    config = engine_config if engine_config is not None else VLLMConfig()
+    return VLLMRolloutEngine(model_path, config, run_dir, sleep=rollout.sleep_while_training is True)

@@ -1,0 +1,178 @@
+"""``rollout.sleep_while_training``: what the configuration refuses (exit status 2, the key named),
+how ``auto`` resolves, and, in a real synchronous run (fsdp + hf, tiny model, this process), where
+the trainer releases and restores the rollout engine's memory relative to generation, training and
+the weight update. Sleeping needs a GPU, which this machine lacks: the run here forces it on (the
+hf engine's release is then a real call that has nothing to free on a CPU); the GPU tests of the
+engines (``test_gpu_sleep.py``) check that memory is given back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from core_rl.builtin.loggers import read_metrics
+from core_rl.cli import main
+from core_rl.config import load_config
+from core_rl.placement import sleep_problems, sleeps_while_training
+from core_rl.testing.faults import build_task, merged, run_dir
+from core_rl.tiny import build_tiny_model
+from fault_helpers import train_here
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_EXAMPLE = ROOT / "examples" / "server_grpo" / "vllm.yaml"
+KEY = "rollout.sleep_while_training"
+
+
+def _validate(capsys: pytest.CaptureFixture[str], *overrides: str, preflight: bool = False) -> tuple[int, str]:
+    args = ["config", "validate", *(["--preflight"] if preflight else []), str(VLLM_EXAMPLE), *overrides]
+    status = main(args)
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["placement.mode=split"],
+            "rollout.sleep_while_training: true, but placement.mode is split: the rollout servers run on GPUs of "
+            "their own, so no GPU memory is shared with the trainer; set it to auto or false",
+        ),
+        (
+            ["placement.mode=external", "rollout.engine.server.urls=[http://127.0.0.1:1]"],
+            "rollout.sleep_while_training: true, but placement.mode is external: the rollout servers are someone "
+            "else's",
+        ),
+        (
+            ["rollout.controller.max_head_offpolicyness=2"],
+            "rollout.sleep_while_training: true, but rollout.controller.max_head_offpolicyness is 2: generation goes "
+            "on while the trainer trains",
+        ),
+        (
+            ["rollout.engine.server.env_variant=cpu"],
+            "rollout.sleep_while_training: true, but the rollout engine generates on cpu "
+            "(rollout.engine.server.env_variant: cpu): only GPU memory is given back",
+        ),
+    ],
+)
+def test_true_where_it_cannot_work_is_a_config_error(capsys, overrides: list[str], message: str) -> None:
+    status, err = _validate(capsys, f"{KEY}=true", *overrides)
+    assert status == 2 and message in err, err
+
+
+def test_not_a_switch_is_a_config_error(capsys) -> None:
+    status, err = _validate(capsys, f"{KEY}=sometimes")
+    assert status == 2 and "rollout.sleep_while_training: expected true, false or 'auto', got 'sometimes'" in err
+
+
+def test_true_on_a_machine_without_a_gpu_fails_preflight(capsys, tmp_path: Path) -> None:
+    """The device is the machine's choice (``env_variant`` empty): known at preflight, which names
+    the key and exits 2 before any model or server is loaded."""
+    root = tmp_path  # the example's layout: <output_dir>/model_warm and <output_dir>/data/train.jsonl
+    build_tiny_model(root / "model_warm", num_heads=2)
+    (root / "data").mkdir()
+    (root / "data" / "train.jsonl").write_text(json.dumps({"prompt": "ab=", "answer": "ba"}) + "\n")
+    overrides = [f"experiment.output_dir={root}", f"{KEY}=true"]
+    assert _validate(capsys, *overrides)[0] == 0  # valid as configuration: a GPU machine would run it
+    status, err = _validate(capsys, *overrides, preflight=True)
+    assert status == 2, err
+    assert (
+        "rollout.sleep_while_training: true, but the rollout engine generates on cpu (this machine has no CUDA GPU)"
+        in err
+    )
+
+
+def test_an_engine_that_cannot_release_memory_refuses_true(tmp_path, minimal_config, host) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(minimal_config))
+    with pytest.raises(Exception, match="rollout engine 'gen' cannot give back its memory"):
+        load_config(path, [f"{KEY}=true"], host=host)
+    assert not sleeps_while_training(load_config(path, host=host), releases_memory=False, cuda_available=True)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "cuda", "expected"),
+    [
+        ([], True, True),  # colocate (auto), synchronous, the server variant the machine's: CUDA
+        ([], False, False),  # no GPU: nothing to give back
+        ([f"{KEY}=false"], True, False),
+        (["rollout.controller.max_head_offpolicyness=1"], True, False),  # generation overlaps training
+        (["placement.mode=split"], True, False),
+        (["placement.mode=external", "rollout.engine.server.urls=[http://127.0.0.1:1]"], True, False),
+        (["rollout.engine.server.env_variant=cpu"], True, False),
+    ],
+)
+def test_auto_is_on_for_a_synchronous_engine_on_the_trainers_gpus(host, overrides, cuda: bool, expected) -> None:
+    cfg = load_config(VLLM_EXAMPLE, overrides, host=host)
+    assert sleeps_while_training(cfg, releases_memory=True, cuda_available=cuda) is expected
+    assert sleep_problems(cfg, cuda_available=cuda) == []  # auto and false are never refused
+
+
+def test_auto_leaves_an_embedded_engine_awake(host) -> None:
+    """The ``hf`` engine (no servers) can sleep (``true``), but ``auto`` keeps its graphs."""
+    embedded = ["rollout.engine={name: hf}", "rollout.weight_sync=memory"]
+    cfg = load_config(VLLM_EXAMPLE, embedded, host=host)
+    assert not sleeps_while_training(cfg, releases_memory=True, cuda_available=True)
+    forced = load_config(VLLM_EXAMPLE, [*embedded, f"{KEY}=true"], host=host)
+    assert sleeps_while_training(forced, releases_memory=True, cuda_available=True)
+
+
+# -- in a run ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return merged(
+        build_task(tmp_path_factory.mktemp("colocation")),
+        trainer={"total_steps": 2, "torch_threads": 1},
+        saver={"every_n_steps": 0, "at_end": False, "export_hf": False},
+    )
+
+
+def _record_calls(monkeypatch: pytest.MonkeyPatch, events: list[str]) -> None:
+    """Record the calls the trainer makes on the hf rollout engine and the fsdp train engine."""
+    from core_rl_fsdp.engine import FSDPEngine
+    from core_rl_hf.engine import HFRolloutEngine
+
+    def recorded(cls: type, name: str, label: Any) -> None:
+        original = getattr(cls, name)
+
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            events.append(label(*args, **kwargs) if callable(label) else label)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, call)
+
+    recorded(HFRolloutEngine, "generate", "generate")
+    recorded(HFRolloutEngine, "release_memory", "release")
+    recorded(HFRolloutEngine, "restore_memory", lambda parts=("weights", "kv_cache"): f"restore {','.join(parts)}")
+    recorded(HFRolloutEngine, "update_weights_from_buckets", "load weights")
+    recorded(FSDPEngine, "train_step", "train")
+
+
+def _squeezed(events: list[str]) -> list[str]:
+    return [e for i, e in enumerate(events) if i == 0 or e != events[i - 1]]
+
+
+@pytest.mark.parametrize("sleep", [True, False])
+def test_the_engine_sleeps_from_generation_to_the_weight_update(task, host, monkeypatch, sleep: bool) -> None:
+    import core_rl.trainer.colocation
+
+    events: list[str] = []
+    _record_calls(monkeypatch, events)
+    if sleep:  # as auto resolves on a GPU with the engine on the trainer's devices
+        monkeypatch.setattr(core_rl.trainer.colocation, "sleeps_while_training", lambda *a, **k: True)
+    config = merged(task, experiment={"name": f"sleep{sleep}"})
+    train_here(config, host)
+    step = ["generate", "release", "train", "restore weights", "load weights"] if sleep else None
+    if sleep:
+        assert _squeezed(events) == [*step, "restore kv_cache", *step]
+    else:
+        assert _squeezed(events) == ["generate", "train", "load weights"] * 2
+    rows = read_metrics(run_dir(config) / "metrics.jsonl")
+    for row in rows:
+        timings = {"timing/rollout_release_s", "timing/rollout_restore_s"}
+        assert timings <= set(row) if sleep else not timings & set(row)
+        assert "memory/rollout_released_gib" not in row  # a CPU reports no device memory
