@@ -24,6 +24,15 @@ for env in "${envs[@]}"; do
     echo "$status" > "$builds/$env.rc" ) &
   pids+=($!)
 done
+# The Slurm launcher's test against a real one-node Slurm needs Debian's Slurm and MUNGE packages:
+# as root with apt-get, install them when absent (about 15 s; CORE_RL_SLURM_TEST=0 leaves them out,
+# and without them that test skips saying why).
+if [ "${CORE_RL_SLURM_TEST:-1}" != "0" ] && [ "$(id -u)" = "0" ] && command -v apt-get > /dev/null \
+    && ! command -v slurmctld > /dev/null; then
+  ( export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q && apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge
+  ) > "$builds/slurm-packages.log" 2>&1 || echo "installing Slurm's packages failed (see $builds/slurm-packages.log)"
+fi
 # Two pytest workers (pytest-xdist; CORE_RL_TEST_WORKERS to change, 0 for none), each taking whole
 # files so a module's server or model fixture is built once, in the order conftest.py gives them.
 workers=${CORE_RL_TEST_WORKERS:-2}
