@@ -75,4 +75,4 @@ def test_a_submitted_job_trains_the_tiny_example(slurm: dict[str, str], tmp_path
     assert state == "COMPLETED", output[-4000:]
     rows = read_metrics(tmp_path / "runs" / name / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)
-    assert "--nproc-per-node 2" in (tmp_path / "run.sbatch").read_text()  # the script Slurm ran
+    assert "--nproc-per-node 2" in (tmp_path / f"{name}.sbatch").read_text()  # the script Slurm ran
