@@ -133,3 +133,21 @@ def test_no_orphans_when_the_trainer_goes(tmp_path: Path, how: str) -> None:
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert left == [], f"left behind after {how}: {left}"
+
+
+def test_a_server_does_not_outlive_its_supervisor_killed_outright(tmp_path: Path) -> None:
+    """The supervisor SIGKILLed (as a Ray worker killed with its children can be) cannot stop the
+    server's session itself: the server gets SIGTERM from the kernel (its parent-death signal)."""
+    server = _server(tmp_path)
+    server.start()
+    try:
+        server.wait_healthy(30)
+        supervisor, served = server._proc.pid, server.pid
+        assert pid_alive(served)
+        os.kill(supervisor, signal.SIGKILL)
+        server._proc.wait(10)
+        assert _wait_gone([served]) == [], "the server outlived its supervisor"
+    finally:
+        server.stop()
+        for pid in session_members(server.pid) if server.pid else []:
+            os.kill(pid, signal.SIGKILL)

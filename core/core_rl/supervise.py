@@ -8,7 +8,10 @@ and all its children share a session id) with stdout and stderr appended to ``FI
   its parent pid, so a trainer killed with ``SIGKILL`` still takes its servers down;
 - on ``SIGTERM``/``SIGINT``/``SIGHUP`` or the trainer's death, stops the server's whole session:
   ``SIGTERM`` to every process in it, then ``SIGKILL`` to what is left after ``--grace`` seconds;
-- when the server exits on its own, kills what remains of its session and exits with its status.
+- when the server exits on its own, kills what remains of its session and exits with its status;
+- if the supervisor itself is killed outright (``SIGKILL``: a Ray worker killed with its children,
+  the OOM killer), the server gets ``SIGTERM`` from the kernel (its own parent-death signal), so it
+  never outlives both.
 
 It imports nothing heavy (it runs before and beside the servers, in the trainer's interpreter).
 """
@@ -101,9 +104,21 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.cpus:  # inherited by the server and every process it starts
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    supervisor = os.getpid()
+
+    def die_with_supervisor() -> None:  # in the server's process, between fork and exec
+        _set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != supervisor:  # the supervisor died before the signal was armed
+            os._exit(1)
+
     with open(args.log, "ab", buffering=0) as log:
         server = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_supervisor,
         )
         if args.pidfile:
             with open(args.pidfile, "w") as handle:

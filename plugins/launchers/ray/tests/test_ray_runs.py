@@ -66,17 +66,30 @@ def _finish(proc: subprocess.Popen, timeout: float) -> str:
     return proc.log.read_text(errors="replace")  # type: ignore[attr-defined]
 
 
+def _ancestors() -> set[int]:
+    """This process and its ancestors (the test runner: never a leftover)."""
+    pids, pid = set(), os.getpid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return pids
+
+
 def _leftovers(marker: str) -> list[str]:
-    """Command lines of live processes that mention ``marker`` (a run's own temporary path)."""
-    found = []
+    """Command lines of live processes that mention ``marker`` (a run's own temporary path, which
+    servers started for the run carry in their ``--model`` argument)."""
+    found, mine = [], _ancestors()
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+        if not entry.name.isdigit() or int(entry.name) in mine:
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if marker in cmdline and "pytest" not in cmdline:
+        if marker in cmdline:
             found.append(f"{entry.name}: {cmdline[:200]}")
     return found
 
