@@ -94,7 +94,7 @@ def _leftovers(marker: str) -> list[str]:
     return found
 
 
-def _no_leftovers(marker: str, within: float = 20.0) -> list[str]:
+def _no_leftovers(marker: str, within: float = 60.0) -> list[str]:
     deadline = time.monotonic() + within
     while (left := _leftovers(marker)) and time.monotonic() < deadline:
         time.sleep(0.5)
