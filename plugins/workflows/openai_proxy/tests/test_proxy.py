@@ -23,6 +23,7 @@ import openai
 import pytest
 import torch
 from core_rl.protocol import samples_to_batch
+from core_rl.servers import pid_alive
 from core_rl.testing import WorkflowContract, installed_distribution
 from core_rl_openai_proxy import plugin
 from proxy_agents import LOG, client, tool_result
@@ -244,15 +245,6 @@ def test_a_script_agent_posts_its_reward(run_wave, tokenizer) -> None:
         assert sample.reward == pytest.approx(score(answer, "7"))
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a killed one not yet reaped is a zombie, state Z)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "State:\tZ" not in status
-
-
 def test_a_hanging_script_is_killed_at_the_timeout(run_wave, tmp_path) -> None:
     """A script past ``timeout_s`` is killed (its process group); having made no call, its episode
     fails the run with a message naming the program and the timeout."""
@@ -263,4 +255,4 @@ def test_a_hanging_script_is_killed_at_the_timeout(run_wave, tmp_path) -> None:
         run_wave(ROWS[:1], n=2, program=str(script), args=[str(tmp_path)], timeout_s=8.0)
     pids = [int(p.read_text()) for p in tmp_path.iterdir()]
     assert len(pids) == 2
-    assert [pid for pid in pids if _running(pid)] == []
+    assert [pid for pid in pids if pid_alive(pid)] == []
