@@ -8,17 +8,33 @@ import time
 from pathlib import Path
 
 
+def parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` (``None`` when it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def ancestors(pid: int) -> list[int]:
+    """``pid``, its parent, and so on up to (not including) pid 1."""
+    chain: list[int] = []
+    current: int | None = pid
+    while current is not None and current > 1 and current not in chain:
+        chain.append(current)
+        current = parent_of(current)
+    return chain
+
+
 def process_tree(root: int) -> list[int]:
     """``root`` and every process descended from it."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
+        ppid = parent_of(int(entry.name))
+        if ppid is not None:
+            children.setdefault(ppid, []).append(int(entry.name))
     tree, todo = [], [root]
     while todo:
         pid = todo.pop()

@@ -31,6 +31,7 @@ from core_rl.builtin.loggers import read_metrics
 from core_rl.testing.faults import build_task, checkpoint, finish, merged, run_dir, state_digest, wait_for_steps
 from core_rl.testing.helpers import fitted_rise
 from core_rl.testing.launch import cpu_ranks_env
+from core_rl.testing.processes import ancestors
 
 pytest.importorskip("ray")
 pytest.importorskip("core_rl_fsdp")
@@ -66,22 +67,10 @@ def _finish(proc: subprocess.Popen, timeout: float) -> str:
     return proc.log.read_text(errors="replace")  # type: ignore[attr-defined]
 
 
-def _ancestors() -> set[int]:
-    """This process and its ancestors (the test runner: never a leftover)."""
-    pids, pid = set(), os.getpid()
-    while pid > 1 and pid not in pids:
-        pids.add(pid)
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            break
-    return pids
-
-
 def _leftovers(marker: str) -> list[str]:
     """Command lines of live processes that mention ``marker`` (a run's own temporary path, which
     servers started for the run carry in their ``--model`` argument)."""
-    found, mine = [], _ancestors()
+    found, mine = [], set(ancestors(os.getpid()))  # the test runner is never a leftover
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) in mine:
             continue
