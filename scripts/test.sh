@@ -30,7 +30,8 @@ done
 if [ "${CORE_RL_SLURM_TEST:-1}" != "0" ] && [ "$(id -u)" = "0" ] && command -v apt-get > /dev/null \
     && ! command -v slurmctld > /dev/null; then
   ( export DEBIAN_FRONTEND=noninteractive
-    apt-get update -q && apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge
+    timeout 300 apt-get update -q \
+      && timeout 300 apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge
   ) > "$builds/slurm-packages.log" 2>&1 || echo "installing Slurm's packages failed (see $builds/slurm-packages.log)"
 fi
 # Two pytest workers (pytest-xdist; CORE_RL_TEST_WORKERS to change, 0 for none), each taking whole
