@@ -34,6 +34,19 @@ def free_gpu_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
+def failed_release_message(server: Any, engine_cls: type, config_cls: type, run_dir: Path) -> str:
+    """The error an engine built with ``sleep=True`` on the recording ``server``
+    (:class:`~core_rl.testing.recording_server.RecordingServer`, set up to refuse the release)
+    raises from ``release_memory()``: a :class:`~core_rl.remote.ServerReplyError`, as text."""
+    from core_rl.remote import ServerReplyError
+    from core_rl.testing.recording_server import engine_on
+
+    with engine_on(server, engine_cls, config_cls, run_dir, sleep=True) as engine:
+        with pytest.raises(ServerReplyError) as caught:
+            engine.release_memory()
+    return str(caught.value)
+
+
 def sleep_cycle(
     engine: Any, weights_path: str | Path, version: int, while_asleep: Callable[[], None] | None = None
 ) -> None:

@@ -11,9 +11,8 @@ from typing import Any
 import pytest
 from core_rl.config.loader import structure
 from core_rl.interfaces import SamplingParams
-from core_rl.remote import ServerReplyError
 from core_rl.testing.recording_server import RecordingServer, engine_on
-from core_rl.testing.sleep import sleep_cycle
+from core_rl.testing.sleep import failed_release_message, sleep_cycle
 from core_rl_sglang.config import SGLangConfig
 from core_rl_sglang.engine import SGLangRolloutEngine
 
@@ -65,10 +64,7 @@ def test_a_failed_release_names_the_server_and_the_endpoint(server, tmp_path: Pa
         400,
         {"error": {"message": "release_memory_occupation should be called only when no ongoing request"}},
     )
-    with engine_on(server, SGLangRolloutEngine, SGLangConfig, tmp_path, sleep=True) as engine:
-        with pytest.raises(ServerReplyError) as caught:
-            engine.release_memory()
-    message = str(caught.value)
+    message = failed_release_message(server, SGLangRolloutEngine, SGLangConfig, tmp_path)
     assert message.startswith(f"server sglang@{server.url} did not release its memory (rollout.sleep_while_training)")
     assert f"POST {server.url}{RELEASE} answered 400" in message and "no ongoing request" in message
 
