@@ -5,13 +5,17 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
+
+# the records loggers receive, importable from here beside Logger
+from core_rl.run_records import RunInfo as RunInfo
+from core_rl.run_records import SampleRecord as SampleRecord
+from core_rl.run_records import sample_table as sample_table
 
 if TYPE_CHECKING:  # torch is imported by the components themselves, not by their registration
     import torch
@@ -418,60 +422,6 @@ class SampleFilter(ABC):
     def __call__(self, batch: TensorBatch) -> torch.Tensor:
         """A bool [B] mask of rows to keep, the same for every row of a group (equal
         ``group_index``). Reads at least ``rewards`` (raw scores) and ``group_index``."""
-
-
-@attrs.define
-class RunInfo:
-    """What a logger learns about the run when it starts. ``resume_step``: set when the run
-    continues an earlier one from the checkpoint of that step (0: from the start); a logger that
-    keeps its own records should drop those of later steps, which the run will log again."""
-
-    name: str
-    output_dir: Path
-    config: Mapping[str, Any]
-    resume_step: int | None = None
-
-
-@attrs.define
-class SampleRecord:
-    """One generated sample as loggers show it: texts, its reward (and the reward's parts, see
-    :class:`RewardScores`), why generation stopped (``stop`` or ``length``) and what the rollout
-    workflow recorded about it (:attr:`core_rl.protocol.Sample.info`)."""
-
-    prompt: str
-    response: str
-    reward: float
-    finish_reason: str
-    parts: dict[str, float] = attrs.field(factory=dict)
-    info: dict[str, Any] = attrs.field(factory=dict)
-
-    def as_row(self) -> dict[str, Any]:
-        """A flat row: ``prompt``, ``response``, ``reward``, ``finish_reason``, ``reward/<part>``...,
-        ``info/<key>``..."""
-        row: dict[str, Any] = {
-            "prompt": self.prompt,
-            "response": self.response,
-            "reward": self.reward,
-            "finish_reason": self.finish_reason,
-        }
-        row.update({f"reward/{k}": v for k, v in self.parts.items()})
-        row.update({f"info/{k}": v for k, v in self.info.items()})
-        return row
-
-
-def sample_table(samples: Sequence[SampleRecord]) -> tuple[list[str], list[list[Any]]]:
-    """``(columns, rows)`` of ``samples`` for loggers with tables: the columns of
-    :meth:`SampleRecord.as_row`, in order of first appearance; a missing part is ``None``; a cell
-    that is not a number, string or ``None`` (a workflow's ``info`` list or mapping) is its JSON text."""
-    rows = [s.as_row() for s in samples]
-    columns = list(dict.fromkeys(key for row in rows for key in row))
-    return columns, [[_table_cell(row.get(c)) for c in columns] for row in rows]
-
-
-def _table_cell(value: Any) -> Any:
-    if value is None or isinstance(value, (str, int, float)):
-        return value
-    return json.dumps(value, default=str)
 
 
 class Logger(ABC):
