@@ -283,7 +283,9 @@ def test_a_lost_node_ends_the_run_naming_it_with_the_checkpoint_intact(ray_test_
     assert time.monotonic() - started < FAULT_TIMEOUT_S
     assert proc.returncode == 1, err[-4000:]
     assert "actor lostnode-" in err and "on node 127.0.0.1" in err, err[-4000:]
-    assert " died: " in err or "its node is probably lost" in err, err[-4000:]
+    # Ray declares the node dead after its health checks fail (a few seconds); until then the
+    # actor is only "temporarily unavailable", and the launcher keeps asking
+    assert "its node was lost" in err or "its node is probably lost" in err, err[-4000:]
     print(
         f"lost node: exit 1 after {time.monotonic() - started:.1f} s: "
         + next(line for line in err.splitlines() if "error:" in line and "lostnode-" in line)

@@ -8,6 +8,7 @@ its own ``startup_timeout`` plus that.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,22 +34,53 @@ class Member:
         return f"actor {self.name} (pid {w['pid']} on node {w['node_ip']}, {w['hostname']}, id {w['node_id'][:12]})"
 
 
-def call(member: Member, method: str, *args: Any, timeout: float) -> Any:
+def call(member: Member, method: str, *args: Any, timeout: float, query: bool = False) -> Any:
     """``member.method(*args)`` through Ray, waited for at most ``timeout`` s. Raises
-    :class:`ActorLost` naming the actor if it died or did not answer in time."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
+    :class:`ActorLost` naming the actor if it died or did not answer in time.
 
-    ref = getattr(member.handle, method).remote(*args)
+    ``query=True`` marks a call without side effects: while Ray reports the actor *temporarily*
+    unavailable (its node stopped answering, not yet declared dead), it is asked again until the
+    node is declared dead (the error says the node was lost) or ``timeout`` runs out."""
+    import ray
+    from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        ref = getattr(member.handle, method).remote(*args)
+        try:
+            return ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+        except ActorUnavailableError as exc:
+            if _node_lost(member):
+                raise ActorLost(f"{member.describe()} is gone: its node was lost (Ray declared it dead)") from None
+            if not query or time.monotonic() >= deadline:
+                raise ActorLost(
+                    f"{member.describe()} stopped answering {method}() (Ray: {_reason(exc)}); its node is probably lost"
+                ) from None
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        except RayActorError as exc:
+            if _node_lost(member):
+                raise ActorLost(f"{member.describe()} is gone: its node was lost (Ray declared it dead)") from None
+            raise ActorLost(f"{member.describe()} died: {_reason(exc)}") from None
+        except GetTimeoutError:
+            raise ActorLost(
+                f"{member.describe()} did not answer {method}() within {timeout:g} s (launcher.actor_timeout_s); "
+                "its node is probably lost"
+            ) from None
+
+
+def _node_lost(member: Member) -> bool:
+    """Whether Ray's control store lists the node ``member`` ran on as dead (an actor on a lost node
+    fails with an RPC error that does not say so)."""
+    import ray
+
+    node_id = member.where.get("node_id")
+    if not node_id:
+        return False
     try:
-        return ray.get(ref, timeout=timeout)
-    except RayActorError as exc:
-        raise ActorLost(f"{member.describe()} died: {_reason(exc)}") from None
-    except GetTimeoutError:
-        raise ActorLost(
-            f"{member.describe()} did not answer {method}() within {timeout:g} s (launcher.actor_timeout_s); "
-            "its node is probably lost"
-        ) from None
+        nodes = ray.nodes()
+    except Exception:  # the control store itself is unreachable: nothing to tell
+        return False
+    return any(n.get("NodeID") == node_id and not n.get("Alive") for n in nodes)
 
 
 def _reason(exc: BaseException) -> str:

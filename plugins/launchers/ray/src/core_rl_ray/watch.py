@@ -61,7 +61,7 @@ def watch(group: ActorGroup, *, poll_s: float, stop_requested: Callable[[], str 
             for i, member in enumerate(group.ranks):
                 if i in finished:
                     continue
-                code = call(member, "poll", timeout=timeout)
+                code = call(member, "poll", timeout=timeout, query=True)
                 if code == 0:
                     finished.add(i)
                 elif code is not None:
@@ -69,7 +69,7 @@ def watch(group: ActorGroup, *, poll_s: float, stop_requested: Callable[[], str 
             if len(finished) == len(group.ranks):
                 return Outcome(0)
             for member in group.servers:
-                failure = call(member, "failure", timeout=timeout)
+                failure = call(member, "failure", timeout=timeout, query=True)
                 if failure:
                     return Outcome(1, f"rollout server of {member.describe()} ended: {failure}", retriable=True)
         except ActorLost as exc:
