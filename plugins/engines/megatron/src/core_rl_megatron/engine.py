@@ -32,7 +32,6 @@ in place of the output layer (:mod:`core_rl_megatron.heads`): :meth:`compute_val
 from __future__ import annotations
 
 import gc
-import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from pathlib import Path
@@ -43,7 +42,7 @@ import torch
 import torch.distributed as dist
 from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import distributed as dist_utils
-from core_rl.engine_utils.hf import exported_architecture, torch_dtype, value_model_config
+from core_rl.engine_utils.hf import torch_dtype
 from core_rl.engine_utils.logprobs import align_to_tokens
 from core_rl.engine_utils.metrics import StepMetrics
 from core_rl.engine_utils.microbatch import micro_batch_width, pack_micro_batches, row_lengths, take_micro_batch
@@ -54,16 +53,14 @@ from core_rl.interfaces import LossFn, TrainEngine
 from core_rl.protocol import TensorBatch
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-from megatron.core.transformer.module import param_is_not_shared
 
-from core_rl_megatron import checkpoint, parallel
+from core_rl_megatron import checkpoint, optim, parallel
 from core_rl_megatron import model as mcore_model
 from core_rl_megatron.batches import MicroBatch, ModelInputs, gather_columns, model_inputs, width_multiple
 from core_rl_megatron.config import MegatronConfig
-from core_rl_megatron.device import NEEDS_CUDA, megatron_can_run
+from core_rl_megatron.device import NEEDS_CUDA, check_cpu_settings, megatron_can_run
 from core_rl_megatron.errors import MegatronSetupError
-from core_rl_megatron.export import ShardGatherer, write_hf_model_dir
+from core_rl_megatron.export import ShardGatherer, export_config, write_hf_model_dir
 from core_rl_megatron.families import arch_spec, padded_vocab_size
 from core_rl_megatron.hf_io import HFWeights, load_hf_config
 from core_rl_megatron.vocab_parallel import vocab_parallel_stats
@@ -91,7 +88,7 @@ class MegatronEngine(EngineState, TrainEngine):
             check_schedule(actor.lr_scheduler)
         self.hf_config = load_hf_config(actor.model_path)
         self.spec = arch_spec(self.hf_config, head=head)
-        self.export_config = _export_config(self.hf_config, actor.model_path, head)
+        self.export_config = export_config(self.hf_config, actor.model_path, head)
         if cfg.expert_model_parallel_size > 1:
             raise MegatronSetupError(
                 f"actor.engine.expert_model_parallel_size: {cfg.expert_model_parallel_size} needs a mixture-of-experts "
@@ -102,7 +99,7 @@ class MegatronEngine(EngineState, TrainEngine):
         self.device = dist_utils.pick_device()
         self.use_megatron_schedule = self.device.type == "cuda"
         if not self.use_megatron_schedule:
-            _check_cpu_settings(cfg)
+            check_cpu_settings(cfg)
         self.rank, self.world_size = dist_utils.ensure_process_group(cfg.backend, self.device)
         parallel.init_model_parallel(cfg, self.world_size)
         self.tp_rank, self.tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
@@ -139,7 +136,7 @@ class MegatronEngine(EngineState, TrainEngine):
         if trainable:
             self.optimizer = self._build_optimizer()
             if self.use_megatron_schedule:
-                self._install_schedule_hooks()
+                optim.install_schedule_hooks(self.tconfig, self.model, cfg.ddp)
         self._step = 0
         self._closed = False
 
@@ -148,43 +145,7 @@ class MegatronEngine(EngineState, TrainEngine):
     def _build_optimizer(self) -> Any:
         if not self.use_megatron_schedule:
             return build_optimizer(self._trainable_params(), self.actor.optimizer)
-        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
-        from megatron.core.optimizer import get_megatron_optimizer
-
-        opt = self.actor.optimizer
-        mconf = MegatronOptimizerConfig(
-            optimizer="adam" if opt.name == "adamw" else "sgd",
-            lr=opt.lr,
-            weight_decay=opt.weight_decay,
-            adam_beta1=opt.betas[0],
-            adam_beta2=opt.betas[1],
-            adam_eps=opt.eps,
-            sgd_momentum=opt.momentum,
-            clip_grad=self.actor.grad_clip,
-            bf16=self.config.bf16,
-            params_dtype=torch.bfloat16 if self.config.bf16 else self.dtype,
-            use_distributed_optimizer=self.config.ddp.use_distributed_optimizer,
-            overlap_param_gather=self.config.ddp.overlap_param_gather,
-        )
-        optimizer = get_megatron_optimizer(mconf, self.model)
-        # Megatron's groups carry a weight-decay multiplier (0 for norms and biases); core-rl's optimizer
-        # (build_optimizer, which fsdp and deepspeed use) decays every parameter: so does this engine
-        for group in optimizer.param_groups:
-            group["weight_decay"] = opt.weight_decay
-        return optimizer
-
-    def _install_schedule_hooks(self) -> None:
-        """What Megatron's schedules call between micro-batches (as Megatron-LM's training loop sets up)."""
-
-        def one_or_list(items: list[Any]) -> Any:
-            return items[0] if len(items) == 1 else items
-
-        self.tconfig.no_sync_func = one_or_list([c.no_sync for c in self.model])
-        self.tconfig.finalize_model_grads_func = finalize_model_grads
-        if self.config.ddp.overlap_grad_reduce:
-            self.tconfig.grad_sync_func = one_or_list([c.start_grad_sync for c in self.model])
-        if self.config.ddp.overlap_param_gather:
-            self.tconfig.param_sync_func = one_or_list([c.start_param_sync for c in self.model])
+        return optim.megatron_optimizer(self.model, self.actor.optimizer, self.config, self.actor.grad_clip, self.dtype)
 
     def _trainable_params(self) -> list[torch.nn.Parameter]:
         return [p for chunk in self.model for p in chunk.parameters() if p.requires_grad]
@@ -437,43 +398,8 @@ class MegatronEngine(EngineState, TrainEngine):
                 p.grad = None
 
     def _apply_update(self, loss: float) -> float:
-        """Gradient norm over all replicas' reduced gradients (before clipping), clip to
-        ``actor.grad_clip`` (0: no clipping), step; a non-finite norm or ``loss`` skips the update."""
-        skip = not math.isfinite(loss)
-        if self.use_megatron_schedule:
-            if self.optimizer.prepare_grads():  # inf/nan found while unscaling
-                self.optimizer.zero_grad()
-                return float("nan")
-            grad_norm = float(self.optimizer.get_grad_norm())
-            if math.isfinite(grad_norm) and not skip:
-                # Megatron's own step: clips to its config.clip_grad (= actor.grad_clip), updates,
-                # and copies the new weights into the model (gathering them under the distributed optimizer)
-                self.optimizer.step()
-            self.optimizer.zero_grad()
-            return grad_norm
-        params = self._trainable_params()
-        grad_norm = self._main_grad_norm(params)
-        clip = self.actor.grad_clip
-        if math.isfinite(grad_norm) and not skip:
-            coef = clip / (grad_norm + 1e-6) if clip > 0 else 1.0
-            for p in params:
-                grad = p.main_grad if coef >= 1.0 else p.main_grad * coef
-                p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
-            self.optimizer.step()
-        self._zero_grad()
-        return grad_norm
-
-    def _main_grad_norm(self, params: list[torch.nn.Parameter]) -> float:
-        """L2 norm of DDP's reduced gradients over the whole model: each tensor-parallel shard once,
-        replicated tensors (norms) once per model, summed over the model-parallel group (what
-        Megatron's ``get_grad_norm_fp32`` computes)."""
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for p in params:
-            if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
-                total += p.main_grad.float().pow(2).sum()
-        if mpu.get_model_parallel_group().size() > 1:
-            dist.all_reduce(total, group=mpu.get_model_parallel_group())
-        return float(total.sqrt())
+        """See :func:`core_rl_megatron.optim.apply_update`."""
+        return optim.apply_update(self, loss)
 
     # ------------------------------------------------------------------ weights
 
@@ -577,37 +503,3 @@ class _ReplicaRunner:
         world_size: int,
     ) -> tuple[StepMetrics, int]:
         return self.engine._accumulate(batch, loss_fn, temperature, backward)
-
-
-def _export_config(hf_config: Any, model_path: str, head: str) -> Any:
-    """The Hugging Face config an export writes: the model's own for ``lm``; for a scalar head the
-    value-model config the other engines write (:func:`core_rl.engine_utils.hf.value_model_config`:
-    one label, no classifier dropout, a bias for ``value`` only) with the family's token classifier
-    (``score``: sequence classifier) as its architecture."""
-    if head == "lm":
-        return hf_config
-    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
-
-    config = value_model_config(model_path, bias=head == "value")
-    token_classifier = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES[config.model_type]
-    config.architectures = [exported_architecture(token_classifier, head)]
-    return config
-
-
-def _check_cpu_settings(cfg: MegatronConfig) -> None:
-    """Settings whose Megatron code paths hard-code CUDA."""
-    gpu_only = {
-        "pipeline_model_parallel_size": cfg.pipeline_model_parallel_size > 1,
-        "virtual_pipeline_model_parallel_size": cfg.virtual_pipeline_size > 1,
-        "context_parallel_size": cfg.context_parallel_size > 1,
-        "sequence_parallel": cfg.sequence_parallel,
-        "bf16": cfg.bf16,
-        "ddp.use_distributed_optimizer": cfg.ddp.use_distributed_optimizer,
-        "transformer_impl": cfg.transformer_impl != "local",
-    }
-    bad = [key for key, on in gpu_only.items() if on]
-    if bad:
-        raise MegatronSetupError(
-            f"actor.engine.{bad[0]}: needs CUDA (Megatron's pipeline schedules, optimizer and fused layers do); "
-            f"this machine has no GPU. Settings that need one: {', '.join(bad)}"
-        )

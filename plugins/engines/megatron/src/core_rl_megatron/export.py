@@ -14,11 +14,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
 import torch.distributed as dist
 from core_rl import checkpointing as ckpt
+from core_rl.engine_utils.hf import exported_architecture, value_model_config
 from megatron.core import parallel_state as mpu
 from torch import nn
 
@@ -177,3 +179,18 @@ def write_hf_model_dir(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     ckpt.commit_partial(final)
+
+
+def export_config(hf_config: Any, model_path: str, head: str) -> Any:
+    """The Hugging Face config an export writes: the model's own for ``lm``; for a scalar head the
+    value-model config the other engines write (:func:`core_rl.engine_utils.hf.value_model_config`:
+    one label, no classifier dropout, a bias for ``value`` only) with the family's token classifier
+    (``score``: sequence classifier) as its architecture."""
+    if head == "lm":
+        return hf_config
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+    config = value_model_config(model_path, bias=head == "value")
+    token_classifier = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES[config.model_type]
+    config.architectures = [exported_architecture(token_classifier, head)]
+    return config

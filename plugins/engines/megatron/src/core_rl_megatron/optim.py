@@ -1,0 +1,113 @@
+"""The ``megatron`` engine's optimizer side: Megatron's own optimizer and the schedule hooks it
+needs (CUDA), and the update step of both ways to run (:func:`apply_update`).
+
+On a CPU the optimizer is the core's ``build_optimizer`` over DDP's gradient buffers
+(``param.main_grad``); the gradient norm and clipping are computed over the model-parallel group
+exactly as Megatron's optimizer computes them (:func:`main_grad_norm`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from core_rl.config.schema import OptimizerConfig
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
+
+from core_rl_megatron.config import DDPConfig, MegatronConfig
+
+if TYPE_CHECKING:
+    from core_rl_megatron.engine import MegatronEngine
+
+
+def megatron_optimizer(
+    model: list[Any], opt: OptimizerConfig, cfg: MegatronConfig, grad_clip: float, dtype: torch.dtype
+) -> Any:
+    """Megatron's optimizer for the DDP-wrapped ``model`` chunks, configured from ``actor.optimizer``
+    (AdamW or SGD), ``actor.grad_clip`` and the engine's ``bf16`` and distributed-optimizer settings.
+    Every parameter is decayed by ``weight_decay``, as the core's optimizer does for fsdp and deepspeed
+    (Megatron's own groups would exempt norms and biases)."""
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    mconf = MegatronOptimizerConfig(
+        optimizer="adam" if opt.name == "adamw" else "sgd",
+        lr=opt.lr,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.betas[0],
+        adam_beta2=opt.betas[1],
+        adam_eps=opt.eps,
+        sgd_momentum=opt.momentum,
+        clip_grad=grad_clip,
+        bf16=cfg.bf16,
+        params_dtype=torch.bfloat16 if cfg.bf16 else dtype,
+        use_distributed_optimizer=cfg.ddp.use_distributed_optimizer,
+        overlap_param_gather=cfg.ddp.overlap_param_gather,
+    )
+    optimizer = get_megatron_optimizer(mconf, model)
+    for group in optimizer.param_groups:
+        group["weight_decay"] = opt.weight_decay
+    return optimizer
+
+
+def install_schedule_hooks(tconfig: Any, model: list[Any], ddp: DDPConfig) -> None:
+    """What Megatron's schedules call between micro-batches (as Megatron-LM's training loop sets up):
+    DDP's ``no_sync``, ``finalize_model_grads`` and, where overlapped, the gradient and parameter syncs."""
+
+    def one_or_list(items: list[Any]) -> Any:
+        return items[0] if len(items) == 1 else items
+
+    tconfig.no_sync_func = one_or_list([c.no_sync for c in model])
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    if ddp.overlap_grad_reduce:
+        tconfig.grad_sync_func = one_or_list([c.start_grad_sync for c in model])
+    if ddp.overlap_param_gather:
+        tconfig.param_sync_func = one_or_list([c.start_param_sync for c in model])
+
+
+def apply_update(engine: MegatronEngine, loss: float) -> float:
+    """Gradient norm over all replicas' reduced gradients (before clipping), clip to
+    ``actor.grad_clip`` (0: no clipping), step; a non-finite norm or ``loss`` skips the update.
+    Returns the norm (NaN where Megatron's optimizer found inf/nan while unscaling)."""
+    skip = not math.isfinite(loss)
+    optimizer = engine.optimizer
+    if engine.use_megatron_schedule:
+        if optimizer.prepare_grads():  # inf/nan found while unscaling
+            optimizer.zero_grad()
+            return float("nan")
+        grad_norm = float(optimizer.get_grad_norm())
+        if math.isfinite(grad_norm) and not skip:
+            # Megatron's own step: clips to its config.clip_grad (= actor.grad_clip), updates,
+            # and copies the new weights into the model (gathering them under the distributed optimizer)
+            optimizer.step()
+        optimizer.zero_grad()
+        return grad_norm
+    params = engine._trainable_params()
+    grad_norm = main_grad_norm(params, engine.device)
+    clip = engine.actor.grad_clip
+    if math.isfinite(grad_norm) and not skip:
+        coef = clip / (grad_norm + 1e-6) if clip > 0 else 1.0
+        for p in params:
+            grad = p.main_grad if coef >= 1.0 else p.main_grad * coef
+            p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
+        optimizer.step()
+    engine._zero_grad()
+    return grad_norm
+
+
+def main_grad_norm(params: list[torch.nn.Parameter], device: torch.device) -> float:
+    """L2 norm of DDP's reduced gradients over the whole model: each tensor-parallel shard once,
+    replicated tensors (norms) once per model, summed over the model-parallel group (what
+    Megatron's ``get_grad_norm_fp32`` computes)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+            total += p.main_grad.float().pow(2).sum()
+    if mpu.get_model_parallel_group().size() > 1:
+        dist.all_reduce(total, group=mpu.get_model_parallel_group())
+    return float(total.sqrt())
