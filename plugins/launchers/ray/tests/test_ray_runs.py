@@ -173,7 +173,7 @@ def test_validate_checks_the_placement_against_the_cluster(ray_cluster, task):
 
 # -- the tiny GRPO example through a vLLM server ---------------------------------------------------
 
-STEPS = 20
+STEPS = 16
 
 
 def _grpo(warm: dict[str, Path], name: str, *overrides: str) -> list[str]:
