@@ -187,6 +187,8 @@ def build_wheels(
     proc = run([python, "-c", _BUILD_SCRIPT, wheel_dir.resolve(), *projects], timeout=PIP_TIMEOUT_S)
     built: dict[str, str] = {}
     for line in proc.stdout.splitlines():
+        if not line.startswith("{"):  # a backend's own output
+            continue
         row = json.loads(line)
         if "error" in row:
             raise AssertionError(

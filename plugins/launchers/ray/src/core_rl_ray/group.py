@@ -49,18 +49,16 @@ def call(member: Member, method: str, *args: Any, timeout: float, query: bool = 
         ref = getattr(member.handle, method).remote(*args)
         try:
             return ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
-        except ActorUnavailableError as exc:
+        except RayActorError as exc:
             if _node_lost(member):
                 raise ActorLost(f"{member.describe()} is gone: its node was lost (Ray declared it dead)") from None
+            if not isinstance(exc, ActorUnavailableError):
+                raise ActorLost(f"{member.describe()} died: {_reason(exc)}") from None
             if not query or time.monotonic() >= deadline:
                 raise ActorLost(
                     f"{member.describe()} stopped answering {method}() (Ray: {_reason(exc)}); its node is probably lost"
                 ) from None
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-        except RayActorError as exc:
-            if _node_lost(member):
-                raise ActorLost(f"{member.describe()} is gone: its node was lost (Ray declared it dead)") from None
-            raise ActorLost(f"{member.describe()} died: {_reason(exc)}") from None
         except GetTimeoutError:
             raise ActorLost(
                 f"{member.describe()} did not answer {method}() within {timeout:g} s (launcher.actor_timeout_s); "
