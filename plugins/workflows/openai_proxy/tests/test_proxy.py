@@ -12,6 +12,7 @@ in front of the real ``hf`` engine on a tiny model, through core-rl's rollout co
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -256,3 +257,28 @@ def test_a_hanging_script_is_killed_at_the_timeout(run_wave, tmp_path) -> None:
     pids = [int(p.read_text()) for p in tmp_path.iterdir()]
     assert len(pids) == 2
     assert [pid for pid in pids if pid_alive(pid)] == []
+
+
+def test_a_script_cancelled_twice_is_reaped_before_its_episode_ends(tmp_path) -> None:
+    """An episode's timeout and the run stopping its siblings can both cancel a script's episode:
+    the second cancellation, arriving while the killed script is being reaped, must not end the
+    episode before the script's process is gone."""
+    from core_rl_openai_proxy.program import AgentProgram
+
+    program = AgentProgram(str(Path(__file__).resolve().parent / "hanging_agent.py"), [str(tmp_path)])
+
+    async def episode() -> int:
+        task = asyncio.ensure_future(program.run("http://127.0.0.1:9", "episode-key", {}))
+        for _ in range(500):
+            if any(tmp_path.iterdir()):
+                break
+            await asyncio.sleep(0.02)
+        task.cancel()
+        for _ in range(3):  # the task is now waiting for the killed script to be reaped
+            await asyncio.sleep(0)
+        task.cancel()
+        (outcome,) = await asyncio.gather(task, return_exceptions=True)
+        assert isinstance(outcome, asyncio.CancelledError), outcome
+        return int((tmp_path / "episode-key").read_text())
+
+    assert not pid_alive(asyncio.run(episode()))

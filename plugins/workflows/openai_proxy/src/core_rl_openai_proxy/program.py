@@ -32,6 +32,8 @@ from core_rl.errors import ConfigError, CoreRLError
 
 #: how much of a failed script's stderr an error quotes
 STDERR_TAIL = 2000
+#: how long a killed script's process may take to exit and be reaped
+REAP_TIMEOUT_S = 30.0
 
 
 class AgentFailed(CoreRLError):
@@ -94,17 +96,37 @@ class AgentProgram:
         )
         try:
             _, stderr = await proc.communicate()
-        except BaseException:  # timed out or cancelled: the whole process group goes, at once
+        except BaseException as exc:  # timed out or cancelled: the whole process group goes, at once
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            await asyncio.shield(proc.wait())  # reaped even if a second cancellation comes now
+            if await _reaped(proc):  # a second cancellation came while reaping: it goes on
+                raise asyncio.CancelledError from exc
             raise
         if proc.returncode != 0:
             tail = stderr.decode(errors="replace")[-STDERR_TAIL:]
             raise AgentFailed(f"agent script {self.script} exited with status {proc.returncode}; stderr ends:\n{tail}")
         return None
+
+
+async def _reaped(proc: asyncio.subprocess.Process) -> bool:
+    """Wait until the killed ``proc`` has exited and been reaped, at most :data:`REAP_TIMEOUT_S`,
+    through any cancellation that arrives meanwhile (an episode's timeout and the run's stop of its
+    siblings can both cancel it); whether one arrived."""
+    waiter = asyncio.ensure_future(proc.wait())
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + REAP_TIMEOUT_S
+    cancelled = False
+    while not waiter.done() and loop.time() < deadline:
+        try:
+            await asyncio.wait({waiter}, timeout=deadline - loop.time())  # never cancels the waiter
+        except asyncio.CancelledError:
+            cancelled = True
+    if not waiter.done():
+        waiter.cancel()
+        raise CoreRLError(f"agent script (pid {proc.pid}) did not exit within {REAP_TIMEOUT_S:g} s of SIGKILL")
+    return cancelled
 
 
 def _load_module(name: str) -> ModuleType:
