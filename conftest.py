@@ -11,12 +11,18 @@ it names a directory in ``CORE_RL_SERVER_ENV_BUILDS`` where each build leaves ``
 it ends, ``NAME.rc``. The files holding server tests are collected last, and such a test waits for
 its environment's build (up to ``SERVER_ENV_BUILD_TIMEOUT_S``), failing with the build's log if it
 failed.
+
+Within those two groups, files go out longest first (``tests/file_durations.json``, each file's
+seconds in an earlier run; a file not listed counts as its number of tests times the average), so the
+suite does not end with one worker on a long file while the other has nothing left. Refresh the
+list with ``CORE_RL_TEST_DURATIONS=tests/file_durations.json bash scripts/test.sh``.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -90,14 +96,50 @@ def _server_env_name(item: pytest.Item) -> str | None:
     return mark.args[0] if mark.args else getattr(item.cls, "name", None)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Whole files (what ``--dist loadfile`` hands a worker), those with more tests first, as
-    pytest-xdist orders them itself; but files with server tests last, so the server environments
-    can build in the background meanwhile (``scripts/test.sh`` runs xdist with
-    ``--no-loadscope-reorder`` to keep this order)."""
-    server_files = {item.path for item in items if _server_env_name(item) is not None}
+ROOT = Path(__file__).resolve().parent
+DURATIONS = ROOT / "tests" / "file_durations.json"
+DURATIONS_ENV = "CORE_RL_TEST_DURATIONS"
+
+
+def _expected_seconds(items: list[pytest.Item]) -> dict[Path, float]:
+    """Each file's seconds in the run recorded in :data:`DURATIONS`; a file it lacks: its number of
+    tests times the recorded average per test."""
     counts = collections.Counter(item.path for item in items)
-    items.sort(key=lambda item: (item.path in server_files, -counts[item.path]))  # stable: files stay whole
+    try:
+        recorded = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        recorded = {}
+    seconds = {path: recorded[key] for path in counts if (key := path.relative_to(ROOT).as_posix()) in recorded}
+    known_tests = sum(counts[path] for path in seconds)
+    per_test = sum(seconds.values()) / known_tests if known_tests else 1.0
+    return {path: seconds.get(path, count * per_test) for path, count in counts.items()}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Whole files (what ``--dist loadfile`` hands a worker), longest first; but files with server
+    tests last, so the server environments can build in the background meanwhile
+    (``scripts/test.sh`` runs xdist with ``--no-loadscope-reorder`` to keep this order)."""
+    server_files = {item.path for item in items if _server_env_name(item) is not None}
+    seconds = _expected_seconds(items)
+    items.sort(key=lambda item: (item.path in server_files, -seconds[item.path]))  # stable: files stay whole
+
+
+_file_seconds: collections.Counter[str] = collections.Counter()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if os.environ.get(DURATIONS_ENV):
+        _file_seconds[report.nodeid.split("::", 1)[0]] += report.duration  # setup, call and teardown
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """With ``CORE_RL_TEST_DURATIONS=FILE``: each file's seconds written to FILE (by the xdist
+    controller, which sees every worker's reports; without xdist, by the only process)."""
+    target = os.environ.get(DURATIONS_ENV)
+    if not target or hasattr(session.config, "workerinput") or not _file_seconds:
+        return
+    rounded = {name: round(value, 1) for name, value in sorted(_file_seconds.items())}
+    Path(target).write_text(json.dumps(rounded, indent=0) + "\n")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
