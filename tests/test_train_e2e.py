@@ -67,10 +67,15 @@ def _train(config: Path, *overrides: str, nproc: int = 0) -> subprocess.Complete
     return run_train(config, *overrides, nproc=nproc, cpu=bool(nproc))
 
 
-def test_train_writes_metrics_checkpoints_and_model(setup):
-    runs = setup["root"] / "runs"
-    proc = _train(setup["config"], "experiment.name=full")
-    run = runs / "full"
+@pytest.fixture(scope="module")
+def straight(setup) -> tuple[Path, subprocess.CompletedProcess]:
+    """The config's run as it is (4 steps, a checkpoint every 2): the reference of the resume and
+    disk-sync comparisons too."""
+    return setup["root"] / "runs" / "full", _train(setup["config"], "experiment.name=full")
+
+
+def test_train_writes_metrics_checkpoints_and_model(setup, straight):
+    run, proc = straight
     assert f"metrics:    {run / 'metrics.jsonl'}" in proc.stdout
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -96,12 +101,11 @@ def test_train_writes_metrics_checkpoints_and_model(setup):
     assert again.returncode == 2 and "trainer.resume=true" in again.stderr and "Traceback" not in again.stderr
 
 
-def test_resume_continues_exactly(setup):
+def test_resume_continues_exactly(setup, straight):
     runs = setup["root"] / "runs"
-    _train(setup["config"], "experiment.name=straight")
     _train(setup["config"], "experiment.name=resumed", "trainer.total_steps=2")
     _train(setup["config"], "experiment.name=resumed", "trainer.total_steps=4", "trainer.resume=true")
-    straight = {r["step"]: r for r in read_metrics(runs / "straight" / "metrics.jsonl")}
+    straight = {r["step"]: r for r in read_metrics(straight[0] / "metrics.jsonl")}
     resumed = {r["step"]: r for r in read_metrics(runs / "resumed" / "metrics.jsonl")}
     assert sorted(resumed) == [1, 2, 3, 4]
     for step in (3, 4):
@@ -109,9 +113,10 @@ def test_resume_continues_exactly(setup):
             assert resumed[step][key] == pytest.approx(straight[step][key], rel=1e-5, abs=1e-7), (step, key)
 
 
-def test_weight_sync_through_disk_matches_memory(setup):
+def test_weight_sync_through_disk_matches_memory(setup, straight):
+    """The straight run (weights to the hf engine in memory) and a run syncing through disk agree
+    step for step (saving checkpoints does not touch the metrics: the resume test holds it)."""
     runs = setup["root"] / "runs"
-    _train(setup["config"], "experiment.name=mem", "trainer.total_steps=3", "saver.every_n_steps=0")
     _train(
         setup["config"],
         "experiment.name=disk",
@@ -119,8 +124,9 @@ def test_weight_sync_through_disk_matches_memory(setup):
         "saver.every_n_steps=0",
         "rollout.weight_sync=disk",
     )
-    mem = read_metrics(runs / "mem" / "metrics.jsonl")
+    mem = read_metrics(straight[0] / "metrics.jsonl")[:3]
     disk = read_metrics(runs / "disk" / "metrics.jsonl")
+    assert len(disk) == 3
     for a, b in zip(mem, disk):
         for key in ("reward/mean", "response_length/mean", "actor/loss", "actor/grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
