@@ -109,7 +109,8 @@ def _expected_seconds(items: list[pytest.Item]) -> dict[Path, float]:
         recorded = json.loads(DURATIONS.read_text())
     except (OSError, ValueError):
         recorded = {}
-    seconds = {path: recorded[key] for path in counts if (key := path.relative_to(ROOT).as_posix()) in recorded}
+    keys = {path: (path.relative_to(ROOT) if path.is_relative_to(ROOT) else path).as_posix() for path in counts}
+    seconds = {path: recorded[key] for path, key in keys.items() if key in recorded}
     known_tests = sum(counts[path] for path in seconds)
     per_test = sum(seconds.values()) / known_tests if known_tests else 1.0
     return {path: seconds.get(path, count * per_test) for path, count in counts.items()}

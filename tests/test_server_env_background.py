@@ -4,6 +4,7 @@ collection order that lets them run while the other tests do."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import threading
 import time
 from pathlib import Path
@@ -64,6 +65,19 @@ def test_files_with_server_tests_are_collected_last(pytester_items):
     assert names == ["test_d.py"] * 3 + ["test_a.py", "test_a.py", "test_c.py", "test_b.py", "test_b.py"]
 
 
+def test_recorded_durations_send_the_longest_files_first(hooks, monkeypatch, tmp_path):
+    """A file's recorded seconds order it; a file without a record counts as its tests times the
+    recorded average per test (here (50 + 4) / 3 = 18 s a test: test_d.py's 3 tests 54 s); a
+    server file stays behind the others however long it is."""
+    durations = tmp_path / "file_durations.json"
+    durations.write_text(json.dumps({"test_c.py": 50.0, "test_a.py": 4.0}))
+    monkeypatch.setattr(hooks, "DURATIONS", durations)
+    items = [*_items(), _Item("test_e.py", True)]
+    hooks.pytest_collection_modifyitems(items)
+    names = [item.path.name for item in items]
+    assert names == ["test_d.py"] * 3 + ["test_c.py", "test_a.py", "test_a.py", "test_b.py", "test_b.py", "test_e.py"]
+
+
 class _Item:
     def __init__(self, name: str, server: bool) -> None:
         self.path = Path(name)
@@ -74,11 +88,16 @@ class _Item:
         return pytest.mark.server_env("vllm").mark if self._server and name == "server_env" else None
 
 
-@pytest.fixture
-def pytester_items(hooks):
-    # test_b.py holds one server test, so both its tests move, in order, behind the others; the
-    # other files keep whole, those with more tests first (as pytest-xdist orders them itself)
+def _items() -> list[_Item]:
     items = [_Item("test_a.py", False), _Item("test_b.py", False), _Item("test_b.py", True)]
-    items += [_Item("test_a.py", False), _Item("test_c.py", False)] + [_Item("test_d.py", False)] * 3
+    return items + [_Item("test_a.py", False), _Item("test_c.py", False)] + [_Item("test_d.py", False)] * 3
+
+
+@pytest.fixture
+def pytester_items(hooks, monkeypatch, tmp_path):
+    # test_b.py holds one server test, so both its tests move, in order, behind the others; with no
+    # recorded durations the other files keep whole, those with more tests first
+    monkeypatch.setattr(hooks, "DURATIONS", tmp_path / "none.json")
+    items = _items()
     hooks.pytest_collection_modifyitems(items)
     return items
