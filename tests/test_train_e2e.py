@@ -68,14 +68,14 @@ def _train(config: Path, *overrides: str, nproc: int = 0) -> subprocess.Complete
 
 
 @pytest.fixture(scope="module")
-def straight(setup) -> tuple[Path, subprocess.CompletedProcess]:
+def straight_run(setup) -> tuple[Path, subprocess.CompletedProcess]:
     """The config's run as it is (4 steps, a checkpoint every 2): the reference of the resume and
     disk-sync comparisons too."""
     return setup["root"] / "runs" / "full", _train(setup["config"], "experiment.name=full")
 
 
-def test_train_writes_metrics_checkpoints_and_model(setup, straight):
-    run, proc = straight
+def test_train_writes_metrics_checkpoints_and_model(setup, straight_run):
+    run, proc = straight_run
     assert f"metrics:    {run / 'metrics.jsonl'}" in proc.stdout
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -101,11 +101,11 @@ def test_train_writes_metrics_checkpoints_and_model(setup, straight):
     assert again.returncode == 2 and "trainer.resume=true" in again.stderr and "Traceback" not in again.stderr
 
 
-def test_resume_continues_exactly(setup, straight):
+def test_resume_continues_exactly(setup, straight_run):
     runs = setup["root"] / "runs"
     _train(setup["config"], "experiment.name=resumed", "trainer.total_steps=2")
     _train(setup["config"], "experiment.name=resumed", "trainer.total_steps=4", "trainer.resume=true")
-    straight = {r["step"]: r for r in read_metrics(straight[0] / "metrics.jsonl")}
+    straight = {r["step"]: r for r in read_metrics(straight_run[0] / "metrics.jsonl")}
     resumed = {r["step"]: r for r in read_metrics(runs / "resumed" / "metrics.jsonl")}
     assert sorted(resumed) == [1, 2, 3, 4]
     for step in (3, 4):
@@ -113,7 +113,7 @@ def test_resume_continues_exactly(setup, straight):
             assert resumed[step][key] == pytest.approx(straight[step][key], rel=1e-5, abs=1e-7), (step, key)
 
 
-def test_weight_sync_through_disk_matches_memory(setup, straight):
+def test_weight_sync_through_disk_matches_memory(setup, straight_run):
     """The straight run (weights to the hf engine in memory) and a run syncing through disk agree
     step for step (saving checkpoints does not touch the metrics: the resume test holds it)."""
     runs = setup["root"] / "runs"
@@ -124,7 +124,7 @@ def test_weight_sync_through_disk_matches_memory(setup, straight):
         "saver.every_n_steps=0",
         "rollout.weight_sync=disk",
     )
-    mem = read_metrics(straight[0] / "metrics.jsonl")[:3]
+    mem = read_metrics(straight_run[0] / "metrics.jsonl")[:3]
     disk = read_metrics(runs / "disk" / "metrics.jsonl")
     assert len(disk) == 3
     for a, b in zip(mem, disk):
