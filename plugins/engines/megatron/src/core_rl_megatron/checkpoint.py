@@ -234,6 +234,22 @@ def _load_megatron_optimizer(engine: MegatronEngine, directory: Path) -> None:
         ):
             with _scalar_states_set_aside(inner.optimizer):
                 inner.load_parameter_state_from_dp_zero(part)
+    for inner in _chained(optimizer):
+        own_scalar_states(inner.optimizer)
+
+
+def own_scalar_states(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter its own copy of each scalar state tensor (AdamW's ``step``).
+
+    Without Apex or Transformer Engine, megatron-core's distributed optimizer loads one ``step``
+    tensor into every parameter's state, and torch's optimizer keeps the tensor it is given. The
+    next ``step()`` then adds 1 to that shared tensor once per parameter, so Adam's bias corrections
+    use a step count as large as the number of parameters: the update after a resume is not the
+    uninterrupted run's."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() == 0:
+                state[key] = value.clone()
 
 
 @contextlib.contextmanager
