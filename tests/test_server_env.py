@@ -29,7 +29,8 @@ def _spec(tmp_path: Path, marker: str = "one", fail: bool = False) -> ServerEnvS
     def fixup(directory: Path) -> None:
         (directory / "fixed.txt").write_text(marker)
 
-    step = ["-c", "import sys; sys.exit(4)"] if fail else ["-c", f"open('step.txt', 'w').write({marker!r})"]
+    marker_file = str(tmp_path / "step.txt")
+    step = ["-c", "import sys; sys.exit(4)"] if fail else ["-c", f"open({marker_file!r}, 'w').write({marker!r})"]
     return ServerEnvSpec(
         name="toy",
         steps={"cpu": [step, ["-m", "pip", "install", "-q", "-r", str(req)]]},
