@@ -6,8 +6,9 @@ themselves (their servers run from their own environments), and a helpful error 
 not installed.
 
 Slow (a fresh venv with torch and core-rl's dependencies; pip's cache makes reruns faster). Skipped
-only when pip cannot reach its package index. A second clean venv checks that ``core-rl[megatron]``
-adds megatron-core and the plugin and nothing heavy.
+only when pip cannot reach its package index. Last, ``pip install "core-rl[megatron]"`` into that
+venv must add megatron-core and the plugin and nothing heavy (the file's last tests: the venv then
+holds more than the extras above).
 """
 
 from __future__ import annotations
@@ -261,22 +262,20 @@ HEAVY_PREFIXES = ("nvidia-", "cuda-", "triton", "transformer-engine", "apex", "f
 
 
 @pytest.fixture(scope="module")
-def megatron_installation(
-    tmp_path_factory: pytest.TempPathFactory, wheels: dict[str, Path], installation: Installation
-) -> Installation:
-    """A second clean venv after ``pip install "core-rl[megatron]"`` from the wheelhouse (after the
-    first one, so pip's cache already holds the core's dependencies)."""
-    return install_extras(tmp_path_factory.mktemp("packaging_megatron"), wheels, (MEGATRON_EXTRA,))
+def megatron_installation(installation: Installation) -> Installation:
+    """The clean venv after ``pip install "core-rl[megatron]"`` on top of the extras: pip's report then
+    lists exactly what the megatron extra adds."""
+    report = installation.scratch / "megatron-install-report.json"
+    wheel_dir = next(iter(installation.wheels.values())).parent
+    pu.pip_install(installation.python, "--find-links", wheel_dir, "--report", report, f"core-rl[{MEGATRON_EXTRA}]")
+    added = {pu.normalise(item["metadata"]["name"]): item for item in json.loads(report.read_text())["install"]}
+    return attrs.evolve(installation, installed_by_report=added)
 
 
-def test_megatron_extra_adds_megatron_core_and_the_plugin_only(
-    installation: Installation, megatron_installation: Installation
-) -> None:
-    """Against the installation of other extras, ``core-rl[megatron]`` adds exactly megatron-core
+def test_megatron_extra_adds_megatron_core_and_the_plugin_only(megatron_installation: Installation) -> None:
+    """On top of the installation of other extras, ``core-rl[megatron]`` adds exactly megatron-core
     (a binary wheel) and core-rl-megatron; torch stays the local CPU build; nothing CUDA comes in."""
-    plugins = {name for extra in EXTRAS for name in extra_distributions(extra)}
-    base = set(installation.installed_by_report) - plugins
-    added = set(megatron_installation.installed_by_report) - base
+    added = set(megatron_installation.installed_by_report)
     assert added == {"core-rl-megatron", "megatron-core"}, sorted(added)
     megatron_core = megatron_installation.installed_by_report["megatron-core"]["download_info"]["url"]
     assert megatron_core.endswith(".whl"), f"megatron-core came as a source build: {megatron_core}"
