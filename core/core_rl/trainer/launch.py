@@ -17,7 +17,9 @@ It is ``torchrun --nproc-per-node N [--nnodes M ...] -m core_rl.cli train CONFIG
   only: on several, a failure ends the run on every node, and launching again resumes);
 - SIGINT / SIGTERM to the launcher go to every worker, which finishes its step, saves a checkpoint
   and stops; the agent waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (default here 120) before
-  killing them.
+  killing them;
+- when a worker fails, the agent sends SIGTERM to the others and kills those still running 30 s
+  later (torch's fixed grace on that path: a stopped or hung rank holds the run's exit that long).
 
 Exit status: 0, the status of the first worker that failed, or 3 after a signal.
 """
