@@ -85,15 +85,18 @@ def test_lean_steps_give_the_forwards_logits(name: str) -> None:
     assert first.shape == (len(prompts), VOCAB)
 
 
+@pytest.mark.parametrize("attn", ["sdpa_float32", "sdpa"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 @torch.inference_mode()
-def test_mixed_precision_steps_give_the_autocast_forwards_logits(name: str) -> None:
-    """With ``compute_dtype=bfloat16`` the lean steps (bf16 projections on fused weight copies,
-    float32 attention over float32 keys/values) give the logits of the model's forward under
-    bf16 autocast with the ``sdpa_float32`` attention, the training forward's arithmetic; they
-    differ from the float32 logits by far more than from that forward."""
+def test_mixed_precision_steps_give_the_autocast_forwards_logits(name: str, attn: str) -> None:
+    """With ``compute_dtype=bfloat16`` the lean steps (bf16 projections on fused weight copies)
+    give the logits of the model's forward under bf16 autocast, the training forward's arithmetic,
+    with either attention the engines load: ``sdpa_float32`` (a CPU's: float32 attention over
+    float32 keys/values) or ``sdpa`` (a GPU's: autocast runs SDPA in bf16, as it does on a CPU);
+    they differ from the float32 logits by far more than from that forward."""
     model = MODELS[name]()
-    model.set_attn_implementation(attention.register())
+    model.set_attn_implementation(attention.register() if attn == attention.NAME else attn)
+    assert model.config._attn_implementation == attn
     prompts = [[1, 5, 6, 7, 8], [1, 9], [1, 10, 11], [3]]
     bf16 = torch.bfloat16
     lean, _ = _prefilled(model, LeanStepper, prompts, capacity=16, compute_dtype=bf16)

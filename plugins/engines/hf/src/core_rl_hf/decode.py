@@ -19,9 +19,11 @@ small interface (``step(tokens, done) -> logits [B, V]``, ``keep(rows)``):
 
 Mixed precision (``compute_dtype``, the engine's ``autocast_dtype``): :class:`LeanStepper` runs
 the projections (q/k/v/o, the MLP, the output head) on copies of their weights in that dtype, made
-once per stepper, and keeps the embeddings, norms, rotary embedding, attention (and its key/value
-buffers) and the residual stream in the weights' dtype: the arithmetic of a forward under
-``torch.autocast`` with the ``sdpa_float32`` attention (:mod:`core_rl.engine_utils.attention`).
+once per stepper, and keeps the embeddings, norms, rotary embedding and the residual stream in the
+weights' dtype: the arithmetic of a forward under ``torch.autocast``. Attention (and its key/value
+buffers) follows the model's attention implementation as autocast runs it: with ``sdpa_float32``
+(:mod:`core_rl.engine_utils.attention`, what the engines load on a CPU) in the weights' dtype, with
+``sdpa`` (on a GPU) in ``compute_dtype``, as autocast casts SDPA's inputs.
 :class:`TransformersStepper` runs the forward under ``torch.autocast``.
 
 A row whose response is finished is fed a filler token whose outputs are discarded until it is
@@ -37,6 +39,7 @@ from typing import Any
 import attrs
 import torch
 import torch.nn.functional as F
+from core_rl.engine_utils import attention
 
 from core_rl_hf.kv_cache import preallocate
 
@@ -132,10 +135,12 @@ class LeanStepper:
         static: bool = False,
     ) -> None:
         self.model = model
-        self.state_dtype = model.lm_head.weight.dtype  # residual stream, norms, rotary, attention
+        self.state_dtype = model.lm_head.weight.dtype  # residual stream, norms, rotary
         self.dtype = compute_dtype or self.state_dtype  # the projections
         self.weights = [_layer_weights(layer, self.dtype) for layer in model.model.layers]
         self.head_weight = model.lm_head.weight.detach().to(self.dtype)
+        float32_attention = getattr(model.config, "_attn_implementation", None) == attention.NAME
+        self.attention_dtype = self.state_dtype if float32_attention else self.dtype  # keys/values too
         # the model's own rotary embedding (Llama's and Qwen2's modules each define it)
         self.apply_rope = sys.modules[type(model).__module__].apply_rotary_pos_emb
         self.layers = list(model.model.layers)
@@ -147,7 +152,7 @@ class LeanStepper:
         self.capacity = max(capacity, length + 1)
         keys, _ = _layer_states(cache, 0)
         shape = (rows, keys.shape[1], self.capacity, keys.shape[-1])
-        zeros = dict(dtype=self.state_dtype, device=keys.device)
+        zeros = dict(dtype=self.attention_dtype, device=keys.device)
         self.keys = [torch.zeros(shape, **zeros) for _ in self.layers]
         self.values = [torch.zeros(shape, **zeros) for _ in self.layers]
         self.mask = attention_mask.new_zeros((rows, self.capacity), dtype=torch.bool)
@@ -218,7 +223,7 @@ class LeanStepper:
             k = k.view(batch, 1, -1, self.head_dim).transpose(1, 2)
             v = v.view(batch, 1, -1, self.head_dim).transpose(1, 2)
             q, k = self.apply_rope(q, k, cos, sin)
-            q, k, v = q.to(self.state_dtype), k.to(self.state_dtype), v.to(self.state_dtype)
+            q, k, v = q.to(self.attention_dtype), k.to(self.attention_dtype), v.to(self.attention_dtype)
             self._write(self.keys[i], k)
             self._write(self.values[i], v)
             out = F.scaled_dot_product_attention(
