@@ -169,6 +169,9 @@ def test_unsupported_models_fall_back_to_the_forward(tiny_gpt2_path: Path) -> No
     assert not lean_supported(training)
     gelu = _model("llama", hidden_act="gelu")
     assert not lean_supported(gelu)
+    dynamic_rope = _model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    assert not lean_supported(dynamic_rope)
+    assert lean_supported(_model("llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}))
     with torch.inference_mode():
         input_ids, mask, positions = left_pad([[1, 2, 3]], 0, torch.device("cpu"))
         out = gpt2(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)

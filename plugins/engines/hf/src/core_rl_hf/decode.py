@@ -50,7 +50,9 @@ LEAN_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 def lean_supported(model: torch.nn.Module) -> bool:
     """Whether :class:`LeanStepper` computes ``model`` exactly as its forward does: a Llama or
     Qwen2 causal LM (exactly those classes) with SiLU-gated MLPs without biases, full attention on
-    every layer (no sliding window) and no attention dropout in effect."""
+    every layer (no sliding window), no attention dropout in effect, and rotary frequencies that do
+    not depend on the sequence length (not the ``dynamic`` or ``longrope`` types, whose update reads
+    the length back to the host and so cannot be captured in a CUDA graph)."""
     if type(model).__name__ not in LEAN_ARCHITECTURES or model.training:
         return False
     config = model.config
@@ -60,6 +62,9 @@ def lean_supported(model: torch.nn.Module) -> bool:
         return False
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not layers:
+        return False
+    rope_type = getattr(getattr(model.model, "rotary_emb", None), "rope_type", "default")
+    if not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope":
         return False
     for layer in layers:
         mlp = layer.mlp

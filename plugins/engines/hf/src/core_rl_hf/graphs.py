@@ -59,9 +59,14 @@ class GraphedDecoder:
 
     def _capture(self) -> torch.cuda.CUDAGraph:
         device = self.state.feed.device
+        # the capture begins on the current device's stream: make the engine's device current (it
+        # need not be, e.g. rollout.engine.device cuda:1 beside a trainer on cuda:0)
+        with torch.cuda.device(device):
+            return self._capture_on(device)
+
+    def _capture_on(self, device: torch.device) -> torch.cuda.CUDAGraph:
         generator = self.state.generator
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        rng = generator or torch.cuda.default_generators[index]
+        rng = generator or torch.cuda.default_generators[torch.cuda.current_device()]
         rng_state = rng.get_state()
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -72,7 +77,7 @@ class GraphedDecoder:
         if generator is not None:  # the default generator is registered by the capture itself
             graph.register_generator_state(generator)
         # thread_local: CUDA work of other threads (a train engine beside an async rollout) may go on
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream(device), capture_error_mode="thread_local"):
             self._advance()
         rng.set_state(rng_state)
         return graph
