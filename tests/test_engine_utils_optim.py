@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from core_rl.config.schema import OptimizerConfig, SchedulerConfig
-from core_rl.engine_utils.optim import adamw_kernel, build_optimizer, lr_at, warmup_steps
+from core_rl.engine_utils.optim import adamw_kernel, build_optimizer, lr_at, settle_scalar_states, warmup_steps
 
 
 def test_constant_with_warmup() -> None:
@@ -89,3 +89,49 @@ def test_adamw_auto_kernel_choice() -> None:
     assert adamw_kernel([], "auto") == {}
     assert adamw_kernel(plain, "for_loop") == {"foreach": False}
     assert build_optimizer(plain, OptimizerConfig(implementation="auto")).param_groups[0]["fused"] is True
+
+
+@pytest.mark.parametrize("kernel", [{}, {"foreach": True}, {"fused": True}, {"capturable": True}])
+def test_settled_scalar_states_are_each_parameters_own_where_its_kernel_reads_them(kernel: dict) -> None:
+    """As loaders leave it: one ``step`` tensor shared by every parameter (megatron-core's
+    distributed optimizer), on the CPU whatever the kernel (torch placing it by a saving run's
+    flags). Parameters on the ``meta`` device stand for a GPU's: the fused and capturable kernels
+    read ``step`` there (as float32), the others on the CPU."""
+    params = [torch.nn.Parameter(torch.empty(n, device="meta")) for n in (3, 5)]
+    optimizer = torch.optim.AdamW(params, lr=0.1)
+    optimizer.param_groups[0].update(kernel)
+    shared = torch.tensor(7.0, dtype=torch.float64)
+    for p in params:
+        optimizer.state[p] = {"step": shared, "exp_avg": torch.zeros_like(p)}
+    settle_scalar_states(optimizer)
+    steps = [optimizer.state[p]["step"] for p in params]
+    on_device = bool(kernel.get("fused") or kernel.get("capturable"))
+    assert [s.device.type for s in steps] == ["meta" if on_device else "cpu"] * 2
+    assert len({id(s) for s in steps} | {id(shared)}) == 3  # each its own
+    if on_device:
+        assert all(s.dtype == torch.float32 for s in steps)
+    else:
+        assert [s.item() for s in steps] == [7.0, 7.0] and all(s.dtype == torch.float64 for s in steps)
+    assert all(optimizer.state[p]["exp_avg"].device.type == "meta" for p in params)  # tensors left alone
+
+
+def test_a_settled_shared_step_advances_once_per_step() -> None:
+    """The failure :func:`settle_scalar_states` prevents, on real AdamW steps: a ``step`` tensor
+    shared by the parameters advances once per parameter."""
+    grads = [torch.ones(2), torch.ones(3), torch.ones(4)]
+
+    def run(settle: bool) -> list[float]:
+        params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        optimizer = torch.optim.AdamW(params, lr=0.1, foreach=True)
+        shared = torch.tensor(1.0)
+        for p in params:
+            optimizer.state[p] = {"step": shared, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        if settle:
+            settle_scalar_states(optimizer)
+        for p, g in zip(params, grads):
+            p.grad = g
+        optimizer.step()
+        return [optimizer.state[p]["step"].item() for p in params]
+
+    assert run(settle=False) == [4.0, 4.0, 4.0]  # 1 + one increment per parameter
+    assert run(settle=True) == [2.0, 2.0, 2.0]

@@ -8,7 +8,8 @@ state of its own beyond the step count that checkpoints already carry.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -54,6 +55,32 @@ def adamw_kernel(params: list[torch.nn.Parameter], implementation: str) -> dict[
         type(p.data) is torch.Tensor and p.device.type in FUSED_DEVICES and p.dtype in FUSED_DTYPES for p in params
     )
     return {"fused": True} if params and plain else {}
+
+
+def placed_scalar_state(value: torch.Tensor, param: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
+    """A copy of a scalar of a parameter's optimizer state (AdamW's ``step``) where torch's kernel
+    for ``group`` reads it: on the parameter's device as float32 for the fused and capturable
+    implementations, on the CPU otherwise (torch's own rule when it creates the state)."""
+    if group.get("fused") or group.get("capturable"):
+        return value.to(device=param.device, dtype=torch.float32, copy=True)
+    return value.to(device="cpu", copy=True)
+
+
+def settle_scalar_states(optimizer: torch.optim.Optimizer) -> None:
+    """After loading saved optimizer state: each parameter's scalar state its own tensor, placed
+    by :func:`placed_scalar_state` for the kernel this run uses.
+
+    Loaders leave it otherwise: torch's ``load_state_dict`` places ``step`` by the *saved* groups'
+    kernel flags (a checkpoint from a run whose parameters were DTensors, which use the foreach
+    kernel, leaves it on the CPU, where a fused CUDA kernel refuses it), and megatron-core's
+    distributed optimizer loads one tensor into every parameter's state (torch then adds 1 to it
+    once per parameter at each step, and Adam's bias corrections go wrong)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            for key, value in (state or {}).items():
+                if torch.is_tensor(value) and value.dim() == 0:
+                    state[key] = placed_scalar_state(value, param, group)
 
 
 def warmup_steps(config: SchedulerConfig) -> int:

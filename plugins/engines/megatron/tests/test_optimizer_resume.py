@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import mcore_cpu_shim
 import pytest
 import torch
-from core_rl_megatron.checkpoint import own_scalar_states
+from core_rl.engine_utils.optim import settle_scalar_states
 from megatron.core.optimizer import distrib_optimizer
 from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
@@ -82,7 +82,7 @@ def test_a_resumed_distributed_optimizer_steps_like_the_uninterrupted_one(resume
     for p, moments in zip(copies, saved_moments, strict=True):  # what load_parameter_state_from_dp_zero does
         for key, value in moments.items():
             resumed.state[p][key].copy_(value)
-    own_scalar_states(resumed)
+    settle_scalar_states(resumed)
     for g in grads[resume_after:]:
         _step(resumed, g)
 

@@ -35,7 +35,7 @@ from core_rl.engine_utils import hf, lora
 from core_rl.engine_utils import state as state_files
 from core_rl.engine_utils.buckets import hf_buckets
 from core_rl.engine_utils.export import export_model_dir
-from core_rl.engine_utils.optim import build_optimizer, check_schedule
+from core_rl.engine_utils.optim import build_optimizer, check_schedule, placed_scalar_state
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner, check_temperature
 from core_rl.interfaces import TrainEngine
 from core_rl.protocol import TensorBatch
@@ -351,7 +351,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         for flat in flats:
             base.state[flat] = {
                 key: (
-                    _scalar_state(value, flat, flags)
+                    placed_scalar_state(value, flat, flags)
                     if value.dim() == 0
                     else torch.zeros_like(flat, dtype=torch.float32)
                 )
@@ -383,11 +383,3 @@ def _placed(tensor: torch.Tensor, device: str | None, own: bool = False) -> torc
     if device is None:
         return tensor.clone() if own else tensor
     return tensor.to(device, copy=True)
-
-
-def _scalar_state(value: torch.Tensor, flat: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
-    """A saved scalar of the optimizer state (AdamW's ``step``) where torch's optimizer keeps it: on
-    the parameter's device for the fused and capturable implementations (whose kernels read it
-    there), on the CPU otherwise."""
-    on_device = bool(group.get("fused") or group.get("capturable"))
-    return value.clone().to(flat.device if on_device else "cpu")

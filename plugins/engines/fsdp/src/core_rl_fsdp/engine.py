@@ -24,7 +24,7 @@ from core_rl.engine_utils import lora
 from core_rl.engine_utils.buckets import hf_buckets
 from core_rl.engine_utils.export import export_model_dir
 from core_rl.engine_utils.hf import architecture_name, exported_architecture, torch_dtype
-from core_rl.engine_utils.optim import build_optimizer, check_schedule
+from core_rl.engine_utils.optim import build_optimizer, check_schedule, settle_scalar_states
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner, check_temperature
 from core_rl.engine_utils.state import write_collectively, write_meta
 from core_rl.interfaces import TrainEngine
@@ -277,6 +277,7 @@ class FSDPEngine(EngineState, TrainEngine):
                     if key != "params" and isinstance(value, list):
                         group[key] = tuple(value)
                 group.update(kernel)
+            settle_scalar_states(self.optimizer)  # ``step`` where this run's kernel reads it
         self._step = int(meta["step"])
         rng_dir = final / "rng"
         if (rng_dir / f"rank{self.rank}.json").is_file():

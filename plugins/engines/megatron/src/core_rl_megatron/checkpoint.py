@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from core_rl import checkpointing as ckpt
 from core_rl.engine_utils import distributed as dist_utils
+from core_rl.engine_utils.optim import settle_scalar_states
 from core_rl.engine_utils.state import write_collectively, write_meta
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
@@ -235,21 +236,9 @@ def _load_megatron_optimizer(engine: MegatronEngine, directory: Path) -> None:
             with _scalar_states_set_aside(inner.optimizer):
                 inner.load_parameter_state_from_dp_zero(part)
     for inner in _chained(optimizer):
-        own_scalar_states(inner.optimizer)
-
-
-def own_scalar_states(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter its own copy of each scalar state tensor (AdamW's ``step``).
-
-    Without Apex or Transformer Engine, megatron-core's distributed optimizer loads one ``step``
-    tensor into every parameter's state, and torch's optimizer keeps the tensor it is given. The
-    next ``step()`` then adds 1 to that shared tensor once per parameter, so Adam's bias corrections
-    use a step count as large as the number of parameters: the update after a resume is not the
-    uninterrupted run's."""
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.dim() == 0:
-                state[key] = value.clone()
+        # without Apex or Transformer Engine megatron-core loads one ``step`` tensor into every
+        # parameter's AdamW state: each gets its own
+        settle_scalar_states(inner.optimizer)
 
 
 @contextlib.contextmanager
