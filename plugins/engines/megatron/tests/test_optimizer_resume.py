@@ -90,3 +90,17 @@ def test_a_resumed_distributed_optimizer_steps_like_the_uninterrupted_one(resume
     assert steps == [float(len(grads))] * len(copies)
     for before, after in zip(params, copies, strict=True):
         assert torch.equal(before, after)
+
+
+def test_optimizer_state_is_saved_once_an_update_has_run() -> None:
+    """Before any update (every step so far empty or skipped) there is nothing to save, for the
+    CPU path's torch optimizer and for Megatron's (shaped as ``ChainedOptimizer``: each part's
+    ``optimizer`` a torch one), whose distributed ``state_dict`` could not run then."""
+    from core_rl_megatron.checkpoint import _has_state
+
+    params = [torch.nn.Parameter(torch.ones(3))]
+    adamw = _adamw(params)
+    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=adamw)])
+    assert not _has_state(adamw) and not _has_state(chained)
+    _step(adamw, [torch.ones(3)])
+    assert _has_state(adamw) and _has_state(chained)

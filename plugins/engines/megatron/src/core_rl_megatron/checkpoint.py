@@ -92,10 +92,14 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, key: str, param: torch.nn
 
 
 def _has_state(optimizer: Any) -> bool:
+    """Whether ``optimizer`` holds state to save: a torch optimizer (the CPU path), or Megatron's,
+    whose torch optimizers have state once an update has run (before one, the distributed
+    optimizer cannot save: its ``state_dict`` reads AdamW's step; a resume then builds a fresh
+    optimizer from the loaded weights, which is what it would hold)."""
     inner = getattr(optimizer, "state", None)
     if isinstance(inner, Mapping):
         return any(len(s) > 0 for s in inner.values())
-    return True  # Megatron's optimizers: always saved
+    return any(len(part.optimizer.state) > 0 for part in _chained(optimizer))
 
 
 def save(engine: MegatronEngine, final: Path, extra: Mapping[str, Any]) -> None:
