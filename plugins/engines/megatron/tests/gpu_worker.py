@@ -1,7 +1,8 @@
 """GPU worker of ``test_gpu.py``, launched by ``torchrun`` (NCCL): the engine with Megatron's own
 schedules and optimizer in the layout given by ``--options`` (a JSON ``actor.engine`` section),
 against the ``fsdp`` engine on the same GPUs and rows, and against Hugging Face log-probs; then a
-save / resume round and a Hugging Face export; then a critic (``head="value"``: under pipeline
+save / resume round and a Hugging Face export; a frozen engine (a reference model) in the same
+layout computes the trainable one's log-probs; then a critic (``head="value"``: under pipeline
 parallelism its head lives on the last stage) against the ``fsdp`` critic. Rank 0 writes
 ``result.json`` to ``--out``."""
 
@@ -36,6 +37,9 @@ def main() -> None:
     lp = engine.compute_logprobs(mine)
     want = hf_logprobs(args.model, mine["input_ids"], mine["attention_mask"])
     lp_error = (lp - want).abs().max().item()
+    frozen = MegatronEngine(common.actor(args.model), cfg, trainable=False)  # a reference model's engine
+    frozen_lp_diff = (frozen.compute_logprobs(mine) - lp).abs().max().item()
+    frozen.close()
 
     metrics = common.train(engine, range(1), rank, world)
     engine.save_state(out / "ckpt", {"k": 1})
@@ -70,6 +74,7 @@ def main() -> None:
         result = {
             "world": world,
             "lp_error": lp_error,
+            "frozen_lp_diff": frozen_lp_diff,
             "metrics": metrics,
             "resumed_metrics": resumed_metrics,
             "fsdp_metrics": fsdp_metrics,

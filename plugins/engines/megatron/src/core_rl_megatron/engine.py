@@ -121,10 +121,10 @@ class MegatronEngine(EngineState, TrainEngine):
         if trainable:
             self.model = mcore_model.wrap_chunks(chunks, cfg, self.tconfig)
         else:
-            for chunk in chunks:
+            self.model = mcore_model.float16_wrapped(chunks, cfg, self.tconfig)
+            for chunk in self.model:
                 chunk.requires_grad_(False)
                 chunk.eval()
-            self.model = chunks
         self.params = mcore_model.global_parameters(self.model)
         self.replica = parallel.ReplicaRows()
         self.runner = _ReplicaRunner(self)

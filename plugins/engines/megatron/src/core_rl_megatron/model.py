@@ -156,13 +156,18 @@ def wrap_chunks(
         bucket_size=cfg.ddp.bucket_size,
         check_for_nan_in_grad=cfg.ddp.check_for_nan_in_grad,
     )
-    wrapped = []
-    for i, chunk in enumerate(chunks):
-        module: nn.Module = Float16Module(tconfig, chunk) if cfg.bf16 else chunk
-        wrapped.append(
-            DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=module, disable_bucketing=i > 0)
-        )
-    return wrapped
+    return [
+        DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=module, disable_bucketing=i > 0)
+        for i, module in enumerate(float16_wrapped(chunks, cfg, tconfig))
+    ]
+
+
+def float16_wrapped(chunks: Sequence[GPTModel], cfg: MegatronConfig, tconfig: TransformerConfig) -> list[nn.Module]:
+    """With ``bf16`` each chunk inside Megatron's ``Float16Module``: every parameter in bf16 (the
+    norms too, which megatron-core builds in float32 without Transformer Engine), inputs cast on
+    the first pipeline stage, outputs back to float32 on the last; without, the chunks as they are.
+    Trainable and frozen engines (a reference model) wrap alike, so they compute alike."""
+    return [Float16Module(tconfig, chunk) if cfg.bf16 else chunk for chunk in chunks]
 
 
 def unwrap(module: nn.Module) -> GPTModel:
