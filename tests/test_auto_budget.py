@@ -80,6 +80,18 @@ def test_gpu_budget_from_free_memory_less_the_pending_optimizer_state(model_dir,
     assert cfg.actor.micro_batch.max_tokens_per_mb == 10240
 
 
+def test_an_engine_that_says_what_its_first_step_allocates_is_taken_at_its_word(model_dir, monkeypatch):
+    """An engine whose gradient buffers and master copies exist from its build (``megatron``) says
+    what is still to come (``pending_state_bytes()``): that, not 3 x its build's memory."""
+    cfg = RunConfig(actor=_actor(model_dir))
+    engine = SimpleNamespace(device=CUDA0, pending_state_bytes=lambda: GIB)
+    built = [BuiltEngine("actor", cfg.actor, engine, trainable=True, weight_bytes=5 * GIB)]
+    _free(monkeypatch, 40)
+    chosen = resolve_auto_budgets(cfg, built, out=io.StringIO())
+    # usable 40 - 1 = 39 GiB: 0.5 x 39 GiB / 4012800 = 5217.7 tokens -> 5120 (with 3 x 5 GiB: 25 GiB -> 3328)
+    assert chosen[0].value == 5120
+
+
 def test_each_section_is_resolved_with_every_trained_role_on_its_device(model_dir, monkeypatch):
     cfg = RunConfig(actor=_actor(model_dir), critic=CriticConfig(model_path=str(model_dir)))
     built = [

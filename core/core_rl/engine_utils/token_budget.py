@@ -13,7 +13,10 @@ what fits in the memory left free, with half of it kept in reserve::
   plus what torch's caching allocator holds unused; the least over the ranks;
 - ``pending``: what the trained roles on that device allocate at their first optimiser step:
   their gradients and optimiser state (:func:`pending_state_bytes`: with AdamW, 3 x the weights'
-  bytes on this rank, measured while each engine was built, so sharding and offloading count);
+  bytes on this rank, measured while each engine was built, so sharding and offloading count),
+  or what the engine itself says (a ``pending_state_bytes()`` method: the ``megatron`` engine's
+  gradient buffers and float32 master copies exist from its build, so only the optimiser's
+  state is still to come);
 - ``bytes_per_token``: the activations one token of a micro-batch keeps for backward
   (:func:`activation_bytes_per_token`): per decoder layer ``8 x hidden + 4 x intermediate`` values
   in the compute dtype, plus, for a language-model head, the vocabulary-sized logits: one copy in
@@ -133,8 +136,13 @@ def pending_state_bytes(weight_bytes: int, *, optimizer: str, momentum: float = 
     adapters train)."""
     if lora:
         return 0
-    states = 2 if optimizer == "adamw" else (1 if momentum > 0 else 0)
-    return weight_bytes * (1 + states)
+    return weight_bytes * (1 + optimizer_states(optimizer, momentum))
+
+
+def optimizer_states(optimizer: str, momentum: float = 0.0) -> int:
+    """Tensors the optimiser keeps per parameter, each its size: AdamW two moments, SGD one
+    momentum buffer with ``momentum > 0``, none without."""
+    return 2 if optimizer == "adamw" else (1 if momentum > 0 else 0)
 
 
 def gpu_token_budget(usable_bytes: int, bytes_per_token: int) -> int:

@@ -116,11 +116,16 @@ def free_bytes(device: Any) -> int:
 
 
 def pending_bytes(built: Sequence[BuiltEngine], device: Any) -> int:
-    """What the trained engines on ``device`` will allocate at their first optimiser step
+    """What the trained engines on ``device`` will allocate at their first optimiser step: what an
+    engine with a ``pending_state_bytes()`` method says, else the estimate from its build
     (:func:`core_rl.engine_utils.token_budget.pending_state_bytes`)."""
     total = 0
     for b in built:
         if b.trainable and b.device == device:
+            own = getattr(b.engine, "pending_state_bytes", None)
+            if callable(own):
+                total += int(own())
+                continue
             opt = b.section.optimizer
             total += tb.pending_state_bytes(
                 b.weight_bytes, optimizer=opt.name, momentum=opt.momentum, lora=b.section.lora.enabled

@@ -113,3 +113,23 @@ def test_an_attended_pad_token_trains_as_in_transformers(tiny_model: Path) -> No
     torch.testing.assert_close(finals[0]["model.embed_tokens.weight"][pad], before * (1 - lr * wd))
     for e in engines:
         e.close()
+
+
+def test_pending_state_bytes_are_what_the_first_step_allocates(tiny_model: Path) -> None:
+    """What the engine tells the ``auto`` budget is still to come (its gradient buffers exist from
+    the build) equals the optimizer state its first update creates; a frozen engine has none."""
+    trained = engine(tiny_model)
+    pending = trained.pending_state_bytes()
+    assert pending > 0 and not trained.optimizer.state
+    common.train(trained, range(1), 0, 1)
+    created = sum(
+        t.numel() * t.element_size()
+        for state in trained.optimizer.state.values()
+        for t in state.values()
+        if t.dim() > 0
+    )
+    assert pending == created
+    trained.close()
+    frozen = MegatronEngine(common.actor(str(tiny_model)), MegatronConfig(), trainable=False)
+    assert frozen.pending_state_bytes() == 0
+    frozen.close()

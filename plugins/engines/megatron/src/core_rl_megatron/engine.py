@@ -142,6 +142,10 @@ class MegatronEngine(EngineState, TrainEngine):
 
     # ------------------------------------------------------------------ set-up
 
+    def pending_state_bytes(self) -> int:
+        """See :func:`core_rl_megatron.optim.pending_state_bytes` (0 for a frozen engine)."""
+        return 0 if self.optimizer is None else optim.pending_state_bytes(self.optimizer, self.actor.optimizer)
+
     def _build_optimizer(self) -> Any:
         if not self.use_megatron_schedule:
             return build_optimizer(self._trainable_params(), self.actor.optimizer)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from core_rl.config.schema import OptimizerConfig
+from core_rl.engine_utils.token_budget import optimizer_states
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
@@ -53,6 +54,16 @@ def megatron_optimizer(
     for group in optimizer.param_groups:
         group["weight_decay"] = opt.weight_decay
     return optimizer
+
+
+def pending_state_bytes(optimizer: Any, opt: OptimizerConfig) -> int:
+    """Device bytes ``optimizer``'s first step still allocates (the ``auto`` micro-batch budget
+    leaves them free): its state for each tensor it updates, each that tensor's size (AdamW two
+    moments, SGD a momentum buffer). Those tensors are the float32 master copies with Megatron's
+    optimizer (this rank's shard of them under the distributed optimizer), the parameters with the
+    CPU one; DDP's gradient buffers and the master copies exist from the engine's build."""
+    updated = sum(p.numel() * p.element_size() for group in optimizer.param_groups for p in group["params"])
+    return updated * optimizer_states(opt.name, opt.momentum)
 
 
 def install_schedule_hooks(tconfig: Any, model: list[Any], ddp: DDPConfig) -> None:
