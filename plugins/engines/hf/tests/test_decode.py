@@ -158,6 +158,40 @@ def test_lean_step_equals_a_full_forward_over_the_sequence() -> None:
     torch.testing.assert_close(last[0], full, atol=1e-5, rtol=0)
 
 
+@torch.inference_mode()
+def test_refreshed_weights_are_the_models_current_ones_cast() -> None:
+    """A weight update between two batches of a reused (graphed) stepper: ``refresh_weights``
+    copies the model's new weights into the stepper's bf16 fused copies in place (a captured graph
+    keeps reading those tensors), as a stepper built afresh would hold them."""
+    model = MODELS["llama-gqa-bias"]()
+    prompts = [[1, 5, 6, 7, 8], [1, 9]]
+    bf16 = torch.bfloat16
+    stepper, _ = _prefilled(model, LeanStepper, prompts, capacity=16, compute_dtype=bf16)
+    held = [t.data_ptr() for w in stepper.weights for p in (w.qkv, w.o, w.gate_up, w.down) for t in p.weights]
+    generator = torch.Generator().manual_seed(3)
+    for param in model.parameters():
+        param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    stepper.refresh_weights()
+    fresh, _ = _prefilled(model, LeanStepper, prompts, capacity=16, compute_dtype=bf16)
+    assert [t.data_ptr() for w in stepper.weights for p in (w.qkv, w.o, w.gate_up, w.down) for t in p.weights] == held
+    assert torch.equal(stepper.head_weight, fresh.head_weight)
+    for old, new in zip(stepper.weights, fresh.weights):
+        for name in ("qkv", "o", "gate_up", "down"):
+            a, b = getattr(old, name), getattr(new, name)
+            for x, y in zip((*a.weights, *a.biases), (*b.weights, *b.biases)):
+                assert (x is None and y is None) or torch.equal(x, y), name
+    stepper.load(*_prefill_state(model, prompts, bf16))
+    tokens = torch.tensor([3, 4])
+    torch.testing.assert_close(stepper.step(tokens), fresh.step(tokens), atol=0, rtol=0)
+
+
+def _prefill_state(model: torch.nn.Module, prompts: list[list[int]], dtype: torch.dtype) -> tuple:
+    input_ids, mask, positions = left_pad(prompts, 0, torch.device("cpu"))
+    with mixed_precision(model, dtype):
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    return out.past_key_values, mask, positions[:, -1:]
+
+
 def test_unsupported_models_fall_back_to_the_forward(tiny_gpt2_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 

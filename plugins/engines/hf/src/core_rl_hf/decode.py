@@ -183,15 +183,14 @@ class LeanStepper:
 
     def refresh_weights(self) -> None:
         """Copy the model's current weights into the projection copies this stepper made (those
-        in ``compute_dtype``; the model's own parameters are used as they are)."""
-        fresh = [_layer_weights(layer, self.dtype) for layer in self.layers]
-        pairs = [(self.head_weight, self.model.lm_head.weight.detach().to(self.dtype))]
-        for old, new in zip(self.weights, fresh):
-            for name in ("qkv", "o", "gate_up", "down"):
-                pairs += zip(getattr(old, name).tensors(), getattr(new, name).tensors())
-        for old, new in pairs:
-            if old.data_ptr() != new.data_ptr():
-                old.copy_(new)
+        in ``compute_dtype``; the model's own parameters are used as they are), in place and
+        casting as they go (no second copy of the weights)."""
+        head = self.model.lm_head.weight
+        if self.head_weight.data_ptr() != head.data_ptr():
+            self.head_weight.copy_(head.detach())
+        for layer, weights in zip(self.layers, self.weights):
+            for name, modules in _layer_linears(layer).items():
+                getattr(weights, name).refresh(modules)
 
     def keep(self, rows: torch.Tensor) -> None:
         if self.static:
@@ -259,9 +258,17 @@ class _Projections:
     biases: tuple[torch.Tensor | None, ...]
     sizes: tuple[int, ...]
 
-    def tensors(self) -> list[torch.Tensor]:
-        """The weights and biases (those that exist), in a fixed order."""
-        return [t for t in (*self.weights, *self.biases) if t is not None]
+    def refresh(self, modules: list[torch.nn.Linear]) -> None:
+        """Copy ``modules``' current weights (and biases) into a fused copy made by
+        :func:`_projections`, in place; nothing when these are the modules' own parameters."""
+        if len(self.weights) > 1 or self.weights[0].data_ptr() == modules[0].weight.data_ptr():
+            return
+        start = 0
+        for module, size in zip(modules, self.sizes):
+            self.weights[0][start : start + size].copy_(module.weight.detach())
+            if self.biases[0] is not None and module.bias is not None:
+                self.biases[0][start : start + size].copy_(module.bias.detach())
+            start += size
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if len(self.weights) == 1:
@@ -293,15 +300,20 @@ class _LayerWeights:
     down: _Projections
 
 
+def _layer_linears(layer: torch.nn.Module) -> dict[str, list[torch.nn.Linear]]:
+    """A Llama/Qwen2 decoder layer's linear maps, grouped as :class:`_LayerWeights` fuses them."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return {
+        "qkv": [attn.q_proj, attn.k_proj, attn.v_proj],
+        "o": [attn.o_proj],
+        "gate_up": [mlp.gate_proj, mlp.up_proj],
+        "down": [mlp.down_proj],
+    }
+
+
 def _layer_weights(layer: torch.nn.Module, dtype: torch.dtype) -> _LayerWeights:
     """A Llama/Qwen2 decoder layer's projections as :func:`_projections` gives them."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return _LayerWeights(
-        qkv=_projections([attn.q_proj, attn.k_proj, attn.v_proj], dtype),
-        o=_projections([attn.o_proj], dtype),
-        gate_up=_projections([mlp.gate_proj, mlp.up_proj], dtype),
-        down=_projections([mlp.down_proj], dtype),
-    )
+    return _LayerWeights(**{name: _projections(modules, dtype) for name, modules in _layer_linears(layer).items()})
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
