@@ -16,8 +16,9 @@ This module imports only torch, so a server-side worker extension may load it by
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -32,17 +33,37 @@ def init_group(
     timeout = datetime.timedelta(seconds=timeout_s)
     store, rank, size = next(rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
-    pg, _ = _new_process_group_helper(
-        size,
-        rank,
-        [],
-        Backend(backend),
-        PrefixStore(group_name, store),
-        group_name=group_name,
-        backend_options=None,
-        timeout=timeout,
-    )
+    with _default_group_unbound():
+        pg, _ = _new_process_group_helper(
+            size,
+            rank,
+            [],
+            Backend(backend),
+            PrefixStore(group_name, store),
+            group_name=group_name,
+            backend_options=None,
+            timeout=timeout,
+        )
     return pg
+
+
+@contextlib.contextmanager
+def _default_group_unbound() -> Iterator[None]:
+    """The trainer's default group without its bound device while the weight group is built: torch
+    builds a new NCCL group by splitting the default group's communicator when that group is bound
+    to a device (as a torchrun rank's is), and a split needs every rank of the default group, which
+    the servers are not in and the other trainer ranks never join: the split would hang."""
+    import torch.distributed as dist
+
+    group = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    bound = getattr(group, "bound_device_id", None)
+    if bound is not None:
+        group.bound_device_id = None
+    try:
+        yield
+    finally:
+        if bound is not None:
+            group.bound_device_id = bound
 
 
 def _from_rank0() -> torch.distributed.BroadcastOptions:

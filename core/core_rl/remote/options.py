@@ -38,7 +38,8 @@ class ServerOptions:
       for what a restarted server gets back, and when a death is not restarted).
     - ``update_pause_mode``: how generation pauses around a weight update when the caller has not
       paused it already (``wait``, ``keep`` or ``abort``, see :meth:`RolloutEngine.pause`).
-    - ``weight_sync_backend``: ``auto`` (``nccl`` for the ``cuda`` variant, else ``gloo``),
+    - ``weight_sync_backend``: ``auto`` (``nccl`` for ``cuda`` servers with GPUs of their own:
+      connected by ``urls``, or started with ``CUDA_VISIBLE_DEVICES`` in ``env``; else ``gloo``),
       ``gloo`` or ``nccl``; ``weight_sync_timeout``: seconds a weight update may take;
       ``weight_sync_address``: the trainer's address as the servers reach it (empty: ``host``
       for started servers, 127.0.0.1 for ``urls``).

@@ -128,11 +128,11 @@ class WeightSync:
     # -- over a collective ----------------------------------------------------------------------
 
     def _backend(self) -> tuple[str, str]:
-        """(process-group backend, device of the broadcast tensors)."""
+        """(process-group backend, device of the broadcast tensors): see :func:`auto_weight_backend`."""
         backend = self.options.weight_sync_backend
         if backend == "auto":
             variant = self.options.env_variant or ("cuda" if _cuda_available() else "cpu")
-            backend = "nccl" if variant == "cuda" else "gloo"
+            backend = auto_weight_backend(self.options, variant)
         return backend, ("cuda" if backend == "nccl" else "cpu")
 
     def update_weights_collective(self, state_dict: Mapping[str, Any], version: int) -> None:
@@ -288,6 +288,15 @@ class WeightSync:
         state_dict, version = self._held
         if version == self._version:
             self._send_collective(state_dict, version)
+
+
+def auto_weight_backend(options: ServerOptions, variant: str) -> str:
+    """``weight_sync_backend: auto``: ``nccl`` for GPU servers that have GPUs of their own (connected
+    by ``urls``, or started with ``CUDA_VISIBLE_DEVICES`` in ``env``), else ``gloo``. Servers started
+    here without it run on the machine's first GPU, where the trainer's rank 0 is, and NCCL refuses
+    two ranks of one group on one GPU; gloo stages the tensors through host memory instead."""
+    own_gpus = bool(options.urls) or "CUDA_VISIBLE_DEVICES" in options.env
+    return "nccl" if variant == "cuda" and own_gpus else "gloo"
 
 
 def _cuda_available() -> bool:

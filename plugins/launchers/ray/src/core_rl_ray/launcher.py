@@ -192,6 +192,9 @@ class RayLauncher(Launcher):
         ]
         if cfg.rollout.weight_sync == "collective" and not server.weight_sync_address:
             out.append(f"rollout.engine.server.weight_sync_address={rank0['node_ip']}")
+        if placement_mode(cfg) == "colocate" and server.weight_sync_backend == "auto":
+            # the servers share the ranks' GPUs, and NCCL refuses two ranks of one group on one GPU
+            out.append("rollout.engine.server.weight_sync_backend=gloo")
         if cfg.rollout.weight_sync == "disk":
             elsewhere = [m for m in group.servers if m.where["node_id"] != rank0["node_id"]]
             self._check_shared(run_dir, group.ranks[0], elsewhere)

@@ -1,0 +1,60 @@
+"""The trainer's side of the weight-update group (``core_rl.weight_group``) and the backend that
+``weight_sync_backend: auto`` picks (``core_rl.remote.weights.auto_weight_backend``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from core_rl.remote.options import ServerOptions
+from core_rl.remote.weights import auto_weight_backend
+
+SPLIT_CHECK = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from core_rl import weight_group
+    from core_rl.servers import free_port
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    default = c10d._get_default_group()
+    default.bound_device_id = torch.device("cpu", 0)  # as a torchrun rank on a GPU binds its device
+
+    def split(*args, **kwargs):
+        raise AssertionError("the weight group was split from the trainer's default group")
+
+    c10d._get_split_source = split
+    pg = weight_group.init_group(
+        "127.0.0.1", free_port("127.0.0.1"), 1, backend="gloo", group_name="weights", timeout_s=30
+    )
+    assert weight_group.broadcast_tensors(pg, [torch.ones(3)], "cpu") == 12
+    assert default.bound_device_id == torch.device("cpu", 0)  # put back
+    print("ok")
+    """
+)
+
+
+def test_the_weight_group_is_not_split_from_a_bound_default_group() -> None:
+    """A torchrun rank on a GPU binds its default group to its device; torch then builds further
+    NCCL groups by splitting the default group's communicator, which would need every trainer
+    rank and no server. The weight group is built with the default group unbound (then bound
+    again). Checked on gloo, through torch's own decision: it asks for a split source only when
+    the default group is bound."""
+    proc = subprocess.run([sys.executable, "-c", SPLIT_CHECK], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("options", "variant", "backend"),
+    [
+        ({}, "cpu", "gloo"),
+        ({}, "cuda", "gloo"),  # started here: on the trainer's first GPU
+        ({"env": {"CUDA_VISIBLE_DEVICES": "1"}}, "cuda", "nccl"),  # started on a GPU of their own
+        ({"urls": ["http://10.0.0.2:8000"]}, "cuda", "nccl"),  # elsewhere (or placed by a launcher)
+        ({"urls": ["http://10.0.0.2:8000"]}, "cpu", "gloo"),
+    ],
+)
+def test_auto_picks_nccl_only_for_gpu_servers_with_gpus_of_their_own(options, variant, backend) -> None:
+    assert auto_weight_backend(ServerOptions(**options), variant) == backend
