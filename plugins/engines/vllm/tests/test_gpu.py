@@ -1,6 +1,7 @@
 """The conformance kit on a GPU: the ``cuda`` server environment, the model in bfloat16 on the GPU,
-and weight sync by collective over NCCL (``weight_sync_backend: auto`` picks it for the cuda
-variant; with one GPU, gloo). Skipped without a CUDA GPU."""
+and weight sync by collective over NCCL with the server on the second GPU (``weight_sync_backend:
+auto`` picks NCCL for a cuda server with ``CUDA_VISIBLE_DEVICES`` of its own); with one GPU, gloo
+(NCCL refuses two ranks on one GPU). Skipped without a CUDA GPU."""
 
 from __future__ import annotations
 
