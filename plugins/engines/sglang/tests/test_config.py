@@ -63,7 +63,10 @@ def test_cpu_command_has_the_cpu_recipe_and_passes_options() -> None:
 def test_gpu_command_leaves_backends_to_sglang() -> None:
     argv, _ = _command(server={"env_variant": "cuda"})
     assert "--device" not in argv and "--attention-backend" not in argv and "--mem-fraction-static" not in argv
+    assert "--max-total-tokens" not in argv  # SGLang sizes the KV cache from the memory fraction
     assert "--sleep-on-idle" in argv  # on every device: a busy scheduler takes a core per server
+    cpu, _ = _command(server={"env_variant": "cpu"})
+    assert cpu[cpu.index("--max-total-tokens") + 1] == "8192"
 
 
 def test_sleep_on_idle_can_be_turned_off() -> None:

@@ -19,10 +19,10 @@ class SGLangConfig:
     - ``dtype``, ``context_length`` (0: the model's), ``max_running_requests``, ``random_seed``;
     - ``tp_size``, ``dp_size``;
     - ``mem_fraction_static`` (0: 0.3 on CPU, SGLang's default on GPU) and ``max_total_tokens``
-      (KV-cache tokens; 0: SGLang's default). On CPU the fraction is of free RAM and SGLang fails
-      when free RAM falls by more than it while the server loads (other processes allocating), so
-      the CPU default leaves a wide margin; ``max_total_tokens`` (default 8192) then sizes the
-      KV cache;
+      (KV-cache tokens; 0: 8192 on CPU, SGLang's sizing from the memory fraction on GPU, which a
+      cap would cut short). On CPU the fraction is of free RAM and SGLang fails when free RAM falls
+      by more than it while the server loads (other processes allocating), so the CPU default
+      leaves a wide margin, and ``max_total_tokens`` sizes the KV cache;
     - ``attention_backend`` and ``sampling_backend`` (empty: ``torch_native`` and ``pytorch`` on
       CPU, SGLang's choice on GPU);
     - ``enable_prefix_caching`` (false: ``--disable-radix-cache``), ``chunked_prefill_size``
@@ -50,7 +50,7 @@ class SGLangConfig:
     tp_size: int = attrs.field(default=1, validator=positive())
     dp_size: int = attrs.field(default=1, validator=positive())
     mem_fraction_static: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
-    max_total_tokens: int = attrs.field(default=8192, validator=non_negative())
+    max_total_tokens: int = attrs.field(default=0, validator=non_negative())
     attention_backend: str = ""
     sampling_backend: str = ""
     enable_prefix_caching: bool = True

@@ -39,6 +39,8 @@ from core_rl_sglang.config import SGLangConfig
 #: --mem-fraction-static on CPU: the share of free RAM SGLang may take; a small one fails the server when
 #: free RAM drops by more than it while the model loads (see SGLangConfig)
 CPU_MEM_FRACTION = 0.3
+#: --max-total-tokens on CPU (KV-cache tokens) unless set
+CPU_MAX_TOTAL_TOKENS = 8192
 SERVER_SIDE = Path(__file__).with_name("server_side")
 # keep -> retract: running requests go back to the queue with what they generated and continue after
 # the pause (their KV cache is recomputed), which lets a weight update flush the cache meanwhile
@@ -99,8 +101,9 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         fraction = c.mem_fraction_static or (CPU_MEM_FRACTION if cpu else 0.0)
         if fraction:
             argv += ["--mem-fraction-static", f"{fraction:g}"]
-        if c.max_total_tokens:
-            argv += ["--max-total-tokens", str(c.max_total_tokens)]
+        total_tokens = c.max_total_tokens or (CPU_MAX_TOTAL_TOKENS if cpu else 0)
+        if total_tokens:
+            argv += ["--max-total-tokens", str(total_tokens)]
         if not c.enable_prefix_caching:
             argv.append("--disable-radix-cache")
         if c.chunked_prefill_size:
