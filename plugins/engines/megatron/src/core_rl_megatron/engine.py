@@ -60,7 +60,7 @@ from core_rl_megatron.batches import MicroBatch, ModelInputs, gather_columns, mo
 from core_rl_megatron.config import MegatronConfig
 from core_rl_megatron.device import NEEDS_CUDA, check_cpu_settings, megatron_can_run
 from core_rl_megatron.errors import MegatronSetupError
-from core_rl_megatron.export import ShardGatherer, export_config, write_hf_model_dir
+from core_rl_megatron.export import ShardGatherer, export_config, export_engine
 from core_rl_megatron.families import arch_spec, padded_vocab_size
 from core_rl_megatron.hf_io import HFWeights, load_hf_config
 from core_rl_megatron.vocab_parallel import vocab_parallel_stats
@@ -431,31 +431,8 @@ class MegatronEngine(EngineState, TrainEngine):
         return state
 
     def export_hf(self, path: str | Path) -> None:
-        """Rank 0 writes ``path`` (config, safetensors weights in buckets, generation config,
-        tokenizer) via a partial directory moved into place (:mod:`core_rl.checkpointing`). A
-        scalar head's model is written as Hugging Face's ``*ForTokenClassification`` (``value``) or
-        ``*ForSequenceClassification`` (``score``) with one label, without a generation config."""
-        final = Path(path).absolute()
-        buckets = self.hf_weight_buckets()
-        error: BaseException | None = None
-        if self.rank == 0:
-            try:
-                write_hf_model_dir(
-                    final,
-                    buckets,
-                    hf_config=self.export_config,
-                    dtype=torch.bfloat16 if self.config.bf16 else self.dtype,
-                    tokenizer_path=self.actor.tokenizer_path or self.actor.model_path,
-                    generation=self.head == "lm",
-                )
-            except BaseException as exc:  # finish the collectives, then raise
-                error = exc
-        for _ in buckets:  # the other ranks' share of the gathering (and rank 0's rest after a failure)
-            pass
-        if dist_utils.any_rank(error is not None) and error is None:
-            raise RuntimeError(f"exporting {final} failed on rank 0")
-        if error is not None:
-            raise error
+        """See :func:`core_rl_megatron.export.export_engine` (rank 0 writes; every rank gathers)."""
+        export_engine(self, Path(path).absolute())
 
     # ------------------------------------------------------------------ training state
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 import torch.distributed as dist
 from core_rl import checkpointing as ckpt
+from core_rl.engine_utils import distributed as dist_utils
 from core_rl.engine_utils.hf import exported_architecture, value_model_config
 from megatron.core import parallel_state as mpu
 from torch import nn
@@ -28,6 +29,9 @@ from core_rl_megatron import convert
 from core_rl_megatron.families import ArchSpec
 from core_rl_megatron.hf_io import INDEX_FILE, SINGLE_FILE
 from core_rl_megatron.parallel import full_shape
+
+if TYPE_CHECKING:
+    from core_rl_megatron.engine import MegatronEngine
 
 TensorGetter = Callable[[nn.Parameter], torch.Tensor]
 
@@ -194,3 +198,31 @@ def export_config(hf_config: Any, model_path: str, head: str) -> Any:
     token_classifier = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES[config.model_type]
     config.architectures = [exported_architecture(token_classifier, head)]
     return config
+
+
+def export_engine(engine: MegatronEngine, final: Path) -> None:
+    """Rank 0 writes ``final`` (config, safetensors weights in buckets, generation config,
+    tokenizer) via a partial directory moved into place (:mod:`core_rl.checkpointing`); every rank
+    takes its share of the gathering. A scalar head's model is written as Hugging Face's
+    ``*ForTokenClassification`` (``value``) or ``*ForSequenceClassification`` (``score``) with one
+    label, without a generation config."""
+    buckets = engine.hf_weight_buckets()
+    error: BaseException | None = None
+    if engine.rank == 0:
+        try:
+            write_hf_model_dir(
+                final,
+                buckets,
+                hf_config=engine.export_config,
+                dtype=torch.bfloat16 if engine.config.bf16 else engine.dtype,
+                tokenizer_path=engine.actor.tokenizer_path or engine.actor.model_path,
+                generation=engine.head == "lm",
+            )
+        except BaseException as exc:  # finish the collectives, then raise
+            error = exc
+    for _ in buckets:  # the other ranks' share of the gathering (and rank 0's rest after a failure)
+        pass
+    if dist_utils.any_rank(error is not None) and error is None:
+        raise RuntimeError(f"exporting {final} failed on rank 0")
+    if error is not None:
+        raise error
