@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -96,19 +97,36 @@ def test_loopback_only_and_sigterm_saves_on_every_rank_then_resume(base):
 
 def test_a_stopped_rank_makes_the_other_fail_within_the_timeout(base):
     config = merged(base, experiment={"name": "sigstop"}, trainer={"collective_timeout_s": 15})
-    # once rank 0 fails, torch's agent gives the stopped rank 1 a fixed 30 s before killing it
     proc = launch(config)
     try:
         assert wait_for_steps(run_dir(config), proc), finish(proc, 60)[-4000:]
-        rank1 = worker_of_rank(proc.pid, 1)
-        assert rank1 is not None
+        rank0, rank1 = worker_of_rank(proc.pid, 0), worker_of_rank(proc.pid, 1)
+        assert rank0 is not None and rank1 is not None
         os.kill(rank1, signal.SIGSTOP)
+        # once rank 0 has given up, rank 1 runs on, so it takes the agent's SIGTERM at once (stopped,
+        # it would hold the run's end for torch's fixed 30 s grace before SIGKILL)
+        assert ended(rank0, within=120), "rank 0 still runs 120 s after rank 1 was stopped"
+        os.kill(rank1, signal.SIGCONT)
     finally:
         err = finish(proc, 180)
     assert proc.returncode == 1, err[-4000:]
     assert re.search(r"rank 0: waited more than 15 s for the other ranks (in|to) ", err), err[-4000:]
     assert "another rank is stopped, hung or dead" in err
     assert "core-rl: error: rank 0 exited with status 1" in err
+
+
+def ended(pid: int, within: float) -> bool:
+    """Whether process ``pid`` has exited (gone, or a zombie not yet reaped) within ``within`` s."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def test_a_failure_on_rank_0_alone_reaches_rank_1(base):
