@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from core_rl.servers import pid_alive
 from core_rl.testing.faults import finish, wait_for_steps, worker_of_rank
 from core_rl.testing.launch import cpu_ranks_env
 from core_rl.testing.processes import process_tree
@@ -118,15 +119,11 @@ def test_a_stopped_rank_makes_the_other_fail_within_the_timeout(base):
 def ended(pid: int, within: float) -> bool:
     """Whether process ``pid`` has exited (gone, or a zombie not yet reaped) within ``within`` s."""
     deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return True
-        if state in ("Z", "X"):
-            return True
+    while pid_alive(pid):
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.2)
-    return False
+    return True
 
 
 def test_a_failure_on_rank_0_alone_reaches_rank_1(base):

@@ -54,11 +54,17 @@ def _prefilled(
     capacity: int,
     compute_dtype: torch.dtype | None = None,
 ):
+    cache, mask, last_position, logits = _prefill(model, prompts, compute_dtype)
+    return kind(model, cache, mask, last_position, capacity, compute_dtype), logits
+
+
+def _prefill(model: torch.nn.Module, prompts: list[list[int]], compute_dtype: torch.dtype | None) -> tuple:
+    """The model's forward over the left-padded ``prompts``: its cache, the attention mask, each
+    row's last position and the last logits."""
     input_ids, mask, positions = left_pad(prompts, 0, torch.device("cpu"))
     with mixed_precision(model, compute_dtype):
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
-    stepper = kind(model, out.past_key_values, mask, positions[:, -1:], capacity, compute_dtype)
-    return stepper, out.logits[:, -1]
+    return out.past_key_values, mask, positions[:, -1:], out.logits[:, -1]
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -167,29 +173,26 @@ def test_refreshed_weights_are_the_models_current_ones_cast() -> None:
     prompts = [[1, 5, 6, 7, 8], [1, 9]]
     bf16 = torch.bfloat16
     stepper, _ = _prefilled(model, LeanStepper, prompts, capacity=16, compute_dtype=bf16)
-    held = [t.data_ptr() for w in stepper.weights for p in (w.qkv, w.o, w.gate_up, w.down) for t in p.weights]
+
+    def addresses() -> list[int]:
+        return [t.data_ptr() for w in stepper.weights for p in (w.qkv, w.o, w.gate_up, w.down) for t in p.weights]
+
+    held = addresses()
     generator = torch.Generator().manual_seed(3)
     for param in model.parameters():
         param.add_(torch.randn(param.shape, generator=generator) * 0.05)
     stepper.refresh_weights()
     fresh, _ = _prefilled(model, LeanStepper, prompts, capacity=16, compute_dtype=bf16)
-    assert [t.data_ptr() for w in stepper.weights for p in (w.qkv, w.o, w.gate_up, w.down) for t in p.weights] == held
+    assert addresses() == held
     assert torch.equal(stepper.head_weight, fresh.head_weight)
     for old, new in zip(stepper.weights, fresh.weights):
         for name in ("qkv", "o", "gate_up", "down"):
             a, b = getattr(old, name), getattr(new, name)
             for x, y in zip((*a.weights, *a.biases), (*b.weights, *b.biases)):
                 assert (x is None and y is None) or torch.equal(x, y), name
-    stepper.load(*_prefill_state(model, prompts, bf16))
+    stepper.load(*_prefill(model, prompts, bf16)[:3])
     tokens = torch.tensor([3, 4])
     torch.testing.assert_close(stepper.step(tokens), fresh.step(tokens), atol=0, rtol=0)
-
-
-def _prefill_state(model: torch.nn.Module, prompts: list[list[int]], dtype: torch.dtype) -> tuple:
-    input_ids, mask, positions = left_pad(prompts, 0, torch.device("cpu"))
-    with mixed_precision(model, dtype):
-        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
-    return out.past_key_values, mask, positions[:, -1:]
 
 
 def test_unsupported_models_fall_back_to_the_forward(tiny_gpt2_path: Path) -> None:
