@@ -162,13 +162,15 @@ def test_the_engine_sleeps_from_generation_to_the_weight_update(task, host, monk
 
     events: list[str] = []
     _record_calls(monkeypatch, events)
+    # torch's cached blocks go back to the driver before the engine takes memory back
+    monkeypatch.setattr(core_rl.trainer.colocation, "release_cached_memory", lambda: events.append("release cache"))
     if sleep:  # as auto resolves on a GPU with the engine on the trainer's devices
         monkeypatch.setattr(core_rl.trainer.colocation, "sleeps_while_training", lambda *a, **k: True)
     config = merged(task, experiment={"name": f"sleep{sleep}"})
     train_here(config, host)
-    step = ["generate", "release", "train", "restore weights", "load weights"] if sleep else None
+    step = ["generate", "release", "train", "release cache", "restore weights", "load weights"] if sleep else None
     if sleep:
-        assert _squeezed(events) == [*step, "restore kv_cache", *step]
+        assert _squeezed(events) == [*step, "release cache", "restore kv_cache", *step]
     else:
         assert _squeezed(events) == ["generate", "train", "load weights"] * 2
     rows = read_metrics(run_dir(config) / "metrics.jsonl")
@@ -176,3 +178,69 @@ def test_the_engine_sleeps_from_generation_to_the_weight_update(task, host, monk
         timings = {"timing/rollout_release_s", "timing/rollout_restore_s"}
         assert timings <= set(row) if sleep else not timings & set(row)
         assert "memory/rollout_released_gib" not in row  # a CPU reports no device memory
+
+
+def test_a_rank_without_the_engine_gives_back_its_cache_where_the_engine_sleeps(host, monkeypatch) -> None:
+    """A colocated server may wake on another rank's GPU: that rank gives back torch's cached
+    memory before each weight update where the run's engine sleeps, and does nothing otherwise."""
+    import core_rl.trainer.colocation as colocation
+
+    calls: list[str] = []
+    monkeypatch.setattr(colocation, "release_cached_memory", lambda: calls.append("release cache"))
+    cfg = load_config(str(VLLM_EXAMPLE), [], host=host)
+    for sleeps in (False, True):
+        monkeypatch.setattr(colocation, "sleeps_while_training", lambda *a, sleeps=sleeps, **k: sleeps)
+        peer = colocation.peer_rollout_sleep(cfg, host)
+        assert peer.before_weight_update() == {} and not peer.enabled
+        assert calls == (["release cache"] if sleeps else [])
+
+
+GIB = 2**30
+
+
+def test_colocated_budget_is_what_the_trainer_leaves_less_a_reserve() -> None:
+    from core_rl.trainer.colocation import colocated_budget
+
+    # 70 GiB free, 6 GiB of optimiser state still to come, 5% of 80 GiB kept back
+    assert colocated_budget(70 * GIB, 6 * GIB, 80 * GIB) == 60 * GIB
+    assert colocated_budget(70 * GIB, 6 * GIB, 80 * GIB, servers=2) == 30 * GIB
+
+
+class _OnGPU:
+    """A train engine as the budget sees it: on a CUDA device (no GPU is touched: the figures are given)."""
+
+    device = "cuda:0"
+
+
+@pytest.mark.parametrize(
+    ("server", "local_world_size", "share"),
+    [
+        ({"gpus": [0]}, 1, 0.75),  # on rank 0's GPU: 60 of 80 GiB
+        ({"gpus": [0], "num_servers": 2}, 1, 0.375),  # two servers share it
+        ({"gpus": [0, 1], "num_servers": 2}, 2, 0.75),  # one on each trainer GPU
+        ({"gpus": [1]}, 1, 0.0),  # a GPU of its own: vLLM's default stands
+        ({}, 1, 0.0),  # GPUs chosen by server.env or not at all: nothing known to share
+    ],
+)
+def test_vllm_on_the_trainers_gpu_is_sized_from_its_free_memory(monkeypatch, server, local_world_size, share) -> None:
+    import core_rl.trainer.colocation as colocation
+    import torch
+    from core_rl.built_engines import BuiltEngine
+    from core_rl.config.checks import MachineInfo
+    from core_rl.config.schema import ActorConfig
+    from core_rl.remote import ServerOptions
+    from core_rl_vllm.config import VLLMConfig
+
+    released: list[bool] = []
+    monkeypatch.setattr(colocation, "release_cached_memory", lambda: released.append(True))
+    monkeypatch.setattr(colocation, "free_bytes", lambda device: 70 * GIB)
+    monkeypatch.setattr(colocation, "pending_bytes", lambda built, device: 6 * GIB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (70 * GIB, 80 * GIB))
+    built = [BuiltEngine("actor", ActorConfig(), _OnGPU(), trainable=True)]
+    machine = MachineInfo(cuda_device_count=2, local_world_size=local_world_size)
+    config = VLLMConfig(server=ServerOptions(**server))
+    fitted, note = colocation.fit_colocated_memory(config, built, machine)
+    assert fitted.gpu_memory_utilization == share
+    assert (note is not None) == bool(share) == bool(released)
+    cpu_built = [BuiltEngine("actor", ActorConfig(), object(), trainable=True)]  # a CPU trainer shares no GPU
+    assert colocation.fit_colocated_memory(config, cpu_built, machine) == (config, None)

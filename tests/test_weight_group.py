@@ -58,3 +58,59 @@ def test_the_weight_group_is_not_split_from_a_bound_default_group() -> None:
 )
 def test_auto_picks_nccl_only_for_gpu_servers_with_gpus_of_their_own(options, variant, backend) -> None:
     assert auto_weight_backend(ServerOptions(**options), variant) == backend
+
+
+STREAM_SIDE = textwrap.dedent(
+    """
+    import os, sys, time, torch
+    from pathlib import Path
+    from core_rl import weight_group
+
+    rank, port, marker = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    pg = weight_group.init_group("127.0.0.1", port, 2, rank=rank, backend="gloo", group_name="w", timeout_s=60)
+    sent = [torch.full((4,), float(k)) for k in range(3)]
+    if rank == 0:
+        weight_group.broadcast_tensors(pg, sent[:1], "cpu")
+        deadline = time.monotonic() + 30
+        while not marker.exists():  # the receiver has the first tensor before the second is sent
+            assert time.monotonic() < deadline, "the receiver never took the first tensor alone"
+            time.sleep(0.05)
+        weight_group.broadcast_tensors(pg, sent[1:], "cpu")
+    else:
+        received = weight_group.receive_tensors(pg, ["a", "b", "c"], ["float32"] * 3, [[4]] * 3, "cpu")
+        name, first = next(received)
+        assert name == "a" and torch.equal(first, sent[0])
+        marker.touch()
+        name, second = next(received)
+        assert name == "b" and torch.equal(second, sent[1])
+        assert weight_group.drain(received) == 1  # the third, which a loader did not ask for
+        Path(str(marker) + ".done").touch()
+    if rank == 0:  # the store lives here: stay until the receiver is done
+        done, deadline = Path(str(marker) + ".done"), time.monotonic() + 30
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    print("ok", flush=True)
+    os._exit(0)  # not through gloo's teardown, which may abort while the peer's connection closes
+    """
+)
+
+
+def test_tensors_are_received_one_at_a_time_as_asked_for(tmp_path) -> None:
+    """The receiving side holds one received tensor at a time (a server's loader copies each into
+    its parameter before asking for the next): the sender here sends the second tensor only once
+    the receiver has taken the first alone, which a receiver that took everything first would not."""
+    from core_rl.servers import free_port
+
+    port, marker = free_port("127.0.0.1"), tmp_path / "took-first"
+    sides = [
+        subprocess.Popen(
+            [sys.executable, "-c", STREAM_SIDE, str(rank), str(port), str(marker)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    results = [side.communicate(timeout=120) for side in sides]
+    for side, (out, err) in zip(sides, results):
+        assert side.returncode == 0 and out.strip() == "ok", err[-3000:]

@@ -20,7 +20,8 @@ loaded, so that a bad file or a missing GPU fails in seconds with every problem 
   written.
 - **Machine**: each selected plugin's ``check_environment`` (:mod:`core_rl.config.checks`), e.g.
   a CUDA device or the NCCL backend on a machine without a GPU; ``rollout.sleep_while_training:
-  true`` for a rollout engine that would generate on the CPU (:func:`core_rl.placement.sleep_problems`).
+  true`` for a rollout engine that would generate on the CPU (:func:`core_rl.placement.sleep_problems`);
+  enough GPUs for the servers core-rl starts where the placement chooses theirs (:func:`server_gpu_problems`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from core_rl.config.checks import (
 )
 from core_rl.config.schema import RunConfig
 from core_rl.config.sections import selected_sections
-from core_rl.errors import PreflightError
+from core_rl.errors import CoreRLError, PreflightError
 from core_rl.placement import sleep_problems
 from core_rl.roles import reward_model_problems, role_sections, shared_tokenizer_problems
 from core_rl.trainer.data import DataRow, check_rows, read_data_files, tokenise_rows
@@ -80,6 +81,18 @@ def detect_machine() -> MachineInfo:
         mps_available=bool(mps is not None and mps.is_available()),
         local_world_size=local_world_size,
     )
+
+
+def server_gpu_problems(cfg: RunConfig, machine: MachineInfo) -> list[str]:
+    """Where the placement chooses the GPUs of the servers core-rl starts, whether there are enough
+    (:func:`core_rl.remote.gpus.resolve_server_gpus`)."""
+    from core_rl.remote.gpus import resolve_server_gpus
+
+    try:
+        resolve_server_gpus(cfg, machine)
+    except CoreRLError as exc:
+        return [str(exc)]
+    return []
 
 
 def _first_line(exc: BaseException) -> str:
@@ -379,6 +392,7 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
     problems += plugin_environment_problems(cfg, machine, model)
     # rollout.sleep_while_training: true on a machine without CUDA (the rest was checked at load)
     problems += sleep_problems(cfg, cuda_available=machine.cuda_available)
+    problems += server_gpu_problems(cfg, machine)
     if problems:
         raise PreflightError(problems)
     assert model is not None

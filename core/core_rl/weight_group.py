@@ -89,14 +89,20 @@ def receive_tensors(
     dtypes: list[str],
     shapes: list[list[int]],
     device: str | torch.device,
-) -> list[tuple[str, torch.Tensor]]:
-    """The receiving side of :func:`broadcast_tensors`: ``(name, tensor)`` in the sender's order."""
-    out = []
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The receiving side of :func:`broadcast_tensors`: ``(name, tensor)`` in the sender's order,
+    each received only when asked for, so a loader that copies each into its parameter holds one
+    received tensor at a time, not a second copy of the model. The caller takes every one (the
+    sender waits on each): :func:`drain` what a loader left."""
     for name, dtype, shape in zip(names, dtypes, shapes):
         t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
         pg.broadcast([t], _from_rank0()).wait()
-        out.append((name, t))
-    return out
+        yield name, t
+
+
+def drain(received: Iterator[tuple[str, torch.Tensor]]) -> int:
+    """Receive (and drop) what is left of :func:`receive_tensors`; how many tensors that was."""
+    return sum(1 for _ in received)
 
 
 def destroy_group(pg: torch.distributed.ProcessGroup) -> None:

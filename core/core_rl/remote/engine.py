@@ -29,6 +29,7 @@ from typing import Any, ClassVar, TypeVar
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import PAUSE_MODES, RolloutEngine, SamplingParams
 from core_rl.remote.generation import Generation
+from core_rl.remote.gpus import gpus_per_server, servers_gpus, visible_devices
 from core_rl.remote.memory import MemoryRelease
 from core_rl.remote.options import ServerOptions
 from core_rl.remote.recovery import Endpoint, ServerRecovery
@@ -253,6 +254,7 @@ class ServerRolloutEngine(Generation, WeightSync, MemoryRelease, ServerRecovery,
             )
         self.check_model()
         python = self.server_python()
+        devices = self._servers_devices()
         endpoints = []
         for i in range(opts.num_servers):
             port = opts.ports[i] if opts.ports else free_port(opts.host)
@@ -263,7 +265,7 @@ class ServerRolloutEngine(Generation, WeightSync, MemoryRelease, ServerRecovery,
                 host=opts.host,
                 port=port,
                 log_path=self.run_dir / "servers" / f"{name}.log",
-                env={**self.server_environment(i), **opts.env},
+                env={**self.server_environment(i), **devices[i], **opts.env},
                 health_path=self.health_path,
                 grace=opts.shutdown_grace,
                 cpus=opts.cpus,
@@ -283,6 +285,19 @@ class ServerRolloutEngine(Generation, WeightSync, MemoryRelease, ServerRecovery,
                     ep.server.stop()
             raise
         return endpoints
+
+    def _servers_devices(self) -> list[dict[str, str]]:
+        """Each started server's ``CUDA_VISIBLE_DEVICES`` from ``server.gpus`` (none when empty)."""
+        opts = self.options
+        if not opts.gpus:
+            return [{} for _ in range(opts.num_servers)]
+        if "CUDA_VISIBLE_DEVICES" in opts.env:
+            raise CoreRLError(
+                "rollout.engine.server.gpus and rollout.engine.server.env.CUDA_VISIBLE_DEVICES both choose the "
+                "servers' GPUs; keep one"
+            )
+        shares = servers_gpus(opts.gpus, opts.num_servers, gpus_per_server(getattr(self, "config", None)))
+        return [{"CUDA_VISIBLE_DEVICES": visible_devices(share)} for share in shares]
 
     def health(self) -> dict[str, bool]:
         from core_rl.servers import check_health

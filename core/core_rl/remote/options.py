@@ -20,6 +20,10 @@ class ServerOptions:
       ``create_env`` is true), of ``env_variant`` (``cpu``/``cuda``; empty: ``cuda`` where
       ``nvidia-smi`` exists).
     - ``env``: environment variables for the servers.
+    - ``gpus``: GPUs the started servers run on (indices of the GPUs the trainer sees), split in
+      order among them (:mod:`core_rl.remote.gpus`); empty: on CUDA, the placement decides (``split``:
+      the GPUs after the trainer's on this node; ``colocate``: the trainer's own), and the choice is
+      printed at the start.
     - ``cpus``: CPU cores the started servers run on (their processes' affinity; empty: any). Where
       rollout and training share a machine's CPUs, giving each side its own cores keeps one
       side's threads (and an inference engine's busy-polling scheduler) off the other's.
@@ -39,8 +43,9 @@ class ServerOptions:
     - ``update_pause_mode``: how generation pauses around a weight update when the caller has not
       paused it already (``wait``, ``keep`` or ``abort``, see :meth:`RolloutEngine.pause`).
     - ``weight_sync_backend``: ``auto`` (``nccl`` for ``cuda`` servers with GPUs of their own:
-      connected by ``urls``, or started with ``CUDA_VISIBLE_DEVICES`` in ``env``; else ``gloo``),
-      ``gloo`` or ``nccl``; ``weight_sync_timeout``: seconds a weight update may take;
+      connected by ``urls``, started with ``CUDA_VISIBLE_DEVICES`` in ``env``, or on ``gpus`` without
+      GPU 0, the trainer's rank 0's; else ``gloo``), ``gloo`` or ``nccl``; ``weight_sync_timeout``:
+      seconds a weight update may take;
       ``weight_sync_address``: the trainer's address as the servers reach it (empty: ``host``
       for started servers, 127.0.0.1 for ``urls``).
     """
@@ -53,6 +58,7 @@ class ServerOptions:
     host: str = "127.0.0.1"
     ports: list[int] = attrs.field(factory=list)
     env: dict[str, str] = attrs.field(factory=dict)
+    gpus: list[int] = attrs.field(factory=list, validator=lambda _i, a, v: _check_gpus(a.name, v))
     cpus: list[int] = attrs.field(factory=list, validator=lambda _i, a, v: _check_cpus(a.name, v))
     startup_timeout: float = attrs.field(default=600.0, validator=positive())
     shutdown_grace: float = attrs.field(default=15.0, validator=positive())
@@ -77,3 +83,9 @@ def _check_cpus(name: str, cpus: list[int]) -> None:
     missing = [c for c in cpus if not 0 <= c < count]
     if missing:
         raise FieldValueError(name, cpus, f"cores {missing} do not exist here (cores 0 to {count - 1})")
+
+
+def _check_gpus(name: str, gpus: list[int]) -> None:
+    """GPU indices are not negative and each appears once (see :func:`core_rl.remote.gpus.servers_gpus`)."""
+    if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise FieldValueError(name, gpus, "list each GPU's index (0, 1, ...) once")

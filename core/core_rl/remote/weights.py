@@ -292,10 +292,12 @@ class WeightSync:
 
 def auto_weight_backend(options: ServerOptions, variant: str) -> str:
     """``weight_sync_backend: auto``: ``nccl`` for GPU servers that have GPUs of their own (connected
-    by ``urls``, or started with ``CUDA_VISIBLE_DEVICES`` in ``env``), else ``gloo``. Servers started
-    here without it run on the machine's first GPU, where the trainer's rank 0 is, and NCCL refuses
-    two ranks of one group on one GPU; gloo stages the tensors through host memory instead."""
-    own_gpus = bool(options.urls) or "CUDA_VISIBLE_DEVICES" in options.env
+    by ``urls``, started with ``CUDA_VISIBLE_DEVICES`` in ``env``, or on ``gpus`` that leave out GPU
+    0, where the trainer's rank 0 is), else ``gloo``. NCCL refuses two ranks of one group on one GPU;
+    gloo stages the tensors through host memory instead."""
+    own_gpus = (
+        bool(options.urls) or "CUDA_VISIBLE_DEVICES" in options.env or (bool(options.gpus) and 0 not in options.gpus)
+    )
     return "nccl" if variant == "cuda" and own_gpus else "gloo"
 
 

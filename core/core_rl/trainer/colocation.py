@@ -2,9 +2,11 @@
 engine shares the trainer's GPUs, it gives back its memory for the update and takes it back for
 the weight update and the next generation (:meth:`~core_rl.interfaces.RolloutEngine.release_memory`).
 
-:func:`build_rollout_engine` resolves the option (``auto``: :func:`core_rl.placement.sleeps_while_training`),
-builds the engine with it resolved (its factory sees ``rollout.sleep_while_training`` as ``True``
-or ``False``: a server engine must start its servers able to sleep) and returns the
+:func:`build_rollout_engine` chooses the GPUs of the servers it starts where the configuration
+leaves that to the placement (:func:`core_rl.remote.gpus.resolve_server_gpus`), resolves the option
+(``auto``: :func:`core_rl.placement.sleeps_while_training`), builds the engine with it resolved
+(its factory sees ``rollout.sleep_while_training`` as ``True`` or ``False``: a server engine must
+start its servers able to sleep) and returns the
 :class:`RolloutSleep` the synchronous loop drives on rank 0, each step:
 
 1. before the step's first generation: the KV cache comes back (:meth:`RolloutSleep.before_generation`);
@@ -14,7 +16,10 @@ or ``False``: a server engine must start its servers able to sleep) and returns 
 3. in the weight sync, once the trainer has prepared the weights (exported or gathered) and just
    before the engine loads them: the weights' storage comes back (:meth:`RolloutSleep.before_weight_update`).
 
-With sleeping off, on ranks other than 0, and before the first release, every call does nothing.
+Before memory comes back, torch's cached device memory is given back (:func:`release_cached_memory`,
+on every rank before the weight update: :func:`peer_rollout_sleep`): training leaves its
+activations' blocks in torch's caching allocator, free to the trainer but not to a server process
+waking on that GPU. With sleeping off, and before the first release, every call does nothing.
 
 Metrics (rank 0, steps where the engine slept): ``timing/rollout_release_s``,
 ``timing/rollout_restore_s`` (the step's KV-cache and weights restores together) and, where the
@@ -28,32 +33,44 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
 
+from core_rl.built_engines import BuiltEngine
 from core_rl.components import build_component
+from core_rl.config.checks import MachineInfo
 from core_rl.config.schema import RunConfig
 from core_rl.interfaces import RolloutEngine
 from core_rl.kinds import ROLLOUT_ENGINE
 from core_rl.placement import SLEEP_KEY, rollout_device, sleeps_while_training
 from core_rl.plugins import PluginHost
+from core_rl.preflight import detect_machine
+from core_rl.remote.gpus import gpus_per_server, resolve_server_gpus, servers_gpus
+from core_rl.trainer.auto_budget import free_bytes, pending_bytes
 
 GIB = 2**30
 
 
-def build_rollout_engine(cfg: RunConfig, host: PluginHost, run_dir: Path) -> tuple[RolloutEngine, RolloutSleep]:
+def build_rollout_engine(
+    cfg: RunConfig, host: PluginHost, run_dir: Path, built: Sequence[BuiltEngine] = ()
+) -> tuple[RolloutEngine, RolloutSleep]:
     """The run's rollout engine, built with ``rollout.sleep_while_training`` resolved for this
     machine, and the :class:`RolloutSleep` that drives it (doing nothing when sleeping is off). An
-    ``auto`` that resolves to on is announced on stderr."""
+    ``auto`` that resolves to on is announced on stderr, as are the servers' GPUs and memory share
+    where the configuration leaves them to the placement (``built``: this rank's train engines)."""
     entry = host.get(ROLLOUT_ENGINE, cfg.rollout.engine.name)
-    releases = bool(getattr(entry.config_cls, "releases_memory", False))
     cuda = torch.cuda.is_available()
-    enabled = sleeps_while_training(cfg, releases_memory=releases, cuda_available=cuda)
+    enabled = _sleeps(cfg, host)
     rollout = attrs.evolve(cfg.rollout, sleep_while_training=enabled)
-    engine = build_component(
-        entry, rollout, cfg.rollout.engine.config, model_path=cfg.actor.model_path, run_dir=run_dir
-    )
+    machine = detect_machine()
+    engine_config, gpus_note = resolve_server_gpus(cfg, machine)
+    engine_config, memory_note = fit_colocated_memory(engine_config, built, machine)
+    for note in (gpus_note, memory_note):
+        if note:
+            print(f"core-rl: note: {note}", file=sys.stderr, flush=True)
+    engine = build_component(entry, rollout, engine_config, model_path=cfg.actor.model_path, run_dir=run_dir)
     if enabled and cfg.rollout.sleep_while_training == "auto":
         where = rollout_device(cfg, cuda)[1]
         print(
@@ -65,12 +82,67 @@ def build_rollout_engine(cfg: RunConfig, host: PluginHost, run_dir: Path) -> tup
     return engine, RolloutSleep(engine if enabled else None)
 
 
+#: the share of a GPU's memory left unclaimed where servers share it with the trainer: both
+#: processes' CUDA contexts, NCCL's buffers, the allocators' fragmentation
+COLOCATED_RESERVE = 0.05
+
+
+def colocated_budget(free: int, pending: int, total: int, servers: int = 1) -> int:
+    """Bytes each of ``servers`` servers on one of the trainer's GPUs may take: what is ``free``
+    there now (torch's unused cache included: it is given back first), less what the trainer's
+    first optimiser step still allocates (``pending``), less :data:`COLOCATED_RESERVE` of the
+    ``total``, shared equally."""
+    return (free - pending - int(COLOCATED_RESERVE * total)) // servers
+
+
+def fit_colocated_memory(
+    engine_config: Any, built: Sequence[BuiltEngine], machine: MachineInfo
+) -> tuple[Any, str | None]:
+    """``engine_config`` sized for servers that share a GPU with the trainer (``server.gpus``, as
+    :func:`~core_rl.remote.gpus.resolve_server_gpus` left it, meets the trainer's local GPUs) by
+    its ``with_colocated_memory(budget, total)`` (the ``vllm`` plugin's), from rank 0's device
+    (:func:`colocated_budget`; the other ranks' GPUs hold the same); with the plugin's note.
+    Unchanged elsewhere, and for an engine config without that method."""
+    server = getattr(engine_config, "server", None)
+    fit = getattr(engine_config, "with_colocated_memory", None)
+    devices = [b.device for b in built if b.device.type == "cuda"]
+    if server is None or server.urls or not server.gpus or not callable(fit) or not devices:
+        return engine_config, None
+    trainer_gpus = set(range(machine.local_world_size))
+    shares = servers_gpus(server.gpus, server.num_servers, gpus_per_server(engine_config))
+    per_gpu = max(sum(g in share for share in shares) for g in trainer_gpus)
+    if per_gpu == 0:
+        return engine_config, None
+    device = devices[0]
+    release_cached_memory()  # what vLLM checks at its start is the driver's free memory
+    total = torch.cuda.mem_get_info(device)[1]
+    budget = colocated_budget(free_bytes(device), pending_bytes(built, device), total, per_gpu)
+    return fit(budget, total)
+
+
+def peer_rollout_sleep(cfg: RunConfig, host: PluginHost) -> RolloutSleep:
+    """The :class:`RolloutSleep` of a rank without the rollout engine: it drives nothing, but where
+    the run's engine sleeps it gives back this rank's cached device memory before each weight
+    update (a colocated server may wake on this rank's GPU)."""
+    return RolloutSleep(None, release_cache=_sleeps(cfg, host))
+
+
+def _sleeps(cfg: RunConfig, host: PluginHost) -> bool:
+    entry = host.get(ROLLOUT_ENGINE, cfg.rollout.engine.name)
+    releases = bool(getattr(entry.config_cls, "releases_memory", False))
+    return sleeps_while_training(cfg, releases_memory=releases, cuda_available=torch.cuda.is_available())
+
+
 class RolloutSleep:
     """Drives one rollout engine's sleep through a synchronous step (see the module doc); with
     ``engine`` ``None`` (sleeping off, or a rank without the engine) every call does nothing."""
 
-    def __init__(self, engine: RolloutEngine | None = None) -> None:
+    def __init__(self, engine: RolloutEngine | None = None, *, release_cache: bool | None = None) -> None:
         self.engine = engine
+        #: give back torch's cached device memory before the engine takes its memory back (default:
+        #: with an engine): what training left in the caching allocator is free to torch but not to
+        #: a server in another process
+        self.release_cache = engine is not None if release_cache is None else release_cache
         self._asleep: set[str] = set()  # the parts given back and not yet taken back
         self._restore_s = 0.0  # restores since the last weight update, reported with it
 
@@ -98,6 +170,8 @@ class RolloutSleep:
 
     def before_weight_update(self) -> dict[str, float]:
         """Take back the weights' storage; the restore time of the step (KV cache and weights)."""
+        if self.release_cache:
+            release_cached_memory()
         if self.engine is None:
             return {}
         self._restore(("weights",))
@@ -110,9 +184,19 @@ class RolloutSleep:
         if self.engine is None or not wanted:
             return
         start = time.perf_counter()
+        if self.release_cache:
+            release_cached_memory()
         self.engine.restore_memory(wanted)
         self._restore_s += time.perf_counter() - start
         self._asleep.difference_update(wanted)
+
+
+def release_cached_memory() -> None:
+    """Return the blocks torch's caching allocator holds unused to the driver (where this process
+    has set up CUDA), so that another process on the device can take them."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def _device_free_bytes() -> int | None:

@@ -70,7 +70,7 @@ from core_rl.trainer import checkpoints
 from core_rl.trainer.auto_budget import resolve_auto_budgets
 from core_rl.trainer.batching import BatchAssembler, Generation
 from core_rl.trainer.building import build, build_loggers, quiet_library_progress_bars
-from core_rl.trainer.colocation import RolloutSleep, build_rollout_engine
+from core_rl.trainer.colocation import RolloutSleep, build_rollout_engine, peer_rollout_sleep
 from core_rl.trainer.critic import CriticStage
 from core_rl.trainer.data import DataRow, PromptItem, PromptSource
 from core_rl.trainer.distill import DistillationLoss
@@ -233,7 +233,7 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
         error: Exception | None = None
         if self.is_main:
             try:  # with rollout.sleep_while_training resolved: trainer/colocation.py
-                self.rollout, self.rollout_sleep = build_rollout_engine(cfg, host, self.run_dir)
+                self.rollout, self.rollout_sleep = build_rollout_engine(cfg, host, self.run_dir, self.built_engines)
                 workflow = build(host, WORKFLOW, cfg.rollout.workflow)
                 self.flow = RolloutFlow(cfg, self.rollout, workflow, self.data, self.sampling, self.tokenizer)
                 self.reward = build(host, REWARD, cfg.reward) if cfg.reward is not None else NoRuleReward()
@@ -241,6 +241,8 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
                 self.loggers = build_loggers(cfg, host)
             except Exception as exc:
                 error = exc
+        else:
+            self.rollout_sleep = peer_rollout_sleep(cfg, host)
         agree_after("building the rollout engine, reward and loggers (rank 0)", error)
 
     def _critic_stage(self) -> CriticStage | None:

@@ -105,3 +105,36 @@ def test_server_cpus_bind_the_cpu_workers_openmp_threads() -> None:
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
     _, env = _command(server={"env_variant": "cpu"})
     assert "VLLM_CPU_OMP_THREADS_BIND" not in env
+
+
+GIB = 2**30
+
+
+def test_memory_share_on_a_gpu_of_its_own_is_vllms_default() -> None:
+    gpu, _ = _command(server={"env_variant": "cuda"})
+    assert gpu[gpu.index("--gpu-memory-utilization") + 1] == "0.9"
+
+
+@pytest.mark.parametrize(
+    ("budget_gib", "share"),
+    [
+        (60, 0.75),  # 60 of 80 GiB
+        (40 / 3, 0.166),  # rounded down: the budget is an upper bound
+        (79, 0.9),  # never more than on a GPU of its own
+    ],
+)
+def test_on_the_trainers_gpu_auto_takes_what_the_trainer_leaves(budget_gib: float, share: float) -> None:
+    config, note = VLLMConfig().with_colocated_memory(int(budget_gib * GIB), 80 * GIB)
+    assert config.gpu_memory_utilization == share
+    assert note is not None and note.startswith(f"rollout.engine.gpu_memory_utilization: auto -> {share:g} (")
+    kept, none = VLLMConfig(gpu_memory_utilization=0.3).with_colocated_memory(60 * GIB, 80 * GIB)
+    assert kept.gpu_memory_utilization == 0.3 and none is None  # the user's figure stands
+
+
+def test_too_little_left_on_the_trainers_gpu_names_the_key_and_the_ways_out() -> None:
+    from core_rl.errors import CoreRLError
+
+    with pytest.raises(CoreRLError, match=r"gpu_memory_utilization: 0 \(auto\), but .* may take 2\.0 GiB of 80\.0"):
+        VLLMConfig().with_colocated_memory(2 * GIB, 80 * GIB)
+    with pytest.raises(CoreRLError, match="placement.mode: split"):
+        VLLMConfig().with_colocated_memory(-5 * GIB, 80 * GIB)

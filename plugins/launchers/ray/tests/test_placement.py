@@ -148,3 +148,19 @@ def test_a_ranks_exit_becomes_the_runs_outcome(code, status, says, retriable):
     assert outcome.message.startswith("trainer rank 1 (actor run/rank-1 (pid 7 on node 10.0.0.2))") and says in (
         outcome.message
     )
+
+
+def test_server_gpus_are_refused_where_ray_places_the_servers(tmp_path):
+    from core_rl.config import load_config
+
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "actor: {model_path: m}\nrollout: {engine: {name: vllm, server: {gpus: [1]}}, weight_sync: disk}\n"
+        "algorithm: {name: grpo}\nreward: {name: char_match}\ndata: {train_files: [d.jsonl]}\n"
+        "launcher: {name: ray, address: 'h:1'}\nplacement: {mode: split, actor: {gpus: 1}, rollout: {gpus: 1}}\n"
+    )
+    pytest.importorskip("core_rl_vllm")
+    cfg = load_config(str(config), [], host=PluginHost())
+    resources = ClusterResources(nodes=1, gpus_per_node=2, cpus_per_node=16, source="Ray")
+    (problem,) = RayLauncher(cfg.launcher.config).check(cfg, resources)
+    assert problem.startswith("rollout.engine.server.gpus: [1], but under the ray launcher")

@@ -58,3 +58,7 @@ class SGLangConfig:
     disable_overlap_schedule: bool = False
     sleep_on_idle: bool = True
     extra_args: list[str] = attrs.field(factory=list)
+
+    def gpus_per_server(self) -> int:
+        """The GPUs one server takes (``rollout.engine.server.gpus`` gives each this many)."""
+        return self.tp_size * self.dp_size

@@ -6,7 +6,14 @@ from typing import ClassVar
 
 import attrs
 from core_rl.config.validators import in_range, non_negative, one_of, positive
+from core_rl.errors import CoreRLError
 from core_rl.remote import ServerOptions
+
+#: ``gpu_memory_utilization`` of a server on GPUs of its own (vLLM's default), and the most one on
+#: the trainer's GPU takes
+GPU_MEMORY_UTILIZATION = 0.9
+#: the least share worth starting a colocated server with
+MIN_COLOCATED_UTILIZATION = 0.05
 
 
 @attrs.define
@@ -19,7 +26,9 @@ class VLLMConfig:
     - ``dtype`` (``--dtype``), ``max_model_len`` (context length; 0: the model's), ``max_num_seqs`` (requests
       running at once), ``seed``, ``enforce_eager``;
     - ``tensor_parallel_size``, ``data_parallel_size``;
-    - ``kv_cache_space_gib`` (CPU: ``VLLM_CPU_KVCACHE_SPACE``) or ``gpu_memory_utilization`` (GPU);
+    - ``kv_cache_space_gib`` (CPU: ``VLLM_CPU_KVCACHE_SPACE``) or ``gpu_memory_utilization`` (GPU: the
+      share of the GPU's memory a server takes; 0, the default: :data:`GPU_MEMORY_UTILIZATION` on
+      GPUs of its own, on the trainer's GPU what the trainer leaves, :meth:`with_colocated_memory`);
     - ``attention_backend`` (``--attention-backend``; empty: vLLM's choice);
     - ``enable_prefix_caching``, ``enable_chunked_prefill``;
     - ``log_stats``: vLLM's per-step statistics and its periodic throughput log (off: ``--disable-log-stats``;
@@ -43,9 +52,34 @@ class VLLMConfig:
     tensor_parallel_size: int = attrs.field(default=1, validator=positive())
     data_parallel_size: int = attrs.field(default=1, validator=positive())
     kv_cache_space_gib: float = attrs.field(default=1.0, validator=positive())
-    gpu_memory_utilization: float = attrs.field(default=0.9, validator=in_range(0.0, 1.0, low_open=True))
+    gpu_memory_utilization: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
     attention_backend: str = ""
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     log_stats: bool = False
     extra_args: list[str] = attrs.field(factory=list)
+
+    def gpus_per_server(self) -> int:
+        """The GPUs one server takes (``rollout.engine.server.gpus`` gives each this many)."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    def with_colocated_memory(self, budget_bytes: int, total_bytes: int) -> tuple[VLLMConfig, str | None]:
+        """This config for servers on the trainer's GPU, where each may take ``budget_bytes`` of
+        the ``total_bytes`` a GPU has (:func:`core_rl.trainer.colocation.colocated_budget`): vLLM
+        starts only if the GPU has ``gpu_memory_utilization x total`` free, and takes that much. An
+        explicit figure is kept; 0 becomes ``budget / total`` (at most
+        :data:`GPU_MEMORY_UTILIZATION`), with the note saying so."""
+        if self.gpu_memory_utilization:
+            return self, None
+        share = min(GPU_MEMORY_UTILIZATION, budget_bytes / total_bytes)
+        key = "rollout.engine.gpu_memory_utilization"
+        gib, total_gib = max(budget_bytes, 0) / 2**30, total_bytes / 2**30
+        if share < MIN_COLOCATED_UTILIZATION:
+            raise CoreRLError(
+                f"{key}: 0 (auto), but on the trainer's GPU a server may take {gib:.1f} GiB of {total_gib:.1f}; give "
+                "the servers GPUs of their own (placement.mode: split), make the trainer smaller (offload, a smaller "
+                f"model), or set {key} yourself"
+            )
+        share = int(share * 1000) / 1000  # rounded down: the budget is an upper bound
+        note = f"{key}: auto -> {share:g} ({gib:.1f} GiB of {total_gib:.1f} on the trainer's GPU, per server)"
+        return attrs.evolve(self, gpu_memory_utilization=share), note

@@ -60,7 +60,7 @@ from core_rl.remote.wire import describe, is_transport_error
 from core_rl.server_env import default_variant
 from core_rl.servers import ServerError
 
-from core_rl_vllm.config import VLLMConfig
+from core_rl_vllm.config import GPU_MEMORY_UTILIZATION, VLLMConfig
 
 SERVED_MODEL_NAME = "core-rl"
 SERVER_SIDE = Path(__file__).with_name("server_side")
@@ -170,7 +170,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         if c.attention_backend:
             argv += ["--attention-backend", c.attention_backend]
         if self._variant() == "cuda":
-            argv += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
+            argv += ["--gpu-memory-utilization", f"{c.gpu_memory_utilization or GPU_MEMORY_UTILIZATION:g}"]
         if self.sleeps:
             argv.append("--enable-sleep-mode")
         return argv + list(c.extra_args)

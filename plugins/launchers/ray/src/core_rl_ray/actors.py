@@ -148,6 +148,7 @@ class RolloutServer:
         own = [
             "rollout.engine.server.urls=[]",
             "rollout.engine.server.num_servers=1",
+            "rollout.engine.server.gpus=[]",  # Ray gave this actor its GPUs (the launcher refuses a list)
             "rollout.engine.server.ports=[]",
             f"rollout.engine.server.host={node_ip}",
         ]

@@ -86,7 +86,14 @@ class RayLauncher(Launcher):
                 resources = self._offered(self.config.address)
             except RayClusterError as exc:
                 return [f"launcher.address: {exc}"]
-        return placement_problems(cfg, resources)
+        problems = placement_problems(cfg, resources)
+        server = server_options(cfg)
+        if server is not None and server.gpus:
+            problems.append(
+                f"rollout.engine.server.gpus: {server.gpus}, but under the ray launcher each server runs on the GPUs "
+                "Ray gives its actor (placement.rollout.gpus); leave it empty"
+            )
+        return problems
 
     def offered(self, request: LaunchRequest) -> ClusterResources | None:
         return self._offered(request.options.get("ray_address") or self.config.address)

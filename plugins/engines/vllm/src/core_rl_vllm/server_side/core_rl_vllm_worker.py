@@ -11,6 +11,7 @@ string: ``"ok"`` or ``"error: ..."`` (an exception escaping a worker RPC would k
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -31,23 +32,18 @@ class WeightSyncExtension:
     weight-update group, receive weights."""
 
     def core_rl_load_dir(self, payload: str) -> str:
-        """``payload``: path, a directory of ``*.safetensors`` files. Reads them with safetensors
-        and loads them with vLLM's in-place ``reload_weights`` (which re-packs what its kernels
+        """``payload``: path, a directory of ``*.safetensors`` files. Reads them with safetensors,
+        a tensor at a time, and loads them with vLLM's in-place ``reload_weights`` (which re-packs what its kernels
         pre-process); a directory without any is left to ``reload_weights(weights_path=...)``.
         Reading the files here skips vLLM's model loader, which costs more than the read
         itself for a small model."""
         try:
-            from safetensors.torch import load_file
-
             path = Path(json.loads(payload)["path"])
             files = sorted(path.glob("*.safetensors"))
             if not files:
                 self.reload_weights(weights_path=str(path))
                 return "ok"
-            tensors: dict = {}
-            for f in files:
-                tensors.update(load_file(str(f)))
-            self.reload_weights(weights_iterator=iter(self._core_rl_in_model_dtypes(tensors.items())))
+            self.reload_weights(weights_iterator=self._core_rl_in_model_dtypes(_read_tensors(files)))
             return "ok"
         except Exception:
             return "error: " + traceback.format_exc()
@@ -93,10 +89,27 @@ class WeightSyncExtension:
             args = json.loads(payload)
             model = self.model_runner.model
             device = next(model.parameters()).device
-            tensors = self._core_rl_wg.receive_tensors(
+            received = self._core_rl_wg.receive_tensors(
                 self._core_rl_group, args["names"], args["dtypes"], args["shapes"], device
             )
-            self.reload_weights(weights_iterator=iter(self._core_rl_in_model_dtypes(tensors)))
+            try:  # each tensor is received as vLLM's loader asks for it (one at a time on the device)
+                self.reload_weights(weights_iterator=self._core_rl_in_model_dtypes(received))
+            except Exception:
+                with contextlib.suppress(Exception):
+                    self._core_rl_wg.drain(received)  # the trainer waits on every tensor
+                raise
+            self._core_rl_wg.drain(received)
             return "ok"
         except Exception:
             return "error: " + traceback.format_exc()
+
+
+def _read_tensors(files):
+    """``(name, tensor)`` of each safetensors file in turn, one tensor read at a time (host memory
+    holds one, not the model)."""
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
