@@ -33,6 +33,10 @@ OPTIONS: dict[str, Any] = {
 }
 
 
+#: every choice left to the run (the share of the GPU, the server's GPU, the weight-sync backend)
+DEFAULTS: dict[str, Any] = {"dtype": "bfloat16", "server": {"env_variant": "cuda"}}
+
+
 def _held_bytes() -> float:
     """What the server may hold: its share of the GPU."""
     return UTILIZATION * torch.cuda.get_device_properties(0).total_memory
@@ -47,8 +51,11 @@ def test_a_sleeping_server_gives_back_its_memory_and_generates_after_waking(tmp_
         engine.close()
 
 
-@pytest.mark.parametrize("weight_sync", ["disk", "collective"])
-def test_a_colocated_synchronous_run_sleeps_every_step(tmp_path: Path, weight_sync: str) -> None:
+@pytest.mark.parametrize(("weight_sync", "defaults"), [("disk", False), ("collective", False), ("collective", True)])
+def test_a_colocated_synchronous_run_sleeps_every_step(tmp_path: Path, weight_sync: str, defaults: bool) -> None:
+    """``defaults``: the server's share of the GPU (``gpu_memory_utilization: 0``: what the trainer
+    leaves), its GPU (``server.gpus``: the trainer's) and the weight-sync backend (``auto``: gloo
+    on the trainer's GPU) as the run chooses them."""
     for plugin in ("core_rl_fsdp", "core_rl_grpo", "core_rl_reward_match"):
         pytest.importorskip(plugin)
     from core_rl.config import load_config
@@ -60,7 +67,7 @@ def test_a_colocated_synchronous_run_sleeps_every_step(tmp_path: Path, weight_sy
         build_task(tmp_path),
         experiment={"name": f"colocated_{weight_sync}"},
         actor={"model_path": str(model)},
-        rollout={"engine": {"name": "vllm", **OPTIONS}, "weight_sync": weight_sync},
+        rollout={"engine": {"name": "vllm", **(DEFAULTS if defaults else OPTIONS)}, "weight_sync": weight_sync},
         trainer={"total_steps": 3, "torch_threads": 1},
         saver={"every_n_steps": 0, "at_end": False, "export_hf": False},
     )  # rollout.sleep_while_training: auto -> placement colocate, CUDA, synchronous: on
@@ -70,7 +77,14 @@ def test_a_colocated_synchronous_run_sleeps_every_step(tmp_path: Path, weight_sy
     train(load_config(path, host=host), host=host)
     rows = read_metrics(run_dir(config) / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
+    held = _held_bytes()
+    if defaults:  # the share chosen from the trainer's free memory, on the command line the log records
+        log = (run_dir(config) / "servers" / "vllm-0.log").read_text().splitlines()
+        argv = next(line for line in log if line.startswith("=== core-rl starts")).split()
+        share = float(argv[argv.index("--gpu-memory-utilization") + 1])
+        assert 0.05 <= share < 0.9, share  # the trainer holds some of the GPU
+        held = share * torch.cuda.get_device_properties(0).total_memory
     for row in rows:
-        assert row["memory/rollout_released_gib"] > 0.5 * _held_bytes() / GIB, row["memory/rollout_released_gib"]
+        assert row["memory/rollout_released_gib"] > 0.5 * held / GIB, row["memory/rollout_released_gib"]
         assert row["timing/rollout_release_s"] >= 0 and row["timing/rollout_restore_s"] >= 0
         assert row["throughput/generated_tokens_per_s"] > 0  # generation worked after each wake-up
