@@ -199,11 +199,11 @@ GIB = 2**30
 
 
 def test_colocated_budget_is_what_the_trainer_leaves_less_a_reserve() -> None:
-    from core_rl.trainer.colocation import colocated_budget
+    from core_rl.trainer.colocated_memory import SharedGPU
 
     # 70 GiB free, 6 GiB of optimiser state still to come, 5% of 80 GiB kept back
-    assert colocated_budget(70 * GIB, 6 * GIB, 80 * GIB) == 60 * GIB
-    assert colocated_budget(70 * GIB, 6 * GIB, 80 * GIB, servers=2) == 30 * GIB
+    assert SharedGPU("cuda:0", total=80 * GIB, free=70 * GIB, pending=6 * GIB).budget == 60 * GIB
+    assert SharedGPU("cuda:0", total=80 * GIB, free=70 * GIB, pending=6 * GIB, servers=2).budget == 30 * GIB
 
 
 class _OnGPU:
@@ -223,7 +223,7 @@ class _OnGPU:
     ],
 )
 def test_vllm_on_the_trainers_gpu_is_sized_from_its_free_memory(monkeypatch, server, local_world_size, share) -> None:
-    import core_rl.trainer.colocation as colocation
+    import core_rl.trainer.colocated_memory as colocated
     import torch
     from core_rl.built_engines import BuiltEngine
     from core_rl.config.checks import MachineInfo
@@ -232,15 +232,52 @@ def test_vllm_on_the_trainers_gpu_is_sized_from_its_free_memory(monkeypatch, ser
     from core_rl_vllm.config import VLLMConfig
 
     released: list[bool] = []
-    monkeypatch.setattr(colocation, "release_cached_memory", lambda: released.append(True))
-    monkeypatch.setattr(colocation, "free_bytes", lambda device: 70 * GIB)
-    monkeypatch.setattr(colocation, "pending_bytes", lambda built, device: 6 * GIB)
+    monkeypatch.setattr(colocated, "release_cached_memory", lambda: released.append(True))
+    monkeypatch.setattr(colocated, "free_bytes", lambda device: 70 * GIB)
+    monkeypatch.setattr(colocated, "pending_bytes", lambda built, device: 6 * GIB)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (70 * GIB, 80 * GIB))
     built = [BuiltEngine("actor", ActorConfig(), _OnGPU(), trainable=True)]
     machine = MachineInfo(cuda_device_count=2, local_world_size=local_world_size)
     config = VLLMConfig(server=ServerOptions(**server))
-    fitted, note = colocation.fit_colocated_memory(config, built, machine)
+    shared = colocated.shared_gpu(config, built, machine)
+    fitted, note = colocated.fit_colocated_memory(config, shared)
     assert fitted.gpu_memory_utilization == share
-    assert (note is not None) == bool(share) == bool(released)
+    assert (note is not None) == bool(share) == bool(released) == (shared is not None)
+    if shared is not None:
+        assert shared.pending == 6 * GIB  # what the servers' start leaves to the trainer
     cpu_built = [BuiltEngine("actor", ActorConfig(), object(), trainable=True)]  # a CPU trainer shares no GPU
-    assert colocation.fit_colocated_memory(config, cpu_built, machine) == (config, None)
+    assert colocated.shared_gpu(config, cpu_built, machine) is None
+    assert colocated.fit_colocated_memory(config, None) == (config, None)
+
+
+def test_the_trainers_pending_memory_is_held_while_the_servers_start(monkeypatch) -> None:
+    """The bytes the trainer's first step still allocates are taken on its device for the servers'
+    start (a server sizing itself from free memory leaves them) and given back after it, also when
+    the start fails. (On this CPU machine the bytes are host memory; on a GPU the device's.)"""
+    import weakref
+
+    import core_rl.trainer.colocated_memory as colocated
+    import torch
+
+    released: list[bool] = []
+    monkeypatch.setattr(colocated, "release_cached_memory", lambda: released.append(True))
+    created: list[weakref.ref] = []
+    real_empty = torch.empty
+
+    def recording_empty(*args, **kwargs):
+        tensor = real_empty(*args, **kwargs)
+        created.append(weakref.ref(tensor))
+        return tensor
+
+    monkeypatch.setattr(colocated.torch, "empty", recording_empty)
+    shared = colocated.SharedGPU("cpu", total=8 * GIB, free=4 * GIB, pending=3 * 2**20)
+    with colocated.held_for_trainer(shared):
+        (held,) = created
+        assert held() is not None and held().numel() == 3 * 2**20 and held().device.type == "cpu"
+    assert held() is None and released == [True]
+    with pytest.raises(RuntimeError, match="server failed"), colocated.held_for_trainer(shared):
+        raise RuntimeError("server failed")
+    assert created[1]() is None and released == [True, True]
+    with colocated.held_for_trainer(None):
+        pass
+    assert len(created) == 2  # nothing held without a shared GPU

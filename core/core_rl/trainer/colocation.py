@@ -3,7 +3,8 @@ engine shares the trainer's GPUs, it gives back its memory for the update and ta
 the weight update and the next generation (:meth:`~core_rl.interfaces.RolloutEngine.release_memory`).
 
 :func:`build_rollout_engine` chooses the GPUs of the servers it starts where the configuration
-leaves that to the placement (:func:`core_rl.remote.gpus.resolve_server_gpus`), resolves the option
+leaves that to the placement (:func:`core_rl.remote.gpus.resolve_server_gpus`), sizes servers on
+the trainer's GPU (:mod:`core_rl.trainer.colocated_memory`), resolves the option
 (``auto``: :func:`core_rl.placement.sleeps_while_training`), builds the engine with it resolved
 (its factory sees ``rollout.sleep_while_training`` as ``True`` or ``False``: a server engine must
 start its servers able to sleep) and returns the
@@ -33,22 +34,20 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import attrs
 import torch
 
 from core_rl.built_engines import BuiltEngine
 from core_rl.components import build_component
-from core_rl.config.checks import MachineInfo
 from core_rl.config.schema import RunConfig
 from core_rl.interfaces import RolloutEngine
 from core_rl.kinds import ROLLOUT_ENGINE
 from core_rl.placement import SLEEP_KEY, rollout_device, sleeps_while_training
 from core_rl.plugins import PluginHost
 from core_rl.preflight import detect_machine
-from core_rl.remote.gpus import gpus_per_server, resolve_server_gpus, servers_gpus
-from core_rl.trainer.auto_budget import free_bytes, pending_bytes
+from core_rl.remote.gpus import resolve_server_gpus
+from core_rl.trainer.colocated_memory import fit_colocated_memory, held_for_trainer, release_cached_memory, shared_gpu
 
 GIB = 2**30
 
@@ -66,11 +65,13 @@ def build_rollout_engine(
     rollout = attrs.evolve(cfg.rollout, sleep_while_training=enabled)
     machine = detect_machine()
     engine_config, gpus_note = resolve_server_gpus(cfg, machine)
-    engine_config, memory_note = fit_colocated_memory(engine_config, built, machine)
+    shared = shared_gpu(engine_config, built, machine)  # servers on the trainer's GPU: trainer/colocated_memory.py
+    engine_config, memory_note = fit_colocated_memory(engine_config, shared)
     for note in (gpus_note, memory_note):
         if note:
             print(f"core-rl: note: {note}", file=sys.stderr, flush=True)
-    engine = build_component(entry, rollout, engine_config, model_path=cfg.actor.model_path, run_dir=run_dir)
+    with held_for_trainer(shared):
+        engine = build_component(entry, rollout, engine_config, model_path=cfg.actor.model_path, run_dir=run_dir)
     if enabled and cfg.rollout.sleep_while_training == "auto":
         where = rollout_device(cfg, cuda)[1]
         print(
@@ -80,44 +81,6 @@ def build_rollout_engine(
             flush=True,
         )
     return engine, RolloutSleep(engine if enabled else None)
-
-
-#: the share of a GPU's memory left unclaimed where servers share it with the trainer: both
-#: processes' CUDA contexts, NCCL's buffers, the allocators' fragmentation
-COLOCATED_RESERVE = 0.05
-
-
-def colocated_budget(free: int, pending: int, total: int, servers: int = 1) -> int:
-    """Bytes each of ``servers`` servers on one of the trainer's GPUs may take: what is ``free``
-    there now (torch's unused cache included: it is given back first), less what the trainer's
-    first optimiser step still allocates (``pending``), less :data:`COLOCATED_RESERVE` of the
-    ``total``, shared equally."""
-    return (free - pending - int(COLOCATED_RESERVE * total)) // servers
-
-
-def fit_colocated_memory(
-    engine_config: Any, built: Sequence[BuiltEngine], machine: MachineInfo
-) -> tuple[Any, str | None]:
-    """``engine_config`` sized for servers that share a GPU with the trainer (``server.gpus``, as
-    :func:`~core_rl.remote.gpus.resolve_server_gpus` left it, meets the trainer's local GPUs) by
-    its ``with_colocated_memory(budget, total)`` (the ``vllm`` plugin's), from rank 0's device
-    (:func:`colocated_budget`; the other ranks' GPUs hold the same); with the plugin's note.
-    Unchanged elsewhere, and for an engine config without that method."""
-    server = getattr(engine_config, "server", None)
-    fit = getattr(engine_config, "with_colocated_memory", None)
-    devices = [b.device for b in built if b.device.type == "cuda"]
-    if server is None or server.urls or not server.gpus or not callable(fit) or not devices:
-        return engine_config, None
-    trainer_gpus = set(range(machine.local_world_size))
-    shares = servers_gpus(server.gpus, server.num_servers, gpus_per_server(engine_config))
-    per_gpu = max(sum(g in share for share in shares) for g in trainer_gpus)
-    if per_gpu == 0:
-        return engine_config, None
-    device = devices[0]
-    release_cached_memory()  # what vLLM checks at its start is the driver's free memory
-    total = torch.cuda.mem_get_info(device)[1]
-    budget = colocated_budget(free_bytes(device), pending_bytes(built, device), total, per_gpu)
-    return fit(budget, total)
 
 
 def peer_rollout_sleep(cfg: RunConfig, host: PluginHost) -> RolloutSleep:
@@ -189,14 +152,6 @@ class RolloutSleep:
         self.engine.restore_memory(wanted)
         self._restore_s += time.perf_counter() - start
         self._asleep.difference_update(wanted)
-
-
-def release_cached_memory() -> None:
-    """Return the blocks torch's caching allocator holds unused to the driver (where this process
-    has set up CUDA), so that another process on the device can take them."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
 
 def _device_free_bytes() -> int | None:
