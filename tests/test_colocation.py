@@ -281,3 +281,41 @@ def test_the_trainers_pending_memory_is_held_while_the_servers_start(monkeypatch
     with colocated.held_for_trainer(None):
         pass
     assert len(created) == 2  # nothing held without a shared GPU
+
+
+@pytest.mark.parametrize(
+    ("env", "is_main", "holds"),
+    [
+        ({"GROUP_RANK": "0", "LOCAL_RANK": "1"}, False, True),  # rank 1, whose GPU gets server 1
+        ({"GROUP_RANK": "0", "LOCAL_RANK": "0"}, True, False),  # rank 0 holds while it builds, not here
+        ({"GROUP_RANK": "1", "LOCAL_RANK": "1"}, False, False),  # another node: no server starts there
+    ],
+)
+def test_the_other_ranks_hold_their_pending_memory_while_rank_0_starts_servers_on_their_gpus(
+    tmp_path, monkeypatch, env, is_main, holds
+) -> None:
+    """Colocated, 2 ranks and 2 servers (the placement puts server ``i`` on rank ``i``'s GPU)."""
+    import core_rl.preflight
+    import core_rl.trainer.colocated_memory as colocated
+    import torch
+    from core_rl.built_engines import BuiltEngine
+    from core_rl.config.checks import MachineInfo
+    from core_rl.config.schema import ActorConfig
+    from test_server_gpus import _run_config
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(
+        core_rl.preflight, "detect_machine", lambda: MachineInfo(cuda_device_count=2, local_world_size=2)
+    )
+    monkeypatch.setattr(colocated, "release_cached_memory", lambda: None)
+    monkeypatch.setattr(colocated, "free_bytes", lambda device: 70 * GIB)
+    monkeypatch.setattr(colocated, "pending_bytes", lambda built, device: 6 * GIB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (70 * GIB, 80 * GIB))
+    held: list[tuple[int, str]] = []
+    monkeypatch.setattr(colocated.torch, "empty", lambda n, dtype, device: held.append((n, device)) or torch.zeros(1))
+    cfg = _run_config(tmp_path, ["rollout.engine.server.num_servers=2"])
+    built = [BuiltEngine("actor", ActorConfig(), _OnGPU(), trainable=True)]
+    with colocated.held_by_peer(cfg, built, is_main):
+        pass
+    assert held == ([(6 * GIB, torch.device("cuda:0"))] if holds else [])

@@ -6,14 +6,16 @@ takes ``gpu_memory_utilization`` of the GPU and refuses to start unless that muc
 takes a share of what is free. The trainer's own memory is then already in use, except what its
 first optimiser step still allocates (gradients, optimiser state: the ``pending`` bytes of
 :func:`core_rl.trainer.auto_budget.pending_bytes`). So, on rank 0, from its device
-(:func:`shared_gpu`; the other ranks' GPUs hold the same):
+(:func:`shared_gpu`; the other ranks' GPUs hold about the same):
 
 - :func:`fit_colocated_memory`: an engine config with a ``with_colocated_memory(budget, total)``
   method (the ``vllm`` plugin's) gets the bytes each server may take,
   :attr:`SharedGPU.budget` = ``free - pending - COLOCATED_RESERVE x total``, shared by the
   servers on one GPU;
 - :func:`held_for_trainer`: while the servers start, the ``pending`` bytes are held on the device,
-  so that a server sizing itself from free memory (SGLang) leaves them to the trainer.
+  so that a server sizing itself from free memory (SGLang) leaves them to the trainer; the other
+  ranks of rank 0's node hold theirs meanwhile where a server starts on their GPU
+  (:func:`held_by_peer`).
 
 :func:`release_cached_memory` gives torch's cached blocks back to the driver first: they are free
 to the trainer but not to another process.
@@ -22,6 +24,7 @@ to the trainer but not to another process.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -30,7 +33,8 @@ import torch
 
 from core_rl.built_engines import BuiltEngine
 from core_rl.config.checks import MachineInfo
-from core_rl.remote.gpus import gpus_per_server, servers_gpus
+from core_rl.config.schema import RunConfig
+from core_rl.remote.gpus import gpus_per_server, resolve_server_gpus, servers_gpus
 from core_rl.trainer.auto_budget import free_bytes, pending_bytes
 
 #: the share of a GPU's memory left unclaimed where servers share it with the trainer: both
@@ -56,17 +60,19 @@ class SharedGPU:
         return (self.free - self.pending - int(COLOCATED_RESERVE * self.total)) // self.servers
 
 
-def shared_gpu(engine_config: Any, built: Sequence[BuiltEngine], machine: MachineInfo) -> SharedGPU | None:
-    """Rank 0's GPU where the servers of ``engine_config`` start on the trainer's GPUs
-    (``server.gpus`` meets ``0 .. machine.local_world_size - 1``) and this rank's engines
-    (``built``) compute on CUDA; ``None`` elsewhere (servers given by URL, on GPUs of their own or
-    chosen by ``server.env``, a trainer on the CPU)."""
+def shared_gpu(
+    engine_config: Any, built: Sequence[BuiltEngine], machine: MachineInfo, local_rank: int = 0
+) -> SharedGPU | None:
+    """The GPU of the rank ``local_rank`` of rank 0's node where servers of ``engine_config`` start
+    on it (``server.gpus``: its index is ``local_rank``) and this rank's engines (``built``)
+    compute on CUDA; ``None`` elsewhere (servers given by URL, on GPUs of their own or chosen by
+    ``server.env``, a trainer on the CPU)."""
     server = getattr(engine_config, "server", None)
     devices = [b.device for b in built if b.device.type == "cuda"]
-    if server is None or server.urls or not server.gpus or not devices:
+    if server is None or server.urls or not server.gpus or not devices or local_rank >= machine.local_world_size:
         return None
     shares = servers_gpus(server.gpus, server.num_servers, gpus_per_server(engine_config))
-    per_gpu = max(sum(g in share for share in shares) for g in range(machine.local_world_size))
+    per_gpu = sum(local_rank in share for share in shares)
     if per_gpu == 0:
         return None
     device = devices[0]
@@ -97,6 +103,20 @@ def held_for_trainer(shared: SharedGPU | None) -> Iterator[None]:
     finally:
         del held
         release_cached_memory()
+
+
+def held_by_peer(cfg: RunConfig, built: Sequence[BuiltEngine], is_main: bool) -> contextlib.AbstractContextManager:
+    """On a rank other than 0 and on rank 0's node (``GROUP_RANK`` 0 under ``torchrun``), while
+    rank 0 starts the servers: :func:`held_for_trainer` on this rank's GPU where a server starts on
+    it (the placement's choice, :func:`~core_rl.remote.gpus.resolve_server_gpus`, or the user's)."""
+    if is_main or os.environ.get("GROUP_RANK", "0") != "0":
+        return contextlib.nullcontext()
+    from core_rl.preflight import detect_machine
+
+    machine = detect_machine()
+    engine_config = resolve_server_gpus(cfg, machine)[0]
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return held_for_trainer(shared_gpu(engine_config, built, machine, local_rank))
 
 
 def release_cached_memory() -> None:

@@ -70,6 +70,7 @@ from core_rl.trainer import checkpoints
 from core_rl.trainer.auto_budget import resolve_auto_budgets
 from core_rl.trainer.batching import BatchAssembler, Generation
 from core_rl.trainer.building import build, build_loggers, quiet_library_progress_bars
+from core_rl.trainer.colocated_memory import held_by_peer
 from core_rl.trainer.colocation import RolloutSleep, build_rollout_engine, peer_rollout_sleep
 from core_rl.trainer.critic import CriticStage
 from core_rl.trainer.data import DataRow, PromptItem, PromptSource
@@ -243,7 +244,8 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
                 error = exc
         else:
             self.rollout_sleep = peer_rollout_sleep(cfg, host)
-        agree_after("building the rollout engine, reward and loggers (rank 0)", error)
+        with held_by_peer(cfg, self.built_engines, self.is_main):  # servers on this rank's GPU size themselves
+            agree_after("building the rollout engine, reward and loggers (rank 0)", error)
 
     def _critic_stage(self) -> CriticStage | None:
         if self.roles.critic is None:
