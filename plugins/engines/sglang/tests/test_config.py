@@ -120,3 +120,20 @@ def test_rotary_shim_matches_a_direct_formula() -> None:
     q = q0.clone()
     shim.rotary_embedding(torch.zeros(tokens, dtype=torch.long), q, None, head, cache, False)
     torch.testing.assert_close(q, q0)
+
+
+def test_a_collective_update_goes_in_buckets_in_the_broadcast_order() -> None:
+    """Each request lists about ``update_bucket_mb`` of weights (closed once it reaches it; a tensor
+    larger than that goes alone), in the order the trainer broadcasts them."""
+    from core_rl_sglang.engine import update_requests
+
+    names = ["a", "b", "c", "d"]
+    dtypes = ["float32", "bfloat16", "float32", "float32"]
+    shapes = [[4], [2, 2], [16], [1]]  # 16, 8, 64 and 4 bytes
+    requests = update_requests(names, dtypes, shapes, bucket_bytes=20)
+    assert [r["names"] for r in requests] == [["a", "b"], ["c"], ["d"]]
+    assert [r["dtypes"] for r in requests] == [["float32", "bfloat16"], ["float32"], ["float32"]]
+    assert [r["shapes"] for r in requests] == [[[4], [2, 2]], [[16]], [[1]]]
+    (whole,) = update_requests(names, dtypes, shapes, bucket_bytes=0)
+    assert whole == {"names": names, "dtypes": dtypes, "shapes": shapes}
+    assert [n for r in update_requests(names, dtypes, shapes, bucket_bytes=1) for n in r["names"]] == names

@@ -32,6 +32,9 @@ class SGLangConfig:
       them in a loop, one busy core per server for as long as it lives: measured on CPU, 1.00
       core idle against 0.02, and 0.39 against 0.28 server CPU seconds per synchronous step of
       ``benchmarks/async.py --engine sglang``, where the trainer's phases leave the server idle;
+    - ``update_bucket_mb``: a collective weight update reaches each server in requests of about
+      this many MiB of weights each (SGLang allocates every tensor of a request before it loads
+      them, so one request would hold a second copy of the model); 0: one request.
     - ``extra_args``: appended verbatim to the server's command line.
 
     With ``rollout.sleep_while_training`` on, servers start with ``--enable-memory-saver`` and give
@@ -57,6 +60,7 @@ class SGLangConfig:
     chunked_prefill_size: int = 0
     disable_overlap_schedule: bool = False
     sleep_on_idle: bool = True
+    update_bucket_mb: float = attrs.field(default=512.0, validator=non_negative())
     extra_args: list[str] = attrs.field(factory=list)
 
     def gpus_per_server(self) -> int:

@@ -14,8 +14,9 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
   and ``POST /continue_generation``;
 - weights from disk: ``POST /update_weights_from_disk`` (SGLang flushes its cache);
 - weights over a collective: ``POST /init_weights_update_group`` once, then per update
-  ``/begin_weight_update``, ``/update_weights_from_distributed`` (the trainer broadcasts
-  meanwhile) and ``/end_weight_update``;
+  ``/begin_weight_update``, ``/update_weights_from_distributed`` once per bucket of about
+  ``update_bucket_mb`` (the trainer broadcasts meanwhile; the last flushes the cache and sets the
+  version) and ``/end_weight_update``;
 - sleeping while the trainer trains (``rollout.sleep_while_training``; servers started with
   ``--enable-memory-saver``): ``POST /release_memory_occupation`` with tags ``kv_cache``,
   ``weights`` and ``cuda_graph`` after generation, then ``POST /resume_memory_occupation`` with
@@ -201,19 +202,37 @@ class SGLangRolloutEngine(ServerRolloutEngine):
     ) -> None:
         timeout = self.options.weight_sync_timeout
         await _checked(client, url + "/begin_weight_update", {}, timeout)
-        await _checked(
-            client,
-            url + "/update_weights_from_distributed",
-            {
-                "names": names,
-                "dtypes": dtypes,
-                "shapes": shapes,
-                "group_name": self._group_name,
-                "weight_version": str(version),
-            },
-            timeout,
-        )
+        requests = update_requests(names, dtypes, shapes, int(self.config.update_bucket_mb * 2**20))
+        for i, request in enumerate(requests):
+            last = i == len(requests) - 1  # the cache is flushed and the version set once, at the end
+            request.update(group_name=self._group_name, flush_cache=last)
+            if last:
+                request["weight_version"] = str(version)
+            await _checked(client, url + "/update_weights_from_distributed", request, timeout)
         await _checked(client, url + "/end_weight_update", {}, timeout)
+
+
+def update_requests(
+    names: list[str], dtypes: list[str], shapes: list[list[int]], bucket_bytes: int
+) -> list[dict[str, Any]]:
+    """The ``names``/``dtypes``/``shapes`` of one collective update split, in order, into requests
+    of about ``bucket_bytes`` of weights each (:func:`core_rl.engine_utils.buckets.bucketed`, on
+    meta tensors); one request for 0. The trainer broadcasts the tensors in the same order, each
+    received by the request that lists it."""
+    if bucket_bytes <= 0:
+        return [{"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes]}]
+    import torch
+    from core_rl.engine_utils.buckets import bucketed
+
+    meta = ((n, torch.empty(s, dtype=getattr(torch, d), device="meta")) for n, d, s in zip(names, dtypes, shapes))
+    return [
+        {
+            "names": list(bucket),
+            "dtypes": [str(t.dtype).removeprefix("torch.") for t in bucket.values()],
+            "shapes": [list(t.shape) for t in bucket.values()],
+        }
+        for bucket in bucketed(meta, bucket_bytes)
+    ]
 
 
 async def _checked(client: Any, url: str, payload: dict[str, Any], timeout: float) -> None:
