@@ -44,6 +44,9 @@ from core_rl_hf.weights import copy_buckets, load_full_state_dict, read_safetens
 
 #: how long a generate call waits for ``resume`` after ``pause``
 RESUME_TIMEOUT_S = 3600.0
+#: the profiler label of each generated chunk (in the thread that generates it): on a GPU sampling
+#: runs inside a CUDA graph, so no sampling operator marks generation in a ``trainer.profile`` trace
+PROFILE_LABEL = "hf_rollout.generate"
 
 
 def _ids(value: Any) -> list[int]:
@@ -217,20 +220,8 @@ class HFRolloutEngine(RolloutEngine):
         completions: list[list[Completion]] = [[] for _ in prompts]
         lengths = [len(p) for p in prompts]
         for chunk in plan_chunks(lengths, sampling.n, self.config.max_batch_size):
-            outs = generate_batch(
-                self.model,
-                [prompts[i] for i, _ in chunk],
-                [count for _, count in chunk],
-                sampling,
-                eos_token_ids=self.eos_token_ids,
-                pad_token_id=self.pad_token_id,
-                generator=self.generator,
-                interrupted=self._abort.is_set,
-                lean=self.config.decoder == "auto",
-                compute_dtype=self.compute_dtype,
-                sync_every=self.sync_every,
-                graphs=self.graphs,
-            )
+            with torch.profiler.record_function(PROFILE_LABEL):  # generation in a trainer.profile trace
+                outs = self._generate_chunk(prompts, chunk, sampling)
             for (i, _), out in zip(chunk, outs):
                 completions[i].extend(out)
         return [
@@ -246,6 +237,24 @@ class HFRolloutEngine(RolloutEngine):
             ]
             for prompt, group in zip(prompts, completions)
         ]
+
+    def _generate_chunk(
+        self, prompts: Sequence[Sequence[int]], chunk: list[tuple[int, int]], sampling: SamplingParams
+    ) -> list[list[Completion]]:
+        return generate_batch(
+            self.model,
+            [prompts[i] for i, _ in chunk],
+            [count for _, count in chunk],
+            sampling,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            generator=self.generator,
+            interrupted=self._abort.is_set,
+            lean=self.config.decoder == "auto",
+            compute_dtype=self.compute_dtype,
+            sync_every=self.sync_every,
+            graphs=self.graphs,
+        )
 
     async def agenerate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
         check_sampling(sampling)
