@@ -74,8 +74,11 @@ def test_lora_on_zero3_exports_merged_weights(tiny_model: Path, tmp_path: Path) 
     engine.close()
 
 
-def test_non_finite_gradient_skips_the_update(tiny_model: Path) -> None:
-    engine = DeepSpeedEngine(make_actor(tiny_model), DeepSpeedConfig(zero_stage=2))
+@pytest.mark.parametrize(("stage", "dtype"), [(2, "float32"), (1, "bfloat16"), (2, "bfloat16")])
+def test_non_finite_gradient_skips_the_update(tiny_model: Path, stage: int, dtype: str) -> None:
+    """Also with bf16 weights and no ``mixed_precision``: ZeRO-1/2 check gradients for overflow
+    only in DeepSpeed's bf16 mode, which such weights turn on (without it NaN reached every weight)."""
+    engine = DeepSpeedEngine(make_actor(tiny_model, dtype=dtype), DeepSpeedConfig(zero_stage=stage))
     before = engine.full_state_dict()
     batch = make_rl_batch(seed=2)
 
@@ -155,3 +158,45 @@ def test_bf16_mixed_precision_trains_resumes_and_exports_fp32(tiny_model: Path, 
     same_weights(b.full_state_dict(), a.full_state_dict())
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_weights_resume_from_their_fp32_masters_exactly(tiny_model: Path, tmp_path: Path, stage: int) -> None:
+    """bf16 weights with fp32 masters: the checkpoint keeps the masters whole, so updates smaller
+    than a bf16 step (lr 1e-5) survive a resume: the losses and masters after it are the
+    uninterrupted run's, bit for bit (a checkpoint of bf16-rounded masters drifts at once)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    options = DeepSpeedConfig(zero_stage=stage, mixed_precision="bfloat16")
+    actor = make_actor(tiny_model, dtype="bfloat16", optimizer=OptimizerConfig(name="adamw", lr=1e-5))
+    batch = make_rl_batch(seed=3)
+    a = DeepSpeedEngine(actor, options)
+    for _ in range(3):
+        a.train_step(batch, nll_entropy)
+    a.save_state(tmp_path / "ckpt", {})
+    want = [a.train_step(batch, nll_entropy)["loss"] for _ in range(2)]
+    b = DeepSpeedEngine(actor, options)
+    b.load_state(tmp_path / "ckpt")
+    assert [b.train_step(batch, nll_entropy)["loss"] for _ in range(2)] == want
+    for (name, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert torch.equal(safe_get_full_fp32_param(pa), safe_get_full_fp32_param(pb)), name
+    a.close()
+    b.close()
+
+
+def test_an_engine_on_another_device_type_than_deepspeeds_is_one_clear_error(monkeypatch) -> None:
+    """DeepSpeed picks its accelerator once per process: a CPU engine beside a CUDA one (a small
+    reference beside a GPU actor) would be moved to the GPU behind the engine's back. Here
+    DeepSpeed is made to report CUDA, as the first engine on a GPU machine leaves it."""
+    import deepspeed.accelerator
+    from core_rl.errors import CoreRLError
+    from core_rl_deepspeed.engine import import_deepspeed
+
+    class OnCUDA:
+        def device_name(self, index: int | None = None) -> str:
+            return "cuda"
+
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: OnCUDA())
+    with pytest.raises(CoreRLError, match="runs on cpu, but DeepSpeed already works on cuda in this process"):
+        import_deepspeed(DeepSpeedConfig(), torch.device("cpu"))
+    assert import_deepspeed(DeepSpeedConfig(), torch.device("cuda")) is not None

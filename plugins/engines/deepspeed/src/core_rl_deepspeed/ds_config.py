@@ -52,7 +52,9 @@ def build_ds_config(actor: ActorConfig, options: DeepSpeedConfig, *, on_cuda: bo
         "steps_per_print": 2**62,
         "wall_clock_breakdown": False,
     }
-    if options.mixed_precision == "bfloat16":
+    if options.mixed_precision == "bfloat16" or (options.mixed_precision is None and actor.dtype == "bfloat16"):
+        # bf16 weights too: only in its bf16 mode does DeepSpeed's ZeRO-1/2 skip a step whose
+        # gradients are not finite (its overflow check; without it clipping writes NaN everywhere)
         config["bf16"] = {"enabled": True}
     elif options.mixed_precision == "float16":
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}

@@ -37,6 +37,7 @@ from core_rl.engine_utils.buckets import hf_buckets
 from core_rl.engine_utils.export import export_model_dir
 from core_rl.engine_utils.optim import build_optimizer, check_schedule, placed_scalar_state
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner, check_temperature
+from core_rl.errors import CoreRLError
 from core_rl.interfaces import TrainEngine
 from core_rl.protocol import TensorBatch
 from torch import nn
@@ -55,7 +56,15 @@ def import_deepspeed(options: DeepSpeedConfig, device: torch.device) -> Any:
     if device.type != "cuda":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
+    chosen = get_accelerator().device_name()  # once per process, by the first DeepSpeed engine
+    if chosen != device.type:
+        raise CoreRLError(
+            f"deepspeed: this engine runs on {device.type}, but DeepSpeed already works on {chosen} in this process "
+            "(an earlier DeepSpeed engine, or DS_ACCELERATOR, chose it; DeepSpeed takes one device type per "
+            "process): give every deepspeed engine of the run the same device, or use the fsdp engine for this role"
+        )
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     # DeepSpeed calls collectives torch has renamed; the warnings say nothing to a core-rl user
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
@@ -141,16 +150,18 @@ class DeepSpeedEngine(EngineState, TrainEngine):
 
     # ------------------------------------------------------------------ full weights
 
-    def _full_param(self, param: nn.Parameter, device: str | None) -> torch.Tensor:
+    def _full_param(self, param: nn.Parameter, device: str | None, *, masters: bool = False) -> torch.Tensor:
         """The full value of one parameter, on every rank (collective under ZeRO-3, and for the fp32
         master of a trainable parameter): the fp32 master weight when the optimizer holds one (cast
-        to ``actor.dtype``), else the module's own value; on ``device`` (:func:`_placed`)."""
+        to ``actor.dtype`` unless ``masters``: a checkpoint keeps them whole), else the module's own
+        value; on ``device`` (:func:`_placed`)."""
         from deepspeed.utils import safe_get_full_fp32_param
 
         if self.trainable and param.requires_grad:
             full = safe_get_full_fp32_param(param)  # assembled in a buffer of its own
             if full is not None:
-                return _placed(full.detach().to(hf.torch_dtype(self.actor.dtype)), device)
+                full = full.detach() if masters else full.detach().to(hf.torch_dtype(self.actor.dtype))
+                return _placed(full, device)
         if hasattr(param, "ds_id"):  # a ZeRO-3 partition: gather it
             import deepspeed
 
@@ -158,21 +169,21 @@ class DeepSpeedEngine(EngineState, TrainEngine):
                 return _placed(param.detach(), device, own=True)  # the gathered storage is freed on exit
         return _placed(param.detach(), device)
 
-    def _wrapped_state_dict(self) -> dict[str, torch.Tensor]:
+    def _wrapped_state_dict(self, *, masters: bool = False) -> dict[str, torch.Tensor]:
         """The full state dict of the module as wrapped (peft names with LoRA) on rank 0, ``{}``
-        elsewhere, on the CPU. Collective."""
+        elsewhere, on the CPU (``masters``: see :meth:`_full_param`). Collective."""
         state: dict[str, torch.Tensor] = {}
-        for name, value in self._wrapped_named("cpu"):  # every rank takes part in each gather
+        for name, value in self._wrapped_named("cpu", masters=masters):  # every rank takes part in each gather
             if self.rank == 0:
                 state[name] = value
         return state
 
-    def _wrapped_named(self, device: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+    def _wrapped_named(self, device: str | None, *, masters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, full value)`` of the wrapped module's state dict on ``device`` (:func:`_placed`),
         drawn on every rank (collectives inside)."""
         for name, value in self.model.state_dict(keep_vars=True).items():
             if isinstance(value, nn.Parameter):
-                yield name, self._full_param(value, device)
+                yield name, self._full_param(value, device, masters=masters)
             else:
                 yield name, _placed(value.detach(), device)
 
@@ -249,7 +260,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         ``extra.*`` and ``rng/rank{r}.*``. Full state makes the checkpoint loadable on any number
         of ranks and any ZeRO stage. Collective."""
         self._check_trainable("save_state")
-        model_state = self._wrapped_state_dict()
+        model_state = self._wrapped_state_dict(masters=True)  # fp32 masters: a resume is exact
         optim_state = self._optimizer_state()
 
         def write(tmp: Path) -> None:
