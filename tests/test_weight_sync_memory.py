@@ -114,6 +114,67 @@ def test_deepspeed_buckets_reach_the_rollout_engine_without_host_trips(model_pat
     engine.close()
 
 
+@pytest.mark.parametrize("engine_name", ["fsdp", "deepspeed"])
+def test_a_tied_weight_is_gathered_and_copied_once(tmp_path: Path, engine_name: str) -> None:
+    """An output head tied to the input embedding is one parameter under two names: the buckets
+    carry it once, the rollout engine copies it once (each byte of its weights written once) and
+    still holds it under both names."""
+    from core_rl.tiny import build_tiny_model
+
+    if engine_name == "deepspeed":
+        pytest.importorskip("core_rl_deepspeed")
+    tied = build_tiny_model(tmp_path / "tied", seed=0, tie_word_embeddings=True)
+    engine = _trained(tied, engine=engine_name, weight_bucket_mb=0.01)
+    rollout = HFRolloutEngine(tied, HFRolloutConfig(device="cpu"))
+    names = [k for bucket in engine.hf_weight_buckets() for k in bucket]
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    assert len(names) == len(set(names))
+    own = rollout.model.state_dict()
+    unique = {t.data_ptr(): t for t in own.values()}.values()
+    with DataOps() as ops:
+        sync_in_memory(engine, rollout, 1, contextlib.nullcontext())
+    assert ops.written["aten._foreach_copy_"] == nbytes(unique)
+    want = engine.full_state_dict()
+    assert torch.equal(own["lm_head.weight"], want["model.embed_tokens.weight"])
+    assert own["lm_head.weight"].data_ptr() == own["model.embed_tokens.weight"].data_ptr()
+    rollout.close()
+    engine.close()
+
+
+def test_a_bucket_handed_over_is_not_held_while_the_next_is_gathered(model_path: Path) -> None:
+    """Rank 0 holds one bucket at a time on the way (the trainer's bucketing, the sync's count and
+    the rollout engine's copy each let go of a bucket before the next is gathered): at each
+    gather no tensor of an earlier bucket is alive (each bucket is one tensor here)."""
+    import weakref
+
+    from core_rl.engine_utils.buckets import bucketed
+
+    source = {
+        k: v.clone() for k, v in HFRolloutEngine(model_path, HFRolloutConfig(device="cpu")).model.state_dict().items()
+    }
+    gathered: list[weakref.ref] = []
+    alive_at_gather: list[int] = []
+
+    class Gathering:
+        def hf_weight_buckets(self, bucket_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+            def named() -> Iterator[tuple[str, torch.Tensor]]:
+                for key, value in source.items():
+                    alive_at_gather.append(sum(ref() is not None for ref in gathered))
+                    tensor = value.clone()  # a gather: a new tensor each time
+                    gathered.append(weakref.ref(tensor))
+                    yield key, tensor
+                    del tensor  # as a gather that yields its result without keeping it
+
+            yield from bucketed(named(), 1)  # one tensor per bucket
+
+    rollout = HFRolloutEngine(model_path, HFRolloutConfig(device="cpu"))
+    sync_in_memory(Gathering(), rollout, 1, contextlib.nullcontext())  # type: ignore[arg-type]
+    assert len(alive_at_gather) == len(source) > 3
+    assert alive_at_gather == [0] * len(source)
+    assert all(torch.equal(rollout.model.state_dict()[k], v) for k, v in source.items())
+    rollout.close()
+
+
 def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if hasattr(param, "to_local") else param
 

@@ -31,11 +31,26 @@ def bucketed(
             bucket[name] = tensor
         size += tensor.numel() * tensor.element_size()
         pending = True
+        del tensor  # a bucket handed out is the consumer's alone while the next tensor is gathered
         if size >= bucket_bytes:
             yield bucket
             bucket, size, pending = {}, 0, False
     if pending:
         yield bucket
+
+
+def tied_aliases(model: nn.Module) -> set[str]:
+    """Names under which ``model`` holds a parameter it already holds under an earlier name (tied
+    weights, e.g. an output head tied to the input embedding). Decided from the module alone, so
+    every rank skips the same names (and draws the same collectives); a receiver counts a tied name
+    as given with its twin."""
+    seen: set[int] = set()
+    aliases: set[str] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            aliases.add(name)
+        seen.add(id(param))
+    return aliases
 
 
 def hf_buckets(

@@ -114,6 +114,7 @@ def sync_in_memory(
         for bucket in buckets:
             sent += nbytes(bucket.values())
             yield bucket
+            del bucket  # not held while the next one is gathered
 
     try:
         if rollout is not None:

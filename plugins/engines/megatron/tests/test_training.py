@@ -133,3 +133,21 @@ def test_pending_state_bytes_are_what_the_first_step_allocates(tiny_model: Path)
     frozen = MegatronEngine(common.actor(str(tiny_model)), MegatronConfig(), trainable=False)
     assert frozen.pending_state_bytes() == 0
     frozen.close()
+
+
+def test_weight_buckets_stay_on_the_engines_device_and_hold_full_state_dicts_weights(tiny_model: Path) -> None:
+    """``weight_sync: memory`` reads the buckets where the engine keeps its weights: no tensor goes
+    through host memory on the way (on a GPU a ``.cpu()`` per tensor would be a blocking copy each
+    way); the buckets hold :meth:`full_state_dict`'s weights (its tied head aside)."""
+    from core_rl.testing.weight_transfer import HostTrips
+
+    e = engine(tiny_model)
+    common.train(e, range(1), 0, 1)
+    with HostTrips() as trips:
+        buckets = list(e.hf_weight_buckets(bucket_bytes=4096))
+    assert trips.calls == [] and len(buckets) > 1
+    drawn = {k: v for bucket in buckets for k, v in bucket.items()}
+    full = e.full_state_dict()
+    assert set(full) - set(drawn) <= {"lm_head.weight"}
+    assert all(torch.equal(drawn[k], full[k]) for k in drawn)
+    e.close()

@@ -22,7 +22,7 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Set
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import distributed as dist_utils
 from core_rl.engine_utils import hf, lora
 from core_rl.engine_utils import state as state_files
-from core_rl.engine_utils.buckets import hf_buckets
+from core_rl.engine_utils.buckets import hf_buckets, tied_aliases
 from core_rl.engine_utils.export import export_model_dir
 from core_rl.engine_utils.optim import build_optimizer, check_schedule, placed_scalar_state
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner, check_temperature
@@ -178,10 +178,14 @@ class DeepSpeedEngine(EngineState, TrainEngine):
                 state[name] = value
         return state
 
-    def _wrapped_named(self, device: str | None, *, masters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def _wrapped_named(
+        self, device: str | None, *, masters: bool = False, skip: Set[str] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, full value)`` of the wrapped module's state dict on ``device`` (:func:`_placed`),
-        drawn on every rank (collectives inside)."""
+        but the names in ``skip``, drawn on every rank (collectives inside)."""
         for name, value in self.model.state_dict(keep_vars=True).items():
+            if name in skip:
+                continue
             if isinstance(value, nn.Parameter):
                 yield name, self._full_param(value, device, masters=masters)
             else:
@@ -200,7 +204,8 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         Collective: every rank iterates to the end."""
         self._check_open()
         size = bucket_bytes or int(self.config.weight_bucket_mb * 2**20)
-        yield from hf_buckets(self.model, self._wrapped_named(None), size, main=self.rank == 0)
+        tied = tied_aliases(self.model)  # a tied weight goes once
+        yield from hf_buckets(self.model, self._wrapped_named(None, skip=tied), size, main=self.rank == 0)
 
     def export_hf(self, path: str | Path) -> None:
         """Rank 0 writes ``path`` (config, safetensors weights, generation config, tokenizer)

@@ -21,7 +21,7 @@ import torch
 from core_rl import checkpointing as ckpt
 from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import lora
-from core_rl.engine_utils.buckets import hf_buckets
+from core_rl.engine_utils.buckets import hf_buckets, tied_aliases
 from core_rl.engine_utils.export import export_model_dir
 from core_rl.engine_utils.hf import architecture_name, exported_architecture, torch_dtype
 from core_rl.engine_utils.optim import build_optimizer, check_schedule, settle_scalar_states
@@ -156,11 +156,12 @@ class FSDPEngine(EngineState, TrainEngine):
         ``weight_bucket_mb``), on this engine's device (the CPU with ``cpu_offload``), never through
         host memory otherwise: on one rank the parameters themselves (no copy at all); on several,
         each parameter gathered (``DTensor.full_tensor``) on every rank and kept on rank 0 until its
-        bucket has been read (:func:`core_rl.engine_utils.buckets.hf_buckets`; with LoRA merged
+        bucket has been read; a tied weight once (:func:`core_rl.engine_utils.buckets.hf_buckets`; with LoRA merged
         whole first). Collective: every rank iterates to the end."""
         self._check_open()
         size = bucket_bytes or int(self.config.weight_bucket_mb * 2**20)
-        named = ((k, _full_tensor(v)) for k, v in self.model.state_dict().items())
+        tied = tied_aliases(self.model)  # a tied weight goes once
+        named = ((k, _full_tensor(v)) for k, v in self.model.state_dict().items() if k not in tied)
         yield from hf_buckets(self.model, named, size, main=self.rank == 0)
 
     def export_hf(self, path: str | Path) -> None:

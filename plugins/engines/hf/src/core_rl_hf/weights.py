@@ -44,6 +44,7 @@ def copy_buckets(model: torch.nn.Module, buckets: Iterable[Mapping[str, torch.Te
             _check_names(own, bucket, complete=False)
             torch._foreach_copy_([own[k] for k in bucket], list(bucket.values()))
             given.update(bucket)
+            del bucket  # not held while the next one is gathered
     _check_names(own, dict.fromkeys(given), complete=True)
     devices = {t.device for t in own.values() if t.device.type == "cuda"}
     for device in devices:

@@ -414,17 +414,20 @@ class MegatronEngine(EngineState, TrainEngine):
             for chunk in self.model:
                 chunk.start_param_sync(force_sync=True)
 
-    def hf_weight_buckets(self, bucket_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    def hf_weight_buckets(
+        self, bucket_bytes: int | None = None, *, device: str | None = None
+    ) -> Iterator[dict[str, torch.Tensor]]:
         """The model's weights with Hugging Face names, on the main rank, in buckets of about
-        ``bucket_bytes`` (default ``export_bucket_mb``; streaming: never a second full copy), on the
-        CPU. Collective: every rank must iterate to the end; other ranks receive nothing."""
+        ``bucket_bytes`` (default ``export_bucket_mb``; streaming: never a second full copy), on
+        ``device`` (``None``: the engine's, so no trip through host memory). Collective: every rank
+        must iterate to the end; other ranks receive nothing."""
         self._check_open()
         self._sync_params()
-        return self.gatherer.hf_buckets(bucket_bytes or int(self.config.export_bucket_mb * 2**20))
+        return self.gatherer.hf_buckets(bucket_bytes or int(self.config.export_bucket_mb * 2**20), device=device)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}
-        for bucket in self.hf_weight_buckets():
+        for bucket in self.hf_weight_buckets(device="cpu"):
             state.update(bucket)
         if self.rank == 0 and self.spec.ties_output_layer:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]

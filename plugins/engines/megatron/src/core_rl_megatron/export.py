@@ -78,9 +78,12 @@ class ShardGatherer:
             for name, owner in part.items():  # type: ignore[union-attr]
                 self.owners.setdefault(name, owner)
 
-    def full_tensors(self, getter: TensorGetter = parameter_data) -> Iterator[tuple[convert.ParamMap, torch.Tensor]]:
-        """``(map, full Megatron tensor on CPU)`` for every exported parameter, on the main rank;
-        other ranks yield nothing but must iterate to the end (they take part in the collectives)."""
+    def full_tensors(
+        self, getter: TensorGetter = parameter_data, device: str | None = "cpu"
+    ) -> Iterator[tuple[convert.ParamMap, torch.Tensor]]:
+        """``(map, full Megatron tensor)`` for every exported parameter, on the main rank, moved to
+        ``device`` (``None``: left where it was assembled, the engine's device); other ranks yield
+        nothing but must iterate to the end (they take part in the collectives)."""
         for pm in self.maps:
             if not pm.exported:
                 continue
@@ -98,7 +101,8 @@ class ShardGatherer:
                     full = torch.empty(shape, dtype=getattr(torch, owner.dtype), device=self.device)
                     dist.recv(full, src=owner.rank)
             if self.rank == 0:
-                yield pm, full.cpu()
+                yield pm, full if device is None else full.to(device)
+                del full  # not held while the next one is gathered
 
     def _join_tp(self, pm: convert.ParamMap, local: torch.Tensor) -> torch.Tensor | None:
         """The full tensor on tensor-parallel rank 0 of this stage (``None`` on the others)."""
@@ -109,15 +113,18 @@ class ShardGatherer:
         dist.all_gather(shards, local, group=mpu.get_tensor_model_parallel_group())
         return convert.unshard(shards, pm.split) if self.tp_rank == 0 else None
 
-    def hf_buckets(self, bucket_bytes: int, getter: TensorGetter = parameter_data) -> Iterator[dict[str, torch.Tensor]]:
-        """Buckets of Hugging Face tensors (name -> CPU tensor) of about ``bucket_bytes`` each, on the
-        main rank; every rank must iterate to the end."""
+    def hf_buckets(
+        self, bucket_bytes: int, getter: TensorGetter = parameter_data, device: str | None = "cpu"
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """Buckets of Hugging Face tensors (name -> tensor on ``device``, see :meth:`full_tensors`)
+        of about ``bucket_bytes`` each, on the main rank; every rank must iterate to the end."""
         bucket: dict[str, torch.Tensor] = {}
         size = 0
-        for pm, full in self.full_tensors(getter):
+        for pm, full in self.full_tensors(getter, device):
             for name, tensor in convert.to_hf(pm, full, self.spec).items():
                 bucket[name] = tensor.contiguous()
                 size += tensor.numel() * tensor.element_size()
+            del full
             if size >= bucket_bytes:
                 yield bucket
                 bucket, size = {}, 0
@@ -206,7 +213,7 @@ def export_engine(engine: MegatronEngine, final: Path) -> None:
     takes its share of the gathering. A scalar head's model is written as Hugging Face's
     ``*ForTokenClassification`` (``value``) or ``*ForSequenceClassification`` (``score``) with one
     label, without a generation config."""
-    buckets = engine.hf_weight_buckets()
+    buckets = engine.hf_weight_buckets(device="cpu")  # written from host memory
     error: BaseException | None = None
     if engine.rank == 0:
         try:
