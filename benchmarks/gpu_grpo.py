@@ -49,6 +49,7 @@ import importlib.util
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -153,14 +154,23 @@ def trl_python(args: argparse.Namespace, on_cuda: bool) -> tuple[str | None, str
 # ------------------------------------------------------------------------------------------ runs
 
 
-def run_side(python: str, kind: str, spec: dict, timeout: float) -> dict | str:
-    """One run's result, or the last line of its error (e.g. CUDA out of memory) if it failed."""
+def run_side(python: str, kind: str, spec: dict, timeout: float, log: Path) -> dict | str:
+    """One run's result, or, if it failed or ran past ``timeout``, the last line of its error (e.g.
+    CUDA out of memory) with the path of ``log``, where the whole error (the worker's output) goes."""
     try:
         return trl_grpo.run_worker(python, kind, spec, timeout)
-    except (RuntimeError, OSError) as exc:
-        lines = [li for li in str(exc).splitlines() if li.strip()]
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        text = str(exc)
+        if isinstance(exc, subprocess.TimeoutExpired):
+            text += "\n" + "\n".join(_text(part) for part in (exc.stdout, exc.stderr) if part)
+        log.write_text(text)
+        lines = [li for li in text.splitlines() if li.strip()]
         oom = [li for li in lines if "out of memory" in li.lower()]
-        return (oom or lines or ["failed"])[-1][:160]
+        return f"{(oom or lines or ['failed'])[-1][:160]} (log: {log})"
+
+
+def _text(output: bytes | str) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output
 
 
 def summary(results: list[dict], on_cuda: bool) -> dict | None:
@@ -274,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for kind, py in sides if r % 2 == 0 else sides[::-1]:
                 start = time.perf_counter()
-                out = run_side(py, kind, spec, args.timeout)
+                out = run_side(py, kind, spec, args.timeout, work / f"{kind}-round{r + 1}.log")
                 took = time.perf_counter() - start
                 if isinstance(out, str):
                     print(f"  {name} round {r + 1} {kind}: failed after {took:.0f} s: {out}", flush=True)
@@ -283,8 +293,15 @@ def main(argv: list[str] | None = None) -> int:
                     steps = statistics.median(s["step"] for s in out["steps"])
                     print(f"  {name} round {r + 1} {kind}: {took:.0f} s ({steps:.3f} s/step)", flush=True)
         rows.append((label, {kind: summary(v, on_cuda) for kind, v in results.items()}))
-    print_table(rows, "torch.cuda.max_memory_allocated" if on_cuda else "resident set size, CPU")
-    return 0
+        # the table so far after each shape: a run stopped by a time limit keeps what it measured
+        print_table(rows, "torch.cuda.max_memory_allocated" if on_cuda else "resident set size, CPU")
+    failed = [f"{label.split()[0]} {kind}" for label, sides in rows for kind, s in sides.items() if s is None]
+    if failed:
+        print(f"gpu_grpo: every run failed for: {', '.join(failed)}", file=sys.stderr)
+    if python is None and not args.no_trl and not args.smoke:
+        print(f"gpu_grpo: no TRL to compare with ({source}); --no-trl to run core-rl alone", file=sys.stderr)
+        return 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@
 #     OUT=...     where logs and JUnit files go (default runs/gpu_check)
 #     WORKERS=N   pytest workers (default: cores / 2); TIMEOUT=S per test (default 600)
 #     SUITE_PATHS="tests plugins/engines"   run that part of the suite only (a machine's per-call time limit)
+#     BENCH_ARGS="--shapes 0.5b"            arguments of benchmarks/gpu_grpo.py (both shapes: ~20 min)
+# Where a machine limits each command's time (e.g. 10 minutes), run the parts as separate commands,
+# the suite in parts (SUITE_PATHS) and the benchmark one shape at a time (TIMEOUT below that limit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 parts=${1:-suite,gpu,main,bench}
@@ -30,7 +33,8 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
     "this check needs a GPU and a CUDA build of torch" >&2
   exit 2
 fi
-"$PY" -c 'import torch, core_rl; p = torch.cuda.get_device_properties(0); print(f"gpu_check: {torch.cuda.device_count()} x {p.name} ({p.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, core-rl {core_rl.__version__}")'
+"$PY" -c 'import torch, core_rl; p = torch.cuda.get_device_properties(0); print(f"gpu_check: {torch.cuda.device_count()} x {p.name} ({p.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, core-rl {core_rl.__version__}")' \
+  || { echo "gpu_check: error: core-rl does not import in $PY (install it first: README, GPU machines without internet)" >&2; exit 2; }
 
 status=0
 has() { [[ ",$parts," == *",$1,"* ]]; }
@@ -50,8 +54,9 @@ if has suite; then
 fi
 if has gpu; then
   run_pytest gpu -m gpu plugins/engines/fsdp/tests plugins/engines/deepspeed/tests plugins/engines/megatron/tests \
-    tests/test_weight_sync_memory.py plugins/engines/hf/tests/test_gpu_sleep.py plugins/engines/vllm/tests/test_gpu_sleep.py \
-    plugins/engines/sglang/tests/test_gpu_sleep.py
+    tests/test_weight_sync_memory.py plugins/engines/hf/tests/test_gpu.py plugins/engines/hf/tests/test_gpu_sleep.py \
+    tests/test_mixed_precision_rollout.py tests/test_device_defaults_e2e.py \
+    plugins/engines/vllm/tests/test_gpu_sleep.py plugins/engines/sglang/tests/test_gpu_sleep.py
 fi
 if has main; then
   start=$(date +%s)
@@ -61,7 +66,8 @@ if has main; then
 fi
 if has bench; then
   if [ -f benchmarks/gpu_grpo.py ]; then
-    if "$PY" benchmarks/gpu_grpo.py > "$OUT/bench.log" 2>&1; then tail -20 "$OUT/bench.log"; else
+    # shellcheck disable=SC2086  # BENCH_ARGS: e.g. "--shapes 0.5b --rounds 2" (both shapes take ~20 min)
+    if "$PY" benchmarks/gpu_grpo.py ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; then tail -20 "$OUT/bench.log"; else
       echo "== benchmark failed (log: $OUT/bench.log)"; tail -20 "$OUT/bench.log"; status=1; fi
   else
     echo "== benchmark: benchmarks/gpu_grpo.py does not exist yet (issue: fast on a GPU); nothing run"

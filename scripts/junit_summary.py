@@ -12,7 +12,11 @@ import xml.etree.ElementTree as ET
 
 
 def summarise(path: str) -> int:
-    root = ET.parse(path).getroot()
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError) as exc:  # pytest was killed before it wrote the file, say
+        print(f"   no test results: {path}: {exc}")
+        return 1
     counts: collections.Counter[str] = collections.Counter()
     problems: list[str] = []
     skips: collections.Counter[str] = collections.Counter()

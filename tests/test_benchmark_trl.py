@@ -108,7 +108,10 @@ def test_gpu_bench_parameter_counts_match_the_built_models(gpu_bench, tmp_path) 
 
 
 def test_gpu_bench_smoke_runs_each_side_and_prints_one_table(gpu_bench, tmp_path, capsys) -> None:
-    trl = gpu_bench["trl_grpo"].trl_python(install=False)
+    import importlib.util
+
+    # TRL as the script finds it: in this environment (an offline wheelhouse carries it), or its own
+    trl = importlib.util.find_spec("trl") or gpu_bench["trl_grpo"].trl_python(install=False)
     args = ["--smoke", "--no-install", "--workdir", str(tmp_path), "--core-rl-set", "trainer.profile.steps=[1]"]
     assert gpu_bench["main"](args) == 0
     out = capsys.readouterr().out
@@ -127,3 +130,15 @@ def test_gpu_bench_smoke_runs_each_side_and_prints_one_table(gpu_bench, tmp_path
         side = next(r for r in rows if "trl" in r)
         assert float(side[1]) > 0 and side[-2].endswith("x"), side  # s/step, and core-rl's ratio row
         assert core[-2].endswith("x") and core[-1].endswith("x"), core
+
+
+def test_gpu_bench_run_past_its_timeout_is_a_failed_run_with_its_log(gpu_bench, tmp_path) -> None:
+    """A worker that runs past ``--timeout`` fails that run (the table goes on), with what it printed
+    in a log named in the line, instead of ending the benchmark with a traceback."""
+    hanging = tmp_path / "python"
+    hanging.write_text("#!/bin/sh\necho started\nsleep 30\n")
+    hanging.chmod(0o755)
+    log = tmp_path / "trl-round1.log"
+    out = gpu_bench["run_side"](str(hanging), "trl", {"threads": 1}, 1.0, log)
+    assert isinstance(out, str) and out.endswith(f"(log: {log})"), out
+    assert "timed out after 1" in log.read_text()

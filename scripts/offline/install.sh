@@ -38,6 +38,11 @@ files=()
 while read -r name _; do files+=("$WH/$name"); done < "$WH/manifest.txt"
 DS_BUILD_OPS=${DS_BUILD_OPS:-0} "$TARGET_PY" -m pip install -q --disable-pip-version-check --no-index \
   --find-links "$WH" --no-build-isolation "${files[@]}"
+# core-rl's own wheels keep their version number from build to build, so pip would keep an earlier
+# install of them: put these in again (their dependencies are in place already)
+own=("$WH"/core_rl*.whl)
+[ -e "${own[0]}" ] && "$TARGET_PY" -m pip install -q --disable-pip-version-check --no-index --no-deps \
+  --force-reinstall "${own[@]}"
 torch_after=$("$TARGET_PY" -c 'import torch; print(torch.__version__)')
 if [ "$torch_after" != "$torch_before" ]; then
   echo "install.sh: error: torch changed from $torch_before to $torch_after; the wheelhouse must not hold torch" >&2
