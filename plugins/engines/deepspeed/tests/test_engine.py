@@ -200,3 +200,20 @@ def test_an_engine_on_another_device_type_than_deepspeeds_is_one_clear_error(mon
     with pytest.raises(CoreRLError, match="runs on cpu, but DeepSpeed already works on cuda in this process"):
         import_deepspeed(DeepSpeedConfig(), torch.device("cpu"))
     assert import_deepspeed(DeepSpeedConfig(), torch.device("cuda")) is not None
+
+
+def test_zero12_weight_buckets_are_the_module_parameters_in_the_wanted_dtype(tiny_model: Path) -> None:
+    """ZeRO-1/2 gather each update into the module's full parameters: where those are already in
+    ``actor.dtype`` the buckets are the parameters themselves (no fp32 buffer assembled and reduced
+    per parameter, no cast), equal to the masters cast to that dtype."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    options = DeepSpeedConfig(zero_stage=2, mixed_precision="bfloat16", weight_bucket_mb=0.01)
+    engine = DeepSpeedEngine(make_actor(tiny_model, dtype="bfloat16"), options)
+    engine.train_step(make_rl_batch(seed=3), nll_entropy)
+    params = {p.data_ptr() for p in engine.model.parameters()}
+    buckets = list(engine.hf_weight_buckets())
+    assert len(buckets) > 1 and all(t.data_ptr() in params for b in buckets for t in b.values())
+    for name, param in engine.model.named_parameters():
+        assert torch.equal(param, safe_get_full_fp32_param(param).to(torch.bfloat16)), name
+    engine.close()

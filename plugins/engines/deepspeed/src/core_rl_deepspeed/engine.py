@@ -157,10 +157,15 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         value; on ``device`` (:func:`_placed`)."""
         from deepspeed.utils import safe_get_full_fp32_param
 
+        wanted = hf.torch_dtype(self.actor.dtype)
+        if not masters and self.zero_stage < 3 and param.dtype == wanted:
+            # ZeRO-1/2 gather each step's update into the module's full parameters, already in the
+            # dtype wanted: no buffer to assemble and reduce on every rank, no cast
+            return _placed(param.detach(), device)
         if self.trainable and param.requires_grad:
             full = safe_get_full_fp32_param(param)  # assembled in a buffer of its own
             if full is not None:
-                full = full.detach() if masters else full.detach().to(hf.torch_dtype(self.actor.dtype))
+                full = full.detach() if masters else full.detach().to(wanted)
                 return _placed(full, device)
         if hasattr(param, "ds_id"):  # a ZeRO-3 partition: gather it
             import deepspeed
