@@ -63,3 +63,32 @@ def test_a_step_after_the_last_is_a_config_error(tmp_path: Path, capsys) -> None
     assert "Traceback" not in err
     assert cli.main(["config", "validate", str(path), "trainer.profile.steps=[0]"]) == 2
     assert "trainer.profile.steps" in capsys.readouterr().err
+
+
+def test_a_large_profile_gets_its_table_from_the_raw_events(tmp_path: Path, host, monkeypatch) -> None:
+    """Above ``FULL_TABLE_EVENTS`` (here every profile) torch's key_averages, minutes of Python for
+    a GPU step of a real model, is not called: the table sums the raw events by name and device,
+    each operator's calls counted (the step's matrix products among them)."""
+    import core_rl.trainer.profiling as profiling
+    from torch.autograd.profiler import profile as autograd_profile
+
+    monkeypatch.setattr(profiling, "FULL_TABLE_EVENTS", 0)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("key_averages was called")
+
+    monkeypatch.setattr(autograd_profile, "key_averages", refused)
+    config = merged(
+        build_task(tmp_path),
+        trainer={"total_steps": 2, "torch_threads": 1, "profile": {"steps": [2], "record_shapes": True}},
+        saver={"every_n_steps": 0, "at_end": False, "export_hf": False},
+    )
+    train_here(config, host)
+    run = run_dir(config)
+    lines = (run / "profile" / "step2-rank0.txt").read_text().splitlines()
+    assert lines[0].startswith("step 2, rank 0: operators by total time (") and "raw events" in lines[0]
+    assert lines[1].split() == ["name", "device", "calls", "total", "ms", "mean", "us"]
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    mm = rows["aten::mm"]
+    assert mm[1] == "CPU" and int(mm[2]) > 0 and float(mm[3]) > 0
+    assert json.loads((run / "profile" / "step2-rank0.json").read_text())["traceEvents"]  # the trace as before
