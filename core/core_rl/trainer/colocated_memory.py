@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -97,7 +98,17 @@ def held_for_trainer(shared: SharedGPU | None) -> Iterator[None]:
     if shared is None or shared.pending <= 0:
         yield
         return
-    held = torch.empty(shared.pending, dtype=torch.uint8, device=shared.device)
+    try:
+        held = torch.empty(shared.pending, dtype=torch.uint8, device=shared.device)
+    except torch.OutOfMemoryError:  # the estimate is above what is free: start the servers without it
+        print(
+            f"core-rl: warning: could not hold {shared.pending / 2**30:.1f} GiB on {shared.device} for the trainer's "
+            f"first step while the servers start ({shared.free / 2**30:.1f} GiB free): they may leave it too little",
+            file=sys.stderr,
+            flush=True,
+        )
+        yield
+        return
     try:
         yield
     finally:
