@@ -34,6 +34,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -61,7 +62,7 @@ def build_rollout_engine(
     where the configuration leaves them to the placement (``built``: this rank's train engines)."""
     entry = host.get(ROLLOUT_ENGINE, cfg.rollout.engine.name)
     cuda = torch.cuda.is_available()
-    enabled = _sleeps(cfg, host)
+    enabled = _sleeps(cfg, entry, cuda)
     rollout = attrs.evolve(cfg.rollout, sleep_while_training=enabled)
     machine = detect_machine()
     engine_config, gpus_note = resolve_server_gpus(cfg, machine)
@@ -87,13 +88,15 @@ def peer_rollout_sleep(cfg: RunConfig, host: PluginHost) -> RolloutSleep:
     """The :class:`RolloutSleep` of a rank without the rollout engine: it drives nothing, but where
     the run's engine sleeps it gives back this rank's cached device memory before each weight
     update (a colocated server may wake on this rank's GPU)."""
-    return RolloutSleep(None, release_cache=_sleeps(cfg, host))
-
-
-def _sleeps(cfg: RunConfig, host: PluginHost) -> bool:
     entry = host.get(ROLLOUT_ENGINE, cfg.rollout.engine.name)
+    return RolloutSleep(None, release_cache=_sleeps(cfg, entry, torch.cuda.is_available()))
+
+
+def _sleeps(cfg: RunConfig, entry: Any, cuda: bool) -> bool:
+    """``rollout.sleep_while_training`` resolved for the engine ``entry`` (its config class says
+    whether it can give back memory) on a machine with or without CUDA."""
     releases = bool(getattr(entry.config_cls, "releases_memory", False))
-    return sleeps_while_training(cfg, releases_memory=releases, cuda_available=torch.cuda.is_available())
+    return sleeps_while_training(cfg, releases_memory=releases, cuda_available=cuda)
 
 
 class RolloutSleep:
@@ -133,11 +136,11 @@ class RolloutSleep:
 
     def before_weight_update(self) -> dict[str, float]:
         """Take back the weights' storage; the restore time of the step (KV cache and weights)."""
-        if self.release_cache:
-            release_cached_memory()
-        if self.engine is None:
+        if self.engine is None:  # a peer rank: its cache goes back for a server waking on its GPU
+            if self.release_cache:
+                release_cached_memory()
             return {}
-        self._restore(("weights",))
+        self._restore(("weights",))  # gives the cache back first
         metrics = {"timing/rollout_restore_s": self._restore_s}
         self._restore_s = 0.0
         return metrics

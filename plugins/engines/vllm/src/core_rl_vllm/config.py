@@ -65,7 +65,7 @@ class VLLMConfig:
 
     def with_colocated_memory(self, budget_bytes: int, total_bytes: int) -> tuple[VLLMConfig, str | None]:
         """This config for servers on the trainer's GPU, where each may take ``budget_bytes`` of
-        the ``total_bytes`` a GPU has (:func:`core_rl.trainer.colocation.colocated_budget`): vLLM
+        the ``total_bytes`` a GPU has (:attr:`core_rl.trainer.colocated_memory.SharedGPU.budget`): vLLM
         starts only if the GPU has ``gpu_memory_utilization x total`` free, and takes that much. An
         explicit figure is kept; 0 becomes ``budget / total`` (at most
         :data:`GPU_MEMORY_UTILIZATION`), with the note saying so."""
