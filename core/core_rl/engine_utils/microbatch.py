@@ -87,15 +87,17 @@ def _best_cut(rows: Sequence[int], lengths: Sequence[int]) -> int:
 def take_micro_batch(batch: TensorBatch, rows: Sequence[int], width: int) -> TensorBatch:
     """The rows ``rows`` of ``batch`` with every ``[B, T]`` tensor (2-D or more, second dimension
     equal to the batch's ``input_ids`` width) cut to its first ``width`` columns; other tensors
-    (``[B]`` ones such as ``rewards``) are only row-indexed."""
+    (``[B]`` ones such as ``rewards``) are only row-indexed. Each tensor is a new contiguous one,
+    never a view: a compiled model guards on its inputs' strides and on whether they are views, so
+    a cut view beside an uncut tensor would compile a second graph."""
     full_width = batch["input_ids"].shape[1]
     index = torch.as_tensor(list(rows), dtype=torch.long)
     out = {}
     for key in batch.keys():
-        value = batch[key][index]
+        value = batch[key]
         if value.ndim >= 2 and value.shape[1] == full_width:
             value = value[:, :width]
-        out[key] = value
+        out[key] = value[index]
     return TensorBatch(out)
 
 

@@ -416,7 +416,11 @@ def test_export_is_a_loadable_hf_directory_and_atomic(tiny_model: Path, tmp_path
 def test_compiled_model_trains_like_the_eager_one(tiny_model: Path) -> None:
     """``compile: true``: the plain one-rank module runs as one compiled graph (parameter names
     unchanged), and its log-probs, losses, gradient norms and updated weights over two steps of
-    different widths equal the eager engine's up to fused-kernel rounding."""
+    different widths equal the eager engine's up to fused-kernel rounding. Two graphs in all (with
+    and without gradients): the second step's narrower micro-batch (cut from its batch) compiles
+    nothing new."""
+    from torch._dynamo.utils import counters
+
     first, second = make_rl_batch(batch_size=4, seed=1), make_rl_batch(batch_size=3, seed=2)
     assert first["input_ids"].shape[1] != second["input_ids"].shape[1] or first.batch_size != second.batch_size
     actor = make_actor(tiny_model)  # SGD: the updates are the gradients (AdamW would amplify rounding)
@@ -424,11 +428,13 @@ def test_compiled_model_trains_like_the_eager_one(tiny_model: Path) -> None:
     compiled = FSDPEngine(actor, FSDPConfig(compile=True), trainable=True)
     assert compiled.model._compiled_call_impl is not None and eager.model._compiled_call_impl is None
     assert compiled.full_state_dict().keys() == eager.full_state_dict().keys()
+    compiled_before = counters["frames"]["ok"]
     torch.testing.assert_close(compiled.compute_logprobs(first), eager.compute_logprobs(first), atol=1e-5, rtol=0)
     for batch in (first, second):
         want, got = eager.train_step(batch, nll_entropy), compiled.train_step(batch, nll_entropy)
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
     weights_close(compiled.full_state_dict(), eager.full_state_dict(), atol=1e-5)
+    assert counters["frames"]["ok"] - compiled_before == 2, dict(counters["frames"])
     for engine in (eager, compiled):
         engine.close()
