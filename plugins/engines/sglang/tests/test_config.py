@@ -58,6 +58,8 @@ def test_cpu_command_has_the_cpu_recipe_and_passes_options() -> None:
         assert part in line, part
     assert argv[-2:] == ["--log-level", "debug"]
     assert (Path(env["PYTHONPATH"]) / "vllm" / "_custom_ops.py").is_file()
+    # a stop is not taken for a crash worth a 5 s wait for py-spy and CUDA core dumps
+    assert env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
 
 
 def test_gpu_command_leaves_backends_to_sglang() -> None:

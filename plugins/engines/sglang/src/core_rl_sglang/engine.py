@@ -50,6 +50,10 @@ PAUSE_MODE = {"keep": "retract", "abort": "abort"}
 MEMORY_TAGS = {"weights": ("weights",), "kv_cache": ("kv_cache", "cuda_graph")}
 
 
+#: SGLang's diagnostics before a crash, off (see :meth:`SGLangRolloutEngine.server_environment`)
+NO_CRASH_DIAGNOSTICS = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+
+
 class SGLangRolloutEngine(ServerRolloutEngine):
     """Generates through ``rollout.engine.server.num_servers`` SGLang servers (or given URLs)."""
 
@@ -118,7 +122,10 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         return argv + list(c.extra_args)
 
     def server_environment(self, index: int) -> dict[str, str]:
-        return {"PYTHONPATH": str(SERVER_SIDE)}
+        # Stopping a server ends its scheduler too, which SGLang takes for a crash: by default it
+        # then waits 5 s to dump the scheduler's stacks (py-spy, CUDA core dumps), on every stop
+        # and restart. ``server.env`` can turn these back on.
+        return {"PYTHONPATH": str(SERVER_SIDE), **NO_CRASH_DIAGNOSTICS}
 
     def workers_per_server(self) -> int:
         return self.config.tp_size * self.config.dp_size
