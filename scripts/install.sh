@@ -19,6 +19,11 @@ else
   "$PY" -m pip install -q --disable-pip-version-check "uv>=0.5"
   UV=$("$PY" -c 'from uv import find_uv_bin; print(find_uv_bin())')
   mapfile -t uv_flags < <("$PY" core/core_rl/pip_as_uv.py "$PY")
-  "$UV" pip install --quiet --python "$PY" --index-strategy unsafe-best-match "${uv_flags[@]}" -r requirements-dev.txt
+  # --compile-bytecode: as pip does, so that no process compiles its imports again (where
+  # PYTHONDONTWRITEBYTECODE is set, every process would: about 2 s of CPU each)
+  "$UV" pip install --quiet --python "$PY" --index-strategy unsafe-best-match --compile-bytecode "${uv_flags[@]}" \
+    -r requirements-dev.txt
 fi
+# the editable sources of core-rl and its plugins, likewise
+"$PY" -m compileall -q -j 0 core plugins > /dev/null
 echo "installed into $VENV ($("$PY" -c 'import core_rl; print("core-rl", core_rl.__version__)'))"
