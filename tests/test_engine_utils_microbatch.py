@@ -97,3 +97,14 @@ def test_take_micro_batch_trims_only_token_tensors() -> None:
     assert mb["attention_mask"].tolist() == [[1, 1], [1, 0]]
     assert mb["rewards"].tolist() == pytest.approx([0.1, 0.3])
     assert mb["extra"].shape == (2, 2)
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_take_micro_batch_gives_new_contiguous_tensors(width: int) -> None:
+    """Cut or not, no tensor is a view of the batch's (a compiled model guards on both)."""
+    batch = TensorBatch({"input_ids": torch.arange(12).reshape(3, 4), "rewards": torch.tensor([0.1, 0.2, 0.3])})
+    mb = take_micro_batch(batch, [2, 0], width)
+    for key in mb.keys():
+        assert mb[key].is_contiguous() and mb[key]._base is None, key
+        assert mb[key].untyped_storage().data_ptr() != batch[key].untyped_storage().data_ptr(), key
+    assert mb["input_ids"].tolist() == [[8, 9, 10, 11][:width], [0, 1, 2, 3][:width]]
