@@ -58,13 +58,18 @@ def hf_buckets(
 ) -> Iterator[dict[str, torch.Tensor]]:
     """A train engine's :meth:`~core_rl.interfaces.TrainEngine.hf_weight_buckets` from ``named``, the
     full state dict of its ``model`` as wrapped, drawn lazily on every rank (collectives inside):
-    :func:`bucketed`, kept on the ``main`` rank. With LoRA adapters the whole state dict is drawn
-    first and merged (:func:`core_rl.engine_utils.lora.hf_state_dict`: each merge needs its adapter
-    beside its base weight), then bucketed."""
+    :func:`bucketed`, kept on the ``main`` rank. With LoRA adapters each adapted weight is merged as
+    soon as its adapter has been drawn (:func:`core_rl.engine_utils.lora.merged_items`: about one
+    layer held, never the whole model); other ranks draw the same pairs, for the gathers inside."""
     if lora.is_lora_model(model):
-        state = {}
-        for key, value in named:  # every rank takes part in each gather; the main rank keeps the results
-            if main:
-                state[key] = value
-        named = lora.hf_state_dict(model, state).items()
+        if not main:
+            yield from bucketed(named, bucket_bytes, keep=False)
+            return
+        config = model.peft_config[lora.ADAPTER]
+        named = lora.merged_items(
+            named,
+            adapted=lora.adapted_modules(model),
+            scaling=lora.lora_scaling(model),
+            fan_in_fan_out=bool(config.fan_in_fan_out),
+        )
     yield from bucketed(named, bucket_bytes, keep=main)

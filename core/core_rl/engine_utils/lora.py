@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -77,25 +78,61 @@ def merged_state_dict(
     """The base model's state dict (Hugging Face names) with every adapted weight merged (see the
     module docstring), from the full state dict of the peft-wrapped model. Pure: ``state`` is not
     modified; merged weights keep the base weight's dtype (the product is taken in float32)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, value in state.items():
+    adapted = {_module_of(name, ".lora_A.") for name in state if ".lora_A." in name}
+    return dict(merged_items(state.items(), adapted=adapted, scaling=scaling, fan_in_fan_out=fan_in_fan_out))
+
+
+def adapted_modules(model: nn.Module) -> set[str]:
+    """Paths (as in the wrapped model's state dict, without the peft prefix) of the modules of
+    ``model`` that carry a LoRA adapter."""
+    return {_module_of(name, ".lora_A.") for name, _ in model.named_parameters() if ".lora_A." in name}
+
+
+def _module_of(name: str, part: str) -> str:
+    return name.removeprefix(PEFT_PREFIX).split(part)[0]
+
+
+def merged_items(
+    named: Iterable[tuple[str, torch.Tensor]], *, adapted: set[str], scaling: float, fan_in_fan_out: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`merged_state_dict`, drawn lazily from the wrapped model's ``(name, tensor)`` pairs: an
+    adapted module's base weight, ``A`` and ``B`` are held only until the last of the three arrives
+    (they come one after another in a peft model's order), so at most about one layer is held,
+    never the whole model. ``adapted``: the modules carrying an adapter (:func:`adapted_modules`)."""
+    held: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+    for name, value in named:
         if ".lora_embedding_" in name:
             raise ValueError(f"{name}: merging LoRA adapters on embeddings is not supported; adapt linear layers only")
-        if ".lora_A." in name or ".lora_B." in name:
-            continue
         plain = name.removeprefix(PEFT_PREFIX)
-        if ".base_layer." in plain:
-            module = plain.split(".base_layer.")[0]
+        piece = next((p for p in (".lora_A.", ".lora_B.", ".base_layer.") if p in plain), None)
+        if piece is None:
+            yield plain, value
+            continue
+        module = plain.split(piece)[0]
+        if piece == ".base_layer.":
             plain = plain.replace(".base_layer.", ".")
-            a_name = f"{PEFT_PREFIX}{module}.lora_A.{ADAPTER}.weight"
-            b_name = f"{PEFT_PREFIX}{module}.lora_B.{ADAPTER}.weight"
-            if plain.endswith(".weight") and a_name in state:
-                delta = (state[b_name].float() @ state[a_name].float()) * scaling
-                if fan_in_fan_out:
-                    delta = delta.T
-                value = (value.float() + delta).to(value.dtype)
-        out[plain] = value
-    return out
+            if not plain.endswith(".weight") or module not in adapted:
+                yield plain, value  # a bias, or a layer without an adapter: as it is
+                continue
+        parts = held.setdefault(module, {})
+        parts[piece] = (plain, value)
+        if len(parts) == 3:
+            del held[module]
+            yield _merged(parts, scaling, fan_in_fan_out)
+    if held:
+        raise ValueError(f"adapted modules without a base weight, A and B each in the state dict: {sorted(held)}")
+
+
+def _merged(
+    parts: dict[str, tuple[str, torch.Tensor]], scaling: float, fan_in_fan_out: bool
+) -> tuple[str, torch.Tensor]:
+    """``W + scaling * B @ A`` (``W`` stored transposed with ``fan_in_fan_out``) in float32, in
+    ``W``'s dtype."""
+    plain, base = parts[".base_layer."]
+    delta = (parts[".lora_B."][1].float() @ parts[".lora_A."][1].float()) * scaling
+    if fan_in_fan_out:
+        delta = delta.T
+    return plain, (base.float() + delta).to(base.dtype)
 
 
 def hf_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
