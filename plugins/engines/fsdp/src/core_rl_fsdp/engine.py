@@ -156,8 +156,8 @@ class FSDPEngine(EngineState, TrainEngine):
         ``weight_bucket_mb``), on this engine's device (the CPU with ``cpu_offload``), never through
         host memory otherwise: on one rank the parameters themselves (no copy at all); on several,
         each parameter gathered (``DTensor.full_tensor``) on every rank and kept on rank 0 until its
-        bucket has been read; a tied weight once (:func:`core_rl.engine_utils.buckets.hf_buckets`; with LoRA merged
-        whole first). Collective: every rank iterates to the end."""
+        bucket has been read; a tied weight once (:func:`core_rl.engine_utils.buckets.hf_buckets`; with LoRA each
+        adapted weight merged as soon as its adapter is drawn). Collective: every rank iterates to the end."""
         self._check_open()
         size = bucket_bytes or int(self.config.weight_bucket_mb * 2**20)
         tied = tied_aliases(self.model)  # a tied weight goes once
