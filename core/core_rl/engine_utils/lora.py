@@ -109,6 +109,8 @@ def merged_items(
             yield plain, value
             continue
         module = plain.split(piece)[0]
+        if piece != ".base_layer." and not plain.endswith(f"{piece}{ADAPTER}.weight"):
+            continue  # another adapter's tensor, or an adapter bias: not part of the merge
         if piece == ".base_layer.":
             plain = plain.replace(".base_layer.", ".")
             if not plain.endswith(".weight") or module not in adapted:
