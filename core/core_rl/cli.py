@@ -6,7 +6,7 @@ the subcommands and ``train`` options that launcher plugins add
 ``train`` hands the run to the launcher the configuration selects (:mod:`core_rl.launchers`;
 ``local`` by default), after its placement check; in a process a launcher started as one trainer
 rank (``RANK`` and ``WORLD_SIZE`` set, as torch's elastic agent and
-:func:`core_rl.rendezvous.run_rank` set them) it trains that rank here.
+:func:`run_rank` sets them) it trains that rank here.
 
 Exit status: 0 on success, 2 on a user's mistake: usage, configuration, overrides, plugins, and for
 ``train`` the data files, model and tokenizer directories, devices and output directory (checked
@@ -36,6 +36,7 @@ from core_rl.errors import ConfigError, CoreRLError, PluginFault
 
 if TYPE_CHECKING:
     from core_rl.plugins import PluginHost
+    from core_rl.rendezvous import Rendezvous
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 3
@@ -241,6 +242,17 @@ def _cmd_train(args: argparse.Namespace, host: PluginHost) -> int:
         host=host,
     )
     return launch_checked(request)
+
+
+def run_rank(config_path: str, overrides: Sequence[str], rendezvous: Rendezvous) -> int:
+    """Run one trainer rank of ``core-rl train config_path overrides...`` in this process and
+    return its exit status, as ``core-rl train`` would (errors are printed, not raised). Every rank
+    of the run calls this with the same configuration and its own ``rendezvous``; rank 0 also runs
+    rollouts, rewards and loggers. Changes this process's environment (one rank per process)."""
+    from core_rl.rendezvous import apply
+
+    apply(rendezvous)
+    return main(["train", config_path, *overrides])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

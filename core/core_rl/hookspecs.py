@@ -332,7 +332,7 @@ def core_rl_register_launchers(register: Register) -> None:
         launcher. ``factory(config)`` receives the validated ``launcher`` section and returns a
         :class:`core_rl.launchers.Launcher`. Its ``check`` is called by every ``core-rl config
         validate`` and before ``core-rl train`` launches; its ``launch`` starts the run, each trainer
-        rank through :func:`core_rl.rendezvous.run_rank`.
+        rank through :func:`core_rl.cli.run_rank`.
     :return: nothing; results go through ``register``.
 
     Called when the plugin is loaded (every launcher is loaded when ``core-rl`` builds its

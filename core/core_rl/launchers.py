@@ -11,7 +11,7 @@ The interface:
 - :meth:`Launcher.offered` (optional): the resources for one launch, where its options change
   them; ``core-rl train`` checks ``check(cfg, offered(request))`` before it launches.
 - :meth:`Launcher.launch`: start the run described by a :class:`LaunchRequest`, wait for it and
-  return its exit status. Each trainer rank runs through :func:`core_rl.rendezvous.run_rank`
+  return its exit status. Each trainer rank runs through :func:`core_rl.cli.run_rank`
   (given its rank, the world size and the rendezvous address), in whatever process the launcher
   starts (a torch elastic worker, an ``srun`` task, a Ray actor).
 
@@ -41,7 +41,7 @@ class LaunchRequest:
     """What ``core-rl train`` asks a launcher to run.
 
     - ``config_path``, ``overrides``: the command's configuration file and ``KEY=VALUE`` overrides,
-      exactly as given; each rank loads them again (:func:`core_rl.rendezvous.run_rank`).
+      exactly as given; each rank loads them again (:func:`core_rl.cli.run_rank`).
     - ``cfg``: the validated configuration they give (its ``launcher`` section is ``cfg.launcher``).
     - ``nproc_per_node``: ``--nproc-per-node`` (trainer ranks per node; ``None``: not given).
     - ``options``: the launcher options of ``core-rl train`` that plugins add

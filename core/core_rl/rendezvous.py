@@ -1,16 +1,16 @@
-"""One trainer rank, started by any launcher: :func:`run_rank` with an explicit
+"""One trainer rank, started by any launcher: :func:`core_rl.cli.run_rank` with an explicit
 :class:`Rendezvous` (rank, world size and the address of rank 0's process-group store).
 
 Under torch's elastic agent (the ``local`` launcher, ``torchrun``, an ``srun`` task running
 ``torchrun``) the agent sets these variables and runs ``core-rl train``, which trains in its own
 process when they are set; a launcher that starts ranks itself (e.g. inside Ray actors) calls
-:func:`run_rank` in each rank's process.
+:func:`core_rl.cli.run_rank` in each rank's process.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING
 
 import attrs
@@ -75,17 +75,6 @@ def apply(rendezvous: Rendezvous, environ: MutableMapping[str, str] | None = Non
 
     (os.environ if environ is None else environ).update(rendezvous.env())
     listen_on_loopback_unless_configured(rendezvous.master_addr)
-
-
-def run_rank(config_path: str, overrides: Sequence[str], rendezvous: Rendezvous) -> int:
-    """Run one trainer rank of ``core-rl train config_path overrides...`` in this process and
-    return its exit status, as ``core-rl train`` would (errors are printed, not raised). Every rank
-    of the run calls this with the same configuration and its own ``rendezvous``; rank 0 also runs
-    rollouts, rewards and loggers. Changes this process's environment (one rank per process)."""
-    from core_rl.cli import main
-
-    apply(rendezvous)
-    return main(["train", config_path, *overrides])
 
 
 def train_in_process(cfg: RunConfig, host: PluginHost) -> int:

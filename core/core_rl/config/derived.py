@@ -30,37 +30,13 @@ so a run started again from that file with another ``trainer.total_steps`` deriv
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import attrs
-
-from core_rl.config.paths import Path, format_path, parse_key
-
-if TYPE_CHECKING:
-    from core_rl.config.schema import RunConfig, SchedulerConfig
-
-#: the ``source`` of a derived key that is a ``${...}`` interpolation
-INTERPOLATION = "interpolation"
-
-
-@attrs.frozen
-class Derived:
-    """A key the loader derived: ``path`` (names and list indices), the ``value`` it was filled
-    with, what the YAML holds to keep it derived (``written``: ``0``, ``None`` or the
-    interpolation text) and how it is derived, for people (``source``; :data:`INTERPOLATION` for
-    an interpolation). ``at_start``: chosen when the run started, from the machine (see the module
-    docstring), not by the loader."""
-
-    path: Path
-    value: Any
-    written: Any
-    source: str
-    at_start: bool = False
-
-    @property
-    def key(self) -> str:
-        """The dotted key path, e.g. ``algorithm.filters[0].norm_length``."""
-        return format_path(self.path)
+from core_rl.config.derived_key import INTERPOLATION as INTERPOLATION  # re-exported with the functions
+from core_rl.config.derived_key import Derived as Derived
+from core_rl.config.model_sections import SchedulerConfig
+from core_rl.config.paths import Path, parse_key
+from core_rl.config.schema import RunConfig
 
 
 def record(cfg: RunConfig, derived: Derived) -> None:

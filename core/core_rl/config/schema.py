@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 
 import attrs
 
-from core_rl.config.derived import Derived
+from core_rl.config.derived_key import Derived
 from core_rl.config.model_sections import LoraConfig, MicroBatchConfig, OptimizerConfig, SchedulerConfig
 from core_rl.config.placement import PlacementConfig
 from core_rl.config.placement import RolePlacement as RolePlacement  # re-exported with the section

@@ -66,10 +66,10 @@ from core_rl.plugins import PluginHost
 from core_rl.preflight import preflight
 from core_rl.protocol import RewardInput, Sample, TensorBatch
 from core_rl.roles import build_engine, build_roles
-from core_rl.trainer import checkpoints
 from core_rl.trainer.auto_budget import resolve_auto_budgets
 from core_rl.trainer.batching import BatchAssembler, Generation
 from core_rl.trainer.building import build, build_loggers, quiet_library_progress_bars
+from core_rl.trainer.checkpoints import checkpoint_dir, is_disk_full
 from core_rl.trainer.colocated_memory import held_by_peer
 from core_rl.trainer.colocation import RolloutSleep, build_rollout_engine, peer_rollout_sleep
 from core_rl.trainer.critic import CriticStage
@@ -398,7 +398,7 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
         except DiskFullError:
             raise
         except Exception as exc:
-            if checkpoints.is_disk_full(exc):
+            if is_disk_full(exc):
                 raise self._disk_full(f"({exc})") from exc
             raise
 
@@ -457,7 +457,7 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
         finally:
             for lg in started:
                 lg.close()
-        last = checkpoints.checkpoint_dir(self.run_dir, self.last_saved) if self.last_saved else None
+        last = checkpoint_dir(self.run_dir, self.last_saved) if self.last_saved else None
         return {
             "run_dir": self.run_dir,
             "metrics": self.run_dir / "metrics.jsonl",

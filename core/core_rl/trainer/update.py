@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -24,13 +24,23 @@ from core_rl.guards import engine_metrics, engine_tensor
 from core_rl.interfaces import PolicyLoss, TrainEngine
 from core_rl.protocol import TensorBatch
 
-if TYPE_CHECKING:
-    from core_rl.trainer.critic import CriticStage
-
 #: (global batch) -> this rank's rows of it
 Shard = Callable[[TensorBatch], TensorBatch]
 
 ROW_ID = "_row_id"
+
+
+class CriticSteps(Protocol):
+    """What the update asks of a critic (:class:`core_rl.trainer.critic.CriticStage`)."""
+
+    def warming_up(self, train_version: int) -> bool:
+        """Whether the step producing ``train_version`` trains the critic alone."""
+
+    def prepare(self, batch: TensorBatch) -> dict[str, float]:
+        """Set ``values``, ``advantages`` and ``returns`` of ``batch``; their metrics."""
+
+    def update(self, batch: TensorBatch, parts: Sequence[torch.Tensor]) -> dict[str, float]:
+        """The critic's optimiser steps over the minibatch rows ``parts``; their metrics."""
 
 
 def minibatch_rows(n_rows: int, n_minibatches: int) -> list[torch.Tensor]:
@@ -120,7 +130,7 @@ class PolicyUpdate:
         shard: Shard,
         world_size: int,
         teacher: TrainEngine | None = None,
-        critic: CriticStage | None = None,
+        critic: CriticSteps | None = None,
     ) -> None:
         self.engine = engine
         self.ref = ref

@@ -1,13 +1,14 @@
 """One trainer rank in the process a :class:`~core_rl_ray.actors.TrainerRank` actor starts:
 ``python -m core_rl_ray.rank RENDEZVOUS_JSON CONFIG [KEY=VALUE ...]``, run through the core's
-:func:`core_rl.rendezvous.run_rank` (exit status as ``core-rl train``'s)."""
+:func:`core_rl.cli.run_rank` (exit status as ``core-rl train``'s)."""
 
 from __future__ import annotations
 
 import json
 import sys
 
-from core_rl.rendezvous import Rendezvous, run_rank
+from core_rl.cli import run_rank
+from core_rl.rendezvous import Rendezvous
 
 
 def main(argv: list[str]) -> int:
