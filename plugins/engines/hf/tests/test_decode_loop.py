@@ -1,9 +1,14 @@
 """The device-side decoding loop (``generate_batch`` with :class:`core_rl_hf.decode_state.DecodeState`)
 against the loop it replaced, which read the number of finished rows back to the host every token
-and kept its bookkeeping with boolean indexing: the same tokens, log-probs and finish reasons bit
-for bit on a CPU in float32, for any ``sync_every`` (greedy) and with the same seed (sampled, at
-``sync_every: 1``, where the batch loses its finished rows at the same tokens), over random prompt
-lengths, stop sets, ``min_new_tokens`` and ``max_new_tokens``."""
+and kept its bookkeeping with boolean indexing, over random prompt lengths, stop sets,
+``min_new_tokens`` and ``max_new_tokens`` on a CPU in float32:
+
+- at ``sync_every: 1`` the batch loses its finished rows at the same tokens as the old loop's, so
+  tokens, log-probs and finish reasons are equal bit for bit, greedy or sampled with the same seed;
+- at a larger ``sync_every`` (greedy) finished rows stay in the batch for up to ``sync_every - 1``
+  more tokens, so the live rows' steps run at another batch size, whose matrix kernels may round
+  differently: the same tokens and finish reasons, log-probs equal to float32 rounding (a 4-row
+  and a 2-row step differ by 2.4e-7 at -3.0 in the example pinned below)."""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from core_rl_hf.decode import make_stepper
 from core_rl_hf.decode_state import DecodeState
 from core_rl_hf.generation import generate_batch, left_pad
 from core_rl_hf.sampling import choose_tokens
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 VOCAB, PAD = 24, 0
@@ -125,9 +130,26 @@ cases = st.fixed_dictionaries(
 )
 
 
+def assert_same_generation(got: list, expected: list, sync_every: int) -> None:
+    """Equal bit for bit at ``sync_every`` 1; else the same tokens and finish reasons, and
+    log-probs equal to float32 rounding (see the module docstring)."""
+    if sync_every == 1:
+        assert got == expected
+        return
+    assert [(ids, reason) for ids, _, reason in got] == [(ids, reason) for ids, _, reason in expected]
+    for (_, got_lp, _), (_, expected_lp, _) in zip(got, expected, strict=True):
+        torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(expected_lp), rtol=1e-6, atol=1e-6)
+
+
+# a case where a 4-row step (sync_every 2 keeps the stopped rows) and the old loop's 2-row step round apart
+PINNED = {"prompts": [[1], [2]], "count": 2, "stops": [2], "max_new": 2, "min_new": 0, "sync_every": 2, "greedy": True}
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=cases)
-def test_new_loop_equals_the_old_one_bit_for_bit(model: torch.nn.Module, case: dict) -> None:
+@example(case={**PINNED, "seed": 0})
+@example(case={**PINNED, "sync_every": 1, "seed": 0})
+def test_new_loop_equals_the_old_one(model: torch.nn.Module, case: dict) -> None:
     sampling = SamplingParams(
         max_new_tokens=case["max_new"],
         min_new_tokens=case["min_new"],
@@ -145,7 +167,7 @@ def test_new_loop_equals_the_old_one_bit_for_bit(model: torch.nn.Module, case: d
     got = new_loop(
         model, case["prompts"], counts, sampling, case["stops"], torch.Generator().manual_seed(case["seed"]), sync_every
     )
-    assert got == expected
+    assert_same_generation(got, expected, sync_every)
 
 
 def test_stops_and_min_new_tokens_are_exercised(model: torch.nn.Module) -> None:
@@ -157,7 +179,7 @@ def test_stops_and_min_new_tokens_are_exercised(model: torch.nn.Module) -> None:
     first = [ids[2] for ids, _, _ in free]  # the third token of each row, made a stop id
     got = new_loop(model, prompts, [1, 1, 1], sampling, first, None, 4)
     assert all(len(ids) <= 3 and reason == "stop" for ids, _, reason in got)
-    assert got == old_loop(model, prompts, [1, 1, 1], sampling, first, None)
+    assert_same_generation(got, old_loop(model, prompts, [1, 1, 1], sampling, first, None), 4)
     late = SamplingParams(max_new_tokens=10, greedy=True, min_new_tokens=4)
     blocked = new_loop(model, prompts, [1, 1, 1], late, first, None, 3)
     assert all(len(ids) >= 5 for ids, _, _ in blocked)
