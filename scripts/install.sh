@@ -11,6 +11,12 @@ PY="$VENV/bin/python"
 "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
 # DeepSpeed (core-rl-deepspeed) is a source package: build it without compiling any op
 export DS_BUILD_OPS=${DS_BUILD_OPS:-0}
+# Where PYTHONDONTWRITEBYTECODE is set, no process writes the bytecode of what it imports, so every
+# process would compile ~800 modules again (about 2 s of CPU each): compile everything now, as pip
+# does (uv with --compile-bytecode). Otherwise the first process to import a module writes its
+# bytecode, which costs less than compiling every installed module (~30 s).
+compile=()
+if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then compile=(--compile-bytecode); fi
 if [ "${CORE_RL_INSTALLER:-uv}" = "pip" ]; then
   "$PY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt
 else
@@ -19,11 +25,10 @@ else
   "$PY" -m pip install -q --disable-pip-version-check "uv>=0.5"
   UV=$("$PY" -c 'from uv import find_uv_bin; print(find_uv_bin())')
   mapfile -t uv_flags < <("$PY" core/core_rl/pip_as_uv.py "$PY")
-  # --compile-bytecode: as pip does, so that no process compiles its imports again (where
-  # PYTHONDONTWRITEBYTECODE is set, every process would: about 2 s of CPU each)
-  "$UV" pip install --quiet --python "$PY" --index-strategy unsafe-best-match --compile-bytecode "${uv_flags[@]}" \
+  "$UV" pip install --quiet --python "$PY" --index-strategy unsafe-best-match "${compile[@]}" "${uv_flags[@]}" \
     -r requirements-dev.txt
 fi
-# the editable sources of core-rl and its plugins, likewise
-"$PY" -m compileall -q -j 0 core plugins > /dev/null
+if [ ${#compile[@]} -gt 0 ]; then  # the editable sources of core-rl and its plugins, likewise
+  "$PY" -m compileall -q -j 0 core plugins > /dev/null
+fi
 echo "installed into $VENV ($("$PY" -c 'import core_rl; print("core-rl", core_rl.__version__)'))"

@@ -216,7 +216,6 @@ def installer_command(step: list[str], python: str, uv: str | None, uv_flags: li
         "install",
         "--python",
         python,
-        "--compile-bytecode",
         "--index-strategy",
         "unsafe-best-match",
         *uv_flags,

@@ -39,6 +39,12 @@ from core_rl.servers import ManagedServer, ServerError, free_port, probe
 
 T = TypeVar("T")
 
+#: in every server's environment: a server writes the bytecode of what it imports into its server
+#: environment (``core-rl server-env`` builds compile nothing ahead), so only its first start compiles
+#: them, even where the trainer's environment sets ``PYTHONDONTWRITEBYTECODE`` (Python reads an empty
+#: value as unset; ``server.env`` may set it again)
+WRITE_BYTECODE = {"PYTHONDONTWRITEBYTECODE": ""}
+
 
 class ServerRolloutEngine(Generation, WeightSync, MemoryRelease, ServerRecovery, RolloutEngine):
     """Base class of rollout engines that generate through inference servers (see the module doc).
@@ -265,7 +271,7 @@ class ServerRolloutEngine(Generation, WeightSync, MemoryRelease, ServerRecovery,
                 host=opts.host,
                 port=port,
                 log_path=self.run_dir / "servers" / f"{name}.log",
-                env={**self.server_environment(i), **devices[i], **opts.env},
+                env={**WRITE_BYTECODE, **self.server_environment(i), **devices[i], **opts.env},
                 health_path=self.health_path,
                 grace=opts.shutdown_grace,
                 cpus=opts.cpus,

@@ -57,6 +57,16 @@ class ServerRolloutEngineContract(RolloutEngineContract):
             assert path.is_file() and path.stat().st_size > 0, name
             assert path.parent.name == "servers"
 
+    def test_servers_write_the_bytecode_of_their_imports(self, engine) -> None:
+        """A server's first start compiles what it imports into its environment for the starts
+        after it, even where the trainer's environment sets ``PYTHONDONTWRITEBYTECODE``."""
+        for ep in engine.endpoints:
+            assert ep.server is not None and ep.server.pid is not None
+            environ = Path(f"/proc/{ep.server.pid}/environ").read_bytes().split(b"\0")
+            assert not any(
+                v.startswith(b"PYTHONDONTWRITEBYTECODE=") and v != b"PYTHONDONTWRITEBYTECODE=" for v in environ
+            )
+
     def test_connect_by_url_leaves_the_server_running(self, engine, model_path: Path, tmp_path: Path) -> None:
         url = engine.endpoints[0].url
         client = self.make_with(model_path, tmp_path, urls=[url])
