@@ -10,7 +10,9 @@ the test is skipped with that reason rather than failing on the first install st
 it names a directory in ``CORE_RL_SERVER_ENV_BUILDS`` where each build leaves ``NAME.log`` and, when
 it ends, ``NAME.rc``. The files holding server tests are collected last, and such a test waits for
 its environment's build (up to ``SERVER_ENV_BUILD_TIMEOUT_S``), failing with the build's log if it
-failed.
+failed. ``@pytest.mark.after_setup("slurm-packages")`` marks a test that waits likewise for another
+background step of ``scripts/test.sh`` (its ``NAME.rc``); the test itself says what it lacks if the
+step failed.
 
 Within those two groups, files go out longest first (``tests/file_durations.json``, each file's
 seconds in an earlier run; a file not listed counts as its number of tests times the average), so the
@@ -54,21 +56,30 @@ SERVER_ENV_BUILD_TIMEOUT_S = 2400
 
 
 @functools.cache
-def _background_build_failure(name: str) -> str | None:
-    """Wait for ``scripts/test.sh``'s background build of ``name`` (if there is one); its failure."""
+def _background_step_status(name: str) -> str | None:
+    """Wait for ``scripts/test.sh``'s background step ``name`` (if there is one, for at most
+    ``SERVER_ENV_BUILD_TIMEOUT_S``): its exit status, ``"timeout"``, or ``None`` without one."""
     builds = os.environ.get(BUILDS_ENV)
     if not builds or not (Path(builds) / f"{name}.log").exists():
         return None
-    rc_file, log = Path(builds) / f"{name}.rc", Path(builds) / f"{name}.log"
+    rc_file = Path(builds) / f"{name}.rc"
     deadline = time.monotonic() + SERVER_ENV_BUILD_TIMEOUT_S
     while not rc_file.exists():
         if time.monotonic() > deadline:
-            waited = SERVER_ENV_BUILD_TIMEOUT_S
-            return f"the background build of the {name} server environment did not end within {waited} s (log: {log})"
+            return "timeout"
         time.sleep(2)
-    status = rc_file.read_text().strip()
-    if status == "0":
+    return rc_file.read_text().strip()
+
+
+def _background_build_failure(name: str) -> str | None:
+    """Wait for ``scripts/test.sh``'s background build of ``name`` (if there is one); its failure."""
+    status = _background_step_status(name)
+    if status in (None, "0"):
         return None
+    log = Path(os.environ[BUILDS_ENV]) / f"{name}.log"
+    if status == "timeout":
+        waited = SERVER_ENV_BUILD_TIMEOUT_S
+        return f"the background build of the {name} server environment did not end within {waited} s (log: {log})"
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
     return f"building the {name} server environment failed (status {status}; {log}):\n{tail}"
 
@@ -118,9 +129,11 @@ def _expected_seconds(items: list[pytest.Item]) -> dict[Path, float]:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Whole files (what ``--dist loadfile`` hands a worker), longest first; but files with server
-    tests last, so the server environments can build in the background meanwhile
+    (or ``after_setup``) tests last, so the server environments can build in the background meanwhile
     (``scripts/test.sh`` runs xdist with ``--no-loadscope-reorder`` to keep this order)."""
-    server_files = {item.path for item in items if _server_env_name(item) is not None}
+    server_files = {
+        item.path for item in items if _server_env_name(item) is not None or item.get_closest_marker("after_setup")
+    }
     seconds = _expected_seconds(items)
     items.sort(key=lambda item: (item.path in server_files, -seconds[item.path]))  # stable: files stay whole
 
@@ -144,6 +157,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("after_setup"):
+        _background_step_status(mark.args[0])
     name = _server_env_name(item)
     if name is None:
         return

@@ -28,14 +28,19 @@ for env in "${envs[@]}"; do
   pids+=($!)
 done
 # The Slurm launcher's test against a real one-node Slurm needs Debian's Slurm and MUNGE packages:
-# as root with apt-get, install them when absent (about 15 s; CORE_RL_SLURM_TEST=0 leaves them out,
-# and without them that test skips saying why).
+# as root with apt-get, install them when absent, in the background too (about 15 s; the files of
+# tests marked after_setup("slurm-packages") are collected last and wait for it; CORE_RL_SLURM_TEST=0
+# leaves them out, and without them that test skips saying why).
 if [ "${CORE_RL_SLURM_TEST:-1}" != "0" ] && [ "$(id -u)" = "0" ] && command -v apt-get > /dev/null \
     && ! command -v slurmctld > /dev/null; then
+  : > "$builds/slurm-packages.log"  # before pytest starts: its tests wait for the .rc
   ( export DEBIAN_FRONTEND=noninteractive
-    timeout 300 apt-get update -q \
-      && timeout 300 apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge
-  ) > "$builds/slurm-packages.log" 2>&1 || echo "installing Slurm's packages failed (see $builds/slurm-packages.log)"
+    status=0
+    { timeout 300 apt-get update -q \
+        && timeout 300 apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge
+    } > "$builds/slurm-packages.log" 2>&1 || status=$?
+    echo "$status" > "$builds/slurm-packages.rc" ) &
+  pids+=($!)
 fi
 # Two pytest workers (pytest-xdist; CORE_RL_TEST_WORKERS to change, 0 for none), each taking whole
 # files so a module's server or model fixture is built once, in the order conftest.py gives them.
@@ -53,4 +58,7 @@ for env in "${envs[@]}"; do
     status=1
   fi
 done
+if [ -f "$builds/slurm-packages.rc" ] && [ "$(cat "$builds/slurm-packages.rc")" != "0" ]; then
+  echo "installing Slurm's packages failed (see $builds/slurm-packages.log)"
+fi
 exit "$status"

@@ -19,6 +19,9 @@ from core_rl.testing.faults import build_task, merged
 from core_rl.testing.launch import cpu_ranks_env, free_port
 from local_slurm import local_slurm, missing, wait_for_job
 
+# scripts/test.sh may be installing Slurm's packages in the background
+pytestmark = pytest.mark.after_setup("slurm-packages")
+
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_grpo")
 pytest.importorskip("core_rl_reward_match")
