@@ -131,11 +131,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Whole files (what ``--dist loadfile`` hands a worker), longest first; but files with server
     (or ``after_setup``) tests last, so the server environments can build in the background meanwhile
     (``scripts/test.sh`` runs xdist with ``--no-loadscope-reorder`` to keep this order)."""
-    server_files = {
+    waiting_files = {
         item.path for item in items if _server_env_name(item) is not None or item.get_closest_marker("after_setup")
     }
     seconds = _expected_seconds(items)
-    items.sort(key=lambda item: (item.path in server_files, -seconds[item.path]))  # stable: files stay whole
+    items.sort(key=lambda item: (item.path in waiting_files, -seconds[item.path]))  # stable: files stay whole
 
 
 _file_seconds: collections.Counter[str] = collections.Counter()

@@ -25,6 +25,11 @@ def _modules(root: Path) -> dict[str, Path]:
     return found
 
 
+def _package(name: str, path: Path) -> str:
+    """The package relative imports in module ``name`` (file ``path``) are resolved against."""
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
 def _imported(tree: ast.Module, package: str, modules: Collection[str]) -> Iterator[tuple[str, int]]:
     """Every module an ``import`` statement of ``tree`` loads, with its line. ``from X import Y``
     loads ``X.Y`` when that is a module, else ``X`` (loading the package ``X`` before ``X.Y`` is what
@@ -47,9 +52,8 @@ def import_graph(modules: dict[str, Path]) -> dict[str, dict[str, int]]:
     """module -> {module of the same package it imports: the first line importing it}."""
     graph: dict[str, dict[str, int]] = {}
     for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         edges: dict[str, int] = {}
-        for target, line in _imported(ast.parse(path.read_text(), str(path)), package, modules):
+        for target, line in _imported(ast.parse(path.read_text(), str(path)), _package(name, path), modules):
             if target in modules and target != name:
                 edges[target] = min(line, edges.get(target, line))
         graph[name] = edges
@@ -111,8 +115,7 @@ def test_the_core_imports_no_plugin_package() -> None:
     offenders = []
     modules = _modules(CORE)
     for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for target, line in _imported(ast.parse(path.read_text(), str(path)), package, modules):
+        for target, line in _imported(ast.parse(path.read_text(), str(path)), _package(name, path), modules):
             if target.split(".")[0].startswith("core_rl_"):
                 offenders.append(f"{path.relative_to(CORE.parent)}:{line} imports {target}")
     assert not offenders, "\n".join(offenders)
