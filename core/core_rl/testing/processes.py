@@ -1,5 +1,5 @@
-"""CPU use of process trees, read from ``/proc`` (Linux): what tests and benchmarks measure of
-servers and trainers."""
+"""Process trees, their CPU use and their shared memory, read from ``/proc`` (Linux): what tests
+and benchmarks measure of servers and trainers."""
 
 from __future__ import annotations
 
@@ -66,3 +66,25 @@ def idle_cpu(root: int | None, seconds: float = 3.0) -> float:
     before, _ = tree_usage(root)
     time.sleep(seconds)
     return (tree_usage(root)[0] - before) / seconds
+
+
+def children_of(pid: int) -> list[int]:
+    """Pids of ``pid``'s live child processes (Linux ``/proc``)."""
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and parent_of(int(entry)) == pid]
+
+
+def shared_anonymous_kib(pid: int) -> int:
+    """KiB of ``pid``'s anonymous memory (heap, no backing file) that another process also maps:
+    the copy-on-write pages a forked child still shares with its parent. A process started with
+    ``exec`` (``spawn``) shares none. Sum of ``Shared_Dirty`` over the anonymous mappings of
+    ``/proc/PID/smaps``."""
+    total, anonymous = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if not fields:
+            continue
+        if not fields[0].endswith(":"):  # a mapping's header: address perms offset dev inode [path]
+            anonymous = len(fields) < 6 or fields[5] == "[heap]"
+        elif fields[0] == "Shared_Dirty:" and anonymous:
+            total += int(fields[1])
+    return total

@@ -25,9 +25,14 @@ from typing import Any, ClassVar
 import pytest
 
 from core_rl.interfaces import SamplingParams
+from core_rl.server_env import default_variant
 from core_rl.servers import ServerError, pid_alive
 from core_rl.testing.engine_contracts import RolloutEngineContract
-from core_rl.testing.processes import idle_cpu
+from core_rl.testing.processes import children_of, idle_cpu, shared_anonymous_kib
+
+#: a forked engine process still shares more than this (KiB) of its server's heap: 185 MiB measured for
+#: vLLM's engine core on CPU; a spawned one, 0
+FORKED_SHARED_KIB = 16 * 1024
 
 
 @pytest.mark.server_env  # the environment named by the subclass's ``name`` (see the repository's conftest.py)
@@ -39,6 +44,8 @@ class ServerRolloutEngineContract(RolloutEngineContract):
     long_prompts: ClassVar[int] = 8
     long_n: ClassVar[int] = 4
     long_tokens: ClassVar[int] = 200
+    #: the server forks its engine processes on CPU (``CORE_RL_FORK_ENGINE``) rather than spawn them
+    forks_on_cpu: ClassVar[bool] = False
 
     def make_with(self, model_path: Path, run_dir: Path, **server: Any):
         """An engine whose ``server`` section adds ``server`` to ``options``."""
@@ -66,6 +73,21 @@ class ServerRolloutEngineContract(RolloutEngineContract):
             assert not any(
                 v.startswith(b"PYTHONDONTWRITEBYTECODE=") and v != b"PYTHONDONTWRITEBYTECODE=" for v in environ
             )
+
+    def test_engine_processes_are_forked_on_cpu(self, engine) -> None:
+        """With ``forks_on_cpu``: every process a CPU server starts is a fork of it, which shares
+        the server's imported modules (copy-on-write pages) rather than import them again as a
+        ``spawn`` child does (such a child shares no anonymous memory with anyone)."""
+        if not self.forks_on_cpu:
+            pytest.skip(f"{self.name} servers start their engine processes as the server does")
+        if (engine.options.env_variant or default_variant()) != "cpu":
+            pytest.skip("the servers run on a GPU: their engine processes are spawned")
+        for ep in engine.endpoints:
+            assert ep.server is not None and ep.server.pid is not None
+            children = children_of(ep.server.pid)
+            assert children, f"server {ep.name} (pid {ep.server.pid}) has no child process"
+            shared = {pid: shared_anonymous_kib(pid) for pid in children}
+            assert all(kib > FORKED_SHARED_KIB for kib in shared.values()), shared
 
     def test_connect_by_url_leaves_the_server_running(self, engine, model_path: Path, tmp_path: Path) -> None:
         url = engine.endpoints[0].url

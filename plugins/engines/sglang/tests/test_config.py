@@ -35,7 +35,7 @@ def test_cpu_command_has_the_cpu_recipe_and_passes_options() -> None:
         server={"env_variant": "cpu"},
     )
     line = " ".join(argv)
-    assert argv[:3] == ["/env/bin/python", "-m", "sglang.launch_server"]
+    assert argv[:3] == ["/env/bin/python", "-m", "core_rl_sglang_server"]  # sglang.launch_server (server_side)
     for part in (
         "--model-path /models/m",
         "--port 8123",
@@ -60,6 +60,8 @@ def test_cpu_command_has_the_cpu_recipe_and_passes_options() -> None:
     assert (Path(env["PYTHONPATH"]) / "vllm" / "_custom_ops.py").is_file()
     # a stop is not taken for a crash worth a 5 s wait for py-spy and CUDA core dumps
     assert env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
+    assert (Path(env["PYTHONPATH"]) / "core_rl_sglang_server.py").is_file()
+    assert "CORE_RL_FORK_ENGINE" not in env  # two tensor-parallel schedulers: spawned, as SGLang does
 
 
 def test_gpu_command_leaves_backends_to_sglang() -> None:
@@ -67,8 +69,10 @@ def test_gpu_command_leaves_backends_to_sglang() -> None:
     assert "--device" not in argv and "--attention-backend" not in argv and "--mem-fraction-static" not in argv
     assert "--max-total-tokens" not in argv  # SGLang sizes the KV cache from the memory fraction
     assert "--sleep-on-idle" in argv  # on every device: a busy scheduler takes a core per server
-    cpu, _ = _command(server={"env_variant": "cpu"})
+    cpu, cpu_env = _command(server={"env_variant": "cpu"})
     assert cpu[cpu.index("--max-total-tokens") + 1] == "8192"
+    assert cpu_env["CORE_RL_FORK_ENGINE"] == "1"  # one scheduler on CPU: forked, not spawned
+    assert "CORE_RL_FORK_ENGINE" not in _command(server={"env_variant": "cuda"})[1]
 
 
 def test_sleep_on_idle_can_be_turned_off() -> None:

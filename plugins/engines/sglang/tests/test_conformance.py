@@ -16,5 +16,6 @@ class TestSGLangRolloutEngine(ServerRolloutEngineContract):
     # collective updates in requests of ~48 KiB: several per update of the tiny model
     options: ClassVar[dict[str, Any]] = {"dtype": "bfloat16", "max_running_requests": 64, "update_bucket_mb": 0.047}
     tiny_model_options: ClassVar[dict[str, Any]] = {"num_heads": 2}
+    forks_on_cpu = True
     logprob_atol = 2e-2
     long_tokens = 60  # SGLang's torch-native attention on CPU is slow on long sequences

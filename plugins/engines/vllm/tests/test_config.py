@@ -36,7 +36,7 @@ def test_command_passes_options_through() -> None:
         server={"env_variant": "cpu"},
     )
     line = " ".join(argv)
-    assert argv[:3] == ["/env/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[:3] == ["/env/bin/python", "-m", "core_rl_vllm_server"]  # vLLM's api_server (server_side)
     for part in (
         "--model /models/m",
         "--port 8123",
@@ -58,6 +58,8 @@ def test_command_passes_options_through() -> None:
     assert (Path(env["PYTHONPATH"]) / "core_rl_vllm_worker.py").is_file()
     assert Path(env["CORE_RL_WEIGHT_GROUP_PY"]).name == "weight_group.py"
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # tensor parallel: vLLM's worker processes
+    assert "CORE_RL_FORK_ENGINE" not in env  # ...which vLLM spawns, as it does
+    assert (Path(env["PYTHONPATH"]) / "core_rl_vllm_server.py").is_file()
 
 
 def test_defaults_use_the_model_length_and_one_process() -> None:
@@ -65,11 +67,12 @@ def test_defaults_use_the_model_length_and_one_process() -> None:
     assert "--max-model-len" not in argv and "--gpu-memory-utilization" not in argv
     assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # on CPU the model runs in the engine-core process
+    assert env["CORE_RL_FORK_ENGINE"] == "1"  # ...which is forked, not spawned
     assert "--disable-log-stats" in argv
     assert "--disable-log-stats" not in _command(server={"env_variant": "cpu"}, log_stats=True)[0]
     gpu, gpu_env = _command(server={"env_variant": "cuda"}, gpu_memory_utilization=0.5)
     assert gpu[gpu.index("--gpu-memory-utilization") + 1] == "0.5"
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in gpu_env
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in gpu_env and "CORE_RL_FORK_ENGINE" not in gpu_env
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ class TestVLLMRolloutEngine(ServerRolloutEngineContract):
     distribution = installed_distribution("core-rl-vllm")
     options: ClassVar[dict[str, Any]] = {"dtype": "bfloat16", "max_num_seqs": 64}
     tiny_model_options: ClassVar[dict[str, Any]] = {"num_heads": 2}  # vLLM's CPU attention: head size >= 32
+    forks_on_cpu = True
     logprob_atol = 2e-2
 
     @pytest.fixture

@@ -43,6 +43,10 @@ CPU_MEM_FRACTION = 0.3
 #: --max-total-tokens on CPU (KV-cache tokens) unless set
 CPU_MAX_TOTAL_TOKENS = 8192
 SERVER_SIDE = Path(__file__).with_name("server_side")
+#: ``python -m sglang.launch_server`` with the scheduler and detokenizer forked where that is safe
+#: (:mod:`core_rl_sglang.server_side.core_rl_sglang_server`)
+LAUNCHER = "core_rl_sglang_server"
+FORK_ENGINE = "CORE_RL_FORK_ENGINE"
 # keep -> retract: running requests go back to the queue with what they generated and continue after
 # the pause (their KV cache is recomputed), which lets a weight update flush the cache meanwhile
 PAUSE_MODE = {"keep": "retract", "abort": "abort"}
@@ -74,7 +78,7 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         argv = [
             python,
             "-m",
-            "sglang.launch_server",
+            LAUNCHER,
             "--model-path",
             self.model_path,
             "--host",
@@ -125,7 +129,13 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         # Stopping a server ends its scheduler too, which SGLang takes for a crash: by default it
         # then waits 5 s to dump the scheduler's stacks (py-spy, CUDA core dumps), on every stop
         # and restart. ``server.env`` can turn these back on.
-        return {"PYTHONPATH": str(SERVER_SIDE), **NO_CRASH_DIAGNOSTICS}
+        env = {"PYTHONPATH": str(SERVER_SIDE), **NO_CRASH_DIAGNOSTICS}
+        c = self.config
+        if (self.options.env_variant or default_variant()) == "cpu" and c.tp_size * c.dp_size == 1:
+            # its scheduler and detokenizer are forked, not spawned: no second and third import of
+            # SGLang (~11 s of every start on an idle machine)
+            env[FORK_ENGINE] = "1"
+        return env
 
     def workers_per_server(self) -> int:
         return self.config.tp_size * self.config.dp_size
