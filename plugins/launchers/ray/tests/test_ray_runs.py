@@ -207,6 +207,8 @@ def test_grpo_with_a_vllm_server_actor_learns_split(ray_cluster, tiny_grpo_warm)
     rows = read_metrics(warm["root"] / name / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["weight_sync/bytes"] > 0 for r in rows)
+    # the server samples with the weights being trained at every step (tests/test_server_grpo.py)
+    assert max(r["actor/approx_kl"] for r in rows) < 1e-8, [r["actor/approx_kl"] for r in rows]
     first, last = fitted_rise(rows)
     print(f"ray split (collective): reward {first:.3f} -> {last:.3f}")
     assert last > first + 0.03, (first, last)  # the bar tests/test_server_grpo.py sets the local run
