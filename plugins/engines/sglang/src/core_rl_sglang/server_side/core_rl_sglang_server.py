@@ -7,10 +7,11 @@ This file runs in the sglang server environment (the engine puts its directory o
 ``PYTHONPATH``), not in the trainer. SGLang sets the ``spawn`` start method for every launch; each
 spawned process then imports SGLang, torch and transformers again before it loads the model: about
 11 s of a 29 s start on an idle 2-core machine, 40 s under load (two processes importing at once). A
-forked one shares the modules the server process has already imported (17.8 s in all; same tokens
-and log-probs). The engine sets the variable only for a CPU server with one tensor- and
-data-parallel rank, where the server process has run no OpenMP region before the fork. Where this
-SGLang has no hook to wrap, the server starts as SGLang's own would, saying so in its log.
+forked one shares the modules the server process has already imported (17.8 s in all). The engine
+sets the variable only for a CPU server with one tensor- and data-parallel rank, the layout measured
+with fork: same tokens and log-probs as with spawn. Multi-rank and GPU servers keep SGLang's
+``spawn``. Where this SGLang has no hook to wrap, the server starts as SGLang's own would, saying so
+in its log.
 """
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ This file runs in the vllm server environment (the engine puts its directory on 
 ``PYTHONPATH``), not in the trainer. vLLM's CPU platform always asks for ``spawn``; a spawned engine
 core then imports vLLM, torch and transformers again before it loads the model: about 10 s of a 27 s
 start on an idle 2-core machine, 18 s under load. A forked one shares the modules the API process has
-already imported (17.5 s in all; same tokens and log-probs). The engine sets the variable only where
-that is safe: a CPU server whose model runs inside the engine-core process (one tensor- and
-data-parallel rank), where the API process has run no OpenMP region before the fork. Workers of a
-multi-process executor keep vLLM's ``spawn`` (they bind their own OpenMP threads). Where this
-vLLM has no CPU platform hook to wrap, the server starts as vLLM's own would, saying so in its log.
+already imported (17.5 s in all). The engine sets the variable only for a CPU server whose model runs
+inside the engine-core process (one tensor- and data-parallel rank), the layout measured with fork:
+same tokens, log-probs and generation speed as with spawn. Multi-rank and GPU servers keep vLLM's
+``spawn``. Where this vLLM has no CPU platform hook to wrap, the server starts as vLLM's own would,
+saying so in its log.
 """
 
 from __future__ import annotations
