@@ -44,6 +44,9 @@ T = TypeVar("T")
 #: them, even where the trainer's environment sets ``PYTHONDONTWRITEBYTECODE`` (Python reads an empty
 #: value as unset; ``server.env`` may set it again)
 WRITE_BYTECODE = {"PYTHONDONTWRITEBYTECODE": ""}
+#: set to ``1`` in a server's environment by a plugin whose server-side launcher then forks the
+#: server's engine processes instead of spawning them (the vllm and sglang plugins, on CPU)
+FORK_ENGINE = "CORE_RL_FORK_ENGINE"
 
 
 class ServerRolloutEngine(Generation, WeightSync, MemoryRelease, ServerRecovery, RolloutEngine):
@@ -119,6 +122,13 @@ class ServerRolloutEngine(Generation, WeightSync, MemoryRelease, ServerRecovery,
     def workers_per_server(self) -> int:
         """*plugin*: how many worker processes of one server join the weight-update group."""
         return 1
+
+    def variant(self) -> str:
+        """The servers' device variant: ``server.env_variant``, else this machine's
+        (:func:`core_rl.server_env.default_variant`)."""
+        from core_rl.server_env import default_variant
+
+        return self.options.env_variant or default_variant()
 
     @abstractmethod
     async def request(self, client: Any, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list[Completion]:

@@ -25,7 +25,6 @@ from typing import Any, ClassVar
 import pytest
 
 from core_rl.interfaces import SamplingParams
-from core_rl.server_env import default_variant
 from core_rl.servers import ServerError, pid_alive
 from core_rl.testing.engine_contracts import RolloutEngineContract
 from core_rl.testing.processes import children_of, idle_cpu, shared_anonymous_kib
@@ -44,7 +43,8 @@ class ServerRolloutEngineContract(RolloutEngineContract):
     long_prompts: ClassVar[int] = 8
     long_n: ClassVar[int] = 4
     long_tokens: ClassVar[int] = 200
-    #: the server forks its engine processes on CPU (``CORE_RL_FORK_ENGINE``) rather than spawn them
+    #: the server forks its engine processes on CPU (``core_rl.remote.engine.FORK_ENGINE``) rather than
+    #: spawn them
     forks_on_cpu: ClassVar[bool] = False
 
     def make_with(self, model_path: Path, run_dir: Path, **server: Any):
@@ -80,7 +80,7 @@ class ServerRolloutEngineContract(RolloutEngineContract):
         ``spawn`` child does (such a child shares no anonymous memory with anyone)."""
         if not self.forks_on_cpu:
             pytest.skip(f"{self.name} servers start their engine processes as the server does")
-        if (engine.options.env_variant or default_variant()) != "cpu":
+        if engine.variant() != "cpu":
             pytest.skip("the servers run on a GPU: their engine processes are spawned")
         for ep in engine.endpoints:
             assert ep.server is not None and ep.server.pid is not None

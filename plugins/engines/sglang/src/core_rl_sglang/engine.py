@@ -33,7 +33,7 @@ from typing import Any
 from core_rl.config.schema import RolloutConfig
 from core_rl.interfaces import SamplingParams
 from core_rl.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post, versions_from_spans
-from core_rl.server_env import default_variant
+from core_rl.remote.engine import FORK_ENGINE
 
 from core_rl_sglang.config import SGLangConfig
 
@@ -46,7 +46,6 @@ SERVER_SIDE = Path(__file__).with_name("server_side")
 #: ``python -m sglang.launch_server`` with the scheduler and detokenizer forked where that is safe
 #: (:mod:`core_rl_sglang.server_side.core_rl_sglang_server`)
 LAUNCHER = "core_rl_sglang_server"
-FORK_ENGINE = "CORE_RL_FORK_ENGINE"
 # keep -> retract: running requests go back to the queue with what they generated and continue after
 # the pause (their KV cache is recomputed), which lets a weight update flush the cache meanwhile
 PAUSE_MODE = {"keep": "retract", "abort": "abort"}
@@ -74,7 +73,7 @@ class SGLangRolloutEngine(ServerRolloutEngine):
 
     def server_command(self, python: str, port: int, index: int) -> list[str]:
         c = self.config
-        cpu = (self.options.env_variant or default_variant()) == "cpu"
+        cpu = self.variant() == "cpu"
         argv = [
             python,
             "-m",
@@ -131,7 +130,7 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         # and restart. ``server.env`` can turn these back on.
         env = {"PYTHONPATH": str(SERVER_SIDE), **NO_CRASH_DIAGNOSTICS}
         c = self.config
-        if (self.options.env_variant or default_variant()) == "cpu" and c.tp_size * c.dp_size == 1:
+        if self.variant() == "cpu" and c.tp_size * c.dp_size == 1:
             # its scheduler and detokenizer are forked, not spawned: no second and third import of
             # SGLang (~11 s of every start on an idle machine)
             env[FORK_ENGINE] = "1"

