@@ -68,9 +68,11 @@ def test_gpu_command_leaves_backends_to_sglang() -> None:
     argv, _ = _command(server={"env_variant": "cuda"})
     assert "--device" not in argv and "--attention-backend" not in argv and "--mem-fraction-static" not in argv
     assert "--max-total-tokens" not in argv  # SGLang sizes the KV cache from the memory fraction
+    assert "--max-running-requests" not in argv  # ...and the running requests from the KV cache
     assert "--sleep-on-idle" in argv  # on every device: a busy scheduler takes a core per server
     cpu, cpu_env = _command(server={"env_variant": "cpu"})
     assert cpu[cpu.index("--max-total-tokens") + 1] == "8192"
+    assert "--max-running-requests" not in cpu  # 4096 measured with that cache: the whole step's batch at once
     assert cpu_env["CORE_RL_FORK_ENGINE"] == "1"  # one scheduler on CPU: forked, not spawned
     assert "CORE_RL_FORK_ENGINE" not in _command(server={"env_variant": "cuda"})[1]
 

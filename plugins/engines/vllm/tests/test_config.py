@@ -65,13 +65,18 @@ def test_command_passes_options_through() -> None:
 def test_defaults_use_the_model_length_and_one_process() -> None:
     argv, env = _command(server={"env_variant": "cpu"})
     assert "--max-model-len" not in argv and "--gpu-memory-utilization" not in argv
+    assert "--max-num-seqs" not in argv  # vLLM's own default: 128 per rank on CPU, by memory on a GPU
     assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # on CPU the model runs in the engine-core process
     assert env["CORE_RL_FORK_ENGINE"] == "1"  # ...which is forked, not spawned
     assert "--disable-log-stats" in argv
     assert "--disable-log-stats" not in _command(server={"env_variant": "cpu"}, log_stats=True)[0]
+    assert "--enforce-eager" in argv  # eager on CPU, compiled with CUDA graphs on a GPU (enforce_eager: auto)
     gpu, gpu_env = _command(server={"env_variant": "cuda"}, gpu_memory_utilization=0.5)
     assert gpu[gpu.index("--gpu-memory-utilization") + 1] == "0.5"
+    assert "--enforce-eager" not in gpu and "--max-num-seqs" not in gpu
+    assert "--enforce-eager" in _command(server={"env_variant": "cuda"}, enforce_eager=True)[0]
+    assert "--enforce-eager" not in _command(server={"env_variant": "cpu"}, enforce_eager=False)[0]
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in gpu_env and "CORE_RL_FORK_ENGINE" not in gpu_env
 
 
@@ -79,7 +84,7 @@ def test_defaults_use_the_model_length_and_one_process() -> None:
     ("options", "message"),
     [
         ({"dtype": "float64"}, "rollout.engine.dtype: must be one of"),
-        ({"max_num_seqs": 0}, "rollout.engine.max_num_seqs: must be > 0"),
+        ({"max_num_seqs": -1}, "rollout.engine.max_num_seqs: must be >= 0"),
         ({"server": {"on_server_failure": "retry"}}, "rollout.engine.server.on_server_failure: must be one of"),
         ({"server": {"num_servers": 0}}, "rollout.engine.server.num_servers: must be > 0"),
         ({"server": {"prot": 1}}, "rollout.engine.server.prot: unknown key"),

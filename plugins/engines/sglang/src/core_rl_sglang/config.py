@@ -16,7 +16,8 @@ class SGLangConfig:
     ``server``: where servers come from and how requests behave (:class:`core_rl.remote.ServerOptions`).
     The rest are SGLang's own server options, passed through:
 
-    - ``dtype``, ``context_length`` (0: the model's), ``max_running_requests``, ``random_seed``;
+    - ``dtype``, ``context_length`` (0: the model's), ``max_running_requests`` (0: SGLang's own sizing from
+      its KV cache), ``random_seed``;
     - ``tp_size``, ``dp_size``;
     - ``mem_fraction_static`` (0: 0.3 on CPU, SGLang's default on GPU) and ``max_total_tokens``
       (KV-cache tokens; 0: 8192 on CPU, SGLang's sizing from the memory fraction on GPU, which a
@@ -48,7 +49,7 @@ class SGLangConfig:
     server: ServerOptions = attrs.field(factory=ServerOptions)
     dtype: str = attrs.field(default="bfloat16", validator=one_of(("auto", "float32", "bfloat16", "float16")))
     context_length: int = attrs.field(default=0, validator=non_negative())
-    max_running_requests: int = attrs.field(default=64, validator=positive())
+    max_running_requests: int = attrs.field(default=0, validator=non_negative())
     random_seed: int = 0
     tp_size: int = attrs.field(default=1, validator=positive())
     dp_size: int = attrs.field(default=1, validator=positive())

@@ -86,8 +86,6 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             str(port),
             "--dtype",
             c.dtype,
-            "--max-running-requests",
-            str(c.max_running_requests),
             "--random-seed",
             str(c.random_seed + index),
             "--tp-size",
@@ -98,6 +96,8 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         ]
         if c.context_length:
             argv += ["--context-length", str(c.context_length)]
+        if c.max_running_requests:
+            argv += ["--max-running-requests", str(c.max_running_requests)]
         if cpu:
             argv += ["--device", "cpu"]
         attention = c.attention_backend or ("torch_native" if cpu else "")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import attrs
+from core_rl.config.schema import AutoBool
 from core_rl.config.validators import in_range, non_negative, one_of, positive
 from core_rl.errors import CoreRLError
 from core_rl.remote import ServerOptions
@@ -24,7 +25,11 @@ class VLLMConfig:
     The rest are vLLM's own server options, passed through:
 
     - ``dtype`` (``--dtype``), ``max_model_len`` (context length; 0: the model's), ``max_num_seqs`` (requests
-      running at once), ``seed``, ``enforce_eager``;
+      running at once; 0: vLLM's own default, which it sizes by device: 128 per rank on CPU, 256-1024 on a
+      GPU by its memory), ``seed``;
+    - ``enforce_eager`` (``auto``: eager on CPU, where vLLM's compiled graph added ~20 s to the tiny
+      model's start and generated no faster; on a GPU vLLM's compiled model with CUDA graphs, which a
+      weight update leaves valid: ``reload_weights`` copies into the tensors the graphs captured);
     - ``tensor_parallel_size``, ``data_parallel_size``;
     - ``kv_cache_space_gib`` (CPU: ``VLLM_CPU_KVCACHE_SPACE``) or ``gpu_memory_utilization`` (GPU: the
       share of the GPU's memory a server takes; 0, the default: :data:`GPU_MEMORY_UTILIZATION` on
@@ -46,9 +51,9 @@ class VLLMConfig:
     server: ServerOptions = attrs.field(factory=ServerOptions)
     dtype: str = attrs.field(default="bfloat16", validator=one_of(("auto", "float32", "bfloat16", "float16")))
     max_model_len: int = attrs.field(default=0, validator=non_negative())
-    max_num_seqs: int = attrs.field(default=64, validator=positive())
+    max_num_seqs: int = attrs.field(default=0, validator=non_negative())
     seed: int = 0
-    enforce_eager: bool = True
+    enforce_eager: AutoBool = "auto"
     tensor_parallel_size: int = attrs.field(default=1, validator=positive())
     data_parallel_size: int = attrs.field(default=1, validator=positive())
     kv_cache_space_gib: float = attrs.field(default=1.0, validator=positive())

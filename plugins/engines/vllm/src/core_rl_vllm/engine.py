@@ -141,8 +141,6 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             str(port),
             "--dtype",
             c.dtype,
-            "--max-num-seqs",
-            str(c.max_num_seqs),
             "--seed",
             str(c.seed + index),
             "--tensor-parallel-size",
@@ -161,7 +159,9 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         ]
         if c.max_model_len:
             argv += ["--max-model-len", str(c.max_model_len)]
-        if c.enforce_eager:
+        if c.max_num_seqs:
+            argv += ["--max-num-seqs", str(c.max_num_seqs)]
+        if c.enforce_eager is True or (c.enforce_eager == "auto" and self.variant() == "cpu"):
             argv.append("--enforce-eager")
         if not c.log_stats:
             argv.append("--disable-log-stats")
