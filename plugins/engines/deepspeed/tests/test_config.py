@@ -1,12 +1,18 @@
-"""The engine's config section and the DeepSpeed configuration built from it."""
+"""The engine's config section, its checks against the machine and the DeepSpeed configuration built
+from it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import yaml
+from core_rl.config.checks import EnvironmentContext, MachineInfo
 from core_rl.config.loader import structure
-from core_rl.config.schema import ActorConfig
+from core_rl.config.schema import ActorConfig, RunConfig
 from core_rl.errors import ConfigError
-from core_rl_deepspeed.config import DeepSpeedConfig
+from core_rl_deepspeed import config as ds_config_module
+from core_rl_deepspeed.config import DeepSpeedConfig, cpu_has_float16
 from core_rl_deepspeed.ds_config import build_ds_config
 
 
@@ -46,3 +52,50 @@ def test_generated_deepspeed_config() -> None:
     assert "scheduler" not in ds and "optimizer" not in ds
     plain = build_ds_config(ActorConfig(), DeepSpeedConfig(zero_stage=1), on_cuda=False)
     assert "offload_optimizer" not in plain["zero_optimization"] and "bf16" not in plain
+
+
+FLOAT16_REFUSED = "actor.engine.mixed_precision: float16 on the CPU, which DeepSpeed refuses here"
+
+
+@pytest.mark.parametrize(
+    ("options", "machine", "cpu_float16", "refused"),
+    [
+        ({"mixed_precision": "float16"}, MachineInfo(), False, True),
+        ({"mixed_precision": "float16", "device": "cpu"}, MachineInfo(cuda_device_count=1), False, True),
+        ({"mixed_precision": "float16"}, MachineInfo(cuda_device_count=1), False, False),  # on the GPU
+        ({"mixed_precision": "float16"}, MachineInfo(), True, False),  # a CPU with oneDNN float16
+        ({"mixed_precision": "bfloat16"}, MachineInfo(), False, False),
+    ],
+)
+def test_float16_on_a_cpu_without_it_is_refused(
+    monkeypatch: pytest.MonkeyPatch, options: dict, machine: MachineInfo, cpu_float16: bool, refused: bool
+) -> None:
+    monkeypatch.setattr(ds_config_module, "cpu_has_float16", lambda: cpu_float16)
+    context = EnvironmentContext(path="actor.engine", run=RunConfig(), name="deepspeed", machine=machine)
+    problems = structure(options, DeepSpeedConfig, path="actor.engine").check_environment(context)
+    assert any(p.startswith(FLOAT16_REFUSED) for p in problems) is refused, problems
+
+
+def test_the_float16_probe_agrees_with_deepspeed() -> None:
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    assert cpu_has_float16() is bool(CPU_Accelerator().is_fp16_supported())
+
+
+def test_train_refuses_float16_on_this_cpu_before_loading_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where DeepSpeed would stop the run with ``ValueError: Type fp16 is not supported on your
+    device`` after loading the model, preflight says which key, with exit status 2."""
+    import torch
+    from core_rl.cli import main
+    from core_rl.testing.faults import build_task, merged
+
+    if torch.cuda.is_available() or cpu_has_float16():
+        pytest.skip("this machine runs DeepSpeed in float16")
+    cfg = merged(build_task(tmp_path), actor={"engine": {"name": "deepspeed", "mixed_precision": "float16"}})
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(tmp_path / "run.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert FLOAT16_REFUSED in err and "Traceback" not in err, err
+    assert not (Path(cfg["experiment"]["output_dir"]) / cfg["experiment"]["name"] / "metrics.jsonl").exists()

@@ -72,9 +72,26 @@ class DeepSpeedConfig:
         return self.mixed_precision or section.dtype
 
     def check_environment(self, context: EnvironmentContext) -> list[str]:
-        """The device, the process count and the role's activation checkpointing against the machine."""
+        """The device, the process count, float16 on a CPU and the role's activation checkpointing
+        against the machine."""
         from core_rl.engine_utils.hf import activation_checkpointing_problems
 
-        return context.machine.gpu_per_process_problems(context.path, self.device) + activation_checkpointing_problems(
-            context
-        )
+        problems = context.machine.gpu_per_process_problems(context.path, self.device)
+        on_cpu = self.device == "cpu" or (self.device == "auto" and not context.machine.cuda_available)
+        if self.mixed_precision == "float16" and on_cpu and not cpu_has_float16():
+            problems.append(
+                f"{context.key('mixed_precision')}: float16 on the CPU, which DeepSpeed refuses here (its CPU "
+                "accelerator has float16 only where oneDNN does, and this CPU has not); use bfloat16, or a GPU"
+            )
+        return problems + activation_checkpointing_problems(context)
+
+
+def cpu_has_float16() -> bool:
+    """Whether DeepSpeed's CPU accelerator offers float16 on this machine: it asks oneDNN
+    (``torch.ops.mkldnn._is_mkldnn_fp16_supported``), as probed here without importing DeepSpeed."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
