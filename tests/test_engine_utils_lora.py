@@ -68,3 +68,16 @@ def test_an_adapter_without_its_b_is_named(wrapped: torch.nn.Module) -> None:
     }
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj"):
         list(lora.merged_items(state.items(), adapted=lora.adapted_modules(wrapped), scaling=1.0))
+
+
+def test_target_modules_the_model_lacks_name_their_key(tmp_path: Path) -> None:
+    """On a real (meta-device) model: peft's refusal becomes a configuration error of the section."""
+    from core_rl.engine_utils.hf import empty_causal_lm, lora_problems
+    from core_rl.errors import ConfigError
+    from core_rl.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "m", seed=0)
+    bad = LoraConfig(rank=2, target_modules=["k_prj"])
+    with pytest.raises(ConfigError, match=r"critic\.lora\.target_modules: \['k_prj'\]: peft: .*k_prj"):
+        lora.apply_lora(empty_causal_lm(str(model_dir), dtype="float32"), bad, "critic.lora")
+    assert lora_problems(str(model_dir), LoraConfig(rank=2, target_modules=["k_proj"]), "actor.lora") == []

@@ -134,6 +134,31 @@ def test_prompts_checked_against_the_tokenizer_and_model(tmp_path, model, data):
     ]
 
 
+def test_the_longest_prompt_and_max_new_tokens_fit_the_models_context(tmp_path, model, data):
+    """The longest prompt, ``bcb=``, is 5 tokens with BOS; the tiny model has 256 positions."""
+    preflight(_config(tmp_path, model, data, "rollout.sampling.max_new_tokens=251"), machine=NO_GPU)
+    assert _problems(_config(tmp_path, model, data, "rollout.sampling.max_new_tokens=252")) == [
+        "rollout.sampling.max_new_tokens: 252 tokens after the longest prompt of data.train_files (5 tokens) make "
+        f"257, more than the model's context of 256 positions (max_position_embeddings in {model}/config.json); set "
+        "it to at most 251, or use shorter prompts"
+    ]
+    # a scaled RoPE extends the context by its factor (here written as transformers 4 did)
+    config = json.loads((model / "config.json").read_text())
+    del config["rope_parameters"]
+    (model / "config.json").write_text(json.dumps({**config, "rope_scaling": {"type": "linear", "factor": 2.0}}))
+    preflight(_config(tmp_path, model, data, "rollout.sampling.max_new_tokens=507"), machine=NO_GPU)
+    (problem,) = _problems(_config(tmp_path, model, data, "rollout.sampling.max_new_tokens=508"))
+    assert "make 513, more than the model's context of 512 positions" in problem
+
+
+def test_lora_target_modules_are_checked_against_the_model(tmp_path, model, data):
+    """peft's own check, on the model built on the meta device: before any weight is read."""
+    preflight(_config(tmp_path, model, data, "actor.lora.rank=4", "actor.lora.target_modules=[q_proj]"), machine=NO_GPU)
+    (problem,) = _problems(_config(tmp_path, model, data, "actor.lora.rank=4", "actor.lora.target_modules=[qproj]"))
+    assert problem.startswith("actor.lora.target_modules: ['qproj']: peft: ") and "{'qproj'} not found" in problem
+    assert problem.endswith("(name the model's linear layers, e.g. q_proj and v_proj, or all-linear)")
+
+
 def _corrupt_config(model: Path) -> str:
     (model / "config.json").write_text('{\n  "model_type": "llama",\n  "vocab_size": 8,,\n}\n')
     return f"{model}/config.json:3:19: corrupt JSON (Expecting property name enclosed in double quotes)"

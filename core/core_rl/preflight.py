@@ -15,7 +15,10 @@ loaded, so that a bad file or a missing GPU fails in seconds with every problem 
   (downloaded into the Hugging Face cache, then checked like local ones).
 - **Model roles**: each role section's model directory like the actor's; a ``reward_model:`` must
   hold a score head and share the actor's tokenizer (:func:`core_rl.roles.reward_model_problems`).
-- **Sampling against the model**: stop token ids inside the vocabulary.
+- **Sampling against the model**: stop token ids inside the vocabulary; the longest prompt plus
+  ``rollout.sampling.max_new_tokens`` inside the model's context.
+- **LoRA against the model**: ``actor.lora.target_modules`` name modules the model has (the
+  adapters applied to the model built on the ``meta`` device: no memory, no weights read).
 - **Output**: the run directory ``experiment.output_dir/experiment.name`` can be created and
   written.
 - **Machine**: each selected plugin's ``check_environment`` (:mod:`core_rl.config.checks`), e.g.
@@ -241,8 +244,17 @@ def check_model_dir(path: str, key: str, *, offline: bool = True) -> tuple[Model
         vocab_size=_positive_int(getattr(text_config, "vocab_size", None)),
         max_position_embeddings=_positive_int(getattr(text_config, "max_position_embeddings", None)),
         model_type=getattr(hf_config, "model_type", None),
+        rope_factor=_rope_factor(text_config),
     )
     return info, problems
+
+
+def _rope_factor(text_config: Any) -> float:
+    """The ``factor`` of a scaled RoPE (``rope_parameters``, or ``rope_scaling`` before
+    transformers 5), 1 without one."""
+    rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None)
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    return float(factor) if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1 else 1.0
 
 
 def check_tokenizer_dir(path: str, key: str, *, offline: bool = True) -> tuple[Any, list[str]]:
@@ -286,16 +298,32 @@ def check_data(cfg: RunConfig) -> tuple[list[DataRow], list[str]]:
     return rows, problems
 
 
-def check_sampling(cfg: RunConfig, model: ModelInfo) -> list[str]:
-    """Sampling settings that depend on the model: stop token ids inside the vocabulary."""
-    if model.vocab_size is None:
-        return []
-    return [
-        f"rollout.sampling.stop_token_ids[{i}]: {token} is outside the model's vocabulary (vocab_size "
-        f"{model.vocab_size} in {model.path}/config.json)"
-        for i, token in enumerate(cfg.rollout.sampling.stop_token_ids)
-        if token >= model.vocab_size
-    ]
+def check_sampling(cfg: RunConfig, model: ModelInfo, longest_prompt: int | None = None) -> list[str]:
+    """Sampling settings that depend on the model: stop token ids inside the vocabulary, and the
+    longest prompt (``longest_prompt`` tokens, when the data was read) plus
+    ``rollout.sampling.max_new_tokens`` inside the model's context (:attr:`ModelInfo.context_length`;
+    an inference server refuses longer requests, and past it positions are ones the model never
+    learnt). A multi-turn trajectory's first turn is already this long."""
+    sampling = cfg.rollout.sampling
+    problems = []
+    if model.vocab_size is not None:
+        problems += [
+            f"rollout.sampling.stop_token_ids[{i}]: {token} is outside the model's vocabulary (vocab_size "
+            f"{model.vocab_size} in {model.path}/config.json)"
+            for i, token in enumerate(sampling.stop_token_ids)
+            if token >= model.vocab_size
+        ]
+    context = model.context_length
+    if context is not None and longest_prompt is not None and longest_prompt + sampling.max_new_tokens > context:
+        room = context - longest_prompt
+        problems.append(
+            f"rollout.sampling.max_new_tokens: {sampling.max_new_tokens} tokens after the longest prompt of "
+            f"data.train_files ({longest_prompt} tokens) make {longest_prompt + sampling.max_new_tokens}, more than "
+            f"the model's context of {context} positions (max_position_embeddings in {model.path}/config.json); "
+            + (f"set it to at most {room}" if room > 0 else "the prompts alone fill it")
+            + ", or use shorter prompts"
+        )
+    return problems
 
 
 def check_output_dir(cfg: RunConfig, *, create: bool = True) -> list[str]:
@@ -355,7 +383,7 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
     problems += data_problems
     model, model_problems = check_model_dir(cfg.actor.model_path, "actor.model_path", offline=offline)
     problems += model_problems
-    tokenizer = None
+    tokenizer, longest_prompt = None, None
     if cfg.actor.tokenizer_path or Path(cfg.actor.model_path).is_dir():
         key = "actor.tokenizer_path" if cfg.actor.tokenizer_path else "actor.model_path"
         tokenizer, tokenizer_problems = check_tokenizer_dir(
@@ -369,12 +397,17 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
                 "or use a tokenizer that has one"
             )
         elif not data_problems:
-            _, prompt_problems = tokenise_rows(
+            items, prompt_problems = tokenise_rows(
                 rows, cfg.data, tokenizer, vocab_size=model.vocab_size if model is not None else None
             )
             problems += prompt_problems
+            longest_prompt = max((len(item.prompt_ids) for item in items), default=None)
     if model is not None:
-        problems += check_sampling(cfg, model)
+        problems += check_sampling(cfg, model, longest_prompt)
+        if cfg.actor.lora.enabled:
+            from core_rl.engine_utils.hf import lora_problems
+
+            problems += lora_problems(cfg.actor.model_path, cfg.actor.lora, "actor.lora")
     for role, section in role_sections(cfg):  # the other model roles
         if not section.model_path:
             continue

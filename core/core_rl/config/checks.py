@@ -84,13 +84,24 @@ class ModelInfo:
     """What the model directory's ``config.json`` says (read without loading weights).
 
     ``path``: the local directory; ``vocab_size`` / ``max_position_embeddings`` / ``model_type``:
-    from the config (``None`` when it does not say).
+    from the config (``None`` when it does not say); ``rope_factor``: the ``factor`` of the config's
+    RoPE scaling (1 without one).
     """
 
     path: str
     vocab_size: int | None = None
     max_position_embeddings: int | None = None
     model_type: str | None = None
+    rope_factor: float = 1.0
+
+    @property
+    def context_length(self) -> int | None:
+        """Positions a sequence may span: ``max_position_embeddings x rope_factor`` (``None`` when
+        the config does not say). A scaled RoPE extends the context by its factor, as inference
+        servers count it; the product is never smaller than the model's real limit."""
+        if self.max_position_embeddings is None:
+            return None
+        return int(self.max_position_embeddings * max(self.rope_factor, 1.0))
 
 
 @attrs.frozen

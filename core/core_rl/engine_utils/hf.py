@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from core_rl import checkpointing as ckpt
-from core_rl.config.schema import ActorConfig
+from core_rl.config.schema import ActorConfig, LoraConfig
+from core_rl.errors import ConfigError
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -186,6 +187,18 @@ def write_hf_dir(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     ckpt.commit_partial(final)
+
+
+def lora_problems(model_path: str, lora: LoraConfig, key: str) -> list[str]:
+    """What peft says of ``lora`` on the model of ``model_path``, found by applying the adapters to
+    the model built on the ``meta`` device (:func:`empty_causal_lm`: no memory, no weights read)."""
+    from core_rl.engine_utils.lora import apply_lora
+
+    try:
+        apply_lora(empty_causal_lm(model_path, dtype="float32"), lora, key)
+    except ConfigError as exc:
+        return exc.problems
+    return []
 
 
 def prepare_for_role(model: nn.Module, actor: ActorConfig, *, trainable: bool) -> nn.Module:

@@ -26,6 +26,7 @@ from torch import nn
 
 from core_rl import checkpointing as ckpt
 from core_rl.config.schema import LoraConfig
+from core_rl.errors import ConfigError
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER = "default"
@@ -41,10 +42,11 @@ def _peft():
     return peft
 
 
-def apply_lora(model: nn.Module, config: LoraConfig) -> nn.Module:
+def apply_lora(model: nn.Module, config: LoraConfig, key: str = "actor.lora") -> nn.Module:
     """``model`` wrapped by peft with LoRA adapters on ``config.target_modules`` (the base weights
     frozen, only the adapters trainable); ``B`` starts at zero, so the wrapped model computes
-    exactly what ``model`` did."""
+    exactly what ``model`` did. Target modules peft refuses raise :class:`ConfigError` naming
+    ``key.target_modules``."""
     peft = _peft()
     targets: str | list[str] = config.target_modules
     if targets == ["all-linear"]:
@@ -59,7 +61,10 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> nn.Module:
     try:
         return peft.get_peft_model(model, lora)
     except ValueError as exc:  # e.g. no module matches target_modules
-        raise ValueError(f"actor.lora.target_modules: {exc}") from None
+        raise ConfigError(
+            f"{key}.target_modules: {config.target_modules}: peft: {exc} (name the model's linear layers, "
+            "e.g. q_proj and v_proj, or all-linear)"
+        ) from None
 
 
 def is_lora_model(model: nn.Module) -> bool:
