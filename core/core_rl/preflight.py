@@ -46,6 +46,7 @@ from core_rl.config.checks import (
     environment_problems,
     required_columns,
 )
+from core_rl.config.problems import uses_rl_sections
 from core_rl.config.schema import RunConfig
 from core_rl.config.sections import selected_sections
 from core_rl.errors import CoreRLError, PreflightError
@@ -299,11 +300,12 @@ def check_data(cfg: RunConfig) -> tuple[list[DataRow], list[str]]:
 
 
 def check_sampling(cfg: RunConfig, model: ModelInfo, longest_prompt: int | None = None) -> list[str]:
-    """Sampling settings that depend on the model: stop token ids inside the vocabulary, and the
-    longest prompt (``longest_prompt`` tokens, when the data was read) plus
-    ``rollout.sampling.max_new_tokens`` inside the model's context (:attr:`ModelInfo.context_length`;
-    an inference server refuses longer requests, and past it positions are ones the model never
-    learnt). A multi-turn trajectory's first turn is already this long."""
+    """Sampling settings that depend on the model: stop token ids inside the vocabulary, and, where
+    the loop samples (it uses the RL sections; sft, dpo and rm generate nothing), the longest prompt
+    (``longest_prompt`` tokens, when the data was read) plus ``rollout.sampling.max_new_tokens``
+    inside the model's context (:attr:`ModelInfo.context_length`: an inference server refuses longer
+    requests, and past it are positions the model never learnt). A multi-turn trajectory's first
+    turn is already this long."""
     sampling = cfg.rollout.sampling
     problems = []
     if model.vocab_size is not None:
@@ -314,7 +316,9 @@ def check_sampling(cfg: RunConfig, model: ModelInfo, longest_prompt: int | None 
             if token >= model.vocab_size
         ]
     context = model.context_length
-    if context is not None and longest_prompt is not None and longest_prompt + sampling.max_new_tokens > context:
+    if context is None or longest_prompt is None or not uses_rl_sections(cfg):
+        return problems
+    if longest_prompt + sampling.max_new_tokens > context:
         room = context - longest_prompt
         problems.append(
             f"rollout.sampling.max_new_tokens: {sampling.max_new_tokens} tokens after the longest prompt of "
