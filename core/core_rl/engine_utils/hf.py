@@ -191,11 +191,16 @@ def write_hf_dir(
 
 def lora_problems(model_path: str, lora: LoraConfig, key: str) -> list[str]:
     """What peft says of ``lora`` on the model of ``model_path``, found by applying the adapters to
-    the model built on the ``meta`` device (:func:`empty_causal_lm`: no memory, no weights read)."""
+    the model built on the ``meta`` device (:func:`empty_causal_lm`: no memory, no weights read). A
+    model that cannot be built so is left to the engine, which loads it for real."""
     from core_rl.engine_utils.lora import apply_lora
 
     try:
-        apply_lora(empty_causal_lm(model_path, dtype="float32"), lora, key)
+        model = empty_causal_lm(model_path, dtype="float32")
+    except Exception:  # e.g. a model class that computes in __init__; the engine's load reports it
+        return []
+    try:
+        apply_lora(model, lora, key)
     except ConfigError as exc:
         return exc.problems
     return []
