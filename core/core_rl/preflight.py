@@ -252,10 +252,10 @@ def check_model_dir(path: str, key: str, *, offline: bool = True) -> tuple[Model
 
 def _rope_factor(text_config: Any) -> float:
     """The ``factor`` of a scaled RoPE (``rope_parameters``, or ``rope_scaling`` before
-    transformers 5), 1 without one."""
+    transformers 5), 1 without one (:attr:`ModelInfo.context_length` never shrinks the context by it)."""
     rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None)
     factor = rope.get("factor") if isinstance(rope, dict) else None
-    return float(factor) if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1 else 1.0
+    return float(factor) if isinstance(factor, (int, float)) and not isinstance(factor, bool) else 1.0
 
 
 def check_tokenizer_dir(path: str, key: str, *, offline: bool = True) -> tuple[Any, list[str]]:

@@ -65,13 +65,19 @@ class MachineInfo:
     def cuda_available(self) -> bool:
         return self.cuda_device_count > 0
 
+    def runs_on_cpu(self, device: str = "auto") -> bool:
+        """Whether a train engine with ``device`` (``auto``, ``cpu`` or ``cuda``) computes on the CPU
+        here: ``cpu``, or ``auto`` without a CUDA GPU (the rule of
+        :func:`core_rl.engine_utils.distributed.pick_device`)."""
+        return device == "cpu" or (device == "auto" and not self.cuda_available)
+
     def gpu_per_process_problems(self, path: str, device: str = "auto") -> list[str]:
         """A train engine section at ``path`` on ``device`` (``auto``, ``cpu`` or ``cuda``, as
         :func:`core_rl.engine_utils.distributed.pick_device` takes it): a process per GPU when it
         runs on GPUs, and a GPU at all for ``cuda``."""
         if device == "cuda" and not self.cuda_available:
             return [f"{path}.device: cuda, but this machine has no CUDA GPU; use auto or cpu"]
-        if device != "cpu" and self.cuda_available and self.local_world_size > self.cuda_device_count:
+        if not self.runs_on_cpu(device) and self.local_world_size > self.cuda_device_count:
             return [
                 f"{path}: {self.local_world_size} processes on this node but only {self.cuda_device_count} CUDA "
                 "devices; start at most one process per GPU (torchrun --nproc_per_node), or set device: cpu"

@@ -77,8 +77,7 @@ class DeepSpeedConfig:
         from core_rl.engine_utils.hf import activation_checkpointing_problems
 
         problems = context.machine.gpu_per_process_problems(context.path, self.device)
-        on_cpu = self.device == "cpu" or (self.device == "auto" and not context.machine.cuda_available)
-        if self.mixed_precision == "float16" and on_cpu and not cpu_has_float16():
+        if self.mixed_precision == "float16" and context.machine.runs_on_cpu(self.device) and not cpu_has_float16():
             problems.append(
                 f"{context.key('mixed_precision')}: float16 on the CPU, which DeepSpeed refuses here (its CPU "
                 "accelerator has float16 only where oneDNN does, and this CPU has not); use bfloat16, or a GPU"
