@@ -4,9 +4,11 @@ For each engine (``vllm``, ``sglang``) it starts one server (from the managed se
 on a tiny model and prints:
 
 - generated tokens/s through the plugin (``engine.generate``: ``--prompts`` prompts x ``--n``
-  samples of exactly ``--max-new-tokens`` tokens) and through a plain ``httpx`` client sending the
-  same requests to the same server with the same concurrency, and the plugin's overhead
-  ``1 - plugin / plain`` (goal: under 5%);
+  samples of exactly ``--max-new-tokens`` tokens) and through a plain client sending the same
+  requests to the same server with the same concurrency, and the plugin's overhead
+  ``1 - plugin / plain`` (goal: under 5%). The plain client is the plugin's own (httpx over
+  aiohttp's pool, ``core_rl.remote.wire.async_client``); the same client on httpx's own pool is
+  printed beside it (its cost per request grows with the requests in flight);
 - seconds to move the weights from the ``fsdp`` train engine to the server by disk
   (``export_hf`` + the server's reload) and by collective (``full_state_dict`` + broadcast over a
   gloo group), for the tiny model and a ~10M-parameter one (``--sync-models``).
@@ -78,13 +80,26 @@ def plain_payload(name: str, prompt: list[int], n: int, tokens: int, model_name:
 
 
 async def plain_client(
-    name: str, url: str, prompts: list[list[int]], n: int, tokens: int, concurrency: int, model_name: str
+    name: str,
+    url: str,
+    prompts: list[list[int]],
+    n: int,
+    tokens: int,
+    concurrency: int,
+    model_name: str,
+    pool: str = "aiohttp",
 ) -> int:
-    """Send every prompt's request with at most ``concurrency`` in flight; return tokens generated."""
+    """Send every prompt's request with at most ``concurrency`` in flight; return tokens generated.
+    ``pool``: ``aiohttp`` (the plugin's client) or ``httpx`` (httpx's own connection pool)."""
     import httpx
+    from core_rl.remote.wire import async_client
 
     slots = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+    if pool == "httpx":
+        client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4))
+    else:
+        client = async_client(600, concurrency + 4)
+    async with client:
 
         async def one(prompt: list[int]) -> int:
             path, payload = plain_payload(name, prompt, n, tokens, model_name)
@@ -107,16 +122,28 @@ def throughput(engine: Any, name: str, args: argparse.Namespace) -> dict[str, fl
     url = engine.endpoints[0].url
     model_name = getattr(engine, "model_name", "")
     engine.generate(prompts[:4], sampling)  # warm up
-    plugin_rates, plain_rates = [], []
-    for _ in range(args.repeats):  # interleaved, so both see the same machine load
+    rates: dict[str, list[float]] = {"plugin": [], "aiohttp": [], "httpx": []}
+    client_ms: dict[str, list[float]] = {"aiohttp": [], "httpx": []}  # the plain client's CPU per request
+    for _ in range(args.repeats):  # interleaved, so all see the same machine load
         start = time.perf_counter()
         out = engine.generate(prompts, sampling)
-        plugin_rates.append(sum(len(s.response_ids) for g in out for s in g) / (time.perf_counter() - start))
-        start = time.perf_counter()
-        count = asyncio.run(plain_client(name, url, prompts, args.n, args.max_new_tokens, args.concurrency, model_name))
-        plain_rates.append(count / (time.perf_counter() - start))
-    plugin, plain = statistics.median(plugin_rates), statistics.median(plain_rates)
-    return {"plugin_tokens_per_s": plugin, "plain_tokens_per_s": plain, "overhead": 1.0 - plugin / plain}
+        rates["plugin"].append(sum(len(s.response_ids) for g in out for s in g) / (time.perf_counter() - start))
+        for pool in ("aiohttp", "httpx"):
+            start, cpu = time.perf_counter(), time.process_time()
+            count = asyncio.run(
+                plain_client(name, url, prompts, args.n, args.max_new_tokens, args.concurrency, model_name, pool)
+            )
+            rates[pool].append(count / (time.perf_counter() - start))
+            client_ms[pool].append(1000 * (time.process_time() - cpu) / len(prompts))
+    plugin, plain, plain_httpx = (statistics.median(rates[k]) for k in ("plugin", "aiohttp", "httpx"))
+    return {
+        "plugin_tokens_per_s": plugin,
+        "plain_tokens_per_s": plain,
+        "plain_httpx_pool_tokens_per_s": plain_httpx,
+        "overhead": 1.0 - plugin / plain,
+        "client_cpu_ms_per_request": statistics.median(client_ms["aiohttp"]),
+        "httpx_pool_client_cpu_ms_per_request": statistics.median(client_ms["httpx"]),
+    }
 
 
 def weight_sync(engine: Any, model: Path, work: Path, repeats: int) -> dict[str, float]:
@@ -183,7 +210,10 @@ def report(results: dict[str, Any]) -> None:
         if t:
             print(
                 f"{name}: plugin {t['plugin_tokens_per_s']:.0f} tok/s, plain HTTP {t['plain_tokens_per_s']:.0f} tok/s, "
-                f"overhead {100 * t['overhead']:+.1f}% (goal < 5%: {'met' if t['overhead'] < 0.05 else 'NOT met'})"
+                f"overhead {100 * t['overhead']:+.1f}% (goal < 5%: {'met' if t['overhead'] < 0.05 else 'NOT met'}); "
+                f"plain HTTP on httpx's own pool {t['plain_httpx_pool_tokens_per_s']:.0f} tok/s; "
+                f"the plain client's CPU per request {t['client_cpu_ms_per_request']:.1f} ms (httpx's pool "
+                f"{t['httpx_pool_client_cpu_ms_per_request']:.1f} ms)"
             )
         for key, s in r.items():
             if key.startswith("sync_"):

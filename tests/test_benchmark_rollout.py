@@ -46,5 +46,5 @@ def test_rollout_benchmark_runs_and_reports(tmp_path: Path) -> None:
     assert "weight sync, tiny model" in proc.stdout
     figures = json.loads(out.read_text())["vllm"]
     t, s = figures["throughput"], figures["sync_tiny"]
-    assert t["plugin_tokens_per_s"] > 0 and t["plain_tokens_per_s"] > 0
+    assert t["plugin_tokens_per_s"] > 0 and t["plain_tokens_per_s"] > 0 and t["plain_httpx_pool_tokens_per_s"] > 0
     assert s["disk_s"] > 0 and s["collective_s"] > 0 and s["bytes"] > 0

@@ -34,7 +34,7 @@ from core_rl.remote.memory import MemoryRelease
 from core_rl.remote.options import ServerOptions
 from core_rl.remote.recovery import Endpoint, ServerRecovery
 from core_rl.remote.weights import UPDATE, WeightSync
-from core_rl.remote.wire import Completion
+from core_rl.remote.wire import Completion, async_client
 from core_rl.servers import ManagedServer, ServerError, free_port, probe
 
 T = TypeVar("T")
@@ -212,10 +212,7 @@ class ServerRolloutEngine(Generation, WeightSync, MemoryRelease, ServerRecovery,
             ) from None
 
     async def _setup(self) -> None:
-        import httpx
-
-        limits = httpx.Limits(max_connections=self.options.max_concurrent_requests + 16)
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.options.request_timeout), limits=limits)
+        self._client = async_client(self.options.request_timeout, self.options.max_concurrent_requests + 16)
         self._running = asyncio.Event()
         self._running.set()
         self._slots = asyncio.Semaphore(self.options.max_concurrent_requests)
