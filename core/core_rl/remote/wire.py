@@ -108,10 +108,10 @@ def async_client(timeout: float, max_connections: int) -> Any:
     at most ``max_connections`` open.
 
     httpx's own pool walks every open connection (a socket poll each) whenever a request starts or
-    ends, so its cost per request grows with the requests in flight: with 64 in flight it spent
-    ~17 ms of CPU on each (aiohttp's pool ~1 ms), with 256 ~25 ms, which caps one client at ~40
-    requests/s (``benchmarks/rollout.py`` prints both). Failures still arrive as ``httpx``
-    errors; :func:`describe` reads the cause they carry."""
+    ends, so its CPU per request grows with the requests in flight: 13.4 ms against aiohttp's
+    1.7 ms for 512 requests with 64 in flight (``python benchmarks/rollout.py --engines sglang
+    --prompts 512`` prints both), CPU the trainer's process then lacks. Failures still arrive as
+    ``httpx`` errors; :func:`describe` reads the cause they carry."""
     import httpx
     from httpx_aiohttp import HttpxAiohttpClient
 
@@ -140,13 +140,14 @@ def describe(exc: BaseException) -> str:
     time``), anything else as ``Type: message``. The transport error's cause decides where it has
     one: ``httpx-aiohttp`` raises a refused connection and a server that hung up alike as
     ``httpx.ConnectTimeout``."""
+    import aiohttp
     import httpx
 
     text = str(exc).strip()
     causes = _causes(exc)
     if any(isinstance(c, ConnectionRefusedError) for c in causes):
         return "connection refused"
-    if any(type(c).__name__ == "ServerDisconnectedError" for c in causes) or isinstance(exc, httpx.RemoteProtocolError):
+    if any(isinstance(c, (aiohttp.ServerDisconnectedError, httpx.RemoteProtocolError)) for c in causes):
         return "the connection closed mid-answer"
     if isinstance(exc, httpx.ConnectError):
         return "connection refused" if "refused" in text.lower() or "all connection attempts" in text.lower() else text
