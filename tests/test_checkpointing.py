@@ -1,5 +1,5 @@
-"""core_rl.checkpointing: atomic directory replacement, safe state trees (safetensors + JSON, nothing
-unpickled) and RNG snapshots."""
+"""core_rl.checkpointing: safe state trees (safetensors + JSON, nothing unpickled) and RNG snapshots
+(its atomic writes: tests/test_atomic_files.py)."""
 
 from __future__ import annotations
 
@@ -15,45 +15,6 @@ import torch
 from core_rl import checkpointing as ckpt
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-
-def _write(final: Path, text: str) -> None:
-    tmp = ckpt.prepare_partial(final)
-    (tmp / "data.txt").write_text(text)
-    ckpt.commit_partial(final)
-
-
-@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
-def test_commit_creates_and_replaces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool) -> None:
-    if not exchange:
-        monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
-    final = tmp_path / "out"
-    _write(final, "one")
-    (final / "only-in-old.txt").write_text("x")
-    _write(final, "two")
-    assert sorted(p.name for p in final.iterdir()) == ["data.txt"]
-    assert (final / "data.txt").read_text() == "two"
-    assert [p.name for p in tmp_path.iterdir()] == ["out"]
-
-
-def test_prepare_removes_a_stale_partial(tmp_path: Path) -> None:
-    final = tmp_path / "out"
-    stale = ckpt.partial_path(final)
-    stale.mkdir()
-    (stale / "junk").write_text("half written")
-    tmp = ckpt.prepare_partial(final)
-    assert tmp == stale and list(tmp.iterdir()) == []
-    assert not final.exists()  # nothing appears at the destination before commit
-    ckpt.discard_partial(final)
-    assert not stale.exists()
-
-
-def test_write_text_atomic_replaces_whole_file(tmp_path: Path) -> None:
-    path = tmp_path / "latest"
-    ckpt.write_text_atomic(path, "step_1")
-    ckpt.write_text_atomic(path, "step_2")
-    assert path.read_text() == "step_2"
-    assert [p.name for p in tmp_path.iterdir()] == ["latest"]
 
 
 def test_tree_roundtrip_keeps_types_tensors_and_specials(tmp_path: Path) -> None:

@@ -1,9 +1,10 @@
 """Commands that do not use a heavy backend never import it: ``core-rl plugins`` (which loads every
 plugin), ``config validate`` and a whole ``train`` run on fsdp + hf (building its tiny model and
 exporting the trained one) leave ``deepspeed``, ``megatron``, ``vllm`` and ``sglang`` out of
-``sys.modules`` and print no DeepSpeed accelerator warning; listing the plugins does not import
-transformers either (registering a plugin imports no backend). Each command runs in a fresh
-process, which writes the heavy modules it imported to a file when it exits."""
+``sys.modules`` and print no DeepSpeed accelerator warning. Listing the plugins, and validating
+every example configuration, import neither torch nor transformers (registering a plugin imports
+no backend; ``config validate`` takes under a second). Each command runs in a fresh process, which
+writes the heavy modules it imported to a file when it exits."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ pytest.importorskip("core_rl_grpo")
 pytest.importorskip("core_rl_reward_match")
 
 BACKENDS = ("deepspeed", "megatron", "vllm", "sglang")
-HEAVY = (*BACKENDS, "transformers")
+HEAVY = (*BACKENDS, "transformers", "torch")
 DEEPSPEED_WARNING = "Setting accelerator to"
 
 #: run ``core-rl ARGS`` (or, with ``--build-task DIR`` first, build the tiny task there first), then
@@ -74,8 +75,39 @@ def test_a_run_without_deepspeed_never_imports_it(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = yaml.safe_load((tmp_path / "run.yaml").read_text())
     assert (Path(config["experiment"]["output_dir"]) / "run" / "final_hf" / "model.safetensors").is_file()
-    assert imported == ["transformers"]
+    assert imported == ["torch", "transformers"]
     assert DEEPSPEED_WARNING not in proc.stderr
+
+
+#: validate every example configuration in one process; the machine counts as having no GPU device
+#: node, so that counting GPUs (the one thing validation asks torch) needs no torch on a GPU machine
+#: either; then count them as if it had one, which asks torch
+VALIDATE_EXAMPLES = """
+import json, sys
+import core_rl.builtin.launchers as launchers
+from core_rl.cli import main
+launchers.GPU_DEVICE_NODES = ()
+codes = {{path: main(["config", "validate", path]) for path in sys.argv[1:]}}
+imported = sorted({{m.split(".")[0] for m in sys.modules}} & set({heavy!r}))
+launchers.GPU_DEVICE_NODES = (sys.executable,)
+gpus = launchers.visible_gpus()
+import torch
+print(json.dumps({{"codes": codes, "imported": imported, "gpus": gpus, "torch_gpus": torch.cuda.device_count()}}))
+"""
+
+
+def test_validating_every_example_imports_no_torch(tmp_path: Path) -> None:
+    examples = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "examples").glob("*/*.yaml"))
+    assert len(examples) >= 20
+    code = VALIDATE_EXAMPLES.format(heavy=HEAVY)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *examples], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["codes"] == dict.fromkeys(examples, 0), proc.stderr[-3000:]
+    assert report["imported"] == []
+    assert report["gpus"] == report["torch_gpus"]
 
 
 def test_saving_a_model_keeps_checking_for_deepspeed_once_it_is_imported() -> None:

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 grpo_adv = pytest.importorskip("core_rl_grpo.advantages")
+grpo_config = pytest.importorskip("core_rl_grpo.config")
 
 PAD = 0
 
@@ -106,10 +107,12 @@ def test_gae_credits_a_turn_with_the_rewards_from_it_on_by_hand() -> None:
 
 def test_the_gae_estimator_reads_the_turn_rewards() -> None:
     gae = pytest.importorskip("core_rl_ppo.gae")
+    from core_rl_ppo.config import GAEConfig
+
     batch = samples_to_batch([two_turns()], [0], PAD)
     batch["rewards"] = torch.tensor([1.5])
     batch["values"] = torch.zeros_like(batch["response_mask"])
-    advantages = gae.make_gae(gae.GAEConfig(discount=1.0, gae_lambda=1.0))(batch)
+    advantages = gae.GAEAdvantage(GAEConfig(discount=1.0, gae_lambda=1.0))(batch)
     assert advantages[0].tolist() == [0, 0, 1.5, 1.5, 0, 1.0, 1.0]
     assert batch["returns"][0].tolist() == advantages[0].tolist()
 
@@ -118,7 +121,7 @@ def test_reinforce_pp_whitens_the_per_turn_returns_by_hand() -> None:
     """Returns 1.5, 1.5 (turn 1) and 1.0, 1.0 (turn 2): mean 1.25, unbiased std sqrt(0.25 / 3)."""
     batch = samples_to_batch([two_turns()], [0], PAD)
     batch["rewards"] = torch.tensor([1.5])
-    advantages = grpo_adv.ReinforcePPAdvantage(grpo_adv.ReinforcePPAdvantageConfig(eps=1e-9))(batch)
+    advantages = grpo_adv.ReinforcePPAdvantage(grpo_config.ReinforcePPAdvantageConfig(eps=1e-9))(batch)
     std = (0.25 / 3) ** 0.5
     expected = [0, 0, 0.25 / std, 0.25 / std, 0, -0.25 / std, -0.25 / std]
     torch.testing.assert_close(advantages[0], torch.tensor(expected), atol=1e-5, rtol=0)
@@ -129,9 +132,9 @@ def test_outcome_estimators_see_only_the_trajectory_reward() -> None:
     samples = [two_turns((0.5, 1.0)), two_turns((0.0, 0.0))]
     batch = samples_to_batch(samples, [0, 0], PAD)
     batch["rewards"] = torch.tensor([1.5, 0.0])
-    with_turns = grpo_adv.make_grpo(grpo_adv.GRPOAdvantageConfig())(batch)
+    with_turns = grpo_adv.GroupRelativeAdvantage()(batch)
     del batch.data["turn_rewards"]
-    torch.testing.assert_close(with_turns, grpo_adv.make_grpo(grpo_adv.GRPOAdvantageConfig())(batch))
+    torch.testing.assert_close(with_turns, grpo_adv.GroupRelativeAdvantage()(batch))
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,7 @@
 """Safe, atomic checkpoint files: what every train engine and the trainer use to save state.
 
-**Atomic directories.** A checkpoint directory ``NAME`` is written under ``.NAME.partial`` next to it
-and moved into place only when complete, so ``NAME`` is absent, the previous complete version, or the
-new complete version, never half written. Replacing an existing ``NAME`` uses Linux's
-``renameat2(RENAME_EXCHANGE)`` (one atomic swap) where the file system supports it; elsewhere the old
-directory is renamed to ``.NAME.old`` first (a crash between the two renames leaves the complete old
-version there).
+**Atomic directories.** A checkpoint directory is written beside its final place and moved there
+only when complete (:mod:`core_rl.atomic_files`, whose functions this module re-exports).
 
 **Nothing executes on load.** Tensors are stored with safetensors; everything else is JSON. A state
 *tree* (nested dicts, lists, tuples, numbers, strings, booleans, ``None`` and tensors, e.g. an
@@ -19,13 +15,10 @@ module the loading process has already imported, so loading imports and runs not
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import json
 import math
-import os
 import random
-import shutil
 import sys
 import warnings
 from collections.abc import Mapping
@@ -34,8 +27,12 @@ from typing import Any
 
 import torch
 
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
+# the atomic writes, re-exported: engines and the trainer write checkpoints through this module
+from core_rl.atomic_files import commit_partial as commit_partial
+from core_rl.atomic_files import discard_partial as discard_partial
+from core_rl.atomic_files import partial_path as partial_path
+from core_rl.atomic_files import prepare_partial as prepare_partial
+from core_rl.atomic_files import write_text_atomic as write_text_atomic
 
 # JSON encoding of what JSON cannot hold directly
 _TENSOR = "__tensor__"
@@ -51,96 +48,6 @@ _MARKERS = frozenset({_TENSOR, _TUPLE, _ITEMS, _FLOAT, _DTYPE, _DEVICE, _SIZE, _
 
 class CheckpointFormatError(ValueError):
     """A checkpoint file does not hold what :func:`load_tree` expects (corrupt or foreign)."""
-
-
-# --------------------------------------------------------------------------------------------
-# atomic files and directories
-
-
-def partial_path(final: Path) -> Path:
-    """Where ``final`` is written before it is moved into place."""
-    return final.parent / f".{final.name}.partial"
-
-
-def prepare_partial(final: Path) -> Path:
-    """Create an empty ``partial_path(final)`` (removing a stale one from an interrupted write)."""
-    tmp = partial_path(final)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def discard_partial(final: Path) -> None:
-    """Remove ``partial_path(final)`` and whatever was written into it."""
-    shutil.rmtree(partial_path(final), ignore_errors=True)
-
-
-def _fsync_tree(root: Path) -> None:
-    """Flush every file under ``root`` and the directories themselves to disk."""
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems do not support fsync on directories
-        pass
-    finally:
-        os.close(fd)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap ``a`` and ``b`` (both exist); False if the platform cannot."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    rc = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    return rc == 0
-
-
-def commit_partial(final: Path) -> None:
-    """Move the finished ``partial_path(final)`` to ``final``, replacing a previous ``final``."""
-    tmp = partial_path(final)
-    _fsync_tree(tmp)
-    if final.exists():
-        if _exchange(tmp, final):
-            shutil.rmtree(tmp)  # now the old version
-        else:
-            old = final.parent / f".{final.name}.old"
-            if old.exists():
-                shutil.rmtree(old)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old)
-    else:
-        os.rename(tmp, final)
-    _fsync_dir(final.parent)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file, fsync and an atomic rename."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with tmp.open("w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 # --------------------------------------------------------------------------------------------

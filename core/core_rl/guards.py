@@ -13,9 +13,7 @@ outputs of engines and workflows.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from core_rl.attribution import built_by, calling
 from core_rl.errors import PluginFault
@@ -28,7 +26,11 @@ from core_rl.interfaces import (
     SampleFilter,
 )
 from core_rl.kinds import ADVANTAGE, POLICY_LOSS, REJECTION_SAMPLER, SAMPLE_FILTER, PluginKind
-from core_rl.protocol import TensorBatch
+
+if TYPE_CHECKING:
+    import torch
+
+    from core_rl.protocol import TensorBatch
 
 #: the dtype families :func:`check_tensor` tells apart
 FLOAT, BOOL, ANY = "float", "bool", "any"
@@ -36,6 +38,8 @@ FLOAT, BOOL, ANY = "float", "bool", "any"
 
 def described(value: Any) -> str:
     """``a float32 tensor of shape [8]``, or the type of a value that is no tensor."""
+    import torch  # here: building a component (config validation) imports this module, and no torch
+
     if isinstance(value, torch.Tensor):
         return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {list(value.shape)}"
     return "None" if value is None else f"a {type(value).__name__}, not a tensor"
@@ -46,6 +50,8 @@ def check_tensor(value: Any, words: str, what: str, *, shape: Sequence[int], dty
     family ``dtype`` (:data:`FLOAT`, :data:`BOOL` or :data:`ANY`). ``words`` names the component,
     ``what`` the value (``advantages``), ``contract`` what is required, e.g.
     ``AdvantageEstimator.__call__ returns [B, T] = [8, 12], like the batch's response_mask``."""
+    import torch
+
     ok = isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(shape)
     if ok and dtype == FLOAT:
         ok = value.is_floating_point()

@@ -31,12 +31,11 @@ import attrs
 
 from core_rl.config.validators import FieldValueError, one_of, positive
 from core_rl.interfaces import ImportanceCorrection, RejectionSampler
+from core_rl.ops.names import REJECTION_ACTIONS, REJECTION_AGGREGATIONS, REJECTION_LEVELS
 
 if TYPE_CHECKING:
     import torch
 
-LEVELS = ("token", "sequence")
-AGGREGATIONS = ("sum", "mean", "max")
 
 #: (proximal log-probs [b, T], behaviour log-probs [b, T]) -> per-token metric [b, T]
 Metric = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
@@ -65,9 +64,9 @@ class RejectionSamplingConfig:
     bound; ``lower``: the lower bound (each null: none).
     """
 
-    level: str = attrs.field(default="token", validator=one_of(LEVELS))
+    level: str = attrs.field(default="token", validator=one_of(REJECTION_LEVELS))
     action: str = attrs.field(default="mask", validator=one_of(("mask",)))
-    agg: str = attrs.field(default="mean", validator=one_of(AGGREGATIONS))
+    agg: str = attrs.field(default="mean", validator=one_of(REJECTION_AGGREGATIONS))
     upper: float | None = 2.0
     lower: float | None = None
 
@@ -82,9 +81,9 @@ class RatioRejectionConfig:
     token ratios, ``mean`` their geometric mean), with ``action: clamp`` (truncate the weight to
     ``[lower or 0, upper]``) besides ``mask``. ``upper`` > 1; ``lower`` in (0, 1)."""
 
-    level: str = attrs.field(default="token", validator=one_of(LEVELS))
-    action: str = attrs.field(default="mask", validator=one_of(("mask", "clamp")))
-    agg: str = attrs.field(default="mean", validator=one_of(AGGREGATIONS))
+    level: str = attrs.field(default="token", validator=one_of(REJECTION_LEVELS))
+    action: str = attrs.field(default="mask", validator=one_of(REJECTION_ACTIONS))
+    agg: str = attrs.field(default="mean", validator=one_of(REJECTION_AGGREGATIONS))
     upper: float | None = attrs.field(default=5.0, validator=positive())
     lower: float | None = None
 
@@ -97,8 +96,8 @@ class ImportanceSamplingConfig:
     """``algorithm.rejection_sampling`` of ``tis`` (truncated) and ``mis`` (masked importance
     sampling): the ratio's level, ``agg``, ``upper`` (> 1) and ``lower`` (in (0, 1) or null)."""
 
-    level: str = attrs.field(default="token", validator=one_of(LEVELS))
-    agg: str = attrs.field(default="mean", validator=one_of(AGGREGATIONS))
+    level: str = attrs.field(default="token", validator=one_of(REJECTION_LEVELS))
+    agg: str = attrs.field(default="mean", validator=one_of(REJECTION_AGGREGATIONS))
     upper: float | None = attrs.field(default=2.0, validator=positive())
     lower: float | None = None
 

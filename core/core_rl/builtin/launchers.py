@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import TYPE_CHECKING
 
 import attrs
@@ -34,11 +35,23 @@ class LocalLauncherConfig:
     rdzv_timeout_s: int = attrs.field(default=900, validator=in_range(1, 10**6))
 
 
-def this_machine(nodes: int = 1) -> ClusterResources:
-    """``nodes`` machines like this one: its CUDA devices and the CPU cores this process may use."""
+#: device nodes a Linux machine has when it has a GPU torch could use (NVIDIA, AMD ROCm, WSL2)
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
+def visible_gpus() -> int:
+    """The CUDA (or ROCm) devices torch sees. 0 without importing torch (seconds of a CLI command
+    such as ``config validate``) on a Linux machine that has none of :data:`GPU_DEVICE_NODES`."""
+    if sys.platform == "linux" and not any(os.path.exists(node) for node in GPU_DEVICE_NODES):
+        return 0
     import torch
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def this_machine(nodes: int = 1) -> ClusterResources:
+    """``nodes`` machines like this one: its CUDA devices and the CPU cores this process may use."""
+    gpus = visible_gpus()
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return ClusterResources(nodes=nodes, gpus_per_node=gpus, cpus_per_node=cpus, source="this machine")
 

@@ -6,23 +6,12 @@ modules) stays cheap to import.
 
 from __future__ import annotations
 
-from typing import Any
+from core_rl.lazy_exports import lazy_exports
 
-_EXPORTS = {
-    "PluginSpec": "core_rl.config.schema",
-    "RunConfig": "core_rl.config.schema",
-    "load_config": "core_rl.config.loader",
-    "structure": "core_rl.config.loader",
-    "to_plain": "core_rl.config.loader",
-    "to_yaml": "core_rl.config.loader",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'core_rl.config' has no attribute {name!r}")
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "core_rl.config.schema": ("PluginSpec", "RunConfig"),
+        "core_rl.config.loader": ("load_config", "structure", "to_plain", "to_yaml"),
+    },
+)

@@ -33,6 +33,7 @@ from core_rl.config.validators import (
     one_of,
     positive,
 )
+from core_rl.ops.names import NORM_LEVELS, VALUE_LOSSES
 
 if TYPE_CHECKING:
     from core_rl.interfaces import SamplingParams
@@ -184,10 +185,6 @@ class ActorConfig:
     lora: LoraConfig = attrs.field(factory=LoraConfig)
 
 
-#: the value losses a critic may use (:func:`core_rl.ops.value_loss`)
-VALUE_LOSS_NAMES = ("mse", "huber")
-
-
 @attrs.define
 class CriticConfig(ActorConfig):
     """The ``critic:`` section: a trained value model (PPO), built by any train engine whose config
@@ -200,7 +197,7 @@ class CriticConfig(ActorConfig):
       unchanged while the value estimates settle)."""
 
     eps_clip: float | None = attrs.field(default=0.5, validator=positive())
-    loss: str = attrs.field(default="mse", validator=one_of(VALUE_LOSS_NAMES))
+    loss: str = attrs.field(default="mse", validator=one_of(VALUE_LOSSES))
     huber_delta: float = attrs.field(default=1.0, validator=positive())
     warmup_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
 
@@ -249,8 +246,8 @@ class NormConfig:
     samples) and divide by the standard deviation over ``std_level`` (``unbiased``: Bessel's
     correction) plus ``eps``. Every response token counts once for advantages."""
 
-    mean_level: str = attrs.field(default="batch", validator=one_of(("batch", "group", "none")))
-    std_level: str = attrs.field(default="batch", validator=one_of(("batch", "group", "none")))
+    mean_level: str = attrs.field(default="batch", validator=one_of(NORM_LEVELS))
+    std_level: str = attrs.field(default="batch", validator=one_of(NORM_LEVELS))
     leave_one_out: bool = False
     unbiased: bool = True
     eps: float = attrs.field(default=1e-5, validator=positive())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+from core_rl.ops.names import AGGREGATIONS
 
 
 def aggregation_weights(mask: torch.Tensor, mode: str, *, norm_length: float | None = None) -> torch.Tensor:

@@ -18,11 +18,8 @@ import math
 import torch
 
 from core_rl.ops.kl import kl_estimate
+from core_rl.ops.names import REJECTION_ACTIONS, REJECTION_LEVELS
 from core_rl.ops.ratios import clamp_log_ratio, sequence_reduce
-
-REJECTION_LEVELS = ("token", "sequence")
-REJECTION_ACTIONS = ("mask", "clamp")
-REJECTION_AGGREGATIONS = ("sum", "mean", "max")
 
 
 def behaviour_log_ratio(proximal_logprobs: torch.Tensor, behave_logprobs: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from core_rl.ops.names import KL_ESTIMATORS
 
 #: default bound on an estimate's magnitude: beyond it the estimate is held at the bound and its
 #: gradient is 0 (as verl and AReaL do), so a few tokens far off the reference cannot dominate a step

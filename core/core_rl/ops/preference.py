@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge")
+from core_rl.ops.names import PREFERENCE_LOSSES
 
 
 def preference_loss(

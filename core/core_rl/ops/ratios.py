@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from core_rl.ops.names import SEQUENCE_REDUCTIONS
+
 #: log-ratios are clamped to this range before ``exp`` so a ratio stays finite (rho in [2e-9, 5e8])
 MAX_LOG_RATIO = 20.0
-
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-SEQUENCE_REDUCTIONS = ("sum", "mean", "max")
 
 
 def clamp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-NORM_LEVELS = ("batch", "group", "none")
+from core_rl.ops.names import NORM_LEVELS
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-VALUE_LOSSES = ("mse", "huber")
+from core_rl.ops.names import VALUE_LOSSES
 
 
 def last_token_mask(mask: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from core_rl.checkpointing import write_text_atomic
+from core_rl.atomic_files import write_text_atomic
 
 if TYPE_CHECKING:
     from core_rl.config.schema import ProfileConfig

@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 import yaml
 
-from core_rl.checkpointing import write_text_atomic
+from core_rl.atomic_files import write_text_atomic
 from core_rl.config.derived import INTERPOLATION, Derived
 from core_rl.config.loader import load_config, to_yaml
 from core_rl.config.paths import node_at, replace_at

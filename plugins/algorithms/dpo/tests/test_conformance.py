@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import core_rl_dpo.plugin as dpo_plugin
-from core_rl.ops import PREFERENCE_LOSSES
 from core_rl.testing import AlgorithmContract, LoopContract, installed_distribution
-from core_rl_dpo.config import LOSS_TYPES
 
 
 class TestDPOLoop(LoopContract):
@@ -24,7 +22,3 @@ class TestIPOAlgorithm(AlgorithmContract):
     plugin = dpo_plugin
     name = "ipo"
     distribution = installed_distribution("core-rl-dpo")
-
-
-def test_loss_types_are_the_ops_losses() -> None:
-    assert LOSS_TYPES == PREFERENCE_LOSSES

@@ -16,12 +16,8 @@ from core_rl.ops import group_is_uniform
 from core_rl.plugins import PluginHost
 from core_rl.protocol import TensorBatch
 from core_rl.testing import reference
-from core_rl_grpo.advantages import (
-    GRPOAdvantageConfig,
-    RLOOAdvantageConfig,
-    group_relative_scores,
-    grpo_advantages,
-)
+from core_rl_grpo.advantages import group_relative_scores, grpo_advantages
+from core_rl_grpo.config import GRPOAdvantageConfig, RLOOAdvantageConfig
 
 EPS = 1e-6
 

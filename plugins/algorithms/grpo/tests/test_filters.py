@@ -15,7 +15,8 @@ from core_rl.kinds import SAMPLE_FILTER
 from core_rl.plugins import PluginHost
 from core_rl.protocol import TensorBatch
 from core_rl_grpo.advantages import group_relative_scores
-from core_rl_grpo.filters import DropUniformGroupsConfig, varied_groups
+from core_rl_grpo.config import DropUniformGroupsConfig
+from core_rl_grpo.filters import varied_groups
 
 
 def build(**options: object):

@@ -13,7 +13,8 @@ from core_rl.kinds import POLICY_LOSS
 from core_rl.plugins import PluginHost
 from core_rl.protocol import TensorBatch
 from core_rl.testing import make_rl_batch
-from core_rl_grpo.losses import PPOClipConfig, PPOClipLoss, policy_ratio, ppo_clip_loss
+from core_rl_grpo.config import PPOClipConfig
+from core_rl_grpo.losses import PPOClipLoss, policy_ratio, ppo_clip_loss
 
 LN2 = math.log(2.0)
 

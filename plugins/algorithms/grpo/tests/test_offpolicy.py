@@ -16,7 +16,8 @@ from core_rl.kinds import POLICY_LOSS, REJECTION_SAMPLER
 from core_rl.plugins import PluginHost
 from core_rl.protocol import TensorBatch
 from core_rl.testing import recipe_host
-from core_rl_grpo.losses import PPOClipConfig, PPOClipLoss
+from core_rl_grpo.config import PPOClipConfig
+from core_rl_grpo.losses import PPOClipLoss
 
 LN2 = math.log(2.0)
 

@@ -14,8 +14,7 @@ from core_rl.interfaces import AlgorithmRecipe
 from core_rl.kinds import ALGORITHM
 from core_rl.plugins import PluginHost
 from core_rl.testing import recipe_host
-from core_rl_grpo.advantages import GRPOAdvantageConfig, RLOOAdvantageConfig
-from core_rl_grpo.losses import PPOClipConfig
+from core_rl_grpo.config import GRPOAdvantageConfig, PPOClipConfig, RLOOAdvantageConfig
 
 
 @attrs.define

@@ -10,7 +10,8 @@ from core_rl import ops
 from core_rl.config import load_config
 from core_rl.errors import ConfigError
 from core_rl.testing import make_rl_batch, recipe_host
-from core_rl_ppo.gae import GAEAdvantage, GAEConfig
+from core_rl_ppo.config import GAEConfig
+from core_rl_ppo.gae import GAEAdvantage
 
 
 def _batch():

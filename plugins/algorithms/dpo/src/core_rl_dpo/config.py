@@ -6,10 +6,7 @@ from typing import ClassVar
 
 import attrs
 from core_rl.config.validators import in_range, not_empty, one_of, positive
-
-#: the losses of :func:`core_rl.ops.preference_loss` (kept equal to ``core_rl.ops.PREFERENCE_LOSSES``
-#: by a test; listed here so validating a configuration imports no torch)
-LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+from core_rl.ops.names import PREFERENCE_LOSSES
 
 
 @attrs.define
@@ -28,7 +25,7 @@ class DPOConfig:
     rl_sections: ClassVar[bool] = False
     roles: ClassVar[tuple[str, ...]] = ("ref",)  # the role sections it reads
 
-    loss_type: str = attrs.field(default="sigmoid", validator=one_of(LOSS_TYPES))
+    loss_type: str = attrs.field(default="sigmoid", validator=one_of(PREFERENCE_LOSSES))
     beta: float = attrs.field(default=0.1, validator=positive(1e6))
     label_smoothing: float = attrs.field(default=0.0, validator=in_range(0.0, 0.5, high_open=True))
     chosen_key: str = attrs.field(default="chosen", validator=not_empty())

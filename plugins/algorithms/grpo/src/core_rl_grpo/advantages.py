@@ -7,13 +7,12 @@ Outcome rewards are scalars per sample; every response token of a sample gets th
 
 from __future__ import annotations
 
-import attrs
 import torch
 from core_rl import ops
-from core_rl.config.checks import SectionContext, group_size_problems
-from core_rl.config.validators import in_range, positive
 from core_rl.interfaces import AdvantageEstimator
 from core_rl.protocol import TensorBatch
+
+from core_rl_grpo.config import ReinforcePPAdvantageConfig
 
 
 def group_relative_scores(
@@ -70,45 +69,6 @@ def grpo_advantages(
     return broadcast_to_response(scores, response_mask)
 
 
-@attrs.define
-class GRPOAdvantageConfig:
-    """``algorithm.advantage`` options of ``grpo``.
-
-    ``norm_std``: divide by the group's (unbiased) standard deviation; ``eps`` (in (0, 1]): added to
-    it; ``leave_one_out``: baseline is the mean of the other group members instead of the group
-    mean. ``allow_single_sample_groups``: accept ``rollout.sampling.n: 1``, where every advantage is
-    0 (refused otherwise: nothing would train).
-    """
-
-    norm_std: bool = True
-    eps: float = attrs.field(default=1e-6, validator=positive(1.0))
-    leave_one_out: bool = False
-    allow_single_sample_groups: bool = False
-
-    def check_config(self, context: SectionContext) -> list[str]:
-        return group_size_problems(
-            context, allowed=self.allow_single_sample_groups, option="allow_single_sample_groups"
-        )
-
-
-@attrs.define
-class RLOOAdvantageConfig:
-    """``algorithm.advantage`` options of ``rloo`` (the baseline is always leave-one-out).
-
-    ``norm_std``: also divide by the group's (unbiased) standard deviation; ``eps`` (in (0, 1]):
-    added to it; ``allow_single_sample_groups``: as for ``grpo``.
-    """
-
-    norm_std: bool = False
-    eps: float = attrs.field(default=1e-6, validator=positive(1.0))
-    allow_single_sample_groups: bool = False
-
-    def check_config(self, context: SectionContext) -> list[str]:
-        return group_size_problems(
-            context, allowed=self.allow_single_sample_groups, option="allow_single_sample_groups"
-        )
-
-
 class GroupRelativeAdvantage(AdvantageEstimator):
     """Reads ``rewards``, ``group_index`` and ``response_mask``; see :func:`group_relative_scores`."""
 
@@ -126,14 +86,6 @@ class GroupRelativeAdvantage(AdvantageEstimator):
             eps=self.eps,
             leave_one_out=self.leave_one_out,
         )
-
-
-def make_grpo(config: GRPOAdvantageConfig) -> GroupRelativeAdvantage:
-    return GroupRelativeAdvantage(norm_std=config.norm_std, eps=config.eps, leave_one_out=config.leave_one_out)
-
-
-def make_rloo(config: RLOOAdvantageConfig) -> GroupRelativeAdvantage:
-    return GroupRelativeAdvantage(norm_std=config.norm_std, eps=config.eps, leave_one_out=True)
 
 
 def reinforce_pp_advantages(
@@ -176,20 +128,6 @@ def reinforce_pp_advantages(
     return ops.normalize(returns, mask=response_mask, mean_level="batch", std_level="batch", eps=eps)
 
 
-@attrs.define
-class ReinforcePPAdvantageConfig:
-    """``algorithm.advantage`` options of ``reinforce_pp``.
-
-    ``group_baseline``: subtract the group mean reward first (REINFORCE++-baseline); ``gamma``: the
-    discount of the outcome reward over the response tokens before it; ``eps``: added to the batch
-    standard deviation.
-    """
-
-    group_baseline: bool = False
-    gamma: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
-    eps: float = attrs.field(default=1e-5, validator=positive())
-
-
 class ReinforcePPAdvantage(AdvantageEstimator):
     """Reads ``rewards``, ``group_index``, ``response_mask`` (and ``turn_rewards`` where the batch has
     them); see :func:`reinforce_pp_advantages`."""
@@ -208,7 +146,3 @@ class ReinforcePPAdvantage(AdvantageEstimator):
             eps=cfg.eps,
             turn_rewards=batch.get("turn_rewards"),
         )
-
-
-def make_reinforce_pp(config: ReinforcePPAdvantageConfig) -> ReinforcePPAdvantage:
-    return ReinforcePPAdvantage(config)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import attrs
 import torch
-from core_rl.config.checks import SectionContext, group_size_problems
-from core_rl.config.validators import non_negative
 from core_rl.interfaces import SampleFilter
 from core_rl.ops import group_is_uniform, group_mean_std
 from core_rl.protocol import TensorBatch
+
+from core_rl_grpo.config import DropUniformGroupsConfig
 
 
 def varied_groups(rewards: torch.Tensor, group_index: torch.Tensor, *, min_std: float = 0.0) -> torch.Tensor:
@@ -20,19 +19,6 @@ def varied_groups(rewards: torch.Tensor, group_index: torch.Tensor, *, min_std: 
     """
     _, std, _ = group_mean_std(rewards, group_index)
     return ~group_is_uniform(rewards, group_index) & (std > min_std)
-
-
-@attrs.define
-class DropUniformGroupsConfig:
-    """``min_std``: also drop groups whose reward standard deviation (unbiased) is <= this.
-
-    Needs ``rollout.sampling.n >= 2``: a group of one sample is always uniform, so every sample
-    would be dropped."""
-
-    min_std: float = attrs.field(default=0.0, validator=non_negative())
-
-    def check_config(self, context: SectionContext) -> list[str]:
-        return group_size_problems(context, allowed=False, option=None)
 
 
 class DropUniformGroups(SampleFilter):

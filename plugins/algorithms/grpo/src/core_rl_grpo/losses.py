@@ -10,101 +10,16 @@ follow :mod:`core_rl.protocol` (position ``t`` describes token ``t``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-import attrs
 import torch
 from core_rl import ops
-from core_rl.config.schema import default_from
-from core_rl.config.validators import MAX_TOKENS, FieldValueError, in_range, non_negative, one_of, positive
 from core_rl.errors import ConfigError
 from core_rl.interfaces import LossOutput, PolicyLoss, RejectionSampler
-from core_rl.ops import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, policy_ratio, ppo_clip_loss
+from core_rl.ops import policy_ratio, ppo_clip_loss
 from core_rl.protocol import TensorBatch
 
-if TYPE_CHECKING:
-    from core_rl.config.checks import SectionContext
+from core_rl_grpo.config import PPOClipConfig
 
-__all__ = ["PPOClipConfig", "PPOClipLoss", "make_ppo_clip", "policy_ratio", "ppo_clip_loss"]
-
-PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics")
-
-
-def _greater_than_one(_inst: Any, attribute: attrs.Attribute[Any], value: float | None) -> None:
-    if value is not None and not value > 1.0:
-        raise FieldValueError(attribute.name, value, "must be > 1 (or null to disable)")
-
-
-@attrs.define
-class PPOClipConfig:
-    """``algorithm.loss`` options of ``ppo_clip`` (see the README for the formulas).
-
-    Trust region: ``eps_clip`` (lower clip, and upper unless ``eps_clip_higher`` is set), ``c_clip``
-    (dual clip bound > 1), ``importance_sampling_level`` (``token``, or ``sequence``: GSPO).
-    Aggregation: ``aggregation`` (:data:`core_rl.ops.AGGREGATIONS`), ``norm_length`` (the constant of
-    ``seq-mean-token-sum-norm``; default ``rollout.sampling.max_new_tokens``). Regularisers:
-    ``kl_coef``/``kl_estimator`` (``kl_coef > 0`` builds a reference model), ``entropy_coef``.
-    Off-policy: ``use_decoupled_loss``, ``prox_logp_method``, ``off_policy_mask_threshold``,
-    ``use_sapo_loss``/``sapo_tau_pos``/``sapo_tau_neg``, ``m2_threshold``.
-    """
-
-    eps_clip: float = attrs.field(default=0.2, validator=in_range(0.0, 1.0, low_open=True))
-    eps_clip_higher: float | None = attrs.field(default=None, validator=positive())
-    c_clip: float | None = attrs.field(default=None, validator=_greater_than_one)
-    importance_sampling_level: str = attrs.field(default="token", validator=one_of(IMPORTANCE_SAMPLING_LEVELS))
-    aggregation: str = attrs.field(default="token-mean", validator=one_of(AGGREGATIONS))
-    norm_length: int | None = attrs.field(
-        default=None, validator=in_range(1, MAX_TOKENS), metadata=default_from("rollout.sampling.max_new_tokens")
-    )
-    kl_coef: float = attrs.field(default=0.0, validator=non_negative())
-    kl_estimator: str = attrs.field(default="k3", validator=one_of(KL_ESTIMATORS))
-    entropy_coef: float = attrs.field(default=0.0, validator=non_negative())
-    use_decoupled_loss: bool = False
-    prox_logp_method: str = attrs.field(default="recompute", validator=one_of(PROX_LOGP_METHODS))
-    off_policy_mask_threshold: float | None = attrs.field(default=None, validator=non_negative())
-    use_sapo_loss: bool = False
-    sapo_tau_pos: float = attrs.field(default=1.0, validator=positive())
-    sapo_tau_neg: float = attrs.field(default=1.05, validator=positive())
-    m2_threshold: float | None = attrs.field(default=None, validator=positive())
-
-    def __attrs_post_init__(self) -> None:
-        if self.eps_clip_higher is not None and self.eps_clip_higher < self.eps_clip:
-            raise FieldValueError(
-                "eps_clip_higher", self.eps_clip_higher, f"must be >= eps_clip ({self.eps_clip}) or null"
-            )
-        if self.prox_logp_method != "recompute" and not self.use_decoupled_loss:
-            raise FieldValueError(
-                "prox_logp_method", self.prox_logp_method, "applies only with use_decoupled_loss: true"
-            )
-        if self.use_sapo_loss:
-            for name in ("use_decoupled_loss", "c_clip", "eps_clip_higher"):
-                if getattr(self, name) not in (None, False):
-                    raise FieldValueError(name, getattr(self, name), "cannot be combined with use_sapo_loss: true")
-        if self.m2_threshold is not None and not (self.use_decoupled_loss and self.prox_logp_method != "loglinear"):
-            raise FieldValueError(
-                "m2_threshold",
-                self.m2_threshold,
-                "needs use_decoupled_loss: true with prox_logp_method 'recompute' or 'metrics' "
-                "(M2PO compares behaviour and recomputed proximal log-probs before the update)",
-            )
-
-    def check_config(self, context: SectionContext) -> list[str]:
-        """Problems with the rest of the run: rejection sampling acts on the decoupled loss's
-        importance weight; ``recompute_logprob`` contradicts the log-linear proximal policy."""
-        problems = []
-        run, path = context.run, context.path
-        sampler = run.algorithm.rejection_sampling
-        if sampler is not None and not self.use_decoupled_loss:
-            problems.append(
-                f"algorithm.rejection_sampling: {sampler.name!r} acts on the decoupled loss's importance weight; "
-                f"set {path}.use_decoupled_loss: true"
-            )
-        if run.algorithm.recompute_logprob and self.use_decoupled_loss and self.prox_logp_method == "loglinear":
-            problems.append(
-                f"algorithm.recompute_logprob: true contradicts {path}.prox_logp_method: loglinear, which "
-                "approximates the proximal policy precisely to skip that forward pass"
-            )
-        return problems
+__all__ = ["PPOClipConfig", "PPOClipLoss", "policy_ratio", "ppo_clip_loss"]
 
 
 class PPOClipLoss(PolicyLoss):
@@ -247,7 +162,3 @@ class PPOClipLoss(PolicyLoss):
         metrics["behave_weight_max"] = weight
         metrics["kl_behave_prox"] = ops.kl_estimate(behave, prox.detach(), "k3")
         return weight, keep
-
-
-def make_ppo_clip(config: PPOClipConfig) -> PPOClipLoss:
-    return PPOClipLoss(config)

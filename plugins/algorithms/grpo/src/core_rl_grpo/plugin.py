@@ -1,20 +1,58 @@
-"""Hook implementations of core-rl-grpo: registration only."""
+"""Hook implementations of core-rl-grpo: registration only.
+
+Registering imports no torch: the config classes come from :mod:`.config`, and each factory imports
+its component (which needs torch) when a run builds it.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from core_rl.hookspecs import Register, hookimpl
 
-from core_rl_grpo.advantages import (
+from core_rl_grpo.config import (
+    DropUniformGroupsConfig,
     GRPOAdvantageConfig,
+    PPOClipConfig,
     ReinforcePPAdvantageConfig,
     RLOOAdvantageConfig,
-    make_grpo,
-    make_reinforce_pp,
-    make_rloo,
 )
-from core_rl_grpo.filters import DropUniformGroups, DropUniformGroupsConfig
-from core_rl_grpo.losses import PPOClipConfig, make_ppo_clip
 from core_rl_grpo.recipe import dr_grpo_recipe, grpo_recipe, reinforce_pp_recipe, rloo_recipe
+
+if TYPE_CHECKING:
+    from core_rl_grpo.advantages import GroupRelativeAdvantage, ReinforcePPAdvantage
+    from core_rl_grpo.filters import DropUniformGroups
+    from core_rl_grpo.losses import PPOClipLoss
+
+
+def make_grpo(config: GRPOAdvantageConfig) -> GroupRelativeAdvantage:
+    from core_rl_grpo.advantages import GroupRelativeAdvantage
+
+    return GroupRelativeAdvantage(norm_std=config.norm_std, eps=config.eps, leave_one_out=config.leave_one_out)
+
+
+def make_rloo(config: RLOOAdvantageConfig) -> GroupRelativeAdvantage:
+    from core_rl_grpo.advantages import GroupRelativeAdvantage
+
+    return GroupRelativeAdvantage(norm_std=config.norm_std, eps=config.eps, leave_one_out=True)
+
+
+def make_reinforce_pp(config: ReinforcePPAdvantageConfig) -> ReinforcePPAdvantage:
+    from core_rl_grpo.advantages import ReinforcePPAdvantage
+
+    return ReinforcePPAdvantage(config)
+
+
+def make_ppo_clip(config: PPOClipConfig) -> PPOClipLoss:
+    from core_rl_grpo.losses import PPOClipLoss
+
+    return PPOClipLoss(config)
+
+
+def make_drop_uniform_groups(config: DropUniformGroupsConfig) -> DropUniformGroups:
+    from core_rl_grpo.filters import DropUniformGroups
+
+    return DropUniformGroups(config)
 
 
 @hookimpl
@@ -65,7 +103,7 @@ def core_rl_register_policy_losses(register: Register) -> None:
 def core_rl_register_sample_filters(register: Register) -> None:
     register(
         "drop_uniform_groups",
-        DropUniformGroups,
+        make_drop_uniform_groups,
         description="Drop groups whose rewards are all equal (no signal for group-relative advantages)",
         config_cls=DropUniformGroupsConfig,
     )

@@ -1,10 +1,22 @@
 """core-rl-ppo: PPO with a critic for core-rl (algorithms ``ppo`` and ``distill``; advantage
 estimator ``gae``). The policy loss is core-rl-grpo's ``ppo_clip``; the math is in
-:mod:`core_rl.ops`. Registered through :mod:`core_rl_ppo.plugin`."""
+:mod:`core_rl.ops`. Registered through :mod:`core_rl_ppo.plugin`.
 
-from core_rl_ppo.gae import GAEAdvantage, GAEConfig
-from core_rl_ppo.recipe import distill_recipe, ppo_recipe
+The names below are imported on first access, so importing the package (as registering the plugin
+does) imports no torch.
+"""
+
+from __future__ import annotations
+
+from core_rl.lazy_exports import lazy_exports
 
 __version__ = "0.1.0"
 
-__all__ = ["GAEAdvantage", "GAEConfig", "distill_recipe", "ppo_recipe"]
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "core_rl_ppo.config": ("GAEConfig",),
+        "core_rl_ppo.gae": ("GAEAdvantage",),
+        "core_rl_ppo.recipe": ("distill_recipe", "ppo_recipe"),
+    },
+)

@@ -1,11 +1,26 @@
-"""Hook implementations of core-rl-ppo: registration only."""
+"""Hook implementations of core-rl-ppo: registration only.
+
+Registering imports no torch: the config class comes from :mod:`.config`, and the factory imports
+the estimator (which needs torch) when a run builds it.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from core_rl.hookspecs import Register, hookimpl
 
-from core_rl_ppo.gae import GAEConfig, make_gae
+from core_rl_ppo.config import GAEConfig
 from core_rl_ppo.recipe import distill_recipe, ppo_recipe
+
+if TYPE_CHECKING:
+    from core_rl_ppo.gae import GAEAdvantage
+
+
+def make_gae(config: GAEConfig | None) -> GAEAdvantage:
+    from core_rl_ppo.gae import GAEAdvantage
+
+    return GAEAdvantage(config if config is not None else GAEConfig())
 
 
 @hookimpl

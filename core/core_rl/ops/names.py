@@ -1,0 +1,26 @@
+"""The option names of the shared math (what a config may choose), importable without torch.
+
+Config classes validate against these tuples (``one_of(AGGREGATIONS)``) at registration time,
+before a run imports torch; the functions of :mod:`core_rl.ops` that take these names raise on
+any other.
+"""
+
+#: loss aggregations over a ``[B, T]`` mask (:func:`core_rl.ops.aggregation_weights`)
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+#: KL estimators k1, k2, k3 (:func:`core_rl.ops.kl_estimate`)
+KL_ESTIMATORS = ("k1", "k2", "k3")
+#: the level of an importance ratio: per token, or one per sequence (GSPO)
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+#: how a sequence's per-token values reduce to one (:func:`core_rl.ops.sequence_reduce`)
+SEQUENCE_REDUCTIONS = ("sum", "mean", "max")
+#: the levels a mean or a standard deviation is taken at (:func:`core_rl.ops.normalize`)
+NORM_LEVELS = ("batch", "group", "none")
+#: per-pair preference losses (:func:`core_rl.ops.preference_loss`)
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge")
+#: critic value losses (:func:`core_rl.ops.value_loss`)
+VALUE_LOSSES = ("mse", "huber")
+#: rejection by a divergence metric (:func:`core_rl.ops.reject_by_metric`): the level it judges
+#: at, what it does out of bounds, and how a sequence's tokens aggregate
+REJECTION_LEVELS = IMPORTANCE_SAMPLING_LEVELS
+REJECTION_ACTIONS = ("mask", "clamp")
+REJECTION_AGGREGATIONS = SEQUENCE_REDUCTIONS

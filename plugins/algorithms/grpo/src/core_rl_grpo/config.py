@@ -1,0 +1,168 @@
+"""The configuration classes of core-rl-grpo's components (the ``algorithm.advantage``,
+``algorithm.loss`` and ``algorithm.sample_filter`` sections), importable without torch: registering
+the plugin and validating a configuration import this module only; the components themselves
+(:mod:`.advantages`, :mod:`.losses`, :mod:`.filters`) import torch when a run builds them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from core_rl.config.checks import SectionContext, group_size_problems
+from core_rl.config.schema import default_from
+from core_rl.config.validators import MAX_TOKENS, FieldValueError, in_range, non_negative, one_of, positive
+from core_rl.ops.names import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS
+
+__all__ = [
+    "DropUniformGroupsConfig",
+    "GRPOAdvantageConfig",
+    "PPOClipConfig",
+    "RLOOAdvantageConfig",
+    "ReinforcePPAdvantageConfig",
+]
+
+
+@attrs.define
+class GRPOAdvantageConfig:
+    """``algorithm.advantage`` options of ``grpo``.
+
+    ``norm_std``: divide by the group's (unbiased) standard deviation; ``eps`` (in (0, 1]): added to
+    it; ``leave_one_out``: baseline is the mean of the other group members instead of the group
+    mean. ``allow_single_sample_groups``: accept ``rollout.sampling.n: 1``, where every advantage is
+    0 (refused otherwise: nothing would train).
+    """
+
+    norm_std: bool = True
+    eps: float = attrs.field(default=1e-6, validator=positive(1.0))
+    leave_one_out: bool = False
+    allow_single_sample_groups: bool = False
+
+    def check_config(self, context: SectionContext) -> list[str]:
+        return group_size_problems(
+            context, allowed=self.allow_single_sample_groups, option="allow_single_sample_groups"
+        )
+
+
+@attrs.define
+class RLOOAdvantageConfig:
+    """``algorithm.advantage`` options of ``rloo`` (the baseline is always leave-one-out).
+
+    ``norm_std``: also divide by the group's (unbiased) standard deviation; ``eps`` (in (0, 1]):
+    added to it; ``allow_single_sample_groups``: as for ``grpo``.
+    """
+
+    norm_std: bool = False
+    eps: float = attrs.field(default=1e-6, validator=positive(1.0))
+    allow_single_sample_groups: bool = False
+
+    def check_config(self, context: SectionContext) -> list[str]:
+        return group_size_problems(
+            context, allowed=self.allow_single_sample_groups, option="allow_single_sample_groups"
+        )
+
+
+@attrs.define
+class ReinforcePPAdvantageConfig:
+    """``algorithm.advantage`` options of ``reinforce_pp``.
+
+    ``group_baseline``: subtract the group mean reward first (REINFORCE++-baseline); ``gamma``: the
+    discount of the outcome reward over the response tokens before it; ``eps``: added to the batch
+    standard deviation.
+    """
+
+    group_baseline: bool = False
+    gamma: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
+    eps: float = attrs.field(default=1e-5, validator=positive())
+
+
+@attrs.define
+class DropUniformGroupsConfig:
+    """``min_std``: also drop groups whose reward standard deviation (unbiased) is <= this.
+
+    Needs ``rollout.sampling.n >= 2``: a group of one sample is always uniform, so every sample
+    would be dropped."""
+
+    min_std: float = attrs.field(default=0.0, validator=non_negative())
+
+    def check_config(self, context: SectionContext) -> list[str]:
+        return group_size_problems(context, allowed=False, option=None)
+
+
+PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics")
+
+
+def _greater_than_one(_inst: Any, attribute: attrs.Attribute[Any], value: float | None) -> None:
+    if value is not None and not value > 1.0:
+        raise FieldValueError(attribute.name, value, "must be > 1 (or null to disable)")
+
+
+@attrs.define
+class PPOClipConfig:
+    """``algorithm.loss`` options of ``ppo_clip`` (see the README for the formulas).
+
+    Trust region: ``eps_clip`` (lower clip, and upper unless ``eps_clip_higher`` is set), ``c_clip``
+    (dual clip bound > 1), ``importance_sampling_level`` (``token``, or ``sequence``: GSPO).
+    Aggregation: ``aggregation`` (:data:`core_rl.ops.AGGREGATIONS`), ``norm_length`` (the constant of
+    ``seq-mean-token-sum-norm``; default ``rollout.sampling.max_new_tokens``). Regularisers:
+    ``kl_coef``/``kl_estimator`` (``kl_coef > 0`` builds a reference model), ``entropy_coef``.
+    Off-policy: ``use_decoupled_loss``, ``prox_logp_method``, ``off_policy_mask_threshold``,
+    ``use_sapo_loss``/``sapo_tau_pos``/``sapo_tau_neg``, ``m2_threshold``.
+    """
+
+    eps_clip: float = attrs.field(default=0.2, validator=in_range(0.0, 1.0, low_open=True))
+    eps_clip_higher: float | None = attrs.field(default=None, validator=positive())
+    c_clip: float | None = attrs.field(default=None, validator=_greater_than_one)
+    importance_sampling_level: str = attrs.field(default="token", validator=one_of(IMPORTANCE_SAMPLING_LEVELS))
+    aggregation: str = attrs.field(default="token-mean", validator=one_of(AGGREGATIONS))
+    norm_length: int | None = attrs.field(
+        default=None, validator=in_range(1, MAX_TOKENS), metadata=default_from("rollout.sampling.max_new_tokens")
+    )
+    kl_coef: float = attrs.field(default=0.0, validator=non_negative())
+    kl_estimator: str = attrs.field(default="k3", validator=one_of(KL_ESTIMATORS))
+    entropy_coef: float = attrs.field(default=0.0, validator=non_negative())
+    use_decoupled_loss: bool = False
+    prox_logp_method: str = attrs.field(default="recompute", validator=one_of(PROX_LOGP_METHODS))
+    off_policy_mask_threshold: float | None = attrs.field(default=None, validator=non_negative())
+    use_sapo_loss: bool = False
+    sapo_tau_pos: float = attrs.field(default=1.0, validator=positive())
+    sapo_tau_neg: float = attrs.field(default=1.05, validator=positive())
+    m2_threshold: float | None = attrs.field(default=None, validator=positive())
+
+    def __attrs_post_init__(self) -> None:
+        if self.eps_clip_higher is not None and self.eps_clip_higher < self.eps_clip:
+            raise FieldValueError(
+                "eps_clip_higher", self.eps_clip_higher, f"must be >= eps_clip ({self.eps_clip}) or null"
+            )
+        if self.prox_logp_method != "recompute" and not self.use_decoupled_loss:
+            raise FieldValueError(
+                "prox_logp_method", self.prox_logp_method, "applies only with use_decoupled_loss: true"
+            )
+        if self.use_sapo_loss:
+            for name in ("use_decoupled_loss", "c_clip", "eps_clip_higher"):
+                if getattr(self, name) not in (None, False):
+                    raise FieldValueError(name, getattr(self, name), "cannot be combined with use_sapo_loss: true")
+        if self.m2_threshold is not None and not (self.use_decoupled_loss and self.prox_logp_method != "loglinear"):
+            raise FieldValueError(
+                "m2_threshold",
+                self.m2_threshold,
+                "needs use_decoupled_loss: true with prox_logp_method 'recompute' or 'metrics' "
+                "(M2PO compares behaviour and recomputed proximal log-probs before the update)",
+            )
+
+    def check_config(self, context: SectionContext) -> list[str]:
+        """Problems with the rest of the run: rejection sampling acts on the decoupled loss's
+        importance weight; ``recompute_logprob`` contradicts the log-linear proximal policy."""
+        problems = []
+        run, path = context.run, context.path
+        sampler = run.algorithm.rejection_sampling
+        if sampler is not None and not self.use_decoupled_loss:
+            problems.append(
+                f"algorithm.rejection_sampling: {sampler.name!r} acts on the decoupled loss's importance weight; "
+                f"set {path}.use_decoupled_loss: true"
+            )
+        if run.algorithm.recompute_logprob and self.use_decoupled_loss and self.prox_logp_method == "loglinear":
+            problems.append(
+                f"algorithm.recompute_logprob: true contradicts {path}.prox_logp_method: loglinear, which "
+                "approximates the proximal policy precisely to skip that forward pass"
+            )
+        return problems
