@@ -16,6 +16,7 @@ VENV=${VENV:-.venv}
 # for their environment (conftest.py reads CORE_RL_SERVER_ENV_BUILDS). A failed build fails the run
 # and prints its log.
 builds=$(mktemp -d "${TMPDIR:-/tmp}/core-rl-server-envs.XXXXXX")
+trap 'rm -rf "$builds"' EXIT  # a failed step's log is printed below first
 export CORE_RL_SERVER_ENV_BUILDS=$builds
 envs=(vllm sglang)
 pids=()
@@ -59,6 +60,7 @@ for env in "${envs[@]}"; do
   fi
 done
 if [ -f "$builds/slurm-packages.rc" ] && [ "$(cat "$builds/slurm-packages.rc")" != "0" ]; then
-  echo "installing Slurm's packages failed (see $builds/slurm-packages.log)"
+  echo "installing Slurm's packages failed; the end of its log:"
+  tail -n 40 "$builds/slurm-packages.log"
 fi
 exit "$status"

@@ -72,6 +72,45 @@ def test_start_health_log_and_stop_kills_children(tmp_path: Path) -> None:
     server.stop()  # idempotent
 
 
+# a server that binds a Unix socket in its runtime directory, as vLLM's and SGLang's launchers make theirs
+SOCKET_SERVER = textwrap.dedent(
+    """
+    import http.server, os, socket, sys
+    path = os.path.join(os.environ["CORE_RL_SERVER_RUNTIME_DIR"], "engine.sock")
+    socket.socket(socket.AF_UNIX).bind(path)
+    print("socket", path, flush=True)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["stop", "sigkill"])
+def test_the_runtime_directory_goes_with_the_server(tmp_path: Path, how: str) -> None:
+    """The supervisor gives the server a private directory for its sockets and removes it when the
+    server is gone: after a stop, and after the server was killed outright."""
+    server = _server(tmp_path, "sockets-0", SOCKET_SERVER)
+    server.start()
+    try:
+        server.wait_healthy(30)
+        line = next(x for x in server.log_path.read_text().splitlines() if x.startswith("socket "))
+        socket_path = Path(line.split(" ", 1)[1])
+        assert socket_path.is_socket() and socket_path.parent.name.startswith("core-rl-")
+        if how == "sigkill":
+            os.kill(server.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while socket_path.parent.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+    finally:
+        server.stop()
+    assert not socket_path.parent.exists()
+
+
 def test_server_that_exits_is_reported_with_its_log(tmp_path: Path) -> None:
     server = _server(tmp_path, "broken-0", "import sys; print('cannot load model xyz', flush=True); sys.exit(3)")
     server.start()

@@ -13,6 +13,12 @@ and all its children share a session id) with stdout and stderr appended to ``FI
   the OOM killer), the server gets ``SIGTERM`` from the kernel (its own parent-death signal), so it
   never outlives both.
 
+The server also gets a private directory for its runtime files, named in ``CORE_RL_SERVER_RUNTIME_DIR``
+(a short path under the system's temporary directory, as Unix socket paths must be short). The
+server-side launchers put their inter-process sockets there (vLLM's ZMQ paths, SGLang's IPC names),
+which a killed server would otherwise leave in ``/tmp``; the supervisor removes it once the server's
+session is gone (a supervisor killed outright leaves it behind).
+
 It imports nothing heavy (it runs before and beside the servers, in the trainer's interpreter).
 """
 
@@ -21,12 +27,16 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 PR_SET_PDEATHSIG = 1
+#: the environment variable naming the server's private runtime directory
+RUNTIME_DIR_VARIABLE = "CORE_RL_SERVER_RUNTIME_DIR"
 
 
 def _set_parent_death_signal(sig: int) -> None:
@@ -111,27 +121,32 @@ def main(argv: list[str] | None = None) -> int:
         if os.getppid() != supervisor:  # the supervisor died before the signal was armed
             os._exit(1)
 
-    with open(args.log, "ab", buffering=0) as log:
-        server = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=die_with_supervisor,
-        )
-        if args.pidfile:
-            with open(args.pidfile, "w") as handle:
-                handle.write(str(server.pid))
-        while True:
-            if stop_requested or os.getppid() != args.parent:
-                stop_session(server, args.grace)
-                return 0
-            code = server.poll()
-            if code is not None:
-                stop_session(server, 2.0)  # what the server left behind
-                return code if code >= 0 else 128 - code
-            time.sleep(0.2)
+    runtime = tempfile.mkdtemp(prefix="core-rl-")
+    try:
+        with open(args.log, "ab", buffering=0) as log:
+            server = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=die_with_supervisor,
+                env={**os.environ, RUNTIME_DIR_VARIABLE: runtime},
+            )
+            if args.pidfile:
+                with open(args.pidfile, "w") as handle:
+                    handle.write(str(server.pid))
+            while True:
+                if stop_requested or os.getppid() != args.parent:
+                    stop_session(server, args.grace)
+                    return 0
+                code = server.poll()
+                if code is not None:
+                    stop_session(server, 2.0)  # what the server left behind
+                    return code if code >= 0 else 128 - code
+                time.sleep(0.2)
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 if __name__ == "__main__":

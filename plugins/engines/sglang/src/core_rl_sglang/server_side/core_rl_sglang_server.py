@@ -12,6 +12,11 @@ sets the variable only for a CPU server with one tensor- and data-parallel rank,
 with fork: same tokens and log-probs as with spawn. Multi-rank and GPU servers keep SGLang's
 ``spawn``. Where this SGLang has no hook to wrap, the server starts as SGLang's own would, saying so
 in its log.
+
+Under core-rl's supervisor, SGLang's IPC sockets (named with :mod:`tempfile` in
+``PortArgs.init_new``) go to the server's private runtime directory (``CORE_RL_SERVER_RUNTIME_DIR``),
+which the supervisor removes when the server is gone; in the system's temporary directory those of a
+killed server would stay.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ import multiprocessing
 import os
 import runpy
 import sys
+import tempfile
 
 FORK_VARIABLE = "CORE_RL_FORK_ENGINE"
+RUNTIME_DIR_VARIABLE = "CORE_RL_SERVER_RUNTIME_DIR"
 LAUNCH_SERVER = "sglang.launch_server"
 
 
@@ -44,7 +51,32 @@ def fork_subprocesses() -> bool:
     return True
 
 
+def ipc_in(runtime: str) -> bool:
+    """Have ``PortArgs.init_new`` name its IPC sockets in ``runtime`` (only while it runs: the rest of
+    the server keeps the system's temporary directory). False when this SGLang lacks the hook."""
+    try:
+        from sglang.srt.server_args import PortArgs
+
+        init_new = PortArgs.init_new
+    except (ImportError, AttributeError) as exc:
+        print(f"core-rl: SGLang's sockets go to {tempfile.gettempdir()} ({exc})", file=sys.stderr, flush=True)
+        return False
+
+    def init_new_in_runtime(*args, **kwargs):
+        saved, tempfile.tempdir = tempfile.tempdir, runtime
+        try:
+            return init_new(*args, **kwargs)
+        finally:
+            tempfile.tempdir = saved
+
+    PortArgs.init_new = staticmethod(init_new_in_runtime)
+    return True
+
+
 def main() -> None:
+    runtime = os.environ.get(RUNTIME_DIR_VARIABLE)
+    if runtime:
+        ipc_in(runtime)
     if os.environ.get(FORK_VARIABLE) == "1":
         fork_subprocesses()
     runpy.run_module(LAUNCH_SERVER, run_name="__main__", alter_sys=True)

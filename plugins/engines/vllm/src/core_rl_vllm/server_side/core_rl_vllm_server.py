@@ -11,6 +11,10 @@ inside the engine-core process (one tensor- and data-parallel rank), the layout 
 same tokens, log-probs and generation speed as with spawn. Multi-rank and GPU servers keep vLLM's
 ``spawn``. Where this vLLM has no CPU platform hook to wrap, the server starts as vLLM's own would,
 saying so in its log.
+
+Under core-rl's supervisor, vLLM's ZMQ sockets go to the server's private runtime directory
+(``VLLM_RPC_BASE_PATH`` from ``CORE_RL_SERVER_RUNTIME_DIR``), which the supervisor removes when the
+server is gone; vLLM's default, the system's temporary directory, keeps those of a killed server.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import runpy
 import sys
 
 FORK_VARIABLE = "CORE_RL_FORK_ENGINE"
+RUNTIME_DIR_VARIABLE = "CORE_RL_SERVER_RUNTIME_DIR"
 API_SERVER = "vllm.entrypoints.openai.api_server"
 
 
@@ -43,6 +48,9 @@ def fork_engine_core() -> bool:
 
 
 def main() -> None:
+    runtime = os.environ.get(RUNTIME_DIR_VARIABLE)
+    if runtime:
+        os.environ.setdefault("VLLM_RPC_BASE_PATH", runtime)
     if os.environ.get(FORK_VARIABLE) == "1":
         fork_engine_core()
     runpy.run_module(API_SERVER, run_name="__main__", alter_sys=True)
