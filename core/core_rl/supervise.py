@@ -17,7 +17,8 @@ The server also gets a private directory for its runtime files, named in ``CORE_
 (a short path under the system's temporary directory, as Unix socket paths must be short). The
 server-side launchers put their inter-process sockets there (vLLM's ZMQ paths, SGLang's IPC names),
 which a killed server would otherwise leave in ``/tmp``; the supervisor removes it once the server's
-session is gone (a supervisor killed outright leaves it behind).
+session is gone. A supervisor killed outright cannot; vLLM's and SGLang's launchers also remove it
+when their server exits (on the ``SIGTERM`` the kernel sends it then).
 
 It imports nothing heavy (it runs before and beside the servers, in the trainer's interpreter).
 """

@@ -21,9 +21,11 @@ killed server would stay.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import runpy
+import shutil
 import sys
 import tempfile
 
@@ -73,9 +75,17 @@ def ipc_in(runtime: str) -> bool:
     return True
 
 
+def remove_at_exit(runtime: str) -> None:
+    """Remove ``runtime`` when this process exits (a supervisor killed outright cannot; processes
+    forked from this one leave it alone)."""
+    owner = os.getpid()
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(runtime, ignore_errors=True))
+
+
 def main() -> None:
     runtime = os.environ.get(RUNTIME_DIR_VARIABLE)
     if runtime:
+        remove_at_exit(runtime)
         ipc_in(runtime)
     if os.environ.get(FORK_VARIABLE) == "1":
         fork_subprocesses()

@@ -19,8 +19,10 @@ server is gone; vLLM's default, the system's temporary directory, keeps those of
 
 from __future__ import annotations
 
+import atexit
 import os
 import runpy
+import shutil
 import sys
 
 FORK_VARIABLE = "CORE_RL_FORK_ENGINE"
@@ -47,9 +49,17 @@ def fork_engine_core() -> bool:
     return True
 
 
+def remove_at_exit(runtime: str) -> None:
+    """Remove ``runtime`` when this process exits (a supervisor killed outright cannot; processes
+    forked from this one leave it alone)."""
+    owner = os.getpid()
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(runtime, ignore_errors=True))
+
+
 def main() -> None:
     runtime = os.environ.get(RUNTIME_DIR_VARIABLE)
     if runtime:
+        remove_at_exit(runtime)
         os.environ.setdefault("VLLM_RPC_BASE_PATH", runtime)
     if os.environ.get(FORK_VARIABLE) == "1":
         fork_engine_core()
