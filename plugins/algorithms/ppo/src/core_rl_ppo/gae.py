@@ -17,7 +17,7 @@ samples) and is saved in checkpoints.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from core_rl import ops
@@ -25,9 +25,6 @@ from core_rl.interfaces import AdvantageEstimator
 from core_rl.protocol import TensorBatch
 
 from core_rl_ppo.config import GAEConfig
-
-if TYPE_CHECKING:
-    pass
 
 
 class GAEAdvantage(AdvantageEstimator):
