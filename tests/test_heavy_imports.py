@@ -91,8 +91,10 @@ codes = {{path: main(["config", "validate", path]) for path in sys.argv[1:]}}
 imported = sorted({{m.split(".")[0] for m in sys.modules}} & set({heavy!r}))
 launchers.GPU_DEVICE_NODES = (sys.executable,)
 gpus = launchers.visible_gpus()
+asked = "torch" in sys.modules
 import torch
-print(json.dumps({{"codes": codes, "imported": imported, "gpus": gpus, "torch_gpus": torch.cuda.device_count()}}))
+report = {{"codes": codes, "imported": imported, "gpus": gpus, "asked_torch": asked}}
+print(json.dumps({{**report, "torch_gpus": torch.cuda.device_count()}}))
 """
 
 
@@ -107,7 +109,7 @@ def test_validating_every_example_imports_no_torch(tmp_path: Path) -> None:
     report = json.loads(proc.stdout.splitlines()[-1])
     assert report["codes"] == dict.fromkeys(examples, 0), proc.stderr[-3000:]
     assert report["imported"] == []
-    assert report["gpus"] == report["torch_gpus"]
+    assert report["asked_torch"] and report["gpus"] == report["torch_gpus"]
 
 
 def test_saving_a_model_keeps_checking_for_deepspeed_once_it_is_imported() -> None:
