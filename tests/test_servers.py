@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -183,10 +184,15 @@ def test_a_server_does_not_outlive_its_supervisor_killed_outright(tmp_path: Path
         server.wait_healthy(30)
         supervisor, served = server._proc.pid, server.pid
         assert pid_alive(served)
+        environ = dict(v.split(b"=", 1) for v in Path(f"/proc/{served}/environ").read_bytes().split(b"\0") if v)
+        runtime = Path(environ[b"CORE_RL_SERVER_RUNTIME_DIR"].decode())
         os.kill(supervisor, signal.SIGKILL)
         server._proc.wait(10)
         assert _wait_gone([served]) == [], "the server outlived its supervisor"
+        # nobody is left to remove the server's runtime directory (vLLM's and SGLang's launchers do it themselves)
+        assert runtime.is_dir()
     finally:
         server.stop()
         for pid in session_members(server.pid) if server.pid else []:
             os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(runtime)
