@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -122,32 +121,31 @@ def main(argv: list[str] | None = None) -> int:
         if os.getppid() != supervisor:  # the supervisor died before the signal was armed
             os._exit(1)
 
-    runtime = tempfile.mkdtemp(prefix="core-rl-")
-    try:
-        with open(args.log, "ab", buffering=0) as log:
-            server = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=die_with_supervisor,
-                env={**os.environ, RUNTIME_DIR_VARIABLE: runtime},
-            )
-            if args.pidfile:
-                with open(args.pidfile, "w") as handle:
-                    handle.write(str(server.pid))
-            while True:
-                if stop_requested or os.getppid() != args.parent:
-                    stop_session(server, args.grace)
-                    return 0
-                code = server.poll()
-                if code is not None:
-                    stop_session(server, 2.0)  # what the server left behind
-                    return code if code >= 0 else 128 - code
-                time.sleep(0.2)
-    finally:
-        shutil.rmtree(runtime, ignore_errors=True)
+    with (
+        tempfile.TemporaryDirectory(prefix="core-rl-", ignore_cleanup_errors=True) as runtime,
+        open(args.log, "ab", buffering=0) as log,
+    ):
+        server = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_supervisor,
+            env={**os.environ, RUNTIME_DIR_VARIABLE: runtime},
+        )
+        if args.pidfile:
+            with open(args.pidfile, "w") as handle:
+                handle.write(str(server.pid))
+        while True:
+            if stop_requested or os.getppid() != args.parent:
+                stop_session(server, args.grace)
+                return 0
+            code = server.poll()
+            if code is not None:
+                stop_session(server, 2.0)  # what the server left behind
+                return code if code >= 0 else 128 - code
+            time.sleep(0.2)
 
 
 if __name__ == "__main__":
