@@ -84,13 +84,13 @@ def test_a_run_without_deepspeed_never_imports_it(tmp_path: Path) -> None:
 #: either; then count them as if it had one, which asks torch
 VALIDATE_EXAMPLES = """
 import json, sys
-import core_rl.builtin.launchers as launchers
+import core_rl.config.checks as checks
 from core_rl.cli import main
-launchers.GPU_DEVICE_NODES = ()
+checks.GPU_DEVICE_NODES = ()
 codes = {{path: main(["config", "validate", path]) for path in sys.argv[1:]}}
 imported = sorted({{m.split(".")[0] for m in sys.modules}} & set({heavy!r}))
-launchers.GPU_DEVICE_NODES = (sys.executable,)
-gpus = launchers.visible_gpus()
+checks.GPU_DEVICE_NODES = (sys.executable,)
+gpus = checks.visible_gpus()
 asked = "torch" in sys.modules
 import torch
 report = {{"codes": codes, "imported": imported, "gpus": gpus, "asked_torch": asked}}

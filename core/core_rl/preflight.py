@@ -45,6 +45,7 @@ from core_rl.config.checks import (
     ModelInfo,
     environment_problems,
     required_columns,
+    visible_gpus,
 )
 from core_rl.config.problems import uses_rl_sections
 from core_rl.config.schema import RunConfig
@@ -81,7 +82,7 @@ def detect_machine() -> MachineInfo:
         local_world_size = 1
     mps = getattr(torch.backends, "mps", None)
     return MachineInfo(
-        cuda_device_count=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        cuda_device_count=visible_gpus(),
         mps_available=bool(mps is not None and mps.is_available()),
         local_world_size=local_world_size,
     )

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import TYPE_CHECKING
 
 import attrs
 
+from core_rl.config.checks import visible_gpus
 from core_rl.config.validators import MAX_COUNT, in_range
 from core_rl.errors import ConfigError
 from core_rl.hookspecs import Register, hookimpl
@@ -33,20 +33,6 @@ class LocalLauncherConfig:
     nnodes: int = attrs.field(default=1, validator=in_range(1, MAX_COUNT))
     interface: str = ""
     rdzv_timeout_s: int = attrs.field(default=900, validator=in_range(1, 10**6))
-
-
-#: device nodes a Linux machine has when it has a GPU torch could use (NVIDIA, AMD ROCm, WSL2)
-GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
-
-
-def visible_gpus() -> int:
-    """The CUDA (or ROCm) devices torch sees. 0 without importing torch (seconds of a CLI command
-    such as ``config validate``) on a Linux machine that has none of :data:`GPU_DEVICE_NODES`."""
-    if sys.platform == "linux" and not any(os.path.exists(node) for node in GPU_DEVICE_NODES):
-        return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def this_machine(nodes: int = 1) -> ClusterResources:

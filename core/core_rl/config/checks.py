@@ -24,7 +24,9 @@ return the problem; an exception is a bug and is shown with its traceback.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -46,6 +48,21 @@ class SectionContext:
     def key(self, *names: str) -> str:
         """The key path of an option of this section: ``key("eps")`` -> ``"algorithm.advantage.eps"``."""
         return ".".join((self.path, *names))
+
+
+#: device nodes a Linux machine has when it has a GPU torch could use (NVIDIA, AMD ROCm, WSL2)
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
+def visible_gpus() -> int:
+    """The CUDA (or ROCm) devices torch sees (:attr:`MachineInfo.cuda_device_count`). 0 without
+    importing torch (seconds of a CLI command such as ``config validate``) on a Linux machine that has
+    none of :data:`GPU_DEVICE_NODES`."""
+    if sys.platform == "linux" and not any(os.path.exists(node) for node in GPU_DEVICE_NODES):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 @attrs.frozen
