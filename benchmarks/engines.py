@@ -5,8 +5,9 @@
     python benchmarks/engines.py --smoke         # tiny model, 1 rank, 1 step (the test runs this)
 
 Every setting (FSDP full padded / packed / every rank loading the weights / LoRA / CPU offload,
-DeepSpeed ZeRO-1/2/3 padded and packed) runs in its own ``torchrun`` launch, on the same model and
-RL-like batch (32 rows of 16 prompt tokens and 8-112 response tokens, 2 micro-batches per rank).
+DeepSpeed ZeRO-1/2/3 padded and packed, ZeRO-3 built without ``zero.Init``) runs in its own
+``torchrun`` launch, on the same model and RL-like batch (32 rows of 16 prompt tokens and 8-112
+response tokens, 2 micro-batches per rank).
 Per setting: seconds per optimizer step (mean of the timed steps after one warm-up step), tokens per
 second, the CPU seconds one rank spends per step (the maximum over ranks; on a loaded machine this,
 not the wall time, shows the work), and memory, the maximum over ranks: on CPU the peak resident set
@@ -42,6 +43,7 @@ SETTINGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "deepspeed zero2": ("deepspeed", {"zero_stage": 2}, {}),
     "deepspeed zero3 (padded)": ("deepspeed", {"zero_stage": 3}, {}),
     "deepspeed zero3 (packed)": ("deepspeed", {"zero_stage": 3}, {"layout": "packed"}),
+    "deepspeed zero3 (no zero.Init)": ("deepspeed", {"zero_stage": 3, "zero3_init": False}, {}),
 }
 
 

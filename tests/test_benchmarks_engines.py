@@ -33,6 +33,7 @@ def test_engines_benchmark_smoke() -> None:
         "deepspeed zero2",
         "deepspeed zero3 (padded)",
         "deepspeed zero3 (packed)",
+        "deepspeed zero3 (no zero.Init)",
     ]
     assert [row[:30].strip() for row in rows] == names
     for row in rows:

@@ -10,6 +10,7 @@ import shutil
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -240,7 +241,12 @@ def value_model_config(model_path: str, *, bias: bool = True):
 
 
 def load_value_model(
-    model_path: str, *, dtype: str, attn_implementation: str | None = None, bias: bool = True
+    model_path: str,
+    *,
+    dtype: str,
+    attn_implementation: str | None = None,
+    bias: bool = True,
+    gathered: Callable[[list[nn.Parameter]], AbstractContextManager[object]] | None = None,
 ) -> nn.Module:
     """A value model: ``AutoModelForTokenClassification`` with one output (the backbone of
     ``model_path`` plus a scalar head per token, with a bias unless ``bias=False``), local files only,
@@ -251,7 +257,11 @@ def load_value_model(
 
     Starting from a causal LM is the expected case, so transformers' load report (its ``lm_head``
     unexpected, the ``score`` head missing) is not printed; a missing weight outside the head is a
-    ``ValueError`` naming it (the directory does not hold this backbone)."""
+    ``ValueError`` naming it (the directory does not hold this backbone).
+
+    ``gathered(params)``: a context inside which ``params`` hold their full values and writes to
+    them last, for parameters partitioned as they were built (DeepSpeed ZeRO-3's
+    ``GatheredParameters``); ordinary parameters need none."""
     from transformers import AutoModelForTokenClassification
     from transformers.utils import logging as hf_logging
 
@@ -278,10 +288,10 @@ def load_value_model(
             f"critic.model_path: {model_path} does not hold the value model's backbone: {shown} missing; "
             "point it at the policy's model directory (or a value model exported by core-rl)"
         )
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name in missing:
-                param.zero_()
+    head = [param for name, param in model.named_parameters() if name in missing]
+    with torch.no_grad(), gathered(head) if gathered is not None else contextlib.nullcontext():
+        for param in head:
+            param.zero_()
     return model
 
 

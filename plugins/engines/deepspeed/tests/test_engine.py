@@ -59,6 +59,21 @@ def test_offload_gives_the_same_update(tiny_model: Path, options: dict[str, obje
     off.close()
 
 
+def test_zero3_built_partitioned_or_whole_trains_the_same(tiny_model: Path) -> None:
+    """``zero3_init`` changes how the model is built (partitioned by ``zero.Init``, or whole and then
+    partitioned), not what it computes."""
+    batch = make_rl_batch(batch_size=5, seed=3)
+    options = [DeepSpeedConfig(zero_stage=3, zero3_init=z) for z in (True, False)]
+    built = [DeepSpeedEngine(make_actor(tiny_model), o) for o in options]
+    before = [e.compute_logprobs(batch) for e in built]
+    assert torch.equal(before[0], before[1])
+    m1, m2 = (e.train_step(batch, nll_entropy) for e in built)
+    assert (m1["loss"], m1["grad_norm"]) == (m2["loss"], m2["grad_norm"])
+    same_weights(built[0].full_state_dict(), built[1].full_state_dict())
+    for e in built:
+        e.close()
+
+
 def test_lora_on_zero3_exports_merged_weights(tiny_model: Path, tmp_path: Path) -> None:
     actor = make_actor(tiny_model, lora=LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"]))
     engine = DeepSpeedEngine(actor, DeepSpeedConfig(zero_stage=3))

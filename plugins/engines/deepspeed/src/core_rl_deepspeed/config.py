@@ -25,6 +25,10 @@ class DeepSpeedConfig:
     - ``offload_optimizer``: keep the optimizer state (and the fp32 master weights) in CPU memory
       and step there (stages 1-3); ``offload_param``: keep parameter shards in CPU memory
       (stage 3 only). Pinned memory only on CUDA.
+    - ``zero3_init``: under stage 3, build the model already partitioned (DeepSpeed's
+      ``zero.Init``, rank 0 alone reading the checkpoint: :mod:`core_rl_deepspeed.partitioned_load`),
+      so no rank holds the whole model; ``False`` has every rank load it whole first (for a model
+      whose code does not build under ``zero.Init``). Ignored by stages 1 and 2.
     - ``mixed_precision``: ``bfloat16`` or ``float16``: compute and communicate in that dtype with
       fp32 master weights in the optimizer (fp16 with dynamic loss scaling); ``None``: compute in
       ``actor.dtype``.
@@ -50,6 +54,7 @@ class DeepSpeedConfig:
     zero_stage: int = attrs.field(default=2, validator=one_of((1, 2, 3)))
     offload_optimizer: bool = False
     offload_param: bool = False
+    zero3_init: bool = True
     mixed_precision: str | None = attrs.field(default=None, validator=one_of(MIXED_DTYPES))
     overlap_comm: bool = False
     reduce_bucket_size: int = attrs.field(default=500_000_000, validator=positive())

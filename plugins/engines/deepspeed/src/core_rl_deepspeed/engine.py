@@ -44,6 +44,7 @@ from torch import nn
 
 from core_rl_deepspeed.config import DeepSpeedConfig
 from core_rl_deepspeed.ds_config import build_ds_config
+from core_rl_deepspeed.partitioned_load import load_partitioned
 
 CHECKPOINT_FORMAT = 1
 ENGINE_NAME = "deepspeed"
@@ -106,14 +107,19 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         deepspeed = import_deepspeed(self.config, self.device)
         deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
         attn = hf.resolve_attn_implementation(self.config.attn_implementation, self.device)
+        ds_config = build_ds_config(actor, self.config, on_cuda=self.device.type == "cuda")
         _, load = hf.loaders_for_head(head)
-        model = load(actor.model_path, dtype=actor.dtype, attn_implementation=attn)
+        if self.zero_stage == 3 and self.config.zero3_init:  # no rank ever holds the whole model
+            model = load_partitioned(
+                load, actor.model_path, ds_config, head=head, dtype=actor.dtype, attn_implementation=attn
+            )
+        else:
+            model = load(actor.model_path, dtype=actor.dtype, attn_implementation=attn)
         model = hf.prepare_for_role(model, actor, trainable=trainable)
         hf_model = lora.base_model(model)
         self._architectures = [hf.exported_architecture(hf.architecture_name(hf_model), head)]
         self._pad_id = int(hf_model.config.pad_token_id) if hf_model.config.pad_token_id is not None else 0
         optimizer = build_optimizer(model.parameters(), actor.optimizer) if trainable else None
-        ds_config = build_ds_config(actor, self.config, on_cuda=self.device.type == "cuda")
         self.ds, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.model: nn.Module = self.ds.module
         self.runner = MicroBatchRunner(
