@@ -36,6 +36,8 @@ def test_tiny_grpo_main_runs_and_reports(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"metrics:    {work / 'grpo' / 'metrics.jsonl'}" in proc.stdout
     assert "reward: first 10 steps" in proc.stdout and "over 12 steps" in proc.stdout
+    assert "eval (64 prompts): reward" in proc.stdout and "at step 0 ->" in proc.stdout and "at step 12;" in proc.stdout
+    assert sorted(p.name for p in (work / "grpo" / "eval").iterdir()) == ["step_000000.jsonl", "step_000012.jsonl"]
     assert (work / "grpo" / "checkpoints" / "step_00000012").is_dir()
     assert (work / "data" / "train.jsonl").read_text().count("\n") == 6**3 + 6**4
     assert f"plot:       {work / 'grpo' / 'plot.png'}" in proc.stdout

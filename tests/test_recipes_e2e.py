@@ -39,14 +39,16 @@ SHORT = [
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The layout the example configs expect under ``experiment.output_dir``: ``model_warm`` (here
-    a random tiny model: these runs check mechanics, not learning) and ``data/train.jsonl``."""
+    a random tiny model: these runs check mechanics, not learning), ``data/train.jsonl`` and
+    ``data/eval.jsonl``."""
     root = tmp_path_factory.mktemp("recipes")
     build_tiny_model(root / "model_warm", alphabet="abcdef=", seed=0)
     rows = ["abc", "fed", "bad", "cafe", "dab", "face", "bead", "ace"]
     (root / "data").mkdir()
-    (root / "data" / "train.jsonl").write_text(
-        "".join(json.dumps({"prompt": f"{s}=", "answer": s[::-1]}) + "\n" for s in rows)
-    )
+    for name in ("train", "eval"):  # grpo.yaml evaluates on data/eval.jsonl
+        (root / "data" / f"{name}.jsonl").write_text(
+            "".join(json.dumps({"prompt": f"{s}=", "answer": s[::-1]}) + "\n" for s in rows)
+        )
     return root
 
 
@@ -57,7 +59,8 @@ def runs(workdir: Path) -> dict[str, list[dict]]:
     for recipe in RECIPES:
         code = cli.main(["train", str(EXAMPLES / f"{recipe}.yaml"), f"experiment.output_dir={workdir}", *SHORT])
         assert code == 0, recipe
-        out[recipe] = read_metrics(workdir / recipe / "metrics.jsonl")
+        rows = read_metrics(workdir / recipe / "metrics.jsonl")
+        out[recipe] = [r for r in rows if r["step"] > 0]  # step 0: grpo.yaml's evaluation before training
     return out
 
 

@@ -39,6 +39,7 @@ def _train(warm: dict[str, Path], name: str, *overrides: str) -> list[dict]:
         "saver.every_n_steps=0",
         "saver.at_end=false",
         "saver.export_hf=false",
+        "eval.before_train=false",  # grpo.yaml's evaluation after the last step only (through the server too)
         *overrides,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -69,6 +70,7 @@ def test_grpo_through_a_server_learns(tiny_grpo_warm, hf_rise, engine: str, sync
     )
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["weight_sync/bytes"] > 0 for r in rows)
+    assert rows[-1]["eval/samples"] == 64 and 0.0 <= rows[-1]["eval/reward/mean"] <= 1.0  # 64 greedy answers
     # every step samples with the weights being trained: the k3 KL of the update's policy to the
     # behaviour log-probs is float32 rounding (~1e-13 measured for both servers, as for hf); samples
     # one version old at this learning rate are 0.24-1.6 away (the async example's offpolicy/kl_behave_old)

@@ -432,7 +432,8 @@ class Logger(ABC):
 
     @abstractmethod
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        """Record ``metrics`` (flat names like ``reward/mean``) for ``step``."""
+        """Record ``metrics`` (flat names like ``reward/mean``) for ``step``: 1 and up, in order, and
+        step 0 before them when ``eval.before_train`` evaluated the starting policy (``eval/*`` alone)."""
 
     def log_samples(self, samples: Sequence[SampleRecord], step: int) -> None:
         """Record a few of ``step``'s samples (every ``sample_log.every_n_steps`` steps), e.g. as a

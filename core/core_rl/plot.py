@@ -48,6 +48,7 @@ PANELS: tuple[Panel, ...] = (
     Panel("learning rate", ("actor/lr",)),
     Panel("step time split (s)", TIMING_KEYS),
     Panel("throughput (tokens/s)", ("throughput/generated_tokens_per_s", "throughput/tokens_per_s")),
+    Panel("evaluation (eval:)", ("eval/reward/mean", "eval/pass@1")),
 )
 
 

@@ -2,7 +2,7 @@
 loaded, so that a bad file or a missing GPU fails in seconds with every problem listed at once
 (:class:`~core_rl.errors.PreflightError`), not minutes into a run with a traceback.
 
-- **Data** (:mod:`core_rl.trainer.data`): every file of ``data.train_files`` is read and every row
+- **Data** (:mod:`core_rl.trainer.data`): every file of ``data.train_files`` (and ``eval.files``) is read and every row
   checked: valid UTF-8 JSON Lines / JSON / Parquet, the prompt column holds text, each column the
   reward declares (``required_columns()`` on its config class) is present and not null, and each
   prompt tokenises to at most ``data.max_prompt_tokens`` ids inside the model's vocabulary.
@@ -53,7 +53,14 @@ from core_rl.config.sections import selected_sections
 from core_rl.errors import CoreRLError, PreflightError
 from core_rl.placement import sleep_problems
 from core_rl.roles import reward_model_problems, role_sections, shared_tokenizer_problems
-from core_rl.trainer.data import DataRow, check_rows, read_data_files, tokenise_rows
+from core_rl.trainer.data import (
+    DataRow,
+    check_eval_data,
+    check_rows,
+    eval_data_config,
+    read_data_files,
+    tokenise_rows,
+)
 
 #: files of which a tokenizer directory holds at least one
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
@@ -300,6 +307,28 @@ def check_data(cfg: RunConfig) -> tuple[list[DataRow], list[str]]:
     return rows, problems
 
 
+def eval_data_problems(cfg: RunConfig, tokenizer: Any, model: ModelInfo | None) -> list[str]:
+    """``eval.files`` read and checked as the training data is (the reward's columns, ``eval.group_by``;
+    with a ``tokenizer``, each prompt's tokens), and the longest eval prompt plus its
+    ``max_new_tokens`` inside the model's context."""
+    rows, problems = check_eval_data(cfg, _required_columns(cfg))
+    if problems or tokenizer is None:
+        return problems
+    vocab = model.vocab_size if model is not None else None
+    items, problems = tokenise_rows(rows, eval_data_config(cfg), tokenizer, vocab_size=vocab)
+    context = model.context_length if model is not None else None
+    assert cfg.eval is not None
+    budget = cfg.eval.sampling.resolve(cfg.rollout.sampling).max_new_tokens
+    longest = max((len(item.prompt_ids) for item in items), default=0)
+    if context is not None and longest + budget > context:
+        problems.append(
+            f"eval.sampling.max_new_tokens: {budget} tokens after the longest prompt of eval.files ({longest} tokens) "
+            f"make {longest + budget}, more than the model's context of {context} positions; lower it (set "
+            "eval.sampling.max_new_tokens) or use shorter prompts"
+        )
+    return problems
+
+
 def check_sampling(cfg: RunConfig, model: ModelInfo, longest_prompt: int | None = None) -> list[str]:
     """Sampling settings that depend on the model: stop token ids inside the vocabulary, and, where
     the loop samples (it uses the RL sections; sft, dpo and rm generate nothing), the longest prompt
@@ -407,6 +436,9 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
             )
             problems += prompt_problems
             longest_prompt = max((len(item.prompt_ids) for item in items), default=None)
+    if cfg.eval is not None:
+        chat_ok = not cfg.data.apply_chat_template or getattr(tokenizer, "chat_template", None)
+        problems += eval_data_problems(cfg, tokenizer if chat_ok else None, model)
     if model is not None:
         problems += check_sampling(cfg, model, longest_prompt)
         if cfg.actor.lora.enabled:

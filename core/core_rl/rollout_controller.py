@@ -136,7 +136,8 @@ class RolloutController:
 
     :param engine: the rollout engine (any :class:`RolloutEngine`).
     :param workflow: turns a prompt into a group of trajectories.
-    :param data: the prompt source (``next_batch()``, ``state_dict()``, ``load_state_dict()``).
+    :param data: the prompt source (``next_batch()``, ``state_dict()``, ``load_state_dict()``); an empty
+        batch ends it (nothing more is drawn).
     :param sampling: the run's sampling settings, handed to the workflow.
     :param batch_size: prompts per wave (``data.batch_size``).
     :param generate_threads: torch intra-op threads of the thread that runs ``batching: wave``
@@ -362,6 +363,8 @@ class RolloutController:
                     return
                 state = dict(self.data.state_dict())
                 prompts = list(self.data.next_batch())
+                if not prompts:  # a finite source (an evaluation's prompts) has ended
+                    return
                 wave = _Wave(self._next_wave, prompts, state, [None] * len(prompts))
                 self._waves.append(wave)
                 self._next_wave += 1

@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from task import LETTERS, write_dataset  # noqa: E402
+from task import LETTERS, eval_strings, write_dataset  # noqa: E402
 from warm_start import warm_start  # noqa: E402
 
 
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     build_tiny_model(work / "model_init", alphabet=LETTERS + "=", seed=0, num_heads=args.num_heads)
     write_dataset(work / "data" / "train.jsonl")
+    write_dataset(work / "data" / "eval.jsonl", eval_strings())
     loss = warm_start(work / "model_init", work / "model_warm", steps=args.warm_steps, batch_size=64, lr=3e-3, seed=0)
     print(f"warm start: {args.warm_steps} steps, final loss {loss:.3f}, {time.perf_counter() - start:.0f} s")
 
@@ -107,6 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary['reward_last10']:.3f} "
         f"over {summary['steps']} steps; {summary['seconds_per_step']:.3f} s/step; wall time {wall:.0f} s"
     )
+    evaluated = [r for r in read_metrics(run_dir / "metrics.jsonl") if "eval/reward/mean" in r]
+    if evaluated:
+        first, last = evaluated[0], evaluated[-1]
+        print(
+            f"eval ({int(first['eval/prompts'])} prompts): reward {first['eval/reward/mean']:.3f} at step "
+            f"{first['step']} -> {last['eval/reward/mean']:.3f} at step {last['step']}; pass@1 "
+            f"{first['eval/pass@1']:.3f} -> {last['eval/pass@1']:.3f}"
+        )
     met = summary["reward_last10"] >= 0.7 and summary["reward_last10"] >= 2 * summary["reward_first10"]
     print(f"goal (last-10 reward >= 0.7 and >= 2x first-10): {'met' if met else 'NOT met'}")
     plot(run_dir)

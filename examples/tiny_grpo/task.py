@@ -29,13 +29,18 @@ def answer(s: str) -> str:
     return s[::-1]
 
 
-def write_dataset(path: Path) -> Path:
-    """One JSON row per string: ``{"prompt": "abc=", "answer": "cba"}``."""
+def write_dataset(path: Path, strings: list[str] | None = None) -> Path:
+    """One JSON row per string (default: every string of the task): ``{"prompt": "abc=", "answer": "cba"}``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
-        for s in all_strings():
+        for s in all_strings() if strings is None else strings:
             f.write(json.dumps({"prompt": prompt_text(s), "answer": answer(s)}) + "\n")
     return path
+
+
+def eval_strings(count: int = 64, seed: int = 0) -> list[str]:
+    """The strings of the evaluation set: ``count`` of the task's, drawn once with ``seed``."""
+    return random.Random(seed).sample(all_strings(), count)
 
 
 def format_only_answer(s: str, rng: random.Random) -> str:

@@ -69,12 +69,13 @@ def warm_start(
 def warm_task(root: Path, *, num_heads: int = 4) -> dict[str, Path]:
     """The examples' layout under ``root``, as the end-to-end tests build it: ``model_init`` (a
     random tiny model over the task's letters; ``num_heads=2`` gives head size 32, the smallest
-    vLLM's CPU attention runs), ``data/train.jsonl`` and ``model_warm`` (150 warm-start steps of
-    64 rows). Returns ``root``, ``model`` (the warm one) and ``data``."""
+    vLLM's CPU attention runs), ``data/train.jsonl``, ``data/eval.jsonl`` and ``model_warm`` (150
+    warm-start steps of 64 rows). Returns ``root``, ``model`` (the warm one) and ``data``."""
     from core_rl.tiny import build_tiny_model
-    from task import LETTERS, write_dataset
+    from task import LETTERS, eval_strings, write_dataset
 
     build_tiny_model(root / "model_init", alphabet=LETTERS + "=", seed=0, num_heads=num_heads)
     data = write_dataset(root / "data" / "train.jsonl")
+    write_dataset(root / "data" / "eval.jsonl", eval_strings())
     warm_start(root / "model_init", root / "model_warm", steps=150, batch_size=64, lr=3e-3, seed=0)
     return {"root": root, "model": root / "model_warm", "data": data}

@@ -29,6 +29,8 @@ DEFAULT_CONSOLE_KEYS = [
     "actor/clipped",
     "actor/grad_norm",
     "timing/step_s",
+    "eval/reward/mean",
+    "eval/pass@1",
 ]
 
 

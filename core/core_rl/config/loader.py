@@ -41,6 +41,7 @@ from core_rl.config.problems import (
     completeness_problems,
     cross_section_problems,
     engine_releases_memory,
+    eval_problems,
     loop_roles,
     plugin_check_problems,
     uses_rl_sections,
@@ -277,6 +278,7 @@ def load_config(
     problems.extend(weight_sync_problems(host, cfg))
     derive_schedules(cfg)
     problems.extend(cross_section_problems(cfg))
+    problems.extend(eval_problems(cfg, host))
     problems.extend(plugin_check_problems(cfg))
     problems.extend(placement_config_problems(cfg))
     problems.extend(sleep_problems(cfg, releases_memory=engine_releases_memory(host, cfg) is not False))

@@ -1,8 +1,9 @@
 """Checks of a validated run configuration as a whole: what the selected loop needs
 (:func:`completeness_problems`), the core's sections against each other
-(:func:`cross_section_problems`, :func:`schedule_problems`), the rollout engine's weight-sync mode
-and each plugin section's own ``check_config`` (:func:`plugin_check_problems`). Each returns one
-message per problem, naming its key path and what to do."""
+(:func:`cross_section_problems`, :func:`schedule_problems`, :func:`eval_problems`), the rollout
+engine's weight-sync mode and each plugin section's own ``check_config``
+(:func:`plugin_check_problems`). Each returns one message per problem, naming its key path and what
+to do."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 from core_rl.config.checks import SectionContext, config_problems
 from core_rl.config.schema import RunConfig, SchedulerConfig
 from core_rl.config.sections import selected_sections
-from core_rl.config.validators import MAX_COUNT
+from core_rl.config.validators import MAX_COUNT, FieldValueError
 from core_rl.kinds import LOOP, ROLLOUT_ENGINE
 from core_rl.plugins import PluginHost
 from core_rl.roles import OPTIONAL_ROLES, role_sections
@@ -72,6 +73,48 @@ def completeness_problems(cfg: RunConfig, host: PluginHost | None = None) -> lis
         problems.extend(_rl_completeness_problems(cfg))
     if not cfg.data.train_files:
         problems.append("data.train_files: required; a list of JSON/JSONL/Parquet files of prompts")
+    if cfg.eval is not None and not cfg.eval.files:
+        problems.append("eval.files: required with an eval: section; a list of JSON/JSONL/Parquet files of prompts")
+    return problems
+
+
+def eval_problems(cfg: RunConfig, host: PluginHost | None = None) -> list[str]:
+    """An ``eval:`` section the run could not honour: a loop that samples nothing, no rule reward
+    to score answers with, greedy decoding asked for several answers, or sampling settings that
+    contradict each other once merged into ``rollout.sampling``."""
+    if cfg.eval is None:
+        return []
+    if not uses_rl_sections(cfg, host):
+        return [
+            f"eval: the {cfg.trainer.loop.name!r} loop generates no answers to evaluate (evaluation runs in the rl "
+            "loop); remove the eval: section"
+        ]
+    problems = []
+    if cfg.reward is None:
+        problems.append(
+            "eval: answers are scored by the run's reward: section, and this run has none (a reward_model: role "
+            "scores training batches only); add a reward: section, or remove eval:"
+        )
+    sampling = cfg.eval.sampling
+    if sampling.greedy and sampling.n > 1:
+        problems.append(
+            f"eval.sampling.n: greedy decoding (eval.sampling.greedy: true, the default) gives the same answer "
+            f"{sampling.n} times; set eval.sampling.greedy: false (and a temperature) to sample {sampling.n} answers, "
+            "or n: 1"
+        )
+    try:
+        sampling.resolve(cfg.rollout.sampling)
+    except FieldValueError as exc:
+        problems.append(
+            f"eval.sampling: merged into rollout.sampling, {exc.field} {exc.requirement}, got {exc.value!r}; "
+            "make the two sections agree"
+        )
+    batch = cfg.eval.batch_size or cfg.data.batch_size
+    if batch * sampling.n > MAX_COUNT:
+        problems.append(
+            f"eval.batch_size: {batch} prompts x eval.sampling.n={sampling.n} answers is more than {MAX_COUNT} "
+            "samples per generation batch; lower one of them"
+        )
     return problems
 
 

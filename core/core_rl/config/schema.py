@@ -7,17 +7,19 @@ shares (optimiser, schedule, micro-batches, LoRA) live in :mod:`core_rl.config.m
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import attrs
 
 from core_rl.config.derived_key import Derived
+from core_rl.config.eval_config import EvalConfig
 from core_rl.config.model_sections import LoraConfig, MicroBatchConfig, OptimizerConfig, SchedulerConfig
 from core_rl.config.placement import PlacementConfig
 from core_rl.config.placement import RolePlacement as RolePlacement  # re-exported with the section
 from core_rl.config.plugin_spec import PluginSpec
 from core_rl.config.plugin_spec import default_from as default_from  # re-exported: the plugin guide names it here
 from core_rl.config.plugin_spec import plugin_section as plugin_section  # re-exported likewise
+from core_rl.config.sampling import SamplingConfig as SamplingConfig  # re-exported with the sections
 from core_rl.config.validators import (
     MAX_COUNT,
     MAX_SEED,
@@ -34,9 +36,6 @@ from core_rl.config.validators import (
     positive,
 )
 from core_rl.ops.names import NORM_LEVELS, VALUE_LOSSES
-
-if TYPE_CHECKING:
-    from core_rl.interfaces import SamplingParams
 
 DTYPES = ("float32", "bfloat16", "float16")
 #: a switch that may be left to the run's start: ``true``, ``false`` or ``auto`` (structured by
@@ -70,33 +69,6 @@ class DataConfig:
     shuffle: bool = True
     max_prompt_tokens: int = attrs.field(default=1024, validator=in_range(1, MAX_TOKENS))
     apply_chat_template: bool = False
-
-
-@attrs.define
-class SamplingConfig:
-    """Rollout sampling. ``n`` is the group size (samples per prompt). ``min_new_tokens`` must not
-    exceed ``max_new_tokens``; stop token ids are checked against the model's vocabulary before
-    the run starts."""
-
-    n: int = attrs.field(default=8, validator=in_range(1, MAX_COUNT))
-    temperature: float = attrs.field(default=1.0, validator=in_range(0.0, 100.0, low_open=True))
-    top_p: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
-    top_k: int = attrs.field(default=0, validator=in_range(0, MAX_TOKENS))
-    max_new_tokens: int = attrs.field(default=256, validator=in_range(1, MAX_TOKENS))
-    min_new_tokens: int = attrs.field(default=0, validator=in_range(0, MAX_TOKENS))
-    stop_token_ids: list[int] = attrs.field(factory=list, validator=each(in_range(0, MAX_TOKENS)))
-    greedy: bool = False
-
-    def __attrs_post_init__(self) -> None:
-        if self.min_new_tokens > self.max_new_tokens:
-            raise FieldValueError(
-                "min_new_tokens", self.min_new_tokens, f"must be <= max_new_tokens ({self.max_new_tokens})"
-            )
-
-    def to_params(self) -> SamplingParams:
-        from core_rl.interfaces import SamplingParams
-
-        return SamplingParams(**attrs.asdict(self))
 
 
 @attrs.define
@@ -436,6 +408,8 @@ class RunConfig:
     sample_log: SampleLogConfig = attrs.field(factory=SampleLogConfig)
     reward_runner: RewardRunnerConfig = attrs.field(factory=RewardRunnerConfig)
     recover: RecoverConfig = attrs.field(factory=RecoverConfig)
+    #: evaluation on held-out prompts while training (:mod:`core_rl.config.eval_config`); null: none
+    eval: EvalConfig | None = None
     #: model roles besides the actor (:mod:`core_rl.roles`); null: not used (``ref`` then defaults to
     #: the actor's model, frozen, when the algorithm needs a reference)
     ref: ActorConfig | None = None

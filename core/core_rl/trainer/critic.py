@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from core_rl import ops
-from core_rl.config.schema import AlgorithmConfig, CriticConfig
+from core_rl.config.schema import AlgorithmConfig, CriticConfig, RunConfig
 from core_rl.guards import engine_metrics, engine_tensor
 from core_rl.interfaces import AdvantageEstimator, LossOutput, TrainEngine
 from core_rl.protocol import TensorBatch
@@ -36,6 +36,23 @@ CRITIC_DIR = "critic"
 
 class CriticStage:
     """Values, advantages and value updates of one RL step (see the module docstring)."""
+
+    @classmethod
+    def of_run(
+        cls, cfg: RunConfig, critic: TrainEngine | None, advantage: AdvantageEstimator, shard: Shard, world_size: int
+    ) -> CriticStage | None:
+        """The stage of a run whose ``critic`` role was built (``None``: the run has no critic)."""
+        if critic is None:
+            return None
+        assert cfg.critic is not None
+        return cls(
+            critic=critic,
+            config=cfg.critic,
+            advantage=advantage,
+            algorithm=cfg.algorithm,
+            shard=shard,
+            world_size=world_size,
+        )
 
     def __init__(
         self,

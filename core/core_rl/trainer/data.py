@@ -25,7 +25,7 @@ from typing import Any
 
 import attrs
 
-from core_rl.config.schema import DataConfig
+from core_rl.config.schema import DataConfig, RunConfig
 from core_rl.errors import DataError
 
 FORMATS = {".json": "json", ".jsonl": "jsonl", ".parquet": "parquet"}
@@ -194,24 +194,24 @@ def _parquet(name: str, path: Path, problems: _Problems) -> list[DataRow]:
     ]
 
 
-def _read_file(name: str, problems: _Problems) -> list[DataRow]:
+def _read_file(name: str, problems: _Problems, key: str) -> list[DataRow]:
     path = Path(name)
     fmt = FORMATS.get(path.suffix.lower())
     if fmt is None:
-        problems.add(name, f"data.train_files: {name!r} has an unsupported extension; use .json, .jsonl or .parquet")
+        problems.add(name, f"{key}: {name!r} has an unsupported extension; use .json, .jsonl or .parquet")
         return []
     if not path.exists():
-        problems.add(name, f"data.train_files: {name!r} does not exist")
+        problems.add(name, f"{key}: {name!r} does not exist")
         return []
     if not path.is_file():
-        problems.add(name, f"data.train_files: {name!r} is not a file")
+        problems.add(name, f"{key}: {name!r} is not a file")
         return []
     if fmt == "parquet":
         return _parquet(name, path, problems)
     try:
         data = path.read_bytes()
     except OSError as exc:
-        problems.add(name, f"data.train_files: cannot read {name!r}: {exc.strerror or exc}")
+        problems.add(name, f"{key}: cannot read {name!r}: {exc.strerror or exc}")
         return []
     text, problem = _decode(name, data)
     if problem is not None:
@@ -226,21 +226,23 @@ def _read_file(name: str, problems: _Problems) -> list[DataRow]:
     return _json_lines(name, text, problems)
 
 
-def read_data_files(files: Sequence[str]) -> tuple[list[DataRow], list[str]]:
-    """Read every row of ``files`` in order. Returns the rows and the problems found (each naming
-    the file, and the line or row where there is one); rows of a file with problems may be
-    missing, so use the rows only when there are none."""
+def read_data_files(files: Sequence[str], key: str = "data.train_files") -> tuple[list[DataRow], list[str]]:
+    """Read every row of ``files`` (the config key ``key``) in order. Returns the rows and the
+    problems found (each naming the file, and the line or row where there is one); rows of a file
+    with problems may be missing, so use the rows only when there are none."""
     problems = _Problems()
     rows: list[DataRow] = []
     for name in files:
-        rows.extend(_read_file(name, problems))
+        rows.extend(_read_file(name, problems, key))
     return rows, problems.result()
 
 
-def check_rows(rows: Sequence[DataRow], prompt_key: str, required: Mapping[str, str]) -> list[str]:
-    """Problems with the columns of ``rows``: the prompt column (present, a non-empty string) and
-    each column of ``required`` (present and not null; the value names who reads it, e.g.
-    ``"reward 'char_match'"``)."""
+def check_rows(
+    rows: Sequence[DataRow], prompt_key: str, required: Mapping[str, str], *, key_path: str = "data.prompt_key"
+) -> list[str]:
+    """Problems with the columns of ``rows``: the prompt column (present, a non-empty string; set
+    by the config key ``key_path``) and each column of ``required`` (present and not null; the
+    value names who reads it, e.g. ``"reward 'char_match'"``)."""
     problems = _Problems()
     lacking: dict[tuple[str, str], list[DataRow]] = {}
     for r in rows:
@@ -249,7 +251,7 @@ def check_rows(rows: Sequence[DataRow], prompt_key: str, required: Mapping[str, 
             columns = ", ".join(map(str, r.row)) or "none"
             problems.add(
                 r.file,
-                f"{r.where}: no column {prompt_key!r} (columns: {columns}); set data.prompt_key to the column "
+                f"{r.where}: no column {prompt_key!r} (columns: {columns}); set {key_path} to the column "
                 "holding the prompt text",
             )
         elif not isinstance(prompt, str):
@@ -325,6 +327,36 @@ def tokenise_rows(
             continue
         items.append(PromptItem(row=r.row, text=text, prompt_ids=ids))
     return items, problems.result()
+
+
+def eval_data_config(cfg: RunConfig) -> DataConfig:
+    """The data section evaluation reads its files with: ``data``'s prompt settings, the eval
+    files, prompt column and batch size, in file order."""
+    assert cfg.eval is not None
+    return attrs.evolve(
+        cfg.data,
+        train_files=list(cfg.eval.files),
+        prompt_key=cfg.eval.prompt_key or cfg.data.prompt_key,
+        batch_size=cfg.eval.batch_size or cfg.data.batch_size,
+        shuffle=False,
+    )
+
+
+def check_eval_data(cfg: RunConfig, required: Mapping[str, str]) -> tuple[list[DataRow], list[str]]:
+    """Read ``eval.files`` (the first ``eval.max_prompts`` rows when set) and check their columns:
+    the prompt column, the ``required`` ones (column -> who reads it) and ``eval.group_by``."""
+    assert cfg.eval is not None
+    rows, problems = read_data_files(cfg.eval.files, "eval.files")
+    if cfg.eval.max_prompts:
+        rows = rows[: cfg.eval.max_prompts]
+    columns = dict(required)
+    if cfg.eval.group_by is not None:
+        columns[cfg.eval.group_by] = "eval.group_by"
+    key_path = "eval.prompt_key" if cfg.eval.prompt_key else "data.prompt_key (or eval.prompt_key)"
+    problems += check_rows(rows, eval_data_config(cfg).prompt_key, columns, key_path=key_path)
+    if not rows and not problems:
+        problems.append("eval.files: the files hold no rows")
+    return rows, problems
 
 
 class PromptSource:

@@ -10,7 +10,7 @@ from core_rl.config.schema import SampleLogConfig
 from core_rl.interfaces import SampleRecord
 from core_rl.protocol import RewardInput, Sample
 from core_rl.trainer.data import PromptItem
-from core_rl.trainer.rewards import ScoreResult
+from core_rl.trainer.rewards import RewardRunner, ScoreResult
 
 
 def reward_inputs(samples: Sequence[Sample], owners: Sequence[PromptItem], texts: Sequence[str]) -> list[RewardInput]:
@@ -29,6 +29,16 @@ def reward_inputs(samples: Sequence[Sample], owners: Sequence[PromptItem], texts
         )
         for s, text, owner in zip(samples, texts, owners)
     ]
+
+
+def score_samples(
+    runner: RewardRunner, tokenizer: Any, samples: Sequence[Sample], owners: Sequence[PromptItem], step: int
+) -> tuple[list[RewardInput], ScoreResult]:
+    """Decode each sample's response and score them all through ``runner`` (``owners``: the prompt
+    each answers); the reward inputs, with the decoded text, and the result."""
+    texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    inputs = reward_inputs(samples, owners, texts)
+    return inputs, runner.score(inputs, step=step)
 
 
 def sample_records(

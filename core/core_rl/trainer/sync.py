@@ -76,6 +76,7 @@ from core_rl.trainer.critic import CriticStage
 from core_rl.trainer.data import DataRow, PromptItem, PromptSource
 from core_rl.trainer.distill import DistillationLoss
 from core_rl.trainer.errors import DiskFullError
+from core_rl.trainer.evaluation import Evaluator, build_evaluator
 from core_rl.trainer.filtering import EmptySteps
 from core_rl.trainer.memory import MemoryMeter
 from core_rl.trainer.numerics import NonFiniteGuard
@@ -92,7 +93,7 @@ from core_rl.trainer.reward_role import SCORES, NoRuleReward, reward_model_stage
 from core_rl.trainer.rewards import RewardErrorLog, RewardRunner, ScoreResult
 from core_rl.trainer.rollout_flow import RolloutFlow, flatten_groups
 from core_rl.trainer.run_config import record_config, resume_note
-from core_rl.trainer.sample_log import reward_inputs, sample_records
+from core_rl.trainer.sample_log import sample_records, score_samples
 from core_rl.trainer.signals import StopSignals
 from core_rl.trainer.summary import summary_lines
 from core_rl.trainer.update import PolicyUpdate
@@ -137,6 +138,7 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
         self.reward: Reward | None = None
         self.reward_runner: RewardRunner | None = None
         self.loggers: list[Logger] = []
+        self.evaluator: Evaluator | None = None  # rank 0's, with an eval: section (trainer/evaluation.py)
         self.ref: TrainEngine | None = None
         self.engine: TrainEngine | None = None
         #: rank 0's rollout controller (:mod:`core_rl.trainer.rollout_flow`)
@@ -201,7 +203,7 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
             shard=self._shard,
             world_size=self.world_size,
             teacher=self.roles.teacher,
-            critic=self._critic_stage(),
+            critic=CriticStage.of_run(cfg, self.roles.critic, self.advantage, self._shard, self.world_size),
         )
 
         quiet_library_progress_bars()
@@ -240,25 +242,14 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
                 self.reward = build(host, REWARD, cfg.reward) if cfg.reward is not None else NoRuleReward()
                 self.reward_runner = RewardRunner(self.reward, cfg.reward.name if cfg.reward else "", cfg.reward_runner)
                 self.loggers = build_loggers(cfg, host)
+                parts = {"engine": self.rollout, "tokenizer": self.tokenizer, "run_dir": self.run_dir}
+                self.evaluator = build_evaluator(cfg, host, reward_runner=self.reward_runner, **parts)
             except Exception as exc:
                 error = exc
         else:
             self.rollout_sleep = peer_rollout_sleep(cfg, host)
         with held_by_peer(cfg, self.built_engines, self.is_main):  # servers on this rank's GPU size themselves
             agree_after("building the rollout engine, reward and loggers (rank 0)", error)
-
-    def _critic_stage(self) -> CriticStage | None:
-        if self.roles.critic is None:
-            return None
-        assert self.cfg.critic is not None
-        return CriticStage(
-            critic=self.roles.critic,
-            config=self.cfg.critic,
-            advantage=self.advantage,
-            algorithm=self.cfg.algorithm,
-            shard=self._shard,
-            world_size=self.world_size,
-        )
 
     @property
     def is_main(self) -> bool:
@@ -282,9 +273,7 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
     ) -> tuple[list[RewardInput], ScoreResult, dict[str, float]]:
         """Score ``samples`` through the reward runner; failed items are logged and counted."""
         assert self.reward_runner is not None
-        texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-        inputs = reward_inputs(samples, owners, texts)
-        result = self.reward_runner.score(inputs, step=step)
+        inputs, result = score_samples(self.reward_runner, self.tokenizer, samples, owners, step)
         return inputs, result, self.reward_log.record(step, inputs, result)
 
     def _generate_scored(self, step: int) -> Generation:
@@ -420,10 +409,13 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
                 for lg in self.loggers:
                     lg.start(info)
                     started.append(lg)
+                if evaluated := self._evaluation(0):  # eval.before_train: the starting policy, at step 0
+                    for lg in self.loggers:
+                        lg.log(evaluated, 0)
             except Exception as exc:
                 error = exc
         try:
-            stop = agree_after("starting the loggers (rank 0)", error, self.stop.requested)
+            stop = agree_after("starting the loggers and evaluating (rank 0)", error, self.stop.requested)
             if stop:
                 raise self._interrupted(stop)
             for step in range(self.start_step + 1, cfg.trainer.total_steps + 1):
@@ -436,6 +428,7 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
                 error = None
                 if self.is_main:
                     try:
+                        metrics.update(self._evaluation(step))
                         for lg in self.loggers:
                             lg.log(metrics, step)
                     except Exception as exc:
@@ -464,7 +457,17 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
             "checkpoint": last,
             "export": export,
             "peak_memory": self.memory.summary(),
+            "evaluation": self.evaluator.summary() if self.evaluator is not None else None,
         }
+
+    def _evaluation(self, step: int) -> dict[str, float]:
+        """Rank 0: the ``eval/*`` metrics when an evaluation follows step ``step`` (0: before the
+        first), else none; the rollout engine has the step's weights (a load running behind is waited for)."""
+        if self.evaluator is None or not self.evaluator.due(step, self.start_step):
+            return {}
+        self.weight_load.wait()
+        self.rollout_sleep.before_generation()
+        return self.evaluator.evaluate(step)
 
     def close(self) -> None:
         if getattr(self, "weight_load", None) is not None:

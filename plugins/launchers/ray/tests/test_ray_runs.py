@@ -190,6 +190,7 @@ def _grpo(warm: dict[str, Path], name: str, *overrides: str) -> list[str]:
         "rollout.engine.name=vllm",
         "rollout.engine.dtype=float32",
         "launcher={name: ray, stop_grace_s: 30, poll_s: 0.2}",
+        "eval.before_train=false",  # grpo.yaml's evaluation after the last step only
         *overrides,
     ]
 
@@ -207,6 +208,7 @@ def test_grpo_with_a_vllm_server_actor_learns_split(ray_cluster, tiny_grpo_warm)
     rows = read_metrics(warm["root"] / name / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["weight_sync/bytes"] > 0 for r in rows)
+    assert rows[-1]["eval/samples"] == 64  # grpo.yaml's evaluation, by rank 0's actor through the server
     # the server samples with the weights being trained at every step (tests/test_server_grpo.py)
     assert max(r["actor/approx_kl"] for r in rows) < 1e-8, [r["actor/approx_kl"] for r in rows]
     first, last = fitted_rise(rows)

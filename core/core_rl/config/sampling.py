@@ -1,0 +1,40 @@
+"""The ``rollout.sampling`` section: how the rollout engine samples (the ``eval.sampling`` section
+replaces some of its keys, :mod:`core_rl.config.eval_config`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+
+from core_rl.config.validators import MAX_COUNT, MAX_TOKENS, FieldValueError, each, in_range
+
+if TYPE_CHECKING:
+    from core_rl.interfaces import SamplingParams
+
+
+@attrs.define
+class SamplingConfig:
+    """Rollout sampling. ``n`` is the group size (samples per prompt). ``min_new_tokens`` must not
+    exceed ``max_new_tokens``; stop token ids are checked against the model's vocabulary before
+    the run starts."""
+
+    n: int = attrs.field(default=8, validator=in_range(1, MAX_COUNT))
+    temperature: float = attrs.field(default=1.0, validator=in_range(0.0, 100.0, low_open=True))
+    top_p: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
+    top_k: int = attrs.field(default=0, validator=in_range(0, MAX_TOKENS))
+    max_new_tokens: int = attrs.field(default=256, validator=in_range(1, MAX_TOKENS))
+    min_new_tokens: int = attrs.field(default=0, validator=in_range(0, MAX_TOKENS))
+    stop_token_ids: list[int] = attrs.field(factory=list, validator=each(in_range(0, MAX_TOKENS)))
+    greedy: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.min_new_tokens > self.max_new_tokens:
+            raise FieldValueError(
+                "min_new_tokens", self.min_new_tokens, f"must be <= max_new_tokens ({self.max_new_tokens})"
+            )
+
+    def to_params(self) -> SamplingParams:
+        from core_rl.interfaces import SamplingParams
+
+        return SamplingParams(**attrs.asdict(self))

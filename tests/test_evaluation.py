@@ -1,0 +1,219 @@
+"""Evaluation on held-out prompts while training (the ``eval:`` section): ``core-rl train`` with the
+real plugins (fsdp, hf, grpo, char_match) on a tiny model evaluates on schedule, writes every answer,
+and trains exactly as the same run without evaluation; on 2 ranks and in an asynchronous run too.
+Configuration and data mistakes are refused before anything is built."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from core_rl.builtin.loggers import read_metrics
+from core_rl.config.loader import load_config
+from core_rl.errors import ConfigError, PreflightError
+from core_rl.plugins import PluginHost
+from core_rl.preflight import preflight
+from core_rl.testing.launch import run_train
+from core_rl.tiny import build_tiny_model
+from core_rl.trainer.evaluation import training_randomness_kept
+
+pytest.importorskip("core_rl_fsdp")
+pytest.importorskip("core_rl_hf")
+pytest.importorskip("core_rl_grpo")
+pytest.importorskip("core_rl_reward_match")
+
+TRAINING = ("reward/mean", "response_length/mean", "actor/loss", "actor/grad_norm", "actor/entropy")
+EVAL_ROWS = [("ab", "x"), ("ba", "x"), ("abc", "y"), ("dca", "x"), ("bd", "y")]
+
+
+def _rows(pairs) -> str:
+    return "".join(json.dumps({"prompt": f"{s}=", "answer": s[::-1], "src": src}) + "\n" for s, src in pairs)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("eval")
+    model = build_tiny_model(root / "model", alphabet="abcd=", seed=0)
+    (root / "train.jsonl").write_text(_rows([(s, "t") for s in ("ab", "ba", "abc", "dca", "bd", "cc")]))
+    (root / "eval.jsonl").write_text(_rows(EVAL_ROWS))
+    config = {
+        "experiment": {"name": "run", "output_dir": str(root / "runs"), "seed": 3},
+        "data": {"train_files": [str(root / "train.jsonl")], "batch_size": 2},
+        "actor": {"model_path": str(model), "engine": {"name": "fsdp"}, "optimizer": {"name": "adamw", "lr": 1e-2}},
+        "rollout": {"engine": {"name": "hf"}, "sampling": {"n": 4, "max_new_tokens": 4}},
+        "algorithm": {"name": "grpo"},
+        "reward": {"name": "char_match"},
+        "trainer": {"total_steps": 3, "torch_threads": 1},
+        "saver": {"every_n_steps": 0, "at_end": False, "export_hf": False},
+        "loggers": [{"name": "console"}],
+    }
+    path = root / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return {"root": root, "config": path, "model": model}
+
+
+#: evaluation before step 1, after step 2 (every 2) and after step 3 (the last), 3 sampled answers
+#: per prompt, 2 prompts per generation batch (the last batch holds one)
+EVAL = (
+    "eval.files=[{root}/eval.jsonl]",
+    "eval.before_train=true",
+    "eval.every_n_steps=2",
+    "eval.batch_size=2",
+    "eval.group_by=src",
+    "eval.sampling.greedy=false",
+    "eval.sampling.n=3",
+    "eval.sampling.temperature=1.5",
+    "eval.pass_reward=0.5",
+)
+
+
+def _eval_overrides(setup) -> list[str]:
+    return [o.format(root=setup["root"]) for o in EVAL]
+
+
+def test_evaluation_on_schedule_leaves_training_as_it_was(setup) -> None:
+    runs = setup["root"] / "runs"
+    run_train(setup["config"], "experiment.name=plain")
+    proc = run_train(setup["config"], "experiment.name=evaluated", *_eval_overrides(setup))
+    plain = read_metrics(runs / "plain" / "metrics.jsonl")
+    rows = read_metrics(runs / "evaluated" / "metrics.jsonl")
+    evaluated = {r["step"]: r for r in rows}
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert {s for s, r in evaluated.items() if "eval/reward/mean" in r} == {0, 2, 3}
+    # the evaluation drew its own randomness: training sampled and trained exactly as without it
+    for row in plain:
+        for key in TRAINING:
+            assert evaluated[row["step"]][key] == row[key], (row["step"], key)
+    for step in (0, 2, 3):
+        m = evaluated[step]
+        assert (m["eval/prompts"], m["eval/samples"], m["eval/dropped"]) == (5, 15, 0)
+        assert {"eval/pass@1", "eval/pass@2", "eval/pass@3", "eval/best_reward/mean", "timing/eval_s"} <= set(m)
+        assert (m["eval/src=x/prompts"], m["eval/src=y/prompts"]) == (3, 2)
+        records = [json.loads(line) for line in (runs / "evaluated" / "eval" / f"step_{step:06d}.jsonl").open()]
+        assert len(records) == 15 and {r["step"] for r in records} == {step}
+        assert [r["prompt_index"] for r in records] == [i for i in range(5) for _ in range(3)]
+        assert [r["prompt"] for r in records[::3]] == [f"{s}=" for s, _ in EVAL_ROWS]
+        assert [r["src"] for r in records[::3]] == [src for _, src in EVAL_ROWS]
+        # the file holds what the metrics sum up
+        assert m["eval/reward/mean"] == pytest.approx(statistics.fmean(r["reward"] for r in records))
+        assert all(r["correct"] == (r["reward"] >= 0.5) for r in records)
+        truncated = statistics.fmean(r["finish_reason"] == "length" for r in records)
+        assert m["eval/truncated"] == pytest.approx(truncated)
+    assert not (runs / "plain" / "eval").exists()
+    last = evaluated[3]
+    line = f"eval:       step 3: reward {last['eval/reward/mean']:.4g}, pass@1 {last['eval/pass@1']:.4g} over 5 prompts"
+    assert f"{line} ({runs / 'evaluated' / 'eval'})" in proc.stdout
+
+
+def test_evaluation_on_two_ranks_and_in_an_asynchronous_run(setup) -> None:
+    """Rank 0 evaluates while the other rank waits for it; an asynchronous run evaluates beside its
+    rollout controller, with the weights of the step."""
+    runs = setup["root"] / "runs"
+    every_step = [*_eval_overrides(setup), "eval.every_n_steps=1", "trainer.total_steps=2"]
+    run_train(setup["config"], "experiment.name=two_ranks", *every_step, nproc=2, cpu=True)
+    run_train(
+        setup["config"],
+        "experiment.name=async",
+        *every_step,
+        "rollout.controller.max_head_offpolicyness=1",
+    )
+    for name in ("two_ranks", "async"):
+        rows = read_metrics(runs / name / "metrics.jsonl")
+        assert [r["step"] for r in rows] == [0, 1, 2], name
+        assert all(r["eval/samples"] == 15 for r in rows), name
+        assert sorted(p.name for p in (runs / name / "eval").iterdir()) == [f"step_{s:06d}.jsonl" for s in (0, 1, 2)]
+
+
+def test_evaluation_keeps_the_random_streams_of_training(setup) -> None:
+    """What the hf engine draws while evaluating (torch's global generator without a seed; its own
+    with one) is undone afterwards; without ``keep`` it is not."""
+    from core_rl.interfaces import SamplingParams
+    from core_rl_hf.config import HFRolloutConfig
+    from core_rl_hf.engine import HFRolloutEngine
+
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=4)
+    for seed in (None, 7):
+        engine = HFRolloutEngine(setup["model"], HFRolloutConfig(device="cpu", seed=seed))
+        before_torch, before_engine, before_py = torch.get_rng_state(), engine.state_dict(), random.getstate()
+        with training_randomness_kept(engine, keep=True):
+            engine.generate([[5, 6]], params)
+            random.random()
+        assert torch.equal(torch.get_rng_state(), before_torch) and random.getstate() == before_py
+        if seed is not None:
+            assert torch.equal(engine.state_dict()["generator"]["state"], before_engine["generator"]["state"])
+        with training_randomness_kept(engine, keep=False):
+            engine.generate([[5, 6]], params)
+        if seed is not None:
+            assert not torch.equal(engine.state_dict()["generator"]["state"], before_engine["generator"]["state"])
+        else:
+            assert not torch.equal(torch.get_rng_state(), before_torch)
+        engine.close()
+
+
+def _load(setup, *overrides: str):
+    return load_config(setup["config"], list(overrides), host=PluginHost())
+
+
+def test_evaluation_mistakes_are_refused_with_their_key(setup) -> None:
+    files = f"eval.files=[{setup['root']}/eval.jsonl]"
+    cases = {
+        ("eval.every_n_steps=2",): "eval.files: required",
+        (files, "eval.sampling.n=4"): "eval.sampling.n: greedy decoding",
+        (files, "eval.sampling.max_new_tokens=2", "rollout.sampling.min_new_tokens=3"): (
+            "eval.sampling: merged into rollout.sampling, min_new_tokens must be <= max_new_tokens"
+        ),
+        (files, "eval.sampling.top_p=0"): "eval.sampling.top_p: must be in (0.0, 1.0]",
+        (files, "reward=null", "reward_model.model_path=x"): "eval: answers are scored by the run's reward",
+        (files, "eval.group_by=''"): "eval.group_by: must not be empty",
+    }
+    for overrides, message in cases.items():
+        with pytest.raises(ConfigError) as info:
+            _load(setup, *overrides)
+        assert any(message in p for p in info.value.problems), (overrides, info.value.problems)
+
+
+def test_evaluation_data_is_checked_before_the_run(setup, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        json.dumps({"prompt": "ab=", "answer": "ba", "src": "x"})
+        + "\n"
+        + json.dumps({"question": "ba=", "answer": "ab", "src": "x"})
+        + "\n"
+        + json.dumps({"prompt": "bd=", "src": "y"})
+        + "\n"
+        + json.dumps({"prompt": "ab" * 40 + "=", "answer": "x", "src": "y"})
+        + "\n"
+    )
+    cfg = _load(
+        setup,
+        f"eval.files=[{bad}]",
+        "eval.group_by=src",
+        f"experiment.output_dir={tmp_path / 'runs'}",
+        "data.max_prompt_tokens=32",
+    )
+    with pytest.raises(PreflightError) as info:
+        preflight(cfg)
+    text = "\n".join(info.value.problems)
+    assert f"{bad}:2: no column 'prompt'" in text and "set data.prompt_key (or eval.prompt_key)" in text
+    assert f"{bad}:3: no column 'answer'" in text and "reward 'char_match'" in text
+    cfg = _load(setup, f"eval.files=[{bad}]", "eval.max_prompts=1", "eval.group_by=lang", "eval.prompt_key=prompt")
+    with pytest.raises(PreflightError) as info:
+        preflight(cfg, create_output_dir=False)
+    assert any(f"{bad}:1: no column 'lang'" in p and "eval.group_by" in p for p in info.value.problems)
+    cfg = _load(setup, f"eval.files=[{tmp_path / 'absent.jsonl'}]")
+    with pytest.raises(PreflightError) as info:
+        preflight(cfg, create_output_dir=False)
+    assert f"eval.files: '{tmp_path / 'absent.jsonl'}' does not exist" in info.value.problems
+    # the first row alone, long enough with eval's own max_new_tokens to pass the model's context
+    cfg = _load(setup, f"eval.files=[{bad}]", "eval.max_prompts=1", "eval.sampling.max_new_tokens=4000")
+    with pytest.raises(PreflightError) as info:
+        preflight(cfg, create_output_dir=False)
+    assert any(
+        p.startswith("eval.sampling.max_new_tokens: 4000 tokens after the longest prompt of eval.files")
+        for p in info.value.problems
+    )
