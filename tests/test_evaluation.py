@@ -110,23 +110,26 @@ def test_evaluation_on_schedule_leaves_training_as_it_was(setup) -> None:
     assert f"{line} ({runs / 'evaluated' / 'eval'})" in proc.stdout
 
 
-def test_evaluation_on_two_ranks_and_in_an_asynchronous_run(setup) -> None:
-    """Rank 0 evaluates while the other rank waits for it; an asynchronous run evaluates beside its
-    rollout controller, with the weights of the step."""
+def test_evaluation_on_two_ranks_of_an_asynchronous_run(setup) -> None:
+    """Rank 0 evaluates, beside its rollout controller generating ahead, with the weights of the
+    step, while the other rank waits for it."""
     runs = setup["root"] / "runs"
-    every_step = [*_eval_overrides(setup), "eval.every_n_steps=1", "trainer.total_steps=2"]
-    run_train(setup["config"], "experiment.name=two_ranks", *every_step, nproc=2, cpu=True)
     run_train(
         setup["config"],
-        "experiment.name=async",
-        *every_step,
+        "experiment.name=two_ranks_async",
+        *_eval_overrides(setup),
+        "eval.every_n_steps=1",
+        "trainer.total_steps=2",
         "rollout.controller.max_head_offpolicyness=1",
+        nproc=2,
+        cpu=True,
     )
-    for name in ("two_ranks", "async"):
-        rows = read_metrics(runs / name / "metrics.jsonl")
-        assert [r["step"] for r in rows] == [0, 1, 2], name
-        assert all(r["eval/samples"] == 15 for r in rows), name
-        assert sorted(p.name for p in (runs / name / "eval").iterdir()) == [f"step_{s:06d}.jsonl" for s in (0, 1, 2)]
+    rows = read_metrics(runs / "two_ranks_async" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["eval/samples"] == 15 for r in rows)
+    assert rows[1]["async/max_head_offpolicyness"] == 1 and "actor/loss" in rows[2]
+    written = sorted(p.name for p in (runs / "two_ranks_async" / "eval").iterdir())
+    assert written == [f"step_{s:06d}.jsonl" for s in (0, 1, 2)]
 
 
 def test_evaluation_keeps_the_random_streams_of_training(setup) -> None:

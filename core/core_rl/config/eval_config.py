@@ -60,8 +60,11 @@ class EvalConfig:
     save_samples: bool = True
     sampling: EvalSamplingConfig = attrs.field(factory=EvalSamplingConfig)
 
-    def due(self, step: int, last_step: int) -> bool:
-        """Whether step ``step`` (1-based) is followed by an evaluation, ``last_step`` being the
-        run's last (``trainer.total_steps``)."""
+    def due(self, step: int, *, last_step: int, start_step: int) -> bool:
+        """Whether an evaluation follows step ``step`` (1-based) of a run that starts after step
+        ``start_step`` and ends with ``last_step``; step 0: before the first step, which
+        ``before_train`` asks for in a fresh run (``start_step`` 0) only."""
+        if step == 0:
+            return self.before_train and start_step == 0
         scheduled = self.every_n_steps > 0 and step % self.every_n_steps == 0
         return scheduled or (self.at_end and step == last_step)

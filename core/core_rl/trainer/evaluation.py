@@ -36,10 +36,12 @@ from core_rl.kinds import WORKFLOW
 from core_rl.plugins import PluginHost
 from core_rl.rollout_controller import RolloutController
 from core_rl.trainer.building import build
+from core_rl.trainer.colocation import RolloutSleep
 from core_rl.trainer.data import PromptItem, check_eval_data, eval_data_config, tokenise_rows
 from core_rl.trainer.eval_metrics import ScoredPrompt, eval_metrics
 from core_rl.trainer.rewards import RewardRunner
 from core_rl.trainer.sample_log import score_samples
+from core_rl.trainer.weight_load import BackgroundWeightLoad
 from core_rl.workflows import RolloutWorkflow
 
 
@@ -130,15 +132,7 @@ class Evaluator:
             batching="wave" if run.batching == "wave" or (run.batching == "auto" and synchronous) else "request",
         )
         self.keeps_randomness = synchronous
-        self.last_step = cfg.trainer.total_steps
         self.latest: tuple[int, dict[str, float]] | None = None  # the last evaluation's step and metrics
-
-    def due(self, step: int, start_step: int) -> bool:
-        """Whether an evaluation follows step ``step`` (0: before the first step of a run that
-        starts at ``start_step``; ``before_train`` evaluates a fresh run's starting policy only)."""
-        if step == 0:
-            return self.config.before_train and start_step == 0
-        return self.config.due(step, self.last_step)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Evaluate the rollout engine's current weights (those of step ``step``; 0: before
@@ -233,3 +227,28 @@ class Evaluator:
                 )
             i += len(group)
         return scored, records
+
+
+class Evaluating:
+    """The evaluation part of a training loop (a mixin of :class:`~core_rl.trainer.sync.SyncTrainer`):
+    when an evaluation is due and, on rank 0, running it."""
+
+    cfg: RunConfig
+    start_step: int
+    evaluator: Evaluator | None
+    weight_load: BackgroundWeightLoad
+    rollout_sleep: RolloutSleep
+
+    def _eval_due(self, step: int) -> bool:
+        """Whether an evaluation follows step ``step`` (0: before the first; every rank knows)."""
+        last = self.cfg.trainer.total_steps
+        return self.cfg.eval is not None and self.cfg.eval.due(step, last_step=last, start_step=self.start_step)
+
+    def _evaluation(self, step: int) -> dict[str, float]:
+        """Rank 0: the ``eval/*`` metrics when an evaluation follows step ``step``, else none; the
+        rollout engine has the step's weights (a load running behind is waited for) and its memory."""
+        if self.evaluator is None or not self._eval_due(step):
+            return {}
+        self.weight_load.wait()
+        self.rollout_sleep.before_generation()
+        return self.evaluator.evaluate(step)

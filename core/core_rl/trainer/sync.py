@@ -76,7 +76,7 @@ from core_rl.trainer.critic import CriticStage
 from core_rl.trainer.data import DataRow, PromptItem, PromptSource
 from core_rl.trainer.distill import DistillationLoss
 from core_rl.trainer.errors import DiskFullError
-from core_rl.trainer.evaluation import Evaluator, build_evaluator
+from core_rl.trainer.evaluation import Evaluating, Evaluator, build_evaluator
 from core_rl.trainer.filtering import EmptySteps
 from core_rl.trainer.memory import MemoryMeter
 from core_rl.trainer.numerics import NonFiniteGuard
@@ -101,7 +101,7 @@ from core_rl.trainer.weight_load import BackgroundWeightLoad
 from core_rl.trainer.weight_sync import WeightSyncing
 
 
-class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
+class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, TrainingLoop):
     """Builds every component a :class:`RunConfig` selects and runs the synchronous loop."""
 
     def __init__(
@@ -415,7 +415,8 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
             except Exception as exc:
                 error = exc
         try:
-            stop = agree_after("starting the loggers and evaluating (rank 0)", error, self.stop.requested)
+            what = "starting the loggers" + (" and evaluating the starting policy" if self._eval_due(0) else "")
+            stop = agree_after(f"{what} (rank 0)", error, self.stop.requested)
             if stop:
                 raise self._interrupted(stop)
             for step in range(self.start_step + 1, cfg.trainer.total_steps + 1):
@@ -459,15 +460,6 @@ class SyncTrainer(WeightSyncing, Checkpointing, TrainingLoop):
             "peak_memory": self.memory.summary(),
             "evaluation": self.evaluator.summary() if self.evaluator is not None else None,
         }
-
-    def _evaluation(self, step: int) -> dict[str, float]:
-        """Rank 0: the ``eval/*`` metrics when an evaluation follows step ``step`` (0: before the
-        first), else none; the rollout engine has the step's weights (a load running behind is waited for)."""
-        if self.evaluator is None or not self.evaluator.due(step, self.start_step):
-            return {}
-        self.weight_load.wait()
-        self.rollout_sleep.before_generation()
-        return self.evaluator.evaluate(step)
 
     def close(self) -> None:
         if getattr(self, "weight_load", None) is not None:

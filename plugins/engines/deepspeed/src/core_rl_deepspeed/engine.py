@@ -44,6 +44,7 @@ from torch import nn
 
 from core_rl_deepspeed.config import DeepSpeedConfig
 from core_rl_deepspeed.ds_config import build_ds_config
+from core_rl_deepspeed.loss_scale import loss_scale_state, restore_loss_scale
 from core_rl_deepspeed.partitioned_load import load_partitioned
 
 CHECKPOINT_FORMAT = 1
@@ -271,13 +272,15 @@ class DeepSpeedEngine(EngineState, TrainEngine):
 
     def save_state(self, path: str | Path, extra: Mapping[str, Any]) -> None:
         """Write ``path/`` atomically, in formats that execute nothing on load (see
-        :mod:`core_rl.engine_utils.state`): ``meta.json``, ``model.safetensors`` (full fp32 master
+        :mod:`core_rl.engine_utils.state`): ``meta.json`` (with float16's dynamic loss scale,
+        :mod:`core_rl_deepspeed.loss_scale`), ``model.safetensors`` (full fp32 master
         weights, the module's names), ``optimizer.*`` (full optimizer state per parameter name),
         ``extra.*`` and ``rng/rank{r}.*``. Full state makes the checkpoint loadable on any number
         of ranks and any ZeRO stage. Collective."""
         self._check_trainable("save_state")
         model_state = self._wrapped_state_dict(masters=True)  # fp32 masters: a resume is exact
         optim_state = self._optimizer_state()
+        loss_scale = loss_scale_state(self.optimizer)  # float16's dynamic scale
 
         def write(tmp: Path) -> None:
             state_files.save_rng(tmp, self.rank)
@@ -296,6 +299,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
                 "world_size": self.world_size,
                 "zero_stage": self.zero_stage,
                 "optimizer": optim_state is not None,
+                "loss_scale": loss_scale,
             }
             state_files.write_meta(tmp, meta)
 
@@ -316,6 +320,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         if meta["optimizer"]:
             self._load_optimizer_state(ckpt.load_tree(final, "optimizer"))
         self._step = int(meta["step"])
+        restore_loss_scale(self.optimizer, meta.get("loss_scale"))  # absent before it was saved
         state_files.restore_rng(final, self.rank, int(meta["world_size"]))
         extra = ckpt.load_tree(final, "extra")
         dist_utils.barrier()
