@@ -45,7 +45,7 @@ class EvalConfig:
     ``max_prompt_tokens`` and ``apply_chat_template`` apply. ``batch_size``: prompts per
     generation batch (0: ``data.batch_size``). ``pass_reward``: a sample with at least this reward
     counts as correct (pass@k). ``group_by``: a column (e.g. ``data_source``) whose values get
-    metrics of their own (``eval/<value>/...``). ``sampling``: :class:`EvalSamplingConfig`.
+    metrics of their own (``eval/<column>=<value>/...``). ``sampling``: :class:`EvalSamplingConfig`.
     """
 
     files: list[str] = attrs.field(factory=list, validator=each(not_empty()))
