@@ -10,6 +10,7 @@ import random
 import statistics
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -143,10 +144,12 @@ def test_evaluation_keeps_the_random_streams_of_training(setup) -> None:
     for seed in (None, 7):
         engine = HFRolloutEngine(setup["model"], HFRolloutConfig(device="cpu", seed=seed))
         before_torch, before_engine, before_py = torch.get_rng_state(), engine.state_dict(), random.getstate()
+        before_np = np.random.get_state()[1].copy()
         with training_randomness_kept(engine, keep=True):
             engine.generate([[5, 6]], params)
-            random.random()
+            random.random(), np.random.random()  # what a workflow or reward might draw
         assert torch.equal(torch.get_rng_state(), before_torch) and random.getstate() == before_py
+        assert (np.random.get_state()[1] == before_np).all()
         if seed is not None:
             assert torch.equal(engine.state_dict()["generator"]["state"], before_engine["generator"]["state"])
         with training_randomness_kept(engine, keep=False):

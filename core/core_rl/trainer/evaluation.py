@@ -7,19 +7,18 @@ into ``rollout.sampling``; the answers are scored by the run's reward runner and
 :func:`core_rl.trainer.eval_metrics.eval_metrics`. Nothing is trained on them.
 
 Evaluating does not change what the run trains on: in a synchronous run (nothing generates for
-training meanwhile) the random streams training draws from (torch's CPU generator and those of the
-CUDA devices in use, Python's ``random``, and the rollout engine's own state such as the ``hf``
-engine's seeded generator) are restored afterwards, so a run with evaluation trains exactly as one
-without (for engines whose sampling randomness lives in this process: a server's own generator
-moves on). In an asynchronous run they are left alone, since training's rollout draws from them at
-the same time.
+training meanwhile) the random streams training draws from are restored afterwards: the global ones
+a checkpoint keeps (:func:`core_rl.checkpointing.capture_rng`: Python's, NumPy's, torch's CPU and
+CUDA generators) and the rollout engine's own state, such as the ``hf`` engine's seeded generator.
+So a run with evaluation trains exactly as one without (for engines whose sampling randomness lives
+in this process: a server's own generator moves on). In an asynchronous run they are left alone,
+since training's rollout draws from them at the same time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -29,6 +28,7 @@ import attrs
 import torch
 
 from core_rl.atomic_files import write_text_atomic
+from core_rl.checkpointing import capture_rng, restore_rng
 from core_rl.config.schema import RunConfig
 from core_rl.errors import DataError
 from core_rl.interfaces import RolloutEngine
@@ -75,13 +75,12 @@ def training_randomness_kept(engine: RolloutEngine, *, keep: bool) -> Iterator[N
     if not keep:
         yield
         return
-    python_state = random.getstate()
-    engine_state = engine.state_dict()
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
+    global_states, engine_state = capture_rng(), engine.state_dict()
+    try:
         yield
-    random.setstate(python_state)
-    engine.load_state_dict(engine_state)
+    finally:
+        restore_rng(global_states)
+        engine.load_state_dict(engine_state)
 
 
 def build_evaluator(cfg: RunConfig, host: PluginHost, **parts: Any) -> Evaluator | None:
