@@ -104,3 +104,21 @@ def test_a_version_on_the_target_that_core_rl_cannot_use_is_named(tmp_path: Path
     assert "the target has transformers 4.40.0, but core-rl requires transformers" in built.stderr
     assert "but --with requires packaging>=999" in built.stderr
     assert "Traceback" not in built.stderr
+
+
+def test_wheels_build_without_isolation_only_where_the_backend_is_here(tmp_path: Path) -> None:
+    """This environment has hatchling (requirements-dev.txt), so core-rl's wheels build in it rather
+    than in a fresh isolated environment each; a project whose backend is absent or too old builds
+    isolated."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_wheelhouse", BUILD)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.backends_installed(script.selected_projects({"fsdp", "grpo"}))
+    for requires in ('["hatchling>=999"]', '["no-such-backend-core-rl"]'):
+        project = tmp_path / requires.strip('[]"').replace(">=", "")
+        project.mkdir()
+        (project / "pyproject.toml").write_text(f"[build-system]\nrequires = {requires}\n")
+        assert not script.backends_installed({"core-rl": ROOT, "other": project}), requires

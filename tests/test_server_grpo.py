@@ -1,6 +1,9 @@
-"""The tiny GRPO example (examples/tiny_grpo) for 25 steps through real vLLM and SGLang servers, next
-to the embedded ``hf`` engine: the run completes through the CLI, the weights reach the servers
-(vLLM over a gloo collective, SGLang from disk), and the reward rises as it does with ``hf``."""
+"""The tiny GRPO example (examples/tiny_grpo) for 25 steps through real vLLM and SGLang servers: the
+run completes through the CLI, the weights reach the servers (vLLM over a gloo collective, SGLang
+from disk) so exactly that every step samples with the weights being trained, and the reward rises.
+With the weights exact, a server run is the embedded engine's algorithm, so no ``hf`` run of the same
+25 steps is repeated here as a yardstick (its rise was ~0.36 -> ~0.45; the tiny example's own tests
+show ``hf`` learning)."""
 
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ def _train(warm: dict[str, Path], name: str, *overrides: str) -> list[dict]:
         f"actor.model_path={warm['model']}",
         f"data.train_files=[{warm['data']}]",
         f"trainer.total_steps={STEPS}",
-        "actor.optimizer.lr=3e-3",  # with 64 prompts a step, the reward rises within 10 steps (hf: ~0.36 -> ~0.45)
+        "actor.optimizer.lr=3e-3",  # with 64 prompts a step, the reward rises within 10 steps
         "data.batch_size=64",
         "saver.every_n_steps=0",
         "saver.at_end=false",
@@ -47,11 +50,6 @@ def _train(warm: dict[str, Path], name: str, *overrides: str) -> list[dict]:
     return read_metrics(warm["root"] / name / "metrics.jsonl")
 
 
-@pytest.fixture(scope="module")
-def hf_rise(tiny_grpo_warm: dict[str, Path]) -> tuple[float, float]:
-    return fitted_rise(_train(tiny_grpo_warm, "hf"))
-
-
 @pytest.mark.parametrize(
     ("engine", "sync"),
     [
@@ -59,7 +57,7 @@ def hf_rise(tiny_grpo_warm: dict[str, Path]) -> tuple[float, float]:
         pytest.param("sglang", "disk", marks=pytest.mark.server_env("sglang")),
     ],
 )
-def test_grpo_through_a_server_learns(tiny_grpo_warm, hf_rise, engine: str, sync: str) -> None:
+def test_grpo_through_a_server_learns(tiny_grpo_warm, engine: str, sync: str) -> None:
     pytest.importorskip(f"core_rl_{engine}")
     rows = _train(
         tiny_grpo_warm,
@@ -76,10 +74,8 @@ def test_grpo_through_a_server_learns(tiny_grpo_warm, hf_rise, engine: str, sync
     # one version old at this learning rate are 0.24-1.6 away (the async example's offpolicy/kl_behave_old)
     assert max(r["actor/approx_kl"] for r in rows) < 1e-8, [r["actor/approx_kl"] for r in rows]
     first, last = fitted_rise(rows)
-    hf_first, hf_last = hf_rise
-    print(f"{engine} ({sync}): reward {first:.3f} -> {last:.3f}; hf: {hf_first:.3f} -> {hf_last:.3f}")
+    print(f"{engine} ({sync}): reward {first:.3f} -> {last:.3f}")
     # the fitted rise is ~5 standard errors above 0.03 (measured rises are listed in the README)
     assert last > first + 0.03, (first, last)
-    assert (last - first) > 0.3 * (hf_last - hf_first), ((first, last), hf_rise)
     log = tiny_grpo_warm["root"] / engine / "servers" / f"{engine}-0.log"
     assert log.is_file() and log.stat().st_size > 0

@@ -6,6 +6,7 @@ signal (not a near-simultaneous duplicate) stops at once, without saving."""
 from __future__ import annotations
 
 import random
+import re
 import signal
 import subprocess
 import time
@@ -114,3 +115,21 @@ def test_a_second_signal_stops_at_once_and_a_duplicate_does_not(base):
     assert err.count("received SIGTERM: finishing the current step") == 1
     assert "received SIGTERM again: stopping at once, without saving" in err
     assert not list((run_dir(config) / "checkpoints").glob("step_*"))
+
+
+def test_a_crash_in_native_code_prints_where_each_thread_was(base, tmp_path):
+    """A SIGSEGV (here raised by the ``crash_once`` logger at step 2, as a crash inside a native
+    library would be) kills the run with that signal, and Python's stack of every thread, the
+    crashing frame among them, is on its standard error (:func:`core_rl.cli.report_fatal_signals`)."""
+    config = merged(
+        base,
+        experiment={"name": "segfault"},
+        loggers=[{"name": "crash_once", "step": 2, "marker": str(tmp_path / "crashed"), "how": "segfault"}],
+        saver={"every_n_steps": 0, "at_end": False},
+    )
+    proc = start(config, faults=True)
+    err = finish(proc, 240)
+    assert proc.returncode == -signal.SIGSEGV, err[-3000:]
+    assert "Fatal Python error: Segmentation fault" in err, err[-3000:]
+    assert re.search(r'testing/faults\.py", line \d+ in log\n', err), err[-3000:]
+    assert (tmp_path / "crashed").is_file()

@@ -17,12 +17,15 @@ wrong shape, dtype or length, or it lacks a member of its interface): one line n
 its distribution and version and what went wrong, then the plugin's own traceback. ``train`` also
 exits with 1 when the run fails (a fault it detected, such as a broken reward or a rank that stopped
 answering, as one message; anything unexpected with a traceback), 3 when SIGINT or SIGTERM stopped
-it after saving a checkpoint, and 128 + N (killed by signal N) after a second signal.
+it after saving a checkpoint, and 128 + N (killed by signal N) after a second signal. A crash of
+the interpreter itself (SIGSEGV and the like) prints every thread's Python stack first
+(:func:`report_fatal_signals`).
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -226,10 +229,24 @@ def _load(args: argparse.Namespace, host: PluginHost):
     return load_config(args.config, args.overrides, host=host, notify=_note)
 
 
+def report_fatal_signals() -> None:
+    """Have a crash of the interpreter itself (SIGSEGV, SIGFPE, SIGABRT, SIGBUS, SIGILL, e.g. in a
+    native library) print every thread's Python stack to standard error before the process dies,
+    so a rank lost that way says where it was. Left as it is where already on (pytest turns it on)
+    or where there is no standard error to write to."""
+    if faulthandler.is_enabled() or sys.__stderr__ is None:
+        return
+    try:
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    except (OSError, ValueError):  # a standard error without a file descriptor
+        pass
+
+
 def _cmd_train(args: argparse.Namespace, host: PluginHost) -> int:
     from core_rl.launchers import LaunchRequest, launch_checked
     from core_rl.rendezvous import Rendezvous, train_in_process
 
+    report_fatal_signals()
     cfg = _load(args, host)
     if Rendezvous.from_env() is not None:  # one rank of a launched run
         return train_in_process(cfg, host)

@@ -4,7 +4,8 @@ cluster, say) that already has Python and a CUDA build of torch.
 Run it on a machine that reaches the package index; carry the folder over; install it there with
 ``scripts/offline/install.sh``. It holds:
 
-- core-rl and every in-repo plugin as wheels (``pip wheel --no-deps``);
+- core-rl and every in-repo plugin as wheels (``pip wheel --no-deps``, in this environment when it
+  has their build backend, else in an isolated one per project);
 - every third-party distribution those need (Requires-Dist, followed recursively; markers evaluated
   for the target Python and Linux x86-64) that the target lacks: binary wheels for the target's
   Python version and platform, or the source package where a project publishes only that
@@ -41,6 +42,7 @@ import zipfile
 from collections import deque
 from collections.abc import Sequence
 from email.parser import Parser
+from importlib import metadata
 from pathlib import Path
 
 from packaging.markers import default_environment
@@ -162,11 +164,28 @@ def pip(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True)
 
 
+def backends_installed(projects: dict[str, Path]) -> bool:
+    """Whether this interpreter already has every ``build-system.requires`` of ``projects`` (their
+    build backend, hatchling) at a version they accept: then pip builds the wheels in this
+    environment instead of a fresh isolated one per project (~6 s each, ~0.6 s without)."""
+    for directory in projects.values():
+        for text in _pyproject(directory).get("build-system", {}).get("requires", []):
+            req = Requirement(text)
+            try:
+                version = Version(metadata.version(req.name))
+            except metadata.PackageNotFoundError:
+                return False
+            if not req.specifier.contains(version, prereleases=True):
+                return False
+    return True
+
+
 def build_our_wheels(out: Path, projects: dict[str, Path]) -> dict[str, Path]:
     """Wheels of ``projects`` (core-rl and the selected plugins); ``name -> wheel``."""
     for stale in out.glob("core_rl*.whl"):
         stale.unlink()
-    proc = pip("wheel", "--no-deps", "-q", "-w", str(out), *(str(d) for d in projects.values()))
+    isolation = ["--no-build-isolation"] if backends_installed(projects) else []
+    proc = pip("wheel", "--no-deps", *isolation, "-q", "-w", str(out), *(str(d) for d in projects.values()))
     if proc.returncode != 0:
         raise WheelhouseError(f"building core-rl's wheels failed:\n{proc.stderr[-3000:]}")
     wheels = {}

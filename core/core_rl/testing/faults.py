@@ -10,8 +10,9 @@ Components that misbehave on purpose, registered by :class:`FaultPlugin`:
 - policy loss ``nan_pg``: the plain policy-gradient surrogate
   ``-A_t * exp(logp_t - old_logp_t)`` (token-mean), NaN at the steps in ``nan_steps``
   (steps counted by its ``loss_weights`` calls, one per step on the main rank).
-- logger ``crash_once``: raises at step ``step`` unless the file ``marker`` exists, which it
-  creates first (so a restarted run passes that step).
+- logger ``crash_once``: at step ``step`` unless the file ``marker`` exists, which it creates
+  first (so a restarted run passes that step), raises (``how: raise``) or kills its own process
+  with SIGSEGV (``how: segfault``, as a crash in native code would).
 
 ``python -m core_rl.testing.faults train CONFIG ...`` is ``core-rl`` with them installed. Also here:
 a tiny task to run (:func:`build_task`) and bitwise comparisons of runs (:func:`stable_metrics`,
@@ -118,6 +119,7 @@ class NanLoss(PolicyLoss):
 class CrashOnceConfig:
     step: int = 3
     marker: str = ""
+    how: str = attrs.field(default="raise", validator=attrs.validators.in_(("raise", "segfault")))
 
 
 class CrashOnceLogger(Logger):
@@ -130,6 +132,8 @@ class CrashOnceLogger(Logger):
         marker = Path(self.config.marker)
         if step == self.config.step and not marker.exists():
             marker.write_text("crashed\n")
+            if self.config.how == "segfault":
+                os.kill(os.getpid(), signal.SIGSEGV)
             raise RuntimeError(f"crash_once: logger crashed at step {step}")
 
 

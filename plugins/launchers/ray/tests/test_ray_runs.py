@@ -5,8 +5,9 @@
 - a trainer rank's actor killed mid-run: with ``recover.mode: auto`` the launcher restarts every
   actor, the run resumes from its checkpoint and ends as a straight run does, leaving no process;
 - the tiny GRPO example with 2 trainer ranks and a vLLM CPU server as actors of their own: in
-  ``split`` (weights over a gloo collective at rank 0's node address) the reward rises as in the
-  local run; in ``colocate`` (weights through the shared run directory) it trains 4 steps, then
+  ``split`` (weights over a gloo collective at rank 0's node address) every step samples with
+  exactly the weights being trained, as in the local run that shows the reward rising
+  (``tests/test_server_grpo.py``); in ``colocate`` (weights through the shared run directory) it trains 4 steps, then
   the server's actor is killed: the run ends with an error naming the actor and its node, the
   checkpoint it saved before intact, and no process left;
 - a node lost mid-run (its raylet and every process on it killed; the module's last test, as the
@@ -29,7 +30,6 @@ import pytest
 import yaml
 from core_rl.builtin.loggers import read_metrics
 from core_rl.testing.faults import build_task, checkpoint, finish, merged, run_dir, state_digest, wait_for_steps
-from core_rl.testing.helpers import fitted_rise
 from core_rl.testing.launch import cpu_ranks_env
 from core_rl.testing.processes import ancestors
 
@@ -173,7 +173,7 @@ def test_validate_checks_the_placement_against_the_cluster(ray_cluster, task):
 
 # -- the tiny GRPO example through a vLLM server ---------------------------------------------------
 
-STEPS = 16
+STEPS = 5  # the weights' exactness shows at every step; the rise needs ~16 (README)
 
 
 def _grpo(warm: dict[str, Path], name: str, *overrides: str) -> list[str]:
@@ -196,7 +196,7 @@ def _grpo(warm: dict[str, Path], name: str, *overrides: str) -> list[str]:
 
 
 @pytest.mark.server_env("vllm")
-def test_grpo_with_a_vllm_server_actor_learns_split(ray_cluster, tiny_grpo_warm):
+def test_grpo_with_a_vllm_server_actor_samples_with_the_trained_weights_split(ray_cluster, tiny_grpo_warm):
     pytest.importorskip("core_rl_vllm")
     warm = tiny_grpo_warm
     name = "vllm-split"
@@ -209,11 +209,10 @@ def test_grpo_with_a_vllm_server_actor_learns_split(ray_cluster, tiny_grpo_warm)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["weight_sync/bytes"] > 0 for r in rows)
     assert rows[-1]["eval/samples"] == 64  # grpo.yaml's evaluation, by rank 0's actor through the server
-    # the server samples with the weights being trained at every step (tests/test_server_grpo.py)
+    # the server samples with the weights being trained at every step: the k3 KL of the update's
+    # policy to the behaviour log-probs is float32 rounding (tests/test_server_grpo.py); a step's
+    # missed or partial update would put it at 0.24-1.6
     assert max(r["actor/approx_kl"] for r in rows) < 1e-8, [r["actor/approx_kl"] for r in rows]
-    first, last = fitted_rise(rows)
-    print(f"ray split (collective): reward {first:.3f} -> {last:.3f}")
-    assert last > first + 0.03, (first, last)  # the bar tests/test_server_grpo.py sets the local run
     log = warm["root"] / name / "ray" / "server-0" / "servers" / "vllm-0.log"
     assert log.is_file() and log.stat().st_size > 0
     assert _no_leftovers(str(warm["model"])) == []
