@@ -223,3 +223,40 @@ def test_evaluation_data_is_checked_before_the_run(setup, tmp_path: Path) -> Non
         p.startswith("eval.sampling.max_new_tokens: 4000 tokens after the longest prompt of eval.files")
         for p in info.value.problems
     )
+
+
+def test_core_rl_eval_of_the_starting_model_is_a_training_runs_first_evaluation(setup, capsys) -> None:
+    """``core-rl eval`` (no training): the metrics and answers of a training run's evaluation before
+    its first step, here sampled (3 answers a prompt from the ``hf`` engine's seeded generator), as
+    one JSON object or a table and the summary line; the answers under its own run directory."""
+    from core_rl import cli
+
+    runs = setup["root"] / "runs"
+    common = [*_eval_overrides(setup), "rollout.engine.seed=11", "trainer.total_steps=1"]
+    assert cli.main(["train", str(setup["config"]), "experiment.name=first_eval", *common]) == 0
+    want = {k: v for k, v in read_metrics(runs / "first_eval" / "metrics.jsonl")[0].items() if k.startswith("eval/")}
+    assert want["eval/prompts"] == len(EVAL_ROWS) and want["eval/samples"] == 3 * len(EVAL_ROWS)
+    capsys.readouterr()
+    assert cli.main(["eval", str(setup["config"]), "experiment.name=eval_alone", *common, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got.pop("timing/eval_s") > 0 and got == want
+    answers = (runs / "eval_alone" / "eval" / "step_000000.jsonl").read_text()
+    assert answers == (runs / "first_eval" / "eval" / "step_000000.jsonl").read_text()
+    assert not (runs / "eval_alone" / "metrics.jsonl").exists()  # nothing trained, nothing logged
+
+    assert cli.main(["eval", str(setup["config"]), "experiment.name=eval_table", *common, "--step", "7"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.split() == ["eval/pass@1", f"{want['eval/pass@1']:.6g}"] for line in lines), lines
+    assert lines[-1].startswith("eval:       step 7: reward ") and "over 5 prompts" in lines[-1]
+    assert (runs / "eval_table" / "eval" / "step_000007.jsonl").is_file()
+
+
+def test_core_rl_eval_without_an_eval_section_is_one_message(setup, capsys) -> None:
+    from core_rl import cli
+
+    assert cli.main(["eval", str(setup["config"]), "experiment.name=no_eval"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "core-rl: error: invalid configuration:",
+        "  - eval: the configuration has no eval section; add eval.files (the prompts to evaluate)",
+    ]

@@ -1,6 +1,7 @@
-"""The ``core-rl`` command: ``train``, ``plugins``, ``plot``, ``checkpoints``, ``config show``,
-``config validate`` and ``server-env create|list|path|remove`` (:mod:`core_rl.server_env`), plus
-the subcommands and ``train`` options that launcher plugins add
+"""The ``core-rl`` command: ``train``, ``eval`` (:mod:`core_rl.trainer.eval_command`), ``plugins``,
+``plot``, ``checkpoints``, ``config show``, ``config validate`` and ``server-env
+create|list|path|remove`` (:mod:`core_rl.server_env`), plus the subcommands and ``train`` options
+that launcher plugins add
 (:func:`core_rl.hookspecs.core_rl_add_commands`, :func:`core_rl.hookspecs.core_rl_add_train_arguments`).
 
 ``train`` hands the run to the launcher the configuration selects (:mod:`core_rl.launchers`;
@@ -79,6 +80,18 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     options = train.add_argument_group("launcher options")
     host.pm.hook.core_rl_add_train_arguments(group=options)
     train.set_defaults(launcher_options=[action.dest for action in options._group_actions])
+
+    evaluate = sub.add_parser(
+        "eval",
+        help="evaluate a model as a config's eval section says, without training",
+        description="Generate answers to the prompts of eval.files with the run's rollout engine and workflow "
+        "from the model at actor.model_path (override it to evaluate a run's final_hf), score them with the run's "
+        "reward and print the eval/* metrics a training run logs (pass@k, reward, per group_by value). The "
+        "answers go to <run>/eval/step_<N>.jsonl. The same checks as train run first.",
+    )
+    _add_config_args(evaluate)
+    evaluate.add_argument("--step", type=int, default=0, metavar="N", help="the step the results are labelled with")
+    evaluate.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
 
     plugins = sub.add_parser(
         "plugins",
@@ -261,6 +274,21 @@ def _cmd_train(args: argparse.Namespace, host: PluginHost) -> int:
     return launch_checked(request)
 
 
+def _cmd_eval(args: argparse.Namespace, host: PluginHost) -> int:
+    from core_rl.trainer.eval_command import evaluate_model
+
+    report_fatal_signals()
+    result = evaluate_model(_load(args, host), host=host, step=args.step)
+    if args.json:
+        print(json.dumps(dict(result.metrics), allow_nan=True))
+        return 0
+    width = max(map(len, result.metrics))
+    for key in sorted(result.metrics):
+        print(f"{key:<{width}}  {result.metrics[key]:.6g}")
+    print(result.summary)
+    return 0
+
+
 def run_rank(config_path: str, overrides: Sequence[str], rendezvous: Rendezvous) -> int:
     """Run one trainer rank of ``core-rl train config_path overrides...`` in this process and
     return its exit status, as ``core-rl train`` would (errors are printed, not raised). Every rank
@@ -316,6 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "train":
             return _cmd_train(args, host)
+        if args.command == "eval":
+            return _cmd_eval(args, host)
     except CoreRLError as exc:
         if exc.exit_code == EXIT_INTERRUPTED:
             print(f"core-rl: {exc}", file=sys.stderr)
