@@ -33,12 +33,11 @@ from core_rl.trainer.rewards import RewardRunner
 
 @attrs.frozen
 class EvalResult:
-    """What :func:`evaluate_model` measured: the ``eval/*`` metrics (and ``timing/eval_s``), the
-    summary line a training run prints, and where the answers went (``None``: not saved)."""
+    """What :func:`evaluate_model` measured: the ``eval/*`` metrics (and ``timing/eval_s``) and the
+    summary line a training run prints (which says where the answers went)."""
 
     metrics: Mapping[str, float]
     summary: str
-    samples: Path | None
 
 
 def evaluate_model(cfg: RunConfig, *, host: PluginHost, step: int = 0) -> EvalResult:
@@ -71,5 +70,4 @@ def evaluate_model(cfg: RunConfig, *, host: PluginHost, step: int = 0) -> EvalRe
         for component in (rollout, reward):
             if component is not None:
                 component.close()
-    samples = run_dir / "eval" / f"step_{step:06d}.jsonl" if cfg.eval.save_samples else None
-    return EvalResult(metrics=metrics, summary=summary, samples=samples)
+    return EvalResult(metrics=metrics, summary=summary)
