@@ -363,7 +363,7 @@ def check_sampling(cfg: RunConfig, model: ModelInfo, longest_prompt: int | None 
 def check_output_dir(cfg: RunConfig, *, create: bool = True) -> list[str]:
     """The run directory can be created and written (it is created here; with ``create=False``
     nothing is created and its nearest existing ancestor must be a writable directory)."""
-    run_dir = Path(cfg.experiment.output_dir) / cfg.experiment.name
+    run_dir = cfg.experiment.run_dir
     if not create:
         return _creatable_problems(run_dir)
     what = "create the run directory"

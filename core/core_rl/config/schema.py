@@ -7,6 +7,7 @@ shares (optimiser, schedule, micro-batches, LoRA) live in :mod:`core_rl.config.m
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 import attrs
@@ -56,6 +57,11 @@ class ExperimentConfig:
     output_dir: str = attrs.field(default="runs", validator=not_empty())
     seed: int = attrs.field(default=1, validator=in_range(0, MAX_SEED))
     offline: bool = True
+
+    @property
+    def run_dir(self) -> Path:
+        """The run's directory, ``output_dir/name``, where every file of the run goes."""
+        return Path(self.output_dir) / self.name
 
 
 @attrs.define

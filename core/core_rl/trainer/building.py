@@ -28,6 +28,19 @@ def build_loggers(cfg: RunConfig, host: PluginHost) -> list[Logger]:
     return [build(host, LOGGER, s) for s in specs]
 
 
+def seed_process(cfg: RunConfig) -> None:
+    """What a run sets in its process before building anything: ``trainer.torch_threads`` (when
+    set) and Python's and torch's RNGs seeded with ``experiment.seed``."""
+    import random
+
+    import torch
+
+    if cfg.trainer.torch_threads:
+        torch.set_num_threads(cfg.trainer.torch_threads)
+    random.seed(cfg.experiment.seed)
+    torch.manual_seed(cfg.experiment.seed)
+
+
 def quiet_library_progress_bars() -> None:
     """The console logger is the run's progress bar; silence the per-load bars of libraries.
     ``datasets`` is told through its environment variable unless a plugin imported it already:

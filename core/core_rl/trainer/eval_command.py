@@ -13,19 +13,16 @@ default) gives exactly the figures of a training run's evaluation before its fir
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping
-from pathlib import Path
 
 import attrs
-import torch
 
 from core_rl.config.schema import RunConfig
 from core_rl.errors import ConfigError
 from core_rl.kinds import REWARD
 from core_rl.plugins import PluginHost
 from core_rl.preflight import preflight
-from core_rl.trainer.building import build, quiet_library_progress_bars
+from core_rl.trainer.building import build, quiet_library_progress_bars, seed_process
 from core_rl.trainer.colocation import build_rollout_engine
 from core_rl.trainer.evaluation import build_evaluator
 from core_rl.trainer.rewards import RewardRunner
@@ -46,12 +43,9 @@ def evaluate_model(cfg: RunConfig, *, host: PluginHost, step: int = 0) -> EvalRe
         raise ConfigError(["eval: the configuration has no eval section; add eval.files (the prompts to evaluate)"])
     assert cfg.reward is not None  # an eval: section without a reward is refused when the config loads
     checked = preflight(cfg)
-    if cfg.trainer.torch_threads:
-        torch.set_num_threads(cfg.trainer.torch_threads)
-    random.seed(cfg.experiment.seed)
-    torch.manual_seed(cfg.experiment.seed)
+    seed_process(cfg)
     quiet_library_progress_bars()
-    run_dir = Path(cfg.experiment.output_dir) / cfg.experiment.name
+    run_dir = cfg.experiment.run_dir
     rollout, _ = build_rollout_engine(cfg, host, run_dir)
     reward = runner = None
     try:

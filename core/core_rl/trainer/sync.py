@@ -29,14 +29,10 @@ restores every RNG the run uses, the data position, the rollout engine's state a
 
 from __future__ import annotations
 
-import random
 import sys
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
-
-import torch
 
 from core_rl.built_engines import BuiltEngine
 from core_rl.config.loader import to_plain
@@ -68,7 +64,7 @@ from core_rl.protocol import RewardInput, Sample, TensorBatch
 from core_rl.roles import build_engine, build_roles
 from core_rl.trainer.auto_budget import resolve_auto_budgets
 from core_rl.trainer.batching import BatchAssembler, Generation
-from core_rl.trainer.building import build, build_loggers, quiet_library_progress_bars
+from core_rl.trainer.building import build, build_loggers, quiet_library_progress_bars, seed_process
 from core_rl.trainer.checkpoints import checkpoint_dir, is_disk_full
 from core_rl.trainer.colocated_memory import held_by_peer
 from core_rl.trainer.colocation import RolloutSleep, build_rollout_engine, peer_rollout_sleep
@@ -119,12 +115,8 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, TrainingLoop):
         self._data_rows = data_rows
         #: the run's signal handlers (entered by :func:`train`); without them nothing asks to stop
         self.stop = stop if stop is not None else StopSignals(announce=False)
-        seed = cfg.experiment.seed
-        if cfg.trainer.torch_threads:
-            torch.set_num_threads(cfg.trainer.torch_threads)
-        random.seed(seed)
-        torch.manual_seed(seed)
-        self.run_dir = Path(cfg.experiment.output_dir) / cfg.experiment.name
+        seed_process(cfg)
+        self.run_dir = cfg.experiment.run_dir
         self.recover_mode = effective_recover_mode(cfg)
         if self.recover_mode == "disabled" and (self.run_dir / "metrics.jsonl").exists():
             raise CoreRLError(

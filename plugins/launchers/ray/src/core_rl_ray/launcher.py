@@ -188,7 +188,7 @@ class RayLauncher(Launcher):
         if not group.servers:
             return []
         cfg = request.cfg
-        run_dir = Path(cfg.experiment.output_dir) / cfg.experiment.name
+        run_dir = cfg.experiment.run_dir
         timeout = server.startup_timeout + self.config.actor_timeout_s
         urls = group.start_servers(request.config_path, request.overrides, str(run_dir / "ray"), timeout)
         rank0 = group.ranks[0].where
