@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -114,3 +115,28 @@ def test_tensors_are_received_one_at_a_time_as_asked_for(tmp_path) -> None:
     results = [side.communicate(timeout=120) for side in sides]
     for side, (out, err) in zip(sides, results):
         assert side.returncode == 0 and out.strip() == "ok", err[-3000:]
+
+
+def test_a_group_forms_under_a_new_name_while_an_earlier_one_is_still_registered() -> None:
+    """Each group gets a name never used before in the process: a group whose shutdown failed
+    stays registered under its name, and a later group (another engine's, or the same engine's
+    after a server restart) must still form. Two real gloo groups of one rank, in this process."""
+    import torch
+    from core_rl import weight_group
+    from core_rl.servers import free_port
+
+    names = [weight_group.new_group_name() for _ in range(3)]
+    assert len(set(names)) == 3 and all(f"_{os.getpid()}_" in n for n in names)
+    groups = []
+    try:
+        for _ in range(2):  # the first one stays registered while the second forms
+            name = weight_group.new_group_name()
+            groups.append(
+                weight_group.init_group(
+                    "127.0.0.1", free_port("127.0.0.1"), 1, backend="gloo", group_name=name, timeout_s=30
+                )
+            )
+            assert weight_group.broadcast_tensors(groups[-1], [torch.ones(2)], "cpu") == 8
+    finally:
+        for group in groups:
+            weight_group.destroy_group(group)

@@ -18,9 +18,22 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
+import os
 from collections.abc import Iterable, Iterator
 
 import torch
+
+_group_serials = itertools.count()
+
+
+def new_group_name() -> str:
+    """A group name used once: ``core_rl_weights_<pid>_<serial>``. torch keeps a name registered
+    when shutting its group down fails (the peers gone) and a server connected by ``urls`` serves
+    one trainer after another, so a name drawn from anything reused (an object's ``id``, which
+    Python gives again once the object is collected; a restart count) can meet one still
+    registered, and the group then fails to form."""
+    return f"core_rl_weights_{os.getpid()}_{next(_group_serials)}"
 
 
 def init_group(

@@ -82,7 +82,7 @@ class ServerRolloutEngine(Generation, WeightSync, MemoryRelease, ServerRecovery,
         self._weights_path: str | None = None  # what a restarted server must load
         self._held: tuple[Any, int] | None = None  # a collective update's weights, until resume()
         self._group: Any = None
-        self._group_epoch = 0  # a new group (and name) after a server restart
+        self._group_name = ""  # the current group's (weight_group.new_group_name: a new one each time)
         self._group_members: list[int] = []
         self._fatal: ServerError | None = None  # the error the engine stopped with
         self._paused_mode: str | None = None
@@ -99,10 +99,6 @@ class ServerRolloutEngine(Generation, WeightSync, MemoryRelease, ServerRecovery,
         except BaseException:
             self.close()
             raise
-
-    @property
-    def _group_name(self) -> str:
-        return f"core_rl_weights_{id(self):x}_{self._group_epoch}"
 
     # -- plugin hooks ---------------------------------------------------------------------------
 

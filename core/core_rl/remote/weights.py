@@ -42,7 +42,7 @@ class WeightSync:
     _weights_path: str | None
     _held: tuple[Mapping[str, Any], int] | None
     _group: Any
-    _group_epoch: int
+    _group_name: str
     _group_members: list[int]  # each server's restart generation when the group formed
     last_sync: dict[str, float]
 
@@ -50,9 +50,6 @@ class WeightSync:
 
         @property
         def paused(self) -> bool: ...
-
-        @property
-        def _group_name(self) -> str: ...
 
         def pause(self, mode: str = "wait") -> None: ...
 
@@ -221,7 +218,7 @@ class WeightSync:
             from core_rl import weight_group
 
             weight_group.destroy_group(self._group)
-            self._group, self._group_epoch = None, self._group_epoch + 1
+            self._group = None
 
     def _form_group(self) -> None:
         """Form the weight-update group: the trainer is rank 0, each server's workers join. Raises
@@ -235,6 +232,7 @@ class WeightSync:
         world_size = 1 + per_server * len(self.endpoints)
         timeout = self.options.weight_sync_timeout
         what = f"the weight-update group ({backend}, {world_size} ranks at {address}:{port})"
+        self._group_name = name = weight_group.new_group_name()  # before the joins: the plugins send it
 
         async def join(i: int, ep: Endpoint) -> None:
             try:
@@ -255,7 +253,6 @@ class WeightSync:
 
         joined = asyncio.run_coroutine_threadsafe(join_all(), self._loop)
         formed: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        name = self._group_name
 
         def init() -> None:  # in a thread of its own: a server that fails to join ends the wait at once
             try:
