@@ -231,3 +231,34 @@ def test_env_lists_compare_names_as_packaging_does():
 
     assert _split_env(" Core_RL.Example-plugin , other ") == {"core-rl-example-plugin", "other"}
     assert _normalise("core_rl__grpo") == "core-rl-grpo"
+
+
+class _CountingDistribution(md.PathDistribution):
+    """A real installed-distribution record (a ``dist-info`` directory) that counts how often its
+    metadata file is parsed."""
+
+    parses = 0
+
+    @property
+    def metadata(self):  # type: ignore[override]
+        self.parses += 1
+        return super().metadata
+
+
+def test_a_distribution_metadata_is_parsed_once_per_host(plugin_modules, tmp_path):
+    """Each parse reads the whole metadata file (core-rl's holds its README), and the host asks for
+    a distribution's name and version of each of its entry points several times (deduplication,
+    ordering, loading, listing): one parse per distribution serves them all."""
+    info = tmp_path / "dist_q-2.0.dist-info"
+    info.mkdir()
+    headers = "Metadata-Version: 2.1\nName: dist-q\nVersion: 2.0\n\n"
+    (info / "METADATA").write_text(headers + "A long description.\n" * 500)
+    groups = "[core_rl.rewards]\ngood = crl_good_plugin\nbroken = crl_broken_plugin\nunused = crl_unused_plugin\n"
+    (info / "entry_points.txt").write_text(groups)
+    dist = _CountingDistribution(info)
+    host = PluginHost(entry_points=list(dist.entry_points), environ={})
+    statuses = host.load_all() + host.statuses()
+    assert {(s.name, s.distribution, s.version) for s in statuses} == {
+        (name, "dist-q", "2.0") for name in ("good", "broken", "unused")
+    }
+    assert dist.parses == 1

@@ -80,6 +80,8 @@ class PluginHost:
         self._blocked = _split_env(env.get(ENV_BLOCK))
         self._allowed = _split_env(env.get(ENV_ALLOW))
         groups = {kind.group: kind for kind in ALL_KINDS}
+        #: id(distribution) -> (that distribution, its name and version): one metadata parse each
+        self._distributions: dict[int, tuple[md.Distribution, tuple[str, str]]] = {}
         if entry_points is None:
             installed = md.entry_points()  # one scan of the installed distributions for every group
             entry_points = [ep for group in groups for ep in installed.select(group=group)]
@@ -156,10 +158,18 @@ class PluginHost:
     # -- entry points -------------------------------------------------------------------------
 
     def _distribution_of(self, ep: md.EntryPoint) -> tuple[str, str]:
+        """``(name, version)`` of the distribution declaring ``ep``. Each ``metadata`` access
+        parses the whole metadata file again (core-rl's holds its README, ~110 kB), so it is read
+        once per distribution (the entry points of one scan share their distribution's object)."""
         dist = getattr(ep, "dist", None)
         if dist is None:
             return "<unknown>", ""
-        return dist.metadata["Name"] or "<unknown>", dist.version or ""
+        known = self._distributions.get(id(dist))
+        if known is None or known[0] is not dist:
+            meta = dist.metadata
+            known = (dist, (meta["Name"] or "<unknown>", meta["Version"] or ""))
+            self._distributions[id(dist)] = known  # the object is kept, so its id is not given again
+        return known[1]
 
     def _is_blocked(self, distribution: str) -> bool:
         dist = _normalise(distribution)
