@@ -425,3 +425,27 @@ def test_activation_checkpointing_every_n_layers_needs_a_recent_transformers(tmp
     assert problem.startswith(
         "actor.gradient_checkpointing_every_n_layers / gradient_checkpointing_offload: need transformers >= 5.23"
     )
+
+
+def test_the_trainer_takes_the_prompts_preflight_tokenised(tmp_path, model, data, monkeypatch):
+    """Preflight tokenises every prompt to check it; the trainer's prompt source (with its own
+    tokenizer, loaded from the same directory, as the trainer loads it) takes those items instead
+    of tokenising them all again. Under other settings (another length bound) it tokenises anew."""
+    import attrs
+    from core_rl.trainer import data as data_module
+    from core_rl.trainer.data import PromptSource
+    from transformers import AutoTokenizer
+
+    cfg = _config(tmp_path, model, data)
+    checked = preflight(cfg, machine=NO_GPU)
+    calls = []
+    encode = data_module.encode_prompt
+    monkeypatch.setattr(data_module, "encode_prompt", lambda *a, **k: calls.append(a[0]) or encode(*a, **k))
+    tokenizer = AutoTokenizer.from_pretrained(cfg.actor.tokenizer_path or cfg.actor.model_path)
+    source = PromptSource(cfg.data, tokenizer, seed=1, rows=checked.rows)
+    assert calls == []
+    assert [(i.text, i.prompt_ids) for i in source.items] == [
+        (t, tokenizer(t)["input_ids"]) for t in ("ab=", "ca=", "bcb=")
+    ]
+    PromptSource(attrs.evolve(cfg.data, max_prompt_tokens=64), tokenizer, seed=1, rows=checked.rows)
+    assert calls == ["ab=", "ca=", "bcb="]

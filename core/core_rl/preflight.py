@@ -55,10 +55,12 @@ from core_rl.placement import sleep_problems
 from core_rl.roles import reward_model_problems, role_sections, shared_tokenizer_problems
 from core_rl.trainer.data import (
     DataRow,
+    TokenisedRows,
     check_eval_data,
     check_rows,
     eval_data_config,
     read_data_files,
+    tokenisation_key,
     tokenise_rows,
 )
 
@@ -436,6 +438,9 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
             )
             problems += prompt_problems
             longest_prompt = max((len(item.prompt_ids) for item in items), default=None)
+            key = tokenisation_key(cfg.data, tokenizer)
+            if not prompt_problems and key is not None:  # the trainer takes these items as they are
+                rows = TokenisedRows(rows, items, key)
     if cfg.eval is not None:
         chat_ok = not cfg.data.apply_chat_template or getattr(tokenizer, "chat_template", None)
         problems += eval_data_problems(cfg, tokenizer if chat_ok else None, model)

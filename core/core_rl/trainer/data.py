@@ -329,6 +329,28 @@ def tokenise_rows(
     return items, problems.result()
 
 
+def tokenisation_key(config: DataConfig, tokenizer: Any) -> tuple[Any, ...] | None:
+    """What decides the prompt items :func:`tokenise_rows` makes of the same rows: the prompt
+    column, the chat-template setting, the length bound and the tokenizer's source (``None``, so
+    nothing is reused, for a tokenizer that does not say where it came from)."""
+    source = getattr(tokenizer, "name_or_path", None)
+    if not source:
+        return None
+    return (config.prompt_key, config.apply_chat_template, config.max_prompt_tokens, str(source))
+
+
+class TokenisedRows(list):  # list[DataRow]
+    """Rows that :func:`core_rl.preflight.preflight` read, checked and tokenised without a
+    problem: still the list of :class:`DataRow` a training loop receives, plus the prompt items
+    that tokenising gave (``key``: :func:`tokenisation_key`), so that :class:`PromptSource` under
+    the same settings takes them instead of tokenising every prompt a second time."""
+
+    def __init__(self, rows: Sequence[DataRow], items: Sequence[PromptItem], key: tuple[Any, ...]) -> None:
+        super().__init__(rows)
+        self.items = list(items)
+        self.key = key
+
+
 def eval_data_config(cfg: RunConfig) -> DataConfig:
     """The data section evaluation reads its files with: ``data``'s prompt settings, the eval
     files, prompt column and batch size, in file order."""
@@ -362,8 +384,9 @@ def check_eval_data(cfg: RunConfig, required: Mapping[str, str]) -> tuple[list[D
 class PromptSource:
     """Draws ``batch_size`` prompts per call, reshuffling (seeded by ``seed + epoch``) at each epoch.
 
-    ``rows``: rows already read and checked (by :mod:`core_rl.preflight`); ``None`` reads
-    ``config.train_files`` here. Raises :class:`DataError` listing every problem.
+    ``rows``: rows already read and checked (by :mod:`core_rl.preflight`; tokenised there too when
+    they are :class:`TokenisedRows` of the same settings); ``None`` reads ``config.train_files``
+    here. Raises :class:`DataError` listing every problem.
 
     ``state_dict()`` / ``load_state_dict()`` capture the position so a resumed run sees the same
     prompts it would have seen without interruption.
@@ -378,7 +401,10 @@ class PromptSource:
             problems += check_rows(rows, config.prompt_key, {})
         if not problems and not rows:
             problems.append(f"data.train_files: {list(config.train_files)} hold no rows")
-        if not problems:
+        key = tokenisation_key(config, tokenizer)
+        if not problems and isinstance(rows, TokenisedRows) and key is not None and rows.key == key:
+            self.items = list(rows.items)
+        elif not problems:
             self.items, problems = tokenise_rows(rows, config, tokenizer)
         if problems:
             raise DataError(problems)
