@@ -401,8 +401,7 @@ class PromptSource:
             problems += check_rows(rows, config.prompt_key, {})
         if not problems and not rows:
             problems.append(f"data.train_files: {list(config.train_files)} hold no rows")
-        key = tokenisation_key(config, tokenizer)
-        if not problems and isinstance(rows, TokenisedRows) and key is not None and rows.key == key:
+        if not problems and isinstance(rows, TokenisedRows) and rows.key == tokenisation_key(config, tokenizer):
             self.items = list(rows.items)
         elif not problems:
             self.items, problems = tokenise_rows(rows, config, tokenizer)
