@@ -12,6 +12,7 @@ and kept its bookkeeping with boolean indexing, over random prompt lengths, stop
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import pytest
@@ -221,10 +222,49 @@ def test_graph_path_wiring_on_cpu(make_engine, tiny_state_dict, monkeypatch, aut
     first = outputs(graphed)
     same(first, outputs(plain))
     same(outputs(graphed), first)
-    assert graphed.graphs.captures == 1 and len(graphed.graphs._entries) == 1
+    graphed.generate(prompts, SamplingParams(n=2, greedy=True, max_new_tokens=12, temperature=0.5, top_k=3))
+    assert graphed.graphs.captures == 1 and len(graphed.graphs._entries) == 1  # greedy reads neither
     changed = {k: v * 1.5 if "mlp" in k else v for k, v in tiny_state_dict.items()}
     for engine in (graphed, plain):
         engine.update_weights(changed, 1)
     after = outputs(graphed)
     same(after, outputs(plain))
     assert [x[2] for x in after] != [x[2] for x in first]
+
+
+def test_a_failed_capture_decodes_eagerly_or_fails_naming_the_setting(make_engine, monkeypatch, caplog) -> None:
+    """A capture that raises (on a GPU: an operation a CUDA graph cannot hold), injected here on a
+    CPU: with ``cuda_graphs: null`` the engine says so once and samples exactly what an engine
+    without graphs samples (same seed: the warm-up took no draws that count), and never tries to
+    capture again; with ``cuda_graphs: true`` (``required``) the call fails naming the setting."""
+    from core_rl_hf.graphs import DecodeGraphs, GraphedDecoder
+
+    attempts = []
+
+    def failing_capture(self, device):
+        attempts.append(device)
+        self._advance()  # the warm-up draws, as on a GPU, before the capture fails
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(GraphedDecoder, "_capture_on", failing_capture)
+    monkeypatch.setattr(torch.cuda, "device", lambda _device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: None)
+    graphed, plain = make_engine(seed=5), make_engine(seed=5)
+    graphed.graphs = DecodeGraphs()
+    prompts, sampling = [[1, 5, 6], [1, 7, 8, 9, 10]], SamplingParams(n=3, temperature=1.0, max_new_tokens=10)
+
+    def outputs(engine):
+        return [(s.response_ids, s.logprobs) for g in engine.generate(prompts, sampling) for s in g]
+
+    with caplog.at_level("WARNING", logger="core_rl_hf.graphs"):
+        assert outputs(graphed) == outputs(plain)
+        assert outputs(graphed) == outputs(plain)
+    assert len(attempts) == 1 and not graphed.graphs.usable and graphed.graphs.captures == 0
+    assert "operation not permitted when stream is capturing" in graphed.graphs.failure
+    (warning,) = [r.getMessage() for r in caplog.records if "capturing the decoding step failed" in r.getMessage()]
+    assert warning.endswith("decoding eagerly from now")
+
+    strict = make_engine(seed=5)
+    strict.graphs = DecodeGraphs(required=True)
+    with pytest.raises(RuntimeError, match=r"rollout.engine.cuda_graphs: true, but capturing the decoding step failed"):
+        strict.generate(prompts, sampling)

@@ -152,7 +152,7 @@ class HFRolloutEngine(RolloutEngine):
                 f"Qwen2 model); this is {type(model).__name__} with decoder {config.decoder!r}: set cuda_graphs to "
                 "null or false"
             )
-        return DecodeGraphs()
+        return DecodeGraphs(required=True)
 
     @property
     def model(self) -> torch.nn.Module:

@@ -115,7 +115,8 @@ def generate_batch(
         special = dict(stop_ids=stop_ids, pad_token_id=pad_token_id)
         return DecodeState(total, steps, vocab, sampling, **special, device=device, generator=generator)
 
-    if graphs is not None and lean and lean_supported(model):
+    found = None
+    if graphs is not None and graphs.usable and lean and lean_supported(model):
         capacity = bucketed_capacity(width + steps)
         key = (id(model), total, capacity, steps, vocab, _sampling_key(sampling), tuple(stop_ids), pad_token_id)
         key += (compute_dtype, id(generator))
@@ -124,9 +125,12 @@ def generate_batch(
             stepper = LeanStepper(model, cache, mask, last_position, capacity, compute_dtype, static=True)
             return stepper, new_state()
 
-        graphed, new = graphs.get(key, build)
+        found = graphs.get(key, build)  # None: the capture failed, decode eagerly
+    if found is not None:
+        graphed, new = found
         stepper, state = graphed.stepper, graphed.state
         stepper.load(cache, mask, last_position)  # the capture's warm-up moved them on
+        cache = None  # the prompts' keys and values are in the stepper's buffers now
         if not new:
             stepper.refresh_weights()
         state.reset()
@@ -191,5 +195,8 @@ def _decode(
 
 
 def _sampling_key(sampling: SamplingParams) -> tuple:
-    """What a captured step depends on in ``sampling`` (the number of samples is not)."""
-    return (sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_new_tokens)
+    """What a captured step depends on in ``sampling`` (the number of samples is not; greedy
+    choice reads no temperature, top-k or top-p: :func:`core_rl_hf.sampling.choose_tokens`)."""
+    if sampling.greedy:
+        return (True, sampling.min_new_tokens)
+    return (False, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_new_tokens)

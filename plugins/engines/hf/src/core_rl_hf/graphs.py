@@ -17,7 +17,12 @@ written so far. :class:`DecodeGraphs` keeps the last :data:`MAX_GRAPHS` shapes u
 Sampling under the graph draws from the engine's generator (registered with the graph) or
 torch's default CUDA generator: each replay advances the generator's offset as an eager step
 would, so a seeded engine samples reproducibly. The warm-up's draws are undone (the generator's
-state is restored after the capture).
+state is restored after the capture, and after a failed one).
+
+A capture that fails (an operation CUDA graphs cannot hold, in a model or torch this was not
+measured with) ends graph use for the engine: with ``cuda_graphs: null`` it says so once and
+decodes eagerly from then on; with ``cuda_graphs: true`` (``required``) it raises, naming the
+setting.
 """
 
 from __future__ import annotations
@@ -58,28 +63,31 @@ class GraphedDecoder:
         self.state.choose(self.stepper.step(self.state.feed))
 
     def _capture(self) -> torch.cuda.CUDAGraph:
+        """Warm up, then capture :meth:`_advance`; the sampling generator's state is restored
+        afterwards (the warm-up drew from it), also when the capture fails."""
         device = self.state.feed.device
         # the capture begins on the current device's stream: make the engine's device current (it
         # need not be, e.g. rollout.engine.device cuda:1 beside a trainer on cuda:0)
         with torch.cuda.device(device):
-            return self._capture_on(device)
+            rng = self.state.generator or torch.cuda.default_generators[torch.cuda.current_device()]
+            rng_state = rng.get_state()
+            try:
+                return self._capture_on(device)
+            finally:
+                rng.set_state(rng_state)
 
     def _capture_on(self, device: torch.device) -> torch.cuda.CUDAGraph:
-        generator = self.state.generator
-        rng = generator or torch.cuda.default_generators[torch.cuda.current_device()]
-        rng_state = rng.get_state()
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # lazy initialisations (cuBLAS workspaces...) happen here
             self._advance()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        if generator is not None:  # the default generator is registered by the capture itself
-            graph.register_generator_state(generator)
+        if self.state.generator is not None:  # the default generator is registered by the capture itself
+            graph.register_generator_state(self.state.generator)
         # thread_local: CUDA work of other threads (a train engine beside an async rollout) may go on
         with torch.cuda.graph(graph, stream=torch.cuda.Stream(device), capture_error_mode="thread_local"):
             self._advance()
-        rng.set_state(rng_state)
         return graph
 
     def replay(self) -> None:
@@ -89,24 +97,49 @@ class GraphedDecoder:
 
 class DecodeGraphs:
     """The captured decoders of one engine, by key (the batch shape and everything the captured
-    step depends on), at most :data:`MAX_GRAPHS` (least recently used dropped)."""
+    step depends on), at most :data:`MAX_GRAPHS` (least recently used dropped before a new one is
+    captured, so no more are ever held). ``required``: a failed capture raises (``cuda_graphs:
+    true``) instead of ending graph use (:attr:`failure` says why)."""
 
-    def __init__(self, limit: int = MAX_GRAPHS) -> None:
-        self.limit = limit
+    def __init__(self, limit: int = MAX_GRAPHS, *, required: bool = False) -> None:
+        self.limit, self.required = limit, required
         self._entries: OrderedDict[Hashable, GraphedDecoder] = OrderedDict()
         self.captures = 0
         self.capture_seconds = 0.0
+        self.failure: str | None = None
 
-    def get(self, key: Hashable, build: Callable[[], tuple[LeanStepper, DecodeState]]) -> tuple[GraphedDecoder, bool]:
-        """The decoder for ``key``, captured from ``build()`` when new; and whether it is new."""
+    @property
+    def usable(self) -> bool:
+        """False once a capture has failed: the engine decodes eagerly."""
+        return self.failure is None
+
+    def get(
+        self, key: Hashable, build: Callable[[], tuple[LeanStepper, DecodeState]]
+    ) -> tuple[GraphedDecoder, bool] | None:
+        """The decoder for ``key``, captured from ``build()`` when new; and whether it is new.
+        ``None`` when the capture failed and graphs are not :attr:`required` (see the module docstring)."""
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
             return entry, False
+        while len(self._entries) >= self.limit:
+            self._entries.popitem(last=False)
         start = time.perf_counter()
-        stepper, state = build()
-        entry = GraphedDecoder(stepper, state)
-        torch.cuda.synchronize(state.feed.device)
+        try:
+            stepper, state = build()
+            entry = GraphedDecoder(stepper, state)
+            torch.cuda.synchronize(state.feed.device)
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            if self.required:
+                raise RuntimeError(
+                    f"rollout.engine.cuda_graphs: true, but capturing the decoding step failed ({reason}); set "
+                    "cuda_graphs to null (decodes eagerly where a capture fails) or false"
+                ) from exc
+            self.failure = reason
+            self.clear()
+            log.warning("hf rollout engine: capturing the decoding step failed (%s); decoding eagerly from now", reason)
+            return None
         seconds = time.perf_counter() - start
         self.captures += 1
         self.capture_seconds += seconds
@@ -117,8 +150,6 @@ class DecodeGraphs:
             seconds,
         )
         self._entries[key] = entry
-        while len(self._entries) > self.limit:
-            self._entries.popitem(last=False)
         return entry, True
 
     def clear(self) -> None:
