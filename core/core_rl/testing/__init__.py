@@ -28,9 +28,10 @@ from core_rl.testing.contracts import (
     make_rl_batch,
     recipe_host,
 )
-from core_rl.testing.engine_contracts import RolloutEngineContract, TrainEngineContract
+from core_rl.testing.engine_contracts import TrainEngineContract
 from core_rl.testing.environment_contracts import EnvironmentContract, ToolParserContract
 from core_rl.testing.launcher_contract import LauncherContract
+from core_rl.testing.rollout_contracts import RolloutEngineContract
 from core_rl.testing.server_contract import ServerRolloutEngineContract
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""Contract test classes of the plugin kinds other than engines (those: :mod:`core_rl.testing.engine_contracts`).
+"""Contract test classes of the plugin kinds other than engines (those: :mod:`core_rl.testing.engine_contracts`
+and :mod:`core_rl.testing.rollout_contracts`).
 
 Each contract registers ``plugin`` in a fresh :class:`~core_rl.plugins.PluginHost` (no entry points),
 builds the component named ``name`` with ``options`` validated by its ``config_cls``, and checks the

@@ -1,5 +1,5 @@
-"""Contract test classes of train engines and rollout engines (see :mod:`core_rl.testing`): built on
-a tiny model offline, one process."""
+"""Contract test classes of train engines (see :mod:`core_rl.testing`; rollout engines':
+:mod:`core_rl.testing.rollout_contracts`): built on a tiny model offline, one process."""
 
 from __future__ import annotations
 
@@ -10,28 +10,12 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from core_rl.config.converter import structure
-from core_rl.config.schema import (
-    ActorConfig,
-    MicroBatchConfig,
-    OptimizerConfig,
-    PluginSpec,
-    RolloutConfig,
-)
-from core_rl.interfaces import (
-    LossOutput,
-    RolloutEngine,
-    SamplingParams,
-    TrainEngine,
-)
-from core_rl.kinds import (
-    ROLLOUT_ENGINE,
-    TRAIN_ENGINE,
-)
+from core_rl.config.schema import ActorConfig, MicroBatchConfig, OptimizerConfig, PluginSpec
+from core_rl.interfaces import LossOutput, TrainEngine
+from core_rl.kinds import TRAIN_ENGINE
 from core_rl.protocol import TensorBatch
 from core_rl.testing.contracts import ComponentContract
 from core_rl.testing.helpers import hf_logprobs, make_rl_batch
-from core_rl.testing.multi_turn import MultiTurnEngineTests
 from core_rl.testing.weight_transfer import check_weight_buckets
 
 # ---------------------------------------------------------------------------------------------
@@ -43,7 +27,7 @@ def _nll_loss(batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor)
     return LossOutput(per_token_loss=-logprobs, token_metrics={"neg_logprob": -logprobs.detach()})
 
 
-class _TinyModelMixin:
+class TinyModelMixin:
     #: keyword arguments of :func:`core_rl.testing.tiny.build_tiny_model` (e.g. ``num_heads=2`` for
     #: servers whose attention kernels need a head size of at least 32)
     tiny_model_options: ClassVar[dict[str, Any]] = {}
@@ -56,7 +40,7 @@ class _TinyModelMixin:
         return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, **cls.tiny_model_options)
 
 
-class TrainEngineContract(_TinyModelMixin, ComponentContract):
+class TrainEngineContract(TinyModelMixin, ComponentContract):
     """A train engine on a tiny model (one process): log-probs agree with transformers, training
     lowers a loss, micro-batching does not change the update, weights export and state resumes."""
 
@@ -101,6 +85,25 @@ class TrainEngineContract(_TinyModelMixin, ComponentContract):
             assert (got[:, 0] == 0).all() and (got[batch["attention_mask"] == 0] == 0).all()
             torch.testing.assert_close(got, want, atol=self.logprob_atol, rtol=0)
         engine.close()
+
+    def test_close_releases_the_model_while_the_engine_lives(self, model_path: Path) -> None:
+        """After ``close()`` (and a garbage collection) no parameter of the modules the engine held is
+        reachable, though the engine object still is (a trainer holds its engines until it ends):
+        on a GPU that memory returns to the device for the next engine or restart."""
+        import gc
+        import weakref
+
+        from torch import nn
+
+        engine = self.make(model_path)
+        engine.train_step(make_rl_batch(), _nll_loss)  # optimizer state and hooks exist too
+        held = [v for value in vars(engine).values() for v in (value if isinstance(value, list) else [value])]
+        params = [weakref.ref(p) for module in held if isinstance(module, nn.Module) for p in module.parameters()]
+        assert params, "the engine holds no nn.Module attribute to check"
+        del held  # only the engine holds the modules now
+        engine.close()
+        gc.collect()
+        assert [ref() for ref in params if ref() is not None] == []
 
     def test_train_step_metrics_and_step_count(self, model_path: Path) -> None:
         engine = self.make(model_path)
@@ -300,200 +303,3 @@ def _with_returns(batch: TensorBatch) -> TensorBatch:
 
 def _mse_value_loss(batch: TensorBatch, values: torch.Tensor) -> LossOutput:
     return LossOutput(per_token_loss=0.5 * (values - batch["returns"]).square() * batch["response_mask"])
-
-
-class RolloutEngineContract(_TinyModelMixin, MultiTurnEngineTests, ComponentContract):
-    """A rollout engine on a tiny model: counts, stop rules, greedy decoding, behaviour log-probs
-    that agree with a transformers forward, the per-request API (``agenerate`` from any event loop
-    and thread, ``pause``/``resume``, ``health``), and weight updates by every mode the engine
-    declares in ``weight_sync_modes`` (``memory`` both whole and in buckets) that take effect and
-    can be undone.
-
-    ``options`` should make the engine compute in float32 so ``logprob_atol`` can stay tight.
-    """
-
-    kind = ROLLOUT_ENGINE
-    logprob_atol: ClassVar[float] = 1e-3
-
-    def make(
-        self, model_path: Path, run_dir: Path | None = None, options: dict[str, Any] | None = None
-    ) -> RolloutEngine:
-        """Build the engine with ``options`` (default: the class's ``options``)."""
-        import tempfile
-
-        options = dict(self.options if options is None else options)
-        entry = self.entry()
-        config = None if entry.config_cls is None else structure(options, entry.config_cls, path=self.kind.key)
-        rollout = RolloutConfig(engine=PluginSpec(name=self.name, options=options))
-        run_dir = run_dir or Path(tempfile.mkdtemp(prefix="core-rl-rollout-"))
-        engine = entry.factory(rollout, config, model_path=str(model_path), run_dir=run_dir)
-        assert isinstance(engine, RolloutEngine)
-        return engine
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def engine(cls, model_path: Path, tmp_path_factory: pytest.TempPathFactory):
-        engine = cls().make(model_path, tmp_path_factory.mktemp("rollout-run"))
-        yield engine
-        engine.close()
-
-    prompts: ClassVar[list[list[int]]] = [[1, 10, 11, 12], [1, 20, 21]]
-
-    def test_counts_and_shapes(self, engine: RolloutEngine) -> None:
-        out = engine.generate(self.prompts, SamplingParams(n=3, max_new_tokens=5))
-        assert len(out) == len(self.prompts)
-        for prompt, samples in zip(self.prompts, out):
-            assert len(samples) == 3
-            for s in samples:
-                assert s.prompt_ids == prompt
-                assert 1 <= len(s.response_ids) <= 5
-                assert len(s.logprobs) == len(s.response_ids)
-                assert all(lp <= 1e-6 for lp in s.logprobs)
-                assert s.weight_version == engine.weight_version
-                assert set(s.versions) <= {engine.weight_version}
-                assert s.finish_reason in ("stop", "length")
-
-    def test_stop_tokens_and_min_new_tokens(self, engine: RolloutEngine) -> None:
-        stops = list(range(4, 40, 2))
-        out = engine.generate(
-            self.prompts, SamplingParams(n=4, max_new_tokens=8, min_new_tokens=3, stop_token_ids=stops)
-        )
-        for samples in out:
-            for s in samples:
-                assert len(s.response_ids) >= 3
-                body = s.response_ids[3:-1] if s.finish_reason == "stop" else s.response_ids[3:]
-                assert not any(t in stops for t in body), s.response_ids
-                if s.finish_reason == "stop":
-                    assert s.response_ids[-1] in stops or s.response_ids[-1] == 2
-                else:
-                    assert len(s.response_ids) == 8
-
-    def test_greedy_is_argmax_and_top_k_one_matches(self, engine: RolloutEngine, model_path: Path) -> None:
-        greedy = engine.generate(self.prompts, SamplingParams(n=2, max_new_tokens=6, greedy=True))
-        topk1 = engine.generate(self.prompts, SamplingParams(n=1, max_new_tokens=6, top_k=1))
-        for samples, k1 in zip(greedy, topk1):
-            assert samples[0].response_ids == samples[1].response_ids == k1[0].response_ids
-
-    def test_logprobs_match_forward(self, engine: RolloutEngine, model_path: Path) -> None:
-        out = engine.generate(self.prompts, SamplingParams(n=2, max_new_tokens=6, temperature=0.7))
-        self._check_logprobs(out, model_path, 0.7)
-
-    def _check_logprobs(self, out, model_path: Path, temperature: float, state_dict=None) -> None:
-        for samples in out:
-            for s in samples:
-                ids = torch.tensor([s.prompt_ids + s.response_ids])
-                ref = hf_logprobs(model_path, ids, torch.ones_like(ids), temperature, state_dict)[0]
-                got = torch.tensor(s.logprobs)
-                torch.testing.assert_close(got, ref[len(s.prompt_ids) :], atol=self.logprob_atol, rtol=0)
-
-    # -- the per-request API ----------------------------------------------------------------------
-
-    def test_agenerate_concurrent_requests(self, engine: RolloutEngine) -> None:
-        import asyncio
-
-        prompts = [[1, 10 + i, 11, 12 + i % 3] for i in range(6)]
-
-        async def run() -> list:
-            return await asyncio.gather(*(engine.agenerate(p, SamplingParams(n=2, max_new_tokens=4)) for p in prompts))
-
-        out = asyncio.run(run())
-        assert len(out) == len(prompts)
-        for prompt, samples in zip(prompts, out):
-            assert len(samples) == 2
-            assert all(s.prompt_ids == prompt and 1 <= len(s.response_ids) <= 4 for s in samples)
-
-    def test_agenerate_from_several_threads(self, engine: RolloutEngine) -> None:
-        import asyncio
-        from concurrent.futures import ThreadPoolExecutor
-
-        def one(prompt: list[int]) -> list:
-            return asyncio.run(engine.agenerate(prompt, SamplingParams(n=1, max_new_tokens=3, greedy=True)))
-
-        with ThreadPoolExecutor(3) as pool:
-            results = list(pool.map(one, [self.prompts[0]] * 3))
-        assert results[0][0].response_ids == results[1][0].response_ids == results[2][0].response_ids
-
-    def test_pause_holds_requests_until_resume(self, engine: RolloutEngine) -> None:
-        import asyncio
-
-        async def run() -> tuple[bool, list]:
-            engine.pause("wait")
-            try:
-                task = asyncio.ensure_future(engine.agenerate(self.prompts[0], SamplingParams(n=2, max_new_tokens=3)))
-                await asyncio.sleep(1.0)
-                held = not task.done()
-            finally:
-                engine.resume()
-            return held, await asyncio.wait_for(task, 300)
-
-        held, samples = asyncio.run(run())
-        assert held, "a request submitted while paused finished before resume()"
-        assert len(samples) == 2
-
-    def test_health(self, engine: RolloutEngine) -> None:
-        health = engine.health()
-        assert health and all(health.values()), health
-
-    def test_invalid_request_is_rejected(self, engine: RolloutEngine) -> None:
-        import asyncio
-
-        with pytest.raises(ValueError):
-            asyncio.run(engine.agenerate([], SamplingParams(n=1, max_new_tokens=3)))
-
-    # -- weights ----------------------------------------------------------------------------------
-
-    def _push(self, engine: RolloutEngine, mode: str, state: dict[str, torch.Tensor], version: int, tmp: Path) -> None:
-        if mode == "memory":
-            engine.update_weights(state, version)
-        elif mode == "buckets":  # what weight_sync: memory calls, with the weights in three buckets
-            keys = list(state)
-            engine.update_weights_from_buckets(({k: state[k] for k in keys[i::3]} for i in range(3)), version)
-        elif mode == "disk":
-            from safetensors.torch import save_file
-
-            tmp.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
-            for name in ("config.json", "generation_config.json"):
-                src = Path(self._model_path) / name
-                if src.is_file():
-                    (tmp / name).write_bytes(src.read_bytes())
-            engine.load_weights_from_path(tmp, version)
-        else:
-            engine.update_weights_collective(state, version)
-
-    def test_update_weights_takes_effect(self, engine: RolloutEngine, model_path: Path, tmp_path: Path) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self._model_path = model_path
-        original = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
-        torch.manual_seed(1)
-        new = {k: v + 0.05 * torch.randn_like(v) for k, v in original.items()}
-        greedy = SamplingParams(n=1, max_new_tokens=5, greedy=True)
-        before = engine.generate(self.prompts, greedy)
-        version = engine.weight_version
-        modes = type(engine).weight_sync_modes
-        for i, mode in enumerate([*modes, "buckets"] if "memory" in modes else modes):
-            version += 1
-            self._push(engine, mode, new, version, tmp_path / f"new_{i}")
-            assert engine.weight_version == version, mode
-            out = engine.generate(self.prompts, SamplingParams(n=1, max_new_tokens=5))
-            assert all(s.weight_version == version for samples in out for s in samples), mode
-            self._check_logprobs(out, model_path, 1.0, state_dict=new)
-            changed = engine.generate(self.prompts, greedy)
-            assert [g[0].response_ids for g in changed] != [g[0].response_ids for g in before] or any(
-                a[0].logprobs != b[0].logprobs for a, b in zip(changed, before)
-            ), mode
-            version += 1
-            self._push(engine, mode, original, version, tmp_path / f"old_{i}")
-            restored = engine.generate(self.prompts, greedy)
-            assert [g[0].response_ids for g in restored] == [g[0].response_ids for g in before], mode
-            out = engine.generate(self.prompts, SamplingParams(n=1, max_new_tokens=5))
-            self._check_logprobs(out, model_path, 1.0)
-
-    def test_state_dict_round_trips_through_a_checkpoint(self, engine: RolloutEngine, tmp_path: Path) -> None:
-        """Whatever :meth:`RolloutEngine.state_dict` holds is a state tree a checkpoint can store,
-        and loading it back is accepted."""
-        from core_rl.checkpointing import load_tree, save_tree
-
-        save_tree(tmp_path, "rollout", engine.state_dict())
-        engine.load_state_dict(load_tree(tmp_path, "rollout"))

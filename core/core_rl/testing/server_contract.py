@@ -26,8 +26,8 @@ import pytest
 
 from core_rl.interfaces import SamplingParams
 from core_rl.servers import ServerError, pid_alive
-from core_rl.testing.engine_contracts import RolloutEngineContract
 from core_rl.testing.processes import children_of, idle_cpu, shared_anonymous_kib
+from core_rl.testing.rollout_contracts import RolloutEngineContract
 
 #: a forked engine process still shares more than this (KiB) of its server's heap: 185 MiB measured for
 #: vLLM's engine core on CPU; a spawned one, 0

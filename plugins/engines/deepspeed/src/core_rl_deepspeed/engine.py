@@ -402,11 +402,21 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         self._closed = True
         if hasattr(self.ds, "destroy"):
             self.ds.destroy()
+        _forget_zero3_module(self.ds.module)
         del self.ds, self.model, self.runner
         self.optimizer = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _forget_zero3_module(module: nn.Module) -> None:
+    """Take ``module`` off DeepSpeed's module-level ``FWD_MODULE_STACK``: ZeRO-3's set-up pushes the
+    model there and ``destroy()`` leaves it, so the model would outlive its engine."""
+    from deepspeed.runtime.zero import parameter_offload
+
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", [])
+    stack[:] = [m for m in stack if m is not module]
 
 
 def _placed(tensor: torch.Tensor, device: str | None, own: bool = False) -> torch.Tensor:

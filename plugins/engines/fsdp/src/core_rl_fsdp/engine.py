@@ -305,7 +305,7 @@ class FSDPEngine(EngineState, TrainEngine):
         if self._closed:
             return
         self._closed = True
-        del self.model
+        del self.model, self.runner
         self.optimizer = None
         gc.collect()
         if self.device.type == "cuda":

@@ -456,9 +456,12 @@ class MegatronEngine(EngineState, TrainEngine):
         if self._closed:
             return
         self._closed = True
+        for hook in ("no_sync_func", "finalize_model_grads_func", "grad_sync_func", "param_sync_func"):
+            setattr(self.tconfig, hook, None)  # bound to the chunks (optim.install_schedule_hooks)
         self.model = []
         self.params = {}
         self.gatherer = None  # type: ignore[assignment]
+        self.runner = None  # type: ignore[assignment]
         self.optimizer = None
         gc.collect()
         if self.device.type == "cuda":
