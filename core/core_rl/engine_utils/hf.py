@@ -73,13 +73,19 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def resolve_attn_implementation(requested: str | None, device: torch.device) -> str | None:
+#: the dtypes flash-attn computes in
+FLASH_ATTENTION_DTYPES = ("bfloat16", "float16")
+
+
+def resolve_attn_implementation(requested: str | None, device: torch.device, compute_dtype: str) -> str | None:
     """The attention implementation to load a model with: ``auto`` is ``flash_attention_2`` on a
-    CUDA device when flash-attn is installed, else ``sdpa``; any other value (or ``None``: the
+    CUDA device when flash-attn is installed and the forward computes in ``compute_dtype`` bfloat16
+    or float16 (flash-attn has no float32 kernels), else ``sdpa``; any other value (or ``None``: the
     transformers default) is passed through unchanged."""
     if requested != "auto":
         return requested
-    return "flash_attention_2" if device.type == "cuda" and flash_attn_available() else "sdpa"
+    flash = device.type == "cuda" and compute_dtype in FLASH_ATTENTION_DTYPES and flash_attn_available()
+    return "flash_attention_2" if flash else "sdpa"
 
 
 def activation_checkpointing_problems(context: Any) -> list[str]:

@@ -43,7 +43,9 @@ def test_gradients_flow_to_bfloat16_inputs() -> None:
 
 def test_auto_resolution() -> None:
     cpu = torch.device("cpu")
-    assert attention.resolve(FSDPConfig(), cpu) == "sdpa"
-    assert attention.resolve(FSDPConfig(autocast_dtype="bfloat16"), cpu) == attention.NAME
-    assert attention.resolve(FSDPConfig(autocast_dtype="bfloat16", attn_implementation="eager"), cpu) == "eager"
-    assert attention.resolve(FSDPConfig(attn_implementation="sdpa_float32"), cpu) == attention.NAME
+    assert attention.resolve(FSDPConfig(), cpu, "float32") == "sdpa"
+    assert attention.resolve(FSDPConfig(autocast_dtype="bfloat16"), cpu, "bfloat16") == attention.NAME
+    assert attention.resolve(FSDPConfig(autocast_dtype="bfloat16", attn_implementation="eager"), cpu, "bfloat16") == (
+        "eager"
+    )
+    assert attention.resolve(FSDPConfig(attn_implementation="sdpa_float32"), cpu, "float32") == attention.NAME

@@ -32,6 +32,23 @@ def test_float16_weights_with_adamw_are_refused() -> None:
     assert problems("bfloat16") == [] and problems("float32") == [] and problems("float16", "sgd") == []
 
 
+def test_flash_attention_in_float32_is_refused() -> None:
+    """flash-attn has no float32 kernels: asked for by name, it needs a bfloat16 or float16 forward."""
+
+    def problems(dtype: str, **options: object) -> list[str]:
+        context = SectionContext(path="actor.engine", run=_run(dtype), name="fsdp")
+        return _config(attn_implementation="flash_attention_2", **options).check_config(context)
+
+    (problem,) = problems("float32")
+    assert problem == (
+        "actor.engine.attn_implementation: flash_attention_2 computes in bfloat16 or float16 only, and this engine's "
+        "forward computes in float32 (actor.dtype, no param_dtype or autocast_dtype); set actor.engine.param_dtype: "
+        "bfloat16, or use sdpa"
+    )
+    assert problems("bfloat16") == []
+    assert problems("float32", param_dtype="bfloat16") == problems("float32", autocast_dtype="bfloat16") == []
+
+
 def test_why_float16_adamw_is_refused() -> None:
     """What the check prevents: float16 parameters updated by AdamW become NaN (eps = 1e-8 is 0 in
     float16 and small squared gradients underflow, so the update divides 0 by 0)."""

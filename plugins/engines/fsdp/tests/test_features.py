@@ -156,12 +156,16 @@ def test_activation_checkpointing_every_second_layer(tiny_model: Path) -> None:
 def test_attention_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     import core_rl.engine_utils.hf as hf
 
-    assert resolve_attn_implementation("auto", torch.device("cpu")) == "sdpa"
-    assert resolve_attn_implementation("eager", torch.device("cuda", 0)) == "eager"
-    assert resolve_attn_implementation(None, torch.device("cpu")) is None
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert resolve_attn_implementation("auto", cpu, "float32") == "sdpa"
+    assert resolve_attn_implementation("eager", cuda, "float32") == "eager"
+    assert resolve_attn_implementation(None, cpu, "float32") is None
     monkeypatch.setattr(hf, "flash_attn_available", lambda: True)
-    assert resolve_attn_implementation("auto", torch.device("cuda", 0)) == "flash_attention_2"
-    assert resolve_attn_implementation("auto", torch.device("cpu")) == "sdpa"
+    assert resolve_attn_implementation("auto", cuda, "bfloat16") == "flash_attention_2"
+    assert resolve_attn_implementation("auto", cuda, "float16") == "flash_attention_2"
+    # flash-attn has no float32 kernels: a float32 forward (the default actor.dtype) keeps SDPA
+    assert resolve_attn_implementation("auto", cuda, "float32") == "sdpa"
+    assert resolve_attn_implementation("auto", cpu, "bfloat16") == "sdpa"
 
 
 @pytest.mark.gpu

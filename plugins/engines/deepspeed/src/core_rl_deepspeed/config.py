@@ -38,7 +38,8 @@ class DeepSpeedConfig:
       else the CPU; ``cpu`` keeps the engine on the CPU on a GPU machine too (with gloo), e.g. a
       small reference model beside a GPU actor, or a check against CPU arithmetic; ``cuda`` requires a GPU.
     - ``backend``: process-group backend used when the engine creates the group (as ``fsdp``).
-    - ``attn_implementation``: as ``fsdp`` (``auto``: flash-attn on a GPU when installed, else SDPA).
+    - ``attn_implementation``: as ``fsdp`` (``auto``: flash-attn on a GPU when installed and the forward
+      computes in bfloat16 or float16, else SDPA).
     - ``shm_comm``: on CPU, let DeepSpeed build and use its shared-memory all-reduce extension
       (a C++ build of ~90 s on first use, cached under ``TORCH_EXTENSIONS_DIR``); ``False`` uses
       gloo, no compilation.

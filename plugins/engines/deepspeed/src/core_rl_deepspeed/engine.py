@@ -107,7 +107,9 @@ class DeepSpeedEngine(EngineState, TrainEngine):
             os.environ["LOCAL_RANK"] = "0"
         deepspeed = import_deepspeed(self.config, self.device)
         deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
-        attn = hf.resolve_attn_implementation(self.config.attn_implementation, self.device)
+        attn = hf.resolve_attn_implementation(
+            self.config.attn_implementation, self.device, self.config.compute_dtype(actor)
+        )
         ds_config = build_ds_config(actor, self.config, on_cuda=self.device.type == "cuda")
         _, load = hf.loaders_for_head(head)
         if self.zero_stage == 3 and self.config.zero3_init:  # no rank ever holds the whole model

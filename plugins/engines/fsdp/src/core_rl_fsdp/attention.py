@@ -14,12 +14,12 @@ if TYPE_CHECKING:
 __all__ = ["NAME", "resolve", "sdpa_float32_attention"]
 
 
-def resolve(config: FSDPConfig, device: torch.device) -> str | None:
+def resolve(config: FSDPConfig, device: torch.device, compute_dtype: str) -> str | None:
     """The attention implementation to load the model with: ``config.attn_implementation`` as
-    :func:`~core_rl.engine_utils.hf.resolve_attn_implementation` resolves it, except that ``auto``
-    with ``autocast_dtype`` on a CPU is :data:`NAME` (:mod:`core_rl.engine_utils.attention`);
-    :data:`NAME` is registered when chosen."""
-    attn = resolve_attn_implementation(config.attn_implementation, device)
+    :func:`~core_rl.engine_utils.hf.resolve_attn_implementation` resolves it for ``compute_dtype``
+    (:meth:`FSDPConfig.compute_dtype`), except that ``auto`` with ``autocast_dtype`` on a CPU is
+    :data:`NAME` (:mod:`core_rl.engine_utils.attention`); :data:`NAME` is registered when chosen."""
+    attn = resolve_attn_implementation(config.attn_implementation, device, compute_dtype)
     if config.attn_implementation == "auto" and config.autocast_dtype is not None and device.type == "cpu":
         attn = NAME
     if attn == NAME:

@@ -50,7 +50,9 @@ class FSDPConfig:
       for CUDA tensors plus gloo for CPU tensors on a GPU machine, and gloo on CPU.
     - ``attn_implementation``: passed to ``from_pretrained`` (e.g. ``sdpa``, ``eager``,
       ``flash_attention_2``); ``auto`` is ``flash_attention_2`` on a GPU with flash-attn installed
-      (``pip install "core-rl-fsdp[flash-attn]"``), else ``sdpa``, except on a CPU with
+      (``pip install "core-rl-fsdp[flash-attn]"``) when the forward computes in bfloat16 or float16
+      (``param_dtype``, ``autocast_dtype`` or ``actor.dtype``; flash-attn has no float32 kernels, and
+      asked for by name it is refused in float32), else ``sdpa``, except on a CPU with
       ``autocast_dtype`` set, where it is ``sdpa_float32`` (:mod:`core_rl.engine_utils.attention`: SDPA in
       float32 inside the autocast region, whose bfloat16 backward is slow on CPU); ``None`` keeps
       the transformers default.
@@ -104,6 +106,17 @@ class FSDPConfig:
                 "actor.dtype: float16 weights with adamw turn to NaN at the first optimizer step (eps and small "
                 "squared gradients underflow in float16, and no loss scaling is applied); use bfloat16 or float32 "
                 f"({context.key('param_dtype')} sets the compute dtype separately)"
+            ]
+        if self.attn_implementation not in FLASH_ATTENTION:
+            return []
+        from core_rl.engine_utils.hf import FLASH_ATTENTION_DTYPES
+
+        compute = self.compute_dtype(actor)
+        if compute not in FLASH_ATTENTION_DTYPES:
+            return [
+                f"{context.key('attn_implementation')}: {self.attn_implementation} computes in bfloat16 or float16 "
+                f"only, and this engine's forward computes in {compute} (actor.dtype, no param_dtype or "
+                f"autocast_dtype); set {context.key('param_dtype')}: bfloat16, or use sdpa"
             ]
         return []
 

@@ -69,7 +69,7 @@ class FSDPEngine(EngineState, TrainEngine):
         self.device = dist_utils.pick_device(self.config.device)
         self.rank, self.world_size = dist_utils.ensure_process_group(self.config.backend, self.device)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
-        attn = attention.resolve(self.config, self.device)
+        attn = attention.resolve(self.config, self.device, self.config.compute_dtype(actor))
         self.model = build_model(
             actor,
             self.config,
