@@ -41,7 +41,8 @@ class StepMetrics:
             # where, not a product: a metric may be non-finite off the response (e.g. a ratio)
             if name.endswith(MAX_SUFFIX):
                 low = torch.full((), float("-inf"), dtype=torch.float64, device=self.device)
-                top = torch.where(on, value.detach().double(), low).max() if on.any() else low
+                values = torch.where(on, value.detach().double(), low)  # -inf off the response
+                top = values.max() if values.numel() else low  # a shape, not a value: no device sync
                 self.maxima[name] = torch.maximum(self.maxima[name], top) if name in self.maxima else top
                 continue
             total = torch.where(on, value.detach().double(), zero).sum()
