@@ -50,3 +50,30 @@ def test_invalid_combinations_name_their_key(section: dict, key: str) -> None:
     with pytest.raises(ConfigError) as info:
         structure(section, MegatronConfig, path="actor.engine")
     assert f"actor.engine.{key}" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("bf16", "dtype", "master_weights"),
+    [(False, "float32", False), (True, "float32", True), (False, "bfloat16", True), (True, "bfloat16", True)],
+)
+def test_bfloat16_parameters_get_float32_master_weights(bf16: bool, dtype: str, master_weights: bool) -> None:
+    """Megatron's optimizer for parameters of ``dtype``: bfloat16 parameters, with ``bf16`` or
+    loaded as ``actor.dtype: bfloat16``, get float32 masters (Megatron's float32 optimizer would
+    assign float32 gradients to bfloat16 parameters, which torch refuses on a GPU)."""
+    import torch
+    from core_rl.config.schema import OptimizerConfig
+    from core_rl_megatron.optim import optimizer_config
+
+    conf = optimizer_config(OptimizerConfig(), MegatronConfig(bf16=bf16), 1.0, getattr(torch, dtype))
+    assert conf.bf16 is master_weights and not conf.fp16
+    assert conf.params_dtype == (torch.bfloat16 if master_weights else torch.float32)
+
+
+def test_float16_parameters_are_refused_naming_the_setting() -> None:
+    import torch
+    from core_rl.config.schema import OptimizerConfig
+    from core_rl_megatron.errors import MegatronSetupError
+    from core_rl_megatron.optim import optimizer_config
+
+    with pytest.raises(MegatronSetupError, match="actor.dtype: float16 on the megatron engine trains without loss"):
+        optimizer_config(OptimizerConfig(), MegatronConfig(), 1.0, torch.float16)

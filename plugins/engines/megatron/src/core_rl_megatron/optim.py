@@ -21,6 +21,7 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
 from core_rl_megatron.config import DDPConfig, MegatronConfig
+from core_rl_megatron.errors import MegatronSetupError
 
 if TYPE_CHECKING:
     from core_rl_megatron.engine import MegatronEngine
@@ -29,14 +30,32 @@ if TYPE_CHECKING:
 def megatron_optimizer(
     model: list[Any], opt: OptimizerConfig, cfg: MegatronConfig, grad_clip: float, dtype: torch.dtype
 ) -> Any:
-    """Megatron's optimizer for the DDP-wrapped ``model`` chunks, configured from ``actor.optimizer``
-    (AdamW or SGD), ``actor.grad_clip`` and the engine's ``bf16`` and distributed-optimizer settings.
-    Every parameter is decayed by ``weight_decay``, as the core's optimizer does for fsdp and deepspeed
-    (Megatron's own groups would exempt norms and biases)."""
-    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    """Megatron's optimizer for the DDP-wrapped ``model`` chunks (parameters of ``dtype``), configured
+    by :func:`optimizer_config`. Every parameter is decayed by ``weight_decay``, as the core's optimizer
+    does for fsdp and deepspeed (Megatron's own groups would exempt norms and biases)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
-    mconf = MegatronOptimizerConfig(
+    optimizer = get_megatron_optimizer(optimizer_config(opt, cfg, grad_clip, dtype), model)
+    for group in optimizer.param_groups:
+        group["weight_decay"] = opt.weight_decay
+    return optimizer
+
+
+def optimizer_config(opt: OptimizerConfig, cfg: MegatronConfig, grad_clip: float, dtype: torch.dtype) -> Any:
+    """Megatron's ``OptimizerConfig`` from ``actor.optimizer`` (AdamW or SGD), ``actor.grad_clip`` and the
+    engine's ``bf16`` and distributed-optimizer settings, for parameters of ``dtype``. bfloat16
+    parameters (``bf16: true``, or ``actor.dtype: bfloat16``) get float32 master weights: Megatron's
+    float32 optimizer would assign float32 gradients to them. float16 parameters are refused: this
+    engine sets up no loss scaling."""
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+
+    if dtype == torch.float16 and not cfg.bf16:
+        raise MegatronSetupError(
+            "actor.dtype: float16 on the megatron engine trains without loss scaling, which it does not set up; "
+            "use actor.dtype: bfloat16, or float32 with actor.engine.bf16: true"
+        )
+    bf16 = cfg.bf16 or dtype == torch.bfloat16
+    return MegatronOptimizerConfig(
         optimizer="adam" if opt.name == "adamw" else "sgd",
         lr=opt.lr,
         weight_decay=opt.weight_decay,
@@ -45,15 +64,11 @@ def megatron_optimizer(
         adam_eps=opt.eps,
         sgd_momentum=opt.momentum,
         clip_grad=grad_clip,
-        bf16=cfg.bf16,
-        params_dtype=torch.bfloat16 if cfg.bf16 else dtype,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else dtype,
         use_distributed_optimizer=cfg.ddp.use_distributed_optimizer,
         overlap_param_gather=cfg.ddp.overlap_param_gather,
     )
-    optimizer = get_megatron_optimizer(mconf, model)
-    for group in optimizer.param_groups:
-        group["weight_decay"] = opt.weight_decay
-    return optimizer
 
 
 def pending_state_bytes(optimizer: Any, opt: OptimizerConfig) -> int:
