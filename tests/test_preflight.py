@@ -303,8 +303,8 @@ def test_the_machine_decides_devices_and_backends(tmp_path, model, data):
     assert _problems(_config(tmp_path, model, data, "actor.engine.device=cuda")) == [
         "actor.engine.device: cuda, but this machine has no CUDA GPU; use auto or cpu"
     ]
-    cfg = _config(tmp_path, model, data, "actor.engine.attn_implementation=flash_attention_2")
-    assert _problems(cfg) == [
+    flash = ("actor.engine.attn_implementation=flash_attention_2", "actor.engine.param_dtype=bfloat16")
+    assert _problems(_config(tmp_path, model, data, *flash)) == [
         "actor.engine.attn_implementation: flash_attention_2 needs a CUDA GPU and this machine has none; use sdpa"
     ]
     assert _problems(_config(tmp_path, model, data, "rollout.engine.device=mps")) == [
