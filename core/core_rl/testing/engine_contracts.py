@@ -28,6 +28,8 @@ def _nll_loss(batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor)
 
 
 class TinyModelMixin:
+    """A class-scoped ``model_path`` fixture: a tiny model built offline (shared by the engine contracts)."""
+
     #: keyword arguments of :func:`core_rl.testing.tiny.build_tiny_model` (e.g. ``num_heads=2`` for
     #: servers whose attention kernels need a head size of at least 32)
     tiny_model_options: ClassVar[dict[str, Any]] = {}
