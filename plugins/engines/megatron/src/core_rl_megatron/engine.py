@@ -456,8 +456,7 @@ class MegatronEngine(EngineState, TrainEngine):
         if self._closed:
             return
         self._closed = True
-        for hook in ("no_sync_func", "finalize_model_grads_func", "grad_sync_func", "param_sync_func"):
-            setattr(self.tconfig, hook, None)  # bound to the chunks (optim.install_schedule_hooks)
+        optim.remove_schedule_hooks(self.tconfig)
         self.model = []
         self.params = {}
         self.gatherer = None  # type: ignore[assignment]

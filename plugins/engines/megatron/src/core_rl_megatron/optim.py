@@ -96,6 +96,13 @@ def install_schedule_hooks(tconfig: Any, model: list[Any], ddp: DDPConfig) -> No
         tconfig.param_sync_func = one_or_list([c.start_param_sync for c in model])
 
 
+def remove_schedule_hooks(tconfig: Any) -> None:
+    """Undo :func:`install_schedule_hooks`: its hooks are bound to the chunks, so a config that
+    keeps them keeps the model."""
+    for hook in ("no_sync_func", "finalize_model_grads_func", "grad_sync_func", "param_sync_func"):
+        setattr(tconfig, hook, None)
+
+
 def apply_update(engine: MegatronEngine, loss: float) -> float:
     """Gradient norm over all replicas' reduced gradients (before clipping), clip to
     ``actor.grad_clip`` (0: no clipping), step; a non-finite norm or ``loss`` skips the update.
