@@ -49,6 +49,12 @@ class SectionContext:
         """The key path of an option of this section: ``key("eps")`` -> ``"algorithm.advantage.eps"``."""
         return ".".join((self.path, *names))
 
+    def role_section(self) -> tuple[str, Any]:
+        """For an engine section (``<role>.engine``): the role's name and its section (``actor``,
+        ``critic``, ...; ``None`` where the run has none, or the path is no role's engine)."""
+        role = self.path.removesuffix(".engine")
+        return role, getattr(self.run, role, None)
+
 
 #: device nodes a Linux machine has when it has a GPU torch could use (NVIDIA, AMD ROCm, WSL2)
 GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")

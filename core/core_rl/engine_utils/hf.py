@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from core_rl import checkpointing as ckpt
+from core_rl.config.flash_attention import FLASH_ATTENTION_DTYPES
 from core_rl.config.schema import ActorConfig, LoraConfig
 from core_rl.errors import ConfigError
 
@@ -73,10 +74,6 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-#: the dtypes flash-attn computes in
-FLASH_ATTENTION_DTYPES = ("bfloat16", "float16")
-
-
 def resolve_attn_implementation(requested: str | None, device: torch.device, compute_dtype: str) -> str | None:
     """The attention implementation to load a model with: ``auto`` is ``flash_attention_2`` on a
     CUDA device when flash-attn is installed and the forward computes in ``compute_dtype`` bfloat16
@@ -93,8 +90,7 @@ def activation_checkpointing_problems(context: Any) -> list[str]:
     :class:`~core_rl.config.checks.EnvironmentContext`, path ``<role>.engine``) asks of activation
     checkpointing that this transformers cannot do: every n-th layer and offloading need its
     ``activation_checkpointing_enable`` (5.23 and later)."""
-    role = context.path.removesuffix(".engine")
-    section = getattr(context.run, role, None)
+    role, section = context.role_section()
     if section is None or not getattr(section, "gradient_checkpointing", False):
         return []
     if section.gradient_checkpointing_every_n_layers == 1 and not section.gradient_checkpointing_offload:

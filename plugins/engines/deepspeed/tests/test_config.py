@@ -3,6 +3,7 @@ from it."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,52 @@ def test_train_refuses_float16_on_this_cpu_before_loading_anything(
     err = capsys.readouterr().err
     assert FLOAT16_REFUSED in err and "Traceback" not in err, err
     assert not (Path(cfg["experiment"]["output_dir"]) / cfg["experiment"]["name"] / "metrics.jsonl").exists()
+
+
+FLASH_IN_FLOAT32 = (
+    "actor.engine.attn_implementation: flash_attention_2 computes in bfloat16 or float16 only, and this engine's "
+    "forward computes in float32 (actor.dtype, no mixed_precision); set actor.engine.mixed_precision: bfloat16, "
+    "or use sdpa"
+)
+
+
+def test_flash_attention_with_a_float32_forward_is_refused_at_validate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """flash-attn has no float32 kernels: asked for by name with a float32 forward, ``config validate``
+    refuses it (exit 2, the key to set) instead of the first forward failing on a GPU."""
+    from core_rl.cli import main
+
+    def validate(engine: dict, dtype: str = "float32") -> tuple[int, str]:
+        cfg = {"actor": {"model_path": "m", "dtype": dtype, "engine": {"name": "deepspeed", **engine}}}
+        (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+        status = main(["config", "validate", str(tmp_path / "run.yaml")])
+        return status, capsys.readouterr().err
+
+    status, err = validate({"attn_implementation": "flash_attention_2"})
+    assert status == 2 and FLASH_IN_FLOAT32 in err and "Traceback" not in err, err
+    for engine, dtype in [
+        ({"attn_implementation": "flash_attention_2", "mixed_precision": "bfloat16"}, "float32"),
+        ({"attn_implementation": "flash_attention_2"}, "bfloat16"),
+        ({"attn_implementation": "sdpa"}, "float32"),
+    ]:
+        status, err = validate(engine, dtype)
+        assert "attn_implementation" not in err, (engine, dtype, err)
+
+
+@pytest.mark.parametrize(
+    ("machine", "problem"),
+    [
+        (MachineInfo(), "actor.engine.attn_implementation: flash_attention_2 needs a CUDA GPU"),
+        pytest.param(
+            MachineInfo(cuda_device_count=1),
+            "actor.engine.attn_implementation: flash_attention_2 needs the flash_attn package, which is not installed",
+            marks=pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash_attn is here"),
+        ),
+    ],
+)
+def test_flash_attention_against_the_machine(machine: MachineInfo, problem: str) -> None:
+    context = EnvironmentContext(path="actor.engine", run=RunConfig(), name="deepspeed", machine=machine)
+    cfg = structure({"attn_implementation": "flash_attention_2", "mixed_precision": "bfloat16"}, DeepSpeedConfig)
+    problems = cfg.check_environment(context)
+    assert any(p.startswith(problem) for p in problems), problems

@@ -118,3 +118,21 @@ def test_backend_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_backend("gloo", torch.device("cuda", 0)) == "gloo"
     with pytest.raises(ValueError, match="nccl needs CUDA"):
         resolve_backend("nccl", torch.device("cpu"))
+
+
+def test_flash_attention_reads_the_dtype_of_its_own_role() -> None:
+    """A critic's engine section is checked against the critic's dtype, not the actor's."""
+    from core_rl.config.schema import CriticConfig
+
+    def problems(actor_dtype: str, critic_dtype: str) -> list[str]:
+        run = RunConfig(actor=ActorConfig(dtype=actor_dtype), critic=CriticConfig(model_path="c", dtype=critic_dtype))
+        context = SectionContext(path="critic.engine", run=run, name="fsdp")
+        return _config(attn_implementation="flash_attention_2").check_config(context)
+
+    assert problems("bfloat16", "bfloat16") == []
+    (problem,) = problems("bfloat16", "float32")
+    assert problem == (
+        "critic.engine.attn_implementation: flash_attention_2 computes in bfloat16 or float16 only, and this "
+        "engine's forward computes in float32 (critic.dtype, no param_dtype or autocast_dtype); set "
+        "critic.engine.param_dtype: bfloat16, or use sdpa"
+    )

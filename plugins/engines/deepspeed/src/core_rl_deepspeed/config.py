@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
+from core_rl.config import flash_attention
 from core_rl.config.validators import FieldValueError, one_of, positive
 
 if TYPE_CHECKING:
-    from core_rl.config.checks import EnvironmentContext
+    from core_rl.config.checks import EnvironmentContext, SectionContext
     from core_rl.config.schema import ActorConfig
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -77,9 +78,20 @@ class DeepSpeedConfig:
         ``dtype``), for the ``auto`` micro-batch budget."""
         return self.mixed_precision or section.dtype
 
+    def check_config(self, context: SectionContext) -> list[str]:
+        """Settings of the run this engine cannot train with: flash-attn with a float32 forward."""
+        role, section = context.role_section()
+        return flash_attention.compute_dtype_problems(
+            context,
+            self.attn_implementation,
+            self.compute_dtype(section or context.run.actor),
+            dtype_keys=f"{role}.dtype, no mixed_precision",
+            set_key="mixed_precision",
+        )
+
     def check_environment(self, context: EnvironmentContext) -> list[str]:
-        """The device, the process count, float16 on a CPU and the role's activation checkpointing
-        against the machine."""
+        """The device, the process count, float16 on a CPU, the attention implementation and the
+        role's activation checkpointing against the machine."""
         from core_rl.engine_utils.hf import activation_checkpointing_problems
 
         problems = context.machine.gpu_per_process_problems(context.path, self.device)
@@ -88,6 +100,7 @@ class DeepSpeedConfig:
                 f"{context.key('mixed_precision')}: float16 on the CPU, which DeepSpeed refuses here (its CPU "
                 "accelerator has float16 only where oneDNN does, and this CPU has not); use bfloat16, or a GPU"
             )
+        problems += flash_attention.machine_problems(context, self.attn_implementation)
         return problems + activation_checkpointing_problems(context)
 
 

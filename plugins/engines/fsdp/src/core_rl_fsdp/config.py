@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 from typing import TYPE_CHECKING, ClassVar
 
 import attrs
+from core_rl.config import flash_attention
 from core_rl.config.validators import one_of, positive
 
 if TYPE_CHECKING:
@@ -19,8 +19,6 @@ AUTOCAST_DTYPES = ("bfloat16",)
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")  # core_rl.engine_utils.distributed.pick_device
 WRAPS = ("decoder_layers", "root")
-#: attention implementations that need a CUDA GPU, and the package each needs
-FLASH_ATTENTION = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 
 
 @attrs.define
@@ -107,18 +105,14 @@ class FSDPConfig:
                 "squared gradients underflow in float16, and no loss scaling is applied); use bfloat16 or float32 "
                 f"({context.key('param_dtype')} sets the compute dtype separately)"
             ]
-        if self.attn_implementation not in FLASH_ATTENTION:
-            return []
-        from core_rl.engine_utils.hf import FLASH_ATTENTION_DTYPES
-
-        compute = self.compute_dtype(actor)
-        if compute not in FLASH_ATTENTION_DTYPES:
-            return [
-                f"{context.key('attn_implementation')}: {self.attn_implementation} computes in bfloat16 or float16 "
-                f"only, and this engine's forward computes in {compute} (actor.dtype, no param_dtype or "
-                f"autocast_dtype); set {context.key('param_dtype')}: bfloat16, or use sdpa"
-            ]
-        return []
+        role, section = context.role_section()
+        return flash_attention.compute_dtype_problems(
+            context,
+            self.attn_implementation,
+            self.compute_dtype(section or actor),
+            dtype_keys=f"{role}.dtype, no param_dtype or autocast_dtype",
+            set_key="param_dtype",
+        )
 
     def check_environment(self, context: EnvironmentContext) -> list[str]:
         """The backend, attention implementation and process count against the machine."""
@@ -133,16 +127,5 @@ class FSDPConfig:
 
         problems += machine.gpu_per_process_problems(context.path, self.device)
         problems += activation_checkpointing_problems(context)
-        if self.attn_implementation in FLASH_ATTENTION:
-            package = FLASH_ATTENTION[self.attn_implementation]
-            if not machine.cuda_available:
-                problems.append(
-                    f"{context.key('attn_implementation')}: {self.attn_implementation} needs a CUDA GPU and this "
-                    "machine has none; use sdpa"
-                )
-            elif importlib.util.find_spec(package) is None:
-                problems.append(
-                    f"{context.key('attn_implementation')}: {self.attn_implementation} needs the {package} package, "
-                    "which is not installed; install it or use sdpa"
-                )
+        problems += flash_attention.machine_problems(context, self.attn_implementation)
         return problems
