@@ -63,21 +63,22 @@ def test_gpu_budget_from_free_memory_less_the_pending_optimizer_state(model_dir,
     _free(monkeypatch, 40)
     out = io.StringIO()
     chosen = resolve_auto_budgets(cfg, built, out=out)
-    # usable 40 - 3 x 1 (gradients + AdamW moments) = 37 GiB; 4012800 B per token in bfloat16:
-    # 0.5 x 37 GiB / 4012800 = 4950.2 tokens -> 4864
+    # usable 40 - 3 x 1 (gradients + AdamW moments) = 37 GiB; per token in bfloat16 24 layers x
+    # 53248 + the logits and their gradient 151936 x 2 x 2 = 1885696 B:
+    # 0.5 x 37 GiB / 1885696 = 10534.2 tokens -> 10496
     assert out.getvalue() == (
-        "core-rl: actor.micro_batch.max_tokens_per_mb: auto -> 4864 (cuda:0, 40.0 GiB free, 0.36B parameters)\n"
+        "core-rl: actor.micro_batch.max_tokens_per_mb: auto -> 10496 (cuda:0, 40.0 GiB free, 0.36B parameters)\n"
     )
-    assert [r.key for r in chosen] == ["actor"] and cfg.actor.micro_batch.max_tokens_per_mb == 4864
+    assert [r.key for r in chosen] == ["actor"] and cfg.actor.micro_batch.max_tokens_per_mb == 10496
     derived = cfg.derived["actor.micro_batch.max_tokens_per_mb"]
-    assert derived.at_start and derived.written == "auto" and derived.value == 4864
-    assert "max_tokens_per_mb: auto  # derived: 4864 = 0.5 x (free 40.00 GiB - gradients and optimizer state 3.00" in (
+    assert derived.at_start and derived.written == "auto" and derived.value == 10496
+    assert "max_tokens_per_mb: auto  # derived: 10496 = 0.5 x (free 40.00 GiB - gradients and optimizer state 3.00" in (
         to_yaml(cfg)
     )
     # an in-process restart on the same configuration chooses again, from the memory free then
-    _free(monkeypatch, 80)  # 0.5 x 77 GiB / 4012800 = 10301.7 -> 10240
-    assert resolve_auto_budgets(cfg, built, out=io.StringIO())[0].value == 10240
-    assert cfg.actor.micro_batch.max_tokens_per_mb == 10240
+    _free(monkeypatch, 20)  # 0.5 x 17 GiB / 1885696 = 4840.0 -> 4736
+    assert resolve_auto_budgets(cfg, built, out=io.StringIO())[0].value == 4736
+    assert cfg.actor.micro_batch.max_tokens_per_mb == 4736
 
 
 def test_an_engine_that_says_what_its_first_step_allocates_is_taken_at_its_word(model_dir, monkeypatch):
@@ -88,8 +89,19 @@ def test_an_engine_that_says_what_its_first_step_allocates_is_taken_at_its_word(
     built = [BuiltEngine("actor", cfg.actor, engine, trainable=True, weight_bytes=5 * GIB)]
     _free(monkeypatch, 40)
     chosen = resolve_auto_budgets(cfg, built, out=io.StringIO())
-    # usable 40 - 1 = 39 GiB: 0.5 x 39 GiB / 4012800 = 5217.7 tokens -> 5120 (with 3 x 5 GiB: 25 GiB -> 3328)
-    assert chosen[0].value == 5120
+    # usable 40 - 1 = 39 GiB: 0.5 x 39 GiB / 1885696 = 11103.6 tokens -> 11008 (with 3 x 5 GiB: 25 GiB -> 7040)
+    assert chosen[0].value == 11008
+
+
+def test_an_engine_that_keeps_float32_logits_says_how_many(model_dir, monkeypatch):
+    """An engine that computes log-probs its own way (``megatron``'s vocabulary-parallel ones) keeps
+    vocabulary-sized float32 tensors per token (``logit_float32_copies``): they count too."""
+    cfg = RunConfig(actor=_actor(model_dir))
+    engine = SimpleNamespace(device=CUDA0, logit_float32_copies=4)
+    built = [BuiltEngine("actor", cfg.actor, engine, trainable=True, weight_bytes=GIB)]
+    _free(monkeypatch, 40)
+    # 1277952 + 151936 x (2 x 2 + 4 x 4) = 4316672 B per token: 0.5 x 37 GiB / 4316672 = 4601.7 -> 4480
+    assert resolve_auto_budgets(cfg, built, out=io.StringIO())[0].value == 4480
 
 
 def test_each_section_is_resolved_with_every_trained_role_on_its_device(model_dir, monkeypatch):
@@ -101,9 +113,9 @@ def test_each_section_is_resolved_with_every_trained_role_on_its_device(model_di
     _free(monkeypatch, 40)
     out = io.StringIO()
     values = {r.key: r.value for r in resolve_auto_budgets(cfg, built, out=out)}
-    # usable 40 - 6 = 34 GiB. actor (bfloat16): 0.5 x 34 GiB / 4012800 = 4548.7 -> 4480;
+    # usable 40 - 6 = 34 GiB. actor (bfloat16): 0.5 x 34 GiB / 1885696 = 9680.0 -> 9600;
     # critic (float32, a value head): 24 x 26624 x 4 + 4 = 2555908 B -> 7141.7 -> 7040
-    assert values == {"actor": 4480, "critic": 7040}
+    assert values == {"actor": 9600, "critic": 7040}
     assert "core-rl: critic.micro_batch.max_tokens_per_mb: auto -> 7040 (cuda:0" in out.getvalue()
 
 
@@ -112,7 +124,7 @@ def test_ranks_agree_on_the_least_usable_memory(model_dir):
     engines = [BuiltEngine("actor", section, _engine(), trainable=True)]
     facts = [Facts("cuda:0", 40 * GIB, 3 * GIB), Facts("cuda:1", 20 * GIB, 3 * GIB)]
     resolved = choose("actor", section, engines, facts)
-    assert resolved.value == 2176  # 0.5 x 17 GiB / 4012800 = 2274.4 -> 2176
+    assert resolved.value == 4736  # 0.5 x 17 GiB / 1885696 = 4840.0 -> 4736
     assert "(cuda:0, 20.0 GiB free (least of 2 ranks), 0.36B parameters)" in resolved.line
 
 
@@ -154,8 +166,8 @@ def test_a_resume_does_not_report_a_budget_chosen_anew(model_dir, monkeypatch, t
     _free(monkeypatch, 40)
     resolve_auto_budgets(cfg, built, out=io.StringIO())
     record_config(run_dir, cfg, None)
-    _free(monkeypatch, 60)  # the resumed run finds more free memory: 0.5 x 57 GiB / 4012800 = 7626.6 -> 7552
+    _free(monkeypatch, 30)  # the resumed run finds less free memory: 0.5 x 27 GiB / 1885696 = 7687.1 -> 7680
     resolve_auto_budgets(cfg, built, out=io.StringIO())
     found = record_config(run_dir, cfg, 2)
     assert resume_note(found, 2) is None and found.kept is None
-    assert "max_tokens_per_mb: auto  # derived: 7552" in (run_dir / "config.yaml").read_text()
+    assert "max_tokens_per_mb: auto  # derived: 7680" in (run_dir / "config.yaml").read_text()

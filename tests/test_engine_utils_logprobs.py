@@ -1,4 +1,7 @@
-"""Log-prob / entropy alignment against a direct computation."""
+"""Log-probs and entropies of causal-LM logits: alignment against a direct computation, values and
+gradients of the chunked computation against autograd's whole-tensor formulation
+(:func:`core_rl.testing.reference.token_logprobs`), a hand-computed gradient, and what is kept for
+backward."""
 
 from __future__ import annotations
 
@@ -6,7 +9,11 @@ import math
 
 import pytest
 import torch
+from core_rl.engine_utils import logprobs
 from core_rl.engine_utils.logprobs import token_logprobs
+from core_rl.testing import reference
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def test_alignment_temperature_and_padding() -> None:
@@ -58,13 +65,88 @@ def _saved_bytes(fn) -> tuple[int, object]:
     return saved[0], out
 
 
-def test_entropy_without_gradient_keeps_nothing_of_it_for_backward() -> None:
-    """``entropy_grad=False``: the same log-probs and entropies, the same log-prob gradient, an
-    entropy without gradient, and at least one ``[b, t, V]`` float32 tensor (the probabilities)
-    fewer saved for backward."""
+def _both(
+    logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, temperature: float, weights: tuple, *, entropy: bool
+) -> dict[str, tuple]:
+    """Log-probs, entropies and the gradient of ``sum(w1 lp) + sum(w2 H)`` from the chunked
+    computation and from the reference formulation."""
+    out = {}
+    for name, fn in (("chunked", token_logprobs), ("reference", reference.token_logprobs)):
+        x = logits.clone().requires_grad_(True)
+        lp, ent = fn(x, ids, mask, temperature, with_entropy=entropy)
+        loss = (lp * weights[0]).sum() + ((ent * weights[1]).sum() if entropy else 0.0)
+        loss.backward()
+        out[name] = (lp.detach(), None if ent is None else ent.detach(), x.grad)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    width=st.integers(2, 12),
+    vocab=st.integers(2, 40),
+    chunk=st.integers(1, 90),
+    temperature=st.floats(0.3, 2.0),
+    scale=st.floats(0.1, 8.0),
+    entropy=st.booleans(),
+    bfloat16=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_chunked_equals_the_whole_tensor_formulation(
+    rows, width, vocab, chunk, temperature, scale, entropy, bfloat16, seed
+) -> None:
+    """Any shape, chunking (down to one row per chunk, a last chunk cut short), temperature,
+    padding and dtype: the same log-probs and entropies bit for bit (the same operations on every
+    row), and the gradient of any weighting of both to float rounding."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, width, vocab, generator=g) * scale
+    if bfloat16:
+        logits = logits.bfloat16()
+    ids = torch.randint(0, vocab, (rows, width), generator=g)
+    lengths = torch.randint(1, width + 1, (rows,), generator=g)
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    weights = (torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(logprobs, "CHUNK_ELEMENTS", chunk)
+        out = _both(logits, ids, mask, temperature, weights, entropy=entropy)
+    (lp, ent, grad), (ref_lp, ref_ent, ref_grad) = out["chunked"], out["reference"]
+    assert torch.equal(lp, ref_lp)
+    assert (ent is None) is (not entropy) and (ent is None or torch.equal(ent, ref_ent))
+    assert grad.dtype == logits.dtype
+    tolerance = 1e-2 if bfloat16 else 2e-6
+    torch.testing.assert_close(grad.float(), ref_grad.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_gradient_by_hand() -> None:
+    """Uniform logits over 4 tokens at temperature 0.5: ``log p = log 1/4``, ``H = log 4``;
+    ``d lp_y / d logits_v = (1[v = y] - 1/4) / 0.5``; the entropy is at its maximum, so its
+    gradient is 0: ``-p_v (log p_v + H) = -1/4 (log 1/4 + log 4) = 0``."""
+    x = torch.zeros(1, 2, 4, requires_grad=True)
+    lp, ent = token_logprobs(x, torch.tensor([[0, 2]]), torch.ones(1, 2), 0.5, with_entropy=True)
+    assert lp[0, 1].item() == pytest.approx(math.log(0.25)) and ent[0, 1].item() == pytest.approx(math.log(4))
+    (lp.sum() + 3.0 * ent.sum()).backward()
+    expected = torch.tensor([[[-0.5, -0.5, 1.5, -0.5], [0.0, 0.0, 0.0, 0.0]]])
+    torch.testing.assert_close(x.grad, expected, atol=1e-6, rtol=0)
+
+
+def test_without_gradient_the_same_values() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits, ids = torch.randn(2, 5, 9, generator=g), torch.randint(0, 9, (2, 5), generator=g)
+    mask = torch.ones(2, 5)
+    with torch.no_grad():
+        lp, ent = token_logprobs(logits, ids, mask, 0.8, with_entropy=True)
+    grad_lp, grad_ent = token_logprobs(logits.clone().requires_grad_(True), ids, mask, 0.8, with_entropy=True)
+    assert torch.equal(lp, grad_lp.detach()) and torch.equal(ent, grad_ent.detach()) and not lp.requires_grad
+
+
+def test_only_the_logits_and_per_token_values_are_kept_for_backward() -> None:
+    """What backward keeps: the logits (the model's own output, not a copy) and a few values per
+    token; the whole-tensor formulation keeps vocabulary-sized float32 tensors (``log p``, ``p``
+    and their product). ``entropy_grad=False``: the same log-probs, entropies and log-prob
+    gradient, and an entropy without gradient."""
     g = torch.Generator().manual_seed(0)
     b, t, vocab = 2, 6, 50
-    logits = torch.randn(b, t, vocab, generator=g)
+    logits = torch.randn(b, t, vocab, generator=g).bfloat16()
     ids = torch.randint(0, vocab, (b, t), generator=g)
     mask = torch.ones(b, t, dtype=torch.long)
     results = {}
@@ -78,4 +160,9 @@ def test_entropy_without_gradient_keeps_nothing_of_it_for_backward() -> None:
         results[grad] = (size, lp.detach(), ent.detach(), x.grad)
     (size_on, lp_on, ent_on, grad_on), (size_off, lp_off, ent_off, grad_off) = results[True], results[False]
     assert torch.equal(lp_on, lp_off) and torch.equal(ent_on, ent_off) and torch.equal(grad_on, grad_off)
-    assert size_on - size_off >= b * (t - 1) * vocab * 4
+    logits_bytes, per_token = logits.numel() * logits.element_size(), 16 * b * t
+    assert size_off <= size_on <= logits_bytes + per_token, (size_on, logits_bytes)
+    reference_size, _ = _saved_bytes(
+        lambda: reference.token_logprobs(logits.clone().requires_grad_(True), ids, mask, 0.7, with_entropy=True)
+    )
+    assert reference_size >= 3 * b * (t - 1) * vocab * 4

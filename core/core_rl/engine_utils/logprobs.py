@@ -1,8 +1,30 @@
-"""Per-token log-probabilities and entropies from causal-LM logits, in the protocol's alignment."""
+"""Per-token log-probabilities and entropies from causal-LM logits, in the protocol's alignment.
+
+With ``z = logits / temperature`` in float32 for one prediction (a row of ``V`` values), the
+target token ``y``, ``log p = log_softmax(z)`` and ``p = exp(log p)``:
+
+- ``logprob = log p_y``;
+- ``entropy H = -sum_v p_v log p_v``;
+- their gradients with respect to ``z`` (``g_lp``, ``g_H``: the gradients arriving at them):
+  ``d/dz_v = g_lp (1[v = y] - p_v) - g_H p_v (log p_v + H)``, and ``d/dlogits = d/dz / temperature``.
+
+Rows are processed in chunks of at most :data:`CHUNK_ELEMENTS` values, and only the logits (which
+the model produced anyway, in their own dtype) and per-row values are kept for backward: backward
+recomputes ``log p`` chunk by chunk. The vocabulary-sized float32 tensors of a direct autograd
+formulation (the float32 copy, ``log p``, ``p`` and their products: 4 x 4 bytes per vocabulary
+entry per token, 2.4 MB per token for a 152k vocabulary) never exist for more than one chunk.
+Values equal a direct ``log_softmax`` over the whole tensor (the same operations on each row);
+gradients agree with autograd's to float rounding (``core_rl.testing.reference.token_logprobs``
+is that formulation, for tests).
+"""
 
 from __future__ import annotations
 
 import torch
+
+#: the most logits one chunk turns into float32 temporaries (each such temporary is 4 bytes a
+#: value: 256 MiB at this size); rows per chunk = CHUNK_ELEMENTS // vocabulary
+CHUNK_ELEMENTS = 2**26
 
 
 def token_logprobs(
@@ -23,19 +45,23 @@ def token_logprobs(
 
     Position 0 (no prediction) and padding (``attention_mask == 0``) hold 0; padding is zeroed
     with ``where`` (not a product) so a non-finite value there cannot leak into sums.
-    ``entropy_grad=False`` computes the entropy without gradient (a metric only): its
-    ``[b, t, V]`` probabilities are then not kept for backward.
+    ``entropy_grad=False`` gives the entropy without gradient (a metric only). Computed in chunks,
+    keeping for backward only the logits and per-token values (module docstring).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    logprobs = align_to_tokens(picked, attention_mask)
+    rows, width, vocab = logits.shape
+    # position i scores token i + 1; the last position's target is a filler, its values dropped
+    targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).reshape(-1)
+    flat = logits.reshape(rows * width, vocab)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        logprob, entropy = _ChunkedLogprobs.apply(flat, targets, float(temperature), with_entropy, entropy_grad)
+    else:
+        logprob, entropy = _chunked_stats(flat, targets, float(temperature), with_entropy)
+    logprobs = align_to_tokens(logprob.view(rows, width)[:, :-1], attention_mask)
     if not with_entropy:
         return logprobs, None
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        ent = -(logp.exp() * logp).sum(-1)
-    return logprobs, align_to_tokens(ent, attention_mask)
+    return logprobs, align_to_tokens(entropy.view(rows, width)[:, :-1], attention_mask)
 
 
 def align_to_tokens(per_prediction: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -46,3 +72,83 @@ def align_to_tokens(per_prediction: torch.Tensor, attention_mask: torch.Tensor) 
     real = attention_mask[:, 1:] != 0
     zero_col = per_prediction.new_zeros(per_prediction.shape[0], 1)
     return torch.cat([zero_col, torch.where(real, per_prediction, torch.zeros_like(per_prediction))], dim=1)
+
+
+def chunk_rows(vocab: int) -> int:
+    """Rows of a ``vocab``-wide logits matrix per chunk: :data:`CHUNK_ELEMENTS` values, at least one row."""
+    return max(1, CHUNK_ELEMENTS // max(vocab, 1))
+
+
+def _log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``log_softmax(logits / temperature)`` in float32, rows of one chunk (one float32 temporary
+    besides the result: the scaled copy, divided in place when it is a copy)."""
+    scaled = logits.float()
+    scaled = scaled / temperature if scaled.data_ptr() == logits.data_ptr() else scaled.div_(temperature)
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def _chunked_stats(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(log p_y, H or None)`` per row of ``logits`` ``[N, V]``, each ``[N]`` float32 (no autograd)."""
+    count = logits.shape[0]
+    logprob = torch.empty(count, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty_like(logprob) if with_entropy else None
+    step = chunk_rows(logits.shape[-1])
+    with torch.no_grad():
+        for start in range(0, count, step):
+            part = slice(start, start + step)
+            logp = _log_softmax(logits[part], temperature)
+            logprob[part] = logp.gather(-1, targets[part, None]).squeeze(-1)
+            if entropy is not None:
+                entropy[part] = logp.exp().mul_(logp).sum(-1).neg_()
+    return logprob, entropy
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """:func:`_chunked_stats` with the gradient of the module docstring, recomputed chunk by chunk."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        with_entropy: bool,
+        entropy_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logprob, entropy = _chunked_stats(logits, targets, temperature, with_entropy)
+        ctx.temperature = temperature
+        ctx.entropy_grad = with_entropy and entropy_grad
+        ctx.save_for_backward(logits, targets, entropy if ctx.entropy_grad else None)
+        if entropy is not None and not ctx.entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logprob, entropy
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        grad_logprob: torch.Tensor | None,
+        grad_entropy: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, None, None, None, None]:
+        logits, targets, entropy = ctx.saved_tensors
+        temperature = ctx.temperature
+        if grad_logprob is None:
+            grad_logprob = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
+        use_entropy = ctx.entropy_grad and grad_entropy is not None
+        grad = torch.empty_like(logits)
+        step = chunk_rows(logits.shape[-1])
+        for start in range(0, logits.shape[0], step):
+            part = slice(start, start + step)
+            logp = _log_softmax(logits[part], temperature)
+            weight = grad_logprob[part, None].float()
+            dz = logp.exp()  # p, then d/dz = g_lp 1[v = y] - p (g_lp + g_H (log p + H)), in place
+            if use_entropy:
+                coefficient = logp.add_(entropy[part, None]).mul_(grad_entropy[part, None].float()).add_(weight)
+                dz.mul_(coefficient)
+            else:
+                dz.mul_(weight)
+            del logp
+            dz.neg_().scatter_add_(-1, targets[part, None], weight)
+            grad[part] = dz.div_(temperature)
+        return grad, None, None, None, None

@@ -19,8 +19,11 @@ what fits in the memory left free, with half of it kept in reserve::
   state is still to come);
 - ``bytes_per_token``: the activations one token of a micro-batch keeps for backward
   (:func:`activation_bytes_per_token`): per decoder layer ``8 x hidden + 4 x intermediate`` values
-  in the compute dtype, plus, for a language-model head, the vocabulary-sized logits: one copy in
-  the compute dtype and :data:`LOGIT_FLOAT32_COPIES` in float32 (the log-softmax and entropy);
+  in the compute dtype, plus, for a language-model head, the vocabulary-sized logits in the compute
+  dtype and their gradient when backward reaches them (the log-probs and entropies of
+  :mod:`core_rl.engine_utils.logprobs` keep nothing else of the vocabulary's size: their float32
+  work is one chunk at a time, whatever the micro-batch), and the float32 copies an engine that
+  computes log-probs its own way keeps (``logit_float32_copies``);
 - :data:`ACTIVATION_SHARE` (0.5): the other half covers what the estimate leaves out: temporaries,
   the allocator's fragmentation, the embedded rollout engine's KV cache, an unsharded FSDP unit;
 - rounded down to a multiple of :data:`TOKEN_ROUNDING` (128) and clamped to
@@ -54,8 +57,6 @@ GPU_MAX_TOKENS_PER_MB = 16384
 TOKEN_ROUNDING = 128
 #: the share of the usable free memory one micro-batch's activations may take
 ACTIVATION_SHARE = 0.5
-#: float32 vocabulary-sized tensors per token a language-model head keeps (logits, log-softmax, probabilities, ...)
-LOGIT_FLOAT32_COPIES = 4
 #: bytes per value of the dtypes a forward computes in
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -111,6 +112,7 @@ def activation_bytes_per_token(
     lm_head: bool = True,
     checkpointed: int = 0,
     offload: bool = False,
+    logit_float32_copies: int = 0,
 ) -> int:
     """Bytes one token of a micro-batch keeps for backward (see the module docstring).
 
@@ -118,14 +120,15 @@ def activation_bytes_per_token(
     query/key/value and attention outputs, and the MLP's gate, up, activation and product. Of the
     ``checkpointed`` layers only the input (``hidden`` values) stays (none on the device with
     ``offload``), plus one layer's activations while it is recomputed. A language-model head
-    (``lm_head``) adds ``vocab x (compute_bytes + 4 x LOGIT_FLOAT32_COPIES)``; a value or score
-    head one value."""
+    (``lm_head``) adds ``vocab x (2 x compute_bytes + 4 x logit_float32_copies)``: the logits and
+    their gradient, and the vocabulary-sized float32 tensors the engine's log-prob computation
+    keeps per token (0 for :mod:`core_rl.engine_utils.logprobs`); a value or score head one value."""
     per_layer = (8 * shape.hidden + 4 * shape.intermediate) * compute_bytes
     checkpointed = min(max(checkpointed, 0), shape.layers)
     kept = (shape.layers - checkpointed) * per_layer
     if checkpointed:
         kept += (0 if offload else checkpointed * shape.hidden * compute_bytes) + per_layer
-    head = shape.vocab * (compute_bytes + 4 * LOGIT_FLOAT32_COPIES) if lm_head else compute_bytes
+    head = shape.vocab * (2 * compute_bytes + 4 * logit_float32_copies) if lm_head else compute_bytes
     return kept + head
 
 

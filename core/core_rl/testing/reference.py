@@ -233,3 +233,25 @@ def m2po_keep(m2: Sequence[float], threshold: float) -> list[bool]:
     while len(remaining) > 1 and sum(m2[i] for i in remaining) / len(remaining) >= threshold:
         keep[remaining.pop(0)] = False
     return keep
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`core_rl.engine_utils.logprobs.token_logprobs` as autograd composes it from whole-tensor
+    operations (``log_softmax`` of the float32 logits, ``gather``, ``-sum(p log p)``; gradients by
+    autograd): ``[b, t]`` float32, position 0 and padding 0."""
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    real = attention_mask[:, 1:] != 0
+    zero = logp.new_zeros(logp.shape[0], 1)
+
+    def place(values: torch.Tensor) -> torch.Tensor:
+        return torch.cat([zero, torch.where(real, values, torch.zeros_like(values))], dim=1)
+
+    picked = place(logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1))
+    return picked, (place(-(logp.exp() * logp).sum(-1)) if with_entropy else None)

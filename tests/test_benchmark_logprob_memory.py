@@ -1,0 +1,27 @@
+"""Smoke test of benchmarks/logprob_memory.py at a small size: both formulations run in their own
+processes, print their figures, give identical log-probs and entropies, and the chunked one keeps
+less for backward (the full-size figures are in the README; at this size the peak resident memory
+moves by more than the difference between them, so it is printed, not compared)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "logprob_memory.py"
+
+
+def test_logprob_memory_benchmark_smoke() -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {}
+    for line in proc.stdout.splitlines():
+        cells = line.split()
+        if cells and cells[0] in ("reference", "chunked"):
+            rows[cells[0]] = [float(c.replace(",", "")) for c in cells[1:]]
+    assert set(rows) == {"reference", "chunked"}, proc.stdout
+    (ref_peak, ref_saved, ref_per_token, ref_s), (peak, saved, per_token, s) = rows["reference"], rows["chunked"]
+    assert 0 < saved < ref_saved and 0 < per_token < ref_per_token and ref_s > 0 and s > 0
+    assert ref_peak >= 0 and peak >= 0
+    assert "identical log-probs and entropies: True" in proc.stdout
