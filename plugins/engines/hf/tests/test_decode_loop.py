@@ -232,6 +232,44 @@ def test_graph_path_wiring_on_cpu(make_engine, tiny_state_dict, monkeypatch, aut
     assert [x[2] for x in after] != [x[2] for x in first]
 
 
+def test_batches_of_other_sizes_reuse_the_captured_graphs(make_engine, monkeypatch) -> None:
+    """With the capture replaced by the eager step (on a CPU): a batch's rows are padded to a power
+    of two and it is replayed by a kept graph of those rows with at least its tokens and positions,
+    so batches of varying sizes (an asynchronous rollout's, a continuation's) capture only when no
+    kept graph fits; each batch gives the greedy tokens of the engine without graphs, and the
+    padding rows give nothing back."""
+    from core_rl_hf.graphs import DecodeGraphs, GraphedDecoder, bucketed_rows
+
+    monkeypatch.setattr(GraphedDecoder, "_capture", lambda self: type("Eager", (), {"replay": self._advance})())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: None)
+    graphed, plain = make_engine(), make_engine()
+    graphed.graphs = DecodeGraphs()
+    prompts = [[1, 5, 6], [1, 7, 8, 9, 10], [1, 4], [1, 3, 3, 3], [1, 9, 8]]
+    calls = [  # (prompts, n, max_new_tokens) -> the captures made so far
+        ((3, 2, 12), 1),  # 6 rows -> 8: the first capture
+        ((5, 1, 12), 1),  # 5 rows -> 8, 12 tokens: the same graph
+        ((3, 2, 6), 1),  # fewer tokens to generate (a continuation's): the same graph
+        ((1, 2, 12), 2),  # 2 rows: a graph of its own
+        ((4, 2, 20), 3),  # 8 rows, more tokens than any kept graph of 8 rows: a new one
+        ((3, 2, 12), 3),  # the smallest kept graph that fits, the first
+    ]
+    for (count, n, tokens), captures in calls:
+        sampling = SamplingParams(n=n, greedy=True, max_new_tokens=tokens)
+        got = graphed.generate(prompts[:count], sampling)
+        expected = plain.generate(prompts[:count], sampling)
+        assert [[(s.response_ids, s.finish_reason) for s in g] for g in got] == [
+            [(s.response_ids, s.finish_reason) for s in g] for g in expected
+        ]
+        for g, e in zip(got, expected):
+            assert len(g) == n
+            for a, b in zip(g, e):
+                assert len(a.response_ids) <= tokens and len(a.logprobs) == len(a.response_ids)
+                torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+        assert graphed.graphs.captures == captures, (count, n, tokens)
+    assert sorted((key[1], steps) for key, steps, _capacity in graphed.graphs._entries) == [(2, 12), (8, 12), (8, 20)]
+    assert [bucketed_rows(r) for r in (1, 2, 3, 5, 8, 9, 200)] == [1, 2, 4, 8, 8, 16, 256]
+
+
 def test_a_failed_capture_decodes_eagerly_or_fails_naming_the_setting(make_engine, monkeypatch, caplog) -> None:
     """A capture that raises (on a GPU: an operation a CUDA graph cannot hold), injected here on a
     CPU: with ``cuda_graphs: null`` the engine says so once and samples exactly what an engine

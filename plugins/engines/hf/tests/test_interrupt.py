@@ -48,11 +48,21 @@ def interrupt_at(monkeypatch, engine, token: int, new_state) -> list[threading.T
     return updaters
 
 
-@pytest.mark.parametrize("call", ["generate", "agenerate"])
+@pytest.mark.parametrize(
+    ("call", "graphs"), [("generate", False), ("agenerate", False), ("generate", True), ("agenerate", True)]
+)
 def test_abort_continues_under_the_new_weights(
-    make_engine, tiny_state_dict, next_token_logits, monkeypatch, call
+    make_engine, tiny_state_dict, next_token_logits, monkeypatch, call, graphs
 ) -> None:
+    """``graphs``: the CUDA graph path with the capture replaced by the eager step (on a CPU): the
+    continuation (the same rows, fewer tokens left) replays the graph the batch captured."""
     engine = make_engine(seed=0)
+    if graphs:
+        from core_rl_hf.graphs import DecodeGraphs, GraphedDecoder
+
+        monkeypatch.setattr(GraphedDecoder, "_capture", lambda self: type("Eager", (), {"replay": self._advance})())
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: None)
+        engine.graphs = DecodeGraphs()
     new_state = {k: v + 0.05 * torch.randn_like(v) for k, v in tiny_state_dict.items()}
     updaters = interrupt_at(monkeypatch, engine, 5, new_state)
     prompt = [1, 10, 11]
@@ -75,3 +85,5 @@ def test_abort_continues_under_the_new_weights(
     after = torch.log_softmax(next_token_logits(prompt + tokens[:5], new_state), -1)[tokens[5]]
     assert sample.logprobs[4] == pytest.approx(float(before), abs=1e-4)
     assert sample.logprobs[5] == pytest.approx(float(after), abs=1e-4)
+    if graphs:
+        assert engine.graphs.captures == 1

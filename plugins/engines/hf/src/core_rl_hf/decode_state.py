@@ -14,6 +14,10 @@ For batch row ``b`` and token index ``t`` (a one-element device tensor, advanced
 Rows start with ``length = steps`` (``"length"`` if they never stop). :meth:`DecodeState.abort`
 sets the length of running rows to the tokens they have. :meth:`DecodeState.keep` drops rows
 (recording theirs first), :meth:`DecodeState.results` returns every sample's record in its order.
+
+A state captured in a CUDA graph serves later batches of at most its rows and steps
+(:meth:`DecodeState.reset` with ``steps`` and ``live``): the rows past ``live`` are fillers, done
+from the start (they record nothing), and the batch generates ``steps`` tokens at most.
 """
 
 from __future__ import annotations
@@ -51,26 +55,43 @@ class DecodeState:
         self.done = torch.empty(total, dtype=torch.bool, device=device)
         self.feed = torch.empty(total, dtype=torch.long, device=device)
         self.t = torch.empty(1, dtype=torch.long, device=device)
+        # read by the step from the device, so a captured step serves any positive min_new_tokens
+        self.blocks_stops = sampling.min_new_tokens > 0
+        self.min_new_tokens = torch.full((1,), sampling.min_new_tokens, dtype=torch.long, device=device)
         self.sequence = torch.arange(total, device=device)  # the sample each batch row generates
         # every sample's record, filled from the rows when rows are dropped and at the end
         self._out = (self.tokens, self.logprobs, self.lengths, self.stopped)
+        self.live = total  # rows of the batch; those past it are fillers (reset)
         self.reset()
 
-    def reset(self) -> None:
-        """Back to no token generated (in place: a captured graph keeps reading these buffers)."""
+    def reset(self, steps: int | None = None, live: int | None = None, min_new_tokens: int | None = None) -> None:
+        """Back to no token generated (in place: a captured graph keeps reading these buffers),
+        for a batch of ``live`` rows (default all; the others are done from the start) of at most
+        ``steps`` tokens (default the state's ``steps``; at most that) with stop tokens blocked for
+        the first ``min_new_tokens`` (default: as before; positive only if it was positive)."""
+        steps = self.steps if steps is None else steps
+        self.live = len(self.done) if live is None else live
+        if steps > self.steps or self.live > len(self.done):
+            raise ValueError(f"a state of {len(self.done)} rows x {self.steps} steps cannot hold {live} x {steps}")
+        if min_new_tokens is not None:
+            if (min_new_tokens > 0) != self.blocks_stops:
+                made = self.sampling.min_new_tokens
+                raise ValueError(f"min_new_tokens {min_new_tokens} for a state made with {made}")
+            self.min_new_tokens.fill_(min_new_tokens)
         self.tokens.fill_(self.pad)
         self.logprobs.zero_()
-        self.lengths.fill_(self.steps)
+        self.lengths.fill_(steps)
         self.stopped.zero_()
         self.done.zero_()
+        self.done[self.live :] = True
         self.feed.fill_(self.pad)
         self.t.zero_()
 
     def choose(self, logits: torch.Tensor) -> None:
         """Choose and record token ``t`` of every row from ``logits`` [rows, V] (module docstring)."""
         blocked = None
-        if self.sampling.min_new_tokens > 0:
-            blocked = self.stop_mask & (self.t < self.sampling.min_new_tokens)
+        if self.blocks_stops:
+            blocked = self.stop_mask & (self.t < self.min_new_tokens)
         token, logprob = choose_tokens(logits, self.sampling, blocked=blocked, generator=self.generator)
         running = ~self.done
         column = self.t.expand(len(token))[:, None]
@@ -104,8 +125,8 @@ class DecodeState:
                 out.index_copy_(0, self.sequence, rows)
 
     def results(self) -> tuple[list[list[int]], list[list[float]], list[int], list[bool]]:
-        """Per sample (in order): its tokens and log-probs (``steps`` columns each, to be cut at its
-        length), its length and whether it stopped on a stop token."""
+        """Per sample of the ``live`` rows (in order): its tokens and log-probs (``steps`` columns
+        each, to be cut at its length), its length and whether it stopped on a stop token."""
         self._record()
-        tokens, logprobs, lengths, stopped = self._out
+        tokens, logprobs, lengths, stopped = (out[: self.live] for out in self._out)
         return tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist()

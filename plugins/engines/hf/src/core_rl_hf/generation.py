@@ -25,7 +25,8 @@ distribution, but rows kept longer draw their noise from the generator too). The
 preallocated for the prompt plus ``max_new_tokens`` positions. Each decoding step runs through a
 stepper (:mod:`core_rl_hf.decode`): the lean path for Llama and Qwen2 models, the model's own
 forward otherwise; with ``graphs`` a lean step and the choice after it are replayed from a CUDA
-graph (:mod:`core_rl_hf.graphs`; the batch keeps its rows then).
+graph (:mod:`core_rl_hf.graphs`; the batch keeps its rows then, padded to the graph's rows with
+copies of the first row that are done from the start).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from core_rl.interfaces import SamplingParams
 
 from core_rl_hf.decode import LeanStepper, lean_supported, make_stepper, mixed_precision
 from core_rl_hf.decode_state import DecodeState
-from core_rl_hf.graphs import DecodeGraphs, bucketed_capacity
+from core_rl_hf.graphs import DecodeGraphs, bucketed_capacity, bucketed_rows
 
 
 @attrs.define
@@ -104,28 +105,31 @@ def generate_batch(
         )
     # one row per sample: repeat each prompt's cache, mask and logits counts[i] times
     rows = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.as_tensor(counts, device=device))
+    width, steps, total, vocab = input_ids.shape[1], sampling.max_new_tokens, len(rows), out.logits.shape[-1]
+    graphed_rows = graphs is not None and graphs.usable and lean and lean_supported(model)
+    if graphed_rows:  # a graph's rows: copies of the first row fill the batch up (done from the start)
+        rows = torch.cat([rows, rows[:1].expand(bucketed_rows(total) - total)])
     cache = out.past_key_values
     cache.reorder_cache(rows)
     logits = out.logits[rows, -1].float()
     mask, last_position = attention_mask[rows], position_ids[rows, -1:]
-    width, steps, total, vocab = input_ids.shape[1], sampling.max_new_tokens, len(rows), logits.shape[-1]
     del out
 
     def new_state() -> DecodeState:
         special = dict(stop_ids=stop_ids, pad_token_id=pad_token_id)
-        return DecodeState(total, steps, vocab, sampling, **special, device=device, generator=generator)
+        return DecodeState(len(rows), steps, vocab, sampling, **special, device=device, generator=generator)
 
     found = None
-    if graphs is not None and graphs.usable and lean and lean_supported(model):
+    if graphed_rows:
         capacity = bucketed_capacity(width + steps)
-        key = (id(model), total, capacity, steps, vocab, _sampling_key(sampling), tuple(stop_ids), pad_token_id)
+        key = (id(model), len(rows), vocab, _sampling_key(sampling), tuple(stop_ids), pad_token_id)
         key += (compute_dtype, id(generator))
 
         def build() -> tuple[LeanStepper, DecodeState]:
             stepper = LeanStepper(model, cache, mask, last_position, capacity, compute_dtype, static=True)
             return stepper, new_state()
 
-        found = graphs.get(key, build)  # None: the capture failed, decode eagerly
+        found = graphs.get(key, steps, capacity, build)  # None: the capture failed, decode eagerly
     if found is not None:
         graphed, new = found
         stepper, state = graphed.stepper, graphed.state
@@ -133,9 +137,13 @@ def generate_batch(
         cache = None  # the prompts' keys and values are in the stepper's buffers now
         if not new:
             stepper.refresh_weights()
-        state.reset()
+        state.reset(steps, live=total, min_new_tokens=sampling.min_new_tokens)
         advance, keep = graphed.replay, None
     else:
+        if len(rows) > total:  # no graph after all (its capture failed): the batch's own rows
+            rows = rows[:total]
+            cache.reorder_cache(torch.arange(total, device=device))
+            logits, mask, last_position = logits[:total], mask[:total], last_position[:total]
         stepper = make_stepper(model, cache, mask, last_position, width + steps, lean=lean, compute_dtype=compute_dtype)
         state = new_state()
 
@@ -196,7 +204,9 @@ def _decode(
 
 def _sampling_key(sampling: SamplingParams) -> tuple:
     """What a captured step depends on in ``sampling`` (the number of samples is not; greedy
-    choice reads no temperature, top-k or top-p: :func:`core_rl_hf.sampling.choose_tokens`)."""
+    choice reads no temperature, top-k or top-p: :func:`core_rl_hf.sampling.choose_tokens`; the
+    step reads ``min_new_tokens`` from the device, and depends only on whether it is positive)."""
+    blocks_stops = sampling.min_new_tokens > 0
     if sampling.greedy:
-        return (True, sampling.min_new_tokens)
-    return (False, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_new_tokens)
+        return (True, blocks_stops)
+    return (False, sampling.temperature, sampling.top_k, sampling.top_p, blocks_stops)

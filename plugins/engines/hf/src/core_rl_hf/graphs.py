@@ -14,6 +14,14 @@ of ``rows x capacity`` positions between calls. Per token: one graph launch inst
 kernels' launches; the attention covers all ``capacity`` positions (masked) instead of those
 written so far. :class:`DecodeGraphs` keeps the last :data:`MAX_GRAPHS` shapes used.
 
+Few shapes, so few captures: a batch's rows are rounded up to a power of two
+(:func:`bucketed_rows`; the extra rows repeat the first one and are done from the start), its
+positions to a multiple of :data:`CAPACITY_BUCKET`, and a batch is replayed by any kept graph of its
+rows with at least its positions and tokens to generate (the smallest such). Batches of varying
+sizes (an asynchronous rollout takes what is queued; the samples a ``pause("abort")`` interrupted
+continue with the tokens they have left) then reuse a handful of graphs instead of capturing one
+per call; at worst a batch pays the per-token cost of the batch that captured the graph it uses.
+
 Sampling under the graph draws from the engine's generator (registered with the graph) or
 torch's default CUDA generator: each replay advances the generator's offset as an eager step
 would, so a seeded engine samples reproducibly. The warm-up's draws are undone (the generator's
@@ -48,6 +56,11 @@ CAPACITY_BUCKET = 64
 def bucketed_capacity(positions: int) -> int:
     """``positions`` rounded up to a multiple of :data:`CAPACITY_BUCKET`."""
     return -(-positions // CAPACITY_BUCKET) * CAPACITY_BUCKET
+
+
+def bucketed_rows(rows: int) -> int:
+    """``rows`` rounded up to a power of two (the rows of a captured batch)."""
+    return 1 << max(rows - 1, 0).bit_length()
 
 
 class GraphedDecoder:
@@ -96,14 +109,15 @@ class GraphedDecoder:
 
 
 class DecodeGraphs:
-    """The captured decoders of one engine, by key (the batch shape and everything the captured
-    step depends on), at most :data:`MAX_GRAPHS` (least recently used dropped before a new one is
-    captured, so no more are ever held). ``required``: a failed capture raises (``cuda_graphs:
-    true``) instead of ending graph use (:attr:`failure` says why)."""
+    """The captured decoders of one engine, by key (the rows and everything else the captured step
+    depends on) and size (tokens to generate, positions), at most :data:`MAX_GRAPHS` (least recently
+    used dropped before a new one is captured, so no more are ever held). ``required``: a failed
+    capture raises (``cuda_graphs: true``) instead of ending graph use (:attr:`failure` says why)."""
 
     def __init__(self, limit: int = MAX_GRAPHS, *, required: bool = False) -> None:
         self.limit, self.required = limit, required
-        self._entries: OrderedDict[Hashable, GraphedDecoder] = OrderedDict()
+        #: (key, steps, capacity) -> the decoder captured for them
+        self._entries: OrderedDict[tuple[Hashable, int, int], GraphedDecoder] = OrderedDict()
         self.captures = 0
         self.capture_seconds = 0.0
         self.failure: str | None = None
@@ -113,15 +127,23 @@ class DecodeGraphs:
         """False once a capture has failed: the engine decodes eagerly."""
         return self.failure is None
 
+    def find(self, key: Hashable, steps: int, capacity: int) -> tuple[Hashable, int, int] | None:
+        """The kept entry for ``key`` with at least ``steps`` tokens and ``capacity`` positions, the
+        smallest such (by positions, then tokens); ``None`` when there is none."""
+        fits = [e for e in self._entries if e[0] == key and e[1] >= steps and e[2] >= capacity]
+        return min(fits, key=lambda e: (e[2], e[1])) if fits else None
+
     def get(
-        self, key: Hashable, build: Callable[[], tuple[LeanStepper, DecodeState]]
+        self, key: Hashable, steps: int, capacity: int, build: Callable[[], tuple[LeanStepper, DecodeState]]
     ) -> tuple[GraphedDecoder, bool] | None:
-        """The decoder for ``key``, captured from ``build()`` when new; and whether it is new.
-        ``None`` when the capture failed and graphs are not :attr:`required` (see the module docstring)."""
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._entries.move_to_end(key)
-            return entry, False
+        """A decoder for ``key`` with at least ``steps`` tokens and ``capacity`` positions (:meth:`find`),
+        else one captured from ``build()`` (a stepper of ``capacity`` positions and a state of ``steps``
+        tokens); and whether it is new. ``None`` when the capture failed and graphs are not
+        :attr:`required` (see the module docstring)."""
+        found = self.find(key, steps, capacity)
+        if found is not None:
+            self._entries.move_to_end(found)
+            return self._entries[found], False
         while len(self._entries) >= self.limit:
             self._entries.popitem(last=False)
         start = time.perf_counter()
@@ -149,7 +171,7 @@ class DecodeGraphs:
             stepper.capacity,
             seconds,
         )
-        self._entries[key] = entry
+        self._entries[(key, steps, capacity)] = entry
         return entry, True
 
     def clear(self) -> None:
