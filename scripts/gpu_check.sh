@@ -5,7 +5,8 @@
 #   gpu     the engines' GPU tests alone (pytest -m gpu: fsdp, deepspeed, megatron, weight sync in memory,
 #           rollout engines asleep while training: hf, vllm and sglang, the last two from their server environments)
 #   main    the main job (examples/tiny_grpo/main.py) on the GPU
-#   bench   benchmarks/gpu_grpo.py, GRPO step time against TRL on the GPU (both shapes, 2 rounds: long)
+#   bench   benchmarks/gpu_grpo.py, GRPO step time against TRL on the GPU (both shapes, 2 rounds: long),
+#           and benchmarks/logprob_memory.py (log-probs over a 152k vocabulary, 8192 tokens)
 # and print a summary (failures, skips grouped by reason). It fails loudly when CUDA is absent: a GPU
 # check that quietly skipped every GPU test would prove nothing.
 #
@@ -55,7 +56,7 @@ fi
 if has gpu; then
   run_pytest gpu -m gpu plugins/engines/fsdp/tests plugins/engines/deepspeed/tests plugins/engines/megatron/tests \
     tests/test_weight_sync_memory.py plugins/engines/hf/tests/test_gpu.py plugins/engines/hf/tests/test_gpu_sleep.py \
-    tests/test_mixed_precision_rollout.py tests/test_device_defaults_e2e.py \
+    tests/test_mixed_precision_rollout.py tests/test_device_defaults_e2e.py tests/test_engine_utils_logprobs.py \
     plugins/engines/vllm/tests/test_gpu_sleep.py plugins/engines/sglang/tests/test_gpu_sleep.py
 fi
 if has main; then
@@ -72,6 +73,9 @@ if has bench; then
   else
     echo "== benchmark: benchmarks/gpu_grpo.py does not exist yet (issue: fast on a GPU); nothing run"
   fi
+  # log-probs over a 152k vocabulary: memory and time of the chunked computation against the whole-tensor one
+  if "$PY" benchmarks/logprob_memory.py --tokens 8192 > "$OUT/logprob_memory.log" 2>&1; then
+    cat "$OUT/logprob_memory.log"; else echo "== logprob_memory benchmark failed"; tail -20 "$OUT/logprob_memory.log"; status=1; fi
 fi
 echo "gpu_check: $([ $status -eq 0 ] && echo passed || echo FAILED)"
 exit $status
