@@ -1,8 +1,9 @@
 """The agent example (examples/agent_calculator): a tiny model learns, with GRPO through the
 ``environment`` workflow, to use the ``calculator`` tool and copy its result: the real example
 (model, warm start, fsdp + hf engines, the calculator environment) in a subprocess, shortened to
-20 steps. Measured (README, 30 steps): the mean reward of steps 1-5 0.43, of steps 16-20 0.74, of
-steps 26-30 0.80; a policy that ignored the tool's reply stays at the warm start's ~0.45."""
+20 steps. Measured (README, 30 steps): the mean reward of steps 1-5 0.46, of steps 16-20 0.65, of
+steps 26-30 0.72; over 20 steps with seeds 1-6 the rise was 0.16-0.43; a policy that ignored the
+tool's reply stays at the warm start's ~0.45."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ import pytest
 from core_rl.config.schema import ControllerConfig
 from core_rl.interfaces import SamplingParams
 from core_rl.rollout_controller import RolloutController
+from core_rl.testing.server_contract import next_settle
 from core_rl.workflows import SingleTurnWorkflow
 
 pytest.importorskip("core_rl_vllm")
@@ -44,9 +45,11 @@ def server(tmp_path_factory):
     engine.close()
 
 
-def _update_mid_request(engine, sampling: SamplingParams, mode: str, path: Path, version: int) -> list:
-    """The samples of one request, during which (once it has some tokens) the engine pauses in
-    ``mode`` and loads the weights at ``path`` as ``version``."""
+def _update_mid_request(
+    engine, sampling: SamplingParams, mode: str, path: Path, version: int, settle: float = 0.3
+) -> list:
+    """The samples of one request, during which (once it has some tokens: ``settle`` s after it is in
+    flight) the engine pauses in ``mode`` and loads the weights at ``path`` as ``version``."""
     result: dict = {}
 
     def run(out: dict = result) -> None:
@@ -57,7 +60,7 @@ def _update_mid_request(engine, sampling: SamplingParams, mode: str, path: Path,
     deadline = time.monotonic() + 60
     while engine._inflight == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(0.3)  # some tokens generated
+    time.sleep(settle)  # some tokens generated
     engine.pause(mode)
     engine.load_weights_from_path(path, version)
     engine.resume()
@@ -69,8 +72,9 @@ def test_abort_mid_request_changes_version_at_the_interruption_point(server) -> 
     engine, model = server
     engine.load_weights_from_path(model, 0)
     sampling = SamplingParams(n=2, max_new_tokens=48, min_new_tokens=48)
-    for _attempt in range(3):
-        samples = _update_mid_request(engine, sampling, "abort", model, 1)
+    settle = 0.3
+    for _attempt in range(5):
+        samples = _update_mid_request(engine, sampling, "abort", model, 1, settle)
         assert all(len(s.response_ids) == 48 and len(s.versions) == 48 for s in samples)
         for s in samples:  # versions only ever go up, from 0 to 1, at one point
             assert s.versions == sorted(s.versions) and set(s.versions) <= {0, 1}
@@ -79,7 +83,8 @@ def test_abort_mid_request_changes_version_at_the_interruption_point(server) -> 
             cut = interrupted[0].versions.index(1)
             assert 0 < cut < 48 and interrupted[0].weight_version == 0 and interrupted[0].newest_version == 1
             return
-    pytest.fail("no request was caught mid-generation in 3 attempts")
+        settle = next_settle(settle, [s.versions for s in samples], 0)
+    pytest.fail("no request was caught mid-generation in 5 attempts")
 
 
 def _with_head(model: Path, out: Path, scale: float) -> None:
@@ -106,9 +111,10 @@ def test_keep_update_labels_each_token_with_the_weights_that_sampled_it(server, 
     _with_head(model, tmp_path / "sharp", 20.0)
     _with_head(model, tmp_path / "flat", 0.0)
     sampling = SamplingParams(n=2, max_new_tokens=200, min_new_tokens=200)  # the tiny model's 256 positions
-    for _attempt in range(3):
+    settle = 0.3
+    for _attempt in range(5):
         engine.load_weights_from_path(tmp_path / "sharp", 0)
-        samples = _update_mid_request(engine, sampling, "keep", tmp_path / "flat", 1)
+        samples = _update_mid_request(engine, sampling, "keep", tmp_path / "flat", 1, settle)
         assert all(len(s.response_ids) == 200 == len(s.versions) for s in samples)
         for s in samples:
             assert s.versions == sorted(s.versions) and set(s.versions) <= {0, 1}, s.versions
@@ -124,8 +130,9 @@ def test_keep_update_labels_each_token_with_the_weights_that_sampled_it(server, 
             assert s.weight_version == 0 and s.newest_version == 1
             engine.load_weights_from_path(model, 0)
             return
+        settle = next_settle(settle, [s.versions for s in samples], 0)
     engine.load_weights_from_path(model, 0)
-    pytest.fail("no request was caught mid-generation in 3 attempts")
+    pytest.fail("no request was caught mid-generation in 5 attempts")
 
 
 class Data:
