@@ -86,7 +86,7 @@ def _both(
     width=st.integers(2, 12),
     vocab=st.integers(2, 40),
     chunk=st.integers(1, 90),
-    temperature=st.floats(0.3, 2.0),
+    temperature=st.one_of(st.just(1.0), st.floats(0.3, 2.0)),
     scale=st.floats(0.1, 8.0),
     entropy=st.booleans(),
     bfloat16=st.booleans(),

@@ -80,10 +80,12 @@ def chunk_rows(vocab: int) -> int:
 
 
 def _log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``log_softmax(logits / temperature)`` in float32, rows of one chunk (one float32 temporary
-    besides the result: the scaled copy, divided in place when it is a copy)."""
+    """``log_softmax(logits / temperature)`` in float32, rows of one chunk (at most one float32
+    temporary besides the result: the scaled copy, divided in place when it is a copy; no division
+    at temperature 1, which would change no value)."""
     scaled = logits.float()
-    scaled = scaled / temperature if scaled.data_ptr() == logits.data_ptr() else scaled.div_(temperature)
+    if temperature != 1.0:
+        scaled = scaled / temperature if scaled.data_ptr() == logits.data_ptr() else scaled.div_(temperature)
     return torch.log_softmax(scaled, dim=-1)
 
 
