@@ -129,6 +129,22 @@ def test_gradient_by_hand() -> None:
     torch.testing.assert_close(x.grad, expected, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("used", ["logprobs", "entropies"])
+def test_a_loss_of_one_output_alone(used: str) -> None:
+    """A loss of the log-probs alone or of the entropies alone (autograd hands the other output's
+    gradient as zeros): the reference formulation's gradient."""
+    g = torch.Generator().manual_seed(2)
+    logits, ids = torch.randn(2, 5, 7, generator=g), torch.randint(0, 7, (2, 5), generator=g)
+    grads = []
+    for fn in (token_logprobs, reference.token_logprobs):
+        x = logits.clone().requires_grad_(True)
+        lp, ent = fn(x, ids, torch.ones(2, 5), 0.8, with_entropy=True)
+        (lp if used == "logprobs" else ent).sum().backward()
+        grads.append(x.grad)
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-6)
+
+
 def test_without_gradient_the_same_values() -> None:
     g = torch.Generator().manual_seed(1)
     logits, ids = torch.randn(2, 5, 9, generator=g), torch.randint(0, 9, (2, 5), generator=g)

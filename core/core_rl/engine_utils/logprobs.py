@@ -129,15 +129,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
-        grad_logprob: torch.Tensor | None,
-        grad_entropy: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, None, None, None, None]:
+        ctx: torch.autograd.function.FunctionCtx, grad_logprob: torch.Tensor, grad_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor, None, None, None, None]:
+        # autograd hands zeros for an output the loss did not use (materialised gradients)
         logits, targets, entropy = ctx.saved_tensors
-        temperature = ctx.temperature
-        if grad_logprob is None:
-            grad_logprob = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
-        use_entropy = ctx.entropy_grad and grad_entropy is not None
+        temperature, use_entropy = ctx.temperature, ctx.entropy_grad
         grad = torch.empty_like(logits)
         step = chunk_rows(logits.shape[-1])
         for start in range(0, logits.shape[0], step):
