@@ -72,7 +72,7 @@ class DecodeState:
         steps = self.steps if steps is None else steps
         self.live = len(self.done) if live is None else live
         if steps > self.steps or self.live > len(self.done):
-            raise ValueError(f"a state of {len(self.done)} rows x {self.steps} steps cannot hold {live} x {steps}")
+            raise ValueError(f"a state of {len(self.done)} rows x {self.steps} steps cannot hold {self.live} x {steps}")
         if min_new_tokens is not None:
             if (min_new_tokens > 0) != self.blocks_stops:
                 made = self.sampling.min_new_tokens
