@@ -1,6 +1,8 @@
 """Memory and time of token log-probs and entropies over a large vocabulary: the chunked
 computation train engines use (:func:`core_rl.engine_utils.logprobs.token_logprobs`) against the
-whole-tensor formulation autograd composes (:func:`core_rl.testing.reference.token_logprobs`).
+whole-tensor formulation autograd composes (:func:`core_rl.testing.reference.token_logprobs`),
+and, where ``core-rl-megatron`` is installed, that engine's vocabulary-parallel computation on one
+rank (``vocab_parallel``: the same chunking, its own forward formulas).
 
 The workload is a language-model head and what follows it in a training forward and backward:
 ``logits = hidden @ W^T`` for ``--tokens`` tokens (one packed row) with a ``--hidden`` x ``--vocab``
@@ -13,8 +15,8 @@ prints:
   process's peak resident memory, ``VmHWM``, reset before each run);
 - ``saved``: bytes autograd keeps for backward (``saved_tensors_hooks``), and per token;
 - ``s``: seconds per forward and backward (median);
-- whether the log-probs and entropies equal the other formulation's, and the largest difference of
-  the head's gradient.
+- whether the chunked log-probs and entropies equal the reference's, and the largest difference of
+  the head's gradient (for ``vocab_parallel``: the largest differences of all three).
 
     python benchmarks/logprob_memory.py [--tokens 2048] [--vocab 151936] [--hidden 896]
                                         [--dtype bfloat16] [--device auto] [--repeats 3]
@@ -34,7 +36,30 @@ from typing import Any
 
 import torch
 
-FORMULATIONS = ("reference", "chunked")
+FORMULATIONS = ("reference", "chunked", "vocab_parallel")
+
+
+def available() -> tuple[str, ...]:
+    """The formulations this installation can run (``vocab_parallel`` needs ``core-rl-megatron``)."""
+    import importlib.util
+
+    has_megatron = importlib.util.find_spec("core_rl_megatron") is not None
+    return tuple(f for f in FORMULATIONS if f != "vocab_parallel" or has_megatron)
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, temperature: float, *, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The megatron engine's vocabulary-parallel log-probs on one rank (the whole vocabulary), in
+    ``token_logprobs``' alignment."""
+    from core_rl.engine_utils.logprobs import align_to_tokens
+    from core_rl_megatron.vocab_parallel import vocab_parallel_stats
+
+    targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
+    lp, ent = vocab_parallel_stats(
+        logits, targets, vocab_start=0, vocab_size=logits.shape[-1], temperature=temperature, with_entropy=with_entropy
+    )
+    return align_to_tokens(lp[:, :-1], mask), None if ent is None else align_to_tokens(ent[:, :-1], mask)
 
 
 def workload(args: argparse.Namespace, device: torch.device) -> dict[str, torch.Tensor]:
@@ -54,7 +79,11 @@ def step(formulation: str, inputs: dict[str, torch.Tensor]) -> tuple[int, torch.
     from core_rl.engine_utils.logprobs import token_logprobs
     from core_rl.testing import reference
 
-    fn = token_logprobs if formulation == "chunked" else reference.token_logprobs
+    fn = {
+        "chunked": token_logprobs,
+        "reference": reference.token_logprobs,
+        "vocab_parallel": vocab_parallel_logprobs,
+    }[formulation]
     hidden = inputs["hidden"].detach().requires_grad_(True)
     weight = inputs["weight"].detach().requires_grad_(True)
     mask = torch.ones_like(inputs["ids"])
@@ -135,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in FORMULATIONS:
+        for name in available():
             out = Path(tmp) / f"{name}.pt"
             cmd = [sys.executable, __file__, "--only", name, "--out", str(out)]
             for key in ("tokens", "vocab", "hidden", "dtype", "device", "repeats", "threads"):
@@ -153,14 +182,21 @@ def main(argv: list[str] | None = None) -> int:
         f"log-probs and entropies, {args.tokens} tokens x {args.vocab} vocabulary (head {args.hidden}), "
         f"{args.dtype}, {args.device}, {args.threads} thread(s), median of {args.repeats}"
     )
-    print(f"{'formulation':<12} {'peak MiB':>10} {'saved MiB':>10} {'saved B/token':>14} {'s':>8}")
-    for name in FORMULATIONS:
+    print(f"{'formulation':<14} {'peak MiB':>10} {'saved MiB':>10} {'saved B/token':>14} {'s':>8}")
+    for name in rows:
         r = rows[name]
         print(
-            f"{name:<12} {r['peak'] / 2**20:>10.1f} {r['saved'] / 2**20:>10.1f} "
+            f"{name:<14} {r['peak'] / 2**20:>10.1f} {r['saved'] / 2**20:>10.1f} "
             f"{r['saved'] // args.tokens:>14,} {r['seconds']:>8.3f}"
         )
     print(f"identical log-probs and entropies: {same}; largest head-gradient difference: {grad_diff:.2e}")
+    if "vocab_parallel" in rows:
+        vp = rows["vocab_parallel"]["results"]
+        diffs = {key: (ref[key] - vp[key]).abs().max().item() for key in ("lp", "ent", "grad")}
+        print(
+            f"the vocab_parallel formulation against the reference: largest log-prob difference {diffs['lp']:.2e}, "
+            f"entropy {diffs['ent']:.2e}, head gradient {diffs['grad']:.2e}"
+        )
     return 0 if same else 1
 
 

@@ -93,17 +93,6 @@ def test_an_engine_that_says_what_its_first_step_allocates_is_taken_at_its_word(
     assert chosen[0].value == 11008
 
 
-def test_an_engine_that_keeps_float32_logits_says_how_many(model_dir, monkeypatch):
-    """An engine that computes log-probs its own way (``megatron``'s vocabulary-parallel ones) keeps
-    vocabulary-sized float32 tensors per token (``logit_float32_copies``): they count too."""
-    cfg = RunConfig(actor=_actor(model_dir))
-    engine = SimpleNamespace(device=CUDA0, logit_float32_copies=4)
-    built = [BuiltEngine("actor", cfg.actor, engine, trainable=True, weight_bytes=GIB)]
-    _free(monkeypatch, 40)
-    # 1277952 + 151936 x (2 x 2 + 4 x 4) = 4316672 B per token: 0.5 x 37 GiB / 4316672 = 4601.7 -> 4480
-    assert resolve_auto_budgets(cfg, built, out=io.StringIO())[0].value == 4480
-
-
 def test_each_section_is_resolved_with_every_trained_role_on_its_device(model_dir, monkeypatch):
     cfg = RunConfig(actor=_actor(model_dir), critic=CriticConfig(model_path=str(model_dir)))
     built = [

@@ -22,8 +22,6 @@ def test_activation_bytes_per_token_of_a_language_model_in_bfloat16():
     # per layer (8 x 896 + 4 x 4864) x 2 = 53248; x 24 = 1277952; the logits and their gradient
     # 151936 x 2 x 2 = 607744
     assert tb.activation_bytes_per_token(QWEN, compute_bytes=2) == 1_277_952 + 607_744
-    # an engine keeping 4 float32 copies of them besides: 151936 x (2 x 2 + 4 x 4) = 3038720
-    assert tb.activation_bytes_per_token(QWEN, compute_bytes=2, logit_float32_copies=4) == 1_277_952 + 3_038_720
 
 
 def test_activation_bytes_per_token_of_a_value_head_in_float32():

@@ -121,10 +121,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         logprob, entropy = _chunked_stats(logits, targets, temperature, with_entropy)
         ctx.temperature = temperature
-        ctx.entropy_grad = with_entropy and entropy_grad
-        ctx.save_for_backward(logits, targets, entropy if ctx.entropy_grad else None)
-        if entropy is not None and not ctx.entropy_grad:
-            ctx.mark_non_differentiable(entropy)
+        keep_for_backward(ctx, entropy, entropy_grad, logits, targets)
         return logprob, entropy
 
     @staticmethod
@@ -138,15 +135,53 @@ class _ChunkedLogprobs(torch.autograd.Function):
         step = chunk_rows(logits.shape[-1])
         for start in range(0, logits.shape[0], step):
             part = slice(start, start + step)
-            logp = _log_softmax(logits[part], temperature)
-            weight = grad_logprob[part, None].float()
-            dz = logp.exp()  # p, then d/dz = g_lp 1[v = y] - p (g_lp + g_H (log p + H)), in place
-            if use_entropy:
-                coefficient = logp.add_(entropy[part, None]).mul_(grad_entropy[part, None].float()).add_(weight)
-                dz.mul_(coefficient)
-            else:
-                dz.mul_(weight)
-            del logp
-            dz.neg_().scatter_add_(-1, targets[part, None], weight)
-            grad[part] = dz.div_(temperature)
+            weight = grad_logprob[part].float()
+            grad[part] = logit_gradient_(
+                _log_softmax(logits[part], temperature),
+                targets[part],
+                weight,
+                grad_entropy[part].float() if use_entropy else None,
+                entropy[part] if use_entropy else None,
+                temperature,
+            )
         return grad, None, None, None, None
+
+
+def keep_for_backward(
+    ctx: torch.autograd.function.FunctionCtx, entropy: torch.Tensor | None, entropy_grad: bool, *tensors: torch.Tensor
+) -> None:
+    """Save ``tensors`` and then the entropy (``None`` in its place unless it was computed and its
+    gradient is wanted: ``ctx.entropy_grad``); an entropy without gradient is marked
+    non-differentiable."""
+    ctx.entropy_grad = entropy is not None and entropy_grad
+    ctx.save_for_backward(*tensors, entropy if ctx.entropy_grad else None)
+    if entropy is not None and not ctx.entropy_grad:
+        ctx.mark_non_differentiable(entropy)
+
+
+def logit_gradient_(
+    logp: torch.Tensor,
+    targets: torch.Tensor,
+    target_weight: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    temperature: float,
+    grad_logprob: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gradient with respect to the logits of ``sum(g_lp log p_y + g_H H)`` for rows of one
+    chunk, computed in place in ``logp`` (``[n, V]`` float32 ``log p``, consumed):
+    ``(g_lp (1[v = y] - p_v) - g_H p_v (log p_v + H)) / temperature``.
+
+    ``targets`` ``[n]`` (column of ``y``), ``target_weight`` ``[n]`` (``g_lp`` where ``y`` is one
+    of these columns, 0 where it is not: a vocabulary slice), ``grad_logprob`` ``[n]`` (``g_lp``;
+    ``None``: ``target_weight``), ``grad_entropy``/``entropy`` ``[n]`` (``None``: no entropy
+    term). The columns may be a slice of the vocabulary: ``log p`` and ``H`` are then the full
+    vocabulary's, and the result is the gradient of that slice."""
+    weight = (target_weight if grad_logprob is None else grad_logprob)[:, None]
+    dz = logp.exp()  # p, then d/dz = g_lp 1[v = y] - p (g_lp + g_H (log p + H)), in place
+    if grad_entropy is not None and entropy is not None:
+        dz.mul_(logp.add_(entropy[:, None]).mul_(grad_entropy[:, None]).add_(weight))
+    else:
+        dz.mul_(weight)
+    dz.neg_().scatter_add_(-1, targets[:, None], target_weight[:, None])
+    return dz.div_(temperature)

@@ -22,8 +22,8 @@ what fits in the memory left free, with half of it kept in reserve::
   in the compute dtype, plus, for a language-model head, the vocabulary-sized logits in the compute
   dtype and their gradient when backward reaches them (the log-probs and entropies of
   :mod:`core_rl.engine_utils.logprobs` keep nothing else of the vocabulary's size: their float32
-  work is one chunk at a time, whatever the micro-batch), and the float32 copies an engine that
-  computes log-probs its own way keeps (``logit_float32_copies``);
+  work is one chunk at a time, whatever the micro-batch; so do the ``megatron`` engine's
+  vocabulary-parallel ones);
 - :data:`ACTIVATION_SHARE` (0.5): the other half covers what the estimate leaves out: temporaries,
   the allocator's fragmentation, the embedded rollout engine's KV cache, an unsharded FSDP unit;
 - rounded down to a multiple of :data:`TOKEN_ROUNDING` (128) and clamped to
@@ -112,7 +112,6 @@ def activation_bytes_per_token(
     lm_head: bool = True,
     checkpointed: int = 0,
     offload: bool = False,
-    logit_float32_copies: int = 0,
 ) -> int:
     """Bytes one token of a micro-batch keeps for backward (see the module docstring).
 
@@ -120,15 +119,14 @@ def activation_bytes_per_token(
     query/key/value and attention outputs, and the MLP's gate, up, activation and product. Of the
     ``checkpointed`` layers only the input (``hidden`` values) stays (none on the device with
     ``offload``), plus one layer's activations while it is recomputed. A language-model head
-    (``lm_head``) adds ``vocab x (2 x compute_bytes + 4 x logit_float32_copies)``: the logits and
-    their gradient, and the vocabulary-sized float32 tensors the engine's log-prob computation
-    keeps per token (0 for :mod:`core_rl.engine_utils.logprobs`); a value or score head one value."""
+    (``lm_head``) adds ``vocab x 2 x compute_bytes``: the logits and their gradient (the log-prob
+    computation keeps no float32 tensor of the vocabulary's size); a value or score head one value."""
     per_layer = (8 * shape.hidden + 4 * shape.intermediate) * compute_bytes
     checkpointed = min(max(checkpointed, 0), shape.layers)
     kept = (shape.layers - checkpointed) * per_layer
     if checkpointed:
         kept += (0 if offload else checkpointed * shape.hidden * compute_bytes) + per_layer
-    head = shape.vocab * (2 * compute_bytes + 4 * logit_float32_copies) if lm_head else compute_bytes
+    head = 2 * shape.vocab * compute_bytes if lm_head else compute_bytes
     return kept + head
 
 

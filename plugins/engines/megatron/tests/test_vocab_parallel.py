@@ -1,13 +1,25 @@
 """The vocabulary-parallel log-prob and entropy formulas against the core's full-vocabulary
-``token_logprobs`` (a second formulation), values and gradients, with padded vocabulary columns.
-One rank here; ``test_distributed.py`` checks the same with the vocabulary split over 2 ranks."""
+``token_logprobs`` and autograd's whole-tensor formulation (``core_rl.testing.reference``), values
+and gradients, with padded vocabulary columns and chunks down to one row: on one rank here, over 3
+gloo ranks (``vocab_parallel_worker.py``), and inside the engine with the vocabulary split over 2
+ranks (``test_distributed.py``). What backward keeps: the logits and per-token values only."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from core_rl.engine_utils import logprobs
 from core_rl.engine_utils.logprobs import align_to_tokens, token_logprobs
+from core_rl.testing import reference
+from core_rl.testing.launch import run_torchrun
 from core_rl_megatron.vocab_parallel import vocab_parallel_stats
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+WORKER = Path(__file__).parent / "vocab_parallel_worker.py"
 
 
 @pytest.mark.parametrize(("seed", "temperature", "padded"), [(0, 1.0, 0), (1, 0.6, 5), (2, 1.7, 3)])
@@ -70,3 +82,92 @@ def test_entropy_without_gradient() -> None:
         out[grad] = (lp.detach(), ent.detach(), x.grad)
     for a, b in zip(out[True], out[False]):
         assert torch.equal(a, b)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 3),
+    width=st.integers(2, 9),
+    vocab=st.integers(2, 30),
+    padded=st.integers(0, 6),
+    chunk=st.integers(1, 80),
+    temperature=st.one_of(st.just(1.0), st.floats(0.3, 2.0)),
+    entropy=st.booleans(),
+    bfloat16=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_one_rank_any_shape_and_chunking_against_the_whole_tensor_formulation(
+    rows, width, vocab, padded, chunk, temperature, entropy, bfloat16, seed
+) -> None:
+    """Any shape, padding and chunk size (down to one row a chunk): the values and the gradient of
+    any weighting of both outputs agree with autograd's whole-tensor formulation on the real
+    columns, and the padded columns get no gradient."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, width, vocab + padded, generator=g) * 4
+    logits[..., vocab:] = 50.0  # padding: would dominate the softmax if it were counted
+    if bfloat16:
+        logits = logits.bfloat16()
+    ids = torch.randint(0, vocab, (rows, width), generator=g)
+    mask = torch.ones(rows, width, dtype=torch.long)
+    weights = (torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g))
+
+    ref_in = logits[..., :vocab].clone().requires_grad_(True)
+    ref_lp, ref_ent = reference.token_logprobs(ref_in, ids, mask, temperature, with_entropy=entropy)
+    ((ref_lp * weights[0]).sum() + ((ref_ent * weights[1]).sum() if entropy else 0.0)).backward()
+
+    got_in = logits.clone().requires_grad_(True)
+    targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(logprobs, "CHUNK_ELEMENTS", chunk)
+        lp, ent = vocab_parallel_stats(
+            got_in, targets, vocab_start=0, vocab_size=vocab, temperature=temperature, with_entropy=entropy
+        )
+        lp = align_to_tokens(lp[:, :-1], mask)
+        loss = (lp * weights[0]).sum()
+        if entropy:
+            ent = align_to_tokens(ent[:, :-1], mask)
+            loss = loss + (ent * weights[1]).sum()
+        loss.backward()
+
+    torch.testing.assert_close(lp, ref_lp, atol=5e-6, rtol=0)
+    assert (ent is None) is (not entropy)
+    if entropy:
+        torch.testing.assert_close(ent, ref_ent, atol=2e-5, rtol=0)
+    assert got_in.grad.dtype == logits.dtype
+    tolerance = 1e-2 if bfloat16 else 1e-5
+    torch.testing.assert_close(got_in.grad[..., :vocab].float(), ref_in.grad.float(), atol=tolerance, rtol=tolerance)
+    assert not got_in.grad[..., vocab:].any(), "padded vocabulary columns must get no gradient"
+
+
+def test_three_ranks_against_the_whole_tensor_formulation(tmp_path: Path) -> None:
+    """The vocabulary split over 3 gloo ranks (the last slice partly padding, or padding only):
+    every rank holds the same values, and the gathered gradients equal the whole-vocabulary ones,
+    for float32 and bfloat16, one-row chunks, log-probs alone and the entropy as a metric."""
+    out = tmp_path / "result.json"
+    run_torchrun(WORKER, 3, "--out", str(out), timeout=180)
+    results = json.loads(out.read_text())
+    assert len(results) == 6
+    for name, r in results.items():
+        grad_tolerance = 1e-2 if name == "bfloat16" else 1e-5
+        assert r["logprob"] < 5e-6 and r["entropy"] < 2e-5 and r["grad"] < grad_tolerance, (name, r)
+        assert r["grad_padding"] == 0.0 and r["same_on_every_rank"], (name, r)
+
+
+def test_only_the_logits_and_per_token_values_are_kept_for_backward() -> None:
+    """Backward keeps the logits (the model's output, in its own dtype) and a few values per
+    token; no vocabulary-sized float32 tensor."""
+    g = torch.Generator().manual_seed(0)
+    b, s, width = 2, 6, 64
+    logits = (torch.randn(b, s, width, generator=g) * 2).bfloat16().requires_grad_(True)
+    targets = torch.randint(0, 60, (b, s), generator=g)
+    saved = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp, ent = vocab_parallel_stats(logits, targets, vocab_start=0, vocab_size=60, with_entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    assert saved[0] <= logits.numel() * logits.element_size() + 24 * b * s, saved[0]
+    assert torch.isfinite(logits.grad).all()

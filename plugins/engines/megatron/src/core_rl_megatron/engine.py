@@ -72,9 +72,6 @@ class MegatronEngine(EngineState, TrainEngine):
     ``head``: ``lm`` (a causal LM), ``value`` or ``score`` (a scalar head, see the module docstring)."""
 
     engine_label = "megatron"
-    #: vocabulary-sized float32 tensors per token its vocabulary-parallel log-probs and entropies
-    #: hold (:mod:`core_rl_megatron.vocab_parallel`), for the ``auto`` micro-batch budget
-    logit_float32_copies = 4
 
     def __init__(
         self, actor: ActorConfig, config: MegatronConfig | None = None, *, trainable: bool = True, head: str = "lm"
