@@ -564,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(table: list[tuple[Workload, int, dict[str, Summary]]]) -> None:
     header = (
-        f"{'workload':<30}{'framework':<10}{'s/step':>8}{'first':>7}{'generate':>10}{'logprobs':>10}{'train':>8}"
+        f"{'workload':<30}{'framework':<10}{'s/step':>8}{'first':>8}{'generate':>10}{'logprobs':>10}{'train':>8}"
         f"{'sync':>7}{'other':>7}{'peak MiB':>10}{'vs TRL':>8}{'':<8}"
         f"{'cpu s':>7}{'rollout':>8}{'update':>8}{'vs TRL':>8}"
     )
@@ -578,7 +578,7 @@ def print_table(table: list[tuple[Workload, int, dict[str, Summary]]]) -> None:
             ratio = f"{s.step / trl.step:.2f}x" if trl is not None else "-"
             mem = f" ({s.peak_rss_mib / trl.peak_rss_mib:.2f}x)" if trl is not None and kind != "trl" else ""
             print(
-                f"{label:<30}{kind:<10}{s.step:>8.3f}{s.first_step:>7.1f}{s.split['generate']:>10.3f}{s.split['logprobs']:>10.3f}"
+                f"{label:<30}{kind:<10}{s.step:>8.3f}{s.first_step:>8.3f}{s.split['generate']:>10.3f}{s.split['logprobs']:>10.3f}"
                 f"{s.split['train']:>8.3f}{s.split['weight_sync']:>7.3f}{s.split['other']:>7.3f}"
                 f"{s.peak_rss_mib:>10.0f}{ratio:>8}{mem:<8}{_cpu_columns(s, trl)}"
             )
