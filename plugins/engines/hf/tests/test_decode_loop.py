@@ -201,8 +201,9 @@ def test_host_reads_back_only_every_sync_every_tokens(model: torch.nn.Module, mo
 def test_graph_path_wiring_on_cpu(make_engine, tiny_state_dict, monkeypatch, autocast: str | None) -> None:
     """The engine's CUDA graph path run on a CPU with the capture replaced by the eager step (CUDA
     graphs themselves are tested in test_gpu.py): static buffers of a bucketed capacity, reused
-    by a second call (one entry), reloaded per call and following a weight update (in place,
-    including the bf16 weight copies), give the tokens of the engine without graphs."""
+    by a second call (one entry), reloaded per call and following weight updates (in place,
+    including the bf16 weight copies, which every kept graph shares), give the tokens of the
+    engine without graphs."""
     from core_rl_hf.graphs import DecodeGraphs, GraphedDecoder
 
     monkeypatch.setattr(GraphedDecoder, "_capture", lambda self: type("Eager", (), {"replay": self._advance})())
@@ -230,6 +231,20 @@ def test_graph_path_wiring_on_cpu(make_engine, tiny_state_dict, monkeypatch, aut
     after = outputs(graphed)
     same(after, outputs(plain))
     assert [x[2] for x in after] != [x[2] for x in first]
+    # a graph of other rows, captured after the update, and the first one after another update:
+    # every kept graph reads one copy of the weights (of the compute dtype), kept up to date
+    more = [[1, 4], *prompts]
+
+    def outputs_of(engine, batch):
+        return [(r.response_ids, r.finish_reason, r.logprobs) for g in engine.generate(batch, sampling) for r in g]
+
+    same(outputs_of(graphed, more), outputs_of(plain, more))
+    for engine in (graphed, plain):
+        engine.update_weights({k: v * 0.5 if "self_attn" in k else v for k, v in changed.items()}, 2)
+    same(outputs(graphed), outputs(plain))
+    entries = list(graphed.graphs._entries.values())
+    assert len(entries) == 2 and len({id(e.stepper.shared) for e in entries}) == 1
+    assert entries[0].stepper.shared.head.dtype == (torch.bfloat16 if autocast else torch.float32)
 
 
 def test_batches_of_other_sizes_reuse_the_captured_graphs(make_engine, monkeypatch) -> None:
@@ -268,6 +283,12 @@ def test_batches_of_other_sizes_reuse_the_captured_graphs(make_engine, monkeypat
         assert graphed.graphs.captures == captures, (count, n, tokens)
     assert sorted((key[1], steps) for key, steps, _capacity in graphed.graphs._entries) == [(2, 12), (8, 12), (8, 20)]
     assert [bucketed_rows(r) for r in (1, 2, 3, 5, 8, 9, 200)] == [1, 2, 4, 8, 8, 16, 256]
+    # never beyond the engine's max_batch_size (the memory a batch may take), unless the batch is
+    assert [bucketed_rows(r, 160) for r in (5, 100, 129, 160, 200)] == [8, 128, 160, 160, 200]
+    capped = make_engine(max_batch_size=6)
+    capped.graphs = DecodeGraphs()
+    capped.generate(prompts[:3], SamplingParams(n=2, greedy=True, max_new_tokens=5))  # 6 rows: not 8
+    assert [key[1] for key, _steps, _capacity in capped.graphs._entries] == [6]
 
 
 def test_a_failed_capture_decodes_eagerly_or_fails_naming_the_setting(make_engine, monkeypatch, caplog) -> None:

@@ -138,12 +138,16 @@ class LeanStepper:
         compute_dtype: torch.dtype | None = None,
         *,
         static: bool = False,
+        weights: StepperWeights | None = None,
     ) -> None:
         self.model = model
         self.state_dtype = model.lm_head.weight.dtype  # residual stream, norms, rotary
         self.dtype = compute_dtype or self.state_dtype  # the projections
-        self.weights = [_layer_weights(layer, self.dtype) for layer in model.model.layers]
-        self.head_weight = model.lm_head.weight.detach().to(self.dtype)
+        shared = weights if weights is not None else StepperWeights.of(model, self.dtype)
+        if shared.dtype != self.dtype:
+            raise ValueError(f"weights in {shared.dtype} given to a stepper computing in {self.dtype}")
+        self.shared = shared
+        self.weights, self.head_weight = shared.layers, shared.head
         float32_attention = getattr(model.config, "_attn_implementation", None) == attention.NAME
         self.attention_dtype = self.state_dtype if float32_attention else self.dtype  # keys/values too
         # the model's own rotary embedding (Llama's and Qwen2's modules each define it)
@@ -182,15 +186,9 @@ class LeanStepper:
         self.length = length
 
     def refresh_weights(self) -> None:
-        """Copy the model's current weights into the projection copies this stepper made (those
-        in ``compute_dtype``; the model's own parameters are used as they are), in place and
-        casting as they go (no second copy of the weights)."""
-        head = self.model.lm_head.weight
-        if self.head_weight.data_ptr() != head.data_ptr():
-            self.head_weight.copy_(head.detach())
-        for layer, weights in zip(self.layers, self.weights):
-            for name, modules in _layer_linears(layer).items():
-                getattr(weights, name).refresh(modules)
+        """Copy the model's current weights into the projection copies this stepper uses
+        (:meth:`StepperWeights.refresh`)."""
+        self.shared.refresh(self.model)
 
     def keep(self, rows: torch.Tensor) -> None:
         if self.static:
@@ -298,6 +296,33 @@ class _LayerWeights:
     o: _Projections
     gate_up: _Projections
     down: _Projections
+
+
+@attrs.frozen
+class StepperWeights:
+    """A Llama/Qwen2 model's projections and head in a :class:`LeanStepper`'s compute ``dtype``:
+    copies where that is not the weights' own dtype (fused per :class:`_LayerWeights` group), the
+    model's own parameters otherwise. Steppers of one model and dtype can share one (the CUDA
+    graphs an engine keeps: one copy of the weights, not one per graph)."""
+
+    dtype: torch.dtype
+    layers: list[_LayerWeights]
+    head: torch.Tensor
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, dtype: torch.dtype) -> StepperWeights:
+        layers = [_layer_weights(layer, dtype) for layer in model.model.layers]
+        return cls(dtype, layers, model.lm_head.weight.detach().to(dtype))
+
+    def refresh(self, model: torch.nn.Module) -> None:
+        """Copy ``model``'s current weights into the copies, in place and casting as they go (no
+        second copy of the weights); nothing for the model's own parameters."""
+        head = model.lm_head.weight
+        if self.head.data_ptr() != head.data_ptr():
+            self.head.copy_(head.detach())
+        for layer, weights in zip(model.model.layers, self.layers):
+            for name, modules in _layer_linears(layer).items():
+                getattr(weights, name).refresh(modules)
 
 
 def _layer_linears(layer: torch.nn.Module) -> dict[str, list[torch.nn.Linear]]:

@@ -254,6 +254,7 @@ class HFRolloutEngine(RolloutEngine):
             compute_dtype=self.compute_dtype,
             sync_every=self.sync_every,
             graphs=self.graphs,
+            max_rows=self.config.max_batch_size,
         )
 
     async def agenerate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:

@@ -85,13 +85,15 @@ def generate_batch(
     compute_dtype: torch.dtype | None = None,
     sync_every: int = 1,
     graphs: DecodeGraphs | None = None,
+    max_rows: int | None = None,
 ) -> list[list[Completion]]:
     """``counts[i]`` responses to each (non-empty) ``prompts[i]``, all generated as one batch; see
     the module docstring. ``sampling.n`` is ignored (``counts`` says how many). ``lean``: decode
     supported architectures with :class:`core_rl_hf.decode.LeanStepper`; ``compute_dtype``: mixed
     precision (the prefill under autocast, the steps as :mod:`core_rl_hf.decode` describes).
     ``sync_every``: the host reads how many rows are done every this many tokens;
-    ``graphs``: replay the decoding step from CUDA graphs kept there (lean models only)."""
+    ``graphs``: replay the decoding step from CUDA graphs kept there (lean models only), the rows
+    rounded up to a power of two but at most ``max_rows`` (:func:`~core_rl_hf.graphs.bucketed_rows`)."""
     device = next(model.parameters()).device
     stop_ids = sorted(set(eos_token_ids) | set(sampling.stop_token_ids))
     input_ids, attention_mask, position_ids = left_pad(prompts, pad_token_id, device)
@@ -108,7 +110,7 @@ def generate_batch(
     width, steps, total, vocab = input_ids.shape[1], sampling.max_new_tokens, len(rows), out.logits.shape[-1]
     graphed_rows = graphs is not None and graphs.usable and lean and lean_supported(model)
     if graphed_rows:  # a graph's rows: copies of the first row fill the batch up (done from the start)
-        rows = torch.cat([rows, rows[:1].expand(bucketed_rows(total) - total)])
+        rows = torch.cat([rows, rows[:1].expand(bucketed_rows(total, max_rows) - total)])
     cache = out.past_key_values
     cache.reorder_cache(rows)
     logits = out.logits[rows, -1].float()
@@ -125,18 +127,21 @@ def generate_batch(
         key = (id(model), len(rows), vocab, _sampling_key(sampling), tuple(stop_ids), pad_token_id)
         key += (compute_dtype, id(generator))
 
+        shared = graphs.weights(model, compute_dtype)
+        shared.refresh(model)  # the weights may have changed since a kept graph last ran
+
         def build() -> tuple[LeanStepper, DecodeState]:
-            stepper = LeanStepper(model, cache, mask, last_position, capacity, compute_dtype, static=True)
+            stepper = LeanStepper(
+                model, cache, mask, last_position, capacity, compute_dtype, static=True, weights=shared
+            )
             return stepper, new_state()
 
         found = graphs.get(key, steps, capacity, build)  # None: the capture failed, decode eagerly
     if found is not None:
-        graphed, new = found
+        graphed = found[0]
         stepper, state = graphed.stepper, graphed.state
         stepper.load(cache, mask, last_position)  # the capture's warm-up moved them on
         cache = None  # the prompts' keys and values are in the stepper's buffers now
-        if not new:
-            stepper.refresh_weights()
         state.reset(steps, live=total, min_new_tokens=sampling.min_new_tokens)
         advance, keep = graphed.replay, None
     else:
@@ -155,6 +160,7 @@ def generate_batch(
             state.keep(rows)
 
     state.choose(logits)
+    del logits  # [rows, vocab] float32: not kept through the decode
     aborted = _decode(state, advance, steps, sync_every=sync_every, keep=keep, interrupted=interrupted)
 
     tokens_l, logprobs_l, lengths_l, stopped_l = state.results()

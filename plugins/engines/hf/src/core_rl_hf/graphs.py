@@ -42,7 +42,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from core_rl_hf.decode import LeanStepper
+from core_rl_hf.decode import LeanStepper, StepperWeights
 from core_rl_hf.decode_state import DecodeState
 
 log = logging.getLogger(__name__)
@@ -58,9 +58,11 @@ def bucketed_capacity(positions: int) -> int:
     return -(-positions // CAPACITY_BUCKET) * CAPACITY_BUCKET
 
 
-def bucketed_rows(rows: int) -> int:
-    """``rows`` rounded up to a power of two (the rows of a captured batch)."""
-    return 1 << max(rows - 1, 0).bit_length()
+def bucketed_rows(rows: int, limit: int | None = None) -> int:
+    """``rows`` rounded up to a power of two (the rows of a captured batch), but not beyond
+    ``limit`` (the engine's ``max_batch_size``: the memory a batch may take) unless ``rows`` is."""
+    rounded = 1 << max(rows - 1, 0).bit_length()
+    return rounded if limit is None else max(rows, min(rounded, limit))
 
 
 class GraphedDecoder:
@@ -121,6 +123,18 @@ class DecodeGraphs:
         self.captures = 0
         self.capture_seconds = 0.0
         self.failure: str | None = None
+        #: (model, compute dtype) -> the projection copies every kept graph of that model reads
+        self._weights: dict[tuple[int, torch.dtype], StepperWeights] = {}
+
+    def weights(self, model: torch.nn.Module, dtype: torch.dtype | None) -> StepperWeights:
+        """The one :class:`~core_rl_hf.decode.StepperWeights` of ``model`` in ``dtype`` (default: its
+        own) that the graphs captured here share; up to date only after its ``refresh``."""
+        dtype = dtype or model.lm_head.weight.dtype
+        key = (id(model), dtype)
+        if key not in self._weights:
+            self._weights = {k: v for k, v in self._weights.items() if k[0] == id(model)}  # another model's: gone
+            self._weights[key] = StepperWeights.of(model, dtype)
+        return self._weights[key]
 
     @property
     def usable(self) -> bool:
