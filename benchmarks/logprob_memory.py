@@ -1,8 +1,10 @@
 """Memory and time of token log-probs and entropies over a large vocabulary: the chunked
 computation train engines use (:func:`core_rl.engine_utils.logprobs.token_logprobs`) against the
 whole-tensor formulation autograd composes (:func:`core_rl.testing.reference.token_logprobs`),
-and, where ``core-rl-megatron`` is installed, that engine's vocabulary-parallel computation on one
-rank (``vocab_parallel``: the same chunking, its own forward formulas).
+``fused`` (``fused_head: true``, :mod:`core_rl.engine_utils.fused_head`: from the hidden states and
+the head's weight, the logits never whole), and, where ``core-rl-megatron`` is installed, that
+engine's vocabulary-parallel computation on one rank (``vocab_parallel``: the same chunking, its
+own forward formulas).
 
 The workload is a language-model head and what follows it in a training forward and backward:
 ``logits = hidden @ W^T`` for ``--tokens`` tokens (one packed row) with a ``--hidden`` x ``--vocab``
@@ -16,7 +18,7 @@ prints:
 - ``saved``: bytes autograd keeps for backward (``saved_tensors_hooks``), and per token;
 - ``s``: seconds per forward and backward (median);
 - whether the chunked log-probs and entropies equal the reference's, and the largest difference of
-  the head's gradient (for ``vocab_parallel``: the largest differences of all three).
+  the head's gradient (for ``fused`` and ``vocab_parallel``: the largest differences of all three).
 
     python benchmarks/logprob_memory.py [--tokens 2048] [--vocab 151936] [--hidden 896]
                                         [--dtype bfloat16] [--device auto] [--repeats 3]
@@ -36,7 +38,7 @@ from typing import Any
 
 import torch
 
-FORMULATIONS = ("reference", "chunked", "vocab_parallel")
+FORMULATIONS = ("reference", "chunked", "fused", "vocab_parallel")
 
 
 def available() -> tuple[str, ...]:
@@ -45,6 +47,19 @@ def available() -> tuple[str, ...]:
 
     has_megatron = importlib.util.find_spec("core_rl_megatron") is not None
     return tuple(f for f in FORMULATIONS if f != "vocab_parallel" or has_megatron)
+
+
+def fused_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_head``: from the hidden states ``[T, H]`` and the head's weight, in ``token_logprobs``'
+    alignment."""
+    from core_rl.engine_utils.fused_head import fused_head_stats
+    from core_rl.engine_utils.logprobs import align_to_tokens
+
+    targets = torch.cat([ids[0, 1:], ids[0, :1]])
+    lp, ent = fused_head_stats(hidden, weight, targets, temperature, with_entropy=True)
+    return align_to_tokens(lp[None, :-1], mask), align_to_tokens(ent[None, :-1], mask)
 
 
 def vocab_parallel_logprobs(
@@ -80,6 +95,7 @@ def step(formulation: str, inputs: dict[str, torch.Tensor]) -> tuple[int, torch.
     from core_rl.testing import reference
 
     fn = {
+        "fused": None,
         "chunked": token_logprobs,
         "reference": reference.token_logprobs,
         "vocab_parallel": vocab_parallel_logprobs,
@@ -94,9 +110,12 @@ def step(formulation: str, inputs: dict[str, torch.Tensor]) -> tuple[int, torch.
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = (hidden @ weight.T)[None]
-        lp, ent = fn(logits, inputs["ids"], mask, 0.9, with_entropy=True)
-        del logits
+        if formulation == "fused":
+            lp, ent = fused_logprobs(hidden, weight, inputs["ids"], mask, 0.9)
+        else:
+            logits = (hidden @ weight.T)[None]
+            lp, ent = fn(logits, inputs["ids"], mask, 0.9, with_entropy=True)
+            del logits
     ((lp * inputs["w"]).sum() + 0.01 * ent.sum()).backward()
     return saved[0], lp.detach(), ent.detach(), weight.grad
 
@@ -190,11 +209,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['saved'] // args.tokens:>14,} {r['seconds']:>8.3f}"
         )
     print(f"identical log-probs and entropies: {same}; largest head-gradient difference: {grad_diff:.2e}")
-    if "vocab_parallel" in rows:
-        vp = rows["vocab_parallel"]["results"]
-        diffs = {key: (ref[key] - vp[key]).abs().max().item() for key in ("lp", "ent", "grad")}
+    for name in ("fused", "vocab_parallel"):
+        if name not in rows:
+            continue
+        other = rows[name]["results"]
+        diffs = {key: (ref[key] - other[key]).abs().max().item() for key in ("lp", "ent", "grad")}
         print(
-            f"the vocab_parallel formulation against the reference: largest log-prob difference {diffs['lp']:.2e}, "
+            f"the {name} formulation against the reference: largest log-prob difference {diffs['lp']:.2e}, "
             f"entropy {diffs['ent']:.2e}, head gradient {diffs['grad']:.2e}"
         )
     return 0 if same else 1

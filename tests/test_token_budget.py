@@ -22,6 +22,8 @@ def test_activation_bytes_per_token_of_a_language_model_in_bfloat16():
     # per layer (8 x 896 + 4 x 4864) x 2 = 53248; x 24 = 1277952; the logits and their gradient
     # 151936 x 2 x 2 = 607744
     assert tb.activation_bytes_per_token(QWEN, compute_bytes=2) == 1_277_952 + 607_744
+    # fused_head: no logits, the 896 hidden values it keeps instead
+    assert tb.activation_bytes_per_token(QWEN, compute_bytes=2, fused_head=True) == 1_277_952 + 896 * 2
 
 
 def test_activation_bytes_per_token_of_a_value_head_in_float32():

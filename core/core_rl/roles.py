@@ -64,12 +64,14 @@ def engine_heads(entry: RegistryEntry) -> tuple[str, ...]:
 
 
 def role_problems(cfg: RunConfig, host: PluginHost) -> list[str]:
-    """Configuration problems of the role sections: a required ``model_path``, and a critic on an
-    engine that cannot build a value model (named, with its distribution)."""
+    """Configuration problems of the role sections: a required ``model_path``, a critic on an
+    engine that cannot build a value model (named, with its distribution), and ``fused_head`` where
+    it cannot apply (:func:`fused_head_problems`)."""
     problems = []
     for role, section in role_sections(cfg):
         if not section.model_path:
             problems.append(f"{role}.model_path: required; the path of a Hugging Face model directory")
+    problems += fused_head_problems(cfg, host)
     if cfg.critic is not None:
         entry = host.registries[TRAIN_ENGINE.key].get(cfg.critic.engine.name)
         if entry is not None and "value" not in engine_heads(entry):
@@ -188,6 +190,26 @@ def shared_tokenizer_problems(
             f"{largest}; the {role} {uses} the policy's token ids"
         ]
     return []
+
+
+def fused_head_problems(cfg: RunConfig, host: PluginHost) -> list[str]:
+    """``fused_head: true`` on a role with a scalar head (critic, reward model: no vocabulary), or
+    whose train engine does not say it honours it (``fused_head = True`` on its config class)."""
+    problems = []
+    for role, section in (("actor", cfg.actor), *role_sections(cfg)):
+        if not section.fused_head:
+            continue
+        if role in ("critic", "reward_model"):
+            problems.append(f"{role}.fused_head: the {role} has a scalar head, no vocabulary to fuse; set it to false")
+            continue
+        entry = host.registries[TRAIN_ENGINE.key].get(section.engine.name)
+        if entry is not None and not getattr(entry.config_cls, "fused_head", False):
+            problems.append(
+                f"{role}.fused_head: train engine {entry.name!r} (distribution {entry.distribution}) does not "
+                "compute log-probs from the head's weight (its config class does not set fused_head = True); "
+                "set it to false, or use an engine that does, e.g. fsdp"
+            )
+    return problems
 
 
 def missing_head_problem(entry: RegistryEntry, head: str, key: str, model: str) -> str:

@@ -79,7 +79,7 @@ def chunk_rows(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(vocab, 1))
 
 
-def _log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def scaled_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """``log_softmax(logits / temperature)`` in float32, rows of one chunk (at most one float32
     temporary besides the result: the scaled copy, divided in place when it is a copy; no division
     at temperature 1, which would change no value)."""
@@ -100,11 +100,18 @@ def _chunked_stats(
     with torch.no_grad():
         for start in range(0, count, step):
             part = slice(start, start + step)
-            logp = _log_softmax(logits[part], temperature)
-            logprob[part] = logp.gather(-1, targets[part, None]).squeeze(-1)
-            if entropy is not None:
-                entropy[part] = logp.exp().mul_(logp).sum(-1).neg_()
+            write_chunk_stats(scaled_log_softmax(logits[part], temperature), targets, part, logprob, entropy)
     return logprob, entropy
+
+
+def write_chunk_stats(
+    logp: torch.Tensor, targets: torch.Tensor, part: slice, logprob: torch.Tensor, entropy: torch.Tensor | None
+) -> None:
+    """Write ``log p_y`` and (into ``entropy`` unless ``None``) ``H = -sum_v p_v log p_v`` of the
+    chunk ``part``'s rows, from their float32 ``log p`` ``[n, V]``."""
+    logprob[part] = logp.gather(-1, targets[part, None]).squeeze(-1)
+    if entropy is not None:
+        entropy[part] = logp.exp().mul_(logp).sum(-1).neg_()
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -137,7 +144,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             part = slice(start, start + step)
             weight = grad_logprob[part].float()
             grad[part] = logit_gradient_(
-                _log_softmax(logits[part], temperature),
+                scaled_log_softmax(logits[part], temperature),
                 targets[part],
                 weight,
                 grad_entropy[part].float() if use_entropy else None,

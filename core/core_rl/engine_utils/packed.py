@@ -19,6 +19,7 @@ import attrs
 import torch
 from torch import nn
 
+from core_rl.engine_utils.fused_head import fused_head
 from core_rl.engine_utils.logprobs import align_to_tokens, token_logprobs
 
 LAYOUTS = ("auto", "padded", "packed")
@@ -98,16 +99,28 @@ def resolve_layout(layout: str, attn_implementation: str | None) -> str:
     return "packed" if attn_implementation in VARLEN_ATTENTION else "padded"
 
 
+def _pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, layout: str) -> PackedRows | None:
+    """The micro-batch packed (``packed`` layout) or ``None`` (``padded``)."""
+    if layout not in ("padded", "packed"):
+        raise ValueError(f"layout must be padded or packed here, got {layout!r}")
+    return pack_rows(input_ids, attention_mask) if layout == "packed" else None
+
+
 def _forward_outputs(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, layout: str, varlen_kwargs: bool
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    layout: str,
+    varlen_kwargs: bool,
+    packed: PackedRows | None = None,
 ) -> tuple[torch.Tensor, PackedRows | None]:
     """The model's ``logits`` of one micro-batch: ``[b, width, ...]`` padded, or ``[1, S, ...]``
-    with the :class:`PackedRows` to unpack them."""
-    if layout == "padded":
+    with the :class:`PackedRows` to unpack them (``packed``: already packed)."""
+    if packed is None:
+        packed = _pack(input_ids, attention_mask, layout)
+    if packed is None:
         return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits, None
-    if layout != "packed":
-        raise ValueError(f"layout must be padded or packed here, got {layout!r}")
-    packed = pack_rows(input_ids, attention_mask)
     kwargs: dict[str, object] = {}
     if varlen_kwargs:
         kwargs = {
@@ -130,19 +143,34 @@ def forward_logprobs(
     entropy_grad: bool = True,
     layout: str = "padded",
     varlen_kwargs: bool = False,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) ``[b, width]`` of one micro-batch through a causal LM, in the
     ``padded`` or ``packed`` layout (see the module docstring; identical results up to float
     rounding). ``varlen_kwargs`` also passes ``cu_seqlens`` / max lengths for flash-attn;
-    ``entropy_grad``: see :func:`~core_rl.engine_utils.logprobs.token_logprobs`."""
-    logits, packed = _forward_outputs(model, input_ids, attention_mask, layout=layout, varlen_kwargs=varlen_kwargs)
-    if packed is None:
-        return token_logprobs(
-            logits, input_ids, attention_mask, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad
+    ``entropy_grad``: see :func:`~core_rl.engine_utils.logprobs.token_logprobs`; ``fused``: from
+    the hidden states and the head's weight, the logits never whole
+    (:mod:`core_rl.engine_utils.fused_head`)."""
+    packed = _pack(input_ids, attention_mask, layout)
+    ids, mask = (input_ids, attention_mask) if packed is None else (packed.input_ids, packed.continues)
+    if fused:
+        targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # position i predicts token i + 1
+        with fused_head(model, targets, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad):
+            stats, _ = _forward_outputs(
+                model, input_ids, attention_mask, layout=layout, varlen_kwargs=varlen_kwargs, packed=packed
+            )
+        lp = align_to_tokens(stats[:, :-1, 0], mask)
+        ent = None
+        if with_entropy:
+            ent = align_to_tokens(stats[:, :-1, 1], mask)
+            ent = ent if entropy_grad else ent.detach()
+    else:
+        logits, _ = _forward_outputs(
+            model, input_ids, attention_mask, layout=layout, varlen_kwargs=varlen_kwargs, packed=packed
         )
-    lp, ent = token_logprobs(
-        logits, packed.input_ids, packed.continues, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad
-    )
+        lp, ent = token_logprobs(logits, ids, mask, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
+    if packed is None:
+        return lp, ent
     return unpack(lp, packed), (unpack(ent, packed) if ent is not None else None)
 
 

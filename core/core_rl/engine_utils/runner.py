@@ -25,6 +25,7 @@ from torch import nn
 
 from core_rl.config.schema import ActorConfig, MicroBatchConfig
 from core_rl.engine_utils import distributed as dist_utils
+from core_rl.engine_utils.fused_head import check_fusable
 from core_rl.engine_utils.metrics import StepMetrics
 from core_rl.engine_utils.microbatch import (
     micro_batch_width,
@@ -36,6 +37,7 @@ from core_rl.engine_utils.optim import lr_at, set_lr
 from core_rl.engine_utils.packed import VARLEN_ATTENTION, forward_logprobs, forward_values, resolve_layout
 from core_rl.engine_utils.packing import plan_micro_batches
 from core_rl.engine_utils.token_budget import tokens_per_mb
+from core_rl.errors import ConfigError
 from core_rl.interfaces import HEADS, VALUE_HEADS, LossFn, LossOutput, ValueLossFn
 from core_rl.protocol import TensorBatch
 
@@ -177,7 +179,9 @@ class MicroBatchRunner:
     and entropies are 0. ``autocast_dtype``: run the model's forward passes under
     ``torch.autocast`` in that dtype (mixed precision: weights and gradients keep their dtype;
     log-probs are still taken from float32 logits); backward passes run outside it, replaying the
-    forward's dtypes."""
+    forward's dtypes. ``fused_head``: log-probs of a language model from its last hidden states
+    and head weight, the logits never whole (:mod:`core_rl.engine_utils.fused_head`; a
+    :class:`~core_rl.errors.ConfigError` where the model cannot)."""
 
     def __init__(
         self,
@@ -189,9 +193,18 @@ class MicroBatchRunner:
         attn_implementation: str | None,
         head: str = "lm",
         autocast_dtype: torch.dtype | None = None,
+        fused_head: bool = False,
     ) -> None:
         self.model = model
         self.head = head
+        self.fused_head = fused_head and head == "lm"
+        if self.fused_head:
+            reason = check_fusable(model)
+            if reason is not None:
+                raise ConfigError(
+                    f"fused_head: this model cannot compute log-probs from its head's weight: {reason}; "
+                    "set fused_head: false"
+                )
         self.autocast_dtype = autocast_dtype
         self.config = config
         self.device = device
@@ -255,6 +268,7 @@ class MicroBatchRunner:
                 entropy_grad=entropy_grad,
                 layout=self.layout,
                 varlen_kwargs=self.varlen_kwargs,
+                fused=self.fused_head,
             )
 
     def _placeholder_forward(self, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -112,6 +112,7 @@ def activation_bytes_per_token(
     lm_head: bool = True,
     checkpointed: int = 0,
     offload: bool = False,
+    fused_head: bool = False,
 ) -> int:
     """Bytes one token of a micro-batch keeps for backward (see the module docstring).
 
@@ -120,13 +121,18 @@ def activation_bytes_per_token(
     ``checkpointed`` layers only the input (``hidden`` values) stays (none on the device with
     ``offload``), plus one layer's activations while it is recomputed. A language-model head
     (``lm_head``) adds ``vocab x 2 x compute_bytes``: the logits and their gradient (the log-prob
-    computation keeps no float32 tensor of the vocabulary's size); a value or score head one value."""
+    computation keeps no float32 tensor of the vocabulary's size), or with ``fused_head``
+    (:mod:`core_rl.engine_utils.fused_head`: no logits) the ``hidden`` values it keeps; a value or
+    score head one value."""
     per_layer = (8 * shape.hidden + 4 * shape.intermediate) * compute_bytes
     checkpointed = min(max(checkpointed, 0), shape.layers)
     kept = (shape.layers - checkpointed) * per_layer
     if checkpointed:
         kept += (0 if offload else checkpointed * shape.hidden * compute_bytes) + per_layer
-    head = 2 * shape.vocab * compute_bytes if lm_head else compute_bytes
+    if not lm_head:
+        head = compute_bytes
+    else:
+        head = (shape.hidden if fused_head else 2 * shape.vocab) * compute_bytes
     return kept + head
 
 

@@ -57,12 +57,14 @@ class TrainEngineContract(TinyModelMixin, ComponentContract):
         max_tokens_per_mb: int = 4096,
         optimizer: OptimizerConfig | None = None,
         head: str = "lm",
+        fused_head: bool = False,
     ) -> TrainEngine:
         actor = ActorConfig(
             model_path=str(model_path),
             engine=PluginSpec(name=self.name, options=dict(self.options)),
             optimizer=optimizer or OptimizerConfig(name="sgd", lr=0.1),
             micro_batch=MicroBatchConfig(max_tokens_per_mb=max_tokens_per_mb),
+            fused_head=fused_head,
         )
         kwargs: dict[str, Any] = {"trainable": trainable}
         if head != "lm":
@@ -136,6 +138,46 @@ class TrainEngineContract(TinyModelMixin, ComponentContract):
             torch.testing.assert_close(sd1[key], sd2[key], atol=1e-6, rtol=1e-5)
         whole.close()
         split.close()
+
+    def test_fused_head_gives_the_same_logprobs_and_update(self, model_path: Path) -> None:
+        """``fused_head`` (engines whose config class sets ``fused_head = True``; others skip): the
+        log-probs of the logits, and two steps (split into micro-batches) to the same weights; the
+        fused computation ran for the one engine and not for the other."""
+        from core_rl.engine_utils import fused_head as fused_module
+
+        if not getattr(self.entry().config_cls, "fused_head", False):
+            pytest.skip(f"{self.name} does not honour fused_head (config_cls.fused_head)")
+        batch = make_rl_batch(batch_size=6)
+        opt = OptimizerConfig(name="adamw", lr=1e-2)
+        budget = batch["input_ids"].shape[1] * 2
+        plain = self.make(model_path, optimizer=opt, max_tokens_per_mb=budget)
+        fused = self.make(model_path, optimizer=opt, max_tokens_per_mb=budget, fused_head=True)
+        calls = {"plain": 0, "fused": 0}
+        compute = fused_module.fused_head_stats
+
+        def counted(engine: str):
+            def stats(*args: Any, **kwargs: Any) -> Any:
+                calls[engine] += 1
+                return compute(*args, **kwargs)
+
+            return stats
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fused_module, "fused_head_stats", counted("plain"))
+            want_lp = plain.compute_logprobs(batch, temperature=0.7)
+            patch.setattr(fused_module, "fused_head_stats", counted("fused"))
+            torch.testing.assert_close(fused.compute_logprobs(batch, temperature=0.7), want_lp, atol=1e-5, rtol=0)
+            assert calls["plain"] == 0 and calls["fused"] > 0, calls
+        for _ in range(2):
+            m_plain, m_fused = plain.train_step(batch, _nll_loss), fused.train_step(batch, _nll_loss)
+            assert m_fused.get("num_micro_batches", 3) > 1
+            assert math.isclose(m_fused["loss"], m_plain["loss"], rel_tol=1e-5)
+            assert math.isclose(m_fused["entropy"], m_plain["entropy"], rel_tol=1e-5)
+        want = plain.full_state_dict()
+        for key, value in fused.full_state_dict().items():
+            torch.testing.assert_close(value, want[key], atol=1e-5, rtol=1e-4, msg=key)
+        plain.close()
+        fused.close()
 
     def test_export_hf_loads_in_transformers(self, model_path: Path, tmp_path: Path) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer

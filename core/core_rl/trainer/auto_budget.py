@@ -170,8 +170,8 @@ def gathered(local: dict[str, Facts]) -> list[dict[str, Facts]]:
 
 def activation_bytes(section: ActorConfig, shape: tb.ModelShape, engines: Sequence[BuiltEngine]) -> int:
     """:func:`core_rl.engine_utils.token_budget.activation_bytes_per_token` for a section: its
-    compute dtype, activation checkpointing, and a language-model head unless every engine built
-    from it has a value or score head."""
+    compute dtype, activation checkpointing, and a language-model head (fused or not) unless every
+    engine built from it has a value or score head."""
     checkpointed = 0
     if section.gradient_checkpointing:
         checkpointed = tb.checkpointed_layers(shape.layers, section.gradient_checkpointing_every_n_layers)
@@ -181,6 +181,7 @@ def activation_bytes(section: ActorConfig, shape: tb.ModelShape, engines: Sequen
         lm_head=any(b.head == "lm" for b in engines),
         checkpointed=checkpointed,
         offload=section.gradient_checkpointing_offload,
+        fused_head=section.fused_head,
     )
 
 

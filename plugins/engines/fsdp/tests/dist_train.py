@@ -14,6 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
+import attrs
 import torch
 import torch.distributed as dist
 from core_rl.config.schema import ActorConfig, MicroBatchConfig, OptimizerConfig, PluginSpec, SchedulerConfig
@@ -94,7 +95,18 @@ def main() -> None:
     mixed = FSDPEngine(cfg, FSDPConfig(autocast_dtype="bfloat16"), trainable=True)
     metrics_bf16 = train(mixed, data, range(2), rank, world)
 
-    result = {"world": world, "metrics_a": metrics_a, "metrics_b": metrics_b, "metrics_bf16": metrics_bf16}
+    # log-probs from the hidden states and the (sharded) head's weight: the same training as a's
+    fused = FSDPEngine(attrs.evolve(cfg, fused_head=True), FSDPConfig(), trainable=True)
+    metrics_fused = train(fused, data, range(3), rank, world)
+    final_fused = fused.full_state_dict()
+
+    result = {
+        "world": world,
+        "metrics_a": metrics_a,
+        "metrics_b": metrics_b,
+        "metrics_bf16": metrics_bf16,
+        "metrics_fused": metrics_fused,
+    }
     if args.cross_ckpt:
         c = FSDPEngine(cfg, FSDPConfig(), trainable=True)
         c.load_state(args.cross_ckpt)
@@ -111,6 +123,7 @@ def main() -> None:
     if rank == 0:
         torch.save(final_a, out / "final_a.pt")
         torch.save(final_b, out / "final_b.pt")
+        torch.save(final_fused, out / "final_fused.pt")
         torch.save(
             {
                 "ref": torch.cat([g[0] for g in gathered]),  # type: ignore[index]

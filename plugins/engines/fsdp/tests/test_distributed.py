@@ -83,6 +83,18 @@ def test_bf16_autocast_two_ranks_match_one(runs: dict[int, tuple[dict, Path]]) -
 
 
 @pytest.mark.parametrize("world", [1, 2])
+def test_fused_head_trains_as_the_logits_do(runs: dict[int, tuple[dict, Path]], world: int) -> None:
+    """``fused_head: true`` (log-probs from the hidden states and the head's weight, sharded over
+    2 ranks or not): the same 3 steps' metrics and final weights as the plain head's."""
+    result, out = runs[world]
+    _same_metrics(result["metrics_fused"], result["metrics_a"])
+    plain, fused = _load(out / "final_a.pt"), _load(out / "final_fused.pt")
+    assert plain.keys() == fused.keys()
+    for key in plain:
+        torch.testing.assert_close(fused[key], plain[key], atol=WEIGHT_ATOL, rtol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("world", [1, 2])
 def test_resume_reproduces_training_exactly(runs: dict[int, tuple[dict, Path]], world: int) -> None:
     result, out = runs[world]
     _same_metrics(result["metrics_b"], result["metrics_a"][1:], exact=True)

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 from core_rl.config import flash_attention
+from core_rl.config.fused_head import fused_head_problems
 from core_rl.config.validators import FieldValueError, one_of, positive
 
 if TYPE_CHECKING:
@@ -52,6 +53,8 @@ class DeepSpeedConfig:
 
     #: what this engine's models can output (:data:`core_rl.interfaces.HEADS`): an LM, or a value model
     heads: ClassVar[tuple[str, ...]] = ("lm", "value", "score")
+    #: it honours a role's ``fused_head`` (:mod:`core_rl.engine_utils.fused_head`)
+    fused_head: ClassVar[bool] = True
 
     zero_stage: int = attrs.field(default=2, validator=one_of((1, 2, 3)))
     offload_optimizer: bool = False
@@ -101,7 +104,7 @@ class DeepSpeedConfig:
                 "accelerator has float16 only where oneDNN does, and this CPU has not); use bfloat16, or a GPU"
             )
         problems += flash_attention.machine_problems(context, self.attn_implementation)
-        return problems + activation_checkpointing_problems(context)
+        return problems + activation_checkpointing_problems(context) + fused_head_problems(context)
 
 
 def cpu_has_float16() -> bool:

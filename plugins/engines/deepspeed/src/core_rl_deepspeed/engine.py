@@ -126,7 +126,13 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         self.ds, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.model: nn.Module = self.ds.module
         self.runner = MicroBatchRunner(
-            self.ds, actor.micro_batch, self.device, pad_token_id=self._pad_id, attn_implementation=attn, head=head
+            self.ds,
+            actor.micro_batch,
+            self.device,
+            pad_token_id=self._pad_id,
+            attn_implementation=attn,
+            head=head,
+            fused_head=actor.fused_head,
         )
         self._step = 0
         self._closed = False

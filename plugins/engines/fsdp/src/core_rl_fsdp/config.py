@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import attrs
 from core_rl.config import flash_attention
+from core_rl.config.fused_head import fused_head_problems
 from core_rl.config.validators import one_of, positive
 
 if TYPE_CHECKING:
@@ -76,6 +77,8 @@ class FSDPConfig:
 
     #: the model heads this engine builds (:data:`core_rl.interfaces.HEADS`): a critic needs ``value``
     heads: ClassVar[tuple[str, ...]] = ("lm", "value", "score")
+    #: it honours a role's ``fused_head`` (:mod:`core_rl.engine_utils.fused_head`)
+    fused_head: ClassVar[bool] = True
 
     wrap: str = attrs.field(default="decoder_layers", validator=one_of(WRAPS))
     reshard_after_forward: bool = True
@@ -106,13 +109,21 @@ class FSDPConfig:
                 f"({context.key('param_dtype')} sets the compute dtype separately)"
             ]
         role, section = context.role_section()
-        return flash_attention.compute_dtype_problems(
+        problems = flash_attention.compute_dtype_problems(
             context,
             self.attn_implementation,
             self.compute_dtype(section or actor),
             dtype_keys=f"{role}.dtype, no param_dtype or autocast_dtype",
             set_key="param_dtype",
         )
+        if self.compile and section is not None and section.fused_head:
+            # the fused head replaces the head's forward around each call: a compiled model
+            # would be guarded on it and recompiled every micro-batch (an untested combination)
+            problems.append(
+                f"{context.key('compile')}: true with {role}.fused_head: true, which compiled models do not "
+                "support; set one of them to false"
+            )
+        return problems
 
     def check_environment(self, context: EnvironmentContext) -> list[str]:
         """The backend, attention implementation and process count against the machine."""
@@ -125,6 +136,7 @@ class FSDPConfig:
             )
         from core_rl.engine_utils.hf import activation_checkpointing_problems
 
+        problems += fused_head_problems(context)
         problems += machine.gpu_per_process_problems(context.path, self.device)
         problems += activation_checkpointing_problems(context)
         problems += flash_attention.machine_problems(context, self.attn_implementation)

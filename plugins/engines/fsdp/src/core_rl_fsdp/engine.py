@@ -94,6 +94,7 @@ class FSDPEngine(EngineState, TrainEngine):
             attn_implementation=attn,
             head=head,
             autocast_dtype=torch_dtype(self.config.autocast_dtype) if self.config.autocast_dtype else None,
+            fused_head=actor.fused_head,
         )
         self.optimizer = build_optimizer(self.model.parameters(), actor.optimizer) if trainable else None
         self._step = 0

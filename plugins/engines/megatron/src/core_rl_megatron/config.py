@@ -12,7 +12,7 @@ import attrs
 from core_rl.config.validators import FieldValueError, non_negative, one_of, positive
 
 if TYPE_CHECKING:
-    from core_rl.config.checks import EnvironmentContext
+    from core_rl.config.checks import EnvironmentContext, SectionContext
     from core_rl.config.schema import ActorConfig
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -151,6 +151,18 @@ class MegatronConfig:
             raise FieldValueError(
                 "recompute_modules", self.recompute_modules, "only applies with recompute_granularity: selective"
             )
+
+    def check_config(self, context: SectionContext) -> list[str]:
+        """Role settings this engine does not honour, refused rather than ignored: LoRA adapters
+        (it trains every weight)."""
+        role, section = context.role_section()
+        problems = []
+        if section is not None and section.lora.enabled:
+            problems.append(
+                f"{role}.lora.rank: {section.lora.rank}, but the megatron engine trains every weight (no LoRA "
+                "adapters); set it to 0, or use the fsdp or deepspeed engine for LoRA"
+            )
+        return problems
 
     def check_environment(self, context: EnvironmentContext) -> list[str]:
         """megatron-core needs CUDA (:mod:`core_rl_megatron.device`); one process per GPU."""
