@@ -306,3 +306,42 @@ def test_an_engine_built_on_a_model_that_cannot_be_fused_names_the_setting(tiny_
         MicroBatchRunner(capped, MicroBatchConfig(), torch.device("cpu"), fused_head=True, **options)
     MicroBatchRunner(capped, MicroBatchConfig(), torch.device("cpu"), **options)  # not fused: fine
     assert MicroBatchRunner(capped, MicroBatchConfig(), torch.device("cpu"), head="value", fused_head=True, **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("autocast", [False, True])
+def test_on_a_gpu_the_fused_head_equals_the_logits_with_less_memory(autocast: bool) -> None:
+    """On CUDA, a Qwen-sized head (896 x 151936) over 4096 tokens in several chunks, bfloat16
+    weights or float32 ones under bfloat16 autocast: the log-probs and entropies of the
+    materialised logits, both gradients within bfloat16 rounding, and a lower peak."""
+    g = torch.Generator().manual_seed(0)
+    count, width, vocab = 4096, 896, 151936
+    dtype = torch.float32 if autocast else torch.bfloat16
+    hidden = torch.randn(count, width, generator=g).to("cuda", dtype)
+    weight = (torch.randn(vocab, width, generator=g) * width**-0.5).to("cuda", dtype)
+    targets = torch.randint(0, vocab, (count,), generator=g).cuda()
+    w_lp, w_ent = torch.randn(count, generator=g).cuda(), torch.randn(count, generator=g).cuda()
+    out, peaks = {}, {}
+    for name in ("fused", "reference"):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            if name == "fused":
+                lp, ent = fused_head_stats(h, w, targets, 0.9, with_entropy=True)
+            else:
+                lp, ent = _reference(h, w, targets, 0.9, True)
+        ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated() - base
+        out[name] = (lp.detach(), ent.detach(), h.grad, w.grad)
+    (lp, ent, gh, gw), (ref_lp, ref_ent, ref_gh, ref_gw) = out["fused"], out["reference"]
+    torch.testing.assert_close(lp, ref_lp, atol=1e-3, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-3, rtol=0)
+    assert gh.dtype == gw.dtype == dtype
+    scale = ref_gw.abs().max().item()
+    torch.testing.assert_close(gh.float(), ref_gh.float(), atol=2e-2 * ref_gh.abs().max().item(), rtol=0)
+    torch.testing.assert_close(gw.float(), ref_gw.float(), atol=2e-2 * scale, rtol=0)
+    assert peaks["fused"] < peaks["reference"] / 2, peaks

@@ -7,10 +7,10 @@ targets ``y``, rows are taken a chunk at a time (:func:`core_rl.engine_utils.log
 :mod:`core_rl.engine_utils.logprobs` (the same float32 softmax). Backward recomputes each chunk's
 logits and, with ``dz`` the gradient with respect to them
 (:func:`~core_rl.engine_utils.logprobs.logit_gradient_`), gives ``dh_c = dz W`` and
-``dW = sum_c dz^T h_c`` (accumulated in float32). Kept for backward: ``h`` and ``W`` (which the
-model holds anyway) and a few values per token; the ``[N, V]`` logits and their gradient (``4 V``
-bytes per token in bf16, 0.6 MB for a 152k vocabulary) never exist beyond one chunk. The cost: the
-head's matrix product runs once more in backward.
+``dW = sum_c dz^T h_c`` (accumulated in the weight's dtype). Kept for backward: ``h`` and ``W``
+(which the model holds anyway) and a few values per token; the ``[N, V]`` logits and their
+gradient (``4 V`` bytes per token in bf16, 0.6 MB for a 152k vocabulary) never exist beyond one
+chunk. The cost: the head's matrix product runs once more in backward.
 
 The compute dtype is the autocast dtype where autocast is on, else the weight's; backward runs in
 the same dtype (autograd runs it outside autocast). The model's forward must hand the head's output
@@ -189,7 +189,9 @@ class _FusedHeadStats(torch.autograd.Function):
         temperature, dtype, use_entropy = ctx.temperature, ctx.dtype, ctx.entropy_grad
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        # accumulated in the weight's dtype, as autograd would hand it (in place, no weight-sized
+        # temporary, when that is the compute dtype: one rounding per chunk)
+        grad_weight = torch.zeros_like(weight) if want_weight else None
         with _no_autocast(hidden):
             w = weight.to(dtype)
             for part in _chunks(hidden.shape[0], weight.shape[0]):
@@ -205,8 +207,8 @@ class _FusedHeadStats(torch.autograd.Function):
                 ).to(dtype)
                 if grad_hidden is not None:
                     grad_hidden[part] = dz @ w
-                if grad_weight is not None:
+                if grad_weight is not None and grad_weight.dtype == dtype:
+                    grad_weight.addmm_(dz.T, h)
+                elif grad_weight is not None:
                     grad_weight += dz.T @ h
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
