@@ -345,3 +345,72 @@ def test_on_a_gpu_the_fused_head_equals_the_logits_with_less_memory(autocast: bo
     torch.testing.assert_close(gh.float(), ref_gh.float(), atol=2e-2 * ref_gh.abs().max().item(), rtol=0)
     torch.testing.assert_close(gw.float(), ref_gw.float(), atol=2e-2 * scale, rtol=0)
     assert peaks["fused"] < peaks["reference"] / 2, peaks
+
+
+def test_the_weights_gradient_over_many_chunks_is_as_precise_as_one_product() -> None:
+    """bfloat16 weights, 40 chunks: the head weight's gradient is about as close to a float64
+    computation as autograd's single bfloat16 product is (a bfloat16 running sum, rounded once a
+    chunk, drifts several times further)."""
+    g = torch.Generator().manual_seed(3)
+    count, width, vocab = 640, 64, 512
+    hidden = torch.randn(count, width, generator=g, dtype=torch.float64)
+    weight = torch.randn(vocab, width, generator=g, dtype=torch.float64) * 0.3
+    targets = torch.randint(0, vocab, (count,), generator=g)
+    w_lp = torch.randn(count, generator=g)
+
+    def weight_grad(fn, dtype):
+        h, w = hidden.detach().to(dtype).requires_grad_(True), weight.detach().to(dtype).requires_grad_(True)
+        lp, _ = fn(h, w, targets, 1.0, False)
+        (lp * w_lp.to(lp.dtype)).sum().backward()
+        return w.grad.double()
+
+    exact = weight_grad(_reference, torch.float64)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(logprobs, "CHUNK_ELEMENTS", vocab * 16)  # 16 rows a chunk: 40 chunks
+        fused = weight_grad(lambda h, w, y, t, e: fused_head_stats(h, w, y, t, with_entropy=e), torch.bfloat16)
+    single = weight_grad(_reference, torch.bfloat16)
+    scale = exact.abs().max()
+    fused_error, single_error = (fused - exact).abs().max() / scale, (single - exact).abs().max() / scale
+    assert fused_error <= 2 * single_error, (fused_error.item(), single_error.item())
+
+
+class _Transforming(torch.nn.Module):
+    """A model whose forward scales the head's output (as a family with a logit multiplier does)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.inner.get_output_embeddings()
+
+    def forward(self, **kwargs):
+        out = self.inner(**kwargs)
+        out.logits = out.logits * 2.0
+        return out
+
+
+def test_a_transform_after_the_head_that_no_setting_names_is_caught_at_the_first_forward(tiny_model) -> None:
+    from core_rl.errors import ConfigError
+
+    ids, mask = torch.tensor([[3, 4, 5, 6]]), torch.ones(1, 4, dtype=torch.long)
+    model = _Transforming(tiny_model)
+    forward_logprobs(model, ids, mask, temperature=1.0, with_entropy=False)  # not fused: fine
+    with pytest.raises(ConfigError, match="did not hand the output head's result on unchanged"):
+        forward_logprobs(model, ids, mask, temperature=1.0, with_entropy=False, fused=True)
+    assert "forward" not in vars(output_head(tiny_model))
+
+
+def test_an_engine_wrapper_with_a_config_of_its_own_is_looked_through(tiny_model) -> None:
+    """DeepSpeed's engine keeps the model as ``.module`` and has a ``config`` of its own."""
+    import copy
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module: torch.nn.Module) -> None:
+            super().__init__()
+            self.module, self.config = module, {"train_batch_size": 1}
+
+    scaled = copy.deepcopy(tiny_model)
+    scaled.config.logits_scaling = 4.0
+    assert "logits_scaling=4.0" in check_fusable(Wrapper(scaled))
+    assert check_fusable(Wrapper(tiny_model)) is None

@@ -17,8 +17,15 @@ if TYPE_CHECKING:
     from core_rl.config.checks import SectionContext
 
 #: model-config keys that transform the logits after the head inside the model's forward, with
-#: their neutral values (Gemma 2/3's soft-capping, Cohere's logit scale, Granite's scaling)
-LOGIT_TRANSFORMS: dict[str, Any] = {"final_logit_softcapping": None, "logit_scale": None, "logits_scaling": 1.0}
+#: their neutral values (Gemma 2/3's soft-capping, Cohere's logit scale, Granite's scaling,
+#: Falcon-H1's multiplier); a transform not listed is caught at the first forward
+#: (:func:`core_rl.engine_utils.fused_head.check_handed_on`)
+LOGIT_TRANSFORMS: dict[str, Any] = {
+    "final_logit_softcapping": None,
+    "logit_scale": None,
+    "logits_scaling": 1.0,
+    "lm_head_multiplier": 1.0,
+}
 
 
 def logit_transform(model_config: Any) -> str | None:

@@ -7,7 +7,7 @@ targets ``y``, rows are taken a chunk at a time (:func:`core_rl.engine_utils.log
 :mod:`core_rl.engine_utils.logprobs` (the same float32 softmax). Backward recomputes each chunk's
 logits and, with ``dz`` the gradient with respect to them
 (:func:`~core_rl.engine_utils.logprobs.logit_gradient_`), gives ``dh_c = dz W`` and
-``dW = sum_c dz^T h_c`` (accumulated in the weight's dtype). Kept for backward: ``h`` and ``W``
+``dW = sum_c dz^T h_c`` (accumulated in float32). Kept for backward: ``h`` and ``W``
 (which the model holds anyway) and a few values per token; the ``[N, V]`` logits and their
 gradient (``4 V`` bytes per token in bf16, 0.6 MB for a 152k vocabulary) never exist beyond one
 chunk. The cost: the head's matrix product runs once more in backward.
@@ -35,6 +35,7 @@ from core_rl.engine_utils.logprobs import (
     scaled_log_softmax,
     write_chunk_stats,
 )
+from core_rl.errors import ConfigError
 
 
 def output_head(model: nn.Module) -> nn.Module:
@@ -63,7 +64,7 @@ def check_fusable(model: nn.Module) -> str | None:
     if head.bias is not None:
         return "its output head has a bias"
     inner = model
-    while not hasattr(inner, "config") and hasattr(inner, "module"):
+    while isinstance(getattr(inner, "module", None), nn.Module):  # engine wrappers (DeepSpeed's has a config too)
         inner = inner.module
     transform = logit_transform(getattr(inner, "config", None))
     if transform is not None:
@@ -74,17 +75,21 @@ def check_fusable(model: nn.Module) -> str | None:
 @contextlib.contextmanager
 def fused_head(
     model: nn.Module, targets: torch.Tensor, temperature: float, *, with_entropy: bool, entropy_grad: bool = True
-) -> Iterator[None]:
+) -> Iterator[list[torch.Tensor]]:
     """While inside, ``model``'s output head returns ``[..., 2]`` per position: the log-prob of
     ``targets`` (same shape as the positions, the token each position predicts) and the entropy
     (0 without ``with_entropy``), float32, in place of the logits. The head is still called by the
     model's forward (so wrappers that gather or shard its weight around that call keep doing so);
-    only its ``forward`` is replaced, and restored on leaving."""
+    only its ``forward`` is replaced, and restored on leaving. Yields the list of what the head
+    returned (for :func:`check_handed_on`)."""
     head = output_head(model)
     if "forward" in vars(head):
         raise RuntimeError("the output head's forward is already replaced (a fused head inside another)")
 
+    produced: list[torch.Tensor] = []
+
     def stats(hidden: torch.Tensor) -> torch.Tensor:
+        shape = hidden.shape[:-1]
         flat = hidden.reshape(-1, hidden.shape[-1])
         lp, ent = fused_head_stats(
             flat,
@@ -95,13 +100,29 @@ def fused_head(
             entropy_grad=entropy_grad,
         )
         ent = ent if ent is not None else torch.zeros_like(lp)
-        return torch.stack([lp, ent], dim=-1).view(*hidden.shape[:-1], 2)
+        out = torch.stack([lp.view(shape), ent.view(shape)], dim=-1)  # not a view (FSDP hooks its output)
+        produced.append(out)
+        return out
 
     head.forward = stats  # type: ignore[method-assign]
     try:
-        yield
+        yield produced
     finally:
         del head.forward
+
+
+def check_handed_on(output: torch.Tensor, produced: list[torch.Tensor]) -> None:
+    """The model's output (its ``logits``) must be what the fused head returned, unchanged: a model
+    that soft-caps, scales or otherwise transforms the head's output after it (one
+    :data:`~core_rl.config.fused_head.LOGIT_TRANSFORMS` does not list) would otherwise get log-probs
+    without that transform. Compared by storage (an engine's hooks may hand on a detached alias)."""
+    if len(produced) == 1 and output.shape == produced[0].shape and output.data_ptr() == produced[0].data_ptr():
+        return
+    raise ConfigError(
+        "fused_head: the model's forward did not hand the output head's result on unchanged (it transforms "
+        "the logits after the head, or calls the head more than once), so log-probs cannot come from the head's "
+        "weight alone; set fused_head: false for this model"
+    )
 
 
 def fused_head_stats(
@@ -156,6 +177,22 @@ def _stats(
     return logprob, entropy
 
 
+#: vocabulary rows of the weight's gradient per product (bounds the temporary of a 16-bit product)
+VOCAB_BLOCK = 16384
+
+
+def _accumulate_products(total: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
+    """``total += dz^T h`` (``total`` float32 ``[V, H]``; ``dz`` ``[n, V]`` and ``h`` ``[n, H]`` in
+    the compute dtype): in place when that is float32, else a block of :data:`VOCAB_BLOCK` rows at
+    a time (the product in the compute dtype, accumulated into float32)."""
+    if dz.dtype == total.dtype:
+        total.addmm_(dz.T, h)
+        return
+    for start in range(0, total.shape[0], VOCAB_BLOCK):
+        block = slice(start, start + VOCAB_BLOCK)
+        total[block] += dz[:, block].T @ h
+
+
 def _no_autocast(tensor: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
     """Autocast off for ``tensor``'s device: the chunks' dtypes are set explicitly."""
     return torch.autocast(tensor.device.type, enabled=False)
@@ -189,9 +226,9 @@ class _FusedHeadStats(torch.autograd.Function):
         temperature, dtype, use_entropy = ctx.temperature, ctx.dtype, ctx.entropy_grad
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        # accumulated in the weight's dtype, as autograd would hand it (in place, no weight-sized
-        # temporary, when that is the compute dtype: one rounding per chunk)
-        grad_weight = torch.zeros_like(weight) if want_weight else None
+        # accumulated in float32 (a 16-bit sum rounded once a chunk drifts several times further
+        # from autograd's single product), through vocabulary blocks (no weight-sized temporary)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         with _no_autocast(hidden):
             w = weight.to(dtype)
             for part in _chunks(hidden.shape[0], weight.shape[0]):
@@ -207,8 +244,8 @@ class _FusedHeadStats(torch.autograd.Function):
                 ).to(dtype)
                 if grad_hidden is not None:
                     grad_hidden[part] = dz @ w
-                if grad_weight is not None and grad_weight.dtype == dtype:
-                    grad_weight.addmm_(dz.T, h)
-                elif grad_weight is not None:
-                    grad_weight += dz.T @ h
+                if grad_weight is not None:
+                    _accumulate_products(grad_weight, dz, h)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None

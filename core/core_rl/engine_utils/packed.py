@@ -19,7 +19,7 @@ import attrs
 import torch
 from torch import nn
 
-from core_rl.engine_utils.fused_head import fused_head
+from core_rl.engine_utils.fused_head import check_handed_on, fused_head
 from core_rl.engine_utils.logprobs import align_to_tokens, token_logprobs
 
 LAYOUTS = ("auto", "padded", "packed")
@@ -155,10 +155,11 @@ def forward_logprobs(
     ids, mask = (input_ids, attention_mask) if packed is None else (packed.input_ids, packed.continues)
     if fused:
         targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # position i predicts token i + 1
-        with fused_head(model, targets, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad):
+        with fused_head(model, targets, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad) as produced:
             stats, _ = _forward_outputs(
                 model, input_ids, attention_mask, layout=layout, varlen_kwargs=varlen_kwargs, packed=packed
             )
+        check_handed_on(stats, produced)
         lp = align_to_tokens(stats[:, :-1, 0], mask)
         ent = None
         if with_entropy:
