@@ -13,6 +13,7 @@ from core_rl.engine_utils.microbatch import micro_batch_cost
 from core_rl.engine_utils.packed import forward_logprobs, pack_rows, resolve_layout, unpack
 from core_rl.engine_utils.packing import (
     assign_rows_to_ranks,
+    evened_first_fit_decreasing,
     first_fit_decreasing,
     karmarkar_karp,
     packed_cost,
@@ -210,3 +211,32 @@ def test_packed_forward_equals_padded_and_so_does_the_loss_gradient(tiny_lm, tem
     assert loss_b == pytest.approx(loss_a, rel=1e-5)
     for name in g_a:
         torch.testing.assert_close(g_b[name], g_a[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_ffd_evens_out_a_last_micro_batch_that_would_be_nearly_empty() -> None:
+    """64 rows of 276 tokens under a 16384 budget (an H100 GRPO batch): first-fit-decreasing alone
+    gives 59 rows and 5; evened, two micro-batches of 32 rows. The peak of the activations kept
+    for backward follows the costliest micro-batch."""
+    lengths = [276] * 64
+    assert [len(g) for g in first_fit_decreasing(lengths, 16384)] == [59, 5]
+    for packed in (False, True):
+        groups = plan_micro_batches(lengths, 16384, packed=packed)
+        assert [len(g) for g in groups] == [32, 32]
+
+
+@given(
+    lengths=st.lists(st.integers(0, 60), min_size=1, max_size=40),
+    capacity=st.integers(30, 300),
+    packed=st.booleans(),
+)
+@settings(max_examples=60, deadline=None)
+def test_evened_ffd_never_needs_more_micro_batches_nor_a_costlier_one(
+    lengths: list[int], capacity: int, packed: bool
+) -> None:
+    cost = packed_cost if packed else micro_batch_cost
+    plain = first_fit_decreasing(lengths, capacity, cost)
+    evened = evened_first_fit_decreasing(lengths, capacity, cost)
+    assert _flat(evened) == list(range(len(lengths)))
+    assert len(evened) <= len(plain)
+    assert max(cost(lengths, g) for g in evened) <= max(cost(lengths, g) for g in plain)
+    assert all(len(g) == 1 or cost(lengths, g) <= capacity for g in evened)

@@ -13,7 +13,8 @@ Algorithms (the ``actor.micro_batch.packing_algorithm`` names):
 
 - ``greedy``: consecutive rows in their order (:func:`core_rl.engine_utils.microbatch.pack_micro_batches`);
 - ``ffd``: first-fit-decreasing bin packing: rows by decreasing length, each into the first
-  micro-batch it fits in; few micro-batches, little padding (rows of similar length end up together);
+  micro-batch it fits in; few micro-batches, little padding (rows of similar length end up together),
+  then evened out (:func:`evened_first_fit_decreasing`: the same number, the costliest lighter);
 - ``kk``: Karmarkar-Karp (largest differencing) ``k``-way partition with the smallest ``k`` whose
   parts all fit: micro-batches of nearly equal token load.
 """
@@ -47,19 +48,62 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int, cost: Cost = mic
     """Bins of row indices, each of ``cost <= capacity`` unless it holds a single row longer than
     ``capacity`` (rows are never cut). Rows are taken by decreasing length (ties: lower index
     first) and each goes into the first bin, in creation order, where it still fits; otherwise it
-    opens a new bin. Rows within a bin are in increasing index order."""
+    opens a new bin. Rows within a bin are in increasing index order. The two layouts' costs are
+    kept per bin as rows go in (a bin's first row is its widest); any other is recomputed."""
     if capacity <= 0:
         raise ValueError(f"capacity must be > 0, got {capacity}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
+    costs: list[int] = []  # each bin's cost so far
+
+    def added(b: int, i: int) -> int:
+        """Bin ``b``'s cost with row ``i`` in it."""
+        if cost is packed_cost:
+            return costs[b] + max(lengths[i], 1)
+        if cost is micro_batch_cost:  # the width is the bin's first (longest) row's
+            return costs[b] + max(lengths[bins[b][0]], 1)
+        return cost(lengths, [*bins[b], i])
+
     for i in order:
-        for rows in bins:
-            if cost(lengths, [*rows, i]) <= capacity:
-                rows.append(i)
+        for b in range(len(bins)):
+            with_row = added(b, i)
+            if with_row <= capacity:
+                bins[b].append(i)
+                costs[b] = with_row
                 break
         else:
             bins.append([i])
+            costs.append(cost(lengths, [i]))
     return [sorted(rows) for rows in bins]
+
+
+def evened_first_fit_decreasing(
+    lengths: Sequence[int], capacity: int, cost: Cost = micro_batch_cost
+) -> list[list[int]]:
+    """:func:`first_fit_decreasing` with the capacity lowered as far as it still needs no more bins
+    than at ``capacity``: never more micro-batches nor a costlier one, the costliest as light as
+    the search finds (within 1/64 of ``capacity``), rows of similar length still together. Rows
+    worth 1.08 budgets then make two halves, not a full micro-batch and a small one: the peak of
+    the activations kept for backward follows the costliest micro-batch, the time hardly the split."""
+    groups = first_fit_decreasing(lengths, capacity, cost)
+    if len(groups) <= 1:
+        return groups
+    # no capacity below the costliest row or an even share of the tokens can do with fewer bins
+    total = packed_cost(lengths, range(len(lengths)))
+    low = max(max(cost(lengths, [i]) for i in range(len(lengths))), -(-total // len(groups)))
+    count, peak = len(groups), max(cost(lengths, g) for g in groups)
+    high, step = capacity, max(1, capacity // 64)
+    while high - low > step:
+        middle = (low + high) // 2
+        trial = first_fit_decreasing(lengths, middle, cost)
+        if len(trial) > count:
+            low = middle + 1
+            continue
+        high = middle
+        trial_peak = max(cost(lengths, g) for g in trial)
+        if trial_peak < peak:
+            groups, peak = trial, trial_peak
+    return groups
 
 
 def karmarkar_karp(weights: Sequence[int], k: int) -> list[list[int]]:
@@ -122,14 +166,14 @@ def plan_micro_batches(
         return pack_micro_batches(lengths, max_tokens, min_num)
     cost = cost_function(packed)
     target = min(min_num, n)
-    groups = first_fit_decreasing(lengths, max_tokens, cost)
     if algorithm == "ffd":
+        groups = evened_first_fit_decreasing(lengths, max_tokens, cost)
         while len(groups) < target:
             worst = max((g for g in groups if len(g) > 1), key=lambda g: cost(lengths, g))
             groups.remove(worst)
             groups.extend(_split_in_two(lengths, worst))
     else:
-        k = max(target, len(groups))
+        k = max(target, len(first_fit_decreasing(lengths, max_tokens, cost)))
         while True:
             parts = [p for p in karmarkar_karp([max(x, 1) for x in lengths], k) if p]
             if all(len(p) == 1 or cost(lengths, p) <= max_tokens for p in parts) or k >= n:
