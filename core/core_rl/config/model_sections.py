@@ -78,8 +78,10 @@ class MicroBatchConfig:
       a 0.36B model's update took 5.74 s with 768 and 0.23 s with 16640). A number always wins.
       ``<run>/config.yaml`` keeps ``auto`` with the chosen value in a comment.
     - ``packing_algorithm``: ``ffd`` (first-fit-decreasing: few micro-batches, rows of similar
-      length together), ``kk`` (Karmarkar-Karp: micro-batches of nearly equal token load) or
-      ``greedy`` (consecutive rows in batch order).
+      length together, then evened out: the budget is lowered as far as no more micro-batches are
+      needed, so 1.08 budgets of rows make two halves, not a full one and a small one), ``kk``
+      (Karmarkar-Karp: micro-batches of nearly equal token load) or ``greedy`` (consecutive rows
+      in batch order).
     - ``layout``: ``padded`` ([rows, width] with an attention mask), ``packed`` (padding-free: one
       row per micro-batch with ``position_ids`` restarting at 0, ``cu_seqlens`` for flash-attn) or
       ``auto`` (packed with a flash-attn kernel, padded otherwise: faster on CPU/SDPA, see the
