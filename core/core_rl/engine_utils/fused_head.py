@@ -29,7 +29,7 @@ from torch import nn
 
 from core_rl.config.fused_head import logit_transform
 from core_rl.engine_utils.logprobs import (
-    chunk_rows,
+    chunk_slices,
     keep_for_backward,
     logit_gradient_,
     scaled_log_softmax,
@@ -151,12 +151,6 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
-def _chunks(count: int, vocab: int) -> Iterator[slice]:
-    step = chunk_rows(vocab)
-    for start in range(0, count, step):
-        yield slice(start, start + step)
-
-
 def _stats(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -171,7 +165,7 @@ def _stats(
     entropy = torch.empty_like(logprob) if with_entropy else None
     with torch.no_grad(), _no_autocast(hidden):
         w = weight.to(dtype)
-        for part in _chunks(count, weight.shape[0]):
+        for part in chunk_slices(count, weight.shape[0]):
             logp = scaled_log_softmax(hidden[part].to(dtype) @ w.T, temperature)
             write_chunk_stats(logp, targets, part, logprob, entropy)
     return logprob, entropy
@@ -231,7 +225,7 @@ class _FusedHeadStats(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         with _no_autocast(hidden):
             w = weight.to(dtype)
-            for part in _chunks(hidden.shape[0], weight.shape[0]):
+            for part in chunk_slices(hidden.shape[0], weight.shape[0]):
                 h = hidden[part].to(dtype)
                 weight_lp = grad_logprob[part].float()
                 dz = logit_gradient_(

@@ -20,6 +20,8 @@ is that formulation, for tests).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 #: the most logits one chunk turns into float32 temporaries (each such temporary is 4 bytes a
@@ -79,6 +81,14 @@ def chunk_rows(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(vocab, 1))
 
 
+def chunk_slices(count: int, vocab: int) -> Iterator[slice]:
+    """Slices of ``count`` rows of a ``vocab``-wide matrix, :func:`chunk_rows` rows each (the last
+    one shorter)."""
+    step = chunk_rows(vocab)
+    for start in range(0, count, step):
+        yield slice(start, start + step)
+
+
 def scaled_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """``log_softmax(logits / temperature)`` in float32, rows of one chunk (at most one float32
     temporary besides the result: the scaled copy, divided in place when it is a copy; no division
@@ -96,10 +106,8 @@ def _chunked_stats(
     count = logits.shape[0]
     logprob = torch.empty(count, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logprob) if with_entropy else None
-    step = chunk_rows(logits.shape[-1])
     with torch.no_grad():
-        for start in range(0, count, step):
-            part = slice(start, start + step)
+        for part in chunk_slices(count, logits.shape[-1]):
             write_chunk_stats(scaled_log_softmax(logits[part], temperature), targets, part, logprob, entropy)
     return logprob, entropy
 
@@ -139,9 +147,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         logits, targets, entropy = ctx.saved_tensors
         temperature, use_entropy = ctx.temperature, ctx.entropy_grad
         grad = torch.empty_like(logits)
-        step = chunk_rows(logits.shape[-1])
-        for start in range(0, logits.shape[0], step):
-            part = slice(start, start + step)
+        for part in chunk_slices(logits.shape[0], logits.shape[-1]):
             weight = grad_logprob[part].float()
             grad[part] = logit_gradient_(
                 scaled_log_softmax(logits[part], temperature),

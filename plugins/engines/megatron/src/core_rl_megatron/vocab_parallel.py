@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from core_rl.engine_utils.logprobs import chunk_rows, keep_for_backward, logit_gradient_
+from core_rl.engine_utils.logprobs import chunk_slices, keep_for_backward, logit_gradient_
 
 
 def _group_size(group: dist.ProcessGroup | None) -> int:
@@ -97,10 +97,8 @@ def _stats(
     sums = torch.zeros(3, count, device=device)  # S_r, E_r, z_y
     columns, mine = where.local_targets(targets)
     if where.real > 0:
-        step = chunk_rows(where.real)
         with torch.no_grad():
-            for start in range(0, count, step):
-                part = slice(start, start + step)
+            for part in chunk_slices(count, where.real):
                 z = _scaled(logits[part, : where.real], temperature)
                 local_max[part] = peak = z.amax(dim=-1)
                 sums[2, part] = torch.where(mine[part], z.gather(-1, columns[part, None]).squeeze(-1), 0.0)
@@ -151,9 +149,7 @@ class _VocabParallelStats(torch.autograd.Function):
         if where.real == 0:
             return grad, None, None, None, None, None
         columns, mine = where.local_targets(targets)
-        step = chunk_rows(where.real)
-        for start in range(0, logits.shape[0], step):
-            part = slice(start, start + step)
+        for part in chunk_slices(logits.shape[0], where.real):
             weight = grad_logprob[part].float()
             logp = _scaled(logits[part, : where.real], temperature).sub_(lse[part, None])
             grad[part, : where.real] = logit_gradient_(
