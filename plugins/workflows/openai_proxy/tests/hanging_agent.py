@@ -5,5 +5,9 @@ import sys
 import time
 from pathlib import Path
 
-Path(sys.argv[1], os.environ["OPENAI_API_KEY"]).write_text(str(os.getpid()))
+# written whole under a dotted name, then renamed: a reader never sees an empty record
+record = Path(sys.argv[1], os.environ["OPENAI_API_KEY"])
+partial = record.with_name(f".{record.name}.partial")
+partial.write_text(str(os.getpid()))
+os.replace(partial, record)
 time.sleep(3600)

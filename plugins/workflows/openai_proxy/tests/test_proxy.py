@@ -254,7 +254,7 @@ def test_a_hanging_script_is_killed_at_the_timeout(run_wave, tmp_path) -> None:
     script = Path(__file__).resolve().parent / "hanging_agent.py"
     with pytest.raises(AgentMadeNoCall, match=r"hanging_agent.py timed out after 8 s .*rollout.workflow.timeout_s"):
         run_wave(ROWS[:1], n=2, program=str(script), args=[str(tmp_path)], timeout_s=8.0)
-    pids = [int(p.read_text()) for p in tmp_path.iterdir()]
+    pids = [int(p.read_text()) for p in tmp_path.glob("[!.]*")]
     assert len(pids) == 2
     assert [pid for pid in pids if pid_alive(pid)] == []
 
@@ -270,7 +270,7 @@ def test_a_script_cancelled_twice_is_reaped_before_its_episode_ends(tmp_path) ->
     async def episode() -> int:
         task = asyncio.ensure_future(program.run("http://127.0.0.1:9", "episode-key", {}))
         for _ in range(500):
-            if any(tmp_path.iterdir()):
+            if (tmp_path / "episode-key").exists():
                 break
             await asyncio.sleep(0.02)
         task.cancel()
