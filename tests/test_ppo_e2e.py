@@ -115,8 +115,12 @@ def test_ppo_on_two_ranks_matches_one(workdir: Path) -> None:
     for ranks in (1, 2):  # CPU ranks both times, whatever the machine
         command = ["train", str(EXAMPLES / "ppo.yaml"), *options, f"experiment.name=ppo_dp{ranks}"]
         run_torchrun(Path(cli.__file__), ranks, *command, timeout=480)
-    one, two = (read_metrics(workdir / f"ppo_dp{ranks}" / "metrics.jsonl") for ranks in (1, 2))
-    assert len(one) == len(two) == 2
+    # and one sequence-parallel group of 2 for the actor (and its reference) and the critic
+    sequence = ["actor.engine.sequence_parallel_size=2", "critic.engine.sequence_parallel_size=2"]
+    command = ["train", str(EXAMPLES / "ppo.yaml"), *options, *sequence, "experiment.name=ppo_sp2"]
+    run_torchrun(Path(cli.__file__), 2, *command, timeout=480)
+    one, two, sp = (read_metrics(workdir / name / "metrics.jsonl") for name in ("ppo_dp1", "ppo_dp2", "ppo_sp2"))
+    assert len(one) == len(two) == len(sp) == 2
     keys = (
         "reward/mean",
         "actor/loss",
@@ -127,9 +131,10 @@ def test_ppo_on_two_ranks_matches_one(workdir: Path) -> None:
         "critic/grad_norm",
         "critic/values_mean",
     )
-    for a, b in zip(one, two):
+    for a, b, c in zip(one, two, sp):
         for key in keys:
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+            assert c[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), ("sequence parallel", key)
 
 
 def test_critic_on_an_engine_without_value_heads_is_refused(workdir: Path, capsys, monkeypatch) -> None:

@@ -134,15 +134,26 @@ def test_weight_sync_through_disk_matches_memory(setup, straight_run):
 
 
 def test_two_ranks_match_one_rank(setup):
+    """Data parallel, and one sequence-parallel group (``actor.engine.sequence_parallel_size: 2``,
+    which the frozen reference shares): both train as one rank does."""
     runs = setup["root"] / "runs"
     _train(setup["config"], "experiment.name=one", "trainer.total_steps=2", "saver.every_n_steps=0", nproc=1)
     _train(setup["config"], "experiment.name=two", "trainer.total_steps=2", "saver.every_n_steps=0", nproc=2)
+    _train(
+        setup["config"],
+        "experiment.name=two_sp",
+        "trainer.total_steps=2",
+        "saver.every_n_steps=0",
+        "actor.engine.sequence_parallel_size=2",
+        nproc=2,
+    )
     one = read_metrics(runs / "one" / "metrics.jsonl")
-    two = read_metrics(runs / "two" / "metrics.jsonl")
-    assert len(one) == len(two) == 2
-    for a, b in zip(one, two):
-        for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "actor/kl"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    for name in ("two", "two_sp"):
+        two = read_metrics(runs / name / "metrics.jsonl")
+        assert len(one) == len(two) == 2
+        for a, b in zip(one, two):
+            for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "actor/kl", "actor/tokens"):
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (name, key)
 
 
 def test_a_finished_run_leaves_no_process_group_at_exit(setup):

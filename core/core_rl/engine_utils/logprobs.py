@@ -50,20 +50,42 @@ def token_logprobs(
     ``entropy_grad=False`` gives the entropy without gradient (a metric only). Computed in chunks,
     keeping for backward only the logits and per-token values (module docstring).
     """
+    logprob, entropy = prediction_stats(
+        logits, next_tokens(input_ids), temperature, with_entropy=with_entropy, entropy_grad=entropy_grad
+    )
+    logprobs = align_to_tokens(logprob[:, :-1], attention_mask)
+    if entropy is None:
+        return logprobs, None
+    return logprobs, align_to_tokens(entropy[:, :-1], attention_mask)
+
+
+def next_tokens(input_ids: torch.Tensor) -> torch.Tensor:
+    """The token each position of ``input_ids`` ``[b, T]`` predicts: ``input_ids[:, t + 1]``; the last
+    position's target is a filler (``input_ids[:, 0]``), whose values callers drop."""
+    return torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
+
+
+def prediction_stats(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log p_y`` (and ``H``) ``[b, t]`` float32 of each prediction ``logits`` ``[b, t, V]`` for its
+    target ``targets`` ``[b, t]``, at the prediction's own position (not yet aligned to tokens:
+    :func:`token_logprobs` does that). Differentiable when ``logits`` needs a gradient, computed in
+    chunks (module docstring)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     rows, width, vocab = logits.shape
-    # position i scores token i + 1; the last position's target is a filler, its values dropped
-    targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).reshape(-1)
-    flat = logits.reshape(rows * width, vocab)
+    flat, flat_targets = logits.reshape(rows * width, vocab), targets.reshape(-1)
     if torch.is_grad_enabled() and logits.requires_grad:
-        logprob, entropy = _ChunkedLogprobs.apply(flat, targets, float(temperature), with_entropy, entropy_grad)
+        logprob, entropy = _ChunkedLogprobs.apply(flat, flat_targets, float(temperature), with_entropy, entropy_grad)
     else:
-        logprob, entropy = _chunked_stats(flat, targets, float(temperature), with_entropy)
-    logprobs = align_to_tokens(logprob.view(rows, width)[:, :-1], attention_mask)
-    if not with_entropy:
-        return logprobs, None
-    return logprobs, align_to_tokens(entropy.view(rows, width)[:, :-1], attention_mask)
+        logprob, entropy = _chunked_stats(flat, flat_targets, float(temperature), with_entropy)
+    return logprob.view(rows, width), (entropy.view(rows, width) if with_entropy else None)
 
 
 def align_to_tokens(per_prediction: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from core_rl.engine_utils.fused_head import check_handed_on, fused_head
-from core_rl.engine_utils.logprobs import align_to_tokens, token_logprobs
+from core_rl.engine_utils.logprobs import align_to_tokens, next_tokens, token_logprobs
 
 LAYOUTS = ("auto", "padded", "packed")
 #: attention implementations with a varlen kernel that takes ``cu_seqlens`` (no mask materialised)
@@ -154,7 +154,7 @@ def forward_logprobs(
     packed = _pack(input_ids, attention_mask, layout)
     ids, mask = (input_ids, attention_mask) if packed is None else (packed.input_ids, packed.continues)
     if fused:
-        targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # position i predicts token i + 1
+        targets = next_tokens(ids)  # position i predicts token i + 1
         with fused_head(model, targets, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad) as produced:
             stats, _ = _forward_outputs(
                 model, input_ids, attention_mask, layout=layout, varlen_kwargs=varlen_kwargs, packed=packed

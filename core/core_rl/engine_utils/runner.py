@@ -36,7 +36,10 @@ from core_rl.engine_utils.microbatch import (
 from core_rl.engine_utils.optim import lr_at, set_lr
 from core_rl.engine_utils.packed import VARLEN_ATTENTION, forward_logprobs, forward_values, resolve_layout
 from core_rl.engine_utils.packing import plan_micro_batches
+from core_rl.engine_utils.row_pool import pool_rows
+from core_rl.engine_utils.sharded_forward import sharded_logprobs, sharded_values
 from core_rl.engine_utils.token_budget import tokens_per_mb
+from core_rl.engine_utils.ulysses import SequenceGroup
 from core_rl.errors import ConfigError
 from core_rl.interfaces import HEADS, VALUE_HEADS, LossFn, LossOutput, ValueLossFn
 from core_rl.protocol import TensorBatch
@@ -181,7 +184,16 @@ class MicroBatchRunner:
     log-probs are still taken from float32 logits); backward passes run outside it, replaying the
     forward's dtypes. ``fused_head``: log-probs of a language model from its last hidden states
     and head weight, the logits never whole (:mod:`core_rl.engine_utils.fused_head`; a
-    :class:`~core_rl.errors.ConfigError` where the model cannot)."""
+    :class:`~core_rl.errors.ConfigError` where the model cannot).
+
+    ``sequence``: a sequence-parallel group of more than one rank (the model loaded with a
+    :func:`core_rl.engine_utils.ulysses.register`-ed attention): the group's ranks pool their rows
+    (:func:`~core_rl.engine_utils.row_pool.pool_rows`), plan the same micro-batches of them, and
+    run each over the group, every rank on its slice of the positions
+    (:mod:`core_rl.engine_utils.sharded_forward`); ``max_tokens_per_mb`` then counts the tokens one
+    rank holds, so a micro-batch holds up to the group's size times as many. Each rank computes
+    the loss of the whole micro-batch and back-propagates it through its own positions; the
+    step's metrics are counted by the group's first rank only."""
 
     def __init__(
         self,
@@ -194,8 +206,11 @@ class MicroBatchRunner:
         head: str = "lm",
         autocast_dtype: torch.dtype | None = None,
         fused_head: bool = False,
+        sequence: SequenceGroup | None = None,
     ) -> None:
         self.model = model
+        self.sequence = sequence if sequence is not None and sequence.size > 1 else None
+        self.attn_implementation = attn_implementation
         self.head = head
         self.fused_head = fused_head and head == "lm"
         if self.fused_head:
@@ -222,10 +237,10 @@ class MicroBatchRunner:
         mb = self.config
         packed = self.layout == "packed"
 
+        budget = tokens_per_mb(mb) * (self.sequence.size if self.sequence is not None else 1)
+
         def make(min_num: int) -> list[list[int]]:
-            return plan_micro_batches(
-                lengths, tokens_per_mb(mb), min_num, algorithm=mb.packing_algorithm, packed=packed
-            )
+            return plan_micro_batches(lengths, budget, min_num, algorithm=mb.packing_algorithm, packed=packed)
 
         plan = make(mb.min_num_mb)
         count = torch.tensor([len(plan)], dtype=torch.long, device=self.device)
@@ -253,6 +268,8 @@ class MicroBatchRunner:
         """Log-probs (and entropies) ``[b, width]`` of one micro-batch on the engine's device
         (``entropy_grad``: see :func:`~core_rl.engine_utils.logprobs.token_logprobs`)."""
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        if self.sequence is not None:
+            return self._sharded_forward(input_ids, attention_mask, temperature, with_entropy, entropy_grad)
         with self._precision():
             if self.head != "lm":
                 values = forward_values(
@@ -271,6 +288,40 @@ class MicroBatchRunner:
                 fused=self.fused_head,
             )
 
+    def _sharded_forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        temperature: float,
+        with_entropy: bool,
+        entropy_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward` over the sequence-parallel group (:mod:`core_rl.engine_utils.sharded_forward`)."""
+        assert self.sequence is not None
+        layout = {"layout": self.layout, "attn_implementation": self.attn_implementation}
+        with self._precision():
+            if self.head != "lm":
+                values = sharded_values(self.model, input_ids, attention_mask, self.sequence, **layout)
+                return values, (torch.zeros_like(values.detach()) if with_entropy else None)
+            return sharded_logprobs(
+                self.model,
+                input_ids,
+                attention_mask,
+                self.sequence,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                entropy_grad=entropy_grad,
+                fused=self.fused_head,
+                **layout,
+            )
+
+    def _pool(self, batch: TensorBatch) -> tuple[TensorBatch, slice]:
+        """The sequence-parallel group's rows and this rank's slice of them (the batch itself without a group)."""
+        if self.sequence is None:
+            return batch, slice(0, batch.batch_size)
+        sg = self.sequence
+        return pool_rows(batch, sg.group, sg.size, sg.index, self.pad_token_id)
+
     def _placeholder_forward(self, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         dummy = placeholder_micro_batch(self.pad_token_id)
         # padded: one token needs no packing, and it reaches every parameter just the same
@@ -286,6 +337,11 @@ class MicroBatchRunner:
 
     def logprobs(self, batch: TensorBatch, temperature: float) -> torch.Tensor:
         """Log-probs ``[B, T]`` float32 on CPU, in eval mode without gradients. Collective."""
+        pooled, mine = self._pool(batch)
+        out = self._pooled_logprobs(pooled, temperature)
+        return out if self.sequence is None else out[mine, : batch["input_ids"].shape[1]].contiguous()
+
+    def _pooled_logprobs(self, batch: TensorBatch, temperature: float) -> torch.Tensor:
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
         lengths, plan = self.plan(attention_mask)
         out = torch.zeros(input_ids.shape, dtype=torch.float32)
@@ -321,6 +377,8 @@ class MicroBatchRunner:
         for key in TRAIN_KEYS:
             if key not in batch:
                 raise KeyError(f"train_step needs batch[{key!r}]")
+        batch, _mine = self._pool(batch)
+        counts = self.sequence is None or self.sequence.index == 0  # the group's ranks share micro-batches
         lengths, plan = self.plan(batch["attention_mask"])
         acc = StepMetrics(self.device)
         entropy_grad = bool(getattr(loss_fn, "entropy_grad", True))
@@ -339,5 +397,6 @@ class MicroBatchRunner:
                 )
             weighted = (out.per_token_loss.float() * mb["loss_weight"]).sum()
             backward(weighted * world_size)
-            acc.add(mb, weighted.detach(), ent.detach(), out.token_metrics)
+            if counts:
+                acc.add(mb, weighted.detach(), ent.detach(), out.token_metrics)
         return acc, len(plan)

@@ -100,7 +100,25 @@ def main() -> None:
     metrics_fused = train(fused, data, range(3), rank, world)
     final_fused = fused.full_state_dict()
 
+    # 2 ranks: one sequence-parallel group (each rank half of every micro-batch's positions, the
+    # group's rows pooled): the same training as one rank's; packed and fused as well
+    sequence = {}
+    if world == 2:
+        sp = FSDPConfig(sequence_parallel_size=2)
+        seq = FSDPEngine(cfg, sp, trainable=True)
+        sequence["metrics_sp"] = train(seq, data, range(3), rank, world)
+        final_sp = seq.full_state_dict()
+        lp_sp = seq.compute_logprobs(my_rows(data[1], 1, rank, world))
+        packed = attrs.evolve(cfg, fused_head=True, micro_batch=attrs.evolve(cfg.micro_batch, layout="packed"))
+        sequence["metrics_sp_fused_packed"] = train(FSDPEngine(packed, sp, trainable=True), data, range(3), rank, world)
+        rows_sp: list[object] = [None] * world
+        dist.all_gather_object(rows_sp, lp_sp)
+        if rank == 0:
+            torch.save(final_sp, out / "final_sp.pt")
+            torch.save(torch.cat(rows_sp), out / "logprobs_sp.pt")  # type: ignore[arg-type]
+
     result = {
+        **sequence,
         "world": world,
         "metrics_a": metrics_a,
         "metrics_b": metrics_b,

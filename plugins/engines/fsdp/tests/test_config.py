@@ -136,3 +136,44 @@ def test_flash_attention_reads_the_dtype_of_its_own_role() -> None:
         "engine's forward computes in float32 (critic.dtype, no param_dtype or autocast_dtype); set "
         "critic.engine.param_dtype: bfloat16, or use sdpa"
     )
+
+
+def test_sequence_parallelism_is_checked_against_the_other_settings(tmp_path) -> None:
+    """``sequence_parallel_size`` with ``compile``, with an attention Ulysses cannot run, and with a
+    model whose key/value heads it does not divide (read from ``config.json`` before any load)."""
+    from core_rl.tiny import build_tiny_model
+
+    run = _run("float32")
+    context = SectionContext(path="actor.engine", run=run, name="fsdp")
+    assert _config(sequence_parallel_size=2, attn_implementation="auto").check_config(context) == []
+    (compiled,) = _config(sequence_parallel_size=2, compile=True).check_config(context)
+    assert compiled.startswith("actor.engine.compile: true with actor.engine.sequence_parallel_size: 2")
+    (flex,) = _config(sequence_parallel_size=2, attn_implementation="flex_attention").check_config(context)
+    assert flex.startswith("actor.engine.sequence_parallel_size: 2 runs attention as one of sdpa, eager")
+    with pytest.raises(ConfigError, match=r"actor\.engine\.sequence_parallel_size: must be > 0"):
+        _config(sequence_parallel_size=0)
+
+    model = build_tiny_model(tmp_path / "model", seed=0, num_kv_heads=2)
+    run = RunConfig(actor=ActorConfig(model_path=str(model)))
+
+    def environment(size: int) -> list[str]:
+        env = EnvironmentContext(path="actor.engine", run=run, name="fsdp", machine=MachineInfo())
+        return _config(sequence_parallel_size=size).check_environment(env)
+
+    assert environment(2) == [] and environment(1) == []
+    (heads,) = environment(4)
+    assert heads == (
+        f"actor.engine.sequence_parallel_size: 4 must divide the model's key/value heads (2, {model}/config.json); "
+        "choose a divisor of 2"
+    )
+
+
+def test_a_group_that_cannot_be_formed_is_refused_at_build() -> None:
+    from core_rl_fsdp.engine import check_heads, sequence_group
+
+    assert sequence_group(1, 3) is None
+    with pytest.raises(ConfigError, match=r"sequence_parallel_size: 2 must divide the number of ranks \(3\)"):
+        sequence_group(2, 3)
+    check_heads(type("Config", (), {"num_key_value_heads": 4, "num_attention_heads": 8})(), 4)
+    with pytest.raises(ConfigError, match=r"sequence_parallel_size: 3 must divide the model's key/value heads \(4\)"):
+        check_heads(type("Config", (), {"num_key_value_heads": 4, "num_attention_heads": 8})(), 3)

@@ -94,6 +94,23 @@ def test_fused_head_trains_as_the_logits_do(runs: dict[int, tuple[dict, Path]], 
         torch.testing.assert_close(fused[key], plain[key], atol=WEIGHT_ATOL, rtol=1e-5, msg=key)
 
 
+def test_a_sequence_parallel_group_trains_as_one_rank(runs: dict[int, tuple[dict, Path]]) -> None:
+    """``sequence_parallel_size: 2`` on 2 ranks (their rows pooled, each rank half of every
+    micro-batch's positions, attention over all of them through the all-to-alls): the same 3
+    steps' metrics, final weights and log-probs as one rank without it; with the fused head in the
+    packed layout, the same as one rank's fused head."""
+    (two, d2), (one, d1) = runs[2], runs[1]
+    _same_metrics(two["metrics_sp"], one["metrics_a"])
+    _same_metrics(two["metrics_sp_fused_packed"], one["metrics_fused"])
+    # the budget counts one rank's slice: 7 pooled rows of <= 10 tokens in 40-token micro-batches
+    assert [m["num_micro_batches"] for m in two["metrics_sp"]] == [2.0, 2.0, 2.0]
+    w1, w2 = _load(d1 / "final_a.pt"), _load(d2 / "final_sp.pt")
+    assert w1.keys() == w2.keys()
+    for key in w1:
+        torch.testing.assert_close(w2[key], w1[key], atol=WEIGHT_ATOL, rtol=1e-5, msg=key)
+    torch.testing.assert_close(_load(d2 / "logprobs_sp.pt"), _load(d1 / "logprobs.pt")["trained"], atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_resume_reproduces_training_exactly(runs: dict[int, tuple[dict, Path]], world: int) -> None:
     result, out = runs[world]

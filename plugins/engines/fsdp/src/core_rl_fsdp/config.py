@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, ClassVar
 import attrs
 from core_rl.config import flash_attention
 from core_rl.config.fused_head import fused_head_problems
+from core_rl.config.sequence_parallel import key_value_heads_problems, sequence_parallel_problems
 from core_rl.config.validators import one_of, positive
 
 if TYPE_CHECKING:
@@ -73,6 +74,13 @@ class FSDPConfig:
       25% less time afterwards, a whole update 9-13% less, and peak memory rose by 90-170 MiB.
       Results differ from eager ones by float rounding (fused kernels), and stay deterministic for
       a seed. Needs a C++ compiler on CPU (inductor).
+    - ``sequence_parallel_size``: split each micro-batch's positions over this many consecutive
+      ranks (Ulysses: :mod:`core_rl.engine_utils.ulysses`), for sequences too long for one device's
+      activation memory. The ranks of a group pool their rows and run every micro-batch together,
+      each on ``1/n`` of its positions; around attention, two all-to-alls per layer exchange
+      positions for heads. It must divide the number of ranks and the model's key/value heads;
+      ``max_tokens_per_mb`` then counts the tokens of one rank's slice. Parameters stay sharded
+      over all ranks. Values equal a single rank's forward up to float rounding.
     """
 
     #: the model heads this engine builds (:data:`core_rl.interfaces.HEADS`): a critic needs ``value``
@@ -93,6 +101,7 @@ class FSDPConfig:
     shard_single_rank: bool = False
     compile: bool = False
     weight_bucket_mb: float = attrs.field(default=512.0, validator=positive())
+    sequence_parallel_size: int = attrs.field(default=1, validator=positive())
 
     def compute_dtype(self, section: ActorConfig) -> str:
         """The dtype the forward computes activations in (``param_dtype``, else ``autocast_dtype``,
@@ -123,6 +132,9 @@ class FSDPConfig:
                 f"{context.key('compile')}: true with {role}.fused_head: true, which compiled models do not "
                 "support; set one of them to false"
             )
+        problems += sequence_parallel_problems(
+            context, self.sequence_parallel_size, self.attn_implementation, compile=self.compile
+        )
         return problems
 
     def check_environment(self, context: EnvironmentContext) -> list[str]:
@@ -140,4 +152,5 @@ class FSDPConfig:
         problems += machine.gpu_per_process_problems(context.path, self.device)
         problems += activation_checkpointing_problems(context)
         problems += flash_attention.machine_problems(context, self.attn_implementation)
+        problems += key_value_heads_problems(context, self.sequence_parallel_size)
         return problems

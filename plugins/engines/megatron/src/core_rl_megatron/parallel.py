@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import torch
 import torch.distributed as dist
+from core_rl.engine_utils.row_pool import pool_rows
 from core_rl.protocol import TensorBatch
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
@@ -104,34 +105,9 @@ class ReplicaRows:
 
     def gather(self, batch: TensorBatch, pad_token_id: int) -> tuple[TensorBatch, slice, int]:
         """The replica's rows (its ranks' batches in rank order, padded to the widest), the slice of
-        them that is this rank's, and this rank's width."""
-        width = batch["input_ids"].shape[1]
-        if self.group is None:
-            return batch, slice(0, batch.batch_size), width
-        parts: list[object] = [None] * self.size
-        dist.all_gather_object(parts, {k: batch[k].cpu() for k in batch.keys()}, group=self.group)
-        batches = [TensorBatch(p) for p in parts]  # type: ignore[arg-type]
-        widest = max(b["input_ids"].shape[1] for b in batches)
-        merged = TensorBatch.concat([_pad_width(b, widest, pad_token_id) for b in batches])
-        start = sum(b.batch_size for b in batches[: self.index])
-        return merged, slice(start, start + batch.batch_size), width
-
-
-def _pad_width(batch: TensorBatch, width: int, pad_token_id: int) -> TensorBatch:
-    """``batch`` with every ``[B, T]`` tensor right-padded to ``width`` columns (``pad_token_id``
-    for ``input_ids``, zeros elsewhere, so padding stays masked out)."""
-    current = batch["input_ids"].shape[1]
-    if current == width:
-        return batch
-    out = {}
-    for key in batch.keys():
-        value = batch[key]
-        if value.ndim >= 2 and value.shape[1] == current:
-            fill = pad_token_id if key == "input_ids" else 0
-            pad = value.new_full((value.shape[0], width - current, *value.shape[2:]), fill)
-            value = torch.cat([value, pad], dim=1)
-        out[key] = value
-    return TensorBatch(out)
+        them that is this rank's, and this rank's width (:func:`core_rl.engine_utils.row_pool.pool_rows`)."""
+        rows, mine = pool_rows(batch, self.group, self.size, self.index, pad_token_id)
+        return rows, mine, batch["input_ids"].shape[1]
 
 
 def full_shape(local: Sequence[int], split: str, tp_size: int) -> tuple[int, ...]:
