@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -30,6 +31,9 @@ SETTINGS: dict[str, tuple[str, dict[str, object], str]] = {
     "zero1": ("deepspeed", {"zero_stage": 1}, "padded"),
     "zero2": ("deepspeed", {"zero_stage": 2}, "padded"),
     "zero3": ("deepspeed", {"zero_stage": 3}, "padded"),
+    # one sequence-parallel group of all the ranks (of 1 rank: none)
+    "zero2-seq": ("deepspeed", {"zero_stage": 2, "sequence_parallel_size": "world"}, "padded"),
+    "zero3-seq-packed": ("deepspeed", {"zero_stage": 3, "sequence_parallel_size": "world"}, "packed"),
 }
 STEPS = 3
 
@@ -54,6 +58,8 @@ def my_rows(batch: TensorBatch, rank: int, world: int) -> TensorBatch:
 
 def build(setting: str, model: str) -> TrainEngine:
     name, options, layout = SETTINGS[setting]
+    if options.get("sequence_parallel_size") == "world":
+        options = {**options, "sequence_parallel_size": int(os.environ.get("WORLD_SIZE", "1"))}
     actor = ActorConfig(
         model_path=model,
         engine=PluginSpec(name=name),

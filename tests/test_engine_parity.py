@@ -1,8 +1,9 @@
 """Parity across train engines: the same tiny model, global batches and loss give the same losses,
 gradient norms and metrics, and after three optimizer steps the same weights, on FSDP (padded and
 packed micro-batches) and DeepSpeed ZeRO-1/2/3, on 1 and on 2 ranks (one ``torchrun`` per world size
-runs every setting: ``engine_parity_worker.py``). Each ZeRO stage also resumes exactly from its own
-checkpoint, on 1 and 2 ranks, and a 2-rank ZeRO-3 checkpoint resumes on 1 rank.
+runs every setting: ``engine_parity_worker.py``), and ZeRO-2 and ZeRO-3 (packed) with the 2 ranks as
+one sequence-parallel group. Each ZeRO setting also resumes exactly from its own checkpoint, on 1 and
+2 ranks, and a 2-rank ZeRO-3 checkpoint resumes on 1 rank.
 
 Tolerances (CPU, fp32, AdamW), relative for metrics and absolute for weights, measured:
 ZeRO-1/2 on 1 rank match FSDP to ~1e-7; ZeRO-3 and every engine on 2 ranks to <= 7e-6 / 3.3e-5
@@ -27,8 +28,8 @@ from core_rl.testing.launch import run_torchrun
 from safetensors.torch import load_file
 
 WORKER = Path(__file__).with_name("engine_parity_worker.py")
-SETTINGS = ("fsdp", "fsdp-packed", "zero1", "zero2", "zero3")
-RESUMED = ("zero1", "zero2", "zero3")  # fsdp's own distributed test covers its resume
+SETTINGS = ("fsdp", "fsdp-packed", "zero1", "zero2", "zero3", "zero2-seq", "zero3-seq-packed")
+RESUMED = ("zero1", "zero2", "zero3", "zero2-seq", "zero3-seq-packed")  # fsdp's own distributed test covers its resume
 REFERENCE = "fsdp"
 #: (relative metric tolerance, absolute weight tolerance) by micro-batch layout
 TOLERANCE = {"padded": (1e-5, 5e-5), "packed": (2e-5, 1e-4)}

@@ -242,3 +242,17 @@ def test_a_varlen_kernel_gets_the_packed_rows_boundaries(models: dict[str, Path]
         )
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=0)
     assert handed and all(h == ([0, 6, 8, 12], 6) for h in handed)
+
+
+def test_a_group_that_cannot_be_formed_is_refused_at_build() -> None:
+    from core_rl.errors import ConfigError
+
+    assert ulysses.engine_group(1, 3, engine="fsdp") is None
+    with pytest.raises(
+        ConfigError, match=r"fsdp engine .* sequence_parallel_size: 2 must divide the number of ranks \(3\)"
+    ):
+        ulysses.engine_group(2, 3, engine="fsdp")
+    config = type("Config", (), {"num_key_value_heads": 4, "num_attention_heads": 8})()
+    ulysses.check_heads(config, 4, engine="deepspeed")
+    with pytest.raises(ConfigError, match=r"deepspeed engine .* must divide the model's key/value heads \(4\)"):
+        ulysses.check_heads(config, 3, engine="deepspeed")

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from core_rl.config.sequence_parallel import ATTENTION
+from core_rl.errors import ConfigError
 
 #: the model call's keyword argument that carries ``(SequenceGroup, WholeSequence)`` to attention
 KWARG = "core_rl_sequence"
@@ -81,6 +82,34 @@ def sequence_groups(size: int, *, backend: str | None = None) -> SequenceGroup:
             mine = SequenceGroup(group=group, ranks=ranks, index=ranks.index(rank))
     assert mine is not None
     return mine
+
+
+def engine_group(size: int, world_size: int, *, engine: str) -> SequenceGroup | None:
+    """The group of a train engine's ``sequence_parallel_size`` (``None`` for 1); a
+    :class:`~core_rl.errors.ConfigError` naming ``engine`` when ``size`` does not divide the ranks."""
+    if size == 1:
+        return None
+    if world_size % size:
+        raise ConfigError(
+            [
+                f"{engine} engine (the role's engine section): sequence_parallel_size: {size} must divide the number "
+                f"of ranks ({world_size}); start a multiple of {size} processes or lower it"
+            ]
+        )
+    return sequence_groups(size)
+
+
+def check_heads(model_config: Any, size: int, *, engine: str) -> None:
+    """Each rank of a group attends with ``1/size`` of the key/value heads: ``size`` must divide them
+    (a :class:`~core_rl.errors.ConfigError` naming ``engine`` otherwise)."""
+    heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+    if heads % size:
+        raise ConfigError(
+            [
+                f"{engine} engine (the role's engine section): sequence_parallel_size: {size} must divide the "
+                f"model's key/value heads ({heads}); choose a divisor of them"
+            ]
+        )
 
 
 # ---------------------------------------------------------------------------------- collectives

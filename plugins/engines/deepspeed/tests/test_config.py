@@ -149,3 +149,25 @@ def test_flash_attention_against_the_machine(machine: MachineInfo, problem: str)
     cfg = structure({"attn_implementation": "flash_attention_2", "mixed_precision": "bfloat16"}, DeepSpeedConfig)
     problems = cfg.check_environment(context)
     assert any(p.startswith(problem) for p in problems), problems
+
+
+def test_sequence_parallelism_is_checked_like_fsdps(tmp_path: Path) -> None:
+    """The shared checks of ``sequence_parallel_size``: the model's key/value heads (from its
+    ``config.json``) and the attention implementation, with the key path."""
+    from core_rl.config.checks import SectionContext
+    from core_rl.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", seed=0, num_kv_heads=2)
+    run = RunConfig(actor=ActorConfig(model_path=str(model)))
+
+    def problems(**options: object) -> list[str]:
+        section = structure(options, DeepSpeedConfig, path="actor.engine")
+        context = SectionContext(path="actor.engine", run=run, name="deepspeed")
+        env = EnvironmentContext(path="actor.engine", run=run, name="deepspeed", machine=MachineInfo())
+        return section.check_config(context) + section.check_environment(env)
+
+    assert problems(sequence_parallel_size=2) == []
+    (heads,) = problems(sequence_parallel_size=4)
+    assert heads.startswith("actor.engine.sequence_parallel_size: 4 must divide the model's key/value heads (2, ")
+    (flex,) = problems(sequence_parallel_size=2, attn_implementation="flex_attention")
+    assert flex.startswith("actor.engine.sequence_parallel_size: 2 runs attention as one of sdpa, eager")

@@ -166,14 +166,3 @@ def test_sequence_parallelism_is_checked_against_the_other_settings(tmp_path) ->
         f"actor.engine.sequence_parallel_size: 4 must divide the model's key/value heads (2, {model}/config.json); "
         "choose a divisor of 2"
     )
-
-
-def test_a_group_that_cannot_be_formed_is_refused_at_build() -> None:
-    from core_rl_fsdp.engine import check_heads, sequence_group
-
-    assert sequence_group(1, 3) is None
-    with pytest.raises(ConfigError, match=r"sequence_parallel_size: 2 must divide the number of ranks \(3\)"):
-        sequence_group(2, 3)
-    check_heads(type("Config", (), {"num_key_value_heads": 4, "num_attention_heads": 8})(), 4)
-    with pytest.raises(ConfigError, match=r"sequence_parallel_size: 3 must divide the model's key/value heads \(4\)"):
-        check_heads(type("Config", (), {"num_key_value_heads": 4, "num_attention_heads": 8})(), 3)

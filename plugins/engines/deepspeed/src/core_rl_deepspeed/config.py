@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 from core_rl.config import flash_attention
 from core_rl.config.fused_head import fused_head_problems
+from core_rl.config.sequence_parallel import key_value_heads_problems, sequence_parallel_problems
 from core_rl.config.validators import FieldValueError, one_of, positive
 
 if TYPE_CHECKING:
@@ -49,6 +50,8 @@ class DeepSpeedConfig:
       in buckets of about this size, each assembled on the device (as ``fsdp``).
     - ``config_overrides``: keys merged last into the generated DeepSpeed configuration (for
       settings not listed here; DeepSpeed validates them).
+    - ``sequence_parallel_size``: as ``fsdp``'s (Ulysses, :mod:`core_rl.engine_utils.ulysses`): each
+      micro-batch's positions split over this many consecutive ranks; ZeRO still shards over all.
     """
 
     #: what this engine's models can output (:data:`core_rl.interfaces.HEADS`): an LM, or a value model
@@ -69,6 +72,7 @@ class DeepSpeedConfig:
     shm_comm: bool = False
     weight_bucket_mb: float = attrs.field(default=512.0, validator=positive())
     config_overrides: dict[str, Any] = attrs.field(factory=dict)
+    sequence_parallel_size: int = attrs.field(default=1, validator=positive())
 
     def __attrs_post_init__(self) -> None:
         if self.offload_param and self.zero_stage != 3:
@@ -90,7 +94,7 @@ class DeepSpeedConfig:
             self.compute_dtype(section or context.run.actor),
             dtype_keys=f"{role}.dtype, no mixed_precision",
             set_key="mixed_precision",
-        )
+        ) + sequence_parallel_problems(context, self.sequence_parallel_size, self.attn_implementation, compile=False)
 
     def check_environment(self, context: EnvironmentContext) -> list[str]:
         """The device, the process count, float16 on a CPU, the attention implementation and the
@@ -104,6 +108,7 @@ class DeepSpeedConfig:
                 "accelerator has float16 only where oneDNN does, and this CPU has not); use bfloat16, or a GPU"
             )
         problems += flash_attention.machine_problems(context, self.attn_implementation)
+        problems += key_value_heads_problems(context, self.sequence_parallel_size)
         return problems + activation_checkpointing_problems(context) + fused_head_problems(context)
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from core_rl import checkpointing as ckpt
 from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import distributed as dist_utils
-from core_rl.engine_utils import hf, lora
+from core_rl.engine_utils import hf, lora, ulysses
 from core_rl.engine_utils import state as state_files
 from core_rl.engine_utils.buckets import hf_buckets, tied_aliases
 from core_rl.engine_utils.export import export_model_dir
@@ -111,15 +111,19 @@ class DeepSpeedEngine(EngineState, TrainEngine):
             self.config.attn_implementation, self.device, self.config.compute_dtype(actor)
         )
         ds_config = build_ds_config(actor, self.config, on_cuda=self.device.type == "cuda")
+        self.sequence = ulysses.engine_group(self.config.sequence_parallel_size, self.world_size, engine="deepspeed")
+        load_attn = ulysses.register(attn or "sdpa") if self.sequence is not None else attn
         _, load = hf.loaders_for_head(head)
         if self.zero_stage == 3 and self.config.zero3_init:  # no rank ever holds the whole model
             model = load_partitioned(
-                load, actor.model_path, ds_config, head=head, dtype=actor.dtype, attn_implementation=attn
+                load, actor.model_path, ds_config, head=head, dtype=actor.dtype, attn_implementation=load_attn
             )
         else:
-            model = load(actor.model_path, dtype=actor.dtype, attn_implementation=attn)
+            model = load(actor.model_path, dtype=actor.dtype, attn_implementation=load_attn)
         model = hf.prepare_for_role(model, actor, trainable=trainable)
         hf_model = lora.base_model(model)
+        if self.sequence is not None:
+            ulysses.check_heads(hf_model.config, self.sequence.size, engine="deepspeed")
         self._architectures = [hf.exported_architecture(hf.architecture_name(hf_model), head)]
         self._pad_id = int(hf_model.config.pad_token_id) if hf_model.config.pad_token_id is not None else 0
         optimizer = build_optimizer(model.parameters(), actor.optimizer) if trainable else None
@@ -133,6 +137,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
             attn_implementation=attn,
             head=head,
             fused_head=actor.fused_head,
+            sequence=self.sequence,
         )
         self._step = 0
         self._closed = False

@@ -27,7 +27,6 @@ from core_rl.engine_utils.hf import architecture_name, exported_architecture, to
 from core_rl.engine_utils.optim import build_optimizer, check_schedule, settle_scalar_states
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner, check_temperature
 from core_rl.engine_utils.state import write_collectively, write_meta
-from core_rl.errors import ConfigError
 from core_rl.interfaces import TrainEngine
 from core_rl.protocol import TensorBatch
 from torch.distributed.checkpoint.state_dict import (
@@ -71,7 +70,7 @@ class FSDPEngine(EngineState, TrainEngine):
         self.rank, self.world_size = dist_utils.ensure_process_group(self.config.backend, self.device)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         attn = attention.resolve(self.config, self.device, self.config.compute_dtype(actor))
-        self.sequence = sequence_group(self.config.sequence_parallel_size, self.world_size)
+        self.sequence = ulysses.engine_group(self.config.sequence_parallel_size, self.world_size, engine="fsdp")
         self.model = build_model(
             actor,
             self.config,
@@ -87,7 +86,7 @@ class FSDPEngine(EngineState, TrainEngine):
             compile_model(self.model, self.config, self.world_size)
         hf_model = lora.base_model(self.model)
         if self.sequence is not None:
-            check_heads(hf_model.config, self.sequence.size)
+            ulysses.check_heads(hf_model.config, self.sequence.size, engine="fsdp")
         self._architectures = [exported_architecture(architecture_name(hf_model), head)]
         self._pad_id = int(hf_model.config.pad_token_id) if hf_model.config.pad_token_id is not None else 0
         self.runner = MicroBatchRunner(
@@ -316,34 +315,6 @@ class FSDPEngine(EngineState, TrainEngine):
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def sequence_group(size: int, world_size: int) -> ulysses.SequenceGroup | None:
-    """This rank's sequence-parallel group (``None`` for ``sequence_parallel_size: 1``)."""
-    if size == 1:
-        return None
-    if world_size % size:
-        raise ConfigError(
-            [
-                f"fsdp engine (the role's engine section): sequence_parallel_size: {size} must divide the number "
-                f"of ranks ({world_size}); "
-                f"start a multiple of {size} processes or lower it"
-            ]
-        )
-    return ulysses.sequence_groups(size)
-
-
-def check_heads(model_config: Any, size: int) -> None:
-    """Each rank of a group attends with ``1/size`` of the key/value heads: ``size`` must divide them."""
-    heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
-    if heads % size:
-        raise ConfigError(
-            [
-                f"fsdp engine (the role's engine section): sequence_parallel_size: {size} must divide the model's "
-                f"key/value heads ({heads}); "
-                "choose a divisor of them"
-            ]
-        )
 
 
 def _read_meta(final: Path) -> dict[str, Any]:
