@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -57,10 +58,14 @@ def main() -> None:
     after = hf.load_causal_lm(args.model, dtype="float32")  # an ordinary model again
     found["later_load_whole"] = all(not hasattr(p, "ds_id") for p in after.parameters())
     Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(found))
-    # both ranks done before either tears its group down: a rank that closes its gloo pairs while
-    # the other still tears down ZeRO-3 state made that one abort at exit (std::terminate, once in CI)
+    # both ranks done before either tears its group down; then out without the interpreter's
+    # finalisation, where a gloo worker thread still holding a tensor made one rank abort once in CI
+    # ("terminate called without an active exception": a torch teardown race, not what is tested here)
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
