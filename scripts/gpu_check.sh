@@ -56,7 +56,7 @@ fi
 if has gpu; then
   run_pytest gpu -m gpu plugins/engines/fsdp/tests plugins/engines/deepspeed/tests plugins/engines/megatron/tests \
     tests/test_weight_sync_memory.py plugins/engines/hf/tests/test_gpu.py plugins/engines/hf/tests/test_gpu_sleep.py \
-    tests/test_mixed_precision_rollout.py tests/test_device_defaults_e2e.py tests/test_engine_utils_logprobs.py tests/test_fused_head.py \
+    tests/test_mixed_precision_rollout.py tests/test_device_defaults_e2e.py tests/test_engine_utils_logprobs.py tests/test_fused_head.py tests/test_ulysses.py \
     plugins/engines/vllm/tests/test_gpu_sleep.py plugins/engines/sglang/tests/test_gpu_sleep.py
 fi
 if has main; then
