@@ -79,9 +79,11 @@ def test_bf16_behaviour_logprobs_are_the_bf16_training_forwards(tmp_path: Path) 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_bf16_behaviour_logprobs_are_within_bf16_rounding_of_the_training_forward(tmp_path: Path) -> None:
     """On a GPU a decode step (one query row against the cache) and a training forward (every row)
-    run different bf16 kernels whose sums round differently: the behaviour log-probs are not the
-    training forward's, and are no nearer the bf16 forward than the float32 one (measured on an
-    H100: 2.3e-3 and 1.5e-3); both stay within bf16 rounding. That gap is what the off-policy
-    corrections (decoupled loss, rejection sampling) are for."""
+    may run different bf16 kernels whose sums round differently: the behaviour log-probs then are
+    not the training forward's. Measured: on an H100 (torch 2.9), 2.3e-3 from the bf16 forward and
+    1.5e-3 from the float32 one; on an H200 (torch 2.11, the hf engine's lean decode steps) equal
+    to the bf16 forward (0.0) and 1.5e-3 from the float32 one. Either way both stay within bf16
+    rounding (a gap the off-policy corrections, decoupled loss and rejection sampling, are for), and
+    the bf16 run is not a float32 one."""
     near, far = _behaviour_and_forwards(tmp_path, "cuda")
-    assert 0 < near < 1e-2 and far < 1e-2
+    assert near < 1e-2 and 1e-4 < far < 1e-2
