@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 
 @functools.cache
@@ -53,6 +54,11 @@ def _index_problem() -> str | None:
 
 BUILDS_ENV = "CORE_RL_SERVER_ENV_BUILDS"
 SERVER_ENV_BUILD_TIMEOUT_S = 2400
+
+# property tests: no per-example deadline (a loaded 2-core CI machine stalls an example now and then,
+# which hypothesis would report as DeadlineExceeded or Flaky); tests that set their own settings keep them
+settings.register_profile("core_rl", deadline=None)
+settings.load_profile("core_rl")
 
 
 @functools.cache

@@ -5,7 +5,7 @@ The workload: one row of ``--tokens`` tokens through a random-weight causal LM (
 Llama layout, ``--hidden`` x ``--layers``, ``--heads`` heads), float32, SDPA attention; log-probs
 and entropies at temperature 1 and the backward of ``sum(lp) + 0.01 sum(H)``. For each group size
 ``n`` in ``--sizes``, ``torchrun`` starts ``n`` CPU processes (gloo) that form one group (``n = 1``:
-the unsharded forward, :func:`core_rl.engine_utils.packed.forward_logprobs`); every rank prints:
+the unsharded forward, :func:`core_rl.engine_utils.packed.forward_logprobs`); for every rank it prints
 
 - ``saved``: bytes autograd keeps for backward on that rank (``saved_tensors_hooks``), the
   activation memory that sequence parallelism divides;
@@ -47,7 +47,8 @@ def _resident_mib(field: str) -> float:
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One rank: the step's figures as one JSON line (``BENCH-RESULT``)."""
+    """One rank: the step's figures in ``--results/rank<r>.json`` (a file each: the ranks share
+    torchrun's standard output, where their lines could interleave)."""
     import torch
     import torch.distributed as dist
     from core_rl.engine_utils import ulysses
@@ -93,7 +94,9 @@ def worker(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - start)
         peak = _resident_mib("VmHWM") - before
     figures = {"size": size, "rank": dist.get_rank(), "saved_mib": saved / 2**20, "peak_mib": peak}
-    print("BENCH-RESULT " + json.dumps({**figures, "s": statistics.median(times)}), flush=True)
+    figures["s"] = statistics.median(times)
+    Path(args.results, f"rank{dist.get_rank()}.json").write_text(json.dumps(figures))
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -102,16 +105,15 @@ def run_size(size: int, model: Path, args: argparse.Namespace) -> list[dict]:
     from core_rl.testing.launch import cpu_ranks_env
 
     env = cpu_ranks_env({**os.environ, "OMP_NUM_THREADS": "1"})
+    results = model.parent / f"results-{size}"
+    results.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={size}", __file__]
     cmd += ["--worker", "--model", str(model), "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
+    cmd += ["--results", str(results)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     if proc.returncode != 0:
         raise SystemExit(f"group of {size} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    marker = "BENCH-RESULT "
-    return sorted(
-        (json.loads(line[len(marker) :]) for line in proc.stdout.splitlines() if line.startswith(marker)),
-        key=lambda r: r["rank"],
-    )
+    return [json.loads((results / f"rank{r}.json").read_text()) for r in range(size)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--results", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'group':>5} {'rank':>4} {'saved MiB':>10} {'peak MiB':>9} {'s':>7}")
         for size in (int(s) for s in args.sizes.split(",")):
             for r in run_size(size, model, args):
-                print(f"{size:>5} {r['rank']:>4} {r['saved_mib']:>10.1f} {r['peak_mib']:>9.1f} {r['s']:>7.2f}")
+                print(f"{size:>5} {r['rank']:>4} {r['saved_mib']:>10.1f} {r['peak_mib']:>9.1f} {r['s']:>7.4f}")
     return 0
 
 

@@ -25,7 +25,7 @@ for env in "${envs[@]}"; do
     status=0
     "$VENV/bin/core-rl" server-env create "$env" > "$builds/$env.log" 2>&1 || status=$?
     echo "the $env server environment: status $status after $(( $(date +%s) - start )) s" >> "$builds/$env.log"
-    echo "$status" > "$builds/$env.rc" ) &
+    echo "$status" > "$builds/$env.rc.partial" && mv "$builds/$env.rc.partial" "$builds/$env.rc" ) &  # whole, never read half-written
   pids+=($!)
 done
 # The Slurm launcher's test against a real one-node Slurm needs Debian's Slurm and MUNGE packages:
@@ -40,7 +40,7 @@ if [ "${CORE_RL_SLURM_TEST:-1}" != "0" ] && [ "$(id -u)" = "0" ] && command -v a
     { timeout 300 apt-get update -q \
         && timeout 300 apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge
     } > "$builds/slurm-packages.log" 2>&1 || status=$?
-    echo "$status" > "$builds/slurm-packages.rc" ) &
+    echo "$status" > "$builds/slurm-packages.rc.partial" && mv "$builds/slurm-packages.rc.partial" "$builds/slurm-packages.rc" ) &
   pids+=($!)
 fi
 # Two pytest workers (pytest-xdist; CORE_RL_TEST_WORKERS to change, 0 for none), each taking whole

@@ -50,7 +50,8 @@ def _free_port() -> int:
 async def _with_server(test) -> object:
     server = await asyncio.start_server(_answer, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    client = async_client(timeout=2.0, max_connections=16)
+    # 200 requests queue for 16 connections: the pool wait counts against the timeout (generous on a loaded machine)
+    client = async_client(timeout=30.0, max_connections=16)
     try:
         return await test(client, url)
     finally:

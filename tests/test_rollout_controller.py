@@ -196,11 +196,11 @@ class Never(RolloutWorkflow):
 
 
 def test_wait_times_out_naming_the_batch_and_close_stops_the_thread(engine) -> None:
-    cfg = ControllerConfig(wait_timeout_s=0.5)
+    cfg = ControllerConfig(wait_timeout_s=2.0)  # time for the thread to start both on a loaded machine
     controller = RolloutController(engine, Never(), CountingData(2), SamplingParams(), cfg, batch_size=2)
     controller.start()
     try:
-        with pytest.raises(CoreRLError, match=r"waited 0 s for generation batch 0 to finish.*2 trajectories in flight"):
+        with pytest.raises(CoreRLError, match=r"waited 2 s for generation batch 0 to finish.*2 trajectories in flight"):
             controller.take(new_step=True)
     finally:
         controller.close()

@@ -210,8 +210,11 @@ def test_a_varlen_kernel_gets_the_packed_rows_boundaries(models: dict[str, Path]
     handed: list[tuple[list[int], int]] = []
 
     def varlen(module, query, key, value, attention_mask, **kwargs):
-        assert attention_mask is None and "position_ids" not in kwargs
         assert module.config._attn_implementation == "flash_attention_2"  # the kernel transformers would pick
+        if "cu_seq_lens_q" not in kwargs:  # a one-token placeholder forward: the inner kernel as is
+            assert query.shape[2] == 1
+            return value.repeat_interleave(query.shape[1] // value.shape[1], dim=1).transpose(1, 2), None
+        assert attention_mask is None and "position_ids" not in kwargs
         cu, longest = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
         assert torch.equal(cu, kwargs["cu_seq_lens_k"]) and cu.dtype == torch.int32
         handed.append((cu.tolist(), longest))
@@ -242,6 +245,8 @@ def test_a_varlen_kernel_gets_the_packed_rows_boundaries(models: dict[str, Path]
         )
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=0)
     assert handed and all(h == ([0, 6, 8, 12], 6) for h in handed)
+    with torch.no_grad():  # a placeholder micro-batch (no group) also reaches the kernel under its own name
+        sharded(input_ids=torch.tensor([[3]]))
 
 
 def test_a_group_that_cannot_be_formed_is_refused_at_build() -> None:
@@ -256,3 +261,43 @@ def test_a_group_that_cannot_be_formed_is_refused_at_build() -> None:
     ulysses.check_heads(config, 4, engine="deepspeed")
     with pytest.raises(ConfigError, match=r"deepspeed engine .* must divide the model's key/value heads \(4\)"):
         ulysses.check_heads(config, 3, engine="deepspeed")
+
+
+def test_a_window_the_model_keeps_on_its_module_is_applied() -> None:
+    """Some models leave ``sliding_window`` out of the attention call (transformers' mask carries it
+    for them): the module's own attribute then sets the window."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attend = ulysses.ulysses_attention("sdpa")
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, 2, 6, 4, generator=g) for _ in range(3))
+    whole = ulysses.WholeSequence(key_valid=torch.ones(1, 6, dtype=torch.bool), segments=torch.zeros(1, 6))
+    module = torch.nn.Module()
+    module.is_causal = True
+
+    def run(**kwargs: object) -> torch.Tensor:
+        return attend(module, query, key, value, None, **{ulysses.KWARG: (ALONE, whole)}, **kwargs)[0]
+
+    module.sliding_window = 2
+    windowed = run()
+    assert torch.equal(windowed, run(sliding_window=2))
+    module.sliding_window = None
+    plain = run()
+    causal, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, None)
+    torch.testing.assert_close(plain, causal)
+    assert not torch.allclose(windowed, plain)
+
+
+def test_under_autocast_the_group_gives_the_autocast_forward(models: dict[str, Path]) -> None:
+    """bf16 autocast, padded rows (a mask, built in bf16), sdpa and eager: within bf16 rounding of
+    the unsharded autocast forward."""
+    mask = (torch.arange(9)[None, :] < torch.tensor([9, 4, 6])[:, None]).long()
+    for inner in ("sdpa", "eager"):
+        reference, sharded = _load(models["llama"], inner), _load(models["llama"], ulysses.register(inner))
+        ids = torch.randint(3, reference.config.vocab_size, mask.shape, generator=torch.Generator().manual_seed(1))
+        kwargs = {"temperature": 1.0, "with_entropy": True, "layout": "padded"}
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            want = forward_logprobs(reference, ids * mask, mask, **kwargs)
+            got = sharded_logprobs(sharded, ids * mask, mask, ALONE, attn_implementation=inner, **kwargs)
+        assert float((got[0] - want[0]).abs().max()) < 3e-2, inner
+        assert float((got[1] - want[1]).abs().max()) < 3e-2, inner

@@ -98,6 +98,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         result["same_loss_on_every_rank"] = {"all": float(losses.count(losses[0]) == len(losses))}
         Path(args.out, "result.json").write_text(json.dumps(result, indent=1))
+    dist.barrier()  # both ranks done before either tears its group down
     dist.destroy_process_group()
 
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from core_rl.config.sequence_parallel import ATTENTION
 from core_rl.errors import ConfigError
+from core_rl.trainer.ranks import collective_timeout
 
 #: the model call's keyword argument that carries ``(SequenceGroup, WholeSequence)`` to attention
 KWARG = "core_rl_sequence"
@@ -70,14 +71,15 @@ class SequenceGroup:
 
 def sequence_groups(size: int, *, backend: str | None = None) -> SequenceGroup:
     """This rank's group when the world is cut into groups of ``size`` consecutive ranks. Collective:
-    every rank creates every group (``torch.distributed.new_group``), in the same order."""
+    every rank creates every group (``torch.distributed.new_group``, with the run's collective
+    timeout), in the same order."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if size < 1 or world % size:
         raise ValueError(f"sequence_parallel_size {size} must divide the world size {world}")
     mine: SequenceGroup | None = None
     for start in range(0, world, size):
         ranks = tuple(range(start, start + size))
-        group = dist.new_group(list(ranks), backend=backend) if size > 1 else None
+        group = dist.new_group(list(ranks), backend=backend, timeout=collective_timeout()) if size > 1 else None
         if rank in ranks:
             mine = SequenceGroup(group=group, ranks=ranks, index=ranks.index(rank))
     assert mine is not None
@@ -186,9 +188,10 @@ class WholeSequence:
     ``key_valid`` ``[b, W]``: the positions other positions may attend to (padding: ``False``);
     ``segments`` ``[b, W]``: which packed row each position belongs to (one segment per row in the
     padded layout); ``cu_seqlens``: the packed rows' boundaries for a varlen kernel (packed layout
-    only, ``b == 1``), ``max_seqlen`` the longest of them. Masks are built once per forward and
-    shared by every layer (as transformers shares its own), so the layers' saved activations hold
-    one copy."""
+    only, ``b == 1``), ``max_seqlen`` the longest of them. A mask is built once per forward (per
+    implementation, window and dtype) and handed to every layer. For SDPA it is additive, in the
+    dtype attention computes in: SDPA turns a boolean mask into a new float one at every call, and
+    each layer's backward would keep its own copy."""
 
     key_valid: torch.Tensor
     segments: torch.Tensor
@@ -229,9 +232,8 @@ class WholeSequence:
         if inner != "eager" and sliding_window is None and self.plainly_causal():
             return None  # sdpa's causal kernel: no [W, W] mask at all
         allowed = self.allowed(sliding_window)
-        if inner == "eager":  # additive
-            return torch.zeros((), dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
-        return allowed
+        # additive (every row keeps its diagonal, so none is all -inf-like)
+        return torch.zeros((), dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def ulysses_attention(inner: str) -> Any:
@@ -253,16 +255,19 @@ def ulysses_attention(inner: str) -> Any:
         if current is None:
             if query.shape[2] > 1:
                 raise RuntimeError(f"attention {registered_name(inner)} ran outside a sequence-parallel forward")
-            return function(module, query, key, value, attention_mask, **kwargs)
+            return function(_as_inner(module, inner), query, key, value, attention_mask, **kwargs)
         sg, whole = current
         if key.shape[1] % sg.size:
             raise ValueError(
                 f"sequence_parallel_size {sg.size} must divide the model's key/value heads ({key.shape[1]})"
             )
-        query, key, value = (heads_to_positions(t, sg) for t in (query, key, value))
+        compute = _compute_dtype(query, inner)
+        query, key, value = (heads_to_positions(t.to(compute), sg) for t in (query, key, value))
         kwargs.pop("position_ids", None)  # the slice's: the whole sequence's boundaries are in `whole`
         kwargs.pop("is_causal", None)
-        mask = whole.mask_for(inner, kwargs.get("sliding_window"), query.dtype)
+        # models that leave the window out of the call (transformers' mask carries it for them) keep it on the module
+        window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+        mask = whole.mask_for(inner, window, torch.float32 if inner == "sdpa_float32" else compute)
         if inner in VARLEN and whole.cu_seqlens is not None:
             kwargs.update(
                 cu_seq_lens_q=whole.cu_seqlens,
@@ -295,21 +300,30 @@ class _AsInner:
         return getattr(self._module, name)
 
 
-_INNER_CONFIGS: dict[tuple[int, str], Any] = {}
-
-
 def _as_inner(module: torch.nn.Module, inner: str) -> Any:
-    """``module`` itself, or for a flash-attn inner a view of it whose config names that inner."""
+    """``module`` itself, or for a flash-attn inner a view of it whose config names that inner (a
+    deep copy of the module's config, made once and kept on the module)."""
     if inner not in VARLEN:
         return module
-    key = (id(module.config), inner)
-    if key not in _INNER_CONFIGS:
+    config = module.__dict__.get("_core_rl_inner_config")
+    if config is None:
         import copy
 
-        config = copy.copy(module.config)
+        config = copy.deepcopy(module.config)
         config._attn_implementation = inner
-        _INNER_CONFIGS[key] = config
-    return _AsInner(module, _INNER_CONFIGS[key])
+        module.__dict__["_core_rl_inner_config"] = config
+    return _AsInner(module, config)
+
+
+def _compute_dtype(query: torch.Tensor, inner: str) -> torch.dtype:
+    """The dtype attention computes in: the autocast dtype inside an autocast region (query and key
+    arrive in float32 there, promoted by the rotary embedding; sending them so would double the
+    all-to-alls' bytes, and the kernels cast them anyway), except for ``sdpa_float32``, which
+    computes in float32 by design; else the query's own."""
+    device = query.device.type
+    if inner != "sdpa_float32" and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return query.dtype
 
 
 def registered_name(inner: str) -> str:

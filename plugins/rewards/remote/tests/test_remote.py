@@ -69,7 +69,7 @@ class Service:
                 ok = {"scores": scores, "parts": {"has_row": [float("answer" in i.get("row", {})) for i in items]}}
                 path = self.path
                 if path == "/slow" and n == 0:
-                    time.sleep(1.5)
+                    time.sleep(5.0)
                 if path == "/meet":
                     time.sleep(0.3)
                 if (path == "/flaky" and n < 2) or path == "/down":
@@ -145,7 +145,7 @@ def test_batches_in_order_with_parts_and_concurrency(service):
 
 
 def test_slow_service_times_out_then_succeeds_on_retry(service):
-    reward = _reward(service, "/slow", timeout_s=0.5, max_retries=2)
+    reward = _reward(service, "/slow", timeout_s=2.0, max_retries=2)  # the retry's answer has 2 s, loaded or not
     assert reward.score(_items(3)) == [0.0, 0.1, 0.2]
     assert len(service.calls("/slow")) == 2  # the first attempt timed out
 

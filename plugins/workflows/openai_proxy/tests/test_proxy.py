@@ -131,7 +131,8 @@ def test_a_rewritten_history_is_detected(run_wave, mode) -> None:
 
 
 def test_an_episode_past_its_timeout_keeps_its_calls(run_wave) -> None:
-    wave, _ = run_wave(ROWS[:1], n=2, program=f"{AGENTS}:one_call_then_hangs", timeout_s=1.0, timeout_reward=-1.0)
+    # the timeout must cover the agent's first call (client, proxy, a generation) on a loaded machine
+    wave, _ = run_wave(ROWS[:1], n=2, program=f"{AGENTS}:one_call_then_hangs", timeout_s=8.0, timeout_reward=-1.0)
     (group,) = wave.groups
     assert len(group) == 2
     assert all(s.info["timed_out"] and s.reward == -1.0 and s.info["calls"] == 1 for s in group)
