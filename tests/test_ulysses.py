@@ -81,24 +81,28 @@ def test_on_two_gpus_nccl_gives_one_gpus_values_and_gradients(models: dict[str, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_a_group_of_one_gives_the_models_forward(models: dict[str, Path]) -> None:
-    """The whole-sequence mask and the layouts on CUDA tensors (bf16 and float32 sdpa)."""
+    """The whole-sequence mask (additive, in the compute dtype) and the layouts on CUDA tensors:
+    float32 and bfloat16 weights, and float32 weights under bfloat16 autocast."""
+    import contextlib
+
+    from core_rl.engine_utils.hf import load_causal_lm
+
     g = torch.Generator().manual_seed(0)
     mask = (torch.arange(13)[None, :] < torch.tensor([13, 6, 1, 9])[:, None]).long().cuda()
-    for dtype in ("float32", "bfloat16"):
-        from core_rl.engine_utils.hf import load_causal_lm
-
+    for dtype, autocast in (("float32", False), ("bfloat16", False), ("float32", True)):
         reference = load_causal_lm(str(models["qwen2sw"]), dtype=dtype, attn_implementation="sdpa").cuda()
         sharded = load_causal_lm(str(models["qwen2sw"]), dtype=dtype, attn_implementation=ulysses.register("sdpa"))
         sharded = sharded.cuda()
         ids = (torch.randint(3, reference.config.vocab_size, mask.shape, generator=g).cuda()) * mask
+        region = torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
         for layout in ("padded", "packed"):
             kwargs = {"temperature": 1.0, "with_entropy": True, "layout": layout}
-            with torch.no_grad():
+            with torch.no_grad(), region:
                 want = forward_logprobs(reference, ids, mask, **kwargs)
                 got = sharded_logprobs(sharded, ids, mask, ALONE, attn_implementation="sdpa", **kwargs)
-            bound = 1e-5 if dtype == "float32" else 5e-2
-            assert float((got[0] - want[0]).abs().max()) < bound, (dtype, layout)
-            assert float((got[1] - want[1]).abs().max()) < bound, (dtype, layout)
+            bound = 1e-5 if dtype == "float32" and not autocast else 5e-2
+            assert float((got[0] - want[0]).abs().max()) < bound, (dtype, autocast, layout)
+            assert float((got[1] - want[1]).abs().max()) < bound, (dtype, autocast, layout)
 
 
 def _load(path: Path, attn: str) -> torch.nn.Module:
