@@ -4,6 +4,7 @@ model: metrics, checkpoints, export, exact resume, and 2-rank training under tor
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -175,3 +176,20 @@ def test_a_finished_run_leaves_no_process_group_at_exit(setup):
     assert "initialized after the run: True" in proc.stdout  # kept for a later run in the same process ...
     assert "group at exit: False" in proc.stdout  # ... and destroyed at exit
     assert "destroy_process_group() was not called" not in proc.stderr
+
+
+def test_an_engines_own_group_of_one_is_destroyed_at_exit():
+    """An engine used on its own (no trainer, no torchrun) creates a one-process group; it is
+    destroyed when the interpreter exits (with NCCL, a group left alive warns at every exit)."""
+    script = (
+        "import atexit\n"
+        "import torch\n"
+        "import torch.distributed as dist\n"
+        "from core_rl.engine_utils.distributed import ensure_process_group\n"
+        "atexit.register(lambda: print('group at exit:', dist.is_initialized()))\n"
+        "print('rank and world:', ensure_process_group('auto', torch.device('cpu')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank and world: (0, 1)" in proc.stdout and "group at exit: False" in proc.stdout, proc.stdout

@@ -104,6 +104,7 @@ def ensure_process_group(backend: str, device: torch.device) -> tuple[int, int]:
             )
         else:
             dist.init_process_group(resolved, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+            destroy_process_group_at_exit()  # a group of one has no peer to wait for at exit
     return dist.get_rank(), dist.get_world_size()
 
 
