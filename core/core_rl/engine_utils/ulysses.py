@@ -41,7 +41,6 @@ from core_rl.trainer.ranks import collective_timeout
 
 #: the model call's keyword argument that carries ``(SequenceGroup, WholeSequence)`` to attention
 KWARG = "core_rl_sequence"
-INNER = ATTENTION
 #: inner implementations that take the packed rows as ``cu_seqlens`` and padding as a 2D mask
 VARLEN = ("flash_attention_2", "flash_attention_3")
 
@@ -69,7 +68,7 @@ class SequenceGroup:
         return slice(self.index * part, (self.index + 1) * part)
 
 
-def sequence_groups(size: int, *, backend: str | None = None) -> SequenceGroup:
+def sequence_groups(size: int) -> SequenceGroup:
     """This rank's group when the world is cut into groups of ``size`` consecutive ranks. Collective:
     every rank creates every group (``torch.distributed.new_group``, with the run's collective
     timeout), in the same order."""
@@ -79,7 +78,7 @@ def sequence_groups(size: int, *, backend: str | None = None) -> SequenceGroup:
     mine: SequenceGroup | None = None
     for start in range(0, world, size):
         ranks = tuple(range(start, start + size))
-        group = dist.new_group(list(ranks), backend=backend, timeout=collective_timeout()) if size > 1 else None
+        group = dist.new_group(list(ranks), timeout=collective_timeout()) if size > 1 else None
         if rank in ranks:
             mine = SequenceGroup(group=group, ranks=ranks, index=ranks.index(rank))
     assert mine is not None
@@ -237,9 +236,10 @@ class WholeSequence:
 
 
 def ulysses_attention(inner: str) -> Any:
-    """The attention function that runs ``inner`` (one of :data:`INNER`) over the whole sequence (see
-    the module docstring). Called without :data:`KWARG` it is ``inner`` itself, for one-token
-    forwards only (a placeholder micro-batch): a longer one would silently see only its own slice."""
+    """The attention function that runs ``inner`` (one of
+    :data:`~core_rl.config.sequence_parallel.ATTENTION`) over the whole sequence (see the module
+    docstring). Called without :data:`KWARG` it is ``inner`` itself, for one-token forwards only (a
+    placeholder micro-batch): a longer one would silently see only its own slice."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     def attend(
@@ -335,8 +335,8 @@ def register(inner: str) -> str:
     """Register :func:`registered_name` with transformers' attention functions (idempotent; no mask
     function: transformers then passes no mask, and the whole sequence's is built here); returns
     the name to load a model with."""
-    if inner not in INNER:
-        raise ValueError(f"sequence parallelism runs with attention {', '.join(INNER)}; the model's is {inner!r}")
+    if inner not in ATTENTION:
+        raise ValueError(f"sequence parallelism runs with attention {', '.join(ATTENTION)}; the model's is {inner!r}")
     from transformers import AttentionInterface
 
     if inner == "sdpa_float32":
