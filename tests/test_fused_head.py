@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from core_rl.engine_utils import fused_head as fused_head_module
 from core_rl.engine_utils import logprobs
 from core_rl.engine_utils.fused_head import check_fusable, fused_head, fused_head_stats, output_head
 from core_rl.engine_utils.packed import forward_logprobs
@@ -347,10 +348,22 @@ def test_on_a_gpu_the_fused_head_equals_the_logits_with_less_memory(autocast: bo
     assert peaks["fused"] < peaks["reference"] / 2, peaks
 
 
-def test_the_weights_gradient_over_many_chunks_is_as_precise_as_one_product() -> None:
-    """bfloat16 weights, 40 chunks: the head weight's gradient is about as close to a float64
-    computation as autograd's single bfloat16 product is (a bfloat16 running sum, rounded once a
-    chunk, drifts several times further)."""
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+        ),
+    ],
+)
+def test_the_weights_gradient_over_many_chunks_is_as_precise_as_one_product(device: str) -> None:
+    """bfloat16 weights, 40 chunks of rows, 4 blocks of the vocabulary (on CUDA the products are
+    16-bit with a float32 result, elsewhere widened): the head weight's gradient is as close to a float64
+    computation as autograd's single bfloat16 product is, in its largest and its mean error (a
+    bfloat16 running sum drifts several times further; float32 sums of products each rounded to
+    bfloat16 are 7% worse on the mean and up to 50% on the largest)."""
     g = torch.Generator().manual_seed(3)
     count, width, vocab = 640, 64, 512
     hidden = torch.randn(count, width, generator=g, dtype=torch.float64)
@@ -358,20 +371,22 @@ def test_the_weights_gradient_over_many_chunks_is_as_precise_as_one_product() ->
     targets = torch.randint(0, vocab, (count,), generator=g)
     w_lp = torch.randn(count, generator=g)
 
-    def weight_grad(fn, dtype):
-        h, w = hidden.detach().to(dtype).requires_grad_(True), weight.detach().to(dtype).requires_grad_(True)
-        lp, _ = fn(h, w, targets, 1.0, False)
-        (lp * w_lp.to(lp.dtype)).sum().backward()
-        return w.grad.double()
+    def weight_grad(fn, dtype, on=device):
+        h = hidden.detach().to(on, dtype).requires_grad_(True)
+        w = weight.detach().to(on, dtype).requires_grad_(True)
+        lp, _ = fn(h, w, targets.to(on), 1.0, False)
+        (lp * w_lp.to(on, lp.dtype)).sum().backward()
+        return w.grad.double().cpu()
 
-    exact = weight_grad(_reference, torch.float64)
+    exact = weight_grad(_reference, torch.float64, "cpu")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(logprobs, "CHUNK_ELEMENTS", vocab * 16)  # 16 rows a chunk: 40 chunks
+        patch.setattr(fused_head_module, "VOCAB_BLOCK", 128)
         fused = weight_grad(lambda h, w, y, t, e: fused_head_stats(h, w, y, t, with_entropy=e), torch.bfloat16)
     single = weight_grad(_reference, torch.bfloat16)
-    scale = exact.abs().max()
-    fused_error, single_error = (fused - exact).abs().max() / scale, (single - exact).abs().max() / scale
-    assert fused_error <= 2 * single_error, (fused_error.item(), single_error.item())
+    fused_error, single_error = (fused - exact).abs(), (single - exact).abs()
+    assert fused_error.max() <= 1.05 * single_error.max(), (fused_error.max().item(), single_error.max().item())
+    assert fused_error.mean() <= 1.01 * single_error.mean(), (fused_error.mean().item(), single_error.mean().item())
 
 
 class _Transforming(torch.nn.Module):

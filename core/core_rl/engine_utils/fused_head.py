@@ -7,7 +7,7 @@ targets ``y``, rows are taken a chunk at a time (:func:`core_rl.engine_utils.log
 :mod:`core_rl.engine_utils.logprobs` (the same float32 softmax). Backward recomputes each chunk's
 logits and, with ``dz`` the gradient with respect to them
 (:func:`~core_rl.engine_utils.logprobs.logit_gradient_`), gives ``dh_c = dz W`` and
-``dW = sum_c dz^T h_c`` (accumulated in float32). Kept for backward: ``h`` and ``W``
+``dW = sum_c dz^T h_c`` (each product and the sum in float32). Kept for backward: ``h`` and ``W``
 (which the model holds anyway) and a few values per token; the ``[N, V]`` logits and their
 gradient (``4 V`` bytes per token in bf16, 0.6 MB for a 152k vocabulary) never exist beyond one
 chunk. The cost: the head's matrix product runs once more in backward.
@@ -171,20 +171,29 @@ def _stats(
     return logprob, entropy
 
 
-#: vocabulary rows of the weight's gradient per product (bounds the temporary of a 16-bit product)
-VOCAB_BLOCK = 16384
+#: vocabulary rows of the weight's gradient per product (bounds the product's float32 temporary:
+#: ``VOCAB_BLOCK x H`` values)
+VOCAB_BLOCK = 8192
 
 
 def _accumulate_products(total: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
     """``total += dz^T h`` (``total`` float32 ``[V, H]``; ``dz`` ``[n, V]`` and ``h`` ``[n, H]`` in
     the compute dtype): in place when that is float32, else a block of :data:`VOCAB_BLOCK` rows at
-    a time (the product in the compute dtype, accumulated into float32)."""
+    a time, each product float32 before it is added: 16-bit inputs with a float32 result on CUDA
+    (cuBLAS accumulates in float32 either way), inputs widened elsewhere. A product rounded to 16
+    bits once a chunk would add one rounding a chunk, where autograd's single product has one."""
     if dz.dtype == total.dtype:
         total.addmm_(dz.T, h)
         return
+    native = dz.is_cuda and dz.dtype in (torch.float16, torch.bfloat16)
+    if not native:
+        h = h.float()
     for start in range(0, total.shape[0], VOCAB_BLOCK):
         block = slice(start, start + VOCAB_BLOCK)
-        total[block] += dz[:, block].T @ h
+        if native:
+            total[block] += torch.mm(dz[:, block].T, h, out_dtype=torch.float32)
+        else:
+            total[block].addmm_(dz[:, block].T.float(), h)
 
 
 def _no_autocast(tensor: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
