@@ -81,6 +81,26 @@ def test_gpu_budget_from_free_memory_less_the_pending_optimizer_state(model_dir,
     assert cfg.actor.micro_batch.max_tokens_per_mb == 4736
 
 
+def test_under_sequence_parallelism_the_line_says_what_a_group_splits(model_dir, monkeypatch):
+    """The budget counts one rank's slice; a group of ``n`` ranks runs ``n`` times it a micro-batch."""
+
+    @attrs.define
+    class SequenceParallelEngine(Bf16Engine):
+        sequence_parallel_size: int = 2
+
+    cfg = RunConfig(
+        actor=ActorConfig(model_path=str(model_dir), engine=PluginSpec(name="fsdp", config=SequenceParallelEngine()))
+    )
+    built = [BuiltEngine("actor", cfg.actor, _engine(), trainable=True, weight_bytes=GIB)]
+    _free(monkeypatch, 40)
+    out = io.StringIO()
+    assert resolve_auto_budgets(cfg, built, out=out)[0].value == 10496  # as on one rank (first test)
+    assert out.getvalue() == (
+        "core-rl: actor.micro_batch.max_tokens_per_mb: auto -> 10496 (cuda:0, 40.0 GiB free, 0.36B parameters; "
+        "a group of 2 ranks splits 20992 tokens)\n"
+    )
+
+
 def test_an_engine_that_says_what_its_first_step_allocates_is_taken_at_its_word(model_dir, monkeypatch):
     """An engine whose gradient buffers and master copies exist from its build (``megatron``) says
     what is still to come (``pending_state_bytes()``): that, not 3 x its build's memory."""

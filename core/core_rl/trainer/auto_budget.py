@@ -209,7 +209,10 @@ def choose(key: str, section: ActorConfig, engines: Sequence[BuiltEngine], facts
     value = tb.gpu_token_budget(least.usable, per_token)
     size = parameters_text(section.model_path, shape)
     of_ranks = f" (least of {len(facts)} ranks)" if len(facts) > 1 else ""
-    line = f"{setting}: auto -> {value} ({device}, {least.free / GIB:.1f} GiB free{of_ranks}, {size} parameters)"
+    group = int(getattr(section.engine.config, "sequence_parallel_size", 1) or 1)
+    # under sequence parallelism the budget counts one rank's share of the group's micro-batch
+    split = f"; a group of {group} ranks splits {value * group} tokens" if group > 1 else ""
+    line = f"{setting}: auto -> {value} ({device}, {least.free / GIB:.1f} GiB free{of_ranks}, {size} parameters{split})"
     source = (
         f"{tb.ACTIVATION_SHARE} x (free {least.free / GIB:.2f} GiB - gradients and optimizer state "
         f"{least.pending / GIB:.2f} GiB) / {per_token / 2**20:.2f} MiB of activations per token, a multiple of "
