@@ -134,7 +134,7 @@ def test_row_checks_prompt_and_required_columns(tmp_path):
     assert check_rows(rows, "prompt", {"answer": "reward 'exact_match'"}) == [
         f"{path}:2: no column 'prompt' (columns: question, answer); set data.prompt_key to the column holding the "
         "prompt text",
-        f"{path}:3: column 'prompt' holds a number (42), not text; prompts must be strings",
+        f"{path}:3: column 'prompt' holds a number (42); prompts are text or a list of messages",
         f"{path}:4: column 'prompt' is an empty string",
         f"{path}:5: no column 'answer' (or it is null) (also lines 6), which reward 'exact_match' reads; add it to "
         "every row, or point the reward at the column that holds it",

@@ -20,6 +20,26 @@ QWEN2_SHAPES = {
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2),
 }
 
+#: a chat template the character tokenizer can render (its alphabet holds every character):
+#: ``<s>`` then per message the role's initial, ``:``, the content and ``>`` (an assistant turn
+#: ends in ``</s>`` instead); the generation prompt is ``a:``, and ``a:==`` when the template
+#: variable ``enable_thinking`` is false (as templates with thinking turns open an empty one)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% else %}>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}a:{% if enable_thinking is defined and not enable_thinking %}=={% endif %}"
+    "{% endif %}"
+)
+
+
+def add_chat_template(path: str | Path, template: str = CHAT_TEMPLATE) -> None:
+    """Give the tokenizer saved at ``path`` the chat ``template`` (default :data:`CHAT_TEMPLATE`)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(path)
+
 
 def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
     """A ``PreTrainedTokenizerFast`` with one token per character; ids 0..3 are pad, bos, eos, unk.

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from core_rl.chat_template import CHAT_TEMPLATE_ARGUMENTS
 from core_rl.config.checks import SectionContext, config_problems
-from core_rl.config.schema import RunConfig, SchedulerConfig
+from core_rl.config.schema import DataConfig, RunConfig, SchedulerConfig
 from core_rl.config.sections import selected_sections
 from core_rl.config.validators import MAX_COUNT, FieldValueError
 from core_rl.kinds import LOOP, ROLLOUT_ENGINE
@@ -177,6 +178,7 @@ def cross_section_problems(cfg: RunConfig) -> list[str]:
             f"got {shaping.overlong_tokens}"
         )
     problems.extend(schedule_problems(cfg))
+    problems.extend(chat_template_problems(cfg.data))
     late = [s for s in cfg.trainer.profile.steps if s > cfg.trainer.total_steps]
     if late:
         problems.append(
@@ -187,6 +189,23 @@ def cross_section_problems(cfg: RunConfig) -> list[str]:
         problems.append(
             f"algorithm.ppo_n_minibatches: must be <= the samples of a step, data.batch_size x rollout.sampling.n "
             f"= {samples}, got {cfg.algorithm.ppo_n_minibatches}"
+        )
+    return problems
+
+
+def chat_template_problems(data: DataConfig) -> list[str]:
+    """``data.system_prompt`` and ``data.chat_template_kwargs`` need the chat template, and the
+    variables must not be the tokenizer's own arguments (:data:`CHAT_TEMPLATE_ARGUMENTS`)."""
+    problems = []
+    if not data.apply_chat_template:
+        for key in ("system_prompt", "chat_template_kwargs"):
+            if getattr(data, key):
+                problems.append(f"data.{key}: applies only with the chat template; set data.apply_chat_template: true")
+    taken = sorted(set(data.chat_template_kwargs) & CHAT_TEMPLATE_ARGUMENTS)
+    if taken:
+        problems.append(
+            f"data.chat_template_kwargs: {', '.join(taken)} {'is an argument' if len(taken) == 1 else 'are arguments'} "
+            "core-rl sets itself, not a template variable; remove it"
         )
     return problems
 

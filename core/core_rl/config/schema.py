@@ -8,7 +8,7 @@ shares (optimiser, schedule, micro-batches, LoRA) live in :mod:`core_rl.config.m
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
@@ -66,8 +66,16 @@ class ExperimentConfig:
 
 @attrs.define
 class DataConfig:
-    """Training prompts: JSON/JSONL/Parquet files whose rows hold ``prompt_key`` (text) plus any
-    columns rewards read (e.g. ``answer``). ``batch_size`` prompts are drawn per step."""
+    """Training prompts: JSON/JSONL/Parquet files whose rows hold ``prompt_key`` plus any columns
+    rewards read (e.g. ``answer``). ``batch_size`` prompts are drawn per step.
+
+    The prompt column holds text, or a conversation: a list of ``{"role": ..., "content": ...}``
+    messages (system, user, earlier assistant turns), which needs ``apply_chat_template``.
+    ``apply_chat_template``: render each prompt with the tokenizer's chat template (text becomes
+    one user turn), ending with the template's generation prompt. ``system_prompt``: a system
+    message put first in every prompt that has none (``""`` is an empty one, which keeps a template
+    from adding its own default). ``chat_template_kwargs``: variables the
+    template reads (e.g. ``enable_thinking: false`` for a template that has thinking turns)."""
 
     train_files: list[str] = attrs.field(factory=list, validator=each(not_empty()))
     prompt_key: str = attrs.field(default="prompt", validator=not_empty())
@@ -75,6 +83,8 @@ class DataConfig:
     shuffle: bool = True
     max_prompt_tokens: int = attrs.field(default=1024, validator=in_range(1, MAX_TOKENS))
     apply_chat_template: bool = False
+    system_prompt: str | None = None
+    chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)
 
 
 @attrs.define

@@ -5,12 +5,14 @@ with a resumable position.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
+from core_rl.chat_template import conversation_problem, prompt_messages, render_prompt
 from core_rl.config.schema import DataConfig, RunConfig
 from core_rl.errors import DataError
 from core_rl.trainer.data_files import MAX_PROBLEMS_PER_FILE, DataRow, Problems, kind_of, read_data_files
@@ -26,11 +28,17 @@ class PromptItem:
 
 
 def check_rows(
-    rows: Sequence[DataRow], prompt_key: str, required: Mapping[str, str], *, key_path: str = "data.prompt_key"
+    rows: Sequence[DataRow],
+    prompt_key: str,
+    required: Mapping[str, str],
+    *,
+    key_path: str = "data.prompt_key",
+    chat_template: bool = False,
 ) -> list[str]:
-    """Problems with the columns of ``rows``: the prompt column (present, a non-empty string; set
-    by the config key ``key_path``) and each column of ``required`` (present and not null; the
-    value names who reads it, e.g. ``"reward 'char_match'"``)."""
+    """Problems with the columns of ``rows``: the prompt column (present, a non-empty string, or a
+    conversation (:mod:`core_rl.chat_template`) where ``chat_template`` renders it; set by the
+    config key ``key_path``) and each column of ``required`` (present and not null; the value
+    names who reads it, e.g. ``"reward 'char_match'"``)."""
     problems = Problems()
     lacking: dict[tuple[str, str], list[DataRow]] = {}
     for r in rows:
@@ -42,9 +50,20 @@ def check_rows(
                 f"{r.where}: no column {prompt_key!r} (columns: {columns}); set {key_path} to the column "
                 "holding the prompt text",
             )
+        elif isinstance(prompt, (list, tuple)):
+            why = conversation_problem(prompt)
+            if why is not None:
+                problems.add(r.file, f"{r.where}: column {prompt_key!r}: {why}")
+            elif not chat_template:
+                problems.add(
+                    r.file,
+                    f"{r.where}: column {prompt_key!r} holds a conversation (a list of messages), which only the "
+                    "chat template can render; set data.apply_chat_template: true",
+                )
         elif not isinstance(prompt, str):
             problems.add(
-                r.file, f"{r.where}: column {prompt_key!r} holds {kind_of(prompt)}, not text; prompts must be strings"
+                r.file,
+                f"{r.where}: column {prompt_key!r} holds {kind_of(prompt)}; prompts are text or a list of messages",
             )
         elif not prompt:
             problems.add(r.file, f"{r.where}: column {prompt_key!r} is an empty string")
@@ -66,15 +85,25 @@ def check_rows(
     return problems.result()
 
 
-def encode_prompt(text: str, config: DataConfig, tokenizer: Any) -> list[int]:
-    """Token ids of a prompt: the user turn of the chat template (``data.apply_chat_template``)
-    or the text with the tokenizer's special tokens."""
-    if config.apply_chat_template:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
-        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+def encode_prompt(
+    prompt: str | Sequence[Mapping[str, Any]], config: DataConfig, tokenizer: Any
+) -> tuple[list[int], str]:
+    """Token ids and text of a prompt: rendered by the chat template (``data.apply_chat_template``;
+    text as the user turn, a conversation as it is, ``data.system_prompt`` first, the template
+    variables ``data.chat_template_kwargs``), or text with the tokenizer's special tokens. The
+    text of a conversation is its rendering; of text, the text itself."""
+    if not config.apply_chat_template:
+        assert isinstance(prompt, str), "a conversation needs the chat template (check_rows says so)"
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"]), prompt
+    messages = prompt_messages(prompt, config.system_prompt)
+    ids, rendered = render_prompt(tokenizer, messages, config.chat_template_kwargs)
+    return ids, prompt if isinstance(prompt, str) else rendered
+
+
+def is_prompt(value: Any) -> bool:
+    """Whether a prompt cell holds what :func:`encode_prompt` takes (text, or a conversation;
+    :func:`check_rows` reports the rest)."""
+    return isinstance(value, str) or (isinstance(value, (list, tuple)) and conversation_problem(value) is None)
 
 
 def _prompt_problem(where: str, ids: list[int], config: DataConfig, vocab_size: int | None) -> str | None:
@@ -98,14 +127,14 @@ def tokenise_rows(
 ) -> tuple[list[PromptItem], list[str]]:
     """Tokenise the prompt of every row; return the items and the problems (prompts that
     tokenise to nothing, exceed ``data.max_prompt_tokens``, or hold ids outside ``vocab_size``).
-    Rows whose prompt is not a string are skipped (:func:`check_rows` reports them)."""
+    Rows whose prompt is neither text nor a conversation are skipped (:func:`check_rows` reports them)."""
     items, problems = [], Problems()
     for r in rows:
-        text = r.row.get(config.prompt_key)
-        if not isinstance(text, str):
+        prompt = r.row.get(config.prompt_key)
+        if not is_prompt(prompt) or (not isinstance(prompt, str) and not config.apply_chat_template):
             continue
         try:
-            ids = encode_prompt(text, config, tokenizer)
+            ids, text = encode_prompt(prompt, config, tokenizer)
         except Exception as exc:  # the tokenizer or its chat template refusing this text
             problems.add(r.file, f"{r.where}: the tokenizer cannot encode the prompt: {type(exc).__name__}: {exc}")
             continue
@@ -119,12 +148,14 @@ def tokenise_rows(
 
 def tokenisation_key(config: DataConfig, tokenizer: Any) -> tuple[Any, ...] | None:
     """What decides the prompt items :func:`tokenise_rows` makes of the same rows: the prompt
-    column, the chat-template setting, the length bound and the tokenizer's source (``None``, so
+    column, the chat-template settings, the length bound and the tokenizer's source (``None``, so
     nothing is reused, for a tokenizer that does not say where it came from)."""
     source = getattr(tokenizer, "name_or_path", None)
     if not source:
         return None
-    return (config.prompt_key, config.apply_chat_template, config.max_prompt_tokens, str(source))
+    variables = json.dumps(config.chat_template_kwargs, sort_keys=True, default=str)
+    chat = (config.apply_chat_template, config.system_prompt, variables)
+    return (config.prompt_key, *chat, config.max_prompt_tokens, str(source))
 
 
 class TokenisedRows(list):  # list[DataRow]
@@ -163,7 +194,9 @@ def check_eval_data(cfg: RunConfig, required: Mapping[str, str]) -> tuple[list[D
     if cfg.eval.group_by is not None:
         columns[cfg.eval.group_by] = "eval.group_by"
     key_path = "eval.prompt_key" if cfg.eval.prompt_key else "data.prompt_key (or eval.prompt_key)"
-    problems += check_rows(rows, eval_data_config(cfg).prompt_key, columns, key_path=key_path)
+    problems += check_rows(
+        rows, eval_data_config(cfg).prompt_key, columns, key_path=key_path, chat_template=cfg.data.apply_chat_template
+    )
     if not rows and not problems:
         problems.append("eval.files: the files hold no rows")
     return rows, problems
@@ -186,7 +219,7 @@ class PromptSource:
         problems: list[str] = []
         if rows is None:
             rows, problems = read_data_files(config.train_files)
-            problems += check_rows(rows, config.prompt_key, {})
+            problems += check_rows(rows, config.prompt_key, {}, chat_template=config.apply_chat_template)
         if not problems and not rows:
             problems.append(f"data.train_files: {list(config.train_files)} hold no rows")
         if not problems and isinstance(rows, TokenisedRows) and rows.key == tokenisation_key(config, tokenizer):

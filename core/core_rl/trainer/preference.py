@@ -63,7 +63,9 @@ class PairwiseLoop(SupervisedLoop):
         training data's (``data.prompt_key``, ``data.apply_chat_template``); a
         :class:`~core_rl.errors.DataError` naming the config key ``key`` on a problem."""
         rows, problems = read_data_files(files)
-        problems = problems or check_rows(rows, self.cfg.data.prompt_key, {})
+        problems = problems or check_rows(
+            rows, self.cfg.data.prompt_key, {}, chat_template=self.cfg.data.apply_chat_template
+        )
         items: list[PromptItem] = []
         if not problems:
             items, problems = tokenise_rows(rows, self.cfg.data, self.tokenizer)

@@ -82,3 +82,48 @@ def test_loss_falls_and_a_signal_stop_resumes_exactly(setup):
     a, b = weights(runs / "straight"), weights(run)
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     assert [r["sft/loss"] for r in read_metrics(run / "metrics.jsonl")] == [r["sft/loss"] for r in rows]
+
+
+def _conversation(s: str) -> list[dict[str, str]]:
+    """Two exchanges: the reply to ``s`` is ``s`` reversed, then ``=`` is answered with ``a``."""
+    return [
+        {"role": "user", "content": s},
+        {"role": "assistant", "content": s[::-1]},
+        {"role": "user", "content": "="},
+        {"role": "assistant", "content": "a"},
+    ]
+
+
+def test_conversations_train_on_the_assistant_turns_alone(setup, tmp_path):
+    """``trainer.loop.conversations``: the loss reads each assistant turn and its end of turn
+    (2 + 1 and 1 + 1 tokens a row here, never the role headers or the user turns), the loss falls,
+    and a row without an assistant turn stops the run before its first step, naming the row."""
+    from core_rl.tiny import add_chat_template
+
+    model = build_tiny_model(tmp_path / "model", alphabet="abcd=su:>", seed=0)
+    add_chat_template(model)
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(json.dumps({"messages": _conversation(s)}) + "\n" for s in STRINGS if len(s) == 2))
+    config = yaml.safe_load(setup["config"].read_text())
+    config["experiment"] = {"name": "conversations", "output_dir": str(tmp_path / "runs"), "seed": 2}
+    config["data"] = {
+        "train_files": [str(data)],
+        "batch_size": 8,
+        "prompt_key": "messages",
+        "apply_chat_template": True,
+    }
+    config["actor"]["model_path"] = str(model)
+    config["trainer"] = {"total_steps": 10, "torch_threads": 1, "loop": {"name": "sft", "conversations": True}}
+    config["saver"] = {"every_n_steps": 0, "at_end": False}
+    path = tmp_path / "conversations.yaml"
+    path.write_text(yaml.safe_dump(config))
+    train(path)
+    rows = read_metrics(tmp_path / "runs" / "conversations" / "metrics.jsonl")
+    assert [r["sft/target_tokens"] for r in rows] == [8 * (3 + 2)] * 10
+    assert rows[-1]["sft/loss"] < 0.6 * rows[0]["sft/loss"]
+    # the config check, then a row the loop cannot train on
+    proc = train(path, "data.apply_chat_template=false", expect=2)
+    assert "trainer.loop.conversations: true renders each conversation with the chat template" in proc.stderr
+    data.write_text(data.read_text() + json.dumps({"messages": [{"role": "user", "content": "ab"}]}) + "\n")
+    proc = train(path, "experiment.name=bad", expect=2)
+    assert "column 'messages': the conversation has no assistant message to train on" in proc.stderr, proc.stderr
