@@ -2,11 +2,12 @@
 loaded, so that a bad file or a missing GPU fails in seconds with every problem listed at once
 (:class:`~core_rl.errors.PreflightError`), not minutes into a run with a traceback.
 
-- **Data** (:mod:`core_rl.trainer.data`): every file of ``data.train_files`` (and ``eval.files``) is read and every row
-  checked: valid UTF-8 JSON Lines / JSON / Parquet, the prompt column holds text, each column the
-  reward declares (``required_columns()`` on its config class) is present and not null, and each
-  prompt tokenises to at most ``data.max_prompt_tokens`` ids inside the model's vocabulary.
-  Problems name the file and its 1-based line (``train.jsonl:7``) or Parquet row.
+- **Data** (:mod:`core_rl.trainer.data`): every entry of ``data.train_files`` (and ``eval.files``) is read and
+  every row checked: valid UTF-8 JSON Lines / JSON / Parquet, saved or ``hf:`` datasets that load,
+  the prompt column holds text, each column the reward declares (``required_columns()`` on its
+  config class) is present and not null, and each prompt tokenises to at most
+  ``data.max_prompt_tokens`` ids inside the model's vocabulary. Problems name the file and its 1-based line
+  (``train.jsonl:7``) or row (Parquet, datasets).
 - **Model and tokenizer** (``actor.model_path``, ``actor.tokenizer_path``): local directories
   holding what transformers needs: a readable ``config.json`` of a known model type, complete
   weights (safetensors headers are parsed and their sizes checked against the file, without

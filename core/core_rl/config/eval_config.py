@@ -31,9 +31,10 @@ class EvalSamplingConfig:
 
 @attrs.define
 class EvalConfig:
-    """Evaluation: every prompt of ``files`` (JSON/JSONL/Parquet rows, like ``data.train_files``;
-    the first ``max_prompts`` of them when that is above 0) answered by the current policy through
-    the run's rollout engine and workflow, scored by the run's ``reward``, without training on them.
+    """Evaluation: every prompt of ``files`` (files, saved datasets or ``hf:`` datasets, like
+    ``data.train_files``; the first ``max_prompts`` of them when that is above 0) answered by the
+    current policy through the run's rollout engine and workflow, scored by the run's ``reward``,
+    without training on them.
 
     When: every ``every_n_steps`` steps (0: not on a schedule), ``before_train`` (the starting
     policy, before step 1 of a fresh run; logged at step 0) and ``at_end`` (after the last step,

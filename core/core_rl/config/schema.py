@@ -66,8 +66,13 @@ class ExperimentConfig:
 
 @attrs.define
 class DataConfig:
-    """Training prompts: JSON/JSONL/Parquet files whose rows hold ``prompt_key`` (text) plus any
-    columns rewards read (e.g. ``answer``). ``batch_size`` prompts are drawn per step."""
+    """Training prompts: rows that hold ``prompt_key`` (text) plus any columns rewards read (e.g.
+    ``answer``). ``batch_size`` prompts are drawn per step.
+
+    ``train_files`` entries: JSON/JSONL/Parquet files, directories written by ``datasets``'
+    ``save_to_disk`` (``dir``, or ``dir@split`` for a ``DatasetDict``; default split ``train``) and
+    Hugging Face hub datasets ``hf:<repo_id>[:<config_name>][@<split>]`` (from the local cache where
+    they are there; :mod:`core_rl.trainer.data_files`)."""
 
     train_files: list[str] = attrs.field(factory=list, validator=each(not_empty()))
     prompt_key: str = attrs.field(default="prompt", validator=not_empty())
