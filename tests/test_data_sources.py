@@ -1,7 +1,7 @@
 """Data sources beyond local files, on real datasets on disk: directories written by ``datasets``'
 ``save_to_disk`` (``dir``, ``dir@split``), ``hf:`` entries read by ``datasets.load_dataset`` (a
 local directory of data files stands in for a hub id: the same code path), every mistake one
-problem line naming the entry."""
+problem line naming the entry; and ``data.filter_overlong_prompts``."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ import datasets
 import huggingface_hub.constants
 import pytest
 import yaml
-from core_rl.tiny import build_tiny_model
-from core_rl.trainer.data import check_rows
+from core_rl.config.schema import DataConfig
+from core_rl.errors import DataError
+from core_rl.tiny import build_char_tokenizer, build_tiny_model
+from core_rl.trainer import data as data_module
+from core_rl.trainer.data import PromptSource, check_rows, tokenisation_key, tokenise_rows
 from core_rl.trainer.data_files import parse_hub_entry, read_data_files
 
 ROWS = [  # every column in every row (from_list takes the first row's): null stands for absent
@@ -31,6 +34,7 @@ def _own_datasets_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(data_module, "_ANNOUNCED", set())
 
 
 def _saved(path: Path, rows: list[dict] = ROWS) -> str:
@@ -194,6 +198,70 @@ def test_mixed_entries_keep_their_order(tmp_path):
     ]
 
 
+# -- data.filter_overlong_prompts --------------------------------------------------------------
+
+DROPPED = (
+    "core-rl: data: dropped {} of {} prompts{} longer than data.max_prompt_tokens=4 (data.filter_overlong_prompts)"
+)
+
+
+def _prompts(path: Path, prompts: list[str]) -> str:
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return str(path)
+
+
+def test_filter_overlong_prompts_drops_exactly_the_long_ones(tmp_path, capsys, monkeypatch):
+    tokenizer = build_char_tokenizer()  # one token per character after <s>: "abc" is 4 tokens
+    files = [_prompts(tmp_path / "p.jsonl", ["abc", "abcd", "a", "abcdefg", "ab"])]
+    config = DataConfig(train_files=files, max_prompt_tokens=4, batch_size=1)
+    with pytest.raises(DataError, match=r"p.jsonl:2: the prompt has 5 tokens, more than data.max_prompt_tokens=4"):
+        PromptSource(config, tokenizer, seed=0)  # off by default: too long is an error
+    filtering = DataConfig(train_files=files, max_prompt_tokens=4, batch_size=1, filter_overlong_prompts=True)
+    source = PromptSource(filtering, tokenizer, seed=0)
+    assert sorted(item.text for item in source.items) == ["a", "ab", "abc"]
+    assert capsys.readouterr().err == DROPPED.format(2, 5, "") + "\n"
+    PromptSource(filtering, tokenizer, seed=0)  # the same line is said once per process
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(data_module, "_ANNOUNCED", set())
+    monkeypatch.setenv("RANK", "1")  # only rank 0 of a torchrun job speaks
+    assert len(PromptSource(filtering, tokenizer, seed=0).items) == 3
+    assert capsys.readouterr().err == ""
+
+
+def test_the_tokenised_items_preflight_hands_over_depend_on_the_filter():
+    class Named:
+        name_or_path = "tokenizer-dir"
+
+    plain = DataConfig(max_prompt_tokens=4)
+    assert tokenisation_key(plain, Named()) != tokenisation_key(
+        DataConfig(max_prompt_tokens=4, filter_overlong_prompts=True), Named()
+    )
+
+
+def test_filter_overlong_prompts_keeps_other_problems_and_refuses_all_dropped(tmp_path, capsys):
+    tokenizer = build_char_tokenizer()
+    outside = max(tokenizer("ab")["input_ids"])  # a vocabulary that lacks "b"
+    rows, _ = read_data_files([_prompts(tmp_path / "p.jsonl", ["abcd", "ab", "abcdef"])], "eval.files")
+    config = DataConfig(max_prompt_tokens=4, filter_overlong_prompts=True)
+    items, problems = tokenise_rows(rows, config, tokenizer, vocab_size=outside, files_key="eval.files")
+    assert items == []
+    assert problems == [
+        f"{tmp_path / 'p.jsonl'}:2: the prompt has token id {outside}, outside the model's vocabulary (vocab_size "
+        f"{outside}); the tokenizer does not match the model",
+        "data.filter_overlong_prompts: all 2 prompts of eval.files are longer than data.max_prompt_tokens=4 tokens "
+        "(the shortest has 5); raise data.max_prompt_tokens",
+    ]
+    assert capsys.readouterr().err == ""  # refused, not announced
+    items, problems = tokenise_rows(rows, config, tokenizer, files_key="eval.files")
+    assert problems == [] and [i.text for i in items] == ["ab"]
+    assert capsys.readouterr().err == DROPPED.format(2, 3, " of eval.files") + "\n"
+    items, problems = tokenise_rows(rows[:1] + rows[2:], config, tokenizer)
+    assert items == [] and problems == [
+        "data.filter_overlong_prompts: all 2 prompts of data.train_files are longer than data.max_prompt_tokens=4 "
+        "tokens (the shortest has 5); raise data.max_prompt_tokens"
+    ]
+
+
 # -- end to end: core-rl config validate --preflight --------------------------------------------
 
 
@@ -239,3 +307,26 @@ def test_config_validate_preflight_reads_a_saved_dataset(tmp_path, tiny_model, c
         f"name one as {saved}@SPLIT"
     ) in err
     assert "Traceback" not in err
+
+
+def test_config_validate_preflight_filters_train_and_eval_prompts(tmp_path, tiny_model, capsys):
+    _plugins()
+    from core_rl import cli
+
+    rows = [{"prompt": "ab=", "answer": "ba"}, {"prompt": "cab=", "answer": "bac"}, {"prompt": "a=", "answer": "a"}]
+    saved = _saved(tmp_path / "saved", rows)  # "cab=" is 5 tokens with <s>, the others 4 and 3
+    path = _run_yaml(tmp_path, tiny_model, [saved], eval={"files": [saved]})
+    too_long = ["data.max_prompt_tokens=4"]
+    assert cli.main(["config", "validate", "--preflight", path, *too_long]) == 2
+    assert f"{saved} row 2: the prompt has 5 tokens, more than data.max_prompt_tokens=4" in capsys.readouterr().err
+    filtering = [*too_long, "data.filter_overlong_prompts=true"]
+    assert cli.main(["config", "validate", "--preflight", path, *filtering]) == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert DROPPED.format(1, 3, "") in err and DROPPED.format(1, 3, " of eval.files") in err
+    assert cli.main(["config", "validate", "--preflight", path, *filtering, "data.max_prompt_tokens=2"]) == 2
+    err = capsys.readouterr().err
+    for files in ("data.train_files", "eval.files"):
+        assert (
+            f"data.filter_overlong_prompts: all 3 prompts of {files} are longer than data.max_prompt_tokens=2 tokens "
+            "(the shortest has 3); raise data.max_prompt_tokens"
+        ) in err

@@ -43,7 +43,7 @@ class EvalConfig:
     ``<run>/eval/step_<N>.jsonl``.
 
     ``prompt_key``: the prompt column (null: ``data.prompt_key``); the data section's
-    ``max_prompt_tokens`` and ``apply_chat_template`` apply. ``batch_size``: prompts per
+    ``max_prompt_tokens``, ``apply_chat_template`` and ``filter_overlong_prompts`` apply. ``batch_size``: prompts per
     generation batch (0: ``data.batch_size``). ``pass_reward``: a sample with at least this reward
     counts as correct (pass@k). ``group_by``: a column (e.g. ``data_source``) whose values get
     metrics of their own (``eval/<column>=<value>/...``). ``sampling``: :class:`EvalSamplingConfig`.

@@ -72,7 +72,11 @@ class DataConfig:
     ``train_files`` entries: JSON/JSONL/Parquet files, directories written by ``datasets``'
     ``save_to_disk`` (``dir``, or ``dir@split`` for a ``DatasetDict``; default split ``train``) and
     Hugging Face hub datasets ``hf:<repo_id>[:<config_name>][@<split>]`` (from the local cache where
-    they are there; :mod:`core_rl.trainer.data_files`)."""
+    they are there; :mod:`core_rl.trainer.data_files`).
+
+    ``filter_overlong_prompts``: drop prompts longer than ``max_prompt_tokens`` tokens (one line on
+    stderr says how many) instead of refusing the run; all of them too long is still an error. It
+    applies to ``eval.files`` too."""
 
     train_files: list[str] = attrs.field(factory=list, validator=each(not_empty()))
     prompt_key: str = attrs.field(default="prompt", validator=not_empty())
@@ -80,6 +84,7 @@ class DataConfig:
     shuffle: bool = True
     max_prompt_tokens: int = attrs.field(default=1024, validator=in_range(1, MAX_TOKENS))
     apply_chat_template: bool = False
+    filter_overlong_prompts: bool = False
 
 
 @attrs.define
