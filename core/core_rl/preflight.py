@@ -2,11 +2,13 @@
 loaded, so that a bad file or a missing GPU fails in seconds with every problem listed at once
 (:class:`~core_rl.errors.PreflightError`), not minutes into a run with a traceback.
 
-- **Data** (:mod:`core_rl.trainer.data`): every file of ``data.train_files`` (and ``eval.files``) is read and every row
-  checked: valid UTF-8 JSON Lines / JSON / Parquet, the prompt column holds text, each column the
-  reward declares (``required_columns()`` on its config class) is present and not null, and each
-  prompt tokenises to at most ``data.max_prompt_tokens`` ids inside the model's vocabulary.
-  Problems name the file and its 1-based line (``train.jsonl:7``) or Parquet row.
+- **Data** (:mod:`core_rl.trainer.data`): every entry of ``data.train_files`` (and ``eval.files``) is read and
+  every row checked: valid UTF-8 JSON Lines / JSON / Parquet, saved or ``hf:`` datasets that load,
+  the prompt column holds text, each column the reward declares (``required_columns()`` on its
+  config class) is present and not null, and each prompt tokenises to at most
+  ``data.max_prompt_tokens`` ids inside the model's vocabulary (or is dropped, with
+  ``data.filter_overlong_prompts``). Problems name the file and its 1-based line
+  (``train.jsonl:7``) or row (Parquet, datasets).
 - **Model and tokenizer** (``actor.model_path``, ``actor.tokenizer_path``): local directories
   holding what transformers needs: a readable ``config.json`` of a known model type, complete
   weights (safetensors headers are parsed and their sizes checked against the file, without
@@ -319,7 +321,7 @@ def eval_data_problems(cfg: RunConfig, tokenizer: Any, model: ModelInfo | None) 
     if problems or tokenizer is None:
         return problems
     vocab = model.vocab_size if model is not None else None
-    items, problems = tokenise_rows(rows, eval_data_config(cfg), tokenizer, vocab_size=vocab)
+    items, problems = tokenise_rows(rows, eval_data_config(cfg), tokenizer, vocab_size=vocab, files_key="eval.files")
     context = model.context_length if model is not None else None
     assert cfg.eval is not None
     budget = cfg.eval.sampling.resolve(cfg.rollout.sampling).max_new_tokens

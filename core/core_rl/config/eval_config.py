@@ -31,9 +31,10 @@ class EvalSamplingConfig:
 
 @attrs.define
 class EvalConfig:
-    """Evaluation: every prompt of ``files`` (JSON/JSONL/Parquet rows, like ``data.train_files``;
-    the first ``max_prompts`` of them when that is above 0) answered by the current policy through
-    the run's rollout engine and workflow, scored by the run's ``reward``, without training on them.
+    """Evaluation: every prompt of ``files`` (files, saved datasets or ``hf:`` datasets, like
+    ``data.train_files``; the first ``max_prompts`` of them when that is above 0) answered by the
+    current policy through the run's rollout engine and workflow, scored by the run's ``reward``,
+    without training on them.
 
     When: every ``every_n_steps`` steps (0: not on a schedule), ``before_train`` (the starting
     policy, before step 1 of a fresh run; logged at step 0) and ``at_end`` (after the last step,
@@ -42,7 +43,7 @@ class EvalConfig:
     ``<run>/eval/step_<N>.jsonl``.
 
     ``prompt_key``: the prompt column (null: ``data.prompt_key``); the data section's
-    ``max_prompt_tokens`` and ``apply_chat_template`` apply. ``batch_size``: prompts per
+    ``max_prompt_tokens``, ``apply_chat_template`` and ``filter_overlong_prompts`` apply. ``batch_size``: prompts per
     generation batch (0: ``data.batch_size``). ``pass_reward``: a sample with at least this reward
     counts as correct (pass@k). ``group_by``: a column (e.g. ``data_source``) whose values get
     metrics of their own (``eval/<column>=<value>/...``). ``sampling``: :class:`EvalSamplingConfig`.

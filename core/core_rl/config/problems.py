@@ -73,9 +73,14 @@ def completeness_problems(cfg: RunConfig, host: PluginHost | None = None) -> lis
     if uses_rl_sections(cfg, host):
         problems.extend(_rl_completeness_problems(cfg))
     if not cfg.data.train_files:
-        problems.append("data.train_files: required; a list of JSON/JSONL/Parquet files of prompts")
+        problems.append(
+            "data.train_files: required; a list of JSON/JSONL/Parquet files, saved datasets or hf: datasets of prompts"
+        )
     if cfg.eval is not None and not cfg.eval.files:
-        problems.append("eval.files: required with an eval: section; a list of JSON/JSONL/Parquet files of prompts")
+        problems.append(
+            "eval.files: required with an eval: section; a list of JSON/JSONL/Parquet files, saved datasets or hf: "
+            "datasets of prompts"
+        )
     return problems
 
 

@@ -6,7 +6,9 @@ with a resumable position.
 from __future__ import annotations
 
 import json
+import os
 import random
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -122,40 +124,79 @@ def _prompt_problem(where: str, ids: list[int], config: DataConfig, vocab_size: 
     return None
 
 
+#: the lines :func:`_announce_dropped` printed in this process (each once, however often tokenised)
+_ANNOUNCED: set[str] = set()
+
+
+def _announce_dropped(dropped: int, total: int, config: DataConfig, files_key: str) -> None:
+    """One line on stderr (rank 0 of a ``torchrun`` job) saying how many prompts
+    ``data.filter_overlong_prompts`` dropped."""
+    of = "" if files_key == "data.train_files" else f" of {files_key}"
+    line = (
+        f"core-rl: data: dropped {dropped} of {total} prompts{of} longer than "
+        f"data.max_prompt_tokens={config.max_prompt_tokens} (data.filter_overlong_prompts)"
+    )
+    if line not in _ANNOUNCED and os.environ.get("RANK", "0") == "0":
+        _ANNOUNCED.add(line)
+        print(line, file=sys.stderr, flush=True)
+
+
 def tokenise_rows(
-    rows: Sequence[DataRow], config: DataConfig, tokenizer: Any, *, vocab_size: int | None = None
+    rows: Sequence[DataRow],
+    config: DataConfig,
+    tokenizer: Any,
+    *,
+    vocab_size: int | None = None,
+    files_key: str = "data.train_files",
 ) -> tuple[list[PromptItem], list[str]]:
     """Tokenise the prompt of every row; return the items and the problems (prompts that
     tokenise to nothing, exceed ``data.max_prompt_tokens``, or hold ids outside ``vocab_size``).
-    Rows whose prompt is neither text nor a conversation are skipped (:func:`check_rows` reports them)."""
+    Rows whose prompt is neither text nor a conversation are skipped (:func:`check_rows` reports
+    them). With ``data.filter_overlong_prompts`` a prompt over ``data.max_prompt_tokens`` is dropped
+    instead, and the number dropped printed once; all of the rows of ``files_key`` dropped is a problem."""
     items, problems = [], Problems()
+    total, dropped = 0, []
     for r in rows:
         prompt = r.row.get(config.prompt_key)
         if not is_prompt(prompt) or (not isinstance(prompt, str) and not config.apply_chat_template):
             continue
+        total += 1
         try:
             ids, text = encode_prompt(prompt, config, tokenizer)
         except Exception as exc:  # the tokenizer or its chat template refusing this text
             problems.add(r.file, f"{r.where}: the tokenizer cannot encode the prompt: {type(exc).__name__}: {exc}")
+            continue
+        if config.filter_overlong_prompts and len(ids) > config.max_prompt_tokens:
+            dropped.append(len(ids))
             continue
         problem = _prompt_problem(r.where, ids, config, vocab_size)
         if problem is not None:
             problems.add(r.file, problem)
             continue
         items.append(PromptItem(row=r.row, text=text, prompt_ids=ids))
+    if dropped and not items:
+        return items, [
+            *problems.result(),
+            f"data.filter_overlong_prompts: all {len(dropped)} prompts of {files_key} are longer than "
+            f"data.max_prompt_tokens={config.max_prompt_tokens} tokens (the shortest has {min(dropped)}); "
+            "raise data.max_prompt_tokens",
+        ]
+    if dropped:
+        _announce_dropped(len(dropped), total, config, files_key)
     return items, problems.result()
 
 
 def tokenisation_key(config: DataConfig, tokenizer: Any) -> tuple[Any, ...] | None:
     """What decides the prompt items :func:`tokenise_rows` makes of the same rows: the prompt
-    column, the chat-template settings, the length bound and the tokenizer's source (``None``, so
-    nothing is reused, for a tokenizer that does not say where it came from)."""
+    column, the chat-template settings, the length bound (and whether it filters) and the
+    tokenizer's source (``None``, so nothing is reused, for a tokenizer that does not say where it
+    came from)."""
     source = getattr(tokenizer, "name_or_path", None)
     if not source:
         return None
     variables = json.dumps(config.chat_template_kwargs, sort_keys=True, default=str)
     chat = (config.apply_chat_template, config.system_prompt, variables)
-    return (config.prompt_key, *chat, config.max_prompt_tokens, str(source))
+    return (config.prompt_key, *chat, config.max_prompt_tokens, config.filter_overlong_prompts, str(source))
 
 
 class TokenisedRows(list):  # list[DataRow]

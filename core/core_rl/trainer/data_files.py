@@ -1,14 +1,27 @@
-"""Data files: rows read from JSON Lines, JSON or Parquet files with their 1-based position, and
-every problem found naming the file and the line or row.
+"""Data files: rows read from JSON Lines, JSON or Parquet files, or from Hugging Face datasets, with
+their 1-based position, and every problem found naming the file (or dataset) and the line or row.
 
-Formats, by extension:
+An entry of ``data.train_files`` / ``eval.files`` is one of:
 
-- ``.jsonl``: JSON Lines, one object per line (blank lines are skipped);
-- ``.json``: JSON Lines too, or one array of objects (when the file starts with ``[``);
-- ``.parquet``: one row per Parquet row (null cells count as absent).
+- a ``.jsonl`` file: JSON Lines, one object per line (blank lines are skipped);
+- a ``.json`` file: JSON Lines too, or one array of objects (when the file starts with ``[``);
+- a ``.parquet`` file: one row per Parquet row (null cells count as absent);
+- a directory written by ``datasets``' ``Dataset.save_to_disk`` (it holds ``state.json`` and
+  ``dataset_info.json``) or ``DatasetDict.save_to_disk`` (``dataset_dict.json``; the split is
+  named by an ``@split`` suffix, ``path/to/dir@test``, default ``train``), read with
+  ``datasets.load_from_disk``;
+- ``hf:<repo_id>[:<config_name>][@<split>]``: a Hugging Face hub dataset (split ``train`` by
+  default), e.g. ``hf:openai/gsm8k:main@train``, read with
+  ``datasets.load_dataset(repo_id, config_name, split=split)``: from the local Hugging Face cache
+  where it is there (``HF_HUB_OFFLINE=1`` reads only the cache), else downloaded into it. The repo
+  id may also be a local directory of data files, as ``load_dataset`` accepts.
+
+Rows of a dataset are plain dicts (Arrow values as Python ones, null cells absent, as in Parquet).
+``datasets`` is imported only when an entry is a dataset.
 
 Files must be UTF-8 (a UTF-8 byte-order mark is accepted). Every problem names the file and the
-1-based line (``train.jsonl:7``) or Parquet row (``train.parquet row 7``).
+1-based line (``train.jsonl:7``) or row (``train.parquet row 7``, ``hf:openai/gsm8k:main@train row 7``,
+``data/saved@test row 7``).
 """
 
 from __future__ import annotations
@@ -24,15 +37,22 @@ from typing import Any
 import attrs
 
 FORMATS = {".json": "json", ".jsonl": "jsonl", ".parquet": "parquet"}
+#: the prefix of a Hugging Face hub dataset entry, ``hf:<repo_id>[:<config_name>][@<split>]``
+HUB_PREFIX = "hf:"
+#: the split read where an entry names none
+DEFAULT_SPLIT = "train"
+#: files of which a directory written by ``save_to_disk`` holds at least one
+SAVED_DATASET_FILES = ("dataset_dict.json", "state.json", "dataset_info.json")
 #: row-level problems listed per file before the rest are only counted
 MAX_PROBLEMS_PER_FILE = 10
 _BETWEEN_ITEMS = re.compile(r"\s*,?\s*")
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 @attrs.frozen
 class DataRow:
-    """One row of a data file: its columns, the file, and its 1-based ``line`` (JSON) or Parquet
-    ``row`` number (``unit``)."""
+    """One row of a data file: its columns, the file, and its 1-based ``line`` (JSON) or ``row``
+    number (``unit``: Parquet files and datasets, whose ``file`` is e.g. ``hf:openai/gsm8k:main@train``)."""
 
     file: str
     line: int
@@ -172,6 +192,11 @@ def _parquet(name: str, path: Path, problems: Problems) -> list[DataRow]:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         problems.add(name, f"{name}: not a readable Parquet file ({reason}); it may be truncated or not Parquet")
         return []
+    return _records(name, records, problems)
+
+
+def _records(name: str, records: list[dict[str, Any]], problems: Problems) -> list[DataRow]:
+    """Rows of a table (Parquet, a dataset) numbered from 1."""
     if not records:
         problems.add(name, f"{name}: holds no rows")
     # null cells (a column missing from some rows) count as absent
@@ -181,9 +206,153 @@ def _parquet(name: str, path: Path, problems: Problems) -> list[DataRow]:
     ]
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def _dataset_rows(name: str, dataset: Any, problems: Problems) -> list[DataRow]:
+    """Rows of a ``datasets.Dataset`` as plain dicts: its Arrow table (no image or audio decoding)
+    turned into Python values, as a Parquet file's."""
+    return _records(name, dataset.with_format("arrow")[:].to_pylist(), problems)
+
+
+class _QuietDatasets:
+    """``datasets`` imported, with its progress bars off while it loads (as they were after)."""
+
+    def __enter__(self) -> Any:
+        import datasets
+
+        self.datasets, self.were_off = datasets, datasets.are_progress_bars_disabled()
+        datasets.disable_progress_bars()
+        return datasets
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.were_off:
+            self.datasets.enable_progress_bars()
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """Whether ``path`` is a directory that ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk`` wrote."""
+    return path.is_dir() and any((path / name).is_file() for name in SAVED_DATASET_FILES)
+
+
+def _saved_dataset_entry(name: str) -> tuple[str, str | None] | None:
+    """``(directory, split)`` where ``name`` names a saved dataset, ``dir`` or ``dir@split`` (a
+    path with ``@`` in it that exists is taken whole); ``None`` for any other entry."""
+    if is_saved_dataset(Path(name)):
+        return name, None
+    base, at, split = name.rpartition("@")
+    if at and base and "/" not in split and not Path(name).exists() and Path(base).is_dir():
+        return base, split
+    return None
+
+
+def _saved_dataset(name: str, directory: str, split: str | None, problems: Problems, key: str) -> list[DataRow]:
+    if not is_saved_dataset(Path(directory)):
+        problems.add(name, _not_a_saved_dataset(name, directory, key))
+        return []
+    with _QuietDatasets() as datasets:
+        try:
+            loaded = datasets.load_from_disk(directory)
+        except Exception as exc:  # a truncated or foreign directory, however datasets refuses it
+            problems.add(name, f"{key}: {name!r}: datasets cannot load the saved dataset: {_first_line(exc)}")
+            return []
+        if isinstance(loaded, datasets.DatasetDict):
+            split = split or DEFAULT_SPLIT
+            if split not in loaded:
+                problems.add(
+                    name,
+                    f"{key}: {name!r}: the saved DatasetDict has no split {split!r} (splits: {', '.join(loaded)}); "
+                    f"name one as {directory}@SPLIT",
+                )
+                return []
+            return _dataset_rows(f"{directory}@{split}", loaded[split], problems)
+        if split is not None:
+            problems.add(
+                name,
+                f"{key}: {name!r}: {directory!r} holds one dataset (Dataset.save_to_disk), which has no splits; "
+                f"drop '@{split}'",
+            )
+            return []
+        return _dataset_rows(name, loaded, problems)
+
+
+def _not_a_saved_dataset(name: str, directory: str, key: str) -> str:
+    return (
+        f"{key}: {directory!r} is a directory, but not one that datasets' save_to_disk wrote (it holds none of "
+        f"{', '.join(SAVED_DATASET_FILES)}); list its .json, .jsonl or .parquet files, or use hf:{name} for a "
+        "directory of data files that datasets.load_dataset reads"
+    )
+
+
+def parse_hub_entry(name: str) -> tuple[str, str | None, str]:
+    """``(repo_id, config_name, split)`` of ``hf:<repo_id>[:<config_name>][@<split>]``; raises
+    ``ValueError`` saying what is wrong."""
+    rest = name[len(HUB_PREFIX) :]
+    rest, at, split = rest.rpartition("@") if "@" in rest else (rest, "", DEFAULT_SPLIT)
+    repo, colon, config = rest.partition(":")
+    if not repo.strip():
+        raise ValueError("names no dataset")
+    if colon and not config.strip():
+        raise ValueError("has an empty config name after ':'")
+    if at and not split.strip():
+        raise ValueError("has an empty split after '@'")
+    return repo, config or None, split
+
+
+_UNKNOWN_SPLIT = re.compile(r"Unknown split \"(?P<split>.*)\"\. Should be one of \[(?P<splits>.*)\]")
+
+
+def _hub_dataset(name: str, problems: Problems, key: str) -> list[DataRow]:
+    form = "hf:<repo_id>[:<config_name>][@<split>], e.g. hf:openai/gsm8k:main@train"
+    try:
+        repo, config, split = parse_hub_entry(name)
+    except ValueError as exc:
+        problems.add(name, f"{key}: {name!r} {exc}; write {form}")
+        return []
+    label = f"{HUB_PREFIX}{repo}{f':{config}' if config else ''}@{split}"
+    with _QuietDatasets() as datasets:
+        try:
+            dataset = datasets.load_dataset(repo, config, split=split)
+        except Exception as exc:  # not found, offline, unknown config or split: all the user's to fix
+            unknown = _UNKNOWN_SPLIT.match(str(exc))
+            if unknown:
+                splits = unknown["splits"].replace("'", "")
+                problems.add(name, f"{key}: {name!r}: the dataset has no split {split!r} (splits: {splits})")
+                return []
+            hint = ""
+            if not Path(repo).exists():
+                hint = (
+                    "; a machine without access to the Hugging Face hub needs the dataset in its local cache "
+                    "(HF_HOME; load it once where the hub is reachable) or saved with save_to_disk and listed as "
+                    "that directory"
+                )
+            problems.add(name, f"{key}: cannot load {name!r}: {_first_line(exc)}{hint}")
+            return []
+        return _dataset_rows(label, dataset, problems)
+
+
+def _read_entry(name: str, problems: Problems, key: str) -> list[DataRow]:
+    """The rows of one entry of ``key``: a hub dataset, a saved dataset or a file."""
+    if name.startswith(HUB_PREFIX):
+        return _hub_dataset(name, problems, key)
+    saved = _saved_dataset_entry(name)
+    if saved is not None:
+        return _saved_dataset(name, *saved, problems, key)
+    return _read_file(name, problems, key)
+
+
 def _read_file(name: str, problems: Problems, key: str) -> list[DataRow]:
     path = Path(name)
     fmt = FORMATS.get(path.suffix.lower())
+    if fmt is None and path.is_dir():
+        problems.add(name, _not_a_saved_dataset(name, name, key))
+        return []
+    if fmt is None and not path.suffix and not path.exists():
+        hint = f"; for a Hugging Face hub dataset write hf:{name}" if _HUB_ID.fullmatch(name) else ""
+        problems.add(name, f"{key}: {name!r} does not exist{hint}")
+        return []
     if fmt is None:
         problems.add(name, f"{key}: {name!r} has an unsupported extension; use .json, .jsonl or .parquet")
         return []
@@ -214,11 +383,12 @@ def _read_file(name: str, problems: Problems, key: str) -> list[DataRow]:
 
 
 def read_data_files(files: Sequence[str], key: str = "data.train_files") -> tuple[list[DataRow], list[str]]:
-    """Read every row of ``files`` (the config key ``key``) in order. Returns the rows and the
-    problems found (each naming the file, and the line or row where there is one); rows of a file
-    with problems may be missing, so use the rows only when there are none."""
+    """Read every row of ``files`` (the config key ``key``: files, saved datasets and ``hf:``
+    entries, see the module docstring) in order. Returns the rows and the problems found (each
+    naming the entry, and the line or row where there is one); rows of an entry with problems may
+    be missing, so use the rows only when there are none."""
     problems = Problems()
     rows: list[DataRow] = []
     for name in files:
-        rows.extend(_read_file(name, problems, key))
+        rows.extend(_read_entry(name, problems, key))
     return rows, problems.result()

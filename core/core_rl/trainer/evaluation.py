@@ -112,7 +112,7 @@ class Evaluator:
         data = eval_data_config(cfg)
         rows, problems = check_eval_data(cfg, {})  # the reward's columns: preflight checked them
         if not problems:
-            self.items, problems = tokenise_rows(rows, data, tokenizer)
+            self.items, problems = tokenise_rows(rows, data, tokenizer, files_key="eval.files")
         if problems:
             raise DataError(problems)
         self.batch_size = data.batch_size

@@ -68,7 +68,7 @@ class PairwiseLoop(SupervisedLoop):
         )
         items: list[PromptItem] = []
         if not problems:
-            items, problems = tokenise_rows(rows, self.cfg.data, self.tokenizer)
+            items, problems = tokenise_rows(rows, self.cfg.data, self.tokenizer, files_key=key)
         if not problems and not items:
             problems = [f"{list(files)} hold no rows"]
         if problems:
