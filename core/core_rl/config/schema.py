@@ -172,7 +172,11 @@ class ActorConfig:
     time, never materialising the logits (:mod:`core_rl.engine_utils.fused_head`): ``vocab x 2``
     values per token less memory (0.6 MB a token for a 152k vocabulary in bf16) for one more
     product with the head in backward; engines ``fsdp`` and ``deepspeed``, models whose forward
-    does not transform the logits (no soft-capping or scaling)."""
+    does not transform the logits (no soft-capping or scaling). ``disable_dropout``: train
+    without the model's dropout (its config's attention and hidden dropout), so that the log-probs
+    of a training forward are those of the rollout and the reference, which run without it; LoRA's
+    own ``lora.dropout`` still applies (``megatron`` builds its models without dropout whatever
+    this says)."""
 
     model_path: str = ""
     tokenizer_path: str | None = None
@@ -187,6 +191,7 @@ class ActorConfig:
     gradient_checkpointing_offload: bool = False
     lora: LoraConfig = attrs.field(factory=LoraConfig)
     fused_head: bool = False
+    disable_dropout: bool = True
 
 
 @attrs.define

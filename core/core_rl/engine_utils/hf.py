@@ -209,14 +209,39 @@ def lora_problems(model_path: str, lora: LoraConfig, key: str) -> list[str]:
     return []
 
 
+#: float attributes through which attention modules apply dropout inside their kernels
+DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout")
+
+
+def disable_dropout(model: nn.Module) -> int:
+    """Set every dropout probability of ``model`` to 0: each ``nn.Dropout`` (any kind) and each
+    float :data:`DROPOUT_ATTRIBUTES` attribute that attention modules hand their kernels; returns
+    how many were above 0. The model's config is left as it was (an export keeps it)."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            changed += module.p > 0
+            module.p = 0.0
+        for name in DROPOUT_ATTRIBUTES:
+            value = vars(module).get(name)
+            if isinstance(value, float) and value > 0:
+                setattr(module, name, 0.0)
+                changed += 1
+    return changed
+
+
 def prepare_for_role(model: nn.Module, actor: ActorConfig, *, trainable: bool) -> nn.Module:
-    """A trainable model gets LoRA adapters when ``actor.lora`` asks (the returned model is then the
-    peft wrapper) and activation checkpointing when ``actor.gradient_checkpointing`` is on; a frozen
-    one (a reference model: the base model, never adapters) gets no gradients and eval mode."""
+    """A trainable model loses its dropout (``actor.disable_dropout``: before adapters, so
+    ``lora.dropout`` still applies), gets LoRA adapters when ``actor.lora`` asks (the returned
+    model is then the peft wrapper) and activation checkpointing when
+    ``actor.gradient_checkpointing`` is on; a frozen one (a reference model: the base model, never
+    adapters) gets no gradients and eval mode."""
     if not trainable:
         model.requires_grad_(False)
         model.eval()
         return model
+    if actor.disable_dropout:
+        disable_dropout(model)
     if actor.lora.enabled:
         from core_rl.engine_utils.lora import apply_lora
 
