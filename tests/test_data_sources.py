@@ -174,7 +174,10 @@ def test_row_problems_name_the_dataset_row(tmp_path):
         "holding the prompt text",
     ]
     problems = check_rows(rows, "answer", {"tags": "reward 'x'"})
-    assert problems[0] == f"{saved}@train row 1: column 'answer' holds a number (1); prompts are text or a list of messages"
+    assert (
+        problems[0]
+        == f"{saved}@train row 1: column 'answer' holds a number (1); prompts are text or a list of messages"
+    )
     assert (
         f"{saved}@train row 1: no column 'tags' (or it is null) (also rows 3), which reward 'x' reads; add it to "
         "every row, or point the reward at the column that holds it"
