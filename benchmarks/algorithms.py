@@ -70,6 +70,7 @@ def cases(response_len: int) -> list[Case]:
             {"kl_coef": 0.04, "kl_estimator": "k3", "entropy_coef": 0.01, "aggregation": "seq-mean-token-mean"},
         ),
         Case("sapo", {"name": "grpo"}, {"use_sapo_loss": True}),
+        Case("cispo", {"name": "grpo"}, {"use_cispo_loss": True, "cispo_eps_high": 0.28}),
         Case(
             "decoupled+ratio-mask",
             {"name": "grpo"},

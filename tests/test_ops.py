@@ -246,6 +246,18 @@ def test_sapo_gate_hand_values():
     close(r.grad, -a * gate)  # d l / d r = -A f'(r) = -A gate
 
 
+def test_cispo_hand_values():
+    # eps_low 0.2, eps_high 0.28: w = clip(r, 0.8, 1.28) = [0.8, 1, 1.28, 1.28]; l = -A w;
+    # d l / d log r = -A w (the clipped weight, never 0 as PPO's clip gives)
+    log_r = torch.log(torch.tensor([0.5, 1.0, 1.5, 3.0])).requires_grad_(True)
+    a = torch.tensor([1.0, -1.0, 2.0, -1.0])
+    loss, truncated = ops.cispo_loss(log_r.exp(), a, eps_low=0.2, eps_high=0.28)
+    close(loss, [-0.8, 1.0, -2.56, 1.28])
+    assert truncated.tolist() == [True, False, True, True]
+    loss.sum().backward()
+    close(log_r.grad, [-0.8, 1.0, -2.56, 1.28])
+
+
 def test_off_policy_sequence_mask_hand_values():
     # row 0: A < 0, mean(behave - lp) = mean(0.5, 0.3) = 0.4 > 0.3 -> dropped
     # row 1: A < 0, mean = 0.1 -> kept;  row 2: A > 0, mean 0.9 -> kept (only negative advantages)

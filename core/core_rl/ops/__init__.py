@@ -55,6 +55,7 @@ __all__, __getattr__ = lazy_exports(
             "segment_sum",
         ),
         "core_rl.ops.surrogates": (
+            "cispo_loss",
             "loglinear_proximal_logprobs",
             "m2po_mask",
             "off_policy_sequence_mask",

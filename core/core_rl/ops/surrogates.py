@@ -1,5 +1,5 @@
 """Per-token policy-gradient surrogates and the masks of the off-policy corrections: PPO's clipped
-objective (clip-higher, dual clip), SAPO's soft gate, off-policy sequence masking, M2PO, and the
+objective (clip-higher, dual clip), SAPO's soft gate, CISPO's clipped weight, off-policy sequence masking, M2PO, and the
 log-linear proximal policy of the decoupled loss.
 
 Every loss here is *to minimise* and per token; aggregation is :mod:`core_rl.ops.aggregation`'s.
@@ -62,6 +62,26 @@ def sapo_loss(
     s = torch.sigmoid(tau * (ratio - 1.0))
     loss = -advantages * (4.0 / tau) * s
     return loss, (4.0 * s * (1.0 - s)).detach()
+
+
+def cispo_loss(
+    ratio: torch.Tensor, advantages: torch.Tensor, *, eps_low: float, eps_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO's surrogate (MiniMax-M1, Chen et al. 2025): the importance weight is clipped and
+    detached, and every token keeps its gradient::
+
+        w_t = clip(rho_t, 1 - eps_low, 1 + eps_high)
+        l_t = -A_t * sg(w_t / rho_t) * rho_t          value -A_t w_t;  gradient -A_t w_t grad log pi(y_t)
+
+    (``grad rho = rho grad log pi``), the REINFORCE gradient weighted by the clipped ratio, where
+    PPO's clip zeroes the gradient of a token whose ratio left the range. ``eps_low = 1`` sets no
+    lower bound. At sequence level (``rho`` the GSPO ratio, whose gradient is ``s_i grad log pi``)
+    the sequence's clipped weight scales each of its tokens. Returns ``(l, truncated)``, where
+    ``truncated`` marks the tokens whose weight the clip changed.
+    """
+    weight = ratio.detach().clamp(min=1.0 - eps_low, max=1.0 + eps_high)
+    loss = -advantages * (weight / ratio.detach()) * ratio
+    return loss, weight != ratio.detach()
 
 
 def off_policy_sequence_mask(

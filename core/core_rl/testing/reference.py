@@ -81,6 +81,7 @@ class LossSpec:
     rejection: dict | None = None  # metric, level, action, agg, upper, lower
     off_policy_mask_threshold: float | None = None
     sapo: tuple[float, float] | None = None  # (tau_pos, tau_neg)
+    cispo: tuple[float, float] | None = None  # (eps_low, eps_high)
 
 
 #: the default upper bound of each built-in rejection sampler (core_rl.rejection)
@@ -103,6 +104,7 @@ def spec_from_options(loss: dict, rejection: dict | None = None) -> LossSpec:
         }
     eps = loss.get("eps_clip", 0.2)
     sapo = (loss.get("sapo_tau_pos", 1.0), loss.get("sapo_tau_neg", 1.05)) if loss.get("use_sapo_loss") else None
+    cispo = (loss.get("cispo_eps_low", 1.0), loss.get("cispo_eps_high", 0.28)) if loss.get("use_cispo_loss") else None
     return LossSpec(
         eps_low=eps,
         eps_high=loss.get("eps_clip_higher", eps),
@@ -118,6 +120,7 @@ def spec_from_options(loss: dict, rejection: dict | None = None) -> LossSpec:
         rejection=rejection_spec,
         off_policy_mask_threshold=loss.get("off_policy_mask_threshold"),
         sapo=sapo,
+        cispo=cispo,
     )
 
 
@@ -181,6 +184,9 @@ def sequence_losses(
         if spec.sapo is not None:
             tau = torch.where(adv > 0, spec.sapo[0], spec.sapo[1])
             loss = -adv * 4 / tau * torch.sigmoid(tau * (ratio - 1))
+        elif spec.cispo is not None:  # the clipped weight times exp(x - sg(x)): value 1, gradient grad x
+            weight = ratio.detach().clamp(1 - spec.cispo[0], 1 + spec.cispo[1])
+            loss = -adv * weight * torch.exp(log_ratio - log_ratio.detach())
         else:
             loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - spec.eps_low, 1 + spec.eps_high))
             if spec.c_clip is not None:

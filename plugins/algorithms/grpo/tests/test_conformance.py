@@ -107,6 +107,13 @@ class TestPPOClipLossSapo(PolicyLossContract):
     distribution = DIST
 
 
+class TestPPOClipLossCispo(PolicyLossContract):
+    plugin = grpo_plugin
+    name = "ppo_clip"
+    options: ClassVar[dict[str, Any]] = {"use_cispo_loss": True, "cispo_eps_high": 0.5, "use_decoupled_loss": True}
+    distribution = DIST
+
+
 class TestDrGRPOAlgorithm(AlgorithmContract):
     plugin = grpo_plugin
     name = "dr_grpo"

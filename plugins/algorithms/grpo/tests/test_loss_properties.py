@@ -36,6 +36,7 @@ OPTION_SETS: list[dict[str, Any]] = [
     {"use_decoupled_loss": True, "_rejection": {"name": "kl_k2", "level": "sequence", "agg": "max", "upper": 0.05}},
     {"use_decoupled_loss": True, "prox_logp_method": "loglinear", "importance_sampling_level": "sequence"},
     {"use_sapo_loss": True, "sapo_tau_pos": 0.7, "off_policy_mask_threshold": 0.05},
+    {"use_cispo_loss": True, "cispo_eps_low": 0.5, "importance_sampling_level": "sequence", "kl_coef": 0.1},
     {"off_policy_mask_threshold": 0.0, "kl_coef": 0.2, "kl_estimator": "k1"},
 ]
 

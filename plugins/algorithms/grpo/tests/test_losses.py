@@ -356,7 +356,38 @@ def test_config_defaults() -> None:
         sapo_tau_pos=1.0,
         sapo_tau_neg=1.05,
         m2_threshold=None,
+        use_cispo_loss=False,
+        cispo_eps_low=1.0,
+        cispo_eps_high=0.28,
     )
+
+
+def test_cispo_keeps_the_gradient_ppo_clips_and_agrees_on_policy() -> None:
+    """On-policy (ratio 1) CISPO's gradient is PPO's; off-policy a token whose ratio left PPO's range
+    in the advantage's favour gets no gradient from PPO and the clipped weight's from CISPO."""
+    old = torch.tensor([[-1.0, -2.0, -0.5, -1.5]])
+    mask = torch.ones_like(old)
+    batch = TensorBatch(
+        {"response_mask": mask, "old_logprobs": old, "advantages": torch.tensor([[1.0, -1.0, 2.0, 0.5]])}
+    )
+    grads = {}
+    for name, options in {"ppo": {}, "cispo": {"use_cispo_loss": True, "cispo_eps_high": 0.28}}.items():
+        loss = PPOClipLoss(structure(options, PPOClipConfig))
+        for shift in (0.0, 0.4):  # ratio 1, then exp(0.4) = 1.49 on every token
+            lp = (old + shift).requires_grad_(True)
+            loss(batch, lp, torch.zeros_like(lp)).per_token_loss.sum().backward()
+            grads[name, shift] = lp.grad
+    torch.testing.assert_close(grads["cispo", 0.0], grads["ppo", 0.0])
+    # ratio 1.49: PPO clips the positive advantages (gradient 0) and keeps -A rho for the negative one;
+    # CISPO's gradient with respect to log pi is -A w everywhere, w = min(1.49, 1 + 0.28) = 1.28
+    assert grads["ppo", 0.4][0, [0, 2, 3]].abs().max() == 0
+    torch.testing.assert_close(grads["cispo", 0.4], torch.tensor([[-1.28, 1.28, -2.56, -0.64]]))
+
+
+def test_cispo_cannot_combine_with_another_surrogate() -> None:
+    for options in ({"use_sapo_loss": True}, {"c_clip": 3.0}, {"eps_clip_higher": 0.3}):
+        with pytest.raises(ConfigError, match=r"cannot be combined with use_cispo_loss: true"):
+            structure({"use_cispo_loss": True, **options}, PPOClipConfig, path="algorithm.loss")
 
 
 @pytest.mark.parametrize(

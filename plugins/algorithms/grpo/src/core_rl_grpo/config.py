@@ -106,7 +106,9 @@ class PPOClipConfig:
     ``seq-mean-token-sum-norm``; default ``rollout.sampling.max_new_tokens``). Regularisers:
     ``kl_coef``/``kl_estimator`` (``kl_coef > 0`` builds a reference model), ``entropy_coef``.
     Off-policy: ``use_decoupled_loss``, ``prox_logp_method``, ``off_policy_mask_threshold``,
-    ``use_sapo_loss``/``sapo_tau_pos``/``sapo_tau_neg``, ``m2_threshold``.
+    ``use_sapo_loss``/``sapo_tau_pos``/``sapo_tau_neg``, ``m2_threshold``. Surrogate:
+    ``use_cispo_loss`` with ``cispo_eps_low``/``cispo_eps_high`` (CISPO's clipped, detached
+    importance weight in place of the clip; the default ``cispo_eps_low: 1`` sets no lower bound).
     """
 
     eps_clip: float = attrs.field(default=0.2, validator=in_range(0.0, 1.0, low_open=True))
@@ -127,6 +129,9 @@ class PPOClipConfig:
     sapo_tau_pos: float = attrs.field(default=1.0, validator=positive())
     sapo_tau_neg: float = attrs.field(default=1.05, validator=positive())
     m2_threshold: float | None = attrs.field(default=None, validator=positive())
+    use_cispo_loss: bool = False
+    cispo_eps_low: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0))
+    cispo_eps_high: float = attrs.field(default=0.28, validator=non_negative())
 
     def __attrs_post_init__(self) -> None:
         if self.eps_clip_higher is not None and self.eps_clip_higher < self.eps_clip:
@@ -141,6 +146,12 @@ class PPOClipConfig:
             for name in ("use_decoupled_loss", "c_clip", "eps_clip_higher"):
                 if getattr(self, name) not in (None, False):
                     raise FieldValueError(name, getattr(self, name), "cannot be combined with use_sapo_loss: true")
+        if self.use_cispo_loss:
+            for name in ("use_sapo_loss", "c_clip", "eps_clip_higher"):
+                if getattr(self, name) not in (None, False):
+                    raise FieldValueError(
+                        name, getattr(self, name), "cannot be combined with use_cispo_loss: true (it has no PPO clip)"
+                    )
         if self.m2_threshold is not None and not (self.use_decoupled_loss and self.prox_logp_method != "loglinear"):
             raise FieldValueError(
                 "m2_threshold",

@@ -2,7 +2,7 @@
 clip-higher, dual clipping, a KL penalty towards a reference model, an entropy bonus, and the
 off-policy corrections: the decoupled loss (proximal policy by recompute or log-linear
 interpolation) with rejection sampling / truncated or masked importance sampling, off-policy
-sequence masking, SAPO's soft gate and M2PO.
+sequence masking, SAPO's soft gate, CISPO's clipped weight and M2PO.
 
 The formulas live in :mod:`core_rl.ops`; this module composes them. All tensors are [b, T] and
 follow :mod:`core_rl.protocol` (position ``t`` describes token ``t``).
@@ -27,13 +27,14 @@ class PPOClipLoss(PolicyLoss):
 
         rho_t  = pi(y_t) / pi_anchor(y_t)      token level, or the GSPO sequence ratio at sequence level;
                                                pi_anchor = pi_prox (decoupled) or pi_old
-        l_t    = ppo_clip_loss(rho_t, A_t)     or sapo_loss(rho_t, A_t) with use_sapo_loss
+        l_t    = ppo_clip_loss(rho_t, A_t)     or sapo_loss(rho_t, A_t) with use_sapo_loss,
+                                               or cispo_loss(rho_t, A_t) with use_cispo_loss
         l_t    = l_t * w_t                     decoupled: w_t = pi_prox / pi_behave (after rejection sampling)
         l_t    = l_t + kl_coef * KL_est(pi, pi_ref) - entropy_coef * H_t
         l_t    = l_t * keep_t * mask_t         keep: rejection sampling, off-policy sequence masking
 
     Token metrics (0 off the response): ``ratio``, ``ratio_max``, ``clipped``, ``dual_clipped``,
-    ``sapo_gate``, ``approx_kl`` (k3 estimate of KL(pi_anchor || pi)), ``kl``; with the decoupled
+    ``sapo_gate``, ``cispo_truncated``, ``approx_kl`` (k3 estimate of KL(pi_anchor || pi)), ``kl``; with the decoupled
     loss ``behave_weight``, ``behave_weight_max``, ``kl_behave_prox``, ``kl_behave_current``,
     ``rejected``, ``clamped``, ``prox_loglinear_abs_error`` (``metrics`` method);
     ``off_policy_masked``.
@@ -108,6 +109,9 @@ class PPOClipLoss(PolicyLoss):
         if cfg.use_sapo_loss:
             loss, gate = ops.sapo_loss(ratio, advantages, tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg)
             metrics["sapo_gate"] = gate
+        elif cfg.use_cispo_loss:
+            loss, truncated = ops.cispo_loss(ratio, advantages, eps_low=cfg.cispo_eps_low, eps_high=cfg.cispo_eps_high)
+            metrics["cispo_truncated"] = truncated.to(mask.dtype)
         else:
             loss, clipped, dual_clipped = ppo_clip_loss(
                 ratio, advantages, eps_low=self.eps_low, eps_high=self.eps_high, c_clip=cfg.c_clip
