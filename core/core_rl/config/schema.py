@@ -326,12 +326,16 @@ class AlgorithmConfig:
 class SaverConfig:
     """Checkpoints (full training state, for resuming) every ``every_n_steps`` steps (0: never)
     and at the end; the newest ``keep_last`` are kept. ``export_hf`` also writes the final
-    policy as a Hugging Face directory."""
+    policy as a Hugging Face directory (``<run>/final_hf``); ``export_hf_every_n_steps`` writes the
+    policy of every such step to ``<run>/hf/step_<N>`` (0: never), keeping the newest
+    ``export_hf_keep_last`` (0: all) (:mod:`core_rl.trainer.hf_exports`)."""
 
     every_n_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
     at_end: bool = True
     keep_last: int = attrs.field(default=2, validator=in_range(1, MAX_COUNT))
     export_hf: bool = True
+    export_hf_every_n_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
+    export_hf_keep_last: int = attrs.field(default=0, validator=in_range(0, MAX_COUNT))
 
 
 @attrs.define

@@ -74,6 +74,7 @@ from core_rl.trainer.distill import DistillationLoss
 from core_rl.trainer.errors import DiskFullError
 from core_rl.trainer.evaluation import Evaluating, Evaluator, build_evaluator
 from core_rl.trainer.filtering import EmptySteps
+from core_rl.trainer.hf_exports import export_due, export_step
 from core_rl.trainer.memory import MemoryMeter
 from core_rl.trainer.numerics import NonFiniteGuard
 from core_rl.trainer.profiling import StepProfiler
@@ -429,6 +430,8 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, TrainingLoop):
                 stop = agree_after(f"step {step}", error, self.stop.requested)
                 if (cfg.saver.every_n_steps and step % cfg.saver.every_n_steps == 0) or stop:
                     self.save_checkpoint(step)
+                if export_due(cfg.saver, step):
+                    export_step(self.engine, cfg.saver, self.run_dir, step, is_main=self.is_main)
                 if stop:
                     raise self._interrupted(stop)
             if self.is_main:  # the last version's load: its error belongs to this run
