@@ -4,12 +4,10 @@ policy of every such step as a loadable Hugging Face directory, keeps the newest
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import yaml
-from core_rl.tiny import build_tiny_model
 from core_rl.trainer.hf_exports import export_dir, exported_steps, prune_exports
 from safetensors.torch import load_file
 
@@ -29,19 +27,10 @@ def test_pruning_keeps_the_newest_and_ignores_partial_directories(tmp_path: Path
 
 
 def _config(tmp_path: Path, **saver) -> Path:
-    model = build_tiny_model(tmp_path / "model", alphabet="abc=", hidden_size=16, num_heads=2)
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{s}=", "answer": s[::-1]}) + "\n" for s in ("ab", "ca", "bcb")))
-    config = {
-        "experiment": {"name": "exports", "output_dir": str(tmp_path / "runs")},
-        "data": {"train_files": [str(data)], "batch_size": 2},
-        "actor": {"model_path": str(model), "optimizer": {"lr": 1e-2}},
-        "rollout": {"sampling": {"n": 2, "max_new_tokens": 3}},
-        "algorithm": {"name": "grpo"},
-        "reward": {"name": "char_match"},
-        "trainer": {"total_steps": 4, "torch_threads": 1},
-        "saver": {"at_end": False, **saver},
-    }
+    from core_rl.testing.faults import build_task, merged
+
+    config = merged(build_task(tmp_path), experiment={"name": "exports"}, saver={"every_n_steps": 0, **saver})
+    config["saver"].update(at_end=False, export_hf=True)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

@@ -60,6 +60,8 @@ class SamplingParams:
 
     ``top_k <= 0`` and ``top_p == 1`` disable those filters. Generation stops at EOS, at any of
     ``stop_token_ids``, or after ``max_new_tokens``; no stop happens before ``min_new_tokens``.
+    ``stop`` strings end a response at the token that completes one; the rollout controller cuts
+    every engine's responses there (:mod:`core_rl.stop_strings`), so an engine may ignore them.
     """
 
     n: int = 1
@@ -70,6 +72,7 @@ class SamplingParams:
     min_new_tokens: int = 0
     stop_token_ids: list[int] = attrs.field(factory=list)
     greedy: bool = False
+    stop: list[str] = attrs.field(factory=list)
 
 
 class TrainEngine(ABC):

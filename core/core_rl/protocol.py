@@ -56,7 +56,8 @@ class Sample:
     ``logprobs[i]`` is the behaviour log-prob of ``response_ids[i]`` (at the sampling temperature);
     ``weight_version`` is the version of the weights that generated it (the oldest one when
     generation spanned a weight update); ``finish_reason`` is ``"stop"`` (a stop token or EOS was
-    generated; it is the last of ``response_ids``) or ``"length"`` (``max_new_tokens`` reached).
+    generated, or the text completed a stop string; that token is the last of ``response_ids``) or
+    ``"length"`` (``max_new_tokens`` reached).
 
     ``token_weight_versions`` (optional): the weight version that generated each response token,
     where the engine knows it (a request interrupted by a weight update and continued after it

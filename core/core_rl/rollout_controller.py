@@ -51,6 +51,7 @@ from core_rl.config.schema import ControllerConfig
 from core_rl.errors import CoreRLError, PluginFault
 from core_rl.interfaces import RolloutEngine, SamplingParams
 from core_rl.protocol import Sample
+from core_rl.stop_strings import apply_stop_strings
 from core_rl.workflows import RolloutWorkflow, WorkflowContext, check_samples
 
 T = TypeVar("T")
@@ -382,14 +383,28 @@ class RolloutController:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    def _stopped(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
+        """``samples`` cut at ``sampling.stop`` strings (:mod:`core_rl.stop_strings`)."""
+        if not sampling.stop:
+            return samples
+        if self.tokenizer is None:
+            raise CoreRLError("rollout.sampling.stop: stop strings need the policy's tokenizer, which this run lacks")
+
+        def decode(ids: Sequence[int]) -> str:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+        return apply_stop_strings(samples, decode, sampling.stop, sampling.min_new_tokens)
+
     async def _trajectory(self, wave: _Wave, slot: int) -> None:
         prompt = wave.prompts[slot]
 
         async def generate(prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
             if self.wave_batching:
-                return await self._wave_generate(wave, slot, prompt_ids, sampling)
-            samples = await self.engine.agenerate(prompt_ids, sampling)
-            return self._checked(samples, prompt_ids, sampling.n, AGENERATE_CONTRACT)
+                samples = await self._wave_generate(wave, slot, prompt_ids, sampling)
+            else:
+                samples = await self.engine.agenerate(prompt_ids, sampling)
+                samples = self._checked(samples, prompt_ids, sampling.n, AGENERATE_CONTRACT)
+            return self._stopped(samples, sampling)
 
         ctx = WorkflowContext(generate=generate, sampling=self.sampling, tokenizer=self.tokenizer)
         try:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from core_rl.config.validators import MAX_COUNT, MAX_TOKENS, FieldValueError, each, in_range
+from core_rl.config.validators import MAX_COUNT, MAX_TOKENS, FieldValueError, each, in_range, not_empty
 
 if TYPE_CHECKING:
     from core_rl.interfaces import SamplingParams
@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 class SamplingConfig:
     """Rollout sampling. ``n`` is the group size (samples per prompt). ``min_new_tokens`` must not
     exceed ``max_new_tokens``; stop token ids are checked against the model's vocabulary before
-    the run starts."""
+    the run starts. ``stop``: strings that end a response at the token completing one (it stays in
+    the trajectory; :mod:`core_rl.stop_strings`)."""
 
     n: int = attrs.field(default=8, validator=in_range(1, MAX_COUNT))
     temperature: float = attrs.field(default=1.0, validator=in_range(0.0, 100.0, low_open=True))
@@ -27,6 +28,7 @@ class SamplingConfig:
     min_new_tokens: int = attrs.field(default=0, validator=in_range(0, MAX_TOKENS))
     stop_token_ids: list[int] = attrs.field(factory=list, validator=each(in_range(0, MAX_TOKENS)))
     greedy: bool = False
+    stop: list[str] = attrs.field(factory=list, validator=each(not_empty()))
 
     def __attrs_post_init__(self) -> None:
         if self.min_new_tokens > self.max_new_tokens:

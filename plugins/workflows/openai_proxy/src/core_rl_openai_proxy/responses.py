@@ -3,8 +3,11 @@
 Sampling: the run's ``rollout.sampling`` (temperature, top-p, top-k) is always what samples, so the
 behaviour log-probs are those the trainer's importance ratio expects; a request's ``temperature``,
 ``top_p``, ``seed``, ``presence_penalty``... are accepted and ignored. ``max_tokens`` (or
-``max_completion_tokens``) lowers the run's ``max_new_tokens``, never raises it. ``n > 1``,
-``stream`` and ``stop`` strings are refused (400): one call is one sampled turn of one trajectory.
+``max_completion_tokens``) lowers the run's ``max_new_tokens``, never raises it. ``stop`` (a
+string or up to :data:`MAX_STOP_STRINGS` of them) joins the run's ``rollout.sampling.stop``: the
+turn ends at the token that completes one (it stays in the trajectory, :mod:`core_rl.stop_strings`)
+and the returned text ends before it, as OpenAI's does. ``n > 1`` and ``stream`` are refused (400):
+one call is one sampled turn of one trajectory.
 Tool calls in a chat reply: :mod:`core_rl_openai_proxy.tools`.
 """
 
@@ -16,12 +19,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from core_rl.protocol import Sample
+from core_rl.stop_strings import stop_cut
 
 from core_rl_openai_proxy.errors import RequestError
 from core_rl_openai_proxy.tools import Reply
 
 #: the most ``top_logprobs`` OpenAI accepts
 MAX_TOP_LOGPROBS = 20
+#: the most ``stop`` strings OpenAI accepts in one request
+MAX_STOP_STRINGS = 4
 
 
 def requested_max_tokens(body: Mapping[str, Any]) -> int | None:
@@ -37,15 +43,30 @@ def requested_max_tokens(body: Mapping[str, Any]) -> int | None:
 
 
 def refuse_unsupported(body: Mapping[str, Any]) -> None:
-    """400 for what one sampled turn of one trajectory cannot do: ``n > 1``, streaming, stop strings."""
+    """400 for what one sampled turn of one trajectory cannot do: ``n > 1``, streaming."""
     if body.get("n") not in (None, 1):
         raise RequestError("the proxy samples one choice per call: 'n' must be 1", param="n")
     if body.get("stream"):
         raise RequestError("the proxy does not stream: leave 'stream' unset", param="stream")
-    if body.get("stop"):
+    requested_stops(body)
+
+
+def requested_stops(body: Mapping[str, Any]) -> list[str]:
+    """The request's ``stop``: a string, or a list of at most :data:`MAX_STOP_STRINGS` non-empty
+    strings (null or absent: none)."""
+    value = body.get("stop")
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(stops, list)
+        or not 0 < len(stops) <= MAX_STOP_STRINGS
+        or not all(isinstance(s, str) and s for s in stops)
+    ):
         raise RequestError(
-            "stop strings are not supported (the run's stop tokens end each turn); leave 'stop' unset", param="stop"
+            f"'stop' must be a non-empty string or a list of 1 to {MAX_STOP_STRINGS} non-empty strings", param="stop"
         )
+    return list(stops)
 
 
 def wants_logprobs(body: Mapping[str, Any], chat: bool) -> bool:
@@ -61,10 +82,17 @@ def wants_logprobs(body: Mapping[str, Any], chat: bool) -> bool:
     return value is not None
 
 
-def content_ids(turn: Sample) -> list[int]:
-    """The sampled ids without the stop token that ended the turn (it is not part of the reply)."""
+def content_ids(turn: Sample, *, by_string: bool = False) -> list[int]:
+    """The sampled ids without the stop token that ended the turn (it is not part of the reply);
+    all of them when a stop string ended it (``by_string``: its text is cut instead)."""
     ids = list(turn.response_ids)
-    return ids[:-1] if turn.finish_reason == "stop" and ids else ids
+    return ids[:-1] if turn.finish_reason == "stop" and ids and not by_string else ids
+
+
+def stopped_by_string(turn: Sample, stops: Sequence[str], decode: Any, min_tokens: int) -> bool:
+    """Whether a stop string, not a stop token, ended ``turn``: its last token completes one."""
+    ids = turn.response_ids
+    return turn.finish_reason == "stop" and stop_cut(ids, decode, stops, min_tokens=min_tokens) == len(ids)
 
 
 def _usage(prompt_ids: Sequence[int], turn: Sample) -> dict[str, int]:
@@ -77,11 +105,20 @@ def _token_ids(prompt_ids: Sequence[int], turn: Sample) -> dict[str, Any]:
 
 
 def chat_body(
-    model: str, prompt_ids: Sequence[int], turn: Sample, reply: Reply, tokenizer: Any, logprobs: bool, token_ids: bool
+    model: str,
+    prompt_ids: Sequence[int],
+    turn: Sample,
+    reply: Reply,
+    tokenizer: Any,
+    logprobs: bool,
+    token_ids: bool,
+    *,
+    stop_reason: str | None = None,
 ) -> dict[str, Any]:
     """A ``chat.completion`` body: the ``reply``'s content and tool calls (``finish_reason``
     ``tool_calls`` when it has some); ``token_ids`` adds the prompt's and the sampled ids to the
-    choice (``return_token_ids`` in the request, as vLLM does)."""
+    choice (``return_token_ids`` in the request, as vLLM does); ``stop_reason``: the stop string
+    that ended the turn (as vLLM reports it; its sampled tokens are all in ``token_ids``)."""
     message: dict[str, Any] = {"role": "assistant", "content": reply.content}
     if reply.tool_calls:
         message["tool_calls"] = reply.tool_calls
@@ -89,10 +126,11 @@ def chat_body(
         "index": 0,
         "message": message,
         "finish_reason": reply.finish_reason(turn.finish_reason),
+        "stop_reason": stop_reason,
         "logprobs": None,
     }
     if logprobs:
-        ids = content_ids(turn)
+        ids = content_ids(turn, by_string=stop_reason is not None)
         choice["logprobs"] = {
             "content": [
                 {"token": (t := tokenizer.decode([i])), "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
@@ -112,12 +150,27 @@ def chat_body(
 
 
 def completion_body(
-    model: str, prompt_ids: Sequence[int], turn: Sample, text: str, tokenizer: Any, logprobs: bool, token_ids: bool
+    model: str,
+    prompt_ids: Sequence[int],
+    turn: Sample,
+    text: str,
+    tokenizer: Any,
+    logprobs: bool,
+    token_ids: bool,
+    *,
+    stop_reason: str | None = None,
 ) -> dict[str, Any]:
-    """A ``text_completion`` body (legacy log-probs: tokens, token_logprobs, text_offset)."""
-    choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": turn.finish_reason, "logprobs": None}
+    """A ``text_completion`` body (legacy log-probs: tokens, token_logprobs, text_offset);
+    ``stop_reason`` as in :func:`chat_body`."""
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": text,
+        "finish_reason": turn.finish_reason,
+        "stop_reason": stop_reason,
+        "logprobs": None,
+    }
     if logprobs:
-        ids = content_ids(turn)
+        ids = content_ids(turn, by_string=stop_reason is not None)
         tokens = [tokenizer.decode([i]) for i in ids]
         offsets = [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
         choice["logprobs"] = {

@@ -25,6 +25,7 @@ from typing import Any
 
 import uvicorn
 from core_rl.errors import CoreRLError
+from core_rl.stop_strings import text_before_stop
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -192,14 +193,20 @@ class ProxyServer:
         strict = self.config.on_history_mismatch == "error"
         async with session.lock:
             plan = session.plan_chat(self.template, messages, tools, strict)
-            turn = await self._generate(session, plan, body)
-            text = self.tokenizer.decode(responses.content_ids(turn), skip_special_tokens=True)
+            turn, stops = await self._generate(session, plan, body)
+            by_string = self._stopped_by_string(turn, stops, session)
+            sampled = self.tokenizer.decode(responses.content_ids(turn, by_string=by_string), skip_special_tokens=True)
+            text, matched = text_before_stop(sampled, stops) if by_string else (sampled, None)
             reply = split_reply(text, self.tool_parser, tools, body.get("tool_choice"))
-            stop = self.tokenizer.decode(turn.response_ids[-1:]) if turn.finish_reason == "stop" else ""
-            last = LastCall("chat", messages, tools, reply=text, stop_text=stop, message=reply.message())
+            stop = (
+                self.tokenizer.decode(turn.response_ids[-1:]) if turn.finish_reason == "stop" and not by_string else ""
+            )
+            last = LastCall("chat", messages, tools, reply=sampled, stop_text=stop, message=reply.message())
             session.record(plan, turn, last)
         ids = bool(body.get("return_token_ids"))
-        return responses.chat_body(self.config.model, plan.prompt_ids, turn, reply, self.tokenizer, logprobs, ids)
+        return responses.chat_body(
+            self.config.model, plan.prompt_ids, turn, reply, self.tokenizer, logprobs, ids, stop_reason=matched
+        )
 
     async def _completion(self, request: Request) -> dict[str, Any]:
         session = self._session(request)
@@ -212,16 +219,27 @@ class ProxyServer:
         strict = self.config.on_history_mismatch == "error"
         async with session.lock:
             plan = session.plan_completion(self.template.encode, self.tokenizer.encode, prompt, strict)
-            turn = await self._generate(session, plan, body)
-            text = self.tokenizer.decode(responses.content_ids(turn), skip_special_tokens=True)
+            turn, stops = await self._generate(session, plan, body)
+            by_string = self._stopped_by_string(turn, stops, session)
+            sampled = self.tokenizer.decode(responses.content_ids(turn, by_string=by_string), skip_special_tokens=True)
+            text, matched = text_before_stop(sampled, stops) if by_string else (sampled, None)
             before = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=True)
-            session.record(plan, turn, LastCall("completion", text=before + text))
+            session.record(plan, turn, LastCall("completion", text=before + sampled))
         ids = bool(body.get("return_token_ids"))
-        return responses.completion_body(self.config.model, plan.prompt_ids, turn, text, self.tokenizer, logprobs, ids)
+        return responses.completion_body(
+            self.config.model, plan.prompt_ids, turn, text, self.tokenizer, logprobs, ids, stop_reason=matched
+        )
 
-    async def _generate(self, session: Session, plan: Plan, body: dict[str, Any]) -> Any:
+    def _stopped_by_string(self, turn: Any, stops: list[str], session: Session) -> bool:
+        def decode(ids: Any) -> str:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+        return bool(stops) and responses.stopped_by_string(turn, stops, decode, session.sampling.min_new_tokens)
+
+    async def _generate(self, session: Session, plan: Plan, body: dict[str, Any]) -> tuple[Any, list[str]]:
         """One sampled turn of ``plan.prompt_ids`` at the run's sampling, ``max_new_tokens``
-        lowered to the request's ``max_tokens`` and to what fits in ``max_context_tokens``."""
+        lowered to the request's ``max_tokens`` and to what fits in ``max_context_tokens``, the
+        request's ``stop`` strings added to the run's; returns the turn and the stop strings."""
         limit = self.config.max_context_tokens
         room = limit - len(plan.prompt_ids)
         vocab = len(self.tokenizer)
@@ -236,7 +254,8 @@ class ProxyServer:
             )
         wanted = responses.requested_max_tokens(body)
         max_new = min(session.sampling.max_new_tokens, room, wanted or room)
-        sampling = _evolve(session.sampling, n=1, max_new_tokens=max_new)
+        stops = list(dict.fromkeys([*session.sampling.stop, *responses.requested_stops(body)]))
+        sampling = _evolve(session.sampling, n=1, max_new_tokens=max_new, stop=stops)
         with session.guard:
             if session.closed:
                 raise session.ended()
@@ -256,7 +275,7 @@ class ProxyServer:
         if list(turn.prompt_ids) != list(plan.prompt_ids):
             session.error = session.error or CoreRLError("the rollout engine answered another prompt than was sent")
             raise RequestError("the rollout engine answered another prompt", status=500, type="server_error")
-        return turn
+        return turn, stops
 
 
 def _evolve(sampling: Any, **changes: Any) -> Any:

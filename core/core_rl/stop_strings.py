@@ -1,0 +1,88 @@
+"""Stop strings (``rollout.sampling.stop``, an OpenAI request's ``stop``): a response ends with the
+first token whose text completes one of them.
+
+The cut is made on token ids, so the trajectory holds exactly what the model sampled up to there:
+response ``y`` is cut to ``y[:k]`` with ``k`` the fewest tokens whose text (``decode(y[:k])``, the
+response decoded on its own without special tokens, whose names such as ``<pad>`` are not text the
+model wrote) holds a stop string ending after the text of the first ``min_new_tokens`` tokens, as no
+stop happens before them. Cutting what an engine generated
+past that point samples the same distribution as stopping there: the tokens after it are dropped
+whole. ``finish_reason`` becomes ``"stop"``; the last token may carry text past the stop string's end
+(a token that spans it), which stays in the trajectory.
+
+Finding ``k``: one decode of the whole response when it holds no stop string (the usual case), else
+a binary search over prefixes (the stop string stays in every longer prefix's text).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from core_rl.protocol import Sample
+
+Decode = Callable[[Sequence[int]], str]
+
+
+def stop_cut(ids: Sequence[int], decode: Decode, stops: Sequence[str], *, min_tokens: int = 0) -> int | None:
+    """The number of tokens to keep (module docstring), or ``None`` when no stop string ends after
+    the text of the first ``min_tokens`` tokens."""
+    if not stops or not ids:
+        return None
+    floor = min(max(min_tokens, 0), len(ids))
+    base = len(decode(ids[:floor])) if floor else 0  # only occurrences ending after this count
+
+    def found(k: int) -> bool:
+        text = decode(ids[:k])
+        return any(text.find(stop, max(0, base - len(stop) + 1)) >= 0 for stop in stops)
+
+    if not found(len(ids)):
+        return None
+    low, high = max(floor, 1), len(ids)  # found(high); find the fewest tokens that still find it
+    while low < high:
+        middle = (low + high) // 2
+        if found(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return high
+
+
+def text_before_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
+    """``text`` up to (without) the first occurrence of any of ``stops``, and that stop string
+    (``None`` when none occurs): what an OpenAI-compatible answer returns."""
+    found = [(i, stop) for stop in stops if stop and (i := text.find(stop)) >= 0]
+    if not found:
+        return text, None
+    start, stop = min(found)
+    return text[:start], stop
+
+
+def cut_sample(sample: Sample, keep: int) -> Sample:
+    """``sample`` with its first ``keep`` response tokens (and their log-probs, versions and mask),
+    finished with ``"stop"``."""
+
+    def head(values: list | None) -> list | None:
+        return None if values is None else list(values[:keep])
+
+    return attrs.evolve(
+        sample,
+        response_ids=list(sample.response_ids[:keep]),
+        logprobs=list(sample.logprobs[:keep]),
+        token_weight_versions=head(sample.token_weight_versions),
+        token_mask=head(sample.token_mask),
+        finish_reason="stop",
+    )
+
+
+def apply_stop_strings(
+    samples: Sequence[Sample], decode: Decode, stops: Sequence[str], min_tokens: int
+) -> list[Sample]:
+    """Each of ``samples`` cut at its first stop string (:func:`stop_cut`), the others as they are."""
+    out = []
+    for sample in samples:
+        keep = stop_cut(sample.response_ids, decode, stops, min_tokens=min_tokens)
+        unchanged = keep is None or (keep == len(sample.response_ids) and sample.finish_reason == "stop")
+        out.append(sample if unchanged else cut_sample(sample, keep))
+    return out
