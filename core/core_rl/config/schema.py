@@ -299,7 +299,9 @@ class AlgorithmConfig:
     - ``ppo_n_minibatches`` x ``ppo_epochs``: optimiser steps per RL step (the batch is cut into
       minibatches by rows, and the cut is passed over ``ppo_epochs`` times);
     - ``recompute_logprob``: ``old_logprobs`` come from the train engine before the first update
-      (behaviour log-probs stay in ``behave_logprobs``).
+      (behaviour log-probs stay in ``behave_logprobs``);
+    - ``reference_reset_every_n_steps``: every this many steps the reference model becomes the
+      current policy (0: never; :mod:`core_rl.trainer.reference_reset`).
     """
 
     name: str = ""
@@ -315,6 +317,7 @@ class AlgorithmConfig:
     ppo_n_minibatches: int = attrs.field(default=1, validator=in_range(1, MAX_COUNT))
     ppo_epochs: int = attrs.field(default=1, validator=in_range(1, 10_000))
     recompute_logprob: bool = False
+    reference_reset_every_n_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
 
     @property
     def optimizer_steps_per_step(self) -> int:

@@ -17,18 +17,19 @@ from core_rl.trainer.ranks import waiting_for
 _STEP = re.compile(r"step_(\d{8})")
 
 
-def export_dir(run_dir: Path, step: int) -> Path:
-    """``<run>/hf/step_<N>``."""
-    return run_dir / "hf" / f"step_{step:08d}"
+def export_dir(run_dir: Path, step: int, folder: str = "hf") -> Path:
+    """``<run>/<folder>/step_<N>`` (``hf``: these exports; ``reference``:
+    :mod:`core_rl.trainer.reference_reset`'s)."""
+    return run_dir / folder / f"step_{step:08d}"
 
 
-def exported_steps(run_dir: Path) -> list[int]:
-    """The steps of the finished exports in ``<run>/hf``, oldest first (partial directories, whose
-    names start with a dot, are not exports)."""
-    folder = run_dir / "hf"
-    if not folder.is_dir():
+def exported_steps(run_dir: Path, folder: str = "hf") -> list[int]:
+    """The steps of the finished exports in ``<run>/<folder>``, oldest first (partial directories,
+    whose names start with a dot, are not exports)."""
+    path = run_dir / folder
+    if not path.is_dir():
         return []
-    return sorted(int(m[1]) for p in folder.iterdir() if (m := _STEP.fullmatch(p.name)) and p.is_dir())
+    return sorted(int(m[1]) for p in path.iterdir() if (m := _STEP.fullmatch(p.name)) and p.is_dir())
 
 
 def prune_exports(run_dir: Path, keep_last: int) -> list[int]:

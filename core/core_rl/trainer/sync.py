@@ -85,6 +85,7 @@ from core_rl.trainer.ranks import (
     set_collective_timeout,
     waiting_for,
 )
+from core_rl.trainer.reference_reset import ReferenceReset
 from core_rl.trainer.resume import Checkpointing, effective_recover_mode
 from core_rl.trainer.reward_role import SCORES, NoRuleReward, reward_model_stage
 from core_rl.trainer.rewards import RewardErrorLog, RewardRunner, ScoreResult
@@ -133,6 +134,7 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, TrainingLoop):
         self.loggers: list[Logger] = []
         self.evaluator: Evaluator | None = None  # rank 0's, with an eval: section (trainer/evaluation.py)
         self.ref: TrainEngine | None = None
+        self.reference_reset: ReferenceReset | None = None
         self.engine: TrainEngine | None = None
         #: rank 0's rollout controller (:mod:`core_rl.trainer.rollout_flow`)
         self.flow: RolloutFlow | None = None
@@ -198,6 +200,8 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, TrainingLoop):
             teacher=self.roles.teacher,
             critic=CriticStage.of_run(cfg, self.roles.critic, self.advantage, self._shard, self.world_size),
         )
+        if cfg.algorithm.reference_reset_every_n_steps:
+            self.reference_reset = ReferenceReset.of_run(cfg, host, self.ref, self.is_main)
 
         quiet_library_progress_bars()
         from transformers import AutoTokenizer
@@ -247,6 +251,9 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, TrainingLoop):
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def _use_reference(self, ref: TrainEngine | None) -> None:
+        self.ref = self.roles.ref = self.update.ref = ref
 
     def _shard(self, batch: TensorBatch) -> TensorBatch:
         """This rank's rows of a global batch (:func:`core_rl.engine_utils.packing.rank_rows`)."""
@@ -388,6 +395,8 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, TrainingLoop):
         assert self.engine is not None
         cfg = self.cfg
         self.maybe_resume()
+        if self.reference_reset is not None:
+            self._use_reference(self.reference_reset.restore(self.start_step, self.ref))
         info = RunInfo(
             name=cfg.experiment.name, output_dir=self.run_dir, config=to_plain(cfg), resume_step=self.resume_step
         )
@@ -428,8 +437,12 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, TrainingLoop):
                     except Exception as exc:
                         error = exc
                 stop = agree_after(f"step {step}", error, self.stop.requested)
+                if self.reference_reset is not None:  # before the checkpoint, which may need its export
+                    self._use_reference(self.reference_reset.after_step(step, self.engine, self.ref))
                 if (cfg.saver.every_n_steps and step % cfg.saver.every_n_steps == 0) or stop:
                     self.save_checkpoint(step)
+                    if self.reference_reset is not None:
+                        self.reference_reset.prune(self.run_dir)
                 if export_due(cfg.saver, step):
                     export_step(self.engine, cfg.saver, self.run_dir, step, is_main=self.is_main)
                 if stop:
