@@ -6,7 +6,19 @@ import math
 
 import pytest
 import torch
-from core_rl.ops import bradley_terry_loss, preference_loss, preference_metrics, sequence_logprob
+from core_rl.ops import (
+    LOG_ODDS_MAX_LOGPROB,
+    bradley_terry_loss,
+    log_odds,
+    mean_token_logprob,
+    orpo_loss,
+    preference_loss,
+    preference_metrics,
+    sequence_logprob,
+    simpo_loss,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 CHOSEN = torch.tensor([1.0, -0.5])
 REJECTED = torch.tensor([0.0, 0.5])  # margins h = [1, -1]
@@ -90,3 +102,121 @@ def test_sequence_logprob_sums_masked_tokens() -> None:
 def test_bad_arguments_are_refused(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         preference_loss(CHOSEN, REJECTED, **kwargs)
+
+
+# --- reference-free losses: SimPO and ORPO on length-normalised log-probs -------------------------
+
+
+def test_mean_token_logprob_by_hand() -> None:
+    # sums [-3, -0.5] over 2 and 1 tokens: [-1.5, -0.5]; an empty response (sum 0) gives 0, not nan
+    means = mean_token_logprob(torch.tensor([-3.0, -0.5, 0.0]), torch.tensor([2, 1, 0]))
+    assert means.tolist() == [-1.5, -0.5, 0.0]
+
+
+def test_simpo_loss_by_hand() -> None:
+    chosen, rejected = torch.tensor([-0.5, -1.0]), torch.tensor([-1.0, -0.75])
+    # beta 2, gamma 0.5: z = 2 * 0.5 - 0.5 = 0.5 and 2 * -0.25 - 0.5 = -1
+    # -log sigmoid(0.5) = log(1 + e^-0.5) = 0.474077; -log sigmoid(-1) = log(1 + e) = 1.313262
+    loss = simpo_loss(chosen, rejected, beta=2.0, gamma=0.5)
+    assert loss.tolist() == pytest.approx([0.474077, 1.313262], abs=1e-6)
+    # eps 0.1: 0.9 * 0.474077 + 0.1 * 0.974077 = 0.524077; 0.9 * 1.313262 + 0.1 * 0.313262 = 1.213262
+    loss = simpo_loss(chosen, rejected, beta=2.0, gamma=0.5, label_smoothing=0.1)
+    assert loss.tolist() == pytest.approx([0.524077, 1.213262], abs=1e-6)
+    # d/da_w at z = 0.5: -beta * sigmoid(-0.5) = -2 * 0.377541 = -0.755081
+    a_w = chosen.clone().requires_grad_(True)
+    simpo_loss(a_w, rejected, beta=2.0, gamma=0.5).sum().backward()
+    assert a_w.grad[0].item() == pytest.approx(-0.755081, abs=1e-6)
+
+
+def test_log_odds_by_hand() -> None:
+    # p = 0.5, 0.2, 0.8: log(p / (1 - p)) = 0, -log 4 = -1.386294, log 4 = 1.386294
+    odds = log_odds(torch.log(torch.tensor([0.5, 0.2, 0.8])))
+    assert odds.tolist() == pytest.approx([0.0, -1.386294, 1.386294], abs=1e-6)
+    # p = 1 (a = 0) reads as a = -1e-6: -1e-6 - log(1 - e^-1e-6) = log(1e6) = 13.815511 (to 1e-6 relative)
+    assert log_odds(torch.tensor([0.0])).item() == pytest.approx(13.815510, abs=1e-4)
+    assert LOG_ODDS_MAX_LOGPROB == -1e-6
+
+
+def test_orpo_loss_by_hand() -> None:
+    # pair 0: p_w = 0.5, p_l = 0.2: NLL -log 0.5 = 0.693147; o_w - o_l = 0 + log 4;
+    #   -log sigmoid(log 4) = log(1 + 1/4) = 0.223144; lam 0.1: 0.693147 + 0.022314 = 0.715461
+    # pair 1: p_w = 0.2, p_l = 0.8: NLL -log 0.2 = 1.609438; o_w - o_l = -2 log 4 = -log 16;
+    #   -log sigmoid(-log 16) = log(1 + 16) = 2.833213; lam 0.1: 1.609438 + 0.283321 = 1.892759
+    chosen = torch.log(torch.tensor([0.5, 0.2])).requires_grad_(True)
+    rejected = torch.log(torch.tensor([0.2, 0.8]))
+    loss = orpo_loss(chosen, rejected, lam=0.1)
+    assert loss.tolist() == pytest.approx([0.715461, 1.892759], abs=1e-6)
+    # lam 0.5, pair 1: 1.609438 + 0.5 * 2.833213 = 3.026045; lam 0: the NLL alone
+    assert orpo_loss(chosen, rejected, lam=0.5)[1].item() == pytest.approx(3.026045, abs=1e-6)
+    assert orpo_loss(chosen, rejected, lam=0.0).tolist() == pytest.approx([0.693147, 1.609438], abs=1e-6)
+    # d/da_w = -1 - lam * sigmoid(-(o_w - o_l)) * do/da with do/da = 1 / (1 - p):
+    #   pair 0: -1 - 0.1 * sigmoid(-log 4) * 2 = -1 - 0.1 * 0.2 * 2 = -1.04
+    #   pair 1: -1 - 0.1 * sigmoid(log 16) * 1.25 = -1 - 0.1 * (16/17) * 1.25 = -1.117647
+    loss.sum().backward()
+    assert chosen.grad.tolist() == pytest.approx([-1.04, -1.117647], abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: simpo_loss(CHOSEN, REJECTED, beta=0.0), "beta"),
+        (lambda: simpo_loss(CHOSEN, REJECTED, gamma=-0.1), "gamma"),
+        (lambda: simpo_loss(CHOSEN, REJECTED, label_smoothing=0.5), "label_smoothing"),
+        (lambda: orpo_loss(CHOSEN, REJECTED, lam=-1.0), "lam"),
+    ],
+)
+def test_bad_reference_free_arguments_are_refused(call, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+PROPERTY = settings(max_examples=60, deadline=None)
+LOGPROBS = st.floats(-20.0, 0.0, width=32)
+
+
+@PROPERTY
+@given(
+    st.lists(st.tuples(LOGPROBS, LOGPROBS, st.integers(1, 9), st.integers(1, 9)), min_size=1, max_size=6),
+    st.floats(0.01, 10.0),
+    st.sampled_from([0.0, 0.1, 0.3]),
+)
+def test_simpo_without_margin_is_the_sigmoid_loss_on_mean_logprobs_without_a_reference(pairs, beta, eps):
+    """SimPO with gamma 0 equals DPO's sigmoid loss on the length-normalised log-probs with a zero
+    reference; a margin gamma shifts the rejected mean by gamma / beta and never lowers the loss."""
+    # a row of n tokens with mean log-prob a has the sequence log-prob a * n
+    sums_w = torch.tensor([p[0] * p[2] for p in pairs])
+    sums_l = torch.tensor([p[1] * p[3] for p in pairs])
+    a_w = mean_token_logprob(sums_w, torch.tensor([p[2] for p in pairs]))
+    a_l = mean_token_logprob(sums_l, torch.tensor([p[3] for p in pairs]))
+    zero = torch.zeros_like(a_w)
+    want = preference_loss(a_w - zero, a_l - zero, loss_type="sigmoid", beta=beta, label_smoothing=eps)
+    got = simpo_loss(a_w, a_l, beta=beta, gamma=0.0, label_smoothing=eps)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    shifted = preference_loss(a_w, a_l + 0.5 / beta, loss_type="sigmoid", beta=beta, label_smoothing=eps)
+    torch.testing.assert_close(
+        simpo_loss(a_w, a_l, beta=beta, gamma=0.5, label_smoothing=eps), shifted, rtol=1e-4, atol=1e-5
+    )
+    if eps == 0.0:
+        assert bool((simpo_loss(a_w, a_l, beta=beta, gamma=0.5) >= got).all())
+
+
+@PROPERTY
+@given(st.floats(-64.0, -(2.0**-13), width=32))
+def test_log_odds_agree_with_the_float64_formula_away_from_zero(a):
+    """``a - log(1 - e^a)`` in float32 matches the direct float64 formula on the same input."""
+    want = a - math.log(1.0 - math.exp(a))
+    assert log_odds(torch.tensor([a])).item() == pytest.approx(want, rel=2e-6, abs=1e-5)
+
+
+@PROPERTY
+@given(st.floats(-(2.0**-13), 0.0, width=32), st.floats(-64.0, -(2.0**-13), width=32))
+def test_log_odds_and_orpo_stay_finite_near_zero(a, other):
+    """A mean log-prob at or next to 0 (a response the model is certain of) gives a finite
+    log-odds at most log(1e6), finite ORPO losses and finite gradients, on either side of a pair."""
+    x = torch.tensor([a, other], requires_grad=True)
+    odds = log_odds(x)
+    assert torch.isfinite(odds).all() and odds[0].item() <= math.log(1e6) + 1e-3
+    assert odds[0].item() >= odds[1].item()  # monotone: the likelier response has the higher odds
+    loss = orpo_loss(x[:1], x[1:], lam=1.0) + orpo_loss(x[1:], x[:1], lam=1.0)
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(x.grad).all()

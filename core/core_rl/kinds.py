@@ -147,6 +147,8 @@ KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("advantage", "gae"): "ppo",
     ("algorithm", "dpo"): "dpo",
     ("algorithm", "ipo"): "dpo",
+    ("algorithm", "simpo"): "dpo",
+    ("algorithm", "orpo"): "dpo",
     ("loop", "dpo"): "dpo",
     ("algorithm", "sft"): "sft",
     ("loop", "sft"): "sft",

@@ -15,8 +15,11 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SEQUENCE_REDUCTIONS = ("sum", "mean", "max")
 #: the levels a mean or a standard deviation is taken at (:func:`core_rl.ops.normalize`)
 NORM_LEVELS = ("batch", "group", "none")
-#: per-pair preference losses (:func:`core_rl.ops.preference_loss`)
+#: per-pair preference losses on log-ratios against a reference (:func:`core_rl.ops.preference_loss`)
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge")
+#: per-pair preference losses on the policy's length-normalised log-probs alone, no reference
+#: (:func:`core_rl.ops.simpo_loss`, :func:`core_rl.ops.orpo_loss`)
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 #: critic value losses (:func:`core_rl.ops.value_loss`)
 VALUE_LOSSES = ("mse", "huber")
 #: rejection by a divergence metric (:func:`core_rl.ops.reject_by_metric`): the level it judges

@@ -14,14 +14,43 @@ give sequence log-probabilities; the *log-ratio* of a response is
 The implicit rewards are ``beta * logratio`` of each response; a pair is *correct* when the
 chosen reward exceeds the rejected one. A Bradley-Terry reward model is the ``sigmoid`` loss on
 its two scalar scores with ``beta = 1`` (:func:`bradley_terry_loss`).
+
+The reference-free losses (:data:`~core_rl.ops.names.REFERENCE_FREE_LOSSES`) read no reference:
+they compare the policy's *length-normalised* log-probs ``a = log pi(y|x) / |y|`` (the mean over
+the response tokens, :func:`mean_token_logprob`) of the chosen (``a_w``) and rejected (``a_l``)
+responses:
+
+- ``simpo`` (SimPO) with target margin ``gamma >= 0``, ``z = beta * (a_w - a_l) - gamma``:
+  ``-(1 - eps) * log sigmoid(z) - eps * log sigmoid(-z)`` (:func:`simpo_loss`);
+- ``orpo`` (ORPO) with weight ``lam``: ``-a_w - lam * log sigmoid(o(a_w) - o(a_l))``, the chosen
+  response's per-token NLL plus the odds-ratio term, with the log-odds ``o(a) = a - log(1 - e^a)``
+  of the mean token probability ``e^a`` (:func:`log_odds`, :func:`orpo_loss`).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
 from core_rl.ops.names import PREFERENCE_LOSSES
+
+#: :func:`log_odds` reads a mean log-prob ``a`` above this as this: ``e^a`` of at most ``1 - 1e-6``
+#: keeps ``log(1 - e^a)`` (``-inf`` at 0) and its derivative ``-e^a / (1 - e^a)`` finite
+LOG_ODDS_MAX_LOGPROB = -1e-6
+
+
+def smoothed_logistic_loss(x: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
+    """``-(1 - eps) * log sigmoid(beta * x) - eps * log sigmoid(-beta * x)`` with
+    ``eps = label_smoothing``: the logistic loss of the logit ``beta * x``, a fraction ``eps`` of the
+    labels assumed flipped."""
+    return -(1.0 - label_smoothing) * F.logsigmoid(beta * x) - label_smoothing * F.logsigmoid(-beta * x)
+
+
+def _check_label_smoothing(label_smoothing: float) -> None:
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
 
 
 def preference_loss(
@@ -36,16 +65,67 @@ def preference_loss(
     chosen and rejected log-ratios ``[P]``. Differentiable in both arguments."""
     if beta <= 0:
         raise ValueError(f"beta must be > 0, got {beta}")
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    _check_label_smoothing(label_smoothing)
     margin = chosen_logratio - rejected_logratio
     if loss_type == "sigmoid":
-        return -(1.0 - label_smoothing) * F.logsigmoid(beta * margin) - label_smoothing * F.logsigmoid(-beta * margin)
+        return smoothed_logistic_loss(margin, beta, label_smoothing)
     if loss_type == "ipo":
         return (margin - 1.0 / (2.0 * beta)) ** 2
     if loss_type == "hinge":
         return torch.relu(1.0 - beta * margin)
     raise ValueError(f"unknown preference loss {loss_type!r}; one of {', '.join(PREFERENCE_LOSSES)}")
+
+
+def simpo_loss(
+    chosen_mean_logprob: torch.Tensor,
+    rejected_mean_logprob: torch.Tensor,
+    *,
+    beta: float = 2.0,
+    gamma: float = 0.5,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """SimPO's per-pair loss ``[P]``: with the length-normalised log-probs ``a_w``, ``a_l``
+    (:func:`mean_token_logprob`) and ``z = beta * (a_w - a_l) - gamma``,
+    ``-(1 - eps) * log sigmoid(z) - eps * log sigmoid(-z)``. ``gamma`` is the target margin in
+    reward units (``beta * a`` is a response's implicit reward), so the chosen mean log-prob must
+    beat the rejected one by ``gamma / beta`` nats per token before the loss fades; with ``gamma =
+    0`` it is the ``sigmoid`` loss of :func:`preference_loss` on ``a_w``, ``a_l`` without a
+    reference. Differentiable in both arguments. (Computed as ``beta * (a_w - a_l - gamma / beta)``.)"""
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    if gamma < 0:
+        raise ValueError(f"gamma must be >= 0, got {gamma}")
+    _check_label_smoothing(label_smoothing)
+    return smoothed_logistic_loss(chosen_mean_logprob - rejected_mean_logprob - gamma / beta, beta, label_smoothing)
+
+
+def log_odds(mean_logprob: torch.Tensor) -> torch.Tensor:
+    """``o(a) = log(p / (1 - p)) = a - log(1 - e^a)``, the log-odds of ``p = e^a`` for a mean token
+    log-prob ``a <= 0`` (ORPO). ``log(1 - e^a)`` is ``log(-expm1(a))`` for ``a > -log 2`` and
+    ``log1p(-exp(a))`` below, each exact where the other loses digits (``1 - e^a`` rounds near
+    ``a = 0``; ``exp(a)`` is tiny far below). ``a`` above :data:`LOG_ODDS_MAX_LOGPROB` counts as that
+    bound (``o`` at most ``log(1e6) ~ 13.8``, no gradient there), so ``a = 0`` gives a finite value
+    and gradient."""
+    a = mean_logprob.clamp(max=LOG_ODDS_MAX_LOGPROB)
+    log1m_exp = torch.where(a > -math.log(2.0), torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))
+    return a - log1m_exp
+
+
+def orpo_loss(
+    chosen_mean_logprob: torch.Tensor,
+    rejected_mean_logprob: torch.Tensor,
+    *,
+    lam: float = 0.1,
+) -> torch.Tensor:
+    """ORPO's per-pair loss ``[P]``: ``-a_w - lam * log sigmoid(o(a_w) - o(a_l))`` with the
+    length-normalised log-probs ``a_w``, ``a_l`` (:func:`mean_token_logprob`) and their log-odds
+    ``o`` (:func:`log_odds`): the chosen response's mean per-token NLL plus ``lam`` times the
+    odds-ratio term. ``lam = 0`` is supervised fine-tuning on the chosen responses.
+    Differentiable in both arguments."""
+    if lam < 0:
+        raise ValueError(f"lam must be >= 0, got {lam}")
+    odds_ratio = log_odds(chosen_mean_logprob) - log_odds(rejected_mean_logprob)
+    return -chosen_mean_logprob - lam * F.logsigmoid(odds_ratio)
 
 
 def bradley_terry_loss(
@@ -102,3 +182,10 @@ def preference_metrics(
 def sequence_logprob(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``sum_t logprobs[b, t] * mask[b, t]``: the log-probability ``[B]`` of each row's masked tokens."""
     return (logprobs * mask).sum(dim=-1)
+
+
+def mean_token_logprob(seq_logprob: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+    """``seq_logprob[b] / max(num_tokens[b], 1)``: the length-normalised log-prob ``[B]`` of each
+    row (its sequence log-prob, :func:`sequence_logprob`, over its response token count; an empty
+    response, whose sum is 0, gives 0). Differentiable in ``seq_logprob``."""
+    return seq_logprob / num_tokens.to(seq_logprob.dtype).clamp(min=1.0)

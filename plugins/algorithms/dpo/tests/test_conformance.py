@@ -1,4 +1,4 @@
-"""The core-rl conformance contracts for the ``dpo`` loop and the ``dpo`` / ``ipo`` recipes."""
+"""The core-rl conformance contracts for the ``dpo`` loop and the ``dpo`` / ``ipo`` / ``simpo`` / ``orpo`` recipes."""
 
 from __future__ import annotations
 
@@ -21,4 +21,16 @@ class TestDPOAlgorithm(AlgorithmContract):
 class TestIPOAlgorithm(AlgorithmContract):
     plugin = dpo_plugin
     name = "ipo"
+    distribution = installed_distribution("core-rl-dpo")
+
+
+class TestSimPOAlgorithm(AlgorithmContract):
+    plugin = dpo_plugin
+    name = "simpo"
+    distribution = installed_distribution("core-rl-dpo")
+
+
+class TestORPOAlgorithm(AlgorithmContract):
+    plugin = dpo_plugin
+    name = "orpo"
     distribution = installed_distribution("core-rl-dpo")

@@ -1,1 +1,2 @@
-"""core-rl-dpo: the ``dpo`` training loop and the ``dpo`` / ``ipo`` recipes (see :mod:`.loop`)."""
+"""core-rl-dpo: the ``dpo`` training loop and the ``dpo`` / ``ipo`` / ``simpo`` / ``orpo`` recipes (see
+:mod:`.loop`)."""

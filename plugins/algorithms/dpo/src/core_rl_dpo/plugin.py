@@ -31,12 +31,29 @@ def ipo_recipe() -> AlgorithmRecipe:
     )
 
 
+def simpo_recipe() -> AlgorithmRecipe:
+    return AlgorithmRecipe(
+        defaults={
+            "algorithm": {},
+            "trainer": {"loop": {"name": "dpo", "loss_type": "simpo", "reference": "none", "beta": 2.0}},
+        },
+        description="SimPO (the dpo loop without a reference: margin of length-normalised log-probs, beta 2)",
+    )
+
+
+def orpo_recipe() -> AlgorithmRecipe:
+    return AlgorithmRecipe(
+        defaults={"algorithm": {}, "trainer": {"loop": {"name": "dpo", "loss_type": "orpo", "reference": "none"}}},
+        description="ORPO (the dpo loop without a reference: chosen NLL plus an odds-ratio term)",
+    )
+
+
 @hookimpl
 def core_rl_register_loops(register: Register) -> None:
     register(
         "dpo",
         make_dpo_loop,
-        description="Pairwise preference optimisation (sigmoid/IPO/hinge) against a frozen reference",
+        description="Pairwise preference optimisation (sigmoid/IPO/hinge against a reference; SimPO/ORPO without one)",
         config_cls=DPOConfig,
     )
 
@@ -45,3 +62,5 @@ def core_rl_register_loops(register: Register) -> None:
 def core_rl_register_algorithms(register: Register) -> None:
     register("dpo", dpo_recipe, description=dpo_recipe().description)
     register("ipo", ipo_recipe, description=ipo_recipe().description)
+    register("simpo", simpo_recipe, description=simpo_recipe().description)
+    register("orpo", orpo_recipe, description=orpo_recipe().description)
