@@ -26,8 +26,9 @@ def test_the_cut_by_hand() -> None:
     text = lambda ids: "".join(chars[i] for i in ids)  # noqa: E731
     ids = [0, 0, 1, 2, 3, 1, 2]  # "xxabyab"
     assert stop_cut(ids, text, ["ab"]) == 4  # "xxab": the token that completes the first "ab"
-    assert stop_cut(ids, text, ["ab"], min_tokens=3) == 4  # that "ab" ends after the first 3 tokens
-    assert stop_cut(ids, text, ["ab"], min_tokens=4) == 7  # it does not: the next one
+    assert stop_cut(ids, text, ["ab"], min_tokens=4) == 4  # the 4th token may complete it
+    assert stop_cut(ids, text, ["ab"], min_tokens=5) == 7  # not before the 5th: the next one
+    assert stop_cut(ids, text, ["ab"], min_tokens=8) is None  # fewer tokens than that
     assert stop_cut(ids, text, ["yab", "zz"]) == 7
     assert stop_cut(ids, text, ["zz"]) is None and stop_cut([], text, ["a"]) is None and stop_cut(ids, text, []) is None
     # a token spanning the stop string's end stays whole: " wor" completes "lo w"
@@ -46,8 +47,9 @@ def test_text_before_the_first_stop_string() -> None:
     min_tokens=st.integers(0, 4),
 )
 def test_the_cut_is_the_fewest_tokens_that_complete_a_stop_after_min_tokens(ids, stops, min_tokens) -> None:
+    """``k >= min_tokens`` and the stop string ends in the text of the ``min_tokens``-th token or later."""
     keep = stop_cut(ids, decode, stops, min_tokens=min_tokens)
-    floor = min(min_tokens, len(ids))
+    floor = max(min_tokens - 1, 0)
     base = len(decode(ids[:floor]))
 
     def ends_after_base(k: int) -> bool:  # a direct scan of every occurrence in the first k tokens' text
@@ -55,10 +57,11 @@ def test_the_cut_is_the_fewest_tokens_that_complete_a_stop_after_min_tokens(ids,
         return any(text.startswith(s, i) and i + len(s) > base for s in stops for i in range(len(text)))
 
     if keep is None:
-        assert not ends_after_base(len(ids))
+        assert len(ids) < min_tokens or not ends_after_base(len(ids))
     else:
-        assert max(floor, 1) <= keep <= len(ids) and ends_after_base(keep)
-        assert keep == max(floor, 1) or not ends_after_base(keep - 1)
+        low = max(min_tokens, 1)
+        assert low <= keep <= len(ids) and ends_after_base(keep)
+        assert keep == low or not ends_after_base(keep - 1)
 
 
 def test_samples_are_cut_with_their_log_probs_and_versions() -> None:

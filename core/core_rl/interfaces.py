@@ -61,7 +61,9 @@ class SamplingParams:
     ``top_k <= 0`` and ``top_p == 1`` disable those filters. Generation stops at EOS, at any of
     ``stop_token_ids``, or after ``max_new_tokens``; no stop happens before ``min_new_tokens``.
     ``stop`` strings end a response at the token that completes one; the rollout controller cuts
-    every engine's responses there (:mod:`core_rl.stop_strings`), so an engine may ignore them.
+    every engine's responses there (:mod:`core_rl.stop_strings`), so an engine may ignore them
+    (an engine whose config class sets ``stop_strings = True`` stops there itself, saving the
+    tokens after: ``vllm``, ``sglang``).
     """
 
     n: int = 1

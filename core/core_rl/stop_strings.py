@@ -4,8 +4,9 @@ first token whose text completes one of them.
 The cut is made on token ids, so the trajectory holds exactly what the model sampled up to there:
 response ``y`` is cut to ``y[:k]`` with ``k`` the fewest tokens whose text (``decode(y[:k])``, the
 response decoded on its own without special tokens, whose names such as ``<pad>`` are not text the
-model wrote) holds a stop string ending after the text of the first ``min_new_tokens`` tokens, as no
-stop happens before them. Cutting what an engine generated
+model wrote) holds a stop string, with ``k >= min_new_tokens`` and the stop string ending after the
+text of the first ``min_new_tokens - 1`` tokens: the ``min_new_tokens``-th token or a later one
+completes it (as vLLM and SGLang check stop strings once that many tokens exist). Cutting what an engine generated
 past that point samples the same distribution as stopping there: the tokens after it are dropped
 whole. ``finish_reason`` becomes ``"stop"``; the last token may carry text past the stop string's end
 (a token that spans it), which stays in the trajectory.
@@ -26,11 +27,11 @@ Decode = Callable[[Sequence[int]], str]
 
 
 def stop_cut(ids: Sequence[int], decode: Decode, stops: Sequence[str], *, min_tokens: int = 0) -> int | None:
-    """The number of tokens to keep (module docstring), or ``None`` when no stop string ends after
-    the text of the first ``min_tokens`` tokens."""
-    if not stops or not ids:
+    """The number of tokens to keep (module docstring), or ``None`` when no stop string is
+    completed by the ``min_tokens``-th token or a later one."""
+    if not stops or not ids or len(ids) < min_tokens:
         return None
-    floor = min(max(min_tokens, 0), len(ids))
+    floor = max(min_tokens - 1, 0)
     base = len(decode(ids[:floor])) if floor else 0  # only occurrences ending after this count
 
     def found(k: int) -> bool:
@@ -39,7 +40,7 @@ def stop_cut(ids: Sequence[int], decode: Decode, stops: Sequence[str], *, min_to
 
     if not found(len(ids)):
         return None
-    low, high = max(floor, 1), len(ids)  # found(high); find the fewest tokens that still find it
+    low, high = max(min_tokens, 1), len(ids)  # found(high); find the fewest tokens that still find it
     while low < high:
         middle = (low + high) // 2
         if found(middle):

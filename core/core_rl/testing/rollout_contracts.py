@@ -85,6 +85,32 @@ class RolloutEngineContract(TinyModelMixin, MultiTurnEngineTests, ComponentContr
                 else:
                     assert len(s.response_ids) == 8
 
+    def test_stop_strings_end_at_the_completing_token(self, engine: RolloutEngine, model_path: Path) -> None:
+        """The rollout controller cuts every engine's responses at ``sampling.stop``
+        (:mod:`core_rl.stop_strings`); an engine whose config class says ``stop_strings = True``
+        stops there itself, so the cut leaves its responses as they are."""
+        from transformers import AutoTokenizer
+
+        from core_rl.stop_strings import apply_stop_strings, stop_cut
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        stops = ["a", "e", "1"]
+        sampling = SamplingParams(n=4, max_new_tokens=12, min_new_tokens=2, stop=stops)
+        out = engine.generate(self.prompts, sampling)
+
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=True)
+
+        native = bool(getattr(self.entry().config_cls, "stop_strings", False))
+        stopped = 0
+        for samples in out:
+            for got, want in zip(samples, apply_stop_strings(samples, decode, stops, sampling.min_new_tokens)):
+                assert got.response_ids[: len(want.response_ids)] == want.response_ids
+                stopped += stop_cut(want.response_ids, decode, stops, min_tokens=2) == len(want.response_ids)
+                if native:
+                    assert got.response_ids == want.response_ids and got.finish_reason == want.finish_reason
+        assert stopped > 0  # the frequent stop strings ended some responses
+
     def test_greedy_is_argmax_and_top_k_one_matches(self, engine: RolloutEngine, model_path: Path) -> None:
         greedy = engine.generate(self.prompts, SamplingParams(n=2, max_new_tokens=6, greedy=True))
         topk1 = engine.generate(self.prompts, SamplingParams(n=1, max_new_tokens=6, top_k=1))

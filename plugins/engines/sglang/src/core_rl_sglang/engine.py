@@ -149,8 +149,10 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             "top_p": 1.0 if sampling.greedy else sampling.top_p,
             "top_k": -1 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,
             "stop_token_ids": list(sampling.stop_token_ids),
-            "skip_special_tokens": False,
+            # stop strings are matched in the text without special tokens, as core_rl.stop_strings does
+            "skip_special_tokens": bool(sampling.stop),
             "no_stop_trim": True,
+            **({"stop": list(sampling.stop)} if sampling.stop else {}),
         }
         payload = {
             "input_ids": [list(prompt_ids)] * sampling.n,
