@@ -299,3 +299,32 @@ def test_bfloat16_weights_generate_close_logprobs(make_engine: MakeEngine, tiny_
             ids = torch.tensor([s.prompt_ids + s.response_ids])
             want = hf_logprobs(tiny_model_path, ids, torch.ones_like(ids))[0, len(s.prompt_ids) :]
             torch.testing.assert_close(torch.tensor(s.logprobs), want, atol=0.05, rtol=0)
+
+
+def test_stop_strings_end_decoding_early(make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy responses stopped at a stop string equal the free responses cut there; with every
+    character a stop string, every row stops at its first token with text and decoding ends at the
+    check that stops the last row (the host checks every token on a CPU), not at the budget."""
+    import core_rl_hf.stop_check as stop_check
+    from core_rl.stop_strings import stop_cut
+    from core_rl.tiny import DEFAULT_ALPHABET
+
+    engine = make_engine()
+    free = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, greedy=True))
+    decode = engine._decode_text
+    stop = decode([free[1][0].response_ids[2]])  # the third token's text of the second prompt's answer
+    cut = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, greedy=True, stop=[stop]))
+    for (whole,), (got,) in zip(free, cut):
+        keep = stop_cut(whole.response_ids, decode, [stop])
+        assert got.response_ids == whole.response_ids[: keep or len(whole.response_ids)]
+        assert got.finish_reason == ("stop" if keep else whole.finish_reason)
+    checks: list[int] = []
+    check = stop_check.StopStringCheck.__call__
+    monkeypatch.setattr(
+        stop_check.StopStringCheck, "__call__", lambda c, state, t: (checks.append(t), check(c, state, t))
+    )
+    every = engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=12, stop=list(DEFAULT_ALPHABET)))
+    lengths = [len(s.response_ids) for samples in every for s in samples]
+    assert all(s.finish_reason == "stop" for samples in every for s in samples)
+    assert max(lengths) < 4  # at the first token with text (special tokens have none)
+    assert max(checks) == max(lengths)  # no token decoded after the check that stopped the last row

@@ -73,6 +73,8 @@ class HFRolloutConfig:
 
     #: the engine can give back its GPU memory while the trainer trains (``rollout.sleep_while_training``)
     releases_memory: ClassVar[bool] = True
+    #: rows stop at rollout.sampling.stop strings (core_rl_hf.stop_check; the tokenizer is needed)
+    stop_strings: ClassVar[bool] = True
 
     dtype: str = attrs.field(default="float32", validator=one_of(DTYPES))
     device: str = attrs.field(default="auto", validator=_valid_device)

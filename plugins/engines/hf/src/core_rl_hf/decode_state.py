@@ -104,6 +104,14 @@ class DecodeState:
         self.feed.copy_(torch.where(self.done, self.pad, token))
         self.t.add_(1)
 
+    def finish(self, rows: Sequence[int], lengths: Sequence[int]) -> None:
+        """Finish batch ``rows`` as stopped after ``lengths`` tokens (a stop string the host found,
+        :mod:`core_rl_hf.stop_check`); in place, as a captured graph reads these buffers."""
+        index = torch.as_tensor(list(rows), device=self.done.device)
+        self.lengths[index] = torch.as_tensor(list(lengths), device=self.done.device)
+        self.stopped[index] = True
+        self.done[index] = True
+
     def abort(self) -> None:
         """End the running rows here: their length is the tokens they have."""
         self.lengths.copy_(torch.where(self.done, self.lengths, self.t))

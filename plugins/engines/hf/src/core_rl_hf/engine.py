@@ -118,6 +118,7 @@ class HFRolloutEngine(RolloutEngine):
             tokenizer = AutoTokenizer.from_pretrained(model_path)
         except (OSError, ValueError):  # a weights-only directory: fall back to the model's config
             tokenizer = None
+        self.tokenizer = tokenizer  # stop strings (core_rl_hf.stop_check)
         self.eos_token_ids, self.pad_token_id = special_token_ids(model, tokenizer)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.graphs = self._decode_graphs(config, model)
@@ -255,7 +256,11 @@ class HFRolloutEngine(RolloutEngine):
             sync_every=self.sync_every,
             graphs=self.graphs,
             max_rows=self.config.max_batch_size,
+            decode_text=self._decode_text if self.tokenizer is not None else None,
         )
+
+    def _decode_text(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     async def agenerate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
         check_sampling(sampling)

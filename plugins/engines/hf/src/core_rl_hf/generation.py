@@ -40,6 +40,7 @@ from core_rl.interfaces import SamplingParams
 from core_rl_hf.decode import LeanStepper, lean_supported, make_stepper, mixed_precision
 from core_rl_hf.decode_state import DecodeState
 from core_rl_hf.graphs import DecodeGraphs, bucketed_capacity, bucketed_rows
+from core_rl_hf.stop_check import StopStringCheck
 
 
 @attrs.define
@@ -86,6 +87,7 @@ def generate_batch(
     sync_every: int = 1,
     graphs: DecodeGraphs | None = None,
     max_rows: int | None = None,
+    decode_text: Callable[[Sequence[int]], str] | None = None,
 ) -> list[list[Completion]]:
     """``counts[i]`` responses to each (non-empty) ``prompts[i]``, all generated as one batch; see
     the module docstring. ``sampling.n`` is ignored (``counts`` says how many). ``lean``: decode
@@ -93,7 +95,9 @@ def generate_batch(
     precision (the prefill under autocast, the steps as :mod:`core_rl_hf.decode` describes).
     ``sync_every``: the host reads how many rows are done every this many tokens;
     ``graphs``: replay the decoding step from CUDA graphs kept there (lean models only), the rows
-    rounded up to a power of two but at most ``max_rows`` (:func:`~core_rl_hf.graphs.bucketed_rows`)."""
+    rounded up to a power of two but at most ``max_rows`` (:func:`~core_rl_hf.graphs.bucketed_rows`).
+    ``decode_text``: token ids to text (special tokens left out), with which rows stop at
+    ``sampling.stop`` strings at the host's checks (:mod:`core_rl_hf.stop_check`)."""
     device = next(model.parameters()).device
     stop_ids = sorted(set(eos_token_ids) | set(sampling.stop_token_ids))
     input_ids, attention_mask, position_ids = left_pad(prompts, pad_token_id, device)
@@ -161,7 +165,10 @@ def generate_batch(
 
     state.choose(logits)
     del logits  # [rows, vocab] float32: not kept through the decode
-    aborted = _decode(state, advance, steps, sync_every=sync_every, keep=keep, interrupted=interrupted)
+    check = None
+    if sampling.stop and decode_text is not None:
+        check = StopStringCheck(sampling.stop, decode_text, sampling.min_new_tokens, sync_every)
+    aborted = _decode(state, advance, steps, sync_every=sync_every, keep=keep, interrupted=interrupted, check=check)
 
     tokens_l, logprobs_l, lengths_l, stopped_l = state.results()
     completions = [
@@ -172,6 +179,8 @@ def generate_batch(
         )
         for i in range(total)
     ]
+    if check is not None:  # exact, also for rows that ended on EOS or the budget since the last check
+        completions = [check.cut(c) for c in completions]
     grouped, start = [], 0
     for count in counts:
         grouped.append(completions[start : start + count])
@@ -187,15 +196,19 @@ def _decode(
     sync_every: int,
     keep: Callable[[torch.Tensor], None] | None,
     interrupted: Callable[[], bool] | None,
+    check: Callable[[DecodeState, int], None] | None = None,
 ) -> bool:
     """Generate tokens ``1 .. steps - 1`` (token 0 is chosen) with ``advance``, one step each.
 
-    Every ``sync_every`` tokens the host reads how many rows are done: all -> stop; at least a
-    quarter and ``keep`` given -> drop the finished rows. Nothing else is read back per token.
-    ``interrupted()`` (a host-side flag) is asked before each token; when true the running rows
-    end with the tokens they have. Returns whether that happened."""
+    Every ``sync_every`` tokens the host reads how many rows are done (after ``check(state, t)``
+    finished the rows it finds done: stop strings): all -> stop; at least a quarter and ``keep``
+    given -> drop the finished rows. Nothing else is read back per token. ``interrupted()`` (a
+    host-side flag) is asked before each token; when true the running rows end with the tokens
+    they have. Returns whether that happened."""
     for t in range(1, steps):
         if t % sync_every == 0:
+            if check is not None:
+                check(state, t)
             finished, rows = state.finished(), len(state.done)
             if finished == rows:
                 break
