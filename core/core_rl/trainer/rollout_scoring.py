@@ -1,0 +1,107 @@
+"""A generation batch of the RL loop, scored: the rollout controller's next wave, flattened, its
+rewards through the reward runner (errors logged and counted), the sample log, and rank 0's whole
+part of a step (several waves under dynamic sampling, filters, shaping and advantages through
+:class:`~core_rl.trainer.batching.BatchAssembler`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from core_rl.config.schema import RunConfig
+from core_rl.interfaces import Logger
+from core_rl.protocol import RewardInput, Sample, TensorBatch
+from core_rl.trainer.batching import BatchAssembler, Generation
+from core_rl.trainer.colocation import RolloutSleep
+from core_rl.trainer.data import PromptItem
+from core_rl.trainer.rewards import RewardErrorLog, RewardRunner, ScoreResult
+from core_rl.trainer.rollout_flow import RolloutFlow, flatten_groups
+from core_rl.trainer.sample_log import sample_records, score_samples
+
+
+class RolloutScoring:
+    """The rollout-and-reward part of the RL loop (:class:`~core_rl.trainer.sync.SyncTrainer`),
+    run on rank 0."""
+
+    cfg: RunConfig
+    flow: RolloutFlow | None
+    reward_runner: RewardRunner | None
+    reward_log: RewardErrorLog
+    reward_stage: Any
+    rollout_sleep: RolloutSleep
+    batcher: BatchAssembler
+    loggers: list[Logger]
+    tokenizer: Any
+    _scored_this_step: list[tuple[list[RewardInput], ScoreResult]]
+
+    def _rollout(self) -> tuple[list[Sample], list[int], list[PromptItem]]:
+        """The next generation batch from the rollout controller (the first of a step or, under
+        dynamic sampling, a further one), flattened: samples, their group, their prompt."""
+        assert self.flow is not None
+        wave = self.flow.take(new_step=not self._scored_this_step)
+        return flatten_groups(wave.prompts, wave.groups)
+
+    def _score(
+        self, samples: list[Sample], owners: list[PromptItem], step: int
+    ) -> tuple[list[RewardInput], ScoreResult, dict[str, float]]:
+        """Score ``samples`` through the reward runner; failed items are logged and counted."""
+        assert self.reward_runner is not None
+        inputs, result = score_samples(self.reward_runner, self.tokenizer, samples, owners, step)
+        return inputs, result, self.reward_log.record(step, inputs, result)
+
+    def _generate_scored(self, step: int) -> Generation:
+        """One generation batch: the next prompts, their samples and rewards (items the reward
+        runner dropped are left out), with timings and reward-error counts."""
+        t0 = time.perf_counter()
+        samples, group_index, owners = self._rollout()
+        t_gen = time.perf_counter()
+        inputs, result, error_metrics = self._score(samples, owners, step)
+        self._scored_this_step.append((inputs, result))
+        t_reward = time.perf_counter()
+        kept = result.kept
+        metrics = {
+            "timing/generate_s": t_gen - t0,
+            "timing/reward_s": t_reward - t_gen,
+            "throughput/generated_tokens": float(sum(len(s.response_ids) for s in samples)),
+            "reward/errors": error_metrics["reward/errors"],
+            "reward/dropped": error_metrics["reward/dropped"],
+            **{k: v for k, v in error_metrics.items() if k.startswith("reward/errors_") and k != "reward/errors_total"},
+        }
+        return Generation(
+            samples=[samples[i] for i in kept],
+            group_index=[group_index[i] for i in kept],
+            rewards=[float(result.scores[i]) for i in kept],  # type: ignore[arg-type]
+            metrics=metrics,
+            reward_parts={name: [values[i] for i in kept] for name, values in result.parts.items()},
+        )
+
+    def _log_samples(self, step: int, model_scores: list[float] | None = None) -> None:
+        """Every ``sample_log.every_n_steps`` steps, hand ``num_samples`` samples spread over the
+        step's first generation batch to every logger. ``model_scores``: the ``reward_model:``
+        role's score of each kept sample (the batch's rows, in order); a sample's reward is then
+        ``rule + coef * score``, with the score as the part ``reward_model``."""
+        if not self._scored_this_step:
+            return
+        inputs, result = self._scored_this_step[0]
+        scores = dict(zip(result.kept, model_scores)) if model_scores is not None else None
+        coef = self.reward_stage.config.coef if self.reward_stage is not None else 0.0
+        records = sample_records(inputs, result, self.cfg.sample_log, step, scores, coef)
+        if not records:
+            return
+        for lg in self.loggers:
+            lg.log_samples(records, step)
+
+    def _rollout_and_score(self, step: int) -> tuple[TensorBatch | None, dict[str, float]]:
+        """Rank 0's part of a step: generation batches (several under dynamic sampling), rewards,
+        filters, shaping, advantages (:class:`~core_rl.trainer.batching.BatchAssembler`); the batch
+        to train on (``None``: nothing left) and the metrics so far."""
+        self._scored_this_step = []
+        self.rollout_sleep.before_generation()  # the engine asleep while training: trainer/colocation.py
+        batch, metrics = self.batcher.assemble(lambda: self._generate_scored(step), step=step)
+        metrics.update(self.rollout_sleep.after_generation())
+        metrics["reward/errors_total"] = float(self.reward_log.total)
+        assert self.flow is not None
+        metrics.update(self.flow.batch_metrics(batch, step))
+        if self.reward_stage is None or batch is None:  # else once the reward model has scored (step)
+            self._log_samples(step)
+        return batch, metrics
