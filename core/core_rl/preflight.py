@@ -53,6 +53,7 @@ from core_rl.config.problems import uses_rl_sections
 from core_rl.config.schema import RunConfig
 from core_rl.config.sections import selected_sections
 from core_rl.errors import CoreRLError, PreflightError
+from core_rl.model_overrides import apply_model_overrides
 from core_rl.placement import sleep_problems
 from core_rl.roles import reward_model_problems, role_sections, shared_tokenizer_problems
 from core_rl.trainer.data import (
@@ -412,6 +413,16 @@ def plugin_environment_problems(cfg: RunConfig, machine: MachineInfo, model: Mod
     return problems
 
 
+def _scratch_dir() -> Path:
+    """A directory removed at exit (``config validate --preflight`` makes no run directory)."""
+    import atexit
+    import shutil
+
+    path = Path(tempfile.mkdtemp(prefix="core-rl-preflight-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_output_dir: bool = True) -> Preflight:
     """Run every check of the module docstring on a validated ``cfg`` (as :func:`load_config`
     returns it); raise :class:`~core_rl.errors.PreflightError` listing all problems found, else
@@ -419,6 +430,7 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
     ``create_output_dir=False`` (``core-rl config validate --preflight``) creates no run directory."""
     offline = cfg.experiment.offline
     problems = resolve_paths(cfg)
+    problems += apply_model_overrides(cfg, root=None if create_output_dir else _scratch_dir())
     rows, data_problems = check_data(cfg)
     problems += data_problems
     model, model_problems = check_model_dir(cfg.actor.model_path, "actor.model_path", offline=offline)

@@ -176,7 +176,9 @@ class ActorConfig:
     without the model's dropout (its config's attention and hidden dropout), so that the log-probs
     of a training forward are those of the rollout and the reference, which run without it; LoRA's
     own ``lora.dropout`` still applies (``megatron`` builds its models without dropout whatever
-    this says)."""
+    this says). ``model_overrides``: keys of the model's ``config.json`` replaced for this run
+    (e.g. ``rope_scaling``, ``max_position_embeddings``), for every engine that loads the model
+    (:mod:`core_rl.model_overrides`)."""
 
     model_path: str = ""
     tokenizer_path: str | None = None
@@ -192,6 +194,7 @@ class ActorConfig:
     lora: LoraConfig = attrs.field(factory=LoraConfig)
     fused_head: bool = False
     disable_dropout: bool = True
+    model_overrides: dict[str, Any] = attrs.field(factory=dict)
 
 
 @attrs.define
