@@ -142,6 +142,7 @@ KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("logger", "wandb"): "wandb",
     ("logger", "tensorboard"): "tensorboard",
     ("logger", "trackio"): "trackio",
+    ("logger", "mlflow"): "mlflow",
     ("algorithm", "ppo"): "ppo",
     ("algorithm", "distill"): "ppo",
     ("advantage", "gae"): "ppo",

@@ -1,0 +1,1 @@
+"""core-rl-mlflow: the ``mlflow`` logger (see :mod:`.logger`)."""
