@@ -1,4 +1,4 @@
-"""The supervised examples (examples/tiny_supervised: sft.yaml, dpo.yaml, rm.yaml) run through
+"""The supervised examples (examples/tiny_supervised: sft.yaml, dpo.yaml, kto.yaml, rm.yaml) run through
 ``core-rl train`` for a few steps on the data and model prepare.py builds, and learn."""
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("config", "metric"), [("sft.yaml", "sft/loss"), ("dpo.yaml", "dpo/loss"), ("rm.yaml", "rm/loss")]
+    ("config", "metric"),
+    [("sft.yaml", "sft/loss"), ("dpo.yaml", "dpo/loss"), ("kto.yaml", "kto/loss"), ("rm.yaml", "rm/loss")],
 )
 def test_example_trains(workdir: Path, config: str, metric: str) -> None:
     run_train(EXAMPLES / config, f"experiment.output_dir={workdir}", "trainer.total_steps=6", "saver.every_n_steps=3")

@@ -9,6 +9,8 @@ import torch
 from core_rl.ops import (
     LOG_ODDS_MAX_LOGPROB,
     bradley_terry_loss,
+    kto_kl_baseline,
+    kto_loss,
     log_odds,
     mean_token_logprob,
     orpo_loss,
@@ -220,3 +222,81 @@ def test_log_odds_and_orpo_stay_finite_near_zero(a, other):
     loss = orpo_loss(x[:1], x[1:], lam=1.0) + orpo_loss(x[1:], x[:1], lam=1.0)
     loss.sum().backward()
     assert torch.isfinite(loss).all() and torch.isfinite(x.grad).all()
+
+
+# --- KTO: unpaired rows against the KL baseline -----------------------------------------------
+
+# log-ratios r, labels (desirable or not), baseline z = 1, beta 0.5
+KTO_R = [2.0, -2.0, 1.0, 0.0]
+KTO_DESIRABLE = torch.tensor([True, False, False, True])
+
+
+def test_kto_loss_by_hand() -> None:
+    # desirable r = 2: 1 - sigmoid(0.5 * (2 - 1)) = 1 - sigmoid(0.5) = 1 - 0.622459 = 0.377541
+    # undesirable r = -2: 1 - sigmoid(0.5 * (1 - -2)) = 1 - sigmoid(1.5) = 1 - 0.817574 = 0.182426
+    # undesirable r = 1 = z: 1 - sigmoid(0) = 0.5; desirable r = 0: 1 - sigmoid(-0.5) = 0.622459
+    r = torch.tensor(KTO_R, dtype=torch.float64, requires_grad=True)
+    loss = kto_loss(r, KTO_DESIRABLE, torch.tensor(1.0), beta=0.5)
+    assert loss.tolist() == pytest.approx([0.377541, 0.182426, 0.5, 0.622459], abs=1e-6)
+    # w_D 2, w_U 0.5: [2 * 0.377541, 0.5 * 0.182426, 0.5 * 0.5, 2 * 0.622459]
+    weighted = kto_loss(r, KTO_DESIRABLE, 1.0, beta=0.5, desirable_weight=2.0, undesirable_weight=0.5)
+    assert weighted.tolist() == pytest.approx([0.755081, 0.091213, 0.25, 1.244919], abs=1e-6)
+    # d/dr: desirable -beta * s (1 - s) at s = sigmoid(beta (r - z)); undesirable +beta * s (1 - s) at
+    # s = sigmoid(beta (z - r)): sigmoid(0.5) (1 - sigmoid(0.5)) = 0.235004 -> -0.117502;
+    # sigmoid(1.5) (1 - sigmoid(1.5)) = 0.149146 -> +0.074573; at 0: 0.25 -> +0.125
+    loss.sum().backward()
+    assert r.grad.tolist() == pytest.approx([-0.117502, 0.074573, 0.125, -0.117502], abs=1e-6)
+
+
+def test_kto_kl_baseline_by_hand() -> None:
+    # mean of the mismatched log-ratios, floored at 0: 1.5 / 3 = 0.5; -3 / 3 = -1 -> 0; no pairs -> 0
+    assert kto_kl_baseline(torch.tensor(1.5), torch.tensor(3.0)).item() == 0.5
+    assert kto_kl_baseline(torch.tensor(1.5), 3).item() == 0.5
+    assert kto_kl_baseline(torch.tensor(-3.0), 3).item() == 0.0
+    assert kto_kl_baseline(torch.tensor(0.0), 0).item() == 0.0
+    # a constant: no gradient flows into the baseline, through it or through the loss
+    total = torch.tensor(3.0, requires_grad=True)
+    z = kto_kl_baseline(total, 2)
+    assert z.item() == 1.5 and not z.requires_grad
+    r = torch.tensor(KTO_R)
+    assert not kto_loss(r, KTO_DESIRABLE, total, beta=0.5).requires_grad
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"beta": 0.0}, "beta"), ({"desirable_weight": -1.0}, "weights"), ({"undesirable_weight": -0.1}, "weights")],
+)
+def test_bad_kto_arguments_are_refused(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        kto_loss(torch.tensor(KTO_R), KTO_DESIRABLE, 0.0, **kwargs)
+
+
+@PROPERTY
+@given(
+    st.lists(st.tuples(st.floats(-20.0, 20.0), st.booleans()), min_size=1, max_size=8),
+    st.floats(0.0, 10.0),
+    st.floats(0.01, 2.0),
+    st.floats(0.05, 4.0),
+    st.floats(0.05, 4.0),
+)
+def test_kto_gradient_raises_desirable_rewards_and_lowers_undesirable_ones(rows, z, beta, w_d, w_u):
+    """Gradient descent on the KTO loss raises every desirable row's log-ratio (reward ``beta * r``)
+    and lowers every undesirable one's: ``dL/dr <= 0`` and ``>= 0``, strictly wherever the sigmoid
+    is not saturated (``|beta (r - z)| < 30``; float64); each row's loss is within ``[0, w]`` and
+    falls after a small step against the gradient (where ``|beta (r - z)| < 10``)."""
+    r = torch.tensor([row[0] for row in rows], dtype=torch.float64, requires_grad=True)
+    desirable = torch.tensor([row[1] for row in rows])
+    weights = {"desirable_weight": w_d, "undesirable_weight": w_u}
+    loss = kto_loss(r, desirable, z, beta=beta, **weights)
+    weight = torch.where(desirable, w_d, w_u).double()
+    assert bool(((loss >= 0) & (loss <= weight)).all())
+    loss.sum().backward()
+    grad, logit = r.grad, beta * (r.detach() - z)
+    push = torch.where(desirable, -grad, grad)  # > 0 where descent raises a desirable r, lowers an undesirable one
+    assert bool((push >= 0).all()) and bool((push[logit.abs() < 30] > 0).all()), grad
+    stepped = r.detach() - 1e-3 * torch.sign(grad)  # a step of 1e-3 against the gradient
+    live = logit.abs() < 10
+    assert bool((stepped[desirable & live] > r.detach()[desirable & live]).all())
+    assert bool((stepped[~desirable & live] < r.detach()[~desirable & live]).all())
+    after = kto_loss(stepped, desirable, z, beta=beta, **weights)
+    assert bool((after[live] < loss.detach()[live]).all())

@@ -151,6 +151,8 @@ KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("algorithm", "simpo"): "dpo",
     ("algorithm", "orpo"): "dpo",
     ("loop", "dpo"): "dpo",
+    ("algorithm", "kto"): "dpo",
+    ("loop", "kto"): "dpo",
     ("algorithm", "sft"): "sft",
     ("loop", "sft"): "sft",
     ("algorithm", "rm"): "rm",

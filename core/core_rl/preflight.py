@@ -5,7 +5,8 @@ loaded, so that a bad file or a missing GPU fails in seconds with every problem 
 - **Data** (:mod:`core_rl.trainer.data`): every entry of ``data.train_files`` (and ``eval.files``) is read and
   every row checked: valid UTF-8 JSON Lines / JSON / Parquet, saved or ``hf:`` datasets that load,
   the prompt column holds text, each column the reward declares (``required_columns()`` on its
-  config class) is present and not null, and each prompt tokenises to at most
+  config class) is present and not null, each selected section's own ``check_data`` (e.g. the
+  columns a training loop reads) passes, and each prompt tokenises to at most
   ``data.max_prompt_tokens`` ids inside the model's vocabulary (or is dropped, with
   ``data.filter_overlong_prompts``). Problems name the file and its 1-based line
   (``train.jsonl:7``) or row (Parquet, datasets).
@@ -45,6 +46,8 @@ from core_rl.config.checks import (
     EnvironmentContext,
     MachineInfo,
     ModelInfo,
+    SectionContext,
+    data_problems,
     environment_problems,
     required_columns,
     visible_gpus,
@@ -311,6 +314,9 @@ def check_data(cfg: RunConfig) -> tuple[list[DataRow], list[str]]:
     )
     if not rows and not problems:
         problems.append("data.train_files: the files hold no rows")
+    for path, _kind, spec in selected_sections(cfg):
+        if spec.config is not None:
+            problems += data_problems(spec.config, rows, SectionContext(path=path, run=cfg, name=spec.name))
     return rows, problems
 
 
@@ -431,8 +437,8 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
     offline = cfg.experiment.offline
     problems = resolve_paths(cfg)
     problems += apply_model_overrides(cfg, root=None if create_output_dir else _scratch_dir())
-    rows, data_problems = check_data(cfg)
-    problems += data_problems
+    rows, row_problems = check_data(cfg)
+    problems += row_problems
     model, model_problems = check_model_dir(cfg.actor.model_path, "actor.model_path", offline=offline)
     problems += model_problems
     tokenizer, longest_prompt = None, None
@@ -448,7 +454,7 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
                 "data.apply_chat_template: the tokenizer has no chat template; set data.apply_chat_template=false "
                 "or use a tokenizer that has one"
             )
-        elif not data_problems:
+        elif not row_problems:
             items, prompt_problems = tokenise_rows(
                 rows, cfg.data, tokenizer, vocab_size=model.vocab_size if model is not None else None
             )

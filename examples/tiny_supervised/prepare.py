@@ -1,13 +1,15 @@
-"""Build what the supervised examples (``sft.yaml``, ``dpo.yaml``, ``rm.yaml``) read, offline: a
-tiny random Llama model with a character tokenizer, and the task of examples/tiny_grpo (reverse a
-3-4 letter string) as SFT rows (prompt, response) and preference rows (prompt, chosen = the
-reversal, rejected = letters the prompt does not contain), plus the same preference rows split
-into training and held-out pairs for reward-model training (``rm_train.jsonl``, ``rm_val.jsonl``:
-one prompt in ten held out).
+"""Build what the supervised examples (``sft.yaml``, ``dpo.yaml``, ``kto.yaml``, ``rm.yaml``) read,
+offline: a tiny random Llama model with a character tokenizer, and the task of examples/tiny_grpo
+(reverse a 3-4 letter string) as SFT rows (prompt, response) and preference rows (prompt, chosen =
+the reversal, rejected = letters the prompt does not contain), the same pairs as unpaired KTO rows
+(``kto.jsonl``: each pair's chosen completion labelled true, its rejected one false), plus the
+preference rows split into training and held-out pairs for reward-model training
+(``rm_train.jsonl``, ``rm_val.jsonl``: one prompt in ten held out).
 
     python examples/tiny_supervised/prepare.py [--workdir runs/tiny_supervised]
     core-rl train examples/tiny_supervised/sft.yaml
     core-rl train examples/tiny_supervised/dpo.yaml
+    core-rl train examples/tiny_supervised/kto.yaml
     core-rl train examples/tiny_supervised/rm.yaml
 """
 
@@ -24,6 +26,8 @@ from core_rl.tiny import build_tiny_model
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tiny_grpo"))
 
 from task import LETTERS, all_strings, answer, prompt_text
+
+SIDES = ("chosen", "rejected")
 
 
 def wrong_letters(s: str, rng: random.Random) -> str:
@@ -44,6 +48,8 @@ def prepare(workdir: Path, seed: int = 0) -> None:
             f.write(json.dumps({"prompt": prompt_text(s), "response": answer(s)}) + "\n")
     pairs = [{"prompt": prompt_text(s), "chosen": answer(s), "rejected": wrong_letters(s, rng)} for s in strings]
     write_jsonl(data / "pairs.jsonl", pairs)
+    kto = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"} for p in pairs for side in SIDES]
+    write_jsonl(data / "kto.jsonl", kto)
     write_jsonl(data / "rm_train.jsonl", [p for i, p in enumerate(pairs) if i % 10 != 0])
     write_jsonl(data / "rm_val.jsonl", [p for i, p in enumerate(pairs) if i % 10 == 0])
 

@@ -14,6 +14,12 @@ section (``actor.engine``, ``rollout.engine``, ``algorithm.advantage``, ``algori
 - ``required_columns() -> Sequence[str]`` (rewards): the data-row columns the reward reads. Before
   the run starts every row of ``data.train_files`` must hold each of them (and not null), or the
   run stops with the file and line of every row that does not.
+- ``check_data(rows: Sequence[DataRow], context: SectionContext) -> Iterable[str]`` (e.g. a
+  training loop reading columns of its own): problems with the rows of ``data.train_files``
+  (:class:`~core_rl.trainer.data_files.DataRow`, each with its file and line), found by
+  ``core-rl train`` (and ``core-rl config validate --preflight``) before any model is loaded, with
+  the other data problems. Its lines name the file and line (``row.where``) and the config key
+  that selects the column; they are shown as they are, without a key path prepended.
 
 Each problem is one line that starts with the key path it is about (``context.key("device")`` is
 ``"rollout.engine.device"``; a check may name a key of another section, such as ``actor.dtype``),
@@ -34,6 +40,7 @@ import attrs
 
 if TYPE_CHECKING:
     from core_rl.config.schema import RunConfig
+    from core_rl.trainer.data_files import DataRow
 
 
 @attrs.frozen
@@ -153,18 +160,25 @@ class ChecksEnvironment(Protocol):
 
 
 @runtime_checkable
+class ChecksData(Protocol):
+    def check_data(self, rows: Sequence[DataRow], context: SectionContext) -> Iterable[str]: ...
+
+
+@runtime_checkable
 class DeclaresColumns(Protocol):
     def required_columns(self) -> Sequence[str]: ...
 
 
-def _lines(result: Any, owner: object, method: str, path: str) -> list[str]:
+def _lines(result: Any, owner: object, method: str, path: str | None) -> list[str]:
+    """The problem lines of ``result``, each prefixed by ``path`` unless it names a key (or ``path``
+    is ``None``)."""
     if isinstance(result, str) or not isinstance(result, Iterable):
         raise TypeError(f"{type(owner).__qualname__}.{method} must return an iterable of strings, got {result!r}")
     lines = []
     for item in result:
         if not isinstance(item, str):
             raise TypeError(f"{type(owner).__qualname__}.{method} returned a non-string problem {item!r}")
-        lines.append(item if _names_a_key(item) else f"{path}: {item}")
+        lines.append(item if path is None or _names_a_key(item) else f"{path}: {item}")
     return lines
 
 
@@ -188,6 +202,13 @@ def environment_problems(config: Any, context: EnvironmentContext) -> list[str]:
     if not isinstance(config, ChecksEnvironment):
         return []
     return _lines(config.check_environment(context), config, "check_environment", context.path)
+
+
+def data_problems(config: Any, rows: Sequence[DataRow], context: SectionContext) -> list[str]:
+    """Run ``config.check_data(rows, context)`` if the config class defines it (its lines as they are)."""
+    if not isinstance(config, ChecksData):
+        return []
+    return _lines(config.check_data(rows, context), config, "check_data", None)
 
 
 def required_columns(config: Any) -> list[str]:

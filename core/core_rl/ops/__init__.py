@@ -37,6 +37,8 @@ __all__, __getattr__ = lazy_exports(
         "core_rl.ops.preference": (
             "LOG_ODDS_MAX_LOGPROB",
             "bradley_terry_loss",
+            "kto_kl_baseline",
+            "kto_loss",
             "log_odds",
             "mean_token_logprob",
             "orpo_loss",

@@ -25,6 +25,13 @@ responses:
 - ``orpo`` (ORPO) with weight ``lam``: ``-a_w - lam * log sigmoid(o(a_w) - o(a_l))``, the chosen
   response's per-token NLL plus the odds-ratio term, with the log-odds ``o(a) = a - log(1 - e^a)``
   of the mean token probability ``e^a`` (:func:`log_odds`, :func:`orpo_loss`).
+
+KTO (Kahneman-Tversky optimisation) needs no pairs: each row is one completion ``y`` of a prompt
+``x`` labelled desirable or undesirable, with the log-ratio ``r = log pi(y|x) - log pi_ref(y|x)``.
+Against the KL baseline ``z = max(0, mean_j (log pi(y'_j|x_j) - log pi_ref(y'_j|x_j)))`` over
+mismatched pairs (each prompt with another row's completion ``y'_j``; :func:`kto_kl_baseline`),
+treated as a constant, a desirable row's loss is ``w_D * (1 - sigmoid(beta * (r - z)))`` and an
+undesirable one's ``w_U * (1 - sigmoid(beta * (z - r)))`` (:func:`kto_loss`).
 """
 
 from __future__ import annotations
@@ -189,3 +196,41 @@ def mean_token_logprob(seq_logprob: torch.Tensor, num_tokens: torch.Tensor) -> t
     row (its sequence log-prob, :func:`sequence_logprob`, over its response token count; an empty
     response, whose sum is 0, gives 0). Differentiable in ``seq_logprob``."""
     return seq_logprob / num_tokens.to(seq_logprob.dtype).clamp(min=1.0)
+
+
+def kto_kl_baseline(logratio_sum: torch.Tensor, count: torch.Tensor | float) -> torch.Tensor:
+    """KTO's KL baseline ``z = max(0, S / n)``, a detached scalar: ``S`` the sum of the log-ratios
+    ``log pi(y'|x) - log pi_ref(y'|x)`` of ``n`` mismatched (prompt, completion) pairs (both summed
+    over every rank first, so ``z`` is their global mean). ``n = 0`` gives 0."""
+    count = torch.as_tensor(count, dtype=logratio_sum.dtype)
+    return (logratio_sum.detach() / count.clamp(min=1.0)).clamp(min=0.0)
+
+
+def kto_loss(
+    logratio: torch.Tensor,
+    desirable: torch.Tensor,
+    kl_baseline: torch.Tensor | float,
+    *,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> torch.Tensor:
+    """KTO's per-row loss ``[B]`` from the log-ratios ``r`` ``[B]`` of the rows' completions, their
+    labels ``desirable`` ``[B]`` (bool) and the KL baseline ``z`` (:func:`kto_kl_baseline`, no
+    gradient flows into it):
+
+    - desirable: ``w_D * (1 - sigmoid(beta * (r - z)))``;
+    - undesirable: ``w_U * (1 - sigmoid(beta * (z - r)))``.
+
+    Differentiable in ``logratio``: the loss falls as a desirable row's ``r`` rises above ``z`` and
+    as an undesirable row's falls below it. (Computed as ``w * sigmoid(-s * beta * (r - z))`` with
+    ``s = +1`` / ``-1``, since ``1 - sigmoid(x) = sigmoid(-x)``.)"""
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    if desirable_weight < 0 or undesirable_weight < 0:
+        raise ValueError(f"the weights must be >= 0, got {desirable_weight} and {undesirable_weight}")
+    desirable = desirable.bool()
+    z = torch.as_tensor(kl_baseline, dtype=logratio.dtype).detach()
+    sign = torch.where(desirable, 1.0, -1.0).to(logratio.dtype)
+    weight = torch.where(desirable, desirable_weight, undesirable_weight).to(logratio.dtype)
+    return weight * torch.sigmoid(-sign * beta * (logratio - z))

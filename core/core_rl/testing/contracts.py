@@ -20,6 +20,7 @@ from core_rl.config.checks import (
     EnvironmentContext,
     MachineInfo,
     config_problems,
+    data_problems,
     environment_problems,
     required_columns,
 )
@@ -118,14 +119,15 @@ class ComponentContract:
         assert loaded is self.plugin
 
     def test_optional_checks_return_problem_lines(self) -> None:
-        """``check_config``, ``check_environment`` and ``required_columns``, where the config class
-        defines them, return lists of strings (see :mod:`core_rl.config.checks`) for the configured
-        options, a default run and a machine without a GPU."""
+        """``check_config``, ``check_environment``, ``check_data`` and ``required_columns``, where the
+        config class defines them, return lists of strings (see :mod:`core_rl.config.checks`) for
+        the configured options, a default run, a machine without a GPU and no data rows."""
         config = self.config()
         if config is None:
             pytest.skip("takes no options")
         context = EnvironmentContext(path=self.kind.key, run=RunConfig(), name=self.name, machine=MachineInfo())
-        for problems in (config_problems(config, context), environment_problems(config, context)):
+        checks = (config_problems(config, context), environment_problems(config, context))
+        for problems in (*checks, data_problems(config, [], context)):
             assert all(isinstance(p, str) and p for p in problems)
         assert all(isinstance(c, str) and c for c in required_columns(config))
 

@@ -42,7 +42,6 @@ def check_rows(
     config key ``key_path``) and each column of ``required`` (present and not null; the value
     names who reads it, e.g. ``"reward 'char_match'"``)."""
     problems = Problems()
-    lacking: dict[tuple[str, str], list[DataRow]] = {}
     for r in rows:
         prompt = r.row.get(prompt_key)
         if prompt_key not in r.row:
@@ -69,7 +68,22 @@ def check_rows(
             )
         elif not prompt:
             problems.add(r.file, f"{r.where}: column {prompt_key!r} is an empty string")
-        for column in required:
+    missing_column_problems(
+        rows, required, problems, remedy="add it to every row, or point the reward at the column that holds it"
+    )
+    return problems.result()
+
+
+def missing_column_problems(
+    rows: Sequence[DataRow], readers: Mapping[str, str], problems: Problems, *, remedy: str
+) -> None:
+    """Add to ``problems`` one problem per file and column of ``readers`` that some of its ``rows``
+    lack (or hold null in): the first such row's place, the others' line numbers (at most
+    :data:`MAX_PROBLEMS_PER_FILE` shown), who reads the column (``readers[column]``, e.g.
+    ``"reward 'char_match'"``) and the ``remedy``."""
+    lacking: dict[tuple[str, str], list[DataRow]] = {}
+    for r in rows:
+        for column in readers:
             if r.row.get(column) is None:
                 lacking.setdefault((r.file, column), []).append(r)
     for (_file, column), where in lacking.items():
@@ -81,10 +95,8 @@ def check_rows(
             also = f" (also {first.unit}s {shown}{more})"
         problems.add(
             first.file,
-            f"{first.where}: no column {column!r} (or it is null){also}, which {required[column]} reads; add it to "
-            "every row, or point the reward at the column that holds it",
+            f"{first.where}: no column {column!r} (or it is null){also}, which {readers[column]} reads; {remedy}",
         )
-    return problems.result()
 
 
 def encode_prompt(

@@ -1,4 +1,5 @@
-"""The core-rl conformance contracts for the ``dpo`` loop and the ``dpo`` / ``ipo`` / ``simpo`` / ``orpo`` recipes."""
+"""The core-rl conformance contracts for the ``dpo`` and ``kto`` loops and the ``dpo`` / ``ipo`` / ``simpo`` /
+``orpo`` / ``kto`` recipes."""
 
 from __future__ import annotations
 
@@ -33,4 +34,16 @@ class TestSimPOAlgorithm(AlgorithmContract):
 class TestORPOAlgorithm(AlgorithmContract):
     plugin = dpo_plugin
     name = "orpo"
+    distribution = installed_distribution("core-rl-dpo")
+
+
+class TestKTOLoop(LoopContract):
+    plugin = dpo_plugin
+    name = "kto"
+    distribution = installed_distribution("core-rl-dpo")
+
+
+class TestKTOAlgorithm(AlgorithmContract):
+    plugin = dpo_plugin
+    name = "kto"
     distribution = installed_distribution("core-rl-dpo")

@@ -47,16 +47,16 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture
 def built_roles(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The roles the dpo loop builds a train engine for (its reference), recorded in process."""
-    import core_rl_dpo.loop
+    import core_rl_dpo.sequence
 
     roles: list[str] = []
-    real = core_rl_dpo.loop.build_engine
+    real = core_rl_dpo.sequence.build_engine
 
     def spy(*args, **kwargs):
         roles.append(kwargs.get("role", "?"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(core_rl_dpo.loop, "build_engine", spy)
+    monkeypatch.setattr(core_rl_dpo.sequence, "build_engine", spy)
     return roles
 
 

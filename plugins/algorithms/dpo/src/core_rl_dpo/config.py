@@ -1,13 +1,17 @@
-"""The ``trainer.loop`` section of the ``dpo`` loop (no torch import)."""
+"""The ``trainer.loop`` sections of the ``dpo`` and ``kto`` loops (no torch import)."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 from core_rl.config.checks import SectionContext
 from core_rl.config.validators import in_range, non_negative, not_empty, one_of, positive
 from core_rl.ops.names import PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES
+
+if TYPE_CHECKING:
+    from core_rl.trainer.data_files import DataRow
 
 #: every ``loss_type``: those on log-ratios against a reference, then the reference-free ones
 LOSS_TYPES = PREFERENCE_LOSSES + REFERENCE_FREE_LOSSES
@@ -82,3 +86,98 @@ class DPOConfig:
                 f"{' and '.join(SMOOTHED_LOSSES)} do); remove it"
             )
         return problems
+
+
+#: the range of ``w_D * n_D / (w_U * n_U)`` the KTO paper recommends (Ethayarajh et al. 2024)
+KTO_BALANCE_RANGE = (1.0, 4.0 / 3.0)
+
+
+def kto_label(value: Any) -> bool | None:
+    """A KTO label as a bool: ``true`` / ``1`` is desirable, ``false`` / ``0`` undesirable; ``None``
+    for anything else (other numbers, text, null)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    return None
+
+
+def kto_balance_warning(
+    desirable: int, undesirable: int, desirable_weight: float, undesirable_weight: float
+) -> str | None:
+    """A warning when the data and weights are outside what KTO was tuned for, else ``None``: one
+    class only (allowed: each completion still moves against the KL baseline), or the weighted
+    ratio ``w_D * n_D / (w_U * n_U)`` outside :data:`KTO_BALANCE_RANGE` (then the ``desirable_weight``
+    that would put it at the range's ends)."""
+    if not desirable or not undesirable:
+        kind, other = ("desirable", "undesirable") if desirable else ("undesirable", "desirable")
+        return (
+            f"every row of data.train_files is {kind} (no {other} completion); the kto loop trains on them "
+            "against the KL baseline alone"
+        )
+    low, high = KTO_BALANCE_RANGE
+    ratio = desirable_weight * desirable / (undesirable_weight * undesirable)
+    if low <= ratio <= high:
+        return None
+    base = undesirable_weight * undesirable / desirable
+    return (
+        f"trainer.loop.desirable_weight * {desirable} desirable rows / (trainer.loop.undesirable_weight * "
+        f"{undesirable} undesirable rows) is {ratio:.3g}, outside the [1, 4/3] KTO recommends; set "
+        f"desirable_weight between {low * base:.3g} and {high * base:.3g} (or undesirable_weight to match)"
+    )
+
+
+@attrs.define
+class KTOConfig:
+    """See the package README.
+
+    - ``beta``: the scale of the implicit reward ``beta * (log pi(y|x) - log pi_ref(y|x))``;
+      ``desirable_weight`` / ``undesirable_weight``: ``w_D`` / ``w_U``, the weights of the two
+      classes' losses.
+    - ``completion_key`` / ``label_key``: the data columns of the completion (text or token ids; the
+      prompt is ``data.prompt_key``) and of its label (``true`` / ``1`` desirable, ``false`` / ``0``
+      undesirable).
+
+    The reference is a model: the run's ``ref:`` role if it has one, else a frozen copy of the
+    actor's starting model (no precomputed log-probs: the KL baseline's mismatched pairs change
+    with each epoch's order, so their reference log-probs cannot sit in the data).
+    """
+
+    rl_sections: ClassVar[bool] = False
+    roles: ClassVar[tuple[str, ...]] = ("ref",)
+
+    beta: float = attrs.field(default=0.1, validator=positive(1e6))
+    desirable_weight: float = attrs.field(default=1.0, validator=positive(1e6))
+    undesirable_weight: float = attrs.field(default=1.0, validator=positive(1e6))
+    completion_key: str = attrs.field(default="completion", validator=not_empty())
+    label_key: str = attrs.field(default="label", validator=not_empty())
+
+    def check_config(self, context: SectionContext) -> list[str]:
+        """A step of one row: its KL baseline needs another row's completion."""
+        size = context.run.data.batch_size
+        if size >= 2:
+            return []
+        return [
+            f"data.batch_size: {size}, but the kto loop pairs each prompt of a step with the next row's completion "
+            "for its KL baseline; set data.batch_size to 2 or more"
+        ]
+
+    def check_data(self, rows: Sequence[DataRow], context: SectionContext) -> list[str]:
+        """Every row holds a completion and a label that :func:`kto_label` reads, each problem with
+        its file and line."""
+        from core_rl.trainer.data import missing_column_problems
+        from core_rl.trainer.data_files import Problems, kind_of
+
+        problems = Problems()
+        readers = {key: context.key(f"{key}_key") for key in ("completion", "label")}
+        columns = {self.completion_key: readers["completion"], self.label_key: readers["label"]}
+        missing_column_problems(rows, columns, problems, remedy="add it to every row, or set that key to its column")
+        for r in rows:
+            value = r.row.get(self.label_key)
+            if value is not None and kto_label(value) is None:
+                problems.add(
+                    r.file,
+                    f"{r.where}: column {self.label_key!r} ({readers['label']}) holds {kind_of(value)}; a label is "
+                    "true or 1 (a desirable completion), false or 0 (an undesirable one)",
+                )
+        return problems.result()

@@ -8,16 +8,9 @@ ones in the same order). The per-pair loss is averaged over the ``P`` pairs of t
 :func:`core_rl.ops.orpo_loss`) of the policy's length-normalised log-probs ``log pi(y|x) / |y|``
 (:func:`core_rl.ops.mean_token_logprob`).
 
-How it trains through the engine's per-token ``train_step``: the loss of a pair is a non-linear
-function of two sequence log-probs that may land in different micro-batches, so the loop first
-computes every row's sequence log-prob with the current weights (``compute_logprobs``, no gradient),
-then the derivative ``c_i = dL/d log pi(y_i|x_i)`` of the step's loss for every row (autograd through
-the same loss; through the division by ``|y|`` too for the reference-free ones), and trains on
-the per-token loss ``c_i * log pi(y_i[t] | ...)`` over the response tokens. Its gradient is
-``sum_i c_i * grad log pi(y_i|x_i) = grad L`` exactly (chain rule), whatever the split into
-micro-batches or ranks; the reported ``dpo/loss`` is ``L`` itself. (Exact for models without
-dropout; with dropout the coefficients come from the model in eval mode.) The price is one forward
-pass without gradient per step.
+It trains through the engine's per-token ``train_step`` on a surrogate whose gradient is the
+step's loss's exactly, whatever the split into micro-batches or ranks (:mod:`core_rl_dpo.sequence`);
+the reported ``dpo/loss`` is that loss itself.
 
 Under ``torchrun`` rank ``r`` trains pairs ``r, r + W, ...`` (both rows of a pair on one rank;
 :class:`core_rl.trainer.preference.PairwiseLoop`).
@@ -26,34 +19,21 @@ Under ``torchrun`` rank ``r`` trains pairs ``r, r + W, ...`` (both rows of a pai
 from __future__ import annotations
 
 import torch
-from core_rl.interfaces import LossOutput, TrainEngine
 from core_rl.ops import (
     log_odds,
     mean_token_logprob,
     orpo_loss,
     preference_loss,
     preference_metrics,
-    sequence_logprob,
     simpo_loss,
 )
 from core_rl.protocol import TensorBatch
-from core_rl.registry import RegistryEntry
-from core_rl.roles import build_engine
 from core_rl.trainer.data import PromptItem
-from core_rl.trainer.preference import PairwiseLoop, number_in_row
-from core_rl.trainer.ranks import waiting_for
+from core_rl.trainer.preference import number_in_row
 from core_rl.trainer.supervised import global_sum, prompt_response_batch
 
 from core_rl_dpo.config import DPOConfig
-
-
-def surrogate_loss(batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
-    """``pair_coef[b] * logprobs[b, t]``: with ``loss_weight`` = the response mask, its gradient is
-    the preference loss's (see the module docstring)."""
-    return LossOutput(per_token_loss=batch["pair_coef"].unsqueeze(1) * logprobs)
-
-
-surrogate_loss.entropy_grad = False  # type: ignore[attr-defined]  # the entropy is a metric only
+from core_rl_dpo.sequence import SequenceLossLoop
 
 
 def reference_value(item: PromptItem, key: str) -> float:
@@ -67,18 +47,13 @@ def reference_value(item: PromptItem, key: str) -> float:
     )
 
 
-class DPOLoop(PairwiseLoop):
+class DPOLoop(SequenceLossLoop):
     loop_config: DPOConfig
-    ref_engine: TrainEngine | None = None
 
-    def build_models(self, engine_entry: RegistryEntry) -> None:
-        """The frozen reference (none with ``reference: precomputed`` or ``none``): the run's ``ref:`` role
-        when the config has one, else the actor's starting model, built by its train engine with
-        ``trainable=False`` (:func:`core_rl.roles.build_engine`)."""
-        if self.loop_config.reference == "model":
-            self.ref_engine = build_engine(
-                self.host, self.cfg.ref or self.cfg.actor, trainable=False, built=self.built_engines, role="ref"
-            )
+    @property
+    def uses_reference_model(self) -> bool:
+        """A frozen reference model with ``reference: model`` only (none with ``precomputed``, ``none``)."""
+        return self.loop_config.reference == "model"
 
     def make_batch(self, items: list[PromptItem]) -> TensorBatch:
         cfg = self.loop_config
@@ -96,9 +71,7 @@ class DPOLoop(PairwiseLoop):
     def _reference_logprobs(self, shard: TensorBatch, step: int) -> torch.Tensor:
         if "ref_seq_logprob" in shard:
             return shard["ref_seq_logprob"]
-        assert self.ref_engine is not None
-        with waiting_for(f"the other ranks in the reference log-probs of step {step}"):
-            return sequence_logprob(self.ref_engine.compute_logprobs(shard), shard["loss_mask"])
+        return self.reference_model_logprobs(shard, step)
 
     def pair_losses(
         self, shard: TensorBatch, policy: torch.Tensor, ref: torch.Tensor | None
@@ -134,22 +107,12 @@ class DPOLoop(PairwiseLoop):
         num_pairs = batch.batch_size // 2
         shard = self.shard_rows(batch)
         ref = None if self.loop_config.reference_free else self._reference_logprobs(shard, step)
-        with waiting_for(f"the other ranks in the policy log-probs of step {step}"):
-            policy = sequence_logprob(self.engine.compute_logprobs(shard), shard["loss_mask"])
-        policy = policy.detach().requires_grad_(True)
+        policy = self.policy_logprobs(shard, step)
         losses, values = self.pair_losses(shard, policy, ref)
-        (coef,) = torch.autograd.grad(losses.sum() / num_pairs, policy)
-        shard["pair_coef"] = coef.detach()
-        metrics = self.optimizer_step(shard, surrogate_loss, step)
+        metrics = self.train_on_loss(shard, losses.sum() / num_pairs, policy, step)
         names = ["loss", *values]
         sums = torch.stack([losses.detach().sum(), *(v.sum() for v in values.values())]).float()
         sums = global_sum(sums) / num_pairs
         metrics.update({f"dpo/{name}": float(v) for name, v in zip(names, sums)})
         metrics["actor/loss"] = metrics["dpo/loss"]  # the engine's is the surrogate's value
         return metrics
-
-    def close(self) -> None:
-        if self.ref_engine is not None:
-            self.ref_engine.close()
-            self.ref_engine = None
-        super().close()
