@@ -46,14 +46,14 @@ def test_a_trained_model_has_no_dropout_by_default(dropout_model: Path) -> None:
     prepared = prepare_for_role(model, ActorConfig(), trainable=True)
     first, second, evaluated = _train_forwards(prepared)
     assert torch.equal(first, second) and torch.equal(first, evaluated)
-    assert model.config.attention_dropout == 0.5  # the config (and so an export) is left as it was
+    assert model.config.attention_dropout == 0.0  # what a forward reading the config sees, and an export
 
 
 def test_every_kind_of_dropout_is_counted_and_loras_own_stays(dropout_model: Path) -> None:
     model = load_causal_lm(str(dropout_model), dtype="float32")
     model.extra = torch.nn.Sequential(torch.nn.Dropout(0.1), torch.nn.Dropout2d(0.2), torch.nn.Dropout(0.0))
     layers = model.config.num_hidden_layers
-    assert disable_dropout(model) == layers + 2  # each layer's attention, two modules above 0
+    assert disable_dropout(model) == 1 + layers + 2  # the config's, each layer's attention, two modules
     assert disable_dropout(model) == 0
     lora = ActorConfig(lora=LoraConfig(rank=4, alpha=8, dropout=0.3, target_modules=["q_proj"]))
     wrapped = prepare_for_role(load_causal_lm(str(dropout_model), dtype="float32"), lora, trainable=True)

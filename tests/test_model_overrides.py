@@ -36,6 +36,27 @@ def test_the_directory_links_the_weights_and_overrides_the_config(model: Path, t
     assert json.loads((target / "config.json").read_text()).get("rope_scaling") == original.get("rope_scaling")
 
 
+def test_another_model_with_the_same_config_gets_its_own_links(model: Path, tmp_path: Path) -> None:
+    """The directory is reused only for the same model directory: another one whose config.json is
+    the same (a later export of the run) is linked anew."""
+    import shutil
+
+    other = Path(shutil.copytree(model, tmp_path / "other"))
+    target = make_overridden_dir(str(model), {"max_position_embeddings": 512}, tmp_path / "o")
+    assert (target / "model.safetensors").resolve() == (model / "model.safetensors").resolve()
+    make_overridden_dir(str(other), {"max_position_embeddings": 512}, tmp_path / "o")
+    assert (target / "model.safetensors").resolve() == (other / "model.safetensors").resolve()
+
+
+def test_a_key_of_the_config_file_is_known_even_where_the_class_renames_it(model: Path, tmp_path: Path) -> None:
+    import shutil
+
+    legacy = Path(shutil.copytree(model, tmp_path / "legacy"))
+    config = json.loads((legacy / "config.json").read_text())
+    (legacy / "config.json").write_text(json.dumps({**config, "rope_theta": 10000.0}))
+    assert config_problems(str(legacy), {"rope_theta": 500000.0}, "actor") == []
+
+
 def test_a_key_the_configuration_does_not_know_is_named(model: Path) -> None:
     assert config_problems(str(model), {"rope_scaling": ROPE, "max_position_embeddings": 1}, "actor") == []
     assert config_problems(str(model), {"rope_scalling": ROPE}, "actor") == [
@@ -68,6 +89,11 @@ def test_a_run_rolls_out_and_trains_the_overridden_model(model: Path, tmp_path: 
     path.write_text(yaml.safe_dump(config))
     assert cli.main(["config", "validate", "--preflight", str(path), "actor.model_overrides={ropescaling: 1}"]) == 2
     assert "actor.model_overrides.ropescaling: not a setting" in capsys.readouterr().err
+    blocked = ["experiment.output_dir=" + str(tmp_path / "runs" / "run.yaml" / "sub")]  # under a file
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "run.yaml").write_text("")
+    assert cli.main(["train", str(path), *blocked]) == 2
+    assert "experiment.output_dir" in capsys.readouterr().err
     assert cli.main(["train", str(path)]) == 0
     run = tmp_path / "runs" / "run"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -62,6 +62,11 @@ def test_the_reference_follows_the_policy_and_a_resumed_run_agrees(tmp_path: Pat
     assert cli.main(["train", str(reset), "experiment.name=resumed", "trainer.total_steps=3"]) == 0
     assert cli.main(["train", str(reset), "experiment.name=resumed", "recover.mode=auto"]) == 0
     assert same_run(runs / "reset", runs / "resumed", 6)
+    # without periodic checkpoints only the newest reference is kept
+    assert (
+        cli.main(["train", str(reset), "experiment.name=unsaved", "saver.every_n_steps=0", "saver.at_end=false"]) == 0
+    )
+    assert exported_steps(runs / "unsaved", "reference") == [6]
 
 
 def test_a_run_without_a_reference_refuses_resets(tmp_path: Path, capsys) -> None:
@@ -70,3 +75,11 @@ def test_a_run_without_a_reference_refuses_resets(tmp_path: Path, capsys) -> Non
     path = _write(tmp_path, "none", algorithm={"loss": {"name": "ppo_clip"}, "reference_reset_every_n_steps": 2})
     assert cli.main(["train", str(path)]) == 2
     assert "algorithm.reference_reset_every_n_steps: the run has no reference model" in capsys.readouterr().err
+
+
+def test_a_loop_that_does_not_reset_its_reference_refuses_the_setting(tmp_path: Path, capsys) -> None:
+    from core_rl import cli
+
+    path = _write(tmp_path, "sft", algorithm={"name": "sft", "reference_reset_every_n_steps": 2})
+    assert cli.main(["config", "validate", str(path)]) == 2
+    assert "algorithm.reference_reset_every_n_steps: the 'sft' loop does not reset" in capsys.readouterr().err

@@ -38,6 +38,8 @@ def test_the_cut_by_hand() -> None:
 def test_text_before_the_first_stop_string() -> None:
     assert text_before_stop("hello world", ["wor", "lo"]) == ("hel", "lo")
     assert text_before_stop("hello", ["x"]) == ("hello", None)
+    assert text_before_stop("hello hello", ["lo"], after=4) == ("hel", "lo")  # the first "lo" ends at 5 > 4
+    assert text_before_stop("hello hello", ["lo"], after=5) == ("hello hel", "lo")  # it does not end after 5
 
 
 @settings(max_examples=200, deadline=None)

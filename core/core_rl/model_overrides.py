@@ -38,7 +38,12 @@ def config_problems(model_path: str, overrides: Mapping[str, Any], key: str) -> 
         config = AutoConfig.from_pretrained(model_path, local_files_only=True)
     except Exception:  # the model directory's own problems are preflight's to report
         return []
-    unknown = sorted(name for name in overrides if not hasattr(config, name))
+    try:
+        raw = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raw = {}
+    known = set(raw) | set(config.to_dict()) | set(getattr(config, "rope_parameters", None) or {})
+    unknown = sorted(name for name in overrides if name not in known and not hasattr(config, name))
     return [
         f"{key}.model_overrides.{name}: not a setting of a {config.model_type} model's configuration "
         f"({type(config).__name__}); check the name against its config.json"
@@ -56,25 +61,31 @@ def overridden_config(model_path: str, overrides: Mapping[str, Any]) -> dict[str
 WAIT_S = 300.0
 
 
-def _holds(target: Path, config: str) -> bool:
+#: the file naming what a role's directory was made from (its model directory and overrides)
+STAMP = ".core_rl_source.json"
+
+
+def _holds(target: Path, stamp: str) -> bool:
+    """Whether ``target`` was made from the same model directory with the same overrides."""
     try:
-        return (target / "config.json").read_text(encoding="utf-8") == config
+        return (target / STAMP).read_text(encoding="utf-8") == stamp
     except OSError:
         return False
 
 
 def make_overridden_dir(model_path: str, overrides: Mapping[str, Any], target: Path, *, rank: int = 0) -> Path:
     """``target``: ``model_path``'s entries linked and ``config.json`` overridden (see the module
-    docstring); kept as it is when it already holds the same configuration, else made again (a
-    partial directory renamed into place). Rank 0 makes it; another rank waits for it (at most
-    :data:`WAIT_S` seconds)."""
+    docstring); kept as it is when it was made from the same directory with the same overrides
+    (:data:`STAMP`), else made again (a partial directory renamed into place). Rank 0 makes it;
+    another rank waits for it (at most :data:`WAIT_S` seconds)."""
     source = Path(model_path).resolve()
     config = json.dumps(overridden_config(str(source), overrides), indent=2, sort_keys=True) + "\n"
-    if _holds(target, config):
+    stamp = json.dumps({"model_path": str(source), "config": config}, sort_keys=True)
+    if _holds(target, stamp):
         return target
     if rank != 0:
         deadline = time.monotonic() + WAIT_S
-        while not _holds(target, config):
+        while not _holds(target, stamp):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"waited {WAIT_S:.0f} s for rank 0 to make {target} (model_overrides)")
             time.sleep(0.2)
@@ -85,6 +96,7 @@ def make_overridden_dir(model_path: str, overrides: Mapping[str, Any], target: P
         if entry.name != "config.json":
             os.symlink(entry, partial / entry.name)
     (partial / "config.json").write_text(config, encoding="utf-8")
+    (partial / STAMP).write_text(stamp, encoding="utf-8")
     if target.exists():  # other overrides from an earlier run of this directory
         shutil.rmtree(target)
     os.rename(partial, target)
@@ -107,7 +119,15 @@ def apply_model_overrides(cfg: RunConfig, *, root: Path | None = None) -> list[s
         if found:
             continue
         original = section.model_path
-        section.model_path = str(make_overridden_dir(original, section.model_overrides, root / role, rank=rank))
+        try:
+            made = make_overridden_dir(original, section.model_overrides, root / role, rank=rank)
+        except (OSError, TimeoutError) as exc:
+            problems.append(
+                f"experiment.output_dir: cannot make {root / role} for {role}.model_overrides ({exc}); choose a "
+                "writable experiment.output_dir"
+            )
+            continue
+        section.model_path = str(made)
         source = f"{original} with {role}.model_overrides ({', '.join(sorted(section.model_overrides))})"
         record(cfg, Derived((role, "model_path"), section.model_path, original, source, at_start=True))
     return problems

@@ -50,10 +50,11 @@ def stop_cut(ids: Sequence[int], decode: Decode, stops: Sequence[str], *, min_to
     return high
 
 
-def text_before_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
-    """``text`` up to (without) the first occurrence of any of ``stops``, and that stop string
-    (``None`` when none occurs): what an OpenAI-compatible answer returns."""
-    found = [(i, stop) for stop in stops if stop and (i := text.find(stop)) >= 0]
+def text_before_stop(text: str, stops: Sequence[str], *, after: int = 0) -> tuple[str, str | None]:
+    """``text`` up to (without) the first occurrence of any of ``stops`` that ends after character
+    ``after`` (the text of the tokens before the ``min_new_tokens``-th, where none may stop), and
+    that stop string (``None`` when none occurs): what an OpenAI-compatible answer returns."""
+    found = [(i, stop) for stop in stops if stop and (i := text.find(stop, max(0, after - len(stop) + 1))) >= 0]
     if not found:
         return text, None
     start, stop = min(found)

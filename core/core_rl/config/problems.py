@@ -72,6 +72,11 @@ def completeness_problems(cfg: RunConfig, host: PluginHost | None = None) -> lis
     problems.extend(_unused_role_problems(cfg, host))
     if uses_rl_sections(cfg, host):
         problems.extend(_rl_completeness_problems(cfg))
+    elif cfg.algorithm.reference_reset_every_n_steps:
+        problems.append(
+            f"algorithm.reference_reset_every_n_steps: the {cfg.trainer.loop.name!r} loop does not reset its "
+            "reference (only the rl loop does); remove it"
+        )
     if not cfg.data.train_files:
         problems.append(
             "data.train_files: required; a list of JSON/JSONL/Parquet files, saved datasets or hf: datasets of prompts"

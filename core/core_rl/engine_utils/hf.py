@@ -214,10 +214,16 @@ DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout")
 
 
 def disable_dropout(model: nn.Module) -> int:
-    """Set every dropout probability of ``model`` to 0: each ``nn.Dropout`` (any kind) and each
-    float :data:`DROPOUT_ATTRIBUTES` attribute that attention modules hand their kernels; returns
-    how many were above 0. The model's config is left as it was (an export keeps it)."""
+    """Set every dropout probability of ``model`` to 0: each ``nn.Dropout`` (any kind), each float
+    :data:`DROPOUT_ATTRIBUTES` attribute that attention modules hand their kernels, and each float
+    ``*dropout*`` / ``*_pdrop`` setting of its config (some models read those in their forward), so
+    an export records 0 (the model trained without dropout); returns how many were above 0."""
     changed = 0
+    config = getattr(model, "config", None)
+    for name, value in vars(config).items() if config is not None else ():
+        if ("dropout" in name or name.endswith("_pdrop")) and isinstance(value, float) and value > 0:
+            setattr(config, name, 0.0)
+            changed += 1
     for module in model.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd):
             changed += module.p > 0

@@ -22,11 +22,13 @@ from core_rl.trainer.data_files import MAX_PROBLEMS_PER_FILE, DataRow, Problems,
 
 @attrs.define
 class PromptItem:
-    """One prompt: its data row (every column), its text and its token ids."""
+    """One prompt: its data row (every column), its text and its token ids; ``where`` the row's
+    file and line (:attr:`~core_rl.trainer.data_files.DataRow.where`) where it came from a file."""
 
     row: Mapping[str, Any]
     text: str
     prompt_ids: list[int]
+    where: str = ""
 
 
 def check_rows(
@@ -185,7 +187,7 @@ def tokenise_rows(
         if problem is not None:
             problems.add(r.file, problem)
             continue
-        items.append(PromptItem(row=r.row, text=text, prompt_ids=ids))
+        items.append(PromptItem(row=r.row, text=text, prompt_ids=ids, where=r.where))
     if dropped and not items:
         return items, [
             *problems.result(),

@@ -7,7 +7,7 @@ section's other settings; from step ``N + 1`` on, ``ref_logprobs`` are the step-
 reference of step ``S`` is therefore the policy of step ``reset_step(S) = floor(S / k) * k`` (the
 original reference before the first reset), which is how a resumed run finds it again. Exports
 no kept checkpoint can need (older than the reset step of the oldest one, and not the newest) are
-removed when checkpoints are pruned.
+removed after each reset and each checkpoint.
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ class ReferenceReset:
             return ref
         with waiting_for(f"the other ranks to export the policy of step {step} as the new reference"):
             actor.export_hf(reference_dir(self.run_dir, step))
+        self.prune(self.run_dir)
         return self._rebuilt(ref, step)
 
     def restore(self, step: int, ref: TrainEngine) -> TrainEngine:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core_rl.checkpointing import discard_partial
 from core_rl.config.schema import RunConfig
@@ -27,6 +27,9 @@ from core_rl.trainer.ranks import broadcast_outcome, waiting_for
 from core_rl.trainer.rewards import RewardErrorLog
 from core_rl.trainer.rollout_flow import RolloutFlow
 from core_rl.trainer.weight_load import BackgroundWeightLoad
+
+if TYPE_CHECKING:
+    from core_rl.trainer.reference_reset import ReferenceReset
 
 
 def warn(message: str) -> None:
@@ -54,6 +57,7 @@ class Checkpointing:
     engine: TrainEngine | None
     rollout: RolloutEngine | None
     advantage: AdvantageEstimator | None
+    reference_reset: ReferenceReset | None
     flow: RolloutFlow | None
     data: PromptSource
     nonfinite: NonFiniteGuard
@@ -102,6 +106,8 @@ class Checkpointing:
             if self.is_main:
                 checkpoints.mark_latest(self.run_dir, step)
                 checkpoints.prune(self.run_dir, self.cfg.saver.keep_last)
+                if self.reference_reset is not None:  # the references they need stay
+                    self.reference_reset.prune(self.run_dir)
         except Exception as exc:
             if checkpoints.is_disk_full(exc):
                 if self.is_main:

@@ -369,8 +369,6 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
                     self._use_reference(self.reference_reset.after_step(step, self.engine, self.ref))
                 if (cfg.saver.every_n_steps and step % cfg.saver.every_n_steps == 0) or stop:
                     self.save_checkpoint(step)
-                    if self.reference_reset is not None:
-                        self.reference_reset.prune(self.run_dir)
                 if export_due(cfg.saver, step):
                     export_step(self.engine, cfg.saver, self.run_dir, step, is_main=self.is_main)
                 if stop:

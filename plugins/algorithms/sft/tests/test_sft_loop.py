@@ -126,4 +126,5 @@ def test_conversations_train_on_the_assistant_turns_alone(setup, tmp_path):
     assert "trainer.loop.conversations: true renders each conversation with the chat template" in proc.stderr
     data.write_text(data.read_text() + json.dumps({"messages": [{"role": "user", "content": "ab"}]}) + "\n")
     proc = train(path, "experiment.name=bad", expect=2)
-    assert "column 'messages': the conversation has no assistant message to train on" in proc.stderr, proc.stderr
+    line = len(data.read_text().splitlines())
+    assert f"{data}:{line}: column 'messages': the conversation has no assistant message to train on" in proc.stderr

@@ -47,7 +47,8 @@ class SFTLoop(SupervisedLoop):
             try:
                 self.conversations[id(item)] = render_conversation(self.tokenizer, messages, data.chat_template_kwargs)
             except ValueError as exc:
-                problems.append(f"data row {item.text[:60]!r}: column {data.prompt_key!r}: {exc}")
+                where = item.where or f"data row {item.text[:60]!r}"
+                problems.append(f"{where}: column {data.prompt_key!r}: {exc}")
         if problems:
             raise DataError(problems[:10] + ([f"and {len(problems) - 10} more"] if len(problems) > 10 else []))
 

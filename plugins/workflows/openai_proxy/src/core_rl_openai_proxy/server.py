@@ -196,7 +196,7 @@ class ProxyServer:
             turn, stops = await self._generate(session, plan, body)
             by_string = self._stopped_by_string(turn, stops, session)
             sampled = self.tokenizer.decode(responses.content_ids(turn, by_string=by_string), skip_special_tokens=True)
-            text, matched = text_before_stop(sampled, stops) if by_string else (sampled, None)
+            text, matched = self._reply_text(sampled, stops, turn, session) if by_string else (sampled, None)
             reply = split_reply(text, self.tool_parser, tools, body.get("tool_choice"))
             stop = (
                 self.tokenizer.decode(turn.response_ids[-1:]) if turn.finish_reason == "stop" and not by_string else ""
@@ -222,13 +222,20 @@ class ProxyServer:
             turn, stops = await self._generate(session, plan, body)
             by_string = self._stopped_by_string(turn, stops, session)
             sampled = self.tokenizer.decode(responses.content_ids(turn, by_string=by_string), skip_special_tokens=True)
-            text, matched = text_before_stop(sampled, stops) if by_string else (sampled, None)
+            text, matched = self._reply_text(sampled, stops, turn, session) if by_string else (sampled, None)
             before = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=True)
             session.record(plan, turn, LastCall("completion", text=before + sampled))
         ids = bool(body.get("return_token_ids"))
         return responses.completion_body(
             self.config.model, plan.prompt_ids, turn, text, self.tokenizer, logprobs, ids, stop_reason=matched
         )
+
+    def _reply_text(self, sampled: str, stops: list[str], turn: Any, session: Session) -> tuple[str, str | None]:
+        """The sampled text before the stop string that ended the turn (none may end in the text of
+        the tokens before the ``min_new_tokens``-th), and that stop string."""
+        floor = max(session.sampling.min_new_tokens - 1, 0)
+        before = self.tokenizer.decode(turn.response_ids[:floor], skip_special_tokens=True) if floor else ""
+        return text_before_stop(sampled, stops, after=len(before))
 
     def _stopped_by_string(self, turn: Any, stops: list[str], session: Session) -> bool:
         def decode(ids: Any) -> str:
