@@ -27,8 +27,8 @@ class SamplingConfig:
     max_new_tokens: int = attrs.field(default=256, validator=in_range(1, MAX_TOKENS))
     min_new_tokens: int = attrs.field(default=0, validator=in_range(0, MAX_TOKENS))
     stop_token_ids: list[int] = attrs.field(factory=list, validator=each(in_range(0, MAX_TOKENS)))
-    greedy: bool = False
     stop: list[str] = attrs.field(factory=list, validator=each(not_empty()))
+    greedy: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.min_new_tokens > self.max_new_tokens:
