@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from core_rl.remote import (
     versions_from_spans,
 )
 from core_rl.servers import ServerError
-from core_rl.testing.recording_server import send_json
+from core_rl.testing.recording_server import QuietHTTPServer, send_json
 
 
 class Script:
@@ -40,7 +40,7 @@ class Script:
         self.batch_replies: list[int] = []
 
 
-def serve(script: Script) -> tuple[ThreadingHTTPServer, str]:
+def serve(script: Script) -> tuple[QuietHTTPServer, str]:
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: Any) -> None:
             pass
@@ -111,7 +111,7 @@ def serve(script: Script) -> tuple[ThreadingHTTPServer, str]:
                 with script.lock:
                     script.inflight -= 1
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = QuietHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
@@ -179,6 +179,7 @@ def make(tmp_path: Path):
         engine.close()
     for server in servers:
         server.shutdown()
+        server.server_close()
 
 
 def test_failed_requests_are_retried_whole(make) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -35,6 +36,17 @@ class Recorded:
     body: Any
 
 
+class QuietHTTPServer(ThreadingHTTPServer):
+    """A threading HTTP server for tests that does not print a traceback when a client went away
+    before its answer (a request the test timed out or cancelled): a handler thread that outlives
+    its test would otherwise print it into whichever test runs next in the process."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError | TimeoutError):
+            return
+        super().handle_error(request, client_address)
+
+
 class RecordingServer:
     """Serves on 127.0.0.1 (a free port) until :meth:`close`; answers a request whose path (without
     the query) is in ``answers`` from it, any other with status 200 and ``{}``. ``requests`` holds
@@ -44,7 +56,7 @@ class RecordingServer:
         self.answers: dict[str, Answer] = dict(answers or {})
         self.requests: list[Recorded] = []
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._server = QuietHTTPServer(("127.0.0.1", 0), _handler(self))
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="recording-server", daemon=True)
         self._thread.start()

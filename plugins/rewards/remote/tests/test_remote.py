@@ -7,7 +7,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, ClassVar
 
 import core_rl_reward_remote.plugin
@@ -16,6 +16,7 @@ from core_rl.config.loader import structure, to_plain
 from core_rl.errors import ConfigError, CoreRLError
 from core_rl.protocol import RewardInput
 from core_rl.testing import RewardContract, make_reward_input
+from core_rl.testing.recording_server import QuietHTTPServer
 from core_rl_reward_remote.config import RemoteConfig
 from core_rl_reward_remote.reward import RemoteReward, RemoteRewardError
 
@@ -84,7 +85,7 @@ class Service:
                     return self.send(200, {"scores": scores[:-1]})
                 return self.send(200, ok)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = QuietHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
