@@ -61,6 +61,18 @@ def text_before_stop(text: str, stops: Sequence[str], *, after: int = 0) -> tupl
     return text[:start], stop
 
 
+def stop_change(
+    ids: Sequence[int], finish_reason: str, decode: Decode, stops: Sequence[str], *, min_tokens: int = 0
+) -> int | None:
+    """The tokens to keep of a finished response that a stop string ends (:func:`stop_cut`), or
+    ``None`` when the response stays as it is (no stop string, or it already stops on its last
+    token)."""
+    keep = stop_cut(ids, decode, stops, min_tokens=min_tokens)
+    if keep is None or (keep == len(ids) and finish_reason == "stop"):
+        return None
+    return keep
+
+
 def cut_sample(sample: Sample, keep: int) -> Sample:
     """``sample`` with its first ``keep`` response tokens (and their log-probs, versions and mask),
     finished with ``"stop"``."""
@@ -84,7 +96,6 @@ def apply_stop_strings(
     """Each of ``samples`` cut at its first stop string (:func:`stop_cut`), the others as they are."""
     out = []
     for sample in samples:
-        keep = stop_cut(sample.response_ids, decode, stops, min_tokens=min_tokens)
-        unchanged = keep is None or (keep == len(sample.response_ids) and sample.finish_reason == "stop")
-        out.append(sample if unchanged else cut_sample(sample, keep))
+        keep = stop_change(sample.response_ids, sample.finish_reason, decode, stops, min_tokens=min_tokens)
+        out.append(sample if keep is None else cut_sample(sample, keep))
     return out

@@ -6,7 +6,6 @@ a warning, and every config or data mistake is one line naming the key or the fi
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,10 +21,9 @@ from core_rl.tiny import build_tiny_model
 from core_rl.trainer.data import PromptItem
 from core_rl_dpo.config import KTOConfig, kto_balance_warning, kto_label
 from core_rl_dpo.kto import KTOLoop, kto_metrics, kto_sums, mismatched_order, row_label
+from pair_task import STRINGS
 
 pytest.importorskip("core_rl_fsdp")
-
-STRINGS = ["".join(p) for n in (2, 3) for p in itertools.product("abc", repeat=n)]
 
 
 def kto_rows() -> list[dict]:

@@ -6,42 +6,23 @@ length-normalised log-probs, and the config mistakes are one line naming the key
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from pathlib import Path
 
 import pytest
-import yaml
 from core_rl import cli
 from core_rl.builtin.loggers import read_metrics
-from core_rl.tiny import build_tiny_model
+from pair_task import STRINGS, pair_task
 
 pytest.importorskip("core_rl_fsdp")
-
-STRINGS = ["".join(p) for n in (2, 3) for p in itertools.product("abc", repeat=n)]
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("reference_free")
-    model = build_tiny_model(root / "model", alphabet="abcd=", seed=0)
-    data = root / "pairs.jsonl"
-    # prefer the reversed string over a run of one letter of the same length: separable
-    rows = [{"prompt": f"{s}=", "chosen": s[::-1], "rejected": "d" * len(s)} for s in STRINGS]
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    config = {
-        "experiment": {"name": "run", "output_dir": str(root / "runs"), "seed": 5},
-        "data": {"train_files": [str(data)], "batch_size": 8},
-        "actor": {"model_path": str(model), "optimizer": {"name": "adamw", "lr": 3e-3}},
-        "algorithm": {"name": "simpo"},
-        "trainer": {"total_steps": 8, "torch_threads": 1},
-        "saver": {"every_n_steps": 0, "at_end": False},
-        "loggers": [{"name": "console"}],
-    }
-    path = root / "simpo.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return {"root": root, "config": path, "data": data, "model": model}
+    return pair_task(
+        tmp_path_factory.mktemp("reference_free"), "simpo", {"name": "simpo"}, {}, {"every_n_steps": 0, "at_end": False}
+    )
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
-from core_rl.stop_strings import stop_cut
+from core_rl.stop_strings import stop_change, stop_cut
 
 from core_rl_hf.decode_state import DecodeState
 
@@ -50,8 +50,9 @@ class StopStringCheck:
 
     def cut(self, completion: Completion) -> Completion:
         """``completion`` cut at its first stop string (unchanged where there is none)."""
-        keep = stop_cut(completion.token_ids, self.decode, self.stops, min_tokens=self.min_tokens)
-        if keep is None or (keep == len(completion.token_ids) and completion.finish_reason == "stop"):
+        ids, reason = completion.token_ids, completion.finish_reason
+        keep = stop_change(ids, reason, self.decode, self.stops, min_tokens=self.min_tokens)
+        if keep is None:
             return completion
         return attrs.evolve(
             completion,
