@@ -48,6 +48,22 @@ def test_another_model_with_the_same_config_gets_its_own_links(model: Path, tmp_
     assert (target / "model.safetensors").resolve() == (other / "model.safetensors").resolve()
 
 
+def test_applying_twice_or_from_an_overridden_directory_keeps_the_links(model: Path, tmp_path: Path) -> None:
+    """A configuration checked twice keeps its directory; a directory made from another run's
+    overridden one links the weights again, not the stamp."""
+    from core_rl.config.schema import ActorConfig, RunConfig
+    from core_rl.model_overrides import STAMP, apply_model_overrides
+
+    cfg = RunConfig(actor=ActorConfig(model_path=str(model), model_overrides={"max_position_embeddings": 512}))
+    assert apply_model_overrides(cfg, root=tmp_path / "a") == []
+    first = cfg.actor.model_path
+    assert apply_model_overrides(cfg, root=tmp_path / "a") == [] and cfg.actor.model_path == first
+    assert (Path(first) / "model.safetensors").resolve() == (model / "model.safetensors").resolve()
+    again = make_overridden_dir(first, {"max_position_embeddings": 384}, tmp_path / "b")
+    assert (again / "model.safetensors").resolve() == (model / "model.safetensors").resolve()
+    assert not (again / STAMP).is_symlink()
+
+
 def test_a_key_of_the_config_file_is_known_even_where_the_class_renames_it(model: Path, tmp_path: Path) -> None:
     import shutil
 

@@ -93,7 +93,7 @@ def make_overridden_dir(model_path: str, overrides: Mapping[str, Any], target: P
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     for entry in source.iterdir():
-        if entry.name != "config.json":
+        if entry.name not in ("config.json", STAMP):
             os.symlink(entry, partial / entry.name)
     (partial / "config.json").write_text(config, encoding="utf-8")
     (partial / STAMP).write_text(stamp, encoding="utf-8")
@@ -114,6 +114,8 @@ def apply_model_overrides(cfg: RunConfig, *, root: Path | None = None) -> list[s
     for role, section in [("actor", cfg.actor), *role_sections(cfg)]:
         if not section.model_overrides or not (Path(section.model_path) / "config.json").is_file():
             continue  # a missing model directory is preflight's to report
+        if Path(section.model_path).resolve() == (root / role).resolve():
+            continue  # applied already (this configuration was checked before)
         found = config_problems(section.model_path, section.model_overrides, role)
         problems += found
         if found:
