@@ -11,9 +11,9 @@ from pathlib import Path
 import datasets
 import huggingface_hub.constants
 import pytest
-import yaml
 from core_rl.config.schema import DataConfig
 from core_rl.errors import DataError
+from core_rl.testing.launch import write_grpo_config
 from core_rl.tiny import build_char_tokenizer, build_tiny_model
 from core_rl.trainer import data as data_module
 from core_rl.trainer.data import PromptSource, check_rows, tokenisation_key, tokenise_rows
@@ -274,18 +274,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run_yaml(tmp_path: Path, model: Path, train_files: list[str], **sections) -> str:
-    config = {
-        "experiment": {"name": "run", "output_dir": str(tmp_path / "runs")},
-        "data": {"train_files": train_files, "batch_size": 2},
-        "actor": {"model_path": str(model), "engine": {"name": "fsdp"}},
-        "rollout": {"engine": {"name": "hf"}, "sampling": {"n": 2, "max_new_tokens": 4}},
-        "algorithm": {"name": "grpo"},
-        "reward": {"name": "exact_match"},
-        **sections,
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return str(path)
+    return str(write_grpo_config(tmp_path, model, train_files, **sections))
 
 
 def _plugins() -> None:

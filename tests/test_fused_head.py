@@ -217,23 +217,13 @@ def test_lora_on_the_head_cannot_be_fused(tmp_path: Path) -> None:
 def _run_config(tmp_path: Path, model: Path, *overrides: str):
     import json
 
-    import yaml
     from core_rl.config import load_config
     from core_rl.plugins import PluginHost
+    from core_rl.testing.launch import write_grpo_config
 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{s}=", "answer": s}) + "\n" for s in ("ab", "ba")))
-    config = {
-        "experiment": {"name": "run", "output_dir": str(tmp_path / "runs")},
-        "data": {"train_files": [str(data)], "batch_size": 2},
-        "actor": {"model_path": str(model), "engine": {"name": "fsdp"}},
-        "rollout": {"engine": {"name": "hf"}, "sampling": {"n": 2, "max_new_tokens": 4}},
-        "algorithm": {"name": "grpo"},
-        "reward": {"name": "exact_match"},
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return load_config(path, list(overrides), host=PluginHost())
+    return load_config(write_grpo_config(tmp_path, model, [str(data)]), list(overrides), host=PluginHost())
 
 
 def test_where_fused_head_cannot_apply_the_configuration_says_so(tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
-import yaml
 from core_rl.config import load_config
 from core_rl.config.checks import MachineInfo
 from core_rl.errors import DataError, PreflightError
@@ -18,6 +17,7 @@ from core_rl.hookspecs import hookimpl
 from core_rl.interfaces import Reward
 from core_rl.plugins import PluginHost
 from core_rl.preflight import check_model_dir, check_tokenizer_dir, preflight
+from core_rl.testing.launch import write_grpo_config
 from core_rl.tiny import build_tiny_model
 from core_rl.trainer import train
 from core_rl.trainer.errors import RewardError
@@ -49,16 +49,7 @@ def data(tmp_path: Path) -> Path:
 
 
 def _config(tmp_path: Path, model: Path, data: Path, *overrides: str, host: PluginHost | None = None):
-    config = {
-        "experiment": {"name": "run", "output_dir": str(tmp_path / "runs")},
-        "data": {"train_files": [str(data)], "batch_size": 2},
-        "actor": {"model_path": str(model), "engine": {"name": "fsdp"}},
-        "rollout": {"engine": {"name": "hf"}, "sampling": {"n": 2, "max_new_tokens": 4}},
-        "algorithm": {"name": "grpo"},
-        "reward": {"name": "exact_match"},
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path = write_grpo_config(tmp_path, model, [str(data)])
     return load_config(path, list(overrides), host=host or PluginHost())
 
 

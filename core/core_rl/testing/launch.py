@@ -86,3 +86,23 @@ def run_train(
         f"core-rl train exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )
     return proc
+
+
+def write_grpo_config(tmp_path: Path, model: Path | str, train_files: list[str], **sections: object) -> Path:
+    """``tmp_path/run.yaml``: the smallest GRPO run (fsdp, hf, exact_match; 2 prompts x 2 samples
+    of at most 4 tokens, output under ``tmp_path/runs``) on ``model`` and ``train_files``, with
+    ``sections`` replacing whole sections."""
+    import yaml
+
+    config = {
+        "experiment": {"name": "run", "output_dir": str(tmp_path / "runs")},
+        "data": {"train_files": list(train_files), "batch_size": 2},
+        "actor": {"model_path": str(model), "engine": {"name": "fsdp"}},
+        "rollout": {"engine": {"name": "hf"}, "sampling": {"n": 2, "max_new_tokens": 4}},
+        "algorithm": {"name": "grpo"},
+        "reward": {"name": "exact_match"},
+        **sections,
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
