@@ -63,7 +63,7 @@ class SamplingParams:
     ``stop`` strings end a response at the token that completes one; the rollout controller cuts
     every engine's responses there (:mod:`core_rl.stop_strings`), so an engine may ignore them
     (an engine whose config class sets ``stop_strings = True`` stops there itself, saving the
-    tokens after: ``hf``, ``vllm``, ``sglang``).
+    tokens after: ``hf``, ``sglang``).
     """
 
     n: int = 1
