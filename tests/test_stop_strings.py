@@ -26,9 +26,9 @@ def test_the_cut_by_hand() -> None:
     text = lambda ids: "".join(chars[i] for i in ids)  # noqa: E731
     ids = [0, 0, 1, 2, 3, 1, 2]  # "xxabyab"
     assert stop_cut(ids, text, ["ab"]) == 4  # "xxab": the token that completes the first "ab"
-    assert stop_cut(ids, text, ["ab"], min_tokens=4) == 4  # the 4th token may complete it
-    assert stop_cut(ids, text, ["ab"], min_tokens=5) == 7  # not before the 5th: the next one
-    assert stop_cut(ids, text, ["ab"], min_tokens=8) is None  # fewer tokens than that
+    assert stop_cut(ids, text, ["ab"], min_tokens=3) == 4  # the 4th token comes after the first 3
+    assert stop_cut(ids, text, ["ab"], min_tokens=4) == 7  # "xxab" are the first 4: the next "ab"
+    assert stop_cut(ids, text, ["ab"], min_tokens=7) is None  # no token after the 7th
     assert stop_cut(ids, text, ["yab", "zz"]) == 7
     assert stop_cut(ids, text, ["zz"]) is None and stop_cut([], text, ["a"]) is None and stop_cut(ids, text, []) is None
     # a token spanning the stop string's end stays whole: " wor" completes "lo w"
@@ -49,19 +49,18 @@ def test_text_before_the_first_stop_string() -> None:
     min_tokens=st.integers(0, 4),
 )
 def test_the_cut_is_the_fewest_tokens_that_complete_a_stop_after_min_tokens(ids, stops, min_tokens) -> None:
-    """``k >= min_tokens`` and the stop string ends in the text of the ``min_tokens``-th token or later."""
+    """``k > min_tokens`` and the stop string ends in the text of a token after the first ``min_tokens``."""
     keep = stop_cut(ids, decode, stops, min_tokens=min_tokens)
-    floor = max(min_tokens - 1, 0)
-    base = len(decode(ids[:floor]))
+    base = len(decode(ids[:min_tokens]))
 
     def ends_after_base(k: int) -> bool:  # a direct scan of every occurrence in the first k tokens' text
         text = decode(ids[:k])
         return any(text.startswith(s, i) and i + len(s) > base for s in stops for i in range(len(text)))
 
     if keep is None:
-        assert len(ids) < min_tokens or not ends_after_base(len(ids))
+        assert len(ids) <= min_tokens or not ends_after_base(len(ids))
     else:
-        low = max(min_tokens, 1)
+        low = min_tokens + 1
         assert low <= keep <= len(ids) and ends_after_base(keep)
         assert keep == low or not ends_after_base(keep - 1)
 

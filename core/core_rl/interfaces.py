@@ -59,11 +59,13 @@ class SamplingParams:
     """How to sample: ``n`` responses per prompt; ``greedy`` overrides temperature/top-p/top-k.
 
     ``top_k <= 0`` and ``top_p == 1`` disable those filters. Generation stops at EOS, at any of
-    ``stop_token_ids``, or after ``max_new_tokens``; no stop happens before ``min_new_tokens``.
+    ``stop_token_ids``, or after ``max_new_tokens``; the first ``min_new_tokens`` tokens are
+    never a stop (so a response that stops early has at least ``min_new_tokens + 1`` tokens).
     ``stop`` strings end a response at the token that completes one; the rollout controller cuts
     every engine's responses there (:mod:`core_rl.stop_strings`), so an engine may ignore them
-    (an engine whose config class sets ``stop_strings = True`` stops there itself, saving the
-    tokens after: ``hf``, ``sglang``).
+    or stop later. An engine whose config class sets ``stop_strings = True`` stops there itself,
+    saving the tokens after (``hf``, ``vllm``; ``sglang`` when ``min_new_tokens`` is 0); it must
+    never stop before the cut, which the rollout contract checks.
     """
 
     n: int = 1

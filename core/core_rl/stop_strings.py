@@ -4,9 +4,11 @@ first token whose text completes one of them.
 The cut is made on token ids, so the trajectory holds exactly what the model sampled up to there:
 response ``y`` is cut to ``y[:k]`` with ``k`` the fewest tokens whose text (``decode(y[:k])``, the
 response decoded on its own without special tokens, whose names such as ``<pad>`` are not text the
-model wrote) holds a stop string, with ``k >= min_new_tokens`` and the stop string ending after the
-text of the first ``min_new_tokens - 1`` tokens: the ``min_new_tokens``-th token or a later one
-completes it (as vLLM and SGLang check stop strings once that many tokens exist). Cutting what an engine generated
+model wrote) holds a stop string that ends after the text of the first ``min_new_tokens`` tokens:
+a token after the first ``min_new_tokens`` completes it, so ``k > min_new_tokens``. That is the rule
+of ``min_new_tokens`` for the end-of-sequence and stop tokens too (masked for the first
+``min_new_tokens`` tokens in HF, vLLM and SGLang), and vLLM's rule for stop strings, so vLLM stops
+where this cut does. Cutting what an engine generated
 past that point samples the same distribution as stopping there: the tokens after it are dropped
 whole. ``finish_reason`` becomes ``"stop"``; the last token may carry text past the stop string's end
 (a token that spans it), which stays in the trajectory.
@@ -27,12 +29,11 @@ Decode = Callable[[Sequence[int]], str]
 
 
 def stop_cut(ids: Sequence[int], decode: Decode, stops: Sequence[str], *, min_tokens: int = 0) -> int | None:
-    """The number of tokens to keep (module docstring), or ``None`` when no stop string is
-    completed by the ``min_tokens``-th token or a later one."""
-    if not stops or not ids or len(ids) < min_tokens:
+    """The number of tokens to keep (module docstring), or ``None`` when no token after the first
+    ``min_tokens`` completes a stop string."""
+    if not stops or len(ids) <= min_tokens:
         return None
-    floor = max(min_tokens - 1, 0)
-    base = len(decode(ids[:floor])) if floor else 0  # only occurrences ending after this count
+    base = len(decode(ids[:min_tokens])) if min_tokens else 0  # only occurrences ending after this count
 
     def found(k: int) -> bool:
         text = decode(ids[:k])
@@ -40,7 +41,7 @@ def stop_cut(ids: Sequence[int], decode: Decode, stops: Sequence[str], *, min_to
 
     if not found(len(ids)):
         return None
-    low, high = max(min_tokens, 1), len(ids)  # found(high); find the fewest tokens that still find it
+    low, high = min_tokens + 1, len(ids)  # found(high); find the fewest tokens that still find it
     while low < high:
         middle = (low + high) // 2
         if found(middle):
@@ -52,7 +53,7 @@ def stop_cut(ids: Sequence[int], decode: Decode, stops: Sequence[str], *, min_to
 
 def text_before_stop(text: str, stops: Sequence[str], *, after: int = 0) -> tuple[str, str | None]:
     """``text`` up to (without) the first occurrence of any of ``stops`` that ends after character
-    ``after`` (the text of the tokens before the ``min_new_tokens``-th, where none may stop), and
+    ``after`` (the text of the first ``min_new_tokens`` tokens, where none may stop), and
     that stop string (``None`` when none occurs): what an OpenAI-compatible answer returns."""
     found = [(i, stop) for stop in stops if stop and (i := text.find(stop, max(0, after - len(stop) + 1))) >= 0]
     if not found:

@@ -31,6 +31,10 @@ class RolloutEngineContract(TinyModelMixin, MultiTurnEngineTests, ComponentContr
 
     kind = ROLLOUT_ENGINE
     logprob_atol: ClassVar[float] = 1e-3
+    #: an engine with ``stop_strings = True`` stops at them itself with ``min_new_tokens`` too, and
+    #: at a stop string that is part of a special token's text (``"a"`` of ``<pad>``)
+    native_stops_with_min_new_tokens: ClassVar[bool] = True
+    native_stops_in_special_token_text: ClassVar[bool] = True
 
     def make(
         self, model_path: Path, run_dir: Path | None = None, options: dict[str, Any] | None = None
@@ -85,30 +89,46 @@ class RolloutEngineContract(TinyModelMixin, MultiTurnEngineTests, ComponentContr
                 else:
                     assert len(s.response_ids) == 8
 
-    def test_stop_strings_end_at_the_completing_token(self, engine: RolloutEngine, model_path: Path) -> None:
+    @pytest.mark.parametrize("min_new_tokens", [0, 2])
+    @pytest.mark.parametrize("stops", [["e", "1", "o"], ["a", "e", "1"]], ids=["plain", "in-special"])
+    def test_stop_strings_end_at_the_completing_token(
+        self, engine: RolloutEngine, model_path: Path, min_new_tokens: int, stops: list[str]
+    ) -> None:
         """The rollout controller cuts every engine's responses at ``sampling.stop``
-        (:mod:`core_rl.stop_strings`); an engine whose config class says ``stop_strings = True``
-        stops there itself, so the cut leaves its responses as they are."""
+        (:mod:`core_rl.stop_strings`), so an engine may stop later than the cut, never earlier: a
+        response the engine ends with ``"stop"`` ends at its end-of-sequence token or where the cut
+        would end it. An engine whose config class says ``stop_strings = True`` stops there
+        itself, so the cut leaves its responses as they are (with ``min_new_tokens``, and with a
+        stop string inside a special token's text, unless the contract class says otherwise)."""
         from transformers import AutoTokenizer
 
         from core_rl.stop_strings import apply_stop_strings, stop_cut
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        stops = ["a", "e", "1"]
-        sampling = SamplingParams(n=4, max_new_tokens=12, min_new_tokens=2, stop=stops)
+        sampling = SamplingParams(n=8, max_new_tokens=12, min_new_tokens=min_new_tokens, stop=stops)
         out = engine.generate(self.prompts, sampling)
 
         def decode(ids: list[int]) -> str:
             return tokenizer.decode(ids, skip_special_tokens=True)
 
+        def cut(ids: list[int]) -> int | None:
+            return stop_cut(ids, decode, stops, min_tokens=min_new_tokens)
+
+        special = any(stop in text for stop in stops for text in tokenizer.all_special_tokens)
         native = bool(getattr(self.entry().config_cls, "stop_strings", False))
+        native = native and (min_new_tokens == 0 or self.native_stops_with_min_new_tokens)
+        native = native and (not special or self.native_stops_in_special_token_text)
         stopped = 0
         for samples in out:
-            for got, want in zip(samples, apply_stop_strings(samples, decode, stops, sampling.min_new_tokens)):
-                assert got.response_ids[: len(want.response_ids)] == want.response_ids
-                stopped += stop_cut(want.response_ids, decode, stops, min_tokens=2) == len(want.response_ids)
-                if native:
-                    assert got.response_ids == want.response_ids and got.finish_reason == want.finish_reason
+            for got, want in zip(samples, apply_stop_strings(samples, decode, stops, min_new_tokens)):
+                ids = got.response_ids
+                assert len(ids) > min_new_tokens or got.finish_reason == "length", ids
+                if got.finish_reason == "stop" and ids[-1] != tokenizer.eos_token_id:
+                    assert cut(ids) == len(ids), f"stopped before the cut: {ids} {decode(ids)!r}"
+                stopped += cut(want.response_ids) == len(want.response_ids)
+                if native:  # the same tokens; a stop on the last allowed token may read "length"
+                    assert ids == want.response_ids, (ids, decode(ids))
+                    assert got.finish_reason == want.finish_reason or len(ids) == sampling.max_new_tokens
         assert stopped > 0  # the frequent stop strings ended some responses
 
     def test_greedy_is_argmax_and_top_k_one_matches(self, engine: RolloutEngine, model_path: Path) -> None:

@@ -18,4 +18,8 @@ class TestSGLangRolloutEngine(ServerRolloutEngineContract):
     tiny_model_options: ClassVar[dict[str, Any]] = {"num_heads": 2}
     forks_on_cpu = True
     logprob_atol = 2e-2
+    # SGLang's stop strings ignore min_new_tokens and match special tokens' text: the engine
+    # leaves those cases to the rollout controller's cut (core_rl_sglang.engine)
+    native_stops_with_min_new_tokens = False
+    native_stops_in_special_token_text = False
     long_tokens = 60  # SGLang's torch-native attention on CPU is slow on long sequences

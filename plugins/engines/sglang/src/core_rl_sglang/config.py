@@ -45,7 +45,8 @@ class SGLangConfig:
     weight_sync_modes: ClassVar[tuple[str, ...]] = ("disk", "collective")
     #: the servers can give back their memory while the trainer trains (``rollout.sleep_while_training``)
     releases_memory: ClassVar[bool] = True
-    #: the server stops at rollout.sampling.stop strings itself (core_rl.stop_strings)
+    #: the server stops at rollout.sampling.stop strings itself (core_rl.stop_strings) when
+    #: ``min_new_tokens`` is 0 and no stop string is part of a special token (its own rule differs)
     stop_strings: ClassVar[bool] = True
 
     server: ServerOptions = attrs.field(factory=ServerOptions)

@@ -5,7 +5,8 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
 - generation: ``POST /generate`` with ``input_ids`` (the prompt repeated ``n`` times: one batch,
   whose common prefix SGLang's radix cache computes once), ``sampling_params`` (``max_new_tokens``,
   ``min_new_tokens``, ``temperature`` (0 for greedy), ``top_p``, ``top_k`` (-1 = off),
-  ``stop_token_ids``) and ``return_logprob``. SGLang's log-prob of a sampled token is
+  ``stop_token_ids``, ``stop`` strings where SGLang's rule for them agrees with the core's) and
+  ``return_logprob``. SGLang's log-prob of a sampled token is
   ``log_softmax(logits / temperature)`` before top-k/top-p filtering: the train engine's convention.
   Its ``meta_info.weight_versions`` spans give each token the version of the weights that sampled
   it (every weight update carries ``weight_version``), so a sample a weight update interrupted in
@@ -27,6 +28,7 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +143,24 @@ class SGLangRolloutEngine(ServerRolloutEngine):
 
     # -- HTTP calls -----------------------------------------------------------------------------
 
+    def _stops_natively(self, sampling: SamplingParams) -> bool:
+        """Whether SGLang gets ``sampling.stop``: it must never stop before the core's cut
+        (:mod:`core_rl.stop_strings`), which the rollout controller makes anyway. SGLang matches
+        stop strings from the first token on, ignoring ``min_new_tokens``, and in text that
+        spells special tokens out (``<pad>``), so it gets them only without ``min_new_tokens``
+        and when no stop string occurs in a special token's text."""
+        if not sampling.stop or sampling.min_new_tokens > 0:
+            return False
+        return not any(stop in text for stop in sampling.stop for text in self._special_texts)
+
+    @functools.cached_property
+    def _special_texts(self) -> tuple[str, ...]:
+        """The texts of the served tokenizer's special tokens."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return tuple(tokenizer.all_special_tokens)
+
     async def request(self, client: Any, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list[Completion]:
         params = {
             "max_new_tokens": sampling.max_new_tokens,
@@ -149,10 +169,9 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             "top_p": 1.0 if sampling.greedy else sampling.top_p,
             "top_k": -1 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,
             "stop_token_ids": list(sampling.stop_token_ids),
-            # stop strings are matched in the text without special tokens, as core_rl.stop_strings does
             "skip_special_tokens": bool(sampling.stop),
             "no_stop_trim": True,
-            **({"stop": list(sampling.stop)} if sampling.stop else {}),
+            **({"stop": list(sampling.stop)} if self._stops_natively(sampling) else {}),
         }
         payload = {
             "input_ids": [list(prompt_ids)] * sampling.n,

@@ -47,6 +47,8 @@ class VLLMConfig:
     weight_sync_modes: ClassVar[tuple[str, ...]] = ("disk", "collective")
     #: the servers can sleep while the trainer trains (``rollout.sleep_while_training``)
     releases_memory: ClassVar[bool] = True
+    #: the server stops at rollout.sampling.stop strings itself (core_rl.stop_strings)
+    stop_strings: ClassVar[bool] = True
 
     server: ServerOptions = attrs.field(factory=ServerOptions)
     dtype: str = attrs.field(default="bfloat16", validator=one_of(("auto", "float32", "bfloat16", "float16")))

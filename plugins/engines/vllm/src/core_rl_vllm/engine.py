@@ -238,7 +238,13 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             raise ServerReplyError(f"unexpected /v1/completions answer from {url}: {exc}: {str(body)[:300]}") from None
 
     def _generate_payload(self, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
-        return {"model": self.model_name, "token_ids": prompt_ids, "sampling_params": {**params, "detokenize": False}}
+        # the text is never read; stop strings need it
+        detokenize = bool(params.get("stop"))
+        return {
+            "model": self.model_name,
+            "token_ids": prompt_ids,
+            "sampling_params": {**params, "detokenize": detokenize},
+        }
 
     @property
     def batches_requests(self) -> bool:  # type: ignore[override]
@@ -363,9 +369,9 @@ def _params(sampling: SamplingParams) -> dict[str, Any]:
         "top_k": 0 if sampling.greedy else max(sampling.top_k, 0),
         "stop_token_ids": list(sampling.stop_token_ids),
         "logprobs": 0,
-        # stop strings are left to the rollout controller's cut (core_rl.stop_strings): vLLM's own
-        # stop did not always end on the token the cut chooses (the rollout contract, a CI run)
-        "skip_special_tokens": False,
+        # stop strings are matched in the text without special tokens, as core_rl.stop_strings does
+        "skip_special_tokens": bool(sampling.stop),
+        **({"stop": list(sampling.stop), "include_stop_str_in_output": True} if sampling.stop else {}),
     }
 
 

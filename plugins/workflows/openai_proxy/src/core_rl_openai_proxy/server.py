@@ -232,8 +232,8 @@ class ProxyServer:
 
     def _reply_text(self, sampled: str, stops: list[str], turn: Any, session: Session) -> tuple[str, str | None]:
         """The sampled text before the stop string that ended the turn (none may end in the text of
-        the tokens before the ``min_new_tokens``-th), and that stop string."""
-        floor = max(session.sampling.min_new_tokens - 1, 0)
+        the first ``min_new_tokens`` tokens), and that stop string."""
+        floor = session.sampling.min_new_tokens
         before = self.tokenizer.decode(turn.response_ids[:floor], skip_special_tokens=True) if floor else ""
         return text_before_stop(sampled, stops, after=len(before))
 
