@@ -61,7 +61,9 @@ def error_line(log_text: str) -> str | None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (the OS picks it)."""
+    """A TCP port free on ``host`` now (the OS picks it). Another process may take it before the
+    caller binds it: a server started on it that finds it taken says so
+    (:meth:`ManagedServer.lost_its_port`), and its starter tries another."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -223,6 +225,13 @@ class ManagedServer:
             f"{self.log_tail()}",
             recoverable=recoverable,
         )
+
+    def lost_its_port(self) -> bool:
+        """Whether the server's log since its last start says its address was in use: another
+        process took the port between :func:`free_port` choosing it and the server binding it."""
+        text = tail(self.log_path, 400)
+        text = text[text.rfind(START_MARK) :] if START_MARK in text else text
+        return "address already in use" in text.lower()
 
     def healthy(self, timeout: float = 5.0) -> bool:
         """Whether the health endpoint answers 200 within ``timeout`` seconds."""

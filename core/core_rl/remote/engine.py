@@ -19,6 +19,7 @@ the tokens it had, its later tokens carrying the newer weight version.
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from abc import abstractmethod
@@ -47,6 +48,8 @@ WRITE_BYTECODE = {"PYTHONDONTWRITEBYTECODE": ""}
 #: set to ``1`` in a server's environment by a plugin whose server-side launcher then forks the
 #: server's engine processes instead of spawning them (the vllm and sglang plugins, on CPU)
 FORK_ENGINE = "CORE_RL_FORK_ENGINE"
+#: starts of one server on ports core-rl chose, when each lost its port before binding it
+PORT_ATTEMPTS = 3
 
 
 class ServerRolloutEngine(Generation, WeightSync, MemoryRelease, ServerRecovery, RolloutEngine):
@@ -266,34 +269,60 @@ class ServerRolloutEngine(Generation, WeightSync, MemoryRelease, ServerRecovery,
         devices = self._servers_devices()
         endpoints = []
         for i in range(opts.num_servers):
-            port = opts.ports[i] if opts.ports else free_port(opts.host)
-            name = f"{self.env_name}-{i}"
-            server = ManagedServer(
-                name,
-                self.server_command(python, port, i),
-                host=opts.host,
-                port=port,
-                log_path=self.run_dir / "servers" / f"{name}.log",
-                env={**WRITE_BYTECODE, **self.server_environment(i), **devices[i], **opts.env},
-                health_path=self.health_path,
-                grace=opts.shutdown_grace,
-                cpus=opts.cpus,
-            )
-            endpoints.append(Endpoint(name=name, url=server.url, server=server))
+            server = self._managed_server(i, python, devices[i], opts.ports[i] if opts.ports else free_port(opts.host))
+            endpoints.append(Endpoint(name=server.name, url=server.url, server=server))
         try:
             for ep in endpoints:
                 assert ep.server is not None
                 ep.server.start()
             deadline = time.monotonic() + opts.startup_timeout
-            for ep in endpoints:
-                assert ep.server is not None
-                ep.server.wait_healthy(max(1.0, deadline - time.monotonic()))
+            for i, ep in enumerate(endpoints):
+                self._wait_started(ep, i, python, devices[i], deadline)
         except BaseException:
             for ep in endpoints:
                 if ep.server is not None:
                     ep.server.stop()
             raise
         return endpoints
+
+    def _managed_server(self, index: int, python: str, devices: dict[str, str], port: int) -> ManagedServer:
+        opts = self.options
+        name = f"{self.env_name}-{index}"
+        return ManagedServer(
+            name,
+            self.server_command(python, port, index),
+            host=opts.host,
+            port=port,
+            log_path=self.run_dir / "servers" / f"{name}.log",
+            env={**WRITE_BYTECODE, **self.server_environment(index), **devices, **opts.env},
+            health_path=self.health_path,
+            grace=opts.shutdown_grace,
+            cpus=opts.cpus,
+        )
+
+    def _wait_started(self, ep: Endpoint, index: int, python: str, devices: dict[str, str], deadline: float) -> None:
+        """Wait for ``ep``'s server to become healthy. A server on a port core-rl chose that lost
+        the port to another process before binding it is started again on another port, up to
+        :data:`PORT_ATTEMPTS` times."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            assert ep.server is not None
+            try:
+                ep.server.wait_healthy(max(1.0, deadline - time.monotonic()))
+                return
+            except ServerError:
+                if self.options.ports or attempt == PORT_ATTEMPTS or not ep.server.lost_its_port():
+                    raise
+            taken = ep.server.port
+            ep.server.stop()
+            ep.server = self._managed_server(index, python, devices, free_port(self.options.host))
+            ep.url = ep.server.url
+            print(
+                f"core-rl: server {ep.name}: port {taken} was taken by another process before the server bound it; "
+                f"starting it again on port {ep.server.port}",
+                file=sys.stderr,
+                flush=True,
+            )
+            ep.server.start()
 
     def _servers_devices(self) -> list[dict[str, str]]:
         """Each started server's ``CUDA_VISIBLE_DEVICES`` from ``server.gpus`` (none when empty)."""
