@@ -360,9 +360,19 @@ class ProfileConfig:
     row_limit: int = attrs.field(default=40, validator=in_range(1, 10_000))
 
 
+def _steps_or_derived(inst: Any, attribute: attrs.Attribute[Any], value: int) -> None:
+    """``trainer.total_steps`` in ``[1, MAX_STEPS]``, or ``0`` (derived) with ``total_epochs`` set."""
+    if not (value == 0 and inst.total_epochs is not None):
+        in_range(1, MAX_STEPS)(inst, attribute, value)
+
+
 @attrs.define
 class TrainerConfig:
-    """The loop: ``total_steps`` RL steps; ``resume: true`` is ``recover.mode: auto`` (continue from
+    """The loop: ``total_steps`` RL steps, or ``total_epochs`` passes over the training prompts
+    (:mod:`core_rl.config.epochs`: ``total_steps`` is then derived when the run starts, from the
+    number of prompts left after filtering, as ``ceil(total_epochs x prompts / data.batch_size)``;
+    ``total_steps: 0`` keeps it derived, any other value with ``total_epochs`` is an error).
+    ``resume: true`` is ``recover.mode: auto`` (continue from
     the run's newest valid checkpoint); ``torch_threads`` (0: leave torch's default) sets intra-op
     threads. ``mode``: ``sync``, the only value (rollout ahead of training is
     ``rollout.controller.max_head_offpolicyness``).
@@ -379,7 +389,8 @@ class TrainerConfig:
     ``profile``: record chosen steps with ``torch.profiler`` (:class:`ProfileConfig`)."""
 
     mode: str = attrs.field(default="sync", validator=one_of(("sync",)))
-    total_steps: int = attrs.field(default=100, validator=in_range(1, MAX_STEPS))
+    total_steps: int = attrs.field(default=100, validator=_steps_or_derived)
+    total_epochs: int | None = attrs.field(default=None, validator=in_range(1, MAX_STEPS))
     resume: bool = False
     torch_threads: int = attrs.field(default=0, validator=in_range(0, 4096))
     collective_timeout_s: float = attrs.field(default=1800.0, validator=in_range(1.0, 10**7))

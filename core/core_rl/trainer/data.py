@@ -225,6 +225,15 @@ class TokenisedRows(list):  # list[DataRow]
         self.key = key
 
 
+def prompt_count(rows: Sequence[DataRow], config: DataConfig, tokenizer: Any) -> int:
+    """How many prompts :class:`PromptSource` draws from ``rows`` (checked rows): those tokenising
+    keeps (``data.filter_overlong_prompts`` drops the long ones), taken from :class:`TokenisedRows`
+    of the same settings when preflight made them."""
+    if isinstance(rows, TokenisedRows) and rows.key == tokenisation_key(config, tokenizer):
+        return len(rows.items)
+    return len(tokenise_rows(rows, config, tokenizer)[0])
+
+
 def eval_data_config(cfg: RunConfig) -> DataConfig:
     """The data section evaluation reads its files with: ``data``'s prompt settings, the eval
     files, prompt column and batch size, in file order."""
