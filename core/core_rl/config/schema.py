@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 import attrs
 
+from core_rl.config.data_config import DataConfig as DataConfig  # re-exported with the sections
+from core_rl.config.data_config import TrainFile as TrainFile
 from core_rl.config.derived_key import Derived
 from core_rl.config.eval_config import EvalConfig
 from core_rl.config.model_sections import LoraConfig, MicroBatchConfig, OptimizerConfig, SchedulerConfig
@@ -62,39 +64,6 @@ class ExperimentConfig:
     def run_dir(self) -> Path:
         """The run's directory, ``output_dir/name``, where every file of the run goes."""
         return Path(self.output_dir) / self.name
-
-
-@attrs.define
-class DataConfig:
-    """Training prompts: rows that hold ``prompt_key`` plus any columns rewards read (e.g.
-    ``answer``). ``batch_size`` prompts are drawn per step.
-
-    ``train_files`` entries: JSON/JSONL/Parquet files, directories written by ``datasets``'
-    ``save_to_disk`` (``dir``, or ``dir@split`` for a ``DatasetDict``; default split ``train``) and
-    Hugging Face hub datasets ``hf:<repo_id>[:<config_name>][@<split>]`` (from the local cache where
-    they are there; :mod:`core_rl.trainer.data_files`).
-
-    The prompt column holds text, or a conversation: a list of ``{"role": ..., "content": ...}``
-    messages (system, user, earlier assistant turns), which needs ``apply_chat_template``.
-    ``apply_chat_template``: render each prompt with the tokenizer's chat template (text becomes
-    one user turn), ending with the template's generation prompt. ``system_prompt``: a system
-    message put first in every prompt that has none (``""`` is an empty one, which keeps a template
-    from adding its own default). ``chat_template_kwargs``: variables the template reads (e.g.
-    ``enable_thinking: false`` for a template that has thinking turns).
-
-    ``filter_overlong_prompts``: drop prompts longer than ``max_prompt_tokens`` tokens (one line on
-    stderr says how many) instead of refusing the run; all of them too long is still an error. It
-    applies to ``eval.files`` too."""
-
-    train_files: list[str] = attrs.field(factory=list, validator=each(not_empty()))
-    prompt_key: str = attrs.field(default="prompt", validator=not_empty())
-    batch_size: int = attrs.field(default=8, validator=in_range(1, MAX_COUNT))
-    shuffle: bool = True
-    max_prompt_tokens: int = attrs.field(default=1024, validator=in_range(1, MAX_TOKENS))
-    apply_chat_template: bool = False
-    system_prompt: str | None = None
-    chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)
-    filter_overlong_prompts: bool = False
 
 
 @attrs.define
