@@ -27,7 +27,7 @@ from cattrs.errors import (
 from cattrs.gen import make_dict_unstructure_fn, override
 
 from core_rl.config.model_sections import AUTO, TokenBudget
-from core_rl.config.schema import AutoBool, PluginSpec, RunConfig
+from core_rl.config.schema import AutoBool, PluginSpec, RunConfig, TrainFile
 from core_rl.config.validators import FieldValueError
 from core_rl.errors import ConfigError, did_you_mean
 
@@ -107,6 +107,19 @@ def structure_plugin_spec(value: Any, _t: type) -> PluginSpec:
         raise FieldValueError("name", value.get("name"), "must name a registered plugin")
     options = {k: v for k, v in value.items() if k != "name"}
     return PluginSpec(name=value["name"], options=options)
+
+
+#: an entry of ``data.train_files``: a path, or a weighted source
+TrainEntry = str | TrainFile
+
+
+def _train_entry(conv: cattrs.Converter, value: Any) -> str | TrainFile:
+    """A path as it is, a mapping as a :class:`TrainFile` (its keys checked like a section's)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeMismatch("a path, or a mapping {path: ..., weight: ...}", value)
+    return conv.structure(value, TrainFile)
 
 
 #: what structuring a user's value can raise; anything else is a bug and keeps its traceback
@@ -272,6 +285,7 @@ def make_converter() -> cattrs.Converter:
     conv.register_structure_hook(bool, _strict_bool)
     conv.register_structure_hook(str, _strict_str)
     conv.register_structure_hook(PluginSpec, structure_plugin_spec)
+    conv.register_structure_hook_func(lambda t: t == TrainEntry, lambda v, _t: _train_entry(conv, v))
     conv.register_structure_hook_func(lambda t: t == TokenBudget, _token_budget)
     conv.register_structure_hook_func(lambda t: t == AutoBool, _auto_bool)
     conv.register_unstructure_hook(PluginSpec, lambda spec: unstructure_spec(conv, spec))

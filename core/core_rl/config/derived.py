@@ -1,6 +1,6 @@
 """Keys whose value is derived from other keys of the run, and how they stay derived.
 
-Four kinds of key are derived:
+Five kinds of key are derived:
 
 - the core's own defaults (:func:`derive_schedules`): ``actor.lr_scheduler.total_steps`` and
   ``critic.lr_scheduler.total_steps`` (``0``: ``trainer.total_steps`` x the optimiser steps of an
@@ -9,6 +9,9 @@ Four kinds of key are derived:
 - a plugin's fields declared with :func:`core_rl.config.schema.default_from` (unset or ``null``:
   the value of another key), recorded by :func:`record_default`;
 - ``${...}`` interpolations written in the YAML file or the overrides (:func:`interpolations`);
+- ``trainer.total_steps`` with ``trainer.total_epochs`` (:mod:`core_rl.config.epochs`), which
+  depends on the number of training prompts: written ``0`` and derived when the run starts, with
+  the schedules derived from it, all marked ``at_start``;
 - settings whose good value depends on the machine, written ``auto`` and chosen when the run starts
   (:mod:`core_rl.trainer.auto_budget`: the micro-batch token budgets), marked ``at_start``. They
   are not the loader's: ``core-rl config show`` prints ``auto``; a run records the value it chose
@@ -50,9 +53,12 @@ def record_default(run: RunConfig, path: str, value: Any, source: str) -> None:
     record(run, Derived(parse_key(path), value, None, source))
 
 
-def derive_schedules(cfg: RunConfig) -> None:
+def derive_schedules(cfg: RunConfig, *, at_start: bool = False) -> None:
     """Fill the unset ``total_steps`` and ``warmup_steps`` of the actor's learning-rate schedule
-    and, when there is a critic, of the critic's (see the module docstring); record each."""
+    and, when there is a critic, of the critic's (see the module docstring); record each.
+    While ``trainer.total_steps`` is itself still to be derived (``0``: from
+    ``trainer.total_epochs`` when the run starts, :mod:`core_rl.config.epochs`, which calls this
+    again with ``at_start``) they are only recorded as to be derived then (value ``None``)."""
     algorithm = cfg.algorithm
     steps = cfg.trainer.total_steps
     schedules: list[tuple[str, SchedulerConfig]] = [("actor", cfg.actor.lr_scheduler)]
@@ -60,16 +66,25 @@ def derive_schedules(cfg: RunConfig) -> None:
         schedules.append(("critic", cfg.critic.lr_scheduler))
     for role, schedule in schedules:
         if schedule.total_steps == 0:
-            schedule.total_steps = steps * algorithm.optimizer_steps_per_step
-            source = (
-                "trainer.total_steps x algorithm.ppo_n_minibatches x algorithm.ppo_epochs = "
-                f"{steps} x {algorithm.ppo_n_minibatches} x {algorithm.ppo_epochs}"
-            )
-            record(cfg, Derived((role, "lr_scheduler", "total_steps"), schedule.total_steps, 0, source))
+            source = "trainer.total_steps x algorithm.ppo_n_minibatches x algorithm.ppo_epochs"
+            if steps:
+                schedule.total_steps = steps * algorithm.optimizer_steps_per_step
+                source += f" = {steps} x {algorithm.ppo_n_minibatches} x {algorithm.ppo_epochs}"
+            _record_schedule_key(cfg, role, "total_steps", schedule.total_steps or None, source, at_start or not steps)
         if schedule.warmup_steps == 0 and schedule.warmup_ratio > 0:
-            schedule.warmup_steps = int(schedule.warmup_ratio * schedule.total_steps)
-            source = f"floor(warmup_ratio x total_steps) = floor({schedule.warmup_ratio} x {schedule.total_steps})"
-            record(cfg, Derived((role, "lr_scheduler", "warmup_steps"), schedule.warmup_steps, 0, source))
+            source = "floor(warmup_ratio x total_steps)"
+            if steps:
+                schedule.warmup_steps = int(schedule.warmup_ratio * schedule.total_steps)
+                source += f" = floor({schedule.warmup_ratio} x {schedule.total_steps})"
+            value = schedule.warmup_steps if steps else None
+            _record_schedule_key(cfg, role, "warmup_steps", value, source, at_start or not steps)
+
+
+def _record_schedule_key(cfg: RunConfig, role: str, key: str, value: int | None, source: str, at_start: bool) -> None:
+    """Record ``<role>.lr_scheduler.<key>`` as derived (``value`` ``None``: when the run starts)."""
+    if value is None:
+        source += ", when the run starts"
+    record(cfg, Derived((role, "lr_scheduler", key), value, 0, source, at_start))
 
 
 def interpolations(unresolved: Any, resolved: Any, prefix: Path = ()) -> Iterator[Derived]:

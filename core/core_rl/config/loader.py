@@ -35,6 +35,7 @@ from omegaconf.errors import OmegaConfBaseException
 from core_rl.components import build_component
 from core_rl.config.converter import CONVERTER, TypeMismatch, make_converter, structure
 from core_rl.config.derived import INTERPOLATION, derive_schedules, interpolations, record
+from core_rl.config.epochs import defer_total_steps
 from core_rl.config.overrides import apply_overrides, first_line, format_path, parse_overrides
 from core_rl.config.paths import node_at, replace_at
 from core_rl.config.problems import (
@@ -276,6 +277,7 @@ def load_config(
         except ConfigError as exc:
             problems.extend(exc.problems)
     problems.extend(weight_sync_problems(host, cfg))
+    problems.extend(defer_total_steps(cfg, data))  # trainer.total_epochs: total_steps derived at the start
     derive_schedules(cfg)
     problems.extend(cross_section_problems(cfg))
     problems.extend(eval_problems(cfg, host))
@@ -314,6 +316,9 @@ def to_yaml(cfg: RunConfig) -> str:
     for i, derived in enumerate(cfg.derived.values()):
         mark = _MARK.format(i)
         if replace_at(data, derived.path, mark):
+            if derived.value is None and derived.at_start:  # to be chosen when the run starts
+                lines[mark] = f"{_yaml_scalar(derived.written)}  # derived: {derived.source}"
+                continue
             how = "" if derived.source == INTERPOLATION else f" = {derived.source}"
             lines[mark] = f"{_yaml_scalar(derived.written)}  # derived: {json.dumps(derived.value)}{how}"
     text = OmegaConf.to_yaml(OmegaConf.create(data))

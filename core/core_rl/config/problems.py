@@ -187,20 +187,36 @@ def cross_section_problems(cfg: RunConfig) -> list[str]:
             f"algorithm.reward_shaping.overlong_tokens: must be <= rollout.sampling.max_new_tokens ({budget}), "
             f"got {shaping.overlong_tokens}"
         )
-    problems.extend(schedule_problems(cfg))
+    if cfg.trainer.total_steps:  # else derived from trainer.total_epochs at the start (config/epochs.py)
+        problems.extend(step_count_problems(cfg))
     problems.extend(chat_template_problems(cfg.data))
-    late = [s for s in cfg.trainer.profile.steps if s > cfg.trainer.total_steps]
-    if late:
-        problems.append(
-            f"trainer.profile.steps: {late} {'is' if len(late) == 1 else 'are'} after the last step "
-            f"(trainer.total_steps={cfg.trainer.total_steps}); list steps from 1 to {cfg.trainer.total_steps}"
-        )
     if cfg.algorithm.ppo_n_minibatches > samples:
         problems.append(
             f"algorithm.ppo_n_minibatches: must be <= the samples of a step, data.batch_size x rollout.sampling.n "
             f"= {samples}, got {cfg.algorithm.ppo_n_minibatches}"
         )
     return problems
+
+
+def step_count_problems(cfg: RunConfig) -> list[str]:
+    """What ``trainer.total_steps`` must agree with: the learning-rate schedules
+    (:func:`schedule_problems`) and the profiled steps. Checked when the configuration loads, or
+    when the run starts where ``trainer.total_epochs`` derives the count then."""
+    steps = cfg.trainer.total_steps
+    problems = schedule_problems(cfg)
+    late = [s for s in cfg.trainer.profile.steps if s > steps]
+    if late:
+        problems.append(
+            f"trainer.profile.steps: {late} {'is' if len(late) == 1 else 'are'} after the last step "
+            f"(trainer.total_steps={steps}{_from_epochs(cfg)}); list steps from 1 to {steps}"
+        )
+    return problems
+
+
+def _from_epochs(cfg: RunConfig) -> str:
+    """How ``trainer.total_steps`` came about, when ``trainer.total_epochs`` derived it."""
+    epochs = cfg.trainer.total_epochs
+    return f" derived from trainer.total_epochs={epochs}" if epochs is not None else ""
 
 
 def chat_template_problems(data: DataConfig) -> list[str]:
@@ -244,7 +260,8 @@ def schedule_problems(cfg: RunConfig) -> list[str]:
         problems.append(
             f"{role}.lr_scheduler.total_steps: the {schedule.name} schedule reaches learning rate 0 at optimiser "
             f"step {schedule.total_steps}, but the run takes {run_steps} (trainer.total_steps="
-            f"{cfg.trainer.total_steps} x {cfg.algorithm.optimizer_steps_per_step} optimiser step(s) per step), so "
+            f"{cfg.trainer.total_steps}{_from_epochs(cfg)} x {cfg.algorithm.optimizer_steps_per_step} optimiser "
+            "step(s) per step), so "
             f"its last {run_steps - schedule.total_steps} optimiser steps would not train; set "
             f"{role}.lr_scheduler.total_steps=0 (the default: follow trainer.total_steps) or at least {run_steps}, "
             f"or {role}.lr_scheduler.min_lr_ratio above 0"

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 import attrs
 
+from core_rl.config.data_config import DataConfig as DataConfig  # re-exported with the sections
+from core_rl.config.data_config import TrainFile as TrainFile
 from core_rl.config.derived_key import Derived
 from core_rl.config.eval_config import EvalConfig
 from core_rl.config.model_sections import LoraConfig, MicroBatchConfig, OptimizerConfig, SchedulerConfig
@@ -62,39 +64,6 @@ class ExperimentConfig:
     def run_dir(self) -> Path:
         """The run's directory, ``output_dir/name``, where every file of the run goes."""
         return Path(self.output_dir) / self.name
-
-
-@attrs.define
-class DataConfig:
-    """Training prompts: rows that hold ``prompt_key`` plus any columns rewards read (e.g.
-    ``answer``). ``batch_size`` prompts are drawn per step.
-
-    ``train_files`` entries: JSON/JSONL/Parquet files, directories written by ``datasets``'
-    ``save_to_disk`` (``dir``, or ``dir@split`` for a ``DatasetDict``; default split ``train``) and
-    Hugging Face hub datasets ``hf:<repo_id>[:<config_name>][@<split>]`` (from the local cache where
-    they are there; :mod:`core_rl.trainer.data_files`).
-
-    The prompt column holds text, or a conversation: a list of ``{"role": ..., "content": ...}``
-    messages (system, user, earlier assistant turns), which needs ``apply_chat_template``.
-    ``apply_chat_template``: render each prompt with the tokenizer's chat template (text becomes
-    one user turn), ending with the template's generation prompt. ``system_prompt``: a system
-    message put first in every prompt that has none (``""`` is an empty one, which keeps a template
-    from adding its own default). ``chat_template_kwargs``: variables the template reads (e.g.
-    ``enable_thinking: false`` for a template that has thinking turns).
-
-    ``filter_overlong_prompts``: drop prompts longer than ``max_prompt_tokens`` tokens (one line on
-    stderr says how many) instead of refusing the run; all of them too long is still an error. It
-    applies to ``eval.files`` too."""
-
-    train_files: list[str] = attrs.field(factory=list, validator=each(not_empty()))
-    prompt_key: str = attrs.field(default="prompt", validator=not_empty())
-    batch_size: int = attrs.field(default=8, validator=in_range(1, MAX_COUNT))
-    shuffle: bool = True
-    max_prompt_tokens: int = attrs.field(default=1024, validator=in_range(1, MAX_TOKENS))
-    apply_chat_template: bool = False
-    system_prompt: str | None = None
-    chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)
-    filter_overlong_prompts: bool = False
 
 
 @attrs.define
@@ -360,9 +329,19 @@ class ProfileConfig:
     row_limit: int = attrs.field(default=40, validator=in_range(1, 10_000))
 
 
+def _steps_or_derived(inst: Any, attribute: attrs.Attribute[Any], value: int) -> None:
+    """``trainer.total_steps`` in ``[1, MAX_STEPS]``, or ``0`` (derived) with ``total_epochs`` set."""
+    if not (value == 0 and inst.total_epochs is not None):
+        in_range(1, MAX_STEPS)(inst, attribute, value)
+
+
 @attrs.define
 class TrainerConfig:
-    """The loop: ``total_steps`` RL steps; ``resume: true`` is ``recover.mode: auto`` (continue from
+    """The loop: ``total_steps`` RL steps, or ``total_epochs`` passes over the training prompts
+    (:mod:`core_rl.config.epochs`: ``total_steps`` is then derived when the run starts, from the
+    number of prompts left after filtering, as ``ceil(total_epochs x prompts / data.batch_size)``;
+    ``total_steps: 0`` keeps it derived, any other value with ``total_epochs`` is an error).
+    ``resume: true`` is ``recover.mode: auto`` (continue from
     the run's newest valid checkpoint); ``torch_threads`` (0: leave torch's default) sets intra-op
     threads. ``mode``: ``sync``, the only value (rollout ahead of training is
     ``rollout.controller.max_head_offpolicyness``).
@@ -379,7 +358,8 @@ class TrainerConfig:
     ``profile``: record chosen steps with ``torch.profiler`` (:class:`ProfileConfig`)."""
 
     mode: str = attrs.field(default="sync", validator=one_of(("sync",)))
-    total_steps: int = attrs.field(default=100, validator=in_range(1, MAX_STEPS))
+    total_steps: int = attrs.field(default=100, validator=_steps_or_derived)
+    total_epochs: int | None = attrs.field(default=None, validator=in_range(1, MAX_STEPS))
     resume: bool = False
     torch_threads: int = attrs.field(default=0, validator=in_range(0, 4096))
     collective_timeout_s: float = attrs.field(default=1800.0, validator=in_range(1.0, 10**7))

@@ -18,6 +18,7 @@ from core_rl.chat_template import conversation_problem, prompt_messages, render_
 from core_rl.config.schema import DataConfig, RunConfig
 from core_rl.errors import DataError
 from core_rl.trainer.data_files import MAX_PROBLEMS_PER_FILE, DataRow, Problems, kind_of, read_data_files
+from core_rl.trainer.mixture import mixture_order
 
 
 @attrs.define
@@ -29,6 +30,8 @@ class PromptItem:
     text: str
     prompt_ids: list[int]
     where: str = ""
+    #: the ``data.train_files`` entry (or eval file) the row came from
+    file: str = ""
 
 
 def check_rows(
@@ -187,7 +190,7 @@ def tokenise_rows(
         if problem is not None:
             problems.add(r.file, problem)
             continue
-        items.append(PromptItem(row=r.row, text=text, prompt_ids=ids, where=r.where))
+        items.append(PromptItem(row=r.row, text=text, prompt_ids=ids, where=r.where, file=r.file))
     if dropped and not items:
         return items, [
             *problems.result(),
@@ -225,6 +228,15 @@ class TokenisedRows(list):  # list[DataRow]
         self.key = key
 
 
+def prompt_count(rows: Sequence[DataRow], config: DataConfig, tokenizer: Any) -> int:
+    """How many prompts :class:`PromptSource` draws from ``rows`` (checked rows): those tokenising
+    keeps (``data.filter_overlong_prompts`` drops the long ones), taken from :class:`TokenisedRows`
+    of the same settings when preflight made them."""
+    if isinstance(rows, TokenisedRows) and rows.key == tokenisation_key(config, tokenizer):
+        return len(rows.items)
+    return len(tokenise_rows(rows, config, tokenizer)[0])
+
+
 def eval_data_config(cfg: RunConfig) -> DataConfig:
     """The data section evaluation reads its files with: ``data``'s prompt settings, the eval
     files, prompt column and batch size, in file order."""
@@ -258,7 +270,9 @@ def check_eval_data(cfg: RunConfig, required: Mapping[str, str]) -> tuple[list[D
 
 
 class PromptSource:
-    """Draws ``batch_size`` prompts per call, reshuffling (seeded by ``seed + epoch``) at each epoch.
+    """Draws ``batch_size`` prompts per call, reshuffling (seeded by ``seed + epoch``) at each epoch;
+    an epoch of weighted ``data.train_files`` draws each source in proportion to its weight
+    (:mod:`core_rl.trainer.mixture`).
 
     ``rows``: rows already read and checked (by :mod:`core_rl.preflight`; tokenised there too when
     they are :class:`TokenisedRows` of the same settings); ``None`` reads ``config.train_files``
@@ -273,21 +287,44 @@ class PromptSource:
         self.seed = seed
         problems: list[str] = []
         if rows is None:
-            rows, problems = read_data_files(config.train_files)
+            rows, problems = read_data_files(config.train_paths)
             problems += check_rows(rows, config.prompt_key, {}, chat_template=config.apply_chat_template)
         if not problems and not rows:
-            problems.append(f"data.train_files: {list(config.train_files)} hold no rows")
+            problems.append(f"data.train_files: {config.train_paths} hold no rows")
         if not problems and isinstance(rows, TokenisedRows) and rows.key == tokenisation_key(config, tokenizer):
             self.items = list(rows.items)
         elif not problems:
             self.items, problems = tokenise_rows(rows, config, tokenizer)
+        self.sources = self._sources(problems)
         if problems:
             raise DataError(problems)
         self.epoch = 0
         self.position = 0
         self._order = self._permutation(0)
 
+    def _sources(self, problems: list[str]) -> list[list[int]]:
+        """With weighted ``data.train_files``: each entry's item indices (an entry left with no
+        prompt is a problem); else none."""
+        if self.config.train_weights is None or problems:
+            return []
+        paths = self.config.train_paths
+        sources: list[list[int]] = [[] for _ in paths]
+        for i, item in enumerate(self.items):
+            sources[paths.index(item.file)].append(i)
+        problems.extend(
+            f"data.train_files[{k}]: {paths[k]!r} has no prompts to draw (all filtered out, or the same path as an "
+            "earlier entry); remove it or merge its weight into the other"
+            for k, members in enumerate(sources)
+            if not members
+        )
+        return sources
+
     def _permutation(self, epoch: int) -> list[int]:
+        """Epoch ``epoch``'s item order: a seeded shuffle (``seed + epoch``) of every item, or the
+        weighted mixture's draws (:func:`core_rl.trainer.mixture.mixture_order`)."""
+        weights = self.config.train_weights
+        if weights is not None:
+            return mixture_order(self.sources, weights, seed=self.seed, epoch=epoch, shuffle=self.config.shuffle)
         order = list(range(len(self.items)))
         if self.config.shuffle:
             random.Random(self.seed + epoch).shuffle(order)

@@ -52,6 +52,8 @@ def run_with_restarts(cfg: RunConfig, host: PluginHost, *, data_rows: list[DataR
     handled (:class:`StopSignals`), restarting as the module
     docstring says; return the trainer's result. ``data_rows``: the checked rows of the data
     files (:func:`core_rl.preflight.preflight`), reused by every restart."""
+    if cfg.trainer.total_steps == 0:  # a caller that skipped core_rl.trainer.train's derivation
+        raise RuntimeError("trainer.total_steps is still to be derived from trainer.total_epochs (config/epochs.py)")
     restarts_left = in_process_restarts(cfg)
     announce = os.environ.get("RANK", "0") == "0"
     with StopSignals(announce=announce) as stop:

@@ -143,11 +143,13 @@ class Checkpointing:
                     "use recover.mode=auto to start from the beginning when there is none"
                 )
             return None
-        total = self.cfg.trainer.total_steps
+        total, epochs = self.cfg.trainer.total_steps, self.cfg.trainer.total_epochs
         if found.step > total:
+            key = "trainer.total_steps" if epochs is None else "trainer.total_epochs"
+            derived = "" if epochs is None else f" (derived from trainer.total_epochs={epochs} and the data)"
             raise CoreRLError(
-                f"trainer.total_steps={total} is below the step of the checkpoint to resume from ({found.path}, "
-                f"step {found.step}); raise trainer.total_steps to continue this run, or choose another "
+                f"trainer.total_steps={total}{derived} is below the step of the checkpoint to resume from "
+                f"({found.path}, step {found.step}); raise {key} to continue this run, or choose another "
                 "experiment.name to start a new one"
             )
         return found.path

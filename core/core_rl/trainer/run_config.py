@@ -106,8 +106,10 @@ def _compare(earlier: str, path: Path, cfg: RunConfig, text: str, host: PluginHo
         return Recorded(changes=[f"{path.name}: the earlier file does not parse ({exc.__class__.__name__})"])
     if not isinstance(before_written, Mapping):
         before_written = {}
-    before = _with_values(before_written, _earlier_derived(path, host))
-    # a value chosen at the start from the machine is chosen anew on resume: as written (auto) both
+    # a value chosen at the start (from the machine, or the data's size) is chosen anew on resume:
+    # as written (auto, or 0) both
+    earlier_derived = {k: d for k, d in _earlier_derived(path, host).items() if not d.at_start}
+    before = _with_values(before_written, earlier_derived)
     after = _with_values(after_written, {k: d for k, d in cfg.derived.items() if not d.at_start})
     changes, recomputed = [], []
     for key, line in _differences(before, after):

@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from core_rl.built_engines import BuiltEngine
+from core_rl.config.epochs import derive_total_steps
 from core_rl.config.loader import to_plain
 from core_rl.config.schema import RunConfig
 from core_rl.engine_utils.packing import rank_rows
@@ -69,7 +70,7 @@ from core_rl.trainer.checkpoints import checkpoint_dir, is_disk_full
 from core_rl.trainer.colocated_memory import held_by_peer
 from core_rl.trainer.colocation import RolloutSleep, build_rollout_engine, peer_rollout_sleep
 from core_rl.trainer.critic import CriticStage
-from core_rl.trainer.data import DataRow, PromptSource
+from core_rl.trainer.data import DataRow, PromptSource, prompt_count
 from core_rl.trainer.distill import DistillationLoss
 from core_rl.trainer.errors import DiskFullError
 from core_rl.trainer.evaluation import Evaluating, Evaluator, build_evaluator
@@ -413,13 +414,17 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
 
 
 def train(cfg: RunConfig, *, host: PluginHost) -> Mapping[str, Any]:
-    """Check the data, model, machine and output directory (:mod:`core_rl.preflight`), then build a
-    trainer for ``cfg`` and run it, restarting after a crash as ``recover`` says
+    """Check the data, model, machine and output directory (:mod:`core_rl.preflight`), derive
+    ``trainer.total_steps`` from ``trainer.total_epochs`` when set (:mod:`core_rl.config.epochs`),
+    then build a trainer for ``cfg`` and run it, restarting after a crash as ``recover`` says
     (:func:`core_rl.trainer.recover.run_with_restarts`); rank 0 prints the run's summary
     (:func:`core_rl.trainer.summary.summary_lines`)."""
     from core_rl.trainer.recover import run_with_restarts
 
     checked = preflight(cfg)
+    # trainer.total_epochs: the steps follow from the prompts left after filtering (config/epochs.py)
+    if cfg.trainer.total_epochs is not None:
+        derive_total_steps(cfg, prompt_count(checked.rows, cfg.data, checked.tokenizer))
     result = run_with_restarts(cfg, host, data_rows=checked.rows)
     if rank_and_world()[0] == 0:
         print("\n".join(summary_lines(cfg, result)))

@@ -1,0 +1,84 @@
+"""The ``data`` section: training prompts (:class:`DataConfig`), and the weighted sources of a
+mixture (:class:`TrainFile`, drawn by :mod:`core_rl.trainer.mixture`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from core_rl.config.validators import MAX_COUNT, MAX_TOKENS, FieldValueError, in_range, not_empty, positive
+
+
+@attrs.define
+class TrainFile:
+    """One source of a weighted mixture of training data (``data.train_files: [{path: a.jsonl,
+    weight: 0.7}, ...]``): an entry as a plain ``train_files`` string names one, and its share of
+    the prompts drawn (:mod:`core_rl.trainer.mixture`)."""
+
+    path: str = attrs.field(validator=not_empty())
+    weight: float = attrs.field(default=1.0, validator=positive(1e12))
+
+
+def _train_entries(_inst: Any, _attribute: attrs.Attribute[Any], files: list[str | TrainFile]) -> None:
+    """Non-empty paths; either every entry a path (read in order) or every one a weighted source."""
+    for i, entry in enumerate(files):
+        if entry == "":
+            raise FieldValueError(f"train_files[{i}]", entry, "must not be empty")
+    weighted = [isinstance(f, TrainFile) for f in files]
+    if any(weighted) and not all(weighted):
+        i, j = weighted.index(False), weighted.index(True)
+        raise FieldValueError(
+            f"train_files[{i}]",
+            files[i],
+            f"must be {{path: ..., weight: ...}} like train_files[{j}]: with weights every entry needs one",
+        )
+
+
+@attrs.define
+class DataConfig:
+    """Training prompts: rows that hold ``prompt_key`` plus any columns rewards read (e.g.
+    ``answer``). ``batch_size`` prompts are drawn per step.
+
+    ``train_files`` entries: JSON/JSONL/Parquet files, directories written by ``datasets``'
+    ``save_to_disk`` (``dir``, or ``dir@split`` for a ``DatasetDict``; default split ``train``) and
+    Hugging Face hub datasets ``hf:<repo_id>[:<config_name>][@<split>]`` (from the local cache where
+    they are there; :mod:`core_rl.trainer.data_files`).
+
+    The prompt column holds text, or a conversation: a list of ``{"role": ..., "content": ...}``
+    messages (system, user, earlier assistant turns), which needs ``apply_chat_template``.
+    ``apply_chat_template``: render each prompt with the tokenizer's chat template (text becomes
+    one user turn), ending with the template's generation prompt. ``system_prompt``: a system
+    message put first in every prompt that has none (``""`` is an empty one, which keeps a template
+    from adding its own default). ``chat_template_kwargs``: variables the template reads (e.g.
+    ``enable_thinking: false`` for a template that has thinking turns).
+
+    ``train_files`` entries may instead all be ``{path: ..., weight: ...}`` (:class:`TrainFile`): a
+    weighted mixture, each source's share of every epoch's draws in proportion to its weight
+    (:mod:`core_rl.trainer.mixture`).
+
+    ``filter_overlong_prompts``: drop prompts longer than ``max_prompt_tokens`` tokens (one line on
+    stderr says how many) instead of refusing the run; all of them too long is still an error. It
+    applies to ``eval.files`` too."""
+
+    train_files: list[str | TrainFile] = attrs.field(factory=list, validator=_train_entries)
+    prompt_key: str = attrs.field(default="prompt", validator=not_empty())
+    batch_size: int = attrs.field(default=8, validator=in_range(1, MAX_COUNT))
+    shuffle: bool = True
+    max_prompt_tokens: int = attrs.field(default=1024, validator=in_range(1, MAX_TOKENS))
+    apply_chat_template: bool = False
+    system_prompt: str | None = None
+    chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)
+    filter_overlong_prompts: bool = False
+
+    @property
+    def train_paths(self) -> list[str]:
+        """The entries of ``train_files``, weighted or not, as paths."""
+        return [f.path if isinstance(f, TrainFile) else f for f in self.train_files]
+
+    @property
+    def train_weights(self) -> list[float] | None:
+        """Each entry's weight, or ``None`` for plain paths (read in order, no mixture)."""
+        if not self.train_files or not isinstance(self.train_files[0], TrainFile):
+            return None
+        return [f.weight for f in self.train_files if isinstance(f, TrainFile)]
