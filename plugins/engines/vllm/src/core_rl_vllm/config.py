@@ -47,6 +47,8 @@ class VLLMConfig:
     weight_sync_modes: ClassVar[tuple[str, ...]] = ("disk", "collective")
     #: the servers can sleep while the trainer trains (``rollout.sleep_while_training``)
     releases_memory: ClassVar[bool] = True
+    #: ``actor.trust_remote_code`` reaches its servers (``--trust-remote-code``; :mod:`core_rl.remote_code`)
+    loads_remote_code: ClassVar[bool] = True
 
     server: ServerOptions = attrs.field(factory=ServerOptions)
     dtype: str = attrs.field(default="bfloat16", validator=one_of(("auto", "float32", "bfloat16", "float16")))
