@@ -29,13 +29,16 @@ from core_rl.config.schema import RunConfig
 from core_rl.roles import role_sections
 
 
-def config_problems(model_path: str, overrides: Mapping[str, Any], key: str) -> list[str]:
+def config_problems(
+    model_path: str, overrides: Mapping[str, Any], key: str, *, trust_remote_code: bool = False
+) -> list[str]:
     """The overrides of section ``key`` that ``model_path``'s configuration class does not know,
-    each a problem naming the key and the model type."""
+    each a problem naming the key and the model type (a configuration class the directory ships
+    is read only with ``trust_remote_code``, the section's switch)."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+        config = AutoConfig.from_pretrained(model_path, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception:  # the model directory's own problems are preflight's to report
         return []
     try:
@@ -116,7 +119,9 @@ def apply_model_overrides(cfg: RunConfig, *, root: Path | None = None) -> list[s
             continue  # a missing model directory is preflight's to report
         if Path(section.model_path).resolve() == (root / role).resolve():
             continue  # applied already (this configuration was checked before)
-        found = config_problems(section.model_path, section.model_overrides, role)
+        found = config_problems(
+            section.model_path, section.model_overrides, role, trust_remote_code=section.trust_remote_code
+        )
         problems += found
         if found:
             continue

@@ -10,12 +10,14 @@ loaded, so that a bad file or a missing GPU fails in seconds with every problem 
   ``data.max_prompt_tokens`` ids inside the model's vocabulary (or is dropped, with
   ``data.filter_overlong_prompts``). Problems name the file and its 1-based line
   (``train.jsonl:7``) or row (Parquet, datasets).
-- **Model and tokenizer** (``actor.model_path``, ``actor.tokenizer_path``): local directories
-  holding what transformers needs: a readable ``config.json`` of a known model type, complete
-  weights (safetensors headers are parsed and their sizes checked against the file, without
-  loading a tensor) and a tokenizer that loads. Nothing is downloaded unless
-  ``experiment.offline`` is ``false``, which lets these paths name Hugging Face hub repositories
-  (downloaded into the Hugging Face cache, then checked like local ones).
+- **Model and tokenizer** (``actor.model_path``, ``actor.tokenizer_path``;
+  :mod:`core_rl.model_dir_checks`): local directories holding what transformers needs: a readable
+  ``config.json`` of a known model type (or, with ``actor.trust_remote_code``, of one whose code the
+  directory ships: :mod:`core_rl.remote_code`), complete weights (safetensors headers are parsed and
+  their sizes checked against the file, without loading a tensor) and a tokenizer that loads.
+  Nothing is downloaded unless ``experiment.offline`` is ``false``, which lets these paths name
+  Hugging Face hub repositories (downloaded into the Hugging Face cache, then checked like local
+  ones).
 - **Model roles**: each role section's model directory like the actor's; a ``reward_model:`` must
   hold a score head and share the actor's tokenizer (:func:`core_rl.roles.reward_model_problems`).
 - **Sampling against the model**: stop token ids inside the vocabulary; the longest prompt plus
@@ -32,11 +34,8 @@ loaded, so that a bad file or a missing GPU fails in seconds with every problem 
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import tempfile
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +55,7 @@ from core_rl.config.problems import uses_rl_sections
 from core_rl.config.schema import RunConfig
 from core_rl.config.sections import selected_sections
 from core_rl.errors import CoreRLError, PreflightError
+from core_rl.model_dir_checks import check_model_dir, check_tokenizer_dir, first_line
 from core_rl.model_overrides import apply_model_overrides
 from core_rl.placement import sleep_problems
 from core_rl.roles import reward_model_problems, role_sections, shared_tokenizer_problems
@@ -69,10 +69,6 @@ from core_rl.trainer.data import (
     tokenisation_key,
     tokenise_rows,
 )
-
-#: files of which a tokenizer directory holds at least one
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
-_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 @attrs.define
@@ -115,39 +111,6 @@ def server_gpu_problems(cfg: RunConfig, machine: MachineInfo) -> list[str]:
     return []
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
-def _read_json(path: Path) -> tuple[Any, str | None]:
-    """A JSON file's value, or a problem naming the file and the 1-based line and column."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        return None, f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); the file is corrupt"
-    except OSError as exc:
-        return None, f"{path}: cannot read it: {exc.strerror or exc}"
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        return None, f"{path}:{exc.lineno}:{exc.colno}: corrupt JSON ({exc.msg})"
-    if not isinstance(value, dict):
-        return None, f"{path}: expected a JSON object, got {type(value).__name__}"
-    return value, None
-
-
-def _missing_directory(key: str, path: str, offline: bool) -> str:
-    message = f"{key}: {path!r} does not exist"
-    if offline and _HUB_ID.fullmatch(path):
-        message += (
-            f"; it looks like a Hugging Face hub id, and core-rl does not download by default: run "
-            f"`hf download {path} --local-dir DIR` and set {key}: DIR, or set experiment.offline=false to let "
-            "core-rl download it into the Hugging Face cache"
-        )
-    return message
-
-
 def _fetch(key: str, repo_id: str) -> tuple[str | None, str | None]:
     """Download a hub repository into the Hugging Face cache (``experiment.offline: false``)."""
     from huggingface_hub import snapshot_download
@@ -155,7 +118,7 @@ def _fetch(key: str, repo_id: str) -> tuple[str | None, str | None]:
     try:
         return snapshot_download(repo_id), None
     except Exception as exc:  # invalid ids, network and authorisation failures: all the user's to fix
-        return None, f"{key}: cannot download {repo_id!r} from the Hugging Face hub: {_first_line(exc)}"
+        return None, f"{key}: cannot download {repo_id!r} from the Hugging Face hub: {first_line(exc)}"
 
 
 def resolve_paths(cfg: RunConfig) -> list[str]:
@@ -173,130 +136,6 @@ def resolve_paths(cfg: RunConfig) -> list[str]:
             else:
                 setattr(cfg.actor, key, local)
     return problems
-
-
-def _safetensors_problems(path: Path) -> list[str]:
-    """Parse a safetensors header and check it against the file's size (no tensor is read)."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            count = len(list(f.keys()))
-    except Exception as exc:  # SafetensorError for truncated or garbage files, OSError
-        return [f"{path}: not a complete safetensors file ({_first_line(exc)}); re-export or re-download the model"]
-    if count == 0:
-        return [f"{path}: holds no tensors; re-export or re-download the model"]
-    return []
-
-
-def _torch_bin_problems(path: Path) -> list[str]:
-    if not zipfile.is_zipfile(path):
-        return [f"{path}: not a complete PyTorch checkpoint (not a zip archive); re-export or re-download the model"]
-    return []
-
-
-def _sharded_problems(index_path: Path, check: Any) -> list[str]:
-    index, problem = _read_json(index_path)
-    if problem is not None:
-        return [problem]
-    weight_map = index.get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        return [f"{index_path}: has no weight_map naming the weight files; the index is corrupt"]
-    problems = []
-    for shard in sorted({str(v) for v in weight_map.values()}):
-        shard_path = index_path.parent / shard
-        if not shard_path.is_file():
-            problems.append(f"{shard_path}: missing, although {index_path.name} lists it")
-        else:
-            problems.extend(check(shard_path))
-    return problems
-
-
-def weights_problems(model_dir: Path) -> list[str]:
-    """Problems with the weight files transformers would load from ``model_dir``."""
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return _safetensors_problems(single)
-    if (model_dir / "model.safetensors.index.json").is_file():
-        return _sharded_problems(model_dir / "model.safetensors.index.json", _safetensors_problems)
-    if (model_dir / "pytorch_model.bin").is_file():
-        return _torch_bin_problems(model_dir / "pytorch_model.bin")
-    if (model_dir / "pytorch_model.bin.index.json").is_file():
-        return _sharded_problems(model_dir / "pytorch_model.bin.index.json", _torch_bin_problems)
-    return [
-        f"{model_dir}: no model weights (model.safetensors, model.safetensors.index.json with its shards, or "
-        "pytorch_model.bin); point actor.model_path at a complete Hugging Face model directory"
-    ]
-
-
-def _positive_int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def check_model_dir(path: str, key: str, *, offline: bool = True) -> tuple[ModelInfo | None, list[str]]:
-    """Check a Hugging Face model directory without loading its weights: ``config.json`` (valid
-    JSON that transformers reads) and complete weight files. Returns what the config says."""
-    directory = Path(path)
-    if not directory.exists():
-        return None, [_missing_directory(key, path, offline)]
-    if not directory.is_dir():
-        return None, [f"{key}: {path!r} is a file; it must be a Hugging Face model directory"]
-    problems = weights_problems(directory)
-    config_file = directory / "config.json"
-    if not config_file.is_file():
-        problems.insert(0, f"{key}: {path!r} has no config.json; it is not a Hugging Face model directory")
-        return None, problems
-    _, problem = _read_json(config_file)
-    if problem is not None:
-        return None, [problem, *problems]
-    from transformers import AutoConfig
-
-    try:
-        hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
-    except Exception as exc:  # transformers refusing the user's config.json (unknown model_type, ...)
-        return None, [f"{config_file}: transformers cannot read it: {_first_line(exc)}", *problems]
-    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    info = ModelInfo(
-        path=str(directory),
-        vocab_size=_positive_int(getattr(text_config, "vocab_size", None)),
-        max_position_embeddings=_positive_int(getattr(text_config, "max_position_embeddings", None)),
-        model_type=getattr(hf_config, "model_type", None),
-        rope_factor=_rope_factor(text_config),
-    )
-    return info, problems
-
-
-def _rope_factor(text_config: Any) -> float:
-    """The ``factor`` of a scaled RoPE (``rope_parameters``, or ``rope_scaling`` before
-    transformers 5), 1 without one (:attr:`ModelInfo.context_length` never shrinks the context by it)."""
-    rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None)
-    factor = rope.get("factor") if isinstance(rope, dict) else None
-    return float(factor) if isinstance(factor, (int, float)) and not isinstance(factor, bool) else 1.0
-
-
-def check_tokenizer_dir(path: str, key: str, *, offline: bool = True) -> tuple[Any, list[str]]:
-    """Check that ``path`` holds a tokenizer and load it (tokenizers are small; no model is
-    loaded). Returns the tokenizer, or ``None`` with the problems."""
-    directory = Path(path)
-    if not directory.exists():
-        return None, [_missing_directory(key, path, offline)]
-    if not directory.is_dir():
-        return None, [f"{key}: {path!r} is a file; it must be a directory holding a tokenizer"]
-    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
-        return None, [
-            f"{key}: {path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); set actor.tokenizer_path "
-            "to the directory of the model's tokenizer"
-        ]
-    if (directory / "tokenizer.json").is_file():
-        _, problem = _read_json(directory / "tokenizer.json")
-        if problem is not None:
-            return None, [problem]
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True), []
-    except Exception as exc:  # the user's tokenizer files, however transformers refuses them
-        return None, [f"{key}: transformers cannot load the tokenizer in {path!r}: {_first_line(exc)}"]
 
 
 def _required_columns(cfg: RunConfig) -> dict[str, str]:
@@ -439,15 +278,18 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
     problems += apply_model_overrides(cfg, root=None if create_output_dir else _scratch_dir())
     rows, row_problems = check_data(cfg)
     problems += row_problems
-    model, model_problems = check_model_dir(cfg.actor.model_path, "actor.model_path", offline=offline)
+    trust = cfg.actor.trust_remote_code
+    model, model_problems = check_model_dir(
+        cfg.actor.model_path, "actor.model_path", offline=offline, trust_remote_code=trust
+    )
     problems += model_problems
     tokenizer, longest_prompt = None, None
     if cfg.actor.tokenizer_path or Path(cfg.actor.model_path).is_dir():
         key = "actor.tokenizer_path" if cfg.actor.tokenizer_path else "actor.model_path"
         tokenizer, tokenizer_problems = check_tokenizer_dir(
-            cfg.actor.tokenizer_path or cfg.actor.model_path, key, offline=offline
+            cfg.actor.tokenizer_path or cfg.actor.model_path, key, offline=offline, trust_remote_code=trust
         )
-        problems += tokenizer_problems
+        problems += [p for p in tokenizer_problems if p not in model_problems]  # one refusal of shipped code
     if tokenizer is not None:
         if cfg.data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
             problems.append(
@@ -471,11 +313,13 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
         if cfg.actor.lora.enabled:
             from core_rl.engine_utils.hf import lora_problems
 
-            problems += lora_problems(cfg.actor.model_path, cfg.actor.lora, "actor.lora")
+            problems += lora_problems(cfg.actor.model_path, cfg.actor.lora, "actor.lora", trust_remote_code=trust)
     for role, section in role_sections(cfg):  # the other model roles
         if not section.model_path:
             continue
-        dir_problems = check_model_dir(section.model_path, f"{role}.model_path", offline=offline)[1]
+        dir_problems = check_model_dir(
+            section.model_path, f"{role}.model_path", offline=offline, trust_remote_code=section.trust_remote_code
+        )[1]
         problems += dir_problems
         if dir_problems or not Path(section.model_path).is_dir():
             continue

@@ -116,7 +116,7 @@ def reward_model_problems(cfg: RunConfig, actor_tokenizer: Any = None) -> list[s
 
     path = section.model_path
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=section.trust_remote_code)
     except Exception as exc:  # the user's directory, however transformers refuses it
         return [f"reward_model.model_path: transformers cannot read the model config in {path!r}: {first_line(exc)}"]
     architectures = list(getattr(config, "architectures", None) or [])
@@ -168,7 +168,9 @@ def shared_tokenizer_problems(
         role_vocab = actor_vocab
     else:
         try:
-            role_vocab = AutoTokenizer.from_pretrained(role_path, local_files_only=True).get_vocab()
+            role_vocab = AutoTokenizer.from_pretrained(
+                role_path, local_files_only=True, trust_remote_code=section.trust_remote_code
+            ).get_vocab()
         except Exception as exc:  # the user's directory, however transformers refuses it
             return [f"{key}: cannot load the tokenizer to compare with the actor's ({actor_path!r}): {first_line(exc)}"]
     if role_vocab != actor_vocab:
@@ -179,7 +181,9 @@ def shared_tokenizer_problems(
             f"policy's token ids, so it needs the policy's tokenizer: {instead}"
         ]
     try:
-        config = AutoConfig.from_pretrained(section.model_path, local_files_only=True)
+        config = AutoConfig.from_pretrained(
+            section.model_path, local_files_only=True, trust_remote_code=section.trust_remote_code
+        )
     except Exception:  # the model directory's own check reports it
         return []
     largest = max(actor_vocab.values(), default=-1)

@@ -61,6 +61,7 @@ from core_rl.errors import ConfigError, PluginError
 from core_rl.kinds import ALGORITHM
 from core_rl.placement import placement_config_problems, sleep_problems
 from core_rl.plugins import PluginHost
+from core_rl.remote_code import engine_problems as remote_code_engine_problems
 from core_rl.roles import role_problems
 
 __all__ = [  # what this module has long offered, wherever it now lives
@@ -287,6 +288,7 @@ def load_config(
     if require_complete:
         problems.extend(completeness_problems(cfg, host))
         problems.extend(role_problems(cfg, host))
+        problems.extend(remote_code_engine_problems(cfg, host))
     if problems:
         raise ConfigError(problems, source=source)
     return cfg

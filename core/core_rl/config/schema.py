@@ -147,7 +147,12 @@ class ActorConfig:
     own ``lora.dropout`` still applies (``megatron`` builds its models without dropout whatever
     this says). ``model_overrides``: keys of the model's ``config.json`` replaced for this run
     (e.g. ``rope_scaling``, ``max_position_embeddings``), for every engine that loads the model
-    (:mod:`core_rl.model_overrides`)."""
+    (:mod:`core_rl.model_overrides`). ``trust_remote_code``: let transformers run the Python files a
+    model directory ships (its ``config.json`` or ``tokenizer_config.json`` has an ``auto_map``)
+    wherever this role's config, model or tokenizer is loaded; for the actor also the rollout engine
+    and its inference servers (``--trust-remote-code``). Per role, not run-wide: trust belongs to a
+    directory, and each role names its own (:mod:`core_rl.remote_code`). Without it such a model is
+    refused before the run."""
 
     model_path: str = ""
     tokenizer_path: str | None = None
@@ -164,6 +169,7 @@ class ActorConfig:
     fused_head: bool = False
     disable_dropout: bool = True
     model_overrides: dict[str, Any] = attrs.field(factory=dict)
+    trust_remote_code: bool = False
 
 
 @attrs.define

@@ -21,11 +21,14 @@ def export_model_dir(
     rank: int,
     architectures: list[str],
     tokenizer_path: str,
+    model_path: str | None = None,
+    trust_remote_code: bool = False,
 ) -> None:
     """``export_hf`` of a train engine, called by every rank with the model's full state dict
     (``wrapped_state``: complete on rank 0): rank 0 writes ``final`` as a Hugging Face directory
     (merged weights with LoRA, plus the adapter alone in ``final/adapter``), atomically; every rank
-    waits for it and raises if it failed."""
+    waits for it and raises if it failed. ``model_path`` (the directory the model was loaded from)
+    and ``trust_remote_code``: see :func:`~core_rl.engine_utils.hf.write_hf_dir`."""
     error: BaseException | None = None
     if rank == 0:
         try:
@@ -35,6 +38,8 @@ def export_model_dir(
                 hf_state_dict(model, wrapped_state),
                 architectures=architectures,
                 tokenizer_path=tokenizer_path,
+                model_path=model_path,
+                trust_remote_code=trust_remote_code,
             )
             if is_lora_model(model):
                 write_adapter_dir(final / "adapter", model, wrapped_state)

@@ -31,15 +31,20 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def load_causal_lm(model_path: str, *, dtype: str, attn_implementation: str | None = None) -> nn.Module:
+def load_causal_lm(
+    model_path: str, *, dtype: str, attn_implementation: str | None = None, trust_remote_code: bool = False
+) -> nn.Module:
     """``AutoModelForCausalLM`` from ``model_path`` (local files only, never the hub) in ``dtype``, on
     CPU; ``attn_implementation`` (e.g. ``sdpa``, ``eager``, ``flash_attention_2``) is passed through
-    when set."""
+    when set; ``trust_remote_code`` lets transformers run the directory's own modelling code
+    (:mod:`core_rl.remote_code`)."""
     from transformers import AutoModelForCausalLM
 
     if not model_path:
         raise ValueError("actor.model_path: required; the path of a Hugging Face model directory")
     kwargs: dict[str, object] = {"dtype": torch_dtype(dtype), "local_files_only": True}
+    if trust_remote_code:
+        kwargs["trust_remote_code"] = True
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
@@ -54,13 +59,17 @@ def architecture_name(model: nn.Module) -> str:
     return type(model).__name__
 
 
-def empty_causal_lm(model_path: str, *, dtype: str, attn_implementation: str | None = None) -> nn.Module:
+def empty_causal_lm(
+    model_path: str, *, dtype: str, attn_implementation: str | None = None, trust_remote_code: bool = False
+) -> nn.Module:
     """The model of ``model_path``'s config with every parameter and buffer on the ``meta`` device
     (no memory, no weights read): for ranks that receive their weights from rank 0."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True, trust_remote_code=trust_remote_code)
     kwargs: dict[str, object] = {"dtype": torch_dtype(dtype)}
+    if trust_remote_code:
+        kwargs["trust_remote_code"] = True
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     with torch.device("meta"):
@@ -169,14 +178,22 @@ def write_hf_dir(
     *,
     architectures: list[str],
     tokenizer_path: str,
+    model_path: str | None = None,
+    trust_remote_code: bool = False,
 ) -> None:
     """Write ``model``'s config with ``state_dict`` as its weights, plus the tokenizer read from
     ``tokenizer_path``, to ``final`` via a partial directory moved into place
     (:mod:`core_rl.checkpointing`). ``architectures`` is written into ``config.json`` (so a wrapper
-    class name such as FSDP's never appears there)."""
+    class name such as FSDP's never appears there). A model or tokenizer with its own code
+    (``trust_remote_code``; ``model_path``: the directory the model was loaded from) keeps its code
+    files and ``auto_map`` (:func:`core_rl.remote_code.keep_custom_code`), so the export loads again."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+    from core_rl.remote_code import keep_custom_code
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        tokenizer_path, local_files_only=True, trust_remote_code=trust_remote_code
+    )
     tmp = ckpt.prepare_partial(final)
     try:
         save_pretrained(model, tmp, state_dict=state_dict)
@@ -186,20 +203,21 @@ def write_hf_dir(
             config["architectures"] = architectures
             config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(tmp)
+        keep_custom_code([p for p in (model_path, tokenizer_path) if p], tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     ckpt.commit_partial(final)
 
 
-def lora_problems(model_path: str, lora: LoraConfig, key: str) -> list[str]:
+def lora_problems(model_path: str, lora: LoraConfig, key: str, *, trust_remote_code: bool = False) -> list[str]:
     """What peft says of ``lora`` on the model of ``model_path``, found by applying the adapters to
     the model built on the ``meta`` device (:func:`empty_causal_lm`: no memory, no weights read). A
     model that cannot be built so is left to the engine, which loads it for real."""
     from core_rl.engine_utils.lora import apply_lora
 
     try:
-        model = empty_causal_lm(model_path, dtype="float32")
+        model = empty_causal_lm(model_path, dtype="float32", trust_remote_code=trust_remote_code)
     except Exception:  # e.g. a model class that computes in __init__; the engine's load reports it
         return []
     try:
@@ -261,13 +279,15 @@ def prepare_for_role(model: nn.Module, actor: ActorConfig, *, trainable: bool) -
     return model
 
 
-def value_model_config(model_path: str, *, bias: bool = True):
+def value_model_config(model_path: str, *, bias: bool = True, trust_remote_code: bool = False):
     """The config of a value model on ``model_path``'s backbone: one output per token
     (``num_labels=1``), no dropout in its head (``classifier_dropout=0``), and a bias in the head
     unless ``bias=False`` (a reward model: the head of Hugging Face's ``*ForSequenceClassification``)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_path, local_files_only=True, num_labels=1)
+    config = AutoConfig.from_pretrained(
+        model_path, local_files_only=True, num_labels=1, trust_remote_code=trust_remote_code
+    )
     config.classifier_dropout = 0.0
     config.token_classification_bias = bias
     return config
@@ -280,6 +300,7 @@ def load_value_model(
     attn_implementation: str | None = None,
     bias: bool = True,
     gathered: Callable[[list[nn.Parameter]], AbstractContextManager[object]] | None = None,
+    trust_remote_code: bool = False,
 ) -> nn.Module:
     """A value model: ``AutoModelForTokenClassification`` with one output (the backbone of
     ``model_path`` plus a scalar head per token, with a bias unless ``bias=False``), local files only,
@@ -301,6 +322,8 @@ def load_value_model(
     if not model_path:
         raise ValueError("critic.model_path: required; the path of a Hugging Face model directory")
     kwargs: dict[str, object] = {"dtype": torch_dtype(dtype), "local_files_only": True}
+    if trust_remote_code:
+        kwargs["trust_remote_code"] = True
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     verbosity = hf_logging.get_verbosity()
@@ -308,7 +331,10 @@ def load_value_model(
     try:
         with torch.random.fork_rng(devices=[]):
             model, info = AutoModelForTokenClassification.from_pretrained(
-                model_path, config=value_model_config(model_path, bias=bias), output_loading_info=True, **kwargs
+                model_path,
+                config=value_model_config(model_path, bias=bias, trust_remote_code=trust_remote_code),
+                output_loading_info=True,
+                **kwargs,
             )
     finally:
         hf_logging.set_verbosity(verbosity)
@@ -329,7 +355,12 @@ def load_value_model(
 
 
 def empty_value_model(
-    model_path: str, *, dtype: str, attn_implementation: str | None = None, bias: bool = True
+    model_path: str,
+    *,
+    dtype: str,
+    attn_implementation: str | None = None,
+    bias: bool = True,
+    trust_remote_code: bool = False,
 ) -> nn.Module:
     """:func:`load_value_model`'s model on the ``meta`` device (see :func:`empty_causal_lm`)."""
     from transformers import AutoModelForTokenClassification
@@ -337,8 +368,11 @@ def empty_value_model(
     kwargs: dict[str, object] = {"dtype": torch_dtype(dtype)}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    if trust_remote_code:
+        kwargs["trust_remote_code"] = True
+    config = value_model_config(model_path, bias=bias, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        return AutoModelForTokenClassification.from_config(value_model_config(model_path, bias=bias), **kwargs)
+        return AutoModelForTokenClassification.from_config(config, **kwargs)
 
 
 def exported_architecture(name: str, head: str) -> str:
@@ -353,9 +387,9 @@ def exported_architecture(name: str, head: str) -> str:
 
 def loaders_for_head(head: str) -> tuple[Callable[..., nn.Module], Callable[..., nn.Module]]:
     """``(empty, load)`` for a model with ``head`` (:data:`core_rl.interfaces.HEADS`), each called as
-    ``f(model_path, dtype=..., attn_implementation=...)``: the causal LM for ``lm``; the value model
-    for ``value``, and without a bias in its head for ``score`` (a reward model, as Hugging Face's
-    ``*ForSequenceClassification``)."""
+    ``f(model_path, dtype=..., attn_implementation=..., trust_remote_code=...)``: the causal LM for
+    ``lm``; the value model for ``value``, and without a bias in its head for ``score`` (a reward
+    model, as Hugging Face's ``*ForSequenceClassification``)."""
     if head == "lm":
         return empty_causal_lm, load_causal_lm
     bias = head == "value"

@@ -59,6 +59,9 @@ class ServerRolloutEngine(Generation, WeightSync, MemoryRelease, ServerRecovery,
     :param options: the ``server`` subsection.
     :param run_dir: server logs go to ``run_dir/servers/<name>.log``.
     :param sleep: start the servers able to give back their memory (:mod:`core_rl.remote.memory`).
+    :param trust_remote_code: the servers may run the model directory's own code
+        (``actor.trust_remote_code``, :mod:`core_rl.remote_code`): a plugin's :meth:`server_command`
+        passes its server's flag for it.
     """
 
     weight_sync_modes: ClassVar[tuple[str, ...]] = ("disk", "collective")
@@ -72,11 +75,20 @@ class ServerRolloutEngine(Generation, WeightSync, MemoryRelease, ServerRecovery,
     #: alone (one round trip instead of pause, load and resume, and no generation lost to a pause
     #: that waits on the trainer).
     swaps_in_place: ClassVar[bool] = False
+    #: whether the servers may run the model's own code (set by ``__init__``)
+    trust_remote_code: bool = False
 
     def __init__(
-        self, model_path: str | Path, options: ServerOptions, run_dir: str | Path, *, sleep: bool = False
+        self,
+        model_path: str | Path,
+        options: ServerOptions,
+        run_dir: str | Path,
+        *,
+        sleep: bool = False,
+        trust_remote_code: bool = False,
     ) -> None:
         self.sleeps = sleep
+        self.trust_remote_code = trust_remote_code
         self.model_path = str(model_path)
         self.options = options
         self.run_dir = Path(run_dir)

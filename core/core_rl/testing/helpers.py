@@ -152,11 +152,13 @@ def hf_logprobs(
     attention_mask: torch.Tensor,
     temperature: float = 1.0,
     state_dict: dict[str, torch.Tensor] | None = None,
+    trust_remote_code: bool = False,
 ) -> torch.Tensor:
-    """Reference log-probs [B, T] from a plain transformers forward (position t scores token t)."""
+    """Reference log-probs [B, T] from a plain transformers forward (position t scores token t);
+    ``trust_remote_code`` for a model that ships its own code."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, trust_remote_code=trust_remote_code)
     if state_dict is not None:
         model.load_state_dict(state_dict)
     with torch.no_grad():

@@ -92,16 +92,17 @@ def compute_bytes(section: ActorConfig) -> int:
     return tb.DTYPE_BYTES.get(dtype, 4)
 
 
-def model_config(model_path: str) -> dict[str, Any]:
+def model_config(model_path: str, *, trust_remote_code: bool = False) -> dict[str, Any]:
     """The model's ``config.json`` as a mapping (``{}`` when it cannot be read): the local file,
-    else through transformers (a hub id already in the cache)."""
+    else through transformers (a hub id already in the cache; a configuration class it ships only
+    with ``trust_remote_code``)."""
     path = Path(model_path) / "config.json"
     try:
         if path.is_file():
             return json.loads(path.read_text(encoding="utf-8"))
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(model_path).to_dict()
+        return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).to_dict()
     except Exception:  # the budget falls back to the CPU figure and says why
         return {}
 
@@ -200,7 +201,7 @@ def choose(key: str, section: ActorConfig, engines: Sequence[BuiltEngine], facts
     cpu = tb.CPU_TOKENS_PER_MB
     if not device.startswith("cuda"):
         return Resolved(key, cpu, f"{setting}: auto -> {cpu} ({device})", f"the CPU figure ({device})")
-    shape = tb.ModelShape.from_config(model_config(section.model_path))
+    shape = tb.ModelShape.from_config(model_config(section.model_path, trust_remote_code=section.trust_remote_code))
     if shape is None:
         why = f"the CPU figure: {section.model_path}/config.json names no layer count or hidden size"
         return Resolved(key, cpu, f"{setting}: auto -> {cpu} ({device}; {why})", f"{why} ({device})")

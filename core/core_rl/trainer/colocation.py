@@ -48,6 +48,7 @@ from core_rl.placement import SLEEP_KEY, rollout_device, sleeps_while_training
 from core_rl.plugins import PluginHost
 from core_rl.preflight import detect_machine
 from core_rl.remote.gpus import resolve_server_gpus
+from core_rl.remote_code import rollout_factory_kwargs
 from core_rl.trainer.colocated_memory import fit_colocated_memory, held_for_trainer, release_cached_memory, shared_gpu
 
 GIB = 2**30
@@ -71,8 +72,11 @@ def build_rollout_engine(
     for note in (gpus_note, memory_note):
         if note:
             print(f"core-rl: note: {note}", file=sys.stderr, flush=True)
+    trust = rollout_factory_kwargs(cfg)
     with held_for_trainer(shared):
-        engine = build_component(entry, rollout, engine_config, model_path=cfg.actor.model_path, run_dir=run_dir)
+        engine = build_component(
+            entry, rollout, engine_config, model_path=cfg.actor.model_path, run_dir=run_dir, **trust
+        )
     if enabled and cfg.rollout.sleep_while_training == "auto":
         where = rollout_device(cfg, cuda)[1]
         print(

@@ -232,3 +232,22 @@ def test_zero12_weight_buckets_are_the_module_parameters_in_the_wanted_dtype(tin
     for name, param in engine.model.named_parameters():
         assert torch.equal(param, safe_get_full_fp32_param(param).to(torch.bfloat16)), name
     engine.close()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_model_with_its_own_code_trains_and_exports_with_it(tmp_path: Path, stage: int) -> None:
+    """``actor.trust_remote_code`` reaches the engine's load (ZeRO-3: partitioned as it is built) and
+    its export, which keeps the model's code and gives the engine's log-probs when loaded again."""
+    from core_rl.testing.remote_code_model import MODEL_CLASS, build_remote_code_model
+
+    model = build_remote_code_model(tmp_path / f"remote_code_ds{stage}", seed=0)
+    engine = DeepSpeedEngine(make_actor(model, trust_remote_code=True), DeepSpeedConfig(zero_stage=stage))
+    assert engine._architectures == [MODEL_CLASS]
+    batch = make_rl_batch(seed=2)
+    losses = [engine.train_step(batch, nll_entropy)["loss"] for _ in range(2)]
+    assert losses[-1] < losses[0]
+    engine.export_hf(tmp_path / "export")
+    assert (tmp_path / "export" / "modeling_tiny.py").is_file()
+    want = hf_logprobs(tmp_path / "export", batch["input_ids"], batch["attention_mask"], trust_remote_code=True)
+    torch.testing.assert_close(engine.compute_logprobs(batch), want, atol=1e-5, rtol=0)
+    engine.close()

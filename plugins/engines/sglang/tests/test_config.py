@@ -15,10 +15,22 @@ ROOT = Path(__file__).resolve().parents[4]
 
 
 def _command(**options: object) -> tuple[list[str], dict[str, str]]:
+    engine = _engine(**options)
+    return engine.server_command("/env/bin/python", 8123, 0), engine.server_environment(0)
+
+
+def _engine(**options: object) -> SGLangRolloutEngine:
     config = structure(options, SGLangConfig, path="rollout.engine")
     engine = SGLangRolloutEngine.__new__(SGLangRolloutEngine)  # the command needs no running server
     engine.config, engine.options, engine.model_path = config, config.server, "/models/m"
-    return engine.server_command("/env/bin/python", 8123, 0), engine.server_environment(0)
+    return engine
+
+
+def test_the_servers_run_a_models_own_code_only_with_trust_remote_code() -> None:
+    from core_rl.testing.remote_code_model import check_server_trust_flag
+    from core_rl_sglang.engine import make_engine
+
+    check_server_trust_flag(_engine(extra_args=["--x", "1"]), make_engine)
 
 
 def test_cpu_command_has_the_cpu_recipe_and_passes_options() -> None:

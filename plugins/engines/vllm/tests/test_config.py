@@ -15,10 +15,22 @@ ROOT = Path(__file__).resolve().parents[4]
 
 
 def _command(**options: object) -> tuple[list[str], dict[str, str]]:
+    engine = _engine(**options)
+    return engine.server_command("/env/bin/python", 8123, 1), engine.server_environment(1)
+
+
+def _engine(**options: object) -> VLLMRolloutEngine:
     config = structure(options, VLLMConfig, path="rollout.engine")
     engine = VLLMRolloutEngine.__new__(VLLMRolloutEngine)  # the command needs no running server
     engine.config, engine.options, engine.model_path = config, config.server, "/models/m"
-    return engine.server_command("/env/bin/python", 8123, 1), engine.server_environment(1)
+    return engine
+
+
+def test_the_servers_run_a_models_own_code_only_with_trust_remote_code() -> None:
+    from core_rl.testing.remote_code_model import check_server_trust_flag
+    from core_rl_vllm.engine import make_engine
+
+    check_server_trust_flag(_engine(extra_args=["--x", "1"]), make_engine)
 
 
 def test_command_passes_options_through() -> None:

@@ -135,3 +135,24 @@ def test_errors(tmp_path):
         structure({"model_path": "x", "template": "{prompt}"}, RewardModelConfig, path="reward")
     with pytest.raises(CoreRLError, match="not a Hugging Face model directory"):
         _reward(tmp_path)
+
+
+def test_a_model_with_its_own_code_needs_trust_remote_code(tmp_path: Path, model_dir: Path) -> None:
+    """Before the run the directory is refused without the switch (one line naming it); with it the
+    reward loads the model's own class and scores as the plain classifier with the same weights."""
+    import shutil
+    from types import SimpleNamespace
+
+    from core_rl.testing.remote_code_model import make_remote_code
+
+    remote = make_remote_code(shutil.copytree(model_dir, tmp_path / "remote_code_rm"))
+    context = SimpleNamespace(key=lambda name: f"reward.{name}")
+    refused = structure({"model_path": str(remote)}, RewardModelConfig, path="reward").check_environment(context)
+    assert len(refused) == 1
+    assert refused[0].startswith(f"reward.model_path: {str(remote)!r} ships its own modelling code")
+    assert "set reward.trust_remote_code: true" in refused[0]
+    reward = _reward(remote, trust_remote_code=True)
+    assert reward.config.check_environment(context) == []
+    assert type(reward.model).__name__ == "TinyRemoteForSequenceClassification"
+    texts = reward.texts(ITEMS)
+    assert reward.score(ITEMS) == pytest.approx(reference_scores(model_dir, texts), abs=1e-5)

@@ -58,6 +58,8 @@ class DeepSpeedConfig:
     heads: ClassVar[tuple[str, ...]] = ("lm", "value", "score")
     #: it honours a role's ``fused_head`` (:mod:`core_rl.engine_utils.fused_head`)
     fused_head: ClassVar[bool] = True
+    #: a role's ``trust_remote_code`` reaches its model and tokenizer loads (:mod:`core_rl.remote_code`)
+    loads_remote_code: ClassVar[bool] = True
 
     zero_stage: int = attrs.field(default=2, validator=one_of((1, 2, 3)))
     offload_optimizer: bool = False

@@ -116,10 +116,21 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         _, load = hf.loaders_for_head(head)
         if self.zero_stage == 3 and self.config.zero3_init:  # no rank ever holds the whole model
             model = load_partitioned(
-                load, actor.model_path, ds_config, head=head, dtype=actor.dtype, attn_implementation=load_attn
+                load,
+                actor.model_path,
+                ds_config,
+                head=head,
+                dtype=actor.dtype,
+                attn_implementation=load_attn,
+                trust_remote_code=actor.trust_remote_code,
             )
         else:
-            model = load(actor.model_path, dtype=actor.dtype, attn_implementation=load_attn)
+            model = load(
+                actor.model_path,
+                dtype=actor.dtype,
+                attn_implementation=load_attn,
+                trust_remote_code=actor.trust_remote_code,
+            )
         model = hf.prepare_for_role(model, actor, trainable=trainable)
         hf_model = lora.base_model(model)
         if self.sequence is not None:
@@ -243,6 +254,8 @@ class DeepSpeedEngine(EngineState, TrainEngine):
             rank=self.rank,
             architectures=self._architectures,
             tokenizer_path=self.actor.tokenizer_path or self.actor.model_path,
+            model_path=self.actor.model_path,
+            trust_remote_code=self.actor.trust_remote_code,
         )
 
     # ------------------------------------------------------------------ training state

@@ -42,14 +42,19 @@ def load_partitioned(
     head: str,
     dtype: str,
     attn_implementation: str | None,
+    trust_remote_code: bool = False,
 ) -> nn.Module:
-    """``load(model_path, dtype=..., attn_implementation=...)`` (a loader of
+    """``load(model_path, dtype=..., attn_implementation=..., trust_remote_code=...)`` (a loader of
     :func:`core_rl.engine_utils.hf.loaders_for_head`) under :func:`zero3_loading`: every parameter of
     the returned model is a ZeRO-3 partition. A value or score head the directory does not hold is
     zeroed with its parameters gathered (``GatheredParameters``: written on rank 0, re-partitioned)."""
     import deepspeed
 
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn_implementation}
+    kwargs: dict[str, Any] = {
+        "dtype": dtype,
+        "attn_implementation": attn_implementation,
+        "trust_remote_code": trust_remote_code,
+    }
     if head != "lm":
         kwargs["gathered"] = lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0)
     with zero3_loading(ds_config):

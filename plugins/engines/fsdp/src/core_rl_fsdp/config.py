@@ -87,6 +87,8 @@ class FSDPConfig:
     heads: ClassVar[tuple[str, ...]] = ("lm", "value", "score")
     #: it honours a role's ``fused_head`` (:mod:`core_rl.engine_utils.fused_head`)
     fused_head: ClassVar[bool] = True
+    #: a role's ``trust_remote_code`` reaches its model and tokenizer loads (:mod:`core_rl.remote_code`)
+    loads_remote_code: ClassVar[bool] = True
 
     wrap: str = attrs.field(default="decoder_layers", validator=one_of(WRAPS))
     reshard_after_forward: bool = True

@@ -182,6 +182,8 @@ class FSDPEngine(EngineState, TrainEngine):
             rank=self.rank,
             architectures=self._architectures,
             tokenizer_path=self.actor.tokenizer_path or self.actor.model_path,
+            model_path=self.actor.model_path,
+            trust_remote_code=self.actor.trust_remote_code,
         )
 
     # ------------------------------------------------------------------ training state

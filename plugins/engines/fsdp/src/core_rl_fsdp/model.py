@@ -49,7 +49,11 @@ def build_model(
     """
     from_rank0 = config.load_on_rank0 and world_size > 1
     empty, load = hf.loaders_for_head(head)
-    kwargs = {"dtype": actor.dtype, "attn_implementation": attn_implementation}
+    kwargs = {
+        "dtype": actor.dtype,
+        "attn_implementation": attn_implementation,
+        "trust_remote_code": actor.trust_remote_code,
+    }
     model = empty(actor.model_path, **kwargs) if from_rank0 and rank != 0 else load(actor.model_path, **kwargs)
     model = hf.prepare_for_role(model, actor, trainable=trainable)
     if not from_rank0:

@@ -101,21 +101,22 @@ def plan_chunks(prompt_lengths: Sequence[int], n: int, max_batch_size: int) -> l
 
 
 class HFRolloutEngine(RolloutEngine):
-    """Generates with a transformers ``AutoModelForCausalLM`` loaded from ``model_path``."""
+    """Generates with a transformers ``AutoModelForCausalLM`` loaded from ``model_path`` (running the
+    directory's own modelling code only with ``trust_remote_code``)."""
 
-    def __init__(self, model_path: str | Path, config: HFRolloutConfig) -> None:
+    def __init__(self, model_path: str | Path, config: HFRolloutConfig, *, trust_remote_code: bool = False) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.config = config
         self.device = resolve_device(config.device)
         self.compute_dtype = getattr(torch, config.autocast_dtype) if config.autocast_dtype else None
-        load: dict[str, Any] = {}
+        load: dict[str, Any] = {"trust_remote_code": True} if trust_remote_code else {}
         if self.compute_dtype is not None and self.device.type == "cpu":
             load["attn_implementation"] = attention.register()  # the fsdp engine's autocast attention
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, config.dtype), **load)
         self._model: torch.nn.Module | None = model.to(self.device).eval()
         try:
-            tokenizer = AutoTokenizer.from_pretrained(model_path)
+            tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError):  # a weights-only directory: fall back to the model's config
             tokenizer = None
         self.tokenizer = tokenizer  # stop strings (core_rl_hf.stop_check)
@@ -428,8 +429,15 @@ def _sampling_key(sampling: SamplingParams) -> tuple:
 
 
 def make_engine(
-    rollout: RolloutConfig, engine_config: HFRolloutConfig | None, *, model_path: str, run_dir: Path | None = None
+    rollout: RolloutConfig,
+    engine_config: HFRolloutConfig | None,
+    *,
+    model_path: str,
+    run_dir: Path | None = None,
+    trust_remote_code: bool = False,
 ) -> HFRolloutEngine:
     """The registered factory: ``rollout`` (sampling is passed to each ``generate`` call instead)
-    and ``run_dir`` (it writes nothing) are not needed; ``engine_config`` ``None`` means the defaults."""
-    return HFRolloutEngine(model_path, engine_config if engine_config is not None else HFRolloutConfig())
+    and ``run_dir`` (it writes nothing) are not needed; ``engine_config`` ``None`` means the defaults;
+    ``trust_remote_code``: ``actor.trust_remote_code``."""
+    config = engine_config if engine_config is not None else HFRolloutConfig()
+    return HFRolloutEngine(model_path, config, trust_remote_code=trust_remote_code)

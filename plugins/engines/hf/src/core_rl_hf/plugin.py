@@ -19,13 +19,18 @@ if TYPE_CHECKING:
 
 
 def make_engine(
-    rollout: RolloutConfig, engine_config: HFRolloutConfig | None, *, model_path: str, run_dir: Path | None = None
+    rollout: RolloutConfig,
+    engine_config: HFRolloutConfig | None,
+    *,
+    model_path: str,
+    run_dir: Path | None = None,
+    trust_remote_code: bool = False,
 ) -> HFRolloutEngine:
     """The registered factory (:func:`core_rl_hf.engine.make_engine`), importing the engine, and
     with it torch and transformers, only when a run builds it."""
     from core_rl_hf.engine import make_engine as build
 
-    return build(rollout, engine_config, model_path=model_path, run_dir=run_dir)
+    return build(rollout, engine_config, model_path=model_path, run_dir=run_dir, trust_remote_code=trust_remote_code)
 
 
 @hookimpl

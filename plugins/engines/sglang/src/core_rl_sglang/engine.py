@@ -66,10 +66,16 @@ class SGLangRolloutEngine(ServerRolloutEngine):
     health_path = "/health"
 
     def __init__(
-        self, model_path: str | Path, config: SGLangConfig, run_dir: str | Path, *, sleep: bool = False
+        self,
+        model_path: str | Path,
+        config: SGLangConfig,
+        run_dir: str | Path,
+        *,
+        sleep: bool = False,
+        trust_remote_code: bool = False,
     ) -> None:
         self.config = config
-        super().__init__(model_path, config.server, run_dir, sleep=sleep)
+        super().__init__(model_path, config.server, run_dir, sleep=sleep, trust_remote_code=trust_remote_code)
 
     # -- the server -----------------------------------------------------------------------------
 
@@ -124,6 +130,8 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             argv.append("--sleep-on-idle")
         if self.sleeps:
             argv.append("--enable-memory-saver")
+        if self.trust_remote_code:
+            argv.append("--trust-remote-code")
         return argv + list(c.extra_args)
 
     def server_environment(self, index: int) -> dict[str, str]:
@@ -158,7 +166,7 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         """The texts of the served tokenizer's special tokens."""
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
         return tuple(tokenizer.all_special_tokens)
 
     async def request(self, client: Any, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list[Completion]:
@@ -298,10 +306,17 @@ def _completion(item: dict[str, Any]) -> Completion:
 
 
 def make_engine(
-    rollout: RolloutConfig, engine_config: SGLangConfig | None, *, model_path: str, run_dir: Path
+    rollout: RolloutConfig,
+    engine_config: SGLangConfig | None,
+    *,
+    model_path: str,
+    run_dir: Path,
+    trust_remote_code: bool = False,
 ) -> SGLangRolloutEngine:
     """The registered factory (sampling comes with each request): the servers start able to
     release their memory when ``rollout.sleep_while_training`` is ``True`` (as the trainer
-    resolved it; ``auto`` is off)."""
+    resolved it; ``auto`` is off), and with ``--trust-remote-code`` when ``trust_remote_code``
+    (``actor.trust_remote_code``)."""
     config = engine_config if engine_config is not None else SGLangConfig()
-    return SGLangRolloutEngine(model_path, config, run_dir, sleep=rollout.sleep_while_training is True)
+    sleep = rollout.sleep_while_training is True
+    return SGLangRolloutEngine(model_path, config, run_dir, sleep=sleep, trust_remote_code=trust_remote_code)

@@ -49,6 +49,8 @@ class VLLMConfig:
     releases_memory: ClassVar[bool] = True
     #: the server stops at rollout.sampling.stop strings itself (core_rl.stop_strings)
     stop_strings: ClassVar[bool] = True
+    #: ``actor.trust_remote_code`` reaches its servers (``--trust-remote-code``; :mod:`core_rl.remote_code`)
+    loads_remote_code: ClassVar[bool] = True
 
     server: ServerOptions = attrs.field(factory=ServerOptions)
     dtype: str = attrs.field(default="bfloat16", validator=one_of(("auto", "float32", "bfloat16", "float16")))

@@ -86,12 +86,20 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     health_path = "/health"
     swaps_in_place = True
 
-    def __init__(self, model_path: str | Path, config: VLLMConfig, run_dir: str | Path, *, sleep: bool = False) -> None:
+    def __init__(
+        self,
+        model_path: str | Path,
+        config: VLLMConfig,
+        run_dir: str | Path,
+        *,
+        sleep: bool = False,
+        trust_remote_code: bool = False,
+    ) -> None:
         self.config = config
         self.model_name = SERVED_MODEL_NAME
         self._per_token_versions = True  # generate through GENERATE_PATH (per-token weight versions)
         self._batch_route = True  # requests that arrive together go through BATCH_ROUTE
-        super().__init__(model_path, config.server, run_dir, sleep=sleep)
+        super().__init__(model_path, config.server, run_dir, sleep=sleep, trust_remote_code=trust_remote_code)
         if config.server.urls:
             self.model_name = self._call(self._served_model(self.endpoints[0].url), timeout=60)
 
@@ -173,6 +181,8 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             argv += ["--gpu-memory-utilization", f"{c.gpu_memory_utilization or GPU_MEMORY_UTILIZATION:g}"]
         if self.sleeps:
             argv.append("--enable-sleep-mode")
+        if self.trust_remote_code:
+            argv.append("--trust-remote-code")
         return argv + list(c.extra_args)
 
     def server_environment(self, index: int) -> dict[str, str]:
@@ -449,9 +459,16 @@ def _finish_reason(reason: Any) -> str:
 
 
 def make_engine(
-    rollout: RolloutConfig, engine_config: VLLMConfig | None, *, model_path: str, run_dir: Path
+    rollout: RolloutConfig,
+    engine_config: VLLMConfig | None,
+    *,
+    model_path: str,
+    run_dir: Path,
+    trust_remote_code: bool = False,
 ) -> VLLMRolloutEngine:
     """The registered factory (sampling comes with each request): the servers start able to sleep
-    when ``rollout.sleep_while_training`` is ``True`` (as the trainer resolved it; ``auto`` is off)."""
+    when ``rollout.sleep_while_training`` is ``True`` (as the trainer resolved it; ``auto`` is off),
+    and with ``--trust-remote-code`` when ``trust_remote_code`` (``actor.trust_remote_code``)."""
     config = engine_config if engine_config is not None else VLLMConfig()
-    return VLLMRolloutEngine(model_path, config, run_dir, sleep=rollout.sleep_while_training is True)
+    sleep = rollout.sleep_while_training is True
+    return VLLMRolloutEngine(model_path, config, run_dir, sleep=sleep, trust_remote_code=trust_remote_code)

@@ -141,6 +141,7 @@ class RolloutServer:
         from core_rl.config import load_config
         from core_rl.kinds import ROLLOUT_ENGINE
         from core_rl.plugins import PluginHost
+        from core_rl.remote_code import rollout_factory_kwargs
 
         if self._engine is not None:
             return self.url()
@@ -160,6 +161,7 @@ class RolloutServer:
             cfg.rollout.engine.config,
             model_path=cfg.actor.model_path,
             run_dir=Path(log_dir) / f"server-{index}",
+            **rollout_factory_kwargs(cfg),
         )
         return self.url()
 

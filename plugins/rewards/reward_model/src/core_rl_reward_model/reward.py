@@ -34,12 +34,15 @@ class ModelReward(Reward):
                 f"reward 'reward_model': {path} is not a Hugging Face model directory (no config.json); "
                 "set reward.model_path"
             )
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or path)
+        trust = config.trust_remote_code
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or path, trust_remote_code=trust)
         self.tokenizer.padding_side = "right"
         self.tokenizer.truncation_side = "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, config.dtype))
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            path, dtype=getattr(torch, config.dtype), trust_remote_code=trust
+        )
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         labels = self.model.config.num_labels
