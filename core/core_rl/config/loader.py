@@ -43,6 +43,7 @@ from core_rl.config.problems import (
     cross_section_problems,
     engine_releases_memory,
     eval_problems,
+    keep_best_problems,
     loop_roles,
     plugin_check_problems,
     uses_rl_sections,
@@ -282,6 +283,7 @@ def load_config(
     derive_schedules(cfg)
     problems.extend(cross_section_problems(cfg))
     problems.extend(eval_problems(cfg, host))
+    problems.extend(keep_best_problems(cfg, host))
     problems.extend(plugin_check_problems(cfg))
     problems.extend(placement_config_problems(cfg))
     problems.extend(sleep_problems(cfg, releases_memory=engine_releases_memory(host, cfg) is not False))

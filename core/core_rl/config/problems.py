@@ -89,6 +89,25 @@ def completeness_problems(cfg: RunConfig, host: PluginHost | None = None) -> lis
     return problems
 
 
+def keep_best_problems(cfg: RunConfig, host: PluginHost | None = None) -> list[str]:
+    """``saver.keep_best`` ranking the RL loop's checkpoints by an evaluation metric that no
+    checkpoint's step logs: no ``eval:`` section, or checkpoints every ``saver.every_n_steps`` on
+    steps that ``eval.every_n_steps`` does not evaluate."""
+    best = cfg.saver.keep_best
+    if not best.count or not best.metric.startswith("eval/") or not uses_rl_sections(cfg, host):
+        return []
+    key = f"saver.keep_best.metric: {best.metric!r} is an evaluation metric"
+    if cfg.eval is None:
+        return [f"{key}, and the run has no eval: section; add one, or rank by a training metric such as 'reward'"]
+    saves, evals = cfg.saver.every_n_steps, cfg.eval.every_n_steps
+    if saves and (not evals or saves % evals):
+        return [
+            f"{key}, and the checkpoints of saver.every_n_steps={saves} fall on steps eval.every_n_steps={evals} does "
+            "not evaluate; make saver.every_n_steps a multiple of eval.every_n_steps"
+        ]
+    return []
+
+
 def eval_problems(cfg: RunConfig, host: PluginHost | None = None) -> list[str]:
     """An ``eval:`` section the run could not honour: a loop that samples nothing, no rule reward
     to score answers with, greedy decoding asked for several answers, or sampling settings that

@@ -304,16 +304,31 @@ class AlgorithmConfig:
 
 
 @attrs.define
+class KeepBestConfig:
+    """``saver.keep_best``: keep the ``count`` checkpoints (0: none besides ``keep_last``) with the
+    best value of ``metric`` logged at their step, the largest with ``mode: max``
+    (:mod:`core_rl.trainer.checkpoint_policy`)."""
+
+    count: int = attrs.field(default=0, validator=in_range(0, MAX_COUNT))
+    metric: str = attrs.field(default="eval/reward/mean", validator=not_empty())
+    mode: str = attrs.field(default="max", validator=one_of(("max", "min")))
+
+
+@attrs.define
 class SaverConfig:
-    """Checkpoints (full training state, for resuming) every ``every_n_steps`` steps (0: never)
-    and at the end; the newest ``keep_last`` are kept. ``export_hf`` also writes the final
+    """Checkpoints (full training state, for resuming) every ``every_n_steps`` steps (0: never),
+    after the first step ending ``every_n_minutes`` after the newest checkpoint or the start (0:
+    never) and at the end; the newest ``keep_last`` are kept, and the best ``keep_best.count`` by
+    a metric (:mod:`core_rl.trainer.checkpoint_policy`). ``export_hf`` also writes the final
     policy as a Hugging Face directory (``<run>/final_hf``); ``export_hf_every_n_steps`` writes the
     policy of every such step to ``<run>/hf/step_<N>`` (0: never), keeping the newest
     ``export_hf_keep_last`` (0: all) (:mod:`core_rl.trainer.hf_exports`)."""
 
     every_n_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
+    every_n_minutes: float = attrs.field(default=0.0, validator=in_range(0.0, 1e6))
     at_end: bool = True
     keep_last: int = attrs.field(default=2, validator=in_range(1, MAX_COUNT))
+    keep_best: KeepBestConfig = attrs.field(factory=KeepBestConfig)
     export_hf: bool = True
     export_hf_every_n_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
     export_hf_keep_last: int = attrs.field(default=0, validator=in_range(0, MAX_COUNT))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import errno
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import attrs
@@ -154,17 +154,19 @@ def remove_leftovers(run_dir: Path) -> list[Path]:
     return removed
 
 
-def prune(run_dir: Path, keep_last: int) -> list[Path]:
-    """Keep the newest ``keep_last`` checkpoints up to the one ``latest`` names (always kept); delete
-    the older ones and leftovers of interrupted saves. Does nothing while ``latest`` names no
-    existing checkpoint."""
+def prune(run_dir: Path, keep_last: int, keep: Callable[[list[int]], Collection[int]] | None = None) -> list[Path]:
+    """Keep the newest ``keep_last`` checkpoints up to the one ``latest`` names (always kept) and
+    those ``keep`` chooses from the steps of the older ones (``saver.keep_best``); delete the rest
+    and leftovers of interrupted saves. Does nothing while ``latest`` names no existing checkpoint."""
     latest = latest_checkpoint(run_dir)
     if latest is None:
         return []
     newest = step_of(latest)
     assert newest is not None
-    older = [p for s, p in list_checkpoints(run_dir) if s < newest]
-    doomed = older[: max(0, len(older) - (max(keep_last, 1) - 1))]
+    older = [(s, p) for s, p in list_checkpoints(run_dir) if s < newest]
+    kept = set(keep([s for s, _ in older])) if keep is not None else set()
+    outside = [p for s, p in older if s not in kept]
+    doomed = outside[: max(0, len(outside) - (max(keep_last, 1) - 1))]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed + remove_leftovers(run_dir)

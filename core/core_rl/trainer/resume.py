@@ -9,7 +9,7 @@ loop built on it) that does this; the files themselves are :mod:`core_rl.trainer
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,7 @@ from core_rl.config.schema import RunConfig
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import AdvantageEstimator, RolloutEngine, TrainEngine
 from core_rl.trainer import checkpoints
+from core_rl.trainer.checkpoint_policy import BestCheckpoints, TimedSaves
 from core_rl.trainer.critic import CRITIC_DIR, check_role_states, load_role_states, save_role_states
 from core_rl.trainer.data import PromptSource
 from core_rl.trainer.errors import DiskFullError, RunFailed, TrainingInterrupted
@@ -64,6 +65,8 @@ class Checkpointing:
     empty_steps: EmptySteps
     reward_log: RewardErrorLog
     weight_load: BackgroundWeightLoad
+    best_checkpoints: BestCheckpoints | None
+    timed_saves: TimedSaves
     start_step: int
     completed_step: int
     last_saved: int | None
@@ -91,8 +94,9 @@ class Checkpointing:
             "advantage": self.advantage.state_dict() if self.advantage is not None else {},
         }
 
-    def save_checkpoint(self, step: int) -> Path:
-        """Save the state after step ``step`` (the step just completed: never another name)."""
+    def save_checkpoint(self, step: int, metrics: Mapping[str, Any] | None = None) -> Path:
+        """Save the state after step ``step`` (the step just completed: never another name);
+        ``metrics`` (rank 0: those logged at ``step``) score it for ``saver.keep_best``."""
         assert self.engine is not None
         if step != self.completed_step:
             raise RuntimeError(f"checkpoint of step {step} asked for after step {self.completed_step}")
@@ -105,7 +109,11 @@ class Checkpointing:
                 save_role_states(self._trained_roles(), path)
             if self.is_main:
                 checkpoints.mark_latest(self.run_dir, step)
-                checkpoints.prune(self.run_dir, self.cfg.saver.keep_last)
+                best = self.best_checkpoints
+                if best is not None and metrics is not None:
+                    best.record(step, metrics)
+                keep = best.protected if best is not None else None
+                checkpoints.prune(self.run_dir, self.cfg.saver.keep_last, keep)
                 if self.reference_reset is not None:  # the references they need stay
                     self.reference_reset.prune(self.run_dir)
         except Exception as exc:
@@ -115,6 +123,7 @@ class Checkpointing:
                 raise self._disk_full(f"while saving checkpoint {path} (its partial files were removed)") from exc
             raise
         self.last_saved = step
+        self.timed_saves.saved()
         return path
 
     def _disk_full(self, what: str) -> DiskFullError:

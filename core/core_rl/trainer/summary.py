@@ -14,6 +14,7 @@ def summary_lines(cfg: RunConfig, result: Mapping[str, Any]) -> list[str]:
     at_end = str(cfg.saver.at_end).lower()
     none = f"none saved (saver.every_n_steps={cfg.saver.every_n_steps}, saver.at_end={at_end})"
     lines = [f"metrics:    {result['metrics']}", f"checkpoint: {result['checkpoint'] or none}"]
+    lines += [result["best_checkpoint"]] if result.get("best_checkpoint") else []  # saver.keep_best
     if result["export"] is not None:
         lines.append(f"model:      {result['export']}")
     lines += [result["evaluation"]] if result.get("evaluation") else []  # the last eval: (trainer/evaluation.py)

@@ -66,6 +66,7 @@ from core_rl.roles import build_engine, build_roles
 from core_rl.trainer.auto_budget import resolve_auto_budgets
 from core_rl.trainer.batching import BatchAssembler
 from core_rl.trainer.building import build, build_loggers, quiet_library_progress_bars, seed_process
+from core_rl.trainer.checkpoint_policy import BestCheckpoints, TimedSaves
 from core_rl.trainer.checkpoints import checkpoint_dir, is_disk_full
 from core_rl.trainer.colocated_memory import held_by_peer
 from core_rl.trainer.colocation import RolloutSleep, build_rollout_engine, peer_rollout_sleep
@@ -158,6 +159,10 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
         self._scored_this_step: list[tuple[list[RewardInput], ScoreResult]] = []
         self.completed_step = 0
         self.last_saved: int | None = None
+        #: saver.every_n_minutes and saver.keep_best (trainer/checkpoint_policy.py)
+        self.timed_saves = TimedSaves(cfg.saver.every_n_minutes)
+        keep_best = cfg.saver.keep_best
+        self.best_checkpoints = BestCheckpoints(keep_best, self.run_dir) if keep_best.count else None
         #: the step a resumed run continues from (``None``: a fresh run; loggers then keep nothing)
         self.resume_step: int | None = None
         self.nonfinite = NonFiniteGuard(self.run_dir, self.rank, cfg.trainer)
@@ -322,6 +327,16 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
                 raise self._disk_full(f"({exc})") from exc
             raise
 
+    def _checkpoint_due(self, step: int) -> bool:
+        """``saver.every_n_steps`` divides ``step``, or rank 0 finds ``saver.every_n_minutes``
+        passed (sent to every rank, so they save together)."""
+        every = self.cfg.saver.every_n_steps
+        if every and step % every == 0:
+            return True
+        if not self.cfg.saver.every_n_minutes:
+            return False
+        return bool(broadcast_outcome(f"the checkpoint decision of step {step}", self.timed_saves.due(), None))
+
     def _run(self) -> dict[str, Any]:
         assert self.engine is not None
         cfg = self.cfg
@@ -352,6 +367,7 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
             stop = agree_after(f"{what} (rank 0)", error, self.stop.requested)
             if stop:
                 raise self._interrupted(stop)
+            metrics: dict[str, Any] = {}
             for step in range(self.start_step + 1, cfg.trainer.total_steps + 1):
                 with self.profiler.around(step):
                     metrics = self.step(step)
@@ -370,8 +386,8 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
                 stop = agree_after(f"step {step}", error, self.stop.requested)
                 if self.reference_reset is not None:  # before the checkpoint, which may need its export
                     self._use_reference(self.reference_reset.after_step(step, self.engine, self.ref))
-                if (cfg.saver.every_n_steps and step % cfg.saver.every_n_steps == 0) or stop:
-                    self.save_checkpoint(step)
+                if self._checkpoint_due(step) or stop:
+                    self.save_checkpoint(step, metrics if self.is_main else None)
                 if export_due(cfg.saver, step):
                     export_step(self.engine, cfg.saver, self.run_dir, step, is_main=self.is_main)
                 if stop:
@@ -379,7 +395,7 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
             if self.is_main:  # the last version's load: its error belongs to this run
                 self.weight_load.wait()
             if cfg.saver.at_end and self.last_saved != self.completed_step:
-                self.save_checkpoint(self.completed_step)
+                self.save_checkpoint(self.completed_step, metrics if self.is_main else None)
             export = None
             if cfg.saver.export_hf:
                 export = self.run_dir / "final_hf"
@@ -389,7 +405,9 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
             for lg in started:
                 lg.close()
         last = checkpoint_dir(self.run_dir, self.last_saved) if self.last_saved else None
+        best = self.best_checkpoints
         return {
+            "best_checkpoint": best.best_line(self.run_dir) if best and self.is_main else None,
             "run_dir": self.run_dir,
             "metrics": self.run_dir / "metrics.jsonl",
             "checkpoint": last,
