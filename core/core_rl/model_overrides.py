@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +24,7 @@ from core_rl.config.derived import record
 from core_rl.config.derived_key import Derived
 from core_rl.config.schema import RunConfig
 from core_rl.roles import role_sections
+from core_rl.run_made_dirs import STAMP, made_once
 
 
 def config_problems(
@@ -60,50 +58,21 @@ def overridden_config(model_path: str, overrides: Mapping[str, Any]) -> dict[str
     return {**config, **overrides}
 
 
-#: how long a rank waits for rank 0 to make a role's directory
-WAIT_S = 300.0
-
-
-#: the file naming what a role's directory was made from (its model directory and overrides)
-STAMP = ".core_rl_source.json"
-
-
-def _holds(target: Path, stamp: str) -> bool:
-    """Whether ``target`` was made from the same model directory with the same overrides."""
-    try:
-        return (target / STAMP).read_text(encoding="utf-8") == stamp
-    except OSError:
-        return False
-
-
 def make_overridden_dir(model_path: str, overrides: Mapping[str, Any], target: Path, *, rank: int = 0) -> Path:
     """``target``: ``model_path``'s entries linked and ``config.json`` overridden (see the module
-    docstring); kept as it is when it was made from the same directory with the same overrides
-    (:data:`STAMP`), else made again (a partial directory renamed into place). Rank 0 makes it;
-    another rank waits for it (at most :data:`WAIT_S` seconds)."""
+    docstring); kept as it is when it was made from the same directory with the same overrides,
+    else made again (:func:`core_rl.run_made_dirs.made_once`: rank 0 makes it, the others wait)."""
     source = Path(model_path).resolve()
     config = json.dumps(overridden_config(str(source), overrides), indent=2, sort_keys=True) + "\n"
     stamp = json.dumps({"model_path": str(source), "config": config}, sort_keys=True)
-    if _holds(target, stamp):
-        return target
-    if rank != 0:
-        deadline = time.monotonic() + WAIT_S
-        while not _holds(target, stamp):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"waited {WAIT_S:.0f} s for rank 0 to make {target} (model_overrides)")
-            time.sleep(0.2)
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    for entry in source.iterdir():
-        if entry.name not in ("config.json", STAMP):
-            os.symlink(entry, partial / entry.name)
-    (partial / "config.json").write_text(config, encoding="utf-8")
-    (partial / STAMP).write_text(stamp, encoding="utf-8")
-    if target.exists():  # other overrides from an earlier run of this directory
-        shutil.rmtree(target)
-    os.rename(partial, target)
-    return target
+
+    def fill(partial: Path) -> None:
+        for entry in source.iterdir():
+            if entry.name not in ("config.json", STAMP):
+                os.symlink(entry, partial / entry.name)
+        (partial / "config.json").write_text(config, encoding="utf-8")
+
+    return made_once(target, stamp, fill, rank=rank, what="model_overrides")
 
 
 def apply_model_overrides(cfg: RunConfig, *, root: Path | None = None) -> list[str]:

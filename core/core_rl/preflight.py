@@ -41,6 +41,7 @@ from typing import Any
 
 import attrs
 
+from core_rl.chat_template_override import apply_chat_template_override
 from core_rl.config.checks import (
     EnvironmentContext,
     MachineInfo,
@@ -276,6 +277,7 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
     offline = cfg.experiment.offline
     problems = resolve_paths(cfg)
     problems += apply_model_overrides(cfg, root=None if create_output_dir else _scratch_dir())
+    problems += apply_chat_template_override(cfg, root=None if create_output_dir else _scratch_dir())
     rows, row_problems = check_data(cfg)
     problems += row_problems
     trust = cfg.actor.trust_remote_code

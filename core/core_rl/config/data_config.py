@@ -51,7 +51,9 @@ class DataConfig:
     one user turn), ending with the template's generation prompt. ``system_prompt``: a system
     message put first in every prompt that has none (``""`` is an empty one, which keeps a template
     from adding its own default). ``chat_template_kwargs``: variables the template reads (e.g.
-    ``enable_thinking: false`` for a template that has thinking turns).
+    ``enable_thinking: false`` for a template that has thinking turns). ``chat_template``: a Jinja
+    template (or the path of a file holding one) used instead of the tokenizer's own, by every part
+    of the run and carried by its exports (:mod:`core_rl.chat_template_override`).
 
     ``train_files`` entries may instead all be ``{path: ..., weight: ...}`` (:class:`TrainFile`): a
     weighted mixture, each source's share of every epoch's draws in proportion to its weight
@@ -69,6 +71,7 @@ class DataConfig:
     apply_chat_template: bool = False
     system_prompt: str | None = None
     chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)
+    chat_template: str = ""
     filter_overlong_prompts: bool = False
 
     @property

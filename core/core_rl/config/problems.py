@@ -239,11 +239,11 @@ def _from_epochs(cfg: RunConfig) -> str:
 
 
 def chat_template_problems(data: DataConfig) -> list[str]:
-    """``data.system_prompt`` and ``data.chat_template_kwargs`` need the chat template, and the
+    """``data.system_prompt``, ``data.chat_template_kwargs`` and ``data.chat_template`` need the chat template, and the
     variables must not be the tokenizer's own arguments (:data:`CHAT_TEMPLATE_ARGUMENTS`)."""
     problems = []
     if not data.apply_chat_template:
-        for key in ("system_prompt", "chat_template_kwargs"):
+        for key in ("system_prompt", "chat_template_kwargs", "chat_template"):
             if getattr(data, key):
                 problems.append(f"data.{key}: applies only with the chat template; set data.apply_chat_template: true")
     taken = sorted(set(data.chat_template_kwargs) & CHAT_TEMPLATE_ARGUMENTS)

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import uvicorn
+from core_rl.chat_template_override import template_text
 from core_rl.errors import CoreRLError
 from core_rl.stop_strings import text_before_stop
 from starlette.applications import Starlette
@@ -295,14 +296,10 @@ def _template_text(value: str) -> str | None:
     """``rollout.workflow.chat_template``: a Jinja string, or a path to a file holding one."""
     if not value:
         return None
-    if "{" not in value:
-        from pathlib import Path
-
-        path = Path(value)
-        if not path.is_file():
-            raise CoreRLError(f"rollout.workflow.chat_template: {value!r} is neither a Jinja template nor a file")
-        return path.read_text(encoding="utf-8")
-    return value
+    text, problem = template_text(value, "rollout.workflow.chat_template")
+    if problem is not None:
+        raise CoreRLError(problem)
+    return text
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
