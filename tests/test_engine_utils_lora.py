@@ -14,17 +14,21 @@ from core_rl.engine_utils import lora
 pytest.importorskip("peft")
 
 
-@pytest.fixture(scope="module")
-def wrapped(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
-    """A tiny model with adapters on q/v/down projections, B random (as after training)."""
+@pytest.fixture(scope="module", params=[False, True], ids=["lora", "rslora"])
+def wrapped(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> torch.nn.Module:
+    """A tiny model with adapters on q/v/down projections, B random (as after training); scaled by
+    alpha / r, or alpha / sqrt(r) (rank-stabilised)."""
     from core_rl.tiny import build_tiny_model
     from transformers import AutoModelForCausalLM
 
     path = build_tiny_model(Path(tmp_path_factory.mktemp("lora")) / "model", seed=0)
     model = lora.apply_lora(
         AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
-        LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"]),
+        LoraConfig(
+            rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=request.param
+        ),
     )
+    assert lora.lora_scaling(model) == (8.0 / 2.0 if request.param else 8.0 / 4.0)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -101,7 +101,9 @@ class MicroBatchConfig:
 class LoraConfig:
     """Low-rank adapters (LoRA, through peft) on the trained model: ``rank`` 0 trains every weight
     (no adapters); ``rank > 0`` freezes the base model and trains only the adapters ``B @ A``
-    (``rank`` columns), scaled by ``alpha / rank``, with ``dropout`` on their input.
+    (``rank`` columns), scaled by ``alpha / rank`` (``alpha / sqrt(rank)`` with ``use_rslora``,
+    rank-stabilised LoRA, whose updates keep their size as the rank grows), with ``dropout`` on
+    their input.
     ``target_modules``: module names (or suffixes) to adapt, or ``["all-linear"]`` for every
     linear layer except the output head. Exports and weight syncs carry merged weights (plain
     Hugging Face names); the adapter alone is exported too (peft's ``save_pretrained`` format).
@@ -111,6 +113,7 @@ class LoraConfig:
     alpha: float = attrs.field(default=16.0, validator=positive(1e6))
     dropout: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0, high_open=True))
     target_modules: list[str] = attrs.field(factory=lambda: ["all-linear"])
+    use_rslora: bool = False
 
     @property
     def enabled(self) -> bool:

@@ -56,6 +56,7 @@ def apply_lora(model: nn.Module, config: LoraConfig, key: str = "actor.lora") ->
         lora_alpha=config.alpha,
         lora_dropout=config.dropout,
         target_modules=targets,
+        use_rslora=config.use_rslora,
         task_type="CAUSAL_LM",
     )
     try:
