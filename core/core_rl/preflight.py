@@ -269,6 +269,26 @@ def _scratch_dir() -> Path:
     return path
 
 
+def _freeze_problems(cfg: RunConfig) -> list[str]:
+    """``actor.freeze`` and ``critic.freeze`` against their models' parameter names, the models
+    built on the ``meta`` device (:mod:`core_rl.freezing`); a model that cannot be built so is
+    left to its engine."""
+    from core_rl.engine_utils.hf import empty_causal_lm, empty_value_model
+    from core_rl.freezing import freeze_problems
+
+    problems: list[str] = []
+    trained = [("actor", cfg.actor, empty_causal_lm), ("critic", cfg.critic, empty_value_model)]
+    for role, section, empty in trained:
+        if section is None or not section.freeze or not Path(section.model_path).is_dir():
+            continue
+        try:
+            model = empty(section.model_path, dtype="float32", trust_remote_code=section.trust_remote_code)
+        except Exception:  # e.g. a model class that computes in __init__
+            continue
+        problems += freeze_problems(model, section.freeze, f"{role}.freeze")
+    return problems
+
+
 def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_output_dir: bool = True) -> Preflight:
     """Run every check of the module docstring on a validated ``cfg`` (as :func:`load_config`
     returns it); raise :class:`~core_rl.errors.PreflightError` listing all problems found, else
@@ -316,6 +336,7 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
             from core_rl.engine_utils.hf import lora_problems
 
             problems += lora_problems(cfg.actor.model_path, cfg.actor.lora, "actor.lora", trust_remote_code=trust)
+        problems += _freeze_problems(cfg)
     for role, section in role_sections(cfg):  # the other model roles
         if not section.model_path:
             continue

@@ -59,6 +59,7 @@ from core_rl.config.sections import (
     validate_plugin_section,
 )
 from core_rl.errors import ConfigError, PluginError
+from core_rl.freezing import engine_problems as freeze_engine_problems
 from core_rl.kinds import ALGORITHM
 from core_rl.placement import placement_config_problems, sleep_problems
 from core_rl.plugins import PluginHost
@@ -291,6 +292,7 @@ def load_config(
         problems.extend(completeness_problems(cfg, host))
         problems.extend(role_problems(cfg, host))
         problems.extend(remote_code_engine_problems(cfg, host))
+        problems.extend(freeze_engine_problems(cfg, host))
     if problems:
         raise ConfigError(problems, source=source)
     return cfg

@@ -37,6 +37,7 @@ from core_rl.config.validators import (
     not_empty,
     one_of,
     positive,
+    regular_expression,
 )
 from core_rl.ops.names import NORM_LEVELS, VALUE_LOSSES
 
@@ -152,7 +153,8 @@ class ActorConfig:
     wherever this role's config, model or tokenizer is loaded; for the actor also the rollout engine
     and its inference servers (``--trust-remote-code``). Per role, not run-wide: trust belongs to a
     directory, and each role names its own (:mod:`core_rl.remote_code`). Without it such a model is
-    refused before the run."""
+    refused before the run. ``freeze``: regular expressions naming parameters that keep their
+    starting values (``[embed_tokens]``; :mod:`core_rl.freezing`)."""
 
     model_path: str = ""
     tokenizer_path: str | None = None
@@ -170,6 +172,7 @@ class ActorConfig:
     disable_dropout: bool = True
     model_overrides: dict[str, Any] = attrs.field(factory=dict)
     trust_remote_code: bool = False
+    freeze: list[str] = attrs.field(factory=list, validator=each(regular_expression()))
 
 
 @attrs.define

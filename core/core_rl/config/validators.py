@@ -16,6 +16,7 @@ the memory that runs out minutes into a run:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from pathlib import PurePath
 from typing import Any
@@ -121,6 +122,20 @@ def each(validator: Validator) -> Validator:
                 validator(inst, attribute, item)
             except FieldValueError as exc:
                 raise FieldValueError(f"{attribute.name}[{i}]", item, exc.requirement) from None
+
+    return validate
+
+
+def regular_expression() -> Validator:
+    """A non-empty regular expression (an empty one would match everything)."""
+
+    def validate(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not value:
+            raise FieldValueError(attribute.name, value, "must not be empty (it would match everything)")
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise FieldValueError(attribute.name, value, f"must be a regular expression ({exc})") from None
 
     return validate
 

@@ -21,6 +21,7 @@ from core_rl import checkpointing as ckpt
 from core_rl.config.flash_attention import FLASH_ATTENTION_DTYPES
 from core_rl.config.schema import ActorConfig, LoraConfig
 from core_rl.errors import ConfigError
+from core_rl.freezing import freeze_parameters
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -257,7 +258,8 @@ def disable_dropout(model: nn.Module) -> int:
 def prepare_for_role(model: nn.Module, actor: ActorConfig, *, trainable: bool) -> nn.Module:
     """A trainable model loses its dropout (``actor.disable_dropout``: before adapters, so
     ``lora.dropout`` still applies), gets LoRA adapters when ``actor.lora`` asks (the returned
-    model is then the peft wrapper) and activation checkpointing when
+    model is then the peft wrapper), keeps the parameters ``actor.freeze`` names frozen
+    (:mod:`core_rl.freezing`) and gets activation checkpointing when
     ``actor.gradient_checkpointing`` is on; a frozen one (a reference model: the base model, never
     adapters) gets no gradients and eval mode."""
     if not trainable:
@@ -266,6 +268,7 @@ def prepare_for_role(model: nn.Module, actor: ActorConfig, *, trainable: bool) -
         return model
     if actor.disable_dropout:
         disable_dropout(model)
+    freeze_parameters(model, actor.freeze)  # actor.freeze (refused with LoRA)
     if actor.lora.enabled:
         from core_rl.engine_utils.lora import apply_lora
 

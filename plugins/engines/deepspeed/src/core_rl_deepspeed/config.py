@@ -60,6 +60,8 @@ class DeepSpeedConfig:
     fused_head: ClassVar[bool] = True
     #: a role's ``trust_remote_code`` reaches its model and tokenizer loads (:mod:`core_rl.remote_code`)
     loads_remote_code: ClassVar[bool] = True
+    #: ``<role>.freeze`` reaches the model it builds (:mod:`core_rl.freezing`)
+    freezes_parameters: ClassVar[bool] = True
 
     zero_stage: int = attrs.field(default=2, validator=one_of((1, 2, 3)))
     offload_optimizer: bool = False

@@ -89,6 +89,8 @@ class FSDPConfig:
     fused_head: ClassVar[bool] = True
     #: a role's ``trust_remote_code`` reaches its model and tokenizer loads (:mod:`core_rl.remote_code`)
     loads_remote_code: ClassVar[bool] = True
+    #: ``<role>.freeze`` reaches the model it builds (:mod:`core_rl.freezing`)
+    freezes_parameters: ClassVar[bool] = True
 
     wrap: str = attrs.field(default="decoder_layers", validator=one_of(WRAPS))
     reshard_after_forward: bool = True
