@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -29,6 +29,7 @@ from core_rl.config.checks import (
     EnvironmentContext,
     SectionContext,
     config_problems,
+    data_problems,
     environment_problems,
     required_columns,
 )
@@ -38,6 +39,9 @@ from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import Reward, RewardScores
 from core_rl.kinds import REWARD
 from core_rl.protocol import RewardInput
+
+if TYPE_CHECKING:
+    from core_rl.trainer.data_files import DataRow
 
 
 @attrs.define
@@ -88,6 +92,10 @@ class CombineConfig:
     def check_environment(self, context: EnvironmentContext) -> list[str]:
         return [line for config, ctx in self._part_contexts(context) for line in environment_problems(config, ctx)]
 
+    def check_data(self, rows: Sequence[DataRow], context: SectionContext) -> list[str]:
+        """Each part's own ``check_data`` (on every row: a part scores them all)."""
+        return [line for config, ctx in self._part_contexts(context) for line in data_problems(config, rows, ctx)]
+
     def required_columns(self) -> list[str]:
         """Every column any part reads."""
         return sorted({c for part in self.parts for c in required_columns(part.reward.config)})
@@ -131,6 +139,19 @@ class WorkflowReward(Reward):
         return [self.config.default if item.workflow_reward is None else item.workflow_reward for item in items]
 
 
+def score_nested(reward: Reward, items: Sequence[RewardInput], what: str) -> RewardScores:
+    """``reward.score_with_parts(items)`` for a reward nested in another (``what`` names it in
+    errors: a note on what it raises, and a ``ValueError`` when it returns a wrong count)."""
+    try:
+        result = reward.score_with_parts(items)
+    except Exception as exc:
+        exc.add_note(f"in {what}")
+        raise
+    if len(result.scores) != len(items):
+        raise ValueError(f"{what} returned {len(result.scores)} scores for {len(items)} items")
+    return result
+
+
 class CombinedReward(Reward):
     """``score = sum_i weight_i * score_i`` over the configured parts; ``parts`` of
     :meth:`score_with_parts` holds each part's own score under its label (and a part's own parts
@@ -147,17 +168,8 @@ class CombinedReward(Reward):
             raise
 
     def _score_part(self, part: CombinePart, reward: Reward, items: Sequence[RewardInput]) -> RewardScores:
-        try:
-            result = reward.score_with_parts(items)
-        except Exception as exc:
-            exc.add_note(f"in part {part.metric_name!r} (reward {part.reward.name!r}) of reward 'combine'")
-            raise
-        if len(result.scores) != len(items):
-            raise ValueError(
-                f"reward 'combine': part {part.metric_name!r} (reward {part.reward.name!r}) returned "
-                f"{len(result.scores)} scores for {len(items)} items"
-            )
-        return result
+        what = f"part {part.metric_name!r} (reward {part.reward.name!r}) of reward 'combine'"
+        return score_nested(reward, items, what)
 
     def score_with_parts(self, items: Sequence[RewardInput]) -> RewardScores:
         if not items:

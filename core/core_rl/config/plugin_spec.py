@@ -59,7 +59,8 @@ class PluginSpec:
 
 def plugin_section(kind: PluginKind, **field_kwargs: Any) -> Any:
     """An attrs field of a plugin's config class holding another plugin's section (a
-    :class:`PluginSpec`, ``PluginSpec | None`` or ``list[PluginSpec]``) of ``kind``.
+    :class:`PluginSpec`, ``PluginSpec | None``, ``list[PluginSpec]`` or ``dict[str, PluginSpec]``, whose
+    sections' key paths end in the index or the key: ``reward.routes.gsm8k``) of ``kind``.
 
     The loader validates such a section by the selected plugin's own config class, with the full
     key path (``reward.parts[1].reward.pattern: ...``), at any depth, and resolves its registry

@@ -92,7 +92,7 @@ def validate_plugin_section(
 
 def _nested_section_problems(host: PluginHost, config: Any, path: str, run: RunConfig | None) -> list[str]:
     """Validate the plugin sections nested in a plugin's validated ``config``: every field declared
-    with :func:`core_rl.config.schema.plugin_section` (a spec, or a list of them), found at any
+    with :func:`core_rl.config.schema.plugin_section` (a spec, a list of them or a dict of them), found at any
     depth of attrs classes and lists; return one message per problem."""
     problems: list[str] = []
     if not attrs.has(type(config)):
@@ -102,6 +102,8 @@ def _nested_section_problems(host: PluginHost, config: Any, path: str, run: RunC
         value = getattr(config, field.name)
         field_path = join_path(path, field.name)
         items = [(join_path(field_path, i), v) for i, v in enumerate(value)] if isinstance(value, list) else []
+        if isinstance(value, dict):
+            items = [(join_path(field_path, k), v) for k, v in value.items()]
         for item_path, item in items or [(field_path, value)]:
             if kind is not None and isinstance(item, PluginSpec):
                 try:

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import attrs
+from core_rl.callables import CALLABLE
 from core_rl.config.schema import PluginSpec, plugin_section
 from core_rl.config.validators import FieldValueError, in_range, one_of, positive
 from core_rl.kinds import TOOL_PARSER
-
-#: ``package.module:function`` or ``path/to/file.py:function``
-CALLABLE = re.compile(r"^([A-Za-z_][\w.]*|.+\.py):[A-Za-z_]\w*$")
 
 
 def _program(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:

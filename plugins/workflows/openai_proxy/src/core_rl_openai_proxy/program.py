@@ -16,18 +16,15 @@ error naming the script and the end of its stderr.
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
-import inspect
 import json
 import os
 import signal
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+from core_rl.callables import LoadFailed, is_async, load_callable
 from core_rl.errors import ConfigError, CoreRLError
 
 #: how much of a failed script's stderr an error quotes
@@ -54,15 +51,10 @@ class AgentProgram:
             if not self.script.is_file():
                 raise ConfigError([f"rollout.workflow.program: no script at {program!r} (from {Path.cwd()})"])
             return
-        module, _, name = program.rpartition(":")
         try:
-            self.function = getattr(_load_module(module), name)
-        except (ImportError, AttributeError, OSError, SyntaxError) as exc:
-            raise ConfigError(
-                [f"rollout.workflow.program: cannot load {program!r}: {type(exc).__name__}: {exc} (is it importable?)"]
-            ) from exc
-        if not callable(self.function):
-            raise ConfigError([f"rollout.workflow.program: {program!r} is not callable"])
+            self.function = load_callable(program)
+        except LoadFailed as exc:
+            raise ConfigError([f"rollout.workflow.program: cannot load {program!r}: {exc}"]) from exc
 
     async def run(self, base_url: str, api_key: str, row: Mapping[str, Any]) -> Any:
         """One episode; returns what an in-process function returned (``None`` for a script)."""
@@ -71,7 +63,7 @@ class AgentProgram:
         assert self.function is not None
         kwargs = {"base_url": base_url, "api_key": api_key, "row": dict(row)}
         try:
-            if inspect.iscoroutinefunction(self.function):
+            if is_async(self.function):
                 return await self.function(**kwargs)
             return await asyncio.to_thread(self.function, **kwargs)
         except asyncio.CancelledError:
@@ -127,18 +119,3 @@ async def _reaped(proc: asyncio.subprocess.Process) -> bool:
         waiter.cancel()
         raise CoreRLError(f"agent script (pid {proc.pid}) did not exit within {REAP_TIMEOUT_S:g} s of SIGKILL")
     return cancelled
-
-
-def _load_module(name: str) -> ModuleType:
-    """``name``: a module to import, or a ``.py`` file to load (as a module of its own)."""
-    if not name.endswith(".py"):
-        return importlib.import_module(name)
-    path = Path(name).resolve()
-    if not path.is_file():
-        raise OSError(f"no file {name!r} (from {Path.cwd()})")
-    spec = importlib.util.spec_from_file_location(f"core_rl_agent_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module

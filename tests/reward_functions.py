@@ -1,0 +1,44 @@
+"""Reward functions loaded from this file by path in ``tests/test_function_reward.py`` (the
+``function`` reward): each is a plain function, as a user would write it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+
+def char_match(response: str, row: dict) -> float:
+    """The ``char_match`` reward's default score, written out: the fraction of positions where the
+    stripped response and answer agree, over the longer of the two."""
+    r, a = response.strip(), str(row["answer"]).strip()
+    width = max(len(r), len(a))
+    return 1.0 if width == 0 else sum(x == y for x, y in zip(r, a)) / width
+
+
+def scaled_length(response: str, *, scale: float, offset: float = 0.0) -> float:
+    """``scale * len(response) + offset``: takes its constants from ``kwargs``."""
+    return scale * len(response) + offset
+
+
+def lengths_batched(response: list[str], finish_reason: list[str]) -> list[float]:
+    """Batched: the length of each response, negative where it hit the length limit."""
+    return [len(r) * (1.0 if f == "stop" else -1.0) for r, f in zip(response, finish_reason)]
+
+
+async def async_length(response: str) -> float:
+    await asyncio.sleep(0.01)
+    return float(len(response))
+
+
+def labelled(response: str) -> object:
+    """A number for a non-empty response, a string (not a score) for an empty one."""
+    return float(len(response)) if response else "empty"
+
+
+THREADS: set[str] = set()
+
+
+def thread_name(response: str) -> float:
+    """Records the thread it runs in."""
+    THREADS.add(threading.current_thread().name)
+    return 1.0
