@@ -115,6 +115,8 @@ class PPOClipConfig:
     ``use_sapo_loss``/``sapo_tau_pos``/``sapo_tau_neg``, ``m2_threshold``. Surrogate:
     ``use_cispo_loss`` with ``cispo_eps_low``/``cispo_eps_high`` (CISPO's clipped, detached
     importance weight in place of the clip; the default ``cispo_eps_low: 1`` sets no lower bound).
+    Auxiliary: ``positive_nll_coef`` (0: off), an SFT term ``coef * (-log pi_t)`` on every token with
+    a positive advantage, aggregated like the rest of the loss (:class:`core_rl_grpo.losses.PPOClipLoss`).
     """
 
     eps_clip: float = attrs.field(default=0.2, validator=in_range(0.0, 1.0, low_open=True))
@@ -138,6 +140,7 @@ class PPOClipConfig:
     use_cispo_loss: bool = False
     cispo_eps_low: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0))
     cispo_eps_high: float = attrs.field(default=0.28, validator=non_negative())
+    positive_nll_coef: float = attrs.field(default=0.0, validator=non_negative())
 
     def __attrs_post_init__(self) -> None:
         if self.eps_clip_higher is not None and self.eps_clip_higher < self.eps_clip:
