@@ -69,6 +69,8 @@ def cases(response_len: int) -> list[Case]:
             {"name": "grpo"},
             {"kl_coef": 0.04, "kl_estimator": "k3", "entropy_coef": 0.01, "aggregation": "seq-mean-token-mean"},
         ),
+        Case("grpo+kl-in-reward", {"name": "grpo", "kl_ctl": 0.05, "kl_estimator": "k3"}, {}),
+        Case("reinforce_pp+kl-in-reward", {"name": "reinforce_pp", "kl_ctl": 0.05, "group_baseline": True}, {}),
         Case("sapo", {"name": "grpo"}, {"use_sapo_loss": True}),
         Case("cispo", {"name": "grpo"}, {"use_cispo_loss": True, "cispo_eps_high": 0.28}),
         Case(
@@ -154,14 +156,29 @@ def reference_run(case: Case, batch: TensorBatch, entropy: torch.Tensor):
 
     def advantages() -> list[torch.Tensor]:
         adv = case.advantage
+        kl_coef = adv.get("kl_ctl", 0.0)
+        kl = None
+        if kl_coef:
+            kl = reference.token_kl(
+                batch["old_logprobs"], batch["ref_logprobs"], lengths, adv.get("kl_estimator", "k1")
+            )
         if adv["name"] == "reinforce_pp":
             per_token = reference.reinforce_pp_advantages(
-                rewards, groups, lengths, group_baseline=adv.get("group_baseline", False), gamma=1.0, eps=1e-5
+                rewards,
+                groups,
+                lengths,
+                group_baseline=adv.get("group_baseline", False),
+                gamma=1.0,
+                eps=1e-5,
+                token_kl=kl,
+                kl_coef=kl_coef,
             )
             return [torch.tensor(a) for a in per_token]
         loo = adv["name"] == "rloo"
         norm_std = adv.get("norm_std", not loo)
-        scores = reference.group_advantages(rewards, groups, norm_std=norm_std, eps=1e-6, leave_one_out=loo)
+        scores = reference.group_advantages(
+            rewards, groups, norm_std=norm_std, eps=1e-6, leave_one_out=loo, token_kl=kl, kl_coef=kl_coef
+        )
         return [torch.full((n,), s) for s, n in zip(scores, lengths)]
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:

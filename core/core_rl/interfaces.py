@@ -325,9 +325,11 @@ class Reward(ABC):
 class AdvantageEstimator(ABC):
     """Turns rewards (and whatever else the batch holds) into per-token advantages.
 
-    An estimator with ``requires_values`` (e.g. GAE) needs a critic: the trainer calls it on every
-    rank after the critic's ``values`` (and, with ``requires_reference``, ``ref_logprobs``) are in
-    the batch, instead of on the main rank before the update; it may then also set
+    An estimator with ``requires_values`` (e.g. GAE) needs a critic, one with ``requires_reference``
+    (e.g. a KL penalty in its reward, :mod:`core_rl.kl_reward`) a reference model: the trainer calls
+    either on every rank in the update, once the critic's ``values`` and the ``ref_logprobs`` are in
+    the batch, instead of on the main rank before the update (every rank then calls it with the
+    same global batch, so its state stays the same on each). With values it may also set
     ``batch["returns"]`` (the value targets). Its :meth:`state_dict` is saved in checkpoints."""
 
     #: whether the batch must carry ``values`` from a critic (a ``critic:`` section is then required)

@@ -16,10 +16,35 @@ import torch
 LOG_RATIO_BOUND = 20.0
 
 
-def group_advantages(
-    rewards: Sequence[float], groups: Sequence[int], *, norm_std: bool, eps: float, leave_one_out: bool
+def kl_penalised_scores(
+    rewards: Sequence[float], token_kl: Sequence[Sequence[float]] | None, kl_coef: float
 ) -> list[float]:
-    """GRPO / RLOO per-sample advantages, group by group, in Python floats."""
+    """A KL penalty in a scalar reward: ``r_i - kl_coef * sum_t kl_{i,t}`` over the sample's response
+    tokens (``token_kl[i]``, one float per token; ``None``: the rewards as they are)."""
+    if token_kl is None:
+        return list(map(float, rewards))
+    return [float(r) - kl_coef * sum(map(float, k)) for r, k in zip(rewards, token_kl)]
+
+
+def token_kl(old: torch.Tensor, ref: torch.Tensor, lengths: Sequence[int], estimator: str) -> list[list[float]]:
+    """Per-sample lists of the KL estimate of each response token (rows of ``[B, T]`` log-probs,
+    the first ``lengths[i]`` positions of row ``i``; capped at 10 like the policy loss's)."""
+    return [_kl(o[:n] - r[:n], estimator).tolist() for o, r, n in zip(old, ref, lengths)]
+
+
+def group_advantages(
+    rewards: Sequence[float],
+    groups: Sequence[int],
+    *,
+    norm_std: bool,
+    eps: float,
+    leave_one_out: bool,
+    token_kl: Sequence[Sequence[float]] | None = None,
+    kl_coef: float = 0.0,
+) -> list[float]:
+    """GRPO / RLOO per-sample advantages, group by group, in Python floats (of the
+    :func:`kl_penalised_scores` with ``token_kl``)."""
+    rewards = kl_penalised_scores(rewards, token_kl, kl_coef)
     members: dict[int, list[int]] = defaultdict(list)
     for i, g in enumerate(groups):
         members[g].append(i)
@@ -45,8 +70,12 @@ def reinforce_pp_advantages(
     group_baseline: bool,
     gamma: float,
     eps: float,
+    token_kl: Sequence[Sequence[float]] | None = None,
+    kl_coef: float = 0.0,
 ) -> list[list[float]]:
-    """REINFORCE++ token advantages per sample (a list of ``lengths[i]`` floats each)."""
+    """REINFORCE++ token advantages per sample (a list of ``lengths[i]`` floats each). With
+    ``token_kl``, every token also earns ``-kl_coef * kl_t``, and the returns are the discounted sums
+    ``G_t = r_t + gamma * G_{t+1}`` of the per-token rewards, taken backwards token by token."""
     scores = list(map(float, rewards))
     if group_baseline:
         sums: dict[int, list[float]] = defaultdict(list)
@@ -54,7 +83,16 @@ def reinforce_pp_advantages(
             sums[g].append(r)
         means = {g: sum(v) / len(v) for g, v in sums.items()}
         scores = [0.0 if max(sums[g]) == min(sums[g]) else r - means[g] for g, r in zip(groups, scores)]
-    returns = [[s * gamma ** (n - 1 - t) for t in range(n)] for s, n in zip(scores, lengths)]
+    if token_kl is None:
+        returns = [[s * gamma ** (n - 1 - t) for t in range(n)] for s, n in zip(scores, lengths)]
+    else:
+        returns = []
+        for s, n, kl in zip(scores, lengths, token_kl):
+            seq, g = [0.0] * n, 0.0
+            for t in reversed(range(n)):
+                g = (s if t == n - 1 else 0.0) - kl_coef * float(kl[t]) + gamma * g
+                seq[t] = g
+            returns.append(seq)
     flat = [x for seq in returns for x in seq]
     if max(flat) == min(flat):
         return [[0.0] * n for n in lengths]

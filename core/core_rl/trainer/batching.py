@@ -232,18 +232,43 @@ class BatchAssembler:
     def finish_rewards(self, batch: TensorBatch) -> dict[str, float]:
         """Shape ``rewards`` (:func:`shape_rewards`) and set ``advantages`` (normalised by
         ``algorithm.adv_norm``) of a batch with ``loss_mask``; return their metrics. An estimator
-        needing a critic's values runs in the update instead (:mod:`core_rl.trainer.critic`)."""
+        needing a critic's values or reference log-probs runs in the update instead
+        (:func:`runs_in_update`)."""
         algorithm = self.algorithm
         mask, loss_mask = batch["response_mask"], batch["loss_mask"]
         batch["rewards"] = shape_rewards(
             batch["rewards"], mask.sum(dim=1), batch["group_index"], algorithm, max_new_tokens=self.max_new_tokens
         )
-        after_critic = getattr(self.advantage, "requires_values", False)
-        advantages = torch.zeros_like(loss_mask) if after_critic else self.advantage(batch)
-        if algorithm.adv_norm is not None and not after_critic:
+        in_update = runs_in_update(self.advantage)
+        advantages = torch.zeros_like(loss_mask) if in_update else self.advantage(batch)
+        if algorithm.adv_norm is not None and not in_update:
             advantages = normalize_with(advantages, algorithm.adv_norm, batch["group_index"], loss_mask)
         batch["advantages"] = advantages
         return {
             "batch/reward_mean": float(batch["rewards"].mean()),
             "advantage/mean": float(ops.masked_mean(advantages, loss_mask)),
         }
+
+
+def runs_in_update(advantage: AdvantageEstimator) -> bool:
+    """Whether ``advantage`` runs in the update, on every rank, after the reference log-probs (and a
+    critic's values) are in the batch (:func:`set_advantages`), rather than on the main rank
+    when the batch is assembled: it declares ``requires_values`` or ``requires_reference`` (e.g. a
+    KL penalty in its reward, :mod:`core_rl.kl_reward`)."""
+    return bool(getattr(advantage, "requires_values", False) or getattr(advantage, "requires_reference", False))
+
+
+def set_advantages(
+    batch: TensorBatch, advantages: torch.Tensor, advantage: AdvantageEstimator, algorithm: AlgorithmConfig
+) -> dict[str, float]:
+    """Set ``advantages`` of a global batch in the update from what ``advantage`` (an estimator that
+    :func:`runs_in_update`) returned for it, normalised by ``algorithm.adv_norm`` over the
+    ``loss_mask``. Returns ``advantage/mean`` and the estimator's own ``metrics()`` as
+    ``advantage/...`` (e.g. ``kl_coef``, ``kl_in_reward`` of a KL penalty in the reward)."""
+    loss_mask = batch["loss_mask"]
+    if algorithm.adv_norm is not None:
+        advantages = normalize_with(advantages, algorithm.adv_norm, batch["group_index"], loss_mask)
+    batch["advantages"] = advantages
+    metrics = {"advantage/mean": float(ops.masked_mean(advantages, loss_mask))}
+    metrics.update({f"advantage/{k}": v for k, v in getattr(advantage, "metrics", dict)().items()})
+    return metrics

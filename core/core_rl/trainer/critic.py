@@ -27,7 +27,7 @@ from core_rl.config.schema import AlgorithmConfig, CriticConfig, RunConfig
 from core_rl.guards import engine_metrics, engine_tensor
 from core_rl.interfaces import AdvantageEstimator, LossOutput, TrainEngine
 from core_rl.protocol import TensorBatch
-from core_rl.trainer.batching import normalize_with
+from core_rl.trainer.batching import set_advantages
 from core_rl.trainer.update import Shard, combine_step_metrics, compute_on_shards
 
 #: the subdirectory of a checkpoint holding the critic's training state
@@ -84,19 +84,12 @@ class CriticStage:
         advantages = self.advantage(batch)
         if "returns" not in batch:
             batch["returns"] = (advantages + batch["values"]) * mask
-        loss_mask = batch["loss_mask"]
-        if self.algorithm.adv_norm is not None:
-            advantages = normalize_with(advantages, self.algorithm.adv_norm, batch["group_index"], loss_mask)
-        batch["advantages"] = advantages
-        metrics = {
-            "critic/values_mean": float(ops.masked_mean(batch["values"], mask)),
-            "critic/returns_mean": float(ops.masked_mean(batch["returns"], mask)),
-            "advantage/mean": float(ops.masked_mean(advantages, loss_mask)),
-        }
+        metrics = set_advantages(batch, advantages, self.advantage, self.algorithm)
+        metrics["critic/values_mean"] = float(ops.masked_mean(batch["values"], mask))
+        metrics["critic/returns_mean"] = float(ops.masked_mean(batch["returns"], mask))
         explained = _explained_variance(batch["values"], batch["returns"], mask)
         if explained is not None:
             metrics["critic/explained_variance"] = explained
-        metrics.update({f"advantage/{k}": v for k, v in getattr(self.advantage, "metrics", dict)().items()})
         return metrics
 
     def loss(self, batch: TensorBatch, values: torch.Tensor) -> LossOutput:

@@ -205,6 +205,7 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
             world_size=self.world_size,
             teacher=self.roles.teacher,
             critic=CriticStage.of_run(cfg, self.roles.critic, self.advantage, self._shard, self.world_size),
+            advantage=self.advantage,
         )
         if cfg.algorithm.reference_reset_every_n_steps:
             self.reference_reset = ReferenceReset.of_run(cfg, host, self.ref, self.is_main)

@@ -21,8 +21,9 @@ from core_rl import ops
 from core_rl.config.schema import AlgorithmConfig
 from core_rl.engine_utils.metrics import MAX_SUFFIX
 from core_rl.guards import engine_metrics, engine_tensor
-from core_rl.interfaces import PolicyLoss, TrainEngine
+from core_rl.interfaces import AdvantageEstimator, PolicyLoss, TrainEngine
 from core_rl.protocol import TensorBatch
+from core_rl.trainer.batching import runs_in_update, set_advantages
 
 #: (global batch) -> this rank's rows of it
 Shard = Callable[[TensorBatch], TensorBatch]
@@ -131,11 +132,16 @@ class PolicyUpdate:
         world_size: int,
         teacher: TrainEngine | None = None,
         critic: CriticSteps | None = None,
+        advantage: AdvantageEstimator | None = None,
     ) -> None:
+        """``advantage``: the run's estimator; one that :func:`~core_rl.trainer.batching.runs_in_update`
+        without a critic sets the batch's advantages here, after the log-probs (with a critic,
+        ``critic.prepare`` runs it after the values)."""
         self.engine = engine
         self.ref = ref
         self.teacher = teacher
         self.critic = critic
+        self.advantage = advantage if advantage is not None and runs_in_update(advantage) else None
         self.loss = loss
         self.algorithm = algorithm
         self.temperature = temperature
@@ -168,6 +174,8 @@ class PolicyUpdate:
         metrics["timing/logprobs_s"] = time.perf_counter() - start
         if self.critic is not None:  # values, then advantages from them (trainer/critic.py)
             metrics.update(self.critic.prepare(batch))
+        elif self.advantage is not None:  # e.g. a KL penalty in the reward, on the reference log-probs
+            metrics.update(set_advantages(batch, self.advantage(batch), self.advantage, self.algorithm))
         metrics.update({f"actor/{k}": v for k, v in self.loss.prepare(batch).items()})
         steps = []
         parts = minibatch_rows(batch.batch_size, self.algorithm.ppo_n_minibatches)

@@ -75,21 +75,30 @@ def test_the_spy_sees_a_reference_model_when_one_is_built(setup, built_roles):
     assert built_roles == ["ref"]
 
 
-def direct_first_step(model_dir: Path, rows: list[dict], loss_type: str) -> tuple[float, float]:
-    """The step's loss and gradient norm from a plain transformers forward/backward: each response's
-    log-probs summed over its tokens then EOS, divided by that count, into the formula."""
+def direct_first_step(
+    model_dir: Path, rows: list[dict], loss_type: str, rpo_alpha: float = 0.0
+) -> tuple[float, float, float]:
+    """The step's loss, gradient norm and chosen token-mean NLL from a plain transformers
+    forward/backward: each response's log-probs summed over its tokens then EOS, divided by that
+    count, into the formula; with ``rpo_alpha`` plus ``rpo_alpha`` times the NLL of every chosen
+    token of the step, averaged over those tokens."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).train(False)
 
-    def mean_logprob(prompt: str, response: str) -> torch.Tensor:
+    def token_logprobs(prompt: str, response: str) -> torch.Tensor:
         p = tok(prompt)["input_ids"]
         ids = torch.tensor([p + tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]])
         logp = torch.log_softmax(model(ids).logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
-        return logp[len(p) - 1 :].mean()
+        return logp[len(p) - 1 :]
 
+    def mean_logprob(prompt: str, response: str) -> torch.Tensor:
+        return token_logprobs(prompt, response).mean()
+
+    chosen_tokens = torch.cat([token_logprobs(r["prompt"], r["chosen"]) for r in rows])
+    nll = -chosen_tokens.mean()  # over every chosen token of the step, not a mean of per-row means
     a_w = torch.stack([mean_logprob(r["prompt"], r["chosen"]) for r in rows])
     a_l = torch.stack([mean_logprob(r["prompt"], r["rejected"]) for r in rows])
     if loss_type == "simpo":  # beta 2 (the recipe's), gamma 0.5
@@ -97,15 +106,17 @@ def direct_first_step(model_dir: Path, rows: list[dict], loss_type: str) -> tupl
     else:  # lambda 0.1; log-odds log(p / (1 - p)) of p = e^a, written directly
         odds = lambda a: a - torch.log(1 - torch.exp(a))  # noqa: E731
         loss = (-a_w - 0.1 * torch.nn.functional.logsigmoid(odds(a_w) - odds(a_l))).mean()
+    loss = loss + rpo_alpha * nll
     loss.backward()
     norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None))
-    return float(loss.detach()), norm
+    return float(loss.detach()), norm, float(nll.detach())
 
 
-@pytest.mark.parametrize("algorithm", ["simpo", "orpo"])
-def test_first_step_matches_a_direct_computation_of_the_formula(setup, tmp_path, algorithm):
+@pytest.mark.parametrize(("algorithm", "rpo_alpha"), [("simpo", 0.0), ("orpo", 0.0), ("simpo", 0.7)])
+def test_first_step_matches_a_direct_computation_of_the_formula(setup, tmp_path, algorithm, rpo_alpha):
     """The whole data set in one step (8 pairs of different lengths, 2-3 letters + EOS): the loop's
-    loss and gradient norm (through its per-token surrogate) equal the formula's on a plain forward."""
+    loss and gradient norm (through its per-token surrogate) equal the formula's on a plain forward;
+    with ``rpo_alpha`` the chosen responses' token-mean NLL is in both (and reported as ``dpo/rpo_nll``)."""
     rows = [{"prompt": f"{s}=", "chosen": s[::-1], "rejected": "d" * len(s)} for s in STRINGS[5:13]]
     assert {len(r["chosen"]) for r in rows} == {2, 3}
     data = tmp_path / "pairs.jsonl"
@@ -117,11 +128,18 @@ def test_first_step_matches_a_direct_computation_of_the_formula(setup, tmp_path,
         f"algorithm.name={algorithm}",
         f"data.train_files=[{data}]",
         "trainer.total_steps=1",
+        *([f"trainer.loop.rpo_alpha={rpo_alpha}"] if rpo_alpha else []),
     )
     (first,) = read_metrics(tmp_path / "runs" / "direct" / "metrics.jsonl")
-    loss, norm = direct_first_step(setup["model"], rows, algorithm)
+    loss, norm, nll = direct_first_step(setup["model"], rows, algorithm, rpo_alpha)
     assert first["dpo/loss"] == pytest.approx(loss, rel=1e-5)
     assert first["actor/grad_norm"] == pytest.approx(norm, rel=1e-4)
+    if rpo_alpha:
+        assert first["dpo/rpo_nll"] == pytest.approx(nll, rel=1e-5)
+        # the NLL moves the gradient: without it the norm is another one
+        assert norm != pytest.approx(direct_first_step(setup["model"], rows, algorithm)[1], rel=1e-3)
+    else:
+        assert "dpo/rpo_nll" not in first
 
 
 @pytest.mark.parametrize(
@@ -149,6 +167,8 @@ def test_first_step_matches_a_direct_computation_of_the_formula(setup, tmp_path,
         ),
         (["trainer.loop.reference=None"], "trainer.loop.reference"),
         (["trainer.loop.simpo_gamma=-0.5"], "trainer.loop.simpo_gamma"),
+        (["algorithm.name=orpo", "trainer.loop.rpo_alpha=0.5"], "trainer.loop.rpo_alpha: loss_type orpo already"),
+        (["trainer.loop.rpo_alpha=-1"], "trainer.loop.rpo_alpha"),
     ],
 )
 def test_config_mistakes_are_one_line_naming_the_key(setup, capsys, overrides, message):

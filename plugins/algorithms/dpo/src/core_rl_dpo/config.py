@@ -38,6 +38,10 @@ class DPOConfig:
       actor's starting model, built by the actor's train engine), ``precomputed`` (the sequence
       log-probs of the reference are in the columns ``ref_chosen_key`` / ``ref_rejected_key``) or
       ``none`` (no reference at all: the reference-free losses, which require it).
+    - ``rpo_alpha`` (0: off): RPO's NLL of the chosen responses added to the loss,
+      ``alpha * (-sum of log pi over every chosen token of the step) / (number of those tokens)``
+      (a token mean over the step's chosen tokens, not a mean of per-pair means); not with ``orpo``,
+      whose loss already holds a chosen NLL.
     """
 
     rl_sections: ClassVar[bool] = False
@@ -53,6 +57,7 @@ class DPOConfig:
     reference: str = attrs.field(default="model", validator=one_of(REFERENCES))
     ref_chosen_key: str = attrs.field(default="ref_chosen_logp", validator=not_empty())
     ref_rejected_key: str = attrs.field(default="ref_rejected_logp", validator=not_empty())
+    rpo_alpha: float = attrs.field(default=0.0, validator=non_negative(1e6))
 
     @property
     def reference_free(self) -> bool:
@@ -84,6 +89,11 @@ class DPOConfig:
             problems.append(
                 f"{context.key('label_smoothing')}: loss_type {self.loss_type} does not read it (only "
                 f"{' and '.join(SMOOTHED_LOSSES)} do); remove it"
+            )
+        if self.rpo_alpha and self.loss_type == "orpo":
+            problems.append(
+                f"{context.key('rpo_alpha')}: loss_type orpo already has a chosen NLL term (orpo_lambda weighs "
+                "the odds ratio next to it); remove rpo_alpha"
             )
         return problems
 

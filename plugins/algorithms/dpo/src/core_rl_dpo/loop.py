@@ -6,7 +6,12 @@ ones in the same order). The per-pair loss is averaged over the ``P`` pairs of t
 ``log pi(y|x) - log pi_ref(y|x)`` (sequence log-probs summed over the response tokens), or, with
 ``reference: none``, a reference-free loss (:func:`core_rl.ops.simpo_loss`,
 :func:`core_rl.ops.orpo_loss`) of the policy's length-normalised log-probs ``log pi(y|x) / |y|``
-(:func:`core_rl.ops.mean_token_logprob`).
+(:func:`core_rl.ops.mean_token_logprob`). With ``rpo_alpha > 0`` (RPO) the step's loss also holds
+the NLL of the chosen responses as a token mean over every chosen token of the step (all ranks)::
+
+    L = (1/P) * sum_pairs loss_pair + rpo_alpha * (-sum_{chosen i} log pi(y_i|x_i)) / sum_{chosen i} |y_i|
+
+reported as ``dpo/rpo_nll`` (the token-mean NLL; ``dpo/loss`` is the whole ``L``).
 
 It trains through the engine's per-token ``train_step`` on a surrogate whose gradient is the
 step's loss's exactly, whatever the split into micro-batches or ranks (:mod:`core_rl_dpo.sequence`);
@@ -109,10 +114,27 @@ class DPOLoop(SequenceLossLoop):
         ref = None if self.loop_config.reference_free else self._reference_logprobs(shard, step)
         policy = self.policy_logprobs(shard, step)
         losses, values = self.pair_losses(shard, policy, ref)
-        metrics = self.train_on_loss(shard, losses.sum() / num_pairs, policy, step)
+        loss, loss_sum = losses.sum() / num_pairs, losses.detach().sum()
+        alpha = self.loop_config.rpo_alpha
+        if alpha > 0:
+            nll = chosen_nll_share(policy, shard["loss_mask"])
+            loss = loss + alpha * nll
+            loss_sum = loss_sum + alpha * nll.detach() * num_pairs
+            values["rpo_nll"] = nll.detach().reshape(1) * num_pairs  # summed over ranks, / P below
+        metrics = self.train_on_loss(shard, loss, policy, step)
         names = ["loss", *values]
-        sums = torch.stack([losses.detach().sum(), *(v.sum() for v in values.values())]).float()
+        sums = torch.stack([loss_sum, *(v.sum() for v in values.values())]).float()
         sums = global_sum(sums) / num_pairs
         metrics.update({f"dpo/{name}": float(v) for name, v in zip(names, sums)})
         metrics["actor/loss"] = metrics["dpo/loss"]  # the engine's is the surrogate's value
         return metrics
+
+
+def chosen_nll_share(policy: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """This rank's share of the step's token-mean NLL of the chosen responses (the first half of
+    the rows): ``-sum_{chosen i here} policy_i / N`` with ``N`` the chosen tokens of the step on all
+    ranks, so the shares add up to ``-sum_{chosen i} log pi(y_i|x_i) / N`` (differentiable in
+    ``policy``, the rows' sequence log-probs ``[2P]``)."""
+    mine = policy.shape[0] // 2
+    n_tokens = global_sum(loss_mask[:mine].sum().float().reshape(1)).clamp(min=1.0)
+    return -policy[:mine].sum() / n_tokens[0]

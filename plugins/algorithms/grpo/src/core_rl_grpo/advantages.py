@@ -3,13 +3,21 @@ deviation), ``rloo`` (leave-one-out baseline, no normalisation) and ``reinforce_
 returns whitened over the batch, with or without a group baseline).
 
 Outcome rewards are scalars per sample; every response token of a sample gets the sample's advantage.
+
+KL in the reward (``kl_ctl > 0``, :mod:`core_rl.kl_reward`; the estimator then declares
+``requires_reference`` and runs in the update, after the reference log-probs): ``grpo`` and ``rloo``
+replace each score by ``score - kl_ctl * sum_t kl_t`` before the group statistics (the sequence's
+return of per-token rewards); ``reinforce_pp`` pays ``-kl_ctl * kl_t`` at every response token and
+discounts it into the returns with ``gamma`` like the outcome, before the batch whitening.
 """
 
 from __future__ import annotations
 
 import torch
 from core_rl import ops
+from core_rl.config.kl_reward import KLInRewardConfig
 from core_rl.interfaces import AdvantageEstimator
+from core_rl.kl_reward import KLRewardEstimator
 from core_rl.protocol import TensorBatch
 
 from core_rl_grpo.config import ReinforcePPAdvantageConfig
@@ -69,17 +77,27 @@ def grpo_advantages(
     return broadcast_to_response(scores, response_mask)
 
 
-class GroupRelativeAdvantage(AdvantageEstimator):
-    """Reads ``rewards``, ``group_index`` and ``response_mask``; see :func:`group_relative_scores`."""
+class GroupRelativeAdvantage(KLRewardEstimator, AdvantageEstimator):
+    """Reads ``rewards``, ``group_index`` and ``response_mask`` (and with ``kl.kl_ctl > 0``
+    ``old_logprobs``, ``ref_logprobs``); see :func:`group_relative_scores`. The scores are
+    :meth:`core_rl.kl_reward.KLInReward.sequence_rewards` of the rewards: ``r_i - kl_ctl * sum_t kl_{i,t}``."""
 
-    def __init__(self, *, norm_std: bool = True, eps: float = 1e-6, leave_one_out: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        norm_std: bool = True,
+        eps: float = 1e-6,
+        leave_one_out: bool = False,
+        kl: KLInRewardConfig | None = None,
+    ) -> None:
         self.norm_std = norm_std
         self.eps = eps
         self.leave_one_out = leave_one_out
+        self._init_kl_reward(kl)
 
     def __call__(self, batch: TensorBatch) -> torch.Tensor:
         return grpo_advantages(
-            batch["rewards"],
+            self.kl.sequence_rewards(batch, batch["rewards"]),
             batch["group_index"],
             batch["response_mask"],
             norm_std=self.norm_std,
@@ -97,6 +115,8 @@ def reinforce_pp_advantages(
     gamma: float = 1.0,
     eps: float = 1e-5,
     turn_rewards: torch.Tensor | None = None,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
 ) -> torch.Tensor:
     """REINFORCE++ advantages [B, T] (Hu 2025): outcome returns whitened over the whole batch::
 
@@ -110,34 +130,41 @@ def reinforce_pp_advantages(
     baseline subtracts the group mean first; whitening then shifts every token by the batch mean,
     so a group with equal rewards is not 0 unless every group is.
 
-    With ``turn_rewards`` ``[B, T]`` (a multi-turn batch), ``G_{i,t}`` is the discounted sum of the
-    per-token rewards from ``t`` on (:func:`core_rl.ops.token_level_rewards`: each turn's reward at
-    its last token, the rest of ``s_i`` at the response's last token), computed as GAE with
-    ``lambda = 1`` on zero values.
+    With ``turn_rewards`` ``[B, T]`` (a multi-turn batch) or a KL penalty (``kl`` ``[B, T]``,
+    ``kl_coef > 0``), ``G_{i,t}`` is the discounted sum of the per-token rewards from ``t`` on
+    (:func:`core_rl.ops.token_level_rewards`: each turn's reward at its last token, the rest of
+    ``s_i`` at the response's last token, ``-kl_coef * kl_{i,t}`` at every response token)::
+
+        G_{i,t} = sum_{t' >= t} gamma^{k(t, t')} * r_{i,t'}      k(t, t'): response tokens in (t, t']
+
+    computed as GAE with ``lambda = 1`` on zero values.
     """
     scores = rewards.detach().float()
     if group_baseline:
         scores = ops.normalize(scores, group_index=group_index, mean_level="group", std_level="none")
     scores = scores.to(response_mask.device)
-    if turn_rewards is None:
+    if turn_rewards is None and (kl is None or not kl_coef):
         returns = ops.discounted_outcome_returns(scores, response_mask, gamma)
     else:
-        per_token = ops.token_level_rewards(scores, response_mask, turn_rewards=turn_rewards)
+        per_token = ops.token_level_rewards(scores, response_mask, kl=kl, kl_coef=kl_coef, turn_rewards=turn_rewards)
         zeros = torch.zeros_like(per_token)
         returns, _ = ops.gae_advantages(per_token, zeros, response_mask, discount=gamma, gae_lambda=1.0)
     return ops.normalize(returns, mask=response_mask, mean_level="batch", std_level="batch", eps=eps)
 
 
-class ReinforcePPAdvantage(AdvantageEstimator):
+class ReinforcePPAdvantage(KLRewardEstimator, AdvantageEstimator):
     """Reads ``rewards``, ``group_index``, ``response_mask`` (and ``turn_rewards`` where the batch has
-    them); see :func:`reinforce_pp_advantages`."""
+    them; with ``kl_ctl > 0`` ``old_logprobs``, ``ref_logprobs``); see :func:`reinforce_pp_advantages`
+    (``kl``: :meth:`core_rl.kl_reward.KLInReward.estimate`, at the current coefficient)."""
 
     def __init__(self, config: ReinforcePPAdvantageConfig | None = None) -> None:
         self.config = config if config is not None else ReinforcePPAdvantageConfig()
+        self._init_kl_reward(self.config)
 
     def __call__(self, batch: TensorBatch) -> torch.Tensor:
         cfg = self.config
-        return reinforce_pp_advantages(
+        kl = self.kl.estimate(batch)
+        advantages = reinforce_pp_advantages(
             batch["rewards"],
             batch["group_index"],
             batch["response_mask"],
@@ -145,4 +172,8 @@ class ReinforcePPAdvantage(AdvantageEstimator):
             gamma=cfg.gamma,
             eps=cfg.eps,
             turn_rewards=batch.get("turn_rewards"),
+            kl=kl,
+            kl_coef=self.kl.coef,
         )
+        self.kl.observe(kl, batch.batch_size)
+        return advantages

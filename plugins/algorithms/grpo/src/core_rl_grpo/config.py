@@ -9,6 +9,7 @@ from typing import Any
 
 import attrs
 from core_rl.config.checks import SectionContext, group_size_problems
+from core_rl.config.kl_reward import KLInRewardConfig
 from core_rl.config.schema import default_from
 from core_rl.config.validators import MAX_TOKENS, FieldValueError, in_range, non_negative, one_of, positive
 from core_rl.ops.names import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS
@@ -23,13 +24,15 @@ __all__ = [
 
 
 @attrs.define
-class GRPOAdvantageConfig:
+class GRPOAdvantageConfig(KLInRewardConfig):
     """``algorithm.advantage`` options of ``grpo``.
 
     ``norm_std``: divide by the group's (unbiased) standard deviation; ``eps`` (in (0, 1]): added to
     it; ``leave_one_out``: baseline is the mean of the other group members instead of the group
     mean. ``allow_single_sample_groups``: accept ``rollout.sampling.n: 1``, where every advantage is
-    0 (refused otherwise: nothing would train).
+    0 (refused otherwise: nothing would train). The KL in the reward (``kl_ctl``, ``kl_estimator``,
+    ``kl_target``, ``kl_horizon``: :class:`core_rl.config.kl_reward.KLInRewardConfig`) is summed
+    over the response into the score before the group statistics.
     """
 
     norm_std: bool = True
@@ -38,17 +41,18 @@ class GRPOAdvantageConfig:
     allow_single_sample_groups: bool = False
 
     def check_config(self, context: SectionContext) -> list[str]:
-        return group_size_problems(
-            context, allowed=self.allow_single_sample_groups, option="allow_single_sample_groups"
-        )
+        return [
+            *group_size_problems(context, allowed=self.allow_single_sample_groups, option="allow_single_sample_groups"),
+            *self.kl_in_reward_problems(context),
+        ]
 
 
 @attrs.define
-class RLOOAdvantageConfig:
+class RLOOAdvantageConfig(KLInRewardConfig):
     """``algorithm.advantage`` options of ``rloo`` (the baseline is always leave-one-out).
 
     ``norm_std``: also divide by the group's (unbiased) standard deviation; ``eps`` (in (0, 1]):
-    added to it; ``allow_single_sample_groups``: as for ``grpo``.
+    added to it; ``allow_single_sample_groups``: as for ``grpo``; the KL in the reward as for ``grpo``.
     """
 
     norm_std: bool = False
@@ -56,18 +60,20 @@ class RLOOAdvantageConfig:
     allow_single_sample_groups: bool = False
 
     def check_config(self, context: SectionContext) -> list[str]:
-        return group_size_problems(
-            context, allowed=self.allow_single_sample_groups, option="allow_single_sample_groups"
-        )
+        return [
+            *group_size_problems(context, allowed=self.allow_single_sample_groups, option="allow_single_sample_groups"),
+            *self.kl_in_reward_problems(context),
+        ]
 
 
 @attrs.define
-class ReinforcePPAdvantageConfig:
+class ReinforcePPAdvantageConfig(KLInRewardConfig):
     """``algorithm.advantage`` options of ``reinforce_pp``.
 
     ``group_baseline``: subtract the group mean reward first (REINFORCE++-baseline); ``gamma``: the
     discount of the outcome reward over the response tokens before it; ``eps``: added to the batch
-    standard deviation.
+    standard deviation. The KL in the reward (:class:`core_rl.config.kl_reward.KLInRewardConfig`)
+    is a per-token reward, discounted into the returns like the outcome.
     """
 
     group_baseline: bool = False
@@ -109,6 +115,8 @@ class PPOClipConfig:
     ``use_sapo_loss``/``sapo_tau_pos``/``sapo_tau_neg``, ``m2_threshold``. Surrogate:
     ``use_cispo_loss`` with ``cispo_eps_low``/``cispo_eps_high`` (CISPO's clipped, detached
     importance weight in place of the clip; the default ``cispo_eps_low: 1`` sets no lower bound).
+    Auxiliary: ``positive_nll_coef`` (0: off), an SFT term ``coef * (-log pi_t)`` on every token with
+    a positive advantage, aggregated like the rest of the loss (:class:`core_rl_grpo.losses.PPOClipLoss`).
     """
 
     eps_clip: float = attrs.field(default=0.2, validator=in_range(0.0, 1.0, low_open=True))
@@ -132,6 +140,7 @@ class PPOClipConfig:
     use_cispo_loss: bool = False
     cispo_eps_low: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0))
     cispo_eps_high: float = attrs.field(default=0.28, validator=non_negative())
+    positive_nll_coef: float = attrs.field(default=0.0, validator=non_negative())
 
     def __attrs_post_init__(self) -> None:
         if self.eps_clip_higher is not None and self.eps_clip_higher < self.eps_clip:

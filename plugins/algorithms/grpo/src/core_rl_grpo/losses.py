@@ -31,13 +31,24 @@ class PPOClipLoss(PolicyLoss):
                                                or cispo_loss(rho_t, A_t) with use_cispo_loss
         l_t    = l_t * w_t                     decoupled: w_t = pi_prox / pi_behave (after rejection sampling)
         l_t    = l_t + kl_coef * KL_est(pi, pi_ref) - entropy_coef * H_t
+        l_t    = l_t + positive_nll_coef * (-log pi(y_t)) * [A_t > 0]
         l_t    = l_t * keep_t * mask_t         keep: rejection sampling, off-policy sequence masking
+
+    The positive-advantage NLL (an SFT term on the samples that did well, as VAPO's) is aggregated by
+    the loss's own ``aggregation`` weights ``w`` like every other term, so it adds
+    ``positive_nll_coef * sum_{i,t} w_{i,t} * (-log pi_{i,t}) * [A_{i,t} > 0]`` to the loss: with
+    ``token-mean``, the NLL summed over the positive tokens divided by *all* loss tokens of the
+    minibatch (not by the positive ones alone), which keeps the split into micro-batches and ranks
+    exact. Outcome estimators (``grpo``, ``rloo``) give every token of a sample its advantage, so the
+    positive tokens are the tokens of the samples with a positive advantage. Off (0) the loss is
+    bitwise the loss without it.
 
     Token metrics (0 off the response): ``ratio``, ``ratio_max``, ``clipped``, ``dual_clipped``,
     ``sapo_gate``, ``cispo_truncated``, ``approx_kl`` (k3 estimate of KL(pi_anchor || pi)), ``kl``; with the decoupled
     loss ``behave_weight``, ``behave_weight_max``, ``kl_behave_prox``, ``kl_behave_current``,
     ``rejected``, ``clamped``, ``prox_loglinear_abs_error`` (``metrics`` method);
-    ``off_policy_masked``.
+    ``off_policy_masked``; ``positive_nll`` (``-log pi`` on positive-advantage tokens, 0 elsewhere)
+    with ``positive_nll_coef > 0``.
     """
 
     def __init__(self, config: PPOClipConfig | None = None) -> None:
@@ -140,6 +151,10 @@ class PPOClipLoss(PolicyLoss):
             metrics["kl"] = kl.detach()
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * entropy
+        if cfg.positive_nll_coef > 0:
+            nll = -logprobs * (advantages > 0).to(logprobs.dtype)
+            loss = loss + cfg.positive_nll_coef * nll
+            metrics["positive_nll"] = nll.detach()
         loss = torch.where(keep, loss, torch.zeros_like(loss)) * mask
         return LossOutput(per_token_loss=loss, token_metrics={k: v * mask for k, v in metrics.items()})
 

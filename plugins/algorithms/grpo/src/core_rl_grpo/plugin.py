@@ -28,13 +28,15 @@ if TYPE_CHECKING:
 def make_grpo(config: GRPOAdvantageConfig) -> GroupRelativeAdvantage:
     from core_rl_grpo.advantages import GroupRelativeAdvantage
 
-    return GroupRelativeAdvantage(norm_std=config.norm_std, eps=config.eps, leave_one_out=config.leave_one_out)
+    return GroupRelativeAdvantage(
+        norm_std=config.norm_std, eps=config.eps, leave_one_out=config.leave_one_out, kl=config
+    )
 
 
 def make_rloo(config: RLOOAdvantageConfig) -> GroupRelativeAdvantage:
     from core_rl_grpo.advantages import GroupRelativeAdvantage
 
-    return GroupRelativeAdvantage(norm_std=config.norm_std, eps=config.eps, leave_one_out=True)
+    return GroupRelativeAdvantage(norm_std=config.norm_std, eps=config.eps, leave_one_out=True, kl=config)
 
 
 def make_reinforce_pp(config: ReinforcePPAdvantageConfig) -> ReinforcePPAdvantage:
