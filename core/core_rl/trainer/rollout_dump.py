@@ -7,7 +7,7 @@ renamed into place (:func:`core_rl.atomic_files.atomic_file`): a step file is co
 and the replay never reads a name other than ``step_<8 digits>.parquet``.
 
 **Why Parquet.** One file per step, compressed (zstd), without pickle, readable by pyarrow, pandas,
-polars or DuckDB (``SELECT where, reward, response_text FROM 'runs/x/rollouts/*.parquet'``); ragged
+polars or DuckDB (``SELECT reward, response_text FROM 'runs/x/rollouts/*.parquet'``); ragged
 token lists are native list columns; pyarrow is already installed with ``datasets``.
 
 **Rows.** One row per sample the step trained from or filtered, in the order the reward runner kept
