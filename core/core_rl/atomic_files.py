@@ -10,9 +10,11 @@ written to a temporary name, flushed to disk and renamed over the old one.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 _AT_FDCWD = -100
@@ -91,15 +93,27 @@ def commit_partial(final: Path) -> None:
     _fsync_dir(final.parent)
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file, fsync and an atomic rename."""
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """The temporary path ``.NAME.tmp`` beside ``path`` for the body to write ``path``'s content
+    to; when the body ends without an error the file is flushed to disk and renamed to ``path``
+    (atomically replacing an older one), else removed: ``path`` is never half written."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with tmp.open("w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    _fsync_dir(path.parent)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file, fsync and an atomic rename."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")

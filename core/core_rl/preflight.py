@@ -24,6 +24,9 @@ loaded, so that a bad file or a missing GPU fails in seconds with every problem 
   ``rollout.sampling.max_new_tokens`` inside the model's context.
 - **LoRA against the model**: ``actor.lora.target_modules`` name modules the model has (the
   adapters applied to the model built on the ``meta`` device: no memory, no weights read).
+- **Saved rollouts** (``rollout.replay_from``): a readable step file for each step, from the same
+  tokenizer, inside the model's vocabulary (:func:`core_rl.trainer.rollout_replay.replay_problems`);
+  a replay run skips the rollout engine's own machine checks.
 - **Output**: the run directory ``experiment.output_dir/experiment.name`` can be created and
   written.
 - **Machine**: each selected plugin's ``check_environment`` (:mod:`core_rl.config.checks`), e.g.
@@ -70,6 +73,7 @@ from core_rl.trainer.data import (
     tokenisation_key,
     tokenise_rows,
 )
+from core_rl.trainer.rollout_replay import replay_problems
 
 
 @attrs.define
@@ -154,7 +158,10 @@ def check_data(cfg: RunConfig) -> tuple[list[DataRow], list[str]]:
     )
     if not rows and not problems:
         problems.append("data.train_files: the files hold no rows")
+    replay = cfg.rollout.replay_from is not None  # builds no rollout engine nor workflow
     for path, _kind, spec in selected_sections(cfg):
+        if replay and path.startswith("rollout."):
+            continue
         if spec.config is not None:
             problems += data_problems(spec.config, rows, SectionContext(path=path, run=cfg, name=spec.name))
     return rows, problems
@@ -252,7 +259,10 @@ def _creatable_problems(run_dir: Path) -> list[str]:
 def plugin_environment_problems(cfg: RunConfig, machine: MachineInfo, model: ModelInfo | None) -> list[str]:
     """Every selected plugin section's own ``check_environment``."""
     problems: list[str] = []
+    replay = cfg.rollout.replay_from is not None  # builds no rollout engine nor workflow
     for path, _kind, spec in selected_sections(cfg):
+        if replay and path.startswith("rollout."):
+            continue
         if spec.config is not None:
             context = EnvironmentContext(path=path, run=cfg, name=spec.name, machine=machine, model=model)
             problems.extend(environment_problems(spec.config, context))
@@ -351,12 +361,15 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
             problems += reward_model_problems(cfg, tokenizer)
         else:
             problems += shared_tokenizer_problems(cfg, role, section, tokenizer)
+    if cfg.rollout.replay_from is not None:  # saved rollouts: trainer/rollout_replay.py
+        problems += replay_problems(cfg, tokenizer, model.vocab_size if model is not None else None)
     problems += check_output_dir(cfg, create=create_output_dir)
     machine = machine if machine is not None else detect_machine()
     problems += plugin_environment_problems(cfg, machine, model)
-    # rollout.sleep_while_training: true on a machine without CUDA (the rest was checked at load)
-    problems += sleep_problems(cfg, cuda_available=machine.cuda_available)
-    problems += server_gpu_problems(cfg, machine)
+    if cfg.rollout.replay_from is None:  # a replay run builds no rollout engine
+        # rollout.sleep_while_training: true on a machine without CUDA (the rest was checked at load)
+        problems += sleep_problems(cfg, cuda_available=machine.cuda_available)
+        problems += server_gpu_problems(cfg, machine)
     if problems:
         raise PreflightError(problems)
     assert model is not None

@@ -2,7 +2,8 @@
 (:func:`completeness_problems`), the core's sections against each other
 (:func:`cross_section_problems`, :func:`schedule_problems`, :func:`eval_problems`), the rollout
 engine's weight-sync mode and each plugin section's own ``check_config``
-(:func:`plugin_check_problems`). Each returns one message per problem, naming its key path and what
+(:func:`plugin_check_problems`); ``rollout.dump`` and ``rollout.replay_from`` against the rest
+(:func:`replay_config_problems`). Each returns one message per problem, naming its key path and what
 to do."""
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def completeness_problems(cfg: RunConfig, host: PluginHost | None = None) -> lis
             f"algorithm.reference_reset_every_n_steps: the {cfg.trainer.loop.name!r} loop does not reset its "
             "reference (only the rl loop does); remove it"
         )
+    problems.extend(replay_config_problems(cfg, rl_loop=uses_rl_sections(cfg, host)))
     if not cfg.data.train_files:
         problems.append(
             "data.train_files: required; a list of JSON/JSONL/Parquet files, saved datasets or hf: datasets of prompts"
@@ -284,5 +286,34 @@ def schedule_problems(cfg: RunConfig) -> list[str]:
             f"its last {run_steps - schedule.total_steps} optimiser steps would not train; set "
             f"{role}.lr_scheduler.total_steps=0 (the default: follow trainer.total_steps) or at least {run_steps}, "
             f"or {role}.lr_scheduler.min_lr_ratio above 0"
+        )
+    return problems
+
+
+def replay_config_problems(cfg: RunConfig, *, rl_loop: bool) -> list[str]:
+    """What a run with ``rollout.replay_from`` or ``rollout.dump`` cannot combine with, one line
+    each naming the key path and what to do. ``rl_loop``: the selected loop uses the RL sections
+    (only it generates rollouts)."""
+    rollout = cfg.rollout
+    problems: list[str] = []
+    if not rl_loop:
+        if rollout.replay_from is not None:
+            problems.append(f"rollout.replay_from: the {cfg.trainer.loop.name!r} loop generates no rollouts; remove it")
+        if rollout.dump.every_n_steps:
+            problems.append(
+                f"rollout.dump.every_n_steps: the {cfg.trainer.loop.name!r} loop generates no rollouts; set 0"
+            )
+        return problems
+    if rollout.replay_from is None:
+        return problems
+    why = "a replay run (rollout.replay_from) builds no rollout engine and calls no reward"
+    if rollout.dump.every_n_steps:
+        problems.append(f"rollout.dump.every_n_steps: {why}, so it has nothing new to dump; set 0")
+    if cfg.eval is not None:
+        problems.append(f"eval: {why}, so it cannot evaluate; remove the eval: section")
+    if cfg.reward_model is not None:
+        problems.append(
+            f"reward_model: {why}; the dumped rewards are the rule rewards alone, so remove the reward_model: "
+            "section (or train on fresh rollouts without rollout.replay_from)"
         )
     return problems

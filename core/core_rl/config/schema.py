@@ -22,6 +22,7 @@ from core_rl.config.placement import RolePlacement as RolePlacement  # re-export
 from core_rl.config.plugin_spec import PluginSpec
 from core_rl.config.plugin_spec import default_from as default_from  # re-exported: the plugin guide names it here
 from core_rl.config.plugin_spec import plugin_section as plugin_section  # re-exported likewise
+from core_rl.config.replay_config import RolloutDumpConfig
 from core_rl.config.sampling import SamplingConfig as SamplingConfig  # re-exported with the sections
 from core_rl.config.validators import (
     MAX_COUNT,
@@ -116,7 +117,11 @@ class RolloutConfig:
     (:meth:`~core_rl.interfaces.RolloutEngine.release_memory`). ``auto``: on when the engine
     shares the trainer's GPUs (``placement.mode`` colocate, on CUDA) in a synchronous run
     (``controller.max_head_offpolicyness`` 0); ``true`` anywhere else is refused
-    (:func:`core_rl.placement.sleep_problems`)."""
+    (:func:`core_rl.placement.sleep_problems`).
+
+    ``dump``: each step's scored rollouts saved under the run (:class:`RolloutDumpConfig`);
+    ``replay_from``: a directory of such dumps to train on instead of generating (no rollout engine
+    built, no reward called: :mod:`core_rl.trainer.rollout_replay`)."""
 
     engine: PluginSpec = attrs.field(factory=lambda: PluginSpec(name="hf"))
     sampling: SamplingConfig = attrs.field(factory=SamplingConfig)
@@ -124,6 +129,8 @@ class RolloutConfig:
     workflow: PluginSpec = attrs.field(factory=lambda: PluginSpec(name="single_turn"))
     controller: ControllerConfig = attrs.field(factory=ControllerConfig)
     sleep_while_training: AutoBool = "auto"
+    dump: RolloutDumpConfig = attrs.field(factory=RolloutDumpConfig)
+    replay_from: str | None = attrs.field(default=None, validator=not_empty())
 
 
 @attrs.define

@@ -38,13 +38,17 @@ class Generation:
     """One generation batch: its samples in prompt order, the prompt (0-based, within this batch)
     each answers, their raw rewards, metrics to add up over a step's generation batches
     (timings, token counts) and the reward's named parts (``Reward.score_with_parts``), one value per
-    sample each."""
+    sample each. ``where`` (the data row each sample answers, ``file:line``), ``prompt_texts`` and
+    ``response_texts`` (as the reward saw them): for the rollout dump, one per sample or empty."""
 
     samples: list[Sample]
     group_index: list[int]
     rewards: list[float]
     metrics: dict[str, float] = attrs.field(factory=dict)
     reward_parts: dict[str, list[float]] = attrs.field(factory=dict)
+    where: list[str] = attrs.field(factory=list)
+    prompt_texts: list[str] = attrs.field(factory=list)
+    response_texts: list[str] = attrs.field(factory=list)
 
 
 def value_stats(prefix: str, values: Sequence[float]) -> dict[str, float]:

@@ -6,6 +6,7 @@ part of a step (several waves under dynamic sampling, filters, shaping and advan
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from core_rl.config.schema import RunConfig
@@ -15,7 +16,9 @@ from core_rl.trainer.batching import BatchAssembler, Generation
 from core_rl.trainer.colocation import RolloutSleep
 from core_rl.trainer.data import PromptItem
 from core_rl.trainer.rewards import RewardErrorLog, RewardRunner, ScoreResult
+from core_rl.trainer.rollout_dump import RolloutDump
 from core_rl.trainer.rollout_flow import RolloutFlow, flatten_groups
+from core_rl.trainer.rollout_replay import RolloutReplay
 from core_rl.trainer.sample_log import sample_records, score_samples
 
 
@@ -25,6 +28,8 @@ class RolloutScoring:
 
     cfg: RunConfig
     flow: RolloutFlow | None
+    dump: RolloutDump | None
+    replay: RolloutReplay | None
     reward_runner: RewardRunner | None
     reward_log: RewardErrorLog
     reward_stage: Any
@@ -73,7 +78,18 @@ class RolloutScoring:
             rewards=[float(result.scores[i]) for i in kept],  # type: ignore[arg-type]
             metrics=metrics,
             reward_parts={name: [values[i] for i in kept] for name, values in result.parts.items()},
+            where=[owners[i].where for i in kept],
+            prompt_texts=[inputs[i].prompt_text for i in kept],
+            response_texts=[inputs[i].response_text for i in kept],
         )
+
+    def _generations(self, step: int) -> Callable[[], Generation]:
+        """Where step ``step``'s generation batches come from: the saved step of
+        ``rollout.replay_from``, else the rollout engine and the reward, kept for ``rollout.dump``."""
+        if self.replay is not None:
+            return self.replay.generations(step)
+        generate = lambda: self._generate_scored(step)  # noqa: E731
+        return self.dump.recording(step, generate) if self.dump is not None else generate
 
     def _log_samples(self, step: int, model_scores: list[float] | None = None) -> None:
         """Every ``sample_log.every_n_steps`` steps, hand ``num_samples`` samples spread over the
@@ -97,11 +113,13 @@ class RolloutScoring:
         to train on (``None``: nothing left) and the metrics so far."""
         self._scored_this_step = []
         self.rollout_sleep.before_generation()  # the engine asleep while training: trainer/colocation.py
-        batch, metrics = self.batcher.assemble(lambda: self._generate_scored(step), step=step)
+        batch, metrics = self.batcher.assemble(self._generations(step), step=step)
+        if self.dump is not None:
+            metrics.update(self.dump.write(step))
         metrics.update(self.rollout_sleep.after_generation())
         metrics["reward/errors_total"] = float(self.reward_log.total)
-        assert self.flow is not None
-        metrics.update(self.flow.batch_metrics(batch, step))
+        if self.flow is not None:
+            metrics.update(self.flow.batch_metrics(batch, step))
         if self.reward_stage is None or batch is None:  # else once the reward model has scored (step)
             self._log_samples(step)
         return batch, metrics

@@ -39,7 +39,7 @@ from core_rl.config.epochs import derive_total_steps
 from core_rl.config.loader import to_plain
 from core_rl.config.schema import RunConfig
 from core_rl.engine_utils.packing import rank_rows
-from core_rl.errors import CoreRLError
+from core_rl.errors import CoreRLError, PreflightError
 from core_rl.interfaces import (
     AdvantageEstimator,
     Logger,
@@ -91,7 +91,9 @@ from core_rl.trainer.reference_reset import ReferenceReset
 from core_rl.trainer.resume import Checkpointing, effective_recover_mode
 from core_rl.trainer.reward_role import SCORES, NoRuleReward, reward_model_stage
 from core_rl.trainer.rewards import RewardErrorLog, RewardRunner, ScoreResult
+from core_rl.trainer.rollout_dump import RolloutDump
 from core_rl.trainer.rollout_flow import RolloutFlow
+from core_rl.trainer.rollout_replay import RolloutReplay, coverage_problems
 from core_rl.trainer.rollout_scoring import RolloutScoring
 from core_rl.trainer.run_config import record_config, resume_note
 from core_rl.trainer.signals import StopSignals
@@ -140,6 +142,9 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
         self.engine: TrainEngine | None = None
         #: rank 0's rollout controller (:mod:`core_rl.trainer.rollout_flow`)
         self.flow: RolloutFlow | None = None
+        #: rank 0's ``rollout.dump`` / ``rollout.replay_from`` (:mod:`core_rl.trainer.rollout_dump`, ``rollout_replay``)
+        self.dump: RolloutDump | None = None
+        self.replay: RolloutReplay | None = None
         #: steps the sample filters left with nothing to train on (:mod:`core_rl.trainer.filtering`)
         self.empty_steps = EmptySteps(cfg.algorithm.max_consecutive_empty_steps)
         #: rank 0's weight load running beside the trainer (asynchronous runs, disk sync)
@@ -241,21 +246,31 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
         # rank 0's own components: a failure is sent to the other ranks, which would wait otherwise
         error: Exception | None = None
         if self.is_main:
-            try:  # with rollout.sleep_while_training resolved: trainer/colocation.py
-                self.rollout, self.rollout_sleep = build_rollout_engine(cfg, host, self.run_dir, self.built_engines)
-                workflow = build(host, WORKFLOW, cfg.rollout.workflow)
-                self.flow = RolloutFlow(cfg, self.rollout, workflow, self.data, self.sampling, self.tokenizer)
-                self.reward = build(host, REWARD, cfg.reward) if cfg.reward is not None else NoRuleReward()
-                self.reward_runner = RewardRunner(self.reward, cfg.reward.name if cfg.reward else "", cfg.reward_runner)
+            try:
+                if cfg.rollout.replay_from is None:
+                    self._build_rollout()
+                else:  # saved rollouts instead: no rollout engine, no reward (trainer/rollout_replay.py)
+                    self.replay = RolloutReplay(cfg)
                 self.loggers = build_loggers(cfg, host)
-                parts = {"engine": self.rollout, "tokenizer": self.tokenizer, "run_dir": self.run_dir}
-                self.evaluator = build_evaluator(cfg, host, reward_runner=self.reward_runner, **parts)
             except Exception as exc:
                 error = exc
         else:
             self.rollout_sleep = peer_rollout_sleep(cfg, host)
         with held_by_peer(cfg, self.built_engines, self.is_main):  # servers on this rank's GPU size themselves
             agree_after("building the rollout engine, reward and loggers (rank 0)", error)
+
+    def _build_rollout(self) -> None:
+        """Rank 0's rollout engine, controller, reward, evaluator and rollout dump."""
+        cfg, host = self.cfg, self.host  # with rollout.sleep_while_training resolved: trainer/colocation.py
+        self.rollout, self.rollout_sleep = build_rollout_engine(cfg, host, self.run_dir, self.built_engines)
+        workflow = build(host, WORKFLOW, cfg.rollout.workflow)
+        self.flow = RolloutFlow(cfg, self.rollout, workflow, self.data, self.sampling, self.tokenizer)
+        self.reward = build(host, REWARD, cfg.reward) if cfg.reward is not None else NoRuleReward()
+        self.reward_runner = RewardRunner(self.reward, cfg.reward.name if cfg.reward else "", cfg.reward_runner)
+        parts = {"engine": self.rollout, "tokenizer": self.tokenizer, "run_dir": self.run_dir}
+        self.evaluator = build_evaluator(cfg, host, reward_runner=self.reward_runner, **parts)
+        if cfg.rollout.dump.every_n_steps:  # each step's scored rollouts: trainer/rollout_dump.py
+            self.dump = RolloutDump(cfg, self.run_dir, self.tokenizer)
 
     @property
     def is_main(self) -> bool:
@@ -446,6 +461,8 @@ def train(cfg: RunConfig, *, host: PluginHost) -> Mapping[str, Any]:
     # trainer.total_epochs: the steps follow from the prompts left after filtering (config/epochs.py)
     if cfg.trainer.total_epochs is not None:
         derive_total_steps(cfg, prompt_count(checked.rows, cfg.data, checked.tokenizer))
+        if cfg.rollout.replay_from is not None and (missing := coverage_problems(cfg)):
+            raise PreflightError(missing)
     result = run_with_restarts(cfg, host, data_rows=checked.rows)
     if rank_and_world()[0] == 0:
         print("\n".join(summary_lines(cfg, result)))

@@ -53,6 +53,8 @@ class WeightSyncing:
         """Move the policy's weights to the rollout engine; return ``weight_sync/bytes`` (and,
         when loads run in the background, the wait for the previous one and its duration)."""
         assert self.engine is not None
+        if self.cfg.rollout.replay_from is not None:  # saved rollouts, no rollout engine to receive them
+            return {}
         mode = self.cfg.rollout.weight_sync
         if mode == "disk":
             return self._sync_by_disk(version)
