@@ -47,13 +47,14 @@ def dumped(base: dict) -> Path:
     return run_dir(config)
 
 
-def _replay(base: dict, name: str, source: Path, **sections) -> tuple[dict, object]:
+def _replay(base: dict, name: str, source: Path, rollout_weight_sync: str | None = None, **sections):
     """A replay of ``source``'s rollouts named ``name``, whose rollout engine could not be built on
     this machine (``device: cuda``) and whose reward would stop the run if it were called."""
     rollout = {
         **base["rollout"],
         "engine": {"name": "hf", "device": "cuda"},
         "replay_from": str(source / "rollouts"),
+        **({"weight_sync": rollout_weight_sync} if rollout_weight_sync else {}),
     }
     reward = {"name": "misbehave", "mode": "wrong_count"}
     config = merged(base, experiment={"name": name}, rollout=rollout, reward=reward, **sections)
@@ -81,7 +82,7 @@ def test_each_step_is_dumped_with_its_header(dumped: Path) -> None:
 
 
 def test_a_replay_without_rollout_engine_or_reward_ends_bitwise_equal(base: dict, dumped: Path) -> None:
-    config, proc = _replay(base, "replay", dumped)
+    config, proc = _replay(base, "replay", dumped, rollout_weight_sync="disk")
     assert proc.returncode == 0, proc.stderr[-3000:]
     replayed = run_dir(config)
     assert state_digest(checkpoint(replayed, STEPS)) == state_digest(checkpoint(dumped, STEPS))
@@ -93,6 +94,8 @@ def test_a_replay_without_rollout_engine_or_reward_ends_bitwise_equal(base: dict
     assert all("timing/replay_read_s" in r and "timing/generate_s" not in r for r in rows)
     assert "configuration differs from the dumping run's in reward, rollout" in proc.stderr
     assert not (replayed / "rollouts").exists()
+    assert not (replayed / "weight_sync").exists()  # no weights sent to a rollout engine that is not there
+    assert all("weight_sync/bytes" not in r for r in rows)
 
 
 def test_a_replay_with_another_micro_batch_budget_trains_the_same_losses(base: dict, dumped: Path) -> None:
