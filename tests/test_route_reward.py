@@ -149,6 +149,19 @@ def test_rows_without_a_route_or_a_routed_column_are_refused_before_the_run(tmp_
     assert proc.returncode == 2 and "no route" not in proc.stderr and f"{rev}:4: no column 'answer'" in proc.stderr
 
 
+def test_evaluation_rows_without_a_route_are_refused_before_the_run(tmp_path: Path):
+    """The reward scores eval.files too: their rows are checked by its check_data as the training
+    rows are, so a row no route takes stops the run before it starts, not at its first evaluation."""
+    _plugins()
+    evals = tmp_path / "eval.jsonl"
+    rows = [{"prompt": "ab=", "answer": "ba", "data_source": "rev"}, {"prompt": "ab=", "data_source": "code"}]
+    evals.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = merged(_task(tmp_path), eval={"files": [str(evals)], "before_train": False})
+    proc = _cli(tmp_path, config, "config", "validate", "--preflight")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"{evals}:2: column 'data_source' is 'code', which reward.routes has no route for" in proc.stderr
+
+
 def _char_match(response: str, answer: str) -> float:
     r, a = response.strip(), answer.strip()
     width = max(len(r), len(a))

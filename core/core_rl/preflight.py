@@ -168,10 +168,12 @@ def check_data(cfg: RunConfig) -> tuple[list[DataRow], list[str]]:
 
 
 def eval_data_problems(cfg: RunConfig, tokenizer: Any, model: ModelInfo | None) -> list[str]:
-    """``eval.files`` read and checked as the training data is (the reward's columns, ``eval.group_by``;
-    with a ``tokenizer``, each prompt's tokens), and the longest eval prompt plus its
+    """``eval.files`` read and checked as the training data is (the reward's columns and its own
+    ``check_data``, ``eval.group_by``; with a ``tokenizer``, each prompt's tokens), and the longest eval prompt plus its
     ``max_new_tokens`` inside the model's context."""
     rows, problems = check_eval_data(cfg, _required_columns(cfg))
+    if not problems and cfg.reward is not None and cfg.reward.config is not None:  # the reward scores them
+        problems += data_problems(cfg.reward.config, rows, SectionContext(path="reward", run=cfg, name=cfg.reward.name))
     if problems or tokenizer is None:
         return problems
     vocab = model.vocab_size if model is not None else None
