@@ -34,6 +34,20 @@ def uses_rl_sections(cfg: RunConfig, host: PluginHost | None = None) -> bool:
     return bool(getattr(entry.config_cls, "rl_sections", True))
 
 
+def resets_reference(cfg: RunConfig, host: PluginHost | None = None) -> bool:
+    """Whether the selected loop resets its reference (``algorithm.reference_reset_every_n_steps``,
+    :mod:`core_rl.trainer.reference_reset`): its config class's ``resets_reference`` attribute, else
+    whether it uses the RL sections. An unknown loop (reported already) counts as one that does."""
+    spec = cfg.trainer.loop
+    config_cls: Any = type(spec.config) if spec.config is not None else None
+    if config_cls is None:
+        entry = spec.entry or (host.registries[LOOP.key].get(spec.name) if host is not None else None)
+        if entry is None:
+            return True
+        config_cls = entry.config_cls
+    return bool(getattr(config_cls, "resets_reference", uses_rl_sections(cfg, host)))
+
+
 def loop_roles(cfg: RunConfig, host: PluginHost | None = None) -> tuple[str, ...] | None:
     """The optional role sections (:data:`core_rl.roles.OPTIONAL_ROLES`) the selected loop reads:
     its config class's ``roles`` attribute, else all of them for a loop that uses the RL sections
@@ -73,10 +87,15 @@ def completeness_problems(cfg: RunConfig, host: PluginHost | None = None) -> lis
     problems.extend(_unused_role_problems(cfg, host))
     if uses_rl_sections(cfg, host):
         problems.extend(_rl_completeness_problems(cfg))
-    elif cfg.algorithm.reference_reset_every_n_steps:
+    if cfg.algorithm.reference_reset_every_n_steps and not resets_reference(cfg, host):
         problems.append(
             f"algorithm.reference_reset_every_n_steps: the {cfg.trainer.loop.name!r} loop does not reset its "
-            "reference (only the rl loop does); remove it"
+            "reference (the rl and dpo loops do); remove it"
+        )
+    if cfg.algorithm.reference_reset_alpha != 1.0 and not cfg.algorithm.reference_reset_every_n_steps:
+        problems.append(
+            "algorithm.reference_reset_alpha: mixes the policy into the reference at each reset, and "
+            "algorithm.reference_reset_every_n_steps is 0 (no resets); set it, or remove reference_reset_alpha"
         )
     problems.extend(replay_config_problems(cfg, rl_loop=uses_rl_sections(cfg, host)))
     if not cfg.data.train_files:

@@ -289,7 +289,10 @@ class AlgorithmConfig:
     - ``recompute_logprob``: ``old_logprobs`` come from the train engine before the first update
       (behaviour log-probs stay in ``behave_logprobs``);
     - ``reference_reset_every_n_steps``: every this many steps the reference model becomes the
-      current policy (0: never; :mod:`core_rl.trainer.reference_reset`).
+      current policy (0: never; :mod:`core_rl.trainer.reference_reset`);
+    - ``reference_reset_alpha``: in ``(0, 1]``; below 1 each reset is a soft update, the reference
+      becoming ``alpha * policy + (1 - alpha) * reference`` (:mod:`core_rl.trainer.reference_mix`);
+      1: the policy itself.
     """
 
     name: str = ""
@@ -306,6 +309,7 @@ class AlgorithmConfig:
     ppo_epochs: int = attrs.field(default=1, validator=in_range(1, 10_000))
     recompute_logprob: bool = False
     reference_reset_every_n_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
+    reference_reset_alpha: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
 
     @property
     def optimizer_steps_per_step(self) -> int:

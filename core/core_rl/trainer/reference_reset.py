@@ -8,6 +8,20 @@ reference of step ``S`` is therefore the policy of step ``reset_step(S) = floor(
 original reference before the first reset), which is how a resumed run finds it again. Exports
 no kept checkpoint can need (older than the reset step of the oldest one, and not the newest) are
 removed after each reset and each checkpoint.
+
+With ``algorithm.reference_reset_alpha`` ``alpha`` < 1 each reset is a soft update: the export of
+step ``N`` holds ``alpha * policy_N + (1 - alpha) * reference`` (float32 mixing, stored in the
+reference's dtype; :mod:`core_rl.trainer.reference_mix` defines it per tensor). The policy is exported
+as for a hard reset, but into the partial directory of ``<run>/reference/step_<N>``; rank 0 then mixes
+its weights with the current reference's, read from disk, and moves the directory into place; the
+other ranks wait for that (a collective, bounded by ``trainer.collective_timeout_s``). The current
+reference is read from the previous export (``<run>/reference/step_<N - k>``; the reference role's
+``model_path`` before the first reset) rather than gathered from the reference engine: the files are
+exactly what that engine loaded (the mix is stored in its dtype), reading them needs no collective
+and no second gathered copy of the model on rank 0 (the tensors are streamed from memory-mapped
+files), and a resumed run reads the same files. Each reference then depends on every earlier one,
+but only through the newest export, which pruning always keeps (and the export of each kept
+checkpoint's reset step, from which a resumed run's next mix starts).
 """
 
 from __future__ import annotations
@@ -18,13 +32,15 @@ from pathlib import Path
 
 import attrs
 
+from core_rl.atomic_files import commit_partial, partial_path
 from core_rl.config.schema import ActorConfig, RunConfig
 from core_rl.errors import ConfigError, CoreRLError
 from core_rl.interfaces import TrainEngine
 from core_rl.plugins import PluginHost
 from core_rl.trainer.checkpoints import list_checkpoints
 from core_rl.trainer.hf_exports import export_dir, exported_steps
-from core_rl.trainer.ranks import waiting_for
+from core_rl.trainer.ranks import agree_after, waiting_for
+from core_rl.trainer.reference_mix import weight_files
 
 #: builds the reference engine of a section (``core_rl.roles.build_engine`` with the run's host)
 BuildReference = Callable[[ActorConfig], TrainEngine]
@@ -50,6 +66,8 @@ class ReferenceReset:
     run_dir: Path
     build: BuildReference
     is_main: bool
+    #: ``algorithm.reference_reset_alpha``: 1 resets to the policy, below 1 mixes it in
+    alpha: float = 1.0
 
     @classmethod
     def of_run(cls, cfg: RunConfig, host: PluginHost, ref: TrainEngine | None, is_main: bool) -> ReferenceReset:
@@ -68,8 +86,19 @@ class ReferenceReset:
 
             return build_engine(host, section, trainable=False, role="ref")
 
-        every = cfg.algorithm.reference_reset_every_n_steps
-        return cls(every, cfg.ref or cfg.actor, cfg.experiment.run_dir, build, is_main)
+        every, alpha = cfg.algorithm.reference_reset_every_n_steps, cfg.algorithm.reference_reset_alpha
+        section = cfg.ref or cfg.actor
+        if alpha != 1.0:
+            try:
+                weight_files(Path(section.model_path))
+            except CoreRLError as exc:
+                raise ConfigError(
+                    [
+                        f"algorithm.reference_reset_alpha: soft updates read the first reference's weights from "
+                        f"safetensors files: {exc}; save the model with safetensors, or set reference_reset_alpha: 1"
+                    ]
+                ) from exc
+        return cls(every, section, cfg.experiment.run_dir, build, is_main, alpha)
 
     def _rebuilt(self, old: TrainEngine, step: int) -> TrainEngine:
         path = reference_dir(self.run_dir, step)
@@ -80,10 +109,44 @@ class ReferenceReset:
         """At a reset step, the policy exported and the reference built from it; else ``ref``."""
         if not self.every or step % self.every:
             return ref
-        with waiting_for(f"the other ranks to export the policy of step {step} as the new reference"):
-            actor.export_hf(reference_dir(self.run_dir, step))
+        if self.alpha == 1.0:
+            with waiting_for(f"the other ranks to export the policy of step {step} as the new reference"):
+                actor.export_hf(reference_dir(self.run_dir, step))
+        else:
+            self._mix(step, actor)
         self.prune(self.run_dir)
         return self._rebuilt(ref, step)
+
+    def previous_dir(self, step: int) -> Path:
+        """The directory of the reference during step ``step`` (the one a reset after it mixes
+        with): the export of ``reset_step(step - 1)``, or the section's ``model_path`` before any."""
+        at = reset_step(step - 1, self.every)
+        return reference_dir(self.run_dir, at) if at else Path(self.section.model_path)
+
+    def _mix(self, step: int, actor: TrainEngine) -> None:
+        """The soft update of step ``step`` (module docstring): the policy exported into the partial
+        directory of the step's export, mixed there by rank 0 and moved into place."""
+        from core_rl.engine_utils.hf import torch_dtype
+        from core_rl.trainer.reference_mix import mix_into
+
+        final = reference_dir(self.run_dir, step)
+        with waiting_for(f"the other ranks to export the policy of step {step} for the new reference"):
+            actor.export_hf(partial_path(final))
+        error: Exception | None = None
+        if self.is_main:
+            try:
+                previous = self.previous_dir(step)
+                if not previous.is_dir():
+                    raise CoreRLError(
+                        f"algorithm.reference_reset_alpha: the reference after step {step} mixes the policy with "
+                        f"the reference in {previous}, which is gone; restore it or start a new run"
+                    )
+                mix_into(partial_path(final), previous, self.alpha, torch_dtype(self.section.dtype))
+                commit_partial(final)
+            except Exception as exc:
+                shutil.rmtree(partial_path(final), ignore_errors=True)
+                error = exc
+        agree_after(f"mixing the reference of step {step} (rank 0)", error)
 
     def restore(self, step: int, ref: TrainEngine) -> TrainEngine:
         """The reference of a run resumed after step ``step``: the export of its reset step."""

@@ -42,10 +42,15 @@ class DPOConfig:
       ``alpha * (-sum of log pi over every chosen token of the step) / (number of those tokens)``
       (a token mean over the step's chosen tokens, not a mean of per-pair means); not with ``orpo``,
       whose loss already holds a chosen NLL.
+
+    With ``reference: model`` the loop resets its reference as the rl loop does
+    (``algorithm.reference_reset_every_n_steps``; with ``algorithm.reference_reset_alpha`` < 1 a
+    soft update: TR-DPO's ``alpha * policy + (1 - alpha) * reference``).
     """
 
     rl_sections: ClassVar[bool] = False
     roles: ClassVar[tuple[str, ...]] = ("ref",)  # the role sections it reads
+    resets_reference: ClassVar[bool] = True  # algorithm.reference_reset_every_n_steps (reference: model)
 
     loss_type: str = attrs.field(default="sigmoid", validator=one_of(LOSS_TYPES))
     beta: float = attrs.field(default=0.1, validator=positive(1e6))
@@ -84,6 +89,11 @@ class DPOConfig:
             problems.append(
                 f"ref: the dpo loop builds no reference model with {context.key('reference')}: {self.reference}; "
                 "remove the ref: section, or set reference: model"
+            )
+        if self.reference != "model" and context.run.algorithm.reference_reset_every_n_steps:
+            problems.append(
+                f"algorithm.reference_reset_every_n_steps: the dpo loop resets only a reference model, and "
+                f"{context.key('reference')} is {self.reference}; remove it, or set reference: model"
             )
         if self.label_smoothing and self.loss_type not in SMOOTHED_LOSSES:
             problems.append(

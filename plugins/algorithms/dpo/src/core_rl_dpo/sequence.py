@@ -21,7 +21,8 @@ from core_rl.protocol import TensorBatch
 from core_rl.registry import RegistryEntry
 from core_rl.roles import build_engine
 from core_rl.trainer.preference import PairwiseLoop
-from core_rl.trainer.ranks import waiting_for
+from core_rl.trainer.ranks import rank_and_world, waiting_for
+from core_rl.trainer.reference_reset import ReferenceReset
 
 
 def surrogate_loss(batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
@@ -47,11 +48,22 @@ class SequenceLossLoop(PairwiseLoop):
     def build_models(self, engine_entry: RegistryEntry) -> None:
         """The frozen reference, where :attr:`uses_reference_model`: the run's ``ref:`` role when the
         config has one, else the actor's starting model, built by its train engine with
-        ``trainable=False`` (:func:`core_rl.roles.build_engine`)."""
+        ``trainable=False`` (:func:`core_rl.roles.build_engine`); with
+        ``algorithm.reference_reset_every_n_steps`` it is reset (or, with
+        ``algorithm.reference_reset_alpha`` < 1, mixed with the policy: TR-DPO) after every such step,
+        as the rl loop's (:mod:`core_rl.trainer.reference_reset`)."""
         if self.uses_reference_model:
             self.ref_engine = build_engine(
                 self.host, self.cfg.ref or self.cfg.actor, trainable=False, built=self.built_engines, role="ref"
             )
+        self.ref = self.ref_engine  # what the trainer hands reference_reset (closed here, in close())
+        if self.cfg.algorithm.reference_reset_every_n_steps:  # the dpo loop's config allows it (TR-DPO)
+            is_main = rank_and_world()[0] == 0
+            self.reference_reset = ReferenceReset.of_run(self.cfg, self.host, self.ref_engine, is_main)
+
+    def _use_reference(self, ref: TrainEngine | None) -> None:
+        """The reference engine a reset built (:mod:`core_rl.trainer.reference_reset`)."""
+        self.ref = self.ref_engine = ref
 
     def reference_model_logprobs(self, shard: TensorBatch, step: int) -> torch.Tensor:
         """The reference model's sequence log-probs ``[B]`` of ``shard``'s rows over ``loss_mask``."""
