@@ -2,7 +2,8 @@
 clip-higher, dual clipping, a KL penalty towards a reference model, an entropy bonus, and the
 off-policy corrections: the decoupled loss (proximal policy by recompute or log-linear
 interpolation) with rejection sampling / truncated or masked importance sampling, off-policy
-sequence masking, SAPO's soft gate, CISPO's clipped weight and M2PO.
+sequence masking, SAPO's soft gate, CISPO's clipped weight and M2PO; and against entropy collapse,
+Clip-Cov and KL-Cov.
 
 The formulas live in :mod:`core_rl.ops`; this module composes them. All tensors are [b, T] and
 follow :mod:`core_rl.protocol` (position ``t`` describes token ``t``).
@@ -18,6 +19,7 @@ from core_rl.ops import policy_ratio, ppo_clip_loss
 from core_rl.protocol import TensorBatch
 
 from core_rl_grpo.config import PPOClipConfig
+from core_rl_grpo.covariance import select_tokens
 
 __all__ = ["PPOClipConfig", "PPOClipLoss", "policy_ratio", "ppo_clip_loss"]
 
@@ -29,6 +31,8 @@ class PPOClipLoss(PolicyLoss):
                                                pi_anchor = pi_prox (decoupled) or pi_old
         l_t    = ppo_clip_loss(rho_t, A_t)     or sapo_loss(rho_t, A_t) with use_sapo_loss,
                                                or cispo_loss(rho_t, A_t) with use_cispo_loss
+        l_t    = 0 where t in S and not clipped            loss_mode clip_cov (ops.clip_cov_loss)
+        l_t    = -A_t rho_t + ppo_kl_coef |log rho_t| [t in S]   loss_mode kl_cov (unclipped; ops.kl_cov_loss)
         l_t    = l_t * w_t                     decoupled: w_t = pi_prox / pi_behave (after rejection sampling)
         l_t    = l_t + kl_coef * KL_est(pi, pi_ref) - entropy_coef * H_t
         l_t    = l_t + positive_nll_coef * (-log pi(y_t)) * [A_t > 0]
@@ -43,11 +47,17 @@ class PPOClipLoss(PolicyLoss):
     positive tokens are the tokens of the samples with a positive advantage. Off (0) the loss is
     bitwise the loss without it.
 
+    ``S`` (``loss_mode`` ``clip_cov``/``kl_cov``) is chosen once per step on the global batch by
+    :meth:`prepare` from the covariance of log-prob and advantage (:mod:`core_rl_grpo.covariance`:
+    scope and seeding); Clip-Cov's tokens leave the loss, KL-Cov's are pulled back towards the
+    anchor policy.
+
     Token metrics (0 off the response): ``ratio``, ``ratio_max``, ``clipped``, ``dual_clipped``,
     ``sapo_gate``, ``cispo_truncated``, ``approx_kl`` (k3 estimate of KL(pi_anchor || pi)), ``kl``; with the decoupled
     loss ``behave_weight``, ``behave_weight_max``, ``kl_behave_prox``, ``kl_behave_current``,
     ``rejected``, ``clamped``, ``prox_loglinear_abs_error`` (``metrics`` method);
-    ``off_policy_masked``; ``positive_nll`` (``-log pi`` on positive-advantage tokens, 0 elsewhere)
+    ``off_policy_masked``; ``cov_clipped`` (clip_cov) or ``cov_penalised`` (kl_cov);
+    ``positive_nll`` (``-log pi`` on positive-advantage tokens, 0 elsewhere)
     with ``positive_nll_coef > 0``.
     """
 
@@ -75,10 +85,19 @@ class PPOClipLoss(PolicyLoss):
         return ops.aggregation_weights(response_mask, self.config.aggregation, norm_length=self.config.norm_length)
 
     def prepare(self, batch: TensorBatch) -> dict[str, float]:
-        """M2PO (``m2_threshold``): drop tokens from ``loss_mask`` by the whole batch's second moment
-        of ``log pi_behave - log pi_prox`` (:func:`core_rl.ops.m2po_mask`)."""
-        if self.config.m2_threshold is None:
-            return {}
+        """On the whole global batch, before any update: M2PO (``m2_threshold``) drops tokens from
+        ``loss_mask`` (:meth:`_m2po`); then ``loss_mode`` ``clip_cov``/``kl_cov`` selects its tokens
+        among those left (:func:`core_rl_grpo.covariance.select_tokens`, into ``cov_selected``)."""
+        cfg = self.config
+        metrics = self._m2po(batch) if cfg.m2_threshold is not None else {}
+        if cfg.loss_mode != "clip":
+            metrics.update(select_tokens(batch, batch["advantages"].float(), cfg))
+        return metrics
+
+    def _m2po(self, batch: TensorBatch) -> dict[str, float]:
+        """M2PO: drop tokens from ``loss_mask`` by the whole batch's second moment of
+        ``log pi_behave - log pi_prox`` (:func:`core_rl.ops.m2po_mask`)."""
+        assert self.config.m2_threshold is not None
         mask = batch["loss_mask"]
         behave, prox = batch["behave_logprobs"], batch["old_logprobs"]
         keep = ops.m2po_mask(behave, prox, mask, self.config.m2_threshold)
@@ -116,13 +135,18 @@ class PPOClipLoss(PolicyLoss):
         metrics: dict[str, torch.Tensor] = {}
 
         anchor = self._proximal(batch, logprobs, behave, metrics) if cfg.use_decoupled_loss else old
-        ratio = torch.exp(ops.importance_log_ratio(logprobs, anchor, mask, cfg.importance_sampling_level))
+        log_ratio = ops.importance_log_ratio(logprobs, anchor, mask, cfg.importance_sampling_level)
+        ratio = torch.exp(log_ratio)
         if cfg.use_sapo_loss:
             loss, gate = ops.sapo_loss(ratio, advantages, tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg)
             metrics["sapo_gate"] = gate
         elif cfg.use_cispo_loss:
             loss, truncated = ops.cispo_loss(ratio, advantages, eps_low=cfg.cispo_eps_low, eps_high=cfg.cispo_eps_high)
             metrics["cispo_truncated"] = truncated.to(mask.dtype)
+        elif cfg.loss_mode == "kl_cov":
+            selected = self._selected(batch)
+            loss = ops.kl_cov_loss(ratio, log_ratio, advantages, selected, cfg.ppo_kl_coef)
+            metrics["cov_penalised"] = selected.to(mask.dtype)
         else:
             loss, clipped, dual_clipped = ppo_clip_loss(
                 ratio, advantages, eps_low=self.eps_low, eps_high=self.eps_high, c_clip=cfg.c_clip
@@ -130,6 +154,9 @@ class PPOClipLoss(PolicyLoss):
             metrics["clipped"] = clipped.to(mask.dtype)
             if cfg.c_clip is not None:
                 metrics["dual_clipped"] = dual_clipped.to(mask.dtype)
+            if cfg.loss_mode == "clip_cov":
+                loss, corrected = ops.clip_cov_loss(loss, clipped, self._selected(batch))
+                metrics["cov_clipped"] = corrected.to(mask.dtype)
         metrics["ratio"] = ratio.detach()
         metrics["ratio_max"] = ratio.detach()
         metrics["approx_kl"] = ops.kl_estimate(anchor, logprobs.detach(), "k3")
@@ -157,6 +184,15 @@ class PPOClipLoss(PolicyLoss):
             metrics["positive_nll"] = nll.detach()
         loss = torch.where(keep, loss, torch.zeros_like(loss)) * mask
         return LossOutput(per_token_loss=loss, token_metrics={k: v * mask for k, v in metrics.items()})
+
+    def _selected(self, batch: TensorBatch) -> torch.Tensor:
+        """The tokens :meth:`prepare` selected for ``loss_mode`` (bool [b, T])."""
+        if "cov_selected" not in batch:
+            raise KeyError(
+                f"ppo_clip with loss_mode {self.config.loss_mode} needs 'cov_selected' in the batch: "
+                "call PPOClipLoss.prepare on the global batch first (the trainer does)"
+            )
+        return batch["cov_selected"] != 0
 
     def _behaviour_weight(
         self,
