@@ -122,6 +122,7 @@ class LossSpec:
     cispo: tuple[float, float] | None = None  # (eps_low, eps_high)
     loss_mode: str = "clip"  # clip | clip_cov | kl_cov (their tokens: seq["cov_selected"])
     ppo_kl_coef: float = 0.1
+    top_entropy_quantile: float = 1.0  # the population: every token of the sequences given
 
 
 #: the default upper bound of each built-in rejection sampler (core_rl.rejection)
@@ -163,6 +164,7 @@ def spec_from_options(loss: dict, rejection: dict | None = None) -> LossSpec:
         cispo=cispo,
         loss_mode=loss.get("loss_mode", "clip"),
         ppo_kl_coef=loss.get("ppo_kl_coef", 0.1),
+        top_entropy_quantile=loss.get("top_entropy_quantile", 1.0),
     )
 
 
@@ -211,6 +213,7 @@ def sequence_losses(
     its response tokens: ``logprobs`` (may require grad), ``old``, ``behave``, ``ref``, ``adv``,
     ``entropy``, and for ``loglinear`` ``versions`` and a 0-D ``train_version``."""
     losses, keeps = [], []
+    tau = entropy_threshold([float(h) for seq in seqs for h in seq["entropy"]], spec.top_entropy_quantile)
     for seq in seqs:
         lp, old, behave, adv = seq["logprobs"], seq["old"], seq["behave"], seq["adv"]
         anchor = old
@@ -245,6 +248,8 @@ def sequence_losses(
             if spec.rejection is not None:
                 weight, keep = _rejection(spec.rejection, log_r)
             loss = loss * weight
+        if spec.top_entropy_quantile < 1.0:  # the policy-gradient term of low-entropy tokens leaves
+            loss = torch.where(seq["entropy"] >= tau, loss, 0.0)
         if spec.off_policy_mask_threshold is not None:
             drift = (behave - lp.detach()).mean()
             if adv.mean() < 0 and drift > spec.off_policy_mask_threshold:
@@ -275,6 +280,16 @@ def policy_loss(seqs: Sequence[dict[str, torch.Tensor]], spec: LossSpec) -> torc
             assert spec.norm_length is not None
             out = out + x.sum() / (n * spec.norm_length)
     return out
+
+
+def entropy_threshold(entropies: Sequence[float], quantile: float) -> float:
+    """The ``1 - quantile`` quantile of the entropies, linearly interpolated between sorted neighbours."""
+    values = sorted(entropies)
+    if not values:
+        return math.inf
+    pos = (1.0 - quantile) * (len(values) - 1)
+    j = min(math.floor(pos), len(values) - 1)
+    return values[j] + (pos - j) * (values[min(j + 1, len(values) - 1)] - values[j])
 
 
 def token_covariances(logprobs: Sequence[Sequence[float]], advantages: Sequence[Sequence[float]]) -> list[list[float]]:

@@ -1,9 +1,12 @@
 """``ppo_clip``'s options against entropy collapse: ``loss_mode: clip_cov | kl_cov`` (covariance
-token selection). Hand values of the selections and losses, their gradients, the invariants (ratio 0
-and coefficient 0 turn them off), the selection against the reference formulation, determinism
-(the same step draws the same tokens, on every rank and after a resume), and configuration errors."""
+token selection) and ``top_entropy_quantile`` (the policy gradient on high-entropy tokens only).
+Hand values of the selections and losses, their gradients, the invariants (ratio 0, coefficient 0
+and quantile 1 turn them off), parity with the reference formulation, determinism (the same step
+draws the same tokens, on every rank and after a resume), configuration errors, and a real run."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -188,6 +191,80 @@ def test_clip_cov_draw_is_seeded_by_the_step() -> None:
     assert all(int(d[0].sum()) == ops.selection_count(0.2, int(batch["loss_mask"].sum())) for d in draws.values())
 
 
+# --------------------------------------------------------------------------- top_entropy_quantile
+
+
+def test_entropy_quantile_by_hand() -> None:
+    # one row on-policy (l = -A), A = [1, 2, 3, 4], entropies [0.1, 0.5, 0.9, 0.3]; q = 0.5:
+    # sorted [0.1, 0.3, 0.5, 0.9], position 0.5 * 3 = 1.5 -> tau = 0.3 + 0.5 * 0.2 = 0.4: tokens 1, 2 keep
+    # token-mean over all 4 tokens: (-2 - 3) / 4; with kl_coef the KL term stays on every token
+    old = torch.full((1, 4), -1.0)
+    batch = TensorBatch(
+        {
+            "response_mask": torch.ones(1, 4),
+            "loss_mask": torch.ones(1, 4),
+            "old_logprobs": old,
+            "ref_logprobs": old,
+            "advantages": torch.tensor([[1.0, 2.0, 3.0, 4.0]]),
+        }
+    )
+    entropy = torch.tensor([[0.1, 0.5, 0.9, 0.3]])
+    total, grad, metrics = weighted(make_loss(top_entropy_quantile=0.5), batch, old, entropy)
+    assert float(total) == pytest.approx(-5 / 4)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -2 / 4, -3 / 4, 0.0]]))
+    assert metrics["entropy_kept"].tolist() == [[0.0, 1.0, 1.0, 0.0]]
+    # k1 KL = lp - ref: gradient coef / 4 on every token, kept or not
+    _, grad_kl, _ = weighted(make_loss(top_entropy_quantile=0.5, kl_coef=0.2, kl_estimator="k1"), batch, old, entropy)
+    torch.testing.assert_close(grad_kl - grad, torch.full((1, 4), 0.2 / 4))
+
+
+@SETTINGS
+@given(st.integers(0, 2**16), st.floats(0.01, 1.0))
+def test_entropy_quantile_threshold_and_kept_share(seed, q) -> None:
+    g = torch.Generator().manual_seed(seed)
+    values = torch.rand(4, 7, generator=g)
+    mask = (torch.rand(4, 7, generator=g) < 0.8).float()
+    mask[0, 0] = 1.0
+    kept = ops.top_quantile_mask(values, mask, q)
+    population = values[mask != 0]
+    tau = torch.quantile(population, 1 - q)
+    assert torch.equal(kept, (mask != 0) & (values >= tau))
+    n = population.numel()
+    # distinct values: exactly the ones at or above position (1 - q)(n - 1), about q * n of them
+    assert int(kept.sum()) == n - math.ceil((1 - q) * (n - 1) - 1e-9)
+    assert abs(int(kept.sum()) - q * n) <= 1 + 1e-9
+
+
+@SETTINGS
+@given(st.integers(0, 2**16), st.floats(0.05, 0.95), st.sampled_from(["token-mean", "seq-mean-token-mean"]))
+def test_entropy_quantile_matches_the_reference_and_one_is_plain(seed, q, aggregation) -> None:
+    batch = make_rl_batch(seed=seed % 997)
+    lp = drifted(batch, seed)
+    entropy = torch.rand(lp.shape, generator=torch.Generator().manual_seed(seed)) * batch["response_mask"]
+    options = {"aggregation": aggregation, "kl_coef": 0.1, "top_entropy_quantile": q}
+    total, grad, _ = weighted(make_loss(**options), batch, lp, entropy)
+    on = batch["response_mask"] != 0
+    ref_lp = lp.clone().requires_grad_(True)
+    seqs = [
+        {
+            "logprobs": ref_lp[i][on[i]],
+            "old": batch["old_logprobs"][i][on[i]],
+            "behave": batch["behave_logprobs"][i][on[i]],
+            "ref": batch["ref_logprobs"][i][on[i]],
+            "adv": batch["advantages"][i][on[i]],
+            "entropy": entropy[i][on[i]],
+        }
+        for i in range(batch.batch_size)
+    ]
+    want = reference.policy_loss(seqs, reference.spec_from_options(options))
+    want.backward()
+    torch.testing.assert_close(total, want.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, ref_lp.grad, rtol=1e-5, atol=1e-6)
+    plain = weighted(make_loss(kl_coef=0.1, aggregation=aggregation), batch, lp, entropy)
+    one = weighted(make_loss(kl_coef=0.1, aggregation=aggregation, top_entropy_quantile=1.0), batch, lp, entropy)
+    assert torch.equal(one[0], plain[0]) and torch.equal(one[1], plain[1]) and "entropy_kept" not in one[2]
+
+
 # --------------------------------------------------------------------------- configuration
 
 
@@ -201,6 +278,8 @@ def test_clip_cov_draw_is_seeded_by_the_step() -> None:
         ({"loss_mode": "kl_cov", "c_clip": 3.0}, r"algorithm\.loss\.c_clip: does nothing with loss_mode: kl_cov"),
         ({"kl_cov_ratio": 1.5}, r"algorithm\.loss\.kl_cov_ratio: must be in"),
         ({"ppo_kl_coef": -1.0}, r"algorithm\.loss\.ppo_kl_coef: must be >= 0"),
+        ({"top_entropy_quantile": 0.0}, r"algorithm\.loss\.top_entropy_quantile: must be in \(0"),
+        ({"top_entropy_quantile": 1.5}, r"algorithm\.loss\.top_entropy_quantile: must be in \(0"),
     ],
 )
 def test_mistakes_name_the_key(options, message) -> None:
@@ -232,7 +311,13 @@ def test_tiny_grpo_runs_with_each_option(tmp_path) -> None:
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{s}=", "answer": s}) + "\n" for s in ("ab", "ba")))
     runs = {
-        "clip_cov": {"loss_mode": "clip_cov", "clip_cov_ratio": 0.25, "clip_cov_lb": -10.0, "clip_cov_ub": 10.0},
+        "clip_cov": {
+            "loss_mode": "clip_cov",
+            "clip_cov_ratio": 0.25,
+            "clip_cov_lb": -10.0,
+            "clip_cov_ub": 10.0,
+            "top_entropy_quantile": 0.5,
+        },
         "kl_cov": {"loss_mode": "kl_cov", "kl_cov_ratio": 0.25, "ppo_kl_coef": 1.0},
     }
     for name, loss in runs.items():
@@ -254,4 +339,6 @@ def test_tiny_grpo_runs_with_each_option(tmp_path) -> None:
         assert [r["step"] for r in rows] == [1, 2], name
         for row in rows:
             assert row["actor/cov_selected_fraction"] > 0, (name, row)
+            if name == "clip_cov":  # about half of the tokens keep their policy gradient
+                assert 0 < row["actor/entropy_kept"] < 1, row
             assert row["actor/grad_norm"] >= 0

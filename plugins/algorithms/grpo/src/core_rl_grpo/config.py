@@ -121,7 +121,9 @@ class PPOClipConfig:
     a positive advantage, aggregated like the rest of the loss (:class:`core_rl_grpo.losses.PPOClipLoss`).
     Entropy collapse: ``loss_mode`` (``clip``; ``clip_cov`` with ``clip_cov_ratio``/``clip_cov_lb``/
     ``clip_cov_ub``; ``kl_cov`` with ``kl_cov_ratio``/``ppo_kl_coef``; defaults as verl's), tokens
-    chosen once per step by their covariance of log-prob and advantage (:mod:`core_rl_grpo.covariance`).
+    chosen once per step by their covariance of log-prob and advantage (:mod:`core_rl_grpo.covariance`);
+    ``top_entropy_quantile`` (in (0, 1], 1: off): only the micro-batch's highest-entropy tokens keep
+    their policy-gradient term (:func:`core_rl.ops.top_quantile_mask`).
     """
 
     eps_clip: float = attrs.field(default=0.2, validator=in_range(0.0, 1.0, low_open=True))
@@ -152,6 +154,7 @@ class PPOClipConfig:
     clip_cov_ub: float = attrs.field(default=5.0, validator=finite())
     kl_cov_ratio: float = attrs.field(default=0.0002, validator=in_range(0.0, 1.0))
     ppo_kl_coef: float = attrs.field(default=0.1, validator=non_negative())
+    top_entropy_quantile: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
 
     def __attrs_post_init__(self) -> None:
         self._check_loss_mode()

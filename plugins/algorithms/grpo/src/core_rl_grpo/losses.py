@@ -34,6 +34,7 @@ class PPOClipLoss(PolicyLoss):
         l_t    = 0 where t in S and not clipped            loss_mode clip_cov (ops.clip_cov_loss)
         l_t    = -A_t rho_t + ppo_kl_coef |log rho_t| [t in S]   loss_mode kl_cov (unclipped; ops.kl_cov_loss)
         l_t    = l_t * w_t                     decoupled: w_t = pi_prox / pi_behave (after rejection sampling)
+        l_t    = l_t * [H_t >= tau_q]          top_entropy_quantile q < 1 (tau_q below)
         l_t    = l_t + kl_coef * KL_est(pi, pi_ref) - entropy_coef * H_t
         l_t    = l_t + positive_nll_coef * (-log pi(y_t)) * [A_t > 0]
         l_t    = l_t * keep_t * mask_t         keep: rejection sampling, off-policy sequence masking
@@ -52,11 +53,19 @@ class PPOClipLoss(PolicyLoss):
     scope and seeding); Clip-Cov's tokens leave the loss, KL-Cov's are pulled back towards the
     anchor policy.
 
+    ``top_entropy_quantile = q < 1`` (the 80/20 rule, Wang et al. 2025): ``tau_q`` is the ``1 - q``
+    quantile (linear interpolation) of the entropies ``H_t`` of the micro-batch's loss tokens
+    (``loss_mask``) on this rank, read without gradient (:func:`core_rl.ops.top_quantile_mask`); the
+    other tokens lose the policy-gradient term only (the KL, entropy and NLL terms stay) and still
+    count in the aggregation's denominators. The engine hands the loss the current policy's entropy
+    one micro-batch at a time, so the population is the micro-batch: the loss depends on the
+    micro-batch split (with one micro-batch per rank and one rank, the population is the minibatch).
+
     Token metrics (0 off the response): ``ratio``, ``ratio_max``, ``clipped``, ``dual_clipped``,
     ``sapo_gate``, ``cispo_truncated``, ``approx_kl`` (k3 estimate of KL(pi_anchor || pi)), ``kl``; with the decoupled
     loss ``behave_weight``, ``behave_weight_max``, ``kl_behave_prox``, ``kl_behave_current``,
     ``rejected``, ``clamped``, ``prox_loglinear_abs_error`` (``metrics`` method);
-    ``off_policy_masked``; ``cov_clipped`` (clip_cov) or ``cov_penalised`` (kl_cov);
+    ``off_policy_masked``; ``cov_clipped`` (clip_cov) or ``cov_penalised`` (kl_cov); ``entropy_kept``;
     ``positive_nll`` (``-log pi`` on positive-advantage tokens, 0 elsewhere)
     with ``positive_nll_coef > 0``.
     """
@@ -170,6 +179,11 @@ class PPOClipLoss(PolicyLoss):
             kept = ops.off_policy_sequence_mask(logprobs, behave, advantages, mask, cfg.off_policy_mask_threshold)
             metrics["off_policy_masked"] = (on & ~kept).to(mask.dtype)
             keep = keep & kept
+        if cfg.top_entropy_quantile < 1.0:
+            population = batch.get("loss_mask", batch["response_mask"])
+            high = ops.top_quantile_mask(entropy, population, cfg.top_entropy_quantile)
+            loss = torch.where(high, loss, torch.zeros_like(loss))
+            metrics["entropy_kept"] = high.to(mask.dtype)
         if cfg.kl_coef > 0:
             if "ref_logprobs" not in batch:
                 raise KeyError("ppo_clip with kl_coef > 0 needs 'ref_logprobs' in the batch (a reference model)")
