@@ -93,6 +93,7 @@ def cases(response_len: int) -> list[Case]:
         ),
         Case("clip_cov", {"name": "grpo"}, {"loss_mode": "clip_cov", "clip_cov_ratio": 0.002}),
         Case("kl_cov", {"name": "grpo"}, {"loss_mode": "kl_cov", "kl_cov_ratio": 0.002, "ppo_kl_coef": 1.0}),
+        Case("adv_clip", {"name": "grpo"}, {"adv_clip_low": -1.0, "adv_clip_high": 1.0}),
         Case("top_entropy_quantile", {"name": "grpo"}, {"top_entropy_quantile": 0.2, "kl_coef": 0.04}),
     ]
 

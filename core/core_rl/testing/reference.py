@@ -123,6 +123,7 @@ class LossSpec:
     loss_mode: str = "clip"  # clip | clip_cov | kl_cov (their tokens: seq["cov_selected"])
     ppo_kl_coef: float = 0.1
     top_entropy_quantile: float = 1.0  # the population: every token of the sequences given
+    adv_clip: tuple[float | None, float | None] = (None, None)  # (low, high)
 
 
 #: the default upper bound of each built-in rejection sampler (core_rl.rejection)
@@ -165,6 +166,7 @@ def spec_from_options(loss: dict, rejection: dict | None = None) -> LossSpec:
         loss_mode=loss.get("loss_mode", "clip"),
         ppo_kl_coef=loss.get("ppo_kl_coef", 0.1),
         top_entropy_quantile=loss.get("top_entropy_quantile", 1.0),
+        adv_clip=(loss.get("adv_clip_low"), loss.get("adv_clip_high")),
     )
 
 
@@ -216,6 +218,10 @@ def sequence_losses(
     tau = entropy_threshold([float(h) for seq in seqs for h in seq["entropy"]], spec.top_entropy_quantile)
     for seq in seqs:
         lp, old, behave, adv = seq["logprobs"], seq["old"], seq["behave"], seq["adv"]
+        if spec.adv_clip != (None, None):  # each advantage held within [low, high], one by one
+            low = -math.inf if spec.adv_clip[0] is None else spec.adv_clip[0]
+            high = math.inf if spec.adv_clip[1] is None else spec.adv_clip[1]
+            adv = torch.tensor([min(max(float(a), low), high) for a in adv], dtype=adv.dtype)
         anchor = old
         if spec.decoupled and spec.loglinear:
             v_theta, v_b = float(seq["train_version"]), seq["versions"].float()

@@ -1,5 +1,6 @@
 """``ppo_clip``'s options against entropy collapse: ``loss_mode: clip_cov | kl_cov`` (covariance
-token selection) and ``top_entropy_quantile`` (the policy gradient on high-entropy tokens only).
+token selection), ``top_entropy_quantile`` (the policy gradient on high-entropy tokens only) and
+``adv_clip_low``/``adv_clip_high`` (advantage clipping).
 Hand values of the selections and losses, their gradients, the invariants (ratio 0, coefficient 0
 and quantile 1 turn them off), parity with the reference formulation, determinism (the same step
 draws the same tokens, on every rank and after a resume), configuration errors, and a real run."""
@@ -265,6 +266,32 @@ def test_entropy_quantile_matches_the_reference_and_one_is_plain(seed, q, aggreg
     assert torch.equal(one[0], plain[0]) and torch.equal(one[1], plain[1]) and "entropy_kept" not in one[2]
 
 
+# --------------------------------------------------------------------------- advantage clipping
+
+
+def test_advantage_clipping_by_hand_and_off_is_plain() -> None:
+    # on-policy (l = -A), A = [-3, 0.5, 4] clipped to [-1, 2]: l = [1, -0.5, -2], token-mean over 3
+    old = torch.full((1, 3), -1.0)
+    batch = TensorBatch(
+        {
+            "response_mask": torch.ones(1, 3),
+            "loss_mask": torch.ones(1, 3),
+            "old_logprobs": old,
+            "advantages": torch.tensor([[-3.0, 0.5, 4.0]]),
+        }
+    )
+    total, grad, _ = weighted(make_loss(adv_clip_low=-1.0, adv_clip_high=2.0), batch, old)
+    assert float(total) == pytest.approx((1 - 0.5 - 2) / 3)
+    torch.testing.assert_close(grad, torch.tensor([[1 / 3, -0.5 / 3, -2 / 3]]))
+    only_high = weighted(make_loss(adv_clip_high=2.0), batch, old)
+    assert float(only_high[0]) == pytest.approx((3 - 0.5 - 2) / 3)
+    full = make_rl_batch(seed=2)
+    lp = drifted(full, 2)
+    plain = weighted(make_loss(kl_coef=0.1), full, lp)
+    off = weighted(make_loss(kl_coef=0.1, adv_clip_low=None, adv_clip_high=None), full, lp)
+    assert torch.equal(off[0], plain[0]) and torch.equal(off[1], plain[1])
+
+
 # --------------------------------------------------------------------------- configuration
 
 
@@ -278,6 +305,7 @@ def test_entropy_quantile_matches_the_reference_and_one_is_plain(seed, q, aggreg
         ({"loss_mode": "kl_cov", "c_clip": 3.0}, r"algorithm\.loss\.c_clip: does nothing with loss_mode: kl_cov"),
         ({"kl_cov_ratio": 1.5}, r"algorithm\.loss\.kl_cov_ratio: must be in"),
         ({"ppo_kl_coef": -1.0}, r"algorithm\.loss\.ppo_kl_coef: must be >= 0"),
+        ({"adv_clip_low": 1.0, "adv_clip_high": -1.0}, r"algorithm\.loss\.adv_clip_high: must be > adv_clip_low"),
         ({"top_entropy_quantile": 0.0}, r"algorithm\.loss\.top_entropy_quantile: must be in \(0"),
         ({"top_entropy_quantile": 1.5}, r"algorithm\.loss\.top_entropy_quantile: must be in \(0"),
     ],
@@ -318,7 +346,13 @@ def test_tiny_grpo_runs_with_each_option(tmp_path) -> None:
             "clip_cov_ub": 10.0,
             "top_entropy_quantile": 0.5,
         },
-        "kl_cov": {"loss_mode": "kl_cov", "kl_cov_ratio": 0.25, "ppo_kl_coef": 1.0},
+        "kl_cov": {
+            "loss_mode": "kl_cov",
+            "kl_cov_ratio": 0.25,
+            "ppo_kl_coef": 1.0,
+            "adv_clip_low": -0.5,
+            "adv_clip_high": 0.5,
+        },
     }
     for name, loss in runs.items():
         out = tmp_path / name

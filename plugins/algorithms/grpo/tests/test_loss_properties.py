@@ -42,6 +42,8 @@ OPTION_SETS: list[dict[str, Any]] = [
     {"loss_mode": "clip_cov", "clip_cov_ratio": 0.3, "clip_cov_lb": -1.0, "clip_cov_ub": 1.0, "c_clip": 3.0},
     {"loss_mode": "kl_cov", "kl_cov_ratio": 0.3, "ppo_kl_coef": 0.5, "aggregation": "seq-mean-token-mean"},
     {"loss_mode": "kl_cov", "kl_cov_ratio": 0.2, "importance_sampling_level": "sequence", "use_decoupled_loss": True},
+    {"adv_clip_low": -0.5, "adv_clip_high": 0.8, "c_clip": 3.0, "positive_nll_coef": 0.0},
+    {"adv_clip_high": 0.3, "loss_mode": "clip_cov", "clip_cov_ratio": 0.5, "clip_cov_lb": -2.0, "clip_cov_ub": 2.0},
 ]
 
 

@@ -123,7 +123,8 @@ class PPOClipConfig:
     ``clip_cov_ub``; ``kl_cov`` with ``kl_cov_ratio``/``ppo_kl_coef``; defaults as verl's), tokens
     chosen once per step by their covariance of log-prob and advantage (:mod:`core_rl_grpo.covariance`);
     ``top_entropy_quantile`` (in (0, 1], 1: off): only the micro-batch's highest-entropy tokens keep
-    their policy-gradient term (:func:`core_rl.ops.top_quantile_mask`).
+    their policy-gradient term (:func:`core_rl.ops.top_quantile_mask`). ``adv_clip_low``/``adv_clip_high``
+    (null: off): the loss uses ``clip(A_t, low, high)`` in place of ``A_t``, in every term.
     """
 
     eps_clip: float = attrs.field(default=0.2, validator=in_range(0.0, 1.0, low_open=True))
@@ -155,6 +156,8 @@ class PPOClipConfig:
     kl_cov_ratio: float = attrs.field(default=0.0002, validator=in_range(0.0, 1.0))
     ppo_kl_coef: float = attrs.field(default=0.1, validator=non_negative())
     top_entropy_quantile: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
+    adv_clip_low: float | None = attrs.field(default=None, validator=finite())
+    adv_clip_high: float | None = attrs.field(default=None, validator=finite())
 
     def __attrs_post_init__(self) -> None:
         self._check_loss_mode()
@@ -188,6 +191,9 @@ class PPOClipConfig:
         """Clip-Cov needs ``clip_cov_lb < clip_cov_ub``; both covariance modes replace the
         surrogate, so SAPO and CISPO are refused with them, and KL-Cov (no trust-region clip) refuses
         the clip options it would ignore."""
+        low, high = self.adv_clip_low, self.adv_clip_high
+        if low is not None and high is not None and not low < high:
+            raise FieldValueError("adv_clip_high", high, f"must be > adv_clip_low ({low}) or null")
         if not self.clip_cov_lb < self.clip_cov_ub:
             raise FieldValueError("clip_cov_ub", self.clip_cov_ub, f"must be > clip_cov_lb ({self.clip_cov_lb})")
         if self.loss_mode == "clip":

@@ -27,6 +27,7 @@ __all__ = ["PPOClipConfig", "PPOClipLoss", "policy_ratio", "ppo_clip_loss"]
 class PPOClipLoss(PolicyLoss):
     """Per-token loss (see the README for every term)::
 
+        A_t    = clip(A_t, adv_clip_low, adv_clip_high)   with either bound set (every term below)
         rho_t  = pi(y_t) / pi_anchor(y_t)      token level, or the GSPO sequence ratio at sequence level;
                                                pi_anchor = pi_prox (decoupled) or pi_old
         l_t    = ppo_clip_loss(rho_t, A_t)     or sapo_loss(rho_t, A_t) with use_sapo_loss,
@@ -100,7 +101,7 @@ class PPOClipLoss(PolicyLoss):
         cfg = self.config
         metrics = self._m2po(batch) if cfg.m2_threshold is not None else {}
         if cfg.loss_mode != "clip":
-            metrics.update(select_tokens(batch, batch["advantages"].float(), cfg))
+            metrics.update(select_tokens(batch, self._advantages(batch, torch.float32), cfg))
         return metrics
 
     def _m2po(self, batch: TensorBatch) -> dict[str, float]:
@@ -138,7 +139,7 @@ class PPOClipLoss(PolicyLoss):
         cfg = self.config
         mask = batch["response_mask"].to(logprobs.dtype)
         on = mask != 0
-        advantages = batch["advantages"].to(logprobs.dtype)
+        advantages = self._advantages(batch, logprobs.dtype)
         old = batch["old_logprobs"].to(logprobs.dtype)
         behave = batch.get("behave_logprobs", old).to(logprobs.dtype)
         metrics: dict[str, torch.Tensor] = {}
@@ -198,6 +199,16 @@ class PPOClipLoss(PolicyLoss):
             metrics["positive_nll"] = nll.detach()
         loss = torch.where(keep, loss, torch.zeros_like(loss)) * mask
         return LossOutput(per_token_loss=loss, token_metrics={k: v * mask for k, v in metrics.items()})
+
+    def _advantages(self, batch: TensorBatch, dtype: torch.dtype) -> torch.Tensor:
+        """The advantages the loss uses: ``clip(A, adv_clip_low, adv_clip_high)`` (cosmos-rl's
+        advantage clipping) when a bound is set, else the batch's as they are. Clipped here, in the
+        loss, so the estimator's advantages (and their logged statistics) stay unclipped."""
+        advantages = batch["advantages"].to(dtype)
+        low, high = self.config.adv_clip_low, self.config.adv_clip_high
+        if low is None and high is None:
+            return advantages
+        return advantages.clamp(min=low, max=high)
 
     def _selected(self, batch: TensorBatch) -> torch.Tensor:
         """The tokens :meth:`prepare` selected for ``loss_mode`` (bool [b, T])."""
