@@ -43,7 +43,7 @@ class Case:
 
 
 def cases(response_len: int) -> list[Case]:
-    """Each recipe's loss and the off-policy corrections."""
+    """Each recipe's loss, the off-policy corrections and the options against entropy collapse."""
     return [
         Case("grpo", {"name": "grpo"}, {}),
         Case(
@@ -91,6 +91,10 @@ def cases(response_len: int) -> list[Case]:
             {"use_decoupled_loss": True, "prox_logp_method": "loglinear", "off_policy_mask_threshold": 0.01},
             rejection={"name": "kl_k3", "level": "sequence", "agg": "max", "upper": 0.05},
         ),
+        Case("clip_cov", {"name": "grpo"}, {"loss_mode": "clip_cov", "clip_cov_ratio": 0.002}),
+        Case("kl_cov", {"name": "grpo"}, {"loss_mode": "kl_cov", "kl_cov_ratio": 0.002, "ppo_kl_coef": 1.0}),
+        Case("adv_clip", {"name": "grpo"}, {"adv_clip_low": -1.0, "adv_clip_high": 1.0}),
+        Case("top_entropy_quantile", {"name": "grpo"}, {"top_entropy_quantile": 0.2, "kl_coef": 0.04}),
     ]
 
 
@@ -138,6 +142,7 @@ def vectorised(case: Case, host: PluginHost, batch: TensorBatch, entropy: torch.
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         batch["advantages"] = advantage(batch)
+        loss.prepare(batch)  # once per step on the global batch, as the trainer does
         weights = loss.loss_weights(batch["loss_mask"])
         lp = batch["current"].clone().requires_grad_(True)
         total = (loss(batch, lp, entropy).per_token_loss * weights).sum()
@@ -193,6 +198,7 @@ def reference_run(case: Case, batch: TensorBatch, entropy: torch.Tensor):
                 "entropy": entropies[i][:n],
                 "versions": columns["versions"][i][:n],
                 "train_version": batch["train_version"][i],
+                "cov_selected": batch["cov_selected"][i][:n] != 0 if "cov_selected" in batch else None,
             }
             for i, (row, n, a) in enumerate(zip(lp.unbind(0), lengths, advantages()))
         ]

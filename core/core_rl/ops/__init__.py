@@ -1,6 +1,7 @@
 """The algorithm math every plugin shares, as small pure tensor functions (no formula is written
 twice): masked and group statistics and normalisation, loss aggregation, KL estimators, importance
-ratios (token and sequence level), surrogate losses and off-policy masks, importance-weight
+ratios (token and sequence level), surrogate losses and off-policy masks, the token selections
+against entropy collapse (Clip-Cov, KL-Cov, the high-entropy quantile), importance-weight
 rejection, reward shaping, and value-function math (GAE, clipped value loss, KL control,
 distillation).
 
@@ -19,6 +20,15 @@ __all__, __getattr__ = lazy_exports(
     __name__,
     {
         "core_rl.ops.aggregation": ("aggregation_weights",),
+        "core_rl.ops.entropy_control": (
+            "clip_cov_loss",
+            "clip_cov_select",
+            "kl_cov_loss",
+            "kl_cov_select",
+            "selection_count",
+            "token_covariance",
+            "top_quantile_mask",
+        ),
         "core_rl.ops.importance": ("behaviour_log_ratio", "divergence_metric", "reject_by_metric"),
         "core_rl.ops.kl": ("KL_CAP", "adaptive_kl_coef", "kl_estimate", "reverse_kl_distill_loss"),
         "core_rl.ops.names": (

@@ -120,6 +120,10 @@ class LossSpec:
     off_policy_mask_threshold: float | None = None
     sapo: tuple[float, float] | None = None  # (tau_pos, tau_neg)
     cispo: tuple[float, float] | None = None  # (eps_low, eps_high)
+    loss_mode: str = "clip"  # clip | clip_cov | kl_cov (their tokens: seq["cov_selected"])
+    ppo_kl_coef: float = 0.1
+    top_entropy_quantile: float = 1.0  # the population: every token of the sequences given
+    adv_clip: tuple[float | None, float | None] = (None, None)  # (low, high)
 
 
 #: the default upper bound of each built-in rejection sampler (core_rl.rejection)
@@ -159,6 +163,10 @@ def spec_from_options(loss: dict, rejection: dict | None = None) -> LossSpec:
         off_policy_mask_threshold=loss.get("off_policy_mask_threshold"),
         sapo=sapo,
         cispo=cispo,
+        loss_mode=loss.get("loss_mode", "clip"),
+        ppo_kl_coef=loss.get("ppo_kl_coef", 0.1),
+        top_entropy_quantile=loss.get("top_entropy_quantile", 1.0),
+        adv_clip=(loss.get("adv_clip_low"), loss.get("adv_clip_high")),
     )
 
 
@@ -207,8 +215,13 @@ def sequence_losses(
     its response tokens: ``logprobs`` (may require grad), ``old``, ``behave``, ``ref``, ``adv``,
     ``entropy``, and for ``loglinear`` ``versions`` and a 0-D ``train_version``."""
     losses, keeps = [], []
+    tau = entropy_threshold([float(h) for seq in seqs for h in seq["entropy"]], spec.top_entropy_quantile)
     for seq in seqs:
         lp, old, behave, adv = seq["logprobs"], seq["old"], seq["behave"], seq["adv"]
+        if spec.adv_clip != (None, None):  # each advantage held within [low, high], one by one
+            low = -math.inf if spec.adv_clip[0] is None else spec.adv_clip[0]
+            high = math.inf if spec.adv_clip[1] is None else spec.adv_clip[1]
+            adv = torch.tensor([min(max(float(a), low), high) for a in adv], dtype=adv.dtype)
         anchor = old
         if spec.decoupled and spec.loglinear:
             v_theta, v_b = float(seq["train_version"]), seq["versions"].float()
@@ -225,10 +238,15 @@ def sequence_losses(
         elif spec.cispo is not None:  # the clipped weight times exp(x - sg(x)): value 1, gradient grad x
             weight = ratio.detach().clamp(1 - spec.cispo[0], 1 + spec.cispo[1])
             loss = -adv * weight * torch.exp(log_ratio - log_ratio.detach())
+        elif spec.loss_mode == "kl_cov":  # unclipped, |log ratio| on the selected tokens
+            loss = -adv * ratio + torch.where(seq["cov_selected"], spec.ppo_kl_coef * log_ratio.abs(), 0.0)
         else:
-            loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - spec.eps_low, 1 + spec.eps_high))
+            clipped_loss = -adv * ratio.clamp(1 - spec.eps_low, 1 + spec.eps_high)
+            loss = torch.max(-adv * ratio, clipped_loss)
             if spec.c_clip is not None:
                 loss = torch.where(adv < 0, torch.min(loss, -spec.c_clip * adv), loss)
+            if spec.loss_mode == "clip_cov":  # selected tokens leave, unless the clip already acts
+                loss = torch.where(seq["cov_selected"] & ~(clipped_loss > -adv * ratio), 0.0, loss)
         keep = torch.ones_like(lp, dtype=torch.bool)
         if spec.decoupled:
             log_r = (anchor - behave).detach().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
@@ -236,6 +254,8 @@ def sequence_losses(
             if spec.rejection is not None:
                 weight, keep = _rejection(spec.rejection, log_r)
             loss = loss * weight
+        if spec.top_entropy_quantile < 1.0:  # the policy-gradient term of low-entropy tokens leaves
+            loss = torch.where(seq["entropy"] >= tau, loss, 0.0)
         if spec.off_policy_mask_threshold is not None:
             drift = (behave - lp.detach()).mean()
             if adv.mean() < 0 and drift > spec.off_policy_mask_threshold:
@@ -266,6 +286,37 @@ def policy_loss(seqs: Sequence[dict[str, torch.Tensor]], spec: LossSpec) -> torc
             assert spec.norm_length is not None
             out = out + x.sum() / (n * spec.norm_length)
     return out
+
+
+def entropy_threshold(entropies: Sequence[float], quantile: float) -> float:
+    """The ``1 - quantile`` quantile of the entropies, linearly interpolated between sorted neighbours."""
+    values = sorted(entropies)
+    if not values:
+        return math.inf
+    pos = (1.0 - quantile) * (len(values) - 1)
+    j = min(math.floor(pos), len(values) - 1)
+    return values[j] + (pos - j) * (values[min(j + 1, len(values) - 1)] - values[j])
+
+
+def token_covariances(logprobs: Sequence[Sequence[float]], advantages: Sequence[Sequence[float]]) -> list[list[float]]:
+    """Per-sample lists of ``(A_t - mean A) * (lp_t - mean lp)``, the means over every token of every sample."""
+    flat_lp = [float(x) for row in logprobs for x in row]
+    flat_a = [float(x) for row in advantages for x in row]
+    mean_lp = sum(flat_lp) / max(len(flat_lp), 1)
+    mean_a = sum(flat_a) / max(len(flat_a), 1)
+    return [[(float(a) - mean_a) * (float(lp) - mean_lp) for lp, a in zip(r, q)] for r, q in zip(logprobs, advantages)]
+
+
+def cov_count(ratio: float, n: int) -> int:
+    """Tokens a covariance selection takes: ``max(1, floor(ratio * n))`` capped at ``n``; none for ratio 0."""
+    return 0 if ratio <= 0 or n == 0 else min(n, max(1, math.floor(ratio * n)))
+
+
+def kl_cov_selected(covs: Sequence[Sequence[float]], ratio: float) -> list[list[bool]]:
+    """KL-Cov: the ``cov_count`` tokens of largest covariance (earlier position first on ties)."""
+    flat = [(-c, i, t) for i, row in enumerate(covs) for t, c in enumerate(row)]
+    chosen = {(i, t) for _, i, t in sorted(flat)[: cov_count(ratio, len(flat))]}
+    return [[(i, t) in chosen for t in range(len(row))] for i, row in enumerate(covs)]
 
 
 def m2po_keep(m2: Sequence[float], threshold: float) -> list[bool]:

@@ -4,7 +4,8 @@
 - with one-token responses the sequence level (GSPO) equals token-level PPO;
 - the decoupled loss with proximal = behaviour policy equals plain PPO;
 - rejection sampling with infinite bounds changes nothing;
-- parity with the loop-per-sequence reference formulation (core_rl.testing.reference).
+- parity with the loop-per-sequence reference formulation (core_rl.testing.reference), Clip-Cov and
+  KL-Cov given the tokens ``prepare`` selected (the selection itself: test_entropy_control.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ OPTION_SETS: list[dict[str, Any]] = [
     {"use_sapo_loss": True, "sapo_tau_pos": 0.7, "off_policy_mask_threshold": 0.05},
     {"use_cispo_loss": True, "cispo_eps_low": 0.5, "importance_sampling_level": "sequence", "kl_coef": 0.1},
     {"off_policy_mask_threshold": 0.0, "kl_coef": 0.2, "kl_estimator": "k1"},
+    {"loss_mode": "clip_cov", "clip_cov_ratio": 0.3, "clip_cov_lb": -1.0, "clip_cov_ub": 1.0, "c_clip": 3.0},
+    {"loss_mode": "kl_cov", "kl_cov_ratio": 0.3, "ppo_kl_coef": 0.5, "aggregation": "seq-mean-token-mean"},
+    {"loss_mode": "kl_cov", "kl_cov_ratio": 0.2, "importance_sampling_level": "sequence", "use_decoupled_loss": True},
+    {"adv_clip_low": -0.5, "adv_clip_high": 0.8, "c_clip": 3.0, "positive_nll_coef": 0.0},
+    {"adv_clip_high": 0.3, "loss_mode": "clip_cov", "clip_cov_ratio": 0.5, "clip_cov_lb": -2.0, "clip_cov_ub": 2.0},
 ]
 
 
@@ -91,7 +97,9 @@ def rl_batches(draw, *, max_response: int = 6, one_token: bool = False):
 
 
 def loss_and_grad(loss: PPOClipLoss, batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor, parts):
-    """The weighted loss and d loss / d logprobs, summed over the row ``parts`` of ``batch``."""
+    """The weighted loss and d loss / d logprobs, summed over the row ``parts`` of ``batch`` (after
+    the loss's ``prepare`` on the whole batch, as the trainer calls it)."""
+    loss.prepare(batch)
     weights = loss.loss_weights(batch["loss_mask"])
     lp = logprobs.clone().requires_grad_(True)
     total = torch.zeros(())
@@ -188,6 +196,7 @@ def reference_loss_and_grad(batch: TensorBatch, logprobs: torch.Tensor, entropy:
                 "entropy": entropy[i][on],
                 "versions": batch["versions"][i][on],
                 "train_version": batch["train_version"][i],
+                "cov_selected": batch["cov_selected"][i][on] != 0 if "cov_selected" in batch else None,
             }
         )
     total = reference.policy_loss(seqs, spec)

@@ -11,7 +11,7 @@ import attrs
 from core_rl.config.checks import SectionContext, group_size_problems
 from core_rl.config.kl_reward import KLInRewardConfig
 from core_rl.config.schema import default_from
-from core_rl.config.validators import MAX_TOKENS, FieldValueError, in_range, non_negative, one_of, positive
+from core_rl.config.validators import MAX_TOKENS, FieldValueError, finite, in_range, non_negative, one_of, positive
 from core_rl.ops.names import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS
 
 __all__ = [
@@ -95,6 +95,8 @@ class DropUniformGroupsConfig:
 
 
 PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics")
+#: ``ppo_clip``'s ``loss_mode``: the plain clipped surrogate, Clip-Cov or KL-Cov (Cui et al. 2025)
+LOSS_MODES = ("clip", "clip_cov", "kl_cov")
 
 
 def _greater_than_one(_inst: Any, attribute: attrs.Attribute[Any], value: float | None) -> None:
@@ -117,6 +119,12 @@ class PPOClipConfig:
     importance weight in place of the clip; the default ``cispo_eps_low: 1`` sets no lower bound).
     Auxiliary: ``positive_nll_coef`` (0: off), an SFT term ``coef * (-log pi_t)`` on every token with
     a positive advantage, aggregated like the rest of the loss (:class:`core_rl_grpo.losses.PPOClipLoss`).
+    Entropy collapse: ``loss_mode`` (``clip``; ``clip_cov`` with ``clip_cov_ratio``/``clip_cov_lb``/
+    ``clip_cov_ub``; ``kl_cov`` with ``kl_cov_ratio``/``ppo_kl_coef``; defaults as verl's), tokens
+    chosen once per step by their covariance of log-prob and advantage (:mod:`core_rl_grpo.covariance`);
+    ``top_entropy_quantile`` (in (0, 1], 1: off): only the micro-batch's highest-entropy tokens keep
+    their policy-gradient term (:func:`core_rl.ops.top_quantile_mask`). ``adv_clip_low``/``adv_clip_high``
+    (null: off): the loss uses ``clip(A_t, low, high)`` in place of ``A_t``, in every term.
     """
 
     eps_clip: float = attrs.field(default=0.2, validator=in_range(0.0, 1.0, low_open=True))
@@ -141,8 +149,18 @@ class PPOClipConfig:
     cispo_eps_low: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0))
     cispo_eps_high: float = attrs.field(default=0.28, validator=non_negative())
     positive_nll_coef: float = attrs.field(default=0.0, validator=non_negative())
+    loss_mode: str = attrs.field(default="clip", validator=one_of(LOSS_MODES))
+    clip_cov_ratio: float = attrs.field(default=0.0002, validator=in_range(0.0, 1.0))
+    clip_cov_lb: float = attrs.field(default=1.0, validator=finite())
+    clip_cov_ub: float = attrs.field(default=5.0, validator=finite())
+    kl_cov_ratio: float = attrs.field(default=0.0002, validator=in_range(0.0, 1.0))
+    ppo_kl_coef: float = attrs.field(default=0.1, validator=non_negative())
+    top_entropy_quantile: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
+    adv_clip_low: float | None = attrs.field(default=None, validator=finite())
+    adv_clip_high: float | None = attrs.field(default=None, validator=finite())
 
     def __attrs_post_init__(self) -> None:
+        self._check_loss_mode()
         if self.eps_clip_higher is not None and self.eps_clip_higher < self.eps_clip:
             raise FieldValueError(
                 "eps_clip_higher", self.eps_clip_higher, f"must be >= eps_clip ({self.eps_clip}) or null"
@@ -168,6 +186,29 @@ class PPOClipConfig:
                 "needs use_decoupled_loss: true with prox_logp_method 'recompute' or 'metrics' "
                 "(M2PO compares behaviour and recomputed proximal log-probs before the update)",
             )
+
+    def _check_loss_mode(self) -> None:
+        """Clip-Cov needs ``clip_cov_lb < clip_cov_ub``; both covariance modes replace the
+        surrogate, so SAPO and CISPO are refused with them, and KL-Cov (no trust-region clip) refuses
+        the clip options it would ignore."""
+        low, high = self.adv_clip_low, self.adv_clip_high
+        if low is not None and high is not None and not low < high:
+            raise FieldValueError("adv_clip_high", high, f"must be > adv_clip_low ({low}) or null")
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise FieldValueError("clip_cov_ub", self.clip_cov_ub, f"must be > clip_cov_lb ({self.clip_cov_lb})")
+        if self.loss_mode == "clip":
+            return
+        for name in ("use_sapo_loss", "use_cispo_loss"):
+            if getattr(self, name):
+                raise FieldValueError(
+                    name, True, f"cannot be combined with loss_mode: {self.loss_mode} (it replaces the surrogate)"
+                )
+        if self.loss_mode == "kl_cov":
+            for name in ("c_clip", "eps_clip_higher"):
+                if getattr(self, name) is not None:
+                    raise FieldValueError(
+                        name, getattr(self, name), "does nothing with loss_mode: kl_cov (its surrogate is unclipped)"
+                    )
 
     def check_config(self, context: SectionContext) -> list[str]:
         """Problems with the rest of the run: rejection sampling acts on the decoupled loss's

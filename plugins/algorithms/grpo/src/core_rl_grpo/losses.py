@@ -2,7 +2,8 @@
 clip-higher, dual clipping, a KL penalty towards a reference model, an entropy bonus, and the
 off-policy corrections: the decoupled loss (proximal policy by recompute or log-linear
 interpolation) with rejection sampling / truncated or masked importance sampling, off-policy
-sequence masking, SAPO's soft gate, CISPO's clipped weight and M2PO.
+sequence masking, SAPO's soft gate, CISPO's clipped weight and M2PO; and against entropy collapse,
+Clip-Cov and KL-Cov.
 
 The formulas live in :mod:`core_rl.ops`; this module composes them. All tensors are [b, T] and
 follow :mod:`core_rl.protocol` (position ``t`` describes token ``t``).
@@ -18,6 +19,7 @@ from core_rl.ops import policy_ratio, ppo_clip_loss
 from core_rl.protocol import TensorBatch
 
 from core_rl_grpo.config import PPOClipConfig
+from core_rl_grpo.covariance import select_tokens
 
 __all__ = ["PPOClipConfig", "PPOClipLoss", "policy_ratio", "ppo_clip_loss"]
 
@@ -25,11 +27,15 @@ __all__ = ["PPOClipConfig", "PPOClipLoss", "policy_ratio", "ppo_clip_loss"]
 class PPOClipLoss(PolicyLoss):
     """Per-token loss (see the README for every term)::
 
+        A_t    = clip(A_t, adv_clip_low, adv_clip_high)   with either bound set (every term below)
         rho_t  = pi(y_t) / pi_anchor(y_t)      token level, or the GSPO sequence ratio at sequence level;
                                                pi_anchor = pi_prox (decoupled) or pi_old
         l_t    = ppo_clip_loss(rho_t, A_t)     or sapo_loss(rho_t, A_t) with use_sapo_loss,
                                                or cispo_loss(rho_t, A_t) with use_cispo_loss
+        l_t    = 0 where t in S and not clipped            loss_mode clip_cov (ops.clip_cov_loss)
+        l_t    = -A_t rho_t + ppo_kl_coef |log rho_t| [t in S]   loss_mode kl_cov (unclipped; ops.kl_cov_loss)
         l_t    = l_t * w_t                     decoupled: w_t = pi_prox / pi_behave (after rejection sampling)
+        l_t    = l_t * [H_t >= tau_q]          top_entropy_quantile q < 1 (tau_q below)
         l_t    = l_t + kl_coef * KL_est(pi, pi_ref) - entropy_coef * H_t
         l_t    = l_t + positive_nll_coef * (-log pi(y_t)) * [A_t > 0]
         l_t    = l_t * keep_t * mask_t         keep: rejection sampling, off-policy sequence masking
@@ -43,11 +49,25 @@ class PPOClipLoss(PolicyLoss):
     positive tokens are the tokens of the samples with a positive advantage. Off (0) the loss is
     bitwise the loss without it.
 
+    ``S`` (``loss_mode`` ``clip_cov``/``kl_cov``) is chosen once per step on the global batch by
+    :meth:`prepare` from the covariance of log-prob and advantage (:mod:`core_rl_grpo.covariance`:
+    scope and seeding); Clip-Cov's tokens leave the loss, KL-Cov's are pulled back towards the
+    anchor policy.
+
+    ``top_entropy_quantile = q < 1`` (the 80/20 rule, Wang et al. 2025): ``tau_q`` is the ``1 - q``
+    quantile (linear interpolation) of the entropies ``H_t`` of the micro-batch's loss tokens
+    (``loss_mask``) on this rank, read without gradient (:func:`core_rl.ops.top_quantile_mask`); the
+    other tokens lose the policy-gradient term only (the KL, entropy and NLL terms stay) and still
+    count in the aggregation's denominators. The engine hands the loss the current policy's entropy
+    one micro-batch at a time, so the population is the micro-batch: the loss depends on the
+    micro-batch split (with one micro-batch per rank and one rank, the population is the minibatch).
+
     Token metrics (0 off the response): ``ratio``, ``ratio_max``, ``clipped``, ``dual_clipped``,
     ``sapo_gate``, ``cispo_truncated``, ``approx_kl`` (k3 estimate of KL(pi_anchor || pi)), ``kl``; with the decoupled
     loss ``behave_weight``, ``behave_weight_max``, ``kl_behave_prox``, ``kl_behave_current``,
     ``rejected``, ``clamped``, ``prox_loglinear_abs_error`` (``metrics`` method);
-    ``off_policy_masked``; ``positive_nll`` (``-log pi`` on positive-advantage tokens, 0 elsewhere)
+    ``off_policy_masked``; ``cov_clipped`` (clip_cov) or ``cov_penalised`` (kl_cov); ``entropy_kept``;
+    ``positive_nll`` (``-log pi`` on positive-advantage tokens, 0 elsewhere)
     with ``positive_nll_coef > 0``.
     """
 
@@ -75,10 +95,19 @@ class PPOClipLoss(PolicyLoss):
         return ops.aggregation_weights(response_mask, self.config.aggregation, norm_length=self.config.norm_length)
 
     def prepare(self, batch: TensorBatch) -> dict[str, float]:
-        """M2PO (``m2_threshold``): drop tokens from ``loss_mask`` by the whole batch's second moment
-        of ``log pi_behave - log pi_prox`` (:func:`core_rl.ops.m2po_mask`)."""
-        if self.config.m2_threshold is None:
-            return {}
+        """On the whole global batch, before any update: M2PO (``m2_threshold``) drops tokens from
+        ``loss_mask`` (:meth:`_m2po`); then ``loss_mode`` ``clip_cov``/``kl_cov`` selects its tokens
+        among those left (:func:`core_rl_grpo.covariance.select_tokens`, into ``cov_selected``)."""
+        cfg = self.config
+        metrics = self._m2po(batch) if cfg.m2_threshold is not None else {}
+        if cfg.loss_mode != "clip":
+            metrics.update(select_tokens(batch, self._advantages(batch, torch.float32), cfg))
+        return metrics
+
+    def _m2po(self, batch: TensorBatch) -> dict[str, float]:
+        """M2PO: drop tokens from ``loss_mask`` by the whole batch's second moment of
+        ``log pi_behave - log pi_prox`` (:func:`core_rl.ops.m2po_mask`)."""
+        assert self.config.m2_threshold is not None
         mask = batch["loss_mask"]
         behave, prox = batch["behave_logprobs"], batch["old_logprobs"]
         keep = ops.m2po_mask(behave, prox, mask, self.config.m2_threshold)
@@ -110,19 +139,24 @@ class PPOClipLoss(PolicyLoss):
         cfg = self.config
         mask = batch["response_mask"].to(logprobs.dtype)
         on = mask != 0
-        advantages = batch["advantages"].to(logprobs.dtype)
+        advantages = self._advantages(batch, logprobs.dtype)
         old = batch["old_logprobs"].to(logprobs.dtype)
         behave = batch.get("behave_logprobs", old).to(logprobs.dtype)
         metrics: dict[str, torch.Tensor] = {}
 
         anchor = self._proximal(batch, logprobs, behave, metrics) if cfg.use_decoupled_loss else old
-        ratio = torch.exp(ops.importance_log_ratio(logprobs, anchor, mask, cfg.importance_sampling_level))
+        log_ratio = ops.importance_log_ratio(logprobs, anchor, mask, cfg.importance_sampling_level)
+        ratio = torch.exp(log_ratio)
         if cfg.use_sapo_loss:
             loss, gate = ops.sapo_loss(ratio, advantages, tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg)
             metrics["sapo_gate"] = gate
         elif cfg.use_cispo_loss:
             loss, truncated = ops.cispo_loss(ratio, advantages, eps_low=cfg.cispo_eps_low, eps_high=cfg.cispo_eps_high)
             metrics["cispo_truncated"] = truncated.to(mask.dtype)
+        elif cfg.loss_mode == "kl_cov":
+            selected = self._selected(batch)
+            loss = ops.kl_cov_loss(ratio, log_ratio, advantages, selected, cfg.ppo_kl_coef)
+            metrics["cov_penalised"] = selected.to(mask.dtype)
         else:
             loss, clipped, dual_clipped = ppo_clip_loss(
                 ratio, advantages, eps_low=self.eps_low, eps_high=self.eps_high, c_clip=cfg.c_clip
@@ -130,6 +164,9 @@ class PPOClipLoss(PolicyLoss):
             metrics["clipped"] = clipped.to(mask.dtype)
             if cfg.c_clip is not None:
                 metrics["dual_clipped"] = dual_clipped.to(mask.dtype)
+            if cfg.loss_mode == "clip_cov":
+                loss, corrected = ops.clip_cov_loss(loss, clipped, self._selected(batch))
+                metrics["cov_clipped"] = corrected.to(mask.dtype)
         metrics["ratio"] = ratio.detach()
         metrics["ratio_max"] = ratio.detach()
         metrics["approx_kl"] = ops.kl_estimate(anchor, logprobs.detach(), "k3")
@@ -143,6 +180,11 @@ class PPOClipLoss(PolicyLoss):
             kept = ops.off_policy_sequence_mask(logprobs, behave, advantages, mask, cfg.off_policy_mask_threshold)
             metrics["off_policy_masked"] = (on & ~kept).to(mask.dtype)
             keep = keep & kept
+        if cfg.top_entropy_quantile < 1.0:
+            population = batch.get("loss_mask", batch["response_mask"])
+            high = ops.top_quantile_mask(entropy, population, cfg.top_entropy_quantile)
+            loss = torch.where(high, loss, torch.zeros_like(loss))
+            metrics["entropy_kept"] = high.to(mask.dtype)
         if cfg.kl_coef > 0:
             if "ref_logprobs" not in batch:
                 raise KeyError("ppo_clip with kl_coef > 0 needs 'ref_logprobs' in the batch (a reference model)")
@@ -157,6 +199,25 @@ class PPOClipLoss(PolicyLoss):
             metrics["positive_nll"] = nll.detach()
         loss = torch.where(keep, loss, torch.zeros_like(loss)) * mask
         return LossOutput(per_token_loss=loss, token_metrics={k: v * mask for k, v in metrics.items()})
+
+    def _advantages(self, batch: TensorBatch, dtype: torch.dtype) -> torch.Tensor:
+        """The advantages the loss uses: ``clip(A, adv_clip_low, adv_clip_high)`` (cosmos-rl's
+        advantage clipping) when a bound is set, else the batch's as they are. Clipped here, in the
+        loss, so the estimator's advantages (and their logged statistics) stay unclipped."""
+        advantages = batch["advantages"].to(dtype)
+        low, high = self.config.adv_clip_low, self.config.adv_clip_high
+        if low is None and high is None:
+            return advantages
+        return advantages.clamp(min=low, max=high)
+
+    def _selected(self, batch: TensorBatch) -> torch.Tensor:
+        """The tokens :meth:`prepare` selected for ``loss_mode`` (bool [b, T])."""
+        if "cov_selected" not in batch:
+            raise KeyError(
+                f"ppo_clip with loss_mode {self.config.loss_mode} needs 'cov_selected' in the batch: "
+                "call PPOClipLoss.prepare on the global batch first (the trainer does)"
+            )
+        return batch["cov_selected"] != 0
 
     def _behaviour_weight(
         self,
