@@ -31,6 +31,10 @@ key                 shape       meaning
 ``train_version``   [B]    long the weight version the current update produces (the same in every row)
 ==================  ==========  =====================================================================
 
+A loss's ``prepare`` may add keys of its own that travel with the rows into every micro-batch, e.g.
+``cov_selected`` [B, T] (``ppo_clip``'s ``loss_mode: clip_cov | kl_cov``: the tokens chosen once per
+step by covariance, ``core_rl_grpo.covariance``).
+
 The trainer adds ``loss_mask``, ``advantages``, ``loss_weight`` and ``train_version``; the rest comes
 from :func:`samples_to_batch` (and the rewards and engines).
 
