@@ -29,8 +29,12 @@ def _source(sizes: list[int], weights: list[float] | None, *, batch: int = 2, se
     paths = [f"s{i}.jsonl" for i in range(len(sizes))]
     files = paths if weights is None else [TrainFile(p, w) for p, w in zip(paths, weights)]
     config = DataConfig(train_files=files, batch_size=batch)
-    rows = [DataRow(p, j + 1, {"prompt": f"{p}#{j}"}) for p, n in zip(paths, sizes) for j in range(n)]
-    items = [PromptItem(row=r.row, text=r.row["prompt"], prompt_ids=[1], where=r.where, file=r.file) for r in rows]
+    rows = [
+        DataRow(p, j + 1, {"prompt": f"{p}#{j}"}, entry=k)
+        for k, (p, n) in enumerate(zip(paths, sizes))
+        for j in range(n)
+    ]
+    items = [PromptItem(row=r.row, text=r.row["prompt"], prompt_ids=[1], where=r.where, entry=r.entry) for r in rows]
     return PromptSource(
         config, TOKENIZER, seed=seed, rows=TokenisedRows(rows, items, tokenisation_key(config, TOKENIZER))
     )
@@ -84,7 +88,31 @@ def test_a_mixture_is_deterministic_given_the_seed_and_rows_keep_their_file() ->
     assert _draw(_source([3, 5], [0.8, 0.2], seed=8), 40) != _draw(_source([3, 5], [0.8, 0.2], seed=7), 40)
     for item in _source([3, 5], [0.8, 0.2]).next_batch():
         file, index = item.row["prompt"].split("#")
-        assert (item.file, item.where) == (file, f"{file}:{int(index) + 1}")
+        assert (item.entry, item.where) == (int(file[1:].split(".")[0]), f"{file}:{int(index) + 1}")
+
+
+def test_sources_are_the_entries_whatever_label_their_rows_carry(tmp_path: Path) -> None:
+    """A saved DatasetDict written without its split reads as ``dir@train``, and the same file may
+    be listed twice: each entry is a source of its own."""
+    import datasets
+    from core_rl.tiny import build_char_tokenizer
+    from core_rl.trainer.data import mixture_sources, tokenise_rows
+    from core_rl.trainer.data_files import read_data_files
+
+    saved, jsonl = tmp_path / "saved", tmp_path / "a.jsonl"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "ab"}, {"prompt": "cd"}])}).save_to_disk(
+        str(saved)
+    )
+    jsonl.write_text('{"prompt": "ef"}\n')
+    files = [TrainFile(str(saved), 1.0), TrainFile(str(jsonl), 1.0), TrainFile(str(jsonl), 2.0)]
+    config = DataConfig(train_files=files, batch_size=2, shuffle=False)
+    rows, problems = read_data_files(config.train_paths)
+    assert not problems and rows[0].file == f"{saved}@train" and [r.entry for r in rows] == [0, 0, 1, 2]
+    tokenizer = build_char_tokenizer()
+    items, _ = tokenise_rows(rows, config, tokenizer)
+    assert mixture_sources(items, config) == ([[0, 1], [2], [3]], [])
+    source = PromptSource(config, tokenizer, seed=0, rows=rows)
+    assert len(source.sources) == 3 and sum(len(s) for s in source.sources) == 4
 
 
 @settings(max_examples=40, deadline=None)

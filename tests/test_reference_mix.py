@@ -17,7 +17,7 @@ import yaml
 from core_rl.builtin.loggers import read_metrics
 from core_rl.errors import CoreRLError
 from core_rl.trainer.hf_exports import export_dir, exported_steps
-from core_rl.trainer.reference_mix import mix_into, weight_files
+from core_rl.trainer.reference_mix import mismatch, mix_into, weight_files
 from safetensors.torch import load_file, save_file
 
 
@@ -79,6 +79,22 @@ def test_a_policy_weight_the_reference_lacks_or_shapes_differently_is_refused(tm
         mix_into(tmp_path / "policy", tmp_path / "reference", 0.5, torch.float32)
     with pytest.raises(CoreRLError, match="holds no safetensors weights"):
         weight_files(tmp_path)
+    assert mismatch(tmp_path / "policy", tmp_path / "reference") == (
+        f"the policy's weight 'v' is not in the reference {tmp_path / 'reference'}"
+    )
+    assert mismatch(tmp_path / "reference", tmp_path / "reference") is None
+
+
+def test_a_reference_of_another_model_is_refused_when_the_run_starts(tmp_path: Path, capsys) -> None:
+    """Soft updates mix the same model's weights: a ref: of another shape is one error when the
+    trainer is built, not at the first reset."""
+    from core_rl import cli
+    from core_rl.tiny import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "wide", alphabet="abcd=", hidden_size=32, num_heads=2)
+    path = _config(tmp_path, "other", {"reference_reset_every_n_steps": 2, "reference_reset_alpha": 0.5})
+    assert cli.main(["train", str(path), f"ref.model_path={other}", "trainer.total_steps=1"]) == 2
+    assert "algorithm.reference_reset_alpha: the policy's weight" in capsys.readouterr().err
 
 
 def _config(tmp_path: Path, name: str, algorithm: dict, **sections) -> Path:

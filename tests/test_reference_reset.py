@@ -25,6 +25,22 @@ def test_the_reset_step_of_each_step() -> None:
     assert reset_step(5, 0) == 0
 
 
+def test_an_old_kept_checkpoint_pins_its_own_reference_and_no_other(tmp_path: Path) -> None:
+    """saver.keep_best may keep the checkpoint of step 2 beside those of steps 7 and 8: the exports
+    of their reset steps (2, 6) and the newest (8) stay, the one between (4) goes."""
+    from core_rl.config.schema import ActorConfig
+    from core_rl.trainer import checkpoints
+    from core_rl.trainer.reference_reset import ReferenceReset, reference_dir
+
+    for step in (2, 4, 6, 8):
+        reference_dir(tmp_path, step).mkdir(parents=True)
+    for step in (2, 7, 8):
+        checkpoints.checkpoint_dir(tmp_path, step).mkdir(parents=True)
+    reset = ReferenceReset(2, ActorConfig(), tmp_path, lambda section: None, True)
+    assert reset.prune(tmp_path) == [4]
+    assert exported_steps(tmp_path, "reference") == [2, 6, 8]
+
+
 def _write(tmp_path: Path, name: str, **sections) -> Path:
     from core_rl.testing.faults import build_task, merged
 

@@ -18,8 +18,9 @@ from core_rl.servers import START_MARK, ServerError, free_port
 #: a real server: binds its port (failing as any server does when the port is taken) and answers
 #: ``GET /health`` and ``POST /gen``; a second argument makes it fail at start for another reason
 SERVER = """
-import http.server, json, sys
-if len(sys.argv) > 2:
+import http.server, json, sys, time
+time.sleep(float(sys.argv[3]))  # loading its model
+if sys.argv[2] == "broken":
     raise RuntimeError("the model does not fit")
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -39,9 +40,10 @@ class ScriptEngine(ServerRolloutEngine):
 
     env_name = "script"
     broken = False
+    load_s = 0.0
 
     def server_command(self, python: str, port: int, index: int) -> list[str]:
-        return [python, "-c", SERVER, str(port), *(["broken"] if self.broken else [])]
+        return [python, "-c", SERVER, str(port), "broken" if self.broken else "ok", str(self.load_s)]
 
     async def request(self, client: Any, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list[Completion]:
         body = await json_post(client, url + "/gen", {"prompt": prompt_ids})
@@ -82,6 +84,19 @@ def test_a_server_whose_chosen_port_was_taken_starts_again_on_another(tmp_path, 
     assert f"port {taken} was taken by another process" in err and endpoint.url.rsplit(":", 1)[1] in err
     log = (tmp_path / "servers" / "script-0.log").read_text()
     assert log.count(START_MARK) == 2 and "Address already in use" in log  # both starts' logs are kept
+
+
+def test_a_start_again_has_a_whole_startup_timeout(tmp_path, taken, monkeypatch) -> None:
+    """A server that notices its lost port only after loading for 60% of startup_timeout still
+    starts the second time: the new start does not inherit what is left of the first's."""
+    chosen = iter([taken])
+    monkeypatch.setattr(remote_engine, "free_port", lambda host: next(chosen, None) or free_port(host))
+    monkeypatch.setattr(ScriptEngine, "load_s", 3.0)
+    engine = _engine(tmp_path, startup_timeout=5)
+    try:
+        assert not engine.endpoints[0].url.endswith(f":{taken}")
+    finally:
+        engine.close()
 
 
 def test_a_port_the_configuration_names_is_not_replaced(tmp_path, taken) -> None:

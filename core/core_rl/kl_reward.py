@@ -7,6 +7,10 @@ Per response token (:func:`core_rl.ops.token_level_rewards`, Ziegler et al. 2019
     kl_t = KL_est(pi_old || pi_ref)_t            (kl_estimator; 0 off the response mask)
     r_t  = score * [t is the response's last token] - beta * kl_t
 
+``pi_old`` is the trainer's own forward: with the KL in the reward the update always recomputes
+``old_logprobs`` (:class:`core_rl.trainer.update.PolicyUpdate`), so the rollout engine's numerical
+gap to the trainer (and, in asynchronous runs, the behaviour policy's age) never enters the KL.
+
 Estimators that work per token (``gae``, ``reinforce_pp``) take ``r_t`` as it is
 (:meth:`KLInReward.token_rewards`). Estimators of one scalar reward per sequence (``grpo``,
 ``rloo``) take the sequence's undiscounted return (:meth:`KLInReward.sequence_rewards`)::

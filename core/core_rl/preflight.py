@@ -69,6 +69,7 @@ from core_rl.trainer.data import (
     check_eval_data,
     check_rows,
     eval_data_config,
+    mixture_sources,
     read_data_files,
     tokenisation_key,
     tokenise_rows,
@@ -335,6 +336,8 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
                 rows, cfg.data, tokenizer, vocab_size=model.vocab_size if model is not None else None
             )
             problems += prompt_problems
+            if not prompt_problems and cfg.data.train_weights is not None:  # a mixture's sources, each non-empty
+                problems += mixture_sources(items, cfg.data)[1]
             longest_prompt = max((len(item.prompt_ids) for item in items), default=None)
             key = tokenisation_key(cfg.data, tokenizer)
             if not prompt_problems and key is not None:  # the trainer takes these items as they are

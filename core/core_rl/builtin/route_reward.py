@@ -22,8 +22,8 @@ Each route is reported as a part named after its value (``reward/gsm8k/mean``, `
 Before the run (``check_data``, with the other data problems): every row of ``data.train_files``
 must hold ``key`` (not null) and a value with a route, or a default; the rows without one are
 listed per value with their file and line. Each routed reward's own ``required_columns`` and
-``check_data`` apply to the rows routed to it alone. Evaluation rows are checked for ``key``; a
-row without a route there fails its call under ``reward_runner.on_error``.
+``check_data`` apply to the rows routed to it alone. The rows of ``eval.files`` are checked the
+same way (preflight runs the reward's ``check_data`` on them too).
 """
 
 from __future__ import annotations

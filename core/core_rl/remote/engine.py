@@ -313,9 +313,11 @@ class ServerRolloutEngine(Generation, WeightSync, MemoryRelease, ServerRecovery,
         )
 
     def _wait_started(self, ep: Endpoint, index: int, python: str, devices: dict[str, str], deadline: float) -> None:
-        """Wait for ``ep``'s server to become healthy. A server on a port core-rl chose that lost
-        the port to another process before binding it is started again on another port, up to
-        :data:`PORT_ATTEMPTS` times."""
+        """Wait for ``ep``'s server to become healthy (until ``deadline``, the servers' common
+        ``startup_timeout``). A server on a port core-rl chose that lost the port to another
+        process before binding it is started again on another port, up to :data:`PORT_ATTEMPTS`
+        times, each new start with a whole ``startup_timeout`` of its own (a server may notice
+        the lost port only after loading its model)."""
         for attempt in range(1, PORT_ATTEMPTS + 1):
             assert ep.server is not None
             try:
@@ -335,6 +337,7 @@ class ServerRolloutEngine(Generation, WeightSync, MemoryRelease, ServerRecovery,
                 flush=True,
             )
             ep.server.start()
+            deadline = time.monotonic() + self.options.startup_timeout
 
     def _servers_devices(self) -> list[dict[str, str]]:
         """Each started server's ``CUDA_VISIBLE_DEVICES`` from ``server.gpus`` (none when empty)."""

@@ -30,8 +30,8 @@ class PromptItem:
     text: str
     prompt_ids: list[int]
     where: str = ""
-    #: the ``data.train_files`` entry (or eval file) the row came from
-    file: str = ""
+    #: the index of the ``data.train_files`` entry (or eval file) the row came from
+    entry: int = 0
 
 
 def check_rows(
@@ -190,7 +190,7 @@ def tokenise_rows(
         if problem is not None:
             problems.add(r.file, problem)
             continue
-        items.append(PromptItem(row=r.row, text=text, prompt_ids=ids, where=r.where, file=r.file))
+        items.append(PromptItem(row=r.row, text=text, prompt_ids=ids, where=r.where, entry=r.entry))
     if dropped and not items:
         return items, [
             *problems.result(),
@@ -226,6 +226,23 @@ class TokenisedRows(list):  # list[DataRow]
         super().__init__(rows)
         self.items = list(items)
         self.key = key
+
+
+def mixture_sources(items: Sequence[PromptItem], config: DataConfig) -> tuple[list[list[int]], list[str]]:
+    """The indices of ``items`` drawn from each entry of a weighted ``data.train_files`` (by the entry
+    each row was read from, whatever label the reader gave it), and a problem for each entry left
+    with no prompt (all of them filtered out as too long)."""
+    paths = config.train_paths
+    sources: list[list[int]] = [[] for _ in paths]
+    for i, item in enumerate(items):
+        sources[item.entry].append(i)
+    problems = [
+        f"data.train_files[{k}]: {paths[k]!r} has no prompts to draw (data.filter_overlong_prompts dropped them "
+        "all); remove it, or raise data.max_prompt_tokens"
+        for k, members in enumerate(sources)
+        if not members
+    ]
+    return sources, problems
 
 
 def prompt_count(rows: Sequence[DataRow], config: DataConfig, tokenizer: Any) -> int:
@@ -303,20 +320,12 @@ class PromptSource:
         self._order = self._permutation(0)
 
     def _sources(self, problems: list[str]) -> list[list[int]]:
-        """With weighted ``data.train_files``: each entry's item indices (an entry left with no
-        prompt is a problem); else none."""
+        """With weighted ``data.train_files``: each entry's item indices (:func:`mixture_sources`);
+        else none."""
         if self.config.train_weights is None or problems:
             return []
-        paths = self.config.train_paths
-        sources: list[list[int]] = [[] for _ in paths]
-        for i, item in enumerate(self.items):
-            sources[paths.index(item.file)].append(i)
-        problems.extend(
-            f"data.train_files[{k}]: {paths[k]!r} has no prompts to draw (all filtered out, or the same path as an "
-            "earlier entry); remove it or merge its weight into the other"
-            for k, members in enumerate(sources)
-            if not members
-        )
+        sources, empty = mixture_sources(self.items, self.config)
+        problems.extend(empty)
         return sources
 
     def _permutation(self, epoch: int) -> list[int]:

@@ -58,6 +58,8 @@ class DataRow:
     line: int
     row: Mapping[str, Any]
     unit: str = "line"
+    #: the index of the entry of ``data.train_files`` (or ``eval.files``) the row came from
+    entry: int = 0
 
     @property
     def where(self) -> str:
@@ -389,6 +391,7 @@ def read_data_files(files: Sequence[str], key: str = "data.train_files") -> tupl
     be missing, so use the rows only when there are none."""
     problems = Problems()
     rows: list[DataRow] = []
-    for name in files:
-        rows.extend(_read_entry(name, problems, key))
+    for index, name in enumerate(files):
+        read = _read_entry(name, problems, key)
+        rows.extend(read if index == 0 else (attrs.evolve(r, entry=index) for r in read))
     return rows, problems.result()

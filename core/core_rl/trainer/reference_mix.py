@@ -50,6 +50,35 @@ def weight_files(directory: Path) -> dict[str, Path]:
     raise CoreRLError(f"{directory} holds no safetensors weights ({SINGLE_FILE} or {INDEX_FILE})")
 
 
+def weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Each weight name of ``directory`` (:func:`weight_files`) -> its shape, read from the
+    safetensors headers alone (no tensor is loaded)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, file in weight_files(directory).items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in names})
+    return shapes
+
+
+def mismatch(policy_dir: Path, reference_dir: Path) -> str | None:
+    """Why the policy of ``policy_dir`` cannot be mixed with the reference of ``reference_dir``: the
+    first policy weight the reference lacks or holds in another shape (``None``: none)."""
+    reference = weight_shapes(reference_dir)
+    for name, shape in weight_shapes(policy_dir).items():
+        if name not in reference:
+            return f"the policy's weight {name!r} is not in the reference {reference_dir}"
+        if reference[name] != shape:
+            return (
+                f"the policy's weight {name!r} has shape {shape}, the reference's in {reference_dir} {reference[name]}"
+            )
+    return None
+
+
 def mix_tensor(policy: torch.Tensor, reference: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
     """``d(f32(alpha) * f32(policy) + f32(1 - alpha) * f32(d(reference)))`` with ``d`` = ``dtype`` for a
     floating ``policy``; ``policy`` itself otherwise (see the module docstring)."""

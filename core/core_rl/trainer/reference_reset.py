@@ -6,7 +6,7 @@ After each ``k``-th step the policy is exported to ``<run>/reference/step_<N>`` 
 section's other settings; from step ``N + 1`` on, ``ref_logprobs`` are the step-``N`` policy's. The
 reference of step ``S`` is therefore the policy of step ``reset_step(S) = floor(S / k) * k`` (the
 original reference before the first reset), which is how a resumed run finds it again. Exports
-no kept checkpoint can need (older than the reset step of the oldest one, and not the newest) are
+no kept checkpoint can need (neither the newest nor the reset step's of a kept checkpoint) are
 removed after each reset and each checkpoint.
 
 With ``algorithm.reference_reset_alpha`` ``alpha`` < 1 each reset is a soft update: the export of
@@ -40,7 +40,7 @@ from core_rl.plugins import PluginHost
 from core_rl.trainer.checkpoints import list_checkpoints
 from core_rl.trainer.hf_exports import export_dir, exported_steps
 from core_rl.trainer.ranks import agree_after, waiting_for
-from core_rl.trainer.reference_mix import weight_files
+from core_rl.trainer.reference_mix import mismatch, weight_files
 
 #: builds the reference engine of a section (``core_rl.roles.build_engine`` with the run's host)
 BuildReference = Callable[[ActorConfig], TrainEngine]
@@ -98,6 +98,17 @@ class ReferenceReset:
                         f"safetensors files: {exc}; save the model with safetensors, or set reference_reset_alpha: 1"
                     ]
                 ) from exc
+            try:  # the same weights in both, as the first mix needs: known now rather than at that step
+                different = mismatch(Path(cfg.actor.model_path), Path(section.model_path))
+            except CoreRLError:  # the policy's directory holds no safetensors: its export will
+                different = None
+            if different is not None:
+                raise ConfigError(
+                    [
+                        f"algorithm.reference_reset_alpha: {different}; soft updates mix the same model's weights "
+                        "(use the actor's model as ref:, or set reference_reset_alpha: 1)"
+                    ]
+                )
         return cls(every, section, cfg.experiment.run_dir, build, is_main, alpha)
 
     def _rebuilt(self, old: TrainEngine, step: int) -> TrainEngine:
@@ -161,14 +172,15 @@ class ReferenceReset:
         return self._rebuilt(ref, at)
 
     def prune(self, run_dir: Path) -> list[int]:
-        """Remove the exports that no kept checkpoint of ``run_dir`` (nor the running step) can need;
-        main rank only."""
+        """Remove the exports that no kept checkpoint of ``run_dir`` (nor the running step) can need:
+        all but the newest (the running reference, which the next soft update mixes with) and the
+        reset step's of each kept checkpoint (a resumed run's reference; ``saver.keep_best`` may keep
+        an old checkpoint, which then pins its own export, never the ones between); main rank only."""
         steps = exported_steps(self.run_dir, "reference")
         if not self.is_main or not steps:
             return []
-        kept = [step for step, _path in list_checkpoints(run_dir)]
-        needed = min((reset_step(s, self.every) for s in kept), default=steps[-1])
-        removed = [s for s in steps[:-1] if s < needed]
+        needed = {reset_step(step, self.every) for step, _path in list_checkpoints(run_dir)}
+        removed = [s for s in steps[:-1] if s not in needed]
         for s in removed:
             shutil.rmtree(reference_dir(self.run_dir, s), ignore_errors=True)
         return removed

@@ -147,7 +147,10 @@ class PolicyUpdate:
         self.temperature = temperature
         self.shard = shard
         self.world_size = world_size
-        self.recompute = algorithm.recompute_logprob or loss.requires_recompute
+        # a KL penalty in the reward measures KL(pi_old || pi_ref) with the trainer's own forward on
+        # both sides (the rollout engine's log-probs would add its numerical gap to the KL)
+        kl_in_reward = self.advantage is not None and bool(getattr(self.advantage, "requires_reference", False))
+        self.recompute = algorithm.recompute_logprob or loss.requires_recompute or kl_in_reward
 
     def _logprobs(self, batch: TensorBatch) -> None:
         """``ref_logprobs`` (with a reference model), ``teacher_logprobs`` (with a teacher) and

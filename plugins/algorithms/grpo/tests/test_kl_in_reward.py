@@ -258,3 +258,25 @@ def test_a_real_run_of_reinforce_pp_with_the_kl_in_its_reward(tmp_path: Path) ->
     first, second = rows[0]["advantage/kl_coef"], rows[1]["advantage/kl_coef"]
     error = min(max(rows[0]["advantage/kl_in_reward"] / 0.01 - 1, -0.2), 0.2)  # 2 prompts x 2 samples
     assert first == pytest.approx(0.1) and second == pytest.approx(0.1 * (1 + error * 4 / 10))
+
+
+@pytest.mark.parametrize("kl_ctl", [0.0, 0.1])
+def test_a_kl_in_the_reward_is_measured_on_recomputed_log_probs(kl_ctl: float) -> None:
+    """The update recomputes ``old_logprobs`` with the trainer's forward when the reward carries the
+    KL (the rollout engine's log-probs would add its numerical gap to KL(pi_old || pi_ref)), and not
+    for that reason otherwise."""
+    from core_rl.config.schema import AlgorithmConfig
+    from core_rl.trainer.update import PolicyUpdate
+
+    loss = type("Loss", (), {"requires_recompute": False})()
+    update = PolicyUpdate(
+        engine=None,
+        ref=None,
+        loss=loss,
+        algorithm=AlgorithmConfig(),
+        temperature=1.0,
+        shard=lambda b: b,
+        world_size=1,
+        advantage=build("grpo", kl_ctl=kl_ctl),
+    )
+    assert update.recompute is (kl_ctl > 0)
