@@ -174,6 +174,7 @@ def test_evaluation_mistakes_are_refused_with_their_key(setup) -> None:
             "eval.sampling: merged into rollout.sampling, min_new_tokens must be <= max_new_tokens"
         ),
         (files, "eval.sampling.top_p=0"): "eval.sampling.top_p: must be in (0.0, 1.0]",
+        (files, "eval.sampling.min_p=1"): "eval.sampling.min_p: must be in [0.0, 1.0), got 1.0",
         (files, "reward=null", "reward_model.model_path=x"): "eval: answers are scored by the run's reward",
         (files, "eval.group_by=''"): "eval.group_by: must not be empty",
     }

@@ -55,17 +55,28 @@ def test_betas(betas, problem):
 
 def test_every_problem_of_a_section_at_once():
     problems = _problems(
-        SamplingConfig, {"n": 0, "temperature": 0, "top_k": -1, "max_new_tokens": 0, "stop_token_ids": [1, -2], "x": 1}
+        SamplingConfig,
+        {"n": 0, "temperature": 0, "top_k": -1, "min_p": 1, "max_new_tokens": 0, "stop_token_ids": [1, -2], "x": 1},
     )
     assert sorted(problems) == [
         "x.max_new_tokens: must be in [1, 16777216], got 0",
+        "x.min_p: must be in [0.0, 1.0), got 1.0",
         "x.n: must be in [1, 1048576], got 0",
         "x.stop_token_ids[1]: must be in [0, 16777216], got -2",
         "x.temperature: must be in (0.0, 100.0], got 0.0",
         "x.top_k: must be in [0, 16777216], got -1",
-        "x.x: unknown key; valid keys: n, temperature, top_p, top_k, max_new_tokens, min_new_tokens, "
+        "x.x: unknown key; valid keys: n, temperature, top_p, top_k, min_p, max_new_tokens, min_new_tokens, "
         "stop_token_ids, stop, greedy",
     ]
+
+
+def test_min_p_defaults_off_and_eval_sampling_may_replace_it():
+    from core_rl.config.eval_config import EvalSamplingConfig
+
+    assert SamplingConfig().to_params().min_p == 0.0
+    run = SamplingConfig(min_p=0.1)
+    assert EvalSamplingConfig().resolve(run).min_p == 0.1
+    assert EvalSamplingConfig(min_p=0.25).resolve(run).to_params().min_p == 0.25
 
 
 def test_checks_across_fields_run_once_the_fields_are_valid():

@@ -56,9 +56,12 @@ VALUE_HEADS = ("value", "score")
 
 @attrs.define
 class SamplingParams:
-    """How to sample: ``n`` responses per prompt; ``greedy`` overrides temperature/top-p/top-k.
+    """How to sample: ``n`` responses per prompt; ``greedy`` overrides temperature/top-k/top-p/min-p.
 
-    ``top_k <= 0`` and ``top_p == 1`` disable those filters. Generation stops at EOS, at any of
+    ``top_k <= 0``, ``top_p == 1`` and ``min_p == 0`` disable those filters. min-p keeps the tokens
+    whose probability (after temperature) is at least ``min_p`` times the most likely token's.
+    Like top-k/top-p it only filters what is sampled: the behaviour log-probs stay those of
+    ``log_softmax(logits / temperature)`` wherever the engine reports them so. Generation stops at EOS, at any of
     ``stop_token_ids``, or after ``max_new_tokens``; the first ``min_new_tokens`` tokens are
     never a stop (so a response that stops early has at least ``min_new_tokens + 1`` tokens).
     ``stop`` strings end a response at the token that completes one; the rollout controller cuts
@@ -72,6 +75,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     max_new_tokens: int = 64
     min_new_tokens: int = 0
     stop_token_ids: list[int] = attrs.field(factory=list)

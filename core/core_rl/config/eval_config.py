@@ -20,6 +20,7 @@ class EvalSamplingConfig:
     temperature: float | None = attrs.field(default=None, validator=in_range(0.0, 100.0, low_open=True))
     top_p: float | None = attrs.field(default=None, validator=in_range(0.0, 1.0, low_open=True))
     top_k: int | None = attrs.field(default=None, validator=in_range(0, MAX_TOKENS))
+    min_p: float | None = attrs.field(default=None, validator=in_range(0.0, 1.0, high_open=True))
     max_new_tokens: int | None = attrs.field(default=None, validator=in_range(1, MAX_TOKENS))
 
     def resolve(self, run: SamplingConfig) -> SamplingConfig:

@@ -18,12 +18,15 @@ class SamplingConfig:
     """Rollout sampling. ``n`` is the group size (samples per prompt). ``min_new_tokens`` must not
     exceed ``max_new_tokens``; stop token ids are checked against the model's vocabulary before
     the run starts. ``stop``: strings that end a response at the token completing one (it stays in
-    the trajectory; :mod:`core_rl.stop_strings`)."""
+    the trajectory; :mod:`core_rl.stop_strings`). ``min_p`` in [0, 1): keep the tokens whose
+    probability is at least ``min_p`` times the most likely token's (0: off; ignored when greedy,
+    like ``top_p``)."""
 
     n: int = attrs.field(default=8, validator=in_range(1, MAX_COUNT))
     temperature: float = attrs.field(default=1.0, validator=in_range(0.0, 100.0, low_open=True))
     top_p: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
     top_k: int = attrs.field(default=0, validator=in_range(0, MAX_TOKENS))
+    min_p: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0, high_open=True))
     max_new_tokens: int = attrs.field(default=256, validator=in_range(1, MAX_TOKENS))
     min_new_tokens: int = attrs.field(default=0, validator=in_range(0, MAX_TOKENS))
     stop_token_ids: list[int] = attrs.field(factory=list, validator=each(in_range(0, MAX_TOKENS)))

@@ -146,6 +146,27 @@ def recipe_host(*plugins: tuple[object, str]) -> PluginHost:
     return host
 
 
+def hf_next_token_logprobs(
+    model_path: Path | str,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    trust_remote_code: bool = False,
+) -> torch.Tensor:
+    """Reference next-token distributions [B, T, V] from a plain transformers forward in float32:
+    ``log_softmax(logits / temperature)``, position t over token t + 1; ``trust_remote_code`` for a
+    model that ships its own code."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float() / temperature
+    return torch.log_softmax(logits, dim=-1)
+
+
 def hf_logprobs(
     model_path: Path | str,
     input_ids: torch.Tensor,
@@ -156,14 +177,8 @@ def hf_logprobs(
 ) -> torch.Tensor:
     """Reference log-probs [B, T] from a plain transformers forward (position t scores token t);
     ``trust_remote_code`` for a model that ships its own code."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, trust_remote_code=trust_remote_code)
-    if state_dict is not None:
-        model.load_state_dict(state_dict)
-    with torch.no_grad():
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float() / temperature
-    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    dist = hf_next_token_logprobs(model_path, input_ids, attention_mask, temperature, state_dict, trust_remote_code)
+    lp = dist[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     out = torch.zeros(input_ids.shape, dtype=torch.float32)
     out[:, 1:] = lp
     return out * attention_mask

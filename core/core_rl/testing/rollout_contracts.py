@@ -3,6 +3,7 @@ offline (:class:`~core_rl.testing.engine_contracts.TinyModelMixin`)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -15,7 +16,7 @@ from core_rl.interfaces import RolloutEngine, SamplingParams
 from core_rl.kinds import ROLLOUT_ENGINE
 from core_rl.testing.contracts import ComponentContract
 from core_rl.testing.engine_contracts import TinyModelMixin
-from core_rl.testing.helpers import hf_logprobs
+from core_rl.testing.helpers import hf_logprobs, hf_next_token_logprobs
 from core_rl.testing.multi_turn import MultiTurnEngineTests
 
 
@@ -35,6 +36,9 @@ class RolloutEngineContract(TinyModelMixin, MultiTurnEngineTests, ComponentContr
     #: at a stop string that is part of a special token's text (``"a"`` of ``<pad>``)
     native_stops_with_min_new_tokens: ClassVar[bool] = True
     native_stops_in_special_token_text: ClassVar[bool] = True
+    #: with ``min_p`` set, the engine reports the log-prob of the filtered, renormalised
+    #: distribution (vLLM's, as it does for top-k/top-p) instead of ``log_softmax(logits / T)``
+    min_p_logprobs_renormalised: ClassVar[bool] = False
 
     def make(
         self, model_path: Path, run_dir: Path | None = None, options: dict[str, Any] | None = None
@@ -136,6 +140,39 @@ class RolloutEngineContract(TinyModelMixin, MultiTurnEngineTests, ComponentContr
         topk1 = engine.generate(self.prompts, SamplingParams(n=1, max_new_tokens=6, top_k=1))
         for samples, k1 in zip(greedy, topk1):
             assert samples[0].response_ids == samples[1].response_ids == k1[0].response_ids
+
+    def test_min_p_samples_only_tokens_near_the_most_likely(self, engine: RolloutEngine, model_path: Path) -> None:
+        """``min_p`` 0.999 leaves the most likely token alone: greedy's tokens. ``min_p`` 0.8 at
+        temperature 0.7: every sampled token's probability under the reference forward is at least
+        0.8 times the most likely token's (to ``2 * logprob_atol`` in log space), which sampling
+        that ignored ``min_p`` would have met with probability under 1%. The log-probs are
+        ``log_softmax(logits / T)`` of the sampled tokens, or, where the contract class says the
+        engine reports them so, that renormalised over the kept tokens (a token within the
+        tolerance of the threshold may count as kept or not)."""
+        greedy = engine.generate(self.prompts, SamplingParams(n=1, max_new_tokens=4, greedy=True))
+        top = engine.generate(self.prompts, SamplingParams(n=2, max_new_tokens=4, min_p=0.999))
+        for want, samples in zip(greedy, top):
+            assert [s.response_ids for s in samples] == [want[0].response_ids] * 2
+        min_p, temperature, tol = 0.8, 0.7, 2 * self.logprob_atol
+        sampling = SamplingParams(n=2, max_new_tokens=4, temperature=temperature, min_p=min_p)
+        chance = 0.0  # log-probability that sampling without min_p would have passed the check below
+        for samples in engine.generate(self.prompts, sampling):
+            for s in samples:
+                ids = torch.tensor([s.prompt_ids + s.response_ids])
+                dist = hf_next_token_logprobs(model_path, ids, torch.ones_like(ids), temperature)[0]
+                dist = dist[len(s.prompt_ids) - 1 : -1]  # [R, V]: the distributions of the response tokens
+                lp = dist.gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)
+                floor = dist.amax(dim=-1, keepdim=True) + math.log(min_p)
+                assert (lp[:, None] >= floor - tol).all(), (s.response_ids, (lp[:, None] - floor).tolist())
+                chance += _kept_mass(dist, floor - tol).sum().item()
+                got = torch.tensor(s.logprobs)
+                if not self.min_p_logprobs_renormalised:
+                    torch.testing.assert_close(got, lp, atol=self.logprob_atol, rtol=0)
+                    continue
+                low = lp - _kept_mass(dist, floor - tol) - self.logprob_atol
+                high = lp - _kept_mass(dist, floor + tol) + self.logprob_atol
+                assert ((low <= got) & (got <= high)).all(), (got.tolist(), low.tolist(), high.tolist())
+        assert chance < math.log(0.01), f"min_p {min_p} filters too little here to be tested: {math.exp(chance)}"
 
     def test_logprobs_match_forward(self, engine: RolloutEngine, model_path: Path) -> None:
         out = engine.generate(self.prompts, SamplingParams(n=2, max_new_tokens=6, temperature=0.7))
@@ -260,3 +297,9 @@ class RolloutEngineContract(TinyModelMixin, MultiTurnEngineTests, ComponentContr
 
         save_tree(tmp_path, "rollout", engine.state_dict())
         engine.load_state_dict(load_tree(tmp_path, "rollout"))
+
+
+def _kept_mass(logprobs: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """Per row of ``logprobs`` [R, V], the log of the probability of the tokens at or above
+    ``floor`` [R, 1]: ``logsumexp`` over them."""
+    return torch.logsumexp(logprobs.masked_fill(logprobs < floor, float("-inf")), dim=-1)

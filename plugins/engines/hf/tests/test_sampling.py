@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 from core_rl.interfaces import SamplingParams
-from core_rl_hf.sampling import block_tokens, check_sampling, choose_tokens, top_k_filter, top_p_filter
+from core_rl_hf.sampling import (
+    block_tokens,
+    check_sampling,
+    choose_tokens,
+    min_p_filter,
+    top_k_filter,
+    top_p_filter,
+)
 
 NEG = float("-inf")
 
@@ -37,6 +44,41 @@ def test_top_p_keeps_smallest_prefix_reaching_p() -> None:
     assert kept(0.81) == [True, True, False, True]
     assert kept(1e-9) == [False, True, False, False]
     assert top_p_filter(logits, 1.0) is logits
+
+
+def test_min_p_keeps_tokens_at_least_min_p_times_the_most_likely() -> None:
+    probs = torch.tensor([[0.15, 0.4, 0.05, 0.21, 0.19]])
+    logits = probs.log()
+    # threshold min_p * 0.4: 0.5 -> 0.2, 0.3 -> 0.12, 0.6 -> 0.24
+    kept = lambda m: torch.isfinite(min_p_filter(logits, m))[0].tolist()  # noqa: E731
+    assert kept(0.5) == [False, True, False, True, False]
+    assert kept(0.3) == [True, True, False, True, True]
+    assert kept(0.6) == [False, True, False, False, False]
+    assert kept(0.999) == [False, True, False, False, False]
+    assert min_p_filter(logits, 0.0) is logits
+    # the kept logits are unchanged: sampling renormalises over them
+    assert min_p_filter(logits, 0.5)[0, 1].item() == logits[0, 1].item()
+
+
+def test_min_p_applies_after_temperature_and_top_p() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -5.0]])
+    gen = torch.Generator().manual_seed(0)
+    # temperature 0.5: q = softmax([4, 2, 0, -10]) ~ [0.867, 0.117, 0.016, 0]; min_p 0.1 keeps {0, 1}
+    seen = set()
+    for _ in range(200):
+        tokens, lps = choose_tokens(logits, SamplingParams(temperature=0.5, min_p=0.1), generator=gen)
+        seen.add(tokens.item())
+        # the reported log-prob ignores the filter
+        assert math.isclose(lps.item(), torch.log_softmax(logits / 0.5, -1)[0, tokens.item()].item(), abs_tol=1e-6)
+    assert seen == {0, 1}
+    # at temperature 2 the same min_p keeps token 2 too (q ~ [0.50, 0.30, 0.18, 0.01])
+    params = SamplingParams(temperature=2.0, min_p=0.1)
+    seen = {choose_tokens(logits, params, generator=gen)[0].item() for _ in range(300)}
+    assert seen == {0, 1, 2}
+    # top-p 0.6 keeps {0, 1}; then min-p 0.5 keeps both (0.30 >= 0.5 * 0.50), min-p 0.7 token 0 only
+    for min_p, want in ((0.5, {0, 1}), (0.7, {0})):
+        params = SamplingParams(temperature=2.0, top_p=0.6, min_p=min_p)
+        assert {choose_tokens(logits, params, generator=gen)[0].item() for _ in range(100)} == want
 
 
 def test_greedy_blocks_but_reports_unblocked_logprob() -> None:
@@ -74,6 +116,8 @@ def test_sampling_rows_are_independent() -> None:
         (SamplingParams(temperature=0.0), "temperature"),
         (SamplingParams(top_p=0.0), "top_p"),
         (SamplingParams(top_p=1.5), "top_p"),
+        (SamplingParams(min_p=1.0), "min_p"),
+        (SamplingParams(min_p=-0.1), "min_p"),
     ],
 )
 def test_check_sampling_rejects(params: SamplingParams, fragment: str) -> None:

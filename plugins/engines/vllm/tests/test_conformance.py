@@ -24,6 +24,7 @@ class TestVLLMRolloutEngine(ServerRolloutEngineContract):
     tiny_model_options: ClassVar[dict[str, Any]] = {"num_heads": 2}  # vLLM's CPU attention: head size >= 32
     forks_on_cpu = True
     logprob_atol = 2e-2
+    min_p_logprobs_renormalised = True  # --logprobs-mode processed_logprobs (core_rl_vllm.engine)
 
     @pytest.fixture
     def together(self, engine, monkeypatch):

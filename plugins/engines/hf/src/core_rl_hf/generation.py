@@ -223,9 +223,11 @@ def _decode(
 
 def _sampling_key(sampling: SamplingParams) -> tuple:
     """What a captured step depends on in ``sampling`` (the number of samples is not; greedy
-    choice reads no temperature, top-k or top-p: :func:`core_rl_hf.sampling.choose_tokens`; the
-    step reads ``min_new_tokens`` from the device, and depends only on whether it is positive)."""
+    choice reads no temperature, top-k, top-p or min-p: :func:`core_rl_hf.sampling.choose_tokens`;
+    the step reads ``min_new_tokens`` from the device, and depends only on whether it is positive).
+    Temperature, top-k, top-p and min-p are baked into a captured step as numbers, so a captured
+    step is kept per value of each."""
     blocks_stops = sampling.min_new_tokens > 0
     if sampling.greedy:
         return (True, blocks_stops)
-    return (False, sampling.temperature, sampling.top_k, sampling.top_p, blocks_stops)
+    return (False, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, blocks_stops)

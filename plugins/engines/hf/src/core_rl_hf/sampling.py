@@ -8,10 +8,15 @@ boolean mask over the vocabulary so that choosing never reads anything back to t
 - **sampling**: ``s = z / T``; blocked ids are set to ``-inf``; then top-k keeps the ``k`` largest
   entries of ``s`` (ties with the k-th value are kept too), then top-p keeps the smallest set of
   most likely tokens whose probability (renormalised after top-k) reaches ``p`` (the most likely
-  token is always kept); ``token ~ softmax(filtered s)``; ``logprob = log_softmax(s)[token]``.
+  token is always kept), then min-p keeps the tokens with ``q_j >= min_p * max_i q_i`` (``q``:
+  the probabilities left after top-p; as a ratio to the most likely token, which every filter
+  keeps, it is the same in ``softmax(s)``); ``token ~ softmax(filtered s)``;
+  ``logprob = log_softmax(s)[token]``. (The order temperature -> top-k -> top-p -> min-p is
+  transformers' and SGLang's; vLLM applies min-p before top-k/top-p, which differs only when
+  top-p and min-p are both set.)
 
 The reported log-prob is that of the model's temperature-scaled distribution *before* blocking
-and top-k/top-p filtering: exactly what a train engine recomputes as
+and top-k/top-p/min-p filtering: exactly what a train engine recomputes as
 ``log_softmax(logits / T)`` for the same tokens, so the first PPO ratio of on-policy data is 1.
 (The filtered distribution differs from it only by the renormalisation over the kept tokens.)
 """
@@ -57,6 +62,18 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """min-p filtering: per row, with ``q = softmax(logits)``, keep token ``j`` iff
+    ``q_j >= min_p * max_i q_i``, i.e. ``logits_j >= max_i logits_i + log(min_p)``; the rest
+    become ``-inf`` (the most likely token is always kept). ``min_p <= 0`` returns ``logits``
+    unchanged."""
+    if min_p <= 0.0:
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    drop = probs < min_p * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(drop, float("-inf"))
+
+
 def choose_tokens(
     logits: torch.Tensor,
     sampling: SamplingParams,
@@ -78,6 +95,7 @@ def choose_tokens(
         scaled = logits / sampling.temperature
         logprobs = torch.log_softmax(scaled, dim=-1)
         filtered = top_p_filter(top_k_filter(block_tokens(scaled, blocked), sampling.top_k), sampling.top_p)
+        filtered = min_p_filter(filtered, sampling.min_p)
         probs = torch.softmax(filtered, dim=-1)
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
@@ -96,5 +114,7 @@ def check_sampling(sampling: SamplingParams) -> None:
         problems.append(f"temperature must be > 0 unless greedy, got {sampling.temperature}")
     if not 0 < sampling.top_p <= 1:
         problems.append(f"top_p must be in (0, 1], got {sampling.top_p}")
+    if not 0 <= sampling.min_p < 1:
+        problems.append(f"min_p must be in [0, 1), got {sampling.min_p}")
     if problems:
         raise ValueError("invalid sampling parameters: " + "; ".join(problems))

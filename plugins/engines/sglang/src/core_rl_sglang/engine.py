@@ -5,9 +5,10 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
 - generation: ``POST /generate`` with ``input_ids`` (the prompt repeated ``n`` times: one batch,
   whose common prefix SGLang's radix cache computes once), ``sampling_params`` (``max_new_tokens``,
   ``min_new_tokens``, ``temperature`` (0 for greedy), ``top_p``, ``top_k`` (-1 = off),
-  ``stop_token_ids``, ``stop`` strings where SGLang's rule for them agrees with the core's) and
-  ``return_logprob``. SGLang's log-prob of a sampled token is
-  ``log_softmax(logits / temperature)`` before top-k/top-p filtering: the train engine's convention.
+  ``min_p`` (0 = off, applied after top-k/top-p as the hf engine does), ``stop_token_ids``,
+  ``stop`` strings where SGLang's rule for them agrees with the core's) and ``return_logprob``.
+  SGLang's log-prob of a sampled token is ``log_softmax(logits / temperature)`` before
+  top-k/top-p/min-p filtering: the train engine's convention.
   Its ``meta_info.weight_versions`` spans give each token the version of the weights that sampled
   it (every weight update carries ``weight_version``), so a sample a weight update interrupted in
   place carries both versions;
@@ -176,6 +177,7 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             "temperature": 0.0 if sampling.greedy else sampling.temperature,
             "top_p": 1.0 if sampling.greedy else sampling.top_p,
             "top_k": -1 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,
+            "min_p": 0.0 if sampling.greedy else sampling.min_p,
             "stop_token_ids": list(sampling.stop_token_ids),
             "skip_special_tokens": bool(sampling.stop),
             "no_stop_trim": True,

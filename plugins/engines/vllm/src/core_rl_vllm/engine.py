@@ -4,7 +4,8 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
 
 - generation: ``POST /inference/v1/generate`` (servers started with ``--enable-scale-out``) with
   the prompt as ``token_ids`` and ``sampling_params``: ``n``, ``max_tokens``, ``min_tokens``,
-  ``temperature`` (0 for greedy), ``top_p``, ``top_k`` (0 = off), ``stop_token_ids``,
+  ``temperature`` (0 for greedy), ``top_p``, ``top_k`` (0 = off), ``min_p`` (0 = off),
+  ``stop_token_ids``,
   ``logprobs: 0``. Its answer labels every output token with the weight version that sampled it
   (vLLM's spans, set by the weight-update route below), so a sample a weight update changed in
   place carries both versions, split at the step of the swap. A server at a given URL that does
@@ -15,7 +16,8 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
   greedy decoding, so a greedy request asks for one sample and repeats it. Servers start with
   ``--logprobs-mode processed_logprobs``, so the log-prob of each sampled token is
   ``log_softmax(logits / temperature)``: the train engine's convention (with ``top_k``/``top_p``
-  set, vLLM reports the log-prob of the truncated, renormalised distribution instead);
+  or ``min_p`` set, vLLM reports the log-prob of the truncated, renormalised distribution
+  instead; it applies min-p before top-k/top-p, the hf engine and SGLang after);
 - pause/resume: ``POST /pause?mode=keep|abort`` (then ``/abort_requests`` for a request that
   arrived just after the pause) and ``POST /resume``;
 - weight updates: one ``POST /core_rl/update_weights`` per server, a route this plugin adds to the
@@ -377,6 +379,7 @@ def _params(sampling: SamplingParams) -> dict[str, Any]:
         "temperature": 0.0 if sampling.greedy else sampling.temperature,
         "top_p": 1.0 if sampling.greedy else sampling.top_p,
         "top_k": 0 if sampling.greedy else max(sampling.top_k, 0),
+        "min_p": 0.0 if sampling.greedy else sampling.min_p,
         "stop_token_ids": list(sampling.stop_token_ids),
         "logprobs": 0,
         # stop strings are matched in the text without special tokens, as core_rl.stop_strings does
