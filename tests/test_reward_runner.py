@@ -196,3 +196,39 @@ def test_error_log_records_items_and_truncates_on_resume(tmp_path, host):
 def test_reward_runner_section_is_validated(options, problem):
     with pytest.raises(ConfigError, match=re.escape(problem)):
         structure(options, RewardRunnerConfig, path="reward_runner")
+
+
+class _PartsReward(Reward):
+    """Scores 1.0; part ``applies`` is None on odd items, part ``broken`` is NaN on item 0."""
+
+    def score_with_parts(self, items):
+        from core_rl.interfaces import RewardScores
+
+        n = len(items)
+        return RewardScores(
+            scores=[1.0] * n,
+            parts={"applies": [None if i % 2 else 0.5 for i in range(n)], "broken": [math.nan] + [2.0] * (n - 1)},
+        )
+
+    def score(self, items):
+        return self.score_with_parts(items).scores
+
+
+def test_a_part_that_does_not_apply_is_left_out_and_a_nan_part_is_counted():
+    from core_rl.trainer.batching import value_stats
+
+    r = RewardRunner(_PartsReward(), "parts", RewardRunnerConfig(items_per_call=8))
+    result = r.score(ITEMS)
+    r.close()
+    assert result.parts["applies"] == [0.5, None] * 4
+    assert math.isnan(result.parts["broken"][0]) and result.parts["broken"][1:] == [2.0] * 7
+    applies = value_stats("reward/applies", result.parts["applies"])
+    assert applies == {
+        "reward/applies/mean": 0.5,
+        "reward/applies/std": 0.0,
+        "reward/applies/max": 0.5,
+        "reward/applies/min": 0.5,
+    }
+    broken = value_stats("reward/broken", result.parts["broken"])
+    assert broken["reward/broken/nonfinite"] == 1.0 and broken["reward/broken/mean"] == 2.0
+    assert value_stats("x", [None, None]) == {}

@@ -301,11 +301,13 @@ class RolloutEngine(ABC):
 class RewardScores:
     """What :meth:`Reward.score_with_parts` returns: ``scores`` (one per item, in order) and
     ``parts``: name -> one value per item (for example each part of a combined reward, or a 0/1
-    flag such as "an answer was found"). The trainer reports each part as ``reward/<name>/mean``
-    (and ``std``, ``min``, ``max``)."""
+    flag such as "an answer was found"). ``None`` marks an item a part does not apply to (a routed
+    reward's part for another route's samples): it is left out of the part's statistics, while a
+    NaN counts as ``reward/<name>/nonfinite``. The trainer reports each part as ``reward/<name>/mean``
+    (and ``std``, ``min``, ``max``) over the items it applies to."""
 
     scores: list[float]
-    parts: dict[str, list[float]] = attrs.field(factory=dict)
+    parts: dict[str, list[float | None]] = attrs.field(factory=dict)
 
 
 class Reward(ABC):

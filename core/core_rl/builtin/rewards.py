@@ -179,14 +179,14 @@ class CombinedReward(Reward):
             futures = [pool.submit(self._score_part, part, reward, items) for part, reward in self.parts]
             results = [f.result() for f in futures]
         totals = [0.0] * len(items)
-        parts: dict[str, list[float]] = {}
+        parts: dict[str, list[float | None]] = {}
         for (part, _), result in zip(self.parts, results):
             values = [float(x) for x in result.scores]
             for i, v in enumerate(values):
                 totals[i] += part.weight * v
             parts[part.metric_name] = values
             for name, sub in result.parts.items():
-                parts[f"{part.metric_name}/{name}"] = [float(x) for x in sub]
+                parts[f"{part.metric_name}/{name}"] = [None if x is None else float(x) for x in sub]
         return RewardScores(scores=totals, parts=parts)
 
     def score(self, items: Sequence[RewardInput]) -> list[float]:

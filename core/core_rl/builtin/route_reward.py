@@ -16,8 +16,8 @@ Each routed reward is validated by its own plugin at ``reward.routes.<value>`` (
 parts are) and sees only its rows; the routes with samples in a call are scored concurrently.
 Each route is reported as a part named after its value (``reward/gsm8k/mean``, ``std``, ``min``,
 ``max`` over the samples routed there; ``default`` for the default's), its reward's own parts as
-``<value>/<part>``; a part holds NaN for the samples of other routes, which
-``reward/<value>/nonfinite`` counts.
+``<value>/<part>``; a part holds ``None`` for the samples of other routes (left out of its
+statistics, so ``reward/<value>/nonfinite`` counts only real NaN/inf scores of that route).
 
 Before the run (``check_data``, with the other data problems): every row of ``data.train_files``
 must hold ``key`` (not null) and a value with a route, or a default; the rows without one are
@@ -190,10 +190,10 @@ class RouteReward(Reward):
             }
             results = {part: f.result() for part, f in futures.items()}
         scores: list[Any] = [math.nan] * len(items)
-        parts = {part: [math.nan] * len(items) for part in self.rewards}
+        parts: dict[str, list[float | None]] = {part: [None] * len(items) for part in self.rewards}
         for part, result in results.items():
             for name, values in [(part, result.scores), *((f"{part}/{n}", v) for n, v in result.parts.items())]:
-                column = parts.setdefault(name, [math.nan] * len(items))
+                column = parts.setdefault(name, [None] * len(items))
                 for i, value in zip(groups[part], values):
                     column[i] = value
             for i, value in zip(groups[part], result.scores):

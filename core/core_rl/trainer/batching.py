@@ -45,16 +45,18 @@ class Generation:
     group_index: list[int]
     rewards: list[float]
     metrics: dict[str, float] = attrs.field(factory=dict)
-    reward_parts: dict[str, list[float]] = attrs.field(factory=dict)
+    reward_parts: dict[str, list[float | None]] = attrs.field(factory=dict)
     where: list[str] = attrs.field(factory=list)
     prompt_texts: list[str] = attrs.field(factory=list)
     response_texts: list[str] = attrs.field(factory=list)
 
 
-def value_stats(prefix: str, values: Sequence[float]) -> dict[str, float]:
-    """Mean, std, max and min of the finite ``values``; ``<prefix>/nonfinite`` counts the others."""
-    finite = [v for v in values if math.isfinite(v)]
-    out = {f"{prefix}/nonfinite": float(len(values) - len(finite))} if len(finite) < len(values) else {}
+def value_stats(prefix: str, values: Sequence[float | None]) -> dict[str, float]:
+    """Mean, std, max and min of the finite ``values``; ``<prefix>/nonfinite`` counts NaN/inf.
+    ``None`` (a reward part that does not apply to the sample) is left out of both."""
+    present = [v for v in values if v is not None]
+    finite = [v for v in present if math.isfinite(v)]
+    out = {f"{prefix}/nonfinite": float(len(present) - len(finite))} if len(finite) < len(present) else {}
     if not finite:
         return out
     out.update(

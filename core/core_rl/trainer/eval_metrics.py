@@ -42,7 +42,7 @@ class ScoredPrompt:
     rewards: list[float]
     lengths: list[int]
     truncated: list[bool]
-    parts: Mapping[str, list[float]] = attrs.field(factory=dict)
+    parts: Mapping[str, list[float | None]] = attrs.field(factory=dict)
     group: str | None = None
     dropped: int = 0
 
@@ -93,7 +93,7 @@ def eval_metrics(prompts: Sequence[ScoredPrompt], *, n: int, pass_reward: float,
     if n > 1 and best:
         out["eval/best_reward/mean"] = statistics.fmean(best)
     for name in sorted({name for p in prompts for name in p.parts}):
-        values = [v for p in prompts for v in p.parts.get(name, ()) if math.isfinite(v)]
+        values = [v for p in prompts for v in p.parts.get(name, ()) if v is not None and math.isfinite(v)]
         if values:
             out[f"eval/parts/{name}/mean"] = statistics.fmean(values)
     if group_by is not None:

@@ -134,8 +134,11 @@ class _DaemonPool:
             self._queue.put(None)
 
 
-def _part_value(value: Any) -> float:
-    """A reward part's value as a float (NaN when it is not a finite number)."""
+def _part_value(value: Any) -> float | None:
+    """A reward part's value as a float (NaN when it is not a finite number); ``None`` stays
+    ``None`` (the part does not apply to the item)."""
+    if value is None:
+        return None
     score, _kind, _error = _as_score(value)
     return math.nan if score is None else score
 
@@ -184,7 +187,7 @@ class RewardRunner:
         self._wait(calls)
         scores: list[float | None] = [None] * len(items)
         failures: list[ItemFailure] = []
-        parts: dict[str, list[float]] = {}
+        parts: dict[str, list[float | None]] = {}
         for call in calls:
             self._collect(call, scores, failures, parts, len(items))
         result = self._apply_policy(items, scores, failures, step)
@@ -268,7 +271,7 @@ class RewardRunner:
             else:
                 scores[i] = score
         for name, part in named.items():
-            column = parts.setdefault(name, [math.nan] * n_items)
+            column = parts.setdefault(name, [None] * n_items)
             for i, value in zip(call.indices, part):
                 column[i] = _part_value(value)
 

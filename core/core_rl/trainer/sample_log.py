@@ -61,7 +61,7 @@ def sample_records(
     for i in sorted({j * len(inputs) // k for j in range(k)}):
         score: Any = result.scores[i]
         reward = float("nan") if score is None else float(score)
-        parts = {name: float(values[i]) for name, values in result.parts.items()}
+        parts = {name: float(values[i]) for name, values in result.parts.items() if values[i] is not None}
         if i in scored:
             parts["reward_model"] = scored[i]
             reward += model_coef * scored[i]

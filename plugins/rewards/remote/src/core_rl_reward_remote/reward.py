@@ -16,7 +16,6 @@ a :class:`RemoteRewardError` at once. The token comes from the environment varia
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -135,7 +134,7 @@ class RemoteReward(Reward):
             results = list(pool.map(self._post, batches))
         scores = [s for r in results for s in r["scores"]]
         names = {name for r in results for name in r["parts"]}
-        parts = {n: [v for r in results for v in r["parts"].get(n, [math.nan] * len(r["scores"]))] for n in names}
+        parts = {n: [v for r in results for v in r["parts"].get(n, [None] * len(r["scores"]))] for n in names}
         return RewardScores(scores=scores, parts=parts)
 
     def score(self, items: Sequence[RewardInput]) -> list[float]:
