@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 from core_rl.config.schema import OptimizerConfig, SchedulerConfig
-from core_rl.engine_utils.optim import adamw_kernel, build_optimizer, lr_at, settle_scalar_states, warmup_steps
+from core_rl.engine_utils.optim import (
+    adamw_kernel,
+    build_optimizer,
+    decay_groups,
+    lr_at,
+    settle_scalar_states,
+    warmup_steps,
+)
 
 
 def test_constant_with_warmup() -> None:
@@ -51,7 +58,7 @@ def test_decay_needs_total_steps() -> None:
 
 
 def test_build_optimizers() -> None:
-    params = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2), requires_grad=False)]
+    params = [torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2, 2), requires_grad=False)]
     adam = build_optimizer(params, OptimizerConfig(name="adamw", lr=0.1, betas=(0.8, 0.9), weight_decay=0.01))
     assert isinstance(adam, torch.optim.AdamW)
     group = adam.param_groups[0]
@@ -135,3 +142,24 @@ def test_a_settled_shared_step_advances_once_per_step() -> None:
 
     assert run(settle=False) == [4.0, 4.0, 4.0]  # 1 + one increment per parameter
     assert run(settle=True) == [2.0, 2.0, 2.0]
+
+
+def test_weight_decay_groups_spare_biases_and_norms() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2, bias=False))
+    weight, bias, norm_w, norm_b, head = model.parameters()
+    head.requires_grad_(False)
+    for name in ("adamw", "sgd"):
+        groups = build_optimizer(model.parameters(), OptimizerConfig(name=name, weight_decay=0.1)).param_groups
+        assert [(g["params"], g["weight_decay"]) for g in groups] == [([weight], 0.1), ([bias, norm_w, norm_b], 0.0)]
+    (only,) = build_optimizer(model.parameters(), OptimizerConfig(weight_decay=0.1, no_decay="none")).param_groups
+    assert only["params"] == [weight, bias, norm_w, norm_b] and only["weight_decay"] == 0.1
+    (only,) = build_optimizer(model.parameters(), OptimizerConfig(weight_decay=0.0)).param_groups
+    assert len(only["params"]) == 4  # no decay at all: one group, as before the option existed
+
+
+def test_weight_decay_groups_read_a_zero3_partitions_full_shape() -> None:
+    """A ZeRO-3 partitioned parameter is a flat (often empty) tensor; its real shape is ``ds_shape``."""
+    flat_matrix, flat_norm = torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.empty(0))
+    flat_matrix.ds_shape, flat_norm.ds_shape = torch.Size([8, 4]), torch.Size([8])
+    groups = decay_groups([flat_matrix, flat_norm], OptimizerConfig(weight_decay=0.1))
+    assert [g["params"] for g in groups] == [[flat_matrix], [flat_norm]] and groups[1]["weight_decay"] == 0.0

@@ -123,7 +123,9 @@ class TrainEngine(ABC):
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full (unsharded) model weights with Hugging Face names, on CPU, on the main rank;
-        an empty dict elsewhere. Every rank must call it (it is a collective)."""
+        an empty dict elsewhere. A snapshot: its tensors share no storage with the parameters, so
+        later training leaves them unchanged (a CPU engine copies). Every rank must call it (it is
+        a collective)."""
 
     def hf_weight_buckets(self, bucket_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """The weights of :meth:`full_state_dict` (same names and values; a tied weight repeated there

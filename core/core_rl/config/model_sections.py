@@ -34,7 +34,13 @@ class OptimizerConfig:
     ``implementation`` (AdamW): torch's ``fused`` kernel (one pass over all parameters),
     ``foreach`` or ``for_loop``; ``auto`` is ``fused`` when every parameter is a plain CPU/CUDA
     floating tensor (not a sharded DTensor), else torch's default. The kernels compute the same
-    update up to float rounding."""
+    update up to float rounding.
+
+    ``no_decay``: which parameters ``weight_decay`` spares. ``biases_and_norms`` (the default):
+    every parameter with fewer than two dimensions (biases, RMSNorm/LayerNorm scales), the rule of
+    Hugging Face's Trainer (so TRL), OpenRLHF and Megatron; ``none``: every parameter is decayed
+    (verl). It matters only when ``weight_decay > 0``; then the optimizer has two parameter groups,
+    and a checkpoint saved with the other choice cannot be resumed."""
 
     name: str = attrs.field(default="adamw", validator=one_of(("adamw", "sgd")))
     lr: float = attrs.field(default=1e-5, validator=positive(10.0))
@@ -43,6 +49,7 @@ class OptimizerConfig:
     eps: float = attrs.field(default=1e-8, validator=positive(1.0))
     momentum: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0, high_open=True))
     implementation: str = attrs.field(default="auto", validator=one_of(("auto", "fused", "foreach", "for_loop")))
+    no_decay: str = attrs.field(default="biases_and_norms", validator=one_of(("biases_and_norms", "none")))
 
 
 @attrs.define

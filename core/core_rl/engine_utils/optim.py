@@ -18,11 +18,12 @@ from core_rl.config.schema import OptimizerConfig, SchedulerConfig
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
     """``adamw`` (betas, eps, decoupled weight decay) or ``sgd`` (momentum, L2 weight decay) over
-    ``params``, every parameter in one group at ``config.lr``."""
+    the trainable ``params`` at ``config.lr``, grouped by :func:`decay_groups`."""
     params = [p for p in params if p.requires_grad]
+    groups = decay_groups(params, config)
     if config.name == "adamw":
         return torch.optim.AdamW(
-            params,
+            groups,
             lr=config.lr,
             betas=tuple(config.betas),
             eps=config.eps,
@@ -30,8 +31,31 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerConfi
             **adamw_kernel(params, config.implementation),
         )
     if config.name == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
     raise ValueError(f"actor.optimizer.name: unknown optimizer {config.name!r}; expected adamw or sgd")
+
+
+def decay_groups(params: list[torch.nn.Parameter], config: OptimizerConfig) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups: one group of every parameter, or, when ``weight_decay > 0``
+    and ``no_decay`` is ``biases_and_norms``, the parameters of two or more dimensions (decayed)
+    then the others (biases, norm scales; ``weight_decay`` 0). Dimensions are the parameter's full
+    shape: a DeepSpeed ZeRO-3 partition's ``ds_shape``, a DTensor's global shape."""
+    if config.weight_decay == 0 or config.no_decay == "none":
+        return [{"params": params}]
+    decayed = [p for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2]
+    spared = [p for p in params if len(getattr(p, "ds_shape", p.shape)) < 2]
+    return [g for g in ({"params": decayed}, {"params": spared, "weight_decay": 0.0}) if g["params"]]
+
+
+def restore_weight_decay(optimizer: torch.optim.Optimizer, config: OptimizerConfig) -> None:
+    """After loading saved optimizer state, which brings the saving run's per-group settings: each
+    group's weight decay as this run's ``config`` says (0 for a group of spared parameters, see
+    :func:`decay_groups`), so a change of ``weight_decay`` or ``no_decay`` on resume takes effect."""
+    for group in optimizer.param_groups:
+        spared = config.no_decay == "biases_and_norms" and all(
+            len(getattr(p, "ds_shape", p.shape)) < 2 for p in group["params"]
+        )
+        group["weight_decay"] = 0.0 if spared else config.weight_decay
 
 
 FUSED_DEVICES = ("cpu", "cuda")

@@ -235,6 +235,50 @@ class TrainEngineContract(TinyModelMixin, ComponentContract):
         assert engine.train_step(make_rl_batch(), _nll_loss)["nonfinite"] == 0.0
         engine.close()
 
+    def test_full_state_dict_is_a_snapshot(self, model_path: Path) -> None:
+        """Training after :meth:`full_state_dict` leaves its tensors as they were (no storage shared
+        with the parameters), so a state taken before a step can be compared with one after."""
+        engine = self.make(model_path, optimizer=OptimizerConfig(name="adamw", lr=1e-2))
+        state = engine.full_state_dict()
+        copies = {key: value.clone() for key, value in state.items()}
+        engine.train_step(make_rl_batch(), _nll_loss)
+        assert any(not torch.equal(v, copies[k]) for k, v in engine.full_state_dict().items()), "training moved nothing"
+        for key, value in state.items():
+            assert torch.equal(value, copies[key]), f"{key} changed with training: it shares the parameter's storage"
+        engine.close()
+
+    @pytest.mark.parametrize(
+        ("saved_with", "no_decay"),
+        [(None, "biases_and_norms"), (None, "none"), ("none", "biases_and_norms"), ("biases_and_norms", "none")],
+    )
+    def test_weight_decay_spares_biases_and_norms(
+        self, model_path: Path, tmp_path: Path, saved_with: str | None, no_decay: str
+    ) -> None:
+        """With zero gradients (and so zero Adam moments) AdamW moves a weight only by its decay,
+        ``w * (1 - lr * wd)``: the matrices always, biases and norm scales only when ``no_decay``
+        is ``none``. A run resumed from a checkpoint saved under the other ``no_decay`` follows its
+        own configuration, not the saved parameter groups'."""
+        lr, wd = 1e-2, 0.5
+
+        def zero_loss(batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
+            return LossOutput(per_token_loss=logprobs * 0.0)
+
+        engine = self.make(model_path, optimizer=OptimizerConfig(lr=lr, weight_decay=wd, no_decay=no_decay))
+        if saved_with is not None:
+            saving = self.make(model_path, optimizer=OptimizerConfig(lr=lr, weight_decay=wd, no_decay=saved_with))
+            saving.train_step(make_rl_batch(), zero_loss)  # Adam's moments exist, and are zero
+            saving.save_state(tmp_path / "ckpt", {})
+            saving.close()
+            engine.load_state(tmp_path / "ckpt")
+        before = engine.full_state_dict()
+        assert any(v.dim() < 2 for v in before.values()), "the tiny model has biases and norms"
+        assert engine.train_step(make_rl_batch(), zero_loss)["nonfinite"] == 0.0
+        for key, value in engine.full_state_dict().items():
+            spared = no_decay == "biases_and_norms" and value.dim() < 2
+            expected = before[key] if spared else before[key] * (1 - lr * wd)
+            torch.testing.assert_close(value, expected, atol=1e-6, rtol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+        engine.close()
+
     def test_check_checkpoint(self, model_path: Path, tmp_path: Path) -> None:
         from core_rl.checkpointing import CheckpointFormatError
 

@@ -35,7 +35,7 @@ from core_rl.engine_utils import hf, lora, ulysses
 from core_rl.engine_utils import state as state_files
 from core_rl.engine_utils.buckets import hf_buckets, tied_aliases
 from core_rl.engine_utils.export import export_model_dir
-from core_rl.engine_utils.optim import build_optimizer, check_schedule, placed_scalar_state
+from core_rl.engine_utils.optim import build_optimizer, check_schedule, decay_groups, placed_scalar_state
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner, check_temperature
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import TrainEngine
@@ -280,6 +280,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         if not flat_states:
             return None
         keys = sorted(flat_states[0])
+        self._relink_fragments()  # groups after the first are linked before they have state (see there)
         state: dict[str, dict[str, torch.Tensor]] = {}
         for name, param in self._trainable_params():
             entry: dict[str, torch.Tensor] = {}
@@ -292,9 +293,15 @@ class DeepSpeedEngine(EngineState, TrainEngine):
                     entry[key] = full.detach().to("cpu", torch.float32).clone()
             if self.rank == 0:
                 state[name] = entry
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
-        groups[0]["params"] = [name for name, _ in self._trainable_params()]
-        return {"state": state, "param_groups": groups[:1]}
+        named = self._trainable_params()
+        names = {id(p): name for name, p in named}
+        hyper = {k: v for k, v in base.param_groups[0].items() if k not in ("params", "weight_decay")}
+        groups = [
+            {**hyper, "weight_decay": g.get("weight_decay", self.actor.optimizer.weight_decay)}
+            | {"params": [names[id(p)] for p in g["params"]]}
+            for g in decay_groups([p for _, p in named], self.actor.optimizer)
+        ]
+        return {"state": state, "param_groups": groups}
 
     def save_state(self, path: str | Path, extra: Mapping[str, Any]) -> None:
         """Write ``path/`` atomically, in formats that execute nothing on load (see
@@ -382,7 +389,9 @@ class DeepSpeedEngine(EngineState, TrainEngine):
 
     def _relink_fragments(self) -> None:
         """ZeRO-1/2 keep per-parameter views into the optimizer state, made once after the first
-        step; after the state is replaced they must be made again (now, or at the next step)."""
+        step; after the state is replaced they must be made again (now, or at the next step).
+        DeepSpeed makes them right after stepping the first parameter group, before the others
+        (biases and norms under ``no_decay``) have any state, so saving relinks too."""
         zero = self.optimizer
         if hasattr(zero, "_hp_optimizer_states_linked"):
             zero._hp_optimizer_states_linked = False

@@ -24,7 +24,7 @@ from core_rl.engine_utils import lora, ulysses
 from core_rl.engine_utils.buckets import hf_buckets, tied_aliases
 from core_rl.engine_utils.export import export_model_dir
 from core_rl.engine_utils.hf import architecture_name, exported_architecture, torch_dtype
-from core_rl.engine_utils.optim import build_optimizer, check_schedule, settle_scalar_states
+from core_rl.engine_utils.optim import build_optimizer, check_schedule, restore_weight_decay, settle_scalar_states
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner, check_temperature
 from core_rl.engine_utils.state import write_collectively, write_meta
 from core_rl.interfaces import TrainEngine
@@ -152,8 +152,8 @@ class FSDPEngine(EngineState, TrainEngine):
         self._check_open()
         if isinstance(self.model, FSDPModule):
             state = self._wrapped_state_dict()
-        else:  # one rank, plain module (model.needs_fsdp): its own tensors, detached; copied only off the CPU
-            state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        else:  # one rank, plain module (model.needs_fsdp): a copy of its tensors (a snapshot, also on the CPU)
+            state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         return lora.hf_state_dict(self.model, state)
 
     def hf_weight_buckets(self, bucket_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
@@ -285,6 +285,7 @@ class FSDPEngine(EngineState, TrainEngine):
                     if key != "params" and isinstance(value, list):
                         group[key] = tuple(value)
                 group.update(kernel)
+            restore_weight_decay(self.optimizer, self.actor.optimizer)  # this run's choice, not the saved groups'
             settle_scalar_states(self.optimizer)  # ``step`` where this run's kernel reads it
         self._step = int(meta["step"])
         rng_dir = final / "rng"

@@ -42,6 +42,7 @@ from megatron.core import tensor_parallel
 from core_rl_megatron import convert
 from core_rl_megatron.export import write_safetensors_shards
 from core_rl_megatron.hf_io import HFWeights
+from core_rl_megatron.optim import set_group_weight_decay
 
 if TYPE_CHECKING:
     from core_rl_megatron.engine import MegatronEngine
@@ -243,6 +244,7 @@ def _load_megatron_optimizer(engine: MegatronEngine, directory: Path) -> None:
         # without Apex or Transformer Engine megatron-core loads one ``step`` tensor into every
         # parameter's AdamW state: each gets its own
         settle_scalar_states(inner.optimizer)
+    set_group_weight_decay(optimizer, engine.actor.optimizer)
 
 
 @contextlib.contextmanager

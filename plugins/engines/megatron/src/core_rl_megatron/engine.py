@@ -426,9 +426,11 @@ class MegatronEngine(EngineState, TrainEngine):
         return self.gatherer.hf_buckets(bucket_bytes or int(self.config.export_bucket_mb * 2**20), device=device)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The gathered weights copied to the CPU (a snapshot: a parameter that needs no conversion
+        would otherwise come back as itself on a CPU engine)."""
         state: dict[str, torch.Tensor] = {}
-        for bucket in self.hf_weight_buckets(device="cpu"):
-            state.update(bucket)
+        for bucket in self.hf_weight_buckets(device=None):
+            state.update({name: tensor.to("cpu", copy=True) for name, tensor in bucket.items()})
         if self.rank == 0 and self.spec.ties_output_layer:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         return state

@@ -31,14 +31,24 @@ def megatron_optimizer(
     model: list[Any], opt: OptimizerConfig, cfg: MegatronConfig, grad_clip: float, dtype: torch.dtype
 ) -> Any:
     """Megatron's optimizer for the DDP-wrapped ``model`` chunks (parameters of ``dtype``), configured
-    by :func:`optimizer_config`. Every parameter is decayed by ``weight_decay``, as the core's optimizer
-    does for fsdp and deepspeed (Megatron's own groups would exempt norms and biases)."""
+    by :func:`optimizer_config`. ``actor.optimizer.no_decay`` picks which parameters are decayed by
+    ``weight_decay``, as the core's optimizer does for fsdp and deepspeed: ``biases_and_norms``
+    keeps Megatron's groups (``wd_mult`` 0 for one-dimensional parameters and biases),
+    ``none`` decays every group."""
     from megatron.core.optimizer import get_megatron_optimizer
 
     optimizer = get_megatron_optimizer(optimizer_config(opt, cfg, grad_clip, dtype), model)
-    for group in optimizer.param_groups:
-        group["weight_decay"] = opt.weight_decay
+    set_group_weight_decay(optimizer, opt)
     return optimizer
+
+
+def set_group_weight_decay(optimizer: Any, opt: OptimizerConfig) -> None:
+    """Each of Megatron's parameter groups decayed by ``opt.weight_decay``, but the groups Megatron
+    exempts (``wd_mult`` 0) under ``no_decay: biases_and_norms``. Also after loading a checkpoint,
+    whose saved groups carry the saving run's values."""
+    for group in optimizer.param_groups:
+        spared = opt.no_decay == "biases_and_norms" and group.get("wd_mult", 1.0) == 0.0
+        group["weight_decay"] = 0.0 if spared else opt.weight_decay
 
 
 def optimizer_config(opt: OptimizerConfig, cfg: MegatronConfig, grad_clip: float, dtype: torch.dtype) -> Any:
