@@ -112,9 +112,12 @@ class PPOClipConfig:
     (dual clip bound > 1), ``importance_sampling_level`` (``token``, or ``sequence``: GSPO).
     Aggregation: ``aggregation`` (:data:`core_rl.ops.AGGREGATIONS`), ``norm_length`` (the constant of
     ``seq-mean-token-sum-norm``; default ``rollout.sampling.max_new_tokens``). Regularisers:
-    ``kl_coef``/``kl_estimator`` (``kl_coef > 0`` builds a reference model), ``entropy_coef``.
-    Off-policy: ``use_decoupled_loss``, ``prox_logp_method``, ``off_policy_mask_threshold``,
-    ``use_sapo_loss``/``sapo_tau_pos``/``sapo_tau_neg``, ``m2_threshold``. Surrogate:
+    ``kl_coef``/``kl_estimator`` (``kl_coef > 0`` builds a reference model), ``entropy_coef``;
+    ``kl_importance_weight`` (needs ``kl_coef > 0``): the KL term times the importance ratio
+    ``rho_t`` (kept in the graph), DeepSeek-V3.2's unbiased estimate of the reverse-KL gradient
+    from samples of the anchor policy (TRL's ``use_bias_correction_kl``). Off-policy:
+    ``use_decoupled_loss``, ``prox_logp_method``, ``off_policy_mask_threshold``, ``use_sapo_loss``/
+    ``sapo_tau_pos``/``sapo_tau_neg``, ``m2_threshold``. Surrogate:
     ``use_cispo_loss`` with ``cispo_eps_low``/``cispo_eps_high`` (CISPO's clipped, detached
     importance weight in place of the clip; the default ``cispo_eps_low: 1`` sets no lower bound).
     Auxiliary: ``positive_nll_coef`` (0: off), an SFT term ``coef * (-log pi_t)`` on every token with
@@ -137,6 +140,7 @@ class PPOClipConfig:
     )
     kl_coef: float = attrs.field(default=0.0, validator=non_negative())
     kl_estimator: str = attrs.field(default="k3", validator=one_of(KL_ESTIMATORS))
+    kl_importance_weight: bool = False
     entropy_coef: float = attrs.field(default=0.0, validator=non_negative())
     use_decoupled_loss: bool = False
     prox_logp_method: str = attrs.field(default="recompute", validator=one_of(PROX_LOGP_METHODS))
@@ -161,6 +165,8 @@ class PPOClipConfig:
 
     def __attrs_post_init__(self) -> None:
         self._check_loss_mode()
+        if self.kl_importance_weight and self.kl_coef == 0:
+            raise FieldValueError("kl_importance_weight", True, "weighs the KL term: it needs kl_coef > 0")
         if self.eps_clip_higher is not None and self.eps_clip_higher < self.eps_clip:
             raise FieldValueError(
                 "eps_clip_higher", self.eps_clip_higher, f"must be >= eps_clip ({self.eps_clip}) or null"

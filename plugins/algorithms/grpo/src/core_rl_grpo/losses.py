@@ -37,6 +37,7 @@ class PPOClipLoss(PolicyLoss):
         l_t    = l_t * w_t                     decoupled: w_t = pi_prox / pi_behave (after rejection sampling)
         l_t    = l_t * [H_t >= tau_q]          top_entropy_quantile q < 1 (tau_q below)
         l_t    = l_t + kl_coef * KL_est(pi, pi_ref) - entropy_coef * H_t
+                                               (KL_est times rho_t with kl_importance_weight)
         l_t    = l_t + positive_nll_coef * (-log pi(y_t)) * [A_t > 0]
         l_t    = l_t * keep_t * mask_t         keep: rejection sampling, off-policy sequence masking
 
@@ -189,8 +190,10 @@ class PPOClipLoss(PolicyLoss):
             if "ref_logprobs" not in batch:
                 raise KeyError("ppo_clip with kl_coef > 0 needs 'ref_logprobs' in the batch (a reference model)")
             kl = ops.kl_estimate(logprobs, batch["ref_logprobs"].to(logprobs.dtype), cfg.kl_estimator)
-            loss = loss + cfg.kl_coef * kl
             metrics["kl"] = kl.detach()
+            if cfg.kl_importance_weight:  # rho_t is in the graph: its gradient is part of the estimate
+                kl = kl * ratio.expand_as(kl)
+            loss = loss + cfg.kl_coef * kl
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * entropy
         if cfg.positive_nll_coef > 0:
