@@ -66,6 +66,12 @@ class SumLoss(PolicyLoss):
     def prepare(self, batch):
         return {"mode": "fast"}
 
+    def observe_step(self, metrics):
+        return [metrics["entropy"]]
+
+    def state_dict(self):
+        return {"seen": 1}
+
     def __call__(self, batch, logprobs, entropy):
         return LossOutput(per_token_loss=logprobs.sum(dim=1))
 
@@ -170,6 +176,11 @@ def test_a_policy_loss_is_checked_in_every_call(outputs_host: PluginHost) -> Non
         loss.loss_weights(batch["loss_mask"])
     with pytest.raises(PluginFault, match=r"returned the metrics of prepare with 'mode': 'fast'"):
         loss.prepare(batch)
+    with pytest.raises(
+        PluginFault, match=r"returned the metrics of observe_step as a list, .*: a mapping of names to numbers"
+    ):
+        loss.observe_step({"entropy": 1.0})
+    assert loss.state_dict() == {"seen": 1}  # what checkpoints save is the loss's own
     logprobs = batch["old_logprobs"]
     with pytest.raises(PluginFault) as info:
         loss(batch, logprobs, torch.zeros_like(logprobs))

@@ -108,19 +108,23 @@ class _Guard:
         return getattr(self.inner, name)
 
 
-class GuardedAdvantage(_Guard, AdvantageEstimator):
-    """An advantage estimator whose advantages must be floats [B, T], like ``response_mask``."""
-
-    def __init__(self, inner: AdvantageEstimator, words: str) -> None:
-        super().__init__(inner, words)
-        self.requires_values = inner.requires_values
-        self.requires_reference = inner.requires_reference
+class _StatefulGuard(_Guard):
+    """A guard of a component whose state checkpoints keep (``state_dict``/``load_state_dict``)."""
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.inner.load_state_dict(state)
+
+
+class GuardedAdvantage(_StatefulGuard, AdvantageEstimator):
+    """An advantage estimator whose advantages must be floats [B, T], like ``response_mask``."""
+
+    def __init__(self, inner: AdvantageEstimator, words: str) -> None:
+        super().__init__(inner, words)
+        self.requires_values = inner.requires_values
+        self.requires_reference = inner.requires_reference
 
     def __call__(self, batch: TensorBatch) -> torch.Tensor:
         advantages = calling(self.words, "computing advantages", self.inner, batch)
@@ -141,7 +145,7 @@ class GuardedFilter(_Guard, SampleFilter):
         return keep
 
 
-class GuardedLoss(_Guard, PolicyLoss):
+class GuardedLoss(_StatefulGuard, PolicyLoss):
     """A policy loss whose aggregation weights must be floats like the mask they are given,
     whose per-token loss and token metrics must be [b, T] like the log-probs, and whose
     preparation returns metrics."""
@@ -165,6 +169,10 @@ class GuardedLoss(_Guard, PolicyLoss):
 
     def set_rejection_sampler(self, sampler: RejectionSampler | None) -> None:
         calling(self.words, "receiving the rejection sampler", self.inner.set_rejection_sampler, sampler)
+
+    def observe_step(self, metrics: Mapping[str, float]) -> dict[str, float]:
+        out = calling(self.words, "observing an optimiser step", self.inner.observe_step, metrics)
+        return check_metrics(out, self.words, "the metrics of observe_step", "PolicyLoss.observe_step returns")
 
     def __call__(self, batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
         out = calling(self.words, "computing the loss", self.inner, batch, logprobs, entropy)

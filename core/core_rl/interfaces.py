@@ -385,6 +385,20 @@ class PolicyLoss(ABC):
         and returns metrics. Default: nothing."""
         return {}
 
+    def observe_step(self, metrics: Mapping[str, float]) -> dict[str, float]:
+        """Called on every rank after each optimiser step with the engine's metrics of that step
+        (global means, the same on every rank: ``entropy``, the token metrics); returns metrics to
+        log. A loss with state that follows training (an adaptive coefficient) updates it here and
+        keeps it in :meth:`state_dict`, which checkpoints save. Default: nothing."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """State a resumed run needs (see :meth:`observe_step`). Default: none."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned. Default: nothing."""
+
     def set_rejection_sampler(self, sampler: RejectionSampler | None) -> None:
         """Receive the configured ``algorithm.rejection_sampling`` component (called once by the
         trainer before training). A loss that does not apply one must refuse a sampler (the default

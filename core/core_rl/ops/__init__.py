@@ -21,6 +21,7 @@ __all__, __getattr__ = lazy_exports(
     {
         "core_rl.ops.aggregation": ("aggregation_weights",),
         "core_rl.ops.entropy_control": (
+            "adaptive_entropy_coef",
             "clip_cov_loss",
             "clip_cov_select",
             "kl_cov_loss",

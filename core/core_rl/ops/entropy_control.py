@@ -119,3 +119,15 @@ def top_quantile_mask(values: torch.Tensor, mask: torch.Tensor, quantile: float)
     upper = min(j + 1, n - 1)
     tau = torch.lerp(sorted_values[j], sorted_values[upper], position - j)
     return on & (values.detach().float() >= tau)
+
+
+def adaptive_entropy_coef(
+    coef: float, entropy: float, *, target: float, delta: float, low: float, high: float
+) -> float:
+    """Skywork-OR1's adaptive entropy coefficient after a step whose policy entropy was ``entropy``::
+
+        coef' = min(coef + delta, high)    if entropy <= target
+        coef' = max(coef - delta, low)     otherwise
+
+    The bonus ``coef' * H`` then applies at the next step only while ``entropy <= target``."""
+    return min(coef + delta, high) if entropy <= target else max(coef - delta, low)

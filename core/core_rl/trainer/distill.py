@@ -13,6 +13,9 @@ KL(pi || pi_teacher) per response token: it falls as the policy learns the teach
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from core_rl import ops
@@ -45,6 +48,15 @@ class DistillationLoss(PolicyLoss):
 
     def set_rejection_sampler(self, sampler: RejectionSampler | None) -> None:
         self.base.set_rejection_sampler(sampler)
+
+    def observe_step(self, metrics: Mapping[str, float]) -> dict[str, float]:
+        return self.base.observe_step(metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.base.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.base.load_state_dict(state)
 
     def __call__(self, batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
         mask = batch["response_mask"]

@@ -92,6 +92,7 @@ class Checkpointing:
             "empty_steps": self.empty_steps.state_dict(),
             "reward_errors": self.reward_log.state_dict(),
             "advantage": self.advantage.state_dict() if self.advantage is not None else {},
+            "loss": self.loss.state_dict() if getattr(self, "loss", None) is not None else {},
         }
 
     def save_checkpoint(self, step: int, metrics: Mapping[str, Any] | None = None) -> Path:
@@ -197,6 +198,8 @@ class Checkpointing:
         self.reward_log.load_state_dict(extra.get("reward_errors", {}))
         if self.advantage is not None:
             self.advantage.load_state_dict(extra.get("advantage", {}))
+        if getattr(self, "loss", None) is not None:  # loops without a policy loss have none
+            self.loss.load_state_dict(extra.get("loss", {}))
         with waiting_for("the other ranks to send the resumed weights to the rollout engine"):
             self._sync_weights(step)
         if self.is_main:

@@ -188,7 +188,8 @@ class PolicyUpdate:
                 minibatch = batch.rows(rows)
                 minibatch["loss_weight"] = self.loss.loss_weights(minibatch["loss_mask"])
                 shard = self.shard(minibatch)
-                steps.append(engine_metrics(self.engine, "train_step", shard, self.loss, temperature=self.temperature))
+                step = engine_metrics(self.engine, "train_step", shard, self.loss, temperature=self.temperature)
+                steps.append({**step, **self.loss.observe_step(step)})
         metrics.update({f"actor/{k}": v for k, v in combine_step_metrics(steps).items()})
         metrics["actor/optimizer_steps"] = float(len(steps))
         if self.critic is not None:

@@ -112,7 +112,12 @@ class PPOClipConfig:
     (dual clip bound > 1), ``importance_sampling_level`` (``token``, or ``sequence``: GSPO).
     Aggregation: ``aggregation`` (:data:`core_rl.ops.AGGREGATIONS`), ``norm_length`` (the constant of
     ``seq-mean-token-sum-norm``; default ``rollout.sampling.max_new_tokens``). Regularisers:
-    ``kl_coef``/``kl_estimator`` (``kl_coef > 0`` builds a reference model), ``entropy_coef``;
+    ``kl_coef``/``kl_estimator`` (``kl_coef > 0`` builds a reference model), ``entropy_coef``
+    (with ``entropy_target`` set, the adaptive coefficient's start: Skywork-OR1's control, TRL's
+    ``use_adaptive_entropy``; after each optimiser step it moves by ``entropy_coef_delta`` within
+    ``[entropy_coef_min, entropy_coef_max]``, up when the step's mean policy entropy over response
+    tokens was at most ``entropy_target`` nats, down otherwise, and the bonus applies only while that
+    entropy is at most the target: :func:`core_rl.ops.adaptive_entropy_coef`; saved in checkpoints);
     ``kl_importance_weight`` (needs ``kl_coef > 0``): the KL term times the importance ratio
     ``rho_t`` (kept in the graph), DeepSeek-V3.2's unbiased estimate of the reverse-KL gradient
     from samples of the anchor policy (TRL's ``use_bias_correction_kl``). Off-policy:
@@ -142,6 +147,10 @@ class PPOClipConfig:
     kl_estimator: str = attrs.field(default="k3", validator=one_of(KL_ESTIMATORS))
     kl_importance_weight: bool = False
     entropy_coef: float = attrs.field(default=0.0, validator=non_negative())
+    entropy_target: float | None = attrs.field(default=None, validator=non_negative())
+    entropy_coef_min: float = attrs.field(default=0.0, validator=non_negative())
+    entropy_coef_max: float = attrs.field(default=1.0, validator=non_negative())
+    entropy_coef_delta: float = attrs.field(default=0.005, validator=positive())
     use_decoupled_loss: bool = False
     prox_logp_method: str = attrs.field(default="recompute", validator=one_of(PROX_LOGP_METHODS))
     off_policy_mask_threshold: float | None = attrs.field(default=None, validator=non_negative())
@@ -167,6 +176,7 @@ class PPOClipConfig:
         self._check_loss_mode()
         if self.kl_importance_weight and self.kl_coef == 0:
             raise FieldValueError("kl_importance_weight", True, "weighs the KL term: it needs kl_coef > 0")
+        self._check_adaptive_entropy()
         if self.eps_clip_higher is not None and self.eps_clip_higher < self.eps_clip:
             raise FieldValueError(
                 "eps_clip_higher", self.eps_clip_higher, f"must be >= eps_clip ({self.eps_clip}) or null"
@@ -191,6 +201,24 @@ class PPOClipConfig:
                 self.m2_threshold,
                 "needs use_decoupled_loss: true with prox_logp_method 'recompute' or 'metrics' "
                 "(M2PO compares behaviour and recomputed proximal log-probs before the update)",
+            )
+
+    def _check_adaptive_entropy(self) -> None:
+        """The bounds and step apply only to the adaptive coefficient, which starts at
+        ``entropy_coef`` inside them."""
+        if self.entropy_target is None:
+            for name, default in (("entropy_coef_min", 0.0), ("entropy_coef_max", 1.0), ("entropy_coef_delta", 0.005)):
+                if getattr(self, name) != default:
+                    raise FieldValueError(
+                        name, getattr(self, name), "applies only to the adaptive coefficient: set entropy_target"
+                    )
+            return
+        if not self.entropy_coef_min <= self.entropy_coef <= self.entropy_coef_max:
+            raise FieldValueError(
+                "entropy_coef",
+                self.entropy_coef,
+                f"is the adaptive coefficient's start: it must lie in [entropy_coef_min, entropy_coef_max] = "
+                f"[{self.entropy_coef_min}, {self.entropy_coef_max}]",
             )
 
     def _check_loss_mode(self) -> None:

@@ -11,6 +11,10 @@ follow :mod:`core_rl.protocol` (position ``t`` describes token ``t``).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from core_rl import ops
 from core_rl.errors import ConfigError
@@ -79,7 +83,10 @@ class PPOClipLoss(PolicyLoss):
         self.eps_high = cfg.eps_clip_higher if cfg.eps_clip_higher is not None else cfg.eps_clip
         self.requires_reference = cfg.kl_coef > 0
         self.requires_recompute = cfg.use_decoupled_loss and cfg.prox_logp_method != "loglinear"
-        self.entropy_grad = cfg.entropy_coef > 0  # otherwise the entropy is a metric only
+        self.adaptive_entropy = cfg.entropy_target is not None
+        self.entropy_grad = cfg.entropy_coef > 0 or self.adaptive_entropy  # otherwise the entropy is a metric only
+        self.entropy_coef = cfg.entropy_coef  # the adaptive coefficient, updated by observe_step
+        self.last_entropy = math.inf  # no step measured yet: no adaptive bonus at the first step
         self.sampler: RejectionSampler | None = None
 
     def set_rejection_sampler(self, sampler: RejectionSampler | None) -> None:
@@ -194,14 +201,45 @@ class PPOClipLoss(PolicyLoss):
             if cfg.kl_importance_weight:  # rho_t is in the graph: its gradient is part of the estimate
                 kl = kl * ratio.expand_as(kl)
             loss = loss + cfg.kl_coef * kl
-        if cfg.entropy_coef > 0:
-            loss = loss - cfg.entropy_coef * entropy
+        entropy_coef = self._entropy_coef_now()
+        if entropy_coef > 0:
+            loss = loss - entropy_coef * entropy
         if cfg.positive_nll_coef > 0:
             nll = -logprobs * (advantages > 0).to(logprobs.dtype)
             loss = loss + cfg.positive_nll_coef * nll
             metrics["positive_nll"] = nll.detach()
         loss = torch.where(keep, loss, torch.zeros_like(loss)) * mask
         return LossOutput(per_token_loss=loss, token_metrics={k: v * mask for k, v in metrics.items()})
+
+    def _entropy_coef_now(self) -> float:
+        """The entropy bonus's coefficient this step: ``entropy_coef``, or the adaptive coefficient
+        while the last step's entropy was at most ``entropy_target`` (else 0)."""
+        if not self.adaptive_entropy:
+            return self.config.entropy_coef
+        return self.entropy_coef if self.last_entropy <= self.config.entropy_target else 0.0
+
+    def observe_step(self, metrics: Mapping[str, float]) -> dict[str, float]:
+        """The adaptive entropy coefficient follows the step's mean entropy (``entropy_target``)."""
+        if not self.adaptive_entropy:
+            return {}
+        cfg = self.config
+        self.last_entropy = float(metrics["entropy"])
+        self.entropy_coef = ops.adaptive_entropy_coef(
+            self.entropy_coef,
+            self.last_entropy,
+            target=cfg.entropy_target,
+            delta=cfg.entropy_coef_delta,
+            low=cfg.entropy_coef_min,
+            high=cfg.entropy_coef_max,
+        )
+        return {"entropy_coef": self.entropy_coef, "entropy_bonus_on": float(self._entropy_coef_now() > 0)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"entropy_coef": self.entropy_coef, "last_entropy": self.last_entropy} if self.adaptive_entropy else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self.adaptive_entropy and state:
+            self.entropy_coef, self.last_entropy = float(state["entropy_coef"]), float(state["last_entropy"])
 
     def _advantages(self, batch: TensorBatch, dtype: torch.dtype) -> torch.Tensor:
         """The advantages the loss uses: ``clip(A, adv_clip_low, adv_clip_high)`` (cosmos-rl's
