@@ -294,6 +294,17 @@ def test_a_decaying_schedule_shorter_than_the_run_is_refused(tmp_path, host, min
     load_config(path, ["trainer.total_steps=20", "actor.lr_scheduler.name=constant"], host=host)
 
 
+def test_a_wsd_warmup_must_end_before_its_decay(tmp_path, host, minimal_config):
+    minimal_config["actor"]["lr_scheduler"] = {"name": "wsd", "warmup_ratio": 0.5, "decay_ratio": 0.6}
+    assert _problems(tmp_path, minimal_config, ["trainer.total_steps=10"], host=host) == [
+        "actor.lr_scheduler: the wsd warmup (5 optimiser steps) overlaps its decay (the last 6 of 10: "
+        "decay_ratio=0.6); lower warmup_steps/warmup_ratio or decay_ratio"
+    ]
+    load_config(
+        _write(tmp_path, minimal_config), ["trainer.total_steps=10", "actor.lr_scheduler.decay_ratio=0.5"], host=host
+    )
+
+
 def test_micro_batch_and_lora_sections(tmp_path, host, minimal_config):
     cfg = load_config(_write(tmp_path, minimal_config), [], host=host)
     mb, lora = cfg.actor.micro_batch, cfg.actor.lora

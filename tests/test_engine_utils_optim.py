@@ -163,3 +163,31 @@ def test_weight_decay_groups_read_a_zero3_partitions_full_shape() -> None:
     flat_matrix.ds_shape, flat_norm.ds_shape = torch.Size([8, 4]), torch.Size([8])
     groups = decay_groups([flat_matrix, flat_norm], OptimizerConfig(weight_decay=0.1))
     assert [g["params"] for g in groups] == [[flat_matrix], [flat_norm]] and groups[1]["weight_decay"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("style", "decayed"),
+    [
+        ("linear", lambda p: 1 - p),
+        ("cosine", lambda p: 0.5 * (1 + math.cos(math.pi * p))),
+        ("1-sqrt", lambda p: 1 - math.sqrt(p)),
+    ],
+)
+def test_wsd_holds_the_rate_then_decays_over_the_last_steps(style, decayed) -> None:
+    """20 steps, 2 of warmup, decay_ratio 0.25: steps 0-1 warm up, 2-14 hold 1.0, 15-20 decay to
+    m = 0.1 (p = (step - 15) / 5)."""
+    config = SchedulerConfig(
+        name="wsd", warmup_steps=2, total_steps=20, decay_ratio=0.25, decay_style=style, min_lr_ratio=0.1
+    )
+    assert config.wsd_decay_steps == 5
+    assert [lr_at(s, 1.0, config) for s in (0, 1)] == [0.5, 1.0]
+    assert all(lr_at(s, 1.0, config) == 1.0 for s in range(2, 16))
+    for step in range(15, 23):
+        p = min((step - 15) / 5, 1.0)
+        assert lr_at(step, 1.0, config) == pytest.approx(0.1 + 0.9 * decayed(p)), step
+
+
+def test_wsd_keys_apply_to_wsd_alone() -> None:
+    with pytest.raises(ValueError, match=r"decay_style: .*applies only to name: wsd \(not cosine\)"):
+        SchedulerConfig(name="cosine", decay_style="cosine")
+    assert SchedulerConfig(name="wsd", total_steps=3, decay_ratio=0.1).wsd_decay_steps == 1  # at least one step

@@ -12,6 +12,7 @@ from core_rl.config.validators import (
     MAX_COUNT,
     MAX_STEPS,
     MAX_TOKENS,
+    FieldValueError,
     auto_or,
     each,
     in_range,
@@ -58,13 +59,30 @@ class SchedulerConfig:
     steps when ``warmup_steps`` is 0), then ``constant``, ``linear`` or ``cosine`` decay to
     ``min_lr_ratio * lr`` at step ``total_steps`` (0: ``trainer.total_steps`` times the optimiser
     steps per RL step). Steps here are optimiser steps. Both 0 defaults are filled in on load and
-    stay derived in the recorded configuration (:mod:`core_rl.config.derived`)."""
+    stay derived in the recorded configuration (:mod:`core_rl.config.derived`).
 
-    name: str = attrs.field(default="constant", validator=one_of(("constant", "linear", "cosine")))
+    ``wsd`` (warmup-stable-decay, as MiniCPM's and Megatron's): the learning rate stays at ``lr``
+    after the warmup and decays only over the last ``decay_ratio`` of ``total_steps`` (at least one
+    step), in the ``decay_style`` ``linear``, ``cosine`` or ``1-sqrt``; both keys apply to ``wsd`` alone."""
+
+    name: str = attrs.field(default="constant", validator=one_of(("constant", "linear", "cosine", "wsd")))
     warmup_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
     warmup_ratio: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
     min_lr_ratio: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
     total_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
+    decay_ratio: float = attrs.field(default=0.1, validator=in_range(0.0, 1.0, low_open=True))
+    decay_style: str = attrs.field(default="linear", validator=one_of(("linear", "cosine", "1-sqrt")))
+
+    def __attrs_post_init__(self) -> None:
+        if self.name != "wsd":
+            for key, default in (("decay_ratio", 0.1), ("decay_style", "linear")):
+                if getattr(self, key) != default:
+                    raise FieldValueError(key, getattr(self, key), f"applies only to name: wsd (not {self.name})")
+
+    @property
+    def wsd_decay_steps(self) -> int:
+        """The steps of a ``wsd`` schedule's decay: ``max(1, floor(decay_ratio * total_steps))``."""
+        return max(1, int(self.decay_ratio * self.total_steps))
 
 
 @attrs.define

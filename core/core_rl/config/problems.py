@@ -295,6 +295,7 @@ def schedule_problems(cfg: RunConfig) -> list[str]:
         schedules.append(("critic", cfg.critic.lr_scheduler))
     problems = []
     for role, schedule in schedules:
+        problems += _wsd_problems(role, schedule)
         if schedule.name == "constant" or schedule.min_lr_ratio > 0 or schedule.total_steps >= run_steps:
             continue
         problems.append(
@@ -307,6 +308,20 @@ def schedule_problems(cfg: RunConfig) -> list[str]:
             f"or {role}.lr_scheduler.min_lr_ratio above 0"
         )
     return problems
+
+
+def _wsd_problems(role: str, schedule: SchedulerConfig) -> list[str]:
+    """A ``wsd`` schedule's warmup must end before its decay starts."""
+    if schedule.name != "wsd" or schedule.total_steps <= 0:
+        return []
+    decay = schedule.wsd_decay_steps
+    if schedule.warmup_steps + decay <= schedule.total_steps:
+        return []
+    return [
+        f"{role}.lr_scheduler: the wsd warmup ({schedule.warmup_steps} optimiser steps) overlaps its decay (the last "
+        f"{decay} of {schedule.total_steps}: decay_ratio={schedule.decay_ratio}); lower warmup_steps/warmup_ratio "
+        "or decay_ratio"
+    ]
 
 
 def replay_config_problems(cfg: RunConfig, *, rl_loop: bool) -> list[str]:

@@ -117,7 +117,7 @@ def warmup_steps(config: SchedulerConfig) -> int:
 def check_schedule(config: SchedulerConfig) -> None:
     """Raise ``ValueError`` if the schedule cannot be evaluated: decaying schedules need
     ``total_steps`` (the loader fills it from ``trainer.total_steps``)."""
-    if config.name in ("linear", "cosine") and config.total_steps <= 0:
+    if config.name in ("linear", "cosine", "wsd") and config.total_steps <= 0:
         raise ValueError(
             f"actor.lr_scheduler.total_steps: must be > 0 for a {config.name} schedule, got {config.total_steps}"
         )
@@ -135,6 +135,9 @@ def lr_at(step: int, base_lr: float, config: SchedulerConfig) -> float:
       - ``constant``: ``base_lr``
       - ``linear``:   ``base_lr * (m + (1 - m) * (1 - p))``
       - ``cosine``:   ``base_lr * (m + (1 - m) * (1 + cos(pi * p)) / 2)``
+      - ``wsd``: ``base_lr`` until step ``S - D`` (``D``: ``SchedulerConfig.wsd_decay_steps``), then with
+        ``p = clamp((step - (S - D)) / D, 0, 1)`` the ``decay_style`` ``linear`` or ``cosine`` as
+        above, or ``1-sqrt``: ``base_lr * (m + (1 - m) * (1 - sqrt(p)))``
 
     so decaying schedules reach ``m * base_lr`` at step ``S`` and stay there.
     """
@@ -144,12 +147,18 @@ def lr_at(step: int, base_lr: float, config: SchedulerConfig) -> float:
         return base_lr * (step + 1) / w
     if config.name == "constant":
         return base_lr
-    p = min(max((step - w) / max(config.total_steps - w, 1), 0.0), 1.0)
+    style, start, span = config.name, w, config.total_steps - w
+    if config.name == "wsd":
+        span = config.wsd_decay_steps
+        style, start = config.decay_style, max(config.total_steps - span, w)
+    p = min(max((step - start) / max(span, 1), 0.0), 1.0)
     m = config.min_lr_ratio
-    if config.name == "linear":
+    if style == "linear":
         return base_lr * (m + (1.0 - m) * (1.0 - p))
-    if config.name == "cosine":
+    if style == "cosine":
         return base_lr * (m + (1.0 - m) * 0.5 * (1.0 + math.cos(math.pi * p)))
+    if style == "1-sqrt":
+        return base_lr * (m + (1.0 - m) * (1.0 - math.sqrt(p)))
     raise ValueError(f"actor.lr_scheduler.name: unknown schedule {config.name!r}")
 
 
