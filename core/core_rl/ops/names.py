@@ -16,7 +16,19 @@ SEQUENCE_REDUCTIONS = ("sum", "mean", "max")
 #: the levels a mean or a standard deviation is taken at (:func:`core_rl.ops.normalize`)
 NORM_LEVELS = ("batch", "group", "none")
 #: per-pair preference losses on log-ratios against a reference (:func:`core_rl.ops.preference_loss`)
-PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge")
+PREFERENCE_LOSSES = (
+    "sigmoid",
+    "ipo",
+    "hinge",
+    "robust",
+    "exo_pair",
+    "nca_pair",
+    "bco_pair",
+    "sppo_hard",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+)
 #: per-pair preference losses on the policy's length-normalised log-probs alone, no reference
 #: (:func:`core_rl.ops.simpo_loss`, :func:`core_rl.ops.orpo_loss`)
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")

@@ -9,7 +9,21 @@ give sequence log-probabilities; the *log-ratio* of a response is
 - ``sigmoid`` (DPO, conservative DPO when ``eps > 0``):
   ``-(1 - eps) * log sigmoid(beta * h) - eps * log sigmoid(-beta * h)``;
 - ``ipo``: ``(h - 1 / (2 * beta))^2``;
-- ``hinge`` (SLiC): ``max(0, 1 - beta * h)``.
+- ``hinge`` (SLiC): ``max(0, 1 - beta * h)``;
+- ``robust`` (rDPO, unbiased under label noise ``eps`` in (0, 0.5)):
+  ``((1 - eps) * -log sigmoid(beta * h) - eps * -log sigmoid(-beta * h)) / (1 - 2 * eps)``;
+- ``exo_pair`` (EXO with two responses, ``eps`` in (0, 0.5)): ``KL(q || p)`` between the policy's
+  preference ``q = (sigmoid(beta * h), sigmoid(-beta * h))`` and the target ``p = (1 - eps, eps)``;
+
+and on each response's own log-ratio ``r_w``, ``r_l`` (rewards ``u = beta * r``):
+
+- ``nca_pair`` (NCA): ``-log sigmoid(u_w) - log sigmoid(-u_w) / 2 - log sigmoid(-u_l) / 2``;
+- ``bco_pair`` (BCO without its running reward shift): ``-log sigmoid(u_w) - log sigmoid(-u_l)``;
+- ``sppo_hard`` (SPPO with hard win probabilities): ``(r_w - 1 / (2 beta))^2 + (r_l + 1 / (2 beta))^2``;
+- ``apo_zero`` (APO-zero): ``1 - sigmoid(u_w) + sigmoid(u_l)``;
+- ``apo_down`` (APO-down): ``sigmoid(u_w) + 1 - sigmoid(beta * h)``;
+- ``discopop`` (DiscoPOP's log-ratio modulated loss, temperature ``tau``): with ``z = beta * h``
+  and ``s = sigmoid(z / tau)``, ``(1 - s) * -log sigmoid(z) + s * exp(-z)``.
 
 The implicit rewards are ``beta * logratio`` of each response; a pair is *correct* when the
 chosen reward exceeds the rejected one. A Bradley-Terry reward model is the ``sigmoid`` loss on
@@ -67,12 +81,15 @@ def preference_loss(
     loss_type: str = "sigmoid",
     beta: float = 0.1,
     label_smoothing: float = 0.0,
+    discopop_tau: float = 0.05,
 ) -> torch.Tensor:
     """The per-pair loss ``[P]`` of :data:`PREFERENCE_LOSSES` (see the module docstring) from the
     chosen and rejected log-ratios ``[P]``. Differentiable in both arguments."""
     if beta <= 0:
         raise ValueError(f"beta must be > 0, got {beta}")
     _check_label_smoothing(label_smoothing)
+    if loss_type in ("robust", "exo_pair") and label_smoothing <= 0:
+        raise ValueError(f"the {loss_type} loss needs label_smoothing in (0, 0.5), got {label_smoothing}")
     margin = chosen_logratio - rejected_logratio
     if loss_type == "sigmoid":
         return smoothed_logistic_loss(margin, beta, label_smoothing)
@@ -80,7 +97,60 @@ def preference_loss(
         return (margin - 1.0 / (2.0 * beta)) ** 2
     if loss_type == "hinge":
         return torch.relu(1.0 - beta * margin)
+    if loss_type in _MARGIN_LOSSES:
+        return _MARGIN_LOSSES[loss_type](beta * margin, label_smoothing, discopop_tau)
+    if loss_type in _SEPARATE_LOSSES:
+        return _SEPARATE_LOSSES[loss_type](chosen_logratio, rejected_logratio, beta)
     raise ValueError(f"unknown preference loss {loss_type!r}; one of {', '.join(PREFERENCE_LOSSES)}")
+
+
+def _robust(z: torch.Tensor, eps: float, _tau: float) -> torch.Tensor:
+    return (-(1.0 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1.0 - 2.0 * eps)
+
+
+def _exo_pair(z: torch.Tensor, eps: float, _tau: float) -> torch.Tensor:
+    log_q_w, log_q_l = F.logsigmoid(z), F.logsigmoid(-z)
+    return log_q_w.exp() * (log_q_w - math.log1p(-eps)) + log_q_l.exp() * (log_q_l - math.log(eps))
+
+
+def _discopop(z: torch.Tensor, _eps: float, tau: float) -> torch.Tensor:
+    mix = torch.sigmoid(z / tau)
+    return (1.0 - mix) * -F.logsigmoid(z) + mix * torch.exp(-z)
+
+
+#: the losses of ``z = beta * (r_w - r_l)`` (with ``label_smoothing`` and DiscoPOP's ``tau``)
+_MARGIN_LOSSES = {"robust": _robust, "exo_pair": _exo_pair, "discopop": _discopop}
+
+
+def _nca_pair(r_w: torch.Tensor, r_l: torch.Tensor, beta: float) -> torch.Tensor:
+    u_w, u_l = beta * r_w, beta * r_l
+    return -F.logsigmoid(u_w) - 0.5 * F.logsigmoid(-u_w) - 0.5 * F.logsigmoid(-u_l)
+
+
+def _bco_pair(r_w: torch.Tensor, r_l: torch.Tensor, beta: float) -> torch.Tensor:
+    return -F.logsigmoid(beta * r_w) - F.logsigmoid(-beta * r_l)
+
+
+def _sppo_hard(r_w: torch.Tensor, r_l: torch.Tensor, beta: float) -> torch.Tensor:
+    return (r_w - 0.5 / beta) ** 2 + (r_l + 0.5 / beta) ** 2
+
+
+def _apo_zero(r_w: torch.Tensor, r_l: torch.Tensor, beta: float) -> torch.Tensor:
+    return 1.0 - torch.sigmoid(beta * r_w) + torch.sigmoid(beta * r_l)
+
+
+def _apo_down(r_w: torch.Tensor, r_l: torch.Tensor, beta: float) -> torch.Tensor:
+    return torch.sigmoid(beta * r_w) + 1.0 - torch.sigmoid(beta * (r_w - r_l))
+
+
+#: the losses of each response's own log-ratio ``r_w``, ``r_l``
+_SEPARATE_LOSSES = {
+    "nca_pair": _nca_pair,
+    "bco_pair": _bco_pair,
+    "sppo_hard": _sppo_hard,
+    "apo_zero": _apo_zero,
+    "apo_down": _apo_down,
+}
 
 
 def simpo_loss(

@@ -80,6 +80,24 @@ def test_two_ranks_match_one_rank_and_precomputed_reference_matches_the_model(se
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), key
 
 
+def test_the_first_step_of_a_newer_loss_is_its_value_at_a_zero_margin(setup):
+    """The policy starts as its reference, so every log-ratio is 0 at the first step: ``discopop``
+    is then ``(1 - s) log 2 + s e^0`` with ``s = sigmoid(0) = 1/2``, whatever ``discopop_tau``."""
+    import math
+
+    common = ("trainer.total_steps=1", "saver.every_n_steps=0", "saver.export_hf=false")
+    train(
+        setup["config"],
+        "experiment.name=disco",
+        *common,
+        "trainer.loop.loss_type=discopop",
+        "trainer.loop.discopop_tau=0.5",
+    )
+    (row,) = read_metrics(setup["root"] / "runs" / "disco" / "metrics.jsonl")
+    assert row["dpo/loss"] == pytest.approx(0.5 * math.log(2) + 0.5, rel=1e-5)
+    assert row["actor/grad_norm"] > 0
+
+
 def with_reference_logprobs(data: Path, model_dir: Path, *, chat_template: bool = False) -> list[dict]:
     """The rows of ``data`` with ``ref_chosen_logp`` / ``ref_rejected_logp`` from a plain
     transformers forward of the model (prompt with BOS, or rendered by the tokenizer's chat template

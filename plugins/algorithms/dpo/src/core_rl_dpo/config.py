@@ -18,18 +18,23 @@ LOSS_TYPES = PREFERENCE_LOSSES + REFERENCE_FREE_LOSSES
 #: where the reference's log-probs come from; ``none`` for the reference-free losses
 REFERENCES = ("model", "precomputed", "none")
 #: the losses that read ``label_smoothing``
-SMOOTHED_LOSSES = ("sigmoid", "simpo")
+SMOOTHED_LOSSES = ("sigmoid", "simpo", "robust", "exo_pair")
+#: the losses that need ``label_smoothing`` above 0 (the assumed label noise)
+NOISE_LOSSES = ("robust", "exo_pair")
 
 
 @attrs.define
 class DPOConfig:
     """See the package README.
 
-    - ``loss_type``: ``sigmoid`` (DPO), ``ipo`` or ``hinge`` on log-ratios against a reference, or
-      the reference-free ``simpo`` / ``orpo`` on the policy's length-normalised log-probs;
+    - ``loss_type``: ``sigmoid`` (DPO), ``ipo``, ``hinge``, ``robust``, ``exo_pair``,
+      ``nca_pair``, ``bco_pair``, ``sppo_hard``, ``apo_zero``, ``apo_down`` or ``discopop`` on
+      log-ratios against a reference (formulas: :mod:`core_rl.ops.preference`), or the
+      reference-free ``simpo`` / ``orpo`` on the policy's length-normalised log-probs;
       ``beta``: the strength of the implicit KL constraint (SimPO: the scale of the implicit
       reward ``beta * a``; ORPO does not read it); ``label_smoothing``: the assumed fraction of
-      flipped labels (sigmoid and simpo only).
+      flipped labels (sigmoid, simpo, and robust and exo_pair, which need it above 0);
+      ``discopop_tau``: DiscoPOP's temperature (discopop only).
     - ``simpo_gamma``: SimPO's target margin ``gamma`` in reward units (``beta * (a_w - a_l)`` must
       exceed it); ``orpo_lambda``: the weight of ORPO's odds-ratio term next to the chosen NLL.
     - ``chosen_key`` / ``rejected_key``: the data columns of the two responses (text or token ids;
@@ -55,6 +60,7 @@ class DPOConfig:
     loss_type: str = attrs.field(default="sigmoid", validator=one_of(LOSS_TYPES))
     beta: float = attrs.field(default=0.1, validator=positive(1e6))
     label_smoothing: float = attrs.field(default=0.0, validator=in_range(0.0, 0.5, high_open=True))
+    discopop_tau: float = attrs.field(default=0.05, validator=positive(1e6))
     simpo_gamma: float = attrs.field(default=0.5, validator=non_negative(1e6))
     orpo_lambda: float = attrs.field(default=0.1, validator=non_negative(1e6))
     chosen_key: str = attrs.field(default="chosen", validator=not_empty())
@@ -98,8 +104,15 @@ class DPOConfig:
         if self.label_smoothing and self.loss_type not in SMOOTHED_LOSSES:
             problems.append(
                 f"{context.key('label_smoothing')}: loss_type {self.loss_type} does not read it (only "
-                f"{' and '.join(SMOOTHED_LOSSES)} do); remove it"
+                f"{', '.join(SMOOTHED_LOSSES)} do); remove it"
             )
+        if self.loss_type in NOISE_LOSSES and not self.label_smoothing:
+            problems.append(
+                f"{context.key('label_smoothing')}: loss_type {self.loss_type} models label noise and needs it "
+                "in (0, 0.5), e.g. 0.001"
+            )
+        if self.discopop_tau != 0.05 and self.loss_type != "discopop":
+            problems.append(f"{context.key('discopop_tau')}: only loss_type discopop reads it; remove it")
         if self.rpo_alpha and self.loss_type == "orpo":
             problems.append(
                 f"{context.key('rpo_alpha')}: loss_type orpo already has a chosen NLL term (orpo_lambda weighs "

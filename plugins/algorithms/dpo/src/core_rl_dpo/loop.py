@@ -90,7 +90,12 @@ class DPOLoop(SequenceLossLoop):
             logratio = policy - ref
             chosen, rejected = logratio[:mine], logratio[mine:]
             losses = preference_loss(
-                chosen, rejected, loss_type=cfg.loss_type, beta=cfg.beta, label_smoothing=cfg.label_smoothing
+                chosen,
+                rejected,
+                loss_type=cfg.loss_type,
+                beta=cfg.beta,
+                label_smoothing=cfg.label_smoothing,
+                discopop_tau=cfg.discopop_tau,
             )
             return losses, preference_metrics(chosen, rejected, policy[:mine], policy[mine:], beta=cfg.beta)
         mean = mean_token_logprob(policy, shard["loss_mask"].sum(dim=-1))
