@@ -175,11 +175,12 @@ class MegatronConfig:
                 "adapters); set it to 0, or use the fsdp or deepspeed engine for LoRA"
             )
         optimizer = section.optimizer if section is not None else None
-        if optimizer is not None and optimizer.name in ("muon", "adafactor") and self.tensor_model_parallel_size > 1:
+        if optimizer is not None and optimizer.name in ("muon", "adafactor"):
             problems.append(
-                f"{role}.optimizer.name: {optimizer.name} needs whole weight matrices (Muon orthogonalises them, "
-                f"Adafactor factors their second moments), but {context.key('tensor_model_parallel_size')}: "
-                f"{self.tensor_model_parallel_size} splits them over ranks; set it to 1, or use adamw"
+                f"{role}.optimizer.name: {optimizer.name} keeps optimizer state not shaped like each parameter "
+                "(Adafactor's row and column factors, Muon's momentum on matrices only) and needs whole matrices, "
+                "but the megatron engine checkpoints state per parameter shard and splits matrices under tensor "
+                "parallelism; use adamw, sgd or class, or the fsdp engine"
             )
         return problems
 
