@@ -209,7 +209,7 @@ def test_every_problem_of_a_config_at_once(tmp_path, host, minimal_config):
     problems = _problems(tmp_path, minimal_config, ["trainer.total_steps=0", "experiment.seed=-1"], host)
     assert sorted(problems) == sorted(
         [
-            "actor.optimizer.name: must be one of 'adamw', 'sgd', got 'adam'",
+            "actor.optimizer.name: must be one of 'adamw', 'sgd', 'adafactor', 'muon', 'class', got 'adam'",
             "actor.optimizer.lr: must be in (0, 10.0], got -1.0",
             "actor.optimizer.betas[0]: must be in [0.0, 1.0), got 2.0",
             "actor.optimizer.eps: must be in (0, 1.0], got 0.0",

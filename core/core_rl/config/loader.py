@@ -36,6 +36,7 @@ from core_rl.components import build_component
 from core_rl.config.converter import CONVERTER, TypeMismatch, make_converter, structure
 from core_rl.config.derived import INTERPOLATION, derive_schedules, interpolations, record
 from core_rl.config.epochs import defer_total_steps
+from core_rl.config.optimizer_checks import optimizer_problems
 from core_rl.config.overrides import apply_overrides, first_line, format_path, parse_overrides
 from core_rl.config.paths import node_at, replace_at
 from core_rl.config.problems import (
@@ -283,6 +284,7 @@ def load_config(
     problems.extend(defer_total_steps(cfg, data))  # trainer.total_epochs: total_steps derived at the start
     derive_schedules(cfg)
     problems.extend(cross_section_problems(cfg))
+    problems.extend(optimizer_problems(cfg))
     problems.extend(eval_problems(cfg, host))
     problems.extend(keep_best_problems(cfg, host))
     problems.extend(plugin_check_problems(cfg))

@@ -4,7 +4,7 @@ the micro-batches and LoRA. Re-exported by :mod:`core_rl.config.schema`."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
@@ -29,13 +29,43 @@ AUTO = "auto"
 TokenBudget = int | Literal["auto"]
 
 
+#: the optimizers ``OptimizerConfig.name`` selects (:func:`core_rl.engine_utils.optim.build_optimizer`)
+OPTIMIZERS = ("adamw", "sgd", "adafactor", "muon", "class")
+
+
 @attrs.define
 class OptimizerConfig:
-    """``name``: ``adamw`` or ``sgd``. ``betas``/``eps`` apply to AdamW, ``momentum`` to SGD.
-    ``implementation`` (AdamW): torch's ``fused`` kernel (one pass over all parameters),
-    ``foreach`` or ``for_loop``; ``auto`` is ``fused`` when every parameter is a plain CPU/CUDA
-    floating tensor (not a sharded DTensor), else torch's default. The kernels compute the same
-    update up to float rounding.
+    """``name``: ``adamw``, ``sgd``, ``adafactor``, ``muon`` or ``class``, each built over the
+    parameter groups of ``no_decay`` at ``lr`` with ``weight_decay``:
+
+    - ``adamw``: ``torch.optim.AdamW`` with ``betas``, ``eps`` (decoupled weight decay).
+      ``implementation`` picks its kernel: torch's ``fused`` one (one pass over all parameters),
+      ``foreach`` or ``for_loop``; ``auto`` is ``fused`` when every parameter is a plain CPU/CUDA
+      floating tensor (not a sharded DTensor), else torch's default. The kernels compute the same
+      update up to float rounding.
+    - ``sgd``: ``torch.optim.SGD`` with ``momentum`` (weight decay added to the gradient, L2).
+    - ``adafactor``: ``torch.optim.Adafactor`` (factored second moments: a row and a column
+      vector per matrix instead of a full tensor; decoupled weight decay; its step is
+      ``lr``-scaled by the parameter's RMS, so ``lr`` around 1e-2 is its default), with ``kwargs``
+      passed to it (``beta2_decay``, ``eps``, ``d``, ``maximize``, ``foreach``).
+    - ``muon``: ``torch.optim.Muon`` (momentum ``muon_momentum``, default 0.95, Nesterov; the
+      update orthogonalised by Newton-Schulz iterations and scaled by ``sqrt(max(1, rows/cols))``)
+      at ``muon_lr`` (default: ``lr``) for the hidden weight matrices: every two-dimensional
+      trainable parameter but the embeddings and the output head; AdamW with ``betas``, ``eps``,
+      ``implementation`` at ``lr`` for those and for every parameter of fewer dimensions (biases,
+      norm scales). The schedule scales both rates alike (``muon_lr / lr`` stays fixed). Muon
+      needs whole matrices on every rank: engines that shard or flatten parameters refuse it
+      (fsdp with several processes or sharding one, deepspeed, megatron on a GPU or with
+      tensor parallelism), and so does LoRA.
+    - ``class``: the optimizer class ``class_path`` names (``package.module:ClassName`` or
+      ``path/to/file.py:ClassName``, a ``torch.optim.Optimizer`` subclass), called as
+      ``Class(groups, lr=lr, weight_decay=weight_decay, **kwargs)``; ``weight_decay`` is passed
+      only when the constructor takes it (else it must be 0), and ``params``, ``lr`` and
+      ``weight_decay`` cannot be ``kwargs``. Loaded and checked when the configuration loads.
+
+    A key that does not apply to ``name`` (``betas`` with ``adafactor``, ``momentum`` with
+    ``adamw``, ``class_path`` without ``class``, ...) is refused when set to anything but its
+    default.
 
     ``no_decay``: which parameters ``weight_decay`` spares. ``biases_and_norms`` (the default):
     every parameter with fewer than two dimensions (biases, RMSNorm/LayerNorm scales), the rule of
@@ -43,7 +73,7 @@ class OptimizerConfig:
     (verl). It matters only when ``weight_decay > 0``; then the optimizer has two parameter groups,
     and a checkpoint saved with the other choice cannot be resumed."""
 
-    name: str = attrs.field(default="adamw", validator=one_of(("adamw", "sgd")))
+    name: str = attrs.field(default="adamw", validator=one_of(OPTIMIZERS))
     lr: float = attrs.field(default=1e-5, validator=positive(10.0))
     weight_decay: float = attrs.field(default=0.0, validator=non_negative())
     betas: tuple[float, float] = attrs.field(default=(0.9, 0.999), validator=each(in_range(0.0, 1.0, high_open=True)))
@@ -51,6 +81,10 @@ class OptimizerConfig:
     momentum: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0, high_open=True))
     implementation: str = attrs.field(default="auto", validator=one_of(("auto", "fused", "foreach", "for_loop")))
     no_decay: str = attrs.field(default="biases_and_norms", validator=one_of(("biases_and_norms", "none")))
+    muon_lr: float | None = attrs.field(default=None, validator=positive(10.0))
+    muon_momentum: float = attrs.field(default=0.95, validator=in_range(0.0, 1.0, high_open=True))
+    class_path: str | None = None
+    kwargs: dict[str, Any] = attrs.field(factory=dict)
 
 
 @attrs.define

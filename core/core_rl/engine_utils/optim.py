@@ -13,13 +13,27 @@ from typing import Any
 
 import torch
 
+from core_rl.config.model_sections import OPTIMIZERS
 from core_rl.config.schema import OptimizerConfig, SchedulerConfig
+from core_rl.engine_utils.muon import LR_RATIO, MuonWithAdamW, muon_split
+from core_rl.engine_utils.optimizer_class import constructor_kwargs, load_optimizer_class
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
-    """``adamw`` (betas, eps, decoupled weight decay) or ``sgd`` (momentum, L2 weight decay) over
-    the trainable ``params`` at ``config.lr``, grouped by :func:`decay_groups`."""
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], config: OptimizerConfig, *, adamw_only: Iterable[torch.nn.Parameter] = ()
+) -> torch.optim.Optimizer:
+    """The optimizer ``config.name`` selects (:class:`~core_rl.config.model_sections.OptimizerConfig`)
+    over the trainable ``params`` at ``config.lr``, grouped by :func:`decay_groups`: ``adamw``
+    (betas, eps, decoupled weight decay), ``sgd`` (momentum, L2 weight decay), ``adafactor``,
+    ``muon`` (Muon for the matrices among ``params`` that are not in ``adamw_only``, the engine's
+    embeddings and output head: :func:`core_rl.engine_utils.muon.embeddings_and_head`; AdamW for the
+    rest) or ``class`` (``class_path``)."""
     params = [p for p in params if p.requires_grad]
+    if config.name == "muon":
+        hidden, others = muon_split(params, list(adamw_only))
+        check_whole_matrices(hidden)
+        kernel = adamw_kernel(others, config.implementation)
+        return MuonWithAdamW(decay_groups(hidden, config), decay_groups(others, config), config, kernel)
     groups = decay_groups(params, config)
     if config.name == "adamw":
         return torch.optim.AdamW(
@@ -32,7 +46,20 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerConfi
         )
     if config.name == "sgd":
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
-    raise ValueError(f"actor.optimizer.name: unknown optimizer {config.name!r}; expected adamw or sgd")
+    if config.name in ("adafactor", "class"):
+        cls = torch.optim.Adafactor if config.name == "adafactor" else load_optimizer_class(str(config.class_path))
+        return cls(groups, **constructor_kwargs(cls, config))
+    raise ValueError(f"actor.optimizer.name: unknown optimizer {config.name!r}; expected one of {OPTIMIZERS}")
+
+
+def check_whole_matrices(hidden: list[torch.nn.Parameter]) -> None:
+    """Raise ``ValueError`` when Muon's matrices are sharded (DTensors): it needs every matrix whole."""
+    if any(type(p.data) is not torch.Tensor for p in hidden):
+        raise ValueError(
+            "actor.optimizer.name: muon needs whole weight matrices, but this engine shards them (DTensor "
+            "parameters: FSDP with several processes, shard_single_rank, mixed precision or CPU offload); use "
+            "adamw, or one process without sharding"
+        )
 
 
 def decay_groups(params: list[torch.nn.Parameter], config: OptimizerConfig) -> list[dict[str, Any]]:
@@ -163,6 +190,7 @@ def lr_at(step: int, base_lr: float, config: SchedulerConfig) -> float:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Write ``lr`` into every parameter group."""
+    """Write ``lr`` into every parameter group, times the group's ``lr_ratio`` where it has one
+    (Muon's groups: ``muon_lr / lr``, :mod:`core_rl.engine_utils.muon`)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group[LR_RATIO] if LR_RATIO in group else lr

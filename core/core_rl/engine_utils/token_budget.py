@@ -148,8 +148,12 @@ def pending_state_bytes(weight_bytes: int, *, optimizer: str, momentum: float = 
 
 def optimizer_states(optimizer: str, momentum: float = 0.0) -> int:
     """Tensors the optimiser keeps per parameter, each its size: AdamW two moments, SGD one
-    momentum buffer with ``momentum > 0``, none without."""
-    return 2 if optimizer == "adamw" else (1 if momentum > 0 else 0)
+    momentum buffer with ``momentum > 0``, none without; at most: Adafactor one (a vector's
+    second moment; a matrix's is two small vectors), Muon two (AdamW's; Muon's matrices one),
+    a ``class`` optimizer assumed two."""
+    if optimizer == "sgd":
+        return 1 if momentum > 0 else 0
+    return 1 if optimizer == "adafactor" else 2
 
 
 def gpu_token_budget(usable_bytes: int, bytes_per_token: int) -> int:

@@ -27,6 +27,16 @@ def _nll_loss(batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor)
     return LossOutput(per_token_loss=-logprobs, token_metrics={"neg_logprob": -logprobs.detach()})
 
 
+#: the optimizers beyond AdamW and SGD every train engine is asked to train with and resume
+#: (:meth:`TrainEngineContract.test_optimizer_choice_trains_and_resumes_exactly`), at rates that
+#: move the tiny model's weights by about 1% a step
+OPTIMIZER_CHOICES = (
+    OptimizerConfig(name="adafactor", lr=1e-2, weight_decay=0.01),
+    OptimizerConfig(name="muon", lr=1e-3, muon_lr=1e-2, weight_decay=0.01),
+    OptimizerConfig(name="class", class_path="torch.optim:RMSprop", lr=1e-4, kwargs={"momentum": 0.5}),
+)
+
+
 class TinyModelMixin:
     """A class-scoped ``model_path`` fixture: a tiny model built offline (shared by the engine contracts)."""
 
@@ -220,6 +230,43 @@ class TrainEngineContract(TinyModelMixin, ComponentContract):
             torch.testing.assert_close(value, final_a[key], atol=1e-6, rtol=1e-5)
         a.close()
         b.close()
+
+    @pytest.mark.parametrize("optimizer", OPTIMIZER_CHOICES, ids=lambda o: o.name)
+    def test_optimizer_choice_trains_and_resumes_exactly(
+        self, model_path: Path, tmp_path: Path, optimizer: OptimizerConfig
+    ) -> None:
+        """Each ``actor.optimizer.name`` the engine accepts (its ``check_config`` refuses none;
+        others skip) lowers the loss of a batch trained on three times, and a run resumed after the
+        first step ends the next two steps with the same weights (the optimizer's own state, e.g.
+        Adafactor's factored moments or Muon's momentum, saved and restored)."""
+        self._skip_refused(optimizer)
+        batch = make_rl_batch()
+        a = self.make(model_path, optimizer=optimizer)
+        first = a.train_step(batch, _nll_loss)["loss"]
+        a.save_state(tmp_path / "ckpt", {})
+        a.train_step(batch, _nll_loss)
+        last = a.train_step(batch, _nll_loss)["loss"]
+        assert last < first, f"{optimizer.name}: the loss went from {first} to {last}"
+        final_a = a.full_state_dict()
+        a.close()
+        b = self.make(model_path, optimizer=optimizer)
+        b.load_state(tmp_path / "ckpt")
+        for _ in range(2):
+            b.train_step(batch, _nll_loss)
+        for key, value in b.full_state_dict().items():
+            torch.testing.assert_close(value, final_a[key], atol=1e-6, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
+        b.close()
+
+    def _skip_refused(self, optimizer: OptimizerConfig) -> None:
+        """Skip when the engine's ``check_config`` refuses ``optimizer`` for the actor."""
+        from core_rl.config.checks import SectionContext, config_problems
+        from core_rl.config.schema import RunConfig
+
+        actor = ActorConfig(engine=PluginSpec(name=self.name, options=dict(self.options)), optimizer=optimizer)
+        context = SectionContext(path="actor.engine", run=RunConfig(actor=actor), name=self.name)
+        refused = [line for line in config_problems(self.config(), context) if "actor.optimizer" in line]
+        if refused:
+            pytest.skip(refused[0])
 
     def test_non_finite_loss_skips_the_update(self, model_path: Path) -> None:
         engine = self.make(model_path, optimizer=OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1))

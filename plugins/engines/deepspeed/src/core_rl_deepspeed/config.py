@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")  # core_rl.engine_utils.distributed.pick_device
 MIXED_DTYPES = ("bfloat16", "float16")
+#: ``actor.optimizer.name`` values refused: ZeRO flattens the parameters the optimizer sees
+FLAT_REFUSED = ("adafactor", "muon")
 
 
 @attrs.define
@@ -92,13 +94,22 @@ class DeepSpeedConfig:
     def check_config(self, context: SectionContext) -> list[str]:
         """Settings of the run this engine cannot train with: flash-attn with a float32 forward."""
         role, section = context.role_section()
-        return flash_attention.compute_dtype_problems(
+        problems = flash_attention.compute_dtype_problems(
             context,
             self.attn_implementation,
             self.compute_dtype(section or context.run.actor),
             dtype_keys=f"{role}.dtype, no mixed_precision",
             set_key="mixed_precision",
         ) + sequence_parallel_problems(context, self.sequence_parallel_size, self.attn_implementation, compile=False)
+        optimizer = (section or context.run.actor).optimizer
+        if optimizer.name in FLAT_REFUSED:
+            problems.append(
+                f"{role}.optimizer.name: {optimizer.name} needs each weight matrix whole (Muon orthogonalises it, "
+                "Adafactor factors its second moment and scales its step by its RMS), but DeepSpeed ZeRO (every "
+                "stage) hands the optimizer flat vectors of many parameters; use adamw, sgd or class, or the fsdp "
+                "engine"
+            )
+        return problems
 
     def check_environment(self, context: EnvironmentContext) -> list[str]:
         """The device, the process count, float16 on a CPU, the attention implementation and the

@@ -115,10 +115,11 @@ class FSDPConfig:
     def check_config(self, context: SectionContext) -> list[str]:
         """Settings of the run this engine cannot train with."""
         actor = context.run.actor
-        if actor.dtype == "float16" and actor.optimizer.name == "adamw":
+        if actor.dtype == "float16" and actor.optimizer.name in ("adamw", "muon"):
             return [
-                "actor.dtype: float16 weights with adamw turn to NaN at the first optimizer step (eps and small "
-                "squared gradients underflow in float16, and no loss scaling is applied); use bfloat16 or float32 "
+                f"actor.dtype: float16 weights with {actor.optimizer.name} turn to NaN at the first optimizer step "
+                "(eps and small squared gradients underflow in float16, and no loss scaling is applied); use bfloat16 "
+                "or float32 "
                 f"({context.key('param_dtype')} sets the compute dtype separately)"
             ]
         role, section = context.role_section()
@@ -139,6 +140,12 @@ class FSDPConfig:
         problems += sequence_parallel_problems(
             context, self.sequence_parallel_size, self.attn_implementation, compile=self.compile
         )
+        sharding = [k for k in ("param_dtype", "reduce_dtype", "cpu_offload", "shard_single_rank") if getattr(self, k)]
+        if (section or actor).optimizer.name == "muon" and sharding:
+            problems.append(
+                f"{role}.optimizer.name: muon needs whole weight matrices, but {context.key(sharding[0])} makes FSDP "
+                "shard them (DTensor parameters, even on one rank); remove it, or use adamw"
+            )
         return problems
 
     def check_environment(self, context: EnvironmentContext) -> list[str]:
@@ -157,4 +164,10 @@ class FSDPConfig:
         problems += activation_checkpointing_problems(context)
         problems += flash_attention.machine_problems(context, self.attn_implementation)
         problems += key_value_heads_problems(context, self.sequence_parallel_size)
+        role, section = context.role_section()
+        if section is not None and section.optimizer.name == "muon" and machine.local_world_size > 1:
+            problems.append(
+                f"{role}.optimizer.name: muon needs whole weight matrices, but FSDP shards them over the "
+                f"{machine.local_world_size} processes of this run; run one process, or use adamw"
+            )
         return problems

@@ -24,6 +24,7 @@ from core_rl.engine_utils import lora, ulysses
 from core_rl.engine_utils.buckets import hf_buckets, tied_aliases
 from core_rl.engine_utils.export import export_model_dir
 from core_rl.engine_utils.hf import architecture_name, exported_architecture, torch_dtype
+from core_rl.engine_utils.muon import embeddings_and_head
 from core_rl.engine_utils.optim import build_optimizer, check_schedule, restore_weight_decay, settle_scalar_states
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner, check_temperature
 from core_rl.engine_utils.state import write_collectively, write_meta
@@ -100,9 +101,15 @@ class FSDPEngine(EngineState, TrainEngine):
             fused_head=actor.fused_head,
             sequence=self.sequence,
         )
-        self.optimizer = build_optimizer(self.model.parameters(), actor.optimizer) if trainable else None
+        self.optimizer = self._build_optimizer() if trainable else None
         self._step = 0
         self._closed = False
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """``actor.optimizer`` over the model's parameters (Muon leaves embeddings and head to AdamW)."""
+        return build_optimizer(
+            self.model.parameters(), self.actor.optimizer, adamw_only=embeddings_and_head(self.model)
+        )
 
     # ------------------------------------------------------------------ log-probs
 
@@ -264,7 +271,7 @@ class FSDPEngine(EngineState, TrainEngine):
         self._check_trainable("load_state")
         final = Path(path).absolute()
         meta = self._read_own_meta(final)
-        self.optimizer = build_optimizer(self.model.parameters(), self.actor.optimizer)
+        self.optimizer = self._build_optimizer()
         model_state: dict[str, torch.Tensor] = {}
         optim_state: dict[str, Any] = {}
         if self.rank == 0:
@@ -278,10 +285,11 @@ class FSDPEngine(EngineState, TrainEngine):
         if meta["optimizer"]:
             # the kernel (fused/foreach) is this run's choice, not the saving run's (its parameters
             # may have been plain tensors where these are DTensors)
-            kernel = {k: self.optimizer.param_groups[0].get(k) for k in ("fused", "foreach")}
+            # (per group: Muon's groups have no such flags)
+            kernels = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in self.optimizer.param_groups]
             set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=broadcast)
-            for group in self.optimizer.param_groups:  # the broadcast turns tuples (betas) into lists
-                for key, value in group.items():
+            for group, kernel in zip(self.optimizer.param_groups, kernels, strict=True):
+                for key, value in group.items():  # the broadcast turns tuples (betas) into lists
                     if key != "params" and isinstance(value, list):
                         group[key] = tuple(value)
                 group.update(kernel)

@@ -21,6 +21,18 @@ RECOMPUTE_METHODS = ("uniform", "block")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
 
+#: the ``actor.optimizer.name`` values Megatron's own optimizer (on a GPU) implements
+MEGATRON_OPTIMIZERS = ("adamw", "sgd")
+
+
+def gpu_optimizer_problem(name: str, key: str = "actor.optimizer.name") -> str:
+    """Why ``name`` cannot run with Megatron's own optimizer (the engine's optimizer on a GPU)."""
+    return (
+        f"{key}: {name}, but the megatron engine on a GPU steps Megatron's own optimizer, which has "
+        f"{' and '.join(MEGATRON_OPTIMIZERS)} only; choose one of them, or the fsdp engine"
+    )
+
+
 @attrs.define
 class DDPConfig:
     """Megatron's ``DistributedDataParallelConfig`` (gradient buffers and their reduction).
@@ -162,16 +174,29 @@ class MegatronConfig:
                 f"{role}.lora.rank: {section.lora.rank}, but the megatron engine trains every weight (no LoRA "
                 "adapters); set it to 0, or use the fsdp or deepspeed engine for LoRA"
             )
+        optimizer = section.optimizer if section is not None else None
+        if optimizer is not None and optimizer.name in ("muon", "adafactor"):
+            problems.append(
+                f"{role}.optimizer.name: {optimizer.name} keeps optimizer state not shaped like each parameter "
+                "(Adafactor's row and column factors, Muon's momentum on matrices only) and needs whole matrices, "
+                "but the megatron engine checkpoints state per parameter shard and splits matrices under tensor "
+                "parallelism; use adamw, sgd or class, or the fsdp engine"
+            )
         return problems
 
     def check_environment(self, context: EnvironmentContext) -> list[str]:
-        """megatron-core needs CUDA (:mod:`core_rl_megatron.device`); one process per GPU."""
+        """megatron-core needs CUDA (:mod:`core_rl_megatron.device`); one process per GPU. On a GPU
+        the engine steps Megatron's own optimizer, which has AdamW and SGD only."""
         from core_rl_megatron.device import NEEDS_CUDA, megatron_can_run
 
         machine = context.machine
         if not machine.cuda_available and not megatron_can_run():
             return [f"{context.path}.name: {NEEDS_CUDA}"]
-        return machine.gpu_per_process_problems(context.path)
+        problems = machine.gpu_per_process_problems(context.path)
+        role, section = context.role_section()
+        if machine.cuda_available and section is not None and section.optimizer.name not in MEGATRON_OPTIMIZERS:
+            problems.append(gpu_optimizer_problem(section.optimizer.name, f"{role}.optimizer.name"))
+        return problems
 
     @property
     def virtual_pipeline_size(self) -> int:

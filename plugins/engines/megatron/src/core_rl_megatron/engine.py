@@ -148,7 +148,9 @@ class MegatronEngine(EngineState, TrainEngine):
 
     def _build_optimizer(self) -> Any:
         if not self.use_megatron_schedule:
-            return build_optimizer(self._trainable_params(), self.actor.optimizer)
+            return build_optimizer(
+                self._trainable_params(), self.actor.optimizer, adamw_only=optim.embeddings_and_head(self.model)
+            )
         return optim.megatron_optimizer(self.model, self.actor.optimizer, self.config, self.actor.grad_clip, self.dtype)
 
     def _trainable_params(self) -> list[torch.nn.Parameter]:

@@ -9,6 +9,7 @@ exactly as Megatron's optimizer computes them (:func:`main_grad_norm`).
 from __future__ import annotations
 
 import math
+import re
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +21,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
-from core_rl_megatron.config import DDPConfig, MegatronConfig
+from core_rl_megatron.config import MEGATRON_OPTIMIZERS, DDPConfig, MegatronConfig, gpu_optimizer_problem
 from core_rl_megatron.errors import MegatronSetupError
 
 if TYPE_CHECKING:
@@ -59,6 +60,8 @@ def optimizer_config(opt: OptimizerConfig, cfg: MegatronConfig, grad_clip: float
     engine sets up no loss scaling."""
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 
+    if opt.name not in MEGATRON_OPTIMIZERS:
+        raise MegatronSetupError(gpu_optimizer_problem(opt.name))
     if dtype == torch.float16 and not cfg.bf16:
         raise MegatronSetupError(
             "actor.dtype: float16 on the megatron engine trains without loss scaling, which it does not set up; "
@@ -79,6 +82,15 @@ def optimizer_config(opt: OptimizerConfig, cfg: MegatronConfig, grad_clip: float
         use_distributed_optimizer=cfg.ddp.use_distributed_optimizer,
         overlap_param_gather=cfg.ddp.overlap_param_gather,
     )
+
+
+#: a parameter name in a Megatron model chunk that belongs to the embeddings or the output layer
+_EMBEDDING_OR_HEAD = re.compile(r"(^|\.)(embedding|output_layer)\.")
+
+
+def embeddings_and_head(model: list[Any]) -> list[torch.nn.Parameter]:
+    """The parameters of the chunks' embeddings and output layer (Muon leaves them to AdamW)."""
+    return [p for chunk in model for name, p in chunk.named_parameters() if _EMBEDDING_OR_HEAD.search(name)]
 
 
 def pending_state_bytes(optimizer: Any, opt: OptimizerConfig) -> int:
