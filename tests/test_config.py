@@ -100,7 +100,7 @@ def test_type_and_range_errors_name_path_and_value(tmp_path, host, minimal_confi
 def test_choices_are_listed(tmp_path, host, minimal_config):
     minimal_config["actor"]["lr_scheduler"] = {"name": "cosin"}
     problems = _problems(tmp_path, minimal_config, host=host)
-    assert problems == ["actor.lr_scheduler.name: must be one of 'constant', 'linear', 'cosine', got 'cosin'"]
+    assert problems == ["actor.lr_scheduler.name: must be one of 'constant', 'linear', 'cosine', 'wsd', got 'cosin'"]
 
 
 def test_unknown_plugin_names_key_path_and_hint(tmp_path, host, minimal_config):

@@ -36,6 +36,7 @@ __all__, __getattr__ = lazy_exports(
             "AGGREGATIONS",
             "IMPORTANCE_SAMPLING_LEVELS",
             "KL_ESTIMATORS",
+            "NOISE_PREFERENCE_LOSSES",
             "NORM_LEVELS",
             "PREFERENCE_LOSSES",
             "REFERENCE_FREE_LOSSES",
@@ -43,6 +44,7 @@ __all__, __getattr__ = lazy_exports(
             "REJECTION_AGGREGATIONS",
             "REJECTION_LEVELS",
             "SEQUENCE_REDUCTIONS",
+            "SMOOTHED_PREFERENCE_LOSSES",
             "VALUE_LOSSES",
         ),
         "core_rl.ops.preference": (

@@ -29,6 +29,9 @@ PREFERENCE_LOSSES = (
     "apo_down",
     "discopop",
 )
+#: the preference losses that read ``label_smoothing``, and those that need it above 0 (label noise)
+SMOOTHED_PREFERENCE_LOSSES = ("sigmoid", "robust", "exo_pair")
+NOISE_PREFERENCE_LOSSES = ("robust", "exo_pair")
 #: per-pair preference losses on the policy's length-normalised log-probs alone, no reference
 #: (:func:`core_rl.ops.simpo_loss`, :func:`core_rl.ops.orpo_loss`)
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")

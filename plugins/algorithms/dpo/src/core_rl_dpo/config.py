@@ -8,7 +8,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 from core_rl.config.checks import SectionContext
 from core_rl.config.validators import in_range, non_negative, not_empty, one_of, positive
-from core_rl.ops.names import PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES
+from core_rl.ops.names import (
+    NOISE_PREFERENCE_LOSSES,
+    PREFERENCE_LOSSES,
+    REFERENCE_FREE_LOSSES,
+    SMOOTHED_PREFERENCE_LOSSES,
+)
 
 if TYPE_CHECKING:
     from core_rl.trainer.data_files import DataRow
@@ -18,9 +23,7 @@ LOSS_TYPES = PREFERENCE_LOSSES + REFERENCE_FREE_LOSSES
 #: where the reference's log-probs come from; ``none`` for the reference-free losses
 REFERENCES = ("model", "precomputed", "none")
 #: the losses that read ``label_smoothing``
-SMOOTHED_LOSSES = ("sigmoid", "simpo", "robust", "exo_pair")
-#: the losses that need ``label_smoothing`` above 0 (the assumed label noise)
-NOISE_LOSSES = ("robust", "exo_pair")
+SMOOTHED_LOSSES = (*SMOOTHED_PREFERENCE_LOSSES, "simpo")
 
 
 @attrs.define
@@ -106,7 +109,7 @@ class DPOConfig:
                 f"{context.key('label_smoothing')}: loss_type {self.loss_type} does not read it (only "
                 f"{', '.join(SMOOTHED_LOSSES)} do); remove it"
             )
-        if self.loss_type in NOISE_LOSSES and not self.label_smoothing:
+        if self.loss_type in NOISE_PREFERENCE_LOSSES and not self.label_smoothing:
             problems.append(
                 f"{context.key('label_smoothing')}: loss_type {self.loss_type} models label noise and needs it "
                 "in (0, 0.5), e.g. 0.001"

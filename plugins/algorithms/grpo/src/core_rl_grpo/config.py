@@ -12,11 +12,19 @@ from core_rl.config.checks import SectionContext, group_size_problems
 from core_rl.config.kl_reward import KLInRewardConfig
 from core_rl.config.schema import default_from
 from core_rl.config.validators import MAX_TOKENS, FieldValueError, finite, in_range, non_negative, one_of, positive
-from core_rl.ops.names import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS
+from core_rl.ops.names import (
+    AGGREGATIONS,
+    IMPORTANCE_SAMPLING_LEVELS,
+    KL_ESTIMATORS,
+    NOISE_PREFERENCE_LOSSES,
+    PREFERENCE_LOSSES,
+    SMOOTHED_PREFERENCE_LOSSES,
+)
 
 __all__ = [
     "DropUniformGroupsConfig",
     "GRPOAdvantageConfig",
+    "OnlineDPOAdvantageConfig",
     "PPOClipConfig",
     "RLOOAdvantageConfig",
     "ReinforcePPAdvantageConfig",
@@ -261,3 +269,32 @@ class PPOClipConfig:
                 "approximates the proximal policy precisely to skip that forward pass"
             )
         return problems
+
+
+@attrs.define
+class OnlineDPOAdvantageConfig:
+    """``algorithm.advantage`` options of ``online_dpo`` (:mod:`core_rl_grpo.online_dpo`): the
+    preference loss of each prompt's best and worst sample, ``loss_type`` one of
+    :data:`core_rl.ops.names.PREFERENCE_LOSSES` (formulas: :mod:`core_rl.ops.preference`) with
+    ``beta``, ``label_smoothing`` (sigmoid, robust, exo_pair; the last two need it above 0) and
+    ``discopop_tau`` (discopop)."""
+
+    loss_type: str = attrs.field(default="sigmoid", validator=one_of(PREFERENCE_LOSSES))
+    beta: float = attrs.field(default=0.1, validator=positive(1e6))
+    label_smoothing: float = attrs.field(default=0.0, validator=in_range(0.0, 0.5, high_open=True))
+    discopop_tau: float = attrs.field(default=0.05, validator=positive(1e6))
+
+    def __attrs_post_init__(self) -> None:
+        if self.label_smoothing and self.loss_type not in SMOOTHED_PREFERENCE_LOSSES:
+            raise FieldValueError(
+                "label_smoothing", self.label_smoothing, f"loss_type {self.loss_type} does not read it; remove it"
+            )
+        if self.loss_type in NOISE_PREFERENCE_LOSSES and not self.label_smoothing:
+            raise FieldValueError(
+                "label_smoothing", 0.0, f"loss_type {self.loss_type} models label noise and needs it in (0, 0.5)"
+            )
+        if self.discopop_tau != 0.05 and self.loss_type != "discopop":
+            raise FieldValueError("discopop_tau", self.discopop_tau, "only loss_type discopop reads it; remove it")
+
+    def check_config(self, context: SectionContext) -> list[str]:
+        return group_size_problems(context, allowed=False, option=None)

@@ -13,16 +13,18 @@ from core_rl.hookspecs import Register, hookimpl
 from core_rl_grpo.config import (
     DropUniformGroupsConfig,
     GRPOAdvantageConfig,
+    OnlineDPOAdvantageConfig,
     PPOClipConfig,
     ReinforcePPAdvantageConfig,
     RLOOAdvantageConfig,
 )
-from core_rl_grpo.recipe import dr_grpo_recipe, grpo_recipe, reinforce_pp_recipe, rloo_recipe
+from core_rl_grpo.recipe import dr_grpo_recipe, grpo_recipe, online_dpo_recipe, reinforce_pp_recipe, rloo_recipe
 
 if TYPE_CHECKING:
     from core_rl_grpo.advantages import GroupRelativeAdvantage, ReinforcePPAdvantage
     from core_rl_grpo.filters import DropUniformGroups
     from core_rl_grpo.losses import PPOClipLoss
+    from core_rl_grpo.online_dpo import OnlineDPOAdvantage
 
 
 def make_grpo(config: GRPOAdvantageConfig) -> GroupRelativeAdvantage:
@@ -45,6 +47,12 @@ def make_reinforce_pp(config: ReinforcePPAdvantageConfig) -> ReinforcePPAdvantag
     return ReinforcePPAdvantage(config)
 
 
+def make_online_dpo(config: OnlineDPOAdvantageConfig) -> OnlineDPOAdvantage:
+    from core_rl_grpo.online_dpo import OnlineDPOAdvantage
+
+    return OnlineDPOAdvantage(config)
+
+
 def make_ppo_clip(config: PPOClipConfig) -> PPOClipLoss:
     from core_rl_grpo.losses import PPOClipLoss
 
@@ -64,6 +72,7 @@ def core_rl_register_algorithms(register: Register) -> None:
         ("dr_grpo", dr_grpo_recipe),
         ("rloo", rloo_recipe),
         ("reinforce_pp", reinforce_pp_recipe),
+        ("online_dpo", online_dpo_recipe),
     ):
         register(name, recipe, description=recipe().description)
 
@@ -87,6 +96,12 @@ def core_rl_register_advantage_estimators(register: Register) -> None:
         make_reinforce_pp,
         description="REINFORCE++: outcome returns (optionally minus the group mean) whitened over the batch",
         config_cls=ReinforcePPAdvantageConfig,
+    )
+    register(
+        "online_dpo",
+        make_online_dpo,
+        description="Online DPO: each group's best and worst samples as a preference pair (a DPO loss's gradient)",
+        config_cls=OnlineDPOAdvantageConfig,
     )
 
 

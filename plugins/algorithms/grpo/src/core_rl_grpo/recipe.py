@@ -1,4 +1,5 @@
-"""The algorithm recipes of core-rl-grpo: ``grpo``, ``dr_grpo``, ``rloo`` and ``reinforce_pp``.
+"""The algorithm recipes of core-rl-grpo: ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp`` and
+``online_dpo``.
 
 A recipe's defaults are merged *under* the user's configuration; a section the user points at
 another component drops the recipe's options for it. Options not set here are the defaults of each
@@ -51,6 +52,20 @@ REINFORCE_PP_DEFAULTS: dict[str, Any] = {
 }
 
 
+#: Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback"): each
+#: prompt's best and worst samples by reward as a preference pair, the DPO gradient through a
+#: policy-gradient step at ratio 1 (:mod:`core_rl_grpo.online_dpo`).
+ONLINE_DPO_DEFAULTS: dict[str, Any] = {
+    "algorithm": {
+        "advantage": {"name": "online_dpo"},
+        "loss": {"name": "ppo_clip", "aggregation": "seq-mean-token-sum"},
+        "filters": [],
+        "ppo_epochs": 1,
+        "ppo_n_minibatches": 1,
+    }
+}
+
+
 def _recipe(defaults: dict[str, Any], description: str) -> AlgorithmRecipe:
     return AlgorithmRecipe(defaults=copy.deepcopy(defaults), description=description)
 
@@ -65,6 +80,10 @@ def dr_grpo_recipe() -> AlgorithmRecipe:
 
 def rloo_recipe() -> AlgorithmRecipe:
     return _recipe(RLOO_DEFAULTS, "RLOO: leave-one-out group baseline + PPO clipped loss")
+
+
+def online_dpo_recipe() -> AlgorithmRecipe:
+    return _recipe(ONLINE_DPO_DEFAULTS, "Online DPO: each prompt's best and worst samples as a DPO pair, sampled fresh")
 
 
 def reinforce_pp_recipe() -> AlgorithmRecipe:
