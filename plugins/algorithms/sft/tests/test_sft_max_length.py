@@ -139,3 +139,22 @@ def test_the_loss_of_truncated_rows_is_the_nll_of_the_rows_cut_by_hand(setup):
         count += len(response)
     assert first["sft/target_tokens"] == count == 12 * 3 + 4 * 4
     assert first["sft/loss"] == pytest.approx(total / count, abs=1e-5)
+
+
+def test_a_loop_built_without_preflight_bounds_its_rows_too(setup):
+    """The rows a loop draws when it reads the files itself (no preflight: ``rows=None``), as
+    :class:`~core_rl.trainer.supervised.SupervisedLoop` builds its source: the long rows left out
+    with ``drop``, refused with ``error``."""
+    from core_rl.config import load_config
+    from core_rl.errors import DataError
+    from core_rl.plugins import PluginHost
+    from core_rl.trainer.data import PromptSource
+    from core_rl.trainer.length_bound import run_bound
+
+    tok = AutoTokenizer.from_pretrained(setup["model"])
+    cfg = load_config(setup["config"], ["data.truncation=drop"], host=PluginHost())
+    source = PromptSource(cfg.data, tok, seed=0, select=run_bound(cfg, tok))
+    assert sorted(item.row["response"] for item in source.items) == sorted(SHORT)
+    cfg = load_config(setup["config"], [], host=PluginHost())
+    with pytest.raises(DataError, match="16: 13 tokens > data.max_length=8"):
+        PromptSource(cfg.data, tok, seed=0, select=run_bound(cfg, tok))
