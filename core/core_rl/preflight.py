@@ -8,7 +8,9 @@ loaded, so that a bad file or a missing GPU fails in seconds with every problem 
   config class) is present and not null, each selected section's own ``check_data`` (e.g. the
   columns a training loop reads) passes, and each prompt tokenises to at most
   ``data.max_prompt_tokens`` ids inside the model's vocabulary (or is dropped, with
-  ``data.filter_overlong_prompts``). Problems name the file and its 1-based line
+  ``data.filter_overlong_prompts``); with ``data.max_length``, the sequences the supervised loop
+  builds of each row fit in it (:mod:`core_rl.trainer.length_bound`: or are dropped, or cut, as
+  ``data.truncation`` says). Problems name the file and its 1-based line
   (``train.jsonl:7``) or row (Parquet, datasets).
 - **Model and tokenizer** (``actor.model_path``, ``actor.tokenizer_path``;
   :mod:`core_rl.model_dir_checks`): local directories holding what transformers needs: a readable
@@ -74,6 +76,7 @@ from core_rl.trainer.data import (
     tokenisation_key,
     tokenise_rows,
 )
+from core_rl.trainer.length_bound import run_bound
 from core_rl.trainer.rollout_replay import replay_problems
 
 
@@ -335,6 +338,9 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
             items, prompt_problems = tokenise_rows(
                 rows, cfg.data, tokenizer, vocab_size=model.vocab_size if model is not None else None
             )
+            select = run_bound(cfg, tokenizer)  # data.max_length: the loop's sequences of each row
+            if not prompt_problems and select is not None:
+                items, prompt_problems = select(items)
             problems += prompt_problems
             if not prompt_problems and cfg.data.train_weights is not None:  # a mixture's sources, each non-empty
                 problems += mixture_sources(items, cfg.data)[1]

@@ -7,7 +7,18 @@ from typing import Any
 
 import attrs
 
-from core_rl.config.validators import MAX_COUNT, MAX_TOKENS, FieldValueError, in_range, not_empty, positive
+from core_rl.config.validators import (
+    MAX_COUNT,
+    MAX_TOKENS,
+    FieldValueError,
+    in_range,
+    not_empty,
+    one_of,
+    positive,
+)
+
+#: what ``data.truncation`` may say of a row longer than ``data.max_length`` (unset: the first)
+TRUNCATION_MODES = ("error", "drop", "truncate")
 
 
 @attrs.define
@@ -61,7 +72,19 @@ class DataConfig:
 
     ``filter_overlong_prompts``: drop prompts longer than ``max_prompt_tokens`` tokens (one line on
     stderr says how many) instead of refusing the run; all of them too long is still an error. It
-    applies to ``eval.files`` too."""
+    applies to ``eval.files`` too.
+
+    ``max_length`` (supervised loops: ``sft``, ``dpo`` and its variants, ``kto``, ``rm``; default
+    ``None``: no bound): the most tokens of one sequence a loop trains on, ``prompt + response``
+    including what the loop appends (the EOS after a response; the ``rm`` loop's score slot), for
+    every sequence of a row (a preference pair's chosen and rejected ones each). A row longer than
+    that is handled as ``truncation`` says (unset: ``error``): ``error`` refuses the run before the
+    model loads, listing the rows; ``drop`` leaves the row out (a pair as a whole; one line on stderr
+    says how many; all of them is an error); ``truncate`` keeps its first ``max_length`` tokens: the
+    response is cut at the end (a cut response gets no EOS, and the loss reads exactly the kept
+    tokens), the prompt never (a row whose prompt leaves no room for a response token is an error).
+    A ``conversations`` row of the ``sft`` loop is cut at the end like one sequence: the assistant
+    tokens kept stay trained, the rest is gone (:mod:`core_rl.trainer.length_bound`)."""
 
     train_files: list[str | TrainFile] = attrs.field(factory=list, validator=_train_entries)
     prompt_key: str = attrs.field(default="prompt", validator=not_empty())
@@ -73,6 +96,13 @@ class DataConfig:
     chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)
     chat_template: str = ""
     filter_overlong_prompts: bool = False
+    max_length: int | None = attrs.field(default=None, validator=in_range(2, MAX_TOKENS))
+    truncation: str | None = attrs.field(default=None, validator=one_of(TRUNCATION_MODES))
+
+    @property
+    def truncation_mode(self) -> str:
+        """``truncation``, or ``error`` where it is unset."""
+        return self.truncation or TRUNCATION_MODES[0]
 
     @property
     def train_paths(self) -> list[str]:

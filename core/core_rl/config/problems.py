@@ -98,6 +98,7 @@ def completeness_problems(cfg: RunConfig, host: PluginHost | None = None) -> lis
             "algorithm.reference_reset_every_n_steps is 0 (no resets); set it, or remove reference_reset_alpha"
         )
     problems.extend(replay_config_problems(cfg, rl_loop=uses_rl_sections(cfg, host)))
+    problems.extend(max_length_problems(cfg, host))
     if not cfg.data.train_files:
         problems.append(
             "data.train_files: required; a list of JSON/JSONL/Parquet files, saved datasets or hf: datasets of prompts"
@@ -108,6 +109,33 @@ def completeness_problems(cfg: RunConfig, host: PluginHost | None = None) -> lis
             "datasets of prompts"
         )
     return problems
+
+
+def max_length_problems(cfg: RunConfig, host: PluginHost | None = None) -> list[str]:
+    """``data.truncation`` without ``data.max_length``, and ``data.max_length`` for a loop it does
+    not bound: the rl loop (its lengths are ``data.max_prompt_tokens`` and
+    ``rollout.sampling.max_new_tokens``) or a loop whose config class has no ``row_sequences``
+    (:class:`core_rl.trainer.sequences.BuildsSequences`)."""
+    data, spec = cfg.data, cfg.trainer.loop
+    if data.truncation is not None and data.max_length is None:
+        return [
+            f"data.truncation: {data.truncation} says what to do with rows longer than data.max_length, which is "
+            "unset; set data.max_length, or remove data.truncation"
+        ]
+    if data.max_length is None:
+        return []
+    if uses_rl_sections(cfg, host):
+        return [
+            f"data.max_length: bounds the sequences of the supervised loops (sft, dpo, kto, rm), not the "
+            f"{spec.name!r} loop, whose prompts data.max_prompt_tokens bounds and whose responses "
+            "rollout.sampling.max_new_tokens; remove data.max_length"
+        ]
+    if spec.config is not None and not callable(getattr(spec.config, "row_sequences", None)):
+        return [
+            f"data.max_length: the {spec.name!r} loop does not say which sequences it builds from a row (its config "
+            "class has no row_sequences), so nothing would bound them; remove data.max_length"
+        ]
+    return []
 
 
 def keep_best_problems(cfg: RunConfig, host: PluginHost | None = None) -> list[str]:

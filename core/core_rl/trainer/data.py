@@ -9,7 +9,7 @@ import json
 import os
 import random
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -32,6 +32,10 @@ class PromptItem:
     where: str = ""
     #: the index of the ``data.train_files`` entry (or eval file) the row came from
     entry: int = 0
+
+
+#: which of the tokenised items a :class:`PromptSource` draws, and the problems (see there)
+Select = Callable[[list[PromptItem]], tuple[list[PromptItem], list[str]]]
 
 
 def check_rows(
@@ -141,21 +145,25 @@ def _prompt_problem(where: str, ids: list[int], config: DataConfig, vocab_size: 
     return None
 
 
-#: the lines :func:`_announce_dropped` printed in this process (each once, however often tokenised)
+#: the lines :func:`announce_once` printed in this process (each once, however often the data is read)
 _ANNOUNCED: set[str] = set()
 
 
-def _announce_dropped(dropped: int, total: int, config: DataConfig, files_key: str) -> None:
-    """One line on stderr (rank 0 of a ``torchrun`` job) saying how many prompts
-    ``data.filter_overlong_prompts`` dropped."""
-    of = "" if files_key == "data.train_files" else f" of {files_key}"
-    line = (
-        f"core-rl: data: dropped {dropped} of {total} prompts{of} longer than "
-        f"data.max_prompt_tokens={config.max_prompt_tokens} (data.filter_overlong_prompts)"
-    )
+def announce_once(line: str) -> None:
+    """Print ``line`` on stderr (rank 0 of a ``torchrun`` job), once in this process: what
+    filtering dropped, said when the run starts (preflight and the loop both filter)."""
     if line not in _ANNOUNCED and os.environ.get("RANK", "0") == "0":
         _ANNOUNCED.add(line)
         print(line, file=sys.stderr, flush=True)
+
+
+def _announce_dropped(dropped: int, total: int, config: DataConfig, files_key: str) -> None:
+    """One line on stderr saying how many prompts ``data.filter_overlong_prompts`` dropped."""
+    of = "" if files_key == "data.train_files" else f" of {files_key}"
+    announce_once(
+        f"core-rl: data: dropped {dropped} of {total} prompts{of} longer than "
+        f"data.max_prompt_tokens={config.max_prompt_tokens} (data.filter_overlong_prompts)"
+    )
 
 
 def tokenise_rows(
@@ -205,15 +213,16 @@ def tokenise_rows(
 
 def tokenisation_key(config: DataConfig, tokenizer: Any) -> tuple[Any, ...] | None:
     """What decides the prompt items :func:`tokenise_rows` makes of the same rows: the prompt
-    column, the chat-template settings, the length bound (and whether it filters) and the
-    tokenizer's source (``None``, so nothing is reused, for a tokenizer that does not say where it
-    came from)."""
+    column, the chat-template settings, the length bounds (and whether they filter: preflight keeps
+    the items ``data.max_length`` leaves, :mod:`core_rl.trainer.length_bound`) and the tokenizer's
+    source (``None``, so nothing is reused, for a tokenizer that does not say where it came from)."""
     source = getattr(tokenizer, "name_or_path", None)
     if not source:
         return None
     variables = json.dumps(config.chat_template_kwargs, sort_keys=True, default=str)
     chat = (config.apply_chat_template, config.system_prompt, variables)
-    return (config.prompt_key, *chat, config.max_prompt_tokens, config.filter_overlong_prompts, str(source))
+    bounds = (config.max_prompt_tokens, config.filter_overlong_prompts, config.max_length, config.truncation)
+    return (config.prompt_key, *chat, *bounds, str(source))
 
 
 class TokenisedRows(list):  # list[DataRow]
@@ -237,8 +246,8 @@ def mixture_sources(items: Sequence[PromptItem], config: DataConfig) -> tuple[li
     for i, item in enumerate(items):
         sources[item.entry].append(i)
     problems = [
-        f"data.train_files[{k}]: {paths[k]!r} has no prompts to draw (data.filter_overlong_prompts dropped them "
-        "all); remove it, or raise data.max_prompt_tokens"
+        f"data.train_files[{k}]: {paths[k]!r} has no prompts to draw (data.filter_overlong_prompts or "
+        "data.truncation: drop dropped them all); remove it, or raise data.max_prompt_tokens or data.max_length"
         for k, members in enumerate(sources)
         if not members
     ]
@@ -293,13 +302,23 @@ class PromptSource:
 
     ``rows``: rows already read and checked (by :mod:`core_rl.preflight`; tokenised there too when
     they are :class:`TokenisedRows` of the same settings); ``None`` reads ``config.train_files``
-    here. Raises :class:`DataError` listing every problem.
+    here. ``select``: the items to draw of those tokenised, and the problems (a supervised loop's
+    ``data.max_length``: :mod:`core_rl.trainer.length_bound`). Raises :class:`DataError` listing
+    every problem.
 
     ``state_dict()`` / ``load_state_dict()`` capture the position so a resumed run sees the same
     prompts it would have seen without interruption.
     """
 
-    def __init__(self, config: DataConfig, tokenizer: Any, *, seed: int, rows: Sequence[DataRow] | None = None) -> None:
+    def __init__(
+        self,
+        config: DataConfig,
+        tokenizer: Any,
+        *,
+        seed: int,
+        rows: Sequence[DataRow] | None = None,
+        select: Select | None = None,
+    ) -> None:
         self.config = config
         self.seed = seed
         problems: list[str] = []
@@ -312,6 +331,8 @@ class PromptSource:
             self.items = list(rows.items)
         elif not problems:
             self.items, problems = tokenise_rows(rows, config, tokenizer)
+        if not problems and select is not None:
+            self.items, problems = select(self.items)
         self.sources = self._sources(problems)
         if problems:
             raise DataError(problems)

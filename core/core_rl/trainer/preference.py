@@ -14,7 +14,9 @@ from collections.abc import Sequence
 from core_rl.errors import DataError
 from core_rl.protocol import TensorBatch
 from core_rl.trainer.data import PromptItem, check_rows, read_data_files, tokenise_rows
-from core_rl.trainer.supervised import SupervisedLoop, token_ids
+from core_rl.trainer.length_bound import run_bound
+from core_rl.trainer.sequences import TrainSequence
+from core_rl.trainer.supervised import SupervisedLoop
 
 
 def number_in_row(item: PromptItem, key: str, *, setting: str, remedy: str) -> float:
@@ -34,23 +36,15 @@ def number_in_row(item: PromptItem, key: str, *, setting: str, remedy: str) -> f
 
 class PairwiseLoop(SupervisedLoop):
     """A :class:`~core_rl.trainer.supervised.SupervisedLoop` over preference pairs (see the module
-    docstring). :attr:`response_eos`: whether each response ends with the tokenizer's EOS token
-    (added when missing)."""
+    docstring); its config's ``row_sequences`` gives each row's chosen and rejected sequences
+    (:func:`core_rl.trainer.sequences.pair_sequences`)."""
 
-    response_eos: bool = True
-
-    def pair_ids(self, items: Sequence[PromptItem]) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
-        """The prompt, chosen and rejected token ids of each row of ``items``."""
-        cfg = self.loop_config
-
-        def response(item: PromptItem, key: str) -> list[int]:
-            if self.response_eos:
-                return self.response_ids(item.row.get(key), item, key)
-            return token_ids(item.row.get(key), self.tokenizer, where=f"data row {item.text[:40]!r}: column {key!r}")
-
-        chosen = [response(item, cfg.chosen_key) for item in items]
-        rejected = [response(item, cfg.rejected_key) for item in items]
-        return [item.prompt_ids for item in items], chosen, rejected
+    def pair_sequences(self, items: Sequence[PromptItem]) -> list[TrainSequence]:
+        """The chosen sequences of ``items``, then their rejected ones in the same order (each row's
+        :meth:`~core_rl.trainer.supervised.SupervisedLoop.sequences`, cut to ``data.max_length`` with
+        ``data.truncation: truncate``): the rows of a step's batch."""
+        pairs = [self.sequences(item) for item in items]
+        return [chosen for chosen, _ in pairs] + [rejected for _, rejected in pairs]
 
     def shard_rows(self, batch: TensorBatch) -> TensorBatch:
         """Pairs ``rank, rank + W, ...``: their chosen rows, then their rejected rows."""
@@ -61,7 +55,8 @@ class PairwiseLoop(SupervisedLoop):
     def read_pairs(self, files: Sequence[str], *, key: str) -> list[PromptItem]:
         """Every row of ``files`` (held-out pairs), in file order, with its prompt tokenised as the
         training data's (``data.prompt_key``, ``data.apply_chat_template``); a
-        :class:`~core_rl.errors.DataError` naming the config key ``key`` on a problem."""
+        :class:`~core_rl.errors.DataError` naming the config key ``key`` on a problem. ``data.max_length``
+        bounds them as the training rows (:mod:`core_rl.trainer.length_bound`)."""
         rows, problems = read_data_files(files)
         problems = problems or check_rows(
             rows, self.cfg.data.prompt_key, {}, chat_template=self.cfg.data.apply_chat_template
@@ -69,6 +64,9 @@ class PairwiseLoop(SupervisedLoop):
         items: list[PromptItem] = []
         if not problems:
             items, problems = tokenise_rows(rows, self.cfg.data, self.tokenizer, files_key=key)
+        select = run_bound(self.cfg, self.tokenizer, files_key=key)
+        if not problems and select is not None:
+            items, problems = select(items)
         if not problems and not items:
             problems = [f"{list(files)} hold no rows"]
         if problems:

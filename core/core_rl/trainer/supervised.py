@@ -36,20 +36,12 @@ from core_rl.registry import RegistryEntry
 from core_rl.roles import build_engine
 from core_rl.trainer.building import build_loggers, quiet_library_progress_bars
 from core_rl.trainer.data import DataRow, PromptItem, PromptSource
+from core_rl.trainer.length_bound import run_bound
 from core_rl.trainer.ranks import agree_after, rank_and_world, set_collective_timeout, waiting_for
+from core_rl.trainer.sequences import TrainSequence, column_where, fit, with_eos
+from core_rl.trainer.sequences import token_ids as token_ids  # where the loops have imported it from
 from core_rl.trainer.signals import StopSignals
 from core_rl.trainer.sync import SyncTrainer
-
-
-def token_ids(value: Any, tokenizer: Any, *, where: str) -> list[int]:
-    """A response given as text (encoded without special tokens) or as a list of token ids."""
-    if isinstance(value, str):
-        return list(tokenizer(value, add_special_tokens=False)["input_ids"])
-    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return list(value)
-    from core_rl.errors import DataError
-
-    raise DataError([f"{where}: expected text or a list of token ids, got {type(value).__name__}"])
 
 
 def prompt_response_batch(
@@ -67,6 +59,16 @@ def prompt_response_batch(
         attention_mask[i, : len(p) + len(r)] = 1
         response_mask[i, len(p) : len(p) + len(r)] = 1.0
     return TensorBatch({"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask})
+
+
+def sequence_batch(sequences: Sequence[TrainSequence], pad_token_id: int) -> TensorBatch:
+    """:func:`prompt_response_batch` of ``sequences`` (their ``suffix`` tokens are the caller's to
+    add), ``response_mask`` set to ``trained`` on the rows that say which tokens train."""
+    batch = prompt_response_batch([s.prompt for s in sequences], [s.response for s in sequences], pad_token_id)
+    for row, s in enumerate(sequences):
+        if s.trained is not None:
+            batch["response_mask"][row, : len(s.trained)] = torch.tensor(s.trained, dtype=torch.float32)
+    return batch
 
 
 def global_sum(values: torch.Tensor) -> torch.Tensor:
@@ -119,7 +121,13 @@ class SupervisedLoop(SyncTrainer):
         self.pad_token_id = self.tokenizer.pad_token_id
         if self.pad_token_id is None:
             self.pad_token_id = self.tokenizer.eos_token_id
-        self.data = PromptSource(cfg.data, self.tokenizer, seed=cfg.experiment.seed, rows=self._data_rows)
+        self.data = PromptSource(
+            cfg.data,
+            self.tokenizer,
+            seed=cfg.experiment.seed,
+            rows=self._data_rows,
+            select=run_bound(cfg, self.tokenizer),
+        )
         error: Exception | None = None
         if self.is_main:
             try:
@@ -135,11 +143,15 @@ class SupervisedLoop(SyncTrainer):
     def response_ids(self, value: Any, item: PromptItem, key: str) -> list[int]:
         """Token ids of the response in column ``key`` of ``item``'s row (text or ids), ending
         with the tokenizer's EOS token when it has one and the ids do not already."""
-        ids = token_ids(value, self.tokenizer, where=f"data row {item.text[:40]!r}: column {key!r}")
-        eos = self.tokenizer.eos_token_id
-        if eos is not None and (not ids or ids[-1] != eos):
-            ids.append(eos)
-        return ids
+        return with_eos(token_ids(value, self.tokenizer, where=column_where(item, key)), self.tokenizer)
+
+    def sequences(self, item: PromptItem) -> list[TrainSequence]:
+        """The sequences of ``item``'s row as the loop's config says (``row_sequences``,
+        :mod:`core_rl.trainer.sequences`), each cut to ``data.max_length`` with ``data.truncation:
+        truncate`` (:func:`~core_rl.trainer.sequences.fit`; rows that cannot be cut, or are too long
+        under ``error`` or ``drop``, never reach here: :mod:`core_rl.trainer.length_bound`)."""
+        rows = self.loop_config.row_sequences(item, self.tokenizer, self.cfg.data)
+        return [fit(s, self.cfg.data.max_length) for s in rows]
 
     # -- one step -----------------------------------------------------------------------------
 

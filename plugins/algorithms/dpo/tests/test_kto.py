@@ -19,6 +19,7 @@ from core_rl.errors import DataError
 from core_rl.testing.launch import run_train
 from core_rl.tiny import build_tiny_model
 from core_rl.trainer.data import PromptItem
+from core_rl.trainer.sequences import TrainSequence
 from core_rl_dpo.config import KTOConfig, kto_balance_warning, kto_label
 from core_rl_dpo.kto import KTOLoop, kto_metrics, kto_sums, mismatched_order, row_label
 from pair_task import STRINGS
@@ -68,6 +69,16 @@ def train(config: Path, *overrides: str) -> None:
 # --- parts ------------------------------------------------------------------------------------
 
 
+def kto_stub(max_length: int | None) -> SimpleNamespace:
+    """What :meth:`KTOLoop.make_batch` reads of a loop: each row's completion ids as they are."""
+    return SimpleNamespace(
+        loop_config=KTOConfig(),
+        pad_token_id=0,
+        cfg=SimpleNamespace(data=SimpleNamespace(max_length=max_length)),
+        sequences=lambda item: [TrainSequence(item.prompt_ids, list(item.row["completion"]))],
+    )
+
+
 def test_mismatched_pairs_by_hand() -> None:
     """Prompt i with the completion of row (i + 1) mod B, after the B rows themselves; labels and
     masks follow the rows, the mismatched copies carry their prompt's label (never read)."""
@@ -78,8 +89,7 @@ def test_mismatched_pairs_by_hand() -> None:
         PromptItem(row={"completion": [8, 9], "label": 0}, text="p1", prompt_ids=[3]),
         PromptItem(row={"completion": [5], "label": False}, text="p2", prompt_ids=[4]),
     ]
-    stub = SimpleNamespace(loop_config=KTOConfig(), pad_token_id=0, response_ids=lambda value, item, key: list(value))
-    batch = KTOLoop.make_batch(stub, items)  # type: ignore[arg-type]
+    batch = KTOLoop.make_batch(kto_stub(None), items)  # type: ignore[arg-type]
     assert batch["input_ids"].tolist() == [
         [1, 2, 7, 0],  # prompt 0 + completion 0, padded to the widest row
         [3, 8, 9, 0],  # prompt 1 + completion 1
@@ -97,6 +107,14 @@ def test_mismatched_pairs_by_hand() -> None:
         [0, 1, 0, 0],
     ]
     assert batch["desirable"].tolist() == [True, False, False, True, False, False]
+    # data.max_length: 3 cuts the one mismatched row longer than that at the end (the rows themselves fit)
+    cut = KTOLoop.make_batch(kto_stub(3), items)  # type: ignore[arg-type]
+    assert cut["input_ids"].tolist() == [[1, 2, 7], [3, 8, 9], [4, 5, 0], [1, 2, 8], [3, 5, 0], [4, 7, 0]]
+    assert cut["loss_mask"].tolist() == [row[:3] for row in batch["loss_mask"].tolist()[:3]] + [
+        [0, 0, 1],
+        [0, 1, 0],
+        [0, 1, 0],
+    ]
 
 
 def test_labels_by_hand() -> None:

@@ -16,7 +16,10 @@ from core_rl.ops.names import (
 )
 
 if TYPE_CHECKING:
+    from core_rl.config.data_config import DataConfig
+    from core_rl.trainer.data import PromptItem
     from core_rl.trainer.data_files import DataRow
+    from core_rl.trainer.sequences import TrainSequence
 
 #: every ``loss_type``: those on log-ratios against a reference, then the reference-free ones
 LOSS_TYPES = PREFERENCE_LOSSES + REFERENCE_FREE_LOSSES
@@ -54,6 +57,9 @@ class DPOConfig:
     With ``reference: model`` the loop resets its reference as the rl loop does
     (``algorithm.reference_reset_every_n_steps``; with ``algorithm.reference_reset_alpha`` < 1 a
     soft update: TR-DPO's ``alpha * policy + (1 - alpha) * reference``).
+
+    ``data.max_length`` bounds the chosen and the rejected sequence each (``prompt + response +
+    EOS``); ``data.truncation: drop`` drops the pair, ``truncate`` cuts the longer one's response.
     """
 
     rl_sections: ClassVar[bool] = False
@@ -72,6 +78,12 @@ class DPOConfig:
     ref_chosen_key: str = attrs.field(default="ref_chosen_logp", validator=not_empty())
     ref_rejected_key: str = attrs.field(default="ref_rejected_logp", validator=not_empty())
     rpo_alpha: float = attrs.field(default=0.0, validator=non_negative(1e6))
+
+    def row_sequences(self, item: PromptItem, tokenizer: Any, data: DataConfig) -> list[TrainSequence]:
+        """The prompt with the chosen response, then with the rejected one (each with EOS)."""
+        from core_rl.trainer.sequences import pair_sequences
+
+        return pair_sequences(item, tokenizer, (self.chosen_key, self.rejected_key))
 
     @property
     def reference_free(self) -> bool:
@@ -177,6 +189,9 @@ class KTOConfig:
     The reference is a model: the run's ``ref:`` role if it has one, else a frozen copy of the
     actor's starting model (no precomputed log-probs: the KL baseline's mismatched pairs change
     with each epoch's order, so their reference log-probs cannot sit in the data).
+
+    ``data.max_length`` bounds ``prompt + completion + EOS``; a mismatched row of the KL baseline
+    (a prompt with another row's completion) is cut to it at the end whatever ``data.truncation``.
     """
 
     rl_sections: ClassVar[bool] = False
@@ -187,6 +202,12 @@ class KTOConfig:
     undesirable_weight: float = attrs.field(default=1.0, validator=positive(1e6))
     completion_key: str = attrs.field(default="completion", validator=not_empty())
     label_key: str = attrs.field(default="label", validator=not_empty())
+
+    def row_sequences(self, item: PromptItem, tokenizer: Any, data: DataConfig) -> list[TrainSequence]:
+        """The prompt with the completion (with EOS)."""
+        from core_rl.trainer.sequences import pair_sequences
+
+        return pair_sequences(item, tokenizer, (self.completion_key,))
 
     def check_config(self, context: SectionContext) -> list[str]:
         """A step of one row: its KL baseline needs another row's completion."""

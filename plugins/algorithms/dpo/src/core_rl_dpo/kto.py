@@ -20,13 +20,15 @@ holds rows ``r, r + W, ...`` and their mismatched rows (the layout of
 
 from __future__ import annotations
 
+import attrs
 import torch
 from core_rl.errors import DataError
 from core_rl.ops import kto_kl_baseline, kto_loss
 from core_rl.protocol import TensorBatch
 from core_rl.trainer.data import PromptItem
 from core_rl.trainer.resume import warn
-from core_rl.trainer.supervised import global_sum, prompt_response_batch
+from core_rl.trainer.sequences import fit
+from core_rl.trainer.supervised import global_sum, sequence_batch
 
 from core_rl_dpo.config import KTOConfig, kto_balance_warning, kto_label
 from core_rl_dpo.sequence import SequenceLossLoop
@@ -95,10 +97,12 @@ class KTOLoop(SequenceLossLoop):
 
     def make_batch(self, items: list[PromptItem]) -> TensorBatch:
         cfg = self.loop_config
-        prompts = [item.prompt_ids for item in items]
-        completions = [self.response_ids(item.row.get(cfg.completion_key), item, cfg.completion_key) for item in items]
-        mismatched = [completions[j] for j in mismatched_order(len(items))]
-        batch = prompt_response_batch(prompts + prompts, completions + mismatched, self.pad_token_id)
+        own = [self.sequences(item)[0] for item in items]
+        limit = self.cfg.data.max_length
+        mismatched = [
+            fit(attrs.evolve(s, response=own[j].response), limit) for s, j in zip(own, mismatched_order(len(items)))
+        ]
+        batch = sequence_batch(own + mismatched, self.pad_token_id)
         batch["loss_mask"] = batch["response_mask"]
         batch["loss_weight"] = batch["response_mask"].clone()
         batch["desirable"] = torch.tensor([row_label(item, cfg.label_key) for item in items] * 2)

@@ -35,7 +35,7 @@ from core_rl.ops import (
 from core_rl.protocol import TensorBatch
 from core_rl.trainer.data import PromptItem
 from core_rl.trainer.preference import number_in_row
-from core_rl.trainer.supervised import global_sum, prompt_response_batch
+from core_rl.trainer.supervised import global_sum, sequence_batch
 
 from core_rl_dpo.config import DPOConfig
 from core_rl_dpo.sequence import SequenceLossLoop
@@ -62,8 +62,7 @@ class DPOLoop(SequenceLossLoop):
 
     def make_batch(self, items: list[PromptItem]) -> TensorBatch:
         cfg = self.loop_config
-        prompts, chosen, rejected = self.pair_ids(items)
-        batch = prompt_response_batch(prompts + prompts, chosen + rejected, self.pad_token_id)
+        batch = sequence_batch(self.pair_sequences(items), self.pad_token_id)
         batch["loss_mask"] = batch["response_mask"]
         batch["loss_weight"] = batch["response_mask"].clone()
         batch["pair_index"] = torch.arange(len(items)).repeat(2)

@@ -68,7 +68,6 @@ def pair_values(chosen: torch.Tensor, rejected: torch.Tensor, losses: torch.Tens
 class RMLoop(PairwiseLoop):
     loop_config: RMConfig
     actor_head = "score"
-    response_eos = False  # the score is read at the response's own last token (as the served reward reads it)
     val_items: list[PromptItem]
 
     def _build(self) -> None:
@@ -82,8 +81,8 @@ class RMLoop(PairwiseLoop):
     # -- data -----------------------------------------------------------------------------------
 
     def make_batch(self, items: list[PromptItem]) -> TensorBatch:
-        prompts, chosen, rejected = self.pair_ids(items)
-        batch = score_batch(prompts + prompts, chosen + rejected, self.pad_token_id)
+        rows = self.pair_sequences(items)
+        batch = score_batch([s.prompt for s in rows], [s.response for s in rows], self.pad_token_id)
         batch["loss_mask"] = batch["score_mask"]
         batch["loss_weight"] = batch["score_mask"].clone()
         margins = [self.margin(item) for item in items]

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 from core_rl.config.checks import SectionContext
 from core_rl.config.validators import not_empty
+
+if TYPE_CHECKING:
+    from core_rl.config.data_config import DataConfig
+    from core_rl.trainer.data import PromptItem
+    from core_rl.trainer.sequences import TrainSequence
 
 
 @attrs.define
@@ -21,7 +26,12 @@ class SFTConfig:
     assistant turn, each with its end of turn, never the template's role headers or the other
     turns (:func:`core_rl.chat_template.render_conversation`); ``response_key`` and
     ``train_on_prompt`` do not apply, and ``data.max_prompt_tokens`` bounds the whole
-    conversation."""
+    conversation.
+
+    ``data.max_length`` bounds ``prompt + response + EOS`` (a conversation: its whole rendering);
+    with ``data.truncation: truncate`` the response is cut at the end (a conversation too: the
+    tokens before its first assistant token are its prompt, never cut; the assistant tokens kept
+    stay trained, a turn cut short loses its end of turn)."""
 
     rl_sections: ClassVar[bool] = False
     roles: ClassVar[tuple[str, ...]] = ()  # the role sections it reads
@@ -42,3 +52,22 @@ class SFTConfig:
                 "turns); remove it"
             ]
         return []
+
+    def row_sequences(self, item: PromptItem, tokenizer: Any, data: DataConfig) -> list[TrainSequence]:
+        """The row's one sequence: its prompt and response (with EOS), or with ``conversations`` its
+        rendered conversation split before the first assistant token, ``trained`` on the assistant
+        turns (:func:`core_rl.chat_template.render_conversation`)."""
+        from core_rl.chat_template import prompt_messages, render_conversation
+        from core_rl.errors import DataError
+        from core_rl.trainer.sequences import TrainSequence, response_tokens
+
+        if not self.conversations:
+            return [TrainSequence(item.prompt_ids, response_tokens(item, self.response_key, tokenizer))]
+        messages = prompt_messages(item.row[data.prompt_key], data.system_prompt)
+        try:
+            ids, mask = render_conversation(tokenizer, messages, data.chat_template_kwargs)
+        except ValueError as exc:
+            where = item.where or f"data row {item.text[:60]!r}"
+            raise DataError([f"{where}: column {data.prompt_key!r}: {exc}"]) from None
+        first = mask.index(True)
+        return [TrainSequence(ids[:first], ids[first:], trained=mask)]
