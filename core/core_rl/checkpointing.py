@@ -33,6 +33,7 @@ from core_rl.atomic_files import discard_partial as discard_partial
 from core_rl.atomic_files import partial_path as partial_path
 from core_rl.atomic_files import prepare_partial as prepare_partial
 from core_rl.atomic_files import write_text_atomic as write_text_atomic
+from core_rl.errors import CoreRLError
 
 # JSON encoding of what JSON cannot hold directly
 _TENSOR = "__tensor__"
@@ -48,6 +49,11 @@ _MARKERS = frozenset({_TENSOR, _TUPLE, _ITEMS, _FLOAT, _DTYPE, _DEVICE, _SIZE, _
 
 class CheckpointFormatError(ValueError):
     """A checkpoint file does not hold what :func:`load_tree` expects (corrupt or foreign)."""
+
+
+class OptimizerStateLeftOut(CoreRLError):
+    """A resume asked for the optimizer state of a checkpoint saved without it
+    (``saver.save_optimizer: false``; :func:`core_rl.engine_utils.state.restores_optimizer`)."""
 
 
 # --------------------------------------------------------------------------------------------

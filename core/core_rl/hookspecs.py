@@ -25,6 +25,9 @@ core checks a component for when it is built names it: :mod:`core_rl.components`
   :func:`core_rl_add_train_arguments`).
 - 6: ``RolloutEngine.release_memory`` and ``RolloutEngine.restore_memory`` (a rollout engine asleep
   while the trainer trains, ``rollout.sleep_while_training``, which its factory receives resolved).
+- 7: ``TrainEngine.save_state`` and ``load_state`` take ``optimizer=`` (``saver.save_optimizer``,
+  ``recover.load_optimizer``), and ``TrainEngine.reset_optimizer``
+  (``algorithm.reference_reset_optimizer``).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from typing import Any, Protocol
 import pluggy
 
 PROJECT_NAME = "core_rl"
-HOOK_API_VERSION = 6
+HOOK_API_VERSION = 7
 
 #: The API version that added an interface (``"Class"``: all its members) or one member of it
 #: (``"Class.member"``) after version 1; anything not listed is in version 1. Classes are those of
@@ -71,6 +74,7 @@ INTERFACE_ADDED: dict[str, int] = {
     "Launcher": 5,
     "RolloutEngine.release_memory": 6,
     "RolloutEngine.restore_memory": 6,
+    "TrainEngine.reset_optimizer": 7,
 }
 
 

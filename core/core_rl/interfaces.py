@@ -142,13 +142,20 @@ class TrainEngine(ABC):
         Collective; the main rank writes, atomically."""
 
     @abstractmethod
-    def save_state(self, path: str | Path, extra: Mapping[str, Any]) -> None:
-        """Save the full training state (model, optimiser, scheduler, step, RNG) plus ``extra``
-        (e.g. the data position; the main rank's copy is kept) under ``path``, atomically. Collective."""
+    def save_state(self, path: str | Path, extra: Mapping[str, Any], *, optimizer: bool = True) -> None:
+        """Save the full training state (model, optimiser, scheduler, step, RNG; the optimiser's only
+        with ``optimizer``) plus ``extra`` (e.g. the data position; the main rank's copy is kept)
+        under ``path``, atomically. Collective."""
 
     @abstractmethod
-    def load_state(self, path: str | Path) -> dict[str, Any]:
-        """Restore what :meth:`save_state` wrote; return its ``extra``. Collective."""
+    def load_state(self, path: str | Path, *, optimizer: bool = True) -> dict[str, Any]:
+        """Restore what :meth:`save_state` wrote (without ``optimizer``: a fresh optimiser); return
+        its ``extra``. Collective. With ``optimizer``, a checkpoint that left existing optimiser state
+        out is refused on every rank: :func:`core_rl.engine_utils.state.restores_optimizer`."""
+
+    def reset_optimizer(self) -> None:
+        """Drop the optimiser state, keeping weights and :attr:`step`. Collective. Default: raises."""
+        raise NotImplementedError(f"{type(self).__name__} cannot reset its optimizer state")
 
     def compute_values(self, batch: TensorBatch) -> torch.Tensor:
         """Values [B, T] of an engine built with a value head (:data:`VALUE_HEADS`): position ``t`` holds the value of

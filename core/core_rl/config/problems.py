@@ -97,6 +97,11 @@ def completeness_problems(cfg: RunConfig, host: PluginHost | None = None) -> lis
             "algorithm.reference_reset_alpha: mixes the policy into the reference at each reset, and "
             "algorithm.reference_reset_every_n_steps is 0 (no resets); set it, or remove reference_reset_alpha"
         )
+    if cfg.algorithm.reference_reset_optimizer and not cfg.algorithm.reference_reset_every_n_steps:
+        problems.append(
+            "algorithm.reference_reset_optimizer: drops the actor's optimizer state at each reference reset, and "
+            "algorithm.reference_reset_every_n_steps is 0 (no resets); set it, or remove reference_reset_optimizer"
+        )
     problems.extend(replay_config_problems(cfg, rl_loop=uses_rl_sections(cfg, host)))
     problems.extend(max_length_problems(cfg, host))
     if not cfg.data.train_files:
@@ -263,7 +268,23 @@ def cross_section_problems(cfg: RunConfig) -> list[str]:
             f"algorithm.ppo_n_minibatches: must be <= the samples of a step, data.batch_size x rollout.sampling.n "
             f"= {samples}, got {cfg.algorithm.ppo_n_minibatches}"
         )
+    problems.extend(restart_problems(cfg))
     return problems
+
+
+def restart_problems(cfg: RunConfig) -> list[str]:
+    """Automatic restarts (``recover.mode: auto``, or ``trainer.resume: true``, with ``recover.retries``)
+    resume from this run's own checkpoints: saved without optimizer state
+    (``saver.save_optimizer: false``), they would be refused by ``recover.load_optimizer: true`` at
+    the first restart, so the pair is refused now."""
+    auto = cfg.recover.mode == "auto" or (cfg.recover.mode == "disabled" and cfg.trainer.resume)
+    if not (auto and cfg.recover.retries and not cfg.saver.save_optimizer and cfg.recover.load_optimizer):
+        return []
+    return [
+        "saver.save_optimizer: false writes checkpoints without optimizer state, and recover.mode: auto restarts a "
+        f"crashed run from them (recover.retries: {cfg.recover.retries}), which recover.load_optimizer: true refuses; "
+        "set recover.load_optimizer: false (each restart then goes on with a fresh optimizer), or recover.retries: 0"
+    ]
 
 
 def step_count_problems(cfg: RunConfig) -> list[str]:

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 import attrs
 
+from core_rl.config.checkpoint_sections import KeepBestConfig as KeepBestConfig  # re-exported with the sections
+from core_rl.config.checkpoint_sections import RecoverConfig, SaverConfig
 from core_rl.config.data_config import DataConfig as DataConfig  # re-exported with the sections
 from core_rl.config.data_config import TrainFile as TrainFile
 from core_rl.config.derived_key import Derived
@@ -292,7 +294,11 @@ class AlgorithmConfig:
       current policy (0: never; :mod:`core_rl.trainer.reference_reset`);
     - ``reference_reset_alpha``: in ``(0, 1]``; below 1 each reset is a soft update, the reference
       becoming ``alpha * policy + (1 - alpha) * reference`` (:mod:`core_rl.trainer.reference_mix`);
-      1: the policy itself.
+      1: the policy itself;
+    - ``reference_reset_optimizer``: each reset also drops the actor's optimizer state (Adam's
+      moments and step count; the learning-rate schedule goes on), so the policy's next update
+      starts the optimizer afresh, as ProRL does (default false: the state carries over). Needs
+      ``reference_reset_every_n_steps``.
     """
 
     name: str = ""
@@ -310,42 +316,12 @@ class AlgorithmConfig:
     recompute_logprob: bool = False
     reference_reset_every_n_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
     reference_reset_alpha: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
+    reference_reset_optimizer: bool = False
 
     @property
     def optimizer_steps_per_step(self) -> int:
         """Optimiser steps per RL step: ``ppo_n_minibatches * ppo_epochs``."""
         return self.ppo_n_minibatches * self.ppo_epochs
-
-
-@attrs.define
-class KeepBestConfig:
-    """``saver.keep_best``: keep the ``count`` checkpoints (0: none besides ``keep_last``) with the
-    best value of ``metric`` logged at their step, the largest with ``mode: max``
-    (:mod:`core_rl.trainer.checkpoint_policy`)."""
-
-    count: int = attrs.field(default=0, validator=in_range(0, MAX_COUNT))
-    metric: str = attrs.field(default="eval/reward/mean", validator=not_empty())
-    mode: str = attrs.field(default="max", validator=one_of(("max", "min")))
-
-
-@attrs.define
-class SaverConfig:
-    """Checkpoints (full training state, for resuming) every ``every_n_steps`` steps (0: never),
-    after the first step ending ``every_n_minutes`` after the newest checkpoint or the start (0:
-    never) and at the end; the newest ``keep_last`` are kept, and the best ``keep_best.count`` by
-    a metric (:mod:`core_rl.trainer.checkpoint_policy`). ``export_hf`` also writes the final
-    policy as a Hugging Face directory (``<run>/final_hf``); ``export_hf_every_n_steps`` writes the
-    policy of every such step to ``<run>/hf/step_<N>`` (0: never), keeping the newest
-    ``export_hf_keep_last`` (0: all) (:mod:`core_rl.trainer.hf_exports`)."""
-
-    every_n_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
-    every_n_minutes: float = attrs.field(default=0.0, validator=in_range(0.0, 1e6))
-    at_end: bool = True
-    keep_last: int = attrs.field(default=2, validator=in_range(1, MAX_COUNT))
-    keep_best: KeepBestConfig = attrs.field(factory=KeepBestConfig)
-    export_hf: bool = True
-    export_hf_every_n_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
-    export_hf_keep_last: int = attrs.field(default=0, validator=in_range(0, MAX_COUNT))
 
 
 @attrs.define
@@ -426,22 +402,6 @@ class RewardRunnerConfig:
     on_error: str = attrs.field(default="value", validator=one_of(("value", "drop", "stop")))
     error_value: float = attrs.field(default=0.0, validator=in_range(-1e30, 1e30))
     max_error_fraction: float = attrs.field(default=0.5, validator=in_range(0.0, 1.0))
-
-
-@attrs.define
-class RecoverConfig:
-    """Resuming and automatic restarts.
-
-    ``mode``: ``disabled`` (start fresh; a run directory that already holds a run is refused),
-    ``auto`` (continue from the newest valid checkpoint if there is one, else start fresh; after a
-    crash, restart from the newest valid checkpoint up to ``retries`` times), ``resume`` (continue
-    from the newest valid checkpoint, an error if there is none; no restarts). Restarts happen in
-    the process for a single-process run, and through the launcher's worker restarts for
-    ``core-rl train --nproc-per-node N``. Configuration errors, a stop asked for by the
-    configuration (``on_error: stop``, ``on_nonfinite: stop``) and signals are never retried."""
-
-    mode: str = attrs.field(default="disabled", validator=one_of(("disabled", "auto", "resume")))
-    retries: int = attrs.field(default=3, validator=in_range(0, 1000))
 
 
 @attrs.define

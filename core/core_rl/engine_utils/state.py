@@ -5,6 +5,7 @@ RNG states.
 Layout every engine shares (engines add their own files)::
 
     meta.json                       format, engine, step, world size, whether optimizer state exists
+                                    (``optimizer``) and what became of it (``optimizer_state``)
     model.safetensors               full (unsharded) weights
     optimizer.{json,safetensors}    full optimizer state, keyed by parameter name
     extra.{json,safetensors}        the trainer's ``extra`` (e.g. the data position)
@@ -47,6 +48,48 @@ def write_collectively(final: Path, rank: int, write: Callable[[Path], None]) ->
     if rank == 0:
         ckpt.commit_partial(final)
     dist_utils.barrier()
+
+
+#: ``meta.json``'s ``optimizer_state``: the checkpoint holds the optimizer state
+OPTIMIZER_SAVED = "saved"
+#: none existed when it was saved (before the first optimizer step, or right after
+#: :meth:`~core_rl.interfaces.TrainEngine.reset_optimizer`): a resume starts the optimizer afresh,
+#: as the saving run would have gone on
+OPTIMIZER_NONE_YET = "none_yet"
+#: it existed, and ``save_state(..., optimizer=False)`` (``saver.save_optimizer: false``) left it out
+OPTIMIZER_LEFT_OUT = "left_out"
+OPTIMIZER_RECORDS = (OPTIMIZER_SAVED, OPTIMIZER_NONE_YET, OPTIMIZER_LEFT_OUT)
+
+
+def optimizer_record(has_state: bool, save: bool) -> str:
+    """``meta.json``'s ``optimizer_state`` for an engine whose optimizer holds state (``has_state``),
+    saved with ``save_state(..., optimizer=save)``: the engine writes the state only when this is
+    :data:`OPTIMIZER_SAVED`."""
+    if not has_state:
+        return OPTIMIZER_NONE_YET
+    return OPTIMIZER_SAVED if save else OPTIMIZER_LEFT_OUT
+
+
+def restores_optimizer(meta: dict[str, Any], final: Path, load: bool) -> bool:
+    """Whether ``load_state(final, optimizer=load)`` restores the optimizer state of the checkpoint
+    whose ``meta.json`` is ``meta``: when ``load`` and it holds some. Asking for the state of a
+    checkpoint that left it out raises :class:`~core_rl.checkpointing.OptimizerStateLeftOut` (a fresh
+    optimizer is then the caller's explicit choice, never a silent one); one saved before any
+    state existed resumes with a fresh optimizer either way. Checkpoints older than
+    ``optimizer_state`` count as :data:`OPTIMIZER_SAVED` when they hold optimizer state, else as
+    :data:`OPTIMIZER_NONE_YET`."""
+    record = meta.get("optimizer_state", OPTIMIZER_SAVED if meta.get("optimizer") else OPTIMIZER_NONE_YET)
+    if record not in OPTIMIZER_RECORDS:
+        raise ckpt.CheckpointFormatError(
+            f"{final}/meta.json: optimizer_state {record!r} is none of {OPTIMIZER_RECORDS}"
+        )
+    if record == OPTIMIZER_LEFT_OUT and load:
+        raise ckpt.OptimizerStateLeftOut(
+            f"{final} was saved without its optimizer state (saver.save_optimizer: false); set "
+            "recover.load_optimizer: false to resume from it with a fresh optimizer (weights, step, data position, "
+            "schedule and RNG still resume), or resume from a checkpoint saved with its optimizer state"
+        )
+    return load and record == OPTIMIZER_SAVED
 
 
 def write_meta(directory: Path, meta: dict[str, Any]) -> None:

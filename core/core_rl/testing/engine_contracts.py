@@ -16,15 +16,12 @@ from core_rl.kinds import TRAIN_ENGINE
 from core_rl.protocol import TensorBatch
 from core_rl.testing.contracts import ComponentContract
 from core_rl.testing.helpers import hf_logprobs, make_rl_batch
+from core_rl.testing.helpers import nll_loss as _nll_loss
+from core_rl.testing.optimizer_state_contracts import OptimizerStateContract
 from core_rl.testing.weight_transfer import check_weight_buckets
 
 # ---------------------------------------------------------------------------------------------
 # engines
-
-
-def _nll_loss(batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
-    """Supervised loss on response tokens (for engine tests)."""
-    return LossOutput(per_token_loss=-logprobs, token_metrics={"neg_logprob": -logprobs.detach()})
 
 
 #: the optimizers beyond AdamW and SGD every train engine is asked to train with and resume
@@ -52,9 +49,10 @@ class TinyModelMixin:
         return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, **cls.tiny_model_options)
 
 
-class TrainEngineContract(TinyModelMixin, ComponentContract):
+class TrainEngineContract(OptimizerStateContract, TinyModelMixin, ComponentContract):
     """A train engine on a tiny model (one process): log-probs agree with transformers, training
-    lowers a loss, micro-batching does not change the update, weights export and state resumes."""
+    lowers a loss, micro-batching does not change the update, weights export and state resumes
+    (with or without the optimizer state: :class:`OptimizerStateContract`)."""
 
     kind = TRAIN_ENGINE
     logprob_atol: ClassVar[float] = 1e-4

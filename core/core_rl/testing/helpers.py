@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from core_rl.hookspecs import Register, hookimpl
+from core_rl.interfaces import LossOutput
 from core_rl.ops import aggregation_weights
 from core_rl.plugins import PluginHost
 from core_rl.protocol import RewardInput, TensorBatch
@@ -70,6 +71,12 @@ def make_rl_batch(
             "loss_weight": aggregation_weights(response_mask, aggregation, norm_length=max_response_len),
         }
     )
+
+
+def nll_loss(batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
+    """Supervised loss on response tokens (for engine tests): ``-logprobs``, also the token metric
+    ``neg_logprob``."""
+    return LossOutput(per_token_loss=-logprobs, token_metrics={"neg_logprob": -logprobs.detach()})
 
 
 def make_reward_input(

@@ -124,10 +124,11 @@ def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch
     return None if var == 0 else 1.0 - float((r - v).var()) / var
 
 
-def save_role_states(roles: dict[str, TrainEngine], path: Path) -> None:
-    """Save each trained role's state under ``path/<role>`` (collective; atomic per role)."""
+def save_role_states(roles: dict[str, TrainEngine], path: Path, *, optimizer: bool = True) -> None:
+    """Save each trained role's state under ``path/<role>`` (collective; atomic per role), its
+    optimizer state unless ``optimizer`` is false (``saver.save_optimizer``)."""
     for name, engine in roles.items():
-        engine.save_state(path / name, {})
+        engine.save_state(path / name, {}, optimizer=optimizer)
 
 
 def check_role_states(roles: dict[str, TrainEngine], path: Path) -> None:
@@ -137,7 +138,8 @@ def check_role_states(roles: dict[str, TrainEngine], path: Path) -> None:
         engine.check_checkpoint(path / name)
 
 
-def load_role_states(roles: dict[str, TrainEngine], path: Path) -> None:
-    """Restore each trained role's state from ``path/<role>`` (collective)."""
+def load_role_states(roles: dict[str, TrainEngine], path: Path, *, optimizer: bool = True) -> None:
+    """Restore each trained role's state from ``path/<role>`` (collective), with a fresh optimizer
+    when ``optimizer`` is false (``recover.load_optimizer``)."""
     for name, engine in roles.items():
-        engine.load_state(path / name)
+        engine.load_state(path / name, optimizer=optimizer)

@@ -22,6 +22,11 @@ and no second gathered copy of the model on rank 0 (the tensors are streamed fro
 files), and a resumed run reads the same files. Each reference then depends on every earlier one,
 but only through the newest export, which pruning always keeps (and the export of each kept
 checkpoint's reset step, from which a resumed run's next mix starts).
+
+With ``algorithm.reference_reset_optimizer`` each reset also drops the actor's optimizer state
+(:meth:`~core_rl.interfaces.TrainEngine.reset_optimizer`, ProRL's reference-and-optimizer reset):
+the update after it starts Adam afresh. A checkpoint of the reset step holds no optimizer state
+(none existed: its ``optimizer_state`` says so), and a run resumed from it goes on the same way.
 """
 
 from __future__ import annotations
@@ -68,11 +73,25 @@ class ReferenceReset:
     is_main: bool
     #: ``algorithm.reference_reset_alpha``: 1 resets to the policy, below 1 mixes it in
     alpha: float = 1.0
+    #: ``algorithm.reference_reset_optimizer``: each reset also drops the actor's optimizer state
+    reset_optimizer: bool = False
 
     @classmethod
-    def of_run(cls, cfg: RunConfig, host: PluginHost, ref: TrainEngine | None, is_main: bool) -> ReferenceReset:
+    def of_run(
+        cls, cfg: RunConfig, host: PluginHost, ref: TrainEngine | None, is_main: bool, actor: TrainEngine | None = None
+    ) -> ReferenceReset:
         """The schedule of ``cfg`` (``algorithm.reference_reset_every_n_steps`` > 0); refused when
-        the run has no reference model to reset."""
+        the run has no reference model to reset, or with ``algorithm.reference_reset_optimizer``
+        when ``actor`` (the policy's engine) cannot reset its optimizer state."""
+        reset_optimizer = cfg.algorithm.reference_reset_optimizer
+        if reset_optimizer and getattr(type(actor), "reset_optimizer", None) in (None, TrainEngine.reset_optimizer):
+            raise ConfigError(
+                [
+                    f"algorithm.reference_reset_optimizer: the actor's engine {cfg.actor.engine.name!r} cannot reset "
+                    "its optimizer state (it implements no TrainEngine.reset_optimizer); remove it, or choose an "
+                    "engine that can (fsdp, deepspeed, megatron)"
+                ]
+            )
         if ref is None:
             raise ConfigError(
                 [
@@ -109,7 +128,7 @@ class ReferenceReset:
                         "(use the actor's model as ref:, or set reference_reset_alpha: 1)"
                     ]
                 )
-        return cls(every, section, cfg.experiment.run_dir, build, is_main, alpha)
+        return cls(every, section, cfg.experiment.run_dir, build, is_main, alpha, reset_optimizer)
 
     def _rebuilt(self, old: TrainEngine, step: int) -> TrainEngine:
         path = reference_dir(self.run_dir, step)
@@ -117,9 +136,13 @@ class ReferenceReset:
         return self.build(attrs.evolve(self.section, model_path=str(path), tokenizer_path=None))
 
     def after_step(self, step: int, actor: TrainEngine, ref: TrainEngine) -> TrainEngine:
-        """At a reset step, the policy exported and the reference built from it; else ``ref``."""
+        """At a reset step, the policy exported and the reference built from it (with
+        :attr:`reset_optimizer`, the actor's optimizer state dropped); else ``ref``."""
         if not self.every or step % self.every:
             return ref
+        if self.reset_optimizer:
+            with waiting_for(f"the other ranks to reset the optimizer state after step {step}"):
+                actor.reset_optimizer()
         if self.alpha == 1.0:
             with waiting_for(f"the other ranks to export the policy of step {step} as the new reference"):
                 actor.export_hf(reference_dir(self.run_dir, step))

@@ -106,8 +106,9 @@ class Checkpointing:
             self.weight_load.wait()
         try:
             with waiting_for(f"the other ranks to save checkpoint {path.name}"):
-                self.engine.save_state(path, self._extra_state(step))
-                save_role_states(self._trained_roles(), path)
+                optimizer = self.cfg.saver.save_optimizer
+                self.engine.save_state(path, self._extra_state(step), optimizer=optimizer)
+                save_role_states(self._trained_roles(), path, optimizer=optimizer)
             if self.is_main:
                 checkpoints.mark_latest(self.run_dir, step)
                 best = self.best_checkpoints
@@ -180,9 +181,10 @@ class Checkpointing:
         self.resume_step = 0
         if path is None:
             return
+        optimizer = self.cfg.recover.load_optimizer
         with waiting_for(f"the other ranks to load checkpoint {path.name}"):
-            extra = self.engine.load_state(path)
-            load_role_states(self._trained_roles(), path)
+            extra = self.engine.load_state(path, optimizer=optimizer)
+            load_role_states(self._trained_roles(), path, optimizer=optimizer)
         step = int(extra["trainer_step"])
         if step != checkpoints.step_of(path):
             raise RunFailed(f"checkpoint {path} holds the state after step {step}, not {checkpoints.step_of(path)}")
@@ -204,6 +206,11 @@ class Checkpointing:
             self._sync_weights(step)
         if self.is_main:
             print(f"core-rl: resumed from {path} (step {step})", file=sys.stderr, flush=True)
+            if not optimizer:
+                warn(
+                    f"recover.load_optimizer is false: the weights, step, data position, schedule and RNG of "
+                    f"{path.name} were restored, and the optimizer starts fresh"
+                )
 
     def _interrupted(self, signal_name: str) -> TrainingInterrupted:
         where = checkpoints.checkpoint_dir(self.run_dir, self.last_saved) if self.last_saved else None

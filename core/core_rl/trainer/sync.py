@@ -213,7 +213,7 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
             advantage=self.advantage,
         )
         if cfg.algorithm.reference_reset_every_n_steps:
-            self.reference_reset = ReferenceReset.of_run(cfg, host, self.ref, self.is_main)
+            self.reference_reset = ReferenceReset.of_run(cfg, host, self.ref, self.is_main, self.engine)
 
         quiet_library_progress_bars()
         from transformers import AutoTokenizer

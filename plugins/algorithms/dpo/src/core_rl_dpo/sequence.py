@@ -59,7 +59,7 @@ class SequenceLossLoop(PairwiseLoop):
         self.ref = self.ref_engine  # what the trainer hands reference_reset (closed here, in close())
         if self.cfg.algorithm.reference_reset_every_n_steps:  # the dpo loop's config allows it (TR-DPO)
             is_main = rank_and_world()[0] == 0
-            self.reference_reset = ReferenceReset.of_run(self.cfg, self.host, self.ref_engine, is_main)
+            self.reference_reset = ReferenceReset.of_run(self.cfg, self.host, self.ref_engine, is_main, self.engine)
 
     def _use_reference(self, ref: TrainEngine | None) -> None:
         """The reference engine a reset built (:mod:`core_rl.trainer.reference_reset`)."""

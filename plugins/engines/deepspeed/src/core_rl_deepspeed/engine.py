@@ -303,16 +303,17 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         ]
         return {"state": state, "param_groups": groups}
 
-    def save_state(self, path: str | Path, extra: Mapping[str, Any]) -> None:
+    def save_state(self, path: str | Path, extra: Mapping[str, Any], *, optimizer: bool = True) -> None:
         """Write ``path/`` atomically, in formats that execute nothing on load (see
         :mod:`core_rl.engine_utils.state`): ``meta.json`` (with float16's dynamic loss scale,
         :mod:`core_rl_deepspeed.loss_scale`), ``model.safetensors`` (full fp32 master
-        weights, the module's names), ``optimizer.*`` (full optimizer state per parameter name),
-        ``extra.*`` and ``rng/rank{r}.*``. Full state makes the checkpoint loadable on any number
-        of ranks and any ZeRO stage. Collective."""
+        weights, the module's names), ``optimizer.*`` (full optimizer state per parameter name;
+        not with ``optimizer`` false), ``extra.*`` and ``rng/rank{r}.*``. Full state makes the
+        checkpoint loadable on any number of ranks and any ZeRO stage. Collective."""
         self._check_trainable("save_state")
         model_state = self._wrapped_state_dict(masters=True)  # fp32 masters: a resume is exact
-        optim_state = self._optimizer_state()
+        record = state_files.optimizer_record(any(self._base_optimizer().state.values()), optimizer)
+        optim_state = self._optimizer_state() if record == state_files.OPTIMIZER_SAVED else None
         loss_scale = loss_scale_state(self.optimizer)  # float16's dynamic scale
 
         def write(tmp: Path) -> None:
@@ -332,25 +333,29 @@ class DeepSpeedEngine(EngineState, TrainEngine):
                 "world_size": self.world_size,
                 "zero_stage": self.zero_stage,
                 "optimizer": optim_state is not None,
+                "optimizer_state": record,
                 "loss_scale": loss_scale,
             }
             state_files.write_meta(tmp, meta)
 
         state_files.write_collectively(Path(path), self.rank, write)
 
-    def load_state(self, path: str | Path) -> dict[str, Any]:
-        """Restore weights, optimizer state, step and this rank's RNG states from
-        :meth:`save_state`'s directory and return its ``extra``. Every rank reads the files (a
-        shared file system, as for saving); nothing is unpickled. Collective."""
+    def load_state(self, path: str | Path, *, optimizer: bool = True) -> dict[str, Any]:
+        """Restore weights, optimizer state (unless ``optimizer`` is false: a fresh one), step and
+        this rank's RNG states from :meth:`save_state`'s directory and return its ``extra``. Every
+        rank reads the files (a shared file system, as for saving); nothing is unpickled. A
+        checkpoint saved without its optimizer state is refused unless ``optimizer`` is false
+        (:func:`core_rl.engine_utils.state.restores_optimizer`). Collective."""
         self._check_trainable("load_state")
         final = Path(path).absolute()
         meta = state_files.read_meta(final, engine=ENGINE_NAME, format_version=CHECKPOINT_FORMAT)
+        restore_optim = state_files.restores_optimizer(meta, final, optimizer)
         from safetensors.torch import load_file
 
         model_state = load_file(str(final / "model.safetensors"))
         self._load_weights(model_state)
-        self._reset_optimizer_state()
-        if meta["optimizer"]:
+        self.reset_optimizer()
+        if restore_optim:
             self._load_optimizer_state(ckpt.load_tree(final, "optimizer"))
         self._step = int(meta["step"])
         restore_loss_scale(self.optimizer, meta.get("loss_scale"))  # absent before it was saved
@@ -381,9 +386,10 @@ class DeepSpeedEngine(EngineState, TrainEngine):
             if self.trainable and isinstance(value, nn.Parameter) and value.requires_grad:
                 safe_set_full_fp32_param(value, new.to(self.device, torch.float32))
 
-    def _reset_optimizer_state(self) -> None:
-        """Drop the optimizer state (a checkpoint saved before the first step has none: the next
-        step then starts the optimizer afresh, as it did in the saving run)."""
+    def reset_optimizer(self) -> None:
+        """Drop the optimizer state (the next step starts it afresh, as a new engine's first does);
+        the fp32 master weights, float16's loss scale and :attr:`step` stay."""
+        self._check_trainable("reset_optimizer")
         self._base_optimizer().state.clear()
         self._relink_fragments()
 

@@ -27,7 +27,13 @@ from core_rl.engine_utils.hf import architecture_name, exported_architecture, to
 from core_rl.engine_utils.muon import embeddings_and_head
 from core_rl.engine_utils.optim import build_optimizer, check_schedule, restore_weight_decay, settle_scalar_states
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner, check_temperature
-from core_rl.engine_utils.state import write_collectively, write_meta
+from core_rl.engine_utils.state import (
+    OPTIMIZER_SAVED,
+    optimizer_record,
+    restores_optimizer,
+    write_collectively,
+    write_meta,
+)
 from core_rl.interfaces import TrainEngine
 from core_rl.protocol import TensorBatch
 from torch.distributed.checkpoint.state_dict import (
@@ -195,13 +201,15 @@ class FSDPEngine(EngineState, TrainEngine):
 
     # ------------------------------------------------------------------ training state
 
-    def save_state(self, path: str | Path, extra: Mapping[str, Any]) -> None:
+    def save_state(self, path: str | Path, extra: Mapping[str, Any], *, optimizer: bool = True) -> None:
         """Write ``path/`` atomically (as ``.NAME.partial``, renamed by rank 0 once every rank has
         finished), in formats that execute nothing on load (:mod:`core_rl.checkpointing`):
 
-        - ``meta.json``: format, step, world size, whether optimizer state exists;
+        - ``meta.json``: format, step, world size, whether optimizer state is saved (``optimizer``)
+          and what became of it (``optimizer_state``, :mod:`core_rl.engine_utils.state`);
         - ``model.safetensors``: the full (unsharded) weights, gathered on rank 0;
-        - ``optimizer.{json,safetensors}``: the full optimizer state (keyed by parameter name);
+        - ``optimizer.{json,safetensors}``: the full optimizer state (keyed by parameter name),
+          unless ``optimizer`` is false or there is none yet;
         - ``extra.{json,safetensors}``: ``extra`` (e.g. the data position), from rank 0;
         - ``rng/rank{r}.{json,safetensors}``: each rank's RNG states.
 
@@ -212,7 +220,8 @@ class FSDPEngine(EngineState, TrainEngine):
         assert self.optimizer is not None
         # An optimizer that has not stepped has no state; asking for it would create some (torch
         # initialises it with a zero-lr step), which would change the run. Save none instead.
-        has_optim = _optimizer_has_state(self.optimizer)
+        record = optimizer_record(_optimizer_has_state(self.optimizer), optimizer)
+        has_optim = record == OPTIMIZER_SAVED
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
         def write(tmp: Path) -> None:
@@ -233,6 +242,7 @@ class FSDPEngine(EngineState, TrainEngine):
                     "step": self._step,
                     "world_size": self.world_size,
                     "optimizer": has_optim,
+                    "optimizer_state": record,
                 }
                 write_meta(tmp, meta)
 
@@ -263,26 +273,29 @@ class FSDPEngine(EngineState, TrainEngine):
             except (SafetensorError, OSError, ValueError) as exc:
                 raise ckpt.CheckpointFormatError(f"{file}: cannot be read ({exc})") from None
 
-    def load_state(self, path: str | Path) -> dict[str, Any]:
-        """Restore model, optimizer, step and this rank's RNG states from :meth:`save_state`'s
-        directory and return its ``extra``. Rank 0 reads the weights and optimizer state and
-        broadcasts them; the world size may differ from the saving run's (RNG states are then
-        restored only for ranks that existed). Nothing is unpickled."""
+    def load_state(self, path: str | Path, *, optimizer: bool = True) -> dict[str, Any]:
+        """Restore model, optimizer (unless ``optimizer`` is false: a fresh one), step and this
+        rank's RNG states from :meth:`save_state`'s directory and return its ``extra``. Rank 0 reads
+        the weights and optimizer state and broadcasts them; the world size may differ from the
+        saving run's (RNG states are then restored only for ranks that existed). Nothing is
+        unpickled. A checkpoint saved without its optimizer state is refused unless ``optimizer``
+        is false (:func:`core_rl.engine_utils.state.restores_optimizer`)."""
         self._check_trainable("load_state")
         final = Path(path).absolute()
         meta = self._read_own_meta(final)
-        self.optimizer = self._build_optimizer()
+        restore_optim = restores_optimizer(meta, final, optimizer)
+        self.reset_optimizer()
         model_state: dict[str, torch.Tensor] = {}
         optim_state: dict[str, Any] = {}
         if self.rank == 0:
             from safetensors.torch import load_file
 
             model_state = load_file(str(final / "model.safetensors"))
-            if meta["optimizer"]:
+            if restore_optim:
                 optim_state = ckpt.load_tree(final, "optimizer")
         broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(self.model, model_state, options=broadcast)
-        if meta["optimizer"]:
+        if restore_optim:
             # the kernel (fused/foreach) is this run's choice, not the saving run's (its parameters
             # may have been plain tensors where these are DTensors)
             # (per group: Muon's groups have no such flags)
@@ -306,6 +319,12 @@ class FSDPEngine(EngineState, TrainEngine):
         extra = ckpt.load_tree(final, "extra")
         dist_utils.barrier()
         return extra
+
+    def reset_optimizer(self) -> None:
+        """A fresh optimizer over the same parameters (no state: the next step starts it afresh);
+        weights and :attr:`step` stay."""
+        self._check_trainable("reset_optimizer")
+        self.optimizer = self._build_optimizer()
 
     def _read_own_meta(self, final: Path) -> dict[str, Any]:
         """:func:`_read_meta`, refusing a checkpoint of the other head (a critic's for a policy)."""

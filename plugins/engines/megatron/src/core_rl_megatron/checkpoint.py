@@ -4,7 +4,8 @@
 Layout of a checkpoint directory:
 
 - ``meta.json``: format, head (``lm``, ``value`` or ``score``), step, world size, parallel layout,
-  which optimizer state it holds;
+  which optimizer state it holds (``optimizer``) and what became of it (``optimizer_state``:
+  saved, none yet, or left out by ``save_state(..., optimizer=False)``; :mod:`core_rl.engine_utils.state`);
 - ``model/``: the weights with Hugging Face names (safetensors, sharded in buckets, with an index
   when there are several files), gathered from every tensor- and pipeline-parallel shard;
 - with the CPU optimizer (a torch optimizer over DDP's gradient buffers): ``optimizer/<key>/``
@@ -35,7 +36,13 @@ import torch
 from core_rl import checkpointing as ckpt
 from core_rl.engine_utils import distributed as dist_utils
 from core_rl.engine_utils.optim import settle_scalar_states
-from core_rl.engine_utils.state import write_collectively, write_meta
+from core_rl.engine_utils.state import (
+    OPTIMIZER_SAVED,
+    optimizer_record,
+    restores_optimizer,
+    write_collectively,
+    write_meta,
+)
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 
@@ -103,9 +110,10 @@ def _has_state(optimizer: Any) -> bool:
     return any(len(part.optimizer.state) > 0 for part in _chained(optimizer))
 
 
-def save(engine: MegatronEngine, final: Path, extra: Mapping[str, Any]) -> None:
+def save(engine: MegatronEngine, final: Path, extra: Mapping[str, Any], *, optimizer: bool = True) -> None:
     rank = engine.rank
-    has_optim = _has_state(engine.optimizer)
+    record = optimizer_record(_has_state(engine.optimizer), optimizer)
+    has_optim = record == OPTIMIZER_SAVED
     bucket = int(engine.config.export_bucket_mb * 2**20)
 
     def write(tmp: Path) -> None:
@@ -133,6 +141,7 @@ def save(engine: MegatronEngine, final: Path, extra: Mapping[str, Any]) -> None:
                 "world_size": engine.world_size,
                 "layout": _layout(engine),
                 "optimizer": ("megatron" if engine.use_megatron_schedule else "torch") if has_optim else None,
+                "optimizer_state": record,
                 "optimizer_scalars": scalars,
             }
             write_meta(tmp, meta)
@@ -140,7 +149,7 @@ def save(engine: MegatronEngine, final: Path, extra: Mapping[str, Any]) -> None:
     write_collectively(final, rank, write)
 
 
-def load(engine: MegatronEngine, final: Path) -> dict[str, Any]:
+def load(engine: MegatronEngine, final: Path, *, optimizer: bool = True) -> dict[str, Any]:
     meta_file = final / "meta.json"
     if not meta_file.is_file():
         raise ckpt.CheckpointFormatError(f"{final} is not a complete megatron checkpoint (no meta.json)")
@@ -153,7 +162,7 @@ def load(engine: MegatronEngine, final: Path) -> dict[str, Any]:
         raise ckpt.CheckpointFormatError(
             f"{final}: holds a model with head={meta.get('head', 'lm')!r}, this engine has head={engine.head!r}"
         )
-    kind = meta.get("optimizer")
+    kind = meta.get("optimizer") if restores_optimizer(meta, final, optimizer) else None
     if kind == "megatron" and meta["layout"] != _layout(engine):
         raise ckpt.CheckpointFormatError(
             f"{final} holds Megatron optimizer state for the layout {meta['layout']}; this engine has "
@@ -185,6 +194,20 @@ def load(engine: MegatronEngine, final: Path) -> dict[str, Any]:
     extra = ckpt.load_tree(final, "extra")
     dist_utils.barrier()
     return extra
+
+
+def reset_optimizer(engine: MegatronEngine) -> None:
+    """Drop the optimizer state: the CPU optimizer is built again over the same parameters;
+    Megatron's (tied to DDP's buffers) keeps its float32 master weights and hyper-parameters, and
+    each of its torch optimizers forgets its state, with the step count that Apex's and
+    Transformer Engine's FusedAdam keep in their parameter groups."""
+    if not engine.use_megatron_schedule:
+        engine.optimizer = engine._build_optimizer()
+        return
+    for part in _chained(engine.optimizer):
+        part.optimizer.state.clear()
+        for group in part.optimizer.param_groups:
+            group.pop("step", None)
 
 
 def _load_torch_optimizer(engine: MegatronEngine, directory: Path, scalars: Mapping[str, float]) -> None:

@@ -443,17 +443,22 @@ class MegatronEngine(EngineState, TrainEngine):
 
     # ------------------------------------------------------------------ training state
 
-    def save_state(self, path: str | Path, extra: Mapping[str, Any]) -> None:
+    def save_state(self, path: str | Path, extra: Mapping[str, Any], *, optimizer: bool = True) -> None:
         """Write ``path/`` atomically in formats that execute nothing on load (see
-        :mod:`core_rl_megatron.checkpoint`)."""
+        :mod:`core_rl_megatron.checkpoint`); ``optimizer=False`` leaves the optimizer state out."""
         self._check_trainable("save_state")
         self._sync_params()
-        checkpoint.save(self, Path(path).absolute(), extra)
+        checkpoint.save(self, Path(path).absolute(), extra, optimizer=optimizer)
 
-    def load_state(self, path: str | Path) -> dict[str, Any]:
-        """Restore what :meth:`save_state` wrote and return its ``extra``."""
+    def load_state(self, path: str | Path, *, optimizer: bool = True) -> dict[str, Any]:
+        """Restore what :meth:`save_state` wrote (``optimizer=False``: but a fresh optimizer); return its ``extra``."""
         self._check_trainable("load_state")
-        return checkpoint.load(self, Path(path).absolute())
+        return checkpoint.load(self, Path(path).absolute(), optimizer=optimizer)
+
+    def reset_optimizer(self) -> None:
+        """See :func:`core_rl_megatron.checkpoint.reset_optimizer`."""
+        self._check_trainable("reset_optimizer")
+        checkpoint.reset_optimizer(self)
 
     def close(self) -> None:
         """Drop the model and optimizer (Megatron's parallel state stays for other engines)."""
