@@ -70,3 +70,35 @@ def test_one_greedy_answer_has_no_best_of_and_group_names_are_made_safe() -> Non
     m = eval_metrics(prompts, n=1, pass_reward=0.5, group_by="source")
     assert "eval/best_reward/mean" not in m and m["eval/pass@1"] == 1.0
     assert m["eval/source=gsm_8k_test/prompts"] == 1
+
+
+def test_majority_vote_by_hand() -> None:
+    """maj@n: the most frequent answer found (spaces ignored; a tie to the first given) decides."""
+    prompts = [
+        # "1 / 2" twice (wrong), "3" once (right): the majority is wrong
+        ScoredPrompt(rewards=[0.0, 1.0, 0.0], lengths=[1] * 3, truncated=[False] * 3, answers=["1/2", "3", "1 / 2"]),
+        # a tie between "7" (right, first) and "8": the first wins; the unfound answer does not vote
+        ScoredPrompt(rewards=[1.0, 0.0, 0.0], lengths=[1] * 3, truncated=[False] * 3, answers=["7", "8", None]),
+        # nothing found: wrong
+        ScoredPrompt(rewards=[0.0, 0.0, 0.0], lengths=[1] * 3, truncated=[False] * 3, answers=[None, None, None]),
+        # a reward that reads no answers: not counted
+        ScoredPrompt(rewards=[1.0, 1.0, 1.0], lengths=[1] * 3, truncated=[False] * 3),
+    ]
+    m = eval_metrics(prompts, n=3, pass_reward=1.0)
+    assert m["eval/maj@n"] == pytest.approx(1 / 3)
+    assert "eval/maj@n" not in eval_metrics(prompts[:1], n=1, pass_reward=1.0)  # one answer: no vote
+    assert "eval/maj@n" not in eval_metrics(prompts[3:], n=3, pass_reward=1.0)
+
+
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.booleans()), min_size=1, max_size=9))
+def test_majority_vote_against_counting(votes: list[tuple[str, bool]]) -> None:
+    """With answers that decide correctness, maj@n is right iff the most voted answer is a right one."""
+    right = {a for a, ok in votes if ok}
+    answers = [a for a, _ in votes]
+    rewards = [1.0 if a in right else 0.0 for a in answers]
+    prompt = ScoredPrompt(rewards=rewards, lengths=[1] * len(votes), truncated=[False] * len(votes), answers=answers)
+    top = max(answers.count(a) for a in answers)
+    first_top = next(a for a in answers if answers.count(a) == top)
+    expected = 1.0 if first_top in right else 0.0
+    if len(votes) > 1:
+        assert eval_metrics([prompt], n=len(votes), pass_reward=1.0)["eval/maj@n"] == expected

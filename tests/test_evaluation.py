@@ -97,6 +97,14 @@ def test_evaluation_on_schedule_leaves_training_as_it_was(setup) -> None:
         assert (m["eval/src=x/prompts"], m["eval/src=y/prompts"]) == (3, 2)
         records = [json.loads(line) for line in (runs / "evaluated" / "eval" / f"step_{step:06d}.jsonl").open()]
         assert len(records) == 15 and {r["step"] for r in records} == {step}
+        # char_match reads the whole (normalised) response as the answer: maj@n from the records
+        majority = []
+        for index in range(5):
+            mine = [r for r in records if r["prompt_index"] == index and r["answer"] is not None]
+            votes = ["".join(r["answer"].split()) for r in mine]
+            top = max(votes, key=votes.count) if votes else None
+            majority.append(top is not None and next(r["correct"] for r in mine if "".join(r["answer"].split()) == top))
+        assert m["eval/maj@n"] == pytest.approx(sum(majority) / 5)
         assert [r["prompt_index"] for r in records] == [i for i in range(5) for _ in range(3)]
         assert [r["prompt"] for r in records[::3]] == [f"{s}=" for s, _ in EVAL_ROWS]
         assert [r["src"] for r in records[::3]] == [src for _, src in EVAL_ROWS]

@@ -232,3 +232,34 @@ def test_a_part_that_does_not_apply_is_left_out_and_a_nan_part_is_counted():
     broken = value_stats("reward/broken", result.parts["broken"])
     assert broken["reward/broken/nonfinite"] == 1.0 and broken["reward/broken/mean"] == 2.0
     assert value_stats("x", [None, None]) == {}
+
+
+class _AnswersReward(Reward):
+    """Scores 1.0 and reads answers: ``bad`` gives a number as an answer."""
+
+    def __init__(self, bad: bool) -> None:
+        self.bad = bad
+
+    def score_with_parts(self, items):
+        from core_rl.interfaces import RewardScores
+
+        answers = [str(i) if i % 3 else None for i in range(len(items))]
+        if self.bad:
+            answers[1] = 7
+        return RewardScores(scores=[1.0] * len(items), answers=answers)
+
+    def score(self, items):
+        return self.score_with_parts(items).scores
+
+
+def test_answers_are_collected_across_calls_and_checked():
+    r = RewardRunner(_AnswersReward(False), "answers", RewardRunnerConfig(items_per_call=3))
+    assert r.score(ITEMS).answers == [None, "1", "2"] * 2 + [None, "1"]  # each call numbers its own items
+    r.close()
+    bad = RewardRunner(_AnswersReward(True), "answers", RewardRunnerConfig(items_per_call=8))
+    with pytest.raises(RewardError, match=r"RewardScores.answers holds one str \(or None\) per item"):
+        bad.score(ITEMS)
+    bad.close()
+    plain = RewardRunner(_PartsReward(), "parts", RewardRunnerConfig())
+    assert plain.score(ITEMS).answers is None  # a reward that reads no answers
+    plain.close()

@@ -58,6 +58,8 @@ def test_each_item_is_scored_by_its_route_and_reported_per_route():
     # None: the part does not apply to another route's sample (not a NaN score, see value_stats)
     expected = {"rev": [0.5, None, None, 1.0], "len": [None, 5.0, None, None], "default": [None, None, 1.0, None]}
     assert result.parts == expected
+    # char_match and exact_match read the normalised response as the answer; the length reward none
+    assert result.answers == ["abxx", None, "zz", "abcd"]
 
 
 def test_nested_parts_and_an_item_without_route():

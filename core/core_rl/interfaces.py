@@ -313,10 +313,13 @@ class RewardScores:
     flag such as "an answer was found"). ``None`` marks an item a part does not apply to (a routed
     reward's part for another route's samples): it is left out of the part's statistics, while a
     NaN counts as ``reward/<name>/nonfinite``. The trainer reports each part as ``reward/<name>/mean``
-    (and ``std``, ``min``, ``max``) over the items it applies to."""
+    (and ``std``, ``min``, ``max``) over the items it applies to. ``answers`` (optional): the final
+    answer each response gives as the reward read it (``None``: none found), for majority voting
+    in evaluation (``eval/maj@n``)."""
 
     scores: list[float]
     parts: dict[str, list[float | None]] = attrs.field(factory=dict)
+    answers: list[str | None] | None = None
 
 
 class Reward(ABC):

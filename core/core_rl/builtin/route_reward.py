@@ -17,7 +17,8 @@ parts are) and sees only its rows; the routes with samples in a call are scored 
 Each route is reported as a part named after its value (``reward/gsm8k/mean``, ``std``, ``min``,
 ``max`` over the samples routed there; ``default`` for the default's), its reward's own parts as
 ``<value>/<part>``; a part holds ``None`` for the samples of other routes (left out of its
-statistics, so ``reward/<value>/nonfinite`` counts only real NaN/inf scores of that route).
+statistics, so ``reward/<value>/nonfinite`` counts only real NaN/inf scores of that route). The
+answers the routed rewards read (``RewardScores.answers``) are passed on.
 
 Before the run (``check_data``, with the other data problems): every row of ``data.train_files``
 must hold ``key`` (not null) and a value with a route, or a default; the rows without one are
@@ -198,7 +199,12 @@ class RouteReward(Reward):
                     column[i] = value
             for i, value in zip(groups[part], result.scores):
                 scores[i] = value
-        return RewardScores(scores=scores, parts=parts)
+        answers: list[str | None] = [None] * len(items)
+        for part, result in results.items():
+            for i, answer in zip(groups[part], result.answers or ()):
+                answers[i] = answer
+        read = any(result.answers is not None for result in results.values())
+        return RewardScores(scores=scores, parts=parts, answers=answers if read else None)
 
     def score(self, items: Sequence[RewardInput]) -> list[float]:
         return self.score_with_parts(items).scores

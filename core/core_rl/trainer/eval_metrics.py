@@ -15,6 +15,11 @@ least k answers (pass@1 is the fraction of correct answers, averaged per prompt)
   answer, averaged over prompts; with several answers per prompt), ``eval/pass@k``;
 - ``eval/response_length/mean`` (tokens) and ``eval/truncated`` (the fraction of answers that
   reached ``max_new_tokens``);
+- ``eval/maj@n`` (with ``n > 1``, a reward that reads answers: ``RewardScores.answers``): the
+  fraction of prompts whose majority answer is correct. Each prompt's answers that were found vote
+  (exact strings after stripping spaces); the most frequent wins, a tie going to the one given
+  first; it is correct when the first answer giving it scored at least ``eval.pass_reward``. A
+  prompt where no answer was found counts as wrong;
 - ``eval/parts/<name>/mean`` for each named part of the reward;
 - with ``eval.group_by``: ``eval/<column>=<value>/{prompts,reward/mean,pass@1,pass@n}`` per value.
 """
@@ -43,6 +48,7 @@ class ScoredPrompt:
     lengths: list[int]
     truncated: list[bool]
     parts: Mapping[str, list[float | None]] = attrs.field(factory=dict)
+    answers: list[str | None] | None = None
     group: str | None = None
     dropped: int = 0
 
@@ -64,6 +70,18 @@ def k_values(n: int) -> list[int]:
 
 def _correct(prompt: ScoredPrompt, pass_reward: float) -> int:
     return sum(r >= pass_reward for r in prompt.rewards)
+
+
+def majority_correct(prompt: ScoredPrompt, pass_reward: float) -> bool:
+    """Whether the prompt's majority answer (see the module docstring) is correct."""
+    votes: dict[str, list[int]] = {}
+    for i, answer in enumerate(prompt.answers or ()):
+        if answer is not None:
+            votes.setdefault("".join(answer.split()), []).append(i)
+    if not votes:
+        return False
+    winner = max(votes.values(), key=len)  # the first of the most frequent: dicts keep insertion order
+    return prompt.rewards[winner[0]] >= pass_reward
 
 
 def _pass_metrics(prompts: Sequence[ScoredPrompt], pass_reward: float, ks: Sequence[int], prefix: str) -> dict:
@@ -92,6 +110,9 @@ def eval_metrics(prompts: Sequence[ScoredPrompt], *, n: int, pass_reward: float,
     best = [max(p.rewards) for p in prompts if p.rewards]
     if n > 1 and best:
         out["eval/best_reward/mean"] = statistics.fmean(best)
+    voted = [p for p in prompts if p.answers is not None and p.rewards]
+    if n > 1 and voted:
+        out["eval/maj@n"] = statistics.fmean(float(majority_correct(p, pass_reward)) for p in voted)
     for name in sorted({name for p in prompts for name in p.parts}):
         values = [v for p in prompts for v in p.parts.get(name, ()) if v is not None and math.isfinite(v)]
         if values:

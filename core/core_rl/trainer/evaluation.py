@@ -205,6 +205,7 @@ class Evaluator:
                     lengths=[len(samples[j].response_ids) for j in kept],
                     truncated=[samples[j].finish_reason == "length" for j in kept],
                     parts={name: [values[j] for j in kept] for name, values in result.parts.items()},
+                    answers=None if result.answers is None else [result.answers[j] for j in kept],
                     group=label,
                     dropped=len(group) - len(kept),
                 )
@@ -220,6 +221,7 @@ class Evaluator:
                         "reward": None if score is None else float(score),
                         "correct": score is not None and score >= self.config.pass_reward,
                         "parts": {name: values[j] for name, values in result.parts.items()},
+                        **({"answer": result.answers[j]} if result.answers is not None else {}),
                         "finish_reason": samples[j].finish_reason,
                         **({column: label} if column is not None else {}),
                     }

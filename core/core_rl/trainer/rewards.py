@@ -59,11 +59,13 @@ class ScoreResult:
     """``scores[i]``: the score of item ``i`` (``error_value`` for a failed item under
     ``on_error: value``), or ``None`` for an item dropped under ``on_error: drop``. ``parts``: the
     reward's named per-item values (:meth:`core_rl.interfaces.Reward.score_with_parts`), NaN for a
-    failed item."""
+    failed item. ``answers``: the final answers the reward read (``RewardScores.answers``), or
+    ``None`` when it reads none."""
 
     scores: list[float | None]
     failures: list[ItemFailure]
     parts: dict[str, list[float]] = attrs.field(factory=dict)
+    answers: list[str | None] | None = None
 
     @property
     def kept(self) -> list[int]:
@@ -188,10 +190,13 @@ class RewardRunner:
         scores: list[float | None] = [None] * len(items)
         failures: list[ItemFailure] = []
         parts: dict[str, list[float | None]] = {}
+        answers: list[str | None] = [None] * len(items)
+        gave_answers = False
         for call in calls:
-            self._collect(call, scores, failures, parts, len(items))
+            gave_answers |= self._collect(call, scores, failures, parts, answers)
         result = self._apply_policy(items, scores, failures, step)
         result.parts = parts
+        result.answers = answers if gave_answers else None
         return result
 
     def _bind(self, chunk: Sequence[RewardInput]) -> Callable[[], Any]:
@@ -231,19 +236,21 @@ class RewardRunner:
         scores: list[float | None],
         failures: list[ItemFailure],
         parts: dict[str, list[float]],
-        n_items: int,
-    ) -> None:
+        answers: list[str | None],
+    ) -> bool:
+        """Record ``call``'s scores, failures, parts and answers; whether it gave answers."""
         if call.abandoned:
             error = f"no result after {self.config.timeout_s:g} s (reward_runner.timeout_s)"
             failures.extend(ItemFailure(i, TIMEOUT, error) for i in call.indices)
-            return
+            return False
         exc = call.future.exception()
         if exc is not None:
             error = f"{type(exc).__name__}: {exc}"
             failures.extend(ItemFailure(i, EXCEPTION, error) for i in call.indices)
-            return
+            return False
         result = call.future.result()
         named = result.parts if isinstance(result, RewardScores) else {}
+        given = result.answers if isinstance(result, RewardScores) else None
         if isinstance(result, RewardScores):
             result = result.scores
         try:
@@ -271,9 +278,19 @@ class RewardRunner:
             else:
                 scores[i] = score
         for name, part in named.items():
-            column = parts.setdefault(name, [None] * n_items)
+            column = parts.setdefault(name, [None] * len(answers))
             for i, value in zip(call.indices, part):
                 column[i] = _part_value(value)
+        if given is None:
+            return False
+        if len(given) != len(call.indices) or any(a is not None and not isinstance(a, str) for a in given):
+            raise RewardError(
+                f"{self.words} returned answers {list(given)!r:.120} for {len(call.indices)} items; "
+                "RewardScores.answers holds one str (or None) per item, in order"
+            )
+        for i, answer in zip(call.indices, given):
+            answers[i] = answer
+        return True
 
     def _apply_policy(
         self, items: Sequence[RewardInput], scores: list[float | None], failures: list[ItemFailure], step: int

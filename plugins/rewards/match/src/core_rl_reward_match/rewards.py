@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 from core_rl.config.validators import FieldValueError
 from core_rl.errors import DataError
-from core_rl.interfaces import Reward
+from core_rl.interfaces import Reward, RewardScores
 from core_rl.protocol import RewardInput
 
 
@@ -104,15 +104,24 @@ class MatchReward(Reward):
     def compare(self, response: str, answer: str) -> float:
         """Score two normalised strings."""
 
-    def score(self, items: Sequence[RewardInput]) -> list[float]:
-        scores = []
+    def score_with_parts(self, items: Sequence[RewardInput]) -> RewardScores:
+        """The scores, and as ``answers`` each normalised response (``None`` for one that
+        ``require_stop`` scores 0): the whole response is the answer, for majority voting."""
+        scores: list[float] = []
+        answers: list[str | None] = []
         for item in items:
             answer = self.normalise_answer(self.answer_of(item.row))
             if self.config.require_stop and item.finish_reason != "stop":
                 scores.append(0.0)
+                answers.append(None)
             else:
-                scores.append(float(self.compare(self.normalise_response(item.response_text), answer)))
-        return scores
+                response = self.normalise_response(item.response_text)
+                scores.append(float(self.compare(response, answer)))
+                answers.append(response)
+        return RewardScores(scores=scores, answers=answers)
+
+    def score(self, items: Sequence[RewardInput]) -> list[float]:
+        return self.score_with_parts(items).scores
 
 
 class ExactMatchReward(MatchReward):

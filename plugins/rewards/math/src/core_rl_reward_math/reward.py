@@ -85,7 +85,8 @@ class MathReward(Reward):
             except (FutureTimeout, ProcessExpired):  # past timeout_s (killed), or the worker died
                 timeouts[i] = 1.0
         found = [0.0 if a is None else 1.0 for a in answers]
-        return RewardScores(scores=scores, parts={"answer_found": found, "timeout": timeouts})
+        voted = [None if a is None else a[1] for a in answers]
+        return RewardScores(scores=scores, parts={"answer_found": found, "timeout": timeouts}, answers=voted)
 
     def score(self, items: Sequence[RewardInput]) -> list[float]:
         return self.score_with_parts(items).scores
