@@ -278,7 +278,8 @@ def test_a_real_run_stops_drawing_the_solved_prompt_and_resumes_exactly(tmp_path
     solves: step 1 draws both (nothing measured yet), later steps draw only the other, skipping the
     solved one each time (the metrics count it); a run of 2 steps with a checkpoint each step,
     extended to 3 by a resume, draws and logs exactly what the uninterrupted 3-step run did (a
-    resume that lost the records would draw the solved prompt at step 3)."""
+    resume that lost the records would draw the solved prompt at step 3). With the other prompt
+    hard too, the second step finds nothing to draw and the run stops with the filter's error."""
     for dist in ("core_rl_fsdp", "core_rl_hf"):
         pytest.importorskip(dist)
     import reward_functions
@@ -320,3 +321,10 @@ def test_a_real_run_stops_drawing_the_solved_prompt_and_resumes_exactly(tmp_path
     train_here(part, host)
     train_here(merged(part, trainer={"total_steps": 3, "torch_threads": 1}, recover={"mode": "auto"}), host)
     assert _steps(tmp_path / "runs" / "part") == (drawn, metrics)
+
+    # "ba" (always 0) is hard as well: step 2 has nothing left to draw, and the run says so
+    dry = config("dry", 3)
+    dry["data"]["difficulty_filter"]["hard_threshold"] = 0.0
+    with pytest.raises(DifficultyFilterError, match=r"skipped every prompt of epoch 1 \(2 in a row\)"):
+        train_here(dry, host)
+    assert sorted(_steps(tmp_path / "runs" / "dry")[0]) == [1]

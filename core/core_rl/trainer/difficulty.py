@@ -63,7 +63,7 @@ def keeps_anyway(seed: int, epoch: int, position: int, keep_probability: float) 
     return random.Random(f"core-rl-difficulty:{seed}:{epoch}:{position}").random() < keep_probability
 
 
-def group_means(prompts: Sequence[int], groups: Sequence[int], rewards: Sequence[float]) -> dict[int, float]:
+def group_means(prompts: Sequence[int], groups: Sequence[int], rewards: Sequence[float | None]) -> dict[int, float]:
     """Prompt index -> the mean of its group's finite rewards, from one value per sample: the
     sample's prompt index, its group and its reward. A prompt with several groups takes the last
     group (the latest drawn); a group without a finite reward gives nothing."""

@@ -70,7 +70,7 @@ class RolloutScoring:
         if self.data.difficulty is not None:  # data.difficulty_filter's records: trainer/difficulty.py
             scores = [result.scores[i] for i in kept]
             self.data.difficulty.observe(
-                group_means([owners[i].index for i in kept], [group_index[i] for i in kept], scores)  # type: ignore[arg-type]
+                group_means([owners[i].index for i in kept], [group_index[i] for i in kept], scores)
             )
         metrics = {
             "timing/generate_s": t_gen - t0,
