@@ -42,3 +42,9 @@ def thread_name(response: str) -> float:
     """Records the thread it runs in."""
     THREADS.add(threading.current_thread().name)
     return 1.0
+
+
+def solves_ab(response: str, row: dict) -> float:
+    """1 for every answer to the prompt whose answer is ``ab``, 0 for every other: one prompt always
+    solved, whatever the policy says (``data.difficulty_filter``'s run test)."""
+    return 1.0 if row["answer"] == "ab" else 0.0

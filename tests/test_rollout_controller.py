@@ -188,6 +188,40 @@ def test_a_failing_workflow_is_reported(engine) -> None:
         controller.close()
 
 
+class RunsDry(CountingData):
+    """Two waves (each reporting its draw), then a draw that raises, as ``data.difficulty_filter``
+    does with nothing left to draw."""
+
+    def next_batch(self) -> list[Prompt]:
+        if self.position >= 2 * self.batch_size:
+            raise CoreRLError("data.difficulty_filter: nothing left to draw")
+        return super().next_batch()
+
+    def draw_metrics(self) -> dict[str, float]:
+        return {"data/skipped_easy": float(self.position)}
+
+
+@pytest.mark.parametrize("bound", [0, 2])
+def test_a_failing_draw_fails_the_take_that_needs_it(engine, bound) -> None:
+    """Synchronous (the draw within the trainer's take) and asynchronous (drawn ahead, from a
+    trajectory's completion): the waves drawn are taken with their draw metrics, and then the
+    draw's error is raised to the trainer, not lost on the controller's thread (a hang)."""
+    engine._weight_version = 0
+    cfg = ControllerConfig(max_head_offpolicyness=bound, wait_timeout_s=20)
+    sampling = SamplingParams(n=1, max_new_tokens=2)
+    controller = RolloutController(engine, SingleTurnWorkflow(), RunsDry(2), sampling, cfg, batch_size=2)
+    weights = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    controller.start()
+    try:
+        for step in (1, 2):  # the waves drawn arrive with what their draw said
+            assert controller.take(new_step=True).draw_metrics == {"data/skipped_easy": 2.0 * step}
+            controller.update_weights(lambda v=step: engine.update_weights(weights, v), step)
+        with pytest.raises(CoreRLError, match="nothing left to draw"):
+            controller.take(new_step=True)
+    finally:
+        controller.close()
+
+
 class Never(RolloutWorkflow):
     async def run(self, prompt, ctx):
         import asyncio

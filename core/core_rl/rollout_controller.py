@@ -89,6 +89,7 @@ class _Wave:
     data_state: dict[str, Any]  # the data position before this wave was drawn
     groups: list[list[Sample] | None]
     start_versions: list[int] = attrs.field(factory=list)
+    draw_metrics: dict[str, float] = attrs.field(factory=dict)  # what the data said of drawing it
     started: int = 0
     finished: int = 0
     pending: list[_Pending] = attrs.field(factory=list)
@@ -100,14 +101,15 @@ class _Wave:
 
 @attrs.define
 class Wave:
-    """A finished generation batch as the trainer receives it: ``prompts`` (in data order), the
-    group of samples of each, the engine version each trajectory started under, and metrics."""
+    """A finished generation batch as the trainer receives it: ``prompts`` (in data order), the group of
+    samples of each, the engine version each trajectory started under, metrics, and the data's ``draw_metrics()``."""
 
     index: int
     prompts: list[Any]
     groups: list[list[Sample]]
     start_versions: list[int]
     metrics: dict[str, float]
+    draw_metrics: dict[str, float] = attrs.field(factory=dict)
 
 
 def staleness_metrics(oldest: Sequence[int], newest: Sequence[int], trained_version: int) -> dict[str, float]:
@@ -137,8 +139,8 @@ class RolloutController:
 
     :param engine: the rollout engine (any :class:`RolloutEngine`).
     :param workflow: turns a prompt into a group of trajectories.
-    :param data: the prompt source (``next_batch()``, ``state_dict()``, ``load_state_dict()``); an empty
-        batch ends it (nothing more is drawn).
+    :param data: the prompt source (``next_batch()``, ``state_dict()``, ``load_state_dict()``, optionally
+        ``draw_metrics()``); an empty batch ends it, an error drawing fails the run after the waves drawn.
     :param sampling: the run's sampling settings, handed to the workflow.
     :param batch_size: prompts per wave (``data.batch_size``).
     :param generate_threads: torch intra-op threads of the thread that runs ``batching: wave``
@@ -181,6 +183,7 @@ class RolloutController:
         self._held = 0  # finished trajectories not yet taken
         self._updating = False
         self._error: BaseException | None = None
+        self._draw_error: Exception | None = None  # the data's next_batch() failed: no wave after those drawn
         self._closed = False
         self._admitting = False  # between start() and close()
         self._tasks: set[asyncio.Task] = set()
@@ -327,13 +330,12 @@ class RolloutController:
         self._extra = self._requested - self._steps
         self._pump()
         async with self._changed:
-            await self._changed.wait_for(lambda: self._error is not None or (bool(self._waves) and self._waves[0].done))
-        if isinstance(self._error, PluginFault):  # it names the engine or workflow already
-            raise self._error
-        if self._error is not None:
-            if isinstance(self._error, CoreRLError):  # says what failed already (a server, naming it)
-                raise self._error
-            raise RolloutFailed(f"rollout failed: {type(self._error).__name__}: {self._error}") from self._error
+            await self._changed.wait_for(lambda: self._error is not None or self._ready_or_dry())
+        error = self._error if self._error is not None or self._waves else self._draw_error
+        if isinstance(error, CoreRLError):  # says what failed already (a PluginFault the engine or workflow, a server)
+            raise error
+        if error is not None:
+            raise RolloutFailed(f"rollout failed: {type(error).__name__}: {error}") from error
         wave = self._waves.popleft()
         self._held -= len(wave.prompts)
         now = time.perf_counter()
@@ -350,7 +352,10 @@ class RolloutController:
             "async/engine_version": float(self._version),
         }
         groups = [g for g in wave.groups if g is not None]
-        return Wave(wave.index, wave.prompts, groups, list(wave.start_versions), metrics)
+        return Wave(wave.index, wave.prompts, groups, list(wave.start_versions), metrics, dict(wave.draw_metrics))
+
+    def _ready_or_dry(self) -> bool:  # the first wave finished, or none left and the draw after them failed
+        return self._waves[0].done if self._waves else self._draw_error is not None
 
     def _allowed(self, w: int) -> bool:
         return w <= self._version + self.bound + self._extra and w <= self._requested - 1 + self.bound
@@ -360,13 +365,18 @@ class RolloutController:
         while self._admitting and not self._updating and self._error is None:
             wave = next((w for w in self._waves if w.started < len(w.prompts)), None)
             if wave is None:
-                if not self._allowed(self._next_wave):
+                if self._draw_error is not None or not self._allowed(self._next_wave):
                     return
                 state = dict(self.data.state_dict())
-                prompts = list(self.data.next_batch())
+                try:
+                    prompts = list(self.data.next_batch())
+                except Exception as exc:  # e.g. data.difficulty_filter finding nothing left: after the waves drawn
+                    self._draw_error = exc
+                    return
                 if not prompts:  # a finite source (an evaluation's prompts) has ended
                     return
-                wave = _Wave(self._next_wave, prompts, state, [None] * len(prompts))
+                drawn = getattr(self.data, "draw_metrics", dict)()
+                wave = _Wave(self._next_wave, prompts, state, [None] * len(prompts), draw_metrics=drawn)
                 self._waves.append(wave)
                 self._next_wave += 1
             if not self._allowed(wave.index) or self._inflight >= self.max_inflight:

@@ -11,6 +11,7 @@ from core_rl.config.validators import (
     MAX_COUNT,
     MAX_TOKENS,
     FieldValueError,
+    finite,
     in_range,
     not_empty,
     one_of,
@@ -29,6 +30,41 @@ class TrainFile:
 
     path: str = attrs.field(validator=not_empty())
     weight: float = attrs.field(default=1.0, validator=positive(1e12))
+
+
+@attrs.define
+class DifficultyFilterConfig:
+    """``data.difficulty_filter``: skip training prompts the policy already always solves (or
+    never does) instead of generating for them again (Polaris / Skywork-OR1's online filtering;
+    :mod:`core_rl.trainer.difficulty`).
+
+    After each generation batch is scored, every prompt's *record* becomes the mean of its group's
+    rule rewards (the ``reward:`` function's scores, before ``algorithm.reward_shaping`` and
+    advantage normalisation; samples the reward runner dropped left out). A prompt whose record is
+    ``>= easy_threshold`` is *easy*, ``<= hard_threshold`` *hard* (null: that side never).
+    Drawn again later, an easy or hard prompt is kept with probability ``keep_probability``
+    (default 0: always skipped; the draw is seeded by the experiment seed, the epoch and the
+    position in the epoch's order, so a resume repeats it), else skipped and the next prompt of
+    the epoch's order drawn instead: a batch keeps ``batch_size`` prompts. At least one threshold;
+    ``hard_threshold < easy_threshold`` when both are set."""
+
+    easy_threshold: float | None = attrs.field(default=None, validator=finite())
+    hard_threshold: float | None = attrs.field(default=None, validator=finite())
+    keep_probability: float = attrs.field(default=0.0, validator=in_range(0, 1))
+
+    def __attrs_post_init__(self) -> None:
+        if self.easy_threshold is None and self.hard_threshold is None:
+            raise FieldValueError(
+                "easy_threshold",
+                None,
+                "must be set, or hard_threshold: a prompt whose mean reward is >= easy_threshold (or <= "
+                "hard_threshold) is skipped; remove data.difficulty_filter to draw every prompt",
+            )
+        if self.easy_threshold is not None and self.hard_threshold is not None:
+            if self.hard_threshold >= self.easy_threshold:
+                raise FieldValueError(
+                    "hard_threshold", self.hard_threshold, f"must be below easy_threshold ({self.easy_threshold})"
+                )
 
 
 def _train_entries(_inst: Any, _attribute: attrs.Attribute[Any], files: list[str | TrainFile]) -> None:
@@ -84,7 +120,10 @@ class DataConfig:
     response is cut at the end (a cut response gets no EOS, and the loss reads exactly the kept
     tokens), the prompt never (a row whose prompt leaves no room for a response token is an error).
     A ``conversations`` row of the ``sft`` loop is cut at the end like one sequence: the assistant
-    tokens kept stay trained, the rest is gone (:mod:`core_rl.trainer.length_bound`)."""
+    tokens kept stay trained, the rest is gone (:mod:`core_rl.trainer.length_bound`).
+
+    ``difficulty_filter`` (default null: every prompt drawn): skip prompts whose last group-mean
+    reward says they are already solved, or hopeless (:class:`DifficultyFilterConfig`); RL loops only."""
 
     train_files: list[str | TrainFile] = attrs.field(factory=list, validator=_train_entries)
     prompt_key: str = attrs.field(default="prompt", validator=not_empty())
@@ -103,6 +142,8 @@ class DataConfig:
     def truncation_mode(self) -> str:
         """``truncation``, or ``error`` where it is unset."""
         return self.truncation or TRUNCATION_MODES[0]
+
+    difficulty_filter: DifficultyFilterConfig | None = None
 
     @property
     def train_paths(self) -> list[str]:

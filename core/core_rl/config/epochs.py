@@ -15,7 +15,10 @@ times; the rounding up lets the last step finish its batch with up to ``B - 1`` 
 The supervised loops (``sft``, ``dpo``, ``kto``, ``rm``) read ``data.batch_size`` rows per step
 from the same stream, so the same count holds for them. With dynamic sampling
 (``algorithm.max_num_gen_batches > 1``) a step may draw more than one batch; the count stays that
-of trained batches, so such a run draws more than ``E`` passes.
+of trained batches, so such a run draws more than ``E`` passes. So with ``data.difficulty_filter``
+(:mod:`core_rl.trainer.difficulty`): a prompt it skips counts as drawn in its pass (the data
+position moves past it) while the step still trains ``B`` others, so the same ``ceil(E x P / B)``
+steps reach further into the epoch order than ``E`` passes.
 
 Setting ``trainer.total_steps`` (to anything but ``0``, the value that keeps it derived) together
 with ``trainer.total_epochs`` is a configuration error naming both: one of them says how long the

@@ -104,6 +104,7 @@ def completeness_problems(cfg: RunConfig, host: PluginHost | None = None) -> lis
         )
     problems.extend(replay_config_problems(cfg, rl_loop=uses_rl_sections(cfg, host)))
     problems.extend(max_length_problems(cfg, host))
+    problems.extend(difficulty_filter_problems(cfg, rl_loop=uses_rl_sections(cfg, host)))
     if not cfg.data.train_files:
         problems.append(
             "data.train_files: required; a list of JSON/JSONL/Parquet files, saved datasets or hf: datasets of prompts"
@@ -400,3 +401,27 @@ def replay_config_problems(cfg: RunConfig, *, rl_loop: bool) -> list[str]:
             "section (or train on fresh rollouts without rollout.replay_from)"
         )
     return problems
+
+
+def difficulty_filter_problems(cfg: RunConfig, *, rl_loop: bool) -> list[str]:
+    """A ``data.difficulty_filter`` that would do nothing: a loop that scores no rollouts (the
+    supervised ones), a replay run (its batches are the saved ones), or no rule reward to measure
+    prompts by (:mod:`core_rl.trainer.difficulty`)."""
+    if cfg.data.difficulty_filter is None:
+        return []
+    key = "data.difficulty_filter"
+    if not rl_loop:
+        return [
+            f"{key}: the {cfg.trainer.loop.name!r} loop scores no rollouts, so no prompt is ever measured (the filter "
+            "is for the rl loop); remove it"
+        ]
+    if cfg.rollout.replay_from is not None:
+        return [
+            f"{key}: a replay run (rollout.replay_from) trains on the saved batches and draws no prompts; remove it"
+        ]
+    if cfg.reward is None:
+        return [
+            f"{key}: prompts are measured by the rule reward (the reward: section) and this run has none (a "
+            "reward_model: role's scores are not used); add a reward: section, or remove the filter"
+        ]
+    return []

@@ -18,6 +18,7 @@ from core_rl.chat_template import conversation_problem, prompt_messages, render_
 from core_rl.config.schema import DataConfig, RunConfig
 from core_rl.errors import DataError
 from core_rl.trainer.data_files import MAX_PROBLEMS_PER_FILE, DataRow, Problems, kind_of, read_data_files
+from core_rl.trainer.difficulty import EASY, HARD, DifficultyRecords
 from core_rl.trainer.mixture import mixture_order
 
 
@@ -32,6 +33,9 @@ class PromptItem:
     where: str = ""
     #: the index of the ``data.train_files`` entry (or eval file) the row came from
     entry: int = 0
+    #: the item's index in :attr:`PromptSource.items` (set there; -1 for items of no source), naming
+    #: the prompt in ``data.difficulty_filter``'s records (:mod:`core_rl.trainer.difficulty`)
+    index: int = -1
 
 
 #: which of the tokenised items a :class:`PromptSource` draws, and the problems (see there)
@@ -308,6 +312,10 @@ class PromptSource:
 
     ``state_dict()`` / ``load_state_dict()`` capture the position so a resumed run sees the same
     prompts it would have seen without interruption.
+
+    With ``data.difficulty_filter`` (:attr:`difficulty`, :mod:`core_rl.trainer.difficulty`) a drawn
+    prompt whose record is easy or hard may be skipped, the next of the epoch's order drawn in its
+    place; its records are state of their own (not in ``state_dict()``, which stays the position).
     """
 
     def __init__(
@@ -336,9 +344,17 @@ class PromptSource:
         self.sources = self._sources(problems)
         if problems:
             raise DataError(problems)
+        for i, item in enumerate(self.items):
+            item.index = i
         self.epoch = 0
         self.position = 0
         self._order = self._permutation(0)
+        filter_config = config.difficulty_filter
+        #: ``data.difficulty_filter``'s records (``None``: every prompt is drawn)
+        self.difficulty = (
+            DifficultyRecords(filter_config, seed=seed, prompts=len(self.items)) if filter_config is not None else None
+        )
+        self._skipped = {EASY: 0, HARD: 0}  # by the last next_batch()
 
     def _sources(self, problems: list[str]) -> list[list[int]]:
         """With weighted ``data.train_files``: each entry's item indices (:func:`mixture_sources`);
@@ -361,16 +377,39 @@ class PromptSource:
         return order
 
     def next_batch(self) -> list[PromptItem]:
-        """The next ``data.batch_size`` prompts; an epoch boundary continues into the next epoch."""
+        """The next ``data.batch_size`` prompts; an epoch boundary continues into the next epoch.
+        With ``data.difficulty_filter``, prompts it skips are passed over (counted by
+        :meth:`draw_metrics`); an epoch whose every draw it skipped raises
+        :class:`~core_rl.trainer.difficulty.DifficultyFilterError`."""
         out: list[PromptItem] = []
+        skipped = {EASY: 0, HARD: 0}
+        in_a_row = 0
         while len(out) < self.config.batch_size:
             if self.position >= len(self._order):
+                if in_a_row >= len(self._order):  # this epoch's every draw skipped
+                    assert self.difficulty is not None
+                    raise self.difficulty.nothing_left(in_a_row, self.epoch)
                 self.epoch += 1
                 self.position = 0
                 self._order = self._permutation(self.epoch)
-            out.append(self.items[self._order[self.position]])
+            index = self._order[self.position]
+            why = None if self.difficulty is None else self.difficulty.skip_reason(index, self.epoch, self.position)
             self.position += 1
+            if why is None:
+                out.append(self.items[index])
+                in_a_row = 0
+                continue
+            skipped[why] += 1
+            in_a_row += 1
+        self._skipped = skipped
         return out
+
+    def draw_metrics(self) -> dict[str, float]:
+        """With ``data.difficulty_filter``: ``data/skipped_easy`` and ``data/skipped_hard``, the
+        prompts the last :meth:`next_batch` skipped (none without)."""
+        if self.difficulty is None:
+            return {}
+        return {"data/skipped_easy": float(self._skipped[EASY]), "data/skipped_hard": float(self._skipped[HARD])}
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}

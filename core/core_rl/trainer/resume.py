@@ -93,6 +93,8 @@ class Checkpointing:
             "reward_errors": self.reward_log.state_dict(),
             "advantage": self.advantage.state_dict() if self.advantage is not None else {},
             "loss": self.loss.state_dict() if getattr(self, "loss", None) is not None else {},
+            # data.difficulty_filter's records (trainer/difficulty.py), apart from the data position
+            "difficulty": self.data.difficulty.state_dict() if self.data.difficulty is not None else {},
         }
 
     def save_checkpoint(self, step: int, metrics: Mapping[str, Any] | None = None) -> Path:
@@ -191,6 +193,8 @@ class Checkpointing:
         self.start_step = self.completed_step = self.resume_step = step
         self.last_saved = step
         self.data.load_state_dict(extra["data"])
+        if self.data.difficulty is not None and (note := self.data.difficulty.load_state_dict(extra.get("difficulty"))):
+            warn(note)
         if self.flow is not None:
             self.flow.load_state_dict(extra.get("controller", {}), step)
         if self.rollout is not None:

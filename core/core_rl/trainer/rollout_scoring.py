@@ -14,7 +14,8 @@ from core_rl.interfaces import Logger
 from core_rl.protocol import RewardInput, Sample, TensorBatch
 from core_rl.trainer.batching import BatchAssembler, Generation
 from core_rl.trainer.colocation import RolloutSleep
-from core_rl.trainer.data import PromptItem
+from core_rl.trainer.data import PromptItem, PromptSource
+from core_rl.trainer.difficulty import group_means
 from core_rl.trainer.rewards import RewardErrorLog, RewardRunner, ScoreResult
 from core_rl.trainer.rollout_dump import RolloutDump
 from core_rl.trainer.rollout_flow import RolloutFlow, flatten_groups
@@ -27,6 +28,7 @@ class RolloutScoring:
     run on rank 0."""
 
     cfg: RunConfig
+    data: PromptSource
     flow: RolloutFlow | None
     dump: RolloutDump | None
     replay: RolloutReplay | None
@@ -39,12 +41,13 @@ class RolloutScoring:
     tokenizer: Any
     _scored_this_step: list[tuple[list[RewardInput], ScoreResult]]
 
-    def _rollout(self) -> tuple[list[Sample], list[int], list[PromptItem]]:
+    def _rollout(self) -> tuple[list[Sample], list[int], list[PromptItem], dict[str, float]]:
         """The next generation batch from the rollout controller (the first of a step or, under
-        dynamic sampling, a further one), flattened: samples, their group, their prompt."""
+        dynamic sampling, a further one), flattened: samples, their group, their prompt; and what
+        the data said of drawing it (:attr:`core_rl.rollout_controller.Wave.draw_metrics`)."""
         assert self.flow is not None
         wave = self.flow.take(new_step=not self._scored_this_step)
-        return flatten_groups(wave.prompts, wave.groups)
+        return (*flatten_groups(wave.prompts, wave.groups), wave.draw_metrics)
 
     def _score(
         self, samples: list[Sample], owners: list[PromptItem], step: int
@@ -58,12 +61,17 @@ class RolloutScoring:
         """One generation batch: the next prompts, their samples and rewards (items the reward
         runner dropped are left out), with timings and reward-error counts."""
         t0 = time.perf_counter()
-        samples, group_index, owners = self._rollout()
+        samples, group_index, owners, draw_metrics = self._rollout()
         t_gen = time.perf_counter()
         inputs, result, error_metrics = self._score(samples, owners, step)
         self._scored_this_step.append((inputs, result))
         t_reward = time.perf_counter()
         kept = result.kept
+        if self.data.difficulty is not None:  # data.difficulty_filter's records: trainer/difficulty.py
+            scores = [result.scores[i] for i in kept]
+            self.data.difficulty.observe(
+                group_means([owners[i].index for i in kept], [group_index[i] for i in kept], scores)
+            )
         metrics = {
             "timing/generate_s": t_gen - t0,
             "timing/reward_s": t_reward - t_gen,
@@ -71,6 +79,7 @@ class RolloutScoring:
             "reward/errors": error_metrics["reward/errors"],
             "reward/dropped": error_metrics["reward/dropped"],
             **{k: v for k, v in error_metrics.items() if k.startswith("reward/errors_") and k != "reward/errors_total"},
+            **draw_metrics,  # summed over the step's generation batches
         }
         return Generation(
             samples=[samples[i] for i in kept],
@@ -120,6 +129,8 @@ class RolloutScoring:
         metrics["reward/errors_total"] = float(self.reward_log.total)
         if self.flow is not None:
             metrics.update(self.flow.batch_metrics(batch, step))
+        if self.data.difficulty is not None:
+            metrics.update(self.data.difficulty.metrics())
         if self.reward_stage is None or batch is None:  # else once the reward model has scored (step)
             self._log_samples(step)
         return batch, metrics
