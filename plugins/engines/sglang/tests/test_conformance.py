@@ -23,3 +23,8 @@ class TestSGLangRolloutEngine(ServerRolloutEngineContract):
     native_stops_with_min_new_tokens = False
     native_stops_in_special_token_text = False
     long_tokens = 60  # SGLang's torch-native attention on CPU is slow on long sequences
+    # SGLang's penalizers: frequency and presence, then repetition on the response's tokens only;
+    # its log-probs are log_softmax of the penalised logits (core_rl_sglang.engine)
+    repetition_penalty_covers_prompt = False
+    penalties_additive_first = True
+    penalty_logprobs_penalised = True
