@@ -61,12 +61,14 @@ def _repeated(z: float, seen: bool, penalty: float) -> float:
     return z / penalty if z > 0 else z * penalty
 
 
-#: the greedy cases: each penalty alone, and all three (where the order shows)
+#: the greedy cases: each penalty alone, and all three, where the order shows (a negative
+#: presence penalty brings repeated tokens back among the likeliest, where the repetition
+#: penalty's sign rule acts differently on ``z - 0.8`` than on ``z``)
 GREEDY_CASES = {
     "repetition": {"repetition_penalty": 1.6},
     "frequency": {"frequency_penalty": 0.3},
     "presence": {"presence_penalty": 0.3},
-    "all": {"repetition_penalty": 1.3, "frequency_penalty": 0.2, "presence_penalty": -0.1},
+    "all": {"repetition_penalty": 2.0, "frequency_penalty": 0.2, "presence_penalty": -0.8},
 }
 
 
@@ -83,15 +85,19 @@ class PenaltyEngineTests:
     #: the reported log-probs are ``log_softmax(penalised logits / T)`` (vLLM, SGLang), not
     #: ``log_softmax(logits / T)``
     penalty_logprobs_penalised: ClassVar[bool] = False
+    #: greedy cases (:data:`GREEDY_CASES`) the engine is known to depart from, with why: skipped
+    #: with that reason
+    penalty_cases_unmatched: ClassVar[dict[str, str]] = {}
 
-    def _reference(self, model_path: Path, prompt: list[int], response: list[int], sampling: SamplingParams):
+    def _reference(
+        self, model_path: Path, prompt: list[int], response: list[int], sampling: SamplingParams, flip: bool = False
+    ):
         """``(logits, penalised logits)`` [R, V] of each response token's step (float32, a plain
-        transformers forward at temperature 1)."""
+        transformers forward at temperature 1); ``flip``: penalised in the other order."""
         ids = torch.tensor([prompt + response])
         logits = hf_next_token_logits(model_path, ids, torch.ones_like(ids))[0, len(prompt) - 1 : -1]
-        options = dict(
-            prompt_counts=self.repetition_penalty_covers_prompt, additive_first=self.penalties_additive_first
-        )
+        additive_first = self.penalties_additive_first != flip
+        options = dict(prompt_counts=self.repetition_penalty_covers_prompt, additive_first=additive_first)
         return logits, penalised(logits, prompt, response, sampling, **options)
 
     @pytest.mark.parametrize("penalty", ["repetition_penalty", "frequency_penalty", "presence_penalty"])
@@ -119,10 +125,13 @@ class PenaltyEngineTests:
     def test_penalised_greedy_follows_the_reference(self, engine: RolloutEngine, model_path: Path, case: str) -> None:
         """Every greedy token is the argmax of the reference's penalised logits (to ``2 *
         logprob_atol``: a near tie may go either way in an engine's arithmetic), at some step not
-        that of the unpenalised ones; each log-prob is ``log_softmax`` of the penalised logits or
-        of the model's own, as the contract class says."""
+        that of the unpenalised ones (with all three: nor that of the other order); each log-prob
+        is ``log_softmax`` of the penalised logits or of the model's own, as the contract class
+        says."""
+        if case in self.penalty_cases_unmatched:
+            pytest.skip(self.penalty_cases_unmatched[case])
         sampling = SamplingParams(n=1, max_new_tokens=8, greedy=True, **GREEDY_CASES[case])
-        tol, changed = 2 * self.logprob_atol, 0
+        tol, changed, order_shown = 2 * self.logprob_atol, 0, case != "all"
         for prompt, (sample,) in zip(self.prompts, engine.generate(self.prompts, sampling)):
             response = sample.response_ids
             logits, pen = self._reference(model_path, prompt, response, sampling)
@@ -130,10 +139,15 @@ class PenaltyEngineTests:
             assert (chosen >= pen.amax(-1) - tol).all(), (case, response, (pen.amax(-1) - chosen).tolist())
             plain_best = logits.argmax(-1, keepdim=True)
             changed += int((pen.gather(-1, plain_best).squeeze(-1) < pen.amax(-1) - tol).sum())
+            if not order_shown:
+                other = self._reference(model_path, prompt, response, sampling, flip=True)[1]
+                picked = other.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+                order_shown = bool((picked < other.amax(-1) - tol).any())
             want = torch.log_softmax(pen if self.penalty_logprobs_penalised else logits, -1)
             want = want.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
             torch.testing.assert_close(torch.tensor(sample.logprobs), want, atol=self.logprob_atol, rtol=0)
         assert changed > 0, f"{case}: the penalty never changed greedy's choice here: nothing tested"
+        assert order_shown, "greedy in the other order would have chosen the same tokens: the order is not tested"
 
     def test_penalised_sampling_logprobs(self, engine: RolloutEngine, model_path: Path) -> None:
         """Sampling at temperature 0.6 with frequency and presence penalties: the log-probs are

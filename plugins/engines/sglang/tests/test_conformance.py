@@ -28,3 +28,11 @@ class TestSGLangRolloutEngine(ServerRolloutEngineContract):
     repetition_penalty_covers_prompt = False
     penalties_additive_first = True
     penalty_logprobs_penalised = True
+    # the repetition penalty combined with frequency and presence: SGLang 0.5.23 on CPU matched
+    # the reference (in its order) exactly in some server runs, in others its top log-probs
+    # showed the repetition penalty left out for a repeated token at some steps (0.1 to 1.0 off;
+    # cause not found: its compiled in-place scaling after the in-place additive penalties is a
+    # suspect). Each penalty alone matches in every run.
+    penalty_cases_unmatched: ClassVar[dict[str, str]] = {
+        "all": "SGLang applies the repetition penalty inconsistently when frequency/presence are also set"
+    }

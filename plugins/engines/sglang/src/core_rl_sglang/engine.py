@@ -9,7 +9,9 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
   ``stop`` strings where SGLang's rule for them agrees with the core's) and ``return_logprob``.
   ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty`` (greedy too; SGLang applies
   the repetition penalty to the response's tokens only, not the prompt's, and after the other
-  two, where vLLM and the hf engine cover the prompt and apply it first).
+  two, where vLLM and the hf engine cover the prompt and apply it first; on a CPU, SGLang 0.5.23
+  left the repetition penalty out at some steps in some server runs when frequency or presence
+  penalties were set as well: the rollout contract skips that case, naming it).
   SGLang's log-prob of a sampled token is ``log_softmax(logits / temperature)`` before
   top-k/top-p/min-p filtering: the train engine's convention (with penalties set, of the
   penalised logits, where the hf engine reports the model's own).
