@@ -15,7 +15,8 @@ With penalties (:func:`core_rl_hf.sampling.penalties_set`) it also keeps, per ro
 [rows, V]: the token is in the prompt or the response so far) and ``counts`` (float [rows, V]: the
 times the token is in the response so far), which :func:`core_rl_hf.sampling.apply_penalties`
 reads before each choice: :meth:`DecodeState.load_context` fills them from the prompts, each
-choice adds its token (in every row: a finished row's are never read).
+choice adds its token (in every row: a finished row's are never read). They cost
+``rows x V x 5`` bytes, and each step a few ``rows x V`` float32 temporaries, only with penalties.
 
 Rows start with ``length = steps`` (``"length"`` if they never stop). :meth:`DecodeState.abort`
 sets the length of running rows to the tokens they have. :meth:`DecodeState.keep` drops rows
