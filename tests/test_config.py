@@ -85,7 +85,7 @@ def test_unknown_keys_name_path_and_suggest(tmp_path, host, minimal_config):
 def test_type_and_range_errors_name_path_and_value(tmp_path, host, minimal_config):
     minimal_config["actor"]["optimizer"] = {"lr": -1.0}
     minimal_config["actor"]["grad_clip"] = "big"
-    minimal_config["rollout"]["sampling"] = {"top_p": 1.5, "min_p": -0.1}
+    minimal_config["rollout"]["sampling"] = {"top_p": 1.5, "min_p": -0.1, "presence_penalty": 2.5}
     minimal_config["reward"]["scale"] = 0
     minimal_config["trainer"] = {"resume": "yes"}
     problems = _problems(tmp_path, minimal_config, host=host)
@@ -93,6 +93,7 @@ def test_type_and_range_errors_name_path_and_value(tmp_path, host, minimal_confi
     assert "actor.grad_clip: expected a number, got 'big'" in problems
     assert "rollout.sampling.top_p: must be in (0.0, 1.0], got 1.5" in problems
     assert "rollout.sampling.min_p: must be in [0.0, 1.0), got -0.1" in problems
+    assert "rollout.sampling.presence_penalty: must be in [-2.0, 2.0], got 2.5" in problems
     assert "reward.scale: must be > 0, got 0.0" in problems
     assert "trainer.resume: expected true or false, got 'yes'" in problems
 

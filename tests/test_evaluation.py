@@ -183,6 +183,10 @@ def test_evaluation_mistakes_are_refused_with_their_key(setup) -> None:
         ),
         (files, "eval.sampling.top_p=0"): "eval.sampling.top_p: must be in (0.0, 1.0]",
         (files, "eval.sampling.min_p=1"): "eval.sampling.min_p: must be in [0.0, 1.0), got 1.0",
+        (
+            files,
+            "eval.sampling.repetition_penalty=0",
+        ): "eval.sampling.repetition_penalty: must be in (0.0, 2.0], got 0.0",
         (files, "reward=null", "reward_model.model_path=x"): "eval: answers are scored by the run's reward",
         (files, "eval.group_by=''"): "eval.group_by: must not be empty",
     }

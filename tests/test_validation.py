@@ -65,8 +65,8 @@ def test_every_problem_of_a_section_at_once():
         "x.stop_token_ids[1]: must be in [0, 16777216], got -2",
         "x.temperature: must be in (0.0, 100.0], got 0.0",
         "x.top_k: must be in [0, 16777216], got -1",
-        "x.x: unknown key; valid keys: n, temperature, top_p, top_k, min_p, max_new_tokens, min_new_tokens, "
-        "stop_token_ids, stop, greedy",
+        "x.x: unknown key; valid keys: n, temperature, top_p, top_k, min_p, repetition_penalty, frequency_penalty, "
+        "presence_penalty, max_new_tokens, min_new_tokens, stop_token_ids, stop, greedy",
     ]
 
 
@@ -77,6 +77,35 @@ def test_min_p_defaults_off_and_eval_sampling_may_replace_it():
     run = SamplingConfig(min_p=0.1)
     assert EvalSamplingConfig().resolve(run).min_p == 0.1
     assert EvalSamplingConfig(min_p=0.25).resolve(run).to_params().min_p == 0.25
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "problem"),
+    [
+        ("repetition_penalty", 0, "must be in (0.0, 2.0], got 0.0"),
+        ("repetition_penalty", 2.5, "must be in (0.0, 2.0], got 2.5"),
+        ("frequency_penalty", -2.1, "must be in [-2.0, 2.0], got -2.1"),
+        ("presence_penalty", 3, "must be in [-2.0, 2.0], got 3.0"),
+    ],
+)
+def test_penalty_ranges(key, value, problem):
+    assert _problems(SamplingConfig, {key: value}) == [f"x.{key}: {problem}"]
+    for edge in {"repetition_penalty": (1e-3, 2.0)}.get(key, (-2.0, 2.0)):
+        assert getattr(structure({key: edge}, SamplingConfig, path="x"), key) == edge
+
+
+def test_penalties_default_off_and_eval_sampling_may_replace_them():
+    from core_rl.config.eval_config import EvalSamplingConfig
+
+    params = SamplingConfig().to_params()
+    assert (params.repetition_penalty, params.frequency_penalty, params.presence_penalty) == (1.0, 0.0, 0.0)
+    run = SamplingConfig(repetition_penalty=1.2, frequency_penalty=0.5)
+    assert EvalSamplingConfig().resolve(run).to_params().repetition_penalty == 1.2
+    resolved = EvalSamplingConfig(frequency_penalty=0.0, presence_penalty=-0.5).resolve(run).to_params()
+    assert (resolved.repetition_penalty, resolved.frequency_penalty, resolved.presence_penalty) == (1.2, 0.0, -0.5)
+    assert _problems(EvalSamplingConfig, {"repetition_penalty": 0}) == [
+        "x.repetition_penalty: must be in (0.0, 2.0], got 0.0"
+    ]
 
 
 def test_checks_across_fields_run_once_the_fields_are_valid():

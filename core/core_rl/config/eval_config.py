@@ -21,6 +21,9 @@ class EvalSamplingConfig:
     top_p: float | None = attrs.field(default=None, validator=in_range(0.0, 1.0, low_open=True))
     top_k: int | None = attrs.field(default=None, validator=in_range(0, MAX_TOKENS))
     min_p: float | None = attrs.field(default=None, validator=in_range(0.0, 1.0, high_open=True))
+    repetition_penalty: float | None = attrs.field(default=None, validator=in_range(0.0, 2.0, low_open=True))
+    frequency_penalty: float | None = attrs.field(default=None, validator=in_range(-2.0, 2.0))
+    presence_penalty: float | None = attrs.field(default=None, validator=in_range(-2.0, 2.0))
     max_new_tokens: int | None = attrs.field(default=None, validator=in_range(1, MAX_TOKENS))
 
     def resolve(self, run: SamplingConfig) -> SamplingConfig:

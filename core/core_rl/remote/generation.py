@@ -173,7 +173,9 @@ class Generation:
 
     async def _finish(self, prompt_ids: list[int], sampling: SamplingParams, c: Completion, version: int) -> Sample:
         """One sample of a request: ``c``, continued from where it stopped while it comes back
-        interrupted by ``pause("abort")`` (those tokens carry the version they ran under)."""
+        interrupted by ``pause("abort")`` (those tokens carry the version they ran under). A
+        continuation sends the tokens so far as part of its prompt, so the server's frequency and
+        presence penalties do not count them (the hf engine's do: it continues in process)."""
         tokens, logprobs = list(c.token_ids), list(c.logprobs)
         versions = self._token_versions(c, version)
         finish = c.finish_reason

@@ -161,17 +161,10 @@ def hf_next_token_logprobs(
     state_dict: dict[str, torch.Tensor] | None = None,
     trust_remote_code: bool = False,
 ) -> torch.Tensor:
-    """Reference next-token distributions [B, T, V] from a plain transformers forward in float32:
-    ``log_softmax(logits / temperature)``, position t over token t + 1; ``trust_remote_code`` for a
-    model that ships its own code."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, trust_remote_code=trust_remote_code)
-    if state_dict is not None:
-        model.load_state_dict(state_dict)
-    with torch.no_grad():
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float() / temperature
-    return torch.log_softmax(logits, dim=-1)
+    """Reference next-token distributions [B, T, V]: ``log_softmax(logits / temperature)`` of
+    :func:`hf_next_token_logits`."""
+    logits = hf_next_token_logits(model_path, input_ids, attention_mask, state_dict, trust_remote_code)
+    return torch.log_softmax(logits / temperature, dim=-1)
 
 
 def hf_logprobs(
@@ -189,6 +182,24 @@ def hf_logprobs(
     out = torch.zeros(input_ids.shape, dtype=torch.float32)
     out[:, 1:] = lp
     return out * attention_mask
+
+
+def hf_next_token_logits(
+    model_path: Path | str,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    trust_remote_code: bool = False,
+) -> torch.Tensor:
+    """Reference next-token logits [B, T, V] from a plain transformers forward in float32,
+    position t over token t + 1; ``trust_remote_code`` for a model that ships its own code."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    with torch.no_grad():
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
 
 
 def fitted_rise(rows: list[dict[str, Any]], key: str = "reward/mean") -> tuple[float, float]:

@@ -18,11 +18,13 @@ from core_rl.testing.contracts import ComponentContract
 from core_rl.testing.engine_contracts import TinyModelMixin
 from core_rl.testing.helpers import hf_logprobs, hf_next_token_logprobs
 from core_rl.testing.multi_turn import MultiTurnEngineTests
+from core_rl.testing.penalty_contracts import PenaltyEngineTests
 
 
-class RolloutEngineContract(TinyModelMixin, MultiTurnEngineTests, ComponentContract):
+class RolloutEngineContract(TinyModelMixin, MultiTurnEngineTests, PenaltyEngineTests, ComponentContract):
     """A rollout engine on a tiny model: counts, stop rules, greedy decoding, behaviour log-probs
-    that agree with a transformers forward, the per-request API (``agenerate`` from any event loop
+    that agree with a transformers forward, repetition/frequency/presence penalties
+    (:mod:`core_rl.testing.penalty_contracts`), the per-request API (``agenerate`` from any event loop
     and thread, ``pause``/``resume``, ``health``), and weight updates by every mode the engine
     declares in ``weight_sync_modes`` (``memory`` both whole and in buckets) that take effect and
     can be undone.

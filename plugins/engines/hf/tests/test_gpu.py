@@ -183,3 +183,23 @@ def test_bf16_graphed_logprobs_match_the_forward(model_dir: Path) -> None:
         assert worst < BF16_LOGPROB_TOLERANCE
     finally:
         engine.close()
+
+
+def test_engine_graphs_with_penalties_match_eager(model_dir: Path) -> None:
+    """float32, greedy with repetition and presence penalties: the graphed engine gives the eager
+    engine's tokens for two batches of different prompts replayed by one captured step (the
+    penalties' per-row record is reloaded from each batch's prompts)."""
+    sampling = SamplingParams(n=2, greedy=True, max_new_tokens=16, repetition_penalty=1.8, presence_penalty=0.5)
+    batches = [[[1, 5, 6, 7], [1, 8], [1, 3, 4, 5, 6]], [[1, 9, 9, 10], [1, 11], [1, 12, 13, 12, 13]]]
+    graphed, eager = _engine(model_dir, cuda_graphs=True), _engine(model_dir, cuda_graphs=False)
+    try:
+        for prompts in batches:
+            a, b = graphed.generate(prompts, sampling), eager.generate(prompts, sampling)
+            assert [[s.response_ids for s in g] for g in a] == [[s.response_ids for s in g] for g in b]
+            for ga, gb in zip(a, b):
+                for sa, sb in zip(ga, gb):
+                    torch.testing.assert_close(torch.tensor(sa.logprobs), torch.tensor(sb.logprobs), atol=1e-4, rtol=0)
+        assert graphed.graphs.captures == 1
+    finally:
+        graphed.close()
+        eager.close()

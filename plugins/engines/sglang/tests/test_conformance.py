@@ -23,3 +23,16 @@ class TestSGLangRolloutEngine(ServerRolloutEngineContract):
     native_stops_with_min_new_tokens = False
     native_stops_in_special_token_text = False
     long_tokens = 60  # SGLang's torch-native attention on CPU is slow on long sequences
+    # SGLang's penalizers: frequency and presence, then repetition on the response's tokens only;
+    # its log-probs are log_softmax of the penalised logits (core_rl_sglang.engine)
+    repetition_penalty_covers_prompt = False
+    penalties_additive_first = True
+    penalty_logprobs_penalised = True
+    # the repetition penalty combined with frequency and presence: SGLang 0.5.23 on CPU matched
+    # the reference (in its order) exactly in some server runs, in others its top log-probs
+    # showed the repetition penalty left out for a repeated token at some steps (0.1 to 1.0 off;
+    # cause not found: its compiled in-place scaling after the in-place additive penalties is a
+    # suspect). Each penalty alone matches in every run.
+    penalty_cases_unmatched: ClassVar[dict[str, str]] = {
+        "all": "SGLang applies the repetition penalty inconsistently when frequency/presence are also set"
+    }

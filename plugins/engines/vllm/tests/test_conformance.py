@@ -25,6 +25,7 @@ class TestVLLMRolloutEngine(ServerRolloutEngineContract):
     forks_on_cpu = True
     logprob_atol = 2e-2
     min_p_logprobs_renormalised = True  # --logprobs-mode processed_logprobs (core_rl_vllm.engine)
+    penalty_logprobs_penalised = True  # the same: penalties are part of the processed logits
 
     @pytest.fixture
     def together(self, engine, monkeypatch):

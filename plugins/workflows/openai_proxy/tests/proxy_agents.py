@@ -130,3 +130,17 @@ async def uses_tools(base_url: str, api_key: str, row: dict) -> float:
         if not message.tool_calls:
             messages.append({"role": "user", "content": "again"})
     return 1.0
+
+
+async def asks_for_repeats(base_url: str, api_key: str, row: dict) -> float:
+    """One call whose penalties (OpenAI's two, vLLM's and SGLang's repetition penalty) would favour
+    repeats if the proxy honoured them; the response goes in LOG."""
+    response = await client(base_url, api_key).chat.completions.create(
+        model="policy",
+        messages=[{"role": "user", "content": row["prompt"]}],
+        frequency_penalty=-2.0,
+        presence_penalty=-2.0,
+        extra_body={"repetition_penalty": 0.5, "return_token_ids": True},
+    )
+    LOG.setdefault(api_key, []).append(response.model_dump())
+    return 1.0

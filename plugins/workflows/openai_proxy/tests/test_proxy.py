@@ -283,3 +283,23 @@ def test_a_script_cancelled_twice_is_reaped_before_its_episode_ends(tmp_path) ->
         return int((tmp_path / "episode-key").read_text())
 
     assert not pid_alive(asyncio.run(episode()))
+
+
+def test_a_requests_penalties_are_accepted_and_the_runs_sample(run_wave) -> None:
+    """A request's ``frequency_penalty``, ``presence_penalty`` and ``repetition_penalty`` are
+    accepted (no error) and ignored: the run's ``rollout.sampling`` (greedy with a presence penalty
+    of 2) samples, so no turn repeats a token; without it the same greedy turns do."""
+    repeats = {}
+    for presence in (2.0, 0.0):
+        LOG.clear()
+        wave, _ = run_wave(
+            ROWS[:3],
+            n=1,
+            max_new_tokens=10,
+            program=f"{AGENTS}:asks_for_repeats",
+            sampling={"greedy": True, "min_new_tokens": 10, "presence_penalty": presence},
+        )
+        turns = [LOG[s.info["session"]][0]["choices"][0]["token_ids"] for group in wave.groups for s in group]
+        assert len(turns) == 3 and all(len(t) == 10 for t in turns)
+        repeats[presence] = sum(len(t) - len(set(t)) for t in turns)
+    assert repeats == {2.0: 0, 0.0: repeats[0.0]} and repeats[0.0] > 0, repeats

@@ -11,6 +11,13 @@ For batch row ``b`` and token index ``t`` (a one-element device tensor, advanced
   ``stopped`` set, ``done`` set;
 - sets ``feed_b``, the token the next step feeds: ``token_b``, or the pad id once the row is done.
 
+With penalties (:func:`core_rl_hf.sampling.penalties_set`) it also keeps, per row, ``seen`` (bool
+[rows, V]: the token is in the prompt or the response so far) and ``counts`` (float [rows, V]: the
+times the token is in the response so far), which :func:`core_rl_hf.sampling.apply_penalties`
+reads before each choice: :meth:`DecodeState.load_context` fills them from the prompts, each
+choice adds its token (in every row: a finished row's are never read). They cost
+``rows x V x 5`` bytes, and each step a few ``rows x V`` float32 temporaries, only with penalties.
+
 Rows start with ``length = steps`` (``"length"`` if they never stop). :meth:`DecodeState.abort`
 sets the length of running rows to the tokens they have. :meth:`DecodeState.keep` drops rows
 (recording theirs first), :meth:`DecodeState.results` returns every sample's record in its order.
@@ -27,7 +34,7 @@ from collections.abc import Sequence
 import torch
 from core_rl.interfaces import SamplingParams
 
-from core_rl_hf.sampling import choose_tokens
+from core_rl_hf.sampling import apply_penalties, choose_tokens, penalties_set
 
 
 class DecodeState:
@@ -59,6 +66,11 @@ class DecodeState:
         self.blocks_stops = sampling.min_new_tokens > 0
         self.min_new_tokens = torch.full((1,), sampling.min_new_tokens, dtype=torch.long, device=device)
         self.sequence = torch.arange(total, device=device)  # the sample each batch row generates
+        self.seen: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+        if penalties_set(sampling):
+            self.seen = torch.zeros((total, vocab), dtype=torch.bool, device=device)
+            self.counts = torch.zeros((total, vocab), dtype=torch.float32, device=device)
         # every sample's record, filled from the rows when rows are dropped and at the end
         self._out = (self.tokens, self.logprobs, self.lengths, self.stopped)
         self.live = total  # rows of the batch; those past it are fillers (reset)
@@ -87,12 +99,31 @@ class DecodeState:
         self.feed.fill_(self.pad)
         self.t.zero_()
 
+    def load_context(self, tokens: torch.Tensor, real: torch.Tensor, generated: torch.Tensor) -> None:
+        """Set the penalties' ``seen`` and ``counts`` (in place) from each row's context: ``tokens``
+        [rows, L] where ``real`` (bool [rows, L]) marks its tokens (not padding), ``generated``
+        (bool [rows, L]) those that are a response so far (a continued sample's earlier tokens:
+        counted by the frequency and presence penalties). Nothing without penalties."""
+        if self.seen is None or self.counts is None:
+            return
+        self.counts.zero_().scatter_add_(1, tokens, real.float())
+        self.seen.copy_(self.counts > 0)
+        self.counts.zero_().scatter_add_(1, tokens, (real & generated).float())
+
     def choose(self, logits: torch.Tensor) -> None:
         """Choose and record token ``t`` of every row from ``logits`` [rows, V] (module docstring)."""
         blocked = None
         if self.blocks_stops:
             blocked = self.stop_mask & (self.t < self.min_new_tokens)
-        token, logprob = choose_tokens(logits, self.sampling, blocked=blocked, generator=self.generator)
+        penalised = None
+        if self.seen is not None and self.counts is not None:
+            penalised = apply_penalties(logits, self.seen, self.counts, self.sampling)
+        token, logprob = choose_tokens(
+            logits, self.sampling, blocked=blocked, generator=self.generator, penalised=penalised
+        )
+        if self.seen is not None and self.counts is not None:
+            self.seen.scatter_(1, token[:, None], True)
+            self.counts.scatter_add_(1, token[:, None], torch.ones_like(logprob)[:, None])
         running = ~self.done
         column = self.t.expand(len(token))[:, None]
         self.tokens.scatter_(1, column, torch.where(running, token, self.pad)[:, None])
@@ -126,6 +157,8 @@ class DecodeState:
         self.tokens, self.logprobs = self.tokens[rows], self.logprobs[rows]
         self.lengths, self.stopped, self.done = self.lengths[rows], self.stopped[rows], self.done[rows]
         self.feed, self.sequence = self.feed[rows], self.sequence[rows]
+        if self.seen is not None and self.counts is not None:
+            self.seen, self.counts = self.seen[rows], self.counts[rows]
 
     def _record(self) -> None:
         for out, rows in zip(self._out, (self.tokens, self.logprobs, self.lengths, self.stopped)):

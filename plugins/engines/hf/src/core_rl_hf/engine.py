@@ -208,7 +208,8 @@ class HFRolloutEngine(RolloutEngine):
                     max_new_tokens=left,
                     min_new_tokens=max(0, sampling.min_new_tokens - sampling.max_new_tokens + left),
                 )
-                more = self._generate_locked([s.prompt_ids + s.response_ids for s in samples], rest)
+                contexts = [s.prompt_ids + s.response_ids for s in samples]
+                more = self._generate_locked(contexts, rest, generated=[len(s.response_ids) for s in samples])
                 for s, (m,) in zip(samples, more):
                     s.token_weight_versions = s.versions + m.versions
                     s.response_ids = s.response_ids + m.response_ids
@@ -218,12 +219,16 @@ class HFRolloutEngine(RolloutEngine):
                         again.append(s)
         return again
 
-    def _generate_locked(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[Sample]]:
+    def _generate_locked(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, generated: Sequence[int] | None = None
+    ) -> list[list[Sample]]:
+        """``sampling.n`` samples of each prompt; ``generated``: per prompt, how many of its last
+        tokens are a continued sample's response so far (for the penalties)."""
         completions: list[list[Completion]] = [[] for _ in prompts]
         lengths = [len(p) for p in prompts]
         for chunk in plan_chunks(lengths, sampling.n, self.config.max_batch_size):
             with torch.profiler.record_function(PROFILE_LABEL):  # generation in a trainer.profile trace
-                outs = self._generate_chunk(prompts, chunk, sampling)
+                outs = self._generate_chunk(prompts, chunk, sampling, generated)
             for (i, _), out in zip(chunk, outs):
                 completions[i].extend(out)
         return [
@@ -241,7 +246,11 @@ class HFRolloutEngine(RolloutEngine):
         ]
 
     def _generate_chunk(
-        self, prompts: Sequence[Sequence[int]], chunk: list[tuple[int, int]], sampling: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        chunk: list[tuple[int, int]],
+        sampling: SamplingParams,
+        generated: Sequence[int] | None = None,
     ) -> list[list[Completion]]:
         return generate_batch(
             self.model,
@@ -258,6 +267,7 @@ class HFRolloutEngine(RolloutEngine):
             graphs=self.graphs,
             max_rows=self.config.max_batch_size,
             decode_text=self._decode_text if self.tokenizer is not None else None,
+            generated=None if generated is None else [generated[i] for i, _ in chunk],
         )
 
     def _decode_text(self, ids: Sequence[int]) -> str:

@@ -88,6 +88,7 @@ def generate_batch(
     graphs: DecodeGraphs | None = None,
     max_rows: int | None = None,
     decode_text: Callable[[Sequence[int]], str] | None = None,
+    generated: Sequence[int] | None = None,
 ) -> list[list[Completion]]:
     """``counts[i]`` responses to each (non-empty) ``prompts[i]``, all generated as one batch; see
     the module docstring. ``sampling.n`` is ignored (``counts`` says how many). ``lean``: decode
@@ -97,7 +98,9 @@ def generate_batch(
     ``graphs``: replay the decoding step from CUDA graphs kept there (lean models only), the rows
     rounded up to a power of two but at most ``max_rows`` (:func:`~core_rl_hf.graphs.bucketed_rows`).
     ``decode_text``: token ids to text (special tokens left out), with which rows stop at
-    ``sampling.stop`` strings at the host's checks (:mod:`core_rl_hf.stop_check`)."""
+    ``sampling.stop`` strings at the host's checks (:mod:`core_rl_hf.stop_check`). ``generated``:
+    per prompt, how many of its last tokens are a response so far (a continued sample), which the
+    frequency and presence penalties count as generated (default none)."""
     device = next(model.parameters()).device
     stop_ids = sorted(set(eos_token_ids) | set(sampling.stop_token_ids))
     input_ids, attention_mask, position_ids = left_pad(prompts, pad_token_id, device)
@@ -163,6 +166,9 @@ def generate_batch(
             stepper.keep(rows)
             state.keep(rows)
 
+    if state.seen is not None:  # penalties: what each row's prompt holds
+        response = _response_mask(generated, input_ids.shape).to(device)
+        state.load_context(input_ids[rows], attention_mask[rows].bool(), response[rows])
     state.choose(logits)
     del logits  # [rows, vocab] float32: not kept through the decode
     check = None
@@ -221,13 +227,24 @@ def _decode(
     return False
 
 
+def _response_mask(generated: Sequence[int] | None, shape: torch.Size) -> torch.Tensor:
+    """bool ``shape`` [prompts, width] of right-aligned prompts: true on each prompt's last
+    ``generated[i]`` tokens (all false when ``generated`` is ``None``)."""
+    mask = torch.zeros(shape, dtype=torch.bool)
+    for i, count in enumerate(generated or ()):
+        if count > 0:
+            mask[i, shape[1] - count :] = True
+    return mask
+
+
 def _sampling_key(sampling: SamplingParams) -> tuple:
     """What a captured step depends on in ``sampling`` (the number of samples is not; greedy
     choice reads no temperature, top-k, top-p or min-p: :func:`core_rl_hf.sampling.choose_tokens`;
     the step reads ``min_new_tokens`` from the device, and depends only on whether it is positive).
-    Temperature, top-k, top-p and min-p are baked into a captured step as numbers, so a captured
-    step is kept per value of each."""
+    Temperature, top-k, top-p, min-p and the penalties are baked into a captured step as numbers,
+    so a captured step is kept per value of each (greedy choice reads the penalties too)."""
     blocks_stops = sampling.min_new_tokens > 0
+    penalties = (sampling.repetition_penalty, sampling.frequency_penalty, sampling.presence_penalty)
     if sampling.greedy:
-        return (True, blocks_stops)
-    return (False, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, blocks_stops)
+        return (True, blocks_stops, *penalties)
+    return (False, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, blocks_stops, *penalties)

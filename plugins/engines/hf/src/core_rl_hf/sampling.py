@@ -4,21 +4,25 @@ Given float32 logits ``z`` [B, V] for the next token, temperature ``T``, and a s
 tokens (the stop tokens while fewer than ``min_new_tokens`` tokens have been generated), given as a
 boolean mask over the vocabulary so that choosing never reads anything back to the host:
 
-- **greedy**: ``token = argmax(z with blocked ids at -inf)``; ``logprob = log_softmax(z)[token]``.
-- **sampling**: ``s = z / T``; blocked ids are set to ``-inf``; then top-k keeps the ``k`` largest
+- **penalties** (:func:`apply_penalties`, when any is set): the choice reads ``z' = penalties(z)``
+  instead of ``z``, greedy included; the reported log-prob still reads ``z``.
+- **greedy**: ``token = argmax(z' with blocked ids at -inf)``; ``logprob = log_softmax(z)[token]``.
+- **sampling**: ``s = z' / T``; blocked ids are set to ``-inf``; then top-k keeps the ``k`` largest
   entries of ``s`` (ties with the k-th value are kept too), then top-p keeps the smallest set of
   most likely tokens whose probability (renormalised after top-k) reaches ``p`` (the most likely
   token is always kept), then min-p keeps the tokens with ``q_j >= min_p * max_i q_i`` (``q``:
   the probabilities left after top-p; as a ratio to the most likely token, which every filter
   keeps, it is the same in ``softmax(s)``); ``token ~ softmax(filtered s)``;
-  ``logprob = log_softmax(s)[token]``. (The order temperature -> top-k -> top-p -> min-p is
+  ``logprob = log_softmax(z / T)[token]``. (The order temperature -> top-k -> top-p -> min-p is
   transformers' and SGLang's; vLLM applies min-p before top-k/top-p, which differs only when
   top-p and min-p are both set.)
 
-The reported log-prob is that of the model's temperature-scaled distribution *before* blocking
-and top-k/top-p/min-p filtering: exactly what a train engine recomputes as
+The reported log-prob is that of the model's temperature-scaled distribution *before* penalties,
+blocking and top-k/top-p/min-p filtering: exactly what a train engine recomputes as
 ``log_softmax(logits / T)`` for the same tokens, so the first PPO ratio of on-policy data is 1.
-(The filtered distribution differs from it only by the renormalisation over the kept tokens.)
+(The filtered distribution differs from it only by the renormalisation over the kept tokens; a
+penalised one by the penalties too: penalties, like the filters, are a sampling device whose
+samples the trainer weighs as the policy's own.)
 """
 
 from __future__ import annotations
@@ -74,26 +78,54 @@ def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def penalties_set(sampling: SamplingParams) -> bool:
+    """Whether ``sampling`` asks for any repetition, frequency or presence penalty."""
+    return sampling.repetition_penalty != 1.0 or sampling.frequency_penalty != 0.0 or sampling.presence_penalty != 0.0
+
+
+def apply_penalties(
+    logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, sampling: SamplingParams
+) -> torch.Tensor:
+    """vLLM's penalties on ``logits`` [B, V] (a new tensor): for the tokens where ``seen`` (bool
+    [B, V]: in the prompt or the response so far) a positive logit is divided by
+    ``repetition_penalty`` and a negative one multiplied; then ``frequency_penalty * counts``
+    (float [B, V]: the times each token is in the response so far) and ``presence_penalty`` where
+    ``counts > 0`` are subtracted. A penalty left at its neutral value costs nothing."""
+    out = logits
+    if sampling.repetition_penalty != 1.0:
+        scale = torch.where(out > 0, 1.0 / sampling.repetition_penalty, sampling.repetition_penalty)
+        out = torch.where(seen, out * scale, out)
+    if sampling.frequency_penalty != 0.0:
+        out = out - sampling.frequency_penalty * counts
+    if sampling.presence_penalty != 0.0:
+        out = out - sampling.presence_penalty * (counts > 0)
+    return out
+
+
 def choose_tokens(
     logits: torch.Tensor,
     sampling: SamplingParams,
     *,
     blocked: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    penalised: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row of ``logits`` [B, V] (float32) as the module docstring describes;
-    ``blocked``: bool [V], the ids that may not be chosen (``None``: none). Only device operations,
-    so it can be captured in a CUDA graph (the sampling draws from ``generator``, or torch's default
-    generator of the logits' device).
+    ``blocked``: bool [V], the ids that may not be chosen (``None``: none); ``penalised``: the
+    logits after :func:`apply_penalties`, which the choice reads instead (``None``: ``logits``).
+    Only device operations, so it can be captured in a CUDA graph (the sampling draws from
+    ``generator``, or torch's default generator of the logits' device).
 
     Returns ``(tokens [B] long, logprobs [B] float32)``.
     """
     if sampling.greedy:
-        tokens = block_tokens(logits, blocked).argmax(dim=-1)
+        tokens = block_tokens(logits if penalised is None else penalised, blocked).argmax(dim=-1)
         logprobs = torch.log_softmax(logits, dim=-1)
     else:
         scaled = logits / sampling.temperature
         logprobs = torch.log_softmax(scaled, dim=-1)
+        if penalised is not None:
+            scaled = penalised / sampling.temperature
         filtered = top_p_filter(top_k_filter(block_tokens(scaled, blocked), sampling.top_k), sampling.top_p)
         filtered = min_p_filter(filtered, sampling.min_p)
         probs = torch.softmax(filtered, dim=-1)
@@ -116,5 +148,10 @@ def check_sampling(sampling: SamplingParams) -> None:
         problems.append(f"top_p must be in (0, 1], got {sampling.top_p}")
     if not 0 <= sampling.min_p < 1:
         problems.append(f"min_p must be in [0, 1), got {sampling.min_p}")
+    if not sampling.repetition_penalty > 0:
+        problems.append(f"repetition_penalty must be > 0, got {sampling.repetition_penalty}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if not -2 <= getattr(sampling, name) <= 2:
+            problems.append(f"{name} must be in [-2, 2], got {getattr(sampling, name)}")
     if problems:
         raise ValueError("invalid sampling parameters: " + "; ".join(problems))

@@ -7,8 +7,14 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
   ``min_new_tokens``, ``temperature`` (0 for greedy), ``top_p``, ``top_k`` (-1 = off),
   ``min_p`` (0 = off, applied after top-k/top-p as the hf engine does), ``stop_token_ids``,
   ``stop`` strings where SGLang's rule for them agrees with the core's) and ``return_logprob``.
+  ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty`` (greedy too; SGLang applies
+  the repetition penalty to the response's tokens only, not the prompt's, and after the other
+  two, where vLLM and the hf engine cover the prompt and apply it first; on a CPU, SGLang 0.5.23
+  left the repetition penalty out at some steps in some server runs when frequency or presence
+  penalties were set as well: the rollout contract skips that case, naming it).
   SGLang's log-prob of a sampled token is ``log_softmax(logits / temperature)`` before
-  top-k/top-p/min-p filtering: the train engine's convention.
+  top-k/top-p/min-p filtering: the train engine's convention (with penalties set, of the
+  penalised logits, where the hf engine reports the model's own).
   Its ``meta_info.weight_versions`` spans give each token the version of the weights that sampled
   it (every weight update carries ``weight_version``), so a sample a weight update interrupted in
   place carries both versions;
@@ -178,6 +184,9 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             "top_p": 1.0 if sampling.greedy else sampling.top_p,
             "top_k": -1 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,
             "min_p": 0.0 if sampling.greedy else sampling.min_p,
+            "repetition_penalty": sampling.repetition_penalty,
+            "frequency_penalty": sampling.frequency_penalty,
+            "presence_penalty": sampling.presence_penalty,
             "stop_token_ids": list(sampling.stop_token_ids),
             "skip_special_tokens": bool(sampling.stop),
             "no_stop_trim": True,

@@ -5,7 +5,8 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
 - generation: ``POST /inference/v1/generate`` (servers started with ``--enable-scale-out``) with
   the prompt as ``token_ids`` and ``sampling_params``: ``n``, ``max_tokens``, ``min_tokens``,
   ``temperature`` (0 for greedy), ``top_p``, ``top_k`` (0 = off), ``min_p`` (0 = off),
-  ``stop_token_ids``,
+  ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty`` (greedy too; vLLM's
+  definitions are the core's), ``stop_token_ids``,
   ``logprobs: 0``. Its answer labels every output token with the weight version that sampled it
   (vLLM's spans, set by the weight-update route below), so a sample a weight update changed in
   place carries both versions, split at the step of the swap. A server at a given URL that does
@@ -17,7 +18,9 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
   ``--logprobs-mode processed_logprobs``, so the log-prob of each sampled token is
   ``log_softmax(logits / temperature)``: the train engine's convention (with ``top_k``/``top_p``
   or ``min_p`` set, vLLM reports the log-prob of the truncated, renormalised distribution
-  instead; it applies min-p before top-k/top-p, the hf engine and SGLang after);
+  instead; it applies min-p before top-k/top-p, the hf engine and SGLang after; with penalties
+  set, greedy too, the log-probs are those of the penalised logits, where the hf engine reports
+  the model's own);
 - pause/resume: ``POST /pause?mode=keep|abort`` (then ``/abort_requests`` for a request that
   arrived just after the pause) and ``POST /resume``;
 - weight updates: one ``POST /core_rl/update_weights`` per server, a route this plugin adds to the
@@ -380,6 +383,9 @@ def _params(sampling: SamplingParams) -> dict[str, Any]:
         "top_p": 1.0 if sampling.greedy else sampling.top_p,
         "top_k": 0 if sampling.greedy else max(sampling.top_k, 0),
         "min_p": 0.0 if sampling.greedy else sampling.min_p,
+        "repetition_penalty": sampling.repetition_penalty,
+        "frequency_penalty": sampling.frequency_penalty,
+        "presence_penalty": sampling.presence_penalty,
         "stop_token_ids": list(sampling.stop_token_ids),
         "logprobs": 0,
         # stop strings are matched in the text without special tokens, as core_rl.stop_strings does

@@ -1,9 +1,10 @@
 """Request fields the proxy reads and the OpenAI-schema bodies it answers with.
 
-Sampling: the run's ``rollout.sampling`` (temperature, top-p, top-k, min-p) is always what
-samples, so the behaviour log-probs are those the trainer's importance ratio expects; a request's
-``temperature``, ``top_p``, ``min_p`` (vLLM's and SGLang's extension), ``seed``,
-``presence_penalty``... are accepted and ignored. ``max_tokens`` (or
+Sampling: the run's ``rollout.sampling`` (temperature, top-p, top-k, min-p, the penalties) is
+always what samples, so the behaviour log-probs are those the trainer's importance ratio expects; a
+request's ``temperature``, ``top_p``, ``min_p`` (vLLM's and SGLang's extension), ``seed``,
+``frequency_penalty``, ``presence_penalty``, ``repetition_penalty`` (vLLM's and SGLang's)... are
+accepted and ignored (set the run's ``rollout.sampling`` penalties instead). ``max_tokens`` (or
 ``max_completion_tokens``) lowers the run's ``max_new_tokens``, never raises it. ``stop`` (a
 string or up to :data:`MAX_STOP_STRINGS` of them) joins the run's ``rollout.sampling.stop``: the
 turn ends at the token that completes one (it stays in the trajectory, :mod:`core_rl.stop_strings`)
