@@ -17,6 +17,9 @@ from core_rl.run_records import RunInfo as RunInfo
 from core_rl.run_records import SampleRecord as SampleRecord
 from core_rl.run_records import sample_table as sample_table
 
+# how to sample, importable from here beside RolloutEngine
+from core_rl.sampling_params import SamplingParams as SamplingParams
+
 if TYPE_CHECKING:  # torch is imported by the components themselves, not by their registration
     import torch
 
@@ -52,48 +55,6 @@ ValueLossFn = Callable[["TensorBatch", "torch.Tensor"], LossOutput]
 HEADS = ("lm", "value", "score")
 #: the heads whose model gives values (:meth:`TrainEngine.compute_values`, :meth:`TrainEngine.train_value_step`)
 VALUE_HEADS = ("value", "score")
-
-
-@attrs.define
-class SamplingParams:
-    """How to sample: ``n`` responses per prompt; ``greedy`` overrides temperature/top-k/top-p/min-p.
-
-    ``top_k <= 0``, ``top_p == 1`` and ``min_p == 0`` disable those filters. min-p keeps the tokens
-    whose probability (after temperature) is at least ``min_p`` times the most likely token's.
-    Like top-k/top-p it only filters what is sampled: the behaviour log-probs stay those of
-    ``log_softmax(logits / temperature)`` wherever the engine reports them so.
-
-    ``repetition_penalty`` (1: off), ``frequency_penalty`` and ``presence_penalty`` (0: off)
-    change the next-token logits ``z`` before temperature and the filters, greedy choice included
-    (:class:`core_rl.config.sampling.SamplingConfig` has the formulas). Where engines differ:
-    hf and vLLM apply repetition, then frequency, then presence, the repetition penalty to the
-    prompt's tokens and the response's; SGLang applies frequency and presence, then repetition,
-    to the response's tokens only. Behaviour log-probs: hf keeps ``log_softmax(logits / T)``
-    of the unpenalised logits (a penalty is a sampling device like the filters, and the
-    trainer's recomputed log-probs are those); vLLM and SGLang report those of the penalised
-    logits. Generation stops at EOS, at any of
-    ``stop_token_ids``, or after ``max_new_tokens``; the first ``min_new_tokens`` tokens are
-    never a stop (so a response that stops early has at least ``min_new_tokens + 1`` tokens).
-    ``stop`` strings end a response at the token that completes one; the rollout controller cuts
-    every engine's responses there (:mod:`core_rl.stop_strings`), so an engine may ignore them
-    or stop later. An engine whose config class sets ``stop_strings = True`` stops there itself,
-    saving the tokens after (``hf``, ``vllm``; ``sglang`` when ``min_new_tokens`` is 0); it must
-    never stop before the cut, which the rollout contract checks.
-    """
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    max_new_tokens: int = 64
-    min_new_tokens: int = 0
-    stop_token_ids: list[int] = attrs.field(factory=list)
-    greedy: bool = False
-    stop: list[str] = attrs.field(factory=list)
 
 
 class TrainEngine(ABC):
