@@ -191,6 +191,7 @@ def test_nested_combine_validates_and_reports_nested_parts():
         "inner/flagged": [4.0, 2.0],
         "inner/flagged/long": [1.0, 0.0],
     }
+    assert result.answers == ["abcd", "ab"]  # the first part that reads answers (char_match: the response)
 
 
 def test_a_nested_error_deep_inside_is_reported_with_its_path():

@@ -83,3 +83,16 @@ def test_sppo_hard_pulls_each_log_ratio_to_its_target() -> None:
 def test_the_noise_losses_need_label_smoothing(loss_type: str) -> None:
     with pytest.raises(ValueError, match=rf"the {loss_type} loss needs label_smoothing in \(0, 0.5\)"):
         loss(loss_type, beta=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_discopop_stays_finite_far_from_the_reference(dtype: torch.dtype) -> None:
+    """exp(-z) overflows at z ~ -89 (float32) or -710 (float64); the loss and its gradient stay
+    finite, near the logistic loss's -z where the modulation vanishes."""
+    r_w = torch.tensor([-2000.0, -100.0, 0.0, 100.0], dtype=dtype, requires_grad=True)
+    out = preference_loss(r_w, torch.zeros_like(r_w), loss_type="discopop", beta=1.0, discopop_tau=0.05)
+    out.sum().backward()
+    out = out.detach()
+    assert torch.isfinite(out).all() and torch.isfinite(r_w.grad).all()
+    assert float(out[0]) == pytest.approx(2000.0) and float(out[1]) == pytest.approx(100.0)
+    assert float(out[2]) == pytest.approx(0.5 * math.log(2) + 0.5)

@@ -213,3 +213,29 @@ def make_reward(config):
 def core_rl_register_rewards(register):
     register("exploding", make_reward, description="a reward whose factory raises")
 """
+
+
+def test_an_engine_written_for_an_earlier_interface_is_refused_for_a_missing_keyword(contract_host) -> None:
+    """A train engine whose save_state predates ``optimizer=`` (interface version 7) would fail at
+    its first checkpoint, after training: it is refused when built, naming the keyword."""
+    from core_rl.components import check_contract
+    from core_rl.interfaces import TrainEngine
+    from core_rl.kinds import TRAIN_ENGINE
+
+    class OldEngine(TrainEngine):  # every abstract member, save_state and load_state of version 6
+        def save_state(self, path, extra):
+            pass
+
+        def load_state(self, path, **anything):  # **kwargs takes optimizer=
+            return {}
+
+    for name in [m for m in TrainEngine.__abstractmethods__ if m not in ("save_state", "load_state")]:
+        setattr(OldEngine, name, lambda self, *a, **k: None)
+    OldEngine.__abstractmethods__ = frozenset()
+    entry = attrs.evolve(contract_host.registries[REWARD.key].get("faulty"), kind=TRAIN_ENGINE)
+    with pytest.raises(PluginFault) as info:
+        check_contract(entry, OldEngine())
+    assert "OldEngine.save_state takes no keyword argument 'optimizer', which core_rl.interfaces.TrainEngine." in str(
+        info.value
+    ) and "since interface version 7" in str(info.value)
+    assert interface_version("PolicyLoss", "observe_step") == 7

@@ -31,7 +31,7 @@ import attrs
 
 from core_rl.attribution import calling, remember, who
 from core_rl.errors import PluginFault
-from core_rl.hookspecs import interface_version
+from core_rl.hookspecs import INTERFACE_KEYWORDS, interface_version
 from core_rl.kinds import PluginKind
 from core_rl.registry import RegistryEntry
 
@@ -82,11 +82,32 @@ def check_contract(entry: RegistryEntry, component: object) -> None:
         missing = [m for m in interface_members(interface) if not hasattr(component, m)]
     if missing:
         raise PluginFault(_missing_message(entry, interface, component, missing))
+    _check_keywords(entry, interface, component)
     if entry.kind.key == "workflow" and not inspect.iscoroutinefunction(component.run):  # type: ignore[attr-defined]
         raise PluginFault(
             f"{who(entry)}: the run method of {type(component).__qualname__} is not a coroutine function; "
             "RolloutWorkflow.run is `async def run(self, prompt, ctx)`"
         )
+
+
+def _check_keywords(entry: RegistryEntry, interface: type, component: object) -> None:
+    """Raise :class:`PluginFault` when a member of ``component`` lacks a keyword argument the core
+    passes (:data:`core_rl.hookspecs.INTERFACE_KEYWORDS`)."""
+    for qualified, (keyword, version) in INTERFACE_KEYWORDS.items():
+        cls, member = qualified.split(".")
+        method = getattr(component, member, None) if cls == interface.__name__ else None
+        if method is None:
+            continue
+        try:
+            params = inspect.signature(method).parameters.values()
+        except (TypeError, ValueError):  # a builtin or C method: nothing to read
+            continue
+        if not any(p.kind is p.VAR_KEYWORD or (p.name == keyword and p.kind is not p.POSITIONAL_ONLY) for p in params):
+            path = f"{interface.__module__}.{qualified}"
+            raise PluginFault(
+                f"{who(entry)}: {type(component).__qualname__}.{member} takes no keyword argument {keyword!r}, which "
+                f"{path} takes since interface version {version} and the core passes; add it (see its docstring)"
+            )
 
 
 def _missing_message(entry: RegistryEntry, interface: type, component: object, missing: list[str]) -> str:

@@ -27,7 +27,8 @@ core checks a component for when it is built names it: :mod:`core_rl.components`
   while the trainer trains, ``rollout.sleep_while_training``, which its factory receives resolved).
 - 7: ``TrainEngine.save_state`` and ``load_state`` take ``optimizer=`` (``saver.save_optimizer``,
   ``recover.load_optimizer``), and ``TrainEngine.reset_optimizer``
-  (``algorithm.reference_reset_optimizer``).
+  (``algorithm.reference_reset_optimizer``); ``PolicyLoss.observe_step``, ``state_dict`` and
+  ``load_state_dict`` (a loss's state that follows training, e.g. an adaptive entropy coefficient).
 """
 
 from __future__ import annotations
@@ -75,6 +76,17 @@ INTERFACE_ADDED: dict[str, int] = {
     "RolloutEngine.release_memory": 6,
     "RolloutEngine.restore_memory": 6,
     "TrainEngine.reset_optimizer": 7,
+    "PolicyLoss.observe_step": 7,
+    "PolicyLoss.state_dict": 7,
+    "PolicyLoss.load_state_dict": 7,
+}
+
+#: Keyword arguments a member must take since the API version given (``"Class.member"`` ->
+#: ``(keyword, version)``): a component written for an earlier version has the member but not
+#: the keyword, which the core passes; checked when the component is built.
+INTERFACE_KEYWORDS: dict[str, tuple[str, int]] = {
+    "TrainEngine.save_state": ("optimizer", 7),
+    "TrainEngine.load_state": ("optimizer", 7),
 }
 
 

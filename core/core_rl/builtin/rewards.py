@@ -155,7 +155,7 @@ def score_nested(reward: Reward, items: Sequence[RewardInput], what: str) -> Rew
 class CombinedReward(Reward):
     """``score = sum_i weight_i * score_i`` over the configured parts; ``parts`` of
     :meth:`score_with_parts` holds each part's own score under its label (and a part's own parts
-    under ``label/name``)."""
+    under ``label/name``); ``answers`` are those of the first part that reads answers."""
 
     def __init__(self, config: CombineConfig) -> None:
         self.config = config
@@ -187,7 +187,8 @@ class CombinedReward(Reward):
             parts[part.metric_name] = values
             for name, sub in result.parts.items():
                 parts[f"{part.metric_name}/{name}"] = [None if x is None else float(x) for x in sub]
-        return RewardScores(scores=totals, parts=parts)
+        answers = next((r.answers for r in results if r.answers is not None), None)
+        return RewardScores(scores=totals, parts=parts, answers=answers)
 
     def score(self, items: Sequence[RewardInput]) -> list[float]:
         return self.score_with_parts(items).scores

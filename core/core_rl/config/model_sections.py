@@ -70,8 +70,8 @@ class OptimizerConfig:
     ``no_decay``: which parameters ``weight_decay`` spares. ``biases_and_norms`` (the default):
     every parameter with fewer than two dimensions (biases, RMSNorm/LayerNorm scales), the rule of
     Hugging Face's Trainer (so TRL), OpenRLHF and Megatron; ``none``: every parameter is decayed
-    (verl). It matters only when ``weight_decay > 0``; then the optimizer has two parameter groups,
-    and a checkpoint saved with the other choice cannot be resumed."""
+    (verl). It matters only when ``weight_decay > 0`` (then the optimizer has two parameter groups).
+    A resumed run decays as its own configuration says, whatever the checkpoint was saved with."""
 
     name: str = attrs.field(default="adamw", validator=one_of(OPTIMIZERS))
     lr: float = attrs.field(default=1e-5, validator=positive(10.0))

@@ -114,8 +114,8 @@ def _exo_pair(z: torch.Tensor, eps: float, _tau: float) -> torch.Tensor:
 
 
 def _discopop(z: torch.Tensor, _eps: float, tau: float) -> torch.Tensor:
-    mix = torch.sigmoid(z / tau)
-    return (1.0 - mix) * -F.logsigmoid(z) + mix * torch.exp(-z)
+    # sigmoid(z / tau) * exp(-z) as one exponent: the product of 0 and an overflowing exp(-z) would be NaN
+    return torch.sigmoid(-z / tau) * -F.logsigmoid(z) + torch.exp(F.logsigmoid(z / tau) - z)
 
 
 #: the losses of ``z = beta * (r_w - r_l)`` (with ``label_smoothing`` and DiscoPOP's ``tau``)

@@ -58,9 +58,9 @@ class ItemFailure:
 class ScoreResult:
     """``scores[i]``: the score of item ``i`` (``error_value`` for a failed item under
     ``on_error: value``), or ``None`` for an item dropped under ``on_error: drop``. ``parts``: the
-    reward's named per-item values (:meth:`core_rl.interfaces.Reward.score_with_parts`), NaN for a
-    failed item. ``answers``: the final answers the reward read (``RewardScores.answers``), or
-    ``None`` when it reads none."""
+    reward's named per-item values (:meth:`core_rl.interfaces.Reward.score_with_parts`), ``None``
+    for an item whose call failed (its failure is counted as such, not as a part). ``answers``: the
+    final answers the reward read (``RewardScores.answers``), or ``None`` when it reads none."""
 
     scores: list[float | None]
     failures: list[ItemFailure]

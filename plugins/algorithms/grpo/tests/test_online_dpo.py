@@ -67,6 +67,20 @@ def test_the_update_gradient_is_the_preference_losss(loss_type: str) -> None:
     assert got.abs().sum() > 0
 
 
+def test_ties_and_unpaired_rows_neither_dilute_nor_enlarge_the_step() -> None:
+    """A tied group and an unpaired sample added to the batch leave the update's gradient the DPO
+    gradient of the real pairs."""
+    pairs = pair_batch(4, [1.0, 0.0, 0.0, 1.0], [0, 0, 1, 1])
+    extended = pair_batch(4, [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.3], [0, 0, 1, 1, 2, 2, 0])
+    for key in ("old_logprobs", "ref_logprobs", "loss_mask", "response_mask"):
+        extended[key][:4] = pairs[key]
+    estimator = OnlineDPOAdvantage(OnlineDPOAdvantageConfig(beta=0.3))
+    small = policy_gradient(pairs, estimator(pairs))
+    large = policy_gradient(extended, estimator(extended))
+    torch.testing.assert_close(large[:4], small, atol=1e-6, rtol=1e-5)
+    assert torch.equal(large[4:], torch.zeros_like(large[4:])) and estimator.metrics()["ties"] == 1.0
+
+
 def test_ties_and_unpaired_samples_get_nothing_and_the_metrics_describe_the_pairs() -> None:
     # group 0: three samples, the middle one unpaired; group 1: a tie
     batch = pair_batch(1, [0.5, 1.0, 0.0, 0.3, 0.3], [0, 0, 0, 1, 1])
@@ -75,7 +89,7 @@ def test_ties_and_unpaired_samples_get_nothing_and_the_metrics_describe_the_pair
     assert torch.equal(adv[[0, 3, 4]], torch.zeros_like(adv[[0, 3, 4]]))
     r = ((batch["old_logprobs"] - batch["ref_logprobs"]) * batch["loss_mask"]).sum(dim=1)
     h = float(r[1] - r[2])
-    weight = 2 * 0.2 * (1 - 1 / (1 + math.exp(-0.2 * h)))  # 2 beta sigmoid(-beta h)
+    weight = 5 * 0.2 * (1 - 1 / (1 + math.exp(-0.2 * h)))  # (B / P) beta sigmoid(-beta h), B = 5 rows, P = 1 pair
     mask = batch["loss_mask"]
     torch.testing.assert_close(adv[1], weight * mask[1])
     torch.testing.assert_close(adv[2], -weight * mask[2])
@@ -132,5 +146,5 @@ def test_a_real_run_of_the_recipe(tmp_path: Path) -> None:
             assert 0.0 <= row["advantage/accuracy"] <= 1.0 and math.isfinite(row["advantage/loss"])
             assert row["actor/grad_norm"] > 0
     assert any(2 - row["advantage/ties"] for row in rows), "no step had a pair with different rewards"
-    refused = run_train(config, "rollout.sampling.n=1", expect=2, cpu=True)
-    assert "rollout.sampling.n is 1" in refused.stderr
+    refused = run_train(config, "rollout.sampling.n=1", "algorithm.adv_norm={mean_level: batch}", expect=2, cpu=True)
+    assert "rollout.sampling.n is 1" in refused.stderr and "algorithm.adv_norm: 'online_dpo' sets" in refused.stderr

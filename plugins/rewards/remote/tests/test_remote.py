@@ -24,7 +24,8 @@ TOKEN = "test-token-123"
 
 
 class Service:
-    """A reward service: score = len(response) / 10, part ``has_row`` = 1 if the row has ``answer``.
+    """A reward service: score = len(response) / 10, part ``has_row`` = 1 if the row has ``answer``
+    (``null`` otherwise: the part does not apply).
 
     Paths: ``/score``; ``/slow`` (the first request sleeps past the client's timeout);
     ``/flaky`` (HTTP 503 twice, then fine); ``/down`` (always 500); ``/busy`` (429 with Retry-After
@@ -67,7 +68,8 @@ class Service:
 
             def answer(self, items: list[dict[str, Any]], n: int) -> None:
                 scores = [len(i["response"]) / 10 for i in items]
-                ok = {"scores": scores, "parts": {"has_row": [float("answer" in i.get("row", {})) for i in items]}}
+                has_row = [1.0 if "answer" in i.get("row", {}) else None for i in items]
+                ok = {"scores": scores, "parts": {"has_row": has_row}}
                 path = self.path
                 if path == "/slow" and n == 0:
                     time.sleep(5.0)
@@ -139,7 +141,7 @@ def test_batches_in_order_with_parts_and_concurrency(service):
     result = reward.score_with_parts(_items(10))
     reward.close()
     assert result.scores == [i / 10 for i in range(10)]
-    assert result.parts == {"has_row": [float(i % 2) for i in range(10)]}
+    assert result.parts == {"has_row": [1.0 if i % 2 else None for i in range(10)]}  # null: does not apply
     assert sorted(len(r["items"]) for r in service.calls("/meet")) == [1, 3, 3, 3]
     assert set(service.calls("/meet")[0]["items"][0]) == {"prompt", "response", "row", "finish_reason"}
     assert service.max_in_flight >= 2  # batches overlapped (each takes 0.3 s on the server)

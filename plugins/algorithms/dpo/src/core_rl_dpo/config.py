@@ -121,6 +121,13 @@ class DPOConfig:
                 f"{context.key('label_smoothing')}: loss_type {self.loss_type} does not read it (only "
                 f"{', '.join(SMOOTHED_LOSSES)} do); remove it"
             )
+        data = context.run.data
+        if self.reference == "precomputed" and data.max_length is not None and data.truncation_mode == "truncate":
+            problems.append(
+                f"data.truncation: truncate cuts responses, but {context.key('reference')}: precomputed reads the "
+                "reference's log-probs of the whole responses from the data, so a cut response's log-ratio would "
+                "compare a part with the whole; set data.truncation: drop or error, or reference: model"
+            )
         if self.loss_type in NOISE_PREFERENCE_LOSSES and not self.label_smoothing:
             problems.append(
                 f"{context.key('label_smoothing')}: loss_type {self.loss_type} models label noise and needs it "

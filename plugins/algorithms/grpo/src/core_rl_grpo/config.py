@@ -128,7 +128,8 @@ class PPOClipConfig:
     entropy is at most the target: :func:`core_rl.ops.adaptive_entropy_coef`; saved in checkpoints);
     ``kl_importance_weight`` (needs ``kl_coef > 0``): the KL term times the importance ratio
     ``rho_t`` (kept in the graph), DeepSeek-V3.2's unbiased estimate of the reverse-KL gradient
-    from samples of the anchor policy (TRL's ``use_bias_correction_kl``). Off-policy:
+    from samples of the anchor policy (TRL's ``use_bias_correction_kl``; with the decoupled loss the
+    anchor is the proximal policy, and the behaviour weight does not multiply the KL term). Off-policy:
     ``use_decoupled_loss``, ``prox_logp_method``, ``off_policy_mask_threshold``, ``use_sapo_loss``/
     ``sapo_tau_pos``/``sapo_tau_neg``, ``m2_threshold``. Surrogate:
     ``use_cispo_loss`` with ``cispo_eps_low``/``cispo_eps_high`` (CISPO's clipped, detached
@@ -297,4 +298,10 @@ class OnlineDPOAdvantageConfig:
             raise FieldValueError("discopop_tau", self.discopop_tau, "only loss_type discopop reads it; remove it")
 
     def check_config(self, context: SectionContext) -> list[str]:
-        return group_size_problems(context, allowed=False, option=None)
+        problems = group_size_problems(context, allowed=False, option=None)
+        if context.run.algorithm.adv_norm is not None:
+            problems.append(
+                f"algorithm.adv_norm: {context.name!r} sets each pair's advantages to its preference loss's "
+                "gradient and every other sample's to 0, which normalising would change; remove adv_norm"
+            )
+        return problems

@@ -6,14 +6,15 @@ With the sequence log-ratios ``r = sum_t (log pi_old(y_t) - log pi_ref(y_t))`` o
 (``old_logprobs`` recomputed by the trainer, as for every estimator that reads the reference), a
 pair's loss ``L(r_w, r_l)`` and ``P`` pairs in the batch, the DPO gradient is
 ``(1/P) sum_p [dL/dr_w grad log pi(y_w) + dL/dr_l grad log pi(y_l)]``. A policy-gradient loss at
-ratio 1 with ``seq-mean-token-sum`` aggregation over ``B = 2P`` rows has the gradient
+ratio 1 with ``seq-mean-token-sum`` aggregation over the batch's ``B`` rows has the gradient
 ``-(1/B) sum_i A_i grad log pi(y_i)``, so every token of the chosen response gets
-``A = -2 dL/dr_w``, of the rejected ``A = -2 dL/dr_l``, and the other samples of the group 0.
+``A = -(B/P) dL/dr_w``, of the rejected ``A = -(B/P) dL/dr_l``, and every other row 0: the
+unpaired samples of groups of more than two, and the groups whose best and worst rewards are equal
+(no preference; counted in ``ties``), which so neither dilute nor enlarge the step.
 The ``online_dpo`` recipe pairs it with ``ppo_clip`` at ``seq-mean-token-sum``, one optimiser step
-per RL step: the first (and only) step's gradient is then exactly DPO's at the rollout policy.
-With more samples per prompt the ``B`` rows include the unpaired ones: the gradient is DPO's
-times ``2 / n``. A group whose best and worst rewards are equal has no preference: all its
-advantages are 0 (counted in ``ties``).
+per RL step: that step's gradient is then exactly DPO's at the rollout policy. (With another
+aggregation, or several minibatches, each step follows the same advantages with other weights.)
+``algorithm.adv_norm`` is refused: it would give the unpaired rows advantages.
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ class OnlineDPOAdvantage(AdvantageEstimator):
         advantages = torch.zeros_like(mask)
         if best.numel():
             grad_w, grad_l = torch.autograd.grad(losses.sum(), (r_w, r_l))
+            scale = rewards.numel() / best.numel()  # B / P
             per_row = torch.zeros_like(rewards)
-            per_row[best], per_row[worst] = -2.0 * grad_w, -2.0 * grad_l
+            per_row[best], per_row[worst] = -scale * grad_w, -scale * grad_l
             advantages = per_row[:, None] * mask
         margin = cfg.beta * (r_w - r_l).detach()
         self._metrics = {

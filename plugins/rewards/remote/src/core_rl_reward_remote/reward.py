@@ -5,7 +5,8 @@ Request (one per ``batch_size`` items, up to ``max_concurrent_requests`` at once
     POST <url>   {"items": [{"prompt": ..., "response": ..., "row": {...}, "finish_reason": ...}, ...]}
 
 Response: ``{"scores": [s_0, ...]}`` (one number per item, in order), optionally with
-``"parts": {"name": [v_0, ...], ...}`` reported as ``reward/<name>/mean``.
+``"parts": {"name": [v_0, ...], ...}`` reported as ``reward/<name>/mean`` (``null``: the part does
+not apply to that item, left out of its statistics).
 
 Each request has ``timeout_s``; a connection error, a timeout, HTTP 429 or a 5xx status is retried
 up to ``max_retries`` times after ``min(backoff_max_s, backoff_s * 2**attempt)`` seconds (or the
@@ -115,11 +116,11 @@ class RemoteReward(Reward):
         try:
             body = response.json()
             scores = [float(s) for s in body["scores"]]
-            parts = {str(k): [float(x) for x in v] for k, v in body.get("parts", {}).items()}
+            parts = {str(k): [None if x is None else float(x) for x in v] for k, v in body.get("parts", {}).items()}
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RemoteRewardError(
                 f"reward 'remote': {url} answered {response.text[:200]!r}, not "
-                f'{{"scores": [numbers], "parts": {{name: [numbers]}}}} ({exc})'
+                f'{{"scores": [numbers], "parts": {{name: [numbers or null]}}}} ({exc})'
             ) from None
         for name, values in {"scores": scores, **parts}.items():
             if len(values) != expected:
