@@ -134,3 +134,38 @@ def test_max_metrics_are_maxima(model_path):
     assert metrics["actor/ratio_max"] == pytest.approx(float(shift[on].exp().max()), rel=1e-5)
     assert metrics["actor/ratio"] == pytest.approx(float(shift[on].exp().mean()), rel=1e-5)
     eng.close()
+
+
+class KLReportingLoss(RecordingLoss):
+    """RecordingLoss that reports ``approx_kl`` as k3(pi_old || pi) per token (as ppo_clip does),
+    with recomputed old log-probs so the first step measures 0."""
+
+    def __init__(self) -> None:
+        super().__init__(recompute=True)
+
+    def __call__(self, batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
+        out = super().__call__(batch, logprobs, entropy)
+        d = batch["old_logprobs"] - logprobs.detach()
+        out.token_metrics["approx_kl"] = torch.exp(-d) - 1 + d
+        return out
+
+
+@pytest.mark.parametrize(("limit", "steps"), [(1e-12, 2), (None, 6)])
+def test_early_stop_kl_skips_the_rest_of_the_step(model_path, limit, steps):
+    """The first optimiser step measures KL 0 (the policy it starts from is pi_old); the second
+    measures the moved policy's, above a tiny limit: the update stops after it."""
+    loss = KLReportingLoss()
+    step, eng = update(model_path, loss, ppo_n_minibatches=3, ppo_epochs=2, early_stop_kl=limit)
+    metrics = step(make_rl_batch(batch_size=6, seed=4), train_version=1)
+    assert eng.step == steps and metrics["actor/optimizer_steps"] == float(steps) and len(loss.calls) == steps
+    assert metrics.get("actor/early_stopped") == (1.0 if limit is not None else None)
+    eng.close()
+
+
+def test_early_stop_kl_needs_a_loss_that_reports_the_kl(model_path):
+    from core_rl.trainer.errors import RunFailed
+
+    step, eng = update(model_path, RecordingLoss(), early_stop_kl=0.1)
+    with pytest.raises(RunFailed, match=r"algorithm.early_stop_kl: the policy loss reports no approx_kl"):
+        step(make_rl_batch(batch_size=4, seed=5), train_version=1)
+    eng.close()

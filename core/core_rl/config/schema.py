@@ -288,6 +288,11 @@ class AlgorithmConfig:
       and counts in ``filter/empty_steps_total``, see :mod:`core_rl.trainer.filtering`);
     - ``ppo_n_minibatches`` x ``ppo_epochs``: optimiser steps per RL step (the batch is cut into
       minibatches by rows, and the cut is passed over ``ppo_epochs`` times);
+    - ``early_stop_kl`` (null: off): after an optimiser step whose measured ``approx_kl`` (the policy
+      loss's KL estimate between the anchor and the policy that step started from, mean over the
+      step's tokens on every rank) exceeds it, the RL step's remaining minibatches and epochs are
+      skipped (the target-KL early stop of PPO implementations; ``actor/early_stopped``; the
+      learning-rate schedule counts the optimiser steps taken);
     - ``recompute_logprob``: ``old_logprobs`` come from the train engine before the first update
       (behaviour log-probs stay in ``behave_logprobs``);
     - ``reference_reset_every_n_steps``: every this many steps the reference model becomes the
@@ -313,6 +318,7 @@ class AlgorithmConfig:
     max_consecutive_empty_steps: int = attrs.field(default=10, validator=in_range(0, MAX_STEPS))
     ppo_n_minibatches: int = attrs.field(default=1, validator=in_range(1, MAX_COUNT))
     ppo_epochs: int = attrs.field(default=1, validator=in_range(1, 10_000))
+    early_stop_kl: float | None = attrs.field(default=None, validator=positive())
     recompute_logprob: bool = False
     reference_reset_every_n_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
     reference_reset_alpha: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))

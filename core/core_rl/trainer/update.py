@@ -24,6 +24,7 @@ from core_rl.guards import engine_metrics, engine_tensor
 from core_rl.interfaces import AdvantageEstimator, PolicyLoss, TrainEngine
 from core_rl.protocol import TensorBatch
 from core_rl.trainer.batching import runs_in_update, set_advantages
+from core_rl.trainer.errors import RunFailed
 
 #: (global batch) -> this rank's rows of it
 Shard = Callable[[TensorBatch], TensorBatch]
@@ -114,6 +115,18 @@ def drift_metrics(batch: TensorBatch) -> dict[str, float]:
     }
 
 
+def over_kl(step: dict[str, float], limit: float) -> bool:
+    """Whether an optimiser step's ``approx_kl`` exceeds ``algorithm.early_stop_kl`` (the same on
+    every rank: engine metrics are reduced over ranks). A loss that reports none is a
+    :class:`~core_rl.trainer.errors.RunFailed` naming the key."""
+    if "approx_kl" not in step:
+        raise RunFailed(
+            "algorithm.early_stop_kl: the policy loss reports no approx_kl metric to stop on (ppo_clip does); "
+            "remove early_stop_kl, or use a loss that reports it"
+        )
+    return step["approx_kl"] > limit
+
+
 class PolicyUpdate:
     """Runs the update of one RL step; every rank calls it with the same global batch.
 
@@ -183,15 +196,21 @@ class PolicyUpdate:
         steps = []
         parts = minibatch_rows(batch.batch_size, self.algorithm.ppo_n_minibatches)
         train_actor = self.critic is None or not self.critic.warming_up(train_version)
-        for _epoch in range(self.algorithm.ppo_epochs if train_actor else 0):
-            for rows in parts:
-                minibatch = batch.rows(rows)
-                minibatch["loss_weight"] = self.loss.loss_weights(minibatch["loss_mask"])
-                shard = self.shard(minibatch)
-                step = engine_metrics(self.engine, "train_step", shard, self.loss, temperature=self.temperature)
-                steps.append({**step, **self.loss.observe_step(step)})
+        epochs = self.algorithm.ppo_epochs if train_actor else 0
+        stopped = False
+        for rows in (rows for _epoch in range(epochs) for rows in parts):
+            minibatch = batch.rows(rows)
+            minibatch["loss_weight"] = self.loss.loss_weights(minibatch["loss_mask"])
+            shard = self.shard(minibatch)
+            step = engine_metrics(self.engine, "train_step", shard, self.loss, temperature=self.temperature)
+            steps.append({**step, **self.loss.observe_step(step)})
+            if self.algorithm.early_stop_kl is not None and over_kl(step, self.algorithm.early_stop_kl):
+                stopped = True
+                break
         metrics.update({f"actor/{k}": v for k, v in combine_step_metrics(steps).items()})
         metrics["actor/optimizer_steps"] = float(len(steps))
+        if self.algorithm.early_stop_kl is not None:
+            metrics["actor/early_stopped"] = float(stopped)
         if self.critic is not None:
             metrics.update(self.critic.update(batch, parts))
         return metrics
