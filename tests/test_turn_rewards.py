@@ -172,3 +172,10 @@ def test_the_environment_workflow_records_where_each_turn_ends(engine_and_tokeni
     summed = environment_workflow(environment={"name": "echo", "turns": 3}, max_turns=5)
     wave, _ = roll_out(engine, tokenizer, summed, rows, n=1, max_new_tokens=3)
     assert all(s.turn_ends is None and s.reward == 6.0 for g in wave.groups for s in g)
+    # turn_discount 0.5: turn k's reward counts 0.5 ** k (1 + 2 / 2 + 3 / 4), the steps keep the raw ones
+    Echo.clear()
+    discounted = environment_workflow(environment={"name": "echo", "turns": 3}, max_turns=5, turn_discount=0.5)
+    wave, _ = roll_out(engine, tokenizer, discounted, rows, n=1, max_new_tokens=3)
+    for sample in (s for g in wave.groups for s in g):
+        assert sample.turn_rewards == [1.0, 1.0, 0.75] and sample.reward == 2.75
+        assert [step["reward"] for step in sample.info["steps"]] == [1.0, 2.0, 3.0]

@@ -15,6 +15,7 @@
         max_concurrent_steps: 8 # steps running at once, across all trajectories
         train_turns: all        # all | last: which model turns train
         turn_reward: sum        # sum | last | per_turn: how the per-turn rewards are paid
+        turn_discount: 1.0      # turn k's reward counts turn_discount ** k (k = 0 first)
 
 Per trajectory (``sampling.n`` of them per row, each with its own environment object)::
 
@@ -32,9 +33,11 @@ every trained token of the trajectory shares its advantage. With ``per_turn``, `
 the sum and ``Sample.turn_ends`` marks where each turn ends: the estimators that work per token
 (``gae``, ``reinforce_pp``) pay each turn's reward at its turn's last token, so a turn's tokens are
 credited with the rewards from that turn on (discounted), not with those of earlier turns; outcome
-estimators (``grpo``, ``rloo``) see the sum. ``train_turns: last`` masks every model turn but the last from
-the loss (their tokens stay in the context). A step past ``tool_timeout_s`` ends the trajectory
-with reward 0 and ``info["timeout"]``.
+estimators (``grpo``, ``rloo``) see the sum. ``turn_discount`` ``d`` in (0, 1] scales turn ``k``'s
+reward (0-based) by ``d**k`` before any of this, so an answer reached in fewer turns earns more
+(AReaL's ``turn_discount``); the recorded steps keep the environment's own rewards.
+``train_turns: last`` masks every model turn but the last from the loss (their tokens stay in the
+context). A step past ``tool_timeout_s`` ends the trajectory with reward 0 and ``info["timeout"]``.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import attrs
 
 from core_rl.attribution import built_by
 from core_rl.config.schema import PluginSpec, plugin_section
-from core_rl.config.validators import FieldValueError, one_of, positive
+from core_rl.config.validators import FieldValueError, in_range, one_of, positive
 from core_rl.environments import Action, Environment, StepResult, as_step_result
 from core_rl.errors import PluginFault
 from core_rl.hookspecs import Register, hookimpl
@@ -74,6 +77,7 @@ class EnvironmentWorkflowConfig:
     max_concurrent_steps: int = attrs.field(default=16, validator=positive())
     train_turns: str = attrs.field(default="all", validator=one_of(TRAIN_TURNS))
     turn_reward: str = attrs.field(default="sum", validator=one_of(TURN_REWARDS))
+    turn_discount: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
 
     def __attrs_post_init__(self) -> None:
         if (self.environment is None) == (not self.environments):
@@ -186,7 +190,7 @@ class EnvironmentWorkflow(RolloutWorkflow):
                 result = (
                     StepResult("", 0.0, True, {"timeout": True}) if raw is None else as_step_result(raw, built_by(env))
                 )
-                rewards.append(result.reward)
+                rewards.append(result.reward * cfg.turn_discount**turn_index)
                 steps.append({"text": text, "reward": result.reward, **result.info})
                 if result.done:
                     done = True
