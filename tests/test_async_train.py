@@ -35,7 +35,8 @@ def previous_sync_rollout(self):
     from core_rl.trainer.rollout_flow import flatten_groups
 
     prompts = self.data.next_batch()
-    return flatten_groups(prompts, self.rollout.generate([p.prompt_ids for p in prompts], self.sampling))
+    groups = flatten_groups(prompts, self.rollout.generate([p.prompt_ids for p in prompts], self.sampling))
+    return (*groups, {})  # no draw metrics (data.difficulty_filter is off)
 
 
 def without_controller_keys(metrics: dict) -> dict:

@@ -144,7 +144,7 @@ def test_mistakes_are_one_line_each_at_config_validate(tmp_path: Path):
         "rewards/imports.py:score": f"{key}.path: {rewards}/imports.py:3: ModuleNotFoundError: No module named "
         "'no_such_module_xyz'",
         "rewards/fns.py:char_mtach": f"{key}.path: {rewards}/fns.py has no 'char_mtach'; the callables it defines: "
-        "async_length, char_match, labelled, lengths_batched, scaled_length, thread_name",
+        "async_length, char_match, labelled, lengths_batched, scaled_length, solves_ab, thread_name",
         "rewards/fns.py:scaled_length": f"{key}.path: scaled_length(response, *, scale, offset=0.0): "
         f"parameter 'scale' is neither an input ({inputs}) nor a key of {key}.kwargs; rename it, "
         f"give it a default or set it in {key}.kwargs",

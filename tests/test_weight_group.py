@@ -32,6 +32,9 @@ SPLIT_CHECK = textwrap.dedent(
     )
     assert weight_group.broadcast_tensors(pg, [torch.ones(3)], "cpu") == 12
     assert default.bound_device_id == torch.device("cpu", 0)  # put back
+    # torn down before exit: gloo's threads left running at interpreter exit can abort the process
+    weight_group.destroy_group(pg)
+    dist.destroy_process_group()
     print("ok")
     """
 )
