@@ -13,8 +13,9 @@ import pytest
 from core_rl.config.schema import ControllerConfig
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SamplingParams
-from core_rl.rollout_controller import RolloutController, RolloutFailed, staleness_metrics
+from core_rl.rollout_controller import RolloutController, RolloutFailed
 from core_rl.testing.tiny import build_tiny_model
+from core_rl.trainer.rollout_flow import staleness_metrics
 from core_rl.workflows import RolloutWorkflow, SingleTurnWorkflow, WorkflowContext, append_observation, extend_turn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -112,28 +112,6 @@ class Wave:
     draw_metrics: dict[str, float] = attrs.field(factory=dict)
 
 
-def staleness_metrics(oldest: Sequence[int], newest: Sequence[int], trained_version: int) -> dict[str, float]:
-    """Staleness of each trained sample: ``trained_version - v`` for the oldest (and newest) weight
-    version ``v`` among its tokens, where ``trained_version`` is the policy the update starts from.
-    Mean and max of both, the fraction of samples whose tokens span several versions (interrupted
-    by a weight update), and a histogram ``staleness/hist_<k>``: the fraction of samples whose
-    oldest token is ``k`` versions behind, for ``k`` from 0 to the max."""
-    if not oldest:
-        return {}
-    stale = [trained_version - v for v in oldest]
-    lag = [trained_version - v for v in newest]
-    out = {
-        "staleness/mean": sum(stale) / len(stale),
-        "staleness/max": float(max(stale)),
-        "staleness/newest_mean": sum(lag) / len(lag),
-        "staleness/newest_max": float(max(lag)),
-        "staleness/interrupted_fraction": sum(a != b for a, b in zip(oldest, newest)) / len(oldest),
-    }
-    for k in range(max(stale) + 1):
-        out[f"staleness/hist_{k}"] = sum(v == k for v in stale) / len(stale)
-    return out
-
-
 class RolloutController:
     """See the module docstring.
 

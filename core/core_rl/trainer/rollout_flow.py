@@ -3,7 +3,7 @@ batches, weight updates around the controller, the controller's checkpoint state
 asynchronous-training metrics and warnings.
 
 Metrics (rank 0, every step): ``staleness/*`` over the samples trained (see
-:func:`core_rl.rollout_controller.staleness_metrics`), ``async/queue_groups`` (finished groups
+:func:`staleness_metrics`), ``async/queue_groups`` (finished groups
 waiting for later steps), ``async/inflight``, ``throughput/rollout_utilization`` (fraction of the wall
 time since the previous batch during which some trajectory was generating), ``timing/rollout_wait_s`` (the
 trainer's wait for generation batches), ``throughput/train_utilization`` (``1 - wait_s / step_s``),
@@ -27,7 +27,7 @@ import torch
 from core_rl.config.schema import RunConfig
 from core_rl.interfaces import RolloutEngine, SamplingParams
 from core_rl.protocol import Sample, TensorBatch
-from core_rl.rollout_controller import RolloutController, Wave, staleness_metrics
+from core_rl.rollout_controller import RolloutController, Wave
 from core_rl.workflows import RolloutWorkflow
 
 P = TypeVar("P")
@@ -46,6 +46,28 @@ def batch_versions(batch: TensorBatch) -> tuple[list[int], list[int]]:
     newest = versions.max(dim=1).values
     keep = on.any(dim=1)
     return oldest[keep].tolist(), newest[keep].tolist()
+
+
+def staleness_metrics(oldest: Sequence[int], newest: Sequence[int], trained_version: int) -> dict[str, float]:
+    """Staleness of each trained sample: ``trained_version - v`` for the oldest (and newest) weight
+    version ``v`` among its tokens, where ``trained_version`` is the policy the update starts from.
+    Mean and max of both, the fraction of samples whose tokens span several versions (interrupted
+    by a weight update), and a histogram ``staleness/hist_<k>``: the fraction of samples whose
+    oldest token is ``k`` versions behind, for ``k`` from 0 to the max."""
+    if not oldest:
+        return {}
+    stale = [trained_version - v for v in oldest]
+    lag = [trained_version - v for v in newest]
+    out = {
+        "staleness/mean": sum(stale) / len(stale),
+        "staleness/max": float(max(stale)),
+        "staleness/newest_mean": sum(lag) / len(lag),
+        "staleness/newest_max": float(max(lag)),
+        "staleness/interrupted_fraction": sum(a != b for a, b in zip(oldest, newest)) / len(oldest),
+    }
+    for k in range(max(stale) + 1):
+        out[f"staleness/hist_{k}"] = sum(v == k for v in stale) / len(stale)
+    return out
 
 
 def flatten_groups(prompts: Sequence[P], groups: Sequence[Sequence[Sample]]) -> tuple[list[Sample], list[int], list[P]]:
