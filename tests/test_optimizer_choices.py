@@ -51,6 +51,17 @@ def test_muon_takes_exactly_the_hidden_matrices_of_the_tiny_model(tiny: Path, he
     )
 
 
+def test_a_head_named_classifier_is_left_to_adamw() -> None:
+    """Model families that name a token classifier's head ``classifier`` (GPT-2) keep it out of Muon."""
+    from transformers import GPT2Config, GPT2ForTokenClassification
+
+    model = GPT2ForTokenClassification(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, num_labels=1))
+    excluded = {id(p) for p in embeddings_and_head(model)}
+    assert id(model.classifier.weight) in excluded and id(model.transformer.wte.weight) in excluded
+    hidden, _ = muon_split(model.parameters(), embeddings_and_head(model))
+    assert all(id(p) not in excluded for p in hidden) and hidden
+
+
 def test_muon_with_adamw_steps_as_the_two_torch_optimizers_do() -> None:
     """One step of the combined optimizer equals torch's Muon on the hidden matrix (at ``muon_lr``,
     ``muon_momentum``) plus torch's AdamW on the rest (at ``lr``, the spared group without decay),

@@ -28,13 +28,15 @@ LR_RATIO = "lr_ratio"
 def embeddings_and_head(model: nn.Module) -> list[nn.Parameter]:
     """The parameters Muon leaves to AdamW although they are matrices: those of every
     ``nn.Embedding`` and of the output head (a causal LM's ``get_output_embeddings()``, a value or
-    score model's ``score`` layer)."""
+    score model's ``score`` layer, or ``classifier`` where a model family names it so)."""
     found: list[nn.Parameter] = []
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             found.extend(module.parameters())
         if hasattr(module, "get_output_embeddings"):
-            head = module.get_output_embeddings() or getattr(module, "score", None)
+            head = (
+                module.get_output_embeddings() or getattr(module, "score", None) or getattr(module, "classifier", None)
+            )
             if isinstance(head, nn.Module):
                 found.extend(head.parameters())
     return found
