@@ -20,6 +20,11 @@ def _program(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         )
 
 
+def _reasoning_tags(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not (len(value) == 2 and all(isinstance(t, str) and t for t in value)):
+        raise FieldValueError(attribute.name, value, 'must be [opening, closing], e.g. ["<think>", "</think>"]')
+
+
 @attrs.define
 class OpenAIAgentConfig:
     """How an agent program becomes a rollout workflow.
@@ -48,6 +53,9 @@ class OpenAIAgentConfig:
     - ``tool_parser``: the tool-call parser (core's registry: ``hermes``, ``llama3_json``,
       ``tags``, or a plugin's) that turns the sampled text of a chat call carrying ``tools`` into
       ``message.tool_calls``; ``null``: replies stay text.
+    - ``reasoning_tags``: ``[opening, closing]`` (e.g. ``["<think>", "</think>"]``): a chat reply's
+      text up to the closing tag becomes ``message.reasoning_content`` and the rest its
+      ``content`` (:mod:`core_rl_openai_proxy.reasoning`); ``null``: replies are not split.
     - ``host``/``port``: where the proxy listens (port 0: a free port).
     """
 
@@ -60,5 +68,6 @@ class OpenAIAgentConfig:
     on_history_mismatch: str = attrs.field(default="new_trajectory", validator=one_of(("new_trajectory", "error")))
     chat_template: str = ""
     tool_parser: PluginSpec | None = plugin_section(TOOL_PARSER, factory=lambda: PluginSpec(name="hermes"))  # noqa: RUF009 (an attrs field, like attrs.field)
+    reasoning_tags: list[str] | None = attrs.field(default=None, validator=_reasoning_tags)
     host: str = "127.0.0.1"
     port: int = attrs.field(default=0, validator=in_range(0, 65535))

@@ -122,6 +122,8 @@ def chat_body(
     choice (``return_token_ids`` in the request, as vLLM does); ``stop_reason``: the stop string
     that ended the turn (as vLLM reports it; its sampled tokens are all in ``token_ids``)."""
     message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.reasoning_content is not None:
+        message["reasoning_content"] = reply.reasoning_content
     if reply.tool_calls:
         message["tool_calls"] = reply.tool_calls
     choice: dict[str, Any] = {

@@ -198,7 +198,7 @@ class ProxyServer:
             by_string = self._stopped_by_string(turn, stops, session)
             sampled = self.tokenizer.decode(responses.content_ids(turn, by_string=by_string), skip_special_tokens=True)
             text, matched = self._reply_text(sampled, stops, turn, session) if by_string else (sampled, None)
-            reply = split_reply(text, self.tool_parser, tools, body.get("tool_choice"))
+            reply = split_reply(text, self.tool_parser, tools, body.get("tool_choice"), self.config.reasoning_tags)
             stop = (
                 self.tokenizer.decode(turn.response_ids[-1:]) if turn.finish_reason == "stop" and not by_string else ""
             )

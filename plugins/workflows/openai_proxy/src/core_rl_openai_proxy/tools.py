@@ -25,6 +25,7 @@ from core_rl.config.schema import PluginSpec
 from core_rl.tool_parsers import ToolParser
 
 from core_rl_openai_proxy.errors import RequestError
+from core_rl_openai_proxy.reasoning import split_reasoning
 
 TOOL_CHOICES = ("none", "auto", "required")
 
@@ -110,6 +111,7 @@ class Reply:
 
     content: str | None
     tool_calls: list[dict[str, Any]] = attrs.field(factory=list)
+    reasoning_content: str | None = None
 
     def message(self) -> dict[str, Any]:
         """The reply as :func:`core_rl_openai_proxy.chat.normalize_messages` makes the message a
@@ -124,13 +126,22 @@ class Reply:
         return "tool_calls" if self.tool_calls and sampled == "stop" else sampled
 
 
-def split_reply(text: str, parser: ToolParser | None, tools: Sequence[Any] | None, tool_choice: Any) -> Reply:
-    """The reply to a chat call whose sampled text is ``text`` (see the module docstring)."""
+def split_reply(
+    text: str,
+    parser: ToolParser | None,
+    tools: Sequence[Any] | None,
+    tool_choice: Any,
+    reasoning_tags: Sequence[str] | None = None,
+) -> Reply:
+    """The reply to a chat call whose sampled text is ``text`` (see the module docstring): its
+    reasoning split off first (:mod:`core_rl_openai_proxy.reasoning`), then the calls parsed from
+    the answer."""
+    reasoning, text = split_reasoning(text, reasoning_tags)
     if parser is None or not tools or tool_choice == "none":
-        return Reply(text)
+        return Reply(text, reasoning_content=reasoning)
     parsed = parser.parse(text)
     if parsed.errors or not parsed.calls:
-        return Reply(text)
+        return Reply(text, reasoning_content=reasoning)
     calls = [
         {
             "id": f"call_{uuid.uuid4().hex[:24]}",
@@ -139,7 +150,7 @@ def split_reply(text: str, parser: ToolParser | None, tools: Sequence[Any] | Non
         }
         for call in parsed.calls
     ]
-    return Reply(parsed.content or None, calls)
+    return Reply(parsed.content or None, calls, reasoning)
 
 
 def same_reply(got: Mapping[str, Any], returned: Mapping[str, Any]) -> bool:
