@@ -212,3 +212,17 @@ def fitted_rise(rows: list[dict[str, Any]], key: str = "reward/mean") -> tuple[f
     values = [r[key] for r in rows if key in r]  # not a row of evaluation alone (step 0)
     slope, intercept = statistics.linear_regression(range(len(values)), values)
     return intercept, intercept + slope * (len(values) - 1)
+
+
+def build_rollout_engine(name: str, options: dict[str, Any], model_path: Path | str, run_dir: Path) -> Any:
+    """The installed rollout engine ``name`` with its section's ``options`` (validated as
+    ``rollout.engine``), serving ``model_path``, as a run builds it (a server engine starts its
+    servers here)."""
+    from core_rl.config.converter import structure
+    from core_rl.config.schema import PluginSpec, RolloutConfig
+    from core_rl.kinds import ROLLOUT_ENGINE
+
+    entry = PluginHost().get(ROLLOUT_ENGINE, name)
+    config = None if entry.config_cls is None else structure(options, entry.config_cls, path="rollout.engine")
+    rollout = RolloutConfig(engine=PluginSpec(name=name, options=options))
+    return entry.factory(rollout, config, model_path=str(model_path), run_dir=run_dir)

@@ -43,7 +43,7 @@ def test_the_tags_are_checked() -> None:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from scripted_model import build_scripted_model
+    from core_rl.testing.scripted_model import build_scripted_model
 
     return build_scripted_model(tmp_path_factory.mktemp("reasoning") / "model", {":": THINKS})
 

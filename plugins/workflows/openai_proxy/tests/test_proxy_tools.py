@@ -1,5 +1,5 @@
 """Tool calls through the proxy, over real HTTP with the real ``openai`` client, in front of the real
-``hf`` engine on a scripted tiny model (:mod:`scripted_model`: its weights make it answer a prompt
+``hf`` engine on a scripted tiny model (:mod:`core_rl.testing.scripted_model`: its weights make it answer a prompt
 ending in ``:`` with a hermes tool call and one ending in ``!`` with a malformed one).
 
 - a reply holding a call comes back as ``message.tool_calls`` (``finish_reason: tool_calls``);
@@ -31,7 +31,7 @@ OPTIONS = {"program": f"{AGENTS}:uses_tools", "max_context_tokens": 400, "max_ne
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from scripted_model import build_scripted_model
+    from core_rl.testing.scripted_model import build_scripted_model
 
     return build_scripted_model(tmp_path_factory.mktemp("scripted") / "model", {":": GOOD, "!": [BAD]})
 

@@ -28,16 +28,10 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(model, tmp_path_factory):
     pytest.importorskip("core_rl_vllm")
-    from core_rl.config.converter import structure
-    from core_rl.config.schema import PluginSpec, RolloutConfig
-    from core_rl.kinds import ROLLOUT_ENGINE
-    from core_rl.plugins import PluginHost
+    from core_rl.testing.helpers import build_rollout_engine
 
-    options = {"dtype": "float32", "max_num_seqs": 8}
-    entry = PluginHost().get(ROLLOUT_ENGINE, "vllm")
-    config = structure(options, entry.config_cls, path="rollout.engine")
-    rollout = RolloutConfig(engine=PluginSpec(name="vllm", options=options))
-    engine = entry.factory(rollout, config, model_path=str(model), run_dir=tmp_path_factory.mktemp("run"))
+    run_dir = tmp_path_factory.mktemp("run")
+    engine = build_rollout_engine("vllm", {"dtype": "float32", "max_num_seqs": 8}, model, run_dir)
     yield engine
     engine.close()
 

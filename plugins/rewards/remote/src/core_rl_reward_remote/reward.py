@@ -17,24 +17,18 @@ a :class:`RemoteRewardError` at once. The token comes from the environment varia
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
-from core_rl.errors import CoreRLError
 from core_rl.interfaces import Reward, RewardScores
 from core_rl.protocol import RewardInput
 
 from core_rl_reward_remote.config import RemoteConfig
+from core_rl_reward_remote.http_service import HTTPService, RemoteRewardError
 
-RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
-
-
-class RemoteRewardError(RuntimeError):
-    """The reward service could not score a batch (after retries, where retrying made sense)."""
+__all__ = ["RemoteReward", "RemoteRewardError"]
 
 
 def _payload(item: RewardInput, fields: Sequence[str]) -> dict[str, Any]:
@@ -51,65 +45,15 @@ def _payload(item: RewardInput, fields: Sequence[str]) -> dict[str, Any]:
     return {name: values[name] for name in fields}
 
 
-def _retry_after(response: httpx.Response) -> float | None:
-    try:
-        return float(response.headers["retry-after"])
-    except (KeyError, ValueError):
-        return None
-
-
 class RemoteReward(Reward):
     """See the module docstring. Thread-safe (one shared connection pool)."""
 
     def __init__(self, config: RemoteConfig | None = None) -> None:
-        self.config = cfg = config if config is not None else RemoteConfig()
-        headers = {}
-        if cfg.auth_env is not None:
-            token = os.environ.get(cfg.auth_env)
-            if not token:
-                raise CoreRLError(
-                    f"reward 'remote': environment variable {cfg.auth_env} (reward.auth_env) is not set; "
-                    "export the service's token in it"
-                )
-            headers[cfg.auth_header] = f"{cfg.auth_scheme} {token}".strip()
-        self.client = httpx.Client(
-            headers=headers,
-            timeout=cfg.timeout_s,
-            limits=httpx.Limits(max_connections=cfg.max_concurrent_requests),
-        )
+        self.config = config if config is not None else RemoteConfig()
+        self.service = HTTPService(self.config, "reward 'remote'")
 
     def _post(self, batch: list[dict[str, Any]]) -> dict[str, Any]:
-        cfg = self.config
-        failures = []
-        for attempt in range(cfg.max_retries + 1):
-            delay = min(cfg.backoff_max_s, cfg.backoff_s * 2**attempt)
-            try:
-                response = self.client.post(cfg.url, json={"items": batch})
-            except httpx.TimeoutException:
-                failures.append(f"no answer within {cfg.timeout_s} s")
-            except httpx.TransportError as exc:
-                failures.append(f"{type(exc).__name__}: {exc}")
-            else:
-                if response.status_code in RETRY_STATUSES:
-                    failures.append(f"HTTP {response.status_code}")
-                    delay = _retry_after(response) or delay
-                elif response.status_code in (401, 403):
-                    hint = f"check the token in {cfg.auth_env}" if cfg.auth_env else "set reward.auth_env"
-                    raise RemoteRewardError(
-                        f"reward 'remote': {cfg.url} refused the request (HTTP {response.status_code}); {hint}"
-                    )
-                elif response.is_error:
-                    raise RemoteRewardError(
-                        f"reward 'remote': {cfg.url} answered HTTP {response.status_code}: {response.text[:300]}"
-                    )
-                else:
-                    return self._parse(response, len(batch))
-            if attempt < cfg.max_retries:
-                time.sleep(min(delay, cfg.backoff_max_s))
-        raise RemoteRewardError(
-            f"reward 'remote': {cfg.url} failed {len(failures)} times ({'; '.join(failures)}); "
-            "is the service up? (reward.max_retries, reward.timeout_s)"
-        )
+        return self._parse(self.service.post(self.config.url, {"items": batch}), len(batch))
 
     def _parse(self, response: httpx.Response, expected: int) -> dict[str, Any]:
         url = self.config.url
@@ -142,4 +86,4 @@ class RemoteReward(Reward):
         return self.score_with_parts(items).scores
 
     def close(self) -> None:
-        self.client.close()
+        self.service.close()

@@ -1,5 +1,5 @@
 """A real tiny Llama whose weights script what it samples: for tests that need a model to write a
-given text (a tool call) through the real engine, sampler and proxy.
+given text (a tool call, a judge's verdict) through a real engine, sampler, proxy or server.
 
 The tokenizer is core-rl's character tokenizer over printable ASCII plus a few added tokens (whole
 words, as a real vocabulary has). The model's attention and MLP outputs are zeroed, so its hidden
@@ -22,12 +22,16 @@ ALPHABET = string.ascii_letters + string.digits + string.punctuation + " "
 MARGIN = 5.0
 
 
-def build_scripted_model(path: Path, chains: Mapping[str, Sequence[str]], hidden_size: int = 128) -> Path:
-    """Write the model and tokenizer to ``path`` (see the module docstring); return ``path``."""
+def build_scripted_model(
+    path: Path, chains: Mapping[str, Sequence[str]], hidden_size: int = 128, chat_template: str | None = None
+) -> Path:
+    """Write the model and tokenizer to ``path`` (see the module docstring), the tokenizer with
+    ``chat_template`` when given (for servers that render chat requests themselves); return ``path``."""
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from core_rl.engine_utils.hf import save_pretrained
     from core_rl.tiny import build_tiny_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     build_tiny_model(path, alphabet=ALPHABET, hidden_size=hidden_size, num_layers=1, max_position_embeddings=1024)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -53,5 +57,7 @@ def build_scripted_model(path: Path, chains: Mapping[str, Sequence[str]], hidden
             head[following, current] = MARGIN
         model.lm_head.weight.copy_(head)
     save_pretrained(model, path)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(path)
     return path
