@@ -105,6 +105,7 @@ def completeness_problems(cfg: RunConfig, host: PluginHost | None = None) -> lis
     problems.extend(replay_config_problems(cfg, rl_loop=uses_rl_sections(cfg, host)))
     problems.extend(max_length_problems(cfg, host))
     problems.extend(difficulty_filter_problems(cfg, rl_loop=uses_rl_sections(cfg, host)))
+    problems.extend(ptx_problems(cfg, rl_loop=uses_rl_sections(cfg, host)))
     if not cfg.data.train_files:
         problems.append(
             "data.train_files: required; a list of JSON/JSONL/Parquet files, saved datasets or hf: datasets of prompts"
@@ -425,3 +426,13 @@ def difficulty_filter_problems(cfg: RunConfig, *, rl_loop: bool) -> list[str]:
             "reward_model: role's scores are not used); add a reward: section, or remove the filter"
         ]
     return []
+
+
+def ptx_problems(cfg: RunConfig, *, rl_loop: bool) -> list[str]:
+    """``algorithm.ptx`` with a loop whose updates are not the rl loop's policy updates."""
+    if cfg.algorithm.ptx is None or rl_loop:
+        return []
+    return [
+        f"algorithm.ptx: mixes supervised rows into the rl loop's policy updates, and this run's loop is "
+        f"{cfg.trainer.loop.name!r} (the sft loop trains on such rows by itself); remove it"
+    ]

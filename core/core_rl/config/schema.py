@@ -24,6 +24,7 @@ from core_rl.config.placement import RolePlacement as RolePlacement  # re-export
 from core_rl.config.plugin_spec import PluginSpec
 from core_rl.config.plugin_spec import default_from as default_from  # re-exported: the plugin guide names it here
 from core_rl.config.plugin_spec import plugin_section as plugin_section  # re-exported likewise
+from core_rl.config.ptx import PTXConfig
 from core_rl.config.replay_config import RolloutDumpConfig
 from core_rl.config.sampling import SamplingConfig as SamplingConfig  # re-exported with the sections
 from core_rl.config.validators import (
@@ -293,6 +294,8 @@ class AlgorithmConfig:
       step's tokens on every rank) exceeds it, the RL step's remaining minibatches and epochs are
       skipped (the target-KL early stop of PPO implementations; ``actor/early_stopped``; the
       learning-rate schedule counts the optimiser steps taken);
+    - ``ptx`` (null: off): a supervised loss on rows of its own in every optimiser step
+      (:class:`core_rl.config.ptx.PTXConfig`);
     - ``recompute_logprob``: ``old_logprobs`` come from the train engine before the first update
       (behaviour log-probs stay in ``behave_logprobs``);
     - ``reference_reset_every_n_steps``: every this many steps the reference model becomes the
@@ -319,6 +322,7 @@ class AlgorithmConfig:
     ppo_n_minibatches: int = attrs.field(default=1, validator=in_range(1, MAX_COUNT))
     ppo_epochs: int = attrs.field(default=1, validator=in_range(1, 10_000))
     early_stop_kl: float | None = attrs.field(default=None, validator=positive())
+    ptx: PTXConfig | None = None
     recompute_logprob: bool = False
     reference_reset_every_n_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
     reference_reset_alpha: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))

@@ -93,6 +93,7 @@ class Checkpointing:
             "reward_errors": self.reward_log.state_dict(),
             "advantage": self.advantage.state_dict() if self.advantage is not None else {},
             "loss": self.loss.state_dict() if getattr(self, "loss", None) is not None else {},
+            "ptx": ptx.state_dict() if (ptx := getattr(getattr(self, "update", None), "ptx", None)) else {},
             # data.difficulty_filter's records (trainer/difficulty.py), apart from the data position
             "difficulty": self.data.difficulty.state_dict() if self.data.difficulty is not None else {},
         }
@@ -206,6 +207,8 @@ class Checkpointing:
             self.advantage.load_state_dict(extra.get("advantage", {}))
         if getattr(self, "loss", None) is not None:  # loops without a policy loss have none
             self.loss.load_state_dict(extra.get("loss", {}))
+        if (ptx := getattr(getattr(self, "update", None), "ptx", None)) is not None:
+            ptx.load_state_dict(extra.get("ptx", {}))
         with waiting_for("the other ranks to send the resumed weights to the rollout engine"):
             self._sync_weights(step)
         if self.is_main:

@@ -68,8 +68,8 @@ def response_tokens(item: PromptItem, key: str, tokenizer: Any, *, eos: bool = T
 
 
 def column_where(item: PromptItem, key: str) -> str:
-    """How a problem names column ``key`` of ``item``'s row."""
-    return f"data row {item.text[:40]!r}: column {key!r}"
+    """How a problem names column ``key`` of ``item``'s row: its file and line where it has them."""
+    return f"{item.where or f'data row {item.text[:40]!r}'}: column {key!r}"
 
 
 def with_eos(ids: list[int], tokenizer: Any, *, eos: bool = True) -> list[int]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from abc import abstractmethod
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,37 +37,12 @@ from core_rl.trainer.building import build_loggers, quiet_library_progress_bars
 from core_rl.trainer.data import DataRow, PromptItem, PromptSource
 from core_rl.trainer.length_bound import run_bound
 from core_rl.trainer.ranks import agree_after, rank_and_world, set_collective_timeout, waiting_for
+from core_rl.trainer.sequence_batches import prompt_response_batch as prompt_response_batch  # loops import them here
+from core_rl.trainer.sequence_batches import sequence_batch as sequence_batch
 from core_rl.trainer.sequences import TrainSequence, column_where, fit, with_eos
 from core_rl.trainer.sequences import token_ids as token_ids  # where the loops have imported it from
 from core_rl.trainer.signals import StopSignals
 from core_rl.trainer.sync import SyncTrainer
-
-
-def prompt_response_batch(
-    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_token_id: int
-) -> TensorBatch:
-    """Right-padded ``input_ids`` / ``attention_mask`` [B, T] of ``prompt + response`` rows, with
-    ``response_mask`` 1.0 on the response tokens (the positions whose log-prob the loss reads)."""
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-    n, width = len(lengths), max(lengths)
-    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, width), dtype=torch.long)
-    response_mask = torch.zeros((n, width), dtype=torch.float32)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        input_ids[i, : len(p) + len(r)] = torch.tensor([*p, *r], dtype=torch.long)
-        attention_mask[i, : len(p) + len(r)] = 1
-        response_mask[i, len(p) : len(p) + len(r)] = 1.0
-    return TensorBatch({"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask})
-
-
-def sequence_batch(sequences: Sequence[TrainSequence], pad_token_id: int) -> TensorBatch:
-    """:func:`prompt_response_batch` of ``sequences`` (their ``suffix`` tokens are the caller's to
-    add), ``response_mask`` set to ``trained`` on the rows that say which tokens train."""
-    batch = prompt_response_batch([s.prompt for s in sequences], [s.response for s in sequences], pad_token_id)
-    for row, s in enumerate(sequences):
-        if s.trained is not None:
-            batch["response_mask"][row, : len(s.trained)] = torch.tensor(s.trained, dtype=torch.float32)
-    return batch
 
 
 def global_sum(values: torch.Tensor) -> torch.Tensor:

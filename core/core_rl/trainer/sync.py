@@ -80,6 +80,7 @@ from core_rl.trainer.hf_exports import export_due, export_step
 from core_rl.trainer.memory import MemoryMeter
 from core_rl.trainer.numerics import NonFiniteGuard
 from core_rl.trainer.profiling import StepProfiler
+from core_rl.trainer.ptx import PTXLoss, PTXRows
 from core_rl.trainer.ranks import (
     agree_after,
     broadcast_outcome,
@@ -195,6 +196,8 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
         self.ref = self.roles.ref
         if cfg.teacher is not None:
             self.loss = DistillationLoss(self.loss, cfg.teacher)
+        if cfg.algorithm.ptx is not None:  # supervised rows in every optimiser step (trainer/ptx.py)
+            self.loss = PTXLoss(self.loss)
         set_collective_timeout(cfg.trainer.collective_timeout_s)  # and for one that existed already
         self.rank, self.world_size = rank_and_world()
         # -- policy-gradient options (trainer/batching.py, trainer/update.py) ------------------
@@ -243,6 +246,9 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
         # every rank has the data (only rank 0 draws from it) so a bad file fails on all ranks
         # at once instead of leaving the others waiting in a collective
         self.data = PromptSource(cfg.data, self.tokenizer, seed=cfg.experiment.seed, rows=self._data_rows)
+        if cfg.algorithm.ptx is not None:
+            rows = PTXRows(cfg.algorithm.ptx, cfg.data, self.tokenizer, seed=cfg.experiment.seed)
+            self.update.ptx, self.update.pad_token_id = rows, self.pad_token_id
         # rank 0's own components: a failure is sent to the other ranks, which would wait otherwise
         error: Exception | None = None
         if self.is_main:

@@ -25,6 +25,7 @@ from core_rl.interfaces import AdvantageEstimator, PolicyLoss, TrainEngine
 from core_rl.protocol import TensorBatch
 from core_rl.trainer.batching import runs_in_update, set_advantages
 from core_rl.trainer.errors import RunFailed
+from core_rl.trainer.ptx import PTXRows, with_ptx
 
 #: (global batch) -> this rank's rows of it
 Shard = Callable[[TensorBatch], TensorBatch]
@@ -164,6 +165,9 @@ class PolicyUpdate:
         # both sides (the rollout engine's log-probs would add its numerical gap to the KL)
         kl_in_reward = self.advantage is not None and bool(getattr(self.advantage, "requires_reference", False))
         self.recompute = algorithm.recompute_logprob or loss.requires_recompute or kl_in_reward
+        #: ``algorithm.ptx``'s rows (:mod:`core_rl.trainer.ptx`), set once the tokenizer is loaded
+        self.ptx: PTXRows | None = None
+        self.pad_token_id = 0
 
     def _logprobs(self, batch: TensorBatch) -> None:
         """``ref_logprobs`` (with a reference model), ``teacher_logprobs`` (with a teacher) and
@@ -201,6 +205,9 @@ class PolicyUpdate:
         for rows in (rows for _epoch in range(epochs) for rows in parts):
             minibatch = batch.rows(rows)
             minibatch["loss_weight"] = self.loss.loss_weights(minibatch["loss_mask"])
+            if self.ptx is not None:
+                coef = self.algorithm.ptx.coef if self.algorithm.ptx is not None else 0.0
+                minibatch = with_ptx(minibatch, self.ptx.next_rows(), coef, self.pad_token_id)
             shard = self.shard(minibatch)
             step = engine_metrics(self.engine, "train_step", shard, self.loss, temperature=self.temperature)
             steps.append({**step, **self.loss.observe_step(step)})
