@@ -77,6 +77,8 @@ def test_the_update_minimises_the_policy_loss_plus_coef_times_the_mean_nll(tmp_p
     sequences = [TrainSequence([5, 6, 7], [8, 9, 2]), TrainSequence([5], [10, 11])]
 
     class Rows:
+        config = ptx_cfg
+
         def next_rows(self):
             return sequences
 

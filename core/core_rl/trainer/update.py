@@ -206,8 +206,7 @@ class PolicyUpdate:
             minibatch = batch.rows(rows)
             minibatch["loss_weight"] = self.loss.loss_weights(minibatch["loss_mask"])
             if self.ptx is not None:
-                coef = self.algorithm.ptx.coef if self.algorithm.ptx is not None else 0.0
-                minibatch = with_ptx(minibatch, self.ptx.next_rows(), coef, self.pad_token_id)
+                minibatch = with_ptx(minibatch, self.ptx.next_rows(), self.ptx.config.coef, self.pad_token_id)
             shard = self.shard(minibatch)
             step = engine_metrics(self.engine, "train_step", shard, self.loss, temperature=self.temperature)
             steps.append({**step, **self.loss.observe_step(step)})
