@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import sys
 import threading
 import time
@@ -477,7 +476,4 @@ class RolloutController:
 
 
 def _sampling_key(sampling: SamplingParams) -> tuple:
-    def hashable(v: Any) -> Any:
-        return json.dumps(v, sort_keys=True) if isinstance(v, dict) else tuple(v) if isinstance(v, list) else v
-
-    return tuple(hashable(v) for v in attrs.astuple(sampling, recurse=False))
+    return tuple(tuple(v) if isinstance(v, list) else v for v in attrs.astuple(sampling))

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 
 
@@ -32,8 +30,7 @@ class SamplingParams:
     every engine's responses there (:mod:`core_rl.stop_strings`), so an engine may ignore them
     or stop later. An engine whose config class sets ``stop_strings = True`` stops there itself,
     saving the tokens after (``hf``, ``vllm``; ``sglang`` when ``min_new_tokens`` is 0); it must
-    never stop before the cut, which the rollout contract checks. ``extra``: server parameters
-    passed as they are (:func:`with_extra`; ``rollout.sampling.extra``).
+    never stop before the cut, which the rollout contract checks.
     """
 
     n: int = 1
@@ -49,16 +46,3 @@ class SamplingParams:
     stop_token_ids: list[int] = attrs.field(factory=list)
     greedy: bool = False
     stop: list[str] = attrs.field(factory=list)
-    extra: dict[str, Any] = attrs.field(factory=dict)
-
-
-def with_extra(params: dict[str, Any], sampling: SamplingParams, engine: str) -> dict[str, Any]:
-    """``params`` (the request's sampling parameters an engine builds) with ``sampling.extra``
-    added; a key of ``extra`` the engine sets itself is a :class:`ValueError` naming it."""
-    taken = sorted(set(sampling.extra) & set(params))
-    if taken:
-        raise ValueError(
-            f"rollout.sampling.extra: the {engine} engine sets {', '.join(taken)} itself (from rollout.sampling); "
-            "remove them from extra"
-        )
-    return {**params, **sampling.extra}

@@ -10,7 +10,7 @@ from core_rl.config.validators import MAX_COUNT, FieldValueError, in_range, one_
 
 if TYPE_CHECKING:  # torch is imported when a device is checked or resolved, not when the plugin registers
     import torch
-    from core_rl.config.checks import EnvironmentContext, SectionContext
+    from core_rl.config.checks import EnvironmentContext
 
 
 #: dtypes accepted by ``autocast_dtype`` (``None``: off)
@@ -86,17 +86,6 @@ class HFRolloutConfig:
     autocast_dtype: str | None = attrs.field(default=None, validator=one_of(AUTOCAST_DTYPES))
     cuda_graphs: bool | None = None
     sync_every: int | None = attrs.field(default=None, validator=in_range(1, MAX_COUNT))
-
-    def check_config(self, context: SectionContext) -> list[str]:
-        """``rollout.sampling.extra`` (and ``eval.sampling``'s) holds server parameters, which this
-        engine, sampling in process, cannot honour."""
-        extra = context.run.rollout.sampling.extra
-        if not extra:
-            return []
-        return [
-            f"rollout.sampling.extra: {', '.join(sorted(extra))} are server parameters and the hf engine samples "
-            "in process; remove them, or use the vllm or sglang engine"
-        ]
 
     def check_environment(self, context: EnvironmentContext) -> list[str]:
         """The device against what the machine has."""
