@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
+import attrs
 import pytest
 from core_rl.config.schema import ControllerConfig
 from core_rl.errors import CoreRLError
@@ -170,6 +171,46 @@ def test_multi_turn_workflow_masks_tool_tokens(engine, batching) -> None:
     p = len(sample.prompt_ids)
     assert batch["response_mask"][0, p : p + 6].tolist() == [1, 1, 0, 0, 1, 1]
     assert batch["versions"][0, p + 2 : p + 4].tolist() == [-1, -1]
+
+
+class ExtraByParity(RolloutWorkflow):
+    """Even prompts ask with one server parameter, odd ones with another."""
+
+    async def run(self, prompt, ctx: WorkflowContext):
+        extra = {"tag": "even" if prompt.index % 2 == 0 else "odd"}
+        return await ctx.generate(prompt.prompt_ids, SamplingParams(n=1, max_new_tokens=2, extra=extra))
+
+
+class RecordingEngine:
+    """The real engine, recording each call's prompt count and ``extra`` and passing the call on
+    without it (the hf engine samples in process and refuses server parameters)."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.calls = engine, []
+
+    def generate(self, prompts, sampling):
+        self.calls.append((len(prompts), sampling.extra.get("tag")))
+        return self.engine.generate(prompts, attrs.evolve(sampling, extra={}))
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def test_a_wave_is_batched_apart_by_server_parameters(engine) -> None:
+    """Requests of one wave that differ only in ``extra`` reach the engine as separate calls,
+    equal ones together (``core_rl.sampling_params.batch_key``)."""
+    engine._weight_version = 0
+    recording = RecordingEngine(engine)
+    controller = RolloutController(
+        recording, ExtraByParity(), CountingData(4), SamplingParams(), ControllerConfig(batching="wave"), batch_size=4
+    )
+    controller.start()
+    try:
+        wave = controller.take(new_step=True)
+    finally:
+        controller.close()
+    assert sorted(recording.calls) == [(2, "even"), (2, "odd")]
+    assert [len(group) for group in wave.groups] == [1, 1, 1, 1]
 
 
 class Failing(RolloutWorkflow):

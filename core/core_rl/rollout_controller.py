@@ -51,6 +51,7 @@ from core_rl.config.schema import ControllerConfig
 from core_rl.errors import CoreRLError, PluginFault
 from core_rl.interfaces import RolloutEngine, SamplingParams
 from core_rl.protocol import Sample
+from core_rl.sampling_params import batch_key
 from core_rl.stop_strings import apply_stop_strings
 from core_rl.workflows import RolloutWorkflow, WorkflowContext, check_samples
 
@@ -442,7 +443,7 @@ class RolloutController:
         wave.pending = []
         batches: dict[tuple, list[_Pending]] = {}
         for p in pending:
-            batches.setdefault(_sampling_key(p.sampling), []).append(p)
+            batches.setdefault(batch_key(p.sampling), []).append(p)
         task = self._loop.create_task(self._run_batches(list(batches.values())))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -473,7 +474,3 @@ class RolloutController:
     def _checked(self, samples: Any, prompt_ids: Sequence[int], n: int, contract: str) -> list[Sample]:
         """The ``n`` samples of ``prompt_ids`` the engine returned (:func:`core_rl.workflows.check_samples`)."""
         return check_samples(samples, self._engine_words, "samples", prompt_ids=prompt_ids, count=n, contract=contract)
-
-
-def _sampling_key(sampling: SamplingParams) -> tuple:
-    return tuple(tuple(v) if isinstance(v, list) else v for v in attrs.astuple(sampling))

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import attrs
 
 
@@ -30,7 +33,8 @@ class SamplingParams:
     every engine's responses there (:mod:`core_rl.stop_strings`), so an engine may ignore them
     or stop later. An engine whose config class sets ``stop_strings = True`` stops there itself,
     saving the tokens after (``hf``, ``vllm``; ``sglang`` when ``min_new_tokens`` is 0); it must
-    never stop before the cut, which the rollout contract checks.
+    never stop before the cut, which the rollout contract checks. ``extra``: server parameters
+    passed as they are (:func:`with_extra`; ``rollout.sampling.extra``).
     """
 
     n: int = 1
@@ -46,3 +50,29 @@ class SamplingParams:
     stop_token_ids: list[int] = attrs.field(factory=list)
     greedy: bool = False
     stop: list[str] = attrs.field(factory=list)
+    extra: dict[str, Any] = attrs.field(factory=dict)
+
+
+def batch_key(sampling: SamplingParams) -> tuple:
+    """A hashable key of every field of ``sampling``: requests whose keys are equal may share one
+    engine call (lists as tuples, ``extra`` as its sorted JSON text, so two requests that differ
+    only in a server parameter are batched apart)."""
+
+    def hashable(value: Any) -> Any:
+        if isinstance(value, dict):
+            return json.dumps(value, sort_keys=True, default=repr)
+        return tuple(value) if isinstance(value, list) else value
+
+    return tuple(hashable(value) for value in attrs.astuple(sampling, recurse=False))
+
+
+def with_extra(params: dict[str, Any], sampling: SamplingParams, engine: str) -> dict[str, Any]:
+    """``params`` (the request's sampling parameters an engine builds) with ``sampling.extra``
+    added; a key of ``extra`` the engine sets itself is a :class:`ValueError` naming it."""
+    taken = sorted(set(sampling.extra) & set(params))
+    if taken:
+        raise ValueError(
+            f"rollout.sampling.extra: the {engine} engine sets {', '.join(taken)} itself (from rollout.sampling); "
+            "remove them from extra"
+        )
+    return {**params, **sampling.extra}

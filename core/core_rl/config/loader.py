@@ -47,6 +47,7 @@ from core_rl.config.problems import (
     keep_best_problems,
     loop_roles,
     plugin_check_problems,
+    sampling_extra_problems,
     uses_rl_sections,
     weight_sync_problems,
 )
@@ -281,6 +282,7 @@ def load_config(
         except ConfigError as exc:
             problems.extend(exc.problems)
     problems.extend(weight_sync_problems(host, cfg))
+    problems.extend(sampling_extra_problems(host, cfg))
     problems.extend(defer_total_steps(cfg, data))  # trainer.total_epochs: total_steps derived at the start
     derive_schedules(cfg)
     problems.extend(cross_section_problems(cfg))

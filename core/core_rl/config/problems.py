@@ -238,6 +238,19 @@ def weight_sync_problems(host: PluginHost, cfg: RunConfig) -> list[str]:
     ]
 
 
+def sampling_extra_problems(host: PluginHost, cfg: RunConfig) -> list[str]:
+    """``rollout.sampling.extra`` needs a rollout engine that passes it on (the ``sampling_extra``
+    attribute of its ``config_cls``; absent: it does not, e.g. ``hf``, which samples in process)."""
+    extra = cfg.rollout.sampling.extra
+    entry = host.registries[ROLLOUT_ENGINE.key].get(cfg.rollout.engine.name)
+    if not extra or entry is None or getattr(entry.config_cls, "sampling_extra", False):
+        return []
+    return [
+        f"rollout.sampling.extra: {', '.join(sorted(extra))}: rollout engine {entry.name!r} ({entry.distribution}) "
+        "does not pass server parameters on; remove them, or use an engine that does (vllm, sglang)"
+    ]
+
+
 def engine_releases_memory(host: PluginHost, cfg: RunConfig) -> bool | None:
     """Whether the selected rollout engine can give back its memory while the trainer trains (the
     ``releases_memory`` attribute of its ``config_cls``; absent: it cannot); ``None`` for an

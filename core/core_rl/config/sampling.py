@@ -3,7 +3,7 @@ replaces some of its keys, :mod:`core_rl.config.eval_config`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -31,7 +31,13 @@ class SamplingConfig:
     [-2, 2], default 0: off) subtracts ``presence_penalty`` once if ``c_j > 0``. Positive values
     discourage repeats. The ranges are the strictest engine's (SGLang: repetition at most 2).
     Like the filters they only change what is sampled (:class:`core_rl.interfaces.SamplingParams`
-    says which log-probs each engine reports)."""
+    says which log-probs each engine reports).
+
+    ``extra``: sampling parameters a server engine passes to its server as they are (vLLM's or
+    SGLang's names, e.g. ``{ignore_eos: true}``, ``{logit_bias: {...}}``), for what core-rl does
+    not name itself; a key core-rl sets from this section is refused, and the ``hf`` engine, which
+    samples in process, refuses any. What they change is sampled, not what the behaviour log-probs
+    mean (consider ``algorithm.recompute_logprob``)."""
 
     n: int = attrs.field(default=8, validator=in_range(1, MAX_COUNT))
     temperature: float = attrs.field(default=1.0, validator=in_range(0.0, 100.0, low_open=True))
@@ -46,8 +52,12 @@ class SamplingConfig:
     stop_token_ids: list[int] = attrs.field(factory=list, validator=each(in_range(0, MAX_TOKENS)))
     stop: list[str] = attrs.field(factory=list, validator=each(not_empty()))
     greedy: bool = False
+    extra: dict[str, Any] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
+        named = sorted(set(self.extra) & {f.name for f in attrs.fields(SamplingConfig)})
+        if named:
+            raise FieldValueError("extra", named, f"{', '.join(named)}: set by this section's own keys; use them")
         if self.min_new_tokens > self.max_new_tokens:
             raise FieldValueError(
                 "min_new_tokens", self.min_new_tokens, f"must be <= max_new_tokens ({self.max_new_tokens})"

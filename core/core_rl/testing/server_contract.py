@@ -70,6 +70,16 @@ class ServerRolloutEngineContract(RolloutEngineContract):
         tokens = self.long_tokens
         return prompts, SamplingParams(n=self.long_n, max_new_tokens=tokens, min_new_tokens=tokens)
 
+    def test_extra_sampling_parameters_reach_the_server(self, engine) -> None:
+        """``rollout.sampling.extra`` goes to the server as it is: a logit bias of 100 on token 7
+        makes every greedy token 7; a key the engine sets itself is refused, naming it."""
+        biased = SamplingParams(n=1, max_new_tokens=4, greedy=True, extra={"logit_bias": {"7": 100.0}})
+        for samples in engine.generate([[1, 10, 11, 12], [1, 13, 14]], biased):
+            assert samples[0].response_ids == [7, 7, 7, 7]
+        taken = SamplingParams(n=1, max_new_tokens=4, greedy=True, extra={"stop_token_ids": [3]})
+        with pytest.raises(ValueError, match=r"rollout.sampling.extra: the \w+ engine sets stop_token_ids itself"):
+            engine.generate([[1, 10, 11, 12]], taken)
+
     def test_server_logs_in_run_dir(self, engine) -> None:
         logs = engine.server_logs()
         assert logs, "a started server has a log"

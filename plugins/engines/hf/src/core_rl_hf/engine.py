@@ -33,6 +33,7 @@ from core_rl.engine_utils import attention
 from core_rl.errors import ConfigError
 from core_rl.interfaces import PAUSE_MODES, RolloutEngine, SamplingParams
 from core_rl.protocol import Sample
+from core_rl.sampling_params import batch_key
 
 from core_rl_hf.config import GPU_SYNC_EVERY, HFRolloutConfig, resolve_device
 from core_rl_hf.decode import lean_supported
@@ -306,12 +307,17 @@ class HFRolloutEngine(RolloutEngine):
                     break
                 batch.append(item)
                 samples += item.sampling.n
-            self._run_batch(batch)
+            try:
+                self._run_batch(batch)
+            except BaseException as exc:  # the worker lives on; its callers get the error, never a wait without end
+                for request in batch:
+                    if not request.future.done():
+                        request.future.set_exception(exc)
 
     def _run_batch(self, batch: list[_Request]) -> None:
         groups: dict[tuple, list[_Request]] = {}
         for request in batch:
-            groups.setdefault(_sampling_key(request.sampling), []).append(request)
+            groups.setdefault(batch_key(request.sampling), []).append(request)
         for requests in groups.values():
             # a request its caller cancelled (e.g. a rollout controller closing) is not generated
             requests = [r for r in requests if r.future.set_running_or_notify_cancel()]
@@ -431,11 +437,6 @@ class _Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     future: Future
-
-
-def _sampling_key(sampling: SamplingParams) -> tuple:
-    """Requests with equal keys can share one batch."""
-    return tuple(tuple(v) if isinstance(v, list) else v for v in attrs.astuple(sampling))
 
 
 def make_engine(

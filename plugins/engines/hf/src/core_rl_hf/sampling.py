@@ -153,5 +153,10 @@ def check_sampling(sampling: SamplingParams) -> None:
     for name in ("frequency_penalty", "presence_penalty"):
         if not -2 <= getattr(sampling, name) <= 2:
             problems.append(f"{name} must be in [-2, 2], got {getattr(sampling, name)}")
+    if sampling.extra:
+        problems.append(
+            f"extra ({', '.join(sorted(sampling.extra))}) holds server parameters, and the hf engine samples in "
+            "process; remove rollout.sampling.extra, or use vllm or sglang"
+        )
     if problems:
         raise ValueError("invalid sampling parameters: " + "; ".join(problems))

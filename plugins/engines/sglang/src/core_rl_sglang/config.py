@@ -43,6 +43,8 @@ class SGLangConfig:
     """
 
     weight_sync_modes: ClassVar[tuple[str, ...]] = ("disk", "collective")
+    #: requests carry ``rollout.sampling.extra`` to the server as they are (:func:`core_rl.sampling_params.with_extra`)
+    sampling_extra: ClassVar[bool] = True
     #: the servers can give back their memory while the trainer trains (``rollout.sleep_while_training``)
     releases_memory: ClassVar[bool] = True
     #: the server stops at rollout.sampling.stop strings itself (core_rl.stop_strings) when

@@ -43,6 +43,7 @@ from core_rl.config.schema import RolloutConfig
 from core_rl.interfaces import SamplingParams
 from core_rl.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post, versions_from_spans
 from core_rl.remote.engine import FORK_ENGINE
+from core_rl.sampling_params import with_extra
 
 from core_rl_sglang.config import SGLangConfig
 
@@ -192,6 +193,7 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             "no_stop_trim": True,
             **({"stop": list(sampling.stop)} if self._stops_natively(sampling) else {}),
         }
+        params = with_extra(params, sampling, "sglang")
         payload = {
             "input_ids": [list(prompt_ids)] * sampling.n,
             "sampling_params": params,

@@ -63,6 +63,7 @@ from core_rl.interfaces import SamplingParams
 from core_rl.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post, versions_from_spans
 from core_rl.remote.engine import FORK_ENGINE
 from core_rl.remote.wire import describe, is_transport_error
+from core_rl.sampling_params import with_extra
 from core_rl.servers import ServerError
 
 from core_rl_vllm.config import GPU_MEMORY_UTILIZATION, VLLMConfig
@@ -374,7 +375,11 @@ def head_size(model_path: str | Path) -> int | None:
 
 
 def _params(sampling: SamplingParams) -> dict[str, Any]:
-    """vLLM's sampling parameters for ``sampling``."""
+    """vLLM's sampling parameters for ``sampling`` (with its ``extra``)."""
+    return with_extra(_own_params(sampling), sampling, "vllm")
+
+
+def _own_params(sampling: SamplingParams) -> dict[str, Any]:
     return {
         "n": sampling.n,
         "max_tokens": sampling.max_new_tokens,
