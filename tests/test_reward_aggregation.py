@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from core_rl import ops
 from core_rl.config.reward_aggregation import combine_part_weights
 from core_rl.config.schema import AlgorithmConfig, NormConfig, RewardShapingConfig
 from core_rl.errors import ConfigError
@@ -108,11 +109,12 @@ def test_the_default_is_the_weighted_sum_as_before() -> None:
     assert RewardShapingConfig().aggregation == "sum"
 
 
-def trl_normalize_then_sum(parts: torch.Tensor, weights: torch.Tensor, n: int) -> torch.Tensor:
-    """TRL 1.16's ``normalize_then_sum`` advantages, written out (float64): per part within each
-    group of ``n``, ``(x - nanmean) / (nanstd + 1e-4)`` with Bessel's correction (NaN below two
-    values), the NaN-skipping weighted sum, then ``(r - nanmean(r)) / (nanstd(r) + 1e-4)`` over the
-    batch, a row with every part NaN left out and given 0."""
+def trl_normalize_then_sum(parts: torch.Tensor, weights: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL 1.16's ``normalize_then_sum``, written out (float64): per part within each group of
+    ``n``, ``(x - nanmean) / (nanstd + 1e-4)`` with Bessel's correction (NaN below two values), the
+    NaN-skipping weighted sum ``r`` (returned first), then the advantages (returned second)
+    ``(r - nanmean(r)) / (nanstd(r) + 1e-4)`` over the batch, a row with every part NaN left out
+    and given 0."""
 
     def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
         kw = {"dim": dim, "keepdim": True} if dim is not None else {}
@@ -127,7 +129,7 @@ def trl_normalize_then_sum(parts: torch.Tensor, weights: torch.Tensor, n: int) -
     rewards = (z.view(-1, k) * weights.double()).nansum(dim=1)
     rewards[parts.isnan().all(dim=1)] = math.nan
     advantages = (rewards - torch.nanmean(rewards)) / (nanstd(rewards) + 1e-4)
-    return torch.nan_to_num(advantages, nan=0.0)
+    return rewards, torch.nan_to_num(advantages, nan=0.0)
 
 
 # graded part values (as rewards are) or absent; groups of n samples, K parts
@@ -162,9 +164,11 @@ def test_parity_with_trls_normalize_then_sum(case) -> None:
     # TRL's batch normalisation of the sum is reward_shaping.norm at batch level with its eps
     norm = NormConfig(mean_level="batch", std_level="batch", eps=1e-4)
     algorithm = AlgorithmConfig(reward_shaping=RewardShapingConfig(aggregation="normalize_then_sum", norm=norm))
+    trl_sums, trl_advantages = trl_normalize_then_sum(table, torch.tensor(weights), n)
+    sums = ops.normalize_then_sum(table, torch.tensor(weights), torch.arange(len(rows)) // n, eps=1e-4)
+    assert sums.tolist() == pytest.approx(trl_sums.tolist(), rel=1e-5, abs=1e-5)
     got, _ = assembled(gen, algorithm, named, grpo.GroupRelativeAdvantage(norm_std=False))
-    expected = trl_normalize_then_sum(table, torch.tensor(weights), n)
-    assert got.tolist() == pytest.approx(expected.tolist(), abs=1e-4)
+    assert got.tolist() == pytest.approx(trl_advantages.tolist(), rel=1e-5, abs=1e-5)
 
 
 def _config(minimal: dict, **changes) -> dict:
