@@ -269,10 +269,10 @@ class RewardShapingConfig:
     ``multi_objective_aggregation``), with a ``combine`` reward only, the weighted sum of its parts
     each normalised within its group first, ``r_i = sum_k w_k * (p_ik - mean_g(p_k)) /
     (std_g(p_k) + part_eps)`` (``std_g`` unbiased unless ``part_unbiased`` is false; default
-    ``part_eps`` 1e-4, TRL's). A part absent for a sample (``None``, or a sample whose reward
-    call failed) is left out of that part's group statistics and adds 0
-    (:func:`core_rl.ops.normalize_then_sum`). The raw weighted sum stays what filters and the
-    ``reward/...`` metrics see."""
+    ``part_eps`` 1e-4, TRL's; a part that is itself a ``combine`` counts as one). A part absent
+    for a sample (``None``, or a sample whose reward call failed) is left out of that part's group
+    statistics and adds 0 (:func:`core_rl.ops.normalize_then_sum`). The raw weighted sum stays
+    what filters and the ``reward/...`` metrics see."""
 
     scale: float = 1.0
     bias: float = 0.0
