@@ -15,7 +15,7 @@ import torch
 from core_rl import ops
 from core_rl.config.reward_aggregation import combine_part_weights
 from core_rl.config.schema import AlgorithmConfig, NormConfig, RewardShapingConfig
-from core_rl.errors import ConfigError
+from core_rl.errors import ConfigError, CoreRLError
 from core_rl.protocol import Sample
 from core_rl.trainer.batching import BatchAssembler, Generation
 from hypothesis import given, settings
@@ -96,6 +96,15 @@ def test_an_absent_part_is_left_out_of_its_group_and_adds_nothing() -> None:
     sb = math.sqrt(1 / 3) + EPS
     expected = [za, -za + 2 * (2 / 3) / sb, za + 2 * (-1 / 3) / sb, -za + 2 * (-1 / 3) / sb]
     assert got.tolist() == pytest.approx(expected, abs=1e-5)
+
+
+def test_samples_scored_with_other_parts_are_refused() -> None:
+    gen = generation({"a": [[1.0, 0.0]], "c": [[0.0, 1.0]]}, {"a": 1.0, "c": 1.0})
+    with pytest.raises(CoreRLError, match=r"no part b \(they have a, c, a/sub; a rollout.replay_from dump"):
+        assembled(gen, GDPO, EQUAL)
+    gen.reward_parts = {}  # the reward failed on every sample: no part is present, every reward is 0
+    got, _ = assembled(gen, GDPO, EQUAL)
+    assert got.tolist() == [0.0, 0.0]
 
 
 def test_the_default_is_the_weighted_sum_as_before() -> None:

@@ -125,8 +125,17 @@ PART_KEY = "reward_part/"
 
 def part_columns(gen: Generation, labels: Sequence[str]) -> dict[str, torch.Tensor]:
     """``PART_KEY + label -> [B]`` values of each of the generation's reward parts ``labels``: NaN
-    where a part is ``None`` for a sample (or the generation has no such part: the reward failed
-    on every sample)."""
+    where a part is ``None`` for a sample (or the generation has no parts at all: the reward failed
+    on every sample). A generation whose parts are others (a ``rollout.replay_from`` dump of
+    another reward) is an error."""
+    missing = [label for label in labels if label not in gen.reward_parts]
+    if gen.reward_parts and missing:
+        raise CoreRLError(
+            f"algorithm.reward_shaping.aggregation: normalize_then_sum sums the parts {', '.join(labels)} of the "
+            f"combine reward, and the scored samples have no part {', '.join(missing)} (they have "
+            f"{', '.join(gen.reward_parts)}; a rollout.replay_from dump of another reward?); score them with this "
+            "reward, or set algorithm.reward_shaping.aggregation: sum"
+        )
     nan = math.nan
     out = {}
     for label in labels:
