@@ -123,6 +123,34 @@ def test_combined_reward_with_swanlab_and_tensorboard(tmp_path):
     assert f"plot:       {run / 'plot.png'}" in proc.stdout
 
 
+@pytest.mark.parametrize("offpolicyness", [0, 1], ids=["sync", "async"])
+def test_combined_reward_with_its_parts_normalised_then_summed(tmp_path: Path, offpolicyness: int) -> None:
+    """grpo_combined.yaml with ``algorithm.reward_shaping.aggregation: normalize_then_sum`` (GDPO),
+    synchronous and asynchronous: the run completes, reports the raw parts and their weighted sum,
+    and trains on rewards made of group-normalised parts (whose mean over every group is 0)."""
+    pytest.importorskip("core_rl_reward_format")
+    from core_rl.builtin.loggers import read_metrics
+
+    _main(
+        tmp_path,
+        "--warm-steps",
+        "1",
+        "--config",
+        "grpo_combined.yaml",
+        "trainer.total_steps=3",
+        "saver.every_n_steps=0",
+        "algorithm.reward_shaping.aggregation=normalize_then_sum",
+        f"rollout.controller.max_head_offpolicyness={offpolicyness}",
+        "loggers=[{name: console, every_n_steps: 1}]",
+    )
+    rows = read_metrics(tmp_path / "work" / "grpo_combined" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["reward/mean"] == pytest.approx(0.8 * r["reward/char_match/mean"] + 0.2 * r["reward/format/mean"])
+        assert abs(r["batch/reward_mean"]) < 1e-5 < r["reward/mean"]  # the sum would have the raw mean
+        assert r.get("async/max_head_offpolicyness", 0.0) == offpolicyness
+
+
 def _main(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "tiny_grpo" / "main.py"), "--workdir", str(tmp_path / "work"), *args],

@@ -12,6 +12,7 @@ from typing import Any
 
 from core_rl.chat_template import CHAT_TEMPLATE_ARGUMENTS
 from core_rl.config.checks import SectionContext, config_problems
+from core_rl.config.reward_aggregation import reward_aggregation_problems
 from core_rl.config.schema import DataConfig, RunConfig, SchedulerConfig
 from core_rl.config.sections import selected_sections
 from core_rl.config.validators import MAX_COUNT, FieldValueError
@@ -106,6 +107,7 @@ def completeness_problems(cfg: RunConfig, host: PluginHost | None = None) -> lis
     problems.extend(max_length_problems(cfg, host))
     problems.extend(difficulty_filter_problems(cfg, rl_loop=uses_rl_sections(cfg, host)))
     problems.extend(ptx_problems(cfg, rl_loop=uses_rl_sections(cfg, host)))
+    problems.extend(reward_aggregation_problems(cfg, rl_loop=uses_rl_sections(cfg, host)))
     if not cfg.data.train_files:
         problems.append(
             "data.train_files: required; a list of JSON/JSONL/Parquet files, saved datasets or hf: datasets of prompts"

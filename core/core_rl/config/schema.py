@@ -43,7 +43,7 @@ from core_rl.config.validators import (
     positive,
     regular_expression,
 )
-from core_rl.ops.names import NORM_LEVELS, VALUE_LOSSES
+from core_rl.ops.names import NORM_LEVELS, REWARD_AGGREGATIONS, VALUE_LOSSES
 
 DTYPES = ("float32", "bfloat16", "float16")
 #: a switch that may be left to the run's start: ``true``, ``false`` or ``auto`` (structured by
@@ -262,7 +262,17 @@ class RewardShapingConfig:
     """What happens to each sample's reward before advantages, in this order: DAPO's soft overlong
     punishment over the last ``overlong_tokens`` of the response budget (scaled by
     ``overlong_penalty_factor``; off when ``overlong_tokens`` is null), then
-    ``clip((r + bias) * scale, -clip, clip)`` (``clip`` null: none), then ``norm`` (null: none)."""
+    ``clip((r + bias) * scale, -clip, clip)`` (``clip`` null: none), then ``norm`` (null: none).
+
+    ``aggregation`` says what ``r`` is before all that: ``sum`` (the default), the reward's score, for
+    ``combine`` the weighted sum of its parts; ``normalize_then_sum`` (GDPO; TRL's
+    ``multi_objective_aggregation``), with a ``combine`` reward only, the weighted sum of its parts
+    each normalised within its group first, ``r_i = sum_k w_k * (p_ik - mean_g(p_k)) /
+    (std_g(p_k) + part_eps)`` (``std_g`` unbiased unless ``part_unbiased`` is false; default
+    ``part_eps`` 1e-4, TRL's; a part that is itself a ``combine`` counts as one). A part absent
+    for a sample (``None``, or a sample whose reward call failed) is left out of that part's group
+    statistics and adds 0 (:func:`core_rl.ops.normalize_then_sum`). The raw weighted sum stays
+    what filters and the ``reward/...`` metrics see."""
 
     scale: float = 1.0
     bias: float = 0.0
@@ -270,6 +280,9 @@ class RewardShapingConfig:
     overlong_tokens: int | None = attrs.field(default=None, validator=in_range(1, MAX_TOKENS))
     overlong_penalty_factor: float = attrs.field(default=1.0, validator=non_negative())
     norm: NormConfig | None = None
+    aggregation: str = attrs.field(default="sum", validator=one_of(REWARD_AGGREGATIONS))
+    part_eps: float = attrs.field(default=1e-4, validator=positive())
+    part_unbiased: bool = True
 
 
 @attrs.define

@@ -69,7 +69,12 @@ __all__, __getattr__ = lazy_exports(
             "sequence_log_ratio",
             "sequence_reduce",
         ),
-        "core_rl.ops.rewards": ("discounted_outcome_returns", "overlong_penalty", "scale_rewards"),
+        "core_rl.ops.rewards": (
+            "discounted_outcome_returns",
+            "normalize_then_sum",
+            "overlong_penalty",
+            "scale_rewards",
+        ),
         "core_rl.ops.stats": (
             "group_ids_to_dense",
             "group_is_uniform",

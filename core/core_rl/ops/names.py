@@ -15,6 +15,9 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SEQUENCE_REDUCTIONS = ("sum", "mean", "max")
 #: the levels a mean or a standard deviation is taken at (:func:`core_rl.ops.normalize`)
 NORM_LEVELS = ("batch", "group", "none")
+#: how a reward's weighted parts become one reward: their weighted sum, or GDPO's sum of the parts
+#: normalised within their groups first (:func:`core_rl.ops.normalize_then_sum`)
+REWARD_AGGREGATIONS = ("sum", "normalize_then_sum")
 #: per-pair preference losses on log-ratios against a reference (:func:`core_rl.ops.preference_loss`)
 PREFERENCE_LOSSES = (
     "sigmoid",

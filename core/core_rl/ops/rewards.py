@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from core_rl.ops.stats import normalize
+
 
 def overlong_penalty(
     response_lengths: torch.Tensor, *, max_new_tokens: int, overlong_tokens: int, factor: float
@@ -26,6 +28,46 @@ def scale_rewards(rewards: torch.Tensor, *, scale: float, bias: float, clip: flo
     """``clip((r + bias) * scale, -clip, clip)`` (no clipping when ``clip`` is None)."""
     out = (rewards.float() + bias) * scale
     return out if clip is None else out.clamp(min=-clip, max=clip)
+
+
+def normalize_then_sum(
+    parts: torch.Tensor,
+    weights: torch.Tensor,
+    group_index: torch.Tensor,
+    *,
+    unbiased: bool = True,
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """GDPO's aggregation of a reward's parts ``[B, K]`` (Liu et al. 2026, "Group reward-Decoupled
+    Normalization Policy Optimization"; TRL's ``multi_objective_aggregation: normalize_then_sum``):
+    each part is normalised within each group first, then the parts are summed with ``weights``
+    ``[K]``. For sample ``i`` of group ``g`` and part ``k``, over the members ``j`` of ``g`` where part
+    ``k`` is present (a NaN or infinite ``parts[j, k]`` is absent: the part does not apply)::
+
+        z_ik = (p_ik - mean_g(p_k)) / (std_g(p_k) + eps)      (0 where p_ik is absent)
+        r_i  = sum_k weights_k * z_ik
+
+    ``std_g`` is unbiased (Bessel's correction) unless ``unbiased`` is false, 0 for one present
+    member; a part whose present values are all equal in a group gives exactly 0 there
+    (:func:`core_rl.ops.normalize` at group level, masked to the present values). A sample with no
+    part present gets 0.
+    """
+    values = parts.float()
+    present = torch.isfinite(values)
+    filled = torch.where(present, values, torch.zeros_like(values))
+    total = torch.zeros(values.shape[0], dtype=torch.float32, device=values.device)
+    for k in range(values.shape[1]):
+        z = normalize(
+            filled[:, k],
+            mask=present[:, k],
+            group_index=group_index,
+            mean_level="group",
+            std_level="group",
+            unbiased=unbiased,
+            eps=eps,
+        )
+        total = total + float(weights[k]) * z
+    return total
 
 
 def discounted_outcome_returns(scores: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:

@@ -22,7 +22,7 @@ import attrs
 import torch
 
 from core_rl import ops
-from core_rl.config.schema import AlgorithmConfig, NormConfig
+from core_rl.config.schema import AlgorithmConfig, NormConfig, RewardShapingConfig
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import AdvantageEstimator, SampleFilter
 from core_rl.protocol import Sample, TensorBatch, concat_padded, samples_to_batch
@@ -118,6 +118,40 @@ def shape_rewards(
     return r
 
 
+#: the batch key of a reward part's values under ``aggregation: normalize_then_sum`` (NaN: absent),
+#: from the filtered generation batches to :meth:`BatchAssembler.finish_rewards`, which takes it out
+PART_KEY = "reward_part/"
+
+
+def part_columns(gen: Generation, labels: Sequence[str]) -> dict[str, torch.Tensor]:
+    """``PART_KEY + label -> [B]`` values of each of the generation's reward parts ``labels``: NaN
+    where a part is ``None`` for a sample (or the generation has no parts at all: the reward failed
+    on every sample). A generation whose parts are others (a ``rollout.replay_from`` dump of
+    another reward) is an error."""
+    missing = [label for label in labels if label not in gen.reward_parts]
+    if gen.reward_parts and missing:
+        raise CoreRLError(
+            f"algorithm.reward_shaping.aggregation: normalize_then_sum sums the parts {', '.join(labels)} of the "
+            f"combine reward, and the scored samples have no part {', '.join(missing)} (they have "
+            f"{', '.join(gen.reward_parts)}; a rollout.replay_from dump of another reward?); score them with this "
+            "reward, or set algorithm.reward_shaping.aggregation: sum"
+        )
+    nan = math.nan
+    out = {}
+    for label in labels:
+        values = gen.reward_parts.get(label) or [None] * len(gen.samples)
+        out[PART_KEY + label] = torch.tensor([nan if v is None else v for v in values], dtype=torch.float32)
+    return out
+
+
+def aggregated_rewards(batch: TensorBatch, weights: dict[str, float], shaping: RewardShapingConfig) -> torch.Tensor:
+    """The rewards ``[B]`` of ``aggregation: normalize_then_sum``: :func:`core_rl.ops.normalize_then_sum`
+    of the parts ``weights`` names, taken out of ``batch`` (:data:`PART_KEY`)."""
+    parts = torch.stack([batch.data.pop(PART_KEY + label) for label in weights], dim=1)
+    w = torch.tensor(list(weights.values()), dtype=torch.float32)
+    return ops.normalize_then_sum(parts, w, batch["group_index"], unbiased=shaping.part_unbiased, eps=shaping.part_eps)
+
+
 def first_groups(group_index: torch.Tensor, n_groups: int) -> torch.Tensor:
     """Bool ``[B]``: the rows of the ``n_groups`` smallest group labels (the earliest drawn prompts)."""
     labels = torch.unique(group_index)
@@ -138,12 +172,16 @@ class BatchAssembler:
         pad_token_id: int,
         rewards_after_broadcast: bool = False,
         empty_steps: EmptySteps | None = None,
+        part_weights: dict[str, float] | None = None,
     ) -> None:
         """``rewards_after_broadcast``: a stage on every rank completes the rewards after the batch
         is sent (a reward model, :mod:`core_rl.trainer.reward_role`); the main rank then leaves
         reward shaping and advantages to :meth:`finish_rewards`, which that stage calls.
         ``empty_steps``: the counter of steps left with nothing to train on (the trainer's, kept in
-        its checkpoints; default: a new one with ``algorithm.max_consecutive_empty_steps``)."""
+        its checkpoints; default: a new one with ``algorithm.max_consecutive_empty_steps``).
+        ``part_weights``: ``label -> weight`` of the reward parts that ``algorithm.reward_shaping.aggregation:
+        normalize_then_sum`` sums (:func:`core_rl.config.reward_aggregation.combine_part_weights`);
+        ``None``: the reward's score is the reward."""
         self.algorithm = algorithm
         self.rewards_after_broadcast = rewards_after_broadcast
         self.filters = named_filters(filters, algorithm.filters)
@@ -154,6 +192,7 @@ class BatchAssembler:
         self.prompts_per_step = prompts_per_step
         self.max_new_tokens = max_new_tokens
         self.pad_token_id = pad_token_id
+        self.part_weights = part_weights
 
     @property
     def dynamic(self) -> bool:
@@ -167,6 +206,9 @@ class BatchAssembler:
             return None, []
         batch = samples_to_batch(gen.samples, [offset + g for g in gen.group_index], self.pad_token_id)
         batch["rewards"] = torch.tensor(gen.rewards, dtype=torch.float32)
+        if self.part_weights is not None:
+            for key, column in part_columns(gen, list(self.part_weights)).items():
+                batch[key] = column
         keep, dropped = apply_filters(self.filters, batch)
         return (batch.rows(keep) if not keep.all() else batch), dropped
 
@@ -236,14 +278,18 @@ class BatchAssembler:
         return batch, metrics
 
     def finish_rewards(self, batch: TensorBatch) -> dict[str, float]:
-        """Shape ``rewards`` (:func:`shape_rewards`) and set ``advantages`` (normalised by
+        """Shape ``rewards`` (:func:`shape_rewards`; under ``aggregation: normalize_then_sum`` those of
+        :func:`aggregated_rewards` instead) and set ``advantages`` (normalised by
         ``algorithm.adv_norm``) of a batch with ``loss_mask``; return their metrics. An estimator
         needing a critic's values or reference log-probs runs in the update instead
         (:func:`runs_in_update`)."""
         algorithm = self.algorithm
         mask, loss_mask = batch["response_mask"], batch["loss_mask"]
+        rewards = batch["rewards"]
+        if self.part_weights is not None:
+            rewards = aggregated_rewards(batch, self.part_weights, algorithm.reward_shaping)
         batch["rewards"] = shape_rewards(
-            batch["rewards"], mask.sum(dim=1), batch["group_index"], algorithm, max_new_tokens=self.max_new_tokens
+            rewards, mask.sum(dim=1), batch["group_index"], algorithm, max_new_tokens=self.max_new_tokens
         )
         in_update = runs_in_update(self.advantage)
         advantages = torch.zeros_like(loss_mask) if in_update else self.advantage(batch)

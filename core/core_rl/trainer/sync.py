@@ -37,6 +37,7 @@ from typing import Any
 from core_rl.built_engines import BuiltEngine
 from core_rl.config.epochs import derive_total_steps
 from core_rl.config.loader import to_plain
+from core_rl.config.reward_aggregation import combine_part_weights
 from core_rl.config.schema import RunConfig
 from core_rl.engine_utils.packing import rank_rows
 from core_rl.errors import CoreRLError, PreflightError
@@ -237,6 +238,7 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
             pad_token_id=self.pad_token_id,
             rewards_after_broadcast=self.roles.reward_model is not None,
             empty_steps=self.empty_steps,
+            part_weights=combine_part_weights(cfg),
         )
         # the reward-model role scores on every rank after the broadcast (trainer/reward_role.py)
         self.reward_stage = reward_model_stage(

@@ -5,7 +5,7 @@ the plugin and validating a configuration import this module only; the component
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 from core_rl.config.checks import SectionContext, group_size_problems
@@ -43,6 +43,8 @@ class GRPOAdvantageConfig(KLInRewardConfig):
     over the response into the score before the group statistics.
     """
 
+    #: compares the samples of each prompt's group (``algorithm.reward_shaping.aggregation``)
+    group_relative: ClassVar[bool] = True
     norm_std: bool = True
     eps: float = attrs.field(default=1e-6, validator=positive(1.0))
     leave_one_out: bool = False
@@ -63,6 +65,7 @@ class RLOOAdvantageConfig(KLInRewardConfig):
     added to it; ``allow_single_sample_groups``: as for ``grpo``; the KL in the reward as for ``grpo``.
     """
 
+    group_relative: ClassVar[bool] = True
     norm_std: bool = False
     eps: float = attrs.field(default=1e-6, validator=positive(1.0))
     allow_single_sample_groups: bool = False
@@ -87,6 +90,11 @@ class ReinforcePPAdvantageConfig(KLInRewardConfig):
     group_baseline: bool = False
     gamma: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
     eps: float = attrs.field(default=1e-5, validator=positive())
+
+    @property
+    def group_relative(self) -> bool:
+        """Compares the samples of each prompt's group: with ``group_baseline``."""
+        return self.group_baseline
 
 
 @attrs.define
