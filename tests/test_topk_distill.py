@@ -207,13 +207,8 @@ def test_the_configuration_refuses_what_top_k_distillation_cannot_run_with(
         )
 
 
-def test_a_run_distils_the_teachers_top_k_and_the_forward_kl_falls(
-    tmp_path: Path, two_models: tuple[Path, Path]
-) -> None:
-    """``core-rl train`` with real fsdp engines for the policy and a teacher of other weights, the
-    distillation term alone: the policy's forward KL to the teacher over its top k falls."""
-    from core_rl import cli
-    from core_rl.builtin.loggers import read_metrics
+def _topk_run(tmp_path: Path, two_models: tuple[Path, Path], rl_coef: float) -> Path:
+    """A GRPO run's config with a top-k teacher of other weights than the policy's (fsdp engines)."""
     from core_rl.testing.launch import write_grpo_config
 
     pytest.importorskip("core_rl_fsdp")
@@ -221,18 +216,48 @@ def test_a_run_distils_the_teachers_top_k_and_the_forward_kl_falls(
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{s}=", "answer": s}) + "\n" for s in ("ab", "ba", "aa", "bb")))
     sections = {
-        "teacher": {"model_path": str(teacher), "loss": "topk_forward_kl", "top_k": 4, "rl_coef": 0.0},
+        "teacher": {"model_path": str(teacher), "loss": "topk_forward_kl", "top_k": 4, "rl_coef": rl_coef},
         "data": {"train_files": [str(data)], "batch_size": 4},
         "loggers": [],
         "saver": {"export_hf": False, "every_n_steps": 0, "at_end": False},
     }
-    config = write_grpo_config(tmp_path, student, [], **sections)
+    return write_grpo_config(tmp_path, student, [], **sections)
+
+
+def test_a_run_distils_the_teachers_top_k_and_the_forward_kl_falls(
+    tmp_path: Path, two_models: tuple[Path, Path]
+) -> None:
+    """``core-rl train`` with real fsdp engines for the policy and a teacher of other weights, the
+    distillation term alone: the policy's forward KL to the teacher over its top k falls."""
+    from core_rl import cli
+    from core_rl.builtin.loggers import read_metrics
+
+    config = _topk_run(tmp_path, two_models, rl_coef=0.0)
     overrides = ["trainer.total_steps=8", "actor.optimizer.lr=0.02", "rollout.sampling.max_new_tokens=6"]
     assert cli.main(["train", str(config), *overrides]) == 0
     rows = read_metrics(tmp_path / "runs" / "run" / "metrics.jsonl")
     kl = [row["actor/distill_kl"] for row in rows]
     assert len(kl) == 8 and all(value > 0 for value in kl)
     assert sum(kl[-2:]) < 0.7 * sum(kl[:2]), kl
+
+
+def test_two_data_parallel_ranks_distil_as_one(tmp_path: Path, two_models: tuple[Path, Path]) -> None:
+    """The teacher's top-k ids and log-probs are computed on each rank's rows and gathered into the
+    global batch like the other log-probs: 2 CPU ranks give the metrics of 1 (with the RL term on)."""
+    from core_rl import cli
+    from core_rl.builtin.loggers import read_metrics
+    from core_rl.testing.launch import run_torchrun
+
+    config = _topk_run(tmp_path, two_models, rl_coef=0.5)
+    command = ["train", str(config), "trainer.total_steps=2", "actor.optimizer.lr=0.02"]
+    assert cli.main([*command, "experiment.name=dp1"]) == 0
+    run_torchrun(Path(cli.__file__), 2, *command, "experiment.name=dp2", timeout=300)
+    one, two = (read_metrics(tmp_path / "runs" / f"dp{ranks}" / "metrics.jsonl") for ranks in (1, 2))
+    assert len(one) == len(two) == 2
+    for a, b in zip(one, two, strict=True):
+        for key in ("actor/loss", "actor/distill_kl", "actor/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+    assert one[1]["actor/distill_kl"] != one[0]["actor/distill_kl"]  # the first step moved the policy
 
 
 def test_the_distillation_loss_adds_the_top_k_term_to_the_algorithms() -> None:

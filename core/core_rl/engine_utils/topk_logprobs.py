@@ -8,7 +8,9 @@ so nothing vocabulary-sized in float32 lives beyond one chunk; only ``[N, k]`` v
 With gradient, only the logits (which the model produced anyway) and the ids are kept, and backward
 recomputes each chunk's ``log p``: for ``sum_j g_j log p_{y_j}`` the gradient with respect to the
 scaled logits is ``sum_j g_j (1[v = y_j] - p_v)``
-(:func:`~core_rl.engine_utils.logprobs.logit_gradient_`, several targets per row).
+(:func:`~core_rl.engine_utils.logprobs.logit_gradient_`, several targets per row). The cost on the
+policy's side: one more chunked log-softmax over its logits in forward and one in backward, beside
+those of the sampled tokens' log-probs (:func:`~core_rl.engine_utils.packed.forward_logprobs_at`).
 """
 
 from __future__ import annotations
