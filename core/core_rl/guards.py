@@ -87,6 +87,18 @@ def engine_tensor(engine: Any, method: str, what: str, part: TensorBatch, **kwar
     return out
 
 
+def engine_topk(engine: Any, part: TensorBatch, k: int, **kwargs: Any) -> dict[str, torch.Tensor]:
+    """``engine.compute_topk_logprobs(part, k, **kwargs)``: a teacher's top-k ids and log-probs,
+    which must be [B, T, k] (ids of any dtype, log-probs floats), as ``teacher_topk_ids`` and
+    ``teacher_topk_logprobs``."""
+    ids, values = engine.compute_topk_logprobs(part, k, **kwargs)
+    shape = (*part["input_ids"].shape, k)
+    contract = f"TrainEngine.compute_topk_logprobs returns two [B, T, k] = {list(shape)} tensors"
+    check_tensor(ids, built_by(engine), "top-k token ids", shape=shape, dtype=ANY, contract=contract)
+    check_tensor(values, built_by(engine), "top-k log-probs", shape=shape, dtype=FLOAT, contract=contract)
+    return {"teacher_topk_ids": ids.long(), "teacher_topk_logprobs": values}
+
+
 def engine_metrics(engine: Any, method: str, *args: Any, **kwargs: Any) -> dict[str, float]:
     """``engine.<method>(*args, **kwargs)``: the metrics of a train engine's optimiser step, which
     must map names to numbers."""

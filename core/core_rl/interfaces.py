@@ -47,6 +47,13 @@ LossFn = Callable[["TensorBatch", "torch.Tensor", "torch.Tensor"], LossOutput]
 # (micro-batch, current values [b, T]) -> LossOutput (a value model's loss, e.g. a critic's)
 ValueLossFn = Callable[["TensorBatch", "torch.Tensor"], LossOutput]
 
+#: a loss that needs the policy's log-probs of more tokens than the sampled one sets
+#: ``logprobs_at_key`` (a batch key of token ids ``[B, T, k]``, e.g. a teacher's top-k ids); the
+#: engines that support it (``topk_logprobs = True`` on their config class) then put in each
+#: micro-batch, under this key, the log-probs ``[b, T, k]`` (with gradient) of those ids under the
+#: prediction of token ``t``, in the alignment of the log-probs (0 at column 0 and on padding)
+LOGPROBS_AT = "logprobs_at"
+
 #: what a train engine's model outputs: ``lm`` (a causal LM: log-probs), ``value`` (a value model:
 #: one scalar per token) or ``score`` (a value model whose head has no bias, Hugging Face's
 #: ``*ForSequenceClassification`` head: a reward model, exported as such a classifier). An engine lists
@@ -142,6 +149,16 @@ class TrainEngine(ABC):
         receives each micro-batch's values [b, T] (with gradient) instead of log-probs and entropy.
         Returns at least ``loss``, ``grad_norm``, ``lr``, ``nonfinite`` and each token metric."""
         raise NotImplementedError(f"{type(self).__name__} does not build value models (head='value')")
+
+    def compute_topk_logprobs(
+        self, batch: TensorBatch, k: int, *, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` most likely tokens of the prediction of every token of ``input_ids`` under
+        ``softmax(logits / temperature)``: ids [B, T, k] (long, most likely first) and their
+        log-probs [B, T, k] (float32), position ``t`` from the prediction of token ``t`` (the
+        alignment of :meth:`compute_logprobs`); position 0 and padding hold 0. No gradient. Engines
+        that implement it set ``topk_logprobs = True`` on their config class. Default: raises."""
+        raise NotImplementedError(f"{type(self).__name__} does not compute top-k log-probs")
 
     def check_checkpoint(self, path: str | Path) -> None:
         """Raise :class:`core_rl.checkpointing.CheckpointFormatError` (naming the file) unless

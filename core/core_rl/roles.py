@@ -37,6 +37,7 @@ from core_rl.built_engines import BuiltEngine, cuda_allocated, weight_bytes_sinc
 from core_rl.components import build_component
 from core_rl.config.overrides import first_line
 from core_rl.config.schema import ActorConfig, RunConfig
+from core_rl.config.teacher_checks import topk_distill_problems
 from core_rl.errors import ConfigError
 from core_rl.kinds import TRAIN_ENGINE
 
@@ -66,12 +67,14 @@ def engine_heads(entry: RegistryEntry) -> tuple[str, ...]:
 def role_problems(cfg: RunConfig, host: PluginHost) -> list[str]:
     """Configuration problems of the role sections: a required ``model_path``, a critic on an
     engine that cannot build a value model (named, with its distribution), and ``fused_head`` where
-    it cannot apply (:func:`fused_head_problems`)."""
+    it cannot apply (:func:`fused_head_problems`), and what a top-k teacher loss needs
+    (:func:`~core_rl.config.teacher_checks.topk_distill_problems`)."""
     problems = []
     for role, section in role_sections(cfg):
         if not section.model_path:
             problems.append(f"{role}.model_path: required; the path of a Hugging Face model directory")
     problems += fused_head_problems(cfg, host)
+    problems += topk_distill_problems(cfg, host)
     if cfg.critic is not None:
         entry = host.registries[TRAIN_ENGINE.key].get(cfg.critic.engine.name)
         if entry is not None and "value" not in engine_heads(entry):

@@ -43,7 +43,7 @@ from core_rl.config.validators import (
     positive,
     regular_expression,
 )
-from core_rl.ops.names import NORM_LEVELS, REWARD_AGGREGATIONS, VALUE_LOSSES
+from core_rl.ops.names import DISTILL_LOSSES, NORM_LEVELS, REWARD_AGGREGATIONS, VALUE_LOSSES
 
 DTYPES = ("float32", "bfloat16", "float16")
 #: a switch that may be left to the run's start: ``true``, ``false`` or ``auto`` (structured by
@@ -205,13 +205,26 @@ class CriticConfig(ActorConfig):
 @attrs.define
 class TeacherConfig(ActorConfig):
     """The ``teacher:`` section: a frozen model (possibly larger, or of another engine) whose
-    per-token log-probs on the policy's own samples give on-policy distillation: the policy loss
-    becomes ``rl_coef * (the algorithm's loss) + distill_coef * reverse-KL(pi || teacher)``
-    (:func:`core_rl.ops.reverse_kl_distill_loss`); ``rl_coef: 0`` distils alone. The optimiser
-    keys are ignored (a teacher is never trained); it must share the policy's tokenizer."""
+    log-probs on the policy's own samples give on-policy distillation: the policy loss becomes
+    ``rl_coef * (the algorithm's loss) + distill_coef * (the distillation loss)``, ``loss`` being
+
+    - ``reverse_kl`` (default): the reverse KL(pi || teacher) estimated on the sampled tokens from
+      the teacher's log-probs of them (:func:`core_rl.ops.reverse_kl_distill_loss`);
+    - ``topk_forward_kl``: per response token, the forward KL(teacher || pi) over the teacher's
+      ``top_k`` most likely tokens (default 20), the teacher renormalised over them:
+      ``sum_v q_v (log q_v - log pi_v)``, ``q = softmax(teacher's top-k log-probs)``
+      (:func:`core_rl.ops.topk_forward_kl_loss`), masked-mean over the response tokens. Only the
+      ``[B, T, top_k]`` ids and log-probs leave the teacher; the policy's log-softmax is gathered
+      at those ids. Both the actor's and the teacher's engine must compute them (``fsdp``,
+      ``deepspeed``), without ``fused_head`` or sequence parallelism.
+
+    ``rl_coef: 0`` distils alone. The optimiser keys are ignored (a teacher is never trained); it
+    must share the policy's tokenizer."""
 
     distill_coef: float = attrs.field(default=1.0, validator=non_negative())
     rl_coef: float = attrs.field(default=1.0, validator=non_negative())
+    loss: str = attrs.field(default="reverse_kl", validator=one_of(DISTILL_LOSSES))
+    top_k: int = attrs.field(default=20, validator=in_range(1, MAX_COUNT))
 
 
 #: where the reward model's score of a sample is read (:mod:`core_rl.trainer.reward_role`)

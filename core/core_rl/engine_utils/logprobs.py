@@ -92,9 +92,11 @@ def align_to_tokens(per_prediction: torch.Tensor, attention_mask: torch.Tensor) 
     """``[b, T-1]`` values of the predictions made at positions ``0..T-2`` (of tokens ``1..T-1``)
     placed on the tokens they predict: ``[b, T]`` with column 0 and padding set to 0 (with
     ``where``, so a non-finite value on padding cannot leak). Engines that compute log-probs their
-    own way (e.g. on vocabulary-parallel logits) use it to keep the same alignment."""
+    own way (e.g. on vocabulary-parallel logits) use it to keep the same alignment. Trailing
+    dimensions (``[b, T-1, k]``: several values per prediction) are carried along."""
     real = attention_mask[:, 1:] != 0
-    zero_col = per_prediction.new_zeros(per_prediction.shape[0], 1)
+    real = real.view(*real.shape, *([1] * (per_prediction.ndim - 2)))
+    zero_col = per_prediction.new_zeros(per_prediction.shape[0], 1, *per_prediction.shape[2:])
     return torch.cat([zero_col, torch.where(real, per_prediction, torch.zeros_like(per_prediction))], dim=1)
 
 
@@ -211,12 +213,16 @@ def logit_gradient_(
     of these columns, 0 where it is not: a vocabulary slice), ``grad_logprob`` ``[n]`` (``g_lp``;
     ``None``: ``target_weight``), ``grad_entropy``/``entropy`` ``[n]`` (``None``: no entropy
     term). The columns may be a slice of the vocabulary: ``log p`` and ``H`` are then the full
-    vocabulary's, and the result is the gradient of that slice."""
-    weight = (target_weight if grad_logprob is None else grad_logprob)[:, None]
+    vocabulary's, and the result is the gradient of that slice. Several targets per row
+    (``targets`` and ``target_weight`` ``[n, k]``, log-probs of several tokens of one prediction)
+    sum their terms: ``sum_j g_j (1[v = y_j] - p_v)``."""
+    if targets.ndim == 1:
+        targets, target_weight = targets[:, None], target_weight[:, None]
+    weight = (target_weight.sum(-1) if grad_logprob is None else grad_logprob)[:, None]
     dz = logp.exp()  # p, then d/dz = g_lp 1[v = y] - p (g_lp + g_H (log p + H)), in place
     if grad_entropy is not None and entropy is not None:
         dz.mul_(logp.add_(entropy[:, None]).mul_(grad_entropy[:, None]).add_(weight))
     else:
         dz.mul_(weight)
-    dz.neg_().scatter_add_(-1, targets[:, None], target_weight[:, None])
+    dz.neg_().scatter_add_(-1, targets, target_weight)
     return dz.div_(temperature)

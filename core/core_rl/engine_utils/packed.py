@@ -21,6 +21,7 @@ from torch import nn
 
 from core_rl.engine_utils.fused_head import check_handed_on, fused_head
 from core_rl.engine_utils.logprobs import align_to_tokens, next_tokens, token_logprobs
+from core_rl.engine_utils.topk_logprobs import logprobs_at, topk_logprobs
 
 LAYOUTS = ("auto", "padded", "packed")
 #: attention implementations with a varlen kernel that takes ``cu_seqlens`` (no mask materialised)
@@ -84,9 +85,18 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRo
 
 def unpack(values: torch.Tensor, packed: PackedRows) -> torch.Tensor:
     """``[1, S]`` per-token values back to the padded ``[b, width]`` alignment, 0 on padding
-    (differentiable)."""
+    (differentiable); trailing dimensions (``[1, S, k]``) are carried along."""
     gathered = values[0][packed.index]
-    return torch.where(packed.valid, gathered, torch.zeros_like(gathered))
+    valid = packed.valid.view(*packed.valid.shape, *([1] * (gathered.ndim - 2)))
+    return torch.where(valid, gathered, torch.zeros_like(gathered))
+
+
+def pack_values(values: torch.Tensor, packed: PackedRows) -> torch.Tensor:
+    """Padded ``[b, width, ...]`` per-token values in the packed ``[1, S, ...]`` row (the inverse of
+    :func:`unpack`; 0 on the place of a row without tokens)."""
+    out = values.new_zeros(1, packed.input_ids.shape[1], *values.shape[2:])
+    out[0, packed.index[packed.valid]] = values[packed.valid]
+    return out
 
 
 def resolve_layout(layout: str, attn_implementation: str | None) -> str:
@@ -151,28 +161,90 @@ def forward_logprobs(
     ``entropy_grad``: see :func:`~core_rl.engine_utils.logprobs.token_logprobs`; ``fused``: from
     the hidden states and the head's weight, the logits never whole
     (:mod:`core_rl.engine_utils.fused_head`)."""
+    if not fused:
+        lp, ent, _ = forward_logprobs_at(
+            model,
+            input_ids,
+            attention_mask,
+            None,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+            layout=layout,
+            varlen_kwargs=varlen_kwargs,
+        )
+        return lp, ent
     packed = _pack(input_ids, attention_mask, layout)
     ids, mask = (input_ids, attention_mask) if packed is None else (packed.input_ids, packed.continues)
-    if fused:
-        targets = next_tokens(ids)  # position i predicts token i + 1
-        with fused_head(model, targets, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad) as produced:
-            stats, _ = _forward_outputs(
-                model, input_ids, attention_mask, layout=layout, varlen_kwargs=varlen_kwargs, packed=packed
-            )
-        check_handed_on(stats, produced)
-        lp = align_to_tokens(stats[:, :-1, 0], mask)
-        ent = None
-        if with_entropy:
-            ent = align_to_tokens(stats[:, :-1, 1], mask)
-            ent = ent if entropy_grad else ent.detach()
-    else:
-        logits, _ = _forward_outputs(
+    targets = next_tokens(ids)  # position i predicts token i + 1
+    with fused_head(model, targets, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad) as produced:
+        stats, _ = _forward_outputs(
             model, input_ids, attention_mask, layout=layout, varlen_kwargs=varlen_kwargs, packed=packed
         )
-        lp, ent = token_logprobs(logits, ids, mask, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
+    check_handed_on(stats, produced)
+    lp = align_to_tokens(stats[:, :-1, 0], mask)
+    ent = None
+    if with_entropy:
+        ent = align_to_tokens(stats[:, :-1, 1], mask)
+        ent = ent if entropy_grad else ent.detach()
     if packed is None:
         return lp, ent
     return unpack(lp, packed), (unpack(ent, packed) if ent is not None else None)
+
+
+def forward_logprobs_at(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    token_ids: torch.Tensor | None,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool = True,
+    layout: str = "padded",
+    varlen_kwargs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`forward_logprobs` (not fused) and, from the same logits, the log-probs ``[b, width, k]``
+    of the tokens ``token_ids`` ``[b, width, k]`` in the same alignment: ``[:, t, j]`` is
+    ``log p(token_ids[:, t, j])`` under the prediction of token ``t`` (made at ``t - 1``), 0 at
+    column 0 and on padding (:func:`~core_rl.engine_utils.topk_logprobs.logprobs_at`; ``None``
+    without ``token_ids``)."""
+    packed = _pack(input_ids, attention_mask, layout)
+    ids, mask = (input_ids, attention_mask) if packed is None else (packed.input_ids, packed.continues)
+    logits, _ = _forward_outputs(
+        model, input_ids, attention_mask, layout=layout, varlen_kwargs=varlen_kwargs, packed=packed
+    )
+    lp, ent = token_logprobs(logits, ids, mask, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
+    at = None
+    if token_ids is not None:
+        wanted = token_ids if packed is None else pack_values(token_ids, packed)
+        at = align_to_tokens(logprobs_at(logits[:, :-1], wanted[:, 1:], temperature), mask)
+    if packed is None:
+        return lp, ent, at
+    return tuple(None if x is None else unpack(x, packed) for x in (lp, ent, at))  # type: ignore[return-value]
+
+
+def forward_topk(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    k: int,
+    *,
+    temperature: float,
+    layout: str = "padded",
+    varlen_kwargs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens of the prediction of every token of one micro-batch: ids
+    ``[b, width, k]`` (long) and log-probs ``[b, width, k]`` (float32), in the alignment of
+    :func:`token_logprobs` (``[:, t]`` from the prediction made at ``t - 1``; 0 at column 0 and on
+    padding; :func:`~core_rl.engine_utils.topk_logprobs.topk_logprobs`)."""
+    logits, packed = _forward_outputs(model, input_ids, attention_mask, layout=layout, varlen_kwargs=varlen_kwargs)
+    mask = attention_mask if packed is None else packed.continues
+    ids, values = topk_logprobs(logits[:, :-1], k, temperature)
+    ids, values = align_to_tokens(ids, mask), align_to_tokens(values, mask)
+    if packed is None:
+        return ids, values
+    return unpack(ids, packed), unpack(values, packed)
 
 
 def forward_values(

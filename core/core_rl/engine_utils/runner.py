@@ -39,6 +39,7 @@ from core_rl.engine_utils.packing import plan_micro_batches
 from core_rl.engine_utils.row_pool import pool_rows
 from core_rl.engine_utils.sharded_forward import sharded_logprobs, sharded_values
 from core_rl.engine_utils.token_budget import tokens_per_mb
+from core_rl.engine_utils.topk_runner import TopkForwards
 from core_rl.engine_utils.ulysses import SequenceGroup
 from core_rl.errors import ConfigError
 from core_rl.interfaces import HEADS, VALUE_HEADS, LossFn, LossOutput, ValueLossFn
@@ -154,6 +155,15 @@ class EngineState(ABC):
         self._check_head(VALUE_HEADS, "compute_values")
         return self.runner.logprobs(batch, 1.0)  # the runner's forward gives values for this head
 
+    def compute_topk_logprobs(
+        self, batch: TensorBatch, k: int, *, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k ids and log-probs [B, T, k] on CPU (see :class:`core_rl.interfaces.TrainEngine`), in
+        eval mode without gradients, micro-batched like training."""
+        self._check_head(("lm",), "compute_topk_logprobs")
+        check_temperature(temperature)
+        return self.runner.topk_logprobs(batch, k, temperature)
+
     def train_value_step(self, batch: TensorBatch, loss_fn: ValueLossFn) -> dict[str, float]:
         """One optimizer step of a value model: the engine's ``train_step`` with
         ``loss_fn(micro_batch, values)`` (no ``entropy`` metric)."""
@@ -174,7 +184,7 @@ def check_temperature(temperature: float) -> None:
         raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
-class MicroBatchRunner:
+class MicroBatchRunner(TopkForwards):
     """Runs ``model`` over a rank's rows in micro-batches. ``attn_implementation`` is the one the
     model was loaded with (it decides the ``auto`` layout and whether flash-attn varlen arguments
     are passed). ``head="value"`` or ``"score"``: ``model`` is a value model; :meth:`forward` and :meth:`logprobs`
@@ -342,9 +352,25 @@ class MicroBatchRunner:
         return out if self.sequence is None else out[mine, : batch["input_ids"].shape[1]].contiguous()
 
     def _pooled_logprobs(self, batch: TensorBatch, temperature: float) -> torch.Tensor:
+        (out,) = self._eval_rows(
+            batch, temperature, [torch.float32], lambda ids, mask: (self.forward(ids, mask, temperature, False)[0],)
+        )
+        return out
+
+    def _eval_rows(
+        self,
+        batch: TensorBatch,
+        temperature: float,
+        dtypes: list[torch.dtype],
+        forward: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]],
+        trailing: tuple[int, ...] = (),
+    ) -> list[torch.Tensor]:
+        """``forward(input_ids, attention_mask)`` of every micro-batch of ``batch``'s rows, in eval
+        mode without gradients, its outputs (``[b, width, *trailing]`` each) written into CPU tensors
+        ``[B, T, *trailing]`` of ``dtypes`` (0 elsewhere). Collective."""
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
         lengths, plan = self.plan(attention_mask)
-        out = torch.zeros(input_ids.shape, dtype=torch.float32)
+        outs = [torch.zeros(*input_ids.shape, *trailing, dtype=dtype) for dtype in dtypes]
         was_training = self.model.training
         self.model.eval()
         try:
@@ -355,11 +381,14 @@ class MicroBatchRunner:
                         continue
                     width = micro_batch_width(lengths, rows)
                     index = torch.as_tensor(rows, dtype=torch.long)
-                    lp, _ = self.forward(input_ids[index, :width], attention_mask[index, :width], temperature, False)
-                    out[index, :width] = lp.float().cpu()
+                    values = forward(
+                        input_ids[index, :width].to(self.device), attention_mask[index, :width].to(self.device)
+                    )
+                    for out, value in zip(outs, values, strict=True):
+                        out[index, :width] = value.to(out.dtype).cpu()
         finally:
             self.model.train(was_training)
-        return out
+        return outs
 
     # ------------------------------------------------------------------ training
 
@@ -382,13 +411,17 @@ class MicroBatchRunner:
         lengths, plan = self.plan(batch["attention_mask"])
         acc = StepMetrics(self.device)
         entropy_grad = bool(getattr(loss_fn, "entropy_grad", True))
+        logprobs_key = getattr(loss_fn, "logprobs_at_key", None)
         for rows in plan:
             if not rows:
                 zero, _ = self._placeholder_forward(temperature)
                 backward(zero)
                 continue
             mb = take_micro_batch(batch, rows, micro_batch_width(lengths, rows)).to(self.device)
-            lp, ent = self.forward(mb["input_ids"], mb["attention_mask"], temperature, True, entropy_grad)
+            if logprobs_key is None:
+                lp, ent = self.forward(mb["input_ids"], mb["attention_mask"], temperature, True, entropy_grad)
+            else:
+                lp, ent = self._forward_at(mb, logprobs_key, temperature, entropy_grad)
             assert ent is not None
             out = loss_fn(mb, lp, ent)
             if out.per_token_loss.shape != lp.shape:

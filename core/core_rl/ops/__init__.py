@@ -31,7 +31,13 @@ __all__, __getattr__ = lazy_exports(
             "top_quantile_mask",
         ),
         "core_rl.ops.importance": ("behaviour_log_ratio", "divergence_metric", "reject_by_metric"),
-        "core_rl.ops.kl": ("KL_CAP", "adaptive_kl_coef", "kl_estimate", "reverse_kl_distill_loss"),
+        "core_rl.ops.kl": (
+            "KL_CAP",
+            "adaptive_kl_coef",
+            "kl_estimate",
+            "reverse_kl_distill_loss",
+            "topk_forward_kl_loss",
+        ),
         "core_rl.ops.names": (
             "AGGREGATIONS",
             "IMPORTANCE_SAMPLING_LEVELS",

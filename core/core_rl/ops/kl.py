@@ -64,3 +64,23 @@ def reverse_kl_distill_loss(
     any constant ``b`` (``E[grad log pi] = 0``; the k1 estimate itself has a gradient of zero mean).
     A baseline ``b`` (e.g. the batch's mean ``d``, broadcast against ``[B, T]``) lowers the variance."""
     return (logprobs - teacher_logprobs - baseline).detach() * logprobs
+
+
+def topk_forward_kl_loss(teacher_topk_logprobs: torch.Tensor, student_topk_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-position forward KL(pi_teacher || pi) over the teacher's top-k tokens, from the teacher's
+    log-probs of its ``k`` most likely tokens and the policy's log-probs of the same tokens (both
+    ``[..., k]``, the policy's a log-softmax over the full vocabulary gathered at the teacher's ids)::
+
+        q_v = softmax(teacher_topk_logprobs)_v          (the teacher renormalised over its top k)
+        l   = sum_v q_v * (log q_v - log pi_v)
+
+    The teacher is renormalised over its top k so that ``q`` is a distribution: ``l >= 0`` (the KL of
+    ``q`` to pi restricted to the k tokens is ``>= -log pi(top k) >= 0``), ``l = 0`` exactly where pi
+    puts ``q``'s mass on those tokens, and the gradient with respect to the policy's logits ``z``
+    (log pi = log_softmax(z)) is ``pi - q`` (``q`` is 0 off the top k): the whole pull of the
+    full-vocabulary forward KL, on the tokens the teacher ranks highest. Without the
+    renormalisation the target would carry only the teacher's top-k mass and the gradient would be
+    ``m * pi - p_teacher`` (``m`` that mass). With ``k`` = the vocabulary it is the full forward KL.
+    Returns ``[...]``; the teacher's side carries no gradient."""
+    teacher = torch.log_softmax(teacher_topk_logprobs.detach().float(), dim=-1)
+    return (teacher.exp() * (teacher - student_topk_logprobs)).sum(-1)

@@ -40,6 +40,8 @@ NOISE_PREFERENCE_LOSSES = ("robust", "exo_pair")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 #: critic value losses (:func:`core_rl.ops.value_loss`)
 VALUE_LOSSES = ("mse", "huber")
+#: the distillation losses of a ``teacher:`` section (``teacher.loss``)
+DISTILL_LOSSES = ("reverse_kl", "topk_forward_kl")
 #: rejection by a divergence metric (:func:`core_rl.ops.reject_by_metric`): the level it judges
 #: at, what it does out of bounds, and how a sequence's tokens aggregate
 REJECTION_LEVELS = IMPORTANCE_SAMPLING_LEVELS

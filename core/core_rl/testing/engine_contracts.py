@@ -18,6 +18,7 @@ from core_rl.testing.contracts import ComponentContract
 from core_rl.testing.helpers import hf_logprobs, make_rl_batch
 from core_rl.testing.helpers import nll_loss as _nll_loss
 from core_rl.testing.optimizer_state_contracts import OptimizerStateContract
+from core_rl.testing.topk_contracts import TopkLogprobsContract
 from core_rl.testing.weight_transfer import check_weight_buckets
 
 # ---------------------------------------------------------------------------------------------
@@ -49,10 +50,11 @@ class TinyModelMixin:
         return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, **cls.tiny_model_options)
 
 
-class TrainEngineContract(OptimizerStateContract, TinyModelMixin, ComponentContract):
+class TrainEngineContract(OptimizerStateContract, TopkLogprobsContract, TinyModelMixin, ComponentContract):
     """A train engine on a tiny model (one process): log-probs agree with transformers, training
     lowers a loss, micro-batching does not change the update, weights export and state resumes
-    (with or without the optimizer state: :class:`OptimizerStateContract`)."""
+    (with or without the optimizer state: :class:`OptimizerStateContract`), and, where the engine
+    declares it, top-k log-probs and log-probs of given ids (:class:`TopkLogprobsContract`)."""
 
     kind = TRAIN_ENGINE
     logprob_atol: ClassVar[float] = 1e-4

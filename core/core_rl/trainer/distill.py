@@ -1,5 +1,6 @@
 """On-policy distillation from a teacher (the ``teacher:`` role): the policy loss of any recipe plus
-a reverse-KL term on the policy's own samples (:func:`core_rl.ops.reverse_kl_distill_loss`)::
+a distillation term on the policy's own samples. With ``teacher.loss: reverse_kl`` (the default) it
+is a reverse-KL term on the sampled tokens (:func:`core_rl.ops.reverse_kl_distill_loss`)::
 
     l_t = rl_coef * (the algorithm's loss)_t + distill_coef * sg(log pi_t - log pi_teacher_t - b) * log pi_t
 
@@ -9,6 +10,16 @@ teacher_logprobs`` over the loss tokens of the whole batch (computed once per RL
 :meth:`DistillationLoss.prepare`, so the loss does not depend on the split into micro-batches).
 The token metric ``distill_kl`` (reported as ``actor/distill_kl``) is the k1 estimate of
 KL(pi || pi_teacher) per response token: it falls as the policy learns the teacher.
+
+With ``teacher.loss: topk_forward_kl`` the teacher gives its ``top_k`` most likely tokens per
+position (``teacher_topk_ids`` and ``teacher_topk_logprobs`` [B, T, k]), the train engine the
+policy's log-probs of those ids (the loss asks for them with ``logprobs_at_key``;
+:data:`core_rl.interfaces.LOGPROBS_AT`), and the term is the forward KL over the teacher's top k
+(:func:`core_rl.ops.topk_forward_kl_loss`)::
+
+    l_t = rl_coef * (the algorithm's loss)_t + distill_coef * sum_v q_tv (log q_tv - log pi_tv)
+
+``distill_kl`` is then that KL per response token (no baseline: the gradient is exact, not sampled).
 """
 
 from __future__ import annotations
@@ -20,8 +31,17 @@ import torch
 
 from core_rl import ops
 from core_rl.config.schema import TeacherConfig
-from core_rl.interfaces import LossOutput, PolicyLoss, RejectionSampler
+from core_rl.config.teacher_checks import TOPK_LOSS
+from core_rl.interfaces import LOGPROBS_AT, LossOutput, PolicyLoss, RejectionSampler
 from core_rl.protocol import TensorBatch
+
+#: the batch key of the teacher's top-k token ids [B, T, k] (their log-probs: ``teacher_topk_logprobs``)
+TOPK_IDS = "teacher_topk_ids"
+
+
+def topk_of(teacher: TeacherConfig | None) -> int | None:
+    """The teacher's ``top_k`` where its loss is ``topk_forward_kl``, else ``None``."""
+    return teacher.top_k if teacher is not None and teacher.loss == TOPK_LOSS else None
 
 
 class DistillationLoss(PolicyLoss):
@@ -35,12 +55,17 @@ class DistillationLoss(PolicyLoss):
         self.requires_reference = base.requires_reference
         self.requires_recompute = base.requires_recompute
         self.entropy_grad = getattr(base, "entropy_grad", True) and self.rl_coef != 0
+        self.topk = topk_of(teacher) is not None
+        #: the engine puts the policy's log-probs of these ids in each micro-batch (``LOGPROBS_AT``)
+        self.logprobs_at_key = TOPK_IDS if self.topk else None
 
     def loss_weights(self, response_mask: torch.Tensor) -> torch.Tensor:
         return self.base.loss_weights(response_mask)
 
     def prepare(self, batch: TensorBatch) -> dict[str, float]:
-        """The base's preparation, and ``distill_baseline`` [B] (the same value on every row)."""
+        """The base's preparation, and (reverse KL) ``distill_baseline`` [B] (the same value on every row)."""
+        if self.topk:
+            return self.base.prepare(batch)
         mask = batch["loss_mask"]
         baseline = ops.masked_mean(batch["old_logprobs"] - batch["teacher_logprobs"], mask)
         batch["distill_baseline"] = baseline.expand(batch.batch_size).clone()
@@ -60,10 +85,14 @@ class DistillationLoss(PolicyLoss):
 
     def __call__(self, batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
         mask = batch["response_mask"]
-        teacher = batch["teacher_logprobs"]
-        baseline = batch["distill_baseline"][:, None] if "distill_baseline" in batch else 0.0
-        distill = ops.reverse_kl_distill_loss(logprobs, teacher, baseline) * mask
-        metrics = {"distill_kl": ((logprobs - teacher).detach() * mask)}
+        if self.topk:
+            distill = ops.topk_forward_kl_loss(batch["teacher_topk_logprobs"], batch[LOGPROBS_AT]) * mask
+            metrics = {"distill_kl": distill.detach()}
+        else:
+            teacher = batch["teacher_logprobs"]
+            baseline = batch["distill_baseline"][:, None] if "distill_baseline" in batch else 0.0
+            distill = ops.reverse_kl_distill_loss(logprobs, teacher, baseline) * mask
+            metrics = {"distill_kl": ((logprobs - teacher).detach() * mask)}
         if self.rl_coef == 0:
             return LossOutput(per_token_loss=self.distill_coef * distill, token_metrics=metrics)
         out = self.base(batch, logprobs, entropy)

@@ -111,6 +111,7 @@ class PTXLoss(PolicyLoss):
 
     def __init__(self, base: PolicyLoss) -> None:
         self.base = base
+        self.logprobs_at_key = getattr(base, "logprobs_at_key", None)  # e.g. a top-k teacher's ids
         self.requires_reference = base.requires_reference
         self.requires_recompute = base.requires_recompute
         self.entropy_grad = getattr(base, "entropy_grad", True)

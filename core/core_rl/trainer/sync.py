@@ -73,7 +73,7 @@ from core_rl.trainer.colocated_memory import held_by_peer
 from core_rl.trainer.colocation import RolloutSleep, build_rollout_engine, peer_rollout_sleep
 from core_rl.trainer.critic import CriticStage
 from core_rl.trainer.data import DataRow, PromptSource, prompt_count
-from core_rl.trainer.distill import DistillationLoss
+from core_rl.trainer.distill import DistillationLoss, topk_of
 from core_rl.trainer.errors import DiskFullError
 from core_rl.trainer.evaluation import Evaluating, Evaluator, build_evaluator
 from core_rl.trainer.filtering import EmptySteps
@@ -213,6 +213,7 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
             shard=self._shard,
             world_size=self.world_size,
             teacher=self.roles.teacher,
+            teacher_top_k=topk_of(cfg.teacher),
             critic=CriticStage.of_run(cfg, self.roles.critic, self.advantage, self._shard, self.world_size),
             advantage=self.advantage,
         )

@@ -20,7 +20,7 @@ import torch
 from core_rl import ops
 from core_rl.config.schema import AlgorithmConfig
 from core_rl.engine_utils.metrics import MAX_SUFFIX
-from core_rl.guards import engine_metrics, engine_tensor
+from core_rl.guards import engine_metrics, engine_tensor, engine_topk
 from core_rl.interfaces import AdvantageEstimator, PolicyLoss, TrainEngine
 from core_rl.protocol import TensorBatch
 from core_rl.trainer.batching import runs_in_update, set_advantages
@@ -81,18 +81,26 @@ def _gather_rows(batch: TensorBatch, shard: TensorBatch, keys: Sequence[str], wo
         batch[key] = full
 
 
-def compute_on_shards(
-    batch: TensorBatch, shard: Shard, world_size: int, compute: dict[str, Callable[[TensorBatch], torch.Tensor]]
-) -> None:
-    """For each ``key -> fn``: ``batch[key] = fn(this rank's shard)``, gathered from every rank's shard
-    into the global batch (the same on every rank). Collective."""
+#: (this rank's shard) -> a tensor, or several named ones
+ShardFn = Callable[[TensorBatch], "torch.Tensor | dict[str, torch.Tensor]"]
+
+
+def compute_on_shards(batch: TensorBatch, shard: Shard, world_size: int, compute: dict[str, ShardFn]) -> None:
+    """For each ``key -> fn``: ``batch[key] = fn(this rank's shard)`` (a ``fn`` that returns a dict
+    sets each of its keys instead), gathered from every rank's shard into the global batch (the
+    same on every rank). Collective."""
     if not compute:
         return
     batch[ROW_ID] = torch.arange(batch.batch_size)
     part = shard(batch)
+    keys = []
     for key, fn in compute.items():
-        part[key] = fn(part)
-    _gather_rows(batch, part, list(compute), world_size)
+        out = fn(part)
+        named = out if isinstance(out, dict) else {key: out}
+        for name, value in named.items():
+            part[name] = value
+        keys += list(named)
+    _gather_rows(batch, part, keys, world_size)
     del batch.data[ROW_ID]
 
 
@@ -145,15 +153,19 @@ class PolicyUpdate:
         shard: Shard,
         world_size: int,
         teacher: TrainEngine | None = None,
+        teacher_top_k: int | None = None,
         critic: CriticSteps | None = None,
         advantage: AdvantageEstimator | None = None,
     ) -> None:
         """``advantage``: the run's estimator; one that :func:`~core_rl.trainer.batching.runs_in_update`
         without a critic sets the batch's advantages here, after the log-probs (with a critic,
-        ``critic.prepare`` runs it after the values)."""
+        ``critic.prepare`` runs it after the values). ``teacher_top_k``: the teacher gives its
+        ``teacher_topk_ids`` and ``teacher_topk_logprobs`` [B, T, k] in place of ``teacher_logprobs``
+        (``teacher.loss: topk_forward_kl``)."""
         self.engine = engine
         self.ref = ref
         self.teacher = teacher
+        self.teacher_top_k = teacher_top_k
         self.critic = critic
         self.advantage = advantage if advantage is not None and runs_in_update(advantage) else None
         self.loss = loss
@@ -170,18 +182,24 @@ class PolicyUpdate:
         self.pad_token_id = 0
 
     def _logprobs(self, batch: TensorBatch) -> None:
-        """``ref_logprobs`` (with a reference model), ``teacher_logprobs`` (with a teacher) and
-        recomputed ``old_logprobs`` (when asked), computed on the shards and gathered into ``batch``."""
-        compute: dict[str, Callable[[TensorBatch], torch.Tensor]] = {}
+        """``ref_logprobs`` (with a reference model), ``teacher_logprobs`` (with a teacher; its top-k
+        ids and log-probs with ``teacher_top_k``) and recomputed ``old_logprobs`` (when asked),
+        computed on the shards and gathered into ``batch``."""
+        compute: dict[str, ShardFn] = {}
+        topk = self.teacher_top_k is not None
         for key, engine, what in (
             ("ref_logprobs", self.ref, "reference log-probs"),
-            ("teacher_logprobs", self.teacher, "teacher log-probs"),
+            ("teacher_logprobs", None if topk else self.teacher, "teacher log-probs"),
             ("old_logprobs", self.engine if self.recompute else None, "recomputed log-probs"),
         ):
             if engine is not None:
                 compute[key] = functools.partial(
                     engine_tensor, engine, "compute_logprobs", what, temperature=self.temperature
                 )
+        if topk and self.teacher is not None:
+            compute["teacher_topk"] = functools.partial(
+                engine_topk, self.teacher, k=self.teacher_top_k, temperature=self.temperature
+            )
         compute_on_shards(batch, self.shard, self.world_size, compute)
 
     def __call__(self, batch: TensorBatch, *, train_version: int) -> dict[str, float]:

@@ -87,6 +87,9 @@ class FSDPConfig:
     heads: ClassVar[tuple[str, ...]] = ("lm", "value", "score")
     #: it honours a role's ``fused_head`` (:mod:`core_rl.engine_utils.fused_head`)
     fused_head: ClassVar[bool] = True
+    #: it computes a teacher's top-k log-probs and the policy's log-probs of given ids
+    #: (``teacher.loss: topk_forward_kl``, :mod:`core_rl.config.teacher_checks`)
+    topk_logprobs: ClassVar[bool] = True
     #: a role's ``trust_remote_code`` reaches its model and tokenizer loads (:mod:`core_rl.remote_code`)
     loads_remote_code: ClassVar[bool] = True
     #: ``<role>.freeze`` reaches the model it builds (:mod:`core_rl.freezing`)
