@@ -24,16 +24,14 @@ policy's log-probs of those ids (the loss asks for them with ``logprobs_at_key``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 
 from core_rl import ops
 from core_rl.config.schema import TeacherConfig
 from core_rl.config.teacher_checks import TOPK_LOSS
-from core_rl.interfaces import LOGPROBS_AT, LossOutput, PolicyLoss, RejectionSampler
+from core_rl.interfaces import LOGPROBS_AT, LossOutput, PolicyLoss
 from core_rl.protocol import TensorBatch
+from core_rl.trainer.wrapping_loss import WrappingLoss
 
 #: the batch key of the teacher's top-k token ids [B, T, k] (their log-probs: ``teacher_topk_logprobs``)
 TOPK_IDS = "teacher_topk_ids"
@@ -44,23 +42,18 @@ def topk_of(teacher: TeacherConfig | None) -> int | None:
     return teacher.top_k if teacher is not None and teacher.loss == TOPK_LOSS else None
 
 
-class DistillationLoss(PolicyLoss):
+class DistillationLoss(WrappingLoss):
     """Wraps the algorithm's policy loss (``base``) with the distillation term (module docstring);
-    aggregation, preparation, rejection sampling and what the base needs are the base's."""
+    aggregation, rejection sampling and what the base needs are the base's."""
 
     def __init__(self, base: PolicyLoss, teacher: TeacherConfig) -> None:
-        self.base = base
+        super().__init__(base)
         self.rl_coef = teacher.rl_coef
         self.distill_coef = teacher.distill_coef
-        self.requires_reference = base.requires_reference
-        self.requires_recompute = base.requires_recompute
-        self.entropy_grad = getattr(base, "entropy_grad", True) and self.rl_coef != 0
+        self.entropy_grad = self.entropy_grad and self.rl_coef != 0
         self.topk = topk_of(teacher) is not None
         #: the engine puts the policy's log-probs of these ids in each micro-batch (``LOGPROBS_AT``)
         self.logprobs_at_key = TOPK_IDS if self.topk else None
-
-    def loss_weights(self, response_mask: torch.Tensor) -> torch.Tensor:
-        return self.base.loss_weights(response_mask)
 
     def prepare(self, batch: TensorBatch) -> dict[str, float]:
         """The base's preparation, and (reverse KL) ``distill_baseline`` [B] (the same value on every row)."""
@@ -70,18 +63,6 @@ class DistillationLoss(PolicyLoss):
         baseline = ops.masked_mean(batch["old_logprobs"] - batch["teacher_logprobs"], mask)
         batch["distill_baseline"] = baseline.expand(batch.batch_size).clone()
         return {**self.base.prepare(batch), "distill_baseline": float(baseline)}
-
-    def set_rejection_sampler(self, sampler: RejectionSampler | None) -> None:
-        self.base.set_rejection_sampler(sampler)
-
-    def observe_step(self, metrics: Mapping[str, float]) -> dict[str, float]:
-        return self.base.observe_step(metrics)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.base.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.base.load_state_dict(state)
 
     def __call__(self, batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
         mask = batch["response_mask"]

@@ -23,12 +23,13 @@ import torch
 from core_rl.config.ptx import PTXConfig
 from core_rl.config.schema import DataConfig
 from core_rl.errors import DataError
-from core_rl.interfaces import LossOutput, PolicyLoss, RejectionSampler
+from core_rl.interfaces import LossOutput, PolicyLoss
 from core_rl.protocol import TensorBatch, concat_padded
 from core_rl.trainer.data import tokenise_rows
 from core_rl.trainer.data_files import read_data_files
 from core_rl.trainer.sequence_batches import prompt_response_batch
 from core_rl.trainer.sequences import TrainSequence, fit, response_tokens
+from core_rl.trainer.wrapping_loss import WrappingLoss
 
 KEY = "algorithm.ptx.files"
 
@@ -104,27 +105,14 @@ def with_ptx(minibatch: TensorBatch, sequences: list[TrainSequence], coef: float
     return concat_padded([base, TensorBatch(extra)], pad_token_id)
 
 
-class PTXLoss(PolicyLoss):
+class PTXLoss(WrappingLoss):
     """The policy loss ``base`` on its rows, ``-log pi`` on the ``ptx_mask`` tokens (module
     docstring); aggregation, preparation, rejection sampling and state are the base's. Keeps the
     mean NLL of the ptx tokens this rank saw since the last optimiser step (``ptx_nll``)."""
 
     def __init__(self, base: PolicyLoss) -> None:
-        self.base = base
-        self.logprobs_at_key = getattr(base, "logprobs_at_key", None)  # e.g. a top-k teacher's ids
-        self.requires_reference = base.requires_reference
-        self.requires_recompute = base.requires_recompute
-        self.entropy_grad = getattr(base, "entropy_grad", True)
+        super().__init__(base)
         self._nll, self._tokens = 0.0, 0.0
-
-    def loss_weights(self, response_mask: torch.Tensor) -> torch.Tensor:
-        return self.base.loss_weights(response_mask)
-
-    def prepare(self, batch: TensorBatch) -> dict[str, float]:
-        return self.base.prepare(batch)
-
-    def set_rejection_sampler(self, sampler: RejectionSampler | None) -> None:
-        self.base.set_rejection_sampler(sampler)
 
     def observe_step(self, metrics: Mapping[str, float]) -> dict[str, float]:
         out = dict(self.base.observe_step(metrics))
@@ -132,12 +120,6 @@ class PTXLoss(PolicyLoss):
             out["ptx_nll"] = self._nll / self._tokens
         self._nll, self._tokens = 0.0, 0.0
         return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.base.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.base.load_state_dict(state)
 
     def __call__(self, batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
         out = self.base(batch, logprobs, entropy)
