@@ -115,6 +115,13 @@ class TrainEngine(ABC):
         """Write the model as a Hugging Face directory (config, safetensors weights, tokenizer).
         Collective; the main rank writes, atomically."""
 
+    def export_adapter(self, path: str | Path) -> None:
+        """Write the LoRA adapter alone to ``path`` in peft's ``save_pretrained`` format
+        (``adapter_config.json`` + ``adapter_model.safetensors``), gathering only the adapter's
+        tensors (``rollout.lora_sync: adapter``; an engine that can declares ``exports_lora_adapter``
+        on its config class). Collective; the main rank writes, atomically. Default: raises."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write a LoRA adapter alone")
+
     @abstractmethod
     def save_state(self, path: str | Path, extra: Mapping[str, Any], *, optimizer: bool = True) -> None:
         """Save the full training state (model, optimiser, scheduler, step, RNG; the optimiser's only
