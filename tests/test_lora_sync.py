@@ -3,7 +3,8 @@
 CPU server (started once for the module, from the managed server environment, with LoRA enabled)
 loads it under a new name per version. Its greedy tokens and behaviour log-probs match a merged
 sync into the same server; the sync moves only the adapter's bytes; a second sync replaces the
-first. And the configurations where it cannot work are refused, each naming its key."""
+first; a restarted server loads the newest adapter. And the configurations where it cannot work
+are refused, each naming its key."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from core_rl.trainer.weight_sync import WeightSyncing
 pytest.importorskip("peft")
 pytest.importorskip("core_rl_vllm")
 pytest.importorskip("core_rl_fsdp")
+
+from core_rl_vllm.engine import GENERATE_PATH
 
 RANK = 8
 PROMPTS = [[1, 10, 11, 12], [1, 20, 21], [1, 5, 6, 7, 8]]
@@ -158,6 +161,11 @@ def test_a_second_sync_replaces_the_first(setup) -> None:
     assert not adapter_dir(syncer.run_dir, 1).exists() and adapter_dir(syncer.run_dir, 2).is_dir()
     second = rollout.generate(PROMPTS, GREEDY)
     assert all(s.versions == [2] * 8 for (s,) in second)
+    # the server itself labels the new adapter's tokens version 2 (what a request resumed across
+    # the update reports token by token)
+    body = {"model": "core-rl-lora-v2", "token_ids": PROMPTS[0], "sampling_params": {"max_tokens": 2}}
+    answer = httpx.post(url + GENERATE_PATH, json=body, timeout=60).json()
+    assert {str(span["version"]) for span in answer["choices"][0]["weight_versions"]} == {"2"}
     assert [s.response_ids for (s,) in first] != [s.response_ids for (s,) in second]
     # the new version's tokens are those of the trained model: a transformers forward of the
     # merged weights, token by token (greedy)
@@ -169,6 +177,32 @@ def test_a_second_sync_replaces_the_first(setup) -> None:
         with torch.no_grad():
             out = reference.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
         assert s.response_ids == out[0, len(prompt) :].tolist()
+
+
+def test_a_restarted_server_serves_the_newest_adapter(setup) -> None:
+    """A server killed after an adapter sync is restarted from the base model and loads the newest
+    adapter directory (the one kept), then answers as before."""
+    import os
+    import signal
+    import time
+
+    syncer, _, _ = setup
+    rollout = syncer.rollout
+    if rollout.weight_version < 1:
+        _train_step(syncer, seed=1)
+        syncer._sync_weights(1)
+    before = rollout.generate(PROMPTS, GREEDY)
+    server = rollout.endpoints[0].server
+    os.kill(server.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while server.alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = rollout.generate(PROMPTS, GREEDY)  # restarts the server (on_server_failure: restart)
+    assert rollout.endpoints[0].restarts == 1
+    version = rollout.weight_version
+    for (a,), (b,) in zip(before, after):
+        assert a.response_ids == b.response_ids and b.versions == [version] * 8
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= LOGPROB_ATOL
 
 
 def _write(tmp_path: Path, data: dict) -> Path:
