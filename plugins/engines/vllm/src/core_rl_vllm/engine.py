@@ -93,6 +93,9 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     env_name = "vllm"
     health_path = "/health"
     swaps_in_place = True
+    #: > 0: the servers serve LoRA adapters of rank up to this, and a weight directory is an adapter
+    #: (``rollout.lora_sync: adapter``, :mod:`core_rl_vllm.lora`)
+    lora_rank: int = 0
 
     def __init__(
         self,
@@ -106,8 +109,6 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     ) -> None:
         self.config = config
         self.model_name = SERVED_MODEL_NAME
-        #: > 0: the servers serve LoRA adapters of rank up to this, and a weight directory is an
-        #: adapter (``rollout.lora_sync: adapter``, :mod:`core_rl_vllm.lora`)
         self.lora_rank = lora_rank
         self._adapters: dict[str, str] = {}  # server URL -> the adapter name it serves
         self._per_token_versions = True  # generate through GENERATE_PATH (per-token weight versions)
