@@ -116,10 +116,9 @@ class TrainEngine(ABC):
         Collective; the main rank writes, atomically."""
 
     def export_adapter(self, path: str | Path) -> None:
-        """Write the LoRA adapter alone to ``path`` in peft's ``save_pretrained`` format
-        (``adapter_config.json`` + ``adapter_model.safetensors``), gathering only the adapter's
-        tensors (``rollout.lora_sync: adapter``; an engine that can declares ``exports_lora_adapter``
-        on its config class). Collective; the main rank writes, atomically. Default: raises."""
+        """Write the LoRA adapter alone to ``path`` in peft's ``save_pretrained`` format, gathering
+        only its tensors (``rollout.lora_sync: adapter``; an engine that can declares
+        ``exports_lora_adapter``). Collective; the main rank writes, atomically. Default: raises."""
         raise NotImplementedError(f"{type(self).__name__} cannot write a LoRA adapter alone")
 
     @abstractmethod

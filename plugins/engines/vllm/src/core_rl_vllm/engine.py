@@ -34,9 +34,8 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
   disk (the directory's safetensors files into vLLM's in-place ``reload_weights``) or
   ``core_rl_receive_weights`` for weights over a collective (the extension joins the trainer's
   process group through ``/collective_rpc`` once, and loads the broadcast tensors with
-  ``reload_weights``). With a ``lora_rank`` (``rollout.lora_sync: adapter``) a weight directory is a
-  LoRA adapter, which the same route loads under a new name per version (:mod:`core_rl_vllm.lora`);
-  requests then name that adapter as their ``model``.
+  ``reload_weights``). With a ``lora_rank`` a weight directory is a LoRA adapter, loaded by the same
+  route under a new name per version, which requests then name (:mod:`core_rl_vllm.lora`).
 
 - sleeping while the trainer trains (``rollout.sleep_while_training``; servers started with
   ``--enable-sleep-mode``): ``POST /sleep?level=2`` after generation, then ``POST
@@ -93,9 +92,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     env_name = "vllm"
     health_path = "/health"
     swaps_in_place = True
-    #: > 0: the servers serve LoRA adapters of rank up to this, and a weight directory is an adapter
-    #: (``rollout.lora_sync: adapter``, :mod:`core_rl_vllm.lora`)
-    lora_rank: int = 0
+    lora_rank: int = 0  #: > 0: the servers serve LoRA adapters up to this rank (:mod:`core_rl_vllm.lora`)
 
     def __init__(
         self,
@@ -351,13 +348,9 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         if not self.lora_rank:
             await self._update(client, url, version, "core_rl_load_dir", args=[json.dumps({"path": str(path)})])
             return
-        # an adapter directory (rollout.lora_sync: adapter): loaded under a new name, the previous one unloaded
-        name, previous = lora.adapter_name(version), self._adapters.get(url)
-        unload = previous if previous != name else None
-        await self._update(
-            client, url, version, "load_lora_adapter", lora={"name": name, "path": path, "unload": unload}
-        )
-        self._adapters[url] = name
+        update = lora.adapter_update(self._adapters.get(url), path, version)  # rollout.lora_sync: adapter
+        await self._update(client, url, version, "load_lora_adapter", lora=update)
+        self._adapters[url] = update["name"]
 
     async def join_weight_group(
         self, client: Any, url: str, *, address: str, port: int, rank_offset: int, world_size: int, backend: str
@@ -502,8 +495,6 @@ def make_engine(
     when ``rollout.sleep_while_training`` is ``True`` (as the trainer resolved it; ``auto`` is off),
     with ``--trust-remote-code`` when ``trust_remote_code`` (``actor.trust_remote_code``), and
     serving LoRA adapters up to ``lora_rank`` (``actor.lora.rank`` with ``rollout.lora_sync: adapter``)."""
+    sleep, trust = rollout.sleep_while_training is True, trust_remote_code
     config = engine_config if engine_config is not None else VLLMConfig()
-    sleep = rollout.sleep_while_training is True
-    return VLLMRolloutEngine(
-        model_path, config, run_dir, sleep=sleep, trust_remote_code=trust_remote_code, lora_rank=lora_rank
-    )
+    return VLLMRolloutEngine(model_path, config, run_dir, sleep=sleep, trust_remote_code=trust, lora_rank=lora_rank)

@@ -12,6 +12,8 @@ tokens' weight versions unlabelled.
 
 from __future__ import annotations
 
+from typing import Any
+
 #: the values vLLM accepts for ``--max-lora-rank`` (``vllm.config.lora.MaxLoRARanks`` of the pinned vLLM)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 #: adapters a server keeps in host memory: the one being served and the one replacing it
@@ -38,3 +40,11 @@ def adapter_name(version: int) -> str:
     """The name version ``version`` of the adapter is served under (a new one per version: vLLM
     keeps per-adapter prefix-cache blocks, which a reused name would serve stale)."""
     return f"core-rl-lora-v{version}"
+
+
+def adapter_update(previous: str | None, path: str, version: int) -> dict[str, Any]:
+    """The ``lora`` part of a weight-update request that loads the adapter directory ``path`` as
+    version ``version`` on a server serving the adapter named ``previous`` (unloaded once the new
+    one is in; kept when it is the same name, as for a restarted server loading the newest again)."""
+    name = adapter_name(version)
+    return {"name": name, "path": str(path), "unload": previous if previous != name else None}
