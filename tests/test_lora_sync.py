@@ -245,3 +245,21 @@ def test_what_cannot_work_is_refused_naming_the_key(tmp_path: Path, overrides, s
     problems = _problems(tmp_path, overrides)
     assert len(problems) == 1, problems
     assert problems[0].startswith(starts) and says in problems[0], problems[0]
+
+
+def test_the_run_builds_its_servers_for_adapters_and_never_asleep(tmp_path: Path) -> None:
+    """As the trainer builds the rollout engine (:mod:`core_rl.trainer.colocation`): the factory gets
+    ``lora_rank`` with ``adapter`` only, and ``sleep_while_training: auto``, on for this colocated
+    synchronous run on a GPU with ``merged``, stays off with ``adapter`` (a sleeping server would drop
+    the base weights that adapter syncs never send)."""
+    from core_rl.kinds import ROLLOUT_ENGINE
+    from core_rl.lora_sync import rollout_factory_kwargs
+    from core_rl.trainer.colocation import _sleeps
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "server_grpo" / "vllm.yaml"
+    host = PluginHost(environ={})
+    common = ["actor.lora.rank=10", "rollout.weight_sync=disk"]
+    for mode, kwargs, sleeps in (("merged", {}, True), ("adapter", {"lora_rank": 10}, False)):
+        cfg = load_config(example, [*common, f"rollout.lora_sync={mode}"], host=host)
+        assert rollout_factory_kwargs(cfg) == kwargs
+        assert _sleeps(cfg, host.get(ROLLOUT_ENGINE, "vllm"), cuda=True) is sleeps
