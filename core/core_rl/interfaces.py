@@ -122,6 +122,12 @@ class TrainEngine(ABC):
         """Write the model as a Hugging Face directory (config, safetensors weights, tokenizer).
         Collective; the main rank writes, atomically."""
 
+    def export_adapter(self, path: str | Path) -> None:
+        """Write the LoRA adapter alone to ``path`` in peft's ``save_pretrained`` format, gathering
+        only its tensors (``rollout.lora_sync: adapter``; an engine that can declares
+        ``exports_lora_adapter``). Collective; the main rank writes, atomically. Default: raises."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write a LoRA adapter alone")
+
     @abstractmethod
     def save_state(self, path: str | Path, extra: Mapping[str, Any], *, optimizer: bool = True) -> None:
         """Save the full training state (model, optimiser, scheduler, step, RNG; the optimiser's only

@@ -63,6 +63,7 @@ from core_rl.config.sections import (
 from core_rl.errors import ConfigError, PluginError
 from core_rl.freezing import engine_problems as freeze_engine_problems
 from core_rl.kinds import ALGORITHM
+from core_rl.lora_sync import problems as lora_sync_problems
 from core_rl.placement import placement_config_problems, sleep_problems
 from core_rl.plugins import PluginHost
 from core_rl.remote_code import engine_problems as remote_code_engine_problems
@@ -283,6 +284,7 @@ def load_config(
             problems.extend(exc.problems)
     problems.extend(weight_sync_problems(host, cfg))
     problems.extend(sampling_extra_problems(host, cfg))
+    problems.extend(lora_sync_problems(cfg, host))
     problems.extend(defer_total_steps(cfg, data))  # trainer.total_epochs: total_steps derived at the start
     derive_schedules(cfg)
     problems.extend(cross_section_problems(cfg))

@@ -111,6 +111,16 @@ class RolloutConfig:
     (broadcast from the trainer's main rank to the engine's workers over a process group). The
     selected engine must support the mode (``weight_sync_modes`` of its config class).
 
+    ``lora_sync``: what a weight sync sends with LoRA (``actor.lora.rank > 0``): ``merged``
+    (default: the adapters merged into the base weights, ``W + scaling * B @ A``, and every weight
+    sent) or ``adapter`` (the adapter alone, peft's ``save_pretrained`` format, written to a fresh
+    directory per version that the engine loads under a new adapter name, its requests naming it:
+    the bytes of ``A`` and ``B`` instead of the whole model; the engine's base weights stay those
+    of ``actor.model_path``). ``adapter`` needs a rollout engine that serves adapters
+    (``serves_lora_adapters`` of its config class: ``vllm``), ``weight_sync: disk``, a train engine
+    that writes the adapter alone (``exports_lora_adapter``: ``fsdp``, ``deepspeed``), and no
+    sleeping while training (:mod:`core_rl.lora_sync`).
+
     ``workflow``: how a data row becomes trajectories (:mod:`core_rl.workflows`; default
     ``single_turn``); ``controller``: asynchronous rollout and its staleness bound
     (:class:`ControllerConfig`).
@@ -129,6 +139,7 @@ class RolloutConfig:
     engine: PluginSpec = attrs.field(factory=lambda: PluginSpec(name="hf"))
     sampling: SamplingConfig = attrs.field(factory=SamplingConfig)
     weight_sync: str = attrs.field(default="memory", validator=one_of(("memory", "disk", "collective")))
+    lora_sync: str = attrs.field(default="merged", validator=one_of(("merged", "adapter")))
     workflow: PluginSpec = attrs.field(factory=lambda: PluginSpec(name="single_turn"))
     controller: ControllerConfig = attrs.field(factory=ControllerConfig)
     sleep_while_training: AutoBool = "auto"

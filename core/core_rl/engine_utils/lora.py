@@ -94,6 +94,12 @@ def adapted_modules(model: nn.Module) -> set[str]:
     return {_module_of(name, ".lora_A.") for name, _ in model.named_parameters() if ".lora_A." in name}
 
 
+def is_adapter_key(name: str) -> bool:
+    """Whether ``name`` (in the wrapped model's state dict) is a tensor of the adapter (``A``, ``B``):
+    what :func:`write_adapter_dir` writes."""
+    return f".{ADAPTER}." in name and (".lora_A." in name or ".lora_B." in name)
+
+
 def _module_of(name: str, part: str) -> str:
     return name.removeprefix(PEFT_PREFIX).split(part)[0]
 

@@ -2,6 +2,8 @@
 (:func:`core_rl.trainer.weight_sync.sync_in_memory`), for engine tests:
 
 - :func:`check_weight_buckets`: an engine's buckets hold what its full state dict holds;
+- :func:`assert_same_adapter`: two LoRA adapter directories hold the same config and tensors (an
+  engine's ``export_adapter`` against the adapter its ``export_hf`` writes);
 - :class:`HostTrips` records every ``Tensor.cpu()`` / ``Tensor.to(<cpu>)`` call: on a GPU each is
   a trip through host memory; on a CPU machine they cost nothing, yet show the same path;
 - :class:`DataOps` records every aten operation that runs (through a ``TorchDispatchMode``), with
@@ -11,6 +13,7 @@
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +24,21 @@ if TYPE_CHECKING:
 
 #: operations that only make a new view of, or reference to, existing storage
 VIEW_OPS = frozenset({"aten.detach", "aten.alias", "aten.view", "aten._unsafe_view", "aten.as_strided"})
+
+
+def assert_same_adapter(got: Path, want: Path) -> None:
+    """Assert that the LoRA adapter directories ``got`` and ``want`` (peft's ``save_pretrained``
+    format) hold the same ``adapter_config.json`` and the same tensors (names, dtypes, values)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    config = [json.loads((d / "adapter_config.json").read_text()) for d in (got, want)]
+    assert config[0] == config[1], f"{got}: adapter config differs from {want}'s"
+    tensors = [load_file(str(d / "adapter_model.safetensors")) for d in (got, want)]
+    assert tensors[0].keys() == tensors[1].keys() and tensors[0], f"{got}: {sorted(tensors[0])} != {sorted(tensors[1])}"
+    for name, value in tensors[0].items():
+        assert value.dtype == tensors[1][name].dtype and torch.equal(value, tensors[1][name]), name
 
 
 def check_weight_buckets(engine: TrainEngine, bucket_bytes: int = 4096) -> int:

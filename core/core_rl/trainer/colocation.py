@@ -44,6 +44,8 @@ from core_rl.components import build_component
 from core_rl.config.schema import RunConfig
 from core_rl.interfaces import RolloutEngine
 from core_rl.kinds import ROLLOUT_ENGINE
+from core_rl.lora_sync import adapter_sync
+from core_rl.lora_sync import rollout_factory_kwargs as lora_kwargs
 from core_rl.placement import SLEEP_KEY, rollout_device, sleeps_while_training
 from core_rl.plugins import PluginHost
 from core_rl.preflight import detect_machine
@@ -72,10 +74,10 @@ def build_rollout_engine(
     for note in (gpus_note, memory_note):
         if note:
             print(f"core-rl: note: {note}", file=sys.stderr, flush=True)
-    trust = rollout_factory_kwargs(cfg)
+    kwargs = {**rollout_factory_kwargs(cfg), **lora_kwargs(cfg)}
     with held_for_trainer(shared):
         engine = build_component(
-            entry, rollout, engine_config, model_path=cfg.actor.model_path, run_dir=run_dir, **trust
+            entry, rollout, engine_config, model_path=cfg.actor.model_path, run_dir=run_dir, **kwargs
         )
     if enabled and cfg.rollout.sleep_while_training == "auto":
         where = rollout_device(cfg, cuda)[1]
@@ -98,8 +100,10 @@ def peer_rollout_sleep(cfg: RunConfig, host: PluginHost) -> RolloutSleep:
 
 def _sleeps(cfg: RunConfig, entry: Any, cuda: bool) -> bool:
     """``rollout.sleep_while_training`` resolved for the engine ``entry`` (its config class says
-    whether it can give back memory) on a machine with or without CUDA."""
-    releases = bool(getattr(entry.config_cls, "releases_memory", False))
+    whether it can give back memory) on a machine with or without CUDA. Never with
+    ``rollout.lora_sync: adapter``: a sleeping server drops its base weights, which that sync never
+    sends again (:mod:`core_rl.lora_sync`)."""
+    releases = bool(getattr(entry.config_cls, "releases_memory", False)) and not adapter_sync(cfg)
     return sleeps_while_training(cfg, releases_memory=releases, cuda_available=cuda)
 
 

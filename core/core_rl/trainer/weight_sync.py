@@ -1,10 +1,10 @@
 """Moving the policy's new weights to the rollout engine after each update, as
 ``rollout.weight_sync`` says: ``memory`` (in buckets, handed over in-process: :func:`sync_in_memory`),
 ``collective`` (a full state dict over a process group) or ``disk`` (a Hugging Face directory the
-engine loads, in the background for an asynchronous run once its controller runs:
-:mod:`core_rl.trainer.weight_load`). A rollout engine asleep while the trainer trained takes back
-its weights' storage once the trainer has the weights ready, just before it loads them
-(:mod:`core_rl.trainer.colocation`)."""
+engine loads, or with ``rollout.lora_sync: adapter`` the LoRA adapter alone: :mod:`core_rl.lora_sync`;
+in the background for an asynchronous run once its controller runs: :mod:`core_rl.trainer.weight_load`).
+A rollout engine asleep while the trainer trained takes back its weights' storage once the trainer has
+the weights ready, just before it loads them (:mod:`core_rl.trainer.colocation`)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 from core_rl.config.schema import RunConfig
 from core_rl.engine_utils.buckets import nbytes
 from core_rl.interfaces import RolloutEngine, TrainEngine
+from core_rl.lora_sync import adapter_dir, adapter_sync, prune_adapter_dirs
 from core_rl.trainer.colocation import RolloutSleep
 from core_rl.trainer.rollout_flow import RolloutFlow
 from core_rl.trainer.weight_load import BackgroundWeightLoad
@@ -70,7 +71,8 @@ class WeightSyncing:
         return {"weight_sync/bytes": float(nbytes(state.values())), **woken}
 
     def _sync_by_disk(self, version: int) -> dict[str, float]:
-        """``weight_sync: disk``: export to ``<run>/weight_sync`` and have the engine load it."""
+        """``weight_sync: disk``: export to ``<run>/weight_sync`` (with ``rollout.lora_sync: adapter``
+        the adapter alone, to ``<run>/lora_sync/v<version>``) and have the engine load it."""
         assert self.engine is not None
         metrics: dict[str, float] = {}
         if self.is_main:  # the directory is rewritten below: the previous load must be done
@@ -78,8 +80,13 @@ class WeightSyncing:
             if self._loads_in_background():
                 metrics["timing/weight_load_wait_s"] = waited
                 metrics["timing/weight_load_s"] = self.weight_load.last_load_s
-        path = self.run_dir / "weight_sync"
-        self.engine.export_hf(path)
+        adapter = adapter_sync(self.cfg)
+        if adapter:  # the LoRA adapter alone, a directory per version (core_rl.lora_sync)
+            path = adapter_dir(self.run_dir, version)
+            self.engine.export_adapter(path)
+        else:
+            path = self.run_dir / "weight_sync"
+            self.engine.export_hf(path)
         metrics["weight_sync/bytes"] = float(sum(f.stat().st_size for f in path.glob("*.safetensors")))
         if self.rollout is not None:
             rollout = self.rollout
@@ -87,6 +94,8 @@ class WeightSyncing:
             def load() -> None:
                 with self._rollout_paused(version):
                     rollout.load_weights_from_path(path, version)
+                if adapter:  # the servers have moved on: the older versions go
+                    prune_adapter_dirs(self.run_dir, keep=path)
 
             metrics.update(self.rollout_sleep.before_weight_update())  # never asleep when loads run behind
             if self._loads_in_background():

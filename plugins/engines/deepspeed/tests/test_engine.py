@@ -14,7 +14,7 @@ from core_rl.interfaces import LossOutput
 from core_rl.protocol import TensorBatch
 from core_rl.testing import make_rl_batch
 from core_rl.testing.contracts import hf_logprobs
-from core_rl.testing.weight_transfer import check_weight_buckets
+from core_rl.testing.weight_transfer import assert_same_adapter, check_weight_buckets
 from core_rl_deepspeed.config import DeepSpeedConfig
 from core_rl_deepspeed.engine import DeepSpeedEngine
 
@@ -84,6 +84,10 @@ def test_lora_on_zero3_exports_merged_weights(tiny_model: Path, tmp_path: Path) 
     assert check_weight_buckets(engine) > 1  # gathered, merged, then in buckets
     engine.export_hf(tmp_path / "export")
     assert (tmp_path / "export" / "adapter" / "adapter_model.safetensors").is_file()
+    # the adapter alone (rollout.lora_sync: adapter), its partitions gathered by themselves: the
+    # adapter export_hf writes from the whole state dict
+    engine.export_adapter(tmp_path / "adapter")
+    assert_same_adapter(tmp_path / "adapter", tmp_path / "export" / "adapter")
     want = hf_logprobs(tmp_path / "export", batch["input_ids"], batch["attention_mask"])
     torch.testing.assert_close(engine.compute_logprobs(batch), want, atol=1e-5, rtol=0)
     engine.close()

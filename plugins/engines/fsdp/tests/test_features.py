@@ -14,7 +14,7 @@ from core_rl.interfaces import LossOutput
 from core_rl.protocol import TensorBatch
 from core_rl.testing import make_rl_batch
 from core_rl.testing.contracts import hf_logprobs
-from core_rl.testing.weight_transfer import check_weight_buckets
+from core_rl.testing.weight_transfer import assert_same_adapter, check_weight_buckets
 from core_rl_fsdp.config import FSDPConfig
 from core_rl_fsdp.engine import FSDPEngine
 from transformers import PreTrainedModel
@@ -90,6 +90,8 @@ def test_lora_trains_only_adapters_and_exports_merged_and_adapter(tiny_model: Pa
     # the merged export computes what the adapter model computes
     want = engine.compute_logprobs(batch)
     torch.testing.assert_close(hf_logprobs(out, batch["input_ids"], batch["attention_mask"]), want, atol=1e-5, rtol=0)
+    engine.export_adapter(tmp_path / "adapter")  # rollout.lora_sync: adapter: A and B gathered alone
+    assert_same_adapter(tmp_path / "adapter", out / "adapter")
     adapter_config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert (adapter_config["r"], adapter_config["lora_alpha"]) == (4, 8.0)
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), out / "adapter")

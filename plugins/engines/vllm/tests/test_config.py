@@ -158,3 +158,23 @@ def test_too_little_left_on_the_trainers_gpu_names_the_key_and_the_ways_out() ->
         VLLMConfig().with_colocated_memory(2 * GIB, 80 * GIB)
     with pytest.raises(CoreRLError, match="placement.mode: split"):
         VLLMConfig().with_colocated_memory(-5 * GIB, 80 * GIB)
+
+
+@pytest.mark.parametrize(("rank", "flag"), [(1, 1), (4, 8), (8, 8), (9, 16), (300, 320), (321, 512), (512, 512)])
+def test_a_lora_rank_starts_the_servers_serving_adapters_of_the_least_rank_vllm_accepts(rank: int, flag: int) -> None:
+    """``rollout.lora_sync: adapter`` (the factory's ``lora_rank``): LoRA on, ``--max-lora-rank`` the
+    least of vLLM's accepted ranks at or above it, before ``extra_args``; without it, no LoRA flag."""
+    engine = _engine(extra_args=["--x", "1"], server={"env_variant": "cpu"})
+    plain = engine.server_command("/env/bin/python", 8123, 0)
+    assert not any("lora" in part for part in plain)
+    engine.lora_rank = rank
+    argv = engine.server_command("/env/bin/python", 8123, 0)
+    added = ["--enable-lora", "--max-lora-rank", str(flag), "--max-cpu-loras", "2"]
+    assert argv == plain[:-2] + added + ["--x", "1"]
+
+
+def test_a_lora_rank_above_what_vllm_serves_is_refused() -> None:
+    from core_rl_vllm.lora import max_lora_rank
+
+    with pytest.raises(ValueError, match="at most 512, not 513"):
+        max_lora_rank(513)

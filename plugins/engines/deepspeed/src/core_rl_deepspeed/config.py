@@ -67,6 +67,8 @@ class DeepSpeedConfig:
     loads_remote_code: ClassVar[bool] = True
     #: ``<role>.freeze`` reaches the model it builds (:mod:`core_rl.freezing`)
     freezes_parameters: ClassVar[bool] = True
+    #: it writes the LoRA adapter alone (``export_adapter``; ``rollout.lora_sync: adapter``, :mod:`core_rl.lora_sync`)
+    exports_lora_adapter: ClassVar[bool] = True
 
     zero_stage: int = attrs.field(default=2, validator=one_of((1, 2, 3)))
     offload_optimizer: bool = False

@@ -34,7 +34,7 @@ from core_rl.engine_utils import distributed as dist_utils
 from core_rl.engine_utils import hf, lora, ulysses
 from core_rl.engine_utils import state as state_files
 from core_rl.engine_utils.buckets import hf_buckets, tied_aliases
-from core_rl.engine_utils.export import export_model_dir
+from core_rl.engine_utils.export import export_adapter_dir, export_model_dir
 from core_rl.engine_utils.optim import build_optimizer, check_schedule, decay_groups, placed_scalar_state
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner, check_temperature
 from core_rl.errors import CoreRLError
@@ -257,6 +257,14 @@ class DeepSpeedEngine(EngineState, TrainEngine):
             model_path=self.actor.model_path,
             trust_remote_code=self.actor.trust_remote_code,
         )
+
+    def export_adapter(self, path: str | Path) -> None:
+        """Rank 0 writes the LoRA adapter alone to ``path`` (peft's ``save_pretrained`` format),
+        atomically; only the adapter's tensors are gathered (each in turn, on every rank)."""
+        self._check_open()
+        others = {k for k in self.model.state_dict() if not lora.is_adapter_key(k)}
+        state = dict(self._wrapped_named("cpu", skip=others))
+        export_adapter_dir(Path(path).absolute(), self.model, state if self.rank == 0 else {}, rank=self.rank)
 
     # ------------------------------------------------------------------ training state
 

@@ -94,6 +94,8 @@ class FSDPConfig:
     loads_remote_code: ClassVar[bool] = True
     #: ``<role>.freeze`` reaches the model it builds (:mod:`core_rl.freezing`)
     freezes_parameters: ClassVar[bool] = True
+    #: it writes the LoRA adapter alone (``export_adapter``; ``rollout.lora_sync: adapter``, :mod:`core_rl.lora_sync`)
+    exports_lora_adapter: ClassVar[bool] = True
 
     wrap: str = attrs.field(default="decoder_layers", validator=one_of(WRAPS))
     reshard_after_forward: bool = True

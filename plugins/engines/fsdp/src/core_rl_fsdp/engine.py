@@ -22,7 +22,7 @@ from core_rl import checkpointing as ckpt
 from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import lora, ulysses
 from core_rl.engine_utils.buckets import hf_buckets, tied_aliases
-from core_rl.engine_utils.export import export_model_dir
+from core_rl.engine_utils.export import export_adapter_dir, export_model_dir
 from core_rl.engine_utils.hf import architecture_name, exported_architecture, torch_dtype
 from core_rl.engine_utils.muon import embeddings_and_head
 from core_rl.engine_utils.optim import build_optimizer, check_schedule, restore_weight_decay, settle_scalar_states
@@ -198,6 +198,17 @@ class FSDPEngine(EngineState, TrainEngine):
             model_path=self.actor.model_path,
             trust_remote_code=self.actor.trust_remote_code,
         )
+
+    def export_adapter(self, path: str | Path) -> None:
+        """Rank 0 writes the LoRA adapter alone to ``path`` (peft's ``save_pretrained`` format),
+        atomically; only the adapter's tensors are gathered (each in turn, on every rank)."""
+        self._check_open()
+        state = {
+            k: _full_tensor(v).to("cpu", copy=True)
+            for k, v in self.model.state_dict().items()
+            if lora.is_adapter_key(k)
+        }
+        export_adapter_dir(Path(path).absolute(), self.model, state if self.rank == 0 else {}, rank=self.rank)
 
     # ------------------------------------------------------------------ training state
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 from typing import ClassVar
 
 import attrs
+from core_rl.config.checks import SectionContext
 from core_rl.config.schema import AutoBool
 from core_rl.config.validators import in_range, non_negative, one_of, positive
 from core_rl.errors import CoreRLError
 from core_rl.remote import ServerOptions
+
+from core_rl_vllm.lora import max_lora_rank
 
 #: ``gpu_memory_utilization`` of a server on GPUs of its own (vLLM's default), and the most one on
 #: the trainer's GPU takes
@@ -53,6 +56,9 @@ class VLLMConfig:
     stop_strings: ClassVar[bool] = True
     #: ``actor.trust_remote_code`` reaches its servers (``--trust-remote-code``; :mod:`core_rl.remote_code`)
     loads_remote_code: ClassVar[bool] = True
+    #: its servers load LoRA adapters (``rollout.lora_sync: adapter``: the factory's ``lora_rank``,
+    #: :mod:`core_rl_vllm.lora`)
+    serves_lora_adapters: ClassVar[bool] = True
 
     server: ServerOptions = attrs.field(factory=ServerOptions)
     dtype: str = attrs.field(default="bfloat16", validator=one_of(("auto", "float32", "bfloat16", "float16")))
@@ -69,6 +75,19 @@ class VLLMConfig:
     enable_chunked_prefill: bool = True
     log_stats: bool = False
     extra_args: list[str] = attrs.field(factory=list)
+
+    def check_config(self, context: SectionContext) -> list[str]:
+        """With ``rollout.lora_sync: adapter``, ``actor.lora.rank`` must be one vLLM can serve."""
+        run = context.run
+        if run.rollout.lora_sync != "adapter" or not run.actor.lora.enabled:
+            return []
+        try:
+            max_lora_rank(run.actor.lora.rank)
+        except ValueError as exc:
+            return [
+                f"actor.lora.rank: {exc} (rollout.lora_sync: adapter); use a smaller rank, or rollout.lora_sync: merged"
+            ]
+        return []
 
     def gpus_per_server(self) -> int:
         """The GPUs one server takes (``rollout.engine.server.gpus`` gives each this many)."""

@@ -34,7 +34,8 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
   disk (the directory's safetensors files into vLLM's in-place ``reload_weights``) or
   ``core_rl_receive_weights`` for weights over a collective (the extension joins the trainer's
   process group through ``/collective_rpc`` once, and loads the broadcast tensors with
-  ``reload_weights``).
+  ``reload_weights``). With a ``lora_rank`` a weight directory is a LoRA adapter, loaded by the same
+  route under a new name per version, which requests then name (:mod:`core_rl_vllm.lora`).
 
 - sleeping while the trainer trains (``rollout.sleep_while_training``; servers started with
   ``--enable-sleep-mode``): ``POST /sleep?level=2`` after generation, then ``POST
@@ -66,6 +67,7 @@ from core_rl.remote.wire import describe, is_transport_error
 from core_rl.sampling_params import with_extra
 from core_rl.servers import ServerError
 
+from core_rl_vllm import lora
 from core_rl_vllm.config import GPU_MEMORY_UTILIZATION, VLLMConfig
 
 SERVED_MODEL_NAME = "core-rl"
@@ -91,6 +93,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     env_name = "vllm"
     health_path = "/health"
     swaps_in_place = True
+    lora_rank: int = 0  #: > 0: the servers serve LoRA adapters up to this rank (:mod:`core_rl_vllm.lora`)
 
     def __init__(
         self,
@@ -100,9 +103,12 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         *,
         sleep: bool = False,
         trust_remote_code: bool = False,
+        lora_rank: int = 0,
     ) -> None:
         self.config = config
         self.model_name = SERVED_MODEL_NAME
+        self.lora_rank = lora_rank
+        self._adapters: dict[str, str] = {}  # server URL -> the adapter name it serves
         self._per_token_versions = True  # generate through GENERATE_PATH (per-token weight versions)
         self._batch_route = True  # requests that arrive together go through BATCH_ROUTE
         super().__init__(model_path, config.server, run_dir, sleep=sleep, trust_remote_code=trust_remote_code)
@@ -189,7 +195,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             argv.append("--enable-sleep-mode")
         if self.trust_remote_code:
             argv.append("--trust-remote-code")
-        return argv + list(c.extra_args)
+        return argv + lora.server_args(self.lora_rank) + list(c.extra_args)
 
     def server_environment(self, index: int) -> dict[str, str]:
         env = {
@@ -231,14 +237,14 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         params = _params(sampling)
         if self._per_token_versions:
             try:
-                body = await json_post(client, url + GENERATE_PATH, self._generate_payload(prompt_ids, params))
+                body = await json_post(client, url + GENERATE_PATH, self._generate_payload(url, prompt_ids, params))
             except ServerReplyError as exc:
                 if exc.status not in (403, 404):
                     raise
                 self._per_token_versions = False  # a server without --enable-scale-out
             else:
                 return _generated(body, url)
-        payload = {"model": self.model_name, "prompt": prompt_ids, **params, "return_token_ids": True}
+        payload = {"model": self._model(url), "prompt": prompt_ids, **params, "return_token_ids": True}
         body = await json_post(client, url + "/v1/completions", payload)
         try:
             choices = sorted(body["choices"], key=lambda c: c["index"])
@@ -253,11 +259,15 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         except (KeyError, TypeError, ValueError) as exc:
             raise ServerReplyError(f"unexpected /v1/completions answer from {url}: {exc}: {str(body)[:300]}") from None
 
-    def _generate_payload(self, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+    def _model(self, url: str) -> str:
+        """The model a request to ``url`` names: the adapter it serves, else the base model."""
+        return self._adapters.get(url, self.model_name)
+
+    def _generate_payload(self, url: str, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
         # the text is never read; stop strings need it
         detokenize = bool(params.get("stop"))
         return {
-            "model": self.model_name,
+            "model": self._model(url),
             "token_ids": prompt_ids,
             "sampling_params": {**params, "detokenize": detokenize},
         }
@@ -276,7 +286,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         """All ``items`` in one ``POST /core_rl/generate`` (the plugin's route: each item a
         :data:`GENERATE_PATH` request, answered one JSON line per item as it finishes)."""
         sent = [_as_sent(s) for _, s in items]
-        payloads = [self._generate_payload(prompt, _params(s)) for (prompt, _), (s, _) in zip(items, sent)]
+        payloads = [self._generate_payload(url, prompt, _params(s)) for (prompt, _), (s, _) in zip(items, sent)]
         repeats = [times for _, times in sent]
         async with client.stream("POST", url + BATCH_ROUTE, json={"requests": payloads}) as response:
             if response.status_code in (403, 404):  # a server without the route: one request each
@@ -336,7 +346,12 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         _worker_results(body, method, url)
 
     async def reload_from_disk(self, client: Any, url: str, path: str, version: int) -> None:
-        await self._update(client, url, version, "core_rl_load_dir", args=[json.dumps({"path": str(path)})])
+        if not self.lora_rank:
+            await self._update(client, url, version, "core_rl_load_dir", args=[json.dumps({"path": str(path)})])
+            return
+        update = lora.adapter_update(self._adapters.get(url), path, version)  # rollout.lora_sync: adapter
+        await self._update(client, url, version, "load_lora_adapter", lora=update)
+        self._adapters[url] = update["name"]
 
     async def join_weight_group(
         self, client: Any, url: str, *, address: str, port: int, rank_offset: int, world_size: int, backend: str
@@ -479,10 +494,12 @@ def make_engine(
     model_path: str,
     run_dir: Path,
     trust_remote_code: bool = False,
+    lora_rank: int = 0,
 ) -> VLLMRolloutEngine:
     """The registered factory (sampling comes with each request): the servers start able to sleep
     when ``rollout.sleep_while_training`` is ``True`` (as the trainer resolved it; ``auto`` is off),
-    and with ``--trust-remote-code`` when ``trust_remote_code`` (``actor.trust_remote_code``)."""
+    with ``--trust-remote-code`` when ``trust_remote_code`` (``actor.trust_remote_code``), and
+    serving LoRA adapters up to ``lora_rank`` (``actor.lora.rank`` with ``rollout.lora_sync: adapter``)."""
+    sleep, trust = rollout.sleep_while_training is True, trust_remote_code
     config = engine_config if engine_config is not None else VLLMConfig()
-    sleep = rollout.sleep_while_training is True
-    return VLLMRolloutEngine(model_path, config, run_dir, sleep=sleep, trust_remote_code=trust_remote_code)
+    return VLLMRolloutEngine(model_path, config, run_dir, sleep=sleep, trust_remote_code=trust, lora_rank=lora_rank)

@@ -15,12 +15,14 @@ HTTP request per prompt costs the API process a third of a small model's generat
 up) cancels the items still running, which aborts them in the engine.
 
 ``POST /core_rl/update_weights`` with a JSON body ``{"method", "args", "kwargs", "version",
-"pause", "timeout"}``: a weight update in one HTTP round trip. In the API process it
+"pause", "timeout"}`` (or ``{"lora": {"name", "path", "unload"}, "version", "pause"}``: a LoRA
+adapter instead of weights, :func:`load_adapter`): a weight update in one HTTP round trip. In the
+API process it
 
 1. pauses the engine's scheduler with running requests kept in place (``pause: true``; skipped
    when the caller paused the server itself), without the fixed delay of ``/pause``;
 2. runs the worker RPC ``method(*args, **kwargs)`` that loads the new weights (vLLM's
-   ``collective_rpc``: between two scheduler steps);
+   ``collective_rpc``: between two scheduler steps), or loads the adapter;
 3. labels the engine's later outputs with ``version`` (vLLM's per-step weight version);
 4. drops the prefix cache (KV blocks of finished requests, computed by the old weights);
 5. resumes the scheduler (if it paused it).
@@ -47,19 +49,23 @@ def _jsonable(result: Any) -> Any:
     return result if result is None or isinstance(result, str | dict | list) else str(result)
 
 
-async def update_weights(engine: Any, body: dict[str, Any]) -> list[Any]:
-    """Steps 1-5 of the module docstring on ``engine`` (vLLM's ``AsyncLLM``)."""
+async def update_weights(engine: Any, body: dict[str, Any], models: Any = None) -> list[Any]:
+    """Steps 1-5 of the module docstring on ``engine`` (vLLM's ``AsyncLLM``); with ``lora`` in
+    ``body``, step 2 loads that adapter through ``models`` instead (:func:`load_adapter`)."""
     core = engine.engine_core
     pause = bool(body.get("pause", True))
     if pause:
         await core.pause_scheduler_async(mode="keep", clear_cache=False)
     try:
-        results = await engine.collective_rpc(
-            body["method"],
-            timeout=body.get("timeout"),
-            args=tuple(body.get("args", [])),
-            kwargs=dict(body.get("kwargs", {})),
-        )
+        if "lora" in body:
+            results = await load_adapter(models, body["lora"])
+        else:
+            results = await engine.collective_rpc(
+                body["method"],
+                timeout=body.get("timeout"),
+                args=tuple(body.get("args", [])),
+                kwargs=dict(body.get("kwargs", {})),
+            )
         if not any(isinstance(r, str) and r.startswith("error") for r in results or []):
             await core.set_weight_version_async(str(body["version"]))
             await engine.reset_prefix_cache()
@@ -67,6 +73,26 @@ async def update_weights(engine: Any, body: dict[str, Any]) -> list[Any]:
         if pause:
             await core.resume_scheduler_async()
     return [_jsonable(r) for r in results or []]
+
+
+async def load_adapter(models: Any, lora: dict[str, Any]) -> list[str]:
+    """Load the LoRA adapter directory ``lora["path"]`` under the name ``lora["name"]`` with vLLM's
+    own handler (``models``: the server's ``OpenAIServingModels``, which also resolves the name a
+    request gives as its ``model``), then unload ``lora["unload"]`` (the previous version's name;
+    one the server does not know, as after a restart, is skipped). One result, as a worker RPC's:
+    ``"ok"`` or ``"error: ..."``."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+
+    if models is None:
+        return ["error: the server does not serve LoRA adapters (start it with --enable-lora)"]
+    loaded = await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=lora["name"], lora_path=lora["path"]))
+    if isinstance(loaded, ErrorResponse):
+        return [f"error: loading the LoRA adapter {lora['path']}: {loaded.error.message}"]
+    previous = lora.get("unload")
+    if previous and previous in models.lora_requests:
+        await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=previous))
+    return ["ok"]
 
 
 async def generate_one(serving: Any, index: int, payload: Any) -> dict[str, Any]:
@@ -137,7 +163,8 @@ class WeightUpdateRoute:
             return
         try:
             body = await request.json()
-            results = await update_weights(scope["app"].state.engine_client, body)
+            state = scope["app"].state
+            results = await update_weights(state.engine_client, body, getattr(state, "openai_serving_models", None))
             response = JSONResponse({"results": results})
         except Exception as exc:  # answered, not raised: the caller names the server and the error
             response = JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=500)

@@ -1,0 +1,50 @@
+"""Serving LoRA adapters (``rollout.lora_sync: adapter``, :mod:`core_rl.lora_sync`): the server
+flags, and the adapter name of each weight version.
+
+A server started with a ``lora_rank`` loads each version's adapter directory through the plugin's
+weight-update route (:mod:`core_rl_vllm.server_side.core_rl_vllm_routes`: vLLM's own
+``load_lora_adapter`` inside the server, with the scheduler paused, the weight version labelled and
+the prefix cache dropped, as for full weights), under :func:`adapter_name`, and unloads the
+previous version's name; later requests name the new adapter as their ``model``. vLLM's
+``/v1/load_lora_adapter`` route would need ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` and leave the
+tokens' weight versions unlabelled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: the values vLLM accepts for ``--max-lora-rank`` (``vllm.config.lora.MaxLoRARanks`` of the pinned vLLM)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: adapters a server keeps in host memory: the one being served and the one replacing it
+CPU_LORAS = 2
+
+
+def max_lora_rank(rank: int) -> int:
+    """The least ``--max-lora-rank`` vLLM accepts that holds an adapter of rank ``rank``;
+    :class:`ValueError` above the largest."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"vLLM serves LoRA adapters of rank at most {VLLM_LORA_RANKS[-1]}, not {rank}")
+
+
+def server_args(rank: int) -> list[str]:
+    """vLLM's flags for serving adapters of rank up to ``rank`` (none for 0)."""
+    if rank <= 0:
+        return []
+    return ["--enable-lora", "--max-lora-rank", str(max_lora_rank(rank)), "--max-cpu-loras", str(CPU_LORAS)]
+
+
+def adapter_name(version: int) -> str:
+    """The name version ``version`` of the adapter is served under (a new one per version: vLLM
+    keeps per-adapter prefix-cache blocks, which a reused name would serve stale)."""
+    return f"core-rl-lora-v{version}"
+
+
+def adapter_update(previous: str | None, path: str, version: int) -> dict[str, Any]:
+    """The ``lora`` part of a weight-update request that loads the adapter directory ``path`` as
+    version ``version`` on a server serving the adapter named ``previous`` (unloaded once the new
+    one is in; kept when it is the same name, as for a restarted server loading the newest again)."""
+    name = adapter_name(version)
+    return {"name": name, "path": str(path), "unload": previous if previous != name else None}

@@ -1,0 +1,265 @@
+"""``rollout.lora_sync: adapter`` (:mod:`core_rl.lora_sync`): after a real training step of the
+``fsdp`` engine with LoRA, the trainer's weight sync writes the adapter alone and one real vLLM
+CPU server (started once for the module, from the managed server environment, with LoRA enabled)
+loads it under a new name per version. Its greedy tokens and behaviour log-probs match a merged
+sync into the same server; the sync moves only the adapter's bytes; a second sync replaces the
+first; a restarted server loads the newest adapter. And the configurations where it cannot work
+are refused, each naming its key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import yaml
+from core_rl.config import load_config
+from core_rl.config.schema import ActorConfig, LoraConfig, OptimizerConfig, PluginSpec, RunConfig
+from core_rl.engine_utils.buckets import nbytes
+from core_rl.errors import ConfigError
+from core_rl.interfaces import SamplingParams
+from core_rl.lora_sync import adapter_dir
+from core_rl.plugins import PluginHost
+from core_rl.testing.helpers import make_rl_batch, nll_loss
+from core_rl.trainer.colocation import RolloutSleep
+from core_rl.trainer.weight_load import BackgroundWeightLoad
+from core_rl.trainer.weight_sync import WeightSyncing
+
+pytest.importorskip("peft")
+pytest.importorskip("core_rl_vllm")
+pytest.importorskip("core_rl_fsdp")
+
+from core_rl_vllm.engine import GENERATE_PATH
+
+RANK = 8
+PROMPTS = [[1, 10, 11, 12], [1, 20, 21], [1, 5, 6, 7, 8]]
+GREEDY = SamplingParams(n=1, max_new_tokens=8, min_new_tokens=8, greedy=True)
+#: the largest behaviour log-prob difference allowed between an adapter sync and a merged sync (a
+#: float32 server): measured 2.4e-7 (the adapter's ``x A^T B^T`` added to ``x W^T`` against ``x (W +
+#: B A)^T``: float32 rounding); a bfloat16 server gave the same tokens, log-probs within 4.1e-3)
+LOGPROB_ATOL = 1e-5
+
+
+class Syncer(WeightSyncing):
+    """The trainer's weight-sync stage alone (:class:`core_rl.trainer.weight_sync.WeightSyncing`)
+    on one rank, with no rollout controller: what a synchronous run calls after each update."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, engine, rollout) -> None:
+        self.cfg, self.run_dir, self.is_main = cfg, run_dir, True
+        self.engine, self.rollout, self.flow = engine, rollout, None
+        self.weight_load = BackgroundWeightLoad(60.0, "test")
+        self.rollout_sleep = RolloutSleep(None)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny model, the ``fsdp`` engine training LoRA adapters of rank 8 on every linear layer,
+    a vLLM server started as a run with ``rollout.lora_sync: adapter`` starts it (float32, so the
+    comparison can be tight), and the trainer's sync stage between them."""
+    from core_rl.tiny import build_tiny_model
+    from core_rl_fsdp.config import FSDPConfig
+    from core_rl_fsdp.engine import FSDPEngine
+    from core_rl_vllm.config import VLLMConfig
+    from core_rl_vllm.engine import make_engine
+
+    work = tmp_path_factory.mktemp("lora_sync")
+    model = build_tiny_model(work / "model", num_heads=2)  # vLLM's CPU attention: head size 32
+    lora = LoraConfig(rank=RANK, alpha=16.0, dropout=0.0, target_modules=["all-linear"])
+    actor = ActorConfig(
+        model_path=str(model),
+        engine=PluginSpec(name="fsdp"),
+        optimizer=OptimizerConfig(name="adamw", lr=5e-2),
+        grad_clip=0.0,
+        lora=lora,
+    )
+    train = FSDPEngine(actor, FSDPConfig(), trainable=True)
+    cfg = RunConfig(actor=actor)
+    cfg.rollout.weight_sync, cfg.rollout.lora_sync = "disk", "adapter"
+    options = VLLMConfig(dtype="float32", max_num_seqs=16)
+    rollout = make_engine(cfg.rollout, options, model_path=str(model), run_dir=work / "run", lora_rank=RANK)
+    syncer = Syncer(cfg, work / "run", train, rollout)
+    yield syncer, model, work
+    rollout.close()
+    train.close()
+
+
+def _train_step(syncer: Syncer, seed: int) -> None:
+    syncer.engine.train_step(make_rl_batch(seed=seed), nll_loss)
+
+
+def _served(url: str) -> set[str]:
+    return {m["id"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]}
+
+
+def _merged_sync(url: str, path: Path, version: int, run_dir: Path) -> list:
+    """Greedy samples of :data:`PROMPTS` after a merged sync of ``path`` into the server at ``url``,
+    by a second engine that connects to it (its base model: the adapter-less requests)."""
+    from core_rl.remote import ServerOptions
+    from core_rl_vllm.config import VLLMConfig
+    from core_rl_vllm.engine import VLLMRolloutEngine
+
+    merged = VLLMRolloutEngine(path, VLLMConfig(dtype="float32", server=ServerOptions(urls=[url])), run_dir)
+    try:
+        merged.load_weights_from_path(path, version)
+        return merged.generate(PROMPTS, GREEDY)
+    finally:
+        merged.close()
+
+
+def test_adapter_sync_matches_merged_sync_and_moves_only_the_adapter(setup) -> None:
+    syncer, model, work = setup
+    rollout = syncer.rollout
+    _train_step(syncer, seed=1)
+    metrics = syncer._sync_weights(1)
+    path = adapter_dir(syncer.run_dir, 1)
+    assert sorted(p.name for p in path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert json.loads((path / "adapter_config.json").read_text())["r"] == RANK
+    # only the adapter's tensors moved: A and B of every adapted layer, nothing of the base
+    from safetensors.torch import load_file
+
+    sent = load_file(str(path / "adapter_model.safetensors"))
+    trained = {n: p for n, p in syncer.engine.model.named_parameters() if p.requires_grad}
+    assert len(sent) == len(trained) > 0 and all(".lora_A." in n or ".lora_B." in n for n in sent)
+    assert nbytes(sent.values()) == nbytes(trained.values())
+    assert metrics["weight_sync/bytes"] == (path / "adapter_model.safetensors").stat().st_size
+    assert rollout.last_sync["bytes"] == metrics["weight_sync/bytes"]
+    base_bytes = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
+    print(f"adapter sync: {metrics['weight_sync/bytes']:.0f} bytes; merged sync: {base_bytes} bytes")
+    assert metrics["weight_sync/bytes"] < base_bytes / 2
+
+    url = rollout.endpoints[0].url
+    assert "core-rl-lora-v1" in _served(url)
+    adapter = rollout.generate(PROMPTS, GREEDY)
+    assert all(s.versions == [1] * 8 for (s,) in adapter)  # the server labels the adapter's tokens
+    syncer.engine.export_hf(work / "merged")
+    merged = _merged_sync(url, work / "merged", 1, work / "merged-run")
+    worst = 0.0
+    for (a,), (m,) in zip(adapter, merged):
+        assert a.response_ids == m.response_ids
+        worst = max(worst, *(abs(x - y) for x, y in zip(a.logprobs, m.logprobs)))
+    print(f"adapter vs merged sync, largest behaviour log-prob difference: {worst:.2e}")
+    assert worst <= LOGPROB_ATOL
+    # the tokens differ from the untrained model's: the adapter did something
+    base = _merged_sync(url, Path(model), 0, work / "base-run")  # the base weights back, for the next test
+    assert [s.response_ids for (s,) in base] != [s.response_ids for (s,) in adapter]
+
+
+def test_a_second_sync_replaces_the_first(setup) -> None:
+    syncer, model, _ = setup
+    rollout = syncer.rollout
+    if rollout.weight_version < 1:
+        _train_step(syncer, seed=1)
+        syncer._sync_weights(1)
+    first = rollout.generate(PROMPTS, GREEDY)
+    _train_step(syncer, seed=2)
+    syncer._sync_weights(2)
+    url = rollout.endpoints[0].url
+    served = _served(url)
+    assert "core-rl-lora-v2" in served and "core-rl-lora-v1" not in served
+    assert not adapter_dir(syncer.run_dir, 1).exists() and adapter_dir(syncer.run_dir, 2).is_dir()
+    second = rollout.generate(PROMPTS, GREEDY)
+    assert all(s.versions == [2] * 8 for (s,) in second)
+    # the server itself labels the new adapter's tokens version 2 (what a request resumed across
+    # the update reports token by token)
+    body = {"model": "core-rl-lora-v2", "token_ids": PROMPTS[0], "sampling_params": {"max_tokens": 2}}
+    answer = httpx.post(url + GENERATE_PATH, json=body, timeout=60).json()
+    assert {str(span["version"]) for span in answer["choices"][0]["weight_versions"]} == {"2"}
+    assert [s.response_ids for (s,) in first] != [s.response_ids for (s,) in second]
+    # the new version's tokens are those of the trained model: a transformers forward of the
+    # merged weights, token by token (greedy)
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    reference.load_state_dict(syncer.engine.full_state_dict())
+    for prompt, (s,) in zip(PROMPTS, second):
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        assert s.response_ids == out[0, len(prompt) :].tolist()
+
+
+def test_a_restarted_server_serves_the_newest_adapter(setup) -> None:
+    """A server killed after an adapter sync is restarted from the base model and loads the newest
+    adapter directory (the one kept), then answers as before."""
+    import os
+    import signal
+    import time
+
+    syncer, _, _ = setup
+    rollout = syncer.rollout
+    if rollout.weight_version < 1:
+        _train_step(syncer, seed=1)
+        syncer._sync_weights(1)
+    before = rollout.generate(PROMPTS, GREEDY)
+    server = rollout.endpoints[0].server
+    os.kill(server.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while server.alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = rollout.generate(PROMPTS, GREEDY)  # restarts the server (on_server_failure: restart)
+    assert rollout.endpoints[0].restarts == 1
+    version = rollout.weight_version
+    for (a,), (b,) in zip(before, after):
+        assert a.response_ids == b.response_ids and b.versions == [version] * 8
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= LOGPROB_ATOL
+
+
+def _write(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _problems(tmp_path: Path, overrides: list[str]) -> list[str]:
+    data = {
+        "actor": {"model_path": "/models/tiny", "engine": {"name": "fsdp"}, "lora": {"rank": 8}},
+        "rollout": {"engine": {"name": "vllm"}, "weight_sync": "disk", "lora_sync": "adapter"},
+    }
+    try:
+        load_config(_write(tmp_path, data), overrides, host=PluginHost(environ={}), require_complete=False)
+    except ConfigError as exc:
+        return [p for p in exc.problems if "lora" in p]
+    return []
+
+
+def test_the_default_is_merged_and_a_valid_adapter_config_loads(tmp_path: Path) -> None:
+    assert RunConfig().rollout.lora_sync == "merged"
+    assert _problems(tmp_path, []) == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "starts", "says"),
+    [
+        (["actor.lora.rank=0"], "rollout.lora_sync:", "actor.lora.rank is 0"),
+        (["rollout.engine.name=hf"], "rollout.lora_sync:", "'hf'"),
+        (["rollout.engine.name=sglang"], "rollout.lora_sync:", "cannot load LoRA adapters"),
+        (["rollout.weight_sync=collective"], "rollout.lora_sync:", "rollout.weight_sync: disk"),
+        (["rollout.sleep_while_training=true"], "rollout.lora_sync:", "sleep_while_training: false"),
+        (["rollout.engine.server.update_pause_mode=keep"], "rollout.lora_sync:", "use wait or abort"),
+        (["actor.lora.rank=1024"], "actor.lora.rank:", "at most 512"),
+        (["rollout.lora_sync=adapters"], "rollout.lora_sync:", "adapter"),
+    ],
+)
+def test_what_cannot_work_is_refused_naming_the_key(tmp_path: Path, overrides, starts, says) -> None:
+    problems = _problems(tmp_path, overrides)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(starts) and says in problems[0], problems[0]
+
+
+def test_the_run_builds_its_servers_for_adapters_and_never_asleep(tmp_path: Path) -> None:
+    """As the trainer builds the rollout engine (:mod:`core_rl.trainer.colocation`): the factory gets
+    ``lora_rank`` with ``adapter`` only, and ``sleep_while_training: auto``, on for this colocated
+    synchronous run on a GPU with ``merged``, stays off with ``adapter`` (a sleeping server would drop
+    the base weights that adapter syncs never send)."""
+    from core_rl.kinds import ROLLOUT_ENGINE
+    from core_rl.lora_sync import rollout_factory_kwargs
+    from core_rl.trainer.colocation import _sleeps
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "server_grpo" / "vllm.yaml"
+    host = PluginHost(environ={})
+    common = ["actor.lora.rank=10", "rollout.weight_sync=disk"]
+    for mode, kwargs, sleeps in (("merged", {}, True), ("adapter", {"lora_rank": 10}, False)):
+        cfg = load_config(example, [*common, f"rollout.lora_sync={mode}"], host=host)
+        assert rollout_factory_kwargs(cfg) == kwargs
+        assert _sleeps(cfg, host.get(ROLLOUT_ENGINE, "vllm"), cuda=True) is sleeps
