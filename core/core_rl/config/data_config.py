@@ -123,7 +123,13 @@ class DataConfig:
     tokens kept stay trained, the rest is gone (:mod:`core_rl.trainer.length_bound`).
 
     ``difficulty_filter`` (default null: every prompt drawn): skip prompts whose last group-mean
-    reward says they are already solved, or hopeless (:class:`DifficultyFilterConfig`); RL loops only."""
+    reward says they are already solved, or hopeless (:class:`DifficultyFilterConfig`); RL loops only.
+
+    ``max_samples`` (default null: every row): train on at most this many of the rows kept after
+    reading and filtering (every loop): with ``shuffle`` a subset drawn once, seeded by
+    ``experiment.seed``, otherwise the first ones in file order; kept in file order either way, and
+    ``trainer.total_epochs`` counts passes over them. Not with weighted ``train_files`` (their weights
+    set each source's share; :func:`core_rl.trainer.data.capped_items`)."""
 
     train_files: list[str | TrainFile] = attrs.field(factory=list, validator=_train_entries)
     prompt_key: str = attrs.field(default="prompt", validator=not_empty())
@@ -144,6 +150,16 @@ class DataConfig:
         return self.truncation or TRUNCATION_MODES[0]
 
     difficulty_filter: DifficultyFilterConfig | None = None
+    max_samples: int | None = attrs.field(default=None, validator=in_range(1, MAX_COUNT))
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_samples is not None and self.train_weights is not None:
+            raise FieldValueError(
+                "max_samples",
+                self.max_samples,
+                "caps a plain list of train_files; with weighted entries each source's share of an epoch is its "
+                "weight: remove max_samples, or the weights",
+            )
 
     @property
     def train_paths(self) -> list[str]:

@@ -261,10 +261,25 @@ def mixture_sources(items: Sequence[PromptItem], config: DataConfig) -> tuple[li
 def prompt_count(rows: Sequence[DataRow], config: DataConfig, tokenizer: Any) -> int:
     """How many prompts :class:`PromptSource` draws from ``rows`` (checked rows): those tokenising
     keeps (``data.filter_overlong_prompts`` drops the long ones), taken from :class:`TokenisedRows`
-    of the same settings when preflight made them."""
+    of the same settings when preflight made them, at most ``data.max_samples``."""
     if isinstance(rows, TokenisedRows) and rows.key == tokenisation_key(config, tokenizer):
-        return len(rows.items)
-    return len(tokenise_rows(rows, config, tokenizer)[0])
+        count = len(rows.items)
+    else:
+        count = len(tokenise_rows(rows, config, tokenizer)[0])
+    return count if config.max_samples is None else min(count, config.max_samples)
+
+
+def capped_items(items: list[PromptItem], config: DataConfig, *, seed: int) -> list[PromptItem]:
+    """At most ``data.max_samples`` of ``items``: with ``data.shuffle`` a subset drawn once with
+    ``random.Random(seed)``, otherwise the first ones; in their original order either way. One line
+    on stderr says how many of how many are kept."""
+    cap = config.max_samples
+    if cap is None or cap >= len(items):
+        return items
+    chosen = sorted(random.Random(seed).sample(range(len(items)), cap)) if config.shuffle else range(cap)
+    how = f"a subset drawn with seed {seed}" if config.shuffle else "the first ones"
+    announce_once(f"core-rl: data.max_samples: training on {cap} of {len(items)} prompts ({how})")
+    return [items[i] for i in chosen]
 
 
 def eval_data_config(cfg: RunConfig) -> DataConfig:
@@ -277,6 +292,7 @@ def eval_data_config(cfg: RunConfig) -> DataConfig:
         prompt_key=cfg.eval.prompt_key or cfg.data.prompt_key,
         batch_size=cfg.eval.batch_size or cfg.data.batch_size,
         shuffle=False,
+        max_samples=None,
     )
 
 
@@ -341,6 +357,8 @@ class PromptSource:
             self.items, problems = tokenise_rows(rows, config, tokenizer)
         if not problems and select is not None:
             self.items, problems = select(self.items)
+        if not problems:
+            self.items = capped_items(self.items, config, seed=seed)
         self.sources = self._sources(problems)
         if problems:
             raise DataError(problems)
