@@ -103,11 +103,21 @@ def _check_keywords(entry: RegistryEntry, interface: type, component: object) ->
         except (TypeError, ValueError):  # a builtin or C method: nothing to read
             continue
         if not any(p.kind is p.VAR_KEYWORD or (p.name == keyword and p.kind is not p.POSITIONAL_ONLY) for p in params):
-            path = f"{interface.__module__}.{qualified}"
+            path = f"{public_path(interface)}.{member}"
             raise PluginFault(
                 f"{who(entry)}: {type(component).__qualname__}.{member} takes no keyword argument {keyword!r}, which "
                 f"{path} takes since interface version {version} and the core passes; add it (see its docstring)"
             )
+
+
+def public_path(interface: type) -> str:
+    """``core_rl.interfaces.<Name>`` for a contract that module exports (where plugin authors import
+    it from, wherever it is defined), else the class's own module path."""
+    interfaces = importlib.import_module("core_rl.interfaces")
+    module = (
+        "core_rl.interfaces" if getattr(interfaces, interface.__name__, None) is interface else interface.__module__
+    )
+    return f"{module}.{interface.__name__}"
 
 
 def _missing_message(entry: RegistryEntry, interface: type, component: object, missing: list[str]) -> str:
@@ -120,7 +130,7 @@ def _missing_message(entry: RegistryEntry, interface: type, component: object, m
     lacks = "; ".join(
         f"{', '.join(shown)} (added in interface version {version})" for version, shown in sorted(by_version.items())
     )
-    path = f"{interface.__module__}.{name}"
+    path = public_path(interface)
     got = "nothing (None)" if component is None else type(component).__qualname__
     return (
         f"{who(entry)} does not implement {path}: its factory returned {got}, which lacks {lacks}; "
