@@ -230,6 +230,32 @@ def test_a_failing_workflow_is_reported(engine) -> None:
         controller.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_fault_while_batching_a_wave_reaches_every_trajectory(engine, monkeypatch) -> None:
+    """An error while keying a wave's requests (injected) fails the step with that error instead of
+    leaving the wave's trajectories waiting for ever."""
+    import core_rl.rollout_controller as controller_module
+
+    def broken(sampling):
+        raise TypeError("injected keying fault")
+
+    monkeypatch.setattr(controller_module, "batch_key", broken)
+    controller = RolloutController(
+        engine,
+        SingleTurnWorkflow(),
+        CountingData(2),
+        SamplingParams(n=1, max_new_tokens=2),
+        ControllerConfig(),
+        batch_size=2,
+    )
+    controller.start()
+    try:
+        with pytest.raises(RolloutFailed, match="injected keying fault"):
+            controller.take(new_step=True)
+    finally:
+        controller.close()
+
+
 class RunsDry(CountingData):
     """Two waves (each reporting its draw), then a draw that raises, as ``data.difficulty_filter``
     does with nothing left to draw."""

@@ -29,6 +29,48 @@ def test_an_engines_own_request_keys_are_refused() -> None:
     with pytest.raises(ValueError, match=r"the vllm engine sets logprobs itself"):
         with_extra({"logprobs": 0, "n": 1}, sampling, "vllm")
     assert with_extra({"n": 1}, SamplingParams(extra={"ignore_eos": True}), "vllm") == {"n": 1, "ignore_eos": True}
+    # a key the engine sets only sometimes (its reserved ones) is refused even when absent from this request
+    with pytest.raises(ValueError, match=r"the vllm engine sets model itself"):
+        with_extra({"n": 1}, SamplingParams(extra={"model": "x"}), "vllm", reserved={"model"})
+
+
+def test_an_engines_own_request_keys_are_refused_at_validate(tmp_path: Path, host, minimal_config: dict) -> None:
+    """``max_tokens`` (vLLM's own) in ``extra`` is refused when the config loads, for the training
+    and the evaluation sampling alike; a key the engine leaves alone passes."""
+    pytest.importorskip("core_rl_vllm")
+    from core_rl.config import load_config
+
+    minimal_config["rollout"]["engine"] = {"name": "vllm"}
+    minimal_config["rollout"]["sampling"] = {
+        **minimal_config["rollout"].get("sampling", {}),
+        "extra": {"max_tokens": 3},
+    }
+    minimal_config["eval"] = {"files": minimal_config["data"]["train_files"], "sampling": {"extra": {"detokenize": 1}}}
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps(minimal_config))
+    with pytest.raises(ConfigError) as err:
+        load_config(path, [], host=host)
+    problems = [p for p in err.value.problems if "sampling.extra" in p]
+    assert any(p.startswith("rollout.sampling.extra: max_tokens: rollout engine 'vllm'") for p in problems), problems
+    assert any(p.startswith("eval.sampling.extra: detokenize: rollout engine 'vllm'") for p in problems), problems
+    minimal_config["rollout"]["sampling"]["extra"] = {"ignore_eos": True}
+    minimal_config["eval"]["sampling"]["extra"] = {}
+    path.write_text(json.dumps(minimal_config))
+    try:
+        load_config(path, [], host=host)
+    except ConfigError as exc:  # other problems of a vllm run on this machine may remain, none of extra
+        assert not [p for p in exc.problems if "sampling.extra" in p], exc.problems
+
+
+def test_evaluation_replaces_or_clears_the_runs_extra() -> None:
+    from core_rl.config.eval_config import EvalSamplingConfig
+
+    run = SamplingConfig(extra={"ignore_eos": True})
+    assert structure({}, EvalSamplingConfig, path="eval.sampling").resolve(run).extra == {"ignore_eos": True}
+    assert structure({"extra": {}}, EvalSamplingConfig, path="eval.sampling").resolve(run).extra == {}
+    assert structure({"extra": {"seed": 1}}, EvalSamplingConfig, path="eval.sampling").resolve(run).extra == {"seed": 1}
+    with pytest.raises(ConfigError, match=r"eval.sampling.extra: n: set by this section's own keys"):
+        structure({"extra": {"n": 2}}, EvalSamplingConfig, path="eval.sampling")
 
 
 def test_requests_with_other_extras_are_told_apart() -> None:
@@ -38,6 +80,10 @@ def test_requests_with_other_extras_are_told_apart() -> None:
     assert batch_key(SamplingParams(extra={"a": 1, "b": 2})) == batch_key(SamplingParams(extra={"b": 2, "a": 1}))
     assert batch_key(SamplingParams(stop=["x"])) != batch_key(SamplingParams(stop=["y"]))
     assert len({hash(batch_key(s)) for s in (a, b, SamplingParams())}) == 3
+    # YAML may give a logit bias int keys, mixed with text ones; nested values count
+    mixed = SamplingParams(extra={"logit_bias": {7: 1.0, "8": 2.0}})
+    assert batch_key(mixed) == batch_key(SamplingParams(extra={"logit_bias": {"8": 2.0, 7: 1.0}}))
+    assert batch_key(mixed) != batch_key(SamplingParams(extra={"logit_bias": {7: 1.0, "8": 3.0}}))
 
 
 def test_the_hf_engine_refuses_server_parameters(tmp_path: Path, host, minimal_config: dict) -> None:

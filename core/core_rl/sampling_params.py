@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import json
+from collections.abc import Collection
 from typing import Any
 
 import attrs
@@ -55,21 +55,28 @@ class SamplingParams:
 
 def batch_key(sampling: SamplingParams) -> tuple:
     """A hashable key of every field of ``sampling``: requests whose keys are equal may share one
-    engine call (lists as tuples, ``extra`` as its sorted JSON text, so two requests that differ
-    only in a server parameter are batched apart)."""
-
-    def hashable(value: Any) -> Any:
-        if isinstance(value, dict):
-            return json.dumps(value, sort_keys=True, default=repr)
-        return tuple(value) if isinstance(value, list) else value
-
-    return tuple(hashable(value) for value in attrs.astuple(sampling, recurse=False))
+    engine call (lists as tuples, dicts such as ``extra`` as their items sorted by the keys' text,
+    so two requests that differ only in a server parameter are batched apart, and a dict's key
+    order or mixed key types do not matter)."""
+    return tuple(_frozen(value) for value in attrs.astuple(sampling, recurse=False))
 
 
-def with_extra(params: dict[str, Any], sampling: SamplingParams, engine: str) -> dict[str, Any]:
+def _frozen(value: Any) -> Any:
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted(((repr(k), _frozen(v)) for k, v in value.items()), key=lambda kv: kv[0])))
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def with_extra(
+    params: dict[str, Any], sampling: SamplingParams, engine: str, reserved: Collection[str] = ()
+) -> dict[str, Any]:
     """``params`` (the request's sampling parameters an engine builds) with ``sampling.extra``
-    added; a key of ``extra`` the engine sets itself is a :class:`ValueError` naming it."""
-    taken = sorted(set(sampling.extra) & set(params))
+    added; a key of ``extra`` the engine sets itself (in ``params``, or among ``reserved``: the
+    ``request_keys`` of its config class, which ``config validate`` refuses already) is a
+    :class:`ValueError` naming it."""
+    taken = sorted(set(sampling.extra) & (set(params) | set(reserved)))
     if taken:
         raise ValueError(
             f"rollout.sampling.extra: the {engine} engine sets {', '.join(taken)} itself (from rollout.sampling); "

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from core_rl.config.sampling import SamplingConfig
@@ -13,7 +15,8 @@ from core_rl.config.validators import MAX_COUNT, MAX_STEPS, MAX_TOKENS, each, fi
 class EvalSamplingConfig:
     """How evaluation samples: ``rollout.sampling`` with these keys replaced (a key left ``null``
     keeps the run's value). By default one greedy answer per prompt; for pass@k set
-    ``greedy: false``, a ``temperature`` and ``n`` (at least k)."""
+    ``greedy: false``, a ``temperature`` and ``n`` (at least k). ``extra`` replaces the run's
+    ``rollout.sampling.extra`` as a whole (``{}``: no server parameters while evaluating)."""
 
     n: int = attrs.field(default=1, validator=in_range(1, MAX_COUNT))
     greedy: bool = True
@@ -25,6 +28,11 @@ class EvalSamplingConfig:
     frequency_penalty: float | None = attrs.field(default=None, validator=in_range(-2.0, 2.0))
     presence_penalty: float | None = attrs.field(default=None, validator=in_range(-2.0, 2.0))
     max_new_tokens: int | None = attrs.field(default=None, validator=in_range(1, MAX_TOKENS))
+    extra: dict[str, Any] | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.extra:  # keys of the sampling section itself are refused, as in rollout.sampling.extra
+            SamplingConfig(extra=self.extra)
 
     def resolve(self, run: SamplingConfig) -> SamplingConfig:
         """``run`` with the keys this section sets (raises the sampling section's own

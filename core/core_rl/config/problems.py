@@ -241,16 +241,31 @@ def weight_sync_problems(host: PluginHost, cfg: RunConfig) -> list[str]:
 
 
 def sampling_extra_problems(host: PluginHost, cfg: RunConfig) -> list[str]:
-    """``rollout.sampling.extra`` needs a rollout engine that passes it on (the ``sampling_extra``
-    attribute of its ``config_cls``; absent: it does not, e.g. ``hf``, which samples in process)."""
-    extra = cfg.rollout.sampling.extra
+    """``rollout.sampling.extra`` (and ``eval.sampling.extra``) needs a rollout engine that passes
+    it on (the ``sampling_extra`` attribute of its ``config_cls``; absent: it does not, e.g. ``hf``,
+    which samples in process), and may not name what that engine sets itself (its ``request_keys``)."""
     entry = host.registries[ROLLOUT_ENGINE.key].get(cfg.rollout.engine.name)
-    if not extra or entry is None or getattr(entry.config_cls, "sampling_extra", False):
-        return []
-    return [
-        f"rollout.sampling.extra: {', '.join(sorted(extra))}: rollout engine {entry.name!r} ({entry.distribution}) "
-        "does not pass server parameters on; remove them, or use an engine that does (vllm, sglang)"
-    ]
+    sections = [("rollout.sampling.extra", cfg.rollout.sampling.extra)]
+    if cfg.eval is not None and cfg.eval.sampling.extra is not None:
+        sections.append(("eval.sampling.extra", cfg.eval.sampling.extra))
+    problems = []
+    for key, extra in sections:
+        if not extra or entry is None:
+            continue
+        engine = f"rollout engine {entry.name!r} ({entry.distribution})"
+        if not getattr(entry.config_cls, "sampling_extra", False):
+            problems.append(
+                f"{key}: {', '.join(sorted(extra))}: {engine} does not pass server parameters on; remove them, or "
+                "use an engine that does (vllm, sglang)"
+            )
+            continue
+        taken = sorted(set(extra) & set(getattr(entry.config_cls, "request_keys", ())))
+        if taken:
+            problems.append(
+                f"{key}: {', '.join(taken)}: {engine} sets them in its requests itself; remove them from extra "
+                "(rollout.sampling's own keys set what it samples)"
+            )
+    return problems
 
 
 def engine_releases_memory(host: PluginHost, cfg: RunConfig) -> bool | None:

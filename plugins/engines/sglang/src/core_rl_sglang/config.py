@@ -45,6 +45,14 @@ class SGLangConfig:
     weight_sync_modes: ClassVar[tuple[str, ...]] = ("disk", "collective")
     #: requests carry ``rollout.sampling.extra`` to the server as they are (:func:`core_rl.sampling_params.with_extra`)
     sampling_extra: ClassVar[bool] = True
+    #: what the engine sets in its requests' sampling parameters itself; ``rollout.sampling.extra`` may not name them
+    request_keys: ClassVar[frozenset[str]] = frozenset(
+        {
+            *("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop"),
+            *("repetition_penalty", "frequency_penalty", "presence_penalty", "stop_token_ids"),
+            *("skip_special_tokens", "no_stop_trim"),
+        }
+    )
     #: the servers can give back their memory while the trainer trains (``rollout.sleep_while_training``)
     releases_memory: ClassVar[bool] = True
     #: the server stops at rollout.sampling.stop strings itself (core_rl.stop_strings) when

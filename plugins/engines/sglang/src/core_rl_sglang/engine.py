@@ -193,7 +193,7 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             "no_stop_trim": True,
             **({"stop": list(sampling.stop)} if self._stops_natively(sampling) else {}),
         }
-        params = with_extra(params, sampling, "sglang")
+        params = with_extra(params, sampling, "sglang", SGLangConfig.request_keys)
         payload = {
             "input_ids": [list(prompt_ids)] * sampling.n,
             "sampling_params": params,

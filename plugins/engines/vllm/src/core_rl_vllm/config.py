@@ -50,6 +50,14 @@ class VLLMConfig:
     weight_sync_modes: ClassVar[tuple[str, ...]] = ("disk", "collective")
     #: requests carry ``rollout.sampling.extra`` to the server as they are (:func:`core_rl.sampling_params.with_extra`)
     sampling_extra: ClassVar[bool] = True
+    #: what the engine sets in its requests itself; ``rollout.sampling.extra`` may not name them
+    request_keys: ClassVar[frozenset[str]] = frozenset(
+        {
+            *("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs", "stop"),
+            *("repetition_penalty", "frequency_penalty", "presence_penalty", "stop_token_ids", "detokenize"),
+            *("skip_special_tokens", "include_stop_str_in_output", "model", "prompt", "return_token_ids"),
+        }
+    )
     #: the servers can sleep while the trainer trains (``rollout.sleep_while_training``)
     releases_memory: ClassVar[bool] = True
     #: the server stops at rollout.sampling.stop strings itself (core_rl.stop_strings)

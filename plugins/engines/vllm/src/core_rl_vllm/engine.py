@@ -391,7 +391,7 @@ def head_size(model_path: str | Path) -> int | None:
 
 def _params(sampling: SamplingParams) -> dict[str, Any]:
     """vLLM's sampling parameters for ``sampling`` (with its ``extra``)."""
-    return with_extra(_own_params(sampling), sampling, "vllm")
+    return with_extra(_own_params(sampling), sampling, "vllm", VLLMConfig.request_keys)
 
 
 def _own_params(sampling: SamplingParams) -> dict[str, Any]:
