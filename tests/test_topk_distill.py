@@ -106,6 +106,30 @@ def test_the_teacher_top_k_is_sorted_and_the_vocabulary_bounds_k() -> None:
         topk_logprobs(logits, 5)
 
 
+def test_the_top_k_is_taken_among_the_students_vocabulary() -> None:
+    """A teacher whose embedding pads past the student's vocabulary: with ``vocab_size`` its top k
+    are ids the student has, their log-probs those of the softmax over the shared tokens."""
+    logits = torch.tensor([[0.0, 2.0, 1.0, 9.0, 8.0], [3.0, -1.0, 0.5, 0.0, 7.0]])  # ids 3, 4: padding rows
+    ids, lp = topk_logprobs(logits, 2, vocab_size=3)
+    assert ids.tolist() == [[1, 2], [0, 2]]
+    shared = torch.log_softmax(logits[:, :3], -1)
+    torch.testing.assert_close(lp, shared.gather(-1, ids))
+    with pytest.raises(ValueError, match=r"k must be in \[1, 3\]"):
+        topk_logprobs(logits, 4, vocab_size=3)
+
+
+def test_log_probs_at_given_ids_keep_the_logits_not_a_copy() -> None:
+    """What backward keeps of the whole logits is the logits' own storage (a sliced copy of a
+    [b, T, V] tensor would double the largest activation of the step)."""
+    logits = torch.randn(3, 5, 11, requires_grad=True)
+    ids = torch.randint(0, 11, (3, 5, 2))
+    kept: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        logprobs_at(logits, ids, 0.9).sum().backward()
+    large = [t for t in kept if t.numel() == logits.numel()]
+    assert large and all(t.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr() for t in large)
+
+
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A policy and a different teacher (other random weights), sharing the char tokenizer."""
@@ -142,6 +166,15 @@ def test_a_models_top_k_and_log_probs_of_given_ids_in_the_token_alignment(
             assert top_ids[row, t].tolist() == want_ids.tolist()
             torch.testing.assert_close(top_lp[row, t], want_vals, atol=1e-5, rtol=0)
             torch.testing.assert_close(at[row, t], student_logp[row, t - 1, top_ids[row, t]], atol=1e-5, rtol=0)
+        # among the first 4 tokens only (a student with a smaller vocabulary): the softmax over those
+        shared_ids, shared_lp = forward_topk(
+            teacher, ids[row : row + 1], mask[row : row + 1], 2, temperature=0.7, vocab_size=4, layout=layout
+        )
+        for t in range(1, length):
+            shared = torch.log_softmax(teacher_logp[row, t - 1, :4], -1)
+            want_vals, want_ids = shared.topk(2)
+            assert shared_ids[0, t].tolist() == want_ids.tolist()
+            torch.testing.assert_close(shared_lp[0, t], want_vals, atol=1e-5, rtol=0)
         # column 0 (no prediction) and padding hold 0
         for t in [0, *range(length, 6)]:
             assert (
@@ -191,7 +224,8 @@ def test_the_configuration_refuses_what_top_k_distillation_cannot_run_with(
         for role in ("actor", "teacher")
     ]
     assert problems("teacher.loss=topk_forward_kl", "teacher.top_k=8") == [
-        "teacher.top_k: 8, but the teacher's vocabulary has 7 tokens; set it to at most 7"
+        "teacher.top_k: 8, more than the 7 tokens of the teacher's and the actor's vocabulary (the top k are taken "
+        "among the tokens both models have); set it to at most 7"
     ]
     # the same settings with the default loss are fine
     _config(tmp_path, model, "teacher.top_k=8", "actor.fused_head=true")

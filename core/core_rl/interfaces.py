@@ -161,13 +161,15 @@ class TrainEngine(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not build value models (head='value')")
 
     def compute_topk_logprobs(
-        self, batch: TensorBatch, k: int, *, temperature: float = 1.0
+        self, batch: TensorBatch, k: int, *, temperature: float = 1.0, vocab_size: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` most likely tokens of the prediction of every token of ``input_ids`` under
-        ``softmax(logits / temperature)``: ids [B, T, k] (long, most likely first) and their
-        log-probs [B, T, k] (float32), position ``t`` from the prediction of token ``t`` (the
-        alignment of :meth:`compute_logprobs`); position 0 and padding hold 0. No gradient. Engines
-        that implement it set ``topk_logprobs = True`` on their config class. Default: raises."""
+        ``softmax(logits / temperature)`` (over the first ``vocab_size`` tokens: the student's
+        vocabulary, which a teacher's padded embedding may exceed; ``None``: all): ids [B, T, k]
+        (long, most likely first) and their log-probs [B, T, k] (float32), position ``t`` from the
+        prediction of token ``t`` (the alignment of :meth:`compute_logprobs`); position 0 and
+        padding hold 0. No gradient. Engines that implement it set ``topk_logprobs = True`` on
+        their config class. Default: raises."""
         raise NotImplementedError(f"{type(self).__name__} does not compute top-k log-probs")
 
     def check_checkpoint(self, path: str | Path) -> None:

@@ -30,11 +30,17 @@ def topk_distill_problems(cfg: RunConfig, host: PluginHost) -> list[str]:
     problems = []
     for role, section in (("actor", cfg.actor), ("teacher", teacher)):
         problems += _role_problems(role, section, host)
-    vocab = _vocab_size(teacher.model_path)
-    if vocab is not None and teacher.top_k > vocab:
+    sizes = {
+        role: model_vocab_size(path)
+        for role, path in (("teacher", teacher.model_path), ("actor", cfg.actor.model_path))
+    }
+    known = {role: size for role, size in sizes.items() if size is not None}
+    bound = min(known.values(), default=None)
+    if bound is not None and teacher.top_k > bound:
+        whose = " and ".join(f"the {role}'s" for role, size in known.items() if size == bound)
         problems.append(
-            f"teacher.top_k: {teacher.top_k}, but the teacher's vocabulary has {vocab} tokens; "
-            f"set it to at most {vocab}"
+            f"teacher.top_k: {teacher.top_k}, more than the {bound} tokens of {whose} vocabulary (the top k are "
+            f"taken among the tokens both models have); set it to at most {bound}"
         )
     return problems
 
@@ -60,9 +66,11 @@ def _role_problems(role: str, section: ActorConfig, host: PluginHost) -> list[st
     return problems
 
 
-def _vocab_size(model_path: str) -> int | None:
+def model_vocab_size(model_path: str) -> int | None:
     """``vocab_size`` of a local model directory's ``config.json`` (its text config's too), ``None``
-    where it cannot be read (a hub id: the build says so)."""
+    where it cannot be read (a hub id: the build says so). A teacher's top k is taken among the
+    actor's first ``vocab_size`` tokens (:class:`core_rl.trainer.update.PolicyUpdate`): a larger
+    model of the family may pad its embedding past the actor's."""
     try:
         config = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):

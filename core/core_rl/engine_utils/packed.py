@@ -218,7 +218,10 @@ def forward_logprobs_at(
     at = None
     if token_ids is not None:
         wanted = token_ids if packed is None else pack_values(token_ids, packed)
-        at = align_to_tokens(logprobs_at(logits[:, :-1], wanted[:, 1:], temperature), mask)
+        # position i predicts token i + 1: the ids moved one column left (the last column's are
+        # read and dropped), so the whole logits go in as they are, never a sliced copy
+        shifted = torch.cat([wanted[:, 1:], torch.zeros_like(wanted[:, :1])], dim=1)
+        at = align_to_tokens(logprobs_at(logits, shifted, temperature)[:, :-1], mask)
     if packed is None:
         return lp, ent, at
     return tuple(None if x is None else unpack(x, packed) for x in (lp, ent, at))  # type: ignore[return-value]
@@ -231,17 +234,19 @@ def forward_topk(
     k: int,
     *,
     temperature: float,
+    vocab_size: int | None = None,
     layout: str = "padded",
     varlen_kwargs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` most likely tokens of the prediction of every token of one micro-batch: ids
-    ``[b, width, k]`` (long) and log-probs ``[b, width, k]`` (float32), in the alignment of
-    :func:`token_logprobs` (``[:, t]`` from the prediction made at ``t - 1``; 0 at column 0 and on
-    padding; :func:`~core_rl.engine_utils.topk_logprobs.topk_logprobs`)."""
+    """The ``k`` most likely tokens (among the first ``vocab_size``; ``None``: all) of the
+    prediction of every token of one micro-batch: ids ``[b, width, k]`` (long) and log-probs
+    ``[b, width, k]`` (float32), in the alignment of :func:`token_logprobs` (``[:, t]`` from the
+    prediction made at ``t - 1``; 0 at column 0 and on padding;
+    :func:`~core_rl.engine_utils.topk_logprobs.topk_logprobs`)."""
     logits, packed = _forward_outputs(model, input_ids, attention_mask, layout=layout, varlen_kwargs=varlen_kwargs)
     mask = attention_mask if packed is None else packed.continues
-    ids, values = topk_logprobs(logits[:, :-1], k, temperature)
-    ids, values = align_to_tokens(ids, mask), align_to_tokens(values, mask)
+    ids, values = topk_logprobs(logits, k, temperature, vocab_size)  # the last position's are dropped
+    ids, values = align_to_tokens(ids[:, :-1], mask), align_to_tokens(values[:, :-1], mask)
     if packed is None:
         return ids, values
     return unpack(ids, packed), unpack(values, packed)

@@ -156,13 +156,13 @@ class EngineState(ABC):
         return self.runner.logprobs(batch, 1.0)  # the runner's forward gives values for this head
 
     def compute_topk_logprobs(
-        self, batch: TensorBatch, k: int, *, temperature: float = 1.0
+        self, batch: TensorBatch, k: int, *, temperature: float = 1.0, vocab_size: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k ids and log-probs [B, T, k] on CPU (see :class:`core_rl.interfaces.TrainEngine`), in
         eval mode without gradients, micro-batched like training."""
         self._check_head(("lm",), "compute_topk_logprobs")
         check_temperature(temperature)
-        return self.runner.topk_logprobs(batch, k, temperature)
+        return self.runner.topk_logprobs(batch, k, temperature, vocab_size)
 
     def train_value_step(self, batch: TensorBatch, loss_fn: ValueLossFn) -> dict[str, float]:
         """One optimizer step of a value model: the engine's ``train_step`` with

@@ -20,18 +20,23 @@ import torch
 from core_rl.engine_utils.logprobs import chunk_slices, logit_gradient_, scaled_log_softmax
 
 
-def topk_logprobs(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_logprobs(
+    logits: torch.Tensor, k: int, temperature: float = 1.0, vocab_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` most likely tokens of every prediction of ``logits`` ``[..., V]``: their ids
-    ``[..., k]`` (long, most likely first) and log-probs ``[..., k]`` (float32, of the softmax over
-    the whole vocabulary at ``temperature``). No gradient."""
-    if not 1 <= k <= logits.shape[-1]:
-        raise ValueError(f"k must be in [1, {logits.shape[-1]}] (the vocabulary), got {k}")
+    ``[..., k]`` (long, most likely first) and log-probs ``[..., k]`` (float32, of the softmax at
+    ``temperature`` over the whole vocabulary, or over its first ``vocab_size`` tokens: another
+    model's vocabulary, which a larger embedding's padding rows exceed). No gradient; a view of
+    ``logits`` is read chunk by chunk, never copied whole."""
+    vocab = logits.shape[-1] if vocab_size is None else min(vocab_size, logits.shape[-1])
+    if not 1 <= k <= vocab:
+        raise ValueError(f"k must be in [1, {vocab}] (the vocabulary), got {k}")
     flat = logits.reshape(-1, logits.shape[-1])
     ids = torch.empty(flat.shape[0], k, dtype=torch.long, device=logits.device)
     values = torch.empty(flat.shape[0], k, dtype=torch.float32, device=logits.device)
     with torch.no_grad():
-        for part in chunk_slices(flat.shape[0], flat.shape[-1]):
-            values[part], ids[part] = scaled_log_softmax(flat[part], temperature).topk(k, dim=-1)
+        for part in chunk_slices(flat.shape[0], vocab):
+            values[part], ids[part] = scaled_log_softmax(flat[part, :vocab], temperature).topk(k, dim=-1)
     shape = (*logits.shape[:-1], k)
     return ids.view(shape), values.view(shape)
 

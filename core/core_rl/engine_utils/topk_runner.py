@@ -41,10 +41,12 @@ class TopkForwards:
         if self.sequence is not None:
             raise ConfigError(f"{what} is not computed over a sequence-parallel group; set sequence_parallel_size: 1")
 
-    def topk_logprobs(self, batch: TensorBatch, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``k`` most likely tokens of the prediction of every token: ids ``[B, T, k]`` long and
-        log-probs ``[B, T, k]`` float32 on CPU (:func:`~core_rl.engine_utils.packed.forward_topk`),
-        in eval mode without gradients. Collective."""
+    def topk_logprobs(
+        self, batch: TensorBatch, k: int, temperature: float, vocab_size: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` most likely tokens (among the first ``vocab_size``) of the prediction of every
+        token: ids ``[B, T, k]`` long and log-probs ``[B, T, k]`` float32 on CPU
+        (:func:`~core_rl.engine_utils.packed.forward_topk`), in eval mode without gradients. Collective."""
         self._check_topk("top-k log-probs")
 
         def forward(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -55,6 +57,7 @@ class TopkForwards:
                     mask,
                     k,
                     temperature=temperature,
+                    vocab_size=vocab_size,
                     layout=self.layout,
                     varlen_kwargs=self.varlen_kwargs,
                 )

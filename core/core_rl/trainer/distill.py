@@ -52,8 +52,14 @@ class DistillationLoss(WrappingLoss):
         self.distill_coef = teacher.distill_coef
         self.entropy_grad = self.entropy_grad and self.rl_coef != 0
         self.topk = topk_of(teacher) is not None
-        #: the engine puts the policy's log-probs of these ids in each micro-batch (``LOGPROBS_AT``)
-        self.logprobs_at_key = TOPK_IDS if self.topk else None
+        if self.topk:
+            if self.logprobs_at_key is not None:  # one set of extra ids per micro-batch
+                raise ValueError(
+                    f"teacher.loss: {TOPK_LOSS} asks the engine for the log-probs of the teacher's top-k ids, and "
+                    f"the algorithm's loss asks for those of batch[{self.logprobs_at_key!r}]; only one can be served"
+                )
+            #: the engine puts the policy's log-probs of these ids in each micro-batch (``LOGPROBS_AT``)
+            self.logprobs_at_key = TOPK_IDS
 
     def prepare(self, batch: TensorBatch) -> dict[str, float]:
         """The base's preparation, and (reverse KL) ``distill_baseline`` [B] (the same value on every row)."""

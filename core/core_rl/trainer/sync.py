@@ -39,6 +39,7 @@ from core_rl.config.epochs import derive_total_steps
 from core_rl.config.loader import to_plain
 from core_rl.config.reward_aggregation import combine_part_weights
 from core_rl.config.schema import RunConfig
+from core_rl.config.teacher_checks import model_vocab_size
 from core_rl.engine_utils.packing import rank_rows
 from core_rl.errors import CoreRLError, PreflightError
 from core_rl.interfaces import (
@@ -214,6 +215,7 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
             world_size=self.world_size,
             teacher=self.roles.teacher,
             teacher_top_k=topk_of(cfg.teacher),
+            student_vocab=model_vocab_size(cfg.actor.model_path) if topk_of(cfg.teacher) is not None else None,
             critic=CriticStage.of_run(cfg, self.roles.critic, self.advantage, self._shard, self.world_size),
             advantage=self.advantage,
         )

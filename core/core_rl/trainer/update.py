@@ -154,6 +154,7 @@ class PolicyUpdate:
         world_size: int,
         teacher: TrainEngine | None = None,
         teacher_top_k: int | None = None,
+        student_vocab: int | None = None,
         critic: CriticSteps | None = None,
         advantage: AdvantageEstimator | None = None,
     ) -> None:
@@ -161,11 +162,14 @@ class PolicyUpdate:
         without a critic sets the batch's advantages here, after the log-probs (with a critic,
         ``critic.prepare`` runs it after the values). ``teacher_top_k``: the teacher gives its
         ``teacher_topk_ids`` and ``teacher_topk_logprobs`` [B, T, k] in place of ``teacher_logprobs``
-        (``teacher.loss: topk_forward_kl``)."""
+        (``teacher.loss: topk_forward_kl``), among the policy's first ``student_vocab`` tokens (``None``: all
+        of the teacher's; a teacher's padded embedding may exceed the policy's, whose log-probs are
+        then gathered at those ids)."""
         self.engine = engine
         self.ref = ref
         self.teacher = teacher
         self.teacher_top_k = teacher_top_k
+        self.student_vocab = student_vocab
         self.critic = critic
         self.advantage = advantage if advantage is not None and runs_in_update(advantage) else None
         self.loss = loss
@@ -198,7 +202,11 @@ class PolicyUpdate:
                 )
         if topk and self.teacher is not None:
             compute["teacher_topk"] = functools.partial(
-                engine_topk, self.teacher, k=self.teacher_top_k, temperature=self.temperature
+                engine_topk,
+                self.teacher,
+                k=self.teacher_top_k,
+                temperature=self.temperature,
+                vocab_size=self.student_vocab,
             )
         compute_on_shards(batch, self.shard, self.world_size, compute)
 
