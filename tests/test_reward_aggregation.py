@@ -107,6 +107,33 @@ def test_samples_scored_with_other_parts_are_refused() -> None:
     assert got.tolist() == [0.0, 0.0]
 
 
+def test_dynamic_sampling_keeps_a_group_whose_parts_vary_where_their_sums_tie() -> None:
+    """``drop_uniform_groups`` judges the reward the advantages read: group 0's weighted sums tie
+    (0.9 = 0.9 * 1 + 0.1 * 0 = 0.9 * 0 + 0.1 * 9) while its parts differ, so GDPO gives it a
+    signal and the filter keeps it; group 1's parts are equal, and it is dropped."""
+    from core_rl_grpo.config import DropUniformGroupsConfig
+    from core_rl_grpo.filters import DropUniformGroups
+
+    weights = {"a": 0.9, "b": 0.1}
+    gen = generation({"a": [[1.0, 0.0], [1.0, 1.0]], "b": [[0.0, 9.0], [0.0, 0.0]]}, weights)
+    assert gen.rewards[0] == pytest.approx(gen.rewards[1])
+    algorithm = AlgorithmConfig(reward_shaping=RewardShapingConfig(aggregation="normalize_then_sum"))
+    assembler = BatchAssembler(
+        algorithm,
+        filters=[DropUniformGroups(DropUniformGroupsConfig())],
+        advantage=grpo.GroupRelativeAdvantage(norm_std=False),
+        prompts_per_step=2,
+        max_new_tokens=4,
+        pad_token_id=0,
+        part_weights=weights,
+    )
+    batch, _ = assembler.assemble(lambda: gen)
+    assert batch["group_index"].tolist() == [0, 0]
+    # each part's z is +-1/sqrt(2) (two members, unbiased std sqrt(2) of a 0/1 pair, or 9/sqrt(2) of a 0/9 pair)
+    z = 1 / math.sqrt(2)
+    assert batch["rewards"].tolist() == pytest.approx([0.9 * z - 0.1 * z, -0.9 * z + 0.1 * z], abs=1e-4)
+
+
 def test_the_default_is_the_weighted_sum_as_before() -> None:
     gen = generation({"a": [[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 1.0, 1.0]], "b": [[0.0, 1.0, 0.0, 0.0]] * 2}, EQUAL)
     _, batch = assembled(gen, AlgorithmConfig(), None)

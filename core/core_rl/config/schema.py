@@ -295,8 +295,9 @@ class RewardShapingConfig:
     (std_g(p_k) + part_eps)`` (``std_g`` unbiased unless ``part_unbiased`` is false; default
     ``part_eps`` 1e-4, TRL's; a part that is itself a ``combine`` counts as one). A part absent
     for a sample (``None``, or a sample whose reward call failed) is left out of that part's group
-    statistics and adds 0 (:func:`core_rl.ops.normalize_then_sum`). The raw weighted sum stays
-    what filters and the ``reward/...`` metrics see."""
+    statistics and adds 0 (:func:`core_rl.ops.normalize_then_sum`). Sample filters judge this
+    ``r`` (``drop_uniform_groups`` keeps a group whose parts vary even where their weighted sums do
+    not); the ``reward/...`` metrics report the raw weighted sum."""
 
     scale: float = 1.0
     bias: float = 0.0

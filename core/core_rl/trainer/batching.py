@@ -118,16 +118,16 @@ def shape_rewards(
     return r
 
 
-#: the batch key of a reward part's values under ``aggregation: normalize_then_sum`` (NaN: absent),
-#: from the filtered generation batches to :meth:`BatchAssembler.finish_rewards`, which takes it out
-PART_KEY = "reward_part/"
-
-
-def part_columns(gen: Generation, labels: Sequence[str]) -> dict[str, torch.Tensor]:
-    """``PART_KEY + label -> [B]`` values of each of the generation's reward parts ``labels``: NaN
-    where a part is ``None`` for a sample (or the generation has no parts at all: the reward failed
-    on every sample). A generation whose parts are others (a ``rollout.replay_from`` dump of
-    another reward) is an error."""
+def aggregated_rewards(
+    gen: Generation, group_index: torch.Tensor, weights: dict[str, float], shaping: RewardShapingConfig
+) -> torch.Tensor:
+    """The rewards ``[B]`` of ``aggregation: normalize_then_sum``: :func:`core_rl.ops.normalize_then_sum`
+    of the generation's reward parts that ``weights`` names (a ``None`` part, or a generation with
+    no parts at all, the reward having failed on every sample, is absent) within the groups of
+    ``group_index``; a generation holds whole groups, so this is what the assembled step would
+    compute. A generation whose parts are others (a ``rollout.replay_from`` dump of another
+    reward) is an error."""
+    labels = list(weights)
     missing = [label for label in labels if label not in gen.reward_parts]
     if gen.reward_parts and missing:
         raise CoreRLError(
@@ -136,20 +136,10 @@ def part_columns(gen: Generation, labels: Sequence[str]) -> dict[str, torch.Tens
             f"{', '.join(gen.reward_parts)}; a rollout.replay_from dump of another reward?); score them with this "
             "reward, or set algorithm.reward_shaping.aggregation: sum"
         )
-    nan = math.nan
-    out = {}
-    for label in labels:
-        values = gen.reward_parts.get(label) or [None] * len(gen.samples)
-        out[PART_KEY + label] = torch.tensor([nan if v is None else v for v in values], dtype=torch.float32)
-    return out
-
-
-def aggregated_rewards(batch: TensorBatch, weights: dict[str, float], shaping: RewardShapingConfig) -> torch.Tensor:
-    """The rewards ``[B]`` of ``aggregation: normalize_then_sum``: :func:`core_rl.ops.normalize_then_sum`
-    of the parts ``weights`` names, taken out of ``batch`` (:data:`PART_KEY`)."""
-    parts = torch.stack([batch.data.pop(PART_KEY + label) for label in weights], dim=1)
+    columns = [gen.reward_parts.get(label) or [None] * len(gen.samples) for label in labels]
+    parts = torch.tensor([[math.nan if v is None else v for v in column] for column in columns], dtype=torch.float32)
     w = torch.tensor(list(weights.values()), dtype=torch.float32)
-    return ops.normalize_then_sum(parts, w, batch["group_index"], unbiased=shaping.part_unbiased, eps=shaping.part_eps)
+    return ops.normalize_then_sum(parts.T, w, group_index, unbiased=shaping.part_unbiased, eps=shaping.part_eps)
 
 
 def first_groups(group_index: torch.Tensor, n_groups: int) -> torch.Tensor:
@@ -206,9 +196,10 @@ class BatchAssembler:
             return None, []
         batch = samples_to_batch(gen.samples, [offset + g for g in gen.group_index], self.pad_token_id)
         batch["rewards"] = torch.tensor(gen.rewards, dtype=torch.float32)
-        if self.part_weights is not None:
-            for key, column in part_columns(gen, list(self.part_weights)).items():
-                batch[key] = column
+        if self.part_weights is not None:  # the reward the advantages read, which the filters judge too
+            batch["rewards"] = aggregated_rewards(
+                gen, batch["group_index"], self.part_weights, self.algorithm.reward_shaping
+            )
         keep, dropped = apply_filters(self.filters, batch)
         return (batch.rows(keep) if not keep.all() else batch), dropped
 
@@ -278,18 +269,15 @@ class BatchAssembler:
         return batch, metrics
 
     def finish_rewards(self, batch: TensorBatch) -> dict[str, float]:
-        """Shape ``rewards`` (:func:`shape_rewards`; under ``aggregation: normalize_then_sum`` those of
-        :func:`aggregated_rewards` instead) and set ``advantages`` (normalised by
+        """Shape ``rewards`` (:func:`shape_rewards`; under ``aggregation: normalize_then_sum`` they are
+        :func:`aggregated_rewards` already) and set ``advantages`` (normalised by
         ``algorithm.adv_norm``) of a batch with ``loss_mask``; return their metrics. An estimator
         needing a critic's values or reference log-probs runs in the update instead
         (:func:`runs_in_update`)."""
         algorithm = self.algorithm
         mask, loss_mask = batch["response_mask"], batch["loss_mask"]
-        rewards = batch["rewards"]
-        if self.part_weights is not None:
-            rewards = aggregated_rewards(batch, self.part_weights, algorithm.reward_shaping)
         batch["rewards"] = shape_rewards(
-            rewards, mask.sum(dim=1), batch["group_index"], algorithm, max_new_tokens=self.max_new_tokens
+            batch["rewards"], mask.sum(dim=1), batch["group_index"], algorithm, max_new_tokens=self.max_new_tokens
         )
         in_update = runs_in_update(self.advantage)
         advantages = torch.zeros_like(loss_mask) if in_update else self.advantage(batch)
