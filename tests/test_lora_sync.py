@@ -179,6 +179,37 @@ def test_a_second_sync_replaces_the_first(setup) -> None:
         assert s.response_ids == out[0, len(prompt) :].tolist()
 
 
+def test_a_resumed_trainer_reloads_the_version_a_surviving_server_serves(setup) -> None:
+    """A second engine on the same server (as a trainer resumed against servers given by
+    ``server.urls``, which outlived it) loads the version the server already serves, in place, and
+    the next version leaves exactly one core-rl adapter served."""
+    from core_rl.remote import ServerOptions
+    from core_rl_vllm.config import VLLMConfig
+    from core_rl_vllm.engine import VLLMRolloutEngine
+
+    syncer, model, work = setup
+    rollout = syncer.rollout
+    if rollout.weight_version < 1:
+        _train_step(syncer, seed=1)
+        syncer._sync_weights(1)
+    version = rollout.weight_version
+    url = rollout.endpoints[0].url
+    served = VLLMConfig(dtype="float32", server=ServerOptions(urls=[url]))
+    resumed = VLLMRolloutEngine(model, served, work / "resumed", lora_rank=RANK)
+    try:
+        resumed.load_weights_from_path(adapter_dir(syncer.run_dir, version), version)  # refused before: name taken
+        assert f"core-rl-lora-v{version}" in _served(url)
+        assert [s.response_ids for (s,) in resumed.generate(PROMPTS, GREEDY)] == [
+            s.response_ids for (s,) in rollout.generate(PROMPTS, GREEDY)
+        ]
+        resumed.load_weights_from_path(adapter_dir(syncer.run_dir, version), version + 7)
+        assert {n for n in _served(url) if n.startswith("core-rl-lora-v")} == {f"core-rl-lora-v{version + 7}"}
+    finally:
+        resumed.close()
+    rollout.load_weights_from_path(adapter_dir(syncer.run_dir, version), version)  # as the fixture's engine left it
+    assert {n for n in _served(url) if n.startswith("core-rl-lora-v")} == {f"core-rl-lora-v{version}"}
+
+
 def test_a_restarted_server_serves_the_newest_adapter(setup) -> None:
     """A server killed after an adapter sync is restarted from the base model and loads the newest
     adapter directory (the one kept), then answers as before."""

@@ -349,7 +349,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         if not self.lora_rank:
             await self._update(client, url, version, "core_rl_load_dir", args=[json.dumps({"path": str(path)})])
             return
-        update = lora.adapter_update(self._adapters.get(url), path, version)  # rollout.lora_sync: adapter
+        update = lora.adapter_update(path, version)  # rollout.lora_sync: adapter
         await self._update(client, url, version, "load_lora_adapter", lora=update)
         self._adapters[url] = update["name"]
 

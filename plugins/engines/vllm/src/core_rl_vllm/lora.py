@@ -36,15 +36,20 @@ def server_args(rank: int) -> list[str]:
     return ["--enable-lora", "--max-lora-rank", str(max_lora_rank(rank)), "--max-cpu-loras", str(CPU_LORAS)]
 
 
+#: the prefix of every adapter name core-rl serves (:func:`adapter_name`)
+NAME_PREFIX = "core-rl-lora-v"
+
+
 def adapter_name(version: int) -> str:
     """The name version ``version`` of the adapter is served under (a new one per version: vLLM
     keeps per-adapter prefix-cache blocks, which a reused name would serve stale)."""
-    return f"core-rl-lora-v{version}"
+    return f"{NAME_PREFIX}{version}"
 
 
-def adapter_update(previous: str | None, path: str, version: int) -> dict[str, Any]:
+def adapter_update(path: str, version: int) -> dict[str, Any]:
     """The ``lora`` part of a weight-update request that loads the adapter directory ``path`` as
-    version ``version`` on a server serving the adapter named ``previous`` (unloaded once the new
-    one is in; kept when it is the same name, as for a restarted server loading the newest again)."""
-    name = adapter_name(version)
-    return {"name": name, "path": str(path), "unload": previous if previous != name else None}
+    version ``version``. The server loads it in place where it knows the name already (a trainer
+    resumed against servers that outlived it reloads the version they serve), then unloads every
+    other adapter named with :data:`NAME_PREFIX` (the previous version, and any an earlier trainer
+    process left)."""
+    return {"name": adapter_name(version), "path": str(path), "unload_prefix": NAME_PREFIX}

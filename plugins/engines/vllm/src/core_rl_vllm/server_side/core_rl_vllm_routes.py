@@ -15,7 +15,7 @@ HTTP request per prompt costs the API process a third of a small model's generat
 up) cancels the items still running, which aborts them in the engine.
 
 ``POST /core_rl/update_weights`` with a JSON body ``{"method", "args", "kwargs", "version",
-"pause", "timeout"}`` (or ``{"lora": {"name", "path", "unload"}, "version", "pause"}``: a LoRA
+"pause", "timeout"}`` (or ``{"lora": {"name", "path", "unload_prefix"}, "version", "pause"}``: a LoRA
 adapter instead of weights, :func:`load_adapter`): a weight update in one HTTP round trip. In the
 API process it
 
@@ -78,20 +78,22 @@ async def update_weights(engine: Any, body: dict[str, Any], models: Any = None) 
 async def load_adapter(models: Any, lora: dict[str, Any]) -> list[str]:
     """Load the LoRA adapter directory ``lora["path"]`` under the name ``lora["name"]`` with vLLM's
     own handler (``models``: the server's ``OpenAIServingModels``, which also resolves the name a
-    request gives as its ``model``), then unload ``lora["unload"]`` (the previous version's name;
-    one the server does not know, as after a restart, is skipped). One result, as a worker RPC's:
-    ``"ok"`` or ``"error: ..."``."""
+    request gives as its ``model``), in place where the server knows the name already (a resumed
+    trainer reloading the version it serves), then unload every other adapter whose name starts
+    with ``lora["unload_prefix"]``. One result, as a worker RPC's: ``"ok"`` or ``"error: ..."``."""
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
     from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
     if models is None:
         return ["error: the server does not serve LoRA adapters (start it with --enable-lora)"]
-    loaded = await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=lora["name"], lora_path=lora["path"]))
+    name = lora["name"]
+    request = LoadLoRAAdapterRequest(lora_name=name, lora_path=lora["path"], load_inplace=name in models.lora_requests)
+    loaded = await models.load_lora_adapter(request)
     if isinstance(loaded, ErrorResponse):
         return [f"error: loading the LoRA adapter {lora['path']}: {loaded.error.message}"]
-    previous = lora.get("unload")
-    if previous and previous in models.lora_requests:
-        await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=previous))
+    prefix = lora.get("unload_prefix")
+    for old in [n for n in models.lora_requests if prefix and n.startswith(prefix) and n != name]:
+        await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=old))
     return ["ok"]
 
 
