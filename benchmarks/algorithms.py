@@ -73,6 +73,7 @@ def cases(response_len: int) -> list[Case]:
         Case("reinforce_pp+kl-in-reward", {"name": "reinforce_pp", "kl_ctl": 0.05, "group_baseline": True}, {}),
         Case("sapo", {"name": "grpo"}, {"use_sapo_loss": True}),
         Case("cispo", {"name": "grpo"}, {"use_cispo_loss": True, "cispo_eps_high": 0.28}),
+        Case("gmpo", {"name": "grpo"}, {"use_gmpo_loss": True, "aggregation": "seq-mean-token-mean"}),
         Case(
             "decoupled+ratio-mask",
             {"name": "grpo"},

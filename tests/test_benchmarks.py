@@ -19,7 +19,7 @@ def test_algorithms_benchmark_smoke(capsys):
     assert bench["main"](["--tokens", "3000", "--response-len", "24", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     names = [case.name for case in bench["cases"](24)]
-    assert {"grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo", "sapo", "cispo"} <= set(names)
+    assert {"grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo", "sapo", "cispo", "gmpo"} <= set(names)
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split() and line.split()[0] in names}
     assert set(rows) == set(names)
     for name, cells in rows.items():

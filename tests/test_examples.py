@@ -152,15 +152,9 @@ def test_combined_reward_with_its_parts_normalised_then_summed(tmp_path: Path, o
 
 
 def _main(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "tiny_grpo" / "main.py"), "--workdir", str(tmp_path / "work"), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    from core_rl.testing.launch import run_script
+
+    return run_script(ROOT / "examples" / "tiny_grpo" / "main.py", "--workdir", str(tmp_path / "work"), *args)
 
 
 def test_grpo_with_lora_raises_the_reward(tmp_path: Path) -> None:

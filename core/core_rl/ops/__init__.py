@@ -93,6 +93,7 @@ __all__, __getattr__ = lazy_exports(
         ),
         "core_rl.ops.surrogates": (
             "cispo_loss",
+            "gmpo_loss",
             "loglinear_proximal_logprobs",
             "m2po_mask",
             "off_policy_sequence_mask",

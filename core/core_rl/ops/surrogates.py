@@ -1,6 +1,6 @@
 """Per-token policy-gradient surrogates and the masks of the off-policy corrections: PPO's clipped
-objective (clip-higher, dual clip), SAPO's soft gate, CISPO's clipped weight, off-policy sequence masking, M2PO, and the
-log-linear proximal policy of the decoupled loss.
+objective (clip-higher, dual clip), SAPO's soft gate, CISPO's clipped weight, GMPO's geometric mean, off-policy
+sequence masking, M2PO, and the log-linear proximal policy of the decoupled loss.
 
 Every loss here is *to minimise* and per token; aggregation is :mod:`core_rl.ops.aggregation`'s.
 """
@@ -82,6 +82,45 @@ def cispo_loss(
     weight = ratio.detach().clamp(min=1.0 - eps_low, max=1.0 + eps_high)
     loss = -advantages * (weight / ratio.detach()) * ratio
     return loss, weight != ratio.detach()
+
+
+def gmpo_loss(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GMPO's surrogate (Geometric-Mean Policy Optimization, Zhao et al. 2025; verl's
+    ``loss_mode: geo_mean``): the geometric mean of a sequence's token ratios, each clipped in log
+    space on the pessimistic side, in place of the arithmetic mean of token objectives.
+
+    For sequence ``i`` with loss tokens ``t`` (``mask``) and ``x_t = log rho_t`` (``log_ratio``)::
+
+        A_i       = mean_t A_{i,t}                       (every token's A for outcome estimators)
+        s_i       = sign(A_i)
+        c_t       = clip(x_t, -eps_low, eps_high)
+        x'_t      = s_i * min(s_i * x_t, s_i * c_t)      (the pessimistic side, as PPO's clip)
+        log g_i   = mean_t x'_t                          (g_i: the clipped geometric-mean ratio)
+        L_i       = -A_i * exp(log g_i)
+
+    Returns ``(l, clipped)``, both ``[B, T]``: ``l_{i,t} = L_i`` on every position of row ``i``
+    (the caller masks it), so aggregating with ``seq-mean-token-mean`` weights (``1 / (N |y_i|)``)
+    gives ``mean_i L_i``, the paper's objective (and verl's); ``clipped`` is True on the loss tokens
+    whose clipped log-ratio is the branch taken (``s_i c_t < s_i x_t``: the ratio left the range in
+    the direction the advantage favours; their gradient is 0). The gradient with respect to ``x_t``
+    of an unclipped token is ``-A_i g_i / |y_i|``.
+    """
+    on = mask != 0
+    adv = sequence_reduce(advantages, mask, "mean")
+    sign = torch.sign(adv)[:, None]
+    bounded = log_ratio.clamp(min=-eps_low, max=eps_high)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * bounded)
+    geo = torch.exp(sequence_reduce(pessimistic, mask, "mean"))
+    loss = (-adv * geo)[:, None].expand_as(log_ratio)
+    clipped = on & (sign * bounded < sign * log_ratio)
+    return loss, clipped
 
 
 def off_policy_sequence_mask(

@@ -56,6 +56,18 @@ def run_torchrun(
     return proc
 
 
+def run_script(script: Path | str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """Run ``python SCRIPT ARGS`` in this interpreter with one torch thread (an example's ``main.py``,
+    say); raise ``AssertionError`` with the tail of its output unless it exits 0,
+    ``subprocess.TimeoutExpired`` after ``timeout`` s."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 def train_command(config: Path | str, *overrides: str, nproc: int = 0) -> list[str]:
     """The command of ``core-rl train CONFIG OVERRIDES`` in this interpreter; with ``nproc > 0`` under
     ``python -m torch.distributed.run`` with that many processes on a free local port."""

@@ -120,6 +120,7 @@ class LossSpec:
     off_policy_mask_threshold: float | None = None
     sapo: tuple[float, float] | None = None  # (tau_pos, tau_neg)
     cispo: tuple[float, float] | None = None  # (eps_low, eps_high)
+    gmpo: tuple[float, float] | None = None  # (eps_low, eps_high), log-space bounds
     loss_mode: str = "clip"  # clip | clip_cov | kl_cov (their tokens: seq["cov_selected"])
     ppo_kl_coef: float = 0.1
     top_entropy_quantile: float = 1.0  # the population: every token of the sequences given
@@ -147,6 +148,7 @@ def spec_from_options(loss: dict, rejection: dict | None = None) -> LossSpec:
     eps = loss.get("eps_clip", 0.2)
     sapo = (loss.get("sapo_tau_pos", 1.0), loss.get("sapo_tau_neg", 1.05)) if loss.get("use_sapo_loss") else None
     cispo = (loss.get("cispo_eps_low", 1.0), loss.get("cispo_eps_high", 0.28)) if loss.get("use_cispo_loss") else None
+    gmpo = (loss.get("gmpo_eps_low", 0.4), loss.get("gmpo_eps_high", 0.4)) if loss.get("use_gmpo_loss") else None
     return LossSpec(
         eps_low=eps,
         eps_high=loss.get("eps_clip_higher", eps),
@@ -163,6 +165,7 @@ def spec_from_options(loss: dict, rejection: dict | None = None) -> LossSpec:
         off_policy_mask_threshold=loss.get("off_policy_mask_threshold"),
         sapo=sapo,
         cispo=cispo,
+        gmpo=gmpo,
         loss_mode=loss.get("loss_mode", "clip"),
         ppo_kl_coef=loss.get("ppo_kl_coef", 0.1),
         top_entropy_quantile=loss.get("top_entropy_quantile", 1.0),
@@ -238,6 +241,11 @@ def sequence_losses(
         elif spec.cispo is not None:  # the clipped weight times exp(x - sg(x)): value 1, gradient grad x
             weight = ratio.detach().clamp(1 - spec.cispo[0], 1 + spec.cispo[1])
             loss = -adv * weight * torch.exp(log_ratio - log_ratio.detach())
+        elif spec.gmpo is not None:  # in ratio space: the |y|-th root of the product of pessimistic ratios
+            a = adv.mean()
+            bounded = ratio.clamp(math.exp(-spec.gmpo[0]), math.exp(spec.gmpo[1]))
+            kept = torch.min(ratio, bounded) if a > 0 else torch.max(ratio, bounded)
+            loss = (-a * torch.prod(kept) ** (1.0 / len(kept))).expand_as(lp)
         elif spec.loss_mode == "kl_cov":  # unclipped, |log ratio| on the selected tokens
             loss = -adv * ratio + torch.where(seq["cov_selected"], spec.ppo_kl_coef * log_ratio.abs(), 0.0)
         else:

@@ -114,6 +114,13 @@ class TestPPOClipLossCispo(PolicyLossContract):
     distribution = DIST
 
 
+class TestPPOClipLossGmpo(PolicyLossContract):
+    plugin = grpo_plugin
+    name = "ppo_clip"
+    options: ClassVar[dict[str, Any]] = {"use_gmpo_loss": True, "gmpo_eps_low": 0.3, "kl_coef": 0.1}
+    distribution = DIST
+
+
 class TestDrGRPOAlgorithm(AlgorithmContract):
     plugin = grpo_plugin
     name = "dr_grpo"

@@ -115,6 +115,10 @@ PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics")
 LOSS_MODES = ("clip", "clip_cov", "kl_cov")
 
 
+#: GMPO's default log-space clip bound on either side (Zhao et al. 2025; verl's GMPO examples)
+GMPO_EPS = 0.4
+
+
 def _greater_than_one(_inst: Any, attribute: attrs.Attribute[Any], value: float | None) -> None:
     if value is not None and not value > 1.0:
         raise FieldValueError(attribute.name, value, "must be > 1 (or null to disable)")
@@ -141,7 +145,13 @@ class PPOClipConfig:
     ``use_decoupled_loss``, ``prox_logp_method``, ``off_policy_mask_threshold``, ``use_sapo_loss``/
     ``sapo_tau_pos``/``sapo_tau_neg``, ``m2_threshold``. Surrogate:
     ``use_cispo_loss`` with ``cispo_eps_low``/``cispo_eps_high`` (CISPO's clipped, detached
-    importance weight in place of the clip; the default ``cispo_eps_low: 1`` sets no lower bound).
+    importance weight in place of the clip; the default ``cispo_eps_low: 1`` sets no lower bound);
+    ``use_gmpo_loss`` with ``gmpo_eps_low``/``gmpo_eps_high`` (GMPO: each sequence's loss is ``-A_i``
+    times the geometric mean of its token ratios, each clipped in log space to
+    ``[-gmpo_eps_low, gmpo_eps_high]`` on the pessimistic side, :func:`core_rl.ops.gmpo_loss`; default
+    0.4 each, the paper's and verl's range ``(e^-0.4, e^0.4)``; every loss token carries its sequence's
+    loss, so ``aggregation: seq-mean-token-mean`` is the paper's mean over sequences; token-level
+    options it would contradict are refused: ``_check_gmpo``).
     Auxiliary: ``positive_nll_coef`` (0: off), an SFT term ``coef * (-log pi_t)`` on every token with
     a positive advantage, aggregated like the rest of the loss (:class:`core_rl_grpo.losses.PPOClipLoss`).
     Entropy collapse: ``loss_mode`` (``clip``; ``clip_cov`` with ``clip_cov_ratio``/``clip_cov_lb``/
@@ -178,6 +188,9 @@ class PPOClipConfig:
     use_cispo_loss: bool = False
     cispo_eps_low: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0))
     cispo_eps_high: float = attrs.field(default=0.28, validator=non_negative())
+    use_gmpo_loss: bool = False
+    gmpo_eps_low: float = attrs.field(default=GMPO_EPS, validator=positive())
+    gmpo_eps_high: float = attrs.field(default=GMPO_EPS, validator=positive())
     positive_nll_coef: float = attrs.field(default=0.0, validator=non_negative())
     loss_mode: str = attrs.field(default="clip", validator=one_of(LOSS_MODES))
     clip_cov_ratio: float = attrs.field(default=0.0002, validator=in_range(0.0, 1.0))
@@ -190,6 +203,7 @@ class PPOClipConfig:
     adv_clip_high: float | None = attrs.field(default=None, validator=finite())
 
     def __attrs_post_init__(self) -> None:
+        self._check_gmpo()
         self._check_loss_mode()
         if self.kl_importance_weight and self.kl_coef == 0:
             raise FieldValueError("kl_importance_weight", True, "weighs the KL term: it needs kl_coef > 0")
@@ -237,6 +251,33 @@ class PPOClipConfig:
                 f"is the adaptive coefficient's start: it must lie in [entropy_coef_min, entropy_coef_max] = "
                 f"[{self.entropy_coef_min}, {self.entropy_coef_max}]",
             )
+
+    def _check_gmpo(self) -> None:
+        """GMPO's bounds apply only with ``use_gmpo_loss``; GMPO replaces the token-level clipped
+        surrogate by one value per sequence, so the options that act on that surrogate token by token
+        (or would be ignored) are refused with it, each naming the key."""
+        if not self.use_gmpo_loss:
+            for name in ("gmpo_eps_low", "gmpo_eps_high"):
+                if getattr(self, name) != GMPO_EPS:
+                    raise FieldValueError(name, getattr(self, name), "applies only with use_gmpo_loss: true")
+            return
+        refused = {  # option: (its default, why it cannot change with GMPO)
+            "use_sapo_loss": (False, "SAPO's soft gate and GMPO each replace the clipped surrogate"),
+            "use_cispo_loss": (False, "CISPO's weight and GMPO each replace the clipped surrogate"),
+            "importance_sampling_level": (
+                "token",
+                "GMPO already takes the geometric mean of the token ratios over each sequence; keep 'token'",
+            ),
+            "use_decoupled_loss": (False, "its behaviour weight is per token, GMPO's loss one value per sequence"),
+            "c_clip": (None, "GMPO has no dual clip; its clip is gmpo_eps_low/gmpo_eps_high, in log space"),
+            "eps_clip_higher": (None, "set gmpo_eps_high instead: GMPO clips the log-ratio"),
+            "eps_clip": (0.2, "set gmpo_eps_low/gmpo_eps_high instead: GMPO clips the log-ratio"),
+            "loss_mode": ("clip", "Clip-Cov and KL-Cov select tokens of the token-level surrogate"),
+            "top_entropy_quantile": (1.0, "it drops tokens of the token-level surrogate"),
+        }
+        for name, (default, why) in refused.items():
+            if getattr(self, name) != default:
+                raise FieldValueError(name, getattr(self, name), f"cannot be combined with use_gmpo_loss: true ({why})")
 
     def _check_loss_mode(self) -> None:
         """Clip-Cov needs ``clip_cov_lb < clip_cov_ub``; both covariance modes replace the

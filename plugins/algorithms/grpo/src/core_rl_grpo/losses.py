@@ -2,8 +2,8 @@
 clip-higher, dual clipping, a KL penalty towards a reference model, an entropy bonus, and the
 off-policy corrections: the decoupled loss (proximal policy by recompute or log-linear
 interpolation) with rejection sampling / truncated or masked importance sampling, off-policy
-sequence masking, SAPO's soft gate, CISPO's clipped weight and M2PO; and against entropy collapse,
-Clip-Cov and KL-Cov.
+sequence masking, SAPO's soft gate, CISPO's clipped weight, GMPO's geometric mean and M2PO; and
+against entropy collapse, Clip-Cov and KL-Cov.
 
 The formulas live in :mod:`core_rl.ops`; this module composes them. All tensors are [b, T] and
 follow :mod:`core_rl.protocol` (position ``t`` describes token ``t``).
@@ -36,6 +36,9 @@ class PPOClipLoss(PolicyLoss):
                                                pi_anchor = pi_prox (decoupled) or pi_old
         l_t    = ppo_clip_loss(rho_t, A_t)     or sapo_loss(rho_t, A_t) with use_sapo_loss,
                                                or cispo_loss(rho_t, A_t) with use_cispo_loss
+        l_t    = -A_i g_i                      with use_gmpo_loss: GMPO's loss of the token's sequence i,
+                                               g_i the geometric mean of its clipped token ratios
+                                               (ops.gmpo_loss; mean over the loss_mask tokens)
         l_t    = 0 where t in S and not clipped            loss_mode clip_cov (ops.clip_cov_loss)
         l_t    = -A_t rho_t + ppo_kl_coef |log rho_t| [t in S]   loss_mode kl_cov (unclipped; ops.kl_cov_loss)
         l_t    = l_t * w_t                     decoupled: w_t = pi_prox / pi_behave (after rejection sampling)
@@ -67,7 +70,8 @@ class PPOClipLoss(PolicyLoss):
     one micro-batch at a time, so the population is the micro-batch: the loss depends on the
     micro-batch split (with one micro-batch per rank and one rank, the population is the minibatch).
 
-    Token metrics (0 off the response): ``ratio``, ``ratio_max``, ``clipped``, ``dual_clipped``,
+    Token metrics (0 off the response): ``ratio``, ``ratio_max``, ``clipped`` (with GMPO: the tokens
+    whose log-ratio its clip bounds on the pessimistic side), ``dual_clipped``,
     ``sapo_gate``, ``cispo_truncated``, ``approx_kl`` (k3 estimate of KL(pi_anchor || pi)), ``kl``; with the decoupled
     loss ``behave_weight``, ``behave_weight_max``, ``kl_behave_prox``, ``kl_behave_current``,
     ``rejected``, ``clamped``, ``prox_loglinear_abs_error`` (``metrics`` method);
@@ -161,6 +165,12 @@ class PPOClipLoss(PolicyLoss):
         elif cfg.use_cispo_loss:
             loss, truncated = ops.cispo_loss(ratio, advantages, eps_low=cfg.cispo_eps_low, eps_high=cfg.cispo_eps_high)
             metrics["cispo_truncated"] = truncated.to(mask.dtype)
+        elif cfg.use_gmpo_loss:  # one value per sequence, its mean over the sequence's loss tokens
+            tokens = batch.get("loss_mask", batch["response_mask"]).to(logprobs.dtype)
+            loss, clipped = ops.gmpo_loss(
+                log_ratio, advantages, tokens, eps_low=cfg.gmpo_eps_low, eps_high=cfg.gmpo_eps_high
+            )
+            metrics["clipped"] = clipped.to(mask.dtype)
         elif cfg.loss_mode == "kl_cov":
             selected = self._selected(batch)
             loss = ops.kl_cov_loss(ratio, log_ratio, advantages, selected, cfg.ppo_kl_coef)
