@@ -118,3 +118,14 @@ def test_the_hf_engine_refuses_them_when_called(tmp_path: Path) -> None:
             engine.generate([[1, 2, 3]], SamplingParams(n=1, max_new_tokens=2, extra={"ignore_eos": True}))
     finally:
         engine.close()
+
+
+def test_the_vllm_engines_reserved_keys_cover_what_it_sets() -> None:
+    """Every key the vLLM engine puts in a request from ``rollout.sampling`` (stop strings and
+    greedy choice included) is among the ``request_keys`` that ``config validate`` refuses in ``extra``."""
+    pytest.importorskip("core_rl_vllm")
+    from core_rl_vllm.config import VLLMConfig
+    from core_rl_vllm.request_params import own_params
+
+    for sampling in (SamplingParams(stop=["x"]), SamplingParams(greedy=True), SamplingParams()):
+        assert set(own_params(sampling)) <= VLLMConfig.request_keys

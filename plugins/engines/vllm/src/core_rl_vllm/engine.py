@@ -56,7 +56,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
 import core_rl.weight_group
 from core_rl.config.schema import RolloutConfig
 from core_rl.errors import CoreRLError
@@ -64,11 +63,11 @@ from core_rl.interfaces import SamplingParams
 from core_rl.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post, versions_from_spans
 from core_rl.remote.engine import FORK_ENGINE
 from core_rl.remote.wire import describe, is_transport_error
-from core_rl.sampling_params import with_extra
 from core_rl.servers import ServerError
 
 from core_rl_vllm import lora
 from core_rl_vllm.config import GPU_MEMORY_UTILIZATION, VLLMConfig
+from core_rl_vllm.request_params import as_sent, repeated, request_params
 
 SERVED_MODEL_NAME = "core-rl"
 SERVER_SIDE = Path(__file__).with_name("server_side")
@@ -230,11 +229,11 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     # -- HTTP calls -----------------------------------------------------------------------------
 
     async def request(self, client: Any, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list[Completion]:
-        sent, times = _as_sent(sampling)
+        sent, times = as_sent(sampling)
         if times > 1:
             (one,) = await self.request(client, url, prompt_ids, sent)
-            return _repeated(one, times)
-        params = _params(sampling)
+            return repeated(one, times)
+        params = request_params(sampling)
         if self._per_token_versions:
             try:
                 body = await json_post(client, url + GENERATE_PATH, self._generate_payload(url, prompt_ids, params))
@@ -285,8 +284,8 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     ) -> None:
         """All ``items`` in one ``POST /core_rl/generate`` (the plugin's route: each item a
         :data:`GENERATE_PATH` request, answered one JSON line per item as it finishes)."""
-        sent = [_as_sent(s) for _, s in items]
-        payloads = [self._generate_payload(url, prompt, _params(s)) for (prompt, _), (s, _) in zip(items, sent)]
+        sent = [as_sent(s) for _, s in items]
+        payloads = [self._generate_payload(url, prompt, request_params(s)) for (prompt, _), (s, _) in zip(items, sent)]
         repeats = [times for _, times in sent]
         async with client.stream("POST", url + BATCH_ROUTE, json={"requests": payloads}) as response:
             if response.status_code in (403, 404):  # a server without the route: one request each
@@ -389,43 +388,6 @@ def head_size(model_path: str | Path) -> int | None:
     return int(hidden) // int(heads) if hidden and heads else None
 
 
-def _params(sampling: SamplingParams) -> dict[str, Any]:
-    """vLLM's sampling parameters for ``sampling`` (with its ``extra``)."""
-    return with_extra(_own_params(sampling), sampling, "vllm", VLLMConfig.request_keys)
-
-
-def _own_params(sampling: SamplingParams) -> dict[str, Any]:
-    return {
-        "n": sampling.n,
-        "max_tokens": sampling.max_new_tokens,
-        "min_tokens": sampling.min_new_tokens,
-        "temperature": 0.0 if sampling.greedy else sampling.temperature,
-        "top_p": 1.0 if sampling.greedy else sampling.top_p,
-        "top_k": 0 if sampling.greedy else max(sampling.top_k, 0),
-        "min_p": 0.0 if sampling.greedy else sampling.min_p,
-        "repetition_penalty": sampling.repetition_penalty,
-        "frequency_penalty": sampling.frequency_penalty,
-        "presence_penalty": sampling.presence_penalty,
-        "stop_token_ids": list(sampling.stop_token_ids),
-        "logprobs": 0,
-        # stop strings are matched in the text without special tokens, as core_rl.stop_strings does
-        "skip_special_tokens": bool(sampling.stop),
-        **({"stop": list(sampling.stop), "include_stop_str_in_output": True} if sampling.stop else {}),
-    }
-
-
-def _as_sent(sampling: SamplingParams) -> tuple[SamplingParams, int]:
-    """What vLLM is asked for ``sampling``, and how many times its one answer is repeated: vLLM
-    refuses ``n > 1`` when greedy, and one greedy answer serves all ``n``."""
-    if sampling.greedy and sampling.n > 1:
-        return attrs.evolve(sampling, n=1), sampling.n
-    return sampling, 1
-
-
-def _repeated(one: Completion, times: int) -> list[Completion]:
-    return [attrs.evolve(one) for _ in range(times)]
-
-
 def _batch_answer(line: str, url: str, repeats: list[int]) -> tuple[int, list[Completion] | ServerReplyError]:
     """One line of a :data:`BATCH_ROUTE` answer: the item's index and its completions (each
     repeated ``repeats[index]`` times: greedy requests ask for one) or its error."""
@@ -441,7 +403,7 @@ def _batch_answer(line: str, url: str, repeats: list[int]) -> tuple[int, list[Co
     except ServerReplyError as exc:
         return index, exc
     if repeats[index] > 1 and len(completions) == 1:
-        completions = _repeated(completions[0], repeats[index])
+        completions = repeated(completions[0], repeats[index])
     return index, completions
 
 
