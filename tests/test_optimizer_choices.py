@@ -225,6 +225,8 @@ def test_engines_refuse_what_they_cannot_run() -> None:
     assert line.startswith("actor.optimizer.name: muon needs whole weight matrices, but actor.engine.cpu_offload")
     two_processes = MachineInfo(local_world_size=2)
     assert any(p.startswith("actor.optimizer.name: muon") for p in _engine_problems("fsdp", muon, two_processes))
+    two_nodes = MachineInfo(local_world_size=1, world_size=2)  # one process on each of two nodes
+    assert any("over the 2 processes of this run" in p for p in _engine_problems("fsdp", muon, two_nodes))
     assert not any("optimizer" in p for p in _engine_problems("fsdp", adafactor, two_processes))
 
 

@@ -93,18 +93,22 @@ class Preflight:
 
 def detect_machine() -> MachineInfo:
     """The machine as torch sees it (CUDA devices, MPS) and the processes ``torchrun`` started
-    on this node (``LOCAL_WORLD_SIZE``)."""
+    on this node and in all (``LOCAL_WORLD_SIZE``, ``WORLD_SIZE``)."""
     import torch
 
-    try:
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    except ValueError:
-        local_world_size = 1
+    sizes = []
+    for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        try:
+            sizes.append(int(os.environ.get(name, "1")))
+        except ValueError:
+            sizes.append(1)
+    local_world_size, world_size = sizes
     mps = getattr(torch.backends, "mps", None)
     return MachineInfo(
         cuda_device_count=visible_gpus(),
         mps_available=bool(mps is not None and mps.is_available()),
         local_world_size=local_world_size,
+        world_size=world_size,
     )
 
 

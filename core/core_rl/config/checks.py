@@ -84,12 +84,18 @@ class MachineInfo:
 
     ``cuda_device_count``: CUDA devices visible (0 without a usable GPU); ``mps_available``: Apple
     MPS; ``local_world_size``: processes started on this node (``LOCAL_WORLD_SIZE`` under
-    ``torchrun``, else 1).
+    ``torchrun``, else 1); ``world_size``: processes of the whole run, every node's (``WORLD_SIZE``).
     """
 
     cuda_device_count: int = 0
     mps_available: bool = False
     local_world_size: int = 1
+    world_size: int = 1
+
+    @property
+    def processes(self) -> int:
+        """The run's processes: ``world_size``, and at least this node's."""
+        return max(self.world_size, self.local_world_size)
 
     @property
     def cuda_available(self) -> bool:

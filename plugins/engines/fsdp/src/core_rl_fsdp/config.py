@@ -170,9 +170,9 @@ class FSDPConfig:
         problems += flash_attention.machine_problems(context, self.attn_implementation)
         problems += key_value_heads_problems(context, self.sequence_parallel_size)
         role, section = context.role_section()
-        if section is not None and section.optimizer.name == "muon" and machine.local_world_size > 1:
+        if section is not None and section.optimizer.name == "muon" and machine.processes > 1:
             problems.append(
                 f"{role}.optimizer.name: muon needs whole weight matrices, but FSDP shards them over the "
-                f"{machine.local_world_size} processes of this run; run one process, or use adamw"
+                f"{machine.processes} processes of this run; run one process, or use adamw"
             )
         return problems
