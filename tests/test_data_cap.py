@@ -67,15 +67,24 @@ def test_a_cap_above_the_rows_keeps_them_all_and_the_default_is_unchanged() -> N
     ("data", "message"),
     [
         (
-            {"train_files": [{"path": "a.jsonl", "weight": 1.0}], "max_samples": 3},
+            {"train_files": [{"path": "a.jsonl", "weight": 1.0}], "max_samples": 30},
             r"data.max_samples: .*with weighted entries each source's share of an epoch is its weight",
         ),
         ({"train_files": ["a.jsonl"], "max_samples": 0}, r"data.max_samples"),
+        (
+            {"train_files": ["a.jsonl"], "batch_size": 8, "max_samples": 4},
+            r"data.max_samples: .*fewer than data.batch_size \(8\): every step would draw some prompts twice",
+        ),
     ],
 )
 def test_configuration_mistakes(data: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         structure(data, DataConfig, path="data")
+
+
+def test_a_cap_may_exceed_the_count_limits_of_other_keys() -> None:
+    """A cap on a corpus of millions of rows (OpenRLHF's default is 1e8) is a valid value."""
+    assert structure({"train_files": ["a.jsonl"], "max_samples": 20_000_000}, DataConfig, path="data").max_samples
 
 
 def test_a_real_run_trains_an_epoch_of_the_kept_prompts(tmp_path: Path, host) -> None:

@@ -331,3 +331,26 @@ def test_the_distillation_loss_adds_the_top_k_term_to_the_algorithms() -> None:
     torch.testing.assert_close(out.per_token_loss, torch.tensor([[0.5 * 2.0, 0.5 * 1.0 + 3.0 * kl]]))
     torch.testing.assert_close(out.token_metrics["distill_kl"], torch.tensor([[0.0, kl]]))
     assert "base" in out.token_metrics
+
+
+def test_an_engine_that_ignores_the_vocabulary_cut_is_named() -> None:
+    """A teacher engine returning an id at or past the ``vocab_size`` it was given (injected) is a
+    plugin fault naming it, before the policy's gather could index out of range; without a cut the
+    keyword is not passed at all (engines written without it keep working)."""
+    from core_rl.errors import PluginFault
+    from core_rl.guards import engine_topk
+    from core_rl.protocol import TensorBatch
+
+    seen: list[dict] = []
+
+    class Padded:
+        def compute_topk_logprobs(self, batch, k, **kwargs):
+            seen.append(kwargs)
+            shape = (*batch["input_ids"].shape, k)
+            return torch.full(shape, 9, dtype=torch.long), torch.zeros(shape)
+
+    part = TensorBatch({"input_ids": torch.zeros(2, 3, dtype=torch.long)})
+    assert engine_topk(Padded(), part, 2, temperature=1.0)["teacher_topk_ids"].max() == 9
+    with pytest.raises(PluginFault, match=r"returned token id 9, outside the vocabulary of 8 tokens"):
+        engine_topk(Padded(), part, 2, vocab_size=8, temperature=1.0)
+    assert seen == [{"temperature": 1.0}, {"temperature": 1.0, "vocab_size": 8}]

@@ -87,15 +87,24 @@ def engine_tensor(engine: Any, method: str, what: str, part: TensorBatch, **kwar
     return out
 
 
-def engine_topk(engine: Any, part: TensorBatch, k: int, **kwargs: Any) -> dict[str, torch.Tensor]:
-    """``engine.compute_topk_logprobs(part, k, **kwargs)``: a teacher's top-k ids and log-probs,
-    which must be [B, T, k] (ids of any dtype, log-probs floats), as ``teacher_topk_ids`` and
-    ``teacher_topk_logprobs``."""
+def engine_topk(
+    engine: Any, part: TensorBatch, k: int, *, vocab_size: int | None = None, **kwargs: Any
+) -> dict[str, torch.Tensor]:
+    """``engine.compute_topk_logprobs(part, k, vocab_size=..., **kwargs)`` (``vocab_size`` passed
+    only when set): a teacher's top-k ids and log-probs, which must be [B, T, k] (ids of any dtype
+    below ``vocab_size``, log-probs floats), as ``teacher_topk_ids`` and ``teacher_topk_logprobs``."""
+    if vocab_size is not None:
+        kwargs["vocab_size"] = vocab_size
     ids, values = engine.compute_topk_logprobs(part, k, **kwargs)
     shape = (*part["input_ids"].shape, k)
     contract = f"TrainEngine.compute_topk_logprobs returns two [B, T, k] = {list(shape)} tensors"
     check_tensor(ids, built_by(engine), "top-k token ids", shape=shape, dtype=ANY, contract=contract)
     check_tensor(values, built_by(engine), "top-k log-probs", shape=shape, dtype=FLOAT, contract=contract)
+    if vocab_size is not None and ids.numel() and int(ids.max()) >= vocab_size:
+        raise PluginFault(
+            f"{built_by(engine)}: compute_topk_logprobs returned token id {int(ids.max())}, outside the vocabulary "
+            f"of {vocab_size} tokens it was given (vocab_size); {contract}, among the first vocab_size tokens"
+        )
     return {"teacher_topk_ids": ids.long(), "teacher_topk_logprobs": values}
 
 

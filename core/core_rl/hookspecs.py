@@ -29,6 +29,9 @@ core checks a component for when it is built names it: :mod:`core_rl.components`
   ``recover.load_optimizer``), and ``TrainEngine.reset_optimizer``
   (``algorithm.reference_reset_optimizer``); ``PolicyLoss.observe_step``, ``state_dict`` and
   ``load_state_dict`` (a loss's state that follows training, e.g. an adaptive entropy coefficient).
+- 8: ``TrainEngine.compute_topk_logprobs`` (``teacher.loss: topk_forward_kl``; with ``vocab_size``)
+  and the ``logprobs_at_key`` a loss may set (:data:`core_rl.interfaces.LOGPROBS_AT`), and
+  ``TrainEngine.export_adapter`` (``rollout.lora_sync: adapter``).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from typing import Any, Protocol
 import pluggy
 
 PROJECT_NAME = "core_rl"
-HOOK_API_VERSION = 7
+HOOK_API_VERSION = 8
 
 #: The API version that added an interface (``"Class"``: all its members) or one member of it
 #: (``"Class.member"``) after version 1; anything not listed is in version 1. Classes are those of
@@ -79,6 +82,8 @@ INTERFACE_ADDED: dict[str, int] = {
     "PolicyLoss.observe_step": 7,
     "PolicyLoss.state_dict": 7,
     "PolicyLoss.load_state_dict": 7,
+    "TrainEngine.compute_topk_logprobs": 8,
+    "TrainEngine.export_adapter": 8,
 }
 
 #: Keyword arguments a member must take since the API version given (``"Class.member"`` ->

@@ -9,6 +9,7 @@ import attrs
 
 from core_rl.config.validators import (
     MAX_COUNT,
+    MAX_STEPS,
     MAX_TOKENS,
     FieldValueError,
     finite,
@@ -150,9 +151,16 @@ class DataConfig:
         return self.truncation or TRUNCATION_MODES[0]
 
     difficulty_filter: DifficultyFilterConfig | None = None
-    max_samples: int | None = attrs.field(default=None, validator=in_range(1, MAX_COUNT))
+    max_samples: int | None = attrs.field(default=None, validator=in_range(1, MAX_STEPS))
 
     def __attrs_post_init__(self) -> None:
+        if self.max_samples is not None and self.max_samples < self.batch_size:
+            raise FieldValueError(
+                "max_samples",
+                self.max_samples,
+                f"is fewer than data.batch_size ({self.batch_size}): every step would draw some prompts twice; "
+                "raise it, or lower data.batch_size",
+            )
         if self.max_samples is not None and self.train_weights is not None:
             raise FieldValueError(
                 "max_samples",

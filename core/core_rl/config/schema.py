@@ -296,8 +296,9 @@ class RewardShapingConfig:
     ``part_eps`` 1e-4, TRL's; a part that is itself a ``combine`` counts as one). A part absent
     for a sample (``None``, or a sample whose reward call failed) is left out of that part's group
     statistics and adds 0 (:func:`core_rl.ops.normalize_then_sum`). Sample filters judge this
-    ``r`` (``drop_uniform_groups`` keeps a group whose parts vary even where their weighted sums do
-    not); the ``reward/...`` metrics report the raw weighted sum."""
+    ``r``, not the raw sum (``drop_uniform_groups`` keeps a group whose sums tie while its
+    normalised parts do not cancel, and its ``min_std`` applies to ``r``); the ``reward/...``
+    metrics report the raw weighted sum."""
 
     scale: float = 1.0
     bias: float = 0.0

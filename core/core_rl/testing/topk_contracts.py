@@ -46,6 +46,15 @@ class TopkLogprobsContract:
         torch.testing.assert_close(top_lp, want * real[..., None], atol=self.logprob_atol, rtol=0)
         best = dist[:, :-1].topk(K, dim=-1).values
         torch.testing.assert_close(top_lp[:, 1:][real[:, 1:]], best[real[:, 1:]], atol=self.logprob_atol, rtol=0)
+        # among the first `shared` tokens only (a student's smaller vocabulary): the softmax over those
+        shared = dist.shape[-1] - 2
+        cut_ids, cut_lp = engine.compute_topk_logprobs(batch, K, temperature=TEMPERATURE, vocab_size=shared)
+        over_shared = torch.log_softmax(dist[:, :-1, :shared], dim=-1).topk(K, dim=-1)
+        assert int(cut_ids.max()) < shared
+        assert (cut_ids[:, 1:][real[:, 1:]] == over_shared.indices[real[:, 1:]]).all()
+        torch.testing.assert_close(
+            cut_lp[:, 1:][real[:, 1:]], over_shared.values[real[:, 1:]], atol=self.logprob_atol, rtol=0
+        )
 
         batch["topk_ids"], batch["want_at"] = top_ids, want * real[..., None]
         sums: list[float] = []

@@ -215,7 +215,6 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
             world_size=self.world_size,
             teacher=self.roles.teacher,
             teacher_top_k=topk_of(cfg.teacher),
-            student_vocab=model_vocab_size(cfg.actor.model_path) if topk_of(cfg.teacher) is not None else None,
             critic=CriticStage.of_run(cfg, self.roles.critic, self.advantage, self._shard, self.world_size),
             advantage=self.advantage,
         )
@@ -231,6 +230,9 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
         self.pad_token_id = self.tokenizer.pad_token_id
         if self.pad_token_id is None:
             self.pad_token_id = self.tokenizer.eos_token_id
+        if self.update.teacher_top_k is not None:  # the tokens the shared tokenizer has, and the actor's embedding
+            sizes = (len(self.tokenizer), model_vocab_size(cfg.actor.model_path))
+            self.update.student_vocab = min(size for size in sizes if size is not None)
         self.sampling = cfg.rollout.sampling.to_params()
         self.batcher = BatchAssembler(
             cfg.algorithm,

@@ -163,8 +163,9 @@ class PolicyUpdate:
         ``critic.prepare`` runs it after the values). ``teacher_top_k``: the teacher gives its
         ``teacher_topk_ids`` and ``teacher_topk_logprobs`` [B, T, k] in place of ``teacher_logprobs``
         (``teacher.loss: topk_forward_kl``), among the policy's first ``student_vocab`` tokens (``None``: all
-        of the teacher's; a teacher's padded embedding may exceed the policy's, whose log-probs are
-        then gathered at those ids)."""
+        of the teacher's; the trainer sets the shared tokenizer's length, bounded by the actor's
+        embedding: a teacher's padded embedding may exceed the policy's, whose log-probs are then
+        gathered at those ids)."""
         self.engine = engine
         self.ref = ref
         self.teacher = teacher

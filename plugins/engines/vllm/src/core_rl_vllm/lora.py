@@ -48,7 +48,7 @@ def adapter_name(version: int) -> str:
 
 def adapter_update(path: str, version: int) -> dict[str, Any]:
     """The ``lora`` part of a weight-update request that loads the adapter directory ``path`` as
-    version ``version``. The server loads it in place where it knows the name already (a trainer
+    version ``version``. The server loads it afresh where it knows the name already (a trainer
     resumed against servers that outlived it reloads the version they serve), then unloads every
     other adapter named with :data:`NAME_PREFIX` (the previous version, and any an earlier trainer
     process left)."""

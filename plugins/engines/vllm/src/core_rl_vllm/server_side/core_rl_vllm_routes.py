@@ -78,17 +78,20 @@ async def update_weights(engine: Any, body: dict[str, Any], models: Any = None) 
 async def load_adapter(models: Any, lora: dict[str, Any]) -> list[str]:
     """Load the LoRA adapter directory ``lora["path"]`` under the name ``lora["name"]`` with vLLM's
     own handler (``models``: the server's ``OpenAIServingModels``, which also resolves the name a
-    request gives as its ``model``), in place where the server knows the name already (a resumed
-    trainer reloading the version it serves), then unload every other adapter whose name starts
-    with ``lora["unload_prefix"]``. One result, as a worker RPC's: ``"ok"`` or ``"error: ..."``."""
+    request gives as its ``model``), then unload every other adapter whose name starts with
+    ``lora["unload_prefix"]``. A name the server serves already (a resumed trainer reloading the
+    version it serves) is unloaded first and loaded afresh: vLLM's ``load_inplace`` would stay set
+    on the stored request and reload the adapter from disk at every scheduler step. One result, as
+    a worker RPC's: ``"ok"`` or ``"error: ..."``."""
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
     from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
     if models is None:
         return ["error: the server does not serve LoRA adapters (start it with --enable-lora)"]
     name = lora["name"]
-    request = LoadLoRAAdapterRequest(lora_name=name, lora_path=lora["path"], load_inplace=name in models.lora_requests)
-    loaded = await models.load_lora_adapter(request)
+    if name in models.lora_requests:
+        await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
+    loaded = await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=name, lora_path=lora["path"]))
     if isinstance(loaded, ErrorResponse):
         return [f"error: loading the LoRA adapter {lora['path']}: {loaded.error.message}"]
     prefix = lora.get("unload_prefix")
