@@ -66,7 +66,7 @@ def test_every_problem_of_a_section_at_once():
         "x.temperature: must be in (0.0, 100.0], got 0.0",
         "x.top_k: must be in [0, 16777216], got -1",
         "x.x: unknown key; valid keys: n, temperature, top_p, top_k, min_p, repetition_penalty, frequency_penalty, "
-        "presence_penalty, max_new_tokens, min_new_tokens, stop_token_ids, stop, greedy",
+        "presence_penalty, max_new_tokens, min_new_tokens, stop_token_ids, stop, greedy, extra",
     ]
 
 
