@@ -328,3 +328,42 @@ def test_a_real_run_stops_drawing_the_solved_prompt_and_resumes_exactly(tmp_path
     with pytest.raises(DifficultyFilterError, match=r"skipped every prompt of epoch 1 \(2 in a row\)"):
         train_here(dry, host)
     assert sorted(_steps(tmp_path / "runs" / "dry")[0]) == [1]
+
+
+def test_an_asynchronous_run_skips_the_solved_prompt_too(tmp_path: Path, host) -> None:
+    """The same filter with the rollout controller drawing ahead of the trainer (one version of
+    staleness, in its own thread): the solved prompt is drawn before its first record (step 1, and
+    the draws made ahead while step 1 trains), never after, and the skips are counted."""
+    for dist in ("core_rl_fsdp", "core_rl_hf"):
+        pytest.importorskip(dist)
+    import reward_functions
+    from core_rl.tiny import build_tiny_model
+    from fault_helpers import train_here
+
+    model = build_tiny_model(tmp_path / "model", alphabet="ab=", hidden_size=16, num_heads=2, seed=0)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{s}=", "answer": s}) + "\n" for s in ("ab", "ba")))
+    steps = 5
+    config = {
+        "experiment": {"name": "async", "output_dir": str(tmp_path / "runs"), "seed": 5},
+        "data": {"train_files": [str(data)], "batch_size": 2, "difficulty_filter": {"easy_threshold": 1.0}},
+        "actor": {"model_path": str(model), "engine": {"name": "fsdp"}},
+        "rollout": {
+            "engine": {"name": "hf"},
+            "sampling": {"n": 2, "max_new_tokens": 2},
+            "controller": {"max_head_offpolicyness": 1},
+        },
+        "algorithm": {"name": "grpo"},
+        "reward": {"name": "function", "path": f"{reward_functions.__file__}:solves_ab"},
+        "trainer": {"total_steps": steps, "torch_threads": 1},
+        "saver": {"every_n_steps": 0, "export_hf": False},
+        "loggers": [{"name": "jsonl"}],
+        "sample_log": {"every_n_steps": 1, "num_samples": 4},
+    }
+    train_here(config, host)
+    drawn, metrics = _steps(tmp_path / "runs" / "async")
+    assert sorted(drawn) == list(range(1, steps + 1))
+    assert "ab=" in drawn[1]
+    # drawn ahead at most one version: from step 3 on every draw knows the record of step 1
+    assert all(drawn[s] == ["ba="] * 4 for s in range(3, steps + 1)), drawn
+    assert sum(m["data/skipped_easy"] for m in metrics.values()) >= steps - 2
