@@ -174,3 +174,32 @@ def test_ptx_is_refused_outside_the_rl_loop(tmp_path: Path, host, minimal_config
     with pytest.raises(ConfigError) as err:
         load_config(path, [], host=host)
     assert any(p.startswith("algorithm.ptx: mixes supervised rows into the rl loop") for p in err.value.problems)
+
+
+def _ptx_rank(rank: int, init: str, out: str) -> None:
+    """Rank ``rank`` of 2 (gloo): a ptx token count and NLL of its own, then ``observe_step``."""
+    import torch.distributed as dist
+    from core_rl_grpo.losses import PPOClipLoss
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    try:
+        loss = PTXLoss(PPOClipLoss())
+        batch = make_rl_batch(seed=rank)
+        ptx = torch.zeros_like(batch["response_mask"])
+        ptx[0, -1 - rank :] = 1.0  # rank 0: one ptx token, rank 1: two
+        batch["ptx_mask"] = ptx
+        logprobs = torch.full_like(ptx, -float(rank + 1))  # NLL 1 on rank 0's token, 2 on rank 1's
+        loss(batch, logprobs, torch.zeros_like(ptx))
+        Path(out, f"rank{rank}.json").write_text(json.dumps(loss.observe_step({})))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_ptx_nll_is_the_mean_over_every_ranks_tokens(tmp_path: Path) -> None:
+    """Two real gloo ranks see 1 and 2 ptx tokens of NLL 1 and 2: both report (1 + 2 + 2) / 3."""
+    pytest.importorskip("core_rl_grpo")
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_ptx_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="spawn")
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text())["ptx_nll"] == pytest.approx(5 / 3)

@@ -24,7 +24,7 @@ class PTXConfig:
         loss = policy loss + coef * (sum of -log pi over the rows' completion tokens) / (their number)
 
     Each row is cut to ``max_length`` tokens (its completion at the end). The completion tokens'
-    mean NLL is logged as ``actor/ptx_nll`` (the main rank's rows)."""
+    mean NLL is logged as ``actor/ptx_nll`` (over every rank's rows)."""
 
     files: list[str] = attrs.field(validator=_files)
     coef: float = attrs.field(default=0.05, validator=positive(1e6))

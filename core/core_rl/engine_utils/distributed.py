@@ -114,6 +114,15 @@ def all_reduce(values: torch.Tensor, op: dist.ReduceOp.RedOpType = ReduceOp.SUM)
     return values
 
 
+def summed_over_ranks(values: Sequence[float]) -> list[float]:
+    """``values`` summed over every rank of the default group (as they are without one, or with a
+    group of one), in float64 on the device the group's backend reduces on. Collective."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(values)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return all_reduce(torch.tensor(list(values), dtype=torch.float64, device=device)).tolist()
+
+
 def union_of_names(names: Sequence[str]) -> list[str]:
     """Sorted union of ``names`` over all ranks (ranks may see different metric names, e.g. a rank
     with no rows never calls the loss)."""

@@ -22,6 +22,7 @@ import torch
 
 from core_rl.config.ptx import PTXConfig
 from core_rl.config.schema import DataConfig
+from core_rl.engine_utils.distributed import summed_over_ranks
 from core_rl.errors import DataError
 from core_rl.interfaces import LossOutput, PolicyLoss
 from core_rl.protocol import TensorBatch, concat_padded
@@ -108,7 +109,8 @@ def with_ptx(minibatch: TensorBatch, sequences: list[TrainSequence], coef: float
 class PTXLoss(WrappingLoss):
     """The policy loss ``base`` on its rows, ``-log pi`` on the ``ptx_mask`` tokens (module
     docstring); aggregation, preparation, rejection sampling and state are the base's. Keeps the
-    mean NLL of the ptx tokens this rank saw since the last optimiser step (``ptx_nll``)."""
+    mean NLL of the ptx tokens every rank saw since the last optimiser step (``ptx_nll``: this rank's
+    sums, added up over the ranks in :meth:`observe_step`, which every rank calls)."""
 
     def __init__(self, base: PolicyLoss) -> None:
         super().__init__(base)
@@ -116,8 +118,9 @@ class PTXLoss(WrappingLoss):
 
     def observe_step(self, metrics: Mapping[str, float]) -> dict[str, float]:
         out = dict(self.base.observe_step(metrics))
-        if self._tokens:
-            out["ptx_nll"] = self._nll / self._tokens
+        nll, tokens = summed_over_ranks([self._nll, self._tokens])
+        if tokens:
+            out["ptx_nll"] = nll / tokens
         self._nll, self._tokens = 0.0, 0.0
         return out
 
