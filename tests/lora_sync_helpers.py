@@ -63,6 +63,49 @@ def train_step(syncer: Syncer, seed: int) -> None:
     syncer.engine.train_step(make_rl_batch(seed=seed), nll_loss)
 
 
+def response_ids(samples: list) -> list[list[int]]:
+    """The response tokens of one sample per prompt."""
+    return [s.response_ids for (s,) in samples]
+
+
+def synced(syncer: Syncer, version: int) -> list:
+    """Greedy samples of :data:`PROMPTS` after a training step and the adapter sync of version
+    ``version``, which the server serves alone and labels its tokens with."""
+    from core_rl.lora_sync import adapter_name
+
+    train_step(syncer, seed=version)
+    syncer._sync_weights(version)
+    assert served_adapters(syncer.rollout.endpoints[0].url) == {adapter_name(version)}
+    samples = syncer.rollout.generate(PROMPTS, GREEDY)
+    assert all(s.versions == [version] * GREEDY.max_new_tokens for (s,) in samples)
+    return samples
+
+
+def second_sync(syncer: Syncer) -> list:
+    """Greedy samples after version 2 replaced version 1 (synced first where an earlier test did
+    not): only version 2 served and its directory the only one kept, its tokens not version 1's."""
+    from core_rl.lora_sync import adapter_dir
+
+    if syncer.rollout.weight_version < 1:
+        synced(syncer, 1)
+    first = syncer.rollout.generate(PROMPTS, GREEDY)
+    second = synced(syncer, 2)
+    assert not adapter_dir(syncer.run_dir, 1).exists() and adapter_dir(syncer.run_dir, 2).is_dir()
+    assert response_ids(first) != response_ids(second)
+    return second
+
+
+def merged_samples(engine: Any, path: Path, version: int) -> list:
+    """Greedy samples of :data:`PROMPTS` after a merged sync of the weight directory ``path`` by
+    ``engine`` (a second engine on the server, with no adapter: its requests use the base
+    weights), which is closed after."""
+    try:
+        engine.load_weights_from_path(path, version)
+        return engine.generate(PROMPTS, GREEDY)
+    finally:
+        engine.close()
+
+
 def assert_same_samples(adapter: list, merged: list) -> float:
     """Same greedy tokens for every prompt; the largest behaviour log-prob difference, at most
     :data:`LOGPROB_ATOL`."""

@@ -28,6 +28,8 @@ from lora_sync_helpers import (
     assert_same_samples,
     lora_problems,
     lora_trainer,
+    merged_samples,
+    second_sync,
     served_adapters,
     train_step,
 )
@@ -66,12 +68,8 @@ def _merged_sync(url: str, path: Path, version: int, run_dir: Path) -> list:
     from core_rl_vllm.config import VLLMConfig
     from core_rl_vllm.engine import VLLMRolloutEngine
 
-    merged = VLLMRolloutEngine(path, VLLMConfig(dtype="float32", server=ServerOptions(urls=[url])), run_dir)
-    try:
-        merged.load_weights_from_path(path, version)
-        return merged.generate(PROMPTS, GREEDY)
-    finally:
-        merged.close()
+    options = VLLMConfig(dtype="float32", server=ServerOptions(urls=[url]))
+    return merged_samples(VLLMRolloutEngine(path, options, run_dir), path, version)
 
 
 def test_adapter_sync_matches_merged_sync_and_moves_only_the_adapter(setup) -> None:
@@ -109,24 +107,13 @@ def test_adapter_sync_matches_merged_sync_and_moves_only_the_adapter(setup) -> N
 
 def test_a_second_sync_replaces_the_first(setup) -> None:
     syncer, model, _ = setup
-    rollout = syncer.rollout
-    if rollout.weight_version < 1:
-        train_step(syncer, seed=1)
-        syncer._sync_weights(1)
-    first = rollout.generate(PROMPTS, GREEDY)
-    train_step(syncer, seed=2)
-    syncer._sync_weights(2)
-    url = rollout.endpoints[0].url
-    assert served_adapters(url) == {"core-rl-lora-v2"}
-    assert not adapter_dir(syncer.run_dir, 1).exists() and adapter_dir(syncer.run_dir, 2).is_dir()
-    second = rollout.generate(PROMPTS, GREEDY)
-    assert all(s.versions == [2] * 8 for (s,) in second)
+    second = second_sync(syncer)
+    url = syncer.rollout.endpoints[0].url
     # the server itself labels the new adapter's tokens version 2 (what a request resumed across
     # the update reports token by token)
     body = {"model": "core-rl-lora-v2", "token_ids": PROMPTS[0], "sampling_params": {"max_tokens": 2}}
     answer = httpx.post(url + GENERATE_PATH, json=body, timeout=60).json()
     assert {str(span["version"]) for span in answer["choices"][0]["weight_versions"]} == {"2"}
-    assert [s.response_ids for (s,) in first] != [s.response_ids for (s,) in second]
     # the new version's tokens are those of the trained model: a transformers forward of the
     # merged weights, token by token (greedy)
     from transformers import AutoModelForCausalLM

@@ -20,8 +20,11 @@ from lora_sync_helpers import (
     assert_same_samples,
     lora_problems,
     lora_trainer,
+    merged_samples,
+    response_ids,
+    second_sync,
     served_adapters,
-    train_step,
+    synced,
 )
 
 pytest.importorskip("peft")
@@ -61,35 +64,22 @@ def _connected(url: str, model: Path, run_dir: Path, lora_rank: int = 0):
     return SGLangRolloutEngine(model, _options(urls=[url]), run_dir, lora_rank=lora_rank)
 
 
-def _ids(samples: list) -> list[list[int]]:
-    return [s.response_ids for (s,) in samples]
-
-
 def _merged_sync(url: str, path: Path, version: int, run_dir: Path) -> list:
     """Greedy samples of :data:`PROMPTS` after a merged sync of ``path`` into the server at ``url``
     by a second engine (its requests name no adapter: the base weights)."""
-    merged = _connected(url, path, run_dir)
-    try:
-        merged.load_weights_from_path(path, version)
-        return merged.generate(PROMPTS, GREEDY)
-    finally:
-        merged.close()
+    return merged_samples(_connected(url, path, run_dir), path, version)
 
 
 def test_adapter_sync_matches_merged_sync(setup) -> None:
     syncer, model, work = setup
     rollout = syncer.rollout
-    train_step(syncer, seed=1)
-    syncer._sync_weights(1)
+    adapter = synced(syncer, 1)  # served under its version's name, its tokens labelled
     url = rollout.endpoints[0].url
-    assert served_adapters(url) == {"core-rl-lora-v1"}
-    adapter = rollout.generate(PROMPTS, GREEDY)
-    assert all(s.versions == [1] * 8 for (s,) in adapter)  # the server labels the adapter's tokens
     syncer.engine.export_hf(work / "merged")
     assert_same_samples(adapter, _merged_sync(url, work / "merged", 1, work / "merged-run"))
     # the tokens differ from the untrained model's: the adapter did something
     base = _merged_sync(url, Path(model), 0, work / "base-run")  # the base weights back, for the next test
-    assert _ids(base) != _ids(adapter)
+    assert response_ids(base) != response_ids(adapter)
 
 
 def test_a_second_sync_replaces_the_first_and_a_resumed_trainer_reloads_it(setup) -> None:
@@ -98,31 +88,21 @@ def test_a_second_sync_replaces_the_first_and_a_resumed_trainer_reloads_it(setup
     version the server serves already afresh, and its next version leaves exactly one served."""
     syncer, model, work = setup
     rollout = syncer.rollout
-    if rollout.weight_version < 1:
-        train_step(syncer, seed=1)
-        syncer._sync_weights(1)
-    first = rollout.generate(PROMPTS, GREEDY)
-    train_step(syncer, seed=2)
-    syncer._sync_weights(2)
+    second = second_sync(syncer)
     url = rollout.endpoints[0].url
-    assert served_adapters(url) == {"core-rl-lora-v2"}
-    assert not adapter_dir(syncer.run_dir, 1).exists() and adapter_dir(syncer.run_dir, 2).is_dir()
-    second = rollout.generate(PROMPTS, GREEDY)
-    assert all(s.versions == [2] * 8 for (s,) in second)
-    assert _ids(first) != _ids(second)
 
     resumed = _connected(url, Path(model), work / "resumed", lora_rank=RANK)
     try:
         resumed.load_weights_from_path(adapter_dir(syncer.run_dir, 2), 2)  # the name is served already
         assert served_adapters(url) == {"core-rl-lora-v2"}
-        assert _ids(resumed.generate(PROMPTS, GREEDY)) == _ids(second)
+        assert response_ids(resumed.generate(PROMPTS, GREEDY)) == response_ids(second)
         resumed.load_weights_from_path(adapter_dir(syncer.run_dir, 2), 9)
         assert served_adapters(url) == {"core-rl-lora-v9"}
     finally:
         resumed.close()
     rollout.load_weights_from_path(adapter_dir(syncer.run_dir, 2), 2)  # as the fixture's engine left it
     assert served_adapters(url) == {"core-rl-lora-v2"}
-    assert _ids(rollout.generate(PROMPTS, GREEDY)) == _ids(second)
+    assert response_ids(rollout.generate(PROMPTS, GREEDY)) == response_ids(second)
 
 
 def test_the_config_accepts_sglang(tmp_path: Path) -> None:
