@@ -64,6 +64,16 @@ def _connected(url: str, model: Path, run_dir: Path, lora_rank: int = 0):
     return SGLangRolloutEngine(model, _options(urls=[url]), run_dir, lora_rank=lora_rank)
 
 
+def _server_labels(url: str, adapter: str) -> set[str]:
+    """The weight versions the server itself gives the tokens of a request naming ``adapter`` (what
+    a request resumed across an update reports token by token)."""
+    import httpx
+
+    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}, "lora_path": adapter}
+    answer = httpx.post(url + "/generate", json=body, timeout=60).json()
+    return {str(span["version"]) for span in answer["meta_info"]["weight_versions"]}
+
+
 def _merged_sync(url: str, path: Path, version: int, run_dir: Path) -> list:
     """Greedy samples of :data:`PROMPTS` after a merged sync of ``path`` into the server at ``url``
     by a second engine (its requests name no adapter: the base weights)."""
@@ -75,6 +85,7 @@ def test_adapter_sync_matches_merged_sync(setup) -> None:
     rollout = syncer.rollout
     adapter = synced(syncer, 1)  # served under its version's name, its tokens labelled
     url = rollout.endpoints[0].url
+    assert _server_labels(url, "core-rl-lora-v1") == {"1"}
     syncer.engine.export_hf(work / "merged")
     assert_same_samples(adapter, _merged_sync(url, work / "merged", 1, work / "merged-run"))
     # the tokens differ from the untrained model's: the adapter did something
@@ -90,6 +101,7 @@ def test_a_second_sync_replaces_the_first_and_a_resumed_trainer_reloads_it(setup
     rollout = syncer.rollout
     second = second_sync(syncer)
     url = rollout.endpoints[0].url
+    assert _server_labels(url, "core-rl-lora-v2") == {"2"}
 
     resumed = _connected(url, Path(model), work / "resumed", lora_rank=RANK)
     try:
