@@ -199,3 +199,21 @@ def test_pinless_host_memory_where_torch_cannot_pin() -> None:
     out = subprocess.run([sys.executable, "-c", script], cwd=server_side, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() in ("pins", "patched")
+
+
+def test_the_servers_sitecustomize_applies_pinless_and_runs_the_one_it_shadows(tmp_path: Path) -> None:
+    """A server process (``server_side`` first on ``PYTHONPATH``) with ``CORE_RL_SGLANG_PINLESS=1``
+    makes pinned tensors, and a ``sitecustomize`` further down the path still runs."""
+    import os
+    import subprocess
+    import sys
+
+    from core_rl_sglang.lora import PINLESS_VARIABLE
+
+    server_side = Path(__file__).resolve().parents[1] / "src" / "core_rl_sglang" / "server_side"
+    (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['SHADOWED_SITECUSTOMIZE'] = 'ran'\n")
+    env = {**os.environ, "PYTHONPATH": f"{server_side}{os.pathsep}{tmp_path}", PINLESS_VARIABLE: "1"}
+    script = "import os, torch\ntorch.zeros(2, pin_memory=True)\nprint(os.environ['SHADOWED_SITECUSTOMIZE'])\n"
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ran"
