@@ -14,43 +14,31 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-import yaml
 from core_rl.config import load_config
-from core_rl.config.schema import ActorConfig, LoraConfig, OptimizerConfig, PluginSpec, RunConfig
+from core_rl.config.schema import RunConfig
 from core_rl.engine_utils.buckets import nbytes
-from core_rl.errors import ConfigError
-from core_rl.interfaces import SamplingParams
 from core_rl.lora_sync import adapter_dir
 from core_rl.plugins import PluginHost
-from core_rl.testing.helpers import make_rl_batch, nll_loss
-from core_rl.trainer.colocation import RolloutSleep
-from core_rl.trainer.weight_load import BackgroundWeightLoad
-from core_rl.trainer.weight_sync import WeightSyncing
+from lora_sync_helpers import (
+    GREEDY,
+    LOGPROB_ATOL,
+    PROMPTS,
+    RANK,
+    Syncer,
+    assert_same_samples,
+    lora_problems,
+    lora_trainer,
+    merged_samples,
+    second_sync,
+    served_adapters,
+    train_step,
+)
 
 pytest.importorskip("peft")
 pytest.importorskip("core_rl_vllm")
 pytest.importorskip("core_rl_fsdp")
 
 from core_rl_vllm.engine import GENERATE_PATH
-
-RANK = 8
-PROMPTS = [[1, 10, 11, 12], [1, 20, 21], [1, 5, 6, 7, 8]]
-GREEDY = SamplingParams(n=1, max_new_tokens=8, min_new_tokens=8, greedy=True)
-#: the largest behaviour log-prob difference allowed between an adapter sync and a merged sync (a
-#: float32 server): measured 2.4e-7 (the adapter's ``x A^T B^T`` added to ``x W^T`` against ``x (W +
-#: B A)^T``: float32 rounding); a bfloat16 server gave the same tokens, log-probs within 4.1e-3)
-LOGPROB_ATOL = 1e-5
-
-
-class Syncer(WeightSyncing):
-    """The trainer's weight-sync stage alone (:class:`core_rl.trainer.weight_sync.WeightSyncing`)
-    on one rank, with no rollout controller: what a synchronous run calls after each update."""
-
-    def __init__(self, cfg: RunConfig, run_dir: Path, engine, rollout) -> None:
-        self.cfg, self.run_dir, self.is_main = cfg, run_dir, True
-        self.engine, self.rollout, self.flow = engine, rollout, None
-        self.weight_load = BackgroundWeightLoad(60.0, "test")
-        self.rollout_sleep = RolloutSleep(None)
 
 
 @pytest.fixture(scope="module")
@@ -59,38 +47,18 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     a vLLM server started as a run with ``rollout.lora_sync: adapter`` starts it (float32, so the
     comparison can be tight), and the trainer's sync stage between them."""
     from core_rl.tiny import build_tiny_model
-    from core_rl_fsdp.config import FSDPConfig
-    from core_rl_fsdp.engine import FSDPEngine
     from core_rl_vllm.config import VLLMConfig
     from core_rl_vllm.engine import make_engine
 
     work = tmp_path_factory.mktemp("lora_sync")
     model = build_tiny_model(work / "model", num_heads=2)  # vLLM's CPU attention: head size 32
-    lora = LoraConfig(rank=RANK, alpha=16.0, dropout=0.0, target_modules=["all-linear"])
-    actor = ActorConfig(
-        model_path=str(model),
-        engine=PluginSpec(name="fsdp"),
-        optimizer=OptimizerConfig(name="adamw", lr=5e-2),
-        grad_clip=0.0,
-        lora=lora,
-    )
-    train = FSDPEngine(actor, FSDPConfig(), trainable=True)
-    cfg = RunConfig(actor=actor)
-    cfg.rollout.weight_sync, cfg.rollout.lora_sync = "disk", "adapter"
+    cfg, train = lora_trainer(model)
     options = VLLMConfig(dtype="float32", max_num_seqs=16)
     rollout = make_engine(cfg.rollout, options, model_path=str(model), run_dir=work / "run", lora_rank=RANK)
     syncer = Syncer(cfg, work / "run", train, rollout)
     yield syncer, model, work
     rollout.close()
     train.close()
-
-
-def _train_step(syncer: Syncer, seed: int) -> None:
-    syncer.engine.train_step(make_rl_batch(seed=seed), nll_loss)
-
-
-def _served(url: str) -> set[str]:
-    return {m["id"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]}
 
 
 def _merged_sync(url: str, path: Path, version: int, run_dir: Path) -> list:
@@ -100,18 +68,14 @@ def _merged_sync(url: str, path: Path, version: int, run_dir: Path) -> list:
     from core_rl_vllm.config import VLLMConfig
     from core_rl_vllm.engine import VLLMRolloutEngine
 
-    merged = VLLMRolloutEngine(path, VLLMConfig(dtype="float32", server=ServerOptions(urls=[url])), run_dir)
-    try:
-        merged.load_weights_from_path(path, version)
-        return merged.generate(PROMPTS, GREEDY)
-    finally:
-        merged.close()
+    options = VLLMConfig(dtype="float32", server=ServerOptions(urls=[url]))
+    return merged_samples(VLLMRolloutEngine(path, options, run_dir), path, version)
 
 
 def test_adapter_sync_matches_merged_sync_and_moves_only_the_adapter(setup) -> None:
     syncer, model, work = setup
     rollout = syncer.rollout
-    _train_step(syncer, seed=1)
+    train_step(syncer, seed=1)
     metrics = syncer._sync_weights(1)
     path = adapter_dir(syncer.run_dir, 1)
     assert sorted(p.name for p in path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
@@ -130,17 +94,12 @@ def test_adapter_sync_matches_merged_sync_and_moves_only_the_adapter(setup) -> N
     assert metrics["weight_sync/bytes"] < base_bytes / 2
 
     url = rollout.endpoints[0].url
-    assert "core-rl-lora-v1" in _served(url)
+    assert served_adapters(url) == {"core-rl-lora-v1"}
     adapter = rollout.generate(PROMPTS, GREEDY)
     assert all(s.versions == [1] * 8 for (s,) in adapter)  # the server labels the adapter's tokens
     syncer.engine.export_hf(work / "merged")
     merged = _merged_sync(url, work / "merged", 1, work / "merged-run")
-    worst = 0.0
-    for (a,), (m,) in zip(adapter, merged):
-        assert a.response_ids == m.response_ids
-        worst = max(worst, *(abs(x - y) for x, y in zip(a.logprobs, m.logprobs)))
-    print(f"adapter vs merged sync, largest behaviour log-prob difference: {worst:.2e}")
-    assert worst <= LOGPROB_ATOL
+    assert_same_samples(adapter, merged)
     # the tokens differ from the untrained model's: the adapter did something
     base = _merged_sync(url, Path(model), 0, work / "base-run")  # the base weights back, for the next test
     assert [s.response_ids for (s,) in base] != [s.response_ids for (s,) in adapter]
@@ -148,25 +107,13 @@ def test_adapter_sync_matches_merged_sync_and_moves_only_the_adapter(setup) -> N
 
 def test_a_second_sync_replaces_the_first(setup) -> None:
     syncer, model, _ = setup
-    rollout = syncer.rollout
-    if rollout.weight_version < 1:
-        _train_step(syncer, seed=1)
-        syncer._sync_weights(1)
-    first = rollout.generate(PROMPTS, GREEDY)
-    _train_step(syncer, seed=2)
-    syncer._sync_weights(2)
-    url = rollout.endpoints[0].url
-    served = _served(url)
-    assert "core-rl-lora-v2" in served and "core-rl-lora-v1" not in served
-    assert not adapter_dir(syncer.run_dir, 1).exists() and adapter_dir(syncer.run_dir, 2).is_dir()
-    second = rollout.generate(PROMPTS, GREEDY)
-    assert all(s.versions == [2] * 8 for (s,) in second)
+    second = second_sync(syncer)
+    url = syncer.rollout.endpoints[0].url
     # the server itself labels the new adapter's tokens version 2 (what a request resumed across
     # the update reports token by token)
     body = {"model": "core-rl-lora-v2", "token_ids": PROMPTS[0], "sampling_params": {"max_tokens": 2}}
     answer = httpx.post(url + GENERATE_PATH, json=body, timeout=60).json()
     assert {str(span["version"]) for span in answer["choices"][0]["weight_versions"]} == {"2"}
-    assert [s.response_ids for (s,) in first] != [s.response_ids for (s,) in second]
     # the new version's tokens are those of the trained model: a transformers forward of the
     # merged weights, token by token (greedy)
     from transformers import AutoModelForCausalLM
@@ -190,7 +137,7 @@ def test_a_resumed_trainer_reloads_the_version_a_surviving_server_serves(setup) 
     syncer, model, work = setup
     rollout = syncer.rollout
     if rollout.weight_version < 1:
-        _train_step(syncer, seed=1)
+        train_step(syncer, seed=1)
         syncer._sync_weights(1)
     version = rollout.weight_version
     url = rollout.endpoints[0].url
@@ -198,16 +145,16 @@ def test_a_resumed_trainer_reloads_the_version_a_surviving_server_serves(setup) 
     resumed = VLLMRolloutEngine(model, served, work / "resumed", lora_rank=RANK)
     try:
         resumed.load_weights_from_path(adapter_dir(syncer.run_dir, version), version)  # refused before: name taken
-        assert f"core-rl-lora-v{version}" in _served(url)
+        assert served_adapters(url) == {f"core-rl-lora-v{version}"}
         assert [s.response_ids for (s,) in resumed.generate(PROMPTS, GREEDY)] == [
             s.response_ids for (s,) in rollout.generate(PROMPTS, GREEDY)
         ]
         resumed.load_weights_from_path(adapter_dir(syncer.run_dir, version), version + 7)
-        assert {n for n in _served(url) if n.startswith("core-rl-lora-v")} == {f"core-rl-lora-v{version + 7}"}
+        assert served_adapters(url) == {f"core-rl-lora-v{version + 7}"}
     finally:
         resumed.close()
     rollout.load_weights_from_path(adapter_dir(syncer.run_dir, version), version)  # as the fixture's engine left it
-    assert {n for n in _served(url) if n.startswith("core-rl-lora-v")} == {f"core-rl-lora-v{version}"}
+    assert served_adapters(url) == {f"core-rl-lora-v{version}"}
 
 
 def test_a_restarted_server_serves_the_newest_adapter(setup) -> None:
@@ -220,7 +167,7 @@ def test_a_restarted_server_serves_the_newest_adapter(setup) -> None:
     syncer, _, _ = setup
     rollout = syncer.rollout
     if rollout.weight_version < 1:
-        _train_step(syncer, seed=1)
+        train_step(syncer, seed=1)
         syncer._sync_weights(1)
     before = rollout.generate(PROMPTS, GREEDY)
     server = rollout.endpoints[0].server
@@ -236,22 +183,8 @@ def test_a_restarted_server_serves_the_newest_adapter(setup) -> None:
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= LOGPROB_ATOL
 
 
-def _write(tmp_path: Path, data: dict) -> Path:
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
 def _problems(tmp_path: Path, overrides: list[str]) -> list[str]:
-    data = {
-        "actor": {"model_path": "/models/tiny", "engine": {"name": "fsdp"}, "lora": {"rank": 8}},
-        "rollout": {"engine": {"name": "vllm"}, "weight_sync": "disk", "lora_sync": "adapter"},
-    }
-    try:
-        load_config(_write(tmp_path, data), overrides, host=PluginHost(environ={}), require_complete=False)
-    except ConfigError as exc:
-        return [p for p in exc.problems if "lora" in p]
-    return []
+    return lora_problems(tmp_path, "vllm", overrides)
 
 
 def test_the_default_is_merged_and_a_valid_adapter_config_loads(tmp_path: Path) -> None:
@@ -264,7 +197,6 @@ def test_the_default_is_merged_and_a_valid_adapter_config_loads(tmp_path: Path) 
     [
         (["actor.lora.rank=0"], "rollout.lora_sync:", "actor.lora.rank is 0"),
         (["rollout.engine.name=hf"], "rollout.lora_sync:", "'hf'"),
-        (["rollout.engine.name=sglang"], "rollout.lora_sync:", "cannot load LoRA adapters"),
         (["rollout.weight_sync=collective"], "rollout.lora_sync:", "rollout.weight_sync: disk"),
         (["rollout.sleep_while_training=true"], "rollout.lora_sync:", "sleep_while_training: false"),
         (["rollout.engine.server.update_pause_mode=keep"], "rollout.lora_sync:", "use wait or abort"),

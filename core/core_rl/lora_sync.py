@@ -36,11 +36,20 @@ SERVES_ATTRIBUTE = "serves_lora_adapters"
 EXPORTS_ATTRIBUTE = "exports_lora_adapter"
 #: the directory under the run that holds the adapter versions
 SYNC_DIR = "lora_sync"
+#: the prefix of every adapter name core-rl has a server serve (:func:`adapter_name`)
+NAME_PREFIX = "core-rl-lora-v"
 
 
 def adapter_sync(cfg: RunConfig) -> bool:
     """Whether this run sends the adapter alone."""
     return cfg.rollout.lora_sync == ADAPTER
+
+
+def adapter_name(version: int) -> str:
+    """The name version ``version`` of the adapter is served under: a new one per version (servers
+    keep prefix-cache entries per adapter, which a reused name would serve stale). A rollout engine
+    unloads every other name starting with :data:`NAME_PREFIX` once it serves this one."""
+    return f"{NAME_PREFIX}{version}"
 
 
 def adapter_dir(run_dir: Path, version: int) -> Path:
@@ -84,7 +93,7 @@ def problems(cfg: RunConfig, host: PluginHost) -> list[str]:
     if rollout is not None and not getattr(rollout.config_cls, SERVES_ATTRIBUTE, False):
         out.append(
             f"{KEY}: adapter: rollout engine {rollout.name!r} ({rollout.distribution}) cannot load LoRA adapters; "
-            f"use rollout.engine.name: vllm, or {KEY}: merged"
+            f"use rollout.engine.name: vllm or sglang, or {KEY}: merged"
         )
     train = _entry(host, TRAIN_ENGINE.key, cfg.actor.engine.name)
     if train is not None and not getattr(train.config_cls, EXPORTS_ATTRIBUTE, False):

@@ -157,3 +157,63 @@ def test_a_collective_update_goes_in_buckets_in_the_broadcast_order() -> None:
     (whole,) = update_requests(names, dtypes, shapes, bucket_bytes=0)
     assert whole == {"names": names, "dtypes": dtypes, "shapes": shapes}
     assert [n for r in update_requests(names, dtypes, shapes, bucket_bytes=1) for n in r["names"]] == names
+
+
+def test_lora_servers_get_the_lora_flags_and_on_cpu_pinless_host_memory() -> None:
+    """``rollout.lora_sync: adapter`` (a ``lora_rank``): SGLang's LoRA flags, its ``torch_native``
+    LoRA backend and pinless host memory on CPU only; without one the command is unchanged."""
+    from core_rl_sglang.lora import PINLESS_VARIABLE
+
+    plain_argv, plain_env = _command(server={"env_variant": "cpu"})
+    for variant in ("cpu", "cuda"):
+        engine = _engine(server={"env_variant": variant}, extra_args=["--x", "1"])
+        engine.lora_rank = 12
+        argv, env = engine.server_command("/env/bin/python", 8123, 0), engine.server_environment(0)
+        line = " ".join(argv)
+        assert "--enable-lora --max-lora-rank 12 --lora-target-modules all --max-loras-per-batch 2" in line
+        assert argv[-2:] == ["--x", "1"]
+        assert ("--lora-backend torch_native" in line) is (variant == "cpu")
+        assert (env.get(PINLESS_VARIABLE) == "1") is (variant == "cpu")
+    assert "lora" not in " ".join(plain_argv) and PINLESS_VARIABLE not in plain_env
+
+
+def test_pinless_host_memory_where_torch_cannot_pin() -> None:
+    """The server-side fix-up (``server_side/core_rl_sglang_pinless.py``), in a fresh interpreter
+    (it patches torch): where this torch cannot pin, ``pin_memory=True`` and ``.pin_memory()`` give
+    ordinary tensors with the same values; where it can, nothing is patched."""
+    import subprocess
+    import sys
+
+    server_side = Path(__file__).resolve().parents[1] / "src" / "core_rl_sglang" / "server_side"
+    script = (
+        "import torch, core_rl_sglang_pinless as p\n"
+        "works = p.pinning_works(torch)\n"
+        "assert p.apply() is (not works)\n"
+        "t = torch.tensor([1, 2], dtype=torch.int32, pin_memory=True)\n"
+        "e = torch.arange(3, pin_memory=True)\n"
+        "assert t.tolist() == [1, 2] and e.tolist() == [0, 1, 2]\n"
+        "o = torch.ones(2)\n"
+        "assert (o.pin_memory() is o) is (not works)\n"
+        "print('pins' if works else 'patched')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=server_side, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() in ("pins", "patched")
+
+
+def test_the_servers_sitecustomize_applies_pinless_and_runs_the_one_it_shadows(tmp_path: Path) -> None:
+    """A server process (``server_side`` first on ``PYTHONPATH``) with ``CORE_RL_SGLANG_PINLESS=1``
+    makes pinned tensors, and a ``sitecustomize`` further down the path still runs."""
+    import os
+    import subprocess
+    import sys
+
+    from core_rl_sglang.lora import PINLESS_VARIABLE
+
+    server_side = Path(__file__).resolve().parents[1] / "src" / "core_rl_sglang" / "server_side"
+    (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['SHADOWED_SITECUSTOMIZE'] = 'ran'\n")
+    env = {**os.environ, "PYTHONPATH": f"{server_side}{os.pathsep}{tmp_path}", PINLESS_VARIABLE: "1"}
+    script = "import os, torch\ntorch.zeros(2, pin_memory=True)\nprint(os.environ['SHADOWED_SITECUSTOMIZE'])\n"
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ran"

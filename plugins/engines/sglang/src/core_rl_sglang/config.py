@@ -60,6 +60,9 @@ class SGLangConfig:
     stop_strings: ClassVar[bool] = True
     #: ``actor.trust_remote_code`` reaches its servers (``--trust-remote-code``; :mod:`core_rl.remote_code`)
     loads_remote_code: ClassVar[bool] = True
+    #: its servers load LoRA adapters (``rollout.lora_sync: adapter``: the factory's ``lora_rank``,
+    #: :mod:`core_rl_sglang.lora`)
+    serves_lora_adapters: ClassVar[bool] = True
 
     server: ServerOptions = attrs.field(factory=ServerOptions)
     dtype: str = attrs.field(default="bfloat16", validator=one_of(("auto", "float32", "bfloat16", "float16")))

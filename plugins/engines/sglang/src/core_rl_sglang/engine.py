@@ -25,6 +25,9 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
   ``/begin_weight_update``, ``/update_weights_from_distributed`` once per bucket of about
   ``update_bucket_mb`` (the trainer broadcasts meanwhile; the last flushes the cache and sets the
   version) and ``/end_weight_update``;
+- LoRA adapters (``rollout.lora_sync: adapter``; servers started with a ``lora_rank``): a weight
+  directory is an adapter, loaded under a new name per version with the version labelled, which
+  ``/generate`` requests then name in ``lora_path`` (:mod:`core_rl_sglang.lora`);
 - sleeping while the trainer trains (``rollout.sleep_while_training``; servers started with
   ``--enable-memory-saver``): ``POST /release_memory_occupation`` with tags ``kv_cache``,
   ``weights`` and ``cuda_graph`` after generation, then ``POST /resume_memory_occupation`` with
@@ -45,7 +48,9 @@ from core_rl.remote import Completion, ServerReplyError, ServerRolloutEngine, js
 from core_rl.remote.engine import FORK_ENGINE
 from core_rl.sampling_params import with_extra
 
+from core_rl_sglang import lora
 from core_rl_sglang.config import SGLangConfig
+from core_rl_sglang.wire import checked_post
 
 #: --mem-fraction-static on CPU: the share of free RAM SGLang may take; a small one fails the server when
 #: free RAM drops by more than it while the model loads (see SGLangConfig)
@@ -72,6 +77,7 @@ class SGLangRolloutEngine(ServerRolloutEngine):
 
     env_name = "sglang"
     health_path = "/health"
+    lora_rank: int = 0  #: > 0: the servers serve LoRA adapters up to this rank (:mod:`core_rl_sglang.lora`)
 
     def __init__(
         self,
@@ -81,8 +87,11 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         *,
         sleep: bool = False,
         trust_remote_code: bool = False,
+        lora_rank: int = 0,
     ) -> None:
         self.config = config
+        self.lora_rank = lora_rank
+        self._adapters: dict[str, str] = {}  # server URL -> the adapter name it serves
         super().__init__(model_path, config.server, run_dir, sleep=sleep, trust_remote_code=trust_remote_code)
 
     # -- the server -----------------------------------------------------------------------------
@@ -140,7 +149,7 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             argv.append("--enable-memory-saver")
         if self.trust_remote_code:
             argv.append("--trust-remote-code")
-        return argv + list(c.extra_args)
+        return argv + lora.server_args(self.lora_rank, cpu) + list(c.extra_args)
 
     def server_environment(self, index: int) -> dict[str, str]:
         # Stopping a server ends its scheduler too, which SGLang takes for a crash: by default it
@@ -152,6 +161,8 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             # its scheduler and detokenizer are forked, not spawned: no second and third import of
             # SGLang (~11 s of every start on an idle machine)
             env[FORK_ENGINE] = "1"
+        if self.variant() == "cpu" and self.lora_rank:
+            env[lora.PINLESS_VARIABLE] = "1"
         return env
 
     def workers_per_server(self) -> int:
@@ -199,6 +210,8 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             "sampling_params": params,
             "return_logprob": True,
         }
+        if url in self._adapters:
+            payload["lora_path"] = self._adapters[url]
         body = await json_post(client, url + "/generate", payload)
         try:
             return [_completion(item) for item in (body if isinstance(body, list) else [body])]
@@ -224,8 +237,11 @@ class SGLangRolloutEngine(ServerRolloutEngine):
 
     async def reload_from_disk(self, client: Any, url: str, path: str, version: int) -> None:
         timeout = self.options.weight_sync_timeout
+        if self.lora_rank:  # rollout.lora_sync: adapter
+            self._adapters[url] = await lora.load_version(client, url, str(path), version, timeout)
+            return
         try:
-            await _checked(
+            await checked_post(
                 client,
                 url + "/update_weights_from_disk",
                 {"model_path": str(path), "weight_version": str(version)},
@@ -241,7 +257,7 @@ class SGLangRolloutEngine(ServerRolloutEngine):
     async def join_weight_group(
         self, client: Any, url: str, *, address: str, port: int, rank_offset: int, world_size: int, backend: str
     ) -> None:
-        await _checked(
+        await checked_post(
             client,
             url + "/init_weights_update_group",
             {
@@ -259,15 +275,15 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         self, client: Any, url: str, *, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int
     ) -> None:
         timeout = self.options.weight_sync_timeout
-        await _checked(client, url + "/begin_weight_update", {}, timeout)
+        await checked_post(client, url + "/begin_weight_update", {}, timeout)
         requests = update_requests(names, dtypes, shapes, int(self.config.update_bucket_mb * 2**20))
         for i, request in enumerate(requests):
             last = i == len(requests) - 1  # the cache is flushed and the version set once, at the end
             request.update(group_name=self._group_name, flush_cache=last)
             if last:
                 request["weight_version"] = str(version)
-            await _checked(client, url + "/update_weights_from_distributed", request, timeout)
-        await _checked(client, url + "/end_weight_update", {}, timeout)
+            await checked_post(client, url + "/update_weights_from_distributed", request, timeout)
+        await checked_post(client, url + "/end_weight_update", {}, timeout)
 
 
 def update_requests(
@@ -291,13 +307,6 @@ def update_requests(
         }
         for bucket in bucketed(meta, bucket_bytes)
     ]
-
-
-async def _checked(client: Any, url: str, payload: dict[str, Any], timeout: float) -> None:
-    """POST and require ``{"success": true}`` (SGLang's control endpoints answer so)."""
-    body = await json_post(client, url, payload, timeout=timeout)
-    if isinstance(body, dict) and body.get("success") is False:
-        raise ServerReplyError(f"POST {url} failed: {body.get('message')}")
 
 
 def _completion(item: dict[str, Any]) -> Completion:
@@ -325,11 +334,13 @@ def make_engine(
     model_path: str,
     run_dir: Path,
     trust_remote_code: bool = False,
+    lora_rank: int = 0,
 ) -> SGLangRolloutEngine:
     """The registered factory (sampling comes with each request): the servers start able to
     release their memory when ``rollout.sleep_while_training`` is ``True`` (as the trainer
-    resolved it; ``auto`` is off), and with ``--trust-remote-code`` when ``trust_remote_code``
-    (``actor.trust_remote_code``)."""
+    resolved it; ``auto`` is off), with ``--trust-remote-code`` when ``trust_remote_code``
+    (``actor.trust_remote_code``), and serving LoRA adapters up to ``lora_rank`` (``actor.lora.rank``
+    with ``rollout.lora_sync: adapter``)."""
     config = engine_config if engine_config is not None else SGLangConfig()
-    sleep = rollout.sleep_while_training is True
-    return SGLangRolloutEngine(model_path, config, run_dir, sleep=sleep, trust_remote_code=trust_remote_code)
+    sleep, trust = rollout.sleep_while_training is True, trust_remote_code
+    return SGLangRolloutEngine(model_path, config, run_dir, sleep=sleep, trust_remote_code=trust, lora_rank=lora_rank)

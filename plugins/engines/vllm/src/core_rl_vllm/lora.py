@@ -4,7 +4,7 @@ flags, and the adapter name of each weight version.
 A server started with a ``lora_rank`` loads each version's adapter directory through the plugin's
 weight-update route (:mod:`core_rl_vllm.server_side.core_rl_vllm_routes`: vLLM's own
 ``load_lora_adapter`` inside the server, with the scheduler paused, the weight version labelled and
-the prefix cache dropped, as for full weights), under :func:`adapter_name`, and unloads the
+the prefix cache dropped, as for full weights), under :func:`core_rl.lora_sync.adapter_name`, and unloads the
 previous version's name; later requests name the new adapter as their ``model``. vLLM's
 ``/v1/load_lora_adapter`` route would need ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` and leave the
 tokens' weight versions unlabelled.
@@ -13,6 +13,8 @@ tokens' weight versions unlabelled.
 from __future__ import annotations
 
 from typing import Any
+
+from core_rl.lora_sync import NAME_PREFIX, adapter_name
 
 #: the values vLLM accepts for ``--max-lora-rank`` (``vllm.config.lora.MaxLoRARanks`` of the pinned vLLM)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -34,16 +36,6 @@ def server_args(rank: int) -> list[str]:
     if rank <= 0:
         return []
     return ["--enable-lora", "--max-lora-rank", str(max_lora_rank(rank)), "--max-cpu-loras", str(CPU_LORAS)]
-
-
-#: the prefix of every adapter name core-rl serves (:func:`adapter_name`)
-NAME_PREFIX = "core-rl-lora-v"
-
-
-def adapter_name(version: int) -> str:
-    """The name version ``version`` of the adapter is served under (a new one per version: vLLM
-    keeps per-adapter prefix-cache blocks, which a reused name would serve stale)."""
-    return f"{NAME_PREFIX}{version}"
 
 
 def adapter_update(path: str, version: int) -> dict[str, Any]:
