@@ -273,6 +273,31 @@ def _steps(run: Path) -> tuple[dict[int, list[str]], dict[int, dict[str, float]]
     return drawn, metrics
 
 
+def _solved_prompt_run(tmp_path: Path, name: str, steps: int) -> dict:
+    """A ``core-rl train`` config (fsdp + hf) on 2 prompts, "ab=" always solved and "ba=" never,
+    with ``data.difficulty_filter: {easy_threshold: 1.0}``, a checkpoint each step and every
+    sample logged; the tiny model and the data are written under ``tmp_path`` once."""
+    import reward_functions
+    from core_rl.tiny import build_tiny_model
+
+    model, data = tmp_path / "model", tmp_path / "train.jsonl"
+    if not model.exists():
+        build_tiny_model(model, alphabet="ab=", hidden_size=16, num_heads=2, seed=0)
+        data.write_text("".join(json.dumps({"prompt": f"{s}=", "answer": s}) + "\n" for s in ("ab", "ba")))
+    return {
+        "experiment": {"name": name, "output_dir": str(tmp_path / "runs"), "seed": 5},
+        "data": {"train_files": [str(data)], "batch_size": 2, "difficulty_filter": {"easy_threshold": 1.0}},
+        "actor": {"model_path": str(model), "engine": {"name": "fsdp"}},
+        "rollout": {"engine": {"name": "hf"}, "sampling": {"n": 2, "max_new_tokens": 2}},
+        "algorithm": {"name": "grpo"},
+        "reward": {"name": "function", "path": f"{reward_functions.__file__}:solves_ab"},
+        "trainer": {"total_steps": steps, "torch_threads": 1},
+        "saver": {"every_n_steps": 1, "export_hf": False},
+        "loggers": [{"name": "jsonl"}],
+        "sample_log": {"every_n_steps": 1, "num_samples": 4},
+    }
+
+
 def test_a_real_run_stops_drawing_the_solved_prompt_and_resumes_exactly(tmp_path: Path, host) -> None:
     """``core-rl train`` (fsdp + hf, in this process) on 2 prompts, one of which the reward always
     solves: step 1 draws both (nothing measured yet), later steps draw only the other, skipping the
@@ -282,28 +307,11 @@ def test_a_real_run_stops_drawing_the_solved_prompt_and_resumes_exactly(tmp_path
     hard too, the second step finds nothing to draw and the run stops with the filter's error."""
     for dist in ("core_rl_fsdp", "core_rl_hf"):
         pytest.importorskip(dist)
-    import reward_functions
     from core_rl.testing.faults import merged
-    from core_rl.tiny import build_tiny_model
     from fault_helpers import train_here
 
-    model = build_tiny_model(tmp_path / "model", alphabet="ab=", hidden_size=16, num_heads=2, seed=0)
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{s}=", "answer": s}) + "\n" for s in ("ab", "ba")))
-
     def config(name: str, steps: int) -> dict:
-        return {
-            "experiment": {"name": name, "output_dir": str(tmp_path / "runs"), "seed": 5},
-            "data": {"train_files": [str(data)], "batch_size": 2, "difficulty_filter": {"easy_threshold": 1.0}},
-            "actor": {"model_path": str(model), "engine": {"name": "fsdp"}},
-            "rollout": {"engine": {"name": "hf"}, "sampling": {"n": 2, "max_new_tokens": 2}},
-            "algorithm": {"name": "grpo"},
-            "reward": {"name": "function", "path": f"{reward_functions.__file__}:solves_ab"},
-            "trainer": {"total_steps": steps, "torch_threads": 1},
-            "saver": {"every_n_steps": 1, "export_hf": False},
-            "loggers": [{"name": "jsonl"}],
-            "sample_log": {"every_n_steps": 1, "num_samples": 4},
-        }
+        return _solved_prompt_run(tmp_path, name, steps)
 
     whole = config("whole", 3)
     train_here(whole, host)
@@ -336,30 +344,12 @@ def test_an_asynchronous_run_skips_the_solved_prompt_too(tmp_path: Path, host) -
     the draws made ahead while step 1 trains), never after, and the skips are counted."""
     for dist in ("core_rl_fsdp", "core_rl_hf"):
         pytest.importorskip(dist)
-    import reward_functions
-    from core_rl.tiny import build_tiny_model
     from fault_helpers import train_here
 
-    model = build_tiny_model(tmp_path / "model", alphabet="ab=", hidden_size=16, num_heads=2, seed=0)
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{s}=", "answer": s}) + "\n" for s in ("ab", "ba")))
     steps = 5
-    config = {
-        "experiment": {"name": "async", "output_dir": str(tmp_path / "runs"), "seed": 5},
-        "data": {"train_files": [str(data)], "batch_size": 2, "difficulty_filter": {"easy_threshold": 1.0}},
-        "actor": {"model_path": str(model), "engine": {"name": "fsdp"}},
-        "rollout": {
-            "engine": {"name": "hf"},
-            "sampling": {"n": 2, "max_new_tokens": 2},
-            "controller": {"max_head_offpolicyness": 1},
-        },
-        "algorithm": {"name": "grpo"},
-        "reward": {"name": "function", "path": f"{reward_functions.__file__}:solves_ab"},
-        "trainer": {"total_steps": steps, "torch_threads": 1},
-        "saver": {"every_n_steps": 0, "export_hf": False},
-        "loggers": [{"name": "jsonl"}],
-        "sample_log": {"every_n_steps": 1, "num_samples": 4},
-    }
+    config = _solved_prompt_run(tmp_path, "async", steps)
+    config["rollout"]["controller"] = {"max_head_offpolicyness": 1}
+    config["saver"]["every_n_steps"] = 0
     train_here(config, host)
     drawn, metrics = _steps(tmp_path / "runs" / "async")
     assert sorted(drawn) == list(range(1, steps + 1))
