@@ -82,7 +82,7 @@ def test_an_engines_train_step_reads_the_eval_log_probs(dropout_model: Path) -> 
         seen: list[torch.Tensor] = []
 
         def loss(b, logprobs, entropy, seen=seen):
-            seen.append(logprobs.detach()[b["response_mask"] != 0])
+            seen.append(logprobs.detach()[b["response_mask"] != 0].cpu())  # the engine's device
             return LossOutput(per_token_loss=0.0 * logprobs)
 
         batch["loss_weight"] = batch["loss_mask"] / batch["loss_mask"].sum()

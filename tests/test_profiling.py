@@ -80,7 +80,12 @@ def test_a_large_profile_gets_its_table_from_the_raw_events(tmp_path: Path, host
     monkeypatch.setattr(autograd_profile, "key_averages", refused)
     config = merged(
         build_task(tmp_path),
-        trainer={"total_steps": 2, "torch_threads": 1, "profile": {"steps": [2], "record_shapes": True}},
+        # every row: on a GPU the kernels come first and would fill the default 40
+        trainer={
+            "total_steps": 2,
+            "torch_threads": 1,
+            "profile": {"steps": [2], "record_shapes": True, "row_limit": 10_000},
+        },
         saver={"every_n_steps": 0, "at_end": False, "export_hf": False},
     )
     train_here(config, host)

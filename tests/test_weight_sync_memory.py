@@ -35,6 +35,9 @@ from core_rl_hf.engine import HFRolloutEngine
 #: the fsdp engine's one-rank layouts: its plain module, and FSDP-wrapped (as bf16 mixed precision wraps it)
 LAYOUTS = {"plain": {}, "sharded": {"param_dtype": "bfloat16", "reduce_dtype": "float32"}}
 WORKER = Path(__file__).with_name("weight_sync_worker.py")
+#: where the deepspeed tests run: DeepSpeed takes one device type per process, and on a GPU machine
+#: an earlier test of the same worker process may have chosen CUDA
+DEEPSPEED_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
@@ -100,15 +103,15 @@ def test_deepspeed_buckets_reach_the_rollout_engine_without_host_trips(model_pat
     from a host trip there.)"""
     pytest.importorskip("core_rl_deepspeed")
     options = {"zero_stage": zero_stage, "mixed_precision": "bfloat16", "weight_bucket_mb": 0.01}
-    engine = _trained(model_path, engine="deepspeed", **options)
-    rollout = HFRolloutEngine(model_path, HFRolloutConfig(device="cpu"))
+    engine = _trained(model_path, DEEPSPEED_DEVICE, engine="deepspeed", **options)
+    rollout = HFRolloutEngine(model_path, HFRolloutConfig(device=DEEPSPEED_DEVICE))
     before = {k: v.clone() for k, v in rollout.model.state_dict().items()}
     with HostTrips() as trips:
         sync_in_memory(engine, rollout, 2, contextlib.nullcontext())
     assert trips.calls == []
     want = engine.full_state_dict()
     own = rollout.model.state_dict()
-    assert all(torch.equal(v, want[k]) for k, v in own.items())
+    assert all(torch.equal(v, want[k].to(v.device)) for k, v in own.items())  # want: a snapshot on the CPU
     assert not all(torch.equal(v, before[k]) for k, v in own.items())  # the trained weights arrived
     rollout.close()
     engine.close()
@@ -124,8 +127,9 @@ def test_a_tied_weight_is_gathered_and_copied_once(tmp_path: Path, engine_name: 
     if engine_name == "deepspeed":
         pytest.importorskip("core_rl_deepspeed")
     tied = build_tiny_model(tmp_path / "tied", seed=0, tie_word_embeddings=True)
-    engine = _trained(tied, engine=engine_name, weight_bucket_mb=0.01)
-    rollout = HFRolloutEngine(tied, HFRolloutConfig(device="cpu"))
+    device = DEEPSPEED_DEVICE if engine_name == "deepspeed" else "cpu"
+    engine = _trained(tied, device, engine=engine_name, weight_bucket_mb=0.01)
+    rollout = HFRolloutEngine(tied, HFRolloutConfig(device=device))
     names = [k for bucket in engine.hf_weight_buckets() for k in bucket]
     assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
     assert len(names) == len(set(names))
@@ -135,7 +139,7 @@ def test_a_tied_weight_is_gathered_and_copied_once(tmp_path: Path, engine_name: 
         sync_in_memory(engine, rollout, 1, contextlib.nullcontext())
     assert ops.written["aten._foreach_copy_"] == nbytes(unique)
     want = engine.full_state_dict()
-    assert torch.equal(own["lm_head.weight"], want["model.embed_tokens.weight"])
+    assert torch.equal(own["lm_head.weight"], want["model.embed_tokens.weight"].to(device))
     assert own["lm_head.weight"].data_ptr() == own["model.embed_tokens.weight"].data_ptr()
     rollout.close()
     engine.close()

@@ -17,8 +17,9 @@ import torch
 
 SCRIPT = Path(__file__).with_name("dist_train.py")
 # AdamW divides by sqrt(second moment), which magnifies the last-bit differences of a different
-# reduction order for parameters with tiny gradients: a few elements differ by ~1e-5 after 3 steps.
-WEIGHT_ATOL = 5e-5
+# reduction order for parameters with tiny gradients: a few elements differ by ~1e-5 after 3 steps
+# (one element of 16384 by 6.2e-5 under sequence parallelism on a 16-core machine's CPU kernels).
+WEIGHT_ATOL = 1e-4
 
 
 def _run(torchrun: Callable[..., None], nproc: int, model: Path, out: Path, *extra: str) -> dict:
@@ -66,7 +67,7 @@ def test_two_ranks_match_one(runs: dict[int, tuple[dict, Path]]) -> None:
     w1, w2 = _load(d1 / "final_a.pt"), _load(d2 / "final_a.pt")
     assert w1.keys() == w2.keys()
     for key in w1:
-        torch.testing.assert_close(w2[key], w1[key], atol=WEIGHT_ATOL, rtol=1e-5, msg=key)
+        torch.testing.assert_close(w2[key], w1[key], atol=WEIGHT_ATOL, rtol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
     lp1, lp2 = _load(d1 / "logprobs.pt"), _load(d2 / "logprobs.pt")
     torch.testing.assert_close(lp2["ref"], lp1["ref"], atol=1e-6, rtol=0)
     torch.testing.assert_close(lp2["trained"], lp1["trained"], atol=1e-4, rtol=0)
@@ -91,7 +92,9 @@ def test_fused_head_trains_as_the_logits_do(runs: dict[int, tuple[dict, Path]], 
     plain, fused = _load(out / "final_a.pt"), _load(out / "final_fused.pt")
     assert plain.keys() == fused.keys()
     for key in plain:
-        torch.testing.assert_close(fused[key], plain[key], atol=WEIGHT_ATOL, rtol=1e-5, msg=key)
+        torch.testing.assert_close(
+            fused[key], plain[key], atol=WEIGHT_ATOL, rtol=1e-5, msg=lambda m, key=key: f"{key}: {m}"
+        )
 
 
 def test_a_sequence_parallel_group_trains_as_one_rank(runs: dict[int, tuple[dict, Path]]) -> None:
@@ -107,7 +110,7 @@ def test_a_sequence_parallel_group_trains_as_one_rank(runs: dict[int, tuple[dict
     w1, w2 = _load(d1 / "final_a.pt"), _load(d2 / "final_sp.pt")
     assert w1.keys() == w2.keys()
     for key in w1:
-        torch.testing.assert_close(w2[key], w1[key], atol=WEIGHT_ATOL, rtol=1e-5, msg=key)
+        torch.testing.assert_close(w2[key], w1[key], atol=WEIGHT_ATOL, rtol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
     torch.testing.assert_close(_load(d2 / "logprobs_sp.pt"), _load(d1 / "logprobs.pt")["trained"], atol=1e-4, rtol=0)
 
 
@@ -131,7 +134,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank(runs: dict[int, tuple[dict, Pat
     _same_metrics(one["metrics_c"], one["metrics_a"][1:])
     a, c = _load(d1 / "final_a.pt"), _load(d1 / "final_c.pt")
     for key in a:
-        torch.testing.assert_close(c[key], a[key], atol=WEIGHT_ATOL, rtol=1e-5, msg=key)
+        torch.testing.assert_close(c[key], a[key], atol=WEIGHT_ATOL, rtol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
 
 
 def test_two_rank_export_loads_in_transformers(runs: dict[int, tuple[dict, Path]]) -> None:
