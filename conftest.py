@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import collections
 import functools
+import importlib.metadata
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -160,6 +162,42 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         return
     rounded = {name: round(value, 1) for name, value in sorted(_file_seconds.items())}
     Path(target).write_text(json.dumps(rounded, indent=0) + "\n")
+
+
+@functools.cache
+def _plugin_absent(tests_dir: Path) -> str | None:
+    """Why the tests of the in-repo plugin whose ``tests`` folder is ``tests_dir`` cannot run here: its
+    distribution (its ``pyproject.toml``'s name) is not installed, as where a machine's install left
+    a plugin out (an offline wheelhouse without it, say). ``None`` where it is, or for other folders."""
+    project = tests_dir.parent / "pyproject.toml"
+    if tests_dir.parent == ROOT or not project.is_file():
+        return None
+    name = tomllib.loads(project.read_text())["project"]["name"]
+    try:
+        importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return f"the {name} distribution is not installed here (pip install -e {tests_dir.parent.relative_to(ROOT)})"
+    return None
+
+
+class _AbsentPlugin(pytest.Module):
+    """A test module of a plugin that is not installed: skipped, with the reason, instead of an
+    import error at collection."""
+
+    reason = ""
+
+    def collect(self) -> list[pytest.Item]:
+        pytest.skip(self.reason)
+
+
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> pytest.Module | None:
+    tests_dir = next((p for p in module_path.parents if p.name == "tests"), None)
+    reason = _plugin_absent(tests_dir) if tests_dir is not None else None
+    if reason is None:
+        return None
+    module = _AbsentPlugin.from_parent(parent, path=module_path)
+    module.reason = reason
+    return module
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import packaging_utils as pu
 import pytest
+from packaging.requirements import Requirement
 
 pytestmark = pytest.mark.slow
 
@@ -106,16 +107,32 @@ def test_a_version_on_the_target_that_core_rl_cannot_use_is_named(tmp_path: Path
     assert "Traceback" not in built.stderr
 
 
-def test_wheels_build_without_isolation_only_where_the_backend_is_here(tmp_path: Path) -> None:
-    """This environment has hatchling (requirements-dev.txt), so core-rl's wheels build in it rather
-    than in a fresh isolated environment each; a project whose backend is absent or too old builds
-    isolated."""
+def _script():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("build_wheelhouse", BUILD)
     assert spec is not None and spec.loader is not None
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_the_test_tools_are_requirements_dev_txts_own_requirements() -> None:
+    """``--test-tools`` carries what the suite imports beyond core-rl (the OpenAI client of the proxy's
+    tests among them: a GPU machine lacked it), from requirements-dev.txt: not its editable
+    installs, not the linter."""
+    tools = _script().test_tools()
+    names = [Requirement(t).name for t in tools]
+    assert {"pytest", "pytest-xdist", "hypothesis", "openai", "hatchling"} <= set(names)
+    assert "ruff" not in names and not any(t.startswith("-") for t in tools)
+    assert len(names) == len(set(names))
+
+
+def test_wheels_build_without_isolation_only_where_the_backend_is_here(tmp_path: Path) -> None:
+    """This environment has hatchling (requirements-dev.txt), so core-rl's wheels build in it rather
+    than in a fresh isolated environment each; a project whose backend is absent or too old builds
+    isolated."""
+    script = _script()
     assert script.backends_installed(script.selected_projects({"fsdp", "grpo"}))
     for requires in ('["hatchling>=999"]', '["no-such-backend-core-rl"]'):
         project = tmp_path / requires.strip('[]"').replace(">=", "")

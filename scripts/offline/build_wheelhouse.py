@@ -61,15 +61,17 @@ PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (39, 35, 34, 31, 28, 27, 24, 17)
     "linux_x86_64",
 ]
 #: what the test suite needs beyond core-rl's own requirements (requirements-dev.txt)
-TEST_TOOLS = [
-    "pytest>=8",
-    "pytest-timeout>=2.3",
-    "pytest-xdist>=3.5",
-    "hypothesis>=6.100",
-    "hatchling>=1.25",
-    "build>=1.2",
-    "packaging>=23",
-]
+#: what the test suite needs besides core-rl and its plugins: requirements-dev.txt's requirements but the
+#: editable installs and the linter
+DEV_REQUIREMENTS = ROOT / "requirements-dev.txt"
+LINT_ONLY = {"ruff"}
+
+
+def test_tools() -> list[str]:
+    """The test suite's own requirements (pytest, its plugins, hypothesis, the OpenAI client, ...)."""
+    lines = (line.split("#", 1)[0].strip() for line in DEV_REQUIREMENTS.read_text().splitlines())
+    requirements = [line for line in lines if line and not line.startswith("-")]
+    return list(dict.fromkeys(r for r in requirements if Requirement(r).name not in LINT_ONLY))
 
 
 class WheelhouseError(RuntimeError):
@@ -237,7 +239,7 @@ def build(
     have: dict[str, Version | None],
     python_version: str,
     extras: set[str],
-    test_tools: bool,
+    include_test_tools: bool,
     also: Sequence[str] = (),
 ) -> list[str]:
     """Fill ``out`` with core-rl, the plugins ``extras`` select, the requirements ``also`` names and
@@ -249,7 +251,7 @@ def build(
     included = {"core-rl"}
     _, requires = metadata_requirements(ours["core-rl"])
     queue: deque[tuple[Requirement, str, set[str]]] = deque((Requirement(r), "core-rl", extras) for r in requires)
-    queue.extend((Requirement(r), "the test suite", set()) for r in (TEST_TOOLS if test_tools else []))
+    queue.extend((Requirement(r), "the test suite", set()) for r in (test_tools() if include_test_tools else []))
     queue.extend((Requirement(r), "--with", set()) for r in also)
     specs: dict[str, SpecifierSet] = {}
     fetched: dict[str, Path] = {}

@@ -258,13 +258,19 @@ class TrainEngineContract(OptimizerStateContract, TopkLogprobsContract, TinyMode
         b.close()
 
     def _skip_refused(self, optimizer: OptimizerConfig) -> None:
-        """Skip when the engine's ``check_config`` refuses ``optimizer`` for the actor."""
-        from core_rl.config.checks import SectionContext, config_problems
+        """Skip when the engine refuses ``optimizer`` for the actor: its ``check_config``, or its
+        ``check_environment`` on this machine (what ``core-rl train`` asks before loading a model)."""
+        from core_rl.config.checks import EnvironmentContext, config_problems, environment_problems
         from core_rl.config.schema import RunConfig
+        from core_rl.preflight import detect_machine
 
         actor = ActorConfig(engine=PluginSpec(name=self.name, options=dict(self.options)), optimizer=optimizer)
-        context = SectionContext(path="actor.engine", run=RunConfig(actor=actor), name=self.name)
-        refused = [line for line in config_problems(self.config(), context) if "actor.optimizer" in line]
+        context = EnvironmentContext(
+            path="actor.engine", run=RunConfig(actor=actor), name=self.name, machine=detect_machine()
+        )
+        config = self.config()
+        problems = [*config_problems(config, context), *environment_problems(config, context)]
+        refused = [line for line in problems if "actor.optimizer" in line]
         if refused:
             pytest.skip(refused[0])
 
