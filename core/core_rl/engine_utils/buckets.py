@@ -39,6 +39,22 @@ def bucketed(
         yield bucket
 
 
+def state_items(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``module.state_dict()``'s entries without building it: every parameter under each of its
+    names (tied ones included) and every persistent buffer, the tensors themselves (not detached
+    views). No state-dict hook runs (an FSDP-wrapped module must be resharded first). A weight sync
+    draws these every step, and ``state_dict()``'s hooks and per-tensor ``detach`` cost more than
+    the copies of a small model on a GPU."""
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        base = f"{prefix}." if prefix else ""
+        for name, param in owner._parameters.items():
+            if param is not None:
+                yield base + name, param
+        for name, buffer in owner._buffers.items():
+            if buffer is not None and name not in owner._non_persistent_buffers_set:
+                yield base + name, buffer
+
+
 def tied_aliases(model: nn.Module) -> set[str]:
     """Names under which ``model`` holds a parameter it already holds under an earlier name (tied
     weights, e.g. an output head tied to the input embedding). Decided from the module alone, so

@@ -246,4 +246,6 @@ class PolicyUpdate:
             metrics["actor/early_stopped"] = float(stopped)
         if self.critic is not None:
             metrics.update(self.critic.update(batch, parts))
+        if torch.cuda.is_initialized():  # the optimizer step's kernels end here: training's time, not the sync's
+            torch.cuda.synchronize()
         return metrics

@@ -21,7 +21,7 @@ import torch
 from core_rl import checkpointing as ckpt
 from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import lora, ulysses
-from core_rl.engine_utils.buckets import hf_buckets, tied_aliases
+from core_rl.engine_utils.buckets import hf_buckets, state_items, tied_aliases
 from core_rl.engine_utils.export import export_adapter_dir, export_model_dir
 from core_rl.engine_utils.hf import architecture_name, exported_architecture, torch_dtype
 from core_rl.engine_utils.muon import embeddings_and_head
@@ -179,7 +179,10 @@ class FSDPEngine(EngineState, TrainEngine):
         self._check_open()
         size = bucket_bytes or int(self.config.weight_bucket_mb * 2**20)
         tied = tied_aliases(self.model)  # a tied weight goes once
-        named = ((k, _full_tensor(v)) for k, v in self.model.state_dict().items() if k not in tied)
+        for module in self.model.modules():  # what state_dict()'s hooks would do: the sharded parameters
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        named = ((k, _full_tensor(v)) for k, v in state_items(self.model) if k not in tied)
         yield from hf_buckets(self.model, named, size, main=self.rank == 0)
 
     def export_hf(self, path: str | Path) -> None:
@@ -379,10 +382,10 @@ def _read_meta(final: Path) -> dict[str, Any]:
 def _full_tensor(value: torch.Tensor) -> torch.Tensor:
     """The whole of one state-dict entry where it lives: a sharded parameter's local shard when one
     rank holds it all (no copy), else gathered from every rank (a collective); a plain tensor as is."""
-    value = value.detach()
     if isinstance(value, DTensor):
-        return value.to_local() if value.device_mesh.size() == 1 else value.full_tensor()
-    return value
+        with torch.no_grad():
+            return value.to_local() if value.device_mesh.size() == 1 else value.full_tensor()
+    return value.detach()
 
 
 def _optimizer_has_state(optimizer: torch.optim.Optimizer) -> bool:

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
+from core_rl.engine_utils.buckets import state_items
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -35,7 +36,7 @@ def copy_buckets(model: torch.nn.Module, buckets: Iterable[Mapping[str, torch.Te
     treat the update as done). On CUDA the device is synchronised before returning, so the copies
     have finished and the time this takes is what they cost.
     """
-    own = model.state_dict()
+    own = dict(state_items(model))  # the model's own tensors, by state-dict name
     given: set[str] = set()
     with torch.no_grad():
         for bucket in buckets:

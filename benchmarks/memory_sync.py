@@ -1,0 +1,107 @@
+"""``weight_sync: memory`` from the ``fsdp`` train engine to the embedded ``hf`` rollout engine: time per
+sync, and how much of it is the host's work per tensor rather than the copies.
+
+    python benchmarks/memory_sync.py [--shapes 0.5b,0.5b-narrow] [--layouts plain,sharded] [--repeats 20]
+                                     [--device auto] [--smoke]
+
+Shapes (:data:`core_rl.tiny.QWEN2_SHAPES`, tied embeddings, the character vocabulary): ``0.5b`` is the
+0.36B model of ``benchmarks/gpu_grpo.py`` (291 tensors, 1.4 GB in float32); ``0.5b-narrow`` has the
+same 24 layers and tensors with hidden size 64, so its copies cost next to nothing and its time is
+the per-tensor work on the host (state-dict walks, shard views, bucket bookkeeping, name checks):
+what a GPU step pays on top of the copies themselves. Layouts: ``plain`` (one rank, the plain module)
+and ``sharded`` (FSDP-wrapped for bf16 mixed precision over fp32 weights, as the GPU benchmark runs).
+The rollout engine keeps float32 weights; the sync copies each bucket in place.
+
+Prints per shape and layout: the tensors and bytes a sync moves, the median seconds per sync over
+``--repeats`` (after 3 unmeasured), and the bandwidth that implies. ``--smoke``: a 2-layer model, 3
+repeats, on the CPU (the test suite runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+NARROW = {"hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_kv_heads": 2}
+SMOKE = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
+LAYOUTS = {"plain": {}, "sharded": {"param_dtype": "bfloat16", "reduce_dtype": "float32"}}
+
+
+def shape_of(name: str) -> dict:
+    from core_rl.tiny import QWEN2_SHAPES
+
+    if name == "smoke":
+        return SMOKE
+    if name.endswith("-narrow"):
+        return {**QWEN2_SHAPES[name.removesuffix("-narrow")], **NARROW}
+    return QWEN2_SHAPES[name]
+
+
+def measure(model: Path, layout: str, device: str, repeats: int) -> dict[str, float]:
+    """Median seconds per ``sync_in_memory`` from a trained fsdp engine to an hf engine on ``device``."""
+    from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
+    from core_rl.engine_utils.buckets import nbytes
+    from core_rl.interfaces import LossOutput
+    from core_rl.testing import make_rl_batch
+    from core_rl.trainer.weight_sync import sync_in_memory
+    from core_rl_fsdp.config import FSDPConfig
+    from core_rl_fsdp.engine import FSDPEngine
+    from core_rl_hf.config import HFRolloutConfig
+    from core_rl_hf.engine import HFRolloutEngine
+
+    actor = ActorConfig(model_path=str(model), engine=PluginSpec(name="fsdp"), optimizer=OptimizerConfig(name="adamw"))
+    engine = FSDPEngine(actor, FSDPConfig(device=device, **LAYOUTS[layout]))
+    engine.train_step(make_rl_batch(), lambda batch, logprobs, entropy: LossOutput(per_token_loss=-logprobs))
+    rollout = HFRolloutEngine(model, HFRolloutConfig(device=device))
+    try:
+        seconds = []
+        for version in range(1, repeats + 4):
+            start = time.perf_counter()
+            sync_in_memory(engine, rollout, version, contextlib.nullcontext())  # the hf engine synchronises
+            if version > 3:
+                seconds.append(time.perf_counter() - start)
+        state = rollout.model.state_dict()
+        unique = {t.data_ptr(): t for t in state.values()}.values()
+        return {"tensors": float(len(state)), "bytes": float(nbytes(unique)), "s": statistics.median(seconds)}
+    finally:
+        rollout.close()
+        engine.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="0.5b,0.5b-narrow")
+    parser.add_argument("--layouts", default="plain,sharded")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--smoke", action="store_true", help="a 2-layer model, 3 repeats, on the CPU")
+    args = parser.parse_args()
+    from core_rl.tiny import build_tiny_model
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = ["smoke"] if args.smoke else args.shapes.split(",")
+    device, repeats = ("cpu", 3) if args.smoke else (device, args.repeats)
+    torch.set_num_threads(min(torch.get_num_threads(), 8))
+    print(f"weight_sync: memory, fsdp -> hf on {device} (median of {repeats} syncs)")
+    print(f"{'shape':<12}{'layout':<9}{'tensors':>8}{'MB':>9}{'ms/sync':>10}{'GB/s':>8}")
+    with tempfile.TemporaryDirectory(prefix="core-rl-sync-bench-") as tmp:
+        for name in shapes:
+            model = build_tiny_model(
+                Path(tmp) / name, architecture="qwen2", tie_word_embeddings=True, seed=0, **shape_of(name)
+            )
+            for layout in args.layouts.split(","):
+                row = measure(model, layout, device, repeats)
+                size, ms, rate = row["bytes"] / 1e6, row["s"] * 1e3, row["bytes"] / row["s"] / 1e9
+                print(f"{name:<12}{layout:<9}{row['tensors']:>8.0f}{size:>9.1f}{ms:>10.2f}{rate:>8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""Smoke test of benchmarks/memory_sync.py: a 2-layer model on the CPU, both layouts, its figures printed
+(the 0.36B layout's are in the README)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_sync.py"
+
+
+def test_memory_sync_benchmark_smoke() -> None:
+    pytest.importorskip("core_rl_fsdp")
+    pytest.importorskip("core_rl_hf")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {cells[1]: cells[2:] for cells in map(str.split, proc.stdout.splitlines()) if cells[:1] == ["smoke"]}
+    assert set(rows) == {"plain", "sharded"}, proc.stdout
+    for tensors, megabytes, ms, rate in (map(float, row) for row in rows.values()):
+        # per Qwen2 layer: q, k, v (weights and biases), o, gate, up, down, 2 norms; then the embedding,
+        # the final norm and the head tied to the embedding (a name of its own, its bytes counted once)
+        assert tensors == 2 * 12 + 3 and megabytes > 0 and ms > 0 and rate > 0
