@@ -15,6 +15,9 @@
 #     OUT=...     where logs and JUnit files go (default runs/gpu_check)
 #     WORKERS=N   pytest workers (default: cores / 2); TIMEOUT=S per test (default 600)
 #     SUITE_PATHS="tests plugins/engines"   run that part of the suite only (a machine's per-call time limit)
+#     SUITE_TIMEOUT=S      stop the suite after S seconds (SIGINT: the JUnit file keeps what ran)
+#     SUITE_SKIP_PASSED=F  leave out the test files that all passed in an earlier JUnit file F (go on from
+#                          a run cut short: OUT=runs/gpu_check2 SUITE_SKIP_PASSED=runs/gpu_check/suite.xml)
 #     BENCH_ARGS="--shapes 0.5b"            arguments of benchmarks/gpu_grpo.py (both shapes: ~20 min)
 # Where a machine limits each command's time (e.g. 10 minutes), run the parts as separate commands,
 # the suite in parts (SUITE_PATHS) and the benchmark one shape at a time (TIMEOUT below that limit).
@@ -42,7 +45,9 @@ has() { [[ ",$parts," == *",$1,"* ]]; }
 run_pytest() {  # NAME ARGS...: pytest with JUnit output, then the summary of that JUnit file
   local name=$1; shift
   local start=$(date +%s)
-  "$PY" -m pytest -q -p no:cacheprovider --timeout "$timeout" -rfE --junitxml "$OUT/$name.xml" "$@" > "$OUT/$name.log" 2>&1
+  # shellcheck disable=SC2086  # PYTEST_WRAP: the suite's deadline, if any
+  ${PYTEST_WRAP:-} "$PY" -m pytest -q -p no:cacheprovider --timeout "$timeout" -rfE --junitxml "$OUT/$name.xml" "$@" \
+    > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "== $name: exit $rc in $(( $(date +%s) - start )) s (log: $OUT/$name.log)"
   "$PY" scripts/junit_summary.py "$OUT/$name.xml" || rc=1
@@ -50,8 +55,16 @@ run_pytest() {  # NAME ARGS...: pytest with JUnit output, then the summary of th
 }
 
 if has suite; then
+  ignored=()
+  if [ -n "${SUITE_SKIP_PASSED:-}" ]; then
+    while read -r passed; do ignored+=(--ignore "$passed"); done \
+      < <("$PY" scripts/junit_summary.py --passed-files "$SUITE_SKIP_PASSED")
+    echo "== suite: leaving out $(( ${#ignored[@]} / 2 )) files that passed in $SUITE_SKIP_PASSED"
+  fi
+  wrap=""
+  [ -n "${SUITE_TIMEOUT:-}" ] && wrap="timeout -s INT -k 30 $SUITE_TIMEOUT"
   # shellcheck disable=SC2086  # SUITE_PATHS: a part of the suite (default: pyproject's testpaths, all of it)
-  run_pytest suite -n "$workers" --dist loadfile ${SUITE_PATHS:-}
+  PYTEST_WRAP=$wrap run_pytest suite -n "$workers" --dist loadfile --no-loadscope-reorder "${ignored[@]}" ${SUITE_PATHS:-}
 fi
 if has gpu; then
   run_pytest gpu -m gpu plugins/engines/fsdp/tests plugins/engines/deepspeed/tests plugins/engines/megatron/tests \

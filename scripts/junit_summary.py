@@ -2,6 +2,10 @@
 the skips grouped by reason. Exit status 1 when anything failed or errored, else 0.
 
 Usage: python scripts/junit_summary.py FILE.xml
+       python scripts/junit_summary.py --passed-files FILE.xml   the test files every test of which passed
+                                                               or skipped there, one per line (a suite cut
+                                                               short by a machine's time limit goes on
+                                                               without them: scripts/gpu_check.sh)
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import collections
 import sys
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 
 def summarise(path: str) -> int:
@@ -44,5 +49,30 @@ def summarise(path: str) -> int:
     return 1 if counts["failed"] or counts["error"] else 0
 
 
+def test_file(classname: str, root: Path) -> str | None:
+    """The file under ``root`` a JUnit ``classname`` (``plugins.engines.fsdp.tests.test_gpu.TestX``) comes from."""
+    parts = [part for part in classname.split(".") if part]
+    for end in range(len(parts), 0, -1):
+        candidate = Path(*parts[: end - 1], parts[end - 1] + ".py")
+        if (root / candidate).is_file():
+            return candidate.as_posix()
+    return None
+
+
+def passed_files(path: str, root: Path) -> list[str]:
+    """The test files of ``path`` none of whose tests failed or errored (a collection error counts
+    against its file)."""
+    clean: dict[str, bool] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = test_file(case.get("classname") or "", root)
+        if name is not None:
+            failed = any(child.tag in ("failure", "error") for child in case)
+            clean[name] = clean.get(name, True) and not failed
+    return sorted(name for name, ok in clean.items() if ok)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--passed-files"]:
+        print("\n".join(passed_files(sys.argv[2], Path.cwd())))
+        sys.exit(0)
     sys.exit(summarise(sys.argv[1]))

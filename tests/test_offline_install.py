@@ -73,6 +73,16 @@ def test_the_wheelhouse_installs_without_an_index_and_leaves_torch_alone(tmp_pat
     ]
     venv = tmp_path / "venv"
     env = {**os.environ, "PYTHON": sys.executable, "VENV": str(venv), "PIP_CONFIG_FILE": os.devnull}
+    # a wheelhouse built from other sources than this checkout (core/ changed since) is refused, before pip
+    sources = tmp_path / "wheelhouse" / "sources.txt"
+    digest = sources.read_text()
+    sources.write_text("0" * 64 + "\n")
+    refused = subprocess.run(
+        ["bash", str(INSTALL), str(tmp_path / "wheelhouse")], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert refused.returncode == 2 and "was built from other sources than" in refused.stderr, refused.stderr
+    assert not venv.exists()  # refused before anything was made
+    sources.write_text(digest)
     installed = subprocess.run(
         ["bash", str(INSTALL), str(tmp_path / "wheelhouse")], capture_output=True, text=True, env=env, timeout=900
     )

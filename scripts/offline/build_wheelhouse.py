@@ -28,7 +28,10 @@ Usage::
         [--extras all] [--test-tools] [--with REQ ...]
 
 ``OUT/manifest.txt`` lists each file and which requirement brought it in; the install script
-installs exactly those files. Rebuilding into the same folder fetches only what changed.
+installs exactly those files. ``OUT/sources.txt`` holds the digest of the sources core-rl's own
+wheels were built from: the install script refuses a wheelhouse whose digest is not its checkout's
+(a wheelhouse built before a change would test the old code). Rebuilding into the same folder
+fetches only what changed.
 """
 
 from __future__ import annotations
@@ -51,7 +54,12 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
 from packaging.version import Version
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sources_digest  # this folder's: the digest install.sh checks the checkout against
+
 ROOT = Path(__file__).resolve().parents[2]
+#: the digest of the sources core-rl's wheels were built from (scripts/offline/sources_digest.py)
+SOURCES_FILE = "sources.txt"
 #: the target's own CUDA build provides these: never carried, never replaced
 PROVIDED_BY_TORCH = ("torch", "triton", "nvidia-", "cuda-", "pytorch-triton")
 #: manylinux tags the target's pip accepts (pip matches each exactly)
@@ -286,6 +294,7 @@ def build(
     if problems:
         raise WheelhouseError("the target's packages conflict with core-rl's requirements:\n  " + "\n  ".join(problems))
     (out / "manifest.txt").write_text("\n".join(manifest) + "\n")
+    (out / SOURCES_FILE).write_text(sources_digest.digest(ROOT) + "\n")  # install.sh compares it with its checkout
     return manifest
 
 

@@ -6,6 +6,7 @@
 #   bash scripts/offline/install.sh WHEELHOUSE
 #     PYTHON=...   the interpreter with the CUDA torch (default python3)
 #     VENV=...     the environment to create or reuse (default .venv); VENV=none installs into PYTHON's own
+#     CORE_RL_ANY_WHEELHOUSE=1   install a wheelhouse built from other sources than this checkout
 #
 # Then: VENV/bin/core-rl ..., VENV/bin/python -m pytest ...
 set -euo pipefail
@@ -16,6 +17,16 @@ torch_before=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null) ||
   echo "install.sh: error: $PY cannot import torch; set PYTHON to the interpreter that has the machine's torch" >&2
   exit 2
 }
+# core-rl's wheels must be this checkout's: one built before a change would install (and test) the old code
+checkout=$(cd "$(dirname "$0")/../.." && pwd)
+if [ -f "$WH/sources.txt" ] && [ -z "${CORE_RL_ANY_WHEELHOUSE:-}" ]; then
+  here=$("$PY" "$checkout/scripts/offline/sources_digest.py" "$checkout")
+  if [ "$here" != "$(cat "$WH/sources.txt")" ]; then
+    echo "install.sh: error: $WH was built from other sources than $checkout (core/ or plugins/ changed since):" \
+      "rebuild it with scripts/offline/build_wheelhouse.py, or set CORE_RL_ANY_WHEELHOUSE=1 to install it anyway" >&2
+    exit 2
+  fi
+fi
 if [ "$VENV" = none ]; then
   TARGET_PY=$PY
 else
