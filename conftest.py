@@ -154,6 +154,21 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _file_seconds[report.nodeid.split("::", 1)[0]] += report.duration  # setup, call and teardown
 
 
+#: ``CORE_RL_COLLECTED=FILE``: the node ids of the tests collected, one per line (by the first xdist worker,
+#: or the only process), so a run cut short can tell a file that finished from one that did not
+#: (``scripts/junit_summary.py --passed-files``, ``scripts/gpu_check.sh``'s ``SUITE_SKIP_PASSED``)
+COLLECTED_ENV = "CORE_RL_COLLECTED"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    target = os.environ.get(COLLECTED_ENV)
+    worker = getattr(session.config, "workerinput", {}).get("workerid", "gw0")
+    if target and worker == "gw0":
+        partial = Path(f"{target}.{os.getpid()}.tmp")
+        partial.write_text("".join(f"{item.nodeid}\n" for item in session.items))
+        os.replace(partial, target)
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """With ``CORE_RL_TEST_DURATIONS=FILE``: each file's seconds written to FILE (by the xdist
     controller, which sees every worker's reports; without xdist, by the only process)."""
@@ -169,8 +184,8 @@ def _plugin_absent(tests_dir: Path) -> str | None:
     """Why the tests of the in-repo plugin whose ``tests`` folder is ``tests_dir`` cannot run here: its
     distribution (its ``pyproject.toml``'s name) is not installed, as where a machine's install left
     a plugin out (an offline wheelhouse without it, say). ``None`` where it is, or for other folders."""
-    project = tests_dir.parent / "pyproject.toml"
-    if tests_dir.parent == ROOT or not project.is_file():
+    project = tests_dir.parent / "pyproject.toml"  # the example plugin's tests run from its source: not theirs
+    if not tests_dir.parent.is_relative_to(ROOT / "plugins") or not project.is_file():
         return None
     name = tomllib.loads(project.read_text())["project"]["name"]
     try:

@@ -57,14 +57,17 @@ run_pytest() {  # NAME ARGS...: pytest with JUnit output, then the summary of th
 if has suite; then
   ignored=()
   if [ -n "${SUITE_SKIP_PASSED:-}" ]; then
-    while read -r passed; do ignored+=(--ignore "$passed"); done \
-      < <("$PY" scripts/junit_summary.py --passed-files "$SUITE_SKIP_PASSED")
+    passed=$("$PY" scripts/junit_summary.py --passed-files "$SUITE_SKIP_PASSED") || exit 2
+    while read -r file; do [ -n "$file" ] && ignored+=(--ignore "$file"); done <<< "$passed"
     echo "== suite: leaving out $(( ${#ignored[@]} / 2 )) files that passed in $SUITE_SKIP_PASSED"
   fi
   wrap=""
   [ -n "${SUITE_TIMEOUT:-}" ] && wrap="timeout -s INT -k 30 $SUITE_TIMEOUT"
+  # what was collected, beside the JUnit file: a later run can tell the files this one finished
+  export CORE_RL_COLLECTED=$OUT/collected.txt
   # shellcheck disable=SC2086  # SUITE_PATHS: a part of the suite (default: pyproject's testpaths, all of it)
   PYTEST_WRAP=$wrap run_pytest suite -n "$workers" --dist loadfile --no-loadscope-reorder "${ignored[@]}" ${SUITE_PATHS:-}
+  unset CORE_RL_COLLECTED
 fi
 if has gpu; then
   run_pytest gpu -m gpu plugins/engines/fsdp/tests plugins/engines/deepspeed/tests plugins/engines/megatron/tests \

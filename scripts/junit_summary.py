@@ -2,14 +2,17 @@
 the skips grouped by reason. Exit status 1 when anything failed or errored, else 0.
 
 Usage: python scripts/junit_summary.py FILE.xml
-       python scripts/junit_summary.py --passed-files FILE.xml   the test files every test of which passed
-                                                               or skipped there, one per line (a suite cut
-                                                               short by a machine's time limit goes on
-                                                               without them: scripts/gpu_check.sh)
+       python scripts/junit_summary.py --passed-files FILE.xml   the test files every collected test of
+                                                               which passed or skipped there, one per line
+                                                               (collected.txt beside FILE.xml lists what
+                                                               was collected; a suite cut short by a
+                                                               machine's time limit goes on without them:
+                                                               scripts/gpu_check.sh)
 """
 
 from __future__ import annotations
 
+import ast
 import collections
 import sys
 import xml.etree.ElementTree as ET
@@ -37,7 +40,10 @@ def summarise(path: str) -> int:
                 problems.append(f"  {outcome.upper()} {name}: {message[:200]}")
             elif child.tag == "skipped":
                 outcome = "skipped"
-                skips[(child.get("message") or "").strip()[:160]] += 1
+                reason = (child.get("message") or "").strip()
+                if reason == "collection skipped":  # a module skipped whole: its reason is in the text
+                    reason = f"collection skipped: {collection_skip_reason(child.text or '')}"
+                skips[reason[:160]] += 1
         counts[outcome] += 1
     print("   " + ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "error", "skipped") if counts[k]))
     for line in problems:
@@ -47,6 +53,15 @@ def summarise(path: str) -> int:
         for reason, n in skips.most_common():
             print(f"    {n:4d}  {reason}")
     return 1 if counts["failed"] or counts["error"] else 0
+
+
+def collection_skip_reason(text: str) -> str:
+    """The reason of a module skipped at collection, from pytest's ``(path, line, "Skipped: reason")``."""
+    try:
+        where = ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        return text.strip()
+    return str(where[-1]).removeprefix("Skipped: ") if isinstance(where, tuple) and where else text.strip()
 
 
 def test_file(classname: str, root: Path) -> str | None:
@@ -59,20 +74,31 @@ def test_file(classname: str, root: Path) -> str | None:
     return None
 
 
-def passed_files(path: str, root: Path) -> list[str]:
-    """The test files of ``path`` none of whose tests failed or errored (a collection error counts
-    against its file)."""
-    clean: dict[str, bool] = {}
+def passed_files(path: str, collected: str, root: Path) -> list[str]:
+    """The test files of ``path`` every collected test of which (``collected``: node ids, one per
+    line, as the suite wrote them with ``CORE_RL_COLLECTED``) is in ``path`` and none failed or errored.
+    A file the run was stopped in has fewer tests in ``path`` than it collected: not passed."""
+    expected = collections.Counter(line.split("::", 1)[0] for line in Path(collected).read_text().splitlines() if line)
+    seen: collections.Counter[str] = collections.Counter()
+    failed: set[str] = set()
     for case in ET.parse(path).getroot().iter("testcase"):
         name = test_file(case.get("classname") or "", root)
         if name is not None:
-            failed = any(child.tag in ("failure", "error") for child in case)
-            clean[name] = clean.get(name, True) and not failed
-    return sorted(name for name, ok in clean.items() if ok)
+            seen[name] += 1
+            if any(child.tag in ("failure", "error") for child in case):
+                failed.add(name)
+    return sorted(name for name, count in seen.items() if name not in failed and count == expected.get(name))
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--passed-files"]:
-        print("\n".join(passed_files(sys.argv[2], Path.cwd())))
+        collected = Path(sys.argv[2]).with_name("collected.txt")
+        if not collected.is_file():
+            print(
+                f"junit_summary: error: {collected} is missing: the suite writes it with CORE_RL_COLLECTED",
+                file=sys.stderr,
+            )
+            sys.exit(2)
+        print("\n".join(passed_files(sys.argv[2], str(collected), Path.cwd())))
         sys.exit(0)
     sys.exit(summarise(sys.argv[1]))

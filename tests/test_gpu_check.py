@@ -1,9 +1,11 @@
 """``scripts/gpu_check.sh`` and ``scripts/junit_summary.py`` on a machine without a GPU: the check refuses
 loudly (a GPU check that skipped every GPU test would prove nothing), and the JUnit summary gives the
-files a suite cut short by a machine's time limit can leave out when it goes on."""
+files a suite cut short by a machine's time limit can leave out when it goes on (those whose
+collected tests all ran and passed)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,25 +22,62 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 <testcase classname="tests.test_b" name="test_two"><failure message="boom">assert 0</failure></testcase>
 <testcase classname="plugins.rewards.math.tests.test_extract" name="test_y"><error message="setup">x</error></testcase>
 <testcase classname="" name="tests.test_c"><error message="collection failure">ImportError</error></testcase>
+<testcase classname="" name="plugins.x.tests.test_z"><skipped message="collection skipped"
+ >('/r/conftest.py', 190, "Skipped: the core-rl-x distribution is not installed here")</skipped></testcase>
 </testsuite></testsuites>
 """
 
 
-def test_passed_files_are_those_without_a_failure_or_error(tmp_path: Path) -> None:
+CUT_SHORT = '<testcase classname="tests.test_d" name="test_one"/>\n'
+COLLECTED = """tests/test_a.py::test_one
+tests/test_a.py::test_two
+plugins/engines/fsdp/tests/test_gpu.py::TestLayout::test_x
+tests/test_b.py::test_one
+tests/test_b.py::test_two
+plugins/rewards/math/tests/test_extract.py::test_y
+tests/test_d.py::test_one
+tests/test_d.py::test_two[a]
+"""
+
+
+def test_the_suite_writes_what_it_collected(tmp_path: Path) -> None:
+    """``CORE_RL_COLLECTED=FILE``: the node ids the session collected (here this file's tests)."""
+    target = tmp_path / "collected.txt"
+    env = {**os.environ, "CORE_RL_COLLECTED": str(target)}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", __file__]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    names = [line.split("::")[-1] for line in target.read_text().splitlines()]
+    assert names == [
+        "test_the_suite_writes_what_it_collected",
+        "test_passed_files_are_those_whose_collected_tests_all_passed",
+        "test_the_gpu_check_refuses_without_cuda",
+        "test_the_sources_digest_follows_the_wheels_sources_not_ignored_files",
+    ]
+    assert all(line.startswith("tests/test_gpu_check.py::") for line in target.read_text().splitlines())
+
+
+def test_passed_files_are_those_whose_collected_tests_all_passed(tmp_path: Path) -> None:
     for name in ("tests/test_a.py", "tests/test_b.py", "plugins/engines/fsdp/tests/test_gpu.py"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("")
     (tmp_path / "plugins/rewards/math/tests").mkdir(parents=True)
     (tmp_path / "plugins/rewards/math/tests/test_extract.py").write_text("")
+    (tmp_path / "tests/test_d.py").write_text("")
     (tmp_path / "suite.xml").write_text(JUNIT)
     script = ROOT / "scripts" / "junit_summary.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--passed-files", "suite.xml"], capture_output=True, text=True, cwd=tmp_path
-    )
+    command = [sys.executable, str(script), "--passed-files", "suite.xml"]
+    missing = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
+    assert missing.returncode == 2 and "collected.txt is missing" in missing.stderr
+    # test_d's run was stopped after its first test: it collected two, the JUnit file holds one
+    (tmp_path / "suite.xml").write_text(JUNIT.replace("</testsuite>", CUT_SHORT + "</testsuite>"))
+    (tmp_path / "collected.txt").write_text(COLLECTED)
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["plugins/engines/fsdp/tests/test_gpu.py", "tests/test_a.py"]
     summary = subprocess.run([sys.executable, str(script), "suite.xml"], capture_output=True, text=True, cwd=tmp_path)
-    assert summary.returncode == 1 and "3 passed, 1 failed, 2 error, 1 skipped" in summary.stdout
+    assert summary.returncode == 1 and "4 passed, 1 failed, 2 error, 2 skipped" in summary.stdout
+    assert "collection skipped: the core-rl-x distribution is not installed here" in summary.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -49,3 +88,42 @@ def test_the_gpu_check_refuses_without_cuda(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2 and "CUDA is not available" in proc.stderr and "Traceback" not in proc.stderr
     assert not list(tmp_path.iterdir())  # nothing ran
+
+
+def _digest(root: Path) -> str:
+    script = ROOT / "scripts" / "offline" / "sources_digest.py"
+    return subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, check=True).stdout
+
+
+def test_the_sources_digest_follows_the_wheels_sources_not_ignored_files(tmp_path: Path) -> None:
+    """What ``install.sh`` compares a wheelhouse with: the same for a checkout, the checkout with files
+    git ignores (as the wheels leave them out), and a copy of it without ``.git`` (as a machine
+    receives a working tree); different once a source changes."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    files = {
+        "pyproject.toml": "[project]\nname = 'x'\n",
+        "core/core_rl/a.py": "A = 1\n",
+        "plugins/kind/p/pyproject.toml": "[project]\nname = 'p'\n",
+        "plugins/kind/p/src/p/b.py": "B = 2\n",
+        "plugins/kind/p/tests/test_b.py": "",  # not a wheel's source
+        ".gitignore": "*.egg-info/\n*.swp\n__pycache__/\n",
+    }
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "x"]):
+        subprocess.run([*git, *args], check=True, capture_output=True)
+    clean = _digest(repo)
+    (repo / "core/core_rl.egg-info").mkdir()
+    (repo / "core/core_rl.egg-info/PKG-INFO").write_text("Name: x\n")
+    (repo / "core/core_rl/.a.py.swp").write_text("editor")
+    (repo / "plugins/kind/p/tests/test_b.py").write_text("def test(): pass\n")
+    assert _digest(repo) == clean
+    copy = tmp_path / "copy"
+    shutil.copytree(repo, copy, ignore=shutil.ignore_patterns(".git", "*.egg-info", "*.swp"))
+    assert _digest(copy) == clean
+    (copy / "plugins/kind/p/src/p/b.py").write_text("B = 3\n")
+    assert _digest(copy) != clean

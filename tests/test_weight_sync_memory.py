@@ -95,6 +95,20 @@ def test_sync_copies_once_in_place_without_host_trips(model_path: Path, layout: 
     engine.close()
 
 
+def test_after_a_forward_that_left_parameters_unsharded_the_buckets_hold_the_float32_weights(model_path: Path) -> None:
+    """With ``reshard_after_forward: false`` a forward without a backward (log-probs) leaves FSDP's
+    unsharded bfloat16 copies registered; the buckets still carry the float32 weights."""
+    options = {**LAYOUTS["sharded"], "reshard_after_forward": False}
+    engine = _trained(model_path, weight_bucket_mb=0.01, **options)
+    engine.compute_logprobs(make_rl_batch())
+    drawn = {k: v for bucket in engine.hf_weight_buckets() for k, v in bucket.items()}
+    want = engine.full_state_dict()
+    assert drawn.keys() == want.keys()
+    for key, value in drawn.items():
+        assert value.dtype == torch.float32 and torch.equal(value, want[key]), key
+    engine.close()
+
+
 @pytest.mark.parametrize("zero_stage", [1, 2])
 def test_deepspeed_buckets_reach_the_rollout_engine_without_host_trips(model_path: Path, zero_stage: int) -> None:
     """DeepSpeed keeps its fp32 master weights in flat partitions, so each is assembled on the

@@ -19,7 +19,9 @@ torch_before=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null) ||
 }
 # core-rl's wheels must be this checkout's: one built before a change would install (and test) the old code
 checkout=$(cd "$(dirname "$0")/../.." && pwd)
-if [ -f "$WH/sources.txt" ] && [ -z "${CORE_RL_ANY_WHEELHOUSE:-}" ]; then
+if [ ! -d "$checkout/core" ] || [ ! -f "$checkout/scripts/offline/sources_digest.py" ]; then
+  echo "install.sh: note: no core-rl checkout around this script ($checkout): the wheelhouse's sources are not checked" >&2
+elif [ -f "$WH/sources.txt" ] && [ -z "${CORE_RL_ANY_WHEELHOUSE:-}" ]; then
   here=$("$PY" "$checkout/scripts/offline/sources_digest.py" "$checkout")
   if [ "$here" != "$(cat "$WH/sources.txt")" ]; then
     echo "install.sh: error: $WH was built from other sources than $checkout (core/ or plugins/ changed since):" \

@@ -8,16 +8,19 @@ sources than the checkout beside it. Standard library only: it runs on the targe
 from __future__ import annotations
 
 import hashlib
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SKIPPED_PARTS = {"__pycache__"}
 
 
 def source_files(root: Path) -> Iterator[Path]:
-    """The files of ``root`` that core-rl's wheels are built from, in a fixed order."""
+    """The files of ``root`` that core-rl's wheels are built from, in a fixed order: those git does not
+    ignore where ``root`` is a git checkout (as the wheels leave ignored files out), else every file
+    but compiled bytecode and packaging metadata (a copy of a checkout holds no ignored files but those)."""
+    listed = _git_files(root)
     roots = [root / "pyproject.toml", root / "core"]
     for project in sorted((root / "plugins").glob("*/*/pyproject.toml")):
         roots += [project, project.parent / "src"]
@@ -25,8 +28,30 @@ def source_files(root: Path) -> Iterator[Path]:
         files = [top] if top.is_file() else sorted(p for p in top.rglob("*") if p.is_file())
         for path in files:
             rel = path.relative_to(root)
-            if not SKIPPED_PARTS & set(rel.parts) and path.suffix != ".pyc":
+            if listed is not None:
+                if rel.as_posix() in listed:
+                    yield path
+            elif "__pycache__" not in rel.parts and path.suffix != ".pyc" and not _packaging_metadata(rel):
                 yield path
+
+
+def _packaging_metadata(rel: Path) -> bool:
+    return any(part.endswith(".egg-info") for part in rel.parts)
+
+
+def _git_files(root: Path) -> set[str] | None:
+    """The files of ``root``'s git checkout that git does not ignore (tracked, or untracked and not
+    ignored); ``None`` where ``root`` is no git checkout or git is not at hand."""
+    if not (root / ".git").exists():
+        return None
+    command = ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    try:
+        proc = subprocess.run([*command, "--", "pyproject.toml", "core", "plugins"], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        return None
+    return {name for name in proc.stdout.decode().split("\0") if name}
 
 
 def digest(root: Path) -> str:

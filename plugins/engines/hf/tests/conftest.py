@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 from core_rl.config.loader import structure
 from core_rl.tiny import build_tiny_model
-from core_rl_hf.config import HFRolloutConfig
-from core_rl_hf.engine import HFRolloutEngine
+
+if TYPE_CHECKING:  # imported where used: a machine without the plugin skips its tests (the root conftest)
+    from core_rl_hf.engine import HFRolloutEngine
 
 
 @pytest.fixture(scope="session")
@@ -54,6 +55,9 @@ def any_model_path(request: pytest.FixtureRequest) -> Path:
 def make_engine(tiny_model_path: Path) -> Iterator[Callable[..., HFRolloutEngine]]:
     """``make_engine(path=None, **options)``: an engine on ``path`` (default: the tiny model) with
     ``options`` validated like a YAML ``rollout.engine`` section; closed after the test."""
+    from core_rl_hf.config import HFRolloutConfig
+    from core_rl_hf.engine import HFRolloutEngine
+
     made: list[HFRolloutEngine] = []
 
     def make(path: Path | None = None, **options: Any) -> HFRolloutEngine:
