@@ -247,5 +247,5 @@ class PolicyUpdate:
         if self.critic is not None:
             metrics.update(self.critic.update(batch, parts))
         if torch.cuda.is_initialized():  # the optimizer step's kernels end here: training's time, not the sync's
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()  # the trainer's stream only, not an async rollout's work
         return metrics
