@@ -111,6 +111,7 @@ KINDS_BY_KEY: dict[str, PluginKind] = {k.key: k for k in ALL_KINDS}
 
 # Which core-rl extra provides a name that ships in this repository, for the install hint of an
 # unknown-name error. Names from third-party distributions are not listed: the hint then says so.
+# tests/test_known_extras.py holds it to the plugins' pyproject.toml files: every entry point, no other.
 KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("train_engine", "fsdp"): "fsdp",
     ("train_engine", "deepspeed"): "deepspeed",
@@ -128,6 +129,8 @@ KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("algorithm", "dr_grpo"): "grpo",
     ("algorithm", "rloo"): "grpo",
     ("algorithm", "reinforce_pp"): "grpo",
+    ("algorithm", "online_dpo"): "grpo",
+    ("advantage", "online_dpo"): "grpo",
     ("advantage", "reinforce_pp"): "grpo",
     ("algorithm", "gspo"): "gspo",
     ("algorithm", "dapo"): "dapo",
@@ -137,6 +140,7 @@ KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("reward", "format"): "reward-format",
     ("reward", "code"): "reward-code",
     ("reward", "remote"): "reward-remote",
+    ("reward", "judge"): "reward-remote",
     ("reward", "reward_model"): "reward-model",
     ("logger", "swanlab"): "swanlab",
     ("logger", "wandb"): "wandb",
@@ -161,4 +165,6 @@ KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("environment", "python"): "env-tools",
     ("environment", "reward"): "env-tools",
     ("launcher", "slurm"): "slurm",
+    ("launcher", "ray"): "ray",
+    ("workflow", "openai_agent"): "openai-proxy",
 }
