@@ -164,6 +164,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     target = os.environ.get(COLLECTED_ENV)
     worker = getattr(session.config, "workerinput", {}).get("workerid", "gw0")
     if target and worker == "gw0":
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
         partial = Path(f"{target}.{os.getpid()}.tmp")
         partial.write_text("".join(f"{item.nodeid}\n" for item in session.items))
         os.replace(partial, target)
@@ -184,6 +185,7 @@ def _plugin_absent(tests_dir: Path) -> str | None:
     """Why the tests of the in-repo plugin whose ``tests`` folder is ``tests_dir`` cannot run here: its
     distribution (its ``pyproject.toml``'s name) is not installed, as where a machine's install left
     a plugin out (an offline wheelhouse without it, say). ``None`` where it is, or for other folders."""
+    tests_dir = tests_dir.resolve()
     project = tests_dir.parent / "pyproject.toml"  # the example plugin's tests run from its source: not theirs
     if not tests_dir.parent.is_relative_to(ROOT / "plugins") or not project.is_file():
         return None

@@ -22,6 +22,7 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 <testcase classname="tests.test_b" name="test_two"><failure message="boom">assert 0</failure></testcase>
 <testcase classname="plugins.rewards.math.tests.test_extract" name="test_y"><error message="setup">x</error></testcase>
 <testcase classname="" name="tests.test_c"><error message="collection failure">ImportError</error></testcase>
+<testcase time="0.000"/>
 <testcase classname="" name="plugins.x.tests.test_z"><skipped message="collection skipped"
  >('/r/conftest.py', 190, "Skipped: the core-rl-x distribution is not installed here")</skipped></testcase>
 </testsuite></testsuites>
@@ -53,6 +54,7 @@ def test_the_suite_writes_what_it_collected(tmp_path: Path) -> None:
         "test_passed_files_are_those_whose_collected_tests_all_passed",
         "test_the_gpu_check_refuses_without_cuda",
         "test_the_sources_digest_follows_the_wheels_sources_not_ignored_files",
+        "test_a_nested_repository_counts_with_its_files",
     ]
     assert all(line.startswith("tests/test_gpu_check.py::") for line in target.read_text().splitlines())
 
@@ -72,6 +74,9 @@ def test_passed_files_are_those_whose_collected_tests_all_passed(tmp_path: Path)
     # test_d's run was stopped after its first test: it collected two, the JUnit file holds one
     (tmp_path / "suite.xml").write_text(JUNIT.replace("</testsuite>", CUT_SHORT + "</testsuite>"))
     (tmp_path / "collected.txt").write_text(COLLECTED)
+    (tmp_path / "broken.xml").write_text("<testsuites><testcase")  # killed while writing it
+    broken = subprocess.run([*command[:-1], "broken.xml"], capture_output=True, text=True, cwd=tmp_path)
+    assert broken.returncode == 2 and "broken.xml" in broken.stderr and "Traceback" not in broken.stderr
     proc = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["plugins/engines/fsdp/tests/test_gpu.py", "tests/test_a.py"]
@@ -127,3 +132,22 @@ def test_the_sources_digest_follows_the_wheels_sources_not_ignored_files(tmp_pat
     assert _digest(copy) == clean
     (copy / "plugins/kind/p/src/p/b.py").write_text("B = 3\n")
     assert _digest(copy) != clean
+
+
+def test_a_nested_repository_counts_with_its_files(tmp_path: Path) -> None:
+    """git lists an untracked nested repository as one folder: its files still count, as in a copy."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    for name, text in {"pyproject.toml": "", "core/a.py": "A = 1\n", "plugins/k/q/pyproject.toml": ""}.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    (repo / "plugins/k/q/src").mkdir()
+    (repo / "plugins/k/q/src/q.py").write_text("Q = 1\n")
+    subprocess.run(["git", "-C", str(repo), "init", "-q"], check=True)
+    subprocess.run(["git", "-C", str(repo / "plugins/k/q"), "init", "-q"], check=True)
+    copy = tmp_path / "copy"
+    shutil.copytree(repo, copy, ignore=shutil.ignore_patterns(".git"))
+    assert _digest(repo) == _digest(copy)
+    (repo / "plugins/k/q/src/q.py").write_text("Q = 2\n")
+    assert _digest(repo) != _digest(copy)

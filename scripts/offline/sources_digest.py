@@ -29,14 +29,21 @@ def source_files(root: Path) -> Iterator[Path]:
         for path in files:
             rel = path.relative_to(root)
             if listed is not None:
-                if rel.as_posix() in listed:
+                folders = [name for name in listed if name.endswith("/")]  # a nested repository, listed whole
+                inside = any(rel.as_posix().startswith(folder) for folder in folders) and _kept_by_walk(rel, path)
+                if rel.as_posix() in listed or inside:
                     yield path
-            elif "__pycache__" not in rel.parts and path.suffix != ".pyc" and not _packaging_metadata(rel):
+            elif _kept_by_walk(rel, path):
                 yield path
 
 
-def _packaging_metadata(rel: Path) -> bool:
-    return any(part.endswith(".egg-info") for part in rel.parts)
+def _kept_by_walk(rel: Path, path: Path) -> bool:
+    """Whether a walk counts a file: not compiled bytecode, not packaging metadata."""
+    return (
+        "__pycache__" not in rel.parts
+        and path.suffix != ".pyc"
+        and not any(part.endswith(".egg-info") for part in rel.parts)
+    )
 
 
 def _git_files(root: Path) -> set[str] | None:

@@ -246,6 +246,8 @@ class PolicyUpdate:
             metrics["actor/early_stopped"] = float(stopped)
         if self.critic is not None:
             metrics.update(self.critic.update(batch, parts))
-        if torch.cuda.is_initialized():  # the optimizer step's kernels end here: training's time, not the sync's
-            torch.cuda.current_stream().synchronize()  # the trainer's stream only, not an async rollout's work
+        # the optimizer step's kernels end here, as training's time, not the weight sync's (in an asynchronous
+        # run with the rollout engine on this device this also waits for its few queued decoding kernels)
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
         return metrics

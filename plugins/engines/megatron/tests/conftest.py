@@ -16,9 +16,12 @@ torch.set_num_threads(1)
 
 with warnings.catch_warnings():  # megatron-core warns at import that Apex / Transformer Engine are absent
     warnings.simplefilter("ignore")
-    import megatron.core.distributed
-    import megatron.core.models.gpt
-    import megatron.core.optimizer  # noqa: F401
+    try:
+        import megatron.core.distributed
+        import megatron.core.models.gpt
+        import megatron.core.optimizer  # noqa: F401
+    except ImportError:  # an install without it: the root conftest skips these tests with the reason
+        pass
 
 HERE = Path(__file__).parent
 
