@@ -127,11 +127,12 @@ def test_validating_every_example_imports_no_torch(tmp_path: Path) -> None:
 def _absent_plugins() -> list[str]:
     """The in-repo plugins' distributions that are not installed in this interpreter."""
     import importlib.metadata
-    import tomllib
+
+    import packaging_utils as pu
 
     absent = []
-    for project in sorted((Path(__file__).resolve().parents[1] / "plugins").glob("*/*/pyproject.toml")):
-        name = tomllib.loads(project.read_text())["project"]["name"]
+    for project in pu.plugin_project_dirs():
+        name = pu.distribution_name(project)
         try:
             importlib.metadata.distribution(name)
         except importlib.metadata.PackageNotFoundError:

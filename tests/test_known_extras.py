@@ -5,32 +5,26 @@ extra that installs its distribution, and nothing else is listed. (A name missin
 
 from __future__ import annotations
 
-import re
-import tomllib
-from pathlib import Path
-
+import packaging_utils as pu
 from core_rl.kinds import ALL_KINDS, KNOWN_EXTRAS
-
-ROOT = Path(__file__).resolve().parents[1]
+from packaging.requirements import Requirement
 
 
 def _declared() -> dict[tuple[str, str], str]:
     """(kind key, name) -> the core-rl extra whose requirement installs the plugin declaring it."""
-    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    optional = pu.read_pyproject(pu.REPO_ROOT)["project"]["optional-dependencies"]
     extra_of = {
-        re.split(r"[<>=!~;\[ ]", requirement)[0]: extra
+        pu.normalise(Requirement(requirement).name): extra
         for extra, requirements in optional.items()
         if extra != "all"
         for requirement in requirements
     }
     key_of = {kind.group: kind.key for kind in ALL_KINDS}
     declared = {}
-    for project in sorted((ROOT / "plugins").glob("*/*/pyproject.toml")):
-        meta = tomllib.loads(project.read_text())["project"]
-        for group, entry_points in meta.get("entry-points", {}).items():
+    for project in pu.plugin_project_dirs():
+        for group, name in pu.declared_entry_points(project):
             assert group in key_of, f"{project}: entry-point group {group} is no plugin kind"
-            for name in entry_points:
-                declared[(key_of[group], name)] = extra_of[meta["name"]]
+            declared[(key_of[group], name)] = extra_of[pu.distribution_name(project)]
     return declared
 
 
