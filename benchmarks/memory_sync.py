@@ -2,7 +2,7 @@
 sync, and how much of it is the host's work per tensor rather than the copies.
 
     python benchmarks/memory_sync.py [--shapes 0.5b,0.5b-narrow] [--layouts plain,sharded] [--repeats 20]
-                                     [--device auto] [--smoke]
+                                     [--device auto] [--profile ROWS] [--smoke]
 
 Shapes (:data:`core_rl.tiny.QWEN2_SHAPES`, tied embeddings, the character vocabulary): ``0.5b`` is the
 0.36B model of ``benchmarks/gpu_grpo.py`` (291 tensors, 1.4 GB in float32); ``0.5b-narrow`` has the
@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,8 +45,9 @@ def shape_of(name: str) -> dict:
     return QWEN2_SHAPES[name]
 
 
-def measure(model: Path, layout: str, device: str, repeats: int) -> dict[str, float]:
-    """Median seconds per ``sync_in_memory`` from a trained fsdp engine to an hf engine on ``device``."""
+def measure(model: Path, layout: str, device: str, repeats: int, profile: int = 0) -> dict[str, float]:
+    """Median seconds per ``sync_in_memory`` from a trained fsdp engine to an hf engine on ``device``;
+    with ``profile`` rows, then torch's profiler over 3 more syncs: that many operators, by host time."""
     from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
     from core_rl.engine_utils.buckets import nbytes
     from core_rl.interfaces import LossOutput
@@ -67,6 +69,8 @@ def measure(model: Path, layout: str, device: str, repeats: int) -> dict[str, fl
             sync_in_memory(engine, rollout, version, contextlib.nullcontext())  # the hf engine synchronises
             if version > 3:
                 seconds.append(time.perf_counter() - start)
+        if profile:
+            print_profile(lambda v: sync_in_memory(engine, rollout, v, contextlib.nullcontext()), profile)
         state = rollout.model.state_dict()
         unique = {t.data_ptr(): t for t in state.values()}.values()
         return {"tensors": float(len(state)), "bytes": float(nbytes(unique)), "s": statistics.median(seconds)}
@@ -75,12 +79,26 @@ def measure(model: Path, layout: str, device: str, repeats: int) -> dict[str, fl
         engine.close()
 
 
+def print_profile(sync: Callable[[int], object], rows: int) -> None:
+    """torch's profiler over 3 calls of ``sync`` (host and, on CUDA, device time): the ``rows``
+    operators that took the most host time (the ``sync`` row: the whole of the 3 calls)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for version in range(1000, 1003):
+            with record_function("sync"):
+                sync(version)
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=rows))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="0.5b,0.5b-narrow")
     parser.add_argument("--layouts", default="plain,sharded")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS", help="then profile 3 syncs: top ROWS ops")
     parser.add_argument("--smoke", action="store_true", help="a 2-layer model, 3 repeats, on the CPU")
     args = parser.parse_args()
     from core_rl.tiny import build_tiny_model
@@ -97,7 +115,7 @@ def main() -> int:
                 Path(tmp) / name, architecture="qwen2", tie_word_embeddings=True, seed=0, **shape_of(name)
             )
             for layout in args.layouts.split(","):
-                row = measure(model, layout, device, repeats)
+                row = measure(model, layout, device, repeats, args.profile)
                 size, ms, rate = row["bytes"] / 1e6, row["s"] * 1e3, row["bytes"] / row["s"] / 1e9
                 print(f"{name:<12}{layout:<9}{row['tensors']:>8.0f}{size:>9.1f}{ms:>10.2f}{rate:>8.1f}")
     return 0

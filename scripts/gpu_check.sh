@@ -68,6 +68,10 @@ if has suite; then
   # shellcheck disable=SC2086  # SUITE_PATHS: a part of the suite (default: pyproject's testpaths, all of it)
   PYTEST_WRAP=$wrap run_pytest suite -n "$workers" --dist loadfile --no-loadscope-reorder "${ignored[@]}" ${SUITE_PATHS:-}
   unset CORE_RL_COLLECTED
+  if [ -n "$wrap" ] && grep -q "KeyboardInterrupt" "$OUT/suite.log" 2>/dev/null; then
+    echo "== suite: stopped at SUITE_TIMEOUT=$SUITE_TIMEOUT s; go on with the rest:" \
+      "OUT=<another folder> SUITE_SKIP_PASSED=$OUT/suite.xml bash scripts/gpu_check.sh suite"
+  fi
 fi
 if has gpu; then
   run_pytest gpu -m gpu plugins/engines/fsdp/tests plugins/engines/deepspeed/tests plugins/engines/megatron/tests \

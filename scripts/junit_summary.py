@@ -28,8 +28,12 @@ def summarise(path: str) -> int:
     counts: collections.Counter[str] = collections.Counter()
     problems: list[str] = []
     skips: collections.Counter[str] = collections.Counter()
+    interrupted = False
     for case in root.iter("testcase"):
         if case.get("name") is None:  # what pytest writes for the test a stop cut off: it did not pass
+            continue
+        if is_interruption(case):  # a deadline's SIGINT (gpu_check.sh's SUITE_TIMEOUT) or Ctrl-C: no test's fault
+            interrupted = True
             continue
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
         outcome = "passed"
@@ -48,13 +52,35 @@ def summarise(path: str) -> int:
                 skips[reason[:160]] += 1
         counts[outcome] += 1
     print("   " + ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "error", "skipped") if counts[k]))
+    if interrupted:
+        print(f"   interrupted before the end (KeyboardInterrupt: a deadline or Ctrl-C){not_run(root, path)}")
     for line in problems:
         print(line)
     if skips:
         print("   skipped, by reason:")
         for reason, n in skips.most_common():
             print(f"    {n:4d}  {reason}")
-    return 1 if counts["failed"] or counts["error"] else 0
+    return 1 if counts["failed"] or counts["error"] or interrupted else 0
+
+
+def is_interruption(case: ET.Element) -> bool:
+    """Whether ``case`` is pytest's record of the session itself stopped by ``KeyboardInterrupt``
+    (its ``pytest::internal`` error; with pytest-xdist the controller's traceback ends in another error)."""
+    if (case.get("classname"), case.get("name")) != ("pytest", "internal"):
+        return False
+    return any(child.tag == "error" and "KeyboardInterrupt" in (child.text or "") for child in case)
+
+
+def not_run(root: ET.Element, path: str) -> str:
+    """``": N of the M collected tests have no result"`` from ``collected.txt`` beside ``path``, or ``""``."""
+    collected = Path(path).with_name("collected.txt")
+    if not collected.is_file():
+        return ""
+    total = sum(1 for line in collected.read_text().splitlines() if line)
+    recorded = sum(
+        1 for case in root.iter("testcase") if case.get("name") and case.get("classname") not in ("", "pytest")
+    )
+    return f": {max(total - recorded, 0)} of the {total} collected tests have no result"
 
 
 def collection_skip_reason(text: str) -> str:

@@ -52,6 +52,7 @@ def test_the_suite_writes_what_it_collected(tmp_path: Path) -> None:
     assert names == [
         "test_the_suite_writes_what_it_collected",
         "test_passed_files_are_those_whose_collected_tests_all_passed",
+        "test_a_suite_stopped_by_its_deadline_is_reported_as_stopped_not_as_an_error",
         "test_the_gpu_check_refuses_without_cuda",
         "test_the_sources_digest_follows_the_wheels_sources_not_ignored_files",
         "test_a_nested_repository_counts_with_its_files",
@@ -83,6 +84,37 @@ def test_passed_files_are_those_whose_collected_tests_all_passed(tmp_path: Path)
     summary = subprocess.run([sys.executable, str(script), "suite.xml"], capture_output=True, text=True, cwd=tmp_path)
     assert summary.returncode == 1 and "4 passed, 1 failed, 2 error, 2 skipped" in summary.stdout
     assert "collection skipped: the core-rl-x distribution is not installed here" in summary.stdout
+
+
+INTERRUPTED = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="tests.test_a" name="test_one"/>
+<testcase classname="tests.test_a" name="test_two"><skipped message="needs a GPU"/></testcase>
+<testcase classname="pytest" name="internal"><error message="internal error">Traceback (most recent call last):
+  gotit = waiter.acquire(True, timeout)
+KeyboardInterrupt
+RuntimeError: release unlocked lock</error></testcase>
+</testsuite></testsuites>
+"""
+
+
+def test_a_suite_stopped_by_its_deadline_is_reported_as_stopped_not_as_an_error(tmp_path: Path) -> None:
+    """A deadline's SIGINT leaves pytest's ``pytest::internal`` error ending in ``KeyboardInterrupt``:
+    the summary says the run stopped and how many collected tests have no result, counts no test
+    error for it, and still exits 1 (an unfinished suite has not passed). Any other internal error
+    is an error."""
+    script = ROOT / "scripts" / "junit_summary.py"
+    (tmp_path / "suite.xml").write_text(INTERRUPTED)
+    (tmp_path / "collected.txt").write_text(COLLECTED)
+    proc = subprocess.run([sys.executable, str(script), "suite.xml"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["1", "passed,", "1", "skipped"]
+    assert "interrupted before the end" in lines[1] and "6 of the 8 collected tests have no result" in lines[1]
+    assert "ERROR" not in proc.stdout
+    (tmp_path / "suite.xml").write_text(INTERRUPTED.replace("KeyboardInterrupt\n", "OSError: disk full\n"))
+    other = subprocess.run([sys.executable, str(script), "suite.xml"], capture_output=True, text=True, cwd=tmp_path)
+    assert other.returncode == 1 and "1 error" in other.stdout and "ERROR pytest::internal" in other.stdout
+    assert "interrupted" not in other.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
