@@ -70,7 +70,7 @@ def measure(model: Path, layout: str, device: str, repeats: int, profile: int = 
             if version > 3:
                 seconds.append(time.perf_counter() - start)
         if profile:
-            print_profile(lambda v: sync_in_memory(engine, rollout, v, contextlib.nullcontext()), profile)
+            print_profile(lambda v: sync_in_memory(engine, rollout, v, contextlib.nullcontext()), profile, device)
         state = rollout.model.state_dict()
         unique = {t.data_ptr(): t for t in state.values()}.values()
         return {"tensors": float(len(state)), "bytes": float(nbytes(unique)), "s": statistics.median(seconds)}
@@ -79,12 +79,12 @@ def measure(model: Path, layout: str, device: str, repeats: int, profile: int = 
         engine.close()
 
 
-def print_profile(sync: Callable[[int], object], rows: int) -> None:
-    """torch's profiler over 3 calls of ``sync`` (host and, on CUDA, device time): the ``rows``
+def print_profile(sync: Callable[[int], object], rows: int, device: str) -> None:
+    """torch's profiler over 3 calls of ``sync`` (host and, on a CUDA ``device``, device time): the ``rows``
     operators that took the most host time (the ``sync`` row: the whole of the 3 calls)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     with profile(activities=activities) as prof:
         for version in range(1000, 1003):
             with record_function("sync"):
