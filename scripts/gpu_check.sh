@@ -6,7 +6,8 @@
 #           rollout engines asleep while training: hf, vllm and sglang, the last two from their server environments)
 #   main    the main job (examples/tiny_grpo/main.py) on the GPU
 #   bench   benchmarks/gpu_grpo.py, GRPO step time against TRL on the GPU (both shapes, 2 rounds: long),
-#           and benchmarks/logprob_memory.py (log-probs over a 152k vocabulary, 8192 tokens)
+#           benchmarks/memory_sync.py (the 0.36B model's weight sync alone) and
+#           benchmarks/logprob_memory.py (log-probs over a 152k vocabulary, 8192 tokens)
 # and print a summary (failures, skips grouped by reason). It fails loudly when CUDA is absent: a GPU
 # check that quietly skipped every GPU test would prove nothing.
 #
@@ -93,6 +94,10 @@ if has bench; then
   else
     echo "== benchmark: benchmarks/gpu_grpo.py does not exist yet (issue: fast on a GPU); nothing run"
   fi
+  # weight sync in memory alone, the 0.36B model (issue target: under 1% of the GRPO step above)
+  if "$PY" benchmarks/memory_sync.py --shapes 0.5b --repeats 10 > "$OUT/memory_sync.log" 2>&1; then
+    grep -E "^(weight_sync|shape|0.5b)" "$OUT/memory_sync.log"; else
+    echo "== memory_sync benchmark failed"; tail -20 "$OUT/memory_sync.log"; status=1; fi
   # log-probs over a 152k vocabulary: memory and time of the chunked computation against the whole-tensor one
   if "$PY" benchmarks/logprob_memory.py --tokens 8192 > "$OUT/logprob_memory.log" 2>&1; then
     cat "$OUT/logprob_memory.log"; else echo "== logprob_memory benchmark failed"; tail -20 "$OUT/logprob_memory.log"; status=1; fi
