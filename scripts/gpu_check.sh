@@ -18,7 +18,8 @@
 #     SUITE_PATHS="tests plugins/engines"   run that part of the suite only (a machine's per-call time limit)
 #     SUITE_TIMEOUT=S      stop the suite after S seconds (SIGINT: the JUnit file keeps what ran)
 #     SUITE_SKIP_PASSED=F  leave out the test files that all passed in an earlier JUnit file F (go on from
-#                          a run cut short: OUT=runs/gpu_check2 SUITE_SKIP_PASSED=runs/gpu_check/suite.xml)
+#                          a run cut short: OUT=runs/gpu_check2 SUITE_SKIP_PASSED=runs/gpu_check/suite.xml;
+#                          after several runs, their files space-separated: "runs/gpu_check/suite.xml runs/gpu_check2/suite.xml")
 #     BENCH_ARGS="--shapes 0.5b"            arguments of benchmarks/gpu_grpo.py (both shapes: ~20 min)
 # Where a machine limits each command's time (e.g. 10 minutes), run the parts as separate commands,
 # the suite in parts (SUITE_PATHS) and the benchmark one shape at a time (TIMEOUT below that limit).
@@ -50,6 +51,7 @@ run_pytest() {  # NAME ARGS...: pytest with JUnit output, then the summary of th
   ${PYTEST_WRAP:-} "$PY" -m pytest -q -p no:cacheprovider --timeout "$timeout" -rfE --junitxml "$OUT/$name.xml" "$@" \
     > "$OUT/$name.log" 2>&1
   local rc=$?
+  pytest_rc=$rc  # before the summary's verdict: 124 is the deadline's (timeout)
   echo "== $name: exit $rc in $(( $(date +%s) - start )) s (log: $OUT/$name.log)"
   "$PY" scripts/junit_summary.py "$OUT/$name.xml" || rc=1
   [ $rc -eq 0 ] || status=1
@@ -57,11 +59,11 @@ run_pytest() {  # NAME ARGS...: pytest with JUnit output, then the summary of th
 
 if has suite; then
   ignored=()
-  if [ -n "${SUITE_SKIP_PASSED:-}" ]; then
-    passed=$("$PY" scripts/junit_summary.py --passed-files "$SUITE_SKIP_PASSED") || exit 2
+  for earlier in ${SUITE_SKIP_PASSED:-}; do  # one JUnit file per earlier run, space-separated
+    passed=$("$PY" scripts/junit_summary.py --passed-files "$earlier") || exit 2
     while read -r file; do [ -n "$file" ] && ignored+=(--ignore "$file"); done <<< "$passed"
-    echo "== suite: leaving out $(( ${#ignored[@]} / 2 )) files that passed in $SUITE_SKIP_PASSED"
-  fi
+  done
+  [ -n "${SUITE_SKIP_PASSED:-}" ] && echo "== suite: leaving out $(( ${#ignored[@]} / 2 )) files that passed in $SUITE_SKIP_PASSED"
   wrap=""
   [ -n "${SUITE_TIMEOUT:-}" ] && wrap="timeout -s INT -k 30 $SUITE_TIMEOUT"
   # what was collected, beside the JUnit file: a later run can tell the files this one finished
@@ -69,9 +71,10 @@ if has suite; then
   # shellcheck disable=SC2086  # SUITE_PATHS: a part of the suite (default: pyproject's testpaths, all of it)
   PYTEST_WRAP=$wrap run_pytest suite -n "$workers" --dist loadfile --no-loadscope-reorder "${ignored[@]}" ${SUITE_PATHS:-}
   unset CORE_RL_COLLECTED
-  if [ -n "$wrap" ] && grep -q "KeyboardInterrupt" "$OUT/suite.log" 2>/dev/null; then
+  if [ -n "$wrap" ] && [ "$pytest_rc" -eq 124 ]; then
     echo "== suite: stopped at SUITE_TIMEOUT=$SUITE_TIMEOUT s; go on with the rest:" \
-      "OUT=<another folder> SUITE_SKIP_PASSED=$OUT/suite.xml bash scripts/gpu_check.sh suite"
+      "OUT=<another folder> SUITE_SKIP_PASSED=\"${SUITE_SKIP_PASSED:+$SUITE_SKIP_PASSED }$OUT/suite.xml\" SUITE_TIMEOUT=$SUITE_TIMEOUT" \
+      "${SUITE_PATHS:+SUITE_PATHS=\"$SUITE_PATHS\" }bash scripts/gpu_check.sh suite"
   fi
 fi
 if has gpu; then

@@ -1,5 +1,6 @@
 """Summarise a pytest JUnit XML file: totals, every failure and error with its last message line, and
-the skips grouped by reason. Exit status 1 when anything failed or errored, else 0.
+the skips grouped by reason. Exit status 1 when anything failed or errored, or the run was stopped
+before its end (a deadline, Ctrl-C), else 0.
 
 Usage: python scripts/junit_summary.py FILE.xml
        python scripts/junit_summary.py --passed-files FILE.xml   the test files every collected test of
@@ -28,12 +29,10 @@ def summarise(path: str) -> int:
     counts: collections.Counter[str] = collections.Counter()
     problems: list[str] = []
     skips: collections.Counter[str] = collections.Counter()
-    interrupted = False
+    stopped = False  # a deadline's SIGINT (gpu_check.sh's SUITE_TIMEOUT) or Ctrl-C: no test's fault
     for case in root.iter("testcase"):
-        if case.get("name") is None:  # what pytest writes for the test a stop cut off: it did not pass
-            continue
-        if is_interruption(case):  # a deadline's SIGINT (gpu_check.sh's SUITE_TIMEOUT) or Ctrl-C: no test's fault
-            interrupted = True
+        if case.get("name") is None or is_interruption(case):  # what pytest writes for a test a stop cut off
+            stopped = True
             continue
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
         outcome = "passed"
@@ -52,20 +51,21 @@ def summarise(path: str) -> int:
                 skips[reason[:160]] += 1
         counts[outcome] += 1
     print("   " + ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "error", "skipped") if counts[k]))
-    if interrupted:
-        print(f"   interrupted before the end (KeyboardInterrupt: a deadline or Ctrl-C){not_run(root, path)}")
+    if stopped:
+        print(f"   stopped before the end (a deadline or Ctrl-C){not_run(root, path)}")
     for line in problems:
         print(line)
     if skips:
         print("   skipped, by reason:")
         for reason, n in skips.most_common():
             print(f"    {n:4d}  {reason}")
-    return 1 if counts["failed"] or counts["error"] or interrupted else 0
+    return 1 if counts["failed"] or counts["error"] or stopped else 0
 
 
 def is_interruption(case: ET.Element) -> bool:
     """Whether ``case`` is pytest's record of the session itself stopped by ``KeyboardInterrupt``
-    (its ``pytest::internal`` error; with pytest-xdist the controller's traceback ends in another error)."""
+    (its ``pytest::internal`` error, which pytest-xdist's controller writes when the interruption
+    races its own shutdown; otherwise a stop leaves only a nameless ``testcase`` per test it cut off)."""
     if (case.get("classname"), case.get("name")) != ("pytest", "internal"):
         return False
     return any(child.tag == "error" and "KeyboardInterrupt" in (child.text or "") for child in case)

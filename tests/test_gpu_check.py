@@ -53,6 +53,7 @@ def test_the_suite_writes_what_it_collected(tmp_path: Path) -> None:
         "test_the_suite_writes_what_it_collected",
         "test_passed_files_are_those_whose_collected_tests_all_passed",
         "test_a_suite_stopped_by_its_deadline_is_reported_as_stopped_not_as_an_error",
+        "test_the_suite_goes_on_from_several_earlier_runs_and_says_how_after_its_deadline",
         "test_the_gpu_check_refuses_without_cuda",
         "test_the_sources_digest_follows_the_wheels_sources_not_ignored_files",
         "test_a_nested_repository_counts_with_its_files",
@@ -98,23 +99,87 @@ RuntimeError: release unlocked lock</error></testcase>
 
 
 def test_a_suite_stopped_by_its_deadline_is_reported_as_stopped_not_as_an_error(tmp_path: Path) -> None:
-    """A deadline's SIGINT leaves pytest's ``pytest::internal`` error ending in ``KeyboardInterrupt``:
-    the summary says the run stopped and how many collected tests have no result, counts no test
-    error for it, and still exits 1 (an unfinished suite has not passed). Any other internal error
-    is an error."""
+    """A deadline's SIGINT leaves a nameless ``testcase`` for each test it cut off or, when it races
+    pytest-xdist's shutdown, pytest's ``pytest::internal`` error ending in ``KeyboardInterrupt``:
+    either way the summary says the run stopped and how many collected tests have no result, counts
+    no test error for it, and exits 1 (an unfinished suite has not passed). Any other internal error
+    is an error; a finished run of passing tests exits 0."""
     script = ROOT / "scripts" / "junit_summary.py"
-    (tmp_path / "suite.xml").write_text(INTERRUPTED)
     (tmp_path / "collected.txt").write_text(COLLECTED)
-    proc = subprocess.run([sys.executable, str(script), "suite.xml"], capture_output=True, text=True, cwd=tmp_path)
-    assert proc.returncode == 1, proc.stderr
-    lines = proc.stdout.splitlines()
-    assert lines[0].split() == ["1", "passed,", "1", "skipped"]
-    assert "interrupted before the end" in lines[1] and "6 of the 8 collected tests have no result" in lines[1]
-    assert "ERROR" not in proc.stdout
-    (tmp_path / "suite.xml").write_text(INTERRUPTED.replace("KeyboardInterrupt\n", "OSError: disk full\n"))
-    other = subprocess.run([sys.executable, str(script), "suite.xml"], capture_output=True, text=True, cwd=tmp_path)
+
+    def summary(xml: str) -> subprocess.CompletedProcess[str]:
+        (tmp_path / "suite.xml").write_text(xml)
+        return subprocess.run([sys.executable, str(script), "suite.xml"], capture_output=True, text=True, cwd=tmp_path)
+
+    cut_off = INTERRUPTED.replace(
+        INTERRUPTED[INTERRUPTED.index('<testcase classname="pytest"') : INTERRUPTED.index("</testsuite>")],
+        '<testcase time="0.000"/>\n<testcase time="0.000"/>\n',
+    )
+    for xml in (INTERRUPTED, cut_off):
+        proc = summary(xml)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        lines = proc.stdout.splitlines()
+        assert lines[0].split() == ["1", "passed,", "1", "skipped"]
+        assert "stopped before the end" in lines[1] and "6 of the 8 collected tests have no result" in lines[1]
+        assert "ERROR" not in proc.stdout
+    other = summary(INTERRUPTED.replace("KeyboardInterrupt\n", "OSError: disk full\n"))
     assert other.returncode == 1 and "1 error" in other.stdout and "ERROR pytest::internal" in other.stdout
-    assert "interrupted" not in other.stdout
+    assert "stopped" not in other.stdout
+    finished = summary(cut_off.replace('<testcase time="0.000"/>\n', ""))
+    assert finished.returncode == 0 and "stopped" not in finished.stdout, finished.stdout
+
+
+STAND_IN = """#!/usr/bin/env bash
+# an interpreter that says CUDA is there, records pytest's arguments and outlives the deadline
+case "$*" in
+  *torch.cuda.is_available*) exit 0 ;;
+  *get_device_properties*) echo "gpu_check: 1 x stand-in GPU"; exit 0 ;;
+  "-m pytest"*) echo "$@" > "$PYTEST_ARGS"; trap 'exit 2' INT; sleep 60 & wait; exit 2 ;;
+  *) exec "$REAL_PYTHON" "$@" ;;
+esac
+"""
+
+
+def test_the_suite_goes_on_from_several_earlier_runs_and_says_how_after_its_deadline(tmp_path: Path) -> None:
+    """``SUITE_SKIP_PASSED`` takes the JUnit files of several earlier runs (space-separated) and
+    leaves out the files that passed in any; a suite stopped by ``SUITE_TIMEOUT`` prints the command
+    that goes on, with every earlier run, this one, the deadline and the part (``SUITE_PATHS``).
+    CUDA is the stand-in interpreter's word here (the real check ran on a GPU machine)."""
+    runs = {"run1": "tests/test_gpu_check.py", "run2": "tests/test_state_items.py"}
+    for run, file in runs.items():
+        (tmp_path / run).mkdir()
+        module = file.removesuffix(".py").replace("/", ".")
+        (tmp_path / run / "suite.xml").write_text(
+            f'<testsuites><testsuite><testcase classname="{module}" name="test_one"/></testsuite></testsuites>'
+        )
+        (tmp_path / run / "collected.txt").write_text(f"{file}::test_one\n")
+    stand_in = tmp_path / "python"
+    stand_in.write_text(STAND_IN)
+    stand_in.chmod(0o755)
+    earlier = f"{tmp_path / 'run1' / 'suite.xml'} {tmp_path / 'run2' / 'suite.xml'}"
+    env = {
+        **os.environ,
+        "PYTHON": str(stand_in),
+        "REAL_PYTHON": sys.executable,
+        "PYTEST_ARGS": str(tmp_path / "args.txt"),
+        "OUT": str(tmp_path / "run3"),
+        "SUITE_SKIP_PASSED": earlier,
+        "SUITE_TIMEOUT": "2",
+        "SUITE_PATHS": "tests plugins/engines",
+        "WORKERS": "1",
+    }
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "suite"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    args = (tmp_path / "args.txt").read_text().split()
+    ignored = [args[i + 1] for i, arg in enumerate(args) if arg == "--ignore"]
+    assert ignored == list(runs.values()) and args[-2:] == ["tests", "plugins/engines"], args
+    assert "== suite: leaving out 2 files that passed in" in proc.stdout
+    assert "== suite: exit 124" in proc.stdout
+    hint = next(line for line in proc.stdout.splitlines() if line.startswith("== suite: stopped at SUITE_TIMEOUT=2 s"))
+    assert f'SUITE_SKIP_PASSED="{earlier} {tmp_path / "run3" / "suite.xml"}"' in hint
+    assert 'SUITE_TIMEOUT=2 SUITE_PATHS="tests plugins/engines" bash scripts/gpu_check.sh suite' in hint
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
