@@ -68,7 +68,6 @@ PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (39, 35, 34, 31, 28, 27, 24, 17)
     "manylinux1_x86_64",
     "linux_x86_64",
 ]
-#: what the test suite needs beyond core-rl's own requirements (requirements-dev.txt)
 #: what the test suite needs besides core-rl and its plugins: requirements-dev.txt's requirements but the
 #: editable installs and the linter
 DEV_REQUIREMENTS = ROOT / "requirements-dev.txt"

@@ -21,6 +21,7 @@ def source_files(root: Path) -> Iterator[Path]:
     ignore where ``root`` is a git checkout (as the wheels leave ignored files out), else every file
     but compiled bytecode and packaging metadata (a copy of a checkout holds no ignored files but those)."""
     listed = _git_files(root)
+    folders = [name for name in listed or () if name.endswith("/")]  # a nested repository, listed whole
     roots = [root / "pyproject.toml", root / "core"]
     for project in sorted((root / "plugins").glob("*/*/pyproject.toml")):
         roots += [project, project.parent / "src"]
@@ -29,7 +30,6 @@ def source_files(root: Path) -> Iterator[Path]:
         for path in files:
             rel = path.relative_to(root)
             if listed is not None:
-                folders = [name for name in listed if name.endswith("/")]  # a nested repository, listed whole
                 inside = any(rel.as_posix().startswith(folder) for folder in folders) and _kept_by_walk(rel, path)
                 if rel.as_posix() in listed or inside:
                     yield path
