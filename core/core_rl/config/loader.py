@@ -6,7 +6,8 @@
    plugin does not take are dropped, with a note;
 3. the selected algorithm's recipe defaults, merged under the result (a section the user points
    at another plugin replaces the recipe's);
-4. ``${...}`` interpolation (OmegaConf);
+4. ``${...}`` interpolation (OmegaConf); a ``model_path`` / ``tokenizer_path`` naming a ``.gguf``
+   file becomes the Hugging Face directory converted from it (:mod:`core_rl.gguf`, cached);
 5. typed structuring and validation (cattrs into :mod:`core_rl.config.schema`,
    :mod:`core_rl.config.converter`), then each selected plugin's own section by its
    ``config_cls`` (:mod:`core_rl.config.sections`), the keys derived from others
@@ -32,6 +33,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from core_rl import gguf
 from core_rl.components import build_component
 from core_rl.config.converter import CONVERTER, TypeMismatch, make_converter, structure
 from core_rl.config.derived import INTERPOLATION, derive_schedules, interpolations, record
@@ -269,6 +271,9 @@ def load_config(
     source = str(path) if path is not None else None
     unresolved = _merged(path, overrides, host, notify or _stderr_note)
     data = _resolved(unresolved, source)
+    gguf_problems = gguf.resolve_model_paths(data, notify or _stderr_note)  # a .gguf file -> its HF directory
+    if gguf_problems:
+        raise ConfigError(gguf_problems, source=source)
     try:
         cfg: RunConfig = structure(data, RunConfig)
     except ConfigError as exc:

@@ -55,18 +55,25 @@ def state_items(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                 yield base + name, buffer
 
 
-def tied_aliases(model: nn.Module) -> set[str]:
-    """Names under which ``model`` holds a parameter it already holds under an earlier name (tied
-    weights, e.g. an output head tied to the input embedding). Decided from the module alone, so
-    every rank skips the same names (and draws the same collectives); a receiver counts a tied name
-    as given with its twin."""
-    seen: set[int] = set()
-    aliases: set[str] = set()
+def tied_sources(model: nn.Module) -> dict[str, str]:
+    """``{alias: first name}`` for every name under which ``model`` holds a parameter it already
+    holds under an earlier name (tied weights, e.g. an output head tied to the input embedding:
+    ``{"lm_head.weight": "model.embed_tokens.weight"}``). Decided from the module alone, so every
+    rank decides the same."""
+    first: dict[int, str] = {}
+    sources: dict[str, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen:
-            aliases.add(name)
-        seen.add(id(param))
-    return aliases
+        if id(param) in first:
+            sources[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return sources
+
+
+def tied_aliases(model: nn.Module) -> set[str]:
+    """The aliases of :func:`tied_sources`: every rank skips the same names (and draws the same
+    collectives); a receiver counts a tied name as given with its twin."""
+    return set(tied_sources(model))
 
 
 def hf_buckets(

@@ -6,7 +6,8 @@ Layout every engine shares (engines add their own files)::
 
     meta.json                       format, engine, step, world size, whether optimizer state exists
                                     (``optimizer``) and what became of it (``optimizer_state``)
-    model.safetensors               full (unsharded) weights
+    model.safetensors               full (unsharded) weights, a tied weight once (its other names in
+                                    the file's metadata: :func:`save_model_weights`)
     optimizer.{json,safetensors}    full optimizer state, keyed by parameter name
     extra.{json,safetensors}        the trainer's ``extra`` (e.g. the data position)
     rng/rank{r}.{json,safetensors}  each rank's RNG states
@@ -16,9 +17,11 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from core_rl import checkpointing as ckpt
 from core_rl.engine_utils import distributed as dist_utils
@@ -90,6 +93,74 @@ def restores_optimizer(meta: dict[str, Any], final: Path, load: bool) -> bool:
             "schedule and RNG still resume), or resume from a checkpoint saved with its optimizer state"
         )
     return load and record == OPTIMIZER_SAVED
+
+
+#: the metadata key of ``model.safetensors`` that lists its tied names: JSON ``{alias: name}``
+TIED_METADATA_KEY = "core_rl.tied"
+
+
+def shared_names(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """``{alias: first name}`` for every entry of ``state`` that is the same tensor data as an earlier
+    entry (same storage, offset, shape, strides and dtype: tied weights, as a full state dict of a
+    model with an output head tied to its embedding holds them)."""
+    first: dict[tuple, str] = {}
+    aliases: dict[str, str] = {}
+    for name, tensor in state.items():
+        if tensor.device.type == "meta":
+            continue
+        key = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tensor.stride(),
+            tensor.dtype,
+        )
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
+
+
+def save_model_weights(file: Path, state: Mapping[str, torch.Tensor], *, tied: Mapping[str, str] | None = None) -> None:
+    """Write the weights ``state`` to the safetensors ``file``. A tied weight is written once, under
+    its first name; its other names go to the file's metadata (:data:`TIED_METADATA_KEY`), and
+    :func:`load_model_weights` gives them back. Tied names are those of ``tied`` (``{alias: name}``,
+    :func:`core_rl.engine_utils.buckets.tied_sources` of the model, for engines whose state dicts
+    hold a copy per name) and every entry that shares its data with an earlier one
+    (:func:`shared_names`); safetensors refuses to write shared tensors. Other entries that
+    overlap in memory are written as copies of their own."""
+    from safetensors.torch import save_file
+
+    aliases = {**shared_names(state), **{a: n for a, n in (tied or {}).items() if a in state and n in state}}
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in state.items():
+        if name in aliases:
+            continue
+        ptr = tensor.untyped_storage().data_ptr() if tensor.device.type != "meta" else None
+        # a view sharing storage with another entry without being the same tensor: its own copy
+        tensors[name] = tensor.clone() if ptr in seen and ptr else tensor.contiguous()
+        if ptr:
+            seen.add(ptr)
+    save_file(tensors, str(file), metadata={TIED_METADATA_KEY: json.dumps(aliases, sort_keys=True)})
+
+
+def load_model_weights(file: Path) -> dict[str, torch.Tensor]:
+    """What :func:`save_model_weights` wrote: every name, a tied name as the same tensor as its twin."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(file), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    state = load_file(str(file))
+    aliases = json.loads(metadata.get(TIED_METADATA_KEY, "{}"))
+    missing = sorted({name for name in aliases.values() if name not in state})
+    if missing:
+        raise ckpt.CheckpointFormatError(f"{file}: tied names point at absent weights {missing[:5]}")
+    for alias, name in aliases.items():
+        state[alias] = state[name]
+    return state
 
 
 def write_meta(directory: Path, meta: dict[str, Any]) -> None:

@@ -49,6 +49,16 @@ class TinyModelMixin:
 
         return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, **cls.tiny_model_options)
 
+    @pytest.fixture(scope="class")
+    @classmethod
+    def tied_model_path(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        """The tiny model with its output head tied to its input embedding (as Qwen2.5-0.5B, Qwen3-0.6B,
+        Llama-3.2-1B, Gemma and SmolLM2 have it)."""
+        from core_rl.tiny import build_tiny_model
+
+        options = {**cls.tiny_model_options, "tie_word_embeddings": True}
+        return build_tiny_model(tmp_path_factory.mktemp("tied") / "model", seed=0, **options)
+
 
 class TrainEngineContract(OptimizerStateContract, TopkLogprobsContract, TinyModelMixin, ComponentContract):
     """A train engine on a tiny model (one process): log-probs agree with transformers, training
@@ -230,6 +240,56 @@ class TrainEngineContract(OptimizerStateContract, TopkLogprobsContract, TinyMode
             torch.testing.assert_close(value, final_a[key], atol=1e-6, rtol=1e-5)
         a.close()
         b.close()
+
+    # -- tied embeddings (most real models: the output head is the input embedding) ------------
+
+    def test_tied_model_saves_and_resumes_bitwise(self, tied_model_path: Path, tmp_path: Path) -> None:
+        """A model whose output head is tied to its embedding trains, saves (a checkpoint at every
+        step), and a run resumed from the first checkpoint ends two steps later bit for bit where the
+        uninterrupted run did, the head still tied to the embedding in both."""
+        opt = OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1)
+        batches = [make_rl_batch(seed=s) for s in range(3)]
+        a = self.make(tied_model_path, optimizer=opt)
+        for step, batch in enumerate(batches):
+            a.train_step(batch, _nll_loss)
+            a.save_state(tmp_path / f"step{step + 1}", {"step": step + 1})
+        final_a = a.full_state_dict()
+        a.close()
+        _assert_tied(final_a)
+        b = self.make(tied_model_path, optimizer=opt)
+        assert b.load_state(tmp_path / "step1")["step"] == 1 and b.step == 1
+        for batch in batches[1:]:
+            b.train_step(batch, _nll_loss)
+        final_b = b.full_state_dict()
+        _assert_tied(final_b)
+        assert set(final_b) == set(final_a)
+        for key, value in final_b.items():
+            gap = (value - final_a[key]).abs().max()
+            assert torch.equal(value, final_a[key]), f"{key} differs after the resume by {gap}"
+        b.close()
+
+    def test_tied_model_exports_and_sends_its_weights(self, tied_model_path: Path, tmp_path: Path) -> None:
+        """After an update, a tied model's Hugging Face export reloads in transformers still tied and
+        with the engine's log-probs, and its weight buckets (what a weight sync sends) hold its full
+        state, the tied weight once."""
+        from transformers import AutoModelForCausalLM
+
+        engine = self.make(tied_model_path, optimizer=OptimizerConfig(name="adamw", lr=1e-2))
+        batch = make_rl_batch()
+        engine.train_step(batch, _nll_loss)
+        check_weight_buckets(engine)
+        names = [name for bucket in engine.hf_weight_buckets(4096) for name in bucket]
+        assert len(names) == len(set(names)) and not ({"lm_head.weight", "model.embed_tokens.weight"} <= set(names))
+        engine.export_hf(tmp_path / "export")
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
+        assert model.config.tie_word_embeddings
+        assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+        torch.testing.assert_close(
+            model.lm_head.weight, engine.full_state_dict()["model.embed_tokens.weight"], atol=0, rtol=0
+        )
+        want = hf_logprobs(tmp_path / "export", batch["input_ids"], batch["attention_mask"])
+        torch.testing.assert_close(engine.compute_logprobs(batch), want, atol=self.logprob_atol, rtol=0)
+        engine.close()
 
     @pytest.mark.parametrize("optimizer", OPTIMIZER_CHOICES, ids=lambda o: o.name)
     def test_optimizer_choice_trains_and_resumes_exactly(
@@ -433,6 +493,12 @@ class TrainEngineContract(OptimizerStateContract, TopkLogprobsContract, TinyMode
             torch.testing.assert_close(value, want[key], atol=1e-6, rtol=1e-5)
         a.close()
         b.close()
+
+
+def _assert_tied(state: dict[str, torch.Tensor]) -> None:
+    """The output head of a full state dict equals its input embedding (where it lists the head)."""
+    if "lm_head.weight" in state:
+        assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]), "the head came untied"
 
 
 def _with_returns(batch: TensorBatch) -> TensorBatch:

@@ -33,7 +33,7 @@ from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import distributed as dist_utils
 from core_rl.engine_utils import hf, lora, ulysses
 from core_rl.engine_utils import state as state_files
-from core_rl.engine_utils.buckets import hf_buckets, tied_aliases
+from core_rl.engine_utils.buckets import hf_buckets, tied_aliases, tied_sources
 from core_rl.engine_utils.export import export_adapter_dir, export_model_dir
 from core_rl.engine_utils.optim import build_optimizer, check_schedule, decay_groups, placed_scalar_state
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner, check_temperature
@@ -320,6 +320,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         checkpoint loadable on any number of ranks and any ZeRO stage. Collective."""
         self._check_trainable("save_state")
         model_state = self._wrapped_state_dict(masters=True)  # fp32 masters: a resume is exact
+        tied = tied_sources(self.model)  # gathered once per name: written once
         record = state_files.optimizer_record(any(self._base_optimizer().state.values()), optimizer)
         optim_state = self._optimizer_state() if record == state_files.OPTIMIZER_SAVED else None
         loss_scale = loss_scale_state(self.optimizer)  # float16's dynamic scale
@@ -328,9 +329,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
             state_files.save_rng(tmp, self.rank)
             if self.rank != 0:
                 return
-            from safetensors.torch import save_file
-
-            save_file({k: v.contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+            state_files.save_model_weights(tmp / "model.safetensors", model_state, tied=tied)
             if optim_state is not None:
                 ckpt.save_tree(tmp, "optimizer", optim_state)
             ckpt.save_tree(tmp, "extra", dict(extra))
@@ -358,9 +357,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         final = Path(path).absolute()
         meta = state_files.read_meta(final, engine=ENGINE_NAME, format_version=CHECKPOINT_FORMAT)
         restore_optim = state_files.restores_optimizer(meta, final, optimizer)
-        from safetensors.torch import load_file
-
-        model_state = load_file(str(final / "model.safetensors"))
+        model_state = state_files.load_model_weights(final / "model.safetensors")
         self._load_weights(model_state)
         self.reset_optimizer()
         if restore_optim:

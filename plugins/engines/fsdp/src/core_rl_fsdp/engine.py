@@ -21,7 +21,7 @@ import torch
 from core_rl import checkpointing as ckpt
 from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import lora, ulysses
-from core_rl.engine_utils.buckets import hf_buckets, state_items, tied_aliases
+from core_rl.engine_utils.buckets import hf_buckets, state_items, tied_aliases, tied_sources
 from core_rl.engine_utils.export import export_adapter_dir, export_model_dir
 from core_rl.engine_utils.hf import architecture_name, exported_architecture, torch_dtype
 from core_rl.engine_utils.muon import embeddings_and_head
@@ -29,8 +29,10 @@ from core_rl.engine_utils.optim import build_optimizer, check_schedule, restore_
 from core_rl.engine_utils.runner import EngineState, MicroBatchRunner, check_temperature
 from core_rl.engine_utils.state import (
     OPTIMIZER_SAVED,
+    load_model_weights,
     optimizer_record,
     restores_optimizer,
+    save_model_weights,
     write_collectively,
     write_meta,
 )
@@ -221,7 +223,8 @@ class FSDPEngine(EngineState, TrainEngine):
 
         - ``meta.json``: format, step, world size, whether optimizer state is saved (``optimizer``)
           and what became of it (``optimizer_state``, :mod:`core_rl.engine_utils.state`);
-        - ``model.safetensors``: the full (unsharded) weights, gathered on rank 0;
+        - ``model.safetensors``: the full (unsharded) weights, gathered on rank 0, a tied weight once
+          (:func:`core_rl.engine_utils.state.save_model_weights`);
         - ``optimizer.{json,safetensors}``: the full optimizer state (keyed by parameter name),
           unless ``optimizer`` is false or there is none yet;
         - ``extra.{json,safetensors}``: ``extra`` (e.g. the data position), from rank 0;
@@ -243,9 +246,7 @@ class FSDPEngine(EngineState, TrainEngine):
             optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=full) if has_optim else None
             ckpt.save_tree(tmp / "rng", f"rank{self.rank}", ckpt.capture_rng())
             if self.rank == 0:
-                from safetensors.torch import save_file
-
-                save_file({k: v.contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+                save_model_weights(tmp / "model.safetensors", model_state, tied=tied_sources(self.model))
                 if optim_state is not None:
                     ckpt.save_tree(tmp, "optimizer", optim_state)
                 ckpt.save_tree(tmp, "extra", dict(extra))
@@ -302,9 +303,7 @@ class FSDPEngine(EngineState, TrainEngine):
         model_state: dict[str, torch.Tensor] = {}
         optim_state: dict[str, Any] = {}
         if self.rank == 0:
-            from safetensors.torch import load_file
-
-            model_state = load_file(str(final / "model.safetensors"))
+            model_state = load_model_weights(final / "model.safetensors")
             if restore_optim:
                 optim_state = ckpt.load_tree(final, "optimizer")
         broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
