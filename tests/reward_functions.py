@@ -48,3 +48,9 @@ def solves_ab(response: str, row: dict) -> float:
     """1 for every answer to the prompt whose answer is ``ab``, 0 for every other: one prompt always
     solved, whatever the policy says (``data.difficulty_filter``'s run test)."""
     return 1.0 if row["answer"] == "ab" else 0.0
+
+
+def digit_fraction(response: str) -> float:
+    """The fraction of the response's characters that are digits: a reward that differs between any
+    two samples of a real model's free text, so a GRPO group's advantages are not all zero."""
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
