@@ -28,7 +28,7 @@ def real_gguf(real_model: Path) -> Path:
 def test_the_conversion_holds_the_model_transformers_reads_from_the_file(real_model: Path, real_gguf: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    assert real_model == gguf.converted_dir(real_gguf, gguf.file_digest(real_gguf))
+    assert real_model == gguf.converted_dir(gguf.file_digest(real_gguf))
     converted = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32)
     direct = AutoModelForCausalLM.from_pretrained(str(real_gguf.parent), gguf_file=real_gguf.name, dtype=torch.float32)
     assert converted.config.tie_word_embeddings and converted.config.vocab_size == 49152
@@ -68,7 +68,7 @@ def test_a_converted_file_is_found_by_its_digest_not_its_path(
     assert gguf.ensure_converted(copy) == real_model
     with open(copy, "ab") as handle:
         handle.write(b"\0")
-    assert gguf.converted_dir(copy, gguf.file_digest(copy)) != real_model
+    assert gguf.converted_dir(gguf.file_digest(copy)) != real_model
 
 
 def test_concurrent_processes_convert_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -101,7 +101,7 @@ def test_a_failed_conversion_leaves_nothing_behind(tmp_path: Path, monkeypatch: 
     source.write_bytes(b"not a gguf file at all")
     with pytest.raises(gguf.GGUFError, match="broken.gguf: transformers cannot read it"):
         gguf.ensure_converted(source)
-    target = gguf.converted_dir(source, gguf.file_digest(source))
+    target = gguf.converted_dir(gguf.file_digest(source))
     assert not target.exists()
     assert [p.name for p in target.parent.iterdir() if not p.name.endswith(".lock")] == []
 

@@ -11,9 +11,9 @@ directory, which is what every engine and inference server then loads:
 - a ``generation_config.json`` from the file's bos/eos/pad ids;
 - ``core-rl-gguf.json``: the source file, its SHA-256 and when it was converted.
 
-The directory lives in the cache, ``$CORE_RL_HOME/models/<file stem>-<first 16 hex digits of the
-file's SHA-256>`` (``CORE_RL_HOME`` defaults to ``~/.cache/core-rl``), so the same file is converted
-once whatever its path, and a changed file gets a directory of its own. Conversion is written to a
+The directory lives in the cache, ``$CORE_RL_HOME/models/gguf-<first 16 hex digits of the file's
+SHA-256>`` (``CORE_RL_HOME`` defaults to ``~/.cache/core-rl``), so the same file is converted once
+whatever its name or path, and a changed file gets a directory of its own. Conversion is written to a
 partial directory and moved into place when complete, under a lock: concurrent processes (the ranks
 of one run) convert once and the others wait.
 
@@ -63,10 +63,9 @@ def file_digest(path: Path) -> str:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
-def converted_dir(path: Path, digest: str) -> Path:
-    """Where the conversion of the GGUF file ``path`` with SHA-256 ``digest`` lives."""
-    stem = path.name[: -len(SUFFIX)]
-    return models_root() / f"{stem}-{digest[:16]}"
+def converted_dir(digest: str) -> Path:
+    """Where the conversion of the GGUF file with SHA-256 ``digest`` lives (whatever its name)."""
+    return models_root() / f"gguf-{digest[:16]}"
 
 
 @contextlib.contextmanager
@@ -89,7 +88,7 @@ def ensure_converted(path: str | os.PathLike[str], notify: Callable[[str], None]
     if not source.is_file():
         raise GGUFError(f"{source}: no such GGUF file")
     digest = file_digest(source)
-    target = converted_dir(source, digest)
+    target = converted_dir(digest)
     if (target / RECORD).is_file():
         return target
     with _locked(target):
@@ -102,7 +101,12 @@ def ensure_converted(path: str | os.PathLike[str], notify: Callable[[str], None]
         tmp = atomic_files.prepare_partial(target)
         try:
             convert(source, tmp)
-            record = {"source": str(source), "sha256": digest, "seconds": round(time.perf_counter() - start, 1)}
+            record = {
+                "source": str(source),
+                "sha256": digest,
+                "converted": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "seconds": round(time.perf_counter() - start, 1),
+            }
             (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
         except BaseException:
             atomic_files.discard_partial(target)
