@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from core_rl import gguf
 from core_rl.testing import real_model as real
 

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from core_rl.testing.launch import run_train
 
 STEPS = 2

