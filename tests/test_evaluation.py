@@ -273,3 +273,42 @@ def test_core_rl_eval_without_an_eval_section_is_one_message(setup, capsys) -> N
         "core-rl: error: invalid configuration:",
         "  - eval: the configuration has no eval section; add eval.files (the prompts to evaluate)",
     ]
+
+
+def test_greedy_evaluation_in_one_batch_answers_as_in_chunks(setup, monkeypatch, capsys) -> None:
+    """``eval.batch_size: auto`` (the default) sends every prompt to the engine in one ``generate``
+    call, where ``data.batch_size`` chunks (``eval.batch_size: 0``) took one per 2 prompts; greedy
+    answers and metrics are the same, in the same order."""
+    from core_rl import cli
+    from core_rl.config.eval_config import EvalConfig, EvalSamplingConfig
+    from core_rl.config.validators import MAX_COUNT
+    from core_rl_hf.engine import HFRolloutEngine
+
+    sampled = EvalConfig(files=["x"], sampling=EvalSamplingConfig(greedy=False, n=4))
+    assert (sampled.prompts_per_batch(10, 2), sampled.prompts_per_batch(MAX_COUNT, 2)) == (10, MAX_COUNT // 4)
+    # 13 prompts of 1 to 6 characters, answers up to 8 tokens
+    words = ["".join("abcd"[(i * 7 + j * 3) % 4] for j in range(1 + i % 6)) for i in range(13)]
+    (setup["root"] / "many.jsonl").write_text(_rows([(w, "x") for w in words]))
+    calls: list[int] = []
+    generate = HFRolloutEngine.generate
+
+    def counted(self, prompts, sampling):
+        calls.append(len(prompts))
+        return generate(self, prompts, sampling)
+
+    monkeypatch.setattr(HFRolloutEngine, "generate", counted)
+    runs = setup["root"] / "runs"
+    got = {}
+    for name, size in (("chunks", "0"), ("auto", "auto")):
+        calls.clear()
+        overrides = [f"eval.files=[{setup['root']}/many.jsonl]", f"eval.batch_size={size}"]
+        args = ["eval", str(setup["config"]), f"experiment.name=batches_{name}", *overrides]
+        assert cli.main([*args, "eval.sampling.max_new_tokens=8", "--json"]) == 0
+        metrics = json.loads(capsys.readouterr().out)
+        metrics.pop("timing/eval_s")
+        answers = (runs / f"batches_{name}" / "eval" / "step_000000.jsonl").read_text()
+        got[name] = (list(calls), metrics, answers)
+    assert got["chunks"][0] == [2] * 6 + [1] and got["auto"][0] == [13]
+    assert got["auto"][1] == got["chunks"][1] and got["auto"][1]["eval/prompts"] == 13
+    assert got["auto"][2] == got["chunks"][2]
+    assert [json.loads(line)["prompt"] for line in got["auto"][2].splitlines()] == [f"{w}=" for w in words]

@@ -72,7 +72,8 @@ def test_grpo_through_a_server_learns(tiny_grpo_warm, engine: str, sync: str) ->
     # every step samples with the weights being trained: the k3 KL of the update's policy to the
     # behaviour log-probs is float32 rounding (~1e-13 measured for both servers, as for hf); samples
     # one version old at this learning rate are 0.24-1.6 away (the async example's offpolicy/kl_behave_old)
-    assert max(r["actor/approx_kl"] for r in rows) < 1e-8, [r["actor/approx_kl"] for r in rows]
+    kl = [r["actor/approx_kl"] for r in rows if not r["actor/zero_signal_update"]]  # those skip the forward pass
+    assert kl and max(kl) < 1e-8, kl
     first, last = fitted_rise(rows)
     print(f"{engine} ({sync}): reward {first:.3f} -> {last:.3f}")
     # the fitted rise is ~5 standard errors above 0.03 (measured rises are listed in the README)

@@ -191,6 +191,14 @@ class GuardedLoss(_StatefulGuard, PolicyLoss):
     def set_rejection_sampler(self, sampler: RejectionSampler | None) -> None:
         calling(self.words, "receiving the rejection sampler", self.inner.set_rejection_sampler, sampler)
 
+    def has_gradient(self, batch: TensorBatch) -> bool:
+        out = calling(self.words, "telling whether a step has a gradient", self.inner.has_gradient, batch)
+        if not isinstance(out, bool):
+            raise PluginFault(
+                f"{self.words} returned {described(out)} from has_gradient; PolicyLoss.has_gradient returns a bool"
+            )
+        return out
+
     def observe_step(self, metrics: Mapping[str, float]) -> dict[str, float]:
         out = calling(self.words, "observing an optimiser step", self.inner.observe_step, metrics)
         return check_metrics(out, self.words, "the metrics of observe_step", "PolicyLoss.observe_step returns")

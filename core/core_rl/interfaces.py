@@ -364,6 +364,18 @@ class PolicyLoss(ABC):
         and returns metrics. Default: nothing."""
         return {}
 
+    def has_gradient(self, batch: TensorBatch) -> bool:
+        """Whether the loss of one optimiser step may move the weights: ``batch`` holds the step's
+        rows of the global batch (after :meth:`prepare`, with their ``loss_weight``). ``False``
+        promises that, whatever the current policy's log-probs and entropy, the gradient of
+        ``sum(per_token_loss * loss_weight)`` over these rows is exactly zero (e.g. every advantage 0
+        and no term without one). The update then skips the step's forward and backward passes and
+        takes the optimiser step a zero gradient gives (:mod:`core_rl.trainer.update`):
+        neither :meth:`__call__` nor :meth:`observe_step` sees that step, so a loss whose
+        :meth:`observe_step` must see every step answers ``True``. A function of ``batch`` and the
+        loss's state (every rank decides alike). Default: ``True`` (every step runs)."""
+        return True
+
     def observe_step(self, metrics: Mapping[str, float]) -> dict[str, float]:
         """Called on every rank after each optimiser step with the engine's metrics of that step
         (global means, the same on every rank: ``entropy``, the token metrics); returns metrics to

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
 from core_rl.config.sampling import SamplingConfig
-from core_rl.config.validators import MAX_COUNT, MAX_STEPS, MAX_TOKENS, each, finite, in_range, not_empty
+from core_rl.config.validators import MAX_COUNT, MAX_STEPS, MAX_TOKENS, auto_or, each, finite, in_range, not_empty
 
 
 @attrs.define
@@ -56,7 +56,10 @@ class EvalConfig:
 
     ``prompt_key``: the prompt column (null: ``data.prompt_key``); the data section's
     ``max_prompt_tokens``, ``apply_chat_template`` and ``filter_overlong_prompts`` apply. ``batch_size``: prompts per
-    generation batch (0: ``data.batch_size``). ``pass_reward``: a sample with at least this reward
+    generation batch: ``auto`` (the default) sends every prompt at once (up to :data:`MAX_COUNT` samples a
+    batch) and leaves the batching to the rollout engine, which bounds its own (the ``hf`` engine generates
+    ``max_batch_size`` sequences at a time, a server schedules the requests it is sent); a number: that many
+    prompts a batch (0: ``data.batch_size``). ``pass_reward``: a sample with at least this reward
     counts as correct (pass@k). ``group_by``: a column (e.g. ``data_source``) whose values get
     metrics of their own (``eval/<column>=<value>/...``). ``sampling``: :class:`EvalSamplingConfig`.
     """
@@ -66,12 +69,19 @@ class EvalConfig:
     every_n_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
     before_train: bool = False
     at_end: bool = True
-    batch_size: int = attrs.field(default=0, validator=in_range(0, MAX_COUNT))
+    batch_size: int | Literal["auto"] = attrs.field(default="auto", validator=auto_or(in_range(0, MAX_COUNT)))
     max_prompts: int = attrs.field(default=0, validator=in_range(0, MAX_COUNT))
     pass_reward: float = attrs.field(default=1.0, validator=finite())
     group_by: str | None = attrs.field(default=None, validator=not_empty())
     save_samples: bool = True
     sampling: EvalSamplingConfig = attrs.field(factory=EvalSamplingConfig)
+
+    def prompts_per_batch(self, prompts: int, data_batch_size: int) -> int:
+        """Prompts per generation batch of an evaluation of ``prompts`` prompts (``batch_size``):
+        ``auto``: all of them, at most ``MAX_COUNT // sampling.n``; 0: ``data_batch_size``; at least 1."""
+        if self.batch_size == "auto":
+            return max(1, min(prompts, MAX_COUNT // self.sampling.n))
+        return self.batch_size or data_batch_size
 
     def due(self, step: int, *, last_step: int, start_step: int) -> bool:
         """Whether an evaluation follows step ``step`` (1-based) of a run that starts after step

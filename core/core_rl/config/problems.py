@@ -197,7 +197,7 @@ def eval_problems(cfg: RunConfig, host: PluginHost | None = None) -> list[str]:
             f"eval.sampling: merged into rollout.sampling, {exc.field} {exc.requirement}, got {exc.value!r}; "
             "make the two sections agree"
         )
-    batch = cfg.eval.batch_size or cfg.data.batch_size
+    batch = cfg.eval.prompts_per_batch(MAX_COUNT, cfg.data.batch_size)  # auto: within the bound by itself
     if batch * sampling.n > MAX_COUNT:
         problems.append(
             f"eval.batch_size: {batch} prompts x eval.sampling.n={sampling.n} answers is more than {MAX_COUNT} "

@@ -225,6 +225,25 @@ class PolicyLossContract(ComponentContract):
         assert (lp.grad[batch["response_mask"] == 0] == 0).all()
         assert lp.grad.abs().sum() > 0
 
+    def test_no_gradient_where_it_says_none(self) -> None:
+        """``has_gradient`` answers a bool; where it answers ``False`` (asked here with every
+        advantage 0) the gradient with respect to the log-probs and the entropy is exactly 0: the
+        update skips such a step's forward and backward passes (:meth:`PolicyLoss.has_gradient`)."""
+        loss = self.make()
+        batch = self._batch(loss, seed=3)
+        batch["advantages"] = torch.zeros_like(batch["advantages"])
+        loss.prepare(batch)
+        batch["loss_weight"] = loss.loss_weights(batch["loss_mask"])
+        answer = loss.has_gradient(batch)
+        assert isinstance(answer, bool)
+        if answer:  # every step runs: nothing promised
+            return
+        lp = self._logprobs(batch)
+        ent = torch.rand(lp.shape, generator=torch.Generator().manual_seed(3)).requires_grad_(True)
+        (loss(batch, lp, ent).per_token_loss * batch["loss_weight"]).sum().backward()
+        for grad in (lp.grad, ent.grad):
+            assert grad is None or torch.equal(grad, torch.zeros_like(grad))
+
 
 class SampleFilterContract(ComponentContract):
     """A sample filter returns a bool [B] keep-mask and is deterministic."""

@@ -348,6 +348,36 @@ class TrainEngineContract(OptimizerStateContract, TopkLogprobsContract, TinyMode
         assert engine.train_step(make_rl_batch(), _nll_loss)["nonfinite"] == 0.0
         engine.close()
 
+    def test_a_zero_gradient_step_is_the_step_of_a_zero_loss(self, model_path: Path) -> None:
+        """The optimiser step a zero-signal update takes without its batch
+        (:func:`core_rl.trainer.update.zero_gradient_step`: one two-token row, a loss of exactly 0)
+        is bitwise the step of a batch whose loss is 0 on every token. After a real step (AdamW's
+        moments nonzero, weight decay on) both move the weights alike (momentum and decay: not a
+        no-op), report a loss and gradient norm of 0 at the same rate, and the next real step ends
+        alike too (the moments and step counts agree)."""
+        from core_rl.trainer.update import ZeroLoss, zero_gradient_step
+
+        optimizer = OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1)
+        full, skipped = self.make(model_path, optimizer=optimizer), self.make(model_path, optimizer=optimizer)
+        for engine in (full, skipped):
+            engine.train_step(make_rl_batch(seed=0), _nll_loss)
+        before = full.full_state_dict()
+        a = full.train_step(make_rl_batch(seed=1), ZeroLoss())
+        b = zero_gradient_step(skipped, pad_token_id=0, temperature=1.0)
+        assert (a["loss"], a["grad_norm"], a["nonfinite"]) == (b["loss"], b["grad_norm"], b["nonfinite"]) == (0, 0, 0)
+        assert a["lr"] == b["lr"] and full.step == skipped.step == 2
+        moved = full.full_state_dict()
+        assert any(not torch.equal(moved[k], before[k]) for k in moved), "an update of zero moved nothing"
+        for key, value in skipped.full_state_dict().items():
+            assert torch.equal(value, moved[key]), key
+        for engine in (full, skipped):
+            engine.train_step(make_rl_batch(seed=2), _nll_loss)
+        after = full.full_state_dict()
+        for key, value in skipped.full_state_dict().items():
+            assert torch.equal(value, after[key]), key
+        full.close()
+        skipped.close()
+
     def test_full_state_dict_is_a_snapshot(self, model_path: Path) -> None:
         """Training after :meth:`full_state_dict` leaves its tensors as they were (no storage shared
         with the parameters), so a state taken before a step can be compared with one after."""

@@ -284,13 +284,13 @@ def capped_items(items: list[PromptItem], config: DataConfig, *, seed: int) -> l
 
 def eval_data_config(cfg: RunConfig) -> DataConfig:
     """The data section evaluation reads its files with: ``data``'s prompt settings, the eval
-    files, prompt column and batch size, in file order."""
+    files and prompt column, in file order (the batch size: :meth:`EvalConfig.prompts_per_batch
+    <core_rl.config.eval_config.EvalConfig.prompts_per_batch>`)."""
     assert cfg.eval is not None
     return attrs.evolve(
         cfg.data,
         train_files=list(cfg.eval.files),
         prompt_key=cfg.eval.prompt_key or cfg.data.prompt_key,
-        batch_size=cfg.eval.batch_size or cfg.data.batch_size,
         shuffle=False,
         max_samples=None,
     )

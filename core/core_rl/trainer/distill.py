@@ -70,6 +70,11 @@ class DistillationLoss(WrappingLoss):
         batch["distill_baseline"] = baseline.expand(batch.batch_size).clone()
         return {**self.base.prepare(batch), "distill_baseline": float(baseline)}
 
+    def has_gradient(self, batch: TensorBatch) -> bool:
+        """The distillation term has a gradient unless ``distill_coef`` is 0; the base's term, where
+        ``rl_coef`` is not 0 and the base says so."""
+        return self.distill_coef != 0 or (self.rl_coef != 0 and self.base.has_gradient(batch))
+
     def __call__(self, batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
         mask = batch["response_mask"]
         if self.topk:

@@ -1,10 +1,13 @@
 """Evaluation on held-out prompts while training (the ``eval:`` section,
 :class:`~core_rl.config.eval_config.EvalConfig`), on rank 0.
 
-Every prompt of ``eval.files`` goes, in file order and ``eval.batch_size`` at a time, through the
-run's rollout engine and workflow (a workflow instance of its own) with ``eval.sampling`` merged
-into ``rollout.sampling``; the answers are scored by the run's reward runner and summed up by
-:func:`core_rl.trainer.eval_metrics.eval_metrics`. Nothing is trained on them.
+Every prompt of ``eval.files`` goes, in file order, through the run's rollout engine and workflow
+(a workflow instance of its own) with ``eval.sampling`` merged into ``rollout.sampling``; the answers
+are scored by the run's reward runner and summed up by
+:func:`core_rl.trainer.eval_metrics.eval_metrics`. Nothing is trained on them. The prompts go to the
+engine ``eval.batch_size`` at a time (:meth:`~core_rl.config.eval_config.EvalConfig.prompts_per_batch`):
+by default (``auto``) all at once, as one ``generate`` call (or every request in flight) that the
+engine cuts into the batches its memory allows.
 
 Evaluating does not change what the run trains on: in a synchronous run (nothing generates for
 training meanwhile) the random streams training draws from are restored afterwards: the global ones
@@ -115,7 +118,7 @@ class Evaluator:
             self.items, problems = tokenise_rows(rows, data, tokenizer, files_key="eval.files")
         if problems:
             raise DataError(problems)
-        self.batch_size = data.batch_size
+        self.batch_size = cfg.eval.prompts_per_batch(len(self.items), cfg.data.batch_size)
         self.sampling = cfg.eval.sampling.resolve(cfg.rollout.sampling).to_params()
         run = cfg.rollout.controller
         synchronous = run.max_head_offpolicyness == 0

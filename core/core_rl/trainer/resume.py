@@ -94,6 +94,10 @@ class Checkpointing:
             "advantage": self.advantage.state_dict() if self.advantage is not None else {},
             "loss": self.loss.state_dict() if getattr(self, "loss", None) is not None else {},
             "ptx": ptx.state_dict() if (ptx := getattr(getattr(self, "update", None), "ptx", None)) else {},
+            # the run's count of zero-signal updates (trainer/update.py)
+            "zero_signal": (
+                zero.state_dict() if (zero := getattr(getattr(self, "update", None), "zero_signal", None)) else {}
+            ),
             # data.difficulty_filter's records (trainer/difficulty.py), apart from the data position
             "difficulty": self.data.difficulty.state_dict() if self.data.difficulty is not None else {},
         }
@@ -209,6 +213,8 @@ class Checkpointing:
             self.loss.load_state_dict(extra.get("loss", {}))
         if (ptx := getattr(getattr(self, "update", None), "ptx", None)) is not None:
             ptx.load_state_dict(extra.get("ptx", {}))
+        if (zero := getattr(getattr(self, "update", None), "zero_signal", None)) is not None:
+            zero.load_state_dict(extra.get("zero_signal", {}))
         with waiting_for("the other ranks to send the resumed weights to the rollout engine"):
             self._sync_weights(step)
         if self.is_main:

@@ -230,6 +230,7 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
         self.pad_token_id = self.tokenizer.pad_token_id
         if self.pad_token_id is None:
             self.pad_token_id = self.tokenizer.eos_token_id
+        self.update.pad_token_id = self.pad_token_id
         if self.update.teacher_top_k is not None:  # the tokens the shared tokenizer has, and the actor's embedding
             sizes = (len(self.tokenizer), model_vocab_size(cfg.actor.model_path))
             self.update.student_vocab = min(size for size in sizes if size is not None)
@@ -255,7 +256,7 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
         self.data = PromptSource(cfg.data, self.tokenizer, seed=cfg.experiment.seed, rows=self._data_rows)
         if cfg.algorithm.ptx is not None:
             rows = PTXRows(cfg.algorithm.ptx, cfg.data, self.tokenizer, seed=cfg.experiment.seed)
-            self.update.ptx, self.update.pad_token_id = rows, self.pad_token_id
+            self.update.ptx = rows
         # rank 0's own components: a failure is sent to the other ranks, which would wait otherwise
         error: Exception | None = None
         if self.is_main:

@@ -3,6 +3,18 @@ the critic's values and advantages (with a critic, :mod:`core_rl.trainer.critic`
 whole-batch preparation, then ``ppo_n_minibatches`` optimiser steps per epoch for ``ppo_epochs``
 epochs (none while the critic warms up), then the critic's own steps over the same minibatches.
 
+Zero-signal steps: an optimiser step whose loss cannot have a gradient (the loss's
+:meth:`~core_rl.interfaces.PolicyLoss.has_gradient` is ``False``: under GRPO without KL or entropy
+terms, a minibatch whose groups all scored alike, every advantage 0) skips its forward and backward
+passes over the minibatch. It still takes the optimiser step a zero gradient gives (AdamW decays its
+moments, counts the step, applies weight decay and moves the weights by its momentum; the learning
+rate schedule advances), through the engine's own :meth:`~core_rl.interfaces.TrainEngine.train_step`
+on one two-token row per rank whose loss is exactly 0 with a zero gradient reaching every parameter
+(:func:`zero_gradient_step`), so the weights and optimiser state are bitwise those of the full step.
+Not with ``algorithm.early_stop_kl`` (each step's measured KL decides the next). The step reports
+``loss``, ``grad_norm`` (both 0), ``lr`` and ``nonfinite`` only: no ``entropy`` or token metrics
+of a batch it did not see.
+
 Log-probs are computed on each rank's shard and gathered back into the global batch, so everything
 that looks at the whole batch (the loss's :meth:`~core_rl.interfaces.PolicyLoss.prepare`, each
 minibatch's aggregation weights) sees the same data on every rank, whatever the number of ranks.
@@ -21,11 +33,12 @@ from core_rl import ops
 from core_rl.config.schema import AlgorithmConfig
 from core_rl.engine_utils.metrics import MAX_SUFFIX
 from core_rl.guards import engine_metrics, engine_tensor, engine_topk
-from core_rl.interfaces import AdvantageEstimator, PolicyLoss, TrainEngine
+from core_rl.interfaces import AdvantageEstimator, LossOutput, PolicyLoss, TrainEngine
 from core_rl.protocol import TensorBatch
 from core_rl.trainer.batching import runs_in_update, set_advantages
 from core_rl.trainer.errors import RunFailed
 from core_rl.trainer.ptx import PTXRows, with_ptx
+from core_rl.trainer.streaks import StreakCounter
 
 #: (global batch) -> this rank's rows of it
 Shard = Callable[[TensorBatch], TensorBatch]
@@ -136,6 +149,44 @@ def over_kl(step: dict[str, float], limit: float) -> bool:
     return step["approx_kl"] > limit
 
 
+class ZeroLoss:
+    """``per_token_loss = logprobs * 0``: exactly 0 on every token, its gradient zero tensors that
+    reach every parameter the log-probs depend on (not none: an optimiser skips a parameter without
+    one). The entropy is a metric only."""
+
+    entropy_grad = False
+
+    def __call__(self, batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
+        return LossOutput(per_token_loss=logprobs * 0.0)
+
+
+#: the metrics a zero-gradient step reports: what the skipped step would have (the rest describe the row it ran)
+ZERO_STEP_METRICS = ("loss", "grad_norm", "lr", "nonfinite")
+
+
+def zero_gradient_rows(pad_token_id: int) -> TensorBatch:
+    """One row of two ``pad_token_id`` tokens, the second a response token with aggregation weight
+    0: the smallest batch whose log-probs depend on the weights (the first token has none)."""
+    response = torch.tensor([[0.0, 1.0]])
+    return TensorBatch(
+        {
+            "input_ids": torch.full((1, 2), pad_token_id, dtype=torch.long),
+            "attention_mask": torch.ones((1, 2), dtype=torch.long),
+            "response_mask": response,
+            "loss_mask": response.clone(),
+            "loss_weight": torch.zeros_like(response),
+        }
+    )
+
+
+def zero_gradient_step(engine: TrainEngine, pad_token_id: int, temperature: float) -> dict[str, float]:
+    """The optimiser step a zero gradient gives, through ``engine.train_step`` on
+    :func:`zero_gradient_rows` (this rank's rows) with :class:`ZeroLoss`; its
+    :data:`ZERO_STEP_METRICS`. Collective: every rank calls it for the same step."""
+    step = engine_metrics(engine, "train_step", zero_gradient_rows(pad_token_id), ZeroLoss(), temperature=temperature)
+    return {k: step[k] for k in ZERO_STEP_METRICS if k in step}
+
+
 class PolicyUpdate:
     """Runs the update of one RL step; every rank calls it with the same global batch.
 
@@ -184,7 +235,10 @@ class PolicyUpdate:
         self.recompute = algorithm.recompute_logprob or loss.requires_recompute or kl_in_reward
         #: ``algorithm.ptx``'s rows (:mod:`core_rl.trainer.ptx`), set once the tokenizer is loaded
         self.ptx: PTXRows | None = None
+        #: the padding token (of ptx rows and the zero-gradient row), set once the tokenizer is loaded
         self.pad_token_id = 0
+        #: updates whose every optimiser step was zero-signal (``total`` kept in checkpoints)
+        self.zero_signal = StreakCounter()
 
     def _logprobs(self, batch: TensorBatch) -> None:
         """``ref_logprobs`` (with a reference model), ``teacher_logprobs`` (with a teacher; its top-k
@@ -213,7 +267,10 @@ class PolicyUpdate:
 
     def __call__(self, batch: TensorBatch, *, train_version: int) -> dict[str, float]:
         """Update the policy on ``batch`` (a global batch with ``loss_mask`` and ``advantages``);
-        ``train_version`` is the weight version the update produces. Returns metrics."""
+        ``train_version`` is the weight version the update produces. Returns metrics, among them
+        ``actor/zero_signal_steps`` (the optimiser steps taken without their forward and backward
+        passes, module docstring), ``actor/zero_signal_update`` (1.0 when every one of at least one
+        step was) and ``actor/zero_signal_updates_total`` (such updates in the run so far)."""
         batch["train_version"] = torch.full((batch.batch_size,), train_version, dtype=torch.long)
         start = time.perf_counter()
         self._logprobs(batch)
@@ -229,11 +286,16 @@ class PolicyUpdate:
         train_actor = self.critic is None or not self.critic.warming_up(train_version)
         epochs = self.algorithm.ppo_epochs if train_actor else 0
         stopped = False
+        skipped = 0
         for rows in (rows for _epoch in range(epochs) for rows in parts):
             minibatch = batch.rows(rows)
             minibatch["loss_weight"] = self.loss.loss_weights(minibatch["loss_mask"])
             if self.ptx is not None:
                 minibatch = with_ptx(minibatch, self.ptx.next_rows(), self.ptx.config.coef, self.pad_token_id)
+            if self.algorithm.early_stop_kl is None and not self.loss.has_gradient(minibatch):
+                steps.append(zero_gradient_step(self.engine, self.pad_token_id, self.temperature))
+                skipped += 1
+                continue
             shard = self.shard(minibatch)
             step = engine_metrics(self.engine, "train_step", shard, self.loss, temperature=self.temperature)
             steps.append({**step, **self.loss.observe_step(step)})
@@ -242,6 +304,11 @@ class PolicyUpdate:
                 break
         metrics.update({f"actor/{k}": v for k, v in combine_step_metrics(steps).items()})
         metrics["actor/optimizer_steps"] = float(len(steps))
+        whole = bool(steps) and skipped == len(steps)
+        self.zero_signal.count(whole)
+        metrics["actor/zero_signal_steps"] = float(skipped)
+        metrics["actor/zero_signal_update"] = float(whole)
+        metrics["actor/zero_signal_updates_total"] = float(self.zero_signal.total)
         if self.algorithm.early_stop_kl is not None:
             metrics["actor/early_stopped"] = float(stopped)
         if self.critic is not None:

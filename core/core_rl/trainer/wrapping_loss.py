@@ -35,6 +35,11 @@ class WrappingLoss(PolicyLoss):
     def set_rejection_sampler(self, sampler: RejectionSampler | None) -> None:
         self.base.set_rejection_sampler(sampler)
 
+    def has_gradient(self, batch: TensorBatch) -> bool:
+        """``True``: the wrapper's own term has a gradient whatever the base's advantages (a
+        subclass whose term can vanish says when)."""
+        return True
+
     def observe_step(self, metrics: Mapping[str, float]) -> dict[str, float]:
         return self.base.observe_step(metrics)
 

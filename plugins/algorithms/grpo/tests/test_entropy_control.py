@@ -367,11 +367,15 @@ def test_tiny_grpo_runs_with_each_option(tmp_path) -> None:
             trainer={"total_steps": 2},
             saver={"export_hf": False},
             loggers=[{"name": "jsonl"}],
+            # partial credit: the groups' answers score apart, so every step trains (a step whose
+            # every advantage is 0 skips its forward pass, and with it the token metrics)
+            reward={"name": "char_match"},
         )
         run_train(config, cpu=True)
         rows = read_metrics(next((out / "runs").rglob("metrics.jsonl")))
         assert [r["step"] for r in rows] == [1, 2], name
         for row in rows:
+            assert row["actor/zero_signal_update"] == 0.0, (name, row)
             assert row["actor/cov_selected_fraction"] > 0, (name, row)
             if name == "clip_cov":  # about half of the tokens keep their policy gradient
                 assert 0 < row["actor/entropy_kept"] < 1, row

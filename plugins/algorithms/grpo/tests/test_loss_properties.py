@@ -15,6 +15,7 @@ from typing import Any
 
 import core_rl.builtin.rejection as builtin_rejection
 import core_rl_grpo.plugin as grpo_plugin
+import pytest
 import torch
 from core_rl.config.loader import structure
 from core_rl.kinds import POLICY_LOSS, REJECTION_SAMPLER
@@ -218,3 +219,59 @@ def test_parity_with_the_loop_per_sequence_reference(data, options):
     want = reference_loss_and_grad(batch, logprobs, entropy, _spec(options))
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+
+
+#: whether ``ppo_clip`` with each option set (those above and a few more) has a gradient when every
+#: advantage is 0: with a KL penalty, an entropy bonus (fixed or adaptive), a KL-Cov penalty (whose
+#: selection always holds a token) or an advantage clip that lifts 0 to a bound, and else not
+ZERO_ADVANTAGE_GRADIENT: list[tuple[dict[str, Any], bool]] = [
+    (OPTION_SETS[0], False),
+    (OPTION_SETS[1], False),
+    (OPTION_SETS[2], True),  # kl_coef
+    (OPTION_SETS[3], True),  # entropy_coef
+    *((OPTION_SETS[i], False) for i in range(4, 10)),  # decoupled (with rejection), SAPO, off-policy masking
+    *((OPTION_SETS[i], True) for i in range(10, 14)),  # kl_coef or entropy_coef beside CISPO, GMPO
+    (OPTION_SETS[14], False),  # clip_cov
+    (OPTION_SETS[15], True),  # kl_cov
+    (OPTION_SETS[16], True),  # kl_cov, ppo_kl_coef by default
+    (OPTION_SETS[17], False),
+    (OPTION_SETS[18], False),
+    ({"loss_mode": "kl_cov", "kl_cov_ratio": 0.3, "ppo_kl_coef": 0.0}, False),
+    ({"positive_nll_coef": 0.5, "top_entropy_quantile": 0.5}, False),
+    ({"use_decoupled_loss": True, "m2_threshold": 0.01}, False),
+    ({"use_gmpo_loss": True, "aggregation": "seq-mean-token-mean"}, False),
+    ({"use_cispo_loss": True}, False),
+    ({"entropy_target": 0.2}, True),
+    ({"adv_clip_low": 0.1}, True),
+]
+
+
+def token_gradients(loss: PPOClipLoss, batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor):
+    """d/d logprobs and d/d entropy of the weighted loss of the whole (prepared) batch."""
+    lp, ent = logprobs.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
+    total = (loss(batch, lp, ent).per_token_loss * loss.loss_weights(batch["loss_mask"])).sum()
+    total.backward()
+    return [torch.zeros_like(t) if t.grad is None else t.grad for t in (lp, ent)]
+
+
+@settings(max_examples=8, deadline=None)
+@pytest.mark.parametrize(("options", "expected"), ZERO_ADVANTAGE_GRADIENT)
+@given(data=rl_batches(), draw=st.data())
+def test_has_gradient_is_false_only_where_the_gradient_is_exactly_zero(options, expected, data, draw):
+    """With every advantage 0 (and any advantage off the response and loss tokens, where the loss
+    reads none) ``has_gradient`` is ``expected``, and where it is ``False`` the gradient with respect
+    to the log-probs and the entropy is exactly 0 for the drawn policy; one advantage on a response
+    token, whichever, gives ``True``."""
+    batch, logprobs, entropy = data
+    loss = make_loss(options)
+    on = batch["response_mask"] != 0
+    batch["advantages"] = torch.where(on, 0.0, 1.5)  # the prompt's and padding's are never read
+    loss.prepare(batch)
+    assert loss.has_gradient(batch) is expected
+    if not expected:
+        for grad in token_gradients(loss, batch, logprobs, entropy):
+            assert torch.equal(grad, torch.zeros_like(grad))
+    rows, cols = on.nonzero(as_tuple=True)
+    pick = draw.draw(st.integers(0, rows.numel() - 1))
+    batch["advantages"][rows[pick], cols[pick]] = draw.draw(st.sampled_from([-0.7, 1e-6, 2.0]))
+    assert loss.has_gradient(batch) is True

@@ -127,7 +127,9 @@ def test_two_ray_ranks_match_two_torchrun_ranks(ray_cluster, tmp_path, capsys):
     assert [r["step"] for r in local] == [r["step"] for r in ray_run] == [1, 2, 3]
     for a, b in zip(local, ray_run):
         for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+            assert (key in b) == (key in a), key  # a zero-signal step (every advantage 0) has no actor/entropy
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
     assert state_digest(checkpoint(runs["ray"], 3)) == state_digest(checkpoint(runs["local"], 3))
 
 
@@ -212,7 +214,8 @@ def test_grpo_with_a_vllm_server_actor_samples_with_the_trained_weights_split(ra
     # the server samples with the weights being trained at every step: the k3 KL of the update's
     # policy to the behaviour log-probs is float32 rounding (tests/test_server_grpo.py); a step's
     # missed or partial update would put it at 0.24-1.6
-    assert max(r["actor/approx_kl"] for r in rows) < 1e-8, [r["actor/approx_kl"] for r in rows]
+    kl = [r["actor/approx_kl"] for r in rows if not r["actor/zero_signal_update"]]  # those skip the forward pass
+    assert kl and max(kl) < 1e-8, kl
     log = warm["root"] / name / "ray" / "server-0" / "servers" / "vllm-0.log"
     assert log.is_file() and log.stat().st_size > 0
     assert _no_leftovers(str(warm["model"])) == []

@@ -221,6 +221,23 @@ class PPOClipLoss(PolicyLoss):
         loss = torch.where(keep, loss, torch.zeros_like(loss)) * mask
         return LossOutput(per_token_loss=loss, token_metrics={k: v * mask for k, v in metrics.items()})
 
+    def has_gradient(self, batch: TensorBatch) -> bool:
+        """``False`` exactly when every term above is 0 whatever the policy: no KL penalty
+        (``kl_coef = 0``), no entropy bonus (``entropy_coef = 0`` and no ``entropy_target``, whose
+        adaptive coefficient follows the entropy every step measures), no KL-Cov penalty on a selected
+        token, and every advantage the loss uses (``A_t`` after ``adv_clip_low``/``adv_clip_high``)
+        0 on the response and loss tokens. Each surrogate (the clipped one with dual clip and
+        Clip-Cov, SAPO, CISPO, GMPO; token or sequence level; decoupled or not) is then ``-A`` times
+        a finite factor, and the positive-advantage NLL has no token with ``A_t > 0``."""
+        cfg = self.config
+        if cfg.kl_coef > 0 or self.entropy_grad:
+            return True
+        tokens = (batch["response_mask"] != 0) | (batch.get("loss_mask", batch["response_mask"]) != 0)
+        if cfg.loss_mode == "kl_cov" and cfg.ppo_kl_coef != 0 and bool((self._selected(batch) & tokens).any()):
+            return True
+        advantages = self._advantages(batch, batch["advantages"].dtype)
+        return bool((advantages[tokens] != 0).any())
+
     def _entropy_coef_now(self) -> float:
         """The entropy bonus's coefficient this step: ``entropy_coef``, or the adaptive coefficient
         while the last step's entropy was at most ``entropy_target`` (else 0)."""
