@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +21,7 @@ from core_rl.trainer.memory import (
     host_rss_bytes,
     reset_host_peak,
 )
+from max_rss import run_measured
 
 GIB = 2**30
 
@@ -63,21 +62,17 @@ json.dump({"first": first, "second": second, "summary": meter.summary()}, sys.st
 """
 
 
-def _run_measured(code: str) -> tuple[dict, float]:
-    """Run ``python -c code`` and return what it printed (JSON) and its maximum resident set size
-    as the OS reports it to the parent (``wait4``), in GiB."""
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    out = proc.stdout.read()
-    _pid, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    proc.stdout.close()
-    assert proc.returncode == 0, out
-    return json.loads(out), usage.ru_maxrss * 1024 / GIB  # ru_maxrss: KiB on Linux
+def _run_measured(code: str, tmp_path: Path) -> tuple[dict, float]:
+    """Run ``python -c code``; return what it printed (JSON) and its maximum resident set size as
+    the OS reports it (:func:`max_rss.run_measured`), in GiB."""
+    proc, os_peak = run_measured([sys.executable, "-c", code], tmp_path / "rusage.json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout), os_peak
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux /proc only")
-def test_the_host_peak_is_the_os_maximum_rss_and_keeps_an_earlier_steps_peak():
-    shown, os_peak = _run_measured(TRANSIENT_PEAK)
+def test_the_host_peak_is_the_os_maximum_rss_and_keeps_an_earlier_steps_peak(tmp_path):
+    shown, os_peak = _run_measured(TRANSIENT_PEAK, tmp_path)
     first, second = shown["first"], shown["second"]
     assert os_peak > 0.75  # GiB: the block was resident once
     # the peak since the process started: the first step's block is still in the second step's
@@ -101,11 +96,11 @@ json.dump({"before": before / 2**30, "after": host_peak_rss_bytes() / 2**30}, sy
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux /proc only")
-def test_a_reset_also_erases_the_os_record():
+def test_a_reset_also_erases_the_os_record(tmp_path):
     """Why the meter never resets the host peak: the kernel's record at exit is the same counter
     (folded into the process's record only when a thread exits, so a process without threads
     shows it plainly)."""
-    shown, os_peak = _run_measured(RESET_AFTER_PEAK)
+    shown, os_peak = _run_measured(RESET_AFTER_PEAK, tmp_path)
     assert shown["before"] > 0.75 > 0.5 > shown["after"]
     assert os_peak < 0.5  # GiB: the 768 MiB block is not in the OS's maximum RSS either
 

@@ -4,18 +4,21 @@ Each step logs, for the process, on a CPU as on a GPU:
 
 - ``memory/host_peak_rss_gib``: the process's peak resident memory since it started, in GiB
   (2**30 bytes): ``VmHWM`` in ``/proc/self/status`` (where that is not available, ``getrusage``'s
-  ``ru_maxrss``). It is the figure the OS reports as the process's maximum resident set size
-  (``getrusage``, ``wait4``, ``/usr/bin/time -v``'s "Maximum resident set size", which is in KiB),
-  so it never falls from one step to the next. It is never reset: writing ``5`` to
-  ``/proc/self/clear_refs`` would restart ``VmHWM`` from the current resident memory and, with it,
-  the kernel's own record, so that the OS would later report only the peak since the last reset;
+  ``ru_maxrss``). That is the kernel's record of the process's peak, which the OS reports as its
+  maximum resident set size (``getrusage``, ``wait4``, ``/usr/bin/time -v``'s "Maximum resident
+  set size", in KiB), so it never falls from one step to the next. It is never reset: writing
+  ``5`` to ``/proc/self/clear_refs`` restarts ``VmHWM`` from the current resident memory, and the
+  kernel's record with it, so the OS would report only the peak since the last reset;
 - ``memory/host_rss_gib``: the process's resident memory at the step's end (``VmRSS``), what it
   still holds after the step: the figure that shows growth from step to step.
 
 Both count every page the process has resident: anonymous memory (tensors, the optimizer's state,
 Python objects) and mapped files (the ``safetensors`` weights while mapped, the shared libraries of
 torch and its kin). They are per process: child processes (a rollout server, a reward worker) and
-the other ranks' processes are not included.
+the other ranks' processes are not included. Read from outside, the OS's figure for a process also
+counts the copy of its parent that ``exec`` replaced: a run spawned directly by a Python process
+that has imported torch reports at least that process's memory; ``/usr/bin/time``, a small parent,
+reports the run's own.
 
 And per role whose engine computes on a CUDA device (:mod:`core_rl.built_engines`):
 
