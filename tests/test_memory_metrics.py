@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,7 +13,15 @@ import torch
 from core_rl.built_engines import BuiltEngine
 from core_rl.config.schema import ActorConfig
 from core_rl.trainer import memory
-from core_rl.trainer.memory import HOST_KEY, MemoryMeter, host_peak_rss_bytes, reset_host_peak
+from core_rl.trainer.memory import (
+    HOST_KEY,
+    HOST_NOW_KEY,
+    MemoryMeter,
+    host_peak_rss_bytes,
+    host_rss_bytes,
+    reset_host_peak,
+)
+from max_rss import run_measured
 
 GIB = 2**30
 
@@ -32,16 +42,67 @@ def test_host_peak_is_reset_through_clear_refs(tmp_path):
     assert not reset_host_peak(tmp_path / "no" / "such" / "file")
 
 
+def test_host_rss_is_vmrss(tmp_path):
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmHWM:\t  2048 kB\nVmRSS:\t  1024 kB\n")
+    assert host_rss_bytes(status) == 1024 * 1024
+    assert host_rss_bytes(tmp_path / "missing") is None
+
+
+#: a process that holds a 768 MiB block during its first step only, then reads two steps' figures
+#: and the run's summary, as a run does
+TRANSIENT_PEAK = """
+import json, sys
+from core_rl.trainer.memory import MemoryMeter
+meter = MemoryMeter([])
+block = bytearray(768 * 2**20)  # zero-filled: every page written, so resident
+del block
+first, second = meter.step_metrics(), meter.step_metrics()
+json.dump({"first": first, "second": second, "summary": meter.summary()}, sys.stdout)
+"""
+
+
+def _run_measured(code: str, tmp_path: Path) -> tuple[dict, float]:
+    """Run ``python -c code``; return what it printed (JSON) and its maximum resident set size as
+    the OS reports it (:func:`max_rss.run_measured`), in GiB."""
+    proc, os_peak = run_measured([sys.executable, "-c", code], tmp_path / "rusage.json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout), os_peak
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux /proc only")
+def test_the_host_peak_is_the_os_maximum_rss_and_keeps_an_earlier_steps_peak(tmp_path):
+    shown, os_peak = _run_measured(TRANSIENT_PEAK, tmp_path)
+    first, second = shown["first"], shown["second"]
+    assert os_peak > 0.75  # GiB: the block was resident once
+    # the peak since the process started: the first step's block is still in the second step's
+    # figure and in the OS's record (resetting VmHWM after a step erased it from both)
+    assert first[HOST_KEY] == second[HOST_KEY]
+    assert abs(second[HOST_KEY] - os_peak) <= 0.1 * os_peak
+    assert second[HOST_NOW_KEY] < second[HOST_KEY] - 0.5  # the block is gone by the step's end
+    assert shown["summary"] == f"peak memory: host {second[HOST_KEY]:.2f} GiB resident"
+
+
+#: a process without threads (no torch) that holds a 768 MiB block, then resets its peak
+RESET_AFTER_PEAK = """
+import json, sys
+from core_rl.trainer.memory import host_peak_rss_bytes, reset_host_peak
+block = bytearray(768 * 2**20)
+del block
+before = host_peak_rss_bytes()
+reset_host_peak()
+json.dump({"before": before / 2**30, "after": host_peak_rss_bytes() / 2**30}, sys.stdout)
+"""
+
+
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux /proc only")
-def test_the_host_peak_of_a_step_starts_from_the_reset():
-    meter = MemoryMeter([])
-    block = b"\x01" * (256 * 2**20)  # written, so resident during the first step
-    del block
-    first = meter.step_metrics()[HOST_KEY]
-    second = meter.step_metrics()[HOST_KEY]
-    assert first - second > 0.2  # GiB: the second step did not hold the block
-    assert meter.peaks[HOST_KEY] == first
-    assert meter.summary() == f"peak memory: host {first:.2f} GiB resident"
+def test_a_reset_also_erases_the_os_record(tmp_path):
+    """Why the meter never resets the host peak: the kernel's record at exit is the same counter
+    (folded into the process's record only when a thread exits, so a process without threads
+    shows it plainly)."""
+    shown, os_peak = _run_measured(RESET_AFTER_PEAK, tmp_path)
+    assert shown["before"] > 0.75 > 0.5 > shown["after"]
+    assert os_peak < 0.5  # GiB: the 768 MiB block is not in the OS's maximum RSS either
 
 
 class FakeCuda:
@@ -66,6 +127,7 @@ def test_roles_on_one_device_report_its_peak_and_counters_reset_each_step(monkey
     for name in ("reset_peak_memory_stats", "max_memory_allocated", "max_memory_reserved"):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
     monkeypatch.setattr(memory, "host_peak_rss_bytes", lambda: GIB)
+    monkeypatch.setattr(memory, "host_rss_bytes", lambda: GIB // 2)
     section = ActorConfig(model_path="m")
     cuda = SimpleNamespace(device=torch.device("cuda", 0))
     built = [
@@ -78,6 +140,7 @@ def test_roles_on_one_device_report_its_peak_and_counters_reset_each_step(monkey
     fake.allocated, fake.reserved = 2 * GIB, 3 * GIB
     assert meter.step_metrics() == {
         HOST_KEY: 1.0,
+        HOST_NOW_KEY: 0.5,
         "memory/actor/peak_gib": 2.0,
         "memory/actor/reserved_gib": 3.0,
         "memory/ref/peak_gib": 2.0,

@@ -147,6 +147,8 @@ def convert(source: Path, out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    from core_rl.engine_utils.hf import save_pretrained
+
     folder, name = str(source.parent), source.name
     with _quiet_conversion():
         try:
@@ -170,7 +172,7 @@ def convert(source: Path, out: Path) -> None:
         model.generation_config = GenerationConfig(
             bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
         )
-        model.save_pretrained(out)
+        save_pretrained(model, out)  # not model.save_pretrained: that imports DeepSpeed, which warns
         tokenizer.save_pretrained(out)
 
 

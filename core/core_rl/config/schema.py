@@ -403,7 +403,8 @@ class TrainerConfig:
     ``total_steps: 0`` keeps it derived, any other value with ``total_epochs`` is an error).
     ``resume: true`` is ``recover.mode: auto`` (continue from
     the run's newest valid checkpoint); ``torch_threads`` (0: leave torch's default) sets intra-op
-    threads. ``mode``: ``sync``, the only value (rollout ahead of training is
+    threads; the run warns at start-up when they, times the node's processes, need more cores than
+    are free (:mod:`core_rl.trainer.cpu_threads`). ``mode``: ``sync``, the only value (rollout ahead of training is
     ``rollout.controller.max_head_offpolicyness``).
 
     ``collective_timeout_s``: under ``torchrun``, how long any rank waits for the others (every

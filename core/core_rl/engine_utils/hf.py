@@ -32,13 +32,40 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+_BARS = threading.Lock()
+_bars_off = 0  # how many no_progress_bars() contexts are open
+_bars_were_on = False
+
+
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """Inside it transformers (and huggingface_hub) draw no progress bar: their "Loading weights"
+    and "Writing model shards" bars stay out of a run's output. The setting before the first of
+    several (nested or concurrent) contexts is restored when the last one closes."""
+    from transformers.utils import logging as hf_logging
+
+    global _bars_off, _bars_were_on
+    with _BARS:
+        if _bars_off == 0:
+            _bars_were_on = hf_logging.is_progress_bar_enabled()
+            hf_logging.disable_progress_bar()
+        _bars_off += 1
+    try:
+        yield
+    finally:
+        with _BARS:
+            _bars_off -= 1
+            if _bars_off == 0 and _bars_were_on:
+                hf_logging.enable_progress_bar()
+
+
 def load_causal_lm(
     model_path: str, *, dtype: str, attn_implementation: str | None = None, trust_remote_code: bool = False
 ) -> nn.Module:
     """``AutoModelForCausalLM`` from ``model_path`` (local files only, never the hub) in ``dtype``, on
     CPU; ``attn_implementation`` (e.g. ``sdpa``, ``eager``, ``flash_attention_2``) is passed through
     when set; ``trust_remote_code`` lets transformers run the directory's own modelling code
-    (:mod:`core_rl.remote_code`)."""
+    (:mod:`core_rl.remote_code`). Draws no progress bar (:func:`no_progress_bars`)."""
     from transformers import AutoModelForCausalLM
 
     if not model_path:
@@ -48,7 +75,8 @@ def load_causal_lm(
         kwargs["trust_remote_code"] = True
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    with no_progress_bars():
+        return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
 
 
 def architecture_name(model: nn.Module) -> str:
@@ -166,9 +194,9 @@ def _deepspeed_unprobed() -> Iterator[None]:
 
 def save_pretrained(model: Any, path: str | Path, **kwargs: Any) -> None:
     """``model.save_pretrained(path, **kwargs)`` without importing DeepSpeed when the run does not
-    use it (see :func:`_deepspeed_unprobed`). Every Hugging Face model the core or a plugin writes
-    goes through here."""
-    with _deepspeed_unprobed():
+    use it (see :func:`_deepspeed_unprobed`) and without a progress bar (:func:`no_progress_bars`).
+    Every Hugging Face model the core or a plugin writes goes through here."""
+    with _deepspeed_unprobed(), no_progress_bars():
         model.save_pretrained(path, **kwargs)
 
 
@@ -332,7 +360,7 @@ def load_value_model(
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), no_progress_bars():
             model, info = AutoModelForTokenClassification.from_pretrained(
                 model_path,
                 config=value_model_config(model_path, bias=bias, trust_remote_code=trust_remote_code),

@@ -30,15 +30,37 @@ def build_loggers(cfg: RunConfig, host: PluginHost) -> list[Logger]:
 
 def seed_process(cfg: RunConfig) -> None:
     """What a run sets in its process before building anything: ``trainer.torch_threads`` (when
-    set) and Python's and torch's RNGs seeded with ``experiment.seed``."""
+    set; :func:`warn_of_busy_cores` when they need more cores than are free) and Python's and
+    torch's RNGs seeded with ``experiment.seed``."""
     import random
 
     import torch
 
     if cfg.trainer.torch_threads:
         torch.set_num_threads(cfg.trainer.torch_threads)
+    warn_of_busy_cores(cfg.trainer.torch_threads)
     random.seed(cfg.experiment.seed)
     torch.manual_seed(cfg.experiment.seed)
+
+
+def warn_of_busy_cores(configured: int) -> None:
+    """Print :func:`core_rl.trainer.cpu_threads.thread_warning`'s line to stderr when torch's
+    threads (``configured``: ``trainer.torch_threads``, 0 for torch's default), times the
+    processes ``torchrun`` started on this node, need more cores than are free. Under ``torchrun``
+    the node's first process (``LOCAL_RANK`` 0) alone prints it."""
+    import torch
+
+    from core_rl.trainer.cpu_threads import cpu_budget, thread_warning
+
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    try:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local_ranks = 1
+    line = thread_warning(torch.get_num_threads(), configured, local_ranks, cpu_budget())
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
 
 
 def quiet_library_progress_bars() -> None:

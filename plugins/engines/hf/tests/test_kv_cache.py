@@ -3,6 +3,9 @@ concatenating cache, so generation gives the same tokens and log-probs with and 
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import logging
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,7 @@ import torch
 from core_rl.interfaces import SamplingParams
 from core_rl_hf import decode
 from core_rl_hf.engine import HFRolloutEngine
-from core_rl_hf.kv_cache import PreallocatedLayer, preallocate
+from core_rl_hf.kv_cache import PreallocatedLayer, cache_argument, output_cache, preallocate
 
 pytestmark = pytest.mark.skipif(PreallocatedLayer is None, reason="transformers without per-layer caches")
 
@@ -51,3 +54,54 @@ def test_generation_is_unchanged_by_the_preallocated_cache(tiny_model_path: Path
         results.append([(s.response_ids, s.logprobs, s.finish_reason) for group in out for s in group])
         engine.close()
     assert results[0] == results[1]
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.parametrize("decoder", ["transformers", "auto"])
+def test_generation_uses_the_installed_name_of_the_cache(tiny_model_path: Path, decoder: str) -> None:
+    """No deprecation notice from transformers: the cache is passed and read under the name the
+    installed release's forward takes (``cache`` where it has it, ``past_key_values`` before)."""
+    from core_rl_hf.config import HFRolloutConfig
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    has_cache = "cache" in inspect.signature(model.forward).parameters
+    assert cache_argument(model) == ("cache" if has_cache else "past_key_values")
+    logging.Logger.warning_once.cache_clear()  # transformers warns once per process: this test's own
+    records = _Records()
+    logging.getLogger("transformers").addHandler(records)
+    try:
+        engine = HFRolloutEngine(tiny_model_path, HFRolloutConfig(seed=3, decoder=decoder))
+        out = engine.generate([[1, 5, 6, 7], [1, 8, 9]], SamplingParams(n=2, max_new_tokens=6, min_new_tokens=6))
+        engine.close()
+    finally:
+        logging.getLogger("transformers").removeHandler(records)
+    assert all(len(s.response_ids) == 6 for group in out for s in group)
+    assert [m for m in records.messages if "deprecated" in m] == []
+
+
+def test_the_cache_is_read_from_either_field() -> None:
+    @dataclasses.dataclass
+    class Renamed:
+        cache: object
+
+    @dataclasses.dataclass
+    class Older:
+        past_key_values: object
+
+    assert output_cache(Renamed(cache="c")) == "c"
+    assert output_cache(Older(past_key_values="p")) == "p"
+
+    class OlderForward(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
+            return None
+
+    assert cache_argument(OlderForward()) == "past_key_values"

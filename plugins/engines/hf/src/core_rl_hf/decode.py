@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from core_rl.engine_utils import attention
 
-from core_rl_hf.kv_cache import preallocate
+from core_rl_hf.kv_cache import cache_argument, output_cache, preallocate
 
 #: model classes whose decoder layers :class:`LeanStepper` reproduces
 LEAN_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
@@ -88,6 +88,7 @@ class TransformersStepper:
         compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
+        self.cache_argument = cache_argument(model)
         self.cache = preallocate(cache, capacity)  # written in place, not concatenated
         self.attention_mask, self.position_ids = attention_mask, position_ids
         self.compute_dtype = compute_dtype
@@ -105,11 +106,11 @@ class TransformersStepper:
                 input_ids=tokens[:, None],
                 attention_mask=self.attention_mask,
                 position_ids=self.position_ids,
-                past_key_values=self.cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **{self.cache_argument: self.cache},
             )
-        self.cache = out.past_key_values
+        self.cache = output_cache(out)
         return out.logits[:, -1].float()
 
 

@@ -30,6 +30,7 @@ import torch
 from core_rl.checkpointing import generator_state, set_generator_state
 from core_rl.config.schema import RolloutConfig
 from core_rl.engine_utils import attention
+from core_rl.engine_utils.hf import no_progress_bars
 from core_rl.errors import ConfigError
 from core_rl.interfaces import PAUSE_MODES, RolloutEngine, SamplingParams
 from core_rl.protocol import Sample
@@ -114,7 +115,8 @@ class HFRolloutEngine(RolloutEngine):
         load: dict[str, Any] = {"trust_remote_code": True} if trust_remote_code else {}
         if self.compute_dtype is not None and self.device.type == "cpu":
             load["attn_implementation"] = attention.register()  # the fsdp engine's autocast attention
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, config.dtype), **load)
+        with no_progress_bars():
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, config.dtype), **load)
         self._model: torch.nn.Module | None = model.to(self.device).eval()
         try:
             tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)

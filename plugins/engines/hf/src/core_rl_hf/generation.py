@@ -40,6 +40,7 @@ from core_rl.interfaces import SamplingParams
 from core_rl_hf.decode import LeanStepper, lean_supported, make_stepper, mixed_precision
 from core_rl_hf.decode_state import DecodeState
 from core_rl_hf.graphs import DecodeGraphs, bucketed_capacity, bucketed_rows
+from core_rl_hf.kv_cache import output_cache
 from core_rl_hf.stop_check import StopStringCheck
 
 
@@ -118,7 +119,7 @@ def generate_batch(
     graphed_rows = graphs is not None and graphs.usable and lean and lean_supported(model)
     if graphed_rows:  # a graph's rows: copies of the first row fill the batch up (done from the start)
         rows = torch.cat([rows, rows[:1].expand(bucketed_rows(total, max_rows) - total)])
-    cache = out.past_key_values
+    cache = output_cache(out)
     cache.reorder_cache(rows)
     logits = out.logits[rows, -1].float()
     mask, last_position = attention_mask[rows], position_ids[rows, -1:]

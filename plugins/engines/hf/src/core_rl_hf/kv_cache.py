@@ -9,10 +9,14 @@ holds ``[batch, heads, capacity, head_dim]`` buffers and exposes views of their 
 
 Layers of any other type (sliding windows, quantised, linear attention) are left as they are, and a
 cache without per-layer objects (transformers before 4.56) is returned unchanged.
+
+:func:`cache_argument` and :func:`output_cache` pass the cache in and read it out under the name
+the installed transformers uses.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -98,3 +102,19 @@ def preallocate(cache: Any, capacity: int) -> Any:
             layer.__class__ = PreallocatedLayer
             layer._adopt(capacity)
     return cache
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name under which ``model``'s forward takes the KV cache: ``cache`` where its signature
+    has it (newer transformers, 5.24 among them, renamed the argument and warn once that
+    ``past_key_values`` is deprecated), else ``past_key_values`` (5.18 and earlier, whose
+    ``**kwargs`` would swallow an unknown ``cache`` and run the forward without one)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def output_cache(out: Any) -> Any:
+    """The KV cache a forward returned: ``out.cache`` where the output class has that field, else
+    ``out.past_key_values`` (read through the older name only where it is the field itself, so the
+    renamed attribute's deprecation warning is never triggered)."""
+    fields = getattr(type(out), "__dataclass_fields__", {})
+    return out.cache if "cache" in fields else out.past_key_values

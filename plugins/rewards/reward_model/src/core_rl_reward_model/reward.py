@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from core_rl.engine_utils.hf import no_progress_bars
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import Reward
 from core_rl.protocol import RewardInput
@@ -40,9 +41,10 @@ class ModelReward(Reward):
         self.tokenizer.truncation_side = "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            path, dtype=getattr(torch, config.dtype), trust_remote_code=trust
-        )
+        with no_progress_bars():
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                path, dtype=getattr(torch, config.dtype), trust_remote_code=trust
+            )
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         labels = self.model.config.num_labels
