@@ -10,11 +10,16 @@ on a tiny model and prints:
   aiohttp's pool, ``core_rl.remote.wire.async_client``); the same client on httpx's own pool is
   printed beside it (its cost per request grows with the requests in flight);
 - seconds to move the weights from the ``fsdp`` train engine to the server by disk
-  (``export_hf`` + the server's reload) and by collective (``full_state_dict`` + broadcast over a
-  gloo group), for the tiny model and a ~10M-parameter one (``--sync-models``).
+  (``export_hf`` + the server's reload) and by collective (the trainer's own path,
+  :func:`core_rl.trainer.weight_sync.collective_state` + a broadcast over a gloo group), for the tiny
+  model, a ~10M-parameter one and the real pretrained model (``real``: SmolLM2-135M-Instruct,
+  :mod:`core_rl.testing.real_model`) (``--sync-models``), with the collective's bytes on the wire and
+  bytes/s, beside the link's own: the same tensors, in the same dtypes, broadcast over a gloo group
+  to a second local process that only receives them (``link``: the floor a collective sync cannot
+  beat; what the collective takes above it is the server's loading).
 
     python benchmarks/rollout.py [--engines vllm,sglang] [--prompts 64] [--n 8] [--max-new-tokens 32]
-                                 [--repeats 3] [--sync-models tiny,10m] [--json FILE]
+                                 [--repeats 3] [--sync-models tiny,10m,real] [--no-throughput] [--json FILE]
 """
 
 from __future__ import annotations
@@ -38,9 +43,60 @@ MODELS = {  # build_tiny_model arguments; head size 32 for vLLM's CPU attention
 
 
 def build_model(root: Path, size: str) -> Path:
+    """The model of ``size``: a tiny one built under ``root``, or ``real`` (cached once per machine)."""
+    if size == "real":
+        from core_rl.testing.real_model import smollm2
+
+        return smollm2()
     from core_rl.testing.tiny import build_tiny_model
 
     return build_tiny_model(root / f"model_{size}", seed=0, **MODELS[size])
+
+
+#: the receiving end of :func:`link_seconds`: joins the group as rank 1 and receives what it is told
+LINK_RECEIVER = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from core_rl import weight_group
+spec = json.loads(sys.argv[2])
+torch.set_num_threads(1)
+pg = weight_group.init_group("127.0.0.1", spec["port"], 2, backend="gloo", group_name=spec["group"], timeout_s=300, rank=1)
+for _ in range(spec["repeats"]):
+    weight_group.drain(weight_group.receive_tensors(pg, spec["names"], spec["dtypes"], spec["shapes"], "cpu"))
+"""
+
+
+def link_seconds(tensors: list[torch.Tensor], repeats: int) -> float:
+    """Median seconds to broadcast ``tensors`` (as they are: same shapes, dtypes and order) over a
+    gloo group to a second local process that receives each into a fresh tensor and drops it: what
+    the link alone costs a collective weight sync."""
+    import subprocess
+
+    from core_rl import weight_group
+    from core_rl.servers import free_port
+
+    port, group = free_port("127.0.0.1"), weight_group.new_group_name()
+    spec = {
+        "port": port,
+        "group": group,
+        "repeats": repeats,
+        "names": [str(i) for i in range(len(tensors))],
+        "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+        "shapes": [list(t.shape) for t in tensors],
+    }
+    core = str(Path(weight_group.__file__).resolve().parents[1])
+    receiver = subprocess.Popen([sys.executable, "-c", LINK_RECEIVER, core, json.dumps(spec)])
+    try:
+        pg = weight_group.init_group("127.0.0.1", port, 2, backend="gloo", group_name=group, timeout_s=300)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            weight_group.broadcast_tensors(pg, tensors, "cpu")
+            times.append(time.perf_counter() - start)
+        weight_group.destroy_group(pg)
+    finally:
+        receiver.wait(timeout=300)
+    return statistics.median(times)
 
 
 def make_engine(name: str, model: Path, run_dir: Path, concurrency: int) -> Any:
@@ -159,6 +215,8 @@ def weight_sync(engine: Any, model: Path, work: Path, repeats: int) -> dict[str,
         structure({}, entry.config_cls),
         trainable=False,
     )
+    from core_rl.trainer.weight_sync import collective_state
+
     try:
         disk, collective = [], []
         version = engine.weight_version
@@ -170,16 +228,25 @@ def weight_sync(engine: Any, model: Path, work: Path, repeats: int) -> dict[str,
             disk.append(time.perf_counter() - start)
             version += 1
             start = time.perf_counter()
-            engine.update_weights_collective(train.full_state_dict(), version)
+            engine.update_weights_collective(collective_state(train), version)
             collective.append(time.perf_counter() - start)
-        params = sum(t.numel() for t in train.full_state_dict().values())
+        state = collective_state(train)
+        params = sum(t.numel() for t in state.values())
+        wire = engine.wire_dtypes(list(state), [t.dtype for t in state.values()])
+        on_wire = [t.to(dtype) for t, dtype in zip(state.values(), wire)]
+        link = link_seconds(on_wire, repeats)
     finally:
         train.close()
+    sent = float(engine.last_sync["bytes"])
+    seconds = statistics.median(collective)
     return {
         "params": float(params),
-        "bytes": float(engine.last_sync["bytes"]),
+        "bytes": sent,
         "disk_s": statistics.median(disk),
-        "collective_s": statistics.median(collective),
+        "collective_s": seconds,
+        "collective_bytes_per_s": sent / seconds,
+        "link_s": link,
+        "link_bytes_per_s": sent / link,
     }
 
 
@@ -193,7 +260,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 model = build_model(root, size)
                 engine = make_engine(name, model, root / f"run_{name}_{size}", args.concurrency)
                 try:
-                    if size == "tiny":
+                    if size == "tiny" and args.throughput:
                         results[name]["throughput"] = throughput(engine, name, args)
                     if args.sync_models:
                         results[name][f"sync_{size}"] = weight_sync(
@@ -218,9 +285,10 @@ def report(results: dict[str, Any]) -> None:
         for key, s in r.items():
             if key.startswith("sync_"):
                 print(
-                    f"{name} weight sync, {key[5:]} model "
-                    f"({s['params'] / 1e6:.2f}M params, {s['bytes'] / 1e6:.1f} MB): "
-                    f"disk {s['disk_s']:.3f} s, collective {s['collective_s']:.3f} s"
+                    f"{name} weight sync, {key[5:]} model ({s['params'] / 1e6:.2f}M params): "
+                    f"disk {s['disk_s']:.3f} s; collective {s['collective_s']:.3f} s for "
+                    f"{s['bytes'] / 1e6:.1f} MB on the wire ({s['collective_bytes_per_s'] / 1e9:.2f} GB/s), "
+                    f"the link alone {s['link_s']:.3f} s ({s['link_bytes_per_s'] / 1e9:.2f} GB/s)"
                 )
 
 
@@ -233,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sync-models", default="tiny,10m", type=lambda s: [x for x in s.split(",") if x])
+    parser.add_argument("--no-throughput", dest="throughput", action="store_false", help="weight syncs only")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -5,8 +5,12 @@
                                   [--threads 1] [--no-trl] [--no-install] [--workdir DIR]
                                   [--core-python OTHER_CHECKOUT/.venv/bin/python]
 
-Each workload is one random-weight tiny causal LM (``core_rl.tiny``: Qwen2 layout, character
-tokenizer over ``abcdefgh=``, built offline), one prompt set, and one sampling setting; both frameworks train it with
+Each workload is one causal LM, one prompt set, and one sampling setting: ``small``, ``medium`` and
+``large`` a random-weight tiny LM (``core_rl.tiny``: Qwen2 layout, character tokenizer over
+``abcdefgh=``, built offline) on reversal prompts; ``real`` the real pretrained SmolLM2-135M-Instruct
+(``core_rl.testing.real_model``: a 49,152-token BPE vocabulary, tied embeddings) on two-digit addition
+questions in its ChatML chat template (core-rl's ``data.apply_chat_template``, TRL's conversational
+prompts: the same token ids); both frameworks train it with
 GRPO for ``--steps`` steps: the same prompts per step, ``samples`` completions per prompt of exactly
 ``tokens`` tokens (temperature 1, no top-k/top-p; ``min_new_tokens = max_new_tokens`` so both
 generate the same number of tokens whatever a random model samples), token-mean clipped loss
@@ -76,12 +80,15 @@ class Workload:
     prompts: int  # prompts per step
     samples: int  # completions per prompt
     tokens: int  # tokens per completion
+    real: bool = False  # the real pretrained model and chat prompts (the tiny-model fields unused)
 
 
 WORKLOADS = {
     "small": Workload("small", hidden=128, layers=2, heads=4, intermediate=272, prompts=2, samples=8, tokens=8),
     "medium": Workload("medium", hidden=256, layers=4, heads=4, intermediate=704, prompts=8, samples=8, tokens=64),
     "large": Workload("large", hidden=384, layers=6, heads=6, intermediate=1024, prompts=2, samples=8, tokens=256),
+    # a new user's first run: 8 prompts x 4 samples x 32 tokens of a 135M instruct model
+    "real": Workload("real", hidden=0, layers=0, heads=0, intermediate=0, prompts=8, samples=4, tokens=32, real=True),
 }
 
 LR, GRAD_CLIP, EPS_CLIP, SEED = 1e-5, 1.0, 0.2, 0
@@ -111,10 +118,31 @@ def char_match(response: str, answer: str) -> float:
     return sum(r == a for r, a in zip(response, answer)) / width if width else 1.0
 
 
+def addition_rows(count: int, seed: int = SEED) -> list[dict[str, str]]:
+    """``count`` rows ``{"prompt": "What is 47 + 38?", "answer": "85"}`` (the real workload's)."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        rows.append({"prompt": f"What is {a} + {b}?", "answer": str(a + b)})
+    return rows
+
+
 def prepare(work: Path, workload: Workload, steps: int) -> tuple[Path, Path]:
-    """Write the workload's model directory and prompts (JSONL) under ``work``; return both paths."""
+    """Write the workload's model directory (the real one: cached once per machine) and prompts
+    (JSONL) under ``work``; return both paths."""
     from core_rl.tiny import build_tiny_model
 
+    if workload.real:
+        from core_rl.testing.real_model import smollm2
+
+        work.mkdir(parents=True, exist_ok=True)
+        data = work / "prompts.jsonl"
+        rows = addition_rows(workload.prompts * steps)
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        return smollm2(), data
     model_dir = work / "model"
     if not (model_dir / "config.json").is_file():
         build_tiny_model(
@@ -175,7 +203,13 @@ def core_rl_worker(spec: dict) -> dict:
     shutil.rmtree(run, ignore_errors=True)  # every run starts fresh
     config = {
         "experiment": {"name": "bench", "output_dir": str(run), "seed": SEED},
-        "data": {"train_files": [spec["data"]], "prompt_key": "prompt", "batch_size": wl.prompts, "shuffle": False},
+        "data": {
+            "train_files": [spec["data"]],
+            "prompt_key": "prompt",
+            "batch_size": wl.prompts,
+            "shuffle": False,
+            "apply_chat_template": wl.real,
+        },
         "actor": {
             "model_path": spec["model"],
             "engine": {

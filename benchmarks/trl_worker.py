@@ -24,6 +24,8 @@ def trl_worker(spec: dict) -> dict:
     transformers.utils.logging.set_verbosity_error()
     wl = Workload(**spec["workload"])
     rows = [json.loads(line) for line in Path(spec["data"]).read_text().splitlines() if line.strip()]
+    if wl.real:  # conversational prompts: TRL renders them with the model's chat template
+        rows = [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]} for row in rows]
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
 

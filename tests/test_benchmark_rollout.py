@@ -48,3 +48,7 @@ def test_rollout_benchmark_runs_and_reports(tmp_path: Path) -> None:
     t, s = figures["throughput"], figures["sync_tiny"]
     assert t["plugin_tokens_per_s"] > 0 and t["plain_tokens_per_s"] > 0 and t["plain_httpx_pool_tokens_per_s"] > 0
     assert s["disk_s"] > 0 and s["collective_s"] > 0 and s["bytes"] > 0
+    assert s["link_s"] > 0 and s["link_bytes_per_s"] > 0 and s["collective_bytes_per_s"] > 0
+    # a bfloat16 server receives the float32 trainer's weights in its own dtype: half the bytes
+    assert s["bytes"] == 2 * s["params"]
+    assert "on the wire" in proc.stdout and "the link alone" in proc.stdout

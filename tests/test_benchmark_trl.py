@@ -51,6 +51,31 @@ def test_workloads_have_the_sizes_the_issue_names(bench, tmp_path) -> None:
         assert '"model_type": "qwen2"' in config
 
 
+def test_the_real_workload_gives_both_sides_the_same_prompt_ids(bench, tmp_path, real_model) -> None:
+    """The real workload (SmolLM2-135M-Instruct on addition questions): core-rl renders each prompt
+    with ``data.apply_chat_template`` and TRL its conversational prompt with the tokenizer's template;
+    both must train on the same token ids."""
+    import json
+
+    from core_rl.config.data_config import DataConfig
+    from core_rl.trainer.data import encode_prompt
+    from transformers import AutoTokenizer
+
+    wl = bench["WORKLOADS"]["real"]
+    model, data = bench["prepare"](tmp_path / "real", wl, steps=2)
+    assert model == real_model and 134e6 <= bench["param_count"](model) <= 135e6
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    assert len(rows) == 2 * wl.prompts and all(str(int(r["answer"])) == r["answer"] for r in rows)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    config = DataConfig(apply_chat_template=True)
+    for row in rows:
+        ours = encode_prompt(row["prompt"], config, tokenizer)[0]
+        messages = [{"role": "user", "content": row["prompt"]}]  # what the TRL worker passes
+        theirs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        assert list(ours) == list(theirs["input_ids"])
+        assert tokenizer.decode(ours).endswith("<|im_start|>assistant\n")
+
+
 def _table_rows(out: str) -> list[list[str]]:
     """The rows of the last table printed (the full one; each workload's rows come first alone)."""
     lines = out.splitlines()

@@ -86,11 +86,20 @@ def _from_rank0() -> torch.distributed.BroadcastOptions:
     return opts
 
 
-def broadcast_tensors(pg: torch.distributed.ProcessGroup, tensors: Iterable[torch.Tensor], device: str) -> int:
-    """Broadcast each tensor from rank 0 (moved to ``device`` first); return the bytes sent."""
+def broadcast_tensors(
+    pg: torch.distributed.ProcessGroup,
+    tensors: Iterable[torch.Tensor],
+    device: str,
+    dtypes: Iterable[torch.dtype | None] | None = None,
+) -> int:
+    """Broadcast each tensor from rank 0 (moved to ``device`` first, and cast to its entry of
+    ``dtypes`` where that is not ``None``: the receiver's own dtype, so the link carries no more than
+    the receiver keeps); return the bytes sent."""
     total = 0
+    wanted = iter(dtypes) if dtypes is not None else None
     for tensor in tensors:
-        t = tensor.detach().to(device).contiguous()
+        dtype = next(wanted) if wanted is not None else None
+        t = tensor.detach().to(device=device, dtype=dtype or tensor.dtype).contiguous()
         pg.broadcast([t], _from_rank0()).wait()
         total += t.numel() * t.element_size()
     return total

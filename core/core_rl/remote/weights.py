@@ -159,7 +159,6 @@ class WeightSync:
         from core_rl import weight_group
 
         names = list(state_dict)
-        dtypes = [str(state_dict[k].dtype).removeprefix("torch.") for k in names]
         shapes = [list(state_dict[k].shape) for k in names]
         timeout = self.options.weight_sync_timeout
         while True:
@@ -175,8 +174,11 @@ class WeightSync:
                         raise
                     continue  # a server died while joining: restart it and form the group again
                 self._group_members = members
+            # the servers' own dtypes (known once the group formed), so the link carries what they keep
+            wire = self.wire_dtypes(names, [state_dict[k].dtype for k in names])
+            dtypes = [str(d).removeprefix("torch.") for d in wire]
 
-            async def receive_all() -> None:
+            async def receive_all(dtypes: list[str] = dtypes) -> None:
                 await asyncio.gather(
                     *(
                         self.receive_weights(
@@ -190,7 +192,8 @@ class WeightSync:
             error: BaseException | None = None
             sent = 0
             try:
-                sent = weight_group.broadcast_tensors(self._group, (state_dict[k] for k in names), self._backend()[1])
+                tensors = (state_dict[k] for k in names)
+                sent = weight_group.broadcast_tensors(self._group, tensors, self._backend()[1], wire)
             except Exception as exc:
                 error = exc
                 self._drop_group()  # the servers still receiving fail at once instead of waiting
@@ -212,6 +215,14 @@ class WeightSync:
                     f"{describe(error)}"
                 ) from None
             # a server died (or was restarted meanwhile): restart it, form a new group, send again
+
+    def wire_dtypes(self, names: list[str], dtypes: list[Any]) -> list[Any]:
+        """The dtype each weight travels in over the collective (``torch.dtype`` objects, in order): the
+        one the servers would convert it to when loading it, where an engine knows that exactly (a
+        float32 trainer's weights then cross the link as a bfloat16 server's half the bytes, with the
+        same values the server would have made of them), else ``dtypes`` as they are. Called once
+        the group has formed. Default: ``dtypes``."""
+        return list(dtypes)
 
     def _drop_group(self) -> None:
         if self._group is not None:

@@ -1,6 +1,6 @@
 """Moving the policy's new weights to the rollout engine after each update, as
 ``rollout.weight_sync`` says: ``memory`` (in buckets, handed over in-process: :func:`sync_in_memory`),
-``collective`` (a full state dict over a process group) or ``disk`` (a Hugging Face directory the
+``collective`` (the weights over a process group: :func:`collective_state`) or ``disk`` (a Hugging Face directory the
 engine loads, or with ``rollout.lora_sync: adapter`` the LoRA adapter alone: :mod:`core_rl.lora_sync`;
 in the background for an asynchronous run once its controller runs: :mod:`core_rl.trainer.weight_load`).
 A rollout engine asleep while the trainer trained takes back its weights' storage once the trainer has
@@ -12,6 +12,8 @@ import contextlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
+
+import torch
 
 from core_rl.config.schema import RunConfig
 from core_rl.engine_utils.buckets import nbytes
@@ -63,12 +65,14 @@ class WeightSyncing:
             paused = self._rollout_paused(version)  # entered only where the rollout engine is
             woken = self.rollout_sleep.before_weight_update()
             return {"weight_sync/bytes": sync_in_memory(self.engine, self.rollout, version, paused), **woken}
-        state = self.engine.full_state_dict()
+        state = collective_state(self.engine)
         woken = self.rollout_sleep.before_weight_update()
         if self.rollout is not None:
             with self._rollout_paused(version):
                 self.rollout.update_weights_collective(state, version)
-        return {"weight_sync/bytes": float(nbytes(state.values())), **woken}
+        # the bytes on the wire, where the engine says (a server's weights may travel in its own dtype)
+        sent = getattr(self.rollout, "last_sync", {}).get("bytes")
+        return {"weight_sync/bytes": float(sent if sent is not None else nbytes(state.values())), **woken}
 
     def _sync_by_disk(self, version: int) -> dict[str, float]:
         """``weight_sync: disk``: export to ``<run>/weight_sync`` (with ``rollout.lora_sync: adapter``
@@ -103,6 +107,15 @@ class WeightSyncing:
             else:
                 load()
         return metrics
+
+
+def collective_state(engine: TrainEngine) -> dict[str, torch.Tensor]:
+    """What ``weight_sync: collective`` sends: the train engine's weight buckets
+    (:meth:`~core_rl.interfaces.TrainEngine.hf_weight_buckets`) joined, on the main rank (``{}``
+    elsewhere; every rank draws them, for the gathers inside). A tied weight is in it once (the
+    receiver ties its twin), and on one rank the tensors are the parameters themselves, not a copy of
+    the model: nothing may train until the rollout engine has taken them."""
+    return {name: tensor for bucket in engine.hf_weight_buckets() for name, tensor in bucket.items()}
 
 
 def sync_in_memory(

@@ -108,6 +108,8 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         self.model_name = SERVED_MODEL_NAME
         self.lora_rank = lora_rank
         self._adapters: dict[str, str] = {}  # server URL -> the adapter name it serves
+        #: server URL -> its workers' answers to core_rl_weight_dtypes (JSON), from its group join
+        self._weight_dtypes: dict[str, set[str]] = {}
         self._per_token_versions = True  # generate through GENERATE_PATH (per-token weight versions)
         self._batch_route = True  # requests that arrive together go through BATCH_ROUTE
         super().__init__(model_path, config.server, run_dir, sleep=sleep, trust_remote_code=trust_remote_code)
@@ -365,6 +367,25 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             "timeout_s": self.options.weight_sync_timeout,
         }
         await self._rpc(client, url, "core_rl_join_group", args=[json.dumps(payload)])
+        results = await self._rpc(client, url, "core_rl_weight_dtypes", args=[""])
+        self._weight_dtypes[url] = {json.dumps(json.loads(r), sort_keys=True) for r in results}
+
+    def wire_dtypes(self, names: list[str], dtypes: list[Any]) -> list[Any]:
+        """Each floating weight in the dtype the servers' workers cast it to on arrival (their
+        parameter of that name's, else the model's: ``core_rl_weight_dtypes``), so a float32 trainer
+        sends a bfloat16 server half the bytes, the same values either way; as it is where the
+        workers disagree or have not said."""
+        import torch
+
+        said = set().union(*(self._weight_dtypes.get(ep.url, {"?"}) for ep in self.endpoints))
+        if len(said) != 1 or "?" in said:
+            return list(dtypes)
+        layout = json.loads(next(iter(said)))
+        default, params = getattr(torch, layout["default"]), layout["params"]
+        return [
+            getattr(torch, params[name]) if name in params else default if dtype.is_floating_point else dtype
+            for name, dtype in zip(names, dtypes)
+        ]
 
     async def receive_weights(
         self, client: Any, url: str, *, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int

@@ -61,6 +61,23 @@ class WeightSyncExtension:
                 tensor = tensor.to(want)
             yield name, tensor
 
+    def core_rl_weight_dtypes(self, payload: str = "") -> str:
+        """What :meth:`_core_rl_in_model_dtypes` casts each floating weight to, as JSON:
+        ``{"default": DTYPE, "params": {NAME: DTYPE}}``, the parameters whose dtype is not the
+        model's default by name. The trainer sends each weight in that dtype (half the bytes of float32
+        for a bfloat16 model), which this side would otherwise have cast it to on arrival."""
+        try:
+            model = self.model_runner.model
+            default = self.model_runner.model_config.dtype
+            params = {
+                name: str(p.dtype).removeprefix("torch.")
+                for name, p in model.named_parameters()
+                if p.dtype.is_floating_point and p.dtype != default
+            }
+            return json.dumps({"default": str(default).removeprefix("torch."), "params": params})
+        except Exception:
+            return "error: " + traceback.format_exc()
+
     def core_rl_join_group(self, payload: str) -> str:
         """``payload``: address, port, rank_offset, world_size, backend, group_name, timeout_s."""
         try:
