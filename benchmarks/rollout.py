@@ -60,7 +60,9 @@ sys.path.insert(0, sys.argv[1])
 from core_rl import weight_group
 spec = json.loads(sys.argv[2])
 torch.set_num_threads(1)
-pg = weight_group.init_group("127.0.0.1", spec["port"], 2, backend="gloo", group_name=spec["group"], timeout_s=300, rank=1)
+pg = weight_group.init_group(
+    "127.0.0.1", spec["port"], 2, backend="gloo", group_name=spec["group"], timeout_s=300, rank=1
+)
 for _ in range(spec["repeats"]):
     weight_group.drain(weight_group.receive_tensors(pg, spec["names"], spec["dtypes"], spec["shapes"], "cpu"))
 """
