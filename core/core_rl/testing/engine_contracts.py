@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from core_rl.config.schema import ActorConfig, MicroBatchConfig, OptimizerConfig, PluginSpec
+from core_rl.config.schema import ActorConfig, LoraConfig, MicroBatchConfig, OptimizerConfig, PluginSpec
 from core_rl.interfaces import LossOutput, TrainEngine
 from core_rl.kinds import TRAIN_ENGINE
 from core_rl.protocol import TensorBatch
@@ -78,6 +78,7 @@ class TrainEngineContract(OptimizerStateContract, TopkLogprobsContract, TinyMode
         optimizer: OptimizerConfig | None = None,
         head: str = "lm",
         fused_head: bool = False,
+        lora: LoraConfig | None = None,
     ) -> TrainEngine:
         actor = ActorConfig(
             model_path=str(model_path),
@@ -85,6 +86,7 @@ class TrainEngineContract(OptimizerStateContract, TopkLogprobsContract, TinyMode
             optimizer=optimizer or OptimizerConfig(name="sgd", lr=0.1),
             micro_batch=MicroBatchConfig(max_tokens_per_mb=max_tokens_per_mb),
             fused_head=fused_head,
+            lora=lora or LoraConfig(),
         )
         kwargs: dict[str, Any] = {"trainable": trainable}
         if head != "lm":
@@ -268,6 +270,36 @@ class TrainEngineContract(OptimizerStateContract, TopkLogprobsContract, TinyMode
             assert torch.equal(value, final_a[key]), f"{key} differs after the resume by {gap}"
         b.close()
 
+    def test_tied_model_with_lora_resumes_bitwise(self, tied_model_path: Path, tmp_path: Path) -> None:
+        """LoRA on every linear layer of a tied model (engines that refuse LoRA skip): a run resumed
+        from its first checkpoint ends bit for bit where the uninterrupted run did, the adapters
+        trained and the merged head still the merged embedding."""
+        lora = LoraConfig(rank=4, alpha=8.0, target_modules=["all-linear"])
+        self._skip_refused(OptimizerConfig(name="adamw"), lora=lora, key="actor.lora")
+        opt = OptimizerConfig(name="adamw", lr=1e-2)
+        batches = [make_rl_batch(seed=s) for s in range(3)]
+        a = self.make(tied_model_path, optimizer=opt, lora=lora)
+        start = a.full_state_dict()
+        a.train_step(batches[0], _nll_loss)
+        a.save_state(tmp_path / "step1", {})
+        for batch in batches[1:]:
+            a.train_step(batch, _nll_loss)
+        final_a = a.full_state_dict()
+        a.close()
+        assert not torch.equal(
+            final_a["model.layers.0.self_attn.q_proj.weight"], start["model.layers.0.self_attn.q_proj.weight"]
+        )
+        _assert_tied(final_a)
+        b = self.make(tied_model_path, optimizer=opt, lora=lora)
+        b.load_state(tmp_path / "step1")
+        for batch in batches[1:]:
+            b.train_step(batch, _nll_loss)
+        final_b = b.full_state_dict()
+        b.close()
+        assert set(final_b) == set(final_a)
+        for key, value in final_b.items():
+            assert torch.equal(value, final_a[key]), key
+
     def test_tied_model_exports_and_sends_its_weights(self, tied_model_path: Path, tmp_path: Path) -> None:
         """After an update, a tied model's Hugging Face export reloads in transformers still tied and
         with the engine's log-probs, and its weight buckets (what a weight sync sends) hold its full
@@ -317,20 +349,27 @@ class TrainEngineContract(OptimizerStateContract, TopkLogprobsContract, TinyMode
             torch.testing.assert_close(value, final_a[key], atol=1e-6, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
         b.close()
 
-    def _skip_refused(self, optimizer: OptimizerConfig) -> None:
-        """Skip when the engine refuses ``optimizer`` for the actor: its ``check_config``, or its
-        ``check_environment`` on this machine (what ``core-rl train`` asks before loading a model)."""
+    def _skip_refused(
+        self, optimizer: OptimizerConfig, *, lora: LoraConfig | None = None, key: str = "actor.optimizer"
+    ) -> None:
+        """Skip when the engine refuses ``optimizer`` (or ``lora``) for the actor, a problem at ``key``:
+        its ``check_config``, or its ``check_environment`` on this machine (what ``core-rl train``
+        asks before loading a model)."""
         from core_rl.config.checks import EnvironmentContext, config_problems, environment_problems
         from core_rl.config.schema import RunConfig
         from core_rl.preflight import detect_machine
 
-        actor = ActorConfig(engine=PluginSpec(name=self.name, options=dict(self.options)), optimizer=optimizer)
+        actor = ActorConfig(
+            engine=PluginSpec(name=self.name, options=dict(self.options)),
+            optimizer=optimizer,
+            lora=lora or LoraConfig(),
+        )
         context = EnvironmentContext(
             path="actor.engine", run=RunConfig(actor=actor), name=self.name, machine=detect_machine()
         )
         config = self.config()
         problems = [*config_problems(config, context), *environment_problems(config, context)]
-        refused = [line for line in problems if "actor.optimizer" in line]
+        refused = [line for line in problems if key in line]
         if refused:
             pytest.skip(refused[0])
 
