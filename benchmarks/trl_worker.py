@@ -29,8 +29,10 @@ def trl_worker(spec: dict) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
 
-    def reward(completions: list[str], answer: list[str], **_: object) -> list[float]:
-        return [char_match(c, a) for c, a in zip(completions, answer)]
+    def reward(completions: list, answer: list[str], **_: object) -> list[float]:
+        # a conversational prompt's completion is its assistant message
+        texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+        return [char_match(c, a) for c, a in zip(texts, answer)]
 
     on_cuda = spec.get("device", "cpu") == "cuda"
     args = GRPOConfig(

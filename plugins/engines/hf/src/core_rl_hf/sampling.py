@@ -128,9 +128,22 @@ def choose_tokens(
             scaled = penalised / sampling.temperature
         filtered = top_p_filter(top_k_filter(block_tokens(scaled, blocked), sampling.top_k), sampling.top_p)
         filtered = min_p_filter(filtered, sampling.min_p)
-        probs = torch.softmax(filtered, dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tokens = sample_rows(torch.softmax(filtered, dim=-1), generator)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def sample_rows(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``probs`` [B, V] (each row's probabilities, summing to about 1), by the
+    inverse of its cumulative distribution: with ``c_j = sum_{i<=j} p_i`` (float64) and one uniform
+    ``u`` per row, the token is the first ``j`` with ``c_j > u * c_V``. Exactly ``p``'s distribution
+    (a token of probability 0 adds nothing to ``c`` and is never chosen), from one random number per
+    row: ``torch.multinomial`` draws one per vocabulary entry (an exponential race), which on a CPU
+    took 12% of a 135M model's decoding at a 49k vocabulary. Device operations only (a CUDA graph
+    can capture it). Returns ``[B]`` long."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=torch.float64)
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+    return tokens.clamp_(max=probs.shape[-1] - 1)  # u * c_V rounding to c_V itself
 
 
 def check_sampling(sampling: SamplingParams) -> None:
