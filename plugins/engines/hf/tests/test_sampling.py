@@ -11,8 +11,8 @@ from core_rl_hf.sampling import (
     block_tokens,
     check_sampling,
     choose_tokens,
-    sample_rows,
     min_p_filter,
+    sample_rows,
     top_k_filter,
     top_p_filter,
 )
