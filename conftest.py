@@ -6,13 +6,16 @@ inference server's own environment (``core-rl server-env create NAME``). Where t
 not built and no package index can be reached to build it (a GPU machine without network, say),
 the test is skipped with that reason rather than failing on the first install step.
 
-``scripts/test.sh`` builds the server environments in the background while the other tests run:
-it names a directory in ``CORE_RL_SERVER_ENV_BUILDS`` where each build leaves ``NAME.log`` and, when
-it ends, ``NAME.rc``. The files holding server tests are collected last, and such a test waits for
-its environment's build (up to ``SERVER_ENV_BUILD_TIMEOUT_S``), failing with the build's log if it
-failed. ``@pytest.mark.after_setup("slurm-packages")`` marks a test that waits likewise for another
-background step of ``scripts/test.sh`` (its ``NAME.rc``); the test itself says what it lacks if the
-step failed.
+``scripts/test.sh`` builds the server environments in the background while the other tests run,
+and only those the selected tests need: once pytest has collected the selection, the file named by
+``CORE_RL_TEST_PLAN`` receives the background steps it needs (:func:`background_steps`, one per
+line: ``server-env vllm``, ``after-setup slurm-packages``); the script starts those, then writes
+``<plan>.started``. It names a directory in ``CORE_RL_SERVER_ENV_BUILDS`` where each step leaves
+``NAME.log`` and, when it ends, ``NAME.rc``. The files holding server tests are collected last, and
+such a test waits for its environment's build (up to ``SERVER_ENV_BUILD_TIMEOUT_S``), failing with
+the build's log if it failed. ``@pytest.mark.after_setup("slurm-packages")`` marks a test that waits
+likewise for another background step of ``scripts/test.sh`` (its ``NAME.rc``); the test itself says
+what it lacks if the step failed.
 
 Within those two groups, files go out longest first (``tests/file_durations.json``, each file's
 seconds in an earlier run; a file not listed counts as its number of tests times the average), so the
@@ -55,6 +58,8 @@ def _index_problem() -> str | None:
 
 
 BUILDS_ENV = "CORE_RL_SERVER_ENV_BUILDS"
+#: ``CORE_RL_TEST_PLAN=FILE``: where the background steps the selected tests need go (see the module docstring)
+PLAN_ENV = "CORE_RL_TEST_PLAN"
 SERVER_ENV_BUILD_TIMEOUT_S = 2400
 
 # property tests: no per-example deadline (a loaded 2-core CI machine stalls an example now and then,
@@ -68,15 +73,26 @@ def _background_step_status(name: str) -> str | None:
     """Wait for ``scripts/test.sh``'s background step ``name`` (if there is one, for at most
     ``SERVER_ENV_BUILD_TIMEOUT_S``): its exit status, ``"timeout"``, or ``None`` without one."""
     builds = os.environ.get(BUILDS_ENV)
+    deadline = time.monotonic() + SERVER_ENV_BUILD_TIMEOUT_S
+    plan = os.environ.get(PLAN_ENV)
+    if builds and plan:  # the script starts the steps once the selection is collected
+        if not _wait_for(Path(f"{plan}.started"), deadline):
+            return "timeout"
     if not builds or not (Path(builds) / f"{name}.log").exists():
         return None
     rc_file = Path(builds) / f"{name}.rc"
-    deadline = time.monotonic() + SERVER_ENV_BUILD_TIMEOUT_S
-    while not rc_file.exists():
-        if time.monotonic() > deadline:
-            return "timeout"
-        time.sleep(2)
+    if not _wait_for(rc_file, deadline):
+        return "timeout"
     return rc_file.read_text().strip()
+
+
+def _wait_for(path: Path, deadline: float) -> bool:
+    """Wait until ``path`` exists or ``time.monotonic()`` passes ``deadline``; whether it exists."""
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1)
+    return True
 
 
 def _background_build_failure(name: str) -> str | None:
@@ -160,14 +176,33 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 COLLECTED_ENV = "CORE_RL_COLLECTED"
 
 
+def background_steps(items: list[pytest.Item]) -> list[str]:
+    """The background steps of ``scripts/test.sh`` that the tests ``items`` need, sorted:
+    ``server-env NAME`` for a test marked ``server_env``, ``after-setup NAME`` for one marked
+    ``after_setup(NAME)``. None for a selection without such tests."""
+    steps = {f"server-env {name}" for name in map(_server_env_name, items) if name is not None}
+    steps |= {f"after-setup {mark.args[0]}" for item in items for mark in item.iter_markers("after_setup")}
+    return sorted(steps)
+
+
+def _write_whole(target: str, text: str) -> None:
+    """Write ``text`` to ``target`` so that a reader never sees it half-written."""
+    Path(target).parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(f"{target}.{os.getpid()}.tmp")
+    partial.write_text(text)
+    os.replace(partial, target)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    target = os.environ.get(COLLECTED_ENV)
+    """Write the node ids collected (``CORE_RL_COLLECTED``) and the background steps they need
+    (``CORE_RL_TEST_PLAN``), once: by the first xdist worker, or the only process."""
     worker = getattr(session.config, "workerinput", {}).get("workerid", "gw0")
-    if target and worker == "gw0":
-        Path(target).parent.mkdir(parents=True, exist_ok=True)
-        partial = Path(f"{target}.{os.getpid()}.tmp")
-        partial.write_text("".join(f"{item.nodeid}\n" for item in session.items))
-        os.replace(partial, target)
+    if worker != "gw0":
+        return
+    if target := os.environ.get(COLLECTED_ENV):
+        _write_whole(target, "".join(f"{item.nodeid}\n" for item in session.items))
+    if plan := os.environ.get(PLAN_ENV):
+        _write_whole(plan, "".join(f"{step}\n" for step in background_steps(session.items)))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -283,11 +283,13 @@ def test_a_decaying_schedule_shorter_than_the_run_is_refused(tmp_path, host, min
     """A schedule's total_steps fixed below the run's (a file recorded before derived keys stayed
     derived, then extended) would train the last steps at learning rate 0."""
     minimal_config["actor"]["lr_scheduler"] = {"name": "cosine", "total_steps": 10}
+    line = _write(tmp_path, minimal_config).read_text().splitlines().index("    total_steps: 10") + 1
     assert _problems(tmp_path, minimal_config, ["trainer.total_steps=20"], host=host) == [
         "actor.lr_scheduler.total_steps: the cosine schedule reaches learning rate 0 at optimiser step 10, but the "
         "run takes 20 (trainer.total_steps=20 x 1 optimiser step(s) per step), so its last 10 optimiser steps would "
         "not train; set actor.lr_scheduler.total_steps=0 (the default: follow trainer.total_steps) or at least 20, "
-        "or actor.lr_scheduler.min_lr_ratio above 0"
+        "or actor.lr_scheduler.min_lr_ratio above 0 (values: actor.lr_scheduler.total_steps=10 in "
+        f"{tmp_path / 'run.yaml'}:{line}; trainer.total_steps=20 on the command line (trainer.total_steps=20))"
     ]
     path = _write(tmp_path, minimal_config)
     load_config(path, ["trainer.total_steps=10"], host=host)  # as long as the run

@@ -48,6 +48,33 @@ def test_jsonl_appends_samples_per_step(tmp_path):
     ]
 
 
+def test_a_record_shows_the_prompt_as_the_model_saw_it_after_the_prompt():
+    record = SampleRecord("ab", "ba", 1.0, "stop", {"match": 1.0}, rendered_prompt="<s>u:ab>a:")
+    assert list(record.as_row()) == ["prompt", "rendered_prompt", "response", "reward", "finish_reason", "reward/match"]
+    assert record.as_row()["rendered_prompt"] == "<s>u:ab>a:"
+
+
+def test_sample_records_decode_the_prompt_with_its_special_tokens():
+    """The sample log's records: the prompt as the data holds it (what the reward read) and as the
+    chat template rendered it for the model (its tokens decoded, special ones included)."""
+    from core_rl.chat_template import render_prompt
+    from core_rl.config.schema import SampleLogConfig
+    from core_rl.protocol import RewardInput
+    from core_rl.tiny import CHAT_TEMPLATE, build_char_tokenizer
+    from core_rl.trainer.rewards import ScoreResult
+    from core_rl.trainer.sample_log import sample_records
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+    ids, _ = render_prompt(tokenizer, messages, {})
+    item = RewardInput("ab", "ba", prompt_ids=ids, response_ids=[], row={}, finish_reason="stop")
+    result = ScoreResult(scores=[1.0], failures=[])
+    config = SampleLogConfig(every_n_steps=1, num_samples=1)
+    [record] = sample_records([item], result, config, step=1, tokenizer=tokenizer)
+    assert (record.prompt, record.rendered_prompt) == ("ab", "<s>s:be brief>u:ab>a:")
+
+
 def test_sample_table_unions_the_parts():
     columns, rows = sample_table(SAMPLES)
     assert columns == ["prompt", "response", "reward", "finish_reason", "reward/char_match", "reward/format"]

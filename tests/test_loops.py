@@ -105,11 +105,14 @@ def test_a_role_section_the_loop_does_not_read_is_refused(tmp_path, host, minima
         "teacher: the 'count' loop (distribution test-loops) does not use a teacher: section (it reads no role "
         "section); remove the section, or select a loop that uses it (trainer.loop.name: rl)",
     ]
+    path = write(tmp_path, data)
     with pytest.raises(ConfigError) as info:
-        load_config(write(tmp_path, data), ["trainer.loop.name=ref_only"], host=host)
+        load_config(path, ["trainer.loop.name=ref_only"], host=host)
+    line = (tmp_path / "run.yaml").read_text().splitlines().index("teacher:") + 1
     assert info.value.problems == [
         "teacher: the 'ref_only' loop (distribution test-ref-loops) does not use a teacher: section (it reads "
-        "ref:); remove the section, or select a loop that uses it (trainer.loop.name: rl)"
+        "ref:); remove the section, or select a loop that uses it (trainer.loop.name: rl) (values: teacher in "
+        f"{path}:{line}; trainer.loop.name=ref_only on the command line (trainer.loop.name=ref_only))"
     ]
     cfg = load_config(write(tmp_path, {**minimal_config, "teacher": {"model_path": model}}), [], host=host)
     assert cfg.teacher is not None and cfg.trainer.loop.name == "rl"

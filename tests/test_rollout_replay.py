@@ -192,7 +192,10 @@ def test_what_a_replay_cannot_combine_with(base: dict, dumped: Path, tmp_path: P
         "eval: section",
     }
     for override, line in cases.items():
-        assert _problem_lines(_validate(replay, tmp_path, override)) == [line]
+        [problem] = _problem_lines(_validate(replay, tmp_path, override))
+        # the override and the file's replay_from disagree: the message says where each was set
+        assert problem.startswith(f"{line} (values: ")
+        assert f"rollout.replay_from={dumped / 'rollouts'} in {tmp_path / 'check.yaml'}:" in problem
 
 
 def test_the_dump_header_round_trips(dumped: Path) -> None:

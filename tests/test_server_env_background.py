@@ -1,5 +1,6 @@
-"""The root conftest's wait for ``scripts/test.sh``'s background server-environment builds, and the
-collection order that lets them run while the other tests do."""
+"""The root conftest's wait for ``scripts/test.sh``'s background server-environment builds, the
+steps it asks the script for (those the selected tests need), and the collection order that lets
+them run while the other tests do."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def hooks(monkeypatch, tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     monkeypatch.setenv(module.BUILDS_ENV, str(tmp_path))
+    monkeypatch.delenv(module.PLAN_ENV, raising=False)  # set where scripts/test.sh runs this test
     return module
 
 
@@ -60,6 +62,30 @@ def test_a_build_that_never_ends_times_out(hooks, tmp_path, monkeypatch):
     assert "did not end within 0 s" in hooks._background_build_failure("vllm")
 
 
+def test_steps_wait_until_the_script_has_started_the_planned_ones(hooks, monkeypatch, tmp_path):
+    plan = tmp_path / "plan"
+    monkeypatch.setenv(hooks.PLAN_ENV, str(plan))
+    monkeypatch.setattr(hooks, "SERVER_ENV_BUILD_TIMEOUT_S", 0)
+    (tmp_path / "vllm.log").write_text("building\n")
+    (tmp_path / "vllm.rc").write_text("0\n")
+    assert "did not end within 0 s" in hooks._background_build_failure("vllm")  # not started yet
+    hooks._background_step_status.cache_clear()
+    (tmp_path / "plan.started").write_text("")
+    assert hooks._background_build_failure("vllm") is None
+    hooks._background_step_status.cache_clear()
+    assert hooks._background_step_status("slurm-packages") is None  # not planned: nothing to wait for
+
+
+def test_the_plan_holds_the_steps_the_selected_tests_need(hooks):
+    slurm = _Item("test_s.py", False)
+    slurm.after_setup = "slurm-packages"
+    sglang = _Item("test_g.py", True)
+    sglang.server = "sglang"
+    items = [*_items(), slurm, sglang]
+    assert hooks.background_steps(items) == ["after-setup slurm-packages", "server-env sglang", "server-env vllm"]
+    assert hooks.background_steps([item for item in items if not item._server and not item.after_setup]) == []
+
+
 def test_files_with_server_tests_are_collected_last(pytester_items):
     names = [item.path.name for item in pytester_items]
     assert names == ["test_d.py"] * 3 + ["test_a.py", "test_a.py", "test_c.py", "test_b.py", "test_b.py"]
@@ -83,9 +109,17 @@ class _Item:
         self.path = Path(name)
         self.cls = None
         self._server = server
+        self.server = "vllm"
+        self.after_setup: str | None = None
 
     def get_closest_marker(self, name: str):
-        return pytest.mark.server_env("vllm").mark if self._server and name == "server_env" else None
+        if self._server and name == "server_env":
+            return pytest.mark.server_env(self.server).mark
+        return next(self.iter_markers(name), None)
+
+    def iter_markers(self, name: str):
+        if self.after_setup is not None and name == "after_setup":
+            yield pytest.mark.after_setup(self.after_setup).mark
 
 
 def _items() -> list[_Item]:

@@ -128,7 +128,9 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     show = config_sub.add_parser(
         "show",
         help="print the fully resolved YAML",
-        description="Print the configuration with defaults, recipe settings, interpolations and overrides applied.",
+        description="Print the configuration with defaults, recipe settings, interpolations and overrides applied. "
+        "Where it is not valid, print what the file, the overrides and the recipe set, each problem marked above "
+        "its key (# PROBLEM:), and exit with status 2.",
     )
     _add_config_args(show)
     validate = config_sub.add_parser(
@@ -242,6 +244,21 @@ def _load(args: argparse.Namespace, host: PluginHost):
     return load_config(args.config, args.overrides, host=host, notify=_note)
 
 
+def _cmd_config_show(args: argparse.Namespace, host: PluginHost) -> int:
+    """Print the resolved configuration; where it is not valid, the merged one with each problem
+    marked above its key (stdout), then the problems (stderr, exit status 2)."""
+    from core_rl.config.loader import marked_yaml, merge_config, to_yaml, validate_merged
+
+    merged = merge_config(args.config, args.overrides, host, notify=_note)
+    checked = validate_merged(merged, host, notify=_note)
+    if checked.config is None:
+        sys.stdout.write(marked_yaml(checked, merged.provenance))
+        sys.stdout.flush()
+        raise ConfigError(checked.problems, source=merged.source)
+    sys.stdout.write(to_yaml(checked.config))
+    return 0
+
+
 def report_fatal_signals() -> None:
     """Have a crash of the interpreter itself (SIGSEGV, SIGFPE, SIGABRT, SIGBUS, SIGILL, e.g. in a
     native library) print every thread's Python stack to standard error before the process dies,
@@ -325,22 +342,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_command(args)
         if args.command == "config":
-            cfg = _load(args, host)
             if args.config_command == "show":
-                from core_rl.config import to_yaml
+                return _cmd_config_show(args, host)
+            from core_rl.launchers import launcher_check
 
-                sys.stdout.write(to_yaml(cfg))
-            else:
-                from core_rl.launchers import launcher_check
+            cfg = _load(args, host)
+            problems = launcher_check(cfg)
+            if problems:
+                raise ConfigError(problems, source=args.config)
+            if args.preflight:
+                from core_rl.preflight import preflight
 
-                problems = launcher_check(cfg)
-                if problems:
-                    raise ConfigError(problems, source=args.config)
-                if args.preflight:
-                    from core_rl.preflight import preflight
-
-                    preflight(cfg, create_output_dir=False)
-                print(f"{args.config}: valid" + (" (preflight passed)" if args.preflight else ""))
+                preflight(cfg, create_output_dir=False)
+            print(f"{args.config}: valid" + (" (preflight passed)" if args.preflight else ""))
             return 0
         if args.command == "train":
             return _cmd_train(args, host)

@@ -475,6 +475,13 @@ class AlgorithmRecipe:
 
     defaults: Mapping[str, Any]
     description: str = ""
+    #: values of ``defaults`` chosen for the recipe's own values of other keys, as dotted key paths
+    #: ``{dependent: (keys it depends on, ...)}``, e.g. ``{"algorithm.loss.eps_clip_higher":
+    #: ("algorithm.loss.eps_clip",)}``: where the user sets a key it depends on to a value other
+    #: than the recipe's, and leaves the dependent key unset, the recipe's value of the dependent key
+    #: is not applied (its section's own default is), with a note naming both, so a recipe's value
+    #: never contradicts one the user chose
+    depends_on: Mapping[str, Sequence[str]] = attrs.field(factory=dict)
 
 
 class TrainingLoop(ABC):

@@ -28,7 +28,10 @@ class RunInfo:
 class SampleRecord:
     """One generated sample as loggers show it: texts, its reward (and the reward's parts, see
     :class:`~core_rl.interfaces.RewardScores`), why generation stopped (``stop`` or ``length``) and what the rollout
-    workflow recorded about it (:attr:`core_rl.protocol.Sample.info`)."""
+    workflow recorded about it (:attr:`core_rl.protocol.Sample.info`). ``prompt`` is the prompt as
+    the data holds it (what rewards read); ``rendered_prompt``, where given, the prompt as the model
+    was given it: its tokens decoded with the special ones, so the chat template's rendering under
+    ``data.apply_chat_template`` (system prompt, turn markers, generation prompt)."""
 
     prompt: str
     response: str
@@ -36,12 +39,15 @@ class SampleRecord:
     finish_reason: str
     parts: dict[str, float] = attrs.field(factory=dict)
     info: dict[str, Any] = attrs.field(factory=dict)
+    rendered_prompt: str | None = None
 
     def as_row(self) -> dict[str, Any]:
-        """A flat row: ``prompt``, ``response``, ``reward``, ``finish_reason``, ``reward/<part>``...,
-        ``info/<key>``..."""
-        row: dict[str, Any] = {
-            "prompt": self.prompt,
+        """A flat row: ``prompt``, ``rendered_prompt`` (where given), ``response``, ``reward``,
+        ``finish_reason``, ``reward/<part>``..., ``info/<key>``..."""
+        row: dict[str, Any] = {"prompt": self.prompt}
+        if self.rendered_prompt is not None:
+            row["rendered_prompt"] = self.rendered_prompt
+        row |= {
             "response": self.response,
             "reward": self.reward,
             "finish_reason": self.finish_reason,

@@ -34,6 +34,12 @@ def node_at(data: Any, path: Sequence[Segment]) -> Any:
     return node
 
 
+def is_set(data: Any, path: Sequence[Segment]) -> bool:
+    """Whether plain ``data`` holds the key at ``path`` (a mapping's key, even one set to ``None``)."""
+    parent = node_at(data, path[:-1])
+    return isinstance(parent, Mapping) and path[-1] in parent
+
+
 def parse_key(key: str) -> Path:
     """Parse a dotted key path; raise ``ValueError`` saying what is wrong with it."""
     if not key:

@@ -174,8 +174,8 @@ def eval_problems(cfg: RunConfig, host: PluginHost | None = None) -> list[str]:
         return []
     if not uses_rl_sections(cfg, host):
         return [
-            f"eval: the {cfg.trainer.loop.name!r} loop generates no answers to evaluate (evaluation runs in the rl "
-            "loop); remove the eval: section"
+            f"eval: trainer.loop.name is {cfg.trainer.loop.name!r}, a loop that generates no answers to evaluate "
+            "(evaluation runs in the rl loop); remove the eval: section"
         ]
     problems = []
     if cfg.reward is None:

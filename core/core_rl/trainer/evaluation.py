@@ -43,7 +43,7 @@ from core_rl.trainer.colocation import RolloutSleep
 from core_rl.trainer.data import PromptItem, check_eval_data, eval_data_config, tokenise_rows
 from core_rl.trainer.eval_metrics import ScoredPrompt, eval_metrics
 from core_rl.trainer.rewards import RewardRunner
-from core_rl.trainer.sample_log import score_samples
+from core_rl.trainer.sample_log import rendered_prompt, score_samples
 from core_rl.trainer.weight_load import BackgroundWeightLoad
 from core_rl.workflows import RolloutWorkflow
 
@@ -200,6 +200,7 @@ class Evaluator:
         column = self.config.group_by
         scored, records, i = [], [], 0
         for index, (prompt, group) in enumerate(zip(prompts, groups)):
+            rendered = rendered_prompt(self.tokenizer, prompt.prompt_ids)
             kept = [j for j in range(i, i + len(group)) if result.scores[j] is not None]
             label = None if column is None else str(prompt.row.get(column))
             scored.append(
@@ -220,6 +221,7 @@ class Evaluator:
                         "step": step,
                         "prompt_index": index,
                         "prompt": prompt.text,
+                        "rendered_prompt": rendered,
                         "response": inputs[j].response_text,
                         "reward": None if score is None else float(score),
                         "correct": score is not None and score >= self.config.pass_reward,

@@ -110,7 +110,7 @@ class RolloutScoring:
         inputs, result = self._scored_this_step[0]
         scores = dict(zip(result.kept, model_scores)) if model_scores is not None else None
         coef = self.reward_stage.config.coef if self.reward_stage is not None else 0.0
-        records = sample_records(inputs, result, self.cfg.sample_log, step, scores, coef)
+        records = sample_records(inputs, result, self.cfg.sample_log, step, scores, coef, tokenizer=self.tokenizer)
         if not records:
             return
         for lg in self.loggers:

@@ -1,5 +1,6 @@
 """What the rewards see of a step's samples, and the few samples loggers show
-(``sample_log.every_n_steps``, ``sample_log.num_samples``)."""
+(``sample_log.every_n_steps``, ``sample_log.num_samples``), with each prompt both as the data holds
+it and as the model was given it (:func:`rendered_prompt`)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,13 @@ def score_samples(
     return inputs, runner.score(inputs, step=step)
 
 
+def rendered_prompt(tokenizer: Any, prompt_ids: Sequence[int]) -> str:
+    """The prompt as the model was given it: its token ids decoded with every special token, so
+    the chat template's rendering under ``data.apply_chat_template`` (system prompt, turn markers,
+    generation prompt), or the text with the tokens the tokenizer adds (a BOS token)."""
+    return str(tokenizer.decode(list(prompt_ids), skip_special_tokens=False))
+
+
 def sample_records(
     inputs: Sequence[RewardInput],
     result: ScoreResult,
@@ -48,9 +56,12 @@ def sample_records(
     step: int,
     model_scores: dict[int, float] | None = None,
     model_coef: float = 0.0,
+    *,
+    tokenizer: Any,
 ) -> list[SampleRecord]:
     """Every ``config.every_n_steps`` steps, ``config.num_samples`` records spread over ``inputs``
-    (a step's first generation batch, scored as ``result``); none at other steps.
+    (a step's first generation batch, scored as ``result``); none at other steps. Each record holds
+    its prompt as rendered for the model (:func:`rendered_prompt`, by ``tokenizer``).
     ``model_scores``: item index -> the ``reward_model:`` role's score of the kept items; a sample's
     reward is then ``rule + model_coef * score``, with the score as the part ``reward_model``."""
     every, k = config.every_n_steps, min(config.num_samples, len(inputs))
@@ -68,6 +79,7 @@ def sample_records(
         records.append(
             SampleRecord(
                 prompt=inputs[i].prompt_text,
+                rendered_prompt=rendered_prompt(tokenizer, inputs[i].prompt_ids),
                 response=inputs[i].response_text,
                 reward=reward,
                 finish_reason=inputs[i].finish_reason,

@@ -1,7 +1,9 @@
 """The ``dapo`` recipe (Yu et al. 2025, Decoupled Clip and Dynamic sAmpling Policy Optimization):
 GRPO's group-normalised advantages with
 
-- clip-higher: ``eps_clip`` 0.2 below, ``eps_clip_higher`` 0.28 above;
+- clip-higher: ``eps_clip`` 0.2 below, ``eps_clip_higher`` 0.28 above (chosen for the 0.2: a
+  configuration that sets another ``eps_clip`` leaves the recipe's 0.28 out unless it sets
+  ``eps_clip_higher`` too);
 - token-level aggregation (``token-mean``): long responses weigh by their tokens;
 - dynamic sampling: groups whose rewards are all equal are dropped (``drop_uniform_groups``) and more
   prompts are drawn until ``data.batch_size`` prompts' groups remain, at most
@@ -35,4 +37,5 @@ def dapo_recipe() -> AlgorithmRecipe:
     return AlgorithmRecipe(
         defaults=copy.deepcopy(DAPO_DEFAULTS),
         description="DAPO: clip-higher, token-level loss, dynamic sampling that refills the batch",
+        depends_on={"algorithm.loss.eps_clip_higher": ("algorithm.loss.eps_clip",)},
     )

@@ -30,7 +30,10 @@ DISTILL_DEFAULTS: dict[str, Any] = {
 
 def ppo_recipe() -> AlgorithmRecipe:
     return AlgorithmRecipe(
-        defaults=copy.deepcopy(PPO_DEFAULTS), description="PPO: a critic, GAE advantages, PPO clipped loss"
+        defaults=copy.deepcopy(PPO_DEFAULTS),
+        description="PPO: a critic, GAE advantages, PPO clipped loss",
+        # GAE's returns are whitened over the batch; another estimator keeps its own normalisation
+        depends_on={"algorithm.adv_norm": ("algorithm.advantage.name",)},
     )
 
 
