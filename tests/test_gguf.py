@@ -110,8 +110,8 @@ def test_config_problems_name_the_key(tmp_path: Path, monkeypatch: pytest.Monkey
         "actor": {"model_path": str(tmp_path / "absent.gguf"), "tokenizer_path": ""},
         "reference": {"model_path": "/some/dir"},
     }
-    problems = gguf.resolve_model_paths(data)
-    assert problems == [f"actor.model_path: {tmp_path / 'absent.gguf'}: no such GGUF file"]
+    assert gguf.resolve_model_paths(data) == []  # a missing file: the preflight's to report
+    assert data["actor"]["model_path"] == str(tmp_path / "absent.gguf")
     monkeypatch.setitem(sys.modules, "gguf", None)  # the package absent
     present = tmp_path / "present.gguf"
     present.write_bytes(b"x")
@@ -121,8 +121,8 @@ def test_config_problems_name_the_key(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_core_rl_train_takes_a_gguf_model_path(real_model: Path, real_gguf: Path, tmp_path: Path) -> None:
-    """``config validate`` and ``config show`` of a run whose ``actor.model_path`` is the GGUF file:
-    valid, the path shown as the converted directory; a missing file is one line and exit 2."""
+    """``config show`` of a run whose ``actor.model_path`` is the GGUF file: valid, the path shown as
+    the converted directory; ``core-rl train`` with a missing file: one line and exit 2."""
     import subprocess
 
     from core_rl.testing.launch import write_grpo_config
@@ -135,10 +135,10 @@ def test_core_rl_train_takes_a_gguf_model_path(real_model: Path, real_gguf: Path
     assert shown.returncode == 0, shown.stderr
     assert f"model_path: {real_model}" in shown.stdout
     missing = subprocess.run(
-        [*cli, "validate", str(config), f"actor.model_path={tmp_path / 'gone.gguf'}"],
+        [sys.executable, "-m", "core_rl.cli", "train", str(config), f"actor.model_path={tmp_path / 'gone.gguf'}"],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
-    assert f"actor.model_path: {tmp_path / 'gone.gguf'}: no such GGUF file" in missing.stderr
+    assert f"actor.model_path: '{tmp_path / 'gone.gguf'}' does not exist" in missing.stderr

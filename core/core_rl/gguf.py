@@ -179,15 +179,23 @@ def convert(source: Path, out: Path) -> None:
 def resolve_model_paths(data: Any, notify: Callable[[str], None] | None = None) -> list[str]:
     """Replace, in the plain configuration ``data`` (nested dicts and lists), every ``model_path`` or
     ``tokenizer_path`` that names a ``.gguf`` file with its converted directory
-    (:func:`ensure_converted`; ``notify`` hears of a conversion). Returns the problems, one line each
-    with its key path (a missing file, no ``gguf`` package)."""
+    (:func:`ensure_converted`; ``notify`` hears of a conversion). A path naming no file is left as it
+    is (the run's preflight reports it, as it does a missing directory). Returns the problems, one
+    line each with its key path (no ``gguf`` package, a file transformers cannot read)."""
     problems: list[str] = []
 
     def visit(node: Any, where: str) -> None:
         if isinstance(node, dict):
             for key, value in node.items():
                 here = f"{where}.{key}" if where else str(key)
-                if key in PATH_KEYS and isinstance(value, str) and is_gguf(value):
+                # a file not there (yet: an example's run writes it) is the preflight's to report, as
+                # for a model directory
+                if (
+                    key in PATH_KEYS
+                    and isinstance(value, str)
+                    and is_gguf(value)
+                    and Path(value).expanduser().is_file()
+                ):
                     try:
                         node[key] = str(ensure_converted(value, notify))
                     except GGUFError as exc:
