@@ -13,13 +13,14 @@ step moves the policy well past the distance allowed.
 Measured on this model (2 prompts x 2 samples of 8 tokens; docs/real-models.md):
 
 - ``float32`` servers: 1.2e-11 at step 1 for both. After the sync SGLang stays at 2-3e-12
-  (collective and disk); vLLM's rises to 3-8e-5 by either sync, which is exactly a stale output
+  (collective and disk); vLLM's rises to 3-7.4e-5 by either sync, which is exactly a stale output
   head: the same samples' log-probs under the trained weights with the *pretrained* head (and the
   trained embedding) are 1e-8 from the server's. vLLM on CPU packs ``lm_head`` for oneDNN when the
   model loads (``dispatch_cpu_unquantized_gemm``); ``reload_weights`` loads no ``lm_head.weight``
   for a tied model (its embedding is loaded), so the layerwise reload puts the head's old kernel
-  tensors back and never re-packs it. Those cases are marked xfail (strict: once the worker
-  re-packs the head they pass, and must lose the mark). The bound, 1e-8, is float32 rounding with
+  tensors back and never re-packs it (re-packing it after each reload, in a patched copy of the
+  worker, gave 5.2e-11). Those cases are marked xfail (strict: once the worker re-packs the head
+  they pass, and must lose the mark). The bound, 1e-8, is float32 rounding with
   room; the pretrained weights are 0.3-0.6 away.
 - ``bfloat16`` servers (the engines' default): 0.9-2e-3 at step 1 (bfloat16 weights and kernels
   against the trainer's float32), 6e-4 to 5e-3 after the sync, 0.09-0.6 from the pretrained
