@@ -42,11 +42,27 @@ class WeightSyncExtension:
             files = sorted(path.glob("*.safetensors"))
             if not files:
                 self.reload_weights(weights_path=str(path))
-                return "ok"
-            self.reload_weights(weights_iterator=self._core_rl_in_model_dtypes(_read_tensors(files)))
+            else:
+                self.reload_weights(weights_iterator=self._core_rl_in_model_dtypes(_read_tensors(files)))
+            self._core_rl_repack_tied_head()
             return "ok"
         except Exception:
             return "error: " + traceback.format_exc()
+
+    def _core_rl_repack_tied_head(self):
+        """After an in-place reload: an output head tied to the input embedding shares its weight,
+        which the update wrote through the embedding's name (no ``lm_head.weight`` is sent for a tied
+        model), so vLLM never re-ran the head's post-load step. On the CPU that step packs the weight
+        into a oneDNN copy the logits are computed from: left alone, the server would sample from the
+        pretrained head for the whole run (about 5e-5 of KL from the trainer's float32 weights on
+        SmolLM2-135M, hidden under bfloat16's noise). Run it again on the current weight."""
+        model = self.model_runner.model
+        head = getattr(model, "lm_head", None)
+        config = getattr(self.model_runner.model_config, "hf_config", None)
+        tied = bool(getattr(getattr(config, "get_text_config", lambda: config)(), "tie_word_embeddings", False))
+        method = getattr(head, "quant_method", None)
+        if tied and head is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(head)
 
     def _core_rl_in_model_dtypes(self, tensors):
         """``(name, tensor)`` pairs with each floating tensor cast to the dtype of the parameter
@@ -116,6 +132,7 @@ class WeightSyncExtension:
                     self._core_rl_wg.drain(received)  # the trainer waits on every tensor
                 raise
             self._core_rl_wg.drain(received)
+            self._core_rl_repack_tied_head()
             return "ok"
         except Exception:
             return "error: " + traceback.format_exc()
