@@ -319,7 +319,7 @@ def test_micro_batch_and_lora_sections(tmp_path, host, minimal_config):
     minimal_config["actor"]["micro_batch"] = {"layout": "ragged"}
     minimal_config["actor"]["lora"] = {"rank": -1}
     problems = _problems(tmp_path, minimal_config, host=host)
-    assert "actor.micro_batch.layout: must be one of 'auto', 'padded', 'packed', got 'ragged'" in problems
+    assert "actor.micro_batch.layout: must be one of 'auto', 'padded', 'packed', 'shared', got 'ragged'" in problems
     assert "actor.lora.rank: must be in [0, 65536], got -1" in problems
     minimal_config["actor"]["micro_batch"] = {"rank_assignment": "random"}
     minimal_config["actor"]["lora"] = {"dropout": 1.0}

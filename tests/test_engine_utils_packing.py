@@ -174,7 +174,8 @@ def test_pack_rows_and_unpack_by_hand() -> None:
 
 
 def test_layout_resolution() -> None:
-    assert resolve_layout("auto", "sdpa") == "padded"
+    assert resolve_layout("auto", "sdpa") == "shared"  # runs padded where no rows share a prompt
+    assert resolve_layout("auto", "sdpa", "it uses a sliding window (8)") == "padded"
     assert resolve_layout("auto", None) == "padded"
     assert resolve_layout("auto", "flash_attention_2") == "packed"
     assert resolve_layout("packed", "sdpa") == "packed"

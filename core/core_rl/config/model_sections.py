@@ -142,9 +142,21 @@ class MicroBatchConfig:
       (Karmarkar-Karp: micro-batches of nearly equal token load) or ``greedy`` (consecutive rows
       in batch order).
     - ``layout``: ``padded`` ([rows, width] with an attention mask), ``packed`` (padding-free: one
-      row per micro-batch with ``position_ids`` restarting at 0, ``cu_seqlens`` for flash-attn) or
-      ``auto`` (packed with a flash-attn kernel, padded otherwise: faster on CPU/SDPA, see the
-      README's figures). The loss does not depend on the layout.
+      row per micro-batch with ``position_ids`` restarting at 0, ``cu_seqlens`` for flash-attn),
+      ``shared`` or ``auto``. ``shared`` (:mod:`core_rl.engine_utils.shared_prefix`): rows that
+      begin with the same prompt (a GRPO group's samples: the same tokens before the first
+      ``response_mask`` 1) are planned into the same micro-batch and run as one row, the prompt
+      once and each row's response after it, through a 4D attention mask and explicit
+      ``position_ids`` (SDPA or eager attention; not with sequence parallelism, sliding-window or
+      chunked attention); rows without a shared prompt, top-k log-probs and log-probs of given
+      ids run padded. SmolLM2-135M on a CPU, 8 prompts x 4 samples of 32 tokens after 40-57-token
+      chat prompts: 1460 tokens run instead of 2643, the fsdp engine's ``train_step`` took 23.5
+      CPU seconds instead of 41.9 (``benchmarks/shared_prefix.py``). The micro-batch budget then
+      counts stream rows x their longest stream. Rows share within a data-parallel rank (the
+      rank assignment does not keep a prompt's samples together). ``auto`` (the default):
+      packed with a flash-attn kernel; otherwise shared for the plans where it saves at least 20%
+      of the work (tokens, and the attention's query x key pairs), padded for the others (faster
+      on CPU/SDPA than packed, see the README's figures). The loss does not depend on the layout.
     - ``rank_assignment``: ``balanced`` gives each data-parallel rank nearly the same number of
       tokens (Karmarkar-Karp over row lengths); ``strided`` gives rank ``r`` rows ``r, r+W, ...``.
     """
@@ -152,7 +164,7 @@ class MicroBatchConfig:
     max_tokens_per_mb: int | Literal["auto"] = attrs.field(default=AUTO, validator=auto_or(in_range(1, MAX_TOKENS)))
     min_num_mb: int = attrs.field(default=1, validator=in_range(1, MAX_COUNT))
     packing_algorithm: str = attrs.field(default="ffd", validator=one_of(("ffd", "kk", "greedy")))
-    layout: str = attrs.field(default="auto", validator=one_of(("auto", "padded", "packed")))
+    layout: str = attrs.field(default="auto", validator=one_of(("auto", "padded", "packed", "shared")))
     rank_assignment: str = attrs.field(default="balanced", validator=one_of(("balanced", "strided")))
 
 

@@ -5,6 +5,7 @@
 - :mod:`.packing`: balanced grouping (first-fit-decreasing, Karmarkar-Karp) into micro-batches and
   across data-parallel ranks;
 - :mod:`.packed`: the padded and packed (padding-free) micro-batch layouts and their forward;
+- :mod:`.shared_prefix`: the shared layout (rows that begin with the same prompt run it once);
 - :mod:`.runner`: the micro-batch loop (plan, forward, loss, backward, metrics) every engine runs;
 - :mod:`.lora`: LoRA adapters through peft, merged exports and the adapter alone;
 - :mod:`.buckets`: weights grouped into buckets of about a given size (weight sync);

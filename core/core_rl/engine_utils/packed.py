@@ -9,6 +9,11 @@ lengths ``[0, l0, l0+l1, ..., S]``, int32), so no mask is ever built; SDPA and e
 materialise an ``S x S`` mask instead, which is why padded is the faster layout there
 (``benchmarks/engines.py``).
 
+**Shared.** Rows that begin with the same prompt run it once: one stream row per group of them,
+with a 4D attention mask and explicit ``position_ids`` (:mod:`core_rl.engine_utils.shared_prefix`);
+the forwards here take that stream (:class:`~core_rl.engine_utils.shared_prefix.SharedRows`) as
+``stream`` and otherwise run padded.
+
 Log-probs come back in the padded ``[rows, width]`` alignment of :func:`token_logprobs`, so losses
 never see the layout.
 """
@@ -21,9 +26,11 @@ from torch import nn
 
 from core_rl.engine_utils.fused_head import check_handed_on, fused_head
 from core_rl.engine_utils.logprobs import align_to_tokens, next_tokens, token_logprobs
+from core_rl.engine_utils.shared_prefix import SHARED_ATTENTION, SharedRows
 from core_rl.engine_utils.topk_logprobs import logprobs_at, topk_logprobs
+from core_rl.errors import ConfigError
 
-LAYOUTS = ("auto", "padded", "packed")
+LAYOUTS = ("auto", "padded", "packed", "shared")
 #: attention implementations with a varlen kernel that takes ``cu_seqlens`` (no mask materialised)
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
 
@@ -83,10 +90,14 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRo
     )
 
 
-def unpack(values: torch.Tensor, packed: PackedRows) -> torch.Tensor:
-    """``[1, S]`` per-token values back to the padded ``[b, width]`` alignment, 0 on padding
-    (differentiable); trailing dimensions (``[1, S, k]``) are carried along."""
-    gathered = values[0][packed.index]
+#: a micro-batch laid out for the model: packed, or shared (:mod:`core_rl.engine_utils.shared_prefix`)
+Stream = PackedRows | SharedRows
+
+
+def unpack(values: torch.Tensor, packed: Stream) -> torch.Tensor:
+    """``[1, S]`` (packed; ``[g, L]`` shared) per-token values back to the padded ``[b, width]``
+    alignment, 0 on padding (differentiable); trailing dimensions (``[1, S, k]``) are carried along."""
+    gathered = values.flatten(0, 1)[packed.index]
     valid = packed.valid.view(*packed.valid.shape, *([1] * (gathered.ndim - 2)))
     return torch.where(valid, gathered, torch.zeros_like(gathered))
 
@@ -99,20 +110,37 @@ def pack_values(values: torch.Tensor, packed: PackedRows) -> torch.Tensor:
     return out
 
 
-def resolve_layout(layout: str, attn_implementation: str | None) -> str:
-    """``auto`` -> ``packed`` with a varlen attention kernel (:data:`VARLEN_ATTENTION`), else
-    ``padded`` (SDPA/eager would materialise the packed mask; measured slower on CPU)."""
+def resolve_layout(layout: str, attn_implementation: str | None, unshareable: str | None = None) -> str:
+    """``auto`` -> ``packed`` with a varlen attention kernel (:data:`VARLEN_ATTENTION`); else
+    ``shared`` where the model can run it (attention that takes a 4D mask, ``unshareable`` ``None``:
+    :func:`~core_rl.engine_utils.shared_prefix.shared_unsupported` says why not), which runs a
+    micro-batch plan shared where that saves work and padded otherwise; else ``padded`` (SDPA/eager
+    would materialise the packed mask; measured slower on CPU). An explicit ``shared`` the model
+    cannot run is a :class:`~core_rl.errors.ConfigError`."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown micro-batch layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+    if attn_implementation not in SHARED_ATTENTION:
+        unshareable = unshareable or f"its attention {attn_implementation!r} takes no 4D attention mask"
+    if layout == "shared" and unshareable is not None:
+        raise ConfigError(
+            [f"actor.micro_batch.layout: shared cannot run on this model: {unshareable}; use auto or padded"]
+        )
     if layout != "auto":
         return layout
-    return "packed" if attn_implementation in VARLEN_ATTENTION else "padded"
+    if attn_implementation in VARLEN_ATTENTION:
+        return "packed"
+    return "shared" if unshareable is None else "padded"
 
 
-def _pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, layout: str) -> PackedRows | None:
-    """The micro-batch packed (``packed`` layout) or ``None`` (``padded``)."""
-    if layout not in ("padded", "packed"):
-        raise ValueError(f"layout must be padded or packed here, got {layout!r}")
+def _pack(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, layout: str, stream: Stream | None = None
+) -> Stream | None:
+    """The micro-batch as the model sees it: ``stream`` where given (already laid out), packed
+    (``packed`` layout) or ``None`` (``padded``; ``shared`` without a stream)."""
+    if stream is not None:
+        return stream
+    if layout not in LAYOUTS[1:]:
+        raise ValueError(f"layout must be padded, packed or shared here, got {layout!r}")
     return pack_rows(input_ids, attention_mask) if layout == "packed" else None
 
 
@@ -123,14 +151,23 @@ def _forward_outputs(
     *,
     layout: str,
     varlen_kwargs: bool,
-    packed: PackedRows | None = None,
-) -> tuple[torch.Tensor, PackedRows | None]:
+    packed: Stream | None = None,
+) -> tuple[torch.Tensor, Stream | None]:
     """The model's ``logits`` of one micro-batch: ``[b, width, ...]`` padded, or ``[1, S, ...]``
-    with the :class:`PackedRows` to unpack them (``packed``: already packed)."""
+    (``[g, L, ...]`` shared) with the :class:`PackedRows` (:class:`SharedRows`) to unpack them
+    (``packed``: already laid out)."""
     if packed is None:
         packed = _pack(input_ids, attention_mask, layout)
     if packed is None:
         return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits, None
+    if isinstance(packed, SharedRows):
+        out = model(
+            input_ids=packed.input_ids,
+            attention_mask=packed.attention,
+            position_ids=packed.position_ids,
+            use_cache=False,
+        )
+        return out.logits, packed
     kwargs: dict[str, object] = {}
     if varlen_kwargs:
         kwargs = {
@@ -154,10 +191,12 @@ def forward_logprobs(
     layout: str = "padded",
     varlen_kwargs: bool = False,
     fused: bool = False,
+    stream: SharedRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) ``[b, width]`` of one micro-batch through a causal LM, in the
-    ``padded`` or ``packed`` layout (see the module docstring; identical results up to float
-    rounding). ``varlen_kwargs`` also passes ``cu_seqlens`` / max lengths for flash-attn;
+    ``padded`` or ``packed`` layout, or the shared one given its ``stream`` (see the module
+    docstring; identical results up to float rounding). ``varlen_kwargs`` also passes
+    ``cu_seqlens`` / max lengths for flash-attn;
     ``entropy_grad``: see :func:`~core_rl.engine_utils.logprobs.token_logprobs`; ``fused``: from
     the hidden states and the head's weight, the logits never whole
     (:mod:`core_rl.engine_utils.fused_head`)."""
@@ -172,9 +211,10 @@ def forward_logprobs(
             entropy_grad=entropy_grad,
             layout=layout,
             varlen_kwargs=varlen_kwargs,
+            stream=stream,
         )
         return lp, ent
-    packed = _pack(input_ids, attention_mask, layout)
+    packed = _pack(input_ids, attention_mask, layout, stream)
     ids, mask = (input_ids, attention_mask) if packed is None else (packed.input_ids, packed.continues)
     targets = next_tokens(ids)  # position i predicts token i + 1
     with fused_head(model, targets, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad) as produced:
@@ -203,13 +243,16 @@ def forward_logprobs_at(
     entropy_grad: bool = True,
     layout: str = "padded",
     varlen_kwargs: bool = False,
+    stream: SharedRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """:func:`forward_logprobs` (not fused) and, from the same logits, the log-probs ``[b, width, k]``
     of the tokens ``token_ids`` ``[b, width, k]`` in the same alignment: ``[:, t, j]`` is
     ``log p(token_ids[:, t, j])`` under the prediction of token ``t`` (made at ``t - 1``), 0 at
     column 0 and on padding (:func:`~core_rl.engine_utils.topk_logprobs.logprobs_at`; ``None``
-    without ``token_ids``)."""
-    packed = _pack(input_ids, attention_mask, layout)
+    without ``token_ids``, which the shared layout does not take: its rows share prompt positions)."""
+    if token_ids is not None and stream is not None:
+        raise ValueError("log-probs of given ids run padded or packed, not shared")
+    packed = _pack(input_ids, attention_mask, layout, stream)
     ids, mask = (input_ids, attention_mask) if packed is None else (packed.input_ids, packed.continues)
     logits, _ = _forward_outputs(
         model, input_ids, attention_mask, layout=layout, varlen_kwargs=varlen_kwargs, packed=packed
@@ -217,7 +260,7 @@ def forward_logprobs_at(
     lp, ent = token_logprobs(logits, ids, mask, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
     at = None
     if token_ids is not None:
-        wanted = token_ids if packed is None else pack_values(token_ids, packed)
+        wanted = token_ids if not isinstance(packed, PackedRows) else pack_values(token_ids, packed)
         # position i predicts token i + 1: the ids moved one column left (the last column's are
         # read and dropped), so the whole logits go in as they are, never a sliced copy
         shifted = torch.cat([wanted[:, 1:], torch.zeros_like(wanted[:, :1])], dim=1)
@@ -259,12 +302,15 @@ def forward_values(
     *,
     layout: str = "padded",
     varlen_kwargs: bool = False,
+    stream: SharedRows | None = None,
 ) -> torch.Tensor:
     """Values ``[b, width]`` float32 of one micro-batch through a value model (a token
     classifier with one output, e.g. ``LlamaForTokenClassification``), in the alignment of
     :func:`token_logprobs`: position ``t`` holds the output at ``t - 1`` (the value of the state
-    before token ``t``); position 0 and padding hold 0."""
-    out, packed = _forward_outputs(model, input_ids, attention_mask, layout=layout, varlen_kwargs=varlen_kwargs)
+    before token ``t``); position 0 and padding hold 0. ``stream``: the shared layout's."""
+    out, packed = _forward_outputs(
+        model, input_ids, attention_mask, layout=layout, varlen_kwargs=varlen_kwargs, packed=stream
+    )
     scalar = out[..., 0].float()
     if packed is None:
         return align_to_tokens(scalar[:, :-1], attention_mask)

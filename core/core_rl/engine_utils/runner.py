@@ -3,8 +3,10 @@
 An engine supplies its model and how to back-propagate; :class:`MicroBatchRunner` plans the rank's
 micro-batches (:mod:`core_rl.engine_utils.packing`), aligns their count over ranks (a sharded
 engine's collectives must line up: a rank with fewer runs placeholder micro-batches), runs each
-forward in the configured layout (:mod:`core_rl.engine_utils.packed`), calls the algorithm's loss
-and accumulates :class:`~core_rl.engine_utils.metrics.StepMetrics`.
+forward in the configured layout (:mod:`core_rl.engine_utils.packed`; in the ``shared`` layout
+rows that begin with the same prompt are planned together and run it once,
+:mod:`core_rl.engine_utils.shared_prefix`), calls the algorithm's loss and accumulates
+:class:`~core_rl.engine_utils.metrics.StepMetrics`.
 
 Gradient convention: each micro-batch back-propagates
 ``world_size * sum(per_token_loss * loss_weight)``; engines average gradients over ranks, so the
@@ -25,6 +27,7 @@ from torch import nn
 
 from core_rl.config.schema import ActorConfig, MicroBatchConfig
 from core_rl.engine_utils import distributed as dist_utils
+from core_rl.engine_utils import shared_prefix
 from core_rl.engine_utils.fused_head import check_fusable
 from core_rl.engine_utils.metrics import StepMetrics
 from core_rl.engine_utils.microbatch import (
@@ -38,6 +41,14 @@ from core_rl.engine_utils.packed import VARLEN_ATTENTION, forward_logprobs, forw
 from core_rl.engine_utils.packing import plan_micro_batches
 from core_rl.engine_utils.row_pool import pool_rows
 from core_rl.engine_utils.sharded_forward import sharded_logprobs, sharded_values
+from core_rl.engine_utils.shared_prefix import (
+    AUTO_MIN_SAVING,
+    SHARED_ATTENTION,
+    Planned,
+    find_units,
+    plan_cost,
+    plan_units,
+)
 from core_rl.engine_utils.token_budget import tokens_per_mb
 from core_rl.engine_utils.topk_runner import TopkForwards
 from core_rl.engine_utils.ulysses import SequenceGroup
@@ -197,13 +208,21 @@ class MicroBatchRunner(TopkForwards):
     :class:`~core_rl.errors.ConfigError` where the model cannot).
 
     ``sequence``: a sequence-parallel group of more than one rank (the model loaded with a
-    :func:`core_rl.engine_utils.ulysses.register`-ed attention): the group's ranks pool their rows
+    :func:`core_rl.engine_utils.ulysses.register`-ed attention; never shared): the group's ranks pool their rows
     (:func:`~core_rl.engine_utils.row_pool.pool_rows`), plan the same micro-batches of them, and
     run each over the group, every rank on its slice of the positions
     (:mod:`core_rl.engine_utils.sharded_forward`); ``max_tokens_per_mb`` then counts the tokens one
     rank holds, so a micro-batch holds up to the group's size times as many. Each rank computes
     the loss of the whole micro-batch and back-propagates it through its own positions; the
-    step's metrics are counted by the group's first rank only."""
+    step's metrics are counted by the group's first rank only.
+
+    ``layout`` (``config.layout`` resolved, :func:`~core_rl.engine_utils.packed.resolve_layout`):
+    ``padded``, ``packed`` or ``shared``. In ``shared`` each plan groups the rows that share a
+    prompt (:func:`~core_rl.engine_utils.shared_prefix.find_units`) and runs them shared when the
+    layout was asked for (whatever the cost), or, under ``auto``, when the shared plan costs at least
+    :data:`~core_rl.engine_utils.shared_prefix.AUTO_MIN_SAVING` less than the padded one
+    (:func:`~core_rl.engine_utils.shared_prefix.plan_cost`); otherwise padded. Top-k log-probs and
+    log-probs of given ids always run padded (their rows would share prompt positions)."""
 
     def __init__(
         self,
@@ -234,30 +253,82 @@ class MicroBatchRunner(TopkForwards):
         self.config = config
         self.device = device
         self.pad_token_id = pad_token_id
-        self.layout = resolve_layout(config.layout, attn_implementation)
+        # the attention the model runs: the engine's, or the model's own (its config's) for the
+        # shared layout alone (a varlen kernel the engine did not name gets no packed rows)
+        attention = attn_implementation or shared_prefix.model_attention(model)
+        unshareable = shared_prefix.shared_unsupported(model, attention)
+        if self.sequence is not None:
+            unshareable = "it runs over a sequence-parallel group"
+        named = attention if attn_implementation is None and attention in SHARED_ATTENTION else attn_implementation
+        self.layout = resolve_layout(config.layout, named, unshareable)
+        #: the layout of what is not shared: a shared plan's micro-batches without a unit of several
+        #: rows, or whole plans the cost comparison (``auto``) left padded
+        self.base_layout = "padded" if self.layout == "shared" else self.layout
+        #: the least saving of a shared plan over the padded one (``auto``); ``shared`` asked for
+        #: runs every plan with rows to share shared
+        self.shared_min_saving = AUTO_MIN_SAVING if config.layout == "auto" else -math.inf
+        self.attention_span = shared_prefix.attention_span(model) if self.layout == "shared" else 0.0
+        self._additive_mask = attention == "eager"
+        self._probed = False
         self.varlen_kwargs = self.layout == "packed" and attn_implementation in VARLEN_ATTENTION
 
     # ------------------------------------------------------------------ plan
 
-    def plan(self, attention_mask: torch.Tensor) -> tuple[list[int], list[list[int]]]:
+    def plan(self, batch: TensorBatch, *, share: bool = True) -> tuple[list[int], list[Planned]]:
         """Row lengths and this rank's micro-batches, padded with empty ones to the same count on
         every rank (the maximum over ranks; ranks with fewer first split further if they can).
-        Collective."""
+        In the ``shared`` layout (and ``share``) a plan of the rows sharing prompts where it pays
+        (class docstring); the ranks' choices may differ (either runs every module once per
+        micro-batch). Collective."""
+        attention_mask = batch["attention_mask"]
         lengths = row_lengths(attention_mask)
         mb = self.config
-        packed = self.layout == "packed"
+        packed = self.base_layout == "packed"
 
         budget = tokens_per_mb(mb) * (self.sequence.size if self.sequence is not None else 1)
+        units = None
+        if share and self.layout == "shared":
+            response = batch["response_mask"] if "response_mask" in batch else None
+            units = find_units(batch["input_ids"], attention_mask, response, budget, self.attention_span)
+            if not self._check_shared(units is not None):
+                units = None
 
-        def make(min_num: int) -> list[list[int]]:
-            return plan_micro_batches(lengths, budget, min_num, algorithm=mb.packing_algorithm, packed=packed)
+        def make(min_num: int) -> list[Planned]:
+            rows = plan_micro_batches(lengths, budget, min_num, algorithm=mb.packing_algorithm, packed=packed)
+            plain = [Planned(r) for r in rows]
+            if units is None:
+                return plain
+            shared = plan_units(units, lengths, budget, min_num, algorithm=mb.packing_algorithm)
+            span = self.attention_span
+            saving = 1 - plan_cost(shared, lengths, span) / max(plan_cost(plain, lengths, span), 1.0)
+            return shared if saving >= self.shared_min_saving else plain
 
         plan = make(mb.min_num_mb)
         count = torch.tensor([len(plan)], dtype=torch.long, device=self.device)
         target = int(dist_utils.all_reduce(count, dist_utils.ReduceOp.MAX).item())
         if target > len(plan):
             plan = make(target)
-        return lengths, plan + [[] for _ in range(target - len(plan))]
+        return lengths, plan + [Planned([]) for _ in range(target - len(plan))]
+
+    def _check_shared(self, wanted: bool) -> bool:
+        """Whether the model runs the shared layout right, checked once (:func:`~core_rl.engine_utils.
+        shared_prefix.probe`), at the first plan where some rank has rows to share (``wanted`` on
+        this rank): until then every plan asks the ranks (they plan at the same points), then every
+        rank probes together. Under ``auto`` a model that fails runs padded from then on; an
+        asked-for ``shared`` is a :class:`~core_rl.errors.ConfigError`."""
+        if not self._probed:
+            if not dist_utils.any_rank(wanted):
+                return False
+            self._probed = True
+            with self._precision():
+                reason = shared_prefix.probe(self.model, self.device, additive=self._additive_mask)
+            if reason is not None:
+                if self.config.layout == "shared":
+                    raise ConfigError(
+                        [f"actor.micro_batch.layout: shared cannot run on this model: {reason}; use auto or padded"]
+                    )
+                self.layout = self.base_layout = "padded"
+        return self.layout == "shared"
 
     # ------------------------------------------------------------------ forward
 
@@ -274,17 +345,21 @@ class MicroBatchRunner(TopkForwards):
         temperature: float,
         with_entropy: bool,
         entropy_grad: bool = True,
+        units: tuple[tuple[int, int], ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) ``[b, width]`` of one micro-batch on the engine's device
-        (``entropy_grad``: see :func:`~core_rl.engine_utils.logprobs.token_logprobs`)."""
+        (``entropy_grad``: see :func:`~core_rl.engine_utils.logprobs.token_logprobs`); ``units``:
+        its rows run shared (a :class:`~core_rl.engine_utils.shared_prefix.Planned` micro-batch's)."""
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         if self.sequence is not None:
             return self._sharded_forward(input_ids, attention_mask, temperature, with_entropy, entropy_grad)
+        stream = None
+        if units is not None and any(count > 1 for count, _ in units):
+            stream = shared_prefix.share_rows(input_ids, attention_mask, units, additive=self._additive_mask)
+        layout = {"layout": self.base_layout, "varlen_kwargs": self.varlen_kwargs, "stream": stream}
         with self._precision():
             if self.head != "lm":
-                values = forward_values(
-                    self.model, input_ids, attention_mask, layout=self.layout, varlen_kwargs=self.varlen_kwargs
-                )
+                values = forward_values(self.model, input_ids, attention_mask, **layout)
                 return values, (torch.zeros_like(values.detach()) if with_entropy else None)
             return forward_logprobs(
                 self.model,
@@ -293,9 +368,8 @@ class MicroBatchRunner(TopkForwards):
                 temperature=temperature,
                 with_entropy=with_entropy,
                 entropy_grad=entropy_grad,
-                layout=self.layout,
-                varlen_kwargs=self.varlen_kwargs,
                 fused=self.fused_head,
+                **layout,
             )
 
     def _sharded_forward(
@@ -352,9 +426,10 @@ class MicroBatchRunner(TopkForwards):
         return out if self.sequence is None else out[mine, : batch["input_ids"].shape[1]].contiguous()
 
     def _pooled_logprobs(self, batch: TensorBatch, temperature: float) -> torch.Tensor:
-        (out,) = self._eval_rows(
-            batch, temperature, [torch.float32], lambda ids, mask: (self.forward(ids, mask, temperature, False)[0],)
-        )
+        def forward(ids: torch.Tensor, mask: torch.Tensor, units: tuple[tuple[int, int], ...] | None):
+            return (self.forward(ids, mask, temperature, False, units=units)[0],)
+
+        (out,) = self._eval_rows(batch, temperature, [torch.float32], forward)
         return out
 
     def _eval_rows(
@@ -362,27 +437,32 @@ class MicroBatchRunner(TopkForwards):
         batch: TensorBatch,
         temperature: float,
         dtypes: list[torch.dtype],
-        forward: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]],
+        forward: Callable[..., tuple[torch.Tensor, ...]],
         trailing: tuple[int, ...] = (),
+        share: bool = True,
     ) -> list[torch.Tensor]:
-        """``forward(input_ids, attention_mask)`` of every micro-batch of ``batch``'s rows, in eval
+        """``forward(input_ids, attention_mask, units)`` of every micro-batch of ``batch``'s rows
+        (``units``: how its rows are shared, or ``None``; never shared without ``share``), in eval
         mode without gradients, its outputs (``[b, width, *trailing]`` each) written into CPU tensors
         ``[B, T, *trailing]`` of ``dtypes`` (0 elsewhere). Collective."""
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
-        lengths, plan = self.plan(attention_mask)
+        lengths, plan = self.plan(batch, share=share)
         outs = [torch.zeros(*input_ids.shape, *trailing, dtype=dtype) for dtype in dtypes]
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
-                for rows in plan:
+                for planned in plan:
+                    rows = planned.rows
                     if not rows:
                         self._placeholder_forward(temperature)
                         continue
                     width = micro_batch_width(lengths, rows)
                     index = torch.as_tensor(rows, dtype=torch.long)
                     values = forward(
-                        input_ids[index, :width].to(self.device), attention_mask[index, :width].to(self.device)
+                        input_ids[index, :width].to(self.device),
+                        attention_mask[index, :width].to(self.device),
+                        planned.units,
                     )
                     for out, value in zip(outs, values, strict=True):
                         out[index, :width] = value.to(out.dtype).cpu()
@@ -408,18 +488,21 @@ class MicroBatchRunner(TopkForwards):
                 raise KeyError(f"train_step needs batch[{key!r}]")
         batch, _mine = self._pool(batch)
         counts = self.sequence is None or self.sequence.index == 0  # the group's ranks share micro-batches
-        lengths, plan = self.plan(batch["attention_mask"])
-        acc = StepMetrics(self.device)
         entropy_grad = bool(getattr(loss_fn, "entropy_grad", True))
         logprobs_key = getattr(loss_fn, "logprobs_at_key", None)
-        for rows in plan:
+        lengths, plan = self.plan(batch, share=logprobs_key is None)
+        acc = StepMetrics(self.device)
+        for planned in plan:
+            rows = planned.rows
             if not rows:
                 zero, _ = self._placeholder_forward(temperature)
                 backward(zero)
                 continue
             mb = take_micro_batch(batch, rows, micro_batch_width(lengths, rows)).to(self.device)
             if logprobs_key is None:
-                lp, ent = self.forward(mb["input_ids"], mb["attention_mask"], temperature, True, entropy_grad)
+                lp, ent = self.forward(
+                    mb["input_ids"], mb["attention_mask"], temperature, True, entropy_grad, units=planned.units
+                )
             else:
                 lp, ent = self._forward_at(mb, logprobs_key, temperature, entropy_grad)
             assert ent is not None

@@ -26,7 +26,7 @@ class TopkForwards:
     head: str
     fused_head: bool
     sequence: SequenceGroup | None
-    layout: str
+    base_layout: str
     varlen_kwargs: bool
     _precision: Callable[[], contextlib.AbstractContextManager[object]]
     _eval_rows: Callable[..., list[torch.Tensor]]
@@ -49,7 +49,7 @@ class TopkForwards:
         (:func:`~core_rl.engine_utils.packed.forward_topk`), in eval mode without gradients. Collective."""
         self._check_topk("top-k log-probs")
 
-        def forward(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        def forward(ids: torch.Tensor, mask: torch.Tensor, _units: object) -> tuple[torch.Tensor, ...]:
             with self._precision():
                 return forward_topk(
                     self.model,
@@ -58,11 +58,12 @@ class TopkForwards:
                     k,
                     temperature=temperature,
                     vocab_size=vocab_size,
-                    layout=self.layout,
+                    layout=self.base_layout,
                     varlen_kwargs=self.varlen_kwargs,
                 )
 
-        top_ids, values = self._eval_rows(batch, temperature, [torch.long, torch.float32], forward, (k,))
+        # padded (or packed): the rows of the shared layout would share their prompts' positions
+        top_ids, values = self._eval_rows(batch, temperature, [torch.long, torch.float32], forward, (k,), share=False)
         return top_ids, values
 
     def _forward_at(
@@ -80,7 +81,7 @@ class TopkForwards:
                 temperature=temperature,
                 with_entropy=True,
                 entropy_grad=entropy_grad,
-                layout=self.layout,
+                layout=self.base_layout,
                 varlen_kwargs=self.varlen_kwargs,
             )
         mb[LOGPROBS_AT] = at

@@ -63,6 +63,7 @@ from core_rl.registry import RegistryEntry
 from core_rl.testing.helpers import (  # noqa: F401  (re-exported: plugins' tests import them from here)
     hf_logprobs,
     installed_distribution,
+    make_grouped_rl_batch,
     make_reward_input,
     make_rl_batch,
     recipe_host,

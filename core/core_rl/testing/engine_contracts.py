@@ -15,7 +15,7 @@ from core_rl.interfaces import LossOutput, TrainEngine
 from core_rl.kinds import TRAIN_ENGINE
 from core_rl.protocol import TensorBatch
 from core_rl.testing.contracts import ComponentContract
-from core_rl.testing.helpers import hf_logprobs, make_rl_batch
+from core_rl.testing.helpers import hf_logprobs, make_grouped_rl_batch, make_rl_batch
 from core_rl.testing.helpers import nll_loss as _nll_loss
 from core_rl.testing.optimizer_state_contracts import OptimizerStateContract
 from core_rl.testing.topk_contracts import TopkLogprobsContract
@@ -79,12 +79,13 @@ class TrainEngineContract(OptimizerStateContract, TopkLogprobsContract, TinyMode
         head: str = "lm",
         fused_head: bool = False,
         lora: LoraConfig | None = None,
+        layout: str = "auto",
     ) -> TrainEngine:
         actor = ActorConfig(
             model_path=str(model_path),
             engine=PluginSpec(name=self.name, options=dict(self.options)),
             optimizer=optimizer or OptimizerConfig(name="sgd", lr=0.1),
-            micro_batch=MicroBatchConfig(max_tokens_per_mb=max_tokens_per_mb),
+            micro_batch=MicroBatchConfig(max_tokens_per_mb=max_tokens_per_mb, layout=layout),
             fused_head=fused_head,
             lora=lora or LoraConfig(),
         )
@@ -200,6 +201,47 @@ class TrainEngineContract(OptimizerStateContract, TopkLogprobsContract, TinyMode
             torch.testing.assert_close(value, want[key], atol=1e-5, rtol=1e-4, msg=key)
         plain.close()
         fused.close()
+
+    def test_shared_prefix_layout_gives_the_padded_update(self, model_path: Path) -> None:
+        """Rows in groups sharing prompts (of different lengths, with responses of different lengths,
+        a group of one): under ``micro_batch.layout: shared`` the log-probs of ``padded`` and, over
+        two steps in several micro-batches, the same loss, entropy and weights; the shared stream
+        was built. Engines that run a micro-batch loop of their own (not
+        :class:`~core_rl.engine_utils.runner.MicroBatchRunner`, which the layout belongs to) skip."""
+        from core_rl.engine_utils import shared_prefix
+        from core_rl.engine_utils.runner import MicroBatchRunner
+
+        batch = make_grouped_rl_batch()
+        budget = 48  # several micro-batches in either layout; every group's stream fits in one
+        padded = self.make(model_path, max_tokens_per_mb=budget, layout="padded")
+        shared = self.make(model_path, max_tokens_per_mb=budget, layout="shared")
+        if not isinstance(getattr(shared, "runner", None), MicroBatchRunner):
+            pytest.skip(f"{self.name} runs its own micro-batch loop (the layout is MicroBatchRunner's)")
+        built: list[int] = []
+        share_rows = shared_prefix.share_rows
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            built.append(len(args[2]))
+            return share_rows(*args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(shared_prefix, "share_rows", counted)
+            want_lp = padded.compute_logprobs(batch, temperature=0.7)
+            assert built == []
+            torch.testing.assert_close(shared.compute_logprobs(batch, temperature=0.7), want_lp, atol=1e-5, rtol=0)
+            assert built, "the shared engine never built a shared stream"
+            built.clear()
+            for _ in range(2):
+                m_padded, m_shared = padded.train_step(batch, _nll_loss), shared.train_step(batch, _nll_loss)
+                assert m_shared.get("num_micro_batches", 3) > 1
+                assert math.isclose(m_shared["loss"], m_padded["loss"], rel_tol=1e-5)
+                assert math.isclose(m_shared["entropy"], m_padded["entropy"], rel_tol=1e-5)
+            assert built
+        want = padded.full_state_dict()
+        for key, value in shared.full_state_dict().items():
+            torch.testing.assert_close(value, want[key], atol=1e-5, rtol=1e-4, msg=key)
+        padded.close()
+        shared.close()
 
     def test_export_hf_loads_in_transformers(self, model_path: Path, tmp_path: Path) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer

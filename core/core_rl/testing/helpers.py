@@ -73,6 +73,51 @@ def make_rl_batch(
     )
 
 
+def make_grouped_rl_batch(
+    groups: tuple[tuple[int, int], ...] = ((5, 4), (9, 4), (3, 4), (7, 1)),
+    *,
+    alone: int = 1,
+    max_response_len: int = 7,
+    vocab_size: int = 40,
+    seed: int = 0,
+) -> TensorBatch:
+    """A right-padded batch whose rows come in groups sharing a prompt, as a GRPO batch's samples
+    do (for the ``shared`` micro-batch layout): per ``(prompt length, rows)`` of ``groups`` a
+    random prompt and that many rows of it with random responses of 1 to ``max_response_len``
+    tokens, then ``alone`` rows whose 4-token prompts repeat no other's, in a shuffled order.
+    Keys: ``input_ids``, ``attention_mask``, ``response_mask``, ``loss_mask``, ``loss_weight``
+    (token-mean) and ``group_index``. Token ids are drawn from ``[4, vocab_size)``."""
+    g = torch.Generator().manual_seed(seed)
+    rows: list[tuple[list[int], int, int]] = []  # (tokens, prompt length, group)
+    for index, (prompt_len, count) in enumerate(groups):
+        prompt = torch.randint(4, vocab_size, (prompt_len,), generator=g).tolist()
+        for _ in range(count):
+            r = int(torch.randint(1, max_response_len + 1, (1,), generator=g))
+            rows.append((prompt + torch.randint(4, vocab_size, (r,), generator=g).tolist(), prompt_len, index))
+    for index in range(alone):
+        r = int(torch.randint(1, max_response_len + 1, (1,), generator=g))
+        rows.append((torch.randint(4, vocab_size, (4 + r,), generator=g).tolist(), 4, len(groups) + index))
+    rows = [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]
+    width = max(len(tokens) for tokens, _, _ in rows) + 2
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    response_mask = torch.zeros(len(rows), width)
+    for i, (tokens, prompt_len, _) in enumerate(rows):
+        input_ids[i, : len(tokens)] = torch.tensor(tokens)
+        attention_mask[i, : len(tokens)] = 1
+        response_mask[i, prompt_len : len(tokens)] = 1.0
+    return TensorBatch(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "response_mask": response_mask,
+            "loss_mask": response_mask.clone(),
+            "loss_weight": aggregation_weights(response_mask, "token-mean", norm_length=max_response_len),
+            "group_index": torch.tensor([group for _, _, group in rows]),
+        }
+    )
+
+
 def nll_loss(batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
     """Supervised loss on response tokens (for engine tests): ``-logprobs``, also the token metric
     ``neg_logprob``."""

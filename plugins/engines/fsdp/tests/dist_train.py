@@ -3,7 +3,8 @@
 Trains the tiny model for 3 steps on fixed global batches, each rank taking its share of the rows
 (unevenly, down to no rows at all, so ranks need different numbers of micro-batches); saves the
 training state after step 1 and checks a second engine in the same process resumes from it; also
-computes log-probs with a frozen reference engine and exports the model. Rank 0 writes
+computes log-probs with a frozen reference engine and exports the model; trains on batches whose
+rows share prompts in the ``shared`` and the ``padded`` micro-batch layouts. Rank 0 writes
 ``result.json`` and ``*.pt`` files to ``--out`` for the test to compare across world sizes.
 ``--cross-ckpt`` resumes from a checkpoint written by another world size.
 """
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from core_rl.config.schema import ActorConfig, MicroBatchConfig, OptimizerConfig, PluginSpec, SchedulerConfig
 from core_rl.interfaces import LossOutput
 from core_rl.protocol import TensorBatch
-from core_rl.testing import make_rl_batch
+from core_rl.testing import make_grouped_rl_batch, make_rl_batch
 from core_rl_fsdp.config import FSDPConfig
 from core_rl_fsdp.engine import FSDPEngine
 
@@ -55,6 +56,14 @@ def actor(model: str) -> ActorConfig:
         micro_batch=MicroBatchConfig(max_tokens_per_mb=2 * WIDTH, packing_algorithm="greedy"),
         grad_clip=0.5,
     )
+
+
+def grouped_rows(batch: TensorBatch, rank: int, world: int) -> TensorBatch:
+    """Rank 0's share of a grouped batch: its first 12 of 14 rows (groups cut across the ranks; in
+    the first batch rank 1's two rows share no prompt, so rank 0 plans shared and rank 1 padded)."""
+    if world == 1:
+        return batch
+    return batch.rows(slice(0, 12) if rank == 0 else slice(12, batch.batch_size))
 
 
 def train(engine: FSDPEngine, data: list[TensorBatch], steps: range, rank: int, world: int) -> list[dict]:
@@ -100,6 +109,16 @@ def main() -> None:
     metrics_fused = train(fused, data, range(3), rank, world)
     final_fused = fused.full_state_dict()
 
+    # rows sharing prompts, in the shared layout and in the padded one
+    grouped = [make_grouped_rl_batch(seed=s) for s in range(2)]
+    by_layout = {}
+    for layout in ("shared", "padded"):
+        engine = FSDPEngine(attrs.evolve(cfg, micro_batch=attrs.evolve(cfg.micro_batch, layout=layout)), FSDPConfig())
+        by_layout[layout] = [engine.train_step(grouped_rows(b, rank, world), nll, temperature=0.9) for b in grouped]
+        by_layout[f"{layout}_final"] = engine.full_state_dict()
+        by_layout[f"{layout}_lp"] = engine.compute_logprobs(grouped_rows(grouped[0], rank, world))
+        engine.close()
+
     # 2 ranks: one sequence-parallel group (each rank half of every micro-batch's positions, the
     # group's rows pooled): the same training as one rank's; packed and fused as well
     sequence = {}
@@ -124,6 +143,8 @@ def main() -> None:
         "metrics_b": metrics_b,
         "metrics_bf16": metrics_bf16,
         "metrics_fused": metrics_fused,
+        "metrics_shared": by_layout["shared"],
+        "metrics_shared_padded": by_layout["padded"],
     }
     if args.cross_ckpt:
         c = FSDPEngine(cfg, FSDPConfig(), trainable=True)
@@ -138,7 +159,18 @@ def main() -> None:
     # every rank's log-probs, gathered on rank 0 in row order
     gathered: list[object] = [None] * world
     dist.all_gather_object(gathered, (ref_lp, lp_a))
+    layouts: list[object] = [None] * world
+    dist.all_gather_object(layouts, (by_layout["shared_lp"], by_layout["padded_lp"]))
     if rank == 0:
+        torch.save(
+            {
+                "shared": by_layout["shared_final"],
+                "padded": by_layout["padded_final"],
+                "shared_lp": torch.cat([g[0] for g in layouts]),  # type: ignore[index]
+                "padded_lp": torch.cat([g[1] for g in layouts]),  # type: ignore[index]
+            },
+            out / "layouts.pt",
+        )
         torch.save(final_a, out / "final_a.pt")
         torch.save(final_b, out / "final_b.pt")
         torch.save(final_fused, out / "final_fused.pt")

@@ -84,6 +84,22 @@ def test_bf16_autocast_two_ranks_match_one(runs: dict[int, tuple[dict, Path]]) -
 
 
 @pytest.mark.parametrize("world", [1, 2])
+def test_shared_layout_trains_as_the_padded_one(runs: dict[int, tuple[dict, Path]], world: int) -> None:
+    """Rows sharing prompts (2 ranks: rank 0 with groups to share, rank 1 with few or none, each
+    choosing its own layout per plan): the ``shared`` layout's 2 steps give the ``padded`` one's
+    metrics, weights and log-probs, and so does the other world size."""
+    result, out = runs[world]
+    _same_metrics(result["metrics_shared"], result["metrics_shared_padded"])
+    _same_metrics(result["metrics_shared"], runs[1][0]["metrics_shared_padded"])
+    got, want = _load(out / "layouts.pt"), _load(runs[1][1] / "layouts.pt")
+    for key in want["padded"]:
+        torch.testing.assert_close(got["shared"][key], got["padded"][key], atol=WEIGHT_ATOL, rtol=1e-5, msg=key)
+        torch.testing.assert_close(got["shared"][key], want["padded"][key], atol=WEIGHT_ATOL, rtol=1e-5, msg=key)
+    torch.testing.assert_close(got["shared_lp"], got["padded_lp"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got["shared_lp"], want["padded_lp"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("world", [1, 2])
 def test_fused_head_trains_as_the_logits_do(runs: dict[int, tuple[dict, Path]], world: int) -> None:
     """``fused_head: true`` (log-probs from the hidden states and the head's weight, sharded over
     2 ranks or not): the same 3 steps' metrics and final weights as the plain head's."""
