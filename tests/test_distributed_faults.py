@@ -1,7 +1,9 @@
 """Two ranks under ``core-rl train --nproc-per-node 2`` (torch's elastic agent, gloo on CPU):
 every listening socket is on 127.0.0.1; SIGTERM to the launcher makes every rank save and stop;
 a SIGSTOPped rank makes the other fail within ``trainer.collective_timeout_s`` naming what it
-waited for; a failure on rank 0 alone reaches rank 1, which stops with the same message."""
+waited for; a failure on rank 0 alone reaches rank 1, which stops with the same message; SIGTERM
+while a rank is stuck inside its step stops both ranks within ``trainer.stop_grace_s``, without
+saving, and the run resumes from its newest checkpoint."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from core_rl.progress import STALL_VARIABLE
 from core_rl.servers import pid_alive
 from core_rl.testing.faults import finish, wait_for_steps, worker_of_rank
 from core_rl.testing.launch import cpu_ranks_env
@@ -144,3 +147,42 @@ def test_a_failure_on_rank_0_alone_reaches_rank_1(base):
     assert proc.returncode == 1, err[-4000:]
     assert re.search(r"core_rl/builtin/loggers\.py\", line \d+, in start", err), err[-4000:]  # rank 0's traceback
     assert re.search(r"core-rl: error: rank 0 failed: .*blocked", err), err[-4000:]  # rank 1's message
+
+
+def test_sigterm_while_a_rank_is_stuck_stops_every_rank_within_the_grace(base):
+    """Rank 1 sleeps inside its ``train_step`` of step 6; rank 0 waits for it in a native gloo
+    collective, where Python's own signal handler never runs. SIGTERM to the launcher after step 5:
+    both ranks stop ``trainer.stop_grace_s`` (5 s) later without saving, rank 0 saying where it
+    was stuck and which checkpoint stays (step 4's); the launcher exits with 128 + 15 saying the
+    ranks did not save. Launched again, the run resumes from step 4 and finishes."""
+    config = merged(base, experiment={"name": "stuck"}, recover={"mode": "auto"}, trainer={"stop_grace_s": 5})
+    run = run_dir(config)
+    proc = launch(config, env={STALL_VARIABLE: "1:6:train_step"})
+    try:
+        assert wait_for_steps(run, proc, 5), finish(proc, 60)[-4000:]
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        err = finish(proc, 120)
+    finally:
+        finish(proc, 1)
+    took = time.monotonic() - sent
+    assert proc.returncode == 128 + signal.SIGTERM, err[-4000:]
+    assert took < 5 + 20, took
+    assert "Traceback" not in err
+    kept = run / "checkpoints" / "step_00000004"
+    assert (
+        "core-rl: the current step did not finish within trainer.stop_grace_s (5 s) of SIGTERM: stopping without "
+        "saving (stuck in update of step 6, in train engine 'fsdp'" in err
+    ), err[-4000:]
+    assert f"The newest complete checkpoint is {kept}, as it was" in err
+    assert (
+        "core-rl: stopped by SIGTERM: ranks 0, 1 did not finish the step within trainer.stop_grace_s and stopped "
+        "without saving" in err
+    )
+    assert (run / "checkpoints" / "latest").read_text() == kept.name
+    proc = launch(config)
+    err = finish(proc, 300)
+    assert proc.returncode == 0, err[-4000:]
+    assert f"resumed from {kept} (step 4)" in err
+    assert sorted(stable_metrics(run)) == list(range(1, 9))

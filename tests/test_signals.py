@@ -1,7 +1,9 @@
 """Real signals sent to a real ``core-rl train`` process at a random moment of training: SIGINT
 and SIGTERM finish the step, save a checkpoint and exit with status 3 and a message; SIGKILL
 just kills. Each run is then resumed and must equal an uninterrupted run bit for bit. A second
-signal (not a near-simultaneous duplicate) stops at once, without saving."""
+signal (not a near-simultaneous duplicate) stops at once, without saving. A step that never
+finishes stops the run ``trainer.stop_grace_s`` after SIGTERM, without saving, keeping the newest
+checkpoint, from which the run resumes."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from core_rl.plugins import PluginHost
+from core_rl.progress import STALL_VARIABLE
 from core_rl.testing.faults import finish, wait_for_random_moment, wait_for_steps
 from fault_helpers import (
     build_task,
@@ -133,3 +136,48 @@ def test_a_crash_in_native_code_prints_where_each_thread_was(base, tmp_path):
     assert "Fatal Python error: Segmentation fault" in err, err[-3000:]
     assert re.search(r'testing/faults\.py", line \d+ in log\n', err), err[-3000:]
     assert (tmp_path / "crashed").is_file()
+
+
+def test_sigterm_during_a_stuck_step_stops_within_the_grace_without_saving(base, straight):
+    """The step never finishes (the run is told to sleep inside its ``train_step`` of step 7):
+    SIGTERM after step 6 ends the run ``trainer.stop_grace_s`` (5 s) later, with status 128 + 15
+    and a message naming the stuck phase and call and the checkpoint kept (step 5's, the newest;
+    nothing of step 6 or 7 saved). Resumed, the run ends as the uninterrupted one."""
+    config = merged(base, experiment={"name": "stuck-sigterm"}, recover={"mode": "auto"}, trainer={"stop_grace_s": 5})
+    run = run_dir(config)
+    path = write_config(config, Path(config["experiment"]["output_dir"]).parent / "stuck-sigterm.yaml")
+    proc = subprocess.Popen(
+        cli_command("train", str(path)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**cli_env(), STALL_VARIABLE: "0:7:train_step"},
+        start_new_session=True,
+    )
+    try:
+        assert wait_for_steps(run, proc, 6), finish(proc, 60)[-3000:]
+        time.sleep(1.0)  # inside step 7's train_step by now (its rollout takes a fraction of that)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        err = finish(proc, 60)
+    finally:
+        finish(proc, 1)
+    took = time.monotonic() - sent
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert 5 <= took < 5 + 10, took
+    assert "Traceback" not in err
+    assert "received SIGTERM: finishing the current step" in err
+    (line,) = [x for x in err.splitlines() if "did not finish within" in x]
+    assert line.startswith(
+        "core-rl: the current step did not finish within trainer.stop_grace_s (5 s) of SIGTERM: stopping without "
+        "saving (stuck in update of step 7, in train engine 'fsdp' (distribution core-rl-fsdp"
+    ), line
+    assert line.endswith(
+        f"The newest complete checkpoint is {checkpoint(run, 5)}, as it was; continue from it with recover.mode=auto"
+    )
+    assert (run / "checkpoints" / "latest").read_text() == checkpoint(run, 5).name
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", checkpoint(run, 5).name]
+    assert sorted(stable_metrics(run)) == list(range(1, 7))
+    train_here(config, PluginHost(environ={}))  # resume: from step 5, as if never stopped
+    assert stable_metrics(run) == stable_metrics(run_dir(straight))
+    assert state_digest(checkpoint(run, STEPS)) == state_digest(checkpoint(run_dir(straight), STEPS))

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from core_rl.errors import CoreRLError, PluginFault
+from core_rl.progress import PROGRESS
 from core_rl.registry import RegistryEntry
 
 T = TypeVar("T")
@@ -46,10 +47,13 @@ def remember(component: object, words: str) -> None:
 
 
 def calling(words: str, doing: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)``, a plugin's code; an exception from it (but a :class:`CoreRLError`)
-    becomes a :class:`PluginFault` ``<words> failed while <doing>: <exception>``, caused by it."""
+    """``fn(*args, **kwargs)``, a plugin's code, registered as a call in flight ``<words>: <doing>``
+    for the progress watchdog (:mod:`core_rl.progress`); an exception from it (but a
+    :class:`CoreRLError`) becomes a :class:`PluginFault` ``<words> failed while <doing>: <exception>``,
+    caused by it."""
     try:
-        return fn(*args, **kwargs)
+        with PROGRESS.call(f"{words}: {doing}"):
+            return fn(*args, **kwargs)
     except CoreRLError:
         raise
     except Exception as exc:

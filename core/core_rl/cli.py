@@ -18,9 +18,12 @@ wrong shape, dtype or length, or it lacks a member of its interface): one line n
 its distribution and version and what went wrong, then the plugin's own traceback. ``train`` also
 exits with 1 when the run fails (a fault it detected, such as a broken reward or a rank that stopped
 answering, as one message; anything unexpected with a traceback), 3 when SIGINT or SIGTERM stopped
-it after saving a checkpoint, and 128 + N (killed by signal N) after a second signal. A crash of
-the interpreter itself (SIGSEGV and the like) prints every thread's Python stack first
-(:func:`report_fatal_signals`).
+it after saving a checkpoint, and 128 + N (killed by signal N) after a second signal, or when the
+step did not finish within ``trainer.stop_grace_s`` of the first (stopped without saving,
+:mod:`core_rl.trainer.signals`). A run that makes no progress within the watchdog's bound exits
+with 1 after writing every thread's stack to ``<run>/hang-<time>.txt``
+(:mod:`core_rl.trainer.watchdog`). A crash of the interpreter itself (SIGSEGV and the like)
+prints every thread's Python stack first (:func:`report_fatal_signals`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from core_rl import __version__
+from core_rl import __version__, exit_note
 from core_rl.errors import ConfigError, CoreRLError, PluginFault
 
 if TYPE_CHECKING:
@@ -365,6 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"core-rl: {exc}", file=sys.stderr)
         else:
             print(f"core-rl: error: {exc}", file=sys.stderr)
+        exit_note.write(str(exc))  # for a launcher that reads no output (core_rl.exit_note)
         if isinstance(exc, PluginFault) and exc.__cause__ is not None:
             print(plugin_traceback(exc.__cause__), end="", file=sys.stderr)
         return exc.exit_code

@@ -26,6 +26,7 @@ from core_rl.interfaces import (
     SampleFilter,
 )
 from core_rl.kinds import ADVANTAGE, POLICY_LOSS, REJECTION_SAMPLER, SAMPLE_FILTER, PluginKind
+from core_rl.progress import PROGRESS
 
 if TYPE_CHECKING:
     import torch
@@ -80,7 +81,8 @@ def check_metrics(value: Any, words: str, what: str, contract: str) -> dict[str,
 def engine_tensor(engine: Any, method: str, what: str, part: TensorBatch, **kwargs: Any) -> torch.Tensor:
     """``engine.<method>(part, **kwargs)``: a train engine's log-probs or values of a batch, which
     must be floats [B, T] like the batch's ``input_ids`` (:class:`core_rl.interfaces.TrainEngine`)."""
-    out = getattr(engine, method)(part, **kwargs)
+    with PROGRESS.call(f"{built_by(engine)}: {method}"):
+        out = getattr(engine, method)(part, **kwargs)
     shape = part["input_ids"].shape
     contract = f"TrainEngine.{method} returns [B, T] = {list(shape)}, the shape of the batch's input_ids"
     check_tensor(out, built_by(engine), what, shape=shape, dtype=FLOAT, contract=contract)
@@ -95,7 +97,8 @@ def engine_topk(
     below ``vocab_size``, log-probs floats), as ``teacher_topk_ids`` and ``teacher_topk_logprobs``."""
     if vocab_size is not None:
         kwargs["vocab_size"] = vocab_size
-    ids, values = engine.compute_topk_logprobs(part, k, **kwargs)
+    with PROGRESS.call(f"{built_by(engine)}: compute_topk_logprobs"):
+        ids, values = engine.compute_topk_logprobs(part, k, **kwargs)
     shape = (*part["input_ids"].shape, k)
     contract = f"TrainEngine.compute_topk_logprobs returns two [B, T, k] = {list(shape)} tensors"
     check_tensor(ids, built_by(engine), "top-k token ids", shape=shape, dtype=ANY, contract=contract)
@@ -111,7 +114,8 @@ def engine_topk(
 def engine_metrics(engine: Any, method: str, *args: Any, **kwargs: Any) -> dict[str, float]:
     """``engine.<method>(*args, **kwargs)``: the metrics of a train engine's optimiser step, which
     must map names to numbers."""
-    out = getattr(engine, method)(*args, **kwargs)
+    with PROGRESS.call(f"{built_by(engine)}: {method}"):
+        out = getattr(engine, method)(*args, **kwargs)
     return check_metrics(out, built_by(engine), f"the metrics of {method}", f"TrainEngine.{method} returns")
 
 

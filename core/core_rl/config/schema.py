@@ -389,6 +389,26 @@ class ProfileConfig:
     row_limit: int = attrs.field(default=40, validator=in_range(1, 10_000))
 
 
+@attrs.define
+class WatchdogConfig:
+    """The progress watchdog (:mod:`core_rl.trainer.watchdog`): when no phase of a step advances
+    within a bound (a phase starting or ending, a plugin, engine or server call returning), the run
+    writes every thread's stack on every rank, with the phase and call each rank is in, to
+    ``<run>/hang-<time>.txt`` and stops with exit status 1 and one line naming the stuck phase and call.
+
+    The bound is ``timeout_s`` when set; otherwise the larger of ``floor_s`` and ``factor`` times the
+    longest of the recent steps (the last 20, each from its start to the next step's, evaluation and
+    checkpoints included) and of the longest time the current phase took before in this run. A phase
+    the run has not completed yet (the first step's, the first checkpoint) gets at least
+    ``first_s``. ``enabled: false`` turns the watchdog off."""
+
+    enabled: bool = True
+    floor_s: float = attrs.field(default=300.0, validator=in_range(1.0, 10**7))
+    factor: float = attrs.field(default=5.0, validator=in_range(1.0, 10**4))
+    first_s: float = attrs.field(default=1500.0, validator=in_range(1.0, 10**7))
+    timeout_s: float | None = attrs.field(default=None, validator=in_range(1.0, 10**7))
+
+
 def _steps_or_derived(inst: Any, attribute: attrs.Attribute[Any], value: int) -> None:
     """``trainer.total_steps`` in ``[1, MAX_STEPS]``, or ``0`` (derived) with ``total_epochs`` set."""
     if not (value == 0 and inst.total_epochs is not None):
@@ -416,7 +436,14 @@ class TrainerConfig:
     ``stop`` (the same, then the run ends with an error). ``max_consecutive_nonfinite`` such steps
     in a row also end the run (0: no limit).
 
-    ``profile``: record chosen steps with ``torch.profiler`` (:class:`ProfileConfig`)."""
+    ``profile``: record chosen steps with ``torch.profiler`` (:class:`ProfileConfig`).
+
+    ``watchdog``: stop a run that makes no progress, saying where it is stuck (:class:`WatchdogConfig`).
+
+    ``stop_grace_s``: after the first SIGINT or SIGTERM the run finishes its step and saves a
+    checkpoint; when that has not happened within this many seconds (a stuck step), it stops without
+    saving, keeping the newest complete checkpoint, says so and exits with 128 + the signal's number
+    (:mod:`core_rl.trainer.signals`)."""
 
     mode: str = attrs.field(default="sync", validator=one_of(("sync",)))
     total_steps: int = attrs.field(default=100, validator=_steps_or_derived)
@@ -430,6 +457,8 @@ class TrainerConfig:
     #: the built-in RL loop, unless the algorithm recipe or the user selects another
     loop: PluginSpec = attrs.field(factory=lambda: PluginSpec(name="rl"))
     profile: ProfileConfig = attrs.field(factory=ProfileConfig)
+    watchdog: WatchdogConfig = attrs.field(factory=WatchdogConfig)
+    stop_grace_s: float = attrs.field(default=60.0, validator=in_range(1.0, 10**7))
 
 
 @attrs.define

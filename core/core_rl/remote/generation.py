@@ -16,6 +16,7 @@ import attrs
 
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SamplingParams
+from core_rl.progress import PROGRESS
 from core_rl.protocol import Sample
 from core_rl.remote.options import ServerOptions
 from core_rl.remote.recovery import Endpoint
@@ -85,9 +86,10 @@ class Generation:
                 ep.inflight += 1
                 self._inflight += 1
                 try:
-                    completions = await asyncio.wait_for(
-                        self._send(ep.url, prompt_ids, sampling), self.options.request_timeout
-                    )
+                    with PROGRESS.call(f"{self.env_name} server {ep.name} ({ep.url}): generation request"):
+                        completions = await asyncio.wait_for(
+                            self._send(ep.url, prompt_ids, sampling), self.options.request_timeout
+                        )
                     if len(completions) != sampling.n:
                         raise ServerReplyError(f"{ep.name} returned {len(completions)} samples, asked for {sampling.n}")
                     ep.served = True
@@ -154,7 +156,8 @@ class Generation:
                 future.set_result(result)
 
         try:
-            await self.request_batch(self._client, url, [(p, s) for p, s, _ in batch], deliver)
+            with PROGRESS.call(f"request_batch of {len(batch)} requests to {url}"):
+                await self.request_batch(self._client, url, [(p, s) for p, s, _ in batch], deliver)
         except Exception as exc:
             for i in range(len(futures)):
                 deliver(i, exc)

@@ -11,6 +11,7 @@ import attrs
 
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SamplingParams
+from core_rl.progress import PROGRESS
 
 
 @attrs.define
@@ -85,11 +86,13 @@ async def json_post(
     client: Any, url: str, payload: Mapping[str, Any] | None = None, *, timeout: float | None = None
 ) -> Any:
     """POST ``payload`` as JSON; return the decoded body. A non-2xx status is a
-    :class:`ServerReplyError` quoting the body."""
+    :class:`ServerReplyError` quoting the body. The request is a call in flight for the progress
+    watchdog (:mod:`core_rl.progress`) until its answer arrives."""
     kwargs: dict[str, Any] = {"json": payload} if payload is not None else {}
     if timeout is not None:
         kwargs["timeout"] = timeout
-    response = await client.post(url, **kwargs)
+    with PROGRESS.call(f"POST {url}"):
+        response = await client.post(url, **kwargs)
     if response.status_code >= 300:
         raise ServerReplyError(
             f"POST {url} answered {response.status_code}: {response.text[:500]}", response.status_code

@@ -37,6 +37,7 @@ from core_rl.errors import DataError
 from core_rl.interfaces import RolloutEngine
 from core_rl.kinds import WORKFLOW
 from core_rl.plugins import PluginHost
+from core_rl.progress import PROGRESS
 from core_rl.rollout_controller import RolloutController
 from core_rl.trainer.building import build
 from core_rl.trainer.colocation import RolloutSleep
@@ -255,6 +256,7 @@ class Evaluating:
         rollout engine has the step's weights (a load running behind is waited for) and its memory."""
         if self.evaluator is None or not self._eval_due(step):
             return {}
-        self.weight_load.wait()
-        self.rollout_sleep.before_generation()
-        return self.evaluator.evaluate(step)
+        with PROGRESS.phase("evaluation"):
+            self.weight_load.wait()
+            self.rollout_sleep.before_generation()
+            return self.evaluator.evaluate(step)

@@ -16,12 +16,15 @@ It is ``torchrun --nproc-per-node N [--nnodes M ...] -m core_rl.cli train CONFIG
   ``recover.retries`` times; each restart resumes from the newest valid checkpoint (on one node
   only: on several, a failure ends the run on every node, and launching again resumes);
 - SIGINT / SIGTERM to the launcher go to every worker, which finishes its step, saves a checkpoint
-  and stops; the agent waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (default here 120) before
-  killing them;
+  and stops, or stops without saving when its step has not finished within ``trainer.stop_grace_s``
+  (:mod:`core_rl.trainer.signals`); the agent waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds
+  (default here 120, or ``stop_grace_s`` plus a minute when that is longer) before killing them;
 - when a worker fails, the agent sends SIGTERM to the others and kills those still running 30 s
   later (torch's fixed grace on that path: a stopped or hung rank holds the run's exit that long).
 
-Exit status: 0, the status of the first worker that failed, or 3 after a signal.
+Exit status: 0, the status of the first worker that failed, 3 after a signal, or 128 + the signal's
+number when a rank's step did not finish within ``trainer.stop_grace_s`` of it (that rank stopped
+without saving; each worker leaves its last line in a file the agent reads, :mod:`core_rl.exit_note`).
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -46,10 +51,12 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCP
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from core_rl import exit_note
 from core_rl.config.schema import RunConfig
 from core_rl.errors import CoreRLError
 from core_rl.trainer.errors import TrainingInterrupted
 from core_rl.trainer.ranks import is_loopback, listen_on_loopback_unless_configured
+from core_rl.trainer.signals import NOT_SAVED
 
 RENDEZVOUS_BACKEND = "core-rl-loopback"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 120
@@ -62,6 +69,13 @@ def _shutdown_timeout(seconds: int) -> dict[str, int]:
         return {"shutdown_timeout": seconds}
     os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(seconds)
     return {}
+
+
+def shutdown_timeout_s(cfg: RunConfig) -> int:
+    """How long the agent waits for the workers after forwarding a signal: at least
+    :data:`DEFAULT_SHUTDOWN_TIMEOUT_S`, and a minute more than ``trainer.stop_grace_s`` so that each
+    rank stops on its own (saying whether it saved) before the agent kills it."""
+    return max(DEFAULT_SHUTDOWN_TIMEOUT_S, int(cfg.trainer.stop_grace_s) + 60)
 
 
 class LoopbackRendezvous(StaticTCPRendezvous):
@@ -199,8 +213,10 @@ def launch(config_path: str, overrides: Sequence[str], nproc: int, cfg: RunConfi
         monitor_interval=0.5,
         start_method="spawn",
         local_addr="127.0.0.1" if is_loopback(host) else None,
-        **_shutdown_timeout(int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT_S))),
+        **_shutdown_timeout(int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", shutdown_timeout_s(cfg)))),
     )
+    notes = tempfile.TemporaryDirectory(prefix="core-rl-notes-")
+    os.environ[exit_note.VARIABLE] = str(Path(notes.name) / "rank-{rank}.txt")  # each worker's last line
     try:
         elastic_launch(config, sys.executable)("-m", "core_rl.cli", "train", config_path, *overrides)
     except ChildFailedError as exc:
@@ -219,10 +235,24 @@ def launch(config_path: str, overrides: Sequence[str], nproc: int, cfg: RunConfi
             )
         return failure.exitcode
     except SignalException as exc:
+        name = signal.Signals(exc.sigval).name
+        left = sorted(Path(notes.name).glob("rank-*.txt"), key=lambda f: int(f.stem.removeprefix("rank-")))
+        unsaved = [f.stem.removeprefix("rank-") for f in left if exit_note.read(f).startswith(NOT_SAVED)]
+        if unsaved:
+            who = f"rank {unsaved[0]}" if len(unsaved) == 1 else f"ranks {', '.join(unsaved)}"
+            print(
+                f"core-rl: stopped by {name}: {who} did not finish the step within trainer.stop_grace_s and stopped "
+                "without saving; the newest complete checkpoint stays as it was (the messages are above)",
+                file=sys.stderr,
+            )
+            return 128 + exc.sigval
         print(
-            f"core-rl: stopped by {signal.Signals(exc.sigval).name}: every rank was asked to finish its step, save "
-            "a checkpoint and stop (their messages are above)",
+            f"core-rl: stopped by {name}: every rank was asked to finish its step, save a checkpoint and stop "
+            "(their messages are above)",
             file=sys.stderr,
         )
         return TrainingInterrupted.exit_code
+    finally:
+        os.environ.pop(exit_note.VARIABLE, None)
+        notes.cleanup()
     return 0

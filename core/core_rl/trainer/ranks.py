@@ -7,7 +7,9 @@ called before the train engine is built (an engine that creates the group passes
 :func:`collective_timeout` to ``init_process_group``) and applies it to a group that already exists.
 
 :func:`waiting_for` names what a collective waits for, so a timeout (a stopped, hung or dead rank)
-becomes a :class:`~core_rl.trainer.errors.CollectiveTimeout` that says so. A failure on one rank is
+becomes a :class:`~core_rl.trainer.errors.CollectiveTimeout` that says so, and the progress
+watchdog (:mod:`core_rl.trainer.watchdog`) names it for a rank blocked in one; the agreement points
+are the ``collective`` phase of a step (:mod:`core_rl.progress`). A failure on one rank is
 shared with the others at the next agreement point (:func:`broadcast_outcome`,
 :func:`agree_after`), so every rank stops with the failing rank's message instead of waiting.
 """
@@ -25,6 +27,7 @@ from typing import Any
 import attrs
 
 from core_rl.errors import CoreRLError
+from core_rl.progress import PROGRESS
 from core_rl.trainer.errors import CollectiveTimeout, PeerFailure
 
 _TIMEOUT_MARKERS = ("timed out", "timeout", "deadline exceeded")
@@ -106,7 +109,8 @@ def waiting_for(what: str) -> Iterator[None]:
     """Run collectives that wait for ``what``; a timeout or a lost connection to another rank
     becomes a :class:`CollectiveTimeout` naming ``what`` (the original error is chained)."""
     try:
-        yield
+        with PROGRESS.waiting(what):
+            yield
     except RuntimeError as exc:  # torch.distributed.DistBackendError is a RuntimeError
         text = str(exc).lower()
         rank = rank_and_world()[0]
@@ -174,7 +178,8 @@ def agree_after(what: str, error: BaseException | None, stop: str | None = None)
             raise error
         return stop
     gathered: list[Any] = [None] * world
-    with waiting_for(f"the other ranks to finish {what}"):
+    waited = f"the other ranks to finish {what}"
+    with PROGRESS.phase("collective", waited), waiting_for(waited):
         dist.all_gather_object(gathered, attrs.asdict(outcome_of(rank, error, stop)))
     outcomes = [Outcome(**o) for o in gathered]
     raise_first_failure(outcomes, error)
@@ -193,7 +198,7 @@ def broadcast_outcome(what: str, value: Any, error: BaseException | None) -> Any
         return value
     box = [(value, attrs.asdict(outcome_of(0, error))) if rank == 0 else None]
     waited = f"the other ranks to receive {what}" if rank == 0 else f"rank 0 to send {what}"
-    with waiting_for(waited):
+    with PROGRESS.phase("collective", waited), waiting_for(waited):
         dist.broadcast_object_list(box, src=0)
     sent, outcome = box[0]
     raise_first_failure([Outcome(**outcome)], error if rank == 0 else None)

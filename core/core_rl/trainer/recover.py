@@ -56,7 +56,8 @@ def run_with_restarts(cfg: RunConfig, host: PluginHost, *, data_rows: list[DataR
         raise RuntimeError("trainer.total_steps is still to be derived from trainer.total_epochs (config/epochs.py)")
     restarts_left = in_process_restarts(cfg)
     announce = os.environ.get("RANK", "0") == "0"
-    with StopSignals(announce=announce) as stop:
+    grace = cfg.trainer.stop_grace_s
+    with StopSignals(announce=announce, grace_s=grace, run_dir=cfg.experiment.run_dir) as stop:
         while True:
             trainer: TrainingLoop | None = None
             try:

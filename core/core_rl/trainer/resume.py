@@ -17,6 +17,7 @@ from core_rl.checkpointing import discard_partial
 from core_rl.config.schema import RunConfig
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import AdvantageEstimator, RolloutEngine, TrainEngine
+from core_rl.progress import PROGRESS
 from core_rl.trainer import checkpoints
 from core_rl.trainer.checkpoint_policy import BestCheckpoints, TimedSaves
 from core_rl.trainer.critic import CRITIC_DIR, check_role_states, load_role_states, save_role_states
@@ -104,7 +105,12 @@ class Checkpointing:
 
     def save_checkpoint(self, step: int, metrics: Mapping[str, Any] | None = None) -> Path:
         """Save the state after step ``step`` (the step just completed: never another name);
-        ``metrics`` (rank 0: those logged at ``step``) score it for ``saver.keep_best``."""
+        ``metrics`` (rank 0: those logged at ``step``) score it for ``saver.keep_best``. The
+        ``checkpoint`` phase of the step (:mod:`core_rl.progress`)."""
+        with PROGRESS.phase("checkpoint", checkpoints.checkpoint_dir(self.run_dir, step).name):
+            return self._save_checkpoint(step, metrics)
+
+    def _save_checkpoint(self, step: int, metrics: Mapping[str, Any] | None) -> Path:
         assert self.engine is not None
         if step != self.completed_step:
             raise RuntimeError(f"checkpoint of step {step} asked for after step {self.completed_step}")
@@ -228,7 +234,9 @@ class Checkpointing:
     def _interrupted(self, signal_name: str) -> TrainingInterrupted:
         where = checkpoints.checkpoint_dir(self.run_dir, self.last_saved) if self.last_saved else None
         saved = f"checkpoint {where}" if where else "nothing to save yet"
-        return TrainingInterrupted(
-            f"stopped by {signal_name} after step {self.completed_step} of {self.cfg.trainer.total_steps}; {saved}. "
-            "Continue the run with recover.mode=auto (or trainer.resume=true)"
-        )
+        total = self.cfg.trainer.total_steps
+        message = f"stopped by {signal_name} after step {self.completed_step} of {total}; {saved}"
+        stop = getattr(self, "stop", None)  # the run's signal handlers: past their grace period only closing is left
+        if stop is not None:
+            stop.saved(message)
+        return TrainingInterrupted(f"{message}. Continue the run with recover.mode=auto (or trainer.resume=true)")

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from core_rl.attribution import built_by
 from core_rl.config.schema import RunConfig
 from core_rl.interfaces import RolloutEngine, SamplingParams
 from core_rl.protocol import Sample, TensorBatch
@@ -95,6 +96,8 @@ class RolloutFlow:
     ) -> None:
         self.cfg = cfg
         self.config = cfg.rollout.controller
+        #: what produces the samples, in messages (the watchdog's, :mod:`core_rl.trainer.watchdog`)
+        self.words = f"{built_by(workflow, 'the workflow')} on {built_by(engine, 'the rollout engine')}"
         self._make = lambda: RolloutController(
             engine,
             workflow,

@@ -9,8 +9,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from core_rl.attribution import built_by
 from core_rl.config.schema import RunConfig
 from core_rl.interfaces import Logger
+from core_rl.progress import PROGRESS
 from core_rl.protocol import RewardInput, Sample, TensorBatch
 from core_rl.trainer.batching import BatchAssembler, Generation
 from core_rl.trainer.colocation import RolloutSleep
@@ -46,7 +48,8 @@ class RolloutScoring:
         dynamic sampling, a further one), flattened: samples, their group, their prompt; and what
         the data said of drawing it (:attr:`core_rl.rollout_controller.Wave.draw_metrics`)."""
         assert self.flow is not None
-        wave = self.flow.take(new_step=not self._scored_this_step)
+        with PROGRESS.phase("rollout", self.flow.words):
+            wave = self.flow.take(new_step=not self._scored_this_step)
         return (*flatten_groups(wave.prompts, wave.groups), wave.draw_metrics)
 
     def _score(
@@ -54,7 +57,8 @@ class RolloutScoring:
     ) -> tuple[list[RewardInput], ScoreResult, dict[str, float]]:
         """Score ``samples`` through the reward runner; failed items are logged and counted."""
         assert self.reward_runner is not None
-        inputs, result = score_samples(self.reward_runner, self.tokenizer, samples, owners, step)
+        with PROGRESS.phase("reward", f"{built_by(self.reward_runner.reward, 'the reward')}: score"):
+            inputs, result = score_samples(self.reward_runner, self.tokenizer, samples, owners, step)
         return inputs, result, self.reward_log.record(step, inputs, result)
 
     def _generate_scored(self, step: int) -> Generation:

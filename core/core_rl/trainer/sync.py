@@ -32,6 +32,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from core_rl.built_engines import BuiltEngine
@@ -63,6 +64,7 @@ from core_rl.kinds import (
 )
 from core_rl.plugins import PluginHost
 from core_rl.preflight import preflight
+from core_rl.progress import PROGRESS
 from core_rl.protocol import RewardInput, TensorBatch
 from core_rl.roles import build_engine, build_roles
 from core_rl.trainer.auto_budget import resolve_auto_budgets
@@ -102,6 +104,7 @@ from core_rl.trainer.run_config import record_config, resume_note
 from core_rl.trainer.signals import StopSignals
 from core_rl.trainer.summary import summary_lines
 from core_rl.trainer.update import PolicyUpdate
+from core_rl.trainer.watchdog import Watchdog
 from core_rl.trainer.weight_load import BackgroundWeightLoad
 from core_rl.trainer.weight_sync import WeightSyncing
 
@@ -317,12 +320,13 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
         t_train = time.perf_counter()
         if batch is not None:
             if self.reward_stage is not None:  # reward-model scores, rewards, advantages: trainer/reward_role.py
-                with waiting_for(f"the other ranks in the reward-model scores of step {step}"):
+                wait = f"the other ranks in the reward-model scores of step {step}"
+                with PROGRESS.phase("reward", "the reward model"), waiting_for(wait):
                     metrics.update(self.reward_stage.prepare(batch))
                 if self.is_main:
                     self._log_samples(step, batch[SCORES].tolist())
             # -- reference / recomputed log-probs, minibatches x epochs: trainer/update.py
-            with waiting_for(f"the other ranks in the update of step {step}"):
+            with PROGRESS.phase("update"), waiting_for(f"the other ranks in the update of step {step}"):
                 update = self.update(batch, train_version=step)
             metrics.update(update)
             actor = {k.removeprefix("actor/"): v for k, v in update.items() if k.startswith("actor/")}
@@ -331,7 +335,7 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
         else:
             metrics["actor/skipped"] = 1.0
         t_sync = time.perf_counter()
-        with waiting_for(f"the other ranks in the weight update after step {step}"):
+        with PROGRESS.phase("sync"), waiting_for(f"the other ranks in the weight update after step {step}"):
             metrics.update(self._sync_weights(step))
         t_end = time.perf_counter()
         metrics["timing/train_s"] = t_sync - t_train
@@ -397,40 +401,8 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
             stop = agree_after(f"{what} (rank 0)", error, self.stop.requested)
             if stop:
                 raise self._interrupted(stop)
-            metrics: dict[str, Any] = {}
-            for step in range(self.start_step + 1, cfg.trainer.total_steps + 1):
-                with self.profiler.around(step):
-                    metrics = self.step(step)
-                metrics.update(self.memory.step_metrics())  # trainer/memory.py
-                if self.profiler.wants(step):
-                    metrics = {**metrics, "profile/active": 1.0}
-                self.completed_step = step
-                error = None
-                if self.is_main:
-                    try:
-                        metrics.update(self._evaluation(step))
-                        for lg in self.loggers:
-                            lg.log(metrics, step)
-                    except Exception as exc:
-                        error = exc
-                stop = agree_after(f"step {step}", error, self.stop.requested)
-                if self.reference_reset is not None:  # before the checkpoint, which may need its export
-                    self._use_reference(self.reference_reset.after_step(step, self.engine, self.ref))
-                if self._checkpoint_due(step) or stop:
-                    self.save_checkpoint(step, metrics if self.is_main else None)
-                if export_due(cfg.saver, step):
-                    export_step(self.engine, cfg.saver, self.run_dir, step, is_main=self.is_main)
-                if stop:
-                    raise self._interrupted(stop)
-            if self.is_main:  # the last version's load: its error belongs to this run
-                self.weight_load.wait()
-            if cfg.saver.at_end and self.last_saved != self.completed_step:
-                self.save_checkpoint(self.completed_step, metrics if self.is_main else None)
-            export = None
-            if cfg.saver.export_hf:
-                export = self.run_dir / "final_hf"
-                with waiting_for("the other ranks to export the final model"):
-                    self.engine.export_hf(export)
+            with self._watchdog():
+                export = self._steps()
         finally:
             for lg in started:
                 lg.close()
@@ -445,6 +417,67 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
             "peak_memory": self.memory.summary(),
             "evaluation": self.evaluator.summary() if self.evaluator is not None else None,
         }
+
+    def _watchdog(self) -> Watchdog:
+        """This process's progress watchdog over the steps (:mod:`core_rl.trainer.watchdog`)."""
+        return Watchdog(
+            self.cfg.trainer.watchdog, self.run_dir, rank=self.rank, world_size=self.world_size, stop=self.stop
+        )
+
+    def _steps(self) -> Path | None:
+        """The loop's steps from :attr:`start_step`, then the final save and export; the final
+        export's directory (``None``: none)."""
+        assert self.engine is not None
+        cfg = self.cfg
+        try:
+            metrics = self._each_step()
+        finally:
+            PROGRESS.end_loop()
+        if self.is_main:  # the last version's load: its error belongs to this run
+            self.weight_load.wait()
+        if cfg.saver.at_end and self.last_saved != self.completed_step:
+            self.save_checkpoint(self.completed_step, metrics if self.is_main else None)
+        export = None
+        if cfg.saver.export_hf:
+            export = self.run_dir / "final_hf"
+            with PROGRESS.phase("export"), waiting_for("the other ranks to export the final model"):
+                self.engine.export_hf(export)
+        return export
+
+    def _each_step(self) -> dict[str, Any]:
+        """Steps :attr:`start_step` + 1 to ``trainer.total_steps`` (each timed for the watchdog,
+        :mod:`core_rl.progress`); the last one's metrics."""
+        assert self.engine is not None
+        cfg = self.cfg
+        metrics: dict[str, Any] = {}
+        for step in range(self.start_step + 1, cfg.trainer.total_steps + 1):
+            PROGRESS.begin_step(step)
+            with self.profiler.around(step):
+                metrics = self.step(step)
+            metrics.update(self.memory.step_metrics())  # trainer/memory.py
+            if self.profiler.wants(step):
+                metrics = {**metrics, "profile/active": 1.0}
+            self.completed_step = step
+            error = None
+            if self.is_main:
+                try:
+                    metrics.update(self._evaluation(step))
+                    with PROGRESS.phase("logging"):
+                        for lg in self.loggers:
+                            lg.log(metrics, step)
+                except Exception as exc:
+                    error = exc
+            stop = agree_after(f"step {step}", error, self.stop.requested)
+            if self.reference_reset is not None:  # before the checkpoint, which may need its export
+                self._use_reference(self.reference_reset.after_step(step, self.engine, self.ref))
+            if self._checkpoint_due(step) or stop:
+                self.save_checkpoint(step, metrics if self.is_main else None)
+            if export_due(cfg.saver, step):
+                with PROGRESS.phase("export"):
+                    export_step(self.engine, cfg.saver, self.run_dir, step, is_main=self.is_main)
+            if stop:
+                raise self._interrupted(stop)
+        return metrics
 
     def close(self) -> None:
         if getattr(self, "weight_load", None) is not None:

@@ -148,6 +148,10 @@ def test_a_ranks_exit_becomes_the_runs_outcome(code, status, says, retriable):
     assert outcome.message.startswith("trainer rank 1 (actor run/rank-1 (pid 7 on node 10.0.0.2))") and says in (
         outcome.message
     )
+    if code >= 0:  # the line the rank's process ended with, quoted instead of pointing above
+        assert outcome.message.endswith("(its message is above)")
+        noted = _rank_exit(1, "actor run/rank-1", code, "no progress for 62 s (...)")
+        assert noted.message.endswith(f"{says}: no progress for 62 s (...)") and noted.code == status
 
 
 def test_server_gpus_are_refused_where_ray_places_the_servers(tmp_path):

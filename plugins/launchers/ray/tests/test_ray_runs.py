@@ -10,6 +10,8 @@
   (``tests/test_server_grpo.py``); in ``colocate`` (weights through the shared run directory) it trains 4 steps, then
   the server's actor is killed: the run ends with an error naming the actor and its node, the
   checkpoint it saved before intact, and no process left;
+- a rank stuck inside a step (told to sleep there): the progress watchdogs of the actors' processes
+  write the hang file and stop the run, and the driver's message quotes the diagnosis;
 - a node lost mid-run (its raylet and every process on it killed; the module's last test, as the
   cluster has one node after it): the run ends with an error naming the actor that died and its
   node, the checkpoint intact, no process left.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -29,6 +32,7 @@ from pathlib import Path
 import pytest
 import yaml
 from core_rl.builtin.loggers import read_metrics
+from core_rl.progress import STALL_VARIABLE
 from core_rl.testing.faults import build_task, checkpoint, finish, merged, run_dir, state_digest, wait_for_steps
 from core_rl.testing.launch import cpu_ranks_env
 from core_rl.testing.processes import ancestors
@@ -154,6 +158,37 @@ def test_a_killed_trainer_actor_is_restarted_and_the_run_resumes(ray_cluster, ta
     rows = read_metrics(run / "metrics.jsonl")
     assert sorted({r["step"] for r in rows}) == list(range(1, steps + 1))
     assert time.monotonic() - started < FAULT_TIMEOUT_S + 120
+    assert _no_leftovers(str(task["root"])) == []
+
+
+def test_a_rank_stuck_inside_a_step_is_diagnosed_and_the_driver_names_it(ray_cluster, task):
+    """Rank 1's process is told to sleep inside its ``train_step`` of step 2 (the test hook, through
+    ``launcher.env``); rank 0's waits for it in the update's all_reduce. The watchdogs of the two
+    actors' processes share progress through rank 0's store: within the bound the run ends with
+    status 1, the hang file holds both ranks, and the driver's own message quotes the diagnosis."""
+    cfg = merged(
+        task["cfg"],
+        experiment={"name": "stuckrank"},
+        trainer={"total_steps": 8, "collective_timeout_s": 600, "watchdog": {"timeout_s": 15}},
+        launcher={"env": {STALL_VARIABLE: "1:2:train_step"}},
+    )
+    config = _write(cfg, task["root"] / "stuckrank.yaml")
+    run = run_dir(cfg)
+    proc = _ray_train(ray_cluster, config)
+    assert wait_for_steps(run, proc, 1, timeout=240), _finish(proc, 5)[-4000:]
+    started = time.monotonic()
+    err = _finish(proc, FAULT_TIMEOUT_S)
+    assert time.monotonic() - started < FAULT_TIMEOUT_S
+    assert proc.returncode == 1, err[-4000:]
+    (hang,) = run.glob("hang-*.txt")
+    stuck = "no progress for 1"  # 15 s and a little more
+    diagnosis = "rank 1 is stuck in update of step 2, in train engine 'fsdp'"
+    (driver,) = [line for line in err.splitlines() if line.startswith("core-rl: error: trainer rank")]
+    assert re.match(r"core-rl: error: trainer rank \d \(actor stuckrank-\w+/rank-\d \(pid \d+ on node", driver), driver
+    assert f"exited with status 1: {stuck}" in driver and diagnosis in driver, driver
+    assert driver.endswith(f"Every thread's stack on every rank: {hang}")
+    text = hang.read_text()
+    assert "== rank 0 " in text and "== rank 1 " in text and "blocked in a collective" in text
     assert _no_leftovers(str(task["root"])) == []
 
 

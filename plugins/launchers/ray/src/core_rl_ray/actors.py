@@ -15,7 +15,10 @@ as a child process, so that
 - the child's exit status is the rank's, and a rank that ends leaves no process group, CUDA
   context or imported modules behind in a worker Ray might reuse;
 - the child dies with the actor (``PR_SET_PDEATHSIG``): ``ray.kill`` or a lost node leaves no
-  orphan trainer.
+  orphan trainer;
+- the child leaves the line it exits with (its error, or the progress watchdog's diagnosis) in a
+  file the actor names (:mod:`core_rl.exit_note`), which the driver reads back
+  (:meth:`TrainerRank.exit_note`) to name the reason in its own message.
 
 A rollout server actor starts its server through the rollout engine plugin itself (the server's
 command line, environment variables and health check are the plugin's), from the plugin's managed
@@ -34,9 +37,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from core_rl import exit_note
 
 PR_SET_PDEATHSIG = 1
 
@@ -75,6 +81,7 @@ class TrainerRank:
     def __init__(self) -> None:
         normal_priority()  # inherited by the rank's process
         self._proc: subprocess.Popen | None = None
+        self._note: Path | None = None
 
     def where(self) -> dict[str, Any]:
         return where()
@@ -90,6 +97,10 @@ class TrainerRank:
         full = {**os.environ, **env}
         full.pop("RAY_ADDRESS", None)  # the rank is no Ray driver
         full.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several workers
+        descriptor, note = tempfile.mkstemp(prefix="core-rl-rank-", suffix=".note")
+        os.close(descriptor)
+        self._note = Path(note)
+        full[exit_note.VARIABLE] = note  # the line the rank exits with, for the driver
         self._proc = subprocess.Popen(
             [sys.executable, *argv], env=full, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
         )
@@ -106,6 +117,17 @@ class TrainerRank:
     def poll(self) -> int | None:
         """The rank's exit status once its process ended (``-N``: killed by signal N), else ``None``."""
         return None if self._proc is None else self._proc.poll()
+
+    def exit_note(self) -> str:
+        """The line the rank's process ended with (its error, the watchdog's diagnosis:
+        :mod:`core_rl.exit_note`); empty when it left none."""
+        if self._note is None:
+            return ""
+        text = exit_note.read(self._note)
+        if self._proc is not None and self._proc.poll() is not None:
+            self._note.unlink(missing_ok=True)
+            self._note = None
+        return text
 
     def stop(self, grace: float) -> int | None:
         """``SIGTERM`` the rank (it finishes its step, saves a checkpoint and exits), ``SIGKILL``

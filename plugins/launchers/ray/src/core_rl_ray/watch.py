@@ -4,7 +4,9 @@
 The launcher polls every actor every ``launcher.poll_s`` seconds, each answer bounded by
 ``launcher.actor_timeout_s``: a rank's exit, a rank's actor that died (``ray.kill``, its worker
 crashed, its node was lost) or stopped answering, a server whose process ended, and the driver's
-own SIGINT/SIGTERM each end the wait with an :class:`Outcome` naming the actor and its node.
+own SIGINT/SIGTERM each end the wait with an :class:`Outcome` naming the actor and its node; a
+rank's exit also quotes the line its process ended with (its error, or the progress watchdog's
+diagnosis of a stuck run, :mod:`core_rl.exit_note`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Callable
 
 import attrs
 
-from core_rl_ray.group import ActorGroup, ActorLost, call
+from core_rl_ray.group import ActorGroup, ActorLost, Member, call
 
 #: a rank's exit status after SIGINT/SIGTERM stopped it with a checkpoint
 EXIT_INTERRUPTED = 3
@@ -33,19 +35,20 @@ class Outcome:
     retriable: bool = False
 
 
-def _rank_exit(index: int, describe: str, code: int) -> Outcome:
+def _rank_exit(index: int, describe: str, code: int, note: str = "") -> Outcome:
+    """The outcome of rank ``index`` (its actor: ``describe``) exiting with ``code``; ``note``: the
+    line its process ended with (:mod:`core_rl.exit_note`), quoted instead of pointing above."""
     if code < 0:
         try:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
         return Outcome(1, f"trainer rank {index} ({describe}) was killed by {name}", retriable=True)
+    said = f": {note}" if note else " (its message is above)"
     if code == EXIT_INTERRUPTED:
-        return Outcome(code, f"trainer rank {index} ({describe}) was stopped by a signal (its message is above)")
+        return Outcome(code, f"trainer rank {index} ({describe}) was stopped by a signal{said}")
     return Outcome(
-        code,
-        f"trainer rank {index} ({describe}) exited with status {code} (its message is above)",
-        retriable=code not in (EXIT_USAGE,),
+        code, f"trainer rank {index} ({describe}) exited with status {code}{said}", retriable=code not in (EXIT_USAGE,)
     )
 
 
@@ -65,7 +68,7 @@ def watch(group: ActorGroup, *, poll_s: float, stop_requested: Callable[[], str 
                 if code == 0:
                     finished.add(i)
                 elif code is not None:
-                    return _rank_exit(i, member.describe(), code)
+                    return _rank_exit(i, member.describe(), code, _note(member, timeout))
             if len(finished) == len(group.ranks):
                 return Outcome(0)
             for member in group.servers:
@@ -75,6 +78,14 @@ def watch(group: ActorGroup, *, poll_s: float, stop_requested: Callable[[], str 
         except ActorLost as exc:
             return Outcome(1, str(exc), retriable=True)
         time.sleep(poll_s)
+
+
+def _note(member: Member, timeout: float) -> str:
+    """The line rank ``member``'s process exited with (empty if it left none or the actor is gone)."""
+    try:
+        return str(call(member, "exit_note", timeout=timeout, query=True) or "")
+    except ActorLost:
+        return ""
 
 
 def stop_ranks(group: ActorGroup, grace: float) -> dict[str, int | None]:
