@@ -18,6 +18,8 @@ from pathlib import Path
 import packaging_utils as pu
 import pytest
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 pytestmark = pytest.mark.slow
 
@@ -115,6 +117,46 @@ def test_a_version_on_the_target_that_core_rl_cannot_use_is_named(tmp_path: Path
     assert "the target has transformers 4.40.0, but core-rl requires transformers" in built.stderr
     assert "but --with requires packaging>=999" in built.stderr
     assert "Traceback" not in built.stderr
+
+
+def test_every_extra_resolves_to_one_consistent_set(tmp_path: Path) -> None:
+    """With no ``--have``, every extra (the loggers' protobuf and pillow bounds among them, which a
+    first-come pick of versions broke) resolves for the target's Python: the set holds every
+    requirement of core-rl and its plugins at a version that satisfies it, and none of ours."""
+    out = tmp_path / "all"
+    proc = subprocess.run(
+        [sys.executable, str(BUILD), str(out), "--resolve-only"], capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nothing downloaded" in proc.stdout
+    resolved = {}
+    for line in (out / "requirements.txt").read_text().splitlines():
+        name, version = line.split("==")
+        resolved[name] = Version(version)
+    script = _script()
+    env = script.target_environment("3.12")
+    ours = {script.file_name(w): w for w in out.glob("core_rl*.whl")}
+    assert len(ours) > 20 and not set(ours) & set(resolved)
+    for name, wheel in ours.items():
+        _, requires = script.metadata_requirements(wheel)
+        for text in requires:
+            req = Requirement(text)
+            wanted = canonicalize_name(req.name)
+            if wanted in ours or not script.applies(req, env, {"all"} if name == "core-rl" else set()):
+                continue
+            assert wanted in resolved, f"{name} requires {req}: not resolved"
+            assert req.specifier.contains(resolved[wanted], prereleases=True), f"{name} requires {req}"
+    assert not list(out.glob("*.tar.gz")) and len(list(out.iterdir())) == len(ours) + 2  # .resolve, requirements.txt
+
+
+def test_a_conflict_below_core_rls_own_requirements_is_explained(tmp_path: Path) -> None:
+    """The target's version of a distribution core-rl needs only through another (tokenizers, through
+    transformers) is held fixed: where nothing fits, the resolver's explanation names it, exit 2."""
+    built = _build(tmp_path, _have(tmp_path / "have.txt", tokenizers="0.10.0"))
+    assert built.returncode == 2, built.stderr[-2000:]
+    assert "no set of versions satisfies core-rl's requirements" in built.stderr
+    assert "tokenizers" in built.stderr and "Traceback" not in built.stderr
+    assert not (tmp_path / "wheelhouse" / "manifest.txt").exists()
 
 
 def _script():

@@ -6,10 +6,11 @@ Run it on a machine that reaches the package index; carry the folder over; insta
 
 - core-rl and every in-repo plugin as wheels (``pip wheel --no-deps``, in this environment when it
   has their build backend, else in an isolated one per project);
-- every third-party distribution those need (Requires-Dist, followed recursively; markers evaluated
-  for the target Python and Linux x86-64) that the target lacks: binary wheels for the target's
-  Python version and platform, or the source package where a project publishes only that
-  (DeepSpeed: the install script builds it without compiling any op);
+- every third-party distribution those need that the target lacks, at the versions a real resolver
+  picks for the target's Python and Linux x86-64 (``uv pip compile``, with what the target has as
+  constraints and pip's configured indexes): binary wheels for the target's Python version and
+  platform, or the source package where a project publishes only that (DeepSpeed: the install
+  script builds it without compiling any op);
 - never torch, triton or NVIDIA's CUDA libraries: the target's own torch is used and left alone.
 
 ``--have FILE`` lists what the target already has, as ``python3 -m pip list --format=freeze``
@@ -25,9 +26,10 @@ machine without an index (the benchmark then finds TRL in core-rl's own environm
 Usage::
 
     python3 scripts/offline/build_wheelhouse.py OUT [--have have.txt] [--python-version 3.12]
-        [--extras all] [--test-tools] [--with REQ ...]
+        [--extras all] [--test-tools] [--with REQ ...] [--resolve-only]
 
-``OUT/manifest.txt`` lists each file and which requirement brought it in; the install script
+``OUT/requirements.txt`` is the resolved set (``--resolve-only`` writes it and stops, downloading
+nothing). ``OUT/manifest.txt`` lists each file and which requirement brought it in; the install script
 installs exactly those files. ``OUT/sources.txt`` holds the digest of the sources core-rl's own
 wheels were built from: the install script refuses a wheelhouse whose digest is not its checkout's
 (a wheelhouse built before a change would test the old code). Rebuilding into the same folder
@@ -37,12 +39,14 @@ fetches only what changed.
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import tomllib
 import zipfile
-from collections import deque
 from collections.abc import Sequence
 from email.parser import Parser
 from importlib import metadata
@@ -241,6 +245,113 @@ def file_version(path: Path) -> Version:
     return _parsed(path)[1]
 
 
+#: the resolver's target platform: the newest manylinux tag of :data:`PLATFORMS`
+RESOLVE_PLATFORM = "x86_64-manylinux_2_39"
+#: a pinned line of ``uv pip compile``'s output, with its ``# via`` annotation (``--annotation-style line``)
+PINNED = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>\S+)\s*(?:#\s*via\s+(?P<via>.*))?$")
+
+
+def find_uv() -> str:
+    """The ``uv`` executable: beside this interpreter, on ``PATH``, or the ``uv`` package's."""
+    beside = Path(sys.executable).parent / "uv"
+    if beside.is_file():
+        return str(beside)
+    if found := shutil.which("uv"):
+        return found
+    try:
+        from uv import find_uv_bin
+
+        return find_uv_bin()
+    except (ImportError, FileNotFoundError):
+        raise WheelhouseError(
+            "resolving the wheelhouse needs uv (its resolver): `python3 -m pip install uv`, then run this again"
+        ) from None
+
+
+def pip_index_flags() -> list[str]:
+    """pip's configured indexes and find-links as uv flags (uv does not read pip's configuration)."""
+    script = ROOT / "core" / "core_rl" / "pip_as_uv.py"
+    proc = subprocess.run([sys.executable, str(script), sys.executable], capture_output=True, text=True, check=False)
+    return proc.stdout.split() if proc.returncode == 0 else []
+
+
+def direct_conflicts(
+    ours: dict[str, Path],
+    extras: set[str],
+    have: dict[str, Version | None],
+    env: dict[str, str],
+    tools: Sequence[str],
+    also: Sequence[str],
+) -> list[str]:
+    """What the target has at a version that a requirement of core-rl, a selected plugin, the test
+    tools or ``--with`` excludes, one line each: named before resolving, as the resolver's own
+    explanation of the same conflict is long."""
+    wanted: list[tuple[Requirement, str, set[str]]] = []
+    for name, wheel in ours.items():
+        _, requires = metadata_requirements(wheel)
+        wanted += [(Requirement(r), name, extras if name == "core-rl" else set()) for r in requires]
+    wanted += [(Requirement(r), "the test suite", set()) for r in tools]
+    wanted += [(Requirement(r), "--with", set()) for r in also]
+    problems = []
+    for req, why, req_extras in wanted:
+        name = canonicalize_name(req.name)
+        version = have.get(name)
+        if name in ours or version is None or not applies(req, env, req_extras):
+            continue
+        if not req.specifier.contains(version, prereleases=True):
+            problems.append(f"the target has {name} {version}, but {why} requires {req}")
+    return problems
+
+
+def resolve(
+    out: Path,
+    ours: dict[str, Path],
+    extras: set[str],
+    have: dict[str, Version | None],
+    python_version: str,
+    tools: Sequence[str],
+    also: Sequence[str],
+) -> list[tuple[str, str, str]]:
+    """One consistent set of versions for core-rl with ``extras``, its selected plugins (this
+    checkout's wheels), ``tools`` and ``also``, for the target's Python and Linux x86-64, holding
+    what the target ``have``s at its versions: ``(name, version, what requires it)`` for every
+    third-party distribution, ours left out. ``uv pip compile`` resolves it; its result is kept in
+    ``out/requirements.txt``."""
+    work = out / ".resolve"
+    work.mkdir(exist_ok=True)
+    core = f"core-rl[{','.join(sorted(extras))}]" if extras else "core-rl"
+    inputs = [f"{core} @ {ours['core-rl'].as_uri()}"]
+    inputs += [f"{name} @ {wheel.as_uri()}" for name, wheel in sorted(ours.items()) if name != "core-rl"]
+    inputs += [*tools, *also]
+    (work / "requirements.in").write_text("\n".join(inputs) + "\n")
+    pins = [f"{name}=={version}" for name, version in sorted(have.items()) if version is not None and name not in ours]
+    (work / "constraints.txt").write_text("\n".join(pins) + "\n")
+    command = [
+        find_uv(), "pip", "compile", str(work / "requirements.in"),
+        "--constraint", str(work / "constraints.txt"),
+        "--python-version", python_version, "--python-platform", RESOLVE_PLATFORM,
+        "--no-header", "--annotation-style", "line", "--color", "never", "--quiet",
+        # pip takes the best version over all its indexes; uv by default only the first index's
+        "--index-strategy", "unsafe-best-match",
+        *pip_index_flags(),
+    ]  # fmt: skip
+    # the suite's environment may cap torch for this machine (PIP_CONSTRAINT): not the target's business
+    env = {k: v for k, v in os.environ.items() if k not in ("UV_CONSTRAINT", "PIP_CONSTRAINT")}
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise WheelhouseError(
+            f"no set of versions satisfies core-rl's requirements for Python {python_version} on Linux x86-64 with "
+            f"what the target has (uv pip compile):\n{proc.stderr.strip()[-4000:]}"
+        )
+    resolved = []
+    for line in proc.stdout.splitlines():
+        match = PINNED.match(line.strip())
+        if match and canonicalize_name(match["name"]) not in ours:
+            resolved.append((canonicalize_name(match["name"]), match["version"], (match["via"] or "").strip()))
+    (out / "requirements.txt").write_text("".join(f"{n}=={v}\n" for n, v, _ in resolved))
+    return resolved
+
+
 def build(
     out: Path,
     have: dict[str, Version | None],
@@ -248,50 +359,27 @@ def build(
     extras: set[str],
     include_test_tools: bool,
     also: Sequence[str] = (),
+    resolve_only: bool = False,
 ) -> list[str]:
     """Fill ``out`` with core-rl, the plugins ``extras`` select, the requirements ``also`` names and
-    everything they need that ``have`` lacks; return the manifest lines."""
+    everything they need that ``have`` lacks, at the versions :func:`resolve` picks; return the
+    manifest lines (``resolve_only``: the resolved requirements instead, nothing downloaded)."""
     out.mkdir(parents=True, exist_ok=True)
     ours = build_our_wheels(out, selected_projects(extras))
-    env = target_environment(python_version)
-    manifest = [f"{ours['core-rl'].name}  (core-rl, built from this checkout)"]
-    included = {"core-rl"}
-    _, requires = metadata_requirements(ours["core-rl"])
-    queue: deque[tuple[Requirement, str, set[str]]] = deque((Requirement(r), "core-rl", extras) for r in requires)
-    queue.extend((Requirement(r), "the test suite", set()) for r in (test_tools() if include_test_tools else []))
-    queue.extend((Requirement(r), "--with", set()) for r in also)
-    specs: dict[str, SpecifierSet] = {}
-    fetched: dict[str, Path] = {}
-    problems: list[str] = []
-    while queue:
-        req, why, req_extras = queue.popleft()
-        name = canonicalize_name(req.name)
-        if not applies(req, env, req_extras) or provided_by_torch(name):
-            continue
-        if name in ours:  # a plugin an extra selects (or one plugin needs another): its own requirements
-            if name not in included:
-                included.add(name)
-                manifest.append(f"{ours[name].name}  (core-rl plugin, required by {why})")
-                _, requires = metadata_requirements(ours[name])
-                queue.extend((Requirement(r), name, set(req.extras)) for r in requires)
-            continue
-        if name in have:
-            version = have[name]
-            if version is not None and not req.specifier.contains(version, prereleases=True):
-                problems.append(f"the target has {name} {version}, but {why} requires {req}")
-            continue
-        specs[name] = specs.get(name, SpecifierSet()) & req.specifier
-        if name in fetched:
-            if not specs[name].contains(file_version(fetched[name]), prereleases=True):
-                problems.append(f"{fetched[name].name} does not satisfy {name}{specs[name]} (also required by {why})")
-            continue
-        path = download(name, specs[name], python_version, out)
-        fetched[name] = path
-        manifest.append(f"{path.name}  (required by {why}: {req})")
-        _, requires = metadata_requirements(path)
-        queue.extend((Requirement(r), name, set(req.extras)) for r in requires)
+    tools = test_tools() if include_test_tools else []
+    problems = direct_conflicts(ours, extras, have, target_environment(python_version), tools, also)
     if problems:
         raise WheelhouseError("the target's packages conflict with core-rl's requirements:\n  " + "\n  ".join(problems))
+    resolved = resolve(out, ours, extras, have, python_version, tools, also)
+    if resolve_only:
+        return [f"{name}=={version}" for name, version, _ in resolved]
+    manifest = [f"{ours['core-rl'].name}  (core-rl, built from this checkout)"]
+    manifest += [f"{wheel.name}  (core-rl plugin)" for name, wheel in sorted(ours.items()) if name != "core-rl"]
+    for name, version, via in resolved:
+        if name in have or provided_by_torch(name):
+            continue
+        path = download(name, SpecifierSet(f"=={version}"), python_version, out)
+        manifest.append(f"{path.name}  (required by {via or 'the request'}: {name}=={version})")
     (out / "manifest.txt").write_text("\n".join(manifest) + "\n")
     (out / SOURCES_FILE).write_text(sources_digest.digest(ROOT) + "\n")  # install.sh compares it with its checkout
     return manifest
@@ -312,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="REQ",
         help="another requirement to carry with what it needs, e.g. trl==1.16.0 (repeatable)",
     )
+    parser.add_argument(
+        "--resolve-only", action="store_true", help="write OUT/requirements.txt (the resolved set) and stop"
+    )
     args = parser.parse_args(argv)
     try:
         manifest = build(
@@ -321,11 +412,15 @@ def main(argv: list[str] | None = None) -> int:
             {e.strip() for e in args.extras.split(",") if e.strip()},
             args.test_tools,
             args.also,
+            args.resolve_only,
         )
     except WheelhouseError as exc:
         print(f"build_wheelhouse: error: {exc}", file=sys.stderr)
         return 2
-    size = sum(p.stat().st_size for p in args.out.iterdir()) / 2**20
+    if args.resolve_only:
+        print(f"{args.out / 'requirements.txt'}: {len(manifest)} distributions resolved, nothing downloaded")
+        return 0
+    size = sum(p.stat().st_size for p in args.out.iterdir() if p.is_file()) / 2**20
     print(f"{args.out}: {len(manifest)} files, {size:.1f} MiB (see manifest.txt)")
     return 0
 
