@@ -126,7 +126,7 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     ckpt.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holding checkpoints/)")
     ckpt.add_argument("--roll-back-to", type=int, default=None, metavar="N", help="the step to continue from")
 
-    config = sub.add_parser("config", help="show or validate a config", description="Inspect a configuration.")
+    config = sub.add_parser("config", help="show, validate or look up a config", description="Inspect a configuration.")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     show = config_sub.add_parser(
         "show",
@@ -146,6 +146,12 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     _add_config_args(validate)
     validate.add_argument(
         "--preflight", action="store_true", help="also check data, model, tokenizer, machine and output directory"
+    )
+    config_sub.add_parser(
+        "reference",
+        help="print every configuration key (Markdown)",
+        description="Print the configuration reference: every key of a run and of each installed plugin's section, "
+        "with its type, default and what it accepts, generated from the configuration classes.",
     )
 
     from core_rl.server_env import add_command as add_server_env_command
@@ -347,6 +353,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "config":
             if args.config_command == "show":
                 return _cmd_config_show(args, host)
+            if args.config_command == "reference":
+                from core_rl.config.reference import reference_markdown
+
+                print(reference_markdown(), end="")
+                return 0
             from core_rl.launchers import launcher_check
 
             cfg = _load(args, host)

@@ -55,7 +55,14 @@ def _check(pred: Callable[[Any], bool], requirement: str, *, numeric: bool = Tru
         if not pred(value):
             raise FieldValueError(attribute.name, value, requirement)
 
-    return validate
+    return described(validate, requirement)
+
+
+def described(validator: Validator, requirement: str) -> Validator:
+    """``validator`` with its ``requirement`` in words attached, which the configuration reference
+    (:mod:`core_rl.config.reference`) shows beside the key."""
+    validator.requirement = requirement  # type: ignore[attr-defined]
+    return validator
 
 
 def _bracket(low: float, high: float, low_open: bool, high_open: bool) -> str:
@@ -102,7 +109,8 @@ def auto_or(validator: Validator) -> Validator:
         if value != "auto":
             validator(inst, attribute, value)
 
-    return validate
+    inner = getattr(validator, "requirement", "")
+    return described(validate, f"'auto', or {inner.removeprefix('must be ')}" if inner else "'auto' or a value")
 
 
 def not_empty() -> Validator:
@@ -123,7 +131,8 @@ def each(validator: Validator) -> Validator:
             except FieldValueError as exc:
                 raise FieldValueError(f"{attribute.name}[{i}]", item, exc.requirement) from None
 
-    return validate
+    inner = getattr(validator, "requirement", "")
+    return described(validate, f"each item {inner.removeprefix('must be ')}" if inner else "")
 
 
 def regular_expression() -> Validator:
@@ -137,7 +146,7 @@ def regular_expression() -> Validator:
         except re.error as exc:
             raise FieldValueError(attribute.name, value, f"must be a regular expression ({exc})") from None
 
-    return validate
+    return described(validate, "must be a non-empty regular expression")
 
 
 def inside_directory() -> Validator:
