@@ -191,3 +191,19 @@ def test_wheels_build_without_isolation_only_where_the_backend_is_here(tmp_path:
         project.mkdir()
         (project / "pyproject.toml").write_text(f"[build-system]\nrequires = {requires}\n")
         assert not script.backends_installed({"core-rl": ROOT, "other": project}), requires
+
+
+def test_a_kept_wheel_is_reused_only_where_it_installs_on_the_target() -> None:
+    """A rebuild keeps files already in the wheelhouse: only those the target's Python can install
+    (a build for 3.12 left cp312 wheels that 3.11 cannot use)."""
+    fits = _script().fits_target
+    cases = {
+        "numpy-2.3.0-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl": (False, True),
+        "six-1.16.0-py2.py3-none-any.whl": (True, True),
+        "cryptography-45.0.0-cp311-abi3-manylinux_2_34_x86_64.whl": (True, True),  # the stable ABI of 3.11 on
+        "pydantic_core-2.50.5-cp312-abi3-manylinux_2_17_x86_64.whl": (False, True),
+        "x-1.0-cp311-cp311-macosx_11_0_arm64.whl": (False, False),
+        "deepspeed-0.19.8.tar.gz": (True, True),
+    }
+    for name, (on_311, on_312) in cases.items():
+        assert (fits(Path(name), "3.11"), fits(Path(name), "3.12")) == (on_311, on_312), name

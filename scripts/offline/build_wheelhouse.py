@@ -55,6 +55,7 @@ from pathlib import Path
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
+from packaging.tags import Tag
 from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
 from packaging.version import Version
 
@@ -212,7 +213,11 @@ def download(name: str, spec: SpecifierSet, python_version: str, out: Path) -> P
     already in ``out`` that satisfies ``spec`` is kept: rebuilding a wheelhouse fetches only what changed)."""
     for existing in out.iterdir():
         if existing.suffix in (".whl", ".gz") and not existing.name.startswith("core_rl"):
-            if file_name(existing) == name and spec.contains(file_version(existing), prereleases=True):
+            if (
+                file_name(existing) == name
+                and spec.contains(file_version(existing), prereleases=True)
+                and fits_target(existing, python_version)
+            ):
                 return existing
     requirement = f"{name}{spec}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -230,6 +235,26 @@ def download(name: str, spec: SpecifierSet, python_version: str, out: Path) -> P
         final = out / got.name
         got.replace(final)
         return final
+
+
+def fits_target(path: Path, python_version: str) -> bool:
+    """Whether a wheel (or a source package, always) installs on the target's CPython
+    ``python_version`` and Linux x86-64: a wheel kept from a build for another Python does not."""
+    if path.suffix != ".whl":
+        return True
+    major, minor = (int(part) for part in python_version.split(".")[:2])
+    exact = {f"cp{major}{minor}", f"py{major}{minor}", f"py{major}"}
+    # the stable ABI (abi3) of CPython 3.k serves every 3.m with m >= k
+    stable = {f"cp{major}{k}" for k in range(minor + 1)}
+
+    def fits(tag: Tag) -> bool:
+        if tag.platform not in PLATFORMS and tag.platform != "any":
+            return False
+        if tag.abi == "abi3":
+            return tag.interpreter in stable
+        return tag.interpreter in exact and tag.abi in ("none", f"cp{major}{minor}")
+
+    return any(fits(tag) for tag in parse_wheel_filename(path.name)[3])
 
 
 def _parsed(path: Path) -> tuple:
