@@ -109,5 +109,5 @@ def test_the_site_builds_strictly_with_the_reference(tmp_path: Path) -> None:
     assert built.returncode == 0, built.stderr[-3000:]
     page = (site / "reference" / "configuration" / "index.html").read_text()
     assert "reward_runner.on_error" in page and "core-rl-fsdp" in page
-    for name in ("quickstart", "when-stuck", "real-models", "memory", "plugin-guide"):
+    for name in ("quickstart", "when-stuck", "real-models", "memory", "plugin-guide", "benchmarks"):
         assert (site / name / "index.html").is_file(), name
