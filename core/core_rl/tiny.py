@@ -108,3 +108,53 @@ def build_tiny_model(
     save_pretrained(model, path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def warm_start(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    data: str | Path,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int = 0,
+    work_dir: str | Path | None = None,
+) -> float:
+    """Supervised warm start of a (tiny) model before RL: ``steps`` steps of ``batch_size`` rows of
+    ``data`` (a JSONL of ``{"prompt": ..., "response": ...}``) through core-rl's ``sft`` loop (the
+    ``core-rl-sft`` plugin: next-token loss on the response), AdamW at ``lr``; the exported model is
+    copied to ``out_dir``. Returns the last step's ``sft/loss``. The run itself (its config, metrics
+    and export) goes to ``work_dir`` (default ``out_dir``'s parent), as run ``warm_start``.
+
+    A random tiny model rarely samples a well-formed answer, so an RL run from it sees no reward; a
+    few hundred rows of the answer's format first give GRPO something to compare."""
+    import json
+    import shutil
+
+    from core_rl.builtin.loggers import read_metrics
+    from core_rl.config.loader import load_config
+    from core_rl.plugins import PluginHost
+    from core_rl.trainer import train
+
+    out = Path(out_dir)
+    root = Path(work_dir) if work_dir is not None else out.parent
+    root.mkdir(parents=True, exist_ok=True)
+    config = root / "warm_start.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "experiment": {"name": "warm_start", "output_dir": str(root), "seed": seed},
+                "data": {"train_files": [str(data)], "batch_size": batch_size},
+                "actor": {"model_path": str(model_dir), "optimizer": {"name": "adamw", "lr": lr}},
+                "algorithm": {"name": "sft"},
+                "trainer": {"total_steps": steps, "torch_threads": 1},
+                "saver": {"every_n_steps": 0, "at_end": False},
+                "loggers": [],
+            }
+        )
+    )
+    host = PluginHost()
+    result = train(load_config(config, host=host), host=host)
+    shutil.copytree(result["export"], out, dirs_exist_ok=True)
+    return float(read_metrics(result["metrics"])[-1]["sft/loss"])

@@ -1,4 +1,4 @@
-"""Supervised warm start through core-rl's ``sft`` training loop (core-rl-sft): next-token loss on
+"""Supervised warm start (:func:`core_rl.tiny.warm_start`: core-rl's ``sft`` training loop) on
 format-only targets (:func:`task.format_only_answer`), then the exported model is copied into place.
 
 The targets are written as an SFT data file (each string several times, each copy with its own
@@ -11,13 +11,9 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
 from pathlib import Path
 
-from core_rl.builtin.loggers import read_metrics
-from core_rl.config.loader import load_config
-from core_rl.plugins import PluginHost
-from core_rl.trainer import train
+from core_rl import tiny
 
 
 def write_warm_start_data(path: Path, *, copies: int, seed: int) -> Path:
@@ -36,34 +32,15 @@ def write_warm_start_data(path: Path, *, copies: int, seed: int) -> Path:
 def warm_start(
     model_dir: Path, out_dir: Path, *, steps: int, batch_size: int, lr: float, seed: int, data: Path | None = None
 ) -> float:
-    """Train ``model_dir`` for ``steps`` steps of ``batch_size`` rows with the ``sft`` loop and copy the
-    exported model to ``out_dir``; return the last loss. The run itself (metrics, export) goes to
-    ``out_dir.parent / "warm_start"``. ``data``: the SFT rows (``prompt``, ``response``); default:
-    this task's format-only targets."""
+    """:func:`core_rl.tiny.warm_start` on ``data`` (default: this task's format-only targets, enough
+    copies for ``steps`` steps of ``batch_size`` rows); returns the last loss."""
     root = Path(out_dir).parent
     if data is None:
         from task import all_strings
 
         copies = max(1, math.ceil(steps * batch_size / len(all_strings())))
         data = write_warm_start_data(root / "data" / "warm_start.jsonl", copies=copies, seed=seed)
-    config = root / "warm_start.yaml"
-    config.write_text(
-        json.dumps(
-            {
-                "experiment": {"name": "warm_start", "output_dir": str(root), "seed": seed},
-                "data": {"train_files": [str(data)], "batch_size": batch_size},
-                "actor": {"model_path": str(model_dir), "optimizer": {"name": "adamw", "lr": lr}},
-                "algorithm": {"name": "sft"},
-                "trainer": {"total_steps": steps, "torch_threads": 1},
-                "saver": {"every_n_steps": 0, "at_end": False},
-                "loggers": [],
-            }
-        )
-    )
-    host = PluginHost()
-    result = train(load_config(config, host=host), host=host)
-    shutil.copytree(result["export"], out_dir, dirs_exist_ok=True)
-    return float(read_metrics(result["metrics"])[-1]["sft/loss"])
+    return tiny.warm_start(model_dir, out_dir, data, steps=steps, batch_size=batch_size, lr=lr, seed=seed)
 
 
 def warm_task(root: Path, *, num_heads: int = 4) -> dict[str, Path]:
@@ -71,10 +48,9 @@ def warm_task(root: Path, *, num_heads: int = 4) -> dict[str, Path]:
     random tiny model over the task's letters; ``num_heads=2`` gives head size 32, the smallest
     vLLM's CPU attention runs), ``data/train.jsonl``, ``data/eval.jsonl`` and ``model_warm`` (150
     warm-start steps of 64 rows). Returns ``root``, ``model`` (the warm one) and ``data``."""
-    from core_rl.tiny import build_tiny_model
     from task import LETTERS, eval_strings, write_dataset
 
-    build_tiny_model(root / "model_init", alphabet=LETTERS + "=", seed=0, num_heads=num_heads)
+    tiny.build_tiny_model(root / "model_init", alphabet=LETTERS + "=", seed=0, num_heads=num_heads)
     data = write_dataset(root / "data" / "train.jsonl")
     write_dataset(root / "data" / "eval.jsonl", eval_strings())
     warm_start(root / "model_init", root / "model_warm", steps=150, batch_size=64, lr=3e-3, seed=0)
