@@ -281,6 +281,21 @@ class RolloutEngine(ABC):
         ``collective`` in :attr:`weight_sync_modes` implement it."""
         raise NotImplementedError(f"{type(self).__name__} does not support weight_sync=collective")
 
+    def wire_dtypes(self, names: list[str], dtypes: list[torch.dtype]) -> list[torch.dtype]:
+        """The dtype each weight of a ``collective`` update travels in (in ``names``' order), where
+        the engine has the trainer cast it before sending. Known once the update has run. The
+        trainer's side of the sync check fingerprints each weight in this dtype. Default: as given."""
+        return list(dtypes)
+
+    def weight_fingerprints(self, version: int) -> Mapping[str, Mapping[str, float]] | None:
+        """For the sync check (:mod:`core_rl.trainer.sync_check`): by replica (server) name, the
+        fingerprints (:func:`core_rl.weight_fingerprint.fingerprint` at ``version``) of every tensor
+        the last weight update loaded, by Hugging Face name, computed from the tensors as they
+        arrived (before the engine cast or fused them); an empty mapping for a replica whose last
+        update was not of ``version`` (or that has loaded none since it started). ``None``: the
+        engine cannot say (the check is then skipped, with a note). Default: ``None``."""
+        return None
+
     def release_memory(self) -> None:
         """Give back the accelerator memory generation holds (KV cache, CUDA graphs and, where the
         engine can, the weights), for a trainer on the same devices (``rollout.sleep_while_training``).

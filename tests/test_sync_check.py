@@ -1,0 +1,107 @@
+"""The verified weight sync (:mod:`core_rl.trainer.sync_check`) in real training runs (fsdp trainer,
+embedded ``hf`` rollout engine, in this process): a correct sync passes the check in every mode the
+engine has, and each fault the test hook (:mod:`core_rl.trainer.sync_faults`) injects is caught at
+the step it happens, naming the engine, the mode, the tensor and the version; from the command
+line the run exits with 1 and one line. The fingerprint itself: which changes it sees."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from core_rl.trainer.sync_check import WeightSyncMismatch
+from core_rl.trainer.sync_faults import VARIABLE
+from core_rl.weight_fingerprint import first_difference, fingerprint
+from fault_helpers import build_task, cli_train, merged, run_dir, train_here
+
+pytest.importorskip("core_rl_fsdp")
+pytest.importorskip("core_rl_hf")
+pytest.importorskip("core_rl_grpo")
+pytest.importorskip("core_rl_reward_match")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> dict:
+    return build_task(tmp_path_factory.mktemp("sync_check"))
+
+
+def _config(base: dict, name: str, mode: str, **rollout) -> dict:
+    return merged(
+        base,
+        experiment={"name": name},
+        rollout={"weight_sync": mode, "engine": {"name": "hf", "dtype": "float32"}, **rollout},
+        trainer={"total_steps": 3},
+        saver={"every_n_steps": 0},
+    )
+
+
+def _steps(config: dict) -> list[dict]:
+    return [json.loads(line) for line in (run_dir(config) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("mode", ["memory", "disk"])
+def test_a_correct_sync_passes_the_check_every_step(base, host, mode, monkeypatch):
+    monkeypatch.delenv(VARIABLE, raising=False)
+    config = _config(base, f"ok-{mode}", mode)
+    train_here(config, host)
+    steps = _steps(config)
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    tensors = {s["weight_sync/checked_tensors"] for s in steps}
+    assert len(tensors) == 1 and tensors.pop() > 5  # every synced tensor, every step
+    assert all(0 < s["weight_sync/check_s"] < s["timing/weight_sync_s"] for s in steps)
+
+
+def test_every_n_syncs_thins_the_check_and_enabled_false_turns_it_off(base, host, monkeypatch):
+    monkeypatch.setenv(VARIABLE, "swap:3")  # a fault in a sync the check skips goes unseen
+    thinned = _config(base, "thinned", "memory", sync_check={"every_n_syncs": 2})
+    train_here(thinned, host)
+    assert ["weight_sync/check_s" in s for s in _steps(thinned)] == [False, True, False]
+    off = _config(base, "off", "memory", sync_check={"enabled": False})
+    train_here(off, host)
+    assert not any("weight_sync/check_s" in s for s in _steps(off))
+
+
+@pytest.mark.parametrize(
+    ("mode", "fault", "tensor"),
+    [
+        ("memory", "swap", "model.layers.0.self_attn.q_proj.weight"),  # two shards joined the wrong way round
+        ("disk", "swap", "model.layers.0.input_layernorm.weight"),
+        ("memory", "bf16", "model.embed_tokens.weight"),  # bfloat16 values where float32 was expected
+        ("disk", "bf16", None),
+    ],
+)
+def test_an_injected_fault_stops_the_run_at_its_step(base, host, mode, fault, tensor, monkeypatch):
+    monkeypatch.setenv(VARIABLE, f"{fault}:2")
+    config = _config(base, f"{fault}-{mode}", mode)
+    with pytest.raises(WeightSyncMismatch) as caught:
+        train_here(config, host)
+    message = str(caught.value)
+    assert "weight version 2" in message and "rollout engine 'hf'" in message
+    assert f"rollout.weight_sync: {mode}:" in message
+    assert "first tensor that differs is " + (tensor or "") in message
+    assert [s["step"] for s in _steps(config)] == [1]  # step 1 was logged; step 2 stopped at its sync
+
+
+def test_a_mismatch_exits_1_with_one_line(base, tmp_path, monkeypatch):
+    monkeypatch.setenv(VARIABLE, "swap:2")
+    done = cli_train(_config(base, "cli", "memory"))
+    assert done.returncode == 1, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "weight sync check failed at weight version 2" in errors[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
+def test_the_fingerprint_sees_a_swap_a_rounding_and_a_missing_tensor():
+    tensor = torch.randn(64, 8)
+    sent = {"w": fingerprint("w", tensor, 5)}
+    halves = torch.cat(tensor.chunk(2)[::-1])
+    assert first_difference(sent, {"w": fingerprint("w", halves, 5)}) is not None
+    rounded = tensor.to(torch.bfloat16).float()
+    assert first_difference(sent, {"w": fingerprint("w", rounded, 5)}) is not None
+    # folded in the dtype it travels in, a bfloat16 copy agrees with what was sent
+    assert fingerprint("w", tensor, 5, torch.bfloat16) == fingerprint("w", tensor.to(torch.bfloat16), 5)
+    assert first_difference(sent, {}) == ("w", "not loaded")
+    assert first_difference(sent, {"w": sent["w"], "x": 1.0}) == ("x", "loaded but not sent")
+    assert first_difference(sent, {"w": fingerprint("w", tensor, 5)}) is None
+    assert fingerprint("w", tensor, 5) != fingerprint("w", tensor, 6)  # other positions each version
