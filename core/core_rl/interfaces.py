@@ -281,10 +281,12 @@ class RolloutEngine(ABC):
         ``collective`` in :attr:`weight_sync_modes` implement it."""
         raise NotImplementedError(f"{type(self).__name__} does not support weight_sync=collective")
 
-    def wire_dtypes(self, names: list[str], dtypes: list[torch.dtype]) -> list[torch.dtype]:
-        """The dtype each weight of a ``collective`` update travels in (in ``names``' order), where
-        the engine has the trainer cast it before sending. Known once the update has run. The
-        trainer's side of the sync check fingerprints each weight in this dtype. Default: as given."""
+    def fingerprint_dtypes(self, names: list[str], dtypes: list[torch.dtype], mode: str) -> list[torch.dtype]:
+        """For the sync check: the dtype in which this engine's :meth:`weight_fingerprints` see each
+        weight of a ``mode`` update (``rollout.weight_sync``; ``names`` and the sent ``dtypes`` in
+        order): the dtype it travelled in, where the trainer cast it before sending (a server's
+        collective), or the one the engine holds it in, where it fingerprints its own copy. The
+        trainer folds its samples in these. Default: as sent."""
         return list(dtypes)
 
     def weight_fingerprints(self, version: int) -> Mapping[str, Mapping[str, float]] | None:

@@ -8,8 +8,8 @@ version): the buckets of ``memory`` as they pass, the state dict of ``collective
 engine reads them. The rollout engine fingerprints what it loaded
 (:meth:`~core_rl.interfaces.RolloutEngine.weight_fingerprints`, by replica); the trainer folds its
 samples in the dtype each weight reached the engine in
-(:meth:`~core_rl.interfaces.RolloutEngine.wire_dtypes`: a bfloat16 vLLM server's collective carries
-bfloat16) and compares, tensor by tensor in the order sent. Tied weights are sent once, and
+(:meth:`~core_rl.interfaces.RolloutEngine.fingerprint_dtypes`: a bfloat16 vLLM server's collective
+carries bfloat16) and compares, tensor by tensor in the order sent. Tied weights are sent once, and
 fingerprinted once. A difference raises :class:`WeightSyncMismatch` (exit status 1) naming the
 engine, the replica, the mode, the first tensor that differs and the version.
 
@@ -66,10 +66,11 @@ class SentWeights:
         self.samples.update(file_samples(path, self.version))
         self.seconds += time.perf_counter() - start
 
-    def prints(self, rollout: RolloutEngine) -> dict[str, float]:
-        """The fingerprints, each in the dtype the rollout engine says it reached it in."""
+    def prints(self, rollout: RolloutEngine, mode: str) -> dict[str, float]:
+        """The fingerprints, each in the dtype the rollout engine says it sees it in after a
+        ``mode`` update (:meth:`~core_rl.interfaces.RolloutEngine.fingerprint_dtypes`)."""
         names = list(self.samples)
-        dtypes = rollout.wire_dtypes(names, [self.samples[n].dtype for n in names])
+        dtypes = rollout.fingerprint_dtypes(names, [self.samples[n].dtype for n in names], mode)
         return {name: fold(self.samples[name], dtype) for name, dtype in zip(names, dtypes)}
 
 
@@ -79,6 +80,7 @@ class SyncCheck:
     def __init__(self, cfg: RunConfig) -> None:
         self.config = cfg.rollout.sync_check
         self.engine_name = cfg.rollout.engine.name
+        self.weight_sync = cfg.rollout.weight_sync
         self.mode = cfg.rollout.weight_sync + (
             " (rollout.lora_sync: adapter)" if cfg.rollout.lora_sync == "adapter" else ""
         )
@@ -109,7 +111,7 @@ class SyncCheck:
                     flush=True,
                 )
             return {}
-        want = sent.prints(rollout)
+        want = sent.prints(rollout, self.weight_sync)
         for replica, prints in loaded.items():
             found = first_difference(want, prints)
             if found is not None:

@@ -392,7 +392,7 @@ class HFRolloutEngine(RolloutEngine):
 
     def _fingerprint_loaded(self, names: list[str], version: int) -> None:
         """Fingerprint the model's own tensors of ``names`` (what an update just wrote) for the
-        sync check: this engine checks what it holds, in its own dtype (:meth:`wire_dtypes`)."""
+        sync check: this engine checks what it holds, in its own dtype (:meth:`fingerprint_dtypes`)."""
         own = dict(state_items(self.model))
         log = FingerprintLog(version)
         for name in names:
@@ -405,8 +405,8 @@ class HFRolloutEngine(RolloutEngine):
         log = self._loaded
         return {"engine": dict(log.prints) if log is not None and log.version == version else {}}
 
-    def wire_dtypes(self, names: list[str], dtypes: list[torch.dtype]) -> list[torch.dtype]:
-        """The dtype the model holds each weight in (the engine fingerprints its own copy)."""
+    def fingerprint_dtypes(self, names: list[str], dtypes: list[torch.dtype], mode: str) -> list[torch.dtype]:
+        """The dtype the model holds each weight in, whatever the mode (the engine fingerprints its own copy)."""
         own = dict(state_items(self.model))
         return [own[name].dtype if name in own else dtype for name, dtype in zip(names, dtypes)]
 
