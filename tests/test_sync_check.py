@@ -12,7 +12,7 @@ import pytest
 import torch
 from core_rl.trainer.sync_check import WeightSyncMismatch
 from core_rl.trainer.sync_faults import VARIABLE
-from core_rl.weight_fingerprint import first_difference, fingerprint
+from core_rl.weight_fingerprint import fingerprint, first_difference
 from fault_helpers import build_task, cli_train, merged, run_dir, train_here
 
 pytest.importorskip("core_rl_fsdp")
@@ -83,12 +83,36 @@ def test_an_injected_fault_stops_the_run_at_its_step(base, host, mode, fault, te
     assert [s["step"] for s in _steps(config)] == [1]  # step 1 was logged; step 2 stopped at its sync
 
 
-def test_a_mismatch_exits_1_with_one_line(base, tmp_path, monkeypatch):
-    monkeypatch.setenv(VARIABLE, "swap:2")
-    done = cli_train(_config(base, "cli", "memory"))
+@pytest.mark.parametrize("mode", ["memory", "disk"])
+def test_a_skipped_tensor_is_refused_by_the_hf_engine_naming_it(base, host, mode, monkeypatch):
+    """(a) a tensor skipped: the ``hf`` engine refuses an update that lacks one of its model's
+    tensors before the check runs; the refusal is the same one-line stop, naming the engine, the
+    mode, the version and the tensor."""
+    monkeypatch.setenv(VARIABLE, "skip:2")
+    config = _config(base, f"skip-{mode}", mode)
+    with pytest.raises(WeightSyncMismatch) as caught:
+        train_here(config, host)
+    message = str(caught.value)
+    assert message.startswith(
+        f"weight sync of weight version 2 refused: rollout engine 'hf', rollout.weight_sync: {mode}: "
+        "weights do not match the rollout model: missing "
+    )
+    assert SKIPPED[mode] in message and "\n" not in message
+    assert [s["step"] for s in _steps(config)] == [1]
+
+
+#: the tensor the ``skip`` fault leaves out: the first of the memory buckets; the first of the file
+SKIPPED = {"memory": "model.embed_tokens.weight", "disk": "lm_head.weight"}
+
+
+@pytest.mark.parametrize(("fault", "says"), [("swap", "weight sync check failed"), ("skip", "refused")])
+def test_a_mismatch_exits_1_with_one_line(base, tmp_path, monkeypatch, fault, says):
+    monkeypatch.setenv(VARIABLE, f"{fault}:2")
+    done = cli_train(_config(base, f"cli-{fault}", "memory"))
     assert done.returncode == 1, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if "error" in line]
-    assert len(errors) == 1 and "weight sync check failed at weight version 2" in errors[0], done.stderr[-2000:]
+    assert len(errors) == 1, done.stderr[-2000:]
+    assert says in errors[0] and "weight version 2" in errors[0] and "rollout engine 'hf'" in errors[0]
     assert "Traceback" not in done.stderr
 
 

@@ -289,6 +289,12 @@ class RolloutEngine(ABC):
         trainer folds its samples in these. Default: as sent."""
         return list(dtypes)
 
+    #: for the sync check: ``None`` (the default) when :meth:`weight_fingerprints` fingerprints whole
+    #: tensors; ``N`` when the engine can read back only each tensor's first rows, those that hold at
+    #: least ``N`` elements (:func:`core_rl.weight_fingerprint.prefix_numel`): the trainer then draws
+    #: its samples from those rows alone
+    fingerprint_prefix: int | None = None
+
     def weight_fingerprints(self, version: int) -> Mapping[str, Mapping[str, float]] | None:
         """For the sync check (:mod:`core_rl.trainer.sync_check`): by replica (server) name, the
         fingerprints (:func:`core_rl.weight_fingerprint.fingerprint` at ``version``) of every tensor

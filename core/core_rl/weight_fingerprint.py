@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -45,10 +46,24 @@ def positions(name: str, version: int, numel: int, samples: int = SAMPLES) -> li
     return [offset + i * stride for i in range(samples)]
 
 
-def sample(name: str, tensor: torch.Tensor, version: int) -> torch.Tensor:
-    """The elements of ``tensor`` at :func:`positions`, in its own dtype, on the CPU (a copy)."""
+def prefix_numel(shape: Sequence[int], prefix: int | None) -> int:
+    """How many elements, from the start of the flattened tensor of ``shape``, the samples are
+    drawn from: all of them when ``prefix`` is ``None``, else those of the fewest leading rows
+    (along the first dimension) that hold at least ``prefix`` elements (a 1-D tensor's rows are its
+    elements). For a rollout engine that can read back only a tensor's first rows
+    (:attr:`core_rl.interfaces.RolloutEngine.fingerprint_prefix`)."""
+    numel = math.prod(shape)
+    if prefix is None or not shape or numel <= prefix or shape[0] == 0:
+        return numel
+    row = numel // shape[0]
+    return min(numel, -(-prefix // row) * row) if row else numel
+
+
+def sample(name: str, tensor: torch.Tensor, version: int, prefix: int | None = None) -> torch.Tensor:
+    """The elements of ``tensor`` at :func:`positions` (drawn over its first
+    :func:`prefix_numel` elements), in its own dtype, on the CPU (a copy)."""
     flat = tensor.detach().reshape(-1)
-    index = positions(name, version, flat.numel())
+    index = positions(name, version, prefix_numel(tuple(tensor.shape), prefix))
     return flat[torch.tensor(index, dtype=torch.long, device=flat.device)].to("cpu")
 
 
@@ -61,10 +76,13 @@ def fold(samples: torch.Tensor, dtype: torch.dtype | None = None) -> float:
     return float((samples.to(torch.float64) * weights).sum())
 
 
-def fingerprint(name: str, tensor: torch.Tensor, version: int, dtype: torch.dtype | None = None) -> float:
-    """The fingerprint of ``tensor`` (see the module docstring), its samples cast to ``dtype``
-    first. Reads at most :data:`SAMPLES` elements, whatever the tensor's size or device."""
-    return fold(sample(name, tensor, version), dtype)
+def fingerprint(
+    name: str, tensor: torch.Tensor, version: int, dtype: torch.dtype | None = None, prefix: int | None = None
+) -> float:
+    """The fingerprint of ``tensor`` (see the module docstring), its samples (drawn over its first
+    :func:`prefix_numel` elements) cast to ``dtype`` first. Reads at most :data:`SAMPLES`
+    elements, whatever the tensor's size or device."""
+    return fold(sample(name, tensor, version, prefix), dtype)
 
 
 #: safetensors' dtype names
@@ -82,10 +100,10 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def file_samples(path: str | Path, version: int) -> dict[str, torch.Tensor]:
-    """:func:`sample` of every tensor in the ``*.safetensors`` files of directory ``path`` (in file
-    then header order), read from a memory map: only the sampled elements' pages are read, not the
-    weights. A tensor of a dtype not listed in ``_SAFETENSORS_DTYPES`` is read whole."""
+def file_samples(path: str | Path, version: int, prefix: int | None = None) -> dict[str, torch.Tensor]:
+    """:func:`sample` (with ``prefix``) of every tensor in the ``*.safetensors`` files of directory
+    ``path`` (in file then header order), read from a memory map: only the sampled elements' pages
+    are read, not the weights. A tensor of a dtype not listed in ``_SAFETENSORS_DTYPES`` is read whole."""
     out: dict[str, torch.Tensor] = {}
     for file in sorted(Path(path).glob("*.safetensors")):
         with open(file, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
@@ -100,11 +118,11 @@ def file_samples(path: str | Path, version: int) -> dict[str, torch.Tensor]:
                     from safetensors import safe_open
 
                     with safe_open(str(file), framework="pt") as whole:
-                        out[name] = sample(name, whole.get_tensor(name), version)
+                        out[name] = sample(name, whole.get_tensor(name), version, prefix)
                     continue
-                begin, end = entry["data_offsets"]
+                begin = entry["data_offsets"][0]
                 item = torch.empty((), dtype=dtype).element_size()
-                numel = (end - begin) // item
+                numel = prefix_numel(tuple(entry["shape"]), prefix)
                 at = [start + begin + p * item for p in positions(name, version, numel)]
                 raw = bytearray(b"".join(data[a : a + item] for a in at))
                 out[name] = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)

@@ -15,10 +15,16 @@ engine, the replica, the mode, the first tensor that differs and the version.
 
 ``every_n_syncs`` thins it: the N-th, 2N-th, ... sync of this process is checked (every rank counts
 the same syncs, so they agree on which ones).
+
+A rollout engine that refuses a sync outright, because the weights do not fit its model (the
+embedded ``hf`` engine raises :class:`KeyError` for a tensor missing or unexpected and
+:class:`ValueError` for one misshapen), stops the run the same way, checked or not
+(:meth:`SyncCheck.refusals`): one line naming the engine, the mode, the version and the tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -38,16 +44,19 @@ class WeightSyncMismatch(RunFailed):
 
 class SentWeights:
     """The trainer's samples of the tensors of one sync (version :attr:`version`), by name in the
-    order sent, and the seconds spent taking them (:attr:`seconds`)."""
+    order sent, and the seconds spent taking them (:attr:`seconds`). ``prefix``: draw each tensor's
+    samples from its first rows only (:func:`core_rl.weight_fingerprint.prefix_numel`; the rollout
+    engine's :attr:`~core_rl.interfaces.RolloutEngine.fingerprint_prefix`)."""
 
-    def __init__(self, version: int) -> None:
+    def __init__(self, version: int, prefix: int | None = None) -> None:
         self.version = version
+        self.prefix = prefix
         self.samples: dict[str, torch.Tensor] = {}
         self.seconds = 0.0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         start = time.perf_counter()
-        self.samples[name] = sample(name, tensor, self.version)
+        self.samples[name] = sample(name, tensor, self.version, self.prefix)
         self.seconds += time.perf_counter() - start
 
     def add_state(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -63,7 +72,7 @@ class SentWeights:
     def add_dir(self, path: Path) -> None:
         """Every tensor of the ``*.safetensors`` files the trainer wrote to ``path``."""
         start = time.perf_counter()
-        self.samples.update(file_samples(path, self.version))
+        self.samples.update(file_samples(path, self.version, self.prefix))
         self.seconds += time.perf_counter() - start
 
     def prints(self, rollout: RolloutEngine, mode: str) -> dict[str, float]:
@@ -87,13 +96,31 @@ class SyncCheck:
         self.syncs = 0
         self._noted = False
 
-    def start(self, version: int) -> SentWeights | None:
+    def start(self, version: int, prefix: int | None = None) -> SentWeights | None:
         """Count a sync of ``version`` (every rank calls this for every sync); the samples to take
-        when this one is checked, else ``None``."""
+        (within each tensor's first ``prefix`` elements' rows, where the rollout engine reads back
+        only those) when this one is checked, else ``None``."""
         self.syncs += 1
         if not self.config.enabled or self.syncs % self.config.every_n_syncs:
             return None
-        return SentWeights(version)
+        return SentWeights(version, prefix)
+
+    @contextlib.contextmanager
+    def refusals(self, version: int) -> Iterator[None]:
+        """Around a rollout engine's weight update of ``version``: its :class:`KeyError` or
+        :class:`ValueError` (weights that do not fit its model: the ``hf`` engine's message names
+        the tensors missing, unexpected or misshapen) becomes :class:`WeightSyncMismatch`, one line
+        naming the engine, the mode, the version and that message (the original chained). Other
+        errors pass unchanged."""
+        try:
+            yield
+        except (KeyError, ValueError) as exc:
+            reason = exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], str) else str(exc)
+            raise WeightSyncMismatch(
+                f"weight sync of weight version {version} refused: rollout engine {self.engine_name!r}, "
+                f"rollout.weight_sync: {self.mode}: {reason}. The trainer sent weights that do not fit the "
+                "rollout model, so the run stops here"
+            ) from exc
 
     def verify(self, rollout: RolloutEngine, sent: SentWeights) -> dict[str, float]:
         """Compare what ``rollout`` loaded with ``sent``; raise :class:`WeightSyncMismatch` on a

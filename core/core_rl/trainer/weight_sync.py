@@ -69,11 +69,12 @@ class WeightSyncing:
         """Move the policy's weights to the rollout engine and, when due, check that it holds them;
         return ``weight_sync/bytes`` (and, when loads run in the background, the wait for the
         previous one and its duration; when checked, ``weight_sync/check_s``). A failed check
-        raises :class:`~core_rl.trainer.sync_check.WeightSyncMismatch` on every rank."""
+        raises :class:`~core_rl.trainer.sync_check.WeightSyncMismatch` on every rank; so does an
+        engine refusing the weights (on the main rank: :meth:`SyncCheck.refusals`)."""
         assert self.engine is not None
         if self.cfg.rollout.replay_from is not None:  # saved rollouts, no rollout engine to receive them
             return {}
-        sent = self.sync_check.start(version)
+        sent = self.sync_check.start(version, self.rollout.fingerprint_prefix if self.rollout is not None else None)
         fault = injected(version) if self.rollout is not None else None
         mode = self.cfg.rollout.weight_sync
         if mode == "disk":
@@ -83,7 +84,8 @@ class WeightSyncing:
         elif mode == "memory":
             paused = self._rollout_paused(version)  # entered only where the rollout engine is
             woken = self.rollout_sleep.before_weight_update()
-            sent_bytes = sync_in_memory(self.engine, self.rollout, version, paused, sent=sent, fault=fault)
+            with self.sync_check.refusals(version):
+                sent_bytes = sync_in_memory(self.engine, self.rollout, version, paused, sent=sent, fault=fault)
             metrics = {"weight_sync/bytes": sent_bytes, **woken}
         else:
             metrics = self._sync_collective(version, sent, fault)
@@ -106,7 +108,7 @@ class WeightSyncing:
         if self.rollout is not None:
             if sent is not None:
                 sent.add_state(state)
-            with self._rollout_paused(version):
+            with self._rollout_paused(version), self.sync_check.refusals(version):
                 self.rollout.update_weights_collective(fault.state(state) if fault else state, version)
         # the bytes on the wire, where the engine says (a server's weights may travel in its own dtype)
         sent_bytes = getattr(self.rollout, "last_sync", {}).get("bytes")
@@ -143,7 +145,7 @@ class WeightSyncing:
             background = self._loads_in_background()
 
             def load() -> None:
-                with self._rollout_paused(version):
+                with self._rollout_paused(version), self.sync_check.refusals(version):
                     rollout.load_weights_from_path(loaded, version)
                 if adapter:  # the servers have moved on: the older versions go
                     prune_adapter_dirs(self.run_dir, keep=loaded)

