@@ -12,10 +12,14 @@ from pathlib import Path
 
 import pytest
 from core_rl.config.loader import structure
-from core_rl.config.schema import RunConfig
-from core_rl.remote.weights import UPDATE
-from core_rl.tiny import build_tiny_model
-from core_rl.trainer.sync_check import SentWeights, SyncCheck, WeightSyncMismatch
+from core_rl.testing.sync_check import (
+    assert_a_restart_without_the_weights_is_caught,
+    check,
+    sent_dir,
+    sent_state,
+    two_models,
+)
+from core_rl.trainer.sync_check import WeightSyncMismatch
 from core_rl.trainer.sync_faults import SyncFault
 from core_rl_vllm.config import VLLMConfig
 from core_rl_vllm.engine import VLLMRolloutEngine
@@ -26,9 +30,7 @@ pytestmark = pytest.mark.server_env("vllm")  # real vLLM servers (see the reposi
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Two tiny models of one shape with different weights (seeds 0 and 1)."""
-    root = tmp_path_factory.mktemp("models")
-    return {name: build_tiny_model(root / name, seed=seed, num_heads=2) for seed, name in enumerate("ab")}
+    return two_models(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")
@@ -39,30 +41,20 @@ def engine(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
     engine.close()
 
 
-def _check(mode: str) -> SyncCheck:
-    cfg = structure({"rollout": {"engine": {"name": "vllm"}, "weight_sync": mode}}, RunConfig)
-    return SyncCheck(cfg)
-
-
 def test_a_correct_disk_and_collective_sync_pass_and_faults_are_caught(engine, models) -> None:
-    sent = SentWeights(1)
-    sent.add_dir(models["b"])
+    sent = sent_dir(engine, 1, models["b"])
     engine.load_weights_from_path(models["b"], 1)
-    metrics = _check("disk").verify(engine, sent)
+    metrics = check("vllm", "disk").verify(engine, sent)
     assert metrics["weight_sync/checked_tensors"] == len(load_file(models["b"] / "model.safetensors"))
 
     state = load_file(models["a"] / "model.safetensors")  # float32; the bfloat16 server's wire is bfloat16
-    sent = SentWeights(2)
-    sent.add_state(state)
     engine.update_weights_collective(state, 2)
-    assert "weight_sync/check_s" in _check("collective").verify(engine, sent)
+    assert "weight_sync/check_s" in check("vllm", "collective").verify(engine, sent_state(engine, 2, state))
 
     # (a) a tensor skipped on the way: vLLM keeps its old copy without a word; the check names it
-    sent = SentWeights(3)
-    sent.add_state(state)
     engine.update_weights_collective(SyncFault("skip").state(state), 3)
     with pytest.raises(WeightSyncMismatch) as caught:
-        _check("collective").verify(engine, sent)
+        check("vllm", "collective").verify(engine, sent_state(engine, 3, state))
     first = next(iter(state))
     assert "weight version 3: rollout engine 'vllm' (server vllm-0" in str(caught.value)
     assert f"rollout.weight_sync: collective: the first tensor that differs is {first} (not loaded)" in str(
@@ -71,14 +63,5 @@ def test_a_correct_disk_and_collective_sync_pass_and_faults_are_caught(engine, m
 
 
 def test_a_server_restarted_with_its_old_weights_is_caught(engine, models) -> None:
-    sent = SentWeights(4)
-    sent.add_dir(models["b"])
-    engine.load_weights_from_path(models["b"], 4)
-    _check("disk").verify(engine, sent)
-    # (d) the server restarts and comes back with the weights it started from, not version 4's
-    ep = engine.endpoints[0]
-    ep.server.stop()
-    engine._call(engine._recover(ep, ep.generation, None, during=UPDATE, reload=False), None, "a restart")
-    with pytest.raises(WeightSyncMismatch, match="it holds no weights of this version") as caught:
-        _check("disk").verify(engine, sent)
-    assert "weight version 4" in str(caught.value) and "server vllm-0" in str(caught.value)
+    """(d) the server restarts and comes back with the weights it started from, not the update's."""
+    assert_a_restart_without_the_weights_is_caught(engine, "vllm", models["b"], 4)
