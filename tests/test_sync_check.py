@@ -7,13 +7,16 @@ line the run exits with 1 and one line. The fingerprint itself: which changes it
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
+from core_rl.testing.launch import cpu_ranks_env
 from core_rl.trainer.sync_check import WeightSyncMismatch
 from core_rl.trainer.sync_faults import VARIABLE
 from core_rl.weight_fingerprint import fingerprint, first_difference
-from fault_helpers import build_task, cli_train, merged, run_dir, train_here
+from fault_helpers import build_task, cli_command, cli_env, cli_train, merged, run_dir, train_here, write_config
 
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_hf")
@@ -114,6 +117,44 @@ def test_a_mismatch_exits_1_with_one_line(base, tmp_path, monkeypatch, fault, sa
     assert len(errors) == 1, done.stderr[-2000:]
     assert says in errors[0] and "weight version 2" in errors[0] and "rollout engine 'hf'" in errors[0]
     assert "Traceback" not in done.stderr
+
+
+def _two_ranks(config: dict, fault: str | None) -> subprocess.CompletedProcess:
+    """``core-rl train --nproc-per-node 2`` (fsdp over two CPU processes, gloo) on ``config``, with
+    the test hook's ``fault`` (``KIND:VERSION``) or none."""
+    path = write_config(
+        config, Path(config["experiment"]["output_dir"]).parent / f"{config['experiment']['name']}.yaml"
+    )
+    env = cli_env()
+    env.pop(VARIABLE, None)
+    if fault is not None:
+        env[VARIABLE] = fault
+    return subprocess.run(
+        cli_command("train", "--nproc-per-node", "2", str(path)),
+        capture_output=True,
+        text=True,
+        env=cpu_ranks_env(env),
+        timeout=600,
+    )
+
+
+def test_two_ranks_check_every_sync_and_stop_together_at_a_swap(base):
+    """Two fsdp ranks (torchrun): the main rank, which holds the rollout engine, checks every sync
+    of the gathered weights and the run completes; a shard order swapped at version 2 stops both
+    ranks at that step with exit status 1 and the check's one line, no traceback."""
+    ok = _config(base, "ranks-ok", "memory")
+    done = _two_ranks(ok, None)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = _steps(ok)
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(s["weight_sync/checked_tensors"] > 5 for s in steps)
+
+    bad = _config(base, "ranks-swap", "memory")
+    done = _two_ranks(bad, "swap:2")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "weight sync check failed at weight version 2: rollout engine 'hf'" in done.stderr, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert [s["step"] for s in _steps(bad)] == [1]
 
 
 def test_the_fingerprint_sees_a_swap_a_rounding_and_a_missing_tensor():

@@ -298,10 +298,12 @@ class RolloutEngine(ABC):
     def weight_fingerprints(self, version: int) -> Mapping[str, Mapping[str, float]] | None:
         """For the sync check (:mod:`core_rl.trainer.sync_check`): by replica (server) name, the
         fingerprints (:func:`core_rl.weight_fingerprint.fingerprint` at ``version``) of every tensor
-        the last weight update loaded, by Hugging Face name, computed from the tensors as they
-        arrived (before the engine cast or fused them); an empty mapping for a replica whose last
-        update was not of ``version`` (or that has loaded none since it started). ``None``: the
-        engine cannot say (the check is then skipped, with a note). Default: ``None``."""
+        the last weight update loaded, by Hugging Face name, in the dtype :meth:`fingerprint_dtypes`
+        names: computed from the tensors as they arrived (before the engine fused them), or read
+        back from what the engine holds (within :attr:`fingerprint_prefix`); an empty mapping for a
+        replica whose last update was not of ``version`` (or that has loaded none since it
+        started). ``None``: the engine cannot say (the check is then skipped, with a note).
+        Default: ``None``."""
         return None
 
     def release_memory(self) -> None:
