@@ -170,3 +170,23 @@ def test_the_fingerprint_sees_a_swap_a_rounding_and_a_missing_tensor():
     assert first_difference(sent, {"w": sent["w"], "x": 1.0}) == ("x", "loaded but not sent")
     assert first_difference(sent, {"w": fingerprint("w", tensor, 5)}) is None
     assert fingerprint("w", tensor, 5) != fingerprint("w", tensor, 6)  # other positions each version
+
+
+def test_a_prefix_draws_the_samples_from_the_first_rows_alone(tmp_path):
+    """``fingerprint_prefix`` (an engine that reads back only each tensor's first rows): the samples
+    come from the fewest leading rows holding that many elements, from a tensor and from its file
+    alike, so a change there shows and one in a later row does not."""
+    from core_rl.weight_fingerprint import file_samples, prefix_numel, sample
+    from safetensors.torch import save_file
+
+    assert prefix_numel((100, 30), 64) == 90 and prefix_numel((1000,), 64) == 64
+    assert prefix_numel((3, 30), 64) == 90 and prefix_numel((100, 30), None) == 3000
+    tensor = torch.randn(100, 30)
+    save_file({"w": tensor}, tmp_path / "model.safetensors")
+    assert torch.equal(file_samples(tmp_path, 7, prefix=64)["w"], sample("w", tensor, 7, prefix=64))
+    later, first = tensor.clone(), tensor.clone()
+    later[3:] += 1
+    first[:3] += 1
+    assert fingerprint("w", later, 7, prefix=64) == fingerprint("w", tensor, 7, prefix=64)
+    assert fingerprint("w", first, 7, prefix=64) != fingerprint("w", tensor, 7, prefix=64)
+    assert fingerprint("w", later, 7) != fingerprint("w", tensor, 7)  # without one, every row counts
