@@ -3,7 +3,8 @@
 CPU server (started once for the module, from the managed server environment, with LoRA enabled)
 loads it under a new name per version. Its greedy tokens and behaviour log-probs match a merged
 sync into the same server; the sync moves only the adapter's bytes; a second sync replaces the
-first; a restarted server loads the newest adapter. And the configurations where it cannot work
+first; a restarted server loads the newest adapter; the sync check (``rollout.sync_check``) covers
+the adapter and stops a stale one at its version. And the configurations where it cannot work
 are refused, each naming its key."""
 
 from __future__ import annotations
