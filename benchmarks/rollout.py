@@ -16,7 +16,11 @@ on a tiny model and prints:
   :mod:`core_rl.testing.real_model`) (``--sync-models``), with the collective's bytes on the wire and
   bytes/s, beside the link's own: the same tensors, in the same dtypes, broadcast over a gloo group
   to a second local process that only receives them (``link``: the floor a collective sync cannot
-  beat; what the collective takes above it is the server's loading).
+  beat; what the collective takes above it is the server's loading);
+- the sync check's cost (``rollout.sync_check``, :mod:`core_rl.trainer.sync_check`) after each of
+  those updates: the trainer's sampling of what it sent, the server's fingerprints and the
+  comparison, in seconds and as a share of the sync it follows (the server's own fingerprinting
+  while loading is inside the sync's time).
 
     python benchmarks/rollout.py [--engines vllm,sglang] [--prompts 64] [--n 8] [--max-new-tokens 32]
                                  [--repeats 3] [--sync-models tiny,10m,real] [--no-throughput] [--json FILE]
@@ -217,10 +221,16 @@ def weight_sync(engine: Any, model: Path, work: Path, repeats: int) -> dict[str,
         structure({}, entry.config_cls),
         trainable=False,
     )
+    from core_rl.trainer.sync_check import SentWeights, SyncCheck
     from core_rl.trainer.weight_sync import collective_state
 
+    def check_cfg(mode: str) -> SyncCheck:
+        from core_rl.config.schema import RunConfig
+
+        return SyncCheck(structure({"rollout": {"engine": {"name": engine.env_name}, "weight_sync": mode}}, RunConfig))
+
     try:
-        disk, collective = [], []
+        disk, collective, disk_check, collective_check = [], [], [], []
         version = engine.weight_version
         for _ in range(repeats):
             version += 1
@@ -228,10 +238,21 @@ def weight_sync(engine: Any, model: Path, work: Path, repeats: int) -> dict[str,
             train.export_hf(work / "sync")
             engine.load_weights_from_path(work / "sync", version)
             disk.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            sent = SentWeights(version, engine.fingerprint_prefix)
+            sent.add_dir(work / "sync")
+            check_cfg("disk").verify(engine, sent)
+            disk_check.append(time.perf_counter() - start)
             version += 1
             start = time.perf_counter()
-            engine.update_weights_collective(collective_state(train), version)
+            state = collective_state(train)
+            engine.update_weights_collective(state, version)
             collective.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            sent = SentWeights(version, engine.fingerprint_prefix)
+            sent.add_state(state)
+            check_cfg("collective").verify(engine, sent)
+            collective_check.append(time.perf_counter() - start)
         state = collective_state(train)
         params = sum(t.numel() for t in state.values())
         wire = engine.wire_dtypes(list(state), [t.dtype for t in state.values()])
@@ -249,6 +270,10 @@ def weight_sync(engine: Any, model: Path, work: Path, repeats: int) -> dict[str,
         "collective_bytes_per_s": sent / seconds,
         "link_s": link,
         "link_bytes_per_s": sent / link,
+        "check_disk_s": statistics.median(disk_check),
+        "check_disk_share": statistics.median(disk_check) / statistics.median(disk),
+        "check_collective_s": statistics.median(collective_check),
+        "check_collective_share": statistics.median(collective_check) / seconds,
     }
 
 
@@ -290,7 +315,10 @@ def report(results: dict[str, Any]) -> None:
                     f"{name} weight sync, {key[5:]} model ({s['params'] / 1e6:.2f}M params): "
                     f"disk {s['disk_s']:.3f} s; collective {s['collective_s']:.3f} s for "
                     f"{s['bytes'] / 1e6:.1f} MB on the wire ({s['collective_bytes_per_s'] / 1e9:.2f} GB/s), "
-                    f"the link alone {s['link_s']:.3f} s ({s['link_bytes_per_s'] / 1e9:.2f} GB/s)"
+                    f"the link alone {s['link_s']:.3f} s ({s['link_bytes_per_s'] / 1e9:.2f} GB/s); "
+                    f"the sync check {1e3 * s['check_disk_s']:.1f} ms after disk "
+                    f"({100 * s['check_disk_share']:.1f}% of it), {1e3 * s['check_collective_s']:.1f} ms after "
+                    f"collective ({100 * s['check_collective_share']:.1f}% of it)"
                 )
 
 

@@ -52,3 +52,7 @@ def test_rollout_benchmark_runs_and_reports(tmp_path: Path) -> None:
     # a bfloat16 server receives the float32 trainer's weights in its own dtype: half the bytes
     assert s["bytes"] == 2 * s["params"]
     assert "on the wire" in proc.stdout and "the link alone" in proc.stdout
+    # the sync check after each update: timed, and a share of the sync it follows
+    assert 0 < s["check_disk_s"] and 0 < s["check_collective_s"]
+    assert 0 < s["check_disk_share"] < 1 and 0 < s["check_collective_share"] < 1
+    assert "the sync check" in proc.stdout

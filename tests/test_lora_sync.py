@@ -3,7 +3,8 @@
 CPU server (started once for the module, from the managed server environment, with LoRA enabled)
 loads it under a new name per version. Its greedy tokens and behaviour log-probs match a merged
 sync into the same server; the sync moves only the adapter's bytes; a second sync replaces the
-first; a restarted server loads the newest adapter. And the configurations where it cannot work
+first; a restarted server loads the newest adapter; the sync check (``rollout.sync_check``) covers
+the adapter and stops a stale one at its version. And the configurations where it cannot work
 are refused, each naming its key."""
 
 from __future__ import annotations
@@ -226,3 +227,32 @@ def test_the_run_builds_its_servers_for_adapters_and_never_asleep(tmp_path: Path
         cfg = load_config(example, [*common, f"rollout.lora_sync={mode}"], host=host)
         assert rollout_factory_kwargs(cfg) == kwargs
         assert _sleeps(cfg, host.get(ROLLOUT_ENGINE, "vllm"), cuda=True) is sleeps
+
+
+def test_the_sync_check_covers_the_adapter_and_a_stale_one_stops_the_sync(setup, monkeypatch) -> None:
+    """The sync check (``rollout.sync_check``) compares the adapter the trainer wrote with the one
+    the server's handler loaded: a correct adapter sync passes with every adapter tensor checked;
+    a stale adapter served (the previous version's directory loaded under the new version: the test
+    hook's ``stale_adapter``) is caught at that version, naming the server, the mode and the first
+    tensor."""
+    from core_rl.trainer.sync_check import WeightSyncMismatch
+    from core_rl.trainer.sync_faults import VARIABLE
+    from safetensors.torch import load_file
+
+    syncer, _, _ = setup
+    monkeypatch.delenv(VARIABLE, raising=False)
+    version = syncer.rollout.weight_version + 1
+    train_step(syncer, seed=version)
+    metrics = syncer._sync_weights(version)
+    adapter = load_file(adapter_dir(syncer.run_dir, version) / "adapter_model.safetensors")
+    assert metrics["weight_sync/checked_tensors"] == len(adapter) > 0
+
+    stale = version + 1
+    monkeypatch.setenv(VARIABLE, f"stale_adapter:{stale}")
+    train_step(syncer, seed=stale)
+    with pytest.raises(WeightSyncMismatch) as caught:
+        syncer._sync_weights(stale)
+    message = str(caught.value)
+    assert f"weight version {stale}: rollout engine " in message and "(server vllm-0 (" in message
+    assert "rollout.weight_sync: disk (rollout.lora_sync: adapter): the first tensor that differs is " in message
+    assert f"the first tensor that differs is {next(iter(adapter))} (fingerprint " in message

@@ -281,6 +281,31 @@ class RolloutEngine(ABC):
         ``collective`` in :attr:`weight_sync_modes` implement it."""
         raise NotImplementedError(f"{type(self).__name__} does not support weight_sync=collective")
 
+    def fingerprint_dtypes(self, names: list[str], dtypes: list[torch.dtype], mode: str) -> list[torch.dtype]:
+        """For the sync check: the dtype in which this engine's :meth:`weight_fingerprints` see each
+        weight of a ``mode`` update (``rollout.weight_sync``; ``names`` and the sent ``dtypes`` in
+        order): the dtype it travelled in, where the trainer cast it before sending (a server's
+        collective), or the one the engine holds it in, where it fingerprints its own copy. The
+        trainer folds its samples in these. Default: as sent."""
+        return list(dtypes)
+
+    #: for the sync check: ``None`` (the default) when :meth:`weight_fingerprints` fingerprints whole
+    #: tensors; ``N`` when the engine can read back only each tensor's first rows, those that hold at
+    #: least ``N`` elements (:func:`core_rl.weight_fingerprint.prefix_numel`): the trainer then draws
+    #: its samples from those rows alone
+    fingerprint_prefix: int | None = None
+
+    def weight_fingerprints(self, version: int) -> Mapping[str, Mapping[str, float]] | None:
+        """For the sync check (:mod:`core_rl.trainer.sync_check`): by replica (server) name, the
+        fingerprints (:func:`core_rl.weight_fingerprint.fingerprint` at ``version``) of every tensor
+        the last weight update loaded, by Hugging Face name, in the dtype :meth:`fingerprint_dtypes`
+        names: computed from the tensors as they arrived (before the engine fused them), or read
+        back from what the engine holds (within :attr:`fingerprint_prefix`); an empty mapping for a
+        replica whose last update was not of ``version`` (or that has loaded none since it
+        started). ``None``: the engine cannot say (the check is then skipped, with a note).
+        Default: ``None``."""
+        return None
+
     def release_memory(self) -> None:
         """Give back the accelerator memory generation holds (KV cache, CUDA graphs and, where the
         engine can, the weights), for a trainer on the same devices (``rollout.sleep_while_training``).

@@ -27,6 +27,7 @@ from core_rl.config.plugin_spec import plugin_section as plugin_section  # re-ex
 from core_rl.config.ptx import PTXConfig
 from core_rl.config.replay_config import RolloutDumpConfig
 from core_rl.config.sampling import SamplingConfig as SamplingConfig  # re-exported with the sections
+from core_rl.config.sync_check_config import SyncCheckConfig
 from core_rl.config.validators import (
     MAX_COUNT,
     MAX_SEED,
@@ -121,6 +122,10 @@ class RolloutConfig:
     that writes the adapter alone (``exports_lora_adapter``: ``fsdp``, ``deepspeed``), and no
     sleeping while training (:mod:`core_rl.lora_sync`).
 
+    ``sync_check``: after each weight sync (``every_n_syncs`` to thin it), compare fingerprints of
+    the tensors the trainer sent with those the rollout engine loaded; a mismatch stops the run
+    (:class:`SyncCheckConfig`, :mod:`core_rl.trainer.sync_check`).
+
     ``workflow``: how a data row becomes trajectories (:mod:`core_rl.workflows`; default
     ``single_turn``); ``controller``: asynchronous rollout and its staleness bound
     (:class:`ControllerConfig`).
@@ -140,6 +145,7 @@ class RolloutConfig:
     sampling: SamplingConfig = attrs.field(factory=SamplingConfig)
     weight_sync: str = attrs.field(default="memory", validator=one_of(("memory", "disk", "collective")))
     lora_sync: str = attrs.field(default="merged", validator=one_of(("merged", "adapter")))
+    sync_check: SyncCheckConfig = attrs.field(factory=SyncCheckConfig)
     workflow: PluginSpec = attrs.field(factory=lambda: PluginSpec(name="single_turn"))
     controller: ControllerConfig = attrs.field(factory=ControllerConfig)
     sleep_while_training: AutoBool = "auto"

@@ -20,6 +20,7 @@ from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from core_rl.progress import PROGRESS
 from core_rl.remote.options import ServerOptions
 from core_rl.remote.recovery import Endpoint
 from core_rl.remote.wire import describe
@@ -215,6 +216,43 @@ class WeightSync:
                     f"{describe(error)}"
                 ) from None
             # a server died (or was restarted meanwhile): restart it, form a new group, send again
+
+    # -- the sync check -------------------------------------------------------------------------
+
+    async def fingerprints_of(self, client: Any, url: str, version: int) -> dict[str, dict[str, float]] | None:
+        """The sync check's fingerprints (:mod:`core_rl.weight_fingerprint`) of the tensors the server
+        at ``url`` loaded in its last update, as they arrived, by worker (an empty mapping for a
+        worker whose last update was not of ``version``); ``None``: the server cannot say. Default:
+        ``None``."""
+        return None
+
+    def weight_fingerprints(self, version: int) -> dict[str, dict[str, float]] | None:
+        """Every server's :meth:`fingerprints_of`, by ``server NAME (URL) WORKER``; ``None`` when a
+        server cannot say."""
+
+        async def one(ep: Endpoint) -> dict[str, dict[str, float]] | None:
+            with PROGRESS.call(f"{self.env_name} server {ep.name} ({ep.url}): weight fingerprints"):
+                try:
+                    return await self.fingerprints_of(self._client, ep.url, version)
+                except Exception as exc:
+                    raise self._call_failed(ep, f"report the weights of version {version}", exc) from None
+
+        async def every() -> list[dict[str, dict[str, float]] | None]:
+            return list(await asyncio.gather(*(one(ep) for ep in self.endpoints)))
+
+        answers = self._call(every(), self.options.weight_sync_timeout, "the servers' weight fingerprints")
+        if any(answer is None for answer in answers):
+            return None
+        return {
+            f"server {ep.name} ({ep.url}) {worker}": prints
+            for ep, answer in zip(self.endpoints, answers)
+            for worker, prints in (answer or {}).items()
+        }
+
+    def fingerprint_dtypes(self, names: list[str], dtypes: list[Any], mode: str) -> list[Any]:
+        """The servers fingerprint the tensors as they arrive: in :meth:`wire_dtypes` over a
+        collective, as written to the files by disk."""
+        return self.wire_dtypes(names, dtypes) if mode == "collective" else list(dtypes)
 
     def wire_dtypes(self, names: list[str], dtypes: list[Any]) -> list[Any]:
         """The dtype each weight travels in over the collective (``torch.dtype`` objects, in order): the

@@ -3,13 +3,18 @@
 ``collective`` (the weights over a process group: :func:`collective_state`) or ``disk`` (a Hugging Face directory the
 engine loads, or with ``rollout.lora_sync: adapter`` the LoRA adapter alone: :mod:`core_rl.lora_sync`;
 in the background for an asynchronous run once its controller runs: :mod:`core_rl.trainer.weight_load`).
-A rollout engine asleep while the trainer trained takes back its weights' storage once the trainer has
-the weights ready, just before it loads them (:mod:`core_rl.trainer.colocation`)."""
+After a sync (``rollout.sync_check``) the rollout engine must show it holds the weights sent
+(:mod:`core_rl.trainer.sync_check`; for a load in the background, checked in the background after
+it, the mismatch then stopping the run at the next step's wait). A test hook injects faults on the
+way (:mod:`core_rl.trainer.sync_faults`). A rollout engine asleep while the trainer trained takes
+back its weights' storage once the trainer has the weights ready, just before it loads them
+(:mod:`core_rl.trainer.colocation`)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -20,7 +25,10 @@ from core_rl.engine_utils.buckets import nbytes
 from core_rl.interfaces import RolloutEngine, TrainEngine
 from core_rl.lora_sync import adapter_dir, adapter_sync, prune_adapter_dirs
 from core_rl.trainer.colocation import RolloutSleep
+from core_rl.trainer.ranks import agree_after
 from core_rl.trainer.rollout_flow import RolloutFlow
+from core_rl.trainer.sync_check import SentWeights, SyncCheck, WeightSyncMismatch
+from core_rl.trainer.sync_faults import SyncFault, injected
 from core_rl.trainer.weight_load import BackgroundWeightLoad
 
 
@@ -52,31 +60,64 @@ class WeightSyncing:
             and self.flow.controller is not None
         )
 
+    @functools.cached_property
+    def sync_check(self) -> SyncCheck:
+        """Which syncs are checked, and the check (:mod:`core_rl.trainer.sync_check`)."""
+        return SyncCheck(self.cfg)
+
     def _sync_weights(self, version: int) -> dict[str, float]:
-        """Move the policy's weights to the rollout engine; return ``weight_sync/bytes`` (and,
-        when loads run in the background, the wait for the previous one and its duration)."""
+        """Move the policy's weights to the rollout engine and, when due, check that it holds them;
+        return ``weight_sync/bytes`` (and, when loads run in the background, the wait for the
+        previous one and its duration; when checked, ``weight_sync/check_s``). A failed check
+        raises :class:`~core_rl.trainer.sync_check.WeightSyncMismatch` on every rank; so does an
+        engine refusing the weights (on the main rank: :meth:`SyncCheck.refusals`)."""
         assert self.engine is not None
         if self.cfg.rollout.replay_from is not None:  # saved rollouts, no rollout engine to receive them
             return {}
+        sent = self.sync_check.start(version, self.rollout.fingerprint_prefix if self.rollout is not None else None)
+        fault = injected(version) if self.rollout is not None else None
         mode = self.cfg.rollout.weight_sync
         if mode == "disk":
-            return self._sync_by_disk(version)
-        if mode == "memory":
+            metrics = self._sync_by_disk(version, sent, fault)
+            if self._loads_in_background():
+                return metrics  # checked after the load, in the background
+        elif mode == "memory":
             paused = self._rollout_paused(version)  # entered only where the rollout engine is
             woken = self.rollout_sleep.before_weight_update()
-            return {"weight_sync/bytes": sync_in_memory(self.engine, self.rollout, version, paused), **woken}
+            with self.sync_check.refusals(version):
+                sent_bytes = sync_in_memory(self.engine, self.rollout, version, paused, sent=sent, fault=fault)
+            metrics = {"weight_sync/bytes": sent_bytes, **woken}
+        else:
+            metrics = self._sync_collective(version, sent, fault)
+        if sent is None:
+            return metrics
+        error: WeightSyncMismatch | None = None
+        if self.rollout is not None:
+            try:
+                metrics.update(self.sync_check.verify(self.rollout, sent))
+            except WeightSyncMismatch as exc:
+                error = exc
+        agree_after(f"the weight sync check of version {version} (rank 0)", error)
+        return metrics
+
+    def _sync_collective(self, version: int, sent: SentWeights | None, fault: SyncFault | None) -> dict[str, float]:
+        """``weight_sync: collective``: the weights broadcast from the main rank to the engine's workers."""
+        assert self.engine is not None
         state = collective_state(self.engine)
         woken = self.rollout_sleep.before_weight_update()
         if self.rollout is not None:
-            with self._rollout_paused(version):
-                self.rollout.update_weights_collective(state, version)
+            if sent is not None:
+                sent.add_state(state)
+            with self._rollout_paused(version), self.sync_check.refusals(version):
+                self.rollout.update_weights_collective(fault.state(state) if fault else state, version)
         # the bytes on the wire, where the engine says (a server's weights may travel in its own dtype)
-        sent = getattr(self.rollout, "last_sync", {}).get("bytes")
-        return {"weight_sync/bytes": float(sent if sent is not None else nbytes(state.values())), **woken}
+        sent_bytes = getattr(self.rollout, "last_sync", {}).get("bytes")
+        return {"weight_sync/bytes": float(sent_bytes if sent_bytes is not None else nbytes(state.values())), **woken}
 
-    def _sync_by_disk(self, version: int) -> dict[str, float]:
+    def _sync_by_disk(self, version: int, sent: SentWeights | None, fault: SyncFault | None) -> dict[str, float]:
         """``weight_sync: disk``: export to ``<run>/weight_sync`` (with ``rollout.lora_sync: adapter``
-        the adapter alone, to ``<run>/lora_sync/v<version>``) and have the engine load it."""
+        the adapter alone, to ``<run>/lora_sync/v<version>``) and have the engine load it; ``sent``
+        samples the files written (a load in the background is checked right after it)."""
         assert self.engine is not None
         metrics: dict[str, float] = {}
         if self.is_main:  # the directory is rewritten below: the previous load must be done
@@ -94,15 +135,25 @@ class WeightSyncing:
         metrics["weight_sync/bytes"] = float(sum(f.stat().st_size for f in path.glob("*.safetensors")))
         if self.rollout is not None:
             rollout = self.rollout
+            if sent is not None:
+                sent.add_dir(path)
+            loaded = path
+            if fault is not None and fault.kind == "stale_adapter":
+                loaded = adapter_dir(self.run_dir, version - 1)
+            elif fault is not None:
+                fault.rewrite_dir(path)
+            background = self._loads_in_background()
 
             def load() -> None:
-                with self._rollout_paused(version):
-                    rollout.load_weights_from_path(path, version)
+                with self._rollout_paused(version), self.sync_check.refusals(version):
+                    rollout.load_weights_from_path(loaded, version)
                 if adapter:  # the servers have moved on: the older versions go
-                    prune_adapter_dirs(self.run_dir, keep=path)
+                    prune_adapter_dirs(self.run_dir, keep=loaded)
+                if background and sent is not None:
+                    self.sync_check.verify(rollout, sent)
 
             metrics.update(self.rollout_sleep.before_weight_update())  # never asleep when loads run behind
-            if self._loads_in_background():
+            if background:
                 self.weight_load.start(load, version)
             else:
                 load()
@@ -123,28 +174,38 @@ def sync_in_memory(
     rollout: RolloutEngine | None,
     version: int,
     paused: AbstractContextManager[object],
+    *,
+    sent: SentWeights | None = None,
+    fault: SyncFault | None = None,
 ) -> float:
     """``weight_sync: memory``, on every rank: the train engine's weight buckets
     (:meth:`~core_rl.interfaces.TrainEngine.hf_weight_buckets`, on its device) go to ``rollout``
     (held by the main rank alone, ``None`` elsewhere) through
     :meth:`~core_rl.interfaces.RolloutEngine.update_weights_from_buckets` inside ``paused``; returns
-    the bytes handed over. Should the rollout engine fail or stop early, the rest of the buckets is
-    still drawn, so every rank finishes the engine's collectives, and then the error is raised."""
+    the bytes handed over. ``sent`` (the sync check's) samples each tensor as it passes; ``fault``
+    (the test hook's) alters what reaches the engine after that. Should the rollout engine fail or
+    stop early, the rest of the buckets is still drawn, so every rank finishes the engine's
+    collectives, and then the error is raised."""
     buckets = engine.hf_weight_buckets()
-    sent = 0
+    sent_bytes = 0
 
-    def counted() -> Iterator[dict]:
-        nonlocal sent
+    def counted() -> Iterator[Mapping[str, torch.Tensor]]:
+        nonlocal sent_bytes
         for bucket in buckets:
-            sent += nbytes(bucket.values())
+            sent_bytes += nbytes(bucket.values())
             yield bucket
             del bucket  # not held while the next one is gathered
 
     try:
         if rollout is not None:
+            stream: Iterable[Mapping[str, torch.Tensor]] = counted()
+            if sent is not None:
+                stream = sent.passing(stream)
+            if fault is not None:
+                stream = fault.buckets(stream)
             with paused:
-                rollout.update_weights_from_buckets(counted(), version)
+                rollout.update_weights_from_buckets(stream, version)
     finally:
         for _ in buckets:  # the rest of the gathering (on other ranks: all of it)
             pass
-    return float(sent)
+    return float(sent_bytes)

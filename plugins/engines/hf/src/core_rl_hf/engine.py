@@ -30,11 +30,13 @@ import torch
 from core_rl.checkpointing import generator_state, set_generator_state
 from core_rl.config.schema import RolloutConfig
 from core_rl.engine_utils import attention
+from core_rl.engine_utils.buckets import state_items
 from core_rl.engine_utils.hf import no_progress_bars
 from core_rl.errors import ConfigError
 from core_rl.interfaces import PAUSE_MODES, RolloutEngine, SamplingParams
 from core_rl.protocol import Sample
 from core_rl.sampling_params import batch_key
+from core_rl.weight_fingerprint import FingerprintLog
 
 from core_rl_hf.config import GPU_SYNC_EVERY, HFRolloutConfig, resolve_device
 from core_rl_hf.decode import lean_supported
@@ -131,6 +133,8 @@ class HFRolloutEngine(RolloutEngine):
         if config.seed is not None:
             self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._weight_version = 0
+        #: the sync check's fingerprints of the last weight update (:meth:`weight_fingerprints`)
+        self._loaded: FingerprintLog | None = None
         self._model_lock = threading.RLock()  # one batch or weight update at a time
         self._requests: queue.Queue[_Request | None] = queue.Queue()
         self._idle = threading.Condition()  # guards _paused and _active
@@ -366,16 +370,45 @@ class HFRolloutEngine(RolloutEngine):
         with self._model_lock:
             load_full_state_dict(self.model, state_dict)
             self._weight_version = version
+            self._fingerprint_loaded(list(state_dict), version)
 
     def update_weights_from_buckets(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> None:
         """Copy each bucket into the model's parameters in place (:func:`core_rl_hf.weights.copy_buckets`):
         a train engine on this engine's device hands over device tensors, and nothing goes through host memory."""
+        names: list[str] = []
+
+        def named(stream: Iterable[Mapping[str, torch.Tensor]]) -> Iterator[Mapping[str, torch.Tensor]]:
+            for bucket in stream:
+                names.extend(bucket)
+                yield bucket
+
         with self._model_lock:
-            copy_buckets(self.model, buckets)
+            copy_buckets(self.model, named(buckets))
             self._weight_version = version
+            self._fingerprint_loaded(names, version)
 
     def load_weights_from_path(self, path: str | Path, version: int) -> None:
         self.update_weights(read_safetensors_dir(path), version)
+
+    def _fingerprint_loaded(self, names: list[str], version: int) -> None:
+        """Fingerprint the model's own tensors of ``names`` (what an update just wrote) for the
+        sync check: this engine checks what it holds, in its own dtype (:meth:`fingerprint_dtypes`)."""
+        own = dict(state_items(self.model))
+        log = FingerprintLog(version)
+        for name in names:
+            log.add(name, own[name])
+        self._loaded = log
+
+    def weight_fingerprints(self, version: int) -> dict[str, dict[str, float]]:
+        """The fingerprints of the model's tensors the last update wrote (an empty mapping when that
+        update was not of ``version``), under the replica name ``engine``."""
+        log = self._loaded
+        return {"engine": dict(log.prints) if log is not None and log.version == version else {}}
+
+    def fingerprint_dtypes(self, names: list[str], dtypes: list[torch.dtype], mode: str) -> list[torch.dtype]:
+        """The dtype the model holds each weight in, whatever the mode (the engine fingerprints its own copy)."""
+        own = dict(state_items(self.model))
+        return [own[name].dtype if name in own else dtype for name, dtype in zip(names, dtypes)]
 
     def release_memory(self) -> None:
         """On a CUDA device: drop the captured decoding graphs, their memory pools and key/value

@@ -25,6 +25,9 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
   ``/begin_weight_update``, ``/update_weights_from_distributed`` once per bucket of about
   ``update_bucket_mb`` (the trainer broadcasts meanwhile; the last flushes the cache and sets the
   version) and ``/end_weight_update``;
+- the sync check (``rollout.sync_check``): ``GET /model_info`` (the weight version served) and
+  ``POST /get_weights_by_name`` for the first rows of every tensor the last update sent
+  (:mod:`core_rl_sglang.fingerprints`);
 - LoRA adapters (``rollout.lora_sync: adapter``; servers started with a ``lora_rank``): a weight
   directory is an adapter, loaded under a new name per version with the version labelled, which
   ``/generate`` requests then name in ``lora_path`` (:mod:`core_rl_sglang.lora`);
@@ -40,7 +43,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core_rl.config.schema import RolloutConfig
 from core_rl.interfaces import SamplingParams
@@ -48,9 +51,12 @@ from core_rl.remote import Completion, ServerReplyError, ServerRolloutEngine, js
 from core_rl.remote.engine import FORK_ENGINE
 from core_rl.sampling_params import with_extra
 
-from core_rl_sglang import lora
+from core_rl_sglang import fingerprints, lora
 from core_rl_sglang.config import SGLangConfig
 from core_rl_sglang.wire import checked_post
+
+if TYPE_CHECKING:
+    import torch
 
 #: --mem-fraction-static on CPU: the share of free RAM SGLang may take; a small one fails the server when
 #: free RAM drops by more than it while the model loads (see SGLangConfig)
@@ -92,6 +98,8 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         self.config = config
         self.lora_rank = lora_rank
         self._adapters: dict[str, str] = {}  # server URL -> the adapter name it serves
+        #: the name and shape of every tensor the last full-weight update sent (the sync check reads them back)
+        self._synced: dict[str, list[int]] = {}
         super().__init__(model_path, config.server, run_dir, sleep=sleep, trust_remote_code=trust_remote_code)
 
     # -- the server -----------------------------------------------------------------------------
@@ -240,6 +248,7 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         if self.lora_rank:  # rollout.lora_sync: adapter
             self._adapters[url] = await lora.load_version(client, url, str(path), version, timeout)
             return
+        self._synced = fingerprints.synced_shapes(path)
         try:
             await checked_post(
                 client,
@@ -275,6 +284,7 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         self, client: Any, url: str, *, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int
     ) -> None:
         timeout = self.options.weight_sync_timeout
+        self._synced = dict(zip(names, (list(s) for s in shapes)))
         await checked_post(client, url + "/begin_weight_update", {}, timeout)
         requests = update_requests(names, dtypes, shapes, int(self.config.update_bucket_mb * 2**20))
         for i, request in enumerate(requests):
@@ -284,6 +294,36 @@ class SGLangRolloutEngine(ServerRolloutEngine):
                 request["weight_version"] = str(version)
             await checked_post(client, url + "/update_weights_from_distributed", request, timeout)
         await checked_post(client, url + "/end_weight_update", {}, timeout)
+
+    # -- the sync check -------------------------------------------------------------------------
+
+    #: the check reads back each tensor's first rows only (:mod:`core_rl_sglang.fingerprints`)
+    fingerprint_prefix = fingerprints.FINGERPRINT_PREFIX
+
+    def _held_dtype(self) -> torch.dtype | None:
+        """The dtype the servers hold floating weights in (``dtype``); ``None`` for ``auto``."""
+        import torch
+
+        return None if self.config.dtype == "auto" else getattr(torch, self.config.dtype)
+
+    async def fingerprints_of(self, client: Any, url: str, version: int) -> dict[str, dict[str, float]] | None:
+        """The fingerprints of the server's parameters of the tensors the last update sent, read
+        back with ``/get_weights_by_name`` (:func:`core_rl_sglang.fingerprints.server_fingerprints`),
+        as ``model``; ``None`` (the check is skipped) with ``rollout.lora_sync: adapter``, with
+        ``dtype: auto`` (the dtype the server chose is not reported) or for a model SGLang cannot
+        answer for."""
+        dtype = self._held_dtype()
+        if self.lora_rank or dtype is None:
+            return None
+        timeout = self.options.weight_sync_timeout
+        prints = await fingerprints.server_fingerprints(client, url, self._synced, version, dtype, timeout)
+        return None if prints is None else {"model": prints}
+
+    def fingerprint_dtypes(self, names: list[str], dtypes: list[Any], mode: str) -> list[Any]:
+        """The servers' dtype for every floating weight, whatever the mode: the check reads back
+        what they hold."""
+        held = self._held_dtype()
+        return [held if held is not None and d.is_floating_point else d for d in dtypes]
 
 
 def update_requests(

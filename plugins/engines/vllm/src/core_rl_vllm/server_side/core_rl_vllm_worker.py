@@ -19,12 +19,22 @@ import traceback
 from pathlib import Path
 
 
-def _weight_group():
-    path = os.environ["CORE_RL_WEIGHT_GROUP_PY"]
-    spec = importlib.util.spec_from_file_location("core_rl_weight_group", path)
+def _load_by_path(variable, name):
+    spec = importlib.util.spec_from_file_location(name, os.environ[variable])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _weight_group():
+    return _load_by_path("CORE_RL_WEIGHT_GROUP_PY", "core_rl_weight_group")
+
+
+def _fingerprint_log(payload_args):
+    """A :class:`core_rl.weight_fingerprint.FingerprintLog` for the update's ``version`` (the sync
+    check's record of the tensors as they arrive, before vLLM's loader casts or fuses them)."""
+    module = _load_by_path("CORE_RL_WEIGHT_FINGERPRINT_PY", "core_rl_weight_fingerprint")
+    return module.FingerprintLog(int(payload_args.get("version", -1)))
 
 
 class WeightSyncExtension:
@@ -32,18 +42,23 @@ class WeightSyncExtension:
     weight-update group, receive weights."""
 
     def core_rl_load_dir(self, payload: str) -> str:
-        """``payload``: path, a directory of ``*.safetensors`` files. Reads them with safetensors,
-        a tensor at a time, and loads them with vLLM's in-place ``reload_weights`` (which re-packs what its kernels
+        """``payload``: path, a directory of ``*.safetensors`` files, and the weight version. Reads
+        them with safetensors, a tensor at a time (each fingerprinted for the sync check as read), and
+        loads them with vLLM's in-place ``reload_weights`` (which re-packs what its kernels
         pre-process); a directory without any is left to ``reload_weights(weights_path=...)``.
         Reading the files here skips vLLM's model loader, which costs more than the read
         itself for a small model."""
         try:
-            path = Path(json.loads(payload)["path"])
+            args = json.loads(payload)
+            path = Path(args["path"])
             files = sorted(path.glob("*.safetensors"))
+            self._core_rl_loaded = None
             if not files:
                 self.reload_weights(weights_path=str(path))
             else:
-                self.reload_weights(weights_iterator=self._core_rl_in_model_dtypes(_read_tensors(files)))
+                log = _fingerprint_log(args)
+                self.reload_weights(weights_iterator=self._core_rl_in_model_dtypes(log.passing(_read_tensors(files))))
+                self._core_rl_loaded = log
             self._core_rl_repack_tied_head()
             return "ok"
         except Exception:
@@ -94,6 +109,16 @@ class WeightSyncExtension:
         except Exception:
             return "error: " + traceback.format_exc()
 
+    def core_rl_fingerprints(self, payload: str = "") -> str:
+        """The sync check's fingerprints of the tensors the last update loaded, as received, as
+        JSON: ``{"version": V, "prints": {NAME: FLOAT}}``; ``{"version": null, "prints": {}}`` when
+        this worker has loaded none since it started (or its last load failed)."""
+        try:
+            log = getattr(self, "_core_rl_loaded", None)
+            return json.dumps(log.to_json() if log is not None else {"version": None, "prints": {}})
+        except Exception:
+            return "error: " + traceback.format_exc()
+
     def core_rl_join_group(self, payload: str) -> str:
         """``payload``: address, port, rank_offset, world_size, backend, group_name, timeout_s."""
         try:
@@ -117,14 +142,16 @@ class WeightSyncExtension:
             return "error: " + traceback.format_exc()
 
     def core_rl_receive_weights(self, payload: str) -> str:
-        """``payload``: names, dtypes, shapes (the trainer broadcasts the tensors in this order)."""
+        """``payload``: names, dtypes, shapes (the trainer broadcasts the tensors in this order) and
+        the weight version (for the sync check's fingerprints)."""
         try:
             args = json.loads(payload)
             model = self.model_runner.model
             device = next(model.parameters()).device
-            received = self._core_rl_wg.receive_tensors(
-                self._core_rl_group, args["names"], args["dtypes"], args["shapes"], device
-            )
+            self._core_rl_loaded = None
+            log = _fingerprint_log(args)
+            names, dtypes, shapes = args["names"], args["dtypes"], args["shapes"]
+            received = log.passing(self._core_rl_wg.receive_tensors(self._core_rl_group, names, dtypes, shapes, device))
             try:  # each tensor is received as vLLM's loader asks for it (one at a time on the device)
                 self.reload_weights(weights_iterator=self._core_rl_in_model_dtypes(received))
             except Exception:
@@ -132,6 +159,7 @@ class WeightSyncExtension:
                     self._core_rl_wg.drain(received)  # the trainer waits on every tensor
                 raise
             self._core_rl_wg.drain(received)
+            self._core_rl_loaded = log
             self._core_rl_repack_tied_head()
             return "ok"
         except Exception:
