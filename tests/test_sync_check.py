@@ -7,6 +7,7 @@ line the run exits with 1 and one line. The fingerprint itself: which changes it
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 from pathlib import Path
 
@@ -170,6 +171,11 @@ def test_the_fingerprint_sees_a_swap_a_rounding_and_a_missing_tensor():
     assert first_difference(sent, {"w": sent["w"], "x": 1.0}) == ("x", "loaded but not sent")
     assert first_difference(sent, {"w": fingerprint("w", tensor, 5)}) is None
     assert fingerprint("w", tensor, 5) != fingerprint("w", tensor, 6)  # other positions each version
+    # an engine that read back a share of the tensors: NaN is received but unread, not compared
+    two = {"w": sent["w"], "v": fingerprint("v", tensor, 5)}
+    assert first_difference(two, {"w": math.nan, "v": two["v"]}) is None
+    assert first_difference(two, {"v": two["v"]}) == ("w", "not loaded")  # never received
+    assert first_difference(two, {"w": math.nan, "v": sent["w"]})[0] == "v"
 
 
 def test_a_prefix_draws_the_samples_from_the_first_rows_alone(tmp_path):

@@ -217,3 +217,20 @@ def test_the_servers_sitecustomize_applies_pinless_and_runs_the_one_it_shadows(t
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ran"
+
+
+def test_a_sync_check_reads_back_a_budget_of_tensors_a_different_share_each_version() -> None:
+    """``sync_check_elements``: each check reads back tensors within the budget (at least one), a
+    different share per version, covering every tensor over a few versions; 0 or a model within
+    the budget: every tensor."""
+    from core_rl_sglang.fingerprints import checked_share
+
+    shapes = {f"layers.{i}.w": [100, 100] for i in range(20)} | {"embed": [5000, 100]}
+    assert checked_share(shapes, 3, 0) == shapes and checked_share(shapes, 3, 10**7) == shapes
+    shares = [checked_share(shapes, version, 50_000) for version in range(1, 40)]
+    assert all(1 <= len(share) and sum(100 * 100 for n in share if n != "embed") <= 50_000 for share in shares)
+    assert all(list(share) == [n for n in shapes if n in share] for share in shares)  # in the update's order
+    assert len({tuple(share) for share in shares}) > 10
+    seen = set().union(*shares)
+    assert seen >= {n for n in shapes if n != "embed"}  # every small tensor within 39 checks
+    assert checked_share(shapes, 1, 50_000) == checked_share(shapes, 1, 50_000)  # the same on every call

@@ -37,6 +37,11 @@ class SGLangConfig:
       this many MiB of weights each (SGLang allocates every tensor of a request before it loads
       them, so one request would hold a second copy of the model); 0: one request.
     - ``extra_args``: appended verbatim to the server's command line.
+    - ``sync_check_elements``: the weight sync check (``rollout.sync_check``) reads back at most
+      about this many parameter elements per check (0: every tensor the update sent). SGLang's
+      read-back route converts a whole parameter to a Python list, ~0.15 us an element on a CPU:
+      all of a 135M model took 18-22 s a sync. Each check takes a different share of the tensors
+      (drawn from the version), so a tensor the updates keep missing is found within a few syncs.
 
     With ``rollout.sleep_while_training`` on, servers start with ``--enable-memory-saver`` and give
     back their memory while the trainer trains (:mod:`core_rl_sglang.engine`).
@@ -65,6 +70,7 @@ class SGLangConfig:
     serves_lora_adapters: ClassVar[bool] = True
 
     server: ServerOptions = attrs.field(factory=ServerOptions)
+    sync_check_elements: int = attrs.field(default=4_000_000, validator=non_negative())
     dtype: str = attrs.field(default="bfloat16", validator=one_of(("auto", "float32", "bfloat16", "float16")))
     context_length: int = attrs.field(default=0, validator=non_negative())
     max_running_requests: int = attrs.field(default=0, validator=non_negative())

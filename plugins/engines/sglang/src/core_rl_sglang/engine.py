@@ -42,6 +42,7 @@ What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s)
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -316,7 +317,11 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         if self.lora_rank or dtype is None:
             return None
         timeout = self.options.weight_sync_timeout
-        prints = await fingerprints.server_fingerprints(client, url, self._synced, version, dtype, timeout)
+        # a budget of tensors per check (sync_check_elements); the rest count as received, unread (NaN)
+        shapes = fingerprints.checked_share(self._synced, version, self.config.sync_check_elements)
+        prints = await fingerprints.server_fingerprints(client, url, shapes, version, dtype, timeout)
+        if prints:
+            prints = {name: prints.get(name, math.nan) for name in self._synced}
         return None if prints is None else {"model": prints}
 
     def fingerprint_dtypes(self, names: list[str], dtypes: list[Any], mode: str) -> list[Any]:

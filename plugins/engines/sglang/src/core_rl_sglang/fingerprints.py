@@ -19,6 +19,7 @@ families) is reported as unable to say, and the check is skipped with a note.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -75,6 +76,25 @@ async def held_prefix(client: Any, url: str, name: str, shape: Sequence[int], ti
     if held.numel() != numel:
         raise ServerReplyError(f"/get_weights_by_name on {url} answered {held.numel()} numbers for {name}, not {numel}")
     return held.reshape(rows, *shape[1:]) if len(shape) > 1 else held
+
+
+def checked_share(shapes: Mapping[str, Sequence[int]], version: int, budget: int) -> dict[str, Sequence[int]]:
+    """The tensors of ``shapes`` one check reads back: all of them for ``budget`` 0 or where they
+    hold at most ``budget`` elements together; else, in an order drawn from ``version`` (a
+    different share each sync), tensors while their elements stay within ``budget``, and at least
+    one. In ``shapes``' order."""
+    sizes = {name: math.prod(shape) for name, shape in shapes.items()}
+    if budget <= 0 or sum(sizes.values()) <= budget:
+        return dict(shapes)
+    order = sorted(shapes, key=lambda name: hashlib.blake2b(f"{version}:{name}".encode(), digest_size=8).digest())
+    chosen: set[str] = set()
+    used = 0
+    for name in order:
+        if chosen and used + sizes[name] > budget:
+            continue
+        chosen.add(name)
+        used += sizes[name]
+    return {name: shape for name, shape in shapes.items() if name in chosen}
 
 
 async def server_fingerprints(
