@@ -335,6 +335,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if getattr(args, "run", None) is not None:  # a plugin's subcommand
             return int(args.run(args))
+        if args.command in ("plugins", "train", "eval", "config") and os.environ.get("RANK", "0") == "0":
+            for stray in host.stray:  # a misspelled group: the plugin would otherwise vanish silently
+                print(f"core-rl: warning: {stray.message()}", file=sys.stderr)
         if args.command == "plugins":
             return _cmd_plugins(args.json)
         if args.command == "plot":

@@ -59,6 +59,41 @@ def _split_env(value: str | None) -> set[str]:
     return {_normalise(part.strip()) for part in (value or "").split(",") if part.strip()}
 
 
+@attrs.frozen
+class StrayEntryPoint:
+    """An installed entry point in a group that looks like core-rl's (``core_rl.<something>``) but is
+    not one core-rl reads (a misspelling such as ``core_rl.environment``): nothing loads it."""
+
+    group: str
+    name: str
+    value: str
+    distribution: str
+
+    def message(self) -> str:
+        """One line saying what is ignored and which group was probably meant."""
+        groups = sorted(kind.group for kind in ALL_KINDS)
+        close = did_you_mean(self.group, groups)
+        hint = f"did you mean {close!r}?" if close else f"core-rl reads: {', '.join(groups)}"
+        return (
+            f"entry point {self.name!r} ({self.value}) of distribution {self.distribution} is in group "
+            f"{self.group!r}, which core-rl does not read, so it is ignored; {hint}"
+        )
+
+
+def stray_entry_points(installed: md.EntryPoints) -> list[StrayEntryPoint]:
+    """The entry points of ``installed`` in a ``core_rl.*`` group (``core-rl.*`` too) that is not a
+    plugin kind's group (:class:`StrayEntryPoint`)."""
+    known = {kind.group for kind in ALL_KINDS}
+    found = []
+    for group in sorted(installed.groups):
+        if group in known or not group.replace("-", "_").startswith("core_rl."):
+            continue
+        for ep in installed.select(group=group):
+            dist = ep.dist.metadata["Name"] if ep.dist is not None else "<unknown>"
+            found.append(StrayEntryPoint(group, ep.name, ep.value, dist))
+    return found
+
+
 class PluginHost:
     """Holds the pluggy manager and one :class:`Registry` per kind.
 
@@ -82,9 +117,12 @@ class PluginHost:
         groups = {kind.group: kind for kind in ALL_KINDS}
         #: id(distribution) -> (that distribution, its name and version): one metadata parse each
         self._distributions: dict[int, tuple[md.Distribution, tuple[str, str]]] = {}
+        #: installed entry points in a group core-rl does not read (only when scanning what is installed)
+        self.stray: list[StrayEntryPoint] = []
         if entry_points is None:
             installed = md.entry_points()  # one scan of the installed distributions for every group
             entry_points = [ep for group in groups for ep in installed.select(group=group)]
+            self.stray = stray_entry_points(installed)
         # kind -> name -> entry points declaring it (several when a distribution overrides a name),
         # core-rl's first so that an override registered by another distribution loads after it
         self._entry_points: dict[str, dict[str, list[md.EntryPoint]]] = {kind.key: {} for kind in ALL_KINDS}
