@@ -207,3 +207,24 @@ def test_a_kept_wheel_is_reused_only_where_it_installs_on_the_target() -> None:
     }
     for name, (on_311, on_312) in cases.items():
         assert (fits(Path(name), "3.11"), fits(Path(name), "3.12")) == (on_311, on_312), name
+
+
+def test_what_torch_brings_is_left_to_the_target_and_nothing_else() -> None:
+    """The target's torch brings its CUDA libraries and what only torch needs; a distribution named
+    like them that a logger needs (nvidia-ml-py, swanlab's) is carried, as is one torch and another
+    both need."""
+    resolved = [
+        ("torch", "2.13.0", "core-rl, deepspeed"),
+        ("nvidia-cublas-cu12", "12.8.4.1", "torch"),
+        ("nvidia-cudnn-cu12", "9.10.2.21", "torch"),
+        ("cuda-bindings", "13.0.0", "cuda-toolkit"),
+        ("cuda-toolkit", "13.0.0", "torch"),
+        ("sympy", "1.14.0", "torch"),
+        ("mpmath", "1.3.0", "sympy"),
+        ("nvidia-ml-py", "13.580.82", "swanlab"),
+        ("filelock", "3.20.0", "huggingface-hub, torch"),
+        ("transformers", "5.24.0", "core-rl"),
+    ]
+    side = _script().torch_side(resolved)
+    cuda = {"nvidia-cublas-cu12", "nvidia-cudnn-cu12", "cuda-bindings", "cuda-toolkit"}
+    assert side == {"torch", "sympy", "mpmath", *cuda}

@@ -65,8 +65,6 @@ import sources_digest  # this folder's: the digest install.sh checks the checkou
 ROOT = Path(__file__).resolve().parents[2]
 #: the digest of the sources core-rl's wheels were built from (scripts/offline/sources_digest.py)
 SOURCES_FILE = "sources.txt"
-#: the target's own CUDA build provides these: never carried, never replaced
-PROVIDED_BY_TORCH = ("torch", "triton", "nvidia-", "cuda-", "pytorch-triton")
 #: manylinux tags the target's pip accepts (pip matches each exactly)
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (39, 35, 34, 31, 28, 27, 24, 17)] + [
     "manylinux2014_x86_64",
@@ -170,8 +168,21 @@ def applies(req: Requirement, env: dict[str, str], extras: set[str]) -> bool:
     return any(req.marker.evaluate({**env, "extra": extra}) for extra in (extras or {""}))
 
 
-def provided_by_torch(name: str) -> bool:
-    return any(name == p or (p.endswith("-") and name.startswith(p)) for p in PROVIDED_BY_TORCH)
+def torch_side(resolved: Sequence[tuple[str, str, str]]) -> set[str]:
+    """The resolved distributions the target's torch brings: torch itself, triton, and whatever
+    only those require (the resolver's ``via``: NVIDIA's CUDA libraries, sympy, ...). A
+    distribution another one needs too, or one merely named like them (``nvidia-ml-py``, which a
+    logger needs), is not."""
+    vias = {name: {v.strip() for v in via.split(",") if v.strip()} for name, _, via in resolved}
+    side = {name for name in vias if name in ("torch", "triton", "pytorch-triton")}
+    grown = True
+    while grown:
+        grown = False
+        for name, required_by in vias.items():
+            if name not in side and required_by and required_by <= side:
+                side.add(name)
+                grown = True
+    return side
 
 
 def pip(*args: str) -> subprocess.CompletedProcess[str]:
@@ -400,8 +411,9 @@ def build(
         return [f"{name}=={version}" for name, version, _ in resolved]
     manifest = [f"{ours['core-rl'].name}  (core-rl, built from this checkout)"]
     manifest += [f"{wheel.name}  (core-rl plugin)" for name, wheel in sorted(ours.items()) if name != "core-rl"]
+    torch_brings = torch_side(resolved)
     for name, version, via in resolved:
-        if name in have or provided_by_torch(name):
+        if name in have or name in torch_brings:
             continue
         path = download(name, SpecifierSet(f"=={version}"), python_version, out)
         manifest.append(f"{path.name}  (required by {via or 'the request'}: {name}=={version})")
