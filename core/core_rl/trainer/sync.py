@@ -492,7 +492,8 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
                 except Exception as exc:
                     error = exc
             stop = agree_after(f"step {step}", error, self.stop.requested)
-            self.mismatch_budget.stop_if_exceeded()  # after logging the step, before saving it
+            if (budget := getattr(self, "mismatch_budget", None)) is not None:  # loops without an RL update have none
+                budget.stop_if_exceeded()  # after logging the step, before saving it
             if self.reference_reset is not None:  # before the checkpoint, which may need its export
                 self._use_reference(self.reference_reset.after_step(step, self.engine, self.ref))
             if self._checkpoint_due(step) or stop:
