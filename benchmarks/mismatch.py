@@ -99,23 +99,38 @@ def run_case(root: Path, model: Path, engine: str, dtype: str, args: argparse.Na
     for key in KEYS:
         values = [r[key] for r in rows if key in r]
         out[key] = (statistics.fmean(values), max(values))
-    out["probe_s"] = statistics.fmean(r.get("timing/mismatch_s", 0.0) for r in rows)
-    out["train_s"] = statistics.fmean(r["timing/train_s"] for r in rows)
+    # a step whose first optimiser step was zero-signal (every advantage 0) skips its forward pass:
+    # the probe then runs one forward pass of its own, the rest read the step's own log-probs
+    forward = [r for r in rows if r.get("actor/zero_signal_update", 0.0) > 0]
+    in_step = [r for r in rows if r.get("actor/zero_signal_update", 0.0) == 0]
+    out["probe_s"] = statistics.fmean(r["timing/mismatch_s"] for r in in_step) if in_step else None
+    out["train_s"] = statistics.fmean(r["timing/train_s"] for r in in_step) if in_step else None
+    out["forward_s"] = statistics.fmean(r["timing/mismatch_s"] for r in forward) if forward else None
+    out["forward_steps"] = len(forward)
     return out
 
 
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
 def table(results: dict[tuple[str, str], dict]) -> str:
+    """The markdown table of docs/when-stuck.md: per case the mean over the steps (the largest step
+    value in brackets) of each mismatch metric, and the probe's cost: seconds per trained step
+    against the update's, and seconds of its own forward pass on the zero-signal steps (how many)."""
     lines = [
-        "| engine | dtype | mean abs dlogprob (max step) | KL behave->trainer (max step) | ratio outside [1/2, 2] "
-        "| probe s / update s |",
-        "|---|---|---|---|---|---|",
+        "| engine | dtype | mean abs dlogprob (max) | KL behave->trainer (max) | ratio outside [1/2, 2] (max) "
+        "| probe s / update s | own forward s (steps) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for (engine, dtype), r in results.items():
         if "skipped" in r:
-            lines.append(f"| {engine} | {dtype} | skipped: {r['skipped']} | | | |")
+            lines.append(f"| {engine} | {dtype} | skipped: {r['skipped']} | | | | |")
             continue
         cells = [f"{r[k][0]:.2e} ({r[k][1]:.2e})" for k in KEYS]
-        lines.append(f"| {engine} | {dtype} | {' | '.join(cells)} | {r['probe_s']:.4f} / {r['train_s']:.2f} |")
+        cost = f"{_seconds(r['probe_s'])} / {_seconds(r['train_s'])}"
+        forward = f"{_seconds(r['forward_s'])} ({r['forward_steps']})"
+        lines.append(f"| {engine} | {dtype} | {' | '.join(cells)} | {cost} | {forward} |")
     return "\n".join(lines)
 
 

@@ -104,9 +104,7 @@ def test_warn_names_the_metric_value_and_threshold_after_patience(config, monkey
 
 def test_stop_ends_the_run_with_one_line_and_saves_nothing_of_that_step(config, monkeypatch):
     monkeypatch.setenv(NOISE_VARIABLE, str(STD))
-    proc = run_train(
-        config, "experiment.name=stop", *_budget(threshold=0.1, action="stop", patience=2), expect=1
-    )
+    proc = run_train(config, "experiment.name=stop", *_budget(threshold=0.1, action="stop", patience=2), expect=1)
     assert "Traceback" not in proc.stderr
     [line] = [line for line in proc.stderr.splitlines() if "mismatch over budget" in line]
     assert "mismatch/abs_logprob_diff = " in line and "threshold 0.1 at step 2" in line and "action: stop" in line
