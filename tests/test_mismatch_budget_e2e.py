@@ -25,6 +25,7 @@ MISMATCH = ("mismatch/abs_logprob_diff", "mismatch/kl_behave_trainer", "mismatch
 #: the noise forced on the behaviour log-probs, and the mean |noise| it gives: STD * sqrt(2 / pi)
 STD = 0.5
 EXPECTED_ABS = STD * math.sqrt(2 / math.pi)
+REWARDS = Path(__file__).with_name("reward_functions.py")
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,26 @@ def test_first_step_measure_equals_a_recompute(config, monkeypatch):
         assert probe[key] == pytest.approx(recompute[key], rel=1e-4, abs=1e-6), key
     assert probe["mismatch/abs_logprob_diff"] == pytest.approx(EXPECTED_ABS, rel=0.35)
     assert probe["mismatch/ratio_out_of_bounds"] > 0.0  # |noise| > log 2 on about 17% of tokens
+
+
+def test_a_zero_signal_step_is_measured_by_a_forward_pass(config, monkeypatch):
+    """Every reward alike (a constant): every first optimiser step is zero-signal and skips its
+    forward pass; the probe's own forward pass measures what a recompute does."""
+    monkeypatch.setenv(NOISE_VARIABLE, str(STD))
+    constant = [
+        "reward.name=function",
+        f"reward.path={REWARDS}:scaled_length",
+        'reward.kwargs={"scale": 0.0, "offset": 1.0}',
+    ]
+    run_train(config, "experiment.name=zero", *constant)
+    run_train(config, "experiment.name=zero_recompute", "algorithm.recompute_logprob=true", *constant)
+    zero = read_metrics(_run_dir(config, "zero") / "metrics.jsonl")
+    recompute = read_metrics(_run_dir(config, "zero_recompute") / "metrics.jsonl")
+    assert all(r["actor/zero_signal_update"] == 1.0 for r in zero)
+    for probe, recomputed in zip(zero, recompute):
+        for key in MISMATCH:
+            assert probe[key] == pytest.approx(recomputed[key], rel=1e-4, abs=1e-6), key
+        assert probe["timing/mismatch_s"] > 0.0
 
 
 def test_warn_names_the_metric_value_and_threshold_after_patience(config, monkeypatch):
