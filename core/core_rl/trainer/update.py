@@ -15,6 +15,10 @@ Not with ``algorithm.early_stop_kl`` (each step's measured KL decides the next).
 ``loss``, ``grad_norm`` (both 0), ``lr`` and ``nonfinite`` only: no ``entropy`` or token metrics
 of a batch it did not see.
 
+The train/rollout mismatch (``mismatch/*``, :mod:`core_rl.ops.mismatch`) is reported every update:
+from the recomputed ``old_logprobs`` when there are some (:func:`drift_metrics`), else from the
+log-probs of the first optimiser step (:mod:`core_rl.trainer.mismatch_probe`).
+
 Log-probs are computed on each rank's shard and gathered back into the global batch, so everything
 that looks at the whole batch (the loss's :meth:`~core_rl.interfaces.PolicyLoss.prepare`, each
 minibatch's aggregation weights) sees the same data on every rank, whatever the number of ranks.
