@@ -12,6 +12,7 @@ from typing import Any
 
 from core_rl.chat_template import CHAT_TEMPLATE_ARGUMENTS
 from core_rl.config.checks import SectionContext, config_problems
+from core_rl.config.mismatch_budget import mismatch_budget_problems
 from core_rl.config.reward_aggregation import reward_aggregation_problems
 from core_rl.config.schema import DataConfig, RunConfig, SchedulerConfig
 from core_rl.config.sections import selected_sections
@@ -301,6 +302,9 @@ def cross_section_problems(cfg: RunConfig) -> list[str]:
             f"= {samples}, got {cfg.algorithm.ppo_n_minibatches}"
         )
     problems.extend(restart_problems(cfg))
+    problems.extend(
+        mismatch_budget_problems(cfg.algorithm.mismatch_budget, rejection_sampling=cfg.algorithm.rejection_sampling)
+    )
     return problems
 
 

@@ -18,6 +18,7 @@ from core_rl.config.data_config import DataConfig as DataConfig  # re-exported w
 from core_rl.config.data_config import TrainFile as TrainFile
 from core_rl.config.derived_key import Derived
 from core_rl.config.eval_config import EvalConfig
+from core_rl.config.mismatch_budget import MismatchBudgetConfig
 from core_rl.config.model_sections import LoraConfig, MicroBatchConfig, OptimizerConfig, SchedulerConfig
 from core_rl.config.placement import PlacementConfig
 from core_rl.config.placement import RolePlacement as RolePlacement  # re-exported with the section
@@ -343,6 +344,8 @@ class AlgorithmConfig:
       (:class:`core_rl.config.ptx.PTXConfig`);
     - ``recompute_logprob``: ``old_logprobs`` come from the train engine before the first update
       (behaviour log-probs stay in ``behave_logprobs``);
+    - ``mismatch_budget``: the train/rollout mismatch logged every step, and what to do when it
+      stays too large (:class:`core_rl.config.mismatch_budget.MismatchBudgetConfig`);
     - ``reference_reset_every_n_steps``: every this many steps the reference model becomes the
       current policy (0: never; :mod:`core_rl.trainer.reference_reset`);
     - ``reference_reset_alpha``: in ``(0, 1]``; below 1 each reset is a soft update, the reference
@@ -369,6 +372,7 @@ class AlgorithmConfig:
     early_stop_kl: float | None = attrs.field(default=None, validator=positive())
     ptx: PTXConfig | None = None
     recompute_logprob: bool = False
+    mismatch_budget: MismatchBudgetConfig = attrs.field(factory=MismatchBudgetConfig)
     reference_reset_every_n_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
     reference_reset_alpha: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
     reference_reset_optimizer: bool = False

@@ -39,6 +39,7 @@ def selected_sections(cfg: RunConfig) -> Iterator[tuple[str, PluginKind, PluginS
         yield f"algorithm.filters[{i}]", kinds.SAMPLE_FILTER, spec
     if cfg.algorithm.rejection_sampling is not None:
         yield "algorithm.rejection_sampling", kinds.REJECTION_SAMPLER, cfg.algorithm.rejection_sampling
+    yield "algorithm.mismatch_budget.correction", kinds.REJECTION_SAMPLER, cfg.algorithm.mismatch_budget.correction
     if cfg.reward is not None:
         yield "reward", kinds.REWARD, cfg.reward
     for i, spec in enumerate(cfg.loggers):
@@ -125,6 +126,7 @@ RAW_SPEC_PATHS: tuple[tuple[tuple[str, ...], PluginKind, bool], ...] = (
     (("algorithm", "loss"), kinds.POLICY_LOSS, False),
     (("algorithm", "filters"), kinds.SAMPLE_FILTER, True),
     (("algorithm", "rejection_sampling"), kinds.REJECTION_SAMPLER, False),
+    (("algorithm", "mismatch_budget", "correction"), kinds.REJECTION_SAMPLER, False),
     (("reward",), kinds.REWARD, False),
     (("loggers",), kinds.LOGGER, True),
     (("trainer", "loop"), kinds.LOOP, False),

@@ -38,6 +38,13 @@ __all__, __getattr__ = lazy_exports(
             "reverse_kl_distill_loss",
             "topk_forward_kl_loss",
         ),
+        "core_rl.ops.mismatch": (
+            "MISMATCH_METRICS",
+            "means_of_sums",
+            "mismatch_means",
+            "mismatch_sums",
+            "mismatch_values",
+        ),
         "core_rl.ops.names": (
             "AGGREGATIONS",
             "IMPORTANCE_SAMPLING_LEVELS",

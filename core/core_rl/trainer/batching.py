@@ -26,6 +26,7 @@ from core_rl.config.schema import AlgorithmConfig, NormConfig, RewardShapingConf
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import AdvantageEstimator, SampleFilter
 from core_rl.protocol import Sample, TensorBatch, concat_padded, samples_to_batch
+from core_rl.trainer.behave_noise import with_test_noise
 from core_rl.trainer.filtering import Dropped, EmptySteps, apply_filters, dropped_metrics, named_filters, why_empty
 
 
@@ -195,6 +196,7 @@ class BatchAssembler:
         if not gen.samples:
             return None, []
         batch = samples_to_batch(gen.samples, [offset + g for g in gen.group_index], self.pad_token_id)
+        batch = with_test_noise(batch)  # a test hook, off unless set (trainer/behave_noise.py)
         batch["rewards"] = torch.tensor(gen.rewards, dtype=torch.float32)
         if self.part_weights is not None:  # the reward the advantages read, which the filters judge too
             batch["rewards"] = aggregated_rewards(

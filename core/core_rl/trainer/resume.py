@@ -99,6 +99,8 @@ class Checkpointing:
             "zero_signal": (
                 zero.state_dict() if (zero := getattr(getattr(self, "update", None), "zero_signal", None)) else {}
             ),
+            # algorithm.mismatch_budget's count and correction (trainer/mismatch_budget.py)
+            "mismatch_budget": budget.state_dict() if (budget := getattr(self, "mismatch_budget", None)) else {},
             # data.difficulty_filter's records (trainer/difficulty.py), apart from the data position
             "difficulty": self.data.difficulty.state_dict() if self.data.difficulty is not None else {},
         }
@@ -221,6 +223,8 @@ class Checkpointing:
             ptx.load_state_dict(extra.get("ptx", {}))
         if (zero := getattr(getattr(self, "update", None), "zero_signal", None)) is not None:
             zero.load_state_dict(extra.get("zero_signal", {}))
+        if (budget := getattr(self, "mismatch_budget", None)) is not None:
+            budget.load_state_dict(extra.get("mismatch_budget", {}))
         with waiting_for("the other ranks to send the resumed weights to the rollout engine"):
             self._sync_weights(step)
         if self.is_main:

@@ -29,9 +29,10 @@ restores every RNG the run uses, the data position, the rollout engine's state a
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ from core_rl.config.reward_aggregation import combine_part_weights
 from core_rl.config.schema import RunConfig
 from core_rl.config.teacher_checks import model_vocab_size
 from core_rl.engine_utils.packing import rank_rows
-from core_rl.errors import CoreRLError, PreflightError
+from core_rl.errors import ConfigError, CoreRLError, PreflightError
 from core_rl.interfaces import (
     AdvantageEstimator,
     Logger,
@@ -82,6 +83,7 @@ from core_rl.trainer.evaluation import Evaluating, Evaluator, build_evaluator
 from core_rl.trainer.filtering import EmptySteps
 from core_rl.trainer.hf_exports import export_due, export_step
 from core_rl.trainer.memory import MemoryMeter
+from core_rl.trainer.mismatch_budget import MismatchBudget
 from core_rl.trainer.numerics import NonFiniteGuard
 from core_rl.trainer.profiling import StepProfiler
 from core_rl.trainer.ptx import PTXLoss, PTXRows
@@ -221,6 +223,9 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
             critic=CriticStage.of_run(cfg, self.roles.critic, self.advantage, self._shard, self.world_size),
             advantage=self.advantage,
         )
+        self.mismatch_budget = MismatchBudget(
+            cfg.algorithm.mismatch_budget, is_main=self.rank == 0, correct=self._budget_correction(host)
+        )
         if cfg.algorithm.reference_reset_every_n_steps:
             self.reference_reset = ReferenceReset.of_run(cfg, host, self.ref, self.is_main, self.engine)
 
@@ -293,6 +298,24 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def _budget_correction(self, host: PluginHost) -> Callable[[], None] | None:
+        """With ``algorithm.mismatch_budget.action: correct``: what turns its correction on (the policy
+        loss receives the built ``correction`` sampler; a loss that cannot apply one is refused here,
+        before training, as the configuration error it is). ``None`` otherwise."""
+        budget = self.cfg.algorithm.mismatch_budget
+        if budget.threshold is None or budget.action != "correct":
+            return None
+        sampler = build(host, REJECTION_SAMPLER, budget.correction)
+        try:
+            self.loss.set_rejection_sampler(sampler)
+        except ConfigError as exc:
+            refusal = "; ".join(exc.problems)
+            raise ConfigError(
+                [f"algorithm.mismatch_budget.action: 'correct' needs a loss that applies a correction ({refusal})"]
+            ) from None
+        self.loss.set_rejection_sampler(None)
+        return functools.partial(self.loss.set_rejection_sampler, sampler)
+
     def _use_reference(self, ref: TrainEngine | None) -> None:
         self.ref = self.roles.ref = self.update.ref = ref
 
@@ -331,6 +354,7 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
             metrics.update(update)
             actor = {k.removeprefix("actor/"): v for k, v in update.items() if k.startswith("actor/")}
             metrics.update(self.nonfinite.check(step, self._shard(batch), actor))
+            metrics.update(self.mismatch_budget.check(step, update))  # trainer/mismatch_budget.py
             metrics["throughput/train_tokens"] = float(batch["attention_mask"].sum()) * self.cfg.algorithm.ppo_epochs
         else:
             metrics["actor/skipped"] = 1.0
@@ -468,6 +492,8 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
                 except Exception as exc:
                     error = exc
             stop = agree_after(f"step {step}", error, self.stop.requested)
+            if (budget := getattr(self, "mismatch_budget", None)) is not None:  # loops without an RL update have none
+                budget.stop_if_exceeded()  # after logging the step, before saving it
             if self.reference_reset is not None:  # before the checkpoint, which may need its export
                 self._use_reference(self.reference_reset.after_step(step, self.engine, self.ref))
             if self._checkpoint_due(step) or stop:

@@ -15,6 +15,10 @@ Not with ``algorithm.early_stop_kl`` (each step's measured KL decides the next).
 ``loss``, ``grad_norm`` (both 0), ``lr`` and ``nonfinite`` only: no ``entropy`` or token metrics
 of a batch it did not see.
 
+The train/rollout mismatch (``mismatch/*``, :mod:`core_rl.ops.mismatch`) is reported every update:
+from the recomputed ``old_logprobs`` when there are some (:func:`drift_metrics`), else from the
+log-probs of the first optimiser step (:mod:`core_rl.trainer.mismatch_probe`).
+
 Log-probs are computed on each rank's shard and gathered back into the global batch, so everything
 that looks at the whole batch (the loss's :meth:`~core_rl.interfaces.PolicyLoss.prepare`, each
 minibatch's aggregation weights) sees the same data on every rank, whatever the number of ranks.
@@ -37,6 +41,7 @@ from core_rl.interfaces import AdvantageEstimator, LossOutput, PolicyLoss, Train
 from core_rl.protocol import TensorBatch
 from core_rl.trainer.batching import runs_in_update, set_advantages
 from core_rl.trainer.errors import RunFailed
+from core_rl.trainer.mismatch_probe import MismatchProbe
 from core_rl.trainer.ptx import PTXRows, with_ptx
 from core_rl.trainer.streaks import StreakCounter
 
@@ -117,21 +122,25 @@ def compute_on_shards(batch: TensorBatch, shard: Shard, world_size: int, compute
     del batch.data[ROW_ID]
 
 
-def drift_metrics(batch: TensorBatch) -> dict[str, float]:
+def drift_metrics(batch: TensorBatch, ratio_bound: float) -> dict[str, float]:
     """How far the recomputed ``old_logprobs`` (pi_old) are from the behaviour log-probs over the
-    loss tokens: mean and max of ``pi_old / pi_behave``, the k3 estimate of KL(pi_behave || pi_old),
-    and the staleness of the samples in weight versions (``train_version - 1 - versions``)."""
+    loss tokens: the train/rollout mismatch ``mismatch/*`` of :func:`core_rl.ops.mismatch_means`
+    (``|log pi_old - log pi_behave|``, the k3 estimate of KL(pi_behave || pi_old), the share of
+    ratios outside ``[1 / ratio_bound, ratio_bound]``), mean and max of ``pi_old / pi_behave``,
+    the same KL as ``offpolicy/kl_behave_old``, and the staleness of the samples in weight
+    versions (``train_version - 1 - versions``)."""
     mask = batch["loss_mask"]
     on = mask != 0
     if not bool(on.any()):
         return {}
+    mismatch = ops.mismatch_means(batch["old_logprobs"], batch["behave_logprobs"], mask, ratio_bound)
     log_ratio = ops.behaviour_log_ratio(batch["old_logprobs"], batch["behave_logprobs"])
-    kl = ops.kl_estimate(batch["behave_logprobs"], batch["old_logprobs"], "k3", cap=None)
     staleness = (batch["train_version"][:, None] - 1 - batch["versions"]).float()
     return {
+        **{f"mismatch/{k}": v for k, v in mismatch.items()},
         "offpolicy/behave_ratio_mean": float(ops.masked_mean(log_ratio.exp(), mask)),
         "offpolicy/behave_ratio_max": float(log_ratio.exp()[on].max()),
-        "offpolicy/kl_behave_old": float(ops.masked_mean(kl, mask)),
+        "offpolicy/kl_behave_old": mismatch["kl_behave_trainer"],
         "offpolicy/staleness_mean": float(ops.masked_mean(staleness, mask)),
         "offpolicy/staleness_max": float(staleness[on].max()),
     }
@@ -274,7 +283,8 @@ class PolicyUpdate:
         batch["train_version"] = torch.full((batch.batch_size,), train_version, dtype=torch.long)
         start = time.perf_counter()
         self._logprobs(batch)
-        metrics = drift_metrics(batch) if self.recompute else {}
+        bound = self.algorithm.mismatch_budget.ratio_bound
+        metrics = drift_metrics(batch, bound) if self.recompute else {}
         metrics["timing/logprobs_s"] = time.perf_counter() - start
         if self.critic is not None:  # values, then advantages from them (trainer/critic.py)
             metrics.update(self.critic.prepare(batch))
@@ -287,21 +297,31 @@ class PolicyUpdate:
         epochs = self.algorithm.ppo_epochs if train_actor else 0
         stopped = False
         skipped = 0
-        for rows in (rows for _epoch in range(epochs) for rows in parts):
+        # without a recompute, the mismatch is measured in the first optimiser step (trainer/mismatch_probe.py)
+        probe = None if self.recompute else MismatchProbe(self.loss, bound)
+        for i, rows in enumerate(rows for _epoch in range(epochs) for rows in parts):
             minibatch = batch.rows(rows)
             minibatch["loss_weight"] = self.loss.loss_weights(minibatch["loss_mask"])
             if self.ptx is not None:
                 minibatch = with_ptx(minibatch, self.ptx.next_rows(), self.ptx.config.coef, self.pad_token_id)
+            loss = probe if probe is not None and i == 0 else self.loss
             if self.algorithm.early_stop_kl is None and not self.loss.has_gradient(minibatch):
+                if probe is not None and i == 0:  # before the zero-gradient step moves the weights
+                    probe.measure_by_forward(self.engine, self.shard(minibatch), self.temperature)
                 steps.append(zero_gradient_step(self.engine, self.pad_token_id, self.temperature))
                 skipped += 1
                 continue
             shard = self.shard(minibatch)
-            step = engine_metrics(self.engine, "train_step", shard, self.loss, temperature=self.temperature)
+            step = engine_metrics(self.engine, "train_step", shard, loss, temperature=self.temperature)
             steps.append({**step, **self.loss.observe_step(step)})
             if self.algorithm.early_stop_kl is not None and over_kl(step, self.algorithm.early_stop_kl):
                 stopped = True
                 break
+        if probe is not None:
+            if epochs == 0:  # no actor step (the critic warms up): one forward pass over the first minibatch
+                probe.measure_by_forward(self.engine, self.shard(batch.rows(parts[0])), self.temperature)
+            metrics.update({f"mismatch/{k}": v for k, v in probe.collect().items()})
+            metrics["timing/mismatch_s"] = probe.seconds
         metrics.update({f"actor/{k}": v for k, v in combine_step_metrics(steps).items()})
         metrics["actor/optimizer_steps"] = float(len(steps))
         whole = bool(steps) and skipped == len(steps)
