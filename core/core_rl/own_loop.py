@@ -17,6 +17,7 @@ piling up threads. Light: no torch.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -67,7 +68,8 @@ class OwnLoop:
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
         except TimeoutError:
-            probe = asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop)
+            probe: concurrent.futures.Future[None] = concurrent.futures.Future()
+            loop.call_soon_threadsafe(lambda: probe.done() or probe.set_result(None))
             try:
                 await asyncio.wait_for(asyncio.wrap_future(probe), PROBE_S)
             except TimeoutError:

@@ -6,13 +6,16 @@ ends, at a chosen call of its process, as a plugin author's mistake would. Regis
 - reward ``block``: ``time.sleep(seconds)`` in its ``call``-th ``score`` call (1-based, counted per
   process); other calls score each item ``len(response) / 10``.
 - environment ``block``: ``async def step`` calls ``time.sleep(seconds)`` (blocking its event
-  loop) from its ``from_call``-th step of the process on; other steps pay 1 and end the trajectory.
+  loop; with ``awaiting: true`` it awaits ``asyncio.sleep(seconds)`` instead, a hang that leaves
+  the loop free) from its ``from_call``-th step of the process on; other steps pay 1 and end the
+  trajectory.
 - sample filter ``block``: ``time.sleep(seconds)`` in its ``call``-th call; other calls keep every sample.
 - logger ``block``: ``time.sleep(seconds)`` in its ``log`` of step ``step``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import Mapping, Sequence
@@ -51,10 +54,12 @@ class BlockingReward(Reward):
 
 @attrs.define
 class BlockingEnvironmentConfig:
-    """``from_call``: the 1-based step call of the process from which every step blocks."""
+    """``from_call``: the 1-based step call of the process from which every step blocks;
+    ``awaiting``: await the sleep instead of blocking the loop."""
 
     from_call: int = 1
     seconds: float = 10.0**6
+    awaiting: bool = False
 
 
 class BlockingEnvironment(Environment):
@@ -70,7 +75,10 @@ class BlockingEnvironment(Environment):
 
     async def step(self, action: Action) -> StepResult:
         if next(BlockingEnvironment._steps) >= self.config.from_call:
-            time.sleep(self.config.seconds)  # blocks the event loop it runs on: the mistake under test
+            if self.config.awaiting:
+                await asyncio.sleep(self.config.seconds)
+            else:
+                time.sleep(self.config.seconds)  # blocks the event loop it runs on: the mistake under test
         return StepResult("", 1.0, True, {})
 
 
