@@ -1,9 +1,9 @@
 """Timeouts and failures the run goes past are said (core_rl/plugin_tally.py,
 core_rl/trainer/failed_steps.py), and the pieces the deadlines are made of (core_rl/deadlines.py,
-core_rl/own_loop.py). End to end: the issue's case, an environment whose every step hangs awaiting
-(``await asyncio.sleep``), used to end with exit status 0 and reward 0, printing nothing; now each
-step warns and counts ``plugins/environment.block/timeouts``, and the third such step in a row ends
-the run with exit status 1 and one line naming the environment."""
+core_rl/own_loop.py, core_rl/loop_watch.py). End to end: the issue's case, an environment whose
+every step hangs awaiting (``await asyncio.sleep``), used to end with exit status 0 and reward 0,
+printing nothing; now each step warns and counts ``plugins/environment.block/timeouts``, and the
+third such step in a row ends the run with exit status 1 and one line naming the environment."""
 
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 from core_rl.deadlines import DeadlinePassed, call_with_deadline
+from core_rl.loop_watch import BEAT_S, LoopWatch
 from core_rl.own_loop import PROBE_S, OwnLoop, stuck_loops
 from core_rl.plugin_tally import PluginTally, tally_metrics, warnings_for
 from core_rl.progress import PROGRESS
 from core_rl.protocol import Sample
+from core_rl.testing.blocking import in_environment
 from core_rl.testing.faults import build_task, merged, run_dir
 from core_rl.trainer.failed_steps import FailedEpisodes, FailedSteps, FailedStepsError
 from core_rl.trainer.rewards import TIMEOUT, ItemFailure, ScoreResult
@@ -167,19 +169,7 @@ def test_an_environment_whose_every_step_hangs_awaiting(tmp_path: Path) -> None:
     pytest.importorskip("core_rl_fsdp")
     pytest.importorskip("core_rl_hf")
     config = merged(
-        build_task(tmp_path),
-        rollout={
-            "engine": {"name": "hf"},
-            "sampling": {"n": 4, "max_new_tokens": 4},
-            "workflow": {
-                "name": "environment",
-                "max_turns": 1,
-                "tool_timeout_s": 1,
-                "environment": {"name": "block", "awaiting": True},
-            },
-        },
-        reward={"name": "workflow"},
-        trainer={"total_steps": 6, "torch_threads": 1},
+        in_environment(build_task(tmp_path), 1, awaiting=True), trainer={"total_steps": 6, "torch_threads": 1}
     )
     path = write_config(config, tmp_path / "run.yaml")
     done = subprocess.run(
@@ -200,3 +190,34 @@ def test_an_environment_whose_every_step_hangs_awaiting(tmp_path: Path) -> None:
     assert [r["plugins/environment.block/timeouts"] for r in rows] == [8.0, 8.0]
     assert [r["rollout/failed_steps_total"] for r in rows] == [1.0, 2.0]
     assert [r["rollout/failed_episodes"] for r in rows] == [8.0, 8.0]
+
+
+def test_a_blocked_loop_is_found_from_outside_and_named() -> None:
+    """:class:`LoopWatch` on a loop whose coroutine calls ``time.sleep``: stalled past its bound,
+    naming this file, the line and the function it is blocked in; not stalled once it runs again."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    watch = LoopWatch(loop, thread, stall_s=0.5)
+    release = threading.Event()
+
+    async def blocks_the_loop() -> None:
+        release.wait(30)
+
+    try:
+        time.sleep(BEAT_S * 2)
+        assert watch.stalled() is None
+        future = asyncio.run_coroutine_threadsafe(blocks_the_loop(), loop)
+        deadline = time.monotonic() + 10
+        while (stall := watch.stalled()) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert stall is not None and stall.startswith("blocked for ")
+        assert f"{__file__}:" in stall and stall.endswith(" in blocks_the_loop"), stall
+        release.set()
+        future.result(5)
+        time.sleep(BEAT_S * 3)
+        assert watch.stalled() is None
+    finally:
+        release.set()
+        watch.stop()
+        loop.call_soon_threadsafe(loop.stop)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from core_rl.supervise import session_members
+from core_rl.testing.blocking import in_environment
 from core_rl.testing.faults import build_task, finish, merged, run_dir
 from fault_helpers import cli_command, cli_env, write_config
 
@@ -99,20 +100,8 @@ def test_an_environment_whose_async_step_blocks_the_event_loop(tmp_path: Path) -
     trajectory of steps 2 and 3 is cut at ``tool_timeout_s`` (the environment runs on a loop of its
     own, so the timeout fires), every episode fails, and two such steps in a row stop the run with
     one line naming the environment, its distribution, the call and the wait."""
-    config = _config(
-        tmp_path,
-        rollout={
-            "engine": {"name": "hf"},
-            "sampling": {"n": 4, "max_new_tokens": 4},
-            "workflow": {
-                "name": "environment",
-                "max_turns": 1,
-                "tool_timeout_s": 2,
-                "environment": {"name": "block", "from_call": 9},
-            },
-        },
-        reward={"name": "workflow"},
-        algorithm={"name": "grpo", "max_consecutive_failed_steps": 2},
+    config = merged(
+        in_environment(_config(tmp_path), 2, from_call=9), algorithm={"name": "grpo", "max_consecutive_failed_steps": 2}
     )
     status, err, took = _train(config, timeout=2 * 2 + BOUND_S + 60)
     assert status == 1, err[-4000:]
@@ -130,6 +119,31 @@ def test_an_environment_whose_async_step_blocks_the_event_loop(tmp_path: Path) -
     assert [r["plugins/environment.block/timeouts"] for r in rows] == [0.0, 8.0]
     assert [r["rollout/failed_step"] for r in rows] == [0.0, 1.0]
     # the resumed process's first 8 steps pass again: step 3 trains, step 4 fails (one, below the limit)
+    _resumes_from(config, 2, 4)
+
+
+def test_a_workflow_that_blocks_the_controllers_event_loop(tmp_path: Path) -> None:
+    """The workflow's fifth ``run`` (the first trajectory of step 3) calls ``time.sleep`` inside
+    ``async def run``, blocking the rollout controller's loop: no timeout on that loop can fire,
+    but the loop's watch finds it past ``rollout.controller.workflow_timeout_s`` and the run stops
+    with one line naming the workflow and where the loop is blocked."""
+    config = _config(tmp_path)
+    config["rollout"] = {
+        **config["rollout"],
+        "workflow": {"name": "block", "call": 5},
+        "controller": {"workflow_timeout_s": 3},
+    }
+    status, err, took = _train(config, timeout=3 + BOUND_S + 60)
+    assert status == 1, err[-4000:]
+    line = _error_line(err)
+    assert (
+        f"workflow 'block' {DISTRIBUTION}: the rollout controller's event loop, where the workflow runs, is blocked"
+        in line
+    )
+    assert "core_rl/testing/blocking.py:" in line and " in run (rollout.controller.workflow_timeout_s=3)" in line, line
+    assert took < 3 + BOUND_S, took
+    assert _logged_steps(run_dir(config)) == [1, 2]
+    config["rollout"]["workflow"] = {"name": "block", "call": 99}
     _resumes_from(config, 2, 4)
 
 

@@ -91,7 +91,10 @@ class ControllerConfig:
     by token; on vLLM only the swap itself freezes them).
     ``wait_timeout_s``: the longest the trainer waits for a generation batch (and a weight update
     for the rollout to pause). ``warn_wait_fraction``: warn when the trainer waited on rollout
-    (or rollout on the trainer) for more than this fraction of a step."""
+    (or rollout on the trainer) for more than this fraction of a step. ``workflow_timeout_s``: the
+    longest one trajectory's workflow call (``run``, generation included) may take, and the longest
+    the controller's event loop may stay blocked (by an ``async def`` making a blocking call); past
+    it the run stops with one line naming the workflow (:mod:`core_rl.deadlines`)."""
 
     max_head_offpolicyness: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
     max_concurrent_rollouts: int = attrs.field(default=0, validator=in_range(0, MAX_COUNT))
@@ -100,6 +103,7 @@ class ControllerConfig:
     pause_mode: str = attrs.field(default="abort", validator=one_of(("wait", "keep", "abort")))
     wait_timeout_s: float = attrs.field(default=3600.0, validator=in_range(0.0, 10**7, low_open=True))
     warn_wait_fraction: float = attrs.field(default=0.5, validator=in_range(0.0, 1.0))
+    workflow_timeout_s: float = attrs.field(default=1800.0, validator=in_range(0.0, 10**7, low_open=True))
 
 
 @attrs.define

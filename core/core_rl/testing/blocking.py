@@ -11,6 +11,11 @@ ends, at a chosen call of its process, as a plugin author's mistake would. Regis
   trajectory.
 - sample filter ``block``: ``time.sleep(seconds)`` in its ``call``-th call; other calls keep every sample.
 - logger ``block``: ``time.sleep(seconds)`` in its ``log`` of step ``step``.
+- workflow ``block``: single-turn (one ``generate`` of the row's prompt), but its ``call``-th
+  ``async def run`` of the process calls ``time.sleep(seconds)``, blocking the rollout controller's loop.
+
+:func:`in_environment` turns a run configuration of the tiny task into one driving the ``block``
+environment.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import attrs
 
 from core_rl.environments import Action, Environment, StepResult
 from core_rl.interfaces import Logger, Reward, SampleFilter
+from core_rl.workflows import RolloutWorkflow, WorkflowContext
 
 #: a day: longer than any test waits
 DAY_S = 86400.0
@@ -115,3 +121,31 @@ class BlockingLogger(Logger):
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if step == self.config.step:
             time.sleep(self.config.seconds)
+
+
+class BlockingWorkflow(RolloutWorkflow):
+    """See the module docstring."""
+
+    _calls = itertools.count(1)
+
+    def __init__(self, config: BlockOnCallConfig) -> None:
+        self.config = config
+
+    async def run(self, prompt: Any, ctx: WorkflowContext) -> list[Any]:
+        if next(BlockingWorkflow._calls) == self.config.call:
+            time.sleep(self.config.seconds)  # blocks the controller's event loop: the mistake under test
+        return await ctx.generate(prompt.prompt_ids, ctx.sampling)
+
+
+def in_environment(config: Mapping[str, Any], tool_timeout_s: float, **environment: Any) -> dict[str, Any]:
+    """``config`` (:func:`core_rl.testing.faults.build_task`'s) with the ``environment`` workflow
+    driving the ``block`` environment (``environment``: its options), one turn per trajectory, steps
+    bounded by ``tool_timeout_s``, trained on what the environment paid (reward ``workflow``)."""
+    rollout = dict(config["rollout"])
+    rollout["workflow"] = {
+        "name": "environment",
+        "max_turns": 1,
+        "tool_timeout_s": tool_timeout_s,
+        "environment": {"name": "block", **environment},
+    }
+    return {**config, "rollout": rollout, "reward": {"name": "workflow"}}

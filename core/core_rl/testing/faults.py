@@ -15,7 +15,7 @@ Components that misbehave on purpose, registered by :class:`FaultPlugin`:
   with SIGSEGV (``how: segfault``, as a crash in native code would).
 
 Also the plugins that block on purpose of :mod:`core_rl.testing.blocking` (reward, environment,
-sample filter and logger ``block``).
+workflow, sample filter and logger ``block``).
 
 ``python -m core_rl.testing.faults train CONFIG ...`` is ``core-rl`` with them installed. Also here:
 a tiny task to run (:func:`build_task`) and bitwise comparisons of runs (:func:`stable_metrics`,
@@ -158,6 +158,15 @@ class FaultPlugin:
             blocking.BlockingEnvironment,
             description="its async step blocks the event loop",
             config_cls=blocking.BlockingEnvironmentConfig,
+        )
+
+    @hookimpl
+    def core_rl_register_workflows(self, register: Register) -> None:
+        register(
+            "block",
+            blocking.BlockingWorkflow,
+            description="one of its runs blocks the event loop",
+            config_cls=blocking.BlockOnCallConfig,
         )
 
     @hookimpl
