@@ -4,14 +4,15 @@ An ``async def`` that makes a blocking call (``time.sleep``, a blocking socket) 
 from running anything else, its own timeouts included. :class:`LoopWatch` notices from outside: a
 daemon thread posts a heartbeat to the loop every :data:`BEAT_S` seconds, and the loop is *stalled*
 when the last one posted has waited more than ``stall_s`` to run. :meth:`LoopWatch.stalled` then
-says so in one line, naming where the loop's thread is (the innermost frame of its stack, as
-``file:line in function``), which is the blocking code. Light: no torch.
+says so in one line, naming where the loop's thread is (the innermost frame of its stack outside
+the standard library, as ``file:line in function``), which is the blocking code. Light: no torch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
+import sysconfig
 import threading
 import time
 
@@ -64,11 +65,25 @@ class LoopWatch:
         return f"blocked for {waited:.0f} s in {self.where()}"
 
     def where(self) -> str:
-        """The innermost frame of the loop thread's stack: ``file:line in function``."""
+        """Where the loop's thread is: ``file:line in function`` of the innermost frame of its
+        stack outside Python's standard library (the code that called ``time.sleep`` or
+        ``Event.wait``), else of the innermost frame."""
         frame = sys._current_frames().get(self.thread.ident or -1)
         if frame is None:
             return "(its thread has ended)"
-        return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        found = frame
+        while found is not None and _in_stdlib(found.f_code.co_filename):
+            found = found.f_back
+        shown = found if found is not None else frame
+        return f"{shown.f_code.co_filename}:{shown.f_lineno} in {shown.f_code.co_name}"
 
     def stop(self) -> None:
+        """End the watch (its thread stops within :data:`BEAT_S`)."""
         self._stop.set()
+
+
+def _in_stdlib(filename: str) -> bool:
+    """Whether ``filename`` is a module of Python's standard library (not an installed package)."""
+    if "site-packages" in filename or "dist-packages" in filename:
+        return False
+    return filename.startswith(sysconfig.get_paths()["stdlib"])
