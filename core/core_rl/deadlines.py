@@ -1,8 +1,8 @@
 """Running a plugin's synchronous code under a deadline it cannot escape.
 
 :func:`call_with_deadline` runs one call (a sample filter's ``filter``, a logger's ``log``) in a
-fresh daemon thread, registered with the progress watchdog (:mod:`core_rl.progress`) as
-``<words>: <doing>``, and waits at most ``timeout_s`` for it. The call's result or exception comes
+fresh daemon thread and waits at most ``timeout_s`` for it, the wait registered with the progress
+watchdog (:mod:`core_rl.progress`) as the call ``<words>: <doing>``. The call's result or exception comes
 back unchanged; a call still running at its deadline raises :class:`DeadlinePassed`, whose message
 is one line naming the plugin (its words from :mod:`core_rl.attribution`: kind, name,
 distribution), the call, how long it waited and the config key that sets the bound.
@@ -56,15 +56,16 @@ def call_with_deadline(
 
     def work() -> None:
         try:
-            with PROGRESS.call(label):
-                outcome.result = fn(*args, **kwargs)
+            outcome.result = fn(*args, **kwargs)
         except BaseException as exc:  # handed to the waiting thread, which raises it
             outcome.error = exc
         finally:
             outcome.done.set()
 
-    threading.Thread(target=work, name=f"deadline {doing}"[:60], daemon=True).start()
-    if not outcome.done.wait(timeout_s):
+    with PROGRESS.call(label):  # registered by the waiting thread: an abandoned call does not linger
+        threading.Thread(target=work, name=f"deadline {doing}"[:60], daemon=True).start()
+        returned = outcome.done.wait(timeout_s)
+    if not returned:
         raise DeadlinePassed(deadline_message(words, doing, timeout_s, key))
     if outcome.error is not None:
         raise outcome.error

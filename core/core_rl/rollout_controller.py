@@ -285,7 +285,7 @@ class RolloutController:
         if self._closed:
             return
         self._watch.stop()
-        if self._stalled or self._watch.stalled_s() > 1.0:  # blocked for good: nothing to wait for
+        if self._stalled or self._watch.stalled() is not None:  # blocked for good: nothing to wait for
             self._closed = True
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._executor.shutdown(wait=False, cancel_futures=True)

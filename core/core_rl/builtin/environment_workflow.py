@@ -70,6 +70,7 @@ from core_rl.hookspecs import Register, hookimpl
 from core_rl.kinds import ENVIRONMENT
 from core_rl.own_loop import OwnLoop, stuck_loops
 from core_rl.plugin_tally import PLUGIN_TALLY
+from core_rl.progress import PROGRESS
 from core_rl.protocol import Sample
 from core_rl.workflows import FAILED, RolloutWorkflow, WorkflowContext, append_observation, extend_turn
 
@@ -176,7 +177,8 @@ class EnvironmentWorkflow(RolloutWorkflow):
                     f"{timeout:g} s; the environment blocks for good and the run stops, keeping its last checkpoint"
                 )
             try:
-                result = await own.run(coro, timeout)
+                with PROGRESS.call(f"{words}: {what}"):
+                    result = await own.run(coro, timeout)
             except TimeoutError:
                 note = f"{what} past rollout.workflow.tool_timeout_s={timeout:g} s"
                 PLUGIN_TALLY.record(metric, words, timeouts=1, what=note)

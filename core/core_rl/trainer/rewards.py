@@ -7,7 +7,7 @@ failed item gets ``on_error``: ``value`` (scored ``error_value``), ``drop`` (lef
 ``stop`` (:class:`~core_rl.trainer.errors.RewardError`). A wrong number of scores always stops.
 
 Every call counts in :data:`core_rl.plugin_tally.PLUGIN_TALLY` (``plugins/reward.<name>/calls``,
-``timeouts``, ``errors``) and is registered with the progress watchdog while it runs.
+``timeouts``, ``errors``); the wait for a step's calls is registered with the progress watchdog.
 
 Python cannot kill a thread: a call that timed out keeps its worker thread until it returns, and a
 fresh worker takes its place. The workers are daemon threads, so a reward that never returns
@@ -207,17 +207,16 @@ class RewardRunner:
         return result
 
     def _bind(self, chunk: Sequence[RewardInput]) -> Callable[[], Any]:
-        """The call scoring ``chunk``, registered as a call in flight for the progress watchdog."""
         chunk = list(chunk)
-
-        def call() -> Any:
-            with PROGRESS.call(f"{self.words}: score ({len(chunk)} items)"):
-                return self.reward.score_with_parts(chunk)
-
-        return call
+        return lambda: self.reward.score_with_parts(chunk)
 
     def _wait(self, calls: list[_Call]) -> None:
-        """Until every call finished or ran past ``timeout_s`` (those are abandoned)."""
+        """Until every call finished or ran past ``timeout_s`` (those are abandoned); the wait is
+        registered as a call in flight for the progress watchdog."""
+        with PROGRESS.call(f"{self.words}: score ({len(calls)} calls)"):
+            self._wait_for(calls)
+
+    def _wait_for(self, calls: list[_Call]) -> None:
         timeout = self.config.timeout_s
         pending = list(calls)
         while pending:
