@@ -248,11 +248,11 @@ class EnvironmentWorkflow(RolloutWorkflow):
                     break
                 pending = self._encode(ctx, result.observation)
         finally:
-            if not own.stuck:
-                try:
+            try:
+                if not own.stuck:
                     await self._call(env, own, metric, "close", env.close())
-                finally:
-                    own.close()
+            finally:
+                own.close()
         if sample is None:
             raise ValueError(
                 f"rollout.workflow.max_tokens ({budget}) leaves no room for a model turn after the environment's "
