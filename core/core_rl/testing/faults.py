@@ -12,7 +12,7 @@ Components that misbehave on purpose, registered by :class:`FaultPlugin`:
   (steps counted by its ``loss_weights`` calls, one per step on the main rank).
 - logger ``crash_once``: at step ``step`` unless the file ``marker`` exists, which it creates
   first (so a restarted run passes that step), raises (``how: raise``) or kills its own process
-  with SIGSEGV (``how: segfault``, as a crash in native code would).
+  with SIGSEGV sent to the calling thread (``how: segfault``, as a crash in native code would).
 
 Also the plugins that block on purpose of :mod:`core_rl.testing.blocking` (reward, environment,
 workflow, sample filter and logger ``block``).
@@ -136,8 +136,8 @@ class CrashOnceLogger(Logger):
         marker = Path(self.config.marker)
         if step == self.config.step and not marker.exists():
             marker.write_text("crashed\n")
-            if self.config.how == "segfault":
-                os.kill(os.getpid(), signal.SIGSEGV)
+            if self.config.how == "segfault":  # to this thread, as a fault in native code here would be
+                signal.pthread_kill(threading.get_ident(), signal.SIGSEGV)
             raise RuntimeError(f"crash_once: logger crashed at step {step}")
 
 

@@ -62,6 +62,7 @@ from core_rl.kinds import (
     SAMPLE_FILTER,
     WORKFLOW,
 )
+from core_rl.plugin_tally import PLUGIN_TALLY
 from core_rl.plugins import PluginHost
 from core_rl.preflight import preflight
 from core_rl.progress import PROGRESS
@@ -156,6 +157,7 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
         self.empty_steps = EmptySteps(cfg.algorithm.max_consecutive_empty_steps)
         #: steps whose every episode failed (:mod:`core_rl.trainer.failed_steps`)
         self.failed_steps = FailedSteps(cfg.algorithm.max_consecutive_failed_steps)
+        PLUGIN_TALLY.take()  # counts from an earlier run in this process (a restart, a test) are not this one's
         #: rank 0's weight load running beside the trainer (asynchronous runs, disk sync)
         self.weight_load = BackgroundWeightLoad(
             cfg.rollout.controller.wait_timeout_s, "rollout.controller.wait_timeout_s"
