@@ -351,3 +351,22 @@ def test_step_warnings_name_the_side_that_waited_and_do_not_repeat_every_step(ca
     flow._warned.clear()
     flow.step_metrics(metrics, 100)
     assert capsys.readouterr().err == ""
+
+
+def test_a_workflow_past_its_deadline_stops_the_run_naming_it(engine) -> None:
+    """``rollout.controller.workflow_timeout_s`` bounds each trajectory's ``run``: a workflow that
+    hangs awaiting is cut there (well before ``wait_timeout_s``) with one line naming it."""
+    from core_rl.deadlines import DeadlinePassed
+
+    cfg = ControllerConfig(wait_timeout_s=300, workflow_timeout_s=1.0)
+    controller = RolloutController(engine, Never(), CountingData(2), SamplingParams(), cfg, batch_size=2)
+    controller.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(
+            DeadlinePassed, match=r"^Never: run \(prompt \d of generation batch 0\) did not return within 1 s "
+        ):
+            controller.take(new_step=True)
+    finally:
+        controller.close()
+    assert time.monotonic() - start < 30

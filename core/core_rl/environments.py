@@ -10,8 +10,10 @@ tokenises and appends as masked tokens (never trained) before the next turn; ``r
 turn's reward; ``done`` ends the trajectory.
 
 Both methods are coroutines: an environment that blocks (runs a program, calls a service) awaits
-it off the event loop (``asyncio.to_thread``) so that other trajectories go on meanwhile. The
-workflow bounds how many steps run at once and how long one may take.
+it off the event loop (``asyncio.to_thread``) so that its other awaits go on meanwhile. The
+workflow bounds how many steps run at once and how long one may take, and runs each environment
+object on an event loop of its own (:mod:`core_rl.own_loop`), so one that blocks by mistake cannot
+freeze the other trajectories or escape the timeout.
 """
 
 from __future__ import annotations

@@ -27,6 +27,12 @@ Weight updates (:meth:`RolloutController.update_weights`) stop admission, pause 
 ``pause_mode``: ``abort`` interrupts running requests, which continue under the new weights, so
 their later tokens carry the new version), load the weights and resume.
 
+Deadlines: a trajectory's workflow call (``workflow.run``) that takes longer than
+``rollout.controller.workflow_timeout_s`` stops the run with one line naming the workflow
+(:class:`~core_rl.deadlines.DeadlinePassed`); a loop blocked that long (an ``async def`` of a workflow
+or engine making a blocking call, which no timeout on the loop can cut) is found by a
+:class:`~core_rl.loop_watch.LoopWatch` and stops the run the same way, naming where it is blocked.
+
 Checkpoints: :meth:`state_dict` holds the data position before the first wave not yet taken (and
 the dynamic-sampling count); a resumed run draws the in-flight waves again, so their prompts are
 regenerated, neither lost nor repeated.
@@ -48,8 +54,10 @@ import attrs
 
 from core_rl.attribution import built_by
 from core_rl.config.schema import ControllerConfig
+from core_rl.deadlines import DeadlinePassed, deadline_message
 from core_rl.errors import CoreRLError, PluginFault
 from core_rl.interfaces import RolloutEngine, SamplingParams
+from core_rl.loop_watch import LoopWatch
 from core_rl.protocol import Sample
 from core_rl.sampling_params import batch_key
 from core_rl.stop_strings import apply_stop_strings
@@ -182,6 +190,9 @@ class RolloutController:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-controller", daemon=True)
         self._thread.start()
+        #: a workflow (or engine) that blocks the loop is found by this watch (core_rl/loop_watch.py)
+        self._watch = LoopWatch(self._loop, self._thread, config.workflow_timeout_s)
+        self._stalled = False
         self._call(self._setup(), 60, "the rollout controller's event loop to start")
 
     async def _setup(self) -> None:
@@ -194,14 +205,28 @@ class RolloutController:
             coro.close()
             raise CoreRLError("the rollout controller is closed")
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise RolloutTimeout(
-                f"rollout controller: waited {timeout:.0f} s for {what} "
-                f"(rollout.controller.wait_timeout_s={self.config.wait_timeout_s:g}); {self._describe()}"
-            ) from None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return future.result(min(1.0, max(deadline - time.monotonic(), 0.0)))
+            except concurrent.futures.TimeoutError:
+                if (stall := self._watch.stalled()) is not None:
+                    future.cancel()
+                    self._stalled = True
+                    raise DeadlinePassed(
+                        f"{built_by(self.workflow)}: the rollout controller's event loop, where the workflow runs, is "
+                        f"{stall} (rollout.controller.workflow_timeout_s={self.config.workflow_timeout_s:g}): "
+                        "an async def there makes a blocking call, so nothing on the loop can run or time out. "
+                        "The run stops, keeping its last checkpoint; move the blocking call off the loop "
+                        "(await asyncio.to_thread(...))"
+                    ) from None
+                if time.monotonic() < deadline:
+                    continue
+                future.cancel()
+                raise RolloutTimeout(
+                    f"rollout controller: waited {timeout:.0f} s for {what} "
+                    f"(rollout.controller.wait_timeout_s={self.config.wait_timeout_s:g}); {self._describe()}"
+                ) from None
 
     def _describe(self) -> str:
         waves = ", ".join(f"wave {w.index}: {w.started} started, {w.finished} finished" for w in self._waves)
@@ -258,6 +283,12 @@ class RolloutController:
     def close(self, timeout: float = 30.0) -> None:
         """Cancel what is in flight and stop the loop thread (joined within ``timeout``)."""
         if self._closed:
+            return
+        self._watch.stop()
+        if self._stalled or self._watch.stalled() is not None:  # blocked for good: nothing to wait for
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._executor.shutdown(wait=False, cancel_futures=True)
             return
 
         async def stop() -> None:
@@ -397,7 +428,7 @@ class RolloutController:
 
         ctx = WorkflowContext(generate=generate, sampling=self.sampling, tokenizer=self.tokenizer)
         try:
-            group = await self.workflow.run(prompt, ctx)
+            group = await self._run_workflow(prompt, ctx, f"run (prompt {slot} of generation batch {wave.index})")
             wave.groups[slot] = check_samples(
                 group,
                 built_by(self.workflow),
@@ -423,6 +454,23 @@ class RolloutController:
             if self._admitting:
                 self._pump()
                 await self._notify()
+
+    async def _run_workflow(self, prompt: Any, ctx: WorkflowContext, doing: str) -> list[Sample]:
+        """``workflow.run(prompt, ctx)`` within ``rollout.controller.workflow_timeout_s``; past it,
+        :class:`~core_rl.deadlines.DeadlinePassed` naming the workflow and ``doing``."""
+        timeout = self.config.workflow_timeout_s
+        task = asyncio.ensure_future(self.workflow.run(prompt, ctx))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not done:
+            task.cancel()
+            raise DeadlinePassed(
+                deadline_message(built_by(self.workflow), doing, timeout, "rollout.controller.workflow_timeout_s")
+            )
+        return task.result()
 
     # -- batching: wave --------------------------------------------------------------------------
 

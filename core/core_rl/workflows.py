@@ -14,6 +14,10 @@ row's prompt, ``response_ids`` everything after it (all turns), ``logprobs`` the
 log-probs (0 on appended tokens), ``token_weight_versions`` the weight version of each token.
 The rollout controller (:mod:`core_rl.rollout_controller`) runs many workflows concurrently; the
 trainer scores the samples with the run's reward.
+
+A trajectory that failed (its environment timed out, say) but is still returned carries
+``info[FAILED]``, a short reason: it counts as a failed episode, and a step whose every episode
+failed is a *failed step* (:mod:`core_rl.trainer.failed_steps`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ import attrs
 from core_rl.errors import PluginFault
 from core_rl.interfaces import SamplingParams
 from core_rl.protocol import Sample
+
+#: the key of ``Sample.info`` that marks a failed episode (its value: why, e.g. ``step timed out``)
+FAILED = "failed"
 
 
 @attrs.define

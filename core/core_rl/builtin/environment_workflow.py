@@ -37,7 +37,18 @@ estimators (``grpo``, ``rloo``) see the sum. ``turn_discount`` ``d`` in (0, 1] s
 reward (0-based) by ``d**k`` before any of this, so an answer reached in fewer turns earns more
 (AReaL's ``turn_discount``); the recorded steps keep the environment's own rewards.
 ``train_turns: last`` masks every model turn but the last from the loss (their tokens stay in the
-context). A step past ``tool_timeout_s`` ends the trajectory with reward 0 and ``info["timeout"]``.
+context).
+
+Deadlines: each environment object's ``reset``, ``step`` and ``close`` run on an event loop of its
+own, in a daemon thread (:mod:`core_rl.own_loop`), so an ``async def`` step that blocks (a
+``time.sleep``, a blocking socket) cannot freeze the rollout: ``tool_timeout_s`` fires whatever the
+environment does. A step (or reset) past ``tool_timeout_s`` ends the trajectory with reward 0, the
+turn's ``info["timeout"]`` and the sample's ``info["failed"]`` (a failed episode: see
+``algorithm.max_consecutive_failed_steps``); an environment whose loop stays blocked after that is
+asked nothing more (not even ``close``). Every call, timeout and error counts in the metrics
+``plugins/environment.<name>/calls``, ``timeouts``, ``errors`` (:mod:`core_rl.plugin_tally`). More than
+:data:`MAX_STUCK_LOOPS` environments blocked for good at once stop the run with one line naming the
+environment (exit status 1).
 """
 
 from __future__ import annotations
@@ -52,15 +63,23 @@ import attrs
 from core_rl.attribution import built_by
 from core_rl.config.schema import PluginSpec, plugin_section
 from core_rl.config.validators import FieldValueError, in_range, one_of, positive
+from core_rl.deadlines import DeadlinePassed
 from core_rl.environments import Action, Environment, StepResult, as_step_result
 from core_rl.errors import PluginFault
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.kinds import ENVIRONMENT
+from core_rl.own_loop import OwnLoop, stuck_loops
+from core_rl.plugin_tally import PLUGIN_TALLY
+from core_rl.progress import PROGRESS
 from core_rl.protocol import Sample
-from core_rl.workflows import RolloutWorkflow, WorkflowContext, append_observation, extend_turn
+from core_rl.workflows import FAILED, RolloutWorkflow, WorkflowContext, append_observation, extend_turn
 
 TRAIN_TURNS = ("all", "last")
 TURN_REWARDS = ("sum", "last", "per_turn")
+#: more environments than this blocked for good at once (their loops stuck) stops the run
+MAX_STUCK_LOOPS = 64
+#: what :meth:`EnvironmentWorkflow._call` returns for a call past ``tool_timeout_s``
+TIMED_OUT = object()
 
 
 @attrs.define
@@ -142,31 +161,56 @@ class EnvironmentWorkflow(RolloutWorkflow):
             self._pools[loop] = asyncio.Semaphore(self.config.max_concurrent_steps)
         return self._pools[loop]
 
-    async def _call(self, env: Environment, what: str, coro: Any) -> Any:
-        """``await coro`` (the environment's ``what``) within the pool and the step timeout; a
-        timeout returns ``None``; an exception is a :class:`PluginFault` naming the environment."""
+    async def _call(self, env: Environment, own: OwnLoop, metric: str, what: str, coro: Any) -> Any:
+        """``await coro`` (the environment's ``what``) on the environment's own loop (``own``,
+        :mod:`core_rl.own_loop`), within the pool and the step timeout, counted in
+        :data:`~core_rl.plugin_tally.PLUGIN_TALLY` as ``metric``. A timeout returns :data:`TIMED_OUT`; an
+        exception is a :class:`PluginFault` naming the environment; more than
+        :data:`MAX_STUCK_LOOPS` environments blocked for good is a :class:`DeadlinePassed`."""
+        words = built_by(env)
+        timeout = self.config.tool_timeout_s
         async with self._pool():
+            if (stuck := stuck_loops()) > MAX_STUCK_LOOPS:
+                coro.close()
+                raise DeadlinePassed(
+                    f"{words}: {stuck} calls of {what} never returned after rollout.workflow.tool_timeout_s="
+                    f"{timeout:g} s; the environment blocks for good and the run stops, keeping its last checkpoint"
+                )
             try:
-                return await asyncio.wait_for(coro, self.config.tool_timeout_s)
+                with PROGRESS.call(f"{words}: {what}"):
+                    result = await own.run(coro, timeout)
             except TimeoutError:
-                return None
+                note = f"{what} past rollout.workflow.tool_timeout_s={timeout:g} s"
+                PLUGIN_TALLY.record(metric, words, timeouts=1, what=note)
+                return TIMED_OUT
             except Exception as exc:
-                raise PluginFault(f"{built_by(env)}: {what} raised {type(exc).__name__}: {exc}") from exc
+                PLUGIN_TALLY.record(metric, words, errors=1)
+                raise PluginFault(f"{words}: {what} raised {type(exc).__name__}: {exc}") from exc
+            PLUGIN_TALLY.record(metric, words)
+            return result
 
     async def run(self, prompt: Any, ctx: WorkflowContext) -> list[Sample]:
         spec = self.spec_for(prompt.row)
         n = ctx.sampling.n
-        return list(await asyncio.gather(*(self.trajectory(spec.build(), prompt, ctx) for _ in range(n))))
+        return list(
+            await asyncio.gather(*(self.trajectory(spec.build(), prompt, ctx, name=spec.name) for _ in range(n)))
+        )
 
     def _encode(self, ctx: WorkflowContext, text: str) -> list[int]:
         return list(ctx.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
-    async def trajectory(self, env: Environment, prompt: Any, ctx: WorkflowContext) -> Sample:
-        """One trajectory of ``prompt`` in ``env`` (see the module docstring)."""
+    async def trajectory(self, env: Environment, prompt: Any, ctx: WorkflowContext, name: str = "") -> Sample:
+        """One trajectory of ``prompt`` in ``env`` (see the module docstring); ``name``: the
+        environment's registered name, for its metrics (default: its class name)."""
         cfg = self.config
         budget = cfg.max_tokens if cfg.max_tokens is not None else cfg.max_turns * ctx.sampling.max_new_tokens
+        metric = f"environment.{name or type(env).__name__}"
+        own = OwnLoop(f"environment {name or type(env).__name__}")
+        failed = ""
         try:
-            first = await self._call(env, "reset", env.reset(prompt.row))
+            first = await self._call(env, own, metric, "reset", env.reset(prompt.row))
+            if first is TIMED_OUT:  # nothing more to ask of it: one model turn, then the end
+                failed, first = "reset timed out", ""
             pending = self._encode(ctx, first or "")
             sample: Sample | None = None
             spans: list[tuple[int, int]] = []
@@ -184,11 +228,18 @@ class EnvironmentWorkflow(RolloutWorkflow):
                 (turn,) = await ctx.generate(context, sampling)
                 sample = self._continue(sample, pending, turn, prompt.prompt_ids)
                 spans.append((len(sample.response_ids) - len(turn.response_ids), len(sample.response_ids)))
+                if failed:
+                    rewards.append(0.0)
+                    break
                 text = ctx.tokenizer.decode(turn.response_ids, skip_special_tokens=True)
                 action = Action(text, tuple(turn.response_ids), turn_index, prompt.text, tuple(prompt.prompt_ids))
-                raw = await self._call(env, "step", env.step(action))
+                raw = await self._call(env, own, metric, "step", env.step(action))
+                if raw is TIMED_OUT:
+                    failed = "step timed out"
                 result = (
-                    StepResult("", 0.0, True, {"timeout": True}) if raw is None else as_step_result(raw, built_by(env))
+                    StepResult("", 0.0, True, {"timeout": True})
+                    if raw is TIMED_OUT
+                    else as_step_result(raw, built_by(env))
                 )
                 rewards.append(result.reward * cfg.turn_discount**turn_index)
                 steps.append({"text": text, "reward": result.reward, **result.info})
@@ -197,7 +248,11 @@ class EnvironmentWorkflow(RolloutWorkflow):
                     break
                 pending = self._encode(ctx, result.observation)
         finally:
-            await env.close()
+            try:
+                if not own.stuck:
+                    await self._call(env, own, metric, "close", env.close())
+            finally:
+                own.close()
         if sample is None:
             raise ValueError(
                 f"rollout.workflow.max_tokens ({budget}) leaves no room for a model turn after the environment's "
@@ -210,7 +265,7 @@ class EnvironmentWorkflow(RolloutWorkflow):
             turn_rewards=rewards,
             turn_ends=[end for _, end in spans] if cfg.turn_reward == "per_turn" else None,
             finish_reason="length" if length_cut else sample.finish_reason,
-            info={"turns": len(spans), "done": done, "steps": steps},
+            info={"turns": len(spans), "done": done, "steps": steps, **({FAILED: failed} if failed else {})},
         )
 
     @staticmethod

@@ -93,7 +93,10 @@ class ControllerConfig:
     by token; on vLLM only the swap itself freezes them).
     ``wait_timeout_s``: the longest the trainer waits for a generation batch (and a weight update
     for the rollout to pause). ``warn_wait_fraction``: warn when the trainer waited on rollout
-    (or rollout on the trainer) for more than this fraction of a step."""
+    (or rollout on the trainer) for more than this fraction of a step. ``workflow_timeout_s``: the
+    longest one trajectory's workflow call (``run``, generation included) may take, and the longest
+    the controller's event loop may stay blocked (by an ``async def`` making a blocking call); past
+    it the run stops with one line naming the workflow (:mod:`core_rl.deadlines`)."""
 
     max_head_offpolicyness: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
     max_concurrent_rollouts: int = attrs.field(default=0, validator=in_range(0, MAX_COUNT))
@@ -102,6 +105,7 @@ class ControllerConfig:
     pause_mode: str = attrs.field(default="abort", validator=one_of(("wait", "keep", "abort")))
     wait_timeout_s: float = attrs.field(default=3600.0, validator=in_range(0.0, 10**7, low_open=True))
     warn_wait_fraction: float = attrs.field(default=0.5, validator=in_range(0.0, 1.0))
+    workflow_timeout_s: float = attrs.field(default=1800.0, validator=in_range(0.0, 10**7, low_open=True))
 
 
 @attrs.define
@@ -333,6 +337,12 @@ class AlgorithmConfig:
     - ``max_consecutive_empty_steps``: with ``max_num_gen_batches`` 1, this many steps in a row
       whose filters left nothing to train on end the run (0: no limit; each such step is a warning
       and counts in ``filter/empty_steps_total``, see :mod:`core_rl.trainer.filtering`);
+    - ``max_consecutive_failed_steps``: this many steps in a row whose every episode failed (an
+      environment past ``rollout.workflow.tool_timeout_s``, a reward call that failed) end the run
+      (0: no limit; each such step is a warning and counts in ``rollout/failed_steps_total``, see
+      :mod:`core_rl.trainer.failed_steps`);
+    - ``filter_timeout_s``: the longest one sample filter's call may take; past it the run stops with
+      one line naming the filter (:mod:`core_rl.deadlines`);
     - ``ppo_n_minibatches`` x ``ppo_epochs``: optimiser steps per RL step (the batch is cut into
       minibatches by rows, and the cut is passed over ``ppo_epochs`` times);
     - ``early_stop_kl`` (null: off): after an optimiser step whose measured ``approx_kl`` (the policy
@@ -367,6 +377,8 @@ class AlgorithmConfig:
     mask_no_eos_with_zero: bool = False
     max_num_gen_batches: int = attrs.field(default=1, validator=in_range(1, 10_000))
     max_consecutive_empty_steps: int = attrs.field(default=10, validator=in_range(0, MAX_STEPS))
+    max_consecutive_failed_steps: int = attrs.field(default=3, validator=in_range(0, MAX_STEPS))
+    filter_timeout_s: float = attrs.field(default=300.0, validator=in_range(0.0, 10**7, low_open=True))
     ppo_n_minibatches: int = attrs.field(default=1, validator=in_range(1, MAX_COUNT))
     ppo_epochs: int = attrs.field(default=1, validator=in_range(1, 10_000))
     early_stop_kl: float | None = attrs.field(default=None, validator=positive())
@@ -453,7 +465,12 @@ class TrainerConfig:
     ``stop_grace_s``: after the first SIGINT or SIGTERM the run finishes its step and saves a
     checkpoint; when that has not happened within this many seconds (a stuck step), it stops without
     saving, keeping the newest complete checkpoint, says so and exits with 128 + the signal's number
-    (:mod:`core_rl.trainer.signals`)."""
+    (:mod:`core_rl.trainer.signals`).
+
+    ``logger_timeout_s``: the longest one logger's ``log`` or ``log_samples`` call may take; past it
+    the run stops with one line naming the logger, keeping its last checkpoint (:mod:`core_rl.deadlines`).
+    ``warn_failure_fraction``: warn, naming the plugin, when more than this fraction of a plugin's
+    calls in a step timed out or raised and the run went on (:mod:`core_rl.plugin_tally`)."""
 
     mode: str = attrs.field(default="sync", validator=one_of(("sync",)))
     total_steps: int = attrs.field(default=100, validator=_steps_or_derived)
@@ -469,6 +486,8 @@ class TrainerConfig:
     profile: ProfileConfig = attrs.field(factory=ProfileConfig)
     watchdog: WatchdogConfig = attrs.field(factory=WatchdogConfig)
     stop_grace_s: float = attrs.field(default=60.0, validator=in_range(1.0, 10**7))
+    logger_timeout_s: float = attrs.field(default=120.0, validator=in_range(0.0, 10**7, low_open=True))
+    warn_failure_fraction: float = attrs.field(default=0.1, validator=in_range(0.0, 1.0))
 
 
 @attrs.define

@@ -12,7 +12,10 @@ Components that misbehave on purpose, registered by :class:`FaultPlugin`:
   (steps counted by its ``loss_weights`` calls, one per step on the main rank).
 - logger ``crash_once``: at step ``step`` unless the file ``marker`` exists, which it creates
   first (so a restarted run passes that step), raises (``how: raise``) or kills its own process
-  with SIGSEGV (``how: segfault``, as a crash in native code would).
+  with SIGSEGV sent to the calling thread (``how: segfault``, as a crash in native code would).
+
+Also the plugins that block on purpose of :mod:`core_rl.testing.blocking` (reward, environment,
+workflow, sample filter and logger ``block``).
 
 ``python -m core_rl.testing.faults train CONFIG ...`` is ``core-rl`` with them installed. Also here:
 a tiny task to run (:func:`build_task`) and bitwise comparisons of runs (:func:`stable_metrics`,
@@ -41,6 +44,7 @@ import attrs
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import Logger, LossOutput, PolicyLoss, Reward
 from core_rl.ops import aggregation_weights
+from core_rl.testing import blocking
 from core_rl.testing.processes import process_tree
 
 #: set it to release the calls of a ``hang`` reward (tests do, so their threads end)
@@ -132,8 +136,8 @@ class CrashOnceLogger(Logger):
         marker = Path(self.config.marker)
         if step == self.config.step and not marker.exists():
             marker.write_text("crashed\n")
-            if self.config.how == "segfault":
-                os.kill(os.getpid(), signal.SIGSEGV)
+            if self.config.how == "segfault":  # to this thread, as a fault in native code here would be
+                signal.pthread_kill(threading.get_ident(), signal.SIGSEGV)
             raise RuntimeError(f"crash_once: logger crashed at step {step}")
 
 
@@ -143,6 +147,33 @@ class FaultPlugin:
     @hookimpl
     def core_rl_register_rewards(self, register: Register) -> None:
         register("misbehave", MisbehavingReward, description="misbehaves on purpose", config_cls=MisbehaveConfig)
+        register(
+            "block", blocking.BlockingReward, description="blocks in one call", config_cls=blocking.BlockOnCallConfig
+        )
+
+    @hookimpl
+    def core_rl_register_environments(self, register: Register) -> None:
+        register(
+            "block",
+            blocking.BlockingEnvironment,
+            description="its async step blocks the event loop",
+            config_cls=blocking.BlockingEnvironmentConfig,
+        )
+
+    @hookimpl
+    def core_rl_register_workflows(self, register: Register) -> None:
+        register(
+            "block",
+            blocking.BlockingWorkflow,
+            description="one of its runs blocks the event loop",
+            config_cls=blocking.BlockOnCallConfig,
+        )
+
+    @hookimpl
+    def core_rl_register_sample_filters(self, register: Register) -> None:
+        register(
+            "block", blocking.BlockingFilter, description="blocks in one call", config_cls=blocking.BlockOnCallConfig
+        )
 
     @hookimpl
     def core_rl_register_policy_losses(self, register: Register) -> None:
@@ -151,6 +182,9 @@ class FaultPlugin:
     @hookimpl
     def core_rl_register_loggers(self, register: Register) -> None:
         register("crash_once", CrashOnceLogger, description="crashes once", config_cls=CrashOnceConfig)
+        register(
+            "block", blocking.BlockingLogger, description="blocks at one step", config_cls=blocking.BlockAtStepConfig
+        )
 
 
 def install_into_every_host() -> None:

@@ -8,6 +8,7 @@ then each observation's ids and each turn's ids as the engine returned them for 
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any, ClassVar
 
 import attrs
@@ -24,6 +25,8 @@ class Echo(Environment):
     made: ClassVar[list[Echo]] = []
     running: ClassVar[int] = 0
     most: ClassVar[int] = 0
+    #: each instance runs on an event loop of its own, in a thread of its own (core_rl/own_loop.py)
+    _lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, turns: int = 3, delay: float = 0.0) -> None:
         self.turns, self.delay = turns, delay
@@ -41,12 +44,14 @@ class Echo(Environment):
         return "?"
 
     async def step(self, action: Action) -> StepResult:
-        Echo.running += 1
-        Echo.most = max(Echo.most, Echo.running)
+        with Echo._lock:
+            Echo.running += 1
+            Echo.most = max(Echo.most, Echo.running)
         try:
             await asyncio.sleep(self.delay)
         finally:
-            Echo.running -= 1
+            with Echo._lock:
+                Echo.running -= 1
         self.actions.append(action)
         reply = ":" * (action.turn + 1)
         self.observations.append(reply)

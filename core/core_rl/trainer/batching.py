@@ -202,7 +202,7 @@ class BatchAssembler:
             batch["rewards"] = aggregated_rewards(
                 gen, batch["group_index"], self.part_weights, self.algorithm.reward_shaping
             )
-        keep, dropped = apply_filters(self.filters, batch)
+        keep, dropped = apply_filters(self.filters, batch, self.algorithm.filter_timeout_s)
         return (batch.rows(keep) if not keep.all() else batch), dropped
 
     def assemble(

@@ -21,11 +21,15 @@ def build(host: PluginHost, kind: PluginKind, spec: PluginSpec) -> Any:
 
 
 def build_loggers(cfg: RunConfig, host: PluginHost) -> list[Logger]:
-    """The configured loggers, plus ``jsonl`` when absent: every run leaves its metrics file."""
+    """The configured loggers, plus ``jsonl`` when absent: every run leaves its metrics file. Each
+    is wrapped so that its per-step calls run under ``trainer.logger_timeout_s``
+    (:class:`~core_rl.trainer.logger_deadline.DeadlineLogger`)."""
+    from core_rl.trainer.logger_deadline import DeadlineLogger
+
     specs = list(cfg.loggers)
     if not any(s.name == "jsonl" for s in specs):
         specs.append(PluginSpec(name="jsonl", config=host.get(LOGGER, "jsonl").config_cls()))
-    return [build(host, LOGGER, s) for s in specs]
+    return [DeadlineLogger(build(host, LOGGER, s), cfg.trainer.logger_timeout_s) for s in specs]
 
 
 def seed_process(cfg: RunConfig) -> None:

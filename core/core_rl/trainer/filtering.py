@@ -17,6 +17,9 @@ what it dropped, and counts in the metrics ``filter/empty_step`` (1 on such a st
 ``filter/empty_steps_total``; ``algorithm.max_consecutive_empty_steps`` of them in a row end the
 run (:class:`EmptyStepsError`; 0: no limit). With over-sampling, running out of generation
 batches is :class:`core_rl.trainer.batching.DynamicSamplingError` instead.
+
+Each filter's call runs under ``algorithm.filter_timeout_s`` (:func:`apply_filters`): a filter that
+blocks stops the run with one line naming it, its distribution, the call and the wait.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 
 from core_rl import ops
 from core_rl.config.schema import PluginSpec
+from core_rl.deadlines import call_with_deadline
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SampleFilter
 from core_rl.protocol import TensorBatch
@@ -107,13 +111,21 @@ def check_mask(label: str, mask: Any, group_index: torch.Tensor) -> None:
         )
 
 
-def apply_filters(filters: Sequence[NamedFilter], batch: TensorBatch) -> tuple[torch.Tensor, list[Dropped]]:
-    """The keep-mask of every filter together (see the module docstring) and what each dropped."""
+def apply_filters(
+    filters: Sequence[NamedFilter], batch: TensorBatch, timeout_s: float | None = None
+) -> tuple[torch.Tensor, list[Dropped]]:
+    """The keep-mask of every filter together (see the module docstring) and what each dropped.
+    ``timeout_s`` (``algorithm.filter_timeout_s``): each filter's call runs under that deadline
+    (:func:`core_rl.deadlines.call_with_deadline`: past it, :class:`~core_rl.deadlines.DeadlinePassed`
+    naming the filter); ``None``: called directly."""
     group_index = batch["group_index"]
     keep = torch.ones(batch.batch_size, dtype=torch.bool)
     dropped = []
     for f in filters:
-        mask = f.filter(batch)
+        if timeout_s is None:
+            mask = f.filter(batch)
+        else:
+            mask = call_with_deadline(f.label, "filter", timeout_s, "algorithm.filter_timeout_s", f.filter, batch)
         check_mask(f.label, mask, group_index)
         keep &= mask
         groups = int(torch.unique(group_index[~mask]).numel())

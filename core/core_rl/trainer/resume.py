@@ -91,6 +91,7 @@ class Checkpointing:
             "rollout": self.rollout.state_dict() if self.rollout is not None else {},
             "nonfinite": self.nonfinite.state_dict(),
             "empty_steps": self.empty_steps.state_dict(),
+            "failed_steps": fs.state_dict() if (fs := getattr(self, "failed_steps", None)) is not None else {},
             "reward_errors": self.reward_log.state_dict(),
             "advantage": self.advantage.state_dict() if self.advantage is not None else {},
             "loss": self.loss.state_dict() if getattr(self, "loss", None) is not None else {},
@@ -214,6 +215,8 @@ class Checkpointing:
             self.rollout.load_state_dict(extra.get("rollout", {}))
         self.nonfinite.load_state_dict(extra.get("nonfinite", {}))
         self.empty_steps.load_state_dict(extra.get("empty_steps", {}))
+        if (failed_steps := getattr(self, "failed_steps", None)) is not None:
+            failed_steps.load_state_dict(extra.get("failed_steps", {}))
         self.reward_log.load_state_dict(extra.get("reward_errors", {}))
         if self.advantage is not None:
             self.advantage.load_state_dict(extra.get("advantage", {}))

@@ -6,6 +6,9 @@ its start, fails every item in it; a score that is NaN, inf or not a number fail
 failed item gets ``on_error``: ``value`` (scored ``error_value``), ``drop`` (left out of the step) or
 ``stop`` (:class:`~core_rl.trainer.errors.RewardError`). A wrong number of scores always stops.
 
+Every call counts in :data:`core_rl.plugin_tally.PLUGIN_TALLY` (``plugins/reward.<name>/calls``,
+``timeouts``, ``errors``); the wait for a step's calls is registered with the progress watchdog.
+
 Python cannot kill a thread: a call that timed out keeps its worker thread until it returns, and a
 fresh worker takes its place. The workers are daemon threads, so a reward that never returns
 cannot keep the process from exiting (``concurrent.futures.ThreadPoolExecutor`` joins its threads
@@ -33,6 +36,8 @@ from core_rl.attribution import built_by
 from core_rl.builtin.loggers import truncate_jsonl
 from core_rl.config.schema import RewardRunnerConfig
 from core_rl.interfaces import Reward, RewardScores
+from core_rl.plugin_tally import PLUGIN_TALLY
+from core_rl.progress import PROGRESS
 from core_rl.protocol import RewardInput
 from core_rl.trainer.errors import RewardError
 
@@ -171,6 +176,8 @@ class RewardRunner:
         self.reward = reward
         self.name = name
         self.words = built_by(reward, f"reward {name!r}")
+        #: its metric keys' part in :mod:`core_rl.plugin_tally` (``plugins/reward.<name>/...``)
+        self.metric = f"reward.{name or type(reward).__name__}"
         self.config = config
         self._pool = _DaemonPool(config.num_workers, f"reward-{name}")
 
@@ -204,7 +211,12 @@ class RewardRunner:
         return lambda: self.reward.score_with_parts(chunk)
 
     def _wait(self, calls: list[_Call]) -> None:
-        """Until every call finished or ran past ``timeout_s`` (those are abandoned)."""
+        """Until every call finished or ran past ``timeout_s`` (those are abandoned); the wait is
+        registered as a call in flight for the progress watchdog."""
+        with PROGRESS.call(f"{self.words}: score ({len(calls)} calls)"):
+            self._wait_for(calls)
+
+    def _wait_for(self, calls: list[_Call]) -> None:
         timeout = self.config.timeout_s
         pending = list(calls)
         while pending:
@@ -240,14 +252,17 @@ class RewardRunner:
     ) -> bool:
         """Record ``call``'s scores, failures, parts and answers; whether it gave answers."""
         if call.abandoned:
-            error = f"no result after {self.config.timeout_s:g} s (reward_runner.timeout_s)"
+            error = f"score did not return within {self.config.timeout_s:g} s (reward_runner.timeout_s)"
             failures.extend(ItemFailure(i, TIMEOUT, error) for i in call.indices)
+            PLUGIN_TALLY.record(self.metric, self.words, timeouts=1, what=error, said=True)
             return False
         exc = call.future.exception()
         if exc is not None:
             error = f"{type(exc).__name__}: {exc}"
             failures.extend(ItemFailure(i, EXCEPTION, error) for i in call.indices)
+            PLUGIN_TALLY.record(self.metric, self.words, errors=1, said=True)
             return False
+        PLUGIN_TALLY.record(self.metric, self.words, said=True)
         result = call.future.result()
         named = result.parts if isinstance(result, RewardScores) else {}
         given = result.answers if isinstance(result, RewardScores) else None

@@ -5,6 +5,7 @@ part of a step (several waves under dynamic sampling, filters, shaping and advan
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,12 +13,14 @@ from typing import Any
 from core_rl.attribution import built_by
 from core_rl.config.schema import RunConfig
 from core_rl.interfaces import Logger
+from core_rl.plugin_tally import PLUGIN_TALLY, tally_metrics, warnings_for
 from core_rl.progress import PROGRESS
 from core_rl.protocol import RewardInput, Sample, TensorBatch
 from core_rl.trainer.batching import BatchAssembler, Generation
 from core_rl.trainer.colocation import RolloutSleep
 from core_rl.trainer.data import PromptItem, PromptSource
 from core_rl.trainer.difficulty import group_means
+from core_rl.trainer.failed_steps import FailedEpisodes, FailedSteps
 from core_rl.trainer.rewards import RewardErrorLog, RewardRunner, ScoreResult
 from core_rl.trainer.rollout_dump import RolloutDump
 from core_rl.trainer.rollout_flow import RolloutFlow, flatten_groups
@@ -42,6 +45,8 @@ class RolloutScoring:
     loggers: list[Logger]
     tokenizer: Any
     _scored_this_step: list[tuple[list[RewardInput], ScoreResult]]
+    failed_steps: FailedSteps
+    _episodes: FailedEpisodes
 
     def _rollout(self) -> tuple[list[Sample], list[int], list[PromptItem], dict[str, float]]:
         """The next generation batch from the rollout controller (the first of a step or, under
@@ -69,6 +74,7 @@ class RolloutScoring:
         t_gen = time.perf_counter()
         inputs, result, error_metrics = self._score(samples, owners, step)
         self._scored_this_step.append((inputs, result))
+        self._episodes.add(samples, result)
         t_reward = time.perf_counter()
         kept = result.kept
         if self.data.difficulty is not None:  # data.difficulty_filter's records: trainer/difficulty.py
@@ -125,6 +131,7 @@ class RolloutScoring:
         filters, shaping, advantages (:class:`~core_rl.trainer.batching.BatchAssembler`); the batch
         to train on (``None``: nothing left) and the metrics so far."""
         self._scored_this_step = []
+        self._episodes = FailedEpisodes()
         self.rollout_sleep.before_generation()  # the engine asleep while training: trainer/colocation.py
         batch, metrics = self.batcher.assemble(self._generations(step), step=step)
         if self.dump is not None:
@@ -135,6 +142,20 @@ class RolloutScoring:
             metrics.update(self.flow.batch_metrics(batch, step))
         if self.data.difficulty is not None:
             metrics.update(self.data.difficulty.metrics())
+        metrics.update(self._failures(step))
         if self.reward_stage is None or batch is None:  # else once the reward model has scored (step)
             self._log_samples(step)
         return batch, metrics
+
+    def _failures(self, step: int) -> dict[str, float]:
+        """The plugins' calls, timeouts and errors since the last step (:mod:`core_rl.plugin_tally`:
+        ``plugins/...`` metrics, a warning per plugin past ``trainer.warn_failure_fraction``), and
+        the step's failed episodes (:mod:`core_rl.trainer.failed_steps`; raises at the limit)."""
+        taken = PLUGIN_TALLY.take()
+        fraction = self.cfg.trainer.warn_failure_fraction
+        for line in warnings_for(taken, step, fraction, "trainer.warn_failure_fraction"):
+            print(line, file=sys.stderr, flush=True)
+        metrics = tally_metrics(taken)
+        episodes = self._episodes
+        metrics.update(self.failed_steps.check(step, episodes.failed, episodes.total, episodes.why(taken)))
+        return metrics

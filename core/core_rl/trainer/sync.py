@@ -63,6 +63,7 @@ from core_rl.kinds import (
     SAMPLE_FILTER,
     WORKFLOW,
 )
+from core_rl.plugin_tally import PLUGIN_TALLY
 from core_rl.plugins import PluginHost
 from core_rl.preflight import preflight
 from core_rl.progress import PROGRESS
@@ -80,6 +81,7 @@ from core_rl.trainer.data import DataRow, PromptSource, prompt_count
 from core_rl.trainer.distill import DistillationLoss, topk_of
 from core_rl.trainer.errors import DiskFullError
 from core_rl.trainer.evaluation import Evaluating, Evaluator, build_evaluator
+from core_rl.trainer.failed_steps import FailedSteps
 from core_rl.trainer.filtering import EmptySteps
 from core_rl.trainer.hf_exports import export_due, export_step
 from core_rl.trainer.memory import MemoryMeter
@@ -155,6 +157,9 @@ class SyncTrainer(WeightSyncing, Evaluating, Checkpointing, RolloutScoring, Trai
         self.replay: RolloutReplay | None = None
         #: steps the sample filters left with nothing to train on (:mod:`core_rl.trainer.filtering`)
         self.empty_steps = EmptySteps(cfg.algorithm.max_consecutive_empty_steps)
+        #: steps whose every episode failed (:mod:`core_rl.trainer.failed_steps`)
+        self.failed_steps = FailedSteps(cfg.algorithm.max_consecutive_failed_steps)
+        PLUGIN_TALLY.take()  # counts from an earlier run in this process (a restart, a test) are not this one's
         #: rank 0's weight load running beside the trainer (asynchronous runs, disk sync)
         self.weight_load = BackgroundWeightLoad(
             cfg.rollout.controller.wait_timeout_s, "rollout.controller.wait_timeout_s"
