@@ -245,6 +245,8 @@ def test_grpo_with_a_vllm_server_actor_samples_with_the_trained_weights_split(ra
     rows = read_metrics(warm["root"] / name / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["weight_sync/bytes"] > 0 for r in rows)
+    # the weight sync check (on by default) compared every synced tensor with the server's at every step
+    assert all(r["weight_sync/checked_tensors"] > 0 and r["weight_sync/check_s"] > 0 for r in rows), rows
     assert rows[-1]["eval/samples"] == 64  # grpo.yaml's evaluation, by rank 0's actor through the server
     # the server samples with the weights being trained at every step: the k3 KL of the update's
     # policy to the behaviour log-probs is float32 rounding (tests/test_server_grpo.py); a step's
@@ -283,6 +285,7 @@ def test_colocated_then_a_killed_server_actor_ends_the_run_naming_it_with_the_ch
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows[:4]] == [1, 2, 3, 4]
     assert all(r["weight_sync/bytes"] > 0 for r in rows[:4])
+    assert all(r["weight_sync/checked_tensors"] > 0 for r in rows[:4])  # the sync check, by disk under Ray
     killed = _kill_actor("/server-0", name)
     started = time.monotonic()
     err = _finish(proc, FAULT_TIMEOUT_S)
