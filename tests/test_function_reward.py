@@ -144,7 +144,7 @@ def test_mistakes_are_one_line_each_at_config_validate(tmp_path: Path):
         "rewards/imports.py:score": f"{key}.path: {rewards}/imports.py:3: ModuleNotFoundError: No module named "
         "'no_such_module_xyz'",
         "rewards/fns.py:char_mtach": f"{key}.path: {rewards}/fns.py has no 'char_mtach'; the callables it defines: "
-        "async_length, char_match, labelled, lengths_batched, scaled_length, solves_ab, thread_name",
+        "async_length, char_match, digit_fraction, labelled, lengths_batched, scaled_length, solves_ab, thread_name",
         "rewards/fns.py:scaled_length": f"{key}.path: scaled_length(response, *, scale, offset=0.0): "
         f"parameter 'scale' is neither an input ({inputs}) nor a key of {key}.kwargs; rename it, "
         f"give it a default or set it in {key}.kwargs",
@@ -196,4 +196,18 @@ def test_a_grpo_run_with_a_file_reward_matches_the_packaged_char_match(tmp_path:
     assert sorted(runs["file"]) == [1, 2]
     assert any(0.0 < row["reward/mean"] < 1.0 for row in runs["file"].values())  # partial credit was scored
     assert any(k.startswith("eval/") for k in runs["file"][2])
-    assert runs["file"] == runs["packaged"]
+    # the per-plugin tally names each run's own reward; everything else is logged alike
+    tallies = {
+        name: {k for row in rows.values() for k in row if k.startswith("plugins/")} for name, rows in runs.items()
+    }
+    assert (
+        "plugins/reward.char_match/calls" in tallies["packaged"] and "plugins/reward.function/calls" in tallies["file"]
+    )
+    untallied = {name: {s: {k: v for k, v in row.items() if not k.startswith("plugins/")} for s, row in rows.items()}
+                 for name, rows in runs.items()}  # fmt: skip
+    assert untallied["file"] == untallied["packaged"]
+    for step in (1, 2):  # and counted alike
+        assert (
+            runs["file"][step]["plugins/reward.function/calls"]
+            == runs["packaged"][step]["plugins/reward.char_match/calls"]
+        )

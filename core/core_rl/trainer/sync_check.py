@@ -125,7 +125,7 @@ class SyncCheck:
 
     def verify(self, rollout: RolloutEngine, sent: SentWeights) -> dict[str, float]:
         """Compare what ``rollout`` loaded with ``sent``; raise :class:`WeightSyncMismatch` on a
-        difference. Returns ``weight_sync/check_s`` (the trainer's sampling, the engine's answer and
+        difference. Returns ``timing/sync_check_s`` (the trainer's sampling, the engine's answer and
         the comparison) and ``weight_sync/checked_tensors``."""
         start = time.perf_counter()
         loaded = rollout.weight_fingerprints(sent.version)
@@ -155,7 +155,7 @@ class SyncCheck:
                     "(rollout.sync_check.enabled: false turns the check off)"
                 )
         return {
-            "weight_sync/check_s": sent.seconds + time.perf_counter() - start,
+            "timing/sync_check_s": sent.seconds + time.perf_counter() - start,
             # an engine may leave some unread this time (NaN: weight_fingerprint.first_difference)
             "weight_sync/checked_tensors": float(
                 min((sum(1 for v in p.values() if not math.isnan(v)) for p in loaded.values()), default=len(want))

@@ -68,7 +68,7 @@ class WeightSyncing:
     def _sync_weights(self, version: int) -> dict[str, float]:
         """Move the policy's weights to the rollout engine and, when due, check that it holds them;
         return ``weight_sync/bytes`` (and, when loads run in the background, the wait for the
-        previous one and its duration; when checked, ``weight_sync/check_s``). A failed check
+        previous one and its duration; when checked, ``timing/sync_check_s``). A failed check
         raises :class:`~core_rl.trainer.sync_check.WeightSyncMismatch` on every rank; so does an
         engine refusing the weights (on the main rank: :meth:`SyncCheck.refusals`)."""
         assert self.engine is not None

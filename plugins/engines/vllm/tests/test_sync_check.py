@@ -49,7 +49,7 @@ def test_a_correct_disk_and_collective_sync_pass_and_faults_are_caught(engine, m
 
     state = load_file(models["a"] / "model.safetensors")  # float32; the bfloat16 server's wire is bfloat16
     engine.update_weights_collective(state, 2)
-    assert "weight_sync/check_s" in check("vllm", "collective").verify(engine, sent_state(engine, 2, state))
+    assert "timing/sync_check_s" in check("vllm", "collective").verify(engine, sent_state(engine, 2, state))
 
     # (a) a tensor skipped on the way: vLLM keeps its old copy without a word; the check names it
     engine.update_weights_collective(SyncFault("skip").state(state), 3)
