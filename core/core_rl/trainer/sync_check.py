@@ -69,6 +69,7 @@ class SentWeights:
         for bucket in buckets:
             self.add_state(bucket)
             yield bucket
+            del bucket  # not held while the next one is gathered
 
     def add_dir(self, path: Path) -> None:
         """Every tensor of the ``*.safetensors`` files the trainer wrote to ``path``."""

@@ -77,6 +77,7 @@ class SyncFault:
         """Weight buckets with the fault applied (see :meth:`items`)."""
         for bucket in buckets:
             yield dict(self.items(bucket.items()))
+            del bucket  # not held while the next one is gathered
 
     def state(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A state dict with the fault applied (the given one is left as it is)."""

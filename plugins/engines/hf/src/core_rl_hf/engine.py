@@ -133,8 +133,8 @@ class HFRolloutEngine(RolloutEngine):
         if config.seed is not None:
             self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._weight_version = 0
-        #: the sync check's fingerprints of the last weight update (:meth:`weight_fingerprints`)
-        self._loaded: FingerprintLog | None = None
+        #: the names the last weight update wrote and its version, for the sync check (:meth:`weight_fingerprints`)
+        self._loaded: tuple[list[str], int] | None = None
         self._model_lock = threading.RLock()  # one batch or weight update at a time
         self._requests: queue.Queue[_Request | None] = queue.Queue()
         self._idle = threading.Condition()  # guards _paused and _active
@@ -381,6 +381,7 @@ class HFRolloutEngine(RolloutEngine):
             for bucket in stream:
                 names.extend(bucket)
                 yield bucket
+                del bucket  # not held while the next one is gathered
 
         with self._model_lock:
             copy_buckets(self.model, named(buckets))
@@ -391,19 +392,23 @@ class HFRolloutEngine(RolloutEngine):
         self.update_weights(read_safetensors_dir(path), version)
 
     def _fingerprint_loaded(self, names: list[str], version: int) -> None:
-        """Fingerprint the model's own tensors of ``names`` (what an update just wrote) for the
-        sync check: this engine checks what it holds, in its own dtype (:meth:`fingerprint_dtypes`)."""
-        own = dict(state_items(self.model))
-        log = FingerprintLog(version)
-        for name in names:
-            log.add(name, own[name])
-        self._loaded = log
+        """Note which tensors an update of ``version`` wrote; :meth:`weight_fingerprints` reads them
+        when the sync check asks (nothing is read on a sync the check leaves out)."""
+        self._loaded = (names, version)
 
     def weight_fingerprints(self, version: int) -> dict[str, dict[str, float]]:
-        """The fingerprints of the model's tensors the last update wrote (an empty mapping when that
-        update was not of ``version``), under the replica name ``engine``."""
-        log = self._loaded
-        return {"engine": dict(log.prints) if log is not None and log.version == version else {}}
+        """The fingerprints of the model's own tensors the last update wrote, as the model holds
+        them now, in its own dtype (:meth:`fingerprint_dtypes`): this engine checks what it holds.
+        An empty mapping when that update was not of ``version``; under the replica name ``engine``."""
+        with self._model_lock:
+            if self._loaded is None or self._loaded[1] != version:
+                return {"engine": {}}
+            names, _ = self._loaded
+            own = dict(state_items(self.model))
+            log = FingerprintLog(version)
+            for name in names:
+                log.add(name, own[name])
+            return {"engine": dict(log.prints)}
 
     def fingerprint_dtypes(self, names: list[str], dtypes: list[torch.dtype], mode: str) -> list[torch.dtype]:
         """The dtype the model holds each weight in, whatever the mode (the engine fingerprints its own copy)."""
