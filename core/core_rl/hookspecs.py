@@ -32,6 +32,9 @@ core checks a component for when it is built names it: :mod:`core_rl.components`
 - 8: ``TrainEngine.compute_topk_logprobs`` (``teacher.loss: topk_forward_kl``; with ``vocab_size``)
   and the ``logprobs_at_key`` a loss may set (:data:`core_rl.interfaces.LOGPROBS_AT`), and
   ``TrainEngine.export_adapter`` (``rollout.lora_sync: adapter``).
+- 9: the verified weight sync (``rollout.sync_check``): ``RolloutEngine.weight_fingerprints``,
+  ``fingerprint_dtypes`` and ``fingerprint_prefix`` (the base class's defaults skip the check with
+  a note).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from typing import Any, Protocol
 import pluggy
 
 PROJECT_NAME = "core_rl"
-HOOK_API_VERSION = 8
+HOOK_API_VERSION = 9
 
 #: The API version that added an interface (``"Class"``: all its members) or one member of it
 #: (``"Class.member"``) after version 1; anything not listed is in version 1. Classes are those of
@@ -84,6 +87,9 @@ INTERFACE_ADDED: dict[str, int] = {
     "PolicyLoss.load_state_dict": 7,
     "TrainEngine.compute_topk_logprobs": 8,
     "TrainEngine.export_adapter": 8,
+    "RolloutEngine.weight_fingerprints": 9,
+    "RolloutEngine.fingerprint_dtypes": 9,
+    "RolloutEngine.fingerprint_prefix": 9,
 }
 
 #: Keyword arguments a member must take since the API version given (``"Class.member"`` ->
