@@ -20,6 +20,8 @@ from typing import Any
 
 import attrs
 
+from core_rl.config.plugin_spec import PluginSpec
+
 #: a field line of an attrs class body: ``name: type`` or ``name: type = ...``
 _FIELD_LINE = re.compile(r"^\s+(?P<name>[a-z_][a-z0-9_]*)\s*:")
 
@@ -100,30 +102,28 @@ def type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-def _default(field: attrs.Attribute) -> tuple[str, Any]:
-    """(the default as text, the default value or ``attrs.NOTHING``)."""
+def _default(field: attrs.Attribute) -> str:
+    """The field's default as the reader writes it in YAML (``required`` where it has none)."""
     default = field.default
     if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
         value = default.factory() if not default.takes_self else attrs.NOTHING
     else:
         value = default
     if value is attrs.NOTHING:
-        return "required", value
-    from core_rl.config.plugin_spec import PluginSpec
-
+        return "required"
     if isinstance(value, PluginSpec):  # a plugin section's default: its plugin's name
-        return f"name: {value.name}", value
+        return f"name: {value.name}"
     if attrs.has(type(value)):
-        return "(section)", value
+        return "(section)"
     if isinstance(value, list) and value and all(isinstance(v, PluginSpec) for v in value):
-        return "[" + ", ".join(f"name: {v.name}" for v in value) + "]", value
+        return "[" + ", ".join(f"name: {v.name}" for v in value) + "]"
     if value is None:
-        return "null", value
+        return "null"
     if isinstance(value, bool):
-        return str(value).lower(), value
+        return str(value).lower()
     if isinstance(value, str):
-        return (repr(value) if value else '""'), value
-    return str(value), value
+        return repr(value) if value else '""'
+    return str(value)
 
 
 def _nested_class(field: attrs.Attribute, hints: dict[str, Any]) -> type | None:
@@ -152,13 +152,12 @@ def sections(cls: type, path: str = "") -> Iterator[Section]:
         if not field.init or field.name.startswith("_"):
             continue
         key = f"{path}.{field.name}" if path else field.name
-        default_text, _ = _default(field)
         child = _nested_class(field, hints)
         rows.append(
             KeyRow(
                 path=key,
                 type="section" if child is not None else type_name(hints.get(field.name, field.type)),
-                default=default_text,
+                default=_default(field),
                 accepts=requirement(field.validator),
                 comment=_doc_block(comments.get(field.name, "")),
             )
