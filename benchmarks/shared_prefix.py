@@ -35,7 +35,7 @@ QUESTIONS = [
 
 def grpo_batch(model_path: Path, prompts: int, samples: int, new_tokens: int, seed: int = 0):
     from core_rl.ops import aggregation_weights
-    from core_rl.protocol import TensorBatch
+    from core_rl.testing.helpers import right_padded
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -48,22 +48,10 @@ def grpo_batch(model_path: Path, prompts: int, samples: int, new_tokens: int, se
         prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
         for _ in range(samples):
             rows.append((prompt + torch.randint(100, 40_000, (new_tokens,), generator=g).tolist(), len(prompt)))
-    width = max(len(t) for t, _ in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-    mask = torch.zeros_like(ids)
-    resp = torch.zeros(len(rows), width)
-    for i, (tokens, p) in enumerate(rows):
-        ids[i, : len(tokens)], mask[i, : len(tokens)], resp[i, p : len(tokens)] = torch.tensor(tokens), 1, 1.0
-    advantages = torch.randn(len(rows), 1, generator=g) * resp
-    batch = TensorBatch(
-        {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "response_mask": resp,
-            "advantages": advantages,
-            "loss_weight": aggregation_weights(resp, "token-mean", norm_length=new_tokens),
-        }
-    )
+    batch = right_padded(rows, tokenizer.pad_token_id)
+    resp = batch["response_mask"]
+    batch["advantages"] = torch.randn(len(rows), 1, generator=g) * resp
+    batch["loss_weight"] = aggregation_weights(resp, "token-mean", norm_length=new_tokens)
     prompt_lens = sorted({p for _, p in rows})
     return batch, prompt_lens
 

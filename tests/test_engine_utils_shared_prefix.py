@@ -30,6 +30,7 @@ from core_rl.engine_utils.shared_prefix import (
 from core_rl.errors import ConfigError
 from core_rl.protocol import TensorBatch
 from core_rl.testing import make_grouped_rl_batch, make_rl_batch
+from core_rl.testing.helpers import right_padded
 
 # -- the stream of hand-built rows ---------------------------------------------------------------
 
@@ -485,13 +486,7 @@ def test_smollm2_shared_logprobs_equal_padded_on_chat_prompts(real_model: Path) 
         prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
         for r in (12, 5, 9):
             rows.append((prompt + torch.randint(100, 40_000, (r,), generator=g).tolist(), len(prompt)))
-    width = max(len(t) for t, _ in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-    mask = torch.zeros_like(ids)
-    resp = torch.zeros(len(rows), width)
-    for i, (tokens, p) in enumerate(rows):
-        ids[i, : len(tokens)], mask[i, : len(tokens)], resp[i, p : len(tokens)] = torch.tensor(tokens), 1, 1.0
-    batch = TensorBatch({"input_ids": ids, "attention_mask": mask, "response_mask": resp})
+    batch = right_padded(rows, tokenizer.pad_token_id)
     want = make_runner(model, "padded").logprobs(batch, 1.0)
     runner = make_runner(model, "auto")
     assert runner.layout == "shared" and all(mb.units for mb in runner.plan(batch)[1])

@@ -118,6 +118,19 @@ def make_grouped_rl_batch(
     )
 
 
+def right_padded(rows: list[tuple[list[int], int]], pad_token_id: int) -> TensorBatch:
+    """A batch of ``rows`` of ``(token ids, prompt length)``, right-padded with ``pad_token_id`` to
+    the longest: ``input_ids``, ``attention_mask`` (1 on each row's tokens) and ``response_mask``
+    (1.0 on the tokens after its prompt)."""
+    width = max(len(tokens) for tokens, _ in rows)
+    ids = torch.full((len(rows), width), pad_token_id)
+    mask = torch.zeros_like(ids)
+    response = torch.zeros(len(rows), width)
+    for i, (tokens, prompt) in enumerate(rows):
+        ids[i, : len(tokens)], mask[i, : len(tokens)], response[i, prompt : len(tokens)] = torch.tensor(tokens), 1, 1.0
+    return TensorBatch({"input_ids": ids, "attention_mask": mask, "response_mask": response})
+
+
 def nll_loss(batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
     """Supervised loss on response tokens (for engine tests): ``-logprobs``, also the token metric
     ``neg_logprob``."""
