@@ -40,7 +40,7 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
   exit 2
 fi
 "$PY" -c 'import torch, core_rl; p = torch.cuda.get_device_properties(0); print(f"gpu_check: {torch.cuda.device_count()} x {p.name} ({p.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, core-rl {core_rl.__version__}")' \
-  || { echo "gpu_check: error: core-rl does not import in $PY (install it first: README, GPU machines without internet)" >&2; exit 2; }
+  || { echo "gpu_check: error: core-rl does not import in $PY (install it first: docs/install.md, GPU machines without internet)" >&2; exit 2; }
 
 status=0
 has() { [[ ",$parts," == *",$1,"* ]]; }

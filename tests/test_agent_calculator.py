@@ -1,7 +1,7 @@
 """The agent example (examples/agent_calculator): a tiny model learns, with GRPO through the
 ``environment`` workflow, to use the ``calculator`` tool and copy its result: the real example
 (model, warm start, fsdp + hf engines, the calculator environment) in a subprocess, shortened to
-20 steps. Measured (README, 30 steps): the mean reward of steps 1-5 0.46, of steps 16-20 0.65, of
+20 steps. Measured (docs/agents.md, 30 steps): the mean reward of steps 1-5 0.46, of steps 16-20 0.65, of
 steps 26-30 0.72; over 20 steps with seeds 1-6 the rise was 0.16-0.43; a policy that ignored the
 tool's reply stays at the warm start's ~0.45."""
 

@@ -1,7 +1,7 @@
 """Smoke test of benchmarks/logprob_memory.py at a small size: each formulation runs in its own
 process and prints its figures, the chunked one gives log-probs and entropies identical to the
 reference's, and the chunked ones (the core's, the fused head's and megatron's, where installed) keep less for
-backward (the full-size figures are in the README; at this size the peak resident memory moves by
+backward (the full-size figures are in docs/benchmarks.md; at this size the peak resident memory moves by
 more than the difference between them, so it is printed, not compared)."""
 
 from __future__ import annotations

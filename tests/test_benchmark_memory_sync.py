@@ -1,5 +1,5 @@
 """Smoke test of benchmarks/memory_sync.py: a 2-layer model on the CPU, both layouts, its figures and
-profiles printed (the 0.36B layout's figures are in the README)."""
+profiles printed (the 0.36B layout's figures are in docs/benchmarks.md)."""
 
 from __future__ import annotations
 

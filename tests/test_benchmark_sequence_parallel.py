@@ -1,6 +1,6 @@
 """Smoke test of benchmarks/sequence_parallel.py: a short row through 1 rank and through a group of
 2 (gloo), each rank's figures printed; each rank of the group keeps about half the activations for
-backward (the full-size figures are in the README)."""
+backward (the full-size figures are in docs/benchmarks.md)."""
 
 from __future__ import annotations
 

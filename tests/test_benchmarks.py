@@ -1,5 +1,5 @@
 """Smoke test of benchmarks/algorithms.py at a small size: every case runs, prints its throughput
-and agrees with its reference formulation (the full-size figures are in the README)."""
+and agrees with its reference formulation (the full-size figures are in docs/benchmarks.md)."""
 
 from __future__ import annotations
 

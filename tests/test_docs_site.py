@@ -109,5 +109,12 @@ def test_the_site_builds_strictly_with_the_reference(tmp_path: Path) -> None:
     assert built.returncode == 0, built.stderr[-3000:]
     page = (site / "reference" / "configuration" / "index.html").read_text()
     assert "reward_runner.on_error" in page and "core-rl-fsdp" in page
-    for name in ("quickstart", "when-stuck", "real-models", "memory", "plugin-guide", "benchmarks"):
+    pages = sorted(p.stem for p in (ROOT / "docs").glob("*.md") if p.stem != "index")
+    assert {"install", "quickstart", "runs", "configuration", "data", "rewards", "algorithms", "engines"} <= set(pages)
+    assert {"servers", "scaling", "async", "agents", "reliability", "when-stuck", "architecture"} <= set(pages)
+    assert {"plugin-guide", "benchmarks", "real-models", "memory"} <= set(pages)
+    for name in pages:
         assert (site / name / "index.html").is_file(), name
+    # every page is in the navigation (mkdocs only says so at INFO level)
+    nav = (ROOT / "mkdocs.yml").read_text().split("\nnav:\n", 1)[1]
+    assert [name for name in pages if f" {name}.md" not in nav] == []

@@ -1,4 +1,5 @@
-"""The README's "Using it" commands run in the order written after the main job: each configuration
+"""The commands of docs/runs.md ("The commands, in order", which the README's "Using it" section
+held before it moved to the docs) run in the order written after the main job: each configuration
 they name validates, each training run gets a run directory of its own (a second run into the main
 job's would stop with "already holds a run"), and each run directory or model they read is one the
 main job or an earlier command of the block writes."""
@@ -14,13 +15,13 @@ from core_rl.config import load_config
 from core_rl.plugins import PluginHost
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+PAGE = (ROOT / "docs" / "runs.md").read_text()
 MAIN_CONFIG = ROOT / "examples" / "tiny_grpo" / "grpo.yaml"  # main.py trains it as it is
 
 
 def _usage_commands() -> list[list[str]]:
-    """The ``core-rl`` commands of the first bash block under "## Using it", as argument lists."""
-    section = README.split("\n## Using it\n", 1)[1]
+    """The ``core-rl`` commands of the first bash block under "## The commands, in order", as argument lists."""
+    section = PAGE.split("\n## The commands, in order\n", 1)[1]
     block = re.search(r"^```bash\n(.*?)^```", section, flags=re.M | re.S)
     assert block is not None
     return [shlex.split(line, comments=True)[1:] for line in block.group(1).splitlines() if line.startswith("core-rl ")]

@@ -69,7 +69,7 @@ def test_a_resume_with_changed_settings_keeps_the_earlier_config(tmp_path: Path,
 
 
 def test_extending_a_run_through_its_recorded_config_follows_the_new_horizon(tmp_path: Path, host, capsys) -> None:
-    """A cosine run of 2 steps extended to 4 through its recorded file, as the README says to
+    """A cosine run of 2 steps extended to 4 through its recorded file, as docs/runs.md says to
     (``core-rl train <run>/config.yaml recover.mode=resume trainer.total_steps=4``): the schedule's
     ``total_steps`` was recorded derived, so steps 3 and 4 train on the cosine over 4 steps (not at
     learning rate 0, the end of the cosine over 2), and the note names the recomputed value."""
@@ -115,7 +115,7 @@ def test_changed_keys(before: dict, after: dict, lines: list[str]) -> None:
 
 
 def test_the_recorded_config_exports_a_checkpoint_as_a_hf_model(tmp_path: Path, host) -> None:
-    """The README's recipe: ``core-rl train <run>/config.yaml recover.mode=resume
+    """docs/runs.md's recipe: ``core-rl train <run>/config.yaml recover.mode=resume
     saver.export_hf=true`` with ``trainer.total_steps`` at the newest checkpoint trains nothing and
     writes that checkpoint's weights as ``<run>/final_hf``."""
     import torch

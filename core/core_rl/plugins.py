@@ -197,7 +197,7 @@ class PluginHost:
 
     def _distribution_of(self, ep: md.EntryPoint) -> tuple[str, str]:
         """``(name, version)`` of the distribution declaring ``ep``. Each ``metadata`` access
-        parses the whole metadata file again (core-rl's holds its README, ~110 kB), so it is read
+        parses the whole metadata file again (core-rl's holds its README), so it is read
         once per distribution (the entry points of one scan share their distribution's object)."""
         dist = getattr(ep, "dist", None)
         if dist is None:

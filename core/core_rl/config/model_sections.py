@@ -156,7 +156,7 @@ class MicroBatchConfig:
       rank assignment does not keep a prompt's samples together). ``auto`` (the default):
       packed with a flash-attn kernel; otherwise shared for the plans where it saves at least 20%
       of the work (tokens, and the attention's query x key pairs), padded for the others (faster
-      on CPU/SDPA than packed, see the README's figures). The loss does not depend on the layout.
+      on CPU/SDPA than packed, see docs/benchmarks.md). The loss does not depend on the layout.
     - ``rank_assignment``: ``balanced`` gives each data-parallel rank nearly the same number of
       tokens (Karmarkar-Karp over row lengths); ``strided`` gives rank ``r`` rows ``r, r+W, ...``.
     """
