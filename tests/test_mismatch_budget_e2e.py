@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -74,14 +75,24 @@ def test_plain_grpo_logs_the_mismatch_every_step(config):
         assert "mismatch/over_budget" not in row  # no threshold: metrics only
 
 
-def test_first_step_measure_equals_a_recompute(config, monkeypatch):
+@pytest.fixture(scope="module")
+def warned(config: Path) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+    """One run with noise on the behaviour log-probs and ``action: warn`` over a threshold of 0.1
+    with a patience of 2 (a warning changes nothing of the run): its process and metrics, for the
+    warning's test and, as the run that measures without a recompute, the first step's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(NOISE_VARIABLE, str(STD))
+        proc = run_train(config, "experiment.name=warn", *_budget(threshold=0.1, action="warn", patience=2))
+    return proc, read_metrics(_run_dir(config, "warn") / "metrics.jsonl")
+
+
+def test_first_step_measure_equals_a_recompute(config, warned, monkeypatch):
     """With noise on the behaviour log-probs, the mismatch measured in the first optimiser step
-    (no recompute) is the one a recompute of ``old_logprobs`` gives, on the same samples (step 1:
-    the same seed and weights), and its size is the noise's."""
+    (no recompute; the ``warned`` run) is the one a recompute of ``old_logprobs`` gives, on the same
+    samples (step 1: the same seed and weights), and its size is the noise's."""
     monkeypatch.setenv(NOISE_VARIABLE, str(STD))
-    run_train(config, "experiment.name=probe")
     run_train(config, "experiment.name=recompute", "algorithm.recompute_logprob=true")
-    probe = read_metrics(_run_dir(config, "probe") / "metrics.jsonl")[0]
+    probe = warned[1][0]
     recompute = read_metrics(_run_dir(config, "recompute") / "metrics.jsonl")[0]
     assert "offpolicy/kl_behave_old" in recompute and "offpolicy/kl_behave_old" not in probe
     assert recompute["offpolicy/kl_behave_old"] == pytest.approx(recompute["mismatch/kl_behave_trainer"])
@@ -111,14 +122,12 @@ def test_a_zero_signal_step_is_measured_by_a_forward_pass(config, monkeypatch):
         assert probe["timing/mismatch_s"] > 0.0
 
 
-def test_warn_names_the_metric_value_and_threshold_after_patience(config, monkeypatch):
-    monkeypatch.setenv(NOISE_VARIABLE, str(STD))
-    proc = run_train(config, "experiment.name=warn", *_budget(threshold=0.1, action="warn", patience=2))
+def test_warn_names_the_metric_value_and_threshold_after_patience(warned):
+    proc, rows = warned
     lines = [line for line in proc.stderr.splitlines() if "mismatch over budget" in line]
     # steps 1, 2 over budget: the warning at step 2; step 3 starts a new streak of 1
     assert len(lines) == 1, proc.stderr[-2000:]
     assert "mismatch/abs_logprob_diff = " in lines[0] and "threshold 0.1 at step 2 for 2 steps" in lines[0]
-    rows = read_metrics(_run_dir(config, "warn") / "metrics.jsonl")
     assert [r["mismatch/over_budget"] for r in rows] == [1.0, 1.0, 1.0]
     assert [r["mismatch/over_budget_total"] for r in rows] == [1.0, 2.0, 3.0]
 

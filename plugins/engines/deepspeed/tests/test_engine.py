@@ -255,3 +255,23 @@ def test_a_model_with_its_own_code_trains_and_exports_with_it(tmp_path: Path, st
     want = hf_logprobs(tmp_path / "export", batch["input_ids"], batch["attention_mask"], trust_remote_code=True)
     torch.testing.assert_close(engine.compute_logprobs(batch), want, atol=1e-5, rtol=0)
     engine.close()
+
+
+def test_deepspeed_is_imported_without_mlflow_which_imports_afterwards() -> None:
+    """DeepSpeed's autotuner imports MLflow where installed (seconds of each process's start):
+    ``import_deepspeed`` keeps it out, and ``import mlflow`` works afterwards (the mlflow logger)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("mlflow")
+    script = (
+        "import sys, torch\n"
+        "from core_rl_deepspeed.config import DeepSpeedConfig\n"
+        "from core_rl_deepspeed.engine import import_deepspeed\n"
+        "import_deepspeed(DeepSpeedConfig(), torch.device('cpu'))\n"
+        "assert 'deepspeed' in sys.modules and 'mlflow' not in sys.modules, sorted(sys.modules)\n"
+        "import mlflow\n"
+        "assert mlflow.__version__\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

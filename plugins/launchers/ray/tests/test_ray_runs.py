@@ -210,7 +210,7 @@ def test_validate_checks_the_placement_against_the_cluster(ray_cluster, task):
 
 # -- the tiny GRPO example through a vLLM server ---------------------------------------------------
 
-STEPS = 5  # the weights' exactness shows at every step; the rise needs ~16 (README)
+STEPS = 3  # the weights' exactness shows at every step; the rise needs ~16 (README)
 
 
 def _grpo(warm: dict[str, Path], name: str, *overrides: str) -> list[str]:

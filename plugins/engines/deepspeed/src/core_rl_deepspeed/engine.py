@@ -17,10 +17,12 @@ ZeRO stage.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import math
 import os
+import sys
 import warnings
 from collections.abc import Iterator, Mapping, Set
 from pathlib import Path
@@ -51,13 +53,31 @@ CHECKPOINT_FORMAT = 1
 ENGINE_NAME = "deepspeed"
 
 
+@contextlib.contextmanager
+def _without_mlflow() -> Iterator[None]:
+    """While DeepSpeed's modules load, ``import mlflow`` fails: its autotuner (which core-rl never
+    runs) imports MLflow where installed, which takes seconds of every DeepSpeed process's start
+    (and MLflow is there with the mlflow logger plugin). Afterwards ``import mlflow`` works as
+    before; nothing changes where MLflow or DeepSpeed was imported already."""
+    if "mlflow" in sys.modules or "deepspeed" in sys.modules:
+        yield
+        return
+    sys.modules["mlflow"] = None  # type: ignore[assignment]  # import mlflow -> ImportError
+    try:
+        yield
+    finally:
+        if sys.modules.get("mlflow", ...) is None:
+            del sys.modules["mlflow"]
+
+
 def import_deepspeed(options: DeepSpeedConfig, device: torch.device) -> Any:
     """``deepspeed``, imported for ``device``: on CPU its accelerator is ``cpu`` (``DS_ACCELERATOR``,
     unless already set) and, unless ``options.shm_comm``, its shared-memory all-reduce extension is
     marked unavailable so nothing is compiled (gloo does the all-reduce)."""
     if device.type != "cuda":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
+    with _without_mlflow():
+        import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     chosen = get_accelerator().device_name()  # once per process, by the first DeepSpeed engine
