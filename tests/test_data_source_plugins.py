@@ -137,6 +137,43 @@ def test_rows_that_are_not_mappings_and_a_source_with_no_rows_are_problems() -> 
     ]
 
 
+def test_eval_files_read_a_source_named_by_the_configuration(tmp_path: Path) -> None:
+    """An entry of ``eval.files`` naming a ``data.sources`` key, validated by the loader, is read
+    by evaluation's reader with its rows' Python values."""
+    from core_rl.config.loader import load_config
+    from core_rl.trainer.data import check_eval_data
+
+    (tmp_path / "gen.py").write_text(SOURCE_FILE)
+    gen = {"name": "function", "path": f"{tmp_path / 'gen.py'}:rows", "kwargs": {"words": ["ab", "cd"], "tag": "e"}}
+    config = {
+        "actor": {"model_path": "/m"},
+        "algorithm": {"name": "grpo"},
+        "reward": {"name": "exact_match"},
+        "data": {"train_files": ["t.jsonl"], "sources": {"gen": gen}},
+        "eval": {"files": ["source:gen"]},
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cfg = load_config(path, host=PluginHost(), require_complete=False)
+    assert cfg.data.sources["gen"].entry is not None  # validated by the loader
+    rows, problems = check_eval_data(cfg, {"answer": "reward 'exact_match'"})
+    assert problems == []
+    assert [(r.where, r.row["meta"]) for r in rows] == [("source:gen row 1", ("e", 2)), ("source:gen row 2", ("e", 2))]
+
+
+def test_a_registered_name_without_a_section_is_that_source_with_its_defaults() -> None:
+    from core_rl.data_sources import resolve_source_entries
+
+    host = PluginHost(entry_points=[])
+    host.register_plugin(Plugin(), distribution="core-rl-broken-source", version="9.9")
+    sources: dict[str, PluginSpec] = {}
+    assert resolve_source_entries(sources, [("data.train_files[0]", "source:lists"), ("x", "a.jsonl")], host) == []
+    assert list(sources) == ["lists"] and sources["lists"].name == "lists" and sources["lists"].entry is not None
+    assert resolve_source_entries({}, [("eval.files[2]", "source:")], host) == [
+        "eval.files[2]: 'source:' names no data source; write source:<key>, a key of data.sources"
+    ]
+
+
 def _validate(tmp_path: Path, data: dict[str, Any]) -> subprocess.CompletedProcess:
     config = {"actor": {"model_path": "/m"}, "algorithm": {"name": "grpo"}, "reward": {"name": "exact_match"}}
     path = tmp_path / "c.yaml"
