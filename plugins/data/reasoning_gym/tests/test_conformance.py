@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import core_rl_reasoning_gym.plugin
+import pytest
+from core_rl.config.validators import FieldValueError
 from core_rl.protocol import RewardInput
 from core_rl.testing import DataSourceContract, RewardContract, make_reward_input
 from core_rl_reasoning_gym.source import ReasoningGymSource, ReasoningGymSourceConfig
@@ -53,3 +55,8 @@ class TestRewardWholeResponse(RewardContract):
         (make_reward_input(f" {GOLD[0]}\n", ROWS[0]), 1.0),
         (make_reward_input(WRONG, ROWS[0]), 0.0),
     ]
+
+
+def test_a_misspelled_task_gets_a_did_you_mean() -> None:
+    with pytest.raises(FieldValueError, match=r"is no reasoning-gym task \(did you mean 'leg_counting'\)"):
+        ReasoningGymSourceConfig(tasks=["chain_sum", "leg_countin"])

@@ -45,7 +45,7 @@ def test_five_grpo_steps_on_a_tiny_model_through_the_source_and_the_reward(tmp_p
     }
     path = tmp_path / "rg.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::SyntaxWarning"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "core_rl.cli", "train", str(path)], capture_output=True, text=True, env=env, timeout=600

@@ -22,6 +22,8 @@ from core_rl.errors import DataError
 from core_rl.interfaces import Reward, RewardScores
 from core_rl.protocol import RewardInput
 
+from core_rl_reasoning_gym.source import reasoning_gym
+
 
 @attrs.define
 class ReasoningGymRewardConfig:
@@ -51,10 +53,8 @@ class ReasoningGymReward(Reward):
         """``task``'s ``score_answer`` (made once)."""
         with self._lock:
             if task not in self._scorers:
-                import reasoning_gym
-
                 try:
-                    self._scorers[task] = reasoning_gym.get_score_answer_fn(task)
+                    self._scorers[task] = reasoning_gym().get_score_answer_fn(task)
                 except ValueError:
                     raise DataError(
                         f"reward 'reasoning_gym': the row's metadata names task {task!r}, which reasoning-gym does "
@@ -66,9 +66,7 @@ class ReasoningGymReward(Reward):
         """The answer in ``response`` (see the module docstring), ``None`` where there is none."""
         if not self.config.answer_tag:
             return response.strip()
-        from reasoning_gym.utils import extract_answer
-
-        return extract_answer(response, tag_name=self.config.answer_tag)
+        return reasoning_gym().utils.extract_answer(response, tag_name=self.config.answer_tag)
 
     def _task(self, row: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
         metadata = row.get(self.config.metadata_key)

@@ -10,7 +10,9 @@ make the same rows: reasoning-gym's datasets are a function of their seed and in
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
+from types import ModuleType
 from typing import Any
 
 import attrs
@@ -22,11 +24,20 @@ from core_rl.errors import ConfigError, did_you_mean
 NOT_A_TASK = ("composite",)
 
 
+def reasoning_gym() -> ModuleType:
+    """``reasoning_gym``, imported without the ``SyntaxWarning`` s one of its dependencies
+    (cellpylib) prints when its modules are compiled."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)
+        import reasoning_gym
+        import reasoning_gym.utils
+
+    return reasoning_gym
+
+
 def task_names() -> list[str]:
     """Every procedural task reasoning-gym registers (but its ``composite`` mixture), sorted."""
-    from reasoning_gym.factory import DATASETS
-
-    return sorted(name for name in DATASETS if name not in NOT_A_TASK)
+    return sorted(name for name in reasoning_gym().factory.DATASETS if name not in NOT_A_TASK)
 
 
 def _tasks(_inst: Any, attribute: attrs.Attribute[Any], value: list[str]) -> None:
@@ -36,8 +47,8 @@ def _tasks(_inst: Any, attribute: attrs.Attribute[Any], value: list[str]) -> Non
     for i, name in enumerate(value):
         if name not in known:
             close = did_you_mean(name, known)
-            hint = f"did you mean {close!r}?" if close else f"reasoning-gym's tasks: {', '.join(known)}"
-            raise FieldValueError(f"{attribute.name}[{i}]", name, f"is no reasoning-gym task; {hint}")
+            hint = f"did you mean {close!r}" if close else f"reasoning-gym's tasks: {', '.join(known)}"
+            raise FieldValueError(f"{attribute.name}[{i}]", name, f"is no reasoning-gym task ({hint})")
     repeated = sorted({n for n in value if value.count(n) > 1})
     if repeated:
         raise FieldValueError(attribute.name, value, f"names {', '.join(repeated)} twice; list each task once")
@@ -74,11 +85,9 @@ class ReasoningGymSource(DataSource):
         self.config = config
 
     def _dataset(self, name: str) -> Any:
-        import reasoning_gym
-
         options = self.config.task_options.get(name, {})
         try:
-            return reasoning_gym.create_dataset(name, size=self.config.size, seed=self.config.seed, **options)
+            return reasoning_gym().create_dataset(name, size=self.config.size, seed=self.config.seed, **options)
         except (TypeError, ValueError, AssertionError) as exc:  # options its config refuses
             raise ConfigError(
                 [f"data source 'reasoning_gym': task_options.{name}: reasoning-gym refuses {options}: {exc}"]
