@@ -60,3 +60,12 @@ class TestRewardWholeResponse(RewardContract):
 def test_a_misspelled_task_gets_a_did_you_mean() -> None:
     with pytest.raises(FieldValueError, match=r"is no reasoning-gym task \(did you mean 'leg_counting'\)"):
         ReasoningGymSourceConfig(tasks=["chain_sum", "leg_countin"])
+
+
+def test_task_options_reasoning_gym_refuses_are_refused_with_the_config() -> None:
+    with pytest.raises(
+        FieldValueError, match=r"task_options.chain_sum.*ChainSumConfig.*max_terms must be >= min_terms"
+    ):
+        ReasoningGymSourceConfig(tasks=["chain_sum"], task_options={"chain_sum": {"min_terms": 5, "max_terms": 2}})
+    with pytest.raises(FieldValueError, match=r"unexpected keyword argument 'no_such'"):
+        ReasoningGymSourceConfig(tasks=["chain_sum"], task_options={"chain_sum": {"no_such": 1}})

@@ -76,6 +76,16 @@ class ReasoningGymSourceConfig:
                 raise FieldValueError(
                     f"task_options.{name}", self.task_options[name], f"is for a task not in tasks ({self.tasks})"
                 )
+            options = self.task_options[name]
+            config_cls = reasoning_gym().factory.DATASETS[name][1]
+            try:
+                dataset_config = config_cls(**options)
+                if callable(getattr(dataset_config, "validate", None)):
+                    dataset_config.validate()
+            except (TypeError, ValueError, AssertionError) as exc:
+                raise FieldValueError(
+                    f"task_options.{name}", options, f"is refused by reasoning-gym's {config_cls.__name__}: {exc}"
+                ) from None
 
 
 class ReasoningGymSource(DataSource):
