@@ -35,6 +35,9 @@ core checks a component for when it is built names it: :mod:`core_rl.components`
 - 9: the verified weight sync (``rollout.sync_check``): ``RolloutEngine.weight_fingerprints``,
   ``fingerprint_dtypes`` and ``fingerprint_prefix`` (the base class's defaults skip the check with
   a note).
+- 10: :func:`core_rl_register_data_sources` added: rows made in memory by a plugin
+  (:class:`core_rl.data_sources.DataSource`), selected by ``source:<key>`` entries of
+  ``data.train_files`` and ``eval.files``.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from typing import Any, Protocol
 import pluggy
 
 PROJECT_NAME = "core_rl"
-HOOK_API_VERSION = 9
+HOOK_API_VERSION = 10
 
 #: The API version that added an interface (``"Class"``: all its members) or one member of it
 #: (``"Class.member"``) after version 1; anything not listed is in version 1. Classes are those of
@@ -90,6 +93,7 @@ INTERFACE_ADDED: dict[str, int] = {
     "RolloutEngine.weight_fingerprints": 9,
     "RolloutEngine.fingerprint_dtypes": 9,
     "RolloutEngine.fingerprint_prefix": 9,
+    "DataSource": 10,
 }
 
 #: Keyword arguments a member must take since the API version given (``"Class.member"`` ->
@@ -381,6 +385,26 @@ def core_rl_register_tool_parsers(register: Register) -> None:
     Called when the plugin is loaded.
 
     .. versionadded:: 5
+    """
+
+
+@hookspec
+def core_rl_register_data_sources(register: Register) -> None:
+    """Register data sources: rows made in memory (procedural task generators, a Python callable,
+    an environment library's task set), selected by an entry ``source:<key>`` of
+    ``data.train_files`` or ``eval.files`` beside files and ``hf:`` datasets, weighted or not
+    (``<key>``: a key of ``data.sources``, whose value is ``{name: <registered name>, ...options}``,
+    or a registered name with its default options).
+
+    :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
+        source. ``factory(config)`` receives the source's validated section and returns a
+        :class:`core_rl.data_sources.DataSource`, whose ``rows()`` returns the same rows in the same
+        order every time (a resumed run builds the source again and must draw the same rows).
+    :return: nothing; results go through ``register``.
+
+    Called when the plugin is loaded.
+
+    .. versionadded:: 10
     """
 
 

@@ -85,6 +85,13 @@ TOOL_PARSER = PluginKind(
     "core_rl_register_tool_parsers",
     "core_rl.tool_parsers:ToolParser",
 )
+DATA_SOURCE = PluginKind(
+    "data_source",
+    "data source",
+    "core_rl.data_sources",
+    "core_rl_register_data_sources",
+    "core_rl.data_sources:DataSource",
+)
 LOOP = PluginKind("loop", "training loop", "core_rl.loops", "core_rl_register_loops", "TrainingLoop")
 LAUNCHER = PluginKind(
     "launcher", "launcher", "core_rl.launchers", "core_rl_register_launchers", "core_rl.launchers:Launcher"
@@ -106,6 +113,7 @@ ALL_KINDS: tuple[PluginKind, ...] = (
     ENVIRONMENT,
     TOOL_PARSER,
     LAUNCHER,
+    DATA_SOURCE,
 )
 KINDS_BY_KEY: dict[str, PluginKind] = {k.key: k for k in ALL_KINDS}
 
@@ -167,4 +175,6 @@ KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("launcher", "slurm"): "slurm",
     ("launcher", "ray"): "ray",
     ("workflow", "openai_agent"): "openai-proxy",
+    ("data_source", "reasoning_gym"): "reasoning-gym",
+    ("reward", "reasoning_gym"): "reasoning-gym",
 }

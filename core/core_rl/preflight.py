@@ -160,7 +160,7 @@ def _required_columns(cfg: RunConfig) -> dict[str, str]:
 
 def check_data(cfg: RunConfig) -> tuple[list[DataRow], list[str]]:
     """Read every data file and check its rows' columns (see the module docstring)."""
-    rows, problems = read_data_files(cfg.data.train_paths)
+    rows, problems = read_data_files(cfg.data.train_paths, sources=cfg.data.sources)
     problems += check_rows(
         rows, cfg.data.prompt_key, _required_columns(cfg), chat_template=cfg.data.apply_chat_template
     )

@@ -7,6 +7,7 @@ from typing import Any
 
 import attrs
 
+from core_rl.config.plugin_spec import PluginSpec
 from core_rl.config.validators import (
     MAX_COUNT,
     MAX_STEPS,
@@ -107,6 +108,12 @@ class DataConfig:
     weighted mixture, each source's share of every epoch's draws in proportion to its weight
     (:mod:`core_rl.trainer.mixture`).
 
+    ``sources`` (default none): data sources, rows a plugin makes in memory
+    (:mod:`core_rl.data_sources`), each key a name an entry ``source:<key>`` of ``train_files`` or
+    ``eval.files`` selects, each value the source's section ``{name: <registered name>,
+    ...options}``; an entry ``source:<name>`` whose name is no key here is that registered source
+    with its default options.
+
     ``filter_overlong_prompts``: drop prompts longer than ``max_prompt_tokens`` tokens (one line on
     stderr says how many) instead of refusing the run; all of them too long is still an error. It
     applies to ``eval.files`` too.
@@ -152,6 +159,7 @@ class DataConfig:
 
     difficulty_filter: DifficultyFilterConfig | None = None
     max_samples: int | None = attrs.field(default=None, validator=in_range(1, MAX_STEPS))
+    sources: dict[str, PluginSpec] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         if self.max_samples is not None and self.max_samples < self.batch_size:

@@ -79,6 +79,7 @@ from core_rl.config.sections import (
     selected_sections,
     validate_plugin_section,
 )
+from core_rl.data_sources import source_entry_problems
 from core_rl.errors import ConfigError, PluginError
 from core_rl.freezing import engine_problems as freeze_engine_problems
 from core_rl.interfaces import AlgorithmRecipe
@@ -483,7 +484,7 @@ def _config_or_problems(
         return exc.problems + raw_plugin_problems(data, host)
     for interpolated in interpolations(merged.data, data):
         record(cfg, interpolated)
-    problems: list[str] = []
+    problems: list[str] = source_entry_problems(cfg, host)
     for spec_path, kind, spec in selected_sections(cfg):
         try:
             validate_plugin_section(host, kind, spec, spec_path, run=cfg)

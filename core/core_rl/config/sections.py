@@ -45,6 +45,8 @@ def selected_sections(cfg: RunConfig) -> Iterator[tuple[str, PluginKind, PluginS
     for i, spec in enumerate(cfg.loggers):
         yield f"loggers[{i}]", kinds.LOGGER, spec
     yield "trainer.loop", kinds.LOOP, cfg.trainer.loop
+    for key, spec in cfg.data.sources.items():
+        yield f"data.sources.{key}", kinds.DATA_SOURCE, spec
     yield "launcher", kinds.LAUNCHER, cfg.launcher
 
 

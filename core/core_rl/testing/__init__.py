@@ -29,6 +29,7 @@ from core_rl.testing.contracts import (
     make_rl_batch,
     recipe_host,
 )
+from core_rl.testing.data_source_contracts import DataSourceContract
 from core_rl.testing.engine_contracts import TrainEngineContract
 from core_rl.testing.environment_contracts import EnvironmentContract, ToolParserContract
 from core_rl.testing.launcher_contract import LauncherContract
@@ -39,6 +40,7 @@ __all__ = [
     "AdvantageEstimatorContract",
     "AlgorithmContract",
     "ComponentContract",
+    "DataSourceContract",
     "EnvironmentContract",
     "LauncherContract",
     "LoggerContract",

@@ -300,7 +300,7 @@ def check_eval_data(cfg: RunConfig, required: Mapping[str, str]) -> tuple[list[D
     """Read ``eval.files`` (the first ``eval.max_prompts`` rows when set) and check their columns:
     the prompt column, the ``required`` ones (column -> who reads it) and ``eval.group_by``."""
     assert cfg.eval is not None
-    rows, problems = read_data_files(cfg.eval.files, "eval.files")
+    rows, problems = read_data_files(cfg.eval.files, "eval.files", sources=cfg.data.sources)
     if cfg.eval.max_prompts:
         rows = rows[: cfg.eval.max_prompts]
     columns = dict(required)
@@ -347,7 +347,7 @@ class PromptSource:
         self.seed = seed
         problems: list[str] = []
         if rows is None:
-            rows, problems = read_data_files(config.train_paths)
+            rows, problems = read_data_files(config.train_paths, sources=config.sources)
             problems += check_rows(rows, config.prompt_key, {}, chat_template=config.apply_chat_template)
         if not problems and not rows:
             problems.append(f"data.train_files: {config.train_paths} hold no rows")

@@ -14,7 +14,10 @@ An entry of ``data.train_files`` / ``eval.files`` is one of:
   default), e.g. ``hf:openai/gsm8k:main@train``, read with
   ``datasets.load_dataset(repo_id, config_name, split=split)``: from the local Hugging Face cache
   where it is there (``HF_HUB_OFFLINE=1`` reads only the cache), else downloaded into it. The repo
-  id may also be a local directory of data files, as ``load_dataset`` accepts.
+  id may also be a local directory of data files, as ``load_dataset`` accepts;
+- ``source:<key>``: the rows a data-source plugin makes in memory (:mod:`core_rl.data_sources`;
+  ``<key>`` a key of ``data.sources``, or a registered source's name), kept as the Python values it
+  made (no JSON round trip), numbered as rows: ``source:gen row 7``.
 
 Rows of a dataset are plain dicts (Arrow values as Python ones, null cells absent, as in Parquet).
 ``datasets`` is imported only when an entry is a dataset.
@@ -36,6 +39,9 @@ from typing import Any
 
 import attrs
 
+from core_rl.config.plugin_spec import PluginSpec
+from core_rl.data_sources import source_key, source_rows
+
 FORMATS = {".json": "json", ".jsonl": "jsonl", ".parquet": "parquet"}
 #: the prefix of a Hugging Face hub dataset entry, ``hf:<repo_id>[:<config_name>][@<split>]``
 HUB_PREFIX = "hf:"
@@ -45,6 +51,8 @@ DEFAULT_SPLIT = "train"
 SAVED_DATASET_FILES = ("dataset_dict.json", "state.json", "dataset_info.json")
 #: row-level problems listed per file before the rest are only counted
 MAX_PROBLEMS_PER_FILE = 10
+#: what a data source's rows must be, for its problems
+ROWS_RULE = "DataSource.rows returns mappings such as {'prompt': ...}"
 _BETWEEN_ITEMS = re.compile(r"\s*,?\s*")
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
@@ -335,8 +343,26 @@ def _hub_dataset(name: str, problems: Problems, key: str) -> list[DataRow]:
         return _dataset_rows(label, dataset, problems)
 
 
-def _read_entry(name: str, problems: Problems, key: str) -> list[DataRow]:
-    """The rows of one entry of ``key``: a hub dataset, a saved dataset or a file."""
+def _source(name: str, problems: Problems, key: str, sources: Mapping[str, PluginSpec]) -> list[DataRow]:
+    """The rows of a data source, numbered from 1; a row that is not a mapping is a problem."""
+    made, problem = source_rows(name, sources, key)
+    if problem is not None:
+        problems.add(name, problem)
+    rows = []
+    for i, row in enumerate(made, start=1):
+        if isinstance(row, Mapping):
+            rows.append(DataRow(name, i, row, unit="row"))
+        else:
+            problems.add(
+                name, f"{name} row {i}: the source made {kind_of(row)}, not a mapping of column to value; {ROWS_RULE}"
+            )
+    return rows
+
+
+def _read_entry(name: str, problems: Problems, key: str, sources: Mapping[str, PluginSpec]) -> list[DataRow]:
+    """The rows of one entry of ``key``: a data source, a hub dataset, a saved dataset or a file."""
+    if source_key(name) is not None:
+        return _source(name, problems, key, sources)
     if name.startswith(HUB_PREFIX):
         return _hub_dataset(name, problems, key)
     saved = _saved_dataset_entry(name)
@@ -384,14 +410,17 @@ def _read_file(name: str, problems: Problems, key: str) -> list[DataRow]:
     return _json_lines(name, text, problems)
 
 
-def read_data_files(files: Sequence[str], key: str = "data.train_files") -> tuple[list[DataRow], list[str]]:
-    """Read every row of ``files`` (the config key ``key``: files, saved datasets and ``hf:``
-    entries, see the module docstring) in order. Returns the rows and the problems found (each
-    naming the entry, and the line or row where there is one); rows of an entry with problems may
-    be missing, so use the rows only when there are none."""
+def read_data_files(
+    files: Sequence[str], key: str = "data.train_files", *, sources: Mapping[str, PluginSpec] | None = None
+) -> tuple[list[DataRow], list[str]]:
+    """Read every row of ``files`` (the config key ``key``: files, saved datasets, ``hf:`` and
+    ``source:`` entries, see the module docstring; ``sources``: ``data.sources``) in order.
+    Returns the rows and the problems found (each naming the entry, and the line or row where
+    there is one); rows of an entry with problems may be missing, so use the rows only when there
+    are none."""
     problems = Problems()
     rows: list[DataRow] = []
     for index, name in enumerate(files):
-        read = _read_entry(name, problems, key)
+        read = _read_entry(name, problems, key, sources or {})
         rows.extend(read if index == 0 else (attrs.evolve(r, entry=index) for r in read))
     return rows, problems.result()

@@ -57,7 +57,7 @@ class PairwiseLoop(SupervisedLoop):
         training data's (``data.prompt_key``, ``data.apply_chat_template``); a
         :class:`~core_rl.errors.DataError` naming the config key ``key`` on a problem. ``data.max_length``
         bounds them as the training rows (:mod:`core_rl.trainer.length_bound`)."""
-        rows, problems = read_data_files(files)
+        rows, problems = read_data_files(files, sources=self.cfg.data.sources)
         problems = problems or check_rows(
             rows, self.cfg.data.prompt_key, {}, chat_template=self.cfg.data.apply_chat_template
         )

@@ -40,7 +40,7 @@ class PTXRows:
 
     def __init__(self, config: PTXConfig, data: DataConfig, tokenizer: Any, *, seed: int) -> None:
         self.config, self.seed = config, seed
-        rows, problems = read_data_files(config.files, key=KEY)
+        rows, problems = read_data_files(config.files, key=KEY, sources=data.sources)
         prompts = attrs.evolve(data, prompt_key=config.prompt_key, max_prompt_tokens=config.max_length)
         items, more = tokenise_rows(rows, prompts, tokenizer, files_key=KEY) if not problems else ([], [])
         problems += more

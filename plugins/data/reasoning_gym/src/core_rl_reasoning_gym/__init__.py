@@ -1,0 +1,1 @@
+"""core-rl's reasoning-gym plugin: the data source and the reward named ``reasoning_gym``."""
