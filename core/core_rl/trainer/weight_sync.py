@@ -1,7 +1,8 @@
-"""Moving the policy's new weights to the rollout engine after each update, as
-``rollout.weight_sync`` says: ``memory`` (in buckets, handed over in-process: :func:`sync_in_memory`),
-``collective`` (the weights over a process group: :func:`collective_state`) or ``disk`` (a Hugging Face directory the
-engine loads, or with ``rollout.lora_sync: adapter`` the LoRA adapter alone: :mod:`core_rl.lora_sync`;
+"""Moving the policy's new weights to the rollout engine after each update (the RL loop's
+:class:`WeightSyncStage`), as ``rollout.weight_sync`` says: ``memory`` (in buckets, handed over
+in-process: :func:`sync_in_memory`), ``collective`` (the weights over a process group:
+:func:`collective_state`) or ``disk`` (a Hugging Face directory the engine loads, or with
+``rollout.lora_sync: adapter`` the LoRA adapter alone: :mod:`core_rl.lora_sync`;
 in the background for an asynchronous run once its controller runs: :mod:`core_rl.trainer.weight_load`).
 After a sync (``rollout.sync_check``) the rollout engine must show it holds the weights sent
 (:mod:`core_rl.trainer.sync_check`; for a load in the background, checked in the background after
