@@ -265,11 +265,12 @@ def _clock_core_rl_steps() -> list[tuple[float, float]]:
     """Patch the synchronous trainer so each step appends ``(CPU s of the step, CPU s of its rollout
     and scoring)`` to the returned list (process CPU time: with one thread, what the step computed,
     whatever else loads the machine)."""
+    from core_rl.trainer.rollout_scoring import RolloutScoringStage
     from core_rl.trainer.sync import SyncTrainer
 
     clocks: list[tuple[float, float]] = []
     rollout = [0.0]
-    step, rollout_and_score = SyncTrainer.step, SyncTrainer._rollout_and_score
+    step, rollout_and_score = SyncTrainer.step, RolloutScoringStage.rollout_and_score
 
     def timed_step(self, *a, **k):
         rollout[0] = 0.0
@@ -286,7 +287,7 @@ def _clock_core_rl_steps() -> list[tuple[float, float]]:
         finally:
             rollout[0] += time.process_time() - start
 
-    SyncTrainer.step, SyncTrainer._rollout_and_score = timed_step, timed_rollout
+    SyncTrainer.step, RolloutScoringStage.rollout_and_score = timed_step, timed_rollout
     return clocks
 
 

@@ -17,7 +17,7 @@ from core_rl.plugins import PluginHost
 from core_rl.testing.helpers import make_rl_batch, nll_loss
 from core_rl.trainer.colocation import RolloutSleep
 from core_rl.trainer.weight_load import BackgroundWeightLoad
-from core_rl.trainer.weight_sync import WeightSyncing
+from core_rl.trainer.weight_sync import WeightSyncStage
 
 RANK = 8
 PROMPTS = [[1, 10, 11, 12], [1, 20, 21], [1, 5, 6, 7, 8]]
@@ -29,15 +29,17 @@ GREEDY = SamplingParams(n=1, max_new_tokens=8, min_new_tokens=8, greedy=True)
 LOGPROB_ATOL = 1e-5
 
 
-class Syncer(WeightSyncing):
-    """The trainer's weight-sync stage alone (:class:`core_rl.trainer.weight_sync.WeightSyncing`)
-    on one rank, with no rollout controller: what a synchronous run calls after each update."""
+class Syncer(WeightSyncStage):
+    """The trainer's weight-sync stage (:class:`core_rl.trainer.weight_sync.WeightSyncStage`) on
+    one rank, writing to ``run_dir``, with no rollout controller: what a synchronous run calls after
+    each update."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, engine: Any, rollout: Any) -> None:
-        self.cfg, self.run_dir, self.is_main = cfg, run_dir, True
-        self.engine, self.rollout, self.flow = engine, rollout, None
-        self.weight_load = BackgroundWeightLoad(60.0, "test")
-        self.rollout_sleep = RolloutSleep(None)
+        weight_load, sleep = BackgroundWeightLoad(60.0, "test"), RolloutSleep(None)
+        super().__init__(
+            cfg, engine=engine, rollout=rollout, flow=None, weight_load=weight_load, rollout_sleep=sleep, is_main=True
+        )
+        self.run_dir = run_dir
 
 
 def lora_trainer(model: Path) -> tuple[RunConfig, Any]:
@@ -74,7 +76,7 @@ def synced(syncer: Syncer, version: int) -> list:
     from core_rl.lora_sync import adapter_name
 
     train_step(syncer, seed=version)
-    syncer._sync_weights(version)
+    syncer.sync(version)
     assert served_adapters(syncer.rollout.endpoints[0].url) == {adapter_name(version)}
     samples = syncer.rollout.generate(PROMPTS, GREEDY)
     assert all(s.versions == [version] * GREEDY.max_new_tokens for (s,) in samples)

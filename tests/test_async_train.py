@@ -5,6 +5,7 @@ every trained sample within the bound and reports staleness and utilisation; a t
 
 from __future__ import annotations
 
+import functools
 import signal
 import subprocess
 import sys
@@ -31,7 +32,8 @@ def base(tmp_path_factory) -> dict:
 
 
 def previous_sync_rollout(self):
-    """The synchronous loop's rollout before the controller: draw a batch, one generate call."""
+    """The synchronous loop's rollout before the controller: draw a batch, one generate call
+    (``self``: the trainer)."""
     from core_rl.trainer.rollout_flow import flatten_groups
 
     prompts = self.data.next_batch()
@@ -53,7 +55,13 @@ def test_bound_zero_is_the_synchronous_run_exactly(base, host, monkeypatch, seed
     train_here(controlled, host)
     from core_rl.trainer.sync import SyncTrainer
 
-    monkeypatch.setattr(SyncTrainer, "_rollout", previous_sync_rollout)
+    init = SyncTrainer.__init__
+
+    def with_previous_rollout(self, *args, **kwargs) -> None:  # the scoring stage draws the previous way
+        init(self, *args, **kwargs)
+        self.scoring._rollout = functools.partial(previous_sync_rollout, self)
+
+    monkeypatch.setattr(SyncTrainer, "__init__", with_previous_rollout)
     reference = merged(base, experiment={"name": f"ref{seeded}"}, rollout=rollout)
     train_here(reference, host)
     got, want = stable_metrics(run_dir(controlled)), stable_metrics(run_dir(reference))

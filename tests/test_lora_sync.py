@@ -77,7 +77,7 @@ def test_adapter_sync_matches_merged_sync_and_moves_only_the_adapter(setup) -> N
     syncer, model, work = setup
     rollout = syncer.rollout
     train_step(syncer, seed=1)
-    metrics = syncer._sync_weights(1)
+    metrics = syncer.sync(1)
     path = adapter_dir(syncer.run_dir, 1)
     assert sorted(p.name for p in path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert json.loads((path / "adapter_config.json").read_text())["r"] == RANK
@@ -139,7 +139,7 @@ def test_a_resumed_trainer_reloads_the_version_a_surviving_server_serves(setup) 
     rollout = syncer.rollout
     if rollout.weight_version < 1:
         train_step(syncer, seed=1)
-        syncer._sync_weights(1)
+        syncer.sync(1)
     version = rollout.weight_version
     url = rollout.endpoints[0].url
     served = VLLMConfig(dtype="float32", server=ServerOptions(urls=[url]))
@@ -169,7 +169,7 @@ def test_a_restarted_server_serves_the_newest_adapter(setup) -> None:
     rollout = syncer.rollout
     if rollout.weight_version < 1:
         train_step(syncer, seed=1)
-        syncer._sync_weights(1)
+        syncer.sync(1)
     before = rollout.generate(PROMPTS, GREEDY)
     server = rollout.endpoints[0].server
     os.kill(server.pid, signal.SIGKILL)
@@ -243,7 +243,7 @@ def test_the_sync_check_covers_the_adapter_and_a_stale_one_stops_the_sync(setup,
     monkeypatch.delenv(VARIABLE, raising=False)
     version = syncer.rollout.weight_version + 1
     train_step(syncer, seed=version)
-    metrics = syncer._sync_weights(version)
+    metrics = syncer.sync(version)
     adapter = load_file(adapter_dir(syncer.run_dir, version) / "adapter_model.safetensors")
     assert metrics["weight_sync/checked_tensors"] == len(adapter) > 0
 
@@ -251,7 +251,7 @@ def test_the_sync_check_covers_the_adapter_and_a_stale_one_stops_the_sync(setup,
     monkeypatch.setenv(VARIABLE, f"stale_adapter:{stale}")
     train_step(syncer, seed=stale)
     with pytest.raises(WeightSyncMismatch) as caught:
-        syncer._sync_weights(stale)
+        syncer.sync(stale)
     message = str(caught.value)
     assert f"weight version {stale}: rollout engine " in message and "(server vllm-0 (" in message
     assert "rollout.weight_sync: disk (rollout.lora_sync: adapter): the first tensor that differs is " in message

@@ -516,7 +516,8 @@ class TrainingLoop(ABC):
 
     The contract every loop keeps (the built-in ``rl`` loop, :class:`core_rl.trainer.sync.SyncTrainer`,
     and the supervised base :class:`core_rl.trainer.supervised.SupervisedLoop` keep it for their
-    subclasses): metrics of each step go to every configured logger (the ``jsonl`` one always, so
+    subclasses through the run scaffold they share, :class:`core_rl.trainer.scaffold.RunScaffold`):
+    metrics of each step go to every configured logger (the ``jsonl`` one always, so
     ``<run>/metrics.jsonl`` exists); checkpoints are written atomically under ``<run>/checkpoints``
     on ``saver``'s schedule; ``recover.mode`` resumes from the newest valid one exactly (weights,
     optimiser, data position, RNGs); a first SIGINT/SIGTERM ends the run after the current step with

@@ -1,4 +1,5 @@
-"""Trainer loops. ``train(cfg, host=...)`` runs the loop ``trainer.loop`` selects."""
+"""Trainer loops. ``train(cfg, host=...)`` runs the loop ``trainer.loop`` selects
+(:func:`core_rl.trainer.run.train`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,6 @@ from core_rl.plugins import PluginHost
 
 def train(cfg: RunConfig, *, host: PluginHost) -> Mapping[str, Any]:
     """Run training as configured; return where the run's metrics, checkpoint and model are."""
-    from core_rl.trainer.sync import train as train_sync
+    from core_rl.trainer.run import train as run_train
 
-    return train_sync(cfg, host=host)
+    return run_train(cfg, host=host)

@@ -44,6 +44,7 @@ from core_rl.trainer.colocation import RolloutSleep
 from core_rl.trainer.data import PromptItem, check_eval_data, eval_data_config, tokenise_rows
 from core_rl.trainer.eval_metrics import ScoredPrompt, eval_metrics
 from core_rl.trainer.rewards import RewardRunner
+from core_rl.trainer.run_progress import RunProgress
 from core_rl.trainer.sample_log import rendered_prompt, score_samples
 from core_rl.trainer.weight_load import BackgroundWeightLoad
 from core_rl.workflows import RolloutWorkflow
@@ -236,27 +237,39 @@ class Evaluator:
         return scored, records
 
 
-class Evaluating:
-    """The evaluation part of a training loop (a mixin of :class:`~core_rl.trainer.sync.SyncTrainer`):
-    when an evaluation is due and, on rank 0, running it."""
+class EvaluationStage:
+    """The evaluation stage of the RL loop: when an evaluation is due (every rank knows) and, on
+    rank 0 (which alone holds the ``evaluator``; ``None`` elsewhere and without an ``eval:``
+    section), running it once the rollout engine holds the step's weights (``weight_load`` waited
+    for) and its memory (``rollout_sleep``)."""
 
-    cfg: RunConfig
-    start_step: int
-    evaluator: Evaluator | None
-    weight_load: BackgroundWeightLoad
-    rollout_sleep: RolloutSleep
+    def __init__(
+        self,
+        cfg: RunConfig,
+        progress: RunProgress,
+        *,
+        evaluator: Evaluator | None,
+        weight_load: BackgroundWeightLoad,
+        rollout_sleep: RolloutSleep,
+    ) -> None:
+        self.cfg, self.progress, self.evaluator = cfg, progress, evaluator
+        self.weight_load, self.rollout_sleep = weight_load, rollout_sleep
 
-    def _eval_due(self, step: int) -> bool:
+    def due(self, step: int) -> bool:
         """Whether an evaluation follows step ``step`` (0: before the first; every rank knows)."""
         last = self.cfg.trainer.total_steps
-        return self.cfg.eval is not None and self.cfg.eval.due(step, last_step=last, start_step=self.start_step)
+        start = self.progress.start_step
+        return self.cfg.eval is not None and self.cfg.eval.due(step, last_step=last, start_step=start)
 
-    def _evaluation(self, step: int) -> dict[str, float]:
-        """Rank 0: the ``eval/*`` metrics when an evaluation follows step ``step``, else none; the
-        rollout engine has the step's weights (a load running behind is waited for) and its memory."""
-        if self.evaluator is None or not self._eval_due(step):
+    def after(self, step: int) -> dict[str, float]:
+        """Rank 0: the ``eval/*`` metrics when an evaluation follows step ``step``, else none."""
+        if self.evaluator is None or not self.due(step):
             return {}
         with PROGRESS.phase("evaluation"):
             self.weight_load.wait()
             self.rollout_sleep.before_generation()
             return self.evaluator.evaluate(step)
+
+    def summary(self) -> str | None:
+        """The run summary's line of the last evaluation (``None``: none ran here)."""
+        return self.evaluator.summary() if self.evaluator is not None else None

@@ -2,8 +2,9 @@
 choosing the checkpoint to resume from as ``recover.mode`` says, restoring every piece of state the
 loop keeps, and the messages of a full disk and of a run stopped by a signal.
 
-:class:`Checkpointing` is the part of :class:`~core_rl.trainer.sync.SyncTrainer` (and so of every
-loop built on it) that does this; the files themselves are :mod:`core_rl.trainer.checkpoints`'.
+:class:`CheckpointStage` is the stage of every loop (held by :class:`~core_rl.trainer.scaffold.RunScaffold`)
+that does this; the loop says what state it adds to the engine's (its ``state`` and ``restore``
+callables); the files themselves are :mod:`core_rl.trainer.checkpoints`'.
 """
 
 from __future__ import annotations
@@ -16,22 +17,36 @@ from typing import TYPE_CHECKING, Any
 from core_rl.checkpointing import discard_partial
 from core_rl.config.schema import RunConfig
 from core_rl.errors import CoreRLError
-from core_rl.interfaces import AdvantageEstimator, RolloutEngine, TrainEngine
+from core_rl.interfaces import TrainEngine
 from core_rl.progress import PROGRESS
 from core_rl.trainer import checkpoints
 from core_rl.trainer.checkpoint_policy import BestCheckpoints, TimedSaves
-from core_rl.trainer.critic import CRITIC_DIR, check_role_states, load_role_states, save_role_states
-from core_rl.trainer.data import PromptSource
+from core_rl.trainer.critic import check_role_states, load_role_states, save_role_states
 from core_rl.trainer.errors import DiskFullError, RunFailed, TrainingInterrupted
-from core_rl.trainer.filtering import EmptySteps
-from core_rl.trainer.numerics import NonFiniteGuard
 from core_rl.trainer.ranks import broadcast_outcome, waiting_for
-from core_rl.trainer.rewards import RewardErrorLog
-from core_rl.trainer.rollout_flow import RolloutFlow
-from core_rl.trainer.weight_load import BackgroundWeightLoad
+from core_rl.trainer.run_progress import RunProgress
 
 if TYPE_CHECKING:
     from core_rl.trainer.reference_reset import ReferenceReset
+    from core_rl.trainer.signals import StopSignals
+
+#: the keys of the state a loop adds to the engine's checkpoint, in order (``{}`` where a loop has
+#: no such part, so every loop's checkpoints hold the same keys)
+STATE_KEYS = (
+    "data",
+    "controller",
+    "rollout",
+    "nonfinite",
+    "empty_steps",
+    "failed_steps",
+    "reward_errors",
+    "advantage",
+    "loss",
+    "ptx",
+    "zero_signal",
+    "mismatch_budget",
+    "difficulty",
+)
 
 
 def warn(message: str) -> None:
@@ -46,85 +61,76 @@ def effective_recover_mode(cfg: RunConfig) -> str:
     return cfg.recover.mode
 
 
-class Checkpointing:
+class CheckpointStage:
     """Saving and resuming (see the module docstring). Collective where the engine's
-    ``save_state`` / ``load_state`` are: every rank calls :meth:`save_checkpoint` and
-    :meth:`maybe_resume`. :attr:`last_saved` is the step of the newest checkpoint this run wrote
-    or resumed from, :attr:`completed_step` the last step trained."""
+    ``save_state`` / ``load_state`` are: every rank calls :meth:`save` and :meth:`maybe_resume`.
+    It writes the run's :class:`~core_rl.trainer.run_progress.RunProgress`: ``last_saved`` on a
+    save, every counter on a resume.
 
-    cfg: RunConfig
-    run_dir: Path
-    recover_mode: str
-    is_main: bool
-    engine: TrainEngine | None
-    rollout: RolloutEngine | None
-    advantage: AdvantageEstimator | None
-    reference_reset: ReferenceReset | None
-    flow: RolloutFlow | None
-    data: PromptSource
-    nonfinite: NonFiniteGuard
-    empty_steps: EmptySteps
-    reward_log: RewardErrorLog
-    weight_load: BackgroundWeightLoad
-    best_checkpoints: BestCheckpoints | None
-    timed_saves: TimedSaves
-    start_step: int
-    completed_step: int
-    last_saved: int | None
-    resume_step: int | None
+    ``state()``: the loop's part of a checkpoint (keys of :data:`STATE_KEYS`); ``restore(extra,
+    step)``: the loop takes it back from a checkpoint's ``extra`` (after the engine's state, before
+    the message saying it resumed); ``roles``: the trained roles besides the actor, saved in
+    ``<checkpoint>/<role>``; ``settle``: what must be done before a save on the main rank (a weight
+    load running behind); ``stop``: the run's signal handlers."""
 
-    #: the loop's weight sync (:class:`core_rl.trainer.weight_sync.WeightSyncing`), after a resume
-    _sync_weights: Callable[[int], dict[str, float]]
+    def __init__(
+        self,
+        cfg: RunConfig,
+        progress: RunProgress,
+        *,
+        engine: TrainEngine,
+        is_main: bool,
+        state: Callable[[], Mapping[str, Any]],
+        restore: Callable[[Mapping[str, Any], int], None],
+        roles: Mapping[str, TrainEngine] | None = None,
+        reference_reset: ReferenceReset | None = None,
+        settle: Callable[[], object] | None = None,
+        stop: StopSignals | None = None,
+    ) -> None:
+        self.cfg, self.progress, self.engine, self.is_main = cfg, progress, engine, is_main
+        self.run_dir = cfg.experiment.run_dir
+        self.recover_mode = effective_recover_mode(cfg)
+        self.state, self.restore = state, restore
+        self.roles = dict(roles or {})
+        self.reference_reset, self.settle, self.stop = reference_reset, settle, stop
+        #: saver.every_n_minutes and saver.keep_best (trainer/checkpoint_policy.py)
+        self.timed_saves = TimedSaves(cfg.saver.every_n_minutes)
+        keep_best = cfg.saver.keep_best
+        self.best_checkpoints = BestCheckpoints(keep_best, self.run_dir) if keep_best.count else None
 
-    def _trained_roles(self) -> dict[str, TrainEngine]:
-        """The trained roles besides the actor, saved in ``<checkpoint>/<role>``."""
-        roles = getattr(self, "roles", None)  # loops that build their own models have none
-        return {CRITIC_DIR: roles.critic} if roles is not None and roles.critic is not None else {}
+    def due(self, step: int) -> bool:
+        """``saver.every_n_steps`` divides ``step``, or rank 0 finds ``saver.every_n_minutes``
+        passed (sent to every rank, so they save together)."""
+        every = self.cfg.saver.every_n_steps
+        if every and step % every == 0:
+            return True
+        if not self.cfg.saver.every_n_minutes:
+            return False
+        return bool(broadcast_outcome(f"the checkpoint decision of step {step}", self.timed_saves.due(), None))
 
-    def _extra_state(self, step: int) -> dict[str, Any]:
+    def extra_state(self, step: int) -> dict[str, Any]:
         """What the trainer adds to the engine's checkpoint (the main rank's copy is kept)."""
-        return {
-            "trainer_step": step,
-            # the data position before the controller's first wave not yet trained on
-            "data": self.flow.state_dict()["data"] if self.flow is not None else self.data.state_dict(),
-            "controller": self.flow.state_dict() if self.flow is not None else {},
-            "rollout": self.rollout.state_dict() if self.rollout is not None else {},
-            "nonfinite": self.nonfinite.state_dict(),
-            "empty_steps": self.empty_steps.state_dict(),
-            "failed_steps": fs.state_dict() if (fs := getattr(self, "failed_steps", None)) is not None else {},
-            "reward_errors": self.reward_log.state_dict(),
-            "advantage": self.advantage.state_dict() if self.advantage is not None else {},
-            "loss": self.loss.state_dict() if getattr(self, "loss", None) is not None else {},
-            "ptx": ptx.state_dict() if (ptx := getattr(getattr(self, "update", None), "ptx", None)) else {},
-            # the run's count of zero-signal updates (trainer/update.py)
-            "zero_signal": (
-                zero.state_dict() if (zero := getattr(getattr(self, "update", None), "zero_signal", None)) else {}
-            ),
-            # algorithm.mismatch_budget's count and correction (trainer/mismatch_budget.py)
-            "mismatch_budget": budget.state_dict() if (budget := getattr(self, "mismatch_budget", None)) else {},
-            # data.difficulty_filter's records (trainer/difficulty.py), apart from the data position
-            "difficulty": self.data.difficulty.state_dict() if self.data.difficulty is not None else {},
-        }
+        state = self.state()
+        return {"trainer_step": step, **{key: state.get(key, {}) for key in STATE_KEYS}}
 
-    def save_checkpoint(self, step: int, metrics: Mapping[str, Any] | None = None) -> Path:
+    def save(self, step: int, metrics: Mapping[str, Any] | None = None) -> Path:
         """Save the state after step ``step`` (the step just completed: never another name);
         ``metrics`` (rank 0: those logged at ``step``) score it for ``saver.keep_best``. The
         ``checkpoint`` phase of the step (:mod:`core_rl.progress`)."""
         with PROGRESS.phase("checkpoint", checkpoints.checkpoint_dir(self.run_dir, step).name):
-            return self._save_checkpoint(step, metrics)
+            return self._save(step, metrics)
 
-    def _save_checkpoint(self, step: int, metrics: Mapping[str, Any] | None) -> Path:
-        assert self.engine is not None
-        if step != self.completed_step:
-            raise RuntimeError(f"checkpoint of step {step} asked for after step {self.completed_step}")
+    def _save(self, step: int, metrics: Mapping[str, Any] | None) -> Path:
+        if step != self.progress.completed_step:
+            raise RuntimeError(f"checkpoint of step {step} asked for after step {self.progress.completed_step}")
         path = checkpoints.checkpoint_dir(self.run_dir, step)
-        if self.is_main:  # the rollout engine's state is saved too: its load must be done
-            self.weight_load.wait()
+        if self.is_main and self.settle is not None:  # e.g. a rollout engine's load must be done
+            self.settle()
         try:
             with waiting_for(f"the other ranks to save checkpoint {path.name}"):
                 optimizer = self.cfg.saver.save_optimizer
-                self.engine.save_state(path, self._extra_state(step), optimizer=optimizer)
-                save_role_states(self._trained_roles(), path, optimizer=optimizer)
+                self.engine.save_state(path, self.extra_state(step), optimizer=optimizer)
+                save_role_states(self.roles, path, optimizer=optimizer)
             if self.is_main:
                 checkpoints.mark_latest(self.run_dir, step)
                 best = self.best_checkpoints
@@ -138,13 +144,14 @@ class Checkpointing:
             if checkpoints.is_disk_full(exc):
                 if self.is_main:
                     discard_partial(path)
-                raise self._disk_full(f"while saving checkpoint {path} (its partial files were removed)") from exc
+                raise self.disk_full(f"while saving checkpoint {path} (its partial files were removed)") from exc
             raise
-        self.last_saved = step
+        self.progress.last_saved = step
         self.timed_saves.saved()
         return path
 
-    def _disk_full(self, what: str) -> DiskFullError:
+    def disk_full(self, what: str) -> DiskFullError:
+        """The error of a full disk ``what`` (where it happened), naming the newest valid checkpoint."""
         newest = checkpoints.latest_checkpoint(self.run_dir)
         return DiskFullError(
             f"no space left on device {what}; the newest valid checkpoint is {newest or 'none (nothing saved yet)'}. "
@@ -152,9 +159,8 @@ class Checkpointing:
         )
 
     def _check_checkpoint(self, path: Path) -> None:
-        assert self.engine is not None
         self.engine.check_checkpoint(path)
-        check_role_states(self._trained_roles(), path)
+        check_role_states(self.roles, path)
 
     def _choose_checkpoint(self) -> Path | None:
         """Rank 0: the checkpoint to resume from (``None``: start from the beginning), saying why
@@ -183,7 +189,6 @@ class Checkpointing:
 
     def maybe_resume(self) -> None:
         """Continue from the newest valid checkpoint, as ``recover.mode`` says."""
-        assert self.engine is not None
         if self.recover_mode == "disabled":
             return
         chosen: Path | None = None
@@ -194,42 +199,20 @@ class Checkpointing:
             except Exception as exc:
                 error = exc
         path = broadcast_outcome("the checkpoint to resume from", chosen, error)
-        self.resume_step = 0
+        progress = self.progress
+        progress.resume_step = 0
         if path is None:
             return
         optimizer = self.cfg.recover.load_optimizer
         with waiting_for(f"the other ranks to load checkpoint {path.name}"):
             extra = self.engine.load_state(path, optimizer=optimizer)
-            load_role_states(self._trained_roles(), path, optimizer=optimizer)
+            load_role_states(self.roles, path, optimizer=optimizer)
         step = int(extra["trainer_step"])
         if step != checkpoints.step_of(path):
             raise RunFailed(f"checkpoint {path} holds the state after step {step}, not {checkpoints.step_of(path)}")
-        self.start_step = self.completed_step = self.resume_step = step
-        self.last_saved = step
-        self.data.load_state_dict(extra["data"])
-        if self.data.difficulty is not None and (note := self.data.difficulty.load_state_dict(extra.get("difficulty"))):
-            warn(note)
-        if self.flow is not None:
-            self.flow.load_state_dict(extra.get("controller", {}), step)
-        if self.rollout is not None:
-            self.rollout.load_state_dict(extra.get("rollout", {}))
-        self.nonfinite.load_state_dict(extra.get("nonfinite", {}))
-        self.empty_steps.load_state_dict(extra.get("empty_steps", {}))
-        if (failed_steps := getattr(self, "failed_steps", None)) is not None:
-            failed_steps.load_state_dict(extra.get("failed_steps", {}))
-        self.reward_log.load_state_dict(extra.get("reward_errors", {}))
-        if self.advantage is not None:
-            self.advantage.load_state_dict(extra.get("advantage", {}))
-        if getattr(self, "loss", None) is not None:  # loops without a policy loss have none
-            self.loss.load_state_dict(extra.get("loss", {}))
-        if (ptx := getattr(getattr(self, "update", None), "ptx", None)) is not None:
-            ptx.load_state_dict(extra.get("ptx", {}))
-        if (zero := getattr(getattr(self, "update", None), "zero_signal", None)) is not None:
-            zero.load_state_dict(extra.get("zero_signal", {}))
-        if (budget := getattr(self, "mismatch_budget", None)) is not None:
-            budget.load_state_dict(extra.get("mismatch_budget", {}))
-        with waiting_for("the other ranks to send the resumed weights to the rollout engine"):
-            self._sync_weights(step)
+        progress.start_step = progress.completed_step = progress.resume_step = step
+        progress.last_saved = step
+        self.restore(extra, step)
         if self.is_main:
             print(f"core-rl: resumed from {path} (step {step})", file=sys.stderr, flush=True)
             if not optimizer:
@@ -238,12 +221,13 @@ class Checkpointing:
                     f"{path.name} were restored, and the optimizer starts fresh"
                 )
 
-    def _interrupted(self, signal_name: str) -> TrainingInterrupted:
-        where = checkpoints.checkpoint_dir(self.run_dir, self.last_saved) if self.last_saved else None
+    def interrupted(self, signal_name: str) -> TrainingInterrupted:
+        """The error ending a run stopped by ``signal_name`` after its last completed step."""
+        last_saved = self.progress.last_saved
+        where = checkpoints.checkpoint_dir(self.run_dir, last_saved) if last_saved else None
         saved = f"checkpoint {where}" if where else "nothing to save yet"
         total = self.cfg.trainer.total_steps
-        message = f"stopped by {signal_name} after step {self.completed_step} of {total}; {saved}"
-        stop = getattr(self, "stop", None)  # the run's signal handlers: past their grace period only closing is left
-        if stop is not None:
-            stop.saved(message)
+        message = f"stopped by {signal_name} after step {self.progress.completed_step} of {total}; {saved}"
+        if self.stop is not None:  # the run's signal handlers: past their grace period only closing is left
+            self.stop.saved(message)
         return TrainingInterrupted(f"{message}. Continue the run with recover.mode=auto (or trainer.resume=true)")

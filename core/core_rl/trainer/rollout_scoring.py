@@ -1,6 +1,7 @@
-"""A generation batch of the RL loop, scored: the rollout controller's next wave, flattened, its
-rewards through the reward runner (errors logged and counted), the sample log, and rank 0's whole
-part of a step (several waves under dynamic sampling, filters, shaping and advantages through
+"""The RL loop's rollout-and-scoring stage (:class:`RolloutScoringStage`): a generation batch,
+scored (the rollout controller's next wave, flattened, its rewards through the reward runner,
+errors logged and counted), the sample log, and rank 0's whole part of a step (several waves under
+dynamic sampling, filters, shaping and advantages through
 :class:`~core_rl.trainer.batching.BatchAssembler`)."""
 
 from __future__ import annotations
@@ -28,25 +29,39 @@ from core_rl.trainer.rollout_replay import RolloutReplay
 from core_rl.trainer.sample_log import sample_records, score_samples
 
 
-class RolloutScoring:
-    """The rollout-and-reward part of the RL loop (:class:`~core_rl.trainer.sync.SyncTrainer`),
-    run on rank 0."""
+class RolloutScoringStage:
+    """The rollout-and-reward stage of the RL loop, run on rank 0: :meth:`rollout_and_score` gives
+    a step's batch to train on. Built from the run's prompt source ``data``, its rollout controller
+    ``flow`` (``None`` when ``replay`` gives saved rollouts instead), ``rollout.dump``'s ``dump``,
+    the reward runner and its error log, the ``reward_model:`` role's stage (``None``: none), the
+    ``batcher`` (filters, shaping, advantages), the loggers that see samples, the tokenizer and the
+    failed-steps count. It keeps the current step's scored generation batches (for the sample log)
+    and failed episodes."""
 
-    cfg: RunConfig
-    data: PromptSource
-    flow: RolloutFlow | None
-    dump: RolloutDump | None
-    replay: RolloutReplay | None
-    reward_runner: RewardRunner | None
-    reward_log: RewardErrorLog
-    reward_stage: Any
-    rollout_sleep: RolloutSleep
-    batcher: BatchAssembler
-    loggers: list[Logger]
-    tokenizer: Any
-    _scored_this_step: list[tuple[list[RewardInput], ScoreResult]]
-    failed_steps: FailedSteps
-    _episodes: FailedEpisodes
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        data: PromptSource,
+        flow: RolloutFlow | None,
+        dump: RolloutDump | None,
+        replay: RolloutReplay | None,
+        reward_runner: RewardRunner | None,
+        reward_log: RewardErrorLog,
+        reward_stage: Any,
+        rollout_sleep: RolloutSleep,
+        batcher: BatchAssembler,
+        loggers: list[Logger],
+        tokenizer: Any,
+        failed_steps: FailedSteps,
+    ) -> None:
+        self.cfg, self.data, self.flow, self.dump, self.replay = cfg, data, flow, dump, replay
+        self.reward_runner, self.reward_log, self.reward_stage = reward_runner, reward_log, reward_stage
+        self.rollout_sleep, self.batcher, self.loggers, self.tokenizer = rollout_sleep, batcher, loggers, tokenizer
+        self.failed_steps = failed_steps
+        # (reward inputs, scores) of each generation batch of the current step, for sample logging
+        self._scored_this_step: list[tuple[list[RewardInput], ScoreResult]] = []
+        self._episodes = FailedEpisodes()
 
     def _rollout(self) -> tuple[list[Sample], list[int], list[PromptItem], dict[str, float]]:
         """The next generation batch from the rollout controller (the first of a step or, under
@@ -110,7 +125,7 @@ class RolloutScoring:
         generate = lambda: self._generate_scored(step)  # noqa: E731
         return self.dump.recording(step, generate) if self.dump is not None else generate
 
-    def _log_samples(self, step: int, model_scores: list[float] | None = None) -> None:
+    def log_samples(self, step: int, model_scores: list[float] | None = None) -> None:
         """Every ``sample_log.every_n_steps`` steps, hand ``num_samples`` samples spread over the
         step's first generation batch to every logger. ``model_scores``: the ``reward_model:``
         role's score of each kept sample (the batch's rows, in order); a sample's reward is then
@@ -126,7 +141,7 @@ class RolloutScoring:
         for lg in self.loggers:
             lg.log_samples(records, step)
 
-    def _rollout_and_score(self, step: int) -> tuple[TensorBatch | None, dict[str, float]]:
+    def rollout_and_score(self, step: int) -> tuple[TensorBatch | None, dict[str, float]]:
         """Rank 0's part of a step: generation batches (several under dynamic sampling), rewards,
         filters, shaping, advantages (:class:`~core_rl.trainer.batching.BatchAssembler`); the batch
         to train on (``None``: nothing left) and the metrics so far."""
@@ -144,7 +159,7 @@ class RolloutScoring:
             metrics.update(self.data.difficulty.metrics())
         metrics.update(self._failures(step))
         if self.reward_stage is None or batch is None:  # else once the reward model has scored (step)
-            self._log_samples(step)
+            self.log_samples(step)
         return batch, metrics
 
     def _failures(self, step: int) -> dict[str, float]:

@@ -3,12 +3,13 @@
 A supervised loop has no rollout engine and no reward: each step draws the next ``data.batch_size``
 rows (:class:`~core_rl.trainer.data.PromptSource`: seeded reshuffle per epoch, exact position in
 checkpoints), turns them into a global :class:`~core_rl.protocol.TensorBatch` and takes optimiser
-steps on the actor's train engine. Everything else is the RL loop's
-(:class:`~core_rl.trainer.sync.SyncTrainer`, which this class extends): seeding, loggers (``jsonl``
-always), checkpoints on ``saver``'s schedule written atomically and pruned, resume from the newest
-valid checkpoint with ``recover.mode``, SIGINT/SIGTERM ending the run after the step with a
-checkpoint, disk-full handling, non-finite steps (:class:`~core_rl.trainer.numerics.NonFiniteGuard`),
-in-process restarts and the final Hugging Face export.
+steps on the actor's train engine. Everything else is the run scaffold's, shared with the RL loop
+(:class:`~core_rl.trainer.scaffold.RunScaffold`, which this class extends): seeding, loggers
+(``jsonl`` always), checkpoints on ``saver``'s schedule written atomically and pruned, resume from
+the newest valid checkpoint with ``recover.mode``, SIGINT/SIGTERM ending the run after the step with
+a checkpoint, disk-full handling, non-finite steps (:class:`~core_rl.trainer.numerics.NonFiniteGuard`),
+a reference reset where a loop builds a reference (``algorithm.reference_reset_every_n_steps``), and
+the final Hugging Face export; in-process restarts are :mod:`core_rl.trainer.recover`'s.
 
 Under ``torchrun`` every rank reads the same rows in the same order (the same seed), so no batch is
 broadcast; each rank trains on the rows :meth:`SupervisedLoop.shard_rows` gives it.
@@ -37,12 +38,12 @@ from core_rl.trainer.building import build_loggers, quiet_library_progress_bars
 from core_rl.trainer.data import DataRow, PromptItem, PromptSource
 from core_rl.trainer.length_bound import run_bound
 from core_rl.trainer.ranks import agree_after, rank_and_world, set_collective_timeout, waiting_for
+from core_rl.trainer.scaffold import RunScaffold
 from core_rl.trainer.sequence_batches import prompt_response_batch as prompt_response_batch  # loops import them here
 from core_rl.trainer.sequence_batches import sequence_batch as sequence_batch
 from core_rl.trainer.sequences import TrainSequence, column_where, fit, with_eos
 from core_rl.trainer.sequences import token_ids as token_ids  # where the loops have imported it from
 from core_rl.trainer.signals import StopSignals
-from core_rl.trainer.sync import SyncTrainer
 
 
 def global_sum(values: torch.Tensor) -> torch.Tensor:
@@ -55,7 +56,7 @@ def global_sum(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-class SupervisedLoop(SyncTrainer):
+class SupervisedLoop(RunScaffold):
     """A loop over data rows with the actor's train engine; see the module docstring.
 
     ``config``: the loop's own validated ``trainer.loop`` section (:attr:`loop_config`).
@@ -161,6 +162,3 @@ class SupervisedLoop(SyncTrainer):
         tokens = float(batch["attention_mask"].sum())
         metrics.update({"timing/step_s": elapsed, "throughput/tokens_per_s": tokens / max(elapsed, 1e-9)})
         return metrics
-
-    def _sync_weights(self, version: int) -> dict[str, float]:
-        return {}  # no rollout engine to feed

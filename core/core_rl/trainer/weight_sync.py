@@ -1,7 +1,8 @@
-"""Moving the policy's new weights to the rollout engine after each update, as
-``rollout.weight_sync`` says: ``memory`` (in buckets, handed over in-process: :func:`sync_in_memory`),
-``collective`` (the weights over a process group: :func:`collective_state`) or ``disk`` (a Hugging Face directory the
-engine loads, or with ``rollout.lora_sync: adapter`` the LoRA adapter alone: :mod:`core_rl.lora_sync`;
+"""Moving the policy's new weights to the rollout engine after each update (the RL loop's
+:class:`WeightSyncStage`), as ``rollout.weight_sync`` says: ``memory`` (in buckets, handed over
+in-process: :func:`sync_in_memory`), ``collective`` (the weights over a process group:
+:func:`collective_state`) or ``disk`` (a Hugging Face directory the engine loads, or with
+``rollout.lora_sync: adapter`` the LoRA adapter alone: :mod:`core_rl.lora_sync`;
 in the background for an asynchronous run once its controller runs: :mod:`core_rl.trainer.weight_load`).
 After a sync (``rollout.sync_check``) the rollout engine must show it holds the weights sent
 (:mod:`core_rl.trainer.sync_check`; for a load in the background, checked in the background after
@@ -16,7 +17,6 @@ import contextlib
 import functools
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from pathlib import Path
 
 import torch
 
@@ -32,18 +32,26 @@ from core_rl.trainer.sync_faults import SyncFault, injected
 from core_rl.trainer.weight_load import BackgroundWeightLoad
 
 
-class WeightSyncing:
-    """The weight-sync part of a training loop. Every rank calls :meth:`_sync_weights`; the engine's
-    weights reach :attr:`rollout`, which only rank 0 holds (``None`` elsewhere)."""
+class WeightSyncStage:
+    """The weight-sync stage of the RL loop. Every rank calls :meth:`sync`; the ``engine``'s
+    weights reach ``rollout``, which only rank 0 holds (``None`` elsewhere), paused under its
+    rollout controller ``flow`` (``None``: none); ``weight_load`` runs rank 0's loads in the
+    background, ``rollout_sleep`` wakes an engine asleep while the trainer trained."""
 
-    cfg: RunConfig
-    run_dir: Path
-    is_main: bool
-    engine: TrainEngine | None
-    rollout: RolloutEngine | None
-    flow: RolloutFlow | None
-    weight_load: BackgroundWeightLoad
-    rollout_sleep: RolloutSleep
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        engine: TrainEngine,
+        rollout: RolloutEngine | None,
+        flow: RolloutFlow | None,
+        weight_load: BackgroundWeightLoad,
+        rollout_sleep: RolloutSleep,
+        is_main: bool,
+    ) -> None:
+        self.cfg, self.run_dir, self.is_main = cfg, cfg.experiment.run_dir, is_main
+        self.engine, self.rollout, self.flow = engine, rollout, flow
+        self.weight_load, self.rollout_sleep = weight_load, rollout_sleep
 
     def _rollout_paused(self, version: int) -> AbstractContextManager[None]:
         """Rank 0: the rollout controller paused while the engine loads ``version``."""
@@ -65,7 +73,7 @@ class WeightSyncing:
         """Which syncs are checked, and the check (:mod:`core_rl.trainer.sync_check`)."""
         return SyncCheck(self.cfg)
 
-    def _sync_weights(self, version: int) -> dict[str, float]:
+    def sync(self, version: int) -> dict[str, float]:
         """Move the policy's weights to the rollout engine and, when due, check that it holds them;
         return ``weight_sync/bytes`` (and, when loads run in the background, the wait for the
         previous one and its duration; when checked, ``timing/sync_check_s``). A failed check
