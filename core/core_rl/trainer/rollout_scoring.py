@@ -158,4 +158,5 @@ class RolloutScoring:
         metrics = tally_metrics(taken)
         episodes = self._episodes
         metrics.update(self.failed_steps.check(step, episodes.failed, episodes.total, episodes.why(taken)))
+        metrics.update(episodes.error_metrics(step))
         return metrics
