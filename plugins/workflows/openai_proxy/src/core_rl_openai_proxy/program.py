@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Mapping
@@ -42,14 +43,17 @@ REAP_TIMEOUT_S = 30.0
 
 class AgentFailed(CoreRLError):
     """The agent program raised (``kind``: the exception's class name) or exited non-zero
-    (``kind``: ``exit status N``); ``output``: a script's output tail. Raised out of a run, exit
+    (``kind``: ``exit status N``, or the class of the exception a traceback on its stderr ends
+    with); ``output``: a script's output tail; ``summary``: one line. Raised out of a run, exit
     status 1."""
 
     exit_code = 1
 
-    def __init__(self, message: str, kind: str, output: str = "") -> None:
+    def __init__(self, message: str, kind: str, output: str = "", summary: str = "") -> None:
         super().__init__(message)
         self.kind, self.output = kind, output
+        #: one line: what failed (the exception and its message, or the exit status)
+        self.summary = summary or message.splitlines()[0]
 
 
 @attrs.define
@@ -93,7 +97,8 @@ class AgentProgram:
         except Exception as exc:
             cause = f" (caused by {type(exc.__cause__).__name__}: {exc.__cause__})" if exc.__cause__ else ""
             kind = type(exc).__name__
-            raise AgentFailed(f"agent program {self.program} raised {kind}: {exc}{cause}", kind) from exc
+            message = f"agent program {self.program} raised {kind}: {exc}{cause}"
+            raise AgentFailed(message, kind, summary=f"{kind}: {' '.join(str(exc).split())}"[:300]) from exc
 
     async def _run_script(self, base_url: str, api_key: str, row: Mapping[str, Any]) -> Outcome:
         assert self.script is not None
@@ -121,12 +126,31 @@ class AgentProgram:
             raise
         output = _tail(stdout, stderr)
         if proc.returncode != 0:
+            kind, last = _exception_kind(stderr.decode(errors="replace"))
             raise AgentFailed(
                 f"agent script {self.script} exited with status {proc.returncode}; its output ends:\n{output}",
-                f"exit status {proc.returncode}",
+                kind or f"exit status {proc.returncode}",
                 output,
+                f"{self.script.name} exited with status {proc.returncode}" + (f" ({last})" if last else ""),
             )
         return Outcome(output=output)
+
+
+_RAISED = re.compile(r"^([A-Za-z_][\w.]*)(?::|$)")
+
+
+def _exception_kind(stderr: str) -> tuple[str | None, str]:
+    """The class name of the exception a Python script died of and the line naming it: the last
+    line of its stderr's last traceback that names one (``agents.exceptions.MaxTurnsExceeded:
+    ...`` gives ``MaxTurnsExceeded``); ``(None, "")`` without a traceback."""
+    _, found, after = stderr.rpartition("Traceback (most recent call last):")
+    if not found:
+        return None, ""
+    for line in reversed(after.splitlines()):
+        match = _RAISED.match(line)
+        if match:
+            return match.group(1).rsplit(".", 1)[-1], line.strip()[:300]
+    return None, ""
 
 
 def _tail(stdout: bytes, stderr: bytes) -> str:

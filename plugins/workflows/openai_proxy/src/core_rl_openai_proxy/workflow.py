@@ -139,7 +139,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         if error is not None:
             info = {
                 ERROR: error.kind,
-                FAILED: f"agent error: {error}"[:500],
+                FAILED: f"agent error: {error.summary}",
                 ERROR_LIMIT: self.config.max_error_fraction,
             }
             if error.output:
