@@ -103,3 +103,28 @@ def test_dropped_errors_leave_the_group_and_are_counted(run_wave, sdk_python) ->
     # every episode errored: they are scored (a group needs samples) ...
     wave, _ = run_wave(rows, n=2, on_error="drop", **OPTIONS)
     assert [s.info["error"] for s in wave.groups[0]] == ["MaxTurnsExceeded"] * 2
+
+
+def test_an_interpreter_given_by_path_runs_the_script(run_wave, sdk_python) -> None:
+    options = {**OPTIONS, "requirements": [], "python": sdk_python}
+    wave, workflow = run_wave([{"prompt": "3+4", "answer": "7"}], n=1, **options)
+    assert workflow.program.python == sdk_python
+    ((sample,),) = wave.groups
+    assert sample.reward == 1.0 and "answer '7'" in sample.info["output"]
+
+
+def test_environment_mistakes_are_config_errors(tmp_path) -> None:
+    from core_rl.errors import ConfigError
+    from core_rl_openai_proxy.config import OpenAIAgentConfig
+    from core_rl_openai_proxy.workflow import OpenAIAgentWorkflow
+
+    with pytest.raises(ConfigError, match=r"rollout.workflow.python: no interpreter at '/nowhere/bin/python'"):
+        OpenAIAgentWorkflow(OpenAIAgentConfig(program=AGENT, python="/nowhere/bin/python"))
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "rollout:\n  workflow: {name: openai_agent, program: 'pkg.mod:f', requirements: [openai-agents]}\n"
+    )
+    core_rl = str(Path(sys.executable).with_name("core-rl"))
+    proc = subprocess.run([core_rl, "config", "validate", str(config)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "rollout.workflow.requirements: applies to a script program" in proc.stderr

@@ -46,8 +46,8 @@ class OpenAIAgentConfig:
     - ``program``: ``package.module:function`` or ``path/to/file.py:function`` (called in-process
       with ``base_url``, ``api_key`` and ``row`` keyword arguments; an ``async`` function runs on
       the rollout loop, a plain one in a thread; a number it returns is the trajectory's reward) or
-      a path to a ``.py`` script (a subprocess of this interpreter with ``OPENAI_BASE_URL``,
-      ``OPENAI_API_KEY`` and
+      a path to a ``.py`` script (a subprocess of core-rl's interpreter, or of ``python`` /
+      the environment of ``requirements``, with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and
       ``CORE_RL_ROW``, the data row as JSON, in its environment; it sets its reward with
       ``POST {base_url}/sessions/{api_key}/reward``).
     - ``args``: extra command-line arguments of a script.
