@@ -75,9 +75,9 @@ def test_the_sdk_calculator_agent_trains_through_the_proxy(run_wave, tokenizer, 
     sampled = [tokenizer.convert_tokens_to_ids(t) for t in GOOD] + [tokenizer.eos_token_id]
     for sample in group:
         assert sample.info["calls"] == 1 and sample.info["trajectories"] == 1
-        assert sample.prompt_ids == tokenizer.encode("<s>s:add>s:add(a,b)>u:3+4>a:", add_special_tokens=False) or (
-            sample.prompt_ids[-4:] == tokenizer.encode("3+4>a:", add_special_tokens=False)[-4:]
-        )
+        # the SDK's tool and instructions (a system message), the question, as the template renders them
+        prompt = tokenizer.encode("<s>s:add(a,b)>s:add>u:3+4>a:", add_special_tokens=False)
+        assert sample.prompt_ids == prompt
         assert sample.response_ids == sampled and sample.token_mask == [1] * len(sampled)
         assert sample.reward == 1.0, sample.info.get("output")
         assert "answer '7'" in sample.info["output"]
