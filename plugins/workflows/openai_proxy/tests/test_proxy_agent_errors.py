@@ -34,7 +34,9 @@ def setup(tmp_path_factory) -> Path:
 
     work = tmp_path_factory.mktemp("errors")
     build_scripted_model(work / "model", {":": GOOD})
-    rows = [{"prompt": "3+4", "answer": "7", "stop_on_tool": i % 2 == 0} for i in range(8)]
+    # in file order: each step one row that stops at the tool's result (step 1's through
+    # Runner.run_streamed, step 2's through Runner.run) and one that hits max_turns
+    rows = [{"prompt": "3+4", "answer": "7", "stop_on_tool": i % 2 == 0, "streamed": i % 4 == 0} for i in range(8)]
     (work / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (work / "template.jinja").write_text(TOOL_TEMPLATE)
     return work
