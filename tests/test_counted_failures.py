@@ -23,9 +23,9 @@ from core_rl.progress import PROGRESS
 from core_rl.protocol import Sample
 from core_rl.testing.blocking import in_environment
 from core_rl.testing.faults import build_task, merged, run_dir
-from core_rl.trainer.failed_steps import FailedEpisodes, FailedSteps, FailedStepsError
+from core_rl.trainer.failed_steps import AgentErrorsError, FailedEpisodes, FailedSteps, FailedStepsError
 from core_rl.trainer.rewards import TIMEOUT, ItemFailure, ScoreResult
-from core_rl.workflows import FAILED
+from core_rl.workflows import DROPPED_ERRORS, ERROR, ERROR_LIMIT, FAILED
 from fault_helpers import cli_command, cli_env, write_config
 
 
@@ -161,6 +161,39 @@ def test_failed_episodes_and_the_limit_on_failed_steps_in_a_row(capsys: pytest.C
         resumed.check(5, 4, 4, "env hung")
     assert FailedSteps(limit=0).check(1, 4, 4, "x")["rollout/failed_step"] == 1.0  # no limit
     assert FailedSteps(limit=1).check(1, 0, 0, "")["rollout/failed_step"] == 0.0  # no episode: not failed
+
+
+def test_agent_errors_are_counted_by_kind_and_stop_the_run_past_the_fraction() -> None:
+    def sample(**info: object) -> Sample:
+        return Sample([1], [2], [0.0], weight_version=0, finish_reason="stop", info=dict(info))
+
+    limit = {ERROR_LIMIT: 0.75}
+    failed = {FAILED: "agent error: MaxTurnsExceeded: Max turns (2)\nexceeded", **limit}
+    batch = [
+        sample(**{ERROR: "MaxTurnsExceeded", **failed}),
+        sample(**{ERROR: "ModelBehaviorError", FAILED: "agent error: bad JSON", **limit}),
+        sample(**{DROPPED_ERRORS: {"MaxTurnsExceeded": 1}, **limit}),  # one more episode, left out
+        sample(),
+    ]
+    episodes = FailedEpisodes()
+    episodes.add(batch, ScoreResult([0.0] * 4, []))
+    assert (episodes.failed, episodes.total) == (2, 5)  # the dropped episode counts among the step's
+    metrics = episodes.error_metrics(1)
+    assert metrics == {
+        "agent/errors/MaxTurnsExceeded": 2.0,
+        "agent/errors/ModelBehaviorError": 1.0,
+        "agent/errors_total": 3.0,
+    }  # 3 of 5 is within 0.75; a sample carrying a lower limit sets the step's:
+    episodes.add([sample(**{ERROR: "MaxTurnsExceeded", **failed, ERROR_LIMIT: 0.25})], ScoreResult([0.0], []))
+    with pytest.raises(AgentErrorsError) as caught:
+        episodes.error_metrics(2)
+    message = str(caught.value)
+    assert message.startswith(
+        "step 2: 4 of 6 episodes ended in an agent error, past rollout.workflow.max_error_fraction=0.25"
+    )
+    assert "most common: MaxTurnsExceeded (3): agent error: MaxTurnsExceeded: Max turns (2) exceeded;" in message
+    assert "\n" not in message and AgentErrorsError.exit_code == 1
+    assert FailedEpisodes().error_metrics(1) == {}  # no error: no metric
 
 
 def test_an_environment_whose_every_step_hangs_awaiting(tmp_path: Path) -> None:

@@ -18,6 +18,13 @@ trainer scores the samples with the run's reward.
 A trajectory that failed (its environment timed out, say) but is still returned carries
 ``info[FAILED]``, a short reason: it counts as a failed episode, and a step whose every episode
 failed is a *failed step* (:mod:`core_rl.trainer.failed_steps`).
+
+An episode ended by an error of the program a workflow runs (an agent that raised) carries
+``info[ERROR]``, the error's kind (an exception's class name), and ``info[ERROR_LIMIT]``, the most
+of a step's episodes that may end so; a workflow that leaves such episodes out of their group
+records them on a kept sample as ``info[DROPPED_ERRORS]`` (``{kind: count}``). The trainer counts
+the kinds per step (``agent/errors/<kind>``) and stops the run past the limit
+(:class:`core_rl.trainer.failed_steps.AgentErrorsError`).
 """
 
 from __future__ import annotations
@@ -34,6 +41,12 @@ from core_rl.protocol import Sample
 
 #: the key of ``Sample.info`` that marks a failed episode (its value: why, e.g. ``step timed out``)
 FAILED = "failed"
+#: the key of ``Sample.info`` naming the kind of error that ended an episode (e.g. ``MaxTurnsExceeded``)
+ERROR = "error"
+#: the key of ``Sample.info`` holding the most of a step's episodes (a fraction) that may end in an error
+ERROR_LIMIT = "max_error_fraction"
+#: the key of ``Sample.info`` counting, by kind, the errored episodes its workflow left out of the group
+DROPPED_ERRORS = "dropped_errors"
 
 
 @attrs.define

@@ -12,6 +12,12 @@ a warning naming what failed and counts in the metrics ``rollout/failed_step`` (
 else 0) and ``rollout/failed_steps_total``; ``rollout/failed_episodes`` counts the step's failed
 episodes on every step. ``algorithm.max_consecutive_failed_steps`` failed steps in a row end the run
 (:class:`FailedStepsError`, exit status 1; 0: no limit). The counts are kept in checkpoints.
+
+Episodes ended by an agent's error (``Sample.info["error"]``, :data:`core_rl.workflows.ERROR`,
+and those a workflow left out, :data:`~core_rl.workflows.DROPPED_ERRORS`) are counted by kind,
+``agent/errors/<kind>`` (and ``agent/errors_total``); past the fraction of the step's episodes the
+workflow allows (:data:`~core_rl.workflows.ERROR_LIMIT`) the run ends (:class:`AgentErrorsError`,
+exit status 1) with one line naming the most common kind.
 """
 
 from __future__ import annotations
@@ -25,21 +31,29 @@ from core_rl.protocol import Sample
 from core_rl.trainer.errors import RunFailed
 from core_rl.trainer.rewards import ScoreResult
 from core_rl.trainer.streaks import StreakCounter
-from core_rl.workflows import FAILED
+from core_rl.workflows import DROPPED_ERRORS, ERROR, ERROR_LIMIT, FAILED
 
 
 class FailedStepsError(RunFailed):
     """``algorithm.max_consecutive_failed_steps`` steps in a row had every episode fail."""
 
 
+class AgentErrorsError(RunFailed):
+    """More of a step's episodes ended in an agent error than its workflow allows."""
+
+
 class FailedEpisodes:
     """The failed episodes of one step's generation batches (:meth:`add` each): ``failed`` of
-    ``total``, and why, by reason."""
+    ``total``, and why, by reason; the agent errors by kind (``errors``), an example message of
+    each (``examples``) and the lowest limit on them the samples carried (``error_limit``)."""
 
     def __init__(self) -> None:
         self.failed = 0
         self.total = 0
         self.reasons: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.examples: dict[str, str] = {}
+        self.error_limit: float | None = None
 
     def add(self, samples: Sequence[Sample], scored: ScoreResult) -> None:
         """Count ``samples`` (a generation batch) and which of them failed: marked by the workflow,
@@ -51,6 +65,35 @@ class FailedEpisodes:
             if reason:
                 self.failed += 1
                 self.reasons[str(reason)] += 1
+            info = sample.info or {}
+            if info.get(ERROR):
+                self.errors[str(info[ERROR])] += 1
+                self.examples.setdefault(str(info[ERROR]), str(reason))
+            for kind, count in (info.get(DROPPED_ERRORS) or {}).items():
+                self.errors[str(kind)] += int(count)
+                self.total += int(count)
+            limit = info.get(ERROR_LIMIT)
+            if isinstance(limit, int | float) and (self.error_limit is None or limit < self.error_limit):
+                self.error_limit = float(limit)
+
+    def error_metrics(self, step: int) -> dict[str, float]:
+        """``agent/errors/<kind>`` and ``agent/errors_total`` of the step; raises
+        :class:`AgentErrorsError` when the errored fraction of its episodes passes the limit."""
+        if not self.errors:
+            return {}
+        metrics = {f"agent/errors/{kind}": float(n) for kind, n in self.errors.items()}
+        total = sum(self.errors.values())
+        metrics["agent/errors_total"] = float(total)
+        if self.error_limit is not None and self.total and total / self.total > self.error_limit:
+            kind, n = self.errors.most_common(1)[0]
+            example = self.examples.get(kind, "")
+            raise AgentErrorsError(
+                f"step {step}: {total} of {self.total} episodes ended in an agent error, past "
+                f"rollout.workflow.max_error_fraction={self.error_limit:g}; most common: {kind} ({n})"
+                + (f": {' '.join(example.split())[:300]}" if example else "")
+                + "; fix the agent, or raise the fraction"
+            )
+        return metrics
 
     def why(self, taken: Mapping[str, Counts]) -> str:
         """What failed, for the step's message: each reason's count, then each plugin with calls

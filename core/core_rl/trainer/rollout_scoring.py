@@ -173,4 +173,5 @@ class RolloutScoringStage:
         metrics = tally_metrics(taken)
         episodes = self._episodes
         metrics.update(self.failed_steps.check(step, episodes.failed, episodes.total, episodes.why(taken)))
+        metrics.update(episodes.error_metrics(step))
         return metrics

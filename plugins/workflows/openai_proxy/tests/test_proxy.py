@@ -27,7 +27,7 @@ from core_rl.protocol import samples_to_batch
 from core_rl.servers import pid_alive
 from core_rl.testing import WorkflowContract, installed_distribution
 from core_rl_openai_proxy import plugin
-from proxy_agents import LOG, client, tool_result
+from proxy_agents import LOG, TOOLS, client, tool_result
 
 AGENTS = "proxy_agents"
 ROWS = [{"prompt": f"{a}+{b}", "reward": (a + b) / 20} for a, b in ((1, 2), (9, 9), (4, 0), (7, 5), (3, 3), (0, 6))]
@@ -160,7 +160,19 @@ async def _client_mistakes(base_url: str, api_key: str, row: dict) -> float:
         "model": c.chat.completions.create(model="gpt-4o", messages=user),
         "too_long": c.chat.completions.create(model="policy", messages=[{"role": "user", "content": "9" * 200}]),
         "n": c.chat.completions.create(model="policy", messages=user, n=2),
-        "stream": c.chat.completions.create(model="policy", messages=user, stream=True),
+        "stream": c.completions.create(model="policy", prompt="1+1", stream=True),
+        "response_format": c.chat.completions.create(
+            model="policy", messages=user, response_format={"type": "json_object"}
+        ),
+        "json_schema": c.responses.create(
+            model="policy",
+            input="1+1",
+            text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+        ),
+        "parallel_tool_calls": c.chat.completions.create(
+            model="policy", messages=user, tools=TOOLS, parallel_tool_calls=False
+        ),
+        "previous_response_id": c.responses.create(model="policy", input="1", previous_response_id="resp_x"),
     }.items():
         try:
             await call
@@ -192,6 +204,10 @@ def test_client_mistakes_are_openai_errors_and_the_run_goes_on(run_wave, monkeyp
         "too_long": (400, "context_length_exceeded"),
         "n": (400, None),
         "stream": (400, None),
+        "response_format": (400, "unsupported_parameter"),
+        "json_schema": (400, "unsupported_parameter"),
+        "parallel_tool_calls": (400, "unsupported_parameter"),
+        "previous_response_id": (404, "previous_response_not_found"),
     }
     (group,) = wave.groups
     assert entry["ok"] in (1, 2) and group[0].info["calls"] == 1  # only the correct call was recorded

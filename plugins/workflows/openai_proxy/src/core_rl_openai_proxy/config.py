@@ -25,6 +25,20 @@ def _reasoning_tags(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> 
         raise FieldValueError(attribute.name, value, 'must be [opening, closing], e.g. ["<think>", "</think>"]')
 
 
+def _python(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, str):
+        raise FieldValueError(
+            attribute.name, value, "must be a path to a Python interpreter, e.g. /opt/agent-venv/bin/python"
+        )
+
+
+def _requirements(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, list) or not all(isinstance(r, str) and r.strip() for r in value):
+        raise FieldValueError(
+            attribute.name, value, 'must be a list of pip requirements, e.g. ["openai-agents==0.24.*"]'
+        )
+
+
 @attrs.define
 class OpenAIAgentConfig:
     """How an agent program becomes a rollout workflow.
@@ -32,8 +46,8 @@ class OpenAIAgentConfig:
     - ``program``: ``package.module:function`` or ``path/to/file.py:function`` (called in-process
       with ``base_url``, ``api_key`` and ``row`` keyword arguments; an ``async`` function runs on
       the rollout loop, a plain one in a thread; a number it returns is the trajectory's reward) or
-      a path to a ``.py`` script (a subprocess of this interpreter with ``OPENAI_BASE_URL``,
-      ``OPENAI_API_KEY`` and
+      a path to a ``.py`` script (a subprocess of core-rl's interpreter, or of ``python`` /
+      the environment of ``requirements``, with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and
       ``CORE_RL_ROW``, the data row as JSON, in its environment; it sets its reward with
       ``POST {base_url}/sessions/{api_key}/reward``).
     - ``args``: extra command-line arguments of a script.
@@ -57,6 +71,19 @@ class OpenAIAgentConfig:
       text up to the closing tag becomes ``message.reasoning_content`` and the rest its
       ``content`` (:mod:`core_rl_openai_proxy.reasoning`); ``null``: replies are not split.
     - ``host``/``port``: where the proxy listens (port 0: a free port).
+    - ``error_reward``: the reward of an episode the agent ended in an error (an exception such
+      as the openai-agents SDK's ``MaxTurnsExceeded`` or ``ModelBehaviorError``, a script's
+      non-zero exit); its trajectories keep the calls made so far.
+    - ``on_error``: ``score`` trains on such an episode at ``error_reward``; ``drop`` leaves it out
+      of its group (unless every episode of the row errored: then they are scored).
+    - ``max_error_fraction``: the most of a step's episodes that may end in an error; past it the
+      run stops, naming the most common error (1: never).
+    - ``python``: the interpreter that runs a script ``program`` (e.g. another venv's
+      ``bin/python``); empty: core-rl's own, or the environment of ``requirements``.
+    - ``requirements``: pip requirements of a script ``program`` (e.g. ``["openai-agents==0.24.*"]``):
+      core-rl builds a venv with them once (cached by their hash, under ``$CORE_RL_HOME``, as
+      ``core-rl server-env`` builds server environments) and runs the script there; core-rl's own
+      environment is never changed.
     """
 
     program: str = attrs.field(validator=_program)
@@ -71,3 +98,25 @@ class OpenAIAgentConfig:
     reasoning_tags: list[str] | None = attrs.field(default=None, validator=_reasoning_tags)
     host: str = "127.0.0.1"
     port: int = attrs.field(default=0, validator=in_range(0, 65535))
+    error_reward: float = attrs.field(default=0.0, validator=in_range(-(10**6), 10**6))
+    on_error: str = attrs.field(default="score", validator=one_of(("score", "drop")))
+    max_error_fraction: float = attrs.field(default=0.5, validator=in_range(0, 1))
+    python: str = attrs.field(default="", validator=_python)
+    requirements: list[str] = attrs.field(factory=list, validator=_requirements)
+
+    def __attrs_post_init__(self) -> None:
+        script = self.program.endswith(".py")
+        for key in ("python", "requirements"):
+            if getattr(self, key) and not script:
+                raise FieldValueError(
+                    key,
+                    getattr(self, key),
+                    "applies to a script program (path/to/script.py); an in-process program runs in core-rl's "
+                    "own interpreter: make it a script, or remove this key",
+                )
+        if self.python and self.requirements:
+            raise FieldValueError(
+                "requirements",
+                self.requirements,
+                "cannot be set with python: give one (an interpreter, or what to build)",
+            )

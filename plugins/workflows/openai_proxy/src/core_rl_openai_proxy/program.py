@@ -9,8 +9,14 @@ episode's reward.
 
 Script (``path/to/agent.py``): ``python agent.py *args`` with ``OPENAI_BASE_URL``,
 ``OPENAI_API_KEY`` and ``CORE_RL_ROW`` (the row as JSON) in its environment, in a new process
-group that is killed when the episode times out or the run stops; a non-zero exit status is an
-error naming the script and the end of its stderr.
+group that is killed when the episode times out or the run stops. ``python`` is the interpreter
+(``rollout.workflow.python``, or the one of the environment built from
+``rollout.workflow.requirements``: :mod:`core_rl_openai_proxy.agent_env`; default: core-rl's own).
+The end of its stdout and stderr (:data:`OUTPUT_TAIL` characters) is kept as the episode's
+``output``; a non-zero exit status is an :class:`AgentFailed` quoting it.
+
+Either way a failure is an :class:`AgentFailed` whose ``kind`` is the exception's class name
+(``MaxTurnsExceeded``) or ``exit status N``; the workflow makes it an errored episode.
 """
 
 from __future__ import annotations
@@ -18,32 +24,52 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 from core_rl.callables import LoadFailed, is_async, load_callable
 from core_rl.errors import ConfigError, CoreRLError
 
-#: how much of a failed script's stderr an error quotes
-STDERR_TAIL = 2000
+#: how much of a script's stdout and stderr an episode keeps (and a failure quotes)
+OUTPUT_TAIL = 2000
 #: how long a killed script's process may take to exit and be reaped
 REAP_TIMEOUT_S = 30.0
 
 
 class AgentFailed(CoreRLError):
-    """The agent program raised or exited non-zero: the run fails (exit status 1)."""
+    """The agent program raised (``kind``: the exception's class name) or exited non-zero
+    (``kind``: ``exit status N``, or the class of the exception a traceback on its stderr ends
+    with); ``output``: a script's output tail; ``summary``: one line. Raised out of a run, exit
+    status 1."""
 
     exit_code = 1
+
+    def __init__(self, message: str, kind: str, output: str = "", summary: str = "") -> None:
+        super().__init__(message)
+        self.kind, self.output = kind, output
+        #: one line: what failed (the exception and its message, or the exit status)
+        self.summary = summary or message.splitlines()[0]
+
+
+@attrs.define
+class Outcome:
+    """One finished episode of the program: what an in-process function ``returned`` (``None``
+    for a script) and a script's ``output`` tail (stdout, then stderr)."""
+
+    returned: Any = None
+    output: str = ""
 
 
 class AgentProgram:
     """``program`` (``rollout.workflow.program``) loaded once; :meth:`run` runs one episode."""
 
-    def __init__(self, program: str, args: list[str]) -> None:
-        self.program, self.args = program, list(args)
+    def __init__(self, program: str, args: list[str], python: str | None = None) -> None:
+        self.program, self.args, self.python = program, list(args), python or sys.executable
         self.script: Path | None = None
         self.function: Callable[..., Any] | None = None
         if program.endswith(".py"):  # a script: a subprocess per episode
@@ -56,38 +82,40 @@ class AgentProgram:
         except LoadFailed as exc:
             raise ConfigError([f"rollout.workflow.program: cannot load {program!r}: {exc}"]) from exc
 
-    async def run(self, base_url: str, api_key: str, row: Mapping[str, Any]) -> Any:
-        """One episode; returns what an in-process function returned (``None`` for a script)."""
+    async def run(self, base_url: str, api_key: str, row: Mapping[str, Any]) -> Outcome:
+        """One episode; raises :class:`AgentFailed` when the program fails."""
         if self.script is not None:
             return await self._run_script(base_url, api_key, row)
         assert self.function is not None
         kwargs = {"base_url": base_url, "api_key": api_key, "row": dict(row)}
         try:
             if is_async(self.function):
-                return await self.function(**kwargs)
-            return await asyncio.to_thread(self.function, **kwargs)
+                return Outcome(await self.function(**kwargs))
+            return Outcome(await asyncio.to_thread(self.function, **kwargs))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             cause = f" (caused by {type(exc.__cause__).__name__}: {exc.__cause__})" if exc.__cause__ else ""
-            raise AgentFailed(f"agent program {self.program} raised {type(exc).__name__}: {exc}{cause}") from exc
+            kind = type(exc).__name__
+            message = f"agent program {self.program} raised {kind}: {exc}{cause}"
+            raise AgentFailed(message, kind, summary=f"{kind}: {' '.join(str(exc).split())}"[:300]) from exc
 
-    async def _run_script(self, base_url: str, api_key: str, row: Mapping[str, Any]) -> None:
+    async def _run_script(self, base_url: str, api_key: str, row: Mapping[str, Any]) -> Outcome:
         assert self.script is not None
         env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
         env["CORE_RL_ROW"] = json.dumps(dict(row))
         proc = await asyncio.create_subprocess_exec(
-            sys.executable,
+            self.python,
             str(self.script),
             *self.args,
             env=env,
             stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
         )
         try:
-            _, stderr = await proc.communicate()
+            stdout, stderr = await proc.communicate()
         except BaseException as exc:  # timed out or cancelled: the whole process group goes, at once
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -96,10 +124,41 @@ class AgentProgram:
             if await _reaped(proc):  # a second cancellation came while reaping: it goes on
                 raise asyncio.CancelledError from exc
             raise
+        output = _tail(stdout, stderr)
         if proc.returncode != 0:
-            tail = stderr.decode(errors="replace")[-STDERR_TAIL:]
-            raise AgentFailed(f"agent script {self.script} exited with status {proc.returncode}; stderr ends:\n{tail}")
-        return None
+            kind, last = _exception_kind(stderr.decode(errors="replace"))
+            raise AgentFailed(
+                f"agent script {self.script} exited with status {proc.returncode}; its output ends:\n{output}",
+                kind or f"exit status {proc.returncode}",
+                output,
+                f"{self.script.name} exited with status {proc.returncode}" + (f" ({last})" if last else ""),
+            )
+        return Outcome(output=output)
+
+
+_RAISED = re.compile(r"^([A-Za-z_][\w.]*)(?::|$)")
+
+
+def _exception_kind(stderr: str) -> tuple[str | None, str]:
+    """The class name of the exception a Python script died of and the line naming it: the last
+    line of its stderr's last traceback that names one (``agents.exceptions.MaxTurnsExceeded:
+    ...`` gives ``MaxTurnsExceeded``); ``(None, "")`` without a traceback."""
+    _, found, after = stderr.rpartition("Traceback (most recent call last):")
+    if not found:
+        return None, ""
+    for line in reversed(after.splitlines()):
+        match = _RAISED.match(line)
+        if match:
+            return match.group(1).rsplit(".", 1)[-1], line.strip()[:300]
+    return None, ""
+
+
+def _tail(stdout: bytes, stderr: bytes) -> str:
+    """The last :data:`OUTPUT_TAIL` characters of a script's stdout and stderr, each labelled."""
+    parts = [
+        f"[{name}]\n{data.decode(errors='replace')}" for name, data in (("stdout", stdout), ("stderr", stderr)) if data
+    ]
+    return "\n".join(parts)[-OUTPUT_TAIL:]
 
 
 async def _reaped(proc: asyncio.subprocess.Process) -> bool:

@@ -8,8 +8,9 @@ accepted and ignored (set the run's ``rollout.sampling`` penalties instead). ``m
 ``max_completion_tokens``) lowers the run's ``max_new_tokens``, never raises it. ``stop`` (a
 string or up to :data:`MAX_STOP_STRINGS` of them) joins the run's ``rollout.sampling.stop``: the
 turn ends at the token that completes one (it stays in the trajectory, :mod:`core_rl.stop_strings`)
-and the returned text ends before it, as OpenAI's does. ``n > 1`` and ``stream`` are refused (400):
-one call is one sampled turn of one trajectory.
+and the returned text ends before it, as OpenAI's does. ``n > 1`` is refused (400): one call is
+one sampled turn of one trajectory; so is ``stream`` on legacy completions (chat completions and
+responses stream: :mod:`core_rl_openai_proxy.responses_api`).
 Tool calls in a chat reply: :mod:`core_rl_openai_proxy.tools`.
 """
 
@@ -44,12 +45,15 @@ def requested_max_tokens(body: Mapping[str, Any]) -> int | None:
     return None
 
 
-def refuse_unsupported(body: Mapping[str, Any]) -> None:
-    """400 for what one sampled turn of one trajectory cannot do: ``n > 1``, streaming."""
+def refuse_unsupported(body: Mapping[str, Any], *, stream: bool = False) -> None:
+    """400 for what one sampled turn of one trajectory cannot do: ``n > 1``; streaming where the
+    route does not stream (``stream``: it does)."""
     if body.get("n") not in (None, 1):
         raise RequestError("the proxy samples one choice per call: 'n' must be 1", param="n")
-    if body.get("stream"):
-        raise RequestError("the proxy does not stream: leave 'stream' unset", param="stream")
+    if body.get("stream") and not stream:
+        raise RequestError(
+            "this route does not stream: leave 'stream' unset (chat completions and responses stream)", param="stream"
+        )
     requested_stops(body)
 
 

@@ -2,7 +2,9 @@
 own, in front of the rollout engine.
 
 Routes (``base_url`` is ``http://host:port/v1``): ``POST /v1/chat/completions``, ``POST
-/v1/completions``, ``GET /v1/models`` and ``POST /v1/sessions/{id}/reward`` (``{"reward": x}``).
+/v1/responses`` (:mod:`core_rl_openai_proxy.responses_api`), ``POST /v1/completions``, ``GET
+/v1/models`` and ``POST /v1/sessions/{id}/reward`` (``{"reward": x}``). Chat completions and
+responses stream (``stream: true``) as server-sent events once the whole reply is generated.
 A call names its session by its API key (``Authorization: Bearer <session id>``), so plain OpenAI
 client code only changes ``base_url`` and ``api_key``. Each call's generation is run by the
 session's ``generate`` (the workflow's context, on the rollout loop: the controller still bounds
@@ -30,15 +32,15 @@ from core_rl.stop_strings import text_before_stop
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from core_rl_openai_proxy import responses
+from core_rl_openai_proxy import responses, responses_api
 from core_rl_openai_proxy.chat import ChatTemplate, normalize_messages
 from core_rl_openai_proxy.config import OpenAIAgentConfig
 from core_rl_openai_proxy.errors import RequestError
 from core_rl_openai_proxy.session import Generate, LastCall, Plan, Session
-from core_rl_openai_proxy.tools import build_tool_parser, request_tools, split_reply
+from core_rl_openai_proxy.tools import Reply, build_tool_parser, request_tools, split_reply
 
 #: how long :meth:`ProxyServer.start` waits for uvicorn to listen
 START_TIMEOUT_S = 30.0
@@ -61,6 +63,7 @@ class ProxyServer:
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self._endpoint(self._chat), methods=["POST"]),
+                Route("/v1/responses", self._endpoint(self._responses), methods=["POST"]),
                 Route("/v1/completions", self._endpoint(self._completion), methods=["POST"]),
                 Route("/v1/models", self._endpoint(self._models), methods=["GET"]),
                 Route("/v1/sessions/{session}/reward", self._endpoint(self._reward), methods=["POST"]),
@@ -144,16 +147,18 @@ class ProxyServer:
 
     # -- endpoints ---------------------------------------------------------------------------
 
-    def _endpoint(self, handler: Callable[[Request], Awaitable[dict[str, Any]]]) -> Callable:
-        async def endpoint(request: Request) -> JSONResponse:
+    def _endpoint(self, handler: Callable[[Request], Awaitable[dict[str, Any] | Response]]) -> Callable:
+        async def endpoint(request: Request) -> Response:
             try:
-                return JSONResponse(await handler(request))
+                result = await handler(request)
+                return result if isinstance(result, Response) else JSONResponse(result)
             except RequestError as exc:
                 return JSONResponse(exc.body(), status_code=exc.status)
 
         return endpoint
 
-    async def _body(self, request: Request) -> dict[str, Any]:
+    async def _body(self, request: Request, *, stream: bool = False) -> dict[str, Any]:
+        """The request's JSON object, its model checked; ``stream``: the route may stream."""
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -168,7 +173,7 @@ class ProxyServer:
                 code="model_not_found",
                 param="model",
             )
-        responses.refuse_unsupported(body)
+        responses.refuse_unsupported(body, stream=stream)
         return body
 
     async def _models(self, request: Request) -> dict[str, Any]:
@@ -185,12 +190,69 @@ class ProxyServer:
         session.reward = float(value)
         return {"session": session.id, "reward": session.reward}
 
-    async def _chat(self, request: Request) -> dict[str, Any]:
+    async def _chat(self, request: Request) -> dict[str, Any] | Response:
         session = self._session(request)
-        body = await self._body(request)
+        body = await self._body(request, stream=True)
         messages = normalize_messages(body.get("messages"))
         tools = request_tools(body)
         logprobs = responses.wants_logprobs(body, chat=True)
+        responses_api.refuse_structured_output(body)
+        responses_api.refuse_serial_tool_calls(body)
+        plan, turn, reply, matched = await self._chat_turn(session, body, messages, tools, body.get("tool_choice"))
+        ids = bool(body.get("return_token_ids"))
+        completion = responses.chat_body(
+            self.config.model, plan.prompt_ids, turn, reply, self.tokenizer, logprobs, ids, stop_reason=matched
+        )
+        if not body.get("stream"):
+            return completion
+        options = body.get("stream_options")
+        usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        chunks = responses_api.chat_chunks(completion, usage)
+        return _event_stream(responses_api.sse(chunks, named=False, done=True))
+
+    async def _responses(self, request: Request) -> dict[str, Any] | Response:
+        session = self._session(request)
+        body = await self._body(request, stream=True)
+        responses_api.refuse_structured_output(body)
+        responses_api.refuse_serial_tool_calls(body)
+        previous = body.get("previous_response_id")
+        history = None
+        if previous is not None:
+            history = session.responses.get(previous)
+            if history is None:
+                raise RequestError(
+                    f"previous_response_id {previous!r} is not a response of this session; send the id of an earlier "
+                    "response of the same episode, or the whole conversation as 'input'",
+                    status=404,
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
+        messages = normalize_messages(responses_api.input_messages(body, history))
+        tools = responses_api.response_tools(body)
+        choice = responses_api.chat_tool_choice(body.get("tool_choice"))
+        include = body.get("include") or []
+        logprobs = isinstance(include, list) and responses_api.LOGPROBS_INCLUDE in include
+        chat_body = {**body, "max_tokens": body.get("max_output_tokens"), "max_completion_tokens": None}
+        plan, turn, reply, matched = await self._chat_turn(session, chat_body, messages, tools, choice)
+        lps = None
+        if logprobs:
+            completion = responses.chat_body(
+                self.config.model, plan.prompt_ids, turn, reply, self.tokenizer, True, False, stop_reason=matched
+            )
+            lps = completion["choices"][0]["logprobs"]["content"]
+        response_id = f"resp_{uuid.uuid4().hex}"
+        start = 1 if body.get("instructions") else 0  # instructions do not carry over to a later response
+        session.responses[response_id] = [*messages[start:], responses_api.reply_message(reply)]
+        response = responses_api.response_body(self.config.model, body, response_id, plan.prompt_ids, turn, reply, lps)
+        if not body.get("stream"):
+            return response
+        return _event_stream(responses_api.sse(responses_api.response_events(response), named=True, done=False))
+
+    async def _chat_turn(
+        self, session: Session, body: dict[str, Any], messages: list[dict[str, Any]], tools: Any, tool_choice: Any
+    ) -> tuple[Plan, Any, Reply, str | None]:
+        """One chat call of ``session``: its prompt planned, its turn sampled and recorded; the
+        plan, the turn, the reply and the stop string that ended it (if one did)."""
         strict = self.config.on_history_mismatch == "error"
         async with session.lock:
             plan = session.plan_chat(self.template, messages, tools, strict)
@@ -198,16 +260,13 @@ class ProxyServer:
             by_string = self._stopped_by_string(turn, stops, session)
             sampled = self.tokenizer.decode(responses.content_ids(turn, by_string=by_string), skip_special_tokens=True)
             text, matched = self._reply_text(sampled, stops, turn, session) if by_string else (sampled, None)
-            reply = split_reply(text, self.tool_parser, tools, body.get("tool_choice"), self.config.reasoning_tags)
+            reply = split_reply(text, self.tool_parser, tools, tool_choice, self.config.reasoning_tags)
             stop = (
                 self.tokenizer.decode(turn.response_ids[-1:]) if turn.finish_reason == "stop" and not by_string else ""
             )
             last = LastCall("chat", messages, tools, reply=sampled, stop_text=stop, message=reply.message())
             session.record(plan, turn, last)
-        ids = bool(body.get("return_token_ids"))
-        return responses.chat_body(
-            self.config.model, plan.prompt_ids, turn, reply, self.tokenizer, logprobs, ids, stop_reason=matched
-        )
+        return plan, turn, reply, matched
 
     async def _completion(self, request: Request) -> dict[str, Any]:
         session = self._session(request)
@@ -284,6 +343,10 @@ class ProxyServer:
             session.error = session.error or CoreRLError("the rollout engine answered another prompt than was sent")
             raise RequestError("the rollout engine answered another prompt", status=500, type="server_error")
         return turn, stops
+
+
+def _event_stream(chunks: Any) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def _evolve(sampling: Any, **changes: Any) -> Any:

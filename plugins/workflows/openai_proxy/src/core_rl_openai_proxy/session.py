@@ -55,7 +55,8 @@ class Plan:
 class Session:
     """One episode's calls (see the module docstring). ``generate`` reaches the rollout engine
     through the workflow's context; ``reward`` is what the agent set; ``error`` an engine failure
-    the workflow re-raises."""
+    the workflow re-raises; ``responses``: by response id, the messages and reply of each Responses
+    call (what ``previous_response_id`` continues)."""
 
     id: str
     generate: Generate
@@ -69,6 +70,7 @@ class Session:
     closed: bool = False
     error: BaseException | None = None
     inflight: asyncio.Future | None = None
+    responses: dict[str, list[dict[str, Any]]] = attrs.field(factory=dict)
     lock: asyncio.Lock = attrs.field(factory=asyncio.Lock)
     guard: threading.Lock = attrs.field(factory=threading.Lock)
 

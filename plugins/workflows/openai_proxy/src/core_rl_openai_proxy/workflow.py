@@ -8,6 +8,15 @@ reward is, in order: ``timeout_reward`` if the episode timed out, the number an 
 returned, the reward the agent posted to the proxy, else ``None`` (select ``reward: {name:
 workflow}``, with a ``default`` if some episodes may set none).
 
+An episode the agent ends in an error (:class:`~core_rl_openai_proxy.program.AgentFailed`: an
+exception, a script's non-zero exit) keeps the calls it made: its trajectories are scored
+``error_reward`` (or left out of the group, ``on_error: drop``) and carry ``info["error"]`` (the
+error's kind, counted per step as ``agent/errors/<kind>``), ``info["failed"]`` (the message) and
+``info["max_error_fraction"]``: past that fraction of a step's episodes the trainer stops the run
+(:mod:`core_rl.trainer.failed_steps`). An errored episode that made no call has nothing to train
+on and is left out; a row whose every episode errored before any call fails the run with the
+error. A script's output tail is kept in ``info["output"]`` (``rollout.dump`` records it).
+
 The proxy's calls reach the engine through the workflow's context (:class:`WorkflowContext`), on
 the rollout loop, so the controller's admission, concurrency bound, wave batching and weight
 versions apply to them exactly as to the built-in workflows, in synchronous and asynchronous runs.
@@ -20,13 +29,15 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SamplingParams
 from core_rl.protocol import Sample
-from core_rl.workflows import RolloutWorkflow, WorkflowContext
+from core_rl.workflows import DROPPED_ERRORS, ERROR, ERROR_LIMIT, FAILED, RolloutWorkflow, WorkflowContext
 
+from core_rl_openai_proxy.agent_env import agent_python
 from core_rl_openai_proxy.config import OpenAIAgentConfig
-from core_rl_openai_proxy.program import AgentProgram
+from core_rl_openai_proxy.program import AgentFailed, AgentProgram, Outcome
 from core_rl_openai_proxy.server import ProxyServer
 from core_rl_openai_proxy.session import Session
 
@@ -44,7 +55,8 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
 
     def __init__(self, config: OpenAIAgentConfig) -> None:
         self.config = config
-        self.program = AgentProgram(config.program, config.args)
+        python = agent_python(config.python, config.requirements) if config.program.endswith(".py") else None
+        self.program = AgentProgram(config.program, config.args, python)
         self.proxy: ProxyServer | None = None
         self._starting = threading.Lock()
 
@@ -83,32 +95,68 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         for task in tasks:  # the failure itself, not the siblings cancelled after it
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()
-        return [sample for task in tasks for sample in task.result()]
+        return self._group([task.result() for task in tasks])
 
-    async def _episode(self, proxy: ProxyServer, session: Session) -> list[Sample]:
-        timed_out, returned = False, None
+    def _group(self, episodes: list[tuple[list[Sample], AgentFailed | None]]) -> list[Sample]:
+        """The row's group: every episode's samples; under ``on_error: drop`` the errored ones are
+        left out, counted on a kept sample (``info["dropped_errors"]``), unless none is left."""
+        kept = [
+            samples for samples, error in episodes if samples and (error is None or self.config.on_error == "score")
+        ]
+        dropped: dict[str, int] = {}
+        for samples, error in episodes:
+            if error is not None and (self.config.on_error == "drop" or not samples):
+                dropped[error.kind] = dropped.get(error.kind, 0) + 1
+        if not kept:  # every episode errored: score them (a group needs samples), or fail when none called
+            kept = [samples for samples, _ in episodes if samples]
+            if not kept:
+                raise next(error for _, error in episodes if error is not None)
+            dropped = {}
+        out = [sample for samples in kept for sample in samples]
+        if dropped:
+            first = out[0]
+            out[0] = attrs.evolve(
+                first, info={**first.info, DROPPED_ERRORS: dropped, ERROR_LIMIT: self.config.max_error_fraction}
+            )
+        return out
+
+    async def _episode(self, proxy: ProxyServer, session: Session) -> tuple[list[Sample], AgentFailed | None]:
+        timed_out, outcome, error = False, Outcome(), None
         try:
             # asyncio.timeout, not wait_for: the program runs in this task, so a cancellation arriving
             # while the timeout fires still reaches the script's clean-up (wait_for could leave its
             # inner task, and the script, behind)
             async with asyncio.timeout(self.config.timeout_s):
-                returned = await self.program.run(proxy.base_url, session.id, session.row)
+                outcome = await self.program.run(proxy.base_url, session.id, session.row)
         except TimeoutError:
             timed_out = True
+        except AgentFailed as exc:
+            error = exc
         finally:
             proxy.end(session)
         if session.error is not None:
             raise session.error
+        if error is not None:
+            info = {
+                ERROR: error.kind,
+                FAILED: f"agent error: {error.summary}",
+                ERROR_LIMIT: self.config.max_error_fraction,
+            }
+            if error.output:
+                info["output"] = error.output
+            return session.samples(self.config.error_reward, **info), error
         if not session.trajectories:
             why = f"timed out after {self.config.timeout_s:g} s (rollout.workflow.timeout_s)" if timed_out else "ended"
             raise AgentMadeNoCall(
                 f"agent program {self.config.program} {why} without a model call through the proxy for row "
                 f"{str(session.row)[:120]}; it must call the base_url it is given"
             )
+        returned = outcome.returned
         if timed_out:
             reward = self.config.timeout_reward
         elif isinstance(returned, int | float) and not isinstance(returned, bool):
             reward = float(returned)
         else:
             reward = session.reward
-        return session.samples(reward, timed_out=timed_out)
+        extra = {"output": outcome.output} if outcome.output else {}
+        return session.samples(reward, timed_out=timed_out, **extra), None

@@ -1,0 +1,60 @@
+"""The calculator agent written with the openai-agents SDK, run as a script by the
+``openai_agent`` workflow from an environment of its own (``rollout.workflow.requirements``: the
+SDK is not installed in core-rl's environment).
+
+The row says how: ``model`` ``responses`` (the SDK's default model, the Responses API) or
+``chat`` (chat completions); ``streamed``: ``Runner.run_streamed`` instead of ``Runner.run``;
+``stop_on_tool``: the agent's answer is the first tool result (else the model is asked again after
+each result, and with the scripted model, which always calls the tool, ``max_turns`` raises the
+SDK's ``MaxTurnsExceeded``). Its reward, posted to the proxy: 1 when the answer is the sum.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+from agents import (
+    Agent,
+    OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
+from openai import AsyncOpenAI
+
+
+@function_tool
+def add(a: int, b: int) -> int:
+    """a + b"""
+    return a + b
+
+
+async def main() -> None:
+    base_url, api_key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
+    row = json.loads(os.environ["CORE_RL_ROW"])
+    set_tracing_disabled(True)
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    kind = OpenAIResponsesModel if row.get("model", "responses") == "responses" else OpenAIChatCompletionsModel
+    agent = Agent(
+        name="calculator",
+        instructions="add",
+        tools=[add],
+        model=kind(model="policy", openai_client=client),
+        tool_use_behavior="stop_on_first_tool" if row.get("stop_on_tool", True) else "run_llm_again",
+    )
+    if row.get("streamed"):
+        result = Runner.run_streamed(agent, row["prompt"], max_turns=2)
+        async for _event in result.stream_events():
+            pass
+    else:
+        result = await Runner.run(agent, row["prompt"], max_turns=2)
+    reward = 1.0 if str(result.final_output).strip() == row["answer"] else 0.0
+    print(f"answer {result.final_output!r}, reward {reward}")
+    await client.post(f"/sessions/{api_key}/reward", body={"reward": reward}, cast_to=object)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
