@@ -22,8 +22,8 @@ from typing import Any
 import attrs
 import torch
 from core_rl.config.loader import structure
-from core_rl.kinds import ADVANTAGE, POLICY_LOSS, REJECTION_SAMPLER
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import ADVANTAGE, POLICY_LOSS, REJECTION_SAMPLER
 from core_rl.protocol import TensorBatch
 from core_rl.testing import reference
 

@@ -53,8 +53,8 @@ def start_server(engine: str, model: Path, work: Path, url: str = "", cpus: list
     :func:`build_task`'s shape)."""
     from core_rl.config.loader import structure
     from core_rl.config.schema import PluginSpec, RolloutConfig
-    from core_rl.kinds import ROLLOUT_ENGINE
-    from core_rl.plugins import PluginHost
+    from core_rl.plugins.host import PluginHost
+    from core_rl.plugins.kinds import ROLLOUT_ENGINE
 
     entry = PluginHost().get(ROLLOUT_ENGINE, engine)
     return entry.factory(
@@ -122,8 +122,8 @@ def train_once(config: dict, work: Path) -> list[dict]:
     import yaml
     from core_rl.builtin.loggers import read_metrics
     from core_rl.config import load_config
-    from core_rl.plugins import PluginHost
-    from core_rl.trainer import train
+    from core_rl.loops import train
+    from core_rl.plugins.host import PluginHost
 
     path = work / f"{config['experiment']['name']}.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -4,7 +4,7 @@
                                   [--core-rl-set KEY=VALUE ...] [--threads 8] [--no-trl] [--no-install]
                                   [--trl-python PATH] [--workdir DIR] [--timeout 1800] [--smoke]
 
-The workload: a random-weight Qwen2-shaped model (:data:`core_rl.tiny.QWEN2_SHAPES`: ``0.5b`` is
+The workload: a random-weight Qwen2-shaped model (:data:`core_rl.roles.tiny.QWEN2_SHAPES`: ``0.5b`` is
 Qwen2-0.5B's layout, hidden 896, intermediate 4864, 24 layers, 14 heads, 2 key/value heads, 0.36B
 parameters with the character vocabulary; ``1.5b`` is Qwen2-1.5B's, 1.3B parameters, run where the
 GPU's memory allows), tied embeddings, a character tokenizer over ``abcdefgh=``; per step 8 prompts x
@@ -84,7 +84,7 @@ def model_params(shape: dict) -> int:
 
 def prepare(work: Path, name: str, shape: dict, tokens: int, prompts: int, steps: int) -> tuple[Path, Path]:
     """The model directory and prompt file of one shape under ``work`` (a model built before is reused)."""
-    from core_rl.tiny import build_tiny_model
+    from core_rl.roles.tiny import build_tiny_model
 
     model = work / "model"
     if not (model / "config.json").is_file():
@@ -111,7 +111,7 @@ def trl_env_spec():
     torch is installed in), so a GPU machine's CUDA build is used, not downloaded again. Installed
     with pip: uv does not look at ``.pth`` folders and would fetch torch."""
     import torch
-    from core_rl.server_env import ServerEnvSpec
+    from core_rl.servers.env import ServerEnvSpec
 
     site = str(Path(torch.__file__).resolve().parents[1])
     purelib = "pathlib.Path(sysconfig.get_paths()['purelib'], 'base_torch.pth')"
@@ -136,7 +136,7 @@ def trl_python(args: argparse.Namespace, on_cuda: bool) -> tuple[str | None, str
     if not on_cuda:
         found = trl_grpo.trl_python(install=not args.no_install)
         return (str(found), "benchmarks/trl_grpo.py's environment") if found else (None, "its environment is not built")
-    from core_rl import server_env
+    from core_rl.servers import env as server_env
 
     spec = trl_env_spec()
     directory = server_env.find(spec, variant="cuda")
@@ -205,7 +205,7 @@ def print_table(rows: list[tuple[str, dict[str, dict | None]]], memory: str) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from core_rl.tiny import QWEN2_SHAPES
+    from core_rl.roles.tiny import QWEN2_SHAPES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="0.5b,1.5b", help=f"comma-separated, of {', '.join(QWEN2_SHAPES)}")

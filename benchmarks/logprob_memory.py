@@ -121,7 +121,7 @@ def step(formulation: str, inputs: dict[str, torch.Tensor]) -> tuple[int, torch.
 
 
 def host_peak() -> int:
-    from core_rl.trainer.memory import host_peak_rss_bytes
+    from core_rl.loops.memory import host_peak_rss_bytes
 
     return host_peak_rss_bytes()
 
@@ -140,7 +140,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
         else:
-            from core_rl.trainer.memory import reset_host_peak
+            from core_rl.loops.memory import reset_host_peak
 
             reset_host_peak()
             base = host_peak()

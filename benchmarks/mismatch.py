@@ -6,7 +6,7 @@ printed as one table (docs/when-stuck.md, "Train/rollout mismatch").
     python benchmarks/mismatch.py --smoke                  # tiny model, hf float32, 1 step (the test runs this)
 
 Each case is plain on-policy GRPO (fsdp actor in float32, no recompute: the update's first
-optimiser step measures the mismatch, :mod:`core_rl.trainer.mismatch_probe`) on addition prompts
+optimiser step measures the mismatch, :mod:`core_rl.loops.rl.mismatch_probe`) on addition prompts
 rendered with the chat template: ``--prompts`` prompts x ``--n`` samples of at most
 ``--max-new-tokens`` tokens at temperature 1, learning rate 1e-5, for ``--steps`` steps (every step
 after the first samples with weights the trainer synced to the engine). Per case: the mean over the
@@ -75,7 +75,7 @@ def _server_env_missing(engine: str) -> str | None:
     """Why ``engine``'s server environment cannot run here (``None``: it can)."""
     if engine == "hf":
         return None
-    from core_rl.server_env import find, get_spec
+    from core_rl.servers.env import find, get_spec
 
     if find(get_spec(engine)) is None:
         return f"no {engine} server environment (core-rl server-env create {engine})"
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         if args.smoke:
-            from core_rl.tiny import build_tiny_model
+            from core_rl.roles.tiny import build_tiny_model
 
             model, chat = build_tiny_model(root / "model", alphabet="0123456789+? =", seed=0), False
             args.engines, args.dtypes, args.steps, args.prompts, args.n, args.max_new_tokens = (

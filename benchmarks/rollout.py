@@ -7,17 +7,17 @@ on a tiny model and prints:
   samples of exactly ``--max-new-tokens`` tokens) and through a plain client sending the same
   requests to the same server with the same concurrency, and the plugin's overhead
   ``1 - plugin / plain`` (goal: under 5%). The plain client is the plugin's own (httpx over
-  aiohttp's pool, ``core_rl.remote.wire.async_client``); the same client on httpx's own pool is
+  aiohttp's pool, ``core_rl.servers.remote.wire.async_client``); the same client on httpx's own pool is
   printed beside it (its cost per request grows with the requests in flight);
 - seconds to move the weights from the ``fsdp`` train engine to the server by disk
   (``export_hf`` + the server's reload) and by collective (the trainer's own path,
-  :func:`core_rl.trainer.weight_sync.collective_state` + a broadcast over a gloo group), for the tiny
+  :func:`core_rl.sync.weight_sync.collective_state` + a broadcast over a gloo group), for the tiny
   model, a ~10M-parameter one and the real pretrained model (``real``: SmolLM2-135M-Instruct,
   :mod:`core_rl.testing.real_model`) (``--sync-models``), with the collective's bytes on the wire and
   bytes/s, beside the link's own: the same tensors, in the same dtypes, broadcast over a gloo group
   to a second local process that only receives them (``link``: the floor a collective sync cannot
   beat; what the collective takes above it is the server's loading);
-- the sync check's cost (``rollout.sync_check``, :mod:`core_rl.trainer.sync_check`) after each of
+- the sync check's cost (``rollout.sync_check``, :mod:`core_rl.sync.check`) after each of
   those updates: the trainer's sampling of what it sent, the server's fingerprints and the
   comparison, in seconds and as a share of the sync it follows (the server's own fingerprinting
   while loading is inside the sync's time).
@@ -61,7 +61,7 @@ def build_model(root: Path, size: str) -> Path:
 LINK_RECEIVER = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
-from core_rl import weight_group
+from core_rl.servers import weight_group
 spec = json.loads(sys.argv[2])
 torch.set_num_threads(1)
 pg = weight_group.init_group(
@@ -78,8 +78,8 @@ def link_seconds(tensors: list[torch.Tensor], repeats: int) -> float:
     the link alone costs a collective weight sync."""
     import subprocess
 
-    from core_rl import weight_group
-    from core_rl.servers import free_port
+    from core_rl.servers import weight_group
+    from core_rl.servers.processes import free_port
 
     port, group = free_port("127.0.0.1"), weight_group.new_group_name()
     spec = {
@@ -108,8 +108,8 @@ def link_seconds(tensors: list[torch.Tensor], repeats: int) -> float:
 def make_engine(name: str, model: Path, run_dir: Path, concurrency: int) -> Any:
     from core_rl.config.loader import structure
     from core_rl.config.schema import PluginSpec, RolloutConfig
-    from core_rl.kinds import ROLLOUT_ENGINE
-    from core_rl.plugins import PluginHost
+    from core_rl.plugins.host import PluginHost
+    from core_rl.plugins.kinds import ROLLOUT_ENGINE
 
     entry = PluginHost().get(ROLLOUT_ENGINE, name)
     options = {"dtype": "bfloat16", "server": {"max_concurrent_requests": concurrency}}
@@ -154,7 +154,7 @@ async def plain_client(
     """Send every prompt's request with at most ``concurrency`` in flight; return tokens generated.
     ``pool``: ``aiohttp`` (the plugin's client) or ``httpx`` (httpx's own connection pool)."""
     import httpx
-    from core_rl.remote.wire import async_client
+    from core_rl.servers.remote.wire import async_client
 
     slots = asyncio.Semaphore(concurrency)
     if pool == "httpx":
@@ -212,8 +212,8 @@ def weight_sync(engine: Any, model: Path, work: Path, repeats: int) -> dict[str,
     """Seconds per update by disk and by collective, from an fsdp train engine on ``model``."""
     from core_rl.config.loader import structure
     from core_rl.config.schema import ActorConfig, PluginSpec
-    from core_rl.kinds import TRAIN_ENGINE
-    from core_rl.plugins import PluginHost
+    from core_rl.plugins.host import PluginHost
+    from core_rl.plugins.kinds import TRAIN_ENGINE
 
     entry = PluginHost().get(TRAIN_ENGINE, "fsdp")
     train = entry.factory(
@@ -221,8 +221,8 @@ def weight_sync(engine: Any, model: Path, work: Path, repeats: int) -> dict[str,
         structure({}, entry.config_cls),
         trainable=False,
     )
-    from core_rl.trainer.sync_check import SentWeights, SyncCheck
-    from core_rl.trainer.weight_sync import collective_state
+    from core_rl.sync.check import SentWeights, SyncCheck
+    from core_rl.sync.weight_sync import collective_state
 
     def check_cfg(mode: str) -> SyncCheck:
         from core_rl.config.schema import RunConfig

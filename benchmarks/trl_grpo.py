@@ -6,7 +6,7 @@
                                   [--core-python OTHER_CHECKOUT/.venv/bin/python]
 
 Each workload is one causal LM, one prompt set, and one sampling setting: ``small``, ``medium`` and
-``large`` a random-weight tiny LM (``core_rl.tiny``: Qwen2 layout, character tokenizer over
+``large`` a random-weight tiny LM (``core_rl.roles.tiny``: Qwen2 layout, character tokenizer over
 ``abcdefgh=``, built offline) on reversal prompts; ``real`` the real pretrained SmolLM2-135M-Instruct
 (``core_rl.testing.real_model``: a 49,152-token BPE vocabulary, tied embeddings) on two-digit addition
 questions in its ChatML chat template (core-rl's ``data.apply_chat_template``, TRL's conversational
@@ -133,7 +133,7 @@ def addition_rows(count: int, seed: int = SEED) -> list[dict[str, str]]:
 def prepare(work: Path, workload: Workload, steps: int) -> tuple[Path, Path]:
     """Write the workload's model directory (the real one: cached once per machine) and prompts
     (JSONL) under ``work``; return both paths."""
-    from core_rl.tiny import build_tiny_model
+    from core_rl.roles.tiny import build_tiny_model
 
     if workload.real:
         from core_rl.testing.real_model import smollm2
@@ -265,8 +265,8 @@ def _clock_core_rl_steps() -> list[tuple[float, float]]:
     """Patch the synchronous trainer so each step appends ``(CPU s of the step, CPU s of its rollout
     and scoring)`` to the returned list (process CPU time: with one thread, what the step computed,
     whatever else loads the machine)."""
-    from core_rl.trainer.rollout_scoring import RolloutScoringStage
-    from core_rl.trainer.sync import SyncTrainer
+    from core_rl.loops.rl.loop import SyncTrainer
+    from core_rl.loops.rl.scoring import RolloutScoringStage
 
     clocks: list[tuple[float, float]] = []
     rollout = [0.0]
@@ -296,7 +296,7 @@ def _clock_core_rl_steps() -> list[tuple[float, float]]:
 
 def trl_env_spec():
     """TRL's benchmark environment: the local CPU torch first (so nothing pulls a CUDA build), then TRL."""
-    from core_rl.server_env import ServerEnvSpec
+    from core_rl.servers.env import ServerEnvSpec
 
     steps = [["-m", "pip", "install", "-q", TORCH_PIN], ["-m", "pip", "install", "-q", f"trl=={TRL_VERSION}"]]
     return ServerEnvSpec(
@@ -309,7 +309,7 @@ def trl_env_spec():
 
 def trl_python(install: bool) -> Path | None:
     """The TRL environment's interpreter: built on first use, or ``None`` if absent and not ``install``."""
-    from core_rl import server_env
+    from core_rl.servers import env as server_env
 
     spec = trl_env_spec()
     found = server_env.find(spec, variant="cpu")

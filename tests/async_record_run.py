@@ -11,8 +11,8 @@ import attrs
 from core_rl.config import load_config
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import Reward
-from core_rl.plugins import PluginHost
-from core_rl.trainer import train
+from core_rl.loops import train
+from core_rl.plugins.host import PluginHost
 
 
 @attrs.define

@@ -7,7 +7,7 @@ import pytest
 from core_rl.config.validators import in_range, positive
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import AlgorithmRecipe, Reward
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
 
 
 @attrs.define

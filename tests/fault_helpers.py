@@ -26,7 +26,7 @@ def write_config(config: Mapping[str, Any], path: Path) -> Path:
 def train_here(config: Mapping[str, Any], host) -> Mapping[str, Any]:
     """Load ``config`` with ``host`` and train in this process."""
     from core_rl.config import load_config
-    from core_rl.trainer import train
+    from core_rl.loops import train
 
     path = Path(config["experiment"]["output_dir"]).parent / f"{config['experiment']['name']}.yaml"
     return train(load_config(write_config(config, path), host=host), host=host)
@@ -59,13 +59,13 @@ def cli_train(config: Mapping[str, Any], *overrides: str, faults: bool = False, 
 
 def ranks_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """A process of ``tests/test_ranks.py``: exercises the agreement points of
-    :mod:`core_rl.trainer.ranks` over a real 2-process gloo group and writes what it saw."""
+    :mod:`core_rl.launch.ranks` over a real 2-process gloo group and writes what it saw."""
     import datetime
 
     import torch.distributed as dist
     from core_rl.errors import ConfigError
-    from core_rl.trainer.errors import CollectiveTimeout, RewardError
-    from core_rl.trainer.ranks import agree_after, broadcast_outcome, set_collective_timeout
+    from core_rl.launch.ranks import agree_after, broadcast_outcome, set_collective_timeout
+    from core_rl.loops.errors import CollectiveTimeout, RewardError
 
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)

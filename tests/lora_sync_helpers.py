@@ -13,11 +13,11 @@ from core_rl.config import load_config
 from core_rl.config.schema import ActorConfig, LoraConfig, OptimizerConfig, PluginSpec, RunConfig
 from core_rl.errors import ConfigError
 from core_rl.interfaces import SamplingParams
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
+from core_rl.rollout.colocation import RolloutSleep
+from core_rl.sync.background_load import BackgroundWeightLoad
+from core_rl.sync.weight_sync import WeightSyncStage
 from core_rl.testing.helpers import make_rl_batch, nll_loss
-from core_rl.trainer.colocation import RolloutSleep
-from core_rl.trainer.weight_load import BackgroundWeightLoad
-from core_rl.trainer.weight_sync import WeightSyncStage
 
 RANK = 8
 PROMPTS = [[1, 10, 11, 12], [1, 20, 21], [1, 5, 6, 7, 8]]
@@ -30,7 +30,7 @@ LOGPROB_ATOL = 1e-5
 
 
 class Syncer(WeightSyncStage):
-    """The trainer's weight-sync stage (:class:`core_rl.trainer.weight_sync.WeightSyncStage`) on
+    """The trainer's weight-sync stage (:class:`core_rl.sync.weight_sync.WeightSyncStage`) on
     one rank, writing to ``run_dir``, with no rollout controller: what a synchronous run calls after
     each update."""
 
@@ -73,7 +73,7 @@ def response_ids(samples: list) -> list[list[int]]:
 def synced(syncer: Syncer, version: int) -> list:
     """Greedy samples of :data:`PROMPTS` after a training step and the adapter sync of version
     ``version``, which the server serves alone and labels its tokens with."""
-    from core_rl.lora_sync import adapter_name
+    from core_rl.sync.lora import adapter_name
 
     train_step(syncer, seed=version)
     syncer.sync(version)
@@ -86,7 +86,7 @@ def synced(syncer: Syncer, version: int) -> list:
 def second_sync(syncer: Syncer) -> list:
     """Greedy samples after version 2 replaced version 1 (synced first where an earlier test did
     not): only version 2 served and its directory the only one kept, its tokens not version 1's."""
-    from core_rl.lora_sync import adapter_dir
+    from core_rl.sync.lora import adapter_dir
 
     if syncer.rollout.weight_version < 1:
         synced(syncer, 1)
@@ -123,7 +123,7 @@ def assert_same_samples(adapter: list, merged: list) -> float:
 def served_adapters(url: str) -> set[str]:
     """The names of the core-rl adapters the server at ``url`` lists in ``GET /v1/models``."""
     import httpx
-    from core_rl.lora_sync import NAME_PREFIX
+    from core_rl.sync.lora import NAME_PREFIX
 
     models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
     return {m["id"] for m in models if m["id"].startswith(NAME_PREFIX)}

@@ -158,7 +158,7 @@ def k3_kl(logp: Any, ref_logp: Any) -> float:
 
 def dumped_samples(run: Path, step: int) -> list[dict[str, Any]]:
     """Step ``step``'s samples as ``rollout.dump`` saved them (prompt and response ids, behaviour
-    log-probs, ...; :mod:`core_rl.trainer.rollout_dump`)."""
+    log-probs, ...; :mod:`core_rl.rollout.dump`)."""
     import pyarrow.parquet as pq
 
     return pq.read_table(run / "rollouts" / f"step_{step:08d}.parquet").to_pylist()

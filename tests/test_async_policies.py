@@ -35,8 +35,8 @@ STEPS = 5
 def recorded(tmp_path_factory):
     """Run 5 asynchronous steps (bound 1) and keep every update's batch (after the update, so with
     the recomputed ``old_logprobs``) and the weights of every version."""
-    from core_rl.plugins import PluginHost
-    from core_rl.trainer.update import PolicyUpdate
+    from core_rl.loops.rl.update import PolicyUpdate
+    from core_rl.plugins.host import PluginHost
 
     base = build_task(tmp_path_factory.mktemp("policies"), prompts=("ab", "ba", "abc", "dca", "bd", "cc", "dab", "bca"))
     config = merged(

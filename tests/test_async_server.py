@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from core_rl.config.schema import ControllerConfig
 from core_rl.interfaces import SamplingParams
-from core_rl.rollout_controller import RolloutController
+from core_rl.rollout.controller import RolloutController
+from core_rl.rollout.workflows import SingleTurnWorkflow
 from core_rl.testing.server_contract import next_settle
-from core_rl.workflows import SingleTurnWorkflow
 
 pytest.importorskip("core_rl_vllm")
 

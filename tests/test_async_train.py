@@ -34,7 +34,7 @@ def base(tmp_path_factory) -> dict:
 def previous_sync_rollout(self):
     """The synchronous loop's rollout before the controller: draw a batch, one generate call
     (``self``: the trainer)."""
-    from core_rl.trainer.rollout_flow import flatten_groups
+    from core_rl.loops.rl.rollout_flow import flatten_groups
 
     prompts = self.data.next_batch()
     groups = flatten_groups(prompts, self.rollout.generate([p.prompt_ids for p in prompts], self.sampling))
@@ -53,7 +53,7 @@ def test_bound_zero_is_the_synchronous_run_exactly(base, host, monkeypatch, seed
     rollout = {**base["rollout"], "engine": engine}
     controlled = merged(base, experiment={"name": f"ctl{seeded}"}, rollout=rollout)
     train_here(controlled, host)
-    from core_rl.trainer.sync import SyncTrainer
+    from core_rl.loops.rl.loop import SyncTrainer
 
     init = SyncTrainer.__init__
 
@@ -91,7 +91,7 @@ def test_async_run_stays_within_the_bound_and_reports(base, host) -> None:
 def expected_prompts(config: dict, batches: int) -> list[str]:
     """The prompts of the first ``batches`` generation batches, in data order."""
     from core_rl.config.schema import DataConfig
-    from core_rl.trainer.data import PromptSource
+    from core_rl.data.prompts import PromptSource
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config["actor"]["model_path"])

@@ -1,4 +1,4 @@
-"""core_rl.atomic_files: a directory replaced atomically (one renameat2 exchange, or two renames
+"""core_rl.checkpoint.atomic: a directory replaced atomically (one renameat2 exchange, or two renames
 where that is missing), a stale partial write removed, a file replaced whole."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from core_rl import atomic_files
+from core_rl.checkpoint import atomic as atomic_files
 
 
 def _write(final: Path, text: str) -> None:

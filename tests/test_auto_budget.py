@@ -1,4 +1,4 @@
-"""Resolving ``max_tokens_per_mb: auto`` at a run's start (core_rl.trainer.auto_budget): the GPU
+"""Resolving ``max_tokens_per_mb: auto`` at a run's start (core_rl.loops.auto_budget): the GPU
 branch with injected free-memory figures (a CPU cannot produce them), the CPU figure, explicit
 values, agreement between ranks, what ``<run>/config.yaml`` records and what a resume reports."""
 
@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import attrs
 import pytest
 import torch
-from core_rl.built_engines import BuiltEngine
 from core_rl.config.loader import to_yaml
 from core_rl.config.schema import ActorConfig, CriticConfig, PluginSpec, RunConfig
-from core_rl.trainer import auto_budget
-from core_rl.trainer.auto_budget import Facts, choose, resolve_auto_budgets
-from core_rl.trainer.run_config import record_config, resume_note
+from core_rl.loops import auto_budget
+from core_rl.loops.auto_budget import Facts, choose, resolve_auto_budgets
+from core_rl.loops.run_config import record_config, resume_note
+from core_rl.roles.built_engines import BuiltEngine
 
 GIB = 2**30
 CUDA0 = torch.device("cuda", 0)

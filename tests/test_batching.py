@@ -1,4 +1,4 @@
-"""Batch assembly (core_rl.trainer.batching): over-sampling keeps the trained batch at its size,
+"""Batch assembly (core_rl.loops.rl.batching): over-sampling keeps the trained batch at its size,
 running out is an error naming the setting, and reward shaping, the loss mask and advantage
 normalisation do what the configuration says. Generation is scripted; everything else is real."""
 
@@ -13,10 +13,10 @@ import torch
 from core_rl.config.schema import AlgorithmConfig, NormConfig, RewardShapingConfig
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import AdvantageEstimator, SampleFilter
+from core_rl.loops.rl.batching import BatchAssembler, DynamicSamplingError, Generation
+from core_rl.loops.rl.filtering import EmptyStepsError, SampleFilterError
 from core_rl.ops import group_is_uniform
 from core_rl.protocol import Sample, TensorBatch
-from core_rl.trainer.batching import BatchAssembler, DynamicSamplingError, Generation
-from core_rl.trainer.filtering import EmptyStepsError, SampleFilterError
 
 PAD = 0
 N = 2  # samples per prompt
@@ -217,8 +217,8 @@ def test_a_filter_must_keep_or_drop_whole_groups():
     """Group-relative advantages compare a group's samples with each other: a filter keeping part
     of a group is refused, naming it (and its distribution when the loader resolved it)."""
     from core_rl.config.schema import PluginSpec
-    from core_rl.kinds import SAMPLE_FILTER
-    from core_rl.registry import RegistryEntry
+    from core_rl.plugins.kinds import SAMPLE_FILTER
+    from core_rl.plugins.registry import RegistryEntry
 
     spec = PluginSpec(name="first_of_group")
     spec.entry = RegistryEntry(SAMPLE_FILTER, "first_of_group", FirstOfEachGroup, "test", "my-filters", "1.0")
@@ -242,7 +242,7 @@ def test_a_filter_must_keep_or_drop_whole_groups():
     ],
 )
 def test_a_filter_must_return_a_bool_mask_of_the_batch(mask, got):
-    from core_rl.trainer.filtering import check_mask
+    from core_rl.loops.rl.filtering import check_mask
 
     with pytest.raises(
         SampleFilterError,

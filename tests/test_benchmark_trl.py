@@ -58,7 +58,7 @@ def test_the_real_workload_gives_both_sides_the_same_prompt_ids(bench, tmp_path,
     import json
 
     from core_rl.config.data_config import DataConfig
-    from core_rl.trainer.data import encode_prompt
+    from core_rl.data.prompts import encode_prompt
     from transformers import AutoTokenizer
 
     wl = bench["WORKLOADS"]["real"]
@@ -121,7 +121,7 @@ def test_gpu_bench_refuses_without_cuda_in_one_line(gpu_bench, capsys) -> None:
 
 
 def test_gpu_bench_parameter_counts_match_the_built_models(gpu_bench, tmp_path) -> None:
-    from core_rl.tiny import QWEN2_SHAPES
+    from core_rl.roles.tiny import QWEN2_SHAPES
 
     assert 0.35e9 < gpu_bench["model_params"](QWEN2_SHAPES["0.5b"]) < 0.37e9  # the 0.36B model
     assert 1.2e9 < gpu_bench["model_params"](QWEN2_SHAPES["1.5b"]) < 1.4e9

@@ -1,4 +1,4 @@
-"""Conversations as prompts (:mod:`core_rl.chat_template`, ``data.apply_chat_template``,
+"""Conversations as prompts (:mod:`core_rl.rollout.chat_template`, ``data.apply_chat_template``,
 ``data.system_prompt``, ``data.chat_template_kwargs``): the rendering and the assistant-turn mask
 by hand and as a property over random conversations, the data checks with their positions, the
 configuration checks, and a GRPO run whose prompts are conversations."""
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from core_rl.chat_template import conversation_problem, prompt_messages, render_conversation, render_prompt
 from core_rl.config import load_config
 from core_rl.config.schema import DataConfig
-from core_rl.plugins import PluginHost
-from core_rl.tiny import add_chat_template, build_tiny_model
-from core_rl.trainer.data import check_rows, read_data_files, tokenisation_key, tokenise_rows
+from core_rl.data.prompts import check_rows, read_data_files, tokenisation_key, tokenise_rows
+from core_rl.plugins.host import PluginHost
+from core_rl.roles.tiny import add_chat_template, build_tiny_model
+from core_rl.rollout.chat_template import conversation_problem, prompt_messages, render_conversation, render_prompt
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -1,4 +1,4 @@
-"""``data.chat_template`` (:mod:`core_rl.chat_template_override`): a run renders its prompts with the
+"""``data.chat_template`` (:mod:`core_rl.rollout.chat_template_override`): a run renders its prompts with the
 given template instead of the tokenizer's (which here has none), its exports carry it, and a
 template that is missing, unreadable as Jinja or set without the chat template is one error."""
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from core_rl.chat_template_override import template_text
+from core_rl.rollout.chat_template_override import template_text
 
 #: renders with the tiny tokenizer's characters only
 TEMPLATE = "{% for m in messages %}q:{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} a:{% endif %}"
@@ -34,7 +34,7 @@ pytest.importorskip("core_rl_reward_match")
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    from core_rl.tiny import build_tiny_model
+    from core_rl.roles.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("chat-template")
     model = build_tiny_model(root / "model", seed=0)

@@ -1,4 +1,4 @@
-"""``saver.every_n_minutes`` and ``saver.keep_best`` (:mod:`core_rl.trainer.checkpoint_policy`):
+"""``saver.every_n_minutes`` and ``saver.keep_best`` (:mod:`core_rl.checkpoint.policy`):
 the ranking, the pruning that keeps the best, the clock, the configuration checks, and a two-rank
 run that saves by time and keeps its best checkpoint."""
 
@@ -10,9 +10,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from core_rl.checkpoint import store as checkpoints
+from core_rl.checkpoint.policy import SCORES_FILE, BestCheckpoints, TimedSaves
 from core_rl.config.schema import KeepBestConfig
-from core_rl.trainer import checkpoints
-from core_rl.trainer.checkpoint_policy import SCORES_FILE, BestCheckpoints, TimedSaves
 
 
 def _saved(run: Path, *steps: int) -> None:

@@ -1,4 +1,4 @@
-"""core_rl.checkpointing: safe state trees (safetensors + JSON, nothing unpickled) and RNG snapshots
+"""core_rl.checkpoint.files: safe state trees (safetensors + JSON, nothing unpickled) and RNG snapshots
 (its atomic writes: tests/test_atomic_files.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from core_rl import checkpointing as ckpt
+from core_rl.checkpoint import files as ckpt
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -17,9 +17,9 @@ import yaml
 from core_rl.builtin.loggers import read_metrics
 from core_rl.cli import main
 from core_rl.config import load_config
-from core_rl.placement import sleep_problems, sleeps_while_training
+from core_rl.launch.placement import sleep_problems, sleeps_while_training
+from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.faults import build_task, merged, run_dir
-from core_rl.tiny import build_tiny_model
 from fault_helpers import train_here
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,14 +160,14 @@ def _squeezed(events: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("sleep", [True, False])
 def test_the_engine_sleeps_from_generation_to_the_weight_update(task, host, monkeypatch, sleep: bool) -> None:
-    import core_rl.trainer.colocation
+    import core_rl.rollout.colocation
 
     events: list[str] = []
     _record_calls(monkeypatch, events)
     # torch's cached blocks go back to the driver before the engine takes memory back
-    monkeypatch.setattr(core_rl.trainer.colocation, "release_cached_memory", lambda: events.append("release cache"))
+    monkeypatch.setattr(core_rl.rollout.colocation, "release_cached_memory", lambda: events.append("release cache"))
     if sleep:  # as auto resolves on a GPU with the engine on the trainer's devices
-        monkeypatch.setattr(core_rl.trainer.colocation, "sleeps_while_training", lambda *a, **k: True)
+        monkeypatch.setattr(core_rl.rollout.colocation, "sleeps_while_training", lambda *a, **k: True)
     config = merged(task, experiment={"name": f"sleep{sleep}"})
     train_here(config, host)
     step = ["generate", "release", "train", "release cache", "restore weights", "load weights"] if sleep else None
@@ -186,7 +186,7 @@ def test_the_engine_sleeps_from_generation_to_the_weight_update(task, host, monk
 def test_a_rank_without_the_engine_gives_back_its_cache_where_the_engine_sleeps(host, monkeypatch) -> None:
     """A colocated server may wake on another rank's GPU: that rank gives back torch's cached
     memory before each weight update where the run's engine sleeps, and does nothing otherwise."""
-    import core_rl.trainer.colocation as colocation
+    import core_rl.rollout.colocation as colocation
 
     calls: list[str] = []
     monkeypatch.setattr(colocation, "release_cached_memory", lambda: calls.append("release cache"))
@@ -202,7 +202,7 @@ GIB = 2**30
 
 
 def test_colocated_budget_is_what_the_trainer_leaves_less_a_reserve() -> None:
-    from core_rl.trainer.colocated_memory import SharedGPU
+    from core_rl.rollout.colocated_memory import SharedGPU
 
     # 70 GiB free, 6 GiB of optimiser state still to come, 5% of 80 GiB kept back
     assert SharedGPU("cuda:0", total=80 * GIB, free=70 * GIB, pending=6 * GIB).budget == 60 * GIB
@@ -226,12 +226,12 @@ class _OnGPU:
     ],
 )
 def test_vllm_on_the_trainers_gpu_is_sized_from_its_free_memory(monkeypatch, server, local_world_size, share) -> None:
-    import core_rl.trainer.colocated_memory as colocated
+    import core_rl.rollout.colocated_memory as colocated
     import torch
-    from core_rl.built_engines import BuiltEngine
     from core_rl.config.checks import MachineInfo
     from core_rl.config.schema import ActorConfig
-    from core_rl.remote import ServerOptions
+    from core_rl.roles.built_engines import BuiltEngine
+    from core_rl.servers.remote import ServerOptions
     from core_rl_vllm.config import VLLMConfig
 
     released: list[bool] = []
@@ -259,7 +259,7 @@ def test_the_trainers_pending_memory_is_held_while_the_servers_start(monkeypatch
     the start fails. (On this CPU machine the bytes are host memory; on a GPU the device's.)"""
     import weakref
 
-    import core_rl.trainer.colocated_memory as colocated
+    import core_rl.rollout.colocated_memory as colocated
     import torch
 
     released: list[bool] = []
@@ -289,7 +289,7 @@ def test_the_trainers_pending_memory_is_held_while_the_servers_start(monkeypatch
 def test_pending_memory_that_cannot_be_held_is_a_warning_not_a_failed_start(monkeypatch, capsys) -> None:
     """The pending figure is an estimate: where the device cannot give that much, the servers start
     without the hold, and the run says so."""
-    import core_rl.trainer.colocated_memory as colocated
+    import core_rl.rollout.colocated_memory as colocated
     import torch
 
     def out_of_memory(*args, **kwargs):
@@ -316,18 +316,18 @@ def test_the_other_ranks_hold_their_pending_memory_while_rank_0_starts_servers_o
     tmp_path, monkeypatch, env, is_main, holds
 ) -> None:
     """Colocated, 2 ranks and 2 servers (the placement puts server ``i`` on rank ``i``'s GPU)."""
-    import core_rl.preflight
-    import core_rl.trainer.colocated_memory as colocated
+    import core_rl.loops.preflight
+    import core_rl.rollout.colocated_memory as colocated
     import torch
-    from core_rl.built_engines import BuiltEngine
     from core_rl.config.checks import MachineInfo
     from core_rl.config.schema import ActorConfig
+    from core_rl.roles.built_engines import BuiltEngine
     from test_server_gpus import _run_config
 
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(
-        core_rl.preflight, "detect_machine", lambda: MachineInfo(cuda_device_count=2, local_world_size=2)
+        core_rl.loops.preflight, "detect_machine", lambda: MachineInfo(cuda_device_count=2, local_world_size=2)
     )
     monkeypatch.setattr(colocated, "release_cached_memory", lambda: None)
     monkeypatch.setattr(colocated, "free_bytes", lambda device: 70 * GIB)

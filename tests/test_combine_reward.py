@@ -17,8 +17,8 @@ from core_rl.config.schema import PluginSpec
 from core_rl.errors import ConfigError, PluginError
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import Reward, RewardScores
-from core_rl.kinds import REWARD
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import REWARD
 from core_rl.protocol import RewardInput
 from core_rl.testing import RewardContract, make_reward_input
 

@@ -14,7 +14,7 @@ from core_rl.cli import main
 from core_rl.config import load_config
 from core_rl.config.provenance import yaml_lines
 from core_rl.errors import ConfigError
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
 
 ROOT = Path(__file__).resolve().parents[1]
 GRPO_YAML = ROOT / "examples" / "tiny_grpo" / "grpo.yaml"

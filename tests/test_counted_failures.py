@@ -1,6 +1,6 @@
-"""Timeouts and failures the run goes past are said (core_rl/plugin_tally.py,
-core_rl/trainer/failed_steps.py), and the pieces the deadlines are made of (core_rl/deadlines.py,
-core_rl/own_loop.py, core_rl/loop_watch.py). End to end: the issue's case, an environment whose
+"""Timeouts and failures the run goes past are said (core_rl/plugins/tally.py,
+core_rl/loops/rl/failed_steps.py), and the pieces the deadlines are made of (core_rl/reliability/deadlines.py,
+core_rl/reliability/own_loop.py, core_rl/reliability/loop_watch.py). End to end: the issue's case, an environment whose
 every step hangs awaiting (``await asyncio.sleep``), used to end with exit status 0 and reward 0,
 printing nothing; now each step warns and counts ``plugins/environment.block/timeouts``, and the
 third such step in a row ends the run with exit status 1 and one line naming the environment."""
@@ -15,17 +15,17 @@ import time
 from pathlib import Path
 
 import pytest
-from core_rl.deadlines import DeadlinePassed, call_with_deadline
-from core_rl.loop_watch import BEAT_S, LoopWatch
-from core_rl.own_loop import PROBE_S, OwnLoop, stuck_loops
-from core_rl.plugin_tally import PluginTally, tally_metrics, warnings_for
-from core_rl.progress import PROGRESS
+from core_rl.loops.rl.failed_steps import AgentErrorsError, FailedEpisodes, FailedSteps, FailedStepsError
+from core_rl.loops.rl.reward_runner import TIMEOUT, ItemFailure, ScoreResult
+from core_rl.plugins.tally import PluginTally, tally_metrics, warnings_for
 from core_rl.protocol import Sample
+from core_rl.reliability.deadlines import DeadlinePassed, call_with_deadline
+from core_rl.reliability.loop_watch import BEAT_S, LoopWatch
+from core_rl.reliability.own_loop import PROBE_S, OwnLoop, stuck_loops
+from core_rl.reliability.progress import PROGRESS
+from core_rl.rollout.workflows import DROPPED_ERRORS, ERROR, ERROR_LIMIT, FAILED
 from core_rl.testing.blocking import in_environment
 from core_rl.testing.faults import build_task, merged, run_dir
-from core_rl.trainer.failed_steps import AgentErrorsError, FailedEpisodes, FailedSteps, FailedStepsError
-from core_rl.trainer.rewards import TIMEOUT, ItemFailure, ScoreResult
-from core_rl.workflows import DROPPED_ERRORS, ERROR, ERROR_LIMIT, FAILED
 from fault_helpers import cli_command, cli_env, write_config
 
 

@@ -1,5 +1,5 @@
 """The start-up warning of torch threads that need more cores than are free
-(core_rl.trainer.cpu_threads): the decision on given machines, the cgroup quota read from real
+(core_rl.loops.cpu_threads): the decision on given machines, the cgroup quota read from real
 files laid out as the kernel does, and the line a real run prints when its CPU affinity leaves one
 core for two threads."""
 
@@ -10,10 +10,10 @@ import os
 import subprocess
 
 import pytest
+from core_rl.loops import building
+from core_rl.loops.cpu_threads import CpuBudget, cgroup_cpu_limit, thread_warning
+from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.launch import train_command, write_grpo_config
-from core_rl.tiny import build_tiny_model
-from core_rl.trainer import building
-from core_rl.trainer.cpu_threads import CpuBudget, cgroup_cpu_limit, thread_warning
 
 
 def test_threads_that_fit_the_free_cores_pass():
@@ -91,7 +91,7 @@ def test_cgroup_v1_quota_and_hybrid_layouts(tmp_path):
 
 
 def test_only_a_nodes_first_process_prints_it(monkeypatch, capsys):
-    monkeypatch.setattr("core_rl.trainer.cpu_threads.cpu_budget", lambda: CpuBudget(cores=1, machine_cores=1, load=0.0))
+    monkeypatch.setattr("core_rl.loops.cpu_threads.cpu_budget", lambda: CpuBudget(cores=1, machine_cores=1, load=0.0))
     monkeypatch.setattr("torch.get_num_threads", lambda: 4)
     monkeypatch.setenv("LOCAL_RANK", "1")
     building.warn_of_busy_cores(4)

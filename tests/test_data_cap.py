@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 from core_rl.config.loader import structure
 from core_rl.config.schema import DataConfig
+from core_rl.data import prompts as data_module
+from core_rl.data.files import DataRow
+from core_rl.data.prompts import PromptItem, PromptSource, TokenisedRows, prompt_count, tokenisation_key
 from core_rl.errors import ConfigError
-from core_rl.trainer import data as data_module
-from core_rl.trainer.data import PromptItem, PromptSource, TokenisedRows, prompt_count, tokenisation_key
-from core_rl.trainer.data_files import DataRow
 
 TOKENIZER = SimpleNamespace(name_or_path="test-tokenizer")  # items come tokenised: never called
 
@@ -92,7 +92,7 @@ def test_a_real_run_trains_an_epoch_of_the_kept_prompts(tmp_path: Path, host) ->
     of batch 2: the run is 1 step long and draws only those 2 (an uncapped epoch would be 3 steps)."""
     for dist in ("core_rl_fsdp", "core_rl_hf"):
         pytest.importorskip(dist)
-    from core_rl.tiny import build_tiny_model
+    from core_rl.roles.tiny import build_tiny_model
     from fault_helpers import train_here
 
     model = build_tiny_model(tmp_path / "model", alphabet="abc=", hidden_size=16, num_heads=2, seed=0)

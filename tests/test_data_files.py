@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from core_rl.trainer.data import MAX_PROBLEMS_PER_FILE, check_rows, read_data_files
+from core_rl.data.prompts import MAX_PROBLEMS_PER_FILE, check_rows, read_data_files
 
 EACH_ROW = 'each row must be an object such as {"prompt": "..."}'
 

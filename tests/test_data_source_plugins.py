@@ -19,14 +19,14 @@ import pytest
 import yaml
 from core_rl.config.plugin_spec import PluginSpec
 from core_rl.config.sections import validate_plugin_section
-from core_rl.data_sources import DataSource
+from core_rl.data.files import read_data_files
+from core_rl.data.sources import DataSource
 from core_rl.errors import PluginFault
 from core_rl.hookspecs import Register, hookimpl
-from core_rl.kinds import DATA_SOURCE
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import DATA_SOURCE
 from core_rl.testing import DataSourceContract
 from core_rl.testing.faults import build_task, merged, run_dir, same_run
-from core_rl.trainer.data_files import read_data_files
 from fault_helpers import cli_command, cli_env, cli_train
 
 #: a data-source function file: each row's ``meta`` a tuple (what a JSON round trip would make a list)
@@ -141,7 +141,7 @@ def test_eval_files_read_a_source_named_by_the_configuration(tmp_path: Path) -> 
     """An entry of ``eval.files`` naming a ``data.sources`` key, validated by the loader, is read
     by evaluation's reader with its rows' Python values."""
     from core_rl.config.loader import load_config
-    from core_rl.trainer.data import check_eval_data
+    from core_rl.data.prompts import check_eval_data
 
     (tmp_path / "gen.py").write_text(SOURCE_FILE)
     gen = {"name": "function", "path": f"{tmp_path / 'gen.py'}:rows", "kwargs": {"words": ["ab", "cd"], "tag": "e"}}
@@ -162,7 +162,7 @@ def test_eval_files_read_a_source_named_by_the_configuration(tmp_path: Path) -> 
 
 
 def test_a_registered_name_without_a_section_is_that_source_with_its_defaults() -> None:
-    from core_rl.data_sources import resolve_source_entries
+    from core_rl.data.sources import resolve_source_entries
 
     host = PluginHost(entry_points=[])
     host.register_plugin(Plugin(), distribution="core-rl-broken-source", version="9.9")

@@ -1,4 +1,4 @@
-"""``data.difficulty_filter`` (core_rl.trainer.difficulty): group-mean records by hand, prompts
+"""``data.difficulty_filter`` (core_rl.loops.rl.difficulty): group-mean records by hand, prompts
 with an easy or hard record skipped when drawn again (plain epochs and weighted mixtures, against
 the unfiltered order), the seeded keep draw, the records' round trip through a resume, an epoch
 with nothing left to draw, the configuration checks, and real ``core-rl train`` runs: a prompt
@@ -16,10 +16,10 @@ import pytest
 from core_rl.config.data_config import DifficultyFilterConfig
 from core_rl.config.loader import structure
 from core_rl.config.schema import DataConfig, TrainFile
+from core_rl.data.files import DataRow
+from core_rl.data.prompts import PromptItem, PromptSource, TokenisedRows, tokenisation_key
 from core_rl.errors import ConfigError
-from core_rl.trainer.data import PromptItem, PromptSource, TokenisedRows, tokenisation_key
-from core_rl.trainer.data_files import DataRow
-from core_rl.trainer.difficulty import DifficultyFilterError, group_means, keeps_anyway
+from core_rl.loops.rl.difficulty import DifficultyFilterError, group_means, keeps_anyway
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -278,7 +278,7 @@ def _solved_prompt_run(tmp_path: Path, name: str, steps: int) -> dict:
     with ``data.difficulty_filter: {easy_threshold: 1.0}``, a checkpoint each step and every
     sample logged; the tiny model and the data are written under ``tmp_path`` once."""
     import reward_functions
-    from core_rl.tiny import build_tiny_model
+    from core_rl.roles.tiny import build_tiny_model
 
     model, data = tmp_path / "model", tmp_path / "train.jsonl"
     if not model.exists():

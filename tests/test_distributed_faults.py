@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from core_rl.progress import STALL_VARIABLE
-from core_rl.servers import pid_alive
+from core_rl.reliability.progress import STALL_VARIABLE
+from core_rl.servers.processes import pid_alive
 from core_rl.testing.faults import finish, wait_for_steps, worker_of_rank
 from core_rl.testing.launch import cpu_ranks_env
 from core_rl.testing.processes import process_tree

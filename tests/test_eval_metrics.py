@@ -1,4 +1,4 @@
-"""The evaluation's metrics (:mod:`core_rl.trainer.eval_metrics`): pass@k against counting every draw
+"""The evaluation's metrics (:mod:`core_rl.eval.metrics`): pass@k against counting every draw
 of k answers, and the whole metric set on a hand-computed example."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import itertools
 import math
 
 import pytest
-from core_rl.trainer.eval_metrics import ScoredPrompt, eval_metrics, k_values, pass_at_k
+from core_rl.eval.metrics import ScoredPrompt, eval_metrics, k_values, pass_at_k
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -17,11 +17,11 @@ import yaml
 from core_rl.builtin.loggers import read_metrics
 from core_rl.config.loader import load_config
 from core_rl.errors import ConfigError, PreflightError
-from core_rl.plugins import PluginHost
-from core_rl.preflight import preflight
+from core_rl.eval.evaluator import training_randomness_kept
+from core_rl.loops.preflight import preflight
+from core_rl.plugins.host import PluginHost
+from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.launch import run_train
-from core_rl.tiny import build_tiny_model
-from core_rl.trainer.evaluation import training_randomness_kept
 
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_hf")

@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from core_rl.components import build_component
 from core_rl.config import load_config
 from core_rl.errors import ConfigError
-from core_rl.kinds import ALGORITHM
-from core_rl.plugins import PluginHost
+from core_rl.plugins.components import build_component
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import ALGORITHM
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(ROOT.glob("examples/**/*.yaml"))

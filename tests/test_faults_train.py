@@ -10,10 +10,10 @@ import json
 import shutil
 
 import pytest
-from core_rl.checkpointing import load_tree
+from core_rl.checkpoint.files import load_tree
 from core_rl.errors import CoreRLError
+from core_rl.loops.errors import DiskFullError, NonFiniteError, RewardError
 from core_rl.testing.faults import RELEASE, FaultPlugin
-from core_rl.trainer.errors import DiskFullError, NonFiniteError, RewardError
 from fault_helpers import build_task, checkpoint, merged, run_dir, stable_metrics, state_digest, train_here
 
 pytest.importorskip("core_rl_fsdp")
@@ -36,7 +36,7 @@ def host(host):
 @pytest.fixture(scope="module")
 def straight(base) -> dict:
     """An uninterrupted 4-step run with a checkpoint after every step."""
-    from core_rl.plugins import PluginHost
+    from core_rl.plugins.host import PluginHost
 
     config = merged(base, experiment={"name": "straight"})
     train_here(config, PluginHost(environ={}))

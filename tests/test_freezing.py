@@ -1,4 +1,4 @@
-"""``<role>.freeze`` (:mod:`core_rl.freezing`): the patterns against a real model's parameter names,
+"""``<role>.freeze`` (:mod:`core_rl.roles.freezing`): the patterns against a real model's parameter names,
 a train step of each engine that applies it (frozen weights bitwise unchanged, the rest trained),
 and the mistakes refused before the run."""
 
@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from core_rl.config.schema import ActorConfig, PluginSpec
-from core_rl.freezing import freeze_parameters, freeze_problems, frozen_names
+from core_rl.roles.freezing import freeze_parameters, freeze_problems, frozen_names
 
 FROZEN = ["embed_tokens", r"layers\.0\."]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from core_rl.tiny import build_tiny_model
+    from core_rl.roles.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("freeze") / "model", seed=0)
 

@@ -18,12 +18,12 @@ from core_rl.builtin import function_reward
 from core_rl.builtin import rewards as builtin_rewards
 from core_rl.config.loader import validate_plugin_section
 from core_rl.config.schema import PluginSpec, RewardRunnerConfig
-from core_rl.kinds import REWARD
-from core_rl.plugins import PluginHost
+from core_rl.loops.rl.reward_runner import NOT_A_NUMBER, RewardRunner
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import REWARD
 from core_rl.protocol import RewardInput
 from core_rl.testing import RewardContract, make_reward_input
 from core_rl.testing.faults import build_task, merged, run_dir, stable_metrics
-from core_rl.trainer.rewards import NOT_A_NUMBER, RewardRunner
 from fault_helpers import cli_command, cli_env
 
 match_plugin = pytest.importorskip("core_rl_reward_match.plugin")

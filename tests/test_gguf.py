@@ -1,4 +1,4 @@
-"""A ``.gguf`` file as a model path (:mod:`core_rl.gguf`): converted once into a cached Hugging Face
+"""A ``.gguf`` file as a model path (:mod:`core_rl.roles.gguf`): converted once into a cached Hugging Face
 directory that holds the same model (logits, tokenizer, chat template, tied head, end-of-turn id) as
 transformers' own reading of the file, keyed by the file's digest, and named in one line when it
 cannot be had."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from core_rl import gguf
+from core_rl.roles import gguf
 from core_rl.testing import real_model as real
 
 

@@ -1,4 +1,4 @@
-"""``saver.export_hf_every_n_steps`` (:mod:`core_rl.trainer.hf_exports`): a GRPO run exports the
+"""``saver.export_hf_every_n_steps`` (:mod:`core_rl.checkpoint.hf_exports`): a GRPO run exports the
 policy of every such step as a loadable Hugging Face directory, keeps the newest
 ``export_hf_keep_last``, and the last export holds the final policy's weights."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from core_rl.trainer.hf_exports import export_dir, exported_steps, prune_exports
+from core_rl.checkpoint.hf_exports import export_dir, exported_steps, prune_exports
 from safetensors.torch import load_file
 
 pytest.importorskip("core_rl_fsdp")

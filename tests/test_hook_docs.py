@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from core_rl import hookspecs
-from core_rl.kinds import ALL_KINDS, PluginKind
+from core_rl.plugins.kinds import ALL_KINDS, PluginKind
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "plugin-guide.md"
 SPEC_ATTRIBUTE = f"{hookspecs.PROJECT_NAME}_spec"  # what pluggy's HookspecMarker sets on a spec

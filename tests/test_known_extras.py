@@ -1,4 +1,4 @@
-"""``core_rl.kinds.KNOWN_EXTRAS`` (the install hint of an unknown plugin name) against the in-repo plugins'
+"""``core_rl.plugins.kinds.KNOWN_EXTRAS`` (the install hint of an unknown plugin name) against the in-repo plugins'
 ``pyproject.toml`` files and core-rl's extras: every entry point a plugin declares is listed with the
 extra that installs its distribution, and nothing else is listed. (A name missing from it told a user
 "no core-rl extra provides it" for a plugin that one does provide.)"""
@@ -6,7 +6,7 @@ extra that installs its distribution, and nothing else is listed. (A name missin
 from __future__ import annotations
 
 import packaging_utils as pu
-from core_rl.kinds import ALL_KINDS, KNOWN_EXTRAS
+from core_rl.plugins.kinds import ALL_KINDS, KNOWN_EXTRAS
 from packaging.requirements import Requirement
 
 
@@ -36,8 +36,8 @@ def test_every_in_repo_entry_point_has_its_extra_and_nothing_else_is_listed() ->
 
 def test_a_name_whose_plugin_is_absent_gets_the_extra_that_provides_it() -> None:
     """The message as a user reads it where the plugin is not installed (the registry lacks the name)."""
-    from core_rl.kinds import LAUNCHER, WORKFLOW
-    from core_rl.plugins import unknown_name_message
+    from core_rl.plugins.host import unknown_name_message
+    from core_rl.plugins.kinds import LAUNCHER, WORKFLOW
 
     message = unknown_name_message(WORKFLOW, "openai_agent", ["environment", "single_turn"])
     assert message.endswith('install it with: pip install "core-rl[openai-proxy]"'), message

@@ -1,5 +1,5 @@
-"""``data.max_length`` and ``data.truncation`` (:mod:`core_rl.trainer.length_bound`,
-:func:`core_rl.trainer.sequences.fit`): the cut keeps the start, the problems name the file and
+"""``data.max_length`` and ``data.truncation`` (:mod:`core_rl.loops.supervised.length_bound`,
+:func:`core_rl.loops.supervised.sequences.fit`): the cut keeps the start, the problems name the file and
 line, ``drop`` says how many it dropped, and the keys are checked against each other and the loop."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pytest
 import yaml
 from core_rl import cli
 from core_rl.config.data_config import DataConfig
-from core_rl.trainer import data as data_module
-from core_rl.trainer.data import PromptItem
-from core_rl.trainer.length_bound import bound_items
-from core_rl.trainer.sequences import TrainSequence, fit
+from core_rl.data import prompts as data_module
+from core_rl.data.prompts import PromptItem
+from core_rl.loops.supervised.length_bound import bound_items
+from core_rl.loops.supervised.sequences import TrainSequence, fit
 from hypothesis import given
 from hypothesis import strategies as st
 

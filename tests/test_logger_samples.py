@@ -57,12 +57,12 @@ def test_a_record_shows_the_prompt_as_the_model_saw_it_after_the_prompt():
 def test_sample_records_decode_the_prompt_with_its_special_tokens():
     """The sample log's records: the prompt as the data holds it (what the reward read) and as the
     chat template rendered it for the model (its tokens decoded, special ones included)."""
-    from core_rl.chat_template import render_prompt
     from core_rl.config.schema import SampleLogConfig
+    from core_rl.loops.rl.reward_runner import ScoreResult
+    from core_rl.loops.rl.sample_log import sample_records
     from core_rl.protocol import RewardInput
-    from core_rl.tiny import CHAT_TEMPLATE, build_char_tokenizer
-    from core_rl.trainer.rewards import ScoreResult
-    from core_rl.trainer.sample_log import sample_records
+    from core_rl.roles.tiny import CHAT_TEMPLATE, build_char_tokenizer
+    from core_rl.rollout.chat_template import render_prompt
 
     tokenizer = build_char_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE

@@ -1,4 +1,4 @@
-"""``rollout.lora_sync: adapter`` (:mod:`core_rl.lora_sync`): after a real training step of the
+"""``rollout.lora_sync: adapter`` (:mod:`core_rl.sync.lora`): after a real training step of the
 ``fsdp`` engine with LoRA, the trainer's weight sync writes the adapter alone and one real vLLM
 CPU server (started once for the module, from the managed server environment, with LoRA enabled)
 loads it under a new name per version. Its greedy tokens and behaviour log-probs match a merged
@@ -18,8 +18,8 @@ import torch
 from core_rl.config import load_config
 from core_rl.config.schema import RunConfig
 from core_rl.engine_utils.buckets import nbytes
-from core_rl.lora_sync import adapter_dir
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
+from core_rl.sync.lora import adapter_dir
 from lora_sync_helpers import (
     GREEDY,
     LOGPROB_ATOL,
@@ -47,7 +47,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     """A tiny model, the ``fsdp`` engine training LoRA adapters of rank 8 on every linear layer,
     a vLLM server started as a run with ``rollout.lora_sync: adapter`` starts it (float32, so the
     comparison can be tight), and the trainer's sync stage between them."""
-    from core_rl.tiny import build_tiny_model
+    from core_rl.roles.tiny import build_tiny_model
     from core_rl_vllm.config import VLLMConfig
     from core_rl_vllm.engine import make_engine
 
@@ -65,7 +65,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
 def _merged_sync(url: str, path: Path, version: int, run_dir: Path) -> list:
     """Greedy samples of :data:`PROMPTS` after a merged sync of ``path`` into the server at ``url``,
     by a second engine that connects to it (its base model: the adapter-less requests)."""
-    from core_rl.remote import ServerOptions
+    from core_rl.servers.remote import ServerOptions
     from core_rl_vllm.config import VLLMConfig
     from core_rl_vllm.engine import VLLMRolloutEngine
 
@@ -131,7 +131,7 @@ def test_a_resumed_trainer_reloads_the_version_a_surviving_server_serves(setup) 
     """A second engine on the same server (as a trainer resumed against servers given by
     ``server.urls``, which outlived it) loads the version the server already serves, in place, and
     the next version leaves exactly one core-rl adapter served."""
-    from core_rl.remote import ServerOptions
+    from core_rl.servers.remote import ServerOptions
     from core_rl_vllm.config import VLLMConfig
     from core_rl_vllm.engine import VLLMRolloutEngine
 
@@ -212,13 +212,13 @@ def test_what_cannot_work_is_refused_naming_the_key(tmp_path: Path, overrides, s
 
 
 def test_the_run_builds_its_servers_for_adapters_and_never_asleep(tmp_path: Path) -> None:
-    """As the trainer builds the rollout engine (:mod:`core_rl.trainer.colocation`): the factory gets
+    """As the trainer builds the rollout engine (:mod:`core_rl.rollout.colocation`): the factory gets
     ``lora_rank`` with ``adapter`` only, and ``sleep_while_training: auto``, on for this colocated
     synchronous run on a GPU with ``merged``, stays off with ``adapter`` (a sleeping server would drop
     the base weights that adapter syncs never send)."""
-    from core_rl.kinds import ROLLOUT_ENGINE
-    from core_rl.lora_sync import rollout_factory_kwargs
-    from core_rl.trainer.colocation import _sleeps
+    from core_rl.plugins.kinds import ROLLOUT_ENGINE
+    from core_rl.rollout.colocation import _sleeps
+    from core_rl.sync.lora import rollout_factory_kwargs
 
     example = Path(__file__).resolve().parents[1] / "examples" / "server_grpo" / "vllm.yaml"
     host = PluginHost(environ={})
@@ -235,8 +235,8 @@ def test_the_sync_check_covers_the_adapter_and_a_stale_one_stops_the_sync(setup,
     a stale adapter served (the previous version's directory loaded under the new version: the test
     hook's ``stale_adapter``) is caught at that version, naming the server, the mode and the first
     tensor."""
-    from core_rl.trainer.sync_check import WeightSyncMismatch
-    from core_rl.trainer.sync_faults import VARIABLE
+    from core_rl.sync.check import WeightSyncMismatch
+    from core_rl.sync.faults import VARIABLE
     from safetensors.torch import load_file
 
     syncer, _, _ = setup

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from core_rl.lora_sync import adapter_dir
+from core_rl.sync.lora import adapter_dir
 from lora_sync_helpers import (
     GREEDY,
     PROMPTS,
@@ -33,7 +33,7 @@ pytest.importorskip("core_rl_fsdp")
 
 
 def _options(**server):
-    from core_rl.remote import ServerOptions
+    from core_rl.servers.remote import ServerOptions
     from core_rl_sglang.config import SGLangConfig
 
     return SGLangConfig(dtype="float32", max_running_requests=16, server=ServerOptions(**server))
@@ -44,7 +44,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     """A tiny model, the ``fsdp`` engine training LoRA adapters of rank 8 on every linear layer,
     an SGLang server started as a run with ``rollout.lora_sync: adapter`` starts it (float32, so the
     comparison can be tight), and the trainer's sync stage between them."""
-    from core_rl.tiny import build_tiny_model
+    from core_rl.roles.tiny import build_tiny_model
     from core_rl_sglang.engine import make_engine
 
     work = tmp_path_factory.mktemp("lora_sync_sglang")

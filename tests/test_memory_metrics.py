@@ -1,4 +1,4 @@
-"""The memory figures of every step (core_rl.trainer.memory): the host's peak resident memory from
+"""The memory figures of every step (core_rl.loops.memory): the host's peak resident memory from
 /proc, and per role the CUDA counters of its device (faked here: a CPU has none)."""
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from core_rl.built_engines import BuiltEngine
 from core_rl.config.schema import ActorConfig
-from core_rl.trainer import memory
-from core_rl.trainer.memory import (
+from core_rl.loops import memory
+from core_rl.loops.memory import (
     HOST_KEY,
     HOST_NOW_KEY,
     MemoryMeter,
@@ -21,6 +20,7 @@ from core_rl.trainer.memory import (
     host_rss_bytes,
     reset_host_peak,
 )
+from core_rl.roles.built_engines import BuiltEngine
 from max_rss import run_measured
 
 GIB = 2**30
@@ -53,7 +53,7 @@ def test_host_rss_is_vmrss(tmp_path):
 #: and the run's summary, as a run does
 TRANSIENT_PEAK = """
 import json, sys
-from core_rl.trainer.memory import MemoryMeter
+from core_rl.loops.memory import MemoryMeter
 meter = MemoryMeter([])
 block = bytearray(768 * 2**20)  # zero-filled: every page written, so resident
 del block
@@ -86,7 +86,7 @@ def test_the_host_peak_is_the_os_maximum_rss_and_keeps_an_earlier_steps_peak(tmp
 #: a process without threads (no torch) that holds a 768 MiB block, then resets its peak
 RESET_AFTER_PEAK = """
 import json, sys
-from core_rl.trainer.memory import host_peak_rss_bytes, reset_host_peak
+from core_rl.loops.memory import host_peak_rss_bytes, reset_host_peak
 block = bytearray(768 * 2**20)
 del block
 before = host_peak_rss_bytes()
@@ -156,7 +156,7 @@ def test_roles_on_one_device_report_its_peak_and_counters_reset_each_step(monkey
 
 def test_the_run_summary_ends_with_the_peak_memory():
     from core_rl.config.schema import RunConfig
-    from core_rl.trainer.summary import summary_lines
+    from core_rl.loops.summary import summary_lines
 
     result = {"metrics": "m.jsonl", "checkpoint": "c", "export": None, "peak_memory": "peak memory: host 1.00 GiB"}
     assert summary_lines(RunConfig(), result) == ["metrics:    m.jsonl", "checkpoint: c", "peak memory: host 1.00 GiB"]

@@ -1,4 +1,4 @@
-"""``algorithm.mismatch_budget`` at run time (:class:`core_rl.trainer.mismatch_budget.MismatchBudget`):
+"""``algorithm.mismatch_budget`` at run time (:class:`core_rl.loops.rl.mismatch_budget.MismatchBudget`):
 the streak and patience, each action's line, and the state a resumed run gets back. The actions on
 real runs: tests/test_mismatch_budget_e2e.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from core_rl.config.mismatch_budget import MismatchBudgetConfig
-from core_rl.trainer.mismatch_budget import MismatchBudget, MismatchBudgetExceeded
+from core_rl.loops.rl.mismatch_budget import MismatchBudget, MismatchBudgetExceeded
 
 KEY = "mismatch/abs_logprob_diff"
 

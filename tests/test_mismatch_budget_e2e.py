@@ -1,7 +1,7 @@
 """The train/rollout mismatch on real ``core-rl train`` runs (fsdp, hf, grpo, char_match, a tiny
 model): its metrics in every step of a plain GRPO run, measured without a recompute as with one,
 and ``algorithm.mismatch_budget``'s three actions on a mismatch forced by
-``CORE_RL_TEST_BEHAVE_NOISE`` (:mod:`core_rl.trainer.behave_noise`)."""
+``CORE_RL_TEST_BEHAVE_NOISE`` (:mod:`core_rl.loops.rl.behave_noise`)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 from core_rl.builtin.loggers import read_metrics
+from core_rl.loops.rl.behave_noise import NOISE_VARIABLE
+from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.launch import run_train
-from core_rl.tiny import build_tiny_model
-from core_rl.trainer.behave_noise import NOISE_VARIABLE
 
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_hf")

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 from core_rl import ops
+from core_rl.loops.rl.update import drift_metrics
 from core_rl.protocol import TensorBatch
-from core_rl.trainer.update import drift_metrics
 
 # d = trainer - behave on three tokens: log 3, 0, log 0.25 (ratios 3, 1, 0.25)
 TRAINER = torch.tensor([[math.log(3.0), -1.0, math.log(0.25) - 2.0]])

@@ -12,8 +12,8 @@ import torch
 from core_rl.config.loader import structure
 from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
 from core_rl.interfaces import SamplingParams
-from core_rl.kinds import TRAIN_ENGINE
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import TRAIN_ENGINE
 from core_rl.protocol import TensorBatch
 from core_rl.testing.tiny import build_tiny_model
 

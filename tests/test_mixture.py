@@ -1,4 +1,4 @@
-"""Weighted mixtures of ``data.train_files`` (core_rl.trainer.mixture): each epoch's draws per
+"""Weighted mixtures of ``data.train_files`` (core_rl.data.mixture): each epoch's draws per
 source in proportion to the weights, every prompt of a source drawn evenly, deterministic given the
 seed, resumable from the data position, rows still naming their file; the weights' validation; a
 real ``core-rl train`` run of a mixture, and its resume equal to the uninterrupted run."""
@@ -13,10 +13,10 @@ from types import SimpleNamespace
 
 import yaml
 from core_rl.config.schema import DataConfig, TrainFile
+from core_rl.data.files import DataRow
+from core_rl.data.mixture import apportion
+from core_rl.data.prompts import PromptItem, PromptSource, TokenisedRows, tokenisation_key
 from core_rl.testing.faults import build_task, merged, run_dir, same_run
-from core_rl.trainer.data import PromptItem, PromptSource, TokenisedRows, tokenisation_key
-from core_rl.trainer.data_files import DataRow
-from core_rl.trainer.mixture import apportion
 from fault_helpers import cli_command, cli_env, cli_train
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -95,9 +95,9 @@ def test_sources_are_the_entries_whatever_label_their_rows_carry(tmp_path: Path)
     """A saved DatasetDict written without its split reads as ``dir@train``, and the same file may
     be listed twice: each entry is a source of its own."""
     import datasets
-    from core_rl.tiny import build_char_tokenizer
-    from core_rl.trainer.data import mixture_sources, tokenise_rows
-    from core_rl.trainer.data_files import read_data_files
+    from core_rl.data.files import read_data_files
+    from core_rl.data.prompts import mixture_sources, tokenise_rows
+    from core_rl.roles.tiny import build_char_tokenizer
 
     saved, jsonl = tmp_path / "saved", tmp_path / "a.jsonl"
     datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "ab"}, {"prompt": "cd"}])}).save_to_disk(

@@ -1,4 +1,4 @@
-"""``<role>.model_overrides`` (:mod:`core_rl.model_overrides`): the run's model directory links the
+"""``<role>.model_overrides`` (:mod:`core_rl.roles.model_overrides`): the run's model directory links the
 weights and overrides ``config.json``, a misspelt key is an error naming it, and a GRPO run whose
 policy has linear RoPE scaling rolls out and trains on the same overridden model (behaviour and
 recomputed log-probs agree), exports it, and records the original path."""
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from core_rl.model_overrides import config_problems, make_overridden_dir
-from core_rl.tiny import build_tiny_model
+from core_rl.roles.model_overrides import config_problems, make_overridden_dir
+from core_rl.roles.tiny import build_tiny_model
 
 ROPE = {"rope_type": "linear", "factor": 2.0}
 
@@ -52,7 +52,7 @@ def test_applying_twice_or_from_an_overridden_directory_keeps_the_links(model: P
     """A configuration checked twice keeps its directory; a directory made from another run's
     overridden one links the weights again, not the stamp."""
     from core_rl.config.schema import ActorConfig, RunConfig
-    from core_rl.model_overrides import STAMP, apply_model_overrides
+    from core_rl.roles.model_overrides import STAMP, apply_model_overrides
 
     cfg = RunConfig(actor=ActorConfig(model_path=str(model), model_overrides={"max_position_embeddings": 512}))
     assert apply_model_overrides(cfg, root=tmp_path / "a") == []

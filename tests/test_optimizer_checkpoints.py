@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 from core_rl import cli
+from core_rl.checkpoint import store as checkpoints
 from core_rl.testing.faults import build_task, checkpoint, merged, run_dir, stable_metrics, state_digest
-from core_rl.trainer import checkpoints
 
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_hf")
@@ -100,7 +100,7 @@ def test_restarts_from_checkpoints_without_optimizer_need_load_optimizer_false(t
 def test_reference_reset_optimizer_needs_an_engine_that_resets(tmp_path: Path) -> None:
     from core_rl.config.schema import AlgorithmConfig, RunConfig
     from core_rl.errors import ConfigError
-    from core_rl.trainer.reference_reset import ReferenceReset
+    from core_rl.loops.rl.reference_reset import ReferenceReset
 
     cfg = RunConfig(algorithm=AlgorithmConfig(reference_reset_every_n_steps=2, reference_reset_optimizer=True))
     with pytest.raises(ConfigError, match="algorithm.reference_reset_optimizer: the actor's engine 'fsdp' cannot"):

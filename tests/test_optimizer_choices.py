@@ -26,7 +26,7 @@ MLP_MATRICES = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from core_rl.tiny import build_tiny_model
+    from core_rl.roles.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
@@ -200,8 +200,8 @@ def test_config_validate_exits_2_on_a_bad_class_path(tmp_path: Path, tiny: Path,
 
 def _engine_problems(engine: str, optimizer: OptimizerConfig, machine: MachineInfo | None = None, **options) -> list:
     from core_rl.config.sections import validate_plugin_section
-    from core_rl.kinds import TRAIN_ENGINE
-    from core_rl.plugins import PluginHost
+    from core_rl.plugins.host import PluginHost
+    from core_rl.plugins.kinds import TRAIN_ENGINE
 
     spec = PluginSpec(name=engine, options=options)
     run = RunConfig(actor=ActorConfig(engine=spec, optimizer=optimizer))

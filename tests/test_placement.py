@@ -17,9 +17,9 @@ import yaml
 from core_rl.config import load_config
 from core_rl.errors import ConfigError
 from core_rl.hookspecs import Register, hookimpl
-from core_rl.launchers import Launcher, LaunchRequest, build_launcher, launch_checked, launcher_check
-from core_rl.placement import ClusterResources, placement_mode, placement_problems
-from core_rl.rendezvous import Rendezvous
+from core_rl.launch.launchers import Launcher, LaunchRequest, build_launcher, launch_checked, launcher_check
+from core_rl.launch.placement import ClusterResources, placement_mode, placement_problems
+from core_rl.launch.rendezvous import Rendezvous
 from core_rl.testing import LauncherContract
 from hypothesis import given, settings
 from hypothesis import strategies as st

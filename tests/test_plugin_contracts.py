@@ -1,4 +1,4 @@
-"""A plugin's component is held to its interface when it is built (core_rl.components): a factory
+"""A plugin's component is held to its interface when it is built (core_rl.plugins.components): a factory
 that raises is reported as one line naming the component, its distribution and version, with the
 plugin's own traceback below it (exit status 1: a bug in the plugin, not in the configuration);
 a component written against an older interface is refused at once, naming what it lacks and which
@@ -15,15 +15,15 @@ import attrs
 import packaging_utils as pu
 import pytest
 import yaml
-from core_rl.components import build_component, check_contract, interface_class, interface_members, public_path
 from core_rl.config.schema import PluginSpec
 from core_rl.errors import ConfigError, PluginFault
 from core_rl.hookspecs import Register, hookimpl, interface_version
 from core_rl.interfaces import Reward
-from core_rl.kinds import ALL_KINDS, REWARD, ROLLOUT_ENGINE, WORKFLOW
-from core_rl.plugins import PluginHost
+from core_rl.plugins.components import build_component, check_contract, interface_class, interface_members, public_path
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import ALL_KINDS, REWARD, ROLLOUT_ENGINE, WORKFLOW
+from core_rl.rollout.workflows import RolloutWorkflow
 from core_rl.testing.faults import build_task, merged
-from core_rl.workflows import RolloutWorkflow
 from fault_helpers import train_here
 
 DIST, VERSION = "core-rl-contracts-test", "2.5"
@@ -221,9 +221,9 @@ def core_rl_register_rewards(register):
 def test_an_engine_written_for_an_earlier_interface_is_refused_for_a_missing_keyword(contract_host) -> None:
     """A train engine whose save_state predates ``optimizer=`` (interface version 7) would fail at
     its first checkpoint, after training: it is refused when built, naming the keyword."""
-    from core_rl.components import check_contract
     from core_rl.interfaces import TrainEngine
-    from core_rl.kinds import TRAIN_ENGINE
+    from core_rl.plugins.components import check_contract
+    from core_rl.plugins.kinds import TRAIN_ENGINE
 
     class OldEngine(TrainEngine):  # every abstract member, save_state and load_state of version 6
         def save_state(self, path, extra):

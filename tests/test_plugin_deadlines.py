@@ -1,4 +1,5 @@
-"""Plugin code that blocks cannot freeze a run (core_rl/deadlines.py, core_rl/own_loop.py), on real
+"""Plugin code that blocks cannot freeze a run (core_rl/reliability/deadlines.py, core_rl/reliability/own_loop.py),
+on real
 ``core-rl train`` processes with the plugins of core_rl/testing/blocking.py: a reward whose third
 ``score`` call sleeps a day, an environment whose ``async def step`` calls ``time.sleep`` (blocking
 its event loop), a sample filter and a logger that sleep. Each run ends within its deadline plus a
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from core_rl.supervise import session_members
+from core_rl.servers.supervise import session_members
 from core_rl.testing.blocking import in_environment
 from core_rl.testing.faults import build_task, finish, merged, run_dir
 from fault_helpers import cli_command, cli_env, write_config

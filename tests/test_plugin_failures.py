@@ -15,8 +15,8 @@ from pathlib import Path
 import packaging_utils as pu
 import pytest
 from core_rl.errors import PluginError
-from core_rl.kinds import REWARD
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import REWARD
 
 IMPORT_ERROR = (
     'crl_demo_frobnicator needs frobnicate >= 2.0: install it with pip install "core-rl-demo[gpu]" and then check '

@@ -1,5 +1,5 @@
-"""What a plugin's component returns is checked where the core receives it (core_rl.guards,
-core_rl.workflows.check_samples, the reward runner): a wrong shape, dtype or length is a
+"""What a plugin's component returns is checked where the core receives it (core_rl.plugins.guards,
+core_rl.rollout.workflows.check_samples, the reward runner): a wrong shape, dtype or length is a
 PluginFault naming the component and its distribution and what the contract asks, instead of a
 shape mismatch deep in core_rl.ops or a silently wrong batch."""
 
@@ -13,7 +13,6 @@ import pytest
 import torch
 from core_rl.config.schema import ControllerConfig, RewardRunnerConfig
 from core_rl.errors import PluginFault
-from core_rl.guards import engine_metrics, engine_tensor
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import (
     AdvantageEstimator,
@@ -26,14 +25,15 @@ from core_rl.interfaces import (
     SampleFilter,
     SamplingParams,
 )
-from core_rl.kinds import ADVANTAGE, POLICY_LOSS, REJECTION_SAMPLER, ROLLOUT_ENGINE, SAMPLE_FILTER, WORKFLOW
-from core_rl.plugins import PluginHost
-from core_rl.rollout_controller import RolloutController
+from core_rl.loops.errors import RewardError
+from core_rl.loops.rl.reward_runner import RewardRunner
+from core_rl.plugins.guards import engine_metrics, engine_tensor
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import ADVANTAGE, POLICY_LOSS, REJECTION_SAMPLER, ROLLOUT_ENGINE, SAMPLE_FILTER, WORKFLOW
+from core_rl.rollout.controller import RolloutController
+from core_rl.rollout.workflows import RolloutWorkflow, SingleTurnWorkflow
 from core_rl.testing import make_reward_input, make_rl_batch
 from core_rl.testing.faults import build_task, merged
-from core_rl.trainer.errors import RewardError
-from core_rl.trainer.rewards import RewardRunner
-from core_rl.workflows import RolloutWorkflow, SingleTurnWorkflow
 from fault_helpers import train_here
 
 DIST, VERSION = "core-rl-outputs-test", "0.2"

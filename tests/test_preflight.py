@@ -15,12 +15,12 @@ from core_rl.config.checks import MachineInfo
 from core_rl.errors import DataError, PreflightError
 from core_rl.hookspecs import hookimpl
 from core_rl.interfaces import Reward
-from core_rl.plugins import PluginHost
-from core_rl.preflight import check_model_dir, check_tokenizer_dir, preflight
+from core_rl.loops import train
+from core_rl.loops.errors import RewardError
+from core_rl.loops.preflight import check_model_dir, check_tokenizer_dir, preflight
+from core_rl.plugins.host import PluginHost
+from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.launch import write_grpo_config
-from core_rl.tiny import build_tiny_model
-from core_rl.trainer import train
-from core_rl.trainer.errors import RewardError
 
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_hf")
@@ -423,8 +423,8 @@ def test_the_trainer_takes_the_prompts_preflight_tokenised(tmp_path, model, data
     tokenizer, loaded from the same directory, as the trainer loads it) takes those items instead
     of tokenising them all again. Under other settings (another length bound) it tokenises anew."""
     import attrs
-    from core_rl.trainer import data as data_module
-    from core_rl.trainer.data import PromptSource
+    from core_rl.data import prompts as data_module
+    from core_rl.data.prompts import PromptSource
     from transformers import AutoTokenizer
 
     cfg = _config(tmp_path, model, data)

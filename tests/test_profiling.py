@@ -1,4 +1,4 @@
-"""``trainer.profile`` (core_rl.trainer.profiling): the listed steps, and only they, leave a trace
+"""``trainer.profile`` (core_rl.loops.profiling): the listed steps, and only they, leave a trace
 and an operator table holding both the update and the embedded engine's generation (which runs in
 its own thread); a step after the last is a configuration error naming the key."""
 
@@ -71,7 +71,7 @@ def test_a_large_profile_gets_its_table_from_the_raw_events(tmp_path: Path, host
     """Above ``FULL_TABLE_EVENTS`` (here every profile) torch's key_averages, minutes of Python for
     a GPU step of a real model, is not called: the table sums the raw events by name and device,
     each operator's calls counted (the step's matrix products among them)."""
-    import core_rl.trainer.profiling as profiling
+    import core_rl.loops.profiling as profiling
     from torch.autograd.profiler import profile as autograd_profile
 
     monkeypatch.setattr(profiling, "FULL_TABLE_EVENTS", 0)

@@ -14,10 +14,10 @@ from core_rl.config.loader import structure
 from core_rl.config.ptx import PTXConfig
 from core_rl.config.schema import AlgorithmConfig, DataConfig
 from core_rl.errors import DataError
+from core_rl.loops.rl.ptx import PTXLoss, PTXRows, with_ptx
+from core_rl.loops.supervised.sequences import TrainSequence
+from core_rl.roles.tiny import build_char_tokenizer
 from core_rl.testing import make_rl_batch
-from core_rl.tiny import build_char_tokenizer
-from core_rl.trainer.ptx import PTXLoss, PTXRows, with_ptx
-from core_rl.trainer.sequences import TrainSequence
 
 TOK = build_char_tokenizer("abcd=")
 
@@ -47,10 +47,10 @@ def test_the_update_minimises_the_policy_loss_plus_coef_times_the_mean_nll(tmp_p
     gradient of policy loss + coef * mean NLL, the two computed apart by plain autograd."""
     pytest.importorskip("core_rl_fsdp")
     from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
-    from core_rl.kinds import POLICY_LOSS, TRAIN_ENGINE
-    from core_rl.plugins import PluginHost
+    from core_rl.loops.rl.update import PolicyUpdate
+    from core_rl.plugins.host import PluginHost
+    from core_rl.plugins.kinds import POLICY_LOSS, TRAIN_ENGINE
     from core_rl.testing.tiny import build_tiny_model
-    from core_rl.trainer.update import PolicyUpdate
     from transformers import AutoModelForCausalLM
 
     model_path = build_tiny_model(tmp_path / "model", seed=0)
@@ -139,8 +139,8 @@ def test_a_real_run_logs_the_ptx_loss(tmp_path: Path) -> None:
     for dist in ("core_rl_fsdp", "core_rl_hf", "core_rl_reward_match"):
         pytest.importorskip(dist)
     from core_rl.builtin.loggers import read_metrics
+    from core_rl.roles.tiny import build_tiny_model
     from core_rl.testing.launch import run_train, write_grpo_config
-    from core_rl.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", alphabet="ab=", hidden_size=16, num_heads=2, seed=0)
     data = write_rows(tmp_path / "train.jsonl", [{"prompt": f"{s}=", "answer": s} for s in ("ab", "ba")])

@@ -83,7 +83,7 @@ def test_the_readme_commands_are_the_install_and_ci_ones() -> None:
 
 def test_the_readme_yaml_example_is_a_valid_configuration(tmp_path: Path) -> None:
     from core_rl.config import load_config
-    from core_rl.plugins import PluginHost
+    from core_rl.plugins.host import PluginHost
 
     [block] = re.findall(r"^```yaml\n(.*?)^```", README.read_text(), flags=re.M | re.S)
     config = tmp_path / "run.yaml"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from core_rl.config import load_config
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = (ROOT / "docs" / "runs.md").read_text()

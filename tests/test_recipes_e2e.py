@@ -12,7 +12,7 @@ import pytest
 from core_rl import cli
 from core_rl.builtin.loggers import read_metrics
 from core_rl.config import load_config
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
 from core_rl.testing.launch import run_train
 from core_rl.testing.tiny import build_tiny_model
 

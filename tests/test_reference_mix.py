@@ -1,4 +1,4 @@
-"""Soft reference updates (``algorithm.reference_reset_alpha``; :mod:`core_rl.trainer.reference_mix`):
+"""Soft reference updates (``algorithm.reference_reset_alpha``; :mod:`core_rl.loops.rl.reference_mix`):
 the mixed weights against the formula computed by hand (numpy float32 arithmetic, the reference's
 dtype) from the two sets of safetensors files; in a real GRPO run the KL the loss sees right after a
 soft reset lies between 0 (a hard reset) and the KL without resets, the export equals the hand mix of
@@ -15,9 +15,9 @@ import pytest
 import torch
 import yaml
 from core_rl.builtin.loggers import read_metrics
+from core_rl.checkpoint.hf_exports import export_dir, exported_steps
 from core_rl.errors import CoreRLError
-from core_rl.trainer.hf_exports import export_dir, exported_steps
-from core_rl.trainer.reference_mix import mismatch, mix_into, weight_files
+from core_rl.loops.rl.reference_mix import mismatch, mix_into, weight_files
 from safetensors.torch import load_file, save_file
 
 
@@ -89,7 +89,7 @@ def test_a_reference_of_another_model_is_refused_when_the_run_starts(tmp_path: P
     """Soft updates mix the same model's weights: a ref: of another shape is one error when the
     trainer is built, not at the first reset."""
     from core_rl import cli
-    from core_rl.tiny import build_tiny_model
+    from core_rl.roles.tiny import build_tiny_model
 
     other = build_tiny_model(tmp_path / "wide", alphabet="abcd=", hidden_size=32, num_heads=2)
     path = _config(tmp_path, "other", {"reference_reset_every_n_steps": 2, "reference_reset_alpha": 0.5})

@@ -1,4 +1,4 @@
-"""``algorithm.reference_reset_every_n_steps`` (:mod:`core_rl.trainer.reference_reset`): with a KL
+"""``algorithm.reference_reset_every_n_steps`` (:mod:`core_rl.loops.rl.reference_reset`): with a KL
 penalty, the reference becomes the policy every ``k`` steps (the KL the loss sees is 0 right after a
 reset, as the policy it starts from is the reference; not without resets), the exports no kept
 checkpoint needs are removed, a resumed run takes the reference of its reset step and ends exactly
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 from core_rl.builtin.loggers import read_metrics
-from core_rl.trainer.hf_exports import exported_steps
-from core_rl.trainer.reference_reset import reset_step
+from core_rl.checkpoint.hf_exports import exported_steps
+from core_rl.loops.rl.reference_reset import reset_step
 
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_hf")
@@ -28,9 +28,9 @@ def test_the_reset_step_of_each_step() -> None:
 def test_an_old_kept_checkpoint_pins_its_own_reference_and_no_other(tmp_path: Path) -> None:
     """saver.keep_best may keep the checkpoint of step 2 beside those of steps 7 and 8: the exports
     of their reset steps (2, 6) and the newest (8) stay, the one between (4) goes."""
+    from core_rl.checkpoint import store as checkpoints
     from core_rl.config.schema import ActorConfig
-    from core_rl.trainer import checkpoints
-    from core_rl.trainer.reference_reset import ReferenceReset, reference_dir
+    from core_rl.loops.rl.reference_reset import ReferenceReset, reference_dir
 
     for step in (2, 4, 6, 8):
         reference_dir(tmp_path, step).mkdir(parents=True)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from core_rl.errors import PluginError
 from core_rl.hookspecs import hookimpl
-from core_rl.kinds import LOGGER, REWARD, ROLLOUT_ENGINE, TRAIN_ENGINE
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import LOGGER, REWARD, ROLLOUT_ENGINE, TRAIN_ENGINE
 
 
 class _TwoRewards:
@@ -227,7 +227,7 @@ def test_override_wins_whatever_the_load_order(override_modules, order):
 
 
 def test_env_lists_compare_names_as_packaging_does():
-    from core_rl.plugins import _normalise, _split_env
+    from core_rl.plugins.host import _normalise, _split_env
 
     assert _split_env(" Core_RL.Example-plugin , other ") == {"core-rl-example-plugin", "other"}
     assert _normalise("core_rl__grpo") == "core-rl-grpo"

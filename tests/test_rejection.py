@@ -12,14 +12,14 @@ import torch
 from core_rl.config.loader import structure
 from core_rl.errors import ConfigError
 from core_rl.hookspecs import Register, hookimpl
-from core_rl.kinds import REJECTION_SAMPLER
-from core_rl.plugins import PluginHost
-from core_rl.rejection import (
+from core_rl.ops.rejection import (
     ImportanceSamplingConfig,
     MetricRejectionSampler,
     RatioRejectionConfig,
     RejectionSamplingConfig,
 )
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import REJECTION_SAMPLER
 from core_rl.testing import RejectionSamplerContract, installed_distribution
 
 DIST = installed_distribution("core-rl")

@@ -1,7 +1,7 @@
 """``<role>.trust_remote_code``: a model that ships its own modelling code (``auto_map``) is refused
 before the run without the switch (one line, exit 2) and trains, exports and loads again with it
 (a real ``core-rl train`` on fsdp + hf); engines that cannot load such code are refused at
-``config validate`` (:mod:`core_rl.remote_code`)."""
+``config validate`` (:mod:`core_rl.roles.remote_code`)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import yaml
 from core_rl.config.checks import MachineInfo
 from core_rl.config.loader import load_config
 from core_rl.errors import ConfigError, PreflightError
-from core_rl.plugins import PluginHost
-from core_rl.preflight import preflight
-from core_rl.remote_code import auto_maps, keep_custom_code, untrusted_code_problem
+from core_rl.loops.preflight import preflight
+from core_rl.plugins.host import PluginHost
+from core_rl.roles.remote_code import auto_maps, keep_custom_code, untrusted_code_problem
 from core_rl.testing.launch import run_train, write_grpo_config
 from core_rl.testing.remote_code_model import AUTO_MAP, MODEL_CLASS, MODEL_TYPE, build_remote_code_model
 

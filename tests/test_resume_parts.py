@@ -7,12 +7,12 @@ import errno
 
 import pytest
 from core_rl.builtin.loggers import JsonlLoggerConfig, truncate_jsonl
-from core_rl.checkpointing import CheckpointFormatError, partial_path
+from core_rl.checkpoint import store as checkpoints
+from core_rl.checkpoint.files import CheckpointFormatError, partial_path
 from core_rl.config import load_config
 from core_rl.config.loader import structure
 from core_rl.config.schema import ExperimentConfig
 from core_rl.errors import ConfigError
-from core_rl.trainer import checkpoints
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

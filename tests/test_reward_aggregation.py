@@ -16,8 +16,8 @@ from core_rl import ops
 from core_rl.config.reward_aggregation import combine_part_weights
 from core_rl.config.schema import AlgorithmConfig, NormConfig, RewardShapingConfig
 from core_rl.errors import ConfigError, CoreRLError
+from core_rl.loops.rl.batching import BatchAssembler, Generation
 from core_rl.protocol import Sample
-from core_rl.trainer.batching import BatchAssembler, Generation
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -1,5 +1,5 @@
-"""The ``reward_model:`` role (a frozen fsdp engine with a score head, core_rl.roles and
-core_rl.trainer.reward_role) on the tiny task, on CPU:
+"""The ``reward_model:`` role (a frozen fsdp engine with a score head, core_rl.roles.build and
+core_rl.loops.rl.reward_model) on the tiny task, on CPU:
 
 - its scores on the token ids of this run equal those of the ``reward_model`` reward on the decoded
   text, and of a Hugging Face sequence classifier on the ids, wherever the score is read;
@@ -54,7 +54,7 @@ def build_reward_model(source: Path, path: Path, *, seed: int) -> Path:
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``model`` (the policy), ``rm`` (a reward model on another backbone, same tokenizer),
     ``data/sft.jsonl`` (the example's prompts and their reversals)."""
-    from core_rl.tiny import build_tiny_model
+    from core_rl.roles.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("rm_role")
     build_tiny_model(root / "model", alphabet=LETTERS + "=", seed=0)
@@ -108,8 +108,8 @@ def _samples(tokenizer) -> tuple[list, list[str]]:
 
 def _stage(workdir: Path, tokenizer, *, coef: float, score_token: str):
     from core_rl.config.schema import AlgorithmConfig, PluginSpec, RewardModelRoleConfig, RunConfig
-    from core_rl.trainer.batching import BatchAssembler
-    from core_rl.trainer.reward_role import reward_model_stage
+    from core_rl.loops.rl.batching import BatchAssembler
+    from core_rl.loops.rl.reward_model import reward_model_stage
     from core_rl_fsdp.engine import FSDPEngine
     from core_rl_grpo.advantages import GroupRelativeAdvantage
 
@@ -323,7 +323,7 @@ def test_sample_filters_and_dynamic_sampling_are_refused(workdir: Path, capsys) 
 
 
 def test_another_tokenizer_is_refused(workdir: Path, capsys) -> None:
-    from core_rl.tiny import build_tiny_model
+    from core_rl.roles.tiny import build_tiny_model
 
     other = build_reward_model(
         build_tiny_model(workdir / "other_base", alphabet="fedcba=", seed=1), workdir / "other_rm", seed=2
@@ -340,7 +340,7 @@ def test_a_causal_lm_is_refused(workdir: Path, capsys) -> None:
 
 def test_an_engine_without_a_score_head_is_refused() -> None:
     from core_rl.config.schema import RewardModelRoleConfig, RunConfig
-    from core_rl.roles import role_problems
+    from core_rl.roles.build import role_problems
     from core_rl.testing import recipe_host
 
     # recipe_host's stand-in 'fsdp' lists no heads (so: lm only)

@@ -16,11 +16,8 @@ from core_rl.config.loader import structure
 from core_rl.config.schema import RewardRunnerConfig
 from core_rl.errors import ConfigError
 from core_rl.interfaces import Reward
-from core_rl.kinds import REWARD
-from core_rl.testing import make_reward_input
-from core_rl.testing.faults import RELEASE, FaultPlugin, MisbehaveConfig
-from core_rl.trainer.errors import RewardError
-from core_rl.trainer.rewards import (
+from core_rl.loops.errors import RewardError
+from core_rl.loops.rl.reward_runner import (
     EXCEPTION,
     NONFINITE,
     NOT_A_NUMBER,
@@ -28,6 +25,9 @@ from core_rl.trainer.rewards import (
     RewardErrorLog,
     RewardRunner,
 )
+from core_rl.plugins.kinds import REWARD
+from core_rl.testing import make_reward_input
+from core_rl.testing.faults import RELEASE, FaultPlugin, MisbehaveConfig
 
 ITEMS = [make_reward_input("x" * (i + 1), prompt=f"p{i}") for i in range(8)]
 
@@ -148,7 +148,7 @@ def test_a_hanging_reward_does_not_block_exit():
     code = (
         "from core_rl.config.schema import RewardRunnerConfig\n"
         "from core_rl.testing import make_reward_input\n"
-        "from core_rl.trainer.rewards import RewardRunner\n"
+        "from core_rl.loops.rl.reward_runner import RewardRunner\n"
         "from core_rl.testing.faults import MisbehaveConfig, MisbehavingReward\n"
         "r = RewardRunner(MisbehavingReward(MisbehaveConfig(mode='hang', every=1)), 'hang',"
         " RewardRunnerConfig(timeout_s=0.2, max_error_fraction=1.0))\n"
@@ -215,7 +215,7 @@ class _PartsReward(Reward):
 
 
 def test_a_part_that_does_not_apply_is_left_out_and_a_nan_part_is_counted():
-    from core_rl.trainer.batching import value_stats
+    from core_rl.loops.rl.batching import value_stats
 
     r = RewardRunner(_PartsReward(), "parts", RewardRunnerConfig(items_per_call=8))
     result = r.score(ITEMS)

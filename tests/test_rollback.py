@@ -1,4 +1,4 @@
-"""``core-rl checkpoints`` (core_rl.trainer.checkpoints.roll_back): listing a run's checkpoints,
+"""``core-rl checkpoints`` (core_rl.checkpoint.store.roll_back): listing a run's checkpoints,
 and rolling a run back to an earlier one without deleting anything, after which resuming
 reproduces the abandoned steps bit for bit (runs are deterministic for a seed)."""
 

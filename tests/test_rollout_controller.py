@@ -1,4 +1,4 @@
-"""The rollout controller (core_rl.rollout_controller) on the embedded ``hf`` engine and a real tiny
+"""The rollout controller (core_rl.rollout.controller) on the embedded ``hf`` engine and a real tiny
 model, driven by a trainer loop that takes generation batches and pushes new weight versions:
 the staleness bound holds for every sample across bounds (hypothesis), every prompt arrives once
 and in data order, interrupted requests change version at the interruption point, a failing
@@ -14,10 +14,16 @@ import pytest
 from core_rl.config.schema import ControllerConfig
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SamplingParams
-from core_rl.rollout_controller import RolloutController, RolloutFailed
+from core_rl.loops.rl.rollout_flow import staleness_metrics
+from core_rl.rollout.controller import RolloutController, RolloutFailed
+from core_rl.rollout.workflows import (
+    RolloutWorkflow,
+    SingleTurnWorkflow,
+    WorkflowContext,
+    append_observation,
+    extend_turn,
+)
 from core_rl.testing.tiny import build_tiny_model
-from core_rl.trainer.rollout_flow import staleness_metrics
-from core_rl.workflows import RolloutWorkflow, SingleTurnWorkflow, WorkflowContext, append_observation, extend_turn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -198,7 +204,7 @@ class RecordingEngine:
 
 def test_a_wave_is_batched_apart_by_server_parameters(engine) -> None:
     """Requests of one wave that differ only in ``extra`` reach the engine as separate calls,
-    equal ones together (``core_rl.sampling_params.batch_key``)."""
+    equal ones together (``core_rl.interfaces.sampling.batch_key``)."""
     engine._weight_version = 0
     recording = RecordingEngine(engine)
     controller = RolloutController(
@@ -234,7 +240,7 @@ def test_a_failing_workflow_is_reported(engine) -> None:
 def test_a_fault_while_batching_a_wave_reaches_every_trajectory(engine, monkeypatch) -> None:
     """An error while keying a wave's requests (injected) fails the step with that error instead of
     leaving the wave's trajectories waiting for ever."""
-    import core_rl.rollout_controller as controller_module
+    import core_rl.rollout.controller as controller_module
 
     def broken(sampling):
         raise TypeError("injected keying fault")
@@ -332,7 +338,7 @@ def test_staleness_metrics_by_hand() -> None:
 
 def test_step_warnings_name_the_side_that_waited_and_do_not_repeat_every_step(capsys) -> None:
     from core_rl.config.schema import RunConfig
-    from core_rl.trainer.rollout_flow import WARN_EVERY_STEPS, RolloutFlow
+    from core_rl.loops.rl.rollout_flow import WARN_EVERY_STEPS, RolloutFlow
 
     cfg = RunConfig()
     cfg.rollout.controller.max_head_offpolicyness = 1
@@ -356,7 +362,7 @@ def test_step_warnings_name_the_side_that_waited_and_do_not_repeat_every_step(ca
 def test_a_workflow_past_its_deadline_stops_the_run_naming_it(engine) -> None:
     """``rollout.controller.workflow_timeout_s`` bounds each trajectory's ``run``: a workflow that
     hangs awaiting is cut there (well before ``wait_timeout_s``) with one line naming it."""
-    from core_rl.deadlines import DeadlinePassed
+    from core_rl.reliability.deadlines import DeadlinePassed
 
     cfg = ControllerConfig(wait_timeout_s=300, workflow_timeout_s=1.0)
     controller = RolloutController(engine, Never(), CountingData(2), SamplingParams(), cfg, batch_size=2)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 from core_rl.builtin.loggers import read_metrics
+from core_rl.rollout import dump as rollout_dump
+from core_rl.rollout.dump import FORMAT, dumped_steps, read_header, read_step, step_file, write_step
 from core_rl.testing.faults import build_task, checkpoint, merged, run_dir, state_digest
 from core_rl.testing.tiny import build_tiny_model
-from core_rl.trainer import rollout_dump
-from core_rl.trainer.rollout_dump import FORMAT, dumped_steps, read_header, read_step, step_file, write_step
 from fault_helpers import cli_command, cli_env, cli_train, write_config
 
 for _plugin in ("core_rl_fsdp", "core_rl_hf", "core_rl_grpo", "core_rl_reward_match"):

@@ -19,8 +19,8 @@ from core_rl.builtin import rewards as builtin_rewards
 from core_rl.config.loader import validate_plugin_section
 from core_rl.config.schema import PluginSpec
 from core_rl.errors import ConfigError
-from core_rl.kinds import REWARD
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import REWARD
 from core_rl.testing import make_reward_input
 from core_rl.testing.faults import build_task, merged, run_dir
 from fault_helpers import cli_command, cli_env

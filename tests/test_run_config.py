@@ -1,4 +1,4 @@
-"""``<run>/config.yaml`` (core_rl.trainer.run_config): the resolved configuration is recorded and
+"""``<run>/config.yaml`` (core_rl.loops.run_config): the resolved configuration is recorded and
 loads back to the same configuration; a resume with changed settings keeps the earlier file and
 names every changed key; a resume without changes keeps nothing extra."""
 
@@ -12,8 +12,8 @@ from core_rl.config import load_config
 from core_rl.config.loader import to_plain
 from core_rl.config.schema import SchedulerConfig
 from core_rl.engine_utils.optim import lr_at
+from core_rl.loops.run_config import changed_keys
 from core_rl.testing.faults import build_task, merged, run_dir
-from core_rl.trainer.run_config import changed_keys
 from fault_helpers import train_here
 
 
@@ -58,7 +58,7 @@ def test_a_resume_with_changed_settings_keeps_the_earlier_config(tmp_path: Path,
     assert "lr: 0.005" in (run / "config.yaml").read_text()
 
     # from step 2 again, with another change: the file of the first resume is kept too
-    from core_rl.trainer.checkpoints import roll_back
+    from core_rl.checkpoint.store import roll_back
 
     roll_back(run, 2)
     second = (run / "config.yaml").read_text()

@@ -1,4 +1,4 @@
-"""Sample filters in real runs (core_rl.trainer.filtering): a step whose filters drop every group is
+"""Sample filters in real runs (core_rl.loops.rl.filtering): a step whose filters drop every group is
 a warning naming the filter and what it dropped, counted in the metrics, and a limit of such steps
 in a row ends the run with one message; a filter that keeps part of a prompt's group is refused,
 naming it and its distribution. Tiny model, real trainer, the ``core-rl train`` command in-process."""
@@ -84,7 +84,7 @@ class CuttingFilters:
 
 def test_a_filter_that_keeps_part_of_a_group_is_refused_naming_it(tmp_path: Path, host, monkeypatch, capsys) -> None:
     host.register_plugin(CuttingFilters(), distribution="my-filters", version="0.1")
-    monkeypatch.setattr("core_rl.plugins.PluginHost", lambda: host)
+    monkeypatch.setattr("core_rl.plugins.host.PluginHost", lambda: host)
     _, path = _config(tmp_path, [{"name": "first_of_group"}])
     assert cli.main(["train", str(path)]) == 2
     err = capsys.readouterr().err

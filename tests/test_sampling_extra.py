@@ -15,7 +15,7 @@ from core_rl.config.loader import structure
 from core_rl.config.sampling import SamplingConfig
 from core_rl.errors import ConfigError
 from core_rl.interfaces import SamplingParams
-from core_rl.sampling_params import batch_key, with_extra
+from core_rl.interfaces.sampling import batch_key, with_extra
 
 
 def test_keys_of_the_section_itself_are_refused() -> None:

@@ -1,4 +1,4 @@
-"""``rollout.engine.server.gpus``: which GPUs the servers core-rl starts run on (core_rl.remote.gpus).
+"""``rollout.engine.server.gpus``: which GPUs the servers core-rl starts run on (core_rl.launch.gpus).
 
 The shares are checked against hand-written lists and, with hypothesis, against their invariants;
 the placement's choice through the resolution the trainer runs (a :class:`MachineInfo` standing for
@@ -17,9 +17,9 @@ import pytest
 from core_rl.config.checks import MachineInfo
 from core_rl.config.loader import structure
 from core_rl.errors import ConfigError, CoreRLError
-from core_rl.remote import ServerOptions
-from core_rl.remote.gpus import placed_gpus, resolve_server_gpus, servers_gpus, visible_devices
-from core_rl.remote.weights import auto_weight_backend
+from core_rl.launch.gpus import placed_gpus, resolve_server_gpus, servers_gpus, visible_devices
+from core_rl.servers.remote import ServerOptions
+from core_rl.servers.remote.weights import auto_weight_backend
 from hypothesis import given
 from hypothesis import strategies as st
 from test_remote import FakeEngine
@@ -114,7 +114,7 @@ def test_weight_sync_auto_follows_the_servers_gpus(options, variant, backend) ->
 
 def _run_config(tmp_path: Path, overrides: list[str]) -> Any:
     from core_rl.config import load_config
-    from core_rl.plugins import PluginHost
+    from core_rl.plugins.host import PluginHost
 
     config = tmp_path / "run.yaml"
     config.write_text(
@@ -169,7 +169,7 @@ def test_nothing_is_chosen_where_the_user_chose_or_there_is_no_gpu(tmp_path: Pat
 
 
 def test_too_few_gpus_for_a_split_placement_is_a_preflight_problem(tmp_path: Path) -> None:
-    from core_rl.preflight import server_gpu_problems
+    from core_rl.loops.preflight import server_gpu_problems
 
     cfg = _run_config(tmp_path, ["placement.mode=split"])
     (problem,) = server_gpu_problems(cfg, MachineInfo(cuda_device_count=1, local_world_size=1))

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from core_rl.plugins import PluginHost
-from core_rl.progress import STALL_VARIABLE
+from core_rl.plugins.host import PluginHost
+from core_rl.reliability.progress import STALL_VARIABLE
 from core_rl.testing.faults import finish, wait_for_random_moment, wait_for_steps
 from fault_helpers import (
     build_task,

@@ -1,4 +1,4 @@
-"""Stop strings (:mod:`core_rl.stop_strings`, ``rollout.sampling.stop``): the cut by hand and as a
+"""Stop strings (:mod:`core_rl.rollout.stop_strings`, ``rollout.sampling.stop``): the cut by hand and as a
 property over random tokenisations, the samples it leaves, and a GRPO run whose responses end at
 the first stop string."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 from core_rl.protocol import Sample
-from core_rl.stop_strings import apply_stop_strings, stop_cut, text_before_stop
+from core_rl.rollout.stop_strings import apply_stop_strings, stop_cut, text_before_stop
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

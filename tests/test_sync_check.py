@@ -1,6 +1,6 @@
-"""The verified weight sync (:mod:`core_rl.trainer.sync_check`) in real training runs (fsdp trainer,
+"""The verified weight sync (:mod:`core_rl.sync.check`) in real training runs (fsdp trainer,
 embedded ``hf`` rollout engine, in this process): a correct sync passes the check in every mode the
-engine has, and each fault the test hook (:mod:`core_rl.trainer.sync_faults`) injects is caught at
+engine has, and each fault the test hook (:mod:`core_rl.sync.faults`) injects is caught at
 the step it happens, naming the engine, the mode, the tensor and the version; from the command
 line the run exits with 1 and one line. The fingerprint itself: which changes it sees."""
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from core_rl.sync.check import WeightSyncMismatch
+from core_rl.sync.faults import VARIABLE
+from core_rl.sync.fingerprint import fingerprint, first_difference
 from core_rl.testing.launch import cpu_ranks_env
-from core_rl.trainer.sync_check import WeightSyncMismatch
-from core_rl.trainer.sync_faults import VARIABLE
-from core_rl.weight_fingerprint import fingerprint, first_difference
 from fault_helpers import build_task, cli_command, cli_env, cli_train, merged, run_dir, train_here, write_config
 
 pytest.importorskip("core_rl_fsdp")
@@ -182,7 +182,7 @@ def test_a_prefix_draws_the_samples_from_the_first_rows_alone(tmp_path):
     """``fingerprint_prefix`` (an engine that reads back only each tensor's first rows): the samples
     come from the fewest leading rows holding that many elements, from a tensor and from its file
     alike, so a change there shows and one in a later row does not."""
-    from core_rl.weight_fingerprint import file_samples, prefix_numel, sample
+    from core_rl.sync.fingerprint import file_samples, prefix_numel, sample
     from safetensors.torch import save_file
 
     assert prefix_numel((100, 30), 64) == 90 and prefix_numel((1000,), 64) == 64

@@ -17,8 +17,8 @@ import attrs
 import packaging_utils as pu
 import pytest
 import yaml
-from core_rl.kinds import ALGORITHM, POLICY_LOSS, ROLLOUT_ENGINE, TRAIN_ENGINE, PluginKind
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import ALGORITHM, POLICY_LOSS, ROLLOUT_ENGINE, TRAIN_ENGINE, PluginKind
 
 pytestmark = pytest.mark.slow  # builds and installs a wheel, then runs about a dozen core-rl commands
 

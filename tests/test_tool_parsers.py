@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from core_rl.builtin import tool_parsers as builtin
+from core_rl.rollout.tool_parsers import HermesConfig, HermesParser, Llama3JsonParser, TagsConfig, TagsParser, ToolCall
 from core_rl.testing import ToolParserContract
-from core_rl.tool_parsers import HermesConfig, HermesParser, Llama3JsonParser, TagsConfig, TagsParser, ToolCall
 from hypothesis import strategies as st
 
 CALC = ToolCall("calculator", {"expression": "12+34"})

@@ -133,7 +133,7 @@ def test_log_probs_at_given_ids_keep_the_logits_not_a_copy() -> None:
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A policy and a different teacher (other random weights), sharing the char tokenizer."""
-    from core_rl.tiny import build_tiny_model
+    from core_rl.roles.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("topk")
     small = {"alphabet": "ab=", "hidden_size": 16, "num_heads": 2, "intermediate_size": 32}
@@ -186,7 +186,7 @@ def test_a_models_top_k_and_log_probs_of_given_ids_in_the_token_alignment(
 
 def _config(tmp_path: Path, model: Path, *overrides: str):
     from core_rl.config import load_config
-    from core_rl.plugins import PluginHost
+    from core_rl.plugins.host import PluginHost
     from core_rl.testing.launch import write_grpo_config
 
     data = tmp_path / "train.jsonl"
@@ -300,9 +300,9 @@ def test_the_distillation_loss_adds_the_top_k_term_to_the_algorithms() -> None:
     sampled-token teacher log-probs are needed."""
     from core_rl.config.schema import TeacherConfig
     from core_rl.interfaces import LOGPROBS_AT, LossOutput, PolicyLoss
+    from core_rl.loops.rl.distill import DistillationLoss
+    from core_rl.loops.rl.ptx import PTXLoss
     from core_rl.protocol import TensorBatch
-    from core_rl.trainer.distill import DistillationLoss
-    from core_rl.trainer.ptx import PTXLoss
 
     class Base(PolicyLoss):
         def loss_weights(self, response_mask: torch.Tensor) -> torch.Tensor:
@@ -338,7 +338,7 @@ def test_an_engine_that_ignores_the_vocabulary_cut_is_named() -> None:
     plugin fault naming it, before the policy's gather could index out of range; without a cut the
     keyword is not passed at all (engines written without it keep working)."""
     from core_rl.errors import PluginFault
-    from core_rl.guards import engine_topk
+    from core_rl.plugins.guards import engine_topk
     from core_rl.protocol import TensorBatch
 
     seen: list[dict] = []

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from core_rl.checkpoint import store as checkpoints
 from core_rl.config.schema import DataConfig
+from core_rl.data.prompts import PromptSource
 from core_rl.errors import DataError
-from core_rl.tiny import build_char_tokenizer
-from core_rl.trainer import checkpoints
-from core_rl.trainer.data import PromptSource
+from core_rl.roles.tiny import build_char_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_library_progress_bars_are_quiet_without_importing_datasets() -> None:
 
     code = (
         "import sys\n"
-        "from core_rl.trainer.building import quiet_library_progress_bars\n"
+        "from core_rl.loops.building import quiet_library_progress_bars\n"
         "quiet_library_progress_bars()\n"
         "assert 'datasets' not in sys.modules, 'datasets was imported'\n"
         "import transformers\n"
@@ -91,7 +91,7 @@ def test_distillation_keeps_the_entropy_graph_only_for_an_rl_term_that_needs_it(
     only while that base loss counts (``rl_coef > 0``)."""
     from core_rl.config.schema import TeacherConfig
     from core_rl.interfaces import LossOutput, PolicyLoss
-    from core_rl.trainer.distill import DistillationLoss
+    from core_rl.loops.rl.distill import DistillationLoss
 
     class Base(PolicyLoss):
         def __init__(self, entropy_grad: bool) -> None:

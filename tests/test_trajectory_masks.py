@@ -13,7 +13,7 @@ import torch
 from core_rl import ops
 from core_rl.builtin.environment_workflow import mask_turns, reduce_turn_rewards
 from core_rl.protocol import Sample, TensorBatch, samples_to_batch
-from core_rl.workflows import append_observation, extend_turn
+from core_rl.rollout.workflows import append_observation, extend_turn
 
 grpo_losses = pytest.importorskip("core_rl_grpo.losses")
 grpo_adv = pytest.importorskip("core_rl_grpo.advantages")
@@ -152,7 +152,7 @@ def test_inserted_tokens_get_exactly_zero_gradient_through_the_fsdp_engine(batch
     token's log-prob is exactly 0 on inserted tokens (and on the prompt), non-zero on model tokens."""
     fsdp = pytest.importorskip("core_rl_fsdp.engine")
     from core_rl.config.schema import ActorConfig, MicroBatchConfig, OptimizerConfig, PluginSpec
-    from core_rl.tiny import build_tiny_model
+    from core_rl.roles.tiny import build_tiny_model
     from core_rl_fsdp.config import FSDPConfig
 
     full = batches[0]

@@ -1,4 +1,4 @@
-"""The policy update of one RL step (core_rl.trainer.update) with the real fsdp engine on a tiny
+"""The policy update of one RL step (core_rl.loops.rl.update) with the real fsdp engine on a tiny
 model: recomputed old log-probs, behaviour log-probs kept, minibatches x epochs optimiser steps with
 per-minibatch aggregation weights, the loss's whole-batch preparation, and max-reduced metrics."""
 
@@ -11,13 +11,13 @@ import torch
 from core_rl.config.loader import structure
 from core_rl.config.schema import ActorConfig, AlgorithmConfig, OptimizerConfig, PluginSpec
 from core_rl.interfaces import LossOutput, PolicyLoss
-from core_rl.kinds import TRAIN_ENGINE
+from core_rl.loops.rl.update import PolicyUpdate, combine_step_metrics, minibatch_rows
 from core_rl.ops import aggregation_weights
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import TRAIN_ENGINE
 from core_rl.protocol import TensorBatch
 from core_rl.testing import make_rl_batch
 from core_rl.testing.tiny import build_tiny_model
-from core_rl.trainer.update import PolicyUpdate, combine_step_metrics, minibatch_rows
 
 pytest.importorskip("core_rl_fsdp")
 
@@ -163,7 +163,7 @@ def test_early_stop_kl_skips_the_rest_of_the_step(model_path, limit, steps):
 
 
 def test_early_stop_kl_needs_a_loss_that_reports_the_kl(model_path):
-    from core_rl.trainer.errors import RunFailed
+    from core_rl.loops.errors import RunFailed
 
     step, eng = update(model_path, RecordingLoss(), early_stop_kl=0.1)
     with pytest.raises(RunFailed, match=r"algorithm.early_stop_kl: the policy loss reports no approx_kl"):

@@ -15,8 +15,8 @@ from core_rl.config.schema import OptimizerConfig, RunConfig, SamplingConfig
 from core_rl.config.validators import FieldValueError, each, finite, in_range, non_negative, not_empty, positive
 from core_rl.errors import ConfigError
 from core_rl.hookspecs import hookimpl
-from core_rl.kinds import ADVANTAGE, REWARD, TRAIN_ENGINE
-from core_rl.plugins import unknown_name_message
+from core_rl.plugins.host import unknown_name_message
+from core_rl.plugins.kinds import ADVANTAGE, REWARD, TRAIN_ENGINE
 
 
 def _problems(cls, data) -> list[str]:

@@ -1,4 +1,4 @@
-"""The progress watchdog (core_rl/trainer/watchdog.py) on real processes: a rank told to sleep
+"""The progress watchdog (core_rl/reliability/watchdog.py) on real processes: a rank told to sleep
 inside a step under ``core-rl train --nproc-per-node 2`` (gloo CPU ranks; the other rank then
 waits for it in a real collective), and a real vLLM server paused with SIGSTOP while it generates.
 Each run writes ``<run>/hang-<time>.txt`` with every rank's phase, calls in flight and thread
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 from core_rl.config.schema import WatchdogConfig
-from core_rl.progress import STALL_VARIABLE, STEP, Progress
-from core_rl.servers import pid_alive
-from core_rl.supervise import session_members
+from core_rl.reliability.progress import STALL_VARIABLE, STEP, Progress
+from core_rl.reliability.watchdog import bound
+from core_rl.servers.processes import pid_alive
+from core_rl.servers.supervise import session_members
 from core_rl.testing.faults import build_task, finish, merged, run_dir, wait_for_steps
 from core_rl.testing.launch import cpu_ranks_env
-from core_rl.trainer.watchdog import bound
 from fault_helpers import cli_command, cli_env, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,7 +179,7 @@ def test_a_request_to_a_paused_vllm_server(tmp_path: Path) -> None:
         from task import LETTERS, write_dataset
     finally:
         sys.path.remove(str(ROOT / "examples" / "tiny_grpo"))
-    from core_rl.tiny import build_tiny_model
+    from core_rl.roles.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", alphabet=LETTERS + "=", seed=0, num_heads=2)
     data = write_dataset(tmp_path / "data" / "train.jsonl")

@@ -1,4 +1,4 @@
-"""Weight loads beside the trainer (core_rl.trainer.weight_load): the wait joins the load and
+"""Weight loads beside the trainer (core_rl.sync.background_load): the wait joins the load and
 raises its error or a timeout naming the version; in an asynchronous run syncing by disk the
 trainer trains while the engine loads, never rewrites the directory during a load, and keeps
 every sample within the bound."""
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 from core_rl.builtin.loggers import read_metrics
-from core_rl.rollout_controller import RolloutTimeout
+from core_rl.rollout.controller import RolloutTimeout
+from core_rl.sync.background_load import BackgroundWeightLoad
 from core_rl.testing.faults import build_task, merged, run_dir
-from core_rl.trainer.weight_load import BackgroundWeightLoad
 from fault_helpers import train_here
 
 
@@ -62,7 +62,7 @@ pytest.importorskip("core_rl_grpo")
 def test_an_async_disk_run_trains_while_the_engine_loads(tmp_path: Path, host, monkeypatch) -> None:
     """Loads slowed to 0.4 s: the next step's update runs during a load, no export starts before
     the previous load ended, and staleness stays within the bound."""
-    from core_rl.trainer.update import PolicyUpdate
+    from core_rl.loops.rl.update import PolicyUpdate
     from core_rl_fsdp.engine import FSDPEngine
     from core_rl_hf.engine import HFRolloutEngine
 

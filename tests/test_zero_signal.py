@@ -1,4 +1,4 @@
-"""Zero-signal updates (core_rl.trainer.update): an optimiser step whose loss cannot have a gradient
+"""Zero-signal updates (core_rl.loops.rl.update): an optimiser step whose loss cannot have a gradient
 (``PolicyLoss.has_gradient`` is False, e.g. GRPO's ``ppo_clip`` with every advantage 0) skips its
 forward and backward passes and still takes the optimiser step a zero gradient gives, bitwise, with
 the real fsdp engine and AdamW; the steps are counted in metrics and the run's total survives a
@@ -23,19 +23,19 @@ from core_rl.config.schema import (
     TeacherConfig,
 )
 from core_rl.errors import PluginFault
-from core_rl.guards import GuardedLoss
 from core_rl.interfaces import LossOutput, PolicyLoss
-from core_rl.kinds import TRAIN_ENGINE
+from core_rl.loops.errors import RunFailed
+from core_rl.loops.rl.distill import DistillationLoss
+from core_rl.loops.rl.ptx import PTXLoss
+from core_rl.loops.rl.update import PolicyUpdate, zero_gradient_rows
 from core_rl.ops import aggregation_weights
-from core_rl.plugins import PluginHost
+from core_rl.plugins.guards import GuardedLoss
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import TRAIN_ENGINE
 from core_rl.protocol import TensorBatch
 from core_rl.testing import make_rl_batch
 from core_rl.testing.launch import run_train, write_grpo_config
 from core_rl.testing.tiny import build_tiny_model
-from core_rl.trainer.distill import DistillationLoss
-from core_rl.trainer.errors import RunFailed
-from core_rl.trainer.ptx import PTXLoss
-from core_rl.trainer.update import PolicyUpdate, zero_gradient_rows
 
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_grpo")
@@ -240,7 +240,7 @@ def test_wrapped_and_guarded_losses_decide(model_path: Path) -> None:
 def test_the_zero_gradient_row_reaches_every_parameter(model_path: Path) -> None:
     """The row the skipped step trains on gives every trainable parameter a gradient tensor (an
     optimiser skips a parameter without one), all of it 0."""
-    from core_rl.trainer.update import ZeroLoss
+    from core_rl.loops.rl.update import ZeroLoss
 
     engine = adamw_engine(model_path)
     grads: dict[str, torch.Tensor] = {}

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
 from core_rl.engine_utils.buckets import nbytes
 from core_rl.interfaces import LossOutput
+from core_rl.sync.weight_sync import sync_in_memory
 from core_rl.testing import make_rl_batch
 from core_rl.testing.weight_transfer import HostTrips
-from core_rl.trainer.weight_sync import sync_in_memory
 from core_rl_fsdp.config import FSDPConfig
 from core_rl_fsdp.engine import FSDPEngine
 from core_rl_hf.config import HFRolloutConfig

@@ -1,10 +1,10 @@
-"""The ``core-rl`` command: ``train``, ``eval`` (:mod:`core_rl.trainer.eval_command`), ``plugins``,
+"""The ``core-rl`` command: ``train``, ``eval`` (:mod:`core_rl.eval.command`), ``plugins``,
 ``plot``, ``checkpoints``, ``config show``, ``config validate`` and ``server-env
-create|list|path|remove`` (:mod:`core_rl.server_env`), plus the subcommands and ``train`` options
+create|list|path|remove`` (:mod:`core_rl.servers.env`), plus the subcommands and ``train`` options
 that launcher plugins add
 (:func:`core_rl.hookspecs.core_rl_add_commands`, :func:`core_rl.hookspecs.core_rl_add_train_arguments`).
 
-``train`` hands the run to the launcher the configuration selects (:mod:`core_rl.launchers`;
+``train`` hands the run to the launcher the configuration selects (:mod:`core_rl.launch.launchers`;
 ``local`` by default), after its placement check; in a process a launcher started as one trainer
 rank (``RANK`` and ``WORLD_SIZE`` set, as torch's elastic agent and
 :func:`run_rank` sets them) it trains that rank here.
@@ -20,9 +20,9 @@ exits with 1 when the run fails (a fault it detected, such as a broken reward or
 answering, as one message; anything unexpected with a traceback), 3 when SIGINT or SIGTERM stopped
 it after saving a checkpoint, and 128 + N (killed by signal N) after a second signal, or when the
 step did not finish within ``trainer.stop_grace_s`` of the first (stopped without saving,
-:mod:`core_rl.trainer.signals`). A run that makes no progress within the watchdog's bound exits
+:mod:`core_rl.loops.signals`). A run that makes no progress within the watchdog's bound exits
 with 1 after writing every thread's stack to ``<run>/hang-<time>.txt``
-(:mod:`core_rl.trainer.watchdog`). A crash of the interpreter itself (SIGSEGV and the like)
+(:mod:`core_rl.reliability.watchdog`). A crash of the interpreter itself (SIGSEGV and the like)
 prints every thread's Python stack first (:func:`report_fatal_signals`).
 """
 
@@ -38,12 +38,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from core_rl import __version__, exit_note
+from core_rl import __version__
 from core_rl.errors import ConfigError, CoreRLError, PluginFault
+from core_rl.reliability import exit_note
 
 if TYPE_CHECKING:
-    from core_rl.plugins import PluginHost
-    from core_rl.rendezvous import Rendezvous
+    from core_rl.launch.rendezvous import Rendezvous
+    from core_rl.plugins.host import PluginHost
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 3
@@ -62,8 +63,8 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     """The command line, with what the launcher plugins add to it (loaded through ``host``)."""
-    from core_rl.kinds import LAUNCHER
-    from core_rl.plugins import PluginHost
+    from core_rl.plugins.host import PluginHost
+    from core_rl.plugins.kinds import LAUNCHER
 
     host = host or PluginHost()
     host.load_kind(LAUNCHER)
@@ -154,7 +155,7 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
         "with its type, default and what it accepts, generated from the configuration classes.",
     )
 
-    from core_rl.server_env import add_command as add_server_env_command
+    from core_rl.servers.env import add_command as add_server_env_command
 
     add_server_env_command(sub)
     host.pm.hook.core_rl_add_commands(subparsers=sub)
@@ -166,7 +167,7 @@ def _cmd_plugins(as_json: bool) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from core_rl.plugins import PluginHost
+    from core_rl.plugins.host import PluginHost
 
     host = PluginHost()
     statuses = host.load_all()
@@ -200,7 +201,7 @@ def _cmd_plugins(as_json: bool) -> int:
 
 
 def _cmd_checkpoints(run_dir: Path, roll_back_to: int | None) -> int:
-    from core_rl.trainer import checkpoints
+    from core_rl.checkpoint import store as checkpoints
 
     if not checkpoints.checkpoints_root(run_dir).is_dir():
         raise CoreRLError(f"{run_dir}: no checkpoints/ here; give the run directory of a core-rl run")
@@ -229,10 +230,10 @@ def _cmd_checkpoints(run_dir: Path, roll_back_to: int | None) -> int:
 
 def plugin_traceback(error: BaseException) -> str:
     """The traceback of a plugin's exception, from the plugin's own code: the frames of the core
-    that called it (:func:`core_rl.attribution.calling`) are left out."""
+    that called it (:func:`core_rl.plugins.attribution.calling`) are left out."""
     import traceback
 
-    from core_rl import attribution
+    from core_rl.plugins import attribution
 
     core = {attribution.__file__}
     tb = error.__traceback__
@@ -282,8 +283,8 @@ def report_fatal_signals() -> None:
 
 
 def _cmd_train(args: argparse.Namespace, host: PluginHost) -> int:
-    from core_rl.launchers import LaunchRequest, launch_checked
-    from core_rl.rendezvous import Rendezvous, train_in_process
+    from core_rl.launch.launchers import LaunchRequest, launch_checked
+    from core_rl.launch.rendezvous import Rendezvous, train_in_process
 
     report_fatal_signals()
     cfg = _load(args, host)
@@ -301,7 +302,7 @@ def _cmd_train(args: argparse.Namespace, host: PluginHost) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace, host: PluginHost) -> int:
-    from core_rl.trainer.eval_command import evaluate_model
+    from core_rl.eval.command import evaluate_model
 
     report_fatal_signals()
     result = evaluate_model(_load(args, host), host=host, step=args.step)
@@ -320,14 +321,14 @@ def run_rank(config_path: str, overrides: Sequence[str], rendezvous: Rendezvous)
     return its exit status, as ``core-rl train`` would (errors are printed, not raised). Every rank
     of the run calls this with the same configuration and its own ``rendezvous``; rank 0 also runs
     rollouts, rewards and loggers. Changes this process's environment (one rank per process)."""
-    from core_rl.rendezvous import apply
+    from core_rl.launch.rendezvous import apply
 
     apply(rendezvous)
     return main(["train", config_path, *overrides])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from core_rl.plugins import PluginHost
+    from core_rl.plugins.host import PluginHost
 
     host = PluginHost()
     parser = build_parser(host)
@@ -350,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "checkpoints":
             return _cmd_checkpoints(Path(args.run_dir), args.roll_back_to)
         if args.command == "server-env":
-            from core_rl.server_env import run_command
+            from core_rl.servers.env import run_command
 
             return run_command(args)
         if args.command == "config":
@@ -361,14 +362,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 print(reference_markdown(), end="")
                 return 0
-            from core_rl.launchers import launcher_check
+            from core_rl.launch.launchers import launcher_check
 
             cfg = _load(args, host)
             problems = launcher_check(cfg)
             if problems:
                 raise ConfigError(problems, source=args.config)
             if args.preflight:
-                from core_rl.preflight import preflight
+                from core_rl.loops.preflight import preflight
 
                 preflight(cfg, create_output_dir=False)
             print(f"{args.config}: valid" + (" (preflight passed)" if args.preflight else ""))
@@ -382,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"core-rl: {exc}", file=sys.stderr)
         else:
             print(f"core-rl: error: {exc}", file=sys.stderr)
-        exit_note.write(str(exc))  # for a launcher that reads no output (core_rl.exit_note)
+        exit_note.write(str(exc))  # for a launcher that reads no output (core_rl.reliability.exit_note)
         if isinstance(exc, PluginFault) and exc.__cause__ is not None:
             print(plugin_traceback(exc.__cause__), end="", file=sys.stderr)
         return exc.exit_code

@@ -8,7 +8,7 @@ plugin is loaded (that is, when a configuration first selects one of its names, 
 
 The API is versioned by :data:`HOOK_API_VERSION`; specs added later carry ``versionadded``, and
 :data:`INTERFACE_ADDED` records which version added each interface member after the first (what the
-core checks a component for when it is built names it: :mod:`core_rl.components`).
+core checks a component for when it is built names it: :mod:`core_rl.plugins.components`).
 
 - 2: rollout-engine factories receive ``run_dir``; :func:`core_rl_register_server_envs` and
   :func:`core_rl_register_rejection_samplers` added; per-request generation, pausing and
@@ -20,7 +20,7 @@ core checks a component for when it is built names it: :mod:`core_rl.components`
 - 4: weights in buckets, kept on the device: ``TrainEngine.hf_weight_buckets`` and
   ``RolloutEngine.update_weights_from_buckets`` (what ``weight_sync: memory`` calls).
 - 5: :func:`core_rl_register_environments` and :func:`core_rl_register_tool_parsers` added;
-  launchers (:func:`core_rl_register_launchers`, :class:`core_rl.launchers.Launcher`) and the
+  launchers (:func:`core_rl_register_launchers`, :class:`core_rl.launch.launchers.Launcher`) and the
   command-line hooks a plugin extends ``core-rl`` with (:func:`core_rl_add_commands`,
   :func:`core_rl_add_train_arguments`).
 - 6: ``RolloutEngine.release_memory`` and ``RolloutEngine.restore_memory`` (a rollout engine asleep
@@ -36,7 +36,7 @@ core checks a component for when it is built names it: :mod:`core_rl.components`
   ``fingerprint_dtypes`` and ``fingerprint_prefix`` (the base class's defaults skip the check with
   a note).
 - 10: :func:`core_rl_register_data_sources` added: rows made in memory by a plugin
-  (:class:`core_rl.data_sources.DataSource`), selected by ``source:<key>`` entries of
+  (:class:`core_rl.data.sources.DataSource`), selected by ``source:<key>`` entries of
   ``data.train_files`` and ``eval.files``.
 """
 
@@ -53,9 +53,9 @@ HOOK_API_VERSION = 10
 
 #: The API version that added an interface (``"Class"``: all its members) or one member of it
 #: (``"Class.member"``) after version 1; anything not listed is in version 1. Classes are those of
-#: :mod:`core_rl.interfaces`, :class:`core_rl.workflows.RolloutWorkflow`,
-#: :class:`core_rl.server_env.ServerEnvSpec` and :class:`core_rl.launchers.Launcher` (each kind's
-#: ``interface``: :mod:`core_rl.kinds`).
+#: :mod:`core_rl.interfaces`, :class:`core_rl.rollout.workflows.RolloutWorkflow`,
+#: :class:`core_rl.servers.env.ServerEnvSpec` and :class:`core_rl.launch.launchers.Launcher` (each kind's
+#: ``interface``: :mod:`core_rl.plugins.kinds`).
 INTERFACE_ADDED: dict[str, int] = {
     "RejectionSampler": 2,
     "ServerEnvSpec": 2,
@@ -208,7 +208,7 @@ def core_rl_register_sample_filters(register: Register) -> None:
     :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
         filter. ``factory(config)`` receives one validated entry of ``algorithm.filters`` and
         returns a :class:`core_rl.interfaces.SampleFilter`, which keeps or drops whole prompt groups
-        (see :mod:`core_rl.trainer.filtering`).
+        (see :mod:`core_rl.loops.rl.filtering`).
     :return: nothing; results go through ``register``.
 
     Called when the plugin is loaded.
@@ -265,7 +265,7 @@ def core_rl_register_rejection_samplers(register: Register) -> None:
     :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
         sampler. ``factory(config)`` receives the validated ``algorithm.rejection_sampling`` section
         and returns a :class:`core_rl.interfaces.RejectionSampler`
-        (:class:`core_rl.rejection.MetricRejectionSampler` does the level / action / aggregation /
+        (:class:`core_rl.ops.rejection.MetricRejectionSampler` does the level / action / aggregation /
         bounds logic for any per-token metric).
     :return: nothing; results go through ``register``.
 
@@ -280,7 +280,7 @@ def core_rl_register_server_envs(register: Register) -> None:
     """Register server environments: the virtual environments inference servers run from.
 
     :param register: call ``register(name, factory, description=...)`` once per environment.
-        ``factory()`` takes no arguments and returns a :class:`core_rl.server_env.ServerEnvSpec`
+        ``factory()`` takes no arguments and returns a :class:`core_rl.servers.env.ServerEnvSpec`
         (its pinned requirements per variant, ``cpu`` and ``cuda``, the install steps and any
         fix-ups after them). ``core-rl server-env create NAME`` builds it.
     :return: nothing; results go through ``register``.
@@ -299,15 +299,15 @@ def core_rl_register_loops(register: Register) -> None:
 
     :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
         loop. ``factory(cfg, host, *, stop, data_rows, config)`` receives the validated
-        :class:`core_rl.config.schema.RunConfig`, the :class:`core_rl.plugins.PluginHost` (to build
+        :class:`core_rl.config.schema.RunConfig`, the :class:`core_rl.plugins.host.PluginHost` (to build
         the engines and loggers the configuration selects), the run's
-        :class:`core_rl.trainer.signals.StopSignals`, the data rows preflight already read and
-        checked (a list of :class:`core_rl.trainer.data.DataRow`, or ``None``) and the loop's own
+        :class:`core_rl.loops.signals.StopSignals`, the data rows preflight already read and
+        checked (a list of :class:`core_rl.data.prompts.DataRow`, or ``None``) and the loop's own
         validated section (``trainer.loop``; ``None`` without a ``config_cls``), and returns a
         :class:`core_rl.interfaces.TrainingLoop`. A ``config_cls`` class attribute
         ``rl_sections = False`` says the loop does not use the RL sections (``reward``,
         ``algorithm.advantage``, ``algorithm.loss``), which are then not required; a ``roles``
-        class attribute (a tuple of :data:`core_rl.roles.OPTIONAL_ROLES` names) lists the role
+        class attribute (a tuple of :data:`core_rl.roles.build.OPTIONAL_ROLES` names) lists the role
         sections it reads (default: all of them with the RL sections, none without), and a run
         that sets another one is refused rather than have it ignored.
     :return: nothing; results go through ``register``.
@@ -322,12 +322,12 @@ def core_rl_register_loops(register: Register) -> None:
 def core_rl_register_workflows(register: Register) -> None:
     """Register rollout workflows: how one data row becomes the trajectories of one group, by
     calling the rollout engine (one or several times per trajectory, e.g. turn by turn with tool
-    output appended as masked tokens) through a :class:`core_rl.workflows.WorkflowContext`.
+    output appended as masked tokens) through a :class:`core_rl.rollout.workflows.WorkflowContext`.
     Selected by ``rollout.workflow``; core registers ``single_turn``.
 
     :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
         workflow. ``factory(config)`` receives the validated ``rollout.workflow`` section and
-        returns a :class:`core_rl.workflows.RolloutWorkflow`.
+        returns a :class:`core_rl.rollout.workflows.RolloutWorkflow`.
     :return: nothing; results go through ``register``.
 
     Called when the plugin is loaded.
@@ -344,7 +344,7 @@ def core_rl_register_environments(register: Register) -> None:
 
     :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
         environment. ``factory(config)`` receives the environment's validated section and returns a
-        new :class:`core_rl.environments.Environment`; it is called once per trajectory.
+        new :class:`core_rl.rollout.environments.Environment`; it is called once per trajectory.
     :return: nothing; results go through ``register``.
 
     Called when the plugin is loaded.
@@ -361,7 +361,7 @@ def core_rl_register_launchers(register: Register) -> None:
 
     :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
         launcher. ``factory(config)`` receives the validated ``launcher`` section and returns a
-        :class:`core_rl.launchers.Launcher`. Its ``check`` is called by every ``core-rl config
+        :class:`core_rl.launch.launchers.Launcher`. Its ``check`` is called by every ``core-rl config
         validate`` and before ``core-rl train`` launches; its ``launch`` starts the run, each trainer
         rank through :func:`core_rl.cli.run_rank`.
     :return: nothing; results go through ``register``.
@@ -379,7 +379,7 @@ def core_rl_register_tool_parsers(register: Register) -> None:
     tool environment's ``parser`` section; core registers ``hermes``, ``llama3_json`` and ``tags``.
 
     :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
-        format. ``factory(config)`` returns a :class:`core_rl.tool_parsers.ToolParser`.
+        format. ``factory(config)`` returns a :class:`core_rl.rollout.tool_parsers.ToolParser`.
     :return: nothing; results go through ``register``.
 
     Called when the plugin is loaded.
@@ -398,7 +398,7 @@ def core_rl_register_data_sources(register: Register) -> None:
 
     :param register: call ``register(name, factory, description=..., config_cls=...)`` once per
         source. ``factory(config)`` receives the source's validated section and returns a
-        :class:`core_rl.data_sources.DataSource`, whose ``rows()`` returns the same rows in the same
+        :class:`core_rl.data.sources.DataSource`, whose ``rows()`` returns the same rows in the same
         order every time (a resumed run builds the source again and must draw the same rows).
     :return: nothing; results go through ``register``.
 
@@ -430,7 +430,7 @@ def core_rl_add_train_arguments(group: argparse._ArgumentGroup) -> None:
 
     :param group: the "launcher options" argument group of the ``train`` parser: call
         ``group.add_argument(...)`` with a default of ``None``. Every such value
-        reaches :class:`core_rl.launchers.LaunchRequest` ``.options`` under its ``dest``, whichever
+        reaches :class:`core_rl.launch.launchers.LaunchRequest` ``.options`` under its ``dest``, whichever
         launcher the configuration selects.
     :return: nothing.
 

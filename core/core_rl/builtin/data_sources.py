@@ -8,7 +8,7 @@
       train_files: [source:arithmetic]
 
 ``path`` is ``file.py:function`` (relative to the working directory) or ``module:function``
-(:mod:`core_rl.callables`); the function is called as ``function(**kwargs)`` and returns an
+(:mod:`core_rl.plugins.callables`); the function is called as ``function(**kwargs)`` and returns an
 iterable of rows (mappings of column to value), which must be the same rows in the same order on
 every call with the same ``kwargs`` (a resumed run calls it again): take any randomness from a seed
 among ``kwargs``.
@@ -21,11 +21,11 @@ from typing import Any
 
 import attrs
 
-from core_rl.callables import CALLABLE, CALLABLE_FORMS, LoadFailed, load_callable
 from core_rl.config.validators import FieldValueError
-from core_rl.data_sources import DataSource
+from core_rl.data.sources import DataSource
 from core_rl.errors import ConfigError
 from core_rl.hookspecs import Register, hookimpl
+from core_rl.plugins.callables import CALLABLE, CALLABLE_FORMS, LoadFailed, load_callable
 
 
 def _reference(_inst: Any, attribute: attrs.Attribute[Any], value: str) -> None:

@@ -1,5 +1,5 @@
 """The built-in rollout workflow ``environment``: drives any environment plugin
-(:mod:`core_rl.environments`) turn by turn.
+(:mod:`core_rl.rollout.environments`) turn by turn.
 
 .. code-block:: yaml
 
@@ -40,13 +40,13 @@ reward (0-based) by ``d**k`` before any of this, so an answer reached in fewer t
 context).
 
 Deadlines: each environment object's ``reset``, ``step`` and ``close`` run on an event loop of its
-own, in a daemon thread (:mod:`core_rl.own_loop`), so an ``async def`` step that blocks (a
+own, in a daemon thread (:mod:`core_rl.reliability.own_loop`), so an ``async def`` step that blocks (a
 ``time.sleep``, a blocking socket) cannot freeze the rollout: ``tool_timeout_s`` fires whatever the
 environment does. A step (or reset) past ``tool_timeout_s`` ends the trajectory with reward 0, the
 turn's ``info["timeout"]`` and the sample's ``info["failed"]`` (a failed episode: see
 ``algorithm.max_consecutive_failed_steps``); an environment whose loop stays blocked after that is
 asked nothing more (not even ``close``). Every call, timeout and error counts in the metrics
-``plugins/environment.<name>/calls``, ``timeouts``, ``errors`` (:mod:`core_rl.plugin_tally`). More than
+``plugins/environment.<name>/calls``, ``timeouts``, ``errors`` (:mod:`core_rl.plugins.tally`). More than
 :data:`MAX_STUCK_LOOPS` environments blocked for good at once stop the run with one line naming the
 environment (exit status 1).
 """
@@ -60,19 +60,19 @@ from typing import Any
 
 import attrs
 
-from core_rl.attribution import built_by
 from core_rl.config.schema import PluginSpec, plugin_section
 from core_rl.config.validators import FieldValueError, in_range, one_of, positive
-from core_rl.deadlines import DeadlinePassed
-from core_rl.environments import Action, Environment, StepResult, as_step_result
 from core_rl.errors import PluginFault
 from core_rl.hookspecs import Register, hookimpl
-from core_rl.kinds import ENVIRONMENT
-from core_rl.own_loop import OwnLoop, stuck_loops
-from core_rl.plugin_tally import PLUGIN_TALLY
-from core_rl.progress import PROGRESS
+from core_rl.plugins.attribution import built_by
+from core_rl.plugins.kinds import ENVIRONMENT
+from core_rl.plugins.tally import PLUGIN_TALLY
 from core_rl.protocol import Sample
-from core_rl.workflows import FAILED, RolloutWorkflow, WorkflowContext, append_observation, extend_turn
+from core_rl.reliability.deadlines import DeadlinePassed
+from core_rl.reliability.own_loop import OwnLoop, stuck_loops
+from core_rl.reliability.progress import PROGRESS
+from core_rl.rollout.environments import Action, Environment, StepResult, as_step_result
+from core_rl.rollout.workflows import FAILED, RolloutWorkflow, WorkflowContext, append_observation, extend_turn
 
 TRAIN_TURNS = ("all", "last")
 TURN_REWARDS = ("sum", "last", "per_turn")
@@ -163,8 +163,8 @@ class EnvironmentWorkflow(RolloutWorkflow):
 
     async def _call(self, env: Environment, own: OwnLoop, metric: str, what: str, coro: Any) -> Any:
         """``await coro`` (the environment's ``what``) on the environment's own loop (``own``,
-        :mod:`core_rl.own_loop`), within the pool and the step timeout, counted in
-        :data:`~core_rl.plugin_tally.PLUGIN_TALLY` as ``metric``. A timeout returns :data:`TIMED_OUT`; an
+        :mod:`core_rl.reliability.own_loop`), within the pool and the step timeout, counted in
+        :data:`~core_rl.plugins.tally.PLUGIN_TALLY` as ``metric``. A timeout returns :data:`TIMED_OUT`; an
         exception is a :class:`PluginFault` naming the environment; more than
         :data:`MAX_STUCK_LOOPS` environments blocked for good is a :class:`DeadlinePassed`."""
         words = built_by(env)

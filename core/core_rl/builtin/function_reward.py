@@ -26,7 +26,7 @@ fails that item, each under ``reward_runner.on_error``.
 
 At every configuration load (``core-rl config validate`` included) the function is loaded and its
 signature checked against the inputs and ``kwargs``; each problem is one line at ``reward.path``
-or ``reward.kwargs.<key>`` (:mod:`core_rl.callables` says how files load and what a failed load
+or ``reward.kwargs.<key>`` (:mod:`core_rl.plugins.callables` says how files load and what a failed load
 says).
 """
 
@@ -39,12 +39,12 @@ from typing import Any
 
 import attrs
 
-from core_rl.callables import CALLABLE, CALLABLE_FORMS, LoadFailed, is_async, load_callable
 from core_rl.config.checks import SectionContext
 from core_rl.config.validators import FieldValueError
 from core_rl.errors import ConfigError
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import Reward, RewardScores
+from core_rl.plugins.callables import CALLABLE, CALLABLE_FORMS, LoadFailed, is_async, load_callable
 from core_rl.protocol import RewardInput
 
 #: what each input a function may name is, for one item

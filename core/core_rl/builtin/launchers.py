@@ -1,7 +1,7 @@
 """The built-in ``local`` launcher: the trainer's ranks on this machine (torch's elastic agent for
 ``--nproc-per-node N``, else one rank in this process), or on several machines with
 ``--nnodes M --node-rank R --rdzv-endpoint HOST:PORT`` run on each (torchrun multi-node,
-:mod:`core_rl.trainer.launch`). It registers through the same hooks as any launcher plugin."""
+:mod:`core_rl.launch.local`). It registers through the same hooks as any launcher plugin."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from core_rl.config.checks import visible_gpus
 from core_rl.config.validators import MAX_COUNT, in_range
 from core_rl.errors import ConfigError
 from core_rl.hookspecs import Register, hookimpl
-from core_rl.launchers import Launcher, LaunchRequest
-from core_rl.placement import ClusterResources, placement_problems
-from core_rl.rendezvous import train_in_process
+from core_rl.launch.launchers import Launcher, LaunchRequest
+from core_rl.launch.placement import ClusterResources, placement_problems
+from core_rl.launch.rendezvous import train_in_process
 
 if TYPE_CHECKING:
     from core_rl.config.schema import RunConfig
@@ -56,7 +56,7 @@ class LocalLauncher(Launcher):
         return this_machine(request.options.get("nnodes") or self.config.nnodes)
 
     def launch(self, request: LaunchRequest) -> int:
-        from core_rl.trainer.launch import Nodes, launch
+        from core_rl.launch.local import Nodes, launch
 
         options = request.options
         nnodes = options.get("nnodes") or self.config.nnodes

@@ -14,7 +14,7 @@ from typing import IO, Any
 import attrs
 from tqdm import tqdm
 
-from core_rl.atomic_files import write_text_atomic
+from core_rl.checkpoint.atomic import write_text_atomic
 from core_rl.config.validators import MAX_STEPS, in_range, inside_directory
 from core_rl.errors import CoreRLError
 from core_rl.hookspecs import Register, hookimpl

@@ -1,4 +1,4 @@
-"""The built-in ``rl`` training loop (:class:`core_rl.trainer.sync.SyncTrainer`), registered through
+"""The built-in ``rl`` training loop (:class:`core_rl.loops.rl.loop.SyncTrainer`), registered through
 the same hook as a third party's loop. Registration only: no torch import."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from typing import Any
 from core_rl.config.schema import RunConfig
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import TrainingLoop
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
 
 
 def make_rl_loop(cfg: RunConfig, host: PluginHost, *, stop: Any, data_rows: Any, config: None) -> TrainingLoop:
     """factory: the synchronous RL loop (rollout, rewards, advantages, policy loss)."""
-    from core_rl.trainer.sync import SyncTrainer
+    from core_rl.loops.rl.loop import SyncTrainer
 
     return SyncTrainer(cfg, host, stop=stop, data_rows=data_rows)
 

@@ -1,10 +1,10 @@
 """Built-in rejection samplers (``algorithm.rejection_sampling``): ``ratio``, ``kl_k1``, ``kl_k2``,
-``kl_k3``, ``tis`` and ``mis`` (see :mod:`core_rl.rejection`). Registration only: no torch import."""
+``kl_k3``, ``tis`` and ``mis`` (see :mod:`core_rl.ops.rejection`). Registration only: no torch import."""
 
 from __future__ import annotations
 
 from core_rl.hookspecs import Register, hookimpl
-from core_rl.rejection import (
+from core_rl.ops.rejection import (
     ImportanceSamplingConfig,
     RatioRejectionConfig,
     RejectionSamplingConfig,

@@ -37,11 +37,11 @@ from core_rl.config.schema import PluginSpec, plugin_section
 from core_rl.config.validators import FieldValueError, finite, non_negative
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import Reward, RewardScores
-from core_rl.kinds import REWARD
+from core_rl.plugins.kinds import REWARD
 from core_rl.protocol import RewardInput
 
 if TYPE_CHECKING:
-    from core_rl.trainer.data_files import DataRow
+    from core_rl.data.files import DataRow
 
 
 @attrs.define
@@ -129,7 +129,7 @@ class WorkflowReward(Reward):
     def score(self, items: Sequence[RewardInput]) -> list[float]:
         missing = [item for item in items if item.workflow_reward is None]
         if missing and self.config.default is None:
-            from core_rl.trainer.rewards import describe_item  # the trainer's modules import torch
+            from core_rl.loops.rl.reward_runner import describe_item  # the trainer's modules import torch
 
             raise ValueError(
                 f"the rollout workflow assigned no reward to {len(missing)} of {len(items)} samples "

@@ -49,11 +49,11 @@ from core_rl.config.schema import PluginSpec, plugin_section
 from core_rl.config.validators import FieldValueError, non_negative, not_empty
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import Reward, RewardScores
-from core_rl.kinds import REWARD
+from core_rl.plugins.kinds import REWARD
 from core_rl.protocol import RewardInput
 
 if TYPE_CHECKING:
-    from core_rl.trainer.data_files import DataRow
+    from core_rl.data.files import DataRow
 
 #: the part name of the default route's scores
 DEFAULT = "default"
@@ -113,8 +113,8 @@ class RouteConfig:
     def check_data(self, rows: Sequence[DataRow], context: SectionContext) -> list[str]:
         """Rows whose value has no route (listed per value), and each route's own columns and
         ``check_data`` on the rows routed to it."""
-        from core_rl.trainer.data import missing_column_problems  # the trainer's data module: preflight only
-        from core_rl.trainer.data_files import MAX_PROBLEMS_PER_FILE, Problems
+        from core_rl.data.files import MAX_PROBLEMS_PER_FILE, Problems
+        from core_rl.data.prompts import missing_column_problems  # the trainer's data module: preflight only
 
         routed: dict[str, list[DataRow]] = {}
         unrouted: dict[str, list[DataRow]] = {}

@@ -1,9 +1,9 @@
-"""The built-in tool-call parsers ``hermes``, ``llama3_json`` and ``tags`` (see :mod:`core_rl.tool_parsers`)."""
+"""The built-in tool-call parsers ``hermes``, ``llama3_json`` and ``tags`` (see :mod:`core_rl.rollout.tool_parsers`)."""
 
 from __future__ import annotations
 
 from core_rl.hookspecs import Register, hookimpl
-from core_rl.tool_parsers import HermesConfig, HermesParser, Llama3JsonParser, TagsConfig, TagsParser
+from core_rl.rollout.tool_parsers import HermesConfig, HermesParser, Llama3JsonParser, TagsConfig, TagsParser
 
 
 @hookimpl

@@ -1,9 +1,9 @@
-"""The built-in rollout workflow ``single_turn`` (see :mod:`core_rl.workflows`)."""
+"""The built-in rollout workflow ``single_turn`` (see :mod:`core_rl.rollout.workflows`)."""
 
 from __future__ import annotations
 
 from core_rl.hookspecs import Register, hookimpl
-from core_rl.workflows import SingleTurnWorkflow
+from core_rl.rollout.workflows import SingleTurnWorkflow
 
 
 def make_single_turn(config: None) -> SingleTurnWorkflow:

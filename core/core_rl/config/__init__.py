@@ -6,7 +6,7 @@ modules) stays cheap to import.
 
 from __future__ import annotations
 
-from core_rl.lazy_exports import lazy_exports
+from core_rl.plugins.lazy_exports import lazy_exports
 
 __all__, __getattr__ = lazy_exports(
     __name__,

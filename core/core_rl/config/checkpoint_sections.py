@@ -1,6 +1,6 @@
 """The checkpoint sections of a run: ``saver`` (when checkpoints are written, which are kept, and
 what they hold) and ``recover`` (resuming and automatic restarts); the trainer's side is
-:mod:`core_rl.trainer.resume`."""
+:mod:`core_rl.checkpoint.resume`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from core_rl.config.validators import MAX_COUNT, MAX_STEPS, in_range, not_empty,
 class KeepBestConfig:
     """``saver.keep_best``: keep the ``count`` checkpoints (0: none besides ``keep_last``) with the
     best value of ``metric`` logged at their step, the largest with ``mode: max``
-    (:mod:`core_rl.trainer.checkpoint_policy`)."""
+    (:mod:`core_rl.checkpoint.policy`)."""
 
     count: int = attrs.field(default=0, validator=in_range(0, MAX_COUNT))
     metric: str = attrs.field(default="eval/reward/mean", validator=not_empty())
@@ -25,10 +25,10 @@ class SaverConfig:
     """Checkpoints (full training state, for resuming) every ``every_n_steps`` steps (0: never),
     after the first step ending ``every_n_minutes`` after the newest checkpoint or the start (0:
     never) and at the end; the newest ``keep_last`` are kept, and the best ``keep_best.count`` by
-    a metric (:mod:`core_rl.trainer.checkpoint_policy`). ``export_hf`` also writes the final
+    a metric (:mod:`core_rl.checkpoint.policy`). ``export_hf`` also writes the final
     policy as a Hugging Face directory (``<run>/final_hf``); ``export_hf_every_n_steps`` writes the
     policy of every such step to ``<run>/hf/step_<N>`` (0: never), keeping the newest
-    ``export_hf_keep_last`` (0: all) (:mod:`core_rl.trainer.hf_exports`).
+    ``export_hf_keep_last`` (0: all) (:mod:`core_rl.checkpoint.hf_exports`).
 
     ``save_optimizer`` (default true): checkpoints hold the optimizer state of every trained role
     (actor, critic). False leaves it out (with AdamW and float32 weights a checkpoint about a third

@@ -10,13 +10,13 @@ section (``actor.engine``, ``rollout.engine``, ``algorithm.advantage``, ``algori
   by every configuration load (``core-rl config validate`` included), once every section is valid.
 - ``check_environment(context: EnvironmentContext) -> Iterable[str]``: problems with the machine
   the run is about to use (devices, process-group backends, optional packages), found by
-  ``core-rl train`` before any model is loaded (:mod:`core_rl.preflight`).
+  ``core-rl train`` before any model is loaded (:mod:`core_rl.loops.preflight`).
 - ``required_columns() -> Sequence[str]`` (rewards): the data-row columns the reward reads. Before
   the run starts every row of ``data.train_files`` must hold each of them (and not null), or the
   run stops with the file and line of every row that does not.
 - ``check_data(rows: Sequence[DataRow], context: SectionContext) -> Iterable[str]`` (e.g. a
   training loop reading columns of its own): problems with the rows of ``data.train_files``
-  (:class:`~core_rl.trainer.data_files.DataRow`, each with its file and line), found by
+  (:class:`~core_rl.data.files.DataRow`, each with its file and line), found by
   ``core-rl train`` (and ``core-rl config validate --preflight``) before any model is loaded, with
   the other data problems. Its lines name the file and line (``row.where``) and the config key
   that selects the column; they are shown as they are, without a key path prepended.
@@ -40,7 +40,7 @@ import attrs
 
 if TYPE_CHECKING:
     from core_rl.config.schema import RunConfig
-    from core_rl.trainer.data_files import DataRow
+    from core_rl.data.files import DataRow
 
 
 @attrs.frozen

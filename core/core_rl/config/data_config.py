@@ -1,5 +1,5 @@
 """The ``data`` section: training prompts (:class:`DataConfig`), and the weighted sources of a
-mixture (:class:`TrainFile`, drawn by :mod:`core_rl.trainer.mixture`)."""
+mixture (:class:`TrainFile`, drawn by :mod:`core_rl.data.mixture`)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ TRUNCATION_MODES = ("error", "drop", "truncate")
 class TrainFile:
     """One source of a weighted mixture of training data (``data.train_files: [{path: a.jsonl,
     weight: 0.7}, ...]``): an entry as a plain ``train_files`` string names one, and its share of
-    the prompts drawn (:mod:`core_rl.trainer.mixture`)."""
+    the prompts drawn (:mod:`core_rl.data.mixture`)."""
 
     path: str = attrs.field(validator=not_empty())
     weight: float = attrs.field(default=1.0, validator=positive(1e12))
@@ -38,7 +38,7 @@ class TrainFile:
 class DifficultyFilterConfig:
     """``data.difficulty_filter``: skip training prompts the policy already always solves (or
     never does) instead of generating for them again (Polaris / Skywork-OR1's online filtering;
-    :mod:`core_rl.trainer.difficulty`).
+    :mod:`core_rl.loops.rl.difficulty`).
 
     After each generation batch is scored, every prompt's *record* becomes the mean of its group's
     rule rewards (the ``reward:`` function's scores, before ``algorithm.reward_shaping`` and
@@ -92,7 +92,7 @@ class DataConfig:
     ``train_files`` entries: JSON/JSONL/Parquet files, directories written by ``datasets``'
     ``save_to_disk`` (``dir``, or ``dir@split`` for a ``DatasetDict``; default split ``train``) and
     Hugging Face hub datasets ``hf:<repo_id>[:<config_name>][@<split>]`` (from the local cache where
-    they are there; :mod:`core_rl.trainer.data_files`).
+    they are there; :mod:`core_rl.data.files`).
 
     The prompt column holds text, or a conversation: a list of ``{"role": ..., "content": ...}``
     messages (system, user, earlier assistant turns), which needs ``apply_chat_template``.
@@ -102,14 +102,14 @@ class DataConfig:
     from adding its own default). ``chat_template_kwargs``: variables the template reads (e.g.
     ``enable_thinking: false`` for a template that has thinking turns). ``chat_template``: a Jinja
     template (or the path of a file holding one) used instead of the tokenizer's own, by every part
-    of the run and carried by its exports (:mod:`core_rl.chat_template_override`).
+    of the run and carried by its exports (:mod:`core_rl.rollout.chat_template_override`).
 
     ``train_files`` entries may instead all be ``{path: ..., weight: ...}`` (:class:`TrainFile`): a
     weighted mixture, each source's share of every epoch's draws in proportion to its weight
-    (:mod:`core_rl.trainer.mixture`).
+    (:mod:`core_rl.data.mixture`).
 
     ``sources`` (default none): data sources, rows a plugin makes in memory
-    (:mod:`core_rl.data_sources`), each key a name an entry ``source:<key>`` of ``train_files`` or
+    (:mod:`core_rl.data.sources`), each key a name an entry ``source:<key>`` of ``train_files`` or
     ``eval.files`` selects, each value the source's section ``{name: <registered name>,
     ...options}``; an entry ``source:<name>`` whose name is no key here is that registered source
     with its default options.
@@ -128,7 +128,7 @@ class DataConfig:
     response is cut at the end (a cut response gets no EOS, and the loss reads exactly the kept
     tokens), the prompt never (a row whose prompt leaves no room for a response token is an error).
     A ``conversations`` row of the ``sft`` loop is cut at the end like one sequence: the assistant
-    tokens kept stay trained, the rest is gone (:mod:`core_rl.trainer.length_bound`).
+    tokens kept stay trained, the rest is gone (:mod:`core_rl.loops.supervised.length_bound`).
 
     ``difficulty_filter`` (default null: every prompt drawn): skip prompts whose last group-mean
     reward says they are already solved, or hopeless (:class:`DifficultyFilterConfig`); RL loops only.
@@ -137,7 +137,7 @@ class DataConfig:
     reading and filtering (every loop): with ``shuffle`` a subset drawn once, seeded by
     ``experiment.seed``, otherwise the first ones in file order; kept in file order either way, and
     ``trainer.total_epochs`` counts passes over them. Not with weighted ``train_files`` (their weights
-    set each source's share; :func:`core_rl.trainer.data.capped_items`)."""
+    set each source's share; :func:`core_rl.data.prompts.capped_items`)."""
 
     train_files: list[str | TrainFile] = attrs.field(factory=list, validator=_train_entries)
     prompt_key: str = attrs.field(default="prompt", validator=not_empty())

@@ -13,7 +13,7 @@ Five kinds of key are derived:
   depends on the number of training prompts: written ``0`` and derived when the run starts, with
   the schedules derived from it, all marked ``at_start``;
 - settings whose good value depends on the machine, written ``auto`` and chosen when the run starts
-  (:mod:`core_rl.trainer.auto_budget`: the micro-batch token budgets), marked ``at_start``. They
+  (:mod:`core_rl.loops.auto_budget`: the micro-batch token budgets), marked ``at_start``. They
   are not the loader's: ``core-rl config show`` prints ``auto``; a run records the value it chose
   in ``<run>/config.yaml``'s comment, and a resumed run chooses anew without calling it a change.
 
@@ -27,7 +27,7 @@ interpolation) with its value in a comment::
       total_steps: 0  # derived: 20 = trainer.total_steps x algorithm.ppo_n_minibatches x ...
 
 so a run started again from that file with another ``trainer.total_steps`` derives them anew
-(:mod:`core_rl.trainer.run_config` names, on resume, each derived value that changed).
+(:mod:`core_rl.loops.run_config` names, on resume, each derived value that changed).
 """
 
 from __future__ import annotations

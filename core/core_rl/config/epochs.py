@@ -7,7 +7,7 @@ data.batch_size`` prompts a step draws::
 
     trainer.total_steps = ceil(E x P / B)
 
-Every loop draws its rows from the same stream (:class:`core_rl.trainer.data.PromptSource`): ``B``
+Every loop draws its rows from the same stream (:class:`core_rl.data.prompts.PromptSource`): ``B``
 at a time, reshuffled at each pass, with no partial batch dropped: a batch that reaches the end of
 a pass is filled from the start of the next. So ``E x P / B`` steps draw every prompt exactly ``E``
 times; the rounding up lets the last step finish its batch with up to ``B - 1`` prompts of pass
@@ -16,7 +16,7 @@ The supervised loops (``sft``, ``dpo``, ``kto``, ``rm``) read ``data.batch_size`
 from the same stream, so the same count holds for them. With dynamic sampling
 (``algorithm.max_num_gen_batches > 1``) a step may draw more than one batch; the count stays that
 of trained batches, so such a run draws more than ``E`` passes. So with ``data.difficulty_filter``
-(:mod:`core_rl.trainer.difficulty`): a prompt it skips counts as drawn in its pass (the data
+(:mod:`core_rl.loops.rl.difficulty`): a prompt it skips counts as drawn in its pass (the data
 position moves past it) while the step still trains ``B`` others, so the same ``ceil(E x P / B)``
 steps reach further into the epoch order than ``E`` passes.
 

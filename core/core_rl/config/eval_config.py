@@ -1,5 +1,5 @@
 """The ``eval:`` section: the policy evaluated on held-out prompts while it trains
-(:mod:`core_rl.trainer.evaluation` runs it, :mod:`core_rl.trainer.eval_metrics` sums it up)."""
+(:mod:`core_rl.eval.evaluator` runs it, :mod:`core_rl.eval.metrics` sums it up)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class EvalConfig:
 
     When: every ``every_n_steps`` steps (0: not on a schedule), ``before_train`` (the starting
     policy, before step 1 of a fresh run; logged at step 0) and ``at_end`` (after the last step,
-    unless the schedule just evaluated it). The metrics (``eval/*``, :mod:`core_rl.trainer.eval_metrics`)
+    unless the schedule just evaluated it). The metrics (``eval/*``, :mod:`core_rl.eval.metrics`)
     go to every logger with that step's; ``save_samples`` writes every answer with its reward to
     ``<run>/eval/step_<N>.jsonl``.
 

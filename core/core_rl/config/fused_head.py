@@ -3,7 +3,7 @@ computes log-probs from the last hidden states and the head's weight, so the mod
 hand the head's output on unchanged, and the head must be its plain weight).
 
 Engines that honour the setting say so (``fused_head = True`` on their config class; the core
-refuses it for any other, :func:`core_rl.roles.role_problems`) and check the role's model with
+refuses it for any other, :func:`core_rl.roles.build.role_problems`) and check the role's model with
 :func:`fused_head_problems`. Imports neither torch nor transformers: config checks run before
 either is loaded (``core-rl config validate``); the model is read from its ``config.json``."""
 

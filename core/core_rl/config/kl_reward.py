@@ -2,7 +2,7 @@
 (``algorithm.advantage.kl_ctl`` and its companions), importable without torch.
 
 An estimator's config class inherits :class:`KLInRewardConfig`; the estimator builds a
-:class:`core_rl.kl_reward.KLInReward` from it (the formula, the adaptive coefficient and its saved
+:class:`core_rl.ops.kl_reward.KLInReward` from it (the formula, the adaptive coefficient and its saved
 state live there, once).
 """
 

@@ -11,7 +11,7 @@
    recipe value is left out, with a note); a plugin section left without a ``name`` takes its
    default one (``trainer.loop``: ``rl``);
 4. ``${...}`` interpolation (OmegaConf); a ``model_path`` / ``tokenizer_path`` naming a ``.gguf``
-   file becomes the Hugging Face directory converted from it (:mod:`core_rl.gguf`, cached);
+   file becomes the Hugging Face directory converted from it (:mod:`core_rl.roles.gguf`, cached);
 5. typed structuring and validation (cattrs into :mod:`core_rl.config.schema`,
    :mod:`core_rl.config.converter`), then each selected plugin's own section by its
    ``config_cls`` (:mod:`core_rl.config.sections`), the keys derived from others
@@ -41,8 +41,6 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from core_rl import gguf
-from core_rl.components import build_component
 from core_rl.config.converter import CONVERTER, TypeMismatch, make_converter, structure
 from core_rl.config.derived import INTERPOLATION, derive_schedules, interpolations, record
 from core_rl.config.epochs import defer_total_steps
@@ -79,16 +77,18 @@ from core_rl.config.sections import (
     selected_sections,
     validate_plugin_section,
 )
-from core_rl.data_sources import source_entry_problems
+from core_rl.data.sources import source_entry_problems
 from core_rl.errors import ConfigError, PluginError
-from core_rl.freezing import engine_problems as freeze_engine_problems
 from core_rl.interfaces import AlgorithmRecipe
-from core_rl.kinds import ALGORITHM
-from core_rl.lora_sync import problems as lora_sync_problems
-from core_rl.placement import placement_config_problems, sleep_problems
-from core_rl.plugins import PluginHost
-from core_rl.remote_code import engine_problems as remote_code_engine_problems
-from core_rl.roles import role_problems
+from core_rl.launch.placement import placement_config_problems, sleep_problems
+from core_rl.plugins.components import build_component
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import ALGORITHM
+from core_rl.roles import gguf
+from core_rl.roles.build import role_problems
+from core_rl.roles.freezing import engine_problems as freeze_engine_problems
+from core_rl.roles.remote_code import engine_problems as remote_code_engine_problems
+from core_rl.sync.lora import problems as lora_sync_problems
 
 __all__ = [  # what this module has long offered, wherever it now lives
     "CONVERTER",

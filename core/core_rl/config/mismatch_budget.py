@@ -1,7 +1,7 @@
 """``algorithm.mismatch_budget``: what a run does when the train/rollout mismatch (the trainer's
 log-probs of the sampled tokens against the rollout engine's behaviour log-probs,
 :mod:`core_rl.ops.mismatch`) stays too large. Importable without torch; the budget at run time:
-:mod:`core_rl.trainer.mismatch_budget`."""
+:mod:`core_rl.loops.rl.mismatch_budget`."""
 
 from __future__ import annotations
 

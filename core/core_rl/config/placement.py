@@ -1,6 +1,6 @@
 """The ``placement:`` section of a run: where each role runs, as the launcher is asked to place it.
 Re-exported by :mod:`core_rl.config.schema`; checked against what a launcher offers by
-:mod:`core_rl.placement`.
+:mod:`core_rl.launch.placement`.
 
 Every trainer rank holds the actor and the other model roles (``ref``, ``critic``, ``teacher``,
 ``reward_model``): data parallelism over the actor's ranks. The rollout engine runs in rank 0 (the

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from core_rl.errors import PluginError
-from core_rl.registry import RegistryEntry
+from core_rl.plugins.registry import RegistryEntry
 
 if TYPE_CHECKING:
-    from core_rl.kinds import PluginKind
+    from core_rl.plugins.kinds import PluginKind
 
 #: attrs field metadata key, see :func:`default_from`
 DEFAULT_FROM = "core_rl_default_from"
@@ -45,14 +45,14 @@ class PluginSpec:
     def build(self, *args: Any, **kwargs: Any) -> Any:
         """Build the component: ``entry.factory(*args, config, **kwargs)`` (for rewards, loggers,
         losses, advantages and filters simply ``spec.build()``), checked as
-        :func:`core_rl.components.build_component` says. Only for a spec the loader has validated,
+        :func:`core_rl.plugins.components.build_component` says. Only for a spec the loader has validated,
         e.g. a nested section declared with :func:`plugin_section`."""
         if self.entry is None:
             raise PluginError(
                 f"plugin section {self.name!r} was not validated by the configuration loader "
                 "(core_rl.config.loader.validate_plugin_section), so it cannot be built"
             )
-        from core_rl.components import build_component
+        from core_rl.plugins.components import build_component
 
         return build_component(self.entry, *args, self.config, **kwargs)
 

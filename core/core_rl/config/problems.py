@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from core_rl.chat_template import CHAT_TEMPLATE_ARGUMENTS
 from core_rl.config.checks import SectionContext, config_problems
 from core_rl.config.mismatch_budget import mismatch_budget_problems
 from core_rl.config.reward_aggregation import reward_aggregation_problems
 from core_rl.config.schema import DataConfig, RunConfig, SchedulerConfig
 from core_rl.config.sections import selected_sections
 from core_rl.config.validators import MAX_COUNT, FieldValueError
-from core_rl.kinds import LOOP, ROLLOUT_ENGINE
-from core_rl.plugins import PluginHost
-from core_rl.roles import OPTIONAL_ROLES, role_sections
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import LOOP, ROLLOUT_ENGINE
+from core_rl.roles.build import OPTIONAL_ROLES, role_sections
+from core_rl.rollout.chat_template import CHAT_TEMPLATE_ARGUMENTS
 
 
 def uses_rl_sections(cfg: RunConfig, host: PluginHost | None = None) -> bool:
@@ -38,7 +38,7 @@ def uses_rl_sections(cfg: RunConfig, host: PluginHost | None = None) -> bool:
 
 def resets_reference(cfg: RunConfig, host: PluginHost | None = None) -> bool:
     """Whether the selected loop resets its reference (``algorithm.reference_reset_every_n_steps``,
-    :mod:`core_rl.trainer.reference_reset`): its config class's ``resets_reference`` attribute, else
+    :mod:`core_rl.loops.rl.reference_reset`): its config class's ``resets_reference`` attribute, else
     whether it uses the RL sections. An unknown loop (reported already) counts as one that does."""
     spec = cfg.trainer.loop
     config_cls: Any = type(spec.config) if spec.config is not None else None
@@ -51,7 +51,7 @@ def resets_reference(cfg: RunConfig, host: PluginHost | None = None) -> bool:
 
 
 def loop_roles(cfg: RunConfig, host: PluginHost | None = None) -> tuple[str, ...] | None:
-    """The optional role sections (:data:`core_rl.roles.OPTIONAL_ROLES`) the selected loop reads:
+    """The optional role sections (:data:`core_rl.roles.build.OPTIONAL_ROLES`) the selected loop reads:
     its config class's ``roles`` attribute, else all of them for a loop that uses the RL sections
     and none for one that does not. ``None`` when the loop is unknown (reported already)."""
     spec = cfg.trainer.loop
@@ -125,7 +125,7 @@ def max_length_problems(cfg: RunConfig, host: PluginHost | None = None) -> list[
     """``data.truncation`` without ``data.max_length``, and ``data.max_length`` for a loop it does
     not bound: the rl loop (its lengths are ``data.max_prompt_tokens`` and
     ``rollout.sampling.max_new_tokens``) or a loop whose config class has no ``row_sequences``
-    (:class:`core_rl.trainer.sequences.BuildsSequences`)."""
+    (:class:`core_rl.loops.supervised.sequences.BuildsSequences`)."""
     data, spec = cfg.data, cfg.trainer.loop
     if data.truncation is not None and data.max_length is None:
         return [
@@ -441,7 +441,7 @@ def replay_config_problems(cfg: RunConfig, *, rl_loop: bool) -> list[str]:
 def difficulty_filter_problems(cfg: RunConfig, *, rl_loop: bool) -> list[str]:
     """A ``data.difficulty_filter`` that would do nothing: a loop that scores no rollouts (the
     supervised ones), a replay run (its batches are the saved ones), or no rule reward to measure
-    prompts by (:mod:`core_rl.trainer.difficulty`)."""
+    prompts by (:mod:`core_rl.loops.rl.difficulty`)."""
     if cfg.data.difficulty_filter is None:
         return []
     key = "data.difficulty_filter"

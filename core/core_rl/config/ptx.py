@@ -1,6 +1,6 @@
 """``algorithm.ptx``: a supervised loss on a dataset of its own mixed into every policy update
 (InstructGPT's PPO-ptx, OpenRLHF's ``--pretrain_data``/``--ptx_coef``), importable without torch.
-The loss and the rows: :mod:`core_rl.trainer.ptx`."""
+The loss and the rows: :mod:`core_rl.loops.rl.ptx`."""
 
 from __future__ import annotations
 

@@ -202,7 +202,7 @@ def run_reference() -> str:
 
 def plugin_reference(host: Any | None = None) -> str:
     """The keys of every installed plugin that takes options (its ``config_cls``), by kind."""
-    from core_rl.plugins import PluginHost
+    from core_rl.plugins.host import PluginHost
 
     host = host or PluginHost()
     host.load_all()

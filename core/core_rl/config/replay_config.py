@@ -1,7 +1,7 @@
 """``rollout.dump`` (each step's scored rollouts saved to disk) and ``rollout.replay_from`` (a run
 that trains on saved rollouts instead of generating). How they combine with the rest of a run:
-:func:`core_rl.config.problems.replay_config_problems`; the files: :mod:`core_rl.trainer.rollout_dump`;
-the replay: :mod:`core_rl.trainer.rollout_replay`."""
+:func:`core_rl.config.problems.replay_config_problems`; the files: :mod:`core_rl.rollout.dump`;
+the replay: :mod:`core_rl.rollout.replay`."""
 
 from __future__ import annotations
 

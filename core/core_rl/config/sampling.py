@@ -18,7 +18,7 @@ class SamplingConfig:
     """Rollout sampling. ``n`` is the group size (samples per prompt). ``min_new_tokens`` must not
     exceed ``max_new_tokens``; stop token ids are checked against the model's vocabulary before
     the run starts. ``stop``: strings that end a response at the token completing one (it stays in
-    the trajectory; :mod:`core_rl.stop_strings`). ``min_p`` in [0, 1): keep the tokens whose
+    the trajectory; :mod:`core_rl.rollout.stop_strings`). ``min_p`` in [0, 1): keep the tokens whose
     probability is at least ``min_p`` times the most likely token's (0: off; ignored when greedy,
     like ``top_p``).
 

@@ -75,7 +75,7 @@ class ExperimentConfig:
 
 @attrs.define
 class ControllerConfig:
-    """The rollout controller (:mod:`core_rl.rollout_controller`), which keeps generating while
+    """The rollout controller (:mod:`core_rl.rollout.controller`), which keeps generating while
     the trainer trains.
 
     ``max_head_offpolicyness``: how many versions the weights a trajectory starts under may lag
@@ -96,7 +96,7 @@ class ControllerConfig:
     (or rollout on the trainer) for more than this fraction of a step. ``workflow_timeout_s``: the
     longest one trajectory's workflow call (``run``, generation included) may take, and the longest
     the controller's event loop may stay blocked (by an ``async def`` making a blocking call); past
-    it the run stops with one line naming the workflow (:mod:`core_rl.deadlines`)."""
+    it the run stops with one line naming the workflow (:mod:`core_rl.reliability.deadlines`)."""
 
     max_head_offpolicyness: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
     max_concurrent_rollouts: int = attrs.field(default=0, validator=in_range(0, MAX_COUNT))
@@ -125,13 +125,13 @@ class RolloutConfig:
     of ``actor.model_path``). ``adapter`` needs a rollout engine that serves adapters
     (``serves_lora_adapters`` of its config class: ``vllm``), ``weight_sync: disk``, a train engine
     that writes the adapter alone (``exports_lora_adapter``: ``fsdp``, ``deepspeed``), and no
-    sleeping while training (:mod:`core_rl.lora_sync`).
+    sleeping while training (:mod:`core_rl.sync.lora`).
 
     ``sync_check``: after each weight sync (``every_n_syncs`` to thin it), compare fingerprints of
     the tensors the trainer sent with those the rollout engine loaded; a mismatch stops the run
-    (:class:`SyncCheckConfig`, :mod:`core_rl.trainer.sync_check`).
+    (:class:`SyncCheckConfig`, :mod:`core_rl.sync.check`).
 
-    ``workflow``: how a data row becomes trajectories (:mod:`core_rl.workflows`; default
+    ``workflow``: how a data row becomes trajectories (:mod:`core_rl.rollout.workflows`; default
     ``single_turn``); ``controller``: asynchronous rollout and its staleness bound
     (:class:`ControllerConfig`).
 
@@ -140,11 +140,11 @@ class RolloutConfig:
     (:meth:`~core_rl.interfaces.RolloutEngine.release_memory`). ``auto``: on when the engine
     shares the trainer's GPUs (``placement.mode`` colocate, on CUDA) in a synchronous run
     (``controller.max_head_offpolicyness`` 0); ``true`` anywhere else is refused
-    (:func:`core_rl.placement.sleep_problems`).
+    (:func:`core_rl.launch.placement.sleep_problems`).
 
     ``dump``: each step's scored rollouts saved under the run (:class:`RolloutDumpConfig`);
     ``replay_from``: a directory of such dumps to train on instead of generating (no rollout engine
-    built, no reward called: :mod:`core_rl.trainer.rollout_replay`)."""
+    built, no reward called: :mod:`core_rl.rollout.replay`)."""
 
     engine: PluginSpec = attrs.field(factory=lambda: PluginSpec(name="hf"))
     sampling: SamplingConfig = attrs.field(factory=SamplingConfig)
@@ -180,13 +180,13 @@ class ActorConfig:
     own ``lora.dropout`` still applies (``megatron`` builds its models without dropout whatever
     this says). ``model_overrides``: keys of the model's ``config.json`` replaced for this run
     (e.g. ``rope_scaling``, ``max_position_embeddings``), for every engine that loads the model
-    (:mod:`core_rl.model_overrides`). ``trust_remote_code``: let transformers run the Python files a
+    (:mod:`core_rl.roles.model_overrides`). ``trust_remote_code``: let transformers run the Python files a
     model directory ships (its ``config.json`` or ``tokenizer_config.json`` has an ``auto_map``)
     wherever this role's config, model or tokenizer is loaded; for the actor also the rollout engine
     and its inference servers (``--trust-remote-code``). Per role, not run-wide: trust belongs to a
-    directory, and each role names its own (:mod:`core_rl.remote_code`). Without it such a model is
+    directory, and each role names its own (:mod:`core_rl.roles.remote_code`). Without it such a model is
     refused before the run. ``freeze``: regular expressions naming parameters that keep their
-    starting values (``[embed_tokens]``; :mod:`core_rl.freezing`)."""
+    starting values (``[embed_tokens]``; :mod:`core_rl.roles.freezing`)."""
 
     model_path: str = ""
     tokenizer_path: str | None = None
@@ -249,7 +249,7 @@ class TeacherConfig(ActorConfig):
     top_k: int = attrs.field(default=20, validator=in_range(1, MAX_COUNT))
 
 
-#: where the reward model's score of a sample is read (:mod:`core_rl.trainer.reward_role`)
+#: where the reward model's score of a sample is read (:mod:`core_rl.loops.rl.reward_model`)
 SCORE_TOKENS = ("last_content", "last")
 
 
@@ -336,13 +336,13 @@ class AlgorithmConfig:
       is discarded), at most this many (dynamic sampling);
     - ``max_consecutive_empty_steps``: with ``max_num_gen_batches`` 1, this many steps in a row
       whose filters left nothing to train on end the run (0: no limit; each such step is a warning
-      and counts in ``filter/empty_steps_total``, see :mod:`core_rl.trainer.filtering`);
+      and counts in ``filter/empty_steps_total``, see :mod:`core_rl.loops.rl.filtering`);
     - ``max_consecutive_failed_steps``: this many steps in a row whose every episode failed (an
       environment past ``rollout.workflow.tool_timeout_s``, a reward call that failed) end the run
       (0: no limit; each such step is a warning and counts in ``rollout/failed_steps_total``, see
-      :mod:`core_rl.trainer.failed_steps`);
+      :mod:`core_rl.loops.rl.failed_steps`);
     - ``filter_timeout_s``: the longest one sample filter's call may take; past it the run stops with
-      one line naming the filter (:mod:`core_rl.deadlines`);
+      one line naming the filter (:mod:`core_rl.reliability.deadlines`);
     - ``ppo_n_minibatches`` x ``ppo_epochs``: optimiser steps per RL step (the batch is cut into
       minibatches by rows, and the cut is passed over ``ppo_epochs`` times);
     - ``early_stop_kl`` (null: off): after an optimiser step whose measured ``approx_kl`` (the policy
@@ -357,9 +357,9 @@ class AlgorithmConfig:
     - ``mismatch_budget``: the train/rollout mismatch logged every step, and what to do when it
       stays too large (:class:`core_rl.config.mismatch_budget.MismatchBudgetConfig`);
     - ``reference_reset_every_n_steps``: every this many steps the reference model becomes the
-      current policy (0: never; :mod:`core_rl.trainer.reference_reset`);
+      current policy (0: never; :mod:`core_rl.loops.rl.reference_reset`);
     - ``reference_reset_alpha``: in ``(0, 1]``; below 1 each reset is a soft update, the reference
-      becoming ``alpha * policy + (1 - alpha) * reference`` (:mod:`core_rl.trainer.reference_mix`);
+      becoming ``alpha * policy + (1 - alpha) * reference`` (:mod:`core_rl.loops.rl.reference_mix`);
       1: the policy itself;
     - ``reference_reset_optimizer``: each reset also drops the actor's optimizer state (Adam's
       moments and step count; the learning-rate schedule goes on), so the policy's next update
@@ -397,7 +397,7 @@ class AlgorithmConfig:
 
 @attrs.define
 class ProfileConfig:
-    """``torch.profiler`` around chosen steps (:mod:`core_rl.trainer.profiling`): ``steps`` lists
+    """``torch.profiler`` around chosen steps (:mod:`core_rl.loops.profiling`): ``steps`` lists
     the trainer steps to record (empty: none); each writes ``<run>/profile/step<N>-rank<R>.json``
     (a Chrome/Perfetto trace) and ``.txt`` (the operator table, ``row_limit`` rows). Every thread
     of the process is recorded (the embedded rollout engine's generation included); servers run
@@ -413,7 +413,7 @@ class ProfileConfig:
 
 @attrs.define
 class WatchdogConfig:
-    """The progress watchdog (:mod:`core_rl.trainer.watchdog`): when no phase of a step advances
+    """The progress watchdog (:mod:`core_rl.reliability.watchdog`): when no phase of a step advances
     within a bound (a phase starting or ending, a plugin, engine or server call returning), the run
     writes every thread's stack on every rank, with the phase and call each rank is in, to
     ``<run>/hang-<time>.txt`` and stops with exit status 1 and one line naming the stuck phase and call.
@@ -446,7 +446,7 @@ class TrainerConfig:
     ``resume: true`` is ``recover.mode: auto`` (continue from
     the run's newest valid checkpoint); ``torch_threads`` (0: leave torch's default) sets intra-op
     threads; the run warns at start-up when they, times the node's processes, need more cores than
-    are free (:mod:`core_rl.trainer.cpu_threads`). ``mode``: ``sync``, the only value (rollout ahead of training is
+    are free (:mod:`core_rl.loops.cpu_threads`). ``mode``: ``sync``, the only value (rollout ahead of training is
     ``rollout.controller.max_head_offpolicyness``).
 
     ``collective_timeout_s``: under ``torchrun``, how long any rank waits for the others (every
@@ -465,12 +465,12 @@ class TrainerConfig:
     ``stop_grace_s``: after the first SIGINT or SIGTERM the run finishes its step and saves a
     checkpoint; when that has not happened within this many seconds (a stuck step), it stops without
     saving, keeping the newest complete checkpoint, says so and exits with 128 + the signal's number
-    (:mod:`core_rl.trainer.signals`).
+    (:mod:`core_rl.loops.signals`).
 
     ``logger_timeout_s``: the longest one logger's ``log`` or ``log_samples`` call may take; past it
-    the run stops with one line naming the logger, keeping its last checkpoint (:mod:`core_rl.deadlines`).
+    the run stops with one line naming the logger, keeping its last checkpoint (:mod:`core_rl.reliability.deadlines`).
     ``warn_failure_fraction``: warn, naming the plugin, when more than this fraction of a plugin's
-    calls in a step timed out or raised and the run went on (:mod:`core_rl.plugin_tally`)."""
+    calls in a step timed out or raised and the run went on (:mod:`core_rl.plugins.tally`)."""
 
     mode: str = attrs.field(default="sync", validator=one_of(("sync",)))
     total_steps: int = attrs.field(default=100, validator=_steps_or_derived)
@@ -492,7 +492,7 @@ class TrainerConfig:
 
 @attrs.define
 class RewardRunnerConfig:
-    """How the reward is called (:mod:`core_rl.trainer.rewards`).
+    """How the reward is called (:mod:`core_rl.loops.rl.reward_runner`).
 
     A step's samples are scored in calls of ``items_per_call`` items (0: all in one call), up to
     ``num_workers`` calls at once in a thread pool (the reward must then be thread-safe; 1 calls it
@@ -540,7 +540,7 @@ class RunConfig:
     recover: RecoverConfig = attrs.field(factory=RecoverConfig)
     #: evaluation on held-out prompts while training (:mod:`core_rl.config.eval_config`); null: none
     eval: EvalConfig | None = None
-    #: model roles besides the actor (:mod:`core_rl.roles`); null: not used (``ref`` then defaults to
+    #: model roles besides the actor (:mod:`core_rl.roles.build`); null: not used (``ref`` then defaults to
     #: the actor's model, frozen, when the algorithm needs a reference)
     ref: ActorConfig | None = None
     critic: CriticConfig | None = None

@@ -10,7 +10,6 @@ from typing import Any
 
 import attrs
 
-from core_rl import kinds
 from core_rl.config.converter import TypeMismatch, join_path, structure, structure_plugin_spec
 from core_rl.config.derived import record_default
 from core_rl.config.overrides import format_path
@@ -19,9 +18,10 @@ from core_rl.config.plugin_spec import DEFAULT_FROM, PLUGIN_KIND_METADATA
 from core_rl.config.schema import PluginSpec, RunConfig
 from core_rl.config.validators import FieldValueError
 from core_rl.errors import ConfigError, PluginError
-from core_rl.kinds import PluginKind
-from core_rl.plugins import PluginHost
-from core_rl.roles import OPTIONAL_ROLES, role_sections
+from core_rl.plugins import kinds
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import PluginKind
+from core_rl.roles.build import OPTIONAL_ROLES, role_sections
 
 
 def selected_sections(cfg: RunConfig) -> Iterator[tuple[str, PluginKind, PluginSpec]]:

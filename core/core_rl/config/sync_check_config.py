@@ -1,5 +1,5 @@
 """``rollout.sync_check``: after a weight sync, check that the rollout engine holds the weights the
-trainer sent (:mod:`core_rl.trainer.sync_check`)."""
+trainer sent (:mod:`core_rl.sync.check`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What ``teacher.loss: topk_forward_kl`` asks of the run (:mod:`core_rl.trainer.distill`): the
+"""What ``teacher.loss: topk_forward_kl`` asks of the run (:mod:`core_rl.loops.rl.distill`): the
 teacher's engine computes its top-k ids and log-probs per token
 (:meth:`~core_rl.interfaces.TrainEngine.compute_topk_logprobs`) and the actor's engine the
 policy's log-probs of those ids in its training forward (:data:`core_rl.interfaces.LOGPROBS_AT`).
@@ -12,11 +12,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from core_rl.kinds import TRAIN_ENGINE
+from core_rl.plugins.kinds import TRAIN_ENGINE
 
 if TYPE_CHECKING:
     from core_rl.config.schema import ActorConfig, RunConfig
-    from core_rl.plugins import PluginHost
+    from core_rl.plugins.host import PluginHost
 
 TOPK_LOSS = "topk_forward_kl"
 
@@ -69,7 +69,7 @@ def _role_problems(role: str, section: ActorConfig, host: PluginHost) -> list[st
 def model_vocab_size(model_path: str) -> int | None:
     """``vocab_size`` of a local model directory's ``config.json`` (its text config's too), ``None``
     where it cannot be read (a hub id: the build says so). A teacher's top k is taken among the
-    actor's first ``vocab_size`` tokens (:class:`core_rl.trainer.update.PolicyUpdate`): a larger
+    actor's first ``vocab_size`` tokens (:class:`core_rl.loops.rl.update.PolicyUpdate`): a larger
     model of the family may pad its embedding past the actor's."""
     try:
         config = json.loads((Path(model_path) / "config.json").read_text())

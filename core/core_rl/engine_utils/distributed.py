@@ -10,7 +10,7 @@ One code path serves CPU + gloo and GPU + NCCL:
   group to run on. Groups the engine creates live as long as the process.
 
 A group the engine creates gets the run's collective timeout
-(:func:`core_rl.trainer.ranks.collective_timeout`, from ``trainer.collective_timeout_s``), so no
+(:func:`core_rl.launch.ranks.collective_timeout`, from ``trainer.collective_timeout_s``), so no
 collective waits forever for a stopped or dead rank. On one machine (no ``MASTER_ADDR``, or a
 loopback one) gloo and NCCL are told to listen on the loopback interface only, unless
 ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` say otherwise.
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from core_rl.trainer.ranks import collective_timeout, listen_on_loopback_unless_configured
+from core_rl.launch.ranks import collective_timeout, listen_on_loopback_unless_configured
 
 ReduceOp = dist.ReduceOp
 

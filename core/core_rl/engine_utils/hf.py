@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from core_rl import checkpointing as ckpt
+from core_rl.checkpoint import files as ckpt
 from core_rl.config.flash_attention import FLASH_ATTENTION_DTYPES
 from core_rl.config.schema import ActorConfig, LoraConfig
 from core_rl.errors import ConfigError
-from core_rl.freezing import freeze_parameters
+from core_rl.roles.freezing import freeze_parameters
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -65,7 +65,7 @@ def load_causal_lm(
     """``AutoModelForCausalLM`` from ``model_path`` (local files only, never the hub) in ``dtype``, on
     CPU; ``attn_implementation`` (e.g. ``sdpa``, ``eager``, ``flash_attention_2``) is passed through
     when set; ``trust_remote_code`` lets transformers run the directory's own modelling code
-    (:mod:`core_rl.remote_code`). Draws no progress bar (:func:`no_progress_bars`)."""
+    (:mod:`core_rl.roles.remote_code`). Draws no progress bar (:func:`no_progress_bars`)."""
     from transformers import AutoModelForCausalLM
 
     if not model_path:
@@ -212,13 +212,13 @@ def write_hf_dir(
 ) -> None:
     """Write ``model``'s config with ``state_dict`` as its weights, plus the tokenizer read from
     ``tokenizer_path``, to ``final`` via a partial directory moved into place
-    (:mod:`core_rl.checkpointing`). ``architectures`` is written into ``config.json`` (so a wrapper
+    (:mod:`core_rl.checkpoint.files`). ``architectures`` is written into ``config.json`` (so a wrapper
     class name such as FSDP's never appears there). A model or tokenizer with its own code
     (``trust_remote_code``; ``model_path``: the directory the model was loaded from) keeps its code
-    files and ``auto_map`` (:func:`core_rl.remote_code.keep_custom_code`), so the export loads again."""
+    files and ``auto_map`` (:func:`core_rl.roles.remote_code.keep_custom_code`), so the export loads again."""
     from transformers import AutoTokenizer
 
-    from core_rl.remote_code import keep_custom_code
+    from core_rl.roles.remote_code import keep_custom_code
 
     tokenizer = AutoTokenizer.from_pretrained(
         tokenizer_path, local_files_only=True, trust_remote_code=trust_remote_code
@@ -287,7 +287,7 @@ def prepare_for_role(model: nn.Module, actor: ActorConfig, *, trainable: bool) -
     """A trainable model loses its dropout (``actor.disable_dropout``: before adapters, so
     ``lora.dropout`` still applies), gets LoRA adapters when ``actor.lora`` asks (the returned
     model is then the peft wrapper), keeps the parameters ``actor.freeze`` names frozen
-    (:mod:`core_rl.freezing`) and gets activation checkpointing when
+    (:mod:`core_rl.roles.freezing`) and gets activation checkpointing when
     ``actor.gradient_checkpointing`` is on; a frozen one (a reference model: the base model, never
     adapters) gets no gradients and eval mode."""
     if not trainable:

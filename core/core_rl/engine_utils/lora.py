@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core_rl import checkpointing as ckpt
+from core_rl.checkpoint import files as ckpt
 from core_rl.config.schema import LoraConfig
 from core_rl.errors import ConfigError
 
@@ -166,7 +166,7 @@ def adapter_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict
 def write_adapter_dir(final: Path, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Write the adapter alone to ``final`` (``adapter_config.json`` + ``adapter_model.safetensors``,
     loadable by ``peft.PeftModel.from_pretrained(base, final)``), via a partial directory moved into
-    place (:mod:`core_rl.checkpointing`)."""
+    place (:mod:`core_rl.checkpoint.files`)."""
     from safetensors.torch import save_file
 
     weights = {k: v.contiguous() for k, v in adapter_state_dict(model, state).items()}

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from core_rl.callables import LoadFailed, load_callable
 from core_rl.config.model_sections import OptimizerConfig
+from core_rl.plugins.callables import LoadFailed, load_callable
 
 #: the constructor arguments core-rl passes itself (``kwargs`` cannot set them)
 OWN_ARGUMENTS = ("params", "lr", "weight_decay")
@@ -20,7 +20,7 @@ OWN_ARGUMENTS = ("params", "lr", "weight_decay")
 
 def load_optimizer_class(class_path: str) -> type[torch.optim.Optimizer]:
     """The class ``class_path`` (``module:Class`` or ``file.py:Class``) names. Raises
-    :class:`~core_rl.callables.LoadFailed` with one line when it cannot be loaded or is not a
+    :class:`~core_rl.plugins.callables.LoadFailed` with one line when it cannot be loaded or is not a
     ``torch.optim.Optimizer`` subclass."""
     found = load_callable(class_path)
     if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)):

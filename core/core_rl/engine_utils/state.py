@@ -1,5 +1,5 @@
 """Training-state directories written by all ranks together, in formats that execute nothing on load
-(:mod:`core_rl.checkpointing`): the collective atomic-write protocol, ``meta.json``, and per-rank
+(:mod:`core_rl.checkpoint.files`): the collective atomic-write protocol, ``meta.json``, and per-rank
 RNG states.
 
 Layout every engine shares (engines add their own files)::
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from core_rl import checkpointing as ckpt
+from core_rl.checkpoint import files as ckpt
 from core_rl.engine_utils import distributed as dist_utils
 
 
@@ -76,7 +76,7 @@ def optimizer_record(has_state: bool, save: bool) -> str:
 def restores_optimizer(meta: dict[str, Any], final: Path, load: bool) -> bool:
     """Whether ``load_state(final, optimizer=load)`` restores the optimizer state of the checkpoint
     whose ``meta.json`` is ``meta``: when ``load`` and it holds some. Asking for the state of a
-    checkpoint that left it out raises :class:`~core_rl.checkpointing.OptimizerStateLeftOut` (a fresh
+    checkpoint that left it out raises :class:`~core_rl.checkpoint.files.OptimizerStateLeftOut` (a fresh
     optimizer is then the caller's explicit choice, never a silent one); one saved before any
     state existed resumes with a fresh optimizer either way. Checkpoints older than
     ``optimizer_state`` count as :data:`OPTIMIZER_SAVED` when they hold optimizer state, else as

@@ -1,6 +1,6 @@
 """The ``auto`` micro-batch token budget (``<role>.micro_batch.max_tokens_per_mb: auto``), as pure
 functions of a few numbers (no torch): the core resolves it once at the start of a run
-(:mod:`core_rl.trainer.auto_budget`), where each role's engine knows its device.
+(:mod:`core_rl.loops.auto_budget`), where each role's engine knows its device.
 
 On a CPU the budget is :data:`CPU_TOKENS_PER_MB` (768: the matrix products of one micro-batch are
 already large enough there to run near full speed, and more only costs memory). On a GPU it is

@@ -1,5 +1,5 @@
 """The top-k part of :class:`~core_rl.engine_utils.runner.MicroBatchRunner` (``teacher.loss:
-topk_forward_kl``, :mod:`core_rl.trainer.distill`): a teacher's top-k ids and log-probs per token
+topk_forward_kl``, :mod:`core_rl.loops.rl.distill`): a teacher's top-k ids and log-probs per token
 (:func:`~core_rl.engine_utils.packed.forward_topk`) and, in a training forward, the policy's
 log-probs of given ids (:func:`~core_rl.engine_utils.packed.forward_logprobs_at`), which a loss asks
 for with ``logprobs_at_key`` and reads at :data:`core_rl.interfaces.LOGPROBS_AT`."""

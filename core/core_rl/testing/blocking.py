@@ -1,5 +1,5 @@
-"""Plugins that block on purpose, for the deadline tests (:mod:`core_rl.deadlines`,
-:mod:`core_rl.own_loop`): each makes a blocking call (``time.sleep``) that no timeout of its own
+"""Plugins that block on purpose, for the deadline tests (:mod:`core_rl.reliability.deadlines`,
+:mod:`core_rl.reliability.own_loop`): each makes a blocking call (``time.sleep``) that no timeout of its own
 ends, at a chosen call of its process, as a plugin author's mistake would. Registered by
 :class:`core_rl.testing.faults.FaultPlugin` (``python -m core_rl.testing.faults train ...``):
 
@@ -28,9 +28,9 @@ from typing import Any
 
 import attrs
 
-from core_rl.environments import Action, Environment, StepResult
 from core_rl.interfaces import Logger, Reward, SampleFilter
-from core_rl.workflows import RolloutWorkflow, WorkflowContext
+from core_rl.rollout.environments import Action, Environment, StepResult
+from core_rl.rollout.workflows import RolloutWorkflow, WorkflowContext
 
 #: a day: longer than any test waits
 DAY_S = 86400.0

@@ -1,7 +1,7 @@
 """Contract test classes of the plugin kinds other than engines (those: :mod:`core_rl.testing.engine_contracts`
 and :mod:`core_rl.testing.rollout_contracts`).
 
-Each contract registers ``plugin`` in a fresh :class:`~core_rl.plugins.PluginHost` (no entry points),
+Each contract registers ``plugin`` in a fresh :class:`~core_rl.plugins.host.PluginHost` (no entry points),
 builds the component named ``name`` with ``options`` validated by its ``config_cls``, and checks the
 behaviour every component of that kind must have. Tests that need a model build a tiny one offline.
 """
@@ -45,7 +45,8 @@ from core_rl.interfaces import (
     SampleFilter,
     SampleRecord,
 )
-from core_rl.kinds import (
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import (
     ADVANTAGE,
     ALGORITHM,
     LOGGER,
@@ -57,9 +58,8 @@ from core_rl.kinds import (
     WORKFLOW,
     PluginKind,
 )
-from core_rl.plugins import PluginHost
+from core_rl.plugins.registry import RegistryEntry
 from core_rl.protocol import RewardInput, TensorBatch
-from core_rl.registry import RegistryEntry
 from core_rl.testing.helpers import (  # noqa: F401  (re-exported: plugins' tests import them from here)
     hf_logprobs,
     installed_distribution,
@@ -266,9 +266,9 @@ class SampleFilterContract(ComponentContract):
         assert torch.equal(self.make()(batch), self.make()(batch))
 
     def test_keeps_or_drops_whole_groups(self) -> None:
-        """A filter decides per prompt group (see :mod:`core_rl.trainer.filtering`), here on a batch
+        """A filter decides per prompt group (see :mod:`core_rl.loops.rl.filtering`), here on a batch
         with a group of equal rewards beside groups of random ones."""
-        from core_rl.trainer.filtering import check_mask
+        from core_rl.loops.rl.filtering import check_mask
 
         batch = make_rl_batch(batch_size=12, group_size=3, seed=7)
         batch["rewards"][:3] = 0.5
@@ -424,7 +424,7 @@ class LoopContract(ComponentContract):
     """A training loop is registered with a factory taking ``(cfg, host, *, stop, data_rows,
     config)`` and, where it has options, a config class whose defaults validate and which says
     whether it uses the RL sections (``rl_sections``, a bool) and which role sections it reads
-    (``roles``, names of :data:`core_rl.roles.OPTIONAL_ROLES`). Whether it trains, resumes exactly
+    (``roles``, names of :data:`core_rl.roles.build.OPTIONAL_ROLES`). Whether it trains, resumes exactly
     and stops on a signal is the plugin's own tests' business (they need a model and data)."""
 
     kind = LOOP
@@ -440,7 +440,7 @@ class LoopContract(ComponentContract):
         assert isinstance(getattr(config, "rl_sections", True), bool)
 
     def test_declares_known_roles(self) -> None:
-        from core_rl.roles import OPTIONAL_ROLES
+        from core_rl.roles.build import OPTIONAL_ROLES
 
         roles = getattr(self.config(), "roles", ())
         assert isinstance(roles, tuple) and set(roles) <= set(OPTIONAL_ROLES), roles
@@ -448,7 +448,7 @@ class LoopContract(ComponentContract):
 
 class WorkflowContract(ComponentContract):
     """A rollout workflow is registered with a factory taking its validated config (``None``
-    without a config class) and returning a :class:`~core_rl.workflows.RolloutWorkflow` whose
+    without a config class) and returning a :class:`~core_rl.rollout.workflows.RolloutWorkflow` whose
     ``run`` is a coroutine function. What it generates through an engine is the plugin's own tests'
     business (they need a model)."""
 
@@ -457,7 +457,7 @@ class WorkflowContract(ComponentContract):
     def test_factory_builds_a_workflow(self) -> None:
         import inspect
 
-        from core_rl.workflows import RolloutWorkflow
+        from core_rl.rollout.workflows import RolloutWorkflow
 
         workflow = self.entry().factory(self.config())
         assert isinstance(workflow, RolloutWorkflow)

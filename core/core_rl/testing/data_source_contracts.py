@@ -1,4 +1,4 @@
-"""Contract test class of data sources (see :mod:`core_rl.testing` and :mod:`core_rl.data_sources`).
+"""Contract test class of data sources (see :mod:`core_rl.testing` and :mod:`core_rl.data.sources`).
 
 A source's tests set ``options`` (its section without ``name``) and optionally ``expected_rows``
 (how many rows those options make) and ``columns`` (columns every row must hold besides the prompt).
@@ -11,11 +11,11 @@ from typing import ClassVar
 
 from core_rl.config.plugin_spec import PluginSpec
 from core_rl.config.sections import validate_plugin_section
-from core_rl.data_sources import DataSource
-from core_rl.kinds import DATA_SOURCE
+from core_rl.data.files import read_data_files
+from core_rl.data.prompts import check_rows
+from core_rl.data.sources import DataSource
+from core_rl.plugins.kinds import DATA_SOURCE
 from core_rl.testing.contracts import ComponentContract
-from core_rl.trainer.data import check_rows
-from core_rl.trainer.data_files import read_data_files
 
 
 class DataSourceContract(ComponentContract):

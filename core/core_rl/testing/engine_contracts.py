@@ -12,7 +12,7 @@ import torch
 
 from core_rl.config.schema import ActorConfig, LoraConfig, MicroBatchConfig, OptimizerConfig, PluginSpec
 from core_rl.interfaces import LossOutput, TrainEngine
-from core_rl.kinds import TRAIN_ENGINE
+from core_rl.plugins.kinds import TRAIN_ENGINE
 from core_rl.protocol import TensorBatch
 from core_rl.testing.contracts import ComponentContract
 from core_rl.testing.helpers import hf_logprobs, make_grouped_rl_batch, make_rl_batch
@@ -45,7 +45,7 @@ class TinyModelMixin:
     @pytest.fixture(scope="class")
     @classmethod
     def model_path(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
-        from core_rl.tiny import build_tiny_model
+        from core_rl.roles.tiny import build_tiny_model
 
         return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, **cls.tiny_model_options)
 
@@ -54,7 +54,7 @@ class TinyModelMixin:
     def tied_model_path(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
         """The tiny model with its output head tied to its input embedding (as Qwen2.5-0.5B, Qwen3-0.6B,
         Llama-3.2-1B, Gemma and SmolLM2 have it)."""
-        from core_rl.tiny import build_tiny_model
+        from core_rl.roles.tiny import build_tiny_model
 
         options = {**cls.tiny_model_options, "tie_word_embeddings": True}
         return build_tiny_model(tmp_path_factory.mktemp("tied") / "model", seed=0, **options)
@@ -399,7 +399,7 @@ class TrainEngineContract(OptimizerStateContract, TopkLogprobsContract, TinyMode
         asks before loading a model)."""
         from core_rl.config.checks import EnvironmentContext, config_problems, environment_problems
         from core_rl.config.schema import RunConfig
-        from core_rl.preflight import detect_machine
+        from core_rl.loops.preflight import detect_machine
 
         actor = ActorConfig(
             engine=PluginSpec(name=self.name, options=dict(self.options)),
@@ -431,12 +431,12 @@ class TrainEngineContract(OptimizerStateContract, TopkLogprobsContract, TinyMode
 
     def test_a_zero_gradient_step_is_the_step_of_a_zero_loss(self, model_path: Path) -> None:
         """The optimiser step a zero-signal update takes without its batch
-        (:func:`core_rl.trainer.update.zero_gradient_step`: one two-token row, a loss of exactly 0)
+        (:func:`core_rl.loops.rl.update.zero_gradient_step`: one two-token row, a loss of exactly 0)
         is bitwise the step of a batch whose loss is 0 on every token. After a real step (AdamW's
         moments nonzero, weight decay on) both move the weights alike (momentum and decay: not a
         no-op), report a loss and gradient norm of 0 at the same rate, and the next real step ends
         alike too (the moments and step counts agree)."""
-        from core_rl.trainer.update import ZeroLoss, zero_gradient_step
+        from core_rl.loops.rl.update import ZeroLoss, zero_gradient_step
 
         optimizer = OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1)
         full, skipped = self.make(model_path, optimizer=optimizer), self.make(model_path, optimizer=optimizer)
@@ -504,7 +504,7 @@ class TrainEngineContract(OptimizerStateContract, TopkLogprobsContract, TinyMode
         engine.close()
 
     def test_check_checkpoint(self, model_path: Path, tmp_path: Path) -> None:
-        from core_rl.checkpointing import CheckpointFormatError
+        from core_rl.checkpoint.files import CheckpointFormatError
 
         engine = self.make(model_path)
         engine.train_step(make_rl_batch(), _nll_loss)

@@ -17,10 +17,10 @@ from typing import Any, ClassVar
 
 import pytest
 
-from core_rl.environments import Action, Environment, StepResult, as_step_result
-from core_rl.kinds import ENVIRONMENT, TOOL_PARSER
+from core_rl.plugins.kinds import ENVIRONMENT, TOOL_PARSER
+from core_rl.rollout.environments import Action, Environment, StepResult, as_step_result
+from core_rl.rollout.tool_parsers import ParsedTurn, ToolCall, ToolParser
 from core_rl.testing.contracts import ComponentContract
-from core_rl.tool_parsers import ParsedTurn, ToolCall, ToolParser
 
 #: one scripted trajectory: the data row, the model's turns, the reward of each step
 Episode = tuple[Mapping[str, Any], Sequence[str], Sequence[float]]

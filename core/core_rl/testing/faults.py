@@ -188,8 +188,8 @@ class FaultPlugin:
 
 
 def install_into_every_host() -> None:
-    """Make every :class:`~core_rl.plugins.PluginHost` created from now on hold :class:`FaultPlugin`."""
-    from core_rl import plugins
+    """Make every :class:`~core_rl.plugins.host.PluginHost` created from now on hold :class:`FaultPlugin`."""
+    from core_rl.plugins import host as plugins
 
     original = plugins.PluginHost.__init__
 

@@ -13,7 +13,7 @@ import torch
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import LossOutput
 from core_rl.ops import aggregation_weights
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
 from core_rl.protocol import RewardInput, TensorBatch
 
 # ---------------------------------------------------------------------------------------------
@@ -278,7 +278,7 @@ def build_rollout_engine(name: str, options: dict[str, Any], model_path: Path | 
     servers here)."""
     from core_rl.config.converter import structure
     from core_rl.config.schema import PluginSpec, RolloutConfig
-    from core_rl.kinds import ROLLOUT_ENGINE
+    from core_rl.plugins.kinds import ROLLOUT_ENGINE
 
     entry = PluginHost().get(ROLLOUT_ENGINE, name)
     config = None if entry.config_cls is None else structure(options, entry.config_cls, path="rollout.engine")

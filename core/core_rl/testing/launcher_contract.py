@@ -1,14 +1,14 @@
 """The contract of launchers (:class:`LauncherContract`): built from its section, it is a
-:class:`~core_rl.launchers.Launcher`, and its ``check`` judges a placement by the resources it is
+:class:`~core_rl.launch.launchers.Launcher`, and its ``check`` judges a placement by the resources it is
 given: nothing against a placement that fits, and lines naming the key for one that does not."""
 
 from __future__ import annotations
 
 from core_rl.config.placement import PlacementConfig, RolePlacement
 from core_rl.config.schema import RunConfig
-from core_rl.kinds import LAUNCHER
-from core_rl.launchers import Launcher
-from core_rl.placement import ClusterResources
+from core_rl.launch.launchers import Launcher
+from core_rl.launch.placement import ClusterResources
+from core_rl.plugins.kinds import LAUNCHER
 from core_rl.testing.contracts import ComponentContract
 
 #: resources every contract placement below fits in
@@ -22,7 +22,7 @@ class LauncherContract(ComponentContract):
 
     def make(self) -> Launcher:
         launcher = self.entry().factory(self.config())
-        assert isinstance(launcher, Launcher), f"launcher {self.name!r} must subclass core_rl.launchers.Launcher"
+        assert isinstance(launcher, Launcher), f"launcher {self.name!r} must subclass core_rl.launch.launchers.Launcher"
         return launcher
 
     def run(self, **actor: int) -> RunConfig:

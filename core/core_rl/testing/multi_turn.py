@@ -13,8 +13,8 @@ from typing import Any, ClassVar
 
 import attrs
 
-from core_rl.environments import Action, Environment, StepResult
 from core_rl.hookspecs import hookimpl
+from core_rl.rollout.environments import Action, Environment, StepResult
 
 
 class Echo(Environment):
@@ -25,7 +25,7 @@ class Echo(Environment):
     made: ClassVar[list[Echo]] = []
     running: ClassVar[int] = 0
     most: ClassVar[int] = 0
-    #: each instance runs on an event loop of its own, in a thread of its own (core_rl/own_loop.py)
+    #: each instance runs on an event loop of its own, in a thread of its own (core_rl/reliability/own_loop.py)
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, turns: int = 3, delay: float = 0.0) -> None:
@@ -80,8 +80,8 @@ def environment_workflow(**options: Any) -> Any:
     from core_rl.builtin import environment_workflow as builtin
     from core_rl.config.schema import PluginSpec
     from core_rl.config.sections import validate_plugin_section
-    from core_rl.kinds import WORKFLOW
-    from core_rl.plugins import PluginHost
+    from core_rl.plugins.host import PluginHost
+    from core_rl.plugins.kinds import WORKFLOW
 
     host = PluginHost(entry_points=[])
     host.register_plugin(builtin, distribution="core-rl")
@@ -138,11 +138,11 @@ class Recording:
 
 
 def roll_out(engine: Any, tokenizer: Any, workflow: Any, prompts: list[PromptRow], *, n: int, max_new_tokens: int):
-    """One generation batch of ``prompts`` through a real :class:`~core_rl.rollout_controller.RolloutController`;
+    """One generation batch of ``prompts`` through a real :class:`~core_rl.rollout.controller.RolloutController`;
     returns ``(wave, what the engine sampled)``. The engine stays open."""
     from core_rl.config.schema import ControllerConfig
     from core_rl.interfaces import SamplingParams
-    from core_rl.rollout_controller import RolloutController
+    from core_rl.rollout.controller import RolloutController
 
     recording = Recording(engine)
     sampling = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=1.0)

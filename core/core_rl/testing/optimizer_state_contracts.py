@@ -51,10 +51,10 @@ class OptimizerStateContract:
     ) -> None:
         """A checkpoint saved with ``optimizer=False`` after a step holds no optimizer files, is
         smaller by at least the weights' size (AdamW's two moments), is refused by
-        ``load_state(path)`` (:class:`~core_rl.checkpointing.OptimizerStateLeftOut`), and with
+        ``load_state(path)`` (:class:`~core_rl.checkpoint.files.OptimizerStateLeftOut`), and with
         ``optimizer=False`` resumes weights and step with a fresh optimizer. One saved before any
         step resumes normally."""
-        from core_rl.checkpointing import OptimizerStateLeftOut
+        from core_rl.checkpoint.files import OptimizerStateLeftOut
 
         batches = [make_rl_batch(seed=s) for s in range(2)]
         saving = self.make(model_path, optimizer=_ADAMW)

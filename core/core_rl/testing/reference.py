@@ -127,7 +127,7 @@ class LossSpec:
     adv_clip: tuple[float | None, float | None] = (None, None)  # (low, high)
 
 
-#: the default upper bound of each built-in rejection sampler (core_rl.rejection)
+#: the default upper bound of each built-in rejection sampler (core_rl.ops.rejection)
 _DEFAULT_UPPER = {"ratio": 5.0, "tis": 2.0, "mis": 2.0}
 
 

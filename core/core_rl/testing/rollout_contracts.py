@@ -13,7 +13,7 @@ import torch
 from core_rl.config.converter import structure
 from core_rl.config.schema import PluginSpec, RolloutConfig
 from core_rl.interfaces import RolloutEngine, SamplingParams
-from core_rl.kinds import ROLLOUT_ENGINE
+from core_rl.plugins.kinds import ROLLOUT_ENGINE
 from core_rl.testing.contracts import ComponentContract
 from core_rl.testing.engine_contracts import TinyModelMixin
 from core_rl.testing.helpers import hf_logprobs, hf_next_token_logprobs
@@ -101,14 +101,14 @@ class RolloutEngineContract(TinyModelMixin, MultiTurnEngineTests, PenaltyEngineT
         self, engine: RolloutEngine, model_path: Path, min_new_tokens: int, stops: list[str]
     ) -> None:
         """The rollout controller cuts every engine's responses at ``sampling.stop``
-        (:mod:`core_rl.stop_strings`), so an engine may stop later than the cut, never earlier: a
+        (:mod:`core_rl.rollout.stop_strings`), so an engine may stop later than the cut, never earlier: a
         response the engine ends with ``"stop"`` ends at its end-of-sequence token or where the cut
         would end it. An engine whose config class says ``stop_strings = True`` stops there
         itself, so the cut leaves its responses as they are (with ``min_new_tokens``, and with a
         stop string inside a special token's text, unless the contract class says otherwise)."""
         from transformers import AutoTokenizer
 
-        from core_rl.stop_strings import apply_stop_strings, stop_cut
+        from core_rl.rollout.stop_strings import apply_stop_strings, stop_cut
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         sampling = SamplingParams(n=8, max_new_tokens=12, min_new_tokens=min_new_tokens, stop=stops)
@@ -295,7 +295,7 @@ class RolloutEngineContract(TinyModelMixin, MultiTurnEngineTests, PenaltyEngineT
     def test_state_dict_round_trips_through_a_checkpoint(self, engine: RolloutEngine, tmp_path: Path) -> None:
         """Whatever :meth:`RolloutEngine.state_dict` holds is a state tree a checkpoint can store,
         and loading it back is accepted."""
-        from core_rl.checkpointing import load_tree, save_tree
+        from core_rl.checkpoint.files import load_tree, save_tree
 
         save_tree(tmp_path, "rollout", engine.state_dict())
         engine.load_state_dict(load_tree(tmp_path, "rollout"))

@@ -37,8 +37,8 @@ def free_gpu_bytes() -> int:
 def failed_release_message(server: Any, engine_cls: type, config_cls: type, run_dir: Path) -> str:
     """The error an engine built with ``sleep=True`` on the recording ``server``
     (:class:`~core_rl.testing.recording_server.RecordingServer`, set up to refuse the release)
-    raises from ``release_memory()``: a :class:`~core_rl.remote.ServerReplyError`, as text."""
-    from core_rl.remote import ServerReplyError
+    raises from ``release_memory()``: a :class:`~core_rl.servers.remote.ServerReplyError`, as text."""
+    from core_rl.servers.remote import ServerReplyError
     from core_rl.testing.recording_server import engine_on
 
     with engine_on(server, engine_cls, config_cls, run_dir, sleep=True) as engine:
@@ -52,7 +52,7 @@ def sleep_cycle(
 ) -> None:
     """Release ``engine``'s memory, call ``while_asleep`` (where the trainer trains), take back
     the weights, load ``weights_path`` as ``version``, take back the KV cache: the synchronous
-    trainer's calls from one generation to the next (:mod:`core_rl.trainer.colocation`)."""
+    trainer's calls from one generation to the next (:mod:`core_rl.rollout.colocation`)."""
     engine.release_memory()
     if while_asleep is not None:
         while_asleep()

@@ -1,5 +1,5 @@
 """What a server engine plugin's tests of the sync check (``rollout.sync_check``,
-:mod:`core_rl.trainer.sync_check`) share: two tiny models of one shape to sync between, the check
+:mod:`core_rl.sync.check`) share: two tiny models of one shape to sync between, the check
 of a mode, the trainer's side of an update, and a server restarted without its updates."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 
 from core_rl.config.loader import structure
 from core_rl.config.schema import RunConfig
-from core_rl.remote.weights import UPDATE
-from core_rl.tiny import build_tiny_model
-from core_rl.trainer.sync_check import SentWeights, SyncCheck, WeightSyncMismatch
+from core_rl.roles.tiny import build_tiny_model
+from core_rl.servers.remote.weights import UPDATE
+from core_rl.sync.check import SentWeights, SyncCheck, WeightSyncMismatch
 
 
 def two_models(root: Path) -> dict[str, Path]:

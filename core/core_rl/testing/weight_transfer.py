@@ -1,5 +1,5 @@
 """Checks of how weights travel from a train engine to a rollout engine
-(:func:`core_rl.trainer.weight_sync.sync_in_memory`), for engine tests:
+(:func:`core_rl.sync.weight_sync.sync_in_memory`), for engine tests:
 
 - :func:`check_weight_buckets`: an engine's buckets hold what its full state dict holds;
 - :func:`assert_same_adapter`: two LoRA adapter directories hold the same config and tensors (an

@@ -25,8 +25,8 @@ TRAIN = """
 import importlib.metadata as md
 import sys
 from core_rl.config.loader import load_config
-from core_rl.plugins import PluginHost
-from core_rl.trainer import train
+from core_rl.plugins.host import PluginHost
+from core_rl.loops import train
 
 host = PluginHost()
 try:

@@ -12,8 +12,8 @@ import core_rl_example_plugin
 
 REGISTER_AND_REPORT = """
 import sys
-from core_rl.kinds import ADVANTAGE, REWARD
-from core_rl.plugins import PluginHost
+from core_rl.plugins.kinds import ADVANTAGE, REWARD
+from core_rl.plugins.host import PluginHost
 import core_rl_example_plugin.plugin as plugin
 
 host = PluginHost(entry_points=[])

@@ -15,8 +15,8 @@ from pathlib import Path
 import core_rl_example_plugin.plugin as plugin
 import pytest
 from core_rl.builtin.loggers import read_metrics
+from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing import WorkflowContract, installed_distribution
-from core_rl.tiny import build_tiny_model
 from core_rl_example_plugin.config import SecondTryConfig
 from core_rl_example_plugin.workflow import SecondTryWorkflow, position_score
 
@@ -77,7 +77,7 @@ def test_trajectories_on_a_real_engine(model) -> None:
     hf = pytest.importorskip("core_rl_hf.engine")
     from core_rl.config.schema import ControllerConfig
     from core_rl.interfaces import SamplingParams
-    from core_rl.rollout_controller import RolloutController
+    from core_rl.rollout.controller import RolloutController
     from core_rl_hf.config import HFRolloutConfig
     from transformers import AutoTokenizer
 

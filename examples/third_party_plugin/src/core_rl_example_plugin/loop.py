@@ -1,6 +1,6 @@
 """The ``prompt_lm`` training loop: language-model training on the prompt column's text.
 
-Built on core-rl's supervised-loop base (:class:`core_rl.trainer.supervised.SupervisedLoop`), which
+Built on core-rl's supervised-loop base (:class:`core_rl.loops.supervised.loop.SupervisedLoop`), which
 brings data order and exact resume, loggers and ``metrics.jsonl``, checkpoints, signals and the
 final export; the loop only says what a batch is and how it trains. The loss is the mean negative
 log-likelihood of every token after the first, over the step's rows (all ranks)."""
@@ -8,10 +8,10 @@ log-likelihood of every token after the first, over the step's rows (all ranks).
 from __future__ import annotations
 
 import torch
+from core_rl.data.prompts import PromptItem
 from core_rl.interfaces import LossOutput
+from core_rl.loops.supervised.loop import SupervisedLoop, prompt_response_batch
 from core_rl.protocol import TensorBatch
-from core_rl.trainer.data import PromptItem
-from core_rl.trainer.supervised import SupervisedLoop, prompt_response_batch
 
 from core_rl_example_plugin.config import PromptLMConfig
 

@@ -3,7 +3,7 @@
 Each of the ``n`` samples of a prompt answers once and the environment scores the answer against
 the row's answer (:func:`position_score`). A perfect first answer ends the trajectory with reward 1.
 Otherwise the environment replies ``feedback`` (appended with
-:func:`core_rl.workflows.append_observation`, so those tokens are masked from the loss) and the
+:func:`core_rl.rollout.workflows.append_observation`, so those tokens are masked from the loss) and the
 policy answers again, continuing the whole conversation; the trajectory's reward is then
 ``second_try_credit`` times the second answer's score. The reward goes in ``Sample.reward`` (select
 ``reward: {name: workflow}``, alone or as a part of ``combine``); the turns and their scores go in
@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 from core_rl.protocol import Sample
-from core_rl.workflows import RolloutWorkflow, WorkflowContext, append_observation, extend_turn
+from core_rl.rollout.workflows import RolloutWorkflow, WorkflowContext, append_observation, extend_turn
 
 from core_rl_example_plugin.config import SecondTryConfig
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from core_rl.builtin.loggers import read_metrics
+from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.launch import run_train as train
-from core_rl.tiny import build_tiny_model
 from pair_task import STRINGS, pair_task
 from safetensors.torch import load_file
 
@@ -134,8 +134,8 @@ def with_reference_logprobs(data: Path, model_dir: Path, *, chat_template: bool 
 
 
 def test_a_missing_reference_column_is_one_clear_error() -> None:
+    from core_rl.data.prompts import PromptItem
     from core_rl.errors import DataError
-    from core_rl.trainer.data import PromptItem
     from core_rl_dpo.loop import reference_value
 
     item = PromptItem(

@@ -1,5 +1,5 @@
 """TR-DPO: the ``dpo`` loop's reference reset by ``algorithm.reference_reset_every_n_steps``, softly
-with ``algorithm.reference_reset_alpha`` (:mod:`core_rl.trainer.reference_reset`), through ``core-rl
+with ``algorithm.reference_reset_alpha`` (:mod:`core_rl.loops.rl.reference_reset`), through ``core-rl
 train`` with the real ``fsdp`` engine on a tiny model: right after a soft reset the log-ratio margin
 lies between a hard reset's 0 and the margin without resets, the export is the hand mix of the
 policy's export and the previous reference's, a resumed run ends bitwise as an uninterrupted one,
@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 from core_rl.builtin.loggers import read_metrics
-from core_rl.trainer.hf_exports import export_dir, exported_steps
+from core_rl.checkpoint.hf_exports import export_dir, exported_steps
 from pair_task import pair_task
 from safetensors.torch import load_file
 

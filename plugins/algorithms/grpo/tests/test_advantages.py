@@ -11,9 +11,9 @@ from core_rl.config.checks import SectionContext
 from core_rl.config.loader import structure
 from core_rl.config.schema import RolloutConfig, RunConfig, SamplingConfig
 from core_rl.errors import ConfigError
-from core_rl.kinds import ADVANTAGE
 from core_rl.ops import group_is_uniform
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import ADVANTAGE
 from core_rl.protocol import TensorBatch
 from core_rl.testing import reference
 from core_rl_grpo.advantages import group_relative_scores, grpo_advantages

@@ -11,8 +11,8 @@ from core_rl.config.checks import SectionContext
 from core_rl.config.loader import structure
 from core_rl.config.schema import RolloutConfig, RunConfig, SamplingConfig
 from core_rl.errors import ConfigError
-from core_rl.kinds import SAMPLE_FILTER
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import SAMPLE_FILTER
 from core_rl.protocol import TensorBatch
 from core_rl_grpo.advantages import group_relative_scores
 from core_rl_grpo.config import DropUniformGroupsConfig

@@ -1,4 +1,4 @@
-"""The KL penalty in the reward (``algorithm.advantage.kl_ctl``, :mod:`core_rl.kl_reward`) for the
+"""The KL penalty in the reward (``algorithm.advantage.kl_ctl``, :mod:`core_rl.ops.kl_reward`) for the
 group-outcome estimators and REINFORCE++: hand-computed advantages, parity with the loop-per-sample
 reference formulation under hypothesis, the adaptive coefficient and its resume, the configuration
 checks, and a tiny real ``core-rl train`` run of REINFORCE++ with the KL in its reward."""
@@ -15,11 +15,11 @@ import torch
 from core_rl import ops
 from core_rl.config.loader import structure
 from core_rl.errors import ConfigError
-from core_rl.kinds import ADVANTAGE
-from core_rl.plugins import PluginHost
+from core_rl.loops.rl.batching import runs_in_update
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import ADVANTAGE
 from core_rl.protocol import TensorBatch
 from core_rl.testing import reference
-from core_rl.trainer.batching import runs_in_update
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -230,8 +230,8 @@ def test_a_real_run_of_reinforce_pp_with_the_kl_in_its_reward(tmp_path: Path) ->
     for dist in ("core_rl_fsdp", "core_rl_hf", "core_rl_reward_match"):
         pytest.importorskip(dist)
     from core_rl.builtin.loggers import read_metrics
+    from core_rl.roles.tiny import build_tiny_model
     from core_rl.testing.launch import run_train, write_grpo_config
-    from core_rl.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", alphabet="ab=", hidden_size=16, num_heads=2, seed=0)
     ref = build_tiny_model(tmp_path / "ref", alphabet="ab=", hidden_size=16, num_heads=2, seed=1)
@@ -266,7 +266,7 @@ def test_a_kl_in_the_reward_is_measured_on_recomputed_log_probs(kl_ctl: float) -
     KL (the rollout engine's log-probs would add its numerical gap to KL(pi_old || pi_ref)), and not
     for that reason otherwise."""
     from core_rl.config.schema import AlgorithmConfig
-    from core_rl.trainer.update import PolicyUpdate
+    from core_rl.loops.rl.update import PolicyUpdate
 
     loss = type("Loss", (), {"requires_recompute": False})()
     update = PolicyUpdate(

@@ -18,8 +18,8 @@ import core_rl_grpo.plugin as grpo_plugin
 import pytest
 import torch
 from core_rl.config.loader import structure
-from core_rl.kinds import POLICY_LOSS, REJECTION_SAMPLER
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import POLICY_LOSS, REJECTION_SAMPLER
 from core_rl.protocol import TensorBatch
 from core_rl.testing import reference
 from core_rl_grpo.losses import PPOClipLoss

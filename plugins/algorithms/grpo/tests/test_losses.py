@@ -9,8 +9,8 @@ import pytest
 import torch
 from core_rl.config.loader import structure
 from core_rl.errors import ConfigError
-from core_rl.kinds import POLICY_LOSS
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import POLICY_LOSS
 from core_rl.protocol import TensorBatch
 from core_rl.testing import make_rl_batch
 from core_rl_grpo.config import PPOClipConfig

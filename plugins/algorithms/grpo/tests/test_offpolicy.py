@@ -12,8 +12,8 @@ import torch
 from core_rl.config import load_config
 from core_rl.config.loader import structure
 from core_rl.errors import ConfigError
-from core_rl.kinds import POLICY_LOSS, REJECTION_SAMPLER
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import POLICY_LOSS, REJECTION_SAMPLER
 from core_rl.protocol import TensorBatch
 from core_rl.testing import recipe_host
 from core_rl_grpo.config import PPOClipConfig

@@ -11,8 +11,8 @@ from core_rl.config import load_config
 from core_rl.errors import ConfigError
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import AlgorithmRecipe
-from core_rl.kinds import ALGORITHM
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import ALGORITHM
 from core_rl.testing import recipe_host
 from core_rl_grpo.config import GRPOAdvantageConfig, PPOClipConfig, RLOOAdvantageConfig
 

@@ -7,8 +7,8 @@ import core_rl_gspo.plugin as gspo_plugin
 import pytest
 from core_rl.config import load_config
 from core_rl.errors import ConfigError
-from core_rl.kinds import ALGORITHM
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import ALGORITHM
 from core_rl.testing import recipe_host
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 import yaml
 from core_rl.builtin.loggers import read_metrics
+from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.launch import run_train as train
-from core_rl.tiny import build_tiny_model
 from safetensors.torch import load_file
 
 pytest.importorskip("core_rl_fsdp")
@@ -159,8 +159,8 @@ def test_score_batch_puts_the_slot_after_the_last_token() -> None:
 
 
 def test_a_missing_margin_is_one_clear_error() -> None:
+    from core_rl.data.prompts import PromptItem
     from core_rl.errors import DataError
-    from core_rl.trainer.data import PromptItem
     from core_rl_rm.config import RMConfig
     from core_rl_rm.loop import RMLoop
 

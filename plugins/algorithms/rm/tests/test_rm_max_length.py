@@ -7,11 +7,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from core_rl.config.data_config import DataConfig
-from core_rl.tiny import build_char_tokenizer
-from core_rl.trainer.data import PromptItem
-from core_rl.trainer.length_bound import bound_items
-from core_rl.trainer.preference import PairwiseLoop
-from core_rl.trainer.supervised import SupervisedLoop
+from core_rl.data.prompts import PromptItem
+from core_rl.loops.supervised.length_bound import bound_items
+from core_rl.loops.supervised.loop import SupervisedLoop
+from core_rl.loops.supervised.pairwise import PairwiseLoop
+from core_rl.roles.tiny import build_char_tokenizer
 from core_rl_rm.config import RMConfig
 from core_rl_rm.loop import RMLoop
 

@@ -15,9 +15,9 @@ import yaml
 from core_rl import cli
 from core_rl.builtin.loggers import read_metrics
 from core_rl.config.data_config import DataConfig
-from core_rl.tiny import add_chat_template, build_tiny_model
-from core_rl.trainer.data import PromptItem
-from core_rl.trainer.supervised import SupervisedLoop
+from core_rl.data.prompts import PromptItem
+from core_rl.loops.supervised.loop import SupervisedLoop
+from core_rl.roles.tiny import add_chat_template, build_tiny_model
 from core_rl_sft.config import SFTConfig
 from core_rl_sft.loop import SFTLoop
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -143,13 +143,13 @@ def test_the_loss_of_truncated_rows_is_the_nll_of_the_rows_cut_by_hand(setup):
 
 def test_a_loop_built_without_preflight_bounds_its_rows_too(setup):
     """The rows a loop draws when it reads the files itself (no preflight: ``rows=None``), as
-    :class:`~core_rl.trainer.supervised.SupervisedLoop` builds its source: the long rows left out
+    :class:`~core_rl.loops.supervised.loop.SupervisedLoop` builds its source: the long rows left out
     with ``drop``, refused with ``error``."""
     from core_rl.config import load_config
+    from core_rl.data.prompts import PromptSource
     from core_rl.errors import DataError
-    from core_rl.plugins import PluginHost
-    from core_rl.trainer.data import PromptSource
-    from core_rl.trainer.length_bound import run_bound
+    from core_rl.loops.supervised.length_bound import run_bound
+    from core_rl.plugins.host import PluginHost
 
     tok = AutoTokenizer.from_pretrained(setup["model"])
     cfg = load_config(setup["config"], ["data.truncation=drop"], host=PluginHost())

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import yaml
-from core_rl.tiny import build_tiny_model
+from core_rl.roles.tiny import build_tiny_model
 from core_rl_reasoning_gym.source import ReasoningGymSource, ReasoningGymSourceConfig
 
 SOURCE = {

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from core_rl.checkpointing import CheckpointFormatError
+from core_rl.checkpoint.files import CheckpointFormatError
 from core_rl.config.schema import ActorConfig, MicroBatchConfig, OptimizerConfig, PluginSpec, SchedulerConfig
 from core_rl.interfaces import LossOutput
 from core_rl.protocol import TensorBatch
@@ -369,7 +369,7 @@ def test_rng_states_are_restored_and_checkpoints_replaced(tiny_model: Path, tmp_
 def test_a_failed_save_leaves_nothing_and_keeps_the_old_checkpoint(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from core_rl import checkpointing
+    from core_rl.checkpoint import files as checkpointing
 
     engine = FSDPEngine(make_actor(tiny_model), FSDPConfig(), trainable=True)
     engine.train_step(make_rl_batch(), nll_entropy)
@@ -419,7 +419,7 @@ def test_compiled_model_trains_like_the_eager_one(tmp_path: Path) -> None:
     different widths equal the eager engine's up to fused-kernel rounding. Two graphs in all (with
     and without gradients): the second step's narrower micro-batch (cut from its batch) compiles
     nothing new. One decoder layer: tracing and compiling scale with the layers, not what is tested."""
-    from core_rl.tiny import build_tiny_model
+    from core_rl.roles.tiny import build_tiny_model
     from torch._dynamo.utils import counters
 
     first, second = make_rl_batch(batch_size=4, seed=1), make_rl_batch(batch_size=3, seed=2)

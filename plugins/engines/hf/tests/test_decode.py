@@ -218,7 +218,7 @@ def test_unsupported_models_fall_back_to_the_forward(tiny_gpt2_path: Path) -> No
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 def test_engine_generates_the_same_with_either_decoder(architecture: str, tmp_path: Path) -> None:
-    from core_rl.tiny import build_tiny_model
+    from core_rl.roles.tiny import build_tiny_model
 
     path = build_tiny_model(tmp_path / "model", alphabet="abcdefgh=", seed=0, architecture=architecture)
     prompts = [[1, 5, 6, 7], [1, 8], [1, 3, 4, 5, 6, 7]]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from core_rl.checkpointing import load_tree, save_tree
+from core_rl.checkpoint.files import load_tree, save_tree
 from core_rl.errors import ConfigError
 from core_rl.interfaces import SamplingParams
 

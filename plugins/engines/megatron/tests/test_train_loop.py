@@ -15,7 +15,7 @@ import pytest
 import torch
 from core_rl.builtin.loggers import read_metrics
 from core_rl.config.loader import load_config
-from core_rl.plugins import PluginHost
+from core_rl.plugins.host import PluginHost
 from core_rl.testing.tiny import build_tiny_model
 
 for dist in ("core_rl_hf", "core_rl_grpo", "core_rl_reward_match"):
@@ -50,7 +50,7 @@ def _task(root: Path) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize("weight_sync", ["memory", "disk"])
 def test_grpo_steps_with_the_megatron_engine(tmp_path: Path, weight_sync: str) -> None:
-    from core_rl.trainer.run import train
+    from core_rl.loops.run import train
 
     model, data = _task(tmp_path)
     overrides = [
@@ -85,7 +85,7 @@ def test_a_megatron_critic_trains_like_the_fsdp_one(tmp_path: Path) -> None:
     steps (the critic alone in the first, warm-up; both in the second, 2 minibatches each) give the
     fsdp critic's values, value losses and gradient norms, and so the same actor update."""
     pytest.importorskip("core_rl_ppo")
-    from core_rl.trainer.run import train
+    from core_rl.loops.run import train
 
     model, data = _task(tmp_path)
     ppo = EXAMPLE.parents[1] / "tiny_grpo" / "ppo.yaml"

@@ -23,7 +23,7 @@ import pytest
 import torch
 import yaml
 from core_rl.builtin.loggers import read_metrics
-from core_rl.checkpointing import CheckpointFormatError
+from core_rl.checkpoint.files import CheckpointFormatError
 from core_rl_megatron.config import MegatronConfig
 from core_rl_megatron.engine import MegatronEngine
 from mcore_common import ON_GPU, VALUE_KEYS, WEIGHT_ATOL, same_metrics, same_weights
@@ -75,7 +75,7 @@ def rm_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """4 steps of the ``rm`` loop on fsdp and on megatron (``core-rl train`` in this process: the
     shim must be in place), same model, pairs and seed."""
     from core_rl import cli
-    from core_rl.tiny import build_tiny_model
+    from core_rl.roles.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("rm_megatron")
     model = build_tiny_model(root / "model", alphabet="abcd=", seed=0)

@@ -2,7 +2,7 @@
 environment): after a correct ``disk`` and ``collective`` update the server's parameters, read back
 through SGLang's ``/get_weights_by_name`` (the first rows of each tensor, its fused ``qkv_proj`` and
 ``gate_up_proj`` answered by their Hugging Face names), agree with the trainer's samples
-(:class:`core_rl.trainer.sync_check.SyncCheck`); a tensor skipped in an update and a bfloat16 round
+(:class:`core_rl.sync.check.SyncCheck`); a tensor skipped in an update and a bfloat16 round
 trip into a float32 server are each caught at the version they happen, naming the server and the
 tensor; a server restarted with its old weights holds no weights of the version."""
 
@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from core_rl.config.loader import structure
+from core_rl.sync.check import WeightSyncMismatch
+from core_rl.sync.faults import SyncFault
 from core_rl.testing.sync_check import (
     assert_a_restart_without_the_weights_is_caught,
     check,
@@ -20,8 +22,6 @@ from core_rl.testing.sync_check import (
     sent_state,
     two_models,
 )
-from core_rl.trainer.sync_check import WeightSyncMismatch
-from core_rl.trainer.sync_faults import SyncFault
 from core_rl_sglang.config import SGLangConfig
 from core_rl_sglang.engine import SGLangRolloutEngine
 from safetensors.torch import load_file

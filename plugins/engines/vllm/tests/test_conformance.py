@@ -11,7 +11,7 @@ import attrs
 import core_rl_vllm.plugin
 import pytest
 from core_rl.interfaces import SamplingParams
-from core_rl.remote import ServerReplyError
+from core_rl.servers.remote import ServerReplyError
 from core_rl.testing import ServerRolloutEngineContract, installed_distribution
 from core_rl_vllm.engine import BATCH_ROUTE, GENERATE_PATH
 

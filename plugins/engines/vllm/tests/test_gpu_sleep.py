@@ -16,9 +16,9 @@ import torch
 import yaml
 from core_rl.builtin.loggers import read_metrics
 from core_rl.config.loader import structure
+from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.faults import build_task, merged, run_dir
 from core_rl.testing.sleep import GIB, check_sleep_round_trip, gpu_marks
-from core_rl.tiny import build_tiny_model
 from core_rl_vllm.config import VLLMConfig
 from core_rl_vllm.engine import VLLMRolloutEngine
 
@@ -59,8 +59,8 @@ def test_a_colocated_synchronous_run_sleeps_every_step(tmp_path: Path, weight_sy
     for plugin in ("core_rl_fsdp", "core_rl_grpo", "core_rl_reward_match"):
         pytest.importorskip(plugin)
     from core_rl.config import load_config
-    from core_rl.plugins import PluginHost
-    from core_rl.trainer import train
+    from core_rl.loops import train
+    from core_rl.plugins.host import PluginHost
 
     model = build_tiny_model(tmp_path / "model_h32", alphabet="abcd=", num_heads=2)  # a head size vLLM runs
     config = merged(

@@ -1,7 +1,7 @@
 """The verified weight sync against a real vLLM server (from the managed ``vllm`` server
 environment): the server's workers fingerprint the tensors of each update as they arrive, before
 vLLM fuses them into ``qkv_proj``/``gate_up_proj``, and the trainer's side
-(:class:`core_rl.trainer.sync_check.SyncCheck`) agrees with them after a correct ``disk`` and
+(:class:`core_rl.sync.check.SyncCheck`) agrees with them after a correct ``disk`` and
 ``collective`` update (a bfloat16 server: the collective carries bfloat16, and both sides fold in
 it); a tensor skipped in a collective update and a server restarted without the update's weights
 are each caught at the version they happen, naming the server and the tensor."""
@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 from core_rl.config.loader import structure
+from core_rl.sync.check import WeightSyncMismatch
+from core_rl.sync.faults import SyncFault
 from core_rl.testing.sync_check import (
     assert_a_restart_without_the_weights_is_caught,
     check,
@@ -19,8 +21,6 @@ from core_rl.testing.sync_check import (
     sent_state,
     two_models,
 )
-from core_rl.trainer.sync_check import WeightSyncMismatch
-from core_rl.trainer.sync_faults import SyncFault
 from core_rl_vllm.config import VLLMConfig
 from core_rl_vllm.engine import VLLMRolloutEngine
 from safetensors.torch import load_file

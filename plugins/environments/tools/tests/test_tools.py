@@ -9,8 +9,8 @@ import json
 import core_rl_env_tools.plugin as plugin
 import pytest
 from core_rl.config.schema import PluginSpec
-from core_rl.environments import Action
-from core_rl.tool_parsers import HermesConfig, HermesParser
+from core_rl.rollout.environments import Action
+from core_rl.rollout.tool_parsers import HermesConfig, HermesParser
 from core_rl_env_tools.calculator import CalculatorError, calculate
 from core_rl_env_tools.config import ToolEnvConfig
 from core_rl_env_tools.tool_env import ToolEnvironment

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 from core_rl.config.placement import RolePlacement
-from core_rl.kinds import LAUNCHER
-from core_rl.launchers import Launcher
-from core_rl.placement import ClusterResources
-from core_rl.plugins import PluginHost
+from core_rl.launch.launchers import Launcher
+from core_rl.launch.placement import ClusterResources
+from core_rl.plugins.host import PluginHost
+from core_rl.plugins.kinds import LAUNCHER
 from core_rl_ray.config import RayLauncherConfig
 from core_rl_ray.launcher import RayLauncher, node_layout
 from core_rl_ray.placement import Slot, plan

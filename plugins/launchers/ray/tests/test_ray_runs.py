@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import yaml
 from core_rl.builtin.loggers import read_metrics
-from core_rl.progress import STALL_VARIABLE
+from core_rl.reliability.progress import STALL_VARIABLE
 from core_rl.testing.faults import build_task, checkpoint, finish, merged, run_dir, state_digest, wait_for_steps
 from core_rl.testing.launch import cpu_ranks_env
 from core_rl.testing.processes import ancestors
@@ -266,7 +266,7 @@ def test_colocated_then_a_killed_server_actor_ends_the_run_naming_it_with_the_ch
     then killed: the run ends naming the actor and its node, with the checkpoint it saved intact.
     (The same placement over 20 steps: reward 0.32 -> 0.51, README; CI's time allows these 4.)"""
     pytest.importorskip("core_rl_vllm")
-    from core_rl.trainer.checkpoints import latest_checkpoint, step_of
+    from core_rl.checkpoint.store import latest_checkpoint, step_of
     from safetensors.torch import load_file
 
     warm = tiny_grpo_warm
@@ -303,7 +303,7 @@ def test_colocated_then_a_killed_server_actor_ends_the_run_naming_it_with_the_ch
 
 def test_a_lost_node_ends_the_run_naming_it_with_the_checkpoint_intact(ray_test_cluster, task):
     """One rank per node; the second node is removed after step 3 (it saved step 2)."""
-    from core_rl.trainer.checkpoints import latest_checkpoint, step_of
+    from core_rl.checkpoint.store import latest_checkpoint, step_of
     from safetensors.torch import load_file
 
     workers = list(ray_test_cluster.worker_nodes)

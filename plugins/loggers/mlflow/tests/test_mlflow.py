@@ -26,8 +26,8 @@ from core_rl.builtin.loggers import read_metrics
 from core_rl.config.validators import FieldValueError
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import RunInfo, SampleRecord
+from core_rl.loops.errors import TrainingInterrupted
 from core_rl.testing import LoggerContract
-from core_rl.trainer.errors import TrainingInterrupted
 from core_rl_mlflow.logger import RUN_FILE, TRUNCATED, MlflowLogger, flatten_config, mlflow_name
 from core_rl_mlflow.plugin import MlflowConfig, is_mlflow_name
 from hypothesis import given
@@ -297,8 +297,8 @@ def test_flatten_config():
 LAZY = """
 import sys
 from core_rl.config.schema import PluginSpec
-from core_rl.kinds import LOGGER
-from core_rl.plugins import PluginHost
+from core_rl.plugins.kinds import LOGGER
+from core_rl.plugins.host import PluginHost
 from core_rl.config.sections import validate_plugin_section
 host = PluginHost()
 spec = PluginSpec(name="mlflow", options={"tracking_uri": "sqlite:///x.db", "tags": {"a": "b"}})
@@ -353,7 +353,7 @@ def _cli(root: Path, config: dict[str, Any], *args: str, faults: bool = False) -
 
 @needs_training
 def test_train_crash_and_resume_keep_one_mlflow_run(tmp_path):
-    from core_rl.tiny import build_tiny_model
+    from core_rl.roles.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", alphabet="abcd=", seed=0)
     data = tmp_path / "train.jsonl"

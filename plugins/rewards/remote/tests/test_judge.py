@@ -136,7 +136,7 @@ def test_a_busy_endpoint_is_retried_and_a_down_one_is_an_error(endpoint: ChatEnd
 
 def test_an_unparsed_reply_goes_through_the_runners_error_policy(endpoint: ChatEndpoint) -> None:
     from core_rl.config.schema import RewardRunnerConfig
-    from core_rl.trainer.rewards import NONFINITE, RewardRunner
+    from core_rl.loops.rl.reward_runner import NONFINITE, RewardRunner
 
     runner = RewardRunner(judge(endpoint), "judge", RewardRunnerConfig(on_error="value", error_value=0.0))
     result = runner.score([make_reward_input("ab"), make_reward_input("?")])

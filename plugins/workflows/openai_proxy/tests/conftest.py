@@ -38,7 +38,7 @@ class Rows:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    from core_rl.tiny import build_tiny_model
+    from core_rl.roles.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("proxy") / "model", seed=0)
 
@@ -66,7 +66,7 @@ def run_wave(engine, tokenizer):
     (``sampling``: more :class:`~core_rl.interfaces.SamplingParams` fields)."""
     from core_rl.config.schema import ControllerConfig
     from core_rl.interfaces import SamplingParams
-    from core_rl.rollout_controller import RolloutController
+    from core_rl.rollout.controller import RolloutController
     from core_rl_openai_proxy.config import OpenAIAgentConfig
     from core_rl_openai_proxy.workflow import OpenAIAgentWorkflow
     from proxy_agents import TEMPLATE

@@ -24,7 +24,7 @@ import openai
 import pytest
 import torch
 from core_rl.protocol import samples_to_batch
-from core_rl.servers import pid_alive
+from core_rl.servers.processes import pid_alive
 from core_rl.testing import WorkflowContract, installed_distribution
 from core_rl_openai_proxy import plugin
 from proxy_agents import LOG, TOOLS, client, tool_result
@@ -92,8 +92,8 @@ def test_behaviour_logprobs_equal_a_train_engine_forward(three_turn_wave, model)
     pytest.importorskip("core_rl_fsdp")
     from core_rl.config.loader import structure
     from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
-    from core_rl.kinds import TRAIN_ENGINE
-    from core_rl.plugins import PluginHost
+    from core_rl.plugins.host import PluginHost
+    from core_rl.plugins.kinds import TRAIN_ENGINE
 
     wave, _ = three_turn_wave
     samples = [s for group in wave.groups for s in group]

@@ -15,20 +15,20 @@ It trains through the engine's per-token ``train_step`` on a surrogate whose gra
 exactly, whatever the split into micro-batches or ranks (:mod:`core_rl_dpo.sequence`); only the
 ``B`` rows train, the mismatched ones are read without gradient. Under ``torchrun`` rank ``r``
 holds rows ``r, r + W, ...`` and their mismatched rows (the layout of
-:class:`core_rl.trainer.preference.PairwiseLoop`).
+:class:`core_rl.loops.supervised.pairwise.PairwiseLoop`).
 """
 
 from __future__ import annotations
 
 import attrs
 import torch
+from core_rl.checkpoint.resume import warn
+from core_rl.data.prompts import PromptItem
 from core_rl.errors import DataError
+from core_rl.loops.supervised.loop import global_sum, sequence_batch
+from core_rl.loops.supervised.sequences import fit
 from core_rl.ops import kto_kl_baseline, kto_loss
 from core_rl.protocol import TensorBatch
-from core_rl.trainer.data import PromptItem
-from core_rl.trainer.resume import warn
-from core_rl.trainer.sequences import fit
-from core_rl.trainer.supervised import global_sum, sequence_batch
 
 from core_rl_dpo.config import KTOConfig, kto_balance_warning, kto_label
 from core_rl_dpo.sequence import SequenceLossLoop

@@ -18,12 +18,15 @@ step's loss's exactly, whatever the split into micro-batches or ranks (:mod:`cor
 the reported ``dpo/loss`` is that loss itself.
 
 Under ``torchrun`` rank ``r`` trains pairs ``r, r + W, ...`` (both rows of a pair on one rank;
-:class:`core_rl.trainer.preference.PairwiseLoop`).
+:class:`core_rl.loops.supervised.pairwise.PairwiseLoop`).
 """
 
 from __future__ import annotations
 
 import torch
+from core_rl.data.prompts import PromptItem
+from core_rl.loops.supervised.loop import global_sum, sequence_batch
+from core_rl.loops.supervised.pairwise import number_in_row
 from core_rl.ops import (
     log_odds,
     mean_token_logprob,
@@ -33,9 +36,6 @@ from core_rl.ops import (
     simpo_loss,
 )
 from core_rl.protocol import TensorBatch
-from core_rl.trainer.data import PromptItem
-from core_rl.trainer.preference import number_in_row
-from core_rl.trainer.supervised import global_sum, sequence_batch
 
 from core_rl_dpo.config import DPOConfig
 from core_rl_dpo.sequence import SequenceLossLoop

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import torch
 from core_rl.interfaces import LossOutput, TrainEngine
+from core_rl.launch.ranks import rank_and_world, waiting_for
+from core_rl.loops.rl.reference_reset import ReferenceReset
+from core_rl.loops.supervised.pairwise import PairwiseLoop
 from core_rl.ops import sequence_logprob
+from core_rl.plugins.registry import RegistryEntry
 from core_rl.protocol import TensorBatch
-from core_rl.registry import RegistryEntry
-from core_rl.roles import build_engine
-from core_rl.trainer.preference import PairwiseLoop
-from core_rl.trainer.ranks import rank_and_world, waiting_for
-from core_rl.trainer.reference_reset import ReferenceReset
+from core_rl.roles.build import build_engine
 
 
 def surrogate_loss(batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
@@ -35,7 +35,7 @@ surrogate_loss.entropy_grad = False  # type: ignore[attr-defined]  # the entropy
 
 
 class SequenceLossLoop(PairwiseLoop):
-    """A :class:`~core_rl.trainer.preference.PairwiseLoop` whose loss reads sequence log-probs (see
+    """A :class:`~core_rl.loops.supervised.pairwise.PairwiseLoop` whose loss reads sequence log-probs (see
     the module docstring), with a frozen reference model where :attr:`uses_reference_model`."""
 
     ref_engine: TrainEngine | None = None
@@ -48,10 +48,10 @@ class SequenceLossLoop(PairwiseLoop):
     def build_models(self, engine_entry: RegistryEntry) -> None:
         """The frozen reference, where :attr:`uses_reference_model`: the run's ``ref:`` role when the
         config has one, else the actor's starting model, built by its train engine with
-        ``trainable=False`` (:func:`core_rl.roles.build_engine`); with
+        ``trainable=False`` (:func:`core_rl.roles.build.build_engine`); with
         ``algorithm.reference_reset_every_n_steps`` it is reset (or, with
         ``algorithm.reference_reset_alpha`` < 1, mixed with the policy: TR-DPO) after every such step,
-        as the rl loop's (:mod:`core_rl.trainer.reference_reset`)."""
+        as the rl loop's (:mod:`core_rl.loops.rl.reference_reset`)."""
         if self.uses_reference_model:
             self.ref_engine = build_engine(
                 self.host, self.cfg.ref or self.cfg.actor, trainable=False, built=self.built_engines, role="ref"
@@ -62,7 +62,7 @@ class SequenceLossLoop(PairwiseLoop):
             self.reference_reset = ReferenceReset.of_run(self.cfg, self.host, self.ref_engine, is_main, self.engine)
 
     def _use_reference(self, ref: TrainEngine | None) -> None:
-        """The reference engine a reset built (:mod:`core_rl.trainer.reference_reset`)."""
+        """The reference engine a reset built (:mod:`core_rl.loops.rl.reference_reset`)."""
         self.ref = self.ref_engine = ref
 
     def reference_model_logprobs(self, shard: TensorBatch, step: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ returns whitened over the batch, with or without a group baseline).
 
 Outcome rewards are scalars per sample; every response token of a sample gets the sample's advantage.
 
-KL in the reward (``kl_ctl > 0``, :mod:`core_rl.kl_reward`; the estimator then declares
+KL in the reward (``kl_ctl > 0``, :mod:`core_rl.ops.kl_reward`; the estimator then declares
 ``requires_reference`` and runs in the update, after the reference log-probs): ``grpo`` and ``rloo``
 replace each score by ``score - kl_ctl * sum_t kl_t`` before the group statistics (the sequence's
 return of per-token rewards); ``reinforce_pp`` pays ``-kl_ctl * kl_t`` at every response token and
@@ -17,7 +17,7 @@ import torch
 from core_rl import ops
 from core_rl.config.kl_reward import KLInRewardConfig
 from core_rl.interfaces import AdvantageEstimator
-from core_rl.kl_reward import KLRewardEstimator
+from core_rl.ops.kl_reward import KLRewardEstimator
 from core_rl.protocol import TensorBatch
 
 from core_rl_grpo.config import ReinforcePPAdvantageConfig
@@ -80,7 +80,7 @@ def grpo_advantages(
 class GroupRelativeAdvantage(KLRewardEstimator, AdvantageEstimator):
     """Reads ``rewards``, ``group_index`` and ``response_mask`` (and with ``kl.kl_ctl > 0``
     ``old_logprobs``, ``ref_logprobs``); see :func:`group_relative_scores`. The scores are
-    :meth:`core_rl.kl_reward.KLInReward.sequence_rewards` of the rewards: ``r_i - kl_ctl * sum_t kl_{i,t}``."""
+    :meth:`core_rl.ops.kl_reward.KLInReward.sequence_rewards` of the rewards: ``r_i - kl_ctl * sum_t kl_{i,t}``."""
 
     def __init__(
         self,
@@ -155,7 +155,7 @@ def reinforce_pp_advantages(
 class ReinforcePPAdvantage(KLRewardEstimator, AdvantageEstimator):
     """Reads ``rewards``, ``group_index``, ``response_mask`` (and ``turn_rewards`` where the batch has
     them; with ``kl_ctl > 0`` ``old_logprobs``, ``ref_logprobs``); see :func:`reinforce_pp_advantages`
-    (``kl``: :meth:`core_rl.kl_reward.KLInReward.estimate`, at the current coefficient)."""
+    (``kl``: :meth:`core_rl.ops.kl_reward.KLInReward.estimate`, at the current coefficient)."""
 
     def __init__(self, config: ReinforcePPAdvantageConfig | None = None) -> None:
         self.config = config if config is not None else ReinforcePPAdvantageConfig()

@@ -1,8 +1,8 @@
 """The advantage estimator ``gae``: generalised advantage estimation on a critic's values, with the
 KL to the reference folded into the per-token reward (fixed or adaptive coefficient,
-:mod:`core_rl.kl_reward`).
+:mod:`core_rl.ops.kl_reward`).
 
-Per token (:meth:`core_rl.kl_reward.KLInReward.token_rewards`, :func:`core_rl.ops.gae_advantages`)::
+Per token (:meth:`core_rl.ops.kl_reward.KLInReward.token_rewards`, :func:`core_rl.ops.gae_advantages`)::
 
     r_t = -kl_coef * kl_t + reward * [t is the response's last token]
           (a multi-turn batch with ``turn_rewards``: each turn's reward at its own last token)
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from core_rl import ops
 from core_rl.interfaces import AdvantageEstimator
-from core_rl.kl_reward import KLRewardEstimator
+from core_rl.ops.kl_reward import KLRewardEstimator
 from core_rl.protocol import TensorBatch
 
 from core_rl_ppo.config import GAEConfig

@@ -10,8 +10,8 @@ from core_rl.config.validators import not_empty
 
 if TYPE_CHECKING:
     from core_rl.config.data_config import DataConfig
-    from core_rl.trainer.data import PromptItem
-    from core_rl.trainer.sequences import TrainSequence
+    from core_rl.data.prompts import PromptItem
+    from core_rl.loops.supervised.sequences import TrainSequence
 
 
 @attrs.define
@@ -24,7 +24,7 @@ class SFTConfig:
     ``conversations``: the prompt column instead holds whole conversations (lists of messages,
     rendered by the chat template: ``data.apply_chat_template: true``), and the loss reads every
     assistant turn, each with its end of turn, never the template's role headers or the other
-    turns (:func:`core_rl.chat_template.render_conversation`); ``response_key`` and
+    turns (:func:`core_rl.rollout.chat_template.render_conversation`); ``response_key`` and
     ``train_on_prompt`` do not apply, and ``data.max_prompt_tokens`` bounds the whole
     conversation.
 
@@ -56,10 +56,10 @@ class SFTConfig:
     def row_sequences(self, item: PromptItem, tokenizer: Any, data: DataConfig) -> list[TrainSequence]:
         """The row's one sequence: its prompt and response (with EOS), or with ``conversations`` its
         rendered conversation split before the first assistant token, ``trained`` on the assistant
-        turns (:func:`core_rl.chat_template.render_conversation`)."""
-        from core_rl.chat_template import prompt_messages, render_conversation
+        turns (:func:`core_rl.rollout.chat_template.render_conversation`)."""
         from core_rl.errors import DataError
-        from core_rl.trainer.sequences import TrainSequence, response_tokens
+        from core_rl.loops.supervised.sequences import TrainSequence, response_tokens
+        from core_rl.rollout.chat_template import prompt_messages, render_conversation
 
         if not self.conversations:
             return [TrainSequence(item.prompt_ids, response_tokens(item, self.response_key, tokenizer))]

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from core_rl import checkpointing as ckpt
+from core_rl.checkpoint import files as ckpt
 from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import distributed as dist_utils
 from core_rl.engine_utils import hf, lora, ulysses

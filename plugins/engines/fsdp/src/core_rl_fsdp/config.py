@@ -90,11 +90,11 @@ class FSDPConfig:
     #: it computes a teacher's top-k log-probs and the policy's log-probs of given ids
     #: (``teacher.loss: topk_forward_kl``, :mod:`core_rl.config.teacher_checks`)
     topk_logprobs: ClassVar[bool] = True
-    #: a role's ``trust_remote_code`` reaches its model and tokenizer loads (:mod:`core_rl.remote_code`)
+    #: a role's ``trust_remote_code`` reaches its model and tokenizer loads (:mod:`core_rl.roles.remote_code`)
     loads_remote_code: ClassVar[bool] = True
-    #: ``<role>.freeze`` reaches the model it builds (:mod:`core_rl.freezing`)
+    #: ``<role>.freeze`` reaches the model it builds (:mod:`core_rl.roles.freezing`)
     freezes_parameters: ClassVar[bool] = True
-    #: it writes the LoRA adapter alone (``export_adapter``; ``rollout.lora_sync: adapter``, :mod:`core_rl.lora_sync`)
+    #: it writes the LoRA adapter alone (``export_adapter``; ``rollout.lora_sync: adapter``, :mod:`core_rl.sync.lora`)
     exports_lora_adapter: ClassVar[bool] = True
 
     wrap: str = attrs.field(default="decoder_layers", validator=one_of(WRAPS))

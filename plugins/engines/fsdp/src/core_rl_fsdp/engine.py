@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from core_rl import checkpointing as ckpt
+from core_rl.checkpoint import files as ckpt
 from core_rl.config.schema import ActorConfig
 from core_rl.engine_utils import lora, ulysses
 from core_rl.engine_utils.buckets import hf_buckets, state_items, tied_aliases, tied_sources
@@ -189,7 +189,7 @@ class FSDPEngine(EngineState, TrainEngine):
 
     def export_hf(self, path: str | Path) -> None:
         """Rank 0 writes ``path`` (config, safetensors weights, generation config, tokenizer) via
-        a temporary directory next to it, then moves it into place (see :mod:`core_rl.checkpointing`).
+        a temporary directory next to it, then moves it into place (see :mod:`core_rl.checkpoint.files`).
         With LoRA the weights are merged, and the adapter alone goes to ``path/adapter`` (peft's
         ``save_pretrained`` format)."""
         self._check_open()
@@ -219,7 +219,7 @@ class FSDPEngine(EngineState, TrainEngine):
 
     def save_state(self, path: str | Path, extra: Mapping[str, Any], *, optimizer: bool = True) -> None:
         """Write ``path/`` atomically (as ``.NAME.partial``, renamed by rank 0 once every rank has
-        finished), in formats that execute nothing on load (:mod:`core_rl.checkpointing`):
+        finished), in formats that execute nothing on load (:mod:`core_rl.checkpoint.files`):
 
         - ``meta.json``: format, step, world size, whether optimizer state is saved (``optimizer``)
           and what became of it (``optimizer_state``, :mod:`core_rl.engine_utils.state`);
@@ -264,7 +264,7 @@ class FSDPEngine(EngineState, TrainEngine):
         write_collectively(Path(path), self.rank, write)
 
     def check_checkpoint(self, path: str | Path) -> None:
-        """Raise :class:`~core_rl.checkpointing.CheckpointFormatError` unless ``path`` holds a
+        """Raise :class:`~core_rl.checkpoint.files.CheckpointFormatError` unless ``path`` holds a
         complete checkpoint of this format: ``meta.json`` with this format and a step, the weights'
         and optimizer's safetensors headers, ``extra`` and rank 0's RNG state readable. Reads
         headers and JSON only."""
@@ -362,7 +362,7 @@ class FSDPEngine(EngineState, TrainEngine):
 
 def _read_meta(final: Path) -> dict[str, Any]:
     """``final/meta.json`` of a checkpoint in this engine's format; raises
-    :class:`~core_rl.checkpointing.CheckpointFormatError` otherwise."""
+    :class:`~core_rl.checkpoint.files.CheckpointFormatError` otherwise."""
     meta_file = final / "meta.json"
     if not meta_file.is_file():
         raise ckpt.CheckpointFormatError(f"{final} is not a complete fsdp checkpoint (no meta.json)")

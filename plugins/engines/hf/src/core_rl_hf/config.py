@@ -75,7 +75,7 @@ class HFRolloutConfig:
     releases_memory: ClassVar[bool] = True
     #: rows stop at rollout.sampling.stop strings (core_rl_hf.stop_check; the tokenizer is needed)
     stop_strings: ClassVar[bool] = True
-    #: ``actor.trust_remote_code`` reaches its model and tokenizer loads (:mod:`core_rl.remote_code`)
+    #: ``actor.trust_remote_code`` reaches its model and tokenizer loads (:mod:`core_rl.roles.remote_code`)
     loads_remote_code: ClassVar[bool] = True
 
     dtype: str = attrs.field(default="float32", validator=one_of(DTYPES))

@@ -1,9 +1,9 @@
 """Stopping at ``sampling.stop`` strings during decoding (the rollout controller cuts every
-engine's responses there anyway, :mod:`core_rl.stop_strings`; stopping here saves the tokens after).
+engine's responses there anyway, :mod:`core_rl.rollout.stop_strings`; stopping here saves the tokens after).
 
 At each of the host's checks (every ``sync_every`` tokens, :func:`core_rl_hf.generation.generate_batch`)
 the running rows' last tokens are read back and decoded: a row whose tail holds a stop string is cut
-exactly where :func:`core_rl.stop_strings.stop_cut` says, from its whole response, and finished there
+exactly where :func:`core_rl.rollout.stop_strings.stop_cut` says, from its whole response, and finished there
 (``"stop"``); :meth:`StopStringCheck.cut` makes the same cut on each finished response (a row
 that ended on EOS or the budget between two checks). The tail covers the tokens since the last
 check plus enough earlier ones to hold the longest stop string (every token but a special one adds
@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
-from core_rl.stop_strings import stop_change, stop_cut
+from core_rl.rollout.stop_strings import stop_change, stop_cut
 
 from core_rl_hf.decode_state import DecodeState
 

@@ -1,5 +1,5 @@
 """Training state of the ``megatron`` engine on disk, in formats that execute nothing on load
-(:mod:`core_rl.checkpointing`: safetensors and JSON), written atomically.
+(:mod:`core_rl.checkpoint.files`: safetensors and JSON), written atomically.
 
 Layout of a checkpoint directory:
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from core_rl import checkpointing as ckpt
+from core_rl.checkpoint import files as ckpt
 from core_rl.engine_utils import distributed as dist_utils
 from core_rl.engine_utils.optim import settle_scalar_states
 from core_rl.engine_utils.state import (

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 import torch.distributed as dist
-from core_rl import checkpointing as ckpt
+from core_rl.checkpoint import files as ckpt
 from core_rl.engine_utils import distributed as dist_utils
 from core_rl.engine_utils.hf import exported_architecture, value_model_config
 from megatron.core import parallel_state as mpu
@@ -170,7 +170,7 @@ def write_hf_model_dir(
 ) -> None:
     """A Hugging Face model directory at ``final`` (weights from ``buckets``, ``hf_config`` with
     ``dtype``, a generation config unless ``generation`` is false, the tokenizer of
-    ``tokenizer_path``), written atomically via a partial directory (:mod:`core_rl.checkpointing`).
+    ``tokenizer_path``), written atomically via a partial directory (:mod:`core_rl.checkpoint.files`).
     Called on the main rank only."""
     import shutil
 
@@ -209,7 +209,7 @@ def export_config(hf_config: Any, model_path: str, head: str) -> Any:
 
 def export_engine(engine: MegatronEngine, final: Path) -> None:
     """Rank 0 writes ``final`` (config, safetensors weights in buckets, generation config,
-    tokenizer) via a partial directory moved into place (:mod:`core_rl.checkpointing`); every rank
+    tokenizer) via a partial directory moved into place (:mod:`core_rl.checkpoint.files`); every rank
     takes its share of the gathering. A scalar head's model is written as Hugging Face's
     ``*ForTokenClassification`` (``value``) or ``*ForSequenceClassification`` (``score``) with one
     label, without a generation config."""

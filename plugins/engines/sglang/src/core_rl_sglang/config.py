@@ -6,14 +6,14 @@ from typing import ClassVar
 
 import attrs
 from core_rl.config.validators import in_range, non_negative, one_of, positive
-from core_rl.remote import ServerOptions
+from core_rl.servers.remote import ServerOptions
 
 
 @attrs.define
 class SGLangConfig:
     """Options of the ``sglang`` rollout engine.
 
-    ``server``: where servers come from and how requests behave (:class:`core_rl.remote.ServerOptions`).
+    ``server``: where servers come from and how requests behave (:class:`core_rl.servers.remote.ServerOptions`).
     The rest are SGLang's own server options, passed through:
 
     - ``dtype``, ``context_length`` (0: the model's), ``max_running_requests`` (0: SGLang's own sizing from
@@ -48,7 +48,8 @@ class SGLangConfig:
     """
 
     weight_sync_modes: ClassVar[tuple[str, ...]] = ("disk", "collective")
-    #: requests carry ``rollout.sampling.extra`` to the server as they are (:func:`core_rl.sampling_params.with_extra`)
+    #: requests carry ``rollout.sampling.extra`` to the server as they are
+    #: (:func:`core_rl.interfaces.sampling.with_extra`)
     sampling_extra: ClassVar[bool] = True
     #: what the engine sets in its requests' sampling parameters itself; ``rollout.sampling.extra`` may not name them
     request_keys: ClassVar[frozenset[str]] = frozenset(
@@ -60,10 +61,10 @@ class SGLangConfig:
     )
     #: the servers can give back their memory while the trainer trains (``rollout.sleep_while_training``)
     releases_memory: ClassVar[bool] = True
-    #: the server stops at rollout.sampling.stop strings itself (core_rl.stop_strings) when
+    #: the server stops at rollout.sampling.stop strings itself (core_rl.rollout.stop_strings) when
     #: ``min_new_tokens`` is 0 and no stop string is part of a special token (its own rule differs)
     stop_strings: ClassVar[bool] = True
-    #: ``actor.trust_remote_code`` reaches its servers (``--trust-remote-code``; :mod:`core_rl.remote_code`)
+    #: ``actor.trust_remote_code`` reaches its servers (``--trust-remote-code``; :mod:`core_rl.roles.remote_code`)
     loads_remote_code: ClassVar[bool] = True
     #: its servers load LoRA adapters (``rollout.lora_sync: adapter``: the factory's ``lora_rank``,
     #: :mod:`core_rl_sglang.lora`)

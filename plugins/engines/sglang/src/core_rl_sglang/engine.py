@@ -1,6 +1,6 @@
 """The ``sglang`` rollout engine: SGLang servers driven over their native HTTP API.
 
-What it sends (everything else is :class:`core_rl.remote.ServerRolloutEngine`'s):
+What it sends (everything else is :class:`core_rl.servers.remote.ServerRolloutEngine`'s):
 
 - generation: ``POST /generate`` with ``input_ids`` (the prompt repeated ``n`` times: one batch,
   whose common prefix SGLang's radix cache computes once), ``sampling_params`` (``max_new_tokens``,
@@ -48,9 +48,9 @@ from typing import TYPE_CHECKING, Any
 
 from core_rl.config.schema import RolloutConfig
 from core_rl.interfaces import SamplingParams
-from core_rl.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post, versions_from_spans
-from core_rl.remote.engine import FORK_ENGINE
-from core_rl.sampling_params import with_extra
+from core_rl.interfaces.sampling import with_extra
+from core_rl.servers.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post, versions_from_spans
+from core_rl.servers.remote.engine import FORK_ENGINE
 
 from core_rl_sglang import fingerprints, lora
 from core_rl_sglang.config import SGLangConfig
@@ -181,7 +181,7 @@ class SGLangRolloutEngine(ServerRolloutEngine):
 
     def _stops_natively(self, sampling: SamplingParams) -> bool:
         """Whether SGLang gets ``sampling.stop``: it must never stop before the core's cut
-        (:mod:`core_rl.stop_strings`), which the rollout controller makes anyway. SGLang matches
+        (:mod:`core_rl.rollout.stop_strings`), which the rollout controller makes anyway. SGLang matches
         stop strings from the first token on, ignoring ``min_new_tokens``, and in text that
         spells special tokens out (``<pad>``), so it gets them only without ``min_new_tokens``
         and when no stop string occurs in a special token's text."""

@@ -1,4 +1,4 @@
-"""The sync check's side of an SGLang server (``rollout.sync_check``, :mod:`core_rl.trainer.sync_check`):
+"""The sync check's side of an SGLang server (``rollout.sync_check``, :mod:`core_rl.sync.check`):
 what the server holds, read back through SGLang's own ``POST /get_weights_by_name``.
 
 SGLang loads weights with its own loader (``/update_weights_from_disk``,
@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from core_rl.remote import ServerReplyError, json_post
-from core_rl.weight_fingerprint import fingerprint, prefix_numel
+from core_rl.servers.remote import ServerReplyError, json_post
+from core_rl.sync.fingerprint import fingerprint, prefix_numel
 
 #: the elements of each tensor's leading rows the check reads back (see the module docstring)
 FINGERPRINT_PREFIX = 1024
@@ -105,7 +105,7 @@ async def server_fingerprints(
     dtype: torch.dtype,
     timeout: float,
 ) -> dict[str, float] | None:
-    """The fingerprints (:func:`core_rl.weight_fingerprint.fingerprint`, at ``version``, samples
+    """The fingerprints (:func:`core_rl.sync.fingerprint.fingerprint`, at ``version``, samples
     drawn within :data:`FINGERPRINT_PREFIX`) of the server's parameters of the tensors ``shapes``
     names, each in the server's ``dtype`` (the float32 numbers it answers are that dtype's values);
     an empty mapping when the server's weights are not of ``version`` (restarted from the model,

@@ -1,16 +1,16 @@
-"""Serving LoRA adapters (``rollout.lora_sync: adapter``, :mod:`core_rl.lora_sync`): the server
+"""Serving LoRA adapters (``rollout.lora_sync: adapter``, :mod:`core_rl.sync.lora`): the server
 flags, and loading each version's adapter.
 
 A server started with a ``lora_rank`` loads each version's adapter directory with SGLang's own
 routes (:func:`load_version`): ``POST /load_lora_adapter`` under
-:func:`core_rl.lora_sync.adapter_name` (a name the server serves already, as after a trainer resumed
+:func:`core_rl.sync.lora.adapter_name` (a name the server serves already, as after a trainer resumed
 against servers that outlived it, is unloaded and loaded afresh), ``POST /update_weight_version``
 to label the tokens sampled from then on with the version (as SGLang's full-weight updates do
 through their ``weight_version``), then ``POST /unload_lora_adapter`` for every other adapter named
-with :data:`core_rl.lora_sync.NAME_PREFIX`. Later ``/generate`` requests name the adapter in
+with :data:`core_rl.sync.lora.NAME_PREFIX`. Later ``/generate`` requests name the adapter in
 ``lora_path``. SGLang keys its prefix cache by adapter, so a new name per version never meets a
 stale entry, and no flush is needed. The engine pauses the server around the load, as for full
-weights (``update_pause_mode`` ``wait`` or ``abort``: :func:`core_rl.lora_sync.problems` refuses
+weights (``update_pause_mode`` ``wait`` or ``abort``: :func:`core_rl.sync.lora.problems` refuses
 ``keep``).
 
 On a CPU-only torch SGLang's LoRA layers and its ``torch_native`` LoRA backend still ask for pinned
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from core_rl.lora_sync import NAME_PREFIX, adapter_name
-from core_rl.remote import ServerReplyError
+from core_rl.servers.remote import ServerReplyError
+from core_rl.sync.lora import NAME_PREFIX, adapter_name
 
 from core_rl_sglang.wire import checked_post
 

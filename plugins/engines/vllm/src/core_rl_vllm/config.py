@@ -9,7 +9,7 @@ from core_rl.config.checks import SectionContext
 from core_rl.config.schema import AutoBool
 from core_rl.config.validators import in_range, non_negative, one_of, positive
 from core_rl.errors import CoreRLError
-from core_rl.remote import ServerOptions
+from core_rl.servers.remote import ServerOptions
 
 from core_rl_vllm.lora import max_lora_rank
 
@@ -24,7 +24,7 @@ MIN_COLOCATED_UTILIZATION = 0.05
 class VLLMConfig:
     """Options of the ``vllm`` rollout engine.
 
-    ``server``: where servers come from and how requests behave (:class:`core_rl.remote.ServerOptions`).
+    ``server``: where servers come from and how requests behave (:class:`core_rl.servers.remote.ServerOptions`).
     The rest are vLLM's own server options, passed through:
 
     - ``dtype`` (``--dtype``), ``max_model_len`` (context length; 0: the model's), ``max_num_seqs`` (requests
@@ -48,7 +48,8 @@ class VLLMConfig:
     """
 
     weight_sync_modes: ClassVar[tuple[str, ...]] = ("disk", "collective")
-    #: requests carry ``rollout.sampling.extra`` to the server as they are (:func:`core_rl.sampling_params.with_extra`)
+    #: requests carry ``rollout.sampling.extra`` to the server as they are
+    #: (:func:`core_rl.interfaces.sampling.with_extra`)
     sampling_extra: ClassVar[bool] = True
     #: what the engine sets in its requests itself; ``rollout.sampling.extra`` may not name them
     request_keys: ClassVar[frozenset[str]] = frozenset(
@@ -60,9 +61,9 @@ class VLLMConfig:
     )
     #: the servers can sleep while the trainer trains (``rollout.sleep_while_training``)
     releases_memory: ClassVar[bool] = True
-    #: the server stops at rollout.sampling.stop strings itself (core_rl.stop_strings)
+    #: the server stops at rollout.sampling.stop strings itself (core_rl.rollout.stop_strings)
     stop_strings: ClassVar[bool] = True
-    #: ``actor.trust_remote_code`` reaches its servers (``--trust-remote-code``; :mod:`core_rl.remote_code`)
+    #: ``actor.trust_remote_code`` reaches its servers (``--trust-remote-code``; :mod:`core_rl.roles.remote_code`)
     loads_remote_code: ClassVar[bool] = True
     #: its servers load LoRA adapters (``rollout.lora_sync: adapter``: the factory's ``lora_rank``,
     #: :mod:`core_rl_vllm.lora`)
@@ -103,7 +104,7 @@ class VLLMConfig:
 
     def with_colocated_memory(self, budget_bytes: int, total_bytes: int) -> tuple[VLLMConfig, str | None]:
         """This config for servers on the trainer's GPU, where each may take ``budget_bytes`` of
-        the ``total_bytes`` a GPU has (:attr:`core_rl.trainer.colocated_memory.SharedGPU.budget`): vLLM
+        the ``total_bytes`` a GPU has (:attr:`core_rl.rollout.colocated_memory.SharedGPU.budget`): vLLM
         starts only if the GPU has ``gpu_memory_utilization x total`` free, and takes that much. An
         explicit figure is kept; 0 becomes ``budget / total`` (at most
         :data:`GPU_MEMORY_UTILIZATION`), with the note saying so."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core_rl.server_env import ServerEnvSpec
+from core_rl.servers.env import ServerEnvSpec
 
 REQUIREMENTS_CPU = Path(__file__).with_name("requirements-cpu.txt")
 

@@ -1,10 +1,10 @@
-"""Serving LoRA adapters (``rollout.lora_sync: adapter``, :mod:`core_rl.lora_sync`): the server
+"""Serving LoRA adapters (``rollout.lora_sync: adapter``, :mod:`core_rl.sync.lora`): the server
 flags, and the adapter name of each weight version.
 
 A server started with a ``lora_rank`` loads each version's adapter directory through the plugin's
 weight-update route (:mod:`core_rl_vllm.server_side.core_rl_vllm_routes`: vLLM's own
 ``load_lora_adapter`` inside the server, with the scheduler paused, the weight version labelled and
-the prefix cache dropped, as for full weights), under :func:`core_rl.lora_sync.adapter_name`, and unloads the
+the prefix cache dropped, as for full weights), under :func:`core_rl.sync.lora.adapter_name`, and unloads the
 previous version's name; later requests name the new adapter as their ``model``. vLLM's
 ``/v1/load_lora_adapter`` route would need ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` and leave the
 tokens' weight versions unlabelled.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from core_rl.lora_sync import NAME_PREFIX, adapter_name
+from core_rl.sync.lora import NAME_PREFIX, adapter_name
 
 #: the values vLLM accepts for ``--max-lora-rank`` (``vllm.config.lora.MaxLoRARanks`` of the pinned vLLM)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -7,8 +7,8 @@ from typing import Any
 
 import attrs
 from core_rl.interfaces import SamplingParams
-from core_rl.remote import Completion
-from core_rl.sampling_params import with_extra
+from core_rl.interfaces.sampling import with_extra
+from core_rl.servers.remote import Completion
 
 from core_rl_vllm.config import VLLMConfig
 
@@ -33,7 +33,7 @@ def own_params(sampling: SamplingParams) -> dict[str, Any]:
         "presence_penalty": sampling.presence_penalty,
         "stop_token_ids": list(sampling.stop_token_ids),
         "logprobs": 0,
-        # stop strings are matched in the text without special tokens, as core_rl.stop_strings does
+        # stop strings are matched in the text without special tokens, as core_rl.rollout.stop_strings does
         "skip_special_tokens": bool(sampling.stop),
         **({"stop": list(sampling.stop), "include_stop_str_in_output": True} if sampling.stop else {}),
     }

@@ -17,12 +17,12 @@ as a child process, so that
 - the child dies with the actor (``PR_SET_PDEATHSIG``): ``ray.kill`` or a lost node leaves no
   orphan trainer;
 - the child leaves the line it exits with (its error, or the progress watchdog's diagnosis) in a
-  file the actor names (:mod:`core_rl.exit_note`), which the driver reads back
+  file the actor names (:mod:`core_rl.reliability.exit_note`), which the driver reads back
   (:meth:`TrainerRank.exit_note`) to name the reason in its own message.
 
 A rollout server actor starts its server through the rollout engine plugin itself (the server's
 command line, environment variables and health check are the plugin's), from the plugin's managed
-server environment (``core-rl server-env create NAME``), under :mod:`core_rl.supervise` with the
+server environment (``core-rl server-env create NAME``), under :mod:`core_rl.servers.supervise` with the
 actor as parent: the server's whole process session stops when the actor stops or dies. The actor
 runs the trainer environment's interpreter (Ray workers must import ``ray`` and ``core_rl``, which
 a server environment pinning its own torch and transformers does not hold); only the server
@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from core_rl import exit_note
+from core_rl.reliability import exit_note
 
 PR_SET_PDEATHSIG = 1
 
@@ -120,7 +120,7 @@ class TrainerRank:
 
     def exit_note(self) -> str:
         """The line the rank's process ended with (its error, the watchdog's diagnosis:
-        :mod:`core_rl.exit_note`); empty when it left none."""
+        :mod:`core_rl.reliability.exit_note`); empty when it left none."""
         if self._note is None:
             return ""
         text = exit_note.read(self._note)
@@ -159,11 +159,11 @@ class RolloutServer:
     def start(self, config_path: str, overrides: Sequence[str], index: int, log_dir: str) -> str:
         """Start server ``index`` (logs under ``log_dir``) and wait until it answers its health
         check (``rollout.engine.server.startup_timeout``); its base URL."""
-        from core_rl.components import build_component
         from core_rl.config import load_config
-        from core_rl.kinds import ROLLOUT_ENGINE
-        from core_rl.plugins import PluginHost
-        from core_rl.remote_code import rollout_factory_kwargs
+        from core_rl.plugins.components import build_component
+        from core_rl.plugins.host import PluginHost
+        from core_rl.plugins.kinds import ROLLOUT_ENGINE
+        from core_rl.roles.remote_code import rollout_factory_kwargs
 
         if self._engine is not None:
             return self.url()

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 from core_rl.errors import CoreRLError
-from core_rl.launchers import Launcher, LaunchRequest
-from core_rl.placement import ClusterResources, placement_mode, placement_problems, server_options
+from core_rl.launch.launchers import Launcher, LaunchRequest
+from core_rl.launch.placement import ClusterResources, placement_mode, placement_problems, server_options
 
 from core_rl_ray.config import RayLauncherConfig
 
@@ -113,7 +113,7 @@ class RayLauncher(Launcher):
     # -- launch ---------------------------------------------------------------------------------
 
     def launch(self, request: LaunchRequest) -> int:
-        from core_rl.trainer.resume import effective_recover_mode
+        from core_rl.checkpoint.resume import effective_recover_mode
 
         from core_rl_ray.cluster import connect
 

@@ -6,7 +6,7 @@ The launcher polls every actor every ``launcher.poll_s`` seconds, each answer bo
 crashed, its node was lost) or stopped answering, a server whose process ended, and the driver's
 own SIGINT/SIGTERM each end the wait with an :class:`Outcome` naming the actor and its node; a
 rank's exit also quotes the line its process ended with (its error, or the progress watchdog's
-diagnosis of a stuck run, :mod:`core_rl.exit_note`).
+diagnosis of a stuck run, :mod:`core_rl.reliability.exit_note`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Outcome:
 
 def _rank_exit(index: int, describe: str, code: int, note: str = "") -> Outcome:
     """The outcome of rank ``index`` (its actor: ``describe``) exiting with ``code``; ``note``: the
-    line its process ended with (:mod:`core_rl.exit_note`), quoted instead of pointing above."""
+    line its process ended with (:mod:`core_rl.reliability.exit_note`), quoted instead of pointing above."""
     if code < 0:
         try:
             name = signal.Signals(-code).name

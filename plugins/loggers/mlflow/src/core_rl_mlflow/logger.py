@@ -8,7 +8,7 @@ The tracking store: ``tracking_uri``, else ``MLFLOW_TRACKING_URI``, else MLflow'
 ``<run dir>/mlflow_run.json``: a resumed run (:attr:`RunInfo.resume_step` set) continues that MLflow
 run when the store still holds it. ``close()`` ends the MLflow run ``FINISHED``, or, when it is
 called while an exception propagates (the trainer closes its loggers in a ``finally``), ``KILLED``
-for an interruption (SIGINT/SIGTERM: :class:`~core_rl.trainer.errors.TrainingInterrupted`, or a
+for an interruption (SIGINT/SIGTERM: :class:`~core_rl.loops.errors.TrainingInterrupted`, or a
 ``BaseException`` that is not an ``Exception``, such as ``KeyboardInterrupt``) and ``FAILED`` for any
 other error.
 
@@ -27,10 +27,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from core_rl.atomic_files import write_text_atomic
+from core_rl.checkpoint.atomic import write_text_atomic
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import Logger, RunInfo, SampleRecord, sample_table
-from core_rl.trainer.errors import TrainingInterrupted
+from core_rl.loops.errors import TrainingInterrupted
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient

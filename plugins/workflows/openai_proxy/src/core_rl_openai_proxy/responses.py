@@ -7,7 +7,7 @@ request's ``temperature``, ``top_p``, ``min_p`` (vLLM's and SGLang's extension),
 accepted and ignored (set the run's ``rollout.sampling`` penalties instead). ``max_tokens`` (or
 ``max_completion_tokens``) lowers the run's ``max_new_tokens``, never raises it. ``stop`` (a
 string or up to :data:`MAX_STOP_STRINGS` of them) joins the run's ``rollout.sampling.stop``: the
-turn ends at the token that completes one (it stays in the trajectory, :mod:`core_rl.stop_strings`)
+turn ends at the token that completes one (it stays in the trajectory, :mod:`core_rl.rollout.stop_strings`)
 and the returned text ends before it, as OpenAI's does. ``n > 1`` is refused (400): one call is
 one sampled turn of one trajectory; so is ``stream`` on legacy completions (chat completions and
 responses stream: :mod:`core_rl_openai_proxy.responses_api`).
@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from core_rl.protocol import Sample
-from core_rl.stop_strings import stop_cut
+from core_rl.rollout.stop_strings import stop_cut
 
 from core_rl_openai_proxy.errors import RequestError
 from core_rl_openai_proxy.tools import Reply

@@ -4,8 +4,8 @@ Each call's prompt either continues the session's current trajectory (its exact 
 sampled ids, then the inserted tokens: :mod:`core_rl_openai_proxy.chat`) or, on a history
 mismatch, starts a new trajectory. A trajectory is a :class:`~core_rl.protocol.Sample`: ``prompt_ids``
 are its first call's prompt, ``response_ids`` everything after; inserted tokens have mask 0 and
-log-prob 0 (:func:`core_rl.workflows.append_observation`), sampled tokens mask 1 with the engine's
-log-probs and versions (:func:`core_rl.workflows.extend_turn`).
+log-prob 0 (:func:`core_rl.rollout.workflows.append_observation`), sampled tokens mask 1 with the engine's
+log-probs and versions (:func:`core_rl.rollout.workflows.extend_turn`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 from core_rl.interfaces import SamplingParams
 from core_rl.protocol import Sample
-from core_rl.workflows import append_observation, extend_turn
+from core_rl.rollout.workflows import append_observation, extend_turn
 
 from core_rl_openai_proxy.chat import ChatTemplate, Mismatch
 from core_rl_openai_proxy.errors import RequestError

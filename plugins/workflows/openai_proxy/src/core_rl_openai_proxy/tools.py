@@ -3,7 +3,7 @@
 A request's ``tools`` reach the chat template (a template that ignores them is a 400: the model
 would never see the tools). When the request carries tools (and ``tool_choice`` is not ``"none"``),
 the sampled text is parsed by the run's tool-call parser (``rollout.workflow.tool_parser``, a
-:class:`core_rl.tool_parsers.ToolParser` from core's registry; ``hermes`` by default): its calls
+:class:`core_rl.rollout.tool_parsers.ToolParser` from core's registry; ``hermes`` by default): its calls
 become ``message.tool_calls`` (``id``, ``type: "function"``, ``function.name``,
 ``function.arguments`` a JSON string), the text outside them ``message.content`` (``None`` when
 empty) and ``finish_reason`` ``tool_calls``. A turn with a malformed call, or none, stays text.
@@ -22,7 +22,7 @@ from typing import Any
 
 import attrs
 from core_rl.config.schema import PluginSpec
-from core_rl.tool_parsers import ToolParser
+from core_rl.rollout.tool_parsers import ToolParser
 
 from core_rl_openai_proxy.errors import RequestError
 from core_rl_openai_proxy.reasoning import split_reasoning
@@ -37,8 +37,8 @@ def build_tool_parser(spec: PluginSpec | None) -> ToolParser | None:
         return None
     if spec.entry is None:
         from core_rl.config.sections import validate_plugin_section
-        from core_rl.kinds import TOOL_PARSER
-        from core_rl.plugins import PluginHost
+        from core_rl.plugins.host import PluginHost
+        from core_rl.plugins.kinds import TOOL_PARSER
 
         validate_plugin_section(PluginHost(), TOOL_PARSER, spec, "rollout.workflow.tool_parser")
     return spec.build()

@@ -13,7 +13,7 @@ exception, a script's non-zero exit) keeps the calls it made: its trajectories a
 ``error_reward`` (or left out of the group, ``on_error: drop``) and carry ``info["error"]`` (the
 error's kind, counted per step as ``agent/errors/<kind>``), ``info["failed"]`` (the message) and
 ``info["max_error_fraction"]``: past that fraction of a step's episodes the trainer stops the run
-(:mod:`core_rl.trainer.failed_steps`). An errored episode that made no call has nothing to train
+(:mod:`core_rl.loops.rl.failed_steps`). An errored episode that made no call has nothing to train
 on and is left out; a row whose every episode errored before any call fails the run with the
 error. A script's output tail is kept in ``info["output"]`` (``rollout.dump`` records it).
 
@@ -33,7 +33,7 @@ import attrs
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SamplingParams
 from core_rl.protocol import Sample
-from core_rl.workflows import DROPPED_ERRORS, ERROR, ERROR_LIMIT, FAILED, RolloutWorkflow, WorkflowContext
+from core_rl.rollout.workflows import DROPPED_ERRORS, ERROR, ERROR_LIMIT, FAILED, RolloutWorkflow, WorkflowContext
 
 from core_rl_openai_proxy.agent_env import agent_python
 from core_rl_openai_proxy.config import OpenAIAgentConfig

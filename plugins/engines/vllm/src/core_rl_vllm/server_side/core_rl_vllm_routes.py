@@ -36,7 +36,7 @@ worker extension answers ``"error: ..."`` rather than raise) or, with status 500
 
 ``POST /core_rl/adapter_fingerprints``: the sync check's record of the LoRA adapter this server
 last loaded (``rollout.lora_sync: adapter``): ``{"version": V, "path": P, "prints": {NAME: FLOAT}}``,
-the fingerprints (``core_rl.weight_fingerprint``, loaded by file path from
+the fingerprints (``core_rl.sync.fingerprint``, loaded by file path from
 ``CORE_RL_WEIGHT_FINGERPRINT_PY``) of every tensor in the ``*.safetensors`` files of the directory
 vLLM's handler loaded the adapter from, taken right after it loaded it (the directory the server
 was actually pointed at); ``{"version": null, ...}`` before any adapter load since the server

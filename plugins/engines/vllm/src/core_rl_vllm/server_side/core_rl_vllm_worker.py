@@ -2,7 +2,7 @@
 
 This file runs inside vLLM's worker processes, in the vllm server environment, not in the trainer:
 the engine puts its directory on the server's ``PYTHONPATH``. It imports nothing from core-rl
-except :mod:`core_rl.weight_group`, loaded by file path (``CORE_RL_WEIGHT_GROUP_PY``) because it
+except :mod:`core_rl.servers.weight_group`, loaded by file path (``CORE_RL_WEIGHT_GROUP_PY``) because it
 needs only torch, so both ends of the weight-update group run the same code.
 
 Methods are called through vLLM's ``/collective_rpc`` with one JSON string argument and return a
@@ -31,7 +31,7 @@ def _weight_group():
 
 
 def _fingerprint_log(payload_args):
-    """A :class:`core_rl.weight_fingerprint.FingerprintLog` for the update's ``version`` (the sync
+    """A :class:`core_rl.sync.fingerprint.FingerprintLog` for the update's ``version`` (the sync
     check's record of the tensors as they arrive, before vLLM's loader casts or fuses them)."""
     module = _load_by_path("CORE_RL_WEIGHT_FINGERPRINT_PY", "core_rl_weight_fingerprint")
     return module.FingerprintLog(int(payload_args.get("version", -1)))

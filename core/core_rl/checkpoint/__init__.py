@@ -1,0 +1,1 @@
+"""Checkpoints: atomic files, where a run keeps them, when they are saved, and resuming from them."""

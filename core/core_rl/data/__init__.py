@@ -1,0 +1,1 @@
+"""Training data: data files, prompt rows and mixtures."""

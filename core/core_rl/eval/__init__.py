@@ -1,0 +1,1 @@
+"""Evaluation: on held-out prompts while training, and ``core-rl eval``."""

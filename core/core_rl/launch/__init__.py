@@ -1,0 +1,2 @@
+"""Starting a run's processes: local ranks, rendezvous, placement, GPUs, and bounded waits on other
+ranks."""

@@ -1,0 +1,1 @@
+"""The ``rl`` loop: one RL step and its stages."""

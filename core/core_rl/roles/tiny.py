@@ -1,0 +1,160 @@
+"""Tiny Hugging Face models and tokenizers built offline (no model hub), for examples and tests.
+
+:func:`build_tiny_model` writes a directory loadable by ``AutoTokenizer`` / ``AutoModelForCausalLM``:
+a character-level tokenizer (one token per character of ``alphabet`` plus ``<pad>``, ``<s>``,
+``</s>``, ``<unk>``) and a random-weight Llama (default) or Qwen2 model.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+DEFAULT_ALPHABET = string.ascii_lowercase + string.digits + " =+-?:>"
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+#: :func:`build_tiny_model` arguments of Qwen2-0.5B's and Qwen2-1.5B's layouts (pass
+#: ``architecture="qwen2"`` and ``tie_word_embeddings=True`` too); with a character vocabulary instead
+#: of their 152k tokens they hold 0.36B and 1.3B parameters
+QWEN2_SHAPES = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2),
+}
+
+#: a chat template the character tokenizer can render (its alphabet holds every character):
+#: ``<s>`` then per message the role's initial, ``:``, the content and ``>`` (an assistant turn
+#: ends in ``</s>`` instead); the generation prompt is ``a:``, and ``a:==`` when the template
+#: variable ``enable_thinking`` is false (as templates with thinking turns open an empty one)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% else %}>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}a:{% if enable_thinking is defined and not enable_thinking %}=={% endif %}"
+    "{% endif %}"
+)
+
+
+def add_chat_template(path: str | Path, template: str = CHAT_TEMPLATE) -> None:
+    """Give the tokenizer saved at ``path`` the chat ``template`` (default :data:`CHAT_TEMPLATE`)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(path)
+
+
+def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
+    """A ``PreTrainedTokenizerFast`` with one token per character; ids 0..3 are pad, bos, eos, unk.
+    Encoding with special tokens prepends ``<s>``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(dict.fromkeys(alphabet))
+    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, UNK, *chars])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK)
+
+
+def build_tiny_model(
+    path: str | Path,
+    *,
+    alphabet: str = DEFAULT_ALPHABET,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 256,
+    seed: int = 0,
+    architecture: str = "llama",
+    num_kv_heads: int | None = None,
+    tie_word_embeddings: bool = False,
+) -> Path:
+    """Write a random-weight model (``architecture``: ``llama`` or ``qwen2``, which adds biases to
+    the q/k/v projections) and its char tokenizer to ``path``; return ``path``. ``num_kv_heads``
+    (default ``num_heads``) below ``num_heads`` gives grouped-query attention; ``tie_word_embeddings``
+    shares the output layer with the input embeddings.
+
+    With ``qwen2``, ``AutoTokenizer`` loads the tokenizer as ``Qwen2Tokenizer``, whose byte-level
+    pre-tokenizer drops spaces: use an ``alphabet`` without spaces there."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from core_rl.engine_utils.hf import save_pretrained
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    if architecture not in classes:
+        raise ValueError(f"architecture must be one of {', '.join(classes)}, got {architecture!r}")
+    config_cls, model_cls = classes[architecture]
+
+    path = Path(path)
+    tokenizer = build_char_tokenizer(alphabet)
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads or num_heads,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    path.mkdir(parents=True, exist_ok=True)
+    save_pretrained(model, path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def warm_start(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    data: str | Path,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int = 0,
+    work_dir: str | Path | None = None,
+) -> float:
+    """Supervised warm start of a (tiny) model before RL: ``steps`` steps of ``batch_size`` rows of
+    ``data`` (a JSONL of ``{"prompt": ..., "response": ...}``) through core-rl's ``sft`` loop (the
+    ``core-rl-sft`` plugin: next-token loss on the response), AdamW at ``lr``; the exported model is
+    copied to ``out_dir``. Returns the last step's ``sft/loss``. The run itself (its config, metrics
+    and export) goes to ``work_dir`` (default ``out_dir``'s parent), as run ``warm_start``.
+
+    A random tiny model rarely samples a well-formed answer, so an RL run from it sees no reward; a
+    few hundred rows of the answer's format first give GRPO something to compare."""
+    import json
+    import shutil
+
+    from core_rl.builtin.loggers import read_metrics
+    from core_rl.config.loader import load_config
+    from core_rl.loops import train
+    from core_rl.plugins.host import PluginHost
+
+    out = Path(out_dir)
+    root = Path(work_dir) if work_dir is not None else out.parent
+    root.mkdir(parents=True, exist_ok=True)
+    config = root / "warm_start.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "experiment": {"name": "warm_start", "output_dir": str(root), "seed": seed},
+                "data": {"train_files": [str(data)], "batch_size": batch_size},
+                "actor": {"model_path": str(model_dir), "optimizer": {"name": "adamw", "lr": lr}},
+                "algorithm": {"name": "sft"},
+                "trainer": {"total_steps": steps, "torch_threads": 1},
+                "saver": {"every_n_steps": 0, "at_end": False},
+                "loggers": [],
+            }
+        )
+    )
+    host = PluginHost()
+    result = train(load_config(config, host=host), host=host)
+    shutil.copytree(result["export"], out, dirs_exist_ok=True)
+    return float(read_metrics(result["metrics"])[-1]["sft/loss"])

@@ -1,0 +1,2 @@
+"""The rollout side of a run: the controller, chat templates, stop strings, dumps and replays,
+colocation."""

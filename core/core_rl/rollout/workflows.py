@@ -1,0 +1,138 @@
+"""Rollout workflows: how one data row becomes the trajectories of one group.
+
+A workflow (``rollout.workflow``, a plugin kind registered through
+:func:`core_rl.hookspecs.core_rl_register_workflows`) is an ``async`` function of a prompt and a
+:class:`WorkflowContext`. It calls :meth:`WorkflowContext.generate` as often as it likes: the
+single-turn RLVR workflow (:class:`SingleTurnWorkflow`, the default) calls it once for the
+``sampling.n`` samples of the prompt; a multi-turn or agentic workflow calls it once per turn, feeds
+the sample's tokens back with the next turn's prompt, and appends tool or environment output with
+:func:`append_observation`, whose tokens are masked from the loss (``Sample.token_mask``).
+
+What a workflow returns is one group: the samples the group's advantage is computed over (for
+GRPO, the ``n`` answers to the row). Each returned sample is one trajectory: ``prompt_ids`` is the
+row's prompt, ``response_ids`` everything after it (all turns), ``logprobs`` the behaviour
+log-probs (0 on appended tokens), ``token_weight_versions`` the weight version of each token.
+The rollout controller (:mod:`core_rl.rollout.controller`) runs many workflows concurrently; the
+trainer scores the samples with the run's reward.
+
+A trajectory that failed (its environment timed out, say) but is still returned carries
+``info[FAILED]``, a short reason: it counts as a failed episode, and a step whose every episode
+failed is a *failed step* (:mod:`core_rl.loops.rl.failed_steps`).
+
+An episode ended by an error of the program a workflow runs (an agent that raised) carries
+``info[ERROR]``, the error's kind (an exception's class name), and ``info[ERROR_LIMIT]``, the most
+of a step's episodes that may end so; a workflow that leaves such episodes out of their group
+records them on a kept sample as ``info[DROPPED_ERRORS]`` (``{kind: count}``). The trainer counts
+the kinds per step (``agent/errors/<kind>``) and stops the run past the limit
+(:class:`core_rl.loops.rl.failed_steps.AgentErrorsError`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import attrs
+
+from core_rl.errors import PluginFault
+from core_rl.interfaces import SamplingParams
+from core_rl.protocol import Sample
+
+#: the key of ``Sample.info`` that marks a failed episode (its value: why, e.g. ``step timed out``)
+FAILED = "failed"
+#: the key of ``Sample.info`` naming the kind of error that ended an episode (e.g. ``MaxTurnsExceeded``)
+ERROR = "error"
+#: the key of ``Sample.info`` holding the most of a step's episodes (a fraction) that may end in an error
+ERROR_LIMIT = "max_error_fraction"
+#: the key of ``Sample.info`` counting, by kind, the errored episodes its workflow left out of the group
+DROPPED_ERRORS = "dropped_errors"
+
+
+@attrs.define
+class WorkflowContext:
+    """What a workflow may use: ``generate(prompt_ids, sampling)`` (the rollout engine, through the
+    controller, which records versions and bounds concurrency), the run's ``sampling`` settings
+    and its ``tokenizer`` (to encode tool output or the next turn's text)."""
+
+    generate: Callable[[Sequence[int], SamplingParams], Awaitable[list[Sample]]]
+    sampling: SamplingParams
+    tokenizer: Any = None
+
+
+class RolloutWorkflow(ABC):
+    """Turns one prompt (a :class:`core_rl.data.prompts.PromptItem`: its ``row``, ``text`` and
+    ``prompt_ids``) into one group of trajectories.
+
+    ``own_prompts``: the trajectories start from prompts the workflow builds itself (an agent
+    program writes its own messages from the row), so their ``prompt_ids`` need not be the row's."""
+
+    own_prompts: bool = False
+
+    @abstractmethod
+    async def run(self, prompt: Any, ctx: WorkflowContext) -> list[Sample]:
+        """The trajectories of ``prompt`` (at least one), each a :class:`Sample` whose
+        ``prompt_ids`` are ``prompt.prompt_ids``. Must not keep state between calls that would
+        change what a resumed run generates."""
+
+
+class SingleTurnWorkflow(RolloutWorkflow):
+    """RLVR: one generation call for the ``n`` samples of the prompt."""
+
+    async def run(self, prompt: Any, ctx: WorkflowContext) -> list[Sample]:
+        return await ctx.generate(prompt.prompt_ids, ctx.sampling)
+
+
+def check_samples(
+    value: Any, words: str, what: str, *, prompt_ids: Sequence[int] | None, count: int | None, contract: str
+) -> list[Sample]:
+    """``value`` as a list of :class:`Sample` s answering ``prompt_ids`` (any prompt when ``None``):
+    exactly ``count`` of them (at least one when ``None``). Otherwise a :class:`~core_rl.errors.PluginFault` naming the
+    component (``words``), ``what`` it returned and the ``contract`` it breaks."""
+    if isinstance(value, Sample) or not isinstance(value, Sequence):
+        raise PluginFault(f"{words} returned {what} as a {type(value).__name__}; {contract}")
+    samples = list(value)
+    wanted = f"{count}" if count is not None else "at least 1"
+    if (count is not None and len(samples) != count) or not samples:
+        raise PluginFault(f"{words} returned {len(samples)} {what} where {wanted} were due; {contract}")
+    for i, sample in enumerate(samples):
+        if not isinstance(sample, Sample):
+            raise PluginFault(f"{words} returned {what} whose item {i} is a {type(sample).__name__}; {contract}")
+        if prompt_ids is not None and list(sample.prompt_ids) != list(prompt_ids):
+            raise PluginFault(
+                f"{words} returned {what} whose item {i} has prompt_ids {list(sample.prompt_ids)[:8]}... "
+                f"({len(sample.prompt_ids)} tokens), not the prompt's ({len(prompt_ids)} tokens); {contract}"
+            )
+    return samples
+
+
+def append_observation(sample: Sample, token_ids: Sequence[int]) -> Sample:
+    """``sample`` with ``token_ids`` (tool or environment output) appended to its response:
+    log-prob 0, mask 0 (they never train), the version of the sample's last token."""
+    n = len(sample.response_ids)
+    versions = sample.versions
+    last = versions[-1] if versions else sample.weight_version
+    mask = list(sample.token_mask) if sample.token_mask is not None else [1] * n
+    return attrs.evolve(
+        sample,
+        response_ids=[*sample.response_ids, *token_ids],
+        logprobs=[*sample.logprobs, *([0.0] * len(token_ids))],
+        token_weight_versions=[*versions, *([last] * len(token_ids))],
+        token_mask=[*mask, *([0] * len(token_ids))],
+    )
+
+
+def extend_turn(sample: Sample, turn: Sample) -> Sample:
+    """``sample`` continued by ``turn``, a sample generated from ``sample.prompt_ids +
+    sample.response_ids``: its tokens, log-probs and versions are appended (mask 1) and its
+    ``finish_reason`` becomes the sample's."""
+    mask = list(sample.token_mask) if sample.token_mask is not None else [1] * len(sample.response_ids)
+    return attrs.evolve(
+        sample,
+        response_ids=[*sample.response_ids, *turn.response_ids],
+        logprobs=[*sample.logprobs, *turn.logprobs],
+        token_weight_versions=[*sample.versions, *turn.versions],
+        token_mask=[*mask, *([1] * len(turn.response_ids))],
+        finish_reason=turn.finish_reason,
+        weight_version=min(sample.weight_version, turn.weight_version),
+    )

@@ -1,0 +1,1 @@
+"""Moving the policy's weights to the rollout engine, and verifying that it serves them."""
