@@ -111,7 +111,7 @@ def _background_build_failure(name: str) -> str | None:
 @functools.cache
 def _environment_missing(name: str) -> str | None:
     """Why the server environment ``name`` cannot be had here (``None`` if it is built, or can be)."""
-    from core_rl.servers import env as server_env
+    from core_rl_server_kit import env as server_env
 
     try:
         if server_env.find(server_env.get_spec(name)) is not None:

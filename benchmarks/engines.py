@@ -167,7 +167,7 @@ def build_engine(name: str, model: str, rows: int):
 def run_setting(name: str, model: str, steps: int, rows: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
-    from core_rl.engine_utils.packing import rank_rows
+    from core_rl.data.balance import rank_rows
 
     cuda = torch.cuda.is_available()
     gc.collect()
@@ -220,7 +220,7 @@ def run_setting(name: str, model: str, steps: int, rows: int) -> dict[str, Any]:
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from core_rl.engine_utils.distributed import ensure_process_group, pick_device
+    from core_rl.launch.distributed import ensure_process_group, pick_device
 
     torch.set_num_threads(1)
     ensure_process_group("auto", pick_device())

@@ -111,7 +111,7 @@ def trl_env_spec():
     torch is installed in), so a GPU machine's CUDA build is used, not downloaded again. Installed
     with pip: uv does not look at ``.pth`` folders and would fetch torch."""
     import torch
-    from core_rl.servers.env import ServerEnvSpec
+    from core_rl.interfaces.servers import ServerEnvSpec
 
     site = str(Path(torch.__file__).resolve().parents[1])
     purelib = "pathlib.Path(sysconfig.get_paths()['purelib'], 'base_torch.pth')"
@@ -136,7 +136,7 @@ def trl_python(args: argparse.Namespace, on_cuda: bool) -> tuple[str | None, str
     if not on_cuda:
         found = trl_grpo.trl_python(install=not args.no_install)
         return (str(found), "benchmarks/trl_grpo.py's environment") if found else (None, "its environment is not built")
-    from core_rl.servers import env as server_env
+    from core_rl_server_kit import env as server_env
 
     spec = trl_env_spec()
     directory = server_env.find(spec, variant="cuda")

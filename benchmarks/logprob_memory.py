@@ -1,7 +1,7 @@
 """Memory and time of token log-probs and entropies over a large vocabulary: the chunked
-computation train engines use (:func:`core_rl.engine_utils.logprobs.token_logprobs`) against the
+computation train engines use (:func:`core_rl_train_kit.logprobs.token_logprobs`) against the
 whole-tensor formulation autograd composes (:func:`core_rl.testing.reference.token_logprobs`),
-``fused`` (``fused_head: true``, :mod:`core_rl.engine_utils.fused_head`: from the hidden states and
+``fused`` (``fused_head: true``, :mod:`core_rl_train_kit.fused_head`: from the hidden states and
 the head's weight, the logits never whole), and, where ``core-rl-megatron`` is installed, that
 engine's vocabulary-parallel computation on one rank (``vocab_parallel``: the same chunking, its
 own forward formulas).
@@ -54,8 +54,8 @@ def fused_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fused_head``: from the hidden states ``[T, H]`` and the head's weight, in ``token_logprobs``'
     alignment."""
-    from core_rl.engine_utils.fused_head import fused_head_stats
-    from core_rl.engine_utils.logprobs import align_to_tokens
+    from core_rl_train_kit.fused_head import fused_head_stats
+    from core_rl_train_kit.logprobs import align_to_tokens
 
     targets = torch.cat([ids[0, 1:], ids[0, :1]])
     lp, ent = fused_head_stats(hidden, weight, targets, temperature, with_entropy=True)
@@ -67,8 +67,8 @@ def vocab_parallel_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The megatron engine's vocabulary-parallel log-probs on one rank (the whole vocabulary), in
     ``token_logprobs``' alignment."""
-    from core_rl.engine_utils.logprobs import align_to_tokens
     from core_rl_megatron.vocab_parallel import vocab_parallel_stats
+    from core_rl_train_kit.logprobs import align_to_tokens
 
     targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
     lp, ent = vocab_parallel_stats(
@@ -91,8 +91,8 @@ def workload(args: argparse.Namespace, device: torch.device) -> dict[str, torch.
 
 def step(formulation: str, inputs: dict[str, torch.Tensor]) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One forward and backward; ``(saved bytes, log-probs, entropies, the head's gradient)``."""
-    from core_rl.engine_utils.logprobs import token_logprobs
     from core_rl.testing import reference
+    from core_rl_train_kit.logprobs import token_logprobs
 
     fn = {
         "fused": None,

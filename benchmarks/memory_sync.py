@@ -49,8 +49,8 @@ def measure(model: Path, layout: str, device: str, repeats: int, profile: int = 
     """Median seconds per ``sync_in_memory`` from a trained fsdp engine to an hf engine on ``device``;
     with ``profile`` rows, then torch's profiler over 3 more syncs: that many operators, by host time."""
     from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
-    from core_rl.engine_utils.buckets import nbytes
     from core_rl.interfaces import LossOutput
+    from core_rl.sync.buckets import nbytes
     from core_rl.sync.weight_sync import sync_in_memory
     from core_rl.testing import make_rl_batch
     from core_rl_fsdp.config import FSDPConfig

@@ -75,7 +75,7 @@ def _server_env_missing(engine: str) -> str | None:
     """Why ``engine``'s server environment cannot run here (``None``: it can)."""
     if engine == "hf":
         return None
-    from core_rl.servers.env import find, get_spec
+    from core_rl_server_kit.env import find, get_spec
 
     if find(get_spec(engine)) is None:
         return f"no {engine} server environment (core-rl server-env create {engine})"

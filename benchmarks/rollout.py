@@ -7,7 +7,7 @@ on a tiny model and prints:
   samples of exactly ``--max-new-tokens`` tokens) and through a plain client sending the same
   requests to the same server with the same concurrency, and the plugin's overhead
   ``1 - plugin / plain`` (goal: under 5%). The plain client is the plugin's own (httpx over
-  aiohttp's pool, ``core_rl.servers.remote.wire.async_client``); the same client on httpx's own pool is
+  aiohttp's pool, ``core_rl_server_kit.remote.wire.async_client``); the same client on httpx's own pool is
   printed beside it (its cost per request grows with the requests in flight);
 - seconds to move the weights from the ``fsdp`` train engine to the server by disk
   (``export_hf`` + the server's reload) and by collective (the trainer's own path,
@@ -61,7 +61,7 @@ def build_model(root: Path, size: str) -> Path:
 LINK_RECEIVER = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
-from core_rl.servers import weight_group
+from core_rl_server_kit import weight_group
 spec = json.loads(sys.argv[2])
 torch.set_num_threads(1)
 pg = weight_group.init_group(
@@ -78,8 +78,8 @@ def link_seconds(tensors: list[torch.Tensor], repeats: int) -> float:
     the link alone costs a collective weight sync."""
     import subprocess
 
-    from core_rl.servers import weight_group
-    from core_rl.servers.processes import free_port
+    from core_rl_server_kit import weight_group
+    from core_rl_server_kit.processes import free_port
 
     port, group = free_port("127.0.0.1"), weight_group.new_group_name()
     spec = {
@@ -154,7 +154,7 @@ async def plain_client(
     """Send every prompt's request with at most ``concurrency`` in flight; return tokens generated.
     ``pool``: ``aiohttp`` (the plugin's client) or ``httpx`` (httpx's own connection pool)."""
     import httpx
-    from core_rl.servers.remote.wire import async_client
+    from core_rl_server_kit.remote.wire import async_client
 
     slots = asyncio.Semaphore(concurrency)
     if pool == "httpx":

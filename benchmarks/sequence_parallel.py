@@ -1,11 +1,11 @@
 """Activation memory and time of one long sequence's forward and backward, with Ulysses sequence
-parallelism over 1, 2, ... ranks (:mod:`core_rl.engine_utils.ulysses`) and without.
+parallelism over 1, 2, ... ranks (:mod:`core_rl_train_kit.ulysses`) and without.
 
 The workload: one row of ``--tokens`` tokens through a random-weight causal LM (``core_rl.roles.tiny``,
 Llama layout, ``--hidden`` x ``--layers``, ``--heads`` heads), float32, SDPA attention; log-probs
 and entropies at temperature 1 and the backward of ``sum(lp) + 0.01 sum(H)``. For each group size
 ``n`` in ``--sizes``, ``torchrun`` starts ``n`` CPU processes (gloo) that form one group (``n = 1``:
-the unsharded forward, :func:`core_rl.engine_utils.packed.forward_logprobs`); for every rank it prints
+the unsharded forward, :func:`core_rl_train_kit.packed.forward_logprobs`); for every rank it prints
 
 - ``saved``: bytes autograd keeps for backward on that rank (``saved_tensors_hooks``), the
   activation memory that sequence parallelism divides;
@@ -51,10 +51,10 @@ def worker(args: argparse.Namespace) -> None:
     torchrun's standard output, where their lines could interleave)."""
     import torch
     import torch.distributed as dist
-    from core_rl.engine_utils import ulysses
-    from core_rl.engine_utils.hf import load_causal_lm
-    from core_rl.engine_utils.packed import forward_logprobs
-    from core_rl.engine_utils.sharded_forward import sharded_logprobs
+    from core_rl.roles.hf import load_causal_lm
+    from core_rl_train_kit import ulysses
+    from core_rl_train_kit.packed import forward_logprobs
+    from core_rl_train_kit.sharded_forward import sharded_logprobs
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -64,8 +64,8 @@ def pg_loss(batch, logprobs, entropy):
 
 def stream_tokens(engine, batch) -> tuple[int, int]:
     """Micro-batches and the tokens the model runs for ``batch`` in the engine's plan."""
-    from core_rl.engine_utils.microbatch import micro_batch_width
-    from core_rl.engine_utils.shared_prefix import share_rows
+    from core_rl_train_kit.microbatch import micro_batch_width
+    from core_rl_train_kit.shared_prefix import share_rows
 
     runner = engine.runner
     lengths, plan = runner.plan(batch)
@@ -90,7 +90,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from core_rl.config.schema import ActorConfig, MicroBatchConfig, OptimizerConfig, PluginSpec
-    from core_rl.engine_utils.distributed import ensure_process_group
+    from core_rl.launch.distributed import ensure_process_group
     from core_rl.testing import real_model
     from core_rl_fsdp.config import FSDPConfig
     from core_rl_fsdp.engine import FSDPEngine

@@ -296,7 +296,7 @@ def _clock_core_rl_steps() -> list[tuple[float, float]]:
 
 def trl_env_spec():
     """TRL's benchmark environment: the local CPU torch first (so nothing pulls a CUDA build), then TRL."""
-    from core_rl.servers.env import ServerEnvSpec
+    from core_rl.interfaces.servers import ServerEnvSpec
 
     steps = [["-m", "pip", "install", "-q", TORCH_PIN], ["-m", "pip", "install", "-q", f"trl=={TRL_VERSION}"]]
     return ServerEnvSpec(
@@ -309,7 +309,7 @@ def trl_env_spec():
 
 def trl_python(install: bool) -> Path | None:
     """The TRL environment's interpreter: built on first use, or ``None`` if absent and not ``install``."""
-    from core_rl.servers import env as server_env
+    from core_rl_server_kit import env as server_env
 
     spec = trl_env_spec()
     found = server_env.find(spec, variant="cpu")

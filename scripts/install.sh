@@ -26,7 +26,7 @@ else
   # ~4 s): installed, it satisfies every plugin's bound and stays as it is
   "$PY" -m pip install -q --disable-pip-version-check "uv>=0.5"
   UV=$("$PY" -c 'from uv import find_uv_bin; print(find_uv_bin())')
-  mapfile -t uv_flags < <("$PY" core/core_rl/servers/pip_as_uv.py "$PY")
+  mapfile -t uv_flags < <("$PY" plugins/kits/server/src/core_rl_server_kit/pip_as_uv.py "$PY")
   uv_install=("$UV" pip install --quiet --python "$PY" --index-strategy unsafe-best-match "${compile[@]}" "${uv_flags[@]}")
   "${uv_install[@]}" "$TORCH"
   "${uv_install[@]}" -r requirements-dev.txt

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from core_rl.config.schema import ActorConfig, MicroBatchConfig, OptimizerConfig, PluginSpec, SchedulerConfig
-from core_rl.engine_utils.packing import rank_rows
+from core_rl.data.balance import rank_rows
 from core_rl.interfaces import LossOutput, TrainEngine
 from core_rl.protocol import TensorBatch
 from core_rl.testing import make_rl_batch

@@ -231,7 +231,7 @@ def test_vllm_on_the_trainers_gpu_is_sized_from_its_free_memory(monkeypatch, ser
     from core_rl.config.checks import MachineInfo
     from core_rl.config.schema import ActorConfig
     from core_rl.roles.built_engines import BuiltEngine
-    from core_rl.servers.remote import ServerOptions
+    from core_rl_server_kit.remote import ServerOptions
     from core_rl_vllm.config import VLLMConfig
 
     released: list[bool] = []

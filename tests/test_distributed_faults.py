@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 from core_rl.reliability.progress import STALL_VARIABLE
-from core_rl.servers.processes import pid_alive
 from core_rl.testing.faults import finish, wait_for_steps, worker_of_rank
 from core_rl.testing.launch import cpu_ranks_env
 from core_rl.testing.processes import process_tree
+from core_rl_server_kit.processes import pid_alive
 from fault_helpers import build_task, cli_command, cli_env, merged, run_dir, stable_metrics, write_config
 
 pytest.importorskip("core_rl_fsdp")

@@ -1,4 +1,4 @@
-"""``actor.disable_dropout`` (:func:`core_rl.engine_utils.hf.disable_dropout`): a model whose config
+"""``actor.disable_dropout`` (:func:`core_rl.roles.hf.disable_dropout`): a model whose config
 asks for attention dropout trains without it by default (two training-mode forwards agree, and agree
 with eval mode, as rollout and reference run), keeps it with ``disable_dropout: false``, and LoRA's
 own dropout is left alone; then through the fsdp engine, a train step's log-probs are the eval ones."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 from core_rl.config.model_sections import LoraConfig
 from core_rl.config.schema import ActorConfig
-from core_rl.engine_utils.hf import disable_dropout, load_causal_lm, prepare_for_role
+from core_rl.roles.hf import disable_dropout, load_causal_lm, prepare_for_role
 from core_rl.roles.tiny import build_tiny_model
 
 

@@ -9,9 +9,9 @@ import math
 
 import pytest
 import torch
-from core_rl.engine_utils import logprobs
-from core_rl.engine_utils.logprobs import token_logprobs
 from core_rl.testing import reference
+from core_rl_train_kit import logprobs
+from core_rl_train_kit.logprobs import token_logprobs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,7 +44,7 @@ def test_without_entropy_and_bad_temperature() -> None:
 
 
 def test_align_to_tokens_places_predictions_on_the_tokens_they_predict() -> None:
-    from core_rl.engine_utils.logprobs import align_to_tokens
+    from core_rl_train_kit.logprobs import align_to_tokens
 
     per_prediction = torch.tensor([[1.0, 2.0, 3.0], [4.0, float("nan"), 6.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])

@@ -1,4 +1,4 @@
-"""LoRA merging (core_rl/engine_utils/lora.py) against peft's own ``merge_and_unload``, drawn lazily:
+"""LoRA merging (core_rl/roles/lora.py) against peft's own ``merge_and_unload``, drawn lazily:
 about one layer held at a time, never the whole model."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from core_rl.config.schema import LoraConfig
-from core_rl.engine_utils import lora
+from core_rl.roles import lora
 
 pytest.importorskip("peft")
 
@@ -76,8 +76,8 @@ def test_an_adapter_without_its_b_is_named(wrapped: torch.nn.Module) -> None:
 
 def test_target_modules_the_model_lacks_name_their_key(tmp_path: Path) -> None:
     """On a real (meta-device) model: peft's refusal becomes a configuration error of the section."""
-    from core_rl.engine_utils.hf import empty_causal_lm, lora_problems
     from core_rl.errors import ConfigError
+    from core_rl.roles.hf import empty_causal_lm, lora_problems
     from core_rl.roles.tiny import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "m", seed=0)

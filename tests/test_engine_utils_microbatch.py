@@ -7,14 +7,9 @@ import random
 
 import pytest
 import torch
-from core_rl.engine_utils.microbatch import (
-    micro_batch_cost,
-    micro_batch_width,
-    pack_micro_batches,
-    row_lengths,
-    take_micro_batch,
-)
+from core_rl.data.balance import row_lengths
 from core_rl.protocol import TensorBatch
+from core_rl_train_kit.microbatch import micro_batch_cost, micro_batch_width, pack_micro_batches, take_micro_batch
 
 
 def _flat(groups: list[list[int]]) -> list[int]:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from core_rl.config.schema import OptimizerConfig, SchedulerConfig
-from core_rl.engine_utils.optim import (
+from core_rl_train_kit.optim import (
     adamw_kernel,
     build_optimizer,
     decay_groups,

@@ -9,18 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from core_rl.engine_utils.microbatch import micro_batch_cost
-from core_rl.engine_utils.packed import forward_logprobs, pack_rows, resolve_layout, unpack
-from core_rl.engine_utils.packing import (
-    assign_rows_to_ranks,
-    evened_first_fit_decreasing,
-    first_fit_decreasing,
-    karmarkar_karp,
-    packed_cost,
-    plan_micro_batches,
-    rank_rows,
-)
+from core_rl.data.balance import assign_rows_to_ranks, karmarkar_karp, rank_rows
 from core_rl.testing import make_rl_batch
+from core_rl_train_kit.microbatch import micro_batch_cost
+from core_rl_train_kit.packed import forward_logprobs, pack_rows, resolve_layout, unpack
+from core_rl_train_kit.packing import evened_first_fit_decreasing, first_fit_decreasing, packed_cost, plan_micro_batches
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

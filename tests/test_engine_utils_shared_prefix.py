@@ -1,4 +1,4 @@
-"""The ``shared`` micro-batch layout (:mod:`core_rl.engine_utils.shared_prefix`): the stream of
+"""The ``shared`` micro-batch layout (:mod:`core_rl_train_kit.shared_prefix`): the stream of
 hand-built rows, the planner keeping groups together within the budget, and parity with the padded
 layout (log-probs, entropies, values, the fused head, the gradient and an AdamW step) on a tiny
 model and on SmolLM2 with chat-templated prompts."""
@@ -12,10 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from core_rl.config.schema import MicroBatchConfig
-from core_rl.engine_utils.microbatch import micro_batch_width
-from core_rl.engine_utils.packed import forward_logprobs, forward_values, resolve_layout, unpack
-from core_rl.engine_utils.runner import MicroBatchRunner
-from core_rl.engine_utils.shared_prefix import (
+from core_rl.errors import ConfigError
+from core_rl.protocol import TensorBatch
+from core_rl.testing import make_grouped_rl_batch, make_rl_batch
+from core_rl.testing.helpers import right_padded
+from core_rl_train_kit.microbatch import micro_batch_width
+from core_rl_train_kit.packed import forward_logprobs, forward_values, resolve_layout, unpack
+from core_rl_train_kit.runner import MicroBatchRunner
+from core_rl_train_kit.shared_prefix import (
     Planned,
     Unit,
     attention_span,
@@ -27,10 +31,6 @@ from core_rl.engine_utils.shared_prefix import (
     share_rows,
     shared_unsupported,
 )
-from core_rl.errors import ConfigError
-from core_rl.protocol import TensorBatch
-from core_rl.testing import make_grouped_rl_batch, make_rl_batch
-from core_rl.testing.helpers import right_padded
 
 # -- the stream of hand-built rows ---------------------------------------------------------------
 
@@ -328,7 +328,7 @@ def test_the_probe_catches_a_model_that_ignores_the_layout(tiny_path: Path, what
 @pytest.fixture(autouse=True)
 def process_group(request: pytest.FixtureRequest) -> None:
     """The runner's plan is collective: a group of one process for the tests that run one."""
-    from core_rl.engine_utils.distributed import ensure_process_group
+    from core_rl.launch.distributed import ensure_process_group
 
     if "runner" in request.node.name or "smollm2" in request.node.name:
         ensure_process_group("gloo", torch.device("cpu"))

@@ -24,7 +24,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_patterns_are_searched_in_the_parameter_names(model_dir: Path) -> None:
-    from core_rl.engine_utils.hf import empty_causal_lm
+    from core_rl.roles.hf import empty_causal_lm
 
     model = empty_causal_lm(str(model_dir), dtype="float32")
     names = [n for n, _ in model.named_parameters()]

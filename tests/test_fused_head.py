@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from core_rl.engine_utils import fused_head as fused_head_module
-from core_rl.engine_utils import logprobs
-from core_rl.engine_utils.fused_head import check_fusable, fused_head, fused_head_stats, output_head
-from core_rl.engine_utils.packed import forward_logprobs
+from core_rl_train_kit import fused_head as fused_head_module
+from core_rl_train_kit import logprobs
+from core_rl_train_kit.fused_head import check_fusable, fused_head, fused_head_stats, output_head
+from core_rl_train_kit.packed import forward_logprobs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -200,7 +200,7 @@ def test_which_models_cannot_be_fused(tiny_model) -> None:
 
 def test_lora_on_the_head_cannot_be_fused(tmp_path: Path) -> None:
     from core_rl.config.model_sections import LoraConfig
-    from core_rl.engine_utils.lora import apply_lora
+    from core_rl.roles.lora import apply_lora
     from core_rl.roles.tiny import build_tiny_model
     from transformers import AutoModelForCausalLM
 
@@ -287,8 +287,8 @@ def test_an_engine_built_on_a_model_that_cannot_be_fused_names_the_setting(tiny_
     import copy
 
     from core_rl.config.schema import MicroBatchConfig
-    from core_rl.engine_utils.runner import MicroBatchRunner
     from core_rl.errors import ConfigError
+    from core_rl_train_kit.runner import MicroBatchRunner
 
     capped = copy.deepcopy(tiny_model)
     capped.config.logit_scale = 0.5

@@ -146,7 +146,7 @@ def test_saving_a_model_keeps_checking_for_deepspeed_once_it_is_imported() -> No
     pytest.importorskip("deepspeed")
     code = (
         "import deepspeed, accelerate.utils.other as other\n"
-        "from core_rl.engine_utils.hf import _deepspeed_unprobed\n"
+        "from core_rl.roles.hf import _deepspeed_unprobed\n"
         "probe = other.is_deepspeed_available\n"
         "with _deepspeed_unprobed():\n"
         "    assert other.is_deepspeed_available is probe and probe()\n"

@@ -6,7 +6,7 @@ extra that installs its distribution, and nothing else is listed. (A name missin
 from __future__ import annotations
 
 import packaging_utils as pu
-from core_rl.plugins.kinds import ALL_KINDS, KNOWN_EXTRAS
+from core_rl.plugins.kinds import ALL_KINDS, COMMANDS_GROUP, KNOWN_EXTRAS
 from packaging.requirements import Requirement
 
 
@@ -23,6 +23,8 @@ def _declared() -> dict[tuple[str, str], str]:
     declared = {}
     for project in pu.plugin_project_dirs():
         for group, name in pu.declared_entry_points(project):
+            if group == COMMANDS_GROUP:  # a command (the server kit's server-env), not a name a config selects
+                continue
             assert group in key_of, f"{project}: entry-point group {group} is no plugin kind"
             declared[(key_of[group], name)] = extra_of[pu.distribution_name(project)]
     return declared

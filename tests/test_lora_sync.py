@@ -17,8 +17,8 @@ import pytest
 import torch
 from core_rl.config import load_config
 from core_rl.config.schema import RunConfig
-from core_rl.engine_utils.buckets import nbytes
 from core_rl.plugins.host import PluginHost
+from core_rl.sync.buckets import nbytes
 from core_rl.sync.lora import adapter_dir
 from lora_sync_helpers import (
     GREEDY,
@@ -65,7 +65,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
 def _merged_sync(url: str, path: Path, version: int, run_dir: Path) -> list:
     """Greedy samples of :data:`PROMPTS` after a merged sync of ``path`` into the server at ``url``,
     by a second engine that connects to it (its base model: the adapter-less requests)."""
-    from core_rl.servers.remote import ServerOptions
+    from core_rl_server_kit.remote import ServerOptions
     from core_rl_vllm.config import VLLMConfig
     from core_rl_vllm.engine import VLLMRolloutEngine
 
@@ -131,7 +131,7 @@ def test_a_resumed_trainer_reloads_the_version_a_surviving_server_serves(setup) 
     """A second engine on the same server (as a trainer resumed against servers given by
     ``server.urls``, which outlived it) loads the version the server already serves, in place, and
     the next version leaves exactly one core-rl adapter served."""
-    from core_rl.servers.remote import ServerOptions
+    from core_rl_server_kit.remote import ServerOptions
     from core_rl_vllm.config import VLLMConfig
     from core_rl_vllm.engine import VLLMRolloutEngine
 

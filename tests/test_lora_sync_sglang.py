@@ -33,7 +33,7 @@ pytest.importorskip("core_rl_fsdp")
 
 
 def _options(**server):
-    from core_rl.servers.remote import ServerOptions
+    from core_rl_server_kit.remote import ServerOptions
     from core_rl_sglang.config import SGLangConfig
 
     return SGLangConfig(dtype="float32", max_running_requests=16, server=ServerOptions(**server))

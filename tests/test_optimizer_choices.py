@@ -16,9 +16,9 @@ from core_rl import cli
 from core_rl.config.checks import EnvironmentContext, MachineInfo, SectionContext, config_problems
 from core_rl.config.optimizer_checks import APPLIES_TO, section_problems
 from core_rl.config.schema import ActorConfig, LoraConfig, OptimizerConfig, PluginSpec, RunConfig
-from core_rl.engine_utils.hf import load_causal_lm, load_value_model
-from core_rl.engine_utils.muon import MUON_GROUP, MuonWithAdamW, embeddings_and_head, muon_split
-from core_rl.engine_utils.optim import build_optimizer, set_lr
+from core_rl.roles.hf import load_causal_lm, load_value_model
+from core_rl_train_kit.muon import MUON_GROUP, MuonWithAdamW, embeddings_and_head, muon_split
+from core_rl_train_kit.optim import build_optimizer, set_lr
 
 LAYER_MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 MLP_MATRICES = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

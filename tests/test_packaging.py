@@ -23,7 +23,7 @@ import attrs
 import packaging_utils as pu
 import pytest
 import yaml
-from core_rl.plugins.kinds import ALL_KINDS, KINDS_BY_KEY, KNOWN_EXTRAS
+from core_rl.plugins.kinds import COMMANDS_GROUP, ALL_KINDS, KINDS_BY_KEY, KNOWN_EXTRAS
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -37,10 +37,24 @@ LABELS = {kind.group: kind.label for kind in ALL_KINDS}
 
 
 def extra_distributions(extra: str) -> list[str]:
-    """The distributions the root project's extra ``extra`` requires (normalised names)."""
+    """The distributions of this repository the root project's extra ``extra`` installs (normalised
+    names): those it requires, and the repository's distributions they require in turn (the kits)."""
     optional = pu.read_pyproject(pu.REPO_ROOT)["project"]["optional-dependencies"]
     assert extra in optional, f"the root pyproject.toml has no extra {extra!r}"
-    return [pu.normalise(Requirement(req).name) for req in optional[extra]]
+    projects = projects_by_distribution()
+    found: list[str] = []
+    todo = [pu.normalise(Requirement(req).name) for req in optional[extra]]
+    while todo:
+        name = todo.pop(0)
+        if name in found or name == "core-rl":
+            continue
+        found.append(name)
+        if name in projects:
+            requires = pu.read_pyproject(projects[name])["project"].get("dependencies", [])
+            todo += [
+                pu.normalise(Requirement(r).name) for r in requires if pu.normalise(Requirement(r).name) in projects
+            ]
+    return found
 
 
 def projects_by_distribution() -> dict[str, Path]:
@@ -157,6 +171,7 @@ def test_core_rl_plugins_lists_exactly_the_extras_and_builtins(installation: Ins
         (LABELS[group], name, pu.distribution_name(project_dir))
         for project_dir in provided
         for group, name in pu.declared_entry_points(project_dir)
+        if group != COMMANDS_GROUP  # a command (core-rl server-env), not a component core-rl plugins lists
     }
     assert {("logger", "console", "core-rl"), ("logger", "jsonl", "core-rl")} <= expected
     proc = pu.run([pu.venv_script(installation.venv, "core-rl"), "plugins", "--json"], env=pu.clean_env(), timeout=300)

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from core_rl.servers.supervise import session_members
 from core_rl.testing.blocking import in_environment
 from core_rl.testing.faults import build_task, finish, merged, run_dir
+from core_rl_server_kit.supervise import session_members
 from fault_helpers import cli_command, cli_env, write_config
 
 pytestmark = [pytest.mark.filterwarnings("ignore")]

@@ -66,7 +66,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_writing_and_loading_a_model_prints_nothing(tmp_path, capfd):
-    from core_rl.engine_utils.hf import load_causal_lm
+    from core_rl.roles.hf import load_causal_lm
 
     load_causal_lm(str(build_tiny_model(tmp_path / "model")), dtype="float32")
     out, err = capfd.readouterr()

@@ -1,4 +1,4 @@
-"""The server-backed engine base (core_rl.servers.remote) against a scripted HTTP server, for faults a real
+"""The server-backed engine base (core_rl_server_kit.remote) against a scripted HTTP server, for faults a real
 server cannot produce on demand: error statuses, slow answers, requests interrupted mid-way. (Real
 vLLM and SGLang servers are exercised by their plugins' conformance tests.)"""
 
@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 from core_rl.config.loader import structure
 from core_rl.interfaces import SamplingParams
-from core_rl.servers.processes import ServerError
-from core_rl.servers.remote import (
+from core_rl.testing.recording_server import QuietHTTPServer, send_json
+from core_rl_server_kit.processes import ServerError
+from core_rl_server_kit.remote import (
     Completion,
     ServerOptions,
     ServerReplyError,
@@ -23,7 +24,6 @@ from core_rl.servers.remote import (
     json_post,
     versions_from_spans,
 )
-from core_rl.testing.recording_server import QuietHTTPServer, send_json
 
 
 class Script:

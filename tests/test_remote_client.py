@@ -1,4 +1,4 @@
-"""The HTTP client server-backed rollout engines talk through (``core_rl.servers.remote.wire``): JSON
+"""The HTTP client server-backed rollout engines talk through (``core_rl_server_kit.remote.wire``): JSON
 round trips with many requests in flight over real sockets, error statuses, and each transport
 failure (refused, hung up, silent) named as what happened to the connection."""
 
@@ -9,7 +9,7 @@ import json
 import socket
 
 import pytest
-from core_rl.servers.remote.wire import ServerReplyError, async_client, describe, is_transport_error, json_post
+from core_rl_server_kit.remote.wire import ServerReplyError, async_client, describe, is_transport_error, json_post
 
 
 async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

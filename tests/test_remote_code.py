@@ -198,7 +198,7 @@ def test_an_export_keeps_the_code_files_and_auto_map_transformers_left_out(tmp_p
 def test_a_value_model_on_a_custom_backbone_loads_with_the_switch(remote_model: Path) -> None:
     """A critic (or reward model) role on such a directory: the token classifier its code defines,
     built for real and on the meta device, with the head starting at zero."""
-    from core_rl.engine_utils.hf import empty_value_model, load_value_model
+    from core_rl.roles.hf import empty_value_model, load_value_model
 
     model = load_value_model(str(remote_model), dtype="float32", trust_remote_code=True)
     assert type(model).__name__ == "TinyRemoteForTokenClassification"

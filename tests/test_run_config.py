@@ -11,9 +11,9 @@ from core_rl.builtin.loggers import read_metrics
 from core_rl.config import load_config
 from core_rl.config.loader import to_plain
 from core_rl.config.schema import SchedulerConfig
-from core_rl.engine_utils.optim import lr_at
 from core_rl.loops.run_config import changed_keys
 from core_rl.testing.faults import build_task, merged, run_dir
+from core_rl_train_kit.optim import lr_at
 from fault_helpers import train_here
 
 

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from core_rl.servers.processes import ManagedServer, free_port
-from core_rl.servers.supervise import session_members
+from core_rl_server_kit.processes import ManagedServer, free_port
+from core_rl_server_kit.supervise import session_members
 from test_servers import SERVER
 
 
@@ -46,7 +46,7 @@ def test_server_and_its_children_run_on_the_given_cores(tmp_path: Path) -> None:
 def test_a_core_the_machine_lacks_is_a_config_error() -> None:
     from core_rl.config.loader import structure
     from core_rl.errors import ConfigError
-    from core_rl.servers.remote import ServerOptions
+    from core_rl_server_kit.remote import ServerOptions
 
     assert structure({"cpus": [0]}, ServerOptions).cpus == [0]
     with pytest.raises(ConfigError, match=r"server\.cpus|cpus: cores \[4096\] do not exist"):

@@ -1,4 +1,4 @@
-"""Server environments (core_rl.servers.env) built for real, from a small spec: a venv, the steps run
+"""Server environments (core_rl_server_kit.env) built for real, from a small spec: a venv, the steps run
 with its interpreter, the fix-up, the check, the manifest and lock file, reuse while the spec is
 unchanged, a new environment when it changes, errors naming the failed step, and the CLI."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 from core_rl.cli import main
-from core_rl.servers import env as server_env
-from core_rl.servers.env import ServerEnvError, ServerEnvSpec
+from core_rl.interfaces.servers import ServerEnvError, ServerEnvSpec
+from core_rl_server_kit import env as server_env
 
 
 @pytest.fixture(autouse=True)

@@ -17,8 +17,8 @@ from core_rl.checkpoint.recover import is_retriable
 from core_rl.config.loader import structure
 from core_rl.errors import CoreRLError
 from core_rl.roles.tiny import build_tiny_model
-from core_rl.servers.processes import ServerError, pid_alive
-from core_rl.servers.supervise import session_members
+from core_rl_server_kit.processes import ServerError, pid_alive
+from core_rl_server_kit.supervise import session_members
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "server_grpo" / "vllm.yaml"

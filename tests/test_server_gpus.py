@@ -18,8 +18,8 @@ from core_rl.config.checks import MachineInfo
 from core_rl.config.loader import structure
 from core_rl.errors import ConfigError, CoreRLError
 from core_rl.launch.gpus import placed_gpus, resolve_server_gpus, servers_gpus, visible_devices
-from core_rl.servers.remote import ServerOptions
-from core_rl.servers.remote.weights import auto_weight_backend
+from core_rl_server_kit.remote import ServerOptions
+from core_rl_server_kit.remote.weights import auto_weight_backend
 from hypothesis import given
 from hypothesis import strategies as st
 from test_remote import FakeEngine

@@ -1,4 +1,4 @@
-"""Servers core-rl starts on ports it chose (:func:`core_rl.servers.processes.free_port`): a port another
+"""Servers core-rl starts on ports it chose (:func:`core_rl_server_kit.processes.free_port`): a port another
 process takes before the server binds it costs a second start on another port, not the run."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from core_rl.config.converter import structure
 from core_rl.interfaces import SamplingParams
-from core_rl.servers.processes import START_MARK, ServerError, free_port
-from core_rl.servers.remote import Completion, ServerOptions, ServerRolloutEngine, json_post
-from core_rl.servers.remote import engine as remote_engine
+from core_rl_server_kit.processes import START_MARK, ServerError, free_port
+from core_rl_server_kit.remote import Completion, ServerOptions, ServerRolloutEngine, json_post
+from core_rl_server_kit.remote import engine as remote_engine
 
 #: a real server: binds its port (failing as any server does when the port is taken) and answers
 #: ``GET /health`` and ``POST /gen``; a second argument makes it fail at start for another reason

@@ -1,4 +1,5 @@
-"""Server processes (core_rl.servers.processes, core_rl.servers.supervise) with a small real HTTP server that spawns a
+"""Server processes (core_rl_server_kit.processes, core_rl_server_kit.supervise) with a small real HTTP server that
+spawns a
 child of its own, as inference servers do: health wait, logs, a clear error when a server dies, and
 no process left behind on stop, on the trainer's exit and on the trainer's SIGKILL."""
 
@@ -15,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from core_rl.servers.processes import ManagedServer, ServerError, free_port, pid_alive
-from core_rl.servers.supervise import session_members
+from core_rl_server_kit.processes import ManagedServer, ServerError, free_port, pid_alive
+from core_rl_server_kit.supervise import session_members
 
 # an HTTP server answering 200 on /health that first starts a long-lived child process
 SERVER = textwrap.dedent(
@@ -141,8 +142,8 @@ def test_no_orphans_when_the_trainer_goes(tmp_path: Path, how: str) -> None:
         f"""
         import json, sys, time
         from pathlib import Path
-        from core_rl.servers.processes import ManagedServer, free_port
-        from core_rl.servers.supervise import session_members
+        from core_rl_server_kit.processes import ManagedServer, free_port
+        from core_rl_server_kit.supervise import session_members
         port = free_port()
         s = ManagedServer("fake-0", [sys.executable, "-c", {SERVER!r}, str(port)], host="127.0.0.1",
                           port=port, log_path=Path({str(tmp_path)!r}) / "fake.log", grace=5)

@@ -1,4 +1,4 @@
-"""``core_rl.engine_utils.buckets.state_items``: ``state_dict()``'s entries without its hooks, in a
+"""``core_rl.sync.buckets.state_items``: ``state_dict()``'s entries without its hooks, in a
 weight sync every step. Same names and the same storage as ``state_dict()``, for a model with tied
 weights, persistent and non-persistent buffers, LoRA adapters, and an FSDP-wrapped one."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from core_rl.engine_utils.buckets import state_items
+from core_rl.sync.buckets import state_items
 from torch import nn
 
 

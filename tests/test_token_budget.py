@@ -1,4 +1,4 @@
-"""The ``auto`` micro-batch token budget as pure functions (core_rl.engine_utils.token_budget), each
+"""The ``auto`` micro-batch token budget as pure functions (core_rl.loops.token_budget), each
 against values computed by hand, and the ``max_tokens_per_mb`` key that accepts ``auto``."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from core_rl.config.loader import structure
 from core_rl.config.schema import MicroBatchConfig, RunConfig
-from core_rl.engine_utils import token_budget as tb
 from core_rl.errors import ConfigError
+from core_rl.loops import token_budget as tb
 
 #: a Qwen2.5-0.5B-shaped model
 QWEN = tb.ModelShape(layers=24, hidden=896, intermediate=4864, vocab=151936)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from core_rl import ops
-from core_rl.engine_utils import logprobs as logprobs_module
-from core_rl.engine_utils.topk_logprobs import logprobs_at, topk_logprobs
+from core_rl_train_kit import logprobs as logprobs_module
+from core_rl_train_kit.topk_logprobs import logprobs_at, topk_logprobs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -144,7 +144,7 @@ def two_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_a_models_top_k_and_log_probs_of_given_ids_in_the_token_alignment(
     two_models: tuple[Path, Path], layout: str
 ) -> None:
-    from core_rl.engine_utils.packed import forward_logprobs, forward_logprobs_at, forward_topk
+    from core_rl_train_kit.packed import forward_logprobs, forward_logprobs_at, forward_topk
     from transformers import AutoModelForCausalLM
 
     student, teacher = (AutoModelForCausalLM.from_pretrained(p).float() for p in two_models)

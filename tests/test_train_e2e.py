@@ -185,7 +185,7 @@ def test_an_engines_own_group_of_one_is_destroyed_at_exit():
         "import atexit\n"
         "import torch\n"
         "import torch.distributed as dist\n"
-        "from core_rl.engine_utils.distributed import ensure_process_group\n"
+        "from core_rl.launch.distributed import ensure_process_group\n"
         "atexit.register(lambda: print('group at exit:', dist.is_initialized()))\n"
         "print('rank and world:', ensure_process_group('auto', torch.device('cpu')))\n"
     )

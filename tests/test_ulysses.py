@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism (``core_rl.engine_utils.ulysses`` and ``sharded_forward``).
+"""Ulysses sequence parallelism (``core_rl_train_kit.ulysses`` and ``sharded_forward``).
 
 Two real gloo ranks (``ulysses_worker.py``) check the all-to-alls, the gather and the gradients
 against one process's unsharded forward; in-process tests with a group of one check the whole
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from core_rl.engine_utils import ulysses
-from core_rl.engine_utils.packed import forward_logprobs, forward_values
-from core_rl.engine_utils.sharded_forward import sharded_logprobs, sharded_values
+from core_rl_train_kit import ulysses
+from core_rl_train_kit.packed import forward_logprobs, forward_values
+from core_rl_train_kit.sharded_forward import sharded_logprobs, sharded_values
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -85,7 +85,7 @@ def test_on_a_gpu_a_group_of_one_gives_the_models_forward(models: dict[str, Path
     float32 and bfloat16 weights, and float32 weights under bfloat16 autocast."""
     import contextlib
 
-    from core_rl.engine_utils.hf import load_causal_lm
+    from core_rl.roles.hf import load_causal_lm
 
     g = torch.Generator().manual_seed(0)
     mask = (torch.arange(13)[None, :] < torch.tensor([13, 6, 1, 9])[:, None]).long().cuda()
@@ -106,7 +106,7 @@ def test_on_a_gpu_a_group_of_one_gives_the_models_forward(models: dict[str, Path
 
 
 def _load(path: Path, attn: str) -> torch.nn.Module:
-    from core_rl.engine_utils.hf import load_causal_lm
+    from core_rl.roles.hf import load_causal_lm
 
     return load_causal_lm(str(path), dtype="float32", attn_implementation=attn)
 
@@ -140,7 +140,7 @@ def test_the_whole_sequence_mask_gives_the_models_own_forward(
 
 def test_values_of_a_value_model(models: dict[str, Path]) -> None:
     """A token-classification head through the sharded forward: the same values as unsharded."""
-    from core_rl.engine_utils.hf import load_value_model
+    from core_rl.roles.hf import load_value_model
 
     reference = load_value_model(str(models["llama"]), dtype="float32", attn_implementation="sdpa")
     sharded = load_value_model(str(models["llama"]), dtype="float32", attn_implementation=ulysses.register("sdpa"))

@@ -20,10 +20,10 @@ import pytest
 from core_rl.config.schema import WatchdogConfig
 from core_rl.reliability.progress import STALL_VARIABLE, STEP, Progress
 from core_rl.reliability.watchdog import bound
-from core_rl.servers.processes import pid_alive
-from core_rl.servers.supervise import session_members
 from core_rl.testing.faults import build_task, finish, merged, run_dir, wait_for_steps
 from core_rl.testing.launch import cpu_ranks_env
+from core_rl_server_kit.processes import pid_alive
+from core_rl_server_kit.supervise import session_members
 from fault_helpers import cli_command, cli_env, write_config
 
 ROOT = Path(__file__).resolve().parents[1]

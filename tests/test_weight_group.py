@@ -1,5 +1,5 @@
-"""The trainer's side of the weight-update group (``core_rl.servers.weight_group``) and the backend that
-``weight_sync_backend: auto`` picks (``core_rl.servers.remote.weights.auto_weight_backend``)."""
+"""The trainer's side of the weight-update group (``core_rl_server_kit.weight_group``) and the backend that
+``weight_sync_backend: auto`` picks (``core_rl_server_kit.remote.weights.auto_weight_backend``)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import sys
 import textwrap
 
 import pytest
-from core_rl.servers.remote.options import ServerOptions
-from core_rl.servers.remote.weights import auto_weight_backend
+from core_rl_server_kit.remote.options import ServerOptions
+from core_rl_server_kit.remote.weights import auto_weight_backend
 
 SPLIT_CHECK = textwrap.dedent(
     """
     import torch, torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
-    from core_rl.servers import weight_group
-    from core_rl.servers.processes import free_port
+    from core_rl_server_kit import weight_group
+    from core_rl_server_kit.processes import free_port
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     default = c10d._get_default_group()
@@ -68,7 +68,7 @@ STREAM_SIDE = textwrap.dedent(
     """
     import os, sys, time, torch
     from pathlib import Path
-    from core_rl.servers import weight_group
+    from core_rl_server_kit import weight_group
 
     rank, port, marker = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     pg = weight_group.init_group("127.0.0.1", port, 2, rank=rank, backend="gloo", group_name="w", timeout_s=60)
@@ -103,7 +103,7 @@ def test_tensors_are_received_one_at_a_time_as_asked_for(tmp_path) -> None:
     """The receiving side holds one received tensor at a time (a server's loader copies each into
     its parameter before asking for the next): the sender here sends the second tensor only once
     the receiver has taken the first alone, which a receiver that took everything first would not."""
-    from core_rl.servers.processes import free_port
+    from core_rl_server_kit.processes import free_port
 
     port, marker = free_port("127.0.0.1"), tmp_path / "took-first"
     sides = [
@@ -125,8 +125,8 @@ def test_a_group_forms_under_a_new_name_while_an_earlier_one_is_still_registered
     stays registered under its name, and a later group (another engine's, or the same engine's
     after a server restart) must still form. Two real gloo groups of one rank, in this process."""
     import torch
-    from core_rl.servers import weight_group
-    from core_rl.servers.processes import free_port
+    from core_rl_server_kit import weight_group
+    from core_rl_server_kit.processes import free_port
 
     names = [weight_group.new_group_name() for _ in range(3)]
     assert len(set(names)) == 3 and all(f"_{os.getpid()}_" in n for n in names)

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
-from core_rl.engine_utils.buckets import nbytes
 from core_rl.interfaces import LossOutput, TrainEngine
+from core_rl.sync.buckets import nbytes
 from core_rl.sync.weight_sync import sync_in_memory
 from core_rl.testing import make_rl_batch
 from core_rl.testing.weight_transfer import DataOps, HostTrips
@@ -165,7 +165,7 @@ def test_a_bucket_handed_over_is_not_held_while_the_next_is_gathered(model_path:
     gather no tensor of an earlier bucket is alive (each bucket is one tensor here)."""
     import weakref
 
-    from core_rl.engine_utils.buckets import bucketed
+    from core_rl.sync.buckets import bucketed
 
     source = {
         k: v.clone() for k, v in HFRolloutEngine(model_path, HFRolloutConfig(device="cpu")).model.state_dict().items()

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from core_rl.engine_utils import ulysses
-from core_rl.engine_utils.hf import load_causal_lm
-from core_rl.engine_utils.packed import forward_logprobs
-from core_rl.engine_utils.sharded_forward import sharded_logprobs
+from core_rl.roles.hf import load_causal_lm
+from core_rl_train_kit import ulysses
+from core_rl_train_kit.packed import forward_logprobs
+from core_rl_train_kit.sharded_forward import sharded_logprobs
 
 
 def batch(seed: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
-from core_rl.engine_utils.buckets import nbytes
 from core_rl.interfaces import LossOutput
+from core_rl.sync.buckets import nbytes
 from core_rl.sync.weight_sync import sync_in_memory
 from core_rl.testing import make_rl_batch
 from core_rl.testing.weight_transfer import HostTrips

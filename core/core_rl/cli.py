@@ -1,8 +1,8 @@
 """The ``core-rl`` command: ``train``, ``eval`` (:mod:`core_rl.eval.command`), ``plugins``,
-``plot``, ``checkpoints``, ``config show``, ``config validate`` and ``server-env
-create|list|path|remove`` (:mod:`core_rl.servers.env`), plus the subcommands and ``train`` options
-that launcher plugins add
-(:func:`core_rl.hookspecs.core_rl_add_commands`, :func:`core_rl.hookspecs.core_rl_add_train_arguments`).
+``plot``, ``checkpoints``, ``config show`` and ``config validate``, plus the subcommands that launcher
+plugins and the modules of the ``core_rl.commands`` group add (:func:`core_rl.hookspecs.core_rl_add_commands`:
+``core-rl server-env`` comes from the server kit, :mod:`core_rl_server_kit.plugin`) and the ``train``
+options launchers add (:func:`core_rl.hookspecs.core_rl_add_train_arguments`).
 
 ``train`` hands the run to the launcher the configuration selects (:mod:`core_rl.launch.launchers`;
 ``local`` by default), after its placement check; in a process a launcher started as one trainer
@@ -155,9 +155,8 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
         "with its type, default and what it accepts, generated from the configuration classes.",
     )
 
-    from core_rl.servers.env import add_command as add_server_env_command
-
-    add_server_env_command(sub)
+    for warning in host.load_commands():  # core-rl server-env (the server kit), plugins' own commands
+        print(f"core-rl: warning: {warning}", file=sys.stderr)
     host.pm.hook.core_rl_add_commands(subparsers=sub)
     return parser
 
@@ -350,10 +349,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "checkpoints":
             return _cmd_checkpoints(Path(args.run_dir), args.roll_back_to)
-        if args.command == "server-env":
-            from core_rl.servers.env import run_command
-
-            return run_command(args)
         if args.command == "config":
             if args.config_command == "show":
                 return _cmd_config_show(args, host)

@@ -54,7 +54,7 @@ HOOK_API_VERSION = 10
 #: The API version that added an interface (``"Class"``: all its members) or one member of it
 #: (``"Class.member"``) after version 1; anything not listed is in version 1. Classes are those of
 #: :mod:`core_rl.interfaces`, :class:`core_rl.rollout.workflows.RolloutWorkflow`,
-#: :class:`core_rl.servers.env.ServerEnvSpec` and :class:`core_rl.launch.launchers.Launcher` (each kind's
+#: :class:`core_rl.interfaces.servers.ServerEnvSpec` and :class:`core_rl.launch.launchers.Launcher` (each kind's
 #: ``interface``: :mod:`core_rl.plugins.kinds`).
 INTERFACE_ADDED: dict[str, int] = {
     "RejectionSampler": 2,
@@ -280,7 +280,7 @@ def core_rl_register_server_envs(register: Register) -> None:
     """Register server environments: the virtual environments inference servers run from.
 
     :param register: call ``register(name, factory, description=...)`` once per environment.
-        ``factory()`` takes no arguments and returns a :class:`core_rl.servers.env.ServerEnvSpec`
+        ``factory()`` takes no arguments and returns a :class:`core_rl.interfaces.servers.ServerEnvSpec`
         (its pinned requirements per variant, ``cpu`` and ``cuda``, the install steps and any
         fix-ups after them). ``core-rl server-env create NAME`` builds it.
     :return: nothing; results go through ``register``.
@@ -410,7 +410,9 @@ def core_rl_register_data_sources(register: Register) -> None:
 
 @hookspec
 def core_rl_add_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``core-rl`` subcommands (e.g. ``core-rl slurm render``), from a launcher's plugin module.
+    """Add ``core-rl`` subcommands (e.g. ``core-rl slurm render``), from a launcher's plugin module
+    or a module of the ``core_rl.commands`` entry-point group (a distribution that only adds
+    commands, e.g. the server kit's ``core-rl server-env``).
 
     :param subparsers: the ``add_subparsers()`` object of the ``core-rl`` parser: call
         ``subparsers.add_parser(NAME, help=...)`` and ``parser.set_defaults(run=FUNCTION)``;
@@ -418,7 +420,8 @@ def core_rl_add_commands(subparsers: argparse._SubParsersAction) -> None:
         :class:`core_rl.errors.CoreRLError` it raises is printed as a message, exit status 2).
     :return: nothing.
 
-    Called when ``core-rl`` builds its command line, on every launcher plugin.
+    Called when ``core-rl`` builds its command line, on every launcher plugin and every module of
+    the ``core_rl.commands`` group.
 
     .. versionadded:: 5
     """
@@ -434,7 +437,8 @@ def core_rl_add_train_arguments(group: argparse._ArgumentGroup) -> None:
         launcher the configuration selects.
     :return: nothing.
 
-    Called when ``core-rl`` builds its command line, on every launcher plugin.
+    Called when ``core-rl`` builds its command line, on every launcher plugin and every module of
+    the ``core_rl.commands`` group.
 
     .. versionadded:: 5
     """

@@ -53,7 +53,7 @@ class CheckpointFormatError(ValueError):
 
 class OptimizerStateLeftOut(CoreRLError):
     """A resume asked for the optimizer state of a checkpoint saved without it
-    (``saver.save_optimizer: false``; :func:`core_rl.engine_utils.state.restores_optimizer`)."""
+    (``saver.save_optimizer: false``; :func:`core_rl_train_kit.state.restores_optimizer`)."""
 
 
 # --------------------------------------------------------------------------------------------

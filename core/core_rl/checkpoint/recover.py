@@ -3,7 +3,7 @@
 In a single process, :func:`run_with_restarts` catches an unexpected error (not a
 :class:`~core_rl.errors.CoreRLError`: configuration errors, stops the configuration asks for and
 signals are not retried) or an inference server that died mid-run (a
-:class:`~core_rl.servers.processes.ServerError` marked ``recoverable``: new servers start with the new
+:class:`~core_rl_server_kit.processes.ServerError` marked ``recoverable``: new servers start with the new
 trainer), closes the trainer, and builds a new one that resumes from the newest valid checkpoint,
 at most ``retries`` times. Under ``torchrun`` a failed rank leaves its process group
 unusable, so restarts are the launcher's: ``core-rl train --nproc-per-node N`` restarts all workers

@@ -34,7 +34,7 @@ class SaverConfig:
     (actor, critic). False leaves it out (with AdamW and float32 weights a checkpoint about a third
     the size: no moments); such a checkpoint resumes only with ``recover.load_optimizer: false``,
     unless it was saved before any optimizer step. Each engine's ``meta.json`` records which
-    (``optimizer_state``: ``saved``, ``left_out`` or ``none_yet``; :mod:`core_rl.engine_utils.state`)."""
+    (``optimizer_state``: ``saved``, ``left_out`` or ``none_yet``; :mod:`core_rl_train_kit.state`)."""
 
     every_n_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
     every_n_minutes: float = attrs.field(default=0.0, validator=in_range(0.0, 1e6))

@@ -104,12 +104,12 @@ class MachineInfo:
     def runs_on_cpu(self, device: str = "auto") -> bool:
         """Whether a train engine with ``device`` (``auto``, ``cpu`` or ``cuda``) computes on the CPU
         here: ``cpu``, or ``auto`` without a CUDA GPU (the rule of
-        :func:`core_rl.engine_utils.distributed.pick_device`)."""
+        :func:`core_rl.launch.distributed.pick_device`)."""
         return device == "cpu" or (device == "auto" and not self.cuda_available)
 
     def gpu_per_process_problems(self, path: str, device: str = "auto") -> list[str]:
         """A train engine section at ``path`` on ``device`` (``auto``, ``cpu`` or ``cuda``, as
-        :func:`core_rl.engine_utils.distributed.pick_device` takes it): a process per GPU when it
+        :func:`core_rl.launch.distributed.pick_device` takes it): a process per GPU when it
         runs on GPUs, and a GPU at all for ``cuda``."""
         if device == "cuda" and not self.cuda_available:
             return [f"{path}.device: cuda, but this machine has no CUDA GPU; use auto or cpu"]

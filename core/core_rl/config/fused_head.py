@@ -1,4 +1,4 @@
-"""What a role's ``fused_head: true`` asks of its model (:mod:`core_rl.engine_utils.fused_head`
+"""What a role's ``fused_head: true`` asks of its model (:mod:`core_rl_train_kit.fused_head`
 computes log-probs from the last hidden states and the head's weight, so the model's forward must
 hand the head's output on unchanged, and the head must be its plain weight).
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 #: model-config keys that transform the logits after the head inside the model's forward, with
 #: their neutral values (Gemma 2/3's soft-capping, Cohere's logit scale, Granite's scaling,
 #: Falcon-H1's multiplier); a transform not listed is caught at the first forward
-#: (:func:`core_rl.engine_utils.fused_head.check_handed_on`)
+#: (:func:`core_rl_train_kit.fused_head.check_handed_on`)
 LOGIT_TRANSFORMS: dict[str, Any] = {
     "final_logit_softcapping": None,
     "logit_scale": None,

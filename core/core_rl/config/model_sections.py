@@ -22,14 +22,14 @@ from core_rl.config.validators import (
 )
 
 #: the value of ``max_tokens_per_mb`` that asks for a budget chosen at the run's start
-#: (:mod:`core_rl.engine_utils.token_budget`)
+#: (:mod:`core_rl.loops.token_budget`)
 AUTO = "auto"
 #: the type of ``max_tokens_per_mb``: a number of tokens or ``auto`` (structured by
 #: :mod:`core_rl.config.converter`)
 TokenBudget = int | Literal["auto"]
 
 
-#: the optimizers ``OptimizerConfig.name`` selects (:func:`core_rl.engine_utils.optim.build_optimizer`)
+#: the optimizers ``OptimizerConfig.name`` selects (:func:`core_rl_train_kit.optim.build_optimizer`)
 OPTIMIZERS = ("adamw", "sgd", "adafactor", "muon", "class")
 
 
@@ -121,7 +121,7 @@ class SchedulerConfig:
 
 @attrs.define
 class MicroBatchConfig:
-    """How a rank's rows become micro-batches (:mod:`core_rl.engine_utils.packing`) and how rows
+    """How a rank's rows become micro-batches (:mod:`core_rl_train_kit.packing`) and how rows
     are shared out over data-parallel ranks.
 
     - ``max_tokens_per_mb``: token budget of one micro-batch: rows x padded width in the padded
@@ -133,7 +133,7 @@ class MicroBatchConfig:
       768 on a CPU (there the matrix products are already large enough to run near full speed:
       the TRL benchmark's updates took the same time as with 1024 or 8192, with 10-15% and 30-40%
       less peak memory); on a GPU what the free device memory holds for this model's activations,
-      between 1024 and 16384 (the formula: :mod:`core_rl.engine_utils.token_budget`; on one H100
+      between 1024 and 16384 (the formula: :mod:`core_rl.loops.token_budget`; on one H100
       a 0.36B model's update took 5.74 s with 768 and 0.23 s with 16640). A number always wins.
       ``<run>/config.yaml`` keeps ``auto`` with the chosen value in a comment.
     - ``packing_algorithm``: ``ffd`` (first-fit-decreasing: few micro-batches, rows of similar
@@ -143,7 +143,7 @@ class MicroBatchConfig:
       in batch order).
     - ``layout``: ``padded`` ([rows, width] with an attention mask), ``packed`` (padding-free: one
       row per micro-batch with ``position_ids`` restarting at 0, ``cu_seqlens`` for flash-attn),
-      ``shared`` or ``auto``. ``shared`` (:mod:`core_rl.engine_utils.shared_prefix`): rows that
+      ``shared`` or ``auto``. ``shared`` (:mod:`core_rl_train_kit.shared_prefix`): rows that
       begin with the same prompt (a GRPO group's samples: the same tokens before the first
       ``response_mask`` 1) are planned into the same micro-batch and run as one row, the prompt
       once and each row's response after it, through a 4D attention mask and explicit

@@ -1,7 +1,7 @@
 """Checks of a trained role's ``optimizer`` section (:class:`~core_rl.config.model_sections.OptimizerConfig`)
 run when the configuration loads: keys that do not apply to the chosen optimizer, Muon with LoRA,
 and the class an ``adafactor`` or ``class`` optimizer builds
-(:func:`core_rl.engine_utils.optimizer_class.optimizer_class_problems`)."""
+(:func:`core_rl.config.optimizer_class.optimizer_class_problems`)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def section_problems(config: OptimizerConfig, path: str, *, lora: bool) -> list[
             f"use adamw, or set {role}.lora.rank: 0"
         )
     if config.name in ("adafactor", "class"):
-        from core_rl.engine_utils.optimizer_class import optimizer_class_problems
+        from core_rl.config.optimizer_class import optimizer_class_problems
 
         problems += optimizer_class_problems(config, path)
     return problems

@@ -171,7 +171,7 @@ class ActorConfig:
     inputs in host memory with ``gradient_checkpointing_offload``. ``lora``: train low-rank
     adapters instead of every weight (:class:`LoraConfig`). ``fused_head``: compute log-probs and
     entropies from the last hidden states and the output head's weight a chunk of tokens at a
-    time, never materialising the logits (:mod:`core_rl.engine_utils.fused_head`): ``vocab x 2``
+    time, never materialising the logits (:mod:`core_rl_train_kit.fused_head`): ``vocab x 2``
     values per token less memory (0.6 MB a token for a 152k vocabulary in bf16) for one more
     product with the head in backward; engines ``fsdp`` and ``deepspeed``, models whose forward
     does not transform the logits (no soft-capping or scaling). ``disable_dropout``: train

@@ -1,4 +1,4 @@
-"""Configuration checks of Ulysses sequence parallelism (:mod:`core_rl.engine_utils.ulysses`), torch-free."""
+"""Configuration checks of Ulysses sequence parallelism (:mod:`core_rl_train_kit.ulysses`), torch-free."""
 
 from __future__ import annotations
 

@@ -131,7 +131,7 @@ class TrainEngine(ABC):
     def load_state(self, path: str | Path, *, optimizer: bool = True) -> dict[str, Any]:
         """Restore what :meth:`save_state` wrote (without ``optimizer``: a fresh optimiser); return
         its ``extra``. Collective. With ``optimizer``, a checkpoint that left existing optimiser state
-        out is refused on every rank: :func:`core_rl.engine_utils.state.restores_optimizer`."""
+        out is refused on every rank: :func:`core_rl_train_kit.state.restores_optimizer`."""
 
     def reset_optimizer(self) -> None:
         """Drop the optimiser state, keeping weights and :attr:`step`. Collective. Default: raises."""

@@ -52,7 +52,7 @@ class ClusterResources:
 
 
 def server_options(cfg: RunConfig) -> Any:
-    """The rollout engine's ``server`` subsection (a :class:`core_rl.servers.remote.options.ServerOptions`)
+    """The rollout engine's ``server`` subsection (a :class:`core_rl_server_kit.remote.options.ServerOptions`)
     when the selected engine runs inference servers, else ``None`` (e.g. ``hf``, in rank 0)."""
     return getattr(cfg.rollout.engine.config, "server", None)
 

@@ -80,7 +80,7 @@ def apply(rendezvous: Rendezvous, environ: MutableMapping[str, str] | None = Non
 def train_in_process(cfg: RunConfig, host: PluginHost) -> int:
     """Train ``cfg`` in this process (one rank: of a launched run when the rank variables are set,
     else the whole run) and return 0; errors propagate as the trainer raises them."""
-    from core_rl.engine_utils.distributed import destroy_process_group_at_exit
+    from core_rl.launch.distributed import destroy_process_group_at_exit
     from core_rl.loops import train
 
     train(cfg, host=host)

@@ -8,7 +8,7 @@ in device memory. Then, for each role section whose budget is ``auto``, :func:`r
    state the trained roles on that device will still allocate;
 2. gathers those figures from every rank, so all ranks decide from the same numbers (the least
    usable memory of any rank);
-3. chooses the budget (:mod:`core_rl.engine_utils.token_budget`: 768 on a CPU, what the free
+3. chooses the budget (:mod:`core_rl.loops.token_budget`: 768 on a CPU, what the free
    memory holds for this model's activations on a GPU), sets it in the section (the engines read
    it at their first micro-batch plan), records it as derived at the start
    (:class:`~core_rl.config.derived.Derived` with ``at_start``: ``<run>/config.yaml`` keeps
@@ -32,8 +32,8 @@ import attrs
 
 from core_rl.config.derived import Derived, record
 from core_rl.config.schema import ActorConfig, RunConfig
-from core_rl.engine_utils import token_budget as tb
 from core_rl.launch.ranks import rank_and_world, waiting_for
+from core_rl.loops import token_budget as tb
 from core_rl.roles.build import OPTIONAL_ROLES
 from core_rl.roles.built_engines import BuiltEngine
 
@@ -119,7 +119,7 @@ def free_bytes(device: Any) -> int:
 def pending_bytes(built: Sequence[BuiltEngine], device: Any) -> int:
     """What the trained engines on ``device`` will allocate at their first optimiser step: what an
     engine with a ``pending_state_bytes()`` method says, else the estimate from its build
-    (:func:`core_rl.engine_utils.token_budget.pending_state_bytes`)."""
+    (:func:`core_rl.loops.token_budget.pending_state_bytes`)."""
     total = 0
     for b in built:
         if b.trainable and b.device == device:
@@ -170,7 +170,7 @@ def gathered(local: dict[str, Facts]) -> list[dict[str, Facts]]:
 
 
 def activation_bytes(section: ActorConfig, shape: tb.ModelShape, engines: Sequence[BuiltEngine]) -> int:
-    """:func:`core_rl.engine_utils.token_budget.activation_bytes_per_token` for a section: its
+    """:func:`core_rl.loops.token_budget.activation_bytes_per_token` for a section: its
     compute dtype, activation checkpointing, and a language-model head (fused or not) unless every
     engine built from it has a value or score head."""
     checkpointed = 0

@@ -293,8 +293,8 @@ def _freeze_problems(cfg: RunConfig) -> list[str]:
     """``actor.freeze`` and ``critic.freeze`` against their models' parameter names, the models
     built on the ``meta`` device (:mod:`core_rl.roles.freezing`); a model that cannot be built so is
     left to its engine."""
-    from core_rl.engine_utils.hf import empty_causal_lm, empty_value_model
     from core_rl.roles.freezing import freeze_problems
+    from core_rl.roles.hf import empty_causal_lm, empty_value_model
 
     problems: list[str] = []
     trained = [("actor", cfg.actor, empty_causal_lm), ("critic", cfg.critic, empty_value_model)]
@@ -358,7 +358,7 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
     if model is not None:
         problems += check_sampling(cfg, model, longest_prompt)
         if cfg.actor.lora.enabled:
-            from core_rl.engine_utils.hf import lora_problems
+            from core_rl.roles.hf import lora_problems
 
             problems += lora_problems(cfg.actor.model_path, cfg.actor.lora, "actor.lora", trust_remote_code=trust)
         problems += _freeze_problems(cfg)

@@ -35,8 +35,8 @@ from core_rl.checkpoint.resume import CheckpointStage, effective_recover_mode, w
 from core_rl.checkpoint.store import checkpoint_dir, is_disk_full
 from core_rl.config.loader import to_plain
 from core_rl.config.schema import RunConfig
+from core_rl.data.balance import rank_rows
 from core_rl.data.prompts import DataRow, PromptSource
-from core_rl.engine_utils.packing import rank_rows
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import Logger, RunInfo, TrainEngine, TrainingLoop
 from core_rl.launch.ranks import agree_after, waiting_for
@@ -212,7 +212,7 @@ class RunScaffold(TrainingLoop):
         self.ref = ref
 
     def _shard(self, batch: TensorBatch) -> TensorBatch:
-        """This rank's rows of a global batch (:func:`core_rl.engine_utils.packing.rank_rows`)."""
+        """This rank's rows of a global batch (:func:`core_rl.data.balance.rank_rows`)."""
         return batch.rows(rank_rows(batch, self.rank, self.world_size, self.cfg.actor.micro_batch.rank_assignment))
 
     # -- the loop -------------------------------------------------------------------------------

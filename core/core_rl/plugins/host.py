@@ -27,7 +27,7 @@ import pluggy
 from core_rl import hookspecs
 from core_rl.errors import PluginError, did_you_mean
 from core_rl.plugins.components import build_component
-from core_rl.plugins.kinds import ALL_KINDS, KNOWN_EXTRAS, PluginKind
+from core_rl.plugins.kinds import ALL_KINDS, COMMANDS_GROUP, KNOWN_EXTRAS, PluginKind
 from core_rl.plugins.registry import Registry, RegistryEntry
 
 CORE_DISTRIBUTION = "core-rl"
@@ -71,7 +71,7 @@ class StrayEntryPoint:
 
     def message(self) -> str:
         """One line saying what is ignored and which group was probably meant."""
-        groups = sorted(kind.group for kind in ALL_KINDS)
+        groups = sorted([COMMANDS_GROUP, *(kind.group for kind in ALL_KINDS)])
         close = did_you_mean(self.group, groups)
         hint = f"did you mean {close!r}?" if close else f"core-rl reads: {', '.join(groups)}"
         return (
@@ -83,7 +83,7 @@ class StrayEntryPoint:
 def stray_entry_points(installed: md.EntryPoints) -> list[StrayEntryPoint]:
     """The entry points of ``installed`` in a ``core_rl.*`` group (``core-rl.*`` too) that is not a
     plugin kind's group (:class:`StrayEntryPoint`)."""
-    known = {kind.group for kind in ALL_KINDS}
+    known = {COMMANDS_GROUP, *(kind.group for kind in ALL_KINDS)}
     found = []
     for group in sorted(installed.groups):
         if group in known or not group.replace("-", "_").startswith("core_rl."):
@@ -286,6 +286,28 @@ class PluginHost:
             for name in self._entry_points[kind.key]:
                 self._load_name(kind, name)
         return self.statuses()
+
+    def load_commands(self) -> list[str]:
+        """Register the modules of the ``core_rl.commands`` group (:data:`core_rl.plugins.kinds.COMMANDS_GROUP`),
+        whose :func:`core_rl.hookspecs.core_rl_add_commands` adds ``core-rl`` subcommands; a module that
+        fails to load is left out with a warning line naming it and its distribution (the other
+        commands still work). Returns those lines."""
+        warnings = []
+        for ep in md.entry_points(group=COMMANDS_GROUP):
+            distribution = ep.dist.metadata["Name"] if ep.dist is not None else "<unknown>"
+            if self._is_blocked(distribution):
+                continue
+            try:
+                module = ep.load()
+            except Exception as exc:  # a broken command plugin must not take the whole CLI down
+                warnings.append(
+                    f"command {ep.name!r} ({ep.value}) of distribution {distribution} failed to load and is left "
+                    f"out: {type(exc).__name__}: {exc}"
+                )
+                continue
+            if not self.pm.is_registered(module):
+                self.pm.register(module, name=f"{COMMANDS_GROUP}:{ep.name}")
+        return warnings
 
     def load_kind(self, kind: PluginKind) -> list[EntryPointStatus]:
         """Load every discovered entry point of ``kind``, recording failures instead of raising."""

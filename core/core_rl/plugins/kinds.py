@@ -69,7 +69,7 @@ SERVER_ENV = PluginKind(
     "server environment",
     "core_rl.server_envs",
     "core_rl_register_server_envs",
-    "core_rl.servers.env:ServerEnvSpec",
+    "core_rl.interfaces.servers:ServerEnvSpec",
 )
 ENVIRONMENT = PluginKind(
     "environment",
@@ -96,6 +96,11 @@ LOOP = PluginKind("loop", "training loop", "core_rl.loops", "core_rl_register_lo
 LAUNCHER = PluginKind(
     "launcher", "launcher", "core_rl.launchers", "core_rl_register_launchers", "core_rl.launch.launchers:Launcher"
 )
+
+#: the entry-point group of modules that only add ``core-rl`` subcommands (their
+#: :func:`core_rl.hookspecs.core_rl_add_commands`), e.g. the server kit's ``core-rl server-env``: no
+#: registry, nothing selected by name in a configuration; loaded when ``core-rl`` builds its command line
+COMMANDS_GROUP = "core_rl.commands"
 
 ALL_KINDS: tuple[PluginKind, ...] = (
     TRAIN_ENGINE,

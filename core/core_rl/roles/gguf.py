@@ -147,7 +147,7 @@ def convert(source: Path, out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from core_rl.engine_utils.hf import save_pretrained
+    from core_rl.roles.hf import save_pretrained
 
     folder, name = str(source.parent), source.name
     with _quiet_conversion():

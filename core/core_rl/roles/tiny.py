@@ -80,7 +80,7 @@ def build_tiny_model(
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from core_rl.engine_utils.hf import save_pretrained
+    from core_rl.roles.hf import save_pretrained
 
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
     if architecture not in classes:

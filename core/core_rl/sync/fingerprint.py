@@ -14,7 +14,7 @@ the other's layout. The sum runs on the CPU over at most :data:`SAMPLES` values,
 values give the same number on any device.
 
 This module imports only torch (and the standard library), so a server-side worker extension may
-load it by file path (``importlib``), as it loads :mod:`core_rl.servers.weight_group`.
+load it by file path (``importlib``), as it loads :mod:`core_rl_server_kit.weight_group`.
 """
 
 from __future__ import annotations

@@ -21,12 +21,12 @@ from contextlib import AbstractContextManager
 import torch
 
 from core_rl.config.schema import RunConfig
-from core_rl.engine_utils.buckets import nbytes
 from core_rl.interfaces import RolloutEngine, TrainEngine
 from core_rl.launch.ranks import agree_after
 from core_rl.loops.rl.rollout_flow import RolloutFlow
 from core_rl.rollout.colocation import RolloutSleep
 from core_rl.sync.background_load import BackgroundWeightLoad
+from core_rl.sync.buckets import nbytes
 from core_rl.sync.check import SentWeights, SyncCheck, WeightSyncMismatch
 from core_rl.sync.faults import SyncFault, injected
 from core_rl.sync.lora import adapter_dir, adapter_sync, prune_adapter_dirs

@@ -166,7 +166,7 @@ class TrainEngineContract(OptimizerStateContract, TopkLogprobsContract, TinyMode
         """``fused_head`` (engines whose config class sets ``fused_head = True``; others skip): the
         log-probs of the logits, and two steps (split into micro-batches) to the same weights; the
         fused computation ran for the one engine and not for the other."""
-        from core_rl.engine_utils import fused_head as fused_module
+        from core_rl_train_kit import fused_head as fused_module
 
         if not getattr(self.entry().config_cls, "fused_head", False):
             pytest.skip(f"{self.name} does not honour fused_head (config_cls.fused_head)")
@@ -207,9 +207,9 @@ class TrainEngineContract(OptimizerStateContract, TopkLogprobsContract, TinyMode
         a group of one): under ``micro_batch.layout: shared`` the log-probs of ``padded`` and, over
         two steps in several micro-batches, the same loss, entropy and weights; the shared stream
         was built. Engines that run a micro-batch loop of their own (not
-        :class:`~core_rl.engine_utils.runner.MicroBatchRunner`, which the layout belongs to) skip."""
-        from core_rl.engine_utils import shared_prefix
-        from core_rl.engine_utils.runner import MicroBatchRunner
+        :class:`~core_rl_train_kit.runner.MicroBatchRunner`, which the layout belongs to) skip."""
+        from core_rl_train_kit import shared_prefix
+        from core_rl_train_kit.runner import MicroBatchRunner
 
         batch = make_grouped_rl_batch()
         budget = 48  # several micro-batches in either layout; every group's stream fits in one

@@ -346,7 +346,7 @@ def token_logprobs(
     *,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`core_rl.engine_utils.logprobs.token_logprobs` as autograd composes it from whole-tensor
+    """:func:`core_rl_train_kit.logprobs.token_logprobs` as autograd composes it from whole-tensor
     operations (``log_softmax`` of the float32 logits, ``gather``, ``-sum(p log p)``; gradients by
     autograd): ``[b, t]`` float32, position 0 and padding 0."""
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)

@@ -107,7 +107,7 @@ def build_remote_code_model(path: str | Path, **options: Any) -> Path:
 
 
 def check_server_trust_flag(engine: Any, make_engine: Any, flag: str = "--trust-remote-code") -> None:
-    """For a server-backed rollout engine (a :class:`~core_rl.servers.remote.ServerRolloutEngine` whose
+    """For a server-backed rollout engine (a :class:`~core_rl_server_kit.remote.ServerRolloutEngine` whose
     ``server_command`` can run without servers, e.g. made with ``__new__`` and its ``config``,
     ``options`` and ``model_path`` set): its registered factory ``make_engine`` takes
     ``trust_remote_code`` (default false), and the servers' command line holds ``flag`` once when the

@@ -30,7 +30,7 @@ def build_scripted_model(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from core_rl.engine_utils.hf import save_pretrained
+    from core_rl.roles.hf import save_pretrained
     from core_rl.roles.tiny import build_tiny_model
 
     build_tiny_model(path, alphabet=ALPHABET, hidden_size=hidden_size, num_layers=1, max_position_embeddings=1024)

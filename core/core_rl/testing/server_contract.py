@@ -1,4 +1,4 @@
-"""The contract of server-backed rollout engines (:class:`core_rl.servers.remote.ServerRolloutEngine`),
+"""The contract of server-backed rollout engines (:class:`core_rl_server_kit.remote.ServerRolloutEngine`),
 on top of :class:`~core_rl.testing.RolloutEngineContract`: real servers started from the plugin's
 server environment, their logs in the run directory, connecting by URL, pausing with requests in
 flight, a server killed mid-rollout (restarted, then reported by name once restarts are used up),
@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+from core_rl_server_kit.processes import ServerError, pid_alive
 
 from core_rl.interfaces import SamplingParams
-from core_rl.servers.processes import ServerError, pid_alive
 from core_rl.testing.processes import children_of, idle_cpu, shared_anonymous_kib
 from core_rl.testing.rollout_contracts import RolloutEngineContract
 
@@ -56,7 +56,7 @@ class ServerRolloutEngineContract(RolloutEngineContract):
     long_prompts: ClassVar[int] = 8
     long_n: ClassVar[int] = 4
     long_tokens: ClassVar[int] = 200
-    #: the server forks its engine processes on CPU (``core_rl.servers.remote.engine.FORK_ENGINE``) rather than
+    #: the server forks its engine processes on CPU (``core_rl_server_kit.remote.engine.FORK_ENGINE``) rather than
     #: spawn them
     forks_on_cpu: ClassVar[bool] = False
 
@@ -222,7 +222,7 @@ class ServerRolloutEngineContract(RolloutEngineContract):
             from core_rl.config.schema import PluginSpec, RolloutConfig
             from core_rl.plugins.host import PluginHost
             from core_rl.plugins.kinds import ROLLOUT_ENGINE
-            from core_rl.servers.supervise import session_members
+            from core_rl_server_kit.supervise import session_members
 
             entry = PluginHost().get(ROLLOUT_ENGINE, {self.name!r})
             options = json.loads({json.dumps(json.dumps(self.options))})

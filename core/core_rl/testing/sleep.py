@@ -37,8 +37,9 @@ def free_gpu_bytes() -> int:
 def failed_release_message(server: Any, engine_cls: type, config_cls: type, run_dir: Path) -> str:
     """The error an engine built with ``sleep=True`` on the recording ``server``
     (:class:`~core_rl.testing.recording_server.RecordingServer`, set up to refuse the release)
-    raises from ``release_memory()``: a :class:`~core_rl.servers.remote.ServerReplyError`, as text."""
-    from core_rl.servers.remote import ServerReplyError
+    raises from ``release_memory()``: a :class:`~core_rl_server_kit.remote.ServerReplyError`, as text."""
+    from core_rl_server_kit.remote import ServerReplyError
+
     from core_rl.testing.recording_server import engine_on
 
     with engine_on(server, engine_cls, config_cls, run_dir, sleep=True) as engine:

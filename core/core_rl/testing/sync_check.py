@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 import torch
+from core_rl_server_kit.remote.weights import UPDATE
 
 from core_rl.config.loader import structure
 from core_rl.config.schema import RunConfig
 from core_rl.roles.tiny import build_tiny_model
-from core_rl.servers.remote.weights import UPDATE
 from core_rl.sync.check import SentWeights, SyncCheck, WeightSyncMismatch
 
 

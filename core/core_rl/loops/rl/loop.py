@@ -10,7 +10,7 @@ reward model's scores, reward shaping and advantages come after the batch is sen
 
 Under ``torchrun`` every rank runs this loop with its own train-engine shard; rank 0 alone owns the
 rollout engine, rewards and loggers, and broadcasts each step's batch to the other ranks; each rank
-trains on the rows :func:`core_rl.engine_utils.packing.rank_rows` assigns it (token-balanced by
+trains on the rows :func:`core_rl.data.balance.rank_rows` assigns it (token-balanced by
 default). Every wait on another rank is bounded and a failure on one rank is sent to the others
 (:mod:`core_rl.launch.ranks`).
 

@@ -19,8 +19,8 @@ import time
 import torch
 
 from core_rl import ops
-from core_rl.engine_utils.distributed import summed_over_ranks
 from core_rl.interfaces import LossOutput, PolicyLoss, TrainEngine
+from core_rl.launch.distributed import summed_over_ranks
 from core_rl.loops.rl.wrapping_loss import WrappingLoss
 from core_rl.plugins.guards import engine_tensor
 from core_rl.protocol import TensorBatch

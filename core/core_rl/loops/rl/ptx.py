@@ -24,9 +24,9 @@ from core_rl.config.ptx import PTXConfig
 from core_rl.config.schema import DataConfig
 from core_rl.data.files import read_data_files
 from core_rl.data.prompts import tokenise_rows
-from core_rl.engine_utils.distributed import summed_over_ranks
 from core_rl.errors import DataError
 from core_rl.interfaces import LossOutput, PolicyLoss
+from core_rl.launch.distributed import summed_over_ranks
 from core_rl.loops.rl.wrapping_loss import WrappingLoss
 from core_rl.loops.supervised.batches import prompt_response_batch
 from core_rl.loops.supervised.sequences import TrainSequence, fit, response_tokens

@@ -160,8 +160,8 @@ class ReferenceReset:
     def _mix(self, step: int, actor: TrainEngine) -> None:
         """The soft update of step ``step`` (module docstring): the policy exported into the partial
         directory of the step's export, mixed there by rank 0 and moved into place."""
-        from core_rl.engine_utils.hf import torch_dtype
         from core_rl.loops.rl.reference_mix import mix_into
+        from core_rl.roles.hf import torch_dtype
 
         final = reference_dir(self.run_dir, step)
         with waiting_for(f"the other ranks to export the policy of step {step} for the new reference"):

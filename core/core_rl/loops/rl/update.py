@@ -35,12 +35,12 @@ import torch
 
 from core_rl import ops
 from core_rl.config.schema import AlgorithmConfig
-from core_rl.engine_utils.metrics import MAX_SUFFIX
 from core_rl.interfaces import AdvantageEstimator, LossOutput, PolicyLoss, TrainEngine
 from core_rl.loops.errors import RunFailed
 from core_rl.loops.rl.batching import runs_in_update, set_advantages
 from core_rl.loops.rl.mismatch_probe import MismatchProbe
 from core_rl.loops.rl.ptx import PTXRows, with_ptx
+from core_rl.loops.step_metrics import MAX_SUFFIX
 from core_rl.loops.streaks import StreakCounter
 from core_rl.plugins.guards import engine_metrics, engine_tensor, engine_topk
 from core_rl.protocol import TensorBatch

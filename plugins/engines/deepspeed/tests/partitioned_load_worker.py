@@ -22,7 +22,7 @@ def main() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     dist.init_process_group("gloo")
     import deepspeed
-    from core_rl.engine_utils import hf
+    from core_rl.roles import hf
     from core_rl_deepspeed.partitioned_load import load_partitioned
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 

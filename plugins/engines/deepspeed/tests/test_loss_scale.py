@@ -17,7 +17,7 @@ def _scalers():
     import functools
 
     import torch.distributed as dist
-    from core_rl.engine_utils.distributed import ensure_process_group, pick_device
+    from core_rl.launch.distributed import ensure_process_group, pick_device
     from core_rl_deepspeed.config import DeepSpeedConfig
     from core_rl_deepspeed.engine import import_deepspeed
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from core_rl.config.schema import ActorConfig, LoraConfig, MicroBatchConfig, OptimizerConfig, PluginSpec
-from core_rl.engine_utils.hf import resolve_attn_implementation
 from core_rl.interfaces import LossOutput
 from core_rl.protocol import TensorBatch
+from core_rl.roles.hf import resolve_attn_implementation
 from core_rl.testing import make_rl_batch
 from core_rl.testing.contracts import hf_logprobs
 from core_rl.testing.weight_transfer import assert_same_adapter, check_weight_buckets
@@ -156,7 +156,7 @@ def test_activation_checkpointing_every_second_layer(tiny_model: Path) -> None:
 
 
 def test_attention_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    import core_rl.engine_utils.hf as hf
+    import core_rl.roles.hf as hf
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert resolve_attn_implementation("auto", cpu, "float32") == "sdpa"

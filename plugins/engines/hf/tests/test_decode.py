@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from core_rl.engine_utils import attention
 from core_rl.interfaces import SamplingParams
 from core_rl_hf.config import HFRolloutConfig
 from core_rl_hf.decode import LeanStepper, TransformersStepper, lean_supported, make_stepper, mixed_precision
 from core_rl_hf.engine import HFRolloutEngine
 from core_rl_hf.generation import left_pad
+from core_rl_train_kit import attention
 
 VOCAB = 40
 

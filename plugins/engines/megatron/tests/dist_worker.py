@@ -27,12 +27,12 @@ import mcore_common as common
 import mcore_cpu_shim as cpu_shim
 import torch
 import torch.distributed as dist
-from core_rl.engine_utils.logprobs import align_to_tokens, token_logprobs
 from core_rl_megatron import convert
 from core_rl_megatron.config import DDPConfig, MegatronConfig
 from core_rl_megatron.engine import MegatronEngine
 from core_rl_megatron.errors import MegatronSetupError
 from core_rl_megatron.vocab_parallel import vocab_parallel_stats
+from core_rl_train_kit.logprobs import align_to_tokens, token_logprobs
 from megatron.core import parallel_state as mpu
 
 

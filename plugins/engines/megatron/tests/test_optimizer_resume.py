@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import mcore_cpu_shim
 import pytest
 import torch
-from core_rl.engine_utils.optim import settle_scalar_states
+from core_rl_train_kit.optim import settle_scalar_states
 from megatron.core.optimizer import distrib_optimizer
 from megatron.core.optimizer.optimizer import param_group_identifier_keys
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from core_rl.engine_utils import logprobs
-from core_rl.engine_utils.logprobs import align_to_tokens, token_logprobs
 from core_rl.testing import reference
 from core_rl.testing.launch import run_torchrun
 from core_rl_megatron.vocab_parallel import vocab_parallel_stats
+from core_rl_train_kit import logprobs
+from core_rl_train_kit.logprobs import align_to_tokens, token_logprobs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -12,10 +12,10 @@ import json
 
 import torch
 import torch.distributed as dist
-from core_rl.engine_utils import logprobs
-from core_rl.engine_utils.logprobs import align_to_tokens
 from core_rl.testing import reference
 from core_rl_megatron.vocab_parallel import vocab_parallel_stats
+from core_rl_train_kit import logprobs
+from core_rl_train_kit.logprobs import align_to_tokens
 
 #: (name, real vocabulary, padded vocabulary, temperature, dtype, entropy, entropy_grad, chunk)
 CASES = [

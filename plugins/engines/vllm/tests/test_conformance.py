@@ -11,8 +11,8 @@ import attrs
 import core_rl_vllm.plugin
 import pytest
 from core_rl.interfaces import SamplingParams
-from core_rl.servers.remote import ServerReplyError
 from core_rl.testing import ServerRolloutEngineContract, installed_distribution
+from core_rl_server_kit.remote import ServerReplyError
 from core_rl_vllm.engine import BATCH_ROUTE, GENERATE_PATH
 
 

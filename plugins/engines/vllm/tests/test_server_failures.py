@@ -18,8 +18,8 @@ from core_rl.config.loader import structure
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SamplingParams
 from core_rl.roles.tiny import build_tiny_model
-from core_rl.servers.processes import ServerError
 from core_rl.testing.contracts import hf_logprobs
+from core_rl_server_kit.processes import ServerError
 from core_rl_vllm.config import VLLMConfig
 from core_rl_vllm.engine import VLLMRolloutEngine
 from safetensors.torch import load_file

@@ -12,9 +12,9 @@ import pytest
 from core_rl.config.loader import structure
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SamplingParams
-from core_rl.servers.remote import ServerReplyError
 from core_rl.testing.recording_server import RecordingServer, engine_on
 from core_rl.testing.sleep import failed_release_message, sleep_cycle
+from core_rl_server_kit.remote import ServerReplyError
 from core_rl_vllm.config import VLLMConfig
 from core_rl_vllm.engine import GENERATE_PATH, UPDATE_ROUTE, VLLMRolloutEngine
 

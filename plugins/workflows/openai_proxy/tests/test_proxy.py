@@ -24,9 +24,9 @@ import openai
 import pytest
 import torch
 from core_rl.protocol import samples_to_batch
-from core_rl.servers.processes import pid_alive
 from core_rl.testing import WorkflowContract, installed_distribution
 from core_rl_openai_proxy import plugin
+from core_rl_server_kit.processes import pid_alive
 from proxy_agents import LOG, TOOLS, client, tool_result
 
 AGENTS = "proxy_agents"

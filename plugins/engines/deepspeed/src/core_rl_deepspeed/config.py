@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from core_rl.config.schema import ActorConfig
 
 BACKENDS = ("auto", "gloo", "nccl")
-DEVICES = ("auto", "cpu", "cuda")  # core_rl.engine_utils.distributed.pick_device
+DEVICES = ("auto", "cpu", "cuda")  # core_rl.launch.distributed.pick_device
 MIXED_DTYPES = ("bfloat16", "float16")
 #: ``actor.optimizer.name`` values refused: ZeRO flattens the parameters the optimizer sees
 FLAT_REFUSED = ("adafactor", "muon")
@@ -52,13 +52,13 @@ class DeepSpeedConfig:
       in buckets of about this size, each assembled on the device (as ``fsdp``).
     - ``config_overrides``: keys merged last into the generated DeepSpeed configuration (for
       settings not listed here; DeepSpeed validates them).
-    - ``sequence_parallel_size``: as ``fsdp``'s (Ulysses, :mod:`core_rl.engine_utils.ulysses`): each
+    - ``sequence_parallel_size``: as ``fsdp``'s (Ulysses, :mod:`core_rl_train_kit.ulysses`): each
       micro-batch's positions split over this many consecutive ranks; ZeRO still shards over all.
     """
 
     #: what this engine's models can output (:data:`core_rl.interfaces.HEADS`): an LM, or a value model
     heads: ClassVar[tuple[str, ...]] = ("lm", "value", "score")
-    #: it honours a role's ``fused_head`` (:mod:`core_rl.engine_utils.fused_head`)
+    #: it honours a role's ``fused_head`` (:mod:`core_rl_train_kit.fused_head`)
     fused_head: ClassVar[bool] = True
     #: it computes a teacher's top-k log-probs and the policy's log-probs of given ids
     #: (``teacher.loss: topk_forward_kl``, :mod:`core_rl.config.teacher_checks`)
@@ -119,7 +119,7 @@ class DeepSpeedConfig:
     def check_environment(self, context: EnvironmentContext) -> list[str]:
         """The device, the process count, float16 on a CPU, the attention implementation and the
         role's activation checkpointing against the machine."""
-        from core_rl.engine_utils.hf import activation_checkpointing_problems
+        from core_rl.roles.hf import activation_checkpointing_problems
 
         problems = context.machine.gpu_per_process_problems(context.path, self.device)
         if self.mixed_precision == "float16" and context.machine.runs_on_cpu(self.device) and not cpu_has_float16():

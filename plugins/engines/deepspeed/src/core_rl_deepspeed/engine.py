@@ -2,7 +2,7 @@
 
 Every rank calls every method with its own rows of the global batch (collectives inside). The
 micro-batch loop, log-probs, losses and metrics are the core's
-(:class:`core_rl.engine_utils.runner.MicroBatchRunner`), shared with every engine, so an algorithm
+(:class:`core_rl_train_kit.runner.MicroBatchRunner`), shared with every engine, so an algorithm
 gets the same numbers here as on ``fsdp``: each micro-batch back-propagates
 ``world_size * sum(per_token_loss * loss_weight)`` and DeepSpeed averages gradients over ranks.
 
@@ -10,7 +10,7 @@ DeepSpeed's own checkpoint files are pickles; this engine never writes or reads 
 :meth:`~DeepSpeedEngine.save_state` consolidates the ZeRO partitions into the full fp32 weights and
 the full optimizer state of every parameter (DeepSpeed's ``safe_get_full_*`` accessors, which
 gather the fragments of every stage) and stores them with safetensors and JSON
-(:mod:`core_rl.engine_utils.state`); :meth:`~DeepSpeedEngine.load_state` writes them back into the
+(:mod:`core_rl_train_kit.state`); :meth:`~DeepSpeedEngine.load_state` writes them back into the
 partitions (``safe_set_full_*``), so a checkpoint resumes exactly, on any number of ranks and any
 ZeRO stage.
 """
@@ -32,16 +32,17 @@ import torch
 import torch.distributed as dist
 from core_rl.checkpoint import files as ckpt
 from core_rl.config.schema import ActorConfig
-from core_rl.engine_utils import distributed as dist_utils
-from core_rl.engine_utils import hf, lora, ulysses
-from core_rl.engine_utils import state as state_files
-from core_rl.engine_utils.buckets import hf_buckets, tied_aliases, tied_sources
-from core_rl.engine_utils.export import export_adapter_dir, export_model_dir
-from core_rl.engine_utils.optim import build_optimizer, check_schedule, decay_groups, placed_scalar_state
-from core_rl.engine_utils.runner import EngineState, MicroBatchRunner, check_temperature
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import TrainEngine
+from core_rl.launch import distributed as dist_utils
 from core_rl.protocol import TensorBatch
+from core_rl.roles import hf, lora
+from core_rl.sync.buckets import hf_buckets, tied_aliases, tied_sources
+from core_rl_train_kit import state as state_files
+from core_rl_train_kit import ulysses
+from core_rl_train_kit.export import export_adapter_dir, export_model_dir
+from core_rl_train_kit.optim import build_optimizer, check_schedule, decay_groups, placed_scalar_state
+from core_rl_train_kit.runner import EngineState, MicroBatchRunner, check_temperature
 from torch import nn
 
 from core_rl_deepspeed.config import DeepSpeedConfig
@@ -99,7 +100,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
     """See the module docstring. ``trainable=False`` builds a frozen reference model (eval mode, no
     gradients, no optimizer; ZeRO-3 still partitions its parameters). ``head="value"`` builds a value
     model (a critic: the backbone plus a scalar head per token,
-    :func:`core_rl.engine_utils.hf.load_value_model`), trained by :meth:`train_value_step`;
+    :func:`core_rl.roles.hf.load_value_model`), trained by :meth:`train_value_step`;
     ``head="score"`` the same without a bias in the head (a reward model, exported as
     ``*ForSequenceClassification``)."""
 
@@ -256,7 +257,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         """:meth:`full_state_dict`'s weights in buckets of about ``bucket_bytes`` (default
         ``weight_bucket_mb``) on this engine's device, never through host memory unless the engine
         lives there: fp32 masters assembled (and cast) on the device, ZeRO-3 partitions gathered
-        there, other parameters as they are (:func:`core_rl.engine_utils.buckets.hf_buckets`).
+        there, other parameters as they are (:func:`core_rl.sync.buckets.hf_buckets`).
         Collective: every rank iterates to the end."""
         self._check_open()
         size = bucket_bytes or int(self.config.weight_bucket_mb * 2**20)
@@ -333,7 +334,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
 
     def save_state(self, path: str | Path, extra: Mapping[str, Any], *, optimizer: bool = True) -> None:
         """Write ``path/`` atomically, in formats that execute nothing on load (see
-        :mod:`core_rl.engine_utils.state`): ``meta.json`` (with float16's dynamic loss scale,
+        :mod:`core_rl_train_kit.state`): ``meta.json`` (with float16's dynamic loss scale,
         :mod:`core_rl_deepspeed.loss_scale`), ``model.safetensors`` (full fp32 master
         weights, the module's names), ``optimizer.*`` (full optimizer state per parameter name;
         not with ``optimizer`` false), ``extra.*`` and ``rng/rank{r}.*``. Full state makes the
@@ -372,7 +373,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         this rank's RNG states from :meth:`save_state`'s directory and return its ``extra``. Every
         rank reads the files (a shared file system, as for saving); nothing is unpickled. A
         checkpoint saved without its optimizer state is refused unless ``optimizer`` is false
-        (:func:`core_rl.engine_utils.state.restores_optimizer`). Collective."""
+        (:func:`core_rl_train_kit.state.restores_optimizer`). Collective."""
         self._check_trainable("load_state")
         final = Path(path).absolute()
         meta = state_files.read_meta(final, engine=ENGINE_NAME, format_version=CHECKPOINT_FORMAT)

@@ -45,7 +45,7 @@ def load_partitioned(
     trust_remote_code: bool = False,
 ) -> nn.Module:
     """``load(model_path, dtype=..., attn_implementation=..., trust_remote_code=...)`` (a loader of
-    :func:`core_rl.engine_utils.hf.loaders_for_head`) under :func:`zero3_loading`: every parameter of
+    :func:`core_rl.roles.hf.loaders_for_head`) under :func:`zero3_loading`: every parameter of
     the returned model is a ZeRO-3 partition. A value or score head the directory does not hold is
     zeroed with its parameters gathered (``GatheredParameters``: written on rank 0, re-partitioned)."""
     import deepspeed

@@ -19,7 +19,7 @@ MIXED_DTYPES = ("float32", "bfloat16", "float16")
 #: dtypes accepted by ``autocast_dtype``
 AUTOCAST_DTYPES = ("bfloat16",)
 BACKENDS = ("auto", "gloo", "nccl")
-DEVICES = ("auto", "cpu", "cuda")  # core_rl.engine_utils.distributed.pick_device
+DEVICES = ("auto", "cpu", "cuda")  # core_rl.launch.distributed.pick_device
 WRAPS = ("decoder_layers", "root")
 
 
@@ -53,7 +53,7 @@ class FSDPConfig:
       (``pip install "core-rl-fsdp[flash-attn]"``) when the forward computes in bfloat16 or float16
       (``param_dtype``, ``autocast_dtype`` or ``actor.dtype``; flash-attn has no float32 kernels, and
       asked for by name it is refused in float32), else ``sdpa``, except on a CPU with
-      ``autocast_dtype`` set, where it is ``sdpa_float32`` (:mod:`core_rl.engine_utils.attention`: SDPA in
+      ``autocast_dtype`` set, where it is ``sdpa_float32`` (:mod:`core_rl_train_kit.attention`: SDPA in
       float32 inside the autocast region, whose bfloat16 backward is slow on CPU); ``None`` keeps
       the transformers default.
     - ``load_on_rank0``: with several ranks, only rank 0 reads the weights; the others build the
@@ -75,7 +75,7 @@ class FSDPConfig:
       Results differ from eager ones by float rounding (fused kernels), and stay deterministic for
       a seed. Needs a C++ compiler on CPU (inductor).
     - ``sequence_parallel_size``: split each micro-batch's positions over this many consecutive
-      ranks (Ulysses: :mod:`core_rl.engine_utils.ulysses`), for sequences too long for one device's
+      ranks (Ulysses: :mod:`core_rl_train_kit.ulysses`), for sequences too long for one device's
       activation memory. The ranks of a group pool their rows and run every micro-batch together,
       each on ``1/n`` of its positions; around attention, two all-to-alls per layer exchange
       positions for heads. It must divide the number of ranks and the model's key/value heads;
@@ -85,7 +85,7 @@ class FSDPConfig:
 
     #: the model heads this engine builds (:data:`core_rl.interfaces.HEADS`): a critic needs ``value``
     heads: ClassVar[tuple[str, ...]] = ("lm", "value", "score")
-    #: it honours a role's ``fused_head`` (:mod:`core_rl.engine_utils.fused_head`)
+    #: it honours a role's ``fused_head`` (:mod:`core_rl_train_kit.fused_head`)
     fused_head: ClassVar[bool] = True
     #: it computes a teacher's top-k log-probs and the policy's log-probs of given ids
     #: (``teacher.loss: topk_forward_kl``, :mod:`core_rl.config.teacher_checks`)
@@ -162,7 +162,7 @@ class FSDPConfig:
                 f"{context.key('backend')}: nccl needs CUDA GPUs and this machine has none "
                 "(torch.cuda.is_available() is False); use auto or gloo"
             )
-        from core_rl.engine_utils.hf import activation_checkpointing_problems
+        from core_rl.roles.hf import activation_checkpointing_problems
 
         problems += fused_head_problems(context)
         problems += machine.gpu_per_process_problems(context.path, self.device)

@@ -1,6 +1,6 @@
-"""Process-group set-up and collectives: the engine uses the core's (:mod:`core_rl.engine_utils.distributed`)."""
+"""Process-group set-up and collectives: the engine uses the core's (:mod:`core_rl.launch.distributed`)."""
 
-from core_rl.engine_utils.distributed import (
+from core_rl.launch.distributed import (
     ReduceOp,
     all_reduce,
     any_rank,

@@ -20,14 +20,17 @@ from typing import Any
 import torch
 from core_rl.checkpoint import files as ckpt
 from core_rl.config.schema import ActorConfig
-from core_rl.engine_utils import lora, ulysses
-from core_rl.engine_utils.buckets import hf_buckets, state_items, tied_aliases, tied_sources
-from core_rl.engine_utils.export import export_adapter_dir, export_model_dir
-from core_rl.engine_utils.hf import architecture_name, exported_architecture, torch_dtype
-from core_rl.engine_utils.muon import embeddings_and_head
-from core_rl.engine_utils.optim import build_optimizer, check_schedule, restore_weight_decay, settle_scalar_states
-from core_rl.engine_utils.runner import EngineState, MicroBatchRunner, check_temperature
-from core_rl.engine_utils.state import (
+from core_rl.interfaces import TrainEngine
+from core_rl.protocol import TensorBatch
+from core_rl.roles import lora
+from core_rl.roles.hf import architecture_name, exported_architecture, torch_dtype
+from core_rl.sync.buckets import hf_buckets, state_items, tied_aliases, tied_sources
+from core_rl_train_kit import ulysses
+from core_rl_train_kit.export import export_adapter_dir, export_model_dir
+from core_rl_train_kit.muon import embeddings_and_head
+from core_rl_train_kit.optim import build_optimizer, check_schedule, restore_weight_decay, settle_scalar_states
+from core_rl_train_kit.runner import EngineState, MicroBatchRunner, check_temperature
+from core_rl_train_kit.state import (
     OPTIMIZER_SAVED,
     load_model_weights,
     optimizer_record,
@@ -36,8 +39,6 @@ from core_rl.engine_utils.state import (
     write_collectively,
     write_meta,
 )
-from core_rl.interfaces import TrainEngine
-from core_rl.protocol import TensorBatch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -60,7 +61,7 @@ class FSDPEngine(EngineState, TrainEngine):
     """See the module docstring. ``trainable=False`` builds a frozen reference model (eval mode,
     no gradients, no optimizer; :meth:`train_step`, :meth:`save_state` and :meth:`load_state`
     raise). ``head="value"`` builds a value model (a critic: the backbone plus a scalar head per
-    token, :func:`core_rl.engine_utils.hf.load_value_model`), trained by :meth:`train_value_step`;
+    token, :func:`core_rl.roles.hf.load_value_model`), trained by :meth:`train_value_step`;
     ``head="score"`` the same without a bias in the head (a reward model), exported as
     ``*ForSequenceClassification``."""
 
@@ -122,7 +123,7 @@ class FSDPEngine(EngineState, TrainEngine):
     # ------------------------------------------------------------------ log-probs
 
     def compute_logprobs(self, batch: TensorBatch, *, temperature: float = 1.0) -> torch.Tensor:
-        """Log-probs [B, T] float32 on CPU (see :func:`core_rl.engine_utils.logprobs.token_logprobs`),
+        """Log-probs [B, T] float32 on CPU (see :func:`core_rl_train_kit.logprobs.token_logprobs`),
         computed in eval mode without gradients, micro-batched like :meth:`train_step`."""
         self._check_head(("lm",), "compute_logprobs")
         check_temperature(temperature)
@@ -163,7 +164,7 @@ class FSDPEngine(EngineState, TrainEngine):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights with Hugging Face names on rank 0 (``{}`` elsewhere); with LoRA the
-        adapters are merged into the base weights (:func:`core_rl.engine_utils.lora.merged_state_dict`)."""
+        adapters are merged into the base weights (:func:`core_rl.roles.lora.merged_state_dict`)."""
         self._check_open()
         if isinstance(self.model, FSDPModule):
             state = self._wrapped_state_dict()
@@ -176,7 +177,7 @@ class FSDPEngine(EngineState, TrainEngine):
         ``weight_bucket_mb``), on this engine's device (the CPU with ``cpu_offload``), never through
         host memory otherwise: on one rank the parameters themselves (no copy at all); on several,
         each parameter gathered (``DTensor.full_tensor``) on every rank and kept on rank 0 until its
-        bucket has been read; a tied weight once (:func:`core_rl.engine_utils.buckets.hf_buckets`; with LoRA each
+        bucket has been read; a tied weight once (:func:`core_rl.sync.buckets.hf_buckets`; with LoRA each
         adapted weight merged as soon as its adapter is drawn). Collective: every rank iterates to the end."""
         self._check_open()
         size = bucket_bytes or int(self.config.weight_bucket_mb * 2**20)
@@ -222,9 +223,9 @@ class FSDPEngine(EngineState, TrainEngine):
         finished), in formats that execute nothing on load (:mod:`core_rl.checkpoint.files`):
 
         - ``meta.json``: format, step, world size, whether optimizer state is saved (``optimizer``)
-          and what became of it (``optimizer_state``, :mod:`core_rl.engine_utils.state`);
+          and what became of it (``optimizer_state``, :mod:`core_rl_train_kit.state`);
         - ``model.safetensors``: the full (unsharded) weights, gathered on rank 0, a tied weight once
-          (:func:`core_rl.engine_utils.state.save_model_weights`);
+          (:func:`core_rl_train_kit.state.save_model_weights`);
         - ``optimizer.{json,safetensors}``: the full optimizer state (keyed by parameter name),
           unless ``optimizer`` is false or there is none yet;
         - ``extra.{json,safetensors}``: ``extra`` (e.g. the data position), from rank 0;
@@ -294,7 +295,7 @@ class FSDPEngine(EngineState, TrainEngine):
         the weights and optimizer state and broadcasts them; the world size may differ from the
         saving run's (RNG states are then restored only for ranks that existed). Nothing is
         unpickled. A checkpoint saved without its optimizer state is refused unless ``optimizer``
-        is false (:func:`core_rl.engine_utils.state.restores_optimizer`)."""
+        is false (:func:`core_rl_train_kit.state.restores_optimizer`)."""
         self._check_trainable("load_state")
         final = Path(path).absolute()
         meta = self._read_own_meta(final)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 from core_rl.config.schema import ActorConfig
-from core_rl.engine_utils import distributed as dist_utils
-from core_rl.engine_utils import hf
-from core_rl.engine_utils.hf import torch_dtype
+from core_rl.launch import distributed as dist_utils
+from core_rl.roles import hf
+from core_rl.roles.hf import torch_dtype
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -37,7 +37,7 @@ def build_model(
     head: str = "lm",
 ) -> nn.Module:
     """The sharded model (an ``FSDPModule``) of ``actor``: a causal LM, or with ``head="value"`` a
-    value model (:func:`core_rl.engine_utils.hf.load_value_model`; ``"score"``: without a bias in its head).
+    value model (:func:`core_rl.roles.hf.load_value_model`; ``"score"``: without a bias in its head).
 
     With ``config.load_on_rank0`` and several ranks, only rank 0 reads the weights; the other
     ranks build the model on the ``meta`` device (no memory), shard it, allocate only their shards

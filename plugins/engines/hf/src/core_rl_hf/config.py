@@ -53,7 +53,7 @@ class HFRolloutConfig:
       ``autocast_dtype``: matrix products in ``bfloat16`` on the stored weights (rounded once per
       ``generate`` call), embeddings, norms, rotary embeddings, attention, the residual stream and
       sampling in the weights' dtype. On a CPU the model then attends with ``sdpa_float32``
-      (:mod:`core_rl.engine_utils.attention`), so the behaviour log-probs are those of an actor
+      (:mod:`core_rl_train_kit.attention`), so the behaviour log-probs are those of an actor
       trained with ``actor.engine.autocast_dtype`` (up to summation order). On CPUs with native
       bfloat16 (AVX512-BF16, AMX) the projections run about twice as fast. ``None`` (default):
       generate in the weights' dtype.

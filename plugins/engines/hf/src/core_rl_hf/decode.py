@@ -22,7 +22,7 @@ the projections (q/k/v/o, the MLP, the output head) on copies of their weights i
 once per stepper, and keeps the embeddings, norms, rotary embedding and the residual stream in the
 weights' dtype: the arithmetic of a forward under ``torch.autocast``. Attention (and its key/value
 buffers) follows the model's attention implementation as autocast runs it: with ``sdpa_float32``
-(:mod:`core_rl.engine_utils.attention`, what the engines load on a CPU) in the weights' dtype, with
+(:mod:`core_rl_train_kit.attention`, what the engines load on a CPU) in the weights' dtype, with
 ``sdpa`` (on a GPU) in ``compute_dtype``, as autocast casts SDPA's inputs.
 :class:`TransformersStepper` runs the forward under ``torch.autocast``.
 
@@ -39,7 +39,7 @@ from typing import Any
 import attrs
 import torch
 import torch.nn.functional as F
-from core_rl.engine_utils import attention
+from core_rl_train_kit import attention
 
 from core_rl_hf.kv_cache import cache_argument, output_cache, preallocate
 

@@ -29,14 +29,14 @@ import attrs
 import torch
 from core_rl.checkpoint.files import generator_state, set_generator_state
 from core_rl.config.schema import RolloutConfig
-from core_rl.engine_utils import attention
-from core_rl.engine_utils.buckets import state_items
-from core_rl.engine_utils.hf import no_progress_bars
 from core_rl.errors import ConfigError
 from core_rl.interfaces import PAUSE_MODES, RolloutEngine, SamplingParams
 from core_rl.interfaces.sampling import batch_key
 from core_rl.protocol import Sample
+from core_rl.roles.hf import no_progress_bars
+from core_rl.sync.buckets import state_items
 from core_rl.sync.fingerprint import FingerprintLog
+from core_rl_train_kit import attention
 
 from core_rl_hf.config import GPU_SYNC_EVERY, HFRolloutConfig, resolve_device
 from core_rl_hf.decode import lean_supported

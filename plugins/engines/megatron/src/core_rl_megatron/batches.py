@@ -1,6 +1,6 @@
 """What the model sees of a micro-batch, and where its positions live under context parallelism.
 
-Micro-batches are padded ``[b, w]`` rows (:mod:`core_rl.engine_utils.microbatch`). Hook for
+Micro-batches are padded ``[b, w]`` rows (:mod:`core_rl_train_kit.microbatch`). Hook for
 sequence packing: a packed micro-batch would build its inputs here instead (one ``[1, total]`` row,
 positions restarting per sequence, and a block-diagonal mask, or Megatron's ``PackedSeqParams``
 for Transformer Engine's THD layout); everything downstream consumes :class:`ModelInputs`.
@@ -14,15 +14,15 @@ from collections.abc import Sequence
 import attrs
 import torch
 import torch.distributed as dist
-from core_rl.engine_utils.microbatch import placeholder_micro_batch
 from core_rl.protocol import TensorBatch
+from core_rl_train_kit.microbatch import placeholder_micro_batch
 
 
 @attrs.frozen
 class MicroBatch:
     """One micro-batch: ``batch`` (its rows, cut to ``width`` columns), or ``None`` for a
     placeholder that keeps the collectives of ranks with fewer rows in step (see
-    :func:`core_rl.engine_utils.microbatch.placeholder_micro_batch`)."""
+    :func:`core_rl_train_kit.microbatch.placeholder_micro_batch`)."""
 
     batch: TensorBatch | None
     input_ids: torch.Tensor

@@ -5,7 +5,7 @@ Layout of a checkpoint directory:
 
 - ``meta.json``: format, head (``lm``, ``value`` or ``score``), step, world size, parallel layout,
   which optimizer state it holds (``optimizer``) and what became of it (``optimizer_state``:
-  saved, none yet, or left out by ``save_state(..., optimizer=False)``; :mod:`core_rl.engine_utils.state`);
+  saved, none yet, or left out by ``save_state(..., optimizer=False)``; :mod:`core_rl_train_kit.state`);
 - ``model/``: the weights with Hugging Face names (safetensors, sharded in buckets, with an index
   when there are several files), gathered from every tensor- and pipeline-parallel shard;
 - with the CPU optimizer (a torch optimizer over DDP's gradient buffers): ``optimizer/<key>/``
@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from core_rl.checkpoint import files as ckpt
-from core_rl.engine_utils import distributed as dist_utils
-from core_rl.engine_utils.optim import settle_scalar_states
-from core_rl.engine_utils.state import (
+from core_rl.launch import distributed as dist_utils
+from core_rl_train_kit.optim import settle_scalar_states
+from core_rl_train_kit.state import (
     OPTIMIZER_SAVED,
     optimizer_record,
     restores_optimizer,

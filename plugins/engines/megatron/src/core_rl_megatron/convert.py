@@ -59,7 +59,7 @@ class ParamMap:
     #: exported to Hugging Face (False for an output layer tied to the embedding)
     exported: bool = True
     #: may be absent from a Hugging Face directory, and then starts at zero (a value head on a
-    #: causal LM's directory, as :func:`core_rl.engine_utils.hf.load_value_model` does)
+    #: causal LM's directory, as :func:`core_rl.roles.hf.load_value_model` does)
     optional: bool = False
 
 

@@ -20,7 +20,7 @@ Two ways to run a step:
 
 Either way the optimizer step itself (learning rate from the schedule, metrics, the non-finite
 decision, the step count, and the value-model methods) is the one every train engine shares,
-:class:`core_rl.engine_utils.runner.EngineState`; this engine supplies its micro-batch loop
+:class:`core_rl_train_kit.runner.EngineState`; this engine supplies its micro-batch loop
 (:class:`_ReplicaRunner`), back-propagation and update.
 
 ``head="value"`` (a critic) or ``"score"`` (a reward model) builds the same model with a scalar head
@@ -41,16 +41,17 @@ import attrs
 import torch
 import torch.distributed as dist
 from core_rl.config.schema import ActorConfig
-from core_rl.engine_utils import distributed as dist_utils
-from core_rl.engine_utils.hf import torch_dtype
-from core_rl.engine_utils.logprobs import align_to_tokens
-from core_rl.engine_utils.metrics import StepMetrics
-from core_rl.engine_utils.microbatch import micro_batch_width, pack_micro_batches, row_lengths, take_micro_batch
-from core_rl.engine_utils.optim import build_optimizer, check_schedule
-from core_rl.engine_utils.runner import TRAIN_KEYS, EngineState, check_temperature
-from core_rl.engine_utils.token_budget import tokens_per_mb
+from core_rl.data.balance import row_lengths
 from core_rl.interfaces import LossFn, TrainEngine
+from core_rl.launch import distributed as dist_utils
+from core_rl.loops.step_metrics import StepMetrics
+from core_rl.loops.token_budget import tokens_per_mb
 from core_rl.protocol import TensorBatch
+from core_rl.roles.hf import torch_dtype
+from core_rl_train_kit.logprobs import align_to_tokens
+from core_rl_train_kit.microbatch import micro_batch_width, pack_micro_batches, take_micro_batch
+from core_rl_train_kit.optim import build_optimizer, check_schedule
+from core_rl_train_kit.runner import TRAIN_KEYS, EngineState, check_temperature
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import finalize_model_grads
 
@@ -187,7 +188,7 @@ class MegatronEngine(EngineState, TrainEngine):
         )
 
     def _on_tokens(self, mb: MicroBatch, inputs: ModelInputs, per_position: torch.Tensor) -> torch.Tensor:
-        """``[b, w]`` aligned with ``mb``'s tokens (:func:`core_rl.engine_utils.logprobs.align_to_tokens`:
+        """``[b, w]`` aligned with ``mb``'s tokens (:func:`core_rl_train_kit.logprobs.align_to_tokens`:
         position ``t`` holds the prediction made at ``t - 1``) from this rank's context-parallel
         positions' ``[b, n]`` values."""
         cp_group = mpu.get_context_parallel_group() if self.cp_size > 1 else None
@@ -205,7 +206,7 @@ class MegatronEngine(EngineState, TrainEngine):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) ``[b, w]`` aligned with ``mb``'s tokens from this rank's
         vocabulary slice of the logits of its context-parallel positions; for a scalar head, the
-        values in place of log-probs (entropies 0), as :class:`~core_rl.engine_utils.runner.MicroBatchRunner`
+        values in place of log-probs (entropies 0), as :class:`~core_rl_train_kit.runner.MicroBatchRunner`
         gives them."""
         if self.head != "lm":
             values = self._on_tokens(mb, inputs, logits[..., 0].float())
@@ -339,7 +340,7 @@ class MegatronEngine(EngineState, TrainEngine):
 
     def compute_logprobs(self, batch: TensorBatch, *, temperature: float = 1.0) -> torch.Tensor:
         """Log-probs [B, T] float32 on CPU of this rank's rows (see
-        :func:`core_rl.engine_utils.logprobs.token_logprobs`), in eval mode without gradients."""
+        :func:`core_rl_train_kit.logprobs.token_logprobs`), in eval mode without gradients."""
         self._check_head(("lm",), "compute_logprobs")
         check_temperature(temperature)
         return self.runner.logprobs(batch, temperature)
@@ -477,8 +478,8 @@ class MegatronEngine(EngineState, TrainEngine):
 
 
 class _ReplicaRunner:
-    """The engine's micro-batch loop in the shape :class:`~core_rl.engine_utils.runner.EngineState`
-    drives (that of :class:`~core_rl.engine_utils.runner.MicroBatchRunner`): each rank's rows pooled
+    """The engine's micro-batch loop in the shape :class:`~core_rl_train_kit.runner.EngineState`
+    drives (that of :class:`~core_rl_train_kit.runner.MicroBatchRunner`): each rank's rows pooled
     inside its model replica, Megatron's schedule or the CPU loop. Megatron's DDP *sums* gradients
     over replicas, so the world-size factor of ``MicroBatchRunner``'s convention does not apply
     (``world_size`` is ignored)."""

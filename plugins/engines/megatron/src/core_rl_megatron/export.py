@@ -20,8 +20,8 @@ import attrs
 import torch
 import torch.distributed as dist
 from core_rl.checkpoint import files as ckpt
-from core_rl.engine_utils import distributed as dist_utils
-from core_rl.engine_utils.hf import exported_architecture, value_model_config
+from core_rl.launch import distributed as dist_utils
+from core_rl.roles.hf import exported_architecture, value_model_config
 from megatron.core import parallel_state as mpu
 from torch import nn
 
@@ -194,7 +194,7 @@ def write_hf_model_dir(
 
 def export_config(hf_config: Any, model_path: str, head: str) -> Any:
     """The Hugging Face config an export writes: the model's own for ``lm``; for a scalar head the
-    value-model config the other engines write (:func:`core_rl.engine_utils.hf.value_model_config`:
+    value-model config the other engines write (:func:`core_rl.roles.hf.value_model_config`:
     one label, no classifier dropout, a bias for ``value`` only) with the family's token classifier
     (``score``: sequence classifier) as its architecture."""
     if head == "lm":

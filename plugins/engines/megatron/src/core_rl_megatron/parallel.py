@@ -13,8 +13,8 @@ from typing import ClassVar
 
 import torch
 import torch.distributed as dist
-from core_rl.engine_utils.row_pool import pool_rows
 from core_rl.protocol import TensorBatch
+from core_rl_train_kit.row_pool import pool_rows
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 
@@ -105,7 +105,7 @@ class ReplicaRows:
 
     def gather(self, batch: TensorBatch, pad_token_id: int) -> tuple[TensorBatch, slice, int]:
         """The replica's rows (its ranks' batches in rank order, padded to the widest), the slice of
-        them that is this rank's, and this rank's width (:func:`core_rl.engine_utils.row_pool.pool_rows`)."""
+        them that is this rank's, and this rank's width (:func:`core_rl_train_kit.row_pool.pool_rows`)."""
         rows, mine = pool_rows(batch, self.group, self.size, self.index, pad_token_id)
         return rows, mine, batch["input_ids"].shape[1]
 

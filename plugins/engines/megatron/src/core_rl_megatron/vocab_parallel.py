@@ -14,11 +14,11 @@ out. With ``z = logits / temperature`` over the real vocabulary:
 Only ``[b, s]``-sized tensors cross ranks. Every rank then holds the same values and computes the
 same loss from them, so the gradient arriving at them is the same on every rank, and each rank's
 gradient with respect to its own slice is the gradient formula of
-:func:`core_rl.engine_utils.logprobs.logit_gradient_` over its columns, with the global ``lse``
+:func:`core_rl_train_kit.logprobs.logit_gradient_` over its columns, with the global ``lse``
 and ``H``: backward needs no collective.
 
 As in the core's ``token_logprobs``, rows are processed in chunks of at most
-``core_rl.engine_utils.logprobs.CHUNK_ELEMENTS`` values and only the logits (in their own dtype)
+``core_rl_train_kit.logprobs.CHUNK_ELEMENTS`` values and only the logits (in their own dtype)
 and per-row values are kept for backward, which recomputes ``log p`` chunk by chunk: no
 vocabulary-sized float32 tensor outlives one chunk.
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from core_rl.engine_utils.logprobs import chunk_slices, keep_for_backward, logit_gradient_
+from core_rl_train_kit.logprobs import chunk_slices, keep_for_backward, logit_gradient_
 
 
 def _group_size(group: dist.ProcessGroup | None) -> int:
@@ -120,7 +120,7 @@ def _stats(
 
 
 class _VocabParallelStats(torch.autograd.Function):
-    """:func:`_stats` with the gradient of :func:`~core_rl.engine_utils.logprobs.logit_gradient_`
+    """:func:`_stats` with the gradient of :func:`~core_rl_train_kit.logprobs.logit_gradient_`
     on this rank's real columns, recomputed chunk by chunk (no collective)."""
 
     @staticmethod

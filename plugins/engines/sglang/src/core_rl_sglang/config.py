@@ -6,14 +6,14 @@ from typing import ClassVar
 
 import attrs
 from core_rl.config.validators import in_range, non_negative, one_of, positive
-from core_rl.servers.remote import ServerOptions
+from core_rl_server_kit.remote import ServerOptions
 
 
 @attrs.define
 class SGLangConfig:
     """Options of the ``sglang`` rollout engine.
 
-    ``server``: where servers come from and how requests behave (:class:`core_rl.servers.remote.ServerOptions`).
+    ``server``: where servers come from and how requests behave (:class:`core_rl_server_kit.remote.ServerOptions`).
     The rest are SGLang's own server options, passed through:
 
     - ``dtype``, ``context_length`` (0: the model's), ``max_running_requests`` (0: SGLang's own sizing from

@@ -1,6 +1,6 @@
 """The ``sglang`` rollout engine: SGLang servers driven over their native HTTP API.
 
-What it sends (everything else is :class:`core_rl.servers.remote.ServerRolloutEngine`'s):
+What it sends (everything else is :class:`core_rl_server_kit.remote.ServerRolloutEngine`'s):
 
 - generation: ``POST /generate`` with ``input_ids`` (the prompt repeated ``n`` times: one batch,
   whose common prefix SGLang's radix cache computes once), ``sampling_params`` (``max_new_tokens``,
@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING, Any
 from core_rl.config.schema import RolloutConfig
 from core_rl.interfaces import SamplingParams
 from core_rl.interfaces.sampling import with_extra
-from core_rl.servers.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post, versions_from_spans
-from core_rl.servers.remote.engine import FORK_ENGINE
+from core_rl_server_kit.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post, versions_from_spans
+from core_rl_server_kit.remote.engine import FORK_ENGINE
 
 from core_rl_sglang import fingerprints, lora
 from core_rl_sglang.config import SGLangConfig
@@ -335,13 +335,13 @@ def update_requests(
     names: list[str], dtypes: list[str], shapes: list[list[int]], bucket_bytes: int
 ) -> list[dict[str, Any]]:
     """The ``names``/``dtypes``/``shapes`` of one collective update split, in order, into requests
-    of about ``bucket_bytes`` of weights each (:func:`core_rl.engine_utils.buckets.bucketed`, on
+    of about ``bucket_bytes`` of weights each (:func:`core_rl.sync.buckets.bucketed`, on
     meta tensors); one request for 0. The trainer broadcasts the tensors in the same order, each
     received by the request that lists it."""
     if bucket_bytes <= 0:
         return [{"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes]}]
     import torch
-    from core_rl.engine_utils.buckets import bucketed
+    from core_rl.sync.buckets import bucketed
 
     meta = ((n, torch.empty(s, dtype=getattr(torch, d), device="meta")) for n, d, s in zip(names, dtypes, shapes))
     return [

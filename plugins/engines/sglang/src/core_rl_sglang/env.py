@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core_rl.servers.env import ServerEnvSpec
+from core_rl.interfaces.servers import ServerEnvSpec
 
 REQUIREMENTS_CPU = Path(__file__).with_name("requirements-cpu.txt")
 GUARDED_META_REGISTRATIONS = """# core-rl fix-up: register torchvision's fake kernels only when its C++ ops loaded

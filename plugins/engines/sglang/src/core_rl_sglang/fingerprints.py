@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from core_rl.servers.remote import ServerReplyError, json_post
 from core_rl.sync.fingerprint import fingerprint, prefix_numel
+from core_rl_server_kit.remote import ServerReplyError, json_post
 
 #: the elements of each tensor's leading rows the check reads back (see the module docstring)
 FINGERPRINT_PREFIX = 1024

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from core_rl.servers.remote import ServerReplyError, json_post
+from core_rl_server_kit.remote import ServerReplyError, json_post
 
 
 async def checked_post(client: Any, url: str, payload: dict[str, Any], timeout: float) -> Any:

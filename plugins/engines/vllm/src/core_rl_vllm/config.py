@@ -9,7 +9,7 @@ from core_rl.config.checks import SectionContext
 from core_rl.config.schema import AutoBool
 from core_rl.config.validators import in_range, non_negative, one_of, positive
 from core_rl.errors import CoreRLError
-from core_rl.servers.remote import ServerOptions
+from core_rl_server_kit.remote import ServerOptions
 
 from core_rl_vllm.lora import max_lora_rank
 
@@ -24,7 +24,7 @@ MIN_COLOCATED_UTILIZATION = 0.05
 class VLLMConfig:
     """Options of the ``vllm`` rollout engine.
 
-    ``server``: where servers come from and how requests behave (:class:`core_rl.servers.remote.ServerOptions`).
+    ``server``: where servers come from and how requests behave (:class:`core_rl_server_kit.remote.ServerOptions`).
     The rest are vLLM's own server options, passed through:
 
     - ``dtype`` (``--dtype``), ``max_model_len`` (context length; 0: the model's), ``max_num_seqs`` (requests

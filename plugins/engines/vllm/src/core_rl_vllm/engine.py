@@ -1,6 +1,6 @@
 """The ``vllm`` rollout engine: vLLM OpenAI-compatible servers driven over HTTP.
 
-What it sends (everything else is :class:`core_rl.servers.remote.ServerRolloutEngine`'s):
+What it sends (everything else is :class:`core_rl_server_kit.remote.ServerRolloutEngine`'s):
 
 - generation: ``POST /inference/v1/generate`` (servers started with ``--enable-scale-out``) with
   the prompt as ``token_ids`` and ``sampling_params``: ``n``, ``max_tokens``, ``min_tokens``,
@@ -28,7 +28,7 @@ What it sends (everything else is :class:`core_rl.servers.remote.ServerRolloutEn
   scheduler with running requests in place (unless ``pause("keep"|"abort")`` paused the server
   already), runs the worker RPC that loads the weights, sets vLLM's weight version, drops the
   prefix cache and resumes, all inside the server. So ``pause("keep")`` pauses nothing by itself
-  (:attr:`~core_rl.servers.remote.ServerRolloutEngine.swaps_in_place`): running requests are frozen only
+  (:attr:`~core_rl_server_kit.remote.ServerRolloutEngine.swaps_in_place`): running requests are frozen only
   for the swap. The RPC is a method of the worker extension this plugin ships
   (:mod:`core_rl_vllm.server_side.core_rl_vllm_worker`): ``core_rl_load_dir`` for weights from
   disk (the directory's safetensors files into vLLM's in-place ``reload_weights``) or
@@ -56,15 +56,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import core_rl.servers.weight_group
 import core_rl.sync.fingerprint
+import core_rl_server_kit.weight_group
 from core_rl.config.schema import RolloutConfig
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SamplingParams
-from core_rl.servers.processes import ServerError
-from core_rl.servers.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post, versions_from_spans
-from core_rl.servers.remote.engine import FORK_ENGINE
-from core_rl.servers.remote.wire import describe, is_transport_error
+from core_rl_server_kit.processes import ServerError
+from core_rl_server_kit.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post, versions_from_spans
+from core_rl_server_kit.remote.engine import FORK_ENGINE
+from core_rl_server_kit.remote.wire import describe, is_transport_error
 
 from core_rl_vllm import lora
 from core_rl_vllm.config import GPU_MEMORY_UTILIZATION, VLLMConfig
@@ -206,7 +206,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_CPU_KVCACHE_SPACE": f"{self.config.kv_cache_space_gib:g}",
             "PYTHONPATH": str(SERVER_SIDE),
-            "CORE_RL_WEIGHT_GROUP_PY": str(Path(core_rl.servers.weight_group.__file__).resolve()),
+            "CORE_RL_WEIGHT_GROUP_PY": str(Path(core_rl_server_kit.weight_group.__file__).resolve()),
             "CORE_RL_WEIGHT_FINGERPRINT_PY": str(Path(core_rl.sync.fingerprint.__file__).resolve()),
         }
         if self.variant() == "cpu" and self.config.tensor_parallel_size * self.config.data_parallel_size == 1:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core_rl.servers.env import ServerEnvSpec
+from core_rl.interfaces.servers import ServerEnvSpec
 
 REQUIREMENTS_CPU = Path(__file__).with_name("requirements-cpu.txt")
 

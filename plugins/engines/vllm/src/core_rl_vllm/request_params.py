@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 from core_rl.interfaces import SamplingParams
 from core_rl.interfaces.sampling import with_extra
-from core_rl.servers.remote import Completion
+from core_rl_server_kit.remote import Completion
 
 from core_rl_vllm.config import VLLMConfig
 

@@ -22,7 +22,7 @@ as a child process, so that
 
 A rollout server actor starts its server through the rollout engine plugin itself (the server's
 command line, environment variables and health check are the plugin's), from the plugin's managed
-server environment (``core-rl server-env create NAME``), under :mod:`core_rl.servers.supervise` with the
+server environment (``core-rl server-env create NAME``), under :mod:`core_rl_server_kit.supervise` with the
 actor as parent: the server's whole process session stops when the actor stops or dies. The actor
 runs the trainer environment's interpreter (Ray workers must import ``ray`` and ``core_rl``, which
 a server environment pinning its own torch and transformers does not hold); only the server

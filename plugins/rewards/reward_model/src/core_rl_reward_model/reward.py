@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from core_rl.engine_utils.hf import no_progress_bars
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import Reward
 from core_rl.protocol import RewardInput
+from core_rl.roles.hf import no_progress_bars
 
 from core_rl_reward_model.config import RewardModelConfig
 

@@ -1,7 +1,7 @@
 """The environment an agent script runs in (``rollout.workflow.python`` / ``requirements``).
 
 ``python``: that interpreter, as given (it must exist). ``requirements``: a venv holding them, built
-once by :func:`core_rl.servers.env.create` (the machinery of ``core-rl server-env``: uv when
+once by :func:`core_rl_server_kit.env.create` (the machinery of ``core-rl server-env``: uv when
 installed, pip's indexes passed on, a lock against concurrent builds, a manifest marking it
 finished) and reused while the requirements and the base interpreter's version are the same; it
 lives under ``$CORE_RL_HOME/server-envs/agent-cpu-<hash>`` (``core-rl server-env list`` shows it,
@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from core_rl.errors import ConfigError
-from core_rl.servers.env import ServerEnvError, ServerEnvSpec, create, env_python
+from core_rl.interfaces.servers import ServerEnvError, ServerEnvSpec
+from core_rl_server_kit.env import create, env_python
 
 #: the name of the built environments (``core-rl server-env list``)
 ENV_NAME = "agent"

@@ -2,7 +2,7 @@
 
 This file runs inside vLLM's worker processes, in the vllm server environment, not in the trainer:
 the engine puts its directory on the server's ``PYTHONPATH``. It imports nothing from core-rl
-except :mod:`core_rl.servers.weight_group`, loaded by file path (``CORE_RL_WEIGHT_GROUP_PY``) because it
+except :mod:`core_rl_server_kit.weight_group`, loaded by file path (``CORE_RL_WEIGHT_GROUP_PY``) because it
 needs only torch, so both ends of the weight-update group run the same code.
 
 Methods are called through vLLM's ``/collective_rpc`` with one JSON string argument and return a
