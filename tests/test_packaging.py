@@ -23,7 +23,7 @@ import attrs
 import packaging_utils as pu
 import pytest
 import yaml
-from core_rl.plugins.kinds import COMMANDS_GROUP, ALL_KINDS, KINDS_BY_KEY, KNOWN_EXTRAS
+from core_rl.plugins.kinds import ALL_KINDS, COMMANDS_GROUP, KINDS_BY_KEY, KNOWN_EXTRAS
 from packaging.requirements import Requirement
 from packaging.version import Version
 

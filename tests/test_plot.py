@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from core_rl import cli
 from core_rl.errors import CoreRLError
-from core_rl.plot import load_run, plot_runs, rolling_mean
+from core_rl_plot.plot import load_run, plot_runs, rolling_mean
 
 pytest.importorskip("matplotlib")
 

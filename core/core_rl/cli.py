@@ -1,5 +1,5 @@
 """The ``core-rl`` command: ``train``, ``eval`` (:mod:`core_rl.eval.command`), ``plugins``,
-``plot``, ``checkpoints``, ``config show`` and ``config validate``, plus the subcommands that launcher
+``checkpoints``, ``config show`` and ``config validate``, plus the subcommands that launcher
 plugins and the modules of the ``core_rl.commands`` group add (:func:`core_rl.hookspecs.core_rl_add_commands`:
 ``core-rl server-env`` comes from the server kit, :mod:`core_rl_server_kit.plugin`) and the ``train``
 options launchers add (:func:`core_rl.hookspecs.core_rl_add_train_arguments`).
@@ -104,17 +104,6 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
         "description and whether it loads.",
     )
     plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-    plot = sub.add_parser(
-        "plot",
-        help="plot training curves of runs",
-        description="Plot reward, KL, entropy, response length, clip fraction, grad norm, learning rate, "
-        "step time split and throughput against the step for one or more runs (overlaid), as plot.png and "
-        "plot.html next to the first run's metrics.jsonl. Needs matplotlib (core-rl[plot]).",
-    )
-    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories holding metrics.jsonl")
-    plot.add_argument("--out", default=None, help="write the files here instead of the first run directory")
-    plot.add_argument("--smooth", type=int, default=None, help="rolling-mean window in steps (default ~steps/50)")
 
     ckpt = sub.add_parser(
         "checkpoints",
@@ -340,13 +329,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"core-rl: warning: {stray.message()}", file=sys.stderr)
         if args.command == "plugins":
             return _cmd_plugins(args.json)
-        if args.command == "plot":
-            from core_rl.plot import plot_runs
-
-            written = plot_runs(args.run_dirs, out_dir=args.out, smooth=args.smooth)
-            print(f"plot: {written['png']}")
-            print(f"page: {written['html']}")
-            return 0
         if args.command == "checkpoints":
             return _cmd_checkpoints(Path(args.run_dir), args.roll_back_to)
         if args.command == "config":

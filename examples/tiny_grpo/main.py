@@ -25,8 +25,8 @@ import transformers
 from core_rl import cli
 from core_rl.builtin.loggers import read_metrics
 from core_rl.errors import CoreRLError
-from core_rl.plot import plot_runs
 from core_rl.roles.tiny import build_tiny_model
+from core_rl_plot.plot import plot_runs
 from omegaconf import OmegaConf
 
 HERE = Path(__file__).resolve().parent

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
-
 from core_rl.builtin.loggers import read_metrics
 from core_rl.errors import CoreRLError
 
