@@ -1,5 +1,5 @@
 """``data.max_length`` and ``data.truncation`` (:mod:`core_rl.loops.supervised.length_bound`,
-:func:`core_rl.loops.supervised.sequences.fit`): the cut keeps the start, the problems name the file and
+:func:`core_rl.loops.supervised.sequences.fit_to_length`): the cut keeps the start, the problems name the file and
 line, ``drop`` says how many it dropped, and the keys are checked against each other and the loop."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from core_rl.config.data_config import DataConfig
 from core_rl.data import prompts as data_module
 from core_rl.data.prompts import PromptItem
 from core_rl.loops.supervised.length_bound import bound_items
-from core_rl.loops.supervised.sequences import TrainSequence, fit
+from core_rl.loops.supervised.sequences import TrainSequence, fit_to_length
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 def test_fit_cuts_the_response_at_the_end_and_never_the_prompt(prompt, response, suffix, with_mask, max_length):
     trained = [i % 3 == 0 for i in range(len(prompt) + len(response))] if with_mask else None
     whole = TrainSequence(prompt, response, suffix, trained)
-    got = fit(whole, max_length)
+    got = fit_to_length(whole, max_length)
     if whole.length <= max_length:
         assert got == whole
         return
@@ -35,7 +35,7 @@ def test_fit_cuts_the_response_at_the_end_and_never_the_prompt(prompt, response,
     assert got.response == response[:room]
     assert got.length == max(max_length, len(prompt) + suffix)
     assert got.trained == (None if trained is None else trained[: len(prompt) + room])
-    assert fit(whole, None) == whole
+    assert fit_to_length(whole, None) == whole
 
 
 def item(where: str, prompt: int, *responses: int) -> tuple[PromptItem, list[TrainSequence]]:

@@ -9,6 +9,7 @@ wrong and what to do. Any other exception is a bug and keeps its traceback.
 from __future__ import annotations
 
 import difflib
+import sys
 from collections.abc import Iterable
 from typing import ClassVar
 
@@ -72,3 +73,8 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
     """The choice closest to ``word`` by edit similarity (difflib's ratio >= 0.6), or ``None``."""
     close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
     return close[0] if close else None
+
+
+def warn(message: str) -> None:
+    """Print ``core-rl: warning: <message>`` on stderr."""
+    print(f"core-rl: warning: {message}", file=sys.stderr, flush=True)

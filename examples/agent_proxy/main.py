@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import transformers
 from core_rl import cli
-from core_rl.builtin.loggers import read_metrics
+from core_rl.builtin import read_metrics
 from core_rl.errors import CoreRLError
 from core_rl.roles.tiny import build_tiny_model
 from core_rl_plot.plot import plot_runs

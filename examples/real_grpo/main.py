@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import transformers
 from core_rl import cli
-from core_rl.builtin.loggers import read_metrics
+from core_rl.builtin import read_metrics
 from omegaconf import OmegaConf
 
 HERE = Path(__file__).resolve().parent

@@ -17,10 +17,10 @@ import traceback
 from collections.abc import Mapping
 from typing import Any
 
-from core_rl.checkpoint.resume import effective_recover_mode, warn
+from core_rl.checkpoint.resume import effective_recover_mode
 from core_rl.config.schema import RunConfig
 from core_rl.data.prompts import DataRow
-from core_rl.errors import CoreRLError
+from core_rl.errors import CoreRLError, warn
 from core_rl.interfaces import TrainingLoop
 from core_rl.loops.selection import build_loop
 from core_rl.loops.signals import StopSignals

@@ -18,7 +18,7 @@ from core_rl.checkpoint import store as checkpoints
 from core_rl.checkpoint.files import discard_partial
 from core_rl.checkpoint.policy import BestCheckpoints, TimedSaves
 from core_rl.config.schema import RunConfig
-from core_rl.errors import CoreRLError
+from core_rl.errors import CoreRLError, warn
 from core_rl.interfaces import TrainEngine
 from core_rl.launch.ranks import broadcast_outcome, waiting_for
 from core_rl.loops.errors import DiskFullError, RunFailed, TrainingInterrupted
@@ -47,11 +47,6 @@ STATE_KEYS = (
     "mismatch_budget",
     "difficulty",
 )
-
-
-def warn(message: str) -> None:
-    """Print ``core-rl: warning: <message>`` on stderr."""
-    print(f"core-rl: warning: {message}", file=sys.stderr, flush=True)
 
 
 def effective_recover_mode(cfg: RunConfig) -> str:

@@ -33,6 +33,8 @@ from core_rl.interfaces.rewards import RewardScores as RewardScores
 from core_rl.interfaces.sampling import SamplingParams as SamplingParams
 from core_rl.interfaces.sampling import batch_key as batch_key
 from core_rl.interfaces.sampling import with_extra as with_extra
+from core_rl.interfaces.servers import ServerEnvError as ServerEnvError
+from core_rl.interfaces.servers import ServerEnvSpec as ServerEnvSpec
 from core_rl.plugins.lazy_exports import lazy_exports
 
 _lazy_all, __getattr__ = lazy_exports(
@@ -75,6 +77,8 @@ __all__ = sorted(
             "SamplingParams",
             "batch_key",
             "with_extra",
+            "ServerEnvError",
+            "ServerEnvSpec",
         ],
         *_lazy_all,
     ]

@@ -15,3 +15,21 @@ def train(cfg: RunConfig, *, host: PluginHost) -> Mapping[str, Any]:
     from core_rl.loops.run import train as run_train
 
     return run_train(cfg, host=host)
+
+
+from core_rl.plugins.lazy_exports import lazy_exports  # noqa: E402
+
+# what plugins import from this package: its public names (core_rl.testing.public_api)
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "core_rl.loops.errors": ("TrainingInterrupted",),
+        "core_rl.loops.rl.reference_reset": ("ReferenceReset",),
+        "core_rl.loops.step_metrics": ("StepMetrics",),
+        "core_rl.loops.token_budget": (
+            "ModelShape",
+            "optimizer_states",
+            "tokens_per_mb",
+        ),
+    },
+)

@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from core_rl.checkpoint.hf_exports import export_due, export_step
-from core_rl.checkpoint.resume import CheckpointStage, effective_recover_mode, warn
+from core_rl.checkpoint.resume import CheckpointStage, effective_recover_mode
 from core_rl.checkpoint.store import checkpoint_dir, is_disk_full
 from core_rl.config.loader import to_plain
 from core_rl.config.schema import RunConfig
 from core_rl.data.balance import rank_rows
 from core_rl.data.prompts import DataRow, PromptSource
-from core_rl.errors import CoreRLError
+from core_rl.errors import CoreRLError, warn
 from core_rl.interfaces import Logger, RunInfo, TrainEngine, TrainingLoop
 from core_rl.launch.ranks import agree_after, waiting_for
 from core_rl.loops.auto_budget import resolve_auto_budgets

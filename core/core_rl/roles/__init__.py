@@ -1,2 +1,20 @@
 """The models of a run: building each role's engine, model-directory checks and overrides, GGUF and
 tiny models."""
+
+from core_rl.plugins.lazy_exports import lazy_exports
+
+# what plugins import from this package: its public names (core_rl.testing.public_api)
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "core_rl.roles.build": (
+            "build_engine",
+            "engine_heads",
+            "missing_head_problem",
+        ),
+        "core_rl.roles.remote_code": (
+            "rollout_factory_kwargs",
+            "untrusted_code_problem",
+        ),
+    },
+)

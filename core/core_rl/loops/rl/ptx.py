@@ -29,7 +29,7 @@ from core_rl.interfaces import LossOutput, PolicyLoss
 from core_rl.launch.distributed import summed_over_ranks
 from core_rl.loops.rl.wrapping_loss import WrappingLoss
 from core_rl.loops.supervised.batches import prompt_response_batch
-from core_rl.loops.supervised.sequences import TrainSequence, fit, response_tokens
+from core_rl.loops.supervised.sequences import TrainSequence, fit_to_length, response_tokens
 from core_rl.protocol import TensorBatch, concat_padded
 
 KEY = "algorithm.ptx.files"
@@ -51,7 +51,7 @@ class PTXRows:
             except DataError as exc:
                 problems += exc.problems
                 continue
-            self.sequences.append(fit(TrainSequence(item.prompt_ids, response), config.max_length))
+            self.sequences.append(fit_to_length(TrainSequence(item.prompt_ids, response), config.max_length))
         if not problems and not self.sequences:
             problems.append(f"{KEY}: {config.files} hold no rows")
         if problems:

@@ -9,7 +9,8 @@ appends. A row with a sequence over ``data.max_length`` is, by ``data.truncation
   saying what to do; found by preflight before the model loads;
 - ``drop``: left out, a preference pair as a whole; one line on stderr says how many
   (:func:`~core_rl.data.prompts.announce_once`); all of them left out is a problem;
-- ``truncate``: kept, and cut at the end when its batch is built (:func:`~core_rl.loops.supervised.sequences.fit`);
+- ``truncate``: kept, and cut at the end when its batch is built
+(:func:`~core_rl.loops.supervised.sequences.fit_to_length`);
   a row whose prompt (and suffix) leaves no room for one response token is a problem, since the
   prompt is never cut.
 """

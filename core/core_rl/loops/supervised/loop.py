@@ -36,7 +36,7 @@ from core_rl.loops.signals import StopSignals
 from core_rl.loops.supervised.batches import prompt_response_batch as prompt_response_batch  # loops import them here
 from core_rl.loops.supervised.batches import sequence_batch as sequence_batch
 from core_rl.loops.supervised.length_bound import run_bound
-from core_rl.loops.supervised.sequences import TrainSequence, column_where, fit, with_eos
+from core_rl.loops.supervised.sequences import TrainSequence, column_where, fit_to_length, with_eos
 from core_rl.loops.supervised.sequences import token_ids as token_ids  # where the loops have imported it from
 from core_rl.plugins.guards import engine_metrics
 from core_rl.plugins.host import PluginHost
@@ -123,10 +123,10 @@ class SupervisedLoop(RunScaffold):
     def sequences(self, item: PromptItem) -> list[TrainSequence]:
         """The sequences of ``item``'s row as the loop's config says (``row_sequences``,
         :mod:`core_rl.loops.supervised.sequences`), each cut to ``data.max_length`` with ``data.truncation:
-        truncate`` (:func:`~core_rl.loops.supervised.sequences.fit`; rows that cannot be cut, or are too long
+        truncate`` (:func:`~core_rl.loops.supervised.sequences.fit_to_length`; rows that cannot be cut, or are too long
         under ``error`` or ``drop``, never reach here: :mod:`core_rl.loops.supervised.length_bound`)."""
         rows = self.loop_config.row_sequences(item, self.tokenizer, self.cfg.data)
-        return [fit(s, self.cfg.data.max_length) for s in rows]
+        return [fit_to_length(s, self.cfg.data.max_length) for s in rows]
 
     # -- one step -----------------------------------------------------------------------------
 

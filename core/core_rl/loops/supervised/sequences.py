@@ -37,7 +37,7 @@ class TrainSequence:
         return len(self.prompt) + len(self.response) + self.suffix
 
 
-def fit(sequence: TrainSequence, max_length: int | None) -> TrainSequence:
+def fit_to_length(sequence: TrainSequence, max_length: int | None) -> TrainSequence:
     """``sequence`` cut at the end to at most ``max_length`` tokens (``None``: as it is): its
     response keeps its first ``max_length - len(prompt) - suffix`` tokens (a cut response loses its
     EOS with its tail), ``trained`` the same positions. The prompt is never cut (the caller checks

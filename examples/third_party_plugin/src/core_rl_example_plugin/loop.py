@@ -8,9 +8,9 @@ log-likelihood of every token after the first, over the step's rows (all ranks).
 from __future__ import annotations
 
 import torch
-from core_rl.data.prompts import PromptItem
+from core_rl.data import PromptItem
 from core_rl.interfaces import LossOutput
-from core_rl.loops.supervised.loop import SupervisedLoop, prompt_response_batch
+from core_rl.loops.supervised import SupervisedLoop, prompt_response_batch
 from core_rl.protocol import TensorBatch
 
 from core_rl_example_plugin.config import PromptLMConfig

@@ -21,7 +21,7 @@ from core_rl_example_plugin.reward import KeywordReward
 
 if TYPE_CHECKING:
     from core_rl.interfaces import AdvantageEstimator, TrainingLoop
-    from core_rl.rollout.workflows import RolloutWorkflow
+    from core_rl.rollout import RolloutWorkflow
 
 
 def make_rank_advantage(config: RankAdvantageConfig) -> AdvantageEstimator:

@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 from core_rl.protocol import Sample
-from core_rl.rollout.workflows import RolloutWorkflow, WorkflowContext, append_observation, extend_turn
+from core_rl.rollout import RolloutWorkflow, WorkflowContext, append_observation, extend_turn
 
 from core_rl_example_plugin.config import SecondTryConfig
 

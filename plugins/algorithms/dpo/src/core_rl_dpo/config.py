@@ -17,9 +17,8 @@ from core_rl.ops.names import (
 
 if TYPE_CHECKING:
     from core_rl.config.data_config import DataConfig
-    from core_rl.data.files import DataRow
-    from core_rl.data.prompts import PromptItem
-    from core_rl.loops.supervised.sequences import TrainSequence
+    from core_rl.data import DataRow, PromptItem
+    from core_rl.loops.supervised import TrainSequence
 
 #: every ``loss_type``: those on log-ratios against a reference, then the reference-free ones
 LOSS_TYPES = PREFERENCE_LOSSES + REFERENCE_FREE_LOSSES
@@ -81,7 +80,7 @@ class DPOConfig:
 
     def row_sequences(self, item: PromptItem, tokenizer: Any, data: DataConfig) -> list[TrainSequence]:
         """The prompt with the chosen response, then with the rejected one (each with EOS)."""
-        from core_rl.loops.supervised.sequences import pair_sequences
+        from core_rl.loops.supervised import pair_sequences
 
         return pair_sequences(item, tokenizer, (self.chosen_key, self.rejected_key))
 
@@ -212,7 +211,7 @@ class KTOConfig:
 
     def row_sequences(self, item: PromptItem, tokenizer: Any, data: DataConfig) -> list[TrainSequence]:
         """The prompt with the completion (with EOS)."""
-        from core_rl.loops.supervised.sequences import pair_sequences
+        from core_rl.loops.supervised import pair_sequences
 
         return pair_sequences(item, tokenizer, (self.completion_key,))
 
@@ -229,8 +228,7 @@ class KTOConfig:
     def check_data(self, rows: Sequence[DataRow], context: SectionContext) -> list[str]:
         """Every row holds a completion and a label that :func:`kto_label` reads, each problem with
         its file and line."""
-        from core_rl.data.files import Problems, kind_of
-        from core_rl.data.prompts import missing_column_problems
+        from core_rl.data import Problems, kind_of, missing_column_problems
 
         problems = Problems()
         readers = {key: context.key(f"{key}_key") for key in ("completion", "label")}

@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import attrs
 import torch
-from core_rl.checkpoint.resume import warn
-from core_rl.data.prompts import PromptItem
-from core_rl.errors import DataError
-from core_rl.loops.supervised.loop import global_sum, sequence_batch
-from core_rl.loops.supervised.sequences import fit
+from core_rl.data import PromptItem
+from core_rl.errors import DataError, warn
+from core_rl.loops.supervised import fit_to_length, global_sum, sequence_batch
 from core_rl.ops import kto_kl_baseline, kto_loss
 from core_rl.protocol import TensorBatch
 
@@ -100,7 +98,8 @@ class KTOLoop(SequenceLossLoop):
         own = [self.sequences(item)[0] for item in items]
         limit = self.cfg.data.max_length
         mismatched = [
-            fit(attrs.evolve(s, response=own[j].response), limit) for s, j in zip(own, mismatched_order(len(items)))
+            fit_to_length(attrs.evolve(s, response=own[j].response), limit)
+            for s, j in zip(own, mismatched_order(len(items)))
         ]
         batch = sequence_batch(own + mismatched, self.pad_token_id)
         batch["loss_mask"] = batch["response_mask"]

@@ -24,9 +24,8 @@ Under ``torchrun`` rank ``r`` trains pairs ``r, r + W, ...`` (both rows of a pai
 from __future__ import annotations
 
 import torch
-from core_rl.data.prompts import PromptItem
-from core_rl.loops.supervised.loop import global_sum, sequence_batch
-from core_rl.loops.supervised.pairwise import number_in_row
+from core_rl.data import PromptItem
+from core_rl.loops.supervised import global_sum, number_in_row, sequence_batch
 from core_rl.ops import (
     log_odds,
     mean_token_logprob,

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import torch
 from core_rl.interfaces import LossOutput, TrainEngine
-from core_rl.launch.ranks import rank_and_world, waiting_for
-from core_rl.loops.rl.reference_reset import ReferenceReset
-from core_rl.loops.supervised.pairwise import PairwiseLoop
+from core_rl.launch import rank_and_world, waiting_for
+from core_rl.loops import ReferenceReset
+from core_rl.loops.supervised import PairwiseLoop
 from core_rl.ops import sequence_logprob
-from core_rl.plugins.registry import RegistryEntry
+from core_rl.plugins import RegistryEntry
 from core_rl.protocol import TensorBatch
-from core_rl.roles.build import build_engine
+from core_rl.roles import build_engine
 
 
 def surrogate_loss(batch: TensorBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:

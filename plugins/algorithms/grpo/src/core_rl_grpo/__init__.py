@@ -8,7 +8,7 @@ does) imports no torch.
 
 from __future__ import annotations
 
-from core_rl.plugins.lazy_exports import lazy_exports
+from core_rl.plugins import lazy_exports
 
 __version__ = "0.1.0"
 

@@ -9,8 +9,8 @@ from core_rl.config.validators import each, in_range, non_negative, not_empty, p
 
 if TYPE_CHECKING:
     from core_rl.config.data_config import DataConfig
-    from core_rl.data.prompts import PromptItem
-    from core_rl.loops.supervised.sequences import TrainSequence
+    from core_rl.data import PromptItem
+    from core_rl.loops.supervised import TrainSequence
 
 
 @attrs.define
@@ -45,6 +45,6 @@ class RMConfig:
     def row_sequences(self, item: PromptItem, tokenizer: Any, data: DataConfig) -> list[TrainSequence]:
         """The prompt with the chosen response, then with the rejected one, each followed by the
         score slot (one token; no EOS: the score is read at the response's own last token)."""
-        from core_rl.loops.supervised.sequences import pair_sequences
+        from core_rl.loops.supervised import pair_sequences
 
         return pair_sequences(item, tokenizer, (self.chosen_key, self.rejected_key), eos=False, suffix=1)

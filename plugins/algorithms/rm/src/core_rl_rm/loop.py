@@ -24,16 +24,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from core_rl.data.prompts import PromptItem
+from core_rl.data import PromptItem
 from core_rl.errors import ConfigError
 from core_rl.interfaces import LossOutput
-from core_rl.launch.ranks import waiting_for
-from core_rl.loops.supervised.loop import global_sum, prompt_response_batch
-from core_rl.loops.supervised.pairwise import PairwiseLoop, number_in_row
+from core_rl.launch import waiting_for
+from core_rl.loops.supervised import PairwiseLoop, global_sum, number_in_row, prompt_response_batch
 from core_rl.ops import bradley_terry_loss
-from core_rl.plugins.kinds import TRAIN_ENGINE
+from core_rl.plugins import TRAIN_ENGINE
 from core_rl.protocol import TensorBatch
-from core_rl.roles.build import engine_heads, missing_head_problem
+from core_rl.roles import engine_heads, missing_head_problem
 
 from core_rl_rm.config import RMConfig
 

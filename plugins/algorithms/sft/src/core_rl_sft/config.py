@@ -10,8 +10,8 @@ from core_rl.config.validators import not_empty
 
 if TYPE_CHECKING:
     from core_rl.config.data_config import DataConfig
-    from core_rl.data.prompts import PromptItem
-    from core_rl.loops.supervised.sequences import TrainSequence
+    from core_rl.data import PromptItem
+    from core_rl.loops.supervised import TrainSequence
 
 
 @attrs.define
@@ -58,8 +58,8 @@ class SFTConfig:
         rendered conversation split before the first assistant token, ``trained`` on the assistant
         turns (:func:`core_rl.rollout.chat_template.render_conversation`)."""
         from core_rl.errors import DataError
-        from core_rl.loops.supervised.sequences import TrainSequence, response_tokens
-        from core_rl.rollout.chat_template import prompt_messages, render_conversation
+        from core_rl.loops.supervised import TrainSequence, response_tokens
+        from core_rl.rollout import prompt_messages, render_conversation
 
         if not self.conversations:
             return [TrainSequence(item.prompt_ids, response_tokens(item, self.response_key, tokenizer))]

@@ -10,11 +10,10 @@ padded, ``actor.micro_batch``) or ranks.
 from __future__ import annotations
 
 import torch
-from core_rl.data.prompts import PromptItem
+from core_rl.data import PromptItem
 from core_rl.errors import DataError
 from core_rl.interfaces import LossOutput
-from core_rl.loops.supervised.loop import SupervisedLoop, sequence_batch
-from core_rl.loops.supervised.sequences import TrainSequence
+from core_rl.loops.supervised import SupervisedLoop, TrainSequence, sequence_batch
 from core_rl.protocol import TensorBatch
 
 from core_rl_sft.config import SFTConfig

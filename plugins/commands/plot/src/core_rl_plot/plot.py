@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
-from core_rl.builtin.loggers import read_metrics
+from core_rl.builtin import read_metrics
 from core_rl.errors import CoreRLError
 
 METRICS_FILE = "metrics.jsonl"

@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 from core_rl.config.validators import FieldValueError
-from core_rl.data.sources import DataSource
+from core_rl.data import DataSource
 from core_rl.errors import ConfigError, did_you_mean
 
 #: reasoning-gym's own mixture of tasks, which a task list here replaces

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
-from core_rl.rollout.stop_strings import stop_change, stop_cut
+from core_rl.rollout import stop_change, stop_cut
 
 from core_rl_hf.decode_state import DecodeState
 

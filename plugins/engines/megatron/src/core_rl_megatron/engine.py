@@ -41,11 +41,10 @@ import attrs
 import torch
 import torch.distributed as dist
 from core_rl.config.schema import ActorConfig
-from core_rl.data.balance import row_lengths
+from core_rl.data import row_lengths
 from core_rl.interfaces import LossFn, TrainEngine
 from core_rl.launch import distributed as dist_utils
-from core_rl.loops.step_metrics import StepMetrics
-from core_rl.loops.token_budget import tokens_per_mb
+from core_rl.loops import StepMetrics, tokens_per_mb
 from core_rl.protocol import TensorBatch
 from core_rl.roles.hf import torch_dtype
 from core_rl_train_kit.logprobs import align_to_tokens

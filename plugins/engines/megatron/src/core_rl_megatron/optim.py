@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from core_rl.config.schema import OptimizerConfig
-from core_rl.loops.token_budget import optimizer_states
+from core_rl.loops import optimizer_states
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate

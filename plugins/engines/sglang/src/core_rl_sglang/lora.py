@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from core_rl.sync.lora import NAME_PREFIX, adapter_name
+from core_rl.sync import NAME_PREFIX, adapter_name
 from core_rl_server_kit.remote import ServerReplyError
 
 from core_rl_sglang.wire import checked_post

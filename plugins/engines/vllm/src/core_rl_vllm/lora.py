@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from core_rl.sync.lora import NAME_PREFIX, adapter_name
+from core_rl.sync import NAME_PREFIX, adapter_name
 
 #: the values vLLM accepts for ``--max-lora-rank`` (``vllm.config.lora.MaxLoRARanks`` of the pinned vLLM)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 from core_rl.config.schema import PluginSpec, plugin_section
 from core_rl.config.validators import positive
-from core_rl.plugins.kinds import REWARD, TOOL_PARSER
+from core_rl.plugins import REWARD, TOOL_PARSER
 
 
 @attrs.define

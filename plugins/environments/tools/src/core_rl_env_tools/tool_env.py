@@ -10,8 +10,7 @@ from typing import Any
 
 from core_rl.interfaces import Reward
 from core_rl.protocol import RewardInput
-from core_rl.rollout.environments import Action, Environment, StepResult
-from core_rl.rollout.tool_parsers import ToolCall, ToolParser
+from core_rl.rollout import Action, Environment, StepResult, ToolCall, ToolParser
 
 #: a tool: its call's arguments -> its result text (raises ValueError on a bad call)
 Tool = Callable[[Mapping[str, Any]], Awaitable[str]]

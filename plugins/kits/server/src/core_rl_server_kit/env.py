@@ -327,9 +327,7 @@ def add_command(sub: object) -> argparse.ArgumentParser:
 
 def get_spec(name: str, host: object | None = None) -> ServerEnvSpec:
     """The registered :class:`ServerEnvSpec` ``name`` (loading only the plugin that declares it)."""
-    from core_rl.plugins.components import build_component
-    from core_rl.plugins.host import PluginHost
-    from core_rl.plugins.kinds import SERVER_ENV
+    from core_rl.plugins import SERVER_ENV, PluginHost, build_component
 
     host = host or PluginHost()
     return build_component(host.get(SERVER_ENV, name))  # type: ignore[attr-defined]
@@ -359,8 +357,7 @@ def run_command(args: object) -> int:
         print(env_python(found))
         return 0
     if action == "list":
-        from core_rl.plugins.host import PluginHost
-        from core_rl.plugins.kinds import SERVER_ENV
+        from core_rl.plugins import SERVER_ENV, PluginHost
 
         host = PluginHost()
         host.load_all()

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from core_rl.data.balance import karmarkar_karp
+from core_rl.data import karmarkar_karp
 
 from core_rl_train_kit.microbatch import micro_batch_cost, pack_micro_batches
 

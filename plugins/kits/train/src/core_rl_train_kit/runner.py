@@ -24,12 +24,11 @@ from typing import Any
 
 import torch
 from core_rl.config.schema import ActorConfig, MicroBatchConfig
-from core_rl.data.balance import row_lengths
+from core_rl.data import row_lengths
 from core_rl.errors import ConfigError
 from core_rl.interfaces import HEADS, VALUE_HEADS, LossFn, LossOutput, ValueLossFn
 from core_rl.launch import distributed as dist_utils
-from core_rl.loops.step_metrics import StepMetrics
-from core_rl.loops.token_budget import tokens_per_mb
+from core_rl.loops import StepMetrics, tokens_per_mb
 from core_rl.protocol import TensorBatch
 from torch import nn
 

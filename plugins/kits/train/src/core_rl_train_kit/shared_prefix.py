@@ -66,8 +66,8 @@ from collections.abc import Sequence
 
 import attrs
 import torch
-from core_rl.data.balance import row_lengths
-from core_rl.loops.token_budget import ModelShape
+from core_rl.data import row_lengths
+from core_rl.loops import ModelShape
 from torch import nn
 
 from core_rl_train_kit.microbatch import micro_batch_width

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from core_rl.config.sequence_parallel import ATTENTION
 from core_rl.errors import ConfigError
-from core_rl.launch.ranks import collective_timeout
+from core_rl.launch import collective_timeout
 
 #: the model call's keyword argument that carries ``(SequenceGroup, WholeSequence)`` to attention
 KWARG = "core_rl_sequence"

@@ -160,10 +160,8 @@ class RolloutServer:
         """Start server ``index`` (logs under ``log_dir``) and wait until it answers its health
         check (``rollout.engine.server.startup_timeout``); its base URL."""
         from core_rl.config import load_config
-        from core_rl.plugins.components import build_component
-        from core_rl.plugins.host import PluginHost
-        from core_rl.plugins.kinds import ROLLOUT_ENGINE
-        from core_rl.roles.remote_code import rollout_factory_kwargs
+        from core_rl.plugins import ROLLOUT_ENGINE, PluginHost, build_component
+        from core_rl.roles import rollout_factory_kwargs
 
         if self._engine is not None:
             return self.url()

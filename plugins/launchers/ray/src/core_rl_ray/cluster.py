@@ -7,8 +7,7 @@ import os
 from collections.abc import Iterator
 
 from core_rl.errors import CoreRLError
-from core_rl.launch.placement import ClusterResources
-from core_rl.launch.ranks import is_loopback
+from core_rl.launch import ClusterResources, is_loopback
 
 #: actors live in this namespace, named ``<experiment.name>/rank-<i>`` and ``.../server-<j>``
 NAMESPACE = "core-rl"

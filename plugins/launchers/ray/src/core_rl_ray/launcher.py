@@ -35,8 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 from core_rl.errors import CoreRLError
-from core_rl.launch.launchers import Launcher, LaunchRequest
-from core_rl.launch.placement import ClusterResources, placement_mode, placement_problems, server_options
+from core_rl.launch import ClusterResources, Launcher, LaunchRequest, placement_mode, placement_problems, server_options
 
 from core_rl_ray.config import RayLauncherConfig
 
@@ -103,7 +102,7 @@ class RayLauncher(Launcher):
             from core_rl_ray.cluster import offered_by
 
             return offered_by(address)
-        from core_rl.builtin.launchers import this_machine
+        from core_rl.builtin import this_machine
 
         resources = this_machine()
         if self.config.local_cpus:
@@ -113,7 +112,7 @@ class RayLauncher(Launcher):
     # -- launch ---------------------------------------------------------------------------------
 
     def launch(self, request: LaunchRequest) -> int:
-        from core_rl.checkpoint.resume import effective_recover_mode
+        from core_rl.checkpoint import effective_recover_mode
 
         from core_rl_ray.cluster import connect
 

@@ -8,7 +8,7 @@ import json
 import sys
 
 from core_rl.cli import run_rank
-from core_rl.launch.rendezvous import Rendezvous
+from core_rl.launch import Rendezvous
 
 
 def main(argv: list[str]) -> int:

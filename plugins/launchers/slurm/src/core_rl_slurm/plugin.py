@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING
 
 from core_rl.config.validators import MAX_COUNT
 from core_rl.hookspecs import Register, hookimpl
-from core_rl.launch.launchers import Launcher, LaunchRequest
-from core_rl.launch.placement import ClusterResources, placement_problems
+from core_rl.launch import ClusterResources, Launcher, LaunchRequest, placement_problems
 
 from core_rl_slurm.config import SlurmLauncherConfig
 

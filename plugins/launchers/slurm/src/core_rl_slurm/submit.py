@@ -34,8 +34,8 @@ def slurm_section(cfg: RunConfig) -> SlurmLauncherConfig:
 def load(config_path: str, overrides: Sequence[str]) -> RunConfig:
     """The validated configuration, its placement checked against the allocation it asks for."""
     from core_rl.config import load_config
-    from core_rl.launch.launchers import launcher_check
-    from core_rl.plugins.host import PluginHost
+    from core_rl.launch import launcher_check
+    from core_rl.plugins import PluginHost
 
     cfg = load_config(config_path, overrides, host=PluginHost())
     slurm_section(cfg)

@@ -27,10 +27,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from core_rl.checkpoint.atomic import write_text_atomic
+from core_rl.checkpoint import write_text_atomic
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import Logger, RunInfo, SampleRecord, sample_table
-from core_rl.loops.errors import TrainingInterrupted
+from core_rl.loops import TrainingInterrupted
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient

@@ -40,7 +40,7 @@ class RewardModelConfig:
     def check_environment(self, context: Any) -> list[str]:
         """Before the run: a model or tokenizer directory that ships its own code needs
         ``trust_remote_code`` (:func:`core_rl.roles.remote_code.untrusted_code_problem`)."""
-        from core_rl.roles.remote_code import untrusted_code_problem
+        from core_rl.roles import untrusted_code_problem
 
         problems = []
         for name in ("model_path", "tokenizer_path"):

@@ -7,8 +7,7 @@ from typing import Any
 import attrs
 from core_rl.config.schema import PluginSpec, plugin_section
 from core_rl.config.validators import FieldValueError, in_range, one_of, positive
-from core_rl.plugins.callables import CALLABLE
-from core_rl.plugins.kinds import TOOL_PARSER
+from core_rl.plugins import CALLABLE, TOOL_PARSER
 
 
 def _program(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:

@@ -10,7 +10,7 @@ from core_rl.hookspecs import Register, hookimpl
 from core_rl_openai_proxy.config import OpenAIAgentConfig
 
 if TYPE_CHECKING:
-    from core_rl.rollout.workflows import RolloutWorkflow
+    from core_rl.rollout import RolloutWorkflow
 
 
 def make_openai_agent(config: OpenAIAgentConfig) -> RolloutWorkflow:

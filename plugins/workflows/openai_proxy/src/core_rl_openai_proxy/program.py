@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 from core_rl.errors import ConfigError, CoreRLError
-from core_rl.plugins.callables import LoadFailed, is_async, load_callable
+from core_rl.plugins import LoadFailed, is_async, load_callable
 
 #: how much of a script's stdout and stderr an episode keeps (and a failure quotes)
 OUTPUT_TAIL = 2000

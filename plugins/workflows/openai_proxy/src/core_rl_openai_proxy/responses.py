@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from core_rl.protocol import Sample
-from core_rl.rollout.stop_strings import stop_cut
+from core_rl.rollout import stop_cut
 
 from core_rl_openai_proxy.errors import RequestError
 from core_rl_openai_proxy.tools import Reply

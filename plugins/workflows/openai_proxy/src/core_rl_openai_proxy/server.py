@@ -27,8 +27,7 @@ from typing import Any
 
 import uvicorn
 from core_rl.errors import CoreRLError
-from core_rl.rollout.chat_template_override import template_text
-from core_rl.rollout.stop_strings import text_before_stop
+from core_rl.rollout import template_text, text_before_stop
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request

@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 from core_rl.interfaces import SamplingParams
 from core_rl.protocol import Sample
-from core_rl.rollout.workflows import append_observation, extend_turn
+from core_rl.rollout import append_observation, extend_turn
 
 from core_rl_openai_proxy.chat import ChatTemplate, Mismatch
 from core_rl_openai_proxy.errors import RequestError

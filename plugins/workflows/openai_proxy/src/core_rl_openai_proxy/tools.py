@@ -22,7 +22,7 @@ from typing import Any
 
 import attrs
 from core_rl.config.schema import PluginSpec
-from core_rl.rollout.tool_parsers import ToolParser
+from core_rl.rollout import ToolParser
 
 from core_rl_openai_proxy.errors import RequestError
 from core_rl_openai_proxy.reasoning import split_reasoning
@@ -37,8 +37,7 @@ def build_tool_parser(spec: PluginSpec | None) -> ToolParser | None:
         return None
     if spec.entry is None:
         from core_rl.config.sections import validate_plugin_section
-        from core_rl.plugins.host import PluginHost
-        from core_rl.plugins.kinds import TOOL_PARSER
+        from core_rl.plugins import TOOL_PARSER, PluginHost
 
         validate_plugin_section(PluginHost(), TOOL_PARSER, spec, "rollout.workflow.tool_parser")
     return spec.build()

@@ -33,7 +33,7 @@ import attrs
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SamplingParams
 from core_rl.protocol import Sample
-from core_rl.rollout.workflows import DROPPED_ERRORS, ERROR, ERROR_LIMIT, FAILED, RolloutWorkflow, WorkflowContext
+from core_rl.rollout import DROPPED_ERRORS, ERROR, ERROR_LIMIT, FAILED, RolloutWorkflow, WorkflowContext
 
 from core_rl_openai_proxy.agent_env import agent_python
 from core_rl_openai_proxy.config import OpenAIAgentConfig

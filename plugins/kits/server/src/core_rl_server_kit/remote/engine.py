@@ -29,7 +29,7 @@ from typing import Any, ClassVar, TypeVar
 
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import PAUSE_MODES, RolloutEngine, SamplingParams
-from core_rl.launch.gpus import gpus_per_server, servers_gpus, visible_devices
+from core_rl.launch import gpus_per_server, servers_gpus, visible_devices
 
 from core_rl_server_kit.processes import ManagedServer, ServerError, free_port, probe
 from core_rl_server_kit.remote.generation import Generation

@@ -16,7 +16,7 @@ import attrs
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SamplingParams
 from core_rl.protocol import Sample
-from core_rl.reliability.progress import PROGRESS
+from core_rl.reliability import PROGRESS
 
 from core_rl_server_kit.processes import ServerError
 from core_rl_server_kit.remote.options import ServerOptions

@@ -20,7 +20,7 @@ from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from core_rl.reliability.progress import PROGRESS
+from core_rl.reliability import PROGRESS
 
 from core_rl_server_kit.processes import ServerError, free_port
 from core_rl_server_kit.remote.options import ServerOptions

@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SamplingParams
-from core_rl.reliability.progress import PROGRESS
+from core_rl.reliability import PROGRESS
 
 
 @attrs.define
