@@ -6,6 +6,7 @@ the layout before the concept folders still import, with a DeprecationWarning na
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,3 +78,12 @@ def test_an_old_module_path_imports_with_a_deprecation_warning_naming_the_new_on
         "core_rl.trainer moved to core_rl.loops; the old path goes in the next release",
         "True True",
     ]
+
+
+def test_the_architecture_page_lists_every_folder_of_the_core() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    listed = set(re.findall(r"^  ([a-z_]+)/ ", page, re.M)) | {
+        m.split("/")[0] for m in re.findall(r"^  ([a-z_]+/[a-z_]+)/ ", page, re.M)
+    }
+    folders = {p.name for p in (ROOT / "core" / "core_rl").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert listed == folders
