@@ -41,7 +41,7 @@ from core_rl.errors import CoreRLError, warn
 from core_rl.interfaces import Logger, RunInfo, TrainEngine, TrainingLoop
 from core_rl.launch.ranks import agree_after, waiting_for
 from core_rl.loops.auto_budget import resolve_auto_budgets
-from core_rl.loops.building import seed_process
+from core_rl.loops.building import quiet_library_progress_bars, seed_process
 from core_rl.loops.errors import DiskFullError
 from core_rl.loops.memory import MemoryMeter
 from core_rl.loops.numerics import NonFiniteGuard
@@ -206,6 +206,20 @@ class RunScaffold(TrainingLoop):
     def save_checkpoint(self, step: int, metrics: Mapping[str, Any] | None = None) -> Path:
         """Save the state after step ``step`` (:meth:`CheckpointStage.save`)."""
         return self.checkpoints.save(step, metrics)
+
+    def _load_tokenizer(self) -> None:
+        """The actor's tokenizer (``actor.tokenizer_path``, else its model's) as :attr:`tokenizer`, and
+        :attr:`pad_token_id`: its pad token, else its EOS token."""
+        quiet_library_progress_bars()
+        from transformers import AutoTokenizer
+
+        cfg = self.cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            cfg.actor.tokenizer_path or cfg.actor.model_path, trust_remote_code=cfg.actor.trust_remote_code
+        )
+        self.pad_token_id = self.tokenizer.pad_token_id
+        if self.pad_token_id is None:
+            self.pad_token_id = self.tokenizer.eos_token_id
 
     def _use_reference(self, ref: TrainEngine | None) -> None:
         """The reference engine a reset built (:mod:`core_rl.loops.rl.reference_reset`)."""

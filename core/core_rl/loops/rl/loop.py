@@ -62,7 +62,7 @@ from core_rl.launch.ranks import (
     set_collective_timeout,
     waiting_for,
 )
-from core_rl.loops.building import build, build_loggers, quiet_library_progress_bars
+from core_rl.loops.building import build, build_loggers
 from core_rl.loops.rl.batching import BatchAssembler
 from core_rl.loops.rl.critic import CRITIC_DIR, CriticStage
 from core_rl.loops.rl.distill import DistillationLoss, topk_of
@@ -213,15 +213,7 @@ class SyncTrainer(RunScaffold):
         if cfg.algorithm.reference_reset_every_n_steps:
             self.reference_reset = ReferenceReset.of_run(cfg, host, self.ref, self.is_main, self.engine)
 
-        quiet_library_progress_bars()
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            cfg.actor.tokenizer_path or cfg.actor.model_path, trust_remote_code=cfg.actor.trust_remote_code
-        )
-        self.pad_token_id = self.tokenizer.pad_token_id
-        if self.pad_token_id is None:
-            self.pad_token_id = self.tokenizer.eos_token_id
+        self._load_tokenizer()
         self.update.pad_token_id = self.pad_token_id
         if self.update.teacher_top_k is not None:  # the tokens the shared tokenizer has, and the actor's embedding
             sizes = (len(self.tokenizer), model_vocab_size(cfg.actor.model_path))

@@ -30,7 +30,7 @@ from core_rl.config.schema import RunConfig
 from core_rl.data.prompts import DataRow, PromptItem, PromptSource
 from core_rl.interfaces import LossFn, ValueLossFn
 from core_rl.launch.ranks import agree_after, rank_and_world, set_collective_timeout, waiting_for
-from core_rl.loops.building import build_loggers, quiet_library_progress_bars
+from core_rl.loops.building import build_loggers
 from core_rl.loops.scaffold import RunScaffold
 from core_rl.loops.signals import StopSignals
 from core_rl.loops.supervised.batches import prompt_response_batch as prompt_response_batch  # loops import them here
@@ -87,15 +87,7 @@ class SupervisedLoop(RunScaffold):
         self.build_models(engine_entry)
         set_collective_timeout(cfg.trainer.collective_timeout_s)
         self.rank, self.world_size = rank_and_world()
-        quiet_library_progress_bars()
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            cfg.actor.tokenizer_path or cfg.actor.model_path, trust_remote_code=cfg.actor.trust_remote_code
-        )
-        self.pad_token_id = self.tokenizer.pad_token_id
-        if self.pad_token_id is None:
-            self.pad_token_id = self.tokenizer.eos_token_id
+        self._load_tokenizer()
         self.data = PromptSource(
             cfg.data,
             self.tokenizer,
