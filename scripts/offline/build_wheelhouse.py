@@ -306,7 +306,7 @@ def find_uv() -> str:
 
 def pip_index_flags() -> list[str]:
     """pip's configured indexes and find-links as uv flags (uv does not read pip's configuration)."""
-    script = ROOT / "core" / "core_rl" / "pip_as_uv.py"
+    script = ROOT / "plugins" / "kits" / "server" / "src" / "core_rl_server_kit" / "pip_as_uv.py"
     proc = subprocess.run([sys.executable, str(script), sys.executable], capture_output=True, text=True, check=False)
     return proc.stdout.split() if proc.returncode == 0 else []
 
