@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+from core_rl.config.checks import EnvironmentContext
 from core_rl.config.schema import PluginSpec, plugin_section
 from core_rl.config.validators import FieldValueError, in_range, one_of, positive
 from core_rl.plugins import CALLABLE, TOOL_PARSER
@@ -102,6 +103,13 @@ class OpenAIAgentConfig:
     max_error_fraction: float = attrs.field(default=0.5, validator=in_range(0, 1))
     python: str = attrs.field(default="", validator=_python)
     requirements: list[str] = attrs.field(factory=list, validator=_requirements)
+
+    def check_environment(self, context: EnvironmentContext) -> list[str]:
+        """The chat template has one, renders ``tools``, and ``tool_parser`` reads its tool calls
+        (:mod:`core_rl_openai_proxy.template_check`)."""
+        from core_rl_openai_proxy.template_check import template_problems
+
+        return template_problems(self, context)
 
     def __attrs_post_init__(self) -> None:
         script = self.program.endswith(".py")
