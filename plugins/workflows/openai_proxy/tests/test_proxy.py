@@ -57,6 +57,8 @@ def test_tokens_are_the_sampled_and_inserted_ids(three_turn_wave, tokenizer) -> 
         for sample in group:
             info = sample.info
             assert info["calls"] == 3 and info["trajectories"] == 1 and info["history_mismatches"] == 0
+            # what the agent sent first, for rollout.dump (whose prompt_text is the data row's)
+            assert info["request"] == {"messages": [{"role": "user", "content": prompt.row["prompt"]}], "tools": []}
             assert sample.reward == prompt.row["reward"]
             sessions.add(info["session"])
             calls = [c["choices"][0] for c in log[info["session"]]]
@@ -241,6 +243,7 @@ def test_completions_continue_a_trajectory_by_text(run_wave, tokenizer, monkeypa
     assert sample.response_ids[head : head + len(ok)] == ok and sample.token_mask[head : head + len(ok)] == [0, 0]
     assert second["choices"][0]["prompt_token_ids"] == sample.prompt_ids + sample.response_ids[: head + len(ok)]
     assert sample.info["trajectories"] == 1 and json.dumps(sample.info)
+    assert sample.info["request"] == {"prompt": "12+3="}
 
 
 def test_a_script_agent_posts_its_reward(run_wave, tokenizer) -> None:

@@ -283,7 +283,7 @@ class ProxyServer:
             sampled = self.tokenizer.decode(responses.content_ids(turn, by_string=by_string), skip_special_tokens=True)
             text, matched = self._reply_text(sampled, stops, turn, session) if by_string else (sampled, None)
             before = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=True)
-            session.record(plan, turn, LastCall("completion", text=before + sampled))
+            session.record(plan, turn, LastCall("completion", text=before + sampled, reply=sampled))
         ids = bool(body.get("return_token_ids"))
         return responses.completion_body(
             self.config.model, plan.prompt_ids, turn, text, self.tokenizer, logprobs, ids, stop_reason=matched

@@ -42,6 +42,16 @@ class LastCall:
     message: dict[str, Any] = attrs.field(factory=dict)
 
 
+def request_record(last: LastCall) -> dict[str, Any]:
+    """What the agent sent in a call, as a trajectory's ``info["request"]`` keeps it (and
+    ``rollout.dump`` records it, where the dump's ``prompt_text`` is the data row's): a chat call's
+    ``messages`` and the names of its ``tools``; a completion call's ``prompt``."""
+    if last.kind == "chat":
+        tools = [t.get("function", {}).get("name") for t in last.tools or [] if isinstance(t, dict)]
+        return {"messages": last.messages, "tools": tools}
+    return {"prompt": last.text[: len(last.text) - len(last.reply)]}
+
+
 @attrs.define
 class Plan:
     """The prompt of a call and how it joins the session: ``inserted`` tokens after the current
@@ -67,6 +77,8 @@ class Session:
     reward: float | None = None
     calls: int = 0
     mismatches: list[str] = attrs.field(factory=list)
+    #: what the agent sent in the call that started each trajectory (:func:`request_record`)
+    requests: list[dict[str, Any]] = attrs.field(factory=list)
     closed: bool = False
     error: BaseException | None = None
     inflight: asyncio.Future | None = None
@@ -136,6 +148,7 @@ class Session:
                 raise self.ended()
             if plan.inserted is None:
                 self.trajectories.append(attrs.evolve(turn, token_mask=[1] * len(turn.response_ids)))
+                self.requests.append(request_record(last))
             else:
                 joined = append_observation(self.trajectories[-1], plan.inserted)
                 self.trajectories[-1] = extend_turn(joined, turn)
@@ -167,6 +180,7 @@ class Session:
                     "trajectory": i,
                     "trajectories": count,
                     "history_mismatches": len(self.mismatches),
+                    "request": self.requests[i] if i < len(self.requests) else None,
                 },
             )
             for i, sample in enumerate(self.trajectories)
