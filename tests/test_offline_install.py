@@ -65,13 +65,15 @@ def test_the_wheelhouse_installs_without_an_index_and_leaves_torch_alone(tmp_pat
     assert built.returncode == 0, built.stderr[-3000:]
     manifest = (tmp_path / "wheelhouse" / "manifest.txt").read_text().splitlines()
     files = sorted(line.split()[0] for line in manifest)
-    # everything else is here already: only core-rl and the plugins the extras name (gspo etc. left out)
+    # everything else is here already: only core-rl, the plugins the extras name (gspo etc. left out)
+    # and the kit the engines build on
     assert files == [
         "core_rl-0.1.0-py3-none-any.whl",
         "core_rl_fsdp-0.1.0-py3-none-any.whl",
         "core_rl_grpo-0.1.0-py3-none-any.whl",
         "core_rl_hf-0.1.0-py3-none-any.whl",
         "core_rl_reward_match-0.1.0-py3-none-any.whl",
+        "core_rl_train_kit-0.1.0-py3-none-any.whl",
     ]
     venv = tmp_path / "venv"
     env = {**os.environ, "PYTHON": sys.executable, "VENV": str(venv), "PIP_CONFIG_FILE": os.devnull}
