@@ -1,6 +1,6 @@
 """Training loops as a plugin kind: ``trainer.loop`` selects a ``core_rl.loops`` entry (default the
 built-in ``rl``); a loop that says ``rl_sections = False`` needs no reward, advantage or policy loss;
-``core-rl train``'s path (:func:`core_rl.checkpoint.recover.run_with_restarts`) builds whatever loop is
+``core-rl train``'s path (:func:`core_rl.loops.run.run_with_restarts`) builds whatever loop is
 selected through its registered factory, with the run's signals and data rows."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import attrs
 import pytest
 import yaml
 from core_rl.builtin.loops import make_rl_loop
-from core_rl.checkpoint.recover import run_with_restarts
 from core_rl.config.loader import load_config
 from core_rl.errors import ConfigError
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import TrainingLoop
+from core_rl.loops.run import run_with_restarts
 from core_rl.loops.signals import StopSignals
 from core_rl.plugins.kinds import LOOP
 

@@ -156,7 +156,7 @@ def test_roles_on_one_device_report_its_peak_and_counters_reset_each_step(monkey
 
 def test_the_run_summary_ends_with_the_peak_memory():
     from core_rl.config.schema import RunConfig
-    from core_rl.loops.summary import summary_lines
+    from core_rl.loops.run import summary_lines
 
     result = {"metrics": "m.jsonl", "checkpoint": "c", "export": None, "peak_memory": "peak memory: host 1.00 GiB"}
     assert summary_lines(RunConfig(), result) == ["metrics:    m.jsonl", "checkpoint: c", "peak memory: host 1.00 GiB"]

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from core_rl.checkpoint.recover import is_retriable
 from core_rl.config.loader import structure
 from core_rl.errors import CoreRLError
+from core_rl.loops.run import is_retriable
 from core_rl.roles.tiny import build_tiny_model
 from core_rl_server_kit.processes import ServerError, pid_alive
 from core_rl_server_kit.supervise import session_members

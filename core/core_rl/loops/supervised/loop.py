@@ -9,7 +9,7 @@ steps on the actor's train engine. Everything else is the run scaffold's, shared
 the newest valid checkpoint with ``recover.mode``, SIGINT/SIGTERM ending the run after the step with
 a checkpoint, disk-full handling, non-finite steps (:class:`~core_rl.loops.numerics.NonFiniteGuard`),
 a reference reset where a loop builds a reference (``algorithm.reference_reset_every_n_steps``), and
-the final Hugging Face export; in-process restarts are :mod:`core_rl.checkpoint.recover`'s.
+the final Hugging Face export; in-process restarts are :mod:`core_rl.loops.run`'s.
 
 Under ``torchrun`` every rank reads the same rows in the same order (the same seed), so no batch is
 broadcast; each rank trains on the rows :meth:`SupervisedLoop.shard_rows` gives it.
