@@ -144,3 +144,37 @@ async def asks_for_repeats(base_url: str, api_key: str, row: dict) -> float:
     )
     LOG.setdefault(api_key, []).append(response.model_dump())
     return 1.0
+
+
+#: the scripted tiny tool-calling model's turn (test_proxy_openai_agents, test_proxy_pydantic_ai):
+#: a line of text, then a hermes call of add(3, 4)
+SCRIPTED_TOOL_CALL = ["let me add.", "<tool_call>", '{"name":"add","arguments":{"a":3,"b":4}}', "</tool_call>"]
+
+
+def pip_freeze() -> str:
+    """core-rl's environment as ``pip list --format=freeze`` prints it."""
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True, check=True
+    ).stdout
+
+
+def framework_python(requirements: list[str], module: str, distribution: str, version: str) -> str:
+    """The interpreter of an agent framework's own environment, built from ``requirements`` as
+    ``rollout.workflow.requirements`` builds it (once, then reused): it imports ``module`` with
+    ``distribution`` at ``version``, while core-rl's environment is unchanged and cannot import it."""
+    import subprocess
+    import sys
+
+    from core_rl_openai_proxy.agent_env import agent_python
+
+    before = pip_freeze()
+    python = agent_python("", requirements)
+    assert python != sys.executable
+    probe = f"import {module}, importlib.metadata as m; print(m.version({distribution!r}))"
+    assert subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True).stdout.startswith(version)
+    assert pip_freeze() == before
+    assert subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True).returncode != 0
+    return python

@@ -21,12 +21,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from proxy_agents import TOOL_TEMPLATE
+from proxy_agents import SCRIPTED_TOOL_CALL, TOOL_TEMPLATE, framework_python
 
 HERE = Path(__file__).resolve().parent
 AGENT = str(HERE / "sdk_calculator_agent.py")
 SDK = ["openai-agents==0.24.*"]
-GOOD = ["let me add.", "<tool_call>", '{"name":"add","arguments":{"a":3,"b":4}}', "</tool_call>"]
+GOOD = SCRIPTED_TOOL_CALL
 OPTIONS = {
     "program": AGENT,
     "requirements": SDK,
@@ -35,12 +35,6 @@ OPTIONS = {
     "chat_template": TOOL_TEMPLATE,
     "timeout_s": 120,
 }
-
-
-def _pip_list() -> str:
-    return subprocess.run(
-        [sys.executable, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True, check=True
-    ).stdout
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +47,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sdk_python() -> str:
     """The SDK's environment (built once, then reused), and core-rl's unchanged by it."""
-    from core_rl_openai_proxy.agent_env import agent_python
-
-    before = _pip_list()
-    python = agent_python("", SDK)
-    assert python != sys.executable
-    probe = "import agents, importlib.metadata as m; print(m.version('openai-agents'))"
-    assert subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True).stdout.startswith("0.24")
-    assert _pip_list() == before
-    assert subprocess.run([sys.executable, "-c", "import agents"], capture_output=True).returncode != 0
-    return python
+    return framework_python(SDK, "agents", "openai-agents", "0.24")
 
 
 @pytest.mark.parametrize("model_kind", ["responses", "chat"])

@@ -17,17 +17,15 @@ of ``add(3, 4)``).
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from proxy_agents import TOOL_TEMPLATE
+from proxy_agents import SCRIPTED_TOOL_CALL, TOOL_TEMPLATE, framework_python
 
 HERE = Path(__file__).resolve().parent
 AGENT = str(HERE / "pydantic_calculator_agent.py")
 PYDANTIC_AI = ["pydantic-ai-slim[openai]==2.68.*"]
-GOOD = ["let me add.", "<tool_call>", '{"name":"add","arguments":{"a":3,"b":4}}', "</tool_call>"]
+GOOD = SCRIPTED_TOOL_CALL
 OPTIONS = {
     "program": AGENT,
     "requirements": PYDANTIC_AI,
@@ -36,12 +34,6 @@ OPTIONS = {
     "chat_template": TOOL_TEMPLATE,
     "timeout_s": 120,
 }
-
-
-def _pip_list() -> str:
-    return subprocess.run(
-        [sys.executable, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True, check=True
-    ).stdout
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +46,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def agent_python() -> str:
     """pydantic-ai's environment (built once, then reused), and core-rl's unchanged by it."""
-    from core_rl_openai_proxy.agent_env import agent_python
-
-    before = _pip_list()
-    python = agent_python("", PYDANTIC_AI)
-    assert python != sys.executable
-    probe = "import pydantic_ai, importlib.metadata as m; print(m.version('pydantic-ai-slim'))"
-    assert subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True).stdout.startswith("2.68")
-    assert _pip_list() == before
-    assert subprocess.run([sys.executable, "-c", "import pydantic_ai"], capture_output=True).returncode != 0
-    return python
+    return framework_python(PYDANTIC_AI, "pydantic_ai", "pydantic-ai-slim", "2.68")
 
 
 @pytest.mark.parametrize("model_kind", ["chat", "responses"])
