@@ -178,3 +178,23 @@ def framework_python(requirements: list[str], module: str, distribution: str, ve
     assert pip_freeze() == before
     assert subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True).returncode != 0
     return python
+
+
+def framework_options(program: str, requirements: list[str]) -> dict:
+    """The workflow options of a framework's calculator agent run as a script from its own
+    environment, in front of the scripted tool-calling model (:func:`scripted_tool_model`)."""
+    return {
+        "program": program,
+        "requirements": requirements,
+        "max_context_tokens": 400,
+        "max_new_tokens": 8,
+        "chat_template": TOOL_TEMPLATE,
+        "timeout_s": 120,
+    }
+
+
+def scripted_tool_model(directory):
+    """The tiny model whose every turn is :data:`SCRIPTED_TOOL_CALL`, written to ``directory``."""
+    from core_rl.testing.scripted_model import build_scripted_model
+
+    return build_scripted_model(directory, {":": SCRIPTED_TOOL_CALL})

@@ -21,27 +21,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from proxy_agents import SCRIPTED_TOOL_CALL, TOOL_TEMPLATE, framework_python
+from proxy_agents import SCRIPTED_TOOL_CALL, framework_options, framework_python, scripted_tool_model
 
 HERE = Path(__file__).resolve().parent
 AGENT = str(HERE / "sdk_calculator_agent.py")
 SDK = ["openai-agents==0.24.*"]
 GOOD = SCRIPTED_TOOL_CALL
-OPTIONS = {
-    "program": AGENT,
-    "requirements": SDK,
-    "max_context_tokens": 400,
-    "max_new_tokens": 8,
-    "chat_template": TOOL_TEMPLATE,
-    "timeout_s": 120,
-}
+OPTIONS = framework_options(AGENT, SDK)
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from core_rl.testing.scripted_model import build_scripted_model
-
-    return build_scripted_model(tmp_path_factory.mktemp("scripted") / "model", {":": GOOD})
+    return scripted_tool_model(tmp_path_factory.mktemp("scripted") / "model")
 
 
 @pytest.fixture(scope="module")

@@ -20,27 +20,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from proxy_agents import SCRIPTED_TOOL_CALL, TOOL_TEMPLATE, framework_python
+from proxy_agents import SCRIPTED_TOOL_CALL, framework_options, framework_python, scripted_tool_model
 
 HERE = Path(__file__).resolve().parent
 AGENT = str(HERE / "pydantic_calculator_agent.py")
 PYDANTIC_AI = ["pydantic-ai-slim[openai]==2.68.*"]
 GOOD = SCRIPTED_TOOL_CALL
-OPTIONS = {
-    "program": AGENT,
-    "requirements": PYDANTIC_AI,
-    "max_context_tokens": 400,
-    "max_new_tokens": 8,
-    "chat_template": TOOL_TEMPLATE,
-    "timeout_s": 120,
-}
+OPTIONS = framework_options(AGENT, PYDANTIC_AI)
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from core_rl.testing.scripted_model import build_scripted_model
-
-    return build_scripted_model(tmp_path_factory.mktemp("scripted") / "model", {":": GOOD})
+    return scripted_tool_model(tmp_path_factory.mktemp("scripted") / "model")
 
 
 @pytest.fixture(scope="module")
