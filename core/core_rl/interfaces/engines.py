@@ -203,6 +203,10 @@ class RolloutEngine(ABC):
     """
 
     weight_sync_modes: ClassVar[tuple[str, ...]] = ("memory", "disk")
+    #: the engine samples under a ``response_format`` constraint (guided decoding: JSON objects
+    #: and JSON schemas, :func:`core_rl.interfaces.sampling.required_json_schema`); the rollout
+    #: controller refuses such requests for an engine without it
+    guided_decoding: ClassVar[bool] = False
 
     @property
     @abstractmethod

@@ -55,7 +55,7 @@ import attrs
 from core_rl.config.schema import ControllerConfig
 from core_rl.errors import CoreRLError, PluginFault
 from core_rl.interfaces import RolloutEngine, SamplingParams
-from core_rl.interfaces.sampling import batch_key
+from core_rl.interfaces.sampling import GuidedDecodingUnsupported, batch_key
 from core_rl.plugins.attribution import built_by
 from core_rl.protocol import Sample
 from core_rl.reliability.deadlines import DeadlinePassed, deadline_message
@@ -419,6 +419,12 @@ class RolloutController:
         prompt = wave.prompts[slot]
 
         async def generate(prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
+            if sampling.response_format is not None and not getattr(self.engine, "guided_decoding", False):
+                raise GuidedDecodingUnsupported(
+                    f"{self._engine_words} has no guided decoding, so it cannot sample under a "
+                    "response_format (structured output): use a rollout.engine that has it (vllm, sglang), or leave "
+                    "response_format unset"
+                )
             if self.wave_batching:
                 samples = await self._wave_generate(wave, slot, prompt_ids, sampling)
             else:
