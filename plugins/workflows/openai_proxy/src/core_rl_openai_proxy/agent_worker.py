@@ -30,6 +30,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,13 +40,17 @@ from typing import Any
 START_TIMEOUT_S = 300.0
 #: how much of the worker's stderr a failure quotes
 STDERR_TAIL = 2000
+#: how long :meth:`AgentWorker.close` waits for the worker and its loop to stop
+CLOSE_TIMEOUT_S = 10.0
 #: the largest protocol line (a row or a returned value), bytes
 LINE_LIMIT = 64 * 2**20
 
 
 class AgentWorker:
     """The parent's side: the worker process of ``target`` under ``python``, started on the
-    first :meth:`run`, restarted after it exits."""
+    first :meth:`run`, restarted after it exits. Its pipes live on an event loop of its own, in a
+    daemon thread, so :meth:`run` may be awaited from any loop and :meth:`close` called from any
+    thread."""
 
     def __init__(self, target: str, python: str) -> None:
         self.target, self.python = target, python
@@ -55,10 +60,40 @@ class AgentWorker:
         self._stderr = ""
         self._starting: asyncio.Lock | None = None
         self._readers: list[asyncio.Task] = []
+        self._started_procs: list[asyncio.subprocess.Process] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._guard = threading.Lock()
 
     async def run(self, kwargs: Mapping[str, Any]) -> Any:
         """One episode: what the function returned; raises
-        :class:`~core_rl_openai_proxy.program.AgentFailed` when it raised or the worker died."""
+        :class:`~core_rl_openai_proxy.program.AgentFailed` when it raised or the worker died.
+        Cancelling it cancels the episode in the worker."""
+        with self._guard:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(target=self._loop.run_forever, name="agent-worker", daemon=True)
+                self._thread.start()
+            loop = self._loop
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._episode(kwargs), loop))
+
+    def close(self) -> None:
+        """Stop the worker (SIGKILL to its process group: its episodes are over) and its loop."""
+        with self._guard:
+            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+        if loop is None or thread is None:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(CLOSE_TIMEOUT_S)
+        except Exception:  # the loop is blocked or gone: the process goes regardless
+            if self._proc is not None:
+                _kill_group(self._proc.pid)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(CLOSE_TIMEOUT_S)
+        if not thread.is_alive():
+            loop.close()
+
+    async def _episode(self, kwargs: Mapping[str, Any]) -> Any:
         proc = await self._started()
         self._next_id += 1
         episode, future = self._next_id, asyncio.get_running_loop().create_future()
@@ -76,14 +111,17 @@ class AgentWorker:
         finally:
             self._pending.pop(episode, None)
 
-    def close(self) -> None:
-        """Stop the worker and its process group (SIGKILL: its episodes are over)."""
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.returncode is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    async def _shutdown(self) -> None:
+        """Every worker this object started gone and reaped, and their pipes' readers ended."""
+        self._proc = None
+        for proc in self._started_procs:
+            if proc.returncode is None:
+                _kill_group(proc.pid)
+            await proc.wait()
+            if proc.stdin is not None:
+                proc.stdin.close()
+        await asyncio.wait_for(asyncio.gather(*self._readers, return_exceptions=True), CLOSE_TIMEOUT_S)
+        self._readers, self._started_procs = [], []
 
     # -- the parent's machinery -------------------------------------------------------------------
 
@@ -105,15 +143,16 @@ class AgentWorker:
                 limit=LINE_LIMIT,
                 start_new_session=True,
             )
+            self._started_procs.append(proc)
             ready = asyncio.get_running_loop().create_future()
-            self._readers = [
+            self._readers += [
                 asyncio.ensure_future(self._read_stdout(proc, ready)),
                 asyncio.ensure_future(self._read_stderr(proc)),
             ]
             try:
                 await asyncio.wait_for(asyncio.shield(ready), START_TIMEOUT_S)
             except TimeoutError:
-                proc.kill()
+                _kill_group(proc.pid)
                 raise self._failed(
                     f"did not import {self.target} within {START_TIMEOUT_S:g} s", "WorkerStart"
                 ) from None
@@ -140,6 +179,8 @@ class AgentWorker:
                 else:
                     future.set_result(message.get("returned"))
         status = await proc.wait()
+        if proc.stdin is not None:
+            proc.stdin.close()  # the last pipe open: closing it lets the transport finish
         await asyncio.sleep(0)  # the stderr reader's last lines
         died = self._failed(f"exited with status {status}", f"exit status {status}")
         if not ready.done():
@@ -172,6 +213,13 @@ class AgentWorker:
             kind,
             summary=f"{kind}: {' '.join(message.split())}"[:300],
         )
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _worker_environment() -> dict[str, str]:
