@@ -5,7 +5,9 @@ vision tower's pass at the prefill are the model's business), over left-padded p
 repeated ``sampling.n`` times with its images. The behaviour log-prob of a sampled token is
 ``log_softmax(logits / temperature)`` at it (the raw logits of its step; the train engine computes
 the same from a full forward over the right-padded row, :mod:`core_rl_train_kit.logprobs`; greedy
-sampling reports temperature 1). A response ends at its first stop token (kept, ``"stop"``) or
+sampling reports temperature 1). The model's image and video placeholder tokens are never sampled
+(a placeholder in a response would stand for an image the row does not have; their log-probs are
+left in the softmax, so the reported log-probs are the model's). A response ends at its first stop token (kept, ``"stop"``) or
 after ``max_new_tokens`` (``"length"``). Random draws come from ``generator`` (a seed drawn from it
 seeds a forked RNG), so a seeded engine repeats its samples.
 """
@@ -29,6 +31,14 @@ def unsupported_settings(sampling: SamplingParams) -> list[str]:
     defaults = SamplingParams()
     names = ("min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "stop", "extra")
     return [name for name in names if getattr(sampling, name) != getattr(defaults, name)]
+
+
+def placeholder_token_ids(model: torch.nn.Module) -> list[int]:
+    """The ids that stand for image or video features in ``model``'s inputs (``config.image_token_id``,
+    ``video_token_id``, ``image_token_index``), which a response must not hold."""
+    config = model.config
+    names = ("image_token_id", "video_token_id", "image_token_index")
+    return sorted({int(v) for v in (getattr(config, n, None) for n in names) if isinstance(v, int)})
 
 
 @torch.inference_mode()
@@ -64,6 +74,9 @@ def generate_with_images(
         "output_logits": True,
         "return_dict_in_generate": True,
     }
+    placeholders = placeholder_token_ids(model)
+    if placeholders:
+        options["suppress_tokens"] = placeholders
     if not greedy:
         options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
     seed = int(torch.randint(0, 2**62, (1,), generator=generator).item()) if generator is not None else None
