@@ -51,6 +51,6 @@ def write_warm_start_data(path: Path, count: int, seed: int) -> Path:
     rows = [json.loads(line) for line in write_dataset(path, count, seed).read_text().splitlines()]
     with path.open("w", encoding="utf-8") as f:
         for row in rows:
-            f.write(json.dumps({"prompt": row["prompt"], "images": row["images"], "response": rng.choice(list(COLOURS))}))
-            f.write("\n")
+            answer = rng.choice(list(COLOURS))
+            f.write(json.dumps({"prompt": row["prompt"], "images": row["images"], "response": answer}) + "\n")
     return path
