@@ -8,8 +8,8 @@ the same from a full forward over the right-padded row, :mod:`core_rl_train_kit.
 sampling reports temperature 1). The model's image and video placeholder tokens are never sampled
 (a placeholder in a response would stand for an image the row does not have; their log-probs are
 left in the softmax, so the reported log-probs are the model's). A response ends at its first stop
-token (kept, ``"stop"``) or after ``max_new_tokens`` (``"length"``). Random draws come from ``generator`` (a seed drawn from it
-seeds a forked RNG), so a seeded engine repeats its samples.
+token (kept, ``"stop"``) or after ``max_new_tokens`` (``"length"``). Random draws come from
+``generator`` (a seed drawn from it seeds a forked RNG), so a seeded engine repeats its samples.
 """
 
 from __future__ import annotations
