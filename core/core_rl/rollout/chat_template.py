@@ -49,7 +49,7 @@ def conversation_problem(value: Any) -> str | None:
         if not isinstance(role, str) or not role:
             return f"message {i} has no 'role' (a string such as 'system', 'user' or 'assistant')"
         if not isinstance(content, str) and not _content_parts(content):
-            return f"message {i} ({role}) has no 'content' (text, or a list of content parts with a 'type')"
+            return f"message {i} ({role}) has no text 'content'"  # a string, or a list of content parts
     return None
 
 
