@@ -387,3 +387,19 @@ def test_supervised_loops_train_on_image_rows(tmp_path: Path, vlm: Path, algorit
     rows = read_metrics(tmp_path / "runs" / algorithm / "metrics.jsonl")
     losses = [r[f"{algorithm}/loss"] for r in rows if f"{algorithm}/loss" in r]
     assert len(losses) == 2 and all(loss == loss for loss in losses)
+
+
+def test_the_hf_and_fsdp_engines_pass_the_multimodal_conformance_case(tmp_path: Path, vlm: Path) -> None:
+    from core_rl.testing.multimodal_contracts import check_multimodal_rollout, check_multimodal_train
+    from core_rl_fsdp.config import FSDPConfig
+    from core_rl_fsdp.engine import FSDPEngine
+
+    rollout = build_rollout_engine("hf", {"seed": 1}, vlm, tmp_path / "run")
+    samples = check_multimodal_rollout(rollout, vlm)
+    rollout.close()
+    actor = ActorConfig(
+        model_path=str(vlm), engine=PluginSpec(name="fsdp"), optimizer=OptimizerConfig(name="sgd", lr=0.1)
+    )
+    engine = FSDPEngine(actor, FSDPConfig(), trainable=True)
+    check_multimodal_train(engine, vlm, samples)
+    engine.close()
