@@ -403,3 +403,17 @@ def test_the_hf_and_fsdp_engines_pass_the_multimodal_conformance_case(tmp_path: 
     engine = FSDPEngine(actor, FSDPConfig(), trainable=True)
     check_multimodal_train(engine, vlm, samples)
     engine.close()
+
+
+def test_grpo_on_image_rows_runs_on_two_fsdp_ranks(tmp_path: Path, vlm: Path) -> None:
+    """Two CPU ranks, each with its share of the rows and their images (gloo)."""
+    from core_rl.builtin import read_metrics
+    from core_rl.testing.launch import run_train
+
+    data = write_rows(tmp_path, count=8)
+    length = {"name": "function", "path": f"{REWARDS}:scaled_length", "kwargs": {"scale": 1.0}}
+    config = grpo_config(tmp_path, vlm, data, steps=2, reward=length)
+    run_train(config, nproc=2, cpu=True, timeout=300)
+    rows = [r for r in read_metrics(tmp_path / "runs" / "vlm" / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 2 and all(r["actor/nonfinite"] == 0 for r in rows)
+    assert all(r["mismatch/abs_logprob_diff"] < 1e-4 for r in rows)
