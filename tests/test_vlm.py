@@ -417,3 +417,45 @@ def test_grpo_on_image_rows_runs_on_two_fsdp_ranks(tmp_path: Path, vlm: Path) ->
     rows = [r for r in read_metrics(tmp_path / "runs" / "vlm" / "metrics.jsonl") if "reward/mean" in r]
     assert len(rows) == 2 and all(r["actor/nonfinite"] == 0 for r in rows)
     assert all(r["mismatch/abs_logprob_diff"] < 1e-4 for r in rows)
+
+
+def test_two_fsdp_ranks_line_up_when_only_one_has_images(tmp_path: Path, vlm: Path) -> None:
+    """Rank 0's rows are text only, rank 1's hold an image: rank 0 runs the vision tower over a blank
+    image inside its forward (a zero term), so the sharded tower's collectives line up; rank 0's
+    log-probs equal a one-rank forward of its row (the blank image changes no value)."""
+    import os
+    import subprocess
+    import sys
+
+    from core_rl.testing.launch import cpu_ranks_env
+
+    spec = tmp_path / "spec.json"
+    spec.write_text(
+        json.dumps({"prompt": prompt_ids_with_image(vlm), "pixel_values": tiny_media()["pixel_values"].tolist()})
+    )
+    worker = Path(__file__).with_name("vlm_ranks_worker.py")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        str(worker),
+        str(vlm),
+        str(tmp_path),
+        str(spec),
+    ]
+    env = cpu_ranks_env({**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    from core_rl_fsdp.config import FSDPConfig
+    from core_rl_fsdp.engine import FSDPEngine
+
+    alone = samples_to_batch([Sample([1, 9, 10, 11], [7, 8], [-1.0, -1.0], 0, "stop")], [0], pad_token_id=0)
+    actor = ActorConfig(
+        model_path=str(vlm), engine=PluginSpec(name="fsdp"), optimizer=OptimizerConfig(name="sgd", lr=0.1)
+    )
+    engine = FSDPEngine(actor, FSDPConfig(), trainable=True)
+    assert torch.allclose(torch.tensor(rank0["logprobs"]), engine.compute_logprobs(alone)[0], atol=1e-5)
+    engine.close()

@@ -254,7 +254,7 @@ def tokenise_rows(
 
 def tokenisation_key(config: DataConfig, tokenizer: Any) -> tuple[Any, ...] | None:
     """What decides the prompt items :func:`tokenise_rows` makes of the same rows: the prompt
-    column, the chat-template settings, the length bounds (and whether they filter: preflight keeps
+    column, the chat-template settings, the image settings, the length bounds (and whether they filter: preflight keeps
     the items ``data.max_length`` leaves, :mod:`core_rl.loops.supervised.length_bound`) and the tokenizer's
     source (``None``, so nothing is reused, for a tokenizer that does not say where it came from)."""
     source = getattr(tokenizer, "name_or_path", None)
@@ -263,7 +263,8 @@ def tokenisation_key(config: DataConfig, tokenizer: Any) -> tuple[Any, ...] | No
     variables = json.dumps(config.chat_template_kwargs, sort_keys=True, default=str)
     chat = (config.apply_chat_template, config.system_prompt, variables)
     bounds = (config.max_prompt_tokens, config.filter_overlong_prompts, config.max_length, config.truncation)
-    return (config.prompt_key, *chat, *bounds, str(source))
+    images = (config.image_key, config.max_images_per_prompt)
+    return (config.prompt_key, *chat, *bounds, *images, str(source))
 
 
 class TokenisedRows(list):  # list[DataRow]

@@ -32,6 +32,7 @@ from core_rl_train_kit.fused_head import check_handed_on, fused_head
 from core_rl_train_kit.logprobs import align_to_tokens, next_tokens, token_logprobs
 from core_rl_train_kit.shared_prefix import SHARED_ATTENTION, SharedRows
 from core_rl_train_kit.topk_logprobs import logprobs_at, topk_logprobs
+from core_rl_train_kit.vision_tower import idle_vision_pass
 
 LAYOUTS = ("auto", "padded", "packed", "shared")
 #: attention implementations with a varlen kernel that takes ``cu_seqlens`` (no mask materialised)
@@ -168,6 +169,18 @@ def _forward_outputs(
         return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits, None
     if packed is None:
         packed = _pack(input_ids, attention_mask, layout)
+    with idle_vision_pass(model, input_ids.device):  # a VLM's tower runs on every rank (vision_tower.py)
+        return _text_logits(model, input_ids, attention_mask, packed, varlen_kwargs)
+
+
+def _text_logits(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    packed: Stream | None,
+    varlen_kwargs: bool,
+) -> tuple[torch.Tensor, Stream | None]:
+    """:func:`_forward_outputs` of rows without images, laid out as ``packed`` says (``None``: padded)."""
     if packed is None:
         return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits, None
     if isinstance(packed, SharedRows):

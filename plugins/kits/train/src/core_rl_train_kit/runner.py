@@ -51,6 +51,7 @@ from core_rl_train_kit.shared_prefix import (
 )
 from core_rl_train_kit.topk_runner import TopkForwards
 from core_rl_train_kit.ulysses import SequenceGroup
+from core_rl_train_kit.vision_tower import idle_vision_pass
 
 TRAIN_KEYS = ("input_ids", "attention_mask", "response_mask", "loss_weight")
 
@@ -285,8 +286,9 @@ class MicroBatchRunner(TopkForwards):
         units = None
         if share and self.layout == "shared":
             response = batch["response_mask"] if "response_mask" in batch else None
-            units = find_units(batch["input_ids"], attention_mask, response, budget, self.attention_span)
-            if not self._check_shared(units is not None):
+            if "image_grid_thw" not in batch:  # rows with images run padded (their positions are the model's)
+                units = find_units(batch["input_ids"], attention_mask, response, budget, self.attention_span)
+            if not self._check_shared(units is not None):  # collective: every rank asks, images or not
                 units = None
 
         def make(min_num: int) -> list[Planned]:
@@ -412,11 +414,12 @@ class MicroBatchRunner(TopkForwards):
         dummy = placeholder_micro_batch(self.pad_token_id)
         # padded: one token needs no packing, and it reaches every parameter just the same
         with self._precision():
-            logits = self.model(
-                input_ids=dummy["input_ids"].to(self.device),
-                attention_mask=dummy["attention_mask"].to(self.device),
-                use_cache=False,
-            ).logits
+            with idle_vision_pass(self.model, self.device):  # a VLM's tower runs on every rank
+                logits = self.model(
+                    input_ids=dummy["input_ids"].to(self.device),
+                    attention_mask=dummy["attention_mask"].to(self.device),
+                    use_cache=False,
+                ).logits
         return logits.float().sum() * 0.0, None
 
     # ------------------------------------------------------------------ log-probs
@@ -453,8 +456,8 @@ class MicroBatchRunner(TopkForwards):
         mode without gradients, its outputs (``[b, width, *trailing]`` each) written into CPU tensors
         ``[B, T, *trailing]`` of ``dtypes`` (0 elsewhere). Collective."""
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
-        with_images = "image_grid_thw" in batch  # rows with images are never shared
-        lengths, plan = self.plan(batch, share=share and not with_images)
+        with_images = "image_grid_thw" in batch  # rows with images are never shared (plan)
+        lengths, plan = self.plan(batch, share=share)
         outs = [torch.zeros(*input_ids.shape, *trailing, dtype=dtype) for dtype in dtypes]
         was_training = self.model.training
         self.model.eval()
@@ -500,8 +503,8 @@ class MicroBatchRunner(TopkForwards):
         counts = self.sequence is None or self.sequence.index == 0  # the group's ranks share micro-batches
         entropy_grad = bool(getattr(loss_fn, "entropy_grad", True))
         logprobs_key = getattr(loss_fn, "logprobs_at_key", None)
-        with_images = "image_grid_thw" in batch  # rows with images are never shared
-        lengths, plan = self.plan(batch, share=logprobs_key is None and not with_images)
+        with_images = "image_grid_thw" in batch  # rows with images are never shared (plan)
+        lengths, plan = self.plan(batch, share=logprobs_key is None)
         acc = StepMetrics(self.device)
         for planned in plan:
             rows = planned.rows
