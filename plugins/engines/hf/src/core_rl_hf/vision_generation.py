@@ -22,15 +22,16 @@ from core_rl.vision.media import concat_media, forward_kwargs
 
 from core_rl_hf.generation import Completion, left_pad
 
-#: sampling settings this path implements; the others are refused by :func:`unsupported_settings`
-SUPPORTED = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "min_new_tokens", "stop_token_ids", "greedy")
+#: sampling settings this path does not implement (refused by :func:`unsupported_settings`); it takes
+#: ``n``, ``temperature``, ``top_p``, ``top_k``, ``max_new_tokens``, ``min_new_tokens``,
+#: ``stop_token_ids`` and ``greedy``
+UNSUPPORTED = ("min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "stop", "extra")
 
 
 def unsupported_settings(sampling: SamplingParams) -> list[str]:
     """The settings of ``sampling`` away from their defaults that image prompts cannot use here."""
     defaults = SamplingParams()
-    names = ("min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "stop", "extra")
-    return [name for name in names if getattr(sampling, name) != getattr(defaults, name)]
+    return [name for name in UNSUPPORTED if getattr(sampling, name) != getattr(defaults, name)]
 
 
 def placeholder_token_ids(model: torch.nn.Module) -> list[int]:
