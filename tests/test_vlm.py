@@ -459,3 +459,26 @@ def test_two_fsdp_ranks_line_up_when_only_one_has_images(tmp_path: Path, vlm: Pa
     engine = FSDPEngine(actor, FSDPConfig(), trainable=True)
     assert torch.allclose(torch.tensor(rank0["logprobs"]), engine.compute_logprobs(alone)[0], atol=1e-5)
     engine.close()
+
+
+def test_hf_agenerate_with_images_batches_requests_and_keeps_each_prompts_pixels(tmp_path: Path, vlm: Path) -> None:
+    """Requests in flight together are generated as one batch; each is answered from its own image
+    (the samples' log-probs equal those of generating each prompt alone, greedily)."""
+    import asyncio
+
+    from core_rl.testing.multimodal_contracts import image_prompts
+
+    prompts, media = image_prompts(vlm)
+    engine = build_rollout_engine("hf", {"seed": 0}, vlm, tmp_path / "run")
+    greedy = SamplingParams(n=1, max_new_tokens=3, greedy=True)
+
+    async def both() -> list[list[Sample]]:
+        calls = [engine.agenerate(p, greedy, **({"media": m} if m is not None else {})) for p, m in zip(prompts, media)]
+        return list(await asyncio.gather(*calls))
+
+    together = asyncio.run(both())
+    for prompt, pixels, (sample,) in zip(prompts, media, together):
+        ((alone,),) = engine.generate([prompt], greedy, media=[pixels])
+        assert sample.response_ids == alone.response_ids
+        assert torch.allclose(torch.tensor(sample.logprobs), torch.tensor(alone.logprobs), atol=1e-5)
+    engine.close()
