@@ -77,6 +77,8 @@ class HFRolloutConfig:
     stop_strings: ClassVar[bool] = True
     #: ``actor.trust_remote_code`` reaches its model and tokenizer loads (:mod:`core_rl.roles.remote_code`)
     loads_remote_code: ClassVar[bool] = True
+    #: it takes prompts with images and their pixel inputs (vision-language models, :mod:`core_rl.vision`)
+    multimodal: ClassVar[bool] = True
 
     dtype: str = attrs.field(default="float32", validator=one_of(DTYPES))
     device: str = attrs.field(default="auto", validator=_valid_device)
