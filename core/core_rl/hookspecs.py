@@ -39,7 +39,9 @@ core checks a component for when it is built names it: :mod:`core_rl.plugins.com
   (:class:`core_rl.data.sources.DataSource`), selected by ``source:<key>`` entries of
   ``data.train_files`` and ``eval.files``.
 - 11: ``RolloutEngine.guided_decoding`` (requests with ``SamplingParams.response_format``: the
-  proxy's structured output).
+  proxy's structured output); the ``media`` keyword of ``RolloutEngine.generate`` and
+  ``agenerate`` (a prompt's pixel inputs, passed only to engines whose config class claims
+  ``multimodal = True``: vision-language models, :mod:`core_rl.vision`).
 """
 
 from __future__ import annotations
