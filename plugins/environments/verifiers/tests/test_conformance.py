@@ -1,0 +1,57 @@
+"""The core conformance kits run against the ``verifiers`` environment and data source, on the
+example tasksets (examples/tiny_arith.py: single-turn; examples/tiny_guess.py: a multi-turn ``Env``
+that answers higher/lower), with rewards from the tasks' own ``@vf.reward`` functions. verifiers
+runs in its own venv (built once from the plugin's default requirements)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import core_rl_verifiers.plugin
+from core_rl.testing import DataSourceContract, EnvironmentContract
+from vf_options import options
+
+ARITH = options("tiny-arith", taskset_options={"size": 4})
+GUESS = options("tiny-guess", taskset_options={"size": 4}, env_options={"max_guesses": 3})
+#: rows of the sources above (their verifiers_key pins the task's content)
+ARITH_ROWS = [
+    {"prompt": "0+1=", "verifiers_idx": 0},
+    {"prompt": "7+4=", "verifiers_idx": 1},
+]
+GUESS_ROW = {"prompt": "Guess my digit:", "verifiers_idx": 1}  # the secret is 3
+
+
+class TestSource(DataSourceContract):
+    plugin = core_rl_verifiers.plugin
+    name = "verifiers"
+    distribution = "core-rl-verifiers"
+    options: ClassVar[dict[str, Any]] = ARITH
+    expected_rows = 4
+    columns: ClassVar[list[str]] = ["verifiers_idx", "verifiers_key"]
+
+
+class TestSingleTurn(EnvironmentContract):
+    plugin = core_rl_verifiers.plugin
+    name = "verifiers"
+    distribution = "core-rl-verifiers"
+    options: ClassVar[dict[str, Any]] = ARITH
+    fuzz_examples: ClassVar[int] = 5
+    episodes: ClassVar[list] = [
+        (ARITH_ROWS[0], ["1"], [1.0]),
+        (ARITH_ROWS[1], ["7+4 = 11"], [1.0]),
+        (ARITH_ROWS[1], ["12"], [0.0]),
+        (ARITH_ROWS[1], [""], [0.0]),
+    ]
+
+
+class TestMultiTurn(EnvironmentContract):
+    plugin = core_rl_verifiers.plugin
+    name = "verifiers"
+    distribution = "core-rl-verifiers"
+    options: ClassVar[dict[str, Any]] = GUESS
+    fuzz_examples: ClassVar[int] = 5
+    episodes: ClassVar[list] = [
+        (GUESS_ROW, ["3"], [1.5]),  # solved (1) + quick (0.5 x 1/1)
+        (GUESS_ROW, ["1", "5", "3"], [0.0, 0.0, 1.0 + 0.5 / 3]),
+        (GUESS_ROW, ["x", "4", "9"], [0.0, 0.0, 0.0]),  # max_guesses spent
+    ]
