@@ -79,17 +79,14 @@ def make_environment(config: VerifiersConfig) -> WorkerEnvironment:
 
 
 class VerifiersSource(DataSource):
-    """The taskset's tasks as rows (``prompt``, ``verifiers_idx``, ``verifiers_key``), in its order;
-    made once per source object."""
+    """The taskset's tasks as rows (``prompt``, ``verifiers_idx``, ``verifiers_key``), in its order
+    (made once per process for the same options)."""
 
     def __init__(self, config: VerifiersConfig) -> None:
         self.config = config
-        self._rows: list[dict[str, Any]] | None = None
 
     def rows(self) -> Iterable[Mapping[str, Any]]:
-        if self._rows is None:
-            self._rows = worker_rows(worker_spec(self.config, "data source", "data.sources.<verifiers source>"))
-        return [dict(row) for row in self._rows]
+        return worker_rows(worker_spec(self.config, "data source", "data.sources.<verifiers source>"))
 
 
 @hookimpl
