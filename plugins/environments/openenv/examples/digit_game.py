@@ -1,7 +1,8 @@
 """A small OpenEnv text game for the examples and tests: guess a digit. ``reset(seed=...)`` picks
 the secret (``seed % 10``); each ``step(GuessAction(message=...))`` answers ``higher``, ``lower``
-or ``correct``; a right guess earns reward 1 and ends the episode, as do ``max_guesses`` wrong ones
-(reward 0). Served by openenv-core's own app factory (the plugin's ``environment:
+or ``correct``; a right guess earns reward 1 and ends the episode, as do ``max_guesses`` wrong ones;
+a wrong guess that is one digit earns 0.1 (a signal a tiny random model can learn from), any other
+text 0. Served by openenv-core's own app factory (the plugin's ``environment:
 digit_game:DigitGame``, this directory on ``python_path``)."""
 
 from uuid import uuid4
@@ -40,7 +41,8 @@ class DigitGame(Environment):
             return GuessObservation(text="correct", done=True, reward=1.0)
         out_of_guesses = self._state.step_count >= self.max_guesses
         hint = "higher" if not guess.isdigit() or int(guess) < self.secret else "lower"
-        return GuessObservation(text=hint, done=out_of_guesses, reward=0.0)
+        well_formed = len(guess) == 1 and guess.isdigit()
+        return GuessObservation(text=hint, done=out_of_guesses, reward=0.1 if well_formed else 0.0)
 
     @property
     def state(self) -> State:

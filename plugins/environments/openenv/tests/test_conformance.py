@@ -34,8 +34,8 @@ class TestDigitGame(EnvironmentContract):
     fuzz_examples: ClassVar[int] = 5
     episodes: ClassVar[list] = [
         (ROW, ["3"], [1.0]),
-        (ROW, ["1", "7", "3"], [0.0, 0.0, 1.0]),
-        (ROW, ["x", "9", "8"], [0.0, 0.0, 0.0]),  # three wrong guesses end the game
+        (ROW, ["1", "7", "3"], [0.1, 0.1, 1.0]),  # a wrong guess that is a digit: 0.1
+        (ROW, ["x", "9", "88"], [0.0, 0.1, 0.0]),  # three wrong guesses end the game
         ({"prompt": "Guess:", "seed": 5}, ["5"], [1.0]),
     ]
 

@@ -1,7 +1,9 @@
 """A multi-turn verifiers (``verifiers.v1``) environment for the examples and tests: guess a digit.
 The ``Env`` answers each guess with ``higher`` or ``lower`` until the guess is right or
 ``max_guesses`` are spent; the task's rewards score the trace: ``solved`` (1 when the last reply
-is the digit) and ``quick`` (weight 0.5: 1 / the number of guesses). Taskset id ``tiny-guess``."""
+is the digit), ``quick`` (weight 0.5: 1 / the number of guesses, when solved) and ``digits``
+(weight 0.25: the share of the last reply's characters, spaces aside, that are digits: a signal a
+tiny random model can learn from). Taskset id ``tiny-guess``."""
 
 from collections.abc import Iterator
 
@@ -20,6 +22,11 @@ class GuessTask(vf.Task[GuessData, vf.State]):
     @vf.reward(weight=0.5)
     async def quick(self, trace: vf.Trace) -> float:
         return 1.0 / max(1, trace.num_turns) if self.data.secret == _guess(trace.last_reply) else 0.0
+
+    @vf.reward(weight=0.25)
+    async def digits(self, trace: vf.Trace) -> float:
+        chars = "".join(trace.last_reply.split())
+        return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
 
 
 def _guess(text: str) -> int | None:

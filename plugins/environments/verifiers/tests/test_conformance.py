@@ -51,7 +51,7 @@ class TestMultiTurn(EnvironmentContract):
     options: ClassVar[dict[str, Any]] = GUESS
     fuzz_examples: ClassVar[int] = 5
     episodes: ClassVar[list] = [
-        (GUESS_ROW, ["3"], [1.5]),  # solved (1) + quick (0.5 x 1/1)
-        (GUESS_ROW, ["1", "5", "3"], [0.0, 0.0, 1.0 + 0.5 / 3]),
-        (GUESS_ROW, ["x", "4", "9"], [0.0, 0.0, 0.0]),  # max_guesses spent
+        (GUESS_ROW, ["3"], [1.75]),  # solved (1) + quick (0.5 x 1/1) + digits (0.25 x 1)
+        (GUESS_ROW, ["1", "5", "3"], [0.0, 0.0, 1.0 + 0.5 / 3 + 0.25]),
+        (GUESS_ROW, ["x", "4", "a9"], [0.0, 0.0, 0.25 / 2]),  # max_guesses spent; half the reply is digits
     ]
