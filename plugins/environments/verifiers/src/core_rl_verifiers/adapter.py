@@ -203,11 +203,17 @@ class Adapter:
             self.config,
             lambda name, _spec: PolicyAgent(play, name) if name == self.role else OtherRole(name, self.role),
         )
-        play.run = asyncio.create_task(self.env.run(task, agents))
+        play.run = asyncio.create_task(self._play(task, agents))
         kind, value = await play.next_event()
         if kind != "turn":
             raise RuntimeError("the verifiers Env's run() ended before the policy's first turn")
         return value
+
+    async def _play(self, task: Any, agents: Any) -> None:
+        """The ``Env``'s ``setup(agents)`` and ``run(task, agents)``, as verifiers runs an episode
+        (its ``finalize``, judgement across several agents' traces, has no traces to judge here)."""
+        await self.env.setup(agents)
+        await self.env.run(task, agents)
 
     async def step(self, episode: str, text: str, turn: int) -> list[Any]:
         play = self.episodes.get(episode)
