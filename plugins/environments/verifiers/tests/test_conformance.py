@@ -55,3 +55,25 @@ class TestMultiTurn(EnvironmentContract):
         (GUESS_ROW, ["1", "5", "3"], [0.0, 0.0, 1.0 + 0.5 / 3 + 0.25]),
         (GUESS_ROW, ["x", "4", "a9"], [0.0, 0.0, 0.25 / 2]),  # max_guesses spent; half the reply is digits
     ]
+
+
+def test_an_env_with_a_second_model_role_is_refused_naming_the_role() -> None:
+    """verifiers' user-sim Env: a simulated user (a model of its own) talks to the assistant."""
+    import asyncio
+
+    import pytest
+    from core_rl_verifiers.plugin import VerifiersConfig, make_environment
+
+    env = make_environment(VerifiersConfig(**options("tiny-arith", env="user-sim", role="assistant")))
+
+    async def reset() -> str:
+        try:
+            return await env.reset(ARITH_ROWS[0])
+        finally:
+            await env.close()
+
+    with pytest.raises(
+        RuntimeError,
+        match="uses its role 'user', which would need a model of its own; core-rl's policy plays only role 'assistant'",
+    ):
+        asyncio.run(reset())
