@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import string
 import subprocess
 import sys
@@ -17,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
 from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing.launch import run_train, write_grpo_config
 from test_conformance import EXAMPLES, GAME
 
 
@@ -28,52 +27,41 @@ def pip_freeze() -> str:
     ).stdout
 
 
-def train(tmp_path: Path, section: dict[str, Any], steps: int = 5) -> tuple[subprocess.CompletedProcess, float]:
+def train(tmp_path: Path, section: dict[str, Any], steps: int = 5, expect: int = 0) -> tuple[str, float]:
+    """``core-rl train`` of GRPO on a tiny model with the ``openenv`` environment of ``section``
+    (output under ``tmp_path/runs/run``); its stderr and how long it took."""
     model = build_tiny_model(tmp_path / "model", alphabet=string.ascii_letters + string.digits + " =+-*/?:>.,()\n")
-    config = {
-        "experiment": {"name": "oe", "output_dir": str(tmp_path / "runs"), "seed": 1},
-        "data": {
+    workflow = {"name": "environment", "environment": {"name": "openenv", **section}, "tool_timeout_s": 120}
+    config = write_grpo_config(
+        tmp_path,
+        model,
+        [],
+        data={
             "sources": {"seeds": {"name": "function", "path": f"{EXAMPLES}/digit_rows.py:rows"}},
             "train_files": ["source:seeds"],
             "batch_size": 2,
         },
-        "actor": {"model_path": str(model), "engine": {"name": "fsdp"}, "optimizer": {"name": "adamw", "lr": 1e-2}},
-        "rollout": {
+        actor={"model_path": str(model), "engine": {"name": "fsdp"}, "optimizer": {"name": "adamw", "lr": 1e-2}},
+        rollout={
             "engine": {"name": "hf"},
             "sampling": {"n": 4, "max_new_tokens": 2},
-            "workflow": {
-                "name": "environment",
-                "environment": {"name": "openenv", **section},
-                "max_turns": 3,
-                "max_tokens": 40,
-                "tool_timeout_s": 120,
-            },
+            "workflow": {**workflow, "max_turns": 3, "max_tokens": 40},
         },
-        "algorithm": {"name": "grpo"},
-        "reward": {"name": "workflow"},
-        "trainer": {"total_steps": steps, "torch_threads": 1},
-        "saver": {"export_hf": False},
-        "loggers": [{"name": "jsonl"}],
-        "sample_log": {"every_n_steps": 1, "num_samples": 8},
-    }
-    path = tmp_path / "oe.yaml"
-    path.write_text(yaml.safe_dump(config))
-    started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "core_rl.cli", "train", str(path)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=900,
+        reward={"name": "workflow"},
+        trainer={"total_steps": steps, "torch_threads": 1},
+        saver={"export_hf": False},
+        loggers=[{"name": "jsonl"}],
+        sample_log={"every_n_steps": 1, "num_samples": 8},
     )
-    return proc, time.monotonic() - started
+    started = time.monotonic()
+    proc = run_train(config, expect=expect, timeout=900)
+    return proc.stderr, time.monotonic() - started
 
 
 def test_five_grpo_steps_through_an_openenv_server(tmp_path: Path) -> None:
     before = pip_freeze()
-    proc, elapsed = train(tmp_path, GAME)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = tmp_path / "runs" / "oe"
+    _, elapsed = train(tmp_path, GAME)
+    run = tmp_path / "runs" / "run"
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if "reward/mean" in s]
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
@@ -89,8 +77,7 @@ def test_five_grpo_steps_through_an_openenv_server(tmp_path: Path) -> None:
 
 
 def test_an_environment_class_that_does_not_exist_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    proc, _ = train(tmp_path, {**GAME, "environment": "digit_game:NoSuchGame"}, steps=1)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    assert "rollout.workflow.environment: environment 'openenv' could not open" in proc.stderr
-    assert "NoSuchGame" in proc.stderr
+    stderr, _ = train(tmp_path, {**GAME, "environment": "digit_game:NoSuchGame"}, steps=1, expect=2)
+    assert "Traceback" not in stderr
+    assert "rollout.workflow.environment: environment 'openenv' could not open" in stderr
+    assert "NoSuchGame" in stderr

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import string
 import subprocess
 import sys
@@ -17,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
 from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing.launch import run_train, write_grpo_config
 from vf_options import options
 
 GUESS = options("tiny-guess", taskset_options={"size": 8}, env_options={"max_guesses": 2})
@@ -30,52 +29,37 @@ def pip_freeze() -> str:
     ).stdout
 
 
-def train(tmp_path: Path, section: dict[str, Any], steps: int = 5) -> tuple[subprocess.CompletedProcess, float]:
+def train(tmp_path: Path, section: dict[str, Any], steps: int = 5, expect: int = 0) -> tuple[str, float]:
+    """``core-rl train`` of GRPO on a tiny model with the ``verifiers`` environment of ``section``
+    (output under ``tmp_path/runs/run``); its stderr and how long it took."""
     model = build_tiny_model(tmp_path / "model", alphabet=string.ascii_letters + string.digits + " =+-*/?:>.,()\n")
-    config = {
-        "experiment": {"name": "vf", "output_dir": str(tmp_path / "runs"), "seed": 1},
-        "data": {
-            "sources": {"tasks": {"name": "verifiers", **section}},
-            "train_files": ["source:tasks"],
-            "batch_size": 2,
-        },
-        "actor": {"model_path": str(model), "engine": {"name": "fsdp"}, "optimizer": {"name": "adamw", "lr": 1e-2}},
-        "rollout": {
+    workflow = {"name": "environment", "environment": {"name": "verifiers", **section}, "tool_timeout_s": 120}
+    config = write_grpo_config(
+        tmp_path,
+        model,
+        [],
+        data={"sources": {"tasks": {"name": "verifiers", **section}}, "train_files": ["source:tasks"], "batch_size": 2},
+        actor={"model_path": str(model), "engine": {"name": "fsdp"}, "optimizer": {"name": "adamw", "lr": 1e-2}},
+        rollout={
             "engine": {"name": "hf"},
             "sampling": {"n": 4, "max_new_tokens": 3},
-            "workflow": {
-                "name": "environment",
-                "environment": {"name": "verifiers", **section},
-                "max_turns": 2,
-                "max_tokens": 24,
-                "tool_timeout_s": 120,
-            },
+            "workflow": {**workflow, "max_turns": 2, "max_tokens": 24},
         },
-        "algorithm": {"name": "grpo"},
-        "reward": {"name": "workflow"},
-        "trainer": {"total_steps": steps, "torch_threads": 1},
-        "saver": {"export_hf": False},
-        "loggers": [{"name": "jsonl"}],
-        "sample_log": {"every_n_steps": 1, "num_samples": 8},
-    }
-    path = tmp_path / "vf.yaml"
-    path.write_text(yaml.safe_dump(config))
-    started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "core_rl.cli", "train", str(path)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=900,
+        reward={"name": "workflow"},
+        trainer={"total_steps": steps, "torch_threads": 1},
+        saver={"export_hf": False},
+        loggers=[{"name": "jsonl"}],
+        sample_log={"every_n_steps": 1, "num_samples": 8},
     )
-    return proc, time.monotonic() - started
+    started = time.monotonic()
+    proc = run_train(config, expect=expect, timeout=900)
+    return proc.stderr, time.monotonic() - started
 
 
 def test_five_grpo_steps_through_the_multi_turn_env(tmp_path: Path) -> None:
     before = pip_freeze()
-    proc, elapsed = train(tmp_path, GUESS)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = tmp_path / "runs" / "vf"
+    _, elapsed = train(tmp_path, GUESS)
+    run = tmp_path / "runs" / "run"
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if "reward/mean" in s]
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
@@ -91,8 +75,7 @@ def test_five_grpo_steps_through_the_multi_turn_env(tmp_path: Path) -> None:
 
 
 def test_a_taskset_that_does_not_exist_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    proc, _ = train(tmp_path, options("tiny-gues"), steps=1)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    assert "data.sources.<verifiers source>: data source 'verifiers' could not" in proc.stderr
-    assert "taskset 'tiny-gues' not found" in proc.stderr
+    stderr, _ = train(tmp_path, options("tiny-gues"), steps=1, expect=2)
+    assert "Traceback" not in stderr
+    assert "data.sources.<verifiers source>: data source 'verifiers' could not" in stderr
+    assert "taskset 'tiny-gues' not found" in stderr
