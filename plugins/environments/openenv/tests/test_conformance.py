@@ -65,3 +65,13 @@ def test_either_a_url_or_a_local_environment() -> None:
         OpenEnvConfig(url="http://127.0.0.1:1", environment="a:B", action="a:C", observation="a:D")
     with pytest.raises(FieldValueError, match="must be module:Name"):
         OpenEnvConfig(environment="digit_game.DigitGame", action="a:C", observation="a:D")
+
+
+def test_the_example_is_a_valid_configuration(monkeypatch) -> None:
+    from core_rl.config import load_config
+    from core_rl.plugins import PluginHost
+
+    plugin_dir = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(plugin_dir.parents[2])  # the example's paths are relative to the repository
+    cfg = load_config(plugin_dir / "example.yaml", [], host=PluginHost(), notify=lambda _: None)
+    assert cfg.rollout.workflow.name == "environment"

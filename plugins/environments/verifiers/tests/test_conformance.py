@@ -5,6 +5,7 @@ runs in its own venv (built once from the plugin's default requirements)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar
 
 import core_rl_verifiers.plugin
@@ -77,3 +78,13 @@ def test_an_env_with_a_second_model_role_is_refused_naming_the_role() -> None:
         match="uses its role 'user', which would need a model of its own; core-rl's policy plays only role 'assistant'",
     ):
         asyncio.run(reset())
+
+
+def test_the_example_is_a_valid_configuration(monkeypatch) -> None:
+    from core_rl.config import load_config
+    from core_rl.plugins import PluginHost
+
+    plugin_dir = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(plugin_dir.parents[2])  # the example's paths are relative to the repository
+    cfg = load_config(plugin_dir / "example.yaml", [], host=PluginHost(), notify=lambda _: None)
+    assert cfg.rollout.workflow.name == "environment"
