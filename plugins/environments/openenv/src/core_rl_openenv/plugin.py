@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 from core_rl.config.validators import FieldValueError
 from core_rl.hookspecs import Register, hookimpl
-from core_rl_server_kit.worker import LibraryEnvOptions, WorkerEnvironment, WorkerSpec, shared_worker
+from core_rl_server_kit.worker import LibraryEnvOptions, WorkerEnvironment, shared_worker
 
 ADAPTER = Path(__file__).with_name("adapter.py")
 #: OpenEnv's own venv, unless ``requirements`` says otherwise (uvicorn serves a local server)
@@ -71,16 +71,10 @@ class OpenEnvConfig(LibraryEnvOptions):
         return attrs.asdict(self, filter=lambda a, _v: a.name not in attrs.fields_dict(LibraryEnvOptions))
 
 
-_SPECS: dict[int, tuple[OpenEnvConfig, WorkerSpec]] = {}
-
-
 def make_environment(config: OpenEnvConfig) -> WorkerEnvironment:
     """A trajectory in the worker of ``config`` (started, and its venv built, on first use)."""
-    hit = _SPECS.get(id(config))
-    if hit is None or hit[0] is not config:
-        spec = config.worker_spec("openenv", "environment 'openenv'", KEY, ADAPTER, config.adapter_options())
-        hit = _SPECS[id(config)] = (config, spec)
-    return WorkerEnvironment(shared_worker(hit[1]))
+    spec = config.worker_spec("openenv", "environment 'openenv'", KEY, ADAPTER, config.adapter_options())
+    return WorkerEnvironment(shared_worker(spec))
 
 
 @hookimpl

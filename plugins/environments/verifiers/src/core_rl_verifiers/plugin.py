@@ -62,16 +62,9 @@ class VerifiersConfig(LibraryEnvOptions):
         }
 
 
-_SPECS: dict[int, tuple[VerifiersConfig, WorkerSpec]] = {}
-
-
 def worker_spec(config: VerifiersConfig, kind: str, key: str) -> WorkerSpec:
-    """The worker of ``config`` (its venv built once per section object)."""
-    hit = _SPECS.get(id(config))
-    if hit is None or hit[0] is not config:
-        spec = config.worker_spec("verifiers", f"{kind} 'verifiers'", key, ADAPTER, config.adapter_options())
-        hit = _SPECS[id(config)] = (config, spec)
-    return hit[1]
+    """The worker of ``config`` as the ``verifiers`` ``kind`` (its venv built once)."""
+    return config.worker_spec("verifiers", f"{kind} 'verifiers'", key, ADAPTER, config.adapter_options())
 
 
 def make_environment(config: VerifiersConfig) -> WorkerEnvironment:

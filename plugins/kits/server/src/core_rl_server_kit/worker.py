@@ -127,7 +127,15 @@ class LibraryEnvOptions:
     def worker_spec(self, library: str, who: str, key: str, adapter: Path, options: Mapping[str, Any]) -> WorkerSpec:
         """The :class:`WorkerSpec` of these options: ``library`` names the venv, ``who`` and ``key``
         go in messages, ``adapter`` is the file the worker runs with ``options``. Builds the venv
-        (once) unless ``python`` is given."""
+        (once) unless ``python`` is given; made once per section object and ``who`` (a factory runs
+        once per trajectory)."""
+        cache_key = (id(self), who)
+        hit = _SPECS.get(cache_key)
+        if hit is None or hit[0] is not self:
+            hit = _SPECS[cache_key] = (self, self._make_spec(library, who, key, adapter, options))
+        return hit[1]
+
+    def _make_spec(self, library: str, who: str, key: str, adapter: Path, options: Mapping[str, Any]) -> WorkerSpec:
         return WorkerSpec(
             who=who,
             key=key,
@@ -137,6 +145,10 @@ class LibraryEnvOptions:
             path=tuple(str(Path(p).expanduser().resolve()) for p in self.python_path),
             start_timeout_s=self.start_timeout_s,
         )
+
+
+#: the specs :meth:`LibraryEnvOptions.worker_spec` made, by section object and ``who``
+_SPECS: dict[tuple[int, str], tuple[LibraryEnvOptions, WorkerSpec]] = {}
 
 
 class Worker:
