@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 import verifiers.v1 as vf
+from verifiers.v1.dialects import parse_message
 from verifiers.v1.graph import prepare_turn
 from verifiers.v1.trace import AgentInfo, TraceTask
 
@@ -95,8 +96,10 @@ class PolicyInteraction:
 
     async def turn(self, message: Any = None) -> vf.Segment:
         if message is not None:
-            added = [vf.UserMessage(content=message)] if isinstance(message, str) else list(message)
-            self.history.extend(added)
+            if isinstance(message, str):
+                self.history.append(vf.UserMessage(content=message))
+            else:  # Messages, typed or as wire dicts (as verifiers' own Interaction accepts them)
+                self.history.extend(parse_message(m) if isinstance(m, dict) else m for m in message)
         await self.episode.asks.put(("turn", message_text(message)))
         reply = await self.episode.replies.get()
         response = vf.Response(
