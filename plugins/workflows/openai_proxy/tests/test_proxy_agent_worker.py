@@ -1,9 +1,9 @@
 """An agent function in another interpreter (``rollout.workflow.python`` with a
-``file.py:function`` program) runs in one worker process for the run
-(:mod:`core_rl_openai_proxy.agent_worker`): imported once, every episode a message; its return value
-is the reward, its exception an errored episode of that class, its death the episodes' failure and
-a new worker for the next. The interpreter here is core-rl's own, given by path (the openai-agents
-SDK's own environment: test_proxy_openai_agents.py)."""
+``file.py:function`` program) runs in one worker process for the run (the server kit's library
+worker with :mod:`core_rl_openai_proxy.agent_adapter`): imported once, every episode a request; its
+return value is the reward, its exception an errored episode of that class, its death the
+episodes' failure and a new worker for the next. The interpreter here is core-rl's own, given by
+path (the openai-agents SDK's own environment: test_proxy_openai_agents.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_one_worker_serves_every_episode_and_its_return_is_the_reward(run_wave) 
     assert pid not in (os.getpid(), 0) and imports == 1  # another process, which imported the function once
     assert all(s.info["calls"] == 1 and s.response_ids for g in first.groups for s in g)
     assert {s.reward for s in second.groups[0]} != rewards  # another run: another worker (the first was closed)
-    assert workflow.program.worker is not None
+    assert workflow.program.worker_spec is not None
 
 
 def test_a_plain_function_runs_in_a_thread_of_the_worker(run_wave) -> None:
@@ -47,45 +47,49 @@ def test_a_dead_worker_fails_its_episodes(run_wave) -> None:
     wave, _ = run_wave(ROWS, n=1, **_options("dies", error_reward=-1.0, max_error_fraction=1.0))
     samples = [s for group in wave.groups for s in group]
     assert samples and all(s.info["error"] == "exit status 3" and s.reward == -1.0 for s in samples)
-    assert all("exited with status 3" in s.info["failed"] for s in samples)
+    assert all("it exited (exit status 3)" in s.info["failed"] for s in samples)
+
+
+def _program(function: str):
+    from core_rl_openai_proxy.program import AgentProgram
+
+    return AgentProgram(f"{WORKER_AGENTS}:{function}", [], sys.executable)
 
 
 def test_after_a_worker_dies_the_next_episode_starts_another() -> None:
     import asyncio
 
     import pytest
-    from core_rl_openai_proxy.agent_worker import AgentWorker
     from core_rl_openai_proxy.program import AgentFailed
 
-    async def episodes() -> tuple[int, int]:
-        alive = AgentWorker(f"{WORKER_AGENTS}:pid", sys.executable)
-        dying = AgentWorker(f"{WORKER_AGENTS}:exit_now", sys.executable)
+    async def episodes() -> tuple[float, float]:
+        alive, dying = _program("pid"), _program("exit_now")
         try:
-            first = await alive.run({})
-            assert await alive.run({}) == first  # the same worker
-            with pytest.raises(AgentFailed, match="exited with status 3") as failed:
-                await dying.run({})
-            assert failed.value.kind == "exit status 3"
-            with pytest.raises(AgentFailed, match="exited with status 3"):
-                await dying.run({})  # a new worker, which dies again
+            first = (await alive.run("http://unused", "key", {})).returned
+            assert (await alive.run("http://unused", "key", {})).returned == first  # the same worker
+            for _ in range(2):  # a new worker each time, which dies again
+                with pytest.raises(AgentFailed, match=r"exit status 3") as failed:
+                    await dying.run("http://unused", "key", {})
+                assert failed.value.kind == "exit status 3"
             alive.close()
-            return first, await alive.run({})
+            return first, (await alive.run("http://unused", "key", {})).returned
         finally:
             alive.close()
             dying.close()
 
     first, after_close = asyncio.run(episodes())
-    assert first != after_close
+    assert first != after_close and first != os.getpid()
 
 
-def test_a_function_that_cannot_be_imported_is_named() -> None:
+def test_a_function_that_cannot_be_imported_is_a_config_error_naming_it() -> None:
     import asyncio
 
     import pytest
-    from core_rl_openai_proxy.agent_worker import AgentWorker
-    from core_rl_openai_proxy.program import AgentFailed
+    from core_rl.errors import ConfigError
 
-    worker = AgentWorker(f"{WORKER_AGENTS}:no_such_function", sys.executable)
-    with pytest.raises(AgentFailed, match=r"could not import .*worker_agents.py:no_such_function: AttributeError"):
-        asyncio.run(worker.run({}))
-    worker.close()
+    program = _program("no_such_function")
+    try:
+        with pytest.raises(ConfigError, match=r"rollout.workflow.program: .*no_such_function.* AttributeError"):
+            asyncio.run(program.run("http://unused", "key", {}))
+    finally:
+        program.close()

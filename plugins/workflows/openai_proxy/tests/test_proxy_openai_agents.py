@@ -96,7 +96,7 @@ def test_the_agent_function_runs_in_one_worker_of_its_environment(run_wave, toke
     options = {**OPTIONS, "program": f"{AGENT}:episode"}
     rows = [{"prompt": "3+4", "answer": "7", "streamed": streamed}, {"prompt": "3+4", "answer": "8"}]
     wave, workflow = run_wave(rows, n=2, **options)
-    assert workflow.program.worker is not None and workflow.program.worker.python == sdk_python
+    assert workflow.program.worker_spec is not None and workflow.program.worker_spec.python == sdk_python
     right, wrong = wave.groups
     assert [s.reward for s in right] == [1.0, 1.0] and [s.reward for s in wrong] == [0.0, 0.0]
     assert all(s.info["calls"] == 1 and "error" not in s.info for s in right + wrong)

@@ -54,6 +54,15 @@ class WorkerFailed(CoreRLError):
     exit_code = 1
 
 
+class AdapterError(RuntimeError):
+    """The worker's adapter raised while answering a request: ``kind`` is the exception's class
+    name, the message ``"<kind>: <its message>"``."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 #: the last build step of a library's venv: the bytecode of every installed module, written once.
 #: Where ``PYTHONDONTWRITEBYTECODE`` is set no worker would write it, and each would compile what it
 #: imports again (verifiers: ~11 s a start instead of ~2 s)
@@ -244,7 +253,8 @@ class Worker:
 
     def submit(self, method: str, **params: Any) -> concurrent.futures.Future[Any]:
         """Send one request; the future holds its result, or raises :class:`WorkerFailed` (the
-        worker died) or ``RuntimeError`` (the adapter raised: its one-line error)."""
+        worker died) or :class:`AdapterError` (the adapter raised: its one-line error). Cancelling
+        the future cancels the request in the worker."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             if self._dead is not None:
@@ -255,14 +265,27 @@ class Worker:
         answer: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def unpack(done: concurrent.futures.Future[Any]) -> None:
+            if answer.done():  # cancelled meanwhile
+                return
             if done.exception() is not None:
                 answer.set_exception(done.exception())  # type: ignore[arg-type]
             elif "error" in done.result():
-                answer.set_exception(RuntimeError(done.result()["error"]))
+                error = done.result()
+                answer.set_exception(AdapterError(error["error"], str(error.get("type", "Exception"))))
             else:
                 answer.set_result(done.result().get("result"))
 
+        def cancelled(done: concurrent.futures.Future[Any]) -> None:
+            if done.cancelled():
+                with self._lock:
+                    self._pending.pop(ident, None)
+                try:
+                    self._write({"cancel": ident})
+                except WorkerFailed:
+                    pass  # it is gone: nothing runs there any more
+
         future.add_done_callback(unpack)
+        answer.add_done_callback(cancelled)
         return answer
 
     def call(self, method: str, **params: Any) -> Any:

@@ -3,13 +3,16 @@ interpreter (a library's own venv), where core-rl is not installed. Standard lib
 
 Run as ``python worker_loop.py ADAPTER_FILE`` with the adapter's options as one JSON line on stdin.
 The adapter file defines ``async def open_adapter(options: dict) -> object``; the object it returns
-answers requests with its coroutine methods named in :data:`METHODS` (keyword arguments from the
-request's ``params``, a JSON-able result). The protocol, one JSON object per line:
+answers requests with its public coroutine methods (a name not starting with ``_``; keyword
+arguments from the request's ``params``, a JSON-able result). The protocol, one JSON object per
+line:
 
 - worker -> parent, once: ``{"ready": true}`` after ``open_adapter`` returned, or
   ``{"fatal": "<one line>"}`` (then the worker exits 1);
 - parent -> worker: ``{"id": N, "method": M, "params": {...}}``; requests run concurrently;
-- worker -> parent: ``{"id": N, "result": ...}`` or ``{"id": N, "error": "<Type>: <message>"}``.
+  ``{"cancel": N}`` cancels request ``N`` (its caller gave up: a timeout, the run stopping);
+- worker -> parent: ``{"id": N, "result": ...}`` or ``{"id": N, "error": "<Type>: <message>",
+  "type": "<Type>"}`` (a cancelled request is not answered).
 
 End of stdin (the parent closed the pipe or died) ends the worker, after the adapter's optional
 ``async def shutdown()``. The protocol owns the original stdout: anything the library prints goes
@@ -27,8 +30,8 @@ import threading
 import traceback
 from typing import Any
 
-#: the adapter methods a request may call
-METHODS = ("rows", "reset", "step", "close")
+#: adapter methods a request may not call (the worker's own)
+RESERVED = ("shutdown",)
 
 
 def _load_adapter_module(path: str) -> Any:
@@ -65,13 +68,15 @@ def _one_line(exc: BaseException) -> str:
 async def _answer(adapter: Any, request: dict[str, Any], writer: _Writer) -> None:
     ident, method = request.get("id"), request.get("method")
     try:
-        if method not in METHODS or not hasattr(adapter, method):
+        if not isinstance(method, str) or method.startswith("_") or method in RESERVED or not hasattr(adapter, method):
             raise ValueError(f"the adapter has no method {method!r}")
         result = await getattr(adapter, method)(**(request.get("params") or {}))
         writer.send({"id": ident, "result": result})
+    except asyncio.CancelledError:
+        pass  # the parent cancelled it: nobody waits for an answer
     except Exception as exc:
         traceback.print_exc(file=sys.stderr)
-        writer.send({"id": ident, "error": _one_line(exc)})
+        writer.send({"id": ident, "error": _one_line(exc), "type": type(exc).__name__})
 
 
 async def _serve(adapter_file: str, options: dict[str, Any], writer: _Writer) -> int:
@@ -91,14 +96,20 @@ async def _serve(adapter_file: str, options: dict[str, Any], writer: _Writer) ->
         loop.call_soon_threadsafe(lines.put_nowait, None)
 
     threading.Thread(target=read, name="worker-stdin", daemon=True).start()
-    running: set[asyncio.Task[None]] = set()
+    running: dict[Any, asyncio.Task[None]] = {}
     while (line := await lines.get()) is not None:
         if not line.strip():
             continue
-        task = asyncio.create_task(_answer(adapter, json.loads(line), writer))
-        running.add(task)
-        task.add_done_callback(running.discard)
-    for task in list(running):
+        request = json.loads(line)
+        if "cancel" in request:
+            if (task := running.get(request["cancel"])) is not None:
+                task.cancel()
+            continue
+        ident = request.get("id")
+        task = asyncio.create_task(_answer(adapter, request, writer))
+        running[ident] = task
+        task.add_done_callback(lambda _done, ident=ident: running.pop(ident, None))
+    for task in list(running.values()):
         task.cancel()
     if hasattr(adapter, "shutdown"):
         await adapter.shutdown()

@@ -80,7 +80,7 @@ class OpenAIAgentConfig:
       run stops, naming the most common error (1: never).
     - ``python``: the interpreter that runs ``program`` (e.g. another venv's ``bin/python``): a
       script's processes, or, for a function, one worker process that imports it once and runs
-      every episode (:mod:`core_rl_openai_proxy.agent_worker`); empty: core-rl's own (a function
+      every episode (:mod:`core_rl_openai_proxy.agent_adapter`); empty: core-rl's own (a function
       then runs in-process), or the environment of ``requirements``.
     - ``requirements``: pip requirements of ``program`` (e.g. ``["openai-agents==0.24.*"]``):
       core-rl builds a venv with them once (cached by their hash, under ``$CORE_RL_HOME``, as

@@ -16,8 +16,10 @@ The end of its stdout and stderr (:data:`OUTPUT_TAIL` characters) is kept as the
 ``output``; a non-zero exit status is an :class:`AgentFailed` quoting it.
 
 A function with ``python`` or ``requirements`` (another interpreter): it runs in one worker
-process of that interpreter for the whole run, which imports it once
-(:mod:`core_rl_openai_proxy.agent_worker`), as in-process otherwise.
+process of that interpreter for the whole run (the server kit's library worker,
+:mod:`core_rl_server_kit.worker`, with :mod:`core_rl_openai_proxy.agent_adapter`), which imports it
+once; an episode is one request to it, cancelled there when the episode times out. A worker that
+dies fails the episodes in flight (``kind``: ``exit status N``) and the next episode starts another.
 
 Either way a failure is an :class:`AgentFailed` whose ``kind`` is the exception's class name
 (``MaxTurnsExceeded``) or ``exit status N``; the workflow makes it an errored episode.
@@ -31,6 +33,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,9 +41,10 @@ from typing import Any
 import attrs
 from core_rl.errors import ConfigError, CoreRLError
 from core_rl.plugins import LoadFailed, is_async, load_callable
+from core_rl_server_kit.worker import AdapterError, Worker, WorkerFailed, WorkerSpec
 
-from core_rl_openai_proxy.agent_worker import AgentWorker
-
+#: the adapter a worker runs for a function in another interpreter
+ADAPTER = Path(__file__).with_name("agent_adapter.py")
 #: how much of a script's stdout and stderr an episode keeps (and a failure quotes)
 OUTPUT_TAIL = 2000
 #: how long a killed script's process may take to exit and be reaped
@@ -78,7 +82,9 @@ class AgentProgram:
         self.program, self.args, self.python = program, list(args), python or sys.executable
         self.script: Path | None = None
         self.function: Callable[..., Any] | None = None
-        self.worker: AgentWorker | None = None
+        self.worker_spec: WorkerSpec | None = None
+        self._worker: Worker | None = None
+        self._starting = threading.Lock()
         if program.endswith(".py"):  # a script: a subprocess per episode
             self.script = Path(program).resolve()
             if not self.script.is_file():
@@ -88,7 +94,14 @@ class AgentProgram:
             where = program.rpartition(":")[0]
             if where.endswith(".py") and not Path(where).is_file():
                 raise ConfigError([f"rollout.workflow.program: no file at {where!r} (from {Path.cwd()})"])
-            self.worker = AgentWorker(program, python)
+            self.worker_spec = WorkerSpec(
+                who=f"agent program {program}",
+                key="rollout.workflow.program",
+                python=python,
+                adapter=str(ADAPTER),
+                options=json.dumps({"program": program}),
+                path=(str(Path.cwd()),),  # a package.module program is found from here, as in-process
+            )
             return
         try:
             self.function = load_callable(program)
@@ -100,8 +113,8 @@ class AgentProgram:
         if self.script is not None:
             return await self._run_script(base_url, api_key, row)
         kwargs = {"base_url": base_url, "api_key": api_key, "row": dict(row)}
-        if self.worker is not None:
-            return Outcome(await self.worker.run(kwargs))
+        if self.worker_spec is not None:
+            return Outcome(await self._in_worker(kwargs))
         assert self.function is not None
         try:
             if is_async(self.function):
@@ -117,8 +130,33 @@ class AgentProgram:
 
     def close(self) -> None:
         """Stop the worker of a function run in another interpreter (nothing to do otherwise)."""
-        if self.worker is not None:
-            self.worker.close()
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop()
+
+    def _live_worker(self) -> Worker:
+        """The worker, started first (once, whatever the episodes waiting for it) or again after it died."""
+        assert self.worker_spec is not None
+        with self._starting:
+            if self._worker is None or self._worker.process.poll() is not None:
+                self._worker = Worker(self.worker_spec)
+            return self._worker
+
+    async def _in_worker(self, kwargs: Mapping[str, Any]) -> Any:
+        """One episode in the worker (started, or started again after it died, off the event loop)."""
+        try:
+            worker = await asyncio.to_thread(self._live_worker)
+        except WorkerFailed as exc:
+            raise AgentFailed(str(exc), "WorkerStart", summary=str(exc).splitlines()[0][:300]) from None
+        try:
+            return await worker.acall("episode", **kwargs)
+        except AdapterError as exc:
+            message = f"agent program {self.program} raised {exc}"
+            raise AgentFailed(message, exc.kind, summary=" ".join(str(exc).split())[:300]) from None
+        except WorkerFailed as exc:
+            code = worker.process.poll()
+            kind = f"exit status {code}" if code is not None else "WorkerFailed"
+            raise AgentFailed(str(exc), kind, summary=str(exc).splitlines()[0][:300]) from None
 
     async def _run_script(self, base_url: str, api_key: str, row: Mapping[str, Any]) -> Outcome:
         assert self.script is not None
