@@ -96,6 +96,8 @@ class FSDPConfig:
     freezes_parameters: ClassVar[bool] = True
     #: it writes the LoRA adapter alone (``export_adapter``; ``rollout.lora_sync: adapter``, :mod:`core_rl.sync.lora`)
     exports_lora_adapter: ClassVar[bool] = True
+    #: its forwards replay MoE routes (``actor.moe.routing_replay``, :mod:`core_rl.roles.moe`)
+    replays_routes: ClassVar[bool] = True
 
     wrap: str = attrs.field(default="decoder_layers", validator=one_of(WRAPS))
     reshard_after_forward: bool = True
