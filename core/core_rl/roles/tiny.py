@@ -73,6 +73,7 @@ def build_tiny_model(
     num_experts: int = 8,
     top_k: int = 2,
     router_std: float = 1.0,
+    expert_std: float = 0.1,
 ) -> Path:
     """Write a random-weight model (``architecture``: ``llama``, ``qwen3_moe`` or ``qwen2``, which adds biases to
     the q/k/v projections) and its char tokenizer to ``path``; return ``path``. ``num_kv_heads``
@@ -83,7 +84,8 @@ def build_tiny_model(
     ``intermediate_size // top_k`` hidden units, so a token's MLP has about the dense width), of which
     each token uses its ``top_k``; the routers' weights are drawn with standard deviation
     ``router_std`` (larger than the default initialiser's, so routes are decided by clear margins
-    and a token's experts differ from its neighbours').
+    and a token's experts differ from its neighbours'), the experts' weights with ``expert_std``
+    (five times the default, so which experts a token goes to visibly moves its log-probs).
 
     With ``qwen2``, ``AutoTokenizer`` loads the tokenizer as ``Qwen2Tokenizer``, whose byte-level
     pre-tokenizer drops spaces: use an ``alphabet`` without spaces there."""
@@ -132,6 +134,9 @@ def build_tiny_model(
         with torch.no_grad():
             for router in find_routers(model):
                 router.weight.normal_(0.0, router_std)
+            for layer in model.model.layers:
+                layer.mlp.experts.gate_up_proj.normal_(0.0, expert_std)
+                layer.mlp.experts.down_proj.normal_(0.0, expert_std)
     path.mkdir(parents=True, exist_ok=True)
     save_pretrained(model, path)
     tokenizer.save_pretrained(path)
