@@ -1,0 +1,94 @@
+"""``core-rl train`` on the tiny Qwen3-MoE (fsdp + hf + grpo) with routing replay, and what
+``config validate`` says about replay with engines that cannot do it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from core_rl import cli
+from core_rl.builtin.loggers import read_metrics
+from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing.launch import run_train
+
+pytest.importorskip("core_rl_fsdp")
+pytest.importorskip("core_rl_hf")
+pytest.importorskip("core_rl_grpo")
+pytest.importorskip("core_rl_reward_match")
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("moe_grpo")
+    model = build_tiny_model(root / "model", alphabet="abcd=", architecture="qwen3_moe", num_layers=2, seed=0)
+    data = root / "train.jsonl"
+    rows = ("ab", "ba", "abc", "dca", "bd", "cc")
+    data.write_text("".join(json.dumps({"prompt": f"{s}=", "answer": s[::-1]}) + "\n" for s in rows))
+    cfg = {
+        "experiment": {"name": "run", "output_dir": str(root / "runs"), "seed": 3},
+        "data": {"train_files": [str(data)], "batch_size": 2},
+        "actor": {
+            "model_path": str(model),
+            "engine": {"name": "fsdp"},
+            "optimizer": {"name": "adamw", "lr": 1e-2},
+            "moe": {"routing_replay": "rollout", "router_aux_loss_coef": 0.01},
+        },
+        # a bf16 rollout routes some tokens differently from the float32 trainer
+        "rollout": {"engine": {"name": "hf", "autocast_dtype": "bfloat16"}, "sampling": {"n": 4, "max_new_tokens": 4}},
+        "algorithm": {"name": "grpo", "loss": {"name": "ppo_clip"}},
+        "reward": {"name": "char_match"},
+        "trainer": {"total_steps": 2, "torch_threads": 1},
+        "saver": {"every_n_steps": 0, "at_end": False},
+        "loggers": [{"name": "console"}],
+    }
+    path = root / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_grpo_on_the_tiny_moe_with_rollout_routing_replay(config: Path) -> None:
+    run_train(config, "experiment.name=replay")
+    rows = read_metrics(config.parent / "runs" / "replay" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all("mismatch/abs_logprob_diff" in row for row in rows)
+    updated = [row for row in rows if "actor/entropy" in row]  # a step whose rewards all tie skips its update
+    assert updated
+    for row in updated:
+        assert 0.0 < row["actor/moe/routing_agreement"] <= 1.0
+        assert {"actor/moe/routing_agreement/layer0", "actor/moe/routing_agreement/layer1"} <= row.keys()
+        assert row["actor/moe/imbalance"] >= 1.0
+        assert row["actor/moe/aux_loss"] > 0.0
+
+
+def _validate(config: Path, *overrides: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = cli.main(["config", "validate", str(config), *overrides])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_config_validate_accepts_replay_with_fsdp_and_hf(config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _validate(config, capsys=capsys)[0] == 0
+
+
+def test_config_validate_refuses_replay_with_a_train_engine_that_cannot(
+    config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("core_rl_deepspeed")
+    code, out = _validate(config, "actor.engine.name=deepspeed", capsys=capsys)
+    assert code == 2
+    assert "actor.moe.routing_replay: rollout" in out and "'deepspeed'" in out and "cannot" in out
+
+
+def test_config_validate_refuses_rollout_routes_from_an_engine_that_cannot_return_them(
+    config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("core_rl_vllm")
+    code, out = _validate(config, "rollout.engine={name: vllm}", capsys=capsys)
+    assert code == 2
+    assert "actor.moe.routing_replay: rollout needs routed experts" in out and "'vllm'" in out
+    code, out = _validate(
+        config, "rollout.engine={name: vllm}", "actor.moe.routing_replay=first_forward", capsys=capsys
+    )
+    assert "routed experts" not in out  # R2 replays the trainer's own routes: any rollout engine
