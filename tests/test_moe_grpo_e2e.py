@@ -75,10 +75,10 @@ def test_config_validate_accepts_replay_with_fsdp_and_hf(config: Path, capsys: p
 def test_config_validate_refuses_replay_with_a_train_engine_that_cannot(
     config: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    pytest.importorskip("core_rl_deepspeed")
-    code, out = _validate(config, "actor.engine.name=deepspeed", capsys=capsys)
+    pytest.importorskip("core_rl_megatron")
+    code, out = _validate(config, "actor.engine={name: megatron}", capsys=capsys)
     assert code == 2
-    assert "actor.moe.routing_replay: rollout" in out and "'deepspeed'" in out and "cannot" in out
+    assert "actor.moe.routing_replay: rollout needs a train engine that replays" in out and "'megatron'" in out
 
 
 def test_config_validate_refuses_rollout_routes_from_an_engine_that_cannot_return_them(
