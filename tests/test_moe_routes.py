@@ -120,3 +120,23 @@ def test_saved_rollouts_keep_routes(tmp_path) -> None:
     assert back.samples[1].routed_experts is None
     batch = samples_to_batch(back.samples, back.group_index, 0)
     assert isinstance(batch, TensorBatch) and batch["routed_experts"].shape == (2, 3, 2, 2)
+
+
+def test_multi_turn_inserted_tokens_have_no_route_and_a_turn_brings_its_own() -> None:
+    from core_rl.rollout.workflows import append_observation, extend_turn
+
+    first = sample(1, 2, routes([[[0, 1]], [[1, 2]], [[-1, -1]]]))
+    observed = append_observation(first, [30, 31])
+    assert torch.equal(observed.routed_experts[3:], routes([[[-1, -1]], [[-1, -1]]]))  # routed by the trainer
+    context = [*observed.prompt_ids, *observed.response_ids]
+    turn_routes = routes([[[e, e + 1]] for e in range(len(context))] + [[[5, 6]], [[-1, -1]]])
+    turn = Sample(
+        prompt_ids=context,
+        response_ids=[40, 41],
+        logprobs=[-0.1, -0.2],
+        weight_version=0,
+        finish_reason="stop",
+        routed_experts=turn_routes,
+    )
+    joined = extend_turn(observed, turn)
+    assert torch.equal(joined.routed_experts, turn_routes)  # the turn's prefill routed the whole context
