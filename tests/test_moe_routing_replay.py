@@ -190,3 +190,26 @@ def test_router_float32_runs_under_autocast(moe_model: Path) -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16), moe.RouteReplay(model, observe=True) as seen:
         model(input_ids=torch.tensor([PROMPTS[0]]))
     assert all(logits.dtype == torch.float32 for logits in seen.logits.values())
+
+
+def test_the_trained_moe_exports_a_directory_that_reloads(moe_model: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    batch = rollout(moe_model)
+    batch["loss_weight"] = batch["response_mask"] / batch["response_mask"].sum()
+    engine = fsdp(moe_model, "rollout", router_dtype="float32")
+    try:
+        engine.train_step(batch, nll)
+        expected = engine.compute_logprobs(batch)
+        engine.export_hf(tmp_path / "export")
+    finally:
+        engine.close()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert type(reloaded).__name__ == "Qwen3MoeForCausalLM"
+    moe.router_float32(reloaded)
+    with torch.no_grad(), moe.RouteReplay(reloaded) as replay:
+        replay.routes = batch["routed_experts"].reshape(-1, LAYERS, TOP_K)
+        logits = reloaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logprobs = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    response = batch["response_mask"][:, 1:] > 0
+    torch.testing.assert_close(logprobs[response], expected[:, 1:][response], atol=1e-5, rtol=1e-5)
