@@ -99,7 +99,7 @@ def test_weights_at_are_the_softmax_at_the_given_experts() -> None:
 
 
 def test_moe_section_validates_its_keys() -> None:
-    assert MoEConfig().routing_replay == "off" and not MoEConfig().replays
+    assert MoEConfig().routing_replay == "none" and not MoEConfig().replays
     assert MoEConfig(routing_replay="first_forward").replays
     with pytest.raises(FieldValueError):
         MoEConfig(routing_replay="always")

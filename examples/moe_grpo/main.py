@@ -6,7 +6,7 @@ train/rollout mismatch and routing agreement step by step.
 The model (8 experts, top-2, 3 layers, random weights; :func:`core_rl.roles.tiny.build_tiny_model`
 with ``architecture="qwen3_moe"``) is warm-started on the answer format of the tiny_grpo task
 (reverse a 3-4 letter string), then trained twice from the same start by ``moe_grpo.yaml``: with
-``actor.moe.routing_replay: rollout`` and ``off``. The rollout samples in bf16, the trainer computes
+``actor.moe.routing_replay: rollout`` and ``none``. The rollout samples in bf16, the trainer computes
 in float32, so without replay some tokens go to other experts in training than in the rollout.
 
 Per step it prints ``mismatch/abs_logprob_diff`` (mean |train - rollout| log-prob over the response
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"warm start: {args.warm_steps} steps, final loss {loss:.3f}, {time.perf_counter() - start:.0f} s")
 
     runs = {}
-    for mode in ("rollout", "off"):
+    for mode in ("rollout", "none"):
         name = f"replay_{mode}"
         common = [f"experiment.output_dir={work}", f"experiment.name={name}", f"trainer.total_steps={args.steps}"]
         code = cli.main(
@@ -83,14 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     print("\n step  " + "  ".join(f"{h:>17}" for h in header))
     for step in range(1, args.steps + 1):
         cells = []
-        for mode in ("rollout", "off"):
+        for mode in ("rollout", "none"):
             value = curves[mode][0].get(step)
             cells.append(f"{value:.6f}" if value is not None else "-")
-        for mode in ("rollout", "off"):
+        for mode in ("rollout", "none"):
             value = curves[mode][1].get(step)
             cells.append(f"{value:.4f}" if value is not None else "-")
         print(f"{step:>5}  " + "  ".join(f"{c:>17}" for c in cells))
-    on, off = (mean(list(curves[m][0].values())) for m in ("rollout", "off"))
+    on, off = (mean(list(curves[m][0].values())) for m in ("rollout", "none"))
     print(f"mean |train - rollout| log-prob: replay {on:.6f}, off {off:.6f}")
     print(f"wall time {time.perf_counter() - start:.0f} s")
     return 0

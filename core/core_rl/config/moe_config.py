@@ -7,7 +7,7 @@ import attrs
 from core_rl.config.validators import non_negative, one_of
 
 #: ``actor.moe.routing_replay`` values
-ROUTING_REPLAY_MODES = ("off", "rollout", "first_forward")
+ROUTING_REPLAY_MODES = ("none", "rollout", "first_forward")
 #: ``actor.moe.router_dtype`` values
 ROUTER_DTYPES = ("auto", "float32")
 
@@ -20,7 +20,7 @@ class MoEConfig:
     - ``routing_replay``: which experts the training forwards (log-probs, reference, update) route
       each token to:
 
-      - ``off``: the training model's own routers choose (the default);
+      - ``none``: the training model's own routers choose (the default);
       - ``rollout`` (R3): the experts the rollout engine chose when it generated the sample
         (``Sample.routed_experts``; the rollout engine is asked to return them, and must be able
         to: ``hf``); a token without a rollout route (the last response token, a token a multi-turn
@@ -40,7 +40,7 @@ class MoEConfig:
       fractions and ``moe/imbalance`` = max/mean tokens per expert, mean over layers).
     """
 
-    routing_replay: str = attrs.field(default="off", validator=one_of(ROUTING_REPLAY_MODES))
+    routing_replay: str = attrs.field(default="none", validator=one_of(ROUTING_REPLAY_MODES))
     router_dtype: str = attrs.field(default="auto", validator=one_of(ROUTER_DTYPES))
     router_aux_loss_coef: float | None = attrs.field(default=None, validator=non_negative())
     load_metrics: bool = True
@@ -48,4 +48,4 @@ class MoEConfig:
     @property
     def replays(self) -> bool:
         """Whether the training forwards replay routes."""
-        return self.routing_replay != "off"
+        return self.routing_replay != "none"

@@ -27,18 +27,18 @@ def returns_routes(host: PluginHost, name: str) -> bool | None:
 
 
 def routing_replay_problems(host: PluginHost, cfg: RunConfig) -> list[str]:
-    """``actor.moe.routing_replay`` other than ``off`` needs a train engine that replays routes;
+    """``actor.moe.routing_replay`` other than ``none`` needs a train engine that replays routes;
     ``rollout`` (and ``rollout.return_routed_experts``) a rollout engine that returns them (unless
     the run trains on saved rollouts, ``rollout.replay_from``, whose routes were saved with them)."""
     problems = []
     mode = cfg.actor.moe.routing_replay
-    if mode != "off":
+    if mode != "none":
         entry = host.registries[TRAIN_ENGINE.key].get(cfg.actor.engine.name)
         if entry is not None and not getattr(entry.config_cls, "replays_routes", False):
             problems.append(
                 f"actor.moe.routing_replay: {mode} needs a train engine that replays MoE routes, but train "
                 f"engine {entry.name!r} ({entry.distribution}) cannot; use actor.engine.name fsdp, or set "
-                "routing_replay: off"
+                "routing_replay: none"
             )
     wants_routes = mode == "rollout" or cfg.rollout.return_routed_experts
     if wants_routes and cfg.rollout.replay_from is None:
@@ -50,6 +50,6 @@ def routing_replay_problems(host: PluginHost, cfg: RunConfig) -> list[str]:
             problems.append(
                 f"{key} needs routed experts from the rollout engine, but rollout engine {name!r} "
                 f"({entry.distribution}) cannot return them; use rollout.engine.name hf, or "
-                "actor.moe.routing_replay: first_forward (replays the trainer's own first forward) or off"
+                "actor.moe.routing_replay: first_forward (replays the trainer's own first forward) or none"
             )
     return problems

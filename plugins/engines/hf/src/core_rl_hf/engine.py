@@ -131,7 +131,7 @@ class HFRolloutEngine(RolloutEngine):
         if return_routed_experts and not is_moe(model):
             raise ConfigError(
                 f"rollout.return_routed_experts (or actor.moe.routing_replay: rollout): {model_path} holds "
-                f"{type(model).__name__}, which has no mixture-of-experts routers; set actor.moe.routing_replay: off"
+                f"{type(model).__name__}, which has no mixture-of-experts routers; set actor.moe.routing_replay: none"
             )
         #: samples carry the experts each token was routed to (core_rl.roles.moe)
         self.return_routed_experts = return_routed_experts

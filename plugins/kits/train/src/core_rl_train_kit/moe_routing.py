@@ -8,7 +8,7 @@ routers' ``N = b * width`` rows), replays the routes ``actor.moe.routing_replay`
 - ``first_forward``: :data:`FIRST_FORWARD_ROUTES`, which a trainable engine's log-prob forward writes
   into the batch it was given (the routers' own choices there); every later forward of those rows
   (the update's micro-steps, later PPO epochs, minibatches cut from that batch) replays them;
-- ``off``: none.
+- ``none``: no replay.
 
 A token whose route is -1 is routed by the training router. In every update forward it also
 counts, over the micro-batch's real tokens:
@@ -83,7 +83,7 @@ class MoERouting:
                 key = f"{role}.moe.routing_replay" if config.replays else f"{role}.moe.router_dtype"
                 raise ConfigError(
                     f"{key}: {type(model).__name__} has no mixture-of-experts routers; "
-                    "set routing_replay: off and router_dtype: auto for a dense model"
+                    "set routing_replay: none and router_dtype: auto for a dense model"
                 )
             return None
         coef = config.router_aux_loss_coef

@@ -266,17 +266,17 @@ class MicroBatchRunner(TopkForwards):
         if self.sequence is not None:
             unshareable = "it runs over a sequence-parallel group"
         named = attention if attn_implementation is None and attention in SHARED_ATTENTION else attn_implementation
-        if moe is not None and moe.mode != "off":
+        if moe is not None and moe.mode != "none":
             if self.sequence is not None:
                 raise ConfigError(
                     [
                         "actor.moe.routing_replay: replaying routes needs each rank to hold whole sequences; "
-                        "set actor.engine.sequence_parallel_size: 1 or routing_replay: off"
+                        "set actor.engine.sequence_parallel_size: 1 or routing_replay: none"
                     ]
                 )
             unshareable = "routing replay needs the padded layout"
         self.layout = resolve_layout(config.layout, named, unshareable)
-        if moe is not None and moe.mode != "off":
+        if moe is not None and moe.mode != "none":
             self.layout = "padded"
         #: the layout of what is not shared: a shared plan's micro-batches without a unit of several
         #: rows, or whole plans the cost comparison (``auto``) left padded
