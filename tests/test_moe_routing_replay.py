@@ -213,3 +213,26 @@ def test_the_trained_moe_exports_a_directory_that_reloads(moe_model: Path, tmp_p
     logprobs = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
     response = batch["response_mask"][:, 1:] > 0
     torch.testing.assert_close(logprobs[response], expected[:, 1:][response], atol=1e-5, rtol=1e-5)
+
+
+def test_without_replay_the_packed_layout_trains_and_logs_load_but_no_agreement(moe_model: Path) -> None:
+    from core_rl.config.schema import MicroBatchConfig
+    from core_rl_fsdp.engine import FSDPEngine
+
+    batch = rollout(moe_model, "bfloat16")
+    batch["loss_weight"] = batch["response_mask"] / batch["response_mask"].sum()
+    actor = ActorConfig(
+        model_path=str(moe_model),
+        engine=PluginSpec(name="fsdp"),
+        optimizer=OptimizerConfig(name="sgd", lr=0.1),
+        micro_batch=MicroBatchConfig(layout="packed"),
+        moe=MoEConfig(router_aux_loss_coef=0.01),
+    )
+    engine = FSDPEngine(actor)
+    try:
+        assert engine.runner.base_layout == "packed"
+        metrics = engine.train_step(batch, nll)
+    finally:
+        engine.close()
+    assert "moe/routing_agreement" not in metrics  # the routers' tokens are not in [b, width] order
+    assert metrics["moe/imbalance"] >= 1.0 and metrics["moe/aux_loss"] >= 1.0 - 1e-6

@@ -15,7 +15,9 @@ counts, over the micro-batch's real tokens:
 
 - ``moe/routing_agreement/layer<l>`` and ``moe/routing_agreement`` (mean over layers): the fraction
   of tokens whose training router's own top-k set equals the rollout's (tokens with a rollout
-  route; with replay on this is what the router would have chosen, not what was replayed);
+  route; with replay on this is what the router would have chosen, not what was replayed). Only
+  in the padded layout, which replay forces; without replay a ``packed`` layout (the routers see
+  the real tokens concatenated) leaves it out, and load and loss count every token the routers saw;
 - ``moe/imbalance`` (mean over layers) and ``moe/imbalance/layer<l>``: max/mean tokens per expert of
   the experts the forward used, ``moe/expert_load/layer<l>/expert<e>`` their fractions (with
   ``actor.moe.load_metrics``);
@@ -134,10 +136,12 @@ class MoERouting:
         """After an update forward of micro-batch ``batch``: count the metrics of its real tokens
         and return its load-balancing loss times ``aux_coef * token_share`` (``None`` when the
         coefficient is 0). ``token_share``: its real tokens over the rank's."""
-        real = batch["attention_mask"].reshape(-1).bool().cpu()
         own = self.replay.observed("own").cpu()
         used = self.replay.observed("used").cpu()
-        rollout = batch.get(ROLLOUT_ROUTES)
+        real = batch["attention_mask"].reshape(-1).bool()
+        padded = own.shape[0] == real.numel()  # else packed: the routers saw the real tokens alone, in another order
+        real = real.cpu() if padded else torch.ones(own.shape[0], dtype=torch.bool)
+        rollout = batch.get(ROLLOUT_ROUTES) if padded else None
         if rollout is not None:
             rollout = rollout.reshape(-1, self.layers, self.top_k).cpu()
             has = real & (rollout >= 0).all(dim=-1).all(dim=-1)
@@ -147,10 +151,9 @@ class MoERouting:
         self._micro_batches += 1
         if self.aux_coef == 0:
             return None
-        device_real = batch["attention_mask"].reshape(-1).bool()
         logits = [self.replay.logits[layer] for layer in range(self.layers)]
         experts = [self.replay.used[layer] for layer in range(self.layers)]
-        aux = load_balancing_loss(logits, experts, device_real)
+        aux = load_balancing_loss(logits, experts, real.to(logits[0].device))
         self._aux += float(aux.detach()) * token_share
         return aux * (self.aux_coef * token_share)
 
