@@ -22,7 +22,9 @@ counts, over the micro-batch's real tokens:
   the experts the forward used, ``moe/expert_load/layer<l>/expert<e>`` their fractions (with
   ``actor.moe.load_metrics``);
 - ``moe/aux_loss``: the load-balancing loss (:func:`core_rl.roles.moe.load_balancing_loss`), added to
-  the loss with weight ``router_aux_loss_coef`` (each micro-batch's share by its real tokens).
+  the loss with weight ``router_aux_loss_coef`` (each micro-batch's share by its real tokens on its
+  rank, the ranks averaged). Like Hugging Face's and Megatron's, it is a per-micro-batch quantity: it
+  changes with how the rows are split over ranks and micro-batches.
 """
 
 from __future__ import annotations
