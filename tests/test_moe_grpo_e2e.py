@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,3 +95,21 @@ def test_config_validate_refuses_rollout_routes_from_an_engine_that_cannot_retur
         config, "rollout.engine={name: vllm}", "actor.moe.routing_replay=first_forward", capsys=capsys
     )
     assert "routed experts" not in out  # R2 replays the trainer's own routes: any rollout engine
+
+
+def test_the_moe_example_prints_both_mismatch_curves(tmp_path: Path) -> None:
+    main = Path(__file__).resolve().parents[1] / "examples" / "moe_grpo" / "main.py"
+    args = ["--workdir", str(tmp_path / "work"), "--steps", "2", "--warm-steps", "5"]
+    proc = subprocess.run(
+        [sys.executable, str(main), *args, "data.batch_size=4"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if "mismatch, replay" in line)
+    first = lines[header + 1].split()
+    assert first[0] == "1" and all(float(cell) >= 0 for cell in first[1:3])  # both runs measured step 1
+    assert any(line.startswith("mean |train - rollout| log-prob: replay") for line in lines)
