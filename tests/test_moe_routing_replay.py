@@ -236,3 +236,15 @@ def test_without_replay_the_packed_layout_trains_and_logs_load_but_no_agreement(
         engine.close()
     assert "moe/routing_agreement" not in metrics  # the routers' tokens are not in [b, width] order
     assert metrics["moe/imbalance"] >= 1.0 and metrics["moe/aux_loss"] >= 1.0 - 1e-6
+
+
+def test_routes_from_a_dense_model_are_refused_with_the_key_to_change(tmp_path: Path) -> None:
+    from core_rl.errors import ConfigError
+    from core_rl_hf.config import HFRolloutConfig
+    from core_rl_hf.engine import HFRolloutEngine
+
+    dense = build_tiny_model(tmp_path / "dense")
+    with pytest.raises(ConfigError, match="no mixture-of-experts routers; set actor.moe.routing_replay: none"):
+        HFRolloutEngine(dense, HFRolloutConfig(), return_routed_experts=True)
+    with pytest.raises(ConfigError, match=r"actor.moe.routing_replay: .*LlamaForCausalLM has no mixture-of-experts"):
+        fsdp(dense, "rollout")
