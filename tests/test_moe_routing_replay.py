@@ -248,3 +248,23 @@ def test_routes_from_a_dense_model_are_refused_with_the_key_to_change(tmp_path: 
         HFRolloutEngine(dense, HFRolloutConfig(), return_routed_experts=True)
     with pytest.raises(ConfigError, match=r"actor.moe.routing_replay: .*LlamaForCausalLM has no mixture-of-experts"):
         fsdp(dense, "rollout")
+
+
+def test_a_continued_sample_carries_routes_of_its_whole_context(moe_model: Path) -> None:
+    """A sample interrupted by ``pause("abort")`` and continued after it takes the continuation's
+    routes, whose prefill ran over the first part: still the routes of one full forward."""
+    from core_rl_hf.config import HFRolloutConfig
+    from core_rl_hf.engine import HFRolloutEngine
+
+    engine = HFRolloutEngine(moe_model, HFRolloutConfig(seed=0), return_routed_experts=True)
+    try:
+        (first,) = engine.generate([PROMPTS[0]], SamplingParams(n=1, max_new_tokens=4, stop_token_ids=[]))[0]
+        first.finish_reason = "abort"  # as an interrupted request leaves it
+        again = engine._continue([first], SamplingParams(n=1, max_new_tokens=12, stop_token_ids=[]))
+    finally:
+        engine.close()
+    assert again == [] and len(first.response_ids) > 4
+    assert first.routed_experts.shape[0] == len(first.prompt_ids) + len(first.response_ids)
+    batch = samples_to_batch([first], [0], 0)
+    agreement = moe.routing_agreement(batch["routed_experts"], free_routes(moe_model, batch), batch["attention_mask"])
+    assert torch.equal(agreement, torch.ones(LAYERS))
