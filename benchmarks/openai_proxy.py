@@ -1,12 +1,16 @@
 """What the OpenAI proxy (``openai_agent`` workflow) adds per call: episodes of two chat calls on a
 tiny model through the ``hf`` engine, once straight to the engine (``agenerate`` with the same
 prompts) and once through the proxy over HTTP with the ``openai`` client, one episode at a time
-and many at once.
+and many at once. Then what each way of running the agent program costs per episode: the same
+agent (``examples/agent_proxy/agent.py``) in-process (``agent:solve``), as a function in a worker
+process (``agent.py:solve`` with ``rollout.workflow.python``: one process for the run) and as a
+script (``agent.py``: one process per episode).
 
     python benchmarks/openai_proxy.py [--episodes 128] [--smoke]
 
-Prints a table: setting, episodes at once, seconds per call (wall / calls), and the proxy's added
-milliseconds per call against the direct engine at the same concurrency.
+Prints two tables: setting, episodes at once, seconds per call (wall / calls), and the proxy's
+added milliseconds per call against the direct engine at the same concurrency; then program mode,
+episodes at once, seconds per episode, and the milliseconds added per episode against in-process.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         sampling = SamplingParams(n=1, max_new_tokens=3)
         row = {"prompt": "3+4"}
 
-        async def run() -> dict[tuple[str, bool], float]:
+        async def run() -> tuple[dict[tuple[str, bool], float], dict[tuple[str, int], float]]:
             loop = asyncio.get_running_loop()
 
             def generate(ids, sp):
@@ -87,16 +91,60 @@ def main(argv: list[str] | None = None) -> int:
                 out["proxy", concurrent] = await _timed([proxied() for _ in range(episodes)], concurrent) / (
                     2 * episodes
                 )
-            return out
+            modes = await _program_modes(engine, proxy, sampling, row, 4 if args.smoke else episodes // 4)
+            return out, modes
 
-        per_call = asyncio.run(run())
+        per_call, per_episode = asyncio.run(run())
         proxy.close()
         engine.close()
     print(f"{'setting':<10}{'at once':>8}{'s/call':>10}{'added ms/call':>15}")
     for (name, concurrent), seconds in per_call.items():
         added = (seconds - per_call["direct", concurrent]) * 1000
         print(f"{name:<10}{episodes if concurrent else 1:>8}{seconds:>10.4f}{added:>15.2f}")
+    print()
+    print(f"{'program':<12}{'at once':>8}{'s/episode':>11}{'added ms/episode':>18}")
+    for (name, at_once), seconds in per_episode.items():
+        added = (seconds - per_episode["in-process", at_once]) * 1000
+        print(f"{name:<12}{at_once:>8}{seconds:>11.4f}{added:>18.2f}")
     return 0
+
+
+async def _program_modes(engine, proxy, sampling, row: dict, episodes: int) -> dict[tuple[str, int], float]:
+    """Seconds per episode of the example agent run each way, one at a time and ``episodes`` at once."""
+    from core_rl_openai_proxy.program import AgentProgram
+
+    agent = ROOT / "examples" / "agent_proxy" / "agent.py"
+    programs = {
+        "in-process": AgentProgram("agent:solve", []),
+        "worker": AgentProgram(f"{agent}:solve", [], sys.executable),
+        "script": AgentProgram(str(agent), [], sys.executable),
+    }
+    loop = asyncio.get_running_loop()
+
+    def generate(ids, sp):
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(engine.agenerate(ids, sp), loop))
+
+    def episode(program: AgentProgram):
+        async def run() -> None:
+            session = proxy.open(generate, sampling, row)
+            try:
+                await program.run(proxy.base_url, session.id, row)
+            finally:
+                proxy.end(session)
+
+        return run
+
+    out = {}
+    try:
+        for name, program in programs.items():
+            await episode(program)()  # warm-up: the worker's start, imports, connections
+            for at_once in (1, episodes):
+                runs = [episode(program) for _ in range(episodes)]
+                out[name, at_once] = await _timed(runs, at_once > 1) / episodes
+    finally:
+        for program in programs.values():
+            program.close()
+    return out
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Smoke test of ``benchmarks/openai_proxy.py``: both settings, one at a time and at once, give
-finite positive seconds per call."""
+finite positive seconds per call, and the three program modes positive seconds per episode."""
 
 from __future__ import annotations
 
@@ -28,7 +28,13 @@ def test_openai_proxy_benchmark_smoke() -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("setting"))
-    rows = [line.split() for line in lines[start + 1 :]]
+    modes = next(i for i, line in enumerate(lines) if line.startswith("program"))
+    rows = [line.split() for line in lines[start + 1 : modes] if line.strip()]
+    programs = [line.split() for line in lines[modes + 1 :]]
+    assert [(r[0], r[1]) for r in programs] == [
+        (name, n) for name in ("in-process", "worker", "script") for n in ("1", "4")
+    ]
+    assert all(float(r[2]) > 0 for r in programs)
     assert [(r[0], r[1]) for r in rows] == [("direct", "1"), ("proxy", "1"), ("direct", "8"), ("proxy", "8")]
     assert all(float(r[2]) > 0 for r in rows)
     assert float(rows[0][3]) == 0.0 and float(rows[2][3]) == 0.0

@@ -129,7 +129,8 @@ def test_what_is_missing_is_grouped_by_the_interface_version_that_added_it(contr
         "which lacks weight_sync_modes, agenerate(), pause(), resume(), health(), update_weights_collective() "
         "(added in interface version 2); update_weights_from_buckets() (added in interface version 4); "
         "release_memory(), restore_memory() (added in interface version 6); fingerprint_dtypes(), "
-        "fingerprint_prefix, weight_fingerprints() (added in interface version 9); make it a subclass of "
+        "fingerprint_prefix, weight_fingerprints() (added in interface version 9); guided_decoding (added in "
+        "interface version 11); make it a subclass of "
         "core_rl.interfaces.RolloutEngine" in str(info.value)
     )
     assert interface_version("RolloutEngine", "agenerate") == 2

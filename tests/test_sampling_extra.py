@@ -127,5 +127,6 @@ def test_the_vllm_engines_reserved_keys_cover_what_it_sets() -> None:
     from core_rl_vllm.config import VLLMConfig
     from core_rl_vllm.request_params import own_params
 
-    for sampling in (SamplingParams(stop=["x"]), SamplingParams(greedy=True), SamplingParams()):
+    guided = SamplingParams(response_format={"type": "json_object"})
+    for sampling in (SamplingParams(stop=["x"]), SamplingParams(greedy=True), SamplingParams(), guided):
         assert set(own_params(sampling)) <= VLLMConfig.request_keys

@@ -36,7 +36,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from core_rl import __version__
 from core_rl.errors import ConfigError, CoreRLError, PluginFault
@@ -150,6 +150,16 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+#: the capabilities an engine claims on its config class that ``core-rl plugins`` lists (``claims``)
+LISTED_CLAIMS = ("multimodal",)
+
+
+def engine_claims(entry: Any) -> list[str]:
+    """The :data:`LISTED_CLAIMS` a registered plugin's config class sets true (engines: e.g. ``multimodal``)."""
+    config_cls = getattr(entry, "config_cls", None)
+    return [claim for claim in LISTED_CLAIMS if getattr(config_cls, claim, False) is True]
+
+
 def _cmd_plugins(as_json: bool) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -172,6 +182,7 @@ def _cmd_plugins(as_json: bool) -> int:
                 "distribution": st.distribution,
                 "version": st.version,
                 "description": entry.description if entry else "",
+                "claims": ", ".join(engine_claims(entry)) if entry else "",
                 "status": status,
             }
         )
@@ -179,10 +190,11 @@ def _cmd_plugins(as_json: bool) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     table = Table(title="core-rl plugins")
-    for column in ("kind", "name", "distribution", "version", "description", "status"):
+    columns = ("kind", "name", "distribution", "version", "description", "claims", "status")
+    for column in columns:
         table.add_column(column, overflow="fold")
     for row in rows:  # plain text: a description or error holding "[...]" is not console markup
-        table.add_row(*(Text(row[c]) for c in ("kind", "name", "distribution", "version", "description", "status")))
+        table.add_row(*(Text(row[c]) for c in columns))
     console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(table)
     return 0

@@ -38,6 +38,10 @@ core checks a component for when it is built names it: :mod:`core_rl.plugins.com
 - 10: :func:`core_rl_register_data_sources` added: rows made in memory by a plugin
   (:class:`core_rl.data.sources.DataSource`), selected by ``source:<key>`` entries of
   ``data.train_files`` and ``eval.files``.
+- 11: ``RolloutEngine.guided_decoding`` (requests with ``SamplingParams.response_format``: the
+  proxy's structured output); the ``media`` keyword of ``RolloutEngine.generate`` and
+  ``agenerate`` (a prompt's pixel inputs, passed only to engines whose config class claims
+  ``multimodal = True``: vision-language models, :mod:`core_rl.vision`).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from typing import Any, Protocol
 import pluggy
 
 PROJECT_NAME = "core_rl"
-HOOK_API_VERSION = 10
+HOOK_API_VERSION = 11
 
 #: The API version that added an interface (``"Class"``: all its members) or one member of it
 #: (``"Class.member"``) after version 1; anything not listed is in version 1. Classes are those of
@@ -94,6 +98,7 @@ INTERFACE_ADDED: dict[str, int] = {
     "RolloutEngine.fingerprint_dtypes": 9,
     "RolloutEngine.fingerprint_prefix": 9,
     "DataSource": 10,
+    "RolloutEngine.guided_decoding": 11,
 }
 
 #: Keyword arguments a member must take since the API version given (``"Class.member"`` ->

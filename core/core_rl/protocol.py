@@ -33,6 +33,9 @@ key                 shape       meaning
                     int16       mixture-of-experts layers (its top-``K``), -1 where it has none (such a
                                 token is routed by the training forward itself); only when a sample
                                 has :attr:`Sample.routed_experts` (routing replay, :mod:`core_rl.roles.moe`)
+``pixel_values``    [B, P, D]   a vision-language model's pixel inputs, row by row, and their image
+``image_grid_thw``  [B, I, 3]   grids (only when a sample has :attr:`Sample.media`; right-padded with
+                                zeros: :mod:`core_rl.vision.media`)
 ==================  ==========  =====================================================================
 
 A loss's ``prepare`` may add keys of its own that travel with the rows into every micro-batch, e.g.
@@ -99,6 +102,10 @@ class Sample:
     (GAE, REINFORCE++) to pay each turn's reward at that turn's last token instead of paying
     ``reward`` at the end (:func:`core_rl.ops.token_level_rewards`); outcome estimators (GRPO,
     RLOO) still see only the trajectory's reward.
+
+    ``media`` (optional): the pixel inputs of the images in ``prompt_ids`` (``pixel_values`` ``[P, D]``
+    and ``image_grid_thw`` ``[I, 3]``, :mod:`core_rl.vision.prompts`), which the rollout engine
+    generated with and the train engine computes log-probs with. ``None``: a text-only prompt.
     """
 
     prompt_ids: list[int]
@@ -113,6 +120,7 @@ class Sample:
     turn_rewards: list[float] | None = None
     turn_ends: list[int] | None = None
     routed_experts: torch.Tensor | None = None
+    media: dict[str, Any] | None = None
 
     def __attrs_post_init__(self) -> None:
         if len(self.logprobs) != len(self.response_ids):
@@ -236,10 +244,13 @@ def samples_to_batch(samples: Sequence[Sample], group_index: Sequence[int], pad_
     ``versions`` (a sample's per-token ``token_weight_versions`` where it has them, else its
     ``weight_version`` on every token; a sample's ``token_mask`` zeroes ``response_mask`` and the
     log-probs and sets version -1 on the tokens it excludes), ``truncated`` and ``group_index``,
-    ``turn_rewards`` when a sample has ``turn_ends``, and ``routed_experts`` (int16 ``[B, T, L, K]``,
-    -1 where a sample has no route) when one has :attr:`Sample.routed_experts` (see the module
-    docstring; samples with routes must agree on ``L`` and ``K``)."""
+    ``turn_rewards`` when a sample has ``turn_ends``, ``pixel_values``/``image_grid_thw`` when a
+    sample has ``media``, and ``routed_experts`` (int16 ``[B, T, L, K]``, -1 where a sample has no
+    route) when one has :attr:`Sample.routed_experts` (see the module docstring; samples with routes
+    must agree on ``L`` and ``K``)."""
     import torch
+
+    from core_rl.vision.media import pad_media
 
     if not samples:
         raise ValueError("cannot build a batch from no samples")
@@ -272,6 +283,7 @@ def samples_to_batch(samples: Sequence[Sample], group_index: Sequence[int], pad_
             where = (torch.full((len(ends),), i), torch.tensor([p + end - 1 for end in ends]))
             turn_rewards.index_put_(where, torch.tensor(s.turn_rewards, dtype=torch.float32), accumulate=True)
     extra = {"turn_rewards": turn_rewards} if turn_rewards is not None else {}
+    extra.update(pad_media([getattr(s, "media", None) for s in samples]))
     routes = _batch_routes(samples, width)
     if routes is not None:
         extra["routed_experts"] = routes
@@ -314,18 +326,25 @@ PAD_VALUES = {"versions": -1, "routed_experts": -1}
 
 def concat_padded(batches: Sequence[TensorBatch], pad_token_id: int) -> TensorBatch:
     """Concatenate batches whose ``[B, T]`` tensors may differ in width ``T``: each is right-padded
-    to the widest (``input_ids`` with ``pad_token_id``, ``versions`` with -1, the rest with 0).
+    to the widest (``input_ids`` with ``pad_token_id``, ``versions`` with -1, the rest with 0), and
+    pixel inputs to the most patch rows and images (:mod:`core_rl.vision.media`).
     Every batch must hold the same keys."""
     import torch
+
+    from core_rl.vision.media import MEDIA_KEYS
 
     width = max(b["input_ids"].shape[1] for b in batches)
     pads = {**PAD_VALUES, "input_ids": pad_token_id}
     out: dict[str, torch.Tensor] = {}
     for key in batches[0].keys():
         parts = []
+        media_width = max(b[key].shape[1] for b in batches) if key in MEDIA_KEYS else 0
         for b in batches:
             value = b[key]
-            if value.ndim >= 2 and value.shape[1] == b["input_ids"].shape[1] and value.shape[1] < width:
+            if key in MEDIA_KEYS and value.shape[1] < media_width:  # pixel rows or image grids
+                fill = value.new_zeros((value.shape[0], media_width - value.shape[1], *value.shape[2:]))
+                value = torch.cat([value, fill], dim=1)
+            elif value.ndim >= 2 and value.shape[1] == b["input_ids"].shape[1] and value.shape[1] < width:
                 fill = value.new_full((value.shape[0], width - value.shape[1], *value.shape[2:]), pads.get(key, 0))
                 value = torch.cat([value, fill], dim=1)
             parts.append(value)

@@ -137,7 +137,12 @@ class DataConfig:
     reading and filtering (every loop): with ``shuffle`` a subset drawn once, seeded by
     ``experiment.seed``, otherwise the first ones in file order; kept in file order either way, and
     ``trainer.total_epochs`` counts passes over them. Not with weighted ``train_files`` (their weights
-    set each source's share; :func:`core_rl.data.prompts.capped_items`)."""
+    set each source's share; :func:`core_rl.data.prompts.capped_items`).
+
+    Images (vision-language models, :mod:`core_rl.vision`): a row's ``image_key`` column (default
+    ``images``) holds a list of images (paths, relative ones to the data file's folder; ``data:``
+    URIs; bytes; a ``datasets`` Image cell), or the prompt's messages hold image content parts; a
+    row with more than ``max_images_per_prompt`` images (default 4) is refused with its file:line."""
 
     train_files: list[str | TrainFile] = attrs.field(factory=list, validator=_train_entries)
     prompt_key: str = attrs.field(default="prompt", validator=not_empty())
@@ -151,6 +156,8 @@ class DataConfig:
     filter_overlong_prompts: bool = False
     max_length: int | None = attrs.field(default=None, validator=in_range(2, MAX_TOKENS))
     truncation: str | None = attrs.field(default=None, validator=one_of(TRUNCATION_MODES))
+    image_key: str = attrs.field(default="images", validator=not_empty())
+    max_images_per_prompt: int = attrs.field(default=4, validator=in_range(1, 1024))
 
     @property
     def truncation_mode(self) -> str:

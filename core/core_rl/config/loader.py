@@ -90,6 +90,7 @@ from core_rl.roles.build import role_problems
 from core_rl.roles.freezing import engine_problems as freeze_engine_problems
 from core_rl.roles.remote_code import engine_problems as remote_code_engine_problems
 from core_rl.sync.lora import problems as lora_sync_problems
+from core_rl.vision.engines import engine_problems as multimodal_engine_problems
 
 __all__ = [  # what this module has long offered, wherever it now lives
     "CONVERTER",
@@ -509,6 +510,7 @@ def _config_or_problems(
         problems.extend(role_problems(cfg, host))
         problems.extend(remote_code_engine_problems(cfg, host))
         problems.extend(freeze_engine_problems(cfg, host))
+        problems.extend(multimodal_engine_problems(cfg, host))
     return problems or cfg
 
 

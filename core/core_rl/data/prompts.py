@@ -10,6 +10,7 @@ import os
 import random
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -20,6 +21,7 @@ from core_rl.data.mixture import mixture_order
 from core_rl.errors import DataError
 from core_rl.loops.rl.difficulty import EASY, HARD, DifficultyRecords
 from core_rl.rollout.chat_template import conversation_problem, prompt_messages, render_prompt
+from core_rl.vision.images import ImageError
 
 
 @attrs.define
@@ -36,6 +38,8 @@ class PromptItem:
     #: the item's index in :attr:`PromptSource.items` (set there; -1 for items of no source), naming
     #: the prompt in ``data.difficulty_filter``'s records (:mod:`core_rl.loops.rl.difficulty`)
     index: int = -1
+    #: the pixel inputs of the prompt's images (:mod:`core_rl.vision.prompts`); ``None``: text only
+    media: dict[str, Any] | None = None
 
 
 #: which of the tokenised items a :class:`PromptSource` draws, and the problems (see there)
@@ -127,6 +131,36 @@ def encode_prompt(
     return ids, prompt if isinstance(prompt, str) else rendered
 
 
+def encode_row_prompt(
+    r: DataRow, prompt: str | Sequence[Mapping[str, Any]], config: DataConfig, tokenizer: Any
+) -> tuple[list[int], str, dict[str, Any] | None]:
+    """:func:`encode_prompt` of a row's prompt, or with its images (:mod:`core_rl.vision`; they need
+    ``data.apply_chat_template``) the ids, text and pixel inputs of
+    :func:`~core_rl.vision.prompts.encode_vision_prompt`. Raises
+    :class:`~core_rl.vision.images.ImageError` for an image that cannot be used."""
+    from core_rl.vision.images import ImageError, has_images
+
+    if not has_images(r.row, prompt, config.image_key):
+        return (*encode_prompt(prompt, config, tokenizer), None)
+    if not config.apply_chat_template:
+        raise ImageError(
+            "the row has images, which only the chat template can place; set data.apply_chat_template: true"
+        )
+    from core_rl.vision.prompts import encode_vision_prompt
+
+    base = Path(r.file).parent if r.unit == "line" and Path(r.file).is_file() else None
+    return encode_vision_prompt(
+        r.row,
+        prompt,
+        tokenizer,
+        image_key=config.image_key,
+        max_images=config.max_images_per_prompt,
+        system_prompt=config.system_prompt,
+        template_kwargs=config.chat_template_kwargs,
+        base_dir=base,
+    )
+
+
 def is_prompt(value: Any) -> bool:
     """Whether a prompt cell holds what :func:`encode_prompt` takes (text, or a conversation;
     :func:`check_rows` reports the rest)."""
@@ -191,7 +225,10 @@ def tokenise_rows(
             continue
         total += 1
         try:
-            ids, text = encode_prompt(prompt, config, tokenizer)
+            ids, text, media = encode_row_prompt(r, prompt, config, tokenizer)
+        except ImageError as exc:
+            problems.add(r.file, f"{r.where}: {exc}")
+            continue
         except Exception as exc:  # the tokenizer or its chat template refusing this text
             problems.add(r.file, f"{r.where}: the tokenizer cannot encode the prompt: {type(exc).__name__}: {exc}")
             continue
@@ -202,7 +239,7 @@ def tokenise_rows(
         if problem is not None:
             problems.add(r.file, problem)
             continue
-        items.append(PromptItem(row=r.row, text=text, prompt_ids=ids, where=r.where, entry=r.entry))
+        items.append(PromptItem(row=r.row, text=text, prompt_ids=ids, where=r.where, entry=r.entry, media=media))
     if dropped and not items:
         return items, [
             *problems.result(),
@@ -217,7 +254,7 @@ def tokenise_rows(
 
 def tokenisation_key(config: DataConfig, tokenizer: Any) -> tuple[Any, ...] | None:
     """What decides the prompt items :func:`tokenise_rows` makes of the same rows: the prompt
-    column, the chat-template settings, the length bounds (and whether they filter: preflight keeps
+    column, the chat-template settings, the image settings, the length bounds (and whether they filter: preflight keeps
     the items ``data.max_length`` leaves, :mod:`core_rl.loops.supervised.length_bound`) and the tokenizer's
     source (``None``, so nothing is reused, for a tokenizer that does not say where it came from)."""
     source = getattr(tokenizer, "name_or_path", None)
@@ -226,7 +263,8 @@ def tokenisation_key(config: DataConfig, tokenizer: Any) -> tuple[Any, ...] | No
     variables = json.dumps(config.chat_template_kwargs, sort_keys=True, default=str)
     chat = (config.apply_chat_template, config.system_prompt, variables)
     bounds = (config.max_prompt_tokens, config.filter_overlong_prompts, config.max_length, config.truncation)
-    return (config.prompt_key, *chat, *bounds, str(source))
+    images = (config.image_key, config.max_images_per_prompt)
+    return (config.prompt_key, *chat, *bounds, *images, str(source))
 
 
 class TokenisedRows(list):  # list[DataRow]

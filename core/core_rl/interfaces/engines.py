@@ -203,6 +203,10 @@ class RolloutEngine(ABC):
     """
 
     weight_sync_modes: ClassVar[tuple[str, ...]] = ("memory", "disk")
+    #: the engine samples under a ``response_format`` constraint (guided decoding: JSON objects
+    #: and JSON schemas, :func:`core_rl.interfaces.sampling.required_json_schema`); the rollout
+    #: controller refuses such requests for an engine without it
+    guided_decoding: ClassVar[bool] = False
 
     @property
     @abstractmethod
@@ -210,24 +214,44 @@ class RolloutEngine(ABC):
         """Version of the weights now used for generation (it advances only once every replica
         of the engine holds the new weights)."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[Sample]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        media: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
+    ) -> list[list[Sample]]:
         """For each prompt (token ids), ``sampling.n`` samples, in prompt order. Blocks.
+
+        ``media`` (only for engines whose config class claims ``multimodal = True``; passed only when
+        some prompt has images): per prompt, the pixel inputs of the images its ids hold placeholders
+        for (:attr:`core_rl.protocol.Sample.media`), or ``None``.
 
         Default: every prompt's :meth:`agenerate` run concurrently on a private event loop."""
 
+        per_prompt = list(media) if media is not None else [None] * len(prompts)
+
         async def all_prompts() -> list[list[Sample]]:
-            return list(await asyncio.gather(*(self.agenerate(p, sampling) for p in prompts)))
+            calls = (
+                self.agenerate(p, sampling, **({"media": m} if m is not None else {}))
+                for p, m in zip(prompts, per_prompt)
+            )
+            return list(await asyncio.gather(*calls))
 
         return asyncio.run(all_prompts())
 
-    async def agenerate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
+    async def agenerate(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, *, media: Mapping[str, torch.Tensor] | None = None
+    ) -> list[Sample]:
         """The ``sampling.n`` samples of one prompt (token ids in, token ids, behaviour log-probs
-        and weight versions out). Safe to await from any event loop and thread.
+        and weight versions out). Safe to await from any event loop and thread. ``media``: the
+        prompt's pixel inputs (see :meth:`generate`).
 
         Default: :meth:`generate` of that one prompt in a worker thread."""
         if type(self).generate is RolloutEngine.generate:
             raise TypeError(f"{type(self).__name__} must implement generate() or agenerate()")
-        groups = await asyncio.to_thread(self.generate, [prompt_ids], sampling)
+        with_media = {"media": [media]} if media is not None else {}
+        groups = await asyncio.to_thread(self.generate, [prompt_ids], sampling, **with_media)
         return groups[0]
 
     def pause(self, mode: str = "wait") -> None:

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import attrs
+
+from core_rl.errors import CoreRLError
 
 
 @attrs.define
@@ -35,6 +37,15 @@ class SamplingParams:
     saving the tokens after (``hf``, ``vllm``; ``sglang`` when ``min_new_tokens`` is 0); it must
     never stop before the cut, which the rollout contract checks. ``extra``: server parameters
     passed as they are (:func:`with_extra`; ``rollout.sampling.extra``).
+
+    ``response_format`` (guided decoding; ``None``: free text): ``{"type": "json_object"}`` (any JSON
+    object) or ``{"type": "json_schema", "json_schema": {"schema": {...}, ...}}`` (a JSON value the
+    schema accepts), in the OpenAI chat form. Only an engine whose :attr:`RolloutEngine.guided_decoding
+    <core_rl.interfaces.RolloutEngine.guided_decoding>` is true is asked for it (the rollout controller
+    refuses it for any other with :class:`GuidedDecodingUnsupported`); it enforces
+    :func:`required_json_schema`. The behaviour log-probs stay the engine's (of the constrained
+    distribution where the engine reports processed log-probs), so the train/rollout mismatch metrics
+    show what the constraint changed.
     """
 
     n: int = 1
@@ -51,6 +62,28 @@ class SamplingParams:
     greedy: bool = False
     stop: list[str] = attrs.field(factory=list)
     extra: dict[str, Any] = attrs.field(factory=dict)
+    response_format: dict[str, Any] | None = None
+
+
+class GuidedDecodingUnsupported(CoreRLError):
+    """A request asked for ``response_format`` (:attr:`SamplingParams.response_format`) of a rollout
+    engine that has no guided decoding; the message names the engine."""
+
+
+def required_json_schema(response_format: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON schema an engine enforces for ``response_format`` (:attr:`SamplingParams.response_format`):
+    ``{"type": "object"}`` for ``json_object``, the given ``json_schema.schema`` for ``json_schema``.
+    Anything else is a :class:`ValueError` saying what is accepted."""
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return {"type": "object"}
+    spec = response_format.get("json_schema")
+    if kind == "json_schema" and isinstance(spec, Mapping) and isinstance(spec.get("schema"), Mapping):
+        return dict(spec["schema"])
+    raise ValueError(
+        f"response_format {dict(response_format)!r:.200}: expected {{'type': 'json_object'}} or "
+        "{'type': 'json_schema', 'json_schema': {'schema': {...}}}"
+    )
 
 
 def batch_key(sampling: SamplingParams) -> tuple:

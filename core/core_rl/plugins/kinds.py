@@ -182,4 +182,7 @@ KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("workflow", "openai_agent"): "openai-proxy",
     ("data_source", "reasoning_gym"): "reasoning-gym",
     ("reward", "reasoning_gym"): "reasoning-gym",
+    ("environment", "verifiers"): "verifiers",
+    ("data_source", "verifiers"): "verifiers",
+    ("environment", "openenv"): "openenv",
 }

@@ -62,11 +62,13 @@ def no_progress_bars() -> Iterator[None]:
 def load_causal_lm(
     model_path: str, *, dtype: str, attn_implementation: str | None = None, trust_remote_code: bool = False
 ) -> nn.Module:
-    """``AutoModelForCausalLM`` from ``model_path`` (local files only, never the hub) in ``dtype``, on
-    CPU; ``attn_implementation`` (e.g. ``sdpa``, ``eager``, ``flash_attention_2``) is passed through
-    when set; ``trust_remote_code`` lets transformers run the directory's own modelling code
-    (:mod:`core_rl.roles.remote_code`). Draws no progress bar (:func:`no_progress_bars`)."""
-    from transformers import AutoModelForCausalLM
+    """``AutoModelForCausalLM`` (a vision-language model's ``AutoModelForImageTextToText``:
+    :func:`core_rl.vision.models.auto_model_class`) from ``model_path`` (local files only, never the
+    hub) in ``dtype``, on CPU; ``attn_implementation`` (e.g. ``sdpa``, ``eager``,
+    ``flash_attention_2``) is passed through when set; ``trust_remote_code`` lets transformers run
+    the directory's own modelling code (:mod:`core_rl.roles.remote_code`). Draws no progress bar
+    (:func:`no_progress_bars`)."""
+    from core_rl.vision.models import auto_model_class
 
     if not model_path:
         raise ValueError("actor.model_path: required; the path of a Hugging Face model directory")
@@ -76,7 +78,7 @@ def load_causal_lm(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     with no_progress_bars():
-        return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+        return auto_model_class(model_path).from_pretrained(model_path, **kwargs)
 
 
 def architecture_name(model: nn.Module) -> str:
@@ -93,7 +95,9 @@ def empty_causal_lm(
 ) -> nn.Module:
     """The model of ``model_path``'s config with every parameter and buffer on the ``meta`` device
     (no memory, no weights read): for ranks that receive their weights from rank 0."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from core_rl.vision.models import auto_model_class
 
     config = AutoConfig.from_pretrained(model_path, local_files_only=True, trust_remote_code=trust_remote_code)
     kwargs: dict[str, object] = {"dtype": torch_dtype(dtype)}
@@ -102,7 +106,7 @@ def empty_causal_lm(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, **kwargs)
+        return auto_model_class(model_path).from_config(config, **kwargs)
 
 
 def flash_attn_available() -> bool:
@@ -215,10 +219,12 @@ def write_hf_dir(
     (:mod:`core_rl.checkpoint.files`). ``architectures`` is written into ``config.json`` (so a wrapper
     class name such as FSDP's never appears there). A model or tokenizer with its own code
     (``trust_remote_code``; ``model_path``: the directory the model was loaded from) keeps its code
-    files and ``auto_map`` (:func:`core_rl.roles.remote_code.keep_custom_code`), so the export loads again."""
+    files and ``auto_map`` (:func:`core_rl.roles.remote_code.keep_custom_code`), so the export loads again;
+    a vision-language model keeps its image processor (:func:`core_rl.vision.models.keep_image_processor`)."""
     from transformers import AutoTokenizer
 
     from core_rl.roles.remote_code import keep_custom_code
+    from core_rl.vision.models import keep_image_processor
 
     tokenizer = AutoTokenizer.from_pretrained(
         tokenizer_path, local_files_only=True, trust_remote_code=trust_remote_code
@@ -232,6 +238,7 @@ def write_hf_dir(
             config["architectures"] = architectures
             config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(tmp)
+        keep_image_processor([p for p in (tokenizer_path, model_path) if p], tmp)
         keep_custom_code([p for p in (model_path, tokenizer_path) if p], tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import Any
 
 DEFAULT_ALPHABET = string.ascii_lowercase + string.digits + " =+-?:>"
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
@@ -171,12 +172,15 @@ def warm_start(
     lr: float,
     seed: int = 0,
     work_dir: str | Path | None = None,
+    data_options: dict[str, Any] | None = None,
 ) -> float:
     """Supervised warm start of a (tiny) model before RL: ``steps`` steps of ``batch_size`` rows of
     ``data`` (a JSONL of ``{"prompt": ..., "response": ...}``) through core-rl's ``sft`` loop (the
     ``core-rl-sft`` plugin: next-token loss on the response), AdamW at ``lr``; the exported model is
     copied to ``out_dir``. Returns the last step's ``sft/loss``. The run itself (its config, metrics
     and export) goes to ``work_dir`` (default ``out_dir``'s parent), as run ``warm_start``.
+    ``data_options``: more keys of the run's ``data`` section (e.g. ``apply_chat_template: true``
+    for rows with images).
 
     A random tiny model rarely samples a well-formed answer, so an RL run from it sees no reward; a
     few hundred rows of the answer's format first give GRPO something to compare."""
@@ -196,7 +200,7 @@ def warm_start(
         json.dumps(
             {
                 "experiment": {"name": "warm_start", "output_dir": str(root), "seed": seed},
-                "data": {"train_files": [str(data)], "batch_size": batch_size},
+                "data": {"train_files": [str(data)], "batch_size": batch_size, **(data_options or {})},
                 "actor": {"model_path": str(model_dir), "optimizer": {"name": "adamw", "lr": lr}},
                 "algorithm": {"name": "sft"},
                 "trainer": {"total_steps": steps, "torch_threads": 1},

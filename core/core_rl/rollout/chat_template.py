@@ -1,7 +1,8 @@
 """Conversations as token ids through a tokenizer's chat template (torch-free).
 
 A *conversation* is a list of messages ``{"role": str, "content": str}`` in the OpenAI chat
-format. A prompt is rendered ending with the template's generation prompt (what the model
+format (a content may also be a list of content parts, e.g. text and images:
+:mod:`core_rl.vision.images`). A prompt is rendered ending with the template's generation prompt (what the model
 continues). A whole conversation (supervised fine-tuning) is rendered with a mask of the tokens
 each assistant turn adds: assistant turn ``k`` covers the tokens from the rendering of the
 messages before it, with the generation prompt, to the rendering that ends with it, so the
@@ -47,9 +48,15 @@ def conversation_problem(value: Any) -> str | None:
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not role:
             return f"message {i} has no 'role' (a string such as 'system', 'user' or 'assistant')"
-        if not isinstance(content, str):
-            return f"message {i} ({role}) has no text 'content'"
+        if not isinstance(content, str) and not _content_parts(content):
+            return f"message {i} ({role}) has no text 'content'"  # a string, or a list of content parts
     return None
+
+
+def _content_parts(content: Any) -> bool:
+    """Whether ``content`` is a list of OpenAI/HF content parts (``{"type": "text", "text": ...}``,
+    ``{"type": "image", ...}``)."""
+    return isinstance(content, (list, tuple)) and all(isinstance(p, Mapping) and "type" in p for p in content)
 
 
 def prompt_messages(prompt: str | Sequence[Mapping[str, Any]], system_prompt: str | None) -> list[dict[str, Any]]:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import sys
 import threading
 import time
@@ -55,7 +56,7 @@ import attrs
 from core_rl.config.schema import ControllerConfig
 from core_rl.errors import CoreRLError, PluginFault
 from core_rl.interfaces import RolloutEngine, SamplingParams
-from core_rl.interfaces.sampling import batch_key
+from core_rl.interfaces.sampling import GuidedDecodingUnsupported, batch_key
 from core_rl.plugins.attribution import built_by
 from core_rl.protocol import Sample
 from core_rl.reliability.deadlines import DeadlinePassed, deadline_message
@@ -89,6 +90,7 @@ class _Pending:
     prompt_ids: list[int]
     sampling: SamplingParams
     future: asyncio.Future
+    media: dict[str, Any] | None = None
 
 
 @attrs.define(eq=False)
@@ -417,13 +419,23 @@ class RolloutController:
 
     async def _trajectory(self, wave: _Wave, slot: int) -> None:
         prompt = wave.prompts[slot]
+        media = getattr(prompt, "media", None)  # the prompt's images (a vision-language model's)
 
         async def generate(prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
+            if sampling.response_format is not None and not getattr(self.engine, "guided_decoding", False):
+                raise GuidedDecodingUnsupported(
+                    f"{self._engine_words} has no guided decoding, so it cannot sample under a "
+                    "response_format (structured output): use a rollout.engine that has it (vllm, sglang), or leave "
+                    "response_format unset"
+                )
             if self.wave_batching:
-                samples = await self._wave_generate(wave, slot, prompt_ids, sampling)
+                samples = await self._wave_generate(wave, slot, prompt_ids, sampling, media)
             else:
-                samples = await self.engine.agenerate(prompt_ids, sampling)
+                with_media = {"media": media} if media is not None else {}
+                samples = await self.engine.agenerate(prompt_ids, sampling, **with_media)
                 samples = self._checked(samples, prompt_ids, sampling.n, AGENERATE_CONTRACT)
+            for sample in samples:  # generated with them, trained with them
+                sample.media = media
             return self._stopped(samples, sampling)
 
         ctx = WorkflowContext(generate=generate, sampling=self.sampling, tokenizer=self.tokenizer)
@@ -475,10 +487,15 @@ class RolloutController:
     # -- batching: wave --------------------------------------------------------------------------
 
     async def _wave_generate(
-        self, wave: _Wave, slot: int, prompt_ids: Sequence[int], sampling: SamplingParams
+        self,
+        wave: _Wave,
+        slot: int,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        media: dict[str, Any] | None = None,
     ) -> list[Sample]:
         future = self._loop.create_future()
-        wave.pending.append(_Pending(slot, list(prompt_ids), sampling, future))
+        wave.pending.append(_Pending(slot, list(prompt_ids), sampling, future, media))
         self._flush_if_blocked(wave)
         return await future
 
@@ -499,8 +516,11 @@ class RolloutController:
     async def _run_batches(self, batches: list[list[_Pending]]) -> None:
         for batch in batches:
             try:
+                generate = self.engine.generate
+                if any(p.media is not None for p in batch):  # images: only engines claiming multimodal get here
+                    generate = functools.partial(generate, media=[p.media for p in batch])
                 groups = await self._loop.run_in_executor(
-                    self._executor, self.engine.generate, [p.prompt_ids for p in batch], batch[0].sampling
+                    self._executor, generate, [p.prompt_ids for p in batch], batch[0].sampling
                 )
                 checked = self._checked_groups(groups, batch)
             except BaseException as exc:

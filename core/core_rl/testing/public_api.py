@@ -30,6 +30,7 @@ PUBLIC_TREES = (
     "core_rl.config",
     "core_rl.ops",
     "core_rl.testing",
+    "core_rl.vision",
     "core_rl_train_kit",
     "core_rl_server_kit",
 )
@@ -46,6 +47,7 @@ PUBLIC_MODULES = (
     "core_rl.roles.lora",
     "core_rl.roles.moe",
     "core_rl.roles.tiny",
+    "core_rl.roles.tiny_vlm",
     "core_rl.reliability.exit_note",
     "core_rl.sync.buckets",
     "core_rl.sync.fingerprint",

@@ -215,6 +215,50 @@ class RolloutEngineContract(TinyModelMixin, MultiTurnEngineTests, PenaltyEngineT
             results = list(pool.map(one, [self.prompts[0]] * 3))
         assert results[0][0].response_ids == results[1][0].response_ids == results[2][0].response_ids
 
+    #: the schema of the guided-decoding contract: one key, two allowed values
+    guided_schema: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+
+    def test_guided_decoding_samples_what_the_schema_accepts(
+        self, engine: RolloutEngine, tmp_path_factory: pytest.TempPathFactory
+    ) -> None:
+        """An engine claiming :attr:`~core_rl.interfaces.RolloutEngine.guided_decoding` samples, under
+        a ``response_format``, only text the schema accepts (JSON without free whitespace, then EOS), on a tiny
+        model whose vocabulary has JSON's characters; the same model sampling freely does not."""
+        import json
+
+        from transformers import AutoTokenizer
+
+        from core_rl.roles.tiny import DEFAULT_ALPHABET, build_tiny_model
+
+        if not engine.guided_decoding:
+            pytest.skip(f"{type(engine).__name__} does not claim guided_decoding")
+        options = {**self.tiny_model_options, "alphabet": DEFAULT_ALPHABET + '{}":,'}
+        model = build_tiny_model(tmp_path_factory.mktemp("json") / "model", seed=0, **options)
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        guided = self.make(model, tmp_path_factory.mktemp("json-run"))
+        response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": self.guided_schema}}
+        try:
+            constrained, free = (
+                guided.generate(self.prompts[:1], SamplingParams(n=4, max_new_tokens=40, response_format=form))[0]
+                for form in (response_format, None)
+            )
+        finally:
+            guided.close()
+        # what the schema accepts, without free whitespace: compact (vLLM) or with json.dumps's
+        # separators (SGLang)
+        accepted = {json.dumps({"answer": a}, separators=sep) for a in ("yes", "no") for sep in ((",", ":"), None)}
+        for s in constrained:
+            assert s.finish_reason == "stop" and s.response_ids[-1] == tokenizer.eos_token_id, s.response_ids
+            assert tokenizer.decode(s.response_ids, skip_special_tokens=True) in accepted
+            assert all(math.isfinite(lp) and lp <= 1e-6 for lp in s.logprobs)
+        free_texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in free]
+        assert not all(text in accepted for text in free_texts), free_texts
+
     def test_pause_holds_requests_until_resume(self, engine: RolloutEngine) -> None:
         import asyncio
 

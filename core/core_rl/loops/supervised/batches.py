@@ -9,6 +9,7 @@ import torch
 
 from core_rl.loops.supervised.sequences import TrainSequence
 from core_rl.protocol import TensorBatch
+from core_rl.vision.media import pad_media
 
 
 def prompt_response_batch(
@@ -30,9 +31,12 @@ def prompt_response_batch(
 
 def sequence_batch(sequences: Sequence[TrainSequence], pad_token_id: int) -> TensorBatch:
     """:func:`prompt_response_batch` of ``sequences`` (their ``suffix`` tokens are the caller's to
-    add), ``response_mask`` set to ``trained`` on the rows that say which tokens train."""
+    add), ``response_mask`` set to ``trained`` on the rows that say which tokens train, and the
+    rows' pixel inputs when some have images (:func:`core_rl.vision.media.pad_media`)."""
     batch = prompt_response_batch([s.prompt for s in sequences], [s.response for s in sequences], pad_token_id)
     for row, s in enumerate(sequences):
         if s.trained is not None:
             batch["response_mask"][row, : len(s.trained)] = torch.tensor(s.trained, dtype=torch.float32)
+    for key, value in pad_media([getattr(s, "media", None) for s in sequences]).items():
+        batch[key] = value  # a vision-language model's pixel inputs, row by row
     return batch

@@ -24,12 +24,14 @@ class TrainSequence:
     """One sequence of a row: ``prompt`` ids, then ``response`` ids (with any EOS the loop appends),
     then ``suffix`` tokens the loop adds after the response (the ``rm`` loop's score slot).
     ``trained``: which tokens of ``prompt + response`` the loss reads, where the loop says so
-    token by token (a conversation's assistant turns); ``None``: the response's."""
+    token by token (a conversation's assistant turns); ``None``: the response's. ``media``: the
+    pixel inputs of the prompt's images (:attr:`core_rl.data.prompts.PromptItem.media`), or ``None``."""
 
     prompt: list[int]
     response: list[int]
     suffix: int = 0
     trained: list[bool] | None = None
+    media: dict[str, Any] | None = None
 
     @property
     def length(self) -> int:
@@ -85,7 +87,10 @@ def pair_sequences(
 ) -> list[TrainSequence]:
     """The sequences of a preference row: its prompt with each response of the columns ``keys``
     (chosen, then rejected; :func:`response_tokens`), each followed by ``suffix`` tokens."""
-    return [TrainSequence(item.prompt_ids, response_tokens(item, key, tokenizer, eos=eos), suffix) for key in keys]
+    return [
+        TrainSequence(item.prompt_ids, response_tokens(item, key, tokenizer, eos=eos), suffix, media=item.media)
+        for key in keys
+    ]
 
 
 @runtime_checkable

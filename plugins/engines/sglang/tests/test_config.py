@@ -180,7 +180,8 @@ def test_lora_servers_get_the_lora_flags_and_on_cpu_pinless_host_memory() -> Non
 def test_pinless_host_memory_where_torch_cannot_pin() -> None:
     """The server-side fix-up (``server_side/core_rl_sglang_pinless.py``), in a fresh interpreter
     (it patches torch): where this torch cannot pin, ``pin_memory=True`` and ``.pin_memory()`` give
-    ordinary tensors with the same values; where it can, nothing is patched."""
+    ordinary tensors with the same values, and registering host memory (SGLang's routed-experts
+    capture) succeeds doing nothing; where it can, nothing is patched."""
     import subprocess
     import sys
 
@@ -194,6 +195,8 @@ def test_pinless_host_memory_where_torch_cannot_pin() -> None:
         "assert t.tolist() == [1, 2] and e.tolist() == [0, 1, 2]\n"
         "o = torch.ones(2)\n"
         "assert (o.pin_memory() is o) is (not works)\n"
+        "if not works and not torch.cuda.is_available():\n"
+        "    assert torch.cuda.cudart().cudaHostRegister(o.data_ptr(), 8, 0) == 0\n"
         "print('pins' if works else 'patched')\n"
     )
     out = subprocess.run([sys.executable, "-c", script], cwd=server_side, capture_output=True, text=True, timeout=120)

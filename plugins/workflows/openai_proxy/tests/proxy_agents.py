@@ -86,6 +86,35 @@ async def _turns(base_url: str, api_key: str, row: dict, follow_ups: list[dict])
     return float(row["reward"])
 
 
+#: the structured output :func:`structured_answers` asks for: one key, two allowed values
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+async def structured_answers(base_url: str, api_key: str, row: dict) -> float:
+    """The row's question with structured output, twice: a chat call with ``response_format``
+    (a JSON schema), then a Responses call continuing it with ``text.format``; each reply's text
+    goes in ``LOG``. Reward: 1 when both replies parse as what the schema accepts."""
+    c = client(base_url, api_key)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    schema = {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True}
+    chat = await c.chat.completions.create(
+        model="policy", messages=messages, max_tokens=40, response_format={"type": "json_schema", "json_schema": schema}
+    )
+    first = chat.choices[0].message.content
+    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "again"}]
+    response = await c.responses.create(
+        model="policy", input=messages, max_output_tokens=40, text={"format": {"type": "json_schema", **schema}}
+    )
+    LOG[api_key] = [{"chat": first, "finish": chat.choices[0].finish_reason, "responses": response.output_text}]
+    allowed = [{"answer": "yes"}, {"answer": "no"}]
+    return float(all(json.loads(text) in allowed for text in (first, response.output_text)))
+
+
 async def rewrites_history(base_url: str, api_key: str, row: dict) -> None:
     """Two calls, the second claiming the model said something else; the outcome goes in LOG."""
     c = client(base_url, api_key)

@@ -89,6 +89,19 @@ def test_an_interpreter_given_by_path_runs_the_script(run_wave, sdk_python) -> N
     assert sample.reward == 1.0 and "answer '7'" in sample.info["output"]
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+def test_the_agent_function_runs_in_one_worker_of_its_environment(run_wave, tokenizer, sdk_python, streamed) -> None:
+    """``sdk_calculator_agent.py:episode`` with ``requirements``: the function runs in a worker
+    process of the SDK's environment (imported once for the run), its return value the reward."""
+    options = {**OPTIONS, "program": f"{AGENT}:episode"}
+    rows = [{"prompt": "3+4", "answer": "7", "streamed": streamed}, {"prompt": "3+4", "answer": "8"}]
+    wave, workflow = run_wave(rows, n=2, **options)
+    assert workflow.program.worker is not None and workflow.program.worker.python == sdk_python
+    right, wrong = wave.groups
+    assert [s.reward for s in right] == [1.0, 1.0] and [s.reward for s in wrong] == [0.0, 0.0]
+    assert all(s.info["calls"] == 1 and "error" not in s.info for s in right + wrong)
+
+
 def test_environment_mistakes_are_config_errors(tmp_path) -> None:
     from core_rl.errors import ConfigError
     from core_rl_openai_proxy.config import OpenAIAgentConfig
@@ -98,9 +111,10 @@ def test_environment_mistakes_are_config_errors(tmp_path) -> None:
         OpenAIAgentWorkflow(OpenAIAgentConfig(program=AGENT, python="/nowhere/bin/python"))
     config = tmp_path / "c.yaml"
     config.write_text(
-        "rollout:\n  workflow: {name: openai_agent, program: 'pkg.mod:f', requirements: [openai-agents]}\n"
+        "rollout:\n  workflow: {name: openai_agent, program: 'pkg.mod:f', requirements: [openai-agents], "
+        "python: /usr/bin/python3}\n"
     )
     core_rl = str(Path(sys.executable).with_name("core-rl"))
     proc = subprocess.run([core_rl, "config", "validate", str(config)], capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "rollout.workflow.requirements: applies to a script program" in proc.stderr
+    assert "rollout.workflow.requirements: cannot be set with python" in proc.stderr

@@ -19,10 +19,12 @@ ROWS = [{"prompt": "1+2", "reward": 0.5}, {"prompt": "4+4", "reward": 1.0}]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.roles.tiny import DEFAULT_ALPHABET, build_tiny_model
 
-    # head size 32 (64 / 2 heads): the smallest vLLM's CPU attention runs
-    return build_tiny_model(tmp_path_factory.mktemp("proxy-vllm") / "model", seed=0, num_heads=2)
+    # head size 32 (64 / 2 heads): the smallest vLLM's CPU attention runs; JSON's characters for
+    # structured output
+    alphabet = DEFAULT_ALPHABET + '{}":,'
+    return build_tiny_model(tmp_path_factory.mktemp("proxy-vllm") / "model", seed=0, num_heads=2, alphabet=alphabet)
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +82,20 @@ def test_a_two_turn_session_through_a_vllm_server_is_one_exact_trajectory(run_wa
             assert sample.token_mask == [1] * len(sampled1) + [0] * len(inserted) + [1] * len(sampled2)
             assert sample.logprobs[len(sampled1) : len(sampled1) + len(inserted)] == [0.0] * len(inserted)
             assert sample.versions == [0] * len(sample.response_ids)
+
+
+def test_structured_output_is_guided_decoding_on_the_server_and_trains_as_sampled(run_wave, tokenizer) -> None:
+    """``response_format`` (chat) and ``text.format`` (responses) reach vLLM's guided decoding: a
+    random tiny model answers only what the schema accepts, and the trajectory holds exactly those
+    tokens, sampled (log-probs of the constrained distribution) and trainable."""
+    LOG.clear()
+    wave, _ = run_wave(ROWS[:1], n=2, program="proxy_agents:structured_answers", max_new_tokens=40)
+    (group,) = wave.groups
+    for sample in group:
+        (entry,) = LOG[sample.info["session"]]
+        assert sample.reward == 1.0, entry  # both replies parsed as what the schema accepts
+        assert entry["finish"] == "stop"
+        sampled = [t for t, m in zip(sample.response_ids, sample.token_mask) if m]
+        text = tokenizer.decode(sampled, skip_special_tokens=True)
+        assert text == entry["chat"] + entry["responses"]
+        assert all(lp <= 0.0 for lp in sample.logprobs) and any(lp < 0.0 for lp in sample.logprobs)

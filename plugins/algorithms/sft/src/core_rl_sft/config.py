@@ -62,7 +62,8 @@ class SFTConfig:
         from core_rl.rollout import prompt_messages, render_conversation
 
         if not self.conversations:
-            return [TrainSequence(item.prompt_ids, response_tokens(item, self.response_key, tokenizer))]
+            response = response_tokens(item, self.response_key, tokenizer)
+            return [TrainSequence(item.prompt_ids, response, media=item.media)]
         messages = prompt_messages(item.row[data.prompt_key], data.system_prompt)
         try:
             ids, mask = render_conversation(tokenizer, messages, data.chat_template_kwargs)

@@ -98,6 +98,8 @@ class FSDPConfig:
     exports_lora_adapter: ClassVar[bool] = True
     #: its forwards replay MoE routes (``actor.moe.routing_replay``, :mod:`core_rl.roles.moe`)
     replays_routes: ClassVar[bool] = True
+    #: it takes prompts with images and their pixel inputs (vision-language models, :mod:`core_rl.vision`)
+    multimodal: ClassVar[bool] = True
 
     wrap: str = attrs.field(default="decoder_layers", validator=one_of(WRAPS))
     reshard_after_forward: bool = True

@@ -99,7 +99,8 @@ class FSDPEngine(EngineState, TrainEngine):
         if self.sequence is not None:
             ulysses.check_heads(hf_model.config, self.sequence.size, engine="fsdp")
         self._architectures = [exported_architecture(architecture_name(hf_model), head)]
-        self._pad_id = int(hf_model.config.pad_token_id) if hf_model.config.pad_token_id is not None else 0
+        pad_id = getattr(hf_model.config.get_text_config(), "pad_token_id", None)  # a VLM's is its text model's
+        self._pad_id = int(pad_id) if pad_id is not None else 0
         self.runner = MicroBatchRunner(
             self.model,
             actor.micro_batch,

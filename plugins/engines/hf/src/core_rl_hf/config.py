@@ -80,6 +80,8 @@ class HFRolloutConfig:
     #: a mixture-of-experts model's samples carry the experts each token was routed to, recorded from
     #: the prefill and each decoding step (``rollout.return_routed_experts``, :mod:`core_rl.roles.moe`)
     returns_routed_experts: ClassVar[bool] = True
+    #: it takes prompts with images and their pixel inputs (vision-language models, :mod:`core_rl.vision`)
+    multimodal: ClassVar[bool] = True
 
     dtype: str = attrs.field(default="float32", validator=one_of(DTYPES))
     device: str = attrs.field(default="auto", validator=_valid_device)

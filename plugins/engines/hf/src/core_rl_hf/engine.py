@@ -37,6 +37,7 @@ from core_rl.roles.hf import no_progress_bars
 from core_rl.roles.moe import is_moe
 from core_rl.sync.buckets import state_items
 from core_rl.sync.fingerprint import FingerprintLog
+from core_rl.vision.models import auto_model_class
 from core_rl_train_kit import attention
 
 from core_rl_hf.config import GPU_SYNC_EVERY, HFRolloutConfig, resolve_device
@@ -45,6 +46,7 @@ from core_rl_hf.generation import Completion, generate_batch
 from core_rl_hf.graphs import DecodeGraphs
 from core_rl_hf.memory import release_host_memory
 from core_rl_hf.sampling import check_sampling
+from core_rl_hf.vision_generation import generate_with_images
 from core_rl_hf.weights import copy_buckets, load_full_state_dict, read_safetensors_dir
 
 #: how long a generate call waits for ``resume`` after ``pause``
@@ -117,7 +119,7 @@ class HFRolloutEngine(RolloutEngine):
         trust_remote_code: bool = False,
         return_routed_experts: bool = False,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.config = config
         self.device = resolve_device(config.device)
@@ -126,7 +128,7 @@ class HFRolloutEngine(RolloutEngine):
         if self.compute_dtype is not None and self.device.type == "cpu":
             load["attn_implementation"] = attention.register()  # the fsdp engine's autocast attention
         with no_progress_bars():
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, config.dtype), **load)
+            model = auto_model_class(model_path).from_pretrained(model_path, dtype=getattr(torch, config.dtype), **load)
         self._model: torch.nn.Module | None = model.to(self.device).eval()
         if return_routed_experts and not is_moe(model):
             raise ConfigError(
@@ -188,9 +190,17 @@ class HFRolloutEngine(RolloutEngine):
     def weight_version(self) -> int:
         return self._weight_version
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[Sample]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        media: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
+    ) -> list[list[Sample]]:
         check_sampling(sampling)
         self._check_prompts(prompts)
+        if media is not None and any(m is not None for m in media):
+            return self._generate_with_images(prompts, sampling, media)
         with self._running():
             release_host_memory()  # the update's activations are freed: give their pages back first
             groups = self._generate_locked(prompts, sampling)
@@ -199,6 +209,40 @@ class HFRolloutEngine(RolloutEngine):
         while aborted:
             aborted = self._continue(aborted, sampling)
         return groups
+
+    def _generate_with_images(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        media: Sequence[Mapping[str, torch.Tensor] | None],
+    ) -> list[list[Sample]]:
+        """Prompts with images (:mod:`core_rl_hf.vision_generation`): never interrupted by a pause
+        (``abort`` waits for them, as ``wait`` does)."""
+        if len(media) != len(prompts):
+            raise ValueError(f"{len(media)} media entries for {len(prompts)} prompts")
+        with self._running():
+            groups = generate_with_images(
+                self.model,
+                prompts,
+                media,
+                sampling,
+                eos_token_ids=self.eos_token_ids,
+                pad_token_id=self.pad_token_id,
+                generator=self.generator,
+            )
+        return [
+            [
+                Sample(
+                    prompt_ids=list(prompt),
+                    response_ids=c.token_ids,
+                    logprobs=c.logprobs,
+                    weight_version=self._weight_version,
+                    finish_reason=c.finish_reason,
+                )
+                for c in group
+            ]
+            for prompt, group in zip(prompts, groups)
+        ]
 
     @contextlib.contextmanager
     def _running(self) -> Iterator[None]:
@@ -299,12 +343,14 @@ class HFRolloutEngine(RolloutEngine):
     def _decode_text(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    async def agenerate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
+    async def agenerate(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, *, media: Mapping[str, torch.Tensor] | None = None
+    ) -> list[Sample]:
         check_sampling(sampling)
         self._check_prompts([prompt_ids])
         future: Future[list[Sample]] = Future()
         self._ensure_worker()
-        self._requests.put(_Request(list(prompt_ids), sampling, future))
+        self._requests.put(_Request(list(prompt_ids), sampling, future, media))
         return await asyncio.wrap_future(future)
 
     def _ensure_worker(self) -> None:
@@ -349,7 +395,9 @@ class HFRolloutEngine(RolloutEngine):
             if not requests:
                 continue
             try:
-                out = self.generate([r.prompt_ids for r in requests], requests[0].sampling)
+                media = [r.media for r in requests]
+                with_media = {"media": media} if any(m is not None for m in media) else {}
+                out = self.generate([r.prompt_ids for r in requests], requests[0].sampling, **with_media)
             except BaseException as exc:
                 for r in requests:
                     r.future.set_exception(exc)
@@ -496,6 +544,7 @@ class _Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     future: Future
+    media: Mapping[str, torch.Tensor] | None = None
 
 
 def make_engine(

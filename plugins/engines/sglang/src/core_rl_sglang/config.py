@@ -56,7 +56,7 @@ class SGLangConfig:
         {
             *("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop"),
             *("repetition_penalty", "frequency_penalty", "presence_penalty", "stop_token_ids"),
-            *("skip_special_tokens", "no_stop_trim"),
+            *("skip_special_tokens", "no_stop_trim", "json_schema"),
         }
     )
     #: the servers can give back their memory while the trainer trains (``rollout.sleep_while_training``)

@@ -6,7 +6,9 @@ What it sends (everything else is :class:`core_rl_server_kit.remote.ServerRollou
   whose common prefix SGLang's radix cache computes once), ``sampling_params`` (``max_new_tokens``,
   ``min_new_tokens``, ``temperature`` (0 for greedy), ``top_p``, ``top_k`` (-1 = off),
   ``min_p`` (0 = off, applied after top-k/top-p as the hf engine does), ``stop_token_ids``,
-  ``stop`` strings where SGLang's rule for them agrees with the core's) and ``return_logprob``.
+  ``stop`` strings where SGLang's rule for them agrees with the core's, ``json_schema`` for a
+  ``response_format``: guided decoding, no free whitespace by ``--constrained-json-disable-any-whitespace``)
+  and ``return_logprob``.
   ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty`` (greedy too; SGLang applies
   the repetition penalty to the response's tokens only, not the prompt's, and after the other
   two, where vLLM and the hf engine cover the prompt and apply it first; on a CPU, SGLang 0.5.23
@@ -42,13 +44,14 @@ What it sends (everything else is :class:`core_rl_server_kit.remote.ServerRollou
 from __future__ import annotations
 
 import functools
+import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from core_rl.config.schema import RolloutConfig
 from core_rl.interfaces import SamplingParams
-from core_rl.interfaces.sampling import with_extra
+from core_rl.interfaces.sampling import required_json_schema, with_extra
 from core_rl_server_kit.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post, versions_from_spans
 from core_rl_server_kit.remote.engine import FORK_ENGINE
 
@@ -84,6 +87,7 @@ class SGLangRolloutEngine(ServerRolloutEngine):
 
     env_name = "sglang"
     health_path = "/health"
+    guided_decoding = True  # response_format: the request's json_schema (SGLang's grammar backend)
     lora_rank: int = 0  #: > 0: the servers serve LoRA adapters up to this rank (:mod:`core_rl_sglang.lora`)
 
     def __init__(
@@ -127,6 +131,8 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             "--dp-size",
             str(c.dp_size),
             "--skip-server-warmup",
+            # guided JSON (response_format) without free whitespace (json.dumps's separators)
+            "--constrained-json-disable-any-whitespace",
         ]
         if c.context_length:
             argv += ["--context-length", str(c.context_length)]
@@ -213,6 +219,8 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             "no_stop_trim": True,
             **({"stop": list(sampling.stop)} if self._stops_natively(sampling) else {}),
         }
+        if sampling.response_format is not None:  # guided decoding: the schema, as text
+            params["json_schema"] = json.dumps(required_json_schema(sampling.response_format))
         params = with_extra(params, sampling, "sglang", SGLangConfig.request_keys)
         payload = {
             "input_ids": [list(prompt_ids)] * sampling.n,

@@ -57,6 +57,7 @@ class VLLMConfig:
             *("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs", "stop"),
             *("repetition_penalty", "frequency_penalty", "presence_penalty", "stop_token_ids", "detokenize"),
             *("skip_special_tokens", "include_stop_str_in_output", "model", "prompt", "return_token_ids"),
+            "structured_outputs",
         }
     )
     #: the servers can sleep while the trainer trains (``rollout.sleep_while_training``)

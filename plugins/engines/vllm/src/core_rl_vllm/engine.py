@@ -6,7 +6,8 @@ What it sends (everything else is :class:`core_rl_server_kit.remote.ServerRollou
   the prompt as ``token_ids`` and ``sampling_params``: ``n``, ``max_tokens``, ``min_tokens``,
   ``temperature`` (0 for greedy), ``top_p``, ``top_k`` (0 = off), ``min_p`` (0 = off),
   ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty`` (greedy too; vLLM's
-  definitions are the core's), ``stop_token_ids``,
+  definitions are the core's), ``stop_token_ids``, ``structured_outputs`` for a ``response_format``
+  (guided decoding: its JSON schema; servers run xgrammar with ``disable_any_whitespace``),
   ``logprobs: 0``. Its answer labels every output token with the weight version that sampled it
   (vLLM's spans, set by the weight-update route below), so a sample a weight update changed in
   place carries both versions, split at the step of the swap. A server at a given URL that does
@@ -95,6 +96,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     env_name = "vllm"
     health_path = "/health"
     swaps_in_place = True
+    guided_decoding = True  # response_format: the request's structured_outputs (vLLM's grammar backend)
     lora_rank: int = 0  #: > 0: the servers serve LoRA adapters up to this rank (:mod:`core_rl_vllm.lora`)
 
     def __init__(
@@ -178,6 +180,9 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             "--middleware",
             MIDDLEWARE,
             "--enable-scale-out",
+            # guided JSON (response_format) without free whitespace between tokens
+            "--structured-outputs-config",
+            '{"backend": "xgrammar", "disable_any_whitespace": true}',
             "--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching",
             "--enable-chunked-prefill" if c.enable_chunked_prefill else "--no-enable-chunked-prefill",
         ]

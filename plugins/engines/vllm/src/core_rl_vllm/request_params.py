@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 from core_rl.interfaces import SamplingParams
-from core_rl.interfaces.sampling import with_extra
+from core_rl.interfaces.sampling import required_json_schema, with_extra
 from core_rl_server_kit.remote import Completion
 
 from core_rl_vllm.config import VLLMConfig
@@ -36,6 +36,12 @@ def own_params(sampling: SamplingParams) -> dict[str, Any]:
         # stop strings are matched in the text without special tokens, as core_rl.rollout.stop_strings does
         "skip_special_tokens": bool(sampling.stop),
         **({"stop": list(sampling.stop), "include_stop_str_in_output": True} if sampling.stop else {}),
+        # guided decoding: the schema the response_format requires (compact JSON: the server's settings)
+        **(
+            {"structured_outputs": {"json": required_json_schema(sampling.response_format)}}
+            if sampling.response_format is not None
+            else {}
+        ),
     }
 
 

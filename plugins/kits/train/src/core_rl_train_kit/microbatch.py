@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 from core_rl.protocol import TensorBatch
+from core_rl.vision.media import MEDIA_KEYS
 
 
 def micro_batch_width(lengths: Sequence[int], rows: Sequence[int]) -> int:
@@ -75,7 +76,8 @@ def _best_cut(rows: Sequence[int], lengths: Sequence[int]) -> int:
 def take_micro_batch(batch: TensorBatch, rows: Sequence[int], width: int) -> TensorBatch:
     """The rows ``rows`` of ``batch`` with every ``[B, T]`` tensor (2-D or more, second dimension
     equal to the batch's ``input_ids`` width) cut to its first ``width`` columns; other tensors
-    (``[B]`` ones such as ``rewards``) are only row-indexed. Each tensor is a new contiguous one,
+    (``[B]`` ones such as ``rewards``, and the pixel inputs :data:`~core_rl.vision.media.MEDIA_KEYS`)
+    are only row-indexed. Each tensor is a new contiguous one,
     never a view: a compiled model guards on its inputs' strides and on whether they are views, so
     a cut view beside an uncut tensor would compile a second graph."""
     full_width = batch["input_ids"].shape[1]
@@ -83,7 +85,7 @@ def take_micro_batch(batch: TensorBatch, rows: Sequence[int], width: int) -> Ten
     out = {}
     for key in batch.keys():
         value = batch[key]
-        if value.ndim >= 2 and value.shape[1] == full_width:
+        if value.ndim >= 2 and value.shape[1] == full_width and key not in MEDIA_KEYS:
             value = value[:, :width]
         out[key] = value[index]
     return TensorBatch(out)

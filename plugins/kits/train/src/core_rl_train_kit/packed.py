@@ -20,15 +20,19 @@ never see the layout.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 import torch
 from core_rl.errors import ConfigError
+from core_rl.vision.media import forward_kwargs
 from torch import nn
 
 from core_rl_train_kit.fused_head import check_handed_on, fused_head
 from core_rl_train_kit.logprobs import align_to_tokens, next_tokens, token_logprobs
 from core_rl_train_kit.shared_prefix import SHARED_ATTENTION, SharedRows
 from core_rl_train_kit.topk_logprobs import logprobs_at, topk_logprobs
+from core_rl_train_kit.vision_tower import idle_vision_pass
 
 LAYOUTS = ("auto", "padded", "packed", "shared")
 #: attention implementations with a varlen kernel that takes ``cu_seqlens`` (no mask materialised)
@@ -152,12 +156,31 @@ def _forward_outputs(
     layout: str,
     varlen_kwargs: bool,
     packed: Stream | None = None,
+    media: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, Stream | None]:
     """The model's ``logits`` of one micro-batch: ``[b, width, ...]`` padded, or ``[1, S, ...]``
     (``[g, L, ...]`` shared) with the :class:`PackedRows` (:class:`SharedRows`) to unpack them
-    (``packed``: already laid out)."""
+    (``packed``: already laid out). ``media``: the rows' pixel inputs (a vision-language model's,
+    :func:`core_rl.vision.media.row_media`), which run padded only."""
+    if media:
+        if layout != "padded" or packed is not None:
+            raise ValueError(f"rows with images run in the padded layout, not {layout}")
+        extra = forward_kwargs(model, input_ids, media)
+        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits, None
     if packed is None:
         packed = _pack(input_ids, attention_mask, layout)
+    with idle_vision_pass(model, input_ids.device):  # a VLM's tower runs on every rank (vision_tower.py)
+        return _text_logits(model, input_ids, attention_mask, packed, varlen_kwargs)
+
+
+def _text_logits(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    packed: Stream | None,
+    varlen_kwargs: bool,
+) -> tuple[torch.Tensor, Stream | None]:
+    """:func:`_forward_outputs` of rows without images, laid out as ``packed`` says (``None``: padded)."""
     if packed is None:
         return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits, None
     if isinstance(packed, SharedRows):
@@ -192,6 +215,7 @@ def forward_logprobs(
     varlen_kwargs: bool = False,
     fused: bool = False,
     stream: SharedRows | None = None,
+    media: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) ``[b, width]`` of one micro-batch through a causal LM, in the
     ``padded`` or ``packed`` layout, or the shared one given its ``stream`` (see the module
@@ -199,7 +223,7 @@ def forward_logprobs(
     ``cu_seqlens`` / max lengths for flash-attn;
     ``entropy_grad``: see :func:`~core_rl_train_kit.logprobs.token_logprobs`; ``fused``: from
     the hidden states and the head's weight, the logits never whole
-    (:mod:`core_rl_train_kit.fused_head`)."""
+    (:mod:`core_rl_train_kit.fused_head`); ``media``: the rows' pixel inputs (padded layout only)."""
     if not fused:
         lp, ent, _ = forward_logprobs_at(
             model,
@@ -212,14 +236,21 @@ def forward_logprobs(
             layout=layout,
             varlen_kwargs=varlen_kwargs,
             stream=stream,
+            media=media,
         )
         return lp, ent
-    packed = _pack(input_ids, attention_mask, layout, stream)
+    packed = None if media else _pack(input_ids, attention_mask, layout, stream)
     ids, mask = (input_ids, attention_mask) if packed is None else (packed.input_ids, packed.continues)
     targets = next_tokens(ids)  # position i predicts token i + 1
     with fused_head(model, targets, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad) as produced:
         stats, _ = _forward_outputs(
-            model, input_ids, attention_mask, layout=layout, varlen_kwargs=varlen_kwargs, packed=packed
+            model,
+            input_ids,
+            attention_mask,
+            layout="padded" if media else layout,
+            varlen_kwargs=varlen_kwargs,
+            packed=packed,
+            media=media,
         )
     check_handed_on(stats, produced)
     lp = align_to_tokens(stats[:, :-1, 0], mask)
@@ -244,6 +275,7 @@ def forward_logprobs_at(
     layout: str = "padded",
     varlen_kwargs: bool = False,
     stream: SharedRows | None = None,
+    media: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """:func:`forward_logprobs` (not fused) and, from the same logits, the log-probs ``[b, width, k]``
     of the tokens ``token_ids`` ``[b, width, k]`` in the same alignment: ``[:, t, j]`` is
@@ -252,10 +284,12 @@ def forward_logprobs_at(
     without ``token_ids``, which the shared layout does not take: its rows share prompt positions)."""
     if token_ids is not None and stream is not None:
         raise ValueError("log-probs of given ids run padded or packed, not shared")
+    if media:  # rows with images run padded (their position ids are the model's own, e.g. M-RoPE)
+        layout, stream = "padded", None
     packed = _pack(input_ids, attention_mask, layout, stream)
     ids, mask = (input_ids, attention_mask) if packed is None else (packed.input_ids, packed.continues)
     logits, _ = _forward_outputs(
-        model, input_ids, attention_mask, layout=layout, varlen_kwargs=varlen_kwargs, packed=packed
+        model, input_ids, attention_mask, layout=layout, varlen_kwargs=varlen_kwargs, packed=packed, media=media
     )
     lp, ent = token_logprobs(logits, ids, mask, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
     at = None

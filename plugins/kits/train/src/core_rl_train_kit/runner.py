@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from core_rl.interfaces import HEADS, VALUE_HEADS, LossFn, LossOutput, ValueLoss
 from core_rl.launch import distributed as dist_utils
 from core_rl.loops import StepMetrics, tokens_per_mb
 from core_rl.protocol import TensorBatch
+from core_rl.vision.media import row_media
 from torch import nn
 
 from core_rl_train_kit import shared_prefix
@@ -51,6 +52,7 @@ from core_rl_train_kit.shared_prefix import (
 )
 from core_rl_train_kit.topk_runner import TopkForwards
 from core_rl_train_kit.ulysses import SequenceGroup
+from core_rl_train_kit.vision_tower import idle_vision_pass
 
 TRAIN_KEYS = ("input_ids", "attention_mask", "response_mask", "loss_weight")
 
@@ -306,8 +308,9 @@ class MicroBatchRunner(TopkForwards):
         units = None
         if share and self.layout == "shared":
             response = batch["response_mask"] if "response_mask" in batch else None
-            units = find_units(batch["input_ids"], attention_mask, response, budget, self.attention_span)
-            if not self._check_shared(units is not None):
+            if "image_grid_thw" not in batch:  # rows with images run padded (their positions are the model's)
+                units = find_units(batch["input_ids"], attention_mask, response, budget, self.attention_span)
+            if not self._check_shared(units is not None):  # collective: every rank asks, images or not
                 units = None
 
         def make(min_num: int) -> list[Planned]:
@@ -363,11 +366,16 @@ class MicroBatchRunner(TopkForwards):
         with_entropy: bool,
         entropy_grad: bool = True,
         units: tuple[tuple[int, int], ...] | None = None,
+        media: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) ``[b, width]`` of one micro-batch on the engine's device
         (``entropy_grad``: see :func:`~core_rl_train_kit.logprobs.token_logprobs`); ``units``:
-        its rows run shared (a :class:`~core_rl_train_kit.shared_prefix.Planned` micro-batch's)."""
+        its rows run shared (a :class:`~core_rl_train_kit.shared_prefix.Planned` micro-batch's);
+        ``media``: its rows' pixel inputs (:func:`core_rl.vision.media.row_media`; padded layout)."""
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        media = {k: v.to(self.device) for k, v in media.items()} if media else None
+        if media and (self.sequence is not None or self.head != "lm"):
+            raise ConfigError("rows with images train a language-model head without sequence parallelism only")
         if self.sequence is not None:
             return self._sharded_forward(input_ids, attention_mask, temperature, with_entropy, entropy_grad)
         stream = None
@@ -386,6 +394,7 @@ class MicroBatchRunner(TopkForwards):
                 with_entropy=with_entropy,
                 entropy_grad=entropy_grad,
                 fused=self.fused_head,
+                media=media,
                 **layout,
             )
 
@@ -427,11 +436,12 @@ class MicroBatchRunner(TopkForwards):
         dummy = placeholder_micro_batch(self.pad_token_id)
         # padded: one token needs no packing, and it reaches every parameter just the same
         with self._precision():
-            logits = self.model(
-                input_ids=dummy["input_ids"].to(self.device),
-                attention_mask=dummy["attention_mask"].to(self.device),
-                use_cache=False,
-            ).logits
+            with idle_vision_pass(self.model, self.device):  # a VLM's tower runs on every rank
+                logits = self.model(
+                    input_ids=dummy["input_ids"].to(self.device),
+                    attention_mask=dummy["attention_mask"].to(self.device),
+                    use_cache=False,
+                ).logits
         return logits.float().sum() * 0.0, None
 
     # ------------------------------------------------------------------ log-probs
@@ -443,8 +453,13 @@ class MicroBatchRunner(TopkForwards):
         return out if self.sequence is None else out[mine, : batch["input_ids"].shape[1]].contiguous()
 
     def _pooled_logprobs(self, batch: TensorBatch, temperature: float) -> torch.Tensor:
-        def forward(ids: torch.Tensor, mask: torch.Tensor, units: tuple[tuple[int, int], ...] | None):
-            return (self.forward(ids, mask, temperature, False, units=units)[0],)
+        def forward(
+            ids: torch.Tensor,
+            mask: torch.Tensor,
+            units: tuple[tuple[int, int], ...] | None,
+            media: Mapping[str, torch.Tensor] | None = None,
+        ):
+            return (self.forward(ids, mask, temperature, False, units=units, media=media)[0],)
 
         (out,) = self._eval_rows(batch, temperature, [torch.float32], forward)
         return out
@@ -463,6 +478,7 @@ class MicroBatchRunner(TopkForwards):
         mode without gradients, its outputs (``[b, width, *trailing]`` each) written into CPU tensors
         ``[B, T, *trailing]`` of ``dtypes`` (0 elsewhere). Collective."""
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        with_images = "image_grid_thw" in batch  # rows with images are never shared (plan)
         lengths, plan = self.plan(batch, share=share)
         outs = [torch.zeros(*input_ids.shape, *trailing, dtype=dtype) for dtype in dtypes]
         moe = self.moe
@@ -482,11 +498,13 @@ class MicroBatchRunner(TopkForwards):
                     width = micro_batch_width(lengths, rows)
                     index = torch.as_tensor(rows, dtype=torch.long)
                     routes = None if replay is None else replay[index, :width]
+                    media = row_media(batch, rows) if with_images else {}
                     with moe.forward(routes) if moe is not None else contextlib.nullcontext():
                         values = forward(
                             input_ids[index, :width].to(self.device),
                             attention_mask[index, :width].to(self.device),
                             planned.units,
+                            **({"media": media} if media else {}),
                         )
                         if recorded is not None:
                             recorded[index, :width] = moe.own_routes(torch.Size((len(rows), width)))
@@ -518,6 +536,7 @@ class MicroBatchRunner(TopkForwards):
         counts = self.sequence is None or self.sequence.index == 0  # the group's ranks share micro-batches
         entropy_grad = bool(getattr(loss_fn, "entropy_grad", True))
         logprobs_key = getattr(loss_fn, "logprobs_at_key", None)
+        with_images = "image_grid_thw" in batch  # rows with images are never shared (plan)
         lengths, plan = self.plan(batch, share=logprobs_key is None)
         acc = StepMetrics(self.device)
         moe = self.moe
@@ -533,7 +552,13 @@ class MicroBatchRunner(TopkForwards):
             with moe.forward(moe.routes_for(mb)) if moe is not None else contextlib.nullcontext():
                 if logprobs_key is None:
                     lp, ent = self.forward(
-                        mb["input_ids"], mb["attention_mask"], temperature, True, entropy_grad, units=planned.units
+                        mb["input_ids"],
+                        mb["attention_mask"],
+                        temperature,
+                        True,
+                        entropy_grad,
+                        units=planned.units,
+                        media=row_media(mb) if with_images else None,
                     )
                 else:
                     lp, ent = self._forward_at(mb, logprobs_key, temperature, entropy_grad)

@@ -78,12 +78,14 @@ class OpenAIAgentConfig:
       of its group (unless every episode of the row errored: then they are scored).
     - ``max_error_fraction``: the most of a step's episodes that may end in an error; past it the
       run stops, naming the most common error (1: never).
-    - ``python``: the interpreter that runs a script ``program`` (e.g. another venv's
-      ``bin/python``); empty: core-rl's own, or the environment of ``requirements``.
-    - ``requirements``: pip requirements of a script ``program`` (e.g. ``["openai-agents==0.24.*"]``):
+    - ``python``: the interpreter that runs ``program`` (e.g. another venv's ``bin/python``): a
+      script's processes, or, for a function, one worker process that imports it once and runs
+      every episode (:mod:`core_rl_openai_proxy.agent_worker`); empty: core-rl's own (a function
+      then runs in-process), or the environment of ``requirements``.
+    - ``requirements``: pip requirements of ``program`` (e.g. ``["openai-agents==0.24.*"]``):
       core-rl builds a venv with them once (cached by their hash, under ``$CORE_RL_HOME``, as
-      ``core-rl server-env`` builds server environments) and runs the script there; core-rl's own
-      environment is never changed.
+      ``core-rl server-env`` builds server environments) and runs the script, or the function's
+      worker, there; core-rl's own environment is never changed.
     """
 
     program: str = attrs.field(validator=_program)
@@ -112,15 +114,6 @@ class OpenAIAgentConfig:
         return template_problems(self, context)
 
     def __attrs_post_init__(self) -> None:
-        script = self.program.endswith(".py")
-        for key in ("python", "requirements"):
-            if getattr(self, key) and not script:
-                raise FieldValueError(
-                    key,
-                    getattr(self, key),
-                    "applies to a script program (path/to/script.py); an in-process program runs in core-rl's "
-                    "own interpreter: make it a script, or remove this key",
-                )
         if self.python and self.requirements:
             raise FieldValueError(
                 "requirements",

@@ -15,6 +15,10 @@ group that is killed when the episode times out or the run stops. ``python`` is 
 The end of its stdout and stderr (:data:`OUTPUT_TAIL` characters) is kept as the episode's
 ``output``; a non-zero exit status is an :class:`AgentFailed` quoting it.
 
+A function with ``python`` or ``requirements`` (another interpreter): it runs in one worker
+process of that interpreter for the whole run, which imports it once
+(:mod:`core_rl_openai_proxy.agent_worker`), as in-process otherwise.
+
 Either way a failure is an :class:`AgentFailed` whose ``kind`` is the exception's class name
 (``MaxTurnsExceeded``) or ``exit status N``; the workflow makes it an errored episode.
 """
@@ -34,6 +38,8 @@ from typing import Any
 import attrs
 from core_rl.errors import ConfigError, CoreRLError
 from core_rl.plugins import LoadFailed, is_async, load_callable
+
+from core_rl_openai_proxy.agent_worker import AgentWorker
 
 #: how much of a script's stdout and stderr an episode keeps (and a failure quotes)
 OUTPUT_TAIL = 2000
@@ -72,10 +78,17 @@ class AgentProgram:
         self.program, self.args, self.python = program, list(args), python or sys.executable
         self.script: Path | None = None
         self.function: Callable[..., Any] | None = None
+        self.worker: AgentWorker | None = None
         if program.endswith(".py"):  # a script: a subprocess per episode
             self.script = Path(program).resolve()
             if not self.script.is_file():
                 raise ConfigError([f"rollout.workflow.program: no script at {program!r} (from {Path.cwd()})"])
+            return
+        if python is not None:  # a function in another interpreter: one worker for the run
+            where = program.rpartition(":")[0]
+            if where.endswith(".py") and not Path(where).is_file():
+                raise ConfigError([f"rollout.workflow.program: no file at {where!r} (from {Path.cwd()})"])
+            self.worker = AgentWorker(program, python)
             return
         try:
             self.function = load_callable(program)
@@ -86,8 +99,10 @@ class AgentProgram:
         """One episode; raises :class:`AgentFailed` when the program fails."""
         if self.script is not None:
             return await self._run_script(base_url, api_key, row)
-        assert self.function is not None
         kwargs = {"base_url": base_url, "api_key": api_key, "row": dict(row)}
+        if self.worker is not None:
+            return Outcome(await self.worker.run(kwargs))
+        assert self.function is not None
         try:
             if is_async(self.function):
                 return Outcome(await self.function(**kwargs))
@@ -99,6 +114,11 @@ class AgentProgram:
             kind = type(exc).__name__
             message = f"agent program {self.program} raised {kind}: {exc}{cause}"
             raise AgentFailed(message, kind, summary=f"{kind}: {' '.join(str(exc).split())}"[:300]) from exc
+
+    def close(self) -> None:
+        """Stop the worker of a function run in another interpreter (nothing to do otherwise)."""
+        if self.worker is not None:
+            self.worker.close()
 
     async def _run_script(self, base_url: str, api_key: str, row: Mapping[str, Any]) -> Outcome:
         assert self.script is not None

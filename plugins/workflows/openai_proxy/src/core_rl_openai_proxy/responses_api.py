@@ -31,6 +31,8 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from core_rl.interfaces.sampling import required_json_schema
+
 from core_rl_openai_proxy.errors import RequestError
 from core_rl_openai_proxy.tools import Reply
 
@@ -38,23 +40,34 @@ from core_rl_openai_proxy.tools import Reply
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
-def refuse_structured_output(body: Mapping[str, Any]) -> None:
-    """400 for ``response_format`` (chat) or ``text.format`` (responses) asking for JSON: the
-    rollout engine samples without guided decoding, and ignoring the request would hand the agent
-    text it did not ask for."""
-    chat_format = body.get("response_format")
+def requested_response_format(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The structured output a request asks for, in the chat form the rollout engine takes
+    (:attr:`core_rl.interfaces.SamplingParams.response_format`): ``response_format`` (chat and
+    completions) or ``text.format`` (responses, whose ``json_schema`` keeps ``name``, ``schema`` and
+    ``strict`` beside ``type``); ``None`` for none or ``{"type": "text"}``. A malformed one is a 400.
+    The engine then samples under the constraint (guided decoding), the whole reply included: with
+    ``tools``, a turn so constrained cannot call a tool, as on vLLM's own server."""
     text = body.get("text")
-    response_format = text.get("format") if isinstance(text, Mapping) else None
-    for param, value in (("response_format", chat_format), ("text.format", response_format)):
-        kind = value.get("type") if isinstance(value, Mapping) else value
-        if value is not None and kind != "text":
+    asked = {"response_format": body.get("response_format")}
+    asked["text.format"] = text.get("format") if isinstance(text, Mapping) else None
+    for param, value in asked.items():
+        kind = value.get("type") if isinstance(value, Mapping) else None
+        if value is None or kind == "text":
+            continue
+        if kind == "json_schema" and param == "text.format":  # the Responses form: the schema's fields beside type
+            value = {"type": "json_schema", "json_schema": {k: v for k, v in value.items() if k != "type"}}
+        try:
+            required_json_schema(value)
+        except ValueError:
+            form = "'schema': {...}" if param == "text.format" else "'json_schema': {'schema': {...}}"
             raise RequestError(
-                f"'{param}' of type {kind!r} needs guided (constrained) decoding, which the rollout engine behind "
-                "this proxy (rollout.engine) does not do in core-rl: leave it unset (or 'text') and parse the "
-                "model's text in the agent (in the openai-agents SDK: an Agent without output_type)",
+                f"'{param}' must be {{'type': 'text'}}, {{'type': 'json_object'}} or "
+                f"{{'type': 'json_schema', {form}}}; got {value!r:.200}",
                 param=param,
-                code="unsupported_parameter",
-            )
+                code="invalid_value",
+            ) from None
+        return dict(value)
+    return None
 
 
 def refuse_serial_tool_calls(body: Mapping[str, Any]) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 import uvicorn
 from core_rl.errors import CoreRLError
+from core_rl.interfaces.sampling import GuidedDecodingUnsupported
 from core_rl.rollout import template_text, text_before_stop
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -195,7 +196,7 @@ class ProxyServer:
         messages = normalize_messages(body.get("messages"))
         tools = request_tools(body)
         logprobs = responses.wants_logprobs(body, chat=True)
-        responses_api.refuse_structured_output(body)
+        responses_api.requested_response_format(body)  # a malformed one: a 400 before the turn
         responses_api.refuse_serial_tool_calls(body)
         plan, turn, reply, matched = await self._chat_turn(session, body, messages, tools, body.get("tool_choice"))
         ids = bool(body.get("return_token_ids"))
@@ -212,7 +213,7 @@ class ProxyServer:
     async def _responses(self, request: Request) -> dict[str, Any] | Response:
         session = self._session(request)
         body = await self._body(request, stream=True)
-        responses_api.refuse_structured_output(body)
+        responses_api.requested_response_format(body)  # a malformed one: a 400 before the turn
         responses_api.refuse_serial_tool_calls(body)
         previous = body.get("previous_response_id")
         history = None
@@ -321,7 +322,8 @@ class ProxyServer:
         wanted = responses.requested_max_tokens(body)
         max_new = min(session.sampling.max_new_tokens, room, wanted or room)
         stops = list(dict.fromkeys([*session.sampling.stop, *responses.requested_stops(body)]))
-        sampling = _evolve(session.sampling, n=1, max_new_tokens=max_new, stop=stops)
+        response_format = responses_api.requested_response_format(body)
+        sampling = _evolve(session.sampling, n=1, max_new_tokens=max_new, stop=stops, response_format=response_format)
         with session.guard:
             if session.closed:
                 raise session.ended()
@@ -331,6 +333,8 @@ class ProxyServer:
             (turn,) = await future
         except asyncio.CancelledError:
             raise session.ended() from None
+        except GuidedDecodingUnsupported as exc:  # the request's, not the episode's, fault
+            raise RequestError(str(exc), param="response_format", code="unsupported_parameter") from None
         except Exception as exc:
             session.error = session.error or exc
             raise RequestError(

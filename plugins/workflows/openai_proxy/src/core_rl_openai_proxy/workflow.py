@@ -55,8 +55,11 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
 
     def __init__(self, config: OpenAIAgentConfig) -> None:
         self.config = config
-        python = agent_python(config.python, config.requirements) if config.program.endswith(".py") else None
-        self.program = AgentProgram(config.program, config.args, python)
+        script = config.program.endswith(".py")
+        own = script or config.python or config.requirements  # a function without them runs in-process
+        self.program = AgentProgram(
+            config.program, config.args, agent_python(config.python, config.requirements) if own else None
+        )
         self.proxy: ProxyServer | None = None
         self._starting = threading.Lock()
 
@@ -72,6 +75,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
             return self.proxy
 
     def close(self) -> None:
+        self.program.close()
         if self.proxy is not None:
             self.proxy.close()
             self.proxy = None

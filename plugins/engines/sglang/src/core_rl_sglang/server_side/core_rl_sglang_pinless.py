@@ -7,7 +7,10 @@ process SGLang spawns). SGLang 0.5.23's LoRA layers (``sglang/srt/lora/layers.py
 with ``pin_memory=True`` or ``.pin_memory()`` whatever the device, and a CPU-only torch has no
 pinned-memory allocator: the server fails at start with ``RuntimeError: pin_memory=True requires a
 CUDA or other accelerator backend``. Pinning only speeds up copies to an accelerator, of which a CPU
-server has none, so those tensors are made as ordinary ones. Nothing changes where pinning works.
+server has none, so those tensors are made as ordinary ones. Its routed-experts capture
+(``--enable-return-routed-experts``) registers a host buffer with ``cudaHostRegister`` through
+``torch.cuda.cudart()``, which fails on a CPU-only torch: there, registering host memory succeeds
+doing nothing (:class:`NoCudaRuntime`). Nothing changes where pinning works.
 """
 
 from __future__ import annotations
@@ -39,6 +42,20 @@ def _without_pin(factory: Callable[..., Any]) -> Callable[..., Any]:
     return make
 
 
+class NoCudaRuntime:
+    """``torch.cuda.cudart()`` on a CPU-only torch: host-memory registration (which only speeds up
+    copies to a device) succeeds and does nothing."""
+
+    def cudaHostRegister(self, pointer: int, size: int, flags: int) -> int:
+        return 0
+
+    def cudaHostUnregister(self, pointer: int) -> int:
+        return 0
+
+    def cudaGetErrorString(self, code: int) -> str:
+        return f"CUDA error {code} (no CUDA in this torch)"
+
+
 def apply() -> bool:
     """Make pinned host tensors ordinary ones where this torch cannot pin; whether it did."""
     import torch
@@ -48,5 +65,7 @@ def apply() -> bool:
     for name in FACTORIES:
         setattr(torch, name, _without_pin(getattr(torch, name)))
     torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    if not torch.cuda.is_available():
+        torch.cuda.cudart = NoCudaRuntime
     print("core-rl: no pinned memory on this torch; SGLang's pinned host tensors are ordinary ones", file=sys.stderr)
     return True

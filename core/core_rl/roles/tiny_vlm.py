@@ -1,0 +1,141 @@
+"""A tiny Qwen2-VL-shaped vision-language model built offline (no model hub), for examples and tests.
+
+:func:`build_tiny_vlm` writes a directory that ``AutoModelForImageTextToText``, ``AutoTokenizer`` and
+``AutoImageProcessor`` reload offline: a random-weight ``Qwen2VLForConditionalGeneration`` (a small
+vision tower of ``vision_depth`` blocks whose patch merger projects into a small language model), a
+byte-level BPE tokenizer trained on the given words with the Qwen2-VL special tokens, a chat template
+that renders OpenAI/HF content parts (an image part becomes
+``<|vision_start|><|image_pad|><|vision_end|>``) and Qwen2-VL's image processor with a small patch.
+
+An image of ``H x W`` pixels (multiples of ``patch_size * merge_size``) becomes
+``(H / patch_size) * (W / patch_size)`` patches of ``3 * 2 * patch_size**2`` values and
+``H * W / (patch_size * merge_size)**2`` ``<|image_pad|>`` tokens in the prompt
+(:mod:`core_rl.vision.prompts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+#: the Qwen2-VL family's special tokens, ids 0.. in this order
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|vision_pad|>",
+)
+PAD, EOS, IMAGE_PAD = "<|endoftext|>", "<|im_end|>", "<|image_pad|>"
+
+#: Qwen2-VL's chat layout (ChatML) over content parts: a string content as it is; a list of parts
+#: in order, ``{"type": "image", ...}`` (or ``image_url``) as the vision placeholder, ``{"type":
+#: "text", "text": ...}`` as its text
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_bpe_tokenizer(words: Sequence[str], vocab_size: int = 300):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` trained offline on ``words`` (each word and the
+    text of all of them), with :data:`SPECIAL_TOKENS` first; pad ``<|endoftext|>``, EOS ``<|im_end|>``."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    corpus = [*words, " ".join(words), "user assistant system"]
+    bpe.train_from_iterator(corpus * 4, vocab_size=vocab_size, min_frequency=1, special_tokens=list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=EOS, pad_token=PAD)
+
+
+def build_tiny_vlm(
+    path: str | Path,
+    *,
+    words: Sequence[str] = ("red", "green", "blue", "yellow", "colour", "square", "?"),
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    vision_depth: int = 2,
+    vision_embed_dim: int = 32,
+    vision_heads: int = 2,
+    patch_size: int = 4,
+    merge_size: int = 2,
+    min_pixels: int = 8 * 8,
+    max_pixels: int = 64 * 64,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Write the random-weight tiny Qwen2-VL model, tokenizer, chat template and image processor to
+    ``path`` (see the module docstring); return ``path``. ``words``: what the tokenizer's merges
+    are trained on (the task's vocabulary); ``min_pixels``/``max_pixels`` bound the resized image."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from core_rl.roles.hf import save_pretrained
+
+    path = Path(path)
+    tokenizer = build_bpe_tokenizer(words)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    token = tokenizer.convert_tokens_to_ids
+    head_dim = hidden_size // num_heads
+    # M-RoPE splits a head's rotary half into temporal, height and width sections
+    half = head_dim // 2
+    sections = [half - 2 * (half // 3), half // 3, half // 3]
+    config = Qwen2VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": hidden_size,
+            "intermediate_size": intermediate_size,
+            "num_hidden_layers": num_layers,
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": num_kv_heads,
+            "max_position_embeddings": max_position_embeddings,
+            "rope_scaling": {"type": "mrope", "mrope_section": sections},
+            "tie_word_embeddings": False,
+            "bos_token_id": None,
+            "eos_token_id": token(EOS),
+            "pad_token_id": token(PAD),
+        },
+        vision_config={
+            "depth": vision_depth,
+            "embed_dim": vision_embed_dim,
+            "hidden_size": hidden_size,
+            "num_heads": vision_heads,
+            "mlp_ratio": 2,
+            "in_channels": 3,
+            "patch_size": patch_size,
+            "spatial_merge_size": merge_size,
+            "temporal_patch_size": 2,
+        },
+        image_token_id=token(IMAGE_PAD),
+        video_token_id=token("<|video_pad|>"),
+        vision_start_token_id=token("<|vision_start|>"),
+        vision_end_token_id=token("<|vision_end|>"),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = token(EOS)
+    model.generation_config.pad_token_id = token(PAD)
+    processor = Qwen2VLImageProcessorPil(
+        patch_size=patch_size,
+        temporal_patch_size=2,
+        merge_size=merge_size,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    save_pretrained(model, path)
+    tokenizer.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path

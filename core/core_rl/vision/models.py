@@ -1,0 +1,77 @@
+"""Which models are vision-language models, and their image processor.
+
+A model directory is a vision-language model (VLM) when its ``config.json`` has a ``vision_config``
+(Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3, LLaVA and most Hugging Face VLMs do). Such a model loads
+with ``AutoModelForImageTextToText``, and its ``preprocessor_config.json`` with
+``AutoImageProcessor``; the image processor is found from the tokenizer's directory
+(:func:`image_processor_of`), so every place that holds the tokenizer can encode images.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+#: the file an image processor is saved in
+PROCESSOR_FILE = "preprocessor_config.json"
+#: where :func:`image_processor_of` keeps the loaded processor on the tokenizer object
+_CACHE_ATTRIBUTE = "_core_rl_image_processor"
+
+
+def is_vision_language(model_path: str | Path | None) -> bool:
+    """Whether the model directory ``model_path`` holds a vision-language model (its
+    ``config.json`` has a ``vision_config``); ``False`` for a missing or unreadable one."""
+    if not model_path:
+        return False
+    config = Path(model_path) / "config.json"
+    try:
+        return "vision_config" in json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+
+
+def image_processor_of(tokenizer: Any) -> Any | None:
+    """The image processor saved beside ``tokenizer`` (in its ``name_or_path`` directory), loaded
+    once and kept on the tokenizer; ``None`` when there is none (a text-only model)."""
+    if hasattr(tokenizer, _CACHE_ATTRIBUTE):
+        return getattr(tokenizer, _CACHE_ATTRIBUTE)
+    source = getattr(tokenizer, "name_or_path", None)
+    processor = None
+    if source and (Path(source) / PROCESSOR_FILE).is_file():
+        from transformers import AutoImageProcessor
+
+        processor = AutoImageProcessor.from_pretrained(source, local_files_only=True)
+    setattr(tokenizer, _CACHE_ATTRIBUTE, processor)
+    return processor
+
+
+def image_token_id(tokenizer: Any, processor: Any) -> tuple[str, int]:
+    """The placeholder token one image patch group stands for (``<|image_pad|>`` for Qwen2-VL) and its id."""
+    token = getattr(processor, "image_token", None) or getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+    return token, int(tokenizer.convert_tokens_to_ids(token))
+
+
+def auto_model_class(model_path: str | Path | None) -> Any:
+    """The transformers auto class that loads ``model_path``'s language-model head:
+    ``AutoModelForImageTextToText`` for a vision-language model (:func:`is_vision_language`), else
+    ``AutoModelForCausalLM``."""
+    import transformers
+
+    if is_vision_language(model_path):
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
+
+
+def keep_image_processor(sources: list[str | Path], target: Path) -> bool:
+    """Copy the image processor (:data:`PROCESSOR_FILE`) of the first of ``sources`` that has one
+    into the exported model directory ``target``, so the export loads as a vision-language model
+    again; ``False`` when none has one (a text-only model)."""
+    import shutil
+
+    for source in sources:
+        found = Path(source) / PROCESSOR_FILE
+        if found.is_file():
+            shutil.copyfile(found, Path(target) / PROCESSOR_FILE)
+            return True
+    return False

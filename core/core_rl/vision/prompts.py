@@ -1,0 +1,85 @@
+"""A prompt with images as token ids plus pixel inputs, the way the model's processor makes them.
+
+The chat template renders the messages with one placeholder per image (Qwen2-VL:
+``<|vision_start|><|image_pad|><|vision_end|>``); the image processor turns each image into patch
+rows (``pixel_values`` ``[patches, 3 * temporal_patch * patch**2]``) and its grid
+(``image_grid_thw`` ``[images, 3]``: frames, rows, columns of patches); each placeholder is then
+repeated to ``t * h * w / merge_size**2`` tokens, the number of vision embeddings the model puts
+in their place. The ids and the pixel inputs travel together from here to the engines
+(:attr:`core_rl.protocol.Sample.media`), so generation and training see the same inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from core_rl.vision.images import ImageError, load_image, row_image_sources
+from core_rl.vision.models import image_processor_of, image_token_id
+
+
+def encode_images(images: Sequence[Any], processor: Any) -> dict[str, Any]:
+    """The processor's pixel inputs of ``images`` (RGB ``PIL`` images): ``pixel_values`` float32
+    ``[patches, D]`` and ``image_grid_thw`` long ``[images, 3]``."""
+    import torch
+
+    out = processor(images=list(images), return_tensors="pt")
+    return {
+        "pixel_values": torch.as_tensor(out["pixel_values"], dtype=torch.float32),
+        "image_grid_thw": torch.as_tensor(out["image_grid_thw"], dtype=torch.long),
+    }
+
+
+def placeholder_counts(grid_thw: Any, processor: Any) -> list[int]:
+    """How many placeholder tokens each image of ``grid_thw`` ``[images, 3]`` takes: ``t * h * w / merge_size**2``."""
+    merge = int(getattr(processor, "merge_size", 1))
+    return [int(t * h * w) // (merge * merge) for t, h, w in grid_thw.tolist()]
+
+
+def encode_vision_prompt(
+    row: Mapping[str, Any],
+    prompt: str | Sequence[Mapping[str, Any]],
+    tokenizer: Any,
+    *,
+    image_key: str,
+    max_images: int,
+    system_prompt: str | None,
+    template_kwargs: Mapping[str, Any],
+    base_dir: Path | None = None,
+) -> tuple[list[int], str, dict[str, Any]]:
+    """Token ids, rendered text and pixel inputs (``pixel_values``, ``image_grid_thw``) of a row's
+    prompt with its images (:mod:`core_rl.vision.images`; ``base_dir``: where relative image paths
+    start). Raises :class:`~core_rl.vision.images.ImageError` for an image that cannot be read, more
+    than ``max_images`` of them, or a model with no image processor."""
+    from core_rl.rollout.chat_template import prompt_messages
+
+    processor = image_processor_of(tokenizer)
+    if processor is None:
+        source = getattr(tokenizer, "name_or_path", "the model")
+        raise ImageError(
+            f"the row has images but {source} has no image processor ({'preprocessor_config.json'}): "
+            "use a vision-language model, or drop the images"
+        )
+    messages, sources = row_image_sources(row, prompt, image_key)
+    if len(sources) > max_images:
+        raise ImageError(
+            f"the row has {len(sources)} images, more than data.max_images_per_prompt={max_images}; "
+            "drop some or raise data.max_images_per_prompt"
+        )
+    images = [load_image(source, base_dir) for source in sources]
+    messages = prompt_messages(messages, system_prompt)
+    text = str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs))
+    token, _ = image_token_id(tokenizer, processor)
+    pieces = text.split(token)
+    if len(pieces) - 1 != len(images):
+        raise ImageError(
+            f"the chat template placed {len(pieces) - 1} image placeholders ({token}) for {len(images)} images; "
+            "the template does not render image content parts"
+        )
+    media = encode_images(images, processor)
+    expanded = pieces[0]
+    for count, piece in zip(placeholder_counts(media["image_grid_thw"], processor), pieces[1:]):
+        expanded += token * count + piece
+    ids = list(tokenizer(expanded, add_special_tokens=False)["input_ids"])
+    return ids, text, media

@@ -1,0 +1,484 @@
+"""Vision-language models (:mod:`core_rl.vision`): the tiny Qwen2-VL built offline, rows with
+images turned into ids and pixel inputs, pixel inputs kept with their rows in batches, the ``hf``
+engine sampling with images and the ``fsdp`` engine computing the same log-probs, bad images and
+engines that take no images refused before a run, and short GRPO, SFT and DPO runs on image rows."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from core_rl import cli
+from core_rl.config.schema import ActorConfig, DataConfig, OptimizerConfig, PluginSpec
+from core_rl.data.files import DataRow
+from core_rl.data.prompts import tokenise_rows
+from core_rl.interfaces import LossOutput, SamplingParams
+from core_rl.protocol import Sample, TensorBatch, concat_padded, samples_to_batch
+from core_rl.roles.tiny_vlm import IMAGE_PAD, build_tiny_vlm
+from core_rl.testing.helpers import build_rollout_engine
+from core_rl.vision.media import row_media
+from core_rl_train_kit.microbatch import take_micro_batch
+from PIL import Image
+
+REWARDS = Path(__file__).with_name("reward_functions.py")
+COLOURS = {"red": (220, 30, 30), "green": (30, 180, 40), "blue": (30, 60, 220), "yellow": (230, 210, 30)}
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.set_num_threads(1)
+    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "model", words=[*COLOURS, "colour?"], seed=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(vlm: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(vlm)
+
+
+def square(colour: str, size: int = 16) -> Image.Image:
+    image = Image.new("RGB", (size, size), (200, 200, 200))
+    image.paste(COLOURS[colour], (4, 4, 12, 12))
+    return image
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def write_rows(folder: Path, count: int = 16, *, key: str = "answer", seed: int = 0) -> Path:
+    """``count`` rows ``{"prompt": "colour?", "images": ["images/i.png"], key: colour}`` and their PNGs."""
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    names = list(COLOURS)
+    rng = random.Random(seed)
+    path = folder / "train.jsonl"
+    with path.open("w") as f:
+        for i in range(count):
+            colour = names[i % len(names)]
+            square(colour).save(folder / "images" / f"{i}.png")
+            row = {"prompt": "colour?", "images": [f"images/{i}.png"], key: colour}
+            if key == "chosen":
+                row["rejected"] = rng.choice([c for c in names if c != colour])
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def rows_of(path: Path) -> list[DataRow]:
+    lines = path.read_text().splitlines()
+    return [DataRow(file=str(path), line=i + 1, row=json.loads(line)) for i, line in enumerate(lines)]
+
+
+# -- the model ----------------------------------------------------------------------------------
+
+
+def test_tiny_vlm_reloads_offline_with_the_family_special_tokens(vlm: Path, tokenizer) -> None:
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(vlm, local_files_only=True)
+    processor = AutoImageProcessor.from_pretrained(vlm, local_files_only=True)
+    assert type(model).__name__ == "Qwen2VLForConditionalGeneration"
+    assert any(name.startswith("model.visual.") for name, _ in model.named_parameters())
+    for token in ("<|vision_start|>", IMAGE_PAD, "<|vision_end|>", "<|im_start|>", "<|im_end|>"):
+        assert tokenizer.convert_tokens_to_ids(token) != tokenizer.unk_token_id
+        assert len(tokenizer(token, add_special_tokens=False)["input_ids"]) == 1
+    assert model.config.image_token_id == tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    out = processor(images=[square("red")], return_tensors="pt")
+    assert out["image_grid_thw"].tolist() == [[1, 4, 4]]  # 16x16 pixels, patch 4
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+
+def test_images_column_and_content_parts_give_the_same_ids_and_pixels(tmp_path: Path, tokenizer) -> None:
+    """A path in ``images``, a data: URI in an ``image_url`` part and bytes in an ``image`` part of
+    the same picture give the same tokens (one ``<|image_pad|>`` per 2x2 merged patches) and pixels."""
+    square("blue").save(tmp_path / "b.png")
+    uri = "data:image/png;base64," + base64.b64encode(png_bytes(square("blue"))).decode()
+    message = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": "colour?"}],
+        }
+    ]
+    parts = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": png_bytes(square("blue"))}, {"type": "text", "text": "colour?"}],
+        }
+    ]
+    rows = [
+        DataRow(str(tmp_path / "d.jsonl"), 1, {"prompt": "colour?", "images": [str(tmp_path / "b.png")]}),
+        DataRow(str(tmp_path / "d.jsonl"), 2, {"prompt": message}),
+        DataRow(str(tmp_path / "d.jsonl"), 3, {"prompt": parts}),
+    ]
+    items, problems = tokenise_rows(rows, DataConfig(apply_chat_template=True), tokenizer)
+    assert problems == []
+    pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    assert items[0].prompt_ids.count(pad) == 4  # (4 * 4 patches) / merge 2x2
+    for item in items[1:]:
+        assert item.prompt_ids == items[0].prompt_ids
+        assert torch.equal(item.media["pixel_values"], items[0].media["pixel_values"])
+    assert items[0].media["pixel_values"].shape == (16, 3 * 2 * 4 * 4)
+    assert items[0].media["image_grid_thw"].tolist() == [[1, 4, 4]]
+
+
+def test_text_rows_of_a_vision_model_carry_no_media(tokenizer) -> None:
+    items, problems = tokenise_rows(
+        [DataRow("d.jsonl", 1, {"prompt": "colour?"})], DataConfig(apply_chat_template=True), tokenizer
+    )
+    assert problems == [] and items[0].media is None
+
+
+@pytest.mark.parametrize(
+    ("images", "expected"),
+    [
+        (["missing.png"], "d.jsonl:1: image file 'missing.png' does not exist"),
+        (["bad.png"], "d.jsonl:1: image file 'bad.png' cannot be decoded as an image"),
+        (["ok.png"] * 3, "d.jsonl:1: the row has 3 images, more than data.max_images_per_prompt=2"),
+        (["http://example.com/a.png"], "is a URL; a run reads no network"),
+    ],
+)
+def test_bad_images_are_problems_naming_the_row(tmp_path: Path, tokenizer, images: list[str], expected: str) -> None:
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    square("red").save(tmp_path / "ok.png")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "colour?", "images": images}) + "\n")
+    _, problems = tokenise_rows(rows_of(data), DataConfig(apply_chat_template=True, max_images_per_prompt=2), tokenizer)
+    assert len(problems) == 1 and expected in problems[0], problems
+
+
+def test_a_bad_image_stops_core_rl_train_with_exit_2_and_no_traceback(tmp_path: Path, vlm: Path, capsys) -> None:
+    data = write_rows(tmp_path)
+    lines = data.read_text().splitlines()
+    lines[2] = json.dumps({"prompt": "colour?", "images": ["images/nowhere.png"], "answer": "red"})
+    data.write_text("\n".join(lines) + "\n")
+    config = grpo_config(tmp_path, vlm, data, steps=1)
+    code = cli.main(["train", str(config)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"{data}:3: image file 'images/nowhere.png' does not exist" in err
+    assert "Traceback" not in err
+
+
+# -- batches ------------------------------------------------------------------------------------
+
+
+def media(patches: int, value: float, images: int = 1) -> dict[str, torch.Tensor]:
+    per = patches // images
+    side = int(per**0.5)
+    return {
+        "pixel_values": torch.full((patches, 6), value),
+        "image_grid_thw": torch.tensor([[1, side, per // side]] * images),
+    }
+
+
+def test_pixel_inputs_stay_with_their_rows_through_batches_and_micro_batches() -> None:
+    samples = [
+        Sample([1, 2, 3], [4], [-0.5], 0, "stop", media=media(4, 1.0)),
+        Sample([1, 2], [4, 5], [-0.1, -0.2], 0, "stop"),  # text only
+        Sample([1, 2, 3, 3], [4], [-0.3], 0, "stop", media=media(8, 3.0, images=2)),
+    ]
+    batch = samples_to_batch(samples, [0, 1, 2], pad_token_id=0)
+    assert batch["pixel_values"].shape == (3, 8, 6) and batch["image_grid_thw"].shape == (3, 2, 3)
+    mb = take_micro_batch(batch, [2, 0], width=5)
+    got = row_media(mb)
+    assert got["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 2], [1, 2, 2]]
+    assert got["pixel_values"].shape == (12, 6)
+    assert got["pixel_values"][:8].eq(3.0).all() and got["pixel_values"][8:].eq(1.0).all()
+    assert row_media(batch, [1]) == {}
+    # a batch whose rows hold fewer patches is padded to the widest when batches are joined
+    other = samples_to_batch([Sample([1], [2], [-1.0], 0, "stop", media=media(4, 7.0))], [0], pad_token_id=0)
+    joined = concat_padded([batch, other], pad_token_id=0)
+    assert joined["pixel_values"].shape == (4, 8, 6)
+    assert row_media(joined, [3])["pixel_values"].eq(7.0).all()
+
+
+def test_take_micro_batch_never_cuts_pixel_rows_that_happen_to_match_the_width() -> None:
+    samples = [Sample([1, 2, 3], [4], [-0.5], 0, "stop", media=media(4, 1.0))]
+    batch = samples_to_batch(samples, [0], pad_token_id=0)
+    assert batch["pixel_values"].shape[1] == batch["input_ids"].shape[1] == 4
+    assert take_micro_batch(batch, [0], width=2)["pixel_values"].shape == (1, 4, 6)
+
+
+# -- engines ------------------------------------------------------------------------------------
+
+
+def test_hf_samples_with_images_and_fsdp_computes_the_same_logprobs(tmp_path: Path, vlm: Path, tokenizer) -> None:
+    """The tokens trained are the tokens sampled (the batch's ids are the prompt's plus the
+    response's), and the train engine's log-probs over them, with the same pixels, equal the
+    behaviour log-probs within float32 rounding; the images change what the model predicts."""
+    from core_rl_fsdp.config import FSDPConfig
+    from core_rl_fsdp.engine import FSDPEngine
+
+    data = write_rows(tmp_path, count=4)
+    items, problems = tokenise_rows(rows_of(data), DataConfig(apply_chat_template=True), tokenizer)
+    assert problems == []
+    rollout = build_rollout_engine("hf", {"seed": 0}, vlm, tmp_path / "run")
+    sampling = SamplingParams(n=3, max_new_tokens=5, temperature=1.0)
+    groups = rollout.generate([i.prompt_ids for i in items], sampling, media=[i.media for i in items])
+    samples = [s for g in groups for s in g]
+    for item, group in zip(items, groups):
+        for s in group:
+            assert s.prompt_ids == item.prompt_ids and len(s.response_ids) >= 1
+            s.media = item.media
+    batch = samples_to_batch(samples, [i for i in range(len(items)) for _ in range(3)], pad_token_id=0)
+    for row, s in enumerate(samples):
+        assert (
+            batch["input_ids"][row, : len(s.prompt_ids) + len(s.response_ids)].tolist() == s.prompt_ids + s.response_ids
+        )
+    actor = ActorConfig(
+        model_path=str(vlm), engine=PluginSpec(name="fsdp"), optimizer=OptimizerConfig(name="sgd", lr=0.1)
+    )
+    engine = FSDPEngine(actor, FSDPConfig(), trainable=True)
+    logprobs = engine.compute_logprobs(batch)
+    mask = batch["response_mask"].bool()
+    assert torch.allclose(logprobs[mask], batch["behave_logprobs"][mask], atol=1e-4), (
+        (logprobs[mask] - batch["behave_logprobs"][mask]).abs().max()
+    )
+    # without the pixels (other images) the log-probs differ: the vision tower is in the forward
+    swapped = TensorBatch(dict(batch.data))
+    swapped["pixel_values"] = torch.flip(batch["pixel_values"], dims=[0])
+    assert not torch.allclose(engine.compute_logprobs(swapped)[mask], logprobs[mask], atol=1e-4)
+
+    # a train step moves the vision tower's weights too, and the weight sync carries them by HF name
+    def nll(mb: TensorBatch, lp: torch.Tensor, ent: torch.Tensor) -> LossOutput:
+        return LossOutput(per_token_loss=-lp)
+
+    batch["loss_weight"] = batch["response_mask"] / batch["response_mask"].sum()
+    before = engine.full_state_dict()
+    metrics = engine.train_step(batch, nll)
+    after = engine.full_state_dict()
+    assert metrics["nonfinite"] == 0.0
+    vision = [k for k in after if k.startswith("model.visual.")]
+    assert vision and any(not torch.equal(before[k], after[k]) for k in vision)
+    rollout.update_weights(after, version=1)
+    synced = rollout.model.state_dict()
+    assert all(torch.equal(synced[k], after[k]) for k in vision)
+    rollout.close()
+    engine.close()
+
+
+def test_frozen_vision_tower_keeps_its_weights(tmp_path: Path, vlm: Path) -> None:
+    from core_rl_fsdp.config import FSDPConfig
+    from core_rl_fsdp.engine import FSDPEngine
+
+    samples = [Sample(prompt_ids_with_image(vlm), [7, 8], [-1.0, -1.0], 0, "stop", media=tiny_media())]
+    batch = samples_to_batch(samples, [0], pad_token_id=0)
+    batch["loss_weight"] = batch["response_mask"] / batch["response_mask"].sum()
+    actor = ActorConfig(
+        model_path=str(vlm),
+        engine=PluginSpec(name="fsdp"),
+        optimizer=OptimizerConfig(name="sgd", lr=0.5),
+        freeze=[r"^model\.visual\.(?!merger)"],  # train the projector (merger), not the tower
+    )
+    engine = FSDPEngine(actor, FSDPConfig(), trainable=True)
+    before = engine.full_state_dict()
+    engine.train_step(batch, lambda mb, lp, ent: LossOutput(per_token_loss=-lp))
+    after = engine.full_state_dict()
+    tower = [k for k in after if k.startswith("model.visual.") and ".merger." not in k]
+    merger = [k for k in after if k.startswith("model.visual.merger.")]
+    assert tower and all(torch.equal(before[k], after[k]) for k in tower)
+    assert any(not torch.equal(before[k], after[k]) for k in merger)
+    engine.close()
+
+
+def prompt_ids_with_image(vlm: Path) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(vlm)
+    text = (
+        "<|im_start|>user\n<|vision_start|>"
+        + IMAGE_PAD * 4
+        + "<|vision_end|>colour?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def tiny_media() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {"pixel_values": torch.randn(16, 96), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+
+
+# -- validation and runs ------------------------------------------------------------------------
+
+
+def grpo_config(tmp_path: Path, model: Path, data: Path, *, steps: int, **sections: object) -> Path:
+    config = {
+        "experiment": {"name": "vlm", "output_dir": str(tmp_path / "runs"), "seed": 0},
+        "data": {"train_files": [str(data)], "apply_chat_template": True, "batch_size": 4},
+        "actor": {"model_path": str(model), "optimizer": {"name": "adamw", "lr": 1e-3}},
+        "rollout": {"engine": {"name": "hf"}, "sampling": {"n": 4, "max_new_tokens": 4}},
+        "algorithm": {"name": "grpo"},
+        "reward": {"name": "exact_match", "answer_key": "answer"},
+        "trainer": {"total_steps": steps, "torch_threads": 1},
+        "saver": {"every_n_steps": 0, "at_end": False},
+        "loggers": [],
+    }
+    for key, value in sections.items():
+        config[key] = {**config.get(key, {}), **value} if key != "reward" and isinstance(value, dict) else value
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_config_validate_refuses_a_vlm_on_an_engine_without_multimodal(tmp_path: Path, vlm: Path, capsys) -> None:
+    data = write_rows(tmp_path, count=4)
+    config = grpo_config(tmp_path, vlm, data, steps=1, actor={"engine": {"name": "deepspeed"}})
+    code = cli.main(["config", "validate", str(config)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "actor.engine.name: train engine 'deepspeed'" in err and "does not take images" in err
+    assert "Traceback" not in err
+    assert cli.main(["config", "validate", str(grpo_config(tmp_path, vlm, data, steps=1))]) == 0
+
+
+def test_core_rl_plugins_lists_the_engines_claiming_multimodal(capsys) -> None:
+    assert cli.main(["plugins", "--json"]) == 0
+    rows = {(r["kind"], r["name"]): r for r in json.loads(capsys.readouterr().out)}
+    claims = {key: row["claims"] for key, row in rows.items() if "engine" in key[0]}
+    assert "multimodal" in claims[next(k for k in claims if k[1] == "hf")]
+    assert "multimodal" in claims[next(k for k in claims if k[1] == "fsdp")]
+    assert "multimodal" not in claims[next(k for k in claims if k[1] == "deepspeed")]
+
+
+def test_grpo_runs_end_to_end_on_image_rows(tmp_path: Path, vlm: Path) -> None:
+    from core_rl.builtin import read_metrics
+
+    data = write_rows(tmp_path, count=8)
+    # the response's length as the reward: a random model's samples differ in it, so every step trains
+    length = {"name": "function", "path": f"{REWARDS}:scaled_length", "kwargs": {"scale": 1.0}}
+    assert cli.main(["train", str(grpo_config(tmp_path, vlm, data, steps=2, reward=length))]) == 0
+    rows = [r for r in read_metrics(tmp_path / "runs" / "vlm" / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 2 and all(r["actor/tokens"] > 0 and r["actor/nonfinite"] == 0 for r in rows)
+    # the rollout's behaviour log-probs and the trainer's, over the same tokens and pixels, agree
+    assert all(r["mismatch/abs_logprob_diff"] < 1e-4 for r in rows)
+    export = tmp_path / "runs" / "vlm" / "final_hf"
+    assert (export / "preprocessor_config.json").is_file()  # the export is a VLM again
+    from transformers import AutoModelForImageTextToText
+
+    assert type(AutoModelForImageTextToText.from_pretrained(export)).__name__ == "Qwen2VLForConditionalGeneration"
+
+
+@pytest.mark.parametrize("algorithm", ["sft", "dpo"])
+def test_supervised_loops_train_on_image_rows(tmp_path: Path, vlm: Path, algorithm: str) -> None:
+    from core_rl.builtin import read_metrics
+
+    data = write_rows(tmp_path, count=8, key="response" if algorithm == "sft" else "chosen")
+    config = {
+        "experiment": {"name": algorithm, "output_dir": str(tmp_path / "runs"), "seed": 0},
+        "data": {"train_files": [str(data)], "apply_chat_template": True, "batch_size": 4},
+        "actor": {"model_path": str(vlm), "optimizer": {"name": "adamw", "lr": 1e-3}},
+        "algorithm": {"name": algorithm},
+        "trainer": {"total_steps": 2, "torch_threads": 1},
+        "saver": {"every_n_steps": 0, "at_end": False},
+        "loggers": [],
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(config))
+    assert cli.main(["train", str(path)]) == 0
+    rows = read_metrics(tmp_path / "runs" / algorithm / "metrics.jsonl")
+    losses = [r[f"{algorithm}/loss"] for r in rows if f"{algorithm}/loss" in r]
+    assert len(losses) == 2 and all(loss == loss for loss in losses)
+
+
+def test_the_hf_and_fsdp_engines_pass_the_multimodal_conformance_case(tmp_path: Path, vlm: Path) -> None:
+    from core_rl.testing.multimodal_contracts import check_multimodal_rollout, check_multimodal_train
+    from core_rl_fsdp.config import FSDPConfig
+    from core_rl_fsdp.engine import FSDPEngine
+
+    rollout = build_rollout_engine("hf", {"seed": 1}, vlm, tmp_path / "run")
+    samples = check_multimodal_rollout(rollout, vlm)
+    rollout.close()
+    actor = ActorConfig(
+        model_path=str(vlm), engine=PluginSpec(name="fsdp"), optimizer=OptimizerConfig(name="sgd", lr=0.1)
+    )
+    engine = FSDPEngine(actor, FSDPConfig(), trainable=True)
+    check_multimodal_train(engine, vlm, samples)
+    engine.close()
+
+
+def test_grpo_on_image_rows_runs_on_two_fsdp_ranks(tmp_path: Path, vlm: Path) -> None:
+    """Two CPU ranks, each with its share of the rows and their images (gloo)."""
+    from core_rl.builtin import read_metrics
+    from core_rl.testing.launch import run_train
+
+    data = write_rows(tmp_path, count=8)
+    length = {"name": "function", "path": f"{REWARDS}:scaled_length", "kwargs": {"scale": 1.0}}
+    config = grpo_config(tmp_path, vlm, data, steps=2, reward=length)
+    run_train(config, nproc=2, cpu=True, timeout=300)
+    rows = [r for r in read_metrics(tmp_path / "runs" / "vlm" / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 2 and all(r["actor/nonfinite"] == 0 for r in rows)
+    assert all(r["mismatch/abs_logprob_diff"] < 1e-4 for r in rows)
+
+
+def test_two_fsdp_ranks_line_up_when_only_one_has_images(tmp_path: Path, vlm: Path) -> None:
+    """Rank 0's rows are text only, rank 1's hold an image: rank 0 runs the vision tower over a blank
+    image inside its forward (a zero term), so the sharded tower's collectives line up; rank 0's
+    log-probs equal a one-rank forward of its row (the blank image changes no value)."""
+    import os
+    import subprocess
+    import sys
+
+    from core_rl.testing.launch import cpu_ranks_env
+
+    spec = tmp_path / "spec.json"
+    spec.write_text(
+        json.dumps({"prompt": prompt_ids_with_image(vlm), "pixel_values": tiny_media()["pixel_values"].tolist()})
+    )
+    worker = Path(__file__).with_name("vlm_ranks_worker.py")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        str(worker),
+        str(vlm),
+        str(tmp_path),
+        str(spec),
+    ]
+    env = cpu_ranks_env({**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    from core_rl_fsdp.config import FSDPConfig
+    from core_rl_fsdp.engine import FSDPEngine
+
+    alone = samples_to_batch([Sample([1, 9, 10, 11], [7, 8], [-1.0, -1.0], 0, "stop")], [0], pad_token_id=0)
+    actor = ActorConfig(
+        model_path=str(vlm), engine=PluginSpec(name="fsdp"), optimizer=OptimizerConfig(name="sgd", lr=0.1)
+    )
+    engine = FSDPEngine(actor, FSDPConfig(), trainable=True)
+    assert torch.allclose(torch.tensor(rank0["logprobs"]), engine.compute_logprobs(alone)[0], atol=1e-5)
+    engine.close()
+
+
+def test_hf_agenerate_with_images_batches_requests_and_keeps_each_prompts_pixels(tmp_path: Path, vlm: Path) -> None:
+    """Requests in flight together are generated as one batch; each is answered from its own image
+    (the samples' log-probs equal those of generating each prompt alone, greedily)."""
+    import asyncio
+
+    from core_rl.testing.multimodal_contracts import image_prompts
+
+    prompts, media = image_prompts(vlm)
+    engine = build_rollout_engine("hf", {"seed": 0}, vlm, tmp_path / "run")
+    greedy = SamplingParams(n=1, max_new_tokens=3, greedy=True)
+
+    async def both() -> list[list[Sample]]:
+        calls = [engine.agenerate(p, greedy, **({"media": m} if m is not None else {})) for p, m in zip(prompts, media)]
+        return list(await asyncio.gather(*calls))
+
+    together = asyncio.run(both())
+    for prompt, pixels, (sample,) in zip(prompts, media, together):
+        ((alone,),) = engine.generate([prompt], greedy, media=[pixels])
+        assert sample.response_ids == alone.response_ids
+        assert torch.allclose(torch.tensor(sample.logprobs), torch.tensor(alone.logprobs), atol=1e-5)
+    engine.close()

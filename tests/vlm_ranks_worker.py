@@ -1,0 +1,43 @@
+"""A ``torchrun`` worker of ``tests/test_vlm.py``: two ``fsdp`` ranks of a tiny VLM, rank 0 with a
+text-only row, rank 1 with a row holding an image; each computes log-probs and takes a train step
+(the vision tower's sharded units must line up: ``core_rl_train_kit.vision_tower``). Rank ``r``
+writes ``rank{r}.json`` (its log-probs and loss) into the folder given as the second argument."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
+from core_rl.interfaces import LossOutput
+from core_rl.protocol import Sample, samples_to_batch
+from core_rl_fsdp.config import FSDPConfig
+from core_rl_fsdp.engine import FSDPEngine
+
+
+def main(model: Path, out: Path, prompt: list[int], pixel_values: torch.Tensor) -> None:
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    media = {"pixel_values": pixel_values, "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    if rank == 1:
+        samples = [Sample(prompt, [7, 8], [-1.0, -1.0], 0, "stop", media=media)]
+    else:
+        samples = [Sample([1, 9, 10, 11], [7, 8], [-1.0, -1.0], 0, "stop")]
+    batch = samples_to_batch(samples, [0], pad_token_id=0)
+    batch["loss_weight"] = batch["response_mask"] / 4
+    actor = ActorConfig(
+        model_path=str(model), engine=PluginSpec(name="fsdp"), optimizer=OptimizerConfig(name="sgd", lr=0.1)
+    )
+    engine = FSDPEngine(actor, FSDPConfig(), trainable=True)
+    logprobs = engine.compute_logprobs(batch)
+    metrics = engine.train_step(batch, lambda mb, lp, ent: LossOutput(per_token_loss=-lp))
+    (out / f"rank{rank}.json").write_text(json.dumps({"logprobs": logprobs[0].tolist(), "loss": metrics["loss"]}))
+    engine.close()
+
+
+if __name__ == "__main__":
+    spec = json.loads(Path(sys.argv[3]).read_text())
+    main(Path(sys.argv[1]), Path(sys.argv[2]), spec["prompt"], torch.tensor(spec["pixel_values"]))
