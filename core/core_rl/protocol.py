@@ -29,6 +29,10 @@ key                 shape       meaning
 ``group_index``     [B]    long index of the prompt the sample answers (samples of a prompt form a group)
 ``truncated``       [B]    bool the response stopped at the token budget (``finish_reason == "length"``)
 ``train_version``   [B]    long the weight version the current update produces (the same in every row)
+``routed_experts``  [B,T,L,K]   the experts the rollout routed token ``t`` to in each of the ``L``
+                    int16       mixture-of-experts layers (its top-``K``), -1 where it has none (such a
+                                token is routed by the training forward itself); only when a sample
+                                has :attr:`Sample.routed_experts` (routing replay, :mod:`core_rl.roles.moe`)
 ``pixel_values``    [B, P, D]   a vision-language model's pixel inputs, row by row, and their image
 ``image_grid_thw``  [B, I, 3]   grids (only when a sample has :attr:`Sample.media`; right-padded with
                                 zeros: :mod:`core_rl.vision.media`)
@@ -84,6 +88,15 @@ class Sample:
     as its workflow recorded them; the workflow reduces them into ``reward`` (the built-in
     ``environment`` workflow: their sum or the last one), which is what the trainer trains on.
 
+    ``routed_experts`` (optional, a mixture-of-experts model's rollout): an int16 tensor
+    ``[len(prompt_ids) + len(response_ids), L, K]``, row ``t`` the top-``K`` experts each of the
+    ``L`` MoE layers chose for input token ``t`` of prompt + response (the prompt's rows from the
+    prefill, the response's from the decoding steps), -1 on a row without a route: the last
+    response token (never fed to the model), and tokens a multi-turn workflow inserted without
+    running the model over them. The training forward replays these routes where routing replay
+    is on; a row of -1 is routed by the training forward's own router (the documented rule for
+    inserted tokens).
+
     ``turn_ends`` (optional, with ``turn_rewards``): where each rewarded turn ends, as an exclusive
     end position in ``response_ids``, never decreasing. Set, it asks the estimators that work per token
     (GAE, REINFORCE++) to pay each turn's reward at that turn's last token instead of paying
@@ -106,6 +119,7 @@ class Sample:
     info: dict[str, Any] = attrs.field(factory=dict)
     turn_rewards: list[float] | None = None
     turn_ends: list[int] | None = None
+    routed_experts: torch.Tensor | None = None
     media: dict[str, Any] | None = None
 
     def __attrs_post_init__(self) -> None:
@@ -122,6 +136,13 @@ class Sample:
             )
         if self.turn_ends is not None:
             check_turn_ends(self.turn_ends, self.turn_rewards, len(self.response_ids))
+        if self.routed_experts is not None:
+            tokens = len(self.prompt_ids) + len(self.response_ids)
+            if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != tokens:
+                raise ValueError(
+                    f"Sample has {tokens} prompt and response tokens but routed_experts of shape "
+                    f"{tuple(self.routed_experts.shape)}; expected [{tokens}, layers, top_k]"
+                )
 
     @property
     def versions(self) -> list[int]:
@@ -223,8 +244,10 @@ def samples_to_batch(samples: Sequence[Sample], group_index: Sequence[int], pad_
     ``versions`` (a sample's per-token ``token_weight_versions`` where it has them, else its
     ``weight_version`` on every token; a sample's ``token_mask`` zeroes ``response_mask`` and the
     log-probs and sets version -1 on the tokens it excludes), ``truncated`` and ``group_index``,
-    and ``turn_rewards`` when a sample has ``turn_ends``, and ``pixel_values``/``image_grid_thw``
-    when a sample has ``media`` (see the module docstring)."""
+    ``turn_rewards`` when a sample has ``turn_ends``, ``pixel_values``/``image_grid_thw`` when a
+    sample has ``media``, and ``routed_experts`` (int16 ``[B, T, L, K]``, -1 where a sample has no
+    route) when one has :attr:`Sample.routed_experts` (see the module docstring; samples with routes
+    must agree on ``L`` and ``K``)."""
     import torch
 
     from core_rl.vision.media import pad_media
@@ -261,6 +284,9 @@ def samples_to_batch(samples: Sequence[Sample], group_index: Sequence[int], pad_
             turn_rewards.index_put_(where, torch.tensor(s.turn_rewards, dtype=torch.float32), accumulate=True)
     extra = {"turn_rewards": turn_rewards} if turn_rewards is not None else {}
     extra.update(pad_media([getattr(s, "media", None) for s in samples]))
+    routes = _batch_routes(samples, width)
+    if routes is not None:
+        extra["routed_experts"] = routes
     return TensorBatch(
         {
             "input_ids": input_ids,
@@ -276,8 +302,26 @@ def samples_to_batch(samples: Sequence[Sample], group_index: Sequence[int], pad_
     )
 
 
+def _batch_routes(samples: Sequence[Sample], width: int) -> torch.Tensor | None:
+    """int16 ``[B, width, L, K]`` of the samples' :attr:`Sample.routed_experts` (-1 elsewhere), or
+    ``None`` when no sample has routes; ``ValueError`` when samples disagree on ``(L, K)``."""
+    import torch
+
+    shapes = {tuple(s.routed_experts.shape[1:]) for s in samples if getattr(s, "routed_experts", None) is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"samples' routed_experts disagree on [layers, top_k]: {sorted(shapes)}")
+    layers, top_k = shapes.pop()
+    routes = torch.full((len(samples), width, layers, top_k), -1, dtype=torch.int16)
+    for i, s in enumerate(samples):
+        if getattr(s, "routed_experts", None) is not None:
+            routes[i, : s.routed_experts.shape[0]] = s.routed_experts.to(torch.int16)
+    return routes
+
+
 #: the value right padding takes in each padded key (0 for any other key)
-PAD_VALUES = {"versions": -1}
+PAD_VALUES = {"versions": -1, "routed_experts": -1}
 
 
 def concat_padded(batches: Sequence[TensorBatch], pad_token_id: int) -> TensorBatch:

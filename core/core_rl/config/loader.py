@@ -68,6 +68,7 @@ from core_rl.config.provenance import (
     recipe_source,
     yaml_lines,
 )
+from core_rl.config.routing_replay import routing_replay_problems
 from core_rl.config.schema import PluginSpec, RunConfig
 from core_rl.config.sections import (
     RAW_SPEC_PATHS,
@@ -492,6 +493,7 @@ def _config_or_problems(
         except ConfigError as exc:
             problems.extend(exc.problems)
     problems.extend(weight_sync_problems(host, cfg))
+    problems.extend(routing_replay_problems(host, cfg))
     problems.extend(sampling_extra_problems(host, cfg))
     problems.extend(lora_sync_problems(cfg, host))
     problems.extend(defer_total_steps(cfg, data))  # trainer.total_epochs: total_steps derived at the start

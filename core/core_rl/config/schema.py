@@ -20,6 +20,7 @@ from core_rl.config.derived_key import Derived
 from core_rl.config.eval_config import EvalConfig
 from core_rl.config.mismatch_budget import MismatchBudgetConfig
 from core_rl.config.model_sections import LoraConfig, MicroBatchConfig, OptimizerConfig, SchedulerConfig
+from core_rl.config.moe_config import MoEConfig
 from core_rl.config.placement import PlacementConfig
 from core_rl.config.placement import RolePlacement as RolePlacement  # re-exported with the section
 from core_rl.config.plugin_spec import PluginSpec
@@ -144,7 +145,12 @@ class RolloutConfig:
 
     ``dump``: each step's scored rollouts saved under the run (:class:`RolloutDumpConfig`);
     ``replay_from``: a directory of such dumps to train on instead of generating (no rollout engine
-    built, no reward called: :mod:`core_rl.rollout.replay`)."""
+    built, no reward called: :mod:`core_rl.rollout.replay`).
+
+    ``return_routed_experts``: a mixture-of-experts model's rollout returns, per token, the experts
+    each layer routed it to (``Sample.routed_experts``); on by itself with
+    ``actor.moe.routing_replay: rollout``. The engine must be able to (``returns_routed_experts`` of
+    its config class: ``hf``)."""
 
     engine: PluginSpec = attrs.field(factory=lambda: PluginSpec(name="hf"))
     sampling: SamplingConfig = attrs.field(factory=SamplingConfig)
@@ -156,6 +162,7 @@ class RolloutConfig:
     sleep_while_training: AutoBool = "auto"
     dump: RolloutDumpConfig = attrs.field(factory=RolloutDumpConfig)
     replay_from: str | None = attrs.field(default=None, validator=not_empty())
+    return_routed_experts: bool = False
 
 
 @attrs.define
@@ -186,7 +193,9 @@ class ActorConfig:
     and its inference servers (``--trust-remote-code``). Per role, not run-wide: trust belongs to a
     directory, and each role names its own (:mod:`core_rl.roles.remote_code`). Without it such a model is
     refused before the run. ``freeze``: regular expressions naming parameters that keep their
-    starting values (``[embed_tokens]``; :mod:`core_rl.roles.freezing`)."""
+    starting values (``[embed_tokens]``; :mod:`core_rl.roles.freezing`). ``moe``: a
+    mixture-of-experts model's router precision, load-balancing loss and metrics, and routing
+    replay (:class:`~core_rl.config.moe_config.MoEConfig`)."""
 
     model_path: str = ""
     tokenizer_path: str | None = None
@@ -205,6 +214,7 @@ class ActorConfig:
     model_overrides: dict[str, Any] = attrs.field(factory=dict)
     trust_remote_code: bool = False
     freeze: list[str] = attrs.field(factory=list, validator=each(regular_expression()))
+    moe: MoEConfig = attrs.field(factory=MoEConfig)
 
 
 @attrs.define

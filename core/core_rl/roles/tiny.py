@@ -2,7 +2,8 @@
 
 :func:`build_tiny_model` writes a directory loadable by ``AutoTokenizer`` / ``AutoModelForCausalLM``:
 a character-level tokenizer (one token per character of ``alphabet`` plus ``<pad>``, ``<s>``,
-``</s>``, ``<unk>``) and a random-weight Llama (default) or Qwen2 model.
+``</s>``, ``<unk>``) and a random-weight Llama (default), Qwen2 or Qwen3-MoE model (a
+mixture-of-experts model: ``num_experts`` experts per layer, ``top_k`` of them per token).
 """
 
 from __future__ import annotations
@@ -70,20 +71,42 @@ def build_tiny_model(
     architecture: str = "llama",
     num_kv_heads: int | None = None,
     tie_word_embeddings: bool = False,
+    num_experts: int = 8,
+    top_k: int = 2,
+    router_std: float = 1.0,
+    expert_std: float = 0.1,
 ) -> Path:
-    """Write a random-weight model (``architecture``: ``llama`` or ``qwen2``, which adds biases to
+    """Write a random-weight model (``architecture``: ``llama``, ``qwen3_moe`` or ``qwen2``, which adds biases to
     the q/k/v projections) and its char tokenizer to ``path``; return ``path``. ``num_kv_heads``
     (default ``num_heads``) below ``num_heads`` gives grouped-query attention; ``tie_word_embeddings``
     shares the output layer with the input embeddings.
 
+    ``qwen3_moe``: every layer's MLP is a sparse block of ``num_experts`` experts (each of
+    ``intermediate_size // top_k`` hidden units, so a token's MLP has about the dense width), of which
+    each token uses its ``top_k``; the routers' weights are drawn with standard deviation
+    ``router_std`` (larger than the default initialiser's, so routes are decided by clear margins
+    and a token's experts differ from its neighbours'), the experts' weights with ``expert_std``
+    (five times the default, so which experts a token goes to visibly moves its log-probs).
+
     With ``qwen2``, ``AutoTokenizer`` loads the tokenizer as ``Qwen2Tokenizer``, whose byte-level
     pre-tokenizer drops spaces: use an ``alphabet`` without spaces there."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     from core_rl.roles.hf import save_pretrained
 
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    }
     if architecture not in classes:
         raise ValueError(f"architecture must be one of {', '.join(classes)}, got {architecture!r}")
     config_cls, model_cls = classes[architecture]
@@ -102,13 +125,41 @@ def build_tiny_model(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=tie_word_embeddings,
+        **(_moe_arguments(num_experts, top_k, intermediate_size) if architecture == "qwen3_moe" else {}),
     )
     torch.manual_seed(seed)
     model = model_cls(config)
+    if architecture == "qwen3_moe":
+        from core_rl.roles.moe import find_routers
+
+        with torch.no_grad():
+            for router in find_routers(model):
+                router.weight.normal_(0.0, router_std)
+            for layer in model.model.layers:
+                layer.mlp.experts.gate_up_proj.normal_(0.0, expert_std)
+                layer.mlp.experts.down_proj.normal_(0.0, expert_std)
     path.mkdir(parents=True, exist_ok=True)
     save_pretrained(model, path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def _moe_arguments(num_experts: int, top_k: int, intermediate_size: int) -> dict[str, object]:
+    """The ``Qwen3MoeConfig`` arguments of a tiny MoE: every layer sparse, ``top_k`` of
+    ``num_experts`` experts of ``intermediate_size // top_k`` units, top-k weights normalised, the
+    router's auxiliary loss off by default (the train engine's ``router_aux_loss_coef`` sets it)."""
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=max(1, intermediate_size // top_k),
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.0,
+        output_router_logits=False,
+    )
 
 
 def warm_start(

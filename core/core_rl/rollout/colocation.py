@@ -66,7 +66,8 @@ def build_rollout_engine(
     entry = host.get(ROLLOUT_ENGINE, cfg.rollout.engine.name)
     cuda = torch.cuda.is_available()
     enabled = _sleeps(cfg, entry, cuda)
-    rollout = attrs.evolve(cfg.rollout, sleep_while_training=enabled)
+    routes = cfg.rollout.return_routed_experts or cfg.actor.moe.routing_replay == "rollout"
+    rollout = attrs.evolve(cfg.rollout, sleep_while_training=enabled, return_routed_experts=routes)
     machine = detect_machine()
     engine_config, gpus_note = resolve_server_gpus(cfg, machine)
     shared = shared_gpu(engine_config, built, machine)  # servers on the trainer's GPU: rollout/colocated_memory.py

@@ -35,6 +35,9 @@ column                     type             meaning
 ``turn_rewards``           list<float64>    per-turn rewards and their ends (null: none)
 ``turn_ends``              list<int32>
 ``info``                   string           :attr:`~core_rl.protocol.Sample.info` as JSON
+``routed_experts``         list<int16>      :attr:`~core_rl.protocol.Sample.routed_experts` flattened
+                                            (null: none), ``[tokens, L, K]`` with
+``route_shape``            list<int32>      ``[L, K]`` (the routes of a mixture-of-experts rollout)
 =========================  ===============  ========================================================
 
 Advantages, shaped rewards, masks and the rest of the batch are not stored: the replay recomputes
@@ -147,9 +150,29 @@ def _table(generations: Sequence[Generation]) -> Any:
             "turn_rewards": pa.array([s.turn_rewards for s in samples], pa.list_(pa.float64())),
             "turn_ends": pa.array([s.turn_ends for s in samples], pa.list_(pa.int32())),
             "info": pa.array([json.dumps(s.info, default=str) for s in samples], pa.string()),
+            "routed_experts": pa.array([_flat_routes(s) for s in samples], pa.list_(pa.int16())),
+            "route_shape": pa.array(
+                [None if s.routed_experts is None else list(s.routed_experts.shape[1:]) for s in samples],
+                pa.list_(pa.int32()),
+            ),
         }
     )
     return pa.table(columns)
+
+
+def _flat_routes(sample: Sample) -> list[int] | None:
+    """A sample's routes as one flat list (``None`` without)."""
+    routes = getattr(sample, "routed_experts", None)
+    return None if routes is None else routes.reshape(-1).tolist()
+
+
+def _routes(flat: list[int] | None, shape: list[int] | None) -> Any:
+    """:func:`_flat_routes` back to an int16 tensor ``[tokens, L, K]`` (``None`` without)."""
+    if flat is None or shape is None:
+        return None
+    import torch
+
+    return torch.tensor(flat, dtype=torch.int16).reshape(-1, *shape)
 
 
 def write_step(path: Path, header: Mapping[str, Any], generations: Sequence[Generation]) -> int:
@@ -215,6 +238,7 @@ def read_step(path: Path) -> tuple[dict[str, Any], list[Generation]]:
                 info=json.loads(value["info"]),
                 turn_rewards=value["turn_rewards"],
                 turn_ends=value["turn_ends"],
+                routed_experts=_routes(value.get("routed_experts"), value.get("route_shape")),
             )
         )
         gen.group_index.append(value["group"])

@@ -20,6 +20,7 @@ a binary search over prefixes (the stop string stays in every longer prefix's te
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
@@ -75,8 +76,8 @@ def stop_change(
 
 
 def cut_sample(sample: Sample, keep: int) -> Sample:
-    """``sample`` with its first ``keep`` response tokens (and their log-probs, versions and mask),
-    finished with ``"stop"``."""
+    """``sample`` with its first ``keep`` response tokens (and their log-probs, versions, mask and
+    routes), finished with ``"stop"``; the new last token's route becomes -1 (it is no longer fed)."""
 
     def head(values: list | None) -> list | None:
         return None if values is None else list(values[:keep])
@@ -88,7 +89,20 @@ def cut_sample(sample: Sample, keep: int) -> Sample:
         token_weight_versions=head(sample.token_weight_versions),
         token_mask=head(sample.token_mask),
         finish_reason="stop",
+        routed_experts=_cut_routes(sample, keep),
     )
+
+
+def _cut_routes(sample: Sample, keep: int) -> Any:
+    """The routes of ``sample``'s prompt and first ``keep`` response tokens (``None`` without
+    routes), the last of those without a route (-1): the model never ran over it."""
+    routes = getattr(sample, "routed_experts", None)
+    if routes is None:
+        return None
+    routes = routes[: len(sample.prompt_ids) + keep].clone()
+    if keep > 0:
+        routes[-1] = -1
+    return routes
 
 
 def apply_stop_strings(

@@ -108,7 +108,8 @@ def check_samples(
 
 def append_observation(sample: Sample, token_ids: Sequence[int]) -> Sample:
     """``sample`` with ``token_ids`` (tool or environment output) appended to its response:
-    log-prob 0, mask 0 (they never train), the version of the sample's last token."""
+    log-prob 0, mask 0 (they never train), the version of the sample's last token, and no route
+    (-1: the training forward routes them itself, :attr:`~core_rl.protocol.Sample.routed_experts`)."""
     n = len(sample.response_ids)
     versions = sample.versions
     last = versions[-1] if versions else sample.weight_version
@@ -119,13 +120,25 @@ def append_observation(sample: Sample, token_ids: Sequence[int]) -> Sample:
         logprobs=[*sample.logprobs, *([0.0] * len(token_ids))],
         token_weight_versions=[*versions, *([last] * len(token_ids))],
         token_mask=[*mask, *([0] * len(token_ids))],
+        routed_experts=_routes_extended(sample.routed_experts, len(token_ids)),
     )
+
+
+def _routes_extended(routes: Any, count: int) -> Any:
+    """``routes`` ``[n, L, K]`` followed by ``count`` rows without a route (``None`` stays ``None``)."""
+    if routes is None:
+        return None
+    import torch
+
+    return torch.cat([routes, routes.new_full((count, *routes.shape[1:]), -1)])
 
 
 def extend_turn(sample: Sample, turn: Sample) -> Sample:
     """``sample`` continued by ``turn``, a sample generated from ``sample.prompt_ids +
     sample.response_ids``: its tokens, log-probs and versions are appended (mask 1) and its
-    ``finish_reason`` becomes the sample's."""
+    ``finish_reason`` becomes the sample's. Routes (a mixture-of-experts rollout): the turn's, which
+    cover the whole context (its prefill ran over every earlier token, and the turn's tokens were
+    computed with those routes); a turn without routes adds rows of -1."""
     mask = list(sample.token_mask) if sample.token_mask is not None else [1] * len(sample.response_ids)
     return attrs.evolve(
         sample,
@@ -135,4 +148,7 @@ def extend_turn(sample: Sample, turn: Sample) -> Sample:
         token_mask=[*mask, *([1] * len(turn.response_ids))],
         finish_reason=turn.finish_reason,
         weight_version=min(sample.weight_version, turn.weight_version),
+        routed_experts=turn.routed_experts
+        if turn.routed_experts is not None
+        else _routes_extended(sample.routed_experts, len(turn.response_ids)),
     )

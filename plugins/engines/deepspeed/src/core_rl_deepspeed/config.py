@@ -69,6 +69,8 @@ class DeepSpeedConfig:
     freezes_parameters: ClassVar[bool] = True
     #: it writes the LoRA adapter alone (``export_adapter``; ``rollout.lora_sync: adapter``, :mod:`core_rl.sync.lora`)
     exports_lora_adapter: ClassVar[bool] = True
+    #: its forwards replay MoE routes (``actor.moe.routing_replay``, :mod:`core_rl.roles.moe`)
+    replays_routes: ClassVar[bool] = True
 
     zero_stage: int = attrs.field(default=2, validator=one_of((1, 2, 3)))
     offload_optimizer: bool = False

@@ -41,6 +41,7 @@ from core_rl.sync.buckets import hf_buckets, tied_aliases, tied_sources
 from core_rl_train_kit import state as state_files
 from core_rl_train_kit import ulysses
 from core_rl_train_kit.export import export_adapter_dir, export_model_dir
+from core_rl_train_kit.moe_routing import MoERouting
 from core_rl_train_kit.optim import build_optimizer, check_schedule, decay_groups, placed_scalar_state
 from core_rl_train_kit.runner import EngineState, MicroBatchRunner, check_temperature
 from torch import nn
@@ -170,6 +171,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
             head=head,
             fused_head=actor.fused_head,
             sequence=self.sequence,
+            moe=MoERouting.build(hf_model, actor.moe, records=trainable) if head == "lm" else None,
         )
         self._step = 0
         self._closed = False

@@ -27,6 +27,7 @@ from core_rl.roles.hf import architecture_name, exported_architecture, torch_dty
 from core_rl.sync.buckets import hf_buckets, state_items, tied_aliases, tied_sources
 from core_rl_train_kit import ulysses
 from core_rl_train_kit.export import export_adapter_dir, export_model_dir
+from core_rl_train_kit.moe_routing import MoERouting
 from core_rl_train_kit.muon import embeddings_and_head
 from core_rl_train_kit.optim import build_optimizer, check_schedule, restore_weight_decay, settle_scalar_states
 from core_rl_train_kit.runner import EngineState, MicroBatchRunner, check_temperature
@@ -110,6 +111,7 @@ class FSDPEngine(EngineState, TrainEngine):
             autocast_dtype=torch_dtype(self.config.autocast_dtype) if self.config.autocast_dtype else None,
             fused_head=actor.fused_head,
             sequence=self.sequence,
+            moe=MoERouting.build(hf_model, actor.moe, records=trainable) if head == "lm" else None,
         )
         self.optimizer = self._build_optimizer() if trainable else None
         self._step = 0

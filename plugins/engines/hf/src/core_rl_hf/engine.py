@@ -34,6 +34,7 @@ from core_rl.interfaces import PAUSE_MODES, RolloutEngine, SamplingParams
 from core_rl.interfaces.sampling import batch_key
 from core_rl.protocol import Sample
 from core_rl.roles.hf import no_progress_bars
+from core_rl.roles.moe import is_moe
 from core_rl.sync.buckets import state_items
 from core_rl.sync.fingerprint import FingerprintLog
 from core_rl.vision.models import auto_model_class
@@ -110,7 +111,14 @@ class HFRolloutEngine(RolloutEngine):
     """Generates with a transformers ``AutoModelForCausalLM`` loaded from ``model_path`` (running the
     directory's own modelling code only with ``trust_remote_code``)."""
 
-    def __init__(self, model_path: str | Path, config: HFRolloutConfig, *, trust_remote_code: bool = False) -> None:
+    def __init__(
+        self,
+        model_path: str | Path,
+        config: HFRolloutConfig,
+        *,
+        trust_remote_code: bool = False,
+        return_routed_experts: bool = False,
+    ) -> None:
         from transformers import AutoTokenizer
 
         self.config = config
@@ -122,6 +130,13 @@ class HFRolloutEngine(RolloutEngine):
         with no_progress_bars():
             model = auto_model_class(model_path).from_pretrained(model_path, dtype=getattr(torch, config.dtype), **load)
         self._model: torch.nn.Module | None = model.to(self.device).eval()
+        if return_routed_experts and not is_moe(model):
+            raise ConfigError(
+                f"rollout.return_routed_experts (or actor.moe.routing_replay: rollout): {model_path} holds "
+                f"{type(model).__name__}, which has no mixture-of-experts routers; set actor.moe.routing_replay: none"
+            )
+        #: samples carry the experts each token was routed to (core_rl.roles.moe)
+        self.return_routed_experts = return_routed_experts
         try:
             tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError):  # a weights-only directory: fall back to the model's config
@@ -266,6 +281,8 @@ class HFRolloutEngine(RolloutEngine):
                     s.response_ids = s.response_ids + m.response_ids
                     s.logprobs = s.logprobs + m.logprobs
                     s.finish_reason = m.finish_reason
+                    if m.routed_experts is not None:  # the continuation's prefill ran over the whole context
+                        s.routed_experts = m.routed_experts
                     if m.finish_reason == "abort":
                         again.append(s)
         return again
@@ -290,6 +307,7 @@ class HFRolloutEngine(RolloutEngine):
                     logprobs=c.logprobs,
                     weight_version=self._weight_version,
                     finish_reason=c.finish_reason,
+                    routed_experts=c.routed_experts,
                 )
                 for c in group
             ]
@@ -319,6 +337,7 @@ class HFRolloutEngine(RolloutEngine):
             max_rows=self.config.max_batch_size,
             decode_text=self._decode_text if self.tokenizer is not None else None,
             generated=None if generated is None else [generated[i] for i, _ in chunk],
+            record_routes=self.return_routed_experts,
         )
 
     def _decode_text(self, ids: Sequence[int]) -> str:
@@ -540,4 +559,9 @@ def make_engine(
     and ``run_dir`` (it writes nothing) are not needed; ``engine_config`` ``None`` means the defaults;
     ``trust_remote_code``: ``actor.trust_remote_code``."""
     config = engine_config if engine_config is not None else HFRolloutConfig()
-    return HFRolloutEngine(model_path, config, trust_remote_code=trust_remote_code)
+    return HFRolloutEngine(
+        model_path,
+        config,
+        trust_remote_code=trust_remote_code,
+        return_routed_experts=getattr(rollout, "return_routed_experts", False),
+    )

@@ -27,15 +27,23 @@ stepper (:mod:`core_rl_hf.decode`): the lean path for Llama and Qwen2 models, th
 forward otherwise; with ``graphs`` a lean step and the choice after it are replayed from a CUDA
 graph (:mod:`core_rl_hf.graphs`; the batch keeps its rows then, padded to the graph's rows with
 copies of the first row that are done from the start).
+
+With ``record_routes`` (a mixture-of-experts model, :mod:`core_rl.roles.moe`) a
+:class:`~core_rl.roles.moe.RouteRecorder` keeps the experts every router chose: at the prefill for
+each prompt token, at decoding step ``t`` for response token ``t - 1`` (the token it feeds). A
+completion's ``routed_experts`` ``[len(prompt) + len(tokens), L, K]`` holds them in that order, -1
+on its last token (never fed). Rows dropped by ``keep`` are followed by their original index.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import attrs
 import torch
 from core_rl.interfaces import SamplingParams
+from core_rl.roles.moe import NO_ROUTE, ROUTE_DTYPE, RouteRecorder, route_shape
 
 from core_rl_hf.decode import LeanStepper, lean_supported, make_stepper, mixed_precision
 from core_rl_hf.decode_state import DecodeState
@@ -47,11 +55,13 @@ from core_rl_hf.stop_check import StopStringCheck
 @attrs.define
 class Completion:
     """One generated response: token ids, their behaviour log-probs, and ``"stop"``/``"length"``
-    (or ``"abort"``: interrupted, see :func:`generate_batch`)."""
+    (or ``"abort"``: interrupted, see :func:`generate_batch`); ``routed_experts``: the routes of its
+    prompt and response tokens (CPU, int16 ``[prompt + response, L, K]``) where they were recorded."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    routed_experts: torch.Tensor | None = None
 
 
 def left_pad(
@@ -90,6 +100,7 @@ def generate_batch(
     max_rows: int | None = None,
     decode_text: Callable[[Sequence[int]], str] | None = None,
     generated: Sequence[int] | None = None,
+    record_routes: bool = False,
 ) -> list[list[Completion]]:
     """``counts[i]`` responses to each (non-empty) ``prompts[i]``, all generated as one batch; see
     the module docstring. ``sampling.n`` is ignored (``counts`` says how many). ``lean``: decode
@@ -101,7 +112,49 @@ def generate_batch(
     ``decode_text``: token ids to text (special tokens left out), with which rows stop at
     ``sampling.stop`` strings at the host's checks (:mod:`core_rl_hf.stop_check`). ``generated``:
     per prompt, how many of its last tokens are a response so far (a continued sample), which the
-    frequency and presence penalties count as generated (default none)."""
+    frequency and presence penalties count as generated (default none). ``record_routes``: each
+    completion carries its ``routed_experts`` (module docstring; the transformers stepper runs)."""
+    with RouteRecorder(model) if record_routes else contextlib.nullcontext() as recorder:
+        return _generate(
+            model,
+            prompts,
+            counts,
+            sampling,
+            eos_token_ids=eos_token_ids,
+            pad_token_id=pad_token_id,
+            generator=generator,
+            interrupted=interrupted,
+            lean=lean and not record_routes,
+            compute_dtype=compute_dtype,
+            sync_every=sync_every,
+            graphs=None if record_routes else graphs,
+            max_rows=max_rows,
+            decode_text=decode_text,
+            generated=generated,
+            recorder=recorder,
+        )
+
+
+def _generate(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    counts: Sequence[int],
+    sampling: SamplingParams,
+    *,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+    generator: torch.Generator | None,
+    interrupted: Callable[[], bool] | None,
+    lean: bool,
+    compute_dtype: torch.dtype | None,
+    sync_every: int,
+    graphs: DecodeGraphs | None,
+    max_rows: int | None,
+    decode_text: Callable[[Sequence[int]], str] | None,
+    generated: Sequence[int] | None,
+    recorder: RouteRecorder | None,
+) -> list[list[Completion]]:
+    """:func:`generate_batch` (``recorder``: the routes' recorder, entered)."""
     device = next(model.parameters()).device
     stop_ids = sorted(set(eos_token_ids) | set(sampling.stop_token_ids))
     input_ids, attention_mask, position_ids = left_pad(prompts, pad_token_id, device)
@@ -116,6 +169,7 @@ def generate_batch(
     # one row per sample: repeat each prompt's cache, mask and logits counts[i] times
     rows = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.as_tensor(counts, device=device))
     width, steps, total, vocab = input_ids.shape[1], sampling.max_new_tokens, len(rows), out.logits.shape[-1]
+    routes = _DecodeRoutes(recorder, model, len(prompts), width, total, steps, device) if recorder else None
     graphed_rows = graphs is not None and graphs.usable and lean and lean_supported(model)
     if graphed_rows:  # a graph's rows: copies of the first row fill the batch up (done from the start)
         rows = torch.cat([rows, rows[:1].expand(bucketed_rows(total, max_rows) - total)])
@@ -162,10 +216,14 @@ def generate_batch(
 
         def advance() -> None:
             state.choose(stepper.step(state.feed))
+            if routes is not None:
+                routes.after_step()
 
         def keep(rows: torch.Tensor) -> None:
             stepper.keep(rows)
             state.keep(rows)
+            if routes is not None:
+                routes.keep(rows)
 
     if state.seen is not None:  # penalties: what each row's prompt holds
         response = _response_mask(generated, input_ids.shape).to(device)
@@ -188,11 +246,58 @@ def generate_batch(
     ]
     if check is not None:  # exact, also for rows that ended on EOS or the budget since the last check
         completions = [check.cut(c) for c in completions]
+    if routes is not None:
+        source = rows[:total].tolist()  # the prompt of each row
+        completions = [
+            attrs.evolve(c, routed_experts=routes.of(i, source[i], len(prompts[source[i]]), len(c.token_ids)))
+            for i, c in enumerate(completions)
+        ]
     grouped, start = [], 0
     for count in counts:
         grouped.append(completions[start : start + count])
         start += count
     return grouped
+
+
+class _DecodeRoutes:
+    """The routes of one :func:`generate_batch` call: the prefill's ``[prompts, width, L, K]`` and
+    each row's decoding steps' ``[total, steps, L, K]`` (-1 where no step ran), with the original
+    row of each row still decoding (``keep`` drops rows)."""
+
+    def __init__(
+        self,
+        recorder: RouteRecorder,
+        model: torch.nn.Module,
+        prompts: int,
+        width: int,
+        total: int,
+        steps: int,
+        device: torch.device,
+    ) -> None:
+        layers, top_k = route_shape(model)
+        self.recorder = recorder
+        self.prefill = recorder.take().reshape(prompts, width, layers, top_k).cpu()
+        self.decode = torch.full((total, max(steps, 1), layers, top_k), NO_ROUTE, dtype=ROUTE_DTYPE, device=device)
+        self.live = torch.arange(total, device=device)
+        self.step = 0  # the response position the next decoding step feeds
+
+    def after_step(self) -> None:
+        """Keep the routes of the step just run (it fed response token ``self.step`` of each live row)."""
+        taken = self.recorder.take()
+        self.decode[self.live, self.step] = taken[: len(self.live)]
+        self.step += 1
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.live = self.live[rows]
+
+    def of(self, row: int, prompt: int, prompt_length: int, length: int) -> torch.Tensor:
+        """Routes ``[prompt_length + length, L, K]`` of ``row`` (from prompt ``prompt``), its last
+        token's -1."""
+        width = self.prefill.shape[1]
+        response = self.decode[row, :length].cpu().clone()
+        if length > 0:
+            response[-1] = NO_ROUTE
+        return torch.cat([self.prefill[prompt, width - prompt_length :], response])
 
 
 def _decode(

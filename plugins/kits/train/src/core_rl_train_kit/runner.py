@@ -36,6 +36,7 @@ from torch import nn
 from core_rl_train_kit import shared_prefix
 from core_rl_train_kit.fused_head import check_fusable
 from core_rl_train_kit.microbatch import micro_batch_width, placeholder_micro_batch, take_micro_batch
+from core_rl_train_kit.moe_routing import MoERouting
 from core_rl_train_kit.optim import lr_at, set_lr
 from core_rl_train_kit.packed import VARLEN_ATTENTION, forward_logprobs, forward_values, resolve_layout
 from core_rl_train_kit.packing import plan_micro_batches
@@ -147,6 +148,8 @@ class EngineState(ABC):
             self.optimizer.zero_grad(set_to_none=True)  # a failed step leaves no partial gradient behind
             raise
         metrics = acc.reduce()  # global sums: every rank takes the same decision in _apply_update
+        if self.runner.moe is not None:
+            metrics.update(self.runner.moe.metrics(self.world_size))
         grad_norm = self._apply_update(metrics["loss"])
         self._step += 1
         metrics.update(
@@ -219,7 +222,13 @@ class MicroBatchRunner(TopkForwards):
     layout was asked for (whatever the cost), or, under ``auto``, when the shared plan costs at least
     :data:`~core_rl_train_kit.shared_prefix.AUTO_MIN_SAVING` less than the padded one
     (:func:`~core_rl_train_kit.shared_prefix.plan_cost`); otherwise padded. Top-k log-probs and
-    log-probs of given ids always run padded (their rows would share prompt positions)."""
+    log-probs of given ids always run padded (their rows would share prompt positions).
+
+    ``moe``: a mixture-of-experts model's routing (:mod:`core_rl_train_kit.moe_routing`): every
+    forward replays the routes it asks for, the update forwards count its metrics and add its
+    load-balancing loss. Replay needs each micro-batch's tokens in the padded ``[b, width]`` order,
+    so with replay on the layout is ``padded`` whatever ``layout`` says, and sequence parallelism is
+    refused."""
 
     def __init__(
         self,
@@ -233,8 +242,10 @@ class MicroBatchRunner(TopkForwards):
         autocast_dtype: torch.dtype | None = None,
         fused_head: bool = False,
         sequence: SequenceGroup | None = None,
+        moe: MoERouting | None = None,
     ) -> None:
         self.model = model
+        self.moe = moe
         self.sequence = sequence if sequence is not None and sequence.size > 1 else None
         self.attn_implementation = attn_implementation
         self.head = head
@@ -257,7 +268,18 @@ class MicroBatchRunner(TopkForwards):
         if self.sequence is not None:
             unshareable = "it runs over a sequence-parallel group"
         named = attention if attn_implementation is None and attention in SHARED_ATTENTION else attn_implementation
+        if moe is not None and moe.mode != "none":
+            if self.sequence is not None:
+                raise ConfigError(
+                    [
+                        "actor.moe.routing_replay: replaying routes needs each rank to hold whole sequences; "
+                        "set actor.engine.sequence_parallel_size: 1 or routing_replay: none"
+                    ]
+                )
+            unshareable = "routing replay needs the padded layout"
         self.layout = resolve_layout(config.layout, named, unshareable)
+        if moe is not None and moe.mode != "none":
+            self.layout = "padded"
         #: the layout of what is not shared: a shared plan's micro-batches without a unit of several
         #: rows, or whole plans the cost comparison (``auto``) left padded
         self.base_layout = "padded" if self.layout == "shared" else self.layout
@@ -459,6 +481,11 @@ class MicroBatchRunner(TopkForwards):
         with_images = "image_grid_thw" in batch  # rows with images are never shared (plan)
         lengths, plan = self.plan(batch, share=share)
         outs = [torch.zeros(*input_ids.shape, *trailing, dtype=dtype) for dtype in dtypes]
+        moe = self.moe
+        replay = moe.routes_for(batch) if moe is not None else None
+        recorded = None
+        if moe is not None and moe.records and replay is None:
+            recorded = torch.full((*input_ids.shape, moe.layers, moe.top_k), -1, dtype=torch.int16)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -470,17 +497,23 @@ class MicroBatchRunner(TopkForwards):
                         continue
                     width = micro_batch_width(lengths, rows)
                     index = torch.as_tensor(rows, dtype=torch.long)
+                    routes = None if replay is None else replay[index, :width]
                     media = row_media(batch, rows) if with_images else {}
-                    values = forward(
-                        input_ids[index, :width].to(self.device),
-                        attention_mask[index, :width].to(self.device),
-                        planned.units,
-                        **({"media": media} if media else {}),
-                    )
+                    with moe.forward(routes) if moe is not None else contextlib.nullcontext():
+                        values = forward(
+                            input_ids[index, :width].to(self.device),
+                            attention_mask[index, :width].to(self.device),
+                            planned.units,
+                            **({"media": media} if media else {}),
+                        )
+                        if recorded is not None:
+                            recorded[index, :width] = moe.own_routes(torch.Size((len(rows), width)))
                     for out, value in zip(outs, values, strict=True):
                         out[index, :width] = value.to(out.dtype).cpu()
         finally:
             self.model.train(was_training)
+        if recorded is not None:
+            moe.record_first_forward(batch, recorded)
         return outs
 
     # ------------------------------------------------------------------ training
@@ -506,6 +539,8 @@ class MicroBatchRunner(TopkForwards):
         with_images = "image_grid_thw" in batch  # rows with images are never shared (plan)
         lengths, plan = self.plan(batch, share=logprobs_key is None)
         acc = StepMetrics(self.device)
+        moe = self.moe
+        rank_tokens = max(int(batch["attention_mask"].sum()), 1)
         for planned in plan:
             rows = planned.rows
             if not rows:
@@ -513,18 +548,22 @@ class MicroBatchRunner(TopkForwards):
                 backward(zero)
                 continue
             mb = take_micro_batch(batch, rows, micro_batch_width(lengths, rows)).to(self.device)
-            if logprobs_key is None:
-                lp, ent = self.forward(
-                    mb["input_ids"],
-                    mb["attention_mask"],
-                    temperature,
-                    True,
-                    entropy_grad,
-                    units=planned.units,
-                    media=row_media(mb) if with_images else None,
-                )
-            else:
-                lp, ent = self._forward_at(mb, logprobs_key, temperature, entropy_grad)
+            aux = None
+            with moe.forward(moe.routes_for(mb)) if moe is not None else contextlib.nullcontext():
+                if logprobs_key is None:
+                    lp, ent = self.forward(
+                        mb["input_ids"],
+                        mb["attention_mask"],
+                        temperature,
+                        True,
+                        entropy_grad,
+                        units=planned.units,
+                        media=row_media(mb) if with_images else None,
+                    )
+                else:
+                    lp, ent = self._forward_at(mb, logprobs_key, temperature, entropy_grad)
+                if moe is not None:
+                    aux = moe.observe(mb, int(mb["attention_mask"].sum()) / rank_tokens)
             assert ent is not None
             out = loss_fn(mb, lp, ent)
             if out.per_token_loss.shape != lp.shape:
@@ -532,7 +571,7 @@ class MicroBatchRunner(TopkForwards):
                     f"loss per_token_loss has shape {tuple(out.per_token_loss.shape)}, expected {tuple(lp.shape)}"
                 )
             weighted = (out.per_token_loss.float() * mb["loss_weight"]).sum()
-            backward(weighted * world_size)
+            backward(weighted * world_size if aux is None else weighted * world_size + aux)
             if counts:
                 acc.add(mb, weighted.detach(), ent.detach(), out.token_metrics)
         return acc, len(plan)
