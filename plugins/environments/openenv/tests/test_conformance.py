@@ -13,16 +13,8 @@ import pytest
 from core_rl.config.validators import FieldValueError
 from core_rl.testing import EnvironmentContract
 from core_rl_openenv.plugin import OpenEnvConfig
+from openenv_game import GAME
 
-EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
-GAME = {
-    "environment": "digit_game:DigitGame",
-    "action": "digit_game:GuessAction",
-    "observation": "digit_game:GuessObservation",
-    "python_path": [EXAMPLES],
-    "reset_keys": ["seed"],
-    "observation_field": "text",
-}
 ROW = {"prompt": "Guess:", "seed": 13}  # the secret is 3
 
 

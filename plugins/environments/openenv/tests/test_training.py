@@ -18,7 +18,7 @@ from typing import Any
 
 from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.launch import run_train, write_grpo_config
-from test_conformance import EXAMPLES, GAME
+from openenv_game import EXAMPLES, GAME
 
 
 def pip_freeze() -> str:
