@@ -64,6 +64,9 @@ class SGLangConfig:
     #: the server stops at rollout.sampling.stop strings itself (core_rl.rollout.stop_strings) when
     #: ``min_new_tokens`` is 0 and no stop string is part of a special token (its own rule differs)
     stop_strings: ClassVar[bool] = True
+    #: a mixture-of-experts model's samples carry the experts each token was routed to, as the
+    #: servers return them (``rollout.return_routed_experts``: ``--enable-return-routed-experts``)
+    returns_routed_experts: ClassVar[bool] = True
     #: ``actor.trust_remote_code`` reaches its servers (``--trust-remote-code``; :mod:`core_rl.roles.remote_code`)
     loads_remote_code: ClassVar[bool] = True
     #: its servers load LoRA adapters (``rollout.lora_sync: adapter``: the factory's ``lora_rank``,

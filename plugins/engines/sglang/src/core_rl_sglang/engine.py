@@ -99,9 +99,12 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         sleep: bool = False,
         trust_remote_code: bool = False,
         lora_rank: int = 0,
+        return_routed_experts: bool = False,
     ) -> None:
         self.config = config
         self.lora_rank = lora_rank
+        #: the servers return each position's routed experts (routing replay): the model's top-k
+        self.routes_top_k = routes_top_k(model_path, trust_remote_code) if return_routed_experts else 0
         self._adapters: dict[str, str] = {}  # server URL -> the adapter name it serves
         #: the name and shape of every tensor the last full-weight update sent (the sync check reads them back)
         self._synced: dict[str, list[int]] = {}
@@ -164,6 +167,8 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             argv.append("--enable-memory-saver")
         if self.trust_remote_code:
             argv.append("--trust-remote-code")
+        if self.routes_top_k:
+            argv.append("--enable-return-routed-experts")
         return argv + lora.server_args(self.lora_rank, cpu) + list(c.extra_args)
 
     def server_environment(self, index: int) -> dict[str, str]:
@@ -176,8 +181,8 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             # its scheduler and detokenizer are forked, not spawned: no second and third import of
             # SGLang (~11 s of every start on an idle machine)
             env[FORK_ENGINE] = "1"
-        if self.variant() == "cpu" and self.lora_rank:
-            env[lora.PINLESS_VARIABLE] = "1"
+        if self.variant() == "cpu" and (self.lora_rank or self.routes_top_k):
+            env[lora.PINLESS_VARIABLE] = "1"  # pinned and registered host memory made ordinary
         return env
 
     def workers_per_server(self) -> int:
@@ -226,12 +231,13 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             "input_ids": [list(prompt_ids)] * sampling.n,
             "sampling_params": params,
             "return_logprob": True,
+            **({"return_routed_experts": True} if self.routes_top_k else {}),
         }
         if url in self._adapters:
             payload["lora_path"] = self._adapters[url]
         body = await json_post(client, url + "/generate", payload)
         try:
-            return [_completion(item) for item in (body if isinstance(body, list) else [body])]
+            return [_completion(item, self.routes_top_k) for item in (body if isinstance(body, list) else [body])]
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ServerReplyError(f"unexpected /generate answer from {url}: {exc}: {str(body)[:300]}") from None
 
@@ -362,7 +368,9 @@ def update_requests(
     ]
 
 
-def _completion(item: dict[str, Any]) -> Completion:
+def _completion(item: dict[str, Any], routes_top_k: int = 0) -> Completion:
+    """One ``/generate`` answer; with ``routes_top_k``, its ``meta_info.routed_experts`` (base64 of
+    int32 ``[positions, layers, top_k]``, flat) as :attr:`Completion.routes`."""
     meta = item["meta_info"]
     reason = meta.get("finish_reason") or {}
     kind = reason.get("type") if isinstance(reason, dict) else reason
@@ -377,7 +385,44 @@ def _completion(item: dict[str, Any]) -> Completion:
         logprobs=[float(e[0]) for e in entries],
         finish_reason=str(kind),
         versions=versions_from_spans(meta.get("weight_versions"), len(token_ids)),
+        routes=_routes(meta.get("routed_experts"), routes_top_k, meta) if routes_top_k else None,
     )
+
+
+def _routes(encoded: Any, top_k: int, meta: dict[str, Any]) -> Any:
+    """SGLang's routed experts (base64 of little-endian int32, ``[positions, layers, top_k]`` flat,
+    one position per token fed to the model: the prompt's and every output token's but the last)."""
+    import base64
+
+    import numpy as np
+
+    if not isinstance(encoded, str):
+        raise ValueError(
+            "no routed_experts in the answer (was the server started with --enable-return-routed-experts?)"
+        )
+    flat = np.frombuffer(base64.b64decode(encoded), dtype="<i4")
+    positions = int(meta["prompt_tokens"]) + int(meta["completion_tokens"]) - 1
+    if positions <= 0 or flat.size % (positions * top_k):
+        raise ValueError(f"{flat.size} routed experts for {positions} positions of top-{top_k}")
+    return flat.reshape(positions, -1, top_k).copy()
+
+
+def routes_top_k(model_path: str | Path, trust_remote_code: bool) -> int:
+    """The top-k of a mixture-of-experts model's routers (its config's ``num_experts_per_tok``); a
+    :class:`~core_rl.errors.ConfigError` for a model without one."""
+    from core_rl.errors import ConfigError
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    top_k = getattr(getattr(config, "text_config", config), "num_experts_per_tok", 0)
+    if not top_k:
+        raise ConfigError(
+            [
+                f"rollout.return_routed_experts (or actor.moe.routing_replay: rollout): {model_path} is "
+                f"{type(config).__name__}, not a mixture-of-experts model; set actor.moe.routing_replay: off"
+            ]
+        )
+    return int(top_k)
 
 
 def make_engine(
@@ -392,8 +437,18 @@ def make_engine(
     """The registered factory (sampling comes with each request): the servers start able to
     release their memory when ``rollout.sleep_while_training`` is ``True`` (as the trainer
     resolved it; ``auto`` is off), with ``--trust-remote-code`` when ``trust_remote_code``
-    (``actor.trust_remote_code``), and serving LoRA adapters up to ``lora_rank`` (``actor.lora.rank``
-    with ``rollout.lora_sync: adapter``)."""
+    (``actor.trust_remote_code``), serving LoRA adapters up to ``lora_rank`` (``actor.lora.rank``
+    with ``rollout.lora_sync: adapter``), and returning routed experts with
+    ``rollout.return_routed_experts`` (routing replay)."""
     config = engine_config if engine_config is not None else SGLangConfig()
     sleep, trust = rollout.sleep_while_training is True, trust_remote_code
-    return SGLangRolloutEngine(model_path, config, run_dir, sleep=sleep, trust_remote_code=trust, lora_rank=lora_rank)
+    routes = getattr(rollout, "return_routed_experts", False)
+    return SGLangRolloutEngine(
+        model_path,
+        config,
+        run_dir,
+        sleep=sleep,
+        trust_remote_code=trust,
+        lora_rank=lora_rank,
+        return_routed_experts=routes,
+    )

@@ -187,7 +187,7 @@ class Generation:
         presence penalties do not count them (the hf engine's do: it continues in process)."""
         tokens, logprobs = list(c.token_ids), list(c.logprobs)
         versions = self._token_versions(c, version)
-        finish = c.finish_reason
+        finish, routes = c.finish_reason, c.routes
         while finish == "abort":
             left = sampling.max_new_tokens - len(tokens)
             if left <= 0:
@@ -200,7 +200,7 @@ class Generation:
             tokens += more.token_ids
             logprobs += more.logprobs
             versions += self._token_versions(more, more_version)
-            finish = more.finish_reason
+            finish, routes = more.finish_reason, more.routes  # the continuation's routes cover every position
         return Sample(
             prompt_ids=list(prompt_ids),
             response_ids=tokens,
@@ -208,6 +208,7 @@ class Generation:
             weight_version=min(versions) if versions else version,
             finish_reason=finish,
             token_weight_versions=versions,
+            routed_experts=None if routes is None else sample_routes(routes, len(prompt_ids) + len(tokens)),
         )
 
     def _token_versions(self, c: Completion, version: int) -> list[int]:
@@ -265,3 +266,20 @@ def relay(future: concurrent.futures.Future[T]) -> asyncio.Future[T]:
     waiter.add_done_callback(lambda w: future.cancel() if w.cancelled() else None)
     future.add_done_callback(deliver)
     return waiter
+
+
+def sample_routes(routes: Any, positions: int) -> Any:
+    """:attr:`Sample.routed_experts` (int16 ``[positions, layers, top_k]``) of a server's routes
+    (:attr:`Completion.routes`, one row per position fed to the model): the rows it has, -1 on the
+    rest (the last token, never fed to the model)."""
+    import torch
+    from core_rl.roles.moe import NO_ROUTE, ROUTE_DTYPE
+
+    given = torch.as_tensor(routes).to(ROUTE_DTYPE)
+    if given.ndim != 3 or given.shape[0] > positions:
+        raise ServerReplyError(
+            f"routed experts of shape {tuple(given.shape)} for {positions} prompt and response tokens"
+        )
+    out = torch.full((positions, *given.shape[1:]), NO_ROUTE, dtype=ROUTE_DTYPE)
+    out[: given.shape[0]] = given
+    return out

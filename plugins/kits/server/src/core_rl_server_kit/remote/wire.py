@@ -18,12 +18,17 @@ class Completion:
     """One sample as a server returned it; ``finish_reason`` is ``stop``, ``length`` or ``abort``
     (interrupted by a pause). ``versions``: the weight version that generated each token, where
     the server reports it (a weight update that keeps running requests in place changes it
-    mid-sample); ``None``: every token has the version the request started under."""
+    mid-sample); ``None``: every token has the version the request started under.
+    ``routes``: a mixture-of-experts model's routed experts, where the server returns them
+    (routing replay): int ``[positions, layers, top_k]`` for the request's prompt and its tokens but
+    the last (never fed to the model), as :attr:`core_rl.protocol.Sample.routed_experts` holds them
+    without its last row."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
     versions: list[int] | None = None
+    routes: Any = None
 
 
 class ServerReplyError(CoreRLError):
