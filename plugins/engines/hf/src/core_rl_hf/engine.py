@@ -230,19 +230,7 @@ class HFRolloutEngine(RolloutEngine):
                 pad_token_id=self.pad_token_id,
                 generator=self.generator,
             )
-        return [
-            [
-                Sample(
-                    prompt_ids=list(prompt),
-                    response_ids=c.token_ids,
-                    logprobs=c.logprobs,
-                    weight_version=self._weight_version,
-                    finish_reason=c.finish_reason,
-                )
-                for c in group
-            ]
-            for prompt, group in zip(prompts, groups)
-        ]
+        return self._samples(prompts, groups)
 
     @contextlib.contextmanager
     def _running(self) -> Iterator[None]:
@@ -299,6 +287,10 @@ class HFRolloutEngine(RolloutEngine):
                 outs = self._generate_chunk(prompts, chunk, sampling, generated)
             for (i, _), out in zip(chunk, outs):
                 completions[i].extend(out)
+        return self._samples(prompts, completions)
+
+    def _samples(self, prompts: Sequence[Sequence[int]], groups: Sequence[Sequence[Completion]]) -> list[list[Sample]]:
+        """Each prompt's completions as samples of the weights now loaded."""
         return [
             [
                 Sample(
@@ -311,7 +303,7 @@ class HFRolloutEngine(RolloutEngine):
                 )
                 for c in group
             ]
-            for prompt, group in zip(prompts, completions)
+            for prompt, group in zip(prompts, groups)
         ]
 
     def _generate_chunk(
