@@ -140,3 +140,61 @@ def test_multi_turn_inserted_tokens_have_no_route_and_a_turn_brings_its_own() ->
     )
     joined = extend_turn(observed, turn)
     assert torch.equal(joined.routed_experts, turn_routes)  # the turn's prefill routed the whole context
+
+
+def _tiny(family: str, **extra: object) -> torch.nn.Module:
+    """A random tiny causal MoE of a transformers family (4 experts, top-2, 2 layers)."""
+    import transformers
+
+    shape = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2}
+    shape |= {"vocab_size": 40, "intermediate_size": 32, "num_experts_per_tok": 2, **extra}
+    configs = {
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=16, **shape),
+        "mixtral": lambda: transformers.MixtralConfig(num_local_experts=4, **shape),
+        "phimoe": lambda: transformers.PhimoeConfig(num_local_experts=4, **shape),
+    }
+    config = configs[family]()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for router in moe.find_routers(model):
+            router.weight.normal_(0.0, 1.0)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("family", "extra", "divides"),
+    [
+        ("qwen3_moe", {"norm_topk_prob": True}, True),
+        ("qwen3_moe", {"norm_topk_prob": False}, False),
+        ("mixtral", {}, True),
+    ],
+    ids=["qwen3_moe-norm", "qwen3_moe-raw", "mixtral"],
+)
+def test_replaying_a_models_own_routes_leaves_its_forward_unchanged(family: str, extra: dict, divides: bool) -> None:
+    """Each family's own weight rule (Mixtral divides by the top-k sum with no attribute saying so),
+    read from the router's output: the replayed forward is the free one, exactly, in float32."""
+    model = _tiny(family, **extra)
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
+    with torch.no_grad(), moe.RouteRecorder(model) as recorder:
+        free = model(input_ids=ids).logits
+        routes = recorder.take()
+    assert [getattr(r, "_core_rl_divides_weights", None) for r in moe.find_routers(model)] == [None, None]
+    with torch.no_grad(), moe.RouteReplay(model) as replay, moe.replaying(replay, routes):
+        replayed = model(input_ids=ids).logits
+    assert torch.equal(replayed, free)
+    assert [r._core_rl_divides_weights for r in moe.find_routers(model)] == [divides, divides]
+    moe.router_float32(model)  # the float32 router keeps the family's rule
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids).logits, free, atol=1e-5)
+
+
+def test_a_router_that_is_not_softmax_top_k_is_refused_by_name() -> None:
+    model = _tiny("phimoe")  # sparsemixer: weights that are not the softmax at the chosen experts
+    ids = torch.tensor([[1, 5, 9, 13]])
+    with torch.no_grad(), moe.RouteRecorder(model) as recorder:
+        model(input_ids=ids)
+        routes = recorder.take()
+    with pytest.raises(ValueError, match=r"the router PhimoeTopKRouter does not weight its experts by its softmax"):
+        with torch.no_grad(), moe.RouteReplay(model) as replay, moe.replaying(replay, routes):
+            model(input_ids=ids)

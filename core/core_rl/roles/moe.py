@@ -8,7 +8,10 @@ Qwen2-MoE, Mixtral, OLMoE, ...) with ``top_k`` and ``num_experts`` attributes. I
 flattened hidden states ``[N, hidden]`` and returns ``(router_logits [N, E], routing_weights [N, K],
 selected_experts [N, K])`` where ``probs = softmax(router_logits)`` (in float32),
 ``selected_experts = topk(probs, K)``, ``routing_weights = probs[selected_experts]``, divided by
-their sum when the router's ``norm_topk_prob`` is true. Routers are numbered by their order in the
+their sum by some families (Qwen3-MoE with ``norm_topk_prob``, Mixtral, Qwen3.5-MoE and Qwen3-VL-MoE
+always) and not by others: which a router does is read from its own output
+(:func:`divides_weights`), and a router whose weights are neither (a sigmoid or grouped router) is
+refused by name. Routers are numbered by their order in the
 model (layer order): that number is the *layer* of a route.
 
 *Routes* of ``N`` tokens: an integer tensor ``[N, L, K]`` (``L`` routers, ``K`` = top-k), the
@@ -71,12 +74,40 @@ def route_shape(model: nn.Module) -> tuple[int, int]:
 def weights_at(router_logits: torch.Tensor, experts: torch.Tensor, normalize: bool) -> torch.Tensor:
     """Routing weights ``[N, K]`` of the chosen ``experts`` ``[N, K]``: ``softmax(router_logits)``
     (float32) gathered at ``experts``, divided by their sum over ``K`` when ``normalize``
-    (``norm_topk_prob``), cast to the logits' dtype. Differentiable in ``router_logits``."""
+    (:func:`divides_weights`), cast to the logits' dtype. Differentiable in ``router_logits``."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights = probs.gather(-1, experts.long())
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(router_logits.dtype)
+
+
+def divides_weights(router: nn.Module, output: Any) -> bool:
+    """Whether ``router`` divides its softmax weights at the chosen experts by their sum (``True``)
+    or returns them as they are (``False``), read from one of its outputs ``(logits, weights,
+    experts)`` and remembered on the router. transformers' routers say it in different ways (an
+    attribute ``norm_topk_prob`` in some families, always in others), so the output is what is
+    trusted. A router whose weights are neither is a :class:`ValueError` naming its class: routing
+    replay and float32 routers support softmax-then-top-k routers."""
+    known = getattr(router, "_core_rl_divides_weights", None)
+    if known is not None:
+        return bool(known)
+    logits, weights, experts = output
+    if weights.numel() == 0:
+        return True  # nothing to weigh yet: decided by the first forward with tokens
+    raw = torch.softmax(logits.detach().float(), dim=-1).gather(-1, experts.long())
+    given = weights.detach().float()
+    exact = weights.dtype == torch.float32 and logits.dtype == torch.float32
+    tolerance = {"rtol": 1e-4, "atol": 1e-6} if exact else {"rtol": 2e-2, "atol": 1e-3}
+    for divides, expected in ((True, raw / raw.sum(dim=-1, keepdim=True)), (False, raw)):
+        if torch.allclose(given, expected, **tolerance):
+            router._core_rl_divides_weights = divides
+            return divides
+    raise ValueError(
+        f"the router {type(router).__name__} does not weight its experts by its softmax at them (divided by "
+        "their sum or not): routing replay and actor.moe.router_dtype support softmax-then-top-k routers only; "
+        "set actor.moe.routing_replay: none and router_dtype: auto for this model"
+    )
 
 
 class _Hooks:
@@ -183,7 +214,7 @@ class RouteReplay(_Hooks):
         experts = torch.where(has_route, given, chosen)
         if self.observe:
             self.used[layer] = experts.detach()
-        return logits, weights_at(logits, experts, bool(getattr(router, "norm_topk_prob", False))), experts
+        return logits, weights_at(logits, experts, divides_weights(router, output)), experts
 
 
 @contextlib.contextmanager
@@ -211,12 +242,16 @@ def router_float32(model: nn.Module) -> int:
         original = router.forward
 
         def forward(hidden_states: torch.Tensor, _router: nn.Module = router, _original: Any = original) -> Any:
+            divides = getattr(_router, "_core_rl_divides_weights", None)
+            if divides is None:  # the router's own rule, read from its own forward once
+                with torch.no_grad():
+                    divides = divides_weights(_router, _original(hidden_states))
             with torch.autocast(hidden_states.device.type, enabled=False):
                 hidden = hidden_states.reshape(-1, _router.weight.shape[-1]).float()
                 logits = nn.functional.linear(hidden, _router.weight.float())
                 probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
                 _top, experts = torch.topk(probs, int(_router.top_k), dim=-1)
-                weights = weights_at(logits, experts, bool(getattr(_router, "norm_topk_prob", False)))
+                weights = weights_at(logits, experts, divides)
             return logits, weights, experts
 
         router.forward = forward
