@@ -268,3 +268,60 @@ def test_a_continued_sample_carries_routes_of_its_whole_context(moe_model: Path)
     batch = samples_to_batch([first], [0], 0)
     agreement = moe.routing_agreement(batch["routed_experts"], free_routes(moe_model, batch), batch["attention_mask"])
     assert torch.equal(agreement, torch.ones(LAYERS))
+
+
+@pytest.fixture(scope="module")
+def mixtral_model(moe_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Mixtral (the second family: its routers always divide the weights by their
+    sum, with no attribute saying so) with the tiny model's tokenizer, 3 layers of 8 experts, top 2."""
+    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(moe_model)
+    config = MixtralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_local_experts=8,
+        num_experts_per_tok=TOP_K,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(config)
+    with torch.no_grad():
+        for router in moe.find_routers(model):
+            router.weight.normal_(0.0, 1.0)
+        for layer in model.model.layers:
+            layer.mlp.experts.gate_up_proj.normal_(0.0, 0.1)
+            layer.mlp.experts.down_proj.normal_(0.0, 0.1)
+    out = tmp_path_factory.mktemp("mixtral") / "model"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_fsdp_trains_a_mixtral_replaying_the_hf_engines_routes(mixtral_model: Path) -> None:
+    """Mixtral end to end: the hf engine records its routes (those of a float32 forward), fsdp
+    replays them with log-probs equal to the rollout's, and a replayed update trains the routers."""
+    batch = rollout(mixtral_model)
+    agreement = moe.routing_agreement(
+        batch["routed_experts"], free_routes(mixtral_model, batch), batch["attention_mask"]
+    )
+    assert torch.equal(agreement, torch.ones(LAYERS))
+    engine = fsdp(mixtral_model, "rollout")
+    try:
+        logprobs = engine.compute_logprobs(batch)
+        assert mismatch(batch, logprobs)[1] < 1e-4  # float32 both sides, the same experts and weights
+        batch["loss_weight"] = batch["response_mask"] / batch["response_mask"].sum()
+        before = [r.weight.detach().clone() for r in moe.find_routers(engine.model)]
+        metrics = engine.train_step(batch, nll)
+        after = [r.weight.detach() for r in moe.find_routers(engine.model)]
+    finally:
+        engine.close()
+    assert metrics["moe/routing_agreement"] == pytest.approx(1.0)
+    assert all(not torch.equal(b, a) for b, a in zip(before, after))
