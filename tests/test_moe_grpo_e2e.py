@@ -137,3 +137,18 @@ def test_routes_travel_through_async_rollout_and_saved_rollouts(config: Path) ->
     # step 2 trains on rollouts of the weights before step 1 (one version stale): on this tiny model one
     # AdamW step at lr 1e-2 re-routes most tokens, which replay hides from the update but the metric shows
     assert all(0.0 <= row[key] <= 1.0 for row in [*rows, *replayed] if "actor/entropy" in row)
+
+
+def test_a_run_with_routing_replay_resumes_bitwise(config: Path) -> None:
+    """Three steps at once, and one step then a resume to three: the same metrics (the routing
+    agreement and expert loads among them) and bitwise the same weights and optimizer state, so
+    replay holds nothing a checkpoint leaves out. (An asynchronous run resumes by regenerating
+    what was in flight, with the newer weights, so it is not bitwise the same by design.)"""
+    from core_rl.testing.faults import same_run
+
+    runs = config.parent / "runs"
+    run_train(config, "experiment.name=whole", "trainer.total_steps=3", "saver.at_end=true")
+    run_train(config, "experiment.name=part", "trainer.total_steps=1", "saver.at_end=true")
+    run_train(config, "experiment.name=part", "trainer.total_steps=3", "saver.at_end=true", "recover.mode=resume")
+    assert any("actor/moe/routing_agreement" in row for row in read_metrics(runs / "whole" / "metrics.jsonl"))
+    assert same_run(runs / "whole", runs / "part", 3)
