@@ -1,4 +1,5 @@
-"""Worker of ``test_moe_distributed.py``, launched by ``torchrun`` (1 or 2 processes, gloo on CPU).
+"""Worker of ``test_moe_distributed.py``, launched by ``torchrun`` (1 or 2 processes, gloo on CPU;
+``--engine fsdp`` or ``deepspeed``, ZeRO 2).
 
 Trains the tiny Qwen3-MoE at ``--model`` for 2 steps with rollout routing replay on a fixed batch
 whose ``routed_experts`` come from a bf16 forward of the same model (so some differ from the
@@ -46,16 +47,25 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--engine", choices=("fsdp", "deepspeed"), default="fsdp")
     args = parser.parse_args()
     torch.manual_seed(0)
+    deepspeed = args.engine == "deepspeed"
+    optimizer = OptimizerConfig(name="adamw", lr=1e-3) if deepspeed else OptimizerConfig(name="sgd", lr=0.5)
     actor = ActorConfig(
         model_path=args.model,
-        engine=PluginSpec(name="fsdp"),
-        optimizer=OptimizerConfig(name="sgd", lr=0.5),
+        engine=PluginSpec(name=args.engine),
+        optimizer=optimizer,
         grad_clip=0.0,
         moe=MoEConfig(routing_replay="rollout", router_aux_loss_coef=0.0),  # per micro-batch: not split-invariant
     )
-    engine = FSDPEngine(actor)
+    if deepspeed:
+        from core_rl_deepspeed.config import DeepSpeedConfig
+        from core_rl_deepspeed.engine import DeepSpeedEngine
+
+        engine = DeepSpeedEngine(actor, DeepSpeedConfig(zero_stage=2))
+    else:
+        engine = FSDPEngine(actor)
     batch = routed_batch(args.model)
     batch["loss_weight"] = batch["response_mask"] / batch["response_mask"].sum()
     rank, world = engine.rank, engine.world_size
