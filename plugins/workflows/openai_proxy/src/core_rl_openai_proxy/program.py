@@ -45,6 +45,8 @@ from core_rl_server_kit.worker import AdapterError, Worker, WorkerFailed, Worker
 
 #: the adapter a worker runs for a function in another interpreter
 ADAPTER = Path(__file__).with_name("agent_adapter.py")
+#: how much longer than an episode's limit a worker's request may take (the episode's own limit stops it first)
+WORKER_GRACE_S = 60.0
 #: how much of a script's stdout and stderr an episode keeps (and a failure quotes)
 OUTPUT_TAIL = 2000
 #: how long a killed script's process may take to exit and be reaped
@@ -78,7 +80,9 @@ class Outcome:
 class AgentProgram:
     """``program`` (``rollout.workflow.program``) loaded once; :meth:`run` runs one episode."""
 
-    def __init__(self, program: str, args: list[str], python: str | None = None) -> None:
+    def __init__(self, program: str, args: list[str], python: str | None = None, *, timeout_s: float = 300.0) -> None:
+        """``timeout_s``: an episode's limit (``rollout.workflow.timeout_s``, which the workflow
+        applies); a worker's request is given a little more, so that limit is what stops it."""
         self.program, self.args, self.python = program, list(args), python or sys.executable
         self.script: Path | None = None
         self.function: Callable[..., Any] | None = None
@@ -101,6 +105,7 @@ class AgentProgram:
                 adapter=str(ADAPTER),
                 options=json.dumps({"program": program}),
                 path=(str(Path.cwd()),),  # a package.module program is found from here, as in-process
+                call_timeout_s=timeout_s + WORKER_GRACE_S,
             )
             return
         try:

@@ -55,11 +55,10 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
 
     def __init__(self, config: OpenAIAgentConfig) -> None:
         self.config = config
-        script = config.program.endswith(".py")
-        own = script or config.python or config.requirements  # a function without them runs in-process
-        self.program = AgentProgram(
-            config.program, config.args, agent_python(config.python, config.requirements) if own else None
-        )
+        # a script, or a function given an interpreter of its own (else it runs in-process)
+        own = config.program.endswith(".py") or config.python or config.requirements
+        python = agent_python(config.python, config.requirements) if own else None
+        self.program = AgentProgram(config.program, config.args, python, timeout_s=config.timeout_s)
         self.proxy: ProxyServer | None = None
         self._starting = threading.Lock()
 
