@@ -115,8 +115,8 @@ def test_the_plugins_command_shows_failures_with_their_whole_reason(site: Path) 
     assert table.returncode == 0, table.stderr
     # square brackets are text, not console markup to drop
     shown = {row[1]: row for row in table_rows(table.stdout)}
-    assert shown["frobnicator"][5] == f"failed: ImportError: {IMPORT_ERROR}"
-    assert shown["mismatch-name"][5] == rows["mismatch-name"]["status"]
+    assert shown["frobnicator"][6] == f"failed: ImportError: {IMPORT_ERROR}"  # after the claims column
+    assert shown["mismatch-name"][6] == rows["mismatch-name"]["status"]
     assert shown["keyword_score"][4] == "scores [0, 1] by [rules]"
     assert shown["tis"][4] == "Truncated importance sampling: clamp pi_prox/pi_behave to [lower, upper]"
 

@@ -483,6 +483,9 @@ class _ReplicaRunner:
     over replicas, so the world-size factor of ``MicroBatchRunner``'s convention does not apply
     (``world_size`` is ignored)."""
 
+    #: no mixture-of-experts routing replay: the engine's families are dense (``replays_routes`` unset)
+    moe = None
+
     def __init__(self, engine: MegatronEngine) -> None:
         self.engine = engine
 

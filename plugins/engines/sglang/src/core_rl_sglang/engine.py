@@ -88,6 +88,8 @@ class SGLangRolloutEngine(ServerRolloutEngine):
     env_name = "sglang"
     health_path = "/health"
     guided_decoding = True  # response_format: the request's json_schema (SGLang's grammar backend)
+    #: > 0: the servers return each position's routed experts, of this top-k (routing replay)
+    routes_top_k: int = 0
     lora_rank: int = 0  #: > 0: the servers serve LoRA adapters up to this rank (:mod:`core_rl_sglang.lora`)
 
     def __init__(
@@ -104,7 +106,7 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         self.config = config
         self.lora_rank = lora_rank
         #: the servers return each position's routed experts (routing replay): the model's top-k
-        self.routes_top_k = routes_top_k(model_path, trust_remote_code) if return_routed_experts else 0
+        self.routes_top_k = moe_top_k(model_path, trust_remote_code) if return_routed_experts else 0
         self._adapters: dict[str, str] = {}  # server URL -> the adapter name it serves
         #: the name and shape of every tensor the last full-weight update sent (the sync check reads them back)
         self._synced: dict[str, list[int]] = {}
@@ -407,7 +409,7 @@ def _routes(encoded: Any, top_k: int, meta: dict[str, Any]) -> Any:
     return flat.reshape(positions, -1, top_k).copy()
 
 
-def routes_top_k(model_path: str | Path, trust_remote_code: bool) -> int:
+def moe_top_k(model_path: str | Path, trust_remote_code: bool) -> int:
     """The top-k of a mixture-of-experts model's routers (its config's ``num_experts_per_tok``); a
     :class:`~core_rl.errors.ConfigError` for a model without one."""
     from core_rl.errors import ConfigError
