@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
@@ -110,8 +111,9 @@ def divides_weights(router: nn.Module, output: Any) -> bool:
     )
 
 
-class _Hooks:
-    """Forward hooks on every router of a model, removed on exit."""
+class _Hooks(ABC):
+    """Forward hooks on every router of a model, removed on exit; :meth:`_hook` is what each does
+    with a router's output (its return value, unless ``None``, replaces the output)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.routers = find_routers(model)
@@ -119,8 +121,8 @@ class _Hooks:
             raise ValueError(f"{type(model).__name__} has no mixture-of-experts routers to record or replay")
         self._handles: list[Any] = []
 
-    def _hook(self, layer: int, router: nn.Module, output: Any) -> Any:
-        raise NotImplementedError
+    @abstractmethod
+    def _hook(self, layer: int, router: nn.Module, output: Any) -> Any: ...
 
     def __enter__(self) -> _Hooks:
         for layer, router in enumerate(self.routers):

@@ -196,7 +196,6 @@ class ProxyServer:
         messages = normalize_messages(body.get("messages"))
         tools = request_tools(body)
         logprobs = responses.wants_logprobs(body, chat=True)
-        responses_api.requested_response_format(body)  # a malformed one: a 400 before the turn
         responses_api.refuse_serial_tool_calls(body)
         plan, turn, reply, matched = await self._chat_turn(session, body, messages, tools, body.get("tool_choice"))
         ids = bool(body.get("return_token_ids"))
@@ -213,7 +212,6 @@ class ProxyServer:
     async def _responses(self, request: Request) -> dict[str, Any] | Response:
         session = self._session(request)
         body = await self._body(request, stream=True)
-        responses_api.requested_response_format(body)  # a malformed one: a 400 before the turn
         responses_api.refuse_serial_tool_calls(body)
         previous = body.get("previous_response_id")
         history = None
@@ -322,7 +320,7 @@ class ProxyServer:
         wanted = responses.requested_max_tokens(body)
         max_new = min(session.sampling.max_new_tokens, room, wanted or room)
         stops = list(dict.fromkeys([*session.sampling.stop, *responses.requested_stops(body)]))
-        response_format = responses_api.requested_response_format(body)
+        response_format = responses_api.requested_response_format(body)  # a malformed one: a 400, nothing sampled
         sampling = _evolve(session.sampling, n=1, max_new_tokens=max_new, stop=stops, response_format=response_format)
         with session.guard:
             if session.closed:
