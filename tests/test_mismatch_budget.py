@@ -4,9 +4,16 @@ real runs: tests/test_mismatch_budget_e2e.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 from core_rl.config.mismatch_budget import MismatchBudgetConfig
+from core_rl.errors import ConfigError
+from core_rl.interfaces import LossOutput, PolicyLoss
+from core_rl.loops.rl.loop import SyncTrainer
 from core_rl.loops.rl.mismatch_budget import MismatchBudget, MismatchBudgetExceeded
+from core_rl.plugins.host import PluginHost
 
 KEY = "mismatch/abs_logprob_diff"
 
@@ -75,3 +82,23 @@ def test_correct_once_from_the_next_step_and_again_after_a_resume(capsys):
     resumed = MismatchBudget(config, is_main=True, correct=lambda: resumed_calls.append(1))
     resumed.load_state_dict(budget.state_dict())
     assert resumed_calls == [1] and resumed.corrected and resumed.total == 3
+
+
+class _PlainLoss(PolicyLoss):
+    """A third-party loss with no behaviour weight: it keeps the default refusal of a sampler."""
+
+    def loss_weights(self, response_mask: torch.Tensor) -> torch.Tensor:
+        return response_mask / response_mask.sum()
+
+    def __call__(self, batch, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossOutput:
+        return LossOutput(per_token_loss=-logprobs)
+
+
+def test_correct_with_a_loss_that_applies_no_correction_is_refused_before_training():
+    budget = MismatchBudgetConfig(threshold=0.1, action="correct")
+    trainer = SimpleNamespace(cfg=SimpleNamespace(algorithm=SimpleNamespace(mismatch_budget=budget)), loss=_PlainLoss())
+    with pytest.raises(ConfigError) as info:
+        SyncTrainer._budget_correction(trainer, PluginHost())
+    [problem] = info.value.problems
+    assert problem.startswith("algorithm.mismatch_budget.action: 'correct' needs a loss that applies a correction")
+    assert "_PlainLoss does not apply rejection sampling" in problem

@@ -168,10 +168,27 @@ def test_correct_turns_on_truncated_importance_sampling_from_the_next_step(confi
     assert any(row["actor/clamped"] > 0.0 for row in rows[1:])
 
 
+def test_correct_on_the_plain_loss_recomputes_and_truncates_pi_old_over_pi_behave(config, monkeypatch):
+    monkeypatch.setenv(NOISE_VARIABLE, str(STD))
+    proc = run_train(config, "experiment.name=correct_plain", *_budget(threshold=0.1, action="correct"))
+    [line] = [line for line in proc.stderr.splitlines() if "mismatch over budget" in line]
+    assert "at step 1" in line and "'tis'" in line and "from step 2 on" in line
+    rows = read_metrics(_run_dir(config, "correct_plain") / "metrics.jsonl")
+    assert [r["mismatch/correction_on"] for r in rows] == [0.0, 1.0, 1.0]
+    # step 1: plain GRPO, no recompute (the mismatch measured in the first optimiser step) and no weight
+    assert "offpolicy/behave_ratio_max" not in rows[0] and "actor/behave_weight_max" not in rows[0]
+    assert rows[0]["mismatch/abs_logprob_diff"] > 0.1
+    # from step 2: pi_old recomputed, the surrogate weighted by pi_old / pi_behave truncated at 2
+    for row in rows[1:]:
+        assert row["timing/logprobs_s"] > 0.0 and "offpolicy/behave_ratio_max" in row
+        assert row["actor/behave_weight_max"] <= 2.0 + 1e-6
+        assert (row["actor/clamped"] > 0.0) == (row["offpolicy/behave_ratio_max"] > 2.0)
+    assert any(row["actor/clamped"] > 0.0 for row in rows[1:])
+
+
 @pytest.mark.parametrize(
     ("overrides", "words"),
     [
-        (_budget(threshold=0.1, action="correct"), "set algorithm.loss.use_decoupled_loss: true"),
         (_budget(action="stop"), "algorithm.mismatch_budget.threshold, which is null"),
         (
             [

@@ -31,8 +31,9 @@ class MismatchBudgetConfig:
     - ``correct``: from the next step on, the policy loss applies the importance-sampling
       correction ``correction`` (a ``core_rl.rejection_samplers`` plugin section: ``tis``,
       truncated importance sampling, by default; ``mis`` masks instead) to its behaviour weight,
-      and one line says so. It needs a loss with a behaviour weight (``ppo_clip`` with
-      ``use_decoupled_loss: true``) and no ``algorithm.rejection_sampling`` already on;
+      and one line says so. It needs a loss that applies a correction (``ppo_clip``: the decoupled
+      loss's ``pi_prox / pi_behave``, or the plain loss's ``pi_old / pi_behave`` with ``old_logprobs``
+      recomputed from then on) and no ``algorithm.rejection_sampling`` already on;
     - ``stop``: the run ends with exit status 1 and one line naming the metric, its value, the
       threshold and the step, after logging that step's metrics and saving nothing of it.
     """
@@ -48,8 +49,8 @@ class MismatchBudgetConfig:
 def mismatch_budget_problems(budget: MismatchBudgetConfig, *, rejection_sampling: PluginSpec | None) -> list[str]:
     """Problems of ``algorithm.mismatch_budget`` with the rest of ``algorithm``: an action other
     than ``warn`` without a threshold, and ``correct`` while ``algorithm.rejection_sampling``
-    already applies a correction from the start (the loss's own checks say whether it has a
-    behaviour weight to correct, e.g. ``ppo_clip``'s ``use_decoupled_loss``)."""
+    already applies a correction from the start (whether the loss applies one is the loss's
+    ``set_rejection_sampler`` to say, before training)."""
     problems = []
     if budget.threshold is None and budget.action != "warn":
         problems.append(

@@ -53,7 +53,8 @@ class PolicyLoss(ABC):
     requires_reference: bool = False
     #: whether the trainer must recompute ``old_logprobs`` with the train engine before the first
     #: update of each step (e.g. the proximal policy of a decoupled loss); see also
-    #: ``algorithm.recompute_logprob``
+    #: ``algorithm.recompute_logprob``. Read at every step: a loss may make it a property that
+    #: changes with :meth:`set_rejection_sampler` (a correction turned on mid-run)
     requires_recompute: bool = False
     #: whether the loss differentiates through the entropy it is given (an entropy bonus). When
     #: ``False``, engines compute the entropy (still a metric) without gradient, so its
@@ -100,9 +101,10 @@ class PolicyLoss(ABC):
         """Restore what :meth:`state_dict` returned. Default: nothing."""
 
     def set_rejection_sampler(self, sampler: RejectionSampler | None) -> None:
-        """Receive the configured ``algorithm.rejection_sampling`` component (called once by the
-        trainer before training). A loss that does not apply one must refuse a sampler (the default
-        raises :class:`core_rl.errors.ConfigError`)."""
+        """Receive the configured ``algorithm.rejection_sampling`` component (called by the trainer
+        before training, and again when ``algorithm.mismatch_budget``'s ``correct`` turns one on).
+        A loss that does not apply one must refuse a sampler (the default raises
+        :class:`core_rl.errors.ConfigError`)."""
         if sampler is not None:
             from core_rl.errors import ConfigError
 

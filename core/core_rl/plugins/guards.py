@@ -178,8 +178,11 @@ class GuardedLoss(_StatefulGuard, PolicyLoss):
     def __init__(self, inner: PolicyLoss, words: str) -> None:
         super().__init__(inner, words)
         self.requires_reference = inner.requires_reference
-        self.requires_recompute = inner.requires_recompute
         self.entropy_grad = getattr(inner, "entropy_grad", True)
+
+    @property
+    def requires_recompute(self) -> bool:  # read at every update: a rejection sampler may change it
+        return bool(self.inner.requires_recompute)
 
     def loss_weights(self, response_mask: torch.Tensor) -> torch.Tensor:
         weights = calling(self.words, "weighting the loss", self.inner.loss_weights, response_mask)

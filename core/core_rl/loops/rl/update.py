@@ -240,14 +240,20 @@ class PolicyUpdate:
         self.world_size = world_size
         # a KL penalty in the reward measures KL(pi_old || pi_ref) with the trainer's own forward on
         # both sides (the rollout engine's log-probs would add its numerical gap to the KL)
-        kl_in_reward = self.advantage is not None and bool(getattr(self.advantage, "requires_reference", False))
-        self.recompute = algorithm.recompute_logprob or loss.requires_recompute or kl_in_reward
+        self.kl_in_reward = self.advantage is not None and bool(getattr(self.advantage, "requires_reference", False))
         #: ``algorithm.ptx``'s rows (:mod:`core_rl.loops.rl.ptx`), set once the tokenizer is loaded
         self.ptx: PTXRows | None = None
         #: the padding token (of ptx rows and the zero-gradient row), set once the tokenizer is loaded
         self.pad_token_id = 0
         #: updates whose every optimiser step was zero-signal (``total`` kept in checkpoints)
         self.zero_signal = StreakCounter()
+
+    @property
+    def recompute(self) -> bool:
+        """Whether this step's update recomputes ``old_logprobs`` with the train engine; read at
+        every step, since the loss's need may change (a rejection sampler turned on by
+        ``algorithm.mismatch_budget``'s ``correct``)."""
+        return self.algorithm.recompute_logprob or self.loss.requires_recompute or self.kl_in_reward
 
     def _logprobs(self, batch: TensorBatch) -> None:
         """``ref_logprobs`` (with a reference model), ``teacher_logprobs`` (with a teacher; its top-k

@@ -22,9 +22,12 @@ class WrappingLoss(PolicyLoss):
     def __init__(self, base: PolicyLoss) -> None:
         self.base = base
         self.requires_reference = base.requires_reference
-        self.requires_recompute = base.requires_recompute
         self.entropy_grad = getattr(base, "entropy_grad", True)
         self.logprobs_at_key = getattr(base, "logprobs_at_key", None)
+
+    @property
+    def requires_recompute(self) -> bool:
+        return self.base.requires_recompute
 
     def loss_weights(self, response_mask: torch.Tensor) -> torch.Tensor:
         return self.base.loss_weights(response_mask)

@@ -127,8 +127,11 @@ def test_decoupled_loss_weights_by_proximal_over_behaviour():
         ({"name": "kl_k3", "upper": 0.5}, [-2.0, -1.0, 0.0], [0.0, 0.0, 1.0], None),
     ],
 )
-def test_rejection_sampling_masks_or_clamps_the_weight(rejection, loss_values, rejected, clamped):
-    loss = make_loss(rejection=dict(rejection), use_decoupled_loss=True)
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_rejection_sampling_masks_or_clamps_the_weight(rejection, loss_values, rejected, clamped, decoupled):
+    # the plain loss weights its surrogate by the sampler's pi_old / pi_behave: with a recomputed
+    # pi_old equal to the decoupled loss's recomputed pi_prox, both give the same loss
+    loss = make_loss(rejection=dict(rejection), use_decoupled_loss=decoupled)
     batch, lp = batch_of([[0.0, 0.0, 0.0]], [1.0], behave_shift=[[LN2, 0.0, math.log(0.25)]])
     out, _ = run(loss, batch, lp)
     close(out.per_token_loss, [loss_values])
@@ -228,9 +231,22 @@ def test_bad_combinations_name_the_keys(options, message):
         structure(options, PPOClipConfig, path="algorithm.loss")
 
 
-def test_a_rejection_sampler_needs_the_decoupled_loss():
-    with pytest.raises(ConfigError, match=r"algorithm\.rejection_sampling: .*use_decoupled_loss: true"):
-        make_loss(rejection={"name": "ratio"})
+def test_a_rejection_sampler_makes_the_plain_loss_recompute_its_old_logprobs():
+    # without a recompute old_logprobs are the behaviour log-probs and the weight would be 1
+    plain = make_loss()
+    assert not plain.requires_recompute
+    batch, lp = batch_of([[0.0]], [1.0], behave_shift=[[LN2]])
+    assert "behave_weight" not in run(plain, batch, lp)[0].token_metrics  # no weight without a sampler
+    corrected = make_loss(rejection={"name": "tis", "upper": 1.5})
+    assert corrected.requires_recompute
+    out, _ = run(corrected, *batch_of([[0.0]], [1.0], behave_shift=[[LN2]]))
+    close(out.per_token_loss, [[-1.5]])  # weight 2 truncated at 1.5
+    corrected.set_rejection_sampler(None)
+    assert not corrected.requires_recompute
+    # the decoupled loss recomputes pi_prox whatever the sampler, unless it is log-linear
+    assert make_loss(use_decoupled_loss=True).requires_recompute
+    loglinear = make_loss(rejection={"name": "tis"}, use_decoupled_loss=True, prox_logp_method="loglinear")
+    assert not loglinear.requires_recompute
 
 
 def _load(*overrides: str):
@@ -239,8 +255,7 @@ def _load(*overrides: str):
 
 
 def test_cross_section_rules_are_config_errors():
-    with pytest.raises(ConfigError, match=r"algorithm\.rejection_sampling: 'tis' acts on the decoupled loss"):
-        _load("algorithm.rejection_sampling.name=tis")
+    assert _load("algorithm.rejection_sampling.name=tis").algorithm.rejection_sampling.name == "tis"  # plain loss
     with pytest.raises(ConfigError, match=r"algorithm\.recompute_logprob: true contradicts algorithm\.loss"):
         _load(
             "algorithm.recompute_logprob=true",

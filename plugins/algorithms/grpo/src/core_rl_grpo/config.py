@@ -303,23 +303,13 @@ class PPOClipConfig:
                     )
 
     def check_config(self, context: SectionContext) -> list[str]:
-        """Problems with the rest of the run: rejection sampling acts on the decoupled loss's
-        importance weight, as does ``algorithm.mismatch_budget``'s ``correct`` action;
-        ``recompute_logprob`` contradicts the log-linear proximal policy."""
+        """Problems with the rest of the run: ``recompute_logprob`` contradicts the log-linear
+        proximal policy. (A rejection sampler, from the start or turned on by
+        ``algorithm.mismatch_budget``'s ``correct``, weights either loss: the decoupled one's
+        ``pi_prox / pi_behave``, the plain one's ``pi_old / pi_behave`` with ``old_logprobs``
+        recomputed.)"""
         problems = []
         run, path = context.run, context.path
-        sampler = run.algorithm.rejection_sampling
-        if sampler is not None and not self.use_decoupled_loss:
-            problems.append(
-                f"algorithm.rejection_sampling: {sampler.name!r} acts on the decoupled loss's importance weight; "
-                f"set {path}.use_decoupled_loss: true"
-            )
-        budget = run.algorithm.mismatch_budget
-        if budget.threshold is not None and budget.action == "correct" and not self.use_decoupled_loss:
-            problems.append(
-                f"algorithm.mismatch_budget.action: 'correct' turns on {budget.correction.name!r} on the decoupled "
-                f"loss's importance weight; set {path}.use_decoupled_loss: true (or choose action warn or stop)"
-            )
         if run.algorithm.recompute_logprob and self.use_decoupled_loss and self.prox_logp_method == "loglinear":
             problems.append(
                 f"algorithm.recompute_logprob: true contradicts {path}.prox_logp_method: loglinear, which "

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from core_rl import ops
-from core_rl.errors import ConfigError
 from core_rl.interfaces import LossOutput, PolicyLoss, RejectionSampler
 from core_rl.ops import policy_ratio, ppo_clip_loss
 from core_rl.protocol import TensorBatch
@@ -41,7 +40,9 @@ class PPOClipLoss(PolicyLoss):
                                                (ops.gmpo_loss; mean over the loss_mask tokens)
         l_t    = 0 where t in S and not clipped            loss_mode clip_cov (ops.clip_cov_loss)
         l_t    = -A_t rho_t + ppo_kl_coef |log rho_t| [t in S]   loss_mode kl_cov (unclipped; ops.kl_cov_loss)
-        l_t    = l_t * w_t                     decoupled: w_t = pi_prox / pi_behave (after rejection sampling)
+        l_t    = l_t * w_t                     decoupled: w_t = pi_prox / pi_behave (after rejection sampling);
+                                               plain, with a rejection sampler: w_t = its weight of
+                                               pi_old / pi_behave (old_logprobs then recomputed)
         l_t    = l_t * [H_t >= tau_q]          top_entropy_quantile q < 1 (tau_q below)
         l_t    = l_t + kl_coef * KL_est(pi, pi_ref) - entropy_coef * H_t
                                                (KL_est times rho_t with kl_importance_weight)
@@ -86,21 +87,27 @@ class PPOClipLoss(PolicyLoss):
         self.eps_low = cfg.eps_clip
         self.eps_high = cfg.eps_clip_higher if cfg.eps_clip_higher is not None else cfg.eps_clip
         self.requires_reference = cfg.kl_coef > 0
-        self.requires_recompute = cfg.use_decoupled_loss and cfg.prox_logp_method != "loglinear"
         self.adaptive_entropy = cfg.entropy_target is not None
         self.entropy_grad = cfg.entropy_coef > 0 or self.adaptive_entropy  # otherwise the entropy is a metric only
         self.entropy_coef = cfg.entropy_coef  # the adaptive coefficient, updated by observe_step
         self.last_entropy = math.inf  # no step measured yet: no adaptive bonus at the first step
         self.sampler: RejectionSampler | None = None
 
+    @property
+    def requires_recompute(self) -> bool:
+        """The decoupled loss's proximal policy, unless log-linear; the plain loss with a rejection
+        sampler: its behaviour weight ``pi_old / pi_behave`` needs the trainer's ``old_logprobs``
+        (without a recompute they are the behaviour log-probs, and the weight is 1)."""
+        cfg = self.config
+        if cfg.use_decoupled_loss:
+            return cfg.prox_logp_method != "loglinear"
+        return self.sampler is not None
+
     def set_rejection_sampler(self, sampler: RejectionSampler | None) -> None:
-        if sampler is not None and not self.config.use_decoupled_loss:
-            raise ConfigError(
-                [
-                    "algorithm.rejection_sampling: acts on the decoupled loss's importance weight; "
-                    "set algorithm.loss.use_decoupled_loss: true"
-                ]
-            )
+        """The sampler corrects the behaviour weight: of the decoupled loss (``pi_prox / pi_behave``),
+        or of the plain loss (``pi_old / pi_behave``, truncated importance sampling as a factor on
+        the clipped surrogate; the trainer recomputes ``old_logprobs`` from then on,
+        :attr:`requires_recompute`)."""
         self.sampler = sampler
 
     def loss_weights(self, response_mask: torch.Tensor) -> torch.Tensor:
@@ -190,7 +197,7 @@ class PPOClipLoss(PolicyLoss):
         metrics["approx_kl"] = ops.kl_estimate(anchor, logprobs.detach(), "k3")
 
         keep = on
-        if cfg.use_decoupled_loss:
+        if cfg.use_decoupled_loss or self.sampler is not None:
             weight, keep = self._behaviour_weight(anchor, behave, mask, keep, metrics)
             loss = loss * weight
             metrics["kl_behave_current"] = ops.kl_estimate(behave, logprobs.detach(), "k3")
