@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from core_rl.testing.blocking import in_environment
 from core_rl.testing.faults import build_task, finish, merged, run_dir
+from core_rl.testing.launch import cpu_ranks_env
 from core_rl_server_kit.supervise import session_members
 from fault_helpers import cli_command, cli_env, write_config
 
@@ -33,19 +34,21 @@ def _config(tmp_path: Path, **sections: Any) -> dict[str, Any]:
     return merged(build_task(tmp_path), **sections)
 
 
-def _train(config: dict[str, Any], *overrides: str, timeout: float) -> tuple[int, str, float]:
-    """``core-rl train`` (with the test plugins) on ``config`` in a session of its own: its exit
-    status, stderr and seconds taken. Asserts that nothing of its session is left afterwards."""
+def _train(config: dict[str, Any], *overrides: str, timeout: float, ranks: int = 1) -> tuple[int, str, float]:
+    """``core-rl train`` (with the test plugins) on ``config`` in a session of its own, on ``ranks``
+    CPU ranks: its exit status, stderr and seconds taken. Asserts that nothing of its session is
+    left afterwards."""
     path = write_config(
         config, Path(config["experiment"]["output_dir"]).parent / f"{config['experiment']['name']}.yaml"
     )
     start = time.monotonic()
+    launch = ("--nproc-per-node", str(ranks)) if ranks > 1 else ()
     proc = subprocess.Popen(
-        cli_command("train", str(path), *overrides, faults=True),
+        cli_command("train", *launch, str(path), *overrides, faults=True),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=cli_env(),
+        env=cpu_ranks_env(cli_env()) if ranks > 1 else cli_env(),
         start_new_session=True,
     )
     try:
@@ -177,3 +180,29 @@ def test_a_logger_that_blocks(tmp_path: Path) -> None:
     assert took < 3 + BOUND_S, took
     assert not (run_dir(config) / "checkpoints" / "step_00000003").exists()
     _resumes_from(merged(config, loggers=[{"name": "block", "step": 99}]), 2, 4)
+
+
+@pytest.mark.parametrize("kind", ["reward", "filter"])
+def test_a_deadline_on_one_rank_stops_every_rank(tmp_path: Path, kind: str) -> None:
+    """Under ``--nproc-per-node 2``: the blocking call passes its deadline on the rank that makes it,
+    and the other rank, waiting in the step's collective, does not outlive it: the run ends within
+    the deadline plus the bound with one line naming the plugin (rank 1 repeats it as rank 0's
+    failure, and the launcher points at it), no process left, and step 2 the last logged."""
+    if kind == "reward":
+        sections: dict[str, Any] = {"reward": {"name": "block", "call": 3}, "reward_runner": {"timeout_s": 3}}
+        words = "score did not return within 3 s (reward_runner.timeout_s)"
+    else:
+        sections = {"algorithm": {"name": "grpo", "filters": [{"name": "block", "call": 3}], "filter_timeout_s": 3}}
+        words = "filter did not return within 3 s (algorithm.filter_timeout_s)"
+    config = _config(tmp_path, **sections)
+    status, err, took = _train(config, timeout=3 + BOUND_S + 120, ranks=2)
+    assert status == 1, err[-4000:]
+    assert "Traceback" not in err, err[-4000:]
+    # rank 0 says it; rank 1 stops with rank 0's message; the launcher points at them (in any order)
+    lines = [x.removeprefix("core-rl: error: ") for x in err.splitlines() if x.startswith("core-rl: error:")]
+    peers = [x for x in lines if x.startswith("rank 0 ")]
+    [own] = [x for x in lines if x not in peers]
+    assert "'block'" in own and words in own, own
+    assert sorted(peers) == ["rank 0 exited with status 1 (its message is above)", f"rank 0 failed: {own}"], err
+    assert took < 3 + BOUND_S + 60, took  # two ranks start and end slower than one
+    assert _logged_steps(run_dir(config)) == [1, 2]
