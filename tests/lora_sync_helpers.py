@@ -65,6 +65,35 @@ def train_step(syncer: Syncer, seed: int) -> None:
     syncer.engine.train_step(make_rl_batch(seed=seed), nll_loss)
 
 
+def check_adapter_syncs(syncer: Syncer, monkeypatch: Any, server: str) -> None:
+    """The sync check (``rollout.sync_check``) of adapter syncs to the server named ``server``: a
+    correct sync passes with every adapter tensor checked; a stale adapter served (the previous
+    version's directory loaded under the new version: the test hook's ``stale_adapter``) is caught
+    at that version, naming the server, the mode and the first tensor."""
+    import pytest
+    from core_rl.sync.check import WeightSyncMismatch
+    from core_rl.sync.faults import VARIABLE
+    from core_rl.sync.lora import adapter_dir
+    from safetensors.torch import load_file
+
+    monkeypatch.delenv(VARIABLE, raising=False)
+    version = syncer.rollout.weight_version + 1
+    train_step(syncer, seed=version)
+    metrics = syncer.sync(version)
+    adapter = load_file(adapter_dir(syncer.run_dir, version) / "adapter_model.safetensors")
+    assert metrics["weight_sync/checked_tensors"] == len(adapter) > 0
+
+    stale = version + 1
+    monkeypatch.setenv(VARIABLE, f"stale_adapter:{stale}")
+    train_step(syncer, seed=stale)
+    with pytest.raises(WeightSyncMismatch) as caught:
+        syncer.sync(stale)
+    message = str(caught.value)
+    assert f"weight version {stale}: rollout engine " in message and f"(server {server} (" in message
+    assert "rollout.weight_sync: disk (rollout.lora_sync: adapter): the first tensor that differs is " in message
+    assert f"the first tensor that differs is {next(iter(adapter))} (fingerprint " in message
+
+
 def response_ids(samples: list) -> list[list[int]]:
     """The response tokens of one sample per prompt."""
     return [s.response_ids for (s,) in samples]

@@ -27,6 +27,7 @@ from lora_sync_helpers import (
     RANK,
     Syncer,
     assert_same_samples,
+    check_adapter_syncs,
     lora_problems,
     lora_trainer,
     merged_samples,
@@ -230,29 +231,6 @@ def test_the_run_builds_its_servers_for_adapters_and_never_asleep(tmp_path: Path
 
 
 def test_the_sync_check_covers_the_adapter_and_a_stale_one_stops_the_sync(setup, monkeypatch) -> None:
-    """The sync check (``rollout.sync_check``) compares the adapter the trainer wrote with the one
-    the server's handler loaded: a correct adapter sync passes with every adapter tensor checked;
-    a stale adapter served (the previous version's directory loaded under the new version: the test
-    hook's ``stale_adapter``) is caught at that version, naming the server, the mode and the first
-    tensor."""
-    from core_rl.sync.check import WeightSyncMismatch
-    from core_rl.sync.faults import VARIABLE
-    from safetensors.torch import load_file
-
-    syncer, _, _ = setup
-    monkeypatch.delenv(VARIABLE, raising=False)
-    version = syncer.rollout.weight_version + 1
-    train_step(syncer, seed=version)
-    metrics = syncer.sync(version)
-    adapter = load_file(adapter_dir(syncer.run_dir, version) / "adapter_model.safetensors")
-    assert metrics["weight_sync/checked_tensors"] == len(adapter) > 0
-
-    stale = version + 1
-    monkeypatch.setenv(VARIABLE, f"stale_adapter:{stale}")
-    train_step(syncer, seed=stale)
-    with pytest.raises(WeightSyncMismatch) as caught:
-        syncer.sync(stale)
-    message = str(caught.value)
-    assert f"weight version {stale}: rollout engine " in message and "(server vllm-0 (" in message
-    assert "rollout.weight_sync: disk (rollout.lora_sync: adapter): the first tensor that differs is " in message
-    assert f"the first tensor that differs is {next(iter(adapter))} (fingerprint " in message
+    """The sync check compares the adapter the trainer wrote with the one the server's handler
+    loaded (:func:`lora_sync_helpers.check_adapter_syncs`)."""
+    check_adapter_syncs(setup[0], monkeypatch, "vllm-0")

@@ -3,8 +3,8 @@ after a real training step of the ``fsdp`` engine with LoRA, the trainer's weigh
 adapter alone and one real SGLang CPU server (started once for the module, from the managed server
 environment, with LoRA enabled) loads it under a new name per version. Its greedy tokens and
 behaviour log-probs match a merged sync into the same server; a second sync replaces the first; a
-trainer resumed against the surviving server reloads the version it serves. And the config accepts
-SGLang."""
+trainer resumed against the surviving server reloads the version it serves; the sync check
+covers the adapter and stops a stale one. And the config accepts SGLang."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from lora_sync_helpers import (
     RANK,
     Syncer,
     assert_same_samples,
+    check_adapter_syncs,
     lora_problems,
     lora_trainer,
     merged_samples,
@@ -119,3 +120,10 @@ def test_a_second_sync_replaces_the_first_and_a_resumed_trainer_reloads_it(setup
 
 def test_the_config_accepts_sglang(tmp_path: Path) -> None:
     assert lora_problems(tmp_path, "sglang", []) == []
+
+
+def test_the_sync_check_covers_the_adapter_and_a_stale_one_stops_the_sync(setup, monkeypatch) -> None:
+    """The sync check compares the adapter the trainer wrote with the files of the directory
+    SGLang reports it loaded under this version's name (:func:`lora_sync_helpers.check_adapter_syncs`).
+    Last in the module: the stale sync leaves the server serving the stale adapter."""
+    check_adapter_syncs(setup[0], monkeypatch, "sglang-0")

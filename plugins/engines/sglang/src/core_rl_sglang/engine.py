@@ -326,13 +326,18 @@ class SGLangRolloutEngine(ServerRolloutEngine):
     async def fingerprints_of(self, client: Any, url: str, version: int) -> dict[str, dict[str, float]] | None:
         """The fingerprints of the server's parameters of the tensors the last update sent, read
         back with ``/get_weights_by_name`` (:func:`core_rl_sglang.fingerprints.server_fingerprints`),
-        as ``model``; ``None`` (the check is skipped) with ``rollout.lora_sync: adapter``, with
-        ``dtype: auto`` (the dtype the server chose is not reported) or for a model SGLang cannot
-        answer for."""
-        dtype = self._held_dtype()
-        if self.lora_rank or dtype is None:
-            return None
+        as ``model``; with ``rollout.lora_sync: adapter``, those of the files of the adapter
+        directory the server loaded under this version's name
+        (:func:`core_rl_sglang.lora.adapter_fingerprints`), as ``adapter``. ``None`` (the check is
+        skipped) with ``dtype: auto`` (the dtype the server chose is not reported) or for a model
+        SGLang cannot answer for."""
         timeout = self.options.weight_sync_timeout
+        if self.lora_rank:
+            prints = await lora.adapter_fingerprints(client, url, version, timeout, self.fingerprint_prefix)
+            return {"adapter": prints}
+        dtype = self._held_dtype()
+        if dtype is None:
+            return None
         # a budget of tensors per check (sync_check_elements); the rest count as received, unread (NaN)
         shapes = fingerprints.checked_share(self._synced, version, self.config.sync_check_elements)
         prints = await fingerprints.server_fingerprints(client, url, shapes, version, dtype, timeout)
@@ -342,8 +347,8 @@ class SGLangRolloutEngine(ServerRolloutEngine):
 
     def fingerprint_dtypes(self, names: list[str], dtypes: list[Any], mode: str) -> list[Any]:
         """The servers' dtype for every floating weight, whatever the mode: the check reads back
-        what they hold."""
-        held = self._held_dtype()
+        what they hold; an adapter's tensors as they are in its files (the check reads those)."""
+        held = None if self.lora_rank else self._held_dtype()
         return [held if held is not None and d.is_floating_point else d for d in dtypes]
 
 

@@ -13,6 +13,11 @@ stale entry, and no flush is needed. The engine pauses the server around the loa
 weights (``update_pause_mode`` ``wait`` or ``abort``: :func:`core_rl.sync.lora.problems` refuses
 ``keep``).
 
+The sync check (``rollout.sync_check``) of an adapter sync (:func:`adapter_fingerprints`): SGLang
+reports the directory each adapter it serves was loaded from (``GET /v1/models``: an adapter's
+``root``), so the check fingerprints the files of the directory the server loaded under this
+version's name, as vLLM's server side does for the directory its handler loaded.
+
 On a CPU-only torch SGLang's LoRA layers and its ``torch_native`` LoRA backend still ask for pinned
 host memory, which has no allocator there; the engine has such servers start with
 :data:`PINLESS_VARIABLE` set (:mod:`core_rl_sglang.server_side.core_rl_sglang_pinless`).
@@ -20,9 +25,11 @@ host memory, which has no allocator there; the engine has such servers start wit
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from core_rl.sync import NAME_PREFIX, adapter_name
+from core_rl.sync.fingerprint import file_samples, fold
 from core_rl_server_kit.remote import ServerReplyError
 
 from core_rl_sglang.wire import checked_post
@@ -46,12 +53,33 @@ def server_args(rank: int, cpu: bool) -> list[str]:
     return argv + (["--lora-backend", CPU_BACKEND] if cpu else [])
 
 
-async def served_adapters(client: Any, url: str, timeout: float) -> list[str]:
-    """The names of the adapters core-rl had the server at ``url`` load (``GET /v1/models``)."""
+async def adapter_roots(client: Any, url: str, timeout: float) -> dict[str, str]:
+    """The adapters core-rl had the server at ``url`` load, by name, each with the directory it was
+    loaded from (``GET /v1/models``: SGLang lists each adapter with its path as ``root``)."""
     response = await client.get(url + "/v1/models", timeout=timeout)
     if response.status_code >= 300:
         raise ServerReplyError(f"GET {url}/v1/models answered {response.status_code}: {response.text[:300]}")
-    return [m["id"] for m in response.json().get("data", []) if str(m.get("id", "")).startswith(NAME_PREFIX)]
+    cards = response.json().get("data", [])
+    return {str(m["id"]): str(m.get("root") or "") for m in cards if str(m.get("id", "")).startswith(NAME_PREFIX)}
+
+
+async def served_adapters(client: Any, url: str, timeout: float) -> list[str]:
+    """The names of the adapters core-rl had the server at ``url`` load."""
+    return list(await adapter_roots(client, url, timeout))
+
+
+async def adapter_fingerprints(
+    client: Any, url: str, version: int, timeout: float, prefix: int | None = None
+) -> dict[str, float]:
+    """The sync check's fingerprints (:func:`core_rl.sync.fingerprint.file_samples` at ``version``
+    within ``prefix``, folded in each tensor's own dtype) of every tensor in the directory the
+    server at ``url`` loaded the adapter of ``version`` from; empty when it serves no adapter under
+    that version's name (a server restarted, or a load that never reached it)."""
+    root = (await adapter_roots(client, url, timeout)).get(adapter_name(version))
+    if not root:
+        return {}
+    samples = await asyncio.to_thread(file_samples, root, version, prefix)  # a memory map: few pages read
+    return {name: fold(tensor) for name, tensor in samples.items()}
 
 
 async def load_version(client: Any, url: str, path: str, version: int, timeout: float) -> str:
