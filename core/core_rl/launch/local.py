@@ -61,6 +61,11 @@ from core_rl.reliability import exit_note
 RENDEZVOUS_BACKEND = "core-rl-loopback"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 120
 
+#: the module each rank runs (``python -m RANK_MODULE train CONFIG ...``): :mod:`core_rl.cli`, or a
+#: wrapper that registers plugins before it calls :func:`core_rl.cli.main`, which sets this to its own
+#: name so that its ranks hold them too (:mod:`core_rl.testing.faults`)
+RANK_MODULE = "core_rl.cli"
+
 
 def _shutdown_timeout(seconds: int) -> dict[str, int]:
     """``LaunchConfig``'s ``shutdown_timeout`` where this torch has it (2.12 and later); older
@@ -218,7 +223,7 @@ def launch(config_path: str, overrides: Sequence[str], nproc: int, cfg: RunConfi
     notes = tempfile.TemporaryDirectory(prefix="core-rl-notes-")
     os.environ[exit_note.VARIABLE] = str(Path(notes.name) / "rank-{rank}.txt")  # each worker's last line
     try:
-        elastic_launch(config, sys.executable)("-m", entry_module(), "train", config_path, *overrides)
+        elastic_launch(config, sys.executable)("-m", RANK_MODULE, "train", config_path, *overrides)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         if failure.exitcode < 0:
@@ -256,12 +261,3 @@ def launch(config_path: str, overrides: Sequence[str], nproc: int, cfg: RunConfi
         os.environ.pop(exit_note.VARIABLE, None)
         notes.cleanup()
     return 0
-
-
-def entry_module() -> str:
-    """The module each rank runs: the one this process was started with by ``python -m MODULE``
-    (a wrapper that registers plugins before calling :func:`core_rl.cli.main`, e.g.
-    :mod:`core_rl.testing.faults`, so its ranks hold them too), else :mod:`core_rl.cli` (the
-    ``core-rl`` script)."""
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    return spec.name if spec is not None and spec.name else "core_rl.cli"

@@ -332,5 +332,8 @@ def worker_of_rank(launcher: int, rank: int) -> int | None:
 if __name__ == "__main__":
     install_into_every_host()
     from core_rl.cli import main
+    from core_rl.launch import local
+
+    local.RANK_MODULE = "core_rl.testing.faults"  # ranks under --nproc-per-node hold the fault plugins too
 
     sys.exit(main())
