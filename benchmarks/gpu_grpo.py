@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((label, summaries))
         # the table so far after each shape: a run stopped by a time limit keeps what it measured
         print_table(rows, "torch.cuda.max_memory_allocated" if on_cuda else "resident set size, CPU")
-        flagged += bench_card(label, device_name, peak, counted, summaries, info, results)
+        flagged += bench_card(label, device_name, peak, counted, summaries, info, results, args.core_rl_set)
     failed = [f"{label.split()[0]} {kind}" for label, sides in rows for kind, s in sides.items() if s is None]
     if failed:
         print(f"gpu_grpo: every run failed for: {', '.join(failed)}", file=sys.stderr)
@@ -452,21 +452,25 @@ def bench_card(
     summaries: dict[str, dict | None],
     info: dict[str, str],
     results: Path | None,
+    overrides: list[str],
 ) -> int:
     """Print one shape's bench card (the sides that ran), append core-rl's row to ``results`` (if
-    given and core-rl ran) and print a line per regression flagged; returns how many."""
+    given and core-rl ran; its shape the label and the ``--core-rl-set`` ``overrides``) and print a
+    line per regression flagged; returns how many."""
     cards = {kind: gpu_card.card(s, shape, peak) for kind, s in summaries.items() if s is not None}
     if not cards:
         return 0
     print("\n" + gpu_card.card_table(label, device, peak, shape, cards), flush=True)
     if results is None or "core-rl" not in cards:
         return 0
-    row = results_row(info, label, cards["core-rl"])
+    # a run with --core-rl-set overrides is its own shape: compared only with runs of the same ones
+    key = " ".join([label, *overrides])
+    row = results_row(info, key, cards["core-rl"])
     flags = gpu_results.append(results, row)
-    print(f"  row appended to {results}: {device}, {label}, commit {info['commit']}")
+    print(f"  row appended to {results}: {device}, {key}, commit {info['commit']}")
     for flag in flags:
         print(
-            f"gpu_grpo: REGRESSION on {device}, {label}: {flag.figure} {flag.previous:g} -> {flag.new:g} "
+            f"gpu_grpo: REGRESSION on {device}, {key}: {flag.figure} {flag.previous:g} -> {flag.new:g} "
             f"({100 * flag.change:+.1f}%, beyond {100 * gpu_results.THRESHOLD:.0f}%)"
         )
     return len(flags)

@@ -140,10 +140,15 @@ def test_gpu_bench_smoke_runs_each_side_and_prints_one_table(gpu_bench, tmp_path
 
     # TRL as the script finds it: in this environment (an offline wheelhouse carries it), or its own
     trl = importlib.util.find_spec("trl") or gpu_bench["trl_grpo"].trl_python(install=False)
+    repository_file = gpu_bench["RESULTS"].read_text()
     args = ["--smoke", "--no-install", "--workdir", str(tmp_path), "--core-rl-set", "trainer.profile.steps=[1]"]
     assert gpu_bench["main"](args) == 0
     out = capsys.readouterr().out
     assert (tmp_path / "tiny" / "core-rl-run" / "bench" / "profile" / "step1-rank0.txt").is_file()  # the override
+    # --smoke's row goes to the work dir, not the repository's file; the override names its shape
+    assert gpu_bench["RESULTS"].read_text() == repository_file
+    (row,) = gpu_bench["gpu_results"].read_rows(tmp_path / "gpu.md")
+    assert row["device"] == "cpu" and row["shape"].endswith(" trainer.profile.steps=[1]"), row
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("shape"))
     end = next(i for i, line in enumerate(lines) if line.startswith("bench card"))
