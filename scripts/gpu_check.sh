@@ -5,7 +5,8 @@
 #   gpu     the engines' GPU tests alone (pytest -m gpu: fsdp, deepspeed, megatron, weight sync in memory,
 #           rollout engines asleep while training: hf, vllm and sglang, the last two from their server environments)
 #   main    the main job (examples/tiny_grpo/main.py) on the GPU
-#   bench   benchmarks/gpu_grpo.py, GRPO step time against TRL on the GPU (both shapes, 2 rounds: long),
+#   bench   benchmarks/gpu_grpo.py, GRPO step time against TRL on the GPU and its bench card (its four shapes,
+#           2 rounds: long; the card's rows appended to benchmarks/results/gpu.md, copied to $OUT/gpu.md),
 #           benchmarks/memory_sync.py (the 0.36B model's weight sync alone) and
 #           benchmarks/logprob_memory.py (log-probs over a 152k vocabulary, 8192 tokens)
 # and print a summary (failures, skips grouped by reason). It fails loudly when CUDA is absent: a GPU
@@ -20,7 +21,7 @@
 #     SUITE_SKIP_PASSED=F  leave out the test files that all passed in an earlier JUnit file F (go on from
 #                          a run cut short: OUT=runs/gpu_check2 SUITE_SKIP_PASSED=runs/gpu_check/suite.xml;
 #                          after several runs, their files space-separated: "runs/gpu_check/suite.xml runs/gpu_check2/suite.xml")
-#     BENCH_ARGS="--shapes 0.5b"            arguments of benchmarks/gpu_grpo.py (both shapes: ~20 min)
+#     BENCH_ARGS="--shapes 0.5b"            arguments of benchmarks/gpu_grpo.py (0.5b and 1.5b alone: ~20 min)
 # Where a machine limits each command's time (e.g. 10 minutes), run the parts as separate commands,
 # the suite in parts (SUITE_PATHS) and the benchmark one shape at a time (TIMEOUT below that limit).
 set -uo pipefail
@@ -94,6 +95,8 @@ if has bench; then
     # shellcheck disable=SC2086  # BENCH_ARGS: e.g. "--shapes 0.5b --rounds 2" (both shapes take ~20 min)
     if "$PY" benchmarks/gpu_grpo.py ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; then tail -20 "$OUT/bench.log"; else
       echo "== benchmark failed (log: $OUT/bench.log)"; tail -20 "$OUT/bench.log"; status=1; fi
+    # the bench card's results file, with this run's rows: to be committed from the machine that ran it
+    if [ -f benchmarks/results/gpu.md ]; then cp benchmarks/results/gpu.md "$OUT/gpu.md"; fi
   else
     echo "== benchmark: benchmarks/gpu_grpo.py does not exist yet (issue: fast on a GPU); nothing run"
   fi

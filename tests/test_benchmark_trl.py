@@ -3,10 +3,13 @@ profiled (and through TRL when its benchmark environment is already built; CI ne
 and the pieces the
 comparison rests on: the model sizes, the prompts, the reward formula both sides use; and of
 ``benchmarks/gpu_grpo.py`` on the CPU (``--smoke``: a tiny model, one step of each side), its refusal
-without CUDA, and the parameter counts it labels and sizes its shapes by."""
+without CUDA, the parameter counts it labels and sizes its shapes by, and its bench card through a
+run: the card's columns and figures, the row appended to ``--results`` and a regression flagged
+(the card's formulas and the rule alone: ``tests/test_benchmark_gpu_card.py``)."""
 
 from __future__ import annotations
 
+import json
 import runpy
 from pathlib import Path
 
@@ -137,13 +140,19 @@ def test_gpu_bench_smoke_runs_each_side_and_prints_one_table(gpu_bench, tmp_path
 
     # TRL as the script finds it: in this environment (an offline wheelhouse carries it), or its own
     trl = importlib.util.find_spec("trl") or gpu_bench["trl_grpo"].trl_python(install=False)
+    repository_file = gpu_bench["RESULTS"].read_text()
     args = ["--smoke", "--no-install", "--workdir", str(tmp_path), "--core-rl-set", "trainer.profile.steps=[1]"]
     assert gpu_bench["main"](args) == 0
     out = capsys.readouterr().out
     assert (tmp_path / "tiny" / "core-rl-run" / "bench" / "profile" / "step1-rank0.txt").is_file()  # the override
+    # --smoke's row goes to the work dir, not the repository's file; the override names its shape
+    assert gpu_bench["RESULTS"].read_text() == repository_file
+    (row,) = gpu_bench["gpu_results"].read_rows(tmp_path / "gpu.md")
+    assert row["device"] == "cpu" and row["shape"].endswith(" trainer.profile.steps=[1]"), row
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("shape"))
-    rows = [line.split() for line in lines[start + 2 :] if line.strip()]
+    end = next(i for i, line in enumerate(lines) if line.startswith("bench card"))
+    rows = [line.split() for line in lines[start + 2 : end] if line.strip()]
     core = next(r for r in rows if "core-rl" in r)
     i = core.index("core-rl")
     step, first, gen, logp, train, sync, other, peak = (float(x) for x in core[i + 1 : i + 9])
@@ -167,3 +176,126 @@ def test_gpu_bench_run_past_its_timeout_is_a_failed_run_with_its_log(gpu_bench, 
     out = gpu_bench["run_side"](str(hanging), "trl", {"threads": 1}, 1.0, log)
     assert isinstance(out, str) and out.endswith(f"(log: {log})"), out
     assert "timed out after 1" in log.read_text()
+
+
+CARD_COLUMNS = ("side", "s/step", "generate", "train", "sync", "other", "gen tok/s", "train tok/s", "TFLOP/step")
+
+
+def _card(out: str) -> tuple[str, dict[str, list[str]]]:
+    """The heading of the bench card printed last and its rows by side."""
+    lines = out.splitlines()
+    start = max(i for i, line in enumerate(lines) if line.startswith("bench card"))
+    rows = {}
+    for line in lines[start + 4 :]:
+        if not line.strip() or line.split()[0] not in ("core-rl", "trl"):
+            break
+        rows[line.split()[0]] = line.split()
+    return lines[start + 2], rows
+
+
+def test_gpu_bench_smoke_prints_the_card_and_appends_a_row(gpu_bench, tmp_path, capsys) -> None:
+    """The bench card with every column, its MFU from the FLOP count and ``--peak-tflops``, and the
+    row appended to ``--results`` with the device and this checkout's commit."""
+    import subprocess
+
+    results = tmp_path / "results.md"
+    args = ["--smoke", "--no-trl", "--workdir", str(tmp_path), "--results", str(results), "--peak-tflops", "0.001"]
+    assert gpu_bench["main"](args) == 0
+    out = capsys.readouterr().out
+    head, rows = _card(out)
+    at = [head.index(f" {name}" if i else name) for i, name in enumerate((*CARD_COLUMNS, "MFU", "peak GiB"))]
+    assert at == sorted(at), head  # every column, in order
+    assert "6*N*D + 12*L*H*S*D" in out and "peak dense bf16 0.001 TFLOP/s" in out
+    core = rows["core-rl"]
+    step, gen, train, sync, other = (float(x) for x in core[1:6])
+    assert abs(gen + train + sync + other - step) < 1e-2 + 0.05 * step, core  # the split adds up
+    gen_tps, train_tps, tflop = float(core[6].replace(",", "")), float(core[7].replace(",", "")), float(core[8])
+    # by hand: 2 prompts x 4 samples x 8 tokens generated; the update over those and each sample's
+    # prompt, a BOS token and a token per character with the character tokenizer
+    prompts = [json.loads(line)["prompt"] for line in (tmp_path / "tiny" / "prompts.jsonl").read_text().splitlines()]
+    trained = 4 * sum(1 + len(p) for p in prompts) + 64
+    assert f"D={trained} tokens ({trained - 64} prompt + 64 generated), S={trained / 8:.1f}" in out
+    assert gen_tps == pytest.approx(64 / gen, rel=0.05, abs=1), core
+    assert train_tps == pytest.approx(trained / train, rel=0.05, abs=1), core
+    shape = gpu_bench["SMOKE"]
+    params = gpu_bench["model_params"](shape)
+    flops = 6 * params * trained + 12 * shape["num_layers"] * shape["hidden_size"] * (trained / 8) * trained
+    assert tflop == pytest.approx(flops / 1e12, rel=0.01), core
+    assert float(core[9].rstrip("%")) == pytest.approx(100 * flops / train / 1e9, rel=0.05), core  # MFU
+    assert float(core[10]) > 0  # peak memory
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=SCRIPT.parent)
+    row = gpu_bench["gpu_results"].read_rows(results)[-1]
+    assert row["device"] == "cpu" and row["commit"].split("+")[0] == commit.stdout.strip(), row
+    assert row["shape"] == gpu_bench["shape_label"]("tiny", params, 2, 4, 8) and row["flags"] == "-", row
+    assert float(row["s/step"]) == pytest.approx(step, abs=1e-3) and row["torch"] == torch.__version__
+
+
+def test_gpu_bench_smoke_flags_a_regression_against_the_last_row(gpu_bench, tmp_path, capsys) -> None:
+    """A previous row of the same device and shape 100 times faster: the run is flagged (a line per
+    figure, the row marked); the rule's 5% edge, on the row the run appended, through the same file."""
+    results_module = gpu_bench["gpu_results"]
+    results = tmp_path / "results.md"
+    label = gpu_bench["shape_label"]("tiny", gpu_bench["model_params"](gpu_bench["SMOKE"]), 2, 4, 8)
+    fast = {
+        "device": "cpu",
+        "shape": label,
+        "s/step": "0.001",
+        "gen tok/s": "1e9",
+        "train tok/s": "1e9",
+        "MFU %": "1e9",
+    }
+    other_shape = {**fast, "shape": "another", "s/step": "1e9", "gen tok/s": "0.001"}
+    results_module.append(results, fast)
+    results_module.append(results, other_shape)  # the last row, but not of this shape
+    args = ["--smoke", "--no-trl", "--workdir", str(tmp_path), "--results", str(results), "--peak-tflops", "0.001"]
+    assert gpu_bench["main"](args) == 0
+    out = capsys.readouterr().out
+    flagged = [line for line in out.splitlines() if line.startswith("gpu_grpo: REGRESSION on cpu")]
+    assert [line.split(": ")[2].split()[0] for line in flagged] == ["s/step", "gen", "train", "MFU"], out
+    row = results_module.read_rows(results)[-1]
+    assert row["flags"].startswith("REGRESSION: s/step +") and "MFU %" in row["flags"], row
+    # the next run against this row: 4% slower is within the rule, 6% slower is flagged
+    step, gen = float(row["s/step"]), float(row["gen tok/s"])
+    slower = {**row, "s/step": f"{step * 1.04:.6f}", "gen tok/s": f"{gen / 1.04:.6f}"}
+    assert results_module.append(results, slower) == []
+    assert results_module.read_rows(results)[-1]["flags"] == "none"
+    slower = {**slower, "s/step": f"{step * 1.04 * 1.06:.6f}"}
+    assert [f.figure for f in results_module.append(results, slower)] == ["s/step"]
+
+
+def test_gpu_bench_card_shape_counts_the_tokens_core_rl_trains_on(gpu_bench, tmp_path) -> None:
+    """The FLOP count's token count: a BOS and a token per character for the tiny model's prompts,
+    once per sample and divided by the steps."""
+    workload = gpu_bench["trl_grpo"].Workload("tiny", 64, 2, 4, 128, prompts=2, samples=4, tokens=8)
+    model, data = gpu_bench["prepare"](tmp_path, "tiny", gpu_bench["SMOKE"], tokens=8, prompts=2, steps=3)
+    shape = gpu_bench["card_shape"](model, data, workload, steps=3)
+    prompts = [json.loads(line)["prompt"] for line in data.read_text().splitlines()]
+    assert shape.prompt_tokens == round(4 * sum(1 + len(p) for p in prompts) / 3)
+    assert (shape.samples, shape.response_tokens, shape.layers, shape.hidden) == (8, 8, 2, 64)
+    assert shape.params == gpu_bench["model_params"](gpu_bench["SMOKE"])
+
+
+def test_gpu_bench_card_shape_of_the_real_model(gpu_bench, tmp_path, real_model) -> None:
+    """The real shape: SmolLM2-135M-Instruct's 30 layers of 576, and its prompts counted in its chat
+    template as TRL renders them (``test_the_real_workload_gives_both_sides_the_same_prompt_ids``)."""
+    from transformers import AutoTokenizer
+
+    trl_grpo = gpu_bench["trl_grpo"]
+    workload = trl_grpo.Workload("real", 0, 0, 0, 0, prompts=8, samples=8, tokens=256, real=True)
+    model, data = trl_grpo.prepare(tmp_path, workload, steps=2)
+    shape = gpu_bench["card_shape"](model, data, workload, steps=2)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    lengths = [
+        len(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": json.loads(line)["prompt"]}],
+                tokenize=True,
+                add_generation_prompt=True,
+                return_dict=True,
+            )["input_ids"]
+        )
+        for line in data.read_text().splitlines()
+    ]
+    assert shape.prompt_tokens == round(8 * sum(lengths) / 2)
+    assert (shape.layers, shape.hidden, shape.samples, shape.response_tokens) == (30, 576, 64, 256)
+    assert 134e6 <= shape.params <= 135e6
