@@ -1,12 +1,17 @@
 """The vision-language example: build a tiny Qwen2-VL-shaped model and a picture task offline,
 warm-start it on the answer format, train it with GRPO on CPU, and report how the reward rose.
 
-    python examples/vlm_grpo/main.py [--workdir runs/vlm_grpo] [KEY=VALUE overrides]
+    python examples/vlm_grpo/main.py [--workdir runs/vlm_grpo] [--rollout-engine sglang] [KEY=VALUE overrides]
 
 The task (task.py): a 16x16 image with a coloured square; the prompt asks its colour; the
 ``exact_match`` reward is 1 for the right colour word. The warm start teaches the answer format
 only (a colour drawn at random), so the reward starts near 1/4 and rises only if the policy learns
 to read the image. Everything it writes goes under ``--workdir`` (replaced on each run).
+
+``--rollout-engine sglang`` samples through a SGLang CPU server instead of the in-process ``hf``
+engine (the managed ``sglang`` server environment, built on first use: ``core-rl server-env create
+sglang``), in float32, its weights synced over a collective after every step
+(:data:`ROLLOUT_ENGINES`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,11 @@ from task import COLOURS, PROMPT, write_dataset, write_warm_start_data  # noqa: 
 
 #: the data keys every run of this task sets (rows with images need the chat template)
 IMAGE_DATA = {"apply_chat_template": True}
+#: the overrides of each ``--rollout-engine`` (``hf``: grpo.yaml's own)
+ROLLOUT_ENGINES = {
+    "hf": [],
+    "sglang": ["rollout.engine.name=sglang", "rollout.engine.dtype=float32", "rollout.weight_sync=collective"],
+}
 
 
 def build_task(work: Path, *, warm_steps: int, seed: int = 0) -> dict[str, Path]:
@@ -72,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="runs/vlm_grpo", help="where the model, data and run go")
     parser.add_argument("--warm-steps", type=int, default=40, help="supervised warm-start steps")
+    parser.add_argument("--rollout-engine", choices=sorted(ROLLOUT_ENGINES), default="hf", help="what samples")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides for grpo.yaml")
     args = parser.parse_args(argv)
     start = time.perf_counter()
@@ -83,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work)
     build_task(work, warm_steps=args.warm_steps)
     print(f"model and warm start: {time.perf_counter() - start:.0f} s")
-    code = cli.main(["train", str(HERE / "grpo.yaml"), f"experiment.output_dir={work}", *args.overrides])
+    engine = ROLLOUT_ENGINES[args.rollout_engine]
+    code = cli.main(["train", str(HERE / "grpo.yaml"), f"experiment.output_dir={work}", *engine, *args.overrides])
     if code != 0:
         return code
     run_dir = work / "grpo"

@@ -113,6 +113,7 @@ def build_tiny_vlm(
             "num_heads": vision_heads,
             "mlp_ratio": 2,
             "in_channels": 3,
+            "in_chans": 3,  # the published checkpoints' name for it, which SGLang's Qwen2-VL reads
             "patch_size": patch_size,
             "spatial_merge_size": merge_size,
             "temporal_patch_size": 2,

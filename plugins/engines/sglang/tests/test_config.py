@@ -237,3 +237,67 @@ def test_a_sync_check_reads_back_a_budget_of_tensors_a_different_share_each_vers
     seen = set().union(*shares)
     assert seen >= {n for n in shapes if n != "embed"}  # every small tensor within 39 checks
     assert checked_share(shapes, 1, 50_000) == checked_share(shapes, 1, 50_000)  # the same on every call
+
+
+def test_a_prompt_with_images_goes_to_the_media_route_and_placeholders_are_never_sampled(monkeypatch) -> None:
+    """A vision-language model's request: its pixel inputs, encoded, to ``/core_rl/generate`` (one
+    copy per sample), decoded by the server side to the very tensors; every request of it carries a
+    ``logit_bias`` banning the placeholders (kept alongside one from ``rollout.sampling.extra``); a
+    prompt without images goes to ``/generate``."""
+    import asyncio
+    import importlib.util
+
+    import torch
+    from core_rl.interfaces import SamplingParams
+    from core_rl_sglang import engine as module
+
+    sent = []
+
+    async def fake_post(client, url, payload, timeout=None):
+        sent.append((url, payload))
+        one = {
+            "output_ids": [9],
+            "meta_info": {"finish_reason": {"type": "length"}, "output_token_logprobs": [[-1.0, 9]]},
+        }
+        return [one] * len(payload["input_ids"])
+
+    monkeypatch.setattr(module, "json_post", fake_post)
+    engine = _engine()
+    engine.vision_language, engine._banned, engine._adapters = True, (5, 6), {}
+    media = {"pixel_values": torch.randn(16, 96), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    sampling = SamplingParams(n=2, max_new_tokens=1, extra={"logit_bias": {"7": -2.0}})
+    asyncio.run(engine.request(None, "http://s", [1, 5, 5, 2], sampling, media=media))
+    asyncio.run(engine.request(None, "http://s", [1, 2], SamplingParams(n=1, max_new_tokens=1)))
+    (url, payload), (text_url, text_payload) = sent
+    assert url == "http://s/core_rl/generate" and text_url == "http://s/generate"
+    assert payload["input_ids"] == [[1, 5, 5, 2]] * 2 and len(payload["image_data"]) == 2
+    assert "image_data" not in text_payload
+    assert payload["sampling_params"]["logit_bias"] == {
+        "7": -2.0,
+        "5": module.PLACEHOLDER_BIAS,
+        "6": module.PLACEHOLDER_BIAS,
+    }
+    assert text_payload["sampling_params"]["logit_bias"] == {"5": module.PLACEHOLDER_BIAS, "6": module.PLACEHOLDER_BIAS}
+
+    spec = importlib.util.spec_from_file_location("media", module.SERVER_SIDE / "core_rl_sglang_media.py")
+    server_side = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(server_side)
+    (decoded,) = server_side.processor_output(payload["image_data"][0])
+    assert decoded["format"] == "processor_output"
+    for key, tensor in media.items():
+        assert decoded[key].dtype == tensor.dtype and torch.equal(decoded[key], tensor)
+    assert server_side.processor_output(None) is None
+
+
+def test_a_vision_language_models_collective_update_names_tensors_as_sglang_loads_them() -> None:
+    from core_rl_sglang.engine import served_name
+
+    assert served_name("model.visual.merger.mlp.0.weight") == "visual.merger.mlp.0.weight"
+    assert served_name("model.language_model.embed_tokens.weight") == "model.embed_tokens.weight"
+    assert served_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert served_name("lm_head.weight") == "lm_head.weight"
+    env = _engine().server_environment(0)
+    assert "SGLANG_VLM_CACHE_SIZE_MB" not in env  # a text model keeps SGLang's defaults
+    vlm = _engine()
+    vlm.vision_language = True
+    assert vlm.server_environment(0)["SGLANG_VLM_CACHE_SIZE_MB"] == "0"

@@ -72,6 +72,8 @@ class SGLangConfig:
     #: its servers load LoRA adapters (``rollout.lora_sync: adapter``: the factory's ``lora_rank``,
     #: :mod:`core_rl_sglang.lora`)
     serves_lora_adapters: ClassVar[bool] = True
+    #: prompts with images (a vision-language model's ``media``: ``/core_rl/generate``, :mod:`core_rl_sglang.engine`)
+    multimodal: ClassVar[bool] = True
 
     server: ServerOptions = attrs.field(factory=ServerOptions)
     sync_check_elements: int = attrs.field(default=4_000_000, validator=non_negative())

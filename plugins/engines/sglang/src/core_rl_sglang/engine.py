@@ -9,6 +9,18 @@ What it sends (everything else is :class:`core_rl_server_kit.remote.ServerRollou
   ``stop`` strings where SGLang's rule for them agrees with the core's, ``json_schema`` for a
   ``response_format``: guided decoding, no free whitespace by ``--constrained-json-disable-any-whitespace``)
   and ``return_logprob``.
+  A prompt with images (``media``: the pixel inputs core-rl computed, its placeholders already
+  expanded in ``input_ids``) goes to ``POST /core_rl/generate`` instead, the same request with
+  ``image_data`` (the tensors, base64), which the server hands to SGLang as a processed image
+  (:mod:`core_rl_sglang.server_side.core_rl_sglang_media`): SGLang keeps the ids as sent and samples
+  with the images embedded at their placeholder tokens. A vision-language model's image and video
+  placeholder tokens are never sampled (a ``logit_bias`` of :data:`PLACEHOLDER_BIAS` on each, in
+  every request of it): a placeholder in a response stands for an image the row does not have, and
+  the trainer's forward refuses it. SGLang applies the bias before it computes log-probs, so a
+  sampled token's log-prob is that of the logits with the placeholders masked: the model's own plus
+  ``-log(1 - p)``, ``p`` the placeholders' probability at that step (0 for a model that has learnt
+  not to emit them; about 0.007 for the random tiny model). The ``hf`` engine leaves them in the
+  softmax.
   ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty`` (greedy too; SGLang applies
   the repetition penalty to the response's tokens only, not the prompt's, and after the other
   two, where vLLM and the hf engine cover the prompt and apply it first; on a CPU, SGLang 0.5.23
@@ -26,7 +38,10 @@ What it sends (everything else is :class:`core_rl_server_kit.remote.ServerRollou
 - weights over a collective: ``POST /init_weights_update_group`` once, then per update
   ``/begin_weight_update``, ``/update_weights_from_distributed`` once per bucket of about
   ``update_bucket_mb`` (the trainer broadcasts meanwhile; the last flushes the cache and sets the
-  version) and ``/end_weight_update``;
+  version) and ``/end_weight_update``; a vision-language model's tensors are named as SGLang's
+  model loads them (:func:`served_name`: transformers' ``model.visual.*`` and
+  ``model.language_model.*`` are SGLang's ``visual.*`` and ``model.*``, as in the checkpoints a disk
+  update writes);
 - the sync check (``rollout.sync_check``): ``GET /model_info`` (the weight version served) and
   ``POST /get_weights_by_name`` for the first rows of every tensor the last update sent
   (:mod:`core_rl_sglang.fingerprints`);
@@ -43,9 +58,11 @@ What it sends (everything else is :class:`core_rl_server_kit.remote.ServerRollou
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +95,58 @@ PAUSE_MODE = {"keep": "retract", "abort": "abort"}
 MEMORY_TAGS = {"weights": ("weights",), "kv_cache": ("kv_cache", "cuda_graph")}
 
 
+#: core-rl's route for requests with pixel inputs (:mod:`core_rl_sglang.server_side.core_rl_sglang_media`)
+MEDIA_ROUTE = "/core_rl/generate"
+#: a vision-language model's parameter names in transformers (in memory, as a train engine sends
+#: them) -> in SGLang's model (and in the checkpoints transformers writes), by prefix, first match
+SERVED_PREFIXES = (("model.visual.", "visual."), ("model.language_model.", "model."))
+
+
+#: the logit bias that keeps a vision-language model's placeholder tokens from being sampled
+PLACEHOLDER_BIAS = -1.0e9
+#: the config keys naming a vision-language model's placeholder tokens
+PLACEHOLDER_KEYS = ("image_token_id", "video_token_id", "image_token_index")
+
+
+def placeholder_ids(model_path: str | Path) -> list[int]:
+    """The image and video placeholder token ids of the model at ``model_path`` (its ``config.json``)."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return sorted({int(config[k]) for k in PLACEHOLDER_KEYS if isinstance(config.get(k), int)})
+
+
+def served_name(name: str) -> str:
+    """The name SGLang's vision-language model loads the tensor ``name`` under (:data:`SERVED_PREFIXES`)."""
+    for hf, served in SERVED_PREFIXES:
+        if name.startswith(hf):
+            return served + name[len(hf) :]
+    return name
+
+
+def encoded_media(media: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """A prompt's pixel inputs as :data:`MEDIA_ROUTE` takes them: each tensor's dtype, shape and
+    base64 little-endian bytes (on the CPU, contiguous)."""
+    import torch
+
+    out = {}
+    for key, tensor in media.items():
+        t = tensor.detach().to("cpu").contiguous()
+        if t.dtype == torch.bfloat16:  # no numpy dtype: sent as float32 (exact)
+            t = t.float()
+        out[key] = {
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            "data": base64.b64encode(t.numpy().astype(t.numpy().dtype.newbyteorder("<")).tobytes()).decode(),
+        }
+    return out
+
+
+#: SGLang's cache of image embeddings (keyed by the pixels' hash), off: SGLang 0.5.23 keeps it across
+#: weight updates (its cache flush resets the prefix cache only), so after a sync a prompt whose
+#: image it had seen was sampled with the old vision tower's embeddings (measured: log-probs 0.05 to
+#: 0.1 off the new model's after a disk update of the tower). The prefix cache, flushed at every
+#: update, still spares the n samples of a prompt their second encoding.
+NO_IMAGE_EMBEDDING_CACHE = {"SGLANG_VLM_CACHE_SIZE_MB": "0"}
+
 #: SGLang's diagnostics before a crash, off (see :meth:`SGLangRolloutEngine.server_environment`)
 NO_CRASH_DIAGNOSTICS = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
 
@@ -91,6 +160,10 @@ class SGLangRolloutEngine(ServerRolloutEngine):
     #: > 0: the servers return each position's routed experts, of this top-k (routing replay)
     routes_top_k: int = 0
     lora_rank: int = 0  #: > 0: the servers serve LoRA adapters up to this rank (:mod:`core_rl_sglang.lora`)
+    #: a vision-language model: collective updates rename its tensors (:func:`served_name`), its
+    #: placeholders are never sampled, its servers keep no image-embedding cache
+    vision_language: bool = False
+    _banned: tuple[int, ...] = ()  #: the tokens no response may hold (a vision-language model's placeholders)
 
     def __init__(
         self,
@@ -110,6 +183,10 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         self._adapters: dict[str, str] = {}  # server URL -> the adapter name it serves
         #: the name and shape of every tensor the last full-weight update sent (the sync check reads them back)
         self._synced: dict[str, list[int]] = {}
+        from core_rl.vision.models import is_vision_language
+
+        self.vision_language = is_vision_language(model_path)
+        self._banned = tuple(placeholder_ids(model_path)) if self.vision_language else ()
         super().__init__(model_path, config.server, run_dir, sleep=sleep, trust_remote_code=trust_remote_code)
 
     # -- the server -----------------------------------------------------------------------------
@@ -178,6 +255,8 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         # then waits 5 s to dump the scheduler's stacks (py-spy, CUDA core dumps), on every stop
         # and restart. ``server.env`` can turn these back on.
         env = {"PYTHONPATH": str(SERVER_SIDE), **NO_CRASH_DIAGNOSTICS}
+        if self.vision_language:
+            env.update(NO_IMAGE_EMBEDDING_CACHE)
         c = self.config
         if self.variant() == "cpu" and c.tp_size * c.dp_size == 1:
             # its scheduler and detokenizer are forked, not spawned: no second and third import of
@@ -210,7 +289,15 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
         return tuple(tokenizer.all_special_tokens)
 
-    async def request(self, client: Any, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list[Completion]:
+    async def request(
+        self,
+        client: Any,
+        url: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        media: Mapping[str, Any] | None = None,
+    ) -> list[Completion]:
         params = {
             "max_new_tokens": sampling.max_new_tokens,
             "min_new_tokens": sampling.min_new_tokens,
@@ -229,6 +316,8 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         if sampling.response_format is not None:  # guided decoding: the schema, as text
             params["json_schema"] = json.dumps(required_json_schema(sampling.response_format))
         params = with_extra(params, sampling, "sglang", SGLangConfig.request_keys)
+        if self._banned:  # a vision-language model's placeholders are never sampled
+            params["logit_bias"] = {**params.get("logit_bias", {}), **{str(t): PLACEHOLDER_BIAS for t in self._banned}}
         payload = {
             "input_ids": [list(prompt_ids)] * sampling.n,
             "sampling_params": params,
@@ -237,7 +326,11 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         }
         if url in self._adapters:
             payload["lora_path"] = self._adapters[url]
-        body = await json_post(client, url + "/generate", payload)
+        route = "/generate"
+        if media:  # the prompt's images, one copy per sample of the batch
+            payload["image_data"] = [encoded_media(media)] * sampling.n
+            route = MEDIA_ROUTE
+        body = await json_post(client, url + route, payload)
         try:
             return [_completion(item, self.routes_top_k) for item in (body if isinstance(body, list) else [body])]
         except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -303,7 +396,8 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         timeout = self.options.weight_sync_timeout
         self._synced = dict(zip(names, (list(s) for s in shapes)))
         await checked_post(client, url + "/begin_weight_update", {}, timeout)
-        requests = update_requests(names, dtypes, shapes, int(self.config.update_bucket_mb * 2**20))
+        sent = [served_name(n) for n in names] if self.vision_language else list(names)
+        requests = update_requests(sent, dtypes, shapes, int(self.config.update_bucket_mb * 2**20))
         for i, request in enumerate(requests):
             last = i == len(requests) - 1  # the cache is flushed and the version set once, at the end
             request.update(group_name=self._group_name, flush_cache=last)

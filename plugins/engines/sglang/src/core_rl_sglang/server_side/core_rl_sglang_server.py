@@ -13,6 +13,8 @@ with fork: same tokens and log-probs as with spawn. Multi-rank and GPU servers k
 ``spawn``. Where this SGLang has no hook to wrap, the server starts as SGLang's own would, saying so
 in its log.
 
+It also adds core-rl's route for requests with pixel inputs (:mod:`core_rl_sglang_media`).
+
 Under core-rl's supervisor, SGLang's IPC sockets (named with :mod:`tempfile` in
 ``PortArgs.init_new``) go to the server's private runtime directory (``CORE_RL_SERVER_RUNTIME_DIR``),
 which the supervisor removes when the server is gone; in the system's temporary directory those of a
@@ -89,6 +91,9 @@ def main() -> None:
         ipc_in(runtime)
     if os.environ.get(FORK_VARIABLE) == "1":
         fork_subprocesses()
+    import core_rl_sglang_media
+
+    core_rl_sglang_media.register()
     runpy.run_module(LAUNCH_SERVER, run_name="__main__", alter_sys=True)
 
 

@@ -144,7 +144,9 @@ class ServerRolloutEngine(Generation, WeightSync, MemoryRelease, ServerRecovery,
 
     @abstractmethod
     async def request(self, client: Any, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list[Completion]:
-        """*plugin*: one HTTP request for the ``sampling.n`` samples of ``prompt_ids``."""
+        """*plugin*: one HTTP request for the ``sampling.n`` samples of ``prompt_ids``. A plugin whose
+        config class claims ``multimodal`` also takes a ``media`` keyword: the prompt's pixel
+        inputs (:attr:`core_rl.protocol.Sample.media`), passed only for a prompt that has them."""
 
     #: *plugin*: True when :meth:`request_batch` sends several requests in one HTTP round trip
     batches_requests: ClassVar[bool] = False

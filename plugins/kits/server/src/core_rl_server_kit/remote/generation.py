@@ -3,13 +3,17 @@ busy server holding the newest weights, under a bound on the requests in flight,
 with exponential backoff when it fails (a dead server is handled by :mod:`core_rl_server_kit.remote.recovery`
 first), and may travel in one HTTP round trip with the other requests for its server that arrive
 within ``batch_window_s`` (:meth:`~core_rl_server_kit.remote.ServerRolloutEngine.request_batch`). A request
-interrupted by ``pause("abort")`` is continued after ``resume`` from the tokens it had."""
+interrupted by ``pause("abort")`` is continued after ``resume`` from the tokens it had.
+
+A prompt with pixel inputs (``media``, for an engine whose config class claims ``multimodal``) goes
+to the plugin's :meth:`~core_rl_server_kit.remote.ServerRolloutEngine.request` as its ``media``
+keyword, on its own (never batched), continuations included; a prompt without them is sent as before."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Awaitable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
@@ -77,7 +81,7 @@ class Generation:
         return min(ready, key=lambda ep: ep.inflight)
 
     async def _request_with_retries(
-        self, prompt_ids: list[int], sampling: SamplingParams
+        self, prompt_ids: list[int], sampling: SamplingParams, media: Mapping[str, Any] | None = None
     ) -> tuple[list[Completion], int]:
         """The completions of one request and the weight version it started under."""
         last: BaseException | None = None
@@ -94,7 +98,7 @@ class Generation:
                 try:
                     with PROGRESS.call(f"{self.env_name} server {ep.name} ({ep.url}): generation request"):
                         completions = await asyncio.wait_for(
-                            self._send(ep.url, prompt_ids, sampling), self.options.request_timeout
+                            self._send(ep.url, prompt_ids, sampling, media), self.options.request_timeout
                         )
                     if len(completions) != sampling.n:
                         raise ServerReplyError(f"{ep.name} returned {len(completions)} samples, asked for {sampling.n}")
@@ -126,9 +130,14 @@ class Generation:
             raise ep.server.failure(what)
         raise ServerError(f"server {ep.name}: {what}")
 
-    def _send(self, url: str, prompt_ids: list[int], sampling: SamplingParams) -> Awaitable[list[Completion]]:
+    def _send(
+        self, url: str, prompt_ids: list[int], sampling: SamplingParams, media: Mapping[str, Any] | None = None
+    ) -> Awaitable[list[Completion]]:
         """The completions of one request to ``url``: its own HTTP request, or a place in the batch
-        that leaves for ``url`` ``batch_window_s`` after its first request (see the module doc)."""
+        that leaves for ``url`` ``batch_window_s`` after its first request (see the module doc); a
+        request with ``media`` always goes on its own."""
+        if media is not None:
+            return self.request(self._client, url, prompt_ids, sampling, media=media)
         window = self.options.batch_window_s
         if window <= 0 or not self.batches_requests:
             return self.request(self._client, url, prompt_ids, sampling)
@@ -175,12 +184,21 @@ class Generation:
                 if not future.done():
                     future.cancel()
 
-    async def _agenerate_here(self, prompt_ids: list[int], sampling: SamplingParams) -> list[Sample]:
-        completions, version = await self._request_with_retries(prompt_ids, sampling)
+    async def _agenerate_here(
+        self, prompt_ids: list[int], sampling: SamplingParams, media: Mapping[str, Any] | None = None
+    ) -> list[Sample]:
+        completions, version = await self._request_with_retries(prompt_ids, sampling, media)
         # the samples a pause("abort") interrupted continue side by side, not one after another
-        return list(await asyncio.gather(*(self._finish(prompt_ids, sampling, c, version) for c in completions)))
+        return list(await asyncio.gather(*(self._finish(prompt_ids, sampling, c, version, media) for c in completions)))
 
-    async def _finish(self, prompt_ids: list[int], sampling: SamplingParams, c: Completion, version: int) -> Sample:
+    async def _finish(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        c: Completion,
+        version: int,
+        media: Mapping[str, Any] | None = None,
+    ) -> Sample:
         """One sample of a request: ``c``, continued from where it stopped while it comes back
         interrupted by ``pause("abort")`` (those tokens carry the version they ran under). A
         continuation sends the tokens so far as part of its prompt, so the server's frequency and
@@ -196,7 +214,7 @@ class Generation:
             rest = attrs.evolve(
                 sampling, n=1, max_new_tokens=left, min_new_tokens=max(0, sampling.min_new_tokens - len(tokens))
             )
-            (more,), more_version = await self._request_with_retries(list(prompt_ids) + tokens, rest)
+            (more,), more_version = await self._request_with_retries(list(prompt_ids) + tokens, rest, media)
             tokens += more.token_ids
             logprobs += more.logprobs
             versions += self._token_versions(more, more_version)
@@ -220,21 +238,34 @@ class Generation:
             return list(c.versions)
         return [version] * len(c.token_ids)
 
-    async def agenerate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
+    async def agenerate(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, *, media: Mapping[str, Any] | None = None
+    ) -> list[Sample]:
         check_prompt_and_sampling(prompt_ids, sampling)
         if self._fatal is not None:
             raise self._fatal
         if self._closed:
             raise CoreRLError(f"the {self.env_name} rollout engine is closed")
-        future = asyncio.run_coroutine_threadsafe(self._agenerate_here(list(prompt_ids), sampling), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._agenerate_here(list(prompt_ids), sampling, media), self._loop)
         return await relay(future)
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[Sample]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        media: Sequence[Mapping[str, Any] | None] | None = None,
+    ) -> list[list[Sample]]:
         for prompt in prompts:
             check_prompt_and_sampling(prompt, sampling)
+        per_prompt = list(media) if media is not None else [None] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} media entries for {len(prompts)} prompts")
 
         async def all_prompts() -> list[list[Sample]]:
-            return list(await asyncio.gather(*(self._agenerate_here(list(p), sampling) for p in prompts)))
+            return list(
+                await asyncio.gather(*(self._agenerate_here(list(p), sampling, m) for p, m in zip(prompts, per_prompt)))
+            )
 
         return self._call(all_prompts(), what=f"{len(prompts)} prompts to be generated")
 
