@@ -24,6 +24,21 @@ from core_rl.errors import ConfigError
 from core_rl.roles.freezing import freeze_parameters
 
 
+def inner_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside engine wrappers: DeepSpeed's engine (``.module``) and peft's
+    (``get_base_model()``); ``model`` itself when it is not wrapped (FSDP2 wraps in place). Its
+    ``config``, ``forward`` signature and submodules are the model's own (DeepSpeed's engine has a
+    ``config`` of its own)."""
+    inner = model
+    while True:
+        if isinstance(getattr(inner, "module", None), nn.Module):
+            inner = inner.module
+        elif callable(getattr(inner, "get_base_model", None)):
+            inner = inner.get_base_model()
+        else:
+            return inner
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """``"bfloat16"`` -> ``torch.bfloat16`` (any of ``float32``, ``bfloat16``, ``float16``)."""
     dtype = getattr(torch, name, None)

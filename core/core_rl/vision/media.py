@@ -82,12 +82,16 @@ def concat_media(media: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch
 def forward_kwargs(model: Any, input_ids: torch.Tensor, media: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """The keyword arguments a vision-language ``model``'s forward takes for ``media`` with
     ``input_ids``: the pixel inputs, and where the model asks for it (Qwen2-VL's M-RoPE)
-    ``mm_token_type_ids`` (1 on image placeholder tokens, ``config.image_token_id``)."""
+    ``mm_token_type_ids`` (1 on image placeholder tokens, ``config.image_token_id``). ``model`` may
+    be wrapped by an engine (:func:`core_rl.roles.hf.inner_model`)."""
     import inspect
+
+    from core_rl.roles.hf import inner_model
 
     if not media:
         return {}
     kwargs: dict[str, Any] = dict(media)
+    model = inner_model(model)  # an engine's wrapper (DeepSpeed, peft) passes the keywords on
     config = getattr(model, "config", None)
     token = getattr(config, "image_token_id", None)
     forward = getattr(type(model), "forward", None)

@@ -1,14 +1,17 @@
 """Keeping a sharded vision tower's collectives in step across ranks.
 
-With FSDP the vision tower's blocks are sharded units whose weights every rank gathers when the
-tower runs. A micro-batch without images (text-only rows, or the placeholder a rank runs when it has
-no rows left) does not run the tower, so on several ranks one rank would gather the tower's weights
-while another gathers the next layer's: a collective mismatch. :func:`idle_vision_pass` runs the
-tower over one blank image (zeros, the smallest grid the tower takes: ``1 x merge x merge`` patches)
-and returns ``0 * sum(features)``, which the caller adds to its output: the values are unchanged,
-every rank runs the same collectives, and the tower's gradients get a zero contribution. It runs
-inside the model's forward, just before the language model (:func:`idle_vision_pass`), the order
-in which a forward with images runs the tower.
+With FSDP (and DeepSpeed ZeRO-3) the vision tower's blocks are sharded units whose weights every
+rank gathers when the tower runs; under ZeRO 1 and 2 every rank reduces the tower's gradients. A
+micro-batch without images (text-only rows, or the placeholder a rank runs when it has no rows
+left) does not run the tower, so on several ranks one rank would gather the tower's weights while
+another gathers the next layer's: a collective mismatch. :func:`idle_vision_pass` runs the tower
+over one blank image (zeros, the smallest grid the tower takes: ``1 x merge x merge`` patches) and
+returns ``0 * sum(features)``, which the caller adds to its output: the values are unchanged, every
+rank runs the same collectives, and the tower's gradients get a zero contribution. It runs inside
+the model's forward, just before the language model (:func:`idle_vision_pass`), the order in which
+a forward with images runs the tower (ZeRO-3 also checks that every rank starts its modules in the
+same order). A model wrapped by an engine (DeepSpeed, peft) is looked into
+(:func:`core_rl.roles.hf.inner_model`).
 
 It applies to vision-language models whose ``config.vision_config`` names ``patch_size``,
 ``temporal_patch_size``, ``in_channels`` and ``spatial_merge_size`` and whose model has
@@ -23,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from core_rl.roles.hf import inner_model
 from torch import nn
 
 
@@ -74,6 +78,7 @@ def idle_vision_pass(model: nn.Module, device: torch.device) -> Iterator[None]:
     adds ``0 * sum(features)`` to the language model's hidden states (module docstring): hooks on
     the language model (``model.get_decoder()``), so the root's forward (FSDP2's root unit) starts
     first, as it does with images. Nothing on one rank or for a model this does not apply to."""
+    model = inner_model(model)  # an engine's wrapper (DeepSpeed's has a config of its own, peft's)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     applies = (
         _several_ranks()
@@ -94,7 +99,9 @@ def idle_vision_pass(model: nn.Module, device: torch.device) -> Iterator[None]:
         output["last_hidden_state"] = output["last_hidden_state"] + term.to(output["last_hidden_state"].dtype)
         return output
 
-    handles = [decoder.register_forward_pre_hook(before), decoder.register_forward_hook(after)]
+    # first among the decoder's pre-hooks: ZeRO-3 records the order modules start in and wants it the
+    # same on every rank, and with images the tower runs before the decoder's own hooks
+    handles = [decoder.register_forward_pre_hook(before, prepend=True), decoder.register_forward_hook(after)]
     try:
         yield
     finally:
