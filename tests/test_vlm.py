@@ -369,6 +369,31 @@ def test_grpo_runs_end_to_end_on_image_rows(tmp_path: Path, vlm: Path) -> None:
     assert type(AutoModelForImageTextToText.from_pretrained(export)).__name__ == "Qwen2VLForConditionalGeneration"
 
 
+@pytest.mark.parametrize("engine", TRAIN_ENGINES)
+def test_grpo_on_image_rows_resumes_bitwise(tmp_path: Path, vlm: Path, engine: str) -> None:
+    """Three synchronous steps at once, and one step, a checkpoint, then a resume to three: the same
+    metrics and bitwise the same weights and optimizer state (the images are read and encoded again
+    on resume, the data position and every RNG come from the checkpoint). Eight rows of four a step:
+    step 3 starts the second epoch, so the resumed run also reshuffles as the whole one does."""
+    from core_rl.testing.faults import checkpoint, stable_metrics, state_digest
+    from core_rl.testing.launch import run_train
+
+    pytest.importorskip(f"core_rl_{engine}")
+    data = write_rows(tmp_path, count=8)
+    length = {"name": "function", "path": f"{REWARDS}:scaled_length", "kwargs": {"scale": 1.0}}
+    config = grpo_config(tmp_path, vlm, data, steps=3, reward=length, actor={"engine": {"name": engine}})
+    runs = tmp_path / "runs"
+    run_train(config, "experiment.name=whole", "saver.at_end=true")
+    run_train(config, "experiment.name=part", "trainer.total_steps=1", "saver.at_end=true")
+    run_train(config, "experiment.name=part", "saver.at_end=true", "recover.mode=resume")
+    whole, part = stable_metrics(runs / "whole"), stable_metrics(runs / "part")
+    assert sorted(whole) == [1, 2, 3] and all(whole[step]["actor/tokens"] > 0 for step in whole)
+    assert whole == part
+    digest = state_digest(checkpoint(runs / "whole", 3))
+    assert {"model.safetensors", "optimizer.safetensors"} <= digest.keys()
+    assert digest == state_digest(checkpoint(runs / "part", 3))
+
+
 @pytest.mark.parametrize("algorithm", ["sft", "dpo"])
 def test_supervised_loops_train_on_image_rows(tmp_path: Path, vlm: Path, algorithm: str) -> None:
     from core_rl.builtin import read_metrics
