@@ -394,6 +394,57 @@ def test_grpo_on_image_rows_resumes_bitwise(tmp_path: Path, vlm: Path, engine: s
     assert digest == state_digest(checkpoint(runs / "part", 3))
 
 
+@pytest.mark.parametrize("engine", TRAIN_ENGINES)
+def test_grpo_with_lora_on_image_rows_adapts_the_language_model_only(tmp_path: Path, vlm: Path, engine: str) -> None:
+    """``actor.lora`` (all-linear) on a VLM: adapters on the language model's linear layers only, the
+    vision tower and projector without any and frozen (the export's equal the base model's); the
+    merged weight sync reaches the rollout engine (its log-probs equal the trainer's at step 2), and
+    the adapter alone is exported with language-model names only."""
+    from core_rl.builtin import read_metrics
+    from safetensors.torch import load_file
+
+    pytest.importorskip(f"core_rl_{engine}")
+    data = write_rows(tmp_path, count=8)
+    length = {"name": "function", "path": f"{REWARDS}:scaled_length", "kwargs": {"scale": 1.0}}
+    actor = {"engine": {"name": engine}, "lora": {"rank": 4, "alpha": 8}, "optimizer": {"name": "adamw", "lr": 1e-2}}
+    assert cli.main(["train", str(grpo_config(tmp_path, vlm, data, steps=2, reward=length, actor=actor))]) == 0
+    rows = [r for r in read_metrics(tmp_path / "runs" / "vlm" / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 2 and all(r["actor/nonfinite"] == 0 for r in rows)
+    assert all(r["mismatch/abs_logprob_diff"] < 1e-4 for r in rows)
+    export = tmp_path / "runs" / "vlm" / "final_hf"
+    adapter = load_file(export / "adapter" / "adapter_model.safetensors")
+    assert adapter and all(".language_model." in k for k in adapter), sorted(adapter)[:4]
+    adapted = json.loads((export / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    assert adapted and not any("visual" in name for name in adapted)
+    # the files keep Qwen2-VL's checkpoint names: visual.* (tower and merger), model.layers.* (language model)
+    base, merged = load_file(vlm / "model.safetensors"), load_file(export / "model.safetensors")
+    vision = [k for k in base if k.startswith("visual.")]
+    assert vision and all(torch.equal(base[k], merged[k]) for k in vision)
+    assert any(not torch.equal(base[k], merged[k]) for k in base if k.startswith("model.layers."))
+
+
+def test_lora_targets_of_a_vlm_are_its_language_models_modules(tmp_path: Path, vlm: Path, capsys) -> None:
+    """Named targets match the language model's modules only; a target that only the vision tower
+    has (Qwen2-VL's ``qkv``) is refused before a run (the preflight, exit 2), naming the key; a text
+    model is left to peft as before."""
+    from core_rl.roles.lora import language_model_targets
+    from core_rl.roles.tiny import build_tiny_model
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(vlm)
+    assert language_model_targets(model, ["q_proj", "fc1"]) == [
+        f"model.language_model.layers.{i}.self_attn.q_proj" for i in range(2)
+    ]
+    text = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "text", alphabet="ab"))
+    assert language_model_targets(text, ["all-linear"]) is None
+    data = write_rows(tmp_path, count=4)
+    config = grpo_config(tmp_path, vlm, data, steps=1, actor={"lora": {"rank": 4, "target_modules": ["qkv"]}})
+    assert cli.main(["train", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "actor.lora.target_modules: ['qkv']: no module of the language model (model.language_model) matches" in err
+
+
 @pytest.mark.parametrize("algorithm", ["sft", "dpo"])
 def test_supervised_loops_train_on_image_rows(tmp_path: Path, vlm: Path, algorithm: str) -> None:
     from core_rl.builtin import read_metrics
