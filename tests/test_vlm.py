@@ -569,3 +569,68 @@ def test_hf_agenerate_with_images_batches_requests_and_keeps_each_prompts_pixels
         assert sample.response_ids == alone.response_ids
         assert torch.allclose(torch.tensor(sample.logprobs), torch.tensor(alone.logprobs), atol=1e-5)
     engine.close()
+
+
+# -- a second family: LLaVA ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from core_rl.roles.tiny_vlm import build_tiny_llava
+
+    return build_tiny_llava(tmp_path_factory.mktemp("llava") / "model", words=[*COLOURS, "colour?"], seed=0)
+
+
+def test_llava_rows_take_whole_images_and_image_seq_length_placeholders(tmp_path: Path, llava: Path) -> None:
+    """LLaVA's processor gives whole images (``pixel_values`` ``[images, 3, H, W]``), and each
+    ``<image>`` is repeated to the config's ``image_seq_length`` ((16 / 4)**2 patches, CLS dropped);
+    core-rl's ``(1, 1, 1)`` grid keeps the image with its row and never reaches the model."""
+    from core_rl.roles.tiny_vlm import LLAVA_IMAGE
+    from core_rl.vision.media import forward_kwargs
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(llava)
+    items, problems = tokenise_rows(
+        rows_of(write_rows(tmp_path, count=2)), DataConfig(apply_chat_template=True), tokenizer
+    )
+    assert problems == []
+    assert items[0].prompt_ids.count(tokenizer.convert_tokens_to_ids(LLAVA_IMAGE)) == 16
+    assert items[0].media["pixel_values"].shape == (1, 3, 16, 16)
+    assert items[0].media["image_grid_thw"].tolist() == [[1, 1, 1]]
+    batch = samples_to_batch(
+        [Sample(i.prompt_ids, [5], [-1.0], 0, "stop", media=i.media) for i in items], [0, 1], pad_token_id=0
+    )
+    assert batch["pixel_values"].shape == (2, 1, 3, 16, 16)
+    pixels = row_media(batch, [1])
+    assert torch.equal(pixels["pixel_values"], items[1].media["pixel_values"])
+    model = AutoModelForImageTextToText.from_pretrained(llava)
+    assert type(model).__name__ == "LlavaForConditionalGeneration"
+    assert set(forward_kwargs(model, batch["input_ids"], pixels)) == {"pixel_values"}
+
+
+@pytest.mark.parametrize("engine_spec", ["fsdp", "deepspeed"])
+def test_llava_passes_the_multimodal_conformance_case(tmp_path: Path, llava: Path, engine_spec: str) -> None:
+    """``hf`` samples the tiny LLaVA with images (log-probs of a transformers forward, no placeholder
+    sampled) and the train engine computes the same log-probs."""
+    from core_rl.testing.multimodal_contracts import check_multimodal_rollout, check_multimodal_train
+
+    rollout = build_rollout_engine("hf", {"seed": 1}, llava, tmp_path / "run")
+    samples = check_multimodal_rollout(rollout, llava)
+    rollout.close()
+    engine = engine_or_skip(engine_spec, llava)
+    check_multimodal_train(engine, llava, samples)
+    engine.close()
+
+
+def test_grpo_runs_on_image_rows_with_llava(tmp_path: Path, llava: Path) -> None:
+    from core_rl.builtin import read_metrics
+    from transformers import AutoModelForImageTextToText
+
+    data = write_rows(tmp_path, count=8)
+    length = {"name": "function", "path": f"{REWARDS}:scaled_length", "kwargs": {"scale": 1.0}}
+    assert cli.main(["train", str(grpo_config(tmp_path, llava, data, steps=2, reward=length))]) == 0
+    rows = [r for r in read_metrics(tmp_path / "runs" / "vlm" / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 2 and all(r["actor/tokens"] > 0 and r["actor/nonfinite"] == 0 for r in rows)
+    assert all(r["mismatch/abs_logprob_diff"] < 1e-4 for r in rows)
+    export = tmp_path / "runs" / "vlm" / "final_hf"
+    assert type(AutoModelForImageTextToText.from_pretrained(export)).__name__ == "LlavaForConditionalGeneration"

@@ -13,10 +13,11 @@ a forward with images runs the tower (ZeRO-3 also checks that every rank starts 
 same order). A model wrapped by an engine (DeepSpeed, peft) is looked into
 (:func:`core_rl.roles.hf.inner_model`).
 
-It applies to vision-language models whose ``config.vision_config`` names ``patch_size``,
-``temporal_patch_size``, ``in_channels`` and ``spatial_merge_size`` and whose model has
-``get_image_features(pixel_values, image_grid_thw)`` (the Qwen2-VL family); elsewhere, and on a
-single rank, it is ``None`` (nothing to keep in step).
+It applies to vision-language models with ``get_image_features`` whose ``config.vision_config``
+names ``image_size`` and ``num_channels`` (a tower over whole images: LLaVA, Gemma 3), or
+``patch_size``, ``temporal_patch_size``, ``in_channels`` and ``spatial_merge_size`` (patch rows and
+a grid: the Qwen2-VL family); elsewhere, and on a single rank, it does nothing (nothing to keep in
+step).
 """
 
 from __future__ import annotations
@@ -37,9 +38,14 @@ def _several_ranks() -> bool:
 
 
 def blank_image_inputs(model: nn.Module, device: torch.device) -> dict[str, torch.Tensor] | None:
-    """``pixel_values`` (zeros) and ``image_grid_thw`` of one smallest image for ``model``'s tower,
-    or ``None`` when its config does not say the patch layout."""
+    """The pixel inputs of one blank image (zeros) for ``model``'s tower: a whole image of the
+    tower's ``image_size``, or the patch rows and ``image_grid_thw`` of the smallest grid; ``None``
+    when its config says neither layout."""
     vision = getattr(getattr(model, "config", None), "vision_config", None)
+    whole = ("image_size", "num_channels")  # a tower over whole images (CLIP, SigLIP: LLaVA, Gemma 3)
+    if vision is not None and all(isinstance(getattr(vision, n, None), int) for n in whole):
+        side = vision.image_size
+        return {"pixel_values": torch.zeros((1, vision.num_channels, side, side), device=device)}
     names = ("patch_size", "temporal_patch_size", "in_channels", "spatial_merge_size")
     if vision is None or not all(isinstance(getattr(vision, n, None), int) for n in names):
         return None
@@ -67,7 +73,7 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 def _features_term(model: nn.Module, device: torch.device) -> torch.Tensor:
     inputs = blank_image_inputs(model, device)
     assert inputs is not None
-    features = model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+    features = model.get_image_features(**inputs)
     terms = [t.float().sum() for t in _tensors(features) if t.is_floating_point()]
     return torch.stack(terms).sum() * 0.0
 
