@@ -508,23 +508,30 @@ def test_grpo_on_image_rows_runs_on_two_ranks(tmp_path: Path, vlm: Path, engine:
     assert all(r["mismatch/abs_logprob_diff"] < 1e-4 for r in rows)
 
 
-@pytest.mark.parametrize("engine_spec", ["fsdp", "deepspeed", "deepspeed-zero3"])
-def test_two_ranks_line_up_when_only_one_has_images(tmp_path: Path, vlm: Path, engine_spec: str) -> None:
+@pytest.mark.parametrize(
+    ("family", "engine_spec"),
+    [("vlm", "fsdp"), ("vlm", "deepspeed"), ("vlm", "deepspeed-zero3"), ("llava", "fsdp")],
+)
+def test_two_ranks_line_up_when_only_one_has_images(
+    tmp_path: Path, request: pytest.FixtureRequest, family: str, engine_spec: str
+) -> None:
     """Rank 0's rows are text only, rank 1's hold an image: rank 0 runs the vision tower over a blank
     image inside its forward (a zero term), so the sharded tower's collectives (FSDP's, ZeRO-3's
     parameter gathers, ZeRO's gradient reductions) line up; rank 0's log-probs equal a one-rank
-    forward of its row (the blank image changes no value)."""
+    forward of its row (the blank image changes no value). Qwen2-VL's tower takes patch rows and a
+    grid, LLaVA's (CLIP) whole images."""
     pytest.importorskip(f"core_rl_{engine_spec.partition('-zero')[0]}")
     import os
     import subprocess
     import sys
 
     from core_rl.testing.launch import cpu_ranks_env
+    from core_rl.testing.multimodal_contracts import image_prompts
 
+    vlm = request.getfixturevalue(family)
+    prompts, media = image_prompts(vlm)
     spec = tmp_path / "spec.json"
-    spec.write_text(
-        json.dumps({"prompt": prompt_ids_with_image(vlm), "pixel_values": tiny_media()["pixel_values"].tolist()})
-    )
+    spec.write_text(json.dumps({"prompt": prompts[0], **{k: v.tolist() for k, v in media[0].items()}}))
     worker = Path(__file__).with_name("vlm_ranks_worker.py")
     command = [
         sys.executable,

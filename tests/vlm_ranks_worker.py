@@ -2,7 +2,8 @@
 (``fsdp``, or ``deepspeed`` with ``-zeroN``: the fourth argument, :func:`train_engine`), rank 0 with
 a text-only row, rank 1 with a row holding an image; each computes log-probs and takes a train step
 (the vision tower's sharded units must line up: ``core_rl_train_kit.vision_tower``). Rank ``r``
-writes ``rank{r}.json`` (its log-probs and loss) into the folder given as the second argument."""
+writes ``rank{r}.json`` (its log-probs and loss) into the folder given as the second argument; the
+third names a JSON file with the image row's ``prompt``, ``pixel_values`` and ``image_grid_thw``."""
 
 from __future__ import annotations
 
@@ -35,10 +36,9 @@ def train_engine(spec: str, model: Path, *, lr: float = 0.1, **actor: object):
     return DeepSpeedEngine(config, DeepSpeedConfig(zero_stage=int(stage or 2)), trainable=True)
 
 
-def main(model: Path, out: Path, prompt: list[int], pixel_values: torch.Tensor, engine_spec: str) -> None:
+def main(model: Path, out: Path, prompt: list[int], media: dict[str, torch.Tensor], engine_spec: str) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    media = {"pixel_values": pixel_values, "image_grid_thw": torch.tensor([[1, 4, 4]])}
     if rank == 1:
         samples = [Sample(prompt, [7, 8], [-1.0, -1.0], 0, "stop", media=media)]
     else:
@@ -55,4 +55,5 @@ def main(model: Path, out: Path, prompt: list[int], pixel_values: torch.Tensor, 
 if __name__ == "__main__":
     spec = json.loads(Path(sys.argv[3]).read_text())
     engine_spec = sys.argv[4] if len(sys.argv) > 4 else "fsdp"
-    main(Path(sys.argv[1]), Path(sys.argv[2]), spec["prompt"], torch.tensor(spec["pixel_values"]), engine_spec)
+    media = {"pixel_values": torch.tensor(spec["pixel_values"]), "image_grid_thw": torch.tensor(spec["image_grid_thw"])}
+    main(Path(sys.argv[1]), Path(sys.argv[2]), spec["prompt"], media, engine_spec)

@@ -74,7 +74,12 @@ def _features_term(model: nn.Module, device: torch.device) -> torch.Tensor:
     inputs = blank_image_inputs(model, device)
     assert inputs is not None
     features = model.get_image_features(**inputs)
-    terms = [t.float().sum() for t in _tensors(features) if t.is_floating_point()]
+    # what reaches the language model (transformers puts the projected features in pooler_output):
+    # the tower's other outputs may come from layers a forward with images never back-propagates
+    # through (LLaVA's last CLIP layer, vision_feature_layer -2), and every rank's backward must
+    # reach the same units
+    pooled = getattr(features, "pooler_output", None)
+    terms = [t.float().sum() for t in _tensors(features if pooled is None else pooled) if t.is_floating_point()]
     return torch.stack(terms).sum() * 0.0
 
 
