@@ -22,21 +22,7 @@ from core_rl.config.flash_attention import FLASH_ATTENTION_DTYPES
 from core_rl.config.schema import ActorConfig, LoraConfig
 from core_rl.errors import ConfigError
 from core_rl.roles.freezing import freeze_parameters
-
-
-def inner_model(model: nn.Module) -> nn.Module:
-    """The Hugging Face model inside engine wrappers: DeepSpeed's engine (``.module``) and peft's
-    (``get_base_model()``); ``model`` itself when it is not wrapped (FSDP2 wraps in place). Its
-    ``config``, ``forward`` signature and submodules are the model's own (DeepSpeed's engine has a
-    ``config`` of its own)."""
-    inner = model
-    while True:
-        if isinstance(getattr(inner, "module", None), nn.Module):
-            inner = inner.module
-        elif callable(getattr(inner, "get_base_model", None)):
-            inner = inner.get_base_model()
-        else:
-            return inner
+from core_rl.roles.wrapped import inner_model  # noqa: F401  (for engines and kits: one import of HF helpers)
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -85,10 +85,10 @@ def forward_kwargs(model: Any, input_ids: torch.Tensor, media: Mapping[str, torc
     ``input_ids``: the pixel inputs (the grid where its forward names it), and where the model asks
     for it (Qwen2-VL's M-RoPE)
     ``mm_token_type_ids`` (1 on image placeholder tokens, ``config.image_token_id``). ``model`` may
-    be wrapped by an engine (:func:`core_rl.roles.hf.inner_model`)."""
+    be wrapped by an engine (:func:`core_rl.roles.wrapped.inner_model`)."""
     import inspect
 
-    from core_rl.roles.hf import inner_model
+    from core_rl.roles.wrapped import inner_model
 
     if not media:
         return {}
