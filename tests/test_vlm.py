@@ -629,6 +629,35 @@ def test_llava_passes_the_multimodal_conformance_case(tmp_path: Path, llava: Pat
     engine.close()
 
 
+def test_llava_samples_prompts_with_two_images(tmp_path: Path, llava: Path) -> None:
+    """A prompt with two images beside one with one, two samples each: every behaviour log-prob
+    is a transformers forward's of the same ids and images (each image in its own placeholders)."""
+    from core_rl.testing.multimodal_contracts import reference_logprobs
+    from core_rl.vision.prompts import encode_vision_prompt
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(llava)
+    prompts, media = [], []
+    for colours in (["red", "blue"], ["green"]):
+        row = {"images": [square(c) for c in colours]}
+        ids, _, pixels = encode_vision_prompt(
+            row, "colour?", tokenizer, image_key="images", max_images=2, system_prompt=None, template_kwargs={}
+        )
+        prompts.append(ids)
+        media.append(pixels)
+    assert media[0]["pixel_values"].shape == (2, 3, 16, 16)
+    rollout = build_rollout_engine("hf", {"seed": 1}, llava, tmp_path / "run")
+    groups = rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=4, temperature=1.0), media=media)
+    rollout.close()
+    samples = []
+    for pixels, group in zip(media, groups):
+        for s in group:
+            s.media = pixels
+            samples.append(s)
+    for s, expected in zip(samples, reference_logprobs(llava, samples)):
+        assert torch.allclose(torch.tensor(s.logprobs), expected, atol=1e-4)
+
+
 def test_grpo_runs_on_image_rows_with_llava(tmp_path: Path, llava: Path) -> None:
     from core_rl.builtin import read_metrics
     from transformers import AutoModelForImageTextToText
