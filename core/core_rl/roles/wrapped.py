@@ -14,8 +14,11 @@ def inner_model(model: nn.Module) -> nn.Module:
     inner = model
     while True:
         if isinstance(getattr(inner, "module", None), nn.Module):
-            inner = inner.module
+            wrapped = inner.module
         elif callable(getattr(inner, "get_base_model", None)):
-            inner = inner.get_base_model()
+            wrapped = inner.get_base_model()
         else:
             return inner
+        if wrapped is inner:
+            return inner
+        inner = wrapped

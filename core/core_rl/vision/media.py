@@ -83,9 +83,9 @@ def concat_media(media: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch
 def forward_kwargs(model: Any, input_ids: torch.Tensor, media: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """The keyword arguments a vision-language ``model``'s forward takes for ``media`` with
     ``input_ids``: the pixel inputs (the grid where its forward names it), and where the model asks
-    for it (Qwen2-VL's M-RoPE)
-    ``mm_token_type_ids`` (1 on image placeholder tokens, ``config.image_token_id``). ``model`` may
-    be wrapped by an engine (:func:`core_rl.roles.wrapped.inner_model`)."""
+    for it (Qwen2-VL's M-RoPE) ``mm_token_type_ids`` (1 on image placeholder tokens,
+    ``config.image_token_id``). ``model`` may be wrapped by an engine
+    (:func:`core_rl.roles.wrapped.inner_model`)."""
     import inspect
 
     from core_rl.roles.wrapped import inner_model
