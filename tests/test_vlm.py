@@ -1,7 +1,8 @@
 """Vision-language models (:mod:`core_rl.vision`): the tiny Qwen2-VL built offline, rows with
 images turned into ids and pixel inputs, pixel inputs kept with their rows in batches, the ``hf``
-engine sampling with images and the ``fsdp`` engine computing the same log-probs, bad images and
-engines that take no images refused before a run, and short GRPO, SFT and DPO runs on image rows."""
+engine sampling with images and the ``fsdp`` and ``deepspeed`` engines computing the same log-probs,
+bad images and engines that take no images refused before a run, and short GRPO, SFT and DPO runs
+on image rows, on one and two ranks."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from core_rl import cli
-from core_rl.config.schema import ActorConfig, DataConfig, OptimizerConfig, PluginSpec
+from core_rl.config.schema import DataConfig
 from core_rl.data.files import DataRow
 from core_rl.data.prompts import tokenise_rows
 from core_rl.interfaces import LossOutput, SamplingParams
@@ -24,8 +25,11 @@ from core_rl.testing.helpers import build_rollout_engine
 from core_rl.vision.media import row_media
 from core_rl_train_kit.microbatch import take_micro_batch
 from PIL import Image
+from vlm_ranks_worker import train_engine
 
 REWARDS = Path(__file__).with_name("reward_functions.py")
+#: the train engines claiming ``multimodal`` (:func:`vlm_ranks_worker.train_engine`'s specs)
+TRAIN_ENGINES = ["fsdp", "deepspeed"]
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 40), "blue": (30, 60, 220), "yellow": (230, 210, 30)}
 
 
@@ -211,13 +215,19 @@ def test_take_micro_batch_never_cuts_pixel_rows_that_happen_to_match_the_width()
 # -- engines ------------------------------------------------------------------------------------
 
 
-def test_hf_samples_with_images_and_fsdp_computes_the_same_logprobs(tmp_path: Path, vlm: Path, tokenizer) -> None:
+def engine_or_skip(spec: str, vlm: Path, **actor: object):
+    """:func:`vlm_ranks_worker.train_engine`, skipping the test where the engine is not installed."""
+    pytest.importorskip(f"core_rl_{spec.partition('-zero')[0]}")
+    return train_engine(spec, vlm, **actor)
+
+
+@pytest.mark.parametrize("engine_spec", TRAIN_ENGINES)
+def test_hf_samples_with_images_and_the_train_engine_computes_the_same_logprobs(
+    tmp_path: Path, vlm: Path, tokenizer, engine_spec: str
+) -> None:
     """The tokens trained are the tokens sampled (the batch's ids are the prompt's plus the
     response's), and the train engine's log-probs over them, with the same pixels, equal the
     behaviour log-probs within float32 rounding; the images change what the model predicts."""
-    from core_rl_fsdp.config import FSDPConfig
-    from core_rl_fsdp.engine import FSDPEngine
-
     data = write_rows(tmp_path, count=4)
     items, problems = tokenise_rows(rows_of(data), DataConfig(apply_chat_template=True), tokenizer)
     assert problems == []
@@ -234,10 +244,7 @@ def test_hf_samples_with_images_and_fsdp_computes_the_same_logprobs(tmp_path: Pa
         assert (
             batch["input_ids"][row, : len(s.prompt_ids) + len(s.response_ids)].tolist() == s.prompt_ids + s.response_ids
         )
-    actor = ActorConfig(
-        model_path=str(vlm), engine=PluginSpec(name="fsdp"), optimizer=OptimizerConfig(name="sgd", lr=0.1)
-    )
-    engine = FSDPEngine(actor, FSDPConfig(), trainable=True)
+    engine = engine_or_skip(engine_spec, vlm)
     logprobs = engine.compute_logprobs(batch)
     mask = batch["response_mask"].bool()
     assert torch.allclose(logprobs[mask], batch["behave_logprobs"][mask], atol=1e-4), (
@@ -266,20 +273,13 @@ def test_hf_samples_with_images_and_fsdp_computes_the_same_logprobs(tmp_path: Pa
     engine.close()
 
 
-def test_frozen_vision_tower_keeps_its_weights(tmp_path: Path, vlm: Path) -> None:
-    from core_rl_fsdp.config import FSDPConfig
-    from core_rl_fsdp.engine import FSDPEngine
-
+@pytest.mark.parametrize("engine_spec", ["fsdp", "deepspeed", "deepspeed-zero3"])
+def test_frozen_vision_tower_keeps_its_weights(tmp_path: Path, vlm: Path, engine_spec: str) -> None:
     samples = [Sample(prompt_ids_with_image(vlm), [7, 8], [-1.0, -1.0], 0, "stop", media=tiny_media())]
     batch = samples_to_batch(samples, [0], pad_token_id=0)
     batch["loss_weight"] = batch["response_mask"] / batch["response_mask"].sum()
-    actor = ActorConfig(
-        model_path=str(vlm),
-        engine=PluginSpec(name="fsdp"),
-        optimizer=OptimizerConfig(name="sgd", lr=0.5),
-        freeze=[r"^model\.visual\.(?!merger)"],  # train the projector (merger), not the tower
-    )
-    engine = FSDPEngine(actor, FSDPConfig(), trainable=True)
+    # train the projector (merger), not the tower
+    engine = engine_or_skip(engine_spec, vlm, lr=0.5, freeze=[r"^model\.visual\.(?!merger)"])
     before = engine.full_state_dict()
     engine.train_step(batch, lambda mb, lp, ent: LossOutput(per_token_loss=-lp))
     after = engine.full_state_dict()
@@ -331,11 +331,12 @@ def grpo_config(tmp_path: Path, model: Path, data: Path, *, steps: int, **sectio
 
 def test_config_validate_refuses_a_vlm_on_an_engine_without_multimodal(tmp_path: Path, vlm: Path, capsys) -> None:
     data = write_rows(tmp_path, count=4)
-    config = grpo_config(tmp_path, vlm, data, steps=1, actor={"engine": {"name": "deepspeed"}})
+    pytest.importorskip("core_rl_megatron")
+    config = grpo_config(tmp_path, vlm, data, steps=1, actor={"engine": {"name": "megatron"}})
     code = cli.main(["config", "validate", str(config)])
     err = capsys.readouterr().err
     assert code == 2
-    assert "actor.engine.name: train engine 'deepspeed'" in err and "does not take images" in err
+    assert "actor.engine.name: train engine 'megatron'" in err and "does not take images" in err
     assert "Traceback" not in err
     assert cli.main(["config", "validate", str(grpo_config(tmp_path, vlm, data, steps=1))]) == 0
 
@@ -346,7 +347,8 @@ def test_core_rl_plugins_lists_the_engines_claiming_multimodal(capsys) -> None:
     claims = {key: row["claims"] for key, row in rows.items() if "engine" in key[0]}
     assert "multimodal" in claims[next(k for k in claims if k[1] == "hf")]
     assert "multimodal" in claims[next(k for k in claims if k[1] == "fsdp")]
-    assert "multimodal" not in claims[next(k for k in claims if k[1] == "deepspeed")]
+    assert "multimodal" in claims[next(k for k in claims if k[1] == "deepspeed")]
+    assert "multimodal" not in claims[next(k for k in claims if k[1] == "megatron")]
 
 
 def test_grpo_runs_end_to_end_on_image_rows(tmp_path: Path, vlm: Path) -> None:
@@ -365,6 +367,82 @@ def test_grpo_runs_end_to_end_on_image_rows(tmp_path: Path, vlm: Path) -> None:
     from transformers import AutoModelForImageTextToText
 
     assert type(AutoModelForImageTextToText.from_pretrained(export)).__name__ == "Qwen2VLForConditionalGeneration"
+
+
+@pytest.mark.parametrize("engine", TRAIN_ENGINES)
+def test_grpo_on_image_rows_resumes_bitwise(tmp_path: Path, vlm: Path, engine: str) -> None:
+    """Three synchronous steps at once, and one step, a checkpoint, then a resume to three: the same
+    metrics and bitwise the same weights and optimizer state (the images are read and encoded again
+    on resume, the data position and every RNG come from the checkpoint). Eight rows of four a step:
+    step 3 starts the second epoch, so the resumed run also reshuffles as the whole one does."""
+    from core_rl.testing.faults import checkpoint, stable_metrics, state_digest
+    from core_rl.testing.launch import run_train
+
+    pytest.importorskip(f"core_rl_{engine}")
+    data = write_rows(tmp_path, count=8)
+    length = {"name": "function", "path": f"{REWARDS}:scaled_length", "kwargs": {"scale": 1.0}}
+    config = grpo_config(tmp_path, vlm, data, steps=3, reward=length, actor={"engine": {"name": engine}})
+    runs = tmp_path / "runs"
+    run_train(config, "experiment.name=whole", "saver.at_end=true")
+    run_train(config, "experiment.name=part", "trainer.total_steps=1", "saver.at_end=true")
+    run_train(config, "experiment.name=part", "saver.at_end=true", "recover.mode=resume")
+    whole, part = stable_metrics(runs / "whole"), stable_metrics(runs / "part")
+    assert sorted(whole) == [1, 2, 3] and all(whole[step]["actor/tokens"] > 0 for step in whole)
+    assert whole == part
+    digest = state_digest(checkpoint(runs / "whole", 3))
+    assert {"model.safetensors", "optimizer.safetensors"} <= digest.keys()
+    assert digest == state_digest(checkpoint(runs / "part", 3))
+
+
+@pytest.mark.parametrize("engine", TRAIN_ENGINES)
+def test_grpo_with_lora_on_image_rows_adapts_the_language_model_only(tmp_path: Path, vlm: Path, engine: str) -> None:
+    """``actor.lora`` (all-linear) on a VLM: adapters on the language model's linear layers only, the
+    vision tower and projector without any and frozen (the export's equal the base model's); the
+    merged weight sync reaches the rollout engine (its log-probs equal the trainer's at step 2), and
+    the adapter alone is exported with language-model names only."""
+    from core_rl.builtin import read_metrics
+    from safetensors.torch import load_file
+
+    pytest.importorskip(f"core_rl_{engine}")
+    data = write_rows(tmp_path, count=8)
+    length = {"name": "function", "path": f"{REWARDS}:scaled_length", "kwargs": {"scale": 1.0}}
+    actor = {"engine": {"name": engine}, "lora": {"rank": 4, "alpha": 8}, "optimizer": {"name": "adamw", "lr": 1e-2}}
+    assert cli.main(["train", str(grpo_config(tmp_path, vlm, data, steps=2, reward=length, actor=actor))]) == 0
+    rows = [r for r in read_metrics(tmp_path / "runs" / "vlm" / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 2 and all(r["actor/nonfinite"] == 0 for r in rows)
+    assert all(r["mismatch/abs_logprob_diff"] < 1e-4 for r in rows)
+    export = tmp_path / "runs" / "vlm" / "final_hf"
+    adapter = load_file(export / "adapter" / "adapter_model.safetensors")
+    assert adapter and all(".language_model." in k for k in adapter), sorted(adapter)[:4]
+    adapted = json.loads((export / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    assert adapted and not any("visual" in name for name in adapted)
+    # the files keep Qwen2-VL's checkpoint names: visual.* (tower and merger), model.layers.* (language model)
+    base, merged = load_file(vlm / "model.safetensors"), load_file(export / "model.safetensors")
+    vision = [k for k in base if k.startswith("visual.")]
+    assert vision and all(torch.equal(base[k], merged[k]) for k in vision)
+    assert any(not torch.equal(base[k], merged[k]) for k in base if k.startswith("model.layers."))
+
+
+def test_lora_targets_of_a_vlm_are_its_language_models_modules(tmp_path: Path, vlm: Path, capsys) -> None:
+    """Named targets match the language model's modules only; a target that only the vision tower
+    has (Qwen2-VL's ``qkv``) is refused before a run (the preflight, exit 2), naming the key; a text
+    model is left to peft as before."""
+    from core_rl.roles.lora import language_model_targets
+    from core_rl.roles.tiny import build_tiny_model
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(vlm)
+    assert language_model_targets(model, ["q_proj", "fc1"]) == [
+        f"model.language_model.layers.{i}.self_attn.q_proj" for i in range(2)
+    ]
+    text = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "text", alphabet="ab"))
+    assert language_model_targets(text, ["all-linear"]) is None
+    data = write_rows(tmp_path, count=4)
+    config = grpo_config(tmp_path, vlm, data, steps=1, actor={"lora": {"rank": 4, "target_modules": ["qkv"]}})
+    assert cli.main(["train", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "actor.lora.target_modules: ['qkv']: no module of the language model (model.language_model) matches" in err
 
 
 @pytest.mark.parametrize("algorithm", ["sft", "dpo"])
@@ -389,50 +467,71 @@ def test_supervised_loops_train_on_image_rows(tmp_path: Path, vlm: Path, algorit
     assert len(losses) == 2 and all(loss == loss for loss in losses)
 
 
-def test_the_hf_and_fsdp_engines_pass_the_multimodal_conformance_case(tmp_path: Path, vlm: Path) -> None:
-    from core_rl.testing.multimodal_contracts import check_multimodal_rollout, check_multimodal_train
-    from core_rl_fsdp.config import FSDPConfig
-    from core_rl_fsdp.engine import FSDPEngine
+@pytest.fixture(scope="module")
+def conformance_samples(tmp_path_factory: pytest.TempPathFactory, vlm: Path) -> list[Sample]:
+    """The rollout half of the conformance case, passed by ``hf`` (its samples, for the train half)."""
+    from core_rl.testing.multimodal_contracts import check_multimodal_rollout
 
-    rollout = build_rollout_engine("hf", {"seed": 1}, vlm, tmp_path / "run")
+    rollout = build_rollout_engine("hf", {"seed": 1}, vlm, tmp_path_factory.mktemp("conformance") / "run")
     samples = check_multimodal_rollout(rollout, vlm)
     rollout.close()
-    actor = ActorConfig(
-        model_path=str(vlm), engine=PluginSpec(name="fsdp"), optimizer=OptimizerConfig(name="sgd", lr=0.1)
-    )
-    engine = FSDPEngine(actor, FSDPConfig(), trainable=True)
-    check_multimodal_train(engine, vlm, samples)
+    return samples
+
+
+@pytest.mark.parametrize("engine_spec", ["fsdp", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"])
+def test_the_train_engines_pass_the_multimodal_conformance_case(
+    vlm: Path, conformance_samples: list[Sample], engine_spec: str
+) -> None:
+    """``hf`` passes the rollout half (the fixture); each train engine claiming ``multimodal`` (every
+    ZeRO stage of ``deepspeed``) the train half."""
+    from core_rl.testing.multimodal_contracts import check_multimodal_train
+
+    engine = engine_or_skip(engine_spec, vlm)
+    check_multimodal_train(engine, vlm, conformance_samples)
     engine.close()
 
 
-def test_grpo_on_image_rows_runs_on_two_fsdp_ranks(tmp_path: Path, vlm: Path) -> None:
+@pytest.mark.parametrize("engine", TRAIN_ENGINES)
+def test_grpo_on_image_rows_runs_on_two_ranks(tmp_path: Path, vlm: Path, engine: str) -> None:
     """Two CPU ranks, each with its share of the rows and their images (gloo)."""
     from core_rl.builtin import read_metrics
     from core_rl.testing.launch import run_train
 
+    pytest.importorskip(f"core_rl_{engine}")
     data = write_rows(tmp_path, count=8)
     length = {"name": "function", "path": f"{REWARDS}:scaled_length", "kwargs": {"scale": 1.0}}
-    config = grpo_config(tmp_path, vlm, data, steps=2, reward=length)
+    actor = {"engine": {"name": engine}}
+    config = grpo_config(tmp_path, vlm, data, steps=2, reward=length, actor=actor)
     run_train(config, nproc=2, cpu=True, timeout=300)
     rows = [r for r in read_metrics(tmp_path / "runs" / "vlm" / "metrics.jsonl") if "reward/mean" in r]
     assert len(rows) == 2 and all(r["actor/nonfinite"] == 0 for r in rows)
     assert all(r["mismatch/abs_logprob_diff"] < 1e-4 for r in rows)
 
 
-def test_two_fsdp_ranks_line_up_when_only_one_has_images(tmp_path: Path, vlm: Path) -> None:
+@pytest.mark.parametrize(
+    ("family", "engine_spec"),
+    [("vlm", "fsdp"), ("vlm", "deepspeed"), ("vlm", "deepspeed-zero3"), ("llava", "fsdp")],
+)
+def test_two_ranks_line_up_when_only_one_has_images(
+    tmp_path: Path, request: pytest.FixtureRequest, family: str, engine_spec: str
+) -> None:
     """Rank 0's rows are text only, rank 1's hold an image: rank 0 runs the vision tower over a blank
-    image inside its forward (a zero term), so the sharded tower's collectives line up; rank 0's
-    log-probs equal a one-rank forward of its row (the blank image changes no value)."""
+    image inside its forward (a zero term), so the sharded tower's collectives (FSDP's, ZeRO-3's
+    parameter gathers, ZeRO's gradient reductions) line up; rank 0's log-probs equal a one-rank
+    forward of its row (the blank image changes no value). Qwen2-VL's tower takes patch rows and a
+    grid, LLaVA's (CLIP) whole images."""
+    pytest.importorskip(f"core_rl_{engine_spec.partition('-zero')[0]}")
     import os
     import subprocess
     import sys
 
     from core_rl.testing.launch import cpu_ranks_env
+    from core_rl.testing.multimodal_contracts import image_prompts
 
+    vlm = request.getfixturevalue(family)
+    prompts, media = image_prompts(vlm)
     spec = tmp_path / "spec.json"
-    spec.write_text(
-        json.dumps({"prompt": prompt_ids_with_image(vlm), "pixel_values": tiny_media()["pixel_values"].tolist()})
-    )
+    spec.write_text(json.dumps({"prompt": prompts[0], **{k: v.tolist() for k, v in media[0].items()}}))
     worker = Path(__file__).with_name("vlm_ranks_worker.py")
     command = [
         sys.executable,
@@ -444,19 +543,14 @@ def test_two_fsdp_ranks_line_up_when_only_one_has_images(tmp_path: Path, vlm: Pa
         str(vlm),
         str(tmp_path),
         str(spec),
+        engine_spec,
     ]
     env = cpu_ranks_env({**os.environ, "OMP_NUM_THREADS": "1"})
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
-    from core_rl_fsdp.config import FSDPConfig
-    from core_rl_fsdp.engine import FSDPEngine
-
     alone = samples_to_batch([Sample([1, 9, 10, 11], [7, 8], [-1.0, -1.0], 0, "stop")], [0], pad_token_id=0)
-    actor = ActorConfig(
-        model_path=str(vlm), engine=PluginSpec(name="fsdp"), optimizer=OptimizerConfig(name="sgd", lr=0.1)
-    )
-    engine = FSDPEngine(actor, FSDPConfig(), trainable=True)
+    engine = train_engine("fsdp", vlm)
     assert torch.allclose(torch.tensor(rank0["logprobs"]), engine.compute_logprobs(alone)[0], atol=1e-5)
     engine.close()
 
@@ -482,3 +576,97 @@ def test_hf_agenerate_with_images_batches_requests_and_keeps_each_prompts_pixels
         assert sample.response_ids == alone.response_ids
         assert torch.allclose(torch.tensor(sample.logprobs), torch.tensor(alone.logprobs), atol=1e-5)
     engine.close()
+
+
+# -- a second family: LLaVA ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from core_rl.roles.tiny_vlm import build_tiny_llava
+
+    return build_tiny_llava(tmp_path_factory.mktemp("llava") / "model", words=[*COLOURS, "colour?"], seed=0)
+
+
+def test_llava_rows_take_whole_images_and_image_seq_length_placeholders(tmp_path: Path, llava: Path) -> None:
+    """LLaVA's processor gives whole images (``pixel_values`` ``[images, 3, H, W]``), and each
+    ``<image>`` is repeated to the config's ``image_seq_length`` ((16 / 4)**2 patches, CLS dropped);
+    core-rl's ``(1, 1, 1)`` grid keeps the image with its row and never reaches the model."""
+    from core_rl.roles.tiny_vlm import LLAVA_IMAGE
+    from core_rl.vision.media import forward_kwargs
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(llava)
+    items, problems = tokenise_rows(
+        rows_of(write_rows(tmp_path, count=2)), DataConfig(apply_chat_template=True), tokenizer
+    )
+    assert problems == []
+    assert items[0].prompt_ids.count(tokenizer.convert_tokens_to_ids(LLAVA_IMAGE)) == 16
+    assert items[0].media["pixel_values"].shape == (1, 3, 16, 16)
+    assert items[0].media["image_grid_thw"].tolist() == [[1, 1, 1]]
+    batch = samples_to_batch(
+        [Sample(i.prompt_ids, [5], [-1.0], 0, "stop", media=i.media) for i in items], [0, 1], pad_token_id=0
+    )
+    assert batch["pixel_values"].shape == (2, 1, 3, 16, 16)
+    pixels = row_media(batch, [1])
+    assert torch.equal(pixels["pixel_values"], items[1].media["pixel_values"])
+    model = AutoModelForImageTextToText.from_pretrained(llava)
+    assert type(model).__name__ == "LlavaForConditionalGeneration"
+    assert set(forward_kwargs(model, batch["input_ids"], pixels)) == {"pixel_values"}
+
+
+@pytest.mark.parametrize("engine_spec", ["fsdp", "deepspeed"])
+def test_llava_passes_the_multimodal_conformance_case(tmp_path: Path, llava: Path, engine_spec: str) -> None:
+    """``hf`` samples the tiny LLaVA with images (log-probs of a transformers forward, no placeholder
+    sampled) and the train engine computes the same log-probs."""
+    from core_rl.testing.multimodal_contracts import check_multimodal_rollout, check_multimodal_train
+
+    rollout = build_rollout_engine("hf", {"seed": 1}, llava, tmp_path / "run")
+    samples = check_multimodal_rollout(rollout, llava)
+    rollout.close()
+    engine = engine_or_skip(engine_spec, llava)
+    check_multimodal_train(engine, llava, samples)
+    engine.close()
+
+
+def test_llava_samples_prompts_with_two_images(tmp_path: Path, llava: Path) -> None:
+    """A prompt with two images beside one with one, two samples each: every behaviour log-prob
+    is a transformers forward's of the same ids and images (each image in its own placeholders)."""
+    from core_rl.testing.multimodal_contracts import reference_logprobs
+    from core_rl.vision.prompts import encode_vision_prompt
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(llava)
+    prompts, media = [], []
+    for colours in (["red", "blue"], ["green"]):
+        row = {"images": [square(c) for c in colours]}
+        ids, _, pixels = encode_vision_prompt(
+            row, "colour?", tokenizer, image_key="images", max_images=2, system_prompt=None, template_kwargs={}
+        )
+        prompts.append(ids)
+        media.append(pixels)
+    assert media[0]["pixel_values"].shape == (2, 3, 16, 16)
+    rollout = build_rollout_engine("hf", {"seed": 1}, llava, tmp_path / "run")
+    groups = rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=4, temperature=1.0), media=media)
+    rollout.close()
+    samples = []
+    for pixels, group in zip(media, groups):
+        for s in group:
+            s.media = pixels
+            samples.append(s)
+    for s, expected in zip(samples, reference_logprobs(llava, samples)):
+        assert torch.allclose(torch.tensor(s.logprobs), expected, atol=1e-4)
+
+
+def test_grpo_runs_on_image_rows_with_llava(tmp_path: Path, llava: Path) -> None:
+    from core_rl.builtin import read_metrics
+    from transformers import AutoModelForImageTextToText
+
+    data = write_rows(tmp_path, count=8)
+    length = {"name": "function", "path": f"{REWARDS}:scaled_length", "kwargs": {"scale": 1.0}}
+    assert cli.main(["train", str(grpo_config(tmp_path, llava, data, steps=2, reward=length))]) == 0
+    rows = [r for r in read_metrics(tmp_path / "runs" / "vlm" / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 2 and all(r["actor/tokens"] > 0 and r["actor/nonfinite"] == 0 for r in rows)
+    assert all(r["mismatch/abs_logprob_diff"] < 1e-4 for r in rows)
+    export = tmp_path / "runs" / "vlm" / "final_hf"
+    assert type(AutoModelForImageTextToText.from_pretrained(export)).__name__ == "LlavaForConditionalGeneration"

@@ -22,6 +22,7 @@ from core_rl.config.flash_attention import FLASH_ATTENTION_DTYPES
 from core_rl.config.schema import ActorConfig, LoraConfig
 from core_rl.errors import ConfigError
 from core_rl.roles.freezing import freeze_parameters
+from core_rl.roles.wrapped import inner_model  # noqa: F401  (for engines and kits: one import of HF helpers)
 
 
 def torch_dtype(name: str) -> torch.dtype:

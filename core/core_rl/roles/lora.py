@@ -11,6 +11,11 @@ Names in a peft-wrapped model's state dict (adapter ``default``)::
 
 Merged: ``<path>.weight = W + scaling * B @ A`` with ``scaling = alpha / r`` (``alpha / sqrt(r)``
 with rank-stabilised LoRA), ``W`` transposed first for layers stored ``fan_in_fan_out``.
+
+On a vision-language model (its config has a ``vision_config``) the adapters go on its language
+model only (the module ``get_decoder()`` returns): :func:`language_model_targets` turns
+``target_modules`` into the full names of the language model's modules they name, so the vision
+tower and its projector get none and stay frozen with the rest of the base model.
 """
 
 from __future__ import annotations
@@ -42,14 +47,49 @@ def _peft():
     return peft
 
 
+def language_model_targets(model: nn.Module, target_modules: list[str], key: str = "actor.lora") -> list[str] | None:
+    """For a vision-language ``model`` (a ``vision_config`` and a language model, ``get_decoder()``),
+    the full names of the language model's modules that ``target_modules`` names (a name or a
+    ``.``-suffix of one, as peft matches; ``["all-linear"]``: every linear layer), so that nothing of
+    the vision tower or projector, nor the output head, is adapted; ``None`` for a text model. Raises
+    :class:`ConfigError` naming ``key.target_modules`` when none matches."""
+    config = getattr(model, "config", None)
+    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    if getattr(config, "vision_config", None) is None or decoder is None or decoder is model:
+        return None
+    prefix = next((name for name, module in model.named_modules() if module is decoder), None)
+    if not prefix:
+        return None
+    every_linear = target_modules == ["all-linear"]
+    names = []
+    for name, module in decoder.named_modules():
+        if every_linear:
+            chosen = isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+        else:
+            chosen = any(name == t or name.endswith(f".{t}") for t in target_modules)
+        if name and chosen:
+            names.append(f"{prefix}.{name}")
+    if not names:
+        raise ConfigError(
+            f"{key}.target_modules: {target_modules}: no module of the language model ({prefix}) matches; on a "
+            "vision-language model adapters go on the language model only (name its linear layers, e.g. q_proj "
+            "and v_proj, or all-linear)"
+        )
+    return names
+
+
 def apply_lora(model: nn.Module, config: LoraConfig, key: str = "actor.lora") -> nn.Module:
     """``model`` wrapped by peft with LoRA adapters on ``config.target_modules`` (the base weights
     frozen, only the adapters trainable); ``B`` starts at zero, so the wrapped model computes
-    exactly what ``model`` did. Target modules peft refuses raise :class:`ConfigError` naming
-    ``key.target_modules``."""
+    exactly what ``model`` did. On a vision-language model only its language model's modules get
+    adapters (:func:`language_model_targets`). Target modules peft refuses raise
+    :class:`ConfigError` naming ``key.target_modules``."""
     peft = _peft()
     targets: str | list[str] = config.target_modules
-    if targets == ["all-linear"]:
+    language = language_model_targets(model, config.target_modules, key)
+    if language is not None:
+        targets = language
+    elif targets == ["all-linear"]:
         targets = "all-linear"
     lora = peft.LoraConfig(
         r=config.rank,

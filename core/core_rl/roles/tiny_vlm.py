@@ -43,16 +43,24 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_bpe_tokenizer(words: Sequence[str], vocab_size: int = 300):
+def build_bpe_tokenizer(
+    words: Sequence[str],
+    vocab_size: int = 300,
+    *,
+    special_tokens: Sequence[str] = SPECIAL_TOKENS,
+    eos: str = EOS,
+    pad: str = PAD,
+):
     """A byte-level BPE ``PreTrainedTokenizerFast`` trained offline on ``words`` (each word and the
-    text of all of them), with :data:`SPECIAL_TOKENS` first; pad ``<|endoftext|>``, EOS ``<|im_end|>``."""
+    text of all of them), with ``special_tokens`` first (the Qwen2-VL family's by default); pad
+    ``pad``, EOS ``eos``."""
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
     corpus = [*words, " ".join(words), "user assistant system"]
-    bpe.train_from_iterator(corpus * 4, vocab_size=vocab_size, min_frequency=1, special_tokens=list(SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=EOS, pad_token=PAD)
+    bpe.train_from_iterator(corpus * 4, vocab_size=vocab_size, min_frequency=1, special_tokens=list(special_tokens))
+    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=eos, pad_token=pad)
 
 
 def build_tiny_vlm(
@@ -134,6 +142,98 @@ def build_tiny_vlm(
         merge_size=merge_size,
         min_pixels=min_pixels,
         max_pixels=max_pixels,
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    save_pretrained(model, path)
+    tokenizer.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+#: the LLaVA family's special tokens (Llama's, and the image placeholder), ids 0.. in this order
+LLAVA_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "<image>")
+LLAVA_IMAGE = "<image>"
+
+#: LLaVA-1.5's chat layout (``USER: <image>\n... ASSISTANT:``) over content parts; a turn ends with ``</s>``
+LLAVA_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] in ('image', 'image_url') %}<image>\n"
+    "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if m['role'] == 'assistant' %}</s>{% else %}{{ '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def build_tiny_llava(
+    path: str | Path,
+    *,
+    words: Sequence[str] = ("red", "green", "blue", "yellow", "colour", "square", "?"),
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    vision_layers: int = 2,
+    vision_hidden_size: int = 32,
+    vision_heads: int = 2,
+    image_size: int = 16,
+    patch_size: int = 4,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+) -> Path:
+    """A random-weight tiny LLaVA (``LlavaForConditionalGeneration``: a CLIP vision tower of
+    ``vision_layers`` blocks over ``image_size`` pixels square in ``patch_size`` patches, a 2-layer
+    MLP projector, a Llama language model), a byte-level BPE tokenizer with the family's special
+    tokens (:data:`LLAVA_SPECIAL_TOKENS`), LLaVA-1.5's chat layout and CLIP's image processor (the
+    PIL one: no torchvision), written to ``path``; return ``path``. Each image is resized and
+    cropped to ``image_size`` and takes ``(image_size / patch_size)**2`` ``<image>`` tokens
+    (``image_seq_length``: the CLS feature is dropped, LLaVA's ``default`` feature selection)."""
+    import torch
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from core_rl.roles.hf import save_pretrained
+
+    path = Path(path)
+    tokenizer = build_bpe_tokenizer(words, special_tokens=LLAVA_SPECIAL_TOKENS, eos="</s>", pad="<pad>")
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    token = tokenizer.convert_tokens_to_ids
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(
+            hidden_size=vision_hidden_size,
+            intermediate_size=2 * vision_hidden_size,
+            num_hidden_layers=vision_layers,
+            num_attention_heads=vision_heads,
+            image_size=image_size,
+            patch_size=patch_size,
+            projection_dim=vision_hidden_size,
+        ).to_dict(),
+        text_config=LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=False,
+            bos_token_id=token("<s>"),
+            eos_token_id=token("</s>"),
+            pad_token_id=token("<pad>"),
+        ).to_dict(),
+        image_token_id=token(LLAVA_IMAGE),
+        image_seq_length=(image_size // patch_size) ** 2,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    model.generation_config.eos_token_id = token("</s>")
+    model.generation_config.pad_token_id = token("<pad>")
+    processor = CLIPImageProcessorPil(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
     )
     path.mkdir(parents=True, exist_ok=True)
     save_pretrained(model, path)

@@ -1,7 +1,7 @@
 """Which engines take vision-language models: an engine claims it with ``multimodal = True`` on its
-config class (``hf``, ``fsdp``); a run whose actor is a VLM (:func:`~core_rl.vision.models.is_vision_language`)
-on an engine that does not claim it is refused at ``config validate`` (:func:`engine_problems`),
-naming the engine."""
+config class (``hf``, ``fsdp``, ``deepspeed``); a run whose actor is a VLM
+(:func:`~core_rl.vision.models.is_vision_language`) on an engine that does not claim it is refused
+at ``config validate`` (:func:`engine_problems`), naming the engine."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def engine_problems(cfg: RunConfig, host: PluginHost) -> list[str]:
     wanted.append(("rollout.engine.name", host.registries[ROLLOUT_ENGINE.key].get(cfg.rollout.engine.name), "rollout"))
     for key, entry, kind in wanted:
         if entry is not None and not claims_multimodal(entry):
-            instead = "fsdp" if kind == "train" else "hf"
+            instead = "fsdp or deepspeed" if kind == "train" else "hf"
             problems.append(
                 f"{key}: {kind} engine {entry.name!r} (distribution {entry.distribution}) does not take images, "
                 f"but actor.model_path {model} is a vision-language model (its config.json has a vision_config); "

@@ -1,14 +1,15 @@
 """Pixel inputs carried row by row in a :class:`~core_rl.protocol.TensorBatch`.
 
-A sample's pixel inputs (:attr:`core_rl.protocol.Sample.media`) are ``pixel_values`` ``[P, D]``
-(its images' patch rows, image after image) and ``image_grid_thw`` ``[I, 3]`` (each image's patch
-grid; ``P = sum(t * h * w)``). A batch holds them right-padded per row so that selecting rows
-(micro-batching, rank sharding) keeps each row's images with its tokens:
+A sample's pixel inputs (:attr:`core_rl.protocol.Sample.media`) are ``pixel_values`` ``[P, ...]``
+(its images' patch rows ``[P, D]``, image after image; or whole images ``[I, 3, H, W]``) and
+``image_grid_thw`` ``[I, 3]`` (each image's patch grid, ``P = sum(t * h * w)``; ``(1, 1, 1)`` for a
+whole image, :mod:`core_rl.vision.prompts`). A batch holds them right-padded per row so that
+selecting rows (micro-batching, rank sharding) keeps each row's images with its tokens:
 
 ====================  ===============  ===========================================================
 key                   shape            meaning
 ====================  ===============  ===========================================================
-``pixel_values``      [B, P_max, D]    row ``i``'s patch rows first, then zeros
+``pixel_values``      [B, P_max, ...]  row ``i``'s patch rows (or images) first, then zeros
 ``image_grid_thw``    [B, I_max, 3]    row ``i``'s image grids first, then zero rows (no image)
 ====================  ===============  ===========================================================
 
@@ -36,10 +37,10 @@ def pad_media(media: Sequence[Mapping[str, torch.Tensor] | None]) -> dict[str, t
     present = [m for m in media if m is not None]
     if not present:
         return {}
-    width = present[0]["pixel_values"].shape[1]
+    trailing = tuple(present[0]["pixel_values"].shape[1:])
     patches = max(m["pixel_values"].shape[0] for m in present)
     images = max(m["image_grid_thw"].shape[0] for m in present)
-    pixel_values = torch.zeros((len(media), patches, width), dtype=present[0]["pixel_values"].dtype)
+    pixel_values = torch.zeros((len(media), patches, *trailing), dtype=present[0]["pixel_values"].dtype)
     grid = torch.zeros((len(media), images, 3), dtype=torch.long)
     for i, m in enumerate(media):
         if m is not None:
@@ -81,17 +82,23 @@ def concat_media(media: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch
 
 def forward_kwargs(model: Any, input_ids: torch.Tensor, media: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """The keyword arguments a vision-language ``model``'s forward takes for ``media`` with
-    ``input_ids``: the pixel inputs, and where the model asks for it (Qwen2-VL's M-RoPE)
-    ``mm_token_type_ids`` (1 on image placeholder tokens, ``config.image_token_id``)."""
+    ``input_ids``: the pixel inputs (the grid where its forward names it), and where the model asks
+    for it (Qwen2-VL's M-RoPE) ``mm_token_type_ids`` (1 on image placeholder tokens,
+    ``config.image_token_id``). ``model`` may be wrapped by an engine
+    (:func:`core_rl.roles.wrapped.inner_model`)."""
     import inspect
+
+    from core_rl.roles.wrapped import inner_model
 
     if not media:
         return {}
-    kwargs: dict[str, Any] = dict(media)
+    model = inner_model(model)  # an engine's wrapper (DeepSpeed, peft) passes the keywords on
     config = getattr(model, "config", None)
     token = getattr(config, "image_token_id", None)
     forward = getattr(type(model), "forward", None)
-    accepts = forward is not None and "mm_token_type_ids" in inspect.signature(forward).parameters
-    if token is not None and accepts:
+    named = set(inspect.signature(forward).parameters) if forward is not None else set(media)
+    # the grid only where the forward takes it (a whole-image family's (1, 1, 1) grids are core-rl's)
+    kwargs: dict[str, Any] = {k: v for k, v in media.items() if k == "pixel_values" or k in named}
+    if token is not None and "mm_token_type_ids" in named:
         kwargs["mm_token_type_ids"] = (input_ids == token).long()
     return kwargs

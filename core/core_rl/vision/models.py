@@ -46,10 +46,44 @@ def image_processor_of(tokenizer: Any) -> Any | None:
     return processor
 
 
+#: the config keys that name a model's image placeholder token id (Qwen2-VL's, LLaVA's and Gemma 3's
+#: ``image_token_id``; older LLaVA configs' ``image_token_index``)
+IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index")
+#: the config keys that give a fixed number of placeholder tokens per image (LLaVA's
+#: ``image_seq_length``, Gemma 3's ``mm_tokens_per_image``)
+TOKENS_PER_IMAGE_KEYS = ("image_seq_length", "mm_tokens_per_image")
+
+
+def model_config_of(tokenizer: Any) -> dict[str, Any]:
+    """The ``config.json`` beside ``tokenizer`` (in its ``name_or_path`` directory) as a dict, ``{}``
+    where there is none."""
+    source = getattr(tokenizer, "name_or_path", None)
+    try:
+        return json.loads((Path(source) / "config.json").read_text(encoding="utf-8")) if source else {}
+    except (OSError, ValueError):
+        return {}
+
+
 def image_token_id(tokenizer: Any, processor: Any) -> tuple[str, int]:
-    """The placeholder token one image patch group stands for (``<|image_pad|>`` for Qwen2-VL) and its id."""
+    """The placeholder token an image's features take the place of (``<|image_pad|>`` for
+    Qwen2-VL, ``<image>`` for LLaVA) and its id: the model config's (:data:`IMAGE_TOKEN_KEYS`),
+    else the processor's or tokenizer's ``image_token``."""
+    config = model_config_of(tokenizer)
+    for key in IMAGE_TOKEN_KEYS:
+        if isinstance(config.get(key), int):
+            return str(tokenizer.convert_ids_to_tokens(config[key])), int(config[key])
     token = getattr(processor, "image_token", None) or getattr(tokenizer, "image_token", None) or "<|image_pad|>"
     return token, int(tokenizer.convert_tokens_to_ids(token))
+
+
+def tokens_per_image(tokenizer: Any) -> int | None:
+    """The fixed number of placeholder tokens each image takes in the model beside ``tokenizer``
+    (:data:`TOKENS_PER_IMAGE_KEYS`), ``None`` where it depends on the image (Qwen2-VL's grid)."""
+    config = model_config_of(tokenizer)
+    for key in TOKENS_PER_IMAGE_KEYS:
+        if isinstance(config.get(key), int):
+            return int(config[key])
+    return None
 
 
 def auto_model_class(model_path: str | Path | None) -> Any:

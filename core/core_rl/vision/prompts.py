@@ -1,11 +1,21 @@
 """A prompt with images as token ids plus pixel inputs, the way the model's processor makes them.
 
 The chat template renders the messages with one placeholder per image (Qwen2-VL:
-``<|vision_start|><|image_pad|><|vision_end|>``); the image processor turns each image into patch
-rows (``pixel_values`` ``[patches, 3 * temporal_patch * patch**2]``) and its grid
-(``image_grid_thw`` ``[images, 3]``: frames, rows, columns of patches); each placeholder is then
-repeated to ``t * h * w / merge_size**2`` tokens, the number of vision embeddings the model puts
-in their place. The ids and the pixel inputs travel together from here to the engines
+``<|vision_start|><|image_pad|><|vision_end|>``, LLaVA: ``<image>``); the image processor turns the
+images into ``pixel_values``, and each placeholder token is repeated to the number of vision
+embeddings the model puts in its place (:func:`placeholder_counts`). Two layouts of pixel inputs,
+told apart by what the processor returns:
+
+- patch rows with a grid (Qwen2-VL family): ``pixel_values`` ``[patches, 3 * temporal_patch *
+  patch**2]`` and ``image_grid_thw`` ``[images, 3]`` (frames, rows, columns of patches); an image
+  takes ``t * h * w / merge_size**2`` tokens;
+- whole images (LLaVA, Gemma 3): ``pixel_values`` ``[images, 3, H, W]``; each image takes the fixed
+  number of tokens its config names (``image_seq_length``, ``mm_tokens_per_image``:
+  :func:`~core_rl.vision.models.tokens_per_image`). core-rl gives each image the grid ``(1, 1, 1)``
+  (one row of ``pixel_values``), so batches keep each row's images the same way
+  (:mod:`core_rl.vision.media`); a model whose forward takes no ``image_grid_thw`` never sees it.
+
+The ids and the pixel inputs travel together from here to the engines
 (:attr:`core_rl.protocol.Sample.media`), so generation and training see the same inputs.
 """
 
@@ -16,23 +26,30 @@ from pathlib import Path
 from typing import Any
 
 from core_rl.vision.images import ImageError, load_image, row_image_sources
-from core_rl.vision.models import image_processor_of, image_token_id
+from core_rl.vision.models import image_processor_of, image_token_id, tokens_per_image
 
 
 def encode_images(images: Sequence[Any], processor: Any) -> dict[str, Any]:
     """The processor's pixel inputs of ``images`` (RGB ``PIL`` images): ``pixel_values`` float32
-    ``[patches, D]`` and ``image_grid_thw`` long ``[images, 3]``."""
+    (``[patches, D]``, or ``[images, 3, H, W]``) and ``image_grid_thw`` long ``[images, 3]`` (the
+    processor's, or ``(1, 1, 1)`` per whole image: the module docstring)."""
     import torch
 
     out = processor(images=list(images), return_tensors="pt")
-    return {
-        "pixel_values": torch.as_tensor(out["pixel_values"], dtype=torch.float32),
-        "image_grid_thw": torch.as_tensor(out["image_grid_thw"], dtype=torch.long),
-    }
+    pixel_values = torch.as_tensor(out["pixel_values"], dtype=torch.float32)
+    if "image_grid_thw" in out:
+        grid = torch.as_tensor(out["image_grid_thw"], dtype=torch.long)
+    else:
+        grid = torch.ones((pixel_values.shape[0], 3), dtype=torch.long)
+    return {"pixel_values": pixel_values, "image_grid_thw": grid}
 
 
-def placeholder_counts(grid_thw: Any, processor: Any) -> list[int]:
-    """How many placeholder tokens each image of ``grid_thw`` ``[images, 3]`` takes: ``t * h * w / merge_size**2``."""
+def placeholder_counts(grid_thw: Any, processor: Any, per_image: int | None = None) -> list[int]:
+    """How many placeholder tokens each image of ``grid_thw`` ``[images, 3]`` takes: ``per_image``
+    where the model fixes it (:func:`~core_rl.vision.models.tokens_per_image`), else
+    ``t * h * w / merge_size**2``."""
+    if per_image is not None:
+        return [per_image] * len(grid_thw)
     merge = int(getattr(processor, "merge_size", 1))
     return [int(t * h * w) // (merge * merge) for t, h, w in grid_thw.tolist()]
 
@@ -79,7 +96,8 @@ def encode_vision_prompt(
         )
     media = encode_images(images, processor)
     expanded = pieces[0]
-    for count, piece in zip(placeholder_counts(media["image_grid_thw"], processor), pieces[1:]):
+    counts = placeholder_counts(media["image_grid_thw"], processor, tokens_per_image(tokenizer))
+    for count, piece in zip(counts, pieces[1:]):
         expanded += token * count + piece
     ids = list(tokenizer(expanded, add_special_tokens=False)["input_ids"])
     return ids, text, media

@@ -71,6 +71,8 @@ class DeepSpeedConfig:
     exports_lora_adapter: ClassVar[bool] = True
     #: its forwards replay MoE routes (``actor.moe.routing_replay``, :mod:`core_rl.roles.moe`)
     replays_routes: ClassVar[bool] = True
+    #: it takes prompts with images and their pixel inputs (vision-language models, :mod:`core_rl.vision`)
+    multimodal: ClassVar[bool] = True
 
     zero_stage: int = attrs.field(default=2, validator=one_of((1, 2, 3)))
     offload_optimizer: bool = False

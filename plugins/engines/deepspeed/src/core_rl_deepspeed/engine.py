@@ -43,7 +43,7 @@ from core_rl_train_kit import ulysses
 from core_rl_train_kit.export import export_adapter_dir, export_model_dir
 from core_rl_train_kit.moe_routing import MoERouting
 from core_rl_train_kit.optim import build_optimizer, check_schedule, decay_groups, placed_scalar_state
-from core_rl_train_kit.runner import EngineState, MicroBatchRunner, check_temperature
+from core_rl_train_kit.runner import EngineState, MicroBatchRunner, check_temperature, pad_token_id_of
 from torch import nn
 
 from core_rl_deepspeed.config import DeepSpeedConfig
@@ -158,7 +158,7 @@ class DeepSpeedEngine(EngineState, TrainEngine):
         if self.sequence is not None:
             ulysses.check_heads(hf_model.config, self.sequence.size, engine="deepspeed")
         self._architectures = [hf.exported_architecture(hf.architecture_name(hf_model), head)]
-        self._pad_id = int(hf_model.config.pad_token_id) if hf_model.config.pad_token_id is not None else 0
+        self._pad_id = pad_token_id_of(hf_model)
         optimizer = build_optimizer(model.parameters(), actor.optimizer) if trainable else None
         self.ds, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.model: nn.Module = self.ds.module

@@ -30,7 +30,7 @@ from core_rl_train_kit.export import export_adapter_dir, export_model_dir
 from core_rl_train_kit.moe_routing import MoERouting
 from core_rl_train_kit.muon import embeddings_and_head
 from core_rl_train_kit.optim import build_optimizer, check_schedule, restore_weight_decay, settle_scalar_states
-from core_rl_train_kit.runner import EngineState, MicroBatchRunner, check_temperature
+from core_rl_train_kit.runner import EngineState, MicroBatchRunner, check_temperature, pad_token_id_of
 from core_rl_train_kit.state import (
     OPTIMIZER_SAVED,
     load_model_weights,
@@ -99,8 +99,7 @@ class FSDPEngine(EngineState, TrainEngine):
         if self.sequence is not None:
             ulysses.check_heads(hf_model.config, self.sequence.size, engine="fsdp")
         self._architectures = [exported_architecture(architecture_name(hf_model), head)]
-        pad_id = getattr(hf_model.config.get_text_config(), "pad_token_id", None)  # a VLM's is its text model's
-        self._pad_id = int(pad_id) if pad_id is not None else 0
+        self._pad_id = pad_token_id_of(hf_model)
         self.runner = MicroBatchRunner(
             self.model,
             actor.micro_batch,

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from core_rl.config.fused_head import logit_transform
 from core_rl.errors import ConfigError
+from core_rl.roles.hf import inner_model
 from torch import nn
 
 from core_rl_train_kit.logprobs import (
@@ -63,10 +64,7 @@ def check_fusable(model: nn.Module) -> str | None:
         return f"its output head is a {type(head).__name__}, not a plain linear layer"
     if head.bias is not None:
         return "its output head has a bias"
-    inner = model
-    while isinstance(getattr(inner, "module", None), nn.Module):  # engine wrappers (DeepSpeed's has a config too)
-        inner = inner.module
-    transform = logit_transform(getattr(inner, "config", None))
+    transform = logit_transform(getattr(inner_model(model), "config", None))  # DeepSpeed's engine has a config too
     if transform is not None:
         return f"its config sets {transform}, which transforms the logits after the head"
     return None

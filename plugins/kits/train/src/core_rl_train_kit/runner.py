@@ -189,6 +189,16 @@ class EngineState(ABC):
         return metrics
 
 
+def pad_token_id_of(model: nn.Module) -> int:
+    """The pad token id of the Hugging Face ``model``'s language model (a vision-language model's
+    is its text config's), 0 where it names none: what an engine pads micro-batches with."""
+    config = model.config
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    pad_id = getattr(config, "pad_token_id", None)
+    return int(pad_id) if pad_id is not None else 0
+
+
 def check_temperature(temperature: float) -> None:
     """Sampling temperatures divide logits: they must be positive."""
     if not temperature > 0:

@@ -68,6 +68,7 @@ import attrs
 import torch
 from core_rl.data import row_lengths
 from core_rl.loops import ModelShape
+from core_rl.roles.hf import inner_model
 from torch import nn
 
 from core_rl_train_kit.microbatch import micro_batch_width
@@ -120,10 +121,7 @@ class Planned:
 
 
 def _text_config(model: nn.Module) -> object | None:
-    inner = model
-    while isinstance(getattr(inner, "module", None), nn.Module):
-        inner = inner.module  # engine wrappers (DeepSpeed's has a config of its own)
-    config = getattr(inner, "config", None)
+    config = getattr(inner_model(model), "config", None)  # DeepSpeed's engine has a config of its own
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
     return config
