@@ -615,7 +615,7 @@ def test_llava_rows_take_whole_images_and_image_seq_length_placeholders(tmp_path
     assert set(forward_kwargs(model, batch["input_ids"], pixels)) == {"pixel_values"}
 
 
-@pytest.mark.parametrize("engine_spec", ["fsdp", "deepspeed"])
+@pytest.mark.parametrize("engine_spec", ["fsdp", "deepspeed", "deepspeed-zero3"])
 def test_llava_passes_the_multimodal_conformance_case(tmp_path: Path, llava: Path, engine_spec: str) -> None:
     """``hf`` samples the tiny LLaVA with images (log-probs of a transformers forward, no placeholder
     sampled) and the train engine computes the same log-probs."""
