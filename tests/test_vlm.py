@@ -670,3 +670,42 @@ def test_grpo_runs_on_image_rows_with_llava(tmp_path: Path, llava: Path) -> None
     assert all(r["mismatch/abs_logprob_diff"] < 1e-4 for r in rows)
     export = tmp_path / "runs" / "vlm" / "final_hf"
     assert type(AutoModelForImageTextToText.from_pretrained(export)).__name__ == "LlavaForConditionalGeneration"
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def qwen_family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model of Qwen2.5-VL's layout (a windowed tower) and of Qwen3-VL's (learnt position
+    embeddings, deep-stack features, a Qwen3 language model with interleaved M-RoPE)."""
+    family = request.param
+    return build_tiny_vlm(tmp_path_factory.mktemp(family) / "model", words=[*COLOURS, "colour?"], seed=0, family=family)
+
+
+@pytest.mark.parametrize("engine_spec", ["fsdp", "deepspeed"])
+def test_qwen_vl_families_pass_the_multimodal_conformance_case(
+    tmp_path: Path, qwen_family: Path, engine_spec: str
+) -> None:
+    """``hf`` samples each family with images (log-probs of a transformers forward, no placeholder
+    sampled) and the train engine computes the same log-probs."""
+    from core_rl.testing.multimodal_contracts import check_multimodal_rollout, check_multimodal_train
+
+    rollout = build_rollout_engine("hf", {"seed": 1}, qwen_family, tmp_path / "run")
+    samples = check_multimodal_rollout(rollout, qwen_family)
+    rollout.close()
+    engine = engine_or_skip(engine_spec, qwen_family)
+    check_multimodal_train(engine, qwen_family, samples)
+    engine.close()
+
+
+def test_grpo_runs_on_image_rows_with_each_qwen_vl_family(tmp_path: Path, qwen_family: Path) -> None:
+    from core_rl.builtin import read_metrics
+    from transformers import AutoModelForImageTextToText
+
+    data = write_rows(tmp_path, count=8)
+    length = {"name": "function", "path": f"{REWARDS}:scaled_length", "kwargs": {"scale": 1.0}}
+    assert cli.main(["train", str(grpo_config(tmp_path, qwen_family, data, steps=2, reward=length))]) == 0
+    rows = [r for r in read_metrics(tmp_path / "runs" / "vlm" / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 2 and all(r["actor/tokens"] > 0 and r["actor/nonfinite"] == 0 for r in rows)
+    assert all(r["mismatch/abs_logprob_diff"] < 1e-4 for r in rows)
+    export = tmp_path / "runs" / "vlm" / "final_hf"
+    built = AutoModelForImageTextToText.from_pretrained(qwen_family)
+    assert type(AutoModelForImageTextToText.from_pretrained(export)).__name__ == type(built).__name__

@@ -2,7 +2,10 @@
 
 :func:`build_tiny_vlm` writes a directory that ``AutoModelForImageTextToText``, ``AutoTokenizer`` and
 ``AutoImageProcessor`` reload offline: a random-weight ``Qwen2VLForConditionalGeneration`` (a small
-vision tower of ``vision_depth`` blocks whose patch merger projects into a small language model), a
+vision tower of ``vision_depth`` blocks whose patch merger projects into a small language model;
+``family`` ``qwen2_5_vl`` or ``qwen3_vl`` for the same shape in Qwen2.5-VL's layout, a windowed
+tower with a last full-attention block, or Qwen3-VL's, learnt position embeddings and deep-stack
+features into the first layers of a Qwen3 language model, with interleaved M-RoPE), a
 byte-level BPE tokenizer trained on the given words with the Qwen2-VL special tokens, a chat template
 that renders OpenAI/HF content parts (an image part becomes
 ``<|vision_start|><|image_pad|><|vision_end|>``) and Qwen2-VL's image processor with a small patch.
@@ -30,6 +33,13 @@ SPECIAL_TOKENS = (
     "<|vision_pad|>",
 )
 PAD, EOS, IMAGE_PAD = "<|endoftext|>", "<|im_end|>", "<|image_pad|>"
+
+#: the Qwen vision-language families :func:`build_tiny_vlm` builds: transformers' config and model classes
+QWEN_VL_FAMILIES = {
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+}
 
 #: Qwen2-VL's chat layout (ChatML) over content parts: a string content as it is; a list of parts
 #: in order, ``{"type": "image", ...}`` (or ``image_url``) as the vision placeholder, ``{"type":
@@ -81,13 +91,19 @@ def build_tiny_vlm(
     max_pixels: int = 64 * 64,
     max_position_embeddings: int = 512,
     seed: int = 0,
+    family: str = "qwen2_vl",
 ) -> Path:
-    """Write the random-weight tiny Qwen2-VL model, tokenizer, chat template and image processor to
-    ``path`` (see the module docstring); return ``path``. ``words``: what the tokenizer's merges
-    are trained on (the task's vocabulary); ``min_pixels``/``max_pixels`` bound the resized image."""
+    """Write the random-weight tiny Qwen2-VL model (or ``family``'s: one of :data:`QWEN_VL_FAMILIES`),
+    tokenizer, chat template and image processor to ``path`` (see the module docstring); return
+    ``path``. ``words``: what the tokenizer's merges are trained on (the task's vocabulary);
+    ``min_pixels``/``max_pixels`` bound the resized image."""
     import torch
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    if family not in QWEN_VL_FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(QWEN_VL_FAMILIES)}, got {family!r}")
+    config_class, model_class = (getattr(transformers, name) for name in QWEN_VL_FAMILIES[family])
 
     from core_rl.roles.hf import save_pretrained
 
@@ -99,33 +115,50 @@ def build_tiny_vlm(
     # M-RoPE splits a head's rotary half into temporal, height and width sections
     half = head_dim // 2
     sections = [half - 2 * (half // 3), half // 3, half // 3]
-    config = Qwen2VLConfig(
-        text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": hidden_size,
-            "intermediate_size": intermediate_size,
-            "num_hidden_layers": num_layers,
-            "num_attention_heads": num_heads,
-            "num_key_value_heads": num_kv_heads,
-            "max_position_embeddings": max_position_embeddings,
-            "rope_scaling": {"type": "mrope", "mrope_section": sections},
-            "tie_word_embeddings": False,
-            "bos_token_id": None,
-            "eos_token_id": token(EOS),
-            "pad_token_id": token(PAD),
-        },
-        vision_config={
-            "depth": vision_depth,
-            "embed_dim": vision_embed_dim,
-            "hidden_size": hidden_size,
-            "num_heads": vision_heads,
-            "mlp_ratio": 2,
-            "in_channels": 3,
-            "in_chans": 3,  # the published checkpoints' name for it, which SGLang's Qwen2-VL reads
-            "patch_size": patch_size,
-            "spatial_merge_size": merge_size,
-            "temporal_patch_size": 2,
-        },
+    text_config = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "max_position_embeddings": max_position_embeddings,
+        "rope_scaling": {"type": "mrope", "mrope_section": sections},
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": token(EOS),
+        "pad_token_id": token(PAD),
+    }
+    vision_config = {
+        "depth": vision_depth,
+        "embed_dim": vision_embed_dim,
+        "hidden_size": hidden_size,
+        "num_heads": vision_heads,
+        "mlp_ratio": 2,
+        "in_channels": 3,
+        "in_chans": 3,  # the published checkpoints' name for it, which SGLang's Qwen2-VL reads
+        "patch_size": patch_size,
+        "spatial_merge_size": merge_size,
+        "temporal_patch_size": 2,
+    }
+    if family != "qwen2_vl":  # the tower's own width, projected to the language model's by its merger
+        vision_config.update(
+            hidden_size=vision_embed_dim, out_hidden_size=hidden_size, intermediate_size=2 * vision_embed_dim
+        )
+    if family == "qwen2_5_vl":  # windows of 2 x 2 merged patches; the last block attends to the whole image
+        vision_config.update(window_size=2 * patch_size * merge_size, fullatt_block_indexes=[vision_depth - 1])
+    if family == "qwen3_vl":
+        # learnt position embeddings on a grid (interpolated to each image's), deep-stack features
+        # from the first block into the first layer; M-RoPE's sections interleaved
+        vision_config.update(num_position_embeddings=16 * 16, deepstack_visual_indexes=[0])
+        del text_config["rope_scaling"]
+        text_config.update(
+            head_dim=head_dim,
+            rope_parameters={"rope_type": "default", "mrope_section": sections, "mrope_interleaved": True},
+        )
+    config = config_class(
+        text_config=text_config,
+        vision_config=vision_config,
         image_token_id=token(IMAGE_PAD),
         video_token_id=token("<|video_pad|>"),
         vision_start_token_id=token("<|vision_start|>"),
@@ -133,7 +166,7 @@ def build_tiny_vlm(
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config)
+    model = model_class(config)
     model.generation_config.eos_token_id = token(EOS)
     model.generation_config.pad_token_id = token(PAD)
     processor = Qwen2VLImageProcessorPil(
