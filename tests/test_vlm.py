@@ -619,13 +619,19 @@ def test_llava_rows_take_whole_images_and_image_seq_length_placeholders(tmp_path
 def test_llava_passes_the_multimodal_conformance_case(tmp_path: Path, llava: Path, engine_spec: str) -> None:
     """``hf`` samples the tiny LLaVA with images (log-probs of a transformers forward, no placeholder
     sampled) and the train engine computes the same log-probs."""
+    hf_and_train_engine_conform(tmp_path, llava, engine_spec)
+
+
+def hf_and_train_engine_conform(tmp_path: Path, model: Path, engine_spec: str) -> None:
+    """The conformance case on ``model``: ``hf`` samples it with images and the train engine
+    ``engine_spec`` computes the same log-probs (:mod:`core_rl.testing.multimodal_contracts`)."""
     from core_rl.testing.multimodal_contracts import check_multimodal_rollout, check_multimodal_train
 
-    rollout = build_rollout_engine("hf", {"seed": 1}, llava, tmp_path / "run")
-    samples = check_multimodal_rollout(rollout, llava)
+    rollout = build_rollout_engine("hf", {"seed": 1}, model, tmp_path / "run")
+    samples = check_multimodal_rollout(rollout, model)
     rollout.close()
-    engine = engine_or_skip(engine_spec, llava)
-    check_multimodal_train(engine, llava, samples)
+    engine = engine_or_skip(engine_spec, model)
+    check_multimodal_train(engine, model, samples)
     engine.close()
 
 
@@ -659,17 +665,23 @@ def test_llava_samples_prompts_with_two_images(tmp_path: Path, llava: Path) -> N
 
 
 def test_grpo_runs_on_image_rows_with_llava(tmp_path: Path, llava: Path) -> None:
+    assert two_grpo_steps_export(tmp_path, llava) == "LlavaForConditionalGeneration"
+
+
+def two_grpo_steps_export(tmp_path: Path, model: Path) -> str:
+    """Two GRPO steps on image rows of ``model`` (a length reward): every step trains on finite
+    values with the rollout's log-probs within 1e-4 of the trainer's; the class name of the
+    exported model as it reloads."""
     from core_rl.builtin import read_metrics
     from transformers import AutoModelForImageTextToText
 
     data = write_rows(tmp_path, count=8)
     length = {"name": "function", "path": f"{REWARDS}:scaled_length", "kwargs": {"scale": 1.0}}
-    assert cli.main(["train", str(grpo_config(tmp_path, llava, data, steps=2, reward=length))]) == 0
+    assert cli.main(["train", str(grpo_config(tmp_path, model, data, steps=2, reward=length))]) == 0
     rows = [r for r in read_metrics(tmp_path / "runs" / "vlm" / "metrics.jsonl") if "reward/mean" in r]
     assert len(rows) == 2 and all(r["actor/tokens"] > 0 and r["actor/nonfinite"] == 0 for r in rows)
     assert all(r["mismatch/abs_logprob_diff"] < 1e-4 for r in rows)
-    export = tmp_path / "runs" / "vlm" / "final_hf"
-    assert type(AutoModelForImageTextToText.from_pretrained(export)).__name__ == "LlavaForConditionalGeneration"
+    return type(AutoModelForImageTextToText.from_pretrained(tmp_path / "runs" / "vlm" / "final_hf")).__name__
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
@@ -686,26 +698,10 @@ def test_qwen_vl_families_pass_the_multimodal_conformance_case(
 ) -> None:
     """``hf`` samples each family with images (log-probs of a transformers forward, no placeholder
     sampled) and the train engine computes the same log-probs."""
-    from core_rl.testing.multimodal_contracts import check_multimodal_rollout, check_multimodal_train
-
-    rollout = build_rollout_engine("hf", {"seed": 1}, qwen_family, tmp_path / "run")
-    samples = check_multimodal_rollout(rollout, qwen_family)
-    rollout.close()
-    engine = engine_or_skip(engine_spec, qwen_family)
-    check_multimodal_train(engine, qwen_family, samples)
-    engine.close()
+    hf_and_train_engine_conform(tmp_path, qwen_family, engine_spec)
 
 
 def test_grpo_runs_on_image_rows_with_each_qwen_vl_family(tmp_path: Path, qwen_family: Path) -> None:
-    from core_rl.builtin import read_metrics
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoConfig
 
-    data = write_rows(tmp_path, count=8)
-    length = {"name": "function", "path": f"{REWARDS}:scaled_length", "kwargs": {"scale": 1.0}}
-    assert cli.main(["train", str(grpo_config(tmp_path, qwen_family, data, steps=2, reward=length))]) == 0
-    rows = [r for r in read_metrics(tmp_path / "runs" / "vlm" / "metrics.jsonl") if "reward/mean" in r]
-    assert len(rows) == 2 and all(r["actor/tokens"] > 0 and r["actor/nonfinite"] == 0 for r in rows)
-    assert all(r["mismatch/abs_logprob_diff"] < 1e-4 for r in rows)
-    export = tmp_path / "runs" / "vlm" / "final_hf"
-    built = AutoModelForImageTextToText.from_pretrained(qwen_family)
-    assert type(AutoModelForImageTextToText.from_pretrained(export)).__name__ == type(built).__name__
+    assert two_grpo_steps_export(tmp_path, qwen_family) == AutoConfig.from_pretrained(qwen_family).architectures[0]

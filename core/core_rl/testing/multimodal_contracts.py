@@ -13,6 +13,7 @@ Given a vision-language model directory (e.g. :func:`core_rl.roles.tiny_vlm.buil
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +61,10 @@ def image_prompts(model_dir: str | Path) -> tuple[list[list[int]], list[dict[str
     return prompts, media
 
 
-def reference_logprobs(model_dir: str | Path, samples: list[Sample]) -> list[torch.Tensor]:
-    """Each sample's response log-probs under a float32 transformers forward of its ids and pixels."""
+def reference_logprobs(model_dir: str | Path, samples: list[Sample], masked: Sequence[int] = ()) -> list[torch.Tensor]:
+    """Each sample's response log-probs under a float32 transformers forward of its ids and pixels;
+    with the tokens ``masked`` left out of the softmax (an engine that never samples them and
+    reports log-probs over the rest, e.g. SGLang's logit bias on a VLM's placeholders)."""
     from core_rl.vision.models import auto_model_class
 
     model = auto_model_class(model_dir).from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -70,6 +73,8 @@ def reference_logprobs(model_dir: str | Path, samples: list[Sample]) -> list[tor
         for s in samples:
             ids = torch.tensor([s.prompt_ids + s.response_ids])
             logits = model(input_ids=ids, **forward_kwargs(model, ids, s.media or {})).logits[0].float()
+            if masked:
+                logits[:, list(masked)] = float("-inf")
             logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
             out.append(logprobs[len(s.prompt_ids) - 1 :])
     return out

@@ -18,8 +18,7 @@ from core_rl.config.loader import structure
 from core_rl.interfaces import SamplingParams
 from core_rl.roles.hf import save_pretrained
 from core_rl.roles.tiny_vlm import build_tiny_vlm
-from core_rl.testing.multimodal_contracts import check_multimodal_rollout, image_prompts
-from core_rl.vision.media import forward_kwargs
+from core_rl.testing.multimodal_contracts import check_multimodal_rollout, image_prompts, reference_logprobs
 from core_rl_sglang.config import SGLangConfig
 from core_rl_sglang.engine import SGLangRolloutEngine, placeholder_ids, served_name
 
@@ -59,19 +58,7 @@ def masked_reference_logprobs(model_dir: Path, samples: list) -> list[torch.Tens
     """Each sample's response log-probs under a float32 transformers forward of its ids and pixels,
     with the placeholder tokens masked out of the softmax, as SGLang reports them (the engine's
     ``logit_bias`` on them: :mod:`core_rl_sglang.engine`)."""
-    from core_rl.vision.models import auto_model_class
-
-    banned = placeholder_ids(model_dir)
-    model = auto_model_class(model_dir).from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for s in samples:
-            ids = torch.tensor([s.prompt_ids + s.response_ids])
-            logits = model(input_ids=ids, **forward_kwargs(model, ids, s.media or {})).logits[0].float()
-            logits[:, banned] = float("-inf")
-            logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
-            out.append(logprobs[len(s.prompt_ids) - 1 :])
-    return out
+    return reference_logprobs(model_dir, samples, masked=placeholder_ids(model_dir))
 
 
 def gaps(samples: list, model_dir: Path) -> list[float]:
