@@ -42,6 +42,10 @@ core checks a component for when it is built names it: :mod:`core_rl.plugins.com
   proxy's structured output); the ``media`` keyword of ``RolloutEngine.generate`` and
   ``agenerate`` (a prompt's pixel inputs, passed only to engines whose config class claims
   ``multimodal = True``: vision-language models, :mod:`core_rl.vision`).
+- 12: the ``media`` keyword of ``WorkflowContext.generate`` (the pixel inputs of the images a
+  workflow's own prompt holds; default :data:`core_rl.rollout.workflows.ROW_MEDIA`, the row's);
+  ``PolicyLoss.requires_recompute`` is read at every step (a loss may turn it on with a rejection
+  sampler set mid-run).
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from typing import Any, Protocol
 import pluggy
 
 PROJECT_NAME = "core_rl"
-HOOK_API_VERSION = 11
+HOOK_API_VERSION = 12
 
 #: The API version that added an interface (``"Class"``: all its members) or one member of it
 #: (``"Class.member"``) after version 1; anything not listed is in version 1. Classes are those of

@@ -31,6 +31,7 @@ __all__, __getattr__ = lazy_exports(
             "ERROR",
             "ERROR_LIMIT",
             "FAILED",
+            "ROW_MEDIA",
             "RolloutWorkflow",
             "WorkflowContext",
             "append_observation",

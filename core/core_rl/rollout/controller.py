@@ -62,7 +62,7 @@ from core_rl.protocol import Sample
 from core_rl.reliability.deadlines import DeadlinePassed, deadline_message
 from core_rl.reliability.loop_watch import LoopWatch
 from core_rl.rollout.stop_strings import apply_stop_strings
-from core_rl.rollout.workflows import RolloutWorkflow, WorkflowContext, check_samples
+from core_rl.rollout.workflows import ROW_MEDIA, RolloutWorkflow, WorkflowContext, check_samples
 
 T = TypeVar("T")
 
@@ -419,9 +419,13 @@ class RolloutController:
 
     async def _trajectory(self, wave: _Wave, slot: int) -> None:
         prompt = wave.prompts[slot]
-        media = getattr(prompt, "media", None)  # the prompt's images (a vision-language model's)
+        row_media = getattr(prompt, "media", None)  # the prompt's images (a vision-language model's)
 
-        async def generate(prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
+        async def generate(
+            prompt_ids: Sequence[int], sampling: SamplingParams, *, media: Any = ROW_MEDIA
+        ) -> list[Sample]:
+            if media is ROW_MEDIA:
+                media = row_media
             if sampling.response_format is not None and not getattr(self.engine, "guided_decoding", False):
                 raise GuidedDecodingUnsupported(
                     f"{self._engine_words} has no guided decoding, so it cannot sample under a "

@@ -49,13 +49,29 @@ ERROR_LIMIT = "max_error_fraction"
 DROPPED_ERRORS = "dropped_errors"
 
 
+class _RowMedia:
+    """The type of :data:`ROW_MEDIA`."""
+
+    def __repr__(self) -> str:
+        return "ROW_MEDIA"
+
+
+#: the default ``media`` of :attr:`WorkflowContext.generate`: the prompt row's own pixel inputs
+ROW_MEDIA: Any = _RowMedia()
+
+
 @attrs.define
 class WorkflowContext:
-    """What a workflow may use: ``generate(prompt_ids, sampling)`` (the rollout engine, through the
-    controller, which records versions and bounds concurrency), the run's ``sampling`` settings
-    and its ``tokenizer`` (to encode tool output or the next turn's text)."""
+    """What a workflow may use: ``generate(prompt_ids, sampling, *, media=ROW_MEDIA)`` (the rollout
+    engine, through the controller, which records versions and bounds concurrency), the run's
+    ``sampling`` settings and its ``tokenizer`` (to encode tool output or the next turn's text).
 
-    generate: Callable[[Sequence[int], SamplingParams], Awaitable[list[Sample]]]
+    ``media``: the pixel inputs of the images whose placeholders ``prompt_ids`` hold (a
+    vision-language model's, :attr:`core_rl.protocol.Sample.media`). Left out, the prompt row's
+    own (its images, already in its ``prompt_ids``); a workflow that builds its own prompts (an
+    agent's messages) passes what they hold, ``None`` for none. The samples carry it."""
+
+    generate: Callable[..., Awaitable[list[Sample]]]
     sampling: SamplingParams
     tokenizer: Any = None
 

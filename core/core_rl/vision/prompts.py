@@ -87,6 +87,21 @@ def encode_vision_prompt(
     images = [load_image(source, base_dir) for source in sources]
     messages = prompt_messages(messages, system_prompt)
     text = str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs))
+    ids, media = expand_placeholders(text, images, tokenizer, processor)
+    return ids, text, media
+
+
+def expand_placeholders(
+    text: str, images: Sequence[Any], tokenizer: Any, processor: Any | None = None
+) -> tuple[list[int], dict[str, Any]]:
+    """The token ids of ``text`` (a rendered chat, one image placeholder token per image) with each
+    placeholder repeated to its image's count (:func:`placeholder_counts`), and the pixel inputs of
+    ``images`` (RGB ``PIL`` images, in placeholder order). ``processor``: the model's image
+    processor (default: the one beside ``tokenizer``). Raises :class:`ImageError` when the text
+    holds another number of placeholders than there are images."""
+    processor = processor if processor is not None else image_processor_of(tokenizer)
+    if processor is None:
+        raise ImageError(f"{getattr(tokenizer, 'name_or_path', 'the model')} has no image processor")
     token, _ = image_token_id(tokenizer, processor)
     pieces = text.split(token)
     if len(pieces) - 1 != len(images):
@@ -99,5 +114,4 @@ def encode_vision_prompt(
     counts = placeholder_counts(media["image_grid_thw"], processor, tokens_per_image(tokenizer))
     for count, piece in zip(counts, pieces[1:]):
         expanded += token * count + piece
-    ids = list(tokenizer(expanded, add_special_tokens=False)["input_ids"])
-    return ids, text, media
+    return list(tokenizer(expanded, add_special_tokens=False)["input_ids"]), media

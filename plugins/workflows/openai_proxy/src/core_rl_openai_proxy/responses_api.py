@@ -33,6 +33,7 @@ from typing import Any
 
 from core_rl.interfaces.sampling import required_json_schema
 
+from core_rl_openai_proxy.chat import IMAGE_PARTS
 from core_rl_openai_proxy.errors import RequestError
 from core_rl_openai_proxy.tools import Reply
 
@@ -154,7 +155,11 @@ def input_messages(body: Mapping[str, Any], history: Sequence[dict[str, Any]] | 
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise RequestError(f"{where}.role must be user, system, developer or assistant", param=where)
-            messages.append({"role": role, "content": _text(item.get("content", ""), where)})
+            content = item.get("content", "")
+            if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS for p in content):
+                messages.append({"role": role, "content": list(content)})  # images: normalize_messages takes the parts
+            else:
+                messages.append({"role": role, "content": _text(content, where)})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
                 raise RequestError(

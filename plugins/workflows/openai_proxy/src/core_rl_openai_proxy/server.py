@@ -325,7 +325,7 @@ class ProxyServer:
         with session.guard:
             if session.closed:
                 raise session.ended()
-            future = asyncio.ensure_future(session.generate(plan.prompt_ids, sampling))
+            future = asyncio.ensure_future(session.generate(plan.prompt_ids, sampling, plan.media))
             session.inflight = future
         try:
             (turn,) = await future

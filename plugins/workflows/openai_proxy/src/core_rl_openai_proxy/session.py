@@ -20,10 +20,11 @@ from core_rl.interfaces import SamplingParams
 from core_rl.protocol import Sample
 from core_rl.rollout import append_observation, extend_turn
 
-from core_rl_openai_proxy.chat import ChatTemplate, Mismatch
+from core_rl_openai_proxy.chat import ChatTemplate, Mismatch, joined_media
 from core_rl_openai_proxy.errors import RequestError
 
-Generate = Callable[[Sequence[int], SamplingParams], Awaitable[list[Sample]]]
+#: the workflow's generation: prompt ids, sampling and the pixel inputs of the prompt's images (or ``None``)
+Generate = Callable[[Sequence[int], SamplingParams, Any], Awaitable[list[Sample]]]
 
 
 @attrs.define
@@ -55,10 +56,12 @@ def request_record(last: LastCall) -> dict[str, Any]:
 @attrs.define
 class Plan:
     """The prompt of a call and how it joins the session: ``inserted`` tokens after the current
-    trajectory (``None``: the call starts a new trajectory from ``prompt_ids``)."""
+    trajectory (``None``: the call starts a new trajectory from ``prompt_ids``); ``media``: the
+    pixel inputs of every image whose placeholders ``prompt_ids`` hold (``None``: none)."""
 
     prompt_ids: list[int]
     inserted: list[int] | None
+    media: dict[str, Any] | None = None
 
 
 @attrs.define(eq=False)
@@ -100,10 +103,12 @@ class Session:
                 if last.kind != "chat" or last.tools != tools:
                     raise Mismatch("the previous call was a completion" if last.kind != "chat" else "tools changed")
                 inserted = template.inserted(last.messages, last.reply, last.message, last.stop_text, messages, tools)
-                return Plan([*self._tail(), *inserted], inserted)
+                media = joined_media(self.trajectories[-1].media, inserted.media)
+                return Plan([*self._tail(), *inserted.ids], inserted.ids, media)
             except Mismatch as exc:
                 self._mismatch(str(exc), strict)
-        return Plan(template.first_prompt(messages, tools), None)
+        first = template.first_prompt(messages, tools)
+        return Plan(first.ids, None, first.media)
 
     def plan_completion(
         self,
@@ -151,7 +156,8 @@ class Session:
                 self.requests.append(request_record(last))
             else:
                 joined = append_observation(self.trajectories[-1], plan.inserted)
-                self.trajectories[-1] = extend_turn(joined, turn)
+                # the turn was sampled with the pixel inputs of every image so far
+                self.trajectories[-1] = attrs.evolve(extend_turn(joined, turn), media=turn.media)
             self.calls += 1
             self.last = last
 

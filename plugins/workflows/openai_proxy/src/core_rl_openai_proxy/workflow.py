@@ -83,9 +83,12 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         proxy = self.server(ctx.tokenizer)
         loop = asyncio.get_running_loop()
 
-        def generate(prompt_ids: Sequence[int], sampling: SamplingParams) -> asyncio.Future:
-            # called on the proxy's loop; the generation runs on the rollout loop
-            return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(ctx.generate(prompt_ids, sampling), loop))
+        def generate(prompt_ids: Sequence[int], sampling: SamplingParams, media: Any = None) -> asyncio.Future:
+            # called on the proxy's loop; the generation runs on the rollout loop. The images are
+            # those the agent's messages hold (none: the row's images reach the model only if the
+            # agent sends them)
+            call = ctx.generate(prompt_ids, sampling, media=media)
+            return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, loop))
 
         sessions = [proxy.open(generate, ctx.sampling, prompt.row) for _ in range(ctx.sampling.n)]
         tasks = [asyncio.ensure_future(self._episode(proxy, session)) for session in sessions]
