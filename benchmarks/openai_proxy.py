@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "examples" / "agent_proxy"))
 
 async def _direct(engine, template, row: dict, sampling) -> None:
     messages = [{"role": "user", "content": row["prompt"]}]
-    (first,) = await engine.agenerate(template.first_prompt(messages, None), sampling)
+    (first,) = await engine.agenerate(template.first_prompt(messages, None).ids, sampling)
     tail = template.encode("t:7>a:")
     await engine.agenerate([*first.prompt_ids, *first.response_ids, *tail], sampling)
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         async def run() -> tuple[dict[tuple[str, bool], float], dict[tuple[str, int], float]]:
             loop = asyncio.get_running_loop()
 
-            def generate(ids, sp):
+            def generate(ids, sp, media=None):  # the proxy passes the prompt's images (none here)
                 return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(engine.agenerate(ids, sp), loop))
 
             def proxied():
@@ -121,7 +121,7 @@ async def _program_modes(engine, proxy, sampling, row: dict, episodes: int) -> d
     }
     loop = asyncio.get_running_loop()
 
-    def generate(ids, sp):
+    def generate(ids, sp, media=None):  # the proxy passes the prompt's images (none here)
         return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(engine.agenerate(ids, sp), loop))
 
     def episode(program: AgentProgram):
