@@ -262,6 +262,36 @@ def test_a_fault_while_batching_a_wave_reaches_every_trajectory(engine, monkeypa
         controller.close()
 
 
+class StopsIterating(RecordingEngine):
+    """The real engine, whose ``generate`` raises ``StopIteration`` (as transformers does for a
+    prompt with more image placeholders than images)."""
+
+    def generate(self, prompts, sampling):
+        raise StopIteration
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_raising_stop_iteration_fails_the_step_at_once(engine) -> None:
+    """asyncio drops a ``StopIteration`` copied into the future a wave awaits, which then waits until
+    ``wait_timeout_s``; the controller raises it as an error the step fails with."""
+    controller = RolloutController(
+        StopsIterating(engine),
+        SingleTurnWorkflow(),
+        CountingData(2),
+        SamplingParams(n=1, max_new_tokens=2),
+        ControllerConfig(batching="wave", wait_timeout_s=100),
+        batch_size=2,
+    )
+    controller.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(RolloutFailed, match="StopIteration"):
+            controller.take(new_step=True)
+    finally:
+        controller.close()
+    assert time.monotonic() - started < 30
+
+
 class RunsDry(CountingData):
     """Two waves (each reporting its draw), then a draw that raises, as ``data.difficulty_filter``
     does with nothing left to draw."""

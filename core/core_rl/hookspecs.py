@@ -46,6 +46,8 @@ core checks a component for when it is built names it: :mod:`core_rl.plugins.com
   workflow's own prompt holds; default :data:`core_rl.rollout.workflows.ROW_MEDIA`, the row's);
   ``PolicyLoss.requires_recompute`` is read at every step (a loss may turn it on with a rejection
   sampler set mid-run).
+- 13: an environment's observation (what ``Environment.reset`` returns, ``StepResult.observation``)
+  may be content parts mixing text and images (:data:`core_rl.rollout.environments.Observation`).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from typing import Any, Protocol
 import pluggy
 
 PROJECT_NAME = "core_rl"
-HOOK_API_VERSION = 12
+HOOK_API_VERSION = 13
 
 #: The API version that added an interface (``"Class"``: all its members) or one member of it
 #: (``"Class.member"``) after version 1; anything not listed is in version 1. Classes are those of

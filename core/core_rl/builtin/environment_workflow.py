@@ -27,6 +27,10 @@ Per trajectory (``sampling.n`` of them per row, each with its own environment ob
 
 The sampled tokens are appended exactly as the engine returned them (never re-tokenised), with
 their log-probs and weight versions; observations are tokenised once and masked from the loss.
+An observation may hold images (content parts, :data:`core_rl.rollout.environments.Observation`):
+their placeholders are among its masked tokens, and every later turn is generated with the
+prompt's images and the observations' so far, in order, which the sample carries
+(``Sample.media``) so that training sees the same inputs.
 ``Sample.turn_rewards`` holds each turn's reward and ``Sample.reward`` their reduction
 (``turn_reward``). With ``sum`` or ``last`` the trajectory's return is paid as an outcome reward, so
 every trained token of the trajectory shares its advantage. With ``per_turn``, ``Sample.reward`` is
@@ -71,8 +75,9 @@ from core_rl.protocol import Sample
 from core_rl.reliability.deadlines import DeadlinePassed
 from core_rl.reliability.own_loop import OwnLoop, stuck_loops
 from core_rl.reliability.progress import PROGRESS
-from core_rl.rollout.environments import Action, Environment, StepResult, as_step_result
+from core_rl.rollout.environments import Action, Environment, Observation, StepResult, as_step_result, check_observation
 from core_rl.rollout.workflows import FAILED, RolloutWorkflow, WorkflowContext, append_observation, extend_turn
+from core_rl.vision.media import concat_media
 
 TRAIN_TURNS = ("all", "last")
 TURN_REWARDS = ("sum", "last", "per_turn")
@@ -196,8 +201,21 @@ class EnvironmentWorkflow(RolloutWorkflow):
             await asyncio.gather(*(self.trajectory(spec.build(), prompt, ctx, name=spec.name) for _ in range(n)))
         )
 
-    def _encode(self, ctx: WorkflowContext, text: str) -> list[int]:
-        return list(ctx.tokenizer.encode(text, add_special_tokens=False)) if text else []
+    def _encode(self, ctx: WorkflowContext, observation: Observation, env: Environment) -> tuple[list[int], Any]:
+        """The token ids of ``observation`` and the pixel inputs of its images (``None``: none,
+        :func:`core_rl.vision.prompts.encode_observation`); an image that cannot be read is a
+        :class:`PluginFault` naming the environment."""
+        if isinstance(observation, str):
+            return (list(ctx.tokenizer.encode(observation, add_special_tokens=False)) if observation else []), None
+        from core_rl.vision.images import ImageError
+        from core_rl.vision.prompts import encode_observation
+
+        try:
+            return encode_observation(observation, ctx.tokenizer)
+        except ImageError as exc:
+            raise PluginFault(
+                f"{built_by(env)} returned an observation with an image that cannot be used: {exc}"
+            ) from None
 
     async def trajectory(self, env: Environment, prompt: Any, ctx: WorkflowContext, name: str = "") -> Sample:
         """One trajectory of ``prompt`` in ``env`` (see the module docstring); ``name``: the
@@ -211,7 +229,10 @@ class EnvironmentWorkflow(RolloutWorkflow):
             first = await self._call(env, own, metric, "reset", env.reset(prompt.row))
             if first is TIMED_OUT:  # nothing more to ask of it: one model turn, then the end
                 failed, first = "reset timed out", ""
-            pending = self._encode(ctx, first or "")
+            if first is not TIMED_OUT and first:
+                first = check_observation(first, built_by(env), "Environment.reset returns an observation")
+            pending, pending_media = self._encode(ctx, first or "", env)
+            media = getattr(prompt, "media", None)  # the images of the context so far: the prompt's, then observations'
             sample: Sample | None = None
             spans: list[tuple[int, int]] = []
             rewards: list[float] = []
@@ -224,8 +245,10 @@ class EnvironmentWorkflow(RolloutWorkflow):
                     length_cut = True
                     break
                 context = [*prompt.prompt_ids, *(sample.response_ids if sample else []), *pending]
+                if pending_media:
+                    media = concat_media([media or {}, pending_media])
                 sampling = attrs.evolve(ctx.sampling, n=1, max_new_tokens=min(ctx.sampling.max_new_tokens, room))
-                (turn,) = await ctx.generate(context, sampling)
+                (turn,) = await ctx.generate(context, sampling, media=media)
                 sample = self._continue(sample, pending, turn, prompt.prompt_ids)
                 spans.append((len(sample.response_ids) - len(turn.response_ids), len(sample.response_ids)))
                 if failed:
@@ -246,7 +269,7 @@ class EnvironmentWorkflow(RolloutWorkflow):
                 if result.done:
                     done = True
                     break
-                pending = self._encode(ctx, result.observation)
+                pending, pending_media = self._encode(ctx, result.observation, env)
         finally:
             try:
                 if not own.stuck:
@@ -261,6 +284,7 @@ class EnvironmentWorkflow(RolloutWorkflow):
         sample = mask_turns(sample, spans, cfg.train_turns)
         return attrs.evolve(
             sample,
+            media=media,
             reward=reduce_turn_rewards(rewards, cfg.turn_reward),
             turn_rewards=rewards,
             turn_ends=[end for _, end in spans] if cfg.turn_reward == "per_turn" else None,

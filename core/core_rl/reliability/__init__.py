@@ -8,5 +8,6 @@ __all__, __getattr__ = lazy_exports(
     __name__,
     {
         "core_rl.reliability.progress": ("PROGRESS",),
+        "core_rl.reliability.own_loop": ("awaitable_error",),
     },
 )

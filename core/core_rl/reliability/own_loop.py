@@ -31,6 +31,18 @@ _STUCK_LOCK = threading.Lock()
 PROBE_S = 1.0
 
 
+def awaitable_error(exc: BaseException) -> BaseException:
+    """``exc`` as an asyncio future can hold it. asyncio refuses a ``StopIteration`` (a synchronous
+    ``next()`` on an empty iterator, raised in a thread): copied into the future a coroutine awaits
+    (``run_in_executor``, ``wrap_future``), it is dropped with a logged ``TypeError`` and the
+    coroutine waits for ever. So it becomes a ``RuntimeError`` naming it, with it as the cause."""
+    if isinstance(exc, StopIteration):
+        error = RuntimeError(f"StopIteration raised: {exc!r}")
+        error.__cause__ = exc
+        return error
+    return exc
+
+
 def stuck_loops() -> int:
     """Loops whose call timed out and whose thread is still blocked, in this process."""
     with _STUCK_LOCK:

@@ -61,6 +61,7 @@ from core_rl.plugins.attribution import built_by
 from core_rl.protocol import Sample
 from core_rl.reliability.deadlines import DeadlinePassed, deadline_message
 from core_rl.reliability.loop_watch import LoopWatch
+from core_rl.reliability.own_loop import awaitable_error
 from core_rl.rollout.stop_strings import apply_stop_strings
 from core_rl.rollout.workflows import ROW_MEDIA, RolloutWorkflow, WorkflowContext, check_samples
 
@@ -70,6 +71,21 @@ T = TypeVar("T")
 AGENERATE_CONTRACT = "RolloutEngine.agenerate returns the sampling.n samples of the prompt it is given"
 GENERATE_CONTRACT = "RolloutEngine.generate returns, for each prompt, its sampling.n samples, in prompt order"
 RUN_CONTRACT = "RolloutWorkflow.run returns the trajectories of its prompt, each a Sample of prompt.prompt_ids"
+
+
+def _awaitable_errors(call: Callable[..., T]) -> Callable[..., T]:
+    """``call``, raising what it raises as an asyncio future can hold it
+    (:func:`~core_rl.reliability.own_loop.awaitable_error`), so that awaiting it in an executor never
+    waits for ever."""
+
+    @functools.wraps(call)
+    def guarded(*args: Any, **kwargs: Any) -> T:
+        try:
+            return call(*args, **kwargs)
+        except StopIteration as exc:
+            raise awaitable_error(exc) from exc
+
+    return guarded
 
 
 class RolloutTimeout(CoreRLError):
@@ -524,7 +540,7 @@ class RolloutController:
                 if any(p.media is not None for p in batch):  # images: only engines claiming multimodal get here
                     generate = functools.partial(generate, media=[p.media for p in batch])
                 groups = await self._loop.run_in_executor(
-                    self._executor, generate, [p.prompt_ids for p in batch], batch[0].sampling
+                    self._executor, _awaitable_errors(generate), [p.prompt_ids for p in batch], batch[0].sampling
                 )
                 checked = self._checked_groups(groups, batch)
             except BaseException as exc:

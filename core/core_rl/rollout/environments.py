@@ -5,9 +5,18 @@ workflow: :mod:`core_rl.builtin.environment_workflow`).
 One :class:`Environment` object serves one trajectory. The workflow calls :meth:`Environment.reset`
 with the data row, then, after each model turn, :meth:`Environment.step` with the turn as an
 :class:`Action` (its text and its sampled token ids). ``step`` returns a :class:`StepResult`
-(a named tuple ``(observation, reward, done, info)``): ``observation`` is text the workflow
+(a named tuple ``(observation, reward, done, info)``): ``observation`` is what the workflow
 tokenises and appends as masked tokens (never trained) before the next turn; ``reward`` is that
 turn's reward; ``done`` ends the trajectory.
+
+An observation (:data:`Observation`, also what ``reset`` returns) is text, or a list of content
+parts in the OpenAI/HF form for a vision-language model: ``{"type": "text", "text": ...}`` and
+image parts ``{"type": "image", "image": SOURCE}`` or ``{"type": "image_url", "image_url": {"url":
+SOURCE}}`` (a SOURCE as in a data row: :mod:`core_rl.vision.images`). The parts are joined in
+order, each image becoming the model's image placeholder as its chat template writes one, expanded
+to the image's count, and the images' pixel inputs join the trajectory's
+(:func:`core_rl.vision.prompts.encode_observation`): the next turns are generated, and the
+trajectory trained, with them.
 
 Both methods are coroutines: an environment that blocks (runs a program, calls a service) awaits
 it off the event loop (``asyncio.to_thread``) so that its other awaits go on meanwhile. The
@@ -19,8 +28,8 @@ freeze the other trajectories or escape the timeout.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, TypeAlias
 
 import attrs
 
@@ -40,11 +49,18 @@ class Action:
     prompt_ids: tuple[int, ...] = ()
 
 
-class StepResult(NamedTuple):
-    """What one step returns: the ``observation`` to append (``""``: none), the turn's ``reward``,
-    whether the trajectory is ``done``, and ``info`` (JSON-like, recorded per turn)."""
+#: an observation (the module docstring): text, or OpenAI/HF content parts mixing text and images
+Observation: TypeAlias = str | Sequence[Mapping[str, Any]]
+#: the content-part types an observation may hold
+OBSERVATION_PART_TYPES = ("text", "image", "image_url")
 
-    observation: str
+
+class StepResult(NamedTuple):
+    """What one step returns: the ``observation`` to append (``""``: none; text or content parts,
+    :data:`Observation`), the turn's ``reward``, whether the trajectory is ``done``, and ``info``
+    (JSON-like, recorded per turn)."""
+
+    observation: Observation
     reward: float
     done: bool
     info: dict[str, Any] = {}  # noqa: RUF012 (a NamedTuple default, never mutated)
@@ -54,9 +70,10 @@ class Environment(ABC):
     """See the module docstring. One instance per trajectory; it may keep state between calls."""
 
     @abstractmethod
-    async def reset(self, row: Mapping[str, Any]) -> str:
-        """Start a trajectory for the data ``row``; return the first observation, appended after the
-        prompt as masked tokens (``""``: nothing to append)."""
+    async def reset(self, row: Mapping[str, Any]) -> Observation:
+        """Start a trajectory for the data ``row``; return the first observation (text or content
+        parts, :data:`Observation`), appended after the prompt as masked tokens (``""``: nothing to
+        append)."""
 
     @abstractmethod
     async def step(self, action: Action) -> StepResult:
@@ -66,18 +83,38 @@ class Environment(ABC):
         """Release what the trajectory held (processes, connections); called once at its end."""
 
 
+def check_observation(value: Any, who: str, contract: str) -> Observation:
+    """``value`` as an :data:`Observation`: a ``str``, or a list of content parts whose types are
+    :data:`OBSERVATION_PART_TYPES` (a text part's ``text`` a ``str``); otherwise a
+    :class:`~core_rl.errors.PluginFault` naming ``who``, what it returned and the ``contract``."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, Sequence) or isinstance(value, (bytes, bytearray)):
+        raise PluginFault(f"{who} returned an observation of type {type(value).__name__}; {contract}")
+    parts = list(value)
+    for i, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind not in OBSERVATION_PART_TYPES:
+            raise PluginFault(
+                f"{who} returned an observation whose part {i} is {part!r:.80}; {contract} "
+                f"(content parts of the types {', '.join(OBSERVATION_PART_TYPES)})"
+            )
+        if kind == "text" and not isinstance(part.get("text"), str):
+            raise PluginFault(f"{who} returned an observation whose text part {i} has no str 'text'; {contract}")
+    return parts
+
+
 def as_step_result(value: Any, who: str) -> StepResult:
-    """``value`` (a :class:`StepResult` or a 4-tuple) checked: a ``str`` observation, a finite
-    reward, a bool-like ``done`` and a mapping ``info``; otherwise a
-    :class:`~core_rl.errors.PluginFault` naming ``who`` and what it returned."""
+    """``value`` (a :class:`StepResult` or a 4-tuple) checked: an observation
+    (:func:`check_observation`), a finite reward, a bool-like ``done`` and a mapping ``info``;
+    otherwise a :class:`~core_rl.errors.PluginFault` naming ``who`` and what it returned."""
     import math
 
-    contract = "Environment.step returns (observation: str, reward: float, done: bool, info: dict)"
+    contract = "Environment.step returns (observation: str or content parts, reward: float, done: bool, info: dict)"
     if not isinstance(value, tuple) or len(value) != 4:
         raise PluginFault(f"{who} returned {type(value).__name__} {value!r:.80}; {contract}")
     observation, reward, done, info = value
-    if not isinstance(observation, str):
-        raise PluginFault(f"{who} returned an observation of type {type(observation).__name__}; {contract}")
+    observation = check_observation(observation, who, contract)
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
         raise PluginFault(f"{who} returned the reward {reward!r}; {contract} (a finite number)")
     if not isinstance(info, Mapping):

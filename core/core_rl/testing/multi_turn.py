@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -74,9 +75,9 @@ class _EchoPlugin:
 ECHO_PLUGIN = _EchoPlugin()
 
 
-def environment_workflow(**options: Any) -> Any:
+def environment_workflow(*, plugins: Sequence[object] = (), **options: Any) -> Any:
     """The built-in ``environment`` workflow with ``options`` (validated as ``rollout.workflow``;
-    the ``echo`` environment is available)."""
+    the ``echo`` environment is available, and those ``plugins`` register)."""
     from core_rl.builtin import environment_workflow as builtin
     from core_rl.config.schema import PluginSpec
     from core_rl.config.sections import validate_plugin_section
@@ -85,7 +86,8 @@ def environment_workflow(**options: Any) -> Any:
 
     host = PluginHost(entry_points=[])
     host.register_plugin(builtin, distribution="core-rl")
-    host.register_plugin(ECHO_PLUGIN, distribution="core-rl (testing)")
+    for plugin in (ECHO_PLUGIN, *plugins):
+        host.register_plugin(plugin, distribution="core-rl (testing)")
     spec = PluginSpec(name="environment", options=options)
     validate_plugin_section(host, WORKFLOW, spec, "rollout.workflow")
     return spec.build()
@@ -117,7 +119,8 @@ class PromptList:
 
 
 class Recording:
-    """``engine``, recording each ``(context, sampled ids)`` its ``generate``/``agenerate`` returned."""
+    """``engine``, recording each ``(context, sampled ids)`` its ``generate``/``agenerate`` returned
+    (the pixel inputs of a vision-language model's prompts, ``media=``, go to the engine)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine, self.sampled = engine, set()
@@ -125,14 +128,14 @@ class Recording:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
-    def generate(self, prompts: Any, sampling: Any) -> Any:
-        groups = self.engine.generate(prompts, sampling)
+    def generate(self, prompts: Any, sampling: Any, **media: Any) -> Any:
+        groups = self.engine.generate(prompts, sampling, **media)
         for prompt, group in zip(prompts, groups):
             self.sampled |= {(tuple(prompt), tuple(s.response_ids)) for s in group}
         return groups
 
-    async def agenerate(self, prompt_ids: Any, sampling: Any) -> Any:
-        group = await self.engine.agenerate(prompt_ids, sampling)
+    async def agenerate(self, prompt_ids: Any, sampling: Any, **media: Any) -> Any:
+        group = await self.engine.agenerate(prompt_ids, sampling, **media)
         self.sampled |= {(tuple(prompt_ids), tuple(s.response_ids)) for s in group}
         return group
 

@@ -37,7 +37,7 @@ def _describe(source: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _part_source(part: Mapping[str, Any]) -> Any:
+def image_part_source(part: Mapping[str, Any]) -> Any:
     """The source a content part names itself (``None``: it takes the column's next image)."""
     if part.get("type") == "image_url":
         url = part.get("image_url")
@@ -89,7 +89,7 @@ def row_image_sources(
             if not _is_image_part(part):
                 parts.append(dict(part) if isinstance(part, Mapping) else {"type": "text", "text": str(part)})
                 continue
-            source = _part_source(part)
+            source = image_part_source(part)
             if source is None:
                 if taken >= len(pool):
                     raise ImageError(

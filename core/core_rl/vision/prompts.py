@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from core_rl.vision.images import ImageError, load_image, row_image_sources
+from core_rl.vision.images import ImageError, image_part_source, load_image, row_image_sources
 from core_rl.vision.models import image_processor_of, image_token_id, tokens_per_image
 
 
@@ -115,3 +115,59 @@ def expand_placeholders(
     for count, piece in zip(counts, pieces[1:]):
         expanded += token * count + piece
     return list(tokenizer(expanded, add_special_tokens=False)["input_ids"]), media
+
+
+#: text no chat template writes, around which :func:`image_markup` finds an image part's rendering
+_MARK = "\u2063core-rl-observation\u2063"
+
+
+def image_markup(tokenizer: Any) -> str:
+    """The text the model's chat template writes for one image content part (Qwen2-VL:
+    ``<|vision_start|><|image_pad|><|vision_end|>``, LLaVA: ``<image>`` and what follows it): what a
+    user message of a text part and an image part renders to, less what the text part alone
+    renders to (where the text part's rendering is unchanged around it). Raises :class:`ImageError`
+    when that is not one image placeholder token and what surrounds it."""
+    processor = image_processor_of(tokenizer)
+    if processor is None:
+        raise ImageError(f"{getattr(tokenizer, 'name_or_path', 'the model')} has no image processor")
+    token, _ = image_token_id(tokenizer, processor)
+
+    def rendered(parts: list[dict[str, Any]]) -> str:
+        return str(tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=False))
+
+    text = {"type": "text", "text": _MARK}
+    without, with_image = rendered([text]), rendered([text, {"type": "image"}])
+    head, _, tail = without.partition(_MARK)
+    head_with, _, tail_with = with_image.partition(_MARK)
+    if head_with == head and tail_with.endswith(tail):  # the image rendered after the text, in place
+        markup = tail_with[: len(tail_with) - len(tail)]
+    elif tail_with == tail and head_with.startswith(head):  # templates that put a turn's images first
+        markup = head_with[len(head) :]
+    else:
+        markup = ""
+    if markup.count(token) != 1:
+        raise ImageError(f"the chat template does not render an image content part as one {token} placeholder")
+    return markup
+
+
+def encode_observation(parts: Sequence[Mapping[str, Any]], tokenizer: Any) -> tuple[list[int], dict[str, Any] | None]:
+    """The token ids of an environment's observation given as content parts (text parts, and image
+    parts as in a data row: :mod:`core_rl.vision.images`), joined in order with each image as
+    :func:`image_markup` and its placeholder expanded (:func:`expand_placeholders`), and the pixel
+    inputs of its images (``None``: no image). Raises :class:`ImageError` for an image that
+    cannot be read or a model with no image processor."""
+    pieces: list[str] = []
+    images = []
+    for part in parts:
+        if part.get("type") == "text":
+            pieces.append(str(part["text"]))
+            continue
+        source = image_part_source(part)
+        if source is None:
+            raise ImageError(f"the image part {dict(part)!r:.80} names no image ('image' or 'image_url')")
+        images.append(load_image(source))
+        pieces.append(image_markup(tokenizer))
+    text = "".join(pieces)
+    if not images:
+        return list(tokenizer.encode(text, add_special_tokens=False)) if text else [], None
+    return expand_placeholders(text, images, tokenizer)

@@ -33,6 +33,7 @@ from core_rl.errors import ConfigError
 from core_rl.interfaces import PAUSE_MODES, RolloutEngine, SamplingParams
 from core_rl.interfaces.sampling import batch_key
 from core_rl.protocol import Sample
+from core_rl.reliability import awaitable_error
 from core_rl.roles.hf import no_progress_bars
 from core_rl.roles.moe import is_moe
 from core_rl.sync.buckets import state_items
@@ -375,7 +376,7 @@ class HFRolloutEngine(RolloutEngine):
             except BaseException as exc:  # the worker lives on; its callers get the error, never a wait without end
                 for request in batch:
                     if not request.future.done():
-                        request.future.set_exception(exc)
+                        request.future.set_exception(awaitable_error(exc))
 
     def _run_batch(self, batch: list[_Request]) -> None:
         groups: dict[tuple, list[_Request]] = {}
@@ -392,7 +393,7 @@ class HFRolloutEngine(RolloutEngine):
                 out = self.generate([r.prompt_ids for r in requests], requests[0].sampling, **with_media)
             except BaseException as exc:
                 for r in requests:
-                    r.future.set_exception(exc)
+                    r.future.set_exception(awaitable_error(exc))
                 continue
             for r, samples in zip(requests, out):
                 r.future.set_result(samples)

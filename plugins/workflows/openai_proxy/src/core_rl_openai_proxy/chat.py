@@ -31,7 +31,7 @@ tokens of a later one. A trajectory's pixel inputs are those of all its images s
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -131,18 +131,6 @@ class Encoded:
 
     ids: list[int]
     media: dict[str, Any] | None = None
-
-
-def joined_media(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The pixel inputs of ``before``'s images followed by ``after``'s (each key's tensors joined
-    along their first dimension: patch rows or whole images, and the grid's rows)."""
-    if not after:
-        return dict(before) if before else None
-    if not before:
-        return dict(after)
-    import torch
-
-    return {key: torch.cat([before[key], after[key]]) for key in before}
 
 
 @attrs.define

@@ -19,8 +19,9 @@ import attrs
 from core_rl.interfaces import SamplingParams
 from core_rl.protocol import Sample
 from core_rl.rollout import append_observation, extend_turn
+from core_rl.vision.media import concat_media
 
-from core_rl_openai_proxy.chat import ChatTemplate, Mismatch, joined_media
+from core_rl_openai_proxy.chat import ChatTemplate, Mismatch
 from core_rl_openai_proxy.errors import RequestError
 
 #: the workflow's generation: prompt ids, sampling and the pixel inputs of the prompt's images (or ``None``)
@@ -103,7 +104,7 @@ class Session:
                 if last.kind != "chat" or last.tools != tools:
                     raise Mismatch("the previous call was a completion" if last.kind != "chat" else "tools changed")
                 inserted = template.inserted(last.messages, last.reply, last.message, last.stop_text, messages, tools)
-                media = joined_media(self.trajectories[-1].media, inserted.media)
+                media = concat_media([self.trajectories[-1].media or {}, inserted.media or {}]) or None
                 return Plan([*self._tail(), *inserted.ids], inserted.ids, media)
             except Mismatch as exc:
                 self._mismatch(str(exc), strict)
