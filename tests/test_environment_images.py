@@ -20,7 +20,7 @@ from core_rl.errors import PluginFault
 from core_rl.hookspecs import hookimpl
 from core_rl.protocol import samples_to_batch
 from core_rl.roles.tiny import build_tiny_model
-from core_rl.roles.tiny_vlm import IMAGE_PAD, build_tiny_vlm
+from core_rl.roles.tiny_vlm import IMAGE_PAD, build_tiny_llava, build_tiny_vlm
 from core_rl.rollout.environments import Action, Environment, StepResult, as_step_result
 from core_rl.testing.multi_turn import environment_workflow, roll_out
 from core_rl.vision.prompts import encode_observation, encode_vision_prompt, image_markup
@@ -112,8 +112,12 @@ def image_prompts(tokenizer) -> list[PromptItem]:
     return items
 
 
-def test_the_markup_of_an_image_part_is_the_chat_templates(tokenizer) -> None:
+def test_the_markup_of_an_image_part_is_the_chat_templates(tmp_path: Path, tokenizer) -> None:
+    from transformers import AutoTokenizer
+
     assert image_markup(tokenizer) == f"<|vision_start|>{IMAGE_PAD}<|vision_end|>"
+    llava = AutoTokenizer.from_pretrained(build_tiny_llava(tmp_path / "llava", seed=0))
+    assert image_markup(llava) == "<image>\n"
     ids, media = encode_observation([{"type": "text", "text": "red"}], tokenizer)
     assert ids == tokenizer.encode("red", add_special_tokens=False) and media is None
     ids, media = encode_observation(
