@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from core_rl.cli import main
 from core_rl.config.loader import structure
-from core_rl.errors import ConfigError
+from core_rl.errors import ConfigError, CoreRLError
 from core_rl_vllm.config import VLLMConfig
 from core_rl_vllm.engine import VLLMRolloutEngine
 
@@ -178,3 +178,30 @@ def test_a_lora_rank_above_what_vllm_serves_is_refused() -> None:
 
     with pytest.raises(ValueError, match="at most 512, not 513"):
         max_lora_rank(513)
+
+
+def test_a_vision_language_models_servers_take_core_rls_pixels_as_they_are(tmp_path: Path) -> None:
+    """A VLM's servers skip vLLM's in-model normalisation (core-rl's pixels are normalised) and its
+    cache of processed images; a text model's start without either flag."""
+    from core_rl.roles.tiny_vlm import build_tiny_vlm
+
+    text = _engine(extra_args=["--x", "1"], server={"env_variant": "cpu"})
+    plain = text.server_command("/env/bin/python", 8123, 0)
+    assert not any("mm-" in part for part in plain)
+    vlm = VLLMRolloutEngine.__new__(VLLMRolloutEngine)
+    vlm.__dict__.update(text.__dict__)
+    VLLMRolloutEngine._read_model(vlm, build_tiny_vlm(tmp_path / "vlm", num_heads=2))
+    assert vlm.vision_language and vlm._banned and vlm._image_token in vlm._banned
+    argv = vlm.server_command("/env/bin/python", 8123, 0)
+    assert argv == [*plain[:-2], "--no-mm-device-do-normalize", "--mm-processor-cache-gb", "0", "--x", "1"]
+
+
+def test_each_image_takes_its_run_of_placeholder_tokens() -> None:
+    import torch
+    from core_rl_vllm.engine import image_placeholders
+
+    grid = torch.tensor([[1, 2, 2], [1, 4, 2], [0, 0, 0]])  # two images and a padding row
+    ids = [1, 7, 9, 9, 9, 9, 8, 5, 7, 9, 9, 8, 2]
+    assert image_placeholders(ids, 9, grid) == [{"offset": 2, "length": 4}, {"offset": 9, "length": 2}]
+    with pytest.raises(CoreRLError, match="hold 1 runs of the image placeholder token 9 but its pixel inputs hold 2"):
+        image_placeholders([1, 9, 9, 2], 9, grid)
