@@ -9,10 +9,11 @@ Given a vision-language model directory (e.g. :func:`core_rl.roles.tiny_vlm.buil
 - :func:`check_multimodal_train`: a train engine's ``compute_logprobs`` of a batch with pixel
   inputs equals that forward's, row by row, whatever rows share a micro-batch.
 
-The server engines' VLM tests share the rest: weight-sync checks of the vision tower
-(:func:`perturbed_vision_tower`, :func:`save_beside`, :func:`sample_and_compare`, whose gaps mask
-the placeholders the engines ban: :func:`masked_gaps`) and a GRPO run on image rows
-(:func:`write_colour_rows`, :func:`warm_colour_vlm`, :func:`check_image_grpo`).
+The server engines' VLM tests share the rest: what their conformance case adds
+(:func:`check_images_reach_the_model`: log-probs against the forward with the placeholders they
+ban masked, :func:`masked_gaps`), weight syncs reaching the vision tower
+(:func:`check_vision_tower_syncs`) and a GRPO run on image rows (:func:`write_colour_rows`,
+:func:`warm_colour_vlm`, :func:`check_image_grpo`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from core_rl.interfaces import RolloutEngine, SamplingParams, TrainEngine
@@ -169,6 +171,48 @@ def sample_and_compare(engine: RolloutEngine, model_dir: str | Path) -> list[flo
     for s, m in zip(samples, media):
         s.media = m
     return masked_gaps(samples, model_dir)
+
+
+def check_images_reach_the_model(samples: list[Sample], model_dir: str | Path, *, atol: float = 1e-4) -> None:
+    """For an engine that bans the placeholder tokens (e.g. SGLang's and vLLM's logit bias), over
+    :func:`check_multimodal_rollout`'s ``samples``: their log-probs equal the :func:`masked_gaps`
+    forward within ``atol``; the same ids without the pixels, or with the other prompt's, give
+    other log-probs (each prompt of the batch was sampled with its own image); no response holds a
+    placeholder."""
+    from core_rl.vision.models import placeholder_ids
+
+    assert max(masked_gaps(samples, model_dir)) < atol
+    with_images = [s for s in samples if s.media is not None]
+    blind = [attrs.evolve(s, media=None) for s in with_images]
+    assert min(masked_gaps(blind, model_dir)) > 1e-3, "the same ids without the pixels give the same log-probs"
+    first, second = with_images[0].media, with_images[-1].media
+    assert first is not second
+    swapped = [attrs.evolve(s, media=second if s.media is first else first) for s in with_images]
+    assert min(masked_gaps(swapped, model_dir)) > 1e-3, "a prompt was sampled with another prompt's image"
+    placeholders = set(placeholder_ids(model_dir))
+    assert placeholders and all(not placeholders & set(s.response_ids) for s in samples)
+
+
+def check_vision_tower_syncs(engine: Any, vlm: str | Path, folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Both weight syncs of a server engine serving ``vlm`` reach its vision tower: a disk update of
+    a perturbed tower (version 1), then a collective update of the trainer's in-memory state dict
+    (``model.visual.*``, ``model.language_model.*``) of another (version 2); before each, the
+    server's log-probs are not the new model's, after it they are (:func:`sample_and_compare`
+    within 1e-4). Returns the disk update's directory and the collective's state dict (for an
+    engine's own checks of them); the engine serves the collective's weights at the end."""
+    disk = save_beside(perturbed_vision_tower(vlm, seed=1), vlm, folder / "disk")
+    assert max(sample_and_compare(engine, disk)) > 1e-3  # the server still holds the original tower
+    engine.load_weights_from_path(disk, 1)
+    assert max(sample_and_compare(engine, disk)) < 1e-4  # now the server's log-probs are the new model's
+
+    model = perturbed_vision_tower(vlm, seed=2)
+    other = save_beside(model, vlm, folder / "collective")
+    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    assert any(name.startswith("model.visual.") for name in state)
+    assert max(sample_and_compare(engine, other)) > 1e-3
+    engine.update_weights_collective(state, 2)
+    assert max(sample_and_compare(engine, other)) < 1e-4
+    return disk, state
 
 
 def write_colour_rows(folder: Path, count: int, *, answers: str = "answer", seed: int = 0) -> Path:

@@ -39,7 +39,7 @@ What it sends (everything else is :class:`core_rl_server_kit.remote.ServerRollou
   server (:mod:`core_rl_vllm.server_side.core_rl_vllm_routes`, an ASGI middleware): it pauses the
   scheduler with running requests in place (unless ``pause("keep"|"abort")`` paused the server
   already), runs the worker RPC that loads the weights, sets vLLM's weight version, drops the
-  prefix cache and resumes, all inside the server. So ``pause("keep")`` pauses nothing by itself
+  prefix and encoder caches and resumes, all inside the server. So ``pause("keep")`` pauses nothing by itself
   (:attr:`~core_rl_server_kit.remote.ServerRolloutEngine.swaps_in_place`): running requests are frozen only
   for the swap. The RPC is a method of the worker extension this plugin ships
   (:mod:`core_rl_vllm.server_side.core_rl_vllm_worker`): ``core_rl_load_dir`` for weights from
