@@ -17,6 +17,7 @@ the trainer computes log-probs over.
 """
 
 # no ``from __future__ import annotations``: FastAPI reads the handler's ``Request`` annotation
+import functools
 import importlib.util
 import os
 from typing import Any
@@ -28,10 +29,16 @@ def decode_tensors(encoded: dict[str, Any]) -> dict[str, Any]:
     """The tensors of ``encoded`` (``{key: {"dtype", "shape", "data"}}``), decoded by core-rl's own
     :mod:`core_rl.vision.wire`, loaded by the file path ``CORE_RL_MEDIA_WIRE_PY`` names (it needs only
     torch and numpy)."""
+    return _wire().decode_tensors(encoded)
+
+
+@functools.cache
+def _wire() -> Any:
+    """:mod:`core_rl.vision.wire`, loaded once from ``CORE_RL_MEDIA_WIRE_PY``."""
     spec = importlib.util.spec_from_file_location("core_rl_media_wire", os.environ["CORE_RL_MEDIA_WIRE_PY"])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.decode_tensors(encoded)
+    return module
 
 
 def processor_output(media: dict[str, Any] | None) -> list[dict[str, Any]] | None:

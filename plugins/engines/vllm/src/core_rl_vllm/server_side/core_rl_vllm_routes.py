@@ -52,6 +52,7 @@ started.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import json
 import os
@@ -75,8 +76,10 @@ def _adapter_prints(path: str, version: int) -> dict[str, float]:
     return {name: module.fold(samples) for name, samples in module.file_samples(path, version).items()}
 
 
+@functools.cache
 def _load_by_path(name: str, variable: str) -> Any:
-    """The core-rl module whose file the environment variable ``variable`` names (it needs only torch)."""
+    """The core-rl module whose file the environment variable ``variable`` names (it needs only
+    torch), loaded once."""
     spec = importlib.util.spec_from_file_location(name, os.environ[variable])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
