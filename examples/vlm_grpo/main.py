@@ -1,17 +1,18 @@
 """The vision-language example: build a tiny Qwen2-VL-shaped model and a picture task offline,
 warm-start it on the answer format, train it with GRPO on CPU, and report how the reward rose.
 
-    python examples/vlm_grpo/main.py [--workdir runs/vlm_grpo] [--rollout-engine sglang] [KEY=VALUE overrides]
+    python examples/vlm_grpo/main.py [--workdir runs/vlm_grpo] [--rollout-engine sglang|vllm] [KEY=VALUE overrides]
 
 The task (task.py): a 16x16 image with a coloured square; the prompt asks its colour; the
 ``exact_match`` reward is 1 for the right colour word. The warm start teaches the answer format
 only (a colour drawn at random), so the reward starts near 1/4 and rises only if the policy learns
 to read the image. Everything it writes goes under ``--workdir`` (replaced on each run).
 
-``--rollout-engine sglang`` samples through a SGLang CPU server instead of the in-process ``hf``
-engine (the managed ``sglang`` server environment, built on first use: ``core-rl server-env create
-sglang``), in float32, its weights synced over a collective after every step
-(:data:`ROLLOUT_ENGINES`).
+``--rollout-engine sglang`` (or ``vllm``) samples through a SGLang (vLLM) CPU server instead of the
+in-process ``hf`` engine (the managed ``sglang`` or ``vllm`` server environment, built on first use:
+``core-rl server-env create sglang``), in float32, its weights synced over a collective after every
+step (:data:`ROLLOUT_ENGINES`). For ``vllm`` the tiny model has 2 attention heads instead of 4
+(:data:`MODEL_OPTIONS`: vLLM's CPU attention takes no head size below 32).
 """
 
 from __future__ import annotations
@@ -41,14 +42,20 @@ IMAGE_DATA = {"apply_chat_template": True}
 ROLLOUT_ENGINES = {
     "hf": [],
     "sglang": ["rollout.engine.name=sglang", "rollout.engine.dtype=float32", "rollout.weight_sync=collective"],
+    "vllm": ["rollout.engine.name=vllm", "rollout.engine.dtype=float32", "rollout.weight_sync=collective"],
 }
+#: the tiny model's options a ``--rollout-engine`` needs (vLLM's CPU attention: head size 32, not 16)
+MODEL_OPTIONS: dict[str, dict[str, int]] = {"vllm": {"num_heads": 2}}
 
 
-def build_task(work: Path, *, warm_steps: int, seed: int = 0) -> dict[str, Path]:
-    """The model, data and warm start under ``work``: ``model_init`` (random), ``data/train.jsonl``
-    (256 rows), ``data/eval.jsonl`` (32 rows), ``model_warm`` (``warm_steps`` SFT steps of 32 rows on
-    format-only answers). Returns the paths (``model``: the warm one)."""
-    build_tiny_vlm(work / "model_init", words=[*COLOURS, PROMPT], seed=seed)
+def build_task(
+    work: Path, *, warm_steps: int, seed: int = 0, model_options: dict[str, int] | None = None
+) -> dict[str, Path]:
+    """The model, data and warm start under ``work``: ``model_init`` (random; ``model_options`` for
+    :func:`build_tiny_vlm`), ``data/train.jsonl`` (256 rows), ``data/eval.jsonl`` (32 rows),
+    ``model_warm`` (``warm_steps`` SFT steps of 32 rows on format-only answers). Returns the paths
+    (``model``: the warm one)."""
+    build_tiny_vlm(work / "model_init", words=[*COLOURS, PROMPT], seed=seed, **(model_options or {}))
     train = write_dataset(work / "data" / "train.jsonl", 256, seed=seed)
     write_dataset(work / "data" / "eval.jsonl", 32, seed=seed + 100)
     warm = write_warm_start_data(work / "data" / "warm_start.jsonl", 256, seed=seed + 200)
@@ -92,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if work.exists():
         print(f"replacing the previous run in {work}")
         shutil.rmtree(work)
-    build_task(work, warm_steps=args.warm_steps)
+    build_task(work, warm_steps=args.warm_steps, model_options=MODEL_OPTIONS.get(args.rollout_engine))
     print(f"model and warm start: {time.perf_counter() - start:.0f} s")
     engine = ROLLOUT_ENGINES[args.rollout_engine]
     code = cli.main(["train", str(HERE / "grpo.yaml"), f"experiment.output_dir={work}", *engine, *args.overrides])

@@ -54,6 +54,17 @@ IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index")
 TOKENS_PER_IMAGE_KEYS = ("image_seq_length", "mm_tokens_per_image")
 
 
+#: the config keys naming a vision-language model's image and video placeholder tokens
+PLACEHOLDER_KEYS = ("image_token_id", "video_token_id", "image_token_index")
+
+
+def placeholder_ids(model_path: str | Path) -> list[int]:
+    """The image and video placeholder token ids of the model at ``model_path`` (its ``config.json``,
+    :data:`PLACEHOLDER_KEYS`), sorted; ``[]`` for a model that names none."""
+    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    return sorted({int(config[k]) for k in PLACEHOLDER_KEYS if isinstance(config.get(k), int)})
+
+
 def model_config_of(tokenizer: Any) -> dict[str, Any]:
     """The ``config.json`` beside ``tokenizer`` (in its ``name_or_path`` directory) as a dict, ``{}``
     where there is none."""

@@ -279,6 +279,7 @@ def test_a_prompt_with_images_goes_to_the_media_route_and_placeholders_are_never
     }
     assert text_payload["sampling_params"]["logit_bias"] == {"5": module.PLACEHOLDER_BIAS, "6": module.PLACEHOLDER_BIAS}
 
+    monkeypatch.setenv("CORE_RL_MEDIA_WIRE_PY", engine.server_environment(0)["CORE_RL_MEDIA_WIRE_PY"])
     spec = importlib.util.spec_from_file_location("media", module.SERVER_SIDE / "core_rl_sglang_media.py")
     server_side = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(server_side)

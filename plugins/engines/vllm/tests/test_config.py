@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from core_rl.cli import main
 from core_rl.config.loader import structure
-from core_rl.errors import ConfigError
+from core_rl.errors import ConfigError, CoreRLError
 from core_rl_vllm.config import VLLMConfig
 from core_rl_vllm.engine import VLLMRolloutEngine
 
@@ -178,3 +178,70 @@ def test_a_lora_rank_above_what_vllm_serves_is_refused() -> None:
 
     with pytest.raises(ValueError, match="at most 512, not 513"):
         max_lora_rank(513)
+
+
+def test_a_vision_language_models_servers_take_core_rls_pixels_as_they_are(tmp_path: Path) -> None:
+    """A VLM's servers skip vLLM's in-model normalisation (core-rl's pixels are normalised) and its
+    cache of processed images; a text model's start without either flag."""
+    from core_rl.roles.tiny_vlm import build_tiny_vlm
+
+    text = _engine(extra_args=["--x", "1"], server={"env_variant": "cpu"})
+    plain = text.server_command("/env/bin/python", 8123, 0)
+    assert not any("mm-" in part for part in plain)
+    vlm = VLLMRolloutEngine.__new__(VLLMRolloutEngine)
+    vlm.__dict__.update(text.__dict__)
+    VLLMRolloutEngine._read_model(vlm, build_tiny_vlm(tmp_path / "vlm", num_heads=2))
+    assert vlm.vision_language and vlm._banned and vlm._image_token in vlm._banned
+    argv = vlm.server_command("/env/bin/python", 8123, 0)
+    assert argv == [*plain[:-2], "--no-mm-device-do-normalize", "--mm-processor-cache-gb", "0", "--x", "1"]
+
+
+def test_each_image_takes_its_run_of_placeholder_tokens() -> None:
+    import torch
+    from core_rl_vllm.engine import image_placeholders
+
+    grid = torch.tensor([[1, 2, 2], [1, 4, 2], [0, 0, 0]])  # two images and a padding row
+    ids = [1, 7, 9, 9, 9, 9, 8, 5, 7, 9, 9, 8, 2]
+    assert image_placeholders(ids, 9, grid) == [{"offset": 2, "length": 4}, {"offset": 9, "length": 2}]
+    with pytest.raises(CoreRLError, match="hold 1 runs of the image placeholder token 9 but its pixel inputs hold 2"):
+        image_placeholders([1, 9, 9, 2], 9, grid)
+
+
+def test_a_prompt_with_images_goes_alone_to_the_batch_route_and_placeholders_are_never_sampled(monkeypatch) -> None:
+    """A vision-language model's request: its pixel inputs (encoded: core_rl.vision.wire) and each
+    image's placeholder run, one item of ``/core_rl/generate``; every request of it carries a
+    ``logit_bias`` banning the placeholders (kept alongside one from ``rollout.sampling.extra``)."""
+    import asyncio
+    import json
+
+    import torch
+    from core_rl.interfaces import SamplingParams
+    from core_rl.vision.wire import decode_tensors
+    from core_rl_vllm import engine as module
+
+    sent = []
+    answer = {"choices": [{"index": 0, "token_ids": [9], "logprobs": {"content": [{"logprob": -1.0}]}}]}
+
+    async def fake_post(client, url, payload, timeout=None):
+        sent.append((url, payload))
+        return {"index": 0, "status": 200, "body": json.loads(json.dumps(answer))} if "core_rl" in url else answer
+
+    monkeypatch.setattr(module, "json_post", fake_post)
+    engine = _engine()
+    engine.vision_language, engine._banned, engine._image_token = True, (5, 6), 5
+    engine._adapters, engine._per_token_versions, engine.model_name = {}, True, "m"
+    media = {"pixel_values": torch.randn(16, 96), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    sampling = SamplingParams(n=1, max_new_tokens=1, temperature=1.0, extra={"logit_bias": {"7": -2.0}})
+    (done,) = asyncio.run(engine.request(None, "http://s", [1, 5, 5, 5, 5, 2], sampling, media=media))
+    asyncio.run(engine.request(None, "http://s", [1, 2], SamplingParams(n=1, max_new_tokens=1, temperature=1.0)))
+    (url, body), (text_url, text_payload) = sent
+    assert url == "http://s/core_rl/generate" and text_url == "http://s/inference/v1/generate"
+    assert done.token_ids == [9] and done.logprobs == [-1.0]
+    (payload,) = body["requests"]
+    assert payload["token_ids"] == [1, 5, 5, 5, 5, 2]
+    assert payload["core_rl_media"]["placeholders"] == [{"offset": 1, "length": 4}]
+    decoded = decode_tensors(payload["core_rl_media"]["tensors"])
+    assert all(decoded[key].dtype == t.dtype and torch.equal(decoded[key], t) for key, t in media.items())
+    bias = {"5": module.PLACEHOLDER_BIAS, "6": module.PLACEHOLDER_BIAS}
+    assert payload["sampling_params"]["logit_bias"] == {"7": -2.0, **bias}
+    assert text_payload["sampling_params"]["logit_bias"] == bias and "core_rl_media" not in text_payload

@@ -66,9 +66,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import core_rl.vision.wire
 from core_rl.config.schema import RolloutConfig
 from core_rl.interfaces import SamplingParams
 from core_rl.interfaces.sampling import required_json_schema, with_extra
+from core_rl.vision.models import placeholder_ids
+from core_rl.vision.wire import encode_tensors
 from core_rl_server_kit.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post, versions_from_spans
 from core_rl_server_kit.remote.engine import FORK_ENGINE
 
@@ -104,14 +107,6 @@ SERVED_PREFIXES = (("model.visual.", "visual."), ("model.language_model.", "mode
 
 #: the logit bias that keeps a vision-language model's placeholder tokens from being sampled
 PLACEHOLDER_BIAS = -1.0e9
-#: the config keys naming a vision-language model's placeholder tokens
-PLACEHOLDER_KEYS = ("image_token_id", "video_token_id", "image_token_index")
-
-
-def placeholder_ids(model_path: str | Path) -> list[int]:
-    """The image and video placeholder token ids of the model at ``model_path`` (its ``config.json``)."""
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    return sorted({int(config[k]) for k in PLACEHOLDER_KEYS if isinstance(config.get(k), int)})
 
 
 def served_name(name: str) -> str:
@@ -120,24 +115,6 @@ def served_name(name: str) -> str:
         if name.startswith(hf):
             return served + name[len(hf) :]
     return name
-
-
-def encoded_media(media: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """A prompt's pixel inputs as :data:`MEDIA_ROUTE` takes them: each tensor's dtype, shape and
-    base64 little-endian bytes (on the CPU, contiguous)."""
-    import torch
-
-    out = {}
-    for key, tensor in media.items():
-        t = tensor.detach().to("cpu").contiguous()
-        if t.dtype == torch.bfloat16:  # no numpy dtype: sent as float32 (exact)
-            t = t.float()
-        out[key] = {
-            "dtype": str(t.dtype).removeprefix("torch."),
-            "shape": list(t.shape),
-            "data": base64.b64encode(t.numpy().astype(t.numpy().dtype.newbyteorder("<")).tobytes()).decode(),
-        }
-    return out
 
 
 #: SGLang's cache of image embeddings (keyed by the pixels' hash), off: SGLang 0.5.23 keeps it across
@@ -257,6 +234,7 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         env = {"PYTHONPATH": str(SERVER_SIDE), **NO_CRASH_DIAGNOSTICS}
         if self.vision_language:
             env.update(NO_IMAGE_EMBEDDING_CACHE)
+            env["CORE_RL_MEDIA_WIRE_PY"] = str(Path(core_rl.vision.wire.__file__).resolve())
         c = self.config
         if self.variant() == "cpu" and c.tp_size * c.dp_size == 1:
             # its scheduler and detokenizer are forked, not spawned: no second and third import of
@@ -328,7 +306,7 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             payload["lora_path"] = self._adapters[url]
         route = "/generate"
         if media:  # the prompt's images, one copy per sample of the batch
-            payload["image_data"] = [encoded_media(media)] * sampling.n
+            payload["image_data"] = [encode_tensors(media)] * sampling.n
             route = MEDIA_ROUTE
         body = await json_post(client, url + route, payload)
         try:
@@ -493,7 +471,6 @@ def _completion(item: dict[str, Any], routes_top_k: int = 0) -> Completion:
 def _routes(encoded: Any, top_k: int, meta: dict[str, Any]) -> Any:
     """SGLang's routed experts (base64 of little-endian int32, ``[positions, layers, top_k]`` flat,
     one position per token fed to the model: the prompt's and every output token's but the last)."""
-    import base64
 
     import numpy as np
 

@@ -69,6 +69,8 @@ class VLLMConfig:
     #: its servers load LoRA adapters (``rollout.lora_sync: adapter``: the factory's ``lora_rank``,
     #: :mod:`core_rl_vllm.lora`)
     serves_lora_adapters: ClassVar[bool] = True
+    #: prompts with images (a vision-language model's ``media``: ``/core_rl/generate``, :mod:`core_rl_vllm.engine`)
+    multimodal: ClassVar[bool] = True
 
     server: ServerOptions = attrs.field(factory=ServerOptions)
     dtype: str = attrs.field(default="bfloat16", validator=one_of(("auto", "float32", "bfloat16", "float16")))

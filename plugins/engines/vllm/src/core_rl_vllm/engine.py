@@ -15,7 +15,18 @@ What it sends (everything else is :class:`core_rl_server_kit.remote.ServerRollou
   every token then carries the version the request started under). Requests that arrive together
   (``server.batch_window_s``) go in one ``POST /core_rl/generate``, a route this plugin adds
   (:mod:`core_rl_vllm.server_side.core_rl_vllm_routes`), each answered as it finishes; vLLM refuses ``n > 1`` with
-  greedy decoding, so a greedy request asks for one sample and repeats it. Servers start with
+  greedy decoding, so a greedy request asks for one sample and repeats it. A prompt with images
+  (``media``: the pixel inputs core-rl computed, its placeholders already expanded in the ids) goes
+  alone through ``/core_rl/generate`` with ``core_rl_media``: the tensors (:mod:`core_rl.vision.wire`)
+  and each image's placeholder run in the ids (:func:`image_placeholders`); the server turns them
+  into vLLM's own multimodal ``features`` (:mod:`core_rl_vllm.server_side.core_rl_vllm_routes`), so
+  vLLM samples from the very ids and pixels the trainer computes log-probs over. A vision-language
+  model's servers start with ``--no-mm-device-do-normalize`` (core-rl's pixels are normalised
+  already; vLLM 0.32 would normalise them again inside the model) and without vLLM's multimodal
+  processor cache, and its image and video placeholder tokens are never sampled (a ``logit_bias``
+  of :data:`PLACEHOLDER_BIAS`, vLLM's limit, on each, in every request): vLLM applies the bias
+  before it computes log-probs, so a sampled token's log-prob is that of the logits with the
+  placeholders masked, as SGLang's (:mod:`core_rl_sglang.engine`). Servers start with
   ``--logprobs-mode processed_logprobs``, so the log-prob of each sampled token is
   ``log_softmax(logits / temperature)``: the train engine's convention (with ``top_k``/``top_p``
   or ``min_p`` set, vLLM reports the log-prob of the truncated, renormalised distribution
@@ -28,7 +39,7 @@ What it sends (everything else is :class:`core_rl_server_kit.remote.ServerRollou
   server (:mod:`core_rl_vllm.server_side.core_rl_vllm_routes`, an ASGI middleware): it pauses the
   scheduler with running requests in place (unless ``pause("keep"|"abort")`` paused the server
   already), runs the worker RPC that loads the weights, sets vLLM's weight version, drops the
-  prefix cache and resumes, all inside the server. So ``pause("keep")`` pauses nothing by itself
+  prefix and encoder caches and resumes, all inside the server. So ``pause("keep")`` pauses nothing by itself
   (:attr:`~core_rl_server_kit.remote.ServerRolloutEngine.swaps_in_place`): running requests are frozen only
   for the swap. The RPC is a method of the worker extension this plugin ships
   (:mod:`core_rl_vllm.server_side.core_rl_vllm_worker`): ``core_rl_load_dir`` for weights from
@@ -53,15 +64,18 @@ Servers run with ``VLLM_SERVER_DEV_MODE=1`` (which enables ``/collective_rpc``, 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import core_rl.sync.fingerprint
+import core_rl.vision.wire
 import core_rl_server_kit.weight_group
 from core_rl.config.schema import RolloutConfig
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SamplingParams
+from core_rl.vision.models import is_vision_language, placeholder_ids
+from core_rl.vision.wire import encode_tensors
 from core_rl_server_kit.processes import ServerError
 from core_rl_server_kit.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post, versions_from_spans
 from core_rl_server_kit.remote.engine import FORK_ENGINE
@@ -88,6 +102,33 @@ BATCH_ROUTE = "/core_rl/generate"
 GENERATE_PATH = "/inference/v1/generate"
 #: vLLM's sleep level: 2 drops the weights, which the next weight update sends whole (see the module doc)
 SLEEP_LEVEL = 2
+#: the logit bias that keeps a vision-language model's placeholder tokens from being sampled (vLLM
+#: clamps a bias to [-100, 100])
+PLACEHOLDER_BIAS = -100.0
+#: the config keys naming the token an image's embeddings take the place of
+IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index")
+
+
+def image_placeholders(prompt_ids: Sequence[int], image_token: int, grid_thw: Any) -> list[dict[str, int]]:
+    """Each image's placeholder run in ``prompt_ids`` as vLLM's ``mm_placeholders`` take it
+    (``{"offset", "length"}``): the maximal runs of ``image_token``, one per image of ``grid_thw``
+    ``[images, 3]`` (its rows whose product is not 0). Raises :class:`CoreRLError` when the numbers
+    differ (ids and pixel inputs that do not belong together)."""
+    runs: list[dict[str, int]] = []
+    for i, token in enumerate(prompt_ids):
+        if token != image_token:
+            continue
+        if runs and runs[-1]["offset"] + runs[-1]["length"] == i:
+            runs[-1]["length"] += 1
+        else:
+            runs.append({"offset": i, "length": 1})
+    images = sum(1 for row in grid_thw.tolist() if row[0] * row[1] * row[2])
+    if len(runs) != images:
+        raise CoreRLError(
+            f"vllm: a prompt's ids hold {len(runs)} runs of the image placeholder token {image_token} "
+            f"but its pixel inputs hold {images} images"
+        )
+    return runs
 
 
 class VLLMRolloutEngine(ServerRolloutEngine):
@@ -98,6 +139,10 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     swaps_in_place = True
     guided_decoding = True  # response_format: the request's structured_outputs (vLLM's grammar backend)
     lora_rank: int = 0  #: > 0: the servers serve LoRA adapters up to this rank (:mod:`core_rl_vllm.lora`)
+    #: a vision-language model: its servers take prompts with images, its placeholders are never sampled
+    vision_language: bool = False
+    _banned: tuple[int, ...] = ()  #: the tokens no response may hold (a vision-language model's placeholders)
+    _image_token: int | None = None  #: the token an image's embeddings take the place of
 
     def __init__(
         self,
@@ -117,9 +162,18 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         self._weight_dtypes: dict[str, set[str]] = {}
         self._per_token_versions = True  # generate through GENERATE_PATH (per-token weight versions)
         self._batch_route = True  # requests that arrive together go through BATCH_ROUTE
+        self._read_model(model_path)
         super().__init__(model_path, config.server, run_dir, sleep=sleep, trust_remote_code=trust_remote_code)
         if config.server.urls:
             self.model_name = self._call(self._served_model(self.endpoints[0].url), timeout=60)
+
+    def _read_model(self, model_path: str | Path) -> None:
+        """Whether the model at ``model_path`` is a vision-language model, and its placeholder tokens."""
+        self.vision_language = is_vision_language(model_path)
+        if self.vision_language:
+            self._banned = tuple(placeholder_ids(model_path))
+            config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+            self._image_token = next((int(config[k]) for k in IMAGE_TOKEN_KEYS if isinstance(config.get(k), int)), None)
 
     async def _served_model(self, url: str) -> str:
         try:
@@ -204,6 +258,9 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             argv.append("--enable-sleep-mode")
         if self.trust_remote_code:
             argv.append("--trust-remote-code")
+        if self.vision_language:
+            # core-rl's pixels are normalised already; no cache of processed images (weight updates)
+            argv += ["--no-mm-device-do-normalize", "--mm-processor-cache-gb", "0"]
         return argv + lora.server_args(self.lora_rank) + list(c.extra_args)
 
     def server_environment(self, index: int) -> dict[str, str]:
@@ -213,6 +270,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             "PYTHONPATH": str(SERVER_SIDE),
             "CORE_RL_WEIGHT_GROUP_PY": str(Path(core_rl_server_kit.weight_group.__file__).resolve()),
             "CORE_RL_WEIGHT_FINGERPRINT_PY": str(Path(core_rl.sync.fingerprint.__file__).resolve()),
+            "CORE_RL_MEDIA_WIRE_PY": str(Path(core_rl.vision.wire.__file__).resolve()),
         }
         if self.variant() == "cpu" and self.config.tensor_parallel_size * self.config.data_parallel_size == 1:
             # The model runs in the engine-core process, beside the scheduler. Otherwise vLLM's CPU
@@ -239,12 +297,22 @@ class VLLMRolloutEngine(ServerRolloutEngine):
 
     # -- HTTP calls -----------------------------------------------------------------------------
 
-    async def request(self, client: Any, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list[Completion]:
+    async def request(
+        self,
+        client: Any,
+        url: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        media: Mapping[str, Any] | None = None,
+    ) -> list[Completion]:
         sent, times = as_sent(sampling)
         if times > 1:
-            (one,) = await self.request(client, url, prompt_ids, sent)
+            (one,) = await self.request(client, url, prompt_ids, sent, media=media)
             return repeated(one, times)
-        params = request_params(sampling)
+        params = self._params(sampling)
+        if media:
+            return await self._request_with_media(client, url, prompt_ids, params, media)
         if self._per_token_versions:
             try:
                 body = await json_post(client, url + GENERATE_PATH, self._generate_payload(url, prompt_ids, params))
@@ -268,6 +336,32 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             ]
         except (KeyError, TypeError, ValueError) as exc:
             raise ServerReplyError(f"unexpected /v1/completions answer from {url}: {exc}: {str(body)[:300]}") from None
+
+    def _params(self, sampling: SamplingParams) -> dict[str, Any]:
+        """vLLM's sampling parameters for ``sampling``, a vision-language model's placeholders banned."""
+        params = request_params(sampling)
+        if self._banned:
+            params["logit_bias"] = {**params.get("logit_bias", {}), **{str(t): PLACEHOLDER_BIAS for t in self._banned}}
+        return params
+
+    async def _request_with_media(
+        self, client: Any, url: str, prompt_ids: list[int], params: dict[str, Any], media: Mapping[str, Any]
+    ) -> list[Completion]:
+        """One prompt with images through :data:`BATCH_ROUTE` (the module docstring)."""
+        if self._image_token is None:
+            raise CoreRLError(f"vllm: {self.model_path} names no image token in its config.json; a prompt has images")
+        payload = self._generate_payload(url, prompt_ids, params)
+        payload["core_rl_media"] = {
+            "tensors": encode_tensors(media),
+            "placeholders": image_placeholders(prompt_ids, self._image_token, media["image_grid_thw"]),
+        }
+        body = await json_post(client, url + BATCH_ROUTE, {"requests": [payload]})
+        if not isinstance(body, dict):  # the route answers JSON lines; json_post parsed the only one
+            raise ServerReplyError(f"unexpected {BATCH_ROUTE} answer from {url}: {str(body)[:300]}")
+        _, result = _batch_answer(json.dumps(body), url, [1])
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def _model(self, url: str) -> str:
         """The model a request to ``url`` names: the adapter it serves, else the base model."""
@@ -296,7 +390,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         """All ``items`` in one ``POST /core_rl/generate`` (the plugin's route: each item a
         :data:`GENERATE_PATH` request, answered one JSON line per item as it finishes)."""
         sent = [as_sent(s) for _, s in items]
-        payloads = [self._generate_payload(url, prompt, request_params(s)) for (prompt, _), (s, _) in zip(items, sent)]
+        payloads = [self._generate_payload(url, prompt, self._params(s)) for (prompt, _), (s, _) in zip(items, sent)]
         repeats = [times for _, times in sent]
         async with client.stream("POST", url + BATCH_ROUTE, json={"requests": payloads}) as response:
             if response.status_code in (403, 404):  # a server without the route: one request each

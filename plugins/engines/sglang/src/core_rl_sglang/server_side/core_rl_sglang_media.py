@@ -12,32 +12,40 @@ embeddings at the image tokens and computes the M-RoPE positions from the grid. 
 (Python) engine can pass tensors, so this route does it for HTTP: the body is ``/generate``'s, with
 ``image_data`` one entry per request of the batch (``null`` for one without images), each a map of
 tensors encoded as ``{"dtype": "float32", "shape": [...], "data": base64 of the little-endian
-bytes}``. The sampled tokens are then those of the very ids and pixels the trainer computes
-log-probs over.
+bytes}`` (:mod:`core_rl.vision.wire`). The sampled tokens are then those of the very ids and pixels
+the trainer computes log-probs over.
 """
 
 # no ``from __future__ import annotations``: FastAPI reads the handler's ``Request`` annotation
-import base64
+import functools
+import importlib.util
+import os
 from typing import Any
 
 ROUTE = "/core_rl/generate"
 
 
-def decode_tensor(encoded: dict[str, Any]) -> Any:
-    """A tensor from ``{"dtype", "shape", "data"}`` (base64 of its little-endian bytes)."""
-    import numpy as np
-    import torch
+def decode_tensors(encoded: dict[str, Any]) -> dict[str, Any]:
+    """The tensors of ``encoded`` (``{key: {"dtype", "shape", "data"}}``), decoded by core-rl's own
+    :mod:`core_rl.vision.wire`, loaded by the file path ``CORE_RL_MEDIA_WIRE_PY`` names (it needs only
+    torch and numpy)."""
+    return _wire().decode_tensors(encoded)
 
-    raw = base64.b64decode(encoded["data"])
-    array = np.frombuffer(raw, dtype=np.dtype(encoded["dtype"]).newbyteorder("<")).reshape(encoded["shape"])
-    return torch.from_numpy(array.astype(array.dtype.newbyteorder("="), copy=True))
+
+@functools.cache
+def _wire() -> Any:
+    """:mod:`core_rl.vision.wire`, loaded once from ``CORE_RL_MEDIA_WIRE_PY``."""
+    spec = importlib.util.spec_from_file_location("core_rl_media_wire", os.environ["CORE_RL_MEDIA_WIRE_PY"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def processor_output(media: dict[str, Any] | None) -> list[dict[str, Any]] | None:
     """One request's ``image_data``: SGLang's processed-image form of ``media``'s tensors."""
     if not media:
         return None
-    return [{"format": "processor_output", **{key: decode_tensor(value) for key, value in media.items()}}]
+    return [{"format": "processor_output", **decode_tensors(media)}]
 
 
 def register() -> bool:

@@ -12,7 +12,12 @@ streams one JSON line per item as it finishes, in the order they finish: ``{"ind
 HTTP request per prompt costs the API process a third of a small model's generation time on CPU
 (HTTP parsing, vLLM's middleware stack, one JSON answer each): 16 prompts x 4 samples x 8 tokens,
 77-105 ms of server CPU as 16 requests against 55-66 ms as one. Closing the stream (the client gave
-up) cancels the items still running, which aborts them in the engine.
+up) cancels the items still running, which aborts them in the engine. An item may carry
+``core_rl_media``: ``{"tensors": core-rl's pixel inputs of the prompt (encoded by
+core_rl.vision.wire), "placeholders": [{"offset", "length"}, ...] (each image's placeholder run in
+token_ids)}``; :func:`with_features` turns it into vLLM's own ``features`` (the model's
+multimodal items, serialised as vLLM's ``/render`` would, hashed by content), so vLLM embeds those
+very pixels at those tokens.
 
 ``POST /core_rl/update_weights`` with a JSON body ``{"method", "args", "kwargs", "version",
 "pause", "timeout"}`` (or ``{"lora": {"name", "path", "unload_prefix"}, "version", "pause"}``: a LoRA
@@ -24,7 +29,8 @@ API process it
 2. runs the worker RPC ``method(*args, **kwargs)`` that loads the new weights (vLLM's
    ``collective_rpc``: between two scheduler steps), or loads the adapter;
 3. labels the engine's later outputs with ``version`` (vLLM's per-step weight version);
-4. drops the prefix cache (KV blocks of finished requests, computed by the old weights);
+4. drops the prefix cache (KV blocks of finished requests, computed by the old weights) and the
+   encoder cache (image embeddings, computed by the old vision tower);
 5. resumes the scheduler (if it paused it).
 
 The scheduler is paused from step 1 to 5 only, so a request frozen there continues under the new
@@ -46,6 +52,7 @@ started.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import json
 import os
@@ -55,6 +62,9 @@ PATH = "/core_rl/update_weights"
 GENERATE_PATH = "/core_rl/generate"
 FINGERPRINTS_PATH = "/core_rl/adapter_fingerprints"
 
+#: the model's multimodal processor (vLLM's), built on the first request with images
+_PROCESSOR: dict[str, Any] = {}
+
 #: the last adapter load's record (see the module docstring), answered at :data:`FINGERPRINTS_PATH`
 _ADAPTER_LOADED: dict[str, Any] = {"version": None, "path": None, "prints": {}}
 
@@ -62,12 +72,50 @@ _ADAPTER_LOADED: dict[str, Any] = {"version": None, "path": None, "prints": {}}
 def _adapter_prints(path: str, version: int) -> dict[str, float]:
     """The sync check's fingerprints of every tensor of the adapter directory ``path`` at
     ``version``, with core-rl's own fingerprint module (loaded by file path: it needs only torch)."""
-    spec = importlib.util.spec_from_file_location(
-        "core_rl_weight_fingerprint", os.environ["CORE_RL_WEIGHT_FINGERPRINT_PY"]
-    )
+    module = _load_by_path("core_rl_weight_fingerprint", "CORE_RL_WEIGHT_FINGERPRINT_PY")
+    return {name: module.fold(samples) for name, samples in module.file_samples(path, version).items()}
+
+
+@functools.cache
+def _load_by_path(name: str, variable: str) -> Any:
+    """The core-rl module whose file the environment variable ``variable`` names (it needs only
+    torch), loaded once."""
+    spec = importlib.util.spec_from_file_location(name, os.environ[variable])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return {name: module.fold(samples) for name, samples in module.file_samples(path, version).items()}
+    return module
+
+
+def with_features(model_config: Any, payload: dict[str, Any]) -> dict[str, Any]:
+    """``payload`` (an item of :data:`GENERATE_PATH`) with its ``core_rl_media`` replaced by vLLM's
+    ``features`` for the model of ``model_config``: the decoded tensors split into one multimodal
+    item per image by the model's own field layout (its processor's ``_get_mm_fields_config``),
+    each serialised with vLLM's ``mm_serde`` and hashed by its serialised content."""
+    import hashlib
+
+    from transformers import BatchFeature
+    from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import encode_mm_kwargs_item
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.multimodal.inputs import MultiModalKwargsItems
+
+    payload = dict(payload)
+    media = payload.pop("core_rl_media")
+    tensors = _load_by_path("core_rl_media_wire", "CORE_RL_MEDIA_WIRE_PY").decode_tensors(media["tensors"])
+    if "processor" not in _PROCESSOR:
+        _PROCESSOR["processor"] = MULTIMODAL_REGISTRY.create_processor(model_config)
+    inputs = BatchFeature(tensors)
+    fields = _PROCESSOR["processor"]._get_mm_fields_config(inputs, {})
+    items = MultiModalKwargsItems.from_hf_inputs(inputs, fields)
+    encoded = [encode_mm_kwargs_item(item) for item in items.get("image", [])]
+    placeholders = list(media["placeholders"])
+    if len(encoded) != len(placeholders):
+        raise ValueError(f"{len(encoded)} images in the pixel inputs but {len(placeholders)} placeholder runs")
+    payload["features"] = {
+        "mm_hashes": {"image": [hashlib.sha256(e.encode()).hexdigest() for e in encoded]},
+        "mm_placeholders": {"image": placeholders},
+        "kwargs_data": {"image": encoded},
+    }
+    return payload
 
 
 def _jsonable(result: Any) -> Any:
@@ -96,6 +144,7 @@ async def update_weights(engine: Any, body: dict[str, Any], models: Any = None) 
                 _record_adapter(body["lora"]["path"], int(body["version"]))
             await core.set_weight_version_async(str(body["version"]))
             await engine.reset_prefix_cache()
+            await engine.reset_encoder_cache()  # image embeddings of the old vision tower
     finally:
         if pause:
             await core.resume_scheduler_async()
@@ -141,8 +190,10 @@ async def generate_one(serving: Any, index: int, payload: Any) -> dict[str, Any]
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
     try:
+        if isinstance(payload, dict) and "core_rl_media" in payload:
+            payload = with_features(serving.model_config, payload)
         request = GenerateRequest.model_validate(payload)
-    except Exception as exc:  # pydantic's validation error: the item itself is wrong
+    except Exception as exc:  # pydantic's validation error, pixel inputs that do not fit: the item is wrong
         return {"index": index, "status": 400, "error": f"{type(exc).__name__}: {exc}"}
     try:
         result = await serving.serve_tokens(request, None)
