@@ -108,11 +108,12 @@ start_planned_steps &
 steps=$!
 # Two pytest workers (pytest-xdist; CORE_RL_TEST_WORKERS to change, 0 for none), each taking whole
 # files so a module's server or model fixture is built once, in the order conftest.py gives them.
+# The 30 slowest tests are listed at the end: where to look first when the run grows.
 workers=${CORE_RL_TEST_WORKERS:-2}
 parallel=()
 if [ "$workers" != "0" ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
 status=0
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$VENV/bin/python" -m pytest -q "${parallel[@]}" "$@" || status=$?
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$VENV/bin/python" -m pytest -q --durations=30 "${parallel[@]}" "$@" || status=$?
 : > "$builds/pytest.done"
 wait "$steps"
 if [ -f "$CORE_RL_TEST_PLAN" ]; then

@@ -229,7 +229,7 @@ class EnvironmentWorkflow(RolloutWorkflow):
             first = await self._call(env, own, metric, "reset", env.reset(prompt.row))
             if first is TIMED_OUT:  # nothing more to ask of it: one model turn, then the end
                 failed, first = "reset timed out", ""
-            if first is not TIMED_OUT and first:
+            if first:
                 first = check_observation(first, built_by(env), "Environment.reset returns an observation")
             pending, pending_media = self._encode(ctx, first or "", env)
             media = getattr(prompt, "media", None)  # the images of the context so far: the prompt's, then observations'
