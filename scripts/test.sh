@@ -11,7 +11,7 @@
 # Opt-outs:  CORE_RL_TEST_INSTALL=0  use $VENV (default .venv) as it is, without installing
 #            CORE_RL_SLURM_TEST=0    never install Slurm's packages (the test then skips, saying why)
 #            CORE_RL_TEST_PLAN_ONLY=1  print what the selection would build and install, and stop
-#            CORE_RL_TEST_WORKERS=N  pytest workers (default 2; 0: one process)
+#            CORE_RL_TEST_WORKERS=N  pytest workers (default 3; 0: one process)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The tests' processes write the bytecode of the modules they import (into .venv and the checkout),
@@ -106,10 +106,10 @@ fi
 # run and prints its log.
 start_planned_steps &
 steps=$!
-# Two pytest workers (pytest-xdist; CORE_RL_TEST_WORKERS to change, 0 for none), each taking whole
+# Three pytest workers (pytest-xdist; CORE_RL_TEST_WORKERS to change, 0 for none), each taking whole
 # files so a module's server or model fixture is built once, in the order conftest.py gives them.
 # The 30 slowest tests are listed at the end: where to look first when the run grows.
-workers=${CORE_RL_TEST_WORKERS:-2}
+workers=${CORE_RL_TEST_WORKERS:-3}
 parallel=()
 if [ "$workers" != "0" ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
 status=0
