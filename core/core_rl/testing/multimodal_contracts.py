@@ -29,6 +29,7 @@ import torch
 from core_rl.interfaces import RolloutEngine, SamplingParams, TrainEngine
 from core_rl.protocol import Sample, TensorBatch, samples_to_batch
 from core_rl.vision.media import forward_kwargs
+from core_rl.vision.models import placeholder_ids
 
 
 def _square(colour: tuple[int, int, int], size: int = 16) -> Any:
@@ -92,8 +93,7 @@ def check_multimodal_rollout(engine: RolloutEngine, model_dir: str | Path, *, at
     prompts, media = image_prompts(model_dir)
     groups = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=4, temperature=1.0), media=media)
     assert len(groups) == len(prompts), f"{len(groups)} groups for {len(prompts)} prompts"
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    placeholders = {config.get(k) for k in ("image_token_id", "video_token_id")} - {None}
+    placeholders = set(placeholder_ids(model_dir))
     samples = []
     for prompt, pixels, group in zip(prompts, media, groups):
         assert len(group) == 2, f"{len(group)} samples for n=2"
@@ -156,8 +156,6 @@ def masked_gaps(samples: list[Sample], model_dir: str | Path) -> list[float]:
     """For each sample (its ``media`` set), the largest gap between its log-probs and a float32
     transformers forward of ``model_dir`` over its ids and pixels with the model's placeholder tokens
     masked out of the softmax (an engine that bans them: :func:`reference_logprobs`)."""
-    from core_rl.vision.models import placeholder_ids
-
     reference = reference_logprobs(model_dir, samples, masked=placeholder_ids(model_dir))
     return [float((torch.tensor(s.logprobs) - ref).abs().max()) for s, ref in zip(samples, reference)]
 
@@ -179,8 +177,6 @@ def check_images_reach_the_model(samples: list[Sample], model_dir: str | Path, *
     forward within ``atol``; the same ids without the pixels, or with the other prompt's, give
     other log-probs (each prompt of the batch was sampled with its own image); no response holds a
     placeholder."""
-    from core_rl.vision.models import placeholder_ids
-
     assert max(masked_gaps(samples, model_dir)) < atol
     with_images = [s for s in samples if s.media is not None]
     blind = [attrs.evolve(s, media=None) for s in with_images]

@@ -10,6 +10,7 @@ with ``AutoModelForImageTextToText``, and its ``preprocessor_config.json`` with
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,17 @@ def placeholder_ids(model_path: str | Path) -> list[int]:
     return sorted({int(config[k]) for k in PLACEHOLDER_KEYS if isinstance(config.get(k), int)})
 
 
+def configured_image_token(config: Mapping[str, Any]) -> int | None:
+    """The image placeholder token id a model's ``config.json`` (as a dict) names
+    (:data:`IMAGE_TOKEN_KEYS`), ``None`` where it names none."""
+    return next((int(config[key]) for key in IMAGE_TOKEN_KEYS if isinstance(config.get(key), int)), None)
+
+
+def image_token_of(model_path: str | Path) -> int | None:
+    """:func:`configured_image_token` of the model at ``model_path``."""
+    return configured_image_token(json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8")))
+
+
 def model_config_of(tokenizer: Any) -> dict[str, Any]:
     """The ``config.json`` beside ``tokenizer`` (in its ``name_or_path`` directory) as a dict, ``{}``
     where there is none."""
@@ -79,10 +91,9 @@ def image_token_id(tokenizer: Any, processor: Any) -> tuple[str, int]:
     """The placeholder token an image's features take the place of (``<|image_pad|>`` for
     Qwen2-VL, ``<image>`` for LLaVA) and its id: the model config's (:data:`IMAGE_TOKEN_KEYS`),
     else the processor's or tokenizer's ``image_token``."""
-    config = model_config_of(tokenizer)
-    for key in IMAGE_TOKEN_KEYS:
-        if isinstance(config.get(key), int):
-            return str(tokenizer.convert_ids_to_tokens(config[key])), int(config[key])
+    configured = configured_image_token(model_config_of(tokenizer))
+    if configured is not None:
+        return str(tokenizer.convert_ids_to_tokens(configured)), configured
     token = getattr(processor, "image_token", None) or getattr(tokenizer, "image_token", None) or "<|image_pad|>"
     return token, int(tokenizer.convert_tokens_to_ids(token))
 

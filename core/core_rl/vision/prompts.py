@@ -158,6 +158,7 @@ def encode_observation(parts: Sequence[Mapping[str, Any]], tokenizer: Any) -> tu
     cannot be read or a model with no image processor."""
     pieces: list[str] = []
     images = []
+    markup = ""  # the template's rendering of an image part, found at the first image
     for part in parts:
         if part.get("type") == "text":
             pieces.append(str(part["text"]))
@@ -166,7 +167,8 @@ def encode_observation(parts: Sequence[Mapping[str, Any]], tokenizer: Any) -> tu
         if source is None:
             raise ImageError(f"the image part {dict(part)!r:.80} names no image ('image' or 'image_url')")
         images.append(load_image(source))
-        pieces.append(image_markup(tokenizer))
+        markup = markup or image_markup(tokenizer)
+        pieces.append(markup)
     text = "".join(pieces)
     if not images:
         return list(tokenizer.encode(text, add_special_tokens=False)) if text else [], None

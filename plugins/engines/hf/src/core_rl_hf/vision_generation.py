@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from core_rl.interfaces import SamplingParams
 from core_rl.vision.media import concat_media, forward_kwargs
+from core_rl.vision.models import PLACEHOLDER_KEYS
 
 from core_rl_hf.generation import Completion, left_pad
 
@@ -35,11 +36,10 @@ def unsupported_settings(sampling: SamplingParams) -> list[str]:
 
 
 def placeholder_token_ids(model: torch.nn.Module) -> list[int]:
-    """The ids that stand for image or video features in ``model``'s inputs (``config.image_token_id``,
-    ``video_token_id``, ``image_token_index``), which a response must not hold."""
+    """The ids that stand for image or video features in ``model``'s inputs (its config's
+    :data:`~core_rl.vision.models.PLACEHOLDER_KEYS`), which a response must not hold."""
     config = model.config
-    names = ("image_token_id", "video_token_id", "image_token_index")
-    return sorted({int(v) for v in (getattr(config, n, None) for n in names) if isinstance(v, int)})
+    return sorted({int(v) for v in (getattr(config, n, None) for n in PLACEHOLDER_KEYS) if isinstance(v, int)})
 
 
 @torch.inference_mode()

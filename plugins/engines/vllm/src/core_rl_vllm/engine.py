@@ -74,7 +74,7 @@ import core_rl_server_kit.weight_group
 from core_rl.config.schema import RolloutConfig
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SamplingParams
-from core_rl.vision.models import is_vision_language, placeholder_ids
+from core_rl.vision.models import image_token_of, is_vision_language, placeholder_ids
 from core_rl.vision.wire import encode_tensors
 from core_rl_server_kit.processes import ServerError
 from core_rl_server_kit.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post, versions_from_spans
@@ -105,8 +105,6 @@ SLEEP_LEVEL = 2
 #: the logit bias that keeps a vision-language model's placeholder tokens from being sampled (vLLM
 #: clamps a bias to [-100, 100])
 PLACEHOLDER_BIAS = -100.0
-#: the config keys naming the token an image's embeddings take the place of
-IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index")
 
 
 def image_placeholders(prompt_ids: Sequence[int], image_token: int, grid_thw: Any) -> list[dict[str, int]]:
@@ -172,8 +170,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         self.vision_language = is_vision_language(model_path)
         if self.vision_language:
             self._banned = tuple(placeholder_ids(model_path))
-            config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-            self._image_token = next((int(config[k]) for k in IMAGE_TOKEN_KEYS if isinstance(config.get(k), int)), None)
+            self._image_token = image_token_of(model_path)
 
     async def _served_model(self, url: str) -> str:
         try:
