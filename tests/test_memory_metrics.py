@@ -16,6 +16,7 @@ from core_rl.loops.memory import (
     HOST_KEY,
     HOST_NOW_KEY,
     MemoryMeter,
+    host_memory_bytes,
     host_peak_rss_bytes,
     host_rss_bytes,
     reset_host_peak,
@@ -47,6 +48,17 @@ def test_host_rss_is_vmrss(tmp_path):
     status.write_text("Name:\tpython\nVmHWM:\t  2048 kB\nVmRSS:\t  1024 kB\n")
     assert host_rss_bytes(status) == 1024 * 1024
     assert host_rss_bytes(tmp_path / "missing") is None
+
+
+def test_peak_and_now_come_from_one_reading_and_now_never_exceeds_the_peak(tmp_path):
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmHWM:\t  2048 kB\nVmRSS:\t  1024 kB\n")
+    assert host_memory_bytes(status) == (2048 * 1024, 1024 * 1024)
+    # the kernel reports VmHWM >= VmRSS in one reading; a status that does not is clamped
+    status.write_text("Name:\tpython\nVmHWM:\t  1024 kB\nVmRSS:\t  3072 kB\n")
+    assert host_memory_bytes(status) == (3072 * 1024, 3072 * 1024)
+    peak, now = host_memory_bytes(tmp_path / "missing")
+    assert now is None and peak > 10 * 2**20  # the rusage peak
 
 
 #: a process that holds a 768 MiB block during its first step only, then reads two steps' figures
@@ -126,8 +138,7 @@ def test_roles_on_one_device_report_its_peak_and_counters_reset_each_step(monkey
     fake = FakeCuda()
     for name in ("reset_peak_memory_stats", "max_memory_allocated", "max_memory_reserved"):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
-    monkeypatch.setattr(memory, "host_peak_rss_bytes", lambda: GIB)
-    monkeypatch.setattr(memory, "host_rss_bytes", lambda: GIB // 2)
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: (GIB, GIB // 2))
     section = ActorConfig(model_path="m")
     cuda = SimpleNamespace(device=torch.device("cuda", 0))
     built = [

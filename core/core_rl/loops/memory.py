@@ -81,6 +81,20 @@ def host_rss_bytes(status: Path = Path("/proc/self/status")) -> int | None:
     return int(found.group(1)) * 1024 if found else None
 
 
+def host_memory_bytes(status: Path = Path("/proc/self/status")) -> tuple[int, int | None]:
+    """``(peak, now)``: :func:`host_peak_rss_bytes` and :func:`host_rss_bytes` from one reading of
+    ``status``, so that ``now <= peak`` holds even while other threads allocate (two readings a
+    moment apart can see the resident memory above the peak read first)."""
+    try:
+        text = status.read_text()
+    except OSError:
+        return host_peak_rss_bytes(status), None
+    peak, now = _HWM.search(text), _RSS.search(text)
+    now_bytes = int(now.group(1)) * 1024 if now else None
+    peak_bytes = int(peak.group(1)) * 1024 if peak else host_peak_rss_bytes(status)
+    return (peak_bytes if now_bytes is None else max(peak_bytes, now_bytes)), now_bytes
+
+
 def reset_host_peak(clear_refs: Path = Path("/proc/self/clear_refs")) -> bool:
     """Start the peak resident memory again from the current one (Linux: ``5`` written to
     ``clear_refs``); ``False`` where that is not possible.
@@ -120,8 +134,8 @@ class MemoryMeter:
         """This rank's figures (the CUDA ones since the last reset), in GiB."""
         import torch
 
-        out = {HOST_KEY: host_peak_rss_bytes() / GIB}
-        now = host_rss_bytes()
+        peak, now = host_memory_bytes()
+        out = {HOST_KEY: peak / GIB}
         if now is not None:
             out[HOST_NOW_KEY] = now / GIB
         for role, device in self.devices.items():
