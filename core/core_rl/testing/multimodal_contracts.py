@@ -11,7 +11,8 @@ Given a vision-language model directory (e.g. :func:`core_rl.roles.tiny_vlm.buil
 
 The server engines' VLM tests share the rest: what their conformance case adds
 (:func:`check_images_reach_the_model`: log-probs against the forward with the placeholders they
-ban masked, :func:`masked_gaps`), weight syncs reaching the vision tower
+ban masked, :func:`masked_gaps`; :func:`check_cached_prefix_keeps_its_image`: a prefix cache
+never serves one image's keys and values for another's prompt), weight syncs reaching the vision tower
 (:func:`check_vision_tower_syncs`) and a GRPO run on image rows (:func:`write_colour_rows`,
 :func:`warm_colour_vlm`, :func:`check_image_grpo`).
 """
@@ -187,6 +188,27 @@ def check_images_reach_the_model(samples: list[Sample], model_dir: str | Path, *
     assert min(masked_gaps(swapped, model_dir)) > 1e-3, "a prompt was sampled with another prompt's image"
     placeholders = set(placeholder_ids(model_dir))
     assert placeholders and all(not placeholders & set(s.response_ids) for s in samples)
+
+
+def check_cached_prefix_keeps_its_image(engine: RolloutEngine, model_dir: str | Path, *, atol: float = 1e-4) -> None:
+    """Two calls, one after the other, each with one prompt of :func:`image_prompts`: the same ids
+    (same text, same placeholder count) and another image. The second must be sampled with its own
+    image, not the first's: an engine with a prefix cache keyed by token ids alone would reuse the
+    first prompt's cached keys and values, computed from the other image. Log-probs as in
+    :func:`check_images_reach_the_model`."""
+    prompts, media = image_prompts(model_dir)
+    assert prompts[0] == prompts[1], "the two image prompts must have the same ids"
+    params = SamplingParams(n=2, max_new_tokens=4, temperature=1.0)
+    samples = []
+    for prompt, pixels in zip(prompts[:2], media[:2]):
+        (group,) = engine.generate([prompt], params, media=[pixels])
+        for s in group:
+            s.media = pixels
+        samples.extend(group)
+    gaps = masked_gaps(samples, model_dir)
+    assert max(gaps) < atol, f"a prompt sampled after another with the same ids and another image: gaps {gaps}"
+    swapped = [attrs.evolve(s, media=media[1] if s.media is media[0] else media[0]) for s in samples]
+    assert min(masked_gaps(swapped, model_dir)) > 1e-3, "the two images give the same log-probs"
 
 
 def check_vision_tower_syncs(engine: Any, vlm: str | Path, folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:

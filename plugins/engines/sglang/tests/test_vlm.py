@@ -13,6 +13,7 @@ from core_rl.config.loader import structure
 from core_rl.roles.tiny_vlm import build_tiny_vlm
 from core_rl.testing.multimodal_contracts import (
     COLOURS,
+    check_cached_prefix_keeps_its_image,
     check_image_grpo,
     check_images_reach_the_model,
     check_multimodal_rollout,
@@ -46,6 +47,10 @@ def test_the_sglang_engine_passes_the_multimodal_conformance_case(engine, vlm: P
     # against the same forward with the placeholders masked, a float32 server agrees to 1e-4; each
     # prompt was sampled with its own image; no placeholder was sampled, even where the model favours them
     check_images_reach_the_model(samples, vlm)
+
+
+def test_a_cached_prefix_is_never_reused_for_another_image(engine, vlm: Path) -> None:
+    check_cached_prefix_keeps_its_image(engine, vlm)
 
 
 def test_weight_syncs_reach_the_vision_tower(engine, vlm: Path, tmp_path: Path) -> None:
