@@ -175,6 +175,6 @@ class MemoryMeter:
             peak = max(self.peaks.get(f"memory/{r}/peak_gib", 0.0) for r in roles)
             reserved = max(self.peaks.get(f"memory/{r}/reserved_gib", 0.0) for r in roles)
             parts.append(f"{device} ({', '.join(roles)}) {peak:.2f} GiB allocated, {reserved:.2f} GiB reserved")
-        host = max(self.peaks.get(HOST_KEY, 0.0), host_peak_rss_bytes() / GIB)
+        host = max(self.peaks.get(HOST_KEY, 0.0), host_memory_bytes()[0] / GIB)
         parts.append(f"host {host:.2f} GiB resident")
         return "peak memory: " + "; ".join(parts)
