@@ -58,41 +58,34 @@ _HWM = re.compile(r"^VmHWM:\s+(\d+)\s+kB", re.MULTILINE)
 _RSS = re.compile(r"^VmRSS:\s+(\d+)\s+kB", re.MULTILINE)
 
 
-def host_peak_rss_bytes(status: Path = Path("/proc/self/status")) -> int:
-    """The process's peak resident memory since it started (or since the last
-    :func:`reset_host_peak`): ``VmHWM`` from ``status`` (Linux), else ``ru_maxrss`` (KiB on Linux,
-    bytes on macOS)."""
-    try:
-        found = _HWM.search(status.read_text())
-        if found:
-            return int(found.group(1)) * 1024
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
-def host_rss_bytes(status: Path = Path("/proc/self/status")) -> int | None:
-    """The process's resident memory now: ``VmRSS`` from ``status``; ``None`` without it."""
-    try:
-        found = _RSS.search(status.read_text())
-    except OSError:
-        return None
-    return int(found.group(1)) * 1024 if found else None
-
-
 def host_memory_bytes(status: Path = Path("/proc/self/status")) -> tuple[int, int | None]:
-    """``(peak, now)``: :func:`host_peak_rss_bytes` and :func:`host_rss_bytes` from one reading of
-    ``status``, so that ``now <= peak`` holds even while other threads allocate (two readings a
-    moment apart can see the resident memory above the peak read first)."""
+    """``(peak, now)`` from one reading of ``status`` (Linux), so that ``now <= peak`` holds even while
+    other threads allocate (two readings a moment apart can see the resident memory above the peak
+    read first). ``peak``: since the process started (or since the last :func:`reset_host_peak`),
+    ``VmHWM``, else ``ru_maxrss`` (KiB on Linux, bytes on macOS), at least ``now``; ``now``:
+    ``VmRSS``, ``None`` without it."""
     try:
         text = status.read_text()
     except OSError:
-        return host_peak_rss_bytes(status), None
-    peak, now = _HWM.search(text), _RSS.search(text)
-    now_bytes = int(now.group(1)) * 1024 if now else None
-    peak_bytes = int(peak.group(1)) * 1024 if peak else host_peak_rss_bytes(status)
-    return (peak_bytes if now_bytes is None else max(peak_bytes, now_bytes)), now_bytes
+        text = ""
+    hwm, rss = _HWM.search(text), _RSS.search(text)
+    now = int(rss.group(1)) * 1024 if rss else None
+    if hwm:
+        peak = int(hwm.group(1)) * 1024
+    else:
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = maxrss if sys.platform == "darwin" else maxrss * 1024
+    return (peak if now is None else max(peak, now)), now
+
+
+def host_peak_rss_bytes(status: Path = Path("/proc/self/status")) -> int:
+    """The process's peak resident memory: the ``peak`` of :func:`host_memory_bytes`."""
+    return host_memory_bytes(status)[0]
+
+
+def host_rss_bytes(status: Path = Path("/proc/self/status")) -> int | None:
+    """The process's resident memory now: the ``now`` of :func:`host_memory_bytes`."""
+    return host_memory_bytes(status)[1]
 
 
 def reset_host_peak(clear_refs: Path = Path("/proc/self/clear_refs")) -> bool:
