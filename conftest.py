@@ -170,6 +170,47 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _file_seconds[report.nodeid.split("::", 1)[0]] += report.duration  # setup, call and teardown
 
 
+#: ``CORE_RL_TEST_CPU=DIR``: each test's CPU seconds (its process's own, and its children's once they
+#: are reaped: training runs, torchrun ranks, servers) appended to ``DIR/<worker>.jsonl``, and the files
+#: that took the most CPU listed at the end. On a 2-core machine the suite is CPU-bound, so these, not
+#: the durations, are what its wall time is made of (``scripts/test.sh`` sets it)
+CPU_ENV = "CORE_RL_TEST_CPU"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    directory = os.environ.get(CPU_ENV)
+    before = os.times()
+    yield
+    if not directory:
+        return
+    after = os.times()
+    own = after.user + after.system - before.user - before.system
+    children = after.children_user + after.children_system - before.children_user - before.children_system
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    record = {"nodeid": item.nodeid, "own_s": round(own, 2), "children_s": round(children, 2)}
+    with open(Path(directory) / f"{worker}.jsonl", "a") as sink:
+        sink.write(json.dumps(record) + "\n")
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """With ``CORE_RL_TEST_CPU``: the 30 test files that took the most CPU seconds, and the total."""
+    directory = os.environ.get(CPU_ENV)
+    if not directory or hasattr(config, "workerinput") or not Path(directory).is_dir():
+        return
+    per_file: collections.Counter[str] = collections.Counter()
+    for log in Path(directory).glob("*.jsonl"):
+        for line in log.read_text().splitlines():
+            record = json.loads(line)
+            per_file[record["nodeid"].split("::", 1)[0]] += record["own_s"] + record["children_s"]
+    if not per_file:
+        return
+    total = sum(per_file.values())
+    terminalreporter.write_sep("=", f"the 30 files that took the most CPU ({total:.0f} CPU s in all)")
+    for name, seconds in per_file.most_common(30):
+        terminalreporter.write_line(f"{seconds:8.1f} s  {100 * seconds / total:4.1f}%  {name}")
+
+
 #: ``CORE_RL_COLLECTED=FILE``: the node ids of the tests collected, one per line (by the first xdist worker,
 #: or the only process), so a run cut short can tell a file that finished from one that did not
 #: (``scripts/junit_summary.py --passed-files``, ``scripts/gpu_check.sh``'s ``SUITE_SKIP_PASSED``)

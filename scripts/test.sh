@@ -30,6 +30,8 @@ builds=$(mktemp -d "${TMPDIR:-/tmp}/core-rl-server-envs.XXXXXX")
 trap 'rm -rf "$builds"' EXIT  # a failed step's log is printed below first
 export CORE_RL_SERVER_ENV_BUILDS=$builds
 export CORE_RL_TEST_PLAN=$builds/plan
+export CORE_RL_TEST_CPU=${CORE_RL_TEST_CPU:-$builds/cpu}  # each test's CPU seconds; the heaviest files are listed at the end (conftest.py)
+mkdir -p "$CORE_RL_TEST_CPU"
 
 slurm_skipped() {  # why Slurm's packages are not installed here (nothing: they are to be)
   if [ "${CORE_RL_SLURM_TEST:-1}" = "0" ]; then echo "CORE_RL_SLURM_TEST=0"
