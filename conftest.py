@@ -177,16 +177,23 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 CPU_ENV = "CORE_RL_TEST_CPU"
 
 
+def _forked_cpu_seconds() -> float:
+    """The CPU seconds of the processes :mod:`core_rl.testing.preloaded` has forked for this one."""
+    preloaded = sys.modules.get("core_rl.testing.preloaded")
+    return preloaded.forked_cpu_seconds if preloaded is not None else 0.0
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     directory = os.environ.get(CPU_ENV)
-    before = os.times()
+    before, forked_before = os.times(), _forked_cpu_seconds()
     yield
     if not directory:
         return
     after = os.times()
     own = after.user + after.system - before.user - before.system
     children = after.children_user + after.children_system - before.children_user - before.children_system
+    children += _forked_cpu_seconds() - forked_before
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     record = {"nodeid": item.nodeid, "own_s": round(own, 2), "children_s": round(children, 2)}
     with open(Path(directory) / f"{worker}.jsonl", "a") as sink:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from core_rl.testing import preloaded
 from core_rl.testing.faults import build_task, checkpoint, merged, run_dir, stable_metrics, state_digest
 
 __all__ = ["build_task", "checkpoint", "merged", "run_dir", "stable_metrics", "state_digest"]
@@ -48,7 +48,7 @@ def cli_train(config: Mapping[str, Any], *overrides: str, faults: bool = False, 
     """Run ``core-rl train`` on ``config`` in a new process; return the completed process."""
     path = Path(config["experiment"]["output_dir"]).parent / f"{config['experiment']['name']}.yaml"
     write_config(config, path)
-    return subprocess.run(
+    return preloaded.run(
         cli_command("train", str(path), *overrides, faults=faults),
         capture_output=True,
         text=True,

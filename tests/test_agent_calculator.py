@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from core_rl.builtin.loggers import read_metrics
+from core_rl.testing import preloaded
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +28,7 @@ pytest.importorskip("core_rl_env_tools")
 
 def _example(work: Path, *args: str) -> subprocess.CompletedProcess:
     main = ROOT / "examples/agent_calculator/main.py"
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, str(main), "--workdir", str(work), *args],
         capture_output=True,
         text=True,

@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from core_rl.builtin.loggers import read_metrics
+from core_rl.testing import preloaded
 
 for name in ("core_rl_fsdp", "core_rl_hf", "core_rl_grpo", "core_rl_openai_proxy", "openai"):
     pytest.importorskip(name)
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _main(work: Path, *overrides: str) -> Path:
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, str(ROOT / "examples" / "agent_proxy" / "main.py"), "--workdir", str(work), *overrides],
         capture_output=True,
         text=True,

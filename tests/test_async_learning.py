@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from core_rl.builtin.loggers import read_metrics
+from core_rl.testing import preloaded
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 60
@@ -32,7 +32,7 @@ pytest.importorskip("core_rl_reward_match")
 
 
 def _run(args: list[str]) -> None:
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, *args],
         capture_output=True,
         text=True,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import sys
 import threading
 import time
@@ -21,6 +20,7 @@ from core_rl.config.schema import ControllerConfig
 from core_rl.interfaces import SamplingParams
 from core_rl.rollout.controller import RolloutController
 from core_rl.rollout.workflows import SingleTurnWorkflow
+from core_rl.testing import preloaded
 from core_rl.testing.server_contract import next_settle
 
 pytest.importorskip("core_rl_vllm")
@@ -182,7 +182,7 @@ def test_benchmark_runs_against_the_server(server, tmp_path: Path) -> None:
     pytest.importorskip("core_rl_fsdp")
     engine, _ = server
     out = tmp_path / "figures.json"
-    proc = subprocess.run(
+    proc = preloaded.run(
         [
             sys.executable,
             str(ROOT / "benchmarks" / "async.py"),

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from core_rl.builtin.loggers import read_metrics
+from core_rl.testing import preloaded
 from core_rl.testing.faults import build_task, checkpoint, merged, run_dir, stable_metrics, state_digest, wait_for_steps
 from fault_helpers import cli_env, train_here
 
@@ -114,7 +115,7 @@ def test_killed_async_run_resumes_without_losing_or_repeating_a_prompt(base, tmp
     path.write_text(yaml.safe_dump(config))
     first, second = tmp_path / "first.txt", tmp_path / "second.txt"
     cmd = [sys.executable, str(HERE / "async_record_run.py"), str(path)]
-    proc = subprocess.Popen([*cmd, str(first)], env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = preloaded.Popen([*cmd, str(first)], env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         assert wait_for_steps(run_dir(config), proc, 3, timeout=600), proc.stderr.read().decode()[-3000:]
         proc.send_signal(signal.SIGKILL)
@@ -123,7 +124,7 @@ def test_killed_async_run_resumes_without_losing_or_repeating_a_prompt(base, tmp
         proc.wait(30)
     saved = int((run_dir(config) / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
     assert 2 <= saved < steps  # step 3 was logged; its checkpoint may not be written yet
-    done = subprocess.run([*cmd, str(second)], env=cli_env(), capture_output=True, text=True, timeout=600)
+    done = preloaded.run([*cmd, str(second)], env=cli_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     before = first.read_text().splitlines()[: saved * batch * n]  # what the saved steps trained on
     trained = before + second.read_text().splitlines()

@@ -6,16 +6,17 @@ more than the difference between them, so it is printed, not compared)."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from importlib.util import find_spec
 from pathlib import Path
+
+from core_rl.testing import preloaded
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "logprob_memory.py"
 
 
 def test_logprob_memory_benchmark_smoke() -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke"], capture_output=True, text=True, timeout=300)
+    proc = preloaded.run([sys.executable, str(SCRIPT), "--smoke"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {}
     for line in proc.stdout.splitlines():

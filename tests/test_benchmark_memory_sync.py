@@ -3,11 +3,11 @@ profiles printed (the 0.36B layout's figures are in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from core_rl.testing import preloaded
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_sync.py"
 
@@ -16,7 +16,7 @@ def test_memory_sync_benchmark_smoke() -> None:
     pytest.importorskip("core_rl_fsdp")
     pytest.importorskip("core_rl_hf")
     command = [sys.executable, str(SCRIPT), "--smoke", "--profile", "8"]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    proc = preloaded.run(command, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {cells[1]: cells[2:] for cells in map(str.split, proc.stdout.splitlines()) if cells[:1] == ["smoke"]}
     assert set(rows) == {"plain", "sharded"}, proc.stdout

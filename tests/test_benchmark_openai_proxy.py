@@ -4,11 +4,11 @@ finite positive seconds per call, and the three program modes positive seconds p
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from core_rl.testing import preloaded
 
 for name in ("core_rl_hf", "core_rl_openai_proxy", "openai"):
     pytest.importorskip(name)
@@ -17,7 +17,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "openai_proxy.py"
 
 
 def test_openai_proxy_benchmark_smoke() -> None:
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, str(SCRIPT), "--smoke"],
         capture_output=True,
         text=True,

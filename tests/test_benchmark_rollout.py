@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from core_rl.testing import preloaded
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +18,7 @@ def test_rollout_benchmark_runs_and_reports(tmp_path: Path) -> None:
     pytest.importorskip("core_rl_vllm")
     pytest.importorskip("core_rl_fsdp")
     out = tmp_path / "figures.json"
-    proc = subprocess.run(
+    proc = preloaded.run(
         [
             sys.executable,
             str(ROOT / "benchmarks" / "rollout.py"),

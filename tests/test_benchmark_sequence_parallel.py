@@ -4,15 +4,16 @@ backward (the full-size figures are in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
+
+from core_rl.testing import preloaded
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "sequence_parallel.py"
 
 
 def test_sequence_parallel_benchmark_smoke() -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke"], capture_output=True, text=True, timeout=300)
+    proc = preloaded.run([sys.executable, str(SCRIPT), "--smoke"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {}
     for line in proc.stdout.splitlines():

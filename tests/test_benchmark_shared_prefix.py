@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from core_rl.testing import preloaded
 
 pytest.importorskip("core_rl_fsdp")
 
@@ -30,7 +30,7 @@ def test_shared_prefix_benchmark_smoke(real_model: Path) -> None:
         "--repeats",
         "1",
     ]
-    proc = subprocess.run(
+    proc = preloaded.run(
         command, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

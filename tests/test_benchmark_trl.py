@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from core_rl.testing import preloaded
 
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_hf")
@@ -196,7 +197,6 @@ def _card(out: str) -> tuple[str, dict[str, list[str]]]:
 def test_gpu_bench_smoke_prints_the_card_and_appends_a_row(gpu_bench, tmp_path, capsys) -> None:
     """The bench card with every column, its MFU from the FLOP count and ``--peak-tflops``, and the
     row appended to ``--results`` with the device and this checkout's commit."""
-    import subprocess
 
     results = tmp_path / "results.md"
     args = ["--smoke", "--no-trl", "--workdir", str(tmp_path), "--results", str(results), "--peak-tflops", "0.001"]
@@ -223,7 +223,7 @@ def test_gpu_bench_smoke_prints_the_card_and_appends_a_row(gpu_bench, tmp_path, 
     assert tflop == pytest.approx(flops / 1e12, rel=0.01), core
     assert float(core[9].rstrip("%")) == pytest.approx(100 * flops / train / 1e9, rel=0.05), core  # MFU
     assert float(core[10]) > 0  # peak memory
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=SCRIPT.parent)
+    commit = preloaded.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=SCRIPT.parent)
     row = gpu_bench["gpu_results"].read_rows(results)[-1]
     assert row["device"] == "cpu" and row["commit"].split("+")[0] == commit.stdout.strip(), row
     assert row["shape"] == gpu_bench["shape_label"]("tiny", params, 2, 4, 8) and row["flags"] == "-", row

@@ -3,11 +3,11 @@ has a row for each, with finite positive figures."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from core_rl.testing import preloaded
 
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_deepspeed")
@@ -16,7 +16,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "engines.py"
 
 
 def test_engines_benchmark_smoke() -> None:
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, str(SCRIPT), "--smoke"], capture_output=True, text=True, timeout=600, check=False
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

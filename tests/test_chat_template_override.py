@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from core_rl.rollout.chat_template_override import template_text
+from core_rl.testing import preloaded
 
 #: renders with the tiny tokenizer's characters only
 TEMPLATE = "{% for m in messages %}q:{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} a:{% endif %}"
@@ -57,7 +58,7 @@ def _train(tmp_path: Path, task: tuple[Path, Path], *overrides: str) -> subproce
         trainer={"total_steps": 1},
         sample_log={"every_n_steps": 1, "num_samples": 4},
     )
-    return subprocess.run(
+    return preloaded.run(
         [sys.executable, "-m", "core_rl.cli", "train", str(path), *overrides],
         capture_output=True,
         text=True,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -69,6 +68,7 @@ pytest.importorskip("core_rl_hf")
 pytest.importorskip("core_rl_grpo")
 pytest.importorskip("core_rl_reward_match")
 
+from core_rl.testing import preloaded  # noqa: E402
 from core_rl.testing.launch import cpu_ranks_env  # noqa: E402
 from fault_helpers import build_task, cli_command, cli_env, write_config  # noqa: E402
 
@@ -77,14 +77,14 @@ def test_an_evaluation_metric_needs_evaluations_on_the_checkpoint_steps(tmp_path
     config = build_task(tmp_path)
     config["saver"] = {**config["saver"], "every_n_steps": 2, "keep_best": {"count": 1}}
     path = write_config(config, tmp_path / "run.yaml")
-    out = subprocess.run(cli_command("config", "validate", str(path)), capture_output=True, text=True, timeout=120)
+    out = preloaded.run(cli_command("config", "validate", str(path)), capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert (
         "saver.keep_best.metric: 'eval/reward/mean' is an evaluation metric, and the run has no eval: section"
         in out.stderr
     )
     evals = f"eval={{files: [{config['data']['train_files'][0]}], every_n_steps: 3}}"
-    out = subprocess.run(
+    out = preloaded.run(
         cli_command("config", "validate", str(path), evals), capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 2 and "make saver.every_n_steps a multiple of eval.every_n_steps" in out.stderr, out.stderr
@@ -103,7 +103,7 @@ def test_two_ranks_save_by_time_and_keep_the_best_checkpoint(tmp_path: Path) -> 
         "at_end": False,
     }
     path = write_config(config, tmp_path / "run.yaml")
-    out = subprocess.run(
+    out = preloaded.run(
         cli_command("train", "--nproc-per-node", "2", str(path)),
         capture_output=True,
         text=True,

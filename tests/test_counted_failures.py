@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from core_rl.reliability.loop_watch import BEAT_S, LoopWatch
 from core_rl.reliability.own_loop import PROBE_S, OwnLoop, stuck_loops
 from core_rl.reliability.progress import PROGRESS
 from core_rl.rollout.workflows import DROPPED_ERRORS, ERROR, ERROR_LIMIT, FAILED
+from core_rl.testing import preloaded
 from core_rl.testing.blocking import in_environment
 from core_rl.testing.faults import build_task, merged, run_dir
 from fault_helpers import cli_command, cli_env, write_config
@@ -205,7 +205,7 @@ def test_an_environment_whose_every_step_hangs_awaiting(tmp_path: Path) -> None:
         in_environment(build_task(tmp_path), 1, awaiting=True), trainer={"total_steps": 6, "torch_threads": 1}
     )
     path = write_config(config, tmp_path / "run.yaml")
-    done = subprocess.run(
+    done = preloaded.run(
         cli_command("train", str(path), faults=True), capture_output=True, text=True, env=cli_env(), timeout=300
     )
     assert done.returncode == 1, done.stderr[-4000:]

@@ -25,7 +25,7 @@ from core_rl.errors import PluginFault
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.plugins.host import PluginHost
 from core_rl.plugins.kinds import DATA_SOURCE
-from core_rl.testing import DataSourceContract
+from core_rl.testing import DataSourceContract, preloaded
 from core_rl.testing.faults import build_task, merged, run_dir, same_run
 from fault_helpers import cli_command, cli_env, cli_train
 
@@ -178,7 +178,7 @@ def _validate(tmp_path: Path, data: dict[str, Any]) -> subprocess.CompletedProce
     config = {"actor": {"model_path": "/m"}, "algorithm": {"name": "grpo"}, "reward": {"name": "exact_match"}}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({**config, "data": data}))
-    return subprocess.run(cli_command("config", "validate", str(path)), capture_output=True, text=True, env=cli_env())
+    return preloaded.run(cli_command("config", "validate", str(path)), capture_output=True, text=True, env=cli_env())
 
 
 def test_a_misspelled_source_gets_a_did_you_mean_and_exit_status_2(tmp_path: Path) -> None:

@@ -7,9 +7,9 @@ injected ENOSPC everywhere."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 
 import pytest
+from core_rl.testing import preloaded
 from fault_helpers import build_task, cli_command, cli_env, merged, write_config
 
 pytest.importorskip("core_rl_fsdp")
@@ -27,7 +27,7 @@ exit $rc
 def _namespaces_work() -> bool:
     if shutil.which("unshare") is None:
         return False
-    probe = subprocess.run(
+    probe = preloaded.run(
         ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", "mount -t tmpfs tmpfs /mnt || exit 1"],
         capture_output=True,
         timeout=30,
@@ -48,7 +48,7 @@ def test_full_tmpfs_during_a_checkpoint(tmp_path):
     )
     path = write_config(config, tmp_path / "full.yaml")
     env = {**cli_env(), "MOUNTED_RUN": str(mount / "full"), "COPY": str(tmp_path / "copy")}
-    proc = subprocess.run(
+    proc = preloaded.run(
         [
             "unshare",
             "--user",

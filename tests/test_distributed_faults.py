@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from core_rl.reliability.progress import STALL_VARIABLE
+from core_rl.testing import preloaded
 from core_rl.testing.faults import finish, wait_for_steps, worker_of_rank
 from core_rl.testing.launch import cpu_ranks_env
 from core_rl.testing.processes import process_tree
@@ -37,7 +38,7 @@ def launch(config: dict, *overrides: str, env: dict | None = None) -> subprocess
     path = write_config(
         config, Path(config["experiment"]["output_dir"]).parent / f"{config['experiment']['name']}.yaml"
     )
-    return subprocess.Popen(
+    return preloaded.Popen(
         cli_command("train", "--nproc-per-node", "2", str(path), *overrides),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -17,6 +17,7 @@ from core_rl.config import load_config
 from core_rl.config.epochs import derive_total_steps, epoch_steps
 from core_rl.config.loader import to_yaml
 from core_rl.errors import ConfigError
+from core_rl.testing import preloaded
 from core_rl.testing.faults import build_task, merged, run_dir, same_run
 from fault_helpers import cli_command, cli_env, cli_train
 
@@ -99,7 +100,7 @@ def test_total_steps_with_total_epochs_is_one_error_from_the_cli(tmp_path, minim
         actor={"model_path": "/m"}, rollout={}, algorithm={"name": "grpo"}, reward={"name": "exact_match"}
     )
     path = _write(tmp_path, {**minimal_config, "trainer": {"total_epochs": 3, "total_steps": 50}})
-    proc = subprocess.run(cli_command("config", "validate", str(path)), capture_output=True, text=True, env=cli_env())
+    proc = preloaded.run(cli_command("config", "validate", str(path)), capture_output=True, text=True, env=cli_env())
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     problems = [line for line in proc.stderr.splitlines() if line.startswith("  - ")]
     assert problems == [
@@ -107,14 +108,14 @@ def test_total_steps_with_total_epochs_is_one_error_from_the_cli(tmp_path, minim
         "remove trainer.total_steps (override ~trainer.total_steps) to train 3 epoch(s), or remove "
         "trainer.total_epochs to train 50 steps"
     ]
-    ok = subprocess.run(
+    ok = preloaded.run(
         cli_command("config", "validate", str(path), "trainer.total_steps=0"),
         capture_output=True,
         text=True,
         env=cli_env(),
     )
     assert ok.returncode == 0, ok.stderr
-    zero = subprocess.run(
+    zero = preloaded.run(
         cli_command("config", "validate", str(path), "~trainer.total_epochs", "trainer.total_steps=0"),
         capture_output=True,
         text=True,

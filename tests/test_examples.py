@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from core_rl.testing import preloaded
 
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_hf")
@@ -17,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_tiny_grpo_main_runs_and_reports(tmp_path):
     work = tmp_path / "work"
-    proc = subprocess.run(
+    proc = preloaded.run(
         [
             sys.executable,
             str(ROOT / "examples" / "tiny_grpo" / "main.py"),
@@ -63,7 +64,7 @@ print("imports ok")
 def test_the_main_job_imports_without_test_packages():
     """A user who installed core-rl[all] without the dev requirements has no pytest: nothing the
     main job imports may need it."""
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, "-c", NO_TEST_PACKAGES, str(ROOT / "examples" / "tiny_grpo" / "main.py")],
         capture_output=True,
         text=True,
@@ -85,7 +86,7 @@ def test_combined_reward_with_swanlab_and_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     work = tmp_path / "work"
-    proc = subprocess.run(
+    proc = preloaded.run(
         [
             sys.executable,
             str(ROOT / "examples" / "tiny_grpo" / "main.py"),

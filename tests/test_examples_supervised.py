@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from core_rl.builtin.loggers import read_metrics
+from core_rl.testing import preloaded
 from core_rl.testing.launch import run_train
 
 pytest.importorskip("core_rl_fsdp")
@@ -23,7 +23,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "tiny_supervised"
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("supervised")
-    subprocess.run([sys.executable, str(EXAMPLES / "prepare.py"), "--workdir", str(work)], check=True, timeout=300)
+    preloaded.run([sys.executable, str(EXAMPLES / "prepare.py"), "--workdir", str(work)], check=True, timeout=300)
     return work
 
 

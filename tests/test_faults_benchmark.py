@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from core_rl.testing import preloaded
 
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_hf")
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_quick_report(tmp_path):
     out = tmp_path / "report.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, "-m", "benchmarks.faults", "--quick", "--json", str(out), "--workdir", str(tmp_path / "w")],
         cwd=ROOT,
         capture_output=True,

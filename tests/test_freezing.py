@@ -12,6 +12,7 @@ import pytest
 import torch
 from core_rl.config.schema import ActorConfig, PluginSpec
 from core_rl.roles.freezing import freeze_parameters, freeze_problems, frozen_names
+from core_rl.testing import preloaded
 
 FROZEN = ["embed_tokens", r"layers\.0\."]
 
@@ -81,7 +82,7 @@ def _validate(tmp_path: Path, model_dir: Path, *overrides: str) -> subprocess.Co
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "ab", "answer": "ba"}\n')
     path = write_grpo_config(tmp_path, model_dir, [str(data)])
-    return subprocess.run(
+    return preloaded.run(
         [sys.executable, "-m", "core_rl.cli", "config", "validate", "--preflight", str(path), *overrides],
         capture_output=True,
         text=True,

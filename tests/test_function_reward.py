@@ -7,7 +7,6 @@ reward's metrics exactly (training and evaluation)."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -22,7 +21,7 @@ from core_rl.loops.rl.reward_runner import NOT_A_NUMBER, RewardRunner
 from core_rl.plugins.host import PluginHost
 from core_rl.plugins.kinds import REWARD
 from core_rl.protocol import RewardInput
-from core_rl.testing import RewardContract, make_reward_input
+from core_rl.testing import RewardContract, make_reward_input, preloaded
 from core_rl.testing.faults import build_task, merged, run_dir, stable_metrics
 from fault_helpers import cli_command, cli_env
 
@@ -122,7 +121,7 @@ def _validate(tmp_path: Path, reward: dict[str, Any]) -> tuple[int, list[str], s
         "reward": {"name": "combine", "parts": [{"reward": {"name": "char_match"}}, {"reward": reward}]},
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
-    proc = subprocess.run(
+    proc = preloaded.run(
         cli_command("config", "validate", "c.yaml"), capture_output=True, text=True, env=cli_env(), cwd=tmp_path
     )
     return proc.returncode, [ln[4:] for ln in proc.stderr.splitlines() if ln.startswith("  - ")], proc.stderr
@@ -188,7 +187,7 @@ def test_a_grpo_run_with_a_file_reward_matches_the_packaged_char_match(tmp_path:
         config = merged(base, experiment={"name": name}, reward=reward)
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config))
-        proc = subprocess.run(
+        proc = preloaded.run(
             cli_command("train", str(path)), capture_output=True, text=True, env=cli_env(), cwd=tmp_path, timeout=600
         )
         assert proc.returncode == 0, proc.stderr[-3000:]

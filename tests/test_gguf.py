@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from core_rl.roles import gguf
+from core_rl.testing import preloaded
 from core_rl.testing import real_model as real
 
 
@@ -123,7 +124,6 @@ def test_config_problems_name_the_key(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_core_rl_train_takes_a_gguf_model_path(real_model: Path, real_gguf: Path, tmp_path: Path) -> None:
     """``config show`` of a run whose ``actor.model_path`` is the GGUF file: valid, the path shown as
     the converted directory; ``core-rl train`` with a missing file: one line and exit 2."""
-    import subprocess
 
     from core_rl.testing.launch import write_grpo_config
 
@@ -131,10 +131,10 @@ def test_core_rl_train_takes_a_gguf_model_path(real_model: Path, real_gguf: Path
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     config = write_grpo_config(tmp_path, real_gguf, [str(data)])
     cli = [sys.executable, "-m", "core_rl.cli", "config"]
-    shown = subprocess.run([*cli, "show", str(config)], capture_output=True, text=True, timeout=300)
+    shown = preloaded.run([*cli, "show", str(config)], capture_output=True, text=True, timeout=300)
     assert shown.returncode == 0, shown.stderr
     assert f"model_path: {real_model}" in shown.stdout
-    missing = subprocess.run(
+    missing = preloaded.run(
         [sys.executable, "-m", "core_rl.cli", "train", str(config), f"actor.model_path={tmp_path / 'gone.gguf'}"],
         capture_output=True,
         text=True,

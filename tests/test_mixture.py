@@ -6,7 +6,6 @@ real ``core-rl train`` run of a mixture, and its resume equal to the uninterrupt
 from __future__ import annotations
 
 import json
-import subprocess
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +15,7 @@ from core_rl.config.schema import DataConfig, TrainFile
 from core_rl.data.files import DataRow
 from core_rl.data.mixture import apportion
 from core_rl.data.prompts import PromptItem, PromptSource, TokenisedRows, tokenisation_key
+from core_rl.testing import preloaded
 from core_rl.testing.faults import build_task, merged, run_dir, same_run
 from fault_helpers import cli_command, cli_env, cli_train
 from hypothesis import given, settings
@@ -156,7 +156,7 @@ def test_weight_problems_name_the_key_path_and_exit_2(tmp_path: Path) -> None:
         "mean 'weight'?",
     }
     for overrides, line in cases.items():
-        proc = subprocess.run(
+        proc = preloaded.run(
             cli_command("config", "validate", str(path), *overrides), capture_output=True, text=True, env=cli_env()
         )
         assert proc.returncode == 2 and "Traceback" not in proc.stderr

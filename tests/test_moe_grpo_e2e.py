@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import yaml
 from core_rl import cli
 from core_rl.builtin.loggers import read_metrics
 from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing import preloaded
 from core_rl.testing.launch import run_train
 
 pytest.importorskip("core_rl_fsdp")
@@ -100,7 +100,7 @@ def test_config_validate_refuses_rollout_routes_from_an_engine_that_cannot_retur
 def test_the_moe_example_prints_both_mismatch_curves(tmp_path: Path) -> None:
     main = Path(__file__).resolve().parents[1] / "examples" / "moe_grpo" / "main.py"
     args = ["--workdir", str(tmp_path / "work"), "--steps", "2", "--warm-steps", "5"]
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, str(main), *args, "data.batch_size=4"],
         capture_output=True,
         text=True,

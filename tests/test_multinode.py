@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from core_rl.testing import preloaded
 from core_rl.testing.faults import build_task, merged, stable_metrics
 from core_rl.testing.launch import cpu_ranks_env, free_port
 
@@ -27,7 +28,7 @@ TIMEOUT_2S = "launcher={name: local, rdzv_timeout_s: 2}"
 def _train(config: Path, name: str, *options: str, overrides: Sequence[str] = ()) -> subprocess.Popen:
     """``core-rl train OPTIONS CONFIG experiment.name=NAME OVERRIDES`` on CPU ranks."""
     env = cpu_ranks_env({**cpu_ranks_env(), "OMP_NUM_THREADS": "1"})
-    return subprocess.Popen(
+    return preloaded.Popen(
         [sys.executable, "-m", "core_rl.cli", "train", *options, str(config), f"experiment.name={name}", *overrides],
         env=env,
         stdout=subprocess.PIPE,

@@ -5,7 +5,6 @@ property test against a brute-force assignment of GPUs to roles."""
 from __future__ import annotations
 
 import itertools
-import subprocess
 import sys
 from pathlib import Path
 from typing import ClassVar
@@ -20,7 +19,7 @@ from core_rl.hookspecs import Register, hookimpl
 from core_rl.launch.launchers import Launcher, LaunchRequest, build_launcher, launch_checked, launcher_check
 from core_rl.launch.placement import ClusterResources, placement_mode, placement_problems
 from core_rl.launch.rendezvous import Rendezvous
-from core_rl.testing import LauncherContract
+from core_rl.testing import LauncherContract, preloaded
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -141,7 +140,7 @@ def test_config_validate_names_the_shortfall_on_this_machine(tmp_path, minimal_c
             }
         )
     )
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, "-m", "core_rl.cli", "config", "validate", str(path)], capture_output=True, text=True
     )
     assert proc.returncode == 2, proc.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from core_rl.testing import preloaded
 from core_rl.testing.blocking import in_environment
 from core_rl.testing.faults import build_task, finish, merged, run_dir
 from core_rl.testing.launch import cpu_ranks_env
@@ -44,7 +45,7 @@ def _train(config: dict[str, Any], *overrides: str, timeout: float, ranks: int =
     )
     start = time.monotonic()
     launch = ("--nproc-per-node", str(ranks)) if ranks > 1 else ()
-    proc = subprocess.Popen(
+    proc = preloaded.Popen(
         cli_command("train", *launch, str(path), *overrides, faults=True),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -9,11 +9,11 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from core_rl.testing import preloaded
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = (ROOT / "docs" / "quickstart.md").read_text()
@@ -72,7 +72,7 @@ def test_the_pages_commands_run_in_order_on_a_tiny_model(tmp_path: Path) -> None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CORE_RL_HOME": str(tmp_path / "home")}
     for args in commands:
         sized = [*args, *SMALL] if "my_run.yaml" in args else args
-        proc = subprocess.run(
+        proc = preloaded.run(
             [sys.executable, "-m", "core_rl.cli", *sized], cwd=tmp_path, env=env, capture_output=True, text=True
         )
         assert proc.returncode == 0, f"core-rl {shlex.join(sized)}\n{proc.stdout}\n{proc.stderr}"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
 import sys
 import threading
 
@@ -26,7 +25,7 @@ from core_rl.loops.rl.reward_runner import (
     RewardRunner,
 )
 from core_rl.plugins.kinds import REWARD
-from core_rl.testing import make_reward_input
+from core_rl.testing import make_reward_input, preloaded
 from core_rl.testing.faults import RELEASE, FaultPlugin, MisbehaveConfig
 
 ITEMS = [make_reward_input("x" * (i + 1), prompt=f"p{i}") for i in range(8)]
@@ -154,7 +153,7 @@ def test_a_hanging_reward_does_not_block_exit():
         " RewardRunnerConfig(timeout_s=0.2, max_error_fraction=1.0))\n"
         "print(r.score([make_reward_input('a')]).failures[0].kind)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = preloaded.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "timeout"
 

@@ -15,6 +15,7 @@ import pytest
 from core_rl.builtin.loggers import read_metrics
 from core_rl.rollout import dump as rollout_dump
 from core_rl.rollout.dump import FORMAT, dumped_steps, read_header, read_step, step_file, write_step
+from core_rl.testing import preloaded
 from core_rl.testing.faults import build_task, checkpoint, merged, run_dir, state_digest
 from core_rl.testing.tiny import build_tiny_model
 from fault_helpers import cli_command, cli_env, cli_train, write_config
@@ -126,10 +127,9 @@ def test_a_failed_write_leaves_no_step_file(tmp_path: Path, dumped: Path, monkey
 
 
 def _validate(config: dict, tmp_path: Path, *overrides: str):
-    import subprocess
 
     path = write_config(config, tmp_path / "check.yaml")
-    return subprocess.run(
+    return preloaded.run(
         cli_command("config", "validate", "--preflight", str(path), *overrides),
         capture_output=True,
         text=True,

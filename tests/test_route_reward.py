@@ -21,7 +21,7 @@ from core_rl.config.schema import PluginSpec
 from core_rl.errors import ConfigError
 from core_rl.plugins.host import PluginHost
 from core_rl.plugins.kinds import REWARD
-from core_rl.testing import make_reward_input
+from core_rl.testing import make_reward_input, preloaded
 from core_rl.testing.faults import build_task, merged, run_dir
 from fault_helpers import cli_command, cli_env
 
@@ -112,7 +112,7 @@ def _task(root: Path) -> dict[str, Any]:
 def _cli(root: Path, config: dict[str, Any], *args: str) -> subprocess.CompletedProcess[str]:
     path = root / "run.yaml"
     path.write_text(yaml.safe_dump(config))
-    return subprocess.run(
+    return preloaded.run(
         cli_command(*args, str(path)), capture_output=True, text=True, env=cli_env(), cwd=root, timeout=600
     )
 

@@ -17,6 +17,7 @@ from core_rl.config.loader import structure
 from core_rl.errors import CoreRLError
 from core_rl.loops.run import is_retriable
 from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing import preloaded
 from core_rl_server_kit.processes import ServerError, pid_alive
 from core_rl_server_kit.supervise import session_members
 
@@ -90,7 +91,7 @@ def test_a_server_killed_mid_run_ends_it_with_one_message(tmp_path: Path) -> Non
         "rollout.engine.server.max_restarts=0",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = preloaded.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         pidfile, metrics = run / "servers" / "vllm-0.pid", run / "metrics.jsonl"
         pid = _wait("the server to start", lambda: _server_pid(pidfile), proc)

@@ -8,12 +8,12 @@ show ``hf`` learning)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from core_rl.builtin.loggers import read_metrics
+from core_rl.testing import preloaded
 from core_rl.testing.helpers import fitted_rise
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def _train(warm: dict[str, Path], name: str, *overrides: str) -> list[dict]:
         "eval.before_train=false",  # grpo.yaml's evaluation after the last step only (through the server too)
         *overrides,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = preloaded.run(cmd, capture_output=True, text=True, timeout=1200, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return read_metrics(warm["root"] / name / "metrics.jsonl")
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from core_rl.plugins.host import PluginHost
 from core_rl.reliability.progress import STALL_VARIABLE
+from core_rl.testing import preloaded
 from core_rl.testing.faults import finish, wait_for_random_moment, wait_for_steps
 from fault_helpers import (
     build_task,
@@ -54,7 +55,7 @@ def start(config: dict, *, faults: bool = False) -> subprocess.Popen:
     path = write_config(
         config, Path(config["experiment"]["output_dir"]).parent / f"{config['experiment']['name']}.yaml"
     )
-    return subprocess.Popen(
+    return preloaded.Popen(
         cli_command("train", str(path), faults=faults),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -146,7 +147,7 @@ def test_sigterm_during_a_stuck_step_stops_within_the_grace_without_saving(base,
     config = merged(base, experiment={"name": "stuck-sigterm"}, recover={"mode": "auto"}, trainer={"stop_grace_s": 5})
     run = run_dir(config)
     path = write_config(config, Path(config["experiment"]["output_dir"]).parent / "stuck-sigterm.yaml")
-    proc = subprocess.Popen(
+    proc = preloaded.Popen(
         cli_command("train", str(path)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

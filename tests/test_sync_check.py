@@ -16,6 +16,7 @@ import torch
 from core_rl.sync.check import WeightSyncMismatch
 from core_rl.sync.faults import VARIABLE
 from core_rl.sync.fingerprint import fingerprint, first_difference
+from core_rl.testing import preloaded
 from core_rl.testing.launch import cpu_ranks_env
 from fault_helpers import build_task, cli_command, cli_env, cli_train, merged, run_dir, train_here, write_config
 
@@ -130,7 +131,7 @@ def _two_ranks(config: dict, fault: str | None) -> subprocess.CompletedProcess:
     env.pop(VARIABLE, None)
     if fault is not None:
         env[VARIABLE] = fault
-    return subprocess.run(
+    return preloaded.run(
         cli_command("train", "--nproc-per-node", "2", str(path)),
         capture_output=True,
         text=True,

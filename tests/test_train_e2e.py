@@ -13,6 +13,7 @@ import pytest
 import yaml
 from core_rl.builtin.loggers import read_metrics
 from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing import preloaded
 from core_rl.testing.launch import run_train
 
 pytest.importorskip("core_rl_fsdp")
@@ -93,7 +94,7 @@ def test_train_writes_metrics_checkpoints_and_model(setup, straight_run):
 
     AutoModelForCausalLM.from_pretrained(run / "final_hf")
     # a second fresh run into the same directory is refused (exit 2, no traceback)
-    again = subprocess.run(
+    again = preloaded.run(
         [sys.executable, "-m", "core_rl.cli", "train", str(setup["config"]), "experiment.name=full"],
         capture_output=True,
         text=True,
@@ -171,7 +172,7 @@ def test_a_finished_run_leaves_no_process_group_at_exit(setup):
         "print('initialized after the run:', dist.is_initialized())\n"
         "sys.exit(code)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    proc = preloaded.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "initialized after the run: True" in proc.stdout  # kept for a later run in the same process ...
     assert "group at exit: False" in proc.stdout  # ... and destroyed at exit
@@ -190,6 +191,6 @@ def test_an_engines_own_group_of_one_is_destroyed_at_exit():
         "print('rank and world:', ensure_process_group('auto', torch.device('cpu')))\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    proc = preloaded.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank and world: (0, 1)" in proc.stdout and "group at exit: False" in proc.stdout, proc.stdout

@@ -10,6 +10,7 @@ from core_rl.config.schema import DataConfig
 from core_rl.data.prompts import PromptSource
 from core_rl.errors import DataError
 from core_rl.roles.tiny import build_char_tokenizer
+from core_rl.testing import preloaded
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,6 @@ def test_library_progress_bars_are_quiet_without_importing_datasets() -> None:
     """A run silences ``datasets``'s bars through its environment variable, so it does not import
     ``datasets`` (about 86 MiB resident) just for that; once imported, its bars are off."""
     import os
-    import subprocess
     import sys
 
     code = (
@@ -82,7 +82,7 @@ def test_library_progress_bars_are_quiet_without_importing_datasets() -> None:
         "assert datasets.utils.are_progress_bars_disabled()\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "HF_DATASETS_DISABLE_PROGRESS_BARS"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    result = preloaded.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
 
 

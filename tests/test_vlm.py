@@ -21,6 +21,7 @@ from core_rl.data.prompts import tokenise_rows
 from core_rl.interfaces import LossOutput, SamplingParams
 from core_rl.protocol import Sample, TensorBatch, concat_padded, samples_to_batch
 from core_rl.roles.tiny_vlm import IMAGE_PAD, build_tiny_vlm
+from core_rl.testing import preloaded
 from core_rl.testing.helpers import build_rollout_engine
 from core_rl.vision.media import row_media
 from core_rl_train_kit.microbatch import take_micro_batch
@@ -511,7 +512,6 @@ def test_two_ranks_line_up_when_only_one_has_images(
     grid, LLaVA's (CLIP) whole images."""
     pytest.importorskip(f"core_rl_{engine_spec.partition('-zero')[0]}")
     import os
-    import subprocess
     import sys
 
     from core_rl.testing.launch import cpu_ranks_env
@@ -535,7 +535,7 @@ def test_two_ranks_line_up_when_only_one_has_images(
         engine_spec,
     ]
     env = cpu_ranks_env({**os.environ, "OMP_NUM_THREADS": "1"})
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    done = preloaded.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     alone = samples_to_batch([Sample([1, 9, 10, 11], [7, 8], [-1.0, -1.0], 0, "stop")], [0], pad_token_id=0)

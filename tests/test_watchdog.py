@@ -20,6 +20,7 @@ import pytest
 from core_rl.config.schema import WatchdogConfig
 from core_rl.reliability.progress import STALL_VARIABLE, STEP, Progress
 from core_rl.reliability.watchdog import bound
+from core_rl.testing import preloaded
 from core_rl.testing.faults import build_task, finish, merged, run_dir, wait_for_steps
 from core_rl.testing.launch import cpu_ranks_env
 from core_rl_server_kit.processes import pid_alive
@@ -101,7 +102,7 @@ def test_a_rank_sleeping_inside_a_step_under_torchrun(tmp_path: Path) -> None:
     )
     path = write_config(config, tmp_path / "stuck.yaml")
     env = cpu_ranks_env({**cli_env(), STALL_VARIABLE: "1:2:train_step"})
-    proc = subprocess.Popen(
+    proc = preloaded.Popen(
         cli_command("train", "--nproc-per-node", "2", str(path)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -197,7 +198,7 @@ def test_a_request_to_a_paused_vllm_server(tmp_path: Path) -> None:
         "saver.at_end=false",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = preloaded.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     pids: list[int] = []
     try:
         pid = _wait("the server to start", lambda: _server_pid(run / "servers" / "vllm-0.pid"), proc)

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from core_rl.testing import preloaded
 from core_rl_server_kit.remote.options import ServerOptions
 from core_rl_server_kit.remote.weights import auto_weight_backend
 
@@ -46,7 +47,7 @@ def test_the_weight_group_is_not_split_from_a_bound_default_group() -> None:
     rank and no server. The weight group is built with the default group unbound (then bound
     again). Checked on gloo, through torch's own decision: it asks for a split source only when
     the default group is bound."""
-    proc = subprocess.run([sys.executable, "-c", SPLIT_CHECK], capture_output=True, text=True, timeout=120)
+    proc = preloaded.run([sys.executable, "-c", SPLIT_CHECK], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
@@ -107,7 +108,7 @@ def test_tensors_are_received_one_at_a_time_as_asked_for(tmp_path) -> None:
 
     port, marker = free_port("127.0.0.1"), tmp_path / "took-first"
     sides = [
-        subprocess.Popen(
+        preloaded.Popen(
             [sys.executable, "-c", STREAM_SIDE, str(rank), str(port), str(marker)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

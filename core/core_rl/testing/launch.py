@@ -13,6 +13,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from core_rl.testing import preloaded
+
 LAUNCH_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -51,7 +53,7 @@ def run_torchrun(
         str(script),
         *args,
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = preloaded.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc
 
@@ -61,9 +63,7 @@ def run_script(script: Path | str, *args: str, timeout: float = 600) -> subproce
     say); raise ``AssertionError`` with the tail of its output unless it exits 0,
     ``subprocess.TimeoutExpired`` after ``timeout`` s."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
+    proc = preloaded.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -91,7 +91,7 @@ def run_train(
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if cpu:
         env = cpu_ranks_env(env)
-    proc = subprocess.run(
+    proc = preloaded.run(
         train_command(config, *overrides, nproc=nproc), env=env, capture_output=True, text=True, timeout=timeout
     )
     assert proc.returncode == expect, (

@@ -17,6 +17,7 @@ import pytest
 import yaml
 from core_rl.builtin.loggers import read_metrics
 from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing import preloaded
 from core_rl.testing.launch import run_train as train
 from core_rl.testing.launch import train_command
 from safetensors.torch import load_file
@@ -61,7 +62,7 @@ def test_loss_falls_and_a_signal_stop_resumes_exactly(setup):
     # SIGTERM once the first checkpoint exists: the run stops after its step with a checkpoint ...
     run = runs / "stopped"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
+    proc = preloaded.Popen(
         train_command(setup["config"], "experiment.name=stopped"),
         env=env,
         stdout=subprocess.PIPE,

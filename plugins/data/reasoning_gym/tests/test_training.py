@@ -8,13 +8,13 @@ import json
 import math
 import os
 import string
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import yaml
 from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing import preloaded
 from core_rl_reasoning_gym.source import ReasoningGymSource, ReasoningGymSourceConfig
 
 SOURCE = {
@@ -47,7 +47,7 @@ def test_five_grpo_steps_on_a_tiny_model_through_the_source_and_the_reward(tmp_p
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     started = time.monotonic()
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, "-m", "core_rl.cli", "train", str(path)], capture_output=True, text=True, env=env, timeout=600
     )
     elapsed = time.monotonic() - started

@@ -12,7 +12,7 @@ import torch
 from core_rl.config.schema import ActorConfig, LoraConfig, MicroBatchConfig, OptimizerConfig, PluginSpec
 from core_rl.interfaces import LossOutput
 from core_rl.protocol import TensorBatch
-from core_rl.testing import make_rl_batch
+from core_rl.testing import make_rl_batch, preloaded
 from core_rl.testing.contracts import hf_logprobs
 from core_rl.testing.weight_transfer import assert_same_adapter, check_weight_buckets
 from core_rl_deepspeed.config import DeepSpeedConfig
@@ -260,7 +260,6 @@ def test_a_model_with_its_own_code_trains_and_exports_with_it(tmp_path: Path, st
 def test_deepspeed_is_imported_without_mlflow_which_imports_afterwards() -> None:
     """DeepSpeed's autotuner imports MLflow where installed (seconds of each process's start):
     ``import_deepspeed`` keeps it out, and ``import mlflow`` works afterwards (the mlflow logger)."""
-    import subprocess
     import sys
 
     pytest.importorskip("mlflow")
@@ -273,5 +272,5 @@ def test_deepspeed_is_imported_without_mlflow_which_imports_afterwards() -> None
         "import mlflow\n"
         "assert mlflow.__version__\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    proc = preloaded.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

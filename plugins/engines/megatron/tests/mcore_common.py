@@ -14,7 +14,7 @@ import torch
 from core_rl.config.schema import ActorConfig, MicroBatchConfig, OptimizerConfig, PluginSpec, SchedulerConfig
 from core_rl.interfaces import LossOutput, TrainEngine
 from core_rl.protocol import TensorBatch
-from core_rl.testing import make_rl_batch
+from core_rl.testing import make_rl_batch, preloaded
 
 # Tolerances of the comparisons with fsdp and Hugging Face (float32 on CPU; see test_distributed.py).
 LOGIT_ATOL, LOGPROB_ATOL = 1e-4, 1e-5
@@ -220,7 +220,7 @@ def run_torchrun(script: Path, nproc: int, *args: str, timeout: float, cpu: bool
         *args,
     ]
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = preloaded.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         _fail(f"{script.name} did not finish within {timeout} s:\n{(exc.stderr or b'')[-6000:]!r}")
     assert proc.returncode == 0, f"{script.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"

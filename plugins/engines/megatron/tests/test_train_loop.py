@@ -7,7 +7,6 @@ actor runs like PPO with the fsdp critic."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 from core_rl.builtin.loggers import read_metrics
 from core_rl.config.loader import load_config
 from core_rl.plugins.host import PluginHost
+from core_rl.testing import preloaded
 from core_rl.testing.tiny import build_tiny_model
 
 for dist in ("core_rl_hf", "core_rl_grpo", "core_rl_reward_match"):
@@ -132,7 +132,7 @@ def test_without_cuda_a_run_is_refused_in_one_line(tmp_path: Path, command: list
     model, data = _task(tmp_path)
     overrides = [*CPU, f"experiment.output_dir={tmp_path / 'runs'}", f"actor.model_path={model}"]
     overrides.append(f"data.train_files=[{data}]")
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, "-m", "core_rl.cli", *command, str(EXAMPLE), *overrides],
         capture_output=True,
         text=True,

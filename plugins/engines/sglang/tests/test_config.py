@@ -8,6 +8,7 @@ import pytest
 from core_rl.cli import main
 from core_rl.config.loader import structure
 from core_rl.errors import ConfigError
+from core_rl.testing import preloaded
 from core_rl_sglang.config import SGLangConfig
 from core_rl_sglang.engine import SGLangRolloutEngine
 
@@ -182,7 +183,6 @@ def test_pinless_host_memory_where_torch_cannot_pin() -> None:
     (it patches torch): where this torch cannot pin, ``pin_memory=True`` and ``.pin_memory()`` give
     ordinary tensors with the same values, and registering host memory (SGLang's routed-experts
     capture) succeeds doing nothing; where it can, nothing is patched."""
-    import subprocess
     import sys
 
     server_side = Path(__file__).resolve().parents[1] / "src" / "core_rl_sglang" / "server_side"
@@ -199,7 +199,7 @@ def test_pinless_host_memory_where_torch_cannot_pin() -> None:
         "    assert torch.cuda.cudart().cudaHostRegister(o.data_ptr(), 8, 0) == 0\n"
         "print('pins' if works else 'patched')\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], cwd=server_side, capture_output=True, text=True, timeout=120)
+    out = preloaded.run([sys.executable, "-c", script], cwd=server_side, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() in ("pins", "patched")
 
@@ -208,7 +208,6 @@ def test_the_servers_sitecustomize_applies_pinless_and_runs_the_one_it_shadows(t
     """A server process (``server_side`` first on ``PYTHONPATH``) with ``CORE_RL_SGLANG_PINLESS=1``
     makes pinned tensors, and a ``sitecustomize`` further down the path still runs."""
     import os
-    import subprocess
     import sys
 
     from core_rl_sglang.lora import PINLESS_VARIABLE
@@ -217,7 +216,7 @@ def test_the_servers_sitecustomize_applies_pinless_and_runs_the_one_it_shadows(t
     (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['SHADOWED_SITECUSTOMIZE'] = 'ran'\n")
     env = {**os.environ, "PYTHONPATH": f"{server_side}{os.pathsep}{tmp_path}", PINLESS_VARIABLE: "1"}
     script = "import os, torch\ntorch.zeros(2, pin_memory=True)\nprint(os.environ['SHADOWED_SITECUSTOMIZE'])\n"
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    out = preloaded.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ran"
 

@@ -10,19 +10,19 @@ from __future__ import annotations
 import json
 import math
 import string
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing import preloaded
 from core_rl.testing.launch import run_train, write_grpo_config
 from openenv_game import EXAMPLES, GAME
 
 
 def pip_freeze() -> str:
-    return subprocess.run(
+    return preloaded.run(
         [sys.executable, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True, check=True
     ).stdout
 
@@ -72,7 +72,7 @@ def test_five_grpo_steps_through_an_openenv_server(tmp_path: Path) -> None:
     # the game's answers are the observations between turns
     assert any(("higher" in s["response"] or "lower" in s["response"]) for s in samples)
     assert pip_freeze() == before
-    assert subprocess.run([sys.executable, "-c", "import openenv"], capture_output=True).returncode != 0
+    assert preloaded.run([sys.executable, "-c", "import openenv"], capture_output=True).returncode != 0
     print(f"5 steps in {elapsed:.1f} s (process start to exit); rewards {[round(s['reward/mean'], 3) for s in steps]}")
 
 

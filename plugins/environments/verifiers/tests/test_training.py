@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import math
 import string
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing import preloaded
 from core_rl.testing.launch import run_train, write_grpo_config
 from vf_options import options
 
@@ -24,7 +24,7 @@ GUESS = options("tiny-guess", taskset_options={"size": 8}, env_options={"max_gue
 
 
 def pip_freeze() -> str:
-    return subprocess.run(
+    return preloaded.run(
         [sys.executable, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True, check=True
     ).stdout
 
@@ -70,7 +70,7 @@ def test_five_grpo_steps_through_the_multi_turn_env(tmp_path: Path) -> None:
     assert all(set(s["info/steps"][-1]["rewards"]) == {"solved", "quick", "digits"} for s in samples)
     assert len(samples) == 5 * 8 and all(s["prompt"] == "Guess my digit:" for s in samples)
     assert pip_freeze() == before
-    assert subprocess.run([sys.executable, "-c", "import verifiers"], capture_output=True).returncode != 0
+    assert preloaded.run([sys.executable, "-c", "import verifiers"], capture_output=True).returncode != 0
     print(f"5 steps in {elapsed:.1f} s (process start to exit); rewards {[round(s['reward/mean'], 3) for s in steps]}")
 
 

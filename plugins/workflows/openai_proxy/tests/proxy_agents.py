@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import openai
+from core_rl.testing import preloaded
 
 #: the tiny tokenizer's chat template (see examples/agent_proxy/chat_template.jinja)
 TEMPLATE = (
@@ -182,10 +183,9 @@ SCRIPTED_TOOL_CALL = ["let me add.", "<tool_call>", '{"name":"add","arguments":{
 
 def pip_freeze() -> str:
     """core-rl's environment as ``pip list --format=freeze`` prints it."""
-    import subprocess
     import sys
 
-    return subprocess.run(
+    return preloaded.run(
         [sys.executable, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True, check=True
     ).stdout
 
@@ -194,7 +194,6 @@ def framework_python(requirements: list[str], module: str, distribution: str, ve
     """The interpreter of an agent framework's own environment, built from ``requirements`` as
     ``rollout.workflow.requirements`` builds it (once, then reused): it imports ``module`` with
     ``distribution`` at ``version``, while core-rl's environment is unchanged and cannot import it."""
-    import subprocess
     import sys
 
     from core_rl_openai_proxy.agent_env import agent_python
@@ -203,9 +202,9 @@ def framework_python(requirements: list[str], module: str, distribution: str, ve
     python = agent_python("", requirements)
     assert python != sys.executable
     probe = f"import {module}, importlib.metadata as m; print(m.version({distribution!r}))"
-    assert subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True).stdout.startswith(version)
+    assert preloaded.run([python, "-c", probe], capture_output=True, text=True, check=True).stdout.startswith(version)
     assert pip_freeze() == before
-    assert subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True).returncode != 0
+    assert preloaded.run([sys.executable, "-c", f"import {module}"], capture_output=True).returncode != 0
     return python
 
 

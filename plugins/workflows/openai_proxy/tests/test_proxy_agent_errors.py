@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 from core_rl.builtin.loggers import read_metrics
+from core_rl.testing import preloaded
 from proxy_agents import LOG, TOOL_TEMPLATE, client
 
 for name in ("core_rl_fsdp", "core_rl_hf", "core_rl_grpo"):
@@ -74,7 +75,7 @@ def _train(work: Path, name: str, fraction: float) -> subprocess.CompletedProces
     }
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    return subprocess.run([CORE_RL, "train", str(path)], capture_output=True, text=True, timeout=600)
+    return preloaded.run([CORE_RL, "train", str(path)], capture_output=True, text=True, timeout=600)
 
 
 def test_errored_episodes_train_scored_and_counted(setup: Path) -> None:

@@ -16,11 +16,11 @@ answers with ``let me add.`` and a hermes call of ``add(3, 4)``).
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from core_rl.testing import preloaded
 from proxy_agents import SCRIPTED_TOOL_CALL, framework_options, framework_python, scripted_tool_model
 
 HERE = Path(__file__).resolve().parent
@@ -115,6 +115,6 @@ def test_environment_mistakes_are_config_errors(tmp_path) -> None:
         "python: /usr/bin/python3}\n"
     )
     core_rl = str(Path(sys.executable).with_name("core-rl"))
-    proc = subprocess.run([core_rl, "config", "validate", str(config)], capture_output=True, text=True)
+    proc = preloaded.run([core_rl, "config", "validate", str(config)], capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "rollout.workflow.requirements: cannot be set with python" in proc.stderr

@@ -7,7 +7,6 @@ naming the key to change; a template and parser that fit say nothing."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,6 +16,7 @@ import yaml
 from core_rl.config.checks import EnvironmentContext
 from core_rl.config.schema import PluginSpec
 from core_rl.roles.tiny import CHAT_TEMPLATE, build_tiny_model
+from core_rl.testing import preloaded
 from core_rl_openai_proxy.config import OpenAIAgentConfig
 from core_rl_openai_proxy.template_check import template_findings
 from proxy_agents import TOOL_TEMPLATE
@@ -81,13 +81,13 @@ def test_config_validate_preflight_stops_on_a_missing_template(model: Path, tmp_
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = subprocess.run([CORE_RL, "config", "validate", "--preflight", str(path)], capture_output=True, text=True)
+    proc = preloaded.run([CORE_RL, "config", "validate", "--preflight", str(path)], capture_output=True, text=True)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "rollout.workflow.chat_template: the tokenizer of" in proc.stderr
     assert "Traceback" not in proc.stderr
     (tmp_path / "plain.jinja").write_text(CHAT_TEMPLATE)
     override = f"rollout.workflow.chat_template={tmp_path / 'plain.jinja'}"
-    plain = subprocess.run(
+    plain = preloaded.run(
         [CORE_RL, "config", "validate", "--preflight", str(path), override], capture_output=True, text=True
     )
     assert plain.returncode == 0, plain.stdout + plain.stderr  # renders no tools: a warning, not a stop

@@ -1,0 +1,471 @@
+"""Python processes for tests, forked from an interpreter that has already imported torch and
+transformers.
+
+A test that runs ``core-rl train`` (or an example's ``main.py``) in a process of its own pays for
+importing torch and transformers each time: ~6 CPU seconds, most of a tiny run's cost and a fifth
+of a real model's. On the 2-core machines the suite runs on, that is a large share of its wall time.
+:func:`Popen` and :func:`run` take the same arguments as :mod:`subprocess`'s, and where the command
+is ``sys.executable ...`` they start a real child process forked from a *preloaded* interpreter:
+one per pytest worker (and per import-time environment, below) that imported those libraries once,
+then only waits for requests and forks. Any other command goes to :mod:`subprocess` unchanged.
+
+The child is an ordinary process: its own pid and process group (its own session with
+``start_new_session``), the requested environment, working directory, ``sys.argv`` and standard
+streams (the very pipes or files the caller asked for, passed over a Unix socket), running the
+module (``-m``) or script as ``__main__`` and ending through the interpreter's normal exit
+(``atexit`` handlers, non-daemon threads joined, the status from ``SystemExit``, or 1 after an
+uncaught exception's traceback). Signals sent to its pid reach it. What differs from a fresh
+``python``:
+
+- what the preloaded imports fixed when they ran: the environment they read then, so variables
+  whose names start with one of :data:`IMPORT_TIME_PREFIXES` (``HF_``, ``TORCH``, ``OMP_``,
+  ``PYTHON``...) key the preloaded interpreter, and a request whose values differ from every
+  running one's gets one of its own; and the string hash seed, shared by one interpreter's children;
+- its parent is the preloaded interpreter, which reaps it, and ``/proc/PID/environ`` shows the
+  interpreter's environment (``os.environ`` has the requested one).
+
+``CORE_RL_TEST_PRELOAD=0`` sends every command to :mod:`subprocess`. Tests of the console script, or
+of what an import does at start-up, start their processes with :mod:`subprocess` themselves.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+#: what the preloaded interpreter imports before it forks anything (third-party libraries only: what
+#: core-rl itself does at import is left to each child, which imports it in a few tenths of a second)
+PRELOAD = (
+    "numpy",
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.masking_utils",
+    "transformers.utils.type_validators",
+    "safetensors.torch",
+    "yaml",
+    "omegaconf",
+    "pluggy",
+    "attrs",
+    "cattrs",
+)
+
+#: environment variables read when :data:`PRELOAD` is imported (the name starts with one of these):
+#: they must have the request's values when the interpreter starts, so they key it
+IMPORT_TIME_PREFIXES = (
+    "HF_",
+    "HUGGINGFACE",
+    "TRANSFORMERS",
+    "TOKENIZERS",
+    "SAFETENSORS",
+    "TORCH",
+    "PYTORCH",
+    "OMP_",
+    "MKL",
+    "KMP_",
+    "OPENBLAS",
+    "CUDA",
+    "NCCL",
+    "PYTHON",
+    "USE_",
+    "XDG_",
+    "LD_",
+)
+
+PRELOAD_ENV = "CORE_RL_TEST_PRELOAD"
+_MESSAGE_BYTES = 1 << 20
+#: how often the preloaded interpreter looks for ended children while it has some
+_REAP_INTERVAL_S = 0.05
+
+#: the CPU seconds of the children forked so far for this process (and of the processes they reaped):
+#: a preloaded interpreter reaps them, so they never reach this process's ``os.times().children_*``
+forked_cpu_seconds = 0.0
+
+
+def import_time_environment(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The items of ``env`` that :data:`PRELOAD` reads at import: what keys a preloaded interpreter."""
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)))
+
+
+class PreloadedInterpreter:
+    """One preloaded interpreter (``python .../core_rl/testing/preloaded.py FD``: run as a script, so
+    that nothing of core-rl is imported before a child sets its environment) started with ``env``,
+    the Unix socket to it, and the exit statuses it has reported."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, str(theirs.fileno())],  # a script: core_rl stays unimported
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=dict(env),
+            start_new_session=True,  # a ^C to the test run reaches pytest, which closes this
+        )
+        theirs.close()
+        self.socket = ours
+        self.spawn_lock = threading.Lock()
+        self.changed = threading.Condition()
+        self.forked: list[int] = []
+        self.ended: dict[int, int] = {}
+        self.gone: str | None = None
+        ours.settimeout(300)
+        if json.loads(ours.recv(_MESSAGE_BYTES) or b"{}").get("ready") is not True:
+            raise RuntimeError(f"the preloaded interpreter did not start (status {self.process.poll()})")
+        ours.settimeout(None)
+        threading.Thread(target=self._read_replies, name="preloaded-replies", daemon=True).start()
+
+    def alive(self) -> bool:
+        return self.gone is None
+
+    def _read_replies(self) -> None:
+        global forked_cpu_seconds
+        while True:
+            try:
+                data = self.socket.recv(_MESSAGE_BYTES)
+            except OSError:
+                data = b""
+            with self.changed:
+                if not data:
+                    self.gone = f"the preloaded interpreter ended (status {self.process.poll()})"
+                    self.changed.notify_all()
+                    return
+                reply = json.loads(data)
+                if "forked" in reply:
+                    self.forked.append(reply["forked"])
+                else:
+                    self.ended[reply["pid"]] = reply["returncode"]
+                    forked_cpu_seconds += reply["cpu_s"]
+                self.changed.notify_all()
+
+    def spawn(self, args: Sequence[str], env: Mapping[str, str], cwd: str, fds: Sequence[int], session: bool) -> int:
+        """Fork a child running ``python ARGS`` with ``fds`` as its stdin, stdout and stderr; its pid."""
+        request = {"args": list(args), "env": dict(env), "cwd": cwd, "session": session}
+        with self.spawn_lock:
+            socket.send_fds(self.socket, [json.dumps(request).encode()], list(fds))
+            with self.changed:
+                if not self.changed.wait_for(lambda: self.forked or self.gone, timeout=60):
+                    raise RuntimeError("the preloaded interpreter did not fork within 60 s")
+                if self.gone:
+                    raise RuntimeError(self.gone)
+                return self.forked.pop(0)
+
+    def returncode(self, pid: int, timeout: float | None) -> int | None:
+        """``pid``'s exit status once it has ended, waiting at most ``timeout`` s (``None``: for
+        as long as it takes); ``None`` if it has not ended by then."""
+        with self.changed:
+            self.changed.wait_for(lambda: pid in self.ended or self.gone, timeout=timeout)
+            if pid not in self.ended and self.gone:
+                raise RuntimeError(self.gone)
+            return self.ended.get(pid)
+
+    def close(self) -> None:
+        self.socket.close()  # the interpreter ends its children's process groups and exits
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+_interpreters: dict[tuple[tuple[str, str], ...], PreloadedInterpreter] = {}
+_interpreters_lock = threading.Lock()
+
+
+@atexit.register
+def _close_all() -> None:
+    for interpreter in _interpreters.values():
+        interpreter.close()
+
+
+def _interpreter(env: Mapping[str, str]) -> PreloadedInterpreter:
+    key = import_time_environment(env)
+    with _interpreters_lock:
+        interpreter = _interpreters.get(key)
+        if interpreter is None or not interpreter.alive():
+            interpreter = _interpreters[key] = PreloadedInterpreter(env)
+        return interpreter
+
+
+def _preloadable(args: Any, kwargs: Mapping[str, Any]) -> bool:
+    supported = {"stdin", "stdout", "stderr", "env", "cwd", "text", "universal_newlines", "start_new_session"}
+    return (
+        os.environ.get(PRELOAD_ENV, "1") != "0"
+        and hasattr(os, "fork")
+        and isinstance(args, (list, tuple))
+        and len(args) > 1
+        and str(args[0]) == sys.executable
+        and set(kwargs) <= supported
+        and _runs_a_module_or_script([str(a) for a in args[1:]])
+    )
+
+
+def _runs_a_module_or_script(args: list[str]) -> bool:
+    """Whether ``python ARGS`` is ``[-u] -m MODULE ...`` or ``[-u] SCRIPT ...``, what a preloaded
+    interpreter's child runs (other interpreter options are for a fresh one)."""
+    if args[:1] == ["-u"]:
+        args = args[1:]
+    return bool(args) and ((args[0] == "-m" and len(args) > 1) or not args[0].startswith("-"))
+
+
+class PreloadedPopen:
+    """A child of a preloaded interpreter, with :class:`subprocess.Popen`'s attributes and methods
+    that tests use: ``args``, ``pid``, ``returncode``, ``stdin``/``stdout``/``stderr``,
+    :meth:`poll`, :meth:`wait`, :meth:`communicate`, :meth:`send_signal`, :meth:`terminate`,
+    :meth:`kill`, and use as a context manager."""
+
+    def __init__(
+        self,
+        args: Sequence[Any],
+        *,
+        stdin: Any = None,
+        stdout: Any = None,
+        stderr: Any = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike | None = None,
+        text: bool = False,
+        universal_newlines: bool = False,
+        start_new_session: bool = False,
+    ) -> None:
+        self.args = list(args)
+        self.returncode: int | None = None
+        text = text or universal_newlines
+        env = dict(os.environ if env is None else env)
+        cwd = str(Path(cwd if cwd is not None else os.getcwd()).resolve())
+        theirs: list[int] = []
+        close_after: list[int] = []
+        self.stdin: IO | None = None
+        self.stdout: IO | None = None
+        self.stderr: IO | None = None
+        for number, how in ((0, stdin), (1, stdout), (2, stderr)):
+            if how is subprocess.PIPE:
+                read, write = os.pipe()
+                mine, child = (write, read) if number == 0 else (read, write)
+                stream = os.fdopen(mine, "wb" if number == 0 else "rb")
+                if text:
+                    stream = io.TextIOWrapper(stream, write_through=number == 0)
+                setattr(self, ("stdin", "stdout", "stderr")[number], stream)
+                theirs.append(child)
+                close_after.append(child)
+            elif how is subprocess.DEVNULL:
+                fd = os.open(os.devnull, os.O_RDWR)
+                theirs.append(fd)
+                close_after.append(fd)
+            elif how is subprocess.STDOUT and number == 2:
+                theirs.append(theirs[1])
+            elif how is None:
+                theirs.append(number)
+            else:
+                theirs.append(how if isinstance(how, int) else how.fileno())
+        self._interpreter = _interpreter(env)
+        try:
+            self.pid = self._interpreter.spawn(self.args[1:], env, cwd, theirs, start_new_session)
+        finally:
+            for fd in close_after:
+                os.close(fd)
+        self._readers: dict[str, threading.Thread] = {}
+        self._read: dict[str, list] = {"stdout": [], "stderr": []}
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._interpreter.returncode(self.pid, timeout=0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._interpreter.returncode(self.pid, timeout=timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
+        """As :meth:`subprocess.Popen.communicate`: ``input`` to stdin (then closed), stdout and
+        stderr read to their end, the process waited for; ``TimeoutExpired`` after ``timeout`` s
+        (a later call goes on reading)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.stdin is not None and not self.stdin.closed:
+            if input:
+                self.stdin.write(input)
+            self.stdin.close()
+        for name in ("stdout", "stderr"):
+            stream = getattr(self, name)
+            if stream is not None and name not in self._readers:
+                reader = threading.Thread(target=lambda s=stream, n=name: self._read[n].append(s.read()), daemon=True)
+                reader.start()
+                self._readers[name] = reader
+        for reader in self._readers.values():
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        outputs = []
+        for name in ("stdout", "stderr"):
+            stream = getattr(self, name)
+            if stream is None:
+                outputs.append(None)
+            else:
+                stream.close()
+                outputs.append(self._read[name][0])
+        return outputs[0], outputs[1]
+
+    def __enter__(self) -> PreloadedPopen:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for stream in (self.stdin, self.stdout, self.stderr):
+            if stream is not None:
+                stream.close()
+        self.wait()
+
+
+def Popen(args: Any, **kwargs: Any) -> PreloadedPopen | subprocess.Popen:
+    """:class:`subprocess.Popen` ``(args, **kwargs)``, forked from a preloaded interpreter where
+    ``args`` is ``[sys.executable, ...]`` and only ``stdin``, ``stdout``, ``stderr``, ``env``,
+    ``cwd``, ``text`` or ``start_new_session`` are given (the module docstring)."""
+    if _preloadable(args, kwargs):
+        return PreloadedPopen(args, **kwargs)
+    return subprocess.Popen(args, **kwargs)
+
+
+def run(
+    args: Any,
+    *,
+    capture_output: bool = False,
+    timeout: float | None = None,
+    check: bool = False,
+    input: Any = None,
+    **kwargs: Any,
+) -> subprocess.CompletedProcess:
+    """:func:`subprocess.run`, its process from :func:`Popen`. On ``timeout`` the process's group
+    (or session) is killed, as a test wants of what it started."""
+    if capture_output:
+        kwargs.setdefault("stdout", subprocess.PIPE)
+        kwargs.setdefault("stderr", subprocess.PIPE)
+    if input is not None:
+        kwargs.setdefault("stdin", subprocess.PIPE)
+    if not _preloadable(args, kwargs):
+        return subprocess.run(args, timeout=timeout, check=check, input=input, **kwargs)
+    with PreloadedPopen(args, **kwargs) as process:
+        try:
+            out, err = process.communicate(input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            out, err = process.communicate()
+            raise subprocess.TimeoutExpired(args, timeout, output=out, stderr=err) from None
+    completed = subprocess.CompletedProcess(args, process.returncode, out, err)
+    if check:
+        completed.check_returncode()
+    return completed
+
+
+# -- the preloaded interpreter's side ------------------------------------------------------------
+
+
+def _serve(channel: socket.socket) -> tuple[dict, list[int]] | None:
+    """Import :data:`PRELOAD`, then fork a child per request, replying ``{"forked": pid}`` when it
+    is forked and ``{"pid", "returncode", "cpu_s"}`` when it has ended. Returns in the child, with
+    its request and descriptors; ``None`` in the interpreter once the socket closes."""
+    import importlib
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    channel.send(json.dumps({"ready": True}).encode())
+    children: set[int] = set()
+    while True:
+        readable, _, _ = select.select([channel], [], [], _REAP_INTERVAL_S if children else None)
+        while children:
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            children.discard(pid)
+            ended = {"pid": pid, "returncode": os.waitstatus_to_exitcode(status)}
+            channel.send(json.dumps({**ended, "cpu_s": usage.ru_utime + usage.ru_stime}).encode())
+        if not readable:
+            continue
+        message, fds, _, _ = socket.recv_fds(channel, _MESSAGE_BYTES, 3)
+        if not message:
+            for pid in children:  # the test process has gone: so does what it started
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            return None
+        pid = os.fork()
+        if pid == 0:
+            channel.close()
+            return json.loads(message), fds
+        for fd in fds:
+            os.close(fd)
+        children.add(pid)
+        channel.send(json.dumps({"forked": pid}).encode())
+
+
+def _become(request: dict, fds: list[int]) -> None:
+    """In the forked child: take a process group (or session) of its own, the request's streams,
+    environment, directory and argv, then run its module or script as ``__main__``."""
+    import runpy
+
+    if request["session"]:
+        os.setsid()
+    else:
+        os.setpgid(0, 0)
+    for number, fd in enumerate(fds):
+        os.dup2(fd, number)
+    for fd in set(fds) - {0, 1, 2}:
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    args = request["args"]
+    if args[0] == "-u":  # unbuffered standard streams
+        args = args[1:]
+        sys.stdout.reconfigure(write_through=True)
+        sys.stderr.reconfigure(write_through=True)
+    if args[0] == "-m":
+        sys.argv = [args[1], *args[2:]]  # runpy puts the module's path in argv[0]
+        sys.path[0] = request["cwd"]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(args)
+        sys.path[0] = str(Path(args[0]).resolve().parent)
+        runpy.run_path(args[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    del sys.path[0]  # this file's folder, which no import is to search
+    served = _serve(socket.socket(fileno=int(sys.argv[1])))
+    if served is not None:
+        _become(*served)

@@ -1,0 +1,149 @@
+"""Processes forked from a preloaded interpreter (core_rl/testing/preloaded.py) behave as
+``subprocess`` children of a fresh ``python`` do, where the tests rely on it: exit statuses,
+output, environment, directory, signals, sessions, timeouts, and the interpreter keyed by the
+environment its imports read."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from core_rl.testing import preloaded
+
+SCRIPT = """
+import os, sys, json
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "flag": os.environ.get("PRELOADED_TEST_FLAG"),
+                  "torch": "torch" in sys.modules,
+                  "core_rl": [m for m in sys.modules if m.split(".")[0] == "core_rl"], "name": __name__,
+                  "pgid": os.getpgid(0), "pid": os.getpid(), "ppid": os.getppid()}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "probe.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def test_a_script_runs_as_main_with_its_argv_env_cwd_and_status(tmp_path: Path, script: Path) -> None:
+    import json
+
+    env = {**os.environ, "PRELOADED_TEST_FLAG": "yes"}
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = preloaded.run([sys.executable, str(script), "3"], env=env, cwd=work, capture_output=True, text=True)
+    seen = json.loads(proc.stdout)
+    assert proc.returncode == 3 and proc.stderr == "to stderr\n"
+    assert seen["argv"] == [str(script), "3"] and seen["cwd"] == str(work) and seen["flag"] == "yes"
+    assert seen["name"] == "__main__"
+    assert seen["torch"], "the child starts with torch already imported"
+    assert seen["core_rl"] == [], "and nothing of core-rl, whose modules may read the environment at import"
+    assert seen["pgid"] == seen["pid"], "a process group of its own"
+
+
+def test_a_module_runs_with_dash_m_and_an_uncaught_exception_exits_1_with_its_traceback(tmp_path: Path) -> None:
+    package = tmp_path / "probe_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "boom.py").write_text("import sys\nprint(sys.argv[1:])\nraise ValueError('boom here')\n")
+    proc = preloaded.run(
+        [sys.executable, "-m", "probe_pkg.boom", "a", "b"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert proc.returncode == 1
+    assert proc.stdout == "['a', 'b']\n"
+    assert "Traceback" in proc.stderr and "ValueError: boom here" in proc.stderr
+
+
+def test_popen_streams_signals_and_a_session_of_its_own(tmp_path: Path) -> None:
+    script = tmp_path / "wait.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (print('got SIGTERM', flush=True), sys.exit(7)))\n"
+        "print('ready', os.getsid(0) == os.getpid(), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = preloaded.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    assert isinstance(proc, preloaded.PreloadedPopen)
+    assert proc.stdout.readline() == "ready True\n"
+    assert proc.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 7 and out == "got SIGTERM\n" and err is None
+
+
+def test_a_timeout_kills_the_process_group_and_keeps_the_output(tmp_path: Path) -> None:
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired) as caught:
+        preloaded.run([sys.executable, str(script)], capture_output=True, text=True, timeout=20)
+    assert time.monotonic() - start < 60
+    grandchild = int(caught.value.output)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{grandchild}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    status = Path(f"/proc/{grandchild}/stat")
+    assert not status.exists() or status.read_text().split()[2] == "Z", "the grandchild outlived the timeout"
+
+
+def test_stdin_input_reaches_the_child(tmp_path: Path) -> None:
+    script = tmp_path / "echo.py"
+    script.write_text("import sys\nprint(sys.stdin.read().upper(), end='')\n")
+    proc = preloaded.run([sys.executable, str(script)], input="hello", capture_output=True, text=True)
+    assert proc.stdout == "HELLO" and proc.returncode == 0
+
+
+def test_an_import_time_variable_gets_an_interpreter_of_its_own(script: Path) -> None:
+    import json
+
+    def parent(env: dict[str, str]) -> int:
+        proc = preloaded.run([sys.executable, str(script), "0"], env=env, capture_output=True, text=True)
+        return json.loads(proc.stdout)["ppid"]
+
+    plain = {**os.environ}
+    keyed = {**os.environ, "HF_HUB_OFFLINE": "0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1"}
+    assert preloaded.import_time_environment(plain) != preloaded.import_time_environment(keyed)
+    first = preloaded._interpreter(plain)
+    assert preloaded._interpreter(plain) is first
+    second = preloaded._interpreter(keyed)
+    assert second is not first
+    assert parent(plain) == first.process.pid
+    assert parent(keyed) == second.process.pid
+    assert parent({**plain, "CORE_RL_SOMETHING": "else"}) == first.process.pid, "read later: not a key"
+
+
+def test_other_commands_and_options_go_to_subprocess(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(preloaded.Popen(["true"]), subprocess.Popen)
+    assert isinstance(preloaded.Popen([sys.executable, "-c", "pass"]), subprocess.Popen)
+    assert isinstance(preloaded.Popen([sys.executable, "x.py"], close_fds=False), subprocess.Popen)
+    monkeypatch.setenv(preloaded.PRELOAD_ENV, "0")
+    assert isinstance(preloaded.Popen([sys.executable, str(tmp_path / "x.py")]), subprocess.Popen)
+
+
+def test_the_forked_childrens_cpu_is_counted(tmp_path: Path) -> None:
+    script = tmp_path / "spin.py"
+    script.write_text("import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass\n")
+    before = preloaded.forked_cpu_seconds
+    assert preloaded.run([sys.executable, str(script)]).returncode == 0
+    assert preloaded.forked_cpu_seconds - before >= 0.5
