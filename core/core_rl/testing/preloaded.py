@@ -39,6 +39,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -107,15 +108,17 @@ class PreloadedInterpreter:
 
     def __init__(self, env: Mapping[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.process = subprocess.Popen(
-            [sys.executable, __file__, str(theirs.fileno())],  # a script: core_rl stays unimported
-            pass_fds=(theirs.fileno(),),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=dict(env),
-            start_new_session=True,  # a ^C to the test run reaches pytest, which closes this
-        )
+        self.log = Path(tempfile.mkstemp(prefix="core-rl-preloaded-", suffix=".log")[1])
+        with self.log.open("w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, __file__, str(theirs.fileno())],  # a script: core_rl stays unimported
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                env=dict(env),
+                start_new_session=True,  # a ^C to the test run reaches pytest, which closes this
+            )
         theirs.close()
         self.socket = ours
         self.spawn_lock = threading.Lock()
@@ -124,8 +127,16 @@ class PreloadedInterpreter:
         self.ended: dict[int, int] = {}
         self.gone: str | None = None
         ours.settimeout(300)
-        if json.loads(ours.recv(_MESSAGE_BYTES) or b"{}").get("ready") is not True:
-            raise RuntimeError(f"the preloaded interpreter did not start (status {self.process.poll()})")
+        try:
+            ready = json.loads(ours.recv(_MESSAGE_BYTES) or b"{}").get("ready") is True
+        except TimeoutError:
+            ready = False
+        if not ready:
+            self.process.kill()
+            raise RuntimeError(
+                f"the preloaded interpreter did not start within 300 s (status {self.process.wait()}; "
+                f"its log {self.log}):\n{self.log.read_text()[-3000:]}"
+            )
         ours.settimeout(None)
         threading.Thread(target=self._read_replies, name="preloaded-replies", daemon=True).start()
 
@@ -141,7 +152,7 @@ class PreloadedInterpreter:
                 data = b""
             with self.changed:
                 if not data:
-                    self.gone = f"the preloaded interpreter ended (status {self.process.poll()})"
+                    self.gone = f"the preloaded interpreter ended (status {self.process.poll()}; its log {self.log})"
                     self.changed.notify_all()
                     return
                 reply = json.loads(data)
@@ -180,21 +191,29 @@ class PreloadedInterpreter:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        self.log.unlink(missing_ok=True)
 
 
 _interpreters: dict[tuple[tuple[str, str], ...], PreloadedInterpreter] = {}
 _interpreters_lock = threading.Lock()
+_interpreters_owner = os.getpid()  # a process forked from this one starts interpreters of its own
 
 
 @atexit.register
 def _close_all() -> None:
+    if os.getpid() != _interpreters_owner:
+        return
     for interpreter in _interpreters.values():
         interpreter.close()
 
 
 def _interpreter(env: Mapping[str, str]) -> PreloadedInterpreter:
+    global _interpreters_owner
     key = import_time_environment(env)
     with _interpreters_lock:
+        if os.getpid() != _interpreters_owner:
+            _interpreters.clear()
+            _interpreters_owner = os.getpid()
         interpreter = _interpreters.get(key)
         if interpreter is None or not interpreter.alive():
             interpreter = _interpreters[key] = PreloadedInterpreter(env)
