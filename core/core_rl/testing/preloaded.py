@@ -21,8 +21,9 @@ uncaught exception's traceback). Signals sent to its pid reach it. What differs 
   whose names start with one of :data:`IMPORT_TIME_PREFIXES` (``HF_``, ``TORCH``, ``OMP_``,
   ``PYTHON``...) key the preloaded interpreter, and a request whose values differ from every
   running one's gets one of its own; and the string hash seed, shared by one interpreter's children;
-- its parent is the preloaded interpreter, which reaps it, and ``/proc/PID/environ`` shows the
-  interpreter's environment (``os.environ`` has the requested one).
+- its parent is the preloaded interpreter, which reaps it; ``/proc/PID/cmdline`` (what ``ps``
+  shows) and ``/proc/PID/environ`` are the interpreter's (``sys.argv`` and ``os.environ`` are the
+  requested ones).
 
 ``CORE_RL_TEST_PRELOAD=0`` sends every command to :mod:`subprocess`. Tests of the console script, or
 of what an import does at start-up, start their processes with :mod:`subprocess` themselves.
