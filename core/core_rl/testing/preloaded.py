@@ -109,8 +109,9 @@ class PreloadedInterpreter:
 
     def __init__(self, env: Mapping[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.log = Path(tempfile.mkstemp(prefix="core-rl-preloaded-", suffix=".log")[1])
-        with self.log.open("w") as log:
+        log_fd, log_name = tempfile.mkstemp(prefix="core-rl-preloaded-", suffix=".log")
+        self.log = Path(log_name)
+        with os.fdopen(log_fd, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, __file__, str(theirs.fileno())],  # a script: core_rl stays unimported
                 pass_fds=(theirs.fileno(),),
@@ -134,10 +135,12 @@ class PreloadedInterpreter:
             ready = False
         if not ready:
             self.process.kill()
+            log, _ = self.log.read_text()[-3000:], self.log.unlink()
             raise RuntimeError(
-                f"the preloaded interpreter did not start within 300 s (status {self.process.wait()}; "
-                f"its log {self.log}):\n{self.log.read_text()[-3000:]}"
+                f"the preloaded interpreter did not start within 300 s (status {self.process.wait()}); "
+                f"its stderr:\n{log}"
             )
+        self.log.unlink()  # it only ever holds the start's errors: nothing is left behind in /tmp
         ours.settimeout(None)
         threading.Thread(target=self._read_replies, name="preloaded-replies", daemon=True).start()
 
@@ -153,7 +156,7 @@ class PreloadedInterpreter:
                 data = b""
             with self.changed:
                 if not data:
-                    self.gone = f"the preloaded interpreter ended (status {self.process.poll()}; its log {self.log})"
+                    self.gone = f"the preloaded interpreter ended (status {self.process.poll()})"
                     self.changed.notify_all()
                     return
                 reply = json.loads(data)
@@ -192,7 +195,6 @@ class PreloadedInterpreter:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        self.log.unlink(missing_ok=True)
 
 
 _interpreters: dict[tuple[tuple[str, str], ...], PreloadedInterpreter] = {}
