@@ -137,6 +137,11 @@ def test_other_commands_and_options_go_to_subprocess(tmp_path: Path, monkeypatch
     assert isinstance(preloaded.Popen(["true"]), subprocess.Popen)
     assert isinstance(preloaded.Popen([sys.executable, "-c", "pass"]), subprocess.Popen)
     assert isinstance(preloaded.Popen([sys.executable, "x.py"], close_fds=False), subprocess.Popen)
+    env = {**os.environ, "CUDA_MODULE_LOADING": "marked-unforkable"}
+    monkeypatch.setitem(preloaded._unforkable, preloaded.import_time_environment(env), "CUDA initialised")
+    assert isinstance(preloaded.Popen([sys.executable, str(tmp_path / "x.py")], env=env), subprocess.Popen)
+    (tmp_path / "ok.py").write_text("print('ran')\n")
+    assert preloaded.run([sys.executable, str(tmp_path / "ok.py")], env=env, capture_output=True).stdout == b"ran\n"
     monkeypatch.setenv(preloaded.PRELOAD_ENV, "0")
     assert isinstance(preloaded.Popen([sys.executable, str(tmp_path / "x.py")]), subprocess.Popen)
 

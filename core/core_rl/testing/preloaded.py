@@ -102,6 +102,11 @@ def import_time_environment(env: Mapping[str, str]) -> tuple[tuple[str, str], ..
     return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)))
 
 
+class Unforkable(RuntimeError):
+    """The preloaded imports left the interpreter in a state its children cannot start from (CUDA
+    initialised): the commands with its environment go to :mod:`subprocess`."""
+
+
 class PreloadedInterpreter:
     """One preloaded interpreter (``python .../core_rl/testing/preloaded.py FD``: run as a script, so
     that nothing of core-rl is imported before a child sets its environment) started with ``env``,
@@ -130,9 +135,14 @@ class PreloadedInterpreter:
         self.gone: str | None = None
         ours.settimeout(300)
         try:
-            ready = json.loads(ours.recv(_MESSAGE_BYTES) or b"{}").get("ready") is True
+            answer = json.loads(ours.recv(_MESSAGE_BYTES) or b"{}")
         except TimeoutError:
-            ready = False
+            answer = {}
+        if "unforkable" in answer:
+            self.process.wait()
+            self.log.unlink()
+            raise Unforkable(answer["unforkable"])
+        ready = answer.get("ready") is True
         if not ready:
             self.process.kill()
             log, _ = self.log.read_text()[-3000:], self.log.unlink()
@@ -199,6 +209,7 @@ class PreloadedInterpreter:
 
 _interpreters: dict[tuple[tuple[str, str], ...], PreloadedInterpreter] = {}
 _interpreters_lock = threading.Lock()
+_unforkable: dict[tuple[tuple[str, str], ...], str] = {}
 _interpreters_owner = os.getpid()  # a process forked from this one starts interpreters of its own
 
 
@@ -219,7 +230,11 @@ def _interpreter(env: Mapping[str, str]) -> PreloadedInterpreter:
             _interpreters_owner = os.getpid()
         interpreter = _interpreters.get(key)
         if interpreter is None or not interpreter.alive():
-            interpreter = _interpreters[key] = PreloadedInterpreter(env)
+            try:
+                interpreter = _interpreters[key] = PreloadedInterpreter(env)
+            except Unforkable as why:
+                _unforkable[key] = str(why)
+                raise
         return interpreter
 
 
@@ -233,6 +248,7 @@ def _preloadable(args: Any, kwargs: Mapping[str, Any]) -> bool:
         and str(args[0]) == sys.executable
         and set(kwargs) <= supported
         and _runs_a_module_or_script([str(a) for a in args[1:]])
+        and import_time_environment(kwargs.get("env") or os.environ) not in _unforkable
     )
 
 
@@ -268,6 +284,7 @@ class PreloadedPopen:
         text = text or universal_newlines
         env = dict(os.environ if env is None else env)
         cwd = str(Path(cwd if cwd is not None else os.getcwd()).resolve())
+        self._interpreter = _interpreter(env)  # before any pipe is made: Unforkable leaves nothing open
         theirs: list[int] = []
         close_after: list[int] = []
         self.stdin: IO | None = None
@@ -293,7 +310,6 @@ class PreloadedPopen:
                 theirs.append(number)
             else:
                 theirs.append(how if isinstance(how, int) else how.fileno())
-        self._interpreter = _interpreter(env)
         try:
             self.pid = self._interpreter.spawn(self.args[1:], env, cwd, theirs, start_new_session)
         finally:
@@ -372,7 +388,10 @@ def Popen(args: Any, **kwargs: Any) -> PreloadedPopen | subprocess.Popen:
     ``args`` is ``[sys.executable, ...]`` and only ``stdin``, ``stdout``, ``stderr``, ``env``,
     ``cwd``, ``text`` or ``start_new_session`` are given (the module docstring)."""
     if _preloadable(args, kwargs):
-        return PreloadedPopen(args, **kwargs)
+        try:
+            return PreloadedPopen(args, **kwargs)
+        except Unforkable:
+            pass
     return subprocess.Popen(args, **kwargs)
 
 
@@ -392,6 +411,11 @@ def run(
         kwargs.setdefault("stderr", subprocess.PIPE)
     if input is not None:
         kwargs.setdefault("stdin", subprocess.PIPE)
+    if _preloadable(args, kwargs):
+        try:
+            _interpreter(kwargs.get("env") or os.environ)
+        except Unforkable:
+            pass
     if not _preloadable(args, kwargs):
         return subprocess.run(args, timeout=timeout, check=check, input=input, **kwargs)
     with PreloadedPopen(args, **kwargs) as process:
@@ -424,6 +448,11 @@ def _serve(channel: socket.socket) -> tuple[dict, list[int]] | None:
             importlib.import_module(name)
         except ImportError:
             pass
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        why = "importing the preloaded libraries initialised CUDA, which a forked child cannot use"
+        channel.send(json.dumps({"unforkable": why}).encode())
+        return None
     channel.send(json.dumps({"ready": True}).encode())
     children: set[int] = set()
     while True:
