@@ -39,7 +39,7 @@ def test_a_script_runs_as_main_with_its_argv_env_cwd_and_status(tmp_path: Path, 
     env = {**os.environ, "PRELOADED_TEST_FLAG": "yes"}
     work = tmp_path / "work"
     work.mkdir()
-    proc = preloaded.run([sys.executable, str(script), "3"], env=env, cwd=work, capture_output=True, text=True)
+    proc = preloaded.run([sys.executable, script, "3"], env=env, cwd=work, capture_output=True, text=True)
     seen = json.loads(proc.stdout)
     assert proc.returncode == 3 and proc.stderr == "to stderr\n"
     assert seen["argv"] == [str(script), "3"] and seen["cwd"] == str(work) and seen["flag"] == "yes"

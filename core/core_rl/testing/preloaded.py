@@ -311,7 +311,9 @@ class PreloadedPopen:
             else:
                 theirs.append(how if isinstance(how, int) else how.fileno())
         try:
-            self.pid = self._interpreter.spawn(self.args[1:], env, cwd, theirs, start_new_session)
+            self.pid = self._interpreter.spawn(
+                [os.fspath(a) for a in self.args[1:]], env, cwd, theirs, start_new_session
+            )
         finally:
             for fd in close_after:
                 os.close(fd)
