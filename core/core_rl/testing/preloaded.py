@@ -135,22 +135,21 @@ class PreloadedInterpreter:
         self.gone: str | None = None
         ours.settimeout(300)
         try:
-            answer = json.loads(ours.recv(_MESSAGE_BYTES) or b"{}")
-        except TimeoutError:
-            answer = {}
-        if "unforkable" in answer:
-            self.process.wait()
-            self.log.unlink()
-            raise Unforkable(answer["unforkable"])
-        ready = answer.get("ready") is True
-        if not ready:
-            self.process.kill()
-            log, _ = self.log.read_text()[-3000:], self.log.unlink()
-            raise RuntimeError(
-                f"the preloaded interpreter did not start within 300 s (status {self.process.wait()}); "
-                f"its stderr:\n{log}"
-            )
-        self.log.unlink()  # it only ever holds the start's errors: nothing is left behind in /tmp
+            try:
+                answer = json.loads(ours.recv(_MESSAGE_BYTES) or b"{}")
+            except TimeoutError:
+                answer = {}
+            if "unforkable" in answer:
+                self.process.wait()
+                raise Unforkable(answer["unforkable"])
+            if answer.get("ready") is not True:
+                self.process.kill()
+                raise RuntimeError(
+                    f"the preloaded interpreter did not start within 300 s (status {self.process.wait()}); "
+                    f"its stderr:\n{self.log.read_text()[-3000:]}"
+                )
+        finally:
+            self.log.unlink()  # it only ever holds the start's errors: nothing is left behind in /tmp
         ours.settimeout(None)
         threading.Thread(target=self._read_replies, name="preloaded-replies", daemon=True).start()
 
@@ -385,16 +384,29 @@ class PreloadedPopen:
         self.wait()
 
 
+def _kill_group(pid: int) -> None:
+    """SIGKILL to the process group (or session) that ``pid`` leads, if it is still there."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _preloaded_popen(args: Any, kwargs: Mapping[str, Any]) -> PreloadedPopen | None:
+    """``args`` started from a preloaded interpreter; ``None`` where :mod:`subprocess` is to start it."""
+    if not _preloadable(args, kwargs):
+        return None
+    try:
+        return PreloadedPopen(args, **kwargs)
+    except Unforkable:
+        return None
+
+
 def Popen(args: Any, **kwargs: Any) -> PreloadedPopen | subprocess.Popen:
     """:class:`subprocess.Popen` ``(args, **kwargs)``, forked from a preloaded interpreter where
     ``args`` is ``[sys.executable, ...]`` and only ``stdin``, ``stdout``, ``stderr``, ``env``,
     ``cwd``, ``text`` or ``start_new_session`` are given (the module docstring)."""
-    if _preloadable(args, kwargs):
-        try:
-            return PreloadedPopen(args, **kwargs)
-        except Unforkable:
-            pass
-    return subprocess.Popen(args, **kwargs)
+    return _preloaded_popen(args, kwargs) or subprocess.Popen(args, **kwargs)
 
 
 def run(
@@ -413,21 +425,14 @@ def run(
         kwargs.setdefault("stderr", subprocess.PIPE)
     if input is not None:
         kwargs.setdefault("stdin", subprocess.PIPE)
-    if _preloadable(args, kwargs):
-        try:
-            _interpreter(kwargs.get("env") or os.environ)
-        except Unforkable:
-            pass
-    if not _preloadable(args, kwargs):
+    process = _preloaded_popen(args, kwargs)
+    if process is None:
         return subprocess.run(args, timeout=timeout, check=check, input=input, **kwargs)
-    with PreloadedPopen(args, **kwargs) as process:
+    with process:
         try:
             out, err = process.communicate(input, timeout=timeout)
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_group(process.pid)
             out, err = process.communicate()
             raise subprocess.TimeoutExpired(args, timeout, output=out, stderr=err) from None
     completed = subprocess.CompletedProcess(args, process.returncode, out, err)
@@ -471,10 +476,7 @@ def _serve(channel: socket.socket) -> tuple[dict, list[int]] | None:
         message, fds, _, _ = socket.recv_fds(channel, _MESSAGE_BYTES, 3)
         if not message:
             for pid in children:  # the test process has gone: so does what it started
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                _kill_group(pid)
             return None
         pid = os.fork()
         if pid == 0:
