@@ -28,6 +28,11 @@ pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_hf")
 
 
+#: workers started by the launcher itself, found in its process tree (not forked from the test's
+#: preloaded interpreter: core_rl/testing/preloaded.py)
+FRESH_WORKERS = {"CORE_RL_TEST_PRELOAD": "0"}
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> dict:
     config = build_task(tmp_path_factory.mktemp("dist"))
@@ -79,7 +84,7 @@ def is_loopback(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
 def test_loopback_only_and_sigterm_saves_on_every_rank_then_resume(base):
     config = merged(base, experiment={"name": "sigterm"}, recover={"mode": "auto"})
     run = run_dir(config)
-    proc = launch(config)
+    proc = launch(config, env=FRESH_WORKERS)
     try:
         assert wait_for_steps(run, proc), finish(proc, 60)[-4000:]
         addresses = listening_addresses(process_tree(proc.pid))
@@ -102,7 +107,7 @@ def test_loopback_only_and_sigterm_saves_on_every_rank_then_resume(base):
 
 def test_a_stopped_rank_makes_the_other_fail_within_the_timeout(base):
     config = merged(base, experiment={"name": "sigstop"}, trainer={"collective_timeout_s": 15})
-    proc = launch(config)
+    proc = launch(config, env=FRESH_WORKERS)
     try:
         assert wait_for_steps(run_dir(config), proc), finish(proc, 60)[-4000:]
         rank0, rank1 = worker_of_rank(proc.pid, 0), worker_of_rank(proc.pid, 1)

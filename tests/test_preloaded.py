@@ -152,3 +152,73 @@ def test_the_forked_childrens_cpu_is_counted(tmp_path: Path) -> None:
     before = preloaded.forked_cpu_seconds
     assert preloaded.run([sys.executable, str(script)]).returncode == 0
     assert preloaded.forked_cpu_seconds - before >= 0.5
+
+
+WORKER = """
+import json, os, sys
+print(json.dumps({"rank": int(os.environ["RANK"]), "torch": "torch" in sys.modules, "ppid": os.getppid(),
+                  "sid": os.getsid(0), "pid": os.getpid(), "agent": int(os.environ["AGENT"])}), flush=True)
+import time
+end = time.process_time() + 0.3
+while time.process_time() < end:
+    pass
+sys.exit(int(sys.argv[1]) if os.environ["RANK"] == "1" else 0)
+"""
+
+AGENT = """
+import os, runpy, sys
+os.environ["AGENT"] = str(os.getpid())
+if os.environ.get("AGENT_SETS"):  # a variable the workers' imports would read, set by the agent
+    os.environ.update([os.environ["AGENT_SETS"].split("=")])
+sys.argv = ["torchrun", "--standalone", "--nproc_per_node=2", *sys.argv[1:]]
+runpy.run_module("torch.distributed.run", run_name="__main__")
+"""
+
+
+def _torchrun(tmp_path: Path, status: int, **env: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """Two workers of ``WORKER`` under torch's elastic agent, itself forked from a preloaded
+    interpreter; the agent's result and what each worker saw at its start."""
+    import json
+
+    (tmp_path / "worker.py").write_text(WORKER)
+    (tmp_path / "agent.py").write_text(AGENT)
+    proc = preloaded.run(
+        [sys.executable, str(tmp_path / "agent.py"), str(tmp_path / "worker.py"), str(status)],
+        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    seen = sorted(
+        (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")), key=lambda s: s["rank"]
+    )
+    assert [s["rank"] for s in seen] == [0, 1], proc.stdout + proc.stderr
+    return proc, seen
+
+
+def test_an_elastic_agents_workers_are_forked_from_the_interpreter_and_report_their_status(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    interpreter = preloaded._interpreter(env).process.pid
+    before = preloaded.forked_cpu_seconds
+    proc, seen = _torchrun(tmp_path, 0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for worker in seen:
+        assert worker["torch"], "a worker starts with torch imported"
+        assert worker["ppid"] == interpreter != worker["agent"], "forked by the interpreter, not the agent"
+        assert worker["sid"] == worker["pid"], "a session of its own, as torch starts its workers"
+    assert preloaded.forked_cpu_seconds - before >= 0.6, "the workers' CPU counts for the test that ran them"
+
+    proc, _ = _torchrun(tmp_path, 5)
+    assert proc.returncode != 0 and "exitcode  : 5" in proc.stderr, "the agent sees a worker's status"
+
+
+@pytest.mark.parametrize(
+    "env", [{"CORE_RL_TEST_PRELOAD": "0"}, {"AGENT_SETS": "HF_PRELOADED_TEST=1"}], ids=["told", "import-time"]
+)
+def test_an_agent_told_not_to_preload_or_with_other_import_time_variables_starts_its_workers_itself(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    proc, seen = _torchrun(tmp_path, 0, **env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for worker in seen:
+        assert not worker["torch"] and worker["ppid"] == worker["agent"]

@@ -25,6 +25,15 @@ uncaught exception's traceback). Signals sent to its pid reach it. What differs 
   shows) and ``/proc/PID/environ`` are the interpreter's (``sys.argv`` and ``os.environ`` are the
   requested ones).
 
+Workers of torch's elastic agent (``torchrun``, the ``local`` launcher's ``--nproc-per-node``) come
+from the same interpreter when the agent is itself one of its children: the interpreter also
+listens on a socket of its own, and in its children the agent's ``SubprocessHandler._popen`` asks it
+to fork each worker there (with the environment the worker would get; a worker whose import-time
+variables differ from the interpreter's starts with :mod:`subprocess`). A worker is then a child of
+the interpreter, not of the agent: a test that finds workers in the agent's process tree, or reads
+their ``/proc/PID/environ``, gives the agent ``CORE_RL_TEST_PRELOAD=0`` so that its workers start
+fresh.
+
 ``CORE_RL_TEST_PRELOAD=0`` sends every command to :mod:`subprocess`. Tests of the console script, or
 of what an import does at start-up, start their processes with :mod:`subprocess` themselves.
 """
@@ -87,6 +96,10 @@ IMPORT_TIME_PREFIXES = (
     "LD_",
 )
 
+#: variables under :data:`IMPORT_TIME_PREFIXES` that are read only at run time: torch's elastic agent
+#: sets them for each worker, and they must not keep a worker from its agent's interpreter
+RUN_TIME_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_")
+
 PRELOAD_ENV = "CORE_RL_TEST_PRELOAD"
 _MESSAGE_BYTES = 1 << 20
 #: how often the preloaded interpreter looks for ended children while it has some
@@ -99,7 +112,11 @@ forked_cpu_seconds = 0.0
 
 def import_time_environment(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     """The items of ``env`` that :data:`PRELOAD` reads at import: what keys a preloaded interpreter."""
-    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)))
+    return tuple(
+        sorted(
+            (k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and not k.startswith(RUN_TIME_PREFIXES)
+        )
+    )
 
 
 class Unforkable(RuntimeError):
@@ -107,10 +124,78 @@ class Unforkable(RuntimeError):
     initialised): the commands with its environment go to :mod:`subprocess`."""
 
 
-class PreloadedInterpreter:
+class Channel:
+    """A connection to a preloaded interpreter: fork requests go out on ``sock``; the pids forked and
+    the exit statuses of the children that ended come back, read by a thread of its own."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.socket = sock
+        self.spawn_lock = threading.Lock()
+        self.changed = threading.Condition()
+        self.forked: list[int] = []
+        self.refused: list[str] = []
+        self.ended: dict[int, int] = {}
+        self.gone: str | None = None
+        threading.Thread(target=self._read_replies, name="preloaded-replies", daemon=True).start()
+
+    def alive(self) -> bool:
+        return self.gone is None
+
+    def _ended_why(self) -> str:
+        return "the preloaded interpreter ended"
+
+    def _read_replies(self) -> None:
+        global forked_cpu_seconds
+        while True:
+            try:
+                data = self.socket.recv(_MESSAGE_BYTES)
+            except OSError:
+                data = b""
+            with self.changed:
+                if not data:
+                    self.gone = self._ended_why()
+                    self.changed.notify_all()
+                    return
+                reply = json.loads(data)
+                if "forked" in reply:
+                    self.forked.append(reply["forked"])
+                elif "refused" in reply:
+                    self.refused.append(reply["refused"])
+                else:
+                    if "pid" in reply:  # not there: a worker another channel asked for, counted here
+                        self.ended[reply["pid"]] = reply["returncode"]
+                    forked_cpu_seconds += reply["cpu_s"]
+                self.changed.notify_all()
+
+    def spawn(self, args: Sequence[str], env: Mapping[str, str], cwd: str, fds: Sequence[int], session: bool) -> int:
+        """Fork a child running ``python ARGS`` with ``fds`` as its stdin, stdout and stderr; its pid.
+        :class:`Unforkable` if the interpreter will not fork with ``env``."""
+        request = {"args": list(args), "env": dict(env), "cwd": cwd, "session": session}
+        with self.spawn_lock:
+            socket.send_fds(self.socket, [json.dumps(request).encode()], list(fds))
+            with self.changed:
+                if not self.changed.wait_for(lambda: self.forked or self.refused or self.gone, timeout=60):
+                    raise RuntimeError("the preloaded interpreter did not fork within 60 s")
+                if self.refused:
+                    raise Unforkable(self.refused.pop(0))
+                if self.gone:
+                    raise RuntimeError(self.gone)
+                return self.forked.pop(0)
+
+    def returncode(self, pid: int, timeout: float | None) -> int | None:
+        """``pid``'s exit status once it has ended, waiting at most ``timeout`` s (``None``: for
+        as long as it takes); ``None`` if it has not ended by then."""
+        with self.changed:
+            self.changed.wait_for(lambda: pid in self.ended or self.gone, timeout=timeout)
+            if pid not in self.ended and self.gone:
+                raise RuntimeError(self.gone)
+            return self.ended.get(pid)
+
+
+class PreloadedInterpreter(Channel):
     """One preloaded interpreter (``python .../core_rl/testing/preloaded.py FD``: run as a script, so
     that nothing of core-rl is imported before a child sets its environment) started with ``env``,
-    the Unix socket to it, and the exit statuses it has reported."""
+    and the channel to it."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -127,12 +212,6 @@ class PreloadedInterpreter:
                 start_new_session=True,  # a ^C to the test run reaches pytest, which closes this
             )
         theirs.close()
-        self.socket = ours
-        self.spawn_lock = threading.Lock()
-        self.changed = threading.Condition()
-        self.forked: list[int] = []
-        self.ended: dict[int, int] = {}
-        self.gone: str | None = None
         ours.settimeout(300)
         try:
             try:
@@ -151,51 +230,10 @@ class PreloadedInterpreter:
         finally:
             self.log.unlink()  # it only ever holds the start's errors: nothing is left behind in /tmp
         ours.settimeout(None)
-        threading.Thread(target=self._read_replies, name="preloaded-replies", daemon=True).start()
+        super().__init__(ours)
 
-    def alive(self) -> bool:
-        return self.gone is None
-
-    def _read_replies(self) -> None:
-        global forked_cpu_seconds
-        while True:
-            try:
-                data = self.socket.recv(_MESSAGE_BYTES)
-            except OSError:
-                data = b""
-            with self.changed:
-                if not data:
-                    self.gone = f"the preloaded interpreter ended (status {self.process.poll()})"
-                    self.changed.notify_all()
-                    return
-                reply = json.loads(data)
-                if "forked" in reply:
-                    self.forked.append(reply["forked"])
-                else:
-                    self.ended[reply["pid"]] = reply["returncode"]
-                    forked_cpu_seconds += reply["cpu_s"]
-                self.changed.notify_all()
-
-    def spawn(self, args: Sequence[str], env: Mapping[str, str], cwd: str, fds: Sequence[int], session: bool) -> int:
-        """Fork a child running ``python ARGS`` with ``fds`` as its stdin, stdout and stderr; its pid."""
-        request = {"args": list(args), "env": dict(env), "cwd": cwd, "session": session}
-        with self.spawn_lock:
-            socket.send_fds(self.socket, [json.dumps(request).encode()], list(fds))
-            with self.changed:
-                if not self.changed.wait_for(lambda: self.forked or self.gone, timeout=60):
-                    raise RuntimeError("the preloaded interpreter did not fork within 60 s")
-                if self.gone:
-                    raise RuntimeError(self.gone)
-                return self.forked.pop(0)
-
-    def returncode(self, pid: int, timeout: float | None) -> int | None:
-        """``pid``'s exit status once it has ended, waiting at most ``timeout`` s (``None``: for
-        as long as it takes); ``None`` if it has not ended by then."""
-        with self.changed:
-            self.changed.wait_for(lambda: pid in self.ended or self.gone, timeout=timeout)
-            if pid not in self.ended and self.gone:
-                raise RuntimeError(self.gone)
-            return self.ended.get(pid)
+    def _ended_why(self) -> str:
+        return f"the preloaded interpreter ended (status {self.process.poll()})"
 
     def close(self) -> None:
         self.socket.close()  # the interpreter ends its children's process groups and exits
@@ -277,13 +315,15 @@ class PreloadedPopen:
         text: bool = False,
         universal_newlines: bool = False,
         start_new_session: bool = False,
+        channel: Channel | None = None,
     ) -> None:
+        """``channel``: the interpreter to fork from (default: this process's for ``env``)."""
         self.args = list(args)
         self.returncode: int | None = None
         text = text or universal_newlines
         env = dict(os.environ if env is None else env)
         cwd = str(Path(cwd if cwd is not None else os.getcwd()).resolve())
-        self._interpreter = _interpreter(env)  # before any pipe is made: Unforkable leaves nothing open
+        self._interpreter = channel or _interpreter(env)  # before any pipe: Unforkable leaves nothing open
         theirs: list[int] = []
         close_after: list[int] = []
         self.stdin: IO | None = None
@@ -313,6 +353,11 @@ class PreloadedPopen:
             self.pid = self._interpreter.spawn(
                 [os.fspath(a) for a in self.args[1:]], env, cwd, theirs, start_new_session
             )
+        except BaseException:
+            for stream in (self.stdin, self.stdout, self.stderr):
+                if stream is not None:
+                    stream.close()
+            raise
         finally:
             for fd in close_after:
                 os.close(fd)
@@ -446,10 +491,14 @@ def run(
 
 def _serve(channel: socket.socket) -> tuple[dict, list[int]] | None:
     """Import :data:`PRELOAD`, then fork a child per request, replying ``{"forked": pid}`` when it
-    is forked and ``{"pid", "returncode", "cpu_s"}`` when it has ended. Returns in the child, with
-    its request and descriptors; ``None`` in the interpreter once the socket closes."""
+    is forked and ``{"pid", "returncode", "cpu_s"}`` when it has ended. Requests come on ``channel``
+    (the test process's) and on the connections its children's elastic agents make to a listening
+    socket (:func:`_fork_workers_from`); the CPU seconds of the workers they asked for are also sent
+    on ``channel``. Returns in the child, with its request and descriptors; ``None`` in the
+    interpreter once ``channel`` closes."""
     import importlib
 
+    own_key = import_time_environment(os.environ)  # as started: the imports may set variables
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -460,32 +509,89 @@ def _serve(channel: socket.socket) -> tuple[dict, list[int]] | None:
         why = "importing the preloaded libraries initialised CUDA, which a forked child cannot use"
         channel.send(json.dumps({"unforkable": why}).encode())
         return None
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(f"\0core-rl-preloaded-{os.getpid()}-{os.urandom(6).hex()}")  # Linux's abstract names
+    listener.listen(16)
+    _fork_workers_from(listener.getsockname())
     channel.send(json.dumps({"ready": True}).encode())
-    children: set[int] = set()
+    connections: list[socket.socket] = [channel]
+    children: dict[int, socket.socket] = {}  # pid -> the connection that asked for it
     while True:
-        readable, _, _ = select.select([channel], [], [], _REAP_INTERVAL_S if children else None)
+        readable, _, _ = select.select([listener, *connections], [], [], _REAP_INTERVAL_S if children else None)
         while children:
             pid, status, usage = os.wait4(-1, os.WNOHANG)
             if pid == 0:
                 break
-            children.discard(pid)
-            ended = {"pid": pid, "returncode": os.waitstatus_to_exitcode(status)}
-            channel.send(json.dumps({**ended, "cpu_s": usage.ru_utime + usage.ru_stime}).encode())
-        if not readable:
-            continue
-        message, fds, _, _ = socket.recv_fds(channel, _MESSAGE_BYTES, 3)
-        if not message:
-            for pid in children:  # the test process has gone: so does what it started
-                _kill_group(pid)
-            return None
-        pid = os.fork()
-        if pid == 0:
-            channel.close()
-            return json.loads(message), fds
-        for fd in fds:
-            os.close(fd)
-        children.add(pid)
-        channel.send(json.dumps({"forked": pid}).encode())
+            cpu_s = usage.ru_utime + usage.ru_stime
+            asker = children.pop(pid)
+            replies = [(asker, {"pid": pid, "returncode": os.waitstatus_to_exitcode(status), "cpu_s": cpu_s})]
+            if asker is not channel:
+                replies.append((channel, {"cpu_s": cpu_s}))
+            for connection, reply in replies:
+                try:
+                    connection.send(json.dumps(reply).encode())
+                except OSError:  # an agent that has gone
+                    pass
+        for connection in readable:
+            if connection is listener:
+                connections.append(listener.accept()[0])
+                continue
+            try:
+                message, fds, _, _ = socket.recv_fds(connection, _MESSAGE_BYTES, 3)
+            except OSError:
+                message, fds = b"", []
+            if not message:
+                if connection is channel:
+                    for pid in children:  # the test process has gone: so does what it started
+                        _kill_group(pid)
+                    return None
+                connections.remove(connection)  # an agent ended; its workers stay, as a fresh one's would
+                connection.close()
+                continue
+            request = json.loads(message)
+            if import_time_environment(request["env"]) != own_key:
+                for fd in fds:
+                    os.close(fd)
+                why = "its import-time environment differs from the preloaded interpreter's"
+                connection.send(json.dumps({"refused": why}).encode())
+                continue
+            pid = os.fork()
+            if pid == 0:
+                for sock in (listener, *connections):
+                    sock.close()
+                return request, fds
+            for fd in fds:
+                os.close(fd)
+            children[pid] = connection
+            connection.send(json.dumps({"forked": pid}).encode())
+
+
+def _fork_workers_from(address: str) -> None:
+    """In the preloaded interpreter (and so in every child): torch's elastic agent starts each
+    ``python`` worker as a child of the interpreter at ``address`` (listening for the agent's
+    connection), and any other command, or any the interpreter refuses, as torch does."""
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+    except ImportError:
+        return
+    torch_popen = subprocess_handler.SubprocessHandler._popen
+    agent: dict[int, Channel] = {}  # this agent's channel, by the pid of the agent that made it
+
+    def popen(handler: Any, args: tuple, env: dict[str, str]) -> Any:
+        kwargs = {"stdout": handler._stdout, "stderr": handler._stderr, "env": env, "start_new_session": True}
+        if not _preloadable(list(args), kwargs):
+            return torch_popen(handler, args, env)
+        try:
+            if os.getpid() not in agent or not agent[os.getpid()].alive():
+                connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                connection.connect(address)
+                agent.clear()
+                agent[os.getpid()] = Channel(connection)
+            return PreloadedPopen(args, channel=agent[os.getpid()], **kwargs)
+        except (Unforkable, OSError):
+            return torch_popen(handler, args, env)
+
+    subprocess_handler.SubprocessHandler._popen = popen
 
 
 def _become(request: dict, fds: list[int]) -> None:
