@@ -117,7 +117,8 @@ def main() -> int:
             for layout in args.layouts.split(","):
                 row = measure(model, layout, device, repeats, args.profile)
                 size, ms, rate = row["bytes"] / 1e6, row["s"] * 1e3, row["bytes"] / row["s"] / 1e9
-                print(f"{name:<12}{layout:<9}{row['tensors']:>8.0f}{size:>9.1f}{ms:>10.2f}{rate:>8.1f}")
+                # three significant digits: the smoke model's ~0.1 MB a sync is a few hundredths of a GB/s
+                print(f"{name:<12}{layout:<9}{row['tensors']:>8.0f}{size:>9.1f}{ms:>10.2f}{rate:>8.3g}")
     return 0
 
 
