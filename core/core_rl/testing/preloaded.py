@@ -524,14 +524,9 @@ def _serve(channel: socket.socket) -> tuple[dict, list[int]] | None:
                 break
             cpu_s = usage.ru_utime + usage.ru_stime
             asker = children.pop(pid)
-            replies = [(asker, {"pid": pid, "returncode": os.waitstatus_to_exitcode(status), "cpu_s": cpu_s})]
+            _reply(asker, {"pid": pid, "returncode": os.waitstatus_to_exitcode(status), "cpu_s": cpu_s})
             if asker is not channel:
-                replies.append((channel, {"cpu_s": cpu_s}))
-            for connection, reply in replies:
-                try:
-                    connection.send(json.dumps(reply).encode())
-                except OSError:  # an agent that has gone
-                    pass
+                _reply(channel, {"cpu_s": cpu_s})
         for connection in readable:
             if connection is listener:
                 connections.append(listener.accept()[0])
@@ -552,8 +547,7 @@ def _serve(channel: socket.socket) -> tuple[dict, list[int]] | None:
             if import_time_environment(request["env"]) != own_key:
                 for fd in fds:
                     os.close(fd)
-                why = "its import-time environment differs from the preloaded interpreter's"
-                connection.send(json.dumps({"refused": why}).encode())
+                _reply(connection, {"refused": "its import-time environment differs from the preloaded interpreter's"})
                 continue
             pid = os.fork()
             if pid == 0:
@@ -563,7 +557,16 @@ def _serve(channel: socket.socket) -> tuple[dict, list[int]] | None:
             for fd in fds:
                 os.close(fd)
             children[pid] = connection
-            connection.send(json.dumps({"forked": pid}).encode())
+            _reply(connection, {"forked": pid})
+
+
+def _reply(connection: socket.socket, message: dict) -> None:
+    """``message`` to whoever is at the other end of ``connection``, if anyone still is (an agent
+    may have been killed with requests in flight; the test process's end is noticed as its EOF)."""
+    try:
+        connection.send(json.dumps(message).encode())
+    except OSError:
+        pass
 
 
 def _fork_workers_from(address: str) -> None:
