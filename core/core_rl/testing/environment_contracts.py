@@ -54,10 +54,14 @@ class EnvironmentContract(ComponentContract):
 
     def test_factory_builds_a_fresh_environment_per_trajectory(self) -> None:
         a, b = self.build(), self.build()
-        assert a is not b, "the factory runs once per trajectory and must return a new environment each time"
-        for env in (a, b):
-            assert isinstance(env, Environment) or all(hasattr(env, m) for m in ("reset", "step", "close"))
-            assert inspect.iscoroutinefunction(env.reset) and inspect.iscoroutinefunction(env.step)
+        try:
+            assert a is not b, "the factory runs once per trajectory and must return a new environment each time"
+            for env in (a, b):
+                assert isinstance(env, Environment) or all(hasattr(env, m) for m in ("reset", "step", "close"))
+                assert inspect.iscoroutinefunction(env.reset) and inspect.iscoroutinefunction(env.step)
+        finally:
+            for env in (a, b):  # closing one that was never reset is part of the contract too
+                asyncio.run(env.close())
 
     def test_scripted_episodes(self) -> None:
         if not self.episodes:
