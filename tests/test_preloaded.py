@@ -175,6 +175,11 @@ runpy.run_module("torch.distributed.run", run_name="__main__")
 """
 
 
+def _agent_env(**extra: str) -> dict[str, str]:
+    """The environment the agent of :func:`_torchrun` runs with (which picks its interpreter)."""
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **extra}
+
+
 def _torchrun(tmp_path: Path, status: int, **env: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """Two workers of ``WORKER`` under torch's elastic agent, itself forked from a preloaded
     interpreter; the agent's result and what each worker saw at its start."""
@@ -184,7 +189,7 @@ def _torchrun(tmp_path: Path, status: int, **env: str) -> tuple[subprocess.Compl
     (tmp_path / "agent.py").write_text(AGENT)
     proc = preloaded.run(
         [sys.executable, str(tmp_path / "agent.py"), str(tmp_path / "worker.py"), str(status)],
-        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **env},
+        env=_agent_env(**env),
         capture_output=True,
         text=True,
         timeout=120,
@@ -197,8 +202,7 @@ def _torchrun(tmp_path: Path, status: int, **env: str) -> tuple[subprocess.Compl
 
 
 def test_an_elastic_agents_workers_are_forked_from_the_interpreter_and_report_their_status(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    interpreter = preloaded._interpreter(env).process.pid
+    interpreter = preloaded._interpreter(_agent_env()).process.pid
     before = preloaded.forked_cpu_seconds
     proc, seen = _torchrun(tmp_path, 0)
     assert proc.returncode == 0, proc.stderr[-3000:]
