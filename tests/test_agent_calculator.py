@@ -35,7 +35,7 @@ def _example(work: Path, *args: str) -> subprocess.CompletedProcess:
         timeout=900,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-12000:]
     return proc
 
 

@@ -82,6 +82,7 @@ class TrainerRank:
         normal_priority()  # inherited by the rank's process
         self._proc: subprocess.Popen | None = None
         self._note: Path | None = None
+        self._note_text = ""
 
     def where(self) -> dict[str, Any]:
         return where()
@@ -116,18 +117,27 @@ class TrainerRank:
 
     def poll(self) -> int | None:
         """The rank's exit status once its process ended (``-N``: killed by signal N), else ``None``."""
-        return None if self._proc is None else self._proc.poll()
+        if self._proc is None:
+            return None
+        code = self._proc.poll()
+        if code is not None:
+            self._settle_note()
+        return code
 
     def exit_note(self) -> str:
         """The line the rank's process ended with (its error, the watchdog's diagnosis:
         :mod:`core_rl.reliability.exit_note`); empty when it left none."""
-        if self._note is None:
-            return ""
-        text = exit_note.read(self._note)
         if self._proc is not None and self._proc.poll() is not None:
+            self._settle_note()
+        return self._note_text if self._note is None else exit_note.read(self._note)
+
+    def _settle_note(self) -> None:
+        """Once the process has ended: keep its note's line and remove the file (every ended rank,
+        whether or not the driver asks for its note)."""
+        if self._note is not None:
+            self._note_text = exit_note.read(self._note)
             self._note.unlink(missing_ok=True)
             self._note = None
-        return text
 
     def stop(self, grace: float) -> int | None:
         """``SIGTERM`` the rank (it finishes its step, saves a checkpoint and exits), ``SIGKILL``
@@ -142,6 +152,7 @@ class TrainerRank:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=30)
+        self._settle_note()
         return proc.returncode
 
 
