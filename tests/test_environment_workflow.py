@@ -92,3 +92,100 @@ def test_what_a_step_returns_is_checked() -> None:
     ]:
         with pytest.raises(PluginFault, match=rf"env 'x' returned .*{what}.*Environment\.step returns"):
             as_step_result(bad, "env 'x'")
+
+
+class _FirstFails:
+    """Environment ``first_fails``: the first instance built raises in ``reset``; the others wait
+    in ``reset`` for a minute, and record being cancelled."""
+
+    built: ClassVar[int] = 0
+    cancelled: ClassVar[int] = 0
+
+    def __init__(self) -> None:
+        self.index = _FirstFails.built
+        _FirstFails.built += 1
+
+    async def reset(self, row: Any) -> str:
+        import asyncio
+
+        if self.index == 0:
+            raise RuntimeError("no sandbox left")
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            _FirstFails.cancelled += 1
+            raise
+        return "?"
+
+    async def step(self, action: Any) -> StepResult:
+        return StepResult("", 0.0, True, {})
+
+    async def close(self) -> None:
+        pass
+
+
+class _FirstFailsPlugin:
+    from core_rl.hookspecs import hookimpl
+
+    @hookimpl
+    def core_rl_register_environments(self, register: Any) -> None:
+        register("first_fails", lambda c: _FirstFails(), description="test: the first instance fails")
+
+
+def test_a_failed_trajectory_cancels_the_rest_of_its_group() -> None:
+    """One trajectory's environment raises: the group fails with the error naming it at once, and
+    its other trajectories are cancelled, not left running on the loop."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from core_rl.interfaces import SamplingParams
+    from core_rl.rollout.workflows import WorkflowContext
+
+    wf = environment_workflow(environment={"name": "first_fails"}, plugins=[_FirstFailsPlugin()])
+    _FirstFails.built = _FirstFails.cancelled = 0
+
+    async def generate(*args: Any, **kwargs: Any) -> list:
+        raise AssertionError("no trajectory gets as far as generating")
+
+    async def main() -> list[asyncio.Task]:
+        ctx = WorkflowContext(generate=generate, sampling=SamplingParams(n=4, max_new_tokens=3))
+        prompt = SimpleNamespace(row={}, prompt_ids=[1, 2], text="x", media=None)
+        with pytest.raises(PluginFault, match=r"first_fails.*reset raised RuntimeError: no sandbox left"):
+            await wf.run(prompt, ctx)
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    started = time.monotonic()
+    assert asyncio.run(main()) == []
+    assert time.monotonic() - started < 30
+    assert _FirstFails.built == 4
+
+
+def test_gather_group_keeps_order_and_reports_the_first_failure() -> None:
+    import asyncio
+
+    from core_rl.rollout.workflows import gather_group
+
+    ended: list[str] = []
+
+    async def after(delay: float, value: Any = None, error: Exception | None = None) -> Any:
+        try:
+            await asyncio.sleep(delay)
+        except asyncio.CancelledError:
+            ended.append(f"cancelled {delay}")
+            raise
+        if error is not None:
+            raise error
+        return value
+
+    assert asyncio.run(gather_group([after(0.03, "a"), after(0.01, "b"), after(0.0, "c")])) == ["a", "b", "c"]
+    assert asyncio.run(gather_group([])) == []
+
+    async def failing() -> list:
+        group = [after(0.01, error=ValueError("first")), after(0.05, error=KeyError("second")), after(5, "slow")]
+        with pytest.raises(ValueError, match="first"):
+            await gather_group(group)
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    assert asyncio.run(failing()) == []
+    assert sorted(ended) == ["cancelled 0.05", "cancelled 5"]

@@ -76,7 +76,14 @@ from core_rl.reliability.deadlines import DeadlinePassed
 from core_rl.reliability.own_loop import OwnLoop, stuck_loops
 from core_rl.reliability.progress import PROGRESS
 from core_rl.rollout.environments import Action, Environment, Observation, StepResult, as_step_result, check_observation
-from core_rl.rollout.workflows import FAILED, RolloutWorkflow, WorkflowContext, append_observation, extend_turn
+from core_rl.rollout.workflows import (
+    FAILED,
+    RolloutWorkflow,
+    WorkflowContext,
+    append_observation,
+    extend_turn,
+    gather_group,
+)
 from core_rl.vision.media import concat_media
 
 TRAIN_TURNS = ("all", "last")
@@ -197,9 +204,7 @@ class EnvironmentWorkflow(RolloutWorkflow):
     async def run(self, prompt: Any, ctx: WorkflowContext) -> list[Sample]:
         spec = self.spec_for(prompt.row)
         n = ctx.sampling.n
-        return list(
-            await asyncio.gather(*(self.trajectory(spec.build(), prompt, ctx, name=spec.name) for _ in range(n)))
-        )
+        return await gather_group([self.trajectory(spec.build(), prompt, ctx, name=spec.name) for _ in range(n)])
 
     def _encode(self, ctx: WorkflowContext, observation: Observation, env: Environment) -> tuple[list[int], Any]:
         """The token ids of ``observation`` and the pixel inputs of its images (``None``: none,

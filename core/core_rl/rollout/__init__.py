@@ -36,6 +36,7 @@ __all__, __getattr__ = lazy_exports(
             "WorkflowContext",
             "append_observation",
             "extend_turn",
+            "gather_group",
         ),
     },
 )

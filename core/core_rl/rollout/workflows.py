@@ -29,8 +29,9 @@ the kinds per step (``agent/errors/<kind>``) and stops the run past the limit
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import attrs
@@ -90,6 +91,31 @@ class RolloutWorkflow(ABC):
         """The trajectories of ``prompt`` (at least one), each a :class:`Sample` whose
         ``prompt_ids`` are ``prompt.prompt_ids``. Must not keep state between calls that would
         change what a resumed run generates."""
+
+
+async def gather_group(trajectories: Sequence[Coroutine[Any, Any, Sample]]) -> list[Sample]:
+    """Run a group's ``trajectories`` concurrently: their samples, in order. The first that raises
+    cancels the others, waits for them to end and re-raises its own exception, so a failed group
+    leaves nothing running on the loop (``asyncio.gather`` leaves the rest running); cancelling the
+    caller cancels them all."""
+    tasks = [asyncio.ensure_future(t) for t in trajectories]
+    if not tasks:
+        return []
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t for t in tasks if t in done and not t.cancelled() and t.exception() is not None), None)
+        if failed is not None:
+            raise failed.exception()  # type: ignore[misc]
+        return [t.result() for t in tasks]
+    finally:
+        pending = [t for t in tasks if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+        for task in tasks:  # marks every other exception retrieved: the group reports its first
+            if task.done() and not task.cancelled():
+                task.exception()
 
 
 class SingleTurnWorkflow(RolloutWorkflow):
