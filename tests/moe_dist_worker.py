@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from core_rl.config.moe_config import MoEConfig
+from core_rl.config.model_sections import MoEConfig
 from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
 from core_rl.interfaces import LossOutput
 from core_rl.protocol import TensorBatch

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from core_rl.config.mismatch_budget import MismatchBudgetConfig
+from core_rl.config.schema import MismatchBudgetConfig
 from core_rl.errors import ConfigError
 from core_rl.interfaces import LossOutput, PolicyLoss
 from core_rl.loops.rl.loop import SyncTrainer

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from core_rl.config.moe_config import MoEConfig
+from core_rl.config.model_sections import MoEConfig
 from core_rl.config.validators import FieldValueError
 from core_rl.protocol import Sample, TensorBatch, concat_padded, samples_to_batch
 from core_rl.roles import moe

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from core_rl.config.moe_config import MoEConfig
+from core_rl.config.model_sections import MoEConfig
 from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
 from core_rl.interfaces import LossOutput, SamplingParams
 from core_rl.protocol import TensorBatch, samples_to_batch

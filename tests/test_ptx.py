@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from core_rl.config.loader import structure
-from core_rl.config.ptx import PTXConfig
-from core_rl.config.schema import AlgorithmConfig, DataConfig
+from core_rl.config.schema import AlgorithmConfig, DataConfig, PTXConfig
 from core_rl.errors import DataError
 from core_rl.loops.rl.ptx import PTXLoss, PTXRows, with_ptx
 from core_rl.loops.supervised.sequences import TrainSequence

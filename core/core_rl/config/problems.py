@@ -11,9 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from core_rl.config.checks import SectionContext, config_problems
-from core_rl.config.mismatch_budget import mismatch_budget_problems
 from core_rl.config.reward_aggregation import reward_aggregation_problems
-from core_rl.config.schema import DataConfig, RunConfig, SchedulerConfig
+from core_rl.config.schema import DataConfig, RunConfig, SchedulerConfig, mismatch_budget_problems
 from core_rl.config.sections import selected_sections
 from core_rl.config.validators import MAX_COUNT, FieldValueError
 from core_rl.plugins.host import PluginHost

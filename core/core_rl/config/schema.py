@@ -18,18 +18,13 @@ from core_rl.config.data_config import DataConfig as DataConfig  # re-exported w
 from core_rl.config.data_config import TrainFile as TrainFile
 from core_rl.config.derived_key import Derived
 from core_rl.config.eval_config import EvalConfig
-from core_rl.config.mismatch_budget import MismatchBudgetConfig
-from core_rl.config.model_sections import LoraConfig, MicroBatchConfig, OptimizerConfig, SchedulerConfig
-from core_rl.config.moe_config import MoEConfig
+from core_rl.config.model_sections import LoraConfig, MicroBatchConfig, MoEConfig, OptimizerConfig, SchedulerConfig
 from core_rl.config.placement import PlacementConfig
 from core_rl.config.placement import RolePlacement as RolePlacement  # re-exported with the section
 from core_rl.config.plugin_spec import PluginSpec
 from core_rl.config.plugin_spec import default_from as default_from  # re-exported: the plugin guide names it here
 from core_rl.config.plugin_spec import plugin_section as plugin_section  # re-exported likewise
-from core_rl.config.ptx import PTXConfig
-from core_rl.config.replay_config import RolloutDumpConfig
 from core_rl.config.sampling import SamplingConfig as SamplingConfig  # re-exported with the sections
-from core_rl.config.sync_check_config import SyncCheckConfig
 from core_rl.config.validators import (
     MAX_COUNT,
     MAX_SEED,
@@ -107,6 +102,26 @@ class ControllerConfig:
     wait_timeout_s: float = attrs.field(default=3600.0, validator=in_range(0.0, 10**7, low_open=True))
     warn_wait_fraction: float = attrs.field(default=0.5, validator=in_range(0.0, 1.0))
     workflow_timeout_s: float = attrs.field(default=1800.0, validator=in_range(0.0, 10**7, low_open=True))
+
+
+@attrs.define
+class SyncCheckConfig:
+    """``enabled``: check after weight syncs (default on); ``every_n_syncs``: check the ``N``-th,
+    ``2N``-th, ... sync of the run (1: every one). A mismatch stops the run at that step."""
+
+    enabled: bool = True
+    every_n_syncs: int = attrs.field(default=1, validator=in_range(1, MAX_STEPS))
+
+
+@attrs.define
+class RolloutDumpConfig:
+    """``every_n_steps``: write the scored rollouts of every step ``N`` divisible by it to
+    ``<dir>/step_<N>.parquet`` (0: never); ``dir``: where (null: ``<run>/rollouts``). The files:
+    :mod:`core_rl.rollout.dump`; how a dump and ``rollout.replay_from`` combine with the rest of a
+    run: :func:`core_rl.config.problems.replay_config_problems`."""
+
+    every_n_steps: int = attrs.field(default=0, validator=in_range(0, MAX_STEPS))
+    dir: str | None = attrs.field(default=None, validator=not_empty())
 
 
 @attrs.define
@@ -195,7 +210,7 @@ class ActorConfig:
     refused before the run. ``freeze``: regular expressions naming parameters that keep their
     starting values (``[embed_tokens]``; :mod:`core_rl.roles.freezing`). ``moe``: a
     mixture-of-experts model's router precision, load-balancing loss and metrics, and routing
-    replay (:class:`~core_rl.config.moe_config.MoEConfig`)."""
+    replay (:class:`~core_rl.config.model_sections.MoEConfig`)."""
 
     model_path: str = ""
     tokenizer_path: str | None = None
@@ -332,6 +347,90 @@ class RewardShapingConfig:
     part_unbiased: bool = True
 
 
+def _files(_inst: object, attribute: attrs.Attribute, value: list[str]) -> None:
+    if not value or not all(isinstance(v, str) and v for v in value):
+        raise FieldValueError(attribute.name, value, "must list the files of the supervised rows (as data.train_files)")
+
+
+@attrs.define
+class PTXConfig:
+    """``algorithm.ptx`` (the loss and the rows: :mod:`core_rl.loops.rl.ptx`): every optimiser
+    step of the policy also trains on ``rows`` rows of ``files`` (read like
+    ``data.train_files``; a row's ``prompt_key`` column is its prompt, tokenised as the training
+    prompts are, and its ``response_key`` column the completion, text or token ids, followed by EOS),
+    drawn in a seeded order that reshuffles each epoch and resumes where it was:
+
+        loss = policy loss + coef * (sum of -log pi over the rows' completion tokens) / (their number)
+
+    Each row is cut to ``max_length`` tokens (its completion at the end). The completion tokens'
+    mean NLL is logged as ``actor/ptx_nll`` (over every rank's rows)."""
+
+    files: list[str] = attrs.field(validator=_files)
+    coef: float = attrs.field(default=0.05, validator=positive(1e6))
+    rows: int = attrs.field(default=8, validator=in_range(1, MAX_COUNT))
+    prompt_key: str = attrs.field(default="prompt", validator=not_empty())
+    response_key: str = attrs.field(default="response", validator=not_empty())
+    max_length: int = attrs.field(default=1024, validator=in_range(2, MAX_TOKENS))
+
+
+#: what the run does once the budget is exceeded ``patience`` steps in a row
+MISMATCH_ACTIONS = ("warn", "correct", "stop")
+#: the metrics a budget can watch (each logged as ``mismatch/<name>``)
+MISMATCH_BUDGET_METRICS = ("abs_logprob_diff", "kl_behave_trainer", "ratio_out_of_bounds")
+
+
+@attrs.define
+class MismatchBudgetConfig:
+    """``algorithm.mismatch_budget`` (at run time: :mod:`core_rl.loops.rl.mismatch_budget`).
+
+    The mismatch metrics are logged every step whatever this section says
+    (``mismatch/abs_logprob_diff``, ``mismatch/kl_behave_trainer``, ``mismatch/ratio_out_of_bounds``:
+    the share of loss tokens whose ratio ``exp(log pi_train - log pi_behave)`` is outside
+    ``[1 / ratio_bound, ratio_bound]``).
+
+    ``threshold`` (null: no budget, the metrics only): a step whose ``metric`` exceeds it is over
+    budget; after ``patience`` such steps in a row the run takes ``action``:
+
+    - ``warn``: one line naming the metric, its value, the threshold and the step (again after
+      each further ``patience`` steps over budget);
+    - ``correct``: from the next step on, the policy loss applies the importance-sampling
+      correction ``correction`` (a ``core_rl.rejection_samplers`` plugin section: ``tis``,
+      truncated importance sampling, by default; ``mis`` masks instead) to its behaviour weight,
+      and one line says so. It needs a loss that applies a correction (``ppo_clip``: the decoupled
+      loss's ``pi_prox / pi_behave``, or the plain loss's ``pi_old / pi_behave`` with ``old_logprobs``
+      recomputed from then on) and no ``algorithm.rejection_sampling`` already on;
+    - ``stop``: the run ends with exit status 1 and one line naming the metric, its value, the
+      threshold and the step, after logging that step's metrics and saving nothing of it.
+    """
+
+    metric: str = attrs.field(default="abs_logprob_diff", validator=one_of(MISMATCH_BUDGET_METRICS))
+    threshold: float | None = attrs.field(default=None, validator=in_range(0.0, 1e6, low_open=True))
+    action: str = attrs.field(default="warn", validator=one_of(MISMATCH_ACTIONS))
+    patience: int = attrs.field(default=1, validator=in_range(1, MAX_STEPS))
+    ratio_bound: float = attrs.field(default=2.0, validator=in_range(1.0, 1e6, low_open=True))
+    correction: PluginSpec = attrs.field(factory=lambda: PluginSpec(name="tis"))
+
+
+def mismatch_budget_problems(budget: MismatchBudgetConfig, *, rejection_sampling: PluginSpec | None) -> list[str]:
+    """Problems of ``algorithm.mismatch_budget`` with the rest of ``algorithm``: an action other
+    than ``warn`` without a threshold, and ``correct`` while ``algorithm.rejection_sampling``
+    already applies a correction from the start (whether the loss applies one is the loss's
+    ``set_rejection_sampler`` to say, before training)."""
+    problems = []
+    if budget.threshold is None and budget.action != "warn":
+        problems.append(
+            f"algorithm.mismatch_budget.action: {budget.action!r} acts when the mismatch exceeds "
+            "algorithm.mismatch_budget.threshold, which is null; set a threshold"
+        )
+    if budget.threshold is not None and budget.action == "correct" and rejection_sampling is not None:
+        problems.append(
+            "algorithm.mismatch_budget.action: 'correct' turns on algorithm.mismatch_budget.correction when the "
+            f"budget is exceeded, but algorithm.rejection_sampling ({rejection_sampling.name!r}) is on from the "
+            "start; remove one of them"
+        )
+    return problems
+
+
 @attrs.define
 class AlgorithmConfig:
     """``name`` selects a recipe whose defaults fill this section; ``advantage``, ``loss``,
@@ -361,11 +460,11 @@ class AlgorithmConfig:
       skipped (the target-KL early stop of PPO implementations; ``actor/early_stopped``; the
       learning-rate schedule counts the optimiser steps taken);
     - ``ptx`` (null: off): a supervised loss on rows of its own in every optimiser step
-      (:class:`core_rl.config.ptx.PTXConfig`);
+      (:class:`PTXConfig`);
     - ``recompute_logprob``: ``old_logprobs`` come from the train engine before the first update
       (behaviour log-probs stay in ``behave_logprobs``);
     - ``mismatch_budget``: the train/rollout mismatch logged every step, and what to do when it
-      stays too large (:class:`core_rl.config.mismatch_budget.MismatchBudgetConfig`);
+      stays too large (:class:`MismatchBudgetConfig`);
     - ``reference_reset_every_n_steps``: every this many steps the reference model becomes the
       current policy (0: never; :mod:`core_rl.loops.rl.reference_reset`);
     - ``reference_reset_alpha``: in ``(0, 1]``; below 1 each reset is a soft update, the reference

@@ -1,6 +1,7 @@
-"""The module paths of the layout before the core's concept folders and kits (release 0.1): each old
-path still imports, as the module that replaced it, with a :class:`DeprecationWarning` naming the
-new path; they go in the next release. Installed on ``import core_rl`` (:func:`install`).
+"""The module paths of earlier layouts (the one before the core's concept folders and kits, release
+0.1, and the config fragments folded since into the module of their section): each old path still
+imports, as the module that replaced it, with a :class:`DeprecationWarning` naming the new path;
+they go in the next release. Installed on ``import core_rl`` (:func:`install`).
 
 An old package (``core_rl.trainer``, ``core_rl.remote``, ``core_rl.engine_utils``) imports as a
 module of its own whose attributes come from its replacement, so that importing an old child never
@@ -29,6 +30,11 @@ MOVED: dict[str, str] = {
     "core_rl.components": "core_rl.plugins.components",
     "core_rl.data_sources": "core_rl.data.sources",
     "core_rl.deadlines": "core_rl.reliability.deadlines",
+    "core_rl.config.mismatch_budget": "core_rl.config.schema",
+    "core_rl.config.moe_config": "core_rl.config.model_sections",
+    "core_rl.config.ptx": "core_rl.config.schema",
+    "core_rl.config.replay_config": "core_rl.config.schema",
+    "core_rl.config.sync_check_config": "core_rl.config.schema",
     "core_rl.engine_utils": "core_rl_train_kit",
     "core_rl.engine_utils.attention": "core_rl_train_kit.attention",
     "core_rl.engine_utils.buckets": "core_rl.sync.buckets",

@@ -1,4 +1,4 @@
-"""``algorithm.mismatch_budget`` at run time (:class:`core_rl.config.mismatch_budget.MismatchBudgetConfig`).
+"""``algorithm.mismatch_budget`` at run time (:class:`core_rl.config.schema.MismatchBudgetConfig`).
 
 Every rank sees the same ``mismatch/*`` metrics (gathered or reduced over ranks by the update,
 :mod:`core_rl.loops.rl.update`), so every rank counts the same streak and takes the same action.
@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from core_rl.config.mismatch_budget import MismatchBudgetConfig
+from core_rl.config.schema import MismatchBudgetConfig
 from core_rl.loops.errors import RunFailed
 from core_rl.loops.streaks import StreakCounter
 

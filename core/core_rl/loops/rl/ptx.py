@@ -1,4 +1,4 @@
-"""``algorithm.ptx`` (:class:`core_rl.config.ptx.PTXConfig`): supervised rows mixed into every
+"""``algorithm.ptx`` (:class:`core_rl.config.schema.PTXConfig`): supervised rows mixed into every
 optimiser step of the policy.
 
 :class:`PTXRows` reads and tokenises the rows once (on every rank alike, so every rank draws the
@@ -20,8 +20,7 @@ from typing import Any
 import attrs
 import torch
 
-from core_rl.config.ptx import PTXConfig
-from core_rl.config.schema import DataConfig
+from core_rl.config.schema import DataConfig, PTXConfig
 from core_rl.data.files import read_data_files
 from core_rl.data.prompts import tokenise_rows
 from core_rl.errors import DataError

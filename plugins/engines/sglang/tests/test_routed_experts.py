@@ -66,7 +66,7 @@ def test_the_servers_routes_are_those_of_a_float32_forward(model: Path, batch) -
 
 
 def test_the_trainer_replays_the_servers_routes(model: Path, batch) -> None:
-    from core_rl.config.moe_config import MoEConfig
+    from core_rl.config.model_sections import MoEConfig
     from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
     from core_rl.roles import moe
     from core_rl_fsdp.engine import FSDPEngine

@@ -33,7 +33,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from core_rl.config.moe_config import MoEConfig
+from core_rl.config.model_sections import MoEConfig
 from core_rl.errors import ConfigError
 from core_rl.launch import distributed as dist_utils
 from core_rl.protocol import TensorBatch
