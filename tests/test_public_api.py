@@ -6,6 +6,7 @@ the layout before the concept folders still import, with a DeprecationWarning na
 from __future__ import annotations
 
 import importlib
+import json
 import re
 import subprocess
 import sys
@@ -87,3 +88,25 @@ def test_the_architecture_page_lists_every_folder_of_the_core() -> None:
     }
     folders = {p.name for p in (ROOT / "core" / "core_rl").iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert listed == folders
+
+
+def test_every_moved_path_imports_as_its_replacement() -> None:
+    """Each old path of :data:`core_rl.plugins.moved_modules.MOVED` imports (with its warning) and
+    holds its replacement's names, the same objects: a third party's old import keeps working (an old
+    package's submodules are its own, so that they never rebind the new package's)."""
+    code = (
+        "import importlib, inspect, json, warnings\n"
+        "import core_rl\n"
+        "from core_rl.plugins.moved_modules import MOVED\n"
+        "warnings.simplefilter('ignore', DeprecationWarning)\n"
+        "wrong = []\n"
+        "for old, new in MOVED.items():\n"
+        "    before, after = importlib.import_module(old), importlib.import_module(new)\n"
+        "    names = [n for n, v in vars(after).items() if not n.startswith('_') and not inspect.ismodule(v)]\n"
+        "    if any(getattr(before, n, None) is not getattr(after, n) for n in names):\n"
+        "        wrong.append(old)\n"
+        "print(json.dumps([len(MOVED), wrong]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    count, wrong = json.loads(out.splitlines()[-1])
+    assert count > 80 and wrong == []
