@@ -103,14 +103,17 @@ def test_two_ranks_save_by_time_and_keep_the_best_checkpoint(tmp_path: Path) -> 
         "at_end": False,
     }
     path = write_config(config, tmp_path / "run.yaml")
+    scratch = tmp_path / "tmp"  # the launch's temporary files: none is left behind
+    scratch.mkdir()
     out = preloaded.run(
         cli_command("train", "--nproc-per-node", "2", str(path)),
         capture_output=True,
         text=True,
         timeout=600,
-        env=cpu_ranks_env(cli_env()),
+        env=cpu_ranks_env({**cli_env(), "TMPDIR": str(scratch)}),
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(p.name for p in scratch.iterdir()) == []
     run = tmp_path / "runs" / "run"
     rewards = {json.loads(line)["step"]: json.loads(line)["reward/mean"] for line in (run / "metrics.jsonl").open()}
     scores = json.loads((run / "checkpoints" / SCORES_FILE).read_text())["scores"]

@@ -44,7 +44,7 @@ from typing import Any
 
 import attrs
 from torch.distributed import TCPStore
-from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
@@ -205,7 +205,11 @@ def launch(config_path: str, overrides: Sequence[str], nproc: int, cfg: RunConfi
     rdzv: dict[str, Any] = {"timeout": nodes.timeout_s, "rank": nodes.rank}
     if listen_fd is not None:
         rdzv["listen_fd"] = listen_fd
+    # the ranks' exit notes, and torch elastic's per-launch files (left in a temporary directory of
+    # their own otherwise, never removed): both go with the launch
+    scratch = tempfile.TemporaryDirectory(prefix="core-rl-launch-")
     config = LaunchConfig(
+        logs_specs=DefaultLogsSpecs(log_dir=str(Path(scratch.name) / "elastic")),
         min_nodes=nodes.count,
         max_nodes=nodes.count,
         nproc_per_node=nproc,
@@ -220,8 +224,7 @@ def launch(config_path: str, overrides: Sequence[str], nproc: int, cfg: RunConfi
         local_addr="127.0.0.1" if is_loopback(host) else None,
         **_shutdown_timeout(int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", shutdown_timeout_s(cfg)))),
     )
-    notes = tempfile.TemporaryDirectory(prefix="core-rl-notes-")
-    os.environ[exit_note.VARIABLE] = str(Path(notes.name) / "rank-{rank}.txt")  # each worker's last line
+    os.environ[exit_note.VARIABLE] = str(Path(scratch.name) / "rank-{rank}.txt")  # each worker's last line
     try:
         elastic_launch(config, sys.executable)("-m", RANK_MODULE, "train", config_path, *overrides)
     except ChildFailedError as exc:
@@ -241,7 +244,7 @@ def launch(config_path: str, overrides: Sequence[str], nproc: int, cfg: RunConfi
         return failure.exitcode
     except SignalException as exc:
         name = signal.Signals(exc.sigval).name
-        left = sorted(Path(notes.name).glob("rank-*.txt"), key=lambda f: int(f.stem.removeprefix("rank-")))
+        left = sorted(Path(scratch.name).glob("rank-*.txt"), key=lambda f: int(f.stem.removeprefix("rank-")))
         unsaved = [f.stem.removeprefix("rank-") for f in left if exit_note.read(f).startswith(NOT_SAVED)]
         if unsaved:
             who = f"rank {unsaved[0]}" if len(unsaved) == 1 else f"ranks {', '.join(unsaved)}"
@@ -259,5 +262,5 @@ def launch(config_path: str, overrides: Sequence[str], nproc: int, cfg: RunConfi
         return TrainingInterrupted.exit_code
     finally:
         os.environ.pop(exit_note.VARIABLE, None)
-        notes.cleanup()
+        scratch.cleanup()
     return 0
