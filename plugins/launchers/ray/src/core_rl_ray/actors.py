@@ -100,7 +100,7 @@ class TrainerRank:
         full.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several workers
         descriptor, note = tempfile.mkstemp(prefix="core-rl-rank-", suffix=".note")
         os.close(descriptor)
-        self._note = Path(note)
+        self._note, self._note_text = Path(note), ""
         full[exit_note.VARIABLE] = note  # the line the rank exits with, for the driver
         self._proc = subprocess.Popen(
             [sys.executable, *argv], env=full, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
