@@ -18,7 +18,7 @@ from core_rl.config.schema import AlgorithmConfig, NormConfig, RewardShapingConf
 from core_rl.errors import ConfigError, CoreRLError
 from core_rl.loops.rl.batching import BatchAssembler, Generation
 from core_rl.protocol import Sample
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 grpo = pytest.importorskip("core_rl_grpo")
@@ -186,6 +186,8 @@ def parted_groups(draw):
 
 @settings(max_examples=60, deadline=None)
 @given(parted_groups())
+# near-cancelling parts: sums of about 3e-4 from parts of about 0.7, with a batch spread close to eps
+@example(case=(2, [[0.0, None], [0.0, None], [0.0, 0.0], [0.25, -1.0]], [1.0, 1.0]))
 def test_parity_with_trls_normalize_then_sum(case) -> None:
     n, rows, weights = case
     names = [f"p{j}" for j in range(len(weights))]
@@ -204,7 +206,13 @@ def test_parity_with_trls_normalize_then_sum(case) -> None:
     sums = ops.normalize_then_sum(table, torch.tensor(weights), torch.arange(len(rows)) // n, eps=1e-4)
     assert sums.tolist() == pytest.approx(trl_sums.tolist(), rel=1e-5, abs=1e-5)
     got, _ = assembled(gen, algorithm, named, grpo.GroupRelativeAdvantage(norm_std=False))
-    assert got.tolist() == pytest.approx(trl_advantages.tolist(), rel=1e-5, abs=1e-5)
+    # float32 sums carry a rounding error of a few units of 2**-23 times the terms they add (each
+    # |z| <= sqrt(n - 1) in a group of n); the batch normalisation divides it by (std + eps), so a
+    # batch of near-cancelling sums magnifies it where the float64 reference has none
+    present = trl_sums[~trl_sums.isnan()]
+    spread = present.std().item() if len(present) > 1 else math.inf
+    rounding = 8 * 2**-23 * sum(abs(w) for w in weights) * math.sqrt(n - 1) / (spread + 1e-4)
+    assert got.tolist() == pytest.approx(trl_advantages.tolist(), rel=1e-5, abs=1e-5 + rounding)
 
 
 def _config(minimal: dict, **changes) -> dict:
