@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import attrs
 
@@ -93,11 +93,14 @@ class RolloutWorkflow(ABC):
         change what a resumed run generates."""
 
 
-async def gather_group(trajectories: Sequence[Coroutine[Any, Any, Sample]]) -> list[Sample]:
-    """Run a group's ``trajectories`` concurrently: their samples, in order. The first that raises
-    cancels the others, waits for them to end and re-raises its own exception, so a failed group
-    leaves nothing running on the loop (``asyncio.gather`` leaves the rest running); cancelling the
-    caller cancels them all."""
+T = TypeVar("T")
+
+
+async def gather_group(trajectories: Sequence[Awaitable[T]]) -> list[T]:
+    """Run a group's ``trajectories`` (coroutines or tasks) concurrently: their results, in order.
+    The first that raises cancels the others, waits for them to end and re-raises its own exception,
+    so a failed group leaves nothing running on the loop (``asyncio.gather`` leaves the rest
+    running); cancelling the caller cancels them all."""
     tasks = [asyncio.ensure_future(t) for t in trajectories]
     if not tasks:
         return []

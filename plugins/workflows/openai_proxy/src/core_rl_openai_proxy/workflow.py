@@ -33,7 +33,15 @@ import attrs
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SamplingParams
 from core_rl.protocol import Sample
-from core_rl.rollout import DROPPED_ERRORS, ERROR, ERROR_LIMIT, FAILED, RolloutWorkflow, WorkflowContext
+from core_rl.rollout import (
+    DROPPED_ERRORS,
+    ERROR,
+    ERROR_LIMIT,
+    FAILED,
+    RolloutWorkflow,
+    WorkflowContext,
+    gather_group,
+)
 
 from core_rl_openai_proxy.agent_env import agent_python
 from core_rl_openai_proxy.config import OpenAIAgentConfig
@@ -91,17 +99,8 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
             return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, loop))
 
         sessions = [proxy.open(generate, ctx.sampling, prompt.row) for _ in range(ctx.sampling.n)]
-        tasks = [asyncio.ensure_future(self._episode(proxy, session)) for session in sessions]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        finally:  # a failed (or cancelled) episode stops its siblings, scripts killed, before the error goes on
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        for task in tasks:  # the failure itself, not the siblings cancelled after it
-            if not task.cancelled() and task.exception() is not None:
-                raise task.exception()
-        return self._group([task.result() for task in tasks])
+        # a failed (or cancelled) episode stops its siblings, scripts killed, before the error goes on
+        return self._group(await gather_group([self._episode(proxy, session) for session in sessions]))
 
     def _group(self, episodes: list[tuple[list[Sample], AgentFailed | None]]) -> list[Sample]:
         """The row's group: every episode's samples; under ``on_error: drop`` the errored ones are
