@@ -18,7 +18,7 @@ from core_rl.testing import preloaded
 SCRIPT = """
 import os, sys, json
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "flag": os.environ.get("PRELOADED_TEST_FLAG"),
-                  "torch": "torch" in sys.modules,
+                  "torch": "torch" in sys.modules, "frozen": __import__("gc").get_freeze_count(),
                   "core_rl": [m for m in sys.modules if m.split(".")[0] == "core_rl"], "name": __name__,
                   "pgid": os.getpgid(0), "pid": os.getpid(), "ppid": os.getppid()}))
 print("to stderr", file=sys.stderr)
@@ -45,8 +45,59 @@ def test_a_script_runs_as_main_with_its_argv_env_cwd_and_status(tmp_path: Path, 
     assert seen["argv"] == [str(script), "3"] and seen["cwd"] == str(work) and seen["flag"] == "yes"
     assert seen["name"] == "__main__"
     assert seen["torch"], "the child starts with torch already imported"
-    assert seen["core_rl"] == [], "and nothing of core-rl, whose modules may read the environment at import"
+    assert set(preloaded.PRELOAD_CORE_RL) <= set(seen["core_rl"]), "and the modules of a core-rl run"
+    assert seen["frozen"] > 100_000, "which the garbage collector no longer walks"
     assert seen["pgid"] == seen["pid"], "a process group of its own"
+
+
+#: names whose use at import would read the environment (or the home and temporary folders it sets)
+ENVIRONMENT_READS = {"environ", "environb", "getenv", "expanduser", "home", "gettempdir", "getcwd", "cwd"}
+
+
+def environment_reads_at_import(source: str) -> list[tuple[int, str]]:
+    """``(line, name)`` of each :data:`ENVIRONMENT_READS` name a module's source uses where it runs
+    at import: its top level, class bodies, decorators and default values (not function bodies)."""
+    import ast
+
+    found: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            defaults = [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
+            for part in (*node.decorator_list, *defaults):
+                visit(part)
+            return
+        if isinstance(node, ast.Lambda):
+            return
+        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+        if name in ENVIRONMENT_READS:
+            found.append((node.lineno, name))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    return found
+
+
+def test_the_preloaded_core_rl_modules_read_no_environment_at_import(script: Path) -> None:
+    """A child sets its environment after the fork: what the preloaded core-rl modules (and every
+    core-rl module they import) computed at import must not depend on it."""
+    import importlib.util
+    import json
+
+    proc = preloaded.run([sys.executable, str(script), "0"], capture_output=True, text=True)
+    modules = json.loads(proc.stdout)["core_rl"]
+    assert len(modules) > 50, modules
+    reads = {}
+    for name in modules:
+        origin = importlib.util.find_spec(name).origin
+        if found := environment_reads_at_import(Path(origin).read_text()):
+            reads[name] = found
+    assert reads == {}, f"preloaded core-rl modules read the environment at import: {reads}"
+    assert environment_reads_at_import(
+        "import os\nHOME = os.environ.get('CORE_RL_HOME')\nclass A:\n    b = os.getenv('X')\n"
+        "def f(x=Path.home()):\n    return os.environ['Y']\n"
+    ) == [(2, "environ"), (4, "getenv"), (5, "home")], "the check finds reads at import, not in function bodies"
 
 
 def test_a_module_runs_with_dash_m_and_an_uncaught_exception_exits_1_with_its_traceback(tmp_path: Path) -> None:
