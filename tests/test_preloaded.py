@@ -205,10 +205,13 @@ def test_the_forked_childrens_cpu_is_counted(tmp_path: Path) -> None:
     assert preloaded.forked_cpu_seconds - before >= 0.5
 
 
+#: each worker's line goes out in one write: torchrun runs its workers with ``-u``, where print() writes
+#: the text and the newline apart, and the two workers' lines could interleave on the shared pipe
 WORKER = """
 import json, os, sys
-print(json.dumps({"rank": int(os.environ["RANK"]), "torch": "torch" in sys.modules, "ppid": os.getppid(),
-                  "sid": os.getsid(0), "pid": os.getpid(), "agent": int(os.environ["AGENT"])}), flush=True)
+seen = {"rank": int(os.environ["RANK"]), "torch": "torch" in sys.modules, "ppid": os.getppid(),
+        "sid": os.getsid(0), "pid": os.getpid(), "agent": int(os.environ["AGENT"])}
+os.write(1, (json.dumps(seen) + "\\n").encode())
 import time
 end = time.process_time() + 0.3
 while time.process_time() < end:
