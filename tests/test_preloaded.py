@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -50,54 +51,77 @@ def test_a_script_runs_as_main_with_its_argv_env_cwd_and_status(tmp_path: Path, 
     assert seen["pgid"] == seen["pid"], "a process group of its own"
 
 
-#: names whose use at import would read the environment (or the home and temporary folders it sets)
-ENVIRONMENT_READS = {"environ", "environb", "getenv", "expanduser", "home", "gettempdir", "getcwd", "cwd"}
+#: run with ``python -c``: imports the modules of ``argv[1]`` (JSON), then, with ``os.environ``
+#: recording every read, those of ``argv[2]``; prints ``{variable: where it was read}`` as JSON
+ENVIRONMENT_READS = """
+import importlib, json, os, sys
+from collections.abc import MutableMapping
+
+class Recording(MutableMapping):
+    def __init__(self, real):
+        self.real, self.read = real, {}
+
+    def _note(self, name):
+        frame = sys._getframe(2)
+        while frame.f_code.co_filename == "<string>" or "_collections_abc" in frame.f_code.co_filename:
+            frame = frame.f_back
+        self.read.setdefault(name, f"{frame.f_code.co_filename}:{frame.f_lineno}")
+
+    def __getitem__(self, name):
+        self._note(name)
+        return self.real[name]
+
+    def __setitem__(self, name, value):
+        self.real[name] = value
+
+    def __delitem__(self, name):
+        del self.real[name]
+
+    def __iter__(self):
+        self._note("(every variable)")
+        return iter(self.real)
+
+    def __len__(self):
+        return len(self.real)
+
+for name in json.loads(sys.argv[1]):
+    importlib.import_module(name)
+os.environ = recording = Recording(os.environ)
+for name in json.loads(sys.argv[2]):
+    importlib.import_module(name)
+print(json.dumps(recording.read))
+"""
 
 
-def environment_reads_at_import(source: str) -> list[tuple[int, str]]:
-    """``(line, name)`` of each :data:`ENVIRONMENT_READS` name a module's source uses where it runs
-    at import: its top level, class bodies, decorators and default values (not function bodies)."""
-    import ast
-
-    found: list[tuple[int, str]] = []
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            defaults = [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
-            for part in (*node.decorator_list, *defaults):
-                visit(part)
-            return
-        if isinstance(node, ast.Lambda):
-            return
-        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
-        if name in ENVIRONMENT_READS:
-            found.append((node.lineno, name))
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(source))
-    return found
-
-
-def test_the_preloaded_core_rl_modules_read_no_environment_at_import(script: Path) -> None:
-    """A child sets its environment after the fork: what the preloaded core-rl modules (and every
-    core-rl module they import) computed at import must not depend on it."""
-    import importlib.util
+def environment_read_at_import(before: Sequence[str], modules: Sequence[str], path: str = "") -> dict[str, str]:
+    """The variables importing ``modules`` (after ``before``) reads, in a fresh interpreter, each
+    with where it was first read; those that key a preloaded interpreter left out."""
     import json
 
-    proc = preloaded.run([sys.executable, str(script), "0"], capture_output=True, text=True)
-    modules = json.loads(proc.stdout)["core_rl"]
-    assert len(modules) > 50, modules
-    reads = {}
-    for name in modules:
-        origin = importlib.util.find_spec(name).origin
-        if found := environment_reads_at_import(Path(origin).read_text()):
-            reads[name] = found
-    assert reads == {}, f"preloaded core-rl modules read the environment at import: {reads}"
-    assert environment_reads_at_import(
-        "import os\nHOME = os.environ.get('CORE_RL_HOME')\nclass A:\n    b = os.getenv('X')\n"
-        "def f(x=Path.home()):\n    return os.environ['Y']\n"
-    ) == [(2, "environ"), (4, "getenv"), (5, "home")], "the check finds reads at import, not in function bodies"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(
+        [sys.executable, "-c", ENVIRONMENT_READS, json.dumps(list(before)), json.dumps(list(modules))],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    read = json.loads(proc.stdout.splitlines()[-1])
+    return {k: v for k, v in read.items() if not k.startswith(preloaded.IMPORT_TIME_PREFIXES)}
+
+
+def test_the_preloaded_core_rl_modules_read_no_environment_at_import(tmp_path: Path) -> None:
+    """A child sets its environment after the fork: what the preloaded core-rl modules (and every
+    module they import) computed at import must not depend on a variable that does not key the
+    interpreter (:data:`preloaded.IMPORT_TIME_PREFIXES`), however indirectly they read it."""
+    reads = environment_read_at_import(preloaded.PRELOAD, preloaded.PRELOAD_CORE_RL)
+    assert reads == {}, f"importing the preloaded core-rl modules reads the environment: {reads}"
+
+    (tmp_path / "reads_at_import.py").write_text(
+        "import os\n\n\ndef spec():\n    return os.environ.get('CORE_RL_SOMETHING')\n\n\nSPEC = spec()\n"
+    )
+    reads = environment_read_at_import(preloaded.PRELOAD, ["reads_at_import"], path=str(tmp_path))
+    assert reads == {"CORE_RL_SOMETHING": f"{tmp_path / 'reads_at_import.py'}:5"}, "the check sees indirect reads"
 
 
 def test_a_module_runs_with_dash_m_and_an_uncaught_exception_exits_1_with_its_traceback(tmp_path: Path) -> None:

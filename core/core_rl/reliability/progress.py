@@ -112,7 +112,10 @@ class Progress:
         self.longest: dict[str, float] = {}
         #: what the main thread's collectives wait for (:func:`core_rl.launch.ranks.waiting_for`), innermost last
         self.waits: list[str] = []
-        self._stall = _stall_spec()
+        #: the test hook, read at the first step (not at import: a process forked from one that
+        #: imported this module may have set its environment since)
+        self._stall: tuple[int, int, str] | None = None
+        self._stall_read = False
 
     # -- what the loop reports ------------------------------------------------------------------
 
@@ -133,6 +136,8 @@ class Progress:
             if self._step_started is not None:
                 self.step_durations.append(now - self._step_started)
             self._step_started = now
+            if not self._stall_read:
+                self._stall, self._stall_read = _stall_spec(), True
             self.step = step
             self.current_phase, self.what, self.phase_since = STEP, "", now
             self._advance_locked()
