@@ -88,6 +88,34 @@ def _hang_file(run: Path) -> Path:
     return path
 
 
+def test_a_forked_child_begins_its_own_progress() -> None:
+    """The process tracker a child inherits from a fork (the tests' preloaded interpreter, a data
+    worker) starts over: the parent's step, phase, calls and clock are not the child's."""
+    import json
+
+    from core_rl.reliability.progress import PROGRESS
+
+    PROGRESS.begin_step(4)
+    read, write = os.pipe()
+    try:
+        with PROGRESS.phase("update"), PROGRESS.call("train engine 'fsdp': train_step"):
+            time.sleep(0.5)
+            pid = os.fork()
+            if pid == 0:
+                seen = PROGRESS.snapshot()
+                os.write(write, json.dumps([seen.step, seen.phase, len(seen.calls), seen.phase_s]).encode())
+                os._exit(0)
+            parent = PROGRESS.snapshot()
+    finally:
+        PROGRESS.start()  # this test process's later runs begin as a new process's would
+    os.close(write)
+    os.waitpid(pid, 0)
+    step, phase, calls, phase_s = json.loads(os.read(read, 4096))
+    os.close(read)
+    assert (parent.step, parent.phase, len(parent.calls)) == (4, "update", 1) and parent.phase_s >= 0.5
+    assert (step, phase, calls) == (None, "starting", 0) and phase_s < 0.5
+
+
 def test_a_rank_sleeping_inside_a_step_under_torchrun(tmp_path: Path) -> None:
     """Rank 1 sleeps inside its ``train_step`` of step 2 (the test hook); rank 0 waits for it in
     the update's all_reduce. Within the bound plus a few polls the run ends: one line naming rank

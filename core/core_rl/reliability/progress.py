@@ -94,6 +94,10 @@ class Progress:
     watchdog all use it."""
 
     def __init__(self) -> None:
+        self.start()
+
+    def start(self) -> None:
+        """Begin as a process that has just started: no calls, phase ``starting`` from now."""
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._calls: dict[int, Call] = {}
@@ -262,5 +266,7 @@ def _stall_spec() -> tuple[int, int, str] | None:
     return int(rank), int(step), text
 
 
-#: this process's tracker
+#: this process's tracker; a forked child begins its own (the parent's calls, clocks and lock, which
+#: another thread may have held at the fork, are not the child's)
 PROGRESS = Progress()
+os.register_at_fork(after_in_child=PROGRESS.start)
