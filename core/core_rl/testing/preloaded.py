@@ -211,8 +211,8 @@ class Channel:
 
 class PreloadedInterpreter(Channel):
     """One preloaded interpreter (``python .../core_rl/testing/preloaded.py FD``: run as a script, so
-    that nothing of core-rl is imported before a child sets its environment) started with ``env``,
-    and the channel to it."""
+    that core-rl's package is imported only by :data:`PRELOAD_CORE_RL`, whose modules read no
+    environment at import) started with ``env``, and the channel to it."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -220,7 +220,7 @@ class PreloadedInterpreter(Channel):
         self.log = Path(log_name)
         with os.fdopen(log_fd, "w") as log:
             self.process = subprocess.Popen(
-                [sys.executable, __file__, str(theirs.fileno())],  # a script: core_rl stays unimported
+                [sys.executable, __file__, str(theirs.fileno())],  # a script, not core_rl.testing.preloaded
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
