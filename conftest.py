@@ -184,15 +184,20 @@ def _forked_cpu_seconds() -> float:
     return preloaded.forked_cpu_seconds if preloaded is not None else 0.0
 
 
+def _freeze_survivors() -> None:
+    """Collect, then move everything still alive (imported modules, session fixtures, caches) out
+    of the garbage collector's sight. Otherwise each full collection walks the ~1M objects torch,
+    transformers and the tests' imports keep for the whole session: a third of the CPU of files that
+    build models in the test process went to them. Called only where nothing a test made is alive,
+    so what tests make is still collected as before."""
+    gc.collect()
+    gc.freeze()
+
+
 def _freeze_what_outlives_a_module(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """After the last test of a module (its module-scoped fixtures torn down): collect, then move
-    everything still alive (imported modules, session fixtures, caches) out of the garbage
-    collector's sight. Otherwise each full collection walks the ~1M objects torch, transformers and
-    the tests' imports keep for the whole session: a third of the CPU of files that build models in
-    the test process went to them. What a module's tests make is still collected as before."""
+    """After the last test of a module, its module-scoped fixtures torn down: :func:`_freeze_survivors`."""
     if nextitem is None or nextitem.path != item.path:
-        gc.collect()
-        gc.freeze()
+        _freeze_survivors()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -258,9 +263,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Write the node ids collected (``CORE_RL_COLLECTED``) and the background steps they need
     (``CORE_RL_TEST_PLAN``), once: by the first xdist worker, or the only process. In every
     process, what collecting imported is frozen out of the garbage collector's sight
-    (:func:`_freeze_what_outlives_a_module`)."""
-    gc.collect()
-    gc.freeze()
+    (:func:`_freeze_survivors`)."""
+    _freeze_survivors()
     worker = getattr(session.config, "workerinput", {}).get("workerid", "gw0")
     if worker != "gw0":
         return

@@ -107,13 +107,14 @@ def environment_read_at_import(before: Sequence[str], modules: Sequence[str], pa
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     read = json.loads(proc.stdout.splitlines()[-1])
-    return {k: v for k, v in read.items() if not k.startswith(preloaded.IMPORT_TIME_PREFIXES)}
+    keys = dict(preloaded.import_time_environment(dict.fromkeys(read, "")))
+    return {k: v for k, v in read.items() if k not in keys}
 
 
 def test_the_preloaded_core_rl_modules_read_no_environment_at_import(tmp_path: Path) -> None:
     """A child sets its environment after the fork: what the preloaded core-rl modules (and every
     module they import) computed at import must not depend on a variable that does not key the
-    interpreter (:data:`preloaded.IMPORT_TIME_PREFIXES`), however indirectly they read it."""
+    interpreter (:func:`preloaded.import_time_environment`), however indirectly they read it."""
     reads = environment_read_at_import(preloaded.PRELOAD, preloaded.PRELOAD_CORE_RL)
     assert reads == {}, f"importing the preloaded core-rl modules reads the environment: {reads}"
 

@@ -60,8 +60,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-#: what the preloaded interpreter imports before it forks anything: third-party libraries, then the
-#: core-rl modules every run imports (:data:`PRELOAD_CORE_RL`)
+#: the third-party libraries the preloaded interpreter imports before it forks anything (then
+#: :data:`PRELOAD_CORE_RL`)
 PRELOAD = (
     "numpy",
     "torch",
