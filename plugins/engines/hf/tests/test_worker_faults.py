@@ -9,7 +9,8 @@ import core_rl_hf.engine as engine_module
 import pytest
 from core_rl.interfaces import SamplingParams
 
-SAMPLING = SamplingParams(n=1, max_new_tokens=2)
+# min_new_tokens: the tiny model may sample EOS first, and the check is that both tokens come back
+SAMPLING = SamplingParams(n=1, max_new_tokens=2, min_new_tokens=2)
 
 
 def test_a_batching_fault_reaches_the_callers_and_the_worker_lives_on(make_engine, monkeypatch) -> None:
