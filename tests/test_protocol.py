@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from core_rl.protocol import Sample, TensorBatch, concat_padded, samples_to_batch
+from hypothesis import given
+from hypothesis import strategies as st
 
 
 def test_samples_to_batch_layout():
@@ -63,6 +65,76 @@ def test_per_token_weight_versions_are_used_when_a_sample_has_them():
     b = samples_to_batch([interrupted], [0], pad_token_id=0)
     assert b["versions"].tolist() == [[-1, 4, 4, 5]]
     assert interrupted.versions == [4, 4, 5] and interrupted.newest_version == 5
+
+
+def row_by_row_batch(samples: list[Sample], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """The padded layout written one sample and one field at a time: the second formulation that
+    :func:`samples_to_batch`'s flat buffers must agree with."""
+    n, width = len(samples), max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    out = {
+        "input_ids": torch.full((n, width), pad_token_id, dtype=torch.long),
+        "attention_mask": torch.zeros((n, width), dtype=torch.long),
+        "response_mask": torch.zeros((n, width)),
+        "old_logprobs": torch.zeros((n, width)),
+        "versions": torch.full((n, width), -1, dtype=torch.long),
+        "turn_rewards": torch.zeros((n, width)),
+    }
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        for t, token in enumerate([*s.prompt_ids, *s.response_ids]):
+            out["input_ids"][i, t] = token
+            out["attention_mask"][i, t] = 1
+        for t in range(r):
+            if s.token_mask is None or s.token_mask[t]:
+                out["response_mask"][i, p + t] = 1.0
+                out["old_logprobs"][i, p + t] = s.logprobs[t]
+                out["versions"][i, p + t] = s.versions[t]
+        for end, reward in zip(s.turn_ends or [], s.turn_rewards or []):
+            out["turn_rewards"][i, p + end - 1] += reward
+    return out
+
+
+@st.composite
+def samples(draw) -> list[Sample]:
+    made = []
+    for _ in range(draw(st.integers(1, 5))):
+        p, r = draw(st.integers(1, 6)), draw(st.integers(0, 6))
+        tokens = st.lists(st.integers(0, 50_000), min_size=p + r, max_size=p + r)
+        ids = draw(tokens)
+        logprobs = draw(st.lists(st.floats(-30, 0, width=32), min_size=r, max_size=r))
+        per_token = draw(st.none() | st.lists(st.integers(0, 9), min_size=r, max_size=r))
+        mask = draw(st.none() | st.lists(st.integers(0, 1), min_size=r, max_size=r))
+        ends = rewards = None
+        if r and draw(st.booleans()):
+            ends = sorted(draw(st.lists(st.integers(1, r), min_size=1, max_size=3)))
+            rewards = draw(st.lists(st.floats(-2, 2, width=32), min_size=len(ends), max_size=len(ends)))
+        made.append(
+            Sample(
+                ids[:p],
+                ids[p:],
+                logprobs,
+                draw(st.integers(0, 9)),
+                draw(st.sampled_from(["stop", "length"])),
+                token_weight_versions=per_token,
+                token_mask=mask,
+                turn_rewards=rewards,
+                turn_ends=ends,
+            )
+        )
+    return made
+
+
+@given(samples(), st.integers(0, 9))
+def test_the_batch_agrees_with_the_layout_written_row_by_row(samples: list[Sample], pad: int) -> None:
+    batch = samples_to_batch(samples, list(range(len(samples))), pad_token_id=pad)
+    expected = row_by_row_batch(samples, pad)
+    if not any(s.turn_ends for s in samples):
+        assert "turn_rewards" not in batch
+        del expected["turn_rewards"]
+    for key, value in expected.items():
+        assert batch[key].dtype == value.dtype and torch.equal(batch[key], value), key
+    assert torch.equal(batch["behave_logprobs"], batch["old_logprobs"])
+    assert batch["truncated"].tolist() == [s.finish_reason == "length" for s in samples]
 
 
 def test_concat_padded_pads_each_key_with_its_value():
