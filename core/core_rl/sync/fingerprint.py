@@ -64,16 +64,19 @@ def sample(name: str, tensor: torch.Tensor, version: int, prefix: int | None = N
     :func:`prefix_numel` elements), in its own dtype, on the CPU (a copy)."""
     flat = tensor.detach().reshape(-1)
     index = positions(name, version, prefix_numel(tuple(tensor.shape), prefix))
-    return flat[torch.tensor(index, dtype=torch.long, device=flat.device)].to("cpu")
+    # the positions are evenly spaced: a strided slice reads them without an index tensor
+    step = index[1] - index[0] if len(index) > 1 else 1
+    start = index[0] if index else 0
+    return flat[start : start + step * len(index) : step].to("cpu", copy=True)
 
 
 def fold(samples: torch.Tensor, dtype: torch.dtype | None = None) -> float:
     """The fingerprint of :func:`sample`'s ``samples``, each cast to ``dtype`` first (the dtype the
-    tensor travels in or is held in; ``None``: its own): ``sum((i + 1) * x_i)`` in float64."""
+    tensor travels in or is held in; ``None``: its own): ``sum((i + 1) * x_i)`` in float64, summed
+    in order (a few Python operations: a weight sync folds every tensor of the model)."""
     if dtype is not None and dtype != samples.dtype:
         samples = samples.to(dtype)
-    weights = torch.arange(1, samples.numel() + 1, dtype=torch.float64)
-    return float((samples.to(torch.float64) * weights).sum())
+    return float(sum(i * x for i, x in enumerate(samples.to(torch.float64).tolist(), 1)))
 
 
 def fingerprint(
