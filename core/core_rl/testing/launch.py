@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -38,22 +39,24 @@ def run_torchrun(
     of its own choosing) with ``nproc`` processes, one thread each, without the caller's own launch
     variables: CPU processes (:func:`cpu_ranks_env`), or with ``cpu=False`` one GPU each. Raise
     ``AssertionError`` with the tail of its output if it fails, ``subprocess.TimeoutExpired`` after
-    ``timeout`` s."""
+    ``timeout`` s. The agent's log folders (:func:`elastic_logs`) are removed when it ends."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     if cpu:
         env = cpu_ranks_env(env)
     for key in LAUNCH_ENV_KEYS:
         env.pop(key, None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(script),
-        *args,
-    ]
-    proc = preloaded.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    with elastic_logs() as logs:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            f"--log-dir={logs}",
+            str(script),
+            *args,
+        ]
+        proc = preloaded.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc
 
@@ -68,12 +71,21 @@ def run_script(script: Path | str, *args: str, timeout: float = 600) -> subproce
     return proc
 
 
-def train_command(config: Path | str, *overrides: str, nproc: int = 0) -> list[str]:
+def elastic_logs() -> tempfile.TemporaryDirectory[str]:
+    """A folder for torch's elastic agent's logs (``torchrun --log-dir``), removed when the context
+    exits. Without one the agent makes ``torchelastic_*`` under the system's temporary directory at
+    every launch and never removes it."""
+    return tempfile.TemporaryDirectory(prefix="core-rl-torchrun-", ignore_cleanup_errors=True)
+
+
+def train_command(config: Path | str, *overrides: str, nproc: int = 0, log_dir: Path | str | None = None) -> list[str]:
     """The command of ``core-rl train CONFIG OVERRIDES`` in this interpreter; with ``nproc > 0`` under
-    ``python -m torch.distributed.run`` with that many processes on a free local port."""
+    ``python -m torch.distributed.run`` with that many processes on a free local port, its logs in
+    ``log_dir`` (default: a folder of the agent's own making, left behind; see :func:`elastic_logs`)."""
     launcher = [sys.executable]
     if nproc:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        launcher += [f"--log-dir={log_dir}"] if log_dir is not None else []
     return [*launcher, "-m", "core_rl.cli", "train", str(config), *overrides]
 
 
@@ -87,13 +99,14 @@ def run_train(
 ) -> subprocess.CompletedProcess[str]:
     """Run :func:`train_command` with one torch thread (on the CPU alone with ``cpu``, see
     :func:`cpu_ranks_env`); raise ``AssertionError`` with the tail of its output unless it exits
-    with ``expect``, ``subprocess.TimeoutExpired`` after ``timeout`` s."""
+    with ``expect``, ``subprocess.TimeoutExpired`` after ``timeout`` s. Under torchrun, the agent's
+    log folders (:func:`elastic_logs`) are removed when it ends."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if cpu:
         env = cpu_ranks_env(env)
-    proc = preloaded.run(
-        train_command(config, *overrides, nproc=nproc), env=env, capture_output=True, text=True, timeout=timeout
-    )
+    with elastic_logs() as logs:
+        command = train_command(config, *overrides, nproc=nproc, log_dir=logs if nproc else None)
+        proc = preloaded.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == expect, (
         f"core-rl train exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )
