@@ -281,7 +281,7 @@ def wait_for_steps(run: Path, proc: subprocess.Popen, steps: int = 1, timeout: f
     deadline = time.monotonic() + timeout
     metrics = run / "metrics.jsonl"
     while time.monotonic() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+        if metrics.exists() and metrics.read_text().count("\n") >= steps:  # whole lines only
             return True
         if proc.poll() is not None:
             return False
@@ -297,7 +297,9 @@ def wait_for_random_moment(run: Path, proc: subprocess.Popen, rng: random.Random
     step = rng.randint(2, total_steps - 2)
     if not wait_for_steps(run, proc, step - 1):
         return None
-    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    # the last whole line: the run may be writing the next one (a line without its newline yet)
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    last = json.loads([line for line in lines if line.endswith("\n")][-1])
     delay = rng.uniform(0.0, float(last.get("timing/step_s", 0.1)))
     time.sleep(delay)
     return f"during step {step}, {delay:.3f} s after step {step - 1} was logged"
