@@ -41,6 +41,7 @@ from typing import Any
 
 import attrs
 
+from core_rl.builtin.loggers import read_metrics
 from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import Logger, LossOutput, PolicyLoss, Reward
 from core_rl.ops import aggregation_weights
@@ -281,7 +282,7 @@ def wait_for_steps(run: Path, proc: subprocess.Popen, steps: int = 1, timeout: f
     deadline = time.monotonic() + timeout
     metrics = run / "metrics.jsonl"
     while time.monotonic() < deadline:
-        if metrics.exists() and metrics.read_text().count("\n") >= steps:  # whole lines only
+        if metrics.exists() and len(read_metrics(metrics)) >= steps:  # a half-written last line is not a step
             return True
         if proc.poll() is not None:
             return False
@@ -297,9 +298,7 @@ def wait_for_random_moment(run: Path, proc: subprocess.Popen, rng: random.Random
     step = rng.randint(2, total_steps - 2)
     if not wait_for_steps(run, proc, step - 1):
         return None
-    # the last whole line: the run may be writing the next one (a line without its newline yet)
-    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
-    last = json.loads([line for line in lines if line.endswith("\n")][-1])
+    last = read_metrics(run / "metrics.jsonl")[-1]  # the run may be writing its next line
     delay = rng.uniform(0.0, float(last.get("timing/step_s", 0.1)))
     time.sleep(delay)
     return f"during step {step}, {delay:.3f} s after step {step - 1} was logged"
