@@ -274,15 +274,15 @@ def samples_to_batch(samples: Sequence[Sample], group_index: Sequence[int], pad_
         ids.extend(s.prompt_ids)
         ids.extend(s.response_ids)
         per_token = getattr(s, "token_weight_versions", None)  # optional per-token versions
+        own_versions = per_token if per_token is not None else [s.weight_version] * r
         token_mask = getattr(s, "token_mask", None)  # optional: tool output appended by a workflow
         if token_mask is None:
             logprobs.extend(s.logprobs)
-            versions_flat.extend(per_token if per_token is not None else [s.weight_version] * r)
+            versions_flat.extend(own_versions)
             if masked:
                 inside.extend([1.0] * r)
         else:
             keep = [bool(k) for k in token_mask]
-            own_versions = per_token if per_token is not None else [s.weight_version] * r
             logprobs.extend([x if k else 0.0 for x, k in zip(s.logprobs, keep)])
             versions_flat.extend([v if k else -1 for v, k in zip(own_versions, keep)])
             inside.extend([1.0 if k else 0.0 for k in keep])
