@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +49,19 @@ def make_engine(model: Path, run_dir: Path, **server: Any) -> VLLMRolloutEngine:
 
 
 @pytest.fixture(scope="module")
-def engine(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+def server_tmp() -> Iterator[Path]:
+    """The system's temporary directory of this module's servers and their supervisors (``TMPDIR``),
+    short, as the Unix socket paths under it must be."""
+    with (
+        tempfile.TemporaryDirectory(prefix="core-rl-t-") as path,
+        pytest.MonkeyPatch.context() as patch,
+    ):
+        patch.setenv("TMPDIR", path)
+        yield Path(path)
+
+
+@pytest.fixture(scope="module")
+def engine(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, server_tmp: Path):
     engine = make_engine(models["a"], tmp_path_factory.mktemp("run"), max_restarts=4)
     yield engine
     engine.close()
@@ -80,8 +94,11 @@ def logs(engine: VLLMRolloutEngine) -> list[str]:
     return sorted(p.name for p in (engine.run_dir / "servers").glob("*.log"))
 
 
-def test_killed_after_pause_in_a_disk_update_restarts_and_loads_the_update(engine, models) -> None:
+def test_killed_after_pause_in_a_disk_update_restarts_and_loads_the_update(engine, models, server_tmp) -> None:
     assert_serves(engine, models["a"], 0)
+    # the executor's rendezvous store lives in the server's runtime directory, which goes with it
+    (runtime,) = server_tmp.glob("core-rl-*")
+    assert len(list(runtime.glob("vllm_dist_*"))) == 1 and not list(server_tmp.glob("vllm_dist_*"))
     engine.pause("abort")  # as the rollout controller pauses for an update
     kill(engine)
     engine.load_weights_from_path(models["b"], 1)
@@ -144,6 +161,21 @@ def test_killed_while_generating_after_a_collective_update_stops_the_run(engine)
     with pytest.raises(ServerError) as again:  # every later call says the same
         engine.resume()
     assert again.value is error
+
+
+def test_the_killed_servers_left_nothing_in_the_temporary_directory(engine, server_tmp: Path) -> None:
+    """The four servers killed above each had a private runtime directory, which its supervisor
+    removed: their ZMQ sockets and the ``file://`` store of their executor's one-rank group went
+    with it. vLLM's own place for that store (``vllm_dist_<hex>``) is the temporary directory, where
+    a killed server leaves it unless a process of its own still ends cleanly."""
+
+    def left() -> list[str]:  # torch's compile cache (torchinductor_USER) is a cache, meant to stay
+        return sorted(p.name for p in server_tmp.iterdir() if not p.name.startswith("torchinductor_"))
+
+    deadline = time.monotonic() + 30
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.1)  # the last supervisor removing its runtime directory
+    assert left() == []
 
 
 def test_a_server_that_crashes_on_its_first_request_is_not_restarted(tmp_path: Path, monkeypatch) -> None:

@@ -15,6 +15,10 @@ saying so in its log.
 Under core-rl's supervisor, vLLM's ZMQ sockets go to the server's private runtime directory
 (``VLLM_RPC_BASE_PATH`` from ``CORE_RL_SERVER_RUNTIME_DIR``), which the supervisor removes when the
 server is gone; vLLM's default, the system's temporary directory, keeps those of a killed server.
+So does the ``file://`` store through which a single-process executor forms its one-rank group
+(``vllm_dist_<hex>``, one per start): it is made in the runtime directory too, wherever the executor
+runs in this process or one forked from it (CPU servers). A spawned engine core (GPU servers)
+imports vLLM afresh and keeps vLLM's own place.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 import runpy
 import shutil
 import sys
+import uuid
 
 FORK_VARIABLE = "CORE_RL_FORK_ENGINE"
 RUNTIME_DIR_VARIABLE = "CORE_RL_SERVER_RUNTIME_DIR"
@@ -56,11 +61,24 @@ def remove_at_exit(runtime: str) -> None:
     atexit.register(lambda: os.getpid() == owner and shutil.rmtree(runtime, ignore_errors=True))
 
 
+def rendezvous_in(runtime: str) -> None:
+    """Have vLLM's executors make their ``file://`` rendezvous store in ``runtime``: replaces
+    ``vllm.utils.network_utils.get_file_store_init_method`` before the executor modules import the
+    name (importing that module loads no executor)."""
+    from vllm.utils import network_utils
+
+    def file_store_in_runtime() -> str:
+        return f"file://{runtime}/vllm_dist_{uuid.uuid4().hex}"
+
+    network_utils.get_file_store_init_method = file_store_in_runtime
+
+
 def main() -> None:
     runtime = os.environ.get(RUNTIME_DIR_VARIABLE)
     if runtime:
         remove_at_exit(runtime)
         os.environ.setdefault("VLLM_RPC_BASE_PATH", runtime)
+        rendezvous_in(runtime)
     if os.environ.get(FORK_VARIABLE) == "1":
         fork_engine_core()
     runpy.run_module(API_SERVER, run_name="__main__", alter_sys=True)
