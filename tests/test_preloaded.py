@@ -249,7 +249,7 @@ import os, runpy, sys
 os.environ["AGENT"] = str(os.getpid())
 if os.environ.get("AGENT_SETS"):  # a variable the workers' imports would read, set by the agent
     os.environ.update([os.environ["AGENT_SETS"].split("=")])
-sys.argv = ["torchrun", "--standalone", "--nproc_per_node=2", *sys.argv[1:]]
+sys.argv = ["torchrun", "--standalone", "--nproc_per_node=2", "--log-dir=" + sys.argv[1], *sys.argv[2:]]
 runpy.run_module("torch.distributed.run", run_name="__main__")
 """
 
@@ -267,7 +267,7 @@ def _torchrun(tmp_path: Path, status: int, **env: str) -> tuple[subprocess.Compl
     (tmp_path / "worker.py").write_text(WORKER)
     (tmp_path / "agent.py").write_text(AGENT)
     proc = preloaded.run(
-        [sys.executable, str(tmp_path / "agent.py"), str(tmp_path / "worker.py"), str(status)],
+        [sys.executable, str(tmp_path / "agent.py"), str(tmp_path / "logs"), str(tmp_path / "worker.py"), str(status)],
         env=_agent_env(**env),
         capture_output=True,
         text=True,

@@ -21,7 +21,6 @@ from core_rl.data.prompts import tokenise_rows
 from core_rl.interfaces import LossOutput, SamplingParams
 from core_rl.protocol import Sample, TensorBatch, concat_padded, samples_to_batch
 from core_rl.roles.tiny_vlm import IMAGE_PAD, build_tiny_vlm
-from core_rl.testing import preloaded
 from core_rl.testing.helpers import build_rollout_engine
 from core_rl.vision.media import row_media
 from core_rl_train_kit.microbatch import take_micro_batch
@@ -511,10 +510,7 @@ def test_two_ranks_line_up_when_only_one_has_images(
     forward of its row (the blank image changes no value). Qwen2-VL's tower takes patch rows and a
     grid, LLaVA's (CLIP) whole images."""
     pytest.importorskip(f"core_rl_{engine_spec.partition('-zero')[0]}")
-    import os
-    import sys
-
-    from core_rl.testing.launch import cpu_ranks_env
+    from core_rl.testing.launch import run_torchrun
     from core_rl.testing.multimodal_contracts import image_prompts
 
     vlm = request.getfixturevalue(family)
@@ -522,21 +518,7 @@ def test_two_ranks_line_up_when_only_one_has_images(
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"prompt": prompts[0], **{k: v.tolist() for k, v in media[0].items()}}))
     worker = Path(__file__).with_name("vlm_ranks_worker.py")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        str(worker),
-        str(vlm),
-        str(tmp_path),
-        str(spec),
-        engine_spec,
-    ]
-    env = cpu_ranks_env({**os.environ, "OMP_NUM_THREADS": "1"})
-    done = preloaded.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_torchrun(worker, 2, str(vlm), str(tmp_path), str(spec), engine_spec)
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     alone = samples_to_batch([Sample([1, 9, 10, 11], [7, 8], [-1.0, -1.0], 0, "stop")], [0], pad_token_id=0)
     engine = train_engine("fsdp", vlm)

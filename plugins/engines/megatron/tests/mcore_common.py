@@ -204,23 +204,25 @@ def run_torchrun(script: Path, nproc: int, *args: str, timeout: float, cpu: bool
     """``script`` under ``python -m torch.distributed.run`` with ``nproc`` processes (one torch thread
     each) on a free local port (``--standalone``): CPU ranks with ``cpu`` (CUDA hidden, whatever the machine has), else
     one GPU each; kill it after ``timeout`` seconds; fail with its output."""
-    from core_rl.testing.launch import LAUNCH_ENV_KEYS, cpu_ranks_env
+    from core_rl.testing.launch import LAUNCH_ENV_KEYS, cpu_ranks_env, elastic_logs
 
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV_KEYS}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if cpu:
         env = cpu_ranks_env(env)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",  # a free port of torchrun's own choosing: parallel tests cannot race for one
-        f"--nproc_per_node={nproc}",
-        str(script),
-        *args,
-    ]
     try:
-        proc = preloaded.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        with elastic_logs() as logs:
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",  # a free port of torchrun's own choosing: parallel tests cannot race for one
+                f"--nproc_per_node={nproc}",
+                f"--log-dir={logs}",
+                str(script),
+                *args,
+            ]
+            proc = preloaded.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         _fail(f"{script.name} did not finish within {timeout} s:\n{(exc.stderr or b'')[-6000:]!r}")
     assert proc.returncode == 0, f"{script.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
