@@ -7,6 +7,9 @@ needs only torch, so both ends of the weight-update group run the same code.
 
 Methods are called through vLLM's ``/collective_rpc`` with one JSON string argument and return a
 string: ``"ok"`` or ``"error: ..."`` (an exception escaping a worker RPC would kill the engine).
+
+Importing it also asks the kernel for the AMX tile state on a CPU server (:func:`allow_amx_tiles`):
+vLLM imports this module in each worker process before the model is loaded.
 """
 
 from __future__ import annotations
@@ -35,6 +38,29 @@ def _fingerprint_log(payload_args):
     check's record of the tensors as they arrive, before vLLM's loader casts or fuses them)."""
     module = _load_by_path("CORE_RL_WEIGHT_FINGERPRINT_PY", "core_rl_weight_fingerprint")
     return module.FingerprintLog(int(payload_args.get("version", -1)))
+
+
+def allow_amx_tiles() -> bool:
+    """On a CPU platform whose processor has AMX (Intel Sapphire Rapids and later), ask the kernel
+    for the AMX tile state in this process (``torch.cpu._init_amx``); whether it was granted.
+
+    Linux answers the first AMX instruction of a process that has not asked with SIGILL. vLLM's CPU
+    kernels for bfloat16 (its ``amx`` attention backend) run AMX instructions without asking, so a
+    bfloat16 server on such a machine died on its first request ("Fatal Python error: Illegal
+    instruction" in the engine core), with the engine core forked or spawned alike."""
+    try:
+        import torch
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    init = getattr(torch.cpu, "_init_amx", None)
+    if not current_platform.is_cpu() or supported is None or init is None or not supported():
+        return False
+    return bool(init())
+
+
+allow_amx_tiles()
 
 
 class WeightSyncExtension:
