@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import zlib
 
 
 def char_match(response: str, row: dict) -> float:
@@ -51,6 +52,9 @@ def solves_ab(response: str, row: dict) -> float:
 
 
 def digit_fraction(response: str) -> float:
-    """The fraction of the response's characters that are digits: a reward that differs between any
-    two samples of a real model's free text, so a GRPO group's advantages are not all zero."""
-    return sum(c.isdigit() for c in response) / max(len(response), 1)
+    """The fraction of the response's characters that are digits, plus a tie-breaker below 1e-3 from
+    the text's CRC-32: a reward that differs between any two different samples of a real model's
+    free text, so a GRPO group's advantages are not all zero. (Without it, a step whose samples held
+    no digit had none: the four 8-token samples of a bfloat16 vLLM server on an AMX machine.)"""
+    tie_breaker = zlib.crc32(response.encode()) / 2**32 * 1e-3
+    return sum(c.isdigit() for c in response) / max(len(response), 1) + tie_breaker
