@@ -97,8 +97,8 @@ def test_signal_at_a_random_moment_then_resume_is_bitwise(base, straight, sig):
 def test_a_second_signal_stops_at_once_and_a_duplicate_does_not(base):
     """Each reward call sleeps 12 s: the first SIGTERM comes during step 2's, a duplicate 0.1 s
     later is ignored, a second one 2.5 s after the first kills the process before the step ends.
-    (Step 2's rewards may start before step 1 is logged: under load a 6 s sleep was once over
-    within the 2.5 s, and the first signal's stop was honoured before the second came.)"""
+    (Under load a 6 s sleep once had less than 2.5 s left when the first signal came, and that
+    stop was honoured, with a checkpoint, before the second one.)"""
     config = merged(
         base,
         experiment={"name": "twice"},
