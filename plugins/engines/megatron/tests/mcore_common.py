@@ -5,16 +5,14 @@ bonus at temperature 0.9."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from core_rl.config.schema import ActorConfig, MicroBatchConfig, OptimizerConfig, PluginSpec, SchedulerConfig
 from core_rl.interfaces import LossOutput, TrainEngine
 from core_rl.protocol import TensorBatch
-from core_rl.testing import make_rl_batch, preloaded
+from core_rl.testing import make_rl_batch
 
 # Tolerances of the comparisons with fsdp and Hugging Face (float32 on CPU; see test_distributed.py).
 LOGIT_ATOL, LOGPROB_ATOL = 1e-4, 1e-5
@@ -201,31 +199,15 @@ def same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], at
 
 
 def run_torchrun(script: Path, nproc: int, *args: str, timeout: float, cpu: bool) -> None:
-    """``script`` under ``python -m torch.distributed.run`` with ``nproc`` processes (one torch thread
-    each) on a free local port (``--standalone``): CPU ranks with ``cpu`` (CUDA hidden, whatever the machine has), else
-    one GPU each; kill it after ``timeout`` seconds; fail with its output."""
-    from core_rl.testing.launch import LAUNCH_ENV_KEYS, cpu_ranks_env, elastic_logs
+    """:func:`core_rl.testing.launch.run_torchrun` (``--standalone``, one torch thread each, CPU
+    ranks with ``cpu``, else one GPU each), failing the test with the output it had when it ran
+    past ``timeout`` seconds."""
+    from core_rl.testing.launch import run_torchrun as launch
 
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV_KEYS}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    if cpu:
-        env = cpu_ranks_env(env)
     try:
-        with elastic_logs() as logs:
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",  # a free port of torchrun's own choosing: parallel tests cannot race for one
-                f"--nproc_per_node={nproc}",
-                f"--log-dir={logs}",
-                str(script),
-                *args,
-            ]
-            proc = preloaded.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        launch(script, nproc, *args, timeout=timeout, cpu=cpu)
     except subprocess.TimeoutExpired as exc:
         _fail(f"{script.name} did not finish within {timeout} s:\n{(exc.stderr or b'')[-6000:]!r}")
-    assert proc.returncode == 0, f"{script.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
 
 
 def _fail(message: str) -> None:
