@@ -203,7 +203,7 @@ def _freeze_what_outlives_a_module(item: pytest.Item, nextitem: pytest.Item | No
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     directory = os.environ.get(CPU_ENV)
-    before, forked_before = os.times(), _forked_cpu_seconds()
+    before, forked_before, started = os.times(), _forked_cpu_seconds(), time.time()
     yield
     _freeze_what_outlives_a_module(item, nextitem)
     if not directory:
@@ -213,7 +213,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     children = after.children_user + after.children_system - before.children_user - before.children_system
     children += _forked_cpu_seconds() - forked_before
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    record = {"nodeid": item.nodeid, "own_s": round(own, 2), "children_s": round(children, 2)}
+    record = {
+        "nodeid": item.nodeid,
+        "own_s": round(own, 2),
+        "children_s": round(children, 2),
+        "started": round(started, 2),  # wall clock: the run's timeline, where workers waited
+        "ended": round(time.time(), 2),
+    }
     with open(Path(directory) / f"{worker}.jsonl", "a") as sink:
         sink.write(json.dumps(record) + "\n")
 
