@@ -74,13 +74,20 @@ def test_start_health_log_and_stop_kills_children(tmp_path: Path) -> None:
     server.stop()  # idempotent
 
 
-# a server that binds a Unix socket in its runtime directory, as vLLM's and SGLang's launchers make theirs
+# a server that binds a Unix socket in its runtime directory, as vLLM's and SGLang's launchers make theirs,
+# and makes a file beside that directory which it lists for its supervisor to remove (SGLang's in /dev/shm)
 SOCKET_SERVER = textwrap.dedent(
     """
     import http.server, os, socket, sys
-    path = os.path.join(os.environ["CORE_RL_SERVER_RUNTIME_DIR"], "engine.sock")
+    runtime = os.environ["CORE_RL_SERVER_RUNTIME_DIR"]
+    path = os.path.join(runtime, "engine.sock")
     socket.socket(socket.AF_UNIX).bind(path)
     print("socket", path, flush=True)
+    outside = runtime + ".shm"
+    open(outside, "w").close()
+    with open(os.path.join(runtime, "remove-when-gone"), "a") as listing:
+        listing.write(outside + "\\n" + runtime + ".never-made" + "\\n")
+    print("listed", outside, flush=True)
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -95,14 +102,17 @@ SOCKET_SERVER = textwrap.dedent(
 @pytest.mark.parametrize("how", ["stop", "sigkill"])
 def test_the_runtime_directory_goes_with_the_server(tmp_path: Path, how: str) -> None:
     """The supervisor gives the server a private directory for its sockets and removes it when the
-    server is gone: after a stop, and after the server was killed outright."""
+    server is gone: after a stop, and after the server was killed outright. So it does with the files
+    the server listed there as made elsewhere (one listed but never made is no error)."""
     server = _server(tmp_path, "sockets-0", SOCKET_SERVER)
     server.start()
     try:
         server.wait_healthy(30)
-        line = next(x for x in server.log_path.read_text().splitlines() if x.startswith("socket "))
-        socket_path = Path(line.split(" ", 1)[1])
+        lines = server.log_path.read_text().splitlines()
+        socket_path = Path(next(x for x in lines if x.startswith("socket ")).split(" ", 1)[1])
+        outside = Path(next(x for x in lines if x.startswith("listed ")).split(" ", 1)[1])
         assert socket_path.is_socket() and socket_path.parent.name.startswith("core-rl-")
+        assert outside.is_file() and outside.parent == socket_path.parent.parent
         if how == "sigkill":
             os.kill(server.pid, signal.SIGKILL)
             deadline = time.monotonic() + 30
@@ -111,6 +121,7 @@ def test_the_runtime_directory_goes_with_the_server(tmp_path: Path, how: str) ->
     finally:
         server.stop()
     assert not socket_path.parent.exists()
+    assert not outside.exists()
 
 
 def test_server_that_exits_is_reported_with_its_log(tmp_path: Path) -> None:

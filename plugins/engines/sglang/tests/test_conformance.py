@@ -3,10 +3,15 @@ server environment (built on first use: ``core-rl server-env create sglang``).""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from pathlib import Path
 from typing import Any, ClassVar
 
 import core_rl_sglang.plugin
 from core_rl.testing import ServerRolloutEngineContract, installed_distribution
+from core_rl_server_kit.supervise import LEFTOVERS_FILE, RUNTIME_DIR_VARIABLE
 
 
 class TestSGLangRolloutEngine(ServerRolloutEngineContract):
@@ -36,3 +41,27 @@ class TestSGLangRolloutEngine(ServerRolloutEngineContract):
     penalty_cases_unmatched: ClassVar[dict[str, str]] = {
         "all": "SGLang applies the repetition penalty inconsistently when frequency/presence are also set"
     }
+
+    def test_the_load_report_in_dev_shm_goes_with_a_killed_server(self, model_path: Path, tmp_path: Path) -> None:
+        """SGLang's scheduler reports its load through a file in ``/dev/shm``, one per start, that
+        SGLang itself never removes. The server lists it in its runtime directory's
+        ``remove-when-gone``, and its supervisor removes it once the server is gone, here killed
+        outright (a stopped server also removes it itself)."""
+        engine = self.make_with(model_path, tmp_path, max_restarts=0)
+        try:
+            server = engine.endpoints[0].server
+            assert server is not None and server.pid is not None
+            environ = dict(
+                item.split(b"=", 1) for item in Path(f"/proc/{server.pid}/environ").read_bytes().split(b"\0") if item
+            )
+            runtime = Path(environ[RUNTIME_DIR_VARIABLE.encode()].decode())
+            listed = (runtime / LEFTOVERS_FILE).read_text().split()
+            (report,) = [Path(p) for p in listed if p.startswith("/dev/shm/sglang_loads_")]
+            assert report.is_file()
+            os.kill(server.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while report.exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not report.exists() and not runtime.exists()
+        finally:
+            engine.close()

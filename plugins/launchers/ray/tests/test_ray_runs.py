@@ -66,9 +66,12 @@ def _ray_train(address: str, config: Path | str, *overrides: str) -> subprocess.
 
 def _finish(proc: subprocess.Popen, timeout: float) -> str:
     """Wait at most ``timeout`` s for a run started by :func:`_ray_train`; its output (the
-    driver's and, forwarded by Ray, the actors'). A pipe would fill up and stall the driver."""
+    driver's and, forwarded by Ray, the actors'; its file is removed). A pipe would fill up and
+    stall the driver."""
     finish(proc, timeout)
-    return proc.log.read_text(errors="replace")  # type: ignore[attr-defined]
+    output = proc.log.read_text(errors="replace")  # type: ignore[attr-defined]
+    proc.log.unlink()  # type: ignore[attr-defined]
+    return output
 
 
 def _leftovers(marker: str) -> list[str]:

@@ -18,7 +18,9 @@ The server also gets a private directory for its runtime files, named in ``CORE_
 server-side launchers put their inter-process sockets there (vLLM's ZMQ paths, SGLang's IPC names),
 which a killed server would otherwise leave in ``/tmp``; the supervisor removes it once the server's
 session is gone. A supervisor killed outright cannot; vLLM's and SGLang's launchers also remove it
-when their server exits (on the ``SIGTERM`` the kernel sends it then).
+when their server exits (on the ``SIGTERM`` the kernel sends it then). Files a server has to make
+elsewhere (SGLang's load report in ``/dev/shm``) it names, one path per line, in the runtime
+directory's ``remove-when-gone`` (:data:`LEFTOVERS_FILE`); the supervisor removes those too.
 
 It imports nothing heavy (it runs before and beside the servers, in the trainer's interpreter).
 """
@@ -37,6 +39,9 @@ import time
 PR_SET_PDEATHSIG = 1
 #: the environment variable naming the server's private runtime directory
 RUNTIME_DIR_VARIABLE = "CORE_RL_SERVER_RUNTIME_DIR"
+#: the file in the runtime directory where the server lists, one path per line, files it made outside
+#: that directory, for the supervisor to remove once the server's session is gone
+LEFTOVERS_FILE = "remove-when-gone"
 
 
 def _set_parent_death_signal(sig: int) -> None:
@@ -85,6 +90,21 @@ def stop_session(server: subprocess.Popen, grace: float) -> None:
         server.wait(timeout=5)
     except subprocess.TimeoutExpired:
         pass
+
+
+def remove_leftovers(runtime: str) -> None:
+    """Remove the files the server listed in ``runtime``'s :data:`LEFTOVERS_FILE` (a file already gone,
+    or a list never written, is no error)."""
+    try:
+        with open(os.path.join(runtime, LEFTOVERS_FILE)) as listing:
+            paths = [line.strip() for line in listing if line.strip()]
+    except OSError:
+        return
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,10 +160,12 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             if stop_requested or os.getppid() != args.parent:
                 stop_session(server, args.grace)
+                remove_leftovers(runtime)
                 return 0
             code = server.poll()
             if code is not None:
                 stop_session(server, 2.0)  # what the server left behind
+                remove_leftovers(runtime)
                 return code if code >= 0 else 128 - code
             time.sleep(0.2)
 

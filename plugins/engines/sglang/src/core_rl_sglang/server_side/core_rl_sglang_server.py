@@ -18,7 +18,9 @@ It also adds core-rl's route for requests with pixel inputs (:mod:`core_rl_sglan
 Under core-rl's supervisor, SGLang's IPC sockets (named with :mod:`tempfile` in
 ``PortArgs.init_new``) go to the server's private runtime directory (``CORE_RL_SERVER_RUNTIME_DIR``),
 which the supervisor removes when the server is gone; in the system's temporary directory those of a
-killed server would stay.
+killed server would stay. So would the file in ``/dev/shm`` through which its scheduler reports its
+load (``sglang_loads_<id>.shm``, one per start): the server lists it in the runtime directory's
+``remove-when-gone`` for the supervisor to remove, and removes it itself when it exits.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import tempfile
 
 FORK_VARIABLE = "CORE_RL_FORK_ENGINE"
 RUNTIME_DIR_VARIABLE = "CORE_RL_SERVER_RUNTIME_DIR"
+#: core_rl_server_kit.supervise.LEFTOVERS_FILE (this file runs where core-rl is not installed)
+LEFTOVERS_FILE = "remove-when-gone"
 LAUNCH_SERVER = "sglang.launch_server"
 
 
@@ -69,12 +73,36 @@ def ipc_in(runtime: str) -> bool:
     def init_new_in_runtime(*args, **kwargs):
         saved, tempfile.tempdir = tempfile.tempdir, runtime
         try:
-            return init_new(*args, **kwargs)
+            port_args = init_new(*args, **kwargs)
         finally:
             tempfile.tempdir = saved
+        load_report_goes_with_the_server(runtime, port_args)
+        return port_args
 
     PortArgs.init_new = staticmethod(init_new_in_runtime)
     return True
+
+
+def load_report_goes_with_the_server(runtime: str, port_args: object) -> None:
+    """List the ``/dev/shm`` file of these ports' load report in ``runtime``'s :data:`LEFTOVERS_FILE`
+    and remove it when this process exits. Nothing where this SGLang names no such file."""
+    try:
+        from sglang.srt.managers.load_snapshot import shm_path_for
+
+        path = shm_path_for(port_args.instance_id)  # type: ignore[attr-defined]
+    except (ImportError, AttributeError):
+        return
+    with open(os.path.join(runtime, LEFTOVERS_FILE), "a") as listing:
+        listing.write(path + "\n")
+    owner = os.getpid()
+    atexit.register(lambda: os.getpid() == owner and _unlink(path))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def remove_at_exit(runtime: str) -> None:
