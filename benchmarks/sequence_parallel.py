@@ -102,15 +102,17 @@ def worker(args: argparse.Namespace) -> None:
 
 def run_size(size: int, model: Path, args: argparse.Namespace) -> list[dict]:
     """The figures of every rank of one group of ``size``."""
-    from core_rl.testing.launch import cpu_ranks_env
+    from core_rl.testing.launch import cpu_ranks_env, elastic_logs
 
     env = cpu_ranks_env({**os.environ, "OMP_NUM_THREADS": "1"})
     results = model.parent / f"results-{size}"
     results.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={size}", __file__]
-    cmd += ["--worker", "--model", str(model), "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
-    cmd += ["--results", str(results)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    with elastic_logs() as logs:  # torchrun's own log folder, removed with the group
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={size}"]
+        cmd += [f"--log-dir={logs}", __file__]
+        cmd += ["--worker", "--model", str(model), "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
+        cmd += ["--results", str(results)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     if proc.returncode != 0:
         raise SystemExit(f"group of {size} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return [json.loads((results / f"rank{r}.json").read_text()) for r in range(size)]

@@ -1,9 +1,10 @@
 """Smoke test of benchmarks/sequence_parallel.py: a short row through 1 rank and through a group of
 2 (gloo), each rank's figures printed; each rank of the group keeps about half the activations for
-backward (the full-size figures are in docs/benchmarks.md)."""
+backward (the full-size figures are in docs/benchmarks.md); torchrun's log folders go with the run."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -12,9 +13,12 @@ from core_rl.testing import preloaded
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "sequence_parallel.py"
 
 
-def test_sequence_parallel_benchmark_smoke() -> None:
-    proc = preloaded.run([sys.executable, str(SCRIPT), "--smoke"], capture_output=True, text=True, timeout=300)
+def test_sequence_parallel_benchmark_smoke(tmp_path: Path) -> None:
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    command = [sys.executable, str(SCRIPT), "--smoke"]
+    proc = preloaded.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not list(tmp_path.glob("torchelastic_*"))  # the elastic agent's own, never removed by it
     rows = {}
     for line in proc.stdout.splitlines():
         cells = line.split()

@@ -18,6 +18,7 @@ from core_rl.config.checks import MachineInfo
 from core_rl.config.loader import structure
 from core_rl.errors import ConfigError, CoreRLError
 from core_rl.launch.gpus import placed_gpus, resolve_server_gpus, servers_gpus, visible_devices
+from core_rl.testing.processes import environment_of
 from core_rl_server_kit.remote import ServerOptions
 from core_rl_server_kit.remote.weights import auto_weight_backend
 from hypothesis import given
@@ -201,11 +202,6 @@ class StartedFakeEngine(FakeEngine):
         return [python, "-c", SERVER, str(port)]
 
 
-def _environ(pid: int) -> dict[str, str]:
-    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(e.decode().split("=", 1) for e in entries if b"=" in e)
-
-
 def test_each_started_server_sees_its_share(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # the trainer's own view: indices count it
     options = structure(
@@ -213,7 +209,7 @@ def test_each_started_server_sees_its_share(tmp_path: Path, monkeypatch: pytest.
     )
     engine = StartedFakeEngine(options, tmp_path, per_server=1)
     try:
-        seen = [_environ(ep.server.pid)["CUDA_VISIBLE_DEVICES"] for ep in engine.endpoints]
+        seen = [environment_of(ep.server.pid)["CUDA_VISIBLE_DEVICES"] for ep in engine.endpoints]
     finally:
         engine.close()
     assert seen == ["7", "5"]

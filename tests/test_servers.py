@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from core_rl.testing.processes import environment_of
 from core_rl_server_kit.processes import ManagedServer, ServerError, free_port, pid_alive
 from core_rl_server_kit.supervise import session_members
 
@@ -196,8 +197,7 @@ def test_a_server_does_not_outlive_its_supervisor_killed_outright(tmp_path: Path
         server.wait_healthy(30)
         supervisor, served = server._proc.pid, server.pid
         assert pid_alive(served)
-        environ = dict(v.split(b"=", 1) for v in Path(f"/proc/{served}/environ").read_bytes().split(b"\0") if v)
-        runtime = Path(environ[b"CORE_RL_SERVER_RUNTIME_DIR"].decode())
+        runtime = Path(environment_of(served)["CORE_RL_SERVER_RUNTIME_DIR"])
         os.kill(supervisor, signal.SIGKILL)
         server._proc.wait(10)
         assert _wait_gone([served]) == [], "the server outlived its supervisor"

@@ -46,7 +46,7 @@ from core_rl.hookspecs import Register, hookimpl
 from core_rl.interfaces import Logger, LossOutput, PolicyLoss, Reward
 from core_rl.ops import aggregation_weights
 from core_rl.testing import blocking
-from core_rl.testing.processes import process_tree
+from core_rl.testing.processes import environment_of, process_tree
 
 #: set it to release the calls of a ``hang`` reward (tests do, so their threads end)
 RELEASE = threading.Event()
@@ -322,10 +322,10 @@ def worker_of_rank(launcher: int, rank: int) -> int | None:
     """The pid of the worker of ``rank`` that launcher process ``launcher`` started, if any."""
     for pid in process_tree(launcher)[1:]:
         try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            environ = environment_of(pid)
         except OSError:
             continue
-        if f"RANK={rank}".encode() in environ and any(v.startswith(b"TORCHELASTIC_RUN_ID=") for v in environ):
+        if environ.get("RANK") == str(rank) and "TORCHELASTIC_RUN_ID" in environ:
             return pid
     return None
 

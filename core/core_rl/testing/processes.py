@@ -16,6 +16,13 @@ def parent_of(pid: int) -> int | None:
         return None
 
 
+def environment_of(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` started with (``/proc/PID/environ``; ``OSError`` when it is
+    gone or not readable). Bytes that are not UTF-8 are replaced."""
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(entry.decode(errors="replace").split("=", 1) for entry in entries if b"=" in entry)
+
+
 def ancestors(pid: int) -> list[int]:
     """``pid``, its parent, and so on up to (not including) pid 1."""
     chain: list[int] = []

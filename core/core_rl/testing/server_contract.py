@@ -26,7 +26,7 @@ import pytest
 from core_rl_server_kit.processes import ServerError, pid_alive
 
 from core_rl.interfaces import SamplingParams
-from core_rl.testing.processes import children_of, idle_cpu, shared_anonymous_kib
+from core_rl.testing.processes import children_of, environment_of, idle_cpu, shared_anonymous_kib
 from core_rl.testing.rollout_contracts import RolloutEngineContract
 
 #: a forked engine process still shares more than this (KiB) of its server's heap: 185 MiB measured for
@@ -92,10 +92,7 @@ class ServerRolloutEngineContract(RolloutEngineContract):
         after it, even where the trainer's environment sets ``PYTHONDONTWRITEBYTECODE``."""
         for ep in engine.endpoints:
             assert ep.server is not None and ep.server.pid is not None
-            environ = Path(f"/proc/{ep.server.pid}/environ").read_bytes().split(b"\0")
-            assert not any(
-                v.startswith(b"PYTHONDONTWRITEBYTECODE=") and v != b"PYTHONDONTWRITEBYTECODE=" for v in environ
-            )
+            assert environment_of(ep.server.pid).get("PYTHONDONTWRITEBYTECODE", "") == ""
 
     def test_engine_processes_are_forked_on_cpu(self, engine) -> None:
         """With ``forks_on_cpu``: every process a CPU server starts is a fork of it, which shares

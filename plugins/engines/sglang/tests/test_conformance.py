@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import core_rl_sglang.plugin
 from core_rl.testing import ServerRolloutEngineContract, installed_distribution
+from core_rl.testing.processes import environment_of
 from core_rl_server_kit.supervise import LEFTOVERS_FILE, RUNTIME_DIR_VARIABLE
 
 
@@ -51,10 +52,7 @@ class TestSGLangRolloutEngine(ServerRolloutEngineContract):
         try:
             server = engine.endpoints[0].server
             assert server is not None and server.pid is not None
-            environ = dict(
-                item.split(b"=", 1) for item in Path(f"/proc/{server.pid}/environ").read_bytes().split(b"\0") if item
-            )
-            runtime = Path(environ[RUNTIME_DIR_VARIABLE.encode()].decode())
+            runtime = Path(environment_of(server.pid)[RUNTIME_DIR_VARIABLE])
             listed = (runtime / LEFTOVERS_FILE).read_text().split()
             (report,) = [Path(p) for p in listed if p.startswith("/dev/shm/sglang_loads_")]
             assert report.is_file()

@@ -18,7 +18,9 @@ as a child process, so that
   orphan trainer;
 - the child leaves the line it exits with (its error, or the progress watchdog's diagnosis) in a
   file the actor names (:mod:`core_rl.reliability.exit_note`), which the driver reads back
-  (:meth:`TrainerRank.exit_note`) to name the reason in its own message.
+  (:meth:`TrainerRank.exit_note`) to name the reason in its own message. The file is anonymous
+  memory the actor holds open (``memfd_create``), named to the child by its path under the actor's
+  ``/proc/PID/fd``: nothing is ever made on disk, so an actor killed outright leaves nothing behind.
 
 A rollout server actor starts its server through the rollout engine plugin itself (the server's
 command line, environment variables and health check are the plugin's), from the plugin's managed
@@ -37,7 +39,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,7 @@ class TrainerRank:
     def __init__(self) -> None:
         normal_priority()  # inherited by the rank's process
         self._proc: subprocess.Popen | None = None
-        self._note: Path | None = None
+        self._note: int | None = None  # the descriptor of the running rank's note
         self._note_text = ""
 
     def where(self) -> dict[str, Any]:
@@ -98,10 +99,9 @@ class TrainerRank:
         full = {**os.environ, **env}
         full.pop("RAY_ADDRESS", None)  # the rank is no Ray driver
         full.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several workers
-        descriptor, note = tempfile.mkstemp(prefix="core-rl-rank-", suffix=".note")
-        os.close(descriptor)
-        self._note, self._note_text = Path(note), ""
-        full[exit_note.VARIABLE] = note  # the line the rank exits with, for the driver
+        self._close_note()
+        self._note, self._note_text = os.memfd_create("core-rl-rank-note"), ""
+        full[exit_note.VARIABLE] = self.note_path()  # the line the rank exits with, for the driver
         self._proc = subprocess.Popen(
             [sys.executable, *argv], env=full, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
         )
@@ -129,14 +129,24 @@ class TrainerRank:
         :mod:`core_rl.reliability.exit_note`); empty when it left none."""
         if self._proc is not None and self._proc.poll() is not None:
             self._settle_note()
-        return self._note_text if self._note is None else exit_note.read(self._note)
+        return self._note_text if self._note is None else exit_note.read(self.note_path())
+
+    def note_path(self) -> str:
+        """The path the running rank writes its note to: the actor's descriptor of the note's
+        anonymous file, as ``/proc/PID/fd/N`` (any process of this node and user can open it while
+        the actor lives; empty when no rank runs)."""
+        return "" if self._note is None else f"/proc/{os.getpid()}/fd/{self._note}"
 
     def _settle_note(self) -> None:
-        """Once the process has ended: keep its note's line and remove the file (every ended rank,
+        """Once the process has ended: keep its note's line and close the file (every ended rank,
         whether or not the driver asks for its note)."""
         if self._note is not None:
-            self._note_text = exit_note.read(self._note)
-            self._note.unlink(missing_ok=True)
+            self._note_text = exit_note.read(self.note_path())
+            self._close_note()
+
+    def _close_note(self) -> None:
+        if self._note is not None:
+            os.close(self._note)
             self._note = None
 
     def stop(self, grace: float) -> int | None:
