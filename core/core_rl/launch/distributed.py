@@ -108,9 +108,16 @@ def ensure_process_group(backend: str, device: torch.device) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+#: the reductions that leave one rank's values as they are
+_IDENTITY_ALONE = frozenset({ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MAX, ReduceOp.MIN})
+
+
 def all_reduce(values: torch.Tensor, op: dist.ReduceOp.RedOpType = ReduceOp.SUM) -> torch.Tensor:
-    """All-reduce ``values`` in place over the default group and return it."""
-    dist.all_reduce(values, op=op)
+    """All-reduce ``values`` in place over the default group and return it; in a group of one rank,
+    where a sum, mean, product, maximum or minimum is the identity, as it is (no call into the
+    backend)."""
+    if dist.get_world_size() > 1 or op not in _IDENTITY_ALONE:
+        dist.all_reduce(values, op=op)
     return values
 
 
