@@ -79,12 +79,12 @@ class Tree:
         self.files: dict[str, str] = {}
         if rev is None:
             listed = subprocess.run(
-                ["git", "-C", root, "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+                ["git", "-C", root, "ls-files", "-z", "--cached", "--others", "--exclude-standard", "*.py"],
                 capture_output=True,
                 text=True,
                 check=True,
-            ).stdout.split()
-            for path in listed:
+            ).stdout.split("\0")
+            for path in filter(None, listed):  # NUL-separated: a path may hold spaces
                 try:
                     with open(f"{root}/{path}", encoding="utf-8") as handle:
                         self.files[path] = handle.read()
