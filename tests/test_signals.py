@@ -94,21 +94,27 @@ def test_signal_at_a_random_moment_then_resume_is_bitwise(base, straight, sig):
     assert state_digest(checkpoint(run, STEPS)) == state_digest(checkpoint(run_dir(straight), STEPS)), note
 
 
-def test_a_second_signal_stops_at_once_and_a_duplicate_does_not(base):
-    """Each reward call sleeps 12 s: the first SIGTERM comes during step 2's, a duplicate 0.1 s
-    later is ignored, a second one 2.5 s after the first kills the process before the step ends.
-    (Under load a 6 s sleep once had less than 2.5 s left when the first signal came, and that
+def test_a_second_signal_stops_at_once_and_a_duplicate_does_not(base, tmp_path):
+    """Each reward call sleeps 12 s: the first SIGTERM comes once step 2's call has started (after
+    step 1's stop check, so the stop is due at the end of step 2), a duplicate 0.1 s later is
+    ignored, a second one 2.5 s after the first kills the process before the step ends. (Sent as
+    soon as step 1 was logged, the first SIGTERM could land before step 1's stop check, and that
     stop was honoured, with a checkpoint, before the second one.)"""
+    calls = tmp_path / "reward-calls"
     config = merged(
         base,
         experiment={"name": "twice"},
-        reward={"name": "misbehave", "mode": "slow", "sleep_s": 12.0},
+        reward={"name": "misbehave", "mode": "slow", "sleep_s": 12.0, "calls_file": str(calls)},
         reward_runner={"items_per_call": 0, "timeout_s": 60},
         saver={"every_n_steps": 0, "at_end": True},
     )
     proc = start(config, faults=True)
     try:
         assert wait_for_steps(run_dir(config), proc), finish(proc, 60)[-3000:]
+        deadline = time.monotonic() + 120
+        while not (calls.exists() and len(calls.read_text().splitlines()) >= 2):  # step 2's call began
+            assert proc.poll() is None and time.monotonic() < deadline, finish(proc, 60)[-3000:]
+            time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)

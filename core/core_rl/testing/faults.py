@@ -6,7 +6,9 @@ Components that misbehave on purpose, registered by :class:`FaultPlugin`:
   ``mode``: ``raise`` (the call raises), ``hang`` (the call blocks until :data:`RELEASE` is set or
   the process ends), ``nan``, ``inf``, ``string`` (a numeric-looking string), ``none``,
   ``wrong_count`` (one score too few), ``slow`` (the call sleeps ``sleep_s``), or ``mixed``: call
-  ``k`` misbehaves as ``SURVIVABLE[k % 6]``; other items score ``len(response) / 10``.
+  ``k`` misbehaves as ``SURVIVABLE[k % 6]``; other items score ``len(response) / 10``. With
+  ``calls_file`` set, each call first appends a line to that file (tests wait on it to know a
+  step's reward call is under way).
 - policy loss ``nan_pg``: the plain policy-gradient surrogate
   ``-A_t * exp(logp_t - old_logp_t)`` (token-mean), NaN at the steps in ``nan_steps``
   (steps counted by its ``loss_weights`` calls, one per step on the main rank).
@@ -64,6 +66,7 @@ class MisbehaveConfig:
     mode: str = attrs.field(default="raise", validator=attrs.validators.in_(MODES))
     every: int = 2
     sleep_s: float = 0.0
+    calls_file: str = ""
 
 
 class MisbehavingReward(Reward):
@@ -74,6 +77,9 @@ class MisbehavingReward(Reward):
         self._calls = itertools.count()
 
     def score(self, items):
+        if self.config.calls_file:
+            with open(self.config.calls_file, "a", encoding="utf-8") as calls:
+                calls.write(f"{len(items)}\n")
         bad = [i % self.config.every == 0 for i in range(len(items))]
         mode = self.config.mode
         if mode == "mixed":
