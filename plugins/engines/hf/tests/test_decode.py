@@ -129,6 +129,41 @@ def test_mixed_precision_steps_give_the_autocast_forwards_logits(name: str, attn
     assert differs >= 0.9 * total  # the projections really ran in bfloat16
 
 
+@pytest.mark.parametrize(
+    ("attn", "compute_dtype"), [("sdpa", None), ("sdpa_float32", torch.bfloat16), ("sdpa", torch.bfloat16)]
+)
+@pytest.mark.parametrize("name", sorted(MODELS))
+@torch.inference_mode()
+def test_lean_prefill_gives_the_forwards_logits_keys_and_values(name: str, attn: str, compute_dtype) -> None:
+    """``LeanStepper.prefill`` over left-padded prompts gives the logits, keys and values of the
+    model's forward (under autocast with ``compute_dtype``), each prompt's repeated for the rows
+    that continue it, and the stepper it returns steps as one built from the forward's cache does."""
+    model = MODELS[name]()
+    model.set_attn_implementation(attention.register() if attn == attention.NAME else attn)
+    prompts = [[1, 5, 6, 7, 8], [1, 9], [3], [1, 10, 11]]
+    rows = torch.tensor([0, 0, 1, 2, 2, 2, 3])
+    cache, mask, last_position, expected = _prefill(model, prompts, compute_dtype)
+    input_ids, _, positions = left_pad(prompts, 0, torch.device("cpu"))
+    lean, first = LeanStepper.prefill(model, input_ids, mask, positions, rows, 16, compute_dtype)
+    exact = compute_dtype is None
+    tolerance = dict(atol=1e-5, rtol=0) if exact else dict(atol=1e-6, rtol=2**-7)
+    assert first.dtype == torch.float32 and first.shape == (len(prompts), VOCAB)
+    torch.testing.assert_close(first, expected.float(), **tolerance)
+    width = mask.shape[1]
+    real = mask[rows].bool()[:, None, :, None]  # a padding position's keys and values are never read
+    for i in range(len(model.model.layers)):
+        for got, want in zip((lean.keys[i], lean.values[i]), (cache.layers[i].keys, cache.layers[i].values)):
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(
+                torch.where(real, got[:, :, :width], 0), torch.where(real, want[rows].to(got.dtype), 0), **tolerance
+            )
+    cache.reorder_cache(rows)
+    plain = LeanStepper(model, cache, mask[rows], last_position[rows], 16, compute_dtype)
+    tokens = torch.randint(0, VOCAB, (5, len(rows)), generator=torch.Generator().manual_seed(4))
+    for row in tokens:
+        torch.testing.assert_close(lean.step(row), plain.step(row), **tolerance)
+
+
 @torch.inference_mode()
 def test_static_steps_give_the_same_logits_and_reload() -> None:
     """A static stepper (fixed shapes: attention over every buffer position, the unwritten ones

@@ -5,8 +5,10 @@ last column. Position ids count real tokens only (``position = cumsum(mask) - 1`
 sees exactly the positions, and hence the logits, it would see alone; padded columns are masked out
 of attention.
 
-Each distinct prompt is run through the model once (the prefill); its KV cache, attention mask and
-next-token logits are then repeated for the ``count`` samples drawn from it. Each later step feeds
+Each distinct prompt is run through the model once (the prefill: by the lean stepper when it
+decodes eagerly, :meth:`core_rl_hf.decode.LeanStepper.prefill`, else by the model's forward); its
+KV cache, attention mask and next-token logits are then repeated for the ``count`` samples drawn
+from it. Each later step feeds
 one new token per row with the cache of the previous steps.
 
 A row finishes when it produces a stop token (EOS or one of ``stop_token_ids``); stop tokens are
@@ -45,7 +47,7 @@ import torch
 from core_rl.interfaces import SamplingParams
 from core_rl.roles.moe import NO_ROUTE, ROUTE_DTYPE, RouteRecorder, route_shape
 
-from core_rl_hf.decode import LeanStepper, lean_supported, make_stepper, mixed_precision
+from core_rl_hf.decode import LeanStepper, TransformersStepper, lean_supported, make_stepper, mixed_precision
 from core_rl_hf.decode_state import DecodeState
 from core_rl_hf.graphs import DecodeGraphs, bucketed_capacity, bucketed_rows
 from core_rl_hf.kv_cache import output_cache
@@ -158,32 +160,42 @@ def _generate(
     device = next(model.parameters()).device
     stop_ids = sorted(set(eos_token_ids) | set(sampling.stop_token_ids))
     input_ids, attention_mask, position_ids = left_pad(prompts, pad_token_id, device)
-    with mixed_precision(model, compute_dtype):
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-    # one row per sample: repeat each prompt's cache, mask and logits counts[i] times
+    # one row per sample: each prompt's keys and values, mask and logits repeated counts[i] times
     rows = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.as_tensor(counts, device=device))
-    width, steps, total, vocab = input_ids.shape[1], sampling.max_new_tokens, len(rows), out.logits.shape[-1]
-    routes = _DecodeRoutes(recorder, model, len(prompts), width, total, steps, device) if recorder else None
-    graphed_rows = graphs is not None and graphs.usable and lean and lean_supported(model)
-    if graphed_rows:  # a graph's rows: copies of the first row fill the batch up (done from the start)
-        rows = torch.cat([rows, rows[:1].expand(bucketed_rows(total, max_rows) - total)])
-    cache = output_cache(out)
-    cache.reorder_cache(rows)
-    logits = out.logits[rows, -1].float()
-    mask, last_position = attention_mask[rows], position_ids[rows, -1:]
-    del out
+    width, steps, total = input_ids.shape[1], sampling.max_new_tokens, len(rows)
+    lean = lean and lean_supported(model)
+    graphed_rows = graphs is not None and graphs.usable and lean
+    stepper: LeanStepper | TransformersStepper | None = None
+    found, routes = None, None
+    if lean and not graphed_rows:  # the lean path prefills too: no transformers cache to copy over
+        stepper, first = LeanStepper.prefill(
+            model, input_ids, attention_mask, position_ids, rows, width + steps, compute_dtype
+        )
+        logits, vocab = first[rows], first.shape[-1]
+        del first
+    else:
+        with mixed_precision(model, compute_dtype):
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        vocab = out.logits.shape[-1]
+        routes = _DecodeRoutes(recorder, model, len(prompts), width, total, steps, device) if recorder else None
+        if graphed_rows:  # a graph's rows: copies of the first row fill the batch up (done from the start)
+            rows = torch.cat([rows, rows[:1].expand(bucketed_rows(total, max_rows) - total)])
+        cache = output_cache(out)
+        cache.reorder_cache(rows)
+        logits = out.logits[rows, -1].float()
+        mask, last_position = attention_mask[rows], position_ids[rows, -1:]
+        del out
 
     def new_state() -> DecodeState:
         special = dict(stop_ids=stop_ids, pad_token_id=pad_token_id)
         return DecodeState(len(rows), steps, vocab, sampling, **special, device=device, generator=generator)
 
-    found = None
     if graphed_rows:
         capacity = bucketed_capacity(width + steps)
         key = (id(model), len(rows), vocab, _sampling_key(sampling), tuple(stop_ids), pad_token_id)
@@ -207,20 +219,24 @@ def _generate(
         state.reset(steps, live=total, min_new_tokens=sampling.min_new_tokens)
         advance, keep = graphed.replay, None
     else:
-        if len(rows) > total:  # no graph after all (its capture failed): the batch's own rows
-            rows = rows[:total]
-            cache.reorder_cache(torch.arange(total, device=device))
-            logits, mask, last_position = logits[:total], mask[:total], last_position[:total]
-        stepper = make_stepper(model, cache, mask, last_position, width + steps, lean=lean, compute_dtype=compute_dtype)
+        if stepper is None:
+            if len(rows) > total:  # no graph after all (its capture failed): the batch's own rows
+                rows = rows[:total]
+                cache.reorder_cache(torch.arange(total, device=device))
+                logits, mask, last_position = logits[:total], mask[:total], last_position[:total]
+            stepper = make_stepper(
+                model, cache, mask, last_position, width + steps, lean=lean, compute_dtype=compute_dtype
+            )
+        eager = stepper
         state = new_state()
 
         def advance() -> None:
-            state.choose(stepper.step(state.feed))
+            state.choose(eager.step(state.feed))
             if routes is not None:
                 routes.after_step()
 
         def keep(rows: torch.Tensor) -> None:
-            stepper.keep(rows)
+            eager.keep(rows)
             state.keep(rows)
             if routes is not None:
                 routes.keep(rows)
