@@ -132,9 +132,10 @@ def test_mixed_precision_steps_give_the_autocast_forwards_logits(name: str, attn
 @pytest.mark.parametrize(
     ("attn", "compute_dtype"), [("sdpa", None), ("sdpa_float32", torch.bfloat16), ("sdpa", torch.bfloat16)]
 )
+@pytest.mark.parametrize("padding", ["left", "none"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 @torch.inference_mode()
-def test_lean_prefill_gives_the_forwards_logits_keys_and_values(name: str, attn: str, compute_dtype) -> None:
+def test_lean_prefill_gives_the_forwards_logits_keys_and_values(name: str, attn: str, compute_dtype, padding) -> None:
     """``LeanStepper.prefill`` over left-padded prompts gives the logits, keys and values of the
     model's forward (under autocast with ``compute_dtype``), each prompt's repeated for the rows
     that continue it, and the stepper it returns steps as one built from the forward's cache does."""
@@ -142,6 +143,8 @@ def test_lean_prefill_gives_the_forwards_logits_keys_and_values(name: str, attn:
     model.set_attn_implementation(attention.register() if attn == attention.NAME else attn)
     prompts = [[1, 5, 6, 7, 8], [1, 9], [3], [1, 10, 11]]
     rows = torch.tensor([0, 0, 1, 2, 2, 2, 3])
+    if padding == "none":  # every prompt of one length: causal attention without a mask
+        prompts, rows = [[1, 5, 6, 7, 8], [2, 9, 3, 4, 12]], torch.tensor([0, 1, 1])
     cache, mask, last_position, expected = _prefill(model, prompts, compute_dtype)
     input_ids, _, positions = left_pad(prompts, 0, torch.device("cpu"))
     lean, first = LeanStepper.prefill(model, input_ids, mask, positions, rows, 16, compute_dtype)

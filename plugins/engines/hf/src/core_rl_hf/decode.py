@@ -165,9 +165,10 @@ class LeanStepper:
         """Run the left-padded prompts (``input_ids``, ``attention_mask``, ``position_ids``, each
         ``[P, L]``, as :func:`core_rl_hf.generation.left_pad` makes them) through the model's
         layers as the steps compute them, with a causal mask over each prompt's real tokens (a
-        padding position attends to itself alone, so nothing it computes is NaN), instead of the
-        model's forward: the same logits up to float rounding, without building a transformers
-        cache and copying it over. Returns a (non-static) stepper with one row per entry of
+        padding position attends to itself alone: no query has an empty mask row, for which some
+        attention kernels give NaN; prompts without padding need no mask), instead of the model's
+        forward: the same logits up to float rounding, without building a transformers cache and
+        copying it over. Returns a (non-static) stepper with one row per entry of
         ``rows`` (the prompt each sample continues), its buffers holding that prompt's keys and
         values, and the next-token logits of each prompt ``[P, V]`` (float32)."""
         stepper = cls.__new__(cls)
@@ -180,9 +181,11 @@ class LeanStepper:
         stepper.pos.fill_(length)
         stepper.length = length
         real = attention_mask.bool()
-        causal = torch.ones((length, length), dtype=torch.bool, device=real.device).tril()
-        itself = torch.eye(length, dtype=torch.bool, device=real.device)
-        allowed = (causal & real[:, None, :]) | itself  # [P, L (queries), L (keys)]
+        allowed = None  # no padding: plain causal attention, without a mask in memory
+        if not bool(real.all()):
+            causal = torch.ones((length, length), dtype=torch.bool, device=real.device).tril()
+            itself = torch.eye(length, dtype=torch.bool, device=real.device)
+            allowed = ((causal & real[:, None, :]) | itself)[:, None]  # [P, 1, L (queries), L (keys)]
         prompts = len(input_ids)
         group = model.config.num_attention_heads // stepper.kv_heads
 
@@ -193,7 +196,8 @@ class LeanStepper:
                 q,
                 k.repeat_interleave(group, dim=1),
                 v.repeat_interleave(group, dim=1),
-                attn_mask=allowed[:, None],
+                attn_mask=allowed,
+                is_causal=allowed is None,
                 scale=stepper.scaling,
             )
             return out.transpose(1, 2).reshape(prompts, length, -1)
