@@ -17,8 +17,8 @@ small interface (``step(tokens, done) -> logits [B, V]``, ``keep(rows)``):
   which was about 40% of a decode step on small models on CPU. Its logits equal the transformers
   forward's up to float rounding (tests compare them). It prefills too (:meth:`LeanStepper.prefill`:
   the same layers over the left-padded prompts with a causal mask, writing its buffers directly),
-  which took a third less time than the model's forward plus the copy of its cache on the small CPU
-  benchmark model.
+  in about a quarter less time than the model's forward plus the copy of its cache (the small CPU
+  benchmark model).
 
 Mixed precision (``compute_dtype``, the engine's ``autocast_dtype``): :class:`LeanStepper` runs
 the projections (q/k/v/o, the MLP, the output head) on copies of their weights in that dtype, made
