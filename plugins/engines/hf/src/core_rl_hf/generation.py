@@ -8,8 +8,7 @@ of attention.
 Each distinct prompt is run through the model once (the prefill: by the lean stepper when it
 decodes eagerly, :meth:`core_rl_hf.decode.LeanStepper.prefill`, else by the model's forward); its
 KV cache, attention mask and next-token logits are then repeated for the ``count`` samples drawn
-from it. Each later step feeds
-one new token per row with the cache of the previous steps.
+from it. Each later step feeds one new token per row with the cache of the previous steps.
 
 A row finishes when it produces a stop token (EOS or one of ``stop_token_ids``); stop tokens are
 blocked while fewer than ``min_new_tokens`` tokens exist. Its response is the tokens up to and
