@@ -147,8 +147,7 @@ class LeanStepper:
         weights: StepperWeights | None = None,
     ) -> None:
         self._use(model, compute_dtype, static=static, weights=weights)
-        keys, _ = _layer_states(cache, 0)
-        self._allocate(position_ids, attention_mask.shape[1], capacity, keys.shape[1])
+        self._allocate(position_ids, attention_mask.shape[1], capacity)
         self.load(cache, attention_mask, position_ids)
 
     @classmethod
@@ -175,11 +174,8 @@ class LeanStepper:
         stepper._use(model, compute_dtype, static=False, weights=None)
         length = input_ids.shape[1]
         last = position_ids[rows, -1:]
-        stepper._allocate(last, length, capacity, model.config.num_key_value_heads)
-        stepper.mask[:, :length] = attention_mask[rows].bool()
-        stepper.position_ids.copy_(last)
-        stepper.pos.fill_(length)
-        stepper.length = length
+        stepper._allocate(last, length, capacity)
+        stepper._hold_prompt(attention_mask[rows], last)
         real = attention_mask.bool()
         allowed = None  # no padding: plain causal attention, without a mask in memory
         if not bool(real.all()):
@@ -229,11 +225,11 @@ class LeanStepper:
         self.kv_heads = model.config.num_key_value_heads
         self.static = static
 
-    def _allocate(self, position_ids: torch.Tensor, length: int, capacity: int, kv_heads: int) -> None:
+    def _allocate(self, position_ids: torch.Tensor, length: int, capacity: int) -> None:
         """Zeroed buffers for ``len(position_ids)`` rows of at least ``length + 1`` positions."""
         rows = len(position_ids)
         self.capacity = max(capacity, length + 1)
-        shape = (rows, kv_heads, self.capacity, self.head_dim)
+        shape = (rows, self.kv_heads, self.capacity, self.head_dim)
         zeros = dict(dtype=self.attention_dtype, device=position_ids.device)
         self.keys = [torch.zeros(shape, **zeros) for _ in self.layers]
         self.values = [torch.zeros(shape, **zeros) for _ in self.layers]
@@ -250,6 +246,13 @@ class LeanStepper:
             keys, values = _layer_states(cache, i)
             self.keys[i][:, :, :length] = keys
             self.values[i][:, :, :length] = values
+        self._hold_prompt(attention_mask, position_ids)
+
+    def _hold_prompt(self, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> None:
+        """After the prompts' keys and values are in the buffers: the mask over their real tokens
+        (``attention_mask`` [B, L]), each row's last position (``position_ids`` [B, 1]), and the
+        next write slot ``L``."""
+        length = attention_mask.shape[1]
         self.mask.zero_()
         self.mask[:, :length] = attention_mask.bool()
         self.position_ids.copy_(position_ids)
