@@ -305,3 +305,39 @@ def test_an_agent_told_not_to_preload_or_with_other_import_time_variables_starts
     assert proc.returncode == 0, proc.stderr[-3000:]
     for worker in seen:
         assert not worker["torch"] and worker["ppid"] == worker["agent"]
+
+
+CLOSER = """
+import os, signal, sys, time
+from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+handler = SubprocessHandler(sys.executable, (sys.argv[2],), {}, sys.argv[1], None, 0, None)
+pid = handler.proc.pid
+deadline = time.monotonic() + 60
+while True:  # until the interpreter has reaped the worker: its process group is gone
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        break
+    assert time.monotonic() < deadline, "the worker did not end"
+    time.sleep(0.05)
+handler.close(signal.SIGTERM)  # as the agent's close after a poll that came just before the exit
+assert handler._stdout.closed
+print("closed", type(handler.proc).__name__)
+"""
+
+
+def test_an_agent_closing_a_worker_the_interpreter_already_reaped_does_not_fail(tmp_path: Path) -> None:
+    """The agent's ``close`` of a worker that exited (and that the interpreter reaped) after the
+    agent last polled it: no ``ProcessLookupError`` from the signal to its gone process group (a
+    ``subprocess`` child would still be a zombie there), and its log file closed as torch's close does."""
+    (tmp_path / "closer.py").write_text(CLOSER)
+    (tmp_path / "worker.py").write_text("")
+    proc = preloaded.run(
+        [sys.executable, str(tmp_path / "closer.py"), str(tmp_path / "out.log"), str(tmp_path / "worker.py")],
+        env=_agent_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["closed", "PreloadedPopen"]

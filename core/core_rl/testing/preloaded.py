@@ -33,9 +33,12 @@ from the same interpreter when the agent is itself one of its children: the inte
 listens on a socket of its own, and in its children the agent's ``SubprocessHandler._popen`` asks it
 to fork each worker there (with the environment the worker would get; a worker whose import-time
 variables differ from the interpreter's starts with :mod:`subprocess`). A worker is then a child of
-the interpreter, not of the agent: a test that finds workers in the agent's process tree, or reads
-their ``/proc/PID/environ``, gives the agent ``CORE_RL_TEST_PRELOAD=0`` so that its workers start
-fresh.
+the interpreter, not of the agent, and the interpreter reaps it as it exits: the agent's signal to
+the process group of a worker that ended after its last poll finds no group (a child of the agent's
+own would still be there, a zombie, until the agent reaps it), which the handler takes as
+``subprocess`` would, as a signal to a process already gone. A test that finds workers in the
+agent's process tree, or reads their ``/proc/PID/environ``, gives the agent
+``CORE_RL_TEST_PRELOAD=0`` so that its workers start fresh.
 
 ``CORE_RL_TEST_PRELOAD=0`` sends every command to :mod:`subprocess`. Tests of the console script, or
 of what an import does at start-up, start their processes with :mod:`subprocess` themselves.
@@ -629,7 +632,22 @@ def _fork_workers_from(address: str) -> None:
         except (Unforkable, OSError):
             return torch_popen(handler, args, env)
 
+    torch_close = subprocess_handler.SubprocessHandler.close
+
+    def close(handler: Any, death_sig: Any = None) -> None:
+        # a worker the interpreter reaped between the agent's poll and its killpg (see the module
+        # docstring): what torch's close does after the signal, without the signal
+        try:
+            torch_close(handler, death_sig)
+        except ProcessLookupError:
+            if not isinstance(handler.proc, PreloadedPopen):
+                raise
+            for stream in (handler._stdout, handler._stderr):
+                if stream:
+                    stream.close()
+
     subprocess_handler.SubprocessHandler._popen = popen
+    subprocess_handler.SubprocessHandler.close = close
 
 
 def _become(request: dict, fds: list[int]) -> None:
