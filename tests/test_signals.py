@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from core_rl.plugins.host import PluginHost
-from core_rl.reliability.progress import STALL_VARIABLE
+from core_rl.reliability.progress import STALL_MARKER_VARIABLE, STALL_VARIABLE
 from core_rl.testing import preloaded
 from core_rl.testing.faults import finish, wait_for_random_moment, wait_for_steps
 from fault_helpers import (
@@ -155,17 +155,21 @@ def test_sigterm_during_a_stuck_step_stops_within_the_grace_without_saving(base,
     config = merged(base, experiment={"name": "stuck-sigterm"}, recover={"mode": "auto"}, trainer={"stop_grace_s": 5})
     run = run_dir(config)
     path = write_config(config, Path(config["experiment"]["output_dir"]).parent / "stuck-sigterm.yaml")
+    stuck = path.with_name("stuck-sigterm.stalled")
     proc = preloaded.Popen(
         cli_command("train", str(path)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**cli_env(), STALL_VARIABLE: "0:7:train_step"},
+        env={**cli_env(), STALL_VARIABLE: "0:7:train_step", STALL_MARKER_VARIABLE: str(stuck)},
         start_new_session=True,
     )
     try:
         assert wait_for_steps(run, proc, 6), finish(proc, 60)[-3000:]
-        time.sleep(1.0)  # inside step 7's train_step by now (its rollout takes a fraction of that)
+        deadline = time.monotonic() + 120
+        while not stuck.exists():  # inside step 7's train_step (after step 6's stop check)
+            assert proc.poll() is None and time.monotonic() < deadline, finish(proc, 60)[-3000:]
+            time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         err = finish(proc, 60)

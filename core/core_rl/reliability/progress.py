@@ -17,7 +17,8 @@ process, :data:`PROGRESS`.
 Test hook: ``CORE_RL_TEST_STALL=RANK:STEP:TEXT`` makes the process of rank ``RANK`` (its ``RANK``
 variable, 0 without one) stop for good inside the first call whose label contains ``TEXT`` during
 step ``STEP``: a rank stuck inside a step, which the fault tests need and no real part produces on
-demand.
+demand. With ``CORE_RL_TEST_STALL_MARKER=PATH`` too, it first creates the file ``PATH``, so that a
+test acts once the rank is stuck rather than after a guessed delay.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import attrs
 
 #: the test hook's variable (module docstring)
 STALL_VARIABLE = "CORE_RL_TEST_STALL"
+#: the file the test hook creates as it stops (module docstring)
+STALL_MARKER_VARIABLE = "CORE_RL_TEST_STALL_MARKER"
 #: how many recent step durations the bound is derived from
 RECENT_STEPS = 20
 #: the phase of a step outside every named one (and of the loop outside the steps)
@@ -211,6 +214,9 @@ class Progress:
         rank, step, text = self._stall
         if self.step == step and text in label and rank == int(os.environ.get("RANK", "0")):
             self._stall = None
+            if marker := os.environ.get(STALL_MARKER_VARIABLE):
+                with open(marker, "w"):
+                    pass
             while True:
                 time.sleep(3600)
 
