@@ -19,6 +19,8 @@ from core_rl.sync.fingerprint import fingerprint, first_difference
 from core_rl.testing import preloaded
 from core_rl.testing.launch import cpu_ranks_env
 from fault_helpers import build_task, cli_command, cli_env, cli_train, merged, run_dir, train_here, write_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_hf")
@@ -197,3 +199,54 @@ def test_a_prefix_draws_the_samples_from_the_first_rows_alone(tmp_path):
     assert fingerprint("w", later, 7, prefix=64) == fingerprint("w", tensor, 7, prefix=64)
     assert fingerprint("w", first, 7, prefix=64) != fingerprint("w", tensor, 7, prefix=64)
     assert fingerprint("w", later, 7) != fingerprint("w", tensor, 7)  # without one, every row counts
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=3), min_size=1, max_size=8),
+    picks=st.lists(st.tuples(st.sampled_from(_DTYPES), st.sampled_from([None, *_DTYPES]), st.booleans()), min_size=8),
+    prefix=st.sampled_from([None, 1, 5, 40]),
+    version=st.integers(0, 50),
+    seed=st.integers(0, 2**16),
+)
+def test_sampling_and_folding_many_tensors_gives_each_ones_numbers(shapes, picks, prefix, version, seed):
+    """:func:`sample_all` and :func:`fold_all` (one copy, cast and read per dtype) against
+    each tensor sampled alone and its fold written out (``sum((i + 1) * x_i)`` in order): the
+    same numbers, exactly, for tensors of mixed dtypes, transposed (not contiguous), empty, and a
+    name seen twice (its last tensor, at its first place); :class:`FingerprintLog` likewise."""
+    from core_rl.sync.fingerprint import FingerprintLog, fold_all, sample, sample_all
+
+    generator = torch.Generator().manual_seed(seed)
+    items, targets = [], []
+    for i, (shape, (dtype, target, transposed)) in enumerate(zip(shapes, picks)):
+        tensor = torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype) * 10
+        if transposed and tensor.dim() > 1:
+            tensor = tensor.transpose(0, -1)
+        items.append((f"layers.{i % 5}.w", tensor))  # names repeat past 5
+        targets.append(target)
+    last = dict(items)
+    together = sample_all(items, version, prefix)
+    assert list(together) == list(last)
+    for name, tensor in last.items():
+        assert torch.equal(together[name], sample(name, tensor, version, prefix))
+        assert together[name].dtype == tensor.dtype
+    alone = [sample(name, tensor, version, prefix) for name, tensor in items]
+
+    def written_out(samples: torch.Tensor, dtype: torch.dtype | None) -> float:
+        values = samples.to(dtype or samples.dtype).to(torch.float64).tolist()
+        total = 0.0
+        for rank, value in enumerate(values):
+            total += (rank + 1) * value
+        return total
+
+    assert fold_all(alone, targets) == [written_out(s, d) for s, d in zip(alone, targets)]
+    log, logged_alone = FingerprintLog(version), FingerprintLog(version)
+    log.add_all(items)
+    for name, tensor in items:
+        logged_alone.add(name, tensor)
+    want = {name: written_out(sample(name, tensor, version), None) for name, tensor in last.items()}
+    assert log.prints == logged_alone.prints == want
+    assert list(log.prints) == list(want)

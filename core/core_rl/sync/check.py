@@ -36,7 +36,7 @@ import torch
 from core_rl.config.schema import RunConfig
 from core_rl.interfaces import RolloutEngine
 from core_rl.loops.errors import RunFailed
-from core_rl.sync.fingerprint import file_samples, first_difference, fold, sample
+from core_rl.sync.fingerprint import file_samples, first_difference, fold_all, sample_all
 
 
 class WeightSyncMismatch(RunFailed):
@@ -55,14 +55,11 @@ class SentWeights:
         self.samples: dict[str, torch.Tensor] = {}
         self.seconds = 0.0
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        start = time.perf_counter()
-        self.samples[name] = sample(name, tensor, self.version, self.prefix)
-        self.seconds += time.perf_counter() - start
-
     def add_state(self, state: Mapping[str, torch.Tensor]) -> None:
-        for name, tensor in state.items():
-            self.add(name, tensor)
+        """Sample every tensor of ``state`` (together: :func:`core_rl.sync.fingerprint.sample_all`)."""
+        start = time.perf_counter()
+        self.samples.update(sample_all(state.items(), self.version, self.prefix))
+        self.seconds += time.perf_counter() - start
 
     def passing(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> Iterator[Mapping[str, torch.Tensor]]:
         """``buckets`` unchanged, each tensor sampled as it passes."""
@@ -82,7 +79,7 @@ class SentWeights:
         ``mode`` update (:meth:`~core_rl.interfaces.RolloutEngine.fingerprint_dtypes`)."""
         names = list(self.samples)
         dtypes = rollout.fingerprint_dtypes(names, [self.samples[n].dtype for n in names], mode)
-        return {name: fold(self.samples[name], dtype) for name, dtype in zip(names, dtypes)}
+        return dict(zip(names, fold_all([self.samples[n] for n in names], dtypes)))
 
 
 class SyncCheck:

@@ -23,6 +23,7 @@ import hashlib
 import json
 import math
 import mmap
+import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -32,18 +33,18 @@ import torch
 SAMPLES = 16
 
 
-def positions(name: str, version: int, numel: int, samples: int = SAMPLES) -> list[int]:
+def positions(name: str, version: int, numel: int, samples: int = SAMPLES) -> range:
     """The flat positions sampled from a tensor of ``numel`` elements named ``name`` at weight
     ``version``: every one for a tensor of at most ``samples`` elements, else ``samples`` positions
     ``stride`` apart (``stride = numel // samples``) from an offset below ``stride`` derived from
     the name and the version. Deterministic across processes and machines (a hash of the name, not
     Python's salted :func:`hash`)."""
     if numel <= samples:
-        return list(range(numel))
+        return range(numel)
     stride = numel // samples
     digest = hashlib.blake2b(f"{name}@{version}".encode(), digest_size=8).digest()
     offset = int.from_bytes(digest, "little") % stride
-    return [offset + i * stride for i in range(samples)]
+    return range(offset, offset + samples * stride, stride)
 
 
 def prefix_numel(shape: Sequence[int], prefix: int | None) -> int:
@@ -59,24 +60,67 @@ def prefix_numel(shape: Sequence[int], prefix: int | None) -> int:
     return min(numel, -(-prefix // row) * row) if row else numel
 
 
-def sample(name: str, tensor: torch.Tensor, version: int, prefix: int | None = None) -> torch.Tensor:
-    """The elements of ``tensor`` at :func:`positions` (drawn over its first
-    :func:`prefix_numel` elements), in its own dtype, on the CPU (a copy)."""
+def _sampled(name: str, tensor: torch.Tensor, version: int, prefix: int | None) -> torch.Tensor:
+    """The elements of ``tensor`` at :func:`positions` (drawn over its first :func:`prefix_numel`
+    elements) as a strided view, where ``tensor`` is (no copy unless it is not contiguous)."""
     flat = tensor.detach().reshape(-1)
     index = positions(name, version, prefix_numel(tuple(tensor.shape), prefix))
     # the positions are evenly spaced: a strided slice reads them without an index tensor
-    step = index[1] - index[0] if len(index) > 1 else 1
-    start = index[0] if index else 0
-    return flat[start : start + step * len(index) : step].to("cpu", copy=True)
+    return flat[index.start : index.stop : index.step]
+
+
+def sample(name: str, tensor: torch.Tensor, version: int, prefix: int | None = None) -> torch.Tensor:
+    """The elements of ``tensor`` at :func:`positions` (drawn over its first
+    :func:`prefix_numel` elements), in its own dtype, on the CPU (a copy)."""
+    return _sampled(name, tensor, version, prefix).to("cpu", copy=True)
+
+
+def sample_all(
+    items: Iterable[tuple[str, torch.Tensor]], version: int, prefix: int | None = None
+) -> dict[str, torch.Tensor]:
+    """:func:`sample` of each ``(name, tensor)`` of ``items``, by name in their order, with one copy
+    per dtype and device rather than one per tensor (a weight sync samples every tensor of the
+    model; the copies, not the elements, are its cost). A name seen twice keeps its last samples."""
+    views = {name: _sampled(name, tensor, version, prefix) for name, tensor in items}
+    groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
+    for name, view in views.items():
+        groups.setdefault((view.dtype, view.device), []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for names in groups.values():
+        joined = torch.cat([views[n] for n in names]).to("cpu")  # cat copies already
+        out.update(zip(names, joined.split([views[n].numel() for n in names])))
+    return {name: out[name] for name in views}
+
+
+def _weighted_sum(values: list[float]) -> float:
+    """``sum((i + 1) * x_i)`` over ``values`` (float64 numbers), summed in order."""
+    return float(sum(map(operator.mul, range(1, len(values) + 1), values)))
 
 
 def fold(samples: torch.Tensor, dtype: torch.dtype | None = None) -> float:
     """The fingerprint of :func:`sample`'s ``samples``, each cast to ``dtype`` first (the dtype the
     tensor travels in or is held in; ``None``: its own): ``sum((i + 1) * x_i)`` in float64, summed
-    in order (a few Python operations: a weight sync folds every tensor of the model)."""
-    if dtype is not None and dtype != samples.dtype:
-        samples = samples.to(dtype)
-    return float(sum(i * x for i, x in enumerate(samples.to(torch.float64).tolist(), 1)))
+    in order."""
+    return fold_all([samples], [dtype])[0]
+
+
+def fold_all(samples: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype | None]) -> list[float]:
+    """:func:`fold` of each of ``samples`` (1-D, on the CPU) in its ``dtypes`` entry: the same
+    numbers, with one cast and one read into Python per pair of dtypes rather than per tensor."""
+    values: list[list[float]] = [[] for _ in samples]
+    groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+    for i, (one, dtype) in enumerate(zip(samples, dtypes, strict=True)):
+        groups.setdefault((one.dtype, dtype or one.dtype), []).append(i)
+    for (own, target), members in groups.items():
+        joined = torch.cat([samples[i] for i in members]) if len(members) > 1 else samples[members[0]]
+        if target != own:
+            joined = joined.to(target)  # elementwise: as each tensor cast alone
+        flat = joined.to(torch.float64).tolist()
+        start = 0
+        for i in members:
+            values[i] = flat[start : start + samples[i].numel()]
+            start += samples[i].numel()
+    return [_weighted_sum(v) for v in values]
 
 
 def fingerprint(
@@ -134,15 +178,25 @@ def file_samples(path: str | Path, version: int, prefix: int | None = None) -> d
 
 class FingerprintLog:
     """The fingerprints of the tensors of one weight version, by name, in the order they came.
-    A name seen twice keeps its last fingerprint."""
+    A name seen twice keeps its last fingerprint (at its first place). Each tensor is sampled as it
+    comes; the fingerprints are folded together when read (:func:`fold_all`)."""
 
     def __init__(self, version: int) -> None:
         self.version = version
-        self.prints: dict[str, float] = {}
+        self._samples: dict[str, torch.Tensor] = {}
+        self._dtypes: dict[str, torch.dtype | None] = {}
 
     def add(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         """Record ``tensor``'s fingerprint under ``name``."""
-        self.prints[name] = fingerprint(name, tensor, self.version, dtype)
+        self._samples[name] = sample(name, tensor, self.version)
+        self._dtypes[name] = dtype
+
+    def add_all(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """:meth:`add` of each ``(name, tensor)``, in their own dtypes, sampled together
+        (:func:`sample_all`)."""
+        for name, samples in sample_all(items, self.version).items():
+            self._samples[name] = samples
+            self._dtypes[name] = None
 
     def passing(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """``items`` unchanged, each tensor recorded as it passes (for a loader that takes them one
@@ -151,9 +205,15 @@ class FingerprintLog:
             self.add(name, tensor)
             yield name, tensor
 
+    @property
+    def prints(self) -> dict[str, float]:
+        """The fingerprints, by name."""
+        names = list(self._samples)
+        return dict(zip(names, fold_all([self._samples[n] for n in names], [self._dtypes[n] for n in names])))
+
     def to_json(self) -> dict[str, object]:
         """``{"version": V, "prints": {NAME: FLOAT}}``, what a server-side worker answers."""
-        return {"version": self.version, "prints": dict(self.prints)}
+        return {"version": self.version, "prints": self.prints}
 
 
 def first_difference(sent: Mapping[str, float], loaded: Mapping[str, float]) -> tuple[str, str] | None:

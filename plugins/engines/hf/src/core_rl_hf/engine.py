@@ -466,9 +466,8 @@ class HFRolloutEngine(RolloutEngine):
             names, _ = self._loaded
             own = dict(state_items(self.model))
             log = FingerprintLog(version)
-            for name in names:
-                log.add(name, own[name])
-            return {"engine": dict(log.prints)}
+            log.add_all((name, own[name]) for name in names)
+            return {"engine": log.prints}
 
     def fingerprint_dtypes(self, names: list[str], dtypes: list[torch.dtype], mode: str) -> list[torch.dtype]:
         """The dtype the model holds each weight in, whatever the mode (the engine fingerprints its own copy)."""
