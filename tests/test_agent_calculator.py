@@ -3,7 +3,13 @@
 (model, warm start, fsdp + hf engines, the calculator environment) in a subprocess, shortened to
 20 steps. Measured (docs/agents.md, 30 steps): the mean reward of steps 1-5 0.46, of steps 16-20 0.65, of
 steps 26-30 0.72; over 20 steps with seeds 1-6 the rise was 0.16-0.43; a policy that ignored the
-tool's reply stays at the warm start's ~0.45."""
+tool's reply stays at the warm start's ~0.45.
+
+One seed does not fix the run: a step's trajectories take their turns concurrently, and the engine
+batches the requests as they arrive, so the samples depend on timing. Three runs of seed 1 rose
+0.13 (under the whole suite's load), 0.27 and 0.44 from steps 1-5 to steps 16-20 (to 0.59, 0.72
+and 0.88); two that did not learn (``actor.optimizer.lr=1e-9``) moved -0.02 and -0.05 (to 0.40
+and 0.38). The learning test asks for a rise of 0.08 and a mean of 0.5 over the last 5 steps."""
 
 from __future__ import annotations
 
@@ -47,7 +53,7 @@ def test_the_calculator_agent_learns(tmp_path: Path) -> None:
     rewards = [r["reward/mean"] for r in rows]
     assert len(rewards) == 20
     first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
-    assert last >= first + 0.15, rewards
+    assert last >= first + 0.08 and last >= 0.5, rewards
     # two turns per trajectory (the call, then the answer) and the tool's reply in between
     assert statistics.fmean(r["response_length/mean"] for r in rows[-5:]) > 20
 
