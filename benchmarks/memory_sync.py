@@ -13,8 +13,10 @@ and ``sharded`` (FSDP-wrapped for bf16 mixed precision over fp32 weights, as the
 The rollout engine keeps float32 weights; the sync copies each bucket in place.
 
 Prints per shape and layout: the tensors and bytes a sync moves, the median seconds per sync over
-``--repeats`` (after 3 unmeasured), and the bandwidth that implies. ``--smoke``: a 2-layer model, 3
-repeats, on the CPU (the test suite runs it).
+``--repeats`` (after 3 unmeasured), the bandwidth that implies, and the median seconds the sync
+check adds to a checked sync (``rollout.sync_check``: the trainer's samples as the buckets pass,
+the engine's fingerprints of what it holds, the folds and the comparison; over as many more syncs).
+``--smoke``: a 2-layer model, 3 repeats, on the CPU (the test suite runs it).
 """
 
 from __future__ import annotations
@@ -46,11 +48,14 @@ def shape_of(name: str) -> dict:
 
 
 def measure(model: Path, layout: str, device: str, repeats: int, profile: int = 0) -> dict[str, float]:
-    """Median seconds per ``sync_in_memory`` from a trained fsdp engine to an hf engine on ``device``;
-    with ``profile`` rows, then torch's profiler over 3 more syncs: that many operators, by host time."""
+    """Median seconds per ``sync_in_memory`` from a trained fsdp engine to an hf engine on ``device``,
+    and of the sync check of as many more; with ``profile`` rows, then torch's profiler over 3 more
+    syncs: that many operators, by host time."""
     from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
     from core_rl.interfaces import LossOutput
     from core_rl.sync.buckets import nbytes
+    from core_rl.sync.check import SentWeights
+    from core_rl.sync.fingerprint import first_difference
     from core_rl.sync.weight_sync import sync_in_memory
     from core_rl.testing import make_rl_batch
     from core_rl_fsdp.config import FSDPConfig
@@ -69,11 +74,24 @@ def measure(model: Path, layout: str, device: str, repeats: int, profile: int = 
             sync_in_memory(engine, rollout, version, contextlib.nullcontext())  # the hf engine synchronises
             if version > 3:
                 seconds.append(time.perf_counter() - start)
+        checks = []
+        for version in range(repeats + 4, 2 * repeats + 4):
+            sent = SentWeights(version, rollout.fingerprint_prefix)
+            sync_in_memory(engine, rollout, version, contextlib.nullcontext(), sent=sent)
+            start = time.perf_counter()
+            held = rollout.weight_fingerprints(version)["engine"]
+            assert first_difference(sent.prints(rollout, "memory"), held) is None
+            checks.append(sent.seconds + time.perf_counter() - start)
         if profile:
             print_profile(lambda v: sync_in_memory(engine, rollout, v, contextlib.nullcontext()), profile, device)
         state = rollout.model.state_dict()
         unique = {t.data_ptr(): t for t in state.values()}.values()
-        return {"tensors": float(len(state)), "bytes": float(nbytes(unique)), "s": statistics.median(seconds)}
+        return {
+            "tensors": float(len(state)),
+            "bytes": float(nbytes(unique)),
+            "s": statistics.median(seconds),
+            "check_s": statistics.median(checks),
+        }
     finally:
         rollout.close()
         engine.close()
@@ -108,7 +126,7 @@ def main() -> int:
     device, repeats = ("cpu", 3) if args.smoke else (device, args.repeats)
     torch.set_num_threads(min(torch.get_num_threads(), 8))
     print(f"weight_sync: memory, fsdp -> hf on {device} (median of {repeats} syncs)")
-    print(f"{'shape':<12}{'layout':<9}{'tensors':>8}{'MB':>9}{'ms/sync':>10}{'GB/s':>8}")
+    print(f"{'shape':<12}{'layout':<9}{'tensors':>8}{'MB':>9}{'ms/sync':>10}{'GB/s':>8}{'check ms':>10}")
     with tempfile.TemporaryDirectory(prefix="core-rl-sync-bench-") as tmp:
         for name in shapes:
             model = build_tiny_model(
@@ -118,7 +136,8 @@ def main() -> int:
                 row = measure(model, layout, device, repeats, args.profile)
                 size, ms, rate = row["bytes"] / 1e6, row["s"] * 1e3, row["bytes"] / row["s"] / 1e9
                 # three significant digits: the smoke model's ~0.1 MB a sync is a few hundredths of a GB/s
-                print(f"{name:<12}{layout:<9}{row['tensors']:>8.0f}{size:>9.1f}{ms:>10.2f}{rate:>8.3g}")
+                check = row["check_s"] * 1e3
+                print(f"{name:<12}{layout:<9}{row['tensors']:>8.0f}{size:>9.1f}{ms:>10.2f}{rate:>8.3g}{check:>10.2f}")
     return 0
 
 
