@@ -60,3 +60,26 @@ def test_config_error_exits_2_with_short_message(tmp_path: Path):
     assert "trainer.total_steps: must be in [1, 1000000000], got 0" in proc.stderr
     proc = _run("train", str(tmp_path / "missing.yaml"))
     assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_an_error_is_one_write_with_its_newline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The message of a failed command reaches stderr in one write, newline included: ranks of one
+    run share a stderr, and under ``PYTHONUNBUFFERED`` ``print`` writes the text and the newline
+    apart, so another rank's line could land between them (two lines run together)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"actor": {"optimizer": {"lr": "fast"}}}))
+    writes: list[str] = []
+
+    class Recorder:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    assert main(["config", "validate", str(path)]) == 2
+    errors = [w for w in writes if "core-rl: error:" in w]
+    assert len(errors) == 1 and errors[0].startswith("core-rl: error: ") and errors[0].endswith("\n"), writes
+    assert "actor.optimizer.lr: expected a number, got 'fast'" in errors[0]

@@ -368,10 +368,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "eval":
             return _cmd_eval(args, host)
     except CoreRLError as exc:
-        if exc.exit_code == EXIT_INTERRUPTED:
-            print(f"core-rl: {exc}", file=sys.stderr)
-        else:
-            print(f"core-rl: error: {exc}", file=sys.stderr)
+        # one write with its newline (print writes the text and the newline apart): with unbuffered
+        # streams (PYTHONUNBUFFERED, python -u) the ranks of a run share one stderr, and another
+        # rank's line could otherwise land between the two
+        sys.stderr.write(f"core-rl: {exc}\n" if exc.exit_code == EXIT_INTERRUPTED else f"core-rl: error: {exc}\n")
+        sys.stderr.flush()
         exit_note.write(str(exc))  # for a launcher that reads no output (core_rl.reliability.exit_note)
         if isinstance(exc, PluginFault) and exc.__cause__ is not None:
             print(plugin_traceback(exc.__cause__), end="", file=sys.stderr)
