@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from core_rl.reliability.progress import STALL_MARKER_VARIABLE, STALL_VARIABLE
 from core_rl.testing import preloaded
-from core_rl.testing.faults import finish, wait_for_steps, worker_of_rank
+from core_rl.testing.faults import finish, wait_for_file, wait_for_steps, worker_of_rank
 from core_rl.testing.launch import cpu_ranks_env
 from core_rl.testing.processes import process_tree
 from core_rl_server_kit.processes import pid_alive
@@ -167,10 +167,8 @@ def test_sigterm_while_a_rank_is_stuck_stops_every_rank_within_the_grace(base):
     proc = launch(config, env={STALL_VARIABLE: "1:6:train_step", STALL_MARKER_VARIABLE: str(stuck)})
     try:
         assert wait_for_steps(run, proc, 5), finish(proc, 60)[-4000:]
-        deadline = time.monotonic() + 120
-        while not stuck.exists():  # rank 1 inside step 6's train_step (after step 5's stop check)
-            assert proc.poll() is None and time.monotonic() < deadline, finish(proc, 60)[-4000:]
-            time.sleep(0.02)
+        # rank 1 inside step 6's train_step (after step 5's stop check)
+        assert wait_for_file(stuck, proc), finish(proc, 60)[-4000:]
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         err = finish(proc, 120)

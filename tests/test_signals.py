@@ -18,7 +18,7 @@ import pytest
 from core_rl.plugins.host import PluginHost
 from core_rl.reliability.progress import STALL_MARKER_VARIABLE, STALL_VARIABLE
 from core_rl.testing import preloaded
-from core_rl.testing.faults import finish, wait_for_random_moment, wait_for_steps
+from core_rl.testing.faults import finish, wait_for_file, wait_for_random_moment, wait_for_steps
 from fault_helpers import (
     build_task,
     checkpoint,
@@ -111,10 +111,7 @@ def test_a_second_signal_stops_at_once_and_a_duplicate_does_not(base, tmp_path):
     proc = start(config, faults=True)
     try:
         assert wait_for_steps(run_dir(config), proc), finish(proc, 60)[-3000:]
-        deadline = time.monotonic() + 120
-        while not (calls.exists() and len(calls.read_text().splitlines()) >= 2):  # step 2's call began
-            assert proc.poll() is None and time.monotonic() < deadline, finish(proc, 60)[-3000:]
-            time.sleep(0.02)
+        assert wait_for_file(calls, proc, lines=2), finish(proc, 60)[-3000:]  # step 2's call began
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
@@ -166,10 +163,8 @@ def test_sigterm_during_a_stuck_step_stops_within_the_grace_without_saving(base,
     )
     try:
         assert wait_for_steps(run, proc, 6), finish(proc, 60)[-3000:]
-        deadline = time.monotonic() + 120
-        while not stuck.exists():  # inside step 7's train_step (after step 6's stop check)
-            assert proc.poll() is None and time.monotonic() < deadline, finish(proc, 60)[-3000:]
-            time.sleep(0.02)
+        # inside step 7's train_step (after step 6's stop check)
+        assert wait_for_file(stuck, proc), finish(proc, 60)[-3000:]
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         err = finish(proc, 60)

@@ -183,20 +183,17 @@ class FingerprintLog:
 
     def __init__(self, version: int) -> None:
         self.version = version
-        self._samples: dict[str, torch.Tensor] = {}
-        self._dtypes: dict[str, torch.dtype | None] = {}
+        self._samples: dict[str, tuple[torch.Tensor, torch.dtype | None]] = {}  # name -> (samples, fold dtype)
 
     def add(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         """Record ``tensor``'s fingerprint under ``name``."""
-        self._samples[name] = sample(name, tensor, self.version)
-        self._dtypes[name] = dtype
+        self._samples[name] = (sample(name, tensor, self.version), dtype)
 
     def add_all(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
         """:meth:`add` of each ``(name, tensor)``, in their own dtypes, sampled together
         (:func:`sample_all`)."""
         for name, samples in sample_all(items, self.version).items():
-            self._samples[name] = samples
-            self._dtypes[name] = None
+            self._samples[name] = (samples, None)
 
     def passing(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """``items`` unchanged, each tensor recorded as it passes (for a loader that takes them one
@@ -208,8 +205,8 @@ class FingerprintLog:
     @property
     def prints(self) -> dict[str, float]:
         """The fingerprints, by name."""
-        names = list(self._samples)
-        return dict(zip(names, fold_all([self._samples[n] for n in names], [self._dtypes[n] for n in names])))
+        samples, dtypes = zip(*self._samples.values()) if self._samples else ((), ())
+        return dict(zip(self._samples, fold_all(samples, dtypes)))
 
     def to_json(self) -> dict[str, object]:
         """``{"version": V, "prints": {NAME: FLOAT}}``, what a server-side worker answers."""

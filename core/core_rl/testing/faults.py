@@ -296,6 +296,19 @@ def wait_for_steps(run: Path, proc: subprocess.Popen, steps: int = 1, timeout: f
     return False
 
 
+def wait_for_file(path: Path, proc: subprocess.Popen, lines: int = 0, timeout: float = 120) -> bool:
+    """Wait until the file ``path`` exists with at least ``lines`` lines (True), or ``proc`` ended or
+    ``timeout`` seconds passed first (False): a marker a fault hook writes when it is reached."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= lines:
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.02)
+    return False
+
+
 def wait_for_random_moment(run: Path, proc: subprocess.Popen, rng: random.Random, total_steps: int) -> str | None:
     """Wait for a random moment of training, judged by the run's own progress (so load on the
     machine does not push it past the end): after step ``k - 1`` is logged, for ``k`` drawn from
