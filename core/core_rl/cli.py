@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from core_rl import __version__
-from core_rl.errors import ConfigError, CoreRLError, PluginFault
+from core_rl.errors import ConfigError, CoreRLError, PluginFault, stderr_line, warn
 from core_rl.reliability import exit_note
 
 if TYPE_CHECKING:
@@ -145,7 +145,7 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     )
 
     for warning in host.load_commands():  # core-rl server-env (the server kit), plugins' own commands
-        print(f"core-rl: warning: {warning}", file=sys.stderr)
+        warn(warning)
     host.pm.hook.core_rl_add_commands(subparsers=sub)
     return parser
 
@@ -245,7 +245,7 @@ def plugin_traceback(error: BaseException) -> str:
 def _note(message: str) -> None:
     """Print a note on stderr (once per job: only rank 0 of a ``torchrun`` job speaks)."""
     if os.environ.get("RANK", "0") == "0":
-        print(f"core-rl: note: {message}", file=sys.stderr)
+        stderr_line(f"core-rl: note: {message}")
 
 
 def _load(args: argparse.Namespace, host: PluginHost):
@@ -338,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(args.run(args))
         if args.command in ("plugins", "train", "eval", "config") and os.environ.get("RANK", "0") == "0":
             for stray in host.stray:  # a misspelled group: the plugin would otherwise vanish silently
-                print(f"core-rl: warning: {stray.message()}", file=sys.stderr)
+                warn(stray.message())
         if args.command == "plugins":
             return _cmd_plugins(args.json)
         if args.command == "checkpoints":
@@ -368,17 +368,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "eval":
             return _cmd_eval(args, host)
     except CoreRLError as exc:
-        # one write with its newline (print writes the text and the newline apart): with unbuffered
-        # streams (PYTHONUNBUFFERED, python -u) the ranks of a run share one stderr, and another
-        # rank's line could otherwise land between the two
-        sys.stderr.write(f"core-rl: {exc}\n" if exc.exit_code == EXIT_INTERRUPTED else f"core-rl: error: {exc}\n")
-        sys.stderr.flush()
+        stderr_line(f"core-rl: {exc}" if exc.exit_code == EXIT_INTERRUPTED else f"core-rl: error: {exc}")
         exit_note.write(str(exc))  # for a launcher that reads no output (core_rl.reliability.exit_note)
         if isinstance(exc, PluginFault) and exc.__cause__ is not None:
             print(plugin_traceback(exc.__cause__), end="", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:  # Ctrl-C before the trainer's own handlers are installed
-        print("core-rl: interrupted", file=sys.stderr)
+        stderr_line("core-rl: interrupted")
         return 128 + signal.SIGINT
     parser.error(f"unknown command {args.command!r}")
     return EXIT_USAGE

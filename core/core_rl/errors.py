@@ -75,6 +75,15 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
     return close[0] if close else None
 
 
+def stderr_line(line: str) -> None:
+    """Write ``line`` and its newline to stderr in one write, then flush. The ranks of a run share one
+    stderr; ``print`` writes the text and the newline apart, so with unbuffered streams
+    (``PYTHONUNBUFFERED``, ``python -u``) another rank's line could land between the two (one write
+    of at most 4 KiB to a pipe is atomic)."""
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()
+
+
 def warn(message: str) -> None:
-    """Print ``core-rl: warning: <message>`` on stderr."""
-    print(f"core-rl: warning: {message}", file=sys.stderr, flush=True)
+    """``core-rl: warning: <message>`` on stderr (:func:`stderr_line`)."""
+    stderr_line(f"core-rl: warning: {message}")

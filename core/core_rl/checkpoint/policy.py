@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 from core_rl.checkpoint.atomic import write_text_atomic
 from core_rl.checkpoint.store import checkpoint_dir, checkpoints_root, list_checkpoints
 from core_rl.config.schema import KeepBestConfig
-from core_rl.errors import did_you_mean
+from core_rl.errors import did_you_mean, warn
 
 SCORES_FILE = "scores.json"
 
@@ -79,11 +78,9 @@ class BestCheckpoints:
                 self.warned = True
                 close = did_you_mean(metric, metrics)
                 hint = f" (did you mean {close!r}?)" if close else ""
-                print(
-                    f"core-rl: warning: saver.keep_best.metric: step {step} logged no {metric!r}{hint}; its checkpoint "
-                    "is not ranked (only checkpoints of steps that log it are)",
-                    file=sys.stderr,
-                    flush=True,
+                warn(
+                    f"saver.keep_best.metric: step {step} logged no {metric!r}{hint}; its checkpoint "
+                    "is not ranked (only checkpoints of steps that log it are)"
                 )
             return None
         self.scores[step] = float(value)

@@ -9,7 +9,6 @@ callables); the files themselves are :mod:`core_rl.checkpoint.store`'.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,7 +17,7 @@ from core_rl.checkpoint import store as checkpoints
 from core_rl.checkpoint.files import discard_partial
 from core_rl.checkpoint.policy import BestCheckpoints, TimedSaves
 from core_rl.config.schema import RunConfig
-from core_rl.errors import CoreRLError, warn
+from core_rl.errors import CoreRLError, stderr_line, warn
 from core_rl.interfaces import TrainEngine
 from core_rl.launch.ranks import broadcast_outcome, waiting_for
 from core_rl.loops.errors import DiskFullError, RunFailed, TrainingInterrupted
@@ -209,7 +208,7 @@ class CheckpointStage:
         progress.last_saved = step
         self.restore(extra, step)
         if self.is_main:
-            print(f"core-rl: resumed from {path} (step {step})", file=sys.stderr, flush=True)
+            stderr_line(f"core-rl: resumed from {path} (step {step})")
             if not optimizer:
                 warn(
                     f"recover.load_optimizer is false: the weights, step, data position, schedule and RNG of "

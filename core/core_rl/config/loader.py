@@ -31,7 +31,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -79,7 +78,7 @@ from core_rl.config.sections import (
     validate_plugin_section,
 )
 from core_rl.data.sources import source_entry_problems
-from core_rl.errors import ConfigError, PluginError
+from core_rl.errors import ConfigError, PluginError, stderr_line
 from core_rl.interfaces import AlgorithmRecipe
 from core_rl.launch.placement import placement_config_problems, sleep_problems
 from core_rl.plugins.components import build_component
@@ -334,7 +333,7 @@ def _resolve_algorithm_name(data: dict[str, Any], source: str | None) -> Any:
 
 
 def _stderr_note(message: str) -> None:
-    print(f"core-rl: note: {message}", file=sys.stderr)
+    stderr_line(f"core-rl: note: {message}")
 
 
 def _file_recipe(before: dict[str, Any], host: PluginHost, source: str | None) -> _RecipeChoice:

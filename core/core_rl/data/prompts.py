@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import attrs
 from core_rl.config.schema import DataConfig, RunConfig
 from core_rl.data.files import MAX_PROBLEMS_PER_FILE, DataRow, Problems, kind_of, read_data_files
 from core_rl.data.mixture import mixture_order
-from core_rl.errors import DataError
+from core_rl.errors import DataError, stderr_line
 from core_rl.loops.rl.difficulty import EASY, HARD, DifficultyRecords
 from core_rl.rollout.chat_template import conversation_problem, prompt_messages, render_prompt
 from core_rl.vision.images import ImageError
@@ -192,7 +191,7 @@ def announce_once(line: str) -> None:
     filtering dropped, said when the run starts (preflight and the loop both filter)."""
     if line not in _ANNOUNCED and os.environ.get("RANK", "0") == "0":
         _ANNOUNCED.add(line)
-        print(line, file=sys.stderr, flush=True)
+        stderr_line(line)
 
 
 def _announce_dropped(dropped: int, total: int, config: DataConfig, files_key: str) -> None:

@@ -52,7 +52,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from core_rl.config.schema import RunConfig
-from core_rl.errors import CoreRLError
+from core_rl.errors import CoreRLError, stderr_line
 from core_rl.launch.ranks import is_loopback, listen_on_loopback_unless_configured
 from core_rl.loops.errors import TrainingInterrupted
 from core_rl.loops.signals import NOT_SAVED
@@ -231,15 +231,14 @@ def launch(config_path: str, overrides: Sequence[str], nproc: int, cfg: RunConfi
         rank, failure = exc.get_first_failure()
         if failure.exitcode < 0:
             name = signal.Signals(-failure.exitcode).name
-            print(f"core-rl: error: rank {rank} was killed by {name}", file=sys.stderr)
+            stderr_line(f"core-rl: error: rank {rank} was killed by {name}")
             return 1
         if failure.exitcode == TrainingInterrupted.exit_code:
-            print(f"core-rl: rank {rank} was stopped by a signal (its message is above)", file=sys.stderr)
+            stderr_line(f"core-rl: rank {rank} was stopped by a signal (its message is above)")
         else:
             restarted = f" after {restarts} restarts" if restarts else ""
-            print(
-                f"core-rl: error: rank {rank} exited with status {failure.exitcode}{restarted} (its message is above)",
-                file=sys.stderr,
+            stderr_line(
+                f"core-rl: error: rank {rank} exited with status {failure.exitcode}{restarted} (its message is above)"
             )
         return failure.exitcode
     except SignalException as exc:
@@ -248,16 +247,14 @@ def launch(config_path: str, overrides: Sequence[str], nproc: int, cfg: RunConfi
         unsaved = [f.stem.removeprefix("rank-") for f in left if exit_note.read(f).startswith(NOT_SAVED)]
         if unsaved:
             who = f"rank {unsaved[0]}" if len(unsaved) == 1 else f"ranks {', '.join(unsaved)}"
-            print(
+            stderr_line(
                 f"core-rl: stopped by {name}: {who} did not finish the step within trainer.stop_grace_s and stopped "
-                "without saving; the newest complete checkpoint stays as it was (the messages are above)",
-                file=sys.stderr,
+                "without saving; the newest complete checkpoint stays as it was (the messages are above)"
             )
             return 128 + exc.sigval
-        print(
+        stderr_line(
             f"core-rl: stopped by {name}: every rank was asked to finish its step, save a checkpoint and stop "
-            "(their messages are above)",
-            file=sys.stderr,
+            "(their messages are above)"
         )
         return TrainingInterrupted.exit_code
     finally:

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from core_rl.config.schema import PluginSpec, RunConfig
+from core_rl.errors import stderr_line
 from core_rl.interfaces import Logger
 from core_rl.plugins.components import build_component
 from core_rl.plugins.host import PluginHost
@@ -64,7 +65,7 @@ def warn_of_busy_cores(configured: int) -> None:
         local_ranks = 1
     line = thread_warning(torch.get_num_threads(), configured, local_ranks, cpu_budget())
     if line is not None:
-        print(line, file=sys.stderr, flush=True)
+        stderr_line(line)
 
 
 def quiet_library_progress_bars() -> None:

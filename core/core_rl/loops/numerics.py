@@ -11,12 +11,12 @@ non-finite. Every rank sees the same reduced metrics, so every rank decides the 
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 from core_rl.checkpoint.files import save_tree
 from core_rl.config.schema import TrainerConfig
+from core_rl.errors import warn
 from core_rl.loops.errors import NonFiniteError
 from core_rl.loops.streaks import StreakCounter
 from core_rl.protocol import TensorBatch
@@ -67,5 +67,5 @@ class NonFiniteGuard(StreakCounter):
                 f"{limit}, so the run ends (lower the learning rate, check the loss and the data)"
             )
         if self.rank == 0:
-            print(f"core-rl: warning: {message}", file=sys.stderr, flush=True)
+            warn(message)
         return {"actor/nonfinite": 1.0, "actor/nonfinite_total": float(self.total)}

@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from core_rl.checkpoint.atomic import write_text_atomic
+from core_rl.errors import stderr_line
 
 if TYPE_CHECKING:
     from core_rl.config.schema import ProfileConfig
@@ -113,11 +113,9 @@ class StepProfiler:
         table = stem.with_suffix(".txt")
         write_text_atomic(table, "".join(tables))
         if self.rank == 0:
-            print(
+            stderr_line(
                 f"core-rl: profile of step {step}: {trace} and {table} ({len(events)} events; trace written in "
-                f"{exported - start:.1f} s, table in {time.perf_counter() - exported:.1f} s)",
-                file=sys.stderr,
-                flush=True,
+                f"{exported - start:.1f} s, table in {time.perf_counter() - exported:.1f} s)"
             )
 
 

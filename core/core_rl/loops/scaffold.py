@@ -24,7 +24,6 @@ A loop adds to it through a few methods, each a no-op here: :meth:`~RunScaffold.
 
 from __future__ import annotations
 
-import sys
 from abc import abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,7 +36,7 @@ from core_rl.config.loader import to_plain
 from core_rl.config.schema import RunConfig
 from core_rl.data.balance import rank_rows
 from core_rl.data.prompts import DataRow, PromptSource
-from core_rl.errors import CoreRLError, warn
+from core_rl.errors import CoreRLError, stderr_line, warn
 from core_rl.interfaces import Logger, RunInfo, TrainEngine, TrainingLoop
 from core_rl.launch.ranks import agree_after, waiting_for
 from core_rl.loops.auto_budget import resolve_auto_budgets
@@ -256,7 +255,7 @@ class RunScaffold(TrainingLoop):
             try:
                 note = resume_note(record_config(self.run_dir, cfg, self.resume_step, host=self.host), self.resume_step)
                 if note:
-                    print(f"core-rl: note: {note}", file=sys.stderr, flush=True)
+                    stderr_line(f"core-rl: note: {note}")
                 self._on_start()
                 for lg in self.loggers:
                     lg.start(info)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -34,6 +33,7 @@ import torch
 
 from core_rl.config.checks import MachineInfo
 from core_rl.config.schema import RunConfig
+from core_rl.errors import warn
 from core_rl.launch.gpus import gpus_per_server, resolve_server_gpus, servers_gpus
 from core_rl.loops.auto_budget import free_bytes, pending_bytes
 from core_rl.roles.built_engines import BuiltEngine
@@ -101,11 +101,9 @@ def held_for_trainer(shared: SharedGPU | None) -> Iterator[None]:
     try:
         held = torch.empty(shared.pending, dtype=torch.uint8, device=shared.device)
     except torch.OutOfMemoryError:  # the estimate is above what is free: start the servers without it
-        print(
-            f"core-rl: warning: could not hold {shared.pending / 2**30:.1f} GiB on {shared.device} for the trainer's "
-            f"first step while the servers start ({shared.free / 2**30:.1f} GiB free): they may leave it too little",
-            file=sys.stderr,
-            flush=True,
+        warn(
+            f"could not hold {shared.pending / 2**30:.1f} GiB on {shared.device} for the trainer's "
+            f"first step while the servers start ({shared.free / 2**30:.1f} GiB free): they may leave it too little"
         )
         yield
         return

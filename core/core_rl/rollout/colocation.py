@@ -30,7 +30,6 @@ memory grew across the release (``torch.cuda.mem_get_info``: every process's mem
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +39,7 @@ import attrs
 import torch
 
 from core_rl.config.schema import RunConfig
+from core_rl.errors import stderr_line
 from core_rl.interfaces import RolloutEngine
 from core_rl.launch.gpus import resolve_server_gpus
 from core_rl.launch.placement import SLEEP_KEY, rollout_device, sleeps_while_training
@@ -74,7 +74,7 @@ def build_rollout_engine(
     engine_config, memory_note = fit_colocated_memory(engine_config, shared)
     for note in (gpus_note, memory_note):
         if note:
-            print(f"core-rl: note: {note}", file=sys.stderr, flush=True)
+            stderr_line(f"core-rl: note: {note}")
     kwargs = {**rollout_factory_kwargs(cfg), **lora_kwargs(cfg)}
     with held_for_trainer(shared):
         engine = build_component(
@@ -82,11 +82,9 @@ def build_rollout_engine(
         )
     if enabled and cfg.rollout.sleep_while_training == "auto":
         where = rollout_device(cfg, cuda)[1]
-        print(
+        stderr_line(
             f"core-rl: note: {SLEEP_KEY}: auto -> true (placement colocate, {where}, synchronous): the rollout "
-            "engine gives back its GPU memory while the trainer trains",
-            file=sys.stderr,
-            flush=True,
+            "engine gives back its GPU memory while the trainer trains"
         )
     return engine, RolloutSleep(engine if enabled else None)
 

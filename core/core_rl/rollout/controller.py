@@ -44,7 +44,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import sys
 import threading
 import time
 from collections import deque
@@ -54,7 +53,7 @@ from typing import Any, TypeVar
 import attrs
 
 from core_rl.config.schema import ControllerConfig
-from core_rl.errors import CoreRLError, PluginFault
+from core_rl.errors import CoreRLError, PluginFault, warn
 from core_rl.interfaces import RolloutEngine, SamplingParams
 from core_rl.interfaces.sampling import GuidedDecodingUnsupported, batch_key
 from core_rl.plugins.attribution import built_by
@@ -325,7 +324,7 @@ class RolloutController:
         self._thread.join(timeout)
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._thread.is_alive():
-            print("core-rl: warning: the rollout controller's thread did not stop", file=sys.stderr, flush=True)
+            warn("the rollout controller's thread did not stop")
 
     # -- the loop thread -------------------------------------------------------------------------
 

@@ -18,14 +18,13 @@ micro-batch budgets or engines is what replay is for).
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from core_rl.config.schema import RunConfig
-from core_rl.errors import CoreRLError
+from core_rl.errors import CoreRLError, stderr_line
 from core_rl.loops.rl.batching import Generation
 from core_rl.rollout.dump import (
     FORMAT_VERSION,
@@ -139,11 +138,9 @@ class RolloutReplay:
         theirs = header.get("config_hash", {})
         differ = sorted(k for k in set(theirs) | set(self.hashes) if theirs.get(k) != self.hashes.get(k))
         if differ:
-            print(
+            stderr_line(
                 f"core-rl: note: {KEY}: this run's configuration differs from the dumping run's in "
-                f"{', '.join(differ)}; the saved samples and rewards are trained as this configuration says",
-                file=sys.stderr,
-                flush=True,
+                f"{', '.join(differ)}; the saved samples and rewards are trained as this configuration says"
             )
 
     def generations(self, step: int) -> Callable[[], Generation]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -34,6 +33,7 @@ from pathlib import Path
 import torch
 
 from core_rl.config.schema import RunConfig
+from core_rl.errors import stderr_line
 from core_rl.interfaces import RolloutEngine
 from core_rl.loops.errors import RunFailed
 from core_rl.sync.fingerprint import file_samples, first_difference, fold_all, sample_all
@@ -130,11 +130,9 @@ class SyncCheck:
         if loaded is None:
             if not self._noted:
                 self._noted = True
-                print(
+                stderr_line(
                     f"core-rl: note: rollout engine {self.engine_name!r} cannot report the weights it loaded: "
-                    "the weight sync check (rollout.sync_check) is skipped",
-                    file=sys.stderr,
-                    flush=True,
+                    "the weight sync check (rollout.sync_check) is skipped"
                 )
             return {}
         want = sent.prints(rollout, self.weight_sync)

@@ -22,10 +22,10 @@ exit status 1) with one line naming the most common kind.
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
+from core_rl.errors import warn
 from core_rl.loops.errors import RunFailed
 from core_rl.loops.rl.reward_runner import ScoreResult
 from core_rl.loops.streaks import StreakCounter
@@ -136,5 +136,5 @@ class FailedSteps(StreakCounter):
                 f"{message}; that reaches algorithm.max_consecutive_failed_steps={self.limit}, so the run ends, "
                 "keeping its last checkpoint: fix what fails, or raise the limit (0: none)"
             )
-        print(f"core-rl: warning: {message}", file=sys.stderr, flush=True)
+        warn(message)
         return metrics

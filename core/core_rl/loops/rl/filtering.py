@@ -24,7 +24,6 @@ blocks stops the run with one line naming it, its distribution, the call and the
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +32,7 @@ import torch
 
 from core_rl import ops
 from core_rl.config.schema import PluginSpec
-from core_rl.errors import CoreRLError
+from core_rl.errors import CoreRLError, warn
 from core_rl.interfaces import SampleFilter
 from core_rl.loops.errors import RunFailed
 from core_rl.loops.streaks import StreakCounter
@@ -184,5 +183,5 @@ class EmptySteps(StreakCounter):
                 f"{message}; that reaches algorithm.max_consecutive_empty_steps={self.limit}, so the run ends: "
                 f"{remedy}, or raise the limit (0: none)"
             )
-        print(f"core-rl: warning: {message}. To train on every step, {remedy}", file=sys.stderr, flush=True)
+        warn(f"{message}. To train on every step, {remedy}")
         return {"filter/empty_step": 1.0, "filter/empty_steps_total": float(self.total)}

@@ -10,11 +10,11 @@ correction is on are kept in checkpoints.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from core_rl.config.schema import MismatchBudgetConfig
+from core_rl.errors import warn
 from core_rl.loops.errors import RunFailed
 from core_rl.loops.streaks import StreakCounter
 
@@ -86,7 +86,7 @@ class MismatchBudget(StreakCounter):
 
     def _say(self, line: str) -> None:
         if self.is_main:
-            print(f"core-rl: warning: train/rollout mismatch over budget: {line}", file=sys.stderr, flush=True)
+            warn(f"train/rollout mismatch over budget: {line}")
 
     def stop_if_exceeded(self) -> None:
         """Raise :class:`MismatchBudgetExceeded` when a ``stop`` action is pending."""

@@ -21,7 +21,6 @@ import json
 import math
 import numbers
 import queue
-import sys
 import threading
 import time
 from collections import Counter
@@ -34,6 +33,7 @@ import attrs
 
 from core_rl.builtin.loggers import truncate_jsonl
 from core_rl.config.schema import RewardRunnerConfig
+from core_rl.errors import warn
 from core_rl.interfaces import Reward, RewardScores
 from core_rl.loops.errors import RewardError
 from core_rl.plugins.attribution import built_by
@@ -381,12 +381,10 @@ class RewardErrorLog:
                 f.write(json.dumps(record) + "\n")
         what = f"scored {self.config.error_value:g}" if self.config.on_error == "value" else "dropped from the step"
         kinds = ", ".join(f"{kind}: {n}" for kind, n in sorted(counts.items()))
-        print(
-            f"core-rl: warning: step {step}: reward {self.reward_name!r} failed on {len(failures)} of {len(items)} "
+        warn(
+            f"step {step}: reward {self.reward_name!r} failed on {len(failures)} of {len(items)} "
             f"items ({kinds}; first: {failures[0].error}); they were {what} "
-            f"(reward_runner.on_error={self.config.on_error}); details in {self.path}",
-            file=sys.stderr,
-            flush=True,
+            f"(reward_runner.on_error={self.config.on_error}); details in {self.path}"
         )
         return metrics
 

@@ -18,13 +18,13 @@ the trainer) for more than that fraction.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
 
 from core_rl.config.schema import RunConfig
+from core_rl.errors import warn
 from core_rl.interfaces import RolloutEngine, SamplingParams
 from core_rl.plugins.attribution import built_by
 from core_rl.protocol import Sample, TensorBatch
@@ -180,7 +180,7 @@ class RolloutFlow:
             return out
         limit = self.config.warn_wait_fraction
         if self._wait_s > limit * step_s and self._due("rollout", step):
-            _warn(
+            warn(
                 f"step {step}: the trainer waited {self._wait_s:.1f} s of the {step_s:.1f} s step for rollout; "
                 "generation is the bottleneck (add rollout capacity, or raise "
                 "rollout.controller.max_concurrent_rollouts or max_head_offpolicyness="
@@ -188,7 +188,7 @@ class RolloutFlow:
             )
         utilization = metrics.get("throughput/rollout_utilization")
         if utilization is not None and utilization < 1.0 - limit and self._due("trainer", step):
-            _warn(
+            warn(
                 f"step {step}: rollout was idle {100 * (1 - utilization):.0f}% of the time, waiting on the trainer "
                 f"(held by rollout.controller.max_head_offpolicyness={self.config.max_head_offpolicyness} or "
                 "queue_size); training is the bottleneck"
@@ -208,7 +208,3 @@ class RolloutFlow:
         if self.controller is not None:
             self.controller.close()
             self.controller = None
-
-
-def _warn(message: str) -> None:
-    print(f"core-rl: warning: {message}", file=sys.stderr, flush=True)

@@ -6,13 +6,13 @@ dynamic sampling, filters, shaping and advantages through
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from core_rl.config.schema import RunConfig
 from core_rl.data.prompts import PromptItem, PromptSource
+from core_rl.errors import stderr_line
 from core_rl.interfaces import Logger
 from core_rl.loops.rl.batching import BatchAssembler, Generation
 from core_rl.loops.rl.difficulty import group_means
@@ -169,7 +169,7 @@ class RolloutScoringStage:
         taken = PLUGIN_TALLY.take()
         fraction = self.cfg.trainer.warn_failure_fraction
         for line in warnings_for(taken, step, fraction, "trainer.warn_failure_fraction"):
-            print(line, file=sys.stderr, flush=True)
+            stderr_line(line)
         metrics = tally_metrics(taken)
         episodes = self._episodes
         metrics.update(self.failed_steps.check(step, episodes.failed, episodes.total, episodes.why(taken)))

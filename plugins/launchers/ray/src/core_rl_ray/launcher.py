@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
-from core_rl.errors import CoreRLError
+from core_rl.errors import CoreRLError, stderr_line
 from core_rl.launch import ClusterResources, Launcher, LaunchRequest, placement_mode, placement_problems, server_options
 
 from core_rl_ray.config import RayLauncherConfig
@@ -249,4 +248,4 @@ class RayLauncher(Launcher):
 
 
 def _say(message: str) -> None:
-    print(f"core-rl: {message}", file=sys.stderr, flush=True)
+    stderr_line(f"core-rl: {message}")

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from core_rl.errors import ConfigError, CoreRLError
+from core_rl.errors import ConfigError, CoreRLError, stderr_line
 
 from core_rl_slurm.config import SlurmLauncherConfig
 from core_rl_slurm.script import render
@@ -98,7 +98,7 @@ def run_command(args: argparse.Namespace) -> int:
     if args.slurm_command == "render":
         path = write_script(cfg, args.config, args.overrides, args.output)
         if path is not None:
-            print(f"wrote {path}; submit with: sbatch {path}", file=sys.stderr)
+            stderr_line(f"wrote {path}; submit with: sbatch {path}")
         return 0
     return submit(cfg, args.config, args.overrides, args.output)
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from core_rl.checkpoint import write_text_atomic
-from core_rl.errors import CoreRLError
+from core_rl.errors import CoreRLError, stderr_line
 from core_rl.interfaces import Logger, RunInfo, SampleRecord, sample_table
 from core_rl.loops import TrainingInterrupted
 from mlflow.entities import Metric, Param
@@ -49,7 +49,7 @@ _SEGMENTS = {"": "_", ".": "_", "..": "__"}
 
 
 def note(text: str) -> None:
-    print(f"core-rl: note: logger 'mlflow': {text}", file=sys.stderr, flush=True)
+    stderr_line(f"core-rl: note: logger 'mlflow': {text}")
 
 
 def mlflow_name(name: str) -> str:

@@ -19,7 +19,6 @@ the tokens it had, its later tokens carrying the newer weight version.
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 import time
 from abc import abstractmethod
@@ -27,7 +26,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from core_rl.errors import CoreRLError
+from core_rl.errors import CoreRLError, stderr_line
 from core_rl.interfaces import PAUSE_MODES, RolloutEngine, SamplingParams
 from core_rl.launch import gpus_per_server, servers_gpus, visible_devices
 
@@ -333,11 +332,9 @@ class ServerRolloutEngine(Generation, WeightSync, MemoryRelease, ServerRecovery,
             ep.server.stop()
             ep.server = self._managed_server(index, python, devices, free_port(self.options.host))
             ep.url = ep.server.url
-            print(
+            stderr_line(
                 f"core-rl: server {ep.name}: port {taken} was taken by another process before the server bound it; "
-                f"starting it again on port {ep.server.port}",
-                file=sys.stderr,
-                flush=True,
+                f"starting it again on port {ep.server.port}"
             )
             ep.server.start()
             deadline = time.monotonic() + self.options.startup_timeout
