@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import yaml
 from core_rl.builtin.loggers import read_metrics
 from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing import preloaded
+from core_rl.testing.faults import wait_for_file
 from core_rl.testing.launch import run_train as train
 from core_rl.testing.launch import train_command
 from safetensors.torch import load_file
@@ -69,9 +69,7 @@ def test_loss_falls_and_a_signal_stop_resumes_exactly(setup):
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 300
-    while not (run / "checkpoints" / "latest").exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for_file(run / "checkpoints" / "latest", proc, timeout=300)  # the first checkpoint, or the run ended
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     stopped_at = max(r["step"] for r in read_metrics(run / "metrics.jsonl"))
