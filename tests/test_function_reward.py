@@ -35,7 +35,7 @@ class TestFunctionContract(RewardContract):
     plugin = function_reward
     name = "function"
     distribution = "core-rl"
-    options: ClassVar[dict[str, Any]] = {"path": f"{FUNCTIONS}:char_match"}
+    options: ClassVar[dict[str, Any]] = {"path": f"{FUNCTIONS}:char_match", "columns": ["answer"]}
     examples: ClassVar[list[tuple[RewardInput, float]]] = [
         (make_reward_input("abcd", ROW), 1.0),
         (make_reward_input(" abcx\n", ROW), 0.75),

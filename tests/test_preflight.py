@@ -107,6 +107,21 @@ def test_missing_answer_column_fails_before_the_run(tmp_path, model, data):
     ]
 
 
+@pytest.mark.parametrize(
+    ("reward", "distribution", "column"),
+    [("math", "core_rl_reward_math", "answer_key"), ("code", "core_rl_reward_code", "tests_key")],
+)
+def test_a_reward_plugins_data_column_is_checked_before_the_run(tmp_path, model, data, reward, distribution, column):
+    """The ``math`` and ``code`` rewards declare the column they read (``required_columns``), so a
+    misnamed one is a problem of the data before any model loads, not every item's error at step 1."""
+    pytest.importorskip(distribution)
+    cfg = _config(tmp_path, model, data, f"reward={{name: {reward}, {column}: solution}}")
+    assert _problems(cfg) == [
+        f"{data}:1: no column 'solution' (or it is null) (also lines 2, 3), which reward {reward!r} reads; add it "
+        "to every row, or point the reward at the column that holds it"
+    ]
+
+
 def test_prompts_checked_against_the_tokenizer_and_model(tmp_path, model, data):
     assert _problems(_config(tmp_path, model, data, "data.max_prompt_tokens=4")) == [
         f"{data}:3: the prompt has 5 tokens, more than data.max_prompt_tokens=4; shorten it or raise "

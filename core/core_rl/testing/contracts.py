@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Any, ClassVar
 
+import attrs
 import pytest
 import torch
 
@@ -32,7 +33,7 @@ from core_rl.config.schema import (
     RunConfig,
 )
 from core_rl.config.sections import validate_plugin_section
-from core_rl.errors import ConfigError
+from core_rl.errors import ConfigError, DataError
 from core_rl.interfaces import (
     AdvantageEstimator,
     AlgorithmRecipe,
@@ -325,6 +326,9 @@ class RewardContract(ComponentContract):
 
     kind = REWARD
     examples: ClassVar[list[tuple[RewardInput, float]]] = []
+    #: columns the reward reads that valid rows may hold null in, so it cannot declare them (the
+    #: run's check requires a declared column in every row, not null); the contract keeps them
+    nullable_columns: ClassVar[tuple[str, ...]] = ()
 
     def make(self) -> Reward:
         r = self.entry().factory(self.config())
@@ -341,6 +345,29 @@ class RewardContract(ComponentContract):
 
     def test_empty_input(self) -> None:
         assert self.make().score([]) == []
+
+    def test_needs_only_the_row_columns_it_declares(self) -> None:
+        """A data-row column the reward cannot score without is one its config declares
+        (``required_columns()``), so that the run checks every training and eval row for it before
+        any model loads: each example scores without each undeclared column of its row, or at least
+        does not fail for want of it (``DataError`` or ``KeyError``); :attr:`nullable_columns` stay."""
+        config = self.config()
+        declared = set(required_columns(config)) | set(self.nullable_columns)
+        reward = self.make()
+        try:
+            for item, _ in self.examples:
+                for column in [c for c in item.row if c not in declared]:
+                    without = {k: v for k, v in item.row.items() if k != column}
+                    try:
+                        reward.score([attrs.evolve(item, row=without)])
+                    except (DataError, KeyError) as exc:
+                        pytest.fail(
+                            f"{self.name!r} fails on a row without {column!r} ({type(exc).__name__}: {exc}), but "
+                            f"{type(config).__qualname__}.required_columns() does not name it (declared: "
+                            f"{sorted(declared)}); declare it so that the run checks the data before it starts"
+                        )
+        finally:
+            reward.close()
 
     def test_score_with_parts_agrees_with_score(self) -> None:
         reward = self.make()

@@ -83,6 +83,13 @@ class ReasoningGymReward(Reward):
         answers: list[str | None] = []
         for item in items:
             task, metadata = self._task(item.row)
+            if self.config.answer_key not in item.row:
+                keys = ", ".join(repr(k) for k in item.row) or "none"
+                raise DataError(
+                    f"reward 'reasoning_gym': the data row has no {self.config.answer_key!r} column (its keys: "
+                    f"{keys}); set reward.answer_key to the column holding the gold answer (null where the task "
+                    "scores from the metadata alone)"
+                )
             answer = self.extract(item.response_text)
             answers.append(answer)
             if answer is None:

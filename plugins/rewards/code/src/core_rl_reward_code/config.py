@@ -25,3 +25,7 @@ class CodeConfig:
     partial_credit: bool = False
     num_workers: int = attrs.field(default=2, validator=in_range(1, 64))
     sandbox: SandboxLimits = attrs.field(factory=SandboxLimits)
+
+    def required_columns(self) -> list[str]:
+        """Every data row must hold its tests (checked before the run starts)."""
+        return [self.tests_key]

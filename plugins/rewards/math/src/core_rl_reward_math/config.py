@@ -32,3 +32,7 @@ class MathConfig:
     num_workers: int = attrs.field(default=1, validator=in_range(1, 64))
     float_rounding: int = attrs.field(default=6, validator=in_range(0, 15))
     strict: bool = True
+
+    def required_columns(self) -> list[str]:
+        """Every data row must hold the reference answer (checked before the run starts)."""
+        return [self.answer_key]
