@@ -151,3 +151,26 @@ def test_many_problems_are_capped_per_file(tmp_path):
     rows, _ = _read(path)
     (problem,) = check_rows(rows, "prompt", {"answer": "reward 'r'"})
     assert "(also lines 2, 3, 4, 5, 6, 7, 8, 9, 10, 11 and 14 more)" in problem
+
+
+def test_a_misnamed_prompt_key_is_one_problem_per_file_in_its_place(tmp_path):
+    """Every row of a file lacking the prompt column (``data.prompt_key`` misspelt) is one line, at
+    the first such row, among the file's other problems in file order; past the file's cap of
+    listed problems it is counted, not listed."""
+    path = tmp_path / "d.jsonl"
+    lines = [{"prompt": "", "answer": "0"}] + [{"question": f"q{i}", "answer": str(i)} for i in range(1, 25)]
+    lines[3] = {"prompt": 7, "answer": "3"}
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    rows, _ = _read(path)
+    assert check_rows(rows, "prompt", {}) == [
+        f"{path}:1: column 'prompt' is an empty string",
+        f"{path}:2: no column 'prompt' (columns: question, answer) (also lines 3, 5, 6, 7, 8, 9, 10, 11, 12, 13 and "
+        "12 more); set data.prompt_key to the column holding the prompt text",
+        f"{path}:4: column 'prompt' holds a number (7); prompts are text or a list of messages",
+    ]
+    other = tmp_path / "e.jsonl"
+    other.write_text("".join(json.dumps({"prompt": ""}) + "\n" for _ in range(MAX_PROBLEMS_PER_FILE)) + '{"q": 1}\n')
+    more, _ = _read(other)
+    problems = check_rows(more, "prompt", {})
+    assert len(problems) == MAX_PROBLEMS_PER_FILE + 1 and problems[-1] == f"{other}: 1 more problem(s) like these"
+    assert all(p.endswith("is an empty string") for p in problems[:-1])

@@ -56,17 +56,19 @@ def check_rows(
     """Problems with the columns of ``rows``: the prompt column (present, a non-empty string, or a
     conversation (:mod:`core_rl.rollout.chat_template`) where ``chat_template`` renders it; set by the
     config key ``key_path``) and each column of ``required`` (present and not null; the value
-    names who reads it, e.g. ``"reward 'char_match'"``)."""
+    names who reads it, e.g. ``"reward 'char_match'"``). A column missing from several rows of a
+    file is one problem, at its first row, listing the others (a misnamed key is one line, not one
+    per row)."""
     problems = Problems()
+    # per file, the rows without the prompt column: one problem, in the place of the first of them
+    lacking: dict[str, list[DataRow]] = {}
+    slots: dict[str, int | None] = {}
     for r in rows:
         prompt = r.row.get(prompt_key)
         if prompt_key not in r.row:
-            columns = ", ".join(map(str, r.row)) or "none"
-            problems.add(
-                r.file,
-                f"{r.where}: no column {prompt_key!r} (columns: {columns}); set {key_path} to the column "
-                "holding the prompt text",
-            )
+            if r.file not in lacking:
+                slots[r.file] = problems.add(r.file, "")  # filled in below, once the file's rows are known
+            lacking.setdefault(r.file, []).append(r)
         elif isinstance(prompt, (list, tuple)):
             why = conversation_problem(prompt)
             if why is not None:
@@ -84,6 +86,14 @@ def check_rows(
             )
         elif not prompt:
             problems.add(r.file, f"{r.where}: column {prompt_key!r} is an empty string")
+    for file, where in lacking.items():
+        slot = slots[file]
+        if slot is not None:  # listed (within the file's cap)
+            columns = ", ".join(map(str, where[0].row)) or "none"
+            problems.lines[slot] = (
+                f"{where[0].where}: no column {prompt_key!r} (columns: {columns}){_also(where)}; set {key_path} to "
+                "the column holding the prompt text"
+            )
     missing_column_problems(
         rows, required, problems, remedy="add it to every row, or point the reward at the column that holds it"
     )
@@ -103,16 +113,22 @@ def missing_column_problems(
             if r.row.get(column) is None:
                 lacking.setdefault((r.file, column), []).append(r)
     for (_file, column), where in lacking.items():
-        first, rest = where[0], where[1:]
-        also = ""
-        if rest:
-            shown = ", ".join(str(r.line) for r in rest[:MAX_PROBLEMS_PER_FILE])
-            more = f" and {len(rest) - MAX_PROBLEMS_PER_FILE} more" if len(rest) > MAX_PROBLEMS_PER_FILE else ""
-            also = f" (also {first.unit}s {shown}{more})"
         problems.add(
-            first.file,
-            f"{first.where}: no column {column!r} (or it is null){also}, which {readers[column]} reads; {remedy}",
+            where[0].file,
+            f"{where[0].where}: no column {column!r} (or it is null){_also(where)}, which {readers[column]} reads; "
+            f"{remedy}",
         )
+
+
+def _also(where: Sequence[DataRow]) -> str:
+    """`` (also lines 2, 3 and 9 more)``: the places of the rows of one file after the first that
+    share its problem (at most :data:`MAX_PROBLEMS_PER_FILE` shown); nothing for one row."""
+    rest = where[1:]
+    if not rest:
+        return ""
+    shown = ", ".join(str(r.line) for r in rest[:MAX_PROBLEMS_PER_FILE])
+    more = f" and {len(rest) - MAX_PROBLEMS_PER_FILE} more" if len(rest) > MAX_PROBLEMS_PER_FILE else ""
+    return f" (also {where[0].unit}s {shown}{more})"
 
 
 def encode_prompt(
