@@ -82,14 +82,10 @@ class Problems:
         self.lines: list[str] = []
         self.per_file: Counter[str] = Counter()
 
-    def add(self, file: str, message: str) -> int | None:
-        """Count a problem of ``file``; list ``message`` unless the file's cap is reached. Returns
-        its index in :attr:`lines` (``None``: not listed)."""
+    def add(self, file: str, message: str) -> None:
         self.per_file[file] += 1
-        if self.per_file[file] > MAX_PROBLEMS_PER_FILE:
-            return None
-        self.lines.append(message)
-        return len(self.lines) - 1
+        if self.per_file[file] <= MAX_PROBLEMS_PER_FILE:
+            self.lines.append(message)
 
     def result(self) -> list[str]:
         hidden = [

@@ -62,13 +62,20 @@ def check_rows(
     problems = Problems()
     # per file, the rows without the prompt column: one problem, in the place of the first of them
     lacking: dict[str, list[DataRow]] = {}
-    slots: dict[str, int | None] = {}
+    for r in rows:
+        if prompt_key not in r.row:
+            lacking.setdefault(r.file, []).append(r)
     for r in rows:
         prompt = r.row.get(prompt_key)
         if prompt_key not in r.row:
-            if r.file not in lacking:
-                slots[r.file] = problems.add(r.file, "")  # filled in below, once the file's rows are known
-            lacking.setdefault(r.file, []).append(r)
+            where = lacking[r.file]
+            if r is where[0]:
+                columns = ", ".join(map(str, r.row)) or "none"
+                problems.add(
+                    r.file,
+                    f"{r.where}: no column {prompt_key!r} (columns: {columns}){_also(where)}; set {key_path} to "
+                    "the column holding the prompt text",
+                )
         elif isinstance(prompt, (list, tuple)):
             why = conversation_problem(prompt)
             if why is not None:
@@ -86,14 +93,6 @@ def check_rows(
             )
         elif not prompt:
             problems.add(r.file, f"{r.where}: column {prompt_key!r} is an empty string")
-    for file, where in lacking.items():
-        slot = slots[file]
-        if slot is not None:  # listed (within the file's cap)
-            columns = ", ".join(map(str, where[0].row)) or "none"
-            problems.lines[slot] = (
-                f"{where[0].where}: no column {prompt_key!r} (columns: {columns}){_also(where)}; set {key_path} to "
-                "the column holding the prompt text"
-            )
     missing_column_problems(
         rows, required, problems, remedy="add it to every row, or point the reward at the column that holds it"
     )
