@@ -63,6 +63,19 @@ def test_a_cap_above_the_rows_keeps_them_all_and_the_default_is_unchanged() -> N
     assert prompt_count(rows, capped.config, TOKENIZER) == 5
 
 
+def test_fewer_prompts_than_a_batch_are_said_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """Data smaller than ``data.batch_size`` trains (every batch repeats prompts), with one note on
+    stderr saying so; data of a batch or more says nothing."""
+    source, _ = _source(1, cap=None, shuffle=False)  # batch_size 2
+    assert [item.text for item in source.next_batch()] == ["p0", "p0"]
+    _source(1, cap=None, shuffle=False)  # once per process
+    err = capsys.readouterr().err
+    line = "core-rl: note: data.batch_size is 2 but the training data holds 1 prompt(s) (after filtering)"
+    assert err.count(line) == 1, err
+    _source(2, cap=None, shuffle=False)
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [

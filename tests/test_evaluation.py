@@ -234,8 +234,21 @@ def test_evaluation_data_is_checked_before_the_run(setup, tmp_path: Path) -> Non
         preflight(cfg, create_output_dir=False)
     assert any(
         p.startswith("eval.sampling.max_new_tokens: 4000 tokens after the longest prompt of eval.files")
+        and p.endswith("lower it or use shorter prompts")
         for p in info.value.problems
     )
+    # eval's max_new_tokens inherited from rollout's: the message says where it came from
+    cfg = _load(setup, f"eval.files=[{bad}]", "eval.max_prompts=1", "rollout.sampling.max_new_tokens=4000")
+    with pytest.raises(PreflightError) as info:
+        preflight(cfg, create_output_dir=False)
+    assert any(
+        p.startswith(
+            "eval.sampling.max_new_tokens (rollout.sampling.max_new_tokens, inherited): 4000 tokens after the "
+            "longest prompt of eval.files"
+        )
+        and p.endswith("set eval.sampling.max_new_tokens lower or use shorter prompts")
+        for p in info.value.problems
+    ), info.value.problems
 
 
 def test_core_rl_eval_of_the_starting_model_is_a_training_runs_first_evaluation(setup, capsys) -> None:

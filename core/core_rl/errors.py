@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import difflib
 import sys
-from collections.abc import Iterable
-from typing import ClassVar
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
 
 
 class CoreRLError(Exception):
@@ -67,6 +67,23 @@ class DataError(ProblemsError):
     """Data is malformed; each problem names the file and the line or row (``train.jsonl:7``)."""
 
     heading = "invalid data"
+
+
+def row_column(
+    row: Mapping[str, Any], key: str, *, reader: str, key_path: str, holds: str, nullable: bool = False
+) -> Any:
+    """``row[key]``, the column ``key`` of a data row that ``reader`` reads (``"reward 'math'"``);
+    a :class:`DataError` when the row lacks it (naming the row's columns and the setting
+    ``key_path`` that points at the column holding ``holds``) or, unless ``nullable``, holds null there."""
+    if key not in row:
+        keys = ", ".join(repr(k) for k in row) or "none"
+        raise DataError(
+            f"{reader}: the data row has no {key!r} column (its keys: {keys}); set {key_path} to the column "
+            f"holding {holds}"
+        )
+    if row[key] is None and not nullable:
+        raise DataError(f"{reader}: the data row's {key!r} is null")
+    return row[key]
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str | None:

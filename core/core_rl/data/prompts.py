@@ -414,6 +414,11 @@ class PromptSource:
         self.sources = self._sources(problems)
         if problems:
             raise DataError(problems)
+        if len(self.items) < config.batch_size:
+            announce_once(
+                f"core-rl: note: data.batch_size is {config.batch_size} but the training data holds "
+                f"{len(self.items)} prompt(s) (after filtering): every batch draws some prompts more than once"
+            )
         for i, item in enumerate(self.items):
             item.index = i
         self.epoch = 0

@@ -191,10 +191,12 @@ def eval_data_problems(cfg: RunConfig, tokenizer: Any, model: ModelInfo | None) 
     budget = cfg.eval.sampling.resolve(cfg.rollout.sampling).max_new_tokens
     longest = max((len(item.prompt_ids) for item in items), default=0)
     if context is not None and longest + budget > context:
+        own = cfg.eval.sampling.max_new_tokens is not None
+        key = "eval.sampling.max_new_tokens" + ("" if own else " (rollout.sampling.max_new_tokens, inherited)")
         problems.append(
-            f"eval.sampling.max_new_tokens: {budget} tokens after the longest prompt of eval.files ({longest} tokens) "
-            f"make {longest + budget}, more than the model's context of {context} positions; lower it (set "
-            "eval.sampling.max_new_tokens) or use shorter prompts"
+            f"{key}: {budget} tokens after the longest prompt of eval.files ({longest} tokens) make "
+            f"{longest + budget}, more than the model's context of {context} positions; "
+            f"{'lower it' if own else 'set eval.sampling.max_new_tokens lower'} or use shorter prompts"
         )
     return problems
 

@@ -116,8 +116,10 @@ def test_output_size_limit():
 
 def test_missing_or_malformed_tests_are_data_errors():
     reward = _reward()
-    with pytest.raises(DataError, match=r"no 'tests' value \(its keys: 'q'\)"):
+    with pytest.raises(DataError, match=r"no 'tests' column \(its keys: 'q'\); set reward.tests_key to the column"):
         reward.score([make_reward_input("x", {"q": 1})])
+    with pytest.raises(DataError, match=r"reward 'code': the data row's 'tests' is null"):
+        reward.score([make_reward_input("x", {"tests": None})])
     with pytest.raises(DataError, match="must be a string or a list"):
         reward.score([make_reward_input("x", {"tests": 3})])
     with pytest.raises(DataError, match=r"stdio mode .* \{input, output\} mappings"):

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
-from core_rl.errors import DataError
+from core_rl.errors import DataError, row_column
 from core_rl.interfaces import Reward, RewardScores
 from core_rl.protocol import RewardInput
 
@@ -83,13 +83,14 @@ class ReasoningGymReward(Reward):
         answers: list[str | None] = []
         for item in items:
             task, metadata = self._task(item.row)
-            if self.config.answer_key not in item.row:
-                keys = ", ".join(repr(k) for k in item.row) or "none"
-                raise DataError(
-                    f"reward 'reasoning_gym': the data row has no {self.config.answer_key!r} column (its keys: "
-                    f"{keys}); set reward.answer_key to the column holding the gold answer (null where the task "
-                    "scores from the metadata alone)"
-                )
+            gold = row_column(
+                item.row,
+                self.config.answer_key,
+                reader="reward 'reasoning_gym'",
+                key_path="reward.answer_key",
+                holds="the gold answer (null where the task scores from the metadata alone)",
+                nullable=True,
+            )
             answer = self.extract(item.response_text)
             answers.append(answer)
             if answer is None:
@@ -97,7 +98,7 @@ class ReasoningGymReward(Reward):
                 continue
             entry = {
                 "question": item.row.get("prompt", ""),
-                "answer": item.row.get(self.config.answer_key),
+                "answer": gold,
                 "metadata": metadata,
             }
             scores.append(float(self.scorer(task)(answer=answer, entry=entry)))

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from core_rl.errors import DataError
+from core_rl.errors import DataError, row_column
 from core_rl.interfaces import Reward, RewardScores
 from core_rl.protocol import RewardInput
 
@@ -56,12 +56,7 @@ class CodeReward(Reward):
     def tests_of(self, row: Mapping[str, Any]) -> tuple[str, list[Any]]:
         """``(mode, tests)`` of a row; :class:`DataError` if missing or malformed."""
         key = self.config.tests_key
-        if row.get(key) is None:
-            keys = ", ".join(repr(k) for k in row) or "none"
-            raise DataError(
-                f"reward 'code': the data row has no {key!r} value (its keys: {keys}); set reward.tests_key"
-            )
-        tests = row[key]
+        tests = row_column(row, key, reader="reward 'code'", key_path="reward.tests_key", holds="the tests")
         if isinstance(tests, str):
             tests = [tests]
         if not isinstance(tests, list):

@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 from core_rl.config.validators import FieldValueError
-from core_rl.errors import DataError
+from core_rl.errors import row_column
 from core_rl.interfaces import Reward, RewardScores
 from core_rl.protocol import RewardInput
 
@@ -89,16 +89,13 @@ class MatchReward(Reward):
 
     def answer_of(self, row: Mapping[str, Any]) -> Any:
         """The row's reference answer; :class:`DataError` if the column is missing or null."""
-        key = self.config.answer_key
-        if key not in row:
-            keys = ", ".join(repr(k) for k in row) or "none"
-            raise DataError(
-                f"reward {self.name!r}: the data row has no {key!r} column (its keys: {keys}); "
-                "set reward.answer_key to the column holding the reference answer"
-            )
-        if row[key] is None:
-            raise DataError(f"reward {self.name!r}: the data row's {key!r} is null")
-        return row[key]
+        return row_column(
+            row,
+            self.config.answer_key,
+            reader=f"reward {self.name!r}",
+            key_path="reward.answer_key",
+            holds="the reference answer",
+        )
 
     @abstractmethod
     def compare(self, response: str, answer: str) -> float:

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from core_rl.errors import DataError
+from core_rl.errors import row_column
 from core_rl.interfaces import Reward, RewardScores
 from core_rl.protocol import RewardInput
 from pebble import ProcessExpired, ProcessPool
@@ -28,15 +28,7 @@ from core_rl_reward_math.verify import verify_pair, warm_up
 
 def reference_answer(row: Mapping[str, Any], key: str) -> str:
     """The row's reference answer as a string; :class:`DataError` if missing or null."""
-    if key not in row:
-        keys = ", ".join(repr(k) for k in row) or "none"
-        raise DataError(
-            f"reward 'math': the data row has no {key!r} column (its keys: {keys}); "
-            "set reward.answer_key to the column holding the reference answer"
-        )
-    if row[key] is None:
-        raise DataError(f"reward 'math': the data row's {key!r} is null")
-    value = row[key]
+    value = row_column(row, key, reader="reward 'math'", key_path="reward.answer_key", holds="the reference answer")
     return value if isinstance(value, str) else str(value)
 
 
