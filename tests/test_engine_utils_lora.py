@@ -85,3 +85,20 @@ def test_target_modules_the_model_lacks_name_their_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"critic\.lora\.target_modules: \['k_prj'\]: peft: .*k_prj"):
         lora.apply_lora(empty_causal_lm(str(model_dir), dtype="float32"), bad, "critic.lora")
     assert lora_problems(str(model_dir), LoraConfig(rank=2, target_modules=["k_proj"]), "actor.lora") == []
+
+
+def test_wrapping_a_model_prints_no_warning(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """peft reads transformers' renamed ``is_gradient_checkpointing`` while it wraps a model: no
+    deprecation line reaches a run's stderr (every LoRA run wraps the policy at the start)."""
+    import warnings
+
+    from core_rl.roles.hf import load_causal_lm
+    from core_rl.roles.tiny import build_tiny_model
+
+    model = load_causal_lm(str(build_tiny_model(tmp_path / "m", seed=0)), dtype="float32")
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lora.apply_lora(model, LoraConfig(rank=2, target_modules=["q_proj"]))
+    assert [str(w.message) for w in caught] == []
+    assert capfd.readouterr().err == ""

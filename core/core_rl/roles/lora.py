@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -100,7 +101,9 @@ def apply_lora(model: nn.Module, config: LoraConfig, key: str = "actor.lora") ->
         task_type="CAUSAL_LM",
     )
     try:
-        return peft.get_peft_model(model, lora)
+        with warnings.catch_warnings():  # peft reads a transformers property that warns of its rename
+            warnings.filterwarnings("ignore", r"`is_gradient_checkpointing` is deprecated", FutureWarning)
+            return peft.get_peft_model(model, lora)
     except ValueError as exc:  # e.g. no module matches target_modules
         raise ConfigError(
             f"{key}.target_modules: {config.target_modules}: peft: {exc} (name the model's linear layers, "
