@@ -27,7 +27,7 @@ from core_rl.interfaces import LossOutput, PolicyLoss
 from core_rl.loops.errors import RunFailed
 from core_rl.loops.rl.distill import DistillationLoss
 from core_rl.loops.rl.ptx import PTXLoss
-from core_rl.loops.rl.update import PolicyUpdate, zero_gradient_rows
+from core_rl.loops.rl.update import PolicyUpdate, no_signal_warning, zero_gradient_rows
 from core_rl.ops import aggregation_weights
 from core_rl.plugins.guards import GuardedLoss
 from core_rl.plugins.host import PluginHost
@@ -315,3 +315,42 @@ def test_two_ranks_take_the_zero_gradient_step_together(uniform_first: Path) -> 
     metrics = {r["step"]: r for r in read_metrics(uniform_first.parent / "runs" / "two_ranks" / "metrics.jsonl")}
     assert sorted(metrics) == [1, 2]
     check_steps(metrics)
+
+
+def test_updates_without_signal_in_a_row_are_warned_once_with_their_cause(uniform_first: Path) -> None:
+    """``trainer.warn_no_signal_steps: 1``: step 1 (every group scored alike, every response cut at
+    ``max_new_tokens``) is one warning naming both; step 2 has a signal and says nothing. The default
+    (3) says nothing of one such step."""
+    proc = run_train(
+        uniform_first,
+        "experiment.name=warned",
+        "trainer.warn_no_signal_steps=1",
+        "rollout.sampling.min_new_tokens=4",  # every response runs to max_new_tokens (4)
+    )
+    assert proc.stderr.count("no learning signal") == 1, proc.stderr
+    assert (
+        "core-rl: warning: step 1: no learning signal: every sample of step 1 scored 1, so every advantage was 0; "
+        "100% of its responses were cut at rollout.sampling.max_new_tokens (4): raise it so that answers can end "
+        "(trainer.warn_no_signal_steps: 1; 0 turns this off)\n"
+    ) in proc.stderr
+    quiet = run_train(uniform_first, "experiment.name=quiet", "trainer.total_steps=1")
+    assert "no learning signal" not in quiet.stderr
+
+
+def test_the_no_signal_warning_names_what_the_step_shows() -> None:
+    """Once per streak, at its ``after``-th update; what it names follows the step's metrics."""
+    uniform = {"reward/min": 0.0, "reward/max": 0.0, "response_length/clip_fraction": 0.25}
+    assert no_signal_warning(5, 3, uniform, after=3, max_new_tokens=8) == (
+        "steps 3-5: no learning signal: every sample of step 5 scored 0, so every advantage was 0; check on a few "
+        "scored samples (sample_log) that the reward reads the answers as intended; for a task too hard or too easy "
+        "for the model, raise rollout.sampling.n or choose prompts of its level (trainer.warn_no_signal_steps: 3; "
+        "0 turns this off)"
+    )
+    assert [no_signal_warning(5, streak, uniform, after=3, max_new_tokens=8) for streak in (0, 2, 4)] == [None] * 3
+    assert no_signal_warning(5, 0, uniform, after=0, max_new_tokens=8) is None
+    spread = {"reward/min": 0.0, "reward/max": 1.0, "response_length/clip_fraction": 0.5}
+    line = no_signal_warning(7, 2, spread, after=2, max_new_tokens=16)
+    assert line is not None and line.startswith(
+        "steps 6-7: no learning signal: in each group of step 7 the samples scored alike, so every advantage was 0; "
+        "50% of its responses were cut at rollout.sampling.max_new_tokens (16)"
+    )

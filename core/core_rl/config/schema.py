@@ -579,7 +579,10 @@ class TrainerConfig:
     ``logger_timeout_s``: the longest one logger's ``log`` or ``log_samples`` call may take; past it
     the run stops with one line naming the logger, keeping its last checkpoint (:mod:`core_rl.reliability.deadlines`).
     ``warn_failure_fraction``: warn, naming the plugin, when more than this fraction of a plugin's
-    calls in a step timed out or raised and the run went on (:mod:`core_rl.plugins.tally`)."""
+    calls in a step timed out or raised and the run went on (:mod:`core_rl.plugins.tally`).
+    ``warn_no_signal_steps``: warn once this many RL updates in a row carried no learning signal
+    (every group's samples scored alike, so every advantage was 0), saying what the rewards and the
+    response lengths show (0: never; :func:`core_rl.loops.rl.update.no_signal_warning`)."""
 
     mode: str = attrs.field(default="sync", validator=one_of(("sync",)))
     total_steps: int = attrs.field(default=100, validator=_steps_or_derived)
@@ -597,6 +600,7 @@ class TrainerConfig:
     stop_grace_s: float = attrs.field(default=60.0, validator=in_range(1.0, 10**7))
     logger_timeout_s: float = attrs.field(default=120.0, validator=in_range(0.0, 10**7, low_open=True))
     warn_failure_fraction: float = attrs.field(default=0.1, validator=in_range(0.0, 1.0))
+    warn_no_signal_steps: int = attrs.field(default=3, validator=in_range(0, MAX_STEPS))
 
 
 @attrs.define

@@ -45,7 +45,7 @@ from core_rl.config.reward_aggregation import combine_part_weights
 from core_rl.config.schema import RunConfig
 from core_rl.config.teacher_checks import model_vocab_size
 from core_rl.data.prompts import DataRow, PromptSource
-from core_rl.errors import ConfigError
+from core_rl.errors import ConfigError, warn
 from core_rl.eval.evaluator import EvaluationStage, Evaluator, build_evaluator
 from core_rl.interfaces import (
     AdvantageEstimator,
@@ -75,7 +75,7 @@ from core_rl.loops.rl.reward_model import SCORES, NoRuleReward, reward_model_sta
 from core_rl.loops.rl.reward_runner import RewardErrorLog, RewardRunner
 from core_rl.loops.rl.rollout_flow import RolloutFlow
 from core_rl.loops.rl.scoring import RolloutScoringStage
-from core_rl.loops.rl.update import PolicyUpdate
+from core_rl.loops.rl.update import PolicyUpdate, no_signal_warning
 from core_rl.loops.scaffold import RunScaffold
 from core_rl.loops.signals import StopSignals
 from core_rl.plugins.host import PluginHost
@@ -367,6 +367,7 @@ class SyncTrainer(RunScaffold):
         if batch is not None:
             metrics.update(self._score_by_reward_model(step, batch))  # the reward_model: role, every rank
             metrics.update(self._update(step, batch))  # log-probs, minibatches x epochs
+            self._warn_without_signal(step, metrics)
         else:
             metrics["actor/skipped"] = 1.0
         t_sync = time.perf_counter()
@@ -415,6 +416,19 @@ class SyncTrainer(RunScaffold):
         metrics.update(self.mismatch_budget.check(step, update))  # loops/rl/mismatch_budget.py
         metrics["throughput/train_tokens"] = float(batch["attention_mask"].sum()) * self.cfg.algorithm.ppo_epochs
         return metrics
+
+    def _warn_without_signal(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Rank 0: warn once ``trainer.warn_no_signal_steps`` updates in a row carried no learning
+        signal (:func:`~core_rl.loops.rl.update.no_signal_warning`)."""
+        line = no_signal_warning(
+            step,
+            self.update.zero_signal.streak,
+            metrics,
+            after=self.cfg.trainer.warn_no_signal_steps,
+            max_new_tokens=self.cfg.rollout.sampling.max_new_tokens,
+        )
+        if line is not None and self.is_main:
+            warn(line)
 
     def _sync(self, step: int) -> dict[str, float]:
         """The weight-sync stage after step ``step``, on every rank."""

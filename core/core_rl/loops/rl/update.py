@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -194,6 +194,39 @@ def zero_gradient_step(engine: TrainEngine, pad_token_id: int, temperature: floa
     :data:`ZERO_STEP_METRICS`. Collective: every rank calls it for the same step."""
     step = engine_metrics(engine, "train_step", zero_gradient_rows(pad_token_id), ZeroLoss(), temperature=temperature)
     return {k: step[k] for k in ZERO_STEP_METRICS if k in step}
+
+
+def no_signal_warning(
+    step: int, streak: int, metrics: Mapping[str, float], *, after: int, max_new_tokens: int
+) -> str | None:
+    """The warning (``trainer.warn_no_signal_steps``) when step ``step`` makes ``after`` updates in
+    a row (``streak``) that carried no learning signal (every optimiser step zero-signal: every
+    group's samples scored alike, every advantage 0, the policy unchanged but for the optimiser's
+    momentum); ``None`` otherwise (also with ``after`` 0), so one warning per such streak. What it
+    says of the cause comes from the step's ``metrics``: every sample's reward equal or not
+    (``reward/min``, ``reward/max``), and the share of responses cut at ``max_new_tokens``
+    (``response_length/clip_fraction``)."""
+    if after == 0 or streak != after:
+        return None
+    low, high = metrics.get("reward/min"), metrics.get("reward/max")
+    if low is not None and low == high:
+        scored = f"every sample of step {step} scored {low:g}"
+    else:
+        scored = f"in each group of step {step} the samples scored alike"
+    steps = f"step {step}" if streak == 1 else f"steps {step - streak + 1}-{step}"
+    head = f"{steps}: no learning signal: {scored}, so every advantage was 0"
+    clipped = metrics.get("response_length/clip_fraction", 0.0)
+    if clipped >= 0.5:
+        cause = (
+            f"{clipped:.0%} of its responses were cut at rollout.sampling.max_new_tokens ({max_new_tokens}): "
+            "raise it so that answers can end"
+        )
+    else:
+        cause = (
+            "check on a few scored samples (sample_log) that the reward reads the answers as intended; for a task "
+            "too hard or too easy for the model, raise rollout.sampling.n or choose prompts of its level"
+        )
+    return f"{head}; {cause} (trainer.warn_no_signal_steps: {after}; 0 turns this off)"
 
 
 class PolicyUpdate:
