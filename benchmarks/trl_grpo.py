@@ -35,7 +35,8 @@ Per step: the median step time over all steps after each run's first (the first 
 costs: allocator warm-up, lazy imports, and with ``--compile`` core-rl's compilation; the ``first``
 column shows it), and the split of that time into generation, log-prob recomputation, training
 (forward/backward/optimizer), weight sync and other (rewards, batching). ``--compile`` sets
-core-rl's ``actor.engine.compile``; TRL keeps its defaults (eager).
+core-rl's ``actor.engine.compile`` and ``rollout.engine.compile`` (the training forward and the
+``hf`` engine's decoding step); TRL keeps its defaults (eager).
 
 TRL is a benchmark dependency only: it is installed (with the local CPU torch) into its own
 environment under ``$CORE_RL_HOME/server-envs/bench-trl-cpu-<hash>`` the first time the script
@@ -227,6 +228,7 @@ def core_rl_worker(spec: dict) -> dict:
             "engine": {
                 "name": "hf",
                 **({"autocast_dtype": "bfloat16"} if spec.get("precision") == "bf16" else {}),
+                **({"compile": True} if spec.get("compile") else {}),
                 **spec.get("rollout_engine", {}),
             },
             "sampling": {"n": wl.samples, "temperature": 1.0, "max_new_tokens": wl.tokens, "min_new_tokens": wl.tokens},
@@ -413,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="core-rl trains a torch.compile'd model (actor.engine.compile; its first step pays the compilation)",
+        help="core-rl trains and decodes with torch.compile (actor.engine.compile, rollout.engine.compile; "
+        "its first step pays the compilation)",
     )
     parser.add_argument(
         "--core-python",

@@ -60,6 +60,15 @@ class HFRolloutConfig:
     - ``cuda_graphs``: replay each decoding step from a CUDA graph captured once per batch shape
       (:mod:`core_rl_hf.graphs`); ``null`` (default): on for a CUDA device with the lean decoder,
       off otherwise; ``true`` requires both; ``false``: launch every step's kernels from Python.
+    - ``compile``: ``torch.compile`` the lean decoding step (:func:`core_rl_hf.decode.compiled_step`;
+      inductor, dynamic shapes) wherever no CUDA graph replays it, as on a CPU: the element-wise
+      work around each layer's matrix products (norms, rotary embeddings, cache writes, the
+      activation, casts) runs as a few fused kernels instead of dozens of operator calls. The first
+      generation of a process pays the compilation, about a minute for a small model on a 2-core
+      CPU (inductor caches its kernels across runs); the logits differ from the eager step's by
+      float rounding (with ``autocast_dtype`` up to ~1e-3 in a log-prob: a bfloat16 input rounded
+      from other float32 sums). Needs the lean decoder (``decoder: auto`` on a Llama or Qwen2
+      model) and, on a CPU, a C++ compiler.
     - ``sync_every``: the host checks whether all rows of a batch are done (and drops finished
       rows, without graphs) every this many tokens; ``null``: every token on a CPU (where the
       check costs nothing), every :data:`GPU_SYNC_EVERY` tokens on a GPU (each check waits for the
@@ -91,6 +100,15 @@ class HFRolloutConfig:
     autocast_dtype: str | None = attrs.field(default=None, validator=one_of(AUTOCAST_DTYPES))
     cuda_graphs: bool | None = None
     sync_every: int | None = attrs.field(default=None, validator=in_range(1, MAX_COUNT))
+    compile: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.compile and self.decoder == "transformers":
+            raise FieldValueError(
+                "compile",
+                self.compile,
+                "compiles the lean decoding step, which decoder: transformers does not use; set decoder: auto",
+            )
 
     def check_environment(self, context: EnvironmentContext) -> list[str]:
         """The device against what the machine has."""

@@ -44,6 +44,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 from core_rl_train_kit import attention
+from torch.fx.experimental import _config as fx_config
 
 from core_rl_hf.kv_cache import cache_argument, output_cache, preallocate
 
@@ -453,6 +454,31 @@ def _layer_states(cache: Any, index: int) -> tuple[torch.Tensor, torch.Tensor]:
     if layers is not None:
         return layers[index].keys, layers[index].values
     return cache[index][0], cache[index][1]
+
+
+_COMPILED_STEP: Callable[[LeanStepper, torch.Tensor], torch.Tensor] | None = None
+
+
+def compiled_step() -> Callable[[LeanStepper, torch.Tensor], torch.Tensor]:
+    """:meth:`LeanStepper.step` compiled by ``torch.compile`` (inductor, dynamic shapes), once per
+    process: ``compiled_step()(stepper, tokens)`` computes what ``stepper.step(tokens)`` does, with
+    the element-wise work of each layer fused into a few kernels (rows, cached positions and the
+    model's sizes are symbolic, so batches of other sizes and models of the same architecture
+    reuse the compiled code; a model of new dtypes or layer count compiles again, as does a batch
+    of one row). The first call pays the compilation; the logits differ from the eager step's by
+    float rounding."""
+    global _COMPILED_STEP
+    if _COMPILED_STEP is None:
+        compiled = torch.compile(LeanStepper.step, dynamic=True)
+
+        def step(stepper: LeanStepper, tokens: torch.Tensor) -> torch.Tensor:
+            # no "duck sizing": sizes equal by chance (the positions cached and the head size) must
+            # not be assumed equal, or the next batch compiles again
+            with fx_config.patch(use_duck_shape=False):
+                return compiled(stepper, tokens)
+
+        _COMPILED_STEP = step
+    return _COMPILED_STEP
 
 
 def make_stepper(

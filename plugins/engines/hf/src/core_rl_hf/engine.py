@@ -331,6 +331,7 @@ class HFRolloutEngine(RolloutEngine):
             decode_text=self._decode_text if self.tokenizer is not None else None,
             generated=None if generated is None else [generated[i] for i, _ in chunk],
             record_routes=self.return_routed_experts,
+            compile_steps=self.config.compile,
         )
 
     def _decode_text(self, ids: Sequence[int]) -> str:

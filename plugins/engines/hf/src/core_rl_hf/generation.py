@@ -46,7 +46,14 @@ import torch
 from core_rl.interfaces import SamplingParams
 from core_rl.roles.moe import NO_ROUTE, ROUTE_DTYPE, RouteRecorder, route_shape
 
-from core_rl_hf.decode import LeanStepper, TransformersStepper, lean_supported, make_stepper, mixed_precision
+from core_rl_hf.decode import (
+    LeanStepper,
+    TransformersStepper,
+    compiled_step,
+    lean_supported,
+    make_stepper,
+    mixed_precision,
+)
 from core_rl_hf.decode_state import DecodeState
 from core_rl_hf.graphs import DecodeGraphs, bucketed_capacity, bucketed_rows
 from core_rl_hf.kv_cache import output_cache
@@ -102,6 +109,7 @@ def generate_batch(
     decode_text: Callable[[Sequence[int]], str] | None = None,
     generated: Sequence[int] | None = None,
     record_routes: bool = False,
+    compile_steps: bool = False,
 ) -> list[list[Completion]]:
     """``counts[i]`` responses to each (non-empty) ``prompts[i]``, all generated as one batch; see
     the module docstring. ``sampling.n`` is ignored (``counts`` says how many). ``lean``: decode
@@ -114,7 +122,9 @@ def generate_batch(
     ``sampling.stop`` strings at the host's checks (:mod:`core_rl_hf.stop_check`). ``generated``:
     per prompt, how many of its last tokens are a response so far (a continued sample), which the
     frequency and presence penalties count as generated (default none). ``record_routes``: each
-    completion carries its ``routed_experts`` (module docstring; the transformers stepper runs)."""
+    completion carries its ``routed_experts`` (module docstring; the transformers stepper runs).
+    ``compile_steps``: run the lean steps that no CUDA graph replays through
+    :func:`core_rl_hf.decode.compiled_step`."""
     with RouteRecorder(model) if record_routes else contextlib.nullcontext() as recorder:
         return _generate(
             model,
@@ -133,6 +143,7 @@ def generate_batch(
             decode_text=decode_text,
             generated=generated,
             recorder=recorder,
+            compile_steps=compile_steps,
         )
 
 
@@ -154,6 +165,7 @@ def _generate(
     decode_text: Callable[[Sequence[int]], str] | None,
     generated: Sequence[int] | None,
     recorder: RouteRecorder | None,
+    compile_steps: bool,
 ) -> list[list[Completion]]:
     """:func:`generate_batch` (``recorder``: the routes' recorder, entered)."""
     device = next(model.parameters()).device
@@ -228,9 +240,10 @@ def _generate(
             )
         eager = stepper
         state = new_state()
+        step = compiled_step() if compile_steps and isinstance(eager, LeanStepper) else type(eager).step
 
         def advance() -> None:
-            state.choose(eager.step(state.feed))
+            state.choose(step(eager, state.feed))
             if routes is not None:
                 routes.after_step()
 
