@@ -64,8 +64,8 @@ class HFRolloutConfig:
       inductor, dynamic shapes) wherever no CUDA graph replays it, as on a CPU: the element-wise
       work around each layer's matrix products (norms, rotary embeddings, cache writes, the
       activation, casts) runs as a few fused kernels instead of dozens of operator calls. The first
-      generation of a process pays the compilation, about a minute for a small model on a 2-core
-      CPU (inductor caches its kernels across runs); the logits differ from the eager step's by
+      generation of a process pays the compilation, 1-4 minutes for small models on a 2-core CPU
+      (inductor caches its kernels across runs); the logits differ from the eager step's by
       float rounding (with ``autocast_dtype`` up to ~1e-3 in a log-prob: a bfloat16 input rounded
       from other float32 sums). Needs the lean decoder (``decoder: auto`` on a Llama or Qwen2
       model) and, on a CPU, a C++ compiler.
