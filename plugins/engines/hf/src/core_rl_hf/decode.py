@@ -36,6 +36,7 @@ dropped (``keep``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -456,9 +457,7 @@ def _layer_states(cache: Any, index: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache[index][0], cache[index][1]
 
 
-_COMPILED_STEP: Callable[[LeanStepper, torch.Tensor], torch.Tensor] | None = None
-
-
+@functools.cache
 def compiled_step() -> Callable[[LeanStepper, torch.Tensor], torch.Tensor]:
     """:meth:`LeanStepper.step` compiled by ``torch.compile`` (inductor, dynamic shapes), once per
     process: ``compiled_step()(stepper, tokens)`` computes what ``stepper.step(tokens)`` does, with
@@ -467,18 +466,15 @@ def compiled_step() -> Callable[[LeanStepper, torch.Tensor], torch.Tensor]:
     reuse the compiled code; a model of new dtypes or layer count compiles again, as does a batch
     of one row). The first call pays the compilation; the logits differ from the eager step's by
     float rounding."""
-    global _COMPILED_STEP
-    if _COMPILED_STEP is None:
-        compiled = torch.compile(LeanStepper.step, dynamic=True)
+    compiled = torch.compile(LeanStepper.step, dynamic=True)
 
-        def step(stepper: LeanStepper, tokens: torch.Tensor) -> torch.Tensor:
-            # no "duck sizing": sizes equal by chance (the positions cached and the head size) must
-            # not be assumed equal, or the next batch compiles again
-            with fx_config.patch(use_duck_shape=False):
-                return compiled(stepper, tokens)
+    def step(stepper: LeanStepper, tokens: torch.Tensor) -> torch.Tensor:
+        # no "duck sizing": sizes equal by chance (the positions cached and the head size) must
+        # not be assumed equal, or the next batch compiles again
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(stepper, tokens)
 
-        _COMPILED_STEP = step
-    return _COMPILED_STEP
+    return step
 
 
 def make_stepper(
