@@ -19,7 +19,7 @@ from core_rl.data.files import MAX_PROBLEMS_PER_FILE, DataRow, Problems, kind_of
 from core_rl.data.mixture import mixture_order
 from core_rl.errors import DataError, stderr_line
 from core_rl.loops.rl.difficulty import EASY, HARD, DifficultyRecords
-from core_rl.rollout.chat_template import conversation_problem, prompt_messages, render_prompt
+from core_rl.rollout.chat_template import conversation_problem, ends_turns_with_eos, prompt_messages, render_prompt
 from core_rl.vision.images import ImageError
 
 
@@ -207,6 +207,28 @@ def announce_once(line: str) -> None:
     if line not in _ANNOUNCED and os.environ.get("RANK", "0") == "0":
         _ANNOUNCED.add(line)
         stderr_line(line)
+
+
+def raw_chat_prompts_warning(rows: Sequence[DataRow], config: DataConfig, tokenizer: Any) -> str | None:
+    """The warning for text prompts that would reach a chat model raw, else ``None``.
+
+    A chat (instruct) model has been trained on conversations rendered by its chat template, and
+    given a bare question it tends to continue the text instead of answering it: a run learns
+    little, and nothing fails. Warned when ``data.apply_chat_template`` is false, the tokenizer is
+    a chat model's (:func:`~core_rl.rollout.chat_template.ends_turns_with_eos`), and no prompt
+    holds one of its special tokens (prompts rendered beforehand hold them)."""
+    if config.apply_chat_template or not ends_turns_with_eos(tokenizer):
+        return None
+    prompts = [r.row[config.prompt_key] for r in rows if isinstance(r.row.get(config.prompt_key), str)]
+    special = [token for token in getattr(tokenizer, "all_special_tokens", ()) if token]
+    if not prompts or any(token in prompt for prompt in prompts for token in special):
+        return None
+    return (
+        "core-rl: warning: data.apply_chat_template is false, so the prompts reach the model as raw text, but "
+        f"its tokenizer's chat template ends each turn with its end-of-sequence token {tokenizer.eos_token!r}: "
+        "a chat model, which answers prompts rendered as a user turn; set data.apply_chat_template: true "
+        "(leave it false only for a model trained on raw text)"
+    )
 
 
 def _announce_dropped(dropped: int, total: int, config: DataConfig, files_key: str) -> None:

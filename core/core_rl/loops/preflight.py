@@ -62,10 +62,12 @@ from core_rl.config.sections import selected_sections
 from core_rl.data.prompts import (
     DataRow,
     TokenisedRows,
+    announce_once,
     check_eval_data,
     check_rows,
     eval_data_config,
     mixture_sources,
+    raw_chat_prompts_warning,
     read_data_files,
     tokenisation_key,
     tokenise_rows,
@@ -351,6 +353,8 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
             if not prompt_problems and cfg.data.train_weights is not None:  # a mixture's sources, each non-empty
                 problems += mixture_sources(items, cfg.data)[1]
             longest_prompt = max((len(item.prompt_ids) for item in items), default=None)
+            if not prompt_problems and (raw := raw_chat_prompts_warning(rows, cfg.data, tokenizer)):
+                announce_once(raw)
             key = tokenisation_key(cfg.data, tokenizer)
             if not prompt_problems and key is not None:  # the trainer takes these items as they are
                 rows = TokenisedRows(rows, items, key)

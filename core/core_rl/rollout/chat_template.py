@@ -37,6 +37,19 @@ CHAT_TEMPLATE_ARGUMENTS = frozenset(
 )
 
 
+def ends_turns_with_eos(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` is a chat model's: it has a chat template, and that template ends a
+    turn with the tokenizer's end-of-sequence token (written out, as ChatML's ``<|im_end|>``, or as
+    the ``eos_token`` variable). An instruct model stops where its turn ends, so its EOS is the
+    end of turn; a base model that ships a template (Qwen2.5's, Llama 3.1's) ends with a document
+    token its template never writes."""
+    template = getattr(tokenizer, "chat_template", None)
+    eos = getattr(tokenizer, "eos_token", None)
+    if not isinstance(template, str) or not isinstance(eos, str) or not eos:
+        return False
+    return eos in template or "eos_token" in template
+
+
 def conversation_problem(value: Any) -> str | None:
     """Why ``value`` is not a conversation (a sentence), or ``None`` when it is one: a non-empty
     list of mappings, each with a non-empty string ``role`` and a string ``content``."""
