@@ -5,6 +5,7 @@ with a resumable position.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -209,6 +210,10 @@ def announce_once(line: str) -> None:
         stderr_line(line)
 
 
+#: how many text prompts :func:`raw_chat_prompts_warning` looks through for special tokens
+RENDERED_PROMPTS_SEEN = 256
+
+
 def raw_chat_prompts_warning(rows: Sequence[DataRow], config: DataConfig, tokenizer: Any) -> str | None:
     """The warning for text prompts that would reach a chat model raw, else ``None``.
 
@@ -216,10 +221,12 @@ def raw_chat_prompts_warning(rows: Sequence[DataRow], config: DataConfig, tokeni
     given a bare question it tends to continue the text instead of answering it: a run learns
     little, and nothing fails. Warned when ``data.apply_chat_template`` is false, the tokenizer is
     a chat model's (:func:`~core_rl.rollout.chat_template.ends_turns_with_eos`), and no prompt
-    holds one of its special tokens (prompts rendered beforehand hold them)."""
+    holds one of its special tokens (prompts rendered beforehand hold them; the first
+    :data:`RENDERED_PROMPTS_SEEN` text prompts are looked at)."""
     if config.apply_chat_template or not ends_turns_with_eos(tokenizer):
         return None
-    prompts = [r.row[config.prompt_key] for r in rows if isinstance(r.row.get(config.prompt_key), str)]
+    texts = (r.row[config.prompt_key] for r in rows if isinstance(r.row.get(config.prompt_key), str))
+    prompts = list(itertools.islice(texts, RENDERED_PROMPTS_SEEN))
     special = [token for token in getattr(tokenizer, "all_special_tokens", ()) if token]
     if not prompts or any(token in prompt for prompt in prompts for token in special):
         return None
