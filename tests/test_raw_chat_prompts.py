@@ -31,21 +31,22 @@ def fresh_announcements(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prompts, "_ANNOUNCED", set())
 
 
-def _validate(tmp_path: Path, model: Path, rows: list[dict[str, str]], *overrides: str) -> tuple[int, str]:
+def _validate(tmp_path: Path, model: Path, rows: list[dict[str, str]], *overrides: str) -> int:
+    """``core-rl config validate --preflight`` of a small GRPO config on ``model`` and ``rows``."""
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     path = write_grpo_config(tmp_path, model, [str(data)])
-    return cli.main(["config", "validate", "--preflight", str(path), *overrides]), str(path)
+    return cli.main(["config", "validate", "--preflight", str(path), *overrides])
 
 
 def test_text_prompts_for_the_instruct_model_are_warned_of_once(real_model, tmp_path, capsys):
     rows = [{"prompt": f"What is {a} + 2?", "answer": str(a + 2)} for a in range(3)]
-    status, _ = _validate(tmp_path, real_model, rows)
+    status = _validate(tmp_path, real_model, rows)
     err = capsys.readouterr().err
     assert status == 0
     assert err.count(WARNING) == 1, err
     assert "'<|im_end|>'" in err and "set data.apply_chat_template: true" in err
-    status, _ = _validate(tmp_path, real_model, rows, "data.apply_chat_template=true")
+    status = _validate(tmp_path, real_model, rows, "data.apply_chat_template=true")
     assert status == 0 and WARNING not in capsys.readouterr().err
 
 
@@ -54,7 +55,7 @@ def test_prompts_rendered_beforehand_are_not_warned_of(real_model, tmp_path, cap
     rendered = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 1 + 2?"}], tokenize=False, add_generation_prompt=True
     )
-    status, _ = _validate(tmp_path, real_model, [{"prompt": rendered, "answer": "3"}, {"prompt": "2+2", "answer": "4"}])
+    status = _validate(tmp_path, real_model, [{"prompt": rendered, "answer": "3"}, {"prompt": "2+2", "answer": "4"}])
     assert status == 0 and WARNING not in capsys.readouterr().err
 
 

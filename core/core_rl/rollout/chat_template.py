@@ -41,8 +41,8 @@ def ends_turns_with_eos(tokenizer: Any) -> bool:
     """Whether ``tokenizer`` is a chat model's: it has a chat template, and that template ends a
     turn with the tokenizer's end-of-sequence token (written out, as ChatML's ``<|im_end|>``, or as
     the ``eos_token`` variable). An instruct model stops where its turn ends, so its EOS is the
-    end of turn; a base model that ships a template (Qwen2.5's, Llama 3.1's) ends with a document
-    token its template never writes."""
+    end of turn; a base model that ships a template (Qwen2.5's base models, for one) ends with a
+    document token its template never writes."""
     template = getattr(tokenizer, "chat_template", None)
     eos = getattr(tokenizer, "eos_token", None)
     if not isinstance(template, str) or not isinstance(eos, str) or not eos:
