@@ -26,6 +26,7 @@ def test_valid_options() -> None:
     assert _load(seed=None).seed is None
     assert _load().autocast_dtype is None
     assert _load(autocast_dtype="bfloat16").autocast_dtype == "bfloat16"
+    assert (_load().host_memory, _load(host_memory="release").host_memory) == ("reuse", "release")
 
 
 @pytest.mark.parametrize(
@@ -41,6 +42,7 @@ def test_valid_options() -> None:
         ({"autocast_dtype": "float16"}, "rollout.engine.autocast_dtype: must be one of 'bfloat16'"),
         ({"cuda_graphs": "yes"}, "rollout.engine.cuda_graphs: expected true or false"),
         ({"sync_every": 0}, r"rollout.engine.sync_every: must be in \[1, "),
+        ({"host_memory": "trim"}, "rollout.engine.host_memory: must be one of 'reuse', 'release'"),
     ],
 )
 def test_invalid_options(options: dict[str, object], message: str) -> None:

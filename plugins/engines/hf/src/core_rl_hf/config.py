@@ -8,6 +8,8 @@ import attrs
 from core_rl.config.schema import DTYPES
 from core_rl.config.validators import MAX_COUNT, FieldValueError, in_range, one_of
 
+from core_rl_hf.memory import HOST_MEMORY_POLICIES
+
 if TYPE_CHECKING:  # torch is imported when a device is checked or resolved, not when the plugin registers
     import torch
     from core_rl.config.checks import EnvironmentContext
@@ -69,6 +71,11 @@ class HFRolloutConfig:
       float rounding (with ``autocast_dtype`` up to ~1e-3 in a log-prob: a bfloat16 input rounded
       from other float32 sums). Needs the lean decoder (``decoder: auto`` on a Llama or Qwen2
       model) and, on a CPU, a C++ compiler.
+    - ``host_memory``: what the process does with host memory freed between generation and
+      training (:mod:`core_rl_hf.memory`; glibc only): ``reuse`` (default) keeps it mapped for the
+      next allocations (fewer page faults: a ~8% faster step on the CPU benchmark's medium workload;
+      resident memory stays at the run's high-water mark); ``release`` hands the free pages back to
+      the OS before and after each generation (a lower resident set between the phases).
     - ``sync_every``: the host checks whether all rows of a batch are done (and drops finished
       rows, without graphs) every this many tokens; ``null``: every token on a CPU (where the
       check costs nothing), every :data:`GPU_SYNC_EVERY` tokens on a GPU (each check waits for the
@@ -101,6 +108,7 @@ class HFRolloutConfig:
     cuda_graphs: bool | None = None
     sync_every: int | None = attrs.field(default=None, validator=in_range(1, MAX_COUNT))
     compile: bool = False
+    host_memory: str = attrs.field(default="reuse", validator=one_of(HOST_MEMORY_POLICIES))
 
     def __attrs_post_init__(self) -> None:
         if self.compile and self.decoder == "transformers":

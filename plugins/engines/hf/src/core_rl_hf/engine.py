@@ -45,7 +45,7 @@ from core_rl_hf.config import GPU_SYNC_EVERY, HFRolloutConfig, resolve_device
 from core_rl_hf.decode import lean_supported
 from core_rl_hf.generation import Completion, generate_batch
 from core_rl_hf.graphs import DecodeGraphs
-from core_rl_hf.memory import release_host_memory
+from core_rl_hf.memory import keep_freed_memory, release_host_memory
 from core_rl_hf.sampling import check_sampling
 from core_rl_hf.vision_generation import generate_with_images
 from core_rl_hf.weights import copy_buckets, load_full_state_dict, read_safetensors_dir
@@ -124,6 +124,8 @@ class HFRolloutEngine(RolloutEngine):
 
         self.config = config
         self.device = resolve_device(config.device)
+        if config.host_memory == "reuse":
+            keep_freed_memory()
         self.compute_dtype = getattr(torch, config.autocast_dtype) if config.autocast_dtype else None
         load: dict[str, Any] = {"trust_remote_code": True} if trust_remote_code else {}
         if self.compute_dtype is not None and self.device.type == "cpu":
@@ -202,10 +204,13 @@ class HFRolloutEngine(RolloutEngine):
         self._check_prompts(prompts)
         if media is not None and any(m is not None for m in media):
             return self._generate_with_images(prompts, sampling, media)
+        release = self.config.host_memory == "release"
         with self._running():
-            release_host_memory()  # the update's activations are freed: give their pages back first
+            if release:  # the update's activations are freed: give their pages back first
+                release_host_memory()
             groups = self._generate_locked(prompts, sampling)
-            release_host_memory()  # the KV cache is freed: give free pages back before the update
+            if release:  # the KV cache is freed: give free pages back before the update
+                release_host_memory()
         aborted = [s for group in groups for s in group if s.finish_reason == "abort"]
         while aborted:
             aborted = self._continue(aborted, sampling)
