@@ -7,13 +7,17 @@ the operating system comes back as fresh pages, and the kernel zeroes each one o
 (a minor page fault). Two policies, for glibc's allocator (other C libraries: neither does
 anything):
 
-- ``reuse`` (default): freed memory stays mapped for the next allocations. :func:`keep_freed_memory`
-  sets glibc's mmap threshold to :data:`HEAP_BLOCK_LIMIT` (a block up to that size comes from the
-  heap, instead of a mapping of its own that ``free`` unmaps; the threshold glibc adapts by itself
-  starts at 128 KiB) and its trim threshold to :data:`KEEP_FREE_TOP` (the heap's free top is not
-  handed back). On the TRL benchmark's medium CPU workload (eager, 10 steps after 3) this took the
-  step's minor page faults from ~42k to ~4k and the step from 0.77 to 0.71 s; resident memory stays
-  at the run's high-water mark, 13-15% above the ``release`` peak on the medium and large workloads.
+- ``reuse`` (default): freed memory stays mapped for the next allocations, whichever thread makes
+  them. :func:`keep_freed_memory` sets glibc's mmap threshold to :data:`HEAP_BLOCK_LIMIT` (a block
+  up to that size comes from the heap, instead of a mapping of its own that ``free`` unmaps; the
+  threshold glibc adapts by itself starts at 128 KiB), its trim threshold to :data:`KEEP_FREE_TOP`
+  (the heap's free top is not handed back), and its arena limit to one (a thread that allocates
+  for the first time from then on shares an arena that exists instead of making its own, so the
+  memory the update frees serves the generation, which may run on the rollout controller's
+  thread, and the other way round; a thread's own arena hands a heap that has become free back
+  to the OS). On the TRL benchmark's medium CPU workload (eager, 10
+  steps after 3) this took the step's minor page faults from ~42k to ~1.2k and the step from 0.77
+  to 0.71 s; resident memory stays at the run's high-water mark, ~10% above the ``release`` peak.
   The settings are the process's (every allocation in it follows them) and are made once, when the
   first engine with this policy is built.
 - ``release``: before and after each ``generate``, :func:`release_host_memory` runs
@@ -42,7 +46,7 @@ HEAP_BLOCK_LIMIT = 32 * 1024 * 1024
 #: ``reuse``: free memory at the heap's top up to this size stays mapped (C ``int``'s largest value)
 KEEP_FREE_TOP = 2**31 - 1
 #: glibc's ``mallopt`` parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 
 _last_trim = [float("-inf")]
 
@@ -71,12 +75,12 @@ def trim_supported() -> bool:
 @functools.cache
 def keep_freed_memory() -> bool:
     """The ``reuse`` policy: make glibc keep freed memory mapped for reuse (see the module
-    docstring); once per process. ``True`` if both settings took."""
+    docstring); once per process. ``True`` if every setting took."""
     libc = _glibc()
     if libc is None:
         return False
-    heap_blocks = libc.mallopt(_M_MMAP_THRESHOLD, HEAP_BLOCK_LIMIT)
-    return bool(heap_blocks) and bool(libc.mallopt(_M_TRIM_THRESHOLD, KEEP_FREE_TOP))
+    settings = ((_M_MMAP_THRESHOLD, HEAP_BLOCK_LIMIT), (_M_TRIM_THRESHOLD, KEEP_FREE_TOP), (_M_ARENA_MAX, 1))
+    return all([bool(libc.mallopt(parameter, value)) for parameter, value in settings])
 
 
 def release_host_memory(min_interval_s: float = MIN_INTERVAL_S) -> bool:
