@@ -26,7 +26,7 @@ def test_valid_options() -> None:
     assert _load(seed=None).seed is None
     assert _load().autocast_dtype is None
     assert _load(autocast_dtype="bfloat16").autocast_dtype == "bfloat16"
-    assert (_load().host_memory, _load(host_memory="release").host_memory) == ("reuse", "release")
+    assert (_load().host_memory, _load(host_memory="release").host_memory) == (None, "release")
 
 
 @pytest.mark.parametrize(

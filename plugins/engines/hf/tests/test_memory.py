@@ -78,14 +78,17 @@ def test_freed_heap_holes_are_returned_at_most_once_per_interval() -> None:
     assert _rss_mib() > held - 20
 
 
-@pytest.mark.parametrize("policy", ["reuse", "release"])
-def test_the_engine_trims_around_a_generation_only_under_release(make_engine, monkeypatch, policy: str) -> None:
+@pytest.mark.parametrize(("policy", "resolved"), [("reuse", "reuse"), ("release", "release"), (None, "reuse")])
+def test_the_engine_trims_around_a_generation_only_under_release(
+    make_engine, monkeypatch, policy: str | None, resolved: str
+) -> None:
     import core_rl_hf.engine as engine_module
     from core_rl.interfaces import SamplingParams
 
     calls: dict[str, int] = {"trim": 0, "keep": 0}
     monkeypatch.setattr(engine_module, "release_host_memory", lambda: calls.__setitem__("trim", calls["trim"] + 1))
     monkeypatch.setattr(engine_module, "keep_freed_memory", lambda: calls.__setitem__("keep", calls["keep"] + 1))
-    engine = make_engine(host_memory=policy)
+    engine = make_engine(host_memory=policy, device="cpu")  # null: reuse on a CPU
+    assert engine.host_memory == resolved
     engine.generate([[3, 4, 5]], SamplingParams(n=2, max_new_tokens=3, temperature=1.0))
-    assert calls == ({"trim": 0, "keep": 1} if policy == "reuse" else {"trim": 2, "keep": 0})
+    assert calls == ({"trim": 0, "keep": 1} if resolved == "reuse" else {"trim": 2, "keep": 0})

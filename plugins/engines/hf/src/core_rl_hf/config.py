@@ -72,10 +72,12 @@ class HFRolloutConfig:
       from other float32 sums). Needs the lean decoder (``decoder: auto`` on a Llama or Qwen2
       model) and, on a CPU, a C++ compiler.
     - ``host_memory``: what the process does with host memory freed between generation and
-      training (:mod:`core_rl_hf.memory`; glibc only): ``reuse`` (default) keeps it mapped for the
-      next allocations (fewer page faults: a ~8% faster step on the CPU benchmark's medium workload;
+      training (:mod:`core_rl_hf.memory`; glibc only): ``reuse`` keeps it mapped for the next
+      allocations (fewer page faults: a ~8% faster step on the CPU benchmark's medium workload;
       resident memory stays at the run's high-water mark); ``release`` hands the free pages back to
-      the OS before and after each generation (a lower resident set between the phases).
+      the OS before and after each generation (a lower resident set between the phases); ``null``
+      (default): ``reuse`` on a CPU device, where the model's activations and cache live in host
+      memory, ``release`` on a GPU.
     - ``sync_every``: the host checks whether all rows of a batch are done (and drops finished
       rows, without graphs) every this many tokens; ``null``: every token on a CPU (where the
       check costs nothing), every :data:`GPU_SYNC_EVERY` tokens on a GPU (each check waits for the
@@ -108,7 +110,7 @@ class HFRolloutConfig:
     cuda_graphs: bool | None = None
     sync_every: int | None = attrs.field(default=None, validator=in_range(1, MAX_COUNT))
     compile: bool = False
-    host_memory: str = attrs.field(default="reuse", validator=one_of(HOST_MEMORY_POLICIES))
+    host_memory: str | None = attrs.field(default=None, validator=one_of(HOST_MEMORY_POLICIES))
 
     def __attrs_post_init__(self) -> None:
         if self.compile and self.decoder == "transformers":

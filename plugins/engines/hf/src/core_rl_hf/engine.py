@@ -124,7 +124,9 @@ class HFRolloutEngine(RolloutEngine):
 
         self.config = config
         self.device = resolve_device(config.device)
-        if config.host_memory == "reuse":
+        #: rollout.engine.host_memory resolved: ``reuse`` on a CPU, ``release`` elsewhere (core_rl_hf.memory)
+        self.host_memory = config.host_memory or ("reuse" if self.device.type == "cpu" else "release")
+        if self.host_memory == "reuse":
             keep_freed_memory()
         self.compute_dtype = getattr(torch, config.autocast_dtype) if config.autocast_dtype else None
         load: dict[str, Any] = {"trust_remote_code": True} if trust_remote_code else {}
@@ -204,7 +206,7 @@ class HFRolloutEngine(RolloutEngine):
         self._check_prompts(prompts)
         if media is not None and any(m is not None for m in media):
             return self._generate_with_images(prompts, sampling, media)
-        release = self.config.host_memory == "release"
+        release = self.host_memory == "release"
         with self._running():
             if release:  # the update's activations are freed: give their pages back first
                 release_host_memory()

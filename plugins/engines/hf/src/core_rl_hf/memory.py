@@ -7,25 +7,28 @@ the operating system comes back as fresh pages, and the kernel zeroes each one o
 (a minor page fault). Two policies, for glibc's allocator (other C libraries: neither does
 anything):
 
-- ``reuse`` (default): freed memory stays mapped for the next allocations, whichever thread makes
-  them. :func:`keep_freed_memory` sets glibc's mmap threshold to :data:`HEAP_BLOCK_LIMIT` (a block
-  up to that size comes from the heap, instead of a mapping of its own that ``free`` unmaps; the
-  threshold glibc adapts by itself starts at 128 KiB), its trim threshold to :data:`KEEP_FREE_TOP`
-  (the heap's free top is not handed back), and its arena limit to one (a thread that allocates
-  for the first time from then on shares an arena that exists instead of making its own, so the
-  memory the update frees serves the generation, which may run on the rollout controller's
-  thread, and the other way round; a thread's own arena hands a heap that has become free back
-  to the OS). On the TRL benchmark's medium CPU workload (eager, 10
+- ``reuse`` (the default on a CPU device): freed memory stays mapped for the next allocations,
+  whichever thread makes them. :func:`keep_freed_memory` sets glibc's mmap threshold to
+  :data:`HEAP_BLOCK_LIMIT` (a block up to that size comes from the heap, instead of a mapping of
+  its own that ``free`` unmaps; the threshold glibc adapts by itself starts at 128 KiB), its trim
+  threshold to :data:`KEEP_FREE_TOP` (the heap's free top is not handed back), and its arena limit
+  to one (a thread that allocates for the first time from then on shares an arena that exists
+  instead of making its own, so the memory the update frees serves the generation, which may run
+  on the rollout controller's thread, and the other way round; a thread's own arena hands a heap
+  that has become free back to the OS). On the TRL benchmark's medium CPU workload (eager, 10
   steps after 3) this took the step's minor page faults from ~42k to ~1.2k and the step from 0.77
   to 0.71 s; resident memory stays at the run's high-water mark, ~10% above the ``release`` peak.
-  The settings are the process's (every allocation in it follows them) and are made once, when the
-  first engine with this policy is built.
-- ``release``: before and after each ``generate``, :func:`release_host_memory` runs
-  ``malloc_trim(0)`` (the free pages of every arena go back to the OS; about a millisecond a call)
-  at most once per ``min_interval_s`` seconds, so that runs of many tiny steps do not pay it every
-  step. Resident memory drops between the phases: the KV cache is not allocated on top of the
-  update's freed activations, and the update not on top of the freed cache; every step then
-  faults its pages in again.
+  The settings are the process's (every allocation in it follows them) and are made once, when
+  the first engine with this policy is built.
+- ``release`` (the default on a GPU, where little of a step's memory is the host's): before and
+  after each ``generate``, :func:`release_host_memory` runs ``malloc_trim(0)`` (the free pages of
+  every arena go back to the OS; about a millisecond a call) at most once per ``min_interval_s``
+  seconds, so that runs of many tiny steps do not pay it every step. Resident memory drops between
+  the phases: the KV cache is not allocated on top of the update's freed activations, and the
+  update not on top of the freed cache; every step then faults its pages in again.
+
+``reuse`` keeps what fragmentation leaves as well: where ``memory/host_rss_gib`` grows from step to
+step (shapes that vary a lot), ``release`` bounds it.
 """
 
 from __future__ import annotations
