@@ -83,7 +83,7 @@ def keep_freed_memory() -> bool:
     if libc is None:
         return False
     settings = ((_M_MMAP_THRESHOLD, HEAP_BLOCK_LIMIT), (_M_TRIM_THRESHOLD, KEEP_FREE_TOP), (_M_ARENA_MAX, 1))
-    return all([bool(libc.mallopt(parameter, value)) for parameter, value in settings])
+    return all([bool(libc.mallopt(parameter, value)) for parameter, value in settings])  # each, even after a refusal
 
 
 def release_host_memory(min_interval_s: float = MIN_INTERVAL_S) -> bool:
