@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -45,8 +46,7 @@ def _rounds(policy: str) -> dict[str, object]:
 def test_reuse_keeps_freed_blocks_mapped_where_release_faults_them_in_again() -> None:
     reuse, release = _rounds("reuse"), _rounds("release")
     assert reuse["applied"] is True
-    page = 4096
-    round_pages = 80 * 1024 * 1024 // page
+    round_pages = 80 * 1024 * 1024 // resource.getpagesize()  # the faults count pages
     # medians: now and then a round's blocks do not fit the heap's free space as it lies and take
     # fresh pages at its top; after the first rounds, a round of reuse writes into pages it has
     assert statistics.median(reuse["faults"][2:]) < round_pages // 20, reuse["faults"]
