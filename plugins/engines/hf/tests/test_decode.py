@@ -156,7 +156,7 @@ def test_lean_prefill_gives_the_forwards_logits_keys_and_values(name: str, attn:
     real = mask[rows].bool()[:, None, :, None]  # a padding position's keys and values are never read
     for i in range(len(model.model.layers)):
         for got, want in zip((lean.keys[i], lean.values[i]), (cache.layers[i].keys, cache.layers[i].values)):
-            assert torch.isfinite(got).all()
+            assert torch.isfinite(got[:, :, :width]).all()  # past the prompt: unwritten, never read
             torch.testing.assert_close(
                 torch.where(real, got[:, :, :width], 0), torch.where(real, want[rows].to(got.dtype), 0), **tolerance
             )
@@ -280,9 +280,10 @@ def test_compiled_steps_generate_what_the_eager_steps_do(tmp_path: Path) -> None
     and a seeded engine generates the same tokens with the same log-probs (up to fused-kernel
     rounding, float32: in bfloat16 one rounding of an input moves a log-prob by ~1e-3) as the eager
     one, over rows that finish at different steps (dropped as they do) and a second call of other
-    batch and prompt sizes, which compiles nothing new (the first call's positions equal the head
-    size: a guard tying the two would compile again). One decoder layer: compiling scales with the
-    layers, not what is tested."""
+    batch and prompt sizes, which compiles nothing new: one compilation in all, the positions
+    cached symbolic from the first (at one step of the first call the positions cached equal its
+    rows: a guard tying the two would compile again). One decoder layer: compiling scales with the layers,
+    not what is tested."""
     from core_rl.roles.tiny import build_tiny_model
     from torch._dynamo.utils import counters
 
@@ -303,7 +304,7 @@ def test_compiled_steps_generate_what_the_eager_steps_do(tmp_path: Path) -> None
         finally:
             engine.close()
         results.append(got)
-    assert frames[1] == frames[0] and frames[2] > frames[1] and frames[3] == frames[2], frames  # one compilation
+    assert frames[1] == frames[0] and frames[2] == frames[1] + 1 and frames[3] == frames[2], frames  # one compilation
     assert len({len(ids) for ids, _, _ in results[0]}) > 1  # rows finished at different steps
     for (ids_a, reason_a, lp_a), (ids_b, reason_b, lp_b) in zip(*results, strict=True):
         assert (ids_a, reason_a) == (ids_b, reason_b)
