@@ -137,15 +137,31 @@ def test_ranks_agree_on_the_least_usable_memory(model_dir):
     assert "(cuda:0, 20.0 GiB free (least of 2 ranks), 0.36B parameters)" in resolved.line
 
 
-def test_the_cpu_figure_on_a_cpu(model_dir):
+def test_on_a_cpu_the_budget_fills_256_mib_of_activations_within_768_and_2048(model_dir, tmp_path):
     cfg = RunConfig(actor=ActorConfig(model_path=str(model_dir)))
     out = io.StringIO()
     resolve_auto_budgets(cfg, [BuiltEngine("actor", cfg.actor, _engine(torch.device("cpu")), True)], out=out)
-    assert out.getvalue() == "core-rl: actor.micro_batch.max_tokens_per_mb: auto -> 768 (cpu)\n"
+    # 0.5B, float32: 24 x (8 x 896 + 4 x 4864) x 4 + 2 x 151936 x 4 = 3,771,392 bytes a token -> 71 -> 768
+    assert out.getvalue() == "core-rl: actor.micro_batch.max_tokens_per_mb: auto -> 768 (cpu, 0.36B parameters)\n"
     assert cfg.actor.micro_batch.max_tokens_per_mb == 768
+    derived = cfg.derived["actor.micro_batch.max_tokens_per_mb"]
+    assert (
+        derived.source
+        == "256 MiB / 3683.0 KiB of activations per token, a multiple of 128 in [768, 2048] (cpu, 0.36B parameters)"
+    )
     # an engine that does not say where it computes counts as on the CPU
     cfg = RunConfig(actor=ActorConfig(model_path=str(model_dir)))
     assert resolve_auto_budgets(cfg, [BuiltEngine("actor", cfg.actor, object(), True)], out=out)[0].value == 768
+    # a narrower model, float32: 6 x (8 x 512 + 4 x 1408) x 4 + 2 x 1000 x 4 = 241,472 bytes -> 1111 -> 1024
+    (tmp_path / "narrow").mkdir()
+    shape = {"num_hidden_layers": 6, "hidden_size": 512, "intermediate_size": 1408, "vocab_size": 1000}
+    (tmp_path / "narrow" / "config.json").write_text(json.dumps(shape))
+    cfg = RunConfig(actor=ActorConfig(model_path=str(tmp_path / "narrow")))
+    assert resolve_auto_budgets(cfg, [BuiltEngine("actor", cfg.actor, object(), True)], out=out)[0].value == 1024
+    assert out.getvalue().endswith("auto -> 1024 (cpu, ~19.8M parameters)\n")
+    # the same in bfloat16 (the engine's compute dtype): half the bytes, 2223 tokens -> the most, 2048
+    cfg = RunConfig(actor=_actor(tmp_path / "narrow"))
+    assert resolve_auto_budgets(cfg, [BuiltEngine("actor", cfg.actor, object(), True)], out=out)[0].value == 2048
 
 
 def test_a_model_without_a_shape_gets_the_cpu_figure_and_says_why(tmp_path, monkeypatch):

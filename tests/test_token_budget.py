@@ -119,6 +119,23 @@ def test_format_parameters():
     ]
 
 
+def test_cpu_budget_fills_256_mib_of_activations_within_768_and_2048():
+    mib = 2**20
+    assert tb.cpu_token_budget(256 * mib // 2048) == 2048  # exactly 2048 tokens' worth
+    assert tb.cpu_token_budget(256 * mib // 2048 + 1) == 1920  # 2047.98 -> a multiple of 128
+    assert tb.cpu_token_budget(256 * mib // 1024) == 1024
+    assert tb.cpu_token_budget(1) == 2048 and tb.cpu_token_budget(0) == 2048  # a tiny model: the largest
+    assert tb.cpu_token_budget(256 * mib // 768 + 1) == 768  # 767.99 tokens: the least
+    assert tb.cpu_token_budget(2**30) == 768
+    # SmolLM2-135M in bfloat16: 30 x (8 x 576 + 4 x 1536) x 2 + 2 x 49152 x 2 = 841,728 bytes -> 318 -> 768
+    smol = tb.ModelShape(layers=30, hidden=576, intermediate=1536, vocab=49152)
+    assert tb.activation_bytes_per_token(smol, compute_bytes=2) == 841_728
+    assert tb.cpu_token_budget(841_728) == 768
+    # the medium CPU benchmark model: 4 x (8 x 256 + 4 x 704) x 2 + 2 x 13 x 2 = 38,964 bytes -> 6889 -> 2048
+    medium = tb.ModelShape(layers=4, hidden=256, intermediate=704, vocab=13)
+    assert tb.cpu_token_budget(tb.activation_bytes_per_token(medium, compute_bytes=2)) == 2048
+
+
 def test_an_unresolved_auto_is_the_cpu_figure_for_an_engine_used_alone():
     assert tb.tokens_per_mb(MicroBatchConfig()) == tb.CPU_TOKENS_PER_MB == 768
     assert tb.tokens_per_mb(MicroBatchConfig(max_tokens_per_mb=20)) == 20

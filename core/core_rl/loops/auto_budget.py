@@ -8,12 +8,14 @@ in device memory. Then, for each role section whose budget is ``auto``, :func:`r
    state the trained roles on that device will still allocate;
 2. gathers those figures from every rank, so all ranks decide from the same numbers (the least
    usable memory of any rank);
-3. chooses the budget (:mod:`core_rl.loops.token_budget`: 768 on a CPU, what the free
-   memory holds for this model's activations on a GPU), sets it in the section (the engines read
+3. chooses the budget (:mod:`core_rl.loops.token_budget`: on a CPU 768 tokens, up to 2048 for a
+   small model, what the free memory holds for this model's activations on a GPU), sets it in
+   the section (the engines read
    it at their first micro-batch plan), records it as derived at the start
    (:class:`~core_rl.config.derived.Derived` with ``at_start``: ``<run>/config.yaml`` keeps
    ``auto`` with the value in a comment) and prints one line per section on rank 0::
 
+       core-rl: actor.micro_batch.max_tokens_per_mb: auto -> 768 (cpu, 0.13B parameters)
        core-rl: actor.micro_batch.max_tokens_per_mb: auto -> 16384 (cuda:0, 71.2 GiB free, 0.36B parameters)
 
 A ``ref`` without a section of its own shares the actor's, and so its budget. A number in the
@@ -198,17 +200,23 @@ def choose(key: str, section: ActorConfig, engines: Sequence[BuiltEngine], facts
     """The budget of one section from every rank's facts (rank 0's first); see the module docstring."""
     setting = f"{key}.{'.'.join(BUDGET_KEY)}"
     device = facts[0].device
-    cpu = tb.CPU_TOKENS_PER_MB
-    if not device.startswith("cuda"):
-        return Resolved(key, cpu, f"{setting}: auto -> {cpu} ({device})", f"the CPU figure ({device})")
     shape = tb.ModelShape.from_config(model_config(section.model_path, trust_remote_code=section.trust_remote_code))
     if shape is None:
+        cpu = tb.CPU_TOKENS_PER_MB
         why = f"the CPU figure: {section.model_path}/config.json names no layer count or hidden size"
         return Resolved(key, cpu, f"{setting}: auto -> {cpu} ({device}; {why})", f"{why} ({device})")
-    least = min(facts, key=lambda f: f.usable)
     per_token = activation_bytes(section, shape, engines)
-    value = tb.gpu_token_budget(least.usable, per_token)
     size = parameters_text(section.model_path, shape)
+    if not device.startswith("cuda"):
+        value = tb.cpu_token_budget(per_token)
+        source = (
+            f"{tb.CPU_ACTIVATION_BYTES / 2**20:.0f} MiB / {per_token / 2**10:.1f} KiB of activations per token, "
+            f"a multiple of {tb.TOKEN_ROUNDING} in [{tb.CPU_TOKENS_PER_MB}, {tb.CPU_MAX_TOKENS_PER_MB}] "
+            f"({device}, {size} parameters)"
+        )
+        return Resolved(key, value, f"{setting}: auto -> {value} ({device}, {size} parameters)", source)
+    least = min(facts, key=lambda f: f.usable)
+    value = tb.gpu_token_budget(least.usable, per_token)
     of_ranks = f" (least of {len(facts)} ranks)" if len(facts) > 1 else ""
     group = int(getattr(section.engine.config, "sequence_parallel_size", 1) or 1)
     # under sequence parallelism the budget counts one rank's share of the group's micro-batch

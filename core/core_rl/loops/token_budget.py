@@ -2,8 +2,18 @@
 functions of a few numbers (no torch): the core resolves it once at the start of a run
 (:mod:`core_rl.loops.auto_budget`), where each role's engine knows its device.
 
-On a CPU the budget is :data:`CPU_TOKENS_PER_MB` (768: the matrix products of one micro-batch are
-already large enough there to run near full speed, and more only costs memory). On a GPU it is
+On a CPU the budget is the tokens whose activations fill :data:`CPU_ACTIVATION_BYTES` (256 MiB),
+between :data:`CPU_TOKENS_PER_MB` (768) and :data:`CPU_MAX_TOKENS_PER_MB` (2048)::
+
+    budget = clamp(floor_128(CPU_ACTIVATION_BYTES / bytes_per_token), 768, 2048)
+
+There memory is rarely what bounds a micro-batch; its speed is. A micro-batch of a 0.1B-or-larger
+model holds enough work at 768 tokens for its matrix products to run near full speed, and more
+only costs memory and cache (a 135M model's update: 7.47 s a step at 768, 7.72 s at 1536), so
+such models get 768. A narrow model's 768-token micro-batch is small enough that each one's fixed
+costs show (its Python, the compiled graph's call, the log-prob head's chunks): the medium CPU
+benchmark model (3.2M parameters, hidden size 256) updated in 0.36 s at 768 and 0.33 s at 1536 to
+3072, so models this small get up to 2048. A model whose shape is unknown gets 768. On a GPU it is
 what fits in the memory left free, with half of it kept in reserve::
 
     budget = clamp(floor_128(ACTIVATION_SHARE x (free - pending) / bytes_per_token),
@@ -47,8 +57,12 @@ import attrs
 
 from core_rl.config.model_sections import AUTO as AUTO  # re-exported beside the formulas
 
-#: the budget on a CPU
+#: the least budget on a CPU, and its budget for a model of unknown shape
 CPU_TOKENS_PER_MB = 768
+#: the largest budget on a CPU
+CPU_MAX_TOKENS_PER_MB = 2048
+#: the activations one micro-batch may keep on a CPU
+CPU_ACTIVATION_BYTES = 256 * 2**20
 #: the least budget ``auto`` gives on a GPU
 GPU_MIN_TOKENS_PER_MB = 1024
 #: the largest budget ``auto`` gives on a GPU (verl's default per GPU)
@@ -163,6 +177,15 @@ def gpu_token_budget(usable_bytes: int, bytes_per_token: int) -> int:
     tokens = int(max(usable_bytes, 0) * ACTIVATION_SHARE) // max(bytes_per_token, 1)
     rounded = tokens // TOKEN_ROUNDING * TOKEN_ROUNDING
     return min(GPU_MAX_TOKENS_PER_MB, max(GPU_MIN_TOKENS_PER_MB, rounded))
+
+
+def cpu_token_budget(bytes_per_token: int) -> int:
+    """The ``auto`` budget on a CPU for activations of ``bytes_per_token`` each: the tokens whose
+    activations fill :data:`CPU_ACTIVATION_BYTES`, rounded down to a multiple of ``TOKEN_ROUNDING``
+    and clamped to ``[CPU_TOKENS_PER_MB, CPU_MAX_TOKENS_PER_MB]``."""
+    tokens = CPU_ACTIVATION_BYTES // max(bytes_per_token, 1)
+    rounded = tokens // TOKEN_ROUNDING * TOKEN_ROUNDING
+    return min(CPU_MAX_TOKENS_PER_MB, max(CPU_TOKENS_PER_MB, rounded))
 
 
 def tokens_per_mb(config: Any) -> int:
