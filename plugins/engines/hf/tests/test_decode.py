@@ -276,7 +276,7 @@ def test_engine_generates_the_same_with_either_decoder(architecture: str, tmp_pa
 
 
 def test_compiled_steps_generate_what_the_eager_steps_do(tmp_path: Path) -> None:
-    """``compile: true``: the engine's lean steps run compiled (:func:`core_rl_hf.decode.compiled_step`)
+    """``compile: true``: the engine's lean steps run compiled (:func:`core_rl_hf.decode.compiled_advance`)
     and a seeded engine generates the same tokens with the same log-probs (up to fused-kernel
     rounding, float32: in bfloat16 one rounding of an input moves a log-prob by ~1e-3) as the eager
     one, over rows that finish at different steps (dropped as they do) and a second call of other
@@ -306,6 +306,46 @@ def test_compiled_steps_generate_what_the_eager_steps_do(tmp_path: Path) -> None
         results.append(got)
     assert frames[1] == frames[0] and frames[2] == frames[1] + 1 and frames[3] == frames[2], frames  # one compilation
     assert len({len(ids) for ids, _, _ in results[0]}) > 1  # rows finished at different steps
+    for (ids_a, reason_a, lp_a), (ids_b, reason_b, lp_b) in zip(*results, strict=True):
+        assert (ids_a, reason_a) == (ids_b, reason_b)
+        torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(
+            n=3,
+            max_new_tokens=8,
+            min_new_tokens=3,
+            temperature=0.7,
+            top_k=6,
+            top_p=0.9,
+            min_p=0.05,
+            repetition_penalty=1.3,
+            frequency_penalty=0.4,
+        ),
+        SamplingParams(n=2, max_new_tokens=8, greedy=True, presence_penalty=0.5),
+    ],
+    ids=["filtered-penalised", "greedy"],
+)
+def test_compiled_choice_with_filters_penalties_and_greedy_matches_the_eager_one(tmp_path: Path, sampling) -> None:
+    """The compiled step and choice (:func:`core_rl_hf.decode.compiled_advance`) with top-k, top-p,
+    min-p, temperature, the three penalties, blocked stop tokens (``min_new_tokens``) and greedy
+    choice: the eager engine's tokens, and its log-probs up to fused-kernel rounding (float32)."""
+    from core_rl.roles.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "model", alphabet="abcdefgh=", seed=0, architecture="qwen2", num_layers=1)
+    prompts = [[1, 5, 6, 7], [1, 8], [1, 3, 4, 5, 6, 7]]
+    results = []
+    for compile_steps in (False, True):
+        engine = HFRolloutEngine(path, HFRolloutConfig(device="cpu", seed=7, compile=compile_steps))
+        try:
+            out = engine.generate(prompts, sampling)
+        finally:
+            engine.close()
+        results.append([(s.response_ids, s.finish_reason, s.logprobs) for group in out for s in group])
+    assert all(len(ids) >= 3 for ids, _, _ in results[0])  # stops were blocked for the first three tokens
     for (ids_a, reason_a, lp_a), (ids_b, reason_b, lp_b) in zip(*results, strict=True):
         assert (ids_a, reason_a) == (ids_b, reason_b)
         torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=1e-5, rtol=0)

@@ -62,12 +62,14 @@ class HFRolloutConfig:
     - ``cuda_graphs``: replay each decoding step from a CUDA graph captured once per batch shape
       (:mod:`core_rl_hf.graphs`); ``null`` (default): on for a CUDA device with the lean decoder,
       off otherwise; ``true`` requires both; ``false``: launch every step's kernels from Python.
-    - ``compile``: ``torch.compile`` the lean decoding step (:func:`core_rl_hf.decode.compiled_step`;
-      inductor, dynamic shapes) wherever no CUDA graph replays it, as on a CPU: the element-wise
+    - ``compile``: ``torch.compile`` the lean decoding step and the token choice after it
+      (:func:`core_rl_hf.decode.compiled_advance`; inductor, the model's sizes constant, the rows
+      and positions symbolic) wherever no CUDA graph replays it, as on a CPU: the element-wise
       work around each layer's matrix products (norms, rotary embeddings, cache writes, the
-      activation, casts) runs as a few fused kernels instead of dozens of operator calls. The first
-      generation of a process pays the compilation, 1-4 minutes for small models on a 2-core CPU
-      (inductor caches its kernels across runs); the logits differ from the eager step's by
+      activation, casts) and the choice's (filters, penalties, sampling, bookkeeping) run as a few
+      fused kernels instead of dozens of operator calls. The first generation of a process pays
+      the compilation, 15-20 s for the CPU benchmark's small models on a 2-core CPU (inductor
+      caches its kernels across runs); the logits differ from the eager step's by
       float rounding (with ``autocast_dtype`` up to ~1e-3 in a log-prob: a bfloat16 input rounded
       from other float32 sums). Needs the lean decoder (``decoder: auto`` on a Llama or Qwen2
       model) and, on a CPU, a C++ compiler.

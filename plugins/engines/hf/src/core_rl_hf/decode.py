@@ -49,6 +49,7 @@ from core_rl_train_kit import attention
 from torch.compiler import config as compiler_config
 from torch.fx.experimental import _config as fx_config
 
+from core_rl_hf.decode_state import DecodeState
 from core_rl_hf.kv_cache import cache_argument, output_cache, preallocate
 
 #: model classes whose decoder layers :class:`LeanStepper` reproduces
@@ -465,34 +466,46 @@ def _layer_states(cache: Any, index: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 #: the source name under which dynamo sees :attr:`LeanStepper.length` in the compiled step, marked
 #: dynamic from the first compilation (a name this torch does not use only costs one recompilation)
-_LENGTH_SOURCE = "L['self'].length"
+_LENGTH_SOURCE = "L['stepper'].length"
+
+
+def advance(stepper: LeanStepper, state: DecodeState, uniform: torch.Tensor | None) -> None:
+    """One decoding step and the choice after it: ``state.choose(stepper.step(state.feed),
+    uniform)`` (``uniform``: the choice's draws, :meth:`DecodeState.draw`)."""
+    state.choose(stepper.step(state.feed), uniform)
 
 
 @functools.cache
-def compiled_step() -> Callable[[LeanStepper, torch.Tensor], torch.Tensor]:
-    """:meth:`LeanStepper.step` compiled by ``torch.compile`` (inductor), once per process:
-    ``compiled_step()(stepper, tokens)`` computes what ``stepper.step(tokens)`` does, with the
-    element-wise work of each layer fused into a few kernels. Only what changes between steps and
-    batches is symbolic: the rows, the buffers' capacity and the positions cached (so batches of
-    other sizes, rows dropped and longer prompts reuse the compiled code); the model's sizes are
-    constants, so each call checks far fewer guards than with every size symbolic (``dynamic=True``:
-    ~690 Python guards, ~0.25 ms a call on the medium CPU benchmark, and more work computing the
-    symbolic sizes before each call) and the kernels are specialised to them. A model of other
-    sizes, dtypes or layer count compiles again (up to dynamo's recompile limit, then the steps run
-    eagerly). The first call pays the compilation; the logits differ from the eager step's by
-    float rounding."""
-    compiled = torch.compile(LeanStepper.step)
+def compiled_advance() -> Callable[[LeanStepper, DecodeState, torch.Tensor | None], None]:
+    """:func:`advance` compiled by ``torch.compile`` (inductor), once per process:
+    ``compiled_advance()(stepper, state, state.draw())`` does what ``advance`` does, the
+    element-wise work of each layer and of the token choice fused into a few kernels (the draws
+    are made before it, from the state's generator: compiled code takes none, and the stream is
+    the eager step's). Only what changes between steps and batches is symbolic: the rows, the
+    buffers' capacity, the positions cached and the tokens a batch may generate (so batches of
+    other sizes, rows dropped and longer prompts reuse the compiled code); the model's sizes and
+    the sampling settings are constants, so each call checks far fewer guards than with every size
+    symbolic (``dynamic=True``: ~690 Python guards, ~0.25 ms a call on the medium CPU benchmark,
+    and more work computing the symbolic sizes before each call) and the kernels are specialised
+    to them. A model of other sizes, dtypes or layer count, or other sampling settings, compiles
+    again (up to dynamo's recompile limit, then the steps run eagerly). The first call pays the
+    compilation; the logits differ from the eager step's by float rounding."""
+    compiled = torch.compile(advance)
 
-    def step(stepper: LeanStepper, tokens: torch.Tensor) -> torch.Tensor:
-        _mark_dynamic(tokens, 0)
+    def step(stepper: LeanStepper, state: DecodeState, uniform: torch.Tensor | None) -> None:
         _mark_dynamic(stepper.position_ids, 0)
         _mark_dynamic(stepper.mask, 0, 1)
         for buffer in (*stepper.keys, *stepper.values):
             _mark_dynamic(buffer, 0, 2)
+        for rows in (state.tokens, state.logprobs):
+            _mark_dynamic(rows, 0, 1)
+        for rows in (state.lengths, state.stopped, state.done, state.feed, state.seen, state.counts, uniform):
+            if rows is not None:
+                _mark_dynamic(rows, 0)
         # no "duck sizing": sizes equal by chance (rows and positions) must not be assumed equal,
         # or the next batch compiles again
         with fx_config.patch(use_duck_shape=False), compiler_config.patch(dynamic_sources=_LENGTH_SOURCE):
-            return compiled(stepper, tokens)
+            compiled(stepper, state, uniform)
 
     return step
 

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import torch
 from core_rl.interfaces import SamplingParams
 
-from core_rl_hf.sampling import apply_penalties, choose_tokens, penalties_set
+from core_rl_hf.sampling import apply_penalties, choose_tokens, penalties_set, uniform_draws
 
 
 class DecodeState:
@@ -110,8 +110,17 @@ class DecodeState:
         self.seen.copy_(self.counts > 0)
         self.counts.zero_().scatter_add_(1, tokens, (real & generated).float())
 
-    def choose(self, logits: torch.Tensor) -> None:
-        """Choose and record token ``t`` of every row from ``logits`` [rows, V] (module docstring)."""
+    def draw(self) -> torch.Tensor | None:
+        """The uniform numbers the next sampled choice takes, one per row (``[rows, 1]`` float64,
+        from the state's generator: :func:`~core_rl_hf.sampling.uniform_draws`); ``None`` when the
+        choice is greedy."""
+        if self.sampling.greedy:
+            return None
+        return uniform_draws(len(self.done), self.done.device, self.generator)
+
+    def choose(self, logits: torch.Tensor, uniform: torch.Tensor | None = None) -> None:
+        """Choose and record token ``t`` of every row from ``logits`` [rows, V] (module docstring);
+        a sampled choice with the draws ``uniform`` (:meth:`draw`) where given, else drawing them."""
         blocked = None
         if self.blocks_stops:
             blocked = self.stop_mask & (self.t < self.min_new_tokens)
@@ -119,7 +128,7 @@ class DecodeState:
         if self.seen is not None and self.counts is not None:
             penalised = apply_penalties(logits, self.seen, self.counts, self.sampling)
         token, logprob = choose_tokens(
-            logits, self.sampling, blocked=blocked, generator=self.generator, penalised=penalised
+            logits, self.sampling, blocked=blocked, generator=self.generator, penalised=penalised, uniform=uniform
         )
         if self.seen is not None and self.counts is not None:
             self.seen.scatter_(1, token[:, None], True)

@@ -49,7 +49,8 @@ from core_rl.roles.moe import NO_ROUTE, ROUTE_DTYPE, RouteRecorder, route_shape
 from core_rl_hf.decode import (
     LeanStepper,
     TransformersStepper,
-    compiled_step,
+    advance,
+    compiled_advance,
     lean_supported,
     make_stepper,
     mixed_precision,
@@ -124,7 +125,7 @@ def generate_batch(
     frequency and presence penalties count as generated (default none). ``record_routes``: each
     completion carries its ``routed_experts`` (module docstring; the transformers stepper runs).
     ``compile_steps``: run the lean steps that no CUDA graph replays through
-    :func:`core_rl_hf.decode.compiled_step`."""
+    :func:`core_rl_hf.decode.compiled_advance` (the step and the token choice after it)."""
     with RouteRecorder(model) if record_routes else contextlib.nullcontext() as recorder:
         return _generate(
             model,
@@ -228,7 +229,7 @@ def _generate(
         stepper.load(cache, mask, last_position)  # the capture's warm-up moved them on
         cache = None  # the prompts' keys and values are in the stepper's buffers now
         state.reset(steps, live=total, min_new_tokens=sampling.min_new_tokens)
-        advance, keep = graphed.replay, None
+        next_token, keep = graphed.replay, None
     else:
         if stepper is None:
             if len(rows) > total:  # no graph after all (its capture failed): the batch's own rows
@@ -240,10 +241,11 @@ def _generate(
             )
         eager = stepper
         state = new_state()
-        step = compiled_step() if compile_steps and isinstance(eager, LeanStepper) else type(eager).step
+        compiled = compile_steps and isinstance(eager, LeanStepper)
+        step_and_choose = compiled_advance() if compiled else advance
 
-        def advance() -> None:
-            state.choose(step(eager, state.feed))
+        def next_token() -> None:
+            step_and_choose(eager, state, state.draw())
             if routes is not None:
                 routes.after_step()
 
@@ -261,7 +263,7 @@ def _generate(
     check = None
     if sampling.stop and decode_text is not None:
         check = StopStringCheck(sampling.stop, decode_text, sampling.min_new_tokens, sync_every)
-    aborted = _decode(state, advance, steps, sync_every=sync_every, keep=keep, interrupted=interrupted, check=check)
+    aborted = _decode(state, next_token, steps, sync_every=sync_every, keep=keep, interrupted=interrupted, check=check)
 
     tokens_l, logprobs_l, lengths_l, stopped_l = state.results()
     completions = [

@@ -109,12 +109,14 @@ def choose_tokens(
     blocked: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     penalised: torch.Tensor | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row of ``logits`` [B, V] (float32) as the module docstring describes;
     ``blocked``: bool [V], the ids that may not be chosen (``None``: none); ``penalised``: the
     logits after :func:`apply_penalties`, which the choice reads instead (``None``: ``logits``).
     Only device operations, so it can be captured in a CUDA graph (the sampling draws from
-    ``generator``, or torch's default generator of the logits' device).
+    ``generator``, or torch's default generator of the logits' device, unless ``uniform`` gives
+    the draws: :func:`uniform_draws`).
 
     Returns ``(tokens [B] long, logprobs [B] float32)``.
     """
@@ -128,20 +130,31 @@ def choose_tokens(
             scaled = penalised / sampling.temperature
         filtered = top_p_filter(top_k_filter(block_tokens(scaled, blocked), sampling.top_k), sampling.top_p)
         filtered = min_p_filter(filtered, sampling.min_p)
-        tokens = sample_rows(torch.softmax(filtered, dim=-1), generator)
+        tokens = sample_rows(torch.softmax(filtered, dim=-1), generator, uniform)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def sample_rows(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def uniform_draws(rows: int, device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The uniform numbers one sampled choice of ``rows`` rows draws (:func:`sample_rows`): ``[rows,
+    1]`` float64 in [0, 1) from ``generator`` (or the device's default generator). Drawn apart from
+    the choice, they let the choice run in compiled code that takes no generator, from the same
+    stream."""
+    return torch.rand((rows, 1), generator=generator, device=device, dtype=torch.float64)
+
+
+def sample_rows(
+    probs: torch.Tensor, generator: torch.Generator | None = None, uniform: torch.Tensor | None = None
+) -> torch.Tensor:
     """One token per row of ``probs`` [B, V] (each row's probabilities, summing to about 1), by the
     inverse of its cumulative distribution: with ``c_j = sum_{i<=j} p_i`` (float64) and one uniform
     ``u`` per row, the token is the first ``j`` with ``c_j > u * c_V``. Exactly ``p``'s distribution
     (a token of probability 0 adds nothing to ``c`` and is never chosen), from one random number per
     row: ``torch.multinomial`` draws one per vocabulary entry (an exponential race), which on a CPU
     took 12% of a 135M model's decoding at a 49k vocabulary. Device operations only (a CUDA graph
-    can capture it). Returns ``[B]`` long."""
+    can capture it). ``uniform``: the ``u`` of each row (:func:`uniform_draws`), else drawn here from
+    ``generator``. Returns ``[B]`` long."""
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=torch.float64)
+    u = uniform if uniform is not None else uniform_draws(probs.shape[0], probs.device, generator)
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
     return tokens.clamp_(max=probs.shape[-1] - 1)  # u * c_V rounding to c_V itself
 
