@@ -130,9 +130,10 @@ class MicroBatchConfig:
       for backward (they grow with the tokens of one micro-batch, not of the batch). ``auto`` (the
       default) is chosen once at the run's start, where the role's engine knows its device, and
       printed (``core-rl: actor.micro_batch.max_tokens_per_mb: auto -> 16384 (cuda:0, ...)``):
-      768 on a CPU (there the matrix products are already large enough to run near full speed:
-      the TRL benchmark's updates took the same time as with 1024 or 8192, with 10-15% and 30-40%
-      less peak memory); on a GPU what the free device memory holds for this model's activations,
+      on a CPU the tokens whose activations fill 256 MiB, between 768 (a 0.1B-or-larger model:
+      its matrix products already run near full speed there) and 2048 (small models, whose
+      shorter micro-batches show each one's fixed costs); on a GPU what the free device memory
+      holds for this model's activations,
       between 1024 and 16384 (the formula: :mod:`core_rl.loops.token_budget`; on one H100
       a 0.36B model's update took 5.74 s with 768 and 0.23 s with 16640). A number always wins.
       ``<run>/config.yaml`` keeps ``auto`` with the chosen value in a comment.
