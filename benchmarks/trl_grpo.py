@@ -498,10 +498,10 @@ def print_table(table: list[tuple[Workload, int, dict[str, Summary]]]) -> None:
         label = f"{wl.name} {params / 1e6:.2f}M {wl.prompts}x{wl.samples}x{wl.tokens}"
         trl = sides.get("trl")
         for kind, s in sides.items():
-            ratio = f"{s.step / trl.step:.2f}x" if trl is not None else "-"
+            ratio = f"{s.step / trl.step:.3f}x" if trl is not None else "-"
             mem = f" ({s.peak_rss_mib / trl.peak_rss_mib:.2f}x)" if trl is not None and kind != "trl" else ""
             print(
-                f"{label:<30}{kind:<10}{s.step:>8.3f}{s.first_step:>8.3f}{s.split['generate']:>10.3f}{s.split['logprobs']:>10.3f}"
+                f"{label:<30}{kind:<10}{s.step:>8.4f}{s.first_step:>8.3f}{s.split['generate']:>10.3f}{s.split['logprobs']:>10.3f}"
                 f"{s.split['train']:>8.3f}{s.split['weight_sync']:>7.3f}{s.split['other']:>7.3f}"
                 f"{s.peak_rss_mib:>10.0f}{ratio:>8}{mem:<8}{_cpu_columns(s, trl)}"
             )
@@ -514,7 +514,7 @@ def _cpu_columns(s: Summary, trl: Summary | None) -> str:
         return ""
     ratio = "-"
     if trl is not None and "cpu_step" in trl.split:
-        ratio = f"{s.split['cpu_step'] / trl.split['cpu_step']:.2f}x"
+        ratio = f"{s.split['cpu_step'] / trl.split['cpu_step']:.3f}x"
     return f"{s.split['cpu_step']:>7.3f}{s.split['cpu_rollout']:>8.3f}{s.split['cpu_update']:>8.3f}{ratio:>8}"
 
 

@@ -130,8 +130,8 @@ class MicroBatchConfig:
       for backward (they grow with the tokens of one micro-batch, not of the batch). ``auto`` (the
       default) is chosen once at the run's start, where the role's engine knows its device, and
       printed (``core-rl: actor.micro_batch.max_tokens_per_mb: auto -> 16384 (cuda:0, ...)``):
-      on a CPU the tokens whose activations fill 256 MiB, between 768 (a 0.1B-or-larger model:
-      its matrix products already run near full speed there) and 2048 (small models, whose
+      on a CPU the tokens whose activations fill 256 MiB, between 768 (SmolLM2-135M and larger
+      models: their matrix products already run near full speed there) and 2048 (small models, whose
       shorter micro-batches show each one's fixed costs); on a GPU what the free device memory
       holds for this model's activations,
       between 1024 and 16384 (the formula: :mod:`core_rl.loops.token_budget`; on one H100

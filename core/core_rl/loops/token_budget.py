@@ -7,14 +7,15 @@ between :data:`CPU_TOKENS_PER_MB` (768) and :data:`CPU_MAX_TOKENS_PER_MB` (2048)
 
     budget = clamp(floor_128(CPU_ACTIVATION_BYTES / bytes_per_token), 768, 2048)
 
-There memory is rarely what bounds a micro-batch; its speed is. A micro-batch of a 0.1B-or-larger
-model holds enough work at 768 tokens for its matrix products to run near full speed, and more
-only costs memory and cache (a 135M model's update: 7.47 s a step at 768, 7.72 s at 1536), so
-such models get 768. A narrow model's 768-token micro-batch is small enough that each one's fixed
-costs show (its Python, the compiled graph's call, the log-prob head's chunks): the medium CPU
-benchmark model (3.2M parameters, hidden size 256) updated in 0.36 s at 768 and 0.33 s at 1536 to
-3072, so models this small get up to 2048. A model whose shape is unknown gets 768. On a GPU it is
-what fits in the memory left free, with half of it kept in reserve::
+There memory is rarely what bounds a micro-batch; its speed is. A micro-batch of SmolLM2-135M
+(822 KiB of activations a token in bfloat16) or a larger model holds enough work at 768 tokens for
+its matrix products to run near full speed, and more only costs memory and cache (the 135M
+model's update: 7.47 s a step at 768, 7.72 s at 1536), so such models get 768. A narrow model's
+768-token micro-batch is small enough that each one's fixed costs show (its Python, the compiled
+graph's call, the log-prob head's chunks): the medium CPU benchmark model (3.2M parameters,
+hidden size 256) updated in 0.36 s at 768 and 0.33 s at 1536 to 3072, so models this small get
+up to 2048. A model whose shape is unknown gets 768. On a GPU it is what fits in the memory left
+free, with half of it kept in reserve::
 
     budget = clamp(floor_128(ACTIVATION_SHARE x (free - pending) / bytes_per_token),
                    GPU_MIN_TOKENS_PER_MB, GPU_MAX_TOKENS_PER_MB)
