@@ -175,18 +175,23 @@ def gpu_token_budget(usable_bytes: int, bytes_per_token: int) -> int:
     """The ``auto`` budget on a GPU with ``usable_bytes`` (free minus pending) for activations of
     ``bytes_per_token`` each: ``ACTIVATION_SHARE`` of it, in tokens, rounded down to a multiple of
     ``TOKEN_ROUNDING`` and clamped to ``[GPU_MIN_TOKENS_PER_MB, GPU_MAX_TOKENS_PER_MB]``."""
-    tokens = int(max(usable_bytes, 0) * ACTIVATION_SHARE) // max(bytes_per_token, 1)
-    rounded = tokens // TOKEN_ROUNDING * TOKEN_ROUNDING
-    return min(GPU_MAX_TOKENS_PER_MB, max(GPU_MIN_TOKENS_PER_MB, rounded))
+    share = int(max(usable_bytes, 0) * ACTIVATION_SHARE)
+    return tokens_filling(share, bytes_per_token, GPU_MIN_TOKENS_PER_MB, GPU_MAX_TOKENS_PER_MB)
 
 
 def cpu_token_budget(bytes_per_token: int) -> int:
     """The ``auto`` budget on a CPU for activations of ``bytes_per_token`` each: the tokens whose
     activations fill :data:`CPU_ACTIVATION_BYTES`, rounded down to a multiple of ``TOKEN_ROUNDING``
     and clamped to ``[CPU_TOKENS_PER_MB, CPU_MAX_TOKENS_PER_MB]``."""
-    tokens = CPU_ACTIVATION_BYTES // max(bytes_per_token, 1)
-    rounded = tokens // TOKEN_ROUNDING * TOKEN_ROUNDING
-    return min(CPU_MAX_TOKENS_PER_MB, max(CPU_TOKENS_PER_MB, rounded))
+    return tokens_filling(CPU_ACTIVATION_BYTES, bytes_per_token, CPU_TOKENS_PER_MB, CPU_MAX_TOKENS_PER_MB)
+
+
+def tokens_filling(activation_bytes: int, bytes_per_token: int, least: int, most: int) -> int:
+    """``clamp(floor_128(activation_bytes / bytes_per_token), least, most)``: the tokens whose
+    activations of ``bytes_per_token`` each fit in ``activation_bytes``, rounded down to a multiple
+    of ``TOKEN_ROUNDING`` and clamped to ``[least, most]``."""
+    tokens = max(activation_bytes, 0) // max(bytes_per_token, 1)
+    return min(most, max(least, tokens // TOKEN_ROUNDING * TOKEN_ROUNDING))
 
 
 def tokens_per_mb(config: Any) -> int:
