@@ -21,7 +21,8 @@ class TestVLLMRolloutEngine(ServerRolloutEngineContract):
     name = "vllm"
     distribution = installed_distribution("core-rl-vllm")
     options: ClassVar[dict[str, Any]] = {"dtype": "bfloat16", "max_num_seqs": 64}
-    tiny_model_options: ClassVar[dict[str, Any]] = {"num_heads": 2}  # vLLM's CPU attention: head size >= 32
+    # vLLM's CPU attention: head size >= 32; 2048 positions: room for the long request below
+    tiny_model_options: ClassVar[dict[str, Any]] = {"num_heads": 2, "max_position_embeddings": 2048}
     forks_on_cpu = True
     logprob_atol = 2e-2
     min_p_logprobs_renormalised = True  # --logprobs-mode processed_logprobs (core_rl_vllm.engine)
@@ -49,21 +50,25 @@ class TestVLLMRolloutEngine(ServerRolloutEngineContract):
     @pytest.mark.usefixtures("together")
     def test_a_batched_request_comes_back_as_soon_as_it_finishes(self, engine) -> None:
         """The batch route streams each request's answer when it finishes: a 1-token request sent
-        with a 200-token one is answered while the long one still has 199 engine steps to go (an
-        answer sent once the whole batch finished would bring both within milliseconds)."""
+        with a 1000-token one is answered while the long one still has 999 engine steps to go. An
+        answer sent once the whole batch finished resolves both from one reply, a thread switch
+        (<= 5 ms) apart. 999 steps of the tiny model take ~1.1 s on a 2-core host; one CI run
+        answered a 200-token request only 36 ms after a 1-token one (~180 ms at 1000 tokens)."""
         (log,) = engine.server_logs().values()
         before = len(log.read_text())
 
-        async def both() -> float:
+        async def both() -> tuple[bool, float]:
             long = asyncio.ensure_future(
-                engine.agenerate([1, 10, 11, 12], SamplingParams(n=1, max_new_tokens=200, min_new_tokens=200))
+                engine.agenerate([1, 10, 11, 12], SamplingParams(n=1, max_new_tokens=1000, min_new_tokens=1000))
             )
             await engine.agenerate([1, 11, 11, 12], SamplingParams(n=1, max_new_tokens=1, min_new_tokens=1))
             short_done = time.perf_counter()
+            long_pending = not long.done()
             await long
-            return time.perf_counter() - short_done
+            return long_pending, time.perf_counter() - short_done
 
-        assert asyncio.run(both()) > 0.05, "the short request waited for the long one"
+        long_pending, gap = asyncio.run(both())
+        assert long_pending and gap > 0.05, f"the short request waited for the long one (answered {gap:.4f} s apart)"
         assert log.read_text()[before:].count(f"POST {BATCH_ROUTE} ") == 1
 
     @pytest.mark.usefixtures("together")
