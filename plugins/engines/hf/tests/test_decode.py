@@ -11,10 +11,19 @@ import pytest
 import torch
 from core_rl.interfaces import SamplingParams
 from core_rl_hf.config import HFRolloutConfig
-from core_rl_hf.decode import LeanStepper, TransformersStepper, lean_supported, make_stepper, mixed_precision
+from core_rl_hf.decode import (
+    LeanStepper,
+    TransformersStepper,
+    _one_query_attention,
+    lean_supported,
+    make_stepper,
+    mixed_precision,
+)
 from core_rl_hf.engine import HFRolloutEngine
 from core_rl_hf.generation import left_pad
 from core_rl_train_kit import attention
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 VOCAB = 40
 
@@ -356,3 +365,29 @@ def test_compile_needs_the_lean_decoder() -> None:
 
     with pytest.raises(FieldValueError, match=r"compile.*decoder: transformers does not use; set decoder: auto"):
         HFRolloutConfig(compile=True, decoder="transformers")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 3),
+    span=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_one_query_attention_on_a_cpu_is_sdpas_sum(rows: int, kv_heads: int, group: int, span: int, seed: int) -> None:
+    """The decoding step's float32 CPU attention (two matrix products around a masked softmax) gives
+    SDPA's result over random keys, values and masks (the newest position always attended, as a
+    step's is), grouped query heads included; a masked position's key and value change nothing."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, kv_heads, group, 16, generator=generator)
+    k = torch.randn(rows, kv_heads, span, 16, generator=generator)
+    v = torch.randn(rows, kv_heads, span, 16, generator=generator)
+    mask = torch.rand(rows, 1, 1, span, generator=generator) < 0.7
+    mask[..., -1] = True
+    got = _one_query_attention(q, k, v, mask, 0.25)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    hidden = ~mask[:, :, 0, :, None].expand_as(k)
+    changed = _one_query_attention(q, k.masked_fill(hidden, 1e3), v.masked_fill(hidden, -7.0), mask, 0.25)
+    assert torch.equal(changed, got)

@@ -11,8 +11,9 @@ small interface (``step(tokens, done) -> logits [B, V]``, ``keep(rows)``):
   head_dim]`` key/value buffers and a boolean attention mask over them. Per layer:
   ``h += o_proj(attn(rope(q_proj(n)), rope(k_proj(n)), v_proj(n)))`` with ``n = rms_norm(h)``, then
   ``h += down_proj(silu(gate_proj(n)) * up_proj(n))`` with ``n = rms_norm(h)``; attention is
-  :func:`torch.nn.functional.scaled_dot_product_attention` over the cached positions, as the
-  transformers forward computes it. It skips what a one-token step does not need from the
+  scaled dot-product attention over the cached positions, as the transformers forward computes it
+  (a step's single query in float32 on a CPU as two matrix products around a softmax:
+  :func:`_one_query_attention`). It skips what a one-token step does not need from the
   general forward (mask construction over the whole sequence, module dispatch, cache objects),
   which was about 40% of a decode step on small models on CPU. Its logits equal the transformers
   forward's up to float rounding (tests compare them). It prefills too (:meth:`LeanStepper.prefill`:
@@ -337,12 +338,12 @@ class LeanStepper:
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             self._write(self.keys[i], k)
             self._write(self.values[i], v)
-            out = F.scaled_dot_product_attention(
+            out = _one_query_attention(
                 q.reshape(batch, self.kv_heads, -1, self.head_dim),
                 self.keys[i][:, :, :span],
                 self.values[i][:, :, :span],
-                attn_mask=mask,
-                scale=self.scaling,
+                mask,
+                self.scaling,
             )
             return out.reshape(batch, 1, -1)
 
@@ -350,6 +351,25 @@ class LeanStepper:
         self.pos.add_(1)
         self.length += 1
         return self._logits(hidden)
+
+
+def _one_query_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of one query position per row over ``span`` cached positions: ``q`` [B, kv_heads,
+    group, head_dim] (the query heads sharing a key/value head as its rows), ``k`` and ``v`` [B,
+    kv_heads, span, head_dim], ``mask`` [B, 1, 1, span] (true: attend); ``softmax(scale * q k^T,
+    masked) v``. In float32 on a CPU (``sdpa_float32``, what the engines load there) as two matrix
+    products around a masked softmax: the flash kernel's fixed cost per row and head dominates at
+    decoding's sizes, and under the compiled step inductor fuses the scaling, masking and softmax
+    (the medium CPU benchmark's decode 0.27-0.28 -> 0.24 s, ``docs/benchmarks.md``). Otherwise
+    :func:`torch.nn.functional.scaled_dot_product_attention`, whose kernels keep a low-precision
+    softmax's inputs in float32. Both are the same sum, rounded differently (float32 rounding, as
+    between SDPA's own kernels)."""
+    if q.device.type != "cpu" or q.dtype != torch.float32:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    return torch.matmul(scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
 
 
 @attrs.frozen
