@@ -117,6 +117,9 @@ def test_mixed_precision_steps_give_the_autocast_forwards_logits(name: str, attn
     lean, _ = _prefilled(model, LeanStepper, prompts, capacity=16, compute_dtype=bf16)
     plain, _ = _prefilled(model, TransformersStepper, prompts, capacity=16, compute_dtype=bf16)
     full_precision, _ = _prefilled(model, LeanStepper, prompts, capacity=16)
+    # values are v_proj's bf16 outputs, kept in bf16 (exact); rotated keys in the attention's dtype
+    assert lean.values[0].dtype == bf16
+    assert lean.keys[0].dtype == (torch.float32 if attn == attention.NAME else bf16)
     generator = torch.Generator().manual_seed(1)
     rows, same, differs, total = len(prompts), 0, 0, 0
     for step in range(9):

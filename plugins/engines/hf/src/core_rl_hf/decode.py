@@ -27,7 +27,10 @@ once per stepper, and keeps the embeddings, norms, rotary embedding and the resi
 weights' dtype: the arithmetic of a forward under ``torch.autocast``. Attention (and its key/value
 buffers) follows the model's attention implementation as autocast runs it: with ``sdpa_float32``
 (:mod:`core_rl_train_kit.attention`, what the engines load on a CPU) in the weights' dtype, with
-``sdpa`` (on a GPU) in ``compute_dtype``, as autocast casts SDPA's inputs.
+``sdpa`` (on a GPU) in ``compute_dtype``, as autocast casts SDPA's inputs. The value buffers hold
+``compute_dtype`` either way: values come out of ``v_proj`` in it, so keeping them there is exact,
+and float32 attention widens them as it reads them (half the bytes a decoding step reads of them;
+the rotated keys are float32 sums and stay in the attention dtype).
 :class:`TransformersStepper` runs the forward under ``torch.autocast``.
 
 A row whose response is finished is fed a filler token whose outputs are discarded until it is
@@ -197,7 +200,7 @@ class LeanStepper:
             out = F.scaled_dot_product_attention(
                 q,
                 k.repeat_interleave(group, dim=1),
-                v.repeat_interleave(group, dim=1),
+                v.to(q.dtype).repeat_interleave(group, dim=1),
                 attn_mask=allowed,
                 is_causal=allowed is None,
                 scale=stepper.scaling,
@@ -240,9 +243,9 @@ class LeanStepper:
         # otherwise a step reads only positions written before it (zeroing 8 MiB a layer cost ~4%
         # of the medium CPU benchmark's generation)
         make = torch.zeros if self.static else torch.empty
-        kind = dict(dtype=self.attention_dtype, device=position_ids.device)
-        self.keys = [make(shape, **kind) for _ in self.layers]
-        self.values = [make(shape, **kind) for _ in self.layers]
+        device = position_ids.device
+        self.keys = [make(shape, dtype=self.attention_dtype, device=device) for _ in self.layers]
+        self.values = [make(shape, dtype=self.dtype, device=device) for _ in self.layers]  # exact: v_proj's outputs
         self.mask = torch.zeros((rows, self.capacity), dtype=torch.bool, device=position_ids.device)
         self.position_ids = position_ids.clone()
         self.pos = position_ids.new_zeros(1)  # the buffer slot the next step writes
@@ -298,8 +301,9 @@ class LeanStepper:
         attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         """The decoder layers over ``hidden`` [B, T, H] (module docstring), ``attend(layer, q, k,
-        v)`` (rotated, in the attention dtype, ``[B, heads, T, head_dim]``) giving each layer's
-        attention output ``[B, T, heads * head_dim]``; the last hidden states, not yet normed."""
+        v)`` (``[B, heads, T, head_dim]``: ``q`` and ``k`` rotated, in the attention dtype, ``v`` in
+        the projections') giving each layer's attention output ``[B, T, heads * head_dim]``; the
+        last hidden states, not yet normed."""
         batch, length, dtype = hidden.shape[0], hidden.shape[1], self.dtype
         for i, (layer, w) in enumerate(zip(self.layers, self.weights)):
             normed = _rms_norm(layer.input_layernorm, hidden).to(dtype)
@@ -308,7 +312,7 @@ class LeanStepper:
             k = k.view(batch, length, -1, self.head_dim).transpose(1, 2)
             v = v.view(batch, length, -1, self.head_dim).transpose(1, 2)
             q, k = self.apply_rope(q, k, cos, sin)
-            q, k, v = q.to(self.attention_dtype), k.to(self.attention_dtype), v.to(self.attention_dtype)
+            q, k = q.to(self.attention_dtype), k.to(self.attention_dtype)
             (attended,) = w.o(attend(i, q, k, v).to(dtype))
             hidden = hidden + attended
             normed = _rms_norm(layer.post_attention_layernorm, hidden).to(dtype)
@@ -358,18 +362,19 @@ def _one_query_attention(
 ) -> torch.Tensor:
     """Attention of one query position per row over ``span`` cached positions: ``q`` [B, kv_heads,
     group, head_dim] (the query heads sharing a key/value head as its rows), ``k`` and ``v`` [B,
-    kv_heads, span, head_dim], ``mask`` [B, 1, 1, span] (true: attend); ``softmax(scale * q k^T,
-    masked) v``. In float32 on a CPU (``sdpa_float32``, what the engines load there) as two matrix
-    products around a masked softmax: the flash kernel's fixed cost per row and head dominates at
-    decoding's sizes, and under the compiled step inductor fuses the scaling, masking and softmax
-    (the medium CPU benchmark's decode 0.27-0.28 -> 0.24 s, ``docs/benchmarks.md``). Otherwise
+    kv_heads, span, head_dim] (``v`` possibly narrower, widened to ``q``'s dtype as it is read),
+    ``mask`` [B, 1, 1, span] (true: attend); ``softmax(scale * q k^T, masked) v``. In float32 on a
+    CPU (``sdpa_float32``, what the engines load there) as two matrix products around a masked
+    softmax: the flash kernel's fixed cost per row and head dominates at decoding's sizes, and
+    under the compiled step inductor fuses the scaling, masking and softmax (the medium CPU
+    benchmark's decode 0.27-0.28 -> 0.24 s, ``docs/benchmarks.md``). Otherwise
     :func:`torch.nn.functional.scaled_dot_product_attention`, whose kernels keep a low-precision
     softmax's inputs in float32. Both are the same sum, rounded differently (float32 rounding, as
     between SDPA's own kernels)."""
     if q.device.type != "cpu" or q.dtype != torch.float32:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v.to(q.dtype), attn_mask=mask, scale=scale)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    return torch.matmul(scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
+    return torch.matmul(scores.masked_fill(~mask, float("-inf")).softmax(-1), v.to(q.dtype))
 
 
 @attrs.frozen
