@@ -247,6 +247,12 @@ class LeanStepper:
         self.keys = [make(shape, dtype=self.attention_dtype, device=device) for _ in self.layers]
         self.values = [make(shape, dtype=self.dtype, device=device) for _ in self.layers]  # exact: v_proj's outputs
         self.mask = torch.zeros((rows, self.capacity), dtype=torch.bool, device=position_ids.device)
+        # the rotary embedding of every position a step can reach (at most capacity - 1), from the
+        # model's own module: a step gathers its rows' rows instead of evaluating cos and sin,
+        # which a compiled step otherwise re-evaluates inside attention's loop over the positions
+        positions = torch.arange(self.capacity, device=device)[None]
+        cos, sin = self.model.model.rotary_emb(torch.empty(0, dtype=self.state_dtype, device=device), positions)
+        self.rotary = (cos[0], sin[0])  # [capacity, head_dim] each
         self.position_ids = position_ids.clone()
         self.pos = position_ids.new_zeros(1)  # the buffer slot the next step writes
         self.length = 0  # the same on the host (the attended span when not static)
@@ -336,7 +342,7 @@ class LeanStepper:
         # become that head's query rows; one mask row [B, 1, 1, span] serves them all
         mask = self.mask[:, None, None, :span]
         hidden = model.model.embed_tokens(tokens[:, None])  # [B, 1, H]
-        cos, sin = model.model.rotary_emb(hidden, self.position_ids)  # [B, 1, head_dim]
+        cos, sin = (table[self.position_ids] for table in self.rotary)  # [B, 1, head_dim]
         batch = hidden.shape[0]
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -522,6 +528,8 @@ def compiled_advance() -> Callable[[LeanStepper, DecodeState, torch.Tensor | Non
         _mark_dynamic(stepper.mask, 0, 1)
         for buffer in (*stepper.keys, *stepper.values):
             _mark_dynamic(buffer, 0, 2)
+        for table in stepper.rotary:
+            _mark_dynamic(table, 0)
         for rows in (state.tokens, state.logprobs):
             _mark_dynamic(rows, 0, 1)
         for rows in (state.lengths, state.stopped, state.done, state.feed, state.seen, state.counts, uniform):
