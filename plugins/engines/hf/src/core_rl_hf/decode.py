@@ -520,8 +520,10 @@ def compiled_advance() -> Callable[[LeanStepper, DecodeState, torch.Tensor | Non
     and more work computing the symbolic sizes before each call) and the kernels are specialised
     to them. A model of other sizes, dtypes or layer count, or other sampling settings, compiles
     again (up to dynamo's recompile limit, then the steps run eagerly). The first call pays the
-    compilation; the logits differ from the eager step's by float rounding."""
-    compiled = torch.compile(advance)
+    compilation; the logits differ from the eager step's by float rounding. The compiled code
+    does not assert its inputs' sizes and strides on each call (inductor's ``size_asserts``):
+    dynamo's guards have checked them before it runs, and the asserts were ~40 checks a step."""
+    compiled = torch.compile(advance, options={"size_asserts": False})
 
     def step(stepper: LeanStepper, state: DecodeState, uniform: torch.Tensor | None) -> None:
         _mark_dynamic(stepper.position_ids, 0)
@@ -550,9 +552,12 @@ def compiled_advance() -> Callable[[LeanStepper, DecodeState, torch.Tensor | Non
 
 def _mark_dynamic(tensor: torch.Tensor, *dims: int) -> None:
     """Compile ``tensor``'s ``dims`` as symbolic sizes (unless dynamo must specialise one: a size
-    of 0 or 1)."""
+    of 0 or 1). A tensor already marked (one the steps keep from call to call) is left alone:
+    dynamo records the marks on the tensor, and marking again only costs the call."""
+    marked = getattr(tensor, "_dynamo_weak_dynamic_indices", ())
     for dim in dims:
-        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        if dim not in marked:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 def make_stepper(
