@@ -235,7 +235,8 @@ class LeanStepper:
         self.static = static
 
     def _allocate(self, position_ids: torch.Tensor, length: int, capacity: int) -> None:
-        """Zeroed buffers for ``len(position_ids)`` rows of at least ``length + 1`` positions."""
+        """Key/value buffers (zeroed when static) for ``len(position_ids)`` rows of at least
+        ``length + 1`` positions, their mask, and the rotary table over those positions."""
         rows = len(position_ids)
         self.capacity = max(capacity, length + 1)
         shape = (rows, self.kv_heads, self.capacity, self.head_dim)
@@ -247,9 +248,10 @@ class LeanStepper:
         self.keys = [make(shape, dtype=self.attention_dtype, device=device) for _ in self.layers]
         self.values = [make(shape, dtype=self.dtype, device=device) for _ in self.layers]  # exact: v_proj's outputs
         self.mask = torch.zeros((rows, self.capacity), dtype=torch.bool, device=position_ids.device)
-        # the rotary embedding of every position a step can reach (at most capacity - 1), from the
-        # model's own module: a step gathers its rows' rows instead of evaluating cos and sin,
-        # which a compiled step otherwise re-evaluates inside attention's loop over the positions
+        # the rotary embedding of every position a step can reach (a row's position never passes
+        # its slot, so at most capacity - 1), from the model's own module: a step gathers each
+        # row's entry instead of evaluating cos and sin, which a compiled step would otherwise
+        # evaluate again inside attention's loop over the cached positions
         positions = torch.arange(self.capacity, device=device)[None]
         cos, sin = self.model.model.rotary_emb(torch.empty(0, dtype=self.state_dtype, device=device), positions)
         self.rotary = (cos[0], sin[0])  # [capacity, head_dim] each
