@@ -381,7 +381,8 @@ def test_compile_needs_the_lean_decoder() -> None:
 def test_one_query_attention_on_a_cpu_is_sdpas_sum(rows: int, kv_heads: int, group: int, span: int, seed: int) -> None:
     """The decoding step's float32 CPU attention (two matrix products around a masked softmax) gives
     SDPA's result over random keys, values and masks (the newest position always attended, as a
-    step's is), grouped query heads included; a masked position's key and value change nothing."""
+    step's is), grouped query heads and bf16 values included; a masked position's key and value
+    change nothing."""
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(rows, kv_heads, group, 16, generator=generator)
     k = torch.randn(rows, kv_heads, span, 16, generator=generator)
@@ -391,6 +392,9 @@ def test_one_query_attention_on_a_cpu_is_sdpas_sum(rows: int, kv_heads: int, gro
     got = _one_query_attention(q, k, v, mask, 0.25)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    narrow = v.bfloat16()  # bf16 value buffers: widened as they are read
+    widened = torch.nn.functional.scaled_dot_product_attention(q, k, narrow.float(), attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(_one_query_attention(q, k, narrow, mask, 0.25), widened, rtol=1e-5, atol=1e-6)
     hidden = ~mask[:, :, 0, :, None].expand_as(k)
     changed = _one_query_attention(q, k.masked_fill(hidden, 1e3), v.masked_fill(hidden, -7.0), mask, 0.25)
     assert torch.equal(changed, got)
