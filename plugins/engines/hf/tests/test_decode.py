@@ -14,6 +14,7 @@ from core_rl_hf.config import HFRolloutConfig
 from core_rl_hf.decode import (
     LeanStepper,
     TransformersStepper,
+    _attention_products,
     _one_query_attention,
     lean_supported,
     make_stepper,
@@ -378,23 +379,26 @@ def test_compile_needs_the_lean_decoder() -> None:
     span=st.integers(1, 40),
     seed=st.integers(0, 2**16),
 )
-def test_one_query_attention_on_a_cpu_is_sdpas_sum(rows: int, kv_heads: int, group: int, span: int, seed: int) -> None:
-    """The decoding step's float32 CPU attention (two matrix products around a masked softmax) gives
+def test_attention_as_two_products_is_sdpas_sum(rows: int, kv_heads: int, group: int, span: int, seed: int) -> None:
+    """The compiled CPU step's attention (two matrix products around a masked softmax) gives
     SDPA's result over random keys, values and masks (the newest position always attended, as a
     step's is), grouped query heads and bf16 values included; a masked position's key and value
-    change nothing."""
+    change nothing. The eager step's is SDPA itself, bit for bit (the kernel the training forward
+    runs)."""
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(rows, kv_heads, group, 16, generator=generator)
     k = torch.randn(rows, kv_heads, span, 16, generator=generator)
     v = torch.randn(rows, kv_heads, span, 16, generator=generator)
     mask = torch.rand(rows, 1, 1, span, generator=generator) < 0.7
     mask[..., -1] = True
-    got = _one_query_attention(q, k, v, mask, 0.25)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
+    got = _attention_products(q, k, v, mask, 0.25)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(_one_query_attention(q, k, v, mask, 0.25), expected)
     narrow = v.bfloat16()  # bf16 value buffers: widened as they are read
     widened = torch.nn.functional.scaled_dot_product_attention(q, k, narrow.float(), attn_mask=mask, scale=0.25)
-    torch.testing.assert_close(_one_query_attention(q, k, narrow, mask, 0.25), widened, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_attention_products(q, k, narrow, mask, 0.25), widened, rtol=1e-5, atol=1e-6)
+    assert torch.equal(_one_query_attention(q, k, narrow, mask, 0.25), widened)
     hidden = ~mask[:, :, 0, :, None].expand_as(k)
-    changed = _one_query_attention(q, k.masked_fill(hidden, 1e3), v.masked_fill(hidden, -7.0), mask, 0.25)
+    changed = _attention_products(q, k.masked_fill(hidden, 1e3), v.masked_fill(hidden, -7.0), mask, 0.25)
     assert torch.equal(changed, got)

@@ -12,7 +12,7 @@ small interface (``step(tokens, done) -> logits [B, V]``, ``keep(rows)``):
   ``h += o_proj(attn(rope(q_proj(n)), rope(k_proj(n)), v_proj(n)))`` with ``n = rms_norm(h)``, then
   ``h += down_proj(silu(gate_proj(n)) * up_proj(n))`` with ``n = rms_norm(h)``; attention is
   scaled dot-product attention over the cached positions, as the transformers forward computes it
-  (a step's single query in float32 on a CPU as two matrix products around a softmax:
+  (a compiled step's single query in float32 on a CPU as two matrix products around a softmax:
   :func:`_one_query_attention`). It skips what a one-token step does not need from the
   general forward (mask construction over the whole sequence, module dispatch, cache objects),
   which was about 40% of a decode step on small models on CPU. Its logits equal the transformers
@@ -371,16 +371,26 @@ def _one_query_attention(
     """Attention of one query position per row over ``span`` cached positions: ``q`` [B, kv_heads,
     group, head_dim] (the query heads sharing a key/value head as its rows), ``k`` and ``v`` [B,
     kv_heads, span, head_dim] (``v`` possibly narrower, widened to ``q``'s dtype as it is read),
-    ``mask`` [B, 1, 1, span] (true: attend); ``softmax(scale * q k^T, masked) v``. In float32 on a
-    CPU (``sdpa_float32``, what the engines load there) as two matrix products around a masked
-    softmax: the flash kernel's fixed cost per row and head dominates at decoding's sizes, and
-    under the compiled step inductor fuses the scaling, masking and softmax (the medium CPU
-    benchmark's decode 0.27-0.28 -> 0.24 s, ``docs/benchmarks.md``). Otherwise
-    :func:`torch.nn.functional.scaled_dot_product_attention`, whose kernels keep a low-precision
-    softmax's inputs in float32. Both are the same sum, rounded differently (float32 rounding, as
-    between SDPA's own kernels)."""
-    if q.device.type != "cpu" or q.dtype != torch.float32:
-        return F.scaled_dot_product_attention(q, k, v.to(q.dtype), attn_mask=mask, scale=scale)
+    ``mask`` [B, 1, 1, span] (true: attend); ``softmax(scale * q k^T, masked) v``.
+
+    Compiled (:func:`compiled_advance`) in float32 on a CPU (``sdpa_float32``, what the engines
+    load there), as two matrix products around a masked softmax: SDPA's flash kernel spends most
+    of a decoding step on its fixed cost per row and head, and inductor fuses the scaling, masking
+    and softmax with the products' reductions (the medium CPU benchmark's decode 0.27-0.28 -> 0.24
+    s, ``docs/benchmarks.md``). Otherwise :func:`torch.nn.functional.scaled_dot_product_attention`:
+    an eager step keeps the kernel the training forward's SDPA runs, so its bf16 behaviour
+    log-probs stay bit-equal to the bf16 training forward's (``tests/test_mixed_precision_rollout.py``;
+    a compiled step differs from it by float rounding anyway, its fused norms and casts included)."""
+    if q.device.type == "cpu" and q.dtype == torch.float32 and torch.compiler.is_compiling():
+        return _attention_products(q, k, v, mask, scale)
+    return F.scaled_dot_product_attention(q, k, v.to(q.dtype), attn_mask=mask, scale=scale)
+
+
+def _attention_products(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``softmax(scale * q k^T, masked) v`` (shapes as :func:`_one_query_attention`'s) as two
+    matrix products around a masked softmax, ``v`` widened to ``q``'s dtype."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     return torch.matmul(scores.masked_fill(~mask, float("-inf")).softmax(-1), v.to(q.dtype))
 
