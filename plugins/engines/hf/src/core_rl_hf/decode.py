@@ -208,7 +208,7 @@ class LeanStepper:
             return out.transpose(1, 2).reshape(prompts, length, -1)
 
         hidden = model.model.embed_tokens(input_ids)  # [P, L, H]
-        cos, sin = model.model.rotary_emb(hidden, position_ids)
+        cos, sin = (table[position_ids] for table in stepper.rotary)  # the prompts' positions are below length
         hidden = stepper._layers(hidden, cos, sin, attend)[:, -1:]
         return stepper, stepper._logits(hidden)
 
@@ -247,11 +247,11 @@ class LeanStepper:
         device = position_ids.device
         self.keys = [make(shape, dtype=self.attention_dtype, device=device) for _ in self.layers]
         self.values = [make(shape, dtype=self.dtype, device=device) for _ in self.layers]  # exact: v_proj's outputs
-        self.mask = torch.zeros((rows, self.capacity), dtype=torch.bool, device=position_ids.device)
+        self.mask = torch.zeros((rows, self.capacity), dtype=torch.bool, device=device)
         # the rotary embedding of every position a step can reach (a row's position never passes
-        # its slot, so at most capacity - 1), from the model's own module: a step gathers each
-        # row's entry instead of evaluating cos and sin, which a compiled step would otherwise
-        # evaluate again inside attention's loop over the cached positions
+        # its slot, so at most capacity - 1), from the model's own module: the prefill and each
+        # step gather their positions' entries instead of evaluating cos and sin, which a
+        # compiled step would otherwise evaluate again inside attention's loop over the positions
         positions = torch.arange(self.capacity, device=device)[None]
         cos, sin = self.model.model.rotary_emb(torch.empty(0, dtype=self.state_dtype, device=device), positions)
         self.rotary = (cos[0], sin[0])  # [capacity, head_dim] each
