@@ -5,7 +5,7 @@
                                   [--trl-python PATH] [--workdir DIR] [--timeout 1800] [--smoke]
                                   [--results PATH | --no-results] [--peak-tflops TFLOPS]
 
-The workload: a random-weight Qwen2-shaped model (:data:`core_rl.roles.tiny.QWEN2_SHAPES`: ``0.5b`` is
+The workload: a random-weight Qwen2-shaped model (:data:`core_rl.testing.tiny.QWEN2_SHAPES`: ``0.5b`` is
 Qwen2-0.5B's layout, hidden 896, intermediate 4864, 24 layers, 14 heads, 2 key/value heads, 0.36B
 parameters with the character vocabulary; ``1.5b`` is Qwen2-1.5B's, 1.3B parameters, run where the
 GPU's memory allows; ``0.5b-512`` is ``0.5b`` with 512-token responses), tied embeddings, a character
@@ -86,7 +86,7 @@ CORE_RL_ACTOR = {"param_dtype": "bfloat16", "reduce_dtype": "float32", "autocast
 #: the rollout engine's fp32 copy (4), and room for activations and the allocator (4)
 BYTES_PER_PARAM = 24
 TRL_ENV = "bench-trl-gpu"
-#: the shapes: a layout of ``core_rl.roles.tiny.QWEN2_SHAPES`` (``None``: the real model) and the
+#: the shapes: a layout of ``core_rl.testing.tiny.QWEN2_SHAPES`` (``None``: the real model) and the
 #: response tokens (``None``: ``--tokens``)
 SHAPES: dict[str, tuple[str | None, int | None]] = {
     "0.5b": ("0.5b", None),
@@ -111,7 +111,7 @@ def model_params(shape: dict) -> int:
 
 def prepare(work: Path, name: str, shape: dict, tokens: int, prompts: int, steps: int) -> tuple[Path, Path]:
     """The model directory and prompt file of one shape under ``work`` (a model built before is reused)."""
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     model = work / "model"
     if not (model / "config.json").is_file():
@@ -312,7 +312,7 @@ def results_row(info: dict[str, str], shape: str, c: gpu_card.Card) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from core_rl.roles.tiny import QWEN2_SHAPES
+    from core_rl.testing.tiny import QWEN2_SHAPES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")

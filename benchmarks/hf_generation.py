@@ -1,7 +1,7 @@
 """Generation of the ``hf`` rollout engine against transformers' ``model.generate``.
 
 The workload of ``gpu_grpo.py``'s rollout: a random-weight Qwen2-shaped model
-(:data:`core_rl.roles.tiny.QWEN2_SHAPES`, default ``0.5b``: Qwen2-0.5B's layers, 0.36B parameters with the
+(:data:`core_rl.testing.tiny.QWEN2_SHAPES`, default ``0.5b``: Qwen2-0.5B's layers, 0.36B parameters with the
 character vocabulary), ``--prompts`` prompts x ``--n`` samples of exactly ``--tokens`` tokens
 (``min_new_tokens`` = ``max_new_tokens``, temperature 1), weights in ``--dtype``. Each row generates
 once untimed (warm-up; the engine's CUDA graph capture happens there and is printed), then
@@ -94,7 +94,7 @@ def engine_row(model_dir: Path, prompts: list[list[int]], args: argparse.Namespa
 
 
 def main(argv: list[str] | None = None) -> int:
-    from core_rl.roles.tiny import QWEN2_SHAPES
+    from core_rl.testing.tiny import QWEN2_SHAPES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="0.5b", choices=sorted(QWEN2_SHAPES))

@@ -4,7 +4,7 @@ sync, and how much of it is the host's work per tensor rather than the copies.
     python benchmarks/memory_sync.py [--shapes 0.5b,0.5b-narrow] [--layouts plain,sharded] [--repeats 20]
                                      [--device auto] [--profile ROWS] [--smoke]
 
-Shapes (:data:`core_rl.roles.tiny.QWEN2_SHAPES`, tied embeddings, the character vocabulary): ``0.5b`` is the
+Shapes (:data:`core_rl.testing.tiny.QWEN2_SHAPES`, tied embeddings, the character vocabulary): ``0.5b`` is the
 0.36B model of ``benchmarks/gpu_grpo.py`` (291 tensors, 1.4 GB in float32); ``0.5b-narrow`` has the
 same 24 layers and tensors with hidden size 64, so its copies cost next to nothing and its time is
 the per-tensor work on the host (state-dict walks, shard views, bucket bookkeeping, name checks):
@@ -38,7 +38,7 @@ LAYOUTS = {"plain": {}, "sharded": {"param_dtype": "bfloat16", "reduce_dtype": "
 
 
 def shape_of(name: str) -> dict:
-    from core_rl.roles.tiny import QWEN2_SHAPES
+    from core_rl.testing.tiny import QWEN2_SHAPES
 
     if name == "smoke":
         return SMOKE
@@ -119,7 +119,7 @@ def main() -> int:
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS", help="then profile 3 syncs: top ROWS ops")
     parser.add_argument("--smoke", action="store_true", help="a 2-layer model, 3 repeats, on the CPU")
     args = parser.parse_args()
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     shapes = ["smoke"] if args.smoke else args.shapes.split(",")

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         if args.smoke:
-            from core_rl.roles.tiny import build_tiny_model
+            from core_rl.testing.tiny import build_tiny_model
 
             model, chat = build_tiny_model(root / "model", alphabet="0123456789+? =", seed=0), False
             args.engines, args.dtypes, args.steps, args.prompts, args.n, args.max_new_tokens = (

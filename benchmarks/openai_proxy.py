@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
     from agent import solve
     from core_rl.interfaces import SamplingParams
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
     from core_rl_hf.config import HFRolloutConfig
     from core_rl_hf.engine import HFRolloutEngine
     from core_rl_openai_proxy.config import OpenAIAgentConfig

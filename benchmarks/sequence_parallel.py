@@ -1,7 +1,7 @@
 """Activation memory and time of one long sequence's forward and backward, with Ulysses sequence
 parallelism over 1, 2, ... ranks (:mod:`core_rl_train_kit.ulysses`) and without.
 
-The workload: one row of ``--tokens`` tokens through a random-weight causal LM (``core_rl.roles.tiny``,
+The workload: one row of ``--tokens`` tokens through a random-weight causal LM (``core_rl.testing.tiny``,
 Llama layout, ``--hidden`` x ``--layers``, ``--heads`` heads), float32, SDPA attention; log-probs
 and entropies at temperature 1 and the backward of ``sum(lp) + 0.01 sum(H)``. For each group size
 ``n`` in ``--sizes``, ``torchrun`` starts ``n`` CPU processes (gloo) that form one group (``n = 1``:
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.smoke:
         args.tokens, args.hidden, args.layers, args.repeats = 512, 64, 2, 1
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(

@@ -6,7 +6,7 @@
                                   [--core-python OTHER_CHECKOUT/.venv/bin/python]
 
 Each workload is one causal LM, one prompt set, and one sampling setting: ``small``, ``medium`` and
-``large`` a random-weight tiny LM (``core_rl.roles.tiny``: Qwen2 layout, character tokenizer over
+``large`` a random-weight tiny LM (``core_rl.testing.tiny``: Qwen2 layout, character tokenizer over
 ``abcdefgh=``, built offline) on reversal prompts; ``real`` the real pretrained SmolLM2-135M-Instruct
 (``core_rl.testing.real_model``: a 49,152-token BPE vocabulary, tied embeddings) on two-digit addition
 questions in its ChatML chat template (core-rl's ``data.apply_chat_template``, TRL's conversational
@@ -134,7 +134,7 @@ def addition_rows(count: int, seed: int = SEED) -> list[dict[str, str]]:
 def prepare(work: Path, workload: Workload, steps: int) -> tuple[Path, Path]:
     """Write the workload's model directory (the real one: cached once per machine) and prompts
     (JSONL) under ``work``; return both paths."""
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     if workload.real:
         from core_rl.testing.real_model import smollm2

@@ -25,7 +25,7 @@ ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("adapter-ranks")
     model = build_tiny_model(root / "model", seed=0)

@@ -125,7 +125,7 @@ def test_gpu_bench_refuses_without_cuda_in_one_line(gpu_bench, capsys) -> None:
 
 
 def test_gpu_bench_parameter_counts_match_the_built_models(gpu_bench, tmp_path) -> None:
-    from core_rl.roles.tiny import QWEN2_SHAPES
+    from core_rl.testing.tiny import QWEN2_SHAPES
 
     assert 0.35e9 < gpu_bench["model_params"](QWEN2_SHAPES["0.5b"]) < 0.37e9  # the 0.36B model
     assert 1.2e9 < gpu_bench["model_params"](QWEN2_SHAPES["1.5b"]) < 1.4e9

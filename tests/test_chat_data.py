@@ -14,8 +14,8 @@ from core_rl.config import load_config
 from core_rl.config.schema import DataConfig
 from core_rl.data.prompts import check_rows, read_data_files, tokenisation_key, tokenise_rows
 from core_rl.plugins.host import PluginHost
-from core_rl.roles.tiny import add_chat_template, build_tiny_model
 from core_rl.rollout.chat_template import conversation_problem, prompt_messages, render_conversation, render_prompt
+from core_rl.testing.tiny import add_chat_template, build_tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

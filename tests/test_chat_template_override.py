@@ -35,7 +35,7 @@ pytest.importorskip("core_rl_reward_match")
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("chat-template")
     model = build_tiny_model(root / "model", seed=0)

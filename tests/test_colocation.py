@@ -18,8 +18,8 @@ from core_rl.builtin.loggers import read_metrics
 from core_rl.cli import main
 from core_rl.config import load_config
 from core_rl.launch.placement import sleep_problems, sleeps_while_training
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.faults import build_task, merged, run_dir
+from core_rl.testing.tiny import build_tiny_model
 from fault_helpers import train_here
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,8 +12,8 @@ import subprocess
 import pytest
 from core_rl.loops import building
 from core_rl.loops.cpu_threads import CpuBudget, cgroup_cpu_limit, thread_warning
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.launch import train_command, write_grpo_config
+from core_rl.testing.tiny import build_tiny_model
 
 
 def test_threads_that_fit_the_free_cores_pass():

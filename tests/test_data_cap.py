@@ -105,7 +105,7 @@ def test_a_real_run_trains_an_epoch_of_the_kept_prompts(tmp_path: Path, host) ->
     of batch 2: the run is 1 step long and draws only those 2 (an uncapped epoch would be 3 steps)."""
     for dist in ("core_rl_fsdp", "core_rl_hf"):
         pytest.importorskip(dist)
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
     from fault_helpers import train_here
 
     model = build_tiny_model(tmp_path / "model", alphabet="abc=", hidden_size=16, num_heads=2, seed=0)

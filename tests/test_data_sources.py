@@ -16,8 +16,8 @@ from core_rl.data import prompts as data_module
 from core_rl.data.files import parse_hub_entry, read_data_files
 from core_rl.data.prompts import PromptSource, check_rows, tokenisation_key, tokenise_rows
 from core_rl.errors import DataError
-from core_rl.roles.tiny import build_char_tokenizer, build_tiny_model
 from core_rl.testing.launch import write_grpo_config
+from core_rl.testing.tiny import build_char_tokenizer, build_tiny_model
 
 ROWS = [  # every column in every row (from_list takes the first row's): null stands for absent
     {"prompt": "ab=", "answer": 1, "tags": None},

@@ -278,7 +278,7 @@ def _solved_prompt_run(tmp_path: Path, name: str, steps: int) -> dict:
     with ``data.difficulty_filter: {easy_threshold: 1.0}``, a checkpoint each step and every
     sample logged; the tiny model and the data are written under ``tmp_path`` once."""
     import reward_functions
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     model, data = tmp_path / "model", tmp_path / "train.jsonl"
     if not model.exists():

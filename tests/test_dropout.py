@@ -13,7 +13,7 @@ import torch
 from core_rl.config.model_sections import LoraConfig
 from core_rl.config.schema import ActorConfig
 from core_rl.roles.hf import disable_dropout, load_causal_lm, prepare_for_role
-from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ worker_main(lambda actor: FSDPEngine(actor, FSDPConfig(), trainable=True), "fsdp
 
 
 def test_train_save_resume_export_on_two_cpu_ranks(tmp_path: Path) -> None:
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", seed=0)
     script = tmp_path / "worker.py"

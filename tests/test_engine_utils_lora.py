@@ -18,7 +18,7 @@ pytest.importorskip("peft")
 def wrapped(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> torch.nn.Module:
     """A tiny model with adapters on q/v/down projections, B random (as after training); scaled by
     alpha / r, or alpha / sqrt(r) (rank-stabilised)."""
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
     from transformers import AutoModelForCausalLM
 
     path = build_tiny_model(Path(tmp_path_factory.mktemp("lora")) / "model", seed=0)
@@ -78,7 +78,7 @@ def test_target_modules_the_model_lacks_name_their_key(tmp_path: Path) -> None:
     """On a real (meta-device) model: peft's refusal becomes a configuration error of the section."""
     from core_rl.errors import ConfigError
     from core_rl.roles.hf import empty_causal_lm, lora_problems
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "m", seed=0)
     bad = LoraConfig(rank=2, target_modules=["k_prj"])
@@ -93,7 +93,7 @@ def test_wrapping_a_model_prints_no_warning(tmp_path: Path, capfd: pytest.Captur
     import warnings
 
     from core_rl.roles.hf import load_causal_lm
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     model = load_causal_lm(str(build_tiny_model(tmp_path / "m", seed=0)), dtype="float32")
     capfd.readouterr()

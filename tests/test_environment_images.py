@@ -19,10 +19,10 @@ from core_rl.data.prompts import PromptItem
 from core_rl.errors import PluginFault
 from core_rl.hookspecs import hookimpl
 from core_rl.protocol import samples_to_batch
-from core_rl.roles.tiny import build_tiny_model
-from core_rl.roles.tiny_vlm import IMAGE_PAD, build_tiny_llava, build_tiny_vlm
 from core_rl.rollout.environments import Action, Environment, StepResult, as_step_result
 from core_rl.testing.multi_turn import environment_workflow, roll_out
+from core_rl.testing.tiny import build_tiny_model
+from core_rl.testing.tiny_vlm import IMAGE_PAD, build_tiny_llava, build_tiny_vlm
 from core_rl.vision.prompts import encode_observation, encode_vision_prompt, image_markup
 from PIL import Image
 

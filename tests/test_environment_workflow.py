@@ -12,10 +12,10 @@ from typing import Any, ClassVar
 import pytest
 from core_rl.builtin import environment_workflow as builtin
 from core_rl.errors import ConfigError, PluginFault
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.rollout.environments import StepResult, as_step_result
 from core_rl.testing import WorkflowContract
 from core_rl.testing.multi_turn import ECHO_PLUGIN, Echo, PromptRow, environment_workflow, roll_out
+from core_rl.testing.tiny import build_tiny_model
 
 hf = pytest.importorskip("core_rl_hf.engine")
 

@@ -20,8 +20,8 @@ from core_rl.errors import ConfigError, PreflightError
 from core_rl.eval.evaluator import training_randomness_kept
 from core_rl.loops.preflight import preflight
 from core_rl.plugins.host import PluginHost
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.launch import run_train
+from core_rl.testing.tiny import build_tiny_model
 
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_hf")

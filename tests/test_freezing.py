@@ -19,7 +19,7 @@ FROZEN = ["embed_tokens", r"layers\.0\."]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("freeze") / "model", seed=0)
 

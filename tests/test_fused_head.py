@@ -136,7 +136,7 @@ def test_under_autocast_the_dtype_is_the_autocast_one_in_both_passes() -> None:
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
 def tiny_model(request, tmp_path_factory) -> torch.nn.Module:
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
     from transformers import AutoModelForCausalLM
 
     path = build_tiny_model(
@@ -201,7 +201,7 @@ def test_which_models_cannot_be_fused(tiny_model) -> None:
 def test_lora_on_the_head_cannot_be_fused(tmp_path: Path) -> None:
     from core_rl.config.model_sections import LoraConfig
     from core_rl.roles.lora import apply_lora
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", seed=0))
@@ -235,7 +235,7 @@ def test_where_fused_head_cannot_apply_the_configuration_says_so(tmp_path: Path)
     from core_rl.config.checks import MachineInfo
     from core_rl.errors import ConfigError, PreflightError
     from core_rl.loops.preflight import preflight
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     pytest.importorskip("core_rl_fsdp")
     model = build_tiny_model(tmp_path / "model", alphabet="ab=", hidden_size=16, num_heads=2)

@@ -61,8 +61,8 @@ def test_sample_records_decode_the_prompt_with_its_special_tokens():
     from core_rl.loops.rl.reward_runner import ScoreResult
     from core_rl.loops.rl.sample_log import sample_records
     from core_rl.protocol import RewardInput
-    from core_rl.roles.tiny import CHAT_TEMPLATE, build_char_tokenizer
     from core_rl.rollout.chat_template import render_prompt
+    from core_rl.testing.tiny import CHAT_TEMPLATE, build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE

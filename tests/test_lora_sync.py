@@ -48,7 +48,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     """A tiny model, the ``fsdp`` engine training LoRA adapters of rank 8 on every linear layer,
     a vLLM server started as a run with ``rollout.lora_sync: adapter`` starts it (float32, so the
     comparison can be tight), and the trainer's sync stage between them."""
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
     from core_rl_vllm.config import VLLMConfig
     from core_rl_vllm.engine import make_engine
 

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from core_rl.builtin.loggers import read_metrics
 from core_rl.loops.rl.behave_noise import NOISE_VARIABLE
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.launch import run_train
+from core_rl.testing.tiny import build_tiny_model
 
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_hf")

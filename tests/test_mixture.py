@@ -97,7 +97,7 @@ def test_sources_are_the_entries_whatever_label_their_rows_carry(tmp_path: Path)
     import datasets
     from core_rl.data.files import read_data_files
     from core_rl.data.prompts import mixture_sources, tokenise_rows
-    from core_rl.roles.tiny import build_char_tokenizer
+    from core_rl.testing.tiny import build_char_tokenizer
 
     saved, jsonl = tmp_path / "saved", tmp_path / "a.jsonl"
     datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "ab"}, {"prompt": "cd"}])}).save_to_disk(

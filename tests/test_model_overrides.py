@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from core_rl.roles.model_overrides import config_problems, make_overridden_dir
-from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing.tiny import build_tiny_model
 
 ROPE = {"rope_type": "linear", "factor": 2.0}
 

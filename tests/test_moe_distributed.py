@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.launch import run_torchrun
+from core_rl.testing.tiny import build_tiny_model
 
 WORKER = Path(__file__).with_name("moe_dist_worker.py")
 

@@ -19,8 +19,8 @@ from core_rl.loops import train
 from core_rl.loops.errors import RewardError
 from core_rl.loops.preflight import check_model_dir, check_tokenizer_dir, preflight
 from core_rl.plugins.host import PluginHost
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.launch import write_grpo_config
+from core_rl.testing.tiny import build_tiny_model
 
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_hf")

@@ -26,7 +26,7 @@ import yaml
 from core_rl.cli import main
 from core_rl.data.prompts import check_rows, read_data_files
 from core_rl.loops.preflight import check_model_dir, check_tokenizer_dir
-from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing.tiny import build_tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -15,8 +15,8 @@ from core_rl.config.schema import AlgorithmConfig, DataConfig, PTXConfig
 from core_rl.errors import DataError
 from core_rl.loops.rl.ptx import PTXLoss, PTXRows, with_ptx
 from core_rl.loops.supervised.sequences import TrainSequence
-from core_rl.roles.tiny import build_char_tokenizer
 from core_rl.testing import make_rl_batch
+from core_rl.testing.tiny import build_char_tokenizer
 
 TOK = build_char_tokenizer("abcd=")
 
@@ -138,8 +138,8 @@ def test_a_real_run_logs_the_ptx_loss(tmp_path: Path) -> None:
     for dist in ("core_rl_fsdp", "core_rl_hf", "core_rl_reward_match"):
         pytest.importorskip(dist)
     from core_rl.builtin.loggers import read_metrics
-    from core_rl.roles.tiny import build_tiny_model
     from core_rl.testing.launch import run_train, write_grpo_config
+    from core_rl.testing.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", alphabet="ab=", hidden_size=16, num_heads=2, seed=0)
     data = write_rows(tmp_path / "train.jsonl", [{"prompt": f"{s}=", "answer": s} for s in ("ab", "ba")])

@@ -61,7 +61,7 @@ def _records(path: Path) -> list[dict]:
 
 
 def test_the_pages_commands_run_in_order_on_a_tiny_model(tmp_path: Path) -> None:
-    from core_rl.roles.tiny import add_chat_template, build_tiny_model
+    from core_rl.testing.tiny import add_chat_template, build_tiny_model
 
     add_chat_template(build_tiny_model(tmp_path / "models" / "my-model"))
     _write_jsonl(tmp_path / "data" / "train.jsonl", TRAIN)

@@ -17,8 +17,8 @@ import sys
 
 import pytest
 from core_rl.builtin.loggers import read_metrics
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.launch import train_command, write_grpo_config
+from core_rl.testing.tiny import build_tiny_model
 from max_rss import run_measured
 
 pytest.importorskip("core_rl_fsdp")

@@ -12,9 +12,9 @@ from core_rl import cli
 from core_rl.config.schema import DataConfig
 from core_rl.data import prompts
 from core_rl.data.files import DataRow
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.rollout.chat_template import ends_turns_with_eos
 from core_rl.testing.launch import write_grpo_config
+from core_rl.testing.tiny import build_tiny_model
 from transformers import AutoTokenizer
 
 pytest.importorskip("core_rl_fsdp")

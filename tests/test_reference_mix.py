@@ -89,7 +89,7 @@ def test_a_reference_of_another_model_is_refused_when_the_run_starts(tmp_path: P
     """Soft updates mix the same model's weights: a ref: of another shape is one error when the
     trainer is built, not at the first reset."""
     from core_rl import cli
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     other = build_tiny_model(tmp_path / "wide", alphabet="abcd=", hidden_size=32, num_heads=2)
     path = _config(tmp_path, "other", {"reference_reset_every_n_steps": 2, "reference_reset_alpha": 0.5})

@@ -54,7 +54,7 @@ def build_reward_model(source: Path, path: Path, *, seed: int) -> Path:
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``model`` (the policy), ``rm`` (a reward model on another backbone, same tokenizer),
     ``data/sft.jsonl`` (the example's prompts and their reversals)."""
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("rm_role")
     build_tiny_model(root / "model", alphabet=LETTERS + "=", seed=0)
@@ -323,7 +323,7 @@ def test_sample_filters_and_dynamic_sampling_are_refused(workdir: Path, capsys) 
 
 
 def test_another_tokenizer_is_refused(workdir: Path, capsys) -> None:
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     other = build_reward_model(
         build_tiny_model(workdir / "other_base", alphabet="fedcba=", seed=1), workdir / "other_rm", seed=2

@@ -16,8 +16,8 @@ import pytest
 from core_rl.config.loader import structure
 from core_rl.errors import CoreRLError
 from core_rl.loops.run import is_retriable
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing import preloaded
+from core_rl.testing.tiny import build_tiny_model
 from core_rl_server_kit.processes import ServerError, pid_alive
 from core_rl_server_kit.supervise import session_members
 

@@ -48,7 +48,7 @@ def test_buffers_and_a_module_under_two_names() -> None:
 
 
 def test_a_tied_model_and_its_lora_wrapping(tmp_path: Path) -> None:
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
     from transformers import AutoModelForCausalLM
 
     path = build_tiny_model(tmp_path / "model", seed=0, tie_word_embeddings=True)
@@ -65,7 +65,7 @@ def test_an_fsdp_wrapped_model_after_reshard(tmp_path: Path) -> None:
     pre-hook would leave them."""
     pytest.importorskip("core_rl_fsdp")
     from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
     from core_rl_fsdp.config import FSDPConfig
     from core_rl_fsdp.engine import FSDPEngine
     from core_rl_fsdp.model import FSDPModule

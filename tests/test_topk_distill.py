@@ -133,7 +133,7 @@ def test_log_probs_at_given_ids_keep_the_logits_not_a_copy() -> None:
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A policy and a different teacher (other random weights), sharing the char tokenizer."""
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("topk")
     small = {"alphabet": "ab=", "hidden_size": 16, "num_heads": 2, "intermediate_size": 32}

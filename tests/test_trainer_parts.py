@@ -9,8 +9,8 @@ from core_rl.checkpoint import store as checkpoints
 from core_rl.config.schema import DataConfig
 from core_rl.data.prompts import PromptSource
 from core_rl.errors import DataError
-from core_rl.roles.tiny import build_char_tokenizer
 from core_rl.testing import preloaded
+from core_rl.testing.tiny import build_char_tokenizer
 
 
 @pytest.fixture(scope="module")

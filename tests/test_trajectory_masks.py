@@ -152,7 +152,7 @@ def test_inserted_tokens_get_exactly_zero_gradient_through_the_fsdp_engine(batch
     token's log-prob is exactly 0 on inserted tokens (and on the prompt), non-zero on model tokens."""
     fsdp = pytest.importorskip("core_rl_fsdp.engine")
     from core_rl.config.schema import ActorConfig, MicroBatchConfig, OptimizerConfig, PluginSpec
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
     from core_rl_fsdp.config import FSDPConfig
 
     full = batches[0]

@@ -10,8 +10,8 @@ import pytest
 import torch
 from core_rl import ops
 from core_rl.protocol import Sample, samples_to_batch
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.multi_turn import Echo, PromptRow, environment_workflow, roll_out
+from core_rl.testing.tiny import build_tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

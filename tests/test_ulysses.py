@@ -27,7 +27,7 @@ WORKER = Path(__file__).with_name("ulysses_worker.py")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A grouped-query llama, a qwen2 (q/k/v biases), and that qwen2 with a 4-token sliding window
     on its second layer."""
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("ulysses")
     llama = build_tiny_model(root / "llama", seed=0, num_kv_heads=2)

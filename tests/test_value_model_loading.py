@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from core_rl.roles.hf import load_value_model
-from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing.tiny import build_tiny_model
 from safetensors.torch import load_file, save_file
 
 

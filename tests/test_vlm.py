@@ -20,8 +20,8 @@ from core_rl.data.files import DataRow
 from core_rl.data.prompts import tokenise_rows
 from core_rl.interfaces import LossOutput, SamplingParams
 from core_rl.protocol import Sample, TensorBatch, concat_padded, samples_to_batch
-from core_rl.roles.tiny_vlm import IMAGE_PAD, build_tiny_vlm
 from core_rl.testing.helpers import build_rollout_engine
+from core_rl.testing.tiny_vlm import IMAGE_PAD, build_tiny_vlm
 from core_rl.vision.media import row_media
 from core_rl_train_kit.microbatch import take_micro_batch
 from PIL import Image
@@ -417,7 +417,7 @@ def test_lora_targets_of_a_vlm_are_its_language_models_modules(tmp_path: Path, v
     has (Qwen2-VL's ``qkv``) is refused before a run (the preflight, exit 2), naming the key; a text
     model is left to peft as before."""
     from core_rl.roles.lora import language_model_targets
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(vlm)
@@ -554,7 +554,7 @@ def test_hf_agenerate_with_images_batches_requests_and_keeps_each_prompts_pixels
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from core_rl.roles.tiny_vlm import build_tiny_llava
+    from core_rl.testing.tiny_vlm import build_tiny_llava
 
     return build_tiny_llava(tmp_path_factory.mktemp("llava") / "model", words=[*COLOURS, "colour?"], seed=0)
 
@@ -563,7 +563,7 @@ def test_llava_rows_take_whole_images_and_image_seq_length_placeholders(tmp_path
     """LLaVA's processor gives whole images (``pixel_values`` ``[images, 3, H, W]``), and each
     ``<image>`` is repeated to the config's ``image_seq_length`` ((16 / 4)**2 patches, CLS dropped);
     core-rl's ``(1, 1, 1)`` grid keeps the image with its row and never reaches the model."""
-    from core_rl.roles.tiny_vlm import LLAVA_IMAGE
+    from core_rl.testing.tiny_vlm import LLAVA_IMAGE
     from core_rl.vision.media import forward_kwargs
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 

@@ -208,7 +208,7 @@ def test_a_request_to_a_paused_vllm_server(tmp_path: Path) -> None:
         from task import LETTERS, write_dataset
     finally:
         sys.path.remove(str(ROOT / "examples" / "tiny_grpo"))
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", alphabet=LETTERS + "=", seed=0, num_heads=2)
     data = write_dataset(tmp_path / "data" / "train.jsonl")

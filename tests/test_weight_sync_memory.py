@@ -42,7 +42,7 @@ DEEPSPEED_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("sync") / "model", seed=0)
 
@@ -136,7 +136,7 @@ def test_a_tied_weight_is_gathered_and_copied_once(tmp_path: Path, engine_name: 
     """An output head tied to the input embedding is one parameter under two names: the buckets
     carry it once, the rollout engine copies it once (each byte of its weights written once) and
     still holds it under both names."""
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     if engine_name == "deepspeed":
         pytest.importorskip("core_rl_deepspeed")
@@ -262,7 +262,7 @@ def test_two_ranks_gather_bucket_by_bucket_to_rank_0(model_path: Path, tmp_path:
 def test_gpu_sync_of_a_036b_model_takes_under_a_tenth_of_a_second(tmp_path: Path) -> None:
     """The workload of benchmarks/gpu_grpo.py: a 0.36B Qwen2-shaped model trained with bf16 mixed
     precision (fp32 master weights) and the hf engine beside it on the same GPU."""
-    from core_rl.roles.tiny import QWEN2_SHAPES, build_tiny_model
+    from core_rl.testing.tiny import QWEN2_SHAPES, build_tiny_model
 
     path = build_tiny_model(tmp_path / "model", architecture="qwen2", tie_word_embeddings=True, **QWEN2_SHAPES["0.5b"])
     engine = _trained(path, device="cuda", **LAYOUTS["sharded"])

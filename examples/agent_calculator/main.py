@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from core_rl import cli
-from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing.tiny import build_tiny_model
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

@@ -3,7 +3,7 @@ train/rollout mismatch and routing agreement step by step.
 
     python examples/moe_grpo/main.py [--workdir runs/moe_grpo] [--steps 20] [KEY=VALUE overrides]
 
-The model (8 experts, top-2, 3 layers, random weights; :func:`core_rl.roles.tiny.build_tiny_model`
+The model (8 experts, top-2, 3 layers, random weights; :func:`core_rl.testing.tiny.build_tiny_model`
 with ``architecture="qwen3_moe"``) is warm-started on the answer format of the tiny_grpo task
 (reverse a 3-4 letter string), then trained twice from the same start by ``moe_grpo.yaml``: with
 ``actor.moe.routing_replay: rollout`` and ``none``. The rollout samples in bf16, the trainer computes
@@ -27,7 +27,7 @@ import torch
 import transformers
 from core_rl import cli
 from core_rl.builtin import read_metrics
-from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing.tiny import build_tiny_model
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tiny_grpo"))

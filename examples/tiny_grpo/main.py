@@ -25,7 +25,7 @@ import transformers
 from core_rl import cli
 from core_rl.builtin import read_metrics
 from core_rl.errors import CoreRLError
-from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing.tiny import build_tiny_model
 from core_rl_plot.plot import plot_runs
 from omegaconf import OmegaConf
 

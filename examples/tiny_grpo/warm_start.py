@@ -1,4 +1,4 @@
-"""Supervised warm start (:func:`core_rl.roles.tiny.warm_start`: core-rl's ``sft`` training loop) on
+"""Supervised warm start (:func:`core_rl.testing.tiny.warm_start`: core-rl's ``sft`` training loop) on
 format-only targets (:func:`task.format_only_answer`), then the exported model is copied into place.
 
 The targets are written as an SFT data file (each string several times, each copy with its own
@@ -13,7 +13,7 @@ import math
 import random
 from pathlib import Path
 
-from core_rl.roles import tiny
+from core_rl.testing import tiny
 
 
 def write_warm_start_data(path: Path, *, copies: int, seed: int) -> Path:
@@ -32,7 +32,7 @@ def write_warm_start_data(path: Path, *, copies: int, seed: int) -> Path:
 def warm_start(
     model_dir: Path, out_dir: Path, *, steps: int, batch_size: int, lr: float, seed: int, data: Path | None = None
 ) -> float:
-    """:func:`core_rl.roles.tiny.warm_start` on ``data`` (default: this task's format-only targets, enough
+    """:func:`core_rl.testing.tiny.warm_start` on ``data`` (default: this task's format-only targets, enough
     copies for ``steps`` steps of ``batch_size`` rows); returns the last loss."""
     root = Path(out_dir).parent
     if data is None:

@@ -21,7 +21,7 @@ import random
 import sys
 from pathlib import Path
 
-from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing.tiny import build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tiny_grpo"))
 

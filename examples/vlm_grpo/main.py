@@ -28,8 +28,8 @@ import torch
 import transformers
 from core_rl import cli
 from core_rl.builtin import read_metrics
-from core_rl.roles.tiny import warm_start
-from core_rl.roles.tiny_vlm import build_tiny_vlm
+from core_rl.testing.tiny import warm_start
+from core_rl.testing.tiny_vlm import build_tiny_vlm
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

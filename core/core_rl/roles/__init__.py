@@ -1,5 +1,5 @@
-"""The models of a run: building each role's engine, model-directory checks and overrides, GGUF and
-tiny models."""
+"""The models of a run: building each role's engine, model-directory checks and overrides, GGUF
+files."""
 
 from core_rl.plugins.lazy_exports import lazy_exports
 

@@ -10,53 +10,41 @@ documents, and pytest runs the contract's tests against your component::
         name = "my_reward"
         distribution = "my-dist"         # optional: also checks the entry point is declared
         examples = [(reward_input(...), 1.0), ...]
+
+The tiny offline models (:mod:`core_rl.testing.tiny`, :mod:`core_rl.testing.tiny_vlm`) import without
+pytest: the contracts load when first named.
 """
 
-from core_rl.testing.contracts import (
-    AdvantageEstimatorContract,
-    AlgorithmContract,
-    ComponentContract,
-    LoggerContract,
-    LoopContract,
-    PolicyLossContract,
-    RejectionSamplerContract,
-    RewardContract,
-    SampleFilterContract,
-    WorkflowContract,
-    installed_distribution,
-    make_grouped_rl_batch,
-    make_reward_input,
-    make_rl_batch,
-    recipe_host,
-)
-from core_rl.testing.data_source_contracts import DataSourceContract
-from core_rl.testing.engine_contracts import TrainEngineContract
-from core_rl.testing.environment_contracts import EnvironmentContract, ToolParserContract
-from core_rl.testing.launcher_contract import LauncherContract
-from core_rl.testing.rollout_contracts import RolloutEngineContract
-from core_rl.testing.server_contract import ServerRolloutEngineContract
+from core_rl.plugins.lazy_exports import lazy_exports
 
-__all__ = [
-    "AdvantageEstimatorContract",
-    "AlgorithmContract",
-    "ComponentContract",
-    "DataSourceContract",
-    "EnvironmentContract",
-    "LauncherContract",
-    "LoggerContract",
-    "LoopContract",
-    "PolicyLossContract",
-    "RejectionSamplerContract",
-    "RewardContract",
-    "RolloutEngineContract",
-    "SampleFilterContract",
-    "ServerRolloutEngineContract",
-    "ToolParserContract",
-    "TrainEngineContract",
-    "WorkflowContract",
-    "installed_distribution",
-    "make_grouped_rl_batch",
-    "make_reward_input",
-    "make_rl_batch",
-    "recipe_host",
-]
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "core_rl.testing.contracts": (
+            "AdvantageEstimatorContract",
+            "AlgorithmContract",
+            "ComponentContract",
+            "LoggerContract",
+            "LoopContract",
+            "PolicyLossContract",
+            "RejectionSamplerContract",
+            "RewardContract",
+            "SampleFilterContract",
+            "WorkflowContract",
+            "installed_distribution",
+            "make_grouped_rl_batch",
+            "make_reward_input",
+            "make_rl_batch",
+            "recipe_host",
+        ),
+        "core_rl.testing.data_source_contracts": ("DataSourceContract",),
+        "core_rl.testing.engine_contracts": ("TrainEngineContract",),
+        "core_rl.testing.environment_contracts": (
+            "EnvironmentContract",
+            "ToolParserContract",
+        ),
+        "core_rl.testing.launcher_contract": ("LauncherContract",),
+        "core_rl.testing.rollout_contracts": ("RolloutEngineContract",),
+        "core_rl.testing.server_contract": ("ServerRolloutEngineContract",),
+    },
+)

@@ -45,7 +45,7 @@ class TinyModelMixin:
     @pytest.fixture(scope="class")
     @classmethod
     def model_path(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
-        from core_rl.roles.tiny import build_tiny_model
+        from core_rl.testing.tiny import build_tiny_model
 
         return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, **cls.tiny_model_options)
 
@@ -54,7 +54,7 @@ class TinyModelMixin:
     def tied_model_path(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
         """The tiny model with its output head tied to its input embedding (as Qwen2.5-0.5B, Qwen3-0.6B,
         Llama-3.2-1B, Gemma and SmolLM2 have it)."""
-        from core_rl.roles.tiny import build_tiny_model
+        from core_rl.testing.tiny import build_tiny_model
 
         options = {**cls.tiny_model_options, "tie_word_embeddings": True}
         return build_tiny_model(tmp_path_factory.mktemp("tied") / "model", seed=0, **options)

@@ -1,6 +1,6 @@
 """The conformance case of engines that claim ``multimodal`` (:mod:`core_rl.vision.engines`).
 
-Given a vision-language model directory (e.g. :func:`core_rl.roles.tiny_vlm.build_tiny_vlm`'s):
+Given a vision-language model directory (e.g. :func:`core_rl.testing.tiny_vlm.build_tiny_vlm`'s):
 
 - :func:`check_multimodal_rollout`: a rollout engine samples prompts with images (passed as
   ``media``) and reports, for every sampled token, the log-prob a transformers forward of the same
@@ -257,7 +257,7 @@ def warm_colour_vlm(vlm: str | Path, root: Path) -> Path:
     """The tiny VLM ``vlm`` after 40 supervised steps (in ``root / "model_warm"``) on the answer
     format only (:func:`write_colour_rows` with ``answers="response"``): it answers with a colour,
     right about 1 time in 4, so GRPO's groups differ in reward."""
-    from core_rl.roles.tiny import warm_start
+    from core_rl.testing.tiny import warm_start
 
     data = write_colour_rows(root / "data", 128, answers="response")
     warm_start(

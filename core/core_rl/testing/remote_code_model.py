@@ -5,7 +5,7 @@
 ``configuration_tiny.py`` (a Llama configuration with the model type :data:`MODEL_TYPE`, which
 transformers does not know), a ``modeling_tiny.py`` (a causal LM, a sequence and a token classifier
 on it), ``config.json`` naming them through ``auto_map``, random weights in safetensors and the
-character tokenizer of :mod:`core_rl.roles.tiny`. transformers can build this model only by running those
+character tokenizer of :mod:`core_rl.testing.tiny`. transformers can build this model only by running those
 two files. :func:`make_remote_code` does the same to a directory already written (e.g. a reward
 model).
 """
@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing.tiny import build_tiny_model
 
 #: the model type of the custom configuration class (unknown to transformers)
 MODEL_TYPE = "core_rl_tiny_remote"
@@ -101,7 +101,7 @@ def make_remote_code(path: str | Path) -> Path:
 
 def build_remote_code_model(path: str | Path, **options: Any) -> Path:
     """Write the causal LM of the module docstring to ``path`` and return ``path``.
-    ``options``: :func:`core_rl.roles.tiny.build_tiny_model`'s keyword arguments (Llama shapes, alphabet,
+    ``options``: :func:`core_rl.testing.tiny.build_tiny_model`'s keyword arguments (Llama shapes, alphabet,
     seed)."""
     return make_remote_code(build_tiny_model(path, architecture="llama", **options))
 

@@ -233,7 +233,7 @@ class RolloutEngineContract(TinyModelMixin, MultiTurnEngineTests, PenaltyEngineT
 
         from transformers import AutoTokenizer
 
-        from core_rl.roles.tiny import DEFAULT_ALPHABET, build_tiny_model
+        from core_rl.testing.tiny import DEFAULT_ALPHABET, build_tiny_model
 
         if not engine.guided_decoding:
             pytest.skip(f"{type(engine).__name__} does not claim guided_decoding")

@@ -31,7 +31,7 @@ def build_scripted_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from core_rl.roles.hf import save_pretrained
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     build_tiny_model(path, alphabet=ALPHABET, hidden_size=hidden_size, num_layers=1, max_position_embeddings=1024)
     tokenizer = AutoTokenizer.from_pretrained(path)

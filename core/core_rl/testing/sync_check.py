@@ -14,8 +14,8 @@ from core_rl_server_kit.remote.weights import UPDATE
 
 from core_rl.config.loader import structure
 from core_rl.config.schema import RunConfig
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.sync.check import SentWeights, SyncCheck, WeightSyncMismatch
+from core_rl.testing.tiny import build_tiny_model
 
 
 def two_models(root: Path) -> dict[str, Path]:

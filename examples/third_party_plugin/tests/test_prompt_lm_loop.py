@@ -10,8 +10,8 @@ import json
 
 import core_rl_example_plugin.plugin as plugin
 from core_rl.builtin.loggers import read_metrics
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing import LoopContract, installed_distribution
+from core_rl.testing.tiny import build_tiny_model
 
 
 class TestPromptLMLoop(LoopContract):

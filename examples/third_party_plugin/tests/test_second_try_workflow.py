@@ -15,8 +15,8 @@ from pathlib import Path
 import core_rl_example_plugin.plugin as plugin
 import pytest
 from core_rl.builtin.loggers import read_metrics
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing import WorkflowContract, installed_distribution
+from core_rl.testing.tiny import build_tiny_model
 from core_rl_example_plugin.config import SecondTryConfig
 from core_rl_example_plugin.workflow import SecondTryWorkflow, position_score
 

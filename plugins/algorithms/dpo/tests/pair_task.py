@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing.tiny import build_tiny_model
 
 STRINGS = ["".join(p) for n in (2, 3) for p in itertools.product("abc", repeat=n)]
 

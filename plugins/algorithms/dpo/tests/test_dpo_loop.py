@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from core_rl.builtin.loggers import read_metrics
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.launch import run_train as train
+from core_rl.testing.tiny import build_tiny_model
 from pair_task import STRINGS, pair_task
 from safetensors.torch import load_file
 

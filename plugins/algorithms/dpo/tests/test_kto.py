@@ -18,8 +18,8 @@ from core_rl.builtin.loggers import read_metrics
 from core_rl.data.prompts import PromptItem
 from core_rl.errors import DataError
 from core_rl.loops.supervised.sequences import TrainSequence
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.launch import run_train
+from core_rl.testing.tiny import build_tiny_model
 from core_rl_dpo.config import KTOConfig, kto_balance_warning, kto_label
 from core_rl_dpo.kto import KTOLoop, kto_metrics, kto_sums, mismatched_order, row_label
 from pair_task import STRINGS

@@ -91,8 +91,8 @@ def test_a_real_run_adapts_the_coefficient_and_a_resume_carries_it(tmp_path: Pat
     for dist in ("core_rl_fsdp", "core_rl_hf"):
         pytest.importorskip(dist)
     from core_rl.builtin.loggers import read_metrics
-    from core_rl.roles.tiny import build_tiny_model
     from core_rl.testing.launch import run_train, write_grpo_config
+    from core_rl.testing.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", alphabet="ab=", hidden_size=16, num_heads=2, seed=0)
     data = tmp_path / "train.jsonl"

@@ -332,8 +332,8 @@ def test_tiny_grpo_runs_with_each_option(tmp_path) -> None:
     for dist in ("core_rl_fsdp", "core_rl_hf", "core_rl_reward_match"):
         pytest.importorskip(dist)
     from core_rl.builtin.loggers import read_metrics
-    from core_rl.roles.tiny import build_tiny_model
     from core_rl.testing.launch import run_train, write_grpo_config
+    from core_rl.testing.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", alphabet="ab=", hidden_size=16, num_heads=2, seed=0)
     data = tmp_path / "train.jsonl"

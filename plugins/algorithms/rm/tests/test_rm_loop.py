@@ -15,8 +15,8 @@ import pytest
 import torch
 import yaml
 from core_rl.builtin.loggers import read_metrics
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.launch import run_train as train
+from core_rl.testing.tiny import build_tiny_model
 from safetensors.torch import load_file
 
 pytest.importorskip("core_rl_fsdp")

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 from core_rl.builtin.loggers import read_metrics
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing import preloaded
 from core_rl.testing.faults import wait_for_file
 from core_rl.testing.launch import run_train as train
 from core_rl.testing.launch import train_command
+from core_rl.testing.tiny import build_tiny_model
 from safetensors.torch import load_file
 
 pytest.importorskip("core_rl_fsdp")
@@ -97,7 +97,7 @@ def test_conversations_train_on_the_assistant_turns_alone(setup, tmp_path):
     """``trainer.loop.conversations``: the loss reads each assistant turn and its end of turn
     (2 + 1 and 1 + 1 tokens a row here, never the role headers or the user turns), the loss falls,
     and a row without an assistant turn stops the run before its first step, naming the row."""
-    from core_rl.roles.tiny import add_chat_template
+    from core_rl.testing.tiny import add_chat_template
 
     model = build_tiny_model(tmp_path / "model", alphabet="abcd=su:>", seed=0)
     add_chat_template(model)

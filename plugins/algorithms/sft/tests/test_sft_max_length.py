@@ -17,7 +17,7 @@ from core_rl.builtin.loggers import read_metrics
 from core_rl.config.data_config import DataConfig
 from core_rl.data.prompts import PromptItem
 from core_rl.loops.supervised.loop import SupervisedLoop
-from core_rl.roles.tiny import add_chat_template, build_tiny_model
+from core_rl.testing.tiny import add_chat_template, build_tiny_model
 from core_rl_sft.config import SFTConfig
 from core_rl_sft.loop import SFTLoop
 from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import yaml
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing import preloaded
+from core_rl.testing.tiny import build_tiny_model
 from core_rl_reasoning_gym.source import ReasoningGymSource, ReasoningGymSourceConfig
 
 SOURCE = {

@@ -155,7 +155,7 @@ def test_sequence_parallelism_is_checked_like_fsdps(tmp_path: Path) -> None:
     """The shared checks of ``sequence_parallel_size``: the model's key/value heads (from its
     ``config.json``) and the attention implementation, with the key path."""
     from core_rl.config.checks import SectionContext
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", seed=0, num_kv_heads=2)
     run = RunConfig(actor=ActorConfig(model_path=str(model)))

@@ -13,8 +13,8 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random-weight tiny Llama with its char tokenizer (see ``core_rl.roles.tiny``)."""
-    from core_rl.roles.tiny import build_tiny_model
+    """A random-weight tiny Llama with its char tokenizer (see ``core_rl.testing.tiny``)."""
+    from core_rl.testing.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 

@@ -141,7 +141,7 @@ def test_flash_attention_reads_the_dtype_of_its_own_role() -> None:
 def test_sequence_parallelism_is_checked_against_the_other_settings(tmp_path) -> None:
     """``sequence_parallel_size`` with ``compile``, with an attention Ulysses cannot run, and with a
     model whose key/value heads it does not divide (read from ``config.json`` before any load)."""
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     run = _run("float32")
     context = SectionContext(path="actor.engine", run=run, name="fsdp")

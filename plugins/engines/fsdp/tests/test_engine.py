@@ -419,7 +419,7 @@ def test_compiled_model_trains_like_the_eager_one(tmp_path: Path) -> None:
     different widths equal the eager engine's up to fused-kernel rounding. Two graphs in all (with
     and without gradients): the second step's narrower micro-batch (cut from its batch) compiles
     nothing new. One decoder layer: tracing and compiling scale with the layers, not what is tested."""
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
     from torch._dynamo.utils import counters
 
     first, second = make_rl_batch(batch_size=4, seed=1), make_rl_batch(batch_size=3, seed=2)

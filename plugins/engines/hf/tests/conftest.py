@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 from core_rl.config.loader import structure
-from core_rl.roles.tiny import build_tiny_model
+from core_rl.testing.tiny import build_tiny_model
 
 if TYPE_CHECKING:  # imported where used: a machine without the plugin skips its tests (the root conftest)
     from core_rl_hf.engine import HFRolloutEngine
@@ -24,7 +24,7 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_gpt2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random GPT-2 (learned *absolute* position embeddings, unlike Llama's RoPE, whose
     attention is unchanged when every position shifts by the same padding offset)."""
-    from core_rl.roles.tiny import build_char_tokenizer
+    from core_rl.testing.tiny import build_char_tokenizer
     from transformers import GPT2Config, GPT2LMHeadModel
 
     path = tmp_path_factory.mktemp("hf_gpt2") / "model"

@@ -269,7 +269,7 @@ def test_unsupported_models_fall_back_to_the_forward(tiny_gpt2_path: Path) -> No
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 def test_engine_generates_the_same_with_either_decoder(architecture: str, tmp_path: Path) -> None:
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     path = build_tiny_model(tmp_path / "model", alphabet="abcdefgh=", seed=0, architecture=architecture)
     prompts = [[1, 5, 6, 7], [1, 8], [1, 3, 4, 5, 6, 7]]
@@ -297,7 +297,7 @@ def test_compiled_steps_generate_what_the_eager_steps_do(tmp_path: Path) -> None
     cached symbolic from the first (at one step of the first call the positions cached equal its
     rows: a guard tying the two would compile again). One decoder layer: compiling scales with the layers,
     not what is tested."""
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
     from torch._dynamo.utils import counters
 
     path = build_tiny_model(tmp_path / "model", alphabet="abcdefgh=", seed=0, architecture="qwen2", num_layers=1)
@@ -346,7 +346,7 @@ def test_compiled_choice_with_filters_penalties_and_greedy_matches_the_eager_one
     """The compiled step and choice (:func:`core_rl_hf.decode.compiled_advance`) with top-k, top-p,
     min-p, temperature, the three penalties, blocked stop tokens (``min_new_tokens``) and greedy
     choice: the eager engine's tokens, and its log-probs up to fused-kernel rounding (float32)."""
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     path = build_tiny_model(tmp_path / "model", alphabet="abcdefgh=", seed=0, architecture="qwen2", num_layers=1)
     prompts = [[1, 5, 6, 7], [1, 8], [1, 3, 4, 5, 6, 7]]

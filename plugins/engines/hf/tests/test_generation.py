@@ -306,8 +306,8 @@ def test_stop_strings_end_decoding_early(make_engine: MakeEngine, monkeypatch: p
     character a stop string, every row stops at its first token with text and decoding ends at the
     check that stops the last row (the host checks every token on a CPU), not at the budget."""
     import core_rl_hf.stop_check as stop_check
-    from core_rl.roles.tiny import DEFAULT_ALPHABET
     from core_rl.rollout.stop_strings import stop_cut
+    from core_rl.testing.tiny import DEFAULT_ALPHABET
 
     engine = make_engine()
     free = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, greedy=True))

@@ -120,7 +120,7 @@ def test_no_host_synchronisation_between_checks(bf16_model: torch.nn.Module) -> 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     path = tmp_path_factory.mktemp("hf_gpu") / "model"
     return build_tiny_model(

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 from core_rl.interfaces import SamplingParams
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.sleep import gpu_marks
+from core_rl.testing.tiny import build_tiny_model
 from core_rl_hf.config import HFRolloutConfig
 from core_rl_hf.engine import HFRolloutEngine
 

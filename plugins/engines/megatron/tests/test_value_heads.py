@@ -75,7 +75,7 @@ def rm_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """4 steps of the ``rm`` loop on fsdp and on megatron (``core-rl train`` in this process: the
     shim must be in place), same model, pairs and seed."""
     from core_rl import cli
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("rm_megatron")
     model = build_tiny_model(root / "model", alphabet="abcd=", seed=0)

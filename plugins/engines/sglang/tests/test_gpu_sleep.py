@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 from core_rl.config.loader import structure
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.sleep import check_sleep_round_trip, gpu_marks
+from core_rl.testing.tiny import build_tiny_model
 from core_rl_sglang.config import SGLangConfig
 from core_rl_sglang.engine import SGLangRolloutEngine
 

@@ -22,7 +22,7 @@ PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 9, 10, 11], [1, 20, 21, 22, 23]]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     # head size 32 (64 / 2 heads), as the other SGLang tests
     return build_tiny_model(

@@ -1,4 +1,4 @@
-"""The tiny Qwen2-VL (:func:`core_rl.roles.tiny_vlm.build_tiny_vlm`) on a real SGLang CPU server
+"""The tiny Qwen2-VL (:func:`core_rl.testing.tiny_vlm.build_tiny_vlm`) on a real SGLang CPU server
 (from the managed ``sglang`` server environment): prompts with images pass the multimodal
 conformance case (``check_multimodal_rollout``: sampled tokens and their log-probs against a
 transformers forward of the same ids and pixels), the images change what the server samples, both
@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 from core_rl.config.loader import structure
-from core_rl.roles.tiny_vlm import build_tiny_vlm
 from core_rl.testing.multimodal_contracts import (
     COLOURS,
     check_cached_prefix_keeps_its_image,
@@ -20,6 +19,7 @@ from core_rl.testing.multimodal_contracts import (
     check_vision_tower_syncs,
     warm_colour_vlm,
 )
+from core_rl.testing.tiny_vlm import build_tiny_vlm
 from core_rl_sglang.config import SGLangConfig
 from core_rl_sglang.engine import SGLangRolloutEngine, served_name
 

@@ -183,7 +183,7 @@ def test_a_lora_rank_above_what_vllm_serves_is_refused() -> None:
 def test_a_vision_language_models_servers_take_core_rls_pixels_as_they_are(tmp_path: Path) -> None:
     """A VLM's servers skip vLLM's in-model normalisation (core-rl's pixels are normalised) and its
     cache of processed images; a text model's start without either flag."""
-    from core_rl.roles.tiny_vlm import build_tiny_vlm
+    from core_rl.testing.tiny_vlm import build_tiny_vlm
 
     text = _engine(extra_args=["--x", "1"], server={"env_variant": "cpu"})
     plain = text.server_command("/env/bin/python", 8123, 0)

@@ -16,9 +16,9 @@ import torch
 import yaml
 from core_rl.builtin.loggers import read_metrics
 from core_rl.config.loader import structure
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.faults import build_task, merged, run_dir
 from core_rl.testing.sleep import GIB, check_sleep_round_trip, gpu_marks
+from core_rl.testing.tiny import build_tiny_model
 from core_rl_vllm.config import VLLMConfig
 from core_rl_vllm.engine import VLLMRolloutEngine
 

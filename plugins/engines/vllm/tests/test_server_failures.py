@@ -19,8 +19,8 @@ import torch
 from core_rl.config.loader import structure
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SamplingParams
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing.contracts import hf_logprobs
+from core_rl.testing.tiny import build_tiny_model
 from core_rl_server_kit.processes import ServerError
 from core_rl_vllm.config import VLLMConfig
 from core_rl_vllm.engine import VLLMRolloutEngine

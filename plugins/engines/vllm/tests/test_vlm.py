@@ -1,4 +1,4 @@
-"""The tiny Qwen2-VL (:func:`core_rl.roles.tiny_vlm.build_tiny_vlm`, head size 32 for vLLM's CPU
+"""The tiny Qwen2-VL (:func:`core_rl.testing.tiny_vlm.build_tiny_vlm`, head size 32 for vLLM's CPU
 attention) on a real vLLM CPU server (from the managed ``vllm`` server environment): prompts with
 images pass the multimodal conformance case (``check_multimodal_rollout``: sampled tokens and their
 log-probs against a transformers forward of the same ids and pixels), each prompt of a batch is
@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 from core_rl.config.loader import structure
-from core_rl.roles.tiny_vlm import build_tiny_vlm
 from core_rl.testing.multimodal_contracts import (
     COLOURS,
     check_cached_prefix_keeps_its_image,
@@ -22,6 +21,7 @@ from core_rl.testing.multimodal_contracts import (
     warm_colour_vlm,
 )
 from core_rl.testing.sync_check import check, sent_dir, sent_state
+from core_rl.testing.tiny_vlm import build_tiny_vlm
 from core_rl_vllm.config import VLLMConfig
 from core_rl_vllm.engine import VLLMRolloutEngine
 from safetensors.torch import load_file

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from core_rl.roles.tiny import build_tiny_model
 from core_rl.testing import preloaded
 from core_rl.testing.launch import run_train, write_grpo_config
+from core_rl.testing.tiny import build_tiny_model
 from openenv_game import EXAMPLES, GAME
 
 

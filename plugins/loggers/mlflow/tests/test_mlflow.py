@@ -353,7 +353,7 @@ def _cli(root: Path, config: dict[str, Any], *args: str, faults: bool = False) -
 
 @needs_training
 def test_train_crash_and_resume_keep_one_mlflow_run(tmp_path):
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", alphabet="abcd=", seed=0)
     data = tmp_path / "train.jsonl"

@@ -38,7 +38,7 @@ class Rows:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    from core_rl.roles.tiny import build_tiny_model
+    from core_rl.testing.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("proxy") / "model", seed=0)
 

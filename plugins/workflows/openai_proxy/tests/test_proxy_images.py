@@ -41,7 +41,7 @@ OPTIONS = {"chat_template": "", "max_context_tokens": 400}
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    from core_rl.roles.tiny_vlm import build_tiny_vlm
+    from core_rl.testing.tiny_vlm import build_tiny_vlm
 
     return build_tiny_vlm(tmp_path_factory.mktemp("proxy_vlm") / "model", words=[*COLOURS, "colour?", "and?"], seed=0)
 

@@ -19,7 +19,7 @@ ROWS = [{"prompt": "1+2", "reward": 0.5}, {"prompt": "4+4", "reward": 1.0}]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from core_rl.roles.tiny import DEFAULT_ALPHABET, build_tiny_model
+    from core_rl.testing.tiny import DEFAULT_ALPHABET, build_tiny_model
 
     # head size 32 (64 / 2 heads): the smallest vLLM's CPU attention runs; JSON's characters for
     # structured output

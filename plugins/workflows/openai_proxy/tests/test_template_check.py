@@ -15,8 +15,8 @@ import pytest
 import yaml
 from core_rl.config.checks import EnvironmentContext
 from core_rl.config.schema import PluginSpec
-from core_rl.roles.tiny import CHAT_TEMPLATE, build_tiny_model
 from core_rl.testing import preloaded
+from core_rl.testing.tiny import CHAT_TEMPLATE, build_tiny_model
 from core_rl_openai_proxy.config import OpenAIAgentConfig
 from core_rl_openai_proxy.template_check import template_findings
 from proxy_agents import TOOL_TEMPLATE
