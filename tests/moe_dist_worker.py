@@ -19,9 +19,9 @@ from core_rl.config.model_sections import MoEConfig
 from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
 from core_rl.interfaces import LossOutput
 from core_rl.protocol import TensorBatch
-from core_rl.roles import moe
 from core_rl.testing import make_rl_batch
 from core_rl_fsdp.engine import FSDPEngine
+from core_rl_train_kit import moe
 
 ROWS, SPLIT = 6, 4  # rank 0 takes 4 rows with 2 ranks
 

@@ -1,5 +1,5 @@
 """Routes as data (``Sample.routed_experts``, the ``routed_experts`` batch key, stop-string cuts,
-saved rollouts) and the routing metrics' formulas (:mod:`core_rl.roles.moe`) on hand-made values."""
+saved rollouts) and the routing metrics' formulas (:mod:`core_rl_train_kit.moe`) on hand-made values."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from core_rl.config.model_sections import MoEConfig
 from core_rl.config.validators import FieldValueError
 from core_rl.protocol import Sample, TensorBatch, concat_padded, samples_to_batch
-from core_rl.roles import moe
 from core_rl.rollout.stop_strings import cut_sample
+from core_rl_train_kit import moe
 
 
 def routes(rows: list[list[list[int]]]) -> torch.Tensor:

@@ -17,8 +17,8 @@ from core_rl.config.model_sections import MoEConfig
 from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
 from core_rl.interfaces import LossOutput, SamplingParams
 from core_rl.protocol import TensorBatch, samples_to_batch
-from core_rl.roles import moe
 from core_rl.testing.tiny import build_tiny_model
+from core_rl_train_kit import moe
 
 pytest.importorskip("core_rl_fsdp")
 pytest.importorskip("core_rl_hf")

@@ -289,10 +289,10 @@ def megatron_installation(installation: Installation) -> Installation:
 
 def test_megatron_extra_adds_megatron_core_and_the_plugin_only(megatron_installation: Installation) -> None:
     """On top of the installation of other extras, ``core-rl[megatron]`` adds exactly megatron-core
-    (a binary wheel), core-rl-megatron and the train kit it builds on; torch stays the local CPU
-    build; nothing CUDA comes in."""
+    (a binary wheel) and core-rl-megatron (the train kit it builds on came with the server engines'
+    kit); torch stays the local CPU build; nothing CUDA comes in."""
     added = set(megatron_installation.installed_by_report)
-    assert added == {"core-rl-megatron", "core-rl-train-kit", "megatron-core"}, sorted(added)
+    assert added == {"core-rl-megatron", "megatron-core"}, sorted(added)
     megatron_core = megatron_installation.installed_by_report["megatron-core"]["download_info"]["url"]
     assert megatron_core.endswith(".whl"), f"megatron-core came as a source build: {megatron_core}"
     proc = pu.pip(megatron_installation.python, "list", "--format", "json", timeout=120)

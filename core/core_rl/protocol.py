@@ -32,7 +32,7 @@ key                 shape       meaning
 ``routed_experts``  [B,T,L,K]   the experts the rollout routed token ``t`` to in each of the ``L``
                     int16       mixture-of-experts layers (its top-``K``), -1 where it has none (such a
                                 token is routed by the training forward itself); only when a sample
-                                has :attr:`Sample.routed_experts` (routing replay, :mod:`core_rl.roles.moe`)
+                                has :attr:`Sample.routed_experts` (routing replay, :mod:`core_rl_train_kit.moe`)
 ``pixel_values``    [B, P, D]   a vision-language model's pixel inputs, row by row, and their image
 ``image_grid_thw``  [B, I, 3]   grids (only when a sample has :attr:`Sample.media`; right-padded with
                                 zeros: :mod:`core_rl.vision.media`)

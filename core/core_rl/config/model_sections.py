@@ -200,7 +200,7 @@ ROUTER_DTYPES = ("auto", "float32")
 
 @attrs.define
 class MoEConfig:
-    """The ``actor.moe`` section: mixture-of-experts training and routing replay (:mod:`core_rl.roles.moe`).
+    """The ``actor.moe`` section: mixture-of-experts training and routing replay (:mod:`core_rl_train_kit.moe`).
     Options for a mixture-of-experts actor (ignored by a dense model, except ``routing_replay``,
     which needs an MoE model's routers).
 

@@ -93,6 +93,7 @@ MOVED: dict[str, str] = {
     "core_rl.remote_code": "core_rl.roles.remote_code",
     "core_rl.rendezvous": "core_rl.launch.rendezvous",
     "core_rl.reward_contract": "core_rl.interfaces.rewards",
+    "core_rl.roles.moe": "core_rl_train_kit.moe",
     "core_rl.roles.tiny": "core_rl.testing.tiny",
     "core_rl.roles.tiny_vlm": "core_rl.testing.tiny_vlm",
     "core_rl.rollout_controller": "core_rl.rollout.controller",

@@ -45,7 +45,6 @@ PUBLIC_MODULES = (
     "core_rl.launch.distributed",
     "core_rl.roles.hf",
     "core_rl.roles.lora",
-    "core_rl.roles.moe",
     "core_rl.reliability.exit_note",
     "core_rl.sync.buckets",
     "core_rl.sync.fingerprint",

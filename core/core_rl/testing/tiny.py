@@ -130,7 +130,7 @@ def build_tiny_model(
     torch.manual_seed(seed)
     model = model_cls(config)
     if architecture == "qwen3_moe":
-        from core_rl.roles.moe import find_routers
+        from core_rl_train_kit.moe import find_routers
 
         with torch.no_grad():
             for router in find_routers(model):

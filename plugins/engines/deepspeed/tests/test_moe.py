@@ -12,11 +12,11 @@ from core_rl.config.model_sections import MoEConfig
 from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
 from core_rl.interfaces import LossOutput
 from core_rl.protocol import TensorBatch
-from core_rl.roles import moe
 from core_rl.testing import make_rl_batch
 from core_rl.testing.tiny import build_tiny_model
 from core_rl_deepspeed.config import DeepSpeedConfig
 from core_rl_deepspeed.engine import DeepSpeedEngine
+from core_rl_train_kit import moe
 
 
 @pytest.fixture(scope="module")

@@ -54,7 +54,7 @@ def batch(model: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_the_servers_routes_are_those_of_a_float32_forward(model: Path, batch) -> None:
-    from core_rl.roles import moe
+    from core_rl_train_kit import moe
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model)
@@ -68,8 +68,8 @@ def test_the_servers_routes_are_those_of_a_float32_forward(model: Path, batch) -
 def test_the_trainer_replays_the_servers_routes(model: Path, batch) -> None:
     from core_rl.config.model_sections import MoEConfig
     from core_rl.config.schema import ActorConfig, OptimizerConfig, PluginSpec
-    from core_rl.roles import moe
     from core_rl_fsdp.engine import FSDPEngine
+    from core_rl_train_kit import moe
 
     actor = ActorConfig(
         model_path=str(model),

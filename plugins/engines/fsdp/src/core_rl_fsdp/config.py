@@ -96,7 +96,7 @@ class FSDPConfig:
     freezes_parameters: ClassVar[bool] = True
     #: it writes the LoRA adapter alone (``export_adapter``; ``rollout.lora_sync: adapter``, :mod:`core_rl.sync.lora`)
     exports_lora_adapter: ClassVar[bool] = True
-    #: its forwards replay MoE routes (``actor.moe.routing_replay``, :mod:`core_rl.roles.moe`)
+    #: its forwards replay MoE routes (``actor.moe.routing_replay``, :mod:`core_rl_train_kit.moe`)
     replays_routes: ClassVar[bool] = True
     #: it takes prompts with images and their pixel inputs (vision-language models, :mod:`core_rl.vision`)
     multimodal: ClassVar[bool] = True

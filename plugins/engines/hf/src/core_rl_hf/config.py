@@ -98,7 +98,7 @@ class HFRolloutConfig:
     #: ``actor.trust_remote_code`` reaches its model and tokenizer loads (:mod:`core_rl.roles.remote_code`)
     loads_remote_code: ClassVar[bool] = True
     #: a mixture-of-experts model's samples carry the experts each token was routed to, recorded from
-    #: the prefill and each decoding step (``rollout.return_routed_experts``, :mod:`core_rl.roles.moe`)
+    #: the prefill and each decoding step (``rollout.return_routed_experts``, :mod:`core_rl_train_kit.moe`)
     returns_routed_experts: ClassVar[bool] = True
     #: it takes prompts with images and their pixel inputs (vision-language models, :mod:`core_rl.vision`)
     multimodal: ClassVar[bool] = True

@@ -35,11 +35,11 @@ from core_rl.interfaces.sampling import batch_key
 from core_rl.protocol import Sample
 from core_rl.reliability import awaitable_error
 from core_rl.roles.hf import no_progress_bars
-from core_rl.roles.moe import is_moe
 from core_rl.sync.buckets import state_items
 from core_rl.sync.fingerprint import FingerprintLog
 from core_rl.vision.models import auto_model_class
 from core_rl_train_kit import attention
+from core_rl_train_kit.moe import is_moe
 
 from core_rl_hf.config import GPU_SYNC_EVERY, HFRolloutConfig, resolve_device
 from core_rl_hf.decode import lean_supported
@@ -140,7 +140,7 @@ class HFRolloutEngine(RolloutEngine):
                 f"rollout.return_routed_experts (or actor.moe.routing_replay: rollout): {model_path} holds "
                 f"{type(model).__name__}, which has no mixture-of-experts routers; set actor.moe.routing_replay: none"
             )
-        #: samples carry the experts each token was routed to (core_rl.roles.moe)
+        #: samples carry the experts each token was routed to (core_rl_train_kit.moe)
         self.return_routed_experts = return_routed_experts
         try:
             tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)

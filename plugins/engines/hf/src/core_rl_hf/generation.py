@@ -29,8 +29,8 @@ forward otherwise; with ``graphs`` a lean step and the choice after it are repla
 graph (:mod:`core_rl_hf.graphs`; the batch keeps its rows then, padded to the graph's rows with
 copies of the first row that are done from the start).
 
-With ``record_routes`` (a mixture-of-experts model, :mod:`core_rl.roles.moe`) a
-:class:`~core_rl.roles.moe.RouteRecorder` keeps the experts every router chose: at the prefill for
+With ``record_routes`` (a mixture-of-experts model, :mod:`core_rl_train_kit.moe`) a
+:class:`~core_rl_train_kit.moe.RouteRecorder` keeps the experts every router chose: at the prefill for
 each prompt token, at decoding step ``t`` for response token ``t - 1`` (the token it feeds). A
 completion's ``routed_experts`` ``[len(prompt) + len(tokens), L, K]`` holds them in that order, -1
 on its last token (never fed). Rows dropped by ``keep`` are followed by their original index.
@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 from core_rl.interfaces import SamplingParams
-from core_rl.roles.moe import NO_ROUTE, ROUTE_DTYPE, RouteRecorder, route_shape
+from core_rl_train_kit.moe import NO_ROUTE, ROUTE_DTYPE, RouteRecorder, route_shape
 
 from core_rl_hf.decode import (
     LeanStepper,

@@ -12,7 +12,10 @@ never at registration):
 - :mod:`.optim`, :mod:`.muon`: optimizer construction and the learning-rate schedule;
 - :mod:`.state`, :mod:`.export`: training-state directories written by all ranks (atomic, no
   pickles), and Hugging Face exports;
-- :mod:`.attention`, :mod:`.row_pool`: the float32 attention for parity runs, rows pooled across ranks.
+- :mod:`.attention`, :mod:`.row_pool`: the float32 attention for parity runs, rows pooled across ranks;
+- :mod:`.moe`, :mod:`.moe_routing`: mixture-of-experts routers (routes recorded and replayed, routing
+  metrics, the load-balancing loss) and an engine's routing replay on them;
+- :mod:`.vision_tower`: a sharded vision tower's collectives kept in step across ranks.
 
 What the core itself needs lives in the core and is public: rows to ranks (:mod:`core_rl.data.balance`),
 process groups and collectives (:mod:`core_rl.launch.distributed`), Hugging Face loading and writing

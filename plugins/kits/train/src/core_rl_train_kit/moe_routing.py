@@ -1,6 +1,6 @@
 """Mixture-of-experts routing in a train engine's forwards: replay, metrics, load-balancing loss.
 
-:class:`MoERouting` keeps a :class:`core_rl.roles.moe.RouteReplay` on the model's routers for the
+:class:`MoERouting` keeps a :class:`core_rl_train_kit.moe.RouteReplay` on the model's routers for the
 engine's life and, per forward of a micro-batch ``[b, width]`` (the padded layout: its tokens are the
 routers' ``N = b * width`` rows), replays the routes ``actor.moe.routing_replay`` asks for:
 
@@ -21,7 +21,7 @@ counts, over the micro-batch's real tokens:
 - ``moe/imbalance`` (mean over layers) and ``moe/imbalance/layer<l>``: max/mean tokens per expert of
   the experts the forward used, ``moe/expert_load/layer<l>/expert<e>`` their fractions (with
   ``actor.moe.load_metrics``);
-- ``moe/aux_loss``: the load-balancing loss (:func:`core_rl.roles.moe.load_balancing_loss`), added to
+- ``moe/aux_loss``: the load-balancing loss (:func:`core_rl_train_kit.moe.load_balancing_loss`), added to
   the loss with weight ``router_aux_loss_coef`` (each micro-batch's share by its real tokens on its
   rank, the ranks averaged). Like Hugging Face's and Megatron's, it is a per-micro-batch quantity: it
   changes with how the rows are split over ranks and micro-batches.
@@ -37,7 +37,9 @@ from core_rl.config.model_sections import MoEConfig
 from core_rl.errors import ConfigError
 from core_rl.launch import distributed as dist_utils
 from core_rl.protocol import TensorBatch
-from core_rl.roles.moe import (
+from torch import nn
+
+from core_rl_train_kit.moe import (
     NO_ROUTE,
     ROUTE_DTYPE,
     RouteReplay,
@@ -50,7 +52,6 @@ from core_rl.roles.moe import (
     router_float32,
     same_sets,
 )
-from torch import nn
 
 #: the batch key of the routes a log-prob forward recorded for ``routing_replay: first_forward``
 FIRST_FORWARD_ROUTES = "first_forward_routes"

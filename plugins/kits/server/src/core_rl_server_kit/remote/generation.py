@@ -304,7 +304,7 @@ def sample_routes(routes: Any, positions: int) -> Any:
     (:attr:`Completion.routes`, one row per position fed to the model): the rows it has, -1 on the
     rest (the last token, never fed to the model)."""
     import torch
-    from core_rl.roles.moe import NO_ROUTE, ROUTE_DTYPE
+    from core_rl_train_kit.moe import NO_ROUTE, ROUTE_DTYPE
 
     given = torch.as_tensor(routes).to(ROUTE_DTYPE)
     if given.ndim != 3 or given.shape[0] > positions:
