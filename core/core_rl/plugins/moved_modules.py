@@ -170,6 +170,7 @@ MOVED: dict[str, str] = {
     "core_rl.trainer.weight_load": "core_rl.sync.background_load",
     "core_rl.trainer.weight_sync": "core_rl.sync.weight_sync",
     "core_rl.trainer.wrapping_loss": "core_rl.loops.rl.wrapping_loss",
+    "core_rl.vision.wire": "core_rl_server_kit.media_wire",
     "core_rl.weight_fingerprint": "core_rl.sync.fingerprint",
     "core_rl.weight_group": "core_rl_server_kit.weight_group",
     "core_rl.workflows": "core_rl.rollout.workflows",

@@ -208,7 +208,7 @@ def test_each_image_takes_its_run_of_placeholder_tokens() -> None:
 
 
 def test_a_prompt_with_images_goes_alone_to_the_batch_route_and_placeholders_are_never_sampled(monkeypatch) -> None:
-    """A vision-language model's request: its pixel inputs (encoded: core_rl.vision.wire) and each
+    """A vision-language model's request: its pixel inputs (encoded: core_rl_server_kit.media_wire) and each
     image's placeholder run, one item of ``/core_rl/generate``; every request of it carries a
     ``logit_bias`` banning the placeholders (kept alongside one from ``rollout.sampling.extra``)."""
     import asyncio
@@ -216,7 +216,7 @@ def test_a_prompt_with_images_goes_alone_to_the_batch_route_and_placeholders_are
 
     import torch
     from core_rl.interfaces import SamplingParams
-    from core_rl.vision.wire import decode_tensors
+    from core_rl_server_kit.media_wire import decode_tensors
     from core_rl_vllm import engine as module
 
     sent = []

@@ -66,12 +66,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import core_rl.vision.wire
+import core_rl_server_kit.media_wire
 from core_rl.config.schema import RolloutConfig
 from core_rl.interfaces import SamplingParams
 from core_rl.interfaces.sampling import required_json_schema, with_extra
 from core_rl.vision.models import placeholder_ids
-from core_rl.vision.wire import encode_tensors
+from core_rl_server_kit.media_wire import encode_tensors
 from core_rl_server_kit.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post, versions_from_spans
 from core_rl_server_kit.remote.engine import FORK_ENGINE
 
@@ -234,7 +234,7 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         env = {"PYTHONPATH": str(SERVER_SIDE), **NO_CRASH_DIAGNOSTICS}
         if self.vision_language:
             env.update(NO_IMAGE_EMBEDDING_CACHE)
-            env["CORE_RL_MEDIA_WIRE_PY"] = str(Path(core_rl.vision.wire.__file__).resolve())
+            env["CORE_RL_MEDIA_WIRE_PY"] = str(Path(core_rl_server_kit.media_wire.__file__).resolve())
         c = self.config
         if self.variant() == "cpu" and c.tp_size * c.dp_size == 1:
             # its scheduler and detokenizer are forked, not spawned: no second and third import of

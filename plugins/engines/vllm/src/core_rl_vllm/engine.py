@@ -17,7 +17,7 @@ What it sends (everything else is :class:`core_rl_server_kit.remote.ServerRollou
   (:mod:`core_rl_vllm.server_side.core_rl_vllm_routes`), each answered as it finishes; vLLM refuses ``n > 1`` with
   greedy decoding, so a greedy request asks for one sample and repeats it. A prompt with images
   (``media``: the pixel inputs core-rl computed, its placeholders already expanded in the ids) goes
-  alone through ``/core_rl/generate`` with ``core_rl_media``: the tensors (:mod:`core_rl.vision.wire`)
+  alone through ``/core_rl/generate`` with ``core_rl_media``: the tensors (:mod:`core_rl_server_kit.media_wire`)
   and each image's placeholder run in the ids (:func:`image_placeholders`); the server turns them
   into vLLM's own multimodal ``features`` (:mod:`core_rl_vllm.server_side.core_rl_vllm_routes`), so
   vLLM samples from the very ids and pixels the trainer computes log-probs over. A vision-language
@@ -69,13 +69,13 @@ from pathlib import Path
 from typing import Any
 
 import core_rl.sync.fingerprint
-import core_rl.vision.wire
+import core_rl_server_kit.media_wire
 import core_rl_server_kit.weight_group
 from core_rl.config.schema import RolloutConfig
 from core_rl.errors import CoreRLError
 from core_rl.interfaces import SamplingParams
 from core_rl.vision.models import image_token_of, is_vision_language, placeholder_ids
-from core_rl.vision.wire import encode_tensors
+from core_rl_server_kit.media_wire import encode_tensors
 from core_rl_server_kit.processes import ServerError
 from core_rl_server_kit.remote import Completion, ServerReplyError, ServerRolloutEngine, json_post, versions_from_spans
 from core_rl_server_kit.remote.engine import FORK_ENGINE
@@ -267,7 +267,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             "PYTHONPATH": str(SERVER_SIDE),
             "CORE_RL_WEIGHT_GROUP_PY": str(Path(core_rl_server_kit.weight_group.__file__).resolve()),
             "CORE_RL_WEIGHT_FINGERPRINT_PY": str(Path(core_rl.sync.fingerprint.__file__).resolve()),
-            "CORE_RL_MEDIA_WIRE_PY": str(Path(core_rl.vision.wire.__file__).resolve()),
+            "CORE_RL_MEDIA_WIRE_PY": str(Path(core_rl_server_kit.media_wire.__file__).resolve()),
         }
         if self.variant() == "cpu" and self.config.tensor_parallel_size * self.config.data_parallel_size == 1:
             # The model runs in the engine-core process, beside the scheduler. Otherwise vLLM's CPU

@@ -12,7 +12,7 @@ embeddings at the image tokens and computes the M-RoPE positions from the grid. 
 (Python) engine can pass tensors, so this route does it for HTTP: the body is ``/generate``'s, with
 ``image_data`` one entry per request of the batch (``null`` for one without images), each a map of
 tensors encoded as ``{"dtype": "float32", "shape": [...], "data": base64 of the little-endian
-bytes}`` (:mod:`core_rl.vision.wire`). The sampled tokens are then those of the very ids and pixels
+bytes}`` (:mod:`core_rl_server_kit.media_wire`). The sampled tokens are then those of the very ids and pixels
 the trainer computes log-probs over.
 """
 
@@ -27,14 +27,14 @@ ROUTE = "/core_rl/generate"
 
 def decode_tensors(encoded: dict[str, Any]) -> dict[str, Any]:
     """The tensors of ``encoded`` (``{key: {"dtype", "shape", "data"}}``), decoded by core-rl's own
-    :mod:`core_rl.vision.wire`, loaded by the file path ``CORE_RL_MEDIA_WIRE_PY`` names (it needs only
+    :mod:`core_rl_server_kit.media_wire`, loaded by the file path ``CORE_RL_MEDIA_WIRE_PY`` names (it needs only
     torch and numpy)."""
     return _wire().decode_tensors(encoded)
 
 
 @functools.cache
 def _wire() -> Any:
-    """:mod:`core_rl.vision.wire`, loaded once from ``CORE_RL_MEDIA_WIRE_PY``."""
+    """:mod:`core_rl_server_kit.media_wire`, loaded once from ``CORE_RL_MEDIA_WIRE_PY``."""
     spec = importlib.util.spec_from_file_location("core_rl_media_wire", os.environ["CORE_RL_MEDIA_WIRE_PY"])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

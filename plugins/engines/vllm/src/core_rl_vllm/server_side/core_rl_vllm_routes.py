@@ -14,7 +14,7 @@ HTTP request per prompt costs the API process a third of a small model's generat
 77-105 ms of server CPU as 16 requests against 55-66 ms as one. Closing the stream (the client gave
 up) cancels the items still running, which aborts them in the engine. An item may carry
 ``core_rl_media``: ``{"tensors": core-rl's pixel inputs of the prompt (encoded by
-core_rl.vision.wire), "placeholders": [{"offset", "length"}, ...] (each image's placeholder run in
+core_rl_server_kit.media_wire), "placeholders": [{"offset", "length"}, ...] (each image's placeholder run in
 token_ids)}``; :func:`with_features` turns it into vLLM's own ``features`` (the model's
 multimodal items, serialised as vLLM's ``/render`` would, hashed by content), so vLLM embeds those
 very pixels at those tokens.
