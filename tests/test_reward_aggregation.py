@@ -10,14 +10,17 @@ import json
 import math
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 from core_rl import ops
-from core_rl.config.reward_aggregation import combine_part_weights
+from core_rl.config.reward_aggregation import reward_part_weights
 from core_rl.config.schema import AlgorithmConfig, NormConfig, RewardShapingConfig
 from core_rl.errors import ConfigError, CoreRLError
+from core_rl.hookspecs import hookimpl
+from core_rl.interfaces import Reward, RewardScores
 from core_rl.loops.rl.batching import BatchAssembler, Generation
-from core_rl.protocol import Sample
+from core_rl.protocol import RewardInput, Sample
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -250,9 +253,68 @@ def test_a_combine_reward_with_a_group_relative_estimator_loads(tmp_path: Path, 
     path = tmp_path / "run.yaml"
     path.write_text(json.dumps(_config(minimal_config)))
     cfg = load_config(path, [], host=host)
-    assert combine_part_weights(cfg) == {"one": 0.5, "two": 2.0}
+    assert reward_part_weights(cfg) == {"one": 0.5, "two": 2.0}
     path.write_text(json.dumps({**_config(minimal_config), "algorithm": {"name": "grpo"}}))
-    assert combine_part_weights(load_config(path, [], host=host)) is None  # the default: the score
+    assert reward_part_weights(load_config(path, [], host=host)) is None  # the default: the score
+
+
+@attrs.define
+class TwoPartConfig:
+    """A third party's reward of two weighted parts, ``format`` and ``answer``."""
+
+    format_weight: float = 0.25
+
+    def weighted_parts(self) -> dict[str, float]:
+        return {"format": self.format_weight, "answer": 1.0}
+
+
+class TwoPartReward(Reward):
+    """``format_weight * format + answer``, each part reported: format 1 when the response has a
+    digit, answer 1 when it is the row's answer."""
+
+    def __init__(self, config: TwoPartConfig) -> None:
+        self.config = config
+
+    def score_with_parts(self, items) -> RewardScores:
+        form = [float(any(c.isdigit() for c in item.response_text)) for item in items]
+        answer = [float(item.response_text == str(item.row["answer"])) for item in items]
+        scores = [self.config.format_weight * f + a for f, a in zip(form, answer)]
+        return RewardScores(scores=scores, parts={"format": form, "answer": answer})
+
+    def score(self, items) -> list[float]:
+        return self.score_with_parts(items).scores
+
+
+class TwoPartPlugin:
+    @hookimpl
+    def core_rl_register_rewards(self, register) -> None:
+        register("two_part", TwoPartReward, description="two weighted parts", config_cls=TwoPartConfig)
+
+
+def test_any_reward_whose_config_declares_weighted_parts_is_normalised(
+    tmp_path: Path, host, minimal_config: dict
+) -> None:
+    """Not only ``combine``: a plugin's reward with ``weighted_parts()`` loads with
+    ``normalize_then_sum``, the trainer gets its weights, and the parts it reports are the ones
+    normalised; a reward without the method is refused."""
+    from core_rl.config import load_config
+
+    host.register_plugin(TwoPartPlugin(), distribution="test-two-part", version="1.0")
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps(_config(minimal_config, reward={"name": "two_part", "format_weight": 0.5})))
+    cfg = load_config(path, [], host=host)
+    weights = reward_part_weights(cfg)
+    assert weights == {"format": 0.5, "answer": 1.0}
+    items = [RewardInput("q", text, [1], [2], {"answer": 7}, "stop") for text in ("7", "x", "8", "y")]
+    scored = TwoPartReward(cfg.reward.config).score_with_parts(items)
+    assert scored.parts == {"format": [1.0, 0.0, 1.0, 0.0], "answer": [1.0, 0.0, 0.0, 0.0]}
+    gen = generation({name: [values] for name, values in scored.parts.items()}, weights)
+    got, _ = assembled(gen, GDPO, weights, grpo.GroupRelativeAdvantage(norm_std=False))
+    # format: mean 0.5, std sqrt(1/3), weight 0.5; answer: mean 0.25, std 0.5, weight 1
+    zf = 0.5 * 0.5 / (math.sqrt(1 / 3) + EPS)
+    hit, miss = 0.75 / (0.5 + EPS), -0.25 / (0.5 + EPS)
+    assert got.tolist() == pytest.approx([zf + hit, -zf + miss, zf + miss, -zf + miss], abs=1e-5)
+    assert _problems(tmp_path, host, _config(minimal_config, reward={"name": "constant", "value": 1.0}))
 
 
 KEY = "algorithm.reward_shaping.aggregation: normalize_then_sum normalises each weighted part"

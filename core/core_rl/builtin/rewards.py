@@ -100,6 +100,11 @@ class CombineConfig:
         """Every column any part reads."""
         return sorted({c for part in self.parts for c in required_columns(part.reward.config)})
 
+    def weighted_parts(self) -> dict[str, float]:
+        """``label -> weight`` of the parts, in order (what ``normalize_then_sum`` normalises:
+        :mod:`core_rl.config.reward_aggregation`)."""
+        return {part.metric_name: float(part.weight) for part in self.parts}
+
 
 @attrs.define
 class WorkflowRewardConfig:

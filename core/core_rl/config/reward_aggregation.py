@@ -1,7 +1,12 @@
 """``algorithm.reward_shaping.aggregation: normalize_then_sum`` (GDPO) against the rest of the run:
-the weighted parts it normalises (a ``combine`` reward's), the groups it normalises them in (a
-group-relative advantage estimator) and a reward it cannot see the parts of (a ``reward_model:``
-role's score, added later). :func:`combine_part_weights` gives the trainer those parts' weights.
+the weighted parts it normalises, the groups it normalises them in (a group-relative advantage
+estimator) and a reward it cannot see the parts of (a ``reward_model:`` role's score, added later).
+
+A reward has weighted parts when its config class has a method ``weighted_parts() -> dict[str,
+float]``: ``label -> weight``, in order, where each label is a name its
+:meth:`~core_rl.interfaces.Reward.score_with_parts` reports a part's own scores under and its score
+is ``sum_label weight * part``. The built-in ``combine`` reward has one; so may any reward plugin's.
+:func:`reward_part_weights` gives the trainer those weights.
 """
 
 from __future__ import annotations
@@ -12,30 +17,40 @@ KEY = "algorithm.reward_shaping.aggregation"
 WEIGHTED = "normalize_then_sum"
 
 
-def combine_part_weights(cfg: RunConfig) -> dict[str, float] | None:
-    """``label -> weight`` of the ``combine`` reward's parts (the names its parts are reported under,
-    :attr:`core_rl.builtin.rewards.CombinePart.metric_name`), in order, when
-    ``aggregation`` is ``normalize_then_sum``; ``None`` otherwise (the reward's score is used)."""
+def weighted_parts(reward_config: object) -> dict[str, float] | None:
+    """``label -> weight`` that a reward's config declares (its ``weighted_parts()``; see the module
+    docstring), or ``None`` for a reward of a single score."""
+    method = getattr(reward_config, "weighted_parts", None)
+    return None if method is None else {str(label): float(w) for label, w in method().items()}
+
+
+def reward_part_weights(cfg: RunConfig) -> dict[str, float] | None:
+    """The selected reward's :func:`weighted_parts` when ``aggregation`` is ``normalize_then_sum``;
+    ``None`` otherwise (the reward's score is used)."""
     if cfg.algorithm.reward_shaping.aggregation != WEIGHTED or cfg.reward is None:
         return None
-    return {part.metric_name: float(part.weight) for part in cfg.reward.config.parts}
+    return weighted_parts(cfg.reward.config)
 
 
 def reward_aggregation_problems(cfg: RunConfig, *, rl_loop: bool) -> list[str]:
     """Where ``normalize_then_sum`` cannot apply: a loop that scores no rollouts, a reward without
-    weighted parts (anything but ``combine``), a ``reward_model:`` role, or an advantage estimator
+    weighted parts (its config has no ``weighted_parts()``), a ``reward_model:`` role, or an advantage estimator
     that does not compare the samples of each prompt's group (its config class's
     ``group_relative`` is not true)."""
     if cfg.algorithm.reward_shaping.aggregation != WEIGHTED:
         return []
-    head = f"{KEY}: {WEIGHTED} normalises each weighted part of a 'combine' reward within its group"
+    head = f"{KEY}: {WEIGHTED} normalises each weighted part of the reward within its group"
     fallback = f"or set {KEY}: sum"
     if not rl_loop:
         return [f"{head}, and the {cfg.trainer.loop.name!r} loop scores no rollouts; {fallback}"]
-    reward = cfg.reward.name if cfg.reward is not None else None
-    if reward != "combine":
-        what = f"reward.name is {reward!r}, a single score" if reward else "this run has no reward: section"
-        return [f"{head}, but {what} with no weighted parts; select reward.name: combine with its parts, {fallback}"]
+    if cfg.reward is None or weighted_parts(cfg.reward.config) is None:
+        what = "this run has no reward: section"
+        if cfg.reward is not None:
+            what = f"reward.name is {cfg.reward.name!r}, a single score"
+        return [
+            f"{head}, but {what} with no weighted parts; select a reward with weighted parts (reward.name: "
+            f"combine, with its parts), {fallback}"
+        ]
     problems = []
     if cfg.reward_model is not None:
         problems.append(

@@ -326,8 +326,9 @@ class RewardShapingConfig:
 
     ``aggregation`` says what ``r`` is before all that: ``sum`` (the default), the reward's score, for
     ``combine`` the weighted sum of its parts; ``normalize_then_sum`` (GDPO; TRL's
-    ``multi_objective_aggregation``), with a ``combine`` reward only, the weighted sum of its parts
-    each normalised within its group first, ``r_i = sum_k w_k * (p_ik - mean_g(p_k)) /
+    ``multi_objective_aggregation``), with a reward of weighted parts only (``combine``, or a
+    plugin's whose config has ``weighted_parts()``: :mod:`core_rl.config.reward_aggregation`), the
+    weighted sum of its parts each normalised within its group first, ``r_i = sum_k w_k * (p_ik - mean_g(p_k)) /
     (std_g(p_k) + part_eps)`` (``std_g`` unbiased unless ``part_unbiased`` is false; default
     ``part_eps`` 1e-4, TRL's; a part that is itself a ``combine`` counts as one). A part absent
     for a sample (``None``, or a sample whose reward call failed) is left out of that part's group

@@ -133,7 +133,7 @@ def aggregated_rewards(
     if gen.reward_parts and missing:
         raise CoreRLError(
             f"algorithm.reward_shaping.aggregation: normalize_then_sum sums the parts {', '.join(labels)} of the "
-            f"combine reward, and the scored samples have no part {', '.join(missing)} (they have "
+            f"reward, and the scored samples have no part {', '.join(missing)} (they have "
             f"{', '.join(gen.reward_parts)}; a rollout.replay_from dump of another reward?); score them with this "
             "reward, or set algorithm.reward_shaping.aggregation: sum"
         )
@@ -171,7 +171,7 @@ class BatchAssembler:
         ``empty_steps``: the counter of steps left with nothing to train on (the trainer's, kept in
         its checkpoints; default: a new one with ``algorithm.max_consecutive_empty_steps``).
         ``part_weights``: ``label -> weight`` of the reward parts that ``algorithm.reward_shaping.aggregation:
-        normalize_then_sum`` sums (:func:`core_rl.config.reward_aggregation.combine_part_weights`);
+        normalize_then_sum`` sums (:func:`core_rl.config.reward_aggregation.reward_part_weights`);
         ``None``: the reward's score is the reward."""
         self.algorithm = algorithm
         self.rewards_after_broadcast = rewards_after_broadcast

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from core_rl.config.reward_aggregation import combine_part_weights
+from core_rl.config.reward_aggregation import reward_part_weights
 from core_rl.config.schema import RunConfig
 from core_rl.config.teacher_checks import model_vocab_size
 from core_rl.data.prompts import DataRow, PromptSource
@@ -228,7 +228,7 @@ class SyncTrainer(RunScaffold):
             pad_token_id=self.pad_token_id,
             rewards_after_broadcast=self.roles.reward_model is not None,
             empty_steps=self.empty_steps,
-            part_weights=combine_part_weights(cfg),
+            part_weights=reward_part_weights(cfg),
         )
         # the reward-model role scores on every rank after the broadcast (loops/rl/reward_model.py)
         self.reward_stage = reward_model_stage(
