@@ -48,6 +48,9 @@ core checks a component for when it is built names it: :mod:`core_rl.plugins.com
   sampler set mid-run).
 - 13: an environment's observation (what ``Environment.reset`` returns, ``StepResult.observation``)
   may be content parts mixing text and images (:data:`core_rl.rollout.environments.Observation`).
+- 14: :func:`core_rl_register_model_sources` added: where the files of a ``model_path`` /
+  ``tokenizer_path`` come from (:class:`core_rl.interfaces.ModelSource`, e.g. a ``.gguf`` file
+  converted once into a Hugging Face directory), asked about every such path of a configuration.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from typing import Any, Protocol
 import pluggy
 
 PROJECT_NAME = "core_rl"
-HOOK_API_VERSION = 13
+HOOK_API_VERSION = 14
 
 #: The API version that added an interface (``"Class"``: all its members) or one member of it
 #: (``"Class.member"``) after version 1; anything not listed is in version 1. Classes are those of
@@ -105,6 +108,7 @@ INTERFACE_ADDED: dict[str, int] = {
     "RolloutEngine.fingerprint_prefix": 9,
     "DataSource": 10,
     "RolloutEngine.guided_decoding": 11,
+    "ModelSource": 14,
 }
 
 #: Keyword arguments a member must take since the API version given (``"Class.member"`` ->
@@ -416,6 +420,31 @@ def core_rl_register_data_sources(register: Register) -> None:
     Called when the plugin is loaded.
 
     .. versionadded:: 10
+    """
+
+
+@hookspec
+def core_rl_register_model_sources(register: Register) -> None:
+    """Register model sources: where the files of a ``model_path`` or ``tokenizer_path`` come from
+    when the path is not a local Hugging Face directory or a hub id (core-rl-gguf's ``gguf``: a
+    ``.gguf`` file converted once into a cached directory). Nothing in a configuration selects a
+    source: every installed one is asked about every model path of every configuration loaded, in
+    the order of their registered names, and the first that claims a path replaces it with the
+    local directory it returns.
+
+    :param register: call ``register(name, factory, description=...)`` once per source (no
+        ``config_cls``: a source has no section). ``factory()`` takes no arguments and returns a
+        :class:`core_rl.interfaces.ModelSource`, whose ``resolve(path, notify)`` returns the local
+        directory for a path it handles, ``None`` for any other, and raises a
+        :class:`core_rl.errors.CoreRLError` with a one-line reason for a path it handles but cannot
+        read.
+    :return: nothing; results go through ``register``.
+
+    Called when the plugin is loaded: every model source is loaded when a configuration that names
+    a model path is loaded, so keep the module's imports light (nothing heavy until a path of its
+    own is resolved).
+
+    .. versionadded:: 14
     """
 
 

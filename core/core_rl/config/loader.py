@@ -10,8 +10,10 @@
    depends on, :attr:`~core_rl.interfaces.AlgorithmRecipe.depends_on`, to another value, that
    recipe value is left out, with a note); a plugin section left without a ``name`` takes its
    default one (``trainer.loop``: ``rl``);
-4. ``${...}`` interpolation (OmegaConf); a ``model_path`` / ``tokenizer_path`` naming a ``.gguf``
-   file becomes the Hugging Face directory converted from it (:mod:`core_rl.roles.gguf`, cached);
+4. ``${...}`` interpolation (OmegaConf); every ``model_path`` / ``tokenizer_path`` is offered to
+   the installed model sources, and one a source claims becomes the local Hugging Face directory
+   it returns (:mod:`core_rl.roles.model_sources`; e.g. a ``.gguf`` file, converted once and
+   cached by core-rl-gguf);
 5. typed structuring and validation (cattrs into :mod:`core_rl.config.schema`,
    :mod:`core_rl.config.converter`), then each selected plugin's own section by its
    ``config_cls`` (:mod:`core_rl.config.sections`), the keys derived from others
@@ -84,9 +86,9 @@ from core_rl.launch.placement import placement_config_problems, sleep_problems
 from core_rl.plugins.components import build_component
 from core_rl.plugins.host import PluginHost
 from core_rl.plugins.kinds import ALGORITHM
-from core_rl.roles import gguf
 from core_rl.roles.build import role_problems
 from core_rl.roles.freezing import engine_problems as freeze_engine_problems
+from core_rl.roles.model_sources import resolve_model_paths
 from core_rl.roles.remote_code import engine_problems as remote_code_engine_problems
 from core_rl.sync.lora import problems as lora_sync_problems
 from core_rl.vision.engines import engine_problems as multimodal_engine_problems
@@ -475,9 +477,9 @@ def _config_or_problems(
     merged: MergedConfig, data: dict[str, Any], host: PluginHost, *, require_complete: bool, notify: Notify
 ) -> RunConfig | list[str]:
     """The configuration of resolved ``data``, or its problems."""
-    gguf_problems = gguf.resolve_model_paths(data, notify)  # a .gguf file -> its HF directory
-    if gguf_problems:
-        return gguf_problems
+    model_path_problems = resolve_model_paths(data, host, notify)  # e.g. a .gguf file -> its HF directory
+    if model_path_problems:
+        return model_path_problems
     try:
         cfg: RunConfig = structure(data, RunConfig)
     except ConfigError as exc:

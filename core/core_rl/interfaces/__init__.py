@@ -1,10 +1,11 @@
 """The contracts of the components plugins provide, one module per family: the engines
 (:mod:`.engines`), the algorithm components (:mod:`.algorithms`), rewards (:mod:`.rewards`),
 loggers and what they receive (:mod:`.loggers`), sampling parameters (:mod:`.sampling`), training
-loops (:mod:`.loops`). The rollout-side contracts (environments, workflows, tool parsers) live with the
-rollout (:mod:`core_rl.rollout`) and the launcher's with the launch (:mod:`core_rl.launch`); every one is
-importable from here. Factories are registered through :mod:`core_rl.hookspecs`; what they return must
-satisfy these classes (the conformance kit in :mod:`core_rl.testing` checks it)."""
+loops (:mod:`.loops`), model sources (:mod:`.model_sources`). The rollout-side contracts
+(environments, workflows, tool parsers) live with the rollout (:mod:`core_rl.rollout`) and the
+launcher's with the launch (:mod:`core_rl.launch`); every one is importable from here. Factories
+are registered through :mod:`core_rl.hookspecs`; what they return must satisfy these classes (the
+conformance kit in :mod:`core_rl.testing` checks it)."""
 
 from core_rl.interfaces.algorithms import AdvantageEstimator as AdvantageEstimator
 from core_rl.interfaces.algorithms import AlgorithmRecipe as AlgorithmRecipe
@@ -28,6 +29,7 @@ from core_rl.interfaces.loggers import RunInfo as RunInfo
 from core_rl.interfaces.loggers import SampleRecord as SampleRecord
 from core_rl.interfaces.loggers import sample_table as sample_table
 from core_rl.interfaces.loops import TrainingLoop as TrainingLoop
+from core_rl.interfaces.model_sources import ModelSource as ModelSource
 from core_rl.interfaces.rewards import Reward as Reward
 from core_rl.interfaces.rewards import RewardScores as RewardScores
 from core_rl.interfaces.sampling import SamplingParams as SamplingParams
@@ -68,6 +70,7 @@ __all__ = sorted(
             "SampleFilter",
             "AlgorithmRecipe",
             "TrainingLoop",
+            "ModelSource",
             "RunInfo",
             "SampleRecord",
             "sample_table",

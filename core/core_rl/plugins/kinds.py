@@ -92,6 +92,9 @@ DATA_SOURCE = PluginKind(
     "core_rl_register_data_sources",
     "core_rl.data.sources:DataSource",
 )
+MODEL_SOURCE = PluginKind(
+    "model_source", "model source", "core_rl.model_sources", "core_rl_register_model_sources", "ModelSource"
+)
 LOOP = PluginKind("loop", "training loop", "core_rl.loops", "core_rl_register_loops", "TrainingLoop")
 LAUNCHER = PluginKind(
     "launcher", "launcher", "core_rl.launchers", "core_rl_register_launchers", "core_rl.launch.launchers:Launcher"
@@ -119,6 +122,7 @@ ALL_KINDS: tuple[PluginKind, ...] = (
     TOOL_PARSER,
     LAUNCHER,
     DATA_SOURCE,
+    MODEL_SOURCE,
 )
 KINDS_BY_KEY: dict[str, PluginKind] = {k.key: k for k in ALL_KINDS}
 
@@ -185,4 +189,5 @@ KNOWN_EXTRAS: dict[tuple[str, str], str] = {
     ("environment", "verifiers"): "verifiers",
     ("data_source", "verifiers"): "verifiers",
     ("environment", "openenv"): "openenv",
+    ("model_source", "gguf"): "gguf",
 }

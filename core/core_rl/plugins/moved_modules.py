@@ -5,7 +5,8 @@ they go in the next release. Installed on ``import core_rl`` (:func:`install`).
 
 An old package (``core_rl.trainer``, ``core_rl.remote``, ``core_rl.engine_utils``) imports as a
 module of its own whose attributes come from its replacement, so that importing an old child never
-rebinds an attribute of a new package."""
+rebinds an attribute of a new package. A module that moved into a plugin distribution (a kit,
+core-rl-gguf) imports by its old path where that distribution is installed."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ MOVED: dict[str, str] = {
     "core_rl.environments": "core_rl.rollout.environments",
     "core_rl.exit_note": "core_rl.reliability.exit_note",
     "core_rl.freezing": "core_rl.roles.freezing",
-    "core_rl.gguf": "core_rl.roles.gguf",
+    "core_rl.gguf": "core_rl_gguf.conversion",
     "core_rl.guards": "core_rl.plugins.guards",
     "core_rl.kinds": "core_rl.plugins.kinds",
     "core_rl.kl_reward": "core_rl.ops.kl_reward",
@@ -93,6 +94,7 @@ MOVED: dict[str, str] = {
     "core_rl.remote_code": "core_rl.roles.remote_code",
     "core_rl.rendezvous": "core_rl.launch.rendezvous",
     "core_rl.reward_contract": "core_rl.interfaces.rewards",
+    "core_rl.roles.gguf": "core_rl_gguf.conversion",
     "core_rl.roles.moe": "core_rl_train_kit.moe",
     "core_rl.roles.tiny": "core_rl.testing.tiny",
     "core_rl.roles.tiny_vlm": "core_rl.testing.tiny_vlm",

@@ -1,5 +1,6 @@
-"""The models of a run: building each role's engine, model-directory checks and overrides, GGUF
-files."""
+"""The models of a run: building each role's engine, model-directory checks and overrides, and
+model paths resolved through the model sources (:mod:`core_rl.roles.model_sources`; a ``.gguf``
+file is core-rl-gguf's)."""
 
 from core_rl.plugins.lazy_exports import lazy_exports
 
@@ -12,6 +13,7 @@ __all__, __getattr__ = lazy_exports(
             "engine_heads",
             "missing_head_problem",
         ),
+        "core_rl.roles.model_sources": ("models_root",),
         "core_rl.roles.remote_code": (
             "rollout_factory_kwargs",
             "untrusted_code_problem",

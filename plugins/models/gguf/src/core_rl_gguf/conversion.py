@@ -12,13 +12,15 @@ directory, which is what every engine and inference server then loads:
 - ``core-rl-gguf.json``: the source file, its SHA-256 and when it was converted.
 
 The directory lives in the cache, ``$CORE_RL_HOME/models/gguf-<first 16 hex digits of the file's
-SHA-256>`` (``CORE_RL_HOME`` defaults to ``~/.cache/core-rl``), so the same file is converted once
-whatever its name or path, and a changed file gets a directory of its own. Conversion is written to a
-partial directory and moved into place when complete, under a lock: concurrent processes (the ranks
-of one run) convert once and the others wait.
+SHA-256>`` (``CORE_RL_HOME`` defaults to ``~/.cache/core-rl``: :func:`core_rl.roles.models_root`), so
+the same file is converted once whatever its name or path, and a changed file gets a directory of its
+own. Conversion is written to a partial directory and moved into place when complete, under a lock:
+concurrent processes (the ranks of one run) convert once and the others wait.
 
-:func:`resolve_model_paths` does this for every ``model_path`` / ``tokenizer_path`` of a plain
-configuration, as :func:`core_rl.config.loader.load_config` calls it, before anything reads them.
+The ``gguf`` model source (:class:`core_rl_gguf.source.GGUFSource`) does this for every
+``model_path`` / ``tokenizer_path`` of a configuration naming a ``.gguf`` file, as the configuration
+loader asks it, before anything reads them. Importing this module imports neither torch nor
+transformers (nor the ``gguf`` package): a conversion does, when it runs.
 """
 
 from __future__ import annotations
@@ -31,25 +33,16 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
-from core_rl.checkpoint import atomic as atomic_files
 from core_rl.errors import CoreRLError
+from core_rl.roles import models_root
 
 SUFFIX = ".gguf"
-#: plain-configuration keys whose string values name a model (or tokenizer) directory or file
-PATH_KEYS = ("model_path", "tokenizer_path")
 RECORD = "core-rl-gguf.json"
-HOME_ENV = "CORE_RL_HOME"
 
 
 class GGUFError(CoreRLError):
     """A GGUF file that cannot be converted (missing, unreadable, or the ``gguf`` package absent)."""
-
-
-def models_root() -> Path:
-    """``$CORE_RL_HOME/models`` (``~/.cache/core-rl/models`` by default)."""
-    return Path(os.environ.get(HOME_ENV) or Path.home() / ".cache" / "core-rl") / "models"
 
 
 def is_gguf(path: str | os.PathLike[str]) -> bool:
@@ -97,6 +90,9 @@ def ensure_converted(path: str | os.PathLike[str], notify: Callable[[str], None]
         if notify is not None:
             size = source.stat().st_size / 2**20
             notify(f"converting {source.name} ({size:.0f} MiB) once into {target}")
+        # the public home of the atomic directories; it imports torch, which converting needs anyway
+        from core_rl.checkpoint import files as atomic_files
+
         start = time.perf_counter()
         tmp = atomic_files.prepare_partial(target)
         try:
@@ -145,9 +141,8 @@ def convert(source: Path, out: Path) -> None:
             f"{source}: reading a GGUF file needs the gguf package: pip install gguf (or core-rl[gguf])"
         ) from None
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
     from core_rl.roles.hf import save_pretrained
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     folder, name = str(source.parent), source.name
     with _quiet_conversion():
@@ -174,37 +169,3 @@ def convert(source: Path, out: Path) -> None:
         )
         save_pretrained(model, out)  # not model.save_pretrained: that imports DeepSpeed, which warns
         tokenizer.save_pretrained(out)
-
-
-def resolve_model_paths(data: Any, notify: Callable[[str], None] | None = None) -> list[str]:
-    """Replace, in the plain configuration ``data`` (nested dicts and lists), every ``model_path`` or
-    ``tokenizer_path`` that names a ``.gguf`` file with its converted directory
-    (:func:`ensure_converted`; ``notify`` hears of a conversion). A path naming no file is left as it
-    is (the run's preflight reports it, as it does a missing directory). Returns the problems, one
-    line each with its key path (no ``gguf`` package, a file transformers cannot read)."""
-    problems: list[str] = []
-
-    def visit(node: Any, where: str) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                here = f"{where}.{key}" if where else str(key)
-                # a file not there (yet: an example's run writes it) is the preflight's to report, as
-                # for a model directory
-                if (
-                    key in PATH_KEYS
-                    and isinstance(value, str)
-                    and is_gguf(value)
-                    and Path(value).expanduser().is_file()
-                ):
-                    try:
-                        node[key] = str(ensure_converted(value, notify))
-                    except GGUFError as exc:
-                        problems.append(f"{here}: {exc}")
-                else:
-                    visit(value, here)
-        elif isinstance(node, list):
-            for index, value in enumerate(node):
-                visit(value, f"{where}[{index}]")
-
-    visit(data, "")
-    return problems

@@ -1,7 +1,7 @@
-"""A ``.gguf`` file as a model path (:mod:`core_rl.roles.gguf`): converted once into a cached Hugging Face
-directory that holds the same model (logits, tokenizer, chat template, tied head, end-of-turn id) as
-transformers' own reading of the file, keyed by the file's digest, and named in one line when it
-cannot be had."""
+"""A ``.gguf`` file as a model path (:mod:`core_rl_gguf.conversion`, through the ``gguf`` model source):
+converted once into a cached Hugging Face directory that holds the same model (logits, tokenizer, chat
+template, tied head, end-of-turn id) as transformers' own reading of the file, keyed by the file's
+digest, and named in one line, with the source and its distribution, when it cannot be had."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from core_rl.roles import gguf
+from core_rl.plugins.host import PluginHost
+from core_rl.roles.model_sources import HOME_ENV, resolve_model_paths
 from core_rl.testing import preloaded
 from core_rl.testing import real_model as real
+from core_rl_gguf import conversion
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,7 @@ def real_gguf(real_model: Path) -> Path:
 def test_the_conversion_holds_the_model_transformers_reads_from_the_file(real_model: Path, real_gguf: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    assert real_model == gguf.converted_dir(gguf.file_digest(real_gguf))
+    assert real_model == conversion.converted_dir(conversion.file_digest(real_gguf))
     converted = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32)
     direct = AutoModelForCausalLM.from_pretrained(str(real_gguf.parent), gguf_file=real_gguf.name, dtype=torch.float32)
     assert converted.config.tie_word_embeddings and converted.config.vocab_size == 49152
@@ -48,8 +50,8 @@ def test_the_conversion_holds_the_model_transformers_reads_from_the_file(real_mo
 
     generation = GenerationConfig.from_pretrained(real_model)
     assert tokenizer.convert_ids_to_tokens(generation.eos_token_id) == "<|im_end|>"
-    record = (real_model / gguf.RECORD).read_text()
-    assert gguf.file_digest(real_gguf) in record
+    record = (real_model / conversion.RECORD).read_text()
+    assert conversion.file_digest(real_gguf) in record
 
 
 def test_a_converted_file_is_found_by_its_digest_not_its_path(
@@ -61,20 +63,20 @@ def test_a_converted_file_is_found_by_its_digest_not_its_path(
     def refuse(source: Path, out: Path) -> None:
         raise AssertionError(f"converted {source} again")
 
-    monkeypatch.setattr(gguf, "convert", refuse)
+    monkeypatch.setattr(conversion, "convert", refuse)
     copy = tmp_path / "renamed" / real_gguf.name
     copy.parent.mkdir()
     shutil.copyfile(real_gguf, copy)
-    assert gguf.ensure_converted(copy) == real_model
+    assert conversion.ensure_converted(copy) == real_model
     with open(copy, "ab") as handle:
         handle.write(b"\0")
-    assert gguf.converted_dir(gguf.file_digest(copy)) != real_model
+    assert conversion.converted_dir(conversion.file_digest(copy)) != real_model
 
 
 def test_concurrent_processes_convert_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ranks of one run resolving the same new file at once: one converts, the others wait for it and
     take its directory; nothing half-written is ever returned."""
-    monkeypatch.setenv(gguf.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(HOME_ENV, str(tmp_path / "home"))
     source = tmp_path / "model.gguf"
     source.write_bytes(b"GGUF not really")
     calls: list[Path] = []
@@ -84,41 +86,45 @@ def test_concurrent_processes_convert_once(tmp_path: Path, monkeypatch: pytest.M
         threading.Event().wait(0.5)
         (out / "config.json").write_text("{}")
 
-    monkeypatch.setattr(gguf, "convert", slow_convert)
+    monkeypatch.setattr(conversion, "convert", slow_convert)
     results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(gguf.ensure_converted(source))) for _ in range(3)]
+    threads = [threading.Thread(target=lambda: results.append(conversion.ensure_converted(source))) for _ in range(3)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     assert len(calls) == 1 and len(set(results)) == 1 and len(results) == 3
-    assert (results[0] / "config.json").is_file() and (results[0] / gguf.RECORD).is_file()
+    assert (results[0] / "config.json").is_file() and (results[0] / conversion.RECORD).is_file()
 
 
 def test_a_failed_conversion_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(gguf.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(HOME_ENV, str(tmp_path / "home"))
     source = tmp_path / "broken.gguf"
     source.write_bytes(b"not a gguf file at all")
-    with pytest.raises(gguf.GGUFError, match="broken.gguf: transformers cannot read it"):
-        gguf.ensure_converted(source)
-    target = gguf.converted_dir(gguf.file_digest(source))
+    with pytest.raises(conversion.GGUFError, match="broken.gguf: transformers cannot read it"):
+        conversion.ensure_converted(source)
+    target = conversion.converted_dir(conversion.file_digest(source))
     assert not target.exists()
     assert [p.name for p in target.parent.iterdir() if not p.name.endswith(".lock")] == []
 
 
-def test_config_problems_name_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_problems_name_the_key_and_the_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the installed model sources, as the configuration loader asks them."""
     data = {
         "actor": {"model_path": str(tmp_path / "absent.gguf"), "tokenizer_path": ""},
         "reference": {"model_path": "/some/dir"},
     }
-    assert gguf.resolve_model_paths(data) == []  # a missing file: the preflight's to report
-    assert data["actor"]["model_path"] == str(tmp_path / "absent.gguf")
+    before = {key: dict(section) for key, section in data.items()}
+    assert resolve_model_paths(data, PluginHost()) == []  # a missing file: the preflight's to report
+    assert data == before
     monkeypatch.setitem(sys.modules, "gguf", None)  # the package absent
     present = tmp_path / "present.gguf"
     present.write_bytes(b"x")
-    monkeypatch.setenv(gguf.HOME_ENV, str(tmp_path / "home"))
-    (problem,) = gguf.resolve_model_paths({"critic": {"model_path": str(present)}})
-    assert problem.startswith("critic.model_path: ") and "pip install gguf" in problem
+    monkeypatch.setenv(HOME_ENV, str(tmp_path / "home"))
+    (problem,) = resolve_model_paths({"critic": {"model_path": str(present)}}, PluginHost())
+    assert problem.startswith("critic.model_path: model source 'gguf' (distribution core-rl-gguf 0.1.0): ")
+    needs = "reading a GGUF file needs the gguf package: pip install gguf (or core-rl[gguf])"
+    assert problem.endswith(f"{present}: {needs}")
 
 
 def test_core_rl_train_takes_a_gguf_model_path(real_model: Path, real_gguf: Path, tmp_path: Path) -> None:
