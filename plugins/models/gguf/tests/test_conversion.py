@@ -97,10 +97,13 @@ def test_concurrent_processes_convert_once(tmp_path: Path, monkeypatch: pytest.M
     assert (results[0] / "config.json").is_file() and (results[0] / conversion.RECORD).is_file()
 
 
-def test_a_failed_conversion_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("content", [b"not a gguf file at all", b"GGUF"], ids=["garbage", "cut-short"])
+def test_a_failed_conversion_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: bytes
+) -> None:
     monkeypatch.setenv(HOME_ENV, str(tmp_path / "home"))
     source = tmp_path / "broken.gguf"
-    source.write_bytes(b"not a gguf file at all")
+    source.write_bytes(content)
     with pytest.raises(conversion.GGUFError, match="broken.gguf: transformers cannot read it"):
         conversion.ensure_converted(source)
     target = conversion.converted_dir(conversion.file_digest(source))

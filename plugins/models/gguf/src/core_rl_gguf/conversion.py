@@ -30,6 +30,7 @@ import fcntl
 import hashlib
 import json
 import os
+import struct
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -150,7 +151,8 @@ def convert(source: Path, out: Path) -> None:
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
             config = AutoConfig.from_pretrained(folder, gguf_file=name)
             loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        except (ValueError, KeyError, OSError, RuntimeError) as exc:
+        # struct.error: transformers' reader of a file cut short (fewer bytes than its header says)
+        except (ValueError, KeyError, OSError, RuntimeError, struct.error) as exc:
             raise GGUFError(f"{source}: transformers cannot read it as a causal LM ({exc})") from None
         state = loaded.state_dict()
         del loaded
