@@ -172,6 +172,42 @@ def test_a_bad_image_stops_core_rl_train_with_exit_2_and_no_traceback(tmp_path: 
     assert "Traceback" not in err
 
 
+#: ``core-rl ARGS`` as on an install without Pillow (core-rl's own dependencies do not bring it)
+CLI_WITHOUT_PILLOW = """
+import sys
+sys.modules["PIL"] = None  # import PIL raises ImportError, as where the package is absent
+from core_rl.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_without_pillow_a_vlm_run_stops_with_one_problem_naming_the_extra(tmp_path: Path, vlm: Path) -> None:
+    """Every image row would fail alike (the image processor needs Pillow): the preflight says it
+    once, naming the key and the extra, and lists no row; a text model is unaffected."""
+    import subprocess
+    import sys
+
+    config = grpo_config(tmp_path, vlm, write_rows(tmp_path, count=8), steps=1)
+    run = subprocess.run(
+        [sys.executable, "-c", CLI_WITHOUT_PILLOW, "train", str(config)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 2, run.stderr
+    problems = [line for line in run.stderr.splitlines() if line.lstrip().startswith("- ")]
+    assert problems == [
+        f"  - actor.model_path: {vlm} is a vision-language model, and reading its images needs Pillow, which is not "
+        'installed; pip install "core-rl[vision]" (or pip install pillow)'
+    ], run.stderr
+    assert "Traceback" not in run.stderr and "train.jsonl" not in run.stderr
+
+    from core_rl.vision.images import missing_pillow_problems
+
+    assert missing_pillow_problems(vlm, "actor.model_path") == []  # Pillow is installed here
+    text_model = tmp_path / "text"
+    text_model.mkdir()
+    (text_model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert missing_pillow_problems(text_model, "actor.model_path") == []
+
+
 # -- batches ------------------------------------------------------------------------------------
 
 

@@ -16,7 +16,9 @@ loaded, so that a bad file or a missing GPU fails in seconds with every problem 
   :mod:`core_rl.roles.model_dir_checks`): local directories holding what transformers needs: a readable
   ``config.json`` of a known model type (or, with ``actor.trust_remote_code``, of one whose code the
   directory ships: :mod:`core_rl.roles.remote_code`), complete weights (safetensors headers are parsed and
-  their sizes checked against the file, without loading a tensor) and a tokenizer that loads.
+  their sizes checked against the file, without loading a tensor) and a tokenizer that loads; for
+  a vision-language model, Pillow installed (:func:`core_rl.vision.images.missing_pillow_problems`:
+  one problem, not one for each image row).
   Nothing is downloaded unless ``experiment.offline`` is ``false``, which lets these paths name
   Hugging Face hub repositories (downloaded into the Hugging Face cache, then checked like local
   ones).
@@ -80,6 +82,7 @@ from core_rl.roles.model_dir_checks import check_model_dir, check_tokenizer_dir,
 from core_rl.roles.model_overrides import apply_model_overrides
 from core_rl.rollout.chat_template_override import apply_chat_template_override
 from core_rl.rollout.replay import replay_problems
+from core_rl.vision.images import missing_pillow_problems
 
 
 @attrs.define
@@ -329,6 +332,9 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
         cfg.actor.model_path, "actor.model_path", offline=offline, trust_remote_code=trust
     )
     problems += model_problems
+    # without Pillow every image row would fail alike: one problem instead of one a row
+    no_pillow = missing_pillow_problems(cfg.actor.model_path, "actor.model_path")
+    problems += no_pillow
     tokenizer, longest_prompt = None, None
     if cfg.actor.tokenizer_path or Path(cfg.actor.model_path).is_dir():
         key = "actor.tokenizer_path" if cfg.actor.tokenizer_path else "actor.model_path"
@@ -336,7 +342,7 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
             cfg.actor.tokenizer_path or cfg.actor.model_path, key, offline=offline, trust_remote_code=trust
         )
         problems += [p for p in tokenizer_problems if p not in model_problems]  # one refusal of shipped code
-    if tokenizer is not None:
+    if tokenizer is not None and not no_pillow:
         if cfg.data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
             problems.append(
                 "data.apply_chat_template: the tokenizer has no chat template; set data.apply_chat_template=false "
@@ -358,7 +364,7 @@ def preflight(cfg: RunConfig, *, machine: MachineInfo | None = None, create_outp
             key = tokenisation_key(cfg.data, tokenizer)
             if not prompt_problems and key is not None:  # the trainer takes these items as they are
                 rows = TokenisedRows(rows, items, key)
-    if cfg.eval is not None:
+    if cfg.eval is not None and not no_pillow:
         chat_ok = not cfg.data.apply_chat_template or getattr(tokenizer, "chat_template", None)
         problems += eval_data_problems(cfg, tokenizer if chat_ok else None, model)
     if model is not None:

@@ -24,10 +24,31 @@ from typing import Any
 
 #: content-part types that stand for an image
 IMAGE_PART_TYPES = ("image", "image_url")
+#: what installs Pillow, through which images are read (core-rl's ``vision`` extra)
+PILLOW_INSTALL = 'pip install "core-rl[vision]"'
 
 
 class ImageError(ValueError):
     """An image of a row cannot be read: what and why, in one sentence."""
+
+
+def missing_pillow_problems(model_path: str | Path | None, key: str) -> list[str]:
+    """One problem, naming ``key``, where ``model_path`` holds a vision-language model
+    (:func:`~core_rl.vision.models.is_vision_language`) and Pillow, which reads its images and which
+    its image processor needs, is not installed (it is no dependency of core-rl's own: the
+    ``vision`` extra installs it); none otherwise."""
+    from core_rl.vision.models import is_vision_language
+
+    if not is_vision_language(model_path):
+        return []
+    try:
+        import PIL  # noqa: F401  (light: the package's __init__ only)
+    except ImportError:
+        return [
+            f"{key}: {model_path} is a vision-language model, and reading its images needs Pillow, which is not "
+            f"installed; {PILLOW_INSTALL} (or pip install pillow)"
+        ]
+    return []
 
 
 def _describe(source: Any) -> str:
