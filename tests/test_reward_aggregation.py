@@ -14,7 +14,7 @@ import attrs
 import pytest
 import torch
 from core_rl import ops
-from core_rl.config.reward_aggregation import reward_part_weights
+from core_rl.config.reward_aggregation import reward_part_weights, weighted_parts
 from core_rl.config.schema import AlgorithmConfig, NormConfig, RewardShapingConfig
 from core_rl.errors import ConfigError, CoreRLError
 from core_rl.hookspecs import hookimpl
@@ -315,6 +315,8 @@ def test_any_reward_whose_config_declares_weighted_parts_is_normalised(
     hit, miss = 0.75 / (0.5 + EPS), -0.25 / (0.5 + EPS)
     assert got.tolist() == pytest.approx([zf + hit, -zf + miss, zf + miss, -zf + miss], abs=1e-5)
     assert _problems(tmp_path, host, _config(minimal_config, reward={"name": "constant", "value": 1.0}))
+    with pytest.raises(TypeError, match=r"TwoPartConfig.weighted_parts must return a mapping of labels to weights"):
+        weighted_parts(attrs.evolve(cfg.reward.config, format_weight="0.5"))
 
 
 KEY = "algorithm.reward_shaping.aggregation: normalize_then_sum normalises each weighted part"

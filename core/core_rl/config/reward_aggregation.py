@@ -11,17 +11,40 @@ is ``sum_label weight * part``. The built-in ``combine`` reward has one; so may 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from numbers import Real
+from typing import Any, Protocol, runtime_checkable
+
 from core_rl.config.schema import RunConfig
 
 KEY = "algorithm.reward_shaping.aggregation"
 WEIGHTED = "normalize_then_sum"
 
 
-def weighted_parts(reward_config: object) -> dict[str, float] | None:
-    """``label -> weight`` that a reward's config declares (its ``weighted_parts()``; see the module
-    docstring), or ``None`` for a reward of a single score."""
-    method = getattr(reward_config, "weighted_parts", None)
-    return None if method is None else {str(label): float(w) for label, w in method().items()}
+@runtime_checkable
+class DeclaresWeightedParts(Protocol):
+    """A reward config class whose score is a weighted sum of parts (see the module docstring)."""
+
+    def weighted_parts(self) -> Mapping[str, float]: ...
+
+
+def weighted_parts(reward_config: Any) -> dict[str, float] | None:
+    """``label -> weight`` that a reward's config declares (its ``weighted_parts()``), in order, or
+    ``None`` for a reward of a single score. A declaration that is no mapping of labels to numbers
+    is a ``TypeError`` naming the class, as for the other optional config methods
+    (:func:`core_rl.config.checks.required_columns`)."""
+    if not isinstance(reward_config, DeclaresWeightedParts):
+        return None
+    parts = reward_config.weighted_parts()
+    if not isinstance(parts, Mapping) or not all(
+        isinstance(label, str) and isinstance(weight, Real) and not isinstance(weight, bool)
+        for label, weight in parts.items()
+    ):
+        raise TypeError(
+            f"{type(reward_config).__qualname__}.weighted_parts must return a mapping of labels to weights, "
+            f"got {parts!r}"
+        )
+    return {label: float(weight) for label, weight in parts.items()}
 
 
 def reward_part_weights(cfg: RunConfig) -> dict[str, float] | None:
